@@ -1,0 +1,118 @@
+/*
+ * log.c — see log.h.  Formatting is skipped below the verbosity; each line is
+ * written with one fprintf so lines from several threads do not interleave.
+ */
+#include "common/log.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum log_level {
+    LOG_LEVEL_CRIT = 2,
+    LOG_LEVEL_WARN = 4,
+    LOG_LEVEL_NOTICE = 5,
+    LOG_LEVEL_INFO = 6,
+    LOG_LEVEL_DEBUG = 7,
+};
+
+static int log_verbosity;
+static int log_journal = -1;     /* -1 = not yet probed */
+static char log_name[64] = "dsv4";
+
+void
+log_init(int verbose)
+{
+    log_verbosity = verbose;
+    log_journal = getenv("JOURNAL_STREAM") != NULL;
+}
+
+void
+log_procinit(const char *name)
+{
+    snprintf(log_name, sizeof(log_name), "%s", name);
+}
+
+int
+log_verbose(void)
+{
+    return log_verbosity;
+}
+
+static void
+log_vwrite(enum log_level level, const char *fmt, va_list ap, int with_errno)
+{
+    static const char letters[8] = { 'E', 'A', 'C', 'E', 'W', 'N', 'I', 'D' };
+    char msg[2048];
+    int saved = errno;
+
+    if (level == LOG_LEVEL_INFO && log_verbosity < 1)
+        return;
+    if (level == LOG_LEVEL_DEBUG && log_verbosity < 2)
+        return;
+    if (log_journal < 0)
+        log_journal = getenv("JOURNAL_STREAM") != NULL;
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    if (log_journal) {
+        if (with_errno)
+            fprintf(stderr, "<%d>%s: %s: %s\n", level, log_name, msg, strerror(saved));
+        else
+            fprintf(stderr, "<%d>%s: %s\n", level, log_name, msg);
+    } else {
+        char ts[32];
+        struct timespec now;
+        struct tm tm;
+
+        clock_gettime(CLOCK_REALTIME, &now);
+        gmtime_r(&now.tv_sec, &tm);
+        strftime(ts, sizeof(ts), "%Y-%m-%dT%H:%M:%S", &tm);
+        if (with_errno)
+            fprintf(stderr, "%s.%03ldZ %c %s: %s: %s\n", ts, now.tv_nsec / 1000000,
+                    letters[level], log_name, msg, strerror(saved));
+        else
+            fprintf(stderr, "%s.%03ldZ %c %s: %s\n", ts, now.tv_nsec / 1000000,
+                    letters[level], log_name, msg);
+    }
+    errno = saved;
+}
+
+#define LOG_FN(name, level, with_errno)          \
+    void                                         \
+    name(const char *fmt, ...)                   \
+    {                                            \
+        va_list ap;                              \
+        va_start(ap, fmt);                       \
+        log_vwrite(level, fmt, ap, with_errno);  \
+        va_end(ap);                              \
+    }
+
+LOG_FN(log_debug, LOG_LEVEL_DEBUG, 0)
+LOG_FN(log_info, LOG_LEVEL_INFO, 0)
+LOG_FN(log_notice, LOG_LEVEL_NOTICE, 0)
+LOG_FN(log_warn, LOG_LEVEL_WARN, 1)
+LOG_FN(log_warnx, LOG_LEVEL_WARN, 0)
+
+void
+fatal(const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    log_vwrite(LOG_LEVEL_CRIT, fmt, ap, 1);
+    va_end(ap);
+    exit(EXIT_FAILURE);
+}
+
+void
+fatalx(const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    log_vwrite(LOG_LEVEL_CRIT, fmt, ap, 0);
+    va_end(ap);
+    exit(EXIT_FAILURE);
+}

@@ -1,0 +1,273 @@
+/*
+ * backend.h — the op interface shared by the CPU reference backend and the
+ * CUDA backend.  The DeepSeek-V4 forward (kernels/forward.c) is written once
+ * over these ops; a backend is a table of function pointers plus its state.
+ *
+ * Conventions (STYLE §7.11):
+ *   - Signature: op(be, outputs..., inputs..., sizes/params) -> enum dsv4_err.
+ *   - Shapes are written outermost first: (T, H, Dh) means T rows of H heads of
+ *     Dh contiguous values.  T = token rows in this call (tokens of several
+ *     sequences may be mixed; each row carries its own slot and position).
+ *   - Every pointer argument is backend memory (host memory for the CPU
+ *     backend) unless marked "host".  Index arrays are int32.
+ *   - Activations are F32 buffers.  Where the reference holds a bf16 tensor the
+ *     op rounds its output to bf16 ("-> bf16" below), so F32 storage carries the
+ *     reference's values exactly; ops that the reference runs in fp32 say so.
+ *   - Numerics follow DeepSeek's reference (model doc §3.0/§3.8) when
+ *     be->numerics == DSV4_NUMERICS_REF; DSV4_NUMERICS_HF instead follows
+ *     Hugging Face transformers' dequantized path (no activation quantization,
+ *     no FP8/FP4 KV simulation, fp32 indexer scores) and exists to compare the
+ *     architecture against transformers tightly (docs/model.md).
+ *   - Ops allocate nothing and do not synchronise (CUDA: async on the
+ *     backend's stream); outputs never alias inputs unless stated.
+ *
+ * Decode state lives in per-layer pools indexed by a sequence slot (0 ..
+ * n_slots-1), see kernels/forward.h; ops receive pool base pointers plus the
+ * per-row slot.
+ */
+#ifndef DSV4_KERNELS_BACKEND_H
+#define DSV4_KERNELS_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+#include "common/weights.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum dsv4_numerics {
+    DSV4_NUMERICS_REF = 0,  /* DeepSeek reference (FP8 act quant, KV/indexer sims) */
+    DSV4_NUMERICS_HF = 1,   /* transformers dequantized mode (see above) */
+};
+
+/* linear() flags */
+#define DSV4_LIN_F32_OUT 1u   /* bf16 weights only: keep fp32 output (no bf16 rounding) */
+
+/* Sampling parameters of one row (host memory). */
+struct dsv4_sample_params {
+    float temperature;   /* 0 = greedy (argmax, lowest id on ties) */
+    float top_p;         /* (0, 1]; 1 = off */
+    int32_t top_k;       /* 0 = off */
+    uint64_t seed;       /* stream seed */
+    uint64_t step;       /* index of the token being sampled; with seed it
+                            fully determines the random draw */
+};
+
+struct dsv4_backend;
+
+struct dsv4_backend_ops {
+    /* --- lifecycle and memory ------------------------------------------ */
+    void (*destroy)(struct dsv4_backend *be);
+    /* Zero-filled allocation of `bytes`; NULL on failure. */
+    void *(*alloc)(struct dsv4_backend *be, size_t bytes);
+    void (*free)(struct dsv4_backend *be, void *p);
+    /* host -> backend, backend -> host, backend -> backend copies. */
+    enum dsv4_err (*upload)(struct dsv4_backend *be, void *dst, const void *src, size_t n);
+    enum dsv4_err (*download)(struct dsv4_backend *be, void *dst, const void *src, size_t n);
+    enum dsv4_err (*copy)(struct dsv4_backend *be, void *dst, const void *src, size_t n);
+    /* Wait for all queued work. */
+    enum dsv4_err (*sync)(struct dsv4_backend *be);
+
+    /* --- elementwise / layout ------------------------------------------- */
+    /* x[0..n) = v */
+    enum dsv4_err (*fill)(struct dsv4_backend *be, float *x, float v, int64_t n);
+    /* dst[rows[i], :] = src[i, :] for i < n; row length `cols`.  Rows
+     * indices are distinct. */
+    enum dsv4_err (*scatter_rows)(struct dsv4_backend *be, float *dst, const int32_t *rows,
+                                  const float *src, int n, int cols);
+    /* dst[i, :] = src[rows[i], :] for i < n. */
+    enum dsv4_err (*gather_rows)(struct dsv4_backend *be, float *dst, const float *src,
+                                 const int32_t *rows, int n, int cols);
+    /* out[t, j, :] = bf16(e[t, :] + h[t, j, :]) for j < n_streams (MTP input). */
+    enum dsv4_err (*add_streams)(struct dsv4_backend *be, float *out, const float *e,
+                                 const float *h, int T, int n_streams, int D);
+
+    /* --- model ops ------------------------------------------------------ */
+    /* out (T, n_copies, D) = table[ids[t], :] repeated n_copies times.
+     * table: bf16 (V, D). */
+    enum dsv4_err (*embed)(struct dsv4_backend *be, float *out, const int32_t *ids,
+                           const uint16_t *table, int T, int D, int n_copies);
+
+    /* out (rows, D) = bf16(x_bf16 / sqrt(mean(x_bf16^2) + eps) * w), fp32 math,
+     * x first rounded to bf16.  w: bf16 (D), or NULL for an unweighted norm.
+     * out may alias x. */
+    enum dsv4_err (*rms_norm)(struct dsv4_backend *be, float *out, const float *x,
+                              const uint16_t *w, int rows, int D, float eps);
+
+    /*
+     * out (T, N) = x (T, K) · W^T.
+     *   FP8/FP4 weights: x is quantized per row per 128-column block to FP8
+     *   (REF numerics; HF numerics use x as is), fp32 accumulation with the
+     *   weight scales; -> bf16.
+     *   BF16 weights: fp32 math on x as given; -> bf16 unless DSV4_LIN_F32_OUT.
+     * N = W->n_out, K = W->n_in.
+     */
+    enum dsv4_err (*linear)(struct dsv4_backend *be, float *out, const float *x,
+                            const struct dsv4_linear *W, int T, unsigned flags);
+
+    /*
+     * Grouped output projection (model doc §3.3.7):
+     * out (T, G, R)[t, g, :] = Wa[g] (R, Kg) · x (T, G, Kg)[t, g, :], with Wa the
+     * FP8 weight dequantized to bf16 (n_out = G*R, n_in = Kg); bf16 inputs,
+     * fp32 accumulation -> bf16.  No activation quantization.
+     */
+    enum dsv4_err (*linear_grouped)(struct dsv4_backend *be, float *out, const float *x,
+                                    const struct dsv4_linear *Wa, int T, int G);
+
+    /*
+     * Interleaved partial RoPE in place (model doc §3.3.3): for row t, head h,
+     * the rd values at x + t*row_stride + h*head_stride + off are rotated as rd/2
+     * complex pairs (2i, 2i+1) by angle pos[t] * freqs[i] (fp32), or by its
+     * negation when `inverse`; -> bf16.  freqs: host, rd/2 floats.
+     */
+    enum dsv4_err (*rope)(struct dsv4_backend *be, float *x, const int32_t *pos, int T,
+                          int n_heads, int64_t row_stride, int64_t head_stride, int off,
+                          int rd, const float *freqs, int inverse);
+
+    /* In-place FP8 simulation (FP8_sim) of the first n_cols values of each of
+     * `rows` rows (row stride `stride`), per `block` values.  REF only; a
+     * no-op under HF numerics. */
+    enum dsv4_err (*fp8_sim)(struct dsv4_backend *be, float *x, int rows, int64_t stride,
+                             int n_cols, int block);
+
+    /* Indexer rotation of `rows` contiguous 128-vectors in place:
+     * x <- FP4_sim(bf16(Hadamard128(x)), block 32).  A no-op under HF numerics
+     * (the Hadamard is orthogonal and cancels in q·k). */
+    enum dsv4_err (*hadamard_fp4)(struct dsv4_backend *be, float *x, int rows);
+
+    /*
+     * mHC pre (model doc §3.2) for T rows: from X (T, n, D) computes
+     * x_out (T, D) -> bf16, post (T, n) and comb (T, n, n) in fp32, with
+     * Sinkhorn of `iters` iterations.  hc->fn: (mix=(2+n)n, n*D).
+     */
+    enum dsv4_err (*hc_pre)(struct dsv4_backend *be, float *x_out, float *post, float *comb,
+                            const float *X, const struct dsv4_hc_w *hc, int T, int n, int D,
+                            int iters, float hc_eps, float norm_eps);
+
+    /* mHC post: X_out[t, k, :] = bf16(post[t,k] * f[t, :] + Σ_j comb[t,j,k] X[t,j,:]),
+     * fp32 math.  X_out must not alias X. */
+    enum dsv4_err (*hc_post)(struct dsv4_backend *be, float *X_out, const float *f,
+                             const float *X, const float *post, const float *comb, int T,
+                             int n, int D);
+
+    /* Final collapse: x_out (T, D) = bf16(Σ_j pre_j X[t, j, :]) with
+     * pre = sigmoid(mix * scale[0] + base) + hc_eps; hc->fn: (n, n*D). */
+    enum dsv4_err (*hc_head)(struct dsv4_backend *be, float *x_out, const float *X,
+                             const struct dsv4_hc_w *hc, int T, int n, int D, float hc_eps,
+                             float norm_eps);
+
+    /*
+     * Streaming compressor update (model doc §3.3.4), rows in order:
+     * for each row t (sequence slot[t], position pos[t]) writes a[t] and
+     * z[t] + ape[pos % r] into the slot's state and, when emit[t] >= 0, writes
+     * the finished raw entry (before norm/RoPE) to entries[emit[t], :].
+     *   a, z       (T, c*d) fp32 (wkv(x), wgate(x)); c = 2 if r == 4 else 1
+     *   ape        (r, c*d) fp32
+     *   state_kv, state_z  pools (n_slots, c*r, c*d) fp32; overlap layout:
+     *              slots [0, r) previous window, [r, 2r) current window
+     *   entries    (n_emit, d) fp32
+     * Rows of one sequence must appear in increasing position order.
+     */
+    enum dsv4_err (*compress)(struct dsv4_backend *be, float *entries, float *state_kv,
+                              float *state_z, const float *a, const float *z,
+                              const float *ape, const int32_t *slot, const int32_t *pos,
+                              const int32_t *emit, int T, int r, int d);
+
+    /*
+     * Indexer scores and top-k (model doc §3.3.5).  For row t: valid entries
+     * s < (pos[t] + 1) / ratio of slot[t]'s key pool;
+     * score[s] = Σ_h w[t,h] · ReLU(q[t,h,:] · keys[slot, s, :]);
+     * sel[t, :] = indices of the min(K, n_valid) best scores (ties: lower
+     * index first), in decreasing score order, then -1.
+     *   q    (T, nh, dI)   w (T, nh)   keys pool (n_slots, cap, dI)
+     *   sel  (T, K) int32
+     * REF numerics round q·k, each head term and the sum to bf16 as the
+     * reference's bf16 einsum does; HF numerics keep fp32.
+     */
+    enum dsv4_err (*indexer_topk)(struct dsv4_backend *be, int32_t *sel, const float *q,
+                                  const float *w, const float *keys, const int32_t *slot,
+                                  const int32_t *pos, int T, int nh, int dI, int cap,
+                                  int ratio, int K);
+
+    /*
+     * Sparse attention with sink (model doc §3.3.6), K = V.
+     * Row t (slot s, position p) attends to:
+     *   window: positions max(0, p-win+1) .. p; position u >= pos0[t] is row
+     *           row0[t] + (u - pos0[t]) of `kv` (this call's window entries),
+     *           u < pos0[t] is ring[s, u % win, :];
+     *   compressed (comp != NULL): sel == NULL -> every entry e < (p+1)/ratio
+     *           (HCA); else the entries sel[t, 0..K) that are >= 0 (CSA).
+     * out (T, H, Dh) -> bf16; fp32 softmax with the sink logit sink[h] in the
+     * denominator only; scores scaled by `scale`.
+     *   q (T, H, Dh)  kv (T, Dh)  ring (n_slots, win, Dh)  comp (n_slots, cap, Dh)
+     */
+    enum dsv4_err (*attention)(struct dsv4_backend *be, float *out, const float *q,
+                               const float *kv, const float *ring, const float *comp,
+                               const int32_t *sel, const float *sink, const int32_t *slot,
+                               const int32_t *pos, const int32_t *row0, const int32_t *pos0,
+                               int T, int H, int Dh, int win, int cap, int ratio, int K,
+                               float scale);
+
+    /*
+     * Router (model doc §3.4): scores s = sqrt(softplus(x · gate^T)) (fp32);
+     * ids = tid2eid[tokens[t]] when tid2eid != NULL, else top-k of s + bias;
+     * weights = s[ids] / Σ s[ids] * route_scale.
+     *   weights (T, k) fp32   ids (T, k) int32   x (T, D)
+     */
+    enum dsv4_err (*router)(struct dsv4_backend *be, float *weights, int32_t *ids,
+                            const float *x, const struct dsv4_linear *gate,
+                            const float *bias, const int64_t *tid2eid, const int32_t *tokens,
+                            int T, int k, float route_scale);
+
+    /*
+     * Routed + shared experts (model doc §3.4):
+     * out[t] = bf16( Σ_j E_ids[t,j](x[t], weights[t,j]) + S(x[t]) ) where
+     * E(x, w) = w2(bf16(silu(min(g, lim)) * clamp(u, ±lim) * w)), g = w1 x,
+     * u = w3 x (linear outputs -> bf16), and S is the same without w.
+     *   out (T, D)  x (T, D)  experts: array of E (backend memory)
+     */
+    enum dsv4_err (*moe)(struct dsv4_backend *be, float *out, const float *x,
+                         const int32_t *ids, const float *weights,
+                         const struct dsv4_expert_w *experts,
+                         const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit);
+
+    /*
+     * Sampling of n rows of logits (V each): greedy when temperature == 0,
+     * else softmax(logits / temperature) restricted by top_k then top_p, drawn
+     * with a generator seeded from (seed, step).  out_ids (n) int32,
+     * out_logprob (n) fp32 (log-softmax of the chosen id at temperature 1;
+     * may be NULL).  params: host array of n.
+     */
+    enum dsv4_err (*sample)(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
+                            const float *logits, const struct dsv4_sample_params *params,
+                            int n, int V);
+};
+
+struct dsv4_backend {
+    const struct dsv4_backend_ops *ops;
+    const char *name;              /* "cpu", "cuda" */
+    enum dsv4_numerics numerics;
+    int n_threads;                 /* CPU worker threads (1 = single) */
+    void *priv;                    /* backend state */
+};
+
+/*
+ * Create a backend by name ("cpu"; "cuda" when built with CUDA).
+ * n_threads: CPU worker count, 0 = number of online CPUs.
+ */
+enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
+                                  enum dsv4_numerics numerics, int n_threads);
+/* Destroy (NULL is a no-op). */
+void dsv4_backend_destroy(struct dsv4_backend *be);
+
+/* The CPU backend constructor (kernels/cpu/cpu_backend.c). */
+enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
+                                      int n_threads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

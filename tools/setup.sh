@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# setup.sh — install everything dsv4 needs to build and test on a fresh
+# Debian 12 machine (idempotent; needs root or sudo for apt).
+#
+#   meson, ninja, pkg-config   the build
+#   libjson-c-dev              JSON (config.json, safetensors headers, tokenizer.json)
+#   libpcre2-dev               tokenizer pre-tokenizer regexes (UTF + UCP + JIT)
+#   libzmq3-dev, libmsgpack-dev ZeroMQ control plane, msgpack bodies
+#   libsystemd-dev             sd_notify, socket activation
+#   libucx-dev                 decode-state transfer across hosts
+#   libcmocka-dev              unit-test framework
+#   clang, libclang-rt-14-dev  libFuzzer + sanitizer runtimes for fuzz targets
+#   python3 packages           test oracles (tokenizer reference, protocol client)
+set -euo pipefail
+
+pkgs=(meson ninja-build pkg-config gcc libjson-c-dev libpcre2-dev libzmq3-dev libmsgpack-dev
+      libsystemd-dev libucx-dev libcmocka-dev clang libclang-rt-14-dev python3 python3-pip
+      systemd iproute2)
+
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    echo "setup: installing ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+echo "setup: system packages OK"
