@@ -81,6 +81,8 @@ struct dsv4_backend_ops {
     /* dst[i, :] = src[rows[i], :] for i < n. */
     enum dsv4_err (*gather_rows)(struct dsv4_backend *be, float *dst, const float *src,
                                  const int32_t *rows, int n, int cols);
+    /* x[0..n) = bf16(x * s) (the indexer's weights_proj scaling). */
+    enum dsv4_err (*scale)(struct dsv4_backend *be, float *x, float s, int64_t n);
     /* out[t, j, :] = bf16(e[t, :] + h[t, j, :]) for j < n_streams (MTP input). */
     enum dsv4_err (*add_streams)(struct dsv4_backend *be, float *out, const float *e,
                                  const float *h, int T, int n_streams, int D);

@@ -1,0 +1,727 @@
+/*
+ * forward.c — the DeepSeek-V4 forward pass over the op interface (see
+ * forward.h).  Every numeric step is an op of the backend; this file only
+ * decides what runs in which order, computes the host-side bookkeeping
+ * (positions, ring slots, which rows finish a compressor window) and uploads
+ * those small index arrays.
+ *
+ * DESIGN: one code path for prefill, chunked prefill and decode.  Compressors
+ * always run in their streaming form (model doc §3.3.4), which gives the same
+ * entries as the reference's one-shot prefill; window attention reads the
+ * current call's KV rows for positions inside the call and the slot's ring for
+ * older ones; the ring is written only after attention.  Hence the result for
+ * a sequence is the same whatever the chunking and whatever else is batched.
+ */
+#include "kernels/forward.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+#define HC_MAX_STREAMS DSV4_HC_MAX
+
+/* Decode state and parameters of one layer. */
+struct layer_state {
+    const struct dsv4_layer_w *w;
+    int ratio;                 /* 0, 4, 128 */
+    const float *freqs;        /* host, rd/2: this layer's rope frequencies */
+    float *ring;               /* (n_slots, win, Dh) */
+    float *comp;               /* (n_slots, cap_c, Dh) or NULL */
+    int cap_c;                 /* compressed entries per slot */
+    float *st_kv, *st_z;       /* main compressor state (n_slots, c*r, c*Dh) */
+    float *keys;               /* indexer keys (n_slots, cap_i, dI); ratio == 4 */
+    int cap_i;
+    float *ist_kv, *ist_z;     /* indexer compressor state (n_slots, 8, 2*dI) */
+};
+
+/* Host-side bookkeeping of one call, uploaded to the i_* device arrays. */
+struct call_plan {
+    int T;                     /* rows */
+    int32_t *slot, *pos, *row0, *pos0, *tok;      /* (T) */
+    /* compressor emissions for ratio 4 and 128: emit index per row, and per
+     * emitted entry its rope position and destination row in the pools */
+    int32_t *emit4, *emit128;  /* (T) */
+    int n_emit4, n_emit128;
+    int32_t *epos4, *epos128;  /* (T) */
+    int32_t *erow4, *erow128;  /* (T) pool row (slot*cap + w); the indexer's
+                                  key pool has the same capacity as ratio 4 */
+    /* ring writes: source rows of the call and destination ring rows */
+    int n_ring;
+    int32_t *ring_src, *ring_dst; /* every layer's ring has the same layout */
+    /* logits rows */
+    int n_out;
+    int32_t *out_rows;
+};
+
+struct dsv4_model {
+    struct dsv4_backend *be;
+    const struct dsv4_weights *w;
+    struct dsv4_config cfg;
+    int n_slots, max_seq, max_rows;
+    int D, H, Dh, rd, nope, n_hc, win, V;
+    int nI, dI, K;
+    int n_main, n_layers;          /* main layers; main + MTP */
+    float freqs_swa[64], freqs_comp[64];
+    struct layer_state *L;
+    int32_t *len;                  /* host (n_slots) */
+    int32_t *mtp_len;              /* host (n_slots) */
+    /* row bookkeeping of the last KEEP_HIDDEN call */
+    int hidden_rows;
+    struct call_plan plan;         /* host scratch */
+    /* device index arrays (max_rows each) */
+    int32_t *i_slot, *i_pos, *i_row0, *i_pos0, *i_tok;
+    int32_t *i_emit4, *i_emit128, *i_epos4, *i_epos128, *i_erow4, *i_erow128;
+    int32_t *i_ring_src, *i_ring_dst, *i_out_rows;
+    /* device scratch */
+    float *X, *X2, *x, *xn, *post, *comb, *y;
+    float *qr, *q, *kv, *o, *u;
+    float *ca, *cz, *ent;          /* compressor projections and entries */
+    float *qI, *wI, *ia, *iz, *ient;
+    int32_t *sel;
+    float *rw;                     /* router weights (T, k) */
+    int32_t *rid;                  /* router ids (T, k) */
+    float *ring_tmp;               /* (T, Dh) */
+    float *hidden;                 /* (T, n, D) kept for MTP */
+    float *e, *he;                 /* MTP: (T, D), (T, n, D) */
+    float *logits_dev;             /* (max_rows, V) */
+};
+
+/* --- small helpers ----------------------------------------------------- */
+
+#define TRY(expr)                              \
+    do {                                       \
+        enum dsv4_err e_ = (expr);             \
+        if (e_ != DSV4_OK)                     \
+            return e_;                         \
+    } while (0)
+
+static void *
+dev_alloc(struct dsv4_model *m, size_t bytes, int *fail)
+{
+    void *p;
+
+    if (bytes == 0)
+        bytes = 4;
+    p = m->be->ops->alloc(m->be, bytes);
+    if (p == NULL)
+        *fail = 1;
+    return p;
+}
+
+static void
+dev_free(struct dsv4_model *m, void *p)
+{
+    if (p != NULL)
+        m->be->ops->free(m->be, p);
+}
+
+/*
+ * Rope frequencies (model doc §3.3.3; REF precompute_freqs_cis): inv_f_i =
+ * base^(-2i/rd); with YaRN (orig > 0) the frequencies of dims past the
+ * correction range are divided by `factor`, with a linear ramp in between.
+ */
+static void
+rope_freqs(float *f, int rd, double base, int64_t orig, double factor, double beta_fast,
+           double beta_slow)
+{
+    int half = rd / 2;
+    double low = 0, high = 0;
+
+    if (orig > 0) {
+        double lo = floor(rd * log((double)orig / (beta_fast * 2 * M_PI)) / (2 * log(base)));
+        double hi = ceil(rd * log((double)orig / (beta_slow * 2 * M_PI)) / (2 * log(base)));
+        low = lo < 0 ? 0 : lo;
+        high = hi > rd - 1 ? rd - 1 : hi;
+        if (low == high)
+            high += 0.001;
+    }
+    for (int i = 0; i < half; i++) {
+        float inv = (float)(1.0 / pow(base, (double)(2 * i) / rd));
+        if (orig > 0) {
+            float ramp = (float)((i - low) / (high - low));
+            ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
+            float smooth = 1.0f - ramp;
+            inv = inv / (float)factor * (1.0f - smooth) + inv * smooth;
+        }
+        f[i] = inv;
+    }
+}
+
+/* --- creation ---------------------------------------------------------- */
+
+static void
+plan_free(struct call_plan *p)
+{
+    free(p->slot);
+    free(p->pos);
+    free(p->row0);
+    free(p->pos0);
+    free(p->tok);
+    free(p->emit4);
+    free(p->emit128);
+    free(p->epos4);
+    free(p->epos128);
+    free(p->erow4);
+    free(p->erow128);
+    free(p->ring_src);
+    free(p->ring_dst);
+    free(p->out_rows);
+}
+
+static int
+plan_alloc(struct call_plan *p, int n)
+{
+    size_t b = (size_t)n * sizeof(int32_t);
+
+    p->slot = malloc(b);
+    p->pos = malloc(b);
+    p->row0 = malloc(b);
+    p->pos0 = malloc(b);
+    p->tok = malloc(b);
+    p->emit4 = malloc(b);
+    p->emit128 = malloc(b);
+    p->epos4 = malloc(b);
+    p->epos128 = malloc(b);
+    p->erow4 = malloc(b);
+    p->erow128 = malloc(b);
+    p->ring_src = malloc(b);
+    p->ring_dst = malloc(b);
+    p->out_rows = malloc(b);
+    return p->slot && p->pos && p->row0 && p->pos0 && p->tok && p->emit4 && p->emit128 &&
+           p->epos4 && p->epos128 && p->erow4 && p->erow128 && p->ring_src && p->ring_dst &&
+           p->out_rows;
+}
+
+void
+dsv4_model_free(struct dsv4_model *m)
+{
+    if (m == NULL)
+        return;
+    if (m->L != NULL) {
+        for (int l = 0; l < m->n_layers; l++) {
+            struct layer_state *ls = &m->L[l];
+            dev_free(m, ls->ring);
+            dev_free(m, ls->comp);
+            dev_free(m, ls->st_kv);
+            dev_free(m, ls->st_z);
+            dev_free(m, ls->keys);
+            dev_free(m, ls->ist_kv);
+            dev_free(m, ls->ist_z);
+        }
+        free(m->L);
+    }
+    void *bufs[] = {
+        m->i_slot, m->i_pos, m->i_row0, m->i_pos0, m->i_tok, m->i_emit4, m->i_emit128,
+        m->i_epos4, m->i_epos128, m->i_erow4, m->i_erow128, m->i_ring_src,
+        m->i_ring_dst, m->i_out_rows, m->X, m->X2, m->x, m->xn, m->post, m->comb, m->y,
+        m->qr, m->q, m->kv, m->o, m->u, m->ca, m->cz, m->ent, m->qI, m->wI, m->ia, m->iz,
+        m->ient, m->sel, m->rw, m->rid, m->ring_tmp, m->hidden, m->e, m->he, m->logits_dev,
+    };
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        dev_free(m, bufs[i]);
+    plan_free(&m->plan);
+    free(m->len);
+    free(m->mtp_len);
+    free(m);
+}
+
+enum dsv4_err
+dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
+                  const struct dsv4_weights *w, const struct dsv4_model_opts *opts)
+{
+    const struct dsv4_config *c = &w->cfg;
+    struct dsv4_model *m;
+    int fail = 0;
+
+    *out = NULL;
+    if (opts->n_slots <= 0 || opts->max_seq_len <= 0 || opts->max_rows <= 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "model: n_slots, max_seq_len and max_rows must be > 0");
+    if (c->hc_mult > HC_MAX_STREAMS || c->qk_rope_head_dim > 128)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "model: hc_mult or qk_rope_head_dim too large");
+    m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "model: out of memory");
+    m->be = be;
+    m->w = w;
+    m->cfg = *c;
+    m->n_slots = opts->n_slots;
+    m->max_seq = (opts->max_seq_len + 127) / 128 * 128;
+    m->max_rows = opts->max_rows;
+    m->D = c->hidden_size;
+    m->H = c->num_attention_heads;
+    m->Dh = c->head_dim;
+    m->rd = c->qk_rope_head_dim;
+    m->nope = m->Dh - m->rd;
+    m->n_hc = c->hc_mult;
+    m->win = c->sliding_window;
+    m->V = c->vocab_size;
+    m->nI = c->index_n_heads;
+    m->dI = c->index_head_dim;
+    m->K = c->index_topk;
+    m->n_main = c->num_hidden_layers;
+    m->n_layers = w->n_layers;
+    rope_freqs(m->freqs_swa, m->rd, c->rope_theta, 0, 1, 0, 0);
+    rope_freqs(m->freqs_comp, m->rd, c->compress_rope_theta, c->rope_original_max_pos,
+               c->rope_factor, c->rope_beta_fast, c->rope_beta_slow);
+
+    m->len = calloc((size_t)m->n_slots, sizeof(int32_t));
+    m->mtp_len = calloc((size_t)m->n_slots, sizeof(int32_t));
+    m->L = calloc((size_t)m->n_layers, sizeof(*m->L));
+    if (m->len == NULL || m->mtp_len == NULL || m->L == NULL || !plan_alloc(&m->plan, m->max_rows)) {
+        dsv4_model_free(m);
+        return dsv4_err_set(DSV4_ERR_NOMEM, "model: out of memory");
+    }
+
+    size_t S = (size_t)m->n_slots, F = sizeof(float);
+    for (int l = 0; l < m->n_layers; l++) {
+        struct layer_state *ls = &m->L[l];
+        ls->w = &w->layers[l];
+        ls->ratio = w->layers[l].ratio;
+        ls->freqs = ls->ratio ? m->freqs_comp : m->freqs_swa;
+        ls->ring = dev_alloc(m, S * m->win * m->Dh * F, &fail);
+        if (ls->ratio) {
+            int r = ls->ratio, cc = r == 4 ? 2 : 1;
+            ls->cap_c = m->max_seq / r;
+            ls->comp = dev_alloc(m, S * ls->cap_c * m->Dh * F, &fail);
+            ls->st_kv = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
+            ls->st_z = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
+        }
+        if (ls->ratio == 4) {
+            ls->cap_i = m->max_seq / 4;
+            ls->keys = dev_alloc(m, S * ls->cap_i * m->dI * F, &fail);
+            ls->ist_kv = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
+            ls->ist_z = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
+        }
+    }
+
+    size_t T = (size_t)m->max_rows, I4 = sizeof(int32_t);
+    size_t n = (size_t)m->n_hc, D = (size_t)m->D;
+    size_t k = (size_t)c->num_experts_per_tok;
+    size_t qdim = (size_t)m->H * m->Dh;
+    size_t udim = (size_t)c->o_groups * c->o_lora_rank;
+    int32_t **idx[] = {
+        &m->i_slot, &m->i_pos, &m->i_row0, &m->i_pos0, &m->i_tok, &m->i_emit4, &m->i_emit128,
+        &m->i_epos4, &m->i_epos128, &m->i_erow4, &m->i_erow128, &m->i_ring_src,
+        &m->i_ring_dst, &m->i_out_rows,
+    };
+    for (size_t i = 0; i < sizeof(idx) / sizeof(idx[0]); i++)
+        *idx[i] = dev_alloc(m, T * I4, &fail);
+    m->X = dev_alloc(m, T * n * D * F, &fail);
+    m->X2 = dev_alloc(m, T * n * D * F, &fail);
+    m->hidden = dev_alloc(m, T * n * D * F, &fail);
+    m->he = dev_alloc(m, T * n * D * F, &fail);
+    m->x = dev_alloc(m, T * D * F, &fail);
+    m->xn = dev_alloc(m, T * D * F, &fail);
+    m->y = dev_alloc(m, T * D * F, &fail);
+    m->e = dev_alloc(m, T * D * F, &fail);
+    m->post = dev_alloc(m, T * n * F, &fail);
+    m->comb = dev_alloc(m, T * n * n * F, &fail);
+    m->qr = dev_alloc(m, T * (size_t)c->q_lora_rank * F, &fail);
+    m->q = dev_alloc(m, T * qdim * F, &fail);
+    m->o = dev_alloc(m, T * qdim * F, &fail);
+    m->kv = dev_alloc(m, T * m->Dh * F, &fail);
+    m->ring_tmp = dev_alloc(m, T * m->Dh * F, &fail);
+    m->u = dev_alloc(m, T * udim * F, &fail);
+    m->ca = dev_alloc(m, T * 2 * m->Dh * F, &fail);
+    m->cz = dev_alloc(m, T * 2 * m->Dh * F, &fail);
+    m->ent = dev_alloc(m, T * m->Dh * F, &fail);
+    m->qI = dev_alloc(m, T * (size_t)m->nI * m->dI * F, &fail);
+    m->wI = dev_alloc(m, T * (size_t)m->nI * F, &fail);
+    m->ia = dev_alloc(m, T * 2 * m->dI * F, &fail);
+    m->iz = dev_alloc(m, T * 2 * m->dI * F, &fail);
+    m->ient = dev_alloc(m, T * m->dI * F, &fail);
+    m->sel = dev_alloc(m, T * (size_t)(m->K > 0 ? m->K : 1) * I4, &fail);
+    m->rw = dev_alloc(m, T * k * F, &fail);
+    m->rid = dev_alloc(m, T * k * I4, &fail);
+    m->logits_dev = dev_alloc(m, T * (size_t)m->V * F, &fail);
+    if (fail) {
+        dsv4_model_free(m);
+        return dsv4_err_set(DSV4_ERR_NOMEM, "model: backend allocation failed "
+                            "(n_slots=%d max_seq_len=%d max_rows=%d)",
+                            opts->n_slots, opts->max_seq_len, opts->max_rows);
+    }
+    for (int s = 0; s < m->n_slots; s++) {
+        enum dsv4_err e = dsv4_model_seq_reset(m, s);
+        if (e != DSV4_OK) {
+            dsv4_model_free(m);
+            return e;
+        }
+    }
+    *out = m;
+    return DSV4_OK;
+}
+
+int
+dsv4_model_vocab(const struct dsv4_model *m)
+{
+    return m->V;
+}
+
+int
+dsv4_model_seq_len(const struct dsv4_model *m, int slot)
+{
+    return m->len[slot];
+}
+
+enum dsv4_err
+dsv4_model_seq_reset(struct dsv4_model *m, int slot)
+{
+    const struct dsv4_backend_ops *ops = m->be->ops;
+
+    if (slot < 0 || slot >= m->n_slots)
+        return dsv4_err_set(DSV4_ERR_INVAL, "model: slot %d out of range", slot);
+    /* Compressor states: kv 0, logits -inf (model doc §4).  Rings, entries and
+     * keys need no clearing: only positions already written are ever read. */
+    for (int l = 0; l < m->n_layers; l++) {
+        struct layer_state *ls = &m->L[l];
+        if (ls->ratio) {
+            int r = ls->ratio, cc = r == 4 ? 2 : 1;
+            int64_t n = (int64_t)cc * r * cc * m->Dh;
+            TRY(ops->fill(m->be, ls->st_kv + (int64_t)slot * n, 0.0f, n));
+            TRY(ops->fill(m->be, ls->st_z + (int64_t)slot * n, -INFINITY, n));
+        }
+        if (ls->ratio == 4) {
+            int64_t n = (int64_t)8 * 2 * m->dI;
+            TRY(ops->fill(m->be, ls->ist_kv + (int64_t)slot * n, 0.0f, n));
+            TRY(ops->fill(m->be, ls->ist_z + (int64_t)slot * n, -INFINITY, n));
+        }
+    }
+    m->len[slot] = 0;
+    m->mtp_len[slot] = 0;
+    return DSV4_OK;
+}
+
+/* --- the call plan ------------------------------------------------------ */
+
+/*
+ * Validate the batch and fill m->plan: per-row slot/pos/run start, the
+ * compressor emissions for ratios 4 and 128, the ring writes, the logits rows.
+ */
+static enum dsv4_err
+plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
+{
+    struct call_plan *p = &m->plan;
+    int T = 0;
+
+    if (b->n_seqs <= 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "forward: empty batch");
+    for (int i = 0; i < b->n_seqs; i++) {
+        int s = b->slot[i];
+        if (s < 0 || s >= m->n_slots)
+            return dsv4_err_set(DSV4_ERR_INVAL, "forward: slot %d out of range [0, %d)", s,
+                                m->n_slots);
+        for (int j = 0; j < i; j++)
+            if (b->slot[j] == s)
+                return dsv4_err_set(DSV4_ERR_INVAL, "forward: slot %d appears twice", s);
+        if (b->n_tokens[i] <= 0)
+            return dsv4_err_set(DSV4_ERR_INVAL, "forward: run %d has no tokens", i);
+        if (T + b->n_tokens[i] > m->max_rows)
+            return dsv4_err_set(DSV4_ERR_INVAL, "forward: more than max_rows=%d rows",
+                                m->max_rows);
+        if (m->len[s] + b->n_tokens[i] > m->max_seq)
+            return dsv4_err_set(DSV4_ERR_INVAL, "forward: slot %d would exceed max_seq_len=%d",
+                                s, m->max_seq);
+        T += b->n_tokens[i];
+    }
+    p->T = T;
+    p->n_emit4 = p->n_emit128 = p->n_ring = p->n_out = 0;
+    int t = 0;
+    int cap4 = m->max_seq / 4, cap128 = m->max_seq / 128;
+    for (int i = 0; i < b->n_seqs; i++) {
+        int s = b->slot[i], n = b->n_tokens[i], p0 = m->len[s];
+        for (int j = 0; j < n; j++, t++) {
+            int pos = p0 + j, tok = b->tokens[t];
+            if (tok < 0 || tok >= m->V)
+                return dsv4_err_set(DSV4_ERR_INVAL, "forward: token id %d out of range "
+                                    "[0, %d)", tok, m->V);
+            p->slot[t] = s;
+            p->pos[t] = pos;
+            p->row0[t] = t - j;
+            p->pos0[t] = p0;
+            p->tok[t] = tok;
+            p->emit4[t] = p->emit128[t] = -1;
+            if ((pos + 1) % 4 == 0) {
+                int e = p->n_emit4++;
+                p->emit4[t] = e;
+                p->epos4[e] = pos + 1 - 4;
+                p->erow4[e] = s * cap4 + pos / 4;
+            }
+            if ((pos + 1) % 128 == 0) {
+                int e = p->n_emit128++;
+                p->emit128[t] = e;
+                p->epos128[e] = pos + 1 - 128;
+                p->erow128[e] = s * cap128 + pos / 128;
+            }
+            if (pos >= p0 + n - m->win) {
+                p->ring_src[p->n_ring] = t;
+                p->ring_dst[p->n_ring] = s * m->win + pos % m->win;
+                p->n_ring++;
+            }
+            if ((flags & DSV4_FWD_ALL_LOGITS) || j == n - 1)
+                p->out_rows[p->n_out++] = t;
+        }
+    }
+    return DSV4_OK;
+}
+
+/* Upload the plan's index arrays. */
+static enum dsv4_err
+plan_upload(struct dsv4_model *m)
+{
+    struct call_plan *p = &m->plan;
+    struct {
+        int32_t *dst;
+        const int32_t *src;
+        int n;
+    } up[] = {
+        { m->i_slot, p->slot, p->T },         { m->i_pos, p->pos, p->T },
+        { m->i_row0, p->row0, p->T },         { m->i_pos0, p->pos0, p->T },
+        { m->i_tok, p->tok, p->T },           { m->i_emit4, p->emit4, p->T },
+        { m->i_emit128, p->emit128, p->T },   { m->i_epos4, p->epos4, p->n_emit4 },
+        { m->i_epos128, p->epos128, p->n_emit128 }, { m->i_erow4, p->erow4, p->n_emit4 },
+        { m->i_erow128, p->erow128, p->n_emit128 },
+        { m->i_ring_src, p->ring_src, p->n_ring }, { m->i_ring_dst, p->ring_dst, p->n_ring },
+        { m->i_out_rows, p->out_rows, p->n_out },
+    };
+    for (size_t i = 0; i < sizeof(up) / sizeof(up[0]); i++)
+        if (up[i].n > 0)
+            TRY(m->be->ops->upload(m->be, up[i].dst, up[i].src,
+                                   (size_t)up[i].n * sizeof(int32_t)));
+    return DSV4_OK;
+}
+
+/* --- attention sub-steps ----------------------------------------------- */
+
+/*
+ * Run a compressor over this call's rows and store the finished entries
+ * (model doc §3.3.4): projections in fp32, streaming update, then
+ * norm -> RoPE at the window start -> FP8 sim (main) or Hadamard+FP4 sim
+ * (indexer), scattered into the slot's pool.
+ */
+static enum dsv4_err
+run_compressor(struct dsv4_model *m, const struct layer_state *ls,
+               const struct dsv4_compressor_w *cw, float *st_kv, float *st_z, float *pool,
+               const int32_t *erow, float *a, float *z, float *ent, int indexer)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct call_plan *p = &m->plan;
+    int r = cw->ratio, d = cw->dim;
+    int n_emit = r == 4 ? p->n_emit4 : p->n_emit128;
+    const int32_t *emit = r == 4 ? m->i_emit4 : m->i_emit128;
+    const int32_t *epos = r == 4 ? m->i_epos4 : m->i_epos128;
+
+    TRY(ops->linear(be, a, m->xn, &cw->wkv, p->T, DSV4_LIN_F32_OUT));
+    TRY(ops->linear(be, z, m->xn, &cw->wgate, p->T, DSV4_LIN_F32_OUT));
+    TRY(ops->compress(be, ent, st_kv, st_z, a, z, cw->ape, m->i_slot, m->i_pos, emit, p->T, r,
+                      d));
+    if (n_emit == 0)
+        return DSV4_OK;
+    TRY(ops->rms_norm(be, ent, ent, cw->norm, n_emit, d, (float)m->cfg.rms_norm_eps));
+    TRY(ops->rope(be, ent, epos, n_emit, 1, d, d, d - m->rd, m->rd, ls->freqs, 0));
+    if (indexer)
+        TRY(ops->hadamard_fp4(be, ent, n_emit));
+    else
+        TRY(ops->fp8_sim(be, ent, n_emit, d, d - m->rd, 64));
+    return ops->scatter_rows(be, pool, erow, ent, n_emit, d);
+}
+
+/* Attention sub-layer (model doc §3.3): m->xn (T, D) -> m->y (T, D). */
+static enum dsv4_err
+attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct dsv4_layer_w *lw = ls->w;
+    const struct call_plan *p = &m->plan;
+    float eps = (float)m->cfg.rms_norm_eps;
+    int T = p->T, H = m->H, Dh = m->Dh, rd = m->rd;
+    const int32_t *sel = NULL;
+    const float *comp = NULL;
+
+    /* queries: q_norm(wq_a x) -> wq_b -> per-head RMS -> RoPE on the last rd */
+    TRY(ops->linear(be, m->qr, m->xn, &lw->wq_a, T, 0));
+    TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
+    TRY(ops->linear(be, m->q, m->qr, &lw->wq_b, T, 0));
+    TRY(ops->rms_norm(be, m->q, m->q, NULL, T * H, Dh, eps));
+    TRY(ops->rope(be, m->q, m->i_pos, T, H, (int64_t)H * Dh, Dh, m->nope, rd, ls->freqs, 0));
+
+    /* window KV (K = V): kv_norm(wkv x) -> RoPE -> FP8 sim of the nope dims */
+    TRY(ops->linear(be, m->kv, m->xn, &lw->wkv, T, 0));
+    TRY(ops->rms_norm(be, m->kv, m->kv, lw->kv_norm, T, Dh, eps));
+    TRY(ops->rope(be, m->kv, m->i_pos, T, 1, Dh, Dh, m->nope, rd, ls->freqs, 0));
+    TRY(ops->fp8_sim(be, m->kv, T, Dh, m->nope, 64));
+
+    if (ls->ratio == 4) {
+        /* indexer: its compressor runs before the main one (model doc §3.7) */
+        int nI = m->nI, dI = m->dI;
+        TRY(ops->linear(be, m->qI, m->qr, &lw->idx_wq_b, T, 0));
+        TRY(ops->rope(be, m->qI, m->i_pos, T, nI, (int64_t)nI * dI, dI, dI - rd, rd,
+                      ls->freqs, 0));
+        TRY(ops->hadamard_fp4(be, m->qI, T * nI));
+        TRY(run_compressor(m, ls, &lw->idx_compressor, ls->ist_kv, ls->ist_z, ls->keys,
+                           m->i_erow4, m->ia, m->iz, m->ient, 1));
+        TRY(ops->linear(be, m->wI, m->xn, &lw->idx_weights_proj, T, 0));
+        TRY(ops->scale(be, m->wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
+                       (int64_t)T * nI));
+        TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, m->i_slot, m->i_pos, T, nI,
+                              dI, ls->cap_i, 4, m->K));
+        sel = m->sel;
+    }
+    if (ls->ratio) {
+        TRY(run_compressor(m, ls, &lw->compressor, ls->st_kv, ls->st_z, ls->comp,
+                           ls->ratio == 4 ? m->i_erow4 : m->i_erow128, m->ca, m->cz, m->ent,
+                           0));
+        comp = ls->comp;
+    }
+
+    TRY(ops->attention(be, m->o, m->q, m->kv, ls->ring, comp, sel, lw->attn_sink, m->i_slot,
+                       m->i_pos, m->i_row0, m->i_pos0, T, H, Dh, m->win, ls->cap_c,
+                       ls->ratio, m->K, (float)(1.0 / sqrt((double)Dh))));
+    /* the value carried the keys' rotation: undo it at the query position */
+    TRY(ops->rope(be, m->o, m->i_pos, T, H, (int64_t)H * Dh, Dh, m->nope, rd, ls->freqs, 1));
+
+    /* ring update after attention (older ring rows were still being read) */
+    if (p->n_ring > 0) {
+        TRY(ops->gather_rows(be, m->ring_tmp, m->kv, m->i_ring_src, p->n_ring, Dh));
+        TRY(ops->scatter_rows(be, ls->ring, ring_dst, m->ring_tmp, p->n_ring, Dh));
+    }
+
+    /* grouped output projection */
+    TRY(ops->linear_grouped(be, m->u, m->o, &lw->wo_a, T, m->cfg.o_groups));
+    return ops->linear(be, m->y, m->u, &lw->wo_b, T, 0);
+}
+
+/* One block (model doc §3.2): X (T, n, D) updated in place (via X2). */
+static enum dsv4_err
+block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct dsv4_layer_w *lw = ls->w;
+    const struct dsv4_config *c = &m->cfg;
+    int T = m->plan.T, n = m->n_hc, D = m->D;
+    float eps = (float)c->rms_norm_eps, hc_eps = (float)c->hc_eps;
+    float *t;
+
+    TRY(ops->hc_pre(be, m->x, m->post, m->comb, m->X, &lw->hc_attn, T, n, D,
+                    c->hc_sinkhorn_iters, hc_eps, eps));
+    TRY(ops->rms_norm(be, m->xn, m->x, lw->attn_norm, T, D, eps));
+    TRY(attention(m, ls, ring_dst));
+    TRY(ops->hc_post(be, m->X2, m->y, m->X, m->post, m->comb, T, n, D));
+    t = m->X, m->X = m->X2, m->X2 = t;
+
+    TRY(ops->hc_pre(be, m->x, m->post, m->comb, m->X, &lw->hc_ffn, T, n, D,
+                    c->hc_sinkhorn_iters, hc_eps, eps));
+    TRY(ops->rms_norm(be, m->xn, m->x, lw->ffn_norm, T, D, eps));
+    TRY(ops->router(be, m->rw, m->rid, m->xn, &lw->gate, lw->gate_bias, lw->tid2eid, m->i_tok,
+                    T, c->num_experts_per_tok, (float)c->routed_scaling_factor));
+    TRY(ops->moe(be, m->y, m->xn, m->rid, m->rw, lw->experts, &lw->shared, T,
+                 c->num_experts_per_tok, (float)c->swiglu_limit));
+    TRY(ops->hc_post(be, m->X2, m->y, m->X, m->post, m->comb, T, n, D));
+    t = m->X, m->X = m->X2, m->X2 = t;
+    return DSV4_OK;
+}
+
+/* hc_head -> norm -> head on the plan's logits rows; downloads (n_out, V). */
+static enum dsv4_err
+logits_head(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t *norm,
+            float *logits)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct dsv4_config *c = &m->cfg;
+    const struct call_plan *p = &m->plan;
+    struct dsv4_linear head = {
+        .w = m->w->head, .scale = NULL, .n_out = m->V, .n_in = m->D, .fmt = DSV4_WFMT_BF16,
+    };
+
+    TRY(ops->gather_rows(be, m->X2, m->X, m->i_out_rows, p->n_out, m->n_hc * m->D));
+    TRY(ops->hc_head(be, m->x, m->X2, hc, p->n_out, m->n_hc, m->D, (float)c->hc_eps,
+                     (float)c->rms_norm_eps));
+    TRY(ops->rms_norm(be, m->xn, m->x, norm, p->n_out, m->D, (float)c->rms_norm_eps));
+    TRY(ops->linear(be, m->logits_dev, m->xn, &head, p->n_out, DSV4_LIN_F32_OUT));
+    TRY(ops->download(be, logits, m->logits_dev, (size_t)p->n_out * m->V * sizeof(float)));
+    return ops->sync(be);
+}
+
+/* --- public entry points ----------------------------------------------- */
+
+enum dsv4_err
+dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b, float *logits,
+                   unsigned flags)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct call_plan *p = &m->plan;
+
+    TRY(plan_build(m, b, flags));
+    TRY(plan_upload(m));
+    TRY(ops->embed(be, m->X, m->i_tok, m->w->embed, p->T, m->D, m->n_hc));
+    for (int l = 0; l < m->n_main; l++)
+        TRY(block(m, &m->L[l], m->i_ring_dst));
+    if (flags & DSV4_FWD_KEEP_HIDDEN) {
+        TRY(ops->copy(be, m->hidden, m->X, (size_t)p->T * m->n_hc * m->D * sizeof(float)));
+        m->hidden_rows = p->T;
+    } else {
+        m->hidden_rows = 0;
+    }
+    TRY(logits_head(m, &m->w->hc_head, m->w->norm, logits));
+    for (int i = 0; i < b->n_seqs; i++)
+        m->len[b->slot[i]] += b->n_tokens[i];
+    return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b, const int32_t *next_tokens,
+               float *logits)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct dsv4_config *c = &m->cfg;
+    float eps = (float)c->rms_norm_eps;
+    struct dsv4_batch nb = *b;
+    int T = 0;
+
+    if (m->n_layers <= m->n_main)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "mtp: checkpoint has no MTP layer");
+    for (int i = 0; i < b->n_seqs; i++)
+        T += b->n_tokens[i];
+    if (T != m->hidden_rows)
+        return dsv4_err_set(DSV4_ERR_INVAL, "mtp: batch has %d rows, the last forward kept %d",
+                            T, m->hidden_rows);
+    /* Rebuild the plan at the positions of the kept rows: the forward advanced
+     * each slot's length, so step back by the run length. */
+    for (int i = 0; i < b->n_seqs; i++) {
+        int s = b->slot[i];
+        if (s < 0 || s >= m->n_slots || m->len[s] - b->n_tokens[i] != m->mtp_len[s])
+            return dsv4_err_set(DSV4_ERR_INVAL, "mtp: run %d (slot %d) does not continue the "
+                                "MTP layer's sequence", i, s);
+    }
+    for (int i = 0; i < b->n_seqs; i++)
+        m->len[b->slot[i]] -= b->n_tokens[i];
+    nb.tokens = next_tokens;
+    enum dsv4_err e = plan_build(m, &nb, DSV4_FWD_ALL_LOGITS);
+    for (int i = 0; i < b->n_seqs; i++)
+        m->len[b->slot[i]] += b->n_tokens[i];
+    TRY(e);
+    TRY(plan_upload(m));
+
+    const struct dsv4_layer_w *mw = &m->w->layers[m->n_main];
+    int n = m->n_hc, D = m->D;
+    /* Z = e_proj(enorm(embed(next))) broadcast + h_proj(hnorm(hidden)) */
+    TRY(ops->embed(be, m->x, m->i_tok, m->w->embed, T, D, 1));
+    TRY(ops->rms_norm(be, m->x, m->x, mw->enorm, T, D, eps));
+    TRY(ops->linear(be, m->e, m->x, &mw->e_proj, T, 0));
+    TRY(ops->rms_norm(be, m->X2, m->hidden, mw->hnorm, T * n, D, eps));
+    TRY(ops->linear(be, m->he, m->X2, &mw->h_proj, T * n, 0));
+    TRY(ops->add_streams(be, m->X, m->e, m->he, T, n, D));
+    TRY(block(m, &m->L[m->n_main], m->i_ring_dst));
+    TRY(logits_head(m, &mw->hc_head, mw->mtp_norm, logits));
+    for (int i = 0; i < b->n_seqs; i++)
+        m->mtp_len[b->slot[i]] += b->n_tokens[i];
+    m->hidden_rows = 0;
+    return DSV4_OK;
+}

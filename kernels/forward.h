@@ -1,0 +1,97 @@
+/*
+ * forward.h — the DeepSeek-V4 forward pass, written once over the op
+ * interface (kernels/backend.h), with per-sequence decode state.
+ *
+ * A model holds the weights (as the backend sees them), the rope frequency
+ * tables, scratch buffers for up to `max_rows` token rows per call, and the
+ * decode state of `n_slots` sequence slots (model doc §4):
+ *
+ *   per layer        window ring       (n_slots, win, Dh)        f32
+ *   ratio > 0        compressed KV     (n_slots, max_seq/r, Dh)  f32
+ *                    compressor state  kv, z (n_slots, c*r, c*Dh) f32
+ *   ratio == 4       indexer keys      (n_slots, max_seq/4, dI)  f32
+ *                    indexer compressor state (n_slots, 8, 2*dI) f32
+ *   MTP layer(s)     window ring of their own
+ *
+ * One call runs any mix of sequences: each sequence contributes a run of
+ * consecutive tokens continuing from its current length, so the same call
+ * serves prefill from position 0, chunked prefill continuing at position > 0,
+ * and batched decode of sequences of different lengths.  Results for a
+ * sequence do not depend on what else is in the batch.
+ *
+ * Execution context: single-threaded caller; the backend may use threads.
+ */
+#ifndef DSV4_KERNELS_FORWARD_H
+#define DSV4_KERNELS_FORWARD_H
+
+#include <stdint.h>
+
+#include "common/err.h"
+#include "common/weights.h"
+#include "kernels/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct dsv4_model_opts {
+    int n_slots;        /* sequence slots (decode streams + prefills in flight) */
+    int max_seq_len;    /* positions per sequence; rounded up to a multiple of 128 */
+    int max_rows;       /* token rows per forward call */
+};
+
+/* One forward call: n_seqs runs of tokens.  All arrays are host memory. */
+struct dsv4_batch {
+    int n_seqs;
+    const int32_t *slot;      /* (n_seqs) distinct slots */
+    const int32_t *n_tokens;  /* (n_seqs) >= 1 tokens each */
+    const int32_t *tokens;    /* (Σ n_tokens) token ids, sequence after sequence */
+};
+
+/* dsv4_model_forward flags */
+#define DSV4_FWD_ALL_LOGITS 1u  /* logits for every row (else last row of each run) */
+#define DSV4_FWD_KEEP_HIDDEN 2u /* keep the final streams of the rows for the MTP head */
+
+struct dsv4_model;
+
+/*
+ * Create a model over weights `w` on backend `be` (neither is owned; both
+ * must outlive the model).  The CPU backend uses w's pointers as they are.
+ * Allocates the state pools and scratch on the backend.
+ */
+enum dsv4_err dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
+                                const struct dsv4_weights *w, const struct dsv4_model_opts *opts);
+void dsv4_model_free(struct dsv4_model *m);
+
+/* Clear slot `slot` to an empty sequence (length 0, compressor states reset). */
+enum dsv4_err dsv4_model_seq_reset(struct dsv4_model *m, int slot);
+/* Current length (tokens processed) of a slot. */
+int dsv4_model_seq_len(const struct dsv4_model *m, int slot);
+
+/*
+ * Run the batch.  Each run continues its slot from the slot's current length,
+ * and the slot's length grows by its n_tokens.  logits (host): (n_out, V) with
+ * n_out = Σ n_tokens under DSV4_FWD_ALL_LOGITS, else n_seqs; fp32.
+ * Errors: DSV4_ERR_INVAL for a bad batch (too many rows, slot out of range or
+ * repeated, token id out of range, sequence longer than max_seq_len).
+ */
+enum dsv4_err dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b,
+                                 float *logits, unsigned flags);
+
+/*
+ * MTP head (model doc §3.6) on the rows kept by the last forward call made
+ * with DSV4_FWD_KEEP_HIDDEN: row i of that call is paired with next_tokens[i]
+ * (the token that follows it) and the MTP layer runs at the row's position,
+ * with its own window ring per slot.  logits (host): (rows, V).  The batch
+ * must have the same runs as that forward call.
+ */
+enum dsv4_err dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b,
+                             const int32_t *next_tokens, float *logits);
+
+/* Number of vocabulary entries (logits row length). */
+int dsv4_model_vocab(const struct dsv4_model *m);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
