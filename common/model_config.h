@@ -114,6 +114,17 @@ enum dsv4_err dsv4_config_validate(const struct dsv4_config *cfg);
  * vocab).  Returns DSV4_ERR_INVAL for an unknown name. */
 enum dsv4_err dsv4_config_preset(struct dsv4_config *cfg, const char *name);
 
+/*
+ * Apply overrides "key=value" (n of them) to `cfg`, then re-parse and
+ * re-validate the result as a whole (so several related fields can change
+ * together, e.g. num_hidden_layers and compress_ratios).  `key` is a config.json
+ * key, or "section.key" inside rope_scaling / quantization_config; `value` is
+ * JSON (number, list, true/false; null removes the key) or else taken as a
+ * string.  On failure `cfg` is unchanged and the message names the field.
+ * Used by `dsv4-mkmodel --set`.
+ */
+enum dsv4_err dsv4_config_override(struct dsv4_config *cfg, int n, const char *const *assign);
+
 /* Write `cfg` as a root config.json in the official HF form.  Returns
  * DSV4_ERR_SYS on I/O failure. */
 enum dsv4_err dsv4_config_write(const struct dsv4_config *cfg, const char *path);

@@ -37,6 +37,7 @@ enum dsv4_tkind {
     DSV4_TK_GATE_BIAS,   /* F32 [E] router correction bias */
     DSV4_TK_TID2EID,     /* I64 [V, k] hash routing table */
     DSV4_TK_APE,         /* F32 [r, c*d] compressor position bias */
+    DSV4_TK_HEAD,        /* bf16 [V, D] output head (head.weight) */
 };
 
 struct dsv4_tensor_spec {
