@@ -131,23 +131,34 @@ json_parse_exact(const char *s, size_t len, const char **why)
 }
 
 /*
- * json-c keeps the last of duplicated object keys silently, so count the
- * keys of the top-level object in the raw text.  The text already parsed
- * successfully; strings may use either quote (json-c accepts '...').  Calls
- * `fn` on each raw key (quotes included) when fn != NULL.  Returns the count.
+ * json-c keeps the last of duplicated object keys silently, so duplicates
+ * are found by counting object keys in the raw text and comparing with the
+ * parsed tree.  The text already parsed successfully in strict mode; strings
+ * may still use either quote (json-c accepts '...').
+ *
+ * Counts the keys of every object at any depth; calls `fn` on each key at
+ * depth `at` (1 = keys of the top-level object), quotes included.  Returns
+ * -1 if nesting is deeper than the scanner tracks.
  */
-static int
-json_scan_top_keys(const char *s, size_t len,
-                   void (*fn)(void *arg, const char *key, size_t klen), void *arg)
+#define JSON_SCAN_DEPTH 64
+
+struct key_list {
+    char **k;
+    int n, cap;
+};
+
+static long
+json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
 {
-    int depth = 0, n = 0, expect_key = 0;
+    char is_obj[JSON_SCAN_DEPTH];
+    int depth = 0, expect_key = 0;
+    long n = 0;
 
     for (size_t i = 0; i < len; i++) {
         char c = s[i];
 
         if (c == '"' || c == '\'') {
             size_t start = i;
-            int is_key = depth == 1 && expect_key;
 
             for (i++; i < len && s[i] != c; i++) {
                 if (s[i] == '\\')
@@ -155,39 +166,49 @@ json_scan_top_keys(const char *s, size_t len,
             }
             if (i >= len)
                 break;
-            if (is_key) {
+            if (expect_key) {
                 n++;
                 expect_key = 0;
-                if (fn != NULL)
-                    fn(arg, s + start, i - start + 1);
+                if (keys != NULL && depth == at && keys->n < keys->cap) {
+                    const char *why;
+                    struct json_object *o = json_parse_exact(s + start, i - start + 1, &why);
+
+                    if (o != NULL && json_object_is_type(o, json_type_string))
+                        keys->k[keys->n++] = strdup(json_object_get_string(o));
+                    json_object_put(o);
+                }
             }
         } else if (c == '{' || c == '[') {
-            depth++;
-            expect_key = depth == 1 && c == '{';
+            if (++depth >= JSON_SCAN_DEPTH)
+                return -1;
+            is_obj[depth] = c == '{';
+            expect_key = c == '{';
         } else if (c == '}' || c == ']') {
             depth--;
-        } else if (c == ',' && depth == 1) {
-            expect_key = 1;
+            expect_key = 0;
+        } else if (c == ',') {
+            expect_key = depth > 0 && is_obj[depth];
         }
     }
     return n;
 }
 
-struct dup_keys {
-    char **k;
-    int n;
-};
-
-static void
-dup_collect(void *arg, const char *key, size_t klen)
+/* Keys of all objects in a parsed tree. */
+static long
+json_count_keys(struct json_object *o)
 {
-    struct dup_keys *d = arg;
-    const char *why;
-    struct json_object *o = json_parse_exact(key, klen, &why);
+    long n = 0;
 
-    if (o != NULL && json_object_is_type(o, json_type_string))
-        d->k[d->n++] = strdup(json_object_get_string(o));
-    json_object_put(o);
+    if (json_object_is_type(o, json_type_object)) {
+        json_object_object_foreach(o, k, v) {
+            (void)k;
+            n += 1 + json_count_keys(v);
+        }
+    } else if (json_object_is_type(o, json_type_array)) {
+        for (size_t i = 0; i < json_object_array_length(o); i++)
+            n += json_count_keys(json_object_array_get_idx(o, i));
+    }
+    return n;
 }
 
 static int
@@ -200,26 +221,37 @@ cmp_str(const void *a, const void *b)
     return strcmp(x, y);
 }
 
-/* Name one duplicated top-level key of `s` into buf (best effort). */
-static void
-json_find_dup(const char *s, size_t len, int n_keys, char *buf, size_t blen)
+/*
+ * 0 if `root` (parsed from s) lost no duplicated key.  Otherwise 1, with
+ * `buf` naming a key duplicated at depth `at` (the tensor name for a header,
+ * the weight_map entry for an index), or "" if the duplicate is elsewhere.
+ */
+static int
+json_find_dup(struct json_object *root, const char *s, size_t len, int at, char *buf,
+              size_t blen)
 {
-    struct dup_keys d = { calloc((size_t)n_keys + 1, sizeof(char *)), 0 };
+    struct key_list kl = { 0 };
+    long total = json_scan_keys(s, len, at, NULL);
 
-    snprintf(buf, blen, "?");
-    if (d.k == NULL)
-        return;
-    json_scan_top_keys(s, len, dup_collect, &d);
-    qsort(d.k, (size_t)d.n, sizeof(char *), cmp_str);
-    for (int i = 1; i < d.n; i++) {
-        if (d.k[i] != NULL && d.k[i - 1] != NULL && strcmp(d.k[i], d.k[i - 1]) == 0) {
-            snprintf(buf, blen, "%s", d.k[i]);
+    buf[0] = '\0';
+    if (total == json_count_keys(root))
+        return 0;
+    kl.cap = total > 0 ? (int)(total < INT_MAX ? total : INT_MAX) : 0;
+    kl.k = calloc((size_t)kl.cap + 1, sizeof(char *));
+    if (kl.k == NULL)
+        return 1;
+    json_scan_keys(s, len, at, &kl);
+    qsort(kl.k, (size_t)kl.n, sizeof(char *), cmp_str);
+    for (int i = 1; i < kl.n; i++) {
+        if (kl.k[i] != NULL && kl.k[i - 1] != NULL && strcmp(kl.k[i], kl.k[i - 1]) == 0) {
+            snprintf(buf, blen, "%s", kl.k[i]);
             break;
         }
     }
-    for (int i = 0; i < d.n; i++)
-        free(d.k[i]);
-    free(d.k);
+    for (int i = 0; i < kl.n; i++)
+        free(kl.k[i]);
+    free(kl.k);
+    return 1;
 }
 
 /* --- a single file ------------------------------------------------------ */
@@ -373,7 +405,8 @@ st_parse_header(struct dsv4_st_file *f, const char *hdr, size_t hlen)
     struct name_ix *names = NULL;
     enum dsv4_err err = DSV4_OK;
     const char *why;
-    int n_keys, n, i;
+    char dup[256];
+    int n, i;
 
     root = json_parse_exact(hdr, hlen, &why);
     if (root == NULL)
@@ -382,14 +415,13 @@ st_parse_header(struct dsv4_st_file *f, const char *hdr, size_t hlen)
         json_object_put(root);
         return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: header is not a JSON object", f->path);
     }
-    n_keys = json_scan_top_keys(hdr, hlen, NULL, NULL);
-    if (n_keys != json_object_object_length(root)) {
-        char dup[256];
-
-        json_find_dup(hdr, hlen, n_keys, dup, sizeof(dup));
+    if (json_find_dup(root, hdr, hlen, 1, dup, sizeof(dup))) {
         json_object_put(root);
-        return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': duplicate name in header",
-                            f->path, dup);
+        if (dup[0] != '\0')
+            return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': duplicate name in header",
+                                f->path, dup);
+        return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: header: duplicate key inside an entry",
+                            f->path);
     }
 
     n = json_object_object_length(root);
@@ -679,7 +711,7 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
     struct json_object *root = NULL, *wm;
     const char **shards = NULL;
     enum dsv4_err err = DSV4_OK;
-    char *text, path[4096];
+    char *text, path[4096], dup[256];
     const char *why;
     size_t len = 0;
     int n_map;
@@ -688,9 +720,14 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
     if (err != DSV4_OK)
         return err;
     root = json_parse_exact(text, len, &why);
-    free(text);
-    if (root == NULL)
+    if (root == NULL) {
+        free(text);
         return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: %s", ipath, why);
+    }
+    if (json_find_dup(root, text, len, 2, dup, sizeof(dup))) {
+        err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': duplicate key", ipath, dup);
+        goto out;
+    }
     if (!json_object_is_type(root, json_type_object) ||
         !json_object_object_get_ex(root, "weight_map", &wm) ||
         !json_object_is_type(wm, json_type_object)) {
@@ -767,6 +804,7 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
     err = ckpt_index(c, dir);
 out:
     free(shards);
+    free(text);
     json_object_put(root);
     return err;
 }
