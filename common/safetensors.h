@@ -95,6 +95,14 @@ struct dsv4_st_writer;  /* opaque: one output file being written */
  * up front (the header is written first).  Data is then streamed in the same
  * order with dsv4_st_writer_put; each call appends bytes to the current tensor
  * and moves to the next one when it is complete.
+ *
+ * Layout: the JSON header is padded with spaces to a multiple of 8 bytes, so
+ * the data area starts 8-byte aligned; tensors follow contiguously in the
+ * given order (the format allows no gaps).  A tensor is aligned for its
+ * element type only if the bytes before it are a multiple of that size; the
+ * official writer orders tensors by decreasing element size to get this.
+ * Errors: DSV4_ERR_INVAL for a bad tensor list (empty, reserved or duplicate
+ * name, unknown dtype, negative shape), DSV4_ERR_SYS for I/O.
  */
 enum dsv4_err dsv4_st_writer_open(struct dsv4_st_writer **out, const char *path, int n,
                                   const char *const *names, const enum dsv4_st_dtype *dtypes,
@@ -102,7 +110,8 @@ enum dsv4_err dsv4_st_writer_open(struct dsv4_st_writer **out, const char *path,
 /* Append `n_bytes` of data (may span less than, or exactly, the rest of the
  * current tensor; never more). */
 enum dsv4_err dsv4_st_writer_put(struct dsv4_st_writer *w, const void *data, size_t n_bytes);
-/* Check every tensor was fully written, close; frees w. */
+/* Check every tensor was fully written, close; frees w.  On any failure the
+ * partial file is removed (DSV4_ERR_INVAL if data is missing). */
 enum dsv4_err dsv4_st_writer_close(struct dsv4_st_writer *w);
 
 #ifdef __cplusplus

@@ -5,7 +5,9 @@
  * inventory implied by the config (every expected tensor present, with the
  * expected dtype and shape; no unexpected tensor; no NaN in any E8M0 scale)
  * and fills the structs with pointers into the read-only mappings (host
- * memory).  A backend that keeps weights elsewhere (CUDA) copies the struct
+ * memory); a typed tensor (F32, BF16, I64) that the file leaves misaligned
+ * for its element type is copied once into an aligned buffer owned by the
+ * weights.  A backend that keeps weights elsewhere (CUDA) copies the struct
  * and replaces the pointers; the layout and meaning of each tensor stay those
  * of the checkpoint (model doc §2).
  */
