@@ -677,6 +677,7 @@ parse_value(struct dsv4_config *c, const struct cfg_field *fd, json_object *v, c
                                 file);
         return json_to_str(json_object_array_get_idx(v, 0), file, pfx, fd->key, dst, fd->size);
     case T_RATIOS:
+        memset(c->compress_ratios, 0, sizeof(c->compress_ratios));
         return json_to_i32_list(v, file, pfx, fd->key, c->compress_ratios, DSV4_MAX_LAYERS,
                                 &c->n_compress_ratios);
     case T_BLOCK:
@@ -1022,9 +1023,10 @@ apply_assign(json_object *root, const char *assign)
 
         if (tok == NULL)
             return dsv4_err_set(DSV4_ERR_NOMEM, "override '%s': out of memory", assign);
-        v = json_tokener_parse_ex(tok, value, (int)vlen);
+        /* include the NUL so a bare number is complete */
+        v = json_tokener_parse_ex(tok, value, (int)vlen + 1);
         if (json_tokener_get_error(tok) != json_tokener_success ||
-            json_tokener_get_parse_end(tok) != vlen) {
+            json_tokener_get_parse_end(tok) < vlen) {
             json_object_put(v);
             v = json_object_new_string(value);
             if (v == NULL) {

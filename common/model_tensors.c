@@ -4,9 +4,11 @@
  *
  * Names are those of the official checkpoint (no "model." prefix).  Order:
  * shard 1 embed.weight; shard 2+L layer L; shard 2+n_layers the final
- * hc_head/norm/head; last shard the MTP layer(s).  Inside a layer the order is
- * that of the model doc's table (mHC, norms, attention, compressor, indexer,
- * router, shared expert, routed experts); each FP8/FP4 ".weight" is
+ * hc_head/norm/head; last shard the MTP layer(s).  Inside a shard, tensors are
+ * grouped by element size, largest first (I64, F32, BF16, then 1-byte types),
+ * so every tensor is naturally aligned in the file; within a group the order
+ * is that of the model doc's table (mHC, norms, attention, compressor,
+ * indexer, router, shared expert, routed experts).  Each FP8/FP4 ".weight" is
  * immediately followed by its ".scale" (dsv4-mkmodel relies on that).
  *
  * Dimension names: D hidden, H heads, Dh head_dim, Rq q_lora_rank, G o_groups,
@@ -177,6 +179,40 @@ add_layer(struct inv_builder *b, const struct dsv4_config *c, int layer)
     }
 }
 
+/*
+ * Reorder each shard's tensors by element size, largest first (stable), so
+ * that with an 8-aligned data area every tensor is naturally aligned in the
+ * file, as the safetensors library does when it writes.  A quantized weight
+ * and its scale are both 1-byte types, so the scale still follows it.
+ */
+static enum dsv4_err
+align_order(struct dsv4_inventory *inv)
+{
+    static const size_t sizes[] = { 8, 4, 2, 1 };
+    struct dsv4_tensor_spec *t = malloc((size_t)inv->n * sizeof(*t));
+    int n = 0;
+
+    if (t == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "tensor inventory: out of memory");
+    for (int first = 0; first < inv->n; ) {
+        int last = first;
+        while (last < inv->n && inv->t[last].shard == inv->t[first].shard)
+            last++;
+        for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++)
+            for (int i = first; i < last; i++)
+                if (dsv4_st_dtype_size(inv->t[i].dtype) == sizes[k])
+                    t[n++] = inv->t[i];
+        first = last;
+    }
+    if (n != inv->n) {
+        free(t);
+        return dsv4_err_set(DSV4_ERR_INVAL, "tensor inventory: unexpected dtype size");
+    }
+    free(inv->t);
+    inv->t = t;
+    return DSV4_OK;
+}
+
 enum dsv4_err
 dsv4_inventory_build(struct dsv4_inventory *inv, const struct dsv4_config *cfg)
 {
@@ -190,7 +226,7 @@ dsv4_inventory_build(struct dsv4_inventory *inv, const struct dsv4_config *cfg)
     e = dsv4_config_validate(cfg);
     if (e != DSV4_OK)
         return e;
-    inv->n_shards = 3 + L + (n_mtp > 0);
+    inv->n_shards = 2 + L + (n_mtp > 0);
 
     b.shard = 1;
     add(&b, DSV4_TK_EMBED, DSV4_ST_BF16, cfg->vocab_size, D, "embed.weight");
@@ -220,6 +256,8 @@ dsv4_inventory_build(struct dsv4_inventory *inv, const struct dsv4_config *cfg)
         add(&b, DSV4_TK_NORM, DSV4_ST_BF16, D, -1, "norm.weight");
         add_hc_head(&b, cfg);
     }
+    if (b.err == DSV4_OK)
+        b.err = align_order(inv);
     if (b.err != DSV4_OK) {
         dsv4_inventory_free(inv);
         return b.err;

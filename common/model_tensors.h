@@ -6,7 +6,7 @@
  *
  * Shards follow the official file (model doc §2.1): shard 1 = embed, shard
  * 2+L = layer L, then one shard for the head/norm/hc_head, then one for the MTP
- * layer(s): 3 + L + (n_mtp > 0) shards in all.
+ * layer(s): 2 + L + (n_mtp > 0) shards in all (46 for the real model).
  */
 #ifndef DSV4_COMMON_MODEL_TENSORS_H
 #define DSV4_COMMON_MODEL_TENSORS_H
@@ -51,7 +51,9 @@ struct dsv4_tensor_spec {
 };
 
 struct dsv4_inventory {
-    struct dsv4_tensor_spec *t;  /* n entries, in file order */
+    struct dsv4_tensor_spec *t;  /* n entries, in file order: by shard, and
+                                  * inside a shard largest element size first
+                                  * (so every tensor is naturally aligned) */
     int n;
     int n_shards;
     uint64_t total_bytes;        /* sum of tensor byte sizes */
