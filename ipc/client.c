@@ -1,0 +1,501 @@
+/*
+ * client.c — libdsv4client (see dsv4/client.h): a DEALER connection to the
+ * scheduler's client endpoint carrying many requests.
+ *
+ * DESIGN: each connection owns its ZeroMQ context and socket and a small
+ * table of requests in flight (id, deadline).  dsv4_client_next() is the only
+ * place that reads: it returns locally made final events first (a request's
+ * deadline passed without an answer, or the server fell silent), then waits
+ * on the socket until an event for a tracked request arrives, sending
+ * HEARTBEAT after HB_IDLE_MS of silence.  Messages for ids no longer tracked
+ * (e.g. after a local timeout) and malformed messages are dropped.
+ */
+#include "dsv4/client.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <zmq.h>
+
+#include "common/err.h"
+#include "ipc/proto.h"
+#include "ipc/zsock.h"
+
+#define DEFAULT_CONNECT_TIMEOUT_MS 5000
+#define HB_IDLE_MS 1000            /* silence before we send HEARTBEAT */
+#define TIMEOUT_GRACE_MS 1000      /* wait this long past timeout_ms for the server's 408 */
+#define ERRMSG_LEN 256
+
+_Static_assert((int)DSV4_CLIENT_FINISH_STOP == (int)DSV4_FINISH_STOP, "finish values");
+_Static_assert((int)DSV4_CLIENT_FINISH_LENGTH == (int)DSV4_FINISH_LENGTH, "finish values");
+_Static_assert((int)DSV4_CLIENT_FINISH_CANCELLED == (int)DSV4_FINISH_CANCELLED, "finish values");
+_Static_assert((int)DSV4_CLIENT_UNREACHABLE == (int)DSV4_STATUS_UNREACHABLE, "codes");
+_Static_assert((int)DSV4_CLIENT_BAD_ARGUMENT == (int)DSV4_STATUS_BAD_ARGUMENT, "codes");
+
+/* A request in flight. */
+struct creq {
+    uint64_t id;          /* client id */
+    uint64_t req;         /* scheduler id; 0 until OK */
+    int64_t deadline_ms;  /* local give-up time; 0 = none */
+};
+
+struct dsv4_client {
+    void *ctx;                   /* own ZeroMQ context */
+    void *sock;                  /* DEALER */
+    int conn_timeout_ms;         /* 0 = no loss detection */
+    uint64_t next_id;            /* last id handed out */
+    struct creq *reqs;           /* in flight, unordered */
+    size_t n_reqs, cap_reqs;
+    int64_t last_rx_ms;          /* last message from the server */
+    int64_t last_hb_ms;          /* last HEARTBEAT we sent */
+    struct dsv4_msg cur;         /* decoded message behind the last event */
+    char ev_msg[ERRMSG_LEN];     /* message of a locally made ERROR event */
+    char errmsg[ERRMSG_LEN];     /* detail of the last failure */
+};
+
+static int
+fail(struct dsv4_client *c, int code, const char *msg)
+{
+    if (c != NULL)
+        snprintf(c->errmsg, sizeof(c->errmsg), "%s", msg);
+    return code;
+}
+
+static int
+code_of(enum dsv4_err e)
+{
+    return e == DSV4_OK ? DSV4_CLIENT_OK : dsv4_proto_code_from_err(e);
+}
+
+void
+dsv4_client_version(int *major, int *minor, int *patch)
+{
+    if (major != NULL)
+        *major = DSV4_CLIENT_VERSION_MAJOR;
+    if (minor != NULL)
+        *minor = DSV4_CLIENT_VERSION_MINOR;
+    if (patch != NULL)
+        *patch = DSV4_CLIENT_VERSION_PATCH;
+}
+
+const char *
+dsv4_client_strerror(int code)
+{
+    if (code == DSV4_CLIENT_OK)
+        return "success";
+    if (code == DSV4_CLIENT_NONE)
+        return "no event";
+    return dsv4_proto_code_str((uint16_t)(code < 0 || code > 999 ? 0 : code));
+}
+
+void
+dsv4_client_opts_init(struct dsv4_client_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->size = sizeof(*o);
+    o->connect_timeout_ms = DEFAULT_CONNECT_TIMEOUT_MS;
+}
+
+void
+dsv4_client_params_init(struct dsv4_client_params *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->size = sizeof(*p);
+    p->temperature = DSV4_PROTO_DEFAULT_TEMPERATURE;
+    p->top_p = DSV4_PROTO_DEFAULT_TOP_P;
+    p->max_tokens = DSV4_PROTO_DEFAULT_MAX_TOKENS;
+    p->stream = 1;
+}
+
+static int
+send_heartbeat(struct dsv4_client *c)
+{
+    struct dsv4_msg m;
+    enum dsv4_err e;
+
+    dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_HEARTBEAT);
+    e = dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL);
+    c->last_hb_ms = dsv4_now_ms();
+    /* A full pipe means the server is not reading; loss detection handles it. */
+    return e == DSV4_OK || e == DSV4_ERR_BUSY ? 0 : fail(c, code_of(e), dsv4_errmsg());
+}
+
+/* Connect check: send HEARTBEAT and wait for any answer. */
+static int
+await_server(struct dsv4_client *c, int timeout_ms)
+{
+    int64_t end = dsv4_now_ms() + timeout_ms;
+    int rc;
+
+    if ((rc = send_heartbeat(c)) != 0)
+        return rc;
+    for (;;) {
+        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+        int64_t left = end - dsv4_now_ms();
+        struct dsv4_perr pe;
+        enum dsv4_err e;
+
+        if (left <= 0)
+            return fail(c, DSV4_CLIENT_UNREACHABLE, "server did not answer within the "
+                "connection timeout");
+        if (zmq_poll(&it, 1, (long)left) < 0)
+            return fail(c, DSV4_CLIENT_INTERNAL, zmq_strerror(zmq_errno()));
+        if (!(it.revents & ZMQ_POLLIN))
+            continue;
+        e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
+        dsv4_msg_clear(&c->cur);
+        if (e == DSV4_OK) {
+            c->last_rx_ms = dsv4_now_ms();
+            return 0;
+        }
+        if (e == DSV4_ERR_SYS)
+            return fail(c, DSV4_CLIENT_INTERNAL, dsv4_errmsg());
+    }
+}
+
+int
+dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
+    struct dsv4_client **out)
+{
+    struct dsv4_client_opts o;
+    struct dsv4_zsock_cfg cfg;
+    char key[DSV4_ZSOCK_Z85_LEN + 1];
+    struct dsv4_client *c;
+    enum dsv4_err e;
+    int rc;
+
+    if (out == NULL || endpoint == NULL)
+        return DSV4_CLIENT_BAD_ARGUMENT;
+    *out = NULL;
+    dsv4_client_opts_init(&o);
+    if (opts != NULL)
+        memcpy(&o, opts, opts->size < sizeof(o) ? opts->size : sizeof(o));
+    if ((c = calloc(1, sizeof(*c))) == NULL)
+        return DSV4_CLIENT_NO_MEMORY;
+    if ((c->ctx = zmq_ctx_new()) == NULL) {
+        free(c);
+        return DSV4_CLIENT_INTERNAL;
+    }
+    dsv4_zsock_cfg_init(&cfg);
+    cfg.endpoint = endpoint;
+    cfg.type = ZMQ_DEALER;
+    cfg.bind = false;
+    cfg.curve = DSV4_CURVE_OFF;
+    if (o.server_key != NULL || o.server_key_file != NULL) {
+        cfg.curve = DSV4_CURVE_ON;
+        if (o.server_key == NULL) {
+            if ((e = dsv4_zsock_key_read(o.server_key_file, key)) != DSV4_OK) {
+                rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT, dsv4_errmsg());
+                goto err;
+            }
+            cfg.server_key = key;
+        } else {
+            cfg.server_key = o.server_key;
+        }
+    }
+    if ((c->sock = dsv4_zsock_open(c->ctx, &cfg, &e)) == NULL) {
+        rc = fail(c, e == DSV4_ERR_CONFIG ? DSV4_CLIENT_BAD_ARGUMENT : code_of(e),
+            dsv4_errmsg());
+        goto err;
+    }
+    c->conn_timeout_ms = o.connect_timeout_ms > 0 ? o.connect_timeout_ms : 0;
+    c->last_rx_ms = c->last_hb_ms = dsv4_now_ms();
+    if (c->conn_timeout_ms > 0 && (rc = await_server(c, c->conn_timeout_ms)) != 0)
+        goto err;
+    *out = c;
+    return 0;
+err:
+    dsv4_client_close(c);
+    return rc;
+}
+
+void
+dsv4_client_close(struct dsv4_client *c)
+{
+    if (c == NULL)
+        return;
+    dsv4_msg_clear(&c->cur);
+    dsv4_zsock_close(c->sock);
+    zmq_ctx_term(c->ctx);
+    free(c->reqs);
+    free(c);
+}
+
+static struct creq *
+req_find(struct dsv4_client *c, uint64_t id)
+{
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        if (c->reqs[i].id == id)
+            return &c->reqs[i];
+    }
+    return NULL;
+}
+
+static void
+req_remove(struct dsv4_client *c, struct creq *r)
+{
+    *r = c->reqs[--c->n_reqs];
+}
+
+static int
+submit(struct dsv4_client *c, const char *prompt, const int32_t *ids, size_t n_ids,
+    const struct dsv4_client_params *params, uint64_t *id)
+{
+    struct dsv4_client_params p;
+    struct dsv4_cli_generate *g;
+    struct dsv4_perr pe;
+    struct dsv4_msg m;
+    enum dsv4_err e;
+
+    if (c == NULL)
+        return DSV4_CLIENT_BAD_ARGUMENT;
+    dsv4_client_params_init(&p);
+    if (params != NULL)
+        memcpy(&p, params, params->size < sizeof(p) ? params->size : sizeof(p));
+    if (n_ids > DSV4_PROTO_MAX_PROMPT_TOKENS || p.n_stop > DSV4_PROTO_MAX_STOP ||
+        p.n_stop_ids > DSV4_PROTO_MAX_STOP_IDS)
+        return fail(c, DSV4_CLIENT_TOO_LARGE, "too many prompt ids, stop strings or stop ids");
+    if (c->n_reqs == c->cap_reqs) {
+        size_t cap = c->cap_reqs == 0 ? 16 : 2 * c->cap_reqs;
+        struct creq *r = realloc(c->reqs, cap * sizeof(*r));
+
+        if (r == NULL)
+            return fail(c, DSV4_CLIENT_NO_MEMORY, "out of memory");
+        c->reqs = r;
+        c->cap_reqs = cap;
+    }
+    dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_GENERATE);
+    g = &m.u.generate;
+    g->id = c->next_id + 1;
+    g->prompt = prompt;
+    g->tokens = ids;
+    g->n_tokens = (uint32_t)n_ids;
+    g->s.temperature = p.temperature;
+    g->s.top_p = p.top_p;
+    g->s.top_k = p.top_k;
+    g->s.seed = p.seed;
+    g->s.has_seed = p.has_seed != 0;
+    g->s.logprobs = p.logprobs != 0;
+    g->max_tokens = p.max_tokens;
+    g->stop = p.n_stop > 0 ? p.stop : NULL;
+    g->n_stop = (uint32_t)p.n_stop;
+    g->stop_ids = p.n_stop_ids > 0 ? p.stop_ids : NULL;
+    g->n_stop_ids = (uint32_t)p.n_stop_ids;
+    g->stream = p.stream != 0;
+    g->tag = p.tag;
+    g->timeout_ms = p.timeout_ms;
+    if ((g->stop == NULL && p.n_stop > 0) || (g->stop_ids == NULL && p.n_stop_ids > 0))
+        return fail(c, DSV4_CLIENT_BAD_ARGUMENT, "stop arrays are NULL");
+    memset(&pe, 0, sizeof(pe));
+    e = dsv4_zsock_send(c->sock, NULL, &m, 0, &pe);
+    if (e == DSV4_ERR_INVAL && pe.code != 0)
+        return fail(c, pe.code, pe.message);
+    if (e != DSV4_OK)
+        return fail(c, code_of(e), dsv4_errmsg());
+    c->next_id++;
+    c->reqs[c->n_reqs].id = g->id;
+    c->reqs[c->n_reqs].req = 0;
+    c->reqs[c->n_reqs].deadline_ms = p.timeout_ms > 0 ?
+        dsv4_now_ms() + p.timeout_ms + TIMEOUT_GRACE_MS : 0;
+    c->n_reqs++;
+    if (id != NULL)
+        *id = g->id;
+    return 0;
+}
+
+int
+dsv4_client_submit_text(struct dsv4_client *c, const char *prompt,
+    const struct dsv4_client_params *params, uint64_t *id)
+{
+    if (prompt == NULL)
+        return fail(c, DSV4_CLIENT_BAD_ARGUMENT, "prompt is NULL");
+    return submit(c, prompt, NULL, 0, params, id);
+}
+
+int
+dsv4_client_submit_tokens(struct dsv4_client *c, const int32_t *ids, size_t n_ids,
+    const struct dsv4_client_params *params, uint64_t *id)
+{
+    if (ids == NULL || n_ids == 0)
+        return fail(c, DSV4_CLIENT_BAD_ARGUMENT, "no prompt token ids");
+    return submit(c, NULL, ids, n_ids, params, id);
+}
+
+int
+dsv4_client_cancel(struct dsv4_client *c, uint64_t id)
+{
+    struct dsv4_msg m;
+    enum dsv4_err e;
+
+    if (c == NULL)
+        return DSV4_CLIENT_BAD_ARGUMENT;
+    if (req_find(c, id) == NULL)
+        return fail(c, DSV4_CLIENT_NOT_FOUND, "no such request in flight");
+    dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
+    m.u.cancel.id = id;
+    if ((e = dsv4_zsock_send(c->sock, NULL, &m, 0, NULL)) != DSV4_OK)
+        return fail(c, code_of(e), dsv4_errmsg());
+    return 0;
+}
+
+size_t
+dsv4_client_pending(const struct dsv4_client *c)
+{
+    return c == NULL ? 0 : c->n_reqs;
+}
+
+const char *
+dsv4_client_errmsg(const struct dsv4_client *c)
+{
+    return c == NULL ? "" : c->errmsg;
+}
+
+/* A final ERROR made here: the request's deadline passed, or the server is
+ * lost.  Returns true with *ev filled when one is due. */
+static bool
+local_event(struct dsv4_client *c, int64_t now, struct dsv4_client_event *ev)
+{
+    bool lost = c->conn_timeout_ms > 0 &&
+        now - c->last_rx_ms >= HB_IDLE_MS + c->conn_timeout_ms;
+
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        struct creq *r = &c->reqs[i];
+        struct dsv4_msg m;
+
+        if (!lost && (r->deadline_ms == 0 || now < r->deadline_ms))
+            continue;
+        memset(ev, 0, sizeof(*ev));
+        ev->type = DSV4_CLIENT_EV_ERROR;
+        ev->id = r->id;
+        ev->req = r->req;
+        ev->code = lost ? DSV4_CLIENT_UNREACHABLE : DSV4_CLIENT_TIMEOUT;
+        snprintf(c->ev_msg, sizeof(c->ev_msg), "%s", lost ?
+            "server did not answer (connection lost)" : "request timed out (no answer)");
+        ev->message = c->ev_msg;
+        if (!lost) {
+            /* Best effort: free the server side too. */
+            dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
+            m.u.cancel.id = r->id;
+            (void)dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL);
+        }
+        req_remove(c, r);
+        return true;
+    }
+    return false;
+}
+
+/* Turn the decoded message in c->cur into an event; false when it is not
+ * one the caller should see. */
+static bool
+to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
+{
+    const struct dsv4_msg *m = &c->cur;
+    struct creq *r;
+    uint64_t id;
+
+    memset(ev, 0, sizeof(*ev));
+    switch (m->cmd) {
+    case DSV4_CLI_OK: id = m->u.ok.id; break;
+    case DSV4_CLI_ERROR: id = m->u.error.id; break;
+    case DSV4_CLI_TOKENS: id = m->u.tokens.id; break;
+    case DSV4_CLI_DONE: id = m->u.done.id; break;
+    default: return false; /* HEARTBEAT, or a command a server does not send */
+    }
+    r = req_find(c, id);
+    if (r == NULL && !(m->cmd == DSV4_CLI_ERROR && id == 0))
+        return false;
+    ev->id = id;
+    switch (m->cmd) {
+    case DSV4_CLI_OK:
+        ev->type = DSV4_CLIENT_EV_ACCEPTED;
+        ev->req = r->req = m->u.ok.req;
+        ev->tag = m->u.ok.tag;
+        return true;
+    case DSV4_CLI_TOKENS:
+        ev->type = DSV4_CLIENT_EV_TOKENS;
+        ev->req = m->u.tokens.req;
+        ev->tokens = m->u.tokens.tokens;
+        ev->logprobs = m->u.tokens.logprobs;
+        ev->n_tokens = m->u.tokens.n_tokens;
+        ev->text = m->u.tokens.text;
+        return true;
+    case DSV4_CLI_DONE:
+        ev->type = DSV4_CLIENT_EV_DONE;
+        ev->req = m->u.done.req;
+        ev->finish = m->u.done.finish;
+        ev->prompt_tokens = m->u.done.prompt_tokens;
+        ev->completion_tokens = m->u.done.completion_tokens;
+        ev->tag = m->u.done.tag;
+        req_remove(c, r);
+        return true;
+    default:
+        ev->type = DSV4_CLIENT_EV_ERROR;
+        ev->req = m->u.error.req;
+        ev->code = m->u.error.code;
+        ev->message = m->u.error.message;
+        ev->tag = m->u.error.tag;
+        if (r != NULL)
+            req_remove(c, r);
+        return true;
+    }
+}
+
+int
+dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeout_ms)
+{
+    int64_t start = dsv4_now_ms(), now = start;
+
+    if (c == NULL || ev == NULL)
+        return DSV4_CLIENT_BAD_ARGUMENT;
+    dsv4_msg_clear(&c->cur);
+    for (;;) {
+        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+        int64_t wait = timeout_ms < 0 ? INT64_MAX : start + timeout_ms - now;
+        struct dsv4_perr pe;
+        enum dsv4_err e;
+        int rc;
+
+        if (local_event(c, now, ev))
+            return 0;
+        if (c->n_reqs == 0)
+            wait = 0; /* nothing to wait for; only drain stray messages */
+        if (c->n_reqs > 0) {
+            if (now - c->last_rx_ms >= HB_IDLE_MS && now - c->last_hb_ms >= HB_IDLE_MS &&
+                (rc = send_heartbeat(c)) != 0)
+                return rc;
+            /* Wake up for the next heartbeat, deadline or loss check. */
+            int64_t tick = HB_IDLE_MS;
+
+            for (size_t i = 0; i < c->n_reqs; i++) {
+                if (c->reqs[i].deadline_ms != 0 && c->reqs[i].deadline_ms - now < tick)
+                    tick = c->reqs[i].deadline_ms - now;
+            }
+            if (tick < 0)
+                tick = 0;
+            if (tick < wait)
+                wait = tick;
+        }
+        if (wait < 0)
+            wait = 0;
+        if (zmq_poll(&it, 1, (long)wait) < 0)
+            return fail(c, DSV4_CLIENT_INTERNAL, zmq_strerror(zmq_errno()));
+        now = dsv4_now_ms();
+        if (it.revents & ZMQ_POLLIN) {
+            e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
+            if (e == DSV4_ERR_SYS)
+                return fail(c, DSV4_CLIENT_INTERNAL, dsv4_errmsg());
+            if (e == DSV4_OK) {
+                c->last_rx_ms = now;
+                if (to_event(c, ev))
+                    return 0;
+                dsv4_msg_clear(&c->cur);
+            }
+            continue; /* malformed or ignored: look again */
+        }
+        if (timeout_ms >= 0 && now - start >= timeout_ms)
+            return DSV4_CLIENT_NONE;
+        if (c->n_reqs == 0)
+            return DSV4_CLIENT_NONE;
+    }
+}

@@ -1,0 +1,535 @@
+/*
+ * proto.h — the dsv4 wire protocol (docs/protocol.md, version 1): frame
+ * layout, sub-protocol command enums, status codes, limits, the decoded
+ * message structs and the msgpack codec.
+ *
+ * The codec is pure (no ZeroMQ): it turns a message into frames and frames
+ * into a message, validating everything on both paths (types, ranges, sizes,
+ * limits, frame count).  ipc/zsock.h sends and receives these over sockets.
+ * Used by the scheduler, the ranks, dsv4ctl and libdsv4client; no global
+ * state, safe to call from any thread on distinct messages.
+ *
+ * Ownership: a message being encoded borrows every pointer it holds from the
+ * caller.  A decoded message owns its strings and arrays (copies of the wire
+ * bytes) until dsv4_msg_clear(); handlers copy what they keep (STYLE 7.7).
+ */
+#ifndef DSV4_IPC_PROTO_H
+#define DSV4_IPC_PROTO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* --- Framing ------------------------------------------------------------ */
+
+#define DSV4_PROTO_SIG_LEN 6         /* bytes of frame 1 */
+#define DSV4_PROTO_SIG_CLI "DSV4C1"  /* client sub-protocol, version 1 */
+#define DSV4_PROTO_SIG_RANK "DSV4R1" /* rank sub-protocol, version 1 */
+#define DSV4_PROTO_SIG_CTL "DSV4A1"  /* admin sub-protocol, version 1 */
+#define DSV4_PROTO_HDR_FRAMES 4      /* delimiter, signature, command, body */
+
+/* --- Limits (docs/protocol.md §8) ------------------------------------------ */
+
+#define DSV4_PROTO_MAX_BODY (16u << 20)        /* bytes of the msgpack body frame */
+#define DSV4_PROTO_MAX_RAW 16                  /* raw frames after the body */
+#define DSV4_PROTO_MAX_FRAMES (DSV4_PROTO_HDR_FRAMES + DSV4_PROTO_MAX_RAW)
+#define DSV4_PROTO_MAX_PROMPT_BYTES (4u << 20) /* prompt text */
+#define DSV4_PROTO_MAX_PROMPT_TOKENS (1u << 20)
+#define DSV4_PROTO_MAX_NEW_TOKENS (1u << 20)   /* max_tokens */
+#define DSV4_PROTO_MAX_CTX (1u << 20)          /* model positions */
+#define DSV4_PROTO_MAX_TOP_K (1u << 20)
+#define DSV4_PROTO_MAX_TEMPERATURE 10.0
+#define DSV4_PROTO_MAX_STOP 16                 /* stop strings */
+#define DSV4_PROTO_MAX_STOP_BYTES 256          /* bytes per stop string */
+#define DSV4_PROTO_MAX_STOP_IDS 64
+#define DSV4_PROTO_MAX_TAG 128                 /* bytes */
+#define DSV4_PROTO_MAX_MESSAGE 1024            /* bytes of ERROR/RESULT message, reasons */
+#define DSV4_PROTO_MAX_HOST 255                /* bytes */
+#define DSV4_PROTO_MAX_CHUNK 4096              /* ids per client TOKENS */
+#define DSV4_PROTO_MAX_TEXT (1u << 20)         /* bytes of text per client TOKENS */
+#define DSV4_PROTO_MAX_BATCH 1024              /* entries per rank TOKENS */
+#define DSV4_PROTO_MAX_KV_PARTS 16             /* KV locations per DECODE */
+#define DSV4_PROTO_MAX_KV_SEGS 64              /* segments per KV location */
+#define DSV4_PROTO_MAX_HANDLE 65536            /* bytes of one KV handle frame */
+#define DSV4_PROTO_MAX_COMM_ID 256             /* bytes of comm_id */
+#define DSV4_PROTO_MAX_TIMEOUT_MS 86400000u    /* 24 h */
+#define DSV4_PROTO_MAX_DEPTH 4                 /* msgpack nesting */
+#define DSV4_PROTO_MAX_PENDING 65536           /* buffered output tokens per request */
+#define DSV4_PROTO_MAX_TARGET 32               /* bytes of admin drain target */
+#define DSV4_PROTO_MAX_VERSION 64              /* bytes of admin version string */
+#define DSV4_PROTO_MAX_TOKEN 2147483647        /* largest token id on the wire */
+
+/* Defaults of optional GENERATE fields. */
+#define DSV4_PROTO_DEFAULT_MAX_TOKENS 256
+#define DSV4_PROTO_DEFAULT_TEMPERATURE 1.0f
+#define DSV4_PROTO_DEFAULT_TOP_P 1.0f
+
+/* --- Sub-protocols and commands (append-only numbering) ----------------- */
+
+enum dsv4_sub {
+    DSV4_SUB_NONE = 0,
+    DSV4_SUB_CLI,  /* DSV4C1: clients <-> scheduler */
+    DSV4_SUB_RANK, /* DSV4R1: ranks <-> scheduler */
+    DSV4_SUB_CTL,  /* DSV4A1: dsv4ctl <-> scheduler */
+    DSV4_SUB__COUNT
+};
+
+/* Client sub-protocol commands (docs/protocol.md §4). */
+enum dsv4_cli {
+    DSV4_CLI_NONE = 0,
+    DSV4_CLI_GENERATE,  /* C->S  start a request (struct dsv4_cli_generate) */
+    DSV4_CLI_OK,        /* S->C  request accepted (struct dsv4_cli_ok) */
+    DSV4_CLI_ERROR,     /* S->C  request failed/refused (struct dsv4_error) */
+    DSV4_CLI_TOKENS,    /* S->C  streamed output chunk (struct dsv4_cli_tokens) */
+    DSV4_CLI_DONE,      /* S->C  request finished (struct dsv4_cli_done) */
+    DSV4_CLI_CANCEL,    /* C->S  cancel a request (struct dsv4_cli_cancel) */
+    DSV4_CLI_HEARTBEAT, /* both  liveness probe / answer; empty body */
+    DSV4_CLI__COUNT
+};
+
+/* Rank sub-protocol commands (docs/protocol.md §6). */
+enum dsv4_rank {
+    DSV4_RANK_NONE = 0,
+    DSV4_RANK_READY,        /* R->S  register (struct dsv4_rank_ready) */
+    DSV4_RANK_WELCOME,      /* S->R  registration accepted (struct dsv4_rank_welcome) */
+    DSV4_RANK_HEARTBEAT,    /* both  liveness when idle (struct dsv4_rank_heartbeat) */
+    DSV4_RANK_DISCONNECT,   /* both  link closing (struct dsv4_rank_disconnect) */
+    DSV4_RANK_PREFILL,      /* S->R  run a prompt (struct dsv4_rank_prefill) */
+    DSV4_RANK_PREFILL_DONE, /* R->S  first token + KV location (struct dsv4_rank_prefill_done) */
+    DSV4_RANK_DECODE,       /* S->R  import KV, start a stream (struct dsv4_rank_decode) */
+    DSV4_RANK_KV_RELEASE,   /* both  KV imported; exporter may free (struct dsv4_req_ref) */
+    DSV4_RANK_TOKENS,       /* R->S  one decode step's tokens (struct dsv4_rank_tokens) */
+    DSV4_RANK_DECODE_DONE,  /* R->S  stream ended on the rank (struct dsv4_rank_decode_done) */
+    DSV4_RANK_ABORT,        /* S->R  drop a request (struct dsv4_req_ref) */
+    DSV4_RANK_ABORT_DONE,   /* R->S  request's state freed (struct dsv4_req_ref) */
+    DSV4_RANK_DRAIN,        /* S->R  report when idle; empty body */
+    DSV4_RANK_DRAIN_DONE,   /* R->S  idle now; empty body */
+    DSV4_RANK_ERROR,        /* both  failure, maybe of one request (struct dsv4_error) */
+    DSV4_RANK__COUNT
+};
+
+/* Admin sub-protocol commands (docs/protocol.md §7). */
+enum dsv4_ctl {
+    DSV4_CTL_NONE = 0,
+    DSV4_CTL_SHOW_STATUS,   /* C->S  empty body */
+    DSV4_CTL_STATUS,        /* S->C  struct dsv4_ctl_status */
+    DSV4_CTL_SHOW_RANKS,    /* C->S  empty body */
+    DSV4_CTL_RANK,          /* S->C  one rank (struct dsv4_ctl_rank) */
+    DSV4_CTL_RANKS_END,     /* S->C  struct dsv4_count */
+    DSV4_CTL_SHOW_REQUESTS, /* C->S  empty body */
+    DSV4_CTL_REQUEST,       /* S->C  one request (struct dsv4_ctl_request) */
+    DSV4_CTL_REQUESTS_END,  /* S->C  struct dsv4_count */
+    DSV4_CTL_DRAIN,         /* C->S  struct dsv4_ctl_drain */
+    DSV4_CTL_UNDRAIN,       /* C->S  struct dsv4_ctl_drain (timeout_ms unused) */
+    DSV4_CTL_RESULT,        /* S->C  final status of a command (struct dsv4_error) */
+    DSV4_CTL__COUNT
+};
+
+/* Wire status codes (docs/protocol.md §3); append-only. */
+enum dsv4_status {
+    DSV4_STATUS_OK = 200,
+    DSV4_STATUS_BUSY = 300,
+    DSV4_STATUS_DRAINING = 301,
+    DSV4_STATUS_BAD_MESSAGE = 400,
+    DSV4_STATUS_BAD_ARGUMENT = 401,
+    DSV4_STATUS_NOT_FOUND = 404,
+    DSV4_STATUS_TIMEOUT = 408,
+    DSV4_STATUS_CANCELLED = 409,
+    DSV4_STATUS_TOO_LARGE = 413,
+    DSV4_STATUS_SLOW_CONSUMER = 429,
+    DSV4_STATUS_INTERNAL = 500,
+    DSV4_STATUS_NOT_SUPPORTED = 501,
+    DSV4_STATUS_NO_MEMORY = 503,
+    DSV4_STATUS_UNREACHABLE = 504, /* client library only; never sent */
+};
+
+/* --- Field enumerations (wire: strings; index 0 is never sent) ---------- */
+
+enum dsv4_finish {
+    DSV4_FINISH_NONE = 0,
+    DSV4_FINISH_STOP,      /* "stop": stop string or stop id */
+    DSV4_FINISH_LENGTH,    /* "length": max_tokens reached */
+    DSV4_FINISH_CANCELLED, /* "cancelled" */
+    DSV4_FINISH__COUNT
+};
+
+enum dsv4_role {
+    DSV4_ROLE_NONE = 0,
+    DSV4_ROLE_PREFILL, /* "prefill" */
+    DSV4_ROLE_DECODE,  /* "decode" */
+    DSV4_ROLE__COUNT
+};
+
+enum dsv4_transport {
+    DSV4_TRANSPORT_NONE = 0,
+    DSV4_TRANSPORT_SHM,     /* "shm": POSIX shared memory (CPU backend) */
+    DSV4_TRANSPORT_CUDAIPC, /* "cudaipc": cudaIpcMemHandle_t on one host */
+    DSV4_TRANSPORT_UCX,     /* "ucx": UCX rkey, across hosts */
+    DSV4_TRANSPORT__COUNT
+};
+
+/* Request states (docs/protocol.md §5). */
+enum dsv4_req_state {
+    DSV4_REQ_NONE = 0,
+    DSV4_REQ_QUEUED,     /* "queued" */
+    DSV4_REQ_PREFILLING, /* "prefilling" */
+    DSV4_REQ_HANDOFF,    /* "handoff" */
+    DSV4_REQ_DECODING,   /* "decoding" */
+    DSV4_REQ_DONE,       /* "done" */
+    DSV4_REQ_CANCELLED,  /* "cancelled" */
+    DSV4_REQ_FAILED,     /* "failed" */
+    DSV4_REQ__COUNT
+};
+
+/* Rank states as the scheduler sees them. */
+enum dsv4_rank_state {
+    DSV4_RANK_STATE_NONE = 0,
+    DSV4_RANK_STATE_JOINING,  /* "joining": READY seen, group incomplete */
+    DSV4_RANK_STATE_READY,    /* "ready" */
+    DSV4_RANK_STATE_DRAINING, /* "draining" */
+    DSV4_RANK_STATE_DRAINED,  /* "drained" */
+    DSV4_RANK_STATE_DEAD,     /* "dead": liveness expired */
+    DSV4_RANK_STATE__COUNT
+};
+
+/* --- Message bodies ------------------------------------------------------- */
+
+/* Sampling parameters shared by GENERATE, PREFILL and DECODE. */
+struct dsv4_sampling {
+    float temperature; /* [0, 10]; 0 = greedy; default 1 */
+    float top_p;       /* (0, 1]; default 1 */
+    uint32_t top_k;    /* 0 = off; <= DSV4_PROTO_MAX_TOP_K */
+    uint64_t seed;     /* valid iff has_seed */
+    bool has_seed;     /* false: the scheduler picks a seed */
+    bool logprobs;     /* report the sampled token's log-probability */
+};
+
+struct dsv4_cli_generate {
+    uint64_t id;                /* client's id, >= 1 */
+    const char *prompt;         /* UTF-8 text, or NULL when tokens given */
+    const int32_t *tokens;      /* prompt ids, or NULL when prompt given */
+    uint32_t n_tokens;          /* length of tokens */
+    struct dsv4_sampling s;
+    uint32_t max_tokens;        /* [1, DSV4_PROTO_MAX_NEW_TOKENS]; default 256 */
+    const char *const *stop;    /* stop strings (NULL when none) */
+    uint32_t n_stop;            /* <= DSV4_PROTO_MAX_STOP */
+    const int32_t *stop_ids;    /* stop token ids (NULL when none) */
+    uint32_t n_stop_ids;        /* <= DSV4_PROTO_MAX_STOP_IDS */
+    bool stream;                /* default true */
+    const char *tag;            /* NULL = none */
+    uint32_t timeout_ms;        /* 0 = none */
+};
+
+struct dsv4_cli_ok {
+    uint64_t id;     /* client's id */
+    uint64_t req;    /* scheduler's id */
+    const char *tag; /* echoed; NULL = none */
+};
+
+/* ERROR (client, rank) and RESULT (admin).  Rank ERROR has no id/tag;
+ * admin RESULT has only code and message. */
+struct dsv4_error {
+    uint64_t id;         /* client's id; 0 = unknown */
+    uint64_t req;        /* scheduler's id; 0 = none */
+    uint16_t code;       /* enum dsv4_status value, 100..599 */
+    const char *message; /* human-readable, <= DSV4_PROTO_MAX_MESSAGE bytes */
+    const char *tag;     /* echoed; NULL = none */
+};
+
+struct dsv4_cli_tokens {
+    uint64_t id;
+    uint64_t req;
+    const int32_t *tokens;  /* n_tokens ids */
+    const float *logprobs;  /* n_tokens values, or NULL when not requested */
+    uint32_t n_tokens;      /* [1, DSV4_PROTO_MAX_CHUNK] */
+    const char *text;       /* UTF-8 piece; may be "" */
+};
+
+struct dsv4_cli_done {
+    uint64_t id;
+    uint64_t req;
+    enum dsv4_finish finish;
+    uint32_t prompt_tokens;
+    uint32_t completion_tokens;
+    const char *tag; /* NULL = none */
+};
+
+struct dsv4_cli_cancel {
+    uint64_t id;
+};
+
+struct dsv4_rank_ready {
+    enum dsv4_role role;
+    uint32_t index;      /* unit instance number, unique per role */
+    uint32_t group;      /* model replica */
+    uint32_t group_rank; /* < group_size */
+    uint32_t group_size; /* >= 1 */
+    uint32_t capacity;   /* prompts (prefill) or stream slots (decode) */
+    uint32_t max_ctx;    /* longest sequence the KV pool holds */
+    const char *host;
+    uint32_t pid;        /* 0 = unknown */
+    uint32_t transports; /* bit (1 << enum dsv4_transport) per supported kind */
+};
+
+struct dsv4_rank_welcome {
+    uint32_t heartbeat_ms;  /* [10, 600000] */
+    uint32_t liveness;      /* [1, 100] */
+    uint32_t comm_epoch;
+    const uint8_t *comm_id; /* NCCL unique id; NULL = none */
+    uint32_t comm_id_len;   /* <= DSV4_PROTO_MAX_COMM_ID */
+};
+
+struct dsv4_rank_heartbeat {
+    uint32_t active; /* requests held now */
+};
+
+struct dsv4_rank_disconnect {
+    const char *reason; /* NULL = none */
+};
+
+struct dsv4_rank_prefill {
+    uint64_t req;
+    const int32_t *tokens; /* prompt (+ emitted tokens on a re-run) */
+    uint32_t n_tokens;     /* [1, DSV4_PROTO_MAX_PROMPT_TOKENS] */
+    struct dsv4_sampling s;
+    uint32_t step;         /* output tokens already emitted (RNG position) */
+    uint32_t dst_group;    /* decode group that will import the KV */
+    enum dsv4_transport transport;
+};
+
+/* One exported KV shard (docs/protocol.md §6.2).  The handle rides in a raw
+ * frame; segments are (offset, size) pairs inside the exported region. */
+struct dsv4_kv_loc {
+    uint32_t part;                 /* < n_parts */
+    uint32_t n_parts;              /* [1, DSV4_PROTO_MAX_KV_PARTS] */
+    enum dsv4_transport transport;
+    uint32_t n_tokens;             /* positions covered */
+    const uint64_t *sizes;         /* n_seg byte sizes */
+    const uint64_t *offsets;       /* n_seg byte offsets */
+    uint32_t n_seg;                /* [1, DSV4_PROTO_MAX_KV_SEGS]; both arrays */
+    const uint8_t *handle;         /* opaque transport handle */
+    uint32_t handle_len;           /* [1, DSV4_PROTO_MAX_HANDLE] */
+};
+
+struct dsv4_rank_prefill_done {
+    uint64_t req;
+    int32_t token;       /* first sampled token */
+    float logprob;       /* valid iff has_logprob */
+    bool has_logprob;
+    struct dsv4_kv_loc kv[1];
+    uint32_t n_kv;       /* always 1 */
+};
+
+struct dsv4_rank_decode {
+    uint64_t req;
+    uint32_t slot;         /* stream slot in the decode group */
+    int32_t token;         /* token to feed first */
+    uint32_t pos;          /* its position = tokens whose KV is present */
+    uint32_t max_tokens;   /* tokens the rank may still emit */
+    struct dsv4_sampling s;
+    const int32_t *stop_ids;
+    uint32_t n_stop_ids;
+    struct dsv4_kv_loc kv[DSV4_PROTO_MAX_KV_PARTS];
+    uint32_t n_kv;         /* [1, DSV4_PROTO_MAX_KV_PARTS] */
+};
+
+/* KV_RELEASE, ABORT, ABORT_DONE. */
+struct dsv4_req_ref {
+    uint64_t req;
+};
+
+struct dsv4_rank_tokens {
+    uint64_t step;         /* decode step counter of the group */
+    const uint64_t *reqs;  /* n entries */
+    const int32_t *tokens; /* n entries */
+    const float *logprobs; /* n entries, or NULL */
+    uint32_t n;            /* [1, DSV4_PROTO_MAX_BATCH]; all arrays */
+};
+
+struct dsv4_rank_decode_done {
+    uint64_t req;
+    enum dsv4_finish finish;
+    uint32_t n_tokens; /* tokens emitted for the request */
+};
+
+struct dsv4_ctl_status {
+    const char *version;
+    uint64_t uptime_ms;
+    bool draining;
+    uint32_t n_ranks;
+    uint32_t n_ranks_ready;
+    uint32_t n_queued;
+    uint32_t n_running;
+    uint64_t n_done;
+    uint64_t n_failed;
+};
+
+struct dsv4_ctl_rank {
+    enum dsv4_role role;
+    uint32_t index;
+    uint32_t group;
+    uint32_t group_rank;
+    const char *host;
+    enum dsv4_rank_state state;
+    uint32_t active;
+    uint32_t capacity;
+    uint64_t last_seen_ms;
+};
+
+struct dsv4_ctl_request {
+    uint64_t req;
+    enum dsv4_req_state state;
+    const char *tag; /* NULL = none */
+    uint32_t prompt_tokens;
+    uint32_t completion_tokens;
+    uint64_t age_ms;
+};
+
+/* RANKS_END, REQUESTS_END. */
+struct dsv4_count {
+    uint32_t count;
+};
+
+struct dsv4_ctl_drain {
+    const char *target;  /* "all", "prefill@N" or "decode@N" */
+    uint32_t timeout_ms; /* DRAIN only; 0 = wait forever */
+};
+
+/*
+ * One message of any sub-protocol.  `u` holds the body named in the command
+ * enum's comment; commands with an empty body use no member.  Initialise with
+ * dsv4_msg_init() (sets the documented defaults), release a decoded message
+ * with dsv4_msg_clear().
+ */
+struct dsv4_msg {
+    enum dsv4_sub sub;
+    int cmd; /* enum dsv4_cli / dsv4_rank / dsv4_ctl value of `sub` */
+    union {
+        struct dsv4_cli_generate generate;
+        struct dsv4_cli_ok ok;
+        struct dsv4_error error; /* CLI ERROR, RANK ERROR, CTL RESULT */
+        struct dsv4_cli_tokens tokens;
+        struct dsv4_cli_done done;
+        struct dsv4_cli_cancel cancel;
+        struct dsv4_rank_ready ready;
+        struct dsv4_rank_welcome welcome;
+        struct dsv4_rank_heartbeat heartbeat;
+        struct dsv4_rank_disconnect disconnect;
+        struct dsv4_rank_prefill prefill;
+        struct dsv4_rank_prefill_done prefill_done;
+        struct dsv4_rank_decode decode;
+        struct dsv4_req_ref ref; /* KV_RELEASE, ABORT, ABORT_DONE */
+        struct dsv4_rank_tokens step;
+        struct dsv4_rank_decode_done decode_done;
+        struct dsv4_ctl_status status;
+        struct dsv4_ctl_rank rank;
+        struct dsv4_ctl_request request;
+        struct dsv4_count count; /* RANKS_END, REQUESTS_END */
+        struct dsv4_ctl_drain drain;
+    } u;
+    void *mem; /* decoder-owned copies; freed by dsv4_msg_clear */
+};
+
+/* A borrowed byte range: one ZeroMQ frame. */
+struct dsv4_frame {
+    const void *data;
+    size_t len;
+};
+
+/* Encoded message: header frames, body and raw frames, ready to send.
+ * Frame 0 (empty delimiter) is implicit. */
+struct dsv4_wire {
+    uint8_t sig[DSV4_PROTO_SIG_LEN];            /* frame 1 */
+    uint8_t cmd;                                /* frame 2 */
+    char *body;                                 /* frame 3; malloc'd */
+    size_t body_len;
+    uint32_t n_raw;                             /* frames 4.. */
+    struct dsv4_frame raw[DSV4_PROTO_MAX_RAW];  /* borrowed from the message */
+};
+
+/* Why a message was refused: a wire status code and a message for the
+ * ERROR/RESULT reply, plus what could be recovered of the message so the
+ * reply can be addressed (sub = NONE when the signature was bad). */
+struct dsv4_perr {
+    uint16_t code;                      /* enum dsv4_status */
+    enum dsv4_sub sub;                  /* sub-protocol, when recognised */
+    int cmd;                            /* command, when recognised; else 0 */
+    uint64_t id;                        /* body's "id" if readable; else 0 */
+    uint64_t req;                       /* body's "req" if readable; else 0 */
+    char message[DSV4_PROTO_MAX_MESSAGE / 4]; /* short human-readable reason */
+};
+
+/* --- Codec ------------------------------------------------------------- */
+
+/* Set `m` to command `cmd` of `sub` with every field at its documented
+ * default (and mem = NULL).  Does not validate cmd; encode does. */
+void dsv4_msg_init(struct dsv4_msg *m, enum dsv4_sub sub, int cmd);
+
+/* Free what a decode allocated and reset `m` to an empty message; idempotent.
+ * Pointers previously read from `m` become invalid. */
+void dsv4_msg_clear(struct dsv4_msg *m);
+
+/*
+ * Validate `m` and encode it into `w` (body malloc'd; raw frames borrowed
+ * from `m`, so `m` must outlive `w`).  Returns DSV4_OK, DSV4_ERR_INVAL for a
+ * value out of range / limit exceeded / unknown command (reason in `pe` if
+ * not NULL and in dsv4_errmsg()), DSV4_ERR_NOMEM.  On failure `w` holds
+ * nothing to free.  Release with dsv4_wire_clear().
+ */
+enum dsv4_err dsv4_msg_encode(const struct dsv4_msg *m, struct dsv4_wire *w,
+    struct dsv4_perr *pe);
+
+/* Free the body of `w`; idempotent. */
+void dsv4_wire_clear(struct dsv4_wire *w);
+
+/*
+ * Decode one message from its frames (after the routing envelope: frame 0 is
+ * the empty delimiter).  On success `m` owns copies of all data and the
+ * frames may be released.  On failure returns DSV4_ERR_PROTO (bad framing,
+ * types, missing keys: code 400), DSV4_ERR_INVAL (401 out of range, 413 too
+ * large) or DSV4_ERR_NOMEM, fills `pe` (required) and leaves `m` cleared.
+ * Never reads outside the frames; accepts any input.
+ */
+enum dsv4_err dsv4_msg_decode(struct dsv4_msg *m, const struct dsv4_frame *frames,
+    size_t n_frames, struct dsv4_perr *pe);
+
+/* True when both messages have the same command and field values (strings
+ * and arrays compared by content).  For tests and the fuzzers. */
+bool dsv4_msg_equal(const struct dsv4_msg *a, const struct dsv4_msg *b);
+
+/* --- Names and codes --------------------------------------------------- */
+
+/* "GENERATE", "PREFILL_DONE", ... for logs; "?" when unknown.  Never NULL. */
+const char *dsv4_proto_cmd_name(enum dsv4_sub sub, int cmd);
+
+/* "DSV4C1"-style signature of `sub` (6 bytes, not NUL-terminated in the
+ * wire, but this string is); NULL for DSV4_SUB_NONE / out of range. */
+const char *dsv4_proto_sig(enum dsv4_sub sub);
+
+/* Wire string of an enumeration value ("stop", "decode", "cudaipc",
+ * "handoff", "draining"); NULL when out of range. */
+const char *dsv4_finish_name(enum dsv4_finish f);
+const char *dsv4_role_name(enum dsv4_role r);
+const char *dsv4_transport_name(enum dsv4_transport t);
+const char *dsv4_req_state_name(enum dsv4_req_state s);
+const char *dsv4_rank_state_name(enum dsv4_rank_state s);
+
+/* Map an internal error to its wire status (one table, docs §3). */
+uint16_t dsv4_proto_code_from_err(enum dsv4_err e);
+
+/* Map a wire status back to the closest internal error (200 -> DSV4_OK). */
+enum dsv4_err dsv4_proto_err_from_code(uint16_t code);
+
+/* Short static description of a wire status ("bad argument"); never NULL. */
+const char *dsv4_proto_code_str(uint16_t code);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
