@@ -987,6 +987,26 @@ dsv4_config_write(const struct dsv4_config *cfg, const char *path)
 
 /* --- overrides ------------------------------------------------------------ */
 
+/* The table's spelling of `key` (in section `sect`, given by name or NULL
+ * for the root; aliases map to the main key), or NULL if unknown. */
+static const char *
+known_key(const char *sect, const char *key)
+{
+    for (size_t i = 0; i < N_FIELDS; i++) {
+        const struct cfg_field *fd = &cfg_fields[i];
+        const char *want = "";
+
+        for (size_t j = 0; j < N_FIELDS; j++)
+            if (cfg_fields[j].type == T_OBJ && cfg_fields[j].sub == fd->sect)
+                want = cfg_fields[j].key;
+        if (strcmp(sect != NULL ? sect : "", want) != 0)
+            continue;
+        if (strcmp(fd->key, key) == 0 || (fd->alias != NULL && strcmp(fd->alias, key) == 0))
+            return fd->key;
+    }
+    return NULL;
+}
+
 /* Apply one "key=value" (key may be "section.key") to the document. */
 static enum dsv4_err
 apply_assign(json_object *root, const char *assign)
@@ -994,7 +1014,7 @@ apply_assign(json_object *root, const char *assign)
     const char *eq = strchr(assign, '=');
     char key[128], *dot;
     json_object *obj = root, *v, *sub;
-    const char *value;
+    const char *value, *canon;
 
     if (eq == NULL || eq == assign || (size_t)(eq - assign) >= sizeof(key))
         return dsv4_err_set(DSV4_ERR_INVAL, "override '%s': want key=value", assign);
@@ -1003,8 +1023,12 @@ apply_assign(json_object *root, const char *assign)
     value = eq + 1;
 
     dot = strchr(key, '.');
-    if (dot != NULL) {
+    if (dot != NULL)
         *dot = '\0';
+    canon = known_key(dot != NULL ? key : NULL, dot != NULL ? dot + 1 : key);
+    if (canon == NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "override '%s': unknown config field", assign);
+    if (dot != NULL) {
         if (!json_object_object_get_ex(root, key, &sub) || sub == NULL) {
             sub = json_object_new_object();
             if (!json_add(root, key, sub))
@@ -1014,8 +1038,8 @@ apply_assign(json_object *root, const char *assign)
             return dsv4_err_set(DSV4_ERR_INVAL, "override '%s': '%s' is not an object", assign,
                                 key);
         obj = sub;
-        memmove(key, dot + 1, strlen(dot + 1) + 1);
     }
+    memmove(key, canon, strlen(canon) + 1);
     /* JSON if it parses as one (numbers, lists, true, null), else a string */
     {
         struct json_tokener *tok = json_tokener_new();

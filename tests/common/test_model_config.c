@@ -448,6 +448,9 @@ test_override(void **state)
     const char *bad2[] = { "num_key_value_heads=null" };
     const char *bad3[] = { "novalue" };
     const char *bad4[] = { "hidden_size=abc" };
+    const char *bad5[] = { "hiden_size=256" };
+    const char *bad6[] = { "rope_scaling.hidden_size=256" };
+    const char *ok3[] = { "dtype=float32", "rope_scaling.rope_type=yarn" };
 
     (void)state;
     assert_int_equal(dsv4_config_preset(&c, "tiny"), DSV4_OK);
@@ -474,7 +477,13 @@ test_override(void **state)
     assert_int_equal(dsv4_config_override(&c, 1, bad3), DSV4_ERR_INVAL);
     assert_int_equal(dsv4_config_override(&c, 1, bad4), DSV4_ERR_CONFIG);
     assert_non_null(strstr(dsv4_errmsg(), "hidden_size"));
+    /* a misspelt key is refused, not ignored */
+    assert_int_equal(dsv4_config_override(&c, 1, bad5), DSV4_ERR_INVAL);
+    assert_non_null(strstr(dsv4_errmsg(), "hiden_size"));
+    assert_int_equal(dsv4_config_override(&c, 1, bad6), DSV4_ERR_INVAL);
     assert_memory_equal(&c, &before, sizeof(c));
+    assert_int_equal(dsv4_config_override(&c, 2, ok3), DSV4_OK);
+    assert_string_equal(c.torch_dtype, "float32");
 }
 
 int
