@@ -1,0 +1,167 @@
+/*
+ * cpu_sample.c — token sampling (greedy, temperature, top-k, top-p) with a
+ * counter-based generator, so a draw depends only on (seed, step).
+ *
+ * The algorithm, which any other backend must follow to draw the same tokens:
+ *   1. greedy (temperature == 0): the argmax, lowest id on ties.
+ *   2. z_i = logits_i / temperature (fp32 division).
+ *   3. candidates: with top_k in [1, V) the top_k best z by (z desc, id asc);
+ *      otherwise, when top_p < 1, all V in that order; otherwise all V in id
+ *      order (no sorting needed).
+ *   4. weights p_i = exp((double)(z_i - zmax)) with zmax the largest z;
+ *      top_p < 1 keeps the shortest prefix of the candidates whose running
+ *      sum (double, candidate order) reaches top_p times the candidates' total;
+ *      the kept prefix's sum is the total mass M.
+ *   5. u = (splitmix64(seed ^ (step * 0xD1B54A32D192ED03)) >> 11) * 2^-53 in
+ *      [0, 1); the pick is the first candidate whose running sum exceeds
+ *      u * M (the last kept one if rounding leaves none).
+ * out_logprob = logits[id] - (m + log Σ_i exp(logits_i - m)), m = max logit,
+ * the sum in double (temperature 1, all V tokens).
+ * Invalid parameters (temperature < 0 or not finite, top_k < 0, top_p not in
+ * (0, 1]) give DSV4_ERR_INVAL.  Rows run in parallel.
+ */
+#include "kernels/cpu/cpu.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+struct sample_job {
+    int32_t *out_ids;
+    float *out_logprob;
+    const float *logits;
+    const struct dsv4_sample_params *params;
+    int V;
+    float *z;                 /* (n_threads, V) */
+    struct cpu_pick *heap;    /* (n_threads, V) */
+    int32_t *cand;            /* (n_threads, V) */
+};
+
+static uint64_t
+splitmix64(uint64_t x)
+{
+    uint64_t z = x + 0x9E3779B97F4A7C15ull;
+
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static int
+argmax(const float *l, int V)
+{
+    int best = 0;
+
+    for (int i = 1; i < V; i++)
+        if (l[i] > l[best])
+            best = i;
+    return best;
+}
+
+static int
+sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_params *sp,
+           int tid)
+{
+    int V = j->V, n;
+    float *z = j->z + (int64_t)tid * V;
+    int32_t *cand = j->cand + (int64_t)tid * V;
+    float zmax;
+    double total = 0.0, target, cum = 0.0;
+    uint64_t bits;
+
+    if (sp->temperature == 0.0f)
+        return argmax(l, V);
+    for (int i = 0; i < V; i++)
+        z[i] = l[i] / sp->temperature;
+    if ((sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f) {
+        int K = sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
+
+        n = cpu_topk(cand, z, V, K, j->heap + (int64_t)tid * V);
+    } else {
+        for (int i = 0; i < V; i++)
+            cand[i] = i;
+        n = V;
+    }
+    zmax = z[argmax(z, V)];
+    for (int i = 0; i < n; i++)
+        total += exp((double)(z[cand[i]] - zmax));
+    if (sp->top_p < 1.0f) {
+        double lim = (double)sp->top_p * total;
+        int keep = 0;
+
+        cum = 0.0;
+        while (keep < n) {
+            cum += exp((double)(z[cand[keep]] - zmax));
+            keep++;
+            if (cum >= lim)
+                break;
+        }
+        n = keep;
+        total = cum;
+    }
+    bits = splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
+    target = (double)(bits >> 11) * 0x1p-53 * total;
+    cum = 0.0;
+    for (int i = 0; i < n; i++) {
+        cum += exp((double)(z[cand[i]] - zmax));
+        if (target < cum)
+            return cand[i];
+    }
+    return cand[n - 1];
+}
+
+static void
+sample_task(void *ctx, int64_t begin, int64_t end, int tid)
+{
+    const struct sample_job *j = ctx;
+
+    for (int64_t r = begin; r < end; r++) {
+        const float *l = j->logits + r * j->V;
+        int id = sample_row(j, l, &j->params[r], tid);
+
+        j->out_ids[r] = id;
+        if (j->out_logprob != NULL) {
+            float m = l[argmax(l, j->V)];
+            double s = 0.0;
+
+            for (int i = 0; i < j->V; i++)
+                s += exp((double)(l[i] - m));
+            j->out_logprob[r] = (float)((double)l[id] - ((double)m + log(s)));
+        }
+    }
+}
+
+enum dsv4_err
+cpu_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const float *logits,
+           const struct dsv4_sample_params *params, int n, int V)
+{
+    struct sample_job j = { out_ids, out_logprob, logits, params, V, NULL, NULL, NULL };
+    int nthr = cpu_threads(be);
+
+    if (V < 1)
+        return dsv4_err_set(DSV4_ERR_INVAL, "sample: V=%d", V);
+    for (int r = 0; r < n; r++) {
+        const struct dsv4_sample_params *sp = &params[r];
+
+        if (!(sp->temperature >= 0.0f) || !isfinite(sp->temperature) || sp->top_k < 0 ||
+            !(sp->top_p > 0.0f && sp->top_p <= 1.0f))
+            return dsv4_err_set(DSV4_ERR_INVAL, "sample: row %d: bad parameters "
+                                "(temperature %g, top_k %d, top_p %g)", r,
+                                (double)sp->temperature, sp->top_k, (double)sp->top_p);
+    }
+    if (n <= 0)
+        return DSV4_OK;
+    j.z = malloc((size_t)nthr * V * sizeof(float));
+    j.heap = malloc((size_t)nthr * V * sizeof(struct cpu_pick));
+    j.cand = malloc((size_t)nthr * V * sizeof(int32_t));
+    if (j.z == NULL || j.heap == NULL || j.cand == NULL) {
+        free(j.z);
+        free(j.heap);
+        free(j.cand);
+        return dsv4_err_set(DSV4_ERR_NOMEM, "sample: no memory (V=%d)", V);
+    }
+    cpu_parallel_for(be, n, 1, sample_task, &j);
+    free(j.z);
+    free(j.heap);
+    free(j.cand);
+    return DSV4_OK;
+}
