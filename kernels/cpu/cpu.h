@@ -54,13 +54,20 @@ int cpu_threads(const struct dsv4_backend *be);
 
 /* --- shared numeric helpers (cpu_linear.c) -------------------------------- */
 
+/* Lanes of the canonical dot product. */
+#define CPU_LANES 8
+
 /*
- * The canonical fp32 dot product of every op: 16 interleaved partial sums
- * (lane l takes elements i with i % 16 == l, in order), then the lanes are
- * added pairwise (l and l+8, then +4, +2, +1).  Written so compilers
+ * The canonical fp32 dot product of every op: CPU_LANES interleaved partial
+ * sums (lane l takes elements i with i % CPU_LANES == l, in order), then the
+ * lanes are added pairwise (l and l+4, then +2, +1).  Written so compilers
  * vectorise it without reassociating.
  */
 float cpu_dot(const float *a, const float *b, int n);
+
+/* out[q] = cpu_dot(a, b_q, n) for q < 4, bit for bit, sharing loads of a. */
+void cpu_dot4(float *out, const float *a, const float *b0, const float *b1, const float *b2,
+              const float *b3, int n);
 
 /* Sum of squares with the same lane order as cpu_dot. */
 float cpu_sumsq(const float *a, int n);

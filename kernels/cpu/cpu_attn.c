@@ -30,7 +30,8 @@
  *   ascending order, then the compressed entries (ascending for HCA, in sel
  *   order for CSA).  s_j = cpu_dot(q, K_j) * scale; m = max s_j;
  *   den = Σ_j expf(s_j - m) + expf(sink - m); out = bf16((Σ_j e_j K_j) / den)
- *   with the weighted sum accumulated in fp32 in candidate order.
+ *   with the weighted sum accumulated in fp32 in candidate order.  Work items
+ *   are (row, group of 4 heads), which share the candidate loads.
  */
 #include "kernels/cpu/cpu.h"
 
@@ -358,6 +359,8 @@ out:
 
 /* --- attention ------------------------------------------------------------------------ */
 
+#define ATTN_HG 4   /* heads per work item (cpu_dot4) */
+
 struct attn_job {
     float *out;
     const float *q, *kv, *ring, *comp;
@@ -368,8 +371,8 @@ struct attn_job {
     float scale;
     int max_cand;               /* per-thread scratch capacity */
     const float **cand;         /* (n_threads, max_cand) */
-    float *sc;                  /* (n_threads, max_cand) */
-    float *acc;                 /* (n_threads, Dh) */
+    float *sc;                  /* (n_threads, ATTN_HG, max_cand) */
+    float *acc;                 /* (n_threads, ATTN_HG, Dh) */
 };
 
 /* Fill cand with row t's key vectors, in candidate order; returns the count. */
@@ -410,34 +413,59 @@ attn_task(void *ctx, int64_t begin, int64_t end, int tid)
 {
     const struct attn_job *j = ctx;
     const float **cand = j->cand + (int64_t)tid * j->max_cand;
-    float *sc = j->sc + (int64_t)tid * j->max_cand;
-    float *acc = j->acc + (int64_t)tid * j->Dh;
-    int Dh = j->Dh;
+    float *sc = j->sc + (int64_t)tid * ATTN_HG * j->max_cand;
+    float *acc = j->acc + (int64_t)tid * ATTN_HG * j->Dh;
+    int Dh = j->Dh, n_hg = (j->H + ATTN_HG - 1) / ATTN_HG;
 
     for (int64_t it = begin; it < end; it++) {
-        int t = (int)(it / j->H), h = (int)(it % j->H);
-        const float *q = j->q + it * Dh;
-        float *o = j->out + it * Dh;
+        int t = (int)(it / n_hg), h0 = (int)(it % n_hg) * ATTN_HG;
+        int nh = j->H - h0 < ATTN_HG ? j->H - h0 : ATTN_HG;
+        const float *q[ATTN_HG];
+        float m[ATTN_HG], den[ATTN_HG], d[ATTN_HG];
         int n = attn_candidates(j, t, cand);
-        float m = -INFINITY, den = 0.0f;
 
-        for (int c = 0; c < n; c++) {
-            sc[c] = cpu_dot(q, cand[c], Dh) * j->scale;
-            m = sc[c] > m ? sc[c] : m;
+        /* a group of heads shares every candidate load; a missing head
+         * repeats the group's first and is discarded */
+        for (int g = 0; g < ATTN_HG; g++) {
+            q[g] = j->q + ((int64_t)t * j->H + h0 + (g < nh ? g : 0)) * Dh;
+            m[g] = -INFINITY;
+            den[g] = 0.0f;
         }
-        for (int i = 0; i < Dh; i++)
+        for (int c = 0; c < n; c++) {
+            cpu_dot4(d, cand[c], q[0], q[1], q[2], q[3], Dh);
+            for (int g = 0; g < ATTN_HG; g++) {
+                float v = d[g] * j->scale;
+
+                sc[g * j->max_cand + c] = v;
+                m[g] = v > m[g] ? v : m[g];
+            }
+        }
+        for (int i = 0; i < ATTN_HG * Dh; i++)
             acc[i] = 0.0f;
         for (int c = 0; c < n; c++) {
-            float e = expf(sc[c] - m);
             const float *k = cand[c];
+            float e[ATTN_HG];
 
-            den += e;
-            for (int i = 0; i < Dh; i++)
-                acc[i] += e * k[i];
+            for (int g = 0; g < ATTN_HG; g++) {
+                e[g] = expf(sc[g * j->max_cand + c] - m[g]);
+                den[g] += e[g];
+            }
+            for (int i = 0; i < Dh; i++) {
+                float kv = k[i];
+
+                acc[i] += e[0] * kv;
+                acc[Dh + i] += e[1] * kv;
+                acc[2 * Dh + i] += e[2] * kv;
+                acc[3 * Dh + i] += e[3] * kv;
+            }
         }
-        den += expf(j->sink[h] - m);
-        for (int i = 0; i < Dh; i++)
-            o[i] = dsv4_bf16_round(acc[i] / den);
+        for (int g = 0; g < nh; g++) {
+            float *o = j->out + ((int64_t)t * j->H + h0 + g) * Dh;
+            float dg = den[g] + expf(j->sink[h0 + g] - m[g]);
+
+            for (int i = 0; i < Dh; i++)
+                o[i] = dsv4_bf16_round(acc[g * Dh + i] / dg);
+        }
     }
 }
 
@@ -475,15 +503,15 @@ cpu_attention(struct dsv4_backend *be, float *out, const float *q, const float *
     j.scale = scale;
     j.max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
     j.cand = malloc((size_t)nthr * j.max_cand * sizeof(*j.cand));
-    j.sc = malloc((size_t)nthr * j.max_cand * sizeof(float));
-    j.acc = malloc((size_t)nthr * Dh * sizeof(float));
+    j.sc = malloc((size_t)nthr * ATTN_HG * j.max_cand * sizeof(float));
+    j.acc = malloc((size_t)nthr * ATTN_HG * Dh * sizeof(float));
     if (j.cand == NULL || j.sc == NULL || j.acc == NULL) {
         free(j.cand);
         free(j.sc);
         free(j.acc);
         return dsv4_err_set(DSV4_ERR_NOMEM, "cpu attention: no memory");
     }
-    cpu_parallel_for(be, (int64_t)T * H, 1, attn_task, &j);
+    cpu_parallel_for(be, (int64_t)T * ((H + ATTN_HG - 1) / ATTN_HG), 1, attn_task, &j);
     free(j.cand);
     free(j.sc);
     free(j.acc);

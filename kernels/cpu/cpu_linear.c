@@ -33,9 +33,9 @@
 
 /* --- dot products ------------------------------------------------------------ */
 
-#define LANES 16
+#define LANES CPU_LANES
 
-/* Add the 16 lanes pairwise (l + 8, then + 4, + 2, + 1). */
+/* Add the lanes pairwise (l + 4, then + 2, + 1). */
 static inline float
 lanes_sum(float *acc)
 {
@@ -57,6 +57,35 @@ cpu_dot(const float *a, const float *b, int n)
     for (int l = 0; i + l < n; l++)
         acc[l] += a[i + l] * b[i + l];
     return lanes_sum(acc);
+}
+
+void
+cpu_dot4(float *out, const float *a, const float *b0, const float *b1, const float *b2,
+         const float *b3, int n)
+{
+    float s0[LANES] = { 0 }, s1[LANES] = { 0 }, s2[LANES] = { 0 }, s3[LANES] = { 0 };
+    int i = 0;
+
+    for (; i + LANES <= n; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            float av = a[i + l];
+
+            s0[l] += av * b0[i + l];
+            s1[l] += av * b1[i + l];
+            s2[l] += av * b2[i + l];
+            s3[l] += av * b3[i + l];
+        }
+    }
+    for (int l = 0; i + l < n; l++) {
+        s0[l] += a[i + l] * b0[i + l];
+        s1[l] += a[i + l] * b1[i + l];
+        s2[l] += a[i + l] * b2[i + l];
+        s3[l] += a[i + l] * b3[i + l];
+    }
+    out[0] = lanes_sum(s0);
+    out[1] = lanes_sum(s1);
+    out[2] = lanes_sum(s2);
+    out[3] = lanes_sum(s3);
 }
 
 float
@@ -193,15 +222,34 @@ cpu_lin_rows(float *out, int64_t out_stride, const struct cpu_lin_src *src, cons
     for (int i = 0; i < n_rows; i++) {
         int64_t r = rows != NULL ? rows[i] : i;
         const float *xr = src->x + r * src->stride;
+        const float *sx = src->sx != NULL ? src->sx + r * nb : NULL;
         float *o = out + (int64_t)i * out_stride;
+        int n = n0;
 
-        for (int n = n0; n < n1; n++) {
+        /* four weight rows at a time share the loads of x */
+        for (; n + 4 <= n1; n += 4) {
+            const float *w = wbuf + (int64_t)(n - n0) * K;
+            float acc[4] = { 0 }, d[4];
+
+            if (sx != NULL) {
+                for (int b = 0; b < nb; b++) {
+                    int c = b * QBLK;
+
+                    cpu_dot4(d, xr + c, w + c, w + K + c, w + 2 * K + c, w + 3 * K + c, QBLK);
+                    for (int q = 0; q < 4; q++)
+                        acc[q] += sx[b] * d[q];
+                }
+            } else {
+                cpu_dot4(acc, xr, w, w + K, w + 2 * K, w + 3 * K, K);
+            }
+            for (int q = 0; q < 4; q++)
+                o[n - n0 + q] = round_bf16 ? dsv4_bf16_round(acc[q]) : acc[q];
+        }
+        for (; n < n1; n++) {
             const float *w = wbuf + (int64_t)(n - n0) * K;
             float acc;
 
-            if (src->sx != NULL) {
-                const float *sx = src->sx + r * nb;
-
+            if (sx != NULL) {
                 acc = 0.0f;
                 for (int b = 0; b < nb; b++)
                     acc += sx[b] * cpu_dot(xr + b * QBLK, w + b * QBLK, QBLK);

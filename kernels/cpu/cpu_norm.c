@@ -39,16 +39,16 @@ norm_task(void *ctx, int64_t begin, int64_t end, int tid)
     for (int64_t r = begin; r < end; r++) {
         const float *x = j->x + r * D;
         float *o = j->out + r * D;
-        float acc[16] = { 0 };
+        float acc[CPU_LANES] = { 0 };
         float ss, rs;
 
         /* cpu_sumsq's lane order, on the bf16-rounded values */
         for (int i = 0; i < D; i++) {
             float v = dsv4_bf16_round(x[i]);
 
-            acc[i % 16] += v * v;
+            acc[i % CPU_LANES] += v * v;
         }
-        for (int w = 8; w > 0; w /= 2)
+        for (int w = CPU_LANES / 2; w > 0; w /= 2)
             for (int l = 0; l < w; l++)
                 acc[l] += acc[l + w];
         ss = acc[0];

@@ -447,6 +447,39 @@ test_linear_row_independent(void **state)
     }
 }
 
+/*
+ * Output columns are computed four at a time with a shared-load kernel and
+ * singly at the tail: both must give the same bits.  Each row of a 5-row
+ * weight alone (a 1-row weight) must reproduce that row's column.
+ */
+static void
+test_linear_column_independent(void **state)
+{
+    enum dsv4_wfmt fmts[2] = { DSV4_WFMT_FP8, DSV4_WFMT_BF16 };
+
+    (void)state;
+    for (int f = 0; f < 2; f++) {
+        struct dsv4_backend *be = mkbe(DSV4_NUMERICS_REF, 1);
+        struct tw w;
+        float *x = rand_bf16(3 * 256, 1.0), all[3 * 5], one[3];
+
+        tw_make(&w, fmts[f], 5, 256);
+        assert_int_equal(be->ops->linear(be, all, x, &w.L, 3, 0), DSV4_OK);
+        for (int r = 0; r < 5; r++) {
+            struct dsv4_linear L1 = w.L;
+
+            L1.n_out = 1;
+            L1.w = (const uint8_t *)w.L.w + (fmts[f] == DSV4_WFMT_BF16 ? 2 : 1) * r * 256;
+            assert_int_equal(be->ops->linear(be, one, x, &L1, 3, 0), DSV4_OK);
+            for (int t = 0; t < 3; t++)
+                assert_true(one[t] == all[t * 5 + r]);
+        }
+        tw_free(&w);
+        free(x);
+        dsv4_backend_destroy(be);
+    }
+}
+
 static void
 test_linear_grouped(void **state)
 {
@@ -1066,7 +1099,7 @@ attn_case_make(struct attn_case *c)
     static const int32_t row0[5] = { 0, 0, 0, 3, 3 }, pos0[5] = { 9, 9, 9, 2, 2 };
 
     c->T = 5;
-    c->H = 3;
+    c->H = 5;
     c->Dh = 32;
     c->win = 8;
     c->cap = 6;
@@ -1611,6 +1644,7 @@ main(void)
         cmocka_unit_test(test_linear),
         cmocka_unit_test(test_linear_quant_matters),
         cmocka_unit_test(test_linear_row_independent),
+        cmocka_unit_test(test_linear_column_independent),
         cmocka_unit_test(test_linear_grouped),
         cmocka_unit_test(test_rms_norm),
         cmocka_unit_test(test_rope),
