@@ -400,9 +400,11 @@ attn_candidates(const struct attn_job *j, int t, const float **cand)
         } else {
             const int32_t *sl = j->sel + (int64_t)t * j->K;
 
-            for (int i = 0; i < j->K; i++)
+            for (int i = 0; i < j->K; i++) {
+                assert(sl[i] < j->cap);
                 if (sl[i] >= 0)
                     cand[n++] = base + (int64_t)sl[i] * j->Dh;
+            }
         }
     }
     return n;

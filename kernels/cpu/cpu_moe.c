@@ -4,9 +4,9 @@
  *
  * router: logits = x · gate^T in fp32 (cpu_linear with DSV4_LIN_F32_OUT; the
  *   gate must be BF16), s = sqrtf(softplus(l)) with torch's softplus
- *   (l > 20 ? l : log1pf(expf(l))).  ids = tid2eid[token] (int64 -> int32) or
- *   the k best of s + bias (bias may be NULL), best first, ties to the lower
- *   expert id.  weights = (s[id] / Σ_j s[ids_j]) * route_scale, the sum taken
+ *   (l > 20 ? l : log1pf(expf(l))).  ids = tid2eid[token] (int64 -> int32;
+ *   the table is (V, k)) or the k best of s + bias (bias may be NULL), best
+ *   first, ties to the lower expert id.  weights = (s[id] / Σ_j s[ids_j]) * route_scale, the sum taken
  *   over j in order; HF numerics divide by (Σ + 1e-20) as transformers does.
  *   Otherwise identical in both modes.
  *
@@ -73,8 +73,10 @@ cpu_router(struct dsv4_backend *be, float *weights, int32_t *ids, const float *x
         for (int i = 0; i < E; i++)
             st[i] = sqrt_softplus(st[i]);
         if (tid2eid != NULL) {
-            for (int j = 0; j < k; j++)
+            for (int j = 0; j < k; j++) {
                 id[j] = (int32_t)tid2eid[(int64_t)tokens[t] * k + j];
+                assert(id[j] >= 0 && id[j] < E);
+            }
         } else {
             /* insertion into the sorted best-k list; strict '>' keeps the
              * lower id first on ties */
