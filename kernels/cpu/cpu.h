@@ -147,6 +147,8 @@ void cpu_lin_rows(float *out, int64_t out_stride, const struct cpu_lin_src *src,
 #define CPU_LIN_WBUF(K) ((size_t)CPU_LIN_NB * (size_t)(K))
 
 /* --- ops, by file ----------------------------------------------------------- */
+/* Each implements the kernels/backend.h op of the same name (its contract
+ * there); the file header says which rounding and order it uses. */
 
 /* cpu_linear.c */
 enum dsv4_err cpu_linear(struct dsv4_backend *be, float *out, const float *x,
