@@ -1083,6 +1083,31 @@ test_indexer_ties(void **state)
     dsv4_backend_destroy(be);
 }
 
+/*
+ * REF rounds the scores to bf16, HF does not: two entries scoring 1.0 and
+ * 1.001 tie under REF (lower index first) and not under HF.
+ */
+static void
+test_indexer_bf16_scores(void **state)
+{
+    int dI = 128, cap = 4;
+    int32_t slot = 0, pos = 7, sel[2];
+    float q[128] = { 1.0f }, w = 1.0f, keys[4 * 128] = { 0 };
+
+    (void)state;
+    keys[0] = 1.0f;
+    keys[128] = 1.001f;
+    for (int num = 0; num < 2; num++) {
+        struct dsv4_backend *be = mkbe(num == 0 ? DSV4_NUMERICS_REF : DSV4_NUMERICS_HF, 1);
+
+        assert_int_equal(be->ops->indexer_topk(be, sel, q, &w, keys, &slot, &pos, 1, 1, dI, cap,
+                                               4, 2), DSV4_OK);
+        assert_int_equal(sel[0], num == 0 ? 0 : 1);
+        assert_int_equal(sel[1], num == 0 ? 1 : 0);
+        dsv4_backend_destroy(be);
+    }
+}
+
 /* --- attention ------------------------------------------------------------------------------- */
 
 struct attn_case {
@@ -1654,6 +1679,7 @@ main(void)
         cmocka_unit_test(test_compress),
         cmocka_unit_test(test_indexer),
         cmocka_unit_test(test_indexer_ties),
+        cmocka_unit_test(test_indexer_bf16_scores),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_router_ties),
