@@ -139,36 +139,64 @@ sinkhorn(float *C, int n, int iters, float eps)
     }
 }
 
-struct pre_job {
+/*
+ * Phase 2 of hc_pre and hc_head, per token: pre (and for hc_pre post, comb
+ * with Sinkhorn) from the mix, then x_out = collapse(pre, X).  head: the
+ * hc_head form (n mix values, no post/comb).
+ */
+struct collapse_job {
     float *x_out, *post, *comb;
     const float *X, *mix;
     const struct dsv4_hc_w *hc;
-    int n, D, iters;
+    int n, D, iters, head;
     float hc_eps;
 };
 
 static void
-pre_task(void *ctx, int64_t begin, int64_t end, int tid)
+collapse_task(void *ctx, int64_t begin, int64_t end, int tid)
 {
-    const struct pre_job *j = ctx;
-    int n = j->n, M = (2 + n) * n;
+    const struct collapse_job *j = ctx;
+    int n = j->n, M = j->head ? n : (2 + n) * n;
     const float *sc = j->hc->scale, *base = j->hc->base;
 
     (void)tid;
     for (int64_t t = begin; t < end; t++) {
         const float *mx = j->mix + t * (M + 1);
         float pre[HC_MAX_N];
-        float *C = j->comb + t * n * n;
 
-        for (int k = 0; k < n; k++) {
+        for (int k = 0; k < n; k++)
             pre[k] = sigmoidf(mx[k] * sc[0] + base[k]) + j->hc_eps;
-            j->post[t * n + k] = 2.0f * sigmoidf(mx[n + k] * sc[1] + base[n + k]);
+        if (!j->head) {
+            float *C = j->comb + t * n * n;
+
+            for (int k = 0; k < n; k++)
+                j->post[t * n + k] = 2.0f * sigmoidf(mx[n + k] * sc[1] + base[n + k]);
+            for (int m = 0; m < n * n; m++)
+                C[m] = mx[2 * n + m] * sc[2] + base[2 * n + m];
+            sinkhorn(C, n, j->iters, j->hc_eps);
         }
-        for (int m = 0; m < n * n; m++)
-            C[m] = mx[2 * n + m] * sc[2] + base[2 * n + m];
-        sinkhorn(C, n, j->iters, j->hc_eps);
         hc_collapse(j->x_out + t * j->D, j->X + t * n * j->D, pre, n, j->D);
     }
+}
+
+/* Both phases of hc_pre / hc_head for the job j (X, hc, n, D set). */
+static enum dsv4_err
+collapse_run(struct dsv4_backend *be, struct collapse_job *j, int T, float norm_eps)
+{
+    int n = j->n, M = j->head ? n : (2 + n) * n;
+    float *mix;
+
+    if (n < 1 || n > HC_MAX_N || (!j->head && j->iters < 1))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu hc: n=%d iters=%d", n, j->iters);
+    if (T <= 0)
+        return DSV4_OK;
+    mix = hc_mix(be, j->X, j->hc->fn, T, M, n * j->D, norm_eps);
+    if (mix == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cpu hc: no memory");
+    j->mix = mix;
+    cpu_parallel_for(be, T, 1 + 16384 / (n * j->D), collapse_task, j);
+    free(mix);
+    return DSV4_OK;
 }
 
 enum dsv4_err
@@ -176,30 +204,9 @@ cpu_hc_pre(struct dsv4_backend *be, float *x_out, float *post, float *comb, cons
            const struct dsv4_hc_w *hc, int T, int n, int D, int iters, float hc_eps,
            float norm_eps)
 {
-    struct pre_job j;
-    int M = (2 + n) * n;
-    float *mix;
+    struct collapse_job j = { x_out, post, comb, X, NULL, hc, n, D, iters, 0, hc_eps };
 
-    if (n < 1 || n > HC_MAX_N || iters < 1)
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu hc_pre: n=%d iters=%d", n, iters);
-    if (T <= 0)
-        return DSV4_OK;
-    mix = hc_mix(be, X, hc->fn, T, M, n * D, norm_eps);
-    if (mix == NULL)
-        return dsv4_err_set(DSV4_ERR_NOMEM, "cpu hc_pre: no memory");
-    j.mix = mix;
-    j.x_out = x_out;
-    j.post = post;
-    j.comb = comb;
-    j.X = X;
-    j.hc = hc;
-    j.n = n;
-    j.D = D;
-    j.iters = iters;
-    j.hc_eps = hc_eps;
-    cpu_parallel_for(be, T, 1 + 16384 / (n * D), pre_task, &j);
-    free(mix);
-    return DSV4_OK;
+    return collapse_run(be, &j, T, norm_eps);
 }
 
 /* --- hc_post ---------------------------------------------------------------------------- */
@@ -248,53 +255,11 @@ cpu_hc_post(struct dsv4_backend *be, float *X_out, const float *f, const float *
 
 /* --- hc_head ------------------------------------------------------------------------------ */
 
-struct head_job {
-    float *x_out;
-    const float *X, *mix;
-    const struct dsv4_hc_w *hc;
-    int n, D;
-    float hc_eps;
-};
-
-static void
-head_task(void *ctx, int64_t begin, int64_t end, int tid)
-{
-    const struct head_job *j = ctx;
-    int n = j->n;
-
-    (void)tid;
-    for (int64_t t = begin; t < end; t++) {
-        const float *mx = j->mix + t * (n + 1);
-        float pre[HC_MAX_N];
-
-        for (int k = 0; k < n; k++)
-            pre[k] = sigmoidf(mx[k] * j->hc->scale[0] + j->hc->base[k]) + j->hc_eps;
-        hc_collapse(j->x_out + t * j->D, j->X + t * n * j->D, pre, n, j->D);
-    }
-}
-
 enum dsv4_err
 cpu_hc_head(struct dsv4_backend *be, float *x_out, const float *X, const struct dsv4_hc_w *hc,
             int T, int n, int D, float hc_eps, float norm_eps)
 {
-    struct head_job j;
-    float *mix;
+    struct collapse_job j = { x_out, NULL, NULL, X, NULL, hc, n, D, 0, 1, hc_eps };
 
-    if (n < 1 || n > HC_MAX_N)
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu hc_head: n=%d", n);
-    if (T <= 0)
-        return DSV4_OK;
-    mix = hc_mix(be, X, hc->fn, T, n, n * D, norm_eps);
-    if (mix == NULL)
-        return dsv4_err_set(DSV4_ERR_NOMEM, "cpu hc_head: no memory");
-    j.mix = mix;
-    j.x_out = x_out;
-    j.X = X;
-    j.hc = hc;
-    j.n = n;
-    j.D = D;
-    j.hc_eps = hc_eps;
-    cpu_parallel_for(be, T, 1 + 16384 / (n * D), head_task, &j);
-    free(mix);
-    return DSV4_OK;
+    return collapse_run(be, &j, T, norm_eps);
 }
