@@ -804,8 +804,8 @@ dsv4_msg_encode(const struct dsv4_msg *m, struct dsv4_wire *w, struct dsv4_perr 
     }
     memcpy(w->sig, subs[m->sub].sig, DSV4_PROTO_SIG_LEN);
     w->cmd = (uint8_t)m->cmd;
-    w->body = msgpack_sbuffer_release(&sb);
     w->body_len = sb.size;
+    w->body = msgpack_sbuffer_release(&sb);
     return DSV4_OK;
 }
 
@@ -1238,18 +1238,18 @@ dec_map(struct dctx *c, const msgpack_object *o, const struct field *f, size_t n
             continue; /* unknown keys are ignored */
         if (seen & (1ull << i))
             return perr(c->pe, DSV4_STATUS_BAD_MESSAGE, "%s: duplicate key", f[i].key);
-        if ((e = dec_value(c, &f[i], &kv->val, base)) != DSV4_OK)
-            return e;
         /* Arrays sharing one count must agree with those decoded before. */
-        if (is_array_type(f[i].type)) {
+        if (is_array_type(f[i].type) && kv->val.type == MSGPACK_OBJECT_ARRAY) {
             for (size_t j = 0; j < nf; j++) {
                 if (j != i && (seen & (1ull << j)) && f[j].aux == f[i].aux &&
                     is_array_type(f[j].type) &&
-                    *(uint32_t *)AT(base, f[j].aux, uint32_t) != kv->val.via.array.size)
+                    *AT(base, f[j].aux, uint32_t) != kv->val.via.array.size)
                     return perr(c->pe, DSV4_STATUS_BAD_ARGUMENT,
                         "%s and %s: lengths differ", f[j].key, f[i].key);
             }
         }
+        if ((e = dec_value(c, &f[i], &kv->val, base)) != DSV4_OK)
+            return e;
         seen |= 1ull << i;
     }
     for (size_t i = 0; i < nf; i++) {

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# run.sh [SECONDS] — build the protocol fuzz targets with clang's libFuzzer
+# (+ ASan + UBSan) and run each for SECONDS (default $FUZZ_SECONDS or 20) on
+# a scratch copy of its committed seed corpus (tests/fuzz/corpus/<target>/).
+# First replays every saved crash (tests/fuzz/crashes/<target>-*) as a
+# regression test.  New crash inputs are written to tests/fuzz/crashes/ and
+# fail the run.  Exits 77 (skipped) when clang cannot build a libFuzzer
+# program on this machine.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+secs=${1:-${FUZZ_SECONDS:-20}}
+cc=${FUZZ_CC:-clang}
+work=$(mktemp -d /tmp/dsv4-fuzz-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+flags=(-g -O1 -std=c11 -D_GNU_SOURCE -fsanitize=fuzzer,address,undefined
+       -fno-sanitize-recover=undefined -I"$root")
+printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; (void)n; return 0; }\n' \
+    >"$work/probe.c"
+if ! "$cc" "${flags[@]}" "$work/probe.c" -o "$work/probe" 2>/dev/null; then
+    echo "run.sh: $cc cannot build libFuzzer targets here: skip"
+    exit 77
+fi
+
+export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+failed=0
+n=1
+for t in cli rank ctl; do
+    bin="$work/fuzz_$t"
+    if ! "$cc" "${flags[@]}" -DFUZZ_SUB=$n "$here/fuzz_proto.c" "$root/ipc/proto.c" \
+            "$root/common/err.c" -lmsgpackc -lm -o "$bin"; then
+        echo "run.sh: building fuzz_$t failed"
+        exit 1
+    fi
+    n=$((n + 1))
+    for crash in "$here"/crashes/"$t"-*; do
+        [ -e "$crash" ] || continue
+        if ! "$bin" "$crash" >"$work/replay.log" 2>&1; then
+            tail -30 "$work/replay.log"
+            echo "run.sh: fuzz_$t: saved crash $crash still crashes"
+            failed=1
+        fi
+    done
+    mkdir -p "$work/corpus_$t"
+    if ! "$bin" -max_total_time="$secs" -timeout=10 -rss_limit_mb=4096 \
+            -artifact_prefix="$here/crashes/$t-" "$work/corpus_$t" "$here/corpus/$t" \
+            >"$work/$t.log" 2>&1; then
+        tail -40 "$work/$t.log"
+        echo "run.sh: fuzz_$t found a failure; input saved under tests/fuzz/crashes/"
+        failed=1
+    else
+        echo "run.sh: fuzz_$t: $(grep -Eo 'Done [0-9]+ runs' "$work/$t.log" | tail -1) in ${secs}s, no crash"
+    fi
+done
+exit $failed

@@ -1,0 +1,456 @@
+/*
+ * samples.c — sample messages for the protocol tests (see samples.h).  Values
+ * exercise every field type: optional fields present and absent, arrays,
+ * floats, enums, bin, raw KV handle frames.
+ */
+#include "tests/ipc/samples.h"
+
+#include <math.h>
+#include <string.h>
+
+static const int32_t prompt_ids[] = { 0, 1, 128000, 129279, 2147483647 };
+static const int32_t stop_ids[] = { 1, 128001 };
+static const char *const stops[] = { "\n\nUser:", "</s>", "\xc3\xa9t\xc3\xa9" };
+static const int32_t out_ids[] = { 42, 43, 44 };
+static const float out_lp[] = { -0.25f, 0.0f, -INFINITY };
+static const uint64_t reqs[] = { 7, 8, 18446744073709551615ull };
+static const uint64_t sizes[] = { 4096, 65536 };
+static const uint64_t offsets[] = { 0, 4096 };
+static const uint64_t sizes1[] = { 1 };
+static const uint64_t offsets1[] = { 123456789012ull };
+static const uint8_t handle_a[] = { 0xde, 0xad, 0xbe, 0xef, 0x00, 0x01 };
+static const uint8_t handle_b[] = { 'd', 's', 'v', '4', '-', 'k', 'v' };
+static const uint8_t comm_id[] = { 1, 2, 3, 4, 5, 6, 7, 8 };
+
+static void
+kv_fill(struct dsv4_kv_loc *kv, uint32_t part, uint32_t n_parts, enum dsv4_transport t)
+{
+    kv->part = part;
+    kv->n_parts = n_parts;
+    kv->transport = t;
+    kv->n_tokens = 1000;
+    kv->sizes = part == 0 ? sizes : sizes1;
+    kv->offsets = part == 0 ? offsets : offsets1;
+    kv->n_seg = part == 0 ? 2 : 1;
+    kv->handle = part == 0 ? handle_a : handle_b;
+    kv->handle_len = part == 0 ? sizeof(handle_a) : sizeof(handle_b);
+}
+
+static void
+sampling_fill(struct dsv4_sampling *s)
+{
+    s->temperature = 0.75f;
+    s->top_p = 0.5f;
+    s->top_k = 40;
+    s->seed = 12345678901234ull;
+    s->has_seed = true;
+    s->logprobs = true;
+}
+
+/* Each builder sets one sample; the table below names them. */
+static void
+s_generate_text(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_GENERATE);
+    m->u.generate.id = 1;
+    m->u.generate.prompt = "Hello, \xe4\xb8\x96\xe7\x95\x8c!";
+}
+
+static void
+s_generate_full(struct dsv4_msg *m)
+{
+    struct dsv4_cli_generate *g = &m->u.generate;
+
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_GENERATE);
+    g->id = 18446744073709551615ull;
+    g->tokens = prompt_ids;
+    g->n_tokens = 5;
+    sampling_fill(&g->s);
+    g->max_tokens = 1048576;
+    g->stop = stops;
+    g->n_stop = 3;
+    g->stop_ids = stop_ids;
+    g->n_stop_ids = 2;
+    g->stream = false;
+    g->tag = "batch-7";
+    g->timeout_ms = 30000;
+}
+
+static void
+s_cli_ok(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_OK);
+    m->u.ok.id = 1;
+    m->u.ok.req = 1000;
+    m->u.ok.tag = "batch-7";
+}
+
+static void
+s_cli_error(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_ERROR);
+    m->u.error.id = 3;
+    m->u.error.req = 0;
+    m->u.error.code = DSV4_STATUS_BAD_ARGUMENT;
+    m->u.error.message = "temperature: 11 out of range [0, 10]";
+}
+
+static void
+s_cli_tokens(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_TOKENS);
+    m->u.tokens.id = 1;
+    m->u.tokens.req = 1000;
+    m->u.tokens.tokens = out_ids;
+    m->u.tokens.logprobs = out_lp;
+    m->u.tokens.n_tokens = 3;
+    m->u.tokens.text = " wor";
+}
+
+static void
+s_cli_tokens_nolp(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_TOKENS);
+    m->u.tokens.id = 2;
+    m->u.tokens.req = 1001;
+    m->u.tokens.tokens = out_ids;
+    m->u.tokens.n_tokens = 1;
+    m->u.tokens.text = "";
+}
+
+static void
+s_cli_done(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_DONE);
+    m->u.done.id = 1;
+    m->u.done.req = 1000;
+    m->u.done.finish = DSV4_FINISH_LENGTH;
+    m->u.done.prompt_tokens = 5;
+    m->u.done.completion_tokens = 256;
+    m->u.done.tag = "batch-7";
+}
+
+static void
+s_cli_cancel(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
+    m->u.cancel.id = 1;
+}
+
+static void
+s_cli_heartbeat(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_HEARTBEAT);
+}
+
+static void
+s_ready(struct dsv4_msg *m)
+{
+    struct dsv4_rank_ready *r = &m->u.ready;
+
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_READY);
+    r->role = DSV4_ROLE_DECODE;
+    r->index = 3;
+    r->group = 1;
+    r->group_rank = 1;
+    r->group_size = 2;
+    r->capacity = 16;
+    r->max_ctx = 1048576;
+    r->host = "gpu-node-1";
+    r->pid = 4242;
+    r->transports = (1u << DSV4_TRANSPORT_SHM) | (1u << DSV4_TRANSPORT_CUDAIPC);
+}
+
+static void
+s_welcome(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_WELCOME);
+    m->u.welcome.heartbeat_ms = 1000;
+    m->u.welcome.liveness = 3;
+    m->u.welcome.comm_epoch = 2;
+    m->u.welcome.comm_id = comm_id;
+    m->u.welcome.comm_id_len = sizeof(comm_id);
+}
+
+static void
+s_rank_heartbeat(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    m->u.heartbeat.active = 12;
+}
+
+static void
+s_disconnect(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_DISCONNECT);
+    m->u.disconnect.reason = "unexpected PREFILL_DONE";
+}
+
+static void
+s_prefill(struct dsv4_msg *m)
+{
+    struct dsv4_rank_prefill *p = &m->u.prefill;
+
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_PREFILL);
+    p->req = 1000;
+    p->tokens = prompt_ids;
+    p->n_tokens = 5;
+    sampling_fill(&p->s);
+    p->step = 2;
+    p->dst_group = 1;
+    p->transport = DSV4_TRANSPORT_CUDAIPC;
+}
+
+static void
+s_prefill_done(struct dsv4_msg *m)
+{
+    struct dsv4_rank_prefill_done *p = &m->u.prefill_done;
+
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_PREFILL_DONE);
+    p->req = 1000;
+    p->token = 128000;
+    p->logprob = -1.5f;
+    p->has_logprob = true;
+    kv_fill(&p->kv[0], 0, 2, DSV4_TRANSPORT_CUDAIPC);
+    p->n_kv = 1;
+}
+
+static void
+s_decode(struct dsv4_msg *m)
+{
+    struct dsv4_rank_decode *d = &m->u.decode;
+
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_DECODE);
+    d->req = 1000;
+    d->slot = 15;
+    d->token = 128000;
+    d->pos = 5;
+    d->max_tokens = 255;
+    sampling_fill(&d->s);
+    d->s.has_seed = false;
+    d->s.seed = 0;
+    d->stop_ids = stop_ids;
+    d->n_stop_ids = 2;
+    kv_fill(&d->kv[0], 0, 2, DSV4_TRANSPORT_CUDAIPC);
+    kv_fill(&d->kv[1], 1, 2, DSV4_TRANSPORT_SHM);
+    d->n_kv = 2;
+}
+
+static void
+s_kv_release(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_KV_RELEASE);
+    m->u.ref.req = 1000;
+}
+
+static void
+s_rank_tokens(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_TOKENS);
+    m->u.step.step = 99;
+    m->u.step.reqs = reqs;
+    m->u.step.tokens = out_ids;
+    m->u.step.logprobs = out_lp;
+    m->u.step.n = 3;
+}
+
+static void
+s_decode_done(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_DECODE_DONE);
+    m->u.decode_done.req = 1000;
+    m->u.decode_done.finish = DSV4_FINISH_STOP;
+    m->u.decode_done.n_tokens = 17;
+}
+
+static void
+s_abort(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_ABORT);
+    m->u.ref.req = 1000;
+}
+
+static void
+s_abort_done(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_ABORT_DONE);
+    m->u.ref.req = 1000;
+}
+
+static void
+s_drain(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_DRAIN);
+}
+
+static void
+s_drain_done(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_DRAIN_DONE);
+}
+
+static void
+s_rank_error(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_ERROR);
+    m->u.error.req = 1000;
+    m->u.error.code = DSV4_STATUS_NO_MEMORY;
+    m->u.error.message = "kv_pool_alloc_pages: pool exhausted need=32 free=7";
+}
+
+static void
+s_show_status(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_SHOW_STATUS);
+}
+
+static void
+s_status(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_status *s = &m->u.status;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_STATUS);
+    s->version = "0.1.0";
+    s->uptime_ms = 86400123;
+    s->draining = true;
+    s->n_ranks = 4;
+    s->n_ranks_ready = 3;
+    s->n_queued = 10;
+    s->n_running = 16;
+    s->n_done = 5000000000ull;
+    s->n_failed = 2;
+}
+
+static void
+s_show_ranks(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_SHOW_RANKS);
+}
+
+static void
+s_ctl_rank(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_rank *r = &m->u.rank;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RANK);
+    r->role = DSV4_ROLE_PREFILL;
+    r->index = 0;
+    r->group = 0;
+    r->group_rank = 0;
+    r->host = "localhost";
+    r->state = DSV4_RANK_STATE_DRAINING;
+    r->active = 1;
+    r->capacity = 4;
+    r->last_seen_ms = 250;
+}
+
+static void
+s_ranks_end(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RANKS_END);
+    m->u.count.count = 1;
+}
+
+static void
+s_show_requests(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_SHOW_REQUESTS);
+}
+
+static void
+s_ctl_request(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_request *r = &m->u.request;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_REQUEST);
+    r->req = 1000;
+    r->state = DSV4_REQ_HANDOFF;
+    r->tag = "batch-7";
+    r->prompt_tokens = 5;
+    r->completion_tokens = 1;
+    r->age_ms = 1234;
+}
+
+static void
+s_requests_end(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_REQUESTS_END);
+    m->u.count.count = 0;
+}
+
+static void
+s_ctl_drain(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_DRAIN);
+    m->u.drain.target = "decode@3";
+    m->u.drain.timeout_ms = 60000;
+}
+
+static void
+s_undrain(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_UNDRAIN);
+    m->u.drain.target = "all";
+}
+
+static void
+s_result(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RESULT);
+    m->u.error.code = DSV4_STATUS_OK;
+    m->u.error.message = "drained";
+}
+
+static const struct {
+    const char *name;
+    void (*fill)(struct dsv4_msg *m);
+} table[] = {
+    { "cli_generate_text", s_generate_text },
+    { "cli_generate_full", s_generate_full },
+    { "cli_ok", s_cli_ok },
+    { "cli_error", s_cli_error },
+    { "cli_tokens", s_cli_tokens },
+    { "cli_tokens_nolp", s_cli_tokens_nolp },
+    { "cli_done", s_cli_done },
+    { "cli_cancel", s_cli_cancel },
+    { "cli_heartbeat", s_cli_heartbeat },
+    { "rank_ready", s_ready },
+    { "rank_welcome", s_welcome },
+    { "rank_heartbeat", s_rank_heartbeat },
+    { "rank_disconnect", s_disconnect },
+    { "rank_prefill", s_prefill },
+    { "rank_prefill_done", s_prefill_done },
+    { "rank_decode", s_decode },
+    { "rank_kv_release", s_kv_release },
+    { "rank_tokens", s_rank_tokens },
+    { "rank_decode_done", s_decode_done },
+    { "rank_abort", s_abort },
+    { "rank_abort_done", s_abort_done },
+    { "rank_drain", s_drain },
+    { "rank_drain_done", s_drain_done },
+    { "rank_error", s_rank_error },
+    { "ctl_show_status", s_show_status },
+    { "ctl_status", s_status },
+    { "ctl_show_ranks", s_show_ranks },
+    { "ctl_rank", s_ctl_rank },
+    { "ctl_ranks_end", s_ranks_end },
+    { "ctl_show_requests", s_show_requests },
+    { "ctl_request", s_ctl_request },
+    { "ctl_requests_end", s_requests_end },
+    { "ctl_drain", s_ctl_drain },
+    { "ctl_undrain", s_undrain },
+    { "ctl_result", s_result },
+};
+
+size_t
+samples_count(void)
+{
+    return sizeof(table) / sizeof(table[0]);
+}
+
+const char *
+samples_get(size_t i, struct dsv4_msg *m)
+{
+    table[i].fill(m);
+    return table[i].name;
+}

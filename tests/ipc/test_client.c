@@ -1,0 +1,407 @@
+/*
+ * test_client.c — libdsv4client against the stand-in scheduler
+ * (fake_sched.c) running in a thread on ipc:// in a temporary directory:
+ * connect, several requests in flight, text and token-id prompts, logprobs,
+ * stop ids, non-streamed output, cancel, server-side and client-side
+ * timeouts, refusals, local validation, and a server that goes away.
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "dsv4/client.h"
+#include "tests/ipc/fake_sched.h"
+
+#define WAIT_MS 10000 /* generous bound per event; only guards against hangs */
+#define MAX_OUT 4096
+
+struct server {
+    char dir[64];
+    char endpoint[128];
+    atomic_int stop;
+    pthread_t thread;
+};
+
+static void *
+server_main(void *arg)
+{
+    struct server *s = arg;
+
+    return (void *)(intptr_t)fake_sched_run(s->endpoint, &s->stop);
+}
+
+static int
+server_start(void **state)
+{
+    struct server *s = calloc(1, sizeof(*s));
+
+    snprintf(s->dir, sizeof(s->dir), "/tmp/dsv4-client-XXXXXX");
+    if (mkdtemp(s->dir) == NULL)
+        return -1;
+    snprintf(s->endpoint, sizeof(s->endpoint), "ipc://%s/client.sock", s->dir);
+    atomic_store(&s->stop, 0);
+    if (pthread_create(&s->thread, NULL, server_main, s) != 0)
+        return -1;
+    *state = s;
+    return 0;
+}
+
+static void
+server_stop(struct server *s)
+{
+    if (atomic_exchange(&s->stop, 1) == 0)
+        pthread_join(s->thread, NULL);
+}
+
+static int
+server_teardown(void **state)
+{
+    struct server *s = *state;
+    char path[256];
+
+    server_stop(s);
+    snprintf(path, sizeof(path), "%s/client.sock", s->dir);
+    unlink(path);
+    rmdir(s->dir);
+    free(s);
+    return 0;
+}
+
+static struct dsv4_client *
+connect_ok(struct server *s)
+{
+    struct dsv4_client *c = NULL;
+
+    assert_int_equal(dsv4_client_connect(s->endpoint, NULL, &c), 0);
+    assert_non_null(c);
+    return c;
+}
+
+/* Everything one request produced. */
+struct outcome {
+    uint64_t id;
+    bool accepted;
+    int32_t tokens[MAX_OUT];
+    float logprobs[MAX_OUT];
+    size_t n_tokens, n_chunks;
+    bool have_logprobs;
+    char text[MAX_OUT];
+    int final_type;           /* DONE or ERROR */
+    int finish, code;
+    uint32_t prompt_tokens, completion_tokens;
+    char tag[64];
+};
+
+/* Collect events until every outcome in `o` has its final event. */
+static void
+collect(struct dsv4_client *c, struct outcome *o, size_t n)
+{
+    size_t open = n;
+
+    while (open > 0) {
+        struct dsv4_client_event ev;
+        struct outcome *x = NULL;
+
+        assert_int_equal(dsv4_client_next(c, &ev, WAIT_MS), 0);
+        for (size_t i = 0; i < n; i++) {
+            if (o[i].id == ev.id)
+                x = &o[i];
+        }
+        assert_non_null(x);
+        assert_int_equal(x->final_type, 0); /* nothing after the final event */
+        switch (ev.type) {
+        case DSV4_CLIENT_EV_ACCEPTED:
+            assert_false(x->accepted);
+            assert_int_equal(x->n_tokens, 0);
+            assert_true(ev.req != 0);
+            x->accepted = true;
+            break;
+        case DSV4_CLIENT_EV_TOKENS:
+            assert_true(x->accepted);
+            assert_true(x->n_tokens + ev.n_tokens <= MAX_OUT);
+            memcpy(x->tokens + x->n_tokens, ev.tokens, ev.n_tokens * sizeof(int32_t));
+            if (ev.logprobs != NULL) {
+                memcpy(x->logprobs + x->n_tokens, ev.logprobs, ev.n_tokens * sizeof(float));
+                x->have_logprobs = true;
+            }
+            x->n_tokens += ev.n_tokens;
+            x->n_chunks++;
+            strncat(x->text, ev.text, sizeof(x->text) - strlen(x->text) - 1);
+            break;
+        case DSV4_CLIENT_EV_DONE:
+            x->final_type = ev.type;
+            x->finish = ev.finish;
+            x->prompt_tokens = ev.prompt_tokens;
+            x->completion_tokens = ev.completion_tokens;
+            if (ev.tag != NULL)
+                snprintf(x->tag, sizeof(x->tag), "%s", ev.tag);
+            open--;
+            break;
+        case DSV4_CLIENT_EV_ERROR:
+            x->final_type = ev.type;
+            x->code = ev.code;
+            assert_non_null(ev.message);
+            open--;
+            break;
+        default:
+            fail_msg("unknown event type %d", ev.type);
+        }
+    }
+}
+
+static void
+test_connect(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client_opts o;
+    struct dsv4_client *c = NULL;
+    struct dsv4_client_event ev;
+    char ep[256];
+
+    c = connect_ok(s);
+    assert_int_equal(dsv4_client_pending(c), 0);
+    /* No request in flight: next() returns at once. */
+    assert_int_equal(dsv4_client_next(c, &ev, -1), DSV4_CLIENT_NONE);
+    dsv4_client_close(c);
+
+    /* Nobody listening: the connection check fails with 504. */
+    dsv4_client_opts_init(&o);
+    o.connect_timeout_ms = 100;
+    snprintf(ep, sizeof(ep), "ipc://%s/nobody.sock", s->dir);
+    assert_int_equal(dsv4_client_connect(ep, &o, &c), DSV4_CLIENT_UNREACHABLE);
+    assert_null(c);
+    assert_int_equal(dsv4_client_connect(NULL, &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+    /* A key file that does not exist. */
+    o.server_key_file = "/nonexistent/server.pub";
+    assert_int_equal(dsv4_client_connect(s->endpoint, &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+}
+
+/* Three text requests interleaved on one connection. */
+static void
+test_many_in_flight(void **state)
+{
+    static const char *const prompts[] = { "abc", "Hello, world", "xy" };
+    static const uint32_t max[] = { 5, 30, 1 };
+    struct dsv4_client *c = connect_ok(*state);
+    struct dsv4_client_params p;
+    struct outcome o[3];
+
+    memset(o, 0, sizeof(o));
+    for (int i = 0; i < 3; i++) {
+        dsv4_client_params_init(&p);
+        p.max_tokens = max[i];
+        p.tag = i == 1 ? "second" : NULL;
+        assert_int_equal(dsv4_client_submit_text(c, prompts[i], &p, &o[i].id), 0);
+    }
+    assert_int_equal(dsv4_client_pending(c), 3);
+    assert_true(o[0].id != o[1].id && o[1].id != o[2].id);
+    collect(c, o, 3);
+    for (int i = 0; i < 3; i++) {
+        size_t plen = strlen(prompts[i]);
+
+        assert_int_equal(o[i].final_type, DSV4_CLIENT_EV_DONE);
+        assert_int_equal(o[i].finish, DSV4_CLIENT_FINISH_LENGTH);
+        assert_int_equal(o[i].n_tokens, max[i]);
+        assert_int_equal(o[i].completion_tokens, max[i]);
+        assert_int_equal(o[i].prompt_tokens, plen);
+        assert_false(o[i].have_logprobs);
+        for (uint32_t k = 0; k < max[i]; k++) {
+            assert_int_equal(o[i].tokens[k], (uint8_t)prompts[i][k % plen]);
+            assert_int_equal(o[i].text[k], prompts[i][k % plen]);
+        }
+        assert_int_equal(strlen(o[i].text), max[i]);
+    }
+    assert_string_equal(o[1].tag, "second");
+    assert_int_equal(dsv4_client_pending(c), 0);
+    dsv4_client_close(c);
+}
+
+/* Token-id prompt, logprobs, stop ids, and non-streamed output. */
+static void
+test_ids_logprobs_stop(void **state)
+{
+    static const int32_t ids[] = { 5, 6, 7, 8 };
+    static const int32_t stop[] = { 7 };
+    struct dsv4_client *c = connect_ok(*state);
+    struct dsv4_client_params p;
+    struct outcome o[2];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.logprobs = 1;
+    p.stop_ids = stop;
+    p.n_stop_ids = 1;
+    assert_int_equal(dsv4_client_submit_tokens(c, ids, 4, &p, &o[0].id), 0);
+    dsv4_client_params_init(&p);
+    p.stream = 0;
+    p.max_tokens = 6;
+    p.logprobs = 1;
+    assert_int_equal(dsv4_client_submit_tokens(c, ids, 4, &p, &o[1].id), 0);
+    collect(c, o, 2);
+
+    assert_int_equal(o[0].finish, DSV4_CLIENT_FINISH_STOP);
+    assert_int_equal(o[0].n_tokens, 3); /* the stop token is included */
+    assert_int_equal(o[0].tokens[2], 7);
+    assert_string_equal(o[0].text, "[5][6][7]");
+    assert_true(o[0].have_logprobs);
+    for (int k = 0; k < 3; k++)
+        assert_true(o[0].logprobs[k] == -(float)k / 8);
+    assert_int_equal(o[0].n_chunks, 3);
+
+    assert_int_equal(o[1].finish, DSV4_CLIENT_FINISH_LENGTH);
+    assert_int_equal(o[1].n_chunks, 1); /* stream = 0: one TOKENS event */
+    assert_int_equal(o[1].n_tokens, 6);
+    assert_string_equal(o[1].text, "[5][6][7][8][5][6]");
+    dsv4_client_close(c);
+}
+
+/* Cancel a long request after its first tokens; the other one continues. */
+static void
+test_cancel(void **state)
+{
+    struct dsv4_client *c = connect_ok(*state);
+    struct dsv4_client_params p;
+    struct dsv4_client_event ev;
+    uint64_t long_id, short_id;
+    bool cancelled = false, long_done = false, short_done = false;
+
+    dsv4_client_params_init(&p);
+    p.max_tokens = 1048576;
+    assert_int_equal(dsv4_client_submit_text(c, "forever", &p, &long_id), 0);
+    p.max_tokens = 3;
+    assert_int_equal(dsv4_client_submit_text(c, "abc", &p, &short_id), 0);
+    while (!long_done || !short_done) {
+        assert_int_equal(dsv4_client_next(c, &ev, WAIT_MS), 0);
+        if (ev.id == long_id && ev.type == DSV4_CLIENT_EV_TOKENS && !cancelled) {
+            assert_int_equal(dsv4_client_cancel(c, long_id), 0);
+            cancelled = true;
+        }
+        if (ev.type == DSV4_CLIENT_EV_DONE && ev.id == long_id) {
+            assert_true(cancelled);
+            assert_int_equal(ev.finish, DSV4_CLIENT_FINISH_CANCELLED);
+            long_done = true;
+        }
+        if (ev.type == DSV4_CLIENT_EV_DONE && ev.id == short_id) {
+            assert_int_equal(ev.finish, DSV4_CLIENT_FINISH_LENGTH);
+            short_done = true;
+        }
+        assert_int_not_equal(ev.type, DSV4_CLIENT_EV_ERROR);
+    }
+    /* Finished requests cannot be cancelled. */
+    assert_int_equal(dsv4_client_cancel(c, long_id), DSV4_CLIENT_NOT_FOUND);
+    dsv4_client_close(c);
+}
+
+/* The server's timeout (408 from the server) and the library's own (the
+ * server stays silent). */
+static void
+test_timeouts(void **state)
+{
+    struct dsv4_client *c = connect_ok(*state);
+    struct dsv4_client_params p;
+    struct outcome o[2];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.max_tokens = 1048576;
+    p.timeout_ms = 50;
+    assert_int_equal(dsv4_client_submit_text(c, "slow", &p, &o[0].id), 0);
+    assert_int_equal(dsv4_client_submit_text(c, "__stall__", &p, &o[1].id), 0);
+    collect(c, o, 2);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[0].code, DSV4_CLIENT_TIMEOUT);
+    assert_int_equal(o[1].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[1].code, DSV4_CLIENT_TIMEOUT);
+    assert_int_equal(o[1].n_tokens, 0);
+    assert_int_equal(dsv4_client_pending(c), 0);
+    dsv4_client_close(c);
+}
+
+/* Refusals: locally invalid parameters never leave the process; the server's
+ * ERROR ends a request. */
+static void
+test_refusals(void **state)
+{
+    static const char *const too_many[17] = { "a", "a", "a", "a", "a", "a", "a", "a", "a", "a",
+        "a", "a", "a", "a", "a", "a", "a" };
+    struct dsv4_client *c = connect_ok(*state);
+    struct dsv4_client_params p;
+    struct outcome o[1];
+    uint64_t id = 0;
+
+    dsv4_client_params_init(&p);
+    p.temperature = 11;
+    assert_int_equal(dsv4_client_submit_text(c, "x", &p, &id), DSV4_CLIENT_BAD_ARGUMENT);
+    assert_true(strlen(dsv4_client_errmsg(c)) > 0);
+    dsv4_client_params_init(&p);
+    p.max_tokens = 0;
+    assert_int_equal(dsv4_client_submit_text(c, "x", &p, &id), DSV4_CLIENT_BAD_ARGUMENT);
+    dsv4_client_params_init(&p);
+    p.stop = too_many;
+    p.n_stop = 17;
+    assert_int_equal(dsv4_client_submit_text(c, "x", &p, &id), DSV4_CLIENT_TOO_LARGE);
+    assert_int_equal(dsv4_client_submit_text(c, "bad \xff utf8", NULL, &id),
+        DSV4_CLIENT_BAD_MESSAGE);
+    assert_int_equal(dsv4_client_submit_text(c, NULL, NULL, &id), DSV4_CLIENT_BAD_ARGUMENT);
+    assert_int_equal(dsv4_client_submit_tokens(c, NULL, 0, NULL, &id),
+        DSV4_CLIENT_BAD_ARGUMENT);
+    assert_int_equal(dsv4_client_pending(c), 0);
+
+    memset(o, 0, sizeof(o));
+    assert_int_equal(dsv4_client_submit_text(c, "__busy__", NULL, &o[0].id), 0);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[0].code, DSV4_CLIENT_BUSY);
+    assert_false(o[0].accepted);
+    assert_string_equal(dsv4_client_strerror(DSV4_CLIENT_BUSY), "server busy, retry later");
+    assert_string_equal(dsv4_client_strerror(0), "success");
+    dsv4_client_close(c);
+}
+
+/* The server disappears with a request in flight: 504. */
+static void
+test_server_lost(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client_opts opts;
+    struct dsv4_client *c = NULL;
+    struct dsv4_client_params p;
+    struct outcome o[1];
+
+    dsv4_client_opts_init(&opts);
+    opts.connect_timeout_ms = 200;
+    assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    assert_int_equal(dsv4_client_submit_text(c, "__stall__", &p, &o[0].id), 0);
+    server_stop(s);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[0].code, DSV4_CLIENT_UNREACHABLE);
+    dsv4_client_close(c);
+}
+
+int
+main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_connect, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_many_in_flight, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_ids_logprobs_stop, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_cancel, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_timeouts, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_refusals, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_server_lost, server_start, server_teardown),
+    };
+
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
