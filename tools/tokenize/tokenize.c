@@ -8,9 +8,10 @@
  *   dsv4-tokenize --hex [...]
  *       lines are hex-encoded bytes (input with --encode, output with
  *       --decode), so any byte string, newlines included, fits on a line
- *   dsv4-tokenize --bench FILE [--repeat N] [--tokenizer PATH]
- *       encode the whole file as one string N times (default: until 2 s),
- *       print MB/s (one thread)
+ *   dsv4-tokenize --bench FILE [--repeat N] [--special] [--tokenizer PATH]
+ *       encode the file N times (default: until 2 s) and print MB/s (one
+ *       thread); NUL bytes split it into documents encoded one by one (a
+ *       file without NUL is one document)
  *
  * The trailing "\n" of each input line is not part of the text.  Exit 0 on
  * success, 1 on a tokenizer or input error (message on stderr).
@@ -31,8 +32,8 @@ usage(void)
         "usage: dsv4-tokenize [--tokenizer PATH] [--pypkg] [--special] "
         "[--hex]\n"
         "       dsv4-tokenize --decode [--tokenizer PATH] [--hex]\n"
-        "       dsv4-tokenize --bench FILE [--repeat N] [--tokenizer PATH] "
-        "[--pypkg]\n");
+        "       dsv4-tokenize --bench FILE [--repeat N] [--special] "
+        "[--tokenizer PATH] [--pypkg]\n");
     exit(2);
 }
 
@@ -76,8 +77,32 @@ now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Encode every NUL-separated document of buf[0..n); total ids in *ntok. */
 static int
-bench(struct dsv4_tok *tok, const char *file, long repeat)
+encode_docs(struct dsv4_tok *tok, const char *buf, size_t n, unsigned flags,
+    struct dsv4_tok_ids *ids, size_t *ntok)
+{
+    const char *p = buf, *end = buf + n, *nul;
+
+    *ntok = 0;
+    while (p < end) {
+        nul = memchr(p, '\0', (size_t)(end - p));
+        if (nul == NULL)
+            nul = end;
+        ids->len = 0;
+        if (dsv4_tok_encode(tok, p, (size_t)(nul - p), flags, ids) !=
+            DSV4_OK) {
+            fprintf(stderr, "dsv4-tokenize: %s\n", dsv4_errmsg());
+            return 1;
+        }
+        *ntok += ids->len;
+        p = nul + 1;
+    }
+    return 0;
+}
+
+static int
+bench(struct dsv4_tok *tok, const char *file, long repeat, unsigned flags)
 {
     FILE *f = fopen(file, "rb");
     struct dsv4_tok_ids ids = { 0 };
@@ -104,14 +129,11 @@ bench(struct dsv4_tok *tok, const char *file, long repeat)
     t0 = now_s();
     for (i = 0; repeat > 0 ? i < repeat : (i < 1 || now_s() - t0 < 2.0);
         i++) {
-        ids.len = 0;
-        if (dsv4_tok_encode(tok, buf, (size_t)sz, 0, &ids) != DSV4_OK) {
-            fprintf(stderr, "dsv4-tokenize: %s\n", dsv4_errmsg());
+        if (encode_docs(tok, buf, (size_t)sz, flags, &ids, &ntok) != 0) {
             free(buf);
             dsv4_tok_ids_free(&ids);
             return 1;
         }
-        ntok = ids.len;
     }
     t = now_s() - t0;
     printf("%s: %ld bytes, %zu tokens, %ld runs, %.3f s, %.2f MB/s\n", file,
@@ -280,7 +302,7 @@ main(int argc, char **argv)
         return 1;
     }
     if (bench_file != NULL)
-        rc = bench(tok, bench_file, repeat);
+        rc = bench(tok, bench_file, repeat, flags);
     else if (decode)
         rc = decode_lines(tok, hex);
     else
