@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# run_generate.sh FAKE_SCHED DSV4_GENERATE — dsv4-generate against the
+# stand-in scheduler (whose output echoes the prompt, see fake_sched.h):
+# text prompt, token ids with a stop id, stdin prompt, refusals.
+set -u
+fake=$1
+gen=$2
+dir=$(mktemp -d /tmp/dsv4-gen-XXXXXX)
+ep="ipc://$dir/client.sock"
+"$fake" "$ep" &
+pid=$!
+fail=0
+check() { # check NAME EXPECTED ACTUAL
+    if [ "$2" != "$3" ]; then echo "FAIL $1: expected [$2] got [$3]"; fail=1; else echo "ok $1"; fi
+}
+check text "abcab" "$("$gen" -e "$ep" -n 5 abc)"
+check ids "[5][6][7]" "$("$gen" -e "$ep" --ids --stop-id 7 '5,6 7 8')"
+check stdin "hi hi" "$(printf 'hi ' | "$gen" -e "$ep" -n 5)"
+check usage "finish=length prompt_tokens=2 completion_tokens=3" \
+    "$("$gen" -e "$ep" -n 3 --usage xy 2>&1 >/dev/null)"
+"$gen" -e "$ep" -t 11 x >/dev/null 2>&1; check bad-temperature 1 $?
+"$gen" -e "$ep" __busy__ >/dev/null 2>&1; check busy 1 $?
+"$gen" -e "$ep" -n 0 x >/dev/null 2>&1; check usage-error 2 $?
+"$gen" -e "ipc://$dir/nobody.sock" --connect-timeout 100 x >/dev/null 2>&1; check unreachable 1 $?
+kill "$pid"
+wait "$pid"
+rm -rf "$dir"
+exit $fail

@@ -1,0 +1,278 @@
+/*
+ * generate.c — dsv4-generate: send one prompt to the dsv4 scheduler and
+ * stream the completion to stdout (libdsv4client).
+ *
+ *   dsv4-generate [options] [PROMPT...]      prompt from the arguments, or
+ *                                            stdin when none are given
+ *   -e, --endpoint EP    scheduler client endpoint ($DSV4_ENDPOINT,
+ *                        default ipc:///run/dsv4/client.sock)
+ *   -K, --server-key F   CURVE public key file of the server (tcp endpoints)
+ *   -n, --max-tokens N   -t, --temperature T   -p, --top-p P   -k, --top-k K
+ *   -s, --seed S         -S, --stop STR (repeatable)   --stop-id ID (repeatable)
+ *   --ids                the prompt is token ids ("1 2 3" or "1,2,3")
+ *   --timeout MS         per-request timeout     --connect-timeout MS
+ *   --logprobs           print "id logprob" per token on stderr
+ *   --tag TAG            label shown by dsv4ctl requests
+ *   --usage              print "finish=… prompt_tokens=… completion_tokens=…" on stderr
+ *
+ * Exit status: 0 done, 1 the request failed (status code and message on
+ * stderr), 2 usage error.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dsv4/client.h"
+
+#define DEFAULT_ENDPOINT "ipc:///run/dsv4/client.sock"
+#define MAX_STOP 16
+#define MAX_STOP_IDS 64
+#define POLL_MS 200 /* wake up this often to notice SIGINT */
+
+enum {
+    OPT_STOP_ID = 256, OPT_IDS, OPT_TIMEOUT, OPT_CONNECT_TIMEOUT, OPT_LOGPROBS, OPT_TAG,
+    OPT_USAGE,
+};
+
+static volatile sig_atomic_t interrupted;
+
+static void
+on_sigint(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+static void
+usage(void)
+{
+    fprintf(stderr, "usage: dsv4-generate [-e endpoint] [-K keyfile] [-n max_tokens] "
+        "[-t temperature] [-p top_p]\n"
+        "                     [-k top_k] [-s seed] [-S stop]... [--stop-id id]... [--ids]\n"
+        "                     [--timeout ms] [--connect-timeout ms] [--logprobs] [--tag tag]\n"
+        "                     [--usage] [prompt ...]\n");
+    exit(2);
+}
+
+static long long
+num(const char *s, long long lo, long long hi, const char *what)
+{
+    char *end;
+    long long v;
+
+    errno = 0;
+    v = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi) {
+        fprintf(stderr, "dsv4-generate: bad %s: %s\n", what, s);
+        exit(2);
+    }
+    return v;
+}
+
+static float
+real(const char *s, const char *what)
+{
+    char *end;
+    float v = strtof(s, &end);
+
+    if (end == s || *end != '\0') {
+        fprintf(stderr, "dsv4-generate: bad %s: %s\n", what, s);
+        exit(2);
+    }
+    return v;
+}
+
+/* Join argv[0..argc) with spaces, or read stdin when argc == 0. */
+static char *
+prompt_read(int argc, char **argv)
+{
+    size_t len = 0, cap = 4096;
+    char *s = malloc(cap);
+    size_t n;
+
+    if (s == NULL)
+        return NULL;
+    if (argc > 0) {
+        s[0] = '\0';
+        for (int i = 0; i < argc; i++) {
+            size_t add = strlen(argv[i]) + 1;
+
+            if (len + add + 1 > cap) {
+                cap = 2 * (len + add + 1);
+                if ((s = realloc(s, cap)) == NULL)
+                    return NULL;
+            }
+            if (i > 0)
+                s[len++] = ' ';
+            memcpy(s + len, argv[i], add);
+            len += add - 1;
+        }
+        return s;
+    }
+    while ((n = fread(s + len, 1, cap - len - 1, stdin)) > 0) {
+        len += n;
+        if (len + 1 == cap && (s = realloc(s, cap *= 2)) == NULL)
+            return NULL;
+    }
+    s[len] = '\0';
+    return s;
+}
+
+/* Parse "1 2 3" / "1,2,3" into *ids; returns the count. */
+static size_t
+ids_parse(const char *s, int32_t **ids)
+{
+    size_t n = 0, cap = 64;
+    char *copy = strdup(s), *save = NULL;
+
+    *ids = malloc(cap * sizeof(**ids));
+    for (char *t = strtok_r(copy, " ,\t\n", &save); t != NULL;
+         t = strtok_r(NULL, " ,\t\n", &save)) {
+        if (n == cap)
+            *ids = realloc(*ids, (cap *= 2) * sizeof(**ids));
+        (*ids)[n++] = (int32_t)num(t, 0, 2147483647, "token id");
+    }
+    free(copy);
+    return n;
+}
+
+int
+main(int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        { "endpoint", required_argument, NULL, 'e' },
+        { "server-key", required_argument, NULL, 'K' },
+        { "max-tokens", required_argument, NULL, 'n' },
+        { "temperature", required_argument, NULL, 't' },
+        { "top-p", required_argument, NULL, 'p' },
+        { "top-k", required_argument, NULL, 'k' },
+        { "seed", required_argument, NULL, 's' },
+        { "stop", required_argument, NULL, 'S' },
+        { "stop-id", required_argument, NULL, OPT_STOP_ID },
+        { "ids", no_argument, NULL, OPT_IDS },
+        { "timeout", required_argument, NULL, OPT_TIMEOUT },
+        { "connect-timeout", required_argument, NULL, OPT_CONNECT_TIMEOUT },
+        { "logprobs", no_argument, NULL, OPT_LOGPROBS },
+        { "tag", required_argument, NULL, OPT_TAG },
+        { "usage", no_argument, NULL, OPT_USAGE },
+        { NULL, 0, NULL, 0 },
+    };
+    const char *endpoint = getenv("DSV4_ENDPOINT");
+    const char *stop[MAX_STOP];
+    int32_t stop_ids[MAX_STOP_IDS];
+    struct dsv4_client_params p;
+    struct dsv4_client_opts o;
+    struct dsv4_client *c;
+    bool as_ids = false, show_usage = false, cancelled = false;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    uint64_t id;
+    char *prompt;
+    int ch, rc, status = 1;
+
+    dsv4_client_params_init(&p);
+    dsv4_client_opts_init(&o);
+    while ((ch = getopt_long(argc, argv, "e:K:n:t:p:k:s:S:", longopts, NULL)) != -1) {
+        switch (ch) {
+        case 'e': endpoint = optarg; break;
+        case 'K': o.server_key_file = optarg; break;
+        case 'n': p.max_tokens = (uint32_t)num(optarg, 1, 1048576, "max tokens"); break;
+        case 't': p.temperature = real(optarg, "temperature"); break;
+        case 'p': p.top_p = real(optarg, "top-p"); break;
+        case 'k': p.top_k = (uint32_t)num(optarg, 0, 1048576, "top-k"); break;
+        case 's':
+            p.seed = (uint64_t)num(optarg, 0, INT64_MAX, "seed");
+            p.has_seed = 1;
+            break;
+        case 'S':
+            if (p.n_stop == MAX_STOP)
+                usage();
+            stop[p.n_stop++] = optarg;
+            break;
+        case OPT_STOP_ID:
+            if (p.n_stop_ids == MAX_STOP_IDS)
+                usage();
+            stop_ids[p.n_stop_ids++] = (int32_t)num(optarg, 0, 2147483647, "stop id");
+            break;
+        case OPT_IDS: as_ids = true; break;
+        case OPT_TIMEOUT: p.timeout_ms = (uint32_t)num(optarg, 0, 86400000, "timeout"); break;
+        case OPT_CONNECT_TIMEOUT:
+            o.connect_timeout_ms = (int)num(optarg, 0, 86400000, "connect timeout");
+            break;
+        case OPT_LOGPROBS: p.logprobs = 1; break;
+        case OPT_TAG: p.tag = optarg; break;
+        case OPT_USAGE: show_usage = true; break;
+        default: usage();
+        }
+    }
+    p.stop = stop;
+    p.stop_ids = stop_ids;
+    if (endpoint == NULL)
+        endpoint = DEFAULT_ENDPOINT;
+    if ((prompt = prompt_read(argc - optind, argv + optind)) == NULL) {
+        fprintf(stderr, "dsv4-generate: out of memory\n");
+        return 1;
+    }
+    if (as_ids && (n_ids = ids_parse(prompt, &ids)) == 0) {
+        fprintf(stderr, "dsv4-generate: --ids: no token ids in the prompt\n");
+        return 2;
+    }
+
+    if ((rc = dsv4_client_connect(endpoint, &o, &c)) != 0) {
+        fprintf(stderr, "dsv4-generate: %s: %d %s\n", endpoint, rc, dsv4_client_strerror(rc));
+        return 1;
+    }
+    rc = as_ids ? dsv4_client_submit_tokens(c, ids, n_ids, &p, &id) :
+                  dsv4_client_submit_text(c, prompt, &p, &id);
+    if (rc != 0) {
+        fprintf(stderr, "dsv4-generate: %d %s: %s\n", rc, dsv4_client_strerror(rc),
+            dsv4_client_errmsg(c));
+        goto out;
+    }
+    signal(SIGINT, on_sigint);
+    for (;;) {
+        struct dsv4_client_event ev;
+
+        if (interrupted && !cancelled) {
+            dsv4_client_cancel(c, id); /* ends with DONE cancelled */
+            cancelled = true;
+        }
+        rc = dsv4_client_next(c, &ev, POLL_MS);
+        if (rc == DSV4_CLIENT_NONE)
+            continue;
+        if (rc != 0) {
+            fprintf(stderr, "dsv4-generate: %d %s: %s\n", rc, dsv4_client_strerror(rc),
+                dsv4_client_errmsg(c));
+            break;
+        }
+        if (ev.type == DSV4_CLIENT_EV_TOKENS) {
+            fputs(ev.text, stdout);
+            fflush(stdout);
+            for (size_t i = 0; ev.logprobs != NULL && i < ev.n_tokens; i++)
+                fprintf(stderr, "%d %.6f\n", ev.tokens[i], ev.logprobs[i]);
+        } else if (ev.type == DSV4_CLIENT_EV_DONE) {
+            static const char *const finish[] = { "?", "stop", "length", "cancelled" };
+
+            putchar('\n');
+            if (show_usage)
+                fprintf(stderr, "finish=%s prompt_tokens=%u completion_tokens=%u\n",
+                    finish[ev.finish >= 1 && ev.finish <= 3 ? ev.finish : 0], ev.prompt_tokens,
+                    ev.completion_tokens);
+            status = 0;
+            break;
+        } else if (ev.type == DSV4_CLIENT_EV_ERROR) {
+            fprintf(stderr, "\ndsv4-generate: error %d %s: %s\n", ev.code,
+                dsv4_client_strerror(ev.code), ev.message);
+            break;
+        }
+    }
+out:
+    dsv4_client_close(c);
+    free(prompt);
+    free(ids);
+    return status;
+}
