@@ -166,7 +166,7 @@ main(int argc, char **argv)
     int32_t stop_ids[MAX_STOP_IDS];
     struct dsv4_client_params p;
     struct dsv4_client_opts o;
-    struct dsv4_client *c;
+    struct dsv4_client *c = NULL;
     bool as_ids = false, show_usage = false, cancelled = false;
     int32_t *ids = NULL;
     size_t n_ids = 0;
@@ -219,12 +219,13 @@ main(int argc, char **argv)
     }
     if (as_ids && (n_ids = ids_parse(prompt, &ids)) == 0) {
         fprintf(stderr, "dsv4-generate: --ids: no token ids in the prompt\n");
-        return 2;
+        status = 2;
+        goto out;
     }
 
     if ((rc = dsv4_client_connect(endpoint, &o, &c)) != 0) {
         fprintf(stderr, "dsv4-generate: %s: %d %s\n", endpoint, rc, dsv4_client_strerror(rc));
-        return 1;
+        goto out;
     }
     rc = as_ids ? dsv4_client_submit_tokens(c, ids, n_ids, &p, &id) :
                   dsv4_client_submit_text(c, prompt, &p, &id);
