@@ -1,0 +1,212 @@
+/*
+ * test_forward.c — the forward pass on the CPU backend is consistent with
+ * itself across the ways a sequence can be fed (issue 2, "Must show"):
+ *
+ *   - incremental decode reproduces a one-shot prefill, over >= 300 positions
+ *     crossing the window, r=4 and r=128 boundaries;
+ *   - chunked prefill with uneven chunks reproduces the one-shot prefill;
+ *   - a batch of sequences of different lengths gives each sequence's
+ *     single-sequence result (prefill and batched decode);
+ *   - the MTP head gives the same logits one-shot and incrementally.
+ *
+ * Usage: test_forward CHECKPOINT_DIR (made by dsv4-mkmodel; see
+ * run_forward.sh).  The comparison bound is 1e-6 of the largest logit: the
+ * CPU backend computes every row independently of the others, so the results
+ * are expected to be identical; the bound only allows for nothing.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "model_util.h"
+
+#define N_POS 300       /* positions: window 16, r=4 and r=128 boundaries crossed */
+#define REL_TOL 1e-6
+
+static const char *ckpt_dir;
+static struct tmodel tm;
+static int32_t ids[N_POS + 1];
+static float *ref;      /* (N_POS, V) one-shot prefill logits of ids, slot 0 */
+
+static void
+check_close(const float *got, const float *want, int64_t n, const char *what)
+{
+    double ma, d = tmodel_max_diff(want, got, n, &ma);
+
+    printf("# %s: max |diff| = %.3g (max |logit| %.3g)\n", what, d, ma);
+    assert_true(ma > 0);
+    assert_true(d <= REL_TOL * ma);
+}
+
+static int
+setup(void **state)
+{
+    (void)state;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 4, 512, N_POS);
+    tmodel_tokens(ids, N_POS + 1, tm.V, 7);
+    ref = malloc((size_t)N_POS * tm.V * sizeof(float));
+    assert_non_null(ref);
+    int32_t slot = 0, n = N_POS;
+    struct dsv4_batch b = { 1, &slot, &n, ids };
+    assert_int_equal(dsv4_model_seq_reset(tm.m, 0), DSV4_OK);
+    assert_int_equal(dsv4_model_forward(tm.m, &b, ref, DSV4_FWD_ALL_LOGITS), DSV4_OK);
+    return 0;
+}
+
+static int
+teardown(void **state)
+{
+    (void)state;
+    free(ref);
+    tmodel_close(&tm);
+    return 0;
+}
+
+static void
+test_incremental(void **state)
+{
+    float *got = malloc((size_t)N_POS * tm.V * sizeof(float));
+    int32_t slot = 1, one = 1;
+
+    (void)state;
+    assert_int_equal(dsv4_model_seq_reset(tm.m, 1), DSV4_OK);
+    for (int p = 0; p < N_POS; p++) {
+        struct dsv4_batch b = { 1, &slot, &one, &ids[p] };
+        assert_int_equal(dsv4_model_forward(tm.m, &b, got + (size_t)p * tm.V, 0), DSV4_OK);
+    }
+    assert_int_equal(dsv4_model_seq_len(tm.m, 1), N_POS);
+    check_close(got, ref, (int64_t)N_POS * tm.V, "incremental vs one-shot");
+    free(got);
+}
+
+static void
+test_chunked(void **state)
+{
+    static const int chunks[] = { 1, 7, 130, 33, 64, 65 };   /* sums to 300 */
+    float *got = malloc((size_t)N_POS * tm.V * sizeof(float));
+    int32_t slot = 2;
+    int at = 0;
+
+    (void)state;
+    assert_int_equal(dsv4_model_seq_reset(tm.m, 2), DSV4_OK);
+    for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++) {
+        int32_t n = chunks[c];
+        struct dsv4_batch b = { 1, &slot, &n, &ids[at] };
+        assert_int_equal(dsv4_model_forward(tm.m, &b, got + (size_t)at * tm.V,
+                                            DSV4_FWD_ALL_LOGITS), DSV4_OK);
+        at += n;
+    }
+    assert_int_equal(at, N_POS);
+    check_close(got, ref, (int64_t)N_POS * tm.V, "chunked vs one-shot");
+    free(got);
+}
+
+/* Three sequences (prefixes of ids at different offsets of the reference
+ * are not needed: a sequence is a prefix of ids, so its logits are rows of
+ * ref).  Prefill all three in one call, then decode them together. */
+static void
+test_batch(void **state)
+{
+    int32_t slots[3] = { 1, 2, 3 }, lens[3] = { 37, 150, 5 };
+    int32_t tok[3 * N_POS];
+    float *got = malloc((size_t)(37 + 150 + 5) * tm.V * sizeof(float));
+    int at = 0;
+
+    (void)state;
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(dsv4_model_seq_reset(tm.m, slots[i]), DSV4_OK);
+        memcpy(&tok[at], ids, (size_t)lens[i] * sizeof(int32_t));
+        at += lens[i];
+    }
+    struct dsv4_batch b = { 3, slots, lens, tok };
+    assert_int_equal(dsv4_model_forward(tm.m, &b, got, DSV4_FWD_ALL_LOGITS), DSV4_OK);
+    at = 0;
+    for (int i = 0; i < 3; i++) {
+        check_close(got + (size_t)at * tm.V, ref, (int64_t)lens[i] * tm.V, "batched prefill");
+        at += lens[i];
+    }
+    /* 40 batched decode steps; sequence i continues with ids[len_i + step] */
+    for (int step = 0; step < 40; step++) {
+        int32_t ones[3] = { 1, 1, 1 }, next[3];
+        for (int i = 0; i < 3; i++)
+            next[i] = ids[lens[i] + step];
+        struct dsv4_batch d = { 3, slots, ones, next };
+        assert_int_equal(dsv4_model_forward(tm.m, &d, got, 0), DSV4_OK);
+        for (int i = 0; i < 3; i++)
+            check_close(got + (size_t)i * tm.V, ref + (size_t)(lens[i] + step) * tm.V, tm.V,
+                        "batched decode");
+    }
+    free(got);
+}
+
+static void
+test_mtp(void **state)
+{
+    int n = 140;
+    float *one = malloc((size_t)n * tm.V * sizeof(float));
+    float *inc = malloc((size_t)n * tm.V * sizeof(float));
+    float *tmp = malloc((size_t)n * tm.V * sizeof(float));
+    int32_t slot = 1, nn = n, o1 = 1;
+
+    (void)state;
+    assert_int_equal(dsv4_model_seq_reset(tm.m, 1), DSV4_OK);
+    struct dsv4_batch b = { 1, &slot, &nn, ids };
+    assert_int_equal(dsv4_model_forward(tm.m, &b, tmp, DSV4_FWD_KEEP_HIDDEN), DSV4_OK);
+    assert_int_equal(dsv4_model_mtp(tm.m, &b, &ids[1], one), DSV4_OK);
+    /* MTP without a kept forward is refused */
+    assert_int_equal(dsv4_model_mtp(tm.m, &b, &ids[1], one), DSV4_ERR_INVAL);
+
+    assert_int_equal(dsv4_model_seq_reset(tm.m, 1), DSV4_OK);
+    for (int p = 0; p < n; p++) {
+        struct dsv4_batch s = { 1, &slot, &o1, &ids[p] };
+        assert_int_equal(dsv4_model_forward(tm.m, &s, tmp, DSV4_FWD_KEEP_HIDDEN), DSV4_OK);
+        assert_int_equal(dsv4_model_mtp(tm.m, &s, &ids[p + 1], inc + (size_t)p * tm.V),
+                         DSV4_OK);
+    }
+    check_close(inc, one, (int64_t)n * tm.V, "MTP incremental vs one-shot");
+    free(one);
+    free(inc);
+    free(tmp);
+}
+
+static void
+test_bad_batch(void **state)
+{
+    int32_t slot = 9, n = 1, tok = 0, bad_tok = 1 << 30;
+    struct dsv4_batch b = { 1, &slot, &n, &tok };
+    float l[1];
+
+    (void)state;
+    assert_int_equal(dsv4_model_forward(tm.m, &b, l, 0), DSV4_ERR_INVAL);
+    slot = 0;
+    b.tokens = &bad_tok;
+    assert_int_equal(dsv4_model_forward(tm.m, &b, l, 0), DSV4_ERR_INVAL);
+    n = N_POS + 1;
+    b.tokens = ids;
+    assert_int_equal(dsv4_model_forward(tm.m, &b, l, 0), DSV4_ERR_INVAL);
+}
+
+int
+main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_incremental),
+        cmocka_unit_test(test_chunked),
+        cmocka_unit_test(test_batch),
+        cmocka_unit_test(test_mtp),
+        cmocka_unit_test(test_bad_batch),
+    };
+
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_forward CHECKPOINT_DIR\n");
+        return 2;
+    }
+    ckpt_dir = argv[1];
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
