@@ -725,3 +725,180 @@ dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b, const int32_t *
     m->hidden_rows = 0;
     return DSV4_OK;
 }
+
+/* --- decode-state export / import --------------------------------------- */
+
+#define STATE_MAGIC 0x3130564b34565344ull   /* "DSV4KV01" little-endian */
+
+/* Header of an exported state; followed by the per-layer arrays (forward.h). */
+struct state_header {
+    uint64_t magic;
+    uint64_t fingerprint;   /* config fields that fix the layout */
+    int32_t len;            /* tokens in the sequence */
+    int32_t mtp_len;        /* tokens seen by the MTP layer(s) */
+    int32_t n_layers;
+    int32_t reserved;
+};
+
+static uint64_t
+state_fingerprint(const struct dsv4_model *m)
+{
+    int32_t f[] = { m->n_layers, m->n_main, m->D, m->Dh, m->win, m->dI, m->n_hc, m->V };
+    uint64_t h = 1469598103934665603ull;
+
+    for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++) {
+        h = (h ^ (uint32_t)f[i]) * 1099511628211ull;
+    }
+    for (int l = 0; l < m->n_layers; l++)
+        h = (h ^ (uint32_t)m->L[l].ratio) * 1099511628211ull;
+    return h;
+}
+
+/* One array of a slot's state: device address and byte count. */
+struct state_part {
+    float *dev;
+    size_t bytes;
+};
+
+/* List the parts of slot `slot` for a sequence of `len` tokens, in the
+ * export order; returns their number (parts may be NULL to count). */
+static int
+state_parts(const struct dsv4_model *m, int slot, int len, struct state_part *parts)
+{
+    int n = 0;
+    size_t F = sizeof(float);
+
+#define PART(ptr, nfloats)                                         \
+    do {                                                           \
+        if (parts != NULL) {                                       \
+            parts[n].dev = (ptr);                                  \
+            parts[n].bytes = (size_t)(nfloats) * F;                \
+        }                                                          \
+        n++;                                                       \
+    } while (0)
+
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct layer_state *ls = &m->L[l];
+        int64_t ring = (int64_t)m->win * m->Dh;
+        PART(ls->ring + slot * ring, ring);
+        if (ls->ratio) {
+            int r = ls->ratio, cc = r == 4 ? 2 : 1;
+            int64_t st = (int64_t)cc * r * cc * m->Dh;
+            PART(ls->comp + (int64_t)slot * ls->cap_c * m->Dh, (int64_t)(len / r) * m->Dh);
+            PART(ls->st_kv + slot * st, st);
+            PART(ls->st_z + slot * st, st);
+        }
+        if (ls->ratio == 4) {
+            int64_t st = (int64_t)8 * 2 * m->dI;
+            PART(ls->keys + (int64_t)slot * ls->cap_i * m->dI, (int64_t)(len / 4) * m->dI);
+            PART(ls->ist_kv + slot * st, st);
+            PART(ls->ist_z + slot * st, st);
+        }
+    }
+#undef PART
+    return n;
+}
+
+size_t
+dsv4_model_state_size(const struct dsv4_model *m, int len)
+{
+    size_t total = sizeof(struct state_header);
+    int n = state_parts(m, 0, len, NULL);
+    struct state_part *parts = malloc((size_t)n * sizeof(*parts));
+
+    if (parts == NULL)
+        return 0;
+    state_parts(m, 0, len, parts);
+    for (int i = 0; i < n; i++)
+        total += parts[i].bytes;
+    free(parts);
+    return total;
+}
+
+enum dsv4_err
+dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, size_t *out_len)
+{
+    struct state_header h;
+    size_t need;
+    char *p = buf;
+
+    if (slot < 0 || slot >= m->n_slots)
+        return dsv4_err_set(DSV4_ERR_INVAL, "state export: slot %d out of range", slot);
+    need = dsv4_model_state_size(m, m->len[slot]);
+    if (need == 0)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "state export: out of memory");
+    if (cap < need)
+        return dsv4_err_set(DSV4_ERR_INVAL, "state export: buffer of %zu bytes, need %zu", cap,
+                            need);
+    memset(&h, 0, sizeof(h));
+    h.magic = STATE_MAGIC;
+    h.fingerprint = state_fingerprint(m);
+    h.len = m->len[slot];
+    h.mtp_len = m->mtp_len[slot];
+    h.n_layers = m->n_layers;
+    memcpy(p, &h, sizeof(h));
+    p += sizeof(h);
+
+    int n = state_parts(m, slot, h.len, NULL);
+    struct state_part *parts = malloc((size_t)n * sizeof(*parts));
+    if (parts == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "state export: out of memory");
+    state_parts(m, slot, h.len, parts);
+    enum dsv4_err e = DSV4_OK;
+    for (int i = 0; i < n && e == DSV4_OK; i++) {
+        if (parts[i].bytes > 0)
+            e = m->be->ops->download(m->be, p, parts[i].dev, parts[i].bytes);
+        p += parts[i].bytes;
+    }
+    free(parts);
+    if (e == DSV4_OK)
+        e = m->be->ops->sync(m->be);
+    if (e == DSV4_OK && out_len != NULL)
+        *out_len = need;
+    return e;
+}
+
+enum dsv4_err
+dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t len)
+{
+    struct state_header h;
+    const char *p = buf;
+
+    if (slot < 0 || slot >= m->n_slots)
+        return dsv4_err_set(DSV4_ERR_INVAL, "state import: slot %d out of range", slot);
+    if (len < sizeof(h))
+        return dsv4_err_set(DSV4_ERR_PROTO, "state import: %zu bytes, shorter than a header",
+                            len);
+    memcpy(&h, p, sizeof(h));
+    if (h.magic != STATE_MAGIC || h.fingerprint != state_fingerprint(m) ||
+        h.n_layers != m->n_layers)
+        return dsv4_err_set(DSV4_ERR_PROTO, "state import: not a state of this model "
+                            "(magic or config fingerprint differs)");
+    if (h.len < 0 || h.len > m->max_seq || h.mtp_len < 0 || h.mtp_len > h.len)
+        return dsv4_err_set(DSV4_ERR_PROTO, "state import: length %d (mtp %d) out of range "
+                            "(max_seq_len %d)", h.len, h.mtp_len, m->max_seq);
+    if (dsv4_model_state_size(m, h.len) != len)
+        return dsv4_err_set(DSV4_ERR_PROTO, "state import: %zu bytes, expected %zu for "
+                            "length %d", len, dsv4_model_state_size(m, h.len), h.len);
+    p += sizeof(h);
+
+    int n = state_parts(m, slot, h.len, NULL);
+    struct state_part *parts = malloc((size_t)n * sizeof(*parts));
+    if (parts == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "state import: out of memory");
+    state_parts(m, slot, h.len, parts);
+    enum dsv4_err e = DSV4_OK;
+    for (int i = 0; i < n && e == DSV4_OK; i++) {
+        if (parts[i].bytes > 0)
+            e = m->be->ops->upload(m->be, parts[i].dev, p, parts[i].bytes);
+        p += parts[i].bytes;
+    }
+    free(parts);
+    if (e == DSV4_OK)
+        e = m->be->ops->sync(m->be);
+    if (e != DSV4_OK)
+        return e;
+    m->len[slot] = h.len;
+    m->mtp_len[slot] = h.mtp_len;
+    return DSV4_OK;
+}

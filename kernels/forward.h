@@ -24,6 +24,7 @@
 #ifndef DSV4_KERNELS_FORWARD_H
 #define DSV4_KERNELS_FORWARD_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "common/err.h"
@@ -87,6 +88,30 @@ enum dsv4_err dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *
  */
 enum dsv4_err dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b,
                              const int32_t *next_tokens, float *logits);
+
+/*
+ * Decode-state handoff (prefill -> decode, model doc §4).  A slot's state is
+ * serialised into a flat host buffer: a fixed header, then for every layer its
+ * window ring, its compressed entries and indexer keys up to the sequence's
+ * length, and its compressor states; then the MTP layers' rings.  The layout
+ * depends only on the config and the sequence length, so both sides agree on
+ * sizes.  On the CPU backend this is a copy; a GPU backend moves the same
+ * bytes (CUDA IPC / UCX) and may keep them in device memory.
+ */
+
+/* Bytes needed to export a slot whose sequence has `len` tokens. */
+size_t dsv4_model_state_size(const struct dsv4_model *m, int len);
+
+/* Export slot `slot` into buf (capacity cap bytes); returns DSV4_ERR_INVAL if
+ * cap is too small.  *out_len receives the bytes written. */
+enum dsv4_err dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap,
+                                      size_t *out_len);
+
+/* Replace slot `slot`'s state by an exported one (checks the header: magic,
+ * config fingerprint, length <= max_seq_len, size).  DSV4_ERR_PROTO on a
+ * buffer that does not match this model. */
+enum dsv4_err dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf,
+                                      size_t len);
 
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);

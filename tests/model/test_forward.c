@@ -7,7 +7,9 @@
  *   - chunked prefill with uneven chunks reproduces the one-shot prefill;
  *   - a batch of sequences of different lengths gives each sequence's
  *     single-sequence result (prefill and batched decode);
- *   - the MTP head gives the same logits one-shot and incrementally.
+ *   - the MTP head gives the same logits one-shot and incrementally;
+ *   - a decode state exported from one slot and imported into another
+ *     continues identically (the prefill -> decode handoff).
  *
  * Usage: test_forward CHECKPOINT_DIR (made by dsv4-mkmodel; see
  * run_forward.sh).  The comparison bound is 1e-6 of the largest logit: the
@@ -175,6 +177,45 @@ test_mtp(void **state)
     free(tmp);
 }
 
+/* Prefill in slot 1, hand the state to slot 2 through export/import (the
+ * prefill -> decode handoff), decode both: identical logits; a damaged or
+ * truncated state is refused. */
+static void
+test_state_handoff(void **state)
+{
+    int32_t s1 = 1, s2 = 2, n = 133, one = 1;
+    float *a = malloc((size_t)tm.V * sizeof(float)), *b = malloc((size_t)tm.V * sizeof(float));
+    size_t cap, len;
+
+    (void)state;
+    assert_int_equal(dsv4_model_seq_reset(tm.m, 1), DSV4_OK);
+    assert_int_equal(dsv4_model_seq_reset(tm.m, 2), DSV4_OK);
+    struct dsv4_batch pb = { 1, &s1, &n, ids };
+    assert_int_equal(dsv4_model_forward(tm.m, &pb, a, 0), DSV4_OK);
+    cap = dsv4_model_state_size(tm.m, n);
+    assert_true(cap > 0);
+    char *buf = malloc(cap);
+    assert_int_equal(dsv4_model_state_export(tm.m, 1, buf, cap - 1, &len), DSV4_ERR_INVAL);
+    assert_int_equal(dsv4_model_state_export(tm.m, 1, buf, cap, &len), DSV4_OK);
+    assert_int_equal(len, cap);
+    assert_int_equal(dsv4_model_state_import(tm.m, 2, buf, len - 4), DSV4_ERR_PROTO);
+    buf[0] ^= 1;
+    assert_int_equal(dsv4_model_state_import(tm.m, 2, buf, len), DSV4_ERR_PROTO);
+    buf[0] ^= 1;
+    assert_int_equal(dsv4_model_state_import(tm.m, 2, buf, len), DSV4_OK);
+    assert_int_equal(dsv4_model_seq_len(tm.m, 2), n);
+    for (int p = n; p < n + 30; p++) {
+        struct dsv4_batch d1 = { 1, &s1, &one, &ids[p] }, d2 = { 1, &s2, &one, &ids[p] };
+        assert_int_equal(dsv4_model_forward(tm.m, &d1, a, 0), DSV4_OK);
+        assert_int_equal(dsv4_model_forward(tm.m, &d2, b, 0), DSV4_OK);
+        check_close(b, a, tm.V, "decode after handoff");
+        check_close(b, ref + (size_t)p * tm.V, tm.V, "decode after handoff vs one-shot");
+    }
+    free(buf);
+    free(a);
+    free(b);
+}
+
 static void
 test_bad_batch(void **state)
 {
@@ -200,6 +241,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_chunked),
         cmocka_unit_test(test_batch),
         cmocka_unit_test(test_mtp),
+        cmocka_unit_test(test_state_handoff),
         cmocka_unit_test(test_bad_batch),
     };
 
