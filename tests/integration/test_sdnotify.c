@@ -50,15 +50,15 @@ listener_close(struct listener *l)
     unsetenv("NOTIFY_SOCKET");
 }
 
-/* Receive one datagram (waiting at most 2 s); "" when none came. */
+/* Receive one datagram (waiting at most timeout_ms); "" when none came. */
 static void
-listener_recv(struct listener *l, char *buf, size_t size)
+listener_recv(struct listener *l, char *buf, size_t size, int timeout_ms)
 {
     struct pollfd p = { .fd = l->fd, .events = POLLIN };
     ssize_t n;
 
     buf[0] = '\0';
-    if (poll(&p, 1, 2000) != 1)
+    if (poll(&p, 1, timeout_ms) != 1)
         return;
     n = recv(l->fd, buf, size - 1, 0);
     assert_true(n >= 0);
@@ -74,23 +74,23 @@ test_sequence(void **state)
     (void)state;
     listener_open(&l);
     sdnotify_status("loading layer %d/%d", 3, 43);
-    listener_recv(&l, buf, sizeof(buf));
+    listener_recv(&l, buf, sizeof(buf), 2000);
     assert_string_equal(buf, "STATUS=loading layer 3/43");
     sdnotify_ready();
-    listener_recv(&l, buf, sizeof(buf));
+    listener_recv(&l, buf, sizeof(buf), 2000);
     snprintf(want, sizeof(want), "READY=1\nMAINPID=%ld", (long)getpid());
     assert_string_equal(buf, want);
     sdnotify_watchdog();
-    listener_recv(&l, buf, sizeof(buf));
+    listener_recv(&l, buf, sizeof(buf), 2000);
     assert_string_equal(buf, "WATCHDOG=1");
     sdnotify_extend_timeout(5000000);
-    listener_recv(&l, buf, sizeof(buf));
+    listener_recv(&l, buf, sizeof(buf), 2000);
     assert_string_equal(buf, "EXTEND_TIMEOUT_USEC=5000000");
     sdnotify_reloading();
-    listener_recv(&l, buf, sizeof(buf));
+    listener_recv(&l, buf, sizeof(buf), 2000);
     assert_true(strncmp(buf, "RELOADING=1\nMONOTONIC_USEC=", 27) == 0);
     sdnotify_stopping();
-    listener_recv(&l, buf, sizeof(buf));
+    listener_recv(&l, buf, sizeof(buf), 2000);
     assert_string_equal(buf, "STOPPING=1");
     /* NOTIFY_SOCKET was not consumed by the calls. */
     assert_non_null(getenv("NOTIFY_SOCKET"));
@@ -108,7 +108,7 @@ test_no_socket(void **state)
     unsetenv("NOTIFY_SOCKET");
     sdnotify_ready();
     sdnotify_watchdog();
-    listener_recv(&l, buf, sizeof(buf));
+    listener_recv(&l, buf, sizeof(buf), 200);
     assert_string_equal(buf, "");
     listener_close(&l);
 }

@@ -1,0 +1,354 @@
+/*
+ * config_file.c — see config_file.h.  One table lists every key with its
+ * type, place in struct dsv4_conf and range; parsing, setting and printing
+ * are driven by it, so adding a key is one table row plus a struct field.
+ */
+#include "common/config_file.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/tokenizer.h"
+
+enum cfg_type {
+    CFG_STR,    /* char array of `size` bytes */
+    CFG_INT,    /* int in [min, max], decimal */
+    CFG_MODE,   /* unsigned file mode, octal, 0 ... 0777 */
+    CFG_ENUM,   /* char array; value must be one of `choices` */
+};
+
+struct cfg_key {
+    const char *name;
+    enum cfg_type type;
+    size_t off;             /* offsetof(struct dsv4_conf, field) */
+    size_t size;            /* CFG_STR/CFG_ENUM: array size */
+    long min, max;          /* CFG_INT */
+    const char *const *choices; /* CFG_ENUM: NULL-terminated */
+};
+
+static const char *const cfg_backends[] = { "cpu", "cuda", NULL };
+static const char *const cfg_numerics[] = { "ref", "hf", NULL };
+
+#define STR(f) CFG_STR, offsetof(struct dsv4_conf, f), \
+    sizeof(((struct dsv4_conf *)0)->f), 0, 0, NULL
+#define INT(f, lo, hi) CFG_INT, offsetof(struct dsv4_conf, f), 0, lo, hi, NULL
+#define ENUM(f, c) CFG_ENUM, offsetof(struct dsv4_conf, f), \
+    sizeof(((struct dsv4_conf *)0)->f), 0, 0, c
+
+static const struct cfg_key cfg_keys[] = {
+    { "client_endpoint",    STR(client_endpoint) },
+    { "rank_endpoint",      STR(rank_endpoint) },
+    { "admin_endpoint",     STR(admin_endpoint) },
+    { "admin_mode",         CFG_MODE, offsetof(struct dsv4_conf, admin_mode),
+                            0, 0, 0777, NULL },
+    { "key_dir",            STR(key_dir) },
+    { "max_batch",          INT(max_batch, 1, 1024) },
+    { "queue_max",          INT(queue_max, 0, 1 << 24) },
+    { "prefill_chunk",      INT(prefill_chunk, 1, 1 << 20) },
+    { "heartbeat_ms",       INT(heartbeat_ms, 10, 600000) },
+    { "liveness",           INT(liveness, 1, 100) },
+    { "request_timeout_ms", INT(request_timeout_ms, 0, 86400000) },
+    { "checkpoint",         STR(checkpoint) },
+    { "tokenizer",          STR(tokenizer) },
+    { "backend",            ENUM(backend, cfg_backends) },
+    { "numerics",           ENUM(numerics, cfg_numerics) },
+    { "threads",            INT(threads, 0, 4096) },
+    { "slots",              INT(slots, 1, 65535) },
+    { "prefill_slots",      INT(prefill_slots, 1, 65535) },
+    { "max_seq",            INT(max_seq, 1, 1 << 20) },
+};
+#define CFG_NKEYS (sizeof(cfg_keys) / sizeof(cfg_keys[0]))
+
+/* Role prefixes, indexed by enum dsv4_conf_role. */
+static const char *const cfg_prefixes[] = { "", "sched.", "prefill.", "decode." };
+#define CFG_NROLES 4
+
+void
+dsv4_conf_defaults(struct dsv4_conf *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    snprintf(cfg->client_endpoint, sizeof(cfg->client_endpoint), "%s",
+        "ipc:///run/dsv4/client.sock");
+    snprintf(cfg->rank_endpoint, sizeof(cfg->rank_endpoint), "%s",
+        "ipc:///run/dsv4/rank.sock");
+    snprintf(cfg->admin_endpoint, sizeof(cfg->admin_endpoint), "%s",
+        "ipc:///run/dsv4/ctl.sock");
+    cfg->admin_mode = 0660;
+    snprintf(cfg->key_dir, sizeof(cfg->key_dir), "%s", "/etc/dsv4");
+    cfg->max_batch = 16;
+    cfg->queue_max = 1024;
+    cfg->prefill_chunk = 512;
+    cfg->heartbeat_ms = 1000;
+    cfg->liveness = 3;
+    cfg->request_timeout_ms = 0;
+    snprintf(cfg->checkpoint, sizeof(cfg->checkpoint), "%s",
+        "/var/lib/dsv4/model");
+    snprintf(cfg->tokenizer, sizeof(cfg->tokenizer), "%s",
+        DSV4_TOKENIZER_DEFAULT);
+    snprintf(cfg->backend, sizeof(cfg->backend), "%s", "cpu");
+    snprintf(cfg->numerics, sizeof(cfg->numerics), "%s", "ref");
+    cfg->threads = 0;
+    cfg->slots = 16;
+    cfg->prefill_slots = 1;
+    cfg->max_seq = 4096;
+}
+
+static const struct cfg_key *
+cfg_find(const char *name, size_t len)
+{
+    size_t i;
+
+    for (i = 0; i < CFG_NKEYS; i++)
+        if (strlen(cfg_keys[i].name) == len &&
+            memcmp(cfg_keys[i].name, name, len) == 0)
+            return &cfg_keys[i];
+    return NULL;
+}
+
+/* Check `value` for key `k` and, when `cfg` is not NULL, store it. */
+static enum dsv4_err
+cfg_apply(struct dsv4_conf *cfg, const struct cfg_key *k, const char *value)
+{
+    char *end, *dst;
+    long v;
+    size_t i;
+
+    switch (k->type) {
+    case CFG_STR:
+    case CFG_ENUM:
+        if (strlen(value) >= k->size)
+            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: value longer than %zu bytes",
+                k->name, k->size - 1);
+        if (k->type == CFG_ENUM) {
+            for (i = 0; k->choices[i] != NULL; i++)
+                if (strcmp(k->choices[i], value) == 0)
+                    break;
+            if (k->choices[i] == NULL)
+                return dsv4_err_set(DSV4_ERR_CONFIG, "%s: unknown value \"%s\"",
+                    k->name, value);
+        }
+        if (cfg != NULL) {
+            dst = (char *)cfg + k->off;
+            memcpy(dst, value, strlen(value) + 1);
+        }
+        return DSV4_OK;
+    case CFG_INT:
+    case CFG_MODE:
+        errno = 0;
+        v = strtol(value, &end, k->type == CFG_MODE ? 8 : 10);
+        if (value[0] == '\0' || *end != '\0' || errno != 0 ||
+            (k->type == CFG_INT && (value[0] == '+' || value[0] == ' ')))
+            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: \"%s\" is not %s",
+                k->name, value, k->type == CFG_MODE ? "an octal mode" : "an integer");
+        if (v < k->min || v > k->max)
+            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: %ld outside %ld ... %ld",
+                k->name, v, k->min, k->max);
+        if (cfg != NULL) {
+            if (k->type == CFG_MODE)
+                *(unsigned *)((char *)cfg + k->off) = (unsigned)v;
+            else
+                *(int *)((char *)cfg + k->off) = (int)v;
+        }
+        return DSV4_OK;
+    }
+    return dsv4_err_set(DSV4_ERR_CONFIG, "%s: bad key type", k->name);
+}
+
+enum dsv4_err
+dsv4_conf_set(struct dsv4_conf *cfg, const char *key, const char *value)
+{
+    const struct cfg_key *k = cfg_find(key, strlen(key));
+
+    if (k == NULL)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "unknown key \"%s\"", key);
+    return cfg_apply(cfg, k, value);
+}
+
+enum dsv4_err
+dsv4_conf_set_kv(struct dsv4_conf *cfg, const char *kv)
+{
+    const char *eq = strchr(kv, '=');
+    char key[64];
+
+    if (eq == NULL || eq == kv || (size_t)(eq - kv) >= sizeof(key))
+        return dsv4_err_set(DSV4_ERR_CONFIG, "\"%s\": expected key=value", kv);
+    memcpy(key, kv, eq - kv);
+    key[eq - kv] = '\0';
+    return dsv4_conf_set(cfg, key, eq + 1);
+}
+
+/* Trim blanks at both ends of s in place; returns the new start. */
+static char *
+cfg_trim(char *s)
+{
+    char *e;
+
+    while (*s == ' ' || *s == '\t')
+        s++;
+    e = s + strlen(s);
+    while (e > s && isspace((unsigned char)e[-1]))
+        *--e = '\0';
+    return s;
+}
+
+/* A role-prefixed line kept until the plain keys are applied. */
+struct cfg_deferred {
+    const struct cfg_key *key;
+    char value[DSV4_CONF_STR];
+};
+
+/*
+ * Parse one line (NUL-terminated, newline removed) into key, role and value.
+ * Returns DSV4_OK with *k NULL for blank/comment lines.
+ */
+static enum dsv4_err
+cfg_parse_line(char *line, const struct cfg_key **k, int *role, char **value)
+{
+    char *p, *eq, *key, *val, *q;
+    size_t plen;
+    int r;
+
+    *k = NULL;
+    /* Cut a comment: '#' at the start or after a blank, outside quotes. */
+    for (p = line, q = NULL; *p != '\0'; p++) {
+        if (*p == '"')
+            q = q == NULL ? p : NULL;
+        else if (*p == '#' && q == NULL && (p == line || p[-1] == ' ' ||
+            p[-1] == '\t')) {
+            *p = '\0';
+            break;
+        }
+    }
+    key = cfg_trim(line);
+    if (*key == '\0')
+        return DSV4_OK;
+    eq = strchr(key, '=');
+    if (eq == NULL)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "expected key = value");
+    *eq = '\0';
+    val = cfg_trim(eq + 1);
+    key = cfg_trim(key);
+    if (val[0] == '"') {
+        q = strrchr(val + 1, '"');
+        if (q == NULL || q[1] != '\0')
+            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: unterminated quote", key);
+        *q = '\0';
+        val++;
+    }
+    *role = DSV4_CONF_ROLE_NONE;
+    for (r = 1; r < CFG_NROLES; r++) {
+        plen = strlen(cfg_prefixes[r]);
+        if (strncmp(key, cfg_prefixes[r], plen) == 0) {
+            *role = r;
+            key += plen;
+            break;
+        }
+    }
+    *k = cfg_find(key, strlen(key));
+    if (*k == NULL)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "unknown key \"%s\"", key);
+    *value = val;
+    return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_conf_load(struct dsv4_conf *cfg, const char *path,
+    enum dsv4_conf_role role)
+{
+    struct cfg_deferred def[CFG_NKEYS];
+    unsigned char seen[CFG_NROLES][CFG_NKEYS];
+    const struct cfg_key *k;
+    char *line = NULL, *value;
+    size_t cap = 0, n_def = 0, i;
+    ssize_t len;
+    enum dsv4_err err = DSV4_OK;
+    int lineno = 0, lrole;
+    FILE *fp;
+
+    fp = fopen(path, "re");
+    if (fp == NULL)
+        return dsv4_err_set(DSV4_ERR_SYS, "%s: %s", path, strerror(errno));
+    memset(seen, 0, sizeof(seen));
+    while ((len = getline(&line, &cap, fp)) >= 0) {
+        lineno++;
+        if (len > 0 && line[len - 1] == '\n')
+            line[--len] = '\0';
+        if (strlen(line) != (size_t)len) {
+            err = DSV4_ERR_CONFIG;
+            dsv4_err_set(err, "%s:%d: NUL byte in line", path, lineno);
+            break;
+        }
+        err = cfg_parse_line(line, &k, &lrole, &value);
+        if (err == DSV4_OK && k != NULL) {
+            i = (size_t)(k - cfg_keys);
+            if (seen[lrole][i])
+                err = dsv4_err_set(DSV4_ERR_CONFIG, "%s%s given twice",
+                    cfg_prefixes[lrole], k->name);
+            seen[lrole][i] = 1;
+        }
+        if (err == DSV4_OK && k != NULL) {
+            if (lrole == DSV4_CONF_ROLE_NONE) {
+                err = cfg_apply(cfg, k, value);
+            } else {
+                /* Validate now, apply after the plain keys. */
+                err = cfg_apply(NULL, k, value);
+                if (err == DSV4_OK && lrole == (int)role) {
+                    def[n_def].key = k;
+                    memcpy(def[n_def].value, value, strlen(value) + 1);
+                    n_def++;
+                }
+            }
+        }
+        if (err != DSV4_OK) {
+            char msg[1024];
+
+            snprintf(msg, sizeof(msg), "%s", dsv4_errmsg());
+            dsv4_err_set(err, "%s:%d: %s", path, lineno, msg);
+            break;
+        }
+    }
+    if (err == DSV4_OK && ferror(fp))
+        err = dsv4_err_set(DSV4_ERR_SYS, "%s: read error", path);
+    free(line);
+    fclose(fp);
+    for (i = 0; err == DSV4_OK && i < n_def; i++)
+        err = cfg_apply(cfg, def[i].key, def[i].value);
+    return err;
+}
+
+void
+dsv4_conf_print(const struct dsv4_conf *cfg, FILE *fp)
+{
+    const struct cfg_key *k;
+    const char *s;
+    size_t i;
+
+    for (i = 0; i < CFG_NKEYS; i++) {
+        k = &cfg_keys[i];
+        switch (k->type) {
+        case CFG_STR:
+        case CFG_ENUM:
+            s = (const char *)cfg + k->off;
+            /* Quote what would not survive unquoted: empty, '#', edges. */
+            if (s[0] == '\0' || strchr(s, '#') != NULL || s[0] == '"' ||
+                isspace((unsigned char)s[0]) ||
+                isspace((unsigned char)s[strlen(s) - 1]))
+                fprintf(fp, "%s = \"%s\"\n", k->name, s);
+            else
+                fprintf(fp, "%s = %s\n", k->name, s);
+            break;
+        case CFG_INT:
+            fprintf(fp, "%s = %d\n", k->name,
+                *(const int *)((const char *)cfg + k->off));
+            break;
+        case CFG_MODE:
+            fprintf(fp, "%s = %04o\n", k->name,
+                *(const unsigned *)((const char *)cfg + k->off));
+            break;
+        }
+    }
+}

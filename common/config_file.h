@@ -1,0 +1,101 @@
+/*
+ * config_file.h — /etc/dsv4/dsv4.conf, the one configuration file shared by
+ * dsv4-sched, dsv4-prefill@N and dsv4-decode@N (and read by dsv4ctl and
+ * dsv4-launch for the endpoints).
+ *
+ * Format: one `key = value` per line; `#` starts a comment (at the start of a
+ * line or after whitespace); blank lines are ignored; the value is the rest
+ * of the line with surrounding blanks removed, optionally in double quotes
+ * (no escapes).  A key may carry a role prefix, `sched.`, `prefill.` or
+ * `decode.`: such a line applies only to that daemon and wins over the plain
+ * key whatever the line order (e.g. `decode.threads = 8`).  An unknown key, a
+ * malformed value or a key given twice (with the same prefix) is an error
+ * naming file and line.  Every key has a default (struct dsv4_conf below
+ * and units/dsv4.conf document them), so an empty file is valid.
+ *
+ * Pure functions of their arguments; no global state.
+ */
+#ifndef DSV4_COMMON_CONFIG_FILE_H
+#define DSV4_COMMON_CONFIG_FILE_H
+
+#include <stdio.h>
+
+#include "common/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DSV4_CONF_DEFAULT_PATH "/etc/dsv4/dsv4.conf"
+#define DSV4_CONF_STR 512     /* bytes of every string value, with NUL */
+
+/* Which daemon reads the file; selects the role-prefixed keys. */
+enum dsv4_conf_role {
+    DSV4_CONF_ROLE_NONE = 0,  /* tools: role-prefixed lines are checked
+                                   but not applied */
+    DSV4_CONF_ROLE_SCHED,
+    DSV4_CONF_ROLE_PREFILL,
+    DSV4_CONF_ROLE_DECODE,
+};
+
+/* All settings.  Defaults in brackets (dsv4_conf_defaults). */
+struct dsv4_conf {
+    /* --- endpoints (scheduler binds, ranks/clients connect) --- */
+    char client_endpoint[DSV4_CONF_STR]; /* [ipc:///run/dsv4/client.sock] */
+    char rank_endpoint[DSV4_CONF_STR];   /* [ipc:///run/dsv4/rank.sock] */
+    char admin_endpoint[DSV4_CONF_STR];  /* [ipc:///run/dsv4/ctl.sock] */
+    unsigned admin_mode;                   /* [0660] file mode of the admin
+                                              socket; octal in the file */
+    char key_dir[DSV4_CONF_STR];         /* [/etc/dsv4] CURVE server.key/pub */
+    /* --- scheduler --- */
+    int max_batch;          /* [16] decode streams per decode group at once */
+    int queue_max;          /* [1024] queued requests before 300 BUSY */
+    int prefill_chunk;      /* [512] prompt tokens per prefill chunk */
+    int heartbeat_ms;       /* [1000] rank heartbeat interval */
+    int liveness;           /* [3] missed intervals until a rank is dead */
+    int request_timeout_ms; /* [0] deadline for requests that set none; 0 = none */
+    /* --- ranks --- */
+    char checkpoint[DSV4_CONF_STR]; /* [/var/lib/dsv4/model] dsv4-mkmodel or
+                                         converted checkpoint directory */
+    char tokenizer[DSV4_CONF_STR];  /* [DSV4_TOKENIZER_DEFAULT] tokenizer.json
+                                         (the scheduler tokenizes prompts) */
+    char backend[32];       /* [cpu] "cpu" or "cuda" */
+    char numerics[32];      /* [ref] "ref" or "hf" (backend numerics mode) */
+    int threads;            /* [0] backend worker threads; 0 = all cores */
+    int slots;              /* [16] decode stream slots of a decode rank */
+    int prefill_slots;      /* [1] concurrent prompts of a prefill rank */
+    int max_seq;            /* [4096] longest sequence (prompt + output) */
+};
+
+/* Fill `cfg` with the defaults listed in the struct. */
+void dsv4_conf_defaults(struct dsv4_conf *cfg);
+
+/*
+ * Read `path` into `cfg` (which holds defaults or earlier values; keys not in
+ * the file keep them).  Lines prefixed with another role than `role` are
+ * validated but skipped.  Returns DSV4_OK; DSV4_ERR_SYS when the file cannot
+ * be read; DSV4_ERR_CONFIG with "path:line: reason" in dsv4_errmsg() on the
+ * first bad line (cfg may then be partly updated).
+ */
+enum dsv4_err dsv4_conf_load(struct dsv4_conf *cfg, const char *path,
+    enum dsv4_conf_role role);
+
+/*
+ * Set one key from a string, as a file line would (no role prefix; used for
+ * `-o key=value` command-line overrides).  DSV4_ERR_CONFIG for an unknown key
+ * or a bad value, with the reason in dsv4_errmsg().
+ */
+enum dsv4_err dsv4_conf_set(struct dsv4_conf *cfg, const char *key,
+    const char *value);
+
+/* Split "key=value" (from -o) and call dsv4_conf_set. */
+enum dsv4_err dsv4_conf_set_kv(struct dsv4_conf *cfg, const char *kv);
+
+/* Write every key as a `key = value` line, in the file format (so the output
+ * loads back to the same settings); for `-n` and for logs. */
+void dsv4_conf_print(const struct dsv4_conf *cfg, FILE *fp);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
