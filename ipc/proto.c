@@ -228,6 +228,7 @@ static const struct field f_decode[] = {
     FARR("kv", struct dsv4_rank_decode, kv, n_kv, T_KVLOCS, F_REQ, 1, DSV4_PROTO_MAX_KV_PARTS),
 };
 
+    FHAS("step", struct dsv4_rank_decode, step, has_step, T_U32, 0, DSV4_PROTO_MAX_NEW_TOKENS),
 static const struct field f_req_ref[] = {
     FLD("req", struct dsv4_req_ref, req, T_U64, F_REQ, 1, U64MAX, 0),
 };

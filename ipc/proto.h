@@ -339,6 +339,8 @@ struct dsv4_rank_decode {
     uint32_t n_kv;         /* [1, DSV4_PROTO_MAX_KV_PARTS] */
 };
 
+    uint32_t step;         /* RNG step of the first token the rank samples; valid iff has_step */
+    bool has_step;         /* false: step 1 (PREFILL sampled step 0) */
 /* KV_RELEASE, ABORT, ABORT_DONE. */
 struct dsv4_req_ref {
     uint64_t req;

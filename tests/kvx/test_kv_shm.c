@@ -282,6 +282,67 @@ test_bad_descriptor(void **state)
     dsv4_kvx_close(x);
 }
 
+/* A region's location rides in PREFILL_DONE and DECODE (docs/protocol.md
+ * §6.2) and imports on the other side; DECODE's optional `step` survives. */
+static void
+test_protocol_location(void **state)
+{
+    struct dsv4_kvx *x;
+    struct dsv4_kvx_region r;
+    struct dsv4_kvx_desc d;
+    struct dsv4_kvx_map m;
+    struct dsv4_msg a, b;
+    struct dsv4_wire w;
+    struct dsv4_perr pe;
+    struct dsv4_frame fr[DSV4_PROTO_MAX_FRAMES];
+    uint64_t seg[2];
+    char owner[64];
+
+    (void)state;
+    owner_tag(owner, sizeof(owner), "loc");
+    assert_int_equal(dsv4_kvx_open(&x, DSV4_TRANSPORT_SHM, owner), DSV4_OK);
+    assert_int_equal(dsv4_kvx_export(x, 5, 777, &r), DSV4_OK);
+    memset(r.data, 0xc3, 777);
+
+    for (int has_step = 0; has_step < 2; has_step++) {
+        dsv4_msg_init(&a, DSV4_SUB_RANK, DSV4_RANK_DECODE);
+        a.u.decode.req = 5;
+        a.u.decode.slot = 3;
+        a.u.decode.token = 11;
+        a.u.decode.pos = 9;
+        a.u.decode.max_tokens = 4;
+        a.u.decode.step = 6;
+        a.u.decode.has_step = has_step;
+        a.u.decode.n_kv = 1;
+        dsv4_kvx_desc_to_loc(&r, 700, 9, seg, &a.u.decode.kv[0]);
+        assert_int_equal(dsv4_msg_encode(&a, &w, &pe), DSV4_OK);
+        assert_int_equal(w.n_raw, 1);
+        fr[0].data = "";
+        fr[0].len = 0;
+        fr[1].data = w.sig;
+        fr[1].len = DSV4_PROTO_SIG_LEN;
+        fr[2].data = &w.cmd;
+        fr[2].len = 1;
+        fr[3].data = w.body;
+        fr[3].len = w.body_len;
+        fr[4] = w.raw[0];
+        assert_int_equal(dsv4_msg_decode(&b, fr, 5, &pe), DSV4_OK);
+        assert_true(dsv4_msg_equal(&a, &b));
+        assert_int_equal(b.u.decode.has_step, has_step);
+        if (has_step)
+            assert_int_equal(b.u.decode.step, 6);
+        dsv4_wire_clear(&w);
+        assert_int_equal(dsv4_kvx_desc_from_loc(&b.u.decode.kv[0], &d), DSV4_OK);
+        dsv4_msg_clear(&b);
+        assert_int_equal(d.size, 700);
+        assert_int_equal(dsv4_kvx_import(x, &d, &m), DSV4_OK);
+        assert_int_equal(((const uint8_t *)m.data)[699], 0xc3);
+        dsv4_kvx_unmap(x, &m);
+    }
+    dsv4_kvx_free(x, &r);
+    dsv4_kvx_close(x);
+}
+
 int
 main(void)
 {
@@ -290,6 +351,7 @@ main(void)
         cmocka_unit_test(test_free_while_mapped),
         cmocka_unit_test(test_stale_cleanup),
         cmocka_unit_test(test_bad_descriptor),
+        cmocka_unit_test(test_protocol_location),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
