@@ -97,12 +97,15 @@ main(int argc, char **argv)
     }
     int n = json_object_get_int(jn), V = json_object_get_int(jv);
     int np = (int)json_object_array_length(jpos);
-    const float *hf = (const float *)(buf + 12 + hlen);
     if (len != 12 + (size_t)hlen + (size_t)np * V * sizeof(float) ||
         (int)json_object_array_length(jids) != n) {
         fprintf(stderr, "test_hf: %s: size does not match header\n", argv[2]);
         return 1;
     }
+
+    /* the logits follow a header of any length: copy them to aligned memory */
+    float *hf = malloc((size_t)np * V * sizeof(float));
+    memcpy(hf, buf + 12 + hlen, (size_t)np * V * sizeof(float));
 
     tmodel_open(&tm, argv[1], num, 1, n, n);
     if (tm.V != V) {
@@ -158,6 +161,7 @@ main(int argc, char **argv)
     free(rel);
     free(ids);
     free(ours);
+    free(hf);
     json_object_put(h);
     free(hjson);
     free(buf);
