@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""fake_daemon.py — stands in for dsv4-sched / dsv4-prefill / dsv4-decode in
+the dsv4-launch tests: speaks the notify protocol, reports what it was given
+(argv, LISTEN_* fds with their bound addresses, WATCHDOG_USEC) as one JSON
+line appended to $FAKE_REPORT, pings the watchdog unless $FAKE_NO_WATCHDOG,
+exits with $FAKE_EXIT after $FAKE_EXIT_AFTER_S seconds if set, and on SIGTERM
+sends STOPPING=1 and exits 0."""
+import json, os, signal, socket, sys, time
+
+
+def notify(msg):
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.sendto(msg.encode(), path)
+    s.close()
+
+
+def main():
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    fds = []
+    if os.environ.get("LISTEN_PID") == str(os.getpid()):
+        n = int(os.environ["LISTEN_FDS"])
+        names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+        for i in range(n):
+            s = socket.socket(fileno=3 + i)
+            fds.append({"fd": 3 + i, "name": names[i],
+                        "addr": s.getsockname(),
+                        "listening": s.getsockopt(socket.SOL_SOCKET,
+                                                  socket.SO_ACCEPTCONN)})
+            s.detach()
+    rep = {"argv": sys.argv, "pid": os.getpid(), "fds": fds,
+           "watchdog_usec": os.environ.get("WATCHDOG_USEC"),
+           "watchdog_pid_ok": os.environ.get("WATCHDOG_PID") == str(os.getpid())}
+    with open(os.environ["FAKE_REPORT"], "a") as f:
+        f.write(json.dumps(rep) + "\n")
+    notify("STATUS=loading")
+    notify("READY=1")
+    wd = int(os.environ.get("WATCHDOG_USEC") or 0) / 2e6
+    t0 = time.monotonic()
+    exit_after = float(os.environ.get("FAKE_EXIT_AFTER_S", "0"))
+    while not stop:
+        time.sleep(min(wd, 0.05) if wd else 0.05)
+        if wd and not os.environ.get("FAKE_NO_WATCHDOG"):
+            notify("WATCHDOG=1")
+        if exit_after and time.monotonic() - t0 > exit_after:
+            sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+    notify("STOPPING=1")
+    sys.exit(0)
+
+
+main()

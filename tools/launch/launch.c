@@ -1,0 +1,292 @@
+/*
+ * launch.c — dsv4-launch: main (options, configuration, listeners) and the
+ * event loop.  See launch.h for what the program does and docs/operations.md
+ * for how it is used.
+ *
+ *   dsv4-launch [-f CONF] [-o KEY=VALUE]... [-P N] [-D N] [-w SEC] [-r MS]
+ *               [-T SEC] [-t SEC] [-v] [--sched-bin P] [--prefill-bin P]
+ *               [--decode-bin P] [--notify-log FILE] [-- COMMAND [ARG]...]
+ *
+ * Exit status: 0 after a clean stop; the command's status with `--`; 1 when
+ * a child hit its start limit or the setup failed; 2 usage error.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/config_file.h"
+#include "common/log.h"
+#include "common/sdnotify.h"
+#include "tools/launch/launch.h"
+
+enum { OPT_SCHED_BIN = 256, OPT_PREFILL_BIN, OPT_DECODE_BIN, OPT_NOTIFY_LOG };
+
+int64_t
+launch_now_ms(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void __attribute__((noreturn))
+usage(void)
+{
+    fprintf(stderr,
+        "usage: dsv4-launch [-f conf] [-o key=value]... [-P n_prefill] [-D n_decode]\n"
+        "                   [-w watchdog_s] [-r restart_ms] [-T start_timeout_s]\n"
+        "                   [-t stop_timeout_s] [-v] [--sched-bin path]\n"
+        "                   [--prefill-bin path] [--decode-bin path]\n"
+        "                   [--notify-log file] [-- command [arg]...]\n");
+    exit(2);
+}
+
+static long
+num_arg(const char *s, long lo, long hi, const char *what)
+{
+    char *end;
+    long v;
+
+    errno = 0;
+    v = strtol(s, &end, 10);
+    if (*s == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi) {
+        fprintf(stderr, "dsv4-launch: %s: \"%s\" not in %ld ... %ld\n", what, s, lo, hi);
+        exit(2);
+    }
+    return v;
+}
+
+static void
+parse_args(struct launch *l, int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        { "sched-bin", required_argument, NULL, OPT_SCHED_BIN },
+        { "prefill-bin", required_argument, NULL, OPT_PREFILL_BIN },
+        { "decode-bin", required_argument, NULL, OPT_DECODE_BIN },
+        { "notify-log", required_argument, NULL, OPT_NOTIFY_LOG },
+        { NULL, 0, NULL, 0 },
+    };
+    struct launch_opts *o = &l->o;
+    struct stat st;
+    int ch;
+
+    o->n_prefill = 1;
+    o->n_decode = 1;
+    o->watchdog_ms = 30000;
+    o->restart_ms = 1000;
+    o->start_timeout_ms = 300000;
+    o->stop_timeout_ms = 30000;
+    while ((ch = getopt_long(argc, argv, "+f:o:P:D:w:r:T:t:v", longopts, NULL)) != -1) {
+        switch (ch) {
+        case 'f': o->conf_path = optarg; break;
+        case 'o':
+            if (o->n_overrides >= LAUNCH_MAX_ARGS / 4)
+                usage();
+            o->overrides[o->n_overrides++] = optarg;
+            break;
+        case 'P': o->n_prefill = num_arg(optarg, 0, LAUNCH_MAX_RANKS / 2, "-P"); break;
+        case 'D': o->n_decode = num_arg(optarg, 0, LAUNCH_MAX_RANKS / 2, "-D"); break;
+        case 'w': o->watchdog_ms = num_arg(optarg, 0, 86400, "-w") * 1000; break;
+        case 'r': o->restart_ms = num_arg(optarg, 0, 3600000, "-r"); break;
+        case 'T': o->start_timeout_ms = num_arg(optarg, 0, 86400, "-T") * 1000; break;
+        case 't': o->stop_timeout_ms = num_arg(optarg, 1, 86400, "-t") * 1000; break;
+        case 'v': o->verbose++; break;
+        case OPT_SCHED_BIN: o->bin[LAUNCH_SCHED] = optarg; break;
+        case OPT_PREFILL_BIN: o->bin[LAUNCH_PREFILL] = optarg; break;
+        case OPT_DECODE_BIN: o->bin[LAUNCH_DECODE] = optarg; break;
+        case OPT_NOTIFY_LOG: o->notify_log = optarg; break;
+        default: usage();
+        }
+    }
+    if (optind < argc)
+        o->command = argv + optind;
+    if (o->conf_path == NULL && stat(DSV4_CONF_DEFAULT_PATH, &st) == 0)
+        o->conf_path = DSV4_CONF_DEFAULT_PATH;
+}
+
+/* Read the configuration the daemons will read, for the endpoints. */
+static void
+load_conf(struct launch *l)
+{
+    int i;
+
+    dsv4_conf_defaults(&l->conf);
+    if (l->o.conf_path != NULL &&
+        dsv4_conf_load(&l->conf, l->o.conf_path, DSV4_CONF_ROLE_SCHED) != DSV4_OK)
+        fatalx("%s", dsv4_errmsg());
+    for (i = 0; i < l->o.n_overrides; i++)
+        if (dsv4_conf_set_kv(&l->conf, l->o.overrides[i]) != DSV4_OK)
+            fatalx("-o %s", dsv4_errmsg());
+}
+
+/* Block the signals we take through the signalfd. */
+static int
+signals_open(void)
+{
+    sigset_t set;
+    int fd;
+
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    if (sigprocmask(SIG_BLOCK, &set, NULL) != 0)
+        fatal("sigprocmask");
+    fd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (fd < 0)
+        fatal("signalfd");
+    signal(SIGPIPE, SIG_IGN);
+    return fd;
+}
+
+static void
+begin_stop(struct launch *l, const char *why)
+{
+    if (l->stopping)
+        return;
+    log_notice("begin_stop: %s; stopping", why);
+    sdnotify_stopping();
+    l->stopping = true;
+    l->stop_deadline_ms = launch_now_ms() + l->o.stop_timeout_ms;
+    proc_signal_all(l, SIGTERM);
+}
+
+static void
+handle_signals(struct launch *l)
+{
+    struct signalfd_siginfo si;
+
+    while (read(l->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        switch (si.ssi_signo) {
+        case SIGCHLD:
+            proc_reap(l);
+            break;
+        case SIGTERM:
+        case SIGINT:
+            l->exit_code = l->exit_code != 0 ? l->exit_code : 0;
+            begin_stop(l, si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
+            break;
+        case SIGHUP:
+            log_info("handle_signals: SIGHUP ignored");
+            break;
+        }
+    }
+    /* SIGCHLD coalesces; reap anything not yet seen. */
+    proc_reap(l);
+}
+
+/*
+ * The loop.  Each iteration: wait for a signal, a notify datagram or the
+ * nearest deadline; reap children and schedule restarts; apply notify
+ * messages (READY, WATCHDOG, STOPPING, STATUS); fire timers (restarts, start
+ * and watchdog timeouts, the stop timeout); start the next phase (ranks
+ * after the scheduler, the command after everything).  Ends when stopping
+ * and no child is left.
+ */
+static void
+launch_loop(struct launch *l)
+{
+    struct pollfd pfd[3 + LAUNCH_MAX_RANKS];
+    int64_t wait;
+    int i, n;
+
+    for (;;) {
+        proc_advance(l);
+        wait = proc_timers(l, launch_now_ms());
+        if (l->stopping && proc_running(l) == 0)
+            return;
+        pfd[0].fd = l->sigfd;
+        pfd[0].events = POLLIN;
+        for (i = 0, n = 1; i < l->n_kids; i++) {
+            pfd[n].fd = l->kids[i].notify_fd;
+            pfd[n++].events = POLLIN;
+        }
+        if (poll(pfd, n, wait < 0 ? -1 : (int)(wait > 60000 ? 60000 : wait)) < 0 &&
+            errno != EINTR)
+            fatal("poll");
+        if (pfd[0].revents & POLLIN)
+            handle_signals(l);
+        for (i = 0; i < l->n_kids; i++)
+            if (pfd[1 + i].fd >= 0 && (pfd[1 + i].revents & POLLIN))
+                proc_notify(l, &l->kids[i]);
+    }
+}
+
+static void
+cleanup(struct launch *l)
+{
+    int i;
+
+    for (i = 0; i < l->n_kids; i++)
+        if (l->kids[i].notify_fd >= 0) {
+            close(l->kids[i].notify_fd);
+            unlink(l->kids[i].notify_path);
+        }
+    for (i = 0; i < 2; i++) {
+        if (l->listen_fd[i] >= 0)
+            close(l->listen_fd[i]);
+        if (l->listen_path[i][0] != '\0')
+            unlink(l->listen_path[i]);
+    }
+    if (l->rundir[0] != '\0')
+        rmdir(l->rundir);
+    if (l->notify_log != NULL)
+        fclose(l->notify_log);
+}
+
+int
+main(int argc, char **argv)
+{
+    static struct launch l;
+    const char *tmp;
+    int i;
+
+    log_init(0);
+    log_procinit("launch");
+    parse_args(&l, argc, argv);
+    if (l.o.verbose > 0)
+        log_init(l.o.verbose);
+    load_conf(&l);
+    l.sigfd = signals_open();
+    l.listen_fd[0] = sock_listen(l.conf.client_endpoint, 0, l.listen_path[0],
+        sizeof(l.listen_path[0]));
+    l.listen_fd[1] = sock_listen(l.conf.admin_endpoint, l.conf.admin_mode,
+        l.listen_path[1], sizeof(l.listen_path[1]));
+    if (l.listen_fd[0] < 0 || l.listen_fd[1] < 0) {
+        cleanup(&l);
+        fatalx("cannot bind the scheduler's listeners");
+    }
+    if (l.o.notify_log != NULL &&
+        (l.notify_log = fopen(l.o.notify_log, "ae")) == NULL)
+        fatal("%s", l.o.notify_log);
+    tmp = getenv("TMPDIR");
+    snprintf(l.rundir, sizeof(l.rundir), "%s/dsv4-launch.XXXXXX",
+        tmp != NULL && strlen(tmp) < 40 ? tmp : "/tmp");
+    if (mkdtemp(l.rundir) == NULL) {
+        l.rundir[0] = '\0';
+        cleanup(&l);
+        fatal("mkdtemp");
+    }
+    proc_setup(&l);
+    for (i = 0; i < l.n_kids; i++)
+        if (l.kids[i].role != LAUNCH_COMMAND && sock_notify_open(&l.kids[i], l.rundir) != 0) {
+            cleanup(&l);
+            fatalx("cannot create notify sockets");
+        }
+    sdnotify_status("starting dsv4-sched");
+    proc_start(&l, &l.kids[0]);
+    launch_loop(&l);
+    cleanup(&l);
+    log_info("main: stopped, exit %d", l.exit_code);
+    return l.exit_code;
+}

@@ -1,0 +1,148 @@
+/*
+ * launch.h — dsv4-launch, the service manager for machines where systemd is
+ * not PID 1 (containers, CI, a laptop): the table of contents of the program.
+ *
+ * It does for the dsv4 set what systemd does with units/: binds the client
+ * and admin listeners of dsv4-sched.socket and passes them to the scheduler
+ * as LISTEN_FDS/LISTEN_FDNAMES (names "client" and "admin"), gives every
+ * child a NOTIFY_SOCKET of its own and waits for READY=1 (Type=notify),
+ * starts the ranks once the scheduler is ready (After=), arms WATCHDOG_USEC
+ * and kills a child that stops pinging (SIGABRT, WatchdogSec=), restarts a
+ * child that failed (Restart=on-failure, RestartSec=, StartLimitBurst=), and
+ * on SIGTERM/SIGINT stops everything (SIGTERM, then SIGKILL after the stop
+ * timeout).  With a command after `--` it runs that command once the set is
+ * ready and stops the set when it exits (exit status = the command's).
+ *
+ * One thread: a poll loop over a signalfd and the notify sockets with a
+ * computed timeout (STYLE.md §7.10).  Invariant: a child slot has at most one
+ * process; the listeners stay open in the launcher for its whole life, so a
+ * restarted scheduler gets the same sockets and clients never see a refused
+ * connection.
+ */
+#ifndef DSV4_TOOLS_LAUNCH_H
+#define DSV4_TOOLS_LAUNCH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/un.h>
+
+#include "common/config_file.h"
+
+#define LAUNCH_MAX_RANKS 64          /* prefill + decode ranks */
+#define LAUNCH_MAX_ARGS 64           /* argv entries of one child */
+#define LAUNCH_START_LIMIT_BURST 5   /* StartLimitBurst= */
+#define LAUNCH_START_LIMIT_MS 10000  /* StartLimitIntervalSec= */
+
+enum launch_role {
+    LAUNCH_SCHED = 0,
+    LAUNCH_PREFILL,
+    LAUNCH_DECODE,
+    LAUNCH_COMMAND,                  /* the command after `--` (never restarted) */
+};
+
+/* One supervised process slot. */
+struct launch_child {
+    enum launch_role role;
+    int index;                       /* rank instance (%i); 0 for sched */
+    char name[32];                   /* "sched", "decode@1", "command" */
+    char *argv[LAUNCH_MAX_ARGS + 1];
+    pid_t pid;                       /* 0 = not running */
+    int notify_fd;                   /* its NOTIFY_SOCKET (bound, datagram) */
+    char notify_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    bool ready;                      /* READY=1 since the last start */
+    bool ever_ready;
+    bool stopping;                   /* STOPPING=1 seen */
+    bool gave_up;                    /* start limit hit */
+    bool timed_out;                  /* killed for a start or watchdog timeout:
+                                        a failure whatever the exit status */
+    int64_t start_deadline_ms;       /* READY expected by then; 0 = n/a */
+    int64_t watchdog_deadline_ms;    /* next WATCHDOG=1 due; 0 = off */
+    int64_t restart_at_ms;           /* 0 = no restart pending */
+    int64_t starts_ms[LAUNCH_START_LIMIT_BURST]; /* ring of recent start times */
+    int n_starts;
+    int exit_status;                 /* last wait status */
+};
+
+/* Settings from the command line. */
+struct launch_opts {
+    const char *conf_path;           /* -f, or the default path if it exists; NULL */
+    char *overrides[LAUNCH_MAX_ARGS];/* -o key=value, passed to every daemon */
+    int n_overrides;
+    int n_prefill, n_decode;         /* -P, -D */
+    const char *bin[3];              /* sched, prefill, decode program paths */
+    int64_t watchdog_ms;             /* -w; 0 = no watchdog */
+    int64_t restart_ms;              /* -r: RestartSec */
+    int64_t start_timeout_ms;        /* -T: TimeoutStartSec */
+    int64_t stop_timeout_ms;         /* -t: TimeoutStopSec */
+    int verbose;                     /* -v count, passed on as -v */
+    const char *notify_log;          /* --notify-log FILE: every notify message */
+    char **command;                  /* after `--`; NULL = none */
+};
+
+struct launch {
+    struct launch_opts o;
+    struct dsv4_conf conf;           /* endpoints of the listeners */
+    int listen_fd[2];                /* client, admin */
+    char listen_path[2][sizeof(((struct sockaddr_un *)0)->sun_path)]; /* ipc: unlink */
+    char rundir[64];                 /* notify sockets live here */
+    int sigfd;
+    struct launch_child kids[2 + LAUNCH_MAX_RANKS]; /* [0] sched, then ranks, then command */
+    int n_kids;
+    bool all_ready_once;             /* READY sent to our own manager */
+    bool stopping;
+    int64_t stop_deadline_ms;        /* SIGKILL everyone then */
+    int exit_code;
+    FILE *notify_log;
+};
+
+/* --- launch.c ----------------------------------------------------------- */
+
+int64_t launch_now_ms(void);
+
+/* --- launch_sock.c: listeners and notify sockets ------------------------ */
+
+/* Bind and listen on `endpoint` (ipc://PATH or tcp://HOST:PORT); for ipc://
+ * unlink a stale file first, create the parent directory, chmod to `mode`
+ * when not 0 and record the path in `path_out` (else ""); CLOEXEC.  Returns
+ * the fd, or -1 with the reason logged. */
+int sock_listen(const char *endpoint, unsigned mode, char *path_out, size_t path_len);
+
+/* Bind a datagram unix socket for child `k`'s NOTIFY_SOCKET in `dir`. */
+int sock_notify_open(struct launch_child *k, const char *dir);
+
+/* Read one pending notify datagram of `k` into buf (NUL-terminated);
+ * returns its length, or -1 when nothing was waiting. */
+ssize_t sock_notify_recv(struct launch_child *k, char *buf, size_t size);
+
+/* --- launch_proc.c: child processes ------------------------------------- */
+
+/* Fill the slots (sched, prefill@0.., decode@0.., command) from the options. */
+void proc_setup(struct launch *l);
+
+/* Fork and exec child `k` with its environment (NOTIFY_SOCKET, LISTEN_*,
+ * WATCHDOG_*); the child dies with the launcher (PR_SET_PDEATHSIG). */
+void proc_start(struct launch *l, struct launch_child *k);
+
+/* Reap exited children; schedule restarts of failed ones (on-failure);
+ * note the command's exit. */
+void proc_reap(struct launch *l);
+
+/* Handle the notify messages waiting on k's socket. */
+void proc_notify(struct launch *l, struct launch_child *k);
+
+/* Deadlines: start timeouts, watchdogs, restarts, stop timeout.  Returns
+ * ms until the next one (-1 = none). */
+int64_t proc_timers(struct launch *l, int64_t now);
+
+/* Send `sig` to every running child (rank first, then the scheduler). */
+void proc_signal_all(struct launch *l, int sig);
+
+/* Number of running children. */
+int proc_running(const struct launch *l);
+
+/* Start the set's next phase: ranks once the scheduler is ready, the
+ * command once everything is ready. */
+void proc_advance(struct launch *l);
+
+#endif

@@ -1,0 +1,423 @@
+/*
+ * launch_proc.c — dsv4-launch's child processes: start with the systemd
+ * environment, notify messages, watchdogs, Restart=on-failure with a start
+ * limit, and stopping.  Semantics follow systemd.service(5) for Type=notify
+ * units; see launch.h for the mapping.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/sdnotify.h"
+#include "tools/launch/launch.h"
+
+#define LISTEN_FDS_START 3  /* SD_LISTEN_FDS_START */
+
+static const char *const role_prog[] = { "dsv4-sched", "dsv4-prefill", "dsv4-decode" };
+
+/* Append one argv entry (strdup'ed); the set is fixed at startup. */
+static void
+argv_add(struct launch_child *k, int *n, const char *s)
+{
+    if (*n >= LAUNCH_MAX_ARGS)
+        fatalx("proc_setup: too many arguments for %s", k->name);
+    if ((k->argv[(*n)++] = strdup(s)) == NULL)
+        fatal("proc_setup: strdup");
+    k->argv[*n] = NULL;
+}
+
+static void
+proc_setup_daemon(struct launch *l, struct launch_child *k, enum launch_role role,
+    int index)
+{
+    char buf[32];
+    int n = 0, i;
+
+    k->role = role;
+    k->index = index;
+    if (role == LAUNCH_SCHED)
+        snprintf(k->name, sizeof(k->name), "sched");
+    else
+        snprintf(k->name, sizeof(k->name), "%s@%d",
+            role == LAUNCH_PREFILL ? "prefill" : "decode", index);
+    argv_add(k, &n, l->o.bin[role] != NULL ? l->o.bin[role] : role_prog[role]);
+    if (l->o.conf_path != NULL) {
+        argv_add(k, &n, "-f");
+        argv_add(k, &n, l->o.conf_path);
+    }
+    if (role != LAUNCH_SCHED) {
+        snprintf(buf, sizeof(buf), "%d", index);
+        argv_add(k, &n, "-i");
+        argv_add(k, &n, buf);
+    }
+    for (i = 0; i < l->o.n_overrides; i++) {
+        argv_add(k, &n, "-o");
+        argv_add(k, &n, l->o.overrides[i]);
+    }
+    for (i = 0; i < l->o.verbose; i++)
+        argv_add(k, &n, "-v");
+}
+
+void
+proc_setup(struct launch *l)
+{
+    struct launch_child *k;
+    int i, n = 0;
+
+    proc_setup_daemon(l, &l->kids[n++], LAUNCH_SCHED, 0);
+    for (i = 0; i < l->o.n_prefill; i++)
+        proc_setup_daemon(l, &l->kids[n++], LAUNCH_PREFILL, i);
+    for (i = 0; i < l->o.n_decode; i++)
+        proc_setup_daemon(l, &l->kids[n++], LAUNCH_DECODE, i);
+    if (l->o.command != NULL) {
+        k = &l->kids[n++];
+        k->role = LAUNCH_COMMAND;
+        snprintf(k->name, sizeof(k->name), "command");
+        for (i = 0; l->o.command[i] != NULL && i < LAUNCH_MAX_ARGS; i++)
+            k->argv[i] = l->o.command[i];
+        k->argv[i] = NULL;
+    }
+    l->n_kids = n;
+    for (i = 0; i < n; i++)
+        l->kids[i].notify_fd = -1;
+}
+
+/* In the forked child: set up fds, environment and signals, then exec.
+ * Only async-signal-safe-ish calls matter little here: the launcher is
+ * single-threaded, so the child may use setenv and snprintf. */
+static void __attribute__((noreturn))
+proc_exec(struct launch *l, struct launch_child *k)
+{
+    char buf[64];
+    sigset_t none;
+    int fd0, fd1;
+
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    prctl(PR_SET_PDEATHSIG, k->role == LAUNCH_COMMAND ? SIGHUP : SIGTERM);
+    if (getppid() == 1)
+        _exit(1);
+    unsetenv("LISTEN_FDS");
+    unsetenv("LISTEN_FDNAMES");
+    unsetenv("LISTEN_PID");
+    unsetenv("WATCHDOG_USEC");
+    unsetenv("WATCHDOG_PID");
+    if (k->role == LAUNCH_SCHED) {
+        /* Move the listeners out of the way, then onto 3 and 4 (dup2
+         * clears FD_CLOEXEC). */
+        fd0 = fcntl(l->listen_fd[0], F_DUPFD_CLOEXEC, 16);
+        fd1 = fcntl(l->listen_fd[1], F_DUPFD_CLOEXEC, 16);
+        if (fd0 < 0 || fd1 < 0 || dup2(fd0, LISTEN_FDS_START) < 0 ||
+            dup2(fd1, LISTEN_FDS_START + 1) < 0)
+            _exit(127);
+        snprintf(buf, sizeof(buf), "%ld", (long)getpid());
+        setenv("LISTEN_PID", buf, 1);
+        setenv("LISTEN_FDS", "2", 1);
+        setenv("LISTEN_FDNAMES", "client:admin", 1);
+    }
+    if (k->role != LAUNCH_COMMAND) {
+        setenv("NOTIFY_SOCKET", k->notify_path, 1);
+        if (l->o.watchdog_ms > 0) {
+            snprintf(buf, sizeof(buf), "%lld", (long long)l->o.watchdog_ms * 1000);
+            setenv("WATCHDOG_USEC", buf, 1);
+            snprintf(buf, sizeof(buf), "%ld", (long)getpid());
+            setenv("WATCHDOG_PID", buf, 1);
+        }
+    } else {
+        unsetenv("NOTIFY_SOCKET");
+        setenv("DSV4_ENDPOINT", l->conf.client_endpoint, 1);
+        setenv("DSV4_ADMIN_ENDPOINT", l->conf.admin_endpoint, 1);
+    }
+    execvp(k->argv[0], k->argv);
+    fprintf(stderr, "dsv4-launch: exec %s: %s\n", k->argv[0], strerror(errno));
+    _exit(127);
+}
+
+void
+proc_start(struct launch *l, struct launch_child *k)
+{
+    int64_t now = launch_now_ms();
+    char buf[256];
+    pid_t pid;
+
+    /* Drop notify messages left from the previous process. */
+    if (k->notify_fd >= 0)
+        while (sock_notify_recv(k, buf, sizeof(buf)) >= 0)
+            ;
+    pid = fork();
+    if (pid < 0) {
+        log_warn("proc_start: fork %s", k->name);
+        k->restart_at_ms = now + l->o.restart_ms;
+        return;
+    }
+    if (pid == 0)
+        proc_exec(l, k);
+    k->pid = pid;
+    k->ready = false;
+    k->stopping = false;
+    k->timed_out = false;
+    k->restart_at_ms = 0;
+    k->watchdog_deadline_ms = 0;
+    k->start_deadline_ms = k->role == LAUNCH_COMMAND || l->o.start_timeout_ms == 0 ?
+        0 : now + l->o.start_timeout_ms;
+    k->starts_ms[k->n_starts++ % LAUNCH_START_LIMIT_BURST] = now;
+    log_info("proc_start: %s pid=%ld", k->name, (long)pid);
+    if (l->notify_log != NULL) {
+        fprintf(l->notify_log, "%s START pid=%ld\n", k->name, (long)pid);
+        fflush(l->notify_log);
+    }
+}
+
+/* Restart=on-failure: anything but a clean exit (status 0 or the clean
+ * signals SIGHUP, SIGINT, SIGTERM, SIGPIPE) is a failure. */
+static bool
+proc_failed(int status)
+{
+    if (WIFEXITED(status))
+        return WEXITSTATUS(status) != 0;
+    if (WIFSIGNALED(status)) {
+        switch (WTERMSIG(status)) {
+        case SIGHUP: case SIGINT: case SIGTERM: case SIGPIPE:
+            return false;
+        }
+    }
+    return true;
+}
+
+static void
+proc_exited(struct launch *l, struct launch_child *k, int status)
+{
+    int64_t now = launch_now_ms();
+    int64_t oldest;
+    char how[64];
+
+    k->pid = 0;
+    k->ready = false;
+    k->exit_status = status;
+    if (WIFEXITED(status))
+        snprintf(how, sizeof(how), "exit=%d", WEXITSTATUS(status));
+    else
+        snprintf(how, sizeof(how), "signal=%d", WTERMSIG(status));
+    if (l->notify_log != NULL) {
+        fprintf(l->notify_log, "%s EXIT %s\n", k->name, how);
+        fflush(l->notify_log);
+    }
+    if (k->role == LAUNCH_COMMAND) {
+        log_info("proc_exited: command %s", how);
+        l->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (!l->stopping) {
+            l->stopping = true;
+            l->stop_deadline_ms = now + l->o.stop_timeout_ms;
+            proc_signal_all(l, SIGTERM);
+        }
+        return;
+    }
+    if (l->stopping) {
+        log_info("proc_exited: %s %s (stopping)", k->name, how);
+        return;
+    }
+    if (!proc_failed(status) && !k->timed_out) {
+        log_notice("proc_exited: %s %s; not restarted (clean exit)", k->name, how);
+        return;
+    }
+    /* StartLimitBurst= starts within StartLimitIntervalSec=: give up. */
+    oldest = k->starts_ms[k->n_starts % LAUNCH_START_LIMIT_BURST];
+    if (k->n_starts >= LAUNCH_START_LIMIT_BURST && now - oldest < LAUNCH_START_LIMIT_MS) {
+        log_warnx("proc_exited: %s %s; start limit hit, stopping the set", k->name, how);
+        k->gave_up = true;
+        l->exit_code = 1;
+        l->stopping = true;
+        l->stop_deadline_ms = now + l->o.stop_timeout_ms;
+        proc_signal_all(l, SIGTERM);
+        return;
+    }
+    log_warnx("proc_exited: %s %s; restart in %lld ms", k->name, how,
+        (long long)l->o.restart_ms);
+    k->restart_at_ms = now + (l->o.restart_ms > 0 ? l->o.restart_ms : 1);
+}
+
+void
+proc_reap(struct launch *l)
+{
+    pid_t pid;
+    int status, i;
+
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (i = 0; i < l->n_kids; i++)
+            if (l->kids[i].pid == pid) {
+                proc_exited(l, &l->kids[i], status);
+                break;
+            }
+    }
+}
+
+/* Apply one "KEY=VALUE" line of a notify message. */
+static void
+proc_notify_line(struct launch *l, struct launch_child *k, const char *line)
+{
+    int64_t now = launch_now_ms();
+
+    if (strcmp(line, "READY=1") == 0) {
+        if (!k->ready)
+            log_info("proc_notify: %s ready", k->name);
+        k->ready = true;
+        k->ever_ready = true;
+        k->start_deadline_ms = 0;
+        if (l->o.watchdog_ms > 0)
+            k->watchdog_deadline_ms = now + l->o.watchdog_ms;
+    } else if (strcmp(line, "WATCHDOG=1") == 0) {
+        if (l->o.watchdog_ms > 0 && k->ready)
+            k->watchdog_deadline_ms = now + l->o.watchdog_ms;
+    } else if (strcmp(line, "STOPPING=1") == 0) {
+        k->stopping = true;
+        k->watchdog_deadline_ms = 0;
+    } else if (strncmp(line, "STATUS=", 7) == 0) {
+        log_info("proc_notify: %s: %s", k->name, line + 7);
+    } else if (strncmp(line, "EXTEND_TIMEOUT_USEC=", 20) == 0) {
+        if (k->start_deadline_ms != 0)
+            k->start_deadline_ms = now + strtoll(line + 20, NULL, 10) / 1000;
+    } else if (strcmp(line, "RELOADING=1") == 0) {
+        k->ready = false;
+    }
+}
+
+void
+proc_notify(struct launch *l, struct launch_child *k)
+{
+    char buf[4096], *line, *save;
+
+    while (sock_notify_recv(k, buf, sizeof(buf)) >= 0) {
+        if (l->notify_log != NULL) {
+            fprintf(l->notify_log, "%s NOTIFY ", k->name);
+            for (line = buf; *line != '\0'; line++)
+                fputc(*line == '\n' ? ' ' : *line, l->notify_log);
+            fputc('\n', l->notify_log);
+            fflush(l->notify_log);
+        }
+        if (k->pid == 0)
+            continue;    /* from a process already reaped */
+        for (line = strtok_r(buf, "\n", &save); line != NULL;
+            line = strtok_r(NULL, "\n", &save))
+            proc_notify_line(l, k, line);
+    }
+}
+
+int64_t
+proc_timers(struct launch *l, int64_t now)
+{
+    struct launch_child *k;
+    int64_t next = -1, t;
+    int i;
+
+#define NEXT(d) do { t = (d) - now; if (t < 0) t = 0; \
+    if (next < 0 || t < next) next = t; } while (0)
+    if (l->stopping) {
+        if (now >= l->stop_deadline_ms) {
+            log_warnx("proc_timers: stop timeout; killing what is left");
+            proc_signal_all(l, SIGKILL);
+            l->stop_deadline_ms = now + 1000;
+        }
+        NEXT(l->stop_deadline_ms);
+        return next;
+    }
+    for (i = 0; i < l->n_kids; i++) {
+        k = &l->kids[i];
+        if (k->pid == 0 && k->restart_at_ms != 0) {
+            if (now >= k->restart_at_ms)
+                proc_start(l, k);
+            else
+                NEXT(k->restart_at_ms);
+        }
+        if (k->pid == 0)
+            continue;
+        if (k->start_deadline_ms != 0 && now >= k->start_deadline_ms) {
+            log_warnx("proc_timers: %s not ready in time; SIGTERM", k->name);
+            kill(k->pid, SIGTERM);
+            k->start_deadline_ms = 0;
+            /* systemd counts a start timeout as a failure, whatever the
+             * exit status; SIGKILL if it does not stop either. */
+            k->timed_out = true;
+            k->watchdog_deadline_ms = now + l->o.stop_timeout_ms;
+        } else if (k->start_deadline_ms != 0)
+            NEXT(k->start_deadline_ms);
+        if (k->watchdog_deadline_ms != 0 && now >= k->watchdog_deadline_ms) {
+            log_warnx("proc_timers: %s watchdog timeout; SIGABRT", k->name);
+            kill(k->pid, k->timed_out ? SIGKILL : SIGABRT);
+            k->timed_out = true;
+            k->watchdog_deadline_ms = now + l->o.stop_timeout_ms;
+            k->ready = false;
+        }
+        if (k->watchdog_deadline_ms != 0)
+            NEXT(k->watchdog_deadline_ms);
+    }
+#undef NEXT
+    return next;
+}
+
+void
+proc_signal_all(struct launch *l, int sig)
+{
+    int i;
+
+    for (i = l->n_kids - 1; i >= 0; i--)
+        if (l->kids[i].pid != 0) {
+            if (sig == SIGKILL)
+                log_warnx("proc_signal_all: SIGKILL %s", l->kids[i].name);
+            kill(l->kids[i].pid, sig);
+        }
+}
+
+int
+proc_running(const struct launch *l)
+{
+    int i, n = 0;
+
+    for (i = 0; i < l->n_kids; i++)
+        n += l->kids[i].pid != 0;
+    return n;
+}
+
+void
+proc_advance(struct launch *l)
+{
+    struct launch_child *k;
+    bool ranks_started = false, all_ready = true;
+    int i;
+
+    if (l->stopping)
+        return;
+    for (i = 1; i < l->n_kids; i++) {
+        k = &l->kids[i];
+        if (k->role == LAUNCH_COMMAND)
+            continue;
+        if (k->pid != 0 || k->n_starts > 0)
+            ranks_started = true;
+        if (!k->ever_ready)
+            all_ready = false;
+    }
+    if (!l->kids[0].ever_ready)
+        return;
+    if (!ranks_started && l->n_kids > 1) {
+        for (i = 1; i < l->n_kids; i++)
+            if (l->kids[i].role != LAUNCH_COMMAND)
+                proc_start(l, &l->kids[i]);
+        return;
+    }
+    if (all_ready && !l->all_ready_once) {
+        l->all_ready_once = true;
+        log_notice("proc_advance: ready: %d process(es); client %s admin %s",
+            proc_running(l), l->conf.client_endpoint, l->conf.admin_endpoint);
+        sdnotify_status("%d process(es) running", proc_running(l));
+        sdnotify_ready();
+        k = &l->kids[l->n_kids - 1];
+        if (k->role == LAUNCH_COMMAND)
+            proc_start(l, k);
+    }
+}
