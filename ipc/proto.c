@@ -195,6 +195,8 @@ static const struct field f_prefill[] = {
     FLD("step", struct dsv4_rank_prefill, step, T_U32, 0, 0, DSV4_PROTO_MAX_NEW_TOKENS, 0),
     FLD("dst_group", struct dsv4_rank_prefill, dst_group, T_U32, F_REQ, 0, 65535, 0),
     FENUM("transport", struct dsv4_rank_prefill, transport, transport_names, F_REQ),
+    FHAS("chunk", struct dsv4_rank_prefill, chunk, has_chunk, T_U32, 1,
+        DSV4_PROTO_MAX_PROMPT_TOKENS),
 };
 
 static const struct field f_kvloc[] = {
@@ -226,9 +228,9 @@ static const struct field f_decode[] = {
     FARR("stop_ids", struct dsv4_rank_decode, stop_ids, n_stop_ids, T_TOKENS, 0, 0,
         DSV4_PROTO_MAX_STOP_IDS),
     FARR("kv", struct dsv4_rank_decode, kv, n_kv, T_KVLOCS, F_REQ, 1, DSV4_PROTO_MAX_KV_PARTS),
+    FHAS("step", struct dsv4_rank_decode, step, has_step, T_U32, 0, DSV4_PROTO_MAX_NEW_TOKENS),
 };
 
-    FHAS("step", struct dsv4_rank_decode, step, has_step, T_U32, 0, DSV4_PROTO_MAX_NEW_TOKENS),
 static const struct field f_req_ref[] = {
     FLD("req", struct dsv4_req_ref, req, T_U64, F_REQ, 1, U64MAX, 0),
 };

@@ -301,6 +301,8 @@ struct dsv4_rank_prefill {
     uint32_t step;         /* output tokens already emitted (RNG position) */
     uint32_t dst_group;    /* decode group that will import the KV */
     enum dsv4_transport transport;
+    uint32_t chunk;        /* prefill chunk size in tokens; valid iff has_chunk */
+    bool has_chunk;        /* false: the rank picks its own chunk size */
 };
 
 /* One exported KV shard (docs/protocol.md §6.2).  The handle rides in a raw
@@ -337,10 +339,10 @@ struct dsv4_rank_decode {
     uint32_t n_stop_ids;
     struct dsv4_kv_loc kv[DSV4_PROTO_MAX_KV_PARTS];
     uint32_t n_kv;         /* [1, DSV4_PROTO_MAX_KV_PARTS] */
-};
-
     uint32_t step;         /* RNG step of the first token the rank samples; valid iff has_step */
     bool has_step;         /* false: step 1 (PREFILL sampled step 0) */
+};
+
 /* KV_RELEASE, ABORT, ABORT_DONE. */
 struct dsv4_req_ref {
     uint64_t req;
