@@ -1,0 +1,38 @@
+#!/bin/sh
+# verify_units.sh UNITS_SRC_DIR SCHED PREFILL DECODE — `systemd-analyze
+# verify` on the units of units/*.in, filled in with a bin directory holding
+# the built daemons (verify checks that ExecStart= programs exist), plus an
+# instance of each template.  Passes only when verify exits 0 and prints
+# nothing at all (warnings such as unknown keys count as failures).
+set -eu
+src=$1; shift
+command -v systemd-analyze >/dev/null || { echo "systemd-analyze missing"; exit 1; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/bin" "$tmp/units"
+for exe in "$@"; do
+    ln -s "$(realpath "$exe")" "$tmp/bin/$(basename "$exe")"
+done
+for f in "$src"/*.in; do
+    out="$tmp/units/$(basename "$f" .in)"
+    sed -e "s|@bindir@|$tmp/bin|g" -e "s|@docdir@|/usr/share/doc/dsv4|g" "$f" > "$out"
+    if grep -q '@[a-z]*@' "$out"; then
+        echo "unsubstituted variable in $out"; exit 1
+    fi
+done
+cd "$tmp/units"
+cp dsv4-prefill@.service dsv4-prefill@0.service
+cp dsv4-decode@.service dsv4-decode@1.service
+# Units whose ExecStart programs exist only as templates are checked as
+# instances too.
+set +e
+out=$(systemd-analyze verify --man=no --recursive-errors=no \
+    "$tmp"/units/*.socket "$tmp"/units/*.service "$tmp"/units/*.target 2>&1)
+rc=$?
+set -e
+if [ $rc -ne 0 ] || [ -n "$out" ]; then
+    echo "systemd-analyze verify: rc=$rc"
+    echo "$out"
+    exit 1
+fi
+echo "units verified: $(ls "$tmp/units" | tr '\n' ' ')"
