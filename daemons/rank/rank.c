@@ -1,0 +1,666 @@
+/*
+ * rank.c — main of dsv4-prefill / dsv4-decode: options and configuration,
+ * start-up (weights, backend, model, transfer layer, scheduler link), the
+ * event loop, the scheduler link (READY / WELCOME / heartbeats / loss) and
+ * the top-level dispatch of scheduler messages.  The role's work lives in
+ * rank_prefill.c and rank_decode.c, the handoff regions in rank_kv.c.
+ *
+ * Single-threaded (the backend may run its own worker threads inside a
+ * forward call).  Signals arrive through a signalfd in the poll set.
+ */
+#include "rank.h"
+
+#include <sys/signalfd.h>
+
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/sdnotify.h"
+
+#define RANK_POLL_SOCK 0      /* poll slot: scheduler DEALER */
+#define RANK_POLL_SIGNAL 1    /* poll slot: signalfd */
+#define RANK_POLL_N 2
+
+static void
+usage(void)
+{
+    fprintf(stderr,
+        "usage: dsv4-%s [-nv] [-f file] [-o key=value]... [--rank N] [--group N]\n"
+        "       [--checkpoint DIR] [--backend cpu] [--threads N] [--sched ENDPOINT]\n"
+        "       [--slots N] [--max-seq N] [--rows N] [--kv-timeout-ms MS] [--role ROLE]\n",
+        dsv4_role_name(RANK_ROLE));
+    exit(2);
+}
+
+/* --- Messages to the scheduler ------------------------------------------------- */
+
+bool
+rank_send(struct rank *k, const struct dsv4_msg *m)
+{
+    struct dsv4_perr pe;
+    enum dsv4_err e;
+
+    if (k->sock == NULL)
+        return false;
+    e = dsv4_zsock_send(k->sock, NULL, m, ZMQ_DONTWAIT, &pe);
+    if (e != DSV4_OK) {
+        log_warnx("rank_send: %s: %s", dsv4_proto_cmd_name(DSV4_SUB_RANK, m->cmd),
+                  e == DSV4_ERR_INVAL ? pe.message : dsv4_strerror(e));
+        return false;
+    }
+    if (k->link == RANK_LINK_UP)
+        dsv4_liveness_tx(&k->live, dsv4_now_ms());
+    return true;
+}
+
+void
+rank_send_error(struct rank *k, uint64_t req, uint16_t code, const char *fmt, ...)
+{
+    char msg[DSV4_PROTO_MAX_MESSAGE / 2];
+    struct dsv4_msg m;
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    log_warnx("rank_error: req=%" PRIu64 " code=%u %s", req, (unsigned)code, msg);
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_ERROR);
+    m.u.error.req = req;
+    m.u.error.code = code;
+    m.u.error.message = msg;
+    rank_send(k, &m);
+}
+
+void
+rank_send_ref(struct rank *k, int cmd, uint64_t req)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, cmd);
+    m.u.ref.req = req;
+    rank_send(k, &m);
+}
+
+uint32_t
+rank_active(const struct rank *k)
+{
+    uint32_t n = 0;
+
+    for (int i = 0; i < k->o.slots; i++) {
+        if (k->jobs != NULL && k->jobs[i].active)
+            n++;
+        if (k->streams != NULL && k->streams[i].active)
+            n++;
+    }
+    return n + k->n_exports;
+}
+
+void
+rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, uint64_t step)
+{
+    p->temperature = s->temperature;
+    p->top_p = s->top_p;
+    p->top_k = (int32_t)s->top_k;
+    p->seed = s->has_seed ? s->seed : 0;
+    p->step = step;
+}
+
+/* --- Scheduler link ------------------------------------------------------------- */
+
+/* Open a fresh DEALER (dropping anything queued on the old one) and send
+ * READY.  A failure is retried at the next READY retry. */
+static void
+link_join(struct rank *k)
+{
+    struct dsv4_zsock_cfg cfg;
+    char host[DSV4_PROTO_MAX_HOST + 1];
+    struct dsv4_msg m;
+    enum dsv4_err e;
+
+    dsv4_zsock_close(k->sock);
+    dsv4_zsock_cfg_init(&cfg);
+    cfg.endpoint = k->o.conf.rank_endpoint;
+    cfg.type = ZMQ_DEALER;
+    cfg.key_dir = k->o.conf.key_dir;
+    k->sock = dsv4_zsock_open(k->zctx, &cfg, &e);
+    k->link = RANK_LINK_JOINING;
+    k->ready_ms = dsv4_now_ms();
+    if (k->sock == NULL) {
+        log_warnx("link_join: %s: %s", k->o.conf.rank_endpoint, dsv4_errmsg());
+        return;
+    }
+    if (gethostname(host, sizeof(host)) != 0)
+        strcpy(host, "localhost");
+    host[sizeof(host) - 1] = '\0';
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_READY);
+    m.u.ready.role = k->o.role;
+    m.u.ready.index = k->o.index;
+    m.u.ready.group = k->o.group;
+    m.u.ready.group_rank = 0;
+    m.u.ready.group_size = 1;
+    m.u.ready.capacity = (uint32_t)k->o.slots;
+    m.u.ready.max_ctx = (uint32_t)k->max_seq;
+    m.u.ready.host = host;
+    m.u.ready.pid = (uint32_t)getpid();
+    m.u.ready.transports = 1u << k->kvx->transport;
+    rank_send(k, &m);
+    log_debug("link_join: READY sent to %s", k->o.conf.rank_endpoint);
+}
+
+/* The scheduler is gone (or told us to go): everything we hold belonged to
+ * it, so drop it all and register again. */
+static void
+link_lost(struct rank *k, const char *why)
+{
+    uint32_t n = rank_active(k);
+
+    log_warnx("link_lost: %s; dropping %u requests, registering again", why, (unsigned)n);
+    sdnotify_status("scheduler lost (%s); registering again", why);
+    prefill_reset(k);
+    decode_reset(k);
+    k->drain = false;
+    link_join(k);
+}
+
+static void
+link_welcome(struct rank *k, const struct dsv4_rank_welcome *w)
+{
+    int64_t now = dsv4_now_ms();
+
+    if (k->link != RANK_LINK_UP)
+        log_notice("link_welcome: registered with %s heartbeat_ms=%u liveness=%u",
+                   k->o.conf.rank_endpoint, (unsigned)w->heartbeat_ms, (unsigned)w->liveness);
+    k->link = RANK_LINK_UP;
+    dsv4_liveness_init(&k->live, w->heartbeat_ms, w->liveness, now);
+    sdnotify_status("serving as %s (%d slots)", k->name, k->o.slots);
+    if (!k->notified_ready) {
+        sdnotify_ready();
+        k->notified_ready = true;
+    }
+}
+
+/* Heartbeats, liveness, READY retries; returns ms until the next event. */
+static int64_t
+link_timers(struct rank *k, int64_t now)
+{
+    struct dsv4_msg m;
+
+    if (k->link != RANK_LINK_UP) {
+        if (now - k->ready_ms >= RANK_READY_RETRY_MS)
+            link_join(k);
+        return k->ready_ms + RANK_READY_RETRY_MS - now;
+    }
+    if (dsv4_liveness_dead(&k->live, now)) {
+        link_lost(k, "no message within liveness");
+        return RANK_READY_RETRY_MS;
+    }
+    if (dsv4_liveness_due(&k->live, now)) {
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+        m.u.heartbeat.active = rank_active(k);
+        rank_send(k, &m);
+    }
+    return dsv4_liveness_next_ms(&k->live, now);
+}
+
+/* --- Dispatch ------------------------------------------------------------------- */
+
+static bool
+rank_role_is(struct rank *k, enum dsv4_role r, uint64_t req, int cmd)
+{
+    if (k->o.role == r)
+        return true;
+    rank_send_error(k, req, DSV4_STATUS_BAD_MESSAGE, "%s sent to a %s rank",
+                    dsv4_proto_cmd_name(DSV4_SUB_RANK, cmd), dsv4_role_name(k->o.role));
+    return false;
+}
+
+static void
+rank_dispatch_msg(struct rank *k, const struct dsv4_msg *m)
+{
+    if (m->sub != DSV4_SUB_RANK) {
+        log_warnx("rank_dispatch: message of another sub-protocol dropped");
+        return;
+    }
+    if (k->link != RANK_LINK_UP) {
+        if (m->cmd == DSV4_RANK_WELCOME)
+            link_welcome(k, &m->u.welcome);
+        else if (m->cmd == DSV4_RANK_DISCONNECT)
+            link_lost(k, "DISCONNECT while joining");
+        else
+            log_debug("rank_dispatch: %s before WELCOME ignored",
+                      dsv4_proto_cmd_name(m->sub, m->cmd));
+        return;
+    }
+    dsv4_liveness_rx(&k->live, dsv4_now_ms());
+    switch (m->cmd) {
+    case DSV4_RANK_WELCOME:
+        link_welcome(k, &m->u.welcome);
+        break;
+    case DSV4_RANK_HEARTBEAT:
+        break;
+    case DSV4_RANK_DISCONNECT:
+        link_lost(k, m->u.disconnect.reason != NULL ? m->u.disconnect.reason : "DISCONNECT");
+        break;
+    case DSV4_RANK_PREFILL:
+        if (rank_role_is(k, DSV4_ROLE_PREFILL, m->u.prefill.req, m->cmd))
+            prefill_start(k, &m->u.prefill);
+        break;
+    case DSV4_RANK_DECODE:
+        if (rank_role_is(k, DSV4_ROLE_DECODE, m->u.decode.req, m->cmd))
+            decode_start(k, &m->u.decode);
+        break;
+    case DSV4_RANK_KV_RELEASE:
+        if (k->o.role == DSV4_ROLE_PREFILL && !kv_release(k, m->u.ref.req))
+            log_debug("rank_dispatch: KV_RELEASE of unknown req=%" PRIu64, m->u.ref.req);
+        break;
+    case DSV4_RANK_ABORT:
+        if (prefill_abort(k, m->u.ref.req) | decode_abort(k, m->u.ref.req))
+            log_info("rank_abort: req=%" PRIu64 " freed", m->u.ref.req);
+        rank_send_ref(k, DSV4_RANK_ABORT_DONE, m->u.ref.req);
+        break;
+    case DSV4_RANK_DRAIN:
+        k->drain = true;
+        break;
+    case DSV4_RANK_ERROR:
+        log_warnx("rank_dispatch: scheduler error req=%" PRIu64 " code=%u: %s",
+                  m->u.error.req, (unsigned)m->u.error.code,
+                  m->u.error.message != NULL ? m->u.error.message : "");
+        break;
+    default:
+        log_warnx("rank_dispatch: unexpected %s dropped", dsv4_proto_cmd_name(m->sub, m->cmd));
+        break;
+    }
+}
+
+/* Read every waiting message. */
+static void
+rank_dispatch_sched(struct rank *k)
+{
+    struct dsv4_perr pe;
+    struct dsv4_msg m;
+    enum dsv4_err e;
+
+    dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
+    while (k->sock != NULL && !k->stopping) {
+        e = dsv4_zsock_recv(k->sock, NULL, &m, &pe, ZMQ_DONTWAIT);
+        if (e == DSV4_ERR_BUSY)
+            break;
+        if (e == DSV4_ERR_PROTO || e == DSV4_ERR_INVAL) {
+            log_warnx("rank_dispatch: malformed %s from the scheduler (code %u): %s",
+                      dsv4_proto_cmd_name(pe.sub, pe.cmd), (unsigned)pe.code, pe.message);
+            continue;
+        }
+        if (e != DSV4_OK) {
+            if (errno != EINTR)
+                log_warnx("rank_dispatch: receive: %s", dsv4_errmsg());
+            break;
+        }
+        rank_dispatch_msg(k, &m);
+        dsv4_msg_clear(&m);
+    }
+}
+
+static void
+rank_signal(struct rank *k)
+{
+    struct signalfd_siginfo si;
+
+    while (read(k->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) {
+            log_notice("rank_signal: %s, stopping", strsignal((int)si.ssi_signo));
+            k->stopping = true;
+        }
+    }
+}
+
+/*
+ * The loop.  Each iteration:
+ *  - timers: READY retry / heartbeat / scheduler liveness, abandoned exports,
+ *    watchdog, DRAIN_DONE once idle;
+ *  - zmq_poll on the scheduler socket and the signalfd, for 0 ms when model
+ *    work is pending, else until the nearest timer;
+ *  - signals, then every waiting scheduler message;
+ *  - at most one forward call: a prefill chunk or one decode step.
+ */
+static void
+rank_loop(struct rank *k)
+{
+    zmq_pollitem_t items[RANK_POLL_N];
+
+    while (!k->stopping) {
+        int64_t now = dsv4_now_ms(), t, timeout;
+        bool work;
+
+        timeout = link_timers(k, now);
+        t = kv_timers(k, now);
+        if (t >= 0 && t < timeout)
+            timeout = t;
+        if (k->wd_interval_ms > 0) {
+            if (now - k->wd_last_ms >= k->wd_interval_ms) {
+                sdnotify_watchdog();
+                k->wd_last_ms = now;
+            }
+            t = k->wd_last_ms + k->wd_interval_ms - now;
+            if (t < timeout)
+                timeout = t;
+        }
+        if (k->drain && k->link == RANK_LINK_UP && rank_active(k) == 0) {
+            struct dsv4_msg m;
+            dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DRAIN_DONE);
+            if (rank_send(k, &m))
+                k->drain = false;
+        }
+        work = k->link == RANK_LINK_UP && (k->o.role == DSV4_ROLE_PREFILL ?
+                                           prefill_pending(k) : decode_pending(k));
+        if (work || timeout < 0)
+            timeout = 0;
+
+        memset(items, 0, sizeof(items));
+        items[RANK_POLL_SOCK].socket = k->sock;
+        items[RANK_POLL_SOCK].fd = -1;
+        items[RANK_POLL_SOCK].events = k->sock != NULL ? ZMQ_POLLIN : 0;
+        items[RANK_POLL_SIGNAL].fd = k->sigfd;
+        items[RANK_POLL_SIGNAL].events = ZMQ_POLLIN;
+        if (zmq_poll(k->sock != NULL ? items : items + 1, k->sock != NULL ? 2 : 1,
+                     (long)timeout) < 0) {
+            if (errno == EINTR)
+                continue;
+            fatal("rank_loop: zmq_poll");
+        }
+        if (items[RANK_POLL_SIGNAL].revents & ZMQ_POLLIN)
+            rank_signal(k);
+        if (k->stopping)
+            break;
+        rank_dispatch_sched(k);
+        if (k->link != RANK_LINK_UP)
+            continue;
+        if (k->o.role == DSV4_ROLE_PREFILL)
+            prefill_work(k);
+        else
+            decode_work(k);
+    }
+}
+
+/* --- Start-up and shutdown -------------------------------------------------------- */
+
+enum {
+    OPT_ROLE = 256, OPT_RANK, OPT_GROUP, OPT_CHECKPOINT, OPT_BACKEND, OPT_THREADS, OPT_SCHED,
+    OPT_SLOTS, OPT_MAX_SEQ, OPT_ROWS, OPT_KV_TIMEOUT,
+};
+
+static long
+opt_num(const char *s, long lo, long hi, const char *what)
+{
+    char *end;
+    long v;
+
+    errno = 0;
+    v = strtol(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi) {
+        fprintf(stderr, "dsv4-%s: %s: %s is not in %ld..%ld\n", dsv4_role_name(RANK_ROLE),
+                what, s, lo, hi);
+        exit(2);
+    }
+    return v;
+}
+
+static void
+conf_set_or_die(struct dsv4_conf *c, const char *key, const char *value)
+{
+    if (dsv4_conf_set(c, key, value) != DSV4_OK) {
+        fprintf(stderr, "dsv4-%s: %s\n", dsv4_role_name(RANK_ROLE), dsv4_errmsg());
+        exit(2);
+    }
+}
+
+/* Options over the configuration file over the defaults.  Returns true for
+ * -n (check only). */
+static bool
+rank_options(struct rank_opts *o, int argc, char **argv)
+{
+    static const struct option lopts[] = {
+        { "role", required_argument, NULL, OPT_ROLE },
+        { "rank", required_argument, NULL, OPT_RANK },
+        { "group", required_argument, NULL, OPT_GROUP },
+        { "checkpoint", required_argument, NULL, OPT_CHECKPOINT },
+        { "backend", required_argument, NULL, OPT_BACKEND },
+        { "threads", required_argument, NULL, OPT_THREADS },
+        { "sched", required_argument, NULL, OPT_SCHED },
+        { "slots", required_argument, NULL, OPT_SLOTS },
+        { "max-seq", required_argument, NULL, OPT_MAX_SEQ },
+        { "rows", required_argument, NULL, OPT_ROWS },
+        { "kv-timeout-ms", required_argument, NULL, OPT_KV_TIMEOUT },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    const char *over[64], *path = NULL, *set[OPT_KV_TIMEOUT + 1] = { 0 };
+    enum dsv4_conf_role crole = RANK_ROLE == DSV4_ROLE_PREFILL ? DSV4_CONF_ROLE_PREFILL :
+                                                                 DSV4_CONF_ROLE_DECODE;
+    int n_over = 0, c, slots = 0;
+    bool check = false, group_set = false;
+
+    memset(o, 0, sizeof(*o));
+    o->role = RANK_ROLE;
+    o->rows = RANK_PREFILL_ROWS;
+    o->kv_timeout_ms = RANK_KV_TIMEOUT_MS;
+    while ((c = getopt_long(argc, argv, "f:o:nvh", lopts, NULL)) != -1) {
+        switch (c) {
+        case 'f': path = optarg; break;
+        case 'o':
+            if (n_over == (int)(sizeof(over) / sizeof(over[0])))
+                usage();
+            over[n_over++] = optarg;
+            break;
+        case 'n': check = true; break;
+        case 'v': o->verbose++; break;
+        case OPT_ROLE:
+            if (strcmp(optarg, dsv4_role_name(RANK_ROLE)) != 0) {
+                fprintf(stderr, "dsv4-%s: this executable only runs the %s role\n",
+                        dsv4_role_name(RANK_ROLE), dsv4_role_name(RANK_ROLE));
+                exit(2);
+            }
+            break;
+        case OPT_RANK: o->index = (uint32_t)opt_num(optarg, 0, 65535, "--rank"); break;
+        case OPT_GROUP:
+            o->group = (uint32_t)opt_num(optarg, 0, 65535, "--group");
+            group_set = true;
+            break;
+        case OPT_SLOTS: slots = (int)opt_num(optarg, 1, RANK_MAX_SLOTS, "--slots"); break;
+        case OPT_ROWS: o->rows = (int)opt_num(optarg, 1, 1 << 20, "--rows"); break;
+        case OPT_KV_TIMEOUT:
+            o->kv_timeout_ms = opt_num(optarg, 1, DSV4_PROTO_MAX_TIMEOUT_MS, "--kv-timeout-ms");
+            break;
+        case OPT_CHECKPOINT: case OPT_BACKEND: case OPT_THREADS: case OPT_SCHED:
+        case OPT_MAX_SEQ:
+            set[c] = optarg;
+            break;
+        default:
+            usage();
+        }
+    }
+    if (optind != argc)
+        usage();
+
+    dsv4_conf_defaults(&o->conf);
+    if (path == NULL && access(DSV4_CONF_DEFAULT_PATH, F_OK) == 0)
+        path = DSV4_CONF_DEFAULT_PATH;
+    if (path != NULL && dsv4_conf_load(&o->conf, path, crole) != DSV4_OK) {
+        fprintf(stderr, "dsv4-%s: %s\n", dsv4_role_name(RANK_ROLE), dsv4_errmsg());
+        exit(1);
+    }
+    o->conf_path = path;
+    for (int i = 0; i < n_over; i++) {
+        if (dsv4_conf_set_kv(&o->conf, over[i]) != DSV4_OK) {
+            fprintf(stderr, "dsv4-%s: -o %s: %s\n", dsv4_role_name(RANK_ROLE), over[i],
+                    dsv4_errmsg());
+            exit(2);
+        }
+    }
+    if (set[OPT_CHECKPOINT] != NULL)
+        conf_set_or_die(&o->conf, "checkpoint", set[OPT_CHECKPOINT]);
+    if (set[OPT_BACKEND] != NULL)
+        conf_set_or_die(&o->conf, "backend", set[OPT_BACKEND]);
+    if (set[OPT_THREADS] != NULL)
+        conf_set_or_die(&o->conf, "threads", set[OPT_THREADS]);
+    if (set[OPT_SCHED] != NULL)
+        conf_set_or_die(&o->conf, "rank_endpoint", set[OPT_SCHED]);
+    if (set[OPT_MAX_SEQ] != NULL)
+        conf_set_or_die(&o->conf, "max_seq", set[OPT_MAX_SEQ]);
+    if (!group_set)
+        o->group = o->index;
+    o->slots = slots > 0 ? slots : RANK_ROLE == DSV4_ROLE_PREFILL ? o->conf.prefill_slots :
+                                                                    o->conf.slots;
+    if (o->slots < 1 || o->slots > RANK_MAX_SLOTS) {
+        fprintf(stderr, "dsv4-%s: %d slots; 1..%d supported\n", dsv4_role_name(RANK_ROLE),
+                o->slots, RANK_MAX_SLOTS);
+        exit(1);
+    }
+    if (check) {
+        dsv4_conf_print(&o->conf, stdout);
+        printf("# rank=%u group=%u slots=%d rows=%d kv_timeout_ms=%" PRId64 "\n",
+               (unsigned)o->index, (unsigned)o->group, o->slots, o->rows, o->kv_timeout_ms);
+        printf("configuration OK\n");
+    }
+    return check;
+}
+
+static void *
+xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n, size);
+
+    if (p == NULL)
+        fatalx("rank_init: out of memory");
+    return p;
+}
+
+/* Weights, backend, model, buffers, transfer layer. */
+static void
+rank_init_model(struct rank *k)
+{
+    struct dsv4_model_opts mo;
+    enum dsv4_numerics num;
+    size_t rows;
+
+    sdnotify_status("loading weights from %s", k->o.conf.checkpoint);
+    log_info("rank_init: loading %s", k->o.conf.checkpoint);
+    if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
+        fatalx("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
+    k->w_loaded = true;
+    sdnotify_status("creating the %s backend and the model", k->o.conf.backend);
+    num = strcmp(k->o.conf.numerics, "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
+    if (dsv4_backend_create(&k->be, k->o.conf.backend, num, k->o.conf.threads) != DSV4_OK)
+        fatalx("rank_init: backend %s: %s", k->o.conf.backend, dsv4_errmsg());
+    mo.n_slots = k->o.slots;
+    mo.max_seq_len = k->o.conf.max_seq;
+    mo.max_rows = k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots;
+    if (dsv4_model_create(&k->m, k->be, &k->w, &mo) != DSV4_OK)
+        fatalx("rank_init: model: %s", dsv4_errmsg());
+    k->V = dsv4_model_vocab(k->m);
+    k->max_seq = k->o.conf.max_seq;
+    rows = (size_t)(mo.max_rows > k->o.slots ? mo.max_rows : k->o.slots);
+    k->logits = xcalloc((size_t)k->o.slots * (size_t)k->V, sizeof(float));
+    k->b_slot = xcalloc((size_t)k->o.slots, sizeof(int32_t));
+    k->b_ntok = xcalloc((size_t)k->o.slots, sizeof(int32_t));
+    k->b_tok = xcalloc(rows, sizeof(int32_t));
+    k->sp = xcalloc((size_t)k->o.slots, sizeof(*k->sp));
+    k->out_tok = xcalloc((size_t)k->o.slots, sizeof(int32_t));
+    k->out_lp = xcalloc((size_t)k->o.slots, sizeof(float));
+    if (k->o.role == DSV4_ROLE_PREFILL)
+        k->jobs = xcalloc((size_t)k->o.slots, sizeof(*k->jobs));
+    else
+        k->streams = xcalloc((size_t)k->o.slots, sizeof(*k->streams));
+    if (kv_open(k) != 0)
+        fatalx("rank_init: KV transfer layer");
+}
+
+static void
+rank_free(struct rank *k)
+{
+    if (k->jobs != NULL)
+        prefill_reset(k);
+    if (k->streams != NULL)
+        decode_reset(k);
+    kv_close(k);
+    dsv4_zsock_close(k->sock);
+    if (k->zctx != NULL)
+        zmq_ctx_term(k->zctx);
+    free(k->jobs);
+    free(k->streams);
+    free(k->logits);
+    free(k->b_slot);
+    free(k->b_ntok);
+    free(k->b_tok);
+    free(k->sp);
+    free(k->out_tok);
+    free(k->out_lp);
+    dsv4_model_free(k->m);
+    dsv4_backend_destroy(k->be);
+    if (k->w_loaded)
+        dsv4_weights_free(&k->w);
+    if (k->sigfd >= 0)
+        close(k->sigfd);
+}
+
+int
+main(int argc, char **argv)
+{
+    static struct rank k;
+    sigset_t mask;
+
+    if (rank_options(&k.o, argc, argv))
+        return 0;
+    snprintf(k.name, sizeof(k.name), "%s@%u", dsv4_role_name(k.o.role), (unsigned)k.o.index);
+    log_init(k.o.verbose);
+    {
+        char tag[32];
+        snprintf(tag, sizeof(tag), "%s/%u", dsv4_role_name(k.o.role), (unsigned)k.o.index);
+        log_procinit(tag);
+    }
+
+    /* Block the signals before the backend starts threads, so only the
+     * signalfd sees them. */
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    if (sigprocmask(SIG_BLOCK, &mask, NULL) != 0)
+        fatal("main: sigprocmask");
+    signal(SIGPIPE, SIG_IGN);
+    k.sigfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (k.sigfd < 0)
+        fatal("main: signalfd");
+
+    rank_init_model(&k);
+    k.wd_interval_ms = (int64_t)(sdnotify_watchdog_interval_us() / 1000);
+    k.wd_last_ms = dsv4_now_ms();
+    k.zctx = zmq_ctx_new();
+    if (k.zctx == NULL)
+        fatal("main: zmq_ctx_new");
+    sdnotify_status("registering with %s", k.o.conf.rank_endpoint);
+    log_notice("main: %s up (%d slots, max_seq %d, V %d), registering with %s", k.name,
+               k.o.slots, k.max_seq, k.V, k.o.conf.rank_endpoint);
+    link_join(&k);
+
+    rank_loop(&k);
+
+    sdnotify_stopping();
+    if (k.link == RANK_LINK_UP) {
+        struct dsv4_msg m;
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DISCONNECT);
+        m.u.disconnect.reason = RANK_STOP_REASON;
+        rank_send(&k, &m);
+    }
+    log_notice("main: %s stopped (%u requests dropped)", k.name, (unsigned)rank_active(&k));
+    rank_free(&k);
+    return 0;
+}

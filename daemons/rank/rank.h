@@ -1,0 +1,213 @@
+/*
+ * rank.h — dsv4-prefill and dsv4-decode, the rank daemons: the table of
+ * contents of the program (constants, every struct, and the functions of
+ * each file grouped under its name).  Both executables are built from the
+ * same sources; RANK_ROLE (a compile-time define) fixes the role.
+ *
+ * One process per rank, one thread: a zmq_poll loop over the DEALER to the
+ * scheduler's rank endpoint and a signalfd, with a computed timeout (READY
+ * retries, heartbeats, scheduler liveness, abandoned KV exports, watchdog).
+ * Between polls the rank runs at most ONE dsv4_model_forward call (a prefill
+ * chunk of bounded rows, or one decode step over every running stream), so a
+ * long prompt never keeps heartbeats waiting for long (docs/protocol.md §6).
+ *
+ * Prefill: PREFILL -> chunked forward -> first token sampled (seed, step) ->
+ * decode state exported into a transfer region (ipc/kvxfer.h) ->
+ * PREFILL_DONE with its location; the region lives until KV_RELEASE, ABORT,
+ * a new scheduler link, or RANK_KV_TIMEOUT_MS.
+ * Decode: DECODE -> state imported into a slot -> KV_RELEASE -> the stream
+ * joins the running batch; every step: one token per stream, one TOKENS
+ * message; DECODE_DONE at max_tokens / a stop id / the sequence limit;
+ * ABORT drops a stream.
+ *
+ * Invariant: the rank's state is exactly its jobs, exports and streams; all
+ * of it belongs to the current scheduler link and is dropped when the link
+ * is lost (a restarted scheduler knows none of it).
+ */
+#ifndef DSV4_DAEMONS_RANK_H
+#define DSV4_DAEMONS_RANK_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/queue.h>
+
+#include "common/config_file.h"
+#include "common/weights.h"
+#include "ipc/kvxfer.h"
+#include "ipc/proto.h"
+#include "ipc/zsock.h"
+#include "kernels/backend.h"
+#include "kernels/forward.h"
+
+#ifndef RANK_ROLE
+#error "RANK_ROLE must be defined (DSV4_ROLE_PREFILL or DSV4_ROLE_DECODE)"
+#endif
+
+#define RANK_READY_RETRY_MS 1000     /* resend READY (fresh socket) without WELCOME */
+#define RANK_KV_TIMEOUT_MS 120000    /* free an export nobody claimed after this */
+#define RANK_PREFILL_ROWS 256        /* default rows per prefill forward call */
+#define RANK_MAX_SLOTS DSV4_PROTO_MAX_BATCH /* upper bound of --slots (one TOKENS) */
+#define RANK_STOP_REASON "rank stopping"
+
+/* --- Options (rank.c) ----------------------------------------------------- */
+
+struct rank_opts {
+    struct dsv4_conf conf;      /* file + -o overrides (checkpoint, endpoint, ...) */
+    const char *conf_path;      /* file read, or NULL */
+    enum dsv4_role role;        /* RANK_ROLE */
+    uint32_t index;             /* --rank N: unit instance number */
+    uint32_t group;             /* --group N: model replica [index] */
+    int slots;                  /* prefill: concurrent prompts; decode: streams */
+    int rows;                   /* prefill: rows per forward call */
+    int64_t kv_timeout_ms;      /* abandoned exports */
+    int verbose;                /* -v count */
+};
+
+/* --- State ------------------------------------------------------------------ */
+
+/* Where the scheduler link is. */
+enum rank_link {
+    RANK_LINK_NONE = 0,
+    RANK_LINK_JOINING,  /* READY sent, waiting for WELCOME */
+    RANK_LINK_UP,       /* WELCOME received; work accepted */
+};
+
+/* A prompt being prefilled in model slot `slot`. */
+struct rank_job {
+    bool active;
+    uint64_t req;
+    int32_t *tokens;            /* prompt (+ emitted tokens on a re-run); owned */
+    uint32_t n_tokens;
+    uint32_t done;              /* tokens already through the model */
+    uint32_t chunk;             /* rows per call for this prompt */
+    struct dsv4_sampling s;
+    uint32_t step;              /* RNG step of the token it samples */
+};
+
+/* An exported decode state waiting for KV_RELEASE. */
+struct rank_export {
+    TAILQ_ENTRY(rank_export) entry;
+    struct dsv4_kvx_region r;   /* region (r.req = request) */
+    int64_t t_ms;               /* when exported (monotonic) */
+};
+TAILQ_HEAD(rank_export_list, rank_export);
+
+/* A decode stream in model slot `slot`. */
+struct rank_stream {
+    bool active;
+    uint64_t req;
+    int32_t next;               /* token to feed in the next step */
+    uint32_t max_tokens;        /* tokens it may emit */
+    uint32_t n_emitted;
+    uint64_t step;              /* RNG step of its next sample */
+    struct dsv4_sampling s;
+    int32_t stop_ids[DSV4_PROTO_MAX_STOP_IDS];
+    uint32_t n_stop_ids;
+};
+
+struct rank {
+    struct rank_opts o;
+    char name[32];              /* "prefill@3" for logs */
+
+    /* Model. */
+    struct dsv4_weights w;
+    bool w_loaded;
+    struct dsv4_backend *be;
+    struct dsv4_model *m;
+    int V;                      /* vocabulary */
+    int max_seq;                /* positions per slot (model's, rounded) */
+    float *logits;              /* (slots, V) */
+    int32_t *b_slot, *b_ntok, *b_tok;  /* batch arrays (rows / slots entries) */
+    struct dsv4_sample_params *sp;     /* (slots) */
+    int32_t *out_tok;           /* (slots) */
+    float *out_lp;              /* (slots) */
+
+    /* Scheduler link. */
+    void *zctx;
+    void *sock;                 /* DEALER */
+    int sigfd;
+    enum rank_link link;
+    int64_t ready_ms;           /* last READY sent */
+    struct dsv4_liveness live;  /* valid when UP */
+    bool notified_ready;        /* READY=1 sent to the service manager */
+    bool drain;                 /* DRAIN received, DRAIN_DONE not yet sent */
+    bool stopping;
+
+    /* Work. */
+    struct dsv4_kvx *kvx;
+    struct rank_job *jobs;      /* prefill: (slots) */
+    uint32_t rr;                /* prefill: round-robin start */
+    struct rank_export_list exports;
+    uint32_t n_exports;
+    struct rank_stream *streams; /* decode: (slots) */
+    uint64_t n_steps;           /* decode steps run (TOKENS step) */
+
+    int64_t wd_interval_ms;     /* 0 = no watchdog */
+    int64_t wd_last_ms;
+};
+
+/* --- rank.c: main, loop, link, dispatch --------------------------------------- */
+
+/* Send `m` to the scheduler (DONTWAIT); logs and returns false on failure. */
+bool rank_send(struct rank *k, const struct dsv4_msg *m);
+/* Send ERROR {req, code, message}. */
+void rank_send_error(struct rank *k, uint64_t req, uint16_t code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Send a body of just `req` (KV_RELEASE, ABORT_DONE). */
+void rank_send_ref(struct rank *k, int cmd, uint64_t req);
+/* Requests this rank holds now (HEARTBEAT `active`, drain). */
+uint32_t rank_active(const struct rank *k);
+/* Sampling parameters of one row from protocol sampling + step. */
+void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
+    uint64_t step);
+
+/* --- rank_prefill.c ------------------------------------------------------------ */
+
+/* PREFILL: validate, take a job slot, start.  Replies ERROR on refusal. */
+void prefill_start(struct rank *k, const struct dsv4_rank_prefill *p);
+/* True when some job has tokens left to run. */
+bool prefill_pending(const struct rank *k);
+/* One forward call over the pending jobs (at most o.rows rows); finished
+ * prompts are sampled, exported and reported.  Fatal on model errors. */
+void prefill_work(struct rank *k);
+/* Drop request `req`'s job and export (ABORT); true if anything was held. */
+bool prefill_abort(struct rank *k, uint64_t req);
+/* Drop every job and export (link lost, shutdown). */
+void prefill_reset(struct rank *k);
+
+/* --- rank_decode.c ---------------------------------------------------------------- */
+
+/* DECODE: import the state into a slot, KV_RELEASE, add the stream. */
+void decode_start(struct rank *k, const struct dsv4_rank_decode *d);
+/* True when some stream is running. */
+bool decode_pending(const struct rank *k);
+/* One step: one token per running stream, TOKENS, DECODE_DONE for ended ones. */
+void decode_work(struct rank *k);
+/* Drop request `req`'s stream (ABORT); true if it was running. */
+bool decode_abort(struct rank *k, uint64_t req);
+/* Drop every stream. */
+void decode_reset(struct rank *k);
+
+/* --- rank_kv.c: transfer regions ---------------------------------------------------- */
+
+/* Open the transport for this rank ("prefill-3") and remove the regions a
+ * previous process of the same rank left behind.  0 or -1 (logged). */
+int kv_open(struct rank *k);
+void kv_close(struct rank *k);
+/* Export slot `slot` (sequence of n_tokens) for `req`; fills the protocol
+ * location (borrowing the export's handle and `seg`).  On failure returns
+ * the error (logged) and keeps nothing. */
+enum dsv4_err kv_export(struct rank *k, uint64_t req, int slot, uint32_t n_tokens,
+    uint64_t seg[2], struct dsv4_kv_loc *loc);
+/* Free `req`'s export; true if there was one. */
+bool kv_release(struct rank *k, uint64_t req);
+/* Free every export. */
+void kv_release_all(struct rank *k);
+/* Free exports older than the timeout; returns ms until the next expiry or -1. */
+int64_t kv_timers(struct rank *k, int64_t now);
+/* Import location `loc` into slot `slot` (which must hold `pos` tokens
+ * afterwards).  DSV4_ERR_* with the reason in dsv4_errmsg(). */
+enum dsv4_err kv_import(struct rank *k, const struct dsv4_kv_loc *loc, uint32_t n_kv, int slot,
+    uint32_t pos);
+
+#endif

@@ -1,0 +1,199 @@
+/*
+ * rank_decode.c — the decode role: DECODE imports a request's decode state
+ * into a free slot (rank_kv.c) and acknowledges with KV_RELEASE; the stream
+ * then joins the running batch.  Every step is ONE forward call over all
+ * running streams (one token each); each stream samples with (seed, step),
+ * the step's tokens go out in one TOKENS message, and a stream that reached
+ * its max_tokens, sampled one of its stop ids or filled its slot ends with
+ * DECODE_DONE.  The CPU backend's results do not depend on the batch, so any
+ * mix of streams gives each stream the tokens of a single-stream run.
+ *
+ * Rank main thread only.
+ */
+#include "rank.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+void
+decode_start(struct rank *k, const struct dsv4_rank_decode *d)
+{
+    struct rank_stream *st;
+    enum dsv4_err e;
+    int slot = -1;
+
+    for (int i = 0; i < k->o.slots; i++) {
+        if (k->streams[i].active && k->streams[i].req == d->req) {
+            rank_send_ref(k, DSV4_RANK_KV_RELEASE, d->req);
+            rank_send_error(k, d->req, DSV4_STATUS_BAD_ARGUMENT, "req %" PRIu64
+                            " is already decoding", d->req);
+            return;
+        }
+    }
+    /* The scheduler's slot when free, else the first free one. */
+    if (d->slot < (uint32_t)k->o.slots && !k->streams[d->slot].active)
+        slot = (int)d->slot;
+    for (int i = 0; i < k->o.slots && slot < 0; i++)
+        if (!k->streams[i].active)
+            slot = i;
+    if (slot < 0) {
+        rank_send_ref(k, DSV4_RANK_KV_RELEASE, d->req);
+        rank_send_error(k, d->req, DSV4_STATUS_BUSY, "%s: all %d stream slots busy", k->name,
+                        k->o.slots);
+        return;
+    }
+    if ((int64_t)d->pos >= k->max_seq || d->token < 0 || d->token >= k->V) {
+        rank_send_ref(k, DSV4_RANK_KV_RELEASE, d->req);
+        rank_send_error(k, d->req, (int64_t)d->pos >= k->max_seq ? DSV4_STATUS_TOO_LARGE :
+                        DSV4_STATUS_BAD_ARGUMENT, "pos %u / token %d do not fit %s (%d "
+                        "positions, %d ids)", (unsigned)d->pos, (int)d->token, k->name,
+                        k->max_seq, k->V);
+        return;
+    }
+    e = kv_import(k, d->kv, d->n_kv, slot, d->pos);
+    /* Copied or failed: either way the exporter may free it now. */
+    rank_send_ref(k, DSV4_RANK_KV_RELEASE, d->req);
+    if (e != DSV4_OK) {
+        log_warnx("decode_start: req=%" PRIu64 " import: %s", d->req, dsv4_errmsg());
+        rank_send_error(k, d->req, dsv4_proto_code_from_err(e), "import of the decode state "
+                        "failed: %s", dsv4_errmsg());
+        return;
+    }
+    st = &k->streams[slot];
+    memset(st, 0, sizeof(*st));
+    st->active = true;
+    st->req = d->req;
+    st->next = d->token;
+    st->max_tokens = d->max_tokens;
+    st->step = d->has_step ? d->step : 1;
+    st->s = d->s;
+    st->n_stop_ids = d->n_stop_ids;
+    if (d->n_stop_ids > 0)
+        memcpy(st->stop_ids, d->stop_ids, sizeof(int32_t) * d->n_stop_ids);
+    log_info("decode_start: req=%" PRIu64 " slot=%d pos=%u max_tokens=%u", d->req, slot,
+             (unsigned)d->pos, (unsigned)d->max_tokens);
+}
+
+bool
+decode_pending(const struct rank *k)
+{
+    for (int i = 0; i < k->o.slots; i++)
+        if (k->streams[i].active)
+            return true;
+    return false;
+}
+
+static void
+decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
+{
+    struct rank_stream *st = &k->streams[slot];
+    struct dsv4_msg m;
+
+    if (report) {
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DECODE_DONE);
+        m.u.decode_done.req = st->req;
+        m.u.decode_done.finish = f;
+        m.u.decode_done.n_tokens = st->n_emitted;
+        rank_send(k, &m);
+        log_info("decode_done: req=%" PRIu64 " finish=%s n_tokens=%u", st->req,
+                 dsv4_finish_name(f), (unsigned)st->n_emitted);
+    }
+    memset(st, 0, sizeof(*st));
+    dsv4_model_seq_reset(k->m, slot);
+}
+
+/* Why stream `st` ends after sampling `tok`, or NONE. */
+static enum dsv4_finish
+decode_stop(const struct rank *k, const struct rank_stream *st, int slot, int32_t tok)
+{
+    for (uint32_t i = 0; i < st->n_stop_ids; i++)
+        if (st->stop_ids[i] == tok)
+            return DSV4_FINISH_STOP;
+    if (st->n_emitted >= st->max_tokens)
+        return DSV4_FINISH_LENGTH;
+    /* The next step would feed `tok` at position seq_len: it must fit. */
+    if (dsv4_model_seq_len(k->m, slot) >= k->max_seq)
+        return DSV4_FINISH_LENGTH;
+    return DSV4_FINISH_NONE;
+}
+
+void
+decode_work(struct rank *k)
+{
+    uint64_t reqs[RANK_MAX_SLOTS];
+    bool want_lp = false;
+    struct dsv4_batch b;
+    struct dsv4_msg m;
+    enum dsv4_err e;
+    int n = 0;
+
+    for (int i = 0; i < k->o.slots; i++) {
+        struct rank_stream *st = &k->streams[i];
+        if (!st->active)
+            continue;
+        k->b_slot[n] = i;
+        k->b_ntok[n] = 1;
+        k->b_tok[n] = st->next;
+        rank_sample_params(&k->sp[n], &st->s, st->step);
+        want_lp = want_lp || st->s.logprobs;
+        n++;
+    }
+    if (n == 0)
+        return;
+    b.n_seqs = n;
+    b.slot = k->b_slot;
+    b.n_tokens = k->b_ntok;
+    b.tokens = k->b_tok;
+    e = dsv4_model_forward(k->m, &b, k->logits, 0);
+    if (e != DSV4_OK)
+        fatalx("decode_work: forward of %d streams: %s", n, dsv4_errmsg());
+    e = k->be->ops->sample(k->be, k->out_tok, k->out_lp, k->logits, k->sp, n, k->V);
+    if (e != DSV4_OK)
+        fatalx("decode_work: sample: %s", dsv4_errmsg());
+
+    for (int r = 0; r < n; r++) {
+        struct rank_stream *st = &k->streams[k->b_slot[r]];
+        reqs[r] = st->req;
+        st->next = k->out_tok[r];
+        st->step++;
+        st->n_emitted++;
+    }
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_TOKENS);
+    m.u.step.step = k->n_steps++;
+    m.u.step.reqs = reqs;
+    m.u.step.tokens = k->out_tok;
+    m.u.step.logprobs = want_lp ? k->out_lp : NULL;
+    m.u.step.n = (uint32_t)n;
+    rank_send(k, &m);
+    log_debug("decode_work: step=%" PRIu64 " streams=%d", m.u.step.step, n);
+
+    for (int r = 0; r < n; r++) {
+        int slot = k->b_slot[r];
+        enum dsv4_finish f = decode_stop(k, &k->streams[slot], slot, k->out_tok[r]);
+        if (f != DSV4_FINISH_NONE)
+            decode_end(k, slot, f, true);
+    }
+}
+
+bool
+decode_abort(struct rank *k, uint64_t req)
+{
+    for (int i = 0; i < k->o.slots; i++) {
+        if (k->streams[i].active && k->streams[i].req == req) {
+            decode_end(k, i, DSV4_FINISH_CANCELLED, false);
+            return true;
+        }
+    }
+    return false;
+}
+
+void
+decode_reset(struct rank *k)
+{
+    for (int i = 0; i < k->o.slots; i++)
+        if (k->streams[i].active)
+            decode_end(k, i, DSV4_FINISH_CANCELLED, false);
+}

@@ -1,0 +1,156 @@
+/*
+ * rank_kv.c — the rank's side of the decode-state handoff: the transfer
+ * regions a prefill rank exported and still owns (freed on KV_RELEASE,
+ * ABORT, link loss or timeout), and the import of a location into a decode
+ * slot.  Transport details live behind ipc/kvxfer.h.
+ *
+ * Rank main thread only.
+ */
+#include "rank.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+int
+kv_open(struct rank *k)
+{
+    char owner[DSV4_KVX_MAX_OWNER];
+    int n;
+
+    snprintf(owner, sizeof(owner), "%s-%u", dsv4_role_name(k->o.role), (unsigned)k->o.index);
+    if (dsv4_kvx_open(&k->kvx, DSV4_TRANSPORT_SHM, owner) != DSV4_OK) {
+        log_warnx("kv_open: %s", dsv4_errmsg());
+        return -1;
+    }
+    n = dsv4_kvx_cleanup_stale(k->kvx);
+    if (n > 0)
+        log_notice("kv_open: removed %d stale exports of %s", n, owner);
+    TAILQ_INIT(&k->exports);
+    return 0;
+}
+
+void
+kv_close(struct rank *k)
+{
+    if (k->kvx == NULL)
+        return;
+    kv_release_all(k);
+    dsv4_kvx_close(k->kvx);
+    k->kvx = NULL;
+}
+
+enum dsv4_err
+kv_export(struct rank *k, uint64_t req, int slot, uint32_t n_tokens, uint64_t seg[2],
+    struct dsv4_kv_loc *loc)
+{
+    struct rank_export *x;
+    size_t need, len = 0;
+    enum dsv4_err e;
+
+    need = dsv4_model_state_size(k->m, (int)n_tokens);
+    x = calloc(1, sizeof(*x));
+    if (x == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "kv_export: out of memory");
+    e = dsv4_kvx_export(k->kvx, req, need, &x->r);
+    if (e == DSV4_OK) {
+        e = dsv4_model_state_export(k->m, slot, x->r.data, need, &len);
+        if (e != DSV4_OK)
+            dsv4_kvx_free(k->kvx, &x->r);
+    }
+    if (e != DSV4_OK) {
+        log_warnx("kv_export: req=%" PRIu64 " bytes=%zu: %s", req, need, dsv4_errmsg());
+        free(x);
+        return e;
+    }
+    x->t_ms = dsv4_now_ms();
+    TAILQ_INSERT_TAIL(&k->exports, x, entry);
+    k->n_exports++;
+    dsv4_kvx_desc_to_loc(&x->r, len, n_tokens, seg, loc);
+    log_debug("kv_export: req=%" PRIu64 " n_tokens=%u bytes=%zu", req, n_tokens, len);
+    return DSV4_OK;
+}
+
+static void
+kv_drop(struct rank *k, struct rank_export *x)
+{
+    TAILQ_REMOVE(&k->exports, x, entry);
+    k->n_exports--;
+    dsv4_kvx_free(k->kvx, &x->r);
+    free(x);
+}
+
+bool
+kv_release(struct rank *k, uint64_t req)
+{
+    struct rank_export *x, *t;
+    bool found = false;
+
+    for (x = TAILQ_FIRST(&k->exports); x != NULL; x = t) {
+        t = TAILQ_NEXT(x, entry);
+        if (x->r.req == req) {
+            kv_drop(k, x);
+            found = true;
+        }
+    }
+    return found;
+}
+
+void
+kv_release_all(struct rank *k)
+{
+    while (!TAILQ_EMPTY(&k->exports))
+        kv_drop(k, TAILQ_FIRST(&k->exports));
+}
+
+int64_t
+kv_timers(struct rank *k, int64_t now)
+{
+    struct rank_export *x;
+
+    /* Exports are in creation order: expire from the head. */
+    while ((x = TAILQ_FIRST(&k->exports)) != NULL && now - x->t_ms >= k->o.kv_timeout_ms) {
+        log_warnx("kv_timers: export unclaimed for %" PRId64 " ms, freed req=%" PRIu64,
+                  now - x->t_ms, x->r.req);
+        kv_drop(k, x);
+    }
+    return x == NULL ? -1 : x->t_ms + k->o.kv_timeout_ms - now;
+}
+
+enum dsv4_err
+kv_import(struct rank *k, const struct dsv4_kv_loc *loc, uint32_t n_kv, int slot, uint32_t pos)
+{
+    struct dsv4_kvx_desc d;
+    struct dsv4_kvx_map map;
+    enum dsv4_err e;
+
+    if (n_kv != 1 || loc->n_parts != 1 || loc->n_seg != 1)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_import: %u locations / %u parts / %u "
+                            "segments; this rank takes one", (unsigned)n_kv,
+                            (unsigned)loc->n_parts, (unsigned)loc->n_seg);
+    if (loc->n_tokens != pos)
+        return dsv4_err_set(DSV4_ERR_PROTO, "kv_import: location covers %u positions, pos %u",
+                            (unsigned)loc->n_tokens, (unsigned)pos);
+    e = dsv4_kvx_desc_from_loc(loc, &d);
+    if (e != DSV4_OK)
+        return e;
+    if (d.transport != k->kvx->transport)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_import: transport %s not supported",
+                            dsv4_transport_name(d.transport));
+    e = dsv4_kvx_import(k->kvx, &d, &map);
+    if (e != DSV4_OK)
+        return e;
+    e = dsv4_model_state_import(k->m, slot,
+                                (const uint8_t *)map.data + loc->offsets[0],
+                                (size_t)loc->sizes[0]);
+    dsv4_kvx_unmap(k->kvx, &map);
+    if (e == DSV4_OK && dsv4_model_seq_len(k->m, slot) != (int)pos)
+        e = dsv4_err_set(DSV4_ERR_PROTO, "kv_import: state holds %d positions, pos %u",
+                         dsv4_model_seq_len(k->m, slot), (unsigned)pos);
+    if (e != DSV4_OK)
+        dsv4_model_seq_reset(k->m, slot);
+    return e;
+}

@@ -1,0 +1,200 @@
+/*
+ * rank_prefill.c — the prefill role: prompts arrive in PREFILL, run through
+ * the model in chunks (several prompts may share one forward call, at most
+ * o.rows rows in all), the first output token is sampled with (seed, step),
+ * and the slot's decode state is exported for the decode side
+ * (rank_kv.c) and reported in PREFILL_DONE.  The model slot is free again
+ * as soon as the state is exported; the export lives until KV_RELEASE.
+ *
+ * Rank main thread only.
+ */
+#include "rank.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+void
+prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
+{
+    struct rank_job *j = NULL;
+    int slot = -1;
+
+    for (int i = 0; i < k->o.slots; i++) {
+        if (k->jobs[i].active && k->jobs[i].req == p->req) {
+            rank_send_error(k, p->req, DSV4_STATUS_BAD_ARGUMENT, "req %" PRIu64
+                            " is already being prefilled", p->req);
+            return;
+        }
+        if (!k->jobs[i].active && slot < 0)
+            slot = i;
+    }
+    if (p->transport != k->kvx->transport) {
+        rank_send_error(k, p->req, DSV4_STATUS_NOT_SUPPORTED, "transport %s not supported "
+                        "by %s", dsv4_transport_name(p->transport), k->name);
+        return;
+    }
+    if ((int64_t)p->n_tokens > k->max_seq) {
+        rank_send_error(k, p->req, DSV4_STATUS_TOO_LARGE, "%u prompt tokens, %s holds %d",
+                        (unsigned)p->n_tokens, k->name, k->max_seq);
+        return;
+    }
+    for (uint32_t i = 0; i < p->n_tokens; i++) {
+        if (p->tokens[i] < 0 || p->tokens[i] >= k->V) {
+            rank_send_error(k, p->req, DSV4_STATUS_BAD_ARGUMENT, "token %d at %u outside the "
+                            "vocabulary (%d)", (int)p->tokens[i], (unsigned)i, k->V);
+            return;
+        }
+    }
+    if (slot < 0) {
+        rank_send_error(k, p->req, DSV4_STATUS_BUSY, "%s: all %d prefill slots busy",
+                        k->name, k->o.slots);
+        return;
+    }
+    j = &k->jobs[slot];
+    j->tokens = malloc(sizeof(int32_t) * p->n_tokens);
+    if (j->tokens == NULL) {
+        rank_send_error(k, p->req, DSV4_STATUS_NO_MEMORY, "out of memory");
+        return;
+    }
+    memcpy(j->tokens, p->tokens, sizeof(int32_t) * p->n_tokens);
+    if (dsv4_model_seq_reset(k->m, slot) != DSV4_OK)
+        fatalx("prefill_start: seq_reset slot=%d: %s", slot, dsv4_errmsg());
+    j->active = true;
+    j->req = p->req;
+    j->n_tokens = p->n_tokens;
+    j->done = 0;
+    j->chunk = (uint32_t)k->o.rows;
+    if (p->has_chunk && p->chunk < j->chunk)
+        j->chunk = p->chunk;
+    j->s = p->s;
+    j->step = p->step;
+    log_info("prefill_start: req=%" PRIu64 " n_tokens=%u slot=%d", p->req,
+             (unsigned)p->n_tokens, slot);
+}
+
+bool
+prefill_pending(const struct rank *k)
+{
+    for (int i = 0; i < k->o.slots; i++)
+        if (k->jobs[i].active)
+            return true;
+    return false;
+}
+
+static void
+prefill_job_clear(struct rank *k, int slot)
+{
+    struct rank_job *j = &k->jobs[slot];
+
+    free(j->tokens);
+    memset(j, 0, sizeof(*j));
+    dsv4_model_seq_reset(k->m, slot);
+}
+
+/* The prompt in `slot` is through the model and its last row's logits are
+ * `logits`: sample, export, report. */
+static void
+prefill_finish(struct rank *k, int slot, const float *logits)
+{
+    struct rank_job *j = &k->jobs[slot];
+    struct dsv4_sample_params sp;
+    struct dsv4_msg m;
+    uint64_t seg[2];
+    int32_t tok;
+    float lp;
+    enum dsv4_err e;
+
+    rank_sample_params(&sp, &j->s, j->step);
+    e = k->be->ops->sample(k->be, &tok, &lp, logits, &sp, 1, k->V);
+    if (e != DSV4_OK)
+        fatalx("prefill_finish: sample: %s", dsv4_errmsg());
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL_DONE);
+    e = kv_export(k, j->req, slot, j->n_tokens, seg, &m.u.prefill_done.kv[0]);
+    if (e != DSV4_OK) {
+        rank_send_error(k, j->req, dsv4_proto_code_from_err(e), "export of the decode state "
+                        "failed: %s", dsv4_errmsg());
+        prefill_job_clear(k, slot);
+        return;
+    }
+    m.u.prefill_done.req = j->req;
+    m.u.prefill_done.token = tok;
+    m.u.prefill_done.n_kv = 1;
+    if (j->s.logprobs) {
+        m.u.prefill_done.logprob = lp;
+        m.u.prefill_done.has_logprob = true;
+    }
+    if (!rank_send(k, &m))
+        kv_release(k, j->req);
+    log_info("prefill_done: req=%" PRIu64 " token=%d n_tokens=%u", j->req, (int)tok,
+             (unsigned)j->n_tokens);
+    prefill_job_clear(k, slot);
+}
+
+void
+prefill_work(struct rank *k)
+{
+    int n_seqs = 0, rows = 0, S = k->o.slots;
+    struct dsv4_batch b;
+    enum dsv4_err e;
+
+    /* Round-robin over the jobs so one long prompt cannot starve the rest. */
+    for (int t = 0; t < S && rows < k->o.rows; t++) {
+        int i = (int)((k->rr + (uint32_t)t) % (uint32_t)S);
+        struct rank_job *j = &k->jobs[i];
+        uint32_t n;
+        if (!j->active || j->done >= j->n_tokens)
+            continue;
+        n = j->n_tokens - j->done;
+        if (n > j->chunk)
+            n = j->chunk;
+        if (n > (uint32_t)(k->o.rows - rows))
+            n = (uint32_t)(k->o.rows - rows);
+        k->b_slot[n_seqs] = i;
+        k->b_ntok[n_seqs] = (int32_t)n;
+        memcpy(&k->b_tok[rows], &j->tokens[j->done], sizeof(int32_t) * n);
+        rows += (int)n;
+        n_seqs++;
+    }
+    k->rr = (k->rr + 1) % (uint32_t)S;
+    if (n_seqs == 0)
+        return;
+    b.n_seqs = n_seqs;
+    b.slot = k->b_slot;
+    b.n_tokens = k->b_ntok;
+    b.tokens = k->b_tok;
+    e = dsv4_model_forward(k->m, &b, k->logits, 0);
+    if (e != DSV4_OK)
+        fatalx("prefill_work: forward of %d rows: %s", rows, dsv4_errmsg());
+    for (int s = 0; s < n_seqs; s++) {
+        struct rank_job *j = &k->jobs[k->b_slot[s]];
+        j->done += (uint32_t)k->b_ntok[s];
+        if (j->done == j->n_tokens)
+            prefill_finish(k, k->b_slot[s], k->logits + (size_t)s * (size_t)k->V);
+    }
+}
+
+bool
+prefill_abort(struct rank *k, uint64_t req)
+{
+    bool held = kv_release(k, req);
+
+    for (int i = 0; i < k->o.slots; i++) {
+        if (k->jobs[i].active && k->jobs[i].req == req) {
+            prefill_job_clear(k, i);
+            held = true;
+        }
+    }
+    return held;
+}
+
+void
+prefill_reset(struct rank *k)
+{
+    for (int i = 0; i < k->o.slots; i++)
+        if (k->jobs[i].active)
+            prefill_job_clear(k, i);
+    kv_release_all(k);
+}
