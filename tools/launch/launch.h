@@ -44,7 +44,7 @@ enum launch_role {
 /* One supervised process slot. */
 struct launch_child {
     enum launch_role role;
-    int index;                       /* rank instance (%i); 0 for sched */
+    int index;                       /* rank instance (--rank, %i); 0 for sched */
     char name[32];                   /* "sched", "decode@1", "command" */
     char *argv[LAUNCH_MAX_ARGS + 1];
     pid_t pid;                       /* 0 = not running */

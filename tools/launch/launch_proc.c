@@ -54,7 +54,7 @@ proc_setup_daemon(struct launch *l, struct launch_child *k, enum launch_role rol
     }
     if (role != LAUNCH_SCHED) {
         snprintf(buf, sizeof(buf), "%d", index);
-        argv_add(k, &n, "-i");
+        argv_add(k, &n, "--rank");
         argv_add(k, &n, buf);
     }
     for (i = 0; i < l->o.n_overrides; i++) {
