@@ -266,6 +266,10 @@ static const struct field f_status[] = {
     FLD("n_running", struct dsv4_ctl_status, n_running, T_U32, F_REQ, 0, U32MAX, 0),
     FLD("n_done", struct dsv4_ctl_status, n_done, T_U64, F_REQ, 0, U64MAX, 0),
     FLD("n_failed", struct dsv4_ctl_status, n_failed, T_U64, F_REQ, 0, U64MAX, 0),
+#define METRIC(k) FHAS(#k, struct dsv4_ctl_status, k, has_metrics, T_U64, 0, U64MAX)
+    METRIC(n_cancelled), METRIC(n_rejected), METRIC(tokens_in), METRIC(tokens_out),
+    METRIC(handoffs), METRIC(reruns), METRIC(rank_deaths),
+#undef METRIC
 };
 
 static const struct field f_ctl_rank[] = {
@@ -278,6 +282,7 @@ static const struct field f_ctl_rank[] = {
     FLD("active", struct dsv4_ctl_rank, active, T_U32, F_REQ, 0, U32MAX, 0),
     FLD("capacity", struct dsv4_ctl_rank, capacity, T_U32, F_REQ, 0, U32MAX, 0),
     FLD("last_seen_ms", struct dsv4_ctl_rank, last_seen_ms, T_U64, F_REQ, 0, U64MAX, 0),
+    FHAS("rank_active", struct dsv4_ctl_rank, rank_active, has_rank_active, T_U32, 0, U32MAX),
 };
 
 static const struct field f_count[] = {

@@ -372,6 +372,12 @@ struct dsv4_ctl_status {
     uint32_t n_running;
     uint64_t n_done;
     uint64_t n_failed;
+    /* Optional metrics (sent together, iff has_metrics): requests cancelled
+     * and refused at admission, prompt and output tokens, prefill->decode
+     * handoffs, re-runs after rank failures, rank deaths. */
+    uint64_t n_cancelled, n_rejected, tokens_in, tokens_out;
+    uint64_t handoffs, reruns, rank_deaths;
+    bool has_metrics;
 };
 
 struct dsv4_ctl_rank {
@@ -384,6 +390,9 @@ struct dsv4_ctl_rank {
     uint32_t active;
     uint32_t capacity;
     uint64_t last_seen_ms;
+    uint32_t rank_active;    /* `active` of the rank's last HEARTBEAT; valid iff
+                                has_rank_active */
+    bool has_rank_active;
 };
 
 struct dsv4_ctl_request {

@@ -1,0 +1,370 @@
+/*
+ * sched.c — dsv4-sched: main (options, configuration, -n), setting up the
+ * sockets (systemd socket activation or own binds) and the signalfd, and
+ * the event loop with its top-level dispatch.  Nothing else lives here; the
+ * handlers are in sched_client.c, sched_rank.c and sched_ctl.c, the policy in
+ * sched_queue.c, the request life cycle in sched_req.c (sched.h is the map).
+ *
+ * One thread.  The loop is a single zmq_poll over the client, rank and admin
+ * ROUTER sockets and a signalfd (SIGTERM/SIGINT/SIGHUP), with a timeout
+ * computed from the nearest deadline.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <getopt.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <systemd/sd-daemon.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/sdnotify.h"
+#include "daemons/sched/sched.h"
+
+/* Poll slots (ntpd style). */
+enum {
+    POLL_CLIENT,
+    POLL_RANKS,
+    POLL_CTL,
+    POLL_SIGNAL,
+    POLL_MAX
+};
+
+#define RANK_HWM 1000000   /* rank link queues: never drop work messages */
+#define LINGER_MS 500      /* let final messages leave on exit */
+
+static void
+usage(void)
+{
+    fprintf(stderr, "usage: dsv4-sched [-nv] [-f config] [-o key=value]...\n");
+    exit(2);
+}
+
+/*
+ * The endpoint ZeroMQ should name an adopted listening fd with: ipc://PATH
+ * for a unix socket, tcp://ADDR:PORT for TCP, from the fd itself, so what
+ * systemd bound wins over the configuration.
+ */
+static int
+fd_endpoint(int fd, char *buf, size_t len)
+{
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    char addr[INET6_ADDRSTRLEN];
+
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl) != 0)
+        return -1;
+    if (ss.ss_family == AF_UNIX) {
+        const struct sockaddr_un *un = (const struct sockaddr_un *)&ss;
+
+        if (un->sun_path[0] == '\0')
+            return -1;
+        snprintf(buf, len, "ipc://%s", un->sun_path);
+    } else if (ss.ss_family == AF_INET) {
+        const struct sockaddr_in *in = (const struct sockaddr_in *)&ss;
+
+        inet_ntop(AF_INET, &in->sin_addr, addr, sizeof(addr));
+        snprintf(buf, len, "tcp://%s:%u", addr, ntohs(in->sin_port));
+    } else if (ss.ss_family == AF_INET6) {
+        const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)&ss;
+
+        inet_ntop(AF_INET6, &in6->sin6_addr, addr, sizeof(addr));
+        snprintf(buf, len, "tcp://[%s]:%u", addr, ntohs(in6->sin6_port));
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+/* Open one ROUTER: on the adopted fd when there is one, else bind `ep`. */
+static void *
+open_router(struct sched *s, const char *what, const char *ep, int fd, unsigned mode, int hwm)
+{
+    struct dsv4_zsock_cfg zc;
+    char fdep[160];
+    void *sock;
+
+    dsv4_zsock_cfg_init(&zc);
+    zc.type = ZMQ_ROUTER;
+    zc.bind = true;
+    zc.endpoint = ep;
+    zc.key_dir = s->cfg.file.key_dir;
+    zc.hwm = hwm;
+    zc.mode = mode;
+    if (fd >= 0) {
+        if (fd_endpoint(fd, fdep, sizeof(fdep)) != 0)
+            fatalx("%s: passed fd %d is not a unix or TCP socket", what, fd);
+        zc.endpoint = fdep;
+        zc.fd = fd;
+        zc.mode = 0; /* the socket unit set the mode */
+    }
+    if ((sock = dsv4_zsock_open(s->zctx, &zc, NULL)) == NULL)
+        fatalx("%s socket: %s", what, dsv4_errmsg());
+    log_info("%s socket on %s%s", what, zc.endpoint, fd >= 0 ? " (socket activation)" : "");
+    return sock;
+}
+
+static void
+sched_init(struct sched *s)
+{
+    int client_fd = -1, admin_fd = -1, n;
+    char **names = NULL;
+    const char *tp;
+    sigset_t ss;
+
+    TAILQ_INIT(&s->ranks);
+    TAILQ_INIT(&s->groups);
+    TAILQ_INIT(&s->queue);
+    TAILQ_INIT(&s->live);
+    TAILQ_INIT(&s->drains);
+    s->start_ms = dsv4_now_ms();
+    /* Request ids differ across restarts, so a rank's stale state from the
+     * previous scheduler never matches a new request. */
+    s->next_req = ((uint64_t)time(NULL) << 20) | 1;
+    s->eos = -1;
+
+    tp = s->cfg.file.tokenizer;
+    if (strcmp(tp, "none") != 0) {
+        if (!s->cfg.tokenizer_required)
+            tp = dsv4_tok_default_path();
+        sdnotify_status("loading tokenizer %s", tp);
+        if (dsv4_tok_load(&s->tok, tp, DSV4_TOK_HF) != DSV4_OK) {
+            if (s->cfg.tokenizer_required)
+                fatalx("tokenizer: %s", dsv4_errmsg());
+            log_warnx("no tokenizer (%s): only token-id prompts, no output text",
+                dsv4_errmsg());
+            s->tok = NULL;
+        }
+    }
+    if (s->tok != NULL) {
+        s->vocab = dsv4_tok_vocab_size(s->tok);
+        s->eos = dsv4_tok_eos(s->tok);
+    }
+
+    /* Socket activation: listeners named "client" and "admin" (or "ctl"). */
+    n = sd_listen_fds_with_names(1, &names);
+    for (int i = 0; i < n; i++) {
+        const char *nm = names != NULL && names[i] != NULL ? names[i] : "";
+
+        if (strcmp(nm, "client") == 0)
+            client_fd = SD_LISTEN_FDS_START + i;
+        else if (strcmp(nm, "admin") == 0 || strcmp(nm, "ctl") == 0)
+            admin_fd = SD_LISTEN_FDS_START + i;
+        else
+            log_warnx("ignoring passed fd %d named '%s'", SD_LISTEN_FDS_START + i, nm);
+    }
+    for (int i = 0; names != NULL && i < n; i++)
+        free(names[i]);
+    free(names);
+
+    if ((s->zctx = zmq_ctx_new()) == NULL)
+        fatal("zmq_ctx_new");
+    s->client = open_router(s, "client", s->cfg.file.client_endpoint, client_fd, 0, 0);
+    s->rank = open_router(s, "rank", s->cfg.file.rank_endpoint, -1, 0, RANK_HWM);
+    s->admin = open_router(s, "admin", s->cfg.file.admin_endpoint, admin_fd,
+        s->cfg.file.admin_mode, 0);
+
+    sigemptyset(&ss);
+    sigaddset(&ss, SIGTERM);
+    sigaddset(&ss, SIGINT);
+    sigaddset(&ss, SIGHUP);
+    if (sigprocmask(SIG_BLOCK, &ss, NULL) != 0)
+        fatal("sigprocmask");
+    if ((s->sigfd = signalfd(-1, &ss, SFD_NONBLOCK | SFD_CLOEXEC)) < 0)
+        fatal("signalfd");
+    signal(SIGPIPE, SIG_IGN);
+    s->watchdog_ms = (int64_t)(sdnotify_watchdog_interval_us() / 1000);
+}
+
+static void
+on_signal(struct sched *s)
+{
+    struct signalfd_siginfo si;
+
+    while (read(s->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        if (si.ssi_signo == SIGHUP) {
+            log_notice("SIGHUP: configuration reload is not supported; ignored");
+            continue;
+        }
+        if (s->stopping)
+            continue;
+        log_notice("signal %u: stopping, finishing %u running and %u queued requests",
+            si.ssi_signo, s->n_live, s->n_queued);
+        sdnotify_stopping();
+        s->stopping = true;
+        s->stop_deadline_ms = dsv4_now_ms() + SCHED_STOP_TIMEOUT_MS;
+    }
+}
+
+static int64_t
+tmin(int64_t a, int64_t b)
+{
+    if (a < 0)
+        return b;
+    if (b < 0)
+        return a;
+    return a < b ? a : b;
+}
+
+/* SIGTERM deadline passed: fail what is left, so every client hears. */
+static void
+fail_remaining(struct sched *s)
+{
+    struct sched_req *r, *tmp;
+
+    TAILQ_FOREACH_SAFE(r, &s->queue, qentry, tmp)
+        req_fail(s, r, DSV4_STATUS_INTERNAL, "scheduler stopping");
+    TAILQ_FOREACH_SAFE(r, &s->live, qentry, tmp) {
+        if (!r->closing)
+            req_fail(s, r, DSV4_STATUS_INTERNAL, "scheduler stopping");
+    }
+    client_flush_all(s);
+}
+
+/*
+ * The event loop.  Each turn, before sleeping:
+ *   - rank timers: heartbeats due go out, ranks silent past liveness die
+ *     (their requests are re-run);
+ *   - request deadlines: requests past timeout_ms fail with 408;
+ *   - dispatch: queued requests start where prefill room and decode slots are;
+ *   - flush: output and final messages go to clients (blocked ones retry);
+ *   - admin drain waits are answered when their work is done or timed out;
+ *   - watchdog keep-alive; on SIGTERM, exit once nothing is in flight or the
+ *     stop timeout passed;
+ * then zmq_poll until a socket or the signalfd is readable or the nearest
+ * deadline, and dispatch what arrived.
+ */
+static void
+sched_loop(struct sched *s)
+{
+    zmq_pollitem_t items[POLL_MAX];
+
+    memset(items, 0, sizeof(items));
+    items[POLL_CLIENT].socket = s->client;
+    items[POLL_RANKS].socket = s->rank;
+    items[POLL_CTL].socket = s->admin;
+    items[POLL_SIGNAL].fd = s->sigfd;
+    for (int i = 0; i < POLL_MAX; i++)
+        items[i].events = ZMQ_POLLIN;
+
+    for (;;) {
+        int64_t now = dsv4_now_ms(), t;
+
+        t = rank_timers(s, now);
+        t = tmin(t, req_timers(s, now));
+        queue_dispatch(s);
+        client_flush_all(s);
+        rank_update_states(s);
+        t = tmin(t, ctl_timers(s, now));
+        if (s->n_dirty)
+            t = tmin(t, SCHED_RETRY_MS);
+        if (s->watchdog_ms > 0) {
+            if (now - s->watchdog_last_ms >= s->watchdog_ms) {
+                sdnotify_watchdog();
+                s->watchdog_last_ms = now;
+            }
+            t = tmin(t, s->watchdog_ms - (now - s->watchdog_last_ms));
+        }
+        if (s->stopping) {
+            if (s->n_queued == 0 && s->n_live == 0)
+                break;
+            if (now >= s->stop_deadline_ms) {
+                fail_remaining(s);
+                break;
+            }
+            t = tmin(t, s->stop_deadline_ms - now);
+        }
+        if (zmq_poll(items, POLL_MAX, (long)t) < 0) {
+            if (errno == EINTR)
+                continue;
+            fatal("zmq_poll");
+        }
+        if (items[POLL_SIGNAL].revents & ZMQ_POLLIN)
+            on_signal(s);
+        if (items[POLL_RANKS].revents & ZMQ_POLLIN)
+            rank_dispatch(s);
+        if (items[POLL_CLIENT].revents & ZMQ_POLLIN)
+            client_dispatch(s);
+        if (items[POLL_CTL].revents & ZMQ_POLLIN)
+            ctl_dispatch(s);
+    }
+}
+
+static void
+sched_shutdown(struct sched *s)
+{
+    int linger = LINGER_MS;
+
+    ctl_free_all(s);
+    rank_free_all(s, "scheduler stopping");
+    req_free_all(s);
+    zmq_setsockopt(s->client, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s->rank, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s->admin, ZMQ_LINGER, &linger, sizeof(linger));
+    dsv4_zsock_close(s->client);
+    dsv4_zsock_close(s->rank);
+    dsv4_zsock_close(s->admin);
+    zmq_ctx_term(s->zctx);
+    close(s->sigfd);
+    dsv4_tok_free(s->tok);
+}
+
+int
+main(int argc, char *argv[])
+{
+    static struct sched s; /* large (request hash): not on the stack */
+    char *over[64];
+    const char *path = NULL;
+    int ch, n_over = 0, verbose = 0;
+    bool check = false;
+
+    while ((ch = getopt(argc, argv, "f:hno:v")) != -1) {
+        switch (ch) {
+        case 'f':
+            path = optarg;
+            break;
+        case 'n':
+            check = true;
+            break;
+        case 'o':
+            if (n_over == (int)(sizeof(over) / sizeof(over[0])))
+                usage();
+            over[n_over++] = optarg;
+            break;
+        case 'v':
+            verbose++;
+            break;
+        default:
+            usage();
+        }
+    }
+    if (optind != argc)
+        usage();
+    log_init(verbose);
+    log_procinit("sched");
+    if (sched_config_load(&s.cfg, path, n_over, over) != 0)
+        exit(1);
+    s.cfg.verbose = verbose;
+    if (check) {
+        printf("configuration OK\n");
+        return 0;
+    }
+    sdnotify_status("starting");
+    sched_init(&s);
+    sdnotify_ready();
+    sdnotify_status("serving: waiting for ranks");
+    log_notice("%s ready", SCHED_VERSION);
+    sched_loop(&s);
+    sched_shutdown(&s);
+    log_notice("stopped");
+    return 0;
+}

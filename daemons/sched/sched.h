@@ -1,0 +1,339 @@
+/*
+ * sched.h — dsv4-sched, the scheduler daemon: the table of contents of the
+ * program (constants, every struct, and the functions of each file grouped
+ * under its name, OpenNTPD style).
+ *
+ * One process per deployment, one thread: a zmq_poll loop over the client
+ * ROUTER, the rank ROUTER, the admin ROUTER and a signalfd, with a computed
+ * timeout (heartbeats, deadlines, drain timeouts, watchdog).  It owns the
+ * request table, the admission queue, the rank registry, drain state and the
+ * metrics.  It holds no model state, so it restarts fast and ranks
+ * re-register (docs/protocol.md §5, §6; DESIGN.md §1, §2).
+ *
+ * Invariant: every request lives in exactly one place of its life cycle —
+ * the admission queue (QUEUED), on a prefill group (PREFILLING), between a
+ * prefill and a decode group (HANDOFF), on a decode group (DECODING), or
+ * closing (final message decided, waiting for ranks to confirm they freed
+ * its state).  A request is freed only when its client has been answered and
+ * no rank holds anything for it; that is what makes "no leaked state"
+ * checkable through the admin socket.
+ */
+#ifndef DSV4_DAEMONS_SCHED_H
+#define DSV4_DAEMONS_SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/queue.h>
+
+#include "common/config_file.h"
+#include "common/tokenizer.h"
+#include "ipc/proto.h"
+#include "ipc/zsock.h"
+
+/* glibc's <sys/queue.h> lacks the _SAFE iterator (BSD has it). */
+#ifndef TAILQ_FOREACH_SAFE
+#define TAILQ_FOREACH_SAFE(var, head, field, tvar) \
+    for ((var) = TAILQ_FIRST(head); \
+         (var) != NULL && ((tvar) = TAILQ_NEXT(var, field), 1); (var) = (tvar))
+#endif
+
+#define SCHED_VERSION "dsv4-sched 0.1.0"
+#define SCHED_MAX_GROUP 64          /* ranks per group (TP x EP) */
+#define SCHED_MAX_RERUNS 4          /* re-runs of one request after rank deaths */
+#define SCHED_STOP_TIMEOUT_MS 10000 /* SIGTERM: time to finish in-flight work */
+#define SCHED_RETRY_MS 5            /* re-try blocked client sends this often */
+#define SCHED_REQ_BUCKETS 4096      /* request hash table size (power of 2) */
+
+/* --- Configuration (sched_config.c) ---------------------------------------- */
+
+/* What the scheduler runs with: the shared file's settings plus what only the
+ * command line gives. */
+struct sched_config {
+    struct dsv4_conf file;     /* /etc/dsv4/dsv4.conf with -o overrides */
+    const char *path;          /* config file read, or NULL */
+    bool tokenizer_required;   /* tokenizer key given: a load failure is fatal */
+    int verbose;               /* -v count */
+};
+
+/* --- Ranks and groups (sched_rank.c) ------------------------------------- */
+
+/* One registered rank process. */
+struct sched_rank {
+    TAILQ_ENTRY(sched_rank) entry;   /* sched.ranks */
+    struct dsv4_route route;         /* ROUTER identity of its DEALER */
+    enum dsv4_role role;
+    uint32_t index;                  /* unit instance, unique per role */
+    uint32_t group, group_rank, group_size;
+    uint32_t capacity;               /* prompts or stream slots it offers */
+    uint32_t max_ctx;
+    uint32_t transports;             /* bit set of enum dsv4_transport */
+    uint32_t pid;
+    char host[DSV4_PROTO_MAX_HOST + 1];
+    enum dsv4_rank_state state;      /* JOINING .. DEAD */
+    bool drain;                      /* admin asked to drain it */
+    bool unreachable;                /* a send failed: handled as lost at the next timer */
+    uint32_t reported_active;        /* `active` of its last HEARTBEAT */
+    struct dsv4_liveness live;
+    int64_t joined_ms;
+};
+TAILQ_HEAD(sched_rank_list, sched_rank);
+
+/* A model replica: the ranks of one role with one `group` number.  Work is
+ * placed on groups; every rank of a group gets every message of a request. */
+struct sched_group {
+    TAILQ_ENTRY(sched_group) entry;  /* sched.groups */
+    enum dsv4_role role;
+    uint32_t id;                     /* `group` of its ranks */
+    uint32_t size;                   /* group_size its ranks announced */
+    struct sched_rank *ranks[SCHED_MAX_GROUP]; /* by group_rank; NULL = missing */
+    uint32_t n_ranks;                /* non-NULL entries */
+    uint32_t capacity;               /* min over ranks, capped by max_batch */
+    uint32_t max_ctx;                /* min over ranks */
+    uint32_t transports;             /* intersection over ranks */
+    uint32_t load;                   /* requests placed here (prefill running /
+                                        decode slots taken, incl. closing) */
+    uint8_t *slots;                  /* decode: slot -> in use; n_slots bytes */
+    uint32_t n_slots;                /* >= capacity */
+    uint32_t epoch;                  /* comm_epoch: bumped when a member joins */
+};
+TAILQ_HEAD(sched_group_list, sched_group);
+
+/* --- Requests (sched_req.c) ------------------------------------------------- */
+
+/* Where a request's rank-side state is. */
+struct sched_hold {
+    struct sched_group *g;  /* NULL = nothing held there */
+    uint32_t acks;          /* ranks of g still to answer (PREFILL_DONE parts,
+                               ABORT_DONE, KV_RELEASE) */
+};
+
+struct sched_req {
+    TAILQ_ENTRY(sched_req) qentry;   /* admission queue or sched.live */
+    struct sched_req *hnext;         /* hash chain by req */
+    uint64_t req;                    /* scheduler id */
+    uint64_t id;                     /* client's id */
+    struct dsv4_route client;        /* client ROUTER identity */
+    bool client_gone;                /* unroutable: drop output */
+    enum dsv4_req_state state;
+    bool closing;                    /* final outcome decided */
+    bool queued;                     /* on the admission queue */
+    char *tag;                       /* NULL = none */
+    int64_t t_recv_ms, deadline_ms;  /* deadline 0 = none */
+    uint32_t reruns;
+
+    /* What to compute. */
+    int32_t *prompt;
+    uint32_t n_prompt;
+    struct dsv4_sampling s;
+    uint32_t max_tokens;
+    int32_t *stop_ids;               /* client's plus EOS */
+    uint32_t n_stop_ids;
+    char **stop;                     /* stop strings */
+    uint32_t n_stop;
+    size_t stop_maxlen;
+    bool stream;
+
+    /* Where it runs. */
+    struct sched_hold pre;           /* prefill group */
+    struct sched_hold dec;           /* decode group */
+    uint32_t slot;                   /* decode slot in dec.g */
+    bool dec_started;                /* DECODE sent on this attempt */
+    bool dec_self_end;               /* the rank ends it by itself (length/stop id) */
+    struct dsv4_msg kv;              /* PREFILL_DONE parts merged for DECODE */
+    uint8_t *kv_handles[DSV4_PROTO_MAX_KV_PARTS];
+    uint64_t *kv_arrays[DSV4_PROTO_MAX_KV_PARTS]; /* sizes then offsets */
+    uint32_t kv_parts;               /* parts received */
+    int32_t first_token;
+    float first_lp;
+    bool first_has_lp;
+
+    /* Output. */
+    int32_t *out;                    /* tokens emitted (accepted by the scheduler) */
+    float *out_lp;
+    uint32_t n_out, cap_out;
+    uint32_t n_sent;                 /* of out[], sent to the client */
+    struct dsv4_tok_stream ts;       /* detokenizer */
+    struct dsv4_tok_text text;       /* whole output text so far */
+    size_t text_safe;                /* text[0..safe) cannot become a stop match */
+    size_t text_sent;                /* text[0..sent) sent to the client */
+    size_t text_cut;                 /* stop-string cut: text ends here */
+    enum dsv4_finish finish;         /* NONE while running */
+    uint16_t err_code;               /* failed: status code; 0 = none */
+    char *err_msg;
+    bool ok_sent;                    /* OK went to the client */
+    bool final_sent;                 /* DONE / ERROR went to the client */
+};
+TAILQ_HEAD(sched_req_list, sched_req);
+
+/* --- Admin drain waits (sched_ctl.c) --------------------------------------- */
+
+struct sched_drain_wait {
+    TAILQ_ENTRY(sched_drain_wait) entry;
+    struct dsv4_route route;       /* dsv4ctl that asked */
+    struct sched_rank *rank;       /* NULL = all */
+    int64_t deadline_ms;           /* 0 = none */
+};
+TAILQ_HEAD(sched_drain_list, sched_drain_wait);
+
+/* --- Metrics --------------------------------------------------------------- */
+
+struct sched_metrics {
+    uint64_t n_done, n_cancelled, n_failed, n_rejected;
+    uint64_t tokens_in, tokens_out;
+    uint64_t handoffs, reruns, rank_deaths;
+};
+
+/* --- The scheduler ---------------------------------------------------------- */
+
+struct sched {
+    struct sched_config cfg;
+    void *zctx;
+    void *client, *rank, *admin;     /* ROUTER sockets */
+    int sigfd;
+    struct dsv4_tok *tok;            /* NULL = token-id prompts only */
+    int32_t vocab;                   /* ids >= vocab refused; 0 = no check */
+    int32_t eos;                     /* -1 = none */
+
+    struct sched_rank_list ranks;
+    struct sched_group_list groups;
+    struct sched_req_list queue;     /* admission queue, FIFO */
+    uint32_t n_queued;
+    struct sched_req_list live;      /* every request not queued */
+    uint32_t n_live;
+    struct sched_req *hash[SCHED_REQ_BUCKETS];
+    uint64_t next_req;
+    uint32_t n_dirty;                /* requests with output to flush */
+
+    bool draining;                   /* global drain: admit nothing */
+    bool stopping;                   /* SIGTERM received */
+    int64_t stop_deadline_ms;
+    struct sched_drain_list drains;
+    struct sched_metrics m;
+    int64_t start_ms;
+    int64_t watchdog_ms, watchdog_last_ms;
+};
+
+/* --- sched_config.c --------------------------------------------------------- */
+
+/* Defaults, then the file (path NULL: the default path if it exists), then
+ * -o overrides (n "key=value" strings).  0, or -1 with the reason logged. */
+int sched_config_load(struct sched_config *c, const char *path, int n_over,
+    char *const *over);
+
+/* --- sched_queue.c: admission and batching policy (pure) ------------------- */
+
+/* Status for a new request: 200 admit, 301 draining, 300 queue full. */
+uint16_t queue_admit_status(uint32_t n_queued, uint32_t queue_max, bool draining);
+
+/* Add to the tail (new) or the head (re-run, keeps its place in line). */
+void queue_push(struct sched *s, struct sched_req *r, bool front);
+void queue_remove(struct sched *s, struct sched_req *r);
+
+/* Can group `g` take one more request needing `ctx` positions with
+ * `transport`?  (Ready, not draining, load below capacity, ctx fits.) */
+bool queue_group_fits(const struct sched_group *g, uint32_t ctx, enum dsv4_transport t);
+
+/* The least loaded group of `role` that fits, lowest id on ties; NULL. */
+struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role role,
+    uint32_t ctx, enum dsv4_transport t);
+
+/* True when some registered group of `role` (in any state) could ever hold
+ * `ctx` positions; false means the request can never run (413). */
+bool queue_ctx_possible(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx);
+
+/* Free decode slot of `g` (lowest index), or -1. */
+int queue_slot_take(struct sched_group *g);
+void queue_slot_put(struct sched_group *g, uint32_t slot);
+
+/* The transport to use between two groups (shm preferred on the CPU). */
+enum dsv4_transport queue_transport(const struct sched_group *p, const struct sched_group *d);
+
+/* Start queued requests while groups have room: PREFILL to a prefill group
+ * with a decode slot reserved.  Fails requests that can never fit. */
+void queue_dispatch(struct sched *s);
+
+/* --- sched_req.c: request table and life cycle ----------------------------- */
+
+struct sched_req *req_new(struct sched *s);
+/* Move a queued request to the live list (dispatch, failure). */
+void req_unqueue(struct sched *s, struct sched_req *r);
+struct sched_req *req_find(struct sched *s, uint64_t req);
+/* The live request of client `route` with client id `id`; NULL. */
+struct sched_req *req_find_client(struct sched *s, const struct dsv4_route *route, uint64_t id);
+
+/* Record emitted token(s); applies stop ids, max_tokens and stop strings.
+ * Returns true when the request finished with this token (rest ignored). */
+bool req_emit(struct sched *s, struct sched_req *r, int32_t token, bool has_lp, float lp);
+
+/* Text helpers (exposed for tests): after text grew, find a stop string
+ * starting at or after `from`; returns its offset or -1. */
+long req_stop_find(char *const *stop, uint32_t n_stop, const char *text, size_t len,
+    size_t from);
+/* Length of the longest suffix of text that is a proper prefix of a stop
+ * string (must be held back). */
+size_t req_stop_holdback(char *const *stop, uint32_t n_stop, const char *text, size_t len);
+
+/* End the request: finish reason (DONE) or error code+message (ERROR).
+ * Tells ranks to free what they hold, queues the final client message. */
+void req_finish(struct sched *s, struct sched_req *r, enum dsv4_finish f);
+void req_fail(struct sched *s, struct sched_req *r, uint16_t code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Client asked to cancel. */
+void req_cancel(struct sched *s, struct sched_req *r);
+/* A rank of a group holding `r` died or lost its state: re-run from prompt
+ * plus output, or fail after SCHED_MAX_RERUNS. */
+void req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g);
+/* A rank of group `g` answered ERROR (or dropped `r`): an ack while closing,
+ * else a re-run (decode; prefill BUSY/NO_MEMORY) or a failure (prefill). */
+void req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint16_t code,
+    const char *msg);
+/* Release `r` if it is over and nothing holds it. */
+void req_maybe_free(struct sched *s, struct sched_req *r);
+/* Drop a hold on `g` (acks 0) and forget the slot. */
+void req_hold_clear(struct sched *s, struct sched_req *r, struct sched_hold *h);
+/* Free the KV locations kept from PREFILL_DONE. */
+void req_kv_clear(struct sched_req *r);
+/* Deadlines: fail requests past timeout; returns ms to the next one (or -1). */
+int64_t req_timers(struct sched *s, int64_t now);
+/* Destroy every request (shutdown). */
+void req_free_all(struct sched *s);
+
+/* --- sched_client.c: client sub-protocol ------------------------------------ */
+
+void client_dispatch(struct sched *s);
+/* Send what can be sent of r's output and final message; mark dirty when
+ * blocked.  Returns false when the client socket would block. */
+bool client_flush(struct sched *s, struct sched_req *r);
+/* Flush every request with pending output (before sleeping). */
+void client_flush_all(struct sched *s);
+
+/* --- sched_rank.c: rank sub-protocol and registry --------------------------- */
+
+void rank_dispatch(struct sched *s);
+/* Send `m` to every rank of group `g`. */
+void rank_send_group(struct sched *s, struct sched_group *g, const struct dsv4_msg *m);
+void rank_send(struct sched *s, struct sched_rank *k, const struct dsv4_msg *m);
+/* Send a message with just `req` (ABORT, KV_RELEASE) to every rank of g. */
+void rank_send_ref(struct sched *s, struct sched_group *g, int cmd, uint64_t req);
+/* Heartbeats out, deaths in; returns ms to the next rank timer. */
+int64_t rank_timers(struct sched *s, int64_t now);
+/* Name "decode@3" into buf. */
+const char *rank_name(const struct sched_rank *k, char *buf, size_t len);
+struct sched_rank *rank_by_name(struct sched *s, const char *name);
+/* Update DRAINING/DRAINED/READY states from drain flags and loads. */
+void rank_update_states(struct sched *s);
+/* Requests placed on rank k's group (what it holds, by our books). */
+uint32_t rank_load(const struct sched_rank *k, struct sched *s);
+/* Send DISCONNECT to every rank and forget them (shutdown). */
+void rank_free_all(struct sched *s, const char *reason);
+
+/* --- sched_ctl.c: admin sub-protocol ------------------------------------------ */
+
+void ctl_dispatch(struct sched *s);
+/* Answer drain waits that are satisfied or timed out; ms to the next. */
+int64_t ctl_timers(struct sched *s, int64_t now);
+/* Answer drain waits on rank entry `k`, which is being freed. */
+void ctl_rank_gone(struct sched *s, struct sched_rank *k);
+void ctl_free_all(struct sched *s);
+
+#endif

@@ -1,0 +1,237 @@
+/*
+ * sched_queue.c — dsv4-sched: the admission queue and the batching policy.
+ *
+ * Runs in the scheduler's only thread.  The policy is deliberately simple and
+ * explicit: requests leave the queue in FIFO order (re-runs after a rank
+ * death go to the head, so they keep their place); a request starts only
+ * when both a prefill group with room and a decode group with a free stream
+ * slot exist, and the decode slot is reserved at that moment, so at most
+ * `max_batch` streams ever decode on one group and a finished prefill never
+ * waits for a slot.  Among the groups that fit, the least loaded one wins
+ * (lowest group id on ties), which spreads streams over data-parallel decode
+ * groups.  The first half of this file is pure (no sockets) and unit-tested.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "daemons/sched/sched.h"
+
+/* --- Pure policy ------------------------------------------------------------ */
+
+uint16_t
+queue_admit_status(uint32_t n_queued, uint32_t queue_max, bool draining)
+{
+    if (draining)
+        return DSV4_STATUS_DRAINING;
+    if (n_queued >= queue_max)
+        return DSV4_STATUS_BUSY;
+    return DSV4_STATUS_OK;
+}
+
+void
+queue_push(struct sched *s, struct sched_req *r, bool front)
+{
+    if (front)
+        TAILQ_INSERT_HEAD(&s->queue, r, qentry);
+    else
+        TAILQ_INSERT_TAIL(&s->queue, r, qentry);
+    r->queued = true;
+    r->state = DSV4_REQ_QUEUED;
+    s->n_queued++;
+}
+
+void
+queue_remove(struct sched *s, struct sched_req *r)
+{
+    if (!r->queued)
+        return;
+    TAILQ_REMOVE(&s->queue, r, qentry);
+    r->queued = false;
+    s->n_queued--;
+}
+
+/* A group takes work when it is complete and none of its ranks is drained. */
+static bool
+group_usable(const struct sched_group *g)
+{
+    if (g->size == 0 || g->n_ranks != g->size)
+        return false;
+    for (uint32_t i = 0; i < g->size; i++) {
+        const struct sched_rank *k = g->ranks[i];
+
+        if (k == NULL || k->drain || k->state == DSV4_RANK_STATE_DEAD)
+            return false;
+    }
+    return true;
+}
+
+static uint32_t
+transports_of(const struct sched_group *g)
+{
+    /* A rank that announces no transport is taken to speak shm (CPU). */
+    return g->transports != 0 ? g->transports : 1u << DSV4_TRANSPORT_SHM;
+}
+
+bool
+queue_group_fits(const struct sched_group *g, uint32_t ctx, enum dsv4_transport t)
+{
+    if (!group_usable(g) || g->load >= g->capacity || g->max_ctx < ctx)
+        return false;
+    return t == DSV4_TRANSPORT_NONE || (transports_of(g) & (1u << t)) != 0;
+}
+
+struct sched_group *
+queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
+    enum dsv4_transport t)
+{
+    struct sched_group *g, *best = NULL;
+
+    TAILQ_FOREACH(g, groups, entry) {
+        if (g->role != role || !queue_group_fits(g, ctx, t))
+            continue;
+        if (best == NULL || g->load < best->load ||
+            (g->load == best->load && g->id < best->id))
+            best = g;
+    }
+    return best;
+}
+
+bool
+queue_ctx_possible(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx)
+{
+    struct sched_group *g;
+    bool any = false;
+
+    TAILQ_FOREACH(g, groups, entry) {
+        if (g->role != role || g->n_ranks == 0)
+            continue;
+        any = true;
+        if (g->max_ctx >= ctx)
+            return true;
+    }
+    /* With no group of that role registered yet nothing is known: wait. */
+    return !any;
+}
+
+int
+queue_slot_take(struct sched_group *g)
+{
+    for (uint32_t i = 0; i < g->n_slots; i++) {
+        if (!g->slots[i]) {
+            g->slots[i] = 1;
+            return (int)i;
+        }
+    }
+    return -1;
+}
+
+void
+queue_slot_put(struct sched_group *g, uint32_t slot)
+{
+    if (slot < g->n_slots)
+        g->slots[slot] = 0;
+}
+
+enum dsv4_transport
+queue_transport(const struct sched_group *p, const struct sched_group *d)
+{
+    uint32_t common = transports_of(p) & transports_of(d);
+    bool same_host = p->ranks[0] != NULL && d->ranks[0] != NULL &&
+        strcmp(p->ranks[0]->host, d->ranks[0]->host) == 0;
+
+    if (same_host && (common & (1u << DSV4_TRANSPORT_CUDAIPC)))
+        return DSV4_TRANSPORT_CUDAIPC;
+    if (same_host && (common & (1u << DSV4_TRANSPORT_SHM)))
+        return DSV4_TRANSPORT_SHM;
+    if (common & (1u << DSV4_TRANSPORT_UCX))
+        return DSV4_TRANSPORT_UCX;
+    return DSV4_TRANSPORT_NONE;
+}
+
+/* --- Dispatch ---------------------------------------------------------------- */
+
+/* Send PREFILL for `r` to every rank of its prefill group. */
+static void
+send_prefill(struct sched *s, struct sched_req *r, enum dsv4_transport t)
+{
+    struct dsv4_msg m;
+    int32_t *ids;
+    uint32_t n = r->n_prompt + r->n_out;
+
+    /* Prompt plus the tokens already emitted (a re-run continues from them). */
+    if ((ids = malloc((size_t)n * sizeof(*ids))) == NULL) {
+        req_fail(s, r, DSV4_STATUS_NO_MEMORY, "out of memory");
+        return;
+    }
+    memcpy(ids, r->prompt, (size_t)r->n_prompt * sizeof(*ids));
+    if (r->n_out > 0)
+        memcpy(ids + r->n_prompt, r->out, (size_t)r->n_out * sizeof(*ids));
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL);
+    m.u.prefill.req = r->req;
+    m.u.prefill.tokens = ids;
+    m.u.prefill.n_tokens = n;
+    m.u.prefill.s = r->s;
+    m.u.prefill.step = r->n_out;
+    m.u.prefill.dst_group = r->dec.g->id;
+    m.u.prefill.transport = t;
+    if (s->cfg.file.prefill_chunk > 0) {
+        m.u.prefill.chunk = (uint32_t)s->cfg.file.prefill_chunk;
+        m.u.prefill.has_chunk = true;
+    }
+    rank_send_group(s, r->pre.g, &m);
+    free(ids);
+}
+
+/*
+ * Start queued requests in order while a prefill group and a decode slot are
+ * free.  The head of the queue blocks the rest (FIFO fairness); a request
+ * that no registered group could ever hold fails with 413.
+ */
+void
+queue_dispatch(struct sched *s)
+{
+    struct sched_req *r;
+
+    while ((r = TAILQ_FIRST(&s->queue)) != NULL) {
+        uint32_t ctx = r->n_prompt + r->max_tokens;
+        uint32_t pctx = r->n_prompt + r->n_out + 1;
+        struct sched_group *d, *p;
+        enum dsv4_transport t;
+        int slot;
+
+        if (!queue_ctx_possible(&s->groups, DSV4_ROLE_DECODE, ctx) ||
+            !queue_ctx_possible(&s->groups, DSV4_ROLE_PREFILL, pctx)) {
+            req_fail(s, r, DSV4_STATUS_TOO_LARGE,
+                "prompt (%u tokens) plus max_tokens (%u) exceed every rank's context",
+                r->n_prompt, r->max_tokens);
+            continue;
+        }
+        if ((d = queue_pick(&s->groups, DSV4_ROLE_DECODE, ctx, DSV4_TRANSPORT_NONE)) == NULL)
+            return;
+        if ((p = queue_pick(&s->groups, DSV4_ROLE_PREFILL, pctx, DSV4_TRANSPORT_NONE)) == NULL)
+            return;
+        if ((t = queue_transport(p, d)) == DSV4_TRANSPORT_NONE) {
+            log_warnx("queue_dispatch: prefill group %u and decode group %u share no KV "
+                "transport", p->id, d->id);
+            return;
+        }
+        if ((slot = queue_slot_take(d)) < 0)
+            return;
+        req_unqueue(s, r);
+        r->state = DSV4_REQ_PREFILLING;
+        r->slot = (uint32_t)slot;
+        r->dec.g = d;
+        r->dec.acks = 0;
+        d->load++;
+        r->pre.g = p;
+        r->pre.acks = p->size;
+        p->load++;
+        r->kv_parts = 0;
+        r->dec_started = false;
+        r->dec_self_end = false;
+        log_debug("queue_dispatch: req=%llu prefill=%u decode=%u slot=%d tokens=%u step=%u",
+            (unsigned long long)r->req, p->id, d->id, slot, r->n_prompt + r->n_out, r->n_out);
+        send_prefill(s, r, t);
+    }
+}

@@ -1,0 +1,640 @@
+/*
+ * sched_rank.c — dsv4-sched: the rank sub-protocol (docs/protocol.md §6) on
+ * the rank ROUTER, and the rank registry: registration (READY/WELCOME),
+ * groups, heartbeats, death detection, and the handlers that move requests
+ * from prefill to decode (PREFILL_DONE -> DECODE -> KV_RELEASE) and turn
+ * decode TOKENS into output.
+ *
+ * Runs in the scheduler's only thread.  Trust: a rank is a sibling process,
+ * but a malformed or out-of-turn message from it still never crashes the
+ * scheduler: the rank is disconnected and its work re-run elsewhere.  A rank
+ * that sends READY again (restart, or after DISCONNECT) has lost its state,
+ * so everything it held is treated as lost at that moment.  A dead rank stays
+ * listed as "dead" until it registers again.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <zmq.h>
+
+#include "common/log.h"
+#include "daemons/sched/sched.h"
+
+#define RANK_BATCH 512 /* messages handled per poll wake-up */
+
+const char *
+rank_name(const struct sched_rank *k, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s@%u", dsv4_role_name(k->role) ? dsv4_role_name(k->role) : "?",
+        k->index);
+    return buf;
+}
+
+struct sched_rank *
+rank_by_name(struct sched *s, const char *name)
+{
+    struct sched_rank *k;
+    char buf[48];
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (strcmp(rank_name(k, buf, sizeof(buf)), name) == 0)
+            return k;
+    }
+    return NULL;
+}
+
+static struct sched_rank *
+rank_by_route(struct sched *s, const struct dsv4_route *route)
+{
+    struct sched_rank *k;
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (k->state != DSV4_RANK_STATE_DEAD && k->route.len == route->len &&
+            memcmp(k->route.id, route->id, route->len) == 0)
+            return k;
+    }
+    return NULL;
+}
+
+static struct sched_group *
+group_of(struct sched *s, const struct sched_rank *k)
+{
+    struct sched_group *g;
+
+    TAILQ_FOREACH(g, &s->groups, entry) {
+        if (g->role == k->role && g->id == k->group)
+            return g;
+    }
+    return NULL;
+}
+
+uint32_t
+rank_load(const struct sched_rank *k, struct sched *s)
+{
+    struct sched_group *g = group_of(s, k);
+
+    return g != NULL && k->state != DSV4_RANK_STATE_DEAD ? g->load : 0;
+}
+
+/* Recompute what a group offers from its members. */
+static void
+group_update(struct sched *s, struct sched_group *g)
+{
+    uint32_t cap = UINT32_MAX, ctx = UINT32_MAX, tr = UINT32_MAX;
+
+    g->n_ranks = 0;
+    for (uint32_t i = 0; i < g->size; i++) {
+        struct sched_rank *k = g->ranks[i];
+
+        if (k == NULL)
+            continue;
+        g->n_ranks++;
+        cap = k->capacity < cap ? k->capacity : cap;
+        ctx = k->max_ctx < ctx ? k->max_ctx : ctx;
+        tr &= k->transports;
+    }
+    if (g->n_ranks == 0) {
+        g->capacity = 0;
+        g->max_ctx = 0;
+        g->transports = 0;
+        return;
+    }
+    if (g->role == DSV4_ROLE_DECODE && cap > (uint32_t)s->cfg.file.max_batch)
+        cap = (uint32_t)s->cfg.file.max_batch;
+    g->capacity = cap;
+    g->max_ctx = ctx;
+    g->transports = tr;
+    if (g->role == DSV4_ROLE_DECODE && g->n_slots < cap) {
+        uint8_t *sl = realloc(g->slots, cap);
+
+        if (sl == NULL) {
+            g->capacity = g->n_slots;
+            return;
+        }
+        memset(sl + g->n_slots, 0, cap - g->n_slots);
+        g->slots = sl;
+        g->n_slots = cap;
+    }
+}
+
+void
+rank_update_states(struct sched *s)
+{
+    struct sched_rank *k;
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        struct sched_group *g;
+
+        if (k->state == DSV4_RANK_STATE_DEAD)
+            continue;
+        g = group_of(s, k);
+        if (g == NULL || g->n_ranks != g->size)
+            k->state = DSV4_RANK_STATE_JOINING;
+        else if (k->drain)
+            k->state = g->load == 0 ? DSV4_RANK_STATE_DRAINED : DSV4_RANK_STATE_DRAINING;
+        else
+            k->state = DSV4_RANK_STATE_READY;
+    }
+}
+
+/* --- Sending --------------------------------------------------------------------- */
+
+void
+rank_send(struct sched *s, struct sched_rank *k, const struct dsv4_msg *m)
+{
+    struct dsv4_perr pe;
+    enum dsv4_err e;
+    char nb[48];
+
+    if (k->state == DSV4_RANK_STATE_DEAD)
+        return;
+    e = dsv4_zsock_send(s->rank, &k->route, m, ZMQ_DONTWAIT, &pe);
+    if (e == DSV4_OK) {
+        dsv4_liveness_tx(&k->live, dsv4_now_ms());
+        return;
+    }
+    log_warnx("rank %s: %s not sent: %s", rank_name(k, nb, sizeof(nb)),
+        dsv4_proto_cmd_name(m->sub, m->cmd), dsv4_errmsg());
+    /* Handled from the timers, not here: the caller may be iterating. */
+    if (e == DSV4_ERR_SYS || e == DSV4_ERR_BUSY)
+        k->unreachable = true;
+}
+
+void
+rank_send_group(struct sched *s, struct sched_group *g, const struct dsv4_msg *m)
+{
+    for (uint32_t i = 0; i < g->size; i++) {
+        if (g->ranks[i] != NULL)
+            rank_send(s, g->ranks[i], m);
+    }
+}
+
+void
+rank_send_ref(struct sched *s, struct sched_group *g, int cmd, uint64_t req)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, cmd);
+    m.u.ref.req = req;
+    rank_send_group(s, g, &m);
+}
+
+static void
+send_disconnect(struct sched *s, const struct dsv4_route *to, const char *reason)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DISCONNECT);
+    m.u.disconnect.reason = reason;
+    (void)dsv4_zsock_send(s->rank, to, &m, ZMQ_DONTWAIT, NULL);
+}
+
+/* --- Death ----------------------------------------------------------------------- */
+
+/*
+ * Rank `k` is gone (liveness expired, DISCONNECT, re-registration, malformed
+ * message): take it out of its group and re-run or release every request its
+ * group held.  The group keeps its other members, but is incomplete and gets
+ * no work until the rank is back.
+ */
+static void
+rank_lost(struct sched *s, struct sched_rank *k, const char *why)
+{
+    struct sched_group *g = group_of(s, k);
+    struct sched_req *r, *tmp;
+    char nb[48];
+
+    if (k->state == DSV4_RANK_STATE_DEAD)
+        return;
+    log_notice("rank %s lost: %s", rank_name(k, nb, sizeof(nb)), why);
+    s->m.rank_deaths++;
+    k->state = DSV4_RANK_STATE_DEAD;
+    k->unreachable = false;
+    if (g != NULL) {
+        if (k->group_rank < g->size && g->ranks[k->group_rank] == k)
+            g->ranks[k->group_rank] = NULL;
+        group_update(s, g);
+        TAILQ_FOREACH_SAFE(r, &s->live, qentry, tmp) {
+            if (r->pre.g == g || r->dec.g == g)
+                req_rank_lost(s, r, g);
+        }
+    }
+    rank_update_states(s);
+}
+
+int64_t
+rank_timers(struct sched *s, int64_t now)
+{
+    struct sched_rank *k;
+    int64_t next = -1;
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        int64_t t;
+
+        if (k->state == DSV4_RANK_STATE_DEAD)
+            continue;
+        if (k->unreachable) {
+            send_disconnect(s, &k->route, "unreachable");
+            rank_lost(s, k, "unreachable");
+            continue;
+        }
+        if (dsv4_liveness_dead(&k->live, now)) {
+            send_disconnect(s, &k->route, "heartbeat timeout");
+            rank_lost(s, k, "no message within the liveness interval");
+            continue;
+        }
+        if (dsv4_liveness_due(&k->live, now)) {
+            struct dsv4_msg m;
+
+            dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+            m.u.heartbeat.active = rank_load(k, s);
+            rank_send(s, k, &m);
+        }
+        t = dsv4_liveness_next_ms(&k->live, now);
+        if (next < 0 || t < next)
+            next = t;
+    }
+    return next;
+}
+
+/* --- Registration ------------------------------------------------------------------ */
+
+static struct sched_group *
+group_get(struct sched *s, enum dsv4_role role, uint32_t id)
+{
+    struct sched_group *g;
+
+    TAILQ_FOREACH(g, &s->groups, entry) {
+        if (g->role == role && g->id == id)
+            return g;
+    }
+    if ((g = calloc(1, sizeof(*g))) == NULL)
+        return NULL;
+    g->role = role;
+    g->id = id;
+    TAILQ_INSERT_TAIL(&s->groups, g, entry);
+    return g;
+}
+
+static void
+rank_remove(struct sched *s, struct sched_rank *k)
+{
+    rank_lost(s, k, "replaced by a new registration");
+    ctl_rank_gone(s, k);
+    TAILQ_REMOVE(&s->ranks, k, entry);
+    free(k);
+}
+
+static void
+on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_ready *m)
+{
+    struct sched_rank *k, *tmp;
+    struct sched_group *g;
+    struct dsv4_msg w;
+    char nb[48];
+
+    if (m->group_rank >= m->group_size || m->group_size > SCHED_MAX_GROUP) {
+        send_disconnect(s, from, "group_rank must be below group_size (at most 64)");
+        return;
+    }
+    /* Whatever was registered under this link, name or group seat is gone. */
+    TAILQ_FOREACH_SAFE(k, &s->ranks, entry, tmp) {
+        bool same_route = k->route.len == from->len &&
+            memcmp(k->route.id, from->id, from->len) == 0;
+
+        if ((same_route && k->state != DSV4_RANK_STATE_DEAD) ||
+            (k->role == m->role && k->index == m->index) ||
+            (k->role == m->role && k->group == m->group && k->group_rank == m->group_rank &&
+             k->state != DSV4_RANK_STATE_DEAD))
+            rank_remove(s, k);
+    }
+    if ((g = group_get(s, m->role, m->group)) == NULL)
+        return;
+    if (g->n_ranks > 0 && g->size != m->group_size) {
+        send_disconnect(s, from, "group_size differs from the group's other ranks");
+        return;
+    }
+    if ((k = calloc(1, sizeof(*k))) == NULL)
+        return;
+    k->route = *from;
+    k->role = m->role;
+    k->index = m->index;
+    k->group = m->group;
+    k->group_rank = m->group_rank;
+    k->group_size = m->group_size;
+    k->capacity = m->capacity;
+    k->max_ctx = m->max_ctx;
+    k->transports = m->transports;
+    k->pid = m->pid;
+    snprintf(k->host, sizeof(k->host), "%s", m->host);
+    k->joined_ms = dsv4_now_ms();
+    dsv4_liveness_init(&k->live, (uint32_t)s->cfg.file.heartbeat_ms,
+        (uint32_t)s->cfg.file.liveness, k->joined_ms);
+    TAILQ_INSERT_TAIL(&s->ranks, k, entry);
+    g->size = m->group_size;
+    g->ranks[m->group_rank] = k;
+    g->epoch++;
+    group_update(s, g);
+    rank_update_states(s);
+
+    dsv4_msg_init(&w, DSV4_SUB_RANK, DSV4_RANK_WELCOME);
+    w.u.welcome.heartbeat_ms = (uint32_t)s->cfg.file.heartbeat_ms;
+    w.u.welcome.liveness = (uint32_t)s->cfg.file.liveness;
+    w.u.welcome.comm_epoch = g->epoch;
+    rank_send(s, k, &w);
+    log_notice("rank %s registered: group %u rank %u/%u capacity %u max_ctx %u host %s pid %u",
+        rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size, k->capacity,
+        k->max_ctx, k->host, k->pid);
+}
+
+/* --- Work ---------------------------------------------------------------------------- */
+
+/* Keep a copy of one PREFILL_DONE location for the DECODE message. */
+static bool
+kv_keep(struct sched_req *r, const struct dsv4_kv_loc *src)
+{
+    uint32_t i = src->part;
+    struct dsv4_kv_loc *dst;
+    uint64_t *arr;
+    uint8_t *h;
+
+    if (i >= DSV4_PROTO_MAX_KV_PARTS || r->kv_handles[i] != NULL)
+        return false;
+    arr = malloc(2 * (size_t)src->n_seg * sizeof(uint64_t));
+    h = malloc(src->handle_len);
+    if (arr == NULL || h == NULL) {
+        free(arr);
+        free(h);
+        return false;
+    }
+    memcpy(arr, src->sizes, src->n_seg * sizeof(uint64_t));
+    memcpy(arr + src->n_seg, src->offsets, src->n_seg * sizeof(uint64_t));
+    memcpy(h, src->handle, src->handle_len);
+    r->kv_arrays[i] = arr;
+    r->kv_handles[i] = h;
+    dst = &r->kv.u.decode.kv[i];
+    *dst = *src;
+    dst->sizes = arr;
+    dst->offsets = arr + src->n_seg;
+    dst->handle = h;
+    return true;
+}
+
+static void
+send_decode(struct sched *s, struct sched_req *r, uint32_t n_parts)
+{
+    struct dsv4_rank_decode *d = &r->kv.u.decode;
+    uint32_t pos = r->n_prompt + r->n_out - 1;
+
+    r->kv.sub = DSV4_SUB_RANK;
+    r->kv.cmd = DSV4_RANK_DECODE;
+    d->req = r->req;
+    d->slot = r->slot;
+    d->token = r->out[r->n_out - 1];
+    d->pos = pos;
+    d->max_tokens = r->max_tokens - r->n_out;
+    d->s = r->s;
+    d->stop_ids = r->stop_ids;
+    d->n_stop_ids = r->n_stop_ids;
+    d->n_kv = n_parts;
+    d->step = r->n_out;
+    d->has_step = true;
+    r->dec_started = true;
+    r->dec.acks = r->dec.g->n_ranks;
+    r->state = DSV4_REQ_HANDOFF;
+    s->m.handoffs++;
+    rank_send_group(s, r->dec.g, &r->kv);
+}
+
+static void
+on_prefill_done(struct sched *s, struct sched_rank *k, struct sched_group *g,
+    const struct dsv4_rank_prefill_done *m)
+{
+    struct sched_req *r = req_find(s, m->req);
+    const struct dsv4_kv_loc *loc = &m->kv[0];
+
+    if (r == NULL || r->pre.g != g) {
+        /* Stale (re-run elsewhere, or forgotten): free the rank's export. */
+        struct dsv4_msg rel;
+
+        dsv4_msg_init(&rel, DSV4_SUB_RANK, DSV4_RANK_KV_RELEASE);
+        rel.u.ref.req = m->req;
+        rank_send(s, k, &rel);
+        return;
+    }
+    if (r->closing || r->state != DSV4_REQ_PREFILLING)
+        return; /* ABORT is on its way; ABORT_DONE releases it */
+    if (loc->n_parts != g->size || !kv_keep(r, loc)) {
+        req_rank_error(s, r, g, DSV4_STATUS_INTERNAL, "bad KV location parts");
+        return;
+    }
+    if (k->group_rank == 0) {
+        r->first_token = m->token;
+        r->first_lp = m->logprob;
+        r->first_has_lp = m->has_logprob;
+    }
+    r->kv_parts++;
+    if (r->pre.acks > 0)
+        r->pre.acks--;
+    if (r->pre.acks > 0)
+        return;
+    /* Every part is in: the first token is output; then hand off. */
+    r->state = DSV4_REQ_HANDOFF;
+    if (req_emit(s, r, r->first_token, r->first_has_lp, r->first_lp))
+        return;
+    send_decode(s, r, g->size);
+}
+
+static void
+on_kv_release(struct sched *s, struct sched_group *g, uint64_t req)
+{
+    struct sched_req *r = req_find(s, req);
+
+    if (r == NULL || r->closing || r->dec.g != g || r->state != DSV4_REQ_HANDOFF)
+        return;
+    if (r->dec.acks > 0 && --r->dec.acks > 0)
+        return;
+    if (r->pre.g != NULL) {
+        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+        req_hold_clear(s, r, &r->pre);
+    }
+    req_kv_clear(r);
+    r->state = DSV4_REQ_DECODING;
+}
+
+static void
+on_tokens(struct sched *s, struct sched_rank *k, struct sched_group *g,
+    const struct dsv4_rank_tokens *m)
+{
+    /* Every rank of a group computes the same tokens; the first one speaks. */
+    if (k->group_rank != 0)
+        return;
+    for (uint32_t i = 0; i < m->n; i++) {
+        struct sched_req *r = req_find(s, m->reqs[i]);
+
+        if (r == NULL || r->closing || r->dec.g != g || !r->dec_started)
+            continue;
+        (void)req_emit(s, r, m->tokens[i], m->logprobs != NULL,
+            m->logprobs != NULL ? m->logprobs[i] : 0.0f);
+    }
+}
+
+/* DECODE_DONE or ABORT_DONE: rank k freed `req`. */
+static void
+on_freed(struct sched *s, struct sched_group *g, uint64_t req, bool decode_done,
+    enum dsv4_finish finish)
+{
+    struct sched_req *r = req_find(s, req);
+    struct sched_hold *h;
+
+    if (r == NULL)
+        return;
+    if (!r->closing) {
+        if (!decode_done || r->dec.g != g || !r->dec_started)
+            return;
+        /* The rank ended the stream before we saw a reason to. */
+        r->dec_self_end = true;
+        if (finish == DSV4_FINISH_CANCELLED)
+            req_fail(s, r, DSV4_STATUS_INTERNAL, "decode rank dropped the stream");
+        else
+            req_finish(s, r, finish);
+    }
+    h = r->pre.g == g ? &r->pre : r->dec.g == g ? &r->dec : NULL;
+    if (h != NULL && (h->acks == 0 || --h->acks == 0))
+        req_hold_clear(s, r, h);
+    req_maybe_free(s, r);
+}
+
+/* --- Dispatch -------------------------------------------------------------------------- */
+
+static void
+rank_message(struct sched *s, struct sched_rank *k, const struct dsv4_route *from,
+    struct dsv4_msg *m)
+{
+    struct sched_group *g = group_of(s, k);
+    char nb[48];
+
+    switch (m->cmd) {
+    case DSV4_RANK_HEARTBEAT:
+        k->reported_active = m->u.heartbeat.active;
+        break;
+    case DSV4_RANK_DISCONNECT:
+        rank_lost(s, k, m->u.disconnect.reason != NULL ? m->u.disconnect.reason :
+            "rank disconnected");
+        break;
+    case DSV4_RANK_PREFILL_DONE:
+        if (k->role == DSV4_ROLE_PREFILL)
+            on_prefill_done(s, k, g, &m->u.prefill_done);
+        else
+            goto unexpected;
+        break;
+    case DSV4_RANK_KV_RELEASE:
+        if (k->role == DSV4_ROLE_DECODE)
+            on_kv_release(s, g, m->u.ref.req);
+        else
+            goto unexpected;
+        break;
+    case DSV4_RANK_TOKENS:
+        if (k->role == DSV4_ROLE_DECODE)
+            on_tokens(s, k, g, &m->u.step);
+        else
+            goto unexpected;
+        break;
+    case DSV4_RANK_DECODE_DONE:
+        if (k->role == DSV4_ROLE_DECODE)
+            on_freed(s, g, m->u.decode_done.req, true, m->u.decode_done.finish);
+        else
+            goto unexpected;
+        break;
+    case DSV4_RANK_ABORT_DONE:
+        on_freed(s, g, m->u.ref.req, false, DSV4_FINISH_NONE);
+        break;
+    case DSV4_RANK_DRAIN_DONE:
+        break;
+    case DSV4_RANK_ERROR: {
+        struct sched_req *r;
+
+        log_info("rank %s: ERROR req=%llu %u %s", rank_name(k, nb, sizeof(nb)),
+            (unsigned long long)m->u.error.req, m->u.error.code,
+            m->u.error.message != NULL ? m->u.error.message : "");
+        if (m->u.error.req != 0 && (r = req_find(s, m->u.error.req)) != NULL)
+            req_rank_error(s, r, g, m->u.error.code,
+                m->u.error.message != NULL ? m->u.error.message : "");
+        break;
+    }
+    default:
+        goto unexpected;
+    }
+    return;
+unexpected:
+    log_warnx("rank %s: unexpected %s; disconnecting", rank_name(k, nb, sizeof(nb)),
+        dsv4_proto_cmd_name(m->sub, m->cmd));
+    send_disconnect(s, from, "unexpected command");
+    rank_lost(s, k, "unexpected command");
+}
+
+void
+rank_dispatch(struct sched *s)
+{
+    for (int i = 0; i < RANK_BATCH; i++) {
+        struct dsv4_route from;
+        struct sched_rank *k;
+        struct dsv4_perr pe;
+        struct dsv4_msg m;
+        enum dsv4_err e;
+
+        e = dsv4_zsock_recv(s->rank, &from, &m, &pe, ZMQ_DONTWAIT);
+        if (e == DSV4_ERR_BUSY)
+            return;
+        if (e != DSV4_OK && e != DSV4_ERR_PROTO && e != DSV4_ERR_INVAL) {
+            log_warnx("rank: receive: %s", dsv4_errmsg());
+            return;
+        }
+        k = rank_by_route(s, &from);
+        if (k != NULL)
+            dsv4_liveness_rx(&k->live, dsv4_now_ms());
+        if (e != DSV4_OK || m.sub != DSV4_SUB_RANK) {
+            /* Malformed: drop it; a registered rank is disconnected. */
+            log_warnx("rank: malformed message (%u %s)%s", pe.code,
+                e != DSV4_OK ? pe.message : "wrong sub-protocol",
+                k != NULL ? "; disconnecting the rank" : "");
+            if (k != NULL) {
+                send_disconnect(s, &from, "malformed message");
+                rank_lost(s, k, "malformed message");
+            } else if (e != DSV4_OK && pe.sub == DSV4_SUB_RANK) {
+                (void)dsv4_zsock_send_perr(s->rank, &from, &pe);
+            }
+            if (e == DSV4_OK)
+                dsv4_msg_clear(&m);
+            continue;
+        }
+        if (m.cmd == DSV4_RANK_READY)
+            on_ready(s, &from, &m.u.ready);
+        else if (k == NULL)
+            send_disconnect(s, &from, "not registered: send READY");
+        else
+            rank_message(s, k, &from, &m);
+        dsv4_msg_clear(&m);
+    }
+}
+
+void
+rank_free_all(struct sched *s, const char *reason)
+{
+    struct sched_rank *k;
+    struct sched_group *g;
+
+    while ((k = TAILQ_FIRST(&s->ranks)) != NULL) {
+        if (k->state != DSV4_RANK_STATE_DEAD)
+            send_disconnect(s, &k->route, reason);
+        TAILQ_REMOVE(&s->ranks, k, entry);
+        free(k);
+    }
+    while ((g = TAILQ_FIRST(&s->groups)) != NULL) {
+        TAILQ_REMOVE(&s->groups, g, entry);
+        free(g->slots);
+        free(g);
+    }
+}

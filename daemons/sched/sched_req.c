@@ -1,0 +1,471 @@
+/*
+ * sched_req.c — dsv4-sched: the request table and each request's life cycle
+ * (docs/protocol.md §5): output bookkeeping with stop conditions, finishing,
+ * failing, cancelling, re-running after a rank death, and freeing.
+ *
+ * Runs in the scheduler's only thread.  Invariant: a request is freed only
+ * when it is closing, its final client message has been sent (or its client
+ * is gone) and no group holds state for it (pre.g == dec.g == NULL).  Every
+ * release of rank-side state goes through req_hold_clear, which also returns
+ * the group's load and the decode slot, so the books always balance.
+ *
+ * Output: every token accepted from a rank is appended to `out` and its text
+ * (streaming UTF-8 decoder) to `text`.  Text that could still turn out to be
+ * the start of a stop string is held back (text_safe); a stop string cuts the
+ * text where it starts (text_cut) and finishes the request with "stop".
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "daemons/sched/sched.h"
+
+#define NO_CUT ((size_t)-1)
+
+static unsigned
+hash_req(uint64_t req)
+{
+    return (unsigned)((req * 0x9E3779B97F4A7C15ull) >> 52) & (SCHED_REQ_BUCKETS - 1);
+}
+
+struct sched_req *
+req_new(struct sched *s)
+{
+    struct sched_req *r;
+    unsigned h;
+
+    if ((r = calloc(1, sizeof(*r))) == NULL)
+        return NULL;
+    r->req = s->next_req++;
+    if (s->next_req == 0)
+        s->next_req = 1;
+    r->text_cut = NO_CUT;
+    r->state = DSV4_REQ_QUEUED;
+    dsv4_msg_init(&r->kv, DSV4_SUB_RANK, DSV4_RANK_DECODE);
+    h = hash_req(r->req);
+    r->hnext = s->hash[h];
+    s->hash[h] = r;
+    if (s->tok != NULL)
+        dsv4_tok_stream_init(&r->ts, s->tok);
+    return r;
+}
+
+struct sched_req *
+req_find(struct sched *s, uint64_t req)
+{
+    struct sched_req *r;
+
+    for (r = s->hash[hash_req(req)]; r != NULL; r = r->hnext) {
+        if (r->req == req)
+            return r;
+    }
+    return NULL;
+}
+
+static bool
+route_eq(const struct dsv4_route *a, const struct dsv4_route *b)
+{
+    return a->len == b->len && memcmp(a->id, b->id, a->len) == 0;
+}
+
+struct sched_req *
+req_find_client(struct sched *s, const struct dsv4_route *route, uint64_t id)
+{
+    struct sched_req *r;
+
+    TAILQ_FOREACH(r, &s->queue, qentry) {
+        if (r->id == id && route_eq(&r->client, route))
+            return r;
+    }
+    TAILQ_FOREACH(r, &s->live, qentry) {
+        if (r->id == id && !r->final_sent && route_eq(&r->client, route))
+            return r;
+    }
+    return NULL;
+}
+
+void
+req_unqueue(struct sched *s, struct sched_req *r)
+{
+    if (!r->queued)
+        return;
+    queue_remove(s, r);
+    TAILQ_INSERT_TAIL(&s->live, r, qentry);
+    s->n_live++;
+}
+
+void
+req_kv_clear(struct sched_req *r)
+{
+    for (int i = 0; i < DSV4_PROTO_MAX_KV_PARTS; i++) {
+        free(r->kv_handles[i]);
+        free(r->kv_arrays[i]);
+        r->kv_handles[i] = NULL;
+        r->kv_arrays[i] = NULL;
+    }
+    r->kv_parts = 0;
+}
+
+static void
+req_destroy(struct sched *s, struct sched_req *r)
+{
+    struct sched_req **pp;
+
+    for (pp = &s->hash[hash_req(r->req)]; *pp != NULL; pp = &(*pp)->hnext) {
+        if (*pp == r) {
+            *pp = r->hnext;
+            break;
+        }
+    }
+    req_kv_clear(r);
+    free(r->tag);
+    free(r->prompt);
+    free(r->stop_ids);
+    for (uint32_t i = 0; i < r->n_stop; i++)
+        free(r->stop[i]);
+    free(r->stop);
+    free(r->out);
+    free(r->out_lp);
+    free(r->err_msg);
+    dsv4_tok_text_free(&r->text);
+    free(r);
+}
+
+void
+req_hold_clear(struct sched *s, struct sched_req *r, struct sched_hold *h)
+{
+    (void)s;
+    if (h->g == NULL)
+        return;
+    if (h->g->load > 0)
+        h->g->load--;
+    if (h == &r->dec)
+        queue_slot_put(h->g, r->slot);
+    h->g = NULL;
+    h->acks = 0;
+}
+
+void
+req_maybe_free(struct sched *s, struct sched_req *r)
+{
+    if (!r->closing || !r->final_sent || r->pre.g != NULL || r->dec.g != NULL)
+        return;
+    if (r->queued)
+        queue_remove(s, r);
+    else {
+        TAILQ_REMOVE(&s->live, r, qentry);
+        s->n_live--;
+    }
+    log_debug("req_free: req=%llu", (unsigned long long)r->req);
+    req_destroy(s, r);
+}
+
+/* --- Output and stop conditions ----------------------------------------------- */
+
+long
+req_stop_find(char *const *stop, uint32_t n_stop, const char *text, size_t len, size_t from)
+{
+    long best = -1;
+
+    for (uint32_t i = 0; i < n_stop; i++) {
+        size_t sl = strlen(stop[i]);
+        const char *p;
+
+        if (sl == 0 || from >= len || len - from < sl)
+            continue;
+        p = memmem(text + from, len - from, stop[i], sl);
+        if (p != NULL && (best < 0 || p - text < best))
+            best = p - text;
+    }
+    return best;
+}
+
+size_t
+req_stop_holdback(char *const *stop, uint32_t n_stop, const char *text, size_t len)
+{
+    size_t best = 0;
+
+    for (uint32_t i = 0; i < n_stop; i++) {
+        size_t sl = strlen(stop[i]);
+
+        /* Longest k < sl with text ending in stop[i][0..k). */
+        for (size_t k = sl > len + 1 ? len : sl - 1; k > best; k--) {
+            if (memcmp(text + len - k, stop[i], k) == 0) {
+                best = k;
+                break;
+            }
+        }
+    }
+    return best;
+}
+
+static bool
+grow_out(struct sched_req *r)
+{
+    uint32_t cap = r->cap_out ? r->cap_out * 2 : 64;
+    int32_t *o;
+    float *lp;
+
+    if ((o = realloc(r->out, (size_t)cap * sizeof(*o))) == NULL)
+        return false;
+    r->out = o;
+    if ((lp = realloc(r->out_lp, (size_t)cap * sizeof(*lp))) == NULL)
+        return false;
+    r->out_lp = lp;
+    r->cap_out = cap;
+    return true;
+}
+
+bool
+req_emit(struct sched *s, struct sched_req *r, int32_t token, bool has_lp, float lp)
+{
+    size_t old = r->text.len;
+    bool stop_id = false;
+
+    if (r->closing)
+        return true;
+    if (r->n_out == r->cap_out && !grow_out(r)) {
+        req_fail(s, r, DSV4_STATUS_NO_MEMORY, "out of memory for output");
+        return true;
+    }
+    r->out[r->n_out] = token;
+    r->out_lp[r->n_out] = has_lp ? lp : 0.0f;
+    r->n_out++;
+    s->m.tokens_out++;
+    if (s->tok != NULL && dsv4_tok_stream_push(&r->ts, token, &r->text) != DSV4_OK)
+        log_debug("req_emit: req=%llu token %d has no text", (unsigned long long)r->req, token);
+    for (uint32_t i = 0; i < r->n_stop_ids; i++)
+        stop_id |= r->stop_ids[i] == token;
+    if (r->n_stop > 0 && r->text.len > old) {
+        size_t back = r->stop_maxlen - 1;
+        long at = req_stop_find(r->stop, r->n_stop, r->text.s, r->text.len,
+            old > back ? old - back : 0);
+
+        if (at >= 0) {
+            r->text_cut = (size_t)at;
+            r->text_safe = (size_t)at;
+            req_finish(s, r, DSV4_FINISH_STOP);
+            return true;
+        }
+    }
+    r->text_safe = r->text.len - req_stop_holdback(r->stop, r->n_stop, r->text.s, r->text.len);
+    if (stop_id || r->n_out >= r->max_tokens) {
+        /* The decode rank sees the same condition and ends the stream itself. */
+        r->dec_self_end = true;
+        req_finish(s, r, stop_id ? DSV4_FINISH_STOP : DSV4_FINISH_LENGTH);
+        return true;
+    }
+    return false;
+}
+
+/* --- Ending ------------------------------------------------------------------- */
+
+/* Tell the groups holding `r` to free it; `prev` is the state it was in. */
+static void
+release_holds(struct sched *s, struct sched_req *r, enum dsv4_req_state prev)
+{
+    if (r->pre.g != NULL) {
+        if (prev == DSV4_REQ_PREFILLING) {
+            rank_send_ref(s, r->pre.g, DSV4_RANK_ABORT, r->req);
+            r->pre.acks = r->pre.g->n_ranks;
+            if (r->pre.acks == 0)
+                req_hold_clear(s, r, &r->pre);
+        } else {
+            /* Its KV is exported: KV_RELEASE frees it, no answer. */
+            rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+            req_hold_clear(s, r, &r->pre);
+        }
+    }
+    if (r->dec.g != NULL) {
+        if (!r->dec_started) {
+            req_hold_clear(s, r, &r->dec);
+        } else {
+            if (!r->dec_self_end)
+                rank_send_ref(s, r->dec.g, DSV4_RANK_ABORT, r->req);
+            r->dec.acks = r->dec.g->n_ranks;
+            if (r->dec.acks == 0)
+                req_hold_clear(s, r, &r->dec);
+        }
+    }
+}
+
+static void
+close_common(struct sched *s, struct sched_req *r, enum dsv4_req_state st)
+{
+    enum dsv4_req_state prev = r->state;
+
+    r->closing = true;
+    r->state = st;
+    req_unqueue(s, r);
+    if (s->tok != NULL && r->text_cut == NO_CUT)
+        (void)dsv4_tok_stream_flush(&r->ts, &r->text);
+    r->text_safe = r->text_cut != NO_CUT ? r->text_cut : r->text.len;
+    release_holds(s, r, prev);
+    if (r->client_gone)
+        r->final_sent = true;
+}
+
+void
+req_finish(struct sched *s, struct sched_req *r, enum dsv4_finish f)
+{
+    if (r->closing)
+        return;
+    r->finish = f;
+    if (f == DSV4_FINISH_CANCELLED)
+        s->m.n_cancelled++;
+    else
+        s->m.n_done++;
+    log_debug("req_finish: req=%llu finish=%s tokens=%u", (unsigned long long)r->req,
+        dsv4_finish_name(f), r->n_out);
+    close_common(s, r, f == DSV4_FINISH_CANCELLED ? DSV4_REQ_CANCELLED : DSV4_REQ_DONE);
+}
+
+void
+req_fail(struct sched *s, struct sched_req *r, uint16_t code, const char *fmt, ...)
+{
+    char buf[DSV4_PROTO_MAX_MESSAGE / 2];
+    va_list ap;
+
+    if (r->closing)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    r->err_code = code;
+    r->err_msg = strdup(buf);
+    s->m.n_failed++;
+    log_info("req_fail: req=%llu code=%u %s", (unsigned long long)r->req, code, buf);
+    close_common(s, r, DSV4_REQ_FAILED);
+}
+
+void
+req_cancel(struct sched *s, struct sched_req *r)
+{
+    req_finish(s, r, DSV4_FINISH_CANCELLED);
+}
+
+/* Put `r` back at the head of the queue to run again from prompt + output. */
+static void
+req_rerun(struct sched *s, struct sched_req *r, const char *why)
+{
+    if (r->pre.g != NULL) {
+        /* Whatever it exported is of no use now. */
+        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+        req_hold_clear(s, r, &r->pre);
+    }
+    if (r->dec.g != NULL) {
+        if (r->dec_started)
+            rank_send_ref(s, r->dec.g, DSV4_RANK_ABORT, r->req);
+        req_hold_clear(s, r, &r->dec);
+    }
+    if (++r->reruns > SCHED_MAX_RERUNS) {
+        req_fail(s, r, DSV4_STATUS_INTERNAL, "gave up after %u re-runs (%s)",
+            SCHED_MAX_RERUNS, why);
+        return;
+    }
+    s->m.reruns++;
+    log_notice("req_rerun: req=%llu from token %u (%s)", (unsigned long long)r->req,
+        r->n_out, why);
+    req_kv_clear(r);
+    r->dec_started = false;
+    r->dec_self_end = false;
+    TAILQ_REMOVE(&s->live, r, qentry);
+    s->n_live--;
+    queue_push(s, r, true);
+}
+
+void
+req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g)
+{
+    if (r->closing) {
+        if (r->pre.g == g)
+            req_hold_clear(s, r, &r->pre);
+        if (r->dec.g == g)
+            req_hold_clear(s, r, &r->dec);
+        req_maybe_free(s, r);
+        return;
+    }
+    if (r->pre.g == g) {
+        if (r->state == DSV4_REQ_PREFILLING) {
+            req_hold_clear(s, r, &r->pre);
+            req_rerun(s, r, "prefill rank lost");
+            return;
+        }
+        /* HANDOFF: the decode group may still import the exported state; if
+         * it cannot, its ERROR re-runs the request. */
+        req_hold_clear(s, r, &r->pre);
+    }
+    if (r->dec.g == g) {
+        req_hold_clear(s, r, &r->dec);
+        req_rerun(s, r, "decode rank lost");
+    }
+}
+
+/* Rank-side error about `r` from group `g`: the rank dropped it. */
+void
+req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint16_t code,
+    const char *msg)
+{
+    if (r->closing) {
+        struct sched_hold *h = r->pre.g == g ? &r->pre : r->dec.g == g ? &r->dec : NULL;
+
+        if (h != NULL && h->acks > 0 && --h->acks == 0)
+            req_hold_clear(s, r, h);
+        req_maybe_free(s, r);
+        return;
+    }
+    if (r->pre.g == g && r->state == DSV4_REQ_PREFILLING) {
+        if (code == DSV4_STATUS_BUSY || code == DSV4_STATUS_NO_MEMORY) {
+            req_hold_clear(s, r, &r->pre);
+            req_rerun(s, r, "prefill rank busy");
+        } else {
+            req_hold_clear(s, r, &r->pre);
+            req_fail(s, r, code, "prefill: %s", msg);
+        }
+        return;
+    }
+    if (r->dec.g == g) {
+        req_hold_clear(s, r, &r->dec);
+        req_rerun(s, r, "decode rank error");
+    }
+}
+
+int64_t
+req_timers(struct sched *s, int64_t now)
+{
+    struct sched_req *r, *tmp;
+    int64_t next = -1;
+    struct sched_req_list *lists[2] = { &s->queue, &s->live };
+
+    for (int i = 0; i < 2; i++) {
+        TAILQ_FOREACH_SAFE(r, lists[i], qentry, tmp) {
+            if (r->closing || r->deadline_ms == 0)
+                continue;
+            if (now >= r->deadline_ms) {
+                req_fail(s, r, DSV4_STATUS_TIMEOUT, "timeout passed");
+                continue;
+            }
+            if (next < 0 || r->deadline_ms - now < next)
+                next = r->deadline_ms - now;
+        }
+    }
+    return next;
+}
+
+void
+req_free_all(struct sched *s)
+{
+    struct sched_req *r;
+
+    while ((r = TAILQ_FIRST(&s->queue)) != NULL) {
+        queue_remove(s, r);
+        req_destroy(s, r);
+    }
+    while ((r = TAILQ_FIRST(&s->live)) != NULL) {
+        TAILQ_REMOVE(&s->live, r, qentry);
+        s->n_live--;
+        req_destroy(s, r);
+    }
+}
