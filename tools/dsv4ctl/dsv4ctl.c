@@ -1,0 +1,356 @@
+/*
+ * dsv4ctl — the admin tool of dsv4: talks to dsv4-sched's admin socket
+ * (docs/protocol.md §7) and prints status, ranks and requests as tables for
+ * people or JSON (--json) for scripts; drains and undrains.
+ *
+ *   dsv4ctl [--admin ENDPOINT] [--json] [-f CONFIG] status
+ *   dsv4ctl ... ranks | requests
+ *   dsv4ctl ... drain [RANK|all] [--timeout S]   (returns when drained)
+ *   dsv4ctl ... undrain [RANK|all]
+ *
+ * The endpoint comes from --admin, else admin_endpoint of the configuration
+ * file (-f, or /etc/dsv4/dsv4.conf when present), else the default.  Exit
+ * status: 0 success, 1 the scheduler refused or a drain timed out, 2 usage,
+ * 3 no answer from the scheduler.
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "common/config_file.h"
+#include "common/log.h"
+#include "ipc/proto.h"
+#include "ipc/zsock.h"
+
+#define CTL_TIMEOUT_MS 5000 /* answer wait for everything but drain */
+
+struct ctl {
+    void *zctx, *sock;
+    bool json;
+    int n_items;
+};
+
+static void
+usage(void)
+{
+    fprintf(stderr,
+        "usage: dsv4ctl [--admin ENDPOINT] [--json] [-f CONFIG] command\n"
+        "commands:\n"
+        "  status                          scheduler state and metrics\n"
+        "  ranks                           registered ranks\n"
+        "  requests                        requests in flight\n"
+        "  drain [RANK|all] [--timeout S]  stop admissions / placements, wait until done\n"
+        "  undrain [RANK|all]              lift a drain\n"
+        "RANK is prefill@N or decode@N.\n");
+    exit(2);
+}
+
+/* Print `s` as a JSON string. */
+static void
+json_str(const char *s)
+{
+    putchar('"');
+    for (; s != NULL && *s != '\0'; s++) {
+        unsigned char c = (unsigned char)*s;
+
+        if (c == '"' || c == '\\')
+            printf("\\%c", c);
+        else if (c < 0x20)
+            printf("\\u%04x", c);
+        else
+            putchar(c);
+    }
+    putchar('"');
+}
+
+static int
+send_cmd(struct ctl *c, int cmd, const char *target, uint32_t timeout_ms)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_CTL, cmd);
+    if (target != NULL) {
+        m.u.drain.target = target;
+        m.u.drain.timeout_ms = timeout_ms;
+    }
+    if (dsv4_zsock_send(c->sock, NULL, &m, 0, NULL) != DSV4_OK) {
+        fprintf(stderr, "dsv4ctl: send: %s\n", dsv4_errmsg());
+        return 3;
+    }
+    return 0;
+}
+
+/* Wait for one message; wait_ms < 0 = forever.  0 ok, 3 no answer. */
+static int
+recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
+{
+    zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+    struct dsv4_perr pe;
+
+    for (;;) {
+        int rc = zmq_poll(&it, 1, wait_ms);
+
+        if (rc <= 0) {
+            fprintf(stderr, "dsv4ctl: no answer from the scheduler\n");
+            return 3;
+        }
+        if (dsv4_zsock_recv(c->sock, NULL, m, &pe, 0) == DSV4_OK && m->sub == DSV4_SUB_CTL)
+            return 0;
+        dsv4_msg_clear(m);
+    }
+}
+
+static int
+result(struct ctl *c, const struct dsv4_msg *m)
+{
+    const struct dsv4_error *e = &m->u.error;
+
+    if (c->json) {
+        printf("{\"code\": %u, \"message\": ", e->code);
+        json_str(e->message);
+        printf("}\n");
+    } else if (e->code == DSV4_STATUS_OK) {
+        printf("%s\n", e->message);
+    } else {
+        fprintf(stderr, "dsv4ctl: %u %s: %s\n", e->code, dsv4_proto_code_str(e->code),
+            e->message);
+    }
+    return e->code == DSV4_STATUS_OK ? 0 : 1;
+}
+
+static void
+print_status(struct ctl *c, const struct dsv4_ctl_status *st)
+{
+    if (c->json) {
+        printf("{\"version\": ");
+        json_str(st->version);
+        printf(", \"uptime_ms\": %" PRIu64 ", \"draining\": %s, \"n_ranks\": %u, "
+            "\"n_ranks_ready\": %u, \"n_queued\": %u, \"n_running\": %u, "
+            "\"n_done\": %" PRIu64 ", \"n_failed\": %" PRIu64, st->uptime_ms,
+            st->draining ? "true" : "false", st->n_ranks, st->n_ranks_ready, st->n_queued,
+            st->n_running, st->n_done, st->n_failed);
+        if (st->has_metrics)
+            printf(", \"n_cancelled\": %" PRIu64 ", \"n_rejected\": %" PRIu64
+                ", \"tokens_in\": %" PRIu64 ", \"tokens_out\": %" PRIu64
+                ", \"handoffs\": %" PRIu64 ", \"reruns\": %" PRIu64
+                ", \"rank_deaths\": %" PRIu64, st->n_cancelled, st->n_rejected,
+                st->tokens_in, st->tokens_out, st->handoffs, st->reruns, st->rank_deaths);
+        printf("}\n");
+        return;
+    }
+    printf("%-12s %s\n", "version", st->version);
+    printf("%-12s %.1f s\n", "uptime", (double)st->uptime_ms / 1000.0);
+    printf("%-12s %s\n", "draining", st->draining ? "yes" : "no");
+    printf("%-12s %u (%u ready)\n", "ranks", st->n_ranks, st->n_ranks_ready);
+    printf("%-12s %u queued, %u running\n", "requests", st->n_queued, st->n_running);
+    printf("%-12s %" PRIu64 " done, %" PRIu64 " failed", "outcomes", st->n_done, st->n_failed);
+    if (st->has_metrics)
+        printf(", %" PRIu64 " cancelled, %" PRIu64 " rejected", st->n_cancelled,
+            st->n_rejected);
+    printf("\n");
+    if (st->has_metrics) {
+        printf("%-12s %" PRIu64 " in, %" PRIu64 " out\n", "tokens", st->tokens_in,
+            st->tokens_out);
+        printf("%-12s %" PRIu64 " handoffs, %" PRIu64 " re-runs, %" PRIu64 " rank deaths\n",
+            "events", st->handoffs, st->reruns, st->rank_deaths);
+    }
+}
+
+static void
+print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
+{
+    char name[48];
+
+    snprintf(name, sizeof(name), "%s@%u", dsv4_role_name(k->role), k->index);
+    if (c->json) {
+        printf("%s{\"name\": \"%s\", \"role\": \"%s\", \"index\": %u, \"group\": %u, "
+            "\"group_rank\": %u, \"host\": ", c->n_items ? ",\n " : "", name,
+            dsv4_role_name(k->role), k->index, k->group, k->group_rank);
+        json_str(k->host);
+        printf(", \"state\": \"%s\", \"active\": %u, \"capacity\": %u, "
+            "\"last_seen_ms\": %" PRIu64, dsv4_rank_state_name(k->state), k->active,
+            k->capacity, k->last_seen_ms);
+        if (k->has_rank_active)
+            printf(", \"rank_active\": %u", k->rank_active);
+        printf("}");
+    } else {
+        if (c->n_items == 0)
+            printf("%-12s %-7s %-16s %-9s %7s %9s %10s\n", "RANK", "GROUP", "HOST",
+                "STATE", "ACTIVE", "CAPACITY", "LAST_SEEN");
+        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %8.1fs\n", name, k->group,
+            k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active, k->capacity,
+            (double)k->last_seen_ms / 1000.0);
+    }
+    c->n_items++;
+}
+
+static void
+print_request(struct ctl *c, const struct dsv4_ctl_request *r)
+{
+    if (c->json) {
+        printf("%s{\"req\": %" PRIu64 ", \"state\": \"%s\", \"prompt_tokens\": %u, "
+            "\"completion_tokens\": %u, \"age_ms\": %" PRIu64 ", \"tag\": ",
+            c->n_items ? ",\n " : "", r->req, dsv4_req_state_name(r->state),
+            r->prompt_tokens, r->completion_tokens, r->age_ms);
+        if (r->tag != NULL)
+            json_str(r->tag);
+        else
+            printf("null");
+        printf("}");
+    } else {
+        if (c->n_items == 0)
+            printf("%-20s %-10s %8s %10s %8s  %s\n", "REQ", "STATE", "PROMPT", "COMPLETION",
+                "AGE", "TAG");
+        printf("%-20" PRIu64 " %-10s %8u %10u %7.1fs  %s\n", r->req,
+            dsv4_req_state_name(r->state), r->prompt_tokens, r->completion_tokens,
+            (double)r->age_ms / 1000.0, r->tag != NULL ? r->tag : "-");
+    }
+    c->n_items++;
+}
+
+/* Send a listing command and print items until its _END. */
+static int
+listing(struct ctl *c, int cmd, int item, int end)
+{
+    struct dsv4_msg m;
+    int rc;
+
+    if ((rc = send_cmd(c, cmd, NULL, 0)) != 0)
+        return rc;
+    if (c->json && cmd != DSV4_CTL_SHOW_STATUS)
+        printf("[");
+    for (;;) {
+        if ((rc = recv_msg(c, &m, CTL_TIMEOUT_MS)) != 0)
+            return rc;
+        if (m.cmd == DSV4_CTL_RESULT) {
+            rc = result(c, &m);
+            dsv4_msg_clear(&m);
+            return rc != 0 ? rc : 1;
+        }
+        if (m.cmd == DSV4_CTL_STATUS && cmd == DSV4_CTL_SHOW_STATUS) {
+            print_status(c, &m.u.status);
+            dsv4_msg_clear(&m);
+            return 0;
+        }
+        if (m.cmd == item && item == DSV4_CTL_RANK)
+            print_rank(c, &m.u.rank);
+        else if (m.cmd == item && item == DSV4_CTL_REQUEST)
+            print_request(c, &m.u.request);
+        else if (m.cmd == end) {
+            if (c->json)
+                printf("]\n");
+            else if (c->n_items == 0)
+                printf("(none)\n");
+            dsv4_msg_clear(&m);
+            return 0;
+        }
+        dsv4_msg_clear(&m);
+    }
+}
+
+static int
+drain(struct ctl *c, int cmd, const char *target, double timeout_s)
+{
+    uint32_t ms = timeout_s > 0 ? (uint32_t)(timeout_s * 1000.0) : 0;
+    struct dsv4_msg m;
+    int rc;
+
+    if ((rc = send_cmd(c, cmd, target, ms)) != 0)
+        return rc;
+    /* The scheduler answers at the timeout; wait a little longer for it. */
+    rc = recv_msg(c, &m, cmd == DSV4_CTL_UNDRAIN ? CTL_TIMEOUT_MS :
+        ms > 0 ? (long)ms + CTL_TIMEOUT_MS : -1);
+    if (rc != 0)
+        return rc;
+    if (m.cmd != DSV4_CTL_RESULT) {
+        fprintf(stderr, "dsv4ctl: unexpected %s\n", dsv4_proto_cmd_name(m.sub, m.cmd));
+        rc = 3;
+    } else {
+        rc = result(c, &m);
+    }
+    dsv4_msg_clear(&m);
+    return rc;
+}
+
+int
+main(int argc, char *argv[])
+{
+    static const struct option longopts[] = {
+        { "admin", required_argument, NULL, 'a' },
+        { "json", no_argument, NULL, 'j' },
+        { "timeout", required_argument, NULL, 't' },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    struct dsv4_zsock_cfg zc;
+    struct dsv4_conf conf;
+    struct ctl c = { 0 };
+    const char *endpoint = NULL, *path = NULL, *cmd, *target = "all";
+    double timeout_s = 0;
+    int ch, rc;
+
+    /* GNU getopt permutes: options may follow the command too
+     * ("drain decode@0 --timeout 30"). */
+    while ((ch = getopt_long(argc, argv, "a:f:jt:h", longopts, NULL)) != -1) {
+        switch (ch) {
+        case 'a': endpoint = optarg; break;
+        case 'f': path = optarg; break;
+        case 'j': c.json = true; break;
+        case 't': timeout_s = atof(optarg); break;
+        default: usage();
+        }
+    }
+    if (optind >= argc)
+        usage();
+    cmd = argv[optind++];
+    if (optind < argc) {
+        if (strcmp(cmd, "drain") != 0 && strcmp(cmd, "undrain") != 0)
+            usage();
+        target = argv[optind++];
+    }
+    if (optind != argc)
+        usage();
+    log_init(0);
+    log_procinit("dsv4ctl");
+    if (endpoint == NULL) {
+        dsv4_conf_defaults(&conf);
+        if (path == NULL && access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0)
+            path = DSV4_CONF_DEFAULT_PATH;
+        if (path != NULL && dsv4_conf_load(&conf, path, DSV4_CONF_ROLE_NONE) != DSV4_OK) {
+            fprintf(stderr, "dsv4ctl: %s\n", dsv4_errmsg());
+            return 2;
+        }
+        endpoint = conf.admin_endpoint;
+    }
+    if ((c.zctx = zmq_ctx_new()) == NULL)
+        return 3;
+    dsv4_zsock_cfg_init(&zc);
+    zc.endpoint = endpoint;
+    zc.type = ZMQ_DEALER;
+    if ((c.sock = dsv4_zsock_open(c.zctx, &zc, NULL)) == NULL) {
+        fprintf(stderr, "dsv4ctl: %s: %s\n", endpoint, dsv4_errmsg());
+        zmq_ctx_term(c.zctx);
+        return 3;
+    }
+    if (strcmp(cmd, "status") == 0)
+        rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
+    else if (strcmp(cmd, "ranks") == 0)
+        rc = listing(&c, DSV4_CTL_SHOW_RANKS, DSV4_CTL_RANK, DSV4_CTL_RANKS_END);
+    else if (strcmp(cmd, "requests") == 0)
+        rc = listing(&c, DSV4_CTL_SHOW_REQUESTS, DSV4_CTL_REQUEST, DSV4_CTL_REQUESTS_END);
+    else if (strcmp(cmd, "drain") == 0)
+        rc = drain(&c, DSV4_CTL_DRAIN, target, timeout_s);
+    else if (strcmp(cmd, "undrain") == 0)
+        rc = drain(&c, DSV4_CTL_UNDRAIN, target, 0);
+    else
+        usage();
+    dsv4_zsock_close(c.sock);
+    zmq_ctx_term(c.zctx);
+    return rc;
+}
