@@ -1,0 +1,799 @@
+#!/usr/bin/env python3
+"""svc_test.py — integration tests of the dsv4 service set on the CPU backend
+(issue 5, "Must show").  One scenario per run:
+
+  svc_test.py SCENARIO --build BUILD_DIR [--src SRC_DIR]
+
+Scenarios:
+  launch          dsv4-launch with stand-in daemons (tests/integration/
+                  fake_daemon.py): listeners passed as LISTEN_FDS client:admin,
+                  notify ordering, Restart=on-failure after kill -9, no restart
+                  after a clean exit, watchdog kill, start limit, stop on SIGTERM.
+  greedy16        16 concurrent greedy streams through sched + 2 prefill + 2
+                  decode ranks == the single-process forward (svc_client
+                  --reference) for every prompt.
+  batch64         64 submitted at once (1 decode rank) are all served and
+                  never more than 16 decode at a time (admin protocol).
+  socket_activate dsv4-sched under systemd-socket-activate with a NOTIFY_SOCKET
+                  listener: STATUS.. READY=1 WATCHDOG=1 .. STOPPING=1, and the
+                  passed listeners are the ones served.
+  kill_decode, kill_prefill, kill_sched
+                  kill -9 in the middle of 16 streams; dsv4-launch restarts the
+                  process; rank deaths: every stream == the undisturbed output;
+                  scheduler death: every request completes identically or gets
+                  an error within its timeout; then no leaked state.
+  cancel1000      1,000 requests cancelled at random moments: every request
+                  ends, output is a prefix of the reference, no leaked state.
+  drain           drain of a decode rank under load finishes its streams,
+                  admits nothing new there, new work runs elsewhere; global
+                  drain answers 301; undrain restores service.
+
+Leaked state is checked through the admin socket (SHOW_REQUESTS empty,
+every rank's `active` 0, STATUS n_queued/n_running 0), with dsv4ctl --json
+when it is built, and in /dev/shm (no decode-state export left).
+
+The client side is tests/integration/svc_client (libdsv4client); the admin
+side speaks docs/protocol.md §7 with pyzmq + msgpack (installed with pip
+when missing).
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+try:
+    import msgpack
+    import zmq
+except ImportError:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "--break-system-packages", "pyzmq", "msgpack"], check=False)
+    import msgpack
+    import zmq
+
+WAIT_S = 60          # bound on waiting for a condition (never a pass/fail timing)
+MAX_TOKENS = 24
+TIMEOUT_MS = 20000   # per-request timeout given to the service
+
+ARGS = None
+
+
+def log(*a):
+    print("svc_test:", *a, flush=True)
+
+
+class Fail(Exception):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise Fail(msg)
+
+
+def wait_for(pred, what, timeout=WAIT_S, step=0.05):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise Fail("gave up waiting for " + what)
+        time.sleep(step)
+
+
+def exe(rel):
+    p = os.path.join(ARGS.build, rel)
+    check(os.access(p, os.X_OK), "missing executable " + p)
+    return p
+
+
+# --- admin protocol (docs/protocol.md §7) ------------------------------------
+
+A_SHOW_STATUS, A_STATUS, A_SHOW_RANKS, A_RANK, A_RANKS_END = 1, 2, 3, 4, 5
+A_SHOW_REQUESTS, A_REQUEST, A_REQUESTS_END = 6, 7, 8
+A_DRAIN, A_UNDRAIN, A_RESULT = 9, 10, 11
+
+
+class Admin:
+    def __init__(self, endpoint):
+        self.ctx = zmq.Context.instance()
+        self.endpoint = endpoint
+        self.s = None
+
+    def _sock(self):
+        if self.s is None:
+            self.s = self.ctx.socket(zmq.DEALER)
+            self.s.setsockopt(zmq.LINGER, 0)
+            self.s.connect(self.endpoint)
+        return self.s
+
+    def call(self, cmd, body=None, finals=(), timeout=10.0):
+        """Send one admin request; return (items, final body, final cmd)."""
+        s = self._sock()
+        s.send_multipart([b"", b"DSV4A1", bytes([cmd]), msgpack.packb(body or {})])
+        items = []
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not s.poll(int(left * 1000)):
+                self.s.close()
+                self.s = None
+                raise Fail("admin: no reply to command %d" % cmd)
+            fr = s.recv_multipart()
+            c, m = fr[2][0], msgpack.unpackb(fr[3], raw=False)
+            if c in finals:
+                return items, m, c
+            items.append(m)
+
+    def status(self):
+        return self.call(A_SHOW_STATUS, finals=(A_STATUS, A_RESULT))[1]
+
+    def ranks(self):
+        items, end, _ = self.call(A_SHOW_RANKS, finals=(A_RANKS_END, A_RESULT))
+        return items
+
+    def requests(self):
+        items, end, _ = self.call(A_SHOW_REQUESTS, finals=(A_REQUESTS_END, A_RESULT))
+        return items
+
+    def drain(self, target, timeout_ms=0, timeout=WAIT_S * 2):
+        return self.call(A_DRAIN, {"target": target, "timeout_ms": timeout_ms},
+                         finals=(A_RESULT,), timeout=timeout)[1]
+
+    def undrain(self, target):
+        return self.call(A_UNDRAIN, {"target": target}, finals=(A_RESULT,))[1]
+
+    def close(self):
+        if self.s is not None:
+            self.s.close()
+            self.s = None
+
+
+# --- the service under dsv4-launch -----------------------------------------
+
+
+def make_prompts(path, n, seed, lo=3, hi=40, vocab=1024):
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(" ".join(str(r.randrange(2, vocab))
+                             for _ in range(r.randrange(lo, hi))) + "\n")
+
+
+def parse_outputs(text):
+    """svc_client output -> list of (status, detail, [tokens])."""
+    out = []
+    for line in text.splitlines():
+        f = line.split()
+        check(len(f) >= 4 and int(f[0]) == len(out), "bad svc_client line: " + line)
+        toks = [int(t) for t in f[4:]]
+        check(len(toks) == int(f[3]), "token count mismatch: " + line)
+        out.append((f[1], f[2], toks))
+    return out
+
+
+class Service:
+    """A tmp dir with a tiny checkpoint, a config, and dsv4-launch running the
+    set with a NOTIFY_SOCKET of the test's own."""
+
+    def __init__(self, n_prefill=1, n_decode=1, extra_conf=""):
+        self.dir = tempfile.mkdtemp(prefix="dsv4-it-")
+        self.model = os.path.join(self.dir, "model")
+        subprocess.run([exe("tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
+                        "--out", self.model], check=True, stdout=subprocess.DEVNULL)
+        self.client_ep = "ipc://%s/client.sock" % self.dir
+        self.admin_ep = "ipc://%s/ctl.sock" % self.dir
+        self.conf = os.path.join(self.dir, "dsv4.conf")
+        with open(self.conf, "w") as f:
+            f.write(f"""# integration test configuration
+client_endpoint = {self.client_ep}
+rank_endpoint = ipc://{self.dir}/rank.sock
+admin_endpoint = {self.admin_ep}
+heartbeat_ms = 200
+liveness = 3
+checkpoint = {self.model}
+threads = 1
+slots = 16
+max_batch = 16
+max_seq = 256
+prefill_chunk = 16
+{extra_conf}
+""")
+        self.notify_log = os.path.join(self.dir, "notify.log")
+        self.nsock_path = os.path.join(self.dir, "launch.notify")
+        self.nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.nsock.bind(self.nsock_path)
+        env = dict(os.environ, NOTIFY_SOCKET=self.nsock_path)
+        self.stderr = open(os.path.join(self.dir, "launch.err"), "w")
+        self.proc = subprocess.Popen(
+            [exe("tools/launch/dsv4-launch"), "-f", self.conf,
+             "-P", str(n_prefill), "-D", str(n_decode), "-r", "200", "-w", "20",
+             "-T", "120", "-t", "20",
+             "--sched-bin", exe("daemons/sched/dsv4-sched"),
+             "--prefill-bin", exe("daemons/rank/dsv4-prefill"),
+             "--decode-bin", exe("daemons/rank/dsv4-decode"),
+             "--notify-log", self.notify_log],
+            env=env, stderr=self.stderr)
+        self.admin = Admin(self.admin_ep)
+        self.wait_notify("READY=1")
+        self.wait_ranks(n_prefill + n_decode)
+
+    def wait_notify(self, what):
+        self.nsock.settimeout(WAIT_S * 2)
+        while True:
+            if self.proc.poll() is not None:
+                raise Fail("dsv4-launch exited with %d before %s; log:\n%s" %
+                           (self.proc.returncode, what, self.errlog()))
+            try:
+                msg = self.nsock.recv(4096).decode()
+            except socket.timeout:
+                raise Fail("dsv4-launch never sent " + what + "\n" + self.errlog())
+            if what in msg.split("\n"):
+                return
+
+    def wait_ranks(self, n):
+        wait_for(lambda: sum(1 for r in self.admin.ranks() if r["state"] == "ready") == n,
+                 "%d ranks ready" % n)
+
+    def errlog(self):
+        self.stderr.flush()
+        with open(os.path.join(self.dir, "launch.err")) as f:
+            return f.read()[-6000:]
+
+    def pid(self, name):
+        """Current pid of child `name` (sched, prefill@0, decode@1)."""
+        pid = None
+        with open(self.notify_log) as f:
+            for line in f:
+                m = re.match(r"(\S+) START pid=(\d+)", line)
+                if m and m.group(1) == name:
+                    pid = int(m.group(2))
+        return pid
+
+    def count(self, name, what):
+        with open(self.notify_log) as f:
+            return sum(1 for line in f if line.startswith(name + " ") and what in line)
+
+    def client(self, prompts, max_tokens=MAX_TOKENS, extra=(), progress=None):
+        cmd = [exe("tests/integration/svc_client"), "-e", self.client_ep,
+               "-p", prompts, "-n", str(max_tokens), "--timeout", str(TIMEOUT_MS)]
+        if progress:
+            cmd += ["--progress", progress]
+        return subprocess.Popen(cmd + list(extra), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def kill9(self, name):
+        pid = self.pid(name)
+        check(pid is not None, "no pid for " + name)
+        log("kill -9 %s pid=%d" % (name, pid))
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def check_no_leaks(self):
+        """Wait until the books are empty; fail with the state otherwise."""
+        def clean():
+            st = self.admin.status()
+            reqs = self.admin.requests()
+            ranks = self.admin.ranks()
+            busy = [r for r in ranks if r["active"] != 0]
+            shm = shm_exports()
+            self.last = (st, reqs, ranks, shm)
+            return (not reqs and not busy and st["n_queued"] == 0 and
+                    st["n_running"] == 0 and not shm)
+        try:
+            wait_for(clean, "no leaked state", step=0.2)
+        except Fail:
+            st, reqs, ranks, shm = self.last
+            raise Fail("leaked state: status=%s requests=%s ranks=%s shm=%s" %
+                       (st, reqs[:5], ranks, shm[:5]))
+        ctl = os.path.join(ARGS.build, "tools/dsv4ctl/dsv4ctl")
+        if os.access(ctl, os.X_OK):
+            for what in ("requests", "ranks", "status"):
+                r = subprocess.run([ctl, "-e", self.admin_ep, "--json", what],
+                                   capture_output=True, text=True, timeout=30)
+                check(r.returncode == 0, "dsv4ctl %s: %s" % (what, r.stderr))
+                check_ctl_json(what, r.stdout)
+        log("no leaked state")
+
+    def stop(self):
+        self.admin.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+        self.nsock.close()
+        rc = self.proc.returncode
+        if rc != 0:
+            log("dsv4-launch exit %d; log tail:\n%s" % (rc, self.errlog()))
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return rc
+
+
+def check_ctl_json(what, text):
+    """dsv4ctl --json output: no request, every rank idle, nothing running."""
+    doc = json.loads(text)
+    if what == "requests":
+        items = doc if isinstance(doc, list) else doc.get("requests", [])
+        check(len(items) == 0, "dsv4ctl requests shows %s" % items[:3])
+    elif what == "ranks":
+        items = doc if isinstance(doc, list) else doc.get("ranks", [])
+        check(all(r.get("active", 0) == 0 for r in items), "dsv4ctl ranks: %s" % items)
+    else:
+        check(doc.get("n_running", 0) == 0 and doc.get("n_queued", 0) == 0,
+              "dsv4ctl status: %s" % doc)
+
+
+def shm_exports():
+    try:
+        return [n for n in os.listdir("/dev/shm") if n.startswith("dsv4kv-")]
+    except FileNotFoundError:
+        return []
+
+
+def reference(svc, prompts, max_tokens=MAX_TOKENS):
+    r = subprocess.run([exe("tests/integration/svc_client"), "--reference", svc.model,
+                        "-p", prompts, "-n", str(max_tokens)],
+                       capture_output=True, text=True, check=True)
+    return parse_outputs(r.stdout)
+
+
+def finish(p):
+    out, err = p.communicate(timeout=WAIT_S * 5)
+    if p.returncode != 0:
+        log("svc_client exit %d: %s" % (p.returncode, err[-2000:]))
+    return parse_outputs(out), p.returncode, err
+
+
+def compare(got, ref, what):
+    check(len(got) == len(ref), "%s: %d outputs for %d prompts" % (what, len(got), len(ref)))
+    bad = []
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if g[0] != "done" or g[2] != r[2] or g[1] != r[1]:
+            bad.append("#%d got %s %s %s\n    want %s" % (i, g[0], g[1], g[2], r[2]))
+    check(not bad, "%s: %d of %d streams differ from the single-process forward:\n%s" %
+          (what, len(bad), len(got), "\n".join(bad[:4])))
+    log("%s: %d streams identical to the single-process forward" % (what, len(got)))
+
+
+def wait_progress(path, pred, what):
+    """Wait until the svc_client progress file satisfies pred(counts)."""
+    def ok():
+        counts = {}
+        try:
+            with open(path) as f:
+                for line in f:
+                    i, n = line.split()
+                    counts[int(i)] = int(n)
+        except FileNotFoundError:
+            return False
+        return pred(counts)
+    wait_for(ok, what, step=0.01)
+
+
+# --- scenarios -----------------------------------------------------------------
+
+
+def sc_greedy16():
+    svc = Service(n_prefill=2, n_decode=2)
+    try:
+        prompts = os.path.join(svc.dir, "p16.txt")
+        make_prompts(prompts, 16, seed=16)
+        ref = reference(svc, prompts)
+        got, rc, _ = finish(svc.client(prompts))
+        check(rc == 0, "svc_client failed")
+        compare(got, ref, "16 concurrent greedy streams")
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
+def sc_batch64():
+    svc = Service(n_prefill=1, n_decode=1)
+    try:
+        prompts = os.path.join(svc.dir, "p64.txt")
+        make_prompts(prompts, 64, seed=64, lo=3, hi=20)
+        ref = reference(svc, prompts)
+        seen = {"max_decoding": 0, "max_active": 0, "polls": 0}
+        stop = threading.Event()
+        err = []
+
+        def poll():
+            adm = Admin(svc.admin_ep)
+            try:
+                while not stop.is_set():
+                    reqs = adm.requests()
+                    n = sum(1 for r in reqs if r["state"] in ("decoding", "handoff"))
+                    act = max([r["active"] for r in adm.ranks() if r["role"] == "decode"] or [0])
+                    seen["max_decoding"] = max(seen["max_decoding"], n)
+                    seen["max_active"] = max(seen["max_active"], act)
+                    seen["polls"] += 1
+            except Exception as e:  # reported below
+                err.append(e)
+            finally:
+                adm.close()
+        t = threading.Thread(target=poll)
+        t.start()
+        got, rc, _ = finish(svc.client(prompts))
+        stop.set()
+        t.join()
+        check(not err, "admin polling failed: %s" % err)
+        check(rc == 0, "svc_client failed")
+        compare(got, ref, "64 submitted at once")
+        log("max decoding at once: %d (scheduler), %d (rank active), %d polls" %
+            (seen["max_decoding"], seen["max_active"], seen["polls"]))
+        check(seen["max_decoding"] <= 16, "%d requests decoding at once" % seen["max_decoding"])
+        check(seen["max_active"] <= 16, "decode rank held %d streams" % seen["max_active"])
+        check(seen["max_decoding"] >= 1, "never saw a request decoding")
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
+def kill_during_streams(victim):
+    svc = Service(n_prefill=1, n_decode=1)
+    try:
+        prompts = os.path.join(svc.dir, "pk.txt")
+        make_prompts(prompts, 16, seed=7)
+        ref = reference(svc, prompts, 32)
+        progress = os.path.join(svc.dir, "progress")
+        p = svc.client(prompts, 32, progress=progress)
+        if victim == "prefill@0":
+            # Mid-stream and mid-prefill: some stream has tokens and some
+            # request is still being prefilled.
+            def mid():
+                reqs = svc.admin.requests()
+                return (any(r["state"] == "prefilling" for r in reqs) and
+                        any(r["completion_tokens"] > 0 for r in reqs))
+            wait_for(mid, "a request prefilling while others stream", step=0.01)
+        else:
+            wait_progress(progress, lambda c: any(n >= 4 for n in c.values()),
+                          "streams under way")
+        old = svc.kill9(victim)
+        got, rc, err = finish(p)
+        wait_for(lambda: svc.pid(victim) not in (None, old) and
+                 svc.count(victim, "READY=1") >= 2, victim + " restarted")
+        log("%s restarted as pid %d" % (victim, svc.pid(victim)))
+        if victim == "sched":
+            # Each request completed identically or got a clear error.
+            n_err = n_ok = 0
+            for i, (g, r) in enumerate(zip(got, ref)):
+                if g[0] == "done":
+                    check(g[2] == r[2], "#%d completed with different tokens" % i)
+                    n_ok += 1
+                else:
+                    check(g[0] == "error" and int(g[1]) >= 400,
+                          "#%d neither completed nor failed: %s" % (i, g[:2]))
+                    check(g[2] == r[2][:len(g[2])], "#%d partial output not a prefix" % i)
+                    n_err += 1
+            check(n_err > 0, "no request noticed the scheduler death")
+            log("scheduler death: %d completed identically, %d got an error" % (n_ok, n_err))
+            svc.wait_ranks(2)
+            got2, rc2, _ = finish(svc.client(prompts, 32))
+            check(rc2 == 0, "svc_client after the scheduler restart failed")
+            compare(got2, ref, "16 streams after the scheduler restart")
+        else:
+            check(rc == 0, "svc_client failed: " + err[-500:])
+            compare(got, ref, "16 streams across a kill -9 of " + victim)
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
+def sc_kill_decode():
+    kill_during_streams("decode@0")
+
+
+def sc_kill_prefill():
+    kill_during_streams("prefill@0")
+
+
+def sc_kill_sched():
+    kill_during_streams("sched")
+
+
+def sc_cancel1000():
+    svc = Service(n_prefill=1, n_decode=1)
+    try:
+        prompts = os.path.join(svc.dir, "pc.txt")
+        make_prompts(prompts, 10, seed=1000, lo=3, hi=12)
+        ref = reference(svc, prompts, 16)
+        got, rc, err = finish(svc.client(prompts, 16, extra=["-r", "100", "-w", "64",
+                                                            "--cancel", "4242"]))
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        check(len(got) == 1000, "%d results" % len(got))
+        n_cancelled = 0
+        for i, g in enumerate(got):
+            r = ref[i % 10]
+            check(g[0] == "done", "#%d ended with %s %s" % (i, g[0], g[1]))
+            check(g[2] == r[2][:len(g[2])], "#%d output is not a prefix of the reference" % i)
+            if g[1] == "cancelled":
+                n_cancelled += 1
+            else:
+                check(g[2] == r[2], "#%d finished (%s) with a short output" % (i, g[1]))
+        log("1000 requests: %d cancelled, %d finished" % (n_cancelled, 1000 - n_cancelled))
+        check(n_cancelled > 0, "no request was cancelled")
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
+def sc_drain():
+    svc = Service(n_prefill=1, n_decode=2)
+    try:
+        prompts = os.path.join(svc.dir, "pd.txt")
+        make_prompts(prompts, 16, seed=99)
+        ref = reference(svc, prompts, 32)
+        p1 = svc.client(prompts, 32)
+
+        def d0():
+            return [r for r in svc.admin.ranks() if r["role"] == "decode" and r["index"] == 0][0]
+        wait_for(lambda: d0()["active"] > 0, "decode@0 streaming", step=0.01)
+        result = {}
+
+        def do_drain():
+            adm = Admin(svc.admin_ep)
+            try:
+                result["r"] = adm.drain("decode@0")
+                result["after"] = [r for r in adm.ranks()
+                                   if r["role"] == "decode" and r["index"] == 0][0]
+            finally:
+                adm.close()
+        t = threading.Thread(target=do_drain)
+        t.start()
+        wait_for(lambda: d0()["state"] in ("draining", "drained"), "decode@0 draining")
+        # New work while draining: must not land on decode@0.
+        p2 = svc.client(prompts, 32)
+        actives = []
+        while t.is_alive():
+            actives.append(d0()["active"])
+            time.sleep(0.02)
+        t.join()
+        check(result["r"]["code"] == 200, "drain answered %s" % result["r"])
+        check(result["after"]["active"] == 0 and result["after"]["state"] == "drained",
+              "after drain returned decode@0 is %s" % result["after"])
+        check(all(a >= b for a, b in zip(actives, actives[1:])),
+              "decode@0 took new streams while draining: %s" % actives)
+        log("decode@0 active while draining: %s" % sorted(set(actives), reverse=True))
+        got1, rc1, _ = finish(p1)
+        got2, rc2, _ = finish(p2)
+        check(rc1 == 0 and rc2 == 0, "svc_client failed")
+        compare(got1, ref, "streams running when the drain started")
+        compare(got2, ref, "streams submitted during the drain")
+        check(d0()["active"] == 0, "decode@0 got work after its drain")
+        check(svc.admin.undrain("decode@0")["code"] == 200, "undrain failed")
+        wait_for(lambda: d0()["state"] == "ready", "decode@0 ready again")
+        # Global drain: admits nothing (301), undrain restores.
+        check(svc.admin.drain("all", 60000)["code"] == 200, "drain all failed")
+        one = os.path.join(svc.dir, "one.txt")
+        make_prompts(one, 1, seed=1)
+        got3, _, _ = finish(svc.client(one, 4))
+        check(got3[0][0] == "error" and got3[0][1] == "301",
+              "request during global drain: %s" % (got3[0][:2],))
+        check(svc.admin.undrain("all")["code"] == 200, "undrain all failed")
+        got4, rc4, _ = finish(svc.client(one, 4))
+        check(rc4 == 0 and got4[0][0] == "done", "request after undrain: %s" % (got4[0][:2],))
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
+def sc_socket_activate():
+    sa = shutil.which("systemd-socket-activate")
+    check(sa is not None, "systemd-socket-activate not installed (tools/setup.sh)")
+    d = tempfile.mkdtemp(prefix="dsv4-sa-")
+    try:
+        client, ctl = os.path.join(d, "client.sock"), os.path.join(d, "ctl.sock")
+        conf = os.path.join(d, "dsv4.conf")
+        with open(conf, "w") as f:
+            f.write("client_endpoint = ipc://%s\nadmin_endpoint = ipc://%s\n"
+                    "rank_endpoint = ipc://%s/rank.sock\n" % (client, ctl, d))
+        npath = os.path.join(d, "notify.sock")
+        ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        ns.bind(npath)
+        err = open(os.path.join(d, "err"), "w")
+        p = subprocess.Popen([sa, "-l", client, "-l", ctl, "--fdname=client:admin",
+                              "-E", "NOTIFY_SOCKET=" + npath, "-E", "WATCHDOG_USEC=1000000",
+                              exe("daemons/sched/dsv4-sched"), "-f", conf],
+                             stderr=err)
+        wait_for(lambda: os.path.exists(client) and os.path.exists(ctl), "listeners")
+        # The first connection activates the scheduler.
+        ctx = zmq.Context.instance()
+        c = ctx.socket(zmq.DEALER)
+        c.setsockopt(zmq.LINGER, 0)
+        c.connect("ipc://" + client)
+        c.send_multipart([b"", b"DSV4C1", bytes([7]), msgpack.packb({})])
+        check(c.poll(WAIT_S * 1000), "no HEARTBEAT answer on the passed client socket")
+        fr = c.recv_multipart()
+        check(fr[1] == b"DSV4C1" and fr[2][0] == 7, "bad heartbeat reply %s" % fr[:3])
+        msgs = []
+        ns.settimeout(WAIT_S)
+        while "WATCHDOG=1" not in msgs:
+            msgs += ns.recv(4096).decode().split("\n")
+        st = Admin("ipc://" + ctl).status()
+        check("version" in st, "admin STATUS over the passed admin socket: %s" % st)
+        # The served listeners are the passed ones: the scheduler's fds 3 and
+        # 4 are the only listening sockets bound to those paths.
+        inodes = unix_listeners()
+        for fd, path in ((3, client), (4, ctl)):
+            link = os.readlink("/proc/%d/fd/%d" % (p.pid, fd))
+            ino = int(re.match(r"socket:\[(\d+)\]", link).group(1))
+            check(inodes.get(path) == [ino],
+                  "%s: listening sockets %s, scheduler fd %d is %d" %
+                  (path, inodes.get(path), fd, ino))
+        c.close()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(WAIT_S)
+        ns.settimeout(2)
+        try:
+            while True:
+                msgs += ns.recv(4096).decode().split("\n")
+        except socket.timeout:
+            pass
+        seq = [m.split("=")[0] for m in msgs if m]
+        log("notify sequence: %s" % " ".join(dict.fromkeys(seq)))
+        check(rc == 0, "dsv4-sched exit %d after SIGTERM" % rc)
+        i_ready = seq.index("READY")
+        check(seq.count("READY") == 1, "READY=1 sent %d times" % seq.count("READY"))
+        check("STATUS" in seq[:i_ready], "no STATUS= before READY=1")
+        check("WATCHDOG" in seq[i_ready:], "no WATCHDOG=1 after READY=1")
+        check(seq[-1] == "STOPPING" or (seq[-1] == "STATUS" and "STOPPING" in seq),
+              "STOPPING=1 not at the end: %s" % seq[-4:])
+        check("WATCHDOG" not in seq[:i_ready], "WATCHDOG=1 before READY=1")
+        ns.close()
+        err.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def unix_listeners():
+    """path -> [inode] of listening unix sockets (/proc/net/unix)."""
+    res = {}
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            f_ = line.split()
+            if len(f_) >= 8 and f_[5] == "01" and int(f_[3], 16) & 0x10000:
+                res.setdefault(f_[7], []).append(int(f_[6]))
+    return res
+
+
+def sc_launch():
+    d = tempfile.mkdtemp(prefix="dsv4-launch-")
+    fake = os.path.join(ARGS.src, "tests/integration/fake_daemon.py")
+    try:
+        def run(extra_env=None, args=(), wait=True, nlog=None):
+            env = dict(os.environ, FAKE_REPORT=os.path.join(d, "rep"))
+            env.pop("NOTIFY_SOCKET", None)
+            env.update(extra_env or {})
+            cmd = [exe("tools/launch/dsv4-launch"),
+                   "-o", "client_endpoint=ipc://%s/c.sock" % d,
+                   "-o", "admin_endpoint=ipc://%s/a.sock" % d,
+                   "--sched-bin", fake, "--prefill-bin", fake, "--decode-bin", fake,
+                   "-r", "50", "-t", "10", "--notify-log", nlog or os.path.join(d, "n")] + list(args)
+            return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+
+        def reports():
+            with open(os.path.join(d, "rep")) as f:
+                return [json.loads(line) for line in f]
+
+        # 1. Listeners, ordering, command exit status, clean stop.
+        p = run(args=["-D", "2", "-w", "5", "--", "sh", "-c",
+                      'test "$DSV4_ENDPOINT" = "ipc://%s/c.sock" && exit 7' % d])
+        check(p.wait(WAIT_S) == 7, "command exit status not passed through")
+        reps = reports()
+        check(len(reps) == 4, "%d daemons started, want 4" % len(reps))
+        s = reps[0]
+        check([x["name"] for x in s["fds"]] == ["client", "admin"], "fd names %s" % s["fds"])
+        check(s["fds"][0]["addr"] == d + "/c.sock" and s["fds"][1]["addr"] == d + "/a.sock",
+              "listener addresses %s" % s["fds"])
+        check(all(x["listening"] for x in s["fds"]), "passed sockets not listening")
+        check(all(r["watchdog_usec"] == "5000000" and r["watchdog_pid_ok"] for r in reps),
+              "watchdog environment")
+        check(all(not r["fds"] for r in reps[1:]), "ranks got listeners")
+        check(sorted(r["argv"][r["argv"].index("--rank") + 1] for r in reps[1:]) ==
+              ["0", "0", "1"], "rank indices")
+        nl = readf(os.path.join(d, "n"))
+        check(nl.index("sched NOTIFY READY=1") < nl.index("decode@0 START"),
+              "ranks started before the scheduler was ready")
+        check(not os.path.exists(d + "/c.sock"), "listener left behind")
+        log("launch: listeners, notify ordering, command status: ok")
+
+        # 2. kill -9 -> restart; exit 0 -> no restart; SIGTERM -> stop all.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n2")
+        p = run(args=["-P", "0", "-D", "1", "-w", "0"], nlog=nlog)
+        wait_for(lambda: len(reports_safe(d)) == 2, "set up")
+        dec = reports_safe(d)[1]["pid"]
+        os.kill(dec, signal.SIGKILL)
+        wait_for(lambda: len(reports_safe(d)) == 3, "decode@0 restarted after kill -9")
+        check("--rank" in reports_safe(d)[2]["argv"], "restarted the wrong process")
+        os.kill(reports_safe(d)[2]["pid"], signal.SIGTERM)   # clean exit: stays down
+        wait_for(lambda: "decode@0 EXIT exit=0" in readf(nlog), "clean exit")
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(WAIT_S) == 0, "launcher exit status after SIGTERM")
+        check(len(reports_safe(d)) == 3, "restarted after a clean exit")
+        log("launch: restart on kill -9, not on exit 0, stop on SIGTERM: ok")
+
+        # 3. Watchdog: a daemon that never pings is killed (SIGABRT) and restarted.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n3")
+        p = run({"FAKE_NO_WATCHDOG": "1"}, args=["-P", "0", "-D", "0", "-w", "1"], nlog=nlog)
+        wait_for(lambda: "sched EXIT signal=6" in readf(nlog), "watchdog kill")
+        wait_for(lambda: len(reports_safe(d)) >= 2, "restart after watchdog")
+        p.send_signal(signal.SIGTERM)
+        p.wait(WAIT_S)
+        log("launch: watchdog: ok")
+
+        # 4. Start limit: a daemon failing at once is given up after 5 starts.
+        os.unlink(os.path.join(d, "rep"))
+        p = run({"FAKE_EXIT_AFTER_S": "0.01", "FAKE_EXIT": "3"},
+                args=["-P", "0", "-D", "0", "-w", "0"], nlog=os.path.join(d, "n4"))
+        check(p.wait(WAIT_S) == 1, "launcher did not give up on a crash loop")
+        check(len(reports_safe(d)) == 5, "%d starts before giving up" % len(reports_safe(d)))
+        log("launch: start limit: ok")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def readf(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def reports_safe(d):
+    try:
+        with open(os.path.join(d, "rep")) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+SCENARIOS = {
+    "launch": sc_launch,
+    "greedy16": sc_greedy16,
+    "batch64": sc_batch64,
+    "socket_activate": sc_socket_activate,
+    "kill_decode": sc_kill_decode,
+    "kill_prefill": sc_kill_prefill,
+    "kill_sched": sc_kill_sched,
+    "cancel1000": sc_cancel1000,
+    "drain": sc_drain,
+}
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--src", default=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    ARGS = ap.parse_args()
+    t0 = time.monotonic()
+    try:
+        SCENARIOS[ARGS.scenario]()
+    except Fail as e:
+        log("FAIL %s: %s" % (ARGS.scenario, e))
+        return 1
+    log("PASS %s (%.1f s)" % (ARGS.scenario, time.monotonic() - t0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
