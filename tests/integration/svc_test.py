@@ -30,7 +30,8 @@ Scenarios:
 
 Leaked state is checked through the admin socket (SHOW_REQUESTS empty,
 every rank's `active` 0, STATUS n_queued/n_running 0), with dsv4ctl --json
-when it is built, and in /dev/shm (no decode-state export left).
+(both the scheduler's books and each rank's own count), with dsv4ctl
+--json when it is built, and in /dev/shm (no decode-state export left).
 
 The client side is tests/integration/svc_client (libdsv4client); the admin
 side speaks docs/protocol.md §7 with pyzmq + msgpack (installed with pip
@@ -284,7 +285,7 @@ prefill_chunk = 16
             st = self.admin.status()
             reqs = self.admin.requests()
             ranks = self.admin.ranks()
-            busy = [r for r in ranks if r["active"] != 0]
+            busy = [r for r in ranks if r["active"] != 0 or r.get("rank_active", 0) != 0]
             shm = shm_exports()
             self.last = (st, reqs, ranks, shm)
             return (not reqs and not busy and st["n_queued"] == 0 and
@@ -298,7 +299,7 @@ prefill_chunk = 16
         ctl = os.path.join(ARGS.build, "tools/dsv4ctl/dsv4ctl")
         if os.access(ctl, os.X_OK):
             for what in ("requests", "ranks", "status"):
-                r = subprocess.run([ctl, "-e", self.admin_ep, "--json", what],
+                r = subprocess.run([ctl, "--admin", self.admin_ep, "--json", what],
                                    capture_output=True, text=True, timeout=30)
                 check(r.returncode == 0, "dsv4ctl %s: %s" % (what, r.stderr))
                 check_ctl_json(what, r.stdout)
@@ -330,7 +331,8 @@ def check_ctl_json(what, text):
         check(len(items) == 0, "dsv4ctl requests shows %s" % items[:3])
     elif what == "ranks":
         items = doc if isinstance(doc, list) else doc.get("ranks", [])
-        check(all(r.get("active", 0) == 0 for r in items), "dsv4ctl ranks: %s" % items)
+        check(all(r.get("active", 0) == 0 and r.get("rank_active", 0) == 0 for r in items),
+              "dsv4ctl ranks: %s" % items)
     else:
         check(doc.get("n_running", 0) == 0 and doc.get("n_queued", 0) == 0,
               "dsv4ctl status: %s" % doc)

@@ -15,7 +15,7 @@ for exe in "$@"; do
 done
 for f in "$src"/*.in; do
     out="$tmp/units/$(basename "$f" .in)"
-    sed -e "s|@bindir@|$tmp/bin|g" -e "s|@docdir@|/usr/share/doc/dsv4|g" "$f" > "$out"
+    sed -e "s|@bindir@|$tmp/bin|g" -e "s|@sbindir@|$tmp/bin|g" -e "s|@docdir@|/usr/share/doc/dsv4|g" "$f" > "$out"
     if grep -q '@[a-z]*@' "$out"; then
         echo "unsubstituted variable in $out"; exit 1
     fi
