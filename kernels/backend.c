@@ -1,8 +1,9 @@
 /*
  * backend.c — backend selection by name (kernels/backend.h).
  *
- * "cpu" is always available.  "cuda" is answered with DSV4_ERR_NOTSUP until
- * the CUDA backend registers its constructor here.
+ * "cpu" is always available.  "cuda" runs dsv4_cuda_backend_create on the
+ * current device in builds with CUDA (DSV4_HAVE_CUDA, set by
+ * kernels/meson.build) and is answered with DSV4_ERR_NOTSUP otherwise.
  */
 #include "kernels/backend.h"
 
@@ -17,9 +18,14 @@ dsv4_backend_create(struct dsv4_backend **out, const char *name, enum dsv4_numer
         return dsv4_err_set(DSV4_ERR_INVAL, "backend: no name given");
     if (strcmp(name, "cpu") == 0)
         return dsv4_cpu_backend_create(out, numerics, n_threads);
-    if (strcmp(name, "cuda") == 0)
+    if (strcmp(name, "cuda") == 0) {
+#ifdef DSV4_HAVE_CUDA
+        return dsv4_cuda_backend_create(out, numerics, -1);
+#else
         return dsv4_err_set(DSV4_ERR_NOTSUP, "backend: the CUDA backend is not available "
                             "in this build");
+#endif
+    }
     return dsv4_err_set(DSV4_ERR_INVAL, "backend: unknown backend \"%s\" (expected cpu or "
                         "cuda)", name);
 }

@@ -1,0 +1,441 @@
+/*
+ * cuda.cuh — private header of the CUDA backend: its state, error checks,
+ * the device-side number formats and the 8-lane dot product that reproduce
+ * the CPU reference bit for bit, and the ops of each file (table of contents).
+ *
+ * Numerics.  The CPU backend (kernels/cpu) is the oracle.  Every kernel here
+ * performs the same fp32 operations in the same order:
+ *   - the whole backend is compiled with --fmad=false, so a*b+c is a rounded
+ *     product then a rounded sum, as in the CPU build (no contraction);
+ *   - the canonical dot product (cpu_dot: 8 interleaved lane sums, then the
+ *     lanes added pairwise l+4, +2, +1) is computed by an aligned group of 8
+ *     threads: thread l of the group sums the elements i with i % 8 == l in
+ *     order, and three xor-shuffles add the lanes in the same tree
+ *     (addition is commutative, so every thread of the group ends with the
+ *     same bits);
+ *   - expf/log1pf are evaluated in double and rounded to float (the correctly
+ *     rounded value but for double-rounding accidents), which agrees with
+ *     glibc's expf except in rare last-bit cases; cos/sin are computed in
+ *     double as the CPU does; sqrtf and fp32 division are IEEE on both sides.
+ * So most ops agree exactly with the CPU backend; the exceptions differ by
+ * an ulp of an exp and are bounded in tests/gpu/test_ops_gpu.c.
+ *
+ * Memory: backend memory is device memory (cudaMalloc, zero-filled).  Ops
+ * that need temporary space take it from one scratch buffer owned by the
+ * backend, grown on demand (growing synchronises the stream).  All work runs
+ * on the backend's stream; ops never synchronise except where noted (the
+ * moe op on an expert array that dsv4_cuda_weights_upload did not register).
+ */
+#ifndef DSV4_KERNELS_CUDA_CUDA_CUH
+#define DSV4_KERNELS_CUDA_CUDA_CUH
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+#include "kernels/backend.h"
+
+/* --- state --------------------------------------------------------------- */
+
+/* A device copy of an expert array, registered by dsv4_cuda_weights_upload. */
+struct cuda_expert_table {
+    const struct dsv4_expert_w *host;   /* key: the host array */
+    struct dsv4_expert_w *dev;          /* (n) device copy of the structs */
+    int n;
+};
+
+/* Backend state (be->priv). */
+struct cuda_state {
+    int device;
+    cudaStream_t stream;
+    void *scratch;                      /* device scratch, grown on demand */
+    size_t scratch_bytes;
+    struct cuda_expert_table *tables;   /* registered expert arrays */
+    int n_tables, cap_tables;
+};
+
+static inline struct cuda_state *
+cuda_st(struct dsv4_backend *be)
+{
+    return (struct cuda_state *)be->priv;
+}
+
+static inline cudaStream_t
+cuda_stream(struct dsv4_backend *be)
+{
+    return cuda_st(be)->stream;
+}
+
+/* Map a CUDA error to DSV4_ERR_CUDA with the call site in the message. */
+enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int line);
+
+/* Return from the enclosing function on a failed CUDA call. */
+#define CUDA_TRY(call)                                                      \
+    do {                                                                    \
+        cudaError_t rc_ = (call);                                           \
+        if (rc_ != cudaSuccess)                                             \
+            return cuda_err(rc_, #call, __FILE__, __LINE__);                \
+    } while (0)
+
+/* After a launch: the launch error, if any. */
+#define CUDA_LAUNCHED(name) CUDA_TRY(cudaGetLastError())
+
+/* Device scratch of at least `bytes` (valid until the next cuda_scratch
+ * call); NULL when it cannot be allocated. */
+void *cuda_scratch(struct dsv4_backend *be, size_t bytes);
+
+/* Bytes rounded up to 256 (carving several arrays out of one scratch). */
+static inline size_t
+cuda_align(size_t bytes)
+{
+    return (bytes + 255) / 256 * 256;
+}
+
+/* The registered device copy of the expert array `host`, or NULL. */
+const struct cuda_expert_table *cuda_experts_find(struct dsv4_backend *be,
+                                                  const struct dsv4_expert_w *host);
+/* Register (or replace) the device copy of `host` (n experts). */
+enum dsv4_err cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *host,
+                                    struct dsv4_expert_w *dev, int n);
+/* Forget the registration of `host` (does not free dev). */
+void cuda_experts_unregister(struct dsv4_backend *be, const struct dsv4_expert_w *host);
+
+/* Blocks for n items at `per` items per block. */
+static inline unsigned
+cuda_blocks(int64_t n, int64_t per)
+{
+    int64_t b = (n + per - 1) / per;
+
+    return (unsigned)(b < 1 ? 1 : (b > 0x7fffffff ? 0x7fffffff : b));
+}
+
+/* --- device number formats (common/formats.h, bit for bit) ---------------- */
+
+static __device__ __forceinline__ float
+cu_bf16_to_f32(uint16_t h)
+{
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+/* Round-to-nearest-even to bf16, NaN stays (quiet) NaN. */
+static __device__ __forceinline__ float
+cu_bf16_round(float f)
+{
+    uint32_t u = __float_as_uint(f);
+
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return __uint_as_float(((u >> 16) | 0x40u) << 16);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xffff0000u);
+}
+
+/* E4M3 code -> value (NaN for S.1111.111). */
+static __device__ __forceinline__ float
+cu_fp8_to_f32(uint8_t v)
+{
+    int e = (v >> 3) & 15, m = v & 7;
+    float a;
+
+    if (e == 15 && m == 7)
+        return __int_as_float(0x7fc00000);
+    a = e == 0 ? (float)m * (1.0f / 512.0f) : ldexpf(1.0f + (float)m * 0.125f, e - 7);
+    return (v & 0x80) ? -a : a;
+}
+
+/* E8M0 -> 2^(e-127), NaN for 0xff. */
+static __device__ __forceinline__ float
+cu_e8m0_to_f32(uint8_t e)
+{
+    if (e == 0xff)
+        return __int_as_float(0x7fc00000);
+    if (e == 0)
+        return __uint_as_float(0x00400000u);   /* 2^-127, subnormal */
+    return __uint_as_float((uint32_t)e << 23);
+}
+
+/* E2M1 code (4 bits) -> value. */
+static __device__ __forceinline__ float
+cu_fp4_to_f32(unsigned c)
+{
+    unsigned e = (c >> 1) & 3, m = c & 1;
+    float a = e == 0 ? 0.5f * (float)m : (1.0f + 0.5f * (float)m) * (float)(1u << (e - 1));
+
+    return (c & 8) ? -a : a;
+}
+
+/* dsv4_f32_to_fp8: RNE, saturating to +-448, NaN -> 0x7f. */
+static __device__ __forceinline__ uint8_t
+cu_f32_to_fp8(float f)
+{
+    uint8_t sign;
+    float a;
+    int e, q;
+
+    if (isnan(f))
+        return 0x7f;
+    sign = signbit(f) ? 0x80 : 0x00;
+    a = fabsf(f);
+    if (a >= 448.0f)
+        return sign | 0x7e;
+    if (a < 0x1p-6f) {
+        q = (int)rintf(a * 512.0f);
+        return sign | (uint8_t)q;
+    }
+    (void)frexpf(a, &e);
+    q = (int)rintf(ldexpf(a, 3 - (e - 1)));
+    return sign | (uint8_t)((e - 1 + 7) * 8 + q - 8);
+}
+
+/* dsv4_f32_to_fp4: nearest E2M1 code, ties to the even code, clamps to 6. */
+static __device__ __forceinline__ unsigned
+cu_f32_to_fp4(float f)
+{
+    unsigned sign, c;
+    float a;
+
+    if (isnan(f))
+        return 0;
+    sign = signbit(f) ? 8u : 0u;
+    a = fabsf(f);
+    if (a <= 0.25f)
+        c = 0;
+    else if (a < 0.75f)
+        c = 1;
+    else if (a <= 1.25f)
+        c = 2;
+    else if (a < 1.75f)
+        c = 3;
+    else if (a <= 2.5f)
+        c = 4;
+    else if (a < 3.5f)
+        c = 5;
+    else if (a <= 5.0f)
+        c = 6;
+    else
+        c = 7;
+    return sign | c;
+}
+
+/* dsv4_pow2_scale: 2^ceil(log2(amax / qmax)). */
+static __device__ __forceinline__ float
+cu_pow2_scale(float amax, float qmax)
+{
+    float r = amax / qmax, m;
+    int e;
+
+    if (!(r > 0.0f) || isinf(r))
+        return r;
+    m = frexpf(r, &e);
+    return ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+static __device__ __forceinline__ float
+cu_clampf(float v, float lim)
+{
+    return v > lim ? lim : (v < -lim ? -lim : v);
+}
+
+/* expf / log1pf through double (see the file comment). */
+static __device__ __forceinline__ float
+cu_expf(float x)
+{
+    return (float)exp((double)x);
+}
+
+static __device__ __forceinline__ float
+cu_log1pf(float x)
+{
+    return (float)log1p((double)x);
+}
+
+/* --- the canonical dot product on 8 lanes ---------------------------------- */
+
+/* Add the partial sums of an aligned 8-thread group in cpu_dot's pairwise
+ * order; every thread of the warp must call it. */
+static __device__ __forceinline__ float
+cu_lanes8_sum(float v)
+{
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v;
+}
+
+/* cpu_dot(a, b, n) on the 8-thread group of lane l8 (0..7). */
+static __device__ __forceinline__ float
+cu_dot8(const float *a, const float *b, int n, int l8)
+{
+    float acc = 0.0f;
+
+    for (int i = l8; i < n; i += 8)
+        acc += a[i] * b[i];
+    return cu_lanes8_sum(acc);
+}
+
+/* Real value (code times scale, exact) of weight element (n, k) of W. */
+static __device__ __forceinline__ float
+cu_weight(const struct dsv4_linear &W, int64_t n, int k)
+{
+    int K = W.n_in;
+
+    switch (W.fmt) {
+    case DSV4_WFMT_FP8: {
+        int ns = (K + 127) / 128;
+        uint8_t c = ((const uint8_t *)W.w)[n * K + k];
+
+        return cu_fp8_to_f32(c) * cu_e8m0_to_f32(W.scale[(n / 128) * ns + k / 128]);
+    }
+    case DSV4_WFMT_FP4: {
+        uint8_t b = ((const uint8_t *)W.w)[n * (K / 2) + k / 2];
+
+        return cu_fp4_to_f32((k & 1) ? (b >> 4) : (b & 0x0f)) *
+               cu_e8m0_to_f32(W.scale[n * (K / 32) + k / 32]);
+    }
+    default:
+        return cu_bf16_to_f32(((const uint16_t *)W.w)[n * K + k]);
+    }
+}
+
+/*
+ * Output n of a linear for one activation row, on the 8-thread group of lane
+ * l8 (cpu_lin_rows): with scales sx (REF, FP8/FP4 weights; xr holds the FP8
+ * values) the sum runs per 128 columns and each block's dot is multiplied by
+ * its scale before it is added; otherwise one dot over the whole row.
+ * round_x: x is rounded to bf16 first (linear_grouped).
+ */
+static __device__ __forceinline__ float
+cu_lin_dot(const struct dsv4_linear &W, int64_t n, const float *xr, const float *sx, int l8,
+           int round_x)
+{
+    int K = W.n_in;
+
+    if (sx != NULL) {
+        float acc = 0.0f;
+
+        for (int b = 0; b < K / 128; b++) {
+            float v = 0.0f;
+
+            for (int i = b * 128 + l8; i < b * 128 + 128; i += 8)
+                v += xr[i] * cu_weight(W, n, i);
+            acc += sx[b] * cu_lanes8_sum(v);
+        }
+        return acc;
+    } else {
+        float v = 0.0f;
+
+        for (int i = l8; i < K; i += 8) {
+            float xv = round_x ? cu_bf16_round(xr[i]) : xr[i];
+
+            v += xv * cu_weight(W, n, i);
+        }
+        return cu_lanes8_sum(v);
+    }
+}
+
+/* --- linear helpers (cuda_linear.cu) --------------------------------------- */
+
+/*
+ * FP8 activation quantization (dsv4_fp8_quant_block per 128 columns) of x
+ * (rows, K) with row stride `stride` into xq (rows, K) FP8 values and sx
+ * (rows, K/128) scales.  K % 128 == 0.
+ */
+enum dsv4_err cuda_quant_rows(struct dsv4_backend *be, float *xq, float *sx, const float *x,
+                              int64_t stride, int rows, int K);
+
+/* Whether linear with weight format fmt quantizes its input (REF, FP8/FP4). */
+static inline int
+cuda_lin_quantizes(const struct dsv4_backend *be, enum dsv4_wfmt fmt)
+{
+    return be->numerics == DSV4_NUMERICS_REF && fmt != DSV4_WFMT_BF16;
+}
+
+/* --- ops, by file ------------------------------------------------------------ */
+/* Each implements the kernels/backend.h op of the same name. */
+
+/* cuda_linear.cu */
+enum dsv4_err cuda_linear(struct dsv4_backend *be, float *out, const float *x,
+                          const struct dsv4_linear *W, int T, unsigned flags);
+enum dsv4_err cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
+                                  const struct dsv4_linear *Wa, int T, int G);
+
+/* cuda_norm.cu */
+enum dsv4_err cuda_rms_norm(struct dsv4_backend *be, float *out, const float *x,
+                            const uint16_t *w, int rows, int D, float eps);
+enum dsv4_err cuda_rope(struct dsv4_backend *be, float *x, const int32_t *pos, int T,
+                        int n_heads, int64_t row_stride, int64_t head_stride, int off, int rd,
+                        const float *freqs, int inverse);
+enum dsv4_err cuda_fp8_sim(struct dsv4_backend *be, float *x, int rows, int64_t stride,
+                           int n_cols, int block);
+enum dsv4_err cuda_hadamard_fp4(struct dsv4_backend *be, float *x, int rows);
+
+/* cuda_hc.cu */
+enum dsv4_err cuda_hc_pre(struct dsv4_backend *be, float *x_out, float *post, float *comb,
+                          const float *X, const struct dsv4_hc_w *hc, int T, int n, int D,
+                          int iters, float hc_eps, float norm_eps);
+enum dsv4_err cuda_hc_post(struct dsv4_backend *be, float *X_out, const float *f,
+                           const float *X, const float *post, const float *comb, int T, int n,
+                           int D);
+enum dsv4_err cuda_hc_head(struct dsv4_backend *be, float *x_out, const float *X,
+                           const struct dsv4_hc_w *hc, int T, int n, int D, float hc_eps,
+                           float norm_eps);
+
+/* cuda_attn.cu */
+enum dsv4_err cuda_compress(struct dsv4_backend *be, float *entries, float *state_kv,
+                            float *state_z, const float *a, const float *z, const float *ape,
+                            const int32_t *slot, const int32_t *pos, const int32_t *emit,
+                            int T, int r, int d);
+enum dsv4_err cuda_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q,
+                                const float *w, const float *keys, const int32_t *slot,
+                                const int32_t *pos, int T, int nh, int dI, int cap, int ratio,
+                                int K);
+enum dsv4_err cuda_attention(struct dsv4_backend *be, float *out, const float *q,
+                             const float *kv, const float *ring, const float *comp,
+                             const int32_t *sel, const float *sink, const int32_t *slot,
+                             const int32_t *pos, const int32_t *row0, const int32_t *pos0,
+                             int T, int H, int Dh, int win, int cap, int ratio, int K,
+                             float scale);
+
+/* cuda_moe.cu */
+enum dsv4_err cuda_router(struct dsv4_backend *be, float *weights, int32_t *ids,
+                          const float *x, const struct dsv4_linear *gate, const float *bias,
+                          const int64_t *tid2eid, const int32_t *tokens, int T, int k,
+                          float route_scale);
+enum dsv4_err cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
+                       const float *weights, const struct dsv4_expert_w *experts,
+                       const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit);
+
+/* cuda_sample.cu */
+enum dsv4_err cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
+                          const float *logits, const struct dsv4_sample_params *params, int n,
+                          int V);
+
+/* --- sorting (cuda_sample.cu) ------------------------------------------------- */
+
+/* Sort key of a score: ascending keys give (score desc, index asc); NaN
+ * ranks as -inf and -0 equals +0, as the CPU's comparisons do. */
+static __device__ __forceinline__ unsigned long long
+cu_rank_key(float s, int32_t idx)
+{
+    uint32_t u;
+
+    if (isnan(s))
+        s = -__int_as_float(0x7f800000);
+    if (s == 0.0f)
+        s = 0.0f;
+    u = __float_as_uint(s);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);   /* ascending order */
+    return ((unsigned long long)(~u) << 32) | (uint32_t)idx;
+}
+
+/* Device temporary bytes cuda_sort_segments needs for n_seg segments of
+ * seg_len keys (host-side query, no device work). */
+size_t cuda_sort_temp_bytes(int n_seg, int seg_len);
+
+/* Sort n_seg segments of seg_len 64-bit keys each, keys_in -> keys_out,
+ * ascending; temp: cuda_sort_temp_bytes(n_seg, seg_len) device bytes. */
+enum dsv4_err cuda_sort_segments(struct dsv4_backend *be, unsigned long long *keys_out,
+                                 const unsigned long long *keys_in, int n_seg, int seg_len,
+                                 void *temp);
+
+#endif

@@ -1,0 +1,374 @@
+/*
+ * cuda_backend.cu — the CUDA backend: its ops table, device memory, the
+ * scratch buffer, the expert-array registry, and the small layout ops (fill,
+ * scatter/gather, scale, add_streams, embed), which mirror cpu_backend.c.
+ *
+ * One backend owns one non-blocking stream on the current device; every copy
+ * and kernel is queued on it, and sync waits for it.  Upload and download
+ * use cudaMemcpyAsync from/to host memory as given (pageable memory makes the
+ * copy synchronous with respect to the host buffer, which is what callers
+ * that reuse their buffers right away need).
+ */
+#include "kernels/cuda/cuda.cuh"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+enum dsv4_err
+cuda_err(cudaError_t rc, const char *what, const char *file, int line)
+{
+    return dsv4_err_set(rc == cudaErrorMemoryAllocation ? DSV4_ERR_NOMEM : DSV4_ERR_CUDA,
+                        "cuda: %s: %s (%s:%d)", what, cudaGetErrorString(rc), file, line);
+}
+
+void *
+cuda_scratch(struct dsv4_backend *be, size_t bytes)
+{
+    struct cuda_state *st = cuda_st(be);
+    size_t want;
+
+    if (bytes <= st->scratch_bytes && st->scratch != NULL)
+        return st->scratch;
+    /* queued work may still use the old buffer */
+    if (cudaStreamSynchronize(st->stream) != cudaSuccess)
+        return NULL;
+    cudaFree(st->scratch);
+    st->scratch = NULL;
+    st->scratch_bytes = 0;
+    want = bytes + bytes / 2 + (1u << 20);
+    if (cudaMalloc(&st->scratch, want) != cudaSuccess) {
+        (void)cudaGetLastError();
+        st->scratch = NULL;
+        return NULL;
+    }
+    st->scratch_bytes = want;
+    return st->scratch;
+}
+
+/* --- expert registry ----------------------------------------------------------- */
+
+const struct cuda_expert_table *
+cuda_experts_find(struct dsv4_backend *be, const struct dsv4_expert_w *host)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    for (int i = 0; i < st->n_tables; i++)
+        if (st->tables[i].host == host)
+            return &st->tables[i];
+    return NULL;
+}
+
+enum dsv4_err
+cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *host,
+                      struct dsv4_expert_w *dev, int n)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    cuda_experts_unregister(be, host);
+    if (st->n_tables == st->cap_tables) {
+        int cap = st->cap_tables ? 2 * st->cap_tables : 16;
+        struct cuda_expert_table *t = (struct cuda_expert_table *)realloc(
+            st->tables, (size_t)cap * sizeof(*t));
+
+        if (t == NULL)
+            return dsv4_err_set(DSV4_ERR_NOMEM, "cuda: no memory for the expert registry");
+        st->tables = t;
+        st->cap_tables = cap;
+    }
+    st->tables[st->n_tables].host = host;
+    st->tables[st->n_tables].dev = dev;
+    st->tables[st->n_tables].n = n;
+    st->n_tables++;
+    return DSV4_OK;
+}
+
+void
+cuda_experts_unregister(struct dsv4_backend *be, const struct dsv4_expert_w *host)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    for (int i = 0; i < st->n_tables; i++) {
+        if (st->tables[i].host == host) {
+            st->tables[i] = st->tables[--st->n_tables];
+            return;
+        }
+    }
+}
+
+/* --- lifecycle and memory --------------------------------------------------------- */
+
+static void
+cuda_destroy(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    cudaStreamSynchronize(st->stream);
+    cudaFree(st->scratch);
+    cudaStreamDestroy(st->stream);
+    free(st->tables);
+    free(st);
+    free(be);
+}
+
+static void *
+cuda_alloc(struct dsv4_backend *be, size_t bytes)
+{
+    void *p = NULL;
+
+    if (bytes == 0)
+        bytes = 256;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    /* zero-filled, and visible to every later op on the stream */
+    if (cudaMemsetAsync(p, 0, bytes, cuda_stream(be)) != cudaSuccess) {
+        cudaFree(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void
+cuda_free(struct dsv4_backend *be, void *p)
+{
+    if (p == NULL)
+        return;
+    /* the stream may still use it */
+    cudaStreamSynchronize(cuda_stream(be));
+    cudaFree(p);
+}
+
+static enum dsv4_err
+cuda_upload(struct dsv4_backend *be, void *dst, const void *src, size_t n)
+{
+    if (n > 0)
+        CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, cuda_stream(be)));
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+cuda_download(struct dsv4_backend *be, void *dst, const void *src, size_t n)
+{
+    if (n > 0)
+        CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, cuda_stream(be)));
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+cuda_copy(struct dsv4_backend *be, void *dst, const void *src, size_t n)
+{
+    if (n > 0)
+        CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, cuda_stream(be)));
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+cuda_sync(struct dsv4_backend *be)
+{
+    CUDA_TRY(cudaStreamSynchronize(cuda_stream(be)));
+    return DSV4_OK;
+}
+
+/* --- elementwise / layout ----------------------------------------------------------- */
+
+#define EW_THREADS 256
+
+static __global__ void
+fill_kernel(float *x, float v, int64_t n)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = v;
+}
+
+static enum dsv4_err
+cuda_fill(struct dsv4_backend *be, float *x, float v, int64_t n)
+{
+    if (n <= 0)
+        return DSV4_OK;
+    fill_kernel<<<cuda_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_stream(be)>>>(x, v, n);
+    CUDA_LAUNCHED("fill");
+    return DSV4_OK;
+}
+
+/* dst[drow(i), :] = src[srow(i), :]; rows NULL = identity on that side. */
+static __global__ void
+rows_copy_kernel(float *dst, const int32_t *drows, const float *src, const int32_t *srows,
+                 int cols)
+{
+    int i = blockIdx.x;
+    int64_t d = drows != NULL ? drows[i] : i, s = srows != NULL ? srows[i] : i;
+
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        dst[d * cols + c] = src[s * cols + c];
+}
+
+static enum dsv4_err
+cuda_scatter_rows(struct dsv4_backend *be, float *dst, const int32_t *rows, const float *src,
+                  int n, int cols)
+{
+    if (n <= 0 || cols <= 0)
+        return DSV4_OK;
+    rows_copy_kernel<<<n, EW_THREADS, 0, cuda_stream(be)>>>(dst, rows, src, NULL, cols);
+    CUDA_LAUNCHED("scatter_rows");
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+cuda_gather_rows(struct dsv4_backend *be, float *dst, const float *src, const int32_t *rows,
+                 int n, int cols)
+{
+    if (n <= 0 || cols <= 0)
+        return DSV4_OK;
+    rows_copy_kernel<<<n, EW_THREADS, 0, cuda_stream(be)>>>(dst, NULL, src, rows, cols);
+    CUDA_LAUNCHED("gather_rows");
+    return DSV4_OK;
+}
+
+static __global__ void
+scale_kernel(float *x, float s, int64_t n)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = cu_bf16_round(x[i] * s);
+}
+
+static enum dsv4_err
+cuda_scale(struct dsv4_backend *be, float *x, float s, int64_t n)
+{
+    if (n <= 0)
+        return DSV4_OK;
+    scale_kernel<<<cuda_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_stream(be)>>>(x, s, n);
+    CUDA_LAUNCHED("scale");
+    return DSV4_OK;
+}
+
+/* grid (T * n_streams): out row = bf16(e[t] + h row) */
+static __global__ void
+add_streams_kernel(float *out, const float *e, const float *h, int n_streams, int D)
+{
+    int64_t r = blockIdx.x, t = r / n_streams;
+
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+        out[r * D + i] = cu_bf16_round(e[t * D + i] + h[r * D + i]);
+}
+
+static enum dsv4_err
+cuda_add_streams(struct dsv4_backend *be, float *out, const float *e, const float *h, int T,
+                 int n_streams, int D)
+{
+    if (T <= 0 || n_streams <= 0)
+        return DSV4_OK;
+    add_streams_kernel<<<T * n_streams, EW_THREADS, 0, cuda_stream(be)>>>(out, e, h, n_streams,
+                                                                         D);
+    CUDA_LAUNCHED("add_streams");
+    return DSV4_OK;
+}
+
+/* grid (T * n_copies) */
+static __global__ void
+embed_kernel(float *out, const int32_t *ids, const uint16_t *table, int D, int n_copies)
+{
+    int64_t r = blockIdx.x, t = r / n_copies;
+    const uint16_t *row = table + (int64_t)ids[t] * D;
+
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+        out[r * D + i] = cu_bf16_to_f32(row[i]);
+}
+
+static enum dsv4_err
+cuda_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16_t *table,
+           int T, int D, int n_copies)
+{
+    if (T <= 0 || n_copies <= 0)
+        return DSV4_OK;
+    embed_kernel<<<T * n_copies, EW_THREADS, 0, cuda_stream(be)>>>(out, ids, table, D,
+                                                                  n_copies);
+    CUDA_LAUNCHED("embed");
+    return DSV4_OK;
+}
+
+/* --- constructor -------------------------------------------------------------------- */
+
+static const struct dsv4_backend_ops cuda_ops = {
+    cuda_destroy,
+    cuda_alloc,
+    cuda_free,
+    cuda_upload,
+    cuda_download,
+    cuda_copy,
+    cuda_sync,
+    cuda_fill,
+    cuda_scatter_rows,
+    cuda_gather_rows,
+    cuda_scale,
+    cuda_add_streams,
+    cuda_embed,
+    cuda_rms_norm,
+    cuda_linear,
+    cuda_linear_grouped,
+    cuda_rope,
+    cuda_fp8_sim,
+    cuda_hadamard_fp4,
+    cuda_hc_pre,
+    cuda_hc_post,
+    cuda_hc_head,
+    cuda_compress,
+    cuda_indexer_topk,
+    cuda_attention,
+    cuda_router,
+    cuda_moe,
+    cuda_sample,
+};
+
+extern "C" enum dsv4_err
+dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics, int device)
+{
+    struct dsv4_backend *be;
+    struct cuda_state *st;
+    cudaError_t rc;
+    int n_dev = 0;
+
+    *out = NULL;
+    if (numerics != DSV4_NUMERICS_REF && numerics != DSV4_NUMERICS_HF)
+        return dsv4_err_set(DSV4_ERR_INVAL, "cuda backend: unknown numerics mode %d",
+                            (int)numerics);
+    rc = cudaGetDeviceCount(&n_dev);
+    if (rc != cudaSuccess || n_dev == 0)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda backend: no CUDA device (%s)",
+                            rc != cudaSuccess ? cudaGetErrorString(rc) : "none found");
+    be = (struct dsv4_backend *)calloc(1, sizeof(*be));
+    st = (struct cuda_state *)calloc(1, sizeof(*st));
+    if (be == NULL || st == NULL) {
+        free(be);
+        free(st);
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda backend: no memory");
+    }
+    if (device >= n_dev) {
+        free(be);
+        free(st);
+        return dsv4_err_set(DSV4_ERR_INVAL, "cuda backend: device %d of %d", device, n_dev);
+    }
+    rc = device >= 0 ? cudaSetDevice(device) : cudaSuccess;
+    if (rc == cudaSuccess)
+        rc = cudaGetDevice(&st->device);
+    if (rc == cudaSuccess)
+        rc = cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking);
+    if (rc != cudaSuccess) {
+        free(be);
+        free(st);
+        return cuda_err(rc, "stream creation", __FILE__, __LINE__);
+    }
+    be->ops = &cuda_ops;
+    be->name = "cuda";
+    be->numerics = numerics;
+    be->n_threads = 1;
+    be->priv = st;
+    log_info("cuda backend: device %d, %s numerics", st->device,
+             numerics == DSV4_NUMERICS_REF ? "ref" : "hf");
+    *out = be;
+    return DSV4_OK;
+}

@@ -1,0 +1,713 @@
+/*
+ * test_ops_gpu.c — every op of kernels/backend.h on the CUDA backend against
+ * the CPU reference backend, on fresh random inputs (seed from argv[1] or the
+ * clock; printed so a failure can be replayed).
+ *
+ * Each check compares the CUDA result with the CPU result by
+ *   err = max |gpu - cpu| / max |cpu|
+ * and prints it with the fraction of bit-identical values; it fails when err
+ * exceeds the bound written next to the check, or when the NaN pattern
+ * differs.  Bounds: the CUDA kernels do the CPU's fp32 operations in the same
+ * order (kernels/cuda/cuda.cuh), so most ops must agree exactly (bound 0).
+ * Where an exponential or a cosine enters, CUDA evaluates it through double
+ * and glibc's expf may differ by one ulp, which can flip one bf16 rounding of
+ * the output: bound 2^-7 relative to the largest value (one bf16 ulp) for
+ * bf16 outputs, 1e-5 for fp32 outputs.  Index outputs (top-k, router ids,
+ * sampled tokens) must be identical.
+ *
+ * Exit status: 0 all pass, 1 a failure, 77 no CUDA device (meson: skipped).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/formats.h"
+#include "kernels/backend.h"
+
+#define BF16_ULP (1.0 / 128.0)
+#define F32_TOL 1e-5
+
+static struct dsv4_backend *cpu, *gpu;
+static int n_fail;
+
+/* --- random inputs -------------------------------------------------------------------- */
+
+static uint64_t rng_state;
+
+static uint64_t
+rng_u64(void)
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* uniform in [-1, 1) */
+static float
+rng_sym(void)
+{
+    return (float)((double)(rng_u64() >> 11) / 4503599627370496.0 - 1.0);
+}
+
+static int
+rng_int(int n)
+{
+    return (int)(rng_u64() % (uint64_t)n);
+}
+
+/* n floats uniform in [-a, a), rounded to bf16 (activations) */
+static float *
+rand_bf16(int64_t n, float a)
+{
+    float *x = malloc((size_t)n * sizeof(float) + 4);
+
+    for (int64_t i = 0; i < n; i++)
+        x[i] = dsv4_bf16_round(a * rng_sym());
+    return x;
+}
+
+/* n fp32 values uniform in [-a, a) */
+static float *
+rand_f32(int64_t n, float a)
+{
+    float *x = malloc((size_t)n * sizeof(float) + 4);
+
+    for (int64_t i = 0; i < n; i++)
+        x[i] = a * rng_sym();
+    return x;
+}
+
+/* --- buffers on both backends ----------------------------------------------------------- */
+
+/* The same data on the CPU (c) and the CUDA (g) backend. */
+struct pair {
+    void *c, *g;
+    size_t bytes;
+};
+
+static struct pair
+pair_new(const void *init, size_t bytes)
+{
+    struct pair p = { cpu->ops->alloc(cpu, bytes), gpu->ops->alloc(gpu, bytes), bytes };
+
+    if (p.c == NULL || p.g == NULL) {
+        fprintf(stderr, "allocation of %zu bytes failed\n", bytes);
+        exit(1);
+    }
+    if (init != NULL) {
+        cpu->ops->upload(cpu, p.c, init, bytes);
+        gpu->ops->upload(gpu, p.g, init, bytes);
+    }
+    return p;
+}
+
+static void
+pair_free(struct pair *p)
+{
+    cpu->ops->free(cpu, p->c);
+    gpu->ops->free(gpu, p->g);
+}
+
+/* The CUDA side's bytes (host copy, malloc'd). */
+static void *
+pair_gpu(const struct pair *p)
+{
+    void *h = malloc(p->bytes + 4);
+
+    if (gpu->ops->download(gpu, h, p->g, p->bytes) != DSV4_OK ||
+        gpu->ops->sync(gpu) != DSV4_OK) {
+        fprintf(stderr, "download failed: %s\n", dsv4_errmsg());
+        exit(1);
+    }
+    return h;
+}
+
+/* A float pair filled with NaN (poison: every output must be written). */
+static struct pair
+pair_poison(int64_t n)
+{
+    float *h = malloc((size_t)n * sizeof(float) + 4);
+    struct pair p;
+
+    for (int64_t i = 0; i < n; i++)
+        h[i] = NAN;
+    p = pair_new(h, (size_t)n * sizeof(float));
+    free(h);
+    return p;
+}
+
+/* --- checks ---------------------------------------------------------------------------- */
+
+static void
+check_status(const char *what, enum dsv4_err ec, enum dsv4_err eg)
+{
+    if (ec != DSV4_OK || eg != DSV4_OK) {
+        printf("FAIL %-28s cpu %d gpu %d: %s\n", what, ec, eg, dsv4_errmsg());
+        n_fail++;
+    }
+}
+
+/* Compare n floats (first `n` of the pair, CPU side vs CUDA side). */
+static void
+check_f32(const char *what, const struct pair *p, int64_t n, double bound)
+{
+    const float *c = p->c;
+    float *g = pair_gpu(p);
+    double maxd = 0, maxr = 0;
+    int64_t same = 0, nan_bad = 0;
+
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(c[i]) || isnan(g[i])) {
+            nan_bad += isnan(c[i]) != isnan(g[i]);
+            same += isnan(c[i]) && isnan(g[i]);
+            continue;
+        }
+        if (memcmp(&c[i], &g[i], 4) == 0)
+            same++;
+        maxd = fmax(maxd, fabs((double)c[i] - g[i]));
+        maxr = fmax(maxr, fabs((double)c[i]));
+    }
+    double err = maxr > 0 ? maxd / maxr : maxd;
+    int ok = err <= bound && nan_bad == 0;
+
+    printf("%s %-28s n=%-8lld err=%.3g (bound %.3g) identical %.4f%s\n", ok ? "ok  " : "FAIL",
+           what, (long long)n, err, bound, n > 0 ? (double)same / n : 1.0,
+           nan_bad ? " NaN MISMATCH" : "");
+    n_fail += !ok;
+    free(g);
+}
+
+/* Index outputs must be identical. */
+static void
+check_i32(const char *what, const struct pair *p, int64_t n)
+{
+    const int32_t *c = p->c;
+    int32_t *g = pair_gpu(p);
+    int64_t diff = 0, first = -1;
+
+    for (int64_t i = 0; i < n; i++) {
+        if (c[i] != g[i]) {
+            diff++;
+            if (first < 0)
+                first = i;
+        }
+    }
+    printf("%s %-28s n=%-8lld differing %lld", diff ? "FAIL" : "ok  ", what, (long long)n,
+           (long long)diff);
+    if (first >= 0)
+        printf(" (first at %lld: cpu %d gpu %d)", (long long)first, c[first], g[first]);
+    printf("\n");
+    n_fail += diff != 0;
+    free(g);
+}
+
+/* --- weights ---------------------------------------------------------------------------- */
+
+/* A linear weight on both backends. */
+struct wpair {
+    struct dsv4_linear c, g;
+    struct pair w, s;
+};
+
+/* Random weight of format fmt (n_out x n_in): real values with block-varying
+ * magnitudes encoded with formats.h; scales E8M0. */
+static struct wpair
+weight_new(enum dsv4_wfmt fmt, int n_out, int n_in)
+{
+    struct wpair W;
+    size_t nw, ns = 0;
+    uint8_t *w, *s = NULL;
+
+    memset(&W, 0, sizeof(W));
+    if (fmt == DSV4_WFMT_BF16) {
+        uint16_t *b;
+
+        nw = (size_t)n_out * n_in * 2;
+        b = calloc(1, nw);
+        for (size_t i = 0; i < (size_t)n_out * n_in; i++)
+            b[i] = dsv4_f32_to_bf16(0.1f * rng_sym());
+        w = (uint8_t *)b;
+    } else if (fmt == DSV4_WFMT_FP8) {
+        nw = (size_t)n_out * n_in;
+        ns = (size_t)((n_out + 127) / 128) * ((n_in + 127) / 128);
+        w = calloc(1, nw);
+        s = calloc(1, ns);
+        for (size_t i = 0; i < nw; i++)
+            w[i] = dsv4_f32_to_fp8(448.0f * rng_sym());
+        for (size_t i = 0; i < ns; i++)
+            s[i] = (uint8_t)(127 - 14 + rng_int(5));
+    } else {
+        nw = (size_t)n_out * n_in / 2;
+        ns = (size_t)n_out * (n_in / 32);
+        w = calloc(1, nw);
+        s = calloc(1, ns);
+        for (size_t i = 0; i < nw; i++)
+            w[i] = (uint8_t)rng_u64();
+        for (size_t i = 0; i < ns; i++)
+            s[i] = (uint8_t)(127 - 9 + rng_int(5));
+    }
+    W.w = pair_new(w, nw);
+    if (s != NULL)
+        W.s = pair_new(s, ns);
+    W.c = (struct dsv4_linear){ W.w.c, s ? W.s.c : NULL, n_out, n_in, fmt };
+    W.g = (struct dsv4_linear){ W.w.g, s ? W.s.g : NULL, n_out, n_in, fmt };
+    free(w);
+    free(s);
+    return W;
+}
+
+static void
+weight_free(struct wpair *W)
+{
+    pair_free(&W->w);
+    if (W->s.c != NULL)
+        pair_free(&W->s);
+}
+
+/* Run `call` on both backends: the macro expands it once per side with BE set. */
+#define BOTH(what, call_c, call_g) check_status(what, (call_c), (call_g))
+
+/* --- tests -------------------------------------------------------------------------------- */
+
+static void
+test_layout(void)
+{
+    int T = 23, n = 4, D = 200, V = 50;
+    float *x = rand_bf16((int64_t)T * n * D, 2.0f), *e = rand_bf16((int64_t)T * D, 2.0f);
+    int32_t rows[23], ids[23];
+    uint16_t *tab = malloc((size_t)V * D * 2);
+    struct pair px = pair_new(x, (size_t)T * n * D * 4), pe = pair_new(e, (size_t)T * D * 4);
+    struct pair po = pair_poison((int64_t)T * n * D), pr, pi, pt;
+
+    for (int i = 0; i < T; i++) {
+        rows[i] = (i * 7 + 3) % T;   /* a permutation */
+        ids[i] = rng_int(V);
+    }
+    for (int i = 0; i < V * D; i++)
+        tab[i] = dsv4_f32_to_bf16(rng_sym());
+    pr = pair_new(rows, sizeof(rows));
+    pi = pair_new(ids, sizeof(ids));
+    pt = pair_new(tab, (size_t)V * D * 2);
+
+    BOTH("fill", cpu->ops->fill(cpu, po.c, 1.5f, (int64_t)T * D),
+         gpu->ops->fill(gpu, po.g, 1.5f, (int64_t)T * D));
+    check_f32("fill", &po, (int64_t)T * D, 0);
+    BOTH("scatter_rows", cpu->ops->scatter_rows(cpu, po.c, pr.c, pe.c, T, D),
+         gpu->ops->scatter_rows(gpu, po.g, pr.g, pe.g, T, D));
+    check_f32("scatter_rows", &po, (int64_t)T * D, 0);
+    BOTH("gather_rows", cpu->ops->gather_rows(cpu, po.c, px.c, pr.c, T, n * D),
+         gpu->ops->gather_rows(gpu, po.g, px.g, pr.g, T, n * D));
+    check_f32("gather_rows", &po, (int64_t)T * n * D, 0);
+    BOTH("scale", cpu->ops->scale(cpu, px.c, 0.377f, (int64_t)T * n * D),
+         gpu->ops->scale(gpu, px.g, 0.377f, (int64_t)T * n * D));
+    check_f32("scale", &px, (int64_t)T * n * D, 0);
+    BOTH("add_streams", cpu->ops->add_streams(cpu, po.c, pe.c, px.c, T, n, D),
+         gpu->ops->add_streams(gpu, po.g, pe.g, px.g, T, n, D));
+    check_f32("add_streams", &po, (int64_t)T * n * D, 0);
+    BOTH("embed", cpu->ops->embed(cpu, po.c, pi.c, pt.c, T, D, n),
+         gpu->ops->embed(gpu, po.g, pi.g, pt.g, T, D, n));
+    check_f32("embed", &po, (int64_t)T * n * D, 0);
+    pair_free(&px), pair_free(&pe), pair_free(&po), pair_free(&pr), pair_free(&pi);
+    pair_free(&pt);
+    free(x), free(e), free(tab);
+}
+
+static void
+test_linear(void)
+{
+    static const struct {
+        const char *name;
+        enum dsv4_wfmt fmt;
+        unsigned flags;
+        int T, N, K;
+    } cases[] = {
+        { "linear fp8", DSV4_WFMT_FP8, 0, 37, 300, 512 },
+        { "linear fp8 T=1", DSV4_WFMT_FP8, 0, 1, 1000, 1024 },
+        { "linear fp4", DSV4_WFMT_FP4, 0, 19, 256, 384 },
+        { "linear bf16", DSV4_WFMT_BF16, 0, 29, 130, 250 },
+        { "linear bf16 f32out", DSV4_WFMT_BF16, DSV4_LIN_F32_OUT, 29, 130, 256 },
+    };
+
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        int T = cases[c].T, N = cases[c].N, K = cases[c].K;
+        struct wpair W = weight_new(cases[c].fmt, N, K);
+        float *x = rand_bf16((int64_t)T * K, 3.0f);
+        struct pair px = pair_new(x, (size_t)T * K * 4), po = pair_poison((int64_t)T * N);
+
+        BOTH(cases[c].name, cpu->ops->linear(cpu, po.c, px.c, &W.c, T, cases[c].flags),
+             gpu->ops->linear(gpu, po.g, px.g, &W.g, T, cases[c].flags));
+        check_f32(cases[c].name, &po, (int64_t)T * N, 0);   /* same fp32 ops, same order */
+        weight_free(&W);
+        pair_free(&px), pair_free(&po);
+        free(x);
+    }
+    {
+        int T = 13, G = 4, Kg = 256, R = 96;
+        struct wpair W = weight_new(DSV4_WFMT_FP8, G * R, Kg);
+        float *x = rand_f32((int64_t)T * G * Kg, 2.0f);   /* rounded to bf16 by the op */
+        struct pair px = pair_new(x, (size_t)T * G * Kg * 4), po = pair_poison((int64_t)T * G * R);
+
+        BOTH("linear_grouped", cpu->ops->linear_grouped(cpu, po.c, px.c, &W.c, T, G),
+             gpu->ops->linear_grouped(gpu, po.g, px.g, &W.g, T, G));
+        check_f32("linear_grouped", &po, (int64_t)T * G * R, 0);
+        weight_free(&W);
+        pair_free(&px), pair_free(&po);
+        free(x);
+    }
+}
+
+static void
+test_norm(void)
+{
+    int rows = 45, D = 512, T = 9, H = 5, Dh = 128, rd = 64;
+    float *x = rand_f32((int64_t)rows * D, 4.0f), freqs[32];
+    uint16_t w[512];
+    int32_t pos[9];
+    struct pair px = pair_new(x, (size_t)rows * D * 4), po = pair_poison((int64_t)rows * D);
+    struct pair pw, pp;
+
+    for (int i = 0; i < D; i++)
+        w[i] = dsv4_f32_to_bf16(1.0f + 0.5f * rng_sym());
+    pw = pair_new(w, sizeof(w));
+    BOTH("rms_norm", cpu->ops->rms_norm(cpu, po.c, px.c, pw.c, rows, D, 1e-6f),
+         gpu->ops->rms_norm(gpu, po.g, px.g, pw.g, rows, D, 1e-6f));
+    check_f32("rms_norm", &po, (int64_t)rows * D, 0);
+    BOTH("rms_norm unweighted", cpu->ops->rms_norm(cpu, po.c, px.c, NULL, rows, D, 1e-6f),
+         gpu->ops->rms_norm(gpu, po.g, px.g, NULL, rows, D, 1e-6f));
+    check_f32("rms_norm unweighted", &po, (int64_t)rows * D, 0);
+    BOTH("rms_norm in place", cpu->ops->rms_norm(cpu, px.c, px.c, pw.c, rows, D, 1e-6f),
+         gpu->ops->rms_norm(gpu, px.g, px.g, pw.g, rows, D, 1e-6f));
+    check_f32("rms_norm in place", &px, (int64_t)rows * D, 0);
+
+    /* rope on (T, H, Dh) rows (uses the first T*H*Dh values of px) */
+    for (int i = 0; i < rd / 2; i++)
+        freqs[i] = (float)pow(10000.0, -2.0 * i / rd);
+    for (int t = 0; t < T; t++)
+        pos[t] = rng_int(100000);
+    pp = pair_new(pos, sizeof(pos));
+    for (int inv = 0; inv < 2; inv++) {
+        const char *nm = inv ? "rope inverse" : "rope";
+
+        BOTH(nm, cpu->ops->rope(cpu, px.c, pp.c, T, H, (int64_t)H * Dh, Dh, Dh - rd, rd, freqs,
+                                inv),
+             gpu->ops->rope(gpu, px.g, pp.g, T, H, (int64_t)H * Dh, Dh, Dh - rd, rd, freqs,
+                            inv));
+        /* cos/sin through double on both sides; a one-ulp difference of a
+         * float cos/sin could flip one bf16 rounding */
+        check_f32(nm, &px, (int64_t)T * H * Dh, BF16_ULP);
+    }
+
+    BOTH("fp8_sim", cpu->ops->fp8_sim(cpu, px.c, rows, D, D - 64, 64),
+         gpu->ops->fp8_sim(gpu, px.g, rows, D, D - 64, 64));
+    check_f32("fp8_sim", &px, (int64_t)rows * D, 0);
+    BOTH("hadamard_fp4", cpu->ops->hadamard_fp4(cpu, px.c, rows * D / 128),
+         gpu->ops->hadamard_fp4(gpu, px.g, rows * D / 128));
+    check_f32("hadamard_fp4", &px, (int64_t)rows * D, 0);
+    pair_free(&px), pair_free(&po), pair_free(&pw), pair_free(&pp);
+    free(x);
+}
+
+static void
+test_hc(void)
+{
+    int T = 17, n = 4, D = 256, M = (2 + n) * n;
+    float *X = rand_bf16((int64_t)T * n * D, 2.0f), *f = rand_bf16((int64_t)T * D, 2.0f);
+    float *fn = rand_f32((int64_t)M * n * D, 0.05f), *base = rand_f32(M, 1.0f);
+    float scale[3] = { 0.7f, 1.3f, 2.0f };
+    struct pair pX = pair_new(X, (size_t)T * n * D * 4), pf = pair_new(f, (size_t)T * D * 4);
+    struct pair pfn = pair_new(fn, (size_t)M * n * D * 4), pb = pair_new(base, (size_t)M * 4);
+    struct pair ps = pair_new(scale, sizeof(scale));
+    struct pair px = pair_poison((int64_t)T * D), ppost = pair_poison((int64_t)T * n);
+    struct pair pcomb = pair_poison((int64_t)T * n * n), pXo = pair_poison((int64_t)T * n * D);
+    struct dsv4_hc_w hcc = { pfn.c, pb.c, ps.c }, hcg = { pfn.g, pb.g, ps.g };
+
+    BOTH("hc_pre", cpu->ops->hc_pre(cpu, px.c, ppost.c, pcomb.c, pX.c, &hcc, T, n, D, 20, 1e-6f,
+                                    1e-6f),
+         gpu->ops->hc_pre(gpu, px.g, ppost.g, pcomb.g, pX.g, &hcg, T, n, D, 20, 1e-6f, 1e-6f));
+    check_f32("hc_pre x", &px, (int64_t)T * D, BF16_ULP);    /* expf in sigmoid */
+    check_f32("hc_pre post", &ppost, (int64_t)T * n, F32_TOL);
+    check_f32("hc_pre comb", &pcomb, (int64_t)T * n * n, F32_TOL);
+    /* hc_post from the CPU's post/comb on both sides: exact */
+    gpu->ops->upload(gpu, ppost.g, ppost.c, (size_t)T * n * 4);
+    gpu->ops->upload(gpu, pcomb.g, pcomb.c, (size_t)T * n * n * 4);
+    BOTH("hc_post", cpu->ops->hc_post(cpu, pXo.c, pf.c, pX.c, ppost.c, pcomb.c, T, n, D),
+         gpu->ops->hc_post(gpu, pXo.g, pf.g, pX.g, ppost.g, pcomb.g, T, n, D));
+    check_f32("hc_post", &pXo, (int64_t)T * n * D, 0);
+    BOTH("hc_head", cpu->ops->hc_head(cpu, px.c, pX.c, &hcc, T, n, D, 1e-6f, 1e-6f),
+         gpu->ops->hc_head(gpu, px.g, pX.g, &hcg, T, n, D, 1e-6f, 1e-6f));
+    check_f32("hc_head", &px, (int64_t)T * D, BF16_ULP);
+    pair_free(&pX), pair_free(&pf), pair_free(&pfn), pair_free(&pb), pair_free(&ps);
+    pair_free(&px), pair_free(&ppost), pair_free(&pcomb), pair_free(&pXo);
+    free(X), free(f), free(fn), free(base);
+}
+
+static void
+test_compress(void)
+{
+    for (int ri = 0; ri < 2; ri++) {
+        int r = ri == 0 ? 4 : 128, c = r == 4 ? 2 : 1, d = 96, T = 150, S = 2;
+        int64_t cd = (int64_t)c * d, pool = (int64_t)c * r * cd;
+        float *a = rand_f32(T * cd, 2.0f), *z = rand_f32(T * cd, 3.0f);
+        float *ape = rand_f32(r * cd, 1.0f);
+        int32_t slot[150], pos[150], emit[150];
+        int n_emit = 0;
+        char nm[64];
+
+        /* slot 1: positions 0..89; slot 0: positions 40..99 (state from zero) */
+        for (int t = 0; t < T; t++) {
+            slot[t] = t < 90 ? 1 : 0;
+            pos[t] = t < 90 ? t : 40 + (t - 90);
+            emit[t] = (pos[t] + 1) % r == 0 ? n_emit++ : -1;
+        }
+        struct pair pa = pair_new(a, (size_t)T * cd * 4), pz = pair_new(z, (size_t)T * cd * 4);
+        struct pair pape = pair_new(ape, (size_t)r * cd * 4);
+        struct pair psl = pair_new(slot, sizeof(slot)), pps = pair_new(pos, sizeof(pos));
+        struct pair pem = pair_new(emit, sizeof(emit));
+        struct pair pent = pair_poison((int64_t)(n_emit + 1) * d);
+        struct pair pkv = pair_new(NULL, (size_t)S * pool * 4), pzs = pair_new(NULL, (size_t)S * pool * 4);
+
+        cpu->ops->fill(cpu, pzs.c, -INFINITY, S * pool);
+        gpu->ops->fill(gpu, pzs.g, -INFINITY, S * pool);
+        snprintf(nm, sizeof(nm), "compress r=%d", r);
+        BOTH(nm, cpu->ops->compress(cpu, pent.c, pkv.c, pzs.c, pa.c, pz.c, pape.c, psl.c, pps.c,
+                                    pem.c, T, r, d),
+             gpu->ops->compress(gpu, pent.g, pkv.g, pzs.g, pa.g, pz.g, pape.g, psl.g, pps.g,
+                                pem.g, T, r, d));
+        check_f32(nm, &pent, (int64_t)n_emit * d, F32_TOL);   /* expf of the softmax */
+        snprintf(nm, sizeof(nm), "compress r=%d state", r);
+        check_f32(nm, &pkv, S * pool, 0);
+        pair_free(&pa), pair_free(&pz), pair_free(&pape), pair_free(&psl), pair_free(&pps);
+        pair_free(&pem), pair_free(&pent), pair_free(&pkv), pair_free(&pzs);
+        free(a), free(z), free(ape);
+    }
+}
+
+static void
+test_indexer(void)
+{
+    int T = 21, nh = 4, dI = 128, cap = 200, ratio = 4, K = 16, S = 3;
+    float *q = rand_bf16((int64_t)T * nh * dI, 1.0f), *w = rand_bf16((int64_t)T * nh, 1.0f);
+    float *keys = rand_bf16((int64_t)S * cap * dI, 1.0f);
+    int32_t slot[21], pos[21];
+    struct pair pq, pw, pk, psl, pps, psel;
+
+    for (int t = 0; t < T; t++) {
+        slot[t] = rng_int(S);
+        pos[t] = t < 5 ? rng_int(60) : rng_int(cap * ratio);   /* some with n_valid < K */
+    }
+    pq = pair_new(q, (size_t)T * nh * dI * 4);
+    pw = pair_new(w, (size_t)T * nh * 4);
+    pk = pair_new(keys, (size_t)S * cap * dI * 4);
+    psl = pair_new(slot, sizeof(slot));
+    pps = pair_new(pos, sizeof(pos));
+    psel = pair_new(NULL, (size_t)T * K * 4);
+    BOTH("indexer_topk", cpu->ops->indexer_topk(cpu, psel.c, pq.c, pw.c, pk.c, psl.c, pps.c, T,
+                                                nh, dI, cap, ratio, K),
+         gpu->ops->indexer_topk(gpu, psel.g, pq.g, pw.g, pk.g, psl.g, pps.g, T, nh, dI, cap,
+                                ratio, K));
+    check_i32("indexer_topk sel", &psel, (int64_t)T * K);
+    pair_free(&pq), pair_free(&pw), pair_free(&pk), pair_free(&psl), pair_free(&pps);
+    pair_free(&psel);
+    free(q), free(w), free(keys);
+}
+
+static void
+test_attention(void)
+{
+    int T = 12, H = 8, Dh = 128, win = 16, cap = 64, ratio = 4, K = 10, S = 2;
+    float *q = rand_bf16((int64_t)T * H * Dh, 1.0f), *kv = rand_bf16((int64_t)T * Dh, 1.0f);
+    float *ring = rand_bf16((int64_t)S * win * Dh, 1.0f), *comp = rand_bf16((int64_t)S * cap * Dh, 1.0f);
+    float *sink = rand_f32(H, 2.0f);
+    int32_t slot[12], pos[12], row0[12], pos0[12], sel[12 * 10];
+    struct pair pq, pkv, pring, pcomp, psink, psl, pps, pr0, pp0, psel, po;
+
+    /* slot 0: 9 rows continuing at 200; slot 1: 3 rows at 5 (short) */
+    for (int t = 0; t < T; t++) {
+        int s = t < 9 ? 0 : 1;
+
+        slot[t] = s;
+        pos0[t] = s == 0 ? 200 : 5;
+        row0[t] = s == 0 ? 0 : 9;
+        pos[t] = pos0[t] + (t - row0[t]);
+        for (int i = 0; i < K; i++) {
+            int nv = (pos[t] + 1) / ratio;
+
+            sel[t * K + i] = i < nv && i < K - 2 ? rng_int(nv) : -1;
+        }
+    }
+    pq = pair_new(q, (size_t)T * H * Dh * 4);
+    pkv = pair_new(kv, (size_t)T * Dh * 4);
+    pring = pair_new(ring, (size_t)S * win * Dh * 4);
+    pcomp = pair_new(comp, (size_t)S * cap * Dh * 4);
+    psink = pair_new(sink, (size_t)H * 4);
+    psl = pair_new(slot, sizeof(slot));
+    pps = pair_new(pos, sizeof(pos));
+    pr0 = pair_new(row0, sizeof(row0));
+    pp0 = pair_new(pos0, sizeof(pos0));
+    psel = pair_new(sel, sizeof(sel));
+    po = pair_poison((int64_t)T * H * Dh);
+    for (int mode = 0; mode < 3; mode++) {
+        static const char *nm[] = { "attention swa", "attention hca", "attention csa" };
+        const void *cc = mode ? pcomp.c : NULL, *cg = mode ? pcomp.g : NULL;
+        const void *sc = mode == 2 ? psel.c : NULL, *sg = mode == 2 ? psel.g : NULL;
+
+        BOTH(nm[mode], cpu->ops->attention(cpu, po.c, pq.c, pkv.c, pring.c, cc, sc, psink.c,
+                                           psl.c, pps.c, pr0.c, pp0.c, T, H, Dh, win, cap,
+                                           ratio, K, 0.088f),
+             gpu->ops->attention(gpu, po.g, pq.g, pkv.g, pring.g, cg, sg, psink.g, psl.g, pps.g,
+                                 pr0.g, pp0.g, T, H, Dh, win, cap, ratio, K, 0.088f));
+        check_f32(nm[mode], &po, (int64_t)T * H * Dh, BF16_ULP);   /* expf of the softmax */
+    }
+    pair_free(&pq), pair_free(&pkv), pair_free(&pring), pair_free(&pcomp), pair_free(&psink);
+    pair_free(&psl), pair_free(&pps), pair_free(&pr0), pair_free(&pp0), pair_free(&psel);
+    pair_free(&po);
+    free(q), free(kv), free(ring), free(comp), free(sink);
+}
+
+static void
+test_moe(void)
+{
+    int T = 20, D = 256, E = 8, k = 3, V = 50;
+    float *x = rand_bf16((int64_t)T * D, 2.0f), *bias = rand_f32(E, 0.3f);
+    int64_t *tid2eid = malloc((size_t)V * k * 8);
+    int32_t tok[20];
+    struct wpair gate = weight_new(DSV4_WFMT_BF16, E, D);
+    struct pair px = pair_new(x, (size_t)T * D * 4), pb = pair_new(bias, (size_t)E * 4), pt, ptk;
+    struct pair pw = pair_poison((int64_t)T * k), pid = pair_new(NULL, (size_t)T * k * 4);
+
+    for (int i = 0; i < V; i++)
+        for (int j = 0; j < k; j++)
+            tid2eid[i * k + j] = (i + 3 * j) % E;
+    for (int t = 0; t < T; t++)
+        tok[t] = rng_int(V);
+    pt = pair_new(tid2eid, (size_t)V * k * 8);
+    ptk = pair_new(tok, sizeof(tok));
+    BOTH("router", cpu->ops->router(cpu, pw.c, pid.c, px.c, &gate.c, pb.c, NULL, NULL, T, k, 1.5f),
+         gpu->ops->router(gpu, pw.g, pid.g, px.g, &gate.g, pb.g, NULL, NULL, T, k, 1.5f));
+    check_i32("router ids", &pid, (int64_t)T * k);
+    check_f32("router weights", &pw, (int64_t)T * k, F32_TOL);   /* expf/log1pf */
+    BOTH("router hash", cpu->ops->router(cpu, pw.c, pid.c, px.c, &gate.c, NULL, pt.c, ptk.c, T,
+                                         k, 1.5f),
+         gpu->ops->router(gpu, pw.g, pid.g, px.g, &gate.g, NULL, pt.g, ptk.g, T, k, 1.5f));
+    check_i32("router hash ids", &pid, (int64_t)T * k);
+    check_f32("router hash weights", &pw, (int64_t)T * k, F32_TOL);
+
+    /* experts: FP4 routed (I = 256), FP8 shared; the CPU's router output on both sides */
+    {
+        int I = 256;
+        struct wpair ew[8][3], sw[3];
+        struct dsv4_expert_w exc[8], exg[8], shc, shg;
+        struct pair po = pair_poison((int64_t)T * D);
+
+        for (int e = 0; e < E; e++) {
+            ew[e][0] = weight_new(DSV4_WFMT_FP4, I, D);
+            ew[e][1] = weight_new(DSV4_WFMT_FP4, I, D);
+            ew[e][2] = weight_new(DSV4_WFMT_FP4, D, I);
+            exc[e] = (struct dsv4_expert_w){ ew[e][0].c, ew[e][1].c, ew[e][2].c };
+            exg[e] = (struct dsv4_expert_w){ ew[e][0].g, ew[e][1].g, ew[e][2].g };
+        }
+        sw[0] = weight_new(DSV4_WFMT_FP8, I, D);
+        sw[1] = weight_new(DSV4_WFMT_FP8, I, D);
+        sw[2] = weight_new(DSV4_WFMT_FP8, D, I);
+        shc = (struct dsv4_expert_w){ sw[0].c, sw[1].c, sw[2].c };
+        shg = (struct dsv4_expert_w){ sw[0].g, sw[1].g, sw[2].g };
+        /* learned routing again, copied to the GPU side */
+        cpu->ops->router(cpu, pw.c, pid.c, px.c, &gate.c, pb.c, NULL, NULL, T, k, 1.5f);
+        gpu->ops->upload(gpu, pw.g, pw.c, (size_t)T * k * 4);
+        gpu->ops->upload(gpu, pid.g, pid.c, (size_t)T * k * 4);
+        for (int lim = 0; lim < 2; lim++) {
+            const char *nm = lim ? "moe limit 0.5" : "moe";
+            float L = lim ? 0.5f : 0.0f;
+
+            BOTH(nm, cpu->ops->moe(cpu, po.c, px.c, pid.c, pw.c, exc, &shc, T, k, L),
+                 gpu->ops->moe(gpu, po.g, px.g, pid.g, pw.g, exg, &shg, T, k, L));
+            /* expf in silu may flip a bf16 rounding of h, seen through w2 */
+            check_f32(nm, &po, (int64_t)T * D, BF16_ULP);
+        }
+        for (int e = 0; e < E; e++)
+            for (int j = 0; j < 3; j++)
+                weight_free(&ew[e][j]);
+        for (int j = 0; j < 3; j++)
+            weight_free(&sw[j]);
+        pair_free(&po);
+    }
+    weight_free(&gate);
+    pair_free(&px), pair_free(&pb), pair_free(&pt), pair_free(&ptk), pair_free(&pw);
+    pair_free(&pid);
+    free(x), free(bias), free(tid2eid);
+}
+
+static void
+test_sample(void)
+{
+    enum { N = 8, V = 5000 };
+    float *l = rand_f32((int64_t)N * V, 4.0f);
+    struct dsv4_sample_params sp[N];
+    struct pair pl, pid = pair_new(NULL, N * 4), plp = pair_poison(N);
+
+    memset(sp, 0, sizeof(sp));
+    l[3 * V + 17] = l[3 * V + 4000] = 50.0f;   /* row 3: a tie for the argmax */
+    for (int r = 0; r < N; r++) {
+        sp[r].seed = rng_u64();
+        sp[r].step = (uint64_t)rng_int(1000);
+        sp[r].top_p = 1.0f;
+    }
+    sp[1].temperature = 0.8f;
+    sp[2].temperature = 1.0f, sp[2].top_k = 50;
+    sp[4].temperature = 0.7f, sp[4].top_p = 0.9f;
+    sp[5].temperature = 1.2f, sp[5].top_k = 200, sp[5].top_p = 0.5f;
+    sp[6].temperature = 2.0f, sp[6].top_p = 0.99f;
+    sp[7].temperature = 0.01f, sp[7].top_k = 1;
+    pl = pair_new(l, (size_t)N * V * 4);
+    for (int rep = 0; rep < 3; rep++) {
+        BOTH("sample", cpu->ops->sample(cpu, pid.c, plp.c, pl.c, sp, N, V),
+             gpu->ops->sample(gpu, pid.g, plp.g, pl.g, sp, N, V));
+        check_i32("sample ids", &pid, N);
+        check_f32("sample logprob", &plp, N, F32_TOL);
+        for (int r = 0; r < N; r++)
+            sp[r].step++;
+    }
+    pair_free(&pl), pair_free(&pid), pair_free(&plp);
+    free(l);
+}
+
+int
+main(int argc, char **argv)
+{
+    uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 0) : (uint64_t)time(NULL);
+    enum dsv4_err e;
+
+    for (int num = 0; num < 2; num++) {
+        enum dsv4_numerics nm = num ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
+
+        e = dsv4_backend_create(&gpu, "cuda", nm, 0);
+        if (e == DSV4_ERR_NOTSUP) {
+            printf("SKIP: %s\n", dsv4_errmsg());
+            return 77;
+        }
+        if (e != DSV4_OK || dsv4_backend_create(&cpu, "cpu", nm, 0) != DSV4_OK) {
+            fprintf(stderr, "backend: %s\n", dsv4_errmsg());
+            return 1;
+        }
+        rng_state = seed + (uint64_t)num;
+        printf("== numerics %s, seed %llu ==\n", num ? "hf" : "ref", (unsigned long long)seed);
+        test_layout();
+        test_linear();
+        test_norm();
+        test_hc();
+        test_compress();
+        test_indexer();
+        test_attention();
+        test_moe();
+        test_sample();
+        dsv4_backend_destroy(cpu);
+        dsv4_backend_destroy(gpu);
+    }
+    printf("%s: %d check(s) failed\n", n_fail ? "FAIL" : "PASS", n_fail);
+    return n_fail ? 1 : 0;
+}
