@@ -332,8 +332,9 @@ void rank_free_all(struct sched *s, const char *reason);
 void ctl_dispatch(struct sched *s);
 /* Answer drain waits that are satisfied or timed out; ms to the next. */
 int64_t ctl_timers(struct sched *s, int64_t now);
-/* Answer drain waits on rank entry `k`, which is being freed. */
-void ctl_rank_gone(struct sched *s, struct sched_rank *k);
+/* Rank entry `k` is being freed: its drain waits move to `heir` (the same
+ * rank registered again; may be NULL) or are answered. */
+void ctl_rank_gone(struct sched *s, struct sched_rank *k, struct sched_rank *heir);
 void ctl_free_all(struct sched *s);
 
 #endif

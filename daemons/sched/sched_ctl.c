@@ -219,16 +219,21 @@ ctl_timers(struct sched *s, int64_t now)
     return next;
 }
 
-/* A rank entry is about to be freed: waits on it are answered now. */
+/* A rank entry is about to be freed: its drain waits follow `heir` (the
+ * same rank registered again) or are answered now. */
 void
-ctl_rank_gone(struct sched *s, struct sched_rank *k)
+ctl_rank_gone(struct sched *s, struct sched_rank *k, struct sched_rank *heir)
 {
     struct sched_drain_wait *w, *tmp;
 
     TAILQ_FOREACH_SAFE(w, &s->drains, entry, tmp) {
         if (w->rank != k)
             continue;
-        send_result(s, &w->route, DSV4_STATUS_OK, "rank replaced");
+        if (heir != NULL) {
+            w->rank = heir;
+            continue;
+        }
+        send_result(s, &w->route, DSV4_STATUS_OK, "rank gone");
         TAILQ_REMOVE(&s->drains, w, entry);
         free(w);
     }

@@ -278,11 +278,12 @@ group_get(struct sched *s, enum dsv4_role role, uint32_t id)
     return g;
 }
 
+/* Forget entry `k`; drain waits on it move to `heir` (same name) if any. */
 static void
-rank_remove(struct sched *s, struct sched_rank *k)
+rank_remove(struct sched *s, struct sched_rank *k, struct sched_rank *heir)
 {
     rank_lost(s, k, "replaced by a new registration");
-    ctl_rank_gone(s, k);
+    ctl_rank_gone(s, k, heir);
     TAILQ_REMOVE(&s->ranks, k, entry);
     free(k);
 }
@@ -290,7 +291,7 @@ rank_remove(struct sched *s, struct sched_rank *k)
 static void
 on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_ready *m)
 {
-    struct sched_rank *k, *tmp;
+    struct sched_rank *k, *old, *tmp;
     struct sched_group *g;
     struct dsv4_msg w;
     char nb[48];
@@ -299,25 +300,29 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
         send_disconnect(s, from, "group_rank must be below group_size (at most 64)");
         return;
     }
-    /* Whatever was registered under this link, name or group seat is gone. */
-    TAILQ_FOREACH_SAFE(k, &s->ranks, entry, tmp) {
-        bool same_route = k->route.len == from->len &&
-            memcmp(k->route.id, from->id, from->len) == 0;
-
-        if ((same_route && k->state != DSV4_RANK_STATE_DEAD) ||
-            (k->role == m->role && k->index == m->index) ||
-            (k->role == m->role && k->group == m->group && k->group_rank == m->group_rank &&
-             k->state != DSV4_RANK_STATE_DEAD))
-            rank_remove(s, k);
-    }
-    if ((g = group_get(s, m->role, m->group)) == NULL)
-        return;
-    if (g->n_ranks > 0 && g->size != m->group_size) {
-        send_disconnect(s, from, "group_size differs from the group's other ranks");
-        return;
-    }
     if ((k = calloc(1, sizeof(*k))) == NULL)
         return;
+    /* Whatever was registered under this link, name or group seat is gone;
+     * a drain of the name outlives a restart of the rank. */
+    TAILQ_FOREACH_SAFE(old, &s->ranks, entry, tmp) {
+        bool same_route = old->route.len == from->len &&
+            memcmp(old->route.id, from->id, from->len) == 0;
+        bool same_name = old->role == m->role && old->index == m->index;
+
+        if (same_name)
+            k->drain = old->drain;
+        if ((same_route && old->state != DSV4_RANK_STATE_DEAD) || same_name ||
+            (old->role == m->role && old->group == m->group &&
+             old->group_rank == m->group_rank && old->state != DSV4_RANK_STATE_DEAD))
+            rank_remove(s, old, same_name ? k : NULL);
+    }
+    g = group_get(s, m->role, m->group);
+    if (g == NULL || (g->n_ranks > 0 && g->size != m->group_size)) {
+        send_disconnect(s, from, "group_size differs from the group's other ranks");
+        ctl_rank_gone(s, k, NULL);
+        free(k);
+        return;
+    }
     k->route = *from;
     k->role = m->role;
     k->index = m->index;

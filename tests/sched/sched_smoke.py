@@ -1,0 +1,570 @@
+#!/usr/bin/env python3
+"""sched_smoke.py — dsv4-sched against fake ranks written here (pyzmq + msgpack).
+
+Starts the real scheduler on ipc:// endpoints in a temporary directory, plus a
+fake prefill rank and a fake decode rank (threads of this script) whose
+"model" is a pure function: output token k of a request is
+f(sum of the original prompt, seed, k).  A re-run after a rank death must
+therefore reproduce the same tokens, and the test can compute every expected
+output.  Scenarios (one per argument, or all):
+
+  basic      greedy-style requests give f's tokens, usage, finish "length"
+  batch      40 requests with max_batch 4: all served, never > 4 streams decoding
+  stop       stop ids (incl. EOS), stop strings cut the text, held-back text
+  cancel     cancel mid-stream: DONE cancelled, ABORT reached the decode rank, no leak
+  death      the decode rank dies mid-stream; a new one registers; every request
+             completes with exactly f's tokens (no loss, no duplicates)
+  overload   queue bound: 300 beyond it; 301 while draining; drain/undrain via dsv4ctl
+  malformed  garbage on the client, rank and admin sockets; the scheduler keeps serving
+
+Exit status 0 on success, 1 on failure, 77 when pyzmq/msgpack are missing.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+try:
+    import msgpack
+    import zmq
+except ImportError:
+    print("pyzmq/msgpack not installed: skipped")
+    sys.exit(77)
+
+VOCAB = 274          # tiny_tokenizer.json, added tokens included
+EOS = 268            # <｜end▁of▁sentence｜> in tiny_tokenizer.json
+CLI, RANK, CTL = b"DSV4C1", b"DSV4R1", b"DSV4A1"
+
+
+def f(psum, seed, k):
+    """The fake model: output token k (never EOS unless a test asks)."""
+    t = (psum * 31 + seed * 17 + k * 7) % 264 + 3   # plain tokens 3..266
+    return t
+
+
+ALL_RANKS = []
+ALL_SCHEDS = []
+
+
+class FakeRank(threading.Thread):
+    """One fake rank (prefill or decode) on a DEALER socket."""
+
+    def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004):
+        super().__init__(daemon=True)
+        self.ctx, self.endpoint, self.role, self.index = ctx, endpoint, role, index
+        self.capacity, self.tick = capacity, tick
+        self.stop = False
+        self.dead = False               # simulate a crash: stop answering
+        self.streams = {}               # decode: req -> state
+        self.max_streams = 0
+        self.aborts = set()
+        self.released = set()
+        self.exported = set()
+        self.welcomed = threading.Event()
+        self.lock = threading.Lock()
+        ALL_RANKS.append(self)
+
+    def send(self, s, cmd, body, raw=()):
+        self.last_tx = time.time()
+        s.send_multipart([b"", RANK, bytes([cmd]), msgpack.packb(body)] + list(raw))
+
+    def run(self):
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.endpoint)
+        self.send(s, 1, {"role": self.role, "index": self.index, "group": self.index,
+                         "group_rank": 0, "group_size": 1, "capacity": self.capacity,
+                         "max_ctx": 4096, "host": "test", "pid": os.getpid(),
+                         "transports": ["shm"]})
+        while not self.stop:
+            if self.dead:
+                break
+            if s.poll(int(self.tick * 1000)):
+                fr = s.recv_multipart()
+                cmd, body = fr[2][0], msgpack.unpackb(fr[3])
+                self.handle(s, cmd, body, fr[4:])
+            if self.role == "decode" and self.streams:
+                self.step(s)
+            if time.time() - self.last_tx > 0.05:
+                self.send(s, 3, {"active": len(self.streams)})
+        s.close(0)
+
+    def handle(self, s, cmd, b, raw):
+        if cmd == 2:
+            self.welcomed.set()
+        elif cmd == 4:                  # DISCONNECT: register again
+            self.send(s, 1, {"role": self.role, "index": self.index, "group": self.index,
+                             "group_rank": 0, "group_size": 1, "capacity": self.capacity,
+                             "max_ctx": 4096, "host": "test"})
+        elif cmd == 5:                  # PREFILL
+            toks, step = b["tokens"], b.get("step", 0)
+            prompt = toks[:len(toks) - step]
+            tok = f(sum(prompt), b["seed"], step)
+            with self.lock:
+                self.exported.add(b["req"])
+            kv = [{"part": 0, "n_parts": 1, "transport": "shm", "n_tokens": len(toks),
+                   "sizes": [64], "offsets": [0]}]
+            self.send(s, 6, {"req": b["req"], "token": tok, "kv": kv},
+                      [("shm-%d-%d" % (b["req"], sum(prompt))).encode()])
+        elif cmd == 7:                  # DECODE
+            h = b["kv"][0]
+            self.send(s, 8, {"req": b["req"]})
+            # The prompt sum rides in the fake KV handle the scheduler forwards.
+            psum = int(raw[0].decode().split("-")[2])
+            with self.lock:
+                self.streams[b["req"]] = {"psum": psum,
+                                          "seed": b["seed"], "step": b.get("step", 1),
+                                          "left": b["max_tokens"],
+                                          "stop": set(b.get("stop_ids", [])),
+                                          "pos": b["pos"], "token": b["token"],
+                                          "kv": h}
+                self.max_streams = max(self.max_streams, len(self.streams))
+        elif cmd == 8:                  # KV_RELEASE
+            with self.lock:
+                self.released.add(b["req"])
+                self.exported.discard(b["req"])
+        elif cmd == 11:                 # ABORT
+            with self.lock:
+                self.aborts.add(b["req"])
+                self.streams.pop(b["req"], None)
+                self.exported.discard(b["req"])
+            self.send(s, 12, {"req": b["req"]})
+
+    def step(self, s):
+        reqs, toks, done = [], [], []
+        with self.lock:
+            for req, st in list(self.streams.items()):
+                tok = PSUM.token(req, st["psum"], st["seed"], st["step"])
+                st["step"] += 1
+                st["left"] -= 1
+                reqs.append(req)
+                toks.append(tok)
+                if st["left"] == 0 or tok in st["stop"]:
+                    done.append((req, "stop" if tok in st["stop"] else "length",
+                                 st["step"]))
+                    del self.streams[req]
+        if reqs:
+            self.send(s, 9, {"step": 0, "reqs": reqs, "tokens": toks})
+        for req, fin, n in done:
+            self.send(s, 10, {"req": req, "finish": fin, "n_tokens": n})
+
+
+class Psum:
+    """Tokens the test forces on the fake decode rank (req, k) -> id."""
+
+    def __init__(self):
+        self.override = {}
+
+    def token(self, req, psum, seed, k):
+        o = self.override.get((seed, k))
+        return o if o is not None else f(psum, seed, k)
+
+
+PSUM = Psum()
+
+
+class Sched:
+    def __init__(self, build, tmp, extra=()):
+        self.tmp = tmp
+        self.ep = {n: "ipc://%s/%s.sock" % (tmp, n) for n in ("client", "rank", "ctl")}
+        self.build = build
+        args = [os.path.join(build, "daemons/sched/dsv4-sched"), "-v",
+                "-o", "client_endpoint=" + self.ep["client"],
+                "-o", "rank_endpoint=" + self.ep["rank"],
+                "-o", "admin_endpoint=" + self.ep["ctl"],
+                "-o", "heartbeat_ms=100", "-o", "liveness=3",
+                "-o", "tokenizer=" + TOKENIZER] + list(extra)
+        self.log = open(os.path.join(tmp, "sched.log"), "w")
+        self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        ALL_SCHEDS.append(self)
+
+    def ctl(self, *args):
+        r = subprocess.run([os.path.join(self.build, "tools/dsv4ctl/dsv4ctl"),
+                            "--admin", self.ep["ctl"], "--json"] + list(args),
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None)
+
+    def stop(self):
+        self.p.terminate()
+        rc = self.p.wait(timeout=30)
+        self.log.close()
+        return rc
+
+
+class Client:
+    def __init__(self, ctx, ep):
+        self.s = ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(ep)
+        self.next_id = 1
+
+    def generate(self, **kw):
+        i = self.next_id
+        self.next_id += 1
+        kw["id"] = i
+        self.s.send_multipart([b"", CLI, bytes([1]), msgpack.packb(kw)])
+        return i
+
+    def cancel(self, i):
+        self.s.send_multipart([b"", CLI, bytes([6]), msgpack.packb({"id": i})])
+
+    def collect(self, ids, timeout=30, on_tokens=None, seen_ok=False):
+        """Run until every id got DONE or ERROR; returns id -> result."""
+        res = {i: {"tokens": [], "text": "", "ok": seen_ok} for i in ids}
+        left = set(ids)
+        end = time.time() + timeout
+        while left and time.time() < end:
+            if not self.s.poll(100):
+                continue
+            fr = self.s.recv_multipart()
+            assert fr[1] == CLI, fr
+            cmd, b = fr[2][0], msgpack.unpackb(fr[3])
+            r = res.get(b["id"])
+            if r is None:
+                continue
+            if cmd == 2:
+                r["ok"] = True
+                r["req"] = b["req"]
+            elif cmd == 4:
+                assert r["ok"] and "final" not in r
+                r["tokens"] += b["tokens"]
+                r["text"] += b["text"]
+                if on_tokens:
+                    on_tokens(b["id"], r)
+            elif cmd in (3, 5):
+                assert "final" not in r
+                r["final"] = (cmd, b)
+                left.discard(b["id"])
+        if left:
+            raise AssertionError("no final message for %s" % sorted(left))
+        return res
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def expected(prompt, seed, n):
+    return [f(sum(prompt), seed, k) for k in range(n)]
+
+
+def wait_ranks(sc, n):
+    end = time.time() + 20
+    while time.time() < end:
+        rc, st = sc.ctl("status")
+        if rc == 0 and st["n_ranks_ready"] >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError("ranks did not register")
+
+
+def wait_idle(sc):
+    """No request left in the scheduler (all state released)."""
+    end = time.time() + 20
+    while time.time() < end:
+        rc, reqs = sc.ctl("requests")
+        if rc == 0 and reqs == []:
+            return
+        time.sleep(0.05)
+    raise AssertionError("requests left: %s" % reqs)
+
+
+def submit(cl, prompt, seed, n, **kw):
+    i = cl.generate(tokens=prompt, seed=seed, max_tokens=n, temperature=0, **kw)
+    return i
+
+
+def setup(ctx, build, tmp, extra=(), max_batch=16):
+    sc = Sched(build, tmp, ["-o", "max_batch=%d" % max_batch] + list(extra))
+    time.sleep(0.2)
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2)
+    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0, capacity=16)
+    pre.start()
+    dec.start()
+    wait_ranks(sc, 2)
+    return sc, pre, dec
+
+
+def prompts(n):
+    return [[(i * 13 + j * 5) % 250 + 5 for j in range(3 + i % 5)] for i in range(n)]
+
+
+def t_basic(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    ps = prompts(4)
+    ids = {}
+    for k, p in enumerate(ps):
+        i = submit(cl, p, 1000 + k, 12)
+        ids[i] = (p, 1000 + k)
+    res = collect_with_psum(cl, ids)
+    for i, (p, seed) in ids.items():
+        r = res[i]
+        check(r["final"][0] == 5, "DONE expected: %s" % (r["final"],))
+        d = r["final"][1]
+        check(d["finish"] == "length", d)
+        check(r["tokens"] == expected(p, seed, 12), "tokens %s" % r["tokens"])
+        check(d["prompt_tokens"] == len(p) and d["completion_tokens"] == 12, d)
+    wait_idle(sc)
+    rc, st = sc.ctl("status")
+    check(st["n_done"] == 4 and st["handoffs"] == 4 and st["tokens_out"] == 48, st)
+    return sc, [pre, dec]
+
+
+def collect_with_psum(cl, ids, timeout=60, on_tokens=None):
+    """collect() for a dict id -> (prompt, seed)."""
+    return cl.collect(list(ids), timeout, on_tokens)
+
+
+def t_batch(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp, max_batch=4)
+    cl = Client(ctx, sc.ep["client"])
+    ids = {}
+    for k, p in enumerate(prompts(40)):
+        ids[submit(cl, p, k, 6)] = (p, k)
+    res = collect_with_psum(cl, ids)
+    for i, (p, seed) in ids.items():
+        check(res[i]["tokens"] == expected(p, seed, 6), "request %d" % i)
+    check(dec.max_streams <= 4, "decode rank saw %d streams" % dec.max_streams)
+    check(dec.max_streams == 4, "batching never reached 4 (%d)" % dec.max_streams)
+    wait_idle(sc)
+    return sc, [pre, dec]
+
+
+def t_stop(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    p = [10, 20, 30]
+    seed = 5
+    full = expected(p, seed, 20)
+    # Stop id: the 6th output token.
+    i1 = submit(cl, p, seed, 20, stop_ids=[full[5]])
+    # EOS from the model ends a request too (forced as output token 7 of seed 77).
+    PSUM.override[(77, 7)] = EOS
+    i2 = submit(cl, p, 77, 20)
+    # No streaming: everything in one TOKENS before DONE.
+    i3 = cl.generate(tokens=p, seed=seed, max_tokens=20, temperature=0, stream=False)
+    ids = {i1: (p, seed), i2: (p, 77), i3: (p, seed)}
+    res = collect_with_psum(cl, ids)
+    check(res[i1]["tokens"] == full[:6] and res[i1]["final"][1]["finish"] == "stop",
+          "stop id: %s" % res[i1])
+    check(res[i2]["tokens"] == expected(p, 77, 7) + [EOS] and res[i2]["final"][1]["finish"] == "stop",
+          "eos: %s" % res[i2])
+    text = res[i3]["text"]
+    check(res[i3]["tokens"] == full and len(text) > 4, "non-stream: %s" % res[i3])
+    # Now a stop string taken from the middle of that text.
+    cut = len(text) // 2
+    stop = text[cut:cut + 3]
+    first = text.find(stop)
+    i4 = submit(cl, p, seed, 20, stop=[stop])
+    res = collect_with_psum(cl, {i4: (p, seed)})
+    r = res[i4]
+    check(r["final"][1]["finish"] == "stop", r)
+    check(r["text"] == text[:first], "stop string cut: %r vs %r" % (r["text"], text[:first]))
+    check(r["tokens"] == full[:len(r["tokens"])] and len(r["tokens"]) < 20, r)
+    wait_idle(sc)
+    return sc, [pre, dec]
+
+
+def t_cancel(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    ids = {}
+    for k, p in enumerate(prompts(8)):
+        ids[submit(cl, p, k, 4000 if k % 2 == 0 else 5)] = (p, k)
+    cancelled = set()
+
+    def on_tokens(i, r):
+        if ids[i][1] % 2 == 0 and i not in cancelled and len(r["tokens"]) >= 3:
+            cl.cancel(i)
+            cancelled.add(i)
+    res = collect_with_psum(cl, ids, on_tokens=on_tokens)
+    for i, (p, k) in ids.items():
+        d = res[i]["final"][1]
+        if k % 2 == 0:
+            check(d["finish"] == "cancelled", d)
+            n = len(res[i]["tokens"])
+            check(res[i]["tokens"] == expected(p, k, n), "cancelled output")
+            check(d["completion_tokens"] >= n, d)
+        else:
+            check(d["finish"] == "length" and res[i]["tokens"] == expected(p, k, 5), d)
+    # Cancel of an unknown id: 404.
+    cl.cancel(999)
+    fr = cl.s.recv_multipart()
+    b = msgpack.unpackb(fr[3])
+    check(fr[2][0] == 3 and b["code"] == 404 and b["id"] == 999, b)
+    wait_idle(sc)
+    time.sleep(0.2)
+    check(not dec.streams, "decode rank still holds %s" % dec.streams)
+    check(len(dec.aborts) >= 4, "aborts %s" % dec.aborts)
+    rc, st = sc.ctl("status")
+    check(st["n_cancelled"] == 4, st)
+    return sc, [pre, dec]
+
+
+def t_death(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    ids = {}
+    for k, p in enumerate(prompts(8)):
+        ids[submit(cl, p, k, 60)] = (p, k)
+    state = {"killed": False, "new": None}
+
+    def on_tokens(i, r):
+        if not state["killed"] and len(r["tokens"]) >= 10:
+            state["killed"] = True
+            dec.dead = True             # stops answering, like kill -9
+            nd = FakeRank(ctx, sc.ep["rank"], "decode", 1)
+            nd.start()
+            state["new"] = nd
+    res = collect_with_psum(cl, ids, timeout=60, on_tokens=on_tokens)
+    check(state["killed"], "never killed")
+    for i, (p, k) in ids.items():
+        check(res[i]["final"][0] == 5, res[i]["final"])
+        check(res[i]["tokens"] == expected(p, k, 60),
+              "request %d: %d tokens, duplicates or loss" % (i, len(res[i]["tokens"])))
+    rc, st = sc.ctl("status")
+    check(st["rank_deaths"] >= 1 and st["reruns"] >= 1, st)
+    rc, ranks = sc.ctl("ranks")
+    check(any(r["name"] == "decode@0" and r["state"] == "dead" for r in ranks), ranks)
+    wait_idle(sc)
+    return sc, [pre, dec, state["new"]]
+
+
+def t_overload(ctx, build, tmp):
+    sc = Sched(build, tmp, ["-o", "queue_max=3"])
+    time.sleep(0.2)
+    cl = Client(ctx, sc.ep["client"])
+    ids = [submit(cl, [5, 6], 1, 4) for _ in range(5)]
+    got = {}
+    end = time.time() + 10
+    while len(got) < 5 and time.time() < end:
+        if cl.s.poll(100):
+            fr = cl.s.recv_multipart()
+            b = msgpack.unpackb(fr[3])
+            got[b["id"]] = (fr[2][0], b)
+    check(all(got[i][0] == 2 for i in ids[:3]), got)
+    check(all(got[i][0] == 3 and got[i][1]["code"] == 300 for i in ids[3:]), got)
+    # Global drain: admits nothing (301), and its reply waits for the queue.
+    rc, _ = sc.ctl("drain", "all", "--timeout", "0.3")
+    check(rc == 1, "drain with queued work must time out (rc %d)" % rc)
+    i = submit(cl, [5, 6], 1, 4)
+    fr = cl.s.recv_multipart()
+    b = msgpack.unpackb(fr[3])
+    check(fr[2][0] == 3 and b["code"] == 301 and b["id"] == i, b)
+    rc, st = sc.ctl("status")
+    check(st["draining"] and st["n_queued"] == 3, st)
+    rc, _ = sc.ctl("undrain")
+    check(rc == 0, "undrain")
+    # Ranks arrive: the queued work runs and drain completes.
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0)
+    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0)
+    pre.start()
+    dec.start()
+    res = cl.collect(ids[:3], timeout=30, seen_ok=True)
+    check(all(res[i]["final"][0] == 5 for i in ids[:3]), res)
+    rc, _ = sc.ctl("drain", "decode@0", "--timeout", "10")
+    check(rc == 0, "rank drain")
+    rc, ranks = sc.ctl("ranks")
+    check(any(r["name"] == "decode@0" and r["state"] == "drained" for r in ranks), ranks)
+    # A drained rank gets no new work: the request waits in the queue.
+    i = submit(cl, [7], 2, 3)
+    time.sleep(0.3)
+    rc, reqs = sc.ctl("requests")
+    check(len(reqs) == 1 and reqs[0]["state"] == "queued", reqs)
+    rc, _ = sc.ctl("undrain", "decode@0")
+    res = cl.collect([i], timeout=30)
+    check(res[i]["final"][0] == 5, res)
+    rc, _ = sc.ctl("drain", "nosuch@1")
+    check(rc == 1, "unknown rank")
+    return sc, [pre, dec]
+
+
+def t_malformed(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    junk = [[b"x"], [b"", b"DSV4C1"], [b"", b"DSV4C1", b"\x01", b"\xc1"],
+            [b"", b"DSV4C1", b"\x63", msgpack.packb({})],
+            [b"", b"DSV4C1", b"\x01", msgpack.packb({"id": 1, "tokens": "no"})],
+            [b"", b"DSV4R1", b"\x01", msgpack.packb({"role": "decode"})],
+            [b"", b"DSV4A1", b"\x09", msgpack.packb({"target": 5})],
+            [b"", b"DSV4C1", b"\x01", msgpack.packb({"id": 2, "tokens": [1],
+                                                      "prompt": "x"})],
+            [b"", b"DSV4C1", b"\x01", msgpack.packb({"id": 3, "tokens": [VOCAB + 5]})],
+            [b"", b"DSV4C1", b"\x05", msgpack.packb({"id": 3})]]
+    codes = {}
+    for name in ("client", "rank", "ctl"):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(sc.ep[name])
+        for j in junk:
+            s.send_multipart(j)
+        time.sleep(0.2)
+        while s.poll(50):
+            fr = s.recv_multipart()
+            if len(fr) >= 4 and fr[1] == CLI and fr[2][0] == 3:
+                b = msgpack.unpackb(fr[3])
+                codes.setdefault(name, []).append(b["code"])
+        s.close(0)
+    cc = codes.get("client", [])
+    check(cc.count(401) == 2 and cc.count(400) >= 5 and set(cc) == {400, 401}, codes)
+    # A registered rank that sends garbage is disconnected and re-registers.
+    check(sc.p.poll() is None, "scheduler died")
+    time.sleep(0.5)
+    cl = Client(ctx, sc.ep["client"])
+    p = [9, 9, 9]
+    i = submit(cl, p, 3, 5)
+    res = collect_with_psum(cl, {i: (p, 3)})
+    check(res[i]["tokens"] == expected(p, 3, 5), res)
+    rc, st = sc.ctl("status")
+    check(rc == 0 and st["n_ranks_ready"] == 2, st)
+    return sc, [pre, dec]
+
+
+TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
+         "death": t_death, "overload": t_overload, "malformed": t_malformed}
+TOKENIZER = None
+
+
+def main():
+    global TOKENIZER
+    build, src = sys.argv[1], sys.argv[2]
+    names = sys.argv[3:] or list(TESTS)
+    TOKENIZER = os.path.join(src, "tests/tokenizer/tiny_tokenizer.json")
+    failed = 0
+    for name in names:
+        ctx = zmq.Context()
+        with tempfile.TemporaryDirectory(prefix="sched-") as tmp:
+            PSUM.override.clear()
+            sc, ranks = None, []
+            try:
+                sc, ranks = TESTS[name](ctx, build, tmp)
+                rc = sc.stop()
+                check(rc == 0, "scheduler exit status %d" % rc)
+                print("ok %s" % name)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                failed += 1
+                print("FAIL %s: %s" % (name, e))
+                traceback.print_exc(file=sys.stdout)
+                for sc in ALL_SCHEDS:
+                    sc.p.kill()
+                    sc.p.wait()
+                    sc.log.close()
+                    with open(os.path.join(tmp, "sched.log")) as fp:
+                        sys.stdout.write(fp.read()[-4000:])
+            ALL_SCHEDS.clear()
+            for r in ALL_RANKS:
+                r.stop = True
+            for r in ALL_RANKS:
+                r.join(2)
+            ALL_RANKS.clear()
+        ctx.destroy(0)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+/*
+ * test_sched_queue.c — unit tests of dsv4-sched's pure parts: admission
+ * status, group choice and decode slots (sched_queue.c), stop-string search
+ * and hold-back (sched_req.c), and the round trip of the protocol fields the
+ * scheduler added (PREFILL chunk, STATUS metrics, RANK rank_active).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "daemons/sched/sched.h"
+
+static void
+test_admit(void **state)
+{
+    (void)state;
+    assert_int_equal(queue_admit_status(0, 4, false), DSV4_STATUS_OK);
+    assert_int_equal(queue_admit_status(3, 4, false), DSV4_STATUS_OK);
+    assert_int_equal(queue_admit_status(4, 4, false), DSV4_STATUS_BUSY);
+    assert_int_equal(queue_admit_status(0, 4, true), DSV4_STATUS_DRAINING);
+}
+
+/* A complete one-rank group of `role` with `cap` slots. */
+static struct sched_group *
+mkgroup(struct sched_group_list *l, struct sched_rank *k, enum dsv4_role role, uint32_t id,
+    uint32_t cap, uint32_t ctx)
+{
+    struct sched_group *g = calloc(1, sizeof(*g));
+
+    memset(k, 0, sizeof(*k));
+    k->role = role;
+    k->state = DSV4_RANK_STATE_READY;
+    strcpy(k->host, "h");
+    g->role = role;
+    g->id = id;
+    g->size = 1;
+    g->n_ranks = 1;
+    g->ranks[0] = k;
+    g->capacity = cap;
+    g->max_ctx = ctx;
+    g->slots = calloc(cap, 1);
+    g->n_slots = cap;
+    TAILQ_INSERT_TAIL(l, g, entry);
+    return g;
+}
+
+static void
+test_pick(void **state)
+{
+    struct sched_group_list l;
+    struct sched_rank k[3];
+    struct sched_group *d0, *d1, *p0, *g;
+
+    (void)state;
+    TAILQ_INIT(&l);
+    d0 = mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 2, 100);
+    d1 = mkgroup(&l, &k[1], DSV4_ROLE_DECODE, 1, 2, 1000);
+    p0 = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 0, 1, 1000);
+    /* Least loaded wins, lowest id on ties; the context must fit. */
+    assert_ptr_equal(queue_pick(&l, DSV4_ROLE_DECODE, 50, DSV4_TRANSPORT_NONE), d0);
+    d0->load = 1;
+    assert_ptr_equal(queue_pick(&l, DSV4_ROLE_DECODE, 50, DSV4_TRANSPORT_NONE), d1);
+    assert_ptr_equal(queue_pick(&l, DSV4_ROLE_DECODE, 500, DSV4_TRANSPORT_NONE), d1);
+    d1->load = 2;
+    assert_null(queue_pick(&l, DSV4_ROLE_DECODE, 500, DSV4_TRANSPORT_NONE));
+    assert_ptr_equal(queue_pick(&l, DSV4_ROLE_DECODE, 50, DSV4_TRANSPORT_NONE), d0);
+    /* A drained or dead rank takes its group out; an incomplete group too. */
+    k[0].drain = true;
+    assert_null(queue_pick(&l, DSV4_ROLE_DECODE, 50, DSV4_TRANSPORT_NONE));
+    k[0].drain = false;
+    d0->n_ranks = 0;
+    assert_null(queue_pick(&l, DSV4_ROLE_DECODE, 50, DSV4_TRANSPORT_NONE));
+    /* ...but it still counts for "could ever fit". */
+    assert_true(queue_ctx_possible(&l, DSV4_ROLE_DECODE, 1000));
+    assert_false(queue_ctx_possible(&l, DSV4_ROLE_DECODE, 1001));
+    assert_ptr_equal(queue_pick(&l, DSV4_ROLE_PREFILL, 10, DSV4_TRANSPORT_NONE), p0);
+    /* Slots: lowest free first, never more than capacity. */
+    assert_int_equal(queue_slot_take(d0), 0);
+    assert_int_equal(queue_slot_take(d0), 1);
+    assert_int_equal(queue_slot_take(d0), -1);
+    queue_slot_put(d0, 0);
+    assert_int_equal(queue_slot_take(d0), 0);
+    /* Transport: ranks announcing nothing speak shm; same host. */
+    assert_int_equal(queue_transport(p0, d1), DSV4_TRANSPORT_SHM);
+    d1->transports = 1u << DSV4_TRANSPORT_UCX;
+    assert_int_equal(queue_transport(p0, d1), DSV4_TRANSPORT_NONE);
+    p0->transports = (1u << DSV4_TRANSPORT_UCX) | (1u << DSV4_TRANSPORT_SHM);
+    assert_int_equal(queue_transport(p0, d1), DSV4_TRANSPORT_UCX);
+    while ((g = TAILQ_FIRST(&l)) != NULL) {
+        TAILQ_REMOVE(&l, g, entry);
+        free(g->slots);
+        free(g);
+    }
+}
+
+static void
+test_stop_strings(void **state)
+{
+    char *stop[] = { "END", "xyz!" };
+    const char *t = "abcEN";
+
+    (void)state;
+    assert_int_equal(req_stop_find(stop, 2, "abcENDxyz!", 10, 0), 3);
+    assert_int_equal(req_stop_find(stop, 2, "abcENDxyz!", 10, 4), 6);
+    assert_int_equal(req_stop_find(stop, 2, "abcEN", 5, 0), -1);
+    /* "EN" might become "END": hold back 2 bytes; "xy" might become "xyz!". */
+    assert_int_equal(req_stop_holdback(stop, 2, t, strlen(t)), 2);
+    assert_int_equal(req_stop_holdback(stop, 2, "aaxy", 4), 2);
+    assert_int_equal(req_stop_holdback(stop, 2, "xyz", 3), 3);
+    assert_int_equal(req_stop_holdback(stop, 2, "abc", 3), 0);
+    assert_int_equal(req_stop_holdback(stop, 2, "E", 1), 1);
+    assert_int_equal(req_stop_holdback(stop, 0, "E", 1), 0);
+}
+
+/* Encode `m`, decode it back, compare. */
+static void
+roundtrip(struct dsv4_msg *m)
+{
+    struct dsv4_frame fr[DSV4_PROTO_MAX_FRAMES];
+    struct dsv4_wire w;
+    struct dsv4_perr pe;
+    struct dsv4_msg back;
+
+    assert_int_equal(dsv4_msg_encode(m, &w, &pe), DSV4_OK);
+    fr[0].data = "";
+    fr[0].len = 0;
+    fr[1].data = w.sig;
+    fr[1].len = DSV4_PROTO_SIG_LEN;
+    fr[2].data = &w.cmd;
+    fr[2].len = 1;
+    fr[3].data = w.body;
+    fr[3].len = w.body_len;
+    for (uint32_t i = 0; i < w.n_raw; i++)
+        fr[4 + i] = w.raw[i];
+    assert_int_equal(dsv4_msg_decode(&back, fr, 4 + w.n_raw, &pe), DSV4_OK);
+    assert_true(dsv4_msg_equal(m, &back));
+    dsv4_msg_clear(&back);
+    dsv4_wire_clear(&w);
+}
+
+static void
+test_proto_additions(void **state)
+{
+    int32_t toks[3] = { 5, 6, 7 };
+    struct dsv4_msg m;
+
+    (void)state;
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL);
+    m.u.prefill.req = 9;
+    m.u.prefill.tokens = toks;
+    m.u.prefill.n_tokens = 3;
+    m.u.prefill.transport = DSV4_TRANSPORT_SHM;
+    roundtrip(&m);
+    m.u.prefill.chunk = 512;
+    m.u.prefill.has_chunk = true;
+    roundtrip(&m);
+
+    dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_STATUS);
+    m.u.status.version = "v";
+    roundtrip(&m);
+    m.u.status.has_metrics = true;
+    m.u.status.tokens_out = 123456789012ull;
+    m.u.status.rank_deaths = 2;
+    m.u.status.n_rejected = 7;
+    roundtrip(&m);
+
+    dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_RANK);
+    m.u.rank.role = DSV4_ROLE_DECODE;
+    m.u.rank.host = "h";
+    m.u.rank.state = DSV4_RANK_STATE_READY;
+    roundtrip(&m);
+    m.u.rank.rank_active = 3;
+    m.u.rank.has_rank_active = true;
+    roundtrip(&m);
+}
+
+int
+main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_admit),
+        cmocka_unit_test(test_pick),
+        cmocka_unit_test(test_stop_strings),
+        cmocka_unit_test(test_proto_additions),
+    };
+
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
