@@ -166,8 +166,10 @@ link_lost(struct rank *k, const char *why)
 
     log_warnx("link_lost: %s; dropping %u requests, registering again", why, (unsigned)n);
     sdnotify_status("scheduler lost (%s); registering again", why);
-    prefill_reset(k);
-    decode_reset(k);
+    if (k->o.role == DSV4_ROLE_PREFILL)
+        prefill_reset(k);
+    else
+        decode_reset(k);
     k->drain = false;
     link_join(k);
 }
@@ -264,7 +266,8 @@ rank_dispatch_msg(struct rank *k, const struct dsv4_msg *m)
             log_debug("rank_dispatch: KV_RELEASE of unknown req=%" PRIu64, m->u.ref.req);
         break;
     case DSV4_RANK_ABORT:
-        if (prefill_abort(k, m->u.ref.req) | decode_abort(k, m->u.ref.req))
+        if (k->o.role == DSV4_ROLE_PREFILL ? prefill_abort(k, m->u.ref.req) :
+                                             decode_abort(k, m->u.ref.req))
             log_info("rank_abort: req=%" PRIu64 " freed", m->u.ref.req);
         rank_send_ref(k, DSV4_RANK_ABORT_DONE, m->u.ref.req);
         break;

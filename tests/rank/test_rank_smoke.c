@@ -1,0 +1,433 @@
+/*
+ * test_rank_smoke.c — dsv4-prefill and dsv4-decode end to end, with this
+ * program playing the scheduler (docs/protocol.md §6) on a ROUTER socket:
+ *
+ *   READY -> WELCOME; PREFILL (two prompts, chunked: --rows is smaller than
+ *   the prompts) -> PREFILL_DONE with a shm location; DECODE -> KV_RELEASE
+ *   (forwarded to the prefill rank) -> TOKENS ... -> DECODE_DONE.
+ *
+ * Checks: the greedy tokens (prefill's first token + the decode rank's) equal
+ * those of a single-process dsv4_model_forward run of the same prompt; the
+ * shm object exists while exported and is gone after the release (and after
+ * an ABORT of an export nobody claimed); ABORT of a running stream is
+ * acknowledged and frees it; the ranks survive the scheduler going away and
+ * register again with a new one; SIGTERM ends both with status 0.
+ *
+ * usage: test_rank_smoke CKPT_DIR DSV4_PREFILL DSV4_DECODE
+ */
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "ipc/proto.h"
+#include "ipc/zsock.h"
+#include "tests/model/model_util.h"
+
+#define HANG_GUARD_MS 300000  /* fail instead of hanging forever */
+#define N_REQ 3
+#define MAX_OUT 16
+
+#define CHECK(c)                                                                 \
+    do {                                                                         \
+        if (!(c)) {                                                              \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c); \
+            cleanup_children();                                                  \
+            exit(1);                                                             \
+        }                                                                        \
+    } while (0)
+
+static pid_t children[2];
+static char sockdir[64];
+
+static void
+cleanup_children(void)
+{
+    for (int i = 0; i < 2; i++)
+        if (children[i] > 0)
+            kill(children[i], SIGKILL);
+}
+
+/* One request the test drives. */
+struct treq {
+    uint64_t req;
+    int32_t prompt[64];
+    int n_prompt;
+    int max_tokens;          /* total output tokens */
+    int32_t out[MAX_OUT];    /* prefill's first token, then the decode rank's */
+    int n_out;
+    bool done;
+    /* PREFILL_DONE's location, copied. */
+    struct dsv4_kv_loc loc;
+    uint8_t handle[256];
+    uint64_t sizes[1], offsets[1];
+    bool released;
+};
+
+struct peer {
+    struct dsv4_route route;
+    bool ready;
+};
+
+static void *zctx, *router;
+static struct peer pre, dec;
+static char endpoint[128];
+
+static pid_t
+spawn(const char *exe, const char *ckpt, const char *conf, const char *rank, const char *slots,
+      const char *rows)
+{
+    pid_t pid = fork();
+
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        /* Die with the test, whatever ends it. */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        /* RANK_SMOKE_VERBOSE=1: the ranks log at debug level. */
+        const char *av[] = { exe, "-f", conf, "--rank", rank, "--checkpoint", ckpt, "--sched",
+                             endpoint, "--threads", "1", "--max-seq", "256", "--slots", slots,
+                             "--rows", rows, getenv("RANK_SMOKE_VERBOSE") != NULL ? "-vv" : NULL,
+                             NULL };
+        execv(exe, (char *const *)(uintptr_t)av);
+        perror(exe);
+        _exit(127);
+    }
+    return pid;
+}
+
+static void
+router_open(void)
+{
+    struct dsv4_zsock_cfg cfg;
+
+    dsv4_zsock_cfg_init(&cfg);
+    cfg.endpoint = endpoint;
+    cfg.type = ZMQ_ROUTER;
+    cfg.bind = true;
+    router = dsv4_zsock_open(zctx, &cfg, NULL);
+    CHECK(router != NULL);
+}
+
+static bool
+route_eq(const struct dsv4_route *a, const struct dsv4_route *b)
+{
+    return a->len == b->len && memcmp(a->id, b->id, a->len) == 0;
+}
+
+static bool
+known(const struct dsv4_route *r)
+{
+    return (pre.ready && route_eq(r, &pre.route)) || (dec.ready && route_eq(r, &dec.route));
+}
+
+/* Receive one message other than HEARTBEAT (hang guard only). */
+static void
+recv_msg(struct dsv4_route *from, struct dsv4_msg *m)
+{
+    zmq_pollitem_t it = { router, -1, ZMQ_POLLIN, 0 };
+    struct dsv4_perr pe;
+
+    for (;;) {
+        CHECK(zmq_poll(&it, 1, HANG_GUARD_MS) == 1);
+        CHECK(dsv4_zsock_recv(router, from, m, &pe, 0) == DSV4_OK);
+        if (m->cmd != DSV4_RANK_HEARTBEAT)
+            return;
+        /* Answer as a scheduler does: a registered rank keeps its link, an
+         * unknown one (registered with an earlier scheduler) is told to go. */
+        dsv4_msg_clear(m);
+        dsv4_msg_init(m, DSV4_SUB_RANK, known(from) ? DSV4_RANK_HEARTBEAT :
+                                                      DSV4_RANK_DISCONNECT);
+        CHECK(dsv4_zsock_send(router, from, m, 0, NULL) == DSV4_OK);
+    }
+}
+
+static void
+send_to(const struct peer *p, const struct dsv4_msg *m)
+{
+    CHECK(dsv4_zsock_send(router, &p->route, m, 0, NULL) == DSV4_OK);
+}
+
+static void
+send_ref(const struct peer *p, int cmd, uint64_t req)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, cmd);
+    m.u.ref.req = req;
+    send_to(p, &m);
+}
+
+/* Wait until both ranks sent READY, answering each with WELCOME. */
+static void
+register_ranks(void)
+{
+    struct dsv4_route from;
+    struct dsv4_msg m, w;
+
+    pre.ready = dec.ready = false;
+    dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
+    while (!pre.ready || !dec.ready) {
+        recv_msg(&from, &m);
+        if (m.cmd == DSV4_RANK_READY) {
+            struct peer *p = m.u.ready.role == DSV4_ROLE_PREFILL ? &pre : &dec;
+            CHECK(m.u.ready.group_size == 1);
+            CHECK(m.u.ready.transports & (1u << DSV4_TRANSPORT_SHM));
+            CHECK(m.u.ready.capacity == (m.u.ready.role == DSV4_ROLE_PREFILL ? 2u : 4u));
+            p->route = from;
+            p->ready = true;
+            dsv4_msg_init(&w, DSV4_SUB_RANK, DSV4_RANK_WELCOME);
+            w.u.welcome.heartbeat_ms = 100;
+            w.u.welcome.liveness = 5;
+            send_to(p, &w);
+        }
+        dsv4_msg_clear(&m);
+    }
+}
+
+static bool
+shm_exists(const struct treq *r)
+{
+    char path[400];
+    struct stat st;
+
+    snprintf(path, sizeof(path), "/dev/shm%.*s", (int)r->loc.handle_len,
+             (const char *)r->handle);
+    return stat(path, &st) == 0;
+}
+
+/* Greedy reference: prompt through one forward call, then one token at a
+ * time, each argmax'ed by the backend's sampler at temperature 0. */
+static void
+reference(struct tmodel *t, const struct treq *r, int32_t *out)
+{
+    struct dsv4_sample_params sp = { 0.0f, 1.0f, 0, 0, 0 };
+    float *logits = malloc(sizeof(float) * (size_t)t->V);
+    int32_t slot = 0, n = r->n_prompt, one = 1, tok;
+
+    CHECK(logits != NULL);
+    CHECK(dsv4_model_seq_reset(t->m, 0) == DSV4_OK);
+    struct dsv4_batch b = { 1, &slot, &n, r->prompt };
+    CHECK(dsv4_model_forward(t->m, &b, logits, 0) == DSV4_OK);
+    for (int i = 0; i < r->max_tokens; i++) {
+        sp.step = (uint64_t)i;
+        CHECK(t->be->ops->sample(t->be, &tok, NULL, logits, &sp, 1, t->V) == DSV4_OK);
+        out[i] = tok;
+        struct dsv4_batch d = { 1, &slot, &one, &tok };
+        if (i + 1 < r->max_tokens)
+            CHECK(dsv4_model_forward(t->m, &d, logits, 0) == DSV4_OK);
+    }
+    free(logits);
+}
+
+static void
+send_prefill(struct treq *r)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL);
+    m.u.prefill.req = r->req;
+    m.u.prefill.tokens = r->prompt;
+    m.u.prefill.n_tokens = (uint32_t)r->n_prompt;
+    m.u.prefill.s.temperature = 0.0f;
+    m.u.prefill.s.seed = 7;
+    m.u.prefill.s.has_seed = true;
+    m.u.prefill.dst_group = 0;
+    m.u.prefill.transport = DSV4_TRANSPORT_SHM;
+    send_to(&pre, &m);
+}
+
+static void
+send_decode(struct treq *r, uint32_t slot)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DECODE);
+    m.u.decode.req = r->req;
+    m.u.decode.slot = slot;
+    m.u.decode.token = r->out[0];
+    m.u.decode.pos = (uint32_t)r->n_prompt;
+    m.u.decode.max_tokens = (uint32_t)(r->max_tokens - 1);
+    m.u.decode.s.temperature = 0.0f;
+    m.u.decode.s.seed = 7;
+    m.u.decode.s.has_seed = true;
+    m.u.decode.step = 1;
+    m.u.decode.has_step = true;
+    m.u.decode.kv[0] = r->loc;
+    m.u.decode.n_kv = 1;
+    send_to(&dec, &m);
+}
+
+static struct treq *
+find(struct treq *rs, uint64_t req)
+{
+    for (int i = 0; i < N_REQ; i++)
+        if (rs[i].req == req)
+            return &rs[i];
+    CHECK(!"unknown req");
+    return NULL;
+}
+
+int
+main(int argc, char **argv)
+{
+    struct treq rs[N_REQ];
+    struct tmodel t;
+    struct dsv4_route from;
+    struct dsv4_msg m;
+    char conf[96], rank_no[16];
+    int n_done = 0, n_pdone = 0, status;
+    bool abort_done = false;
+    FILE *fp;
+
+    if (argc != 4) {
+        fprintf(stderr, "usage: %s CKPT DSV4_PREFILL DSV4_DECODE\n", argv[0]);
+        return 2;
+    }
+    snprintf(sockdir, sizeof(sockdir), "/tmp/dsv4-rank-smoke-XXXXXX");
+    CHECK(mkdtemp(sockdir) != NULL);
+    snprintf(endpoint, sizeof(endpoint), "ipc://%s/rank.sock", sockdir);
+    snprintf(conf, sizeof(conf), "%s/dsv4.conf", sockdir);
+    fp = fopen(conf, "w");
+    CHECK(fp != NULL);
+    fclose(fp);
+    /* A rank number of our own, so parallel runs use distinct shm names. */
+    snprintf(rank_no, sizeof(rank_no), "%d", (int)(getpid() % 60000) + 1000);
+
+    zctx = zmq_ctx_new();
+    router_open();
+    children[0] = spawn(argv[2], argv[1], conf, rank_no, "2", "8");
+    children[1] = spawn(argv[3], argv[1], conf, rank_no, "4", "8");
+
+    tmodel_open(&t, argv[1], DSV4_NUMERICS_REF, 1, 256, 64);
+    memset(rs, 0, sizeof(rs));
+    for (int i = 0; i < N_REQ; i++) {
+        rs[i].req = 100 + (uint64_t)i;
+        rs[i].n_prompt = 21 - 4 * i;             /* 21, 17, 13: chunked by 8 rows */
+        rs[i].max_tokens = 9 - 2 * i;            /* 9, 7, 5 */
+        tmodel_tokens(rs[i].prompt, rs[i].n_prompt, t.V, 11 + (uint64_t)i);
+    }
+
+    register_ranks();
+    /* Two prompts share the prefill rank's two slots; the third waits. */
+    send_prefill(&rs[0]);
+    send_prefill(&rs[1]);
+    dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
+    while (n_done < 2 || !abort_done) {
+        struct treq *r;
+        recv_msg(&from, &m);
+        switch (m.cmd) {
+        case DSV4_RANK_PREFILL_DONE:
+            CHECK(route_eq(&from, &pre.route));
+            r = find(rs, m.u.prefill_done.req);
+            CHECK(m.u.prefill_done.n_kv == 1);
+            r->loc = m.u.prefill_done.kv[0];
+            CHECK(r->loc.transport == DSV4_TRANSPORT_SHM && r->loc.n_seg == 1);
+            CHECK(r->loc.n_tokens == (uint32_t)r->n_prompt);
+            CHECK(r->loc.handle_len <= sizeof(r->handle));
+            memcpy(r->handle, r->loc.handle, r->loc.handle_len);
+            r->sizes[0] = r->loc.sizes[0];
+            r->offsets[0] = r->loc.offsets[0];
+            r->loc.handle = r->handle;
+            r->loc.sizes = r->sizes;
+            r->loc.offsets = r->offsets;
+            r->out[r->n_out++] = m.u.prefill_done.token;
+            CHECK(shm_exists(r));
+            n_pdone++;
+            if (r == &rs[0] || r == &rs[1]) {
+                send_decode(r, (uint32_t)(r - rs));
+                if (r == &rs[0])
+                    send_prefill(&rs[2]);
+            } else {
+                /* Nobody claims this one: ABORT frees it. */
+                send_ref(&pre, DSV4_RANK_ABORT, r->req);
+            }
+            break;
+        case DSV4_RANK_KV_RELEASE:
+            CHECK(route_eq(&from, &dec.route));
+            r = find(rs, m.u.ref.req);
+            r->released = true;
+            send_ref(&pre, DSV4_RANK_KV_RELEASE, r->req);
+            break;
+        case DSV4_RANK_TOKENS:
+            CHECK(route_eq(&from, &dec.route));
+            for (uint32_t i = 0; i < m.u.step.n; i++) {
+                r = find(rs, m.u.step.reqs[i]);
+                CHECK(r->released && !r->done && r->n_out < MAX_OUT);
+                r->out[r->n_out++] = m.u.step.tokens[i];
+            }
+            break;
+        case DSV4_RANK_DECODE_DONE:
+            r = find(rs, m.u.decode_done.req);
+            CHECK(m.u.decode_done.finish == DSV4_FINISH_LENGTH);
+            CHECK(m.u.decode_done.n_tokens == (uint32_t)(r->max_tokens - 1));
+            r->done = true;
+            n_done++;
+            break;
+        case DSV4_RANK_ABORT_DONE:
+            CHECK(m.u.ref.req == rs[2].req);
+            CHECK(!shm_exists(&rs[2]));
+            abort_done = true;
+            break;
+        case DSV4_RANK_HEARTBEAT:
+            break;
+        default:
+            fprintf(stderr, "unexpected %s\n", dsv4_proto_cmd_name(m.sub, m.cmd));
+            CHECK(0);
+        }
+        dsv4_msg_clear(&m);
+    }
+    CHECK(n_pdone == 3);
+
+    /* The prefill rank freed the released regions: a message sent after the
+     * KV_RELEASEs is answered after they were handled. */
+    send_ref(&pre, DSV4_RANK_ABORT, 999);
+    for (;;) {
+        recv_msg(&from, &m);
+        int cmd = m.cmd;
+        uint64_t req = m.u.ref.req;
+        dsv4_msg_clear(&m);
+        if (cmd == DSV4_RANK_ABORT_DONE && req == 999)
+            break;
+    }
+    for (int i = 0; i < 2; i++)
+        CHECK(!shm_exists(&rs[i]));
+
+    for (int i = 0; i < 2; i++) {
+        int32_t ref[MAX_OUT];
+        reference(&t, &rs[i], ref);
+        CHECK(rs[i].n_out == rs[i].max_tokens);
+        for (int j = 0; j < rs[i].max_tokens; j++) {
+            if (ref[j] != rs[i].out[j])
+                fprintf(stderr, "req %d token %d: service %d, reference %d\n", i, j,
+                        (int)rs[i].out[j], (int)ref[j]);
+            CHECK(ref[j] == rs[i].out[j]);
+        }
+    }
+
+    /* The scheduler goes away and a new one binds: both ranks register again. */
+    dsv4_zsock_close(router);
+    router_open();
+    register_ranks();
+
+    for (int i = 0; i < 2; i++) {
+        CHECK(kill(children[i], SIGTERM) == 0);
+        CHECK(waitpid(children[i], &status, 0) == children[i]);
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        children[i] = 0;
+    }
+    dsv4_zsock_close(router);
+    zmq_ctx_term(zctx);
+    tmodel_close(&t);
+    unlink(conf);
+    rmdir(sockdir);
+    printf("rank smoke: 3 prefills, 2 decodes, tokens equal the reference, regions freed\n");
+    return 0;
+}
