@@ -9,7 +9,8 @@
 #      default the clock), per-op bounds (tests/gpu/test_ops_gpu.c);
 #   2. test_forward_gpu on the `tiny` checkpoint (dsv4-mkmodel --preset tiny
 #      --seed 3): prefill + STEPS (256) greedy decode steps, two sequences;
-#   3. with MEMCHECK=1, compute-sanitizer memcheck on the op tests.
+#   3. with MEMCHECK=1, compute-sanitizer memcheck and racecheck on the op
+#      tests.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.carry/lib PATH=$PWD/.carry/bin:$PATH
@@ -33,11 +34,18 @@ if [ "${MEMCHECK:-0}" = 1 ]; then
     timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 test_ops_gpu "$SEED" \
         > "$OUT/memcheck.log" 2>&1
     mc_rc=$?
-    grep -E "ERROR SUMMARY|^FAIL" "$OUT/memcheck.log" | tail -5
+    timeout 240 compute-sanitizer --tool racecheck --error-exitcode 3 test_ops_gpu "$SEED" \
+        > "$OUT/racecheck.log" 2>&1
+    rc_rc=$?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" "$OUT/memcheck.log" "$OUT/racecheck.log" \
+        | tail -6
+    mc_rc="memcheck exit $mc_rc, racecheck exit $rc_rc"
+    [ "$rc_rc" = 0 ] || mc_rc="$mc_rc FAIL"
 fi
 
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
 cat "$OUT/forward.log"
-[ "$ops_rc" = 0 ] && [ "$fwd_rc" = 0 ] && { [ "$mc_rc" = skipped ] || [ "$mc_rc" = 0 ]; }
+[ "$ops_rc" = 0 ] && [ "$fwd_rc" = 0 ] && { [ "$mc_rc" = skipped ] ||
+    [ "$mc_rc" = "memcheck exit 0, racecheck exit 0" ]; }

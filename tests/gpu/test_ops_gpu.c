@@ -458,10 +458,11 @@ test_compress(void)
         int n_emit = 0;
         char nm[64];
 
-        /* slot 1: positions 0..89; slot 0: positions 40..99 (state from zero) */
+        /* slot 1: positions 0..139 (crosses 127); slot 0: positions 40..49
+         * (a fresh state) */
         for (int t = 0; t < T; t++) {
-            slot[t] = t < 90 ? 1 : 0;
-            pos[t] = t < 90 ? t : 40 + (t - 90);
+            slot[t] = t < 140 ? 1 : 0;
+            pos[t] = t < 140 ? t : 40 + (t - 140);
             emit[t] = (pos[t] + 1) % r == 0 ? n_emit++ : -1;
         }
         struct pair pa = pair_new(a, (size_t)T * cd * 4), pz = pair_new(z, (size_t)T * cd * 4);
