@@ -13,7 +13,7 @@ rm -rf .carry && mkdir -p .carry/bin .carry/lib
 skip='linux-vdso|ld-linux|libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|libgcc_s|libstdc\+\+|libcuda\.so|libcudart|libcublas|libnccl'
 for b in "$@"; do
     cp "$build/$b" .carry/bin/
-    ldd "$build/$b" | awk '/=> \//{print $3}' | grep -vE "$skip" | while read -r lib; do
+    ldd "$build/$b" | awk '/=> \//{print $3}' | { grep -vE "$skip" || true; } | while read -r lib; do
         cp -L "$lib" .carry/lib/
     done
 done
