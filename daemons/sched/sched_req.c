@@ -136,7 +136,6 @@ req_destroy(struct sched *s, struct sched_req *r)
 void
 req_hold_clear(struct sched *s, struct sched_req *r, struct sched_hold *h)
 {
-    (void)s;
     if (h->g == NULL)
         return;
     if (h->g->load > 0)
@@ -145,6 +144,11 @@ req_hold_clear(struct sched *s, struct sched_req *r, struct sched_hold *h)
         queue_slot_put(h->g, r->slot);
     h->g = NULL;
     h->acks = 0;
+    /* A closing request's exported KV outlives the decode group's import. */
+    if (h == &r->dec && r->closing && r->pre.g != NULL && r->pre.acks == 0) {
+        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+        req_hold_clear(s, r, &r->pre);
+    }
 }
 
 void
@@ -272,8 +276,10 @@ release_holds(struct sched *s, struct sched_req *r, enum dsv4_req_state prev)
             r->pre.acks = r->pre.g->n_ranks;
             if (r->pre.acks == 0)
                 req_hold_clear(s, r, &r->pre);
-        } else {
-            /* Its KV is exported: KV_RELEASE frees it, no answer. */
+        } else if (!(prev == DSV4_REQ_HANDOFF && r->dec_started && r->dec.g != NULL)) {
+            /* Its KV is exported: KV_RELEASE frees it, no answer.  (While a
+             * decode group may still be importing it, the release waits for
+             * that group to let go: req_hold_clear.) */
             rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
             req_hold_clear(s, r, &r->pre);
         }
