@@ -225,6 +225,7 @@ prefill_chunk = 16
              "--notify-log", self.notify_log],
             env=env, stderr=self.stderr)
         self.admin = Admin(self.admin_ep)
+        self.killed = set()
         self.wait_notify("READY=1")
         self.wait_ranks(n_prefill + n_decode)
 
@@ -264,9 +265,10 @@ prefill_chunk = 16
         with open(self.notify_log) as f:
             return sum(1 for line in f if line.startswith(name + " ") and what in line)
 
-    def client(self, prompts, max_tokens=MAX_TOKENS, extra=(), progress=None):
+    def client(self, prompts, max_tokens=MAX_TOKENS, extra=(), progress=None,
+               timeout_ms=TIMEOUT_MS):
         cmd = [exe("tests/integration/svc_client"), "-e", self.client_ep,
-               "-p", prompts, "-n", str(max_tokens), "--timeout", str(TIMEOUT_MS)]
+               "-p", prompts, "-n", str(max_tokens), "--timeout", str(timeout_ms)]
         if progress:
             cmd += ["--progress", progress]
         return subprocess.Popen(cmd + list(extra), stdout=subprocess.PIPE,
@@ -276,11 +278,22 @@ prefill_chunk = 16
         pid = self.pid(name)
         check(pid is not None, "no pid for " + name)
         log("kill -9 %s pid=%d" % (name, pid))
+        self.killed.add(name)
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    def check_exits(self, killed=()):
+        """Every child exit so far was one the test caused (kill -9)."""
+        bad = []
+        for line in readf(self.notify_log).splitlines():
+            m = re.match(r"(\S+) EXIT (\S+)", line)
+            if m and not (m.group(1) in killed and m.group(2) == "signal=9"):
+                bad.append(line)
+        check(not bad, "unexpected child exits: %s\n%s" % (bad, self.errlog()))
+
     def check_no_leaks(self):
         """Wait until the books are empty; fail with the state otherwise."""
+        self.check_exits(self.killed)
         def clean():
             st = self.admin.status()
             reqs = self.admin.requests()
@@ -314,11 +327,11 @@ prefill_chunk = 16
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.stderr.close()
-        self.nsock.close()
         rc = self.proc.returncode
         if rc != 0:
             log("dsv4-launch exit %d; log tail:\n%s" % (rc, self.errlog()))
+        self.stderr.close()
+        self.nsock.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         return rc
 
@@ -352,7 +365,20 @@ def reference(svc, prompts, max_tokens=MAX_TOKENS):
     return parse_outputs(r.stdout)
 
 
-def finish(p):
+def finish(p, svc=None):
+    """Wait for svc_client; fail at once if dsv4-launch gave up meanwhile."""
+    end = time.monotonic() + WAIT_S * 5
+    while p.poll() is None and svc is not None:
+        if svc.proc.poll() is not None:
+            p.kill()
+            p.communicate()
+            raise Fail("dsv4-launch exited (%d) under load:\n%s" %
+                       (svc.proc.returncode, svc.errlog()))
+        if time.monotonic() > end:
+            p.kill()
+            p.communicate()
+            raise Fail("svc_client did not finish:\n" + svc.errlog())
+        time.sleep(0.05)
     out, err = p.communicate(timeout=WAIT_S * 5)
     if p.returncode != 0:
         log("svc_client exit %d: %s" % (p.returncode, err[-2000:]))
@@ -394,7 +420,7 @@ def sc_greedy16():
         prompts = os.path.join(svc.dir, "p16.txt")
         make_prompts(prompts, 16, seed=16)
         ref = reference(svc, prompts)
-        got, rc, _ = finish(svc.client(prompts))
+        got, rc, _ = finish(svc.client(prompts), svc)
         check(rc == 0, "svc_client failed")
         compare(got, ref, "16 concurrent greedy streams")
         svc.check_no_leaks()
@@ -428,7 +454,7 @@ def sc_batch64():
                 adm.close()
         t = threading.Thread(target=poll)
         t.start()
-        got, rc, _ = finish(svc.client(prompts))
+        got, rc, _ = finish(svc.client(prompts), svc)
         stop.set()
         t.join()
         check(not err, "admin polling failed: %s" % err)
@@ -451,7 +477,9 @@ def kill_during_streams(victim):
         make_prompts(prompts, 16, seed=7)
         ref = reference(svc, prompts, 32)
         progress = os.path.join(svc.dir, "progress")
-        p = svc.client(prompts, 32, progress=progress)
+        # A scheduler death loses the requests: a short timeout ends them.
+        p = svc.client(prompts, 32, progress=progress,
+                       timeout_ms=8000 if victim == "sched" else TIMEOUT_MS)
         if victim == "prefill@0":
             # Mid-stream and mid-prefill: some stream has tokens and some
             # request is still being prefilled.
@@ -464,7 +492,7 @@ def kill_during_streams(victim):
             wait_progress(progress, lambda c: any(n >= 4 for n in c.values()),
                           "streams under way")
         old = svc.kill9(victim)
-        got, rc, err = finish(p)
+        got, rc, err = finish(p, svc)
         wait_for(lambda: svc.pid(victim) not in (None, old) and
                  svc.count(victim, "READY=1") >= 2, victim + " restarted")
         log("%s restarted as pid %d" % (victim, svc.pid(victim)))
@@ -483,7 +511,7 @@ def kill_during_streams(victim):
             check(n_err > 0, "no request noticed the scheduler death")
             log("scheduler death: %d completed identically, %d got an error" % (n_ok, n_err))
             svc.wait_ranks(2)
-            got2, rc2, _ = finish(svc.client(prompts, 32))
+            got2, rc2, _ = finish(svc.client(prompts, 32), svc)
             check(rc2 == 0, "svc_client after the scheduler restart failed")
             compare(got2, ref, "16 streams after the scheduler restart")
         else:
@@ -513,7 +541,7 @@ def sc_cancel1000():
         make_prompts(prompts, 10, seed=1000, lo=3, hi=12)
         ref = reference(svc, prompts, 16)
         got, rc, err = finish(svc.client(prompts, 16, extra=["-r", "100", "-w", "64",
-                                                            "--cancel", "4242"]))
+                                                            "--cancel", "4242"]), svc)
         check(rc == 0, "svc_client failed: " + err[-500:])
         check(len(got) == 1000, "%d results" % len(got))
         n_cancelled = 0
@@ -569,8 +597,8 @@ def sc_drain():
         check(all(a >= b for a, b in zip(actives, actives[1:])),
               "decode@0 took new streams while draining: %s" % actives)
         log("decode@0 active while draining: %s" % sorted(set(actives), reverse=True))
-        got1, rc1, _ = finish(p1)
-        got2, rc2, _ = finish(p2)
+        got1, rc1, _ = finish(p1, svc)
+        got2, rc2, _ = finish(p2, svc)
         check(rc1 == 0 and rc2 == 0, "svc_client failed")
         compare(got1, ref, "streams running when the drain started")
         compare(got2, ref, "streams submitted during the drain")
@@ -581,11 +609,11 @@ def sc_drain():
         check(svc.admin.drain("all", 60000)["code"] == 200, "drain all failed")
         one = os.path.join(svc.dir, "one.txt")
         make_prompts(one, 1, seed=1)
-        got3, _, _ = finish(svc.client(one, 4))
+        got3, _, _ = finish(svc.client(one, 4), svc)
         check(got3[0][0] == "error" and got3[0][1] == "301",
               "request during global drain: %s" % (got3[0][:2],))
         check(svc.admin.undrain("all")["code"] == 200, "undrain all failed")
-        got4, rc4, _ = finish(svc.client(one, 4))
+        got4, rc4, _ = finish(svc.client(one, 4), svc)
         check(rc4 == 0 and got4[0][0] == "done", "request after undrain: %s" % (got4[0][:2],))
         svc.check_no_leaks()
     finally:
