@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# run.sh — the project's run command (README): install dependencies, build,
+# make a `small` synthetic checkpoint with dsv4-mkmodel if there is none,
+# start the service set (dsv4-sched, one dsv4-prefill, one dsv4-decode) under
+# dsv4-launch on the CPU backend, serve one request with dsv4-generate, print
+# it, and stop everything.
+#
+#   tools/run.sh [PROMPT]
+#
+# Environment: DSV4_BUILD (build directory, default build), DSV4_MODEL
+# (checkpoint directory, default $DSV4_BUILD/model-small), DSV4_MAX_TOKENS
+# (default 32).  The weights are random, so the text is not meaningful; the
+# point is the whole path: tokenizer, scheduler, prefill, decode-state
+# handoff, batched decode, streaming.  docs/operations.md runs the same set
+# under systemd.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build=${DSV4_BUILD:-build}
+prompt=${1:-The capital of France is}
+max_tokens=${DSV4_MAX_TOKENS:-32}
+
+tools/setup.sh
+if [ ! -f "$build/build.ninja" ]; then
+    meson setup "$build" >/dev/null
+fi
+ninja -C "$build" >/dev/null
+
+model=${DSV4_MODEL:-$build/model-small}
+if [ ! -f "$model/config.json" ]; then
+    echo "run.sh: making a small checkpoint in $model"
+    "$build/tools/mkmodel/dsv4-mkmodel" --preset small --out "$model" >/dev/null
+fi
+
+run=$(mktemp -d "${TMPDIR:-/tmp}/dsv4-run.XXXXXX")
+trap 'rm -rf "$run"' EXIT
+cat >"$run/dsv4.conf" <<CONF
+client_endpoint = ipc://$run/client.sock
+rank_endpoint = ipc://$run/rank.sock
+admin_endpoint = ipc://$run/ctl.sock
+checkpoint = $(realpath "$model")
+backend = cpu
+max_seq = 1024
+CONF
+
+echo "run.sh: starting dsv4-sched + dsv4-prefill@0 + dsv4-decode@0 (CPU backend)"
+echo "run.sh: prompt: $prompt"
+status=0
+"$build/tools/launch/dsv4-launch" -f "$run/dsv4.conf" -P 1 -D 1 \
+    --sched-bin "$build/daemons/sched/dsv4-sched" \
+    --prefill-bin "$build/daemons/rank/dsv4-prefill" \
+    --decode-bin "$build/daemons/rank/dsv4-decode" \
+    -- "$build/tools/generate/dsv4-generate" -n "$max_tokens" -t 0 --usage \
+    "$prompt" || status=$?
+echo
+echo "run.sh: done (status $status)"
+exit $status
