@@ -21,7 +21,15 @@ kv_open(struct rank *k)
     char owner[DSV4_KVX_MAX_OWNER];
     int n;
 
-    snprintf(owner, sizeof(owner), "%s-%u", dsv4_role_name(k->o.role), (unsigned)k->o.index);
+    /* The owner tag names this rank's shm regions and what a restart cleans
+     * up.  It carries a hash of the scheduler's rank endpoint so that two
+     * deployments on one host (two schedulers) never touch each other's
+     * regions: "<hash>-prefill-0". */
+    uint32_t h = 2166136261u;
+    for (const char *c = k->o.conf.rank_endpoint; c != NULL && *c != '\0'; c++)
+        h = (h ^ (uint8_t)*c) * 16777619u;
+    snprintf(owner, sizeof(owner), "%08x-%s-%u", (unsigned)h, dsv4_role_name(k->o.role),
+             (unsigned)k->o.index);
     if (dsv4_kvx_open(&k->kvx, DSV4_TRANSPORT_SHM, owner) != DSV4_OK) {
         log_warnx("kv_open: %s", dsv4_errmsg());
         return -1;

@@ -357,8 +357,11 @@ static void
 req_rerun(struct sched *s, struct sched_req *r, const char *why)
 {
     if (r->pre.g != NULL) {
-        /* Whatever it exported is of no use now. */
-        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+        /* Whatever it is prefilling or has exported is of no use now.  ABORT
+         * (not KV_RELEASE) also stops a prefill still running, so the PREFILL
+         * of the re-run, which follows on the same link, finds the rank free
+         * of this request; its late ABORT_DONE is ignored (on_freed). */
+        rank_send_ref(s, r->pre.g, DSV4_RANK_ABORT, r->req);
         req_hold_clear(s, r, &r->pre);
     }
     if (r->dec.g != NULL) {
