@@ -22,12 +22,12 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
     struct rank_job *j = NULL;
     int slot = -1;
 
+    /* A PREFILL for a request this rank still holds (running, or exported
+     * and not yet released) is the scheduler re-running it: its word is
+     * final, so the old work is dropped and the new one starts. */
+    if (prefill_abort(k, p->req))
+        log_notice("prefill_start: req=%" PRIu64 " re-run; earlier work dropped", p->req);
     for (int i = 0; i < k->o.slots; i++) {
-        if (k->jobs[i].active && k->jobs[i].req == p->req) {
-            rank_send_error(k, p->req, DSV4_STATUS_BAD_ARGUMENT, "req %" PRIu64
-                            " is already being prefilled", p->req);
-            return;
-        }
         if (!k->jobs[i].active && slot < 0)
             slot = i;
     }
