@@ -796,6 +796,69 @@ def reports_safe(d):
         return []
 
 
+def sc_pyclient():
+    """Issue 4: the Python client written from docs/protocol.md alone
+    (tests/ipc/pyclient.py, pyzmq + msgpack) drives generate, stream and
+    cancel against the real scheduler and ranks."""
+    sys.path.insert(0, os.path.join(ARGS.src, "tests", "ipc"))
+    import pyclient
+    svc = Service(n_prefill=1, n_decode=1)
+    c = None
+    try:
+        prompts = os.path.join(svc.dir, "py.txt")
+        make_prompts(prompts, 4, seed=404)
+        ref = reference(svc, prompts)
+        with open(prompts) as f:
+            ids = [[int(t) for t in line.split()] for line in f]
+        c = pyclient.Client(svc.client_ep)
+        check(c.ping(), "pyclient: no HEARTBEAT answer")
+        # generate + stream, several requests in flight on one connection
+        rids = [c.generate(tokens=p, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                           logprobs=True, tag="py%d" % i) for i, p in enumerate(ids)]
+        for i, rid in enumerate(rids):
+            out = pyclient.collect(c, rid)
+            check(out["accepted"], "pyclient: request %d not accepted" % i)
+            check(out["final"] == "done", "pyclient: request %d ended with %s %r" %
+                  (i, out["final"], out.get("body")))
+            check(out["tokens"] == ref[i][2], "pyclient: request %d tokens %s, want %s" %
+                  (i, out["tokens"], ref[i][2]))
+            b = out["body"]
+            check(b["finish"] == ref[i][1] and b["completion_tokens"] == len(ref[i][2])
+                  and b["prompt_tokens"] == len(ids[i]) and b.get("tag") == "py%d" % i,
+                  "pyclient: request %d DONE %r" % (i, b))
+            check(len(out["logprobs"]) == len(out["tokens"]) and
+                  all(lp <= 0 for lp in out["logprobs"]), "pyclient: bad logprobs")
+        # stream=false: one TOKENS right before DONE
+        rid = c.generate(tokens=ids[0], max_tokens=MAX_TOKENS, temperature=0, stream=False)
+        out = pyclient.collect(c, rid)
+        check(out["chunks"] == 1 and out["tokens"] == ref[0][2],
+              "pyclient: stream=false gave %d chunks" % out["chunks"])
+        # cancel after the first tokens
+        rid = c.generate(tokens=ids[1], max_tokens=200, temperature=0)
+        seen, final = 0, None
+        for kind, body in c.events(rid):
+            if kind == "tokens":
+                seen += len(body["tokens"])
+                if seen and final is None:
+                    c.cancel(rid)
+                    final = "sent"
+            elif kind in ("done", "error"):
+                final = (kind, body)
+        check(final[0] == "done" and final[1]["finish"] == "cancelled",
+              "pyclient: cancel ended with %r" % (final,))
+        # bad input: a clear error with a 4xx code
+        rid = c.generate(tokens=ids[2], temperature=-1)
+        out = pyclient.collect(c, rid)
+        check(out["final"] == "error" and 400 <= out["body"]["code"] < 500,
+              "pyclient: temperature -1 gave %r" % (out.get("body"),))
+        log("pyclient: generate, stream, stream=false, cancel and a bad request OK")
+        svc.check_no_leaks()
+    finally:
+        if c is not None:
+            c.close()
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
 SCENARIOS = {
     "launch": sc_launch,
     "greedy16": sc_greedy16,
@@ -806,6 +869,7 @@ SCENARIOS = {
     "kill_sched": sc_kill_sched,
     "cancel1000": sc_cancel1000,
     "drain": sc_drain,
+    "pyclient": sc_pyclient,
 }
 
 
