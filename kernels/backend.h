@@ -246,6 +246,25 @@ struct dsv4_backend_ops {
     enum dsv4_err (*sample)(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
                             const float *logits, const struct dsv4_sample_params *params,
                             int n, int V);
+
+    /* --- optional: recorded graphs (NULL where the backend has none, as on
+     * the CPU backend) ---------------------------------------------------- */
+    /*
+     * Record instead of run: the ops queued until graph_end are recorded,
+     * host arguments by value and backend pointers as addresses, and nothing
+     * runs.  Ops queued while recording must not synchronise or read device
+     * data on the host (CUDA: stream capture; backend scratch grown while
+     * recording stays allocated until the backend is destroyed).
+     */
+    enum dsv4_err (*graph_begin)(struct dsv4_backend *be);
+    /* Stop recording; *out receives a replayable graph, or NULL on error
+     * (the recording is dropped and the backend no longer records). */
+    enum dsv4_err (*graph_end)(struct dsv4_backend *be, void **out);
+    /* Queue a replay of g: the recorded ops run again in order, reading the
+     * backend memory at the recorded addresses as it is when they run. */
+    enum dsv4_err (*graph_launch)(struct dsv4_backend *be, void *g);
+    /* Free a graph of graph_end (NULL is a no-op). */
+    void (*graph_free)(struct dsv4_backend *be, void *g);
 };
 
 struct dsv4_backend {

@@ -18,6 +18,8 @@
 #ifndef DSV4_KERNELS_CUDA_WEIGHTS_H
 #define DSV4_KERNELS_CUDA_WEIGHTS_H
 
+#include <stdint.h>
+
 #include "common/err.h"
 #include "common/weights.h"
 #include "kernels/backend.h"
@@ -34,7 +36,36 @@ extern "C" {
 enum dsv4_err dsv4_cuda_weights_upload(struct dsv4_backend *be, struct dsv4_weights *dev,
                                        const struct dsv4_weights *host);
 
-/* Free what dsv4_cuda_weights_upload made (a zeroed *dev is a no-op). */
+/* Progress callback of an upload or a generation: `done` of `total` bytes
+ * are on the device.  Called every GiB and once at the end, on the calling
+ * thread. */
+struct dsv4_cuda_progress {
+    void (*fn)(void *ctx, uint64_t done, uint64_t total);
+    void *ctx;
+};
+
+/* dsv4_cuda_weights_upload with progress reports (pr may be NULL). */
+enum dsv4_err dsv4_cuda_weights_upload_progress(struct dsv4_backend *be,
+                                                struct dsv4_weights *dev,
+                                                const struct dsv4_weights *host,
+                                                const struct dsv4_cuda_progress *pr);
+
+/*
+ * Synthetic weights (kernels/cuda/cuda_synth.cu): build every tensor of the
+ * inventory of `cfg` (common/model_tensors.h: same names, shapes and
+ * formats as dsv4-mkmodel writes) directly in device memory and fill *dev as
+ * dsv4_cuda_weights_upload would.  Values have dsv4-mkmodel's distributions
+ * (docs/mkmodel.md) drawn from a counter-based generator keyed by (seed,
+ * inventory index, element index), so the same seed gives the same bytes on
+ * any GPU; they are not dsv4-mkmodel's bytes.  Free with
+ * dsv4_cuda_weights_free.  pr may be NULL.
+ */
+enum dsv4_err dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
+                                          const struct dsv4_config *cfg, uint64_t seed,
+                                          const struct dsv4_cuda_progress *pr);
+
+/* Free what dsv4_cuda_weights_upload or _synthetic made (a zeroed *dev is
+ * a no-op). */
 void dsv4_cuda_weights_free(struct dsv4_backend *be, struct dsv4_weights *dev);
 
 #ifdef __cplusplus

@@ -86,6 +86,9 @@ struct dsv4_model {
     float *hidden;                 /* (T, n, D) kept for MTP */
     float *e, *he;                 /* MTP: (T, D), (T, n, D) */
     float *logits_dev;             /* (max_rows, V) */
+    /* decode graphs by batch size (opts.graphs; NULL until first use) */
+    int graphs;
+    void *graph[DSV4_GRAPH_MAX_BATCH + 1];
 };
 
 /* --- small helpers ----------------------------------------------------- */
@@ -199,6 +202,9 @@ dsv4_model_free(struct dsv4_model *m)
 {
     if (m == NULL)
         return;
+    for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++)
+        if (m->graph[i] != NULL)
+            m->be->ops->graph_free(m->be, m->graph[i]);
     if (m->L != NULL) {
         for (int l = 0; l < m->n_layers; l++) {
             struct layer_state *ls = &m->L[l];
@@ -262,6 +268,8 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->K = c->index_topk;
     m->n_main = c->num_hidden_layers;
     m->n_layers = w->n_layers;
+    m->graphs = opts->graphs && be->ops->graph_begin != NULL && be->ops->graph_end != NULL &&
+                be->ops->graph_launch != NULL && be->ops->graph_free != NULL;
     rope_freqs(m->freqs_swa, m->rd, c->rope_theta, 0, 1, 0, 0);
     rope_freqs(m->freqs_comp, m->rd, c->compress_rope_theta, c->rope_original_max_pos,
                c->rope_factor, c->rope_beta_fast, c->rope_beta_slow);
@@ -274,6 +282,9 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         return dsv4_err_set(DSV4_ERR_NOMEM, "model: out of memory");
     }
 
+    /* compressed-entry and indexer-key pools have one spare row after the
+     * slots' rows: the fixed-shape plan of a graphed decode step sends the
+     * entries of rows that emit nothing there (plan_fix_emits) */
     size_t S = (size_t)m->n_slots, F = sizeof(float);
     for (int l = 0; l < m->n_layers; l++) {
         struct layer_state *ls = &m->L[l];
@@ -284,13 +295,13 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         if (ls->ratio) {
             int r = ls->ratio, cc = r == 4 ? 2 : 1;
             ls->cap_c = m->max_seq / r;
-            ls->comp = dev_alloc(m, S * ls->cap_c * m->Dh * F, &fail);
+            ls->comp = dev_alloc(m, (S * ls->cap_c + 1) * m->Dh * F, &fail);
             ls->st_kv = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
             ls->st_z = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
         }
         if (ls->ratio == 4) {
             ls->cap_i = m->max_seq / 4;
-            ls->keys = dev_alloc(m, S * ls->cap_i * m->dI * F, &fail);
+            ls->keys = dev_alloc(m, (S * ls->cap_i + 1) * m->dI * F, &fail);
             ls->ist_kv = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
             ls->ist_z = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
         }
@@ -466,6 +477,34 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
     return DSV4_OK;
 }
 
+/*
+ * Give the plan of a decode step (one row per run) a fixed shape, so that a
+ * graph recorded once per batch size serves every step: every row counts as
+ * emitting for both compressors (emit[t] = t), and a row that does not
+ * really finish a window sends its entry to the pools' spare row
+ * (n_slots * cap).  The ops then see the same counts at every step; the
+ * entries that land in the spare row are never read.
+ */
+static void
+plan_fix_emits(struct dsv4_model *m)
+{
+    struct call_plan *p = &m->plan;
+    int cap4 = m->max_seq / 4, cap128 = m->max_seq / 128;
+
+    for (int t = 0; t < p->T; t++) {
+        int s = p->slot[t], pos = p->pos[t];
+        int e4 = (pos + 1) % 4 == 0, e128 = (pos + 1) % 128 == 0;
+
+        p->emit4[t] = e4 ? t : -1;
+        p->epos4[t] = e4 ? pos + 1 - 4 : 0;
+        p->erow4[t] = e4 ? s * cap4 + pos / 4 : m->n_slots * cap4;
+        p->emit128[t] = e128 ? t : -1;
+        p->epos128[t] = e128 ? pos + 1 - 128 : 0;
+        p->erow128[t] = e128 ? s * cap128 + pos / 128 : m->n_slots * cap128;
+    }
+    p->n_emit4 = p->n_emit128 = p->T;
+}
+
 /* Upload the plan's index arrays. */
 static enum dsv4_err
 plan_upload(struct dsv4_model *m)
@@ -625,10 +664,9 @@ block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     return DSV4_OK;
 }
 
-/* hc_head -> norm -> head on the plan's logits rows; downloads (n_out, V). */
+/* hc_head -> norm -> head on the plan's logits rows into m->logits_dev. */
 static enum dsv4_err
-logits_head(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t *norm,
-            float *logits)
+logits_compute(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t *norm)
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
@@ -642,9 +680,81 @@ logits_head(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t *no
     TRY(ops->hc_head(be, m->x, m->X2, hc, p->n_out, m->n_hc, m->D, (float)c->hc_eps,
                      (float)c->rms_norm_eps));
     TRY(ops->rms_norm(be, m->xn, m->x, norm, p->n_out, m->D, (float)c->rms_norm_eps));
-    TRY(ops->linear(be, m->logits_dev, m->xn, &head, p->n_out, DSV4_LIN_F32_OUT));
-    TRY(ops->download(be, logits, m->logits_dev, (size_t)p->n_out * m->V * sizeof(float)));
-    return ops->sync(be);
+    return ops->linear(be, m->logits_dev, m->xn, &head, p->n_out, DSV4_LIN_F32_OUT);
+}
+
+/* Download the plan's (n_out, V) logits and wait. */
+static enum dsv4_err
+logits_download(struct dsv4_model *m, float *logits)
+{
+    struct dsv4_backend *be = m->be;
+
+    TRY(be->ops->download(be, logits, m->logits_dev,
+                          (size_t)m->plan.n_out * m->V * sizeof(float)));
+    return be->ops->sync(be);
+}
+
+/* logits_compute, then logits_download. */
+static enum dsv4_err
+logits_head(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t *norm,
+            float *logits)
+{
+    TRY(logits_compute(m, hc, norm));
+    return logits_download(m, logits);
+}
+
+/* The device work of a forward call after the plan upload: embedding, the
+ * main layers, the logits on the device.  Leaves m->X where it found it
+ * (each block swaps X and X2 twice). */
+static enum dsv4_err
+forward_body(struct dsv4_model *m)
+{
+    struct dsv4_backend *be = m->be;
+
+    TRY(be->ops->embed(be, m->X, m->i_tok, m->w->embed, m->plan.T, m->D, m->n_hc));
+    for (int l = 0; l < m->n_main; l++)
+        TRY(block(m, &m->L[l], m->i_ring_dst));
+    return logits_compute(m, &m->w->hc_head, m->w->norm);
+}
+
+/* A decode step as a replay of the graph of its batch size, recorded on
+ * first use (forward.h, docs/gpu.md). */
+static enum dsv4_err
+forward_graph(struct dsv4_model *m)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    int T = m->plan.T;
+
+    if (m->graph[T] == NULL) {
+        float *X = m->X, *X2 = m->X2;
+        void *g = NULL;
+        enum dsv4_err e, e2;
+
+        TRY(ops->graph_begin(be));
+        e = forward_body(m);
+        e2 = ops->graph_end(be, &g);
+        m->X = X, m->X2 = X2;
+        if (e != DSV4_OK || e2 != DSV4_OK) {
+            if (g != NULL)
+                ops->graph_free(be, g);
+            return e != DSV4_OK ? e : e2;
+        }
+        m->graph[T] = g;
+    }
+    return ops->graph_launch(be, m->graph[T]);
+}
+
+/* Whether the batch runs as a graph replay (forward.h). */
+static int
+graph_eligible(const struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
+{
+    if (!m->graphs || (flags & DSV4_FWD_KEEP_HIDDEN) || b->n_seqs > DSV4_GRAPH_MAX_BATCH)
+        return 0;
+    for (int i = 0; i < b->n_seqs; i++)
+        if (b->n_tokens[i] != 1)
+            return 0;
+    return 1;
 }
 
 /* --- public entry points ----------------------------------------------- */
@@ -657,18 +767,24 @@ dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b, float *logi
     const struct dsv4_backend_ops *ops = be->ops;
     const struct call_plan *p = &m->plan;
 
+    int graphed;
+
     TRY(plan_build(m, b, flags));
+    graphed = graph_eligible(m, b, flags);
+    if (graphed)
+        plan_fix_emits(m);
     TRY(plan_upload(m));
-    TRY(ops->embed(be, m->X, m->i_tok, m->w->embed, p->T, m->D, m->n_hc));
-    for (int l = 0; l < m->n_main; l++)
-        TRY(block(m, &m->L[l], m->i_ring_dst));
+    if (graphed)
+        TRY(forward_graph(m));
+    else
+        TRY(forward_body(m));
     if (flags & DSV4_FWD_KEEP_HIDDEN) {
         TRY(ops->copy(be, m->hidden, m->X, (size_t)p->T * m->n_hc * m->D * sizeof(float)));
         m->hidden_rows = p->T;
     } else {
         m->hidden_rows = 0;
     }
-    TRY(logits_head(m, &m->w->hc_head, m->w->norm, logits));
+    TRY(logits_download(m, logits));
     for (int i = 0; i < b->n_seqs; i++)
         m->len[b->slot[i]] += b->n_tokens[i];
     return DSV4_OK;

@@ -39,7 +39,23 @@ struct dsv4_model_opts {
     int n_slots;        /* sequence slots (decode streams + prefills in flight) */
     int max_seq_len;    /* positions per sequence; rounded up to a multiple of 128 */
     int max_rows;       /* token rows per forward call */
+    int graphs;         /* nonzero: run decode steps as recorded backend graphs
+                           (see DSV4_GRAPH_MAX_BATCH; ignored by backends without
+                           graph ops, such as the CPU backend) */
 };
+
+/*
+ * Decode graphs.  With opts.graphs set and a backend that records graphs
+ * (CUDA), a forward call whose runs all have one token, with at most
+ * DSV4_GRAPH_MAX_BATCH runs and without DSV4_FWD_KEEP_HIDDEN, runs as one
+ * replay of a graph recorded for its batch size on first use.  The host-side
+ * plan of such a call has a fixed shape (every row may emit a compressor
+ * entry; rows that do not write theirs to a spare pool row), so only the
+ * small index arrays uploaded before the replay change between steps
+ * (docs/gpu.md, "Decode graphs").  Results are bit-identical to the
+ * ungraphed call.
+ */
+#define DSV4_GRAPH_MAX_BATCH 16
 
 /* One forward call: n_seqs runs of tokens.  All arrays are host memory. */
 struct dsv4_batch {

@@ -25,7 +25,11 @@
 #include <zmq.h>
 
 #include "common/log.h"
+#include "common/model_config.h"
 #include "common/sdnotify.h"
+#ifdef DSV4_HAVE_CUDA
+#include "kernels/cuda_weights.h"
+#endif
 
 #define RANK_POLL_SOCK 0      /* poll slot: scheduler DEALER */
 #define RANK_POLL_SIGNAL 1    /* poll slot: signalfd */
@@ -36,8 +40,10 @@ usage(void)
 {
     fprintf(stderr,
         "usage: dsv4-%s [-nv] [-f file] [-o key=value]... [--rank N] [--group N]\n"
-        "       [--checkpoint DIR] [--backend cpu] [--threads N] [--sched ENDPOINT]\n"
-        "       [--slots N] [--max-seq N] [--rows N] [--kv-timeout-ms MS] [--role ROLE]\n",
+        "       [--checkpoint DIR] [--backend cpu|cuda] [--threads N] [--sched ENDPOINT]\n"
+        "       [--slots N] [--max-seq N] [--rows N] [--kv-timeout-ms MS] [--role ROLE]\n"
+        "       [--synthetic-weights SEED (--preset NAME | --config FILE) [--set K=V]...]\n"
+        "       [--no-graphs]\n",
         dsv4_role_name(RANK_ROLE));
     exit(2);
 }
@@ -398,7 +404,8 @@ rank_loop(struct rank *k)
 
 enum {
     OPT_ROLE = 256, OPT_RANK, OPT_GROUP, OPT_CHECKPOINT, OPT_BACKEND, OPT_THREADS, OPT_SCHED,
-    OPT_SLOTS, OPT_MAX_SEQ, OPT_ROWS, OPT_KV_TIMEOUT,
+    OPT_SLOTS, OPT_MAX_SEQ, OPT_ROWS, OPT_KV_TIMEOUT, OPT_SYNTH, OPT_PRESET, OPT_MCONFIG,
+    OPT_MSET, OPT_NO_GRAPHS,
 };
 
 static long
@@ -443,6 +450,11 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         { "max-seq", required_argument, NULL, OPT_MAX_SEQ },
         { "rows", required_argument, NULL, OPT_ROWS },
         { "kv-timeout-ms", required_argument, NULL, OPT_KV_TIMEOUT },
+        { "synthetic-weights", required_argument, NULL, OPT_SYNTH },
+        { "preset", required_argument, NULL, OPT_PRESET },
+        { "config", required_argument, NULL, OPT_MCONFIG },
+        { "set", required_argument, NULL, OPT_MSET },
+        { "no-graphs", no_argument, NULL, OPT_NO_GRAPHS },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
@@ -483,6 +495,18 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         case OPT_KV_TIMEOUT:
             o->kv_timeout_ms = opt_num(optarg, 1, DSV4_PROTO_MAX_TIMEOUT_MS, "--kv-timeout-ms");
             break;
+        case OPT_SYNTH:
+            o->synthetic = true;
+            o->synth_seed = (uint64_t)opt_num(optarg, 0, INT64_MAX, "--synthetic-weights");
+            break;
+        case OPT_PRESET: o->model_preset = optarg; break;
+        case OPT_MCONFIG: o->model_config = optarg; break;
+        case OPT_MSET:
+            if (o->n_model_sets == (int)(sizeof(o->model_sets) / sizeof(o->model_sets[0])))
+                usage();
+            o->model_sets[o->n_model_sets++] = optarg;
+            break;
+        case OPT_NO_GRAPHS: o->no_graphs = true; break;
         case OPT_CHECKPOINT: case OPT_BACKEND: case OPT_THREADS: case OPT_SCHED:
         case OPT_MAX_SEQ:
             set[c] = optarg;
@@ -493,6 +517,17 @@ rank_options(struct rank_opts *o, int argc, char **argv)
     }
     if (optind != argc)
         usage();
+    if (o->synthetic && (o->model_preset == NULL) == (o->model_config == NULL)) {
+        fprintf(stderr, "dsv4-%s: --synthetic-weights needs one of --preset NAME and "
+                "--config FILE\n", dsv4_role_name(RANK_ROLE));
+        exit(2);
+    }
+    if (!o->synthetic && (o->model_preset != NULL || o->model_config != NULL ||
+                          o->n_model_sets > 0)) {
+        fprintf(stderr, "dsv4-%s: --preset, --config and --set go with --synthetic-weights\n",
+                dsv4_role_name(RANK_ROLE));
+        exit(2);
+    }
 
     dsv4_conf_defaults(&o->conf);
     if (path == NULL && access(DSV4_CONF_DEFAULT_PATH, F_OK) == 0)
@@ -547,27 +582,123 @@ xcalloc(size_t n, size_t size)
     return p;
 }
 
+#ifdef DSV4_HAVE_CUDA
+/* Weight upload / generation progress: log and STATUS=, and more start-up
+ * time for systemd (TimeoutStartSec) while bytes keep arriving. */
+static void
+rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
+{
+    const char *what = ctx;
+    double gib = 1024.0 * 1024.0 * 1024.0;
+
+    sdnotify_status("%s: %.1f of %.1f GiB on the GPU", what, done / gib, total / gib);
+    sdnotify_extend_timeout(120ull * 1000 * 1000);
+    log_info("rank_init: %s: %.1f of %.1f GiB on the GPU", what, done / gib, total / gib);
+}
+#endif
+
+/* The weights the model runs on: the checkpoint (host mappings; uploaded to
+ * the GPU on the CUDA backend), or synthetic weights generated on the GPU. */
+static const struct dsv4_weights *
+rank_init_weights(struct rank *k, bool cuda)
+{
+#ifdef DSV4_HAVE_CUDA
+    struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
+#endif
+
+    if (k->o.synthetic) {
+#ifdef DSV4_HAVE_CUDA
+        struct dsv4_config cfg;
+        enum dsv4_err e;
+
+        if (!cuda)
+            fatalx("rank_init: --synthetic-weights needs the cuda backend");
+        e = k->o.model_preset != NULL ? dsv4_config_preset(&cfg, k->o.model_preset) :
+                                        dsv4_config_load(&cfg, k->o.model_config);
+        if (e == DSV4_OK && k->o.n_model_sets > 0)
+            e = dsv4_config_override(&cfg, k->o.n_model_sets, k->o.model_sets);
+        if (e != DSV4_OK)
+            fatalx("rank_init: model config: %s", dsv4_errmsg());
+        pr.ctx = (void *)"generating synthetic weights";
+        sdnotify_status("generating synthetic weights (seed %" PRIu64 ")", k->o.synth_seed);
+        log_info("rank_init: synthetic weights, seed %" PRIu64 ", %s %s", k->o.synth_seed,
+                 k->o.model_preset != NULL ? "preset" : "config",
+                 k->o.model_preset != NULL ? k->o.model_preset : k->o.model_config);
+        if (dsv4_cuda_weights_synthetic(k->be, &k->wdev, &cfg, k->o.synth_seed, &pr) !=
+            DSV4_OK)
+            fatalx("rank_init: synthetic weights: %s", dsv4_errmsg());
+        k->wdev_loaded = true;
+        return &k->wdev;
+#else
+        fatalx("rank_init: --synthetic-weights needs a build with CUDA");
+#endif
+    }
+    sdnotify_status("loading weights from %s", k->o.conf.checkpoint);
+    log_info("rank_init: loading %s", k->o.conf.checkpoint);
+    if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
+        fatalx("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
+    k->w_loaded = true;
+    if (!cuda)
+        return &k->w;
+#ifdef DSV4_HAVE_CUDA
+    pr.ctx = (void *)"uploading weights";
+    sdnotify_status("uploading weights to the GPU");
+    if (dsv4_cuda_weights_upload_progress(k->be, &k->wdev, &k->w, &pr) != DSV4_OK)
+        fatalx("rank_init: weights upload: %s", dsv4_errmsg());
+    k->wdev_loaded = true;
+    /* the device copy is all the model needs: drop the host mappings */
+    dsv4_weights_free(&k->w);
+    k->w_loaded = false;
+    return &k->wdev;
+#else
+    fatalx("rank_init: the cuda backend needs a build with CUDA");
+#endif
+}
+
+enum dsv4_err
+rank_sample(struct rank *k, int32_t *out_tok, float *out_lp, const float *logits,
+            const struct dsv4_sample_params *params, int n)
+{
+    const struct dsv4_backend_ops *ops = k->be->ops;
+    enum dsv4_err e;
+
+    if (!k->dev_mem)
+        return ops->sample(k->be, out_tok, out_lp, logits, params, n, k->V);
+    e = ops->upload(k->be, k->d_logits, logits, (size_t)n * (size_t)k->V * sizeof(float));
+    if (e == DSV4_OK)
+        e = ops->sample(k->be, k->d_tok, k->d_lp, k->d_logits, params, n, k->V);
+    if (e == DSV4_OK)
+        e = ops->download(k->be, out_tok, k->d_tok, (size_t)n * sizeof(int32_t));
+    if (e == DSV4_OK)
+        e = ops->download(k->be, out_lp, k->d_lp, (size_t)n * sizeof(float));
+    if (e == DSV4_OK)
+        e = ops->sync(k->be);
+    return e;
+}
+
 /* Weights, backend, model, buffers, transfer layer. */
 static void
 rank_init_model(struct rank *k)
 {
     struct dsv4_model_opts mo;
     enum dsv4_numerics num;
+    const struct dsv4_weights *w;
+    bool cuda = strcmp(k->o.conf.backend, "cuda") == 0;
     size_t rows;
 
-    sdnotify_status("loading weights from %s", k->o.conf.checkpoint);
-    log_info("rank_init: loading %s", k->o.conf.checkpoint);
-    if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
-        fatalx("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
-    k->w_loaded = true;
-    sdnotify_status("creating the %s backend and the model", k->o.conf.backend);
+    sdnotify_status("creating the %s backend", k->o.conf.backend);
     num = strcmp(k->o.conf.numerics, "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
     if (dsv4_backend_create(&k->be, k->o.conf.backend, num, k->o.conf.threads) != DSV4_OK)
         fatalx("rank_init: backend %s: %s", k->o.conf.backend, dsv4_errmsg());
+    w = rank_init_weights(k, cuda);
+    sdnotify_status("creating the model");
+    memset(&mo, 0, sizeof(mo));
+    /* decode steps as CUDA graphs (one per batch size, kernels/forward.h) */
+    mo.graphs = k->o.role == DSV4_ROLE_DECODE && !k->o.no_graphs;
     mo.n_slots = k->o.slots;
     mo.max_seq_len = k->o.conf.max_seq;
     mo.max_rows = k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots;
-    if (dsv4_model_create(&k->m, k->be, &k->w, &mo) != DSV4_OK)
+    if (dsv4_model_create(&k->m, k->be, w, &mo) != DSV4_OK)
         fatalx("rank_init: model: %s", dsv4_errmsg());
     k->V = dsv4_model_vocab(k->m);
     k->max_seq = k->o.conf.max_seq;
@@ -579,6 +710,15 @@ rank_init_model(struct rank *k)
     k->sp = xcalloc((size_t)k->o.slots, sizeof(*k->sp));
     k->out_tok = xcalloc((size_t)k->o.slots, sizeof(int32_t));
     k->out_lp = xcalloc((size_t)k->o.slots, sizeof(float));
+    k->dev_mem = strcmp(k->be->name, "cpu") != 0;
+    if (k->dev_mem) {
+        k->d_logits = k->be->ops->alloc(k->be, (size_t)k->o.slots * (size_t)k->V *
+                                                   sizeof(float));
+        k->d_tok = k->be->ops->alloc(k->be, (size_t)k->o.slots * sizeof(int32_t));
+        k->d_lp = k->be->ops->alloc(k->be, (size_t)k->o.slots * sizeof(float));
+        if (k->d_logits == NULL || k->d_tok == NULL || k->d_lp == NULL)
+            fatalx("rank_init: no backend memory for the sampling buffers");
+    }
     if (k->o.role == DSV4_ROLE_PREFILL)
         k->jobs = xcalloc((size_t)k->o.slots, sizeof(*k->jobs));
     else
@@ -608,6 +748,16 @@ rank_free(struct rank *k)
     free(k->out_tok);
     free(k->out_lp);
     dsv4_model_free(k->m);
+    if (k->be != NULL) {
+        void *bufs[] = { k->d_logits, k->d_tok, k->d_lp };
+        for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+            if (bufs[i] != NULL)
+                k->be->ops->free(k->be, bufs[i]);
+    }
+#ifdef DSV4_HAVE_CUDA
+    if (k->wdev_loaded)
+        dsv4_cuda_weights_free(k->be, &k->wdev);
+#endif
     dsv4_backend_destroy(k->be);
     if (k->w_loaded)
         dsv4_weights_free(&k->w);

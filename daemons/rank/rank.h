@@ -61,6 +61,16 @@ struct rank_opts {
     int rows;                   /* prefill: rows per forward call */
     int64_t kv_timeout_ms;      /* abandoned exports */
     int verbose;                /* -v count */
+    /* --synthetic-weights SEED (CUDA backend): weights generated on the GPU
+     * for the model config of --preset NAME or --config FILE (config.json),
+     * with --set K=V overrides, instead of loading the checkpoint */
+    bool synthetic;
+    uint64_t synth_seed;
+    const char *model_preset;   /* --preset */
+    const char *model_config;   /* --config */
+    const char *model_sets[32]; /* --set */
+    int n_model_sets;
+    bool no_graphs;             /* --no-graphs: decode steps not as CUDA graphs */
 };
 
 /* --- State ------------------------------------------------------------------ */
@@ -112,6 +122,8 @@ struct rank {
     /* Model. */
     struct dsv4_weights w;
     bool w_loaded;
+    struct dsv4_weights wdev;   /* CUDA backend: the weights on the device */
+    bool wdev_loaded;
     struct dsv4_backend *be;
     struct dsv4_model *m;
     int V;                      /* vocabulary */
@@ -121,6 +133,10 @@ struct rank {
     struct dsv4_sample_params *sp;     /* (slots) */
     int32_t *out_tok;           /* (slots) */
     float *out_lp;              /* (slots) */
+    bool dev_mem;               /* backend memory is not host memory (CUDA) */
+    float *d_logits;            /* dev_mem: (slots, V) backend memory */
+    int32_t *d_tok;             /* dev_mem: (slots) */
+    float *d_lp;                /* dev_mem: (slots) */
 
     /* Scheduler link. */
     void *zctx;
@@ -160,6 +176,11 @@ uint32_t rank_active(const struct rank *k);
 /* Sampling parameters of one row from protocol sampling + step. */
 void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
     uint64_t step);
+/* Sample n rows of host logits (V each) with host params into host out_tok /
+ * out_lp through the backend's sample op; on a backend whose memory is not
+ * host memory (CUDA) the rows go through the device buffers of struct rank. */
+enum dsv4_err rank_sample(struct rank *k, int32_t *out_tok, float *out_lp,
+                          const float *logits, const struct dsv4_sample_params *params, int n);
 
 /* --- rank_prefill.c ------------------------------------------------------------ */
 

@@ -150,7 +150,7 @@ decode_work(struct rank *k)
     e = dsv4_model_forward(k->m, &b, k->logits, 0);
     if (e != DSV4_OK)
         fatalx("decode_work: forward of %d streams: %s", n, dsv4_errmsg());
-    e = k->be->ops->sample(k->be, k->out_tok, k->out_lp, k->logits, k->sp, n, k->V);
+    e = rank_sample(k, k->out_tok, k->out_lp, k->logits, k->sp, n);
     if (e != DSV4_OK)
         fatalx("decode_work: sample: %s", dsv4_errmsg());
 

@@ -108,7 +108,7 @@ prefill_finish(struct rank *k, int slot, const float *logits)
     enum dsv4_err e;
 
     rank_sample_params(&sp, &j->s, j->step);
-    e = k->be->ops->sample(k->be, &tok, &lp, logits, &sp, 1, k->V);
+    e = rank_sample(k, &tok, &lp, logits, &sp, 1);
     if (e != DSV4_OK)
         fatalx("prefill_finish: sample: %s", dsv4_errmsg());
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL_DONE);

@@ -22,7 +22,10 @@
  *
  * Memory: backend memory is device memory (cudaMalloc, zero-filled).  Ops
  * that need temporary space take it from one scratch buffer owned by the
- * backend, grown on demand (growing synchronises the stream).  All work runs
+ * backend, grown on demand (an outgrown buffer is kept, not freed, until the
+ * backend is destroyed: queued work and recorded graphs may still use it;
+ * growing never synchronises, so it is allowed while a graph is being
+ * recorded, kernels/cuda/cuda_backend.cu).  All work runs
  * on the backend's stream; ops never synchronise except where noted (the
  * moe op on an expert array that dsv4_cuda_weights_upload did not register).
  */
@@ -53,6 +56,10 @@ struct cuda_state {
     size_t scratch_bytes;
     struct cuda_expert_table *tables;   /* registered expert arrays */
     int n_tables, cap_tables;
+    void **retired;                     /* outgrown scratch buffers: recorded
+                                           graphs may still use them; freed
+                                           by destroy */
+    int n_retired, cap_retired;
 };
 
 static inline struct cuda_state *
@@ -100,6 +107,26 @@ enum dsv4_err cuda_experts_register(struct dsv4_backend *be, const struct dsv4_e
                                     struct dsv4_expert_w *dev, int n);
 /* Forget the registration of `host` (does not free dev). */
 void cuda_experts_unregister(struct dsv4_backend *be, const struct dsv4_expert_w *host);
+
+/* Ownership record of device weights, kept in dev->priv
+ * (kernels/cuda/cuda_weights.cu, cuda_synth.cu). */
+struct cuda_wpriv {
+    char *arena;                     /* device: every tensor */
+    size_t arena_bytes;
+    struct dsv4_layer_w *layers;     /* host copy */
+    struct dsv4_expert_w *experts;   /* host copy, n_layers * E */
+    struct dsv4_expert_w *dev_experts; /* device copy of the same */
+    struct dsv4_expert_w *dev_shared;  /* device copies of layers[l].shared */
+    int n_layers, E;
+};
+
+/* Copy p's expert arrays and shared-expert structs to the device and
+ * register them with the backend (the moe op finds them there). */
+enum dsv4_err cuda_weights_tables(struct dsv4_backend *be, struct cuda_wpriv *p);
+
+/* Report progress through pr (NULL or pr->fn NULL: nothing). */
+struct dsv4_cuda_progress;
+void cuda_progress(const struct dsv4_cuda_progress *pr, uint64_t done, uint64_t total);
 
 /* Blocks for n items at `per` items per block. */
 static inline unsigned

@@ -28,21 +28,29 @@ cuda_scratch(struct dsv4_backend *be, size_t bytes)
 {
     struct cuda_state *st = cuda_st(be);
     size_t want;
+    void *p = NULL;
 
     if (bytes <= st->scratch_bytes && st->scratch != NULL)
         return st->scratch;
-    /* queued work may still use the old buffer */
-    if (cudaStreamSynchronize(st->stream) != cudaSuccess)
-        return NULL;
-    cudaFree(st->scratch);
-    st->scratch = NULL;
-    st->scratch_bytes = 0;
+    /* queued work and recorded graphs may still use the old buffer: keep it
+     * (no synchronisation, so this also works while recording a graph) */
+    if (st->scratch != NULL && st->n_retired == st->cap_retired) {
+        int cap = st->cap_retired ? 2 * st->cap_retired : 8;
+        void **r = (void **)realloc(st->retired, (size_t)cap * sizeof(*r));
+
+        if (r == NULL)
+            return NULL;
+        st->retired = r;
+        st->cap_retired = cap;
+    }
     want = bytes + bytes / 2 + (1u << 20);
-    if (cudaMalloc(&st->scratch, want) != cudaSuccess) {
+    if (cudaMalloc(&p, want) != cudaSuccess) {
         (void)cudaGetLastError();
-        st->scratch = NULL;
         return NULL;
     }
+    if (st->scratch != NULL)
+        st->retired[st->n_retired++] = st->scratch;
+    st->scratch = p;
     st->scratch_bytes = want;
     return st->scratch;
 }
@@ -106,6 +114,9 @@ cuda_destroy(struct dsv4_backend *be)
 
     cudaStreamSynchronize(st->stream);
     cudaFree(st->scratch);
+    for (int i = 0; i < st->n_retired; i++)
+        cudaFree(st->retired[i]);
+    free(st->retired);
     cudaStreamDestroy(st->stream);
     free(st->tables);
     free(st);
@@ -291,6 +302,62 @@ cuda_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16
     return DSV4_OK;
 }
 
+/* --- graphs ------------------------------------------------------------------------- */
+
+/*
+ * Stream capture in relaxed mode (cudaMalloc of a growing scratch buffer is
+ * allowed while recording; nothing else here calls an unsafe API).  The
+ * recording is instantiated once and replayed with cudaGraphLaunch on the
+ * backend's stream.
+ */
+static enum dsv4_err
+cuda_graph_begin(struct dsv4_backend *be)
+{
+    CUDA_TRY(cudaStreamBeginCapture(cuda_stream(be), cudaStreamCaptureModeRelaxed));
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+cuda_graph_end(struct dsv4_backend *be, void **out)
+{
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    cudaError_t rc;
+
+    *out = NULL;
+    rc = cudaStreamEndCapture(cuda_stream(be), &g);
+    if (rc != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (g != NULL)
+            cudaGraphDestroy(g);
+        return cuda_err(rc, "cudaStreamEndCapture", __FILE__, __LINE__);
+    }
+    rc = cudaGraphInstantiate(&x, g, 0);
+    cudaGraphDestroy(g);
+    if (rc != cudaSuccess) {
+        (void)cudaGetLastError();
+        return cuda_err(rc, "cudaGraphInstantiate", __FILE__, __LINE__);
+    }
+    *out = (void *)x;
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+cuda_graph_launch(struct dsv4_backend *be, void *g)
+{
+    CUDA_TRY(cudaGraphLaunch((cudaGraphExec_t)g, cuda_stream(be)));
+    return DSV4_OK;
+}
+
+static void
+cuda_graph_free(struct dsv4_backend *be, void *g)
+{
+    if (g == NULL)
+        return;
+    cudaStreamSynchronize(cuda_stream(be));
+    cudaGraphExecDestroy((cudaGraphExec_t)g);
+}
+
 /* --- constructor -------------------------------------------------------------------- */
 
 static const struct dsv4_backend_ops cuda_ops = {
@@ -322,6 +389,10 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_router,
     cuda_moe,
     cuda_sample,
+    cuda_graph_begin,
+    cuda_graph_end,
+    cuda_graph_launch,
+    cuda_graph_free,
 };
 
 extern "C" enum dsv4_err

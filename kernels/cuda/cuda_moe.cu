@@ -271,7 +271,7 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
          const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit)
 {
     cudaStream_t s = cuda_stream(be);
-    const struct cuda_expert_table *reg = NULL;
+    const struct cuda_expert_table *reg = NULL, *reg_sh = NULL;
     const struct dsv4_expert_w *any;
     struct dsv4_expert_w *table = NULL;
     int n_table = 0, D, I, ref = be->numerics == DSV4_NUMERICS_REF;
@@ -310,6 +310,9 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
         }
     }
 
+    /* the shared expert's struct: a registered device copy (no host copy,
+     * so the op can be recorded in a graph), else copied from the host */
+    reg_sh = shared != NULL ? cuda_experts_find(be, shared) : NULL;
     b_tab = reg == NULL && k > 0 ? cuda_align((size_t)n_table * sizeof(*experts) + 1) : 0;
     b_sh = cuda_align(sizeof(*shared));
     b_xq = cuda_align((size_t)T * D * sizeof(float));
@@ -328,8 +331,10 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
                                  cudaMemcpyHostToDevice, s));
     }
     p += b_tab;
-    if (shared != NULL)
+    if (shared != NULL && reg_sh == NULL)
         CUDA_TRY(cudaMemcpyAsync(p, shared, sizeof(*shared), cudaMemcpyHostToDevice, s));
+    const struct dsv4_expert_w *sh_dev =
+        shared == NULL ? NULL : reg_sh != NULL ? reg_sh->dev : (const struct dsv4_expert_w *)p;
     xs.raw = x;
     xs.q = (float *)(p + b_sh);
     xs.sx = (float *)(p + b_sh + b_xq);
@@ -349,8 +354,7 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
         dim3 grid(cuda_blocks(I, LIN_GROUPS), rows < 65535 ? (unsigned)rows : 65535);
 
         moe_up_kernel<<<grid, LIN_THREADS, 0, s>>>(
-            (float *)hs.raw, xs, table, n_table,
-            shared != NULL ? (const struct dsv4_expert_w *)p : NULL, ids, weights, T, k, I,
+            (float *)hs.raw, xs, table, n_table, sh_dev, ids, weights, T, k, I,
             swiglu_limit, ref);
         CUDA_LAUNCHED("moe_up");
     }
@@ -363,8 +367,7 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
         dim3 grid(cuda_blocks(D, LIN_GROUPS), rows < 65535 ? (unsigned)rows : 65535);
 
         moe_down_kernel<<<grid, LIN_THREADS, 0, s>>>(
-            y, hs, table, n_table, shared != NULL ? (const struct dsv4_expert_w *)p : NULL,
-            ids, T, k, D, ref);
+            y, hs, table, n_table, sh_dev, ids, T, k, D, ref);
         CUDA_LAUNCHED("moe_down");
     }
     moe_sum_kernel<<<cuda_blocks((int64_t)T * D, 256), 256, 0, s>>>(out, y, ids, T, k, D,

@@ -8,6 +8,11 @@
  * struct.  Tensor sizes follow from the config and the linear shapes
  * (common/weights.h).  The copy is synchronous (cudaMemcpy from the
  * mappings); streaming through pinned buffers is the fast path's business.
+ * Progress goes to the log every GiB and to the caller's callback
+ * (dsv4_cuda_weights_upload_progress), which the rank daemons turn into
+ * STATUS= lines.  Every layer's expert array and shared-expert struct get a
+ * registered device copy (cuda_weights_tables), so the moe op reads them
+ * without a host copy and can be recorded in a graph.
  */
 #include "kernels/cuda_weights.h"
 
@@ -19,22 +24,13 @@
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
-/* Ownership record kept in dev->priv. */
-struct cuda_wpriv {
-    char *arena;                     /* device: every tensor */
-    size_t arena_bytes;
-    struct dsv4_layer_w *layers;     /* host copy */
-    struct dsv4_expert_w *experts;   /* host copy, n_layers * E */
-    struct dsv4_expert_w *dev_experts; /* device copy of the same */
-    int n_layers, E;
-};
-
 /* One walk: pass 0 sizes, pass 1 copies. */
 struct walk {
     int pass;
     size_t total, off, logged;
     char *arena;
     enum dsv4_err err;
+    const struct dsv4_cuda_progress *progress;   /* may be NULL */
 };
 
 static void
@@ -59,6 +55,7 @@ walk_tensor(struct walk *wk, const void **field, size_t bytes)
         log_info("cuda weights: %.1f of %.1f GiB on the device", wk->off / GIB,
                  wk->total / GIB);
         wk->logged = wk->off;
+        cuda_progress(wk->progress, wk->off, wk->total);
     }
 }
 
@@ -171,18 +168,75 @@ dsv4_cuda_weights_free(struct dsv4_backend *be, struct dsv4_weights *dev)
         return;
     for (int l = 0; l < p->n_layers && p->experts != NULL; l++)
         cuda_experts_unregister(be, p->experts + (size_t)l * p->E);
+    for (int l = 0; l < p->n_layers && p->layers != NULL; l++)
+        cuda_experts_unregister(be, &p->layers[l].shared);
     cudaStreamSynchronize(cuda_stream(be));
     cudaFree(p->arena);
     cudaFree(p->dev_experts);
+    cudaFree(p->dev_shared);
     free(p->layers);
     free(p->experts);
     free(p);
     memset(dev, 0, sizeof(*dev));
 }
 
+void
+cuda_progress(const struct dsv4_cuda_progress *pr, uint64_t done, uint64_t total)
+{
+    if (pr != NULL && pr->fn != NULL)
+        pr->fn(pr->ctx, done, total);
+}
+
+enum dsv4_err
+cuda_weights_tables(struct dsv4_backend *be, struct cuda_wpriv *p)
+{
+    size_t ne = (size_t)p->n_layers * p->E;
+    cudaError_t rc = cudaSuccess;
+    enum dsv4_err e;
+
+    /* device copies of the expert arrays and of each layer's shared-expert
+     * struct, registered for the moe op */
+    if (ne > 0) {
+        rc = cudaMalloc((void **)&p->dev_experts, ne * sizeof(*p->experts));
+        if (rc == cudaSuccess)
+            rc = cudaMemcpy(p->dev_experts, p->experts, ne * sizeof(*p->experts),
+                            cudaMemcpyHostToDevice);
+    }
+    if (rc == cudaSuccess && p->n_layers > 0) {
+        rc = cudaMalloc((void **)&p->dev_shared, (size_t)p->n_layers * sizeof(*p->dev_shared));
+        for (int l = 0; l < p->n_layers && rc == cudaSuccess; l++)
+            rc = cudaMemcpy(p->dev_shared + l, &p->layers[l].shared, sizeof(*p->dev_shared),
+                            cudaMemcpyHostToDevice);
+    }
+    if (rc != cudaSuccess)
+        return cuda_err(rc, "expert tables", __FILE__, __LINE__);
+    for (int l = 0; l < p->n_layers; l++) {
+        if (p->layers[l].experts != NULL) {
+            e = cuda_experts_register(be, p->layers[l].experts,
+                                      p->dev_experts + (size_t)l * p->E, p->E);
+            if (e != DSV4_OK)
+                return e;
+        }
+        if (p->layers[l].shared.w1.w != NULL) {
+            e = cuda_experts_register(be, &p->layers[l].shared, p->dev_shared + l, 1);
+            if (e != DSV4_OK)
+                return e;
+        }
+    }
+    return DSV4_OK;
+}
+
 extern "C" enum dsv4_err
 dsv4_cuda_weights_upload(struct dsv4_backend *be, struct dsv4_weights *dev,
                          const struct dsv4_weights *host)
+{
+    return dsv4_cuda_weights_upload_progress(be, dev, host, NULL);
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_weights_upload_progress(struct dsv4_backend *be, struct dsv4_weights *dev,
+                                  const struct dsv4_weights *host,
+                                  const struct dsv4_cuda_progress *pr)
 {
     struct cuda_wpriv *p;
     struct walk wk;
@@ -217,6 +271,7 @@ dsv4_cuda_weights_upload(struct dsv4_backend *be, struct dsv4_weights *dev,
     }
 
     memset(&wk, 0, sizeof(wk));
+    wk.progress = pr;
     walk_all(&wk, dev);
     wk.total = wk.off;
     log_info("cuda weights: uploading %.2f GiB (%d layers, %d experts each)", wk.total / GIB,
@@ -239,28 +294,12 @@ dsv4_cuda_weights_upload(struct dsv4_backend *be, struct dsv4_weights *dev,
         return e;
     }
 
-    /* device copies of the expert arrays, registered for the moe op */
-    if (ne > 0) {
-        rc = cudaMalloc((void **)&p->dev_experts, ne * sizeof(*p->experts));
-        if (rc == cudaSuccess)
-            rc = cudaMemcpy(p->dev_experts, p->experts, ne * sizeof(*p->experts),
-                            cudaMemcpyHostToDevice);
-        if (rc != cudaSuccess) {
-            e = cuda_err(rc, "expert tables", __FILE__, __LINE__);
-            dsv4_cuda_weights_free(be, dev);
-            return e;
-        }
-        for (int l = 0; l < L; l++) {
-            if (p->layers[l].experts == NULL)
-                continue;
-            e = cuda_experts_register(be, p->layers[l].experts, p->dev_experts + (size_t)l * E,
-                                      E);
-            if (e != DSV4_OK) {
-                dsv4_cuda_weights_free(be, dev);
-                return e;
-            }
-        }
+    e = cuda_weights_tables(be, p);
+    if (e != DSV4_OK) {
+        dsv4_cuda_weights_free(be, dev);
+        return e;
     }
+    cuda_progress(pr, wk.total, wk.total);
     log_info("cuda weights: %.2f GiB on device %d", wk.total / GIB, cuda_st(be)->device);
     return DSV4_OK;
 }

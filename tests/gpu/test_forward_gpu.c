@@ -35,68 +35,9 @@
 #include "kernels/backend.h"
 #include "kernels/cuda_weights.h"
 #include "kernels/forward.h"
+#include "tests/gpu/gpu_test_util.h"
 
-#define MEDIAN_TOL 1e-3
-#define MAX_TOL 0.1
 #define N_SEQ 2
-
-static double
-now_ms(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-static int
-argmax(const float *l, int V)
-{
-    int b = 0;
-
-    for (int i = 1; i < V; i++)
-        if (l[i] > l[b])
-            b = i;
-    return b;
-}
-
-static double
-max_abs_diff(const float *g, const float *c, int V)
-{
-    double d = 0;
-
-    for (int i = 0; i < V; i++)
-        d = fmax(d, fabs((double)g[i] - c[i]));
-    return d;
-}
-
-static double
-rel_err(const float *g, const float *c, int V)
-{
-    double d = 0, n = 0;
-
-    for (int i = 0; i < V; i++) {
-        d += ((double)g[i] - c[i]) * ((double)g[i] - c[i]);
-        n += (double)c[i] * c[i];
-    }
-    return n > 0 ? sqrt(d / n) : sqrt(d);
-}
-
-static int
-cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-
-    return x < y ? -1 : x > y;
-}
-
-#define TRY(what, expr)                                                            \
-    do {                                                                           \
-        if ((expr) != DSV4_OK) {                                                   \
-            fprintf(stderr, "%s: %s\n", what, dsv4_errmsg());                      \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
 
 /* One mode; returns 0 on pass. */
 static int
@@ -149,7 +90,7 @@ run_mode(const char *dir, enum dsv4_numerics num, int steps, int prompt)
         t_gpu += s > 0 ? now_ms() - t0 : 0;
         for (int q = 0; q < N_SEQ; q++) {
             int ac = argmax(lc + (size_t)q * V, V), ag = argmax(lg + (size_t)q * V, V);
-            double r = rel_err(lg + (size_t)q * V, lc + (size_t)q * V, V);
+            double diff, r = rel_err(lg + (size_t)q * V, lc + (size_t)q * V, V, &diff);
 
             errs[n_err++] = r;
             worst = fmax(worst, isnan(r) ? INFINITY : r);
@@ -163,7 +104,6 @@ run_mode(const char *dir, enum dsv4_numerics num, int steps, int prompt)
             } else {
                 const float *c = lc + (size_t)q * V;
                 double margin = (double)c[ac] - c[ag];
-                double diff = max_abs_diff(lg + (size_t)q * V, c, V);
 
                 ties += margin < diff;
                 printf("   step %d seq %d: cpu token %d, gpu token %d, cpu margin %.3g, "
