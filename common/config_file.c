@@ -32,6 +32,7 @@ struct cfg_key {
 
 static const char *const cfg_backends[] = { "cpu", "cuda", NULL };
 static const char *const cfg_numerics[] = { "ref", "hf", NULL };
+static const char *const cfg_yesno[] = { "no", "yes", NULL };
 
 #define STR(f) CFG_STR, offsetof(struct dsv4_conf, f), \
     sizeof(((struct dsv4_conf *)0)->f), 0, 0, NULL
@@ -60,6 +61,14 @@ static const struct cfg_key cfg_keys[] = {
     { "slots",              INT(slots, 1, 65535) },
     { "prefill_slots",      INT(prefill_slots, 1, 65535) },
     { "max_seq",            INT(max_seq, 1, 1 << 20) },
+    { "gateway_listen",     STR(gateway_listen) },
+    { "gateway_keys",       STR(gateway_keys) },
+    { "gateway_model",      STR(gateway_model) },
+    { "gateway_max_body",   INT(gateway_max_body, 1024, 16 << 20) },
+    { "gateway_max_conns",  INT(gateway_max_conns, 1, 65535) },
+    { "gateway_idle_s",     INT(gateway_idle_s, 1, 86400) },
+    { "gateway_timeout_ms", INT(gateway_timeout_ms, 1000, 86400000) },
+    { "gateway_launch",     ENUM(gateway_launch, cfg_yesno) },
 };
 #define CFG_NKEYS (sizeof(cfg_keys) / sizeof(cfg_keys[0]))
 
@@ -95,6 +104,13 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->slots = 16;
     cfg->prefill_slots = 1;
     cfg->max_seq = 4096;
+    snprintf(cfg->gateway_listen, sizeof(cfg->gateway_listen), "%s", "127.0.0.1:8000");
+    snprintf(cfg->gateway_model, sizeof(cfg->gateway_model), "%s", "deepseek-v4-flash");
+    cfg->gateway_max_body = 1 << 20;
+    cfg->gateway_max_conns = 256;
+    cfg->gateway_idle_s = 60;
+    cfg->gateway_timeout_ms = 600000;
+    snprintf(cfg->gateway_launch, sizeof(cfg->gateway_launch), "%s", "no");
 }
 
 static const struct cfg_key *

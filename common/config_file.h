@@ -65,6 +65,19 @@ struct dsv4_conf {
     int slots;              /* [16] decode stream slots of a decode rank */
     int prefill_slots;      /* [1] concurrent prompts of a prefill rank */
     int max_seq;            /* [4096] longest sequence (prompt + output) */
+    /* --- HTTP gateway (dsv4-gateway, docs/gateway.md) --- */
+    char gateway_listen[DSV4_CONF_STR]; /* [127.0.0.1:8000] HOST:PORT of the HTTP
+                                           listener (unless socket-activated) */
+    char gateway_keys[DSV4_CONF_STR];   /* [""] bearer-token file (one key a
+                                           line, e.g. /etc/dsv4/gateway.keys);
+                                           "" = no authentication */
+    char gateway_model[128];  /* [deepseek-v4-flash] model id of /v1/models */
+    int gateway_max_body;     /* [1048576] request body bytes before 413 */
+    int gateway_max_conns;    /* [256] concurrent HTTP connections */
+    int gateway_idle_s;       /* [60] close a connection idle (no bytes either
+                                 way) this long: slow or stalled clients */
+    int gateway_timeout_ms;   /* [600000] deadline of one generation (504) */
+    char gateway_launch[8];   /* [no] "yes": dsv4-launch starts dsv4-gateway */
 };
 
 /* Fill `cfg` with the defaults listed in the struct. */

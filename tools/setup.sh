@@ -9,13 +9,15 @@
 #   libsystemd-dev             sd_notify, socket activation
 #   libucx-dev                 decode-state transfer across hosts
 #   libcmocka-dev              unit-test framework
+#   libmicrohttpd-dev          HTTP server library of dsv4-gateway
+#   prometheus                 the gateway test scrapes /metrics with a real server
 #   clang, libclang-rt-14-dev  libFuzzer + sanitizer runtimes for fuzz targets
 #   python3 packages           test oracles (tokenizer reference, protocol client)
 set -euo pipefail
 
 pkgs=(meson ninja-build pkg-config gcc libjson-c-dev libpcre2-dev libzmq3-dev libmsgpack-dev
       libsystemd-dev libucx-dev libcmocka-dev clang libclang-rt-14-dev python3 python3-pip
-      systemd iproute2)
+      systemd iproute2 libmicrohttpd-dev prometheus curl)
 
 missing=()
 for p in "${pkgs[@]}"; do

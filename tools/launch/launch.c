@@ -3,9 +3,13 @@
  * event loop.  See launch.h for what the program does and docs/operations.md
  * for how it is used.
  *
- *   dsv4-launch [-f CONF] [-o KEY=VALUE]... [-P N] [-D N] [-w SEC] [-r MS]
+ *   dsv4-launch [-f CONF] [-o KEY=VALUE]... [-P N] [-D N] [-G] [-w SEC] [-r MS]
  *               [-T SEC] [-t SEC] [-v] [--sched-bin P] [--prefill-bin P]
- *               [--decode-bin P] [--notify-log FILE] [-- COMMAND [ARG]...]
+ *               [--decode-bin P] [--gateway-bin P] [--notify-log FILE]
+ *               [-- COMMAND [ARG]...]
+ *
+ * -G (or gateway_launch = yes in the configuration) also runs dsv4-gateway,
+ * the HTTP gateway, started with the ranks and supervised like them.
  *
  * Exit status: 0 after a clean stop; the command's status with `--`; 1 when
  * a child hit its start limit or the setup failed; 2 usage error.
@@ -27,7 +31,8 @@
 #include "common/sdnotify.h"
 #include "tools/launch/launch.h"
 
-enum { OPT_SCHED_BIN = 256, OPT_PREFILL_BIN, OPT_DECODE_BIN, OPT_NOTIFY_LOG };
+enum { OPT_SCHED_BIN = 256, OPT_PREFILL_BIN, OPT_DECODE_BIN, OPT_NOTIFY_LOG,
+    OPT_GATEWAY_BIN };
 
 int64_t
 launch_now_ms(void)
@@ -43,10 +48,11 @@ usage(void)
 {
     fprintf(stderr,
         "usage: dsv4-launch [-f conf] [-o key=value]... [-P n_prefill] [-D n_decode]\n"
-        "                   [-w watchdog_s] [-r restart_ms] [-T start_timeout_s]\n"
+        "                   [-G] [-w watchdog_s] [-r restart_ms] [-T start_timeout_s]\n"
         "                   [-t stop_timeout_s] [-v] [--sched-bin path]\n"
         "                   [--prefill-bin path] [--decode-bin path]\n"
-        "                   [--notify-log file] [-- command [arg]...]\n");
+        "                   [--gateway-bin path] [--notify-log file]\n"
+        "                   [-- command [arg]...]\n");
     exit(2);
 }
 
@@ -73,6 +79,7 @@ parse_args(struct launch *l, int argc, char **argv)
         { "prefill-bin", required_argument, NULL, OPT_PREFILL_BIN },
         { "decode-bin", required_argument, NULL, OPT_DECODE_BIN },
         { "notify-log", required_argument, NULL, OPT_NOTIFY_LOG },
+        { "gateway-bin", required_argument, NULL, OPT_GATEWAY_BIN },
         { NULL, 0, NULL, 0 },
     };
     struct launch_opts *o = &l->o;
@@ -85,7 +92,7 @@ parse_args(struct launch *l, int argc, char **argv)
     o->restart_ms = 1000;
     o->start_timeout_ms = 300000;
     o->stop_timeout_ms = 30000;
-    while ((ch = getopt_long(argc, argv, "+f:o:P:D:w:r:T:t:v", longopts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "+f:o:P:D:Gw:r:T:t:v", longopts, NULL)) != -1) {
         switch (ch) {
         case 'f': o->conf_path = optarg; break;
         case 'o':
@@ -95,6 +102,7 @@ parse_args(struct launch *l, int argc, char **argv)
             break;
         case 'P': o->n_prefill = num_arg(optarg, 0, LAUNCH_MAX_RANKS / 2, "-P"); break;
         case 'D': o->n_decode = num_arg(optarg, 0, LAUNCH_MAX_RANKS / 2, "-D"); break;
+        case 'G': o->gateway = true; break;
         case 'w': o->watchdog_ms = num_arg(optarg, 0, 86400, "-w") * 1000; break;
         case 'r': o->restart_ms = num_arg(optarg, 0, 3600000, "-r"); break;
         case 'T': o->start_timeout_ms = num_arg(optarg, 0, 86400, "-T") * 1000; break;
@@ -104,6 +112,7 @@ parse_args(struct launch *l, int argc, char **argv)
         case OPT_PREFILL_BIN: o->bin[LAUNCH_PREFILL] = optarg; break;
         case OPT_DECODE_BIN: o->bin[LAUNCH_DECODE] = optarg; break;
         case OPT_NOTIFY_LOG: o->notify_log = optarg; break;
+        case OPT_GATEWAY_BIN: o->bin[LAUNCH_GATEWAY] = optarg; break;
         default: usage();
         }
     }
@@ -126,6 +135,8 @@ load_conf(struct launch *l)
     for (i = 0; i < l->o.n_overrides; i++)
         if (dsv4_conf_set_kv(&l->conf, l->o.overrides[i]) != DSV4_OK)
             fatalx("-o %s", dsv4_errmsg());
+    if (strcmp(l->conf.gateway_launch, "yes") == 0)
+        l->o.gateway = true;
 }
 
 /* Block the signals we take through the signalfd. */
@@ -196,7 +207,7 @@ handle_signals(struct launch *l)
 static void
 launch_loop(struct launch *l)
 {
-    struct pollfd pfd[3 + LAUNCH_MAX_RANKS];
+    struct pollfd pfd[4 + LAUNCH_MAX_RANKS];
     int64_t wait;
     int i, n;
 

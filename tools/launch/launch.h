@@ -39,6 +39,8 @@ enum launch_role {
     LAUNCH_PREFILL,
     LAUNCH_DECODE,
     LAUNCH_COMMAND,                  /* the command after `--` (never restarted) */
+    LAUNCH_GATEWAY,                  /* dsv4-gateway (-G, gateway_launch = yes);
+                                        started with the ranks */
 };
 
 /* One supervised process slot. */
@@ -70,7 +72,8 @@ struct launch_opts {
     char *overrides[LAUNCH_MAX_ARGS];/* -o key=value, passed to every daemon */
     int n_overrides;
     int n_prefill, n_decode;         /* -P, -D */
-    const char *bin[3];              /* sched, prefill, decode program paths */
+    const char *bin[LAUNCH_GATEWAY + 1]; /* program paths by role (COMMAND unused) */
+    bool gateway;                    /* -G: also run dsv4-gateway */
     int64_t watchdog_ms;             /* -w; 0 = no watchdog */
     int64_t restart_ms;              /* -r: RestartSec */
     int64_t start_timeout_ms;        /* -T: TimeoutStartSec */
@@ -87,7 +90,8 @@ struct launch {
     char listen_path[2][sizeof(((struct sockaddr_un *)0)->sun_path)]; /* ipc: unlink */
     char rundir[64];                 /* notify sockets live here */
     int sigfd;
-    struct launch_child kids[2 + LAUNCH_MAX_RANKS]; /* [0] sched, then ranks, then command */
+    struct launch_child kids[3 + LAUNCH_MAX_RANKS]; /* [0] sched, then ranks, the
+                                        gateway, then the command */
     int n_kids;
     bool all_ready_once;             /* READY sent to our own manager */
     bool stopping;
@@ -117,7 +121,8 @@ ssize_t sock_notify_recv(struct launch_child *k, char *buf, size_t size);
 
 /* --- launch_proc.c: child processes ------------------------------------- */
 
-/* Fill the slots (sched, prefill@0.., decode@0.., command) from the options. */
+/* Fill the slots (sched, prefill@0.., decode@0.., gateway, command) from the
+ * options. */
 void proc_setup(struct launch *l);
 
 /* Fork and exec child `k` with its environment (NOTIFY_SOCKET, LISTEN_*,

@@ -42,17 +42,18 @@ proc_setup_daemon(struct launch *l, struct launch_child *k, enum launch_role rol
 
     k->role = role;
     k->index = index;
-    if (role == LAUNCH_SCHED)
-        snprintf(k->name, sizeof(k->name), "sched");
+    if (role == LAUNCH_SCHED || role == LAUNCH_GATEWAY)
+        snprintf(k->name, sizeof(k->name), role == LAUNCH_SCHED ? "sched" : "gateway");
     else
         snprintf(k->name, sizeof(k->name), "%s@%d",
             role == LAUNCH_PREFILL ? "prefill" : "decode", index);
-    argv_add(k, &n, l->o.bin[role] != NULL ? l->o.bin[role] : role_prog[role]);
+    argv_add(k, &n, l->o.bin[role] != NULL ? l->o.bin[role] :
+        role == LAUNCH_GATEWAY ? "dsv4-gateway" : role_prog[role]);
     if (l->o.conf_path != NULL) {
         argv_add(k, &n, "-f");
         argv_add(k, &n, l->o.conf_path);
     }
-    if (role != LAUNCH_SCHED) {
+    if (role == LAUNCH_PREFILL || role == LAUNCH_DECODE) {
         snprintf(buf, sizeof(buf), "%d", index);
         argv_add(k, &n, "--rank");
         argv_add(k, &n, buf);
@@ -76,6 +77,8 @@ proc_setup(struct launch *l)
         proc_setup_daemon(l, &l->kids[n++], LAUNCH_PREFILL, i);
     for (i = 0; i < l->o.n_decode; i++)
         proc_setup_daemon(l, &l->kids[n++], LAUNCH_DECODE, i);
+    if (l->o.gateway)
+        proc_setup_daemon(l, &l->kids[n++], LAUNCH_GATEWAY, 0);
     if (l->o.command != NULL) {
         k = &l->kids[n++];
         k->role = LAUNCH_COMMAND;

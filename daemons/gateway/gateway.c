@@ -1,0 +1,211 @@
+/*
+ * gateway.c — dsv4-gateway: main (options, configuration, -n), the bearer
+ * keys, the tokenizer, the listener (a socket passed by systemd, else
+ * gateway_listen), sd_notify and the signal loop.  See gateway.h for the
+ * program's map and docs/gateway.md for the API.
+ *
+ *   dsv4-gateway [-nv] [-f CONFIG] [-o KEY=VALUE]... [-l HOST:PORT]
+ *
+ * -n checks the configuration, the keys file and the tokenizer, then exits.
+ * Exit status: 0 after SIGTERM/SIGINT, 1 on a setup error, 2 usage.
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <getopt.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <systemd/sd-daemon.h>
+
+#include "common/config_file.h"
+#include "common/log.h"
+#include "common/sdnotify.h"
+#include "daemons/gateway/gateway.h"
+
+static void __attribute__((noreturn))
+usage(void)
+{
+    fprintf(stderr, "usage: dsv4-gateway [-nv] [-f config] [-o key=value]... "
+        "[-l host:port]\n");
+    exit(2);
+}
+
+/* Read the bearer tokens: one per line, blanks trimmed, '#' comments. */
+static int
+gw_keys_load(struct gw *g, const char *path)
+{
+    char line[1024], *p, *e;
+    struct stat st;
+    FILE *f;
+
+    if ((f = fopen(path, "re")) == NULL) {
+        log_warn("gw_keys_load: %s", path);
+        return -1;
+    }
+    if (fstat(fileno(f), &st) == 0 && (st.st_mode & 0007) != 0)
+        log_warnx("gw_keys_load: %s is readable by everyone (chmod 0640)", path);
+    while (fgets(line, sizeof(line), f) != NULL) {
+        for (p = line; isspace((unsigned char)*p); p++)
+            ;
+        if (*p == '#' || *p == '\0')
+            continue;
+        for (e = p + strlen(p); e > p && isspace((unsigned char)e[-1]); e--)
+            ;
+        *e = '\0';
+        if (strlen(p) >= GW_KEY_LEN || g->n_keys >= GW_MAX_KEYS) {
+            log_warnx("gw_keys_load: %s: keys are < %d bytes, at most %d of them", path,
+                GW_KEY_LEN, GW_MAX_KEYS);
+            fclose(f);
+            return -1;
+        }
+        snprintf(g->keys[g->n_keys++], GW_KEY_LEN, "%s", p);
+    }
+    fclose(f);
+    if (g->n_keys == 0) {
+        log_warnx("gw_keys_load: %s holds no key", path);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+signals_open(void)
+{
+    sigset_t set;
+    int fd;
+
+    /* Blocked before MHD starts its threads, so they inherit the mask and
+     * only the signalfd sees these. */
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    if (pthread_sigmask(SIG_BLOCK, &set, NULL) != 0)
+        fatalx("pthread_sigmask");
+    if ((fd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)) < 0)
+        fatal("signalfd");
+    signal(SIGPIPE, SIG_IGN);
+    return fd;
+}
+
+/*
+ * The main thread's loop: wait for a signal or the watchdog interval; ping
+ * the watchdog; SIGTERM/SIGINT end it (SIGHUP is logged and ignored).
+ */
+static void
+gw_loop(int sigfd)
+{
+    uint64_t wd = sdnotify_watchdog_interval_us();
+    struct signalfd_siginfo si;
+    struct pollfd p;
+
+    for (;;) {
+        p.fd = sigfd;
+        p.events = POLLIN;
+        if (poll(&p, 1, wd != 0 ? (int)(wd / 1000) : -1) < 0 && errno != EINTR)
+            fatal("poll");
+        if (wd != 0)
+            sdnotify_watchdog();
+        while (read(sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+            if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) {
+                log_notice("gw_loop: %s; stopping", si.ssi_signo == SIGTERM ?
+                    "SIGTERM" : "SIGINT");
+                return;
+            }
+            log_info("gw_loop: SIGHUP ignored");
+        }
+    }
+}
+
+int
+main(int argc, char **argv)
+{
+    static struct gw g;
+    const char *conf_path = NULL, *listen = NULL;
+    bool check = false;
+    int ch, verbose = 0, sigfd, n_fds, listen_fd = -1;
+    char *overrides[64];
+    int n_over = 0, i;
+    enum dsv4_err e;
+
+    log_init(0);
+    log_procinit("gateway");
+    while ((ch = getopt(argc, argv, "nvf:o:l:")) != -1) {
+        switch (ch) {
+        case 'n': check = true; break;
+        case 'v': verbose++; break;
+        case 'f': conf_path = optarg; break;
+        case 'o':
+            if (n_over >= 64)
+                usage();
+            overrides[n_over++] = optarg;
+            break;
+        case 'l': listen = optarg; break;
+        default: usage();
+        }
+    }
+    if (optind != argc)
+        usage();
+    log_init(verbose);
+    dsv4_conf_defaults(&g.conf);
+    if (conf_path == NULL && access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0)
+        conf_path = DSV4_CONF_DEFAULT_PATH;
+    if (conf_path != NULL && dsv4_conf_load(&g.conf, conf_path, DSV4_CONF_ROLE_NONE) != DSV4_OK)
+        fatalx("%s", dsv4_errmsg());
+    for (i = 0; i < n_over; i++)
+        if (dsv4_conf_set_kv(&g.conf, overrides[i]) != DSV4_OK)
+            fatalx("-o %s", dsv4_errmsg());
+    if (listen != NULL && dsv4_conf_set(&g.conf, "gateway_listen", listen) != DSV4_OK)
+        fatalx("-l %s", dsv4_errmsg());
+    if (g.conf.gateway_keys[0] != '\0' && gw_keys_load(&g, g.conf.gateway_keys) != 0)
+        fatalx("cannot use the keys file %s", g.conf.gateway_keys);
+    sdnotify_status("loading the tokenizer");
+    if ((e = dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF)) != DSV4_OK)
+        fatalx("tokenizer: %s", dsv4_errmsg());
+    g.eos = dsv4_tok_eos(g.tok);
+    if (check) {
+        printf("configuration OK (%s); %d bearer key(s); tokenizer %s\n",
+            conf_path != NULL ? conf_path : "defaults", g.n_keys, g.conf.tokenizer);
+        dsv4_tok_free(g.tok);
+        return 0;
+    }
+    pthread_mutex_init(&g.toklock, NULL);
+    pthread_mutex_init(&g.alock, NULL);
+    pthread_mutex_init(&g.mlock, NULL);
+    sigfd = signals_open();
+    /* Socket activation (dsv4-gateway.socket): one listening stream socket. */
+    n_fds = sd_listen_fds(1);
+    if (n_fds < 0)
+        fatalx("sd_listen_fds: %s", strerror(-n_fds));
+    if (n_fds > 1)
+        fatalx("systemd passed %d sockets; dsv4-gateway takes one", n_fds);
+    if (n_fds == 1) {
+        if (sd_is_socket(SD_LISTEN_FDS_START, AF_UNSPEC, SOCK_STREAM, 1) <= 0)
+            fatalx("the socket systemd passed is not a listening stream socket");
+        listen_fd = SD_LISTEN_FDS_START;
+    }
+    if (gw_http_start(&g, listen_fd) != 0)
+        fatalx("cannot start the HTTP listener");
+    log_notice("main: serving %s on %s; scheduler %s, admin %s; %s", g.conf.gateway_model,
+        listen_fd >= 0 ? "the socket passed by systemd" : g.conf.gateway_listen,
+        g.conf.client_endpoint, g.conf.admin_endpoint,
+        g.n_keys > 0 ? "bearer tokens required" : "no authentication");
+    sdnotify_status("serving on %s", listen_fd >= 0 ? "the socket passed by systemd" :
+        g.conf.gateway_listen);
+    sdnotify_ready();
+    gw_loop(sigfd);
+    sdnotify_stopping();
+    atomic_store(&g.stopping, true);
+    gw_http_stop(&g);
+    gw_admin_close(&g);
+    dsv4_tok_free(g.tok);
+    close(sigfd);
+    log_info("main: stopped");
+    return 0;
+}

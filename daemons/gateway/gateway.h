@@ -1,0 +1,192 @@
+/*
+ * gateway.h — dsv4-gateway, the OpenAI-compatible HTTP front end of dsv4:
+ * the table of contents of the program (docs/gateway.md is the user's view).
+ *
+ * The gateway is a client of the scheduler like any other: every generation
+ * is one libdsv4client connection and request (ipc/dsv4/client.h); health and
+ * the scheduler's metrics come from the admin socket (docs/protocol.md §7,
+ * SHOW_STATUS and SHOW_RANKS).  HTTP is libmicrohttpd, one thread per
+ * connection: a handler may block on its own dsv4_client while other
+ * connections are served.  Nothing here parses HTTP by hand.
+ *
+ *   gateway.c      main: options, configuration, keys, listener (or the
+ *                  socket systemd passed), sd_notify, signal loop, shutdown
+ *   gw_http.c      routing, body limits, auth, errors, /v1/models, /health,
+ *                  /metrics, the MHD callbacks
+ *   gw_gen.c       /v1/completions and /v1/chat/completions: JSON request
+ *                  parsing, the scheduler request, JSON and SSE answers
+ *   gw_metrics.c   the gateway's own counters and histograms, the admin
+ *                  client, Prometheus text rendering
+ *
+ * Threads: MHD's connection threads run gw_http/gw_gen; the main thread
+ * only waits for signals and pings the watchdog.  Shared state: struct gw
+ * is read-only after startup except the members marked otherwise (each with
+ * the lock that guards it).
+ */
+#ifndef DSV4_GATEWAY_H
+#define DSV4_GATEWAY_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <json-c/json.h>
+#include <microhttpd.h>
+
+#include "common/config_file.h"
+#include "common/tokenizer.h"
+
+#define GW_MAX_KEYS 64            /* bearer tokens in the keys file */
+#define GW_KEY_LEN 256            /* bytes of one token, with NUL */
+#define GW_ADMIN_TIMEOUT_MS 3000  /* wait for one admin answer */
+#define GW_POLL_MS 100            /* client wait slice: check for hang-ups */
+#define GW_CANCEL_WAIT_MS 5000    /* wait for DONE after a cancel */
+#define GW_JSON_DEPTH 32          /* json-c nesting limit of a request body */
+#define GW_DEFAULT_MAX_TOKENS 256 /* when the request gives none */
+#define GW_MAX_RANKS 256          /* ranks shown in /metrics and /health */
+#define GW_DISCARD_MAX (64u << 20) /* body bytes read past the limit before hanging up */
+
+/* Histogram with fixed buckets (seconds), Prometheus cumulative on output. */
+#define GW_HIST_BUCKETS 14
+struct gw_hist {
+    uint64_t count[GW_HIST_BUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
+    double sum;
+    uint64_t n;
+};
+
+/* Outcome of one generation request as the gateway saw it. */
+enum gw_outcome {
+    GW_OUT_STOP = 0,     /* finish_reason "stop" */
+    GW_OUT_LENGTH,       /* finish_reason "length" */
+    GW_OUT_DISCONNECT,   /* the HTTP client went away; request cancelled */
+    GW_OUT_TIMEOUT,      /* gateway_timeout_ms or the scheduler's 408 (504) */
+    GW_OUT_REJECTED,     /* refused before it ran: bad input, busy, draining */
+    GW_OUT_ERROR,        /* failed while running, or the scheduler is gone */
+    GW_OUT_N,
+};
+
+/* HTTP routes counted in dsv4_gateway_http_requests_total. */
+enum gw_route {
+    GW_R_COMPLETIONS = 0,
+    GW_R_CHAT,
+    GW_R_MODELS,
+    GW_R_HEALTH,
+    GW_R_METRICS,
+    GW_R_OTHER,
+    GW_R_N,
+};
+
+/* The gateway's own measurements (guarded by gw.mlock). */
+struct gw_metrics {
+    uint64_t http[GW_R_N][6];    /* by route and status class 1xx..5xx; [0] unused */
+    uint64_t outcome[GW_OUT_N];
+    uint64_t prompt_tokens, completion_tokens; /* usage of finished requests */
+    uint64_t streams_active;     /* generations in flight now */
+    struct gw_hist ttft;         /* submit -> first token */
+    struct gw_hist itl;          /* between tokens (gap / tokens of the event) */
+    struct gw_hist handoff;      /* first token (prefill rank) -> second (decode group) */
+    struct gw_hist duration;     /* submit -> final event */
+};
+
+struct gw {
+    struct dsv4_conf conf;
+    struct dsv4_tok *tok;        /* chat rendering, token pieces; encode under toklock */
+    pthread_mutex_t toklock;
+    int32_t eos;                 /* <｜end▁of▁sentence｜>, a stop id of every request */
+    char keys[GW_MAX_KEYS][GW_KEY_LEN];
+    int n_keys;                  /* 0 = no authentication */
+    struct MHD_Daemon *mhd;
+    atomic_bool stopping;        /* SIGTERM seen: refuse new generations (503) */
+    /* admin client (gw_metrics.c), guarded by alock */
+    pthread_mutex_t alock;
+    void *zctx;
+    void *admin;                 /* DEALER to admin_endpoint; NULL until first use */
+    /* metrics, guarded by mlock */
+    pthread_mutex_t mlock;
+    struct gw_metrics m;
+};
+
+/* --- gw_http.c -------------------------------------------------------- */
+
+/* Start libmicrohttpd on `listen_fd` (>= 0: socket passed by systemd) or on
+ * conf.gateway_listen.  Returns 0, or -1 with the reason logged. */
+int gw_http_start(struct gw *g, int listen_fd);
+
+/* Stop accepting, close every connection, join MHD's threads. */
+void gw_http_stop(struct gw *g);
+
+/* Queue a JSON error answer in the OpenAI shape:
+ * {"error": {"message", "type", "param", "code"}}.  `code` may be NULL. */
+enum MHD_Result gw_http_error(struct gw *g, struct MHD_Connection *conn,
+    enum gw_route route, unsigned status, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+/* Queue `body` (malloc'd, ownership passes) with `status` and `type`. */
+enum MHD_Result gw_http_reply(struct gw *g, struct MHD_Connection *conn,
+    enum gw_route route, unsigned status, const char *type, char *body, size_t len);
+
+/* Queue the JSON text of `o` (released here) with `status`. */
+enum MHD_Result gw_http_json(struct gw *g, struct MHD_Connection *conn,
+    enum gw_route route, unsigned status, struct json_object *o);
+
+/* True when the peer of `conn` has closed or reset its socket. */
+bool gw_http_peer_gone(struct MHD_Connection *conn);
+
+/* --- gw_gen.c ---------------------------------------------------------- */
+
+/* One generation request's state; lives in MHD's per-request pointer. */
+struct gw_gen;
+
+/* Serve POST /v1/completions (chat false) or /v1/chat/completions with the
+ * complete body.  Queues the answer (JSON, or an SSE stream that the
+ * connection thread then pulls).  *genp receives the state that
+ * gw_gen_finish must release. */
+enum MHD_Result gw_gen_handle(struct gw *g, struct MHD_Connection *conn, bool chat,
+    const char *body, size_t len, struct gw_gen **genp);
+
+/* The connection is done (answer sent, client gone, or timeout): cancel the
+ * request if it still runs, count its outcome, free the state. */
+void gw_gen_finish(struct gw *g, struct gw_gen *gen, bool client_gone);
+
+/* --- gw_metrics.c ------------------------------------------------------- */
+
+void gw_hist_observe(struct gw_hist *h, double seconds);
+
+/* Count an HTTP answer (route, status). */
+void gw_metrics_http(struct gw *g, enum gw_route route, unsigned status);
+
+/* Scheduler state for /health and /metrics, from SHOW_STATUS + SHOW_RANKS. */
+struct gw_rank {
+    char role[16];
+    uint32_t index, group, group_rank, active, capacity, rank_active;
+    bool has_rank_active;
+    char state[16];
+};
+struct gw_sched {
+    bool up;                    /* the admin socket answered */
+    bool draining;
+    bool has_metrics;
+    uint64_t uptime_ms, n_done, n_failed, n_cancelled, n_rejected;
+    uint64_t tokens_in, tokens_out, handoffs, reruns, rank_deaths;
+    uint32_t n_ranks, n_ranks_ready, n_queued, n_running;
+    struct gw_rank ranks[GW_MAX_RANKS];
+    int n;
+};
+
+/* Ask the scheduler (admin socket) for its status and ranks.  0, or -1 when
+ * it did not answer in GW_ADMIN_TIMEOUT_MS (s->up false). */
+int gw_sched_query(struct gw *g, struct gw_sched *s);
+
+/* True when some decode group has every known member ready and a prefill
+ * rank is ready: the set can serve a request.  `why` gets the reason if not. */
+bool gw_sched_serving(const struct gw_sched *s, char *why, size_t len);
+
+/* Render /metrics (Prometheus text format 0.0.4) into a malloc'd string. */
+char *gw_metrics_render(struct gw *g, size_t *len);
+
+/* Close the admin socket and context. */
+void gw_admin_close(struct gw *g);
+
+#endif

@@ -1,0 +1,443 @@
+/*
+ * gw_http.c — dsv4-gateway's HTTP side (libmicrohttpd, one thread per
+ * connection): the listener, routing, body-size limit, bearer-token check,
+ * OpenAI-shaped errors, GET /v1/models, /health and /metrics.  Generation
+ * routes are handed to gw_gen.c with the complete body.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <json-c/json.h>
+
+#include "common/log.h"
+#include "daemons/gateway/gateway.h"
+
+/* Per-request state of MHD's access handler (*con_cls). */
+struct gw_conn {
+    enum gw_route route;
+    char *body;          /* request body so far (POST) */
+    size_t len, cap;
+    bool refused;        /* an answer was queued before the body ended */
+    bool too_big;        /* the body passed gateway_max_body (len counts on) */
+    struct gw_gen *gen;  /* generation state, once gw_gen_handle ran */
+};
+
+static enum gw_route
+gw_route_of(const char *url)
+{
+    if (strcmp(url, "/v1/completions") == 0)
+        return GW_R_COMPLETIONS;
+    if (strcmp(url, "/v1/chat/completions") == 0)
+        return GW_R_CHAT;
+    if (strcmp(url, "/v1/models") == 0 || strncmp(url, "/v1/models/", 11) == 0)
+        return GW_R_MODELS;
+    if (strcmp(url, "/health") == 0)
+        return GW_R_HEALTH;
+    if (strcmp(url, "/metrics") == 0)
+        return GW_R_METRICS;
+    return GW_R_OTHER;
+}
+
+/* Queue `body` (malloc'd, ownership passes); not counted. */
+static enum MHD_Result
+gw_http_queue(struct MHD_Connection *conn, unsigned status, const char *type, char *body,
+    size_t len)
+{
+    struct MHD_Response *r;
+    enum MHD_Result rc;
+
+    r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
+    if (r == NULL) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    if (status == MHD_HTTP_UNAUTHORIZED)
+        MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    rc = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return rc;
+}
+
+enum MHD_Result
+gw_http_reply(struct gw *g, struct MHD_Connection *conn, enum gw_route route,
+    unsigned status, const char *type, char *body, size_t len)
+{
+    gw_metrics_http(g, route, status);
+    return gw_http_queue(conn, status, type, body, len);
+}
+
+/* OpenAI's error "type" for an HTTP status. */
+static const char *
+gw_error_type(unsigned status)
+{
+    switch (status) {
+    case 401: return "authentication_error";
+    case 404: return "not_found_error";
+    case 429: return "rate_limit_error";
+    case 503: return "service_unavailable";
+    case 504: return "timeout_error";
+    default: return status < 500 ? "invalid_request_error" : "server_error";
+    }
+}
+
+enum MHD_Result
+gw_http_json(struct gw *g, struct MHD_Connection *conn, enum gw_route route,
+    unsigned status, json_object *o)
+{
+    const char *s = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN |
+        JSON_C_TO_STRING_NOSLASHESCAPE);
+    char *body = s != NULL ? strdup(s) : NULL;
+
+    json_object_put(o);
+    if (body == NULL)
+        return MHD_NO;
+    return gw_http_reply(g, conn, route, status, "application/json", body, strlen(body));
+}
+
+enum MHD_Result
+gw_http_error(struct gw *g, struct MHD_Connection *conn, enum gw_route route,
+    unsigned status, const char *code, const char *fmt, ...)
+{
+    json_object *o, *e;
+    char msg[1024];
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    o = json_object_new_object();
+    e = json_object_new_object();
+    json_object_object_add(e, "message", json_object_new_string(msg));
+    json_object_object_add(e, "type", json_object_new_string(gw_error_type(status)));
+    json_object_object_add(e, "param", NULL);
+    json_object_object_add(e, "code", code != NULL ? json_object_new_string(code) : NULL);
+    json_object_object_add(o, "error", e);
+    log_debug("gw_http_error: %u %s", status, msg);
+    return gw_http_json(g, conn, route, status, o);
+}
+
+bool
+gw_http_peer_gone(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci;
+    struct pollfd p;
+
+    ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci == NULL)
+        return true;
+    p.fd = ci->connect_fd;
+    p.events = POLLRDHUP;
+    p.revents = 0;
+    if (poll(&p, 1, 0) < 0)
+        return false;
+    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+/* Bearer-token check; true when allowed.  Compares every key in full, so
+ * the time taken does not tell how much of a key matched. */
+static bool
+gw_auth_ok(struct gw *g, struct MHD_Connection *conn)
+{
+    const char *h, *tok;
+    size_t tl, i;
+    bool ok = false;
+    int k;
+
+    if (g->n_keys == 0)
+        return true;
+    h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (h == NULL || strncasecmp(h, "Bearer ", 7) != 0)
+        return false;
+    tok = h + 7;
+    while (*tok == ' ')
+        tok++;
+    tl = strlen(tok);
+    for (k = 0; k < g->n_keys; k++) {
+        const char *key = g->keys[k];
+        size_t kl = strlen(key);
+        unsigned char diff = (unsigned char)(kl != tl);
+
+        for (i = 0; i < kl; i++)
+            diff |= (unsigned char)(key[i] ^ (i < tl ? tok[i] : 0));
+        ok |= diff == 0;
+    }
+    return ok;
+}
+
+static enum MHD_Result
+gw_models(struct gw *g, struct MHD_Connection *conn, const char *url)
+{
+    json_object *o, *m, *arr;
+
+    if (strncmp(url, "/v1/models/", 11) == 0 && strcmp(url + 11, g->conf.gateway_model) != 0)
+        return gw_http_error(g, conn, GW_R_MODELS, 404, "model_not_found",
+            "model \"%s\" does not exist; this server serves \"%s\"", url + 11,
+            g->conf.gateway_model);
+    m = json_object_new_object();
+    json_object_object_add(m, "id", json_object_new_string(g->conf.gateway_model));
+    json_object_object_add(m, "object", json_object_new_string("model"));
+    json_object_object_add(m, "created", json_object_new_int64(0));
+    json_object_object_add(m, "owned_by", json_object_new_string("dsv4"));
+    if (strncmp(url, "/v1/models/", 11) == 0) {
+        o = m;
+    } else {
+        o = json_object_new_object();
+        arr = json_object_new_array();
+        json_object_array_add(arr, m);
+        json_object_object_add(o, "object", json_object_new_string("list"));
+        json_object_object_add(o, "data", arr);
+    }
+    return gw_http_json(g, conn, GW_R_MODELS, 200, o);
+}
+
+static enum MHD_Result
+gw_health(struct gw *g, struct MHD_Connection *conn)
+{
+    struct gw_sched *s;
+    char why[128], *body;
+    bool ok;
+
+    if ((s = malloc(sizeof(*s))) == NULL)
+        return MHD_NO;
+    gw_sched_query(g, s);
+    ok = gw_sched_serving(s, why, sizeof(why));
+    free(s);
+    if (atomic_load(&g->stopping)) {
+        ok = false;
+        snprintf(why, sizeof(why), "the gateway is stopping");
+    }
+    if (!ok)
+        return gw_http_error(g, conn, GW_R_HEALTH, 503, "unavailable", "%s", why);
+    if ((body = strdup("{\"status\":\"ok\"}")) == NULL)
+        return MHD_NO;
+    return gw_http_reply(g, conn, GW_R_HEALTH, 200, "application/json", body, strlen(body));
+}
+
+static enum MHD_Result
+gw_metrics(struct gw *g, struct MHD_Connection *conn)
+{
+    size_t len;
+    char *body;
+
+    /* Count this scrape before rendering, so it shows in its own answer. */
+    gw_metrics_http(g, GW_R_METRICS, 200);
+    if ((body = gw_metrics_render(g, &len)) == NULL)
+        return MHD_NO;
+    return gw_http_queue(conn, 200, "text/plain; version=0.0.4; charset=utf-8", body, len);
+}
+
+/* The whole request has arrived: answer it. */
+static enum MHD_Result
+gw_dispatch(struct gw *g, struct MHD_Connection *conn, struct gw_conn *c, const char *url,
+    const char *method)
+{
+    bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
+    bool post = strcmp(method, "POST") == 0;
+
+    switch (c->route) {
+    case GW_R_COMPLETIONS:
+    case GW_R_CHAT:
+        if (!post)
+            return gw_http_error(g, conn, c->route, 405, "method_not_allowed",
+                "%s %s: use POST", method, url);
+        return gw_gen_handle(g, conn, c->route == GW_R_CHAT, c->body != NULL ? c->body : "",
+            c->len, &c->gen);
+    case GW_R_MODELS:
+    case GW_R_HEALTH:
+    case GW_R_METRICS:
+        if (!get)
+            return gw_http_error(g, conn, c->route, 405, "method_not_allowed",
+                "%s %s: use GET", method, url);
+        if (c->route == GW_R_MODELS)
+            return gw_models(g, conn, url);
+        return c->route == GW_R_HEALTH ? gw_health(g, conn) : gw_metrics(g, conn);
+    default:
+        return gw_http_error(g, conn, GW_R_OTHER, 404, "not_found",
+            "no route %s %s (routes: POST /v1/completions, POST /v1/chat/completions, "
+            "GET /v1/models, GET /health, GET /metrics)", method, url);
+    }
+}
+
+static enum MHD_Result
+gw_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
+    const char *version, const char *upload_data, size_t *upload_data_size, void **con_cls)
+{
+    struct gw *g = cls;
+    struct gw_conn *c = *con_cls;
+    const char *cl;
+    size_t need;
+    char *nb;
+
+    (void)version;
+    if (c == NULL) {
+        if ((c = calloc(1, sizeof(*c))) == NULL)
+            return MHD_NO;
+        *con_cls = c;
+        c->route = gw_route_of(url);
+        /* Refuse before reading the body: auth, then a declared size. */
+        if ((c->route == GW_R_COMPLETIONS || c->route == GW_R_CHAT ||
+            c->route == GW_R_MODELS) && !gw_auth_ok(g, conn)) {
+            c->refused = true;
+            return gw_http_error(g, conn, c->route, 401, "invalid_api_key",
+                "missing or invalid bearer token (Authorization: Bearer KEY)");
+        }
+        cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+            MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl != NULL && strtoull(cl, NULL, 10) > (unsigned long long)g->conf.gateway_max_body) {
+            c->refused = true;
+            return gw_http_error(g, conn, c->route, 413, "request_too_large",
+                "request body of %s bytes exceeds the limit of %d bytes", cl,
+                g->conf.gateway_max_body);
+        }
+        return MHD_YES;
+    }
+    if (*upload_data_size != 0) {
+        if (c->refused) {
+            *upload_data_size = 0;
+            return MHD_YES;
+        }
+        need = c->len + *upload_data_size;
+        if (need > (size_t)g->conf.gateway_max_body) {
+            /* A body without Content-Length that grew too big: MHD lets us
+             * answer only once the body has ended, so drop what comes (up
+             * to GW_DISCARD_MAX bytes, then hang up) and answer 413 then. */
+            free(c->body);
+            c->body = NULL;
+            c->cap = 0;
+            c->len = need;
+            c->too_big = true;
+            *upload_data_size = 0;
+            return c->len > GW_DISCARD_MAX ? MHD_NO : MHD_YES;
+        }
+        if (need + 1 > c->cap) {
+            size_t ncap = c->cap != 0 ? c->cap : 4096;
+
+            while (ncap < need + 1)
+                ncap *= 2;
+            if ((nb = realloc(c->body, ncap)) == NULL)
+                return MHD_NO;
+            c->body = nb;
+            c->cap = ncap;
+        }
+        memcpy(c->body + c->len, upload_data, *upload_data_size);
+        c->len = need;
+        c->body[c->len] = '\0';
+        *upload_data_size = 0;
+        return MHD_YES;
+    }
+    if (c->refused)
+        return MHD_YES;
+    c->refused = true; /* answered now; later calls (none expected) do nothing */
+    if (c->too_big)
+        return gw_http_error(g, conn, c->route, 413, "request_too_large",
+            "request body exceeds the limit of %d bytes", g->conf.gateway_max_body);
+    return gw_dispatch(g, conn, c, url, method);
+}
+
+static void
+gw_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+    enum MHD_RequestTerminationCode toe)
+{
+    struct gw *g = cls;
+    struct gw_conn *c = *con_cls;
+
+    (void)conn;
+    if (c == NULL)
+        return;
+    if (c->gen != NULL)
+        gw_gen_finish(g, c->gen, toe != MHD_REQUEST_TERMINATED_COMPLETED_OK);
+    free(c->body);
+    free(c);
+    *con_cls = NULL;
+}
+
+static void
+gw_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    char buf[512];
+
+    (void)cls;
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    buf[strcspn(buf, "\n")] = '\0';
+    log_info("libmicrohttpd: %s", buf);
+}
+
+/* Bind and listen on HOST:PORT ("[::1]:8000" for IPv6). */
+static int
+gw_listen(const char *spec)
+{
+    struct addrinfo hints, *res, *ai;
+    char host[256], *port;
+    int fd = -1, one = 1, rc;
+
+    snprintf(host, sizeof(host), "%s", spec);
+    if ((port = strrchr(host, ':')) == NULL) {
+        log_warnx("gw_listen: \"%s\": expected HOST:PORT", spec);
+        return -1;
+    }
+    *port++ = '\0';
+    memmove(host, host[0] == '[' ? host + 1 : host, strlen(host) + 1);
+    if (host[0] != '\0' && host[strlen(host) - 1] == ']')
+        host[strlen(host) - 1] = '\0';
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    if ((rc = getaddrinfo(host[0] != '\0' ? host : NULL, port, &hints, &res)) != 0) {
+        log_warnx("gw_listen: %s: %s", spec, gai_strerror(rc));
+        return -1;
+    }
+    for (ai = res; ai != NULL; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0)
+            continue;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 128) == 0)
+            break;
+        log_warn("gw_listen: %s", spec);
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    return fd;
+}
+
+int
+gw_http_start(struct gw *g, int listen_fd)
+{
+    if (listen_fd < 0 && (listen_fd = gw_listen(g->conf.gateway_listen)) < 0)
+        return -1;
+    g->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
+        MHD_USE_POLL | MHD_USE_ERROR_LOG, 0, NULL, NULL, gw_access, g,
+        MHD_OPTION_LISTEN_SOCKET, listen_fd,
+        MHD_OPTION_CONNECTION_LIMIT, (unsigned int)g->conf.gateway_max_conns,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)g->conf.gateway_idle_s,
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536,
+        MHD_OPTION_NOTIFY_COMPLETED, gw_completed, g,
+        MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL,
+        MHD_OPTION_END);
+    if (g->mhd == NULL) {
+        log_warnx("gw_http_start: libmicrohttpd did not start");
+        close(listen_fd);
+        return -1;
+    }
+    return 0;
+}
+
+void
+gw_http_stop(struct gw *g)
+{
+    if (g->mhd != NULL)
+        MHD_stop_daemon(g->mhd);
+    g->mhd = NULL;
+}

@@ -1,0 +1,671 @@
+#!/usr/bin/env python3
+"""gw_test.py — dsv4-gateway end to end on the CPU backend (issue 10, "Must
+show").  One scenario per run:
+
+  gw_test.py SCENARIO --build BUILD_DIR [--src SRC_DIR]
+
+Scenarios (each starts its own set: dsv4-launch -G with one prefill and one
+decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
+129,280 ids, so text requests work):
+
+  api         the official `openai` client (pip) runs a completion, a chat
+              completion and a streamed chat completion; curl reads an SSE
+              stream; every greedy answer is token-for-token (and text-for-
+              text) the answer of dsv4-generate (libdsv4client) for the same
+              request; chat prompts are the DeepSeek-V4 rendering (checked
+              against dsv4-tokenize of the rendered string), thinking mode
+              included; /v1/models, /health; bearer tokens (401 without).
+  robust      malformed JSON, wrong types, refused parameters, oversized
+              bodies (declared and chunked), unknown routes and models, a
+              client that stalls in its headers or body, clients that hang
+              up mid-stream and mid-answer: clear errors (OpenAI shape), the
+              requests are cancelled at the scheduler (admin protocol and
+              dsv4ctl --json show nothing left), the gateway keeps serving;
+              drain gives 503 on /health and on requests, undrain restores.
+  prometheus  a real Prometheus server (Debian's `prometheus`) scrapes the
+              gateway; the PromQL query of the request counter (HTTP API
+              /api/v1/query) returns the number of requests the test made;
+              `dsv4ctl --json status` and /metrics agree on every counter.
+
+Exit 77 (skipped) only when a tool the scenario needs is missing and cannot
+be installed (pip or apt unreachable).
+"""
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+import svc_test  # noqa: E402  (Admin, the leak check, check/wait_for)
+from svc_test import Fail, check, wait_for  # noqa: E402
+
+
+def log(*a):
+    print("gw_test:", *a, flush=True)
+
+MODEL = "deepseek-v4-flash"
+EOS = "<｜end▁of▁sentence｜>"
+BOS = "<｜begin▁of▁sentence｜>"
+ARGS = None
+
+
+def skip(why):
+    print("gw_test: SKIP:", why, flush=True)
+    sys.exit(77)
+
+
+def need_openai():
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                        "--break-system-packages", "openai"], check=False)
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            skip("the openai package is not installed and pip could not install it")
+    import openai
+    return openai
+
+
+def need_prometheus():
+    p = shutil.which("prometheus")
+    if p is None:
+        subprocess.run(["apt-get", "install", "-y", "-qq", "prometheus"], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = shutil.which("prometheus")
+        if p is None:
+            skip("prometheus is not installed and apt-get could not install it")
+    return p
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def exe(rel):
+    return svc_test.exe(rel)
+
+
+class GwService:
+    """dsv4-launch -G in a tmp dir: scheduler, 1 prefill, 1 decode rank and the
+    gateway; attributes as svc_test.Service has them, so its leak check
+    (Service.check_no_leaks) runs on this set too."""
+
+    def __init__(self, extra_conf=""):
+        self.dir = tempfile.mkdtemp(prefix="dsv4-gw-")
+        self.model = os.path.join(self.dir, "model")
+        subprocess.run([exe("tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
+                        "--set", "vocab_size=129280", "--out", self.model],
+                       check=True, stdout=subprocess.DEVNULL)
+        self.client_ep = "ipc://%s/client.sock" % self.dir
+        self.admin_ep = "ipc://%s/ctl.sock" % self.dir
+        self.port = free_port()
+        self.base = "http://127.0.0.1:%d" % self.port
+        self.conf = os.path.join(self.dir, "dsv4.conf")
+        with open(self.conf, "w") as f:
+            f.write(f"""# gateway test configuration
+client_endpoint = {self.client_ep}
+rank_endpoint = ipc://{self.dir}/rank.sock
+admin_endpoint = {self.admin_ep}
+heartbeat_ms = 500
+liveness = 10
+checkpoint = {self.model}
+threads = 1
+max_seq = 256
+prefill_chunk = 64
+gateway_listen = 127.0.0.1:{self.port}
+gateway_max_body = 65536
+gateway_idle_s = 2
+gateway_launch = yes
+{extra_conf}
+""")
+        self.notify_log = os.path.join(self.dir, "notify.log")
+        self.nsock_path = os.path.join(self.dir, "launch.notify")
+        self.nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.nsock.bind(self.nsock_path)
+        self.stderr = open(os.path.join(self.dir, "launch.err"), "w")
+        self.proc = subprocess.Popen(
+            [exe("tools/launch/dsv4-launch"), "-f", self.conf, "-P", "1", "-D", "1",
+             "-r", "200", "-w", "20", "-T", "120", "-t", "20",
+             "--sched-bin", exe("daemons/sched/dsv4-sched"),
+             "--prefill-bin", exe("daemons/rank/dsv4-prefill"),
+             "--decode-bin", exe("daemons/rank/dsv4-decode"),
+             "--gateway-bin", exe("daemons/gateway/dsv4-gateway"),
+             "--notify-log", self.notify_log],
+            env=dict(os.environ, NOTIFY_SOCKET=self.nsock_path), stderr=self.stderr)
+        self.admin = svc_test.Admin(self.admin_ep)
+        self.killed = set()
+        svc_test.Service.wait_notify(self, "READY=1")
+        svc_test.Service.wait_ranks(self, 2)
+        wait_for(lambda: self.http("GET", "/health")[0] == 200, "/health 200")
+
+    errlog = svc_test.Service.errlog
+    check_exits = svc_test.Service.check_exits
+
+    def check_no_leaks(self):
+        svc_test.Service.check_no_leaks(self)
+        wait_for(lambda: metric(self.metrics(), "dsv4_gateway_streams_active") == 0,
+                 "dsv4_gateway_streams_active 0")
+
+    def http(self, method, path, body=None, headers=None, timeout=120):
+        """One request; returns (status, headers, body bytes)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        h = {"Content-Type": "application/json"}
+        h.update(headers or {})
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body)
+        c.request(method, path, body=body, headers=h)
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        return r.status, dict(r.getheaders()), data
+
+    def metrics(self):
+        st, _, data = self.http("GET", "/metrics")
+        check(st == 200, "/metrics answered %d" % st)
+        return data.decode()
+
+    def stop(self):
+        self.admin.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # The checkpoint is large (129,280-id embeddings); logs stay.
+        shutil.rmtree(self.model, ignore_errors=True)
+
+
+def metric(text, name, labels=None):
+    """Value of one sample of the Prometheus text `text` (None if absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, val = line.rpartition(" ")
+        n, _, lab = key.partition("{")
+        if n != name:
+            continue
+        got = {}
+        for part in lab.rstrip("}").split(","):
+            if "=" in part:
+                k, v = part.split("=", 1)
+                got[k] = v.strip('"')
+        if labels is None or all(got.get(k) == v for k, v in labels.items()):
+            return float(val)
+    return None
+
+
+def generate(svc, prompt=None, ids=None, n=16):
+    """dsv4-generate (libdsv4client), greedy, EOS as stop id like the
+    gateway: (text, [ids])."""
+    cmd = [exe("tools/generate/dsv4-generate"), "-e", svc.client_ep, "-t", "0",
+           "-n", str(n), "--logprobs", "--stop-id", str(tok_id(EOS))]
+    if ids is not None:
+        cmd += ["--ids", " ".join(map(str, ids))]
+    else:
+        cmd += [prompt]
+    r = subprocess.run(cmd, capture_output=True, timeout=300)
+    check(r.returncode == 0, "dsv4-generate failed: %s" % r.stderr.decode())
+    toks = [int(line.split()[0]) for line in r.stderr.decode().splitlines()
+            if line.strip() and line.split()[0].lstrip("-").isdigit()]
+    return r.stdout.decode().rstrip("\n"), toks
+
+
+def tokenize_special(text):
+    r = subprocess.run([exe("tools/tokenize/dsv4-tokenize"), "--special"],
+                       input=text + "\n", capture_output=True, text=True, check=True)
+    return [int(x) for x in r.stdout.split()]
+
+
+_tok_ids = {}
+
+
+def tok_id(marker):
+    if marker not in _tok_ids:
+        ids = tokenize_special(marker)
+        check(len(ids) == 1, "%s is not one token: %s" % (marker, ids))
+        _tok_ids[marker] = ids[0]
+    return _tok_ids[marker]
+
+
+def extra(obj, key):
+    """A non-standard field of an openai response object."""
+    v = getattr(obj, key, None)
+    if v is None and getattr(obj, "model_extra", None):
+        v = obj.model_extra.get(key)
+    return v
+
+
+def error_of(status, data, want_status, want_code=None):
+    check(status == want_status, "status %d, want %d: %s" % (status, want_status, data[:300]))
+    doc = json.loads(data)
+    e = doc.get("error")
+    check(isinstance(e, dict) and isinstance(e.get("message"), str) and e["message"]
+          and "type" in e and "code" in e, "not an OpenAI error object: %s" % doc)
+    if want_code is not None:
+        check(e["code"] == want_code, "error code %s, want %s (%s)" %
+              (e["code"], want_code, e["message"]))
+    return e
+
+
+def sse_events(raw):
+    """data: payloads of an SSE body, in order."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+    return out
+
+
+# --- scenarios ---------------------------------------------------------------
+
+
+def sc_api():
+    openai = need_openai()
+    key = "sk-test-" + os.urandom(8).hex()
+    tmp = tempfile.mkdtemp(prefix="dsv4-gwkeys-")
+    keys = os.path.join(tmp, "gateway.keys")
+    with open(keys, "w") as f:
+        f.write("# test keys\n\n  %s  \nsecond-key\n" % key)
+    os.chmod(keys, 0o640)
+    svc = GwService("gateway_keys = %s" % keys)
+    try:
+        cli = openai.OpenAI(base_url=svc.base + "/v1", api_key=key, max_retries=0)
+        # Auth: no token / a wrong one -> 401; /health and /metrics stay open.
+        st, hdr, data = svc.http("POST", "/v1/completions", {"prompt": "x"})
+        error_of(st, data, 401, "invalid_api_key")
+        bad = openai.OpenAI(base_url=svc.base + "/v1", api_key="wrong", max_retries=0)
+        try:
+            bad.models.list()
+            raise Fail("a wrong key was accepted")
+        except openai.AuthenticationError:
+            pass
+        models = cli.models.list()
+        check([m.id for m in models.data] == [MODEL], "models: %s" % models)
+        st, _, data = svc.http("GET", "/health")
+        check(st == 200 and json.loads(data)["status"] == "ok", "health: %s" % data)
+
+        # 1. completion, text prompt, greedy: == dsv4-generate.
+        prompt = "The quick brown fox"
+        r = cli.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                   logprobs=0, extra_body={"return_token_ids": True})
+        ref_text, ref_ids = generate(svc, prompt=prompt, n=16)
+        ch = r.choices[0]
+        check(extra(ch, "token_ids") == ref_ids, "completion ids %s != libdsv4client %s" %
+              (extra(ch, "token_ids"), ref_ids))
+        check(ch.text == ref_text, "completion text %r != %r" % (ch.text, ref_text))
+        check(r.usage.completion_tokens == len(ref_ids) and r.usage.prompt_tokens > 0,
+              "usage %s" % r.usage)
+        check(ch.finish_reason in ("length", "stop"), "finish %s" % ch.finish_reason)
+        check(len(ch.logprobs.token_logprobs) == len(ref_ids) and
+              all(lp <= 0 for lp in ch.logprobs.token_logprobs), "logprobs %s" % ch.logprobs)
+        log("completion == libdsv4client: %d tokens" % len(ref_ids))
+
+        # Token-id prompt.
+        r2 = cli.completions.create(model=MODEL, prompt=[5, 17, 99, 1234], max_tokens=8,
+                                    temperature=0, extra_body={"return_token_ids": True})
+        _, ref2 = generate(svc, ids=[5, 17, 99, 1234], n=8)
+        check(extra(r2.choices[0], "token_ids") == ref2, "id-prompt completion differs")
+
+        # 2. chat completion: prompt is the DeepSeek-V4 rendering; answer ==
+        # dsv4-generate on those ids.
+        msgs = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say hi"}]
+        rendered = BOS + "You are terse.<｜User｜>Say hi<｜Assistant｜></think>"
+        want_prompt = tokenize_special(rendered)
+        c = cli.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
+                                        temperature=0, logprobs=True,
+                                        extra_body={"return_token_ids": True})
+        check(extra(c, "prompt_token_ids") == want_prompt, "chat prompt %s != rendering %s" %
+              (extra(c, "prompt_token_ids"), want_prompt))
+        ref_text, ref_ids = generate(svc, ids=want_prompt, n=12)
+        cc = c.choices[0]
+        check(extra(cc, "token_ids") == ref_ids, "chat ids %s != %s" %
+              (extra(cc, "token_ids"), ref_ids))
+        check(cc.message.content == ref_text, "chat text %r != %r" %
+              (cc.message.content, ref_text))
+        check(cc.message.role == "assistant" and len(cc.logprobs.content) == len(ref_ids),
+              "chat message/logprobs: %s" % cc)
+        check(c.usage.prompt_tokens == len(want_prompt), "chat usage %s" % c.usage)
+        log("chat completion == libdsv4client: %d tokens" % len(ref_ids))
+
+        # 3. streamed chat completion == the same answer.
+        stream = cli.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"return_token_ids": True})
+        text, ids, finish, usage, n_chunks = "", [], None, None, 0
+        for chunk in stream:
+            n_chunks += 1
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for chc in chunk.choices:
+                text += chc.delta.content or ""
+                ids += extra(chc, "token_ids") or []
+                finish = chc.finish_reason or finish
+        check(ids == ref_ids and text == ref_text, "streamed chat %r %s != %r %s" %
+              (text, ids, ref_text, ref_ids))
+        check(finish == cc.finish_reason and usage is not None and
+              usage.completion_tokens == len(ref_ids), "stream end: %s %s" % (finish, usage))
+        check(n_chunks >= 3, "only %d chunks" % n_chunks)
+        log("streamed chat == libdsv4client (%d chunks)" % n_chunks)
+
+        # Thinking mode: the prompt ends with <think>; output is split at
+        # </think> into reasoning_content and content.
+        t = cli.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                        temperature=0, extra_body={
+                                            "chat_template_kwargs": {"thinking": True},
+                                            "return_token_ids": True})
+        want_think = tokenize_special(BOS + "You are terse.<｜User｜>Say hi<｜Assistant｜><think>")
+        check(extra(t, "prompt_token_ids") == want_think, "thinking prompt %s != %s" %
+              (extra(t, "prompt_token_ids"), want_think))
+        ref_text, ref_ids = generate(svc, ids=want_think, n=6)
+        reasoning = extra(t.choices[0].message, "reasoning_content")
+        check(reasoning is not None and
+              reasoning + ("</think>" if "</think>" in ref_text else "") +
+              (t.choices[0].message.content or "") == ref_text,
+              "thinking answer %r + %r != %r" % (reasoning, t.choices[0].message.content,
+                                                 ref_text))
+
+        # 4. curl with SSE: a streamed completion == the non-streamed one.
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 16,
+                           "temperature": 0, "stream": True})
+        r = subprocess.run(["curl", "-sSN", "--fail-with-body", "-H",
+                            "Authorization: Bearer " + key, "-H",
+                            "Content-Type: application/json", "-d", body,
+                            svc.base + "/v1/completions", "-D", "-"],
+                           capture_output=True, timeout=120)
+        check(r.returncode == 0, "curl failed: %s" % r.stderr.decode())
+        head, _, rest = r.stdout.partition(b"\r\n\r\n")
+        check(b"text/event-stream" in head, "curl: no SSE content type: %s" % head)
+        ev = sse_events(rest)
+        check(ev and ev[-1] == "[DONE]", "curl stream does not end with [DONE]: %s" % ev[-2:])
+        chunks = [json.loads(e) for e in ev[:-1]]
+        curl_text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        check(curl_text == ch.text, "curl SSE text %r != %r" % (curl_text, ch.text))
+        check(chunks[-1]["choices"][0]["finish_reason"] == ch.finish_reason,
+              "curl finish %s" % chunks[-1])
+        log("curl SSE: %d events == the completion" % len(ev))
+        svc.check_no_leaks()
+    finally:
+        svc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def raw_conn(svc):
+    s = socket.create_connection(("127.0.0.1", svc.port), timeout=60)
+    return s
+
+
+def hang_up_mid_stream(svc, path, body):
+    """POST a long streamed request, read until the first output arrives,
+    then close the socket."""
+    data = json.dumps(body).encode()
+    s = raw_conn(svc)
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
+    got = b""
+    while got.count(b"data: ") < 2:
+        b = s.recv(4096)
+        check(b, "stream ended before the hang-up: %r" % got[-300:])
+        got += b
+    check(b" 200 " in got.split(b"\r\n")[0], "stream status: %r" % got[:100])
+    s.close()
+
+
+def sc_robust():
+    svc = GwService()
+    try:
+        adm = svc.admin
+        base_cancelled = adm.status().get("n_cancelled", 0)
+        # Malformed and invalid bodies: 400 in the OpenAI shape.
+        for path, body, code in [
+                ("/v1/completions", "{bad json", "invalid_json"),
+                ("/v1/completions", '{"prompt": "x"} trailing', "invalid_json"),
+                ("/v1/completions", "[1, 2]", "invalid_json"),
+                ("/v1/completions", "[" * 100 + "]" * 100, "invalid_json"),
+                ("/v1/completions", "", "invalid_json"),
+                ("/v1/completions", '{"prompt": "x", "max_tokens": "ten"}', "invalid_type"),
+                ("/v1/completions", '{"prompt": "x", "temperature": -1}', "invalid_value"),
+                ("/v1/completions", '{"prompt": "x", "n": 2}', "unsupported_value"),
+                ("/v1/completions", '{"prompt": "x", "logprobs": 5}', "unsupported_value"),
+                ("/v1/completions", '{"prompt": ["a", "b"]}', "unsupported_value"),
+                ("/v1/completions", '{"prompt": [1, 999999]}', "invalid_value"),
+                ("/v1/completions", '{"max_tokens": 4}', "invalid_request"),
+                ("/v1/chat/completions", '{"messages": []}', "invalid_request"),
+                ("/v1/chat/completions",
+                 '{"messages": [{"role": "tool", "content": "x"}]}', "unsupported_role"),
+                ("/v1/chat/completions",
+                 '{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}',
+                 "unsupported_parameter"),
+                ("/v1/chat/completions",
+                 '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}',
+                 "unsupported_value")]:
+            st, _, data = svc.http("POST", path, body)
+            error_of(st, data, 400, code)
+        st, _, data = svc.http("POST", "/v1/completions", {"model": "gpt-4", "prompt": "x"})
+        error_of(st, data, 404, "model_not_found")
+        st, _, data = svc.http("GET", "/v1/completions")
+        error_of(st, data, 405)
+        st, _, data = svc.http("GET", "/nowhere")
+        error_of(st, data, 404)
+        # The scheduler's refusal: prompt + max_tokens beyond max_seq (256).
+        st, _, data = svc.http("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 5000})
+        error_of(st, data, 400, "context_length_exceeded")
+        log("malformed and invalid requests: 400/404/405 with OpenAI errors")
+
+        # Oversized bodies: declared (Content-Length) and chunked.
+        big = json.dumps({"prompt": "x" * 100000})
+        st, _, data = svc.http("POST", "/v1/completions", big)
+        error_of(st, data, 413, "request_too_large")
+        r = subprocess.run(["curl", "-sS", "-H", "Transfer-Encoding: chunked", "-H",
+                            "Content-Type: application/json", "--data-binary", "@-",
+                            "-w", "\n%{http_code}", svc.base + "/v1/completions"],
+                           input=big.encode(), capture_output=True, timeout=60)
+        out = r.stdout.decode()
+        body_txt, _, code = out.rpartition("\n")
+        error_of(int(code), body_txt.encode(), 413, "request_too_large")
+        log("oversized bodies: 413 (declared and chunked)")
+
+        # Slow clients: stalled in the headers, stalled in the body.  The
+        # gateway closes them after gateway_idle_s (2 s here).
+        for partial in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100"
+                        b"\r\n\r\n{\"prompt\":"):
+            s = raw_conn(svc)
+            s.sendall(partial)
+            s.settimeout(60)
+            rest = b""
+            while True:
+                b = s.recv(4096)
+                if not b:
+                    break
+                rest += b
+            s.close()
+            log("stalled client closed by the gateway (%d bytes answered)" % len(rest))
+
+        # Disconnects: mid-stream (SSE), and while waiting for a
+        # non-streamed answer.  Both cancel the request at the scheduler.
+        hang_up_mid_stream(svc, "/v1/completions",
+                           {"prompt": "count with me", "max_tokens": 200, "stream": True})
+        hang_up_mid_stream(svc, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "go"}],
+                            "max_tokens": 200, "stream": True})
+        s = raw_conn(svc)
+        data = json.dumps({"prompt": "long answer", "max_tokens": 200}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                  % len(data) + data)
+        wait_for(lambda: len(adm.requests()) > 0 or
+                 (metric(svc.metrics(), "dsv4_gateway_requests_total",
+                         {"outcome": "length"}) or 0) > 0, "the request to run")
+        s.close()
+        wait_for(lambda: metric(svc.metrics(), "dsv4_gateway_requests_total",
+                                {"outcome": "disconnected"}) == 3,
+                 "3 disconnected requests counted")
+        svc.check_no_leaks()
+        check(adm.status().get("n_cancelled", 0) - base_cancelled >= 2,
+              "the scheduler saw no cancels: %s" % adm.status())
+        log("hang-ups mid-stream and mid-answer: cancelled, nothing leaked")
+
+        # Still serving.
+        st, _, data = svc.http("POST", "/v1/completions", {"prompt": "still there?",
+                                                           "max_tokens": 4})
+        check(st == 200 and json.loads(data)["usage"]["completion_tokens"] >= 1,
+              "gateway stopped serving: %d %s" % (st, data[:200]))
+
+        # Drain: /health and requests 503; undrain: back.
+        res = adm.drain("all")
+        check(res["code"] == 200, "drain: %s" % res)
+        st, _, data = svc.http("GET", "/health")
+        error_of(st, data, 503)
+        st, _, data = svc.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        error_of(st, data, 503, "draining")
+        check(adm.undrain("all")["code"] == 200, "undrain failed")
+        wait_for(lambda: svc.http("GET", "/health")[0] == 200, "/health 200 after undrain")
+        st, _, data = svc.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        check(st == 200, "after undrain: %d %s" % (st, data[:200]))
+        log("drain: 503 on /health and requests; undrain restores")
+        svc.check_no_leaks()
+    finally:
+        svc.stop()
+
+
+def sc_prometheus():
+    prom = need_prometheus()
+    svc = GwService()
+    pdir = tempfile.mkdtemp(prefix="dsv4-prom-")
+    pproc = None
+    try:
+        n_req = 5
+        for i in range(n_req):
+            st, _, data = svc.http("POST", "/v1/completions",
+                                   {"prompt": "request %d" % i, "max_tokens": 3 + i})
+            check(st == 200, "request %d: %d %s" % (i, st, data[:200]))
+        st, _, _ = svc.http("POST", "/v1/completions", "{broken")
+        check(st == 400, "broken body answered %d" % st)
+        pport = free_port()
+        with open(os.path.join(pdir, "prometheus.yml"), "w") as f:
+            f.write("""global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+scrape_configs:
+  - job_name: dsv4
+    static_configs:
+      - targets: ['127.0.0.1:%d']
+""" % svc.port)
+        plog = open(os.path.join(pdir, "prometheus.log"), "w")
+        pproc = subprocess.Popen([prom, "--config.file=" + os.path.join(pdir, "prometheus.yml"),
+                                  "--storage.tsdb.path=" + os.path.join(pdir, "data"),
+                                  "--web.listen-address=127.0.0.1:%d" % pport],
+                                 stdout=plog, stderr=plog)
+
+        def query(q):
+            url = "http://127.0.0.1:%d/api/v1/query?%s" % (pport, urllib.parse.urlencode(
+                {"query": q}))
+            try:
+                with urllib.request.urlopen(url, timeout=10) as r:
+                    doc = json.loads(r.read())
+            except OSError:
+                check(pproc.poll() is None, "prometheus exited")
+                return None
+            check(doc["status"] == "success", "PromQL error: %s" % doc)
+            return doc["data"]["result"]
+
+        q = 'sum(dsv4_gateway_requests_total{job="dsv4",outcome=~"stop|length"})'
+        res = wait_for(lambda: (lambda r: r if r and float(r[0]["value"][1]) == n_req
+                                else None)(query(q)), "PromQL %s == %d" % (q, n_req))
+        log("PromQL %s = %s" % (q, res[0]["value"][1]))
+        up = query('up{job="dsv4"}')
+        check(up and up[0]["value"][1] == "1", "prometheus target not up: %s" % up)
+        rej = wait_for(lambda: query('dsv4_gateway_requests_total{outcome="rejected"}'),
+                       "rejected counter")
+        check(float(rej[0]["value"][1]) == 1, "rejected = %s" % rej)
+        done = query('dsv4_requests_total{outcome="done"}')
+        check(done and float(done[0]["value"][1]) == n_req, "scheduler done = %s" % done)
+
+        # dsv4ctl status and /metrics agree (idle set: nothing changes).
+        svc.check_no_leaks()
+        r = subprocess.run([exe("tools/dsv4ctl/dsv4ctl"), "--admin", svc.admin_ep, "--json",
+                            "status"], capture_output=True, text=True, timeout=30)
+        check(r.returncode == 0, "dsv4ctl: %s" % r.stderr)
+        ctl = json.loads(r.stdout)
+        m = svc.metrics()
+        pairs = [("n_done", "dsv4_requests_total", {"outcome": "done"}),
+                 ("n_failed", "dsv4_requests_total", {"outcome": "failed"}),
+                 ("n_cancelled", "dsv4_requests_total", {"outcome": "cancelled"}),
+                 ("n_rejected", "dsv4_requests_total", {"outcome": "rejected"}),
+                 ("n_queued", "dsv4_queue_length", None),
+                 ("n_running", "dsv4_requests_running", None),
+                 ("tokens_in", "dsv4_prompt_tokens_total", None),
+                 ("tokens_out", "dsv4_generated_tokens_total", None),
+                 ("handoffs", "dsv4_handoffs_total", None),
+                 ("reruns", "dsv4_reruns_total", None),
+                 ("rank_deaths", "dsv4_rank_deaths_total", None),
+                 ("n_ranks_ready", "dsv4_ranks", {"state": "ready"})]
+        for key, name, labels in pairs:
+            check(metric(m, name, labels) == ctl[key], "%s: dsv4ctl %s, /metrics %s" %
+                  (key, ctl[key], metric(m, name, labels)))
+        check(ctl["n_done"] == n_req and ctl["tokens_out"] == sum(3 + i for i in range(n_req)),
+              "scheduler counters: %s" % ctl)
+        check(metric(m, "dsv4_gateway_completion_tokens_total") == ctl["tokens_out"],
+              "gateway usage total != scheduler tokens_out")
+        check(metric(m, "dsv4_gateway_ttft_seconds_count") == n_req,
+              "ttft histogram count %s" % metric(m, "dsv4_gateway_ttft_seconds_count"))
+        check(metric(m, "dsv4_rank_up", {"rank": "decode@0"}) == 1 and
+              metric(m, "dsv4_decode_group_streams", {"group": "0"}) == 0,
+              "rank/group metrics missing")
+        log("dsv4ctl status and /metrics agree on %d values" % len(pairs))
+    finally:
+        if pproc is not None:
+            pproc.terminate()
+            try:
+                pproc.wait(30)
+            except subprocess.TimeoutExpired:
+                pproc.kill()
+        svc.stop()
+        shutil.rmtree(pdir, ignore_errors=True)
+
+
+SCENARIOS = {"api": sc_api, "robust": sc_robust, "prometheus": sc_prometheus}
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--src", default=os.path.dirname(os.path.dirname(HERE)))
+    ARGS = ap.parse_args()
+    svc_test.ARGS = ARGS
+    if shutil.which("curl") is None:
+        skip("curl is not installed")
+    t0 = time.monotonic()
+    try:
+        SCENARIOS[ARGS.scenario]()
+    except Fail as e:
+        log("FAIL %s: %s" % (ARGS.scenario, e))
+        return 1
+    log("PASS %s (%.1f s)" % (ARGS.scenario, time.monotonic() - t0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
