@@ -14,7 +14,9 @@ decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
               text) the answer of dsv4-generate (libdsv4client) for the same
               request; chat prompts are the DeepSeek-V4 rendering (checked
               against dsv4-tokenize of the rendered string), thinking mode
-              included; /v1/models, /health; bearer tokens (401 without).
+              included; /v1/models, /health; bearer tokens (401 without); a
+              second gateway under systemd-socket-activate (the .socket unit's
+              way) serves the passed listener and sends READY=1.
   robust      malformed JSON, wrong types, refused parameters, oversized
               bodies (declared and chunked), unknown routes and models, a
               client that stalls in its headers or body, clients that hang
@@ -404,10 +406,60 @@ def sc_api():
         check(chunks[-1]["choices"][0]["finish_reason"] == ch.finish_reason,
               "curl finish %s" % chunks[-1])
         log("curl SSE: %d events == the completion" % len(ev))
+        socket_activated(svc, key, ch.text)
         svc.check_no_leaks()
     finally:
         svc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def socket_activated(svc, key, want_text):
+    """A second gateway on the same set, started by systemd-socket-activate
+    on the first connection (as dsv4-gateway.socket does): it adopts the
+    passed listener (not gateway_listen), sends READY=1 to NOTIFY_SOCKET and
+    answers the connection that started it."""
+    sa = shutil.which("systemd-socket-activate")
+    check(sa is not None, "systemd-socket-activate not installed (tools/setup.sh)")
+    port = free_port()
+    npath = os.path.join(svc.dir, "gw2.notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(npath)
+    err = open(os.path.join(svc.dir, "gw2.err"), "w")
+    p = subprocess.Popen([sa, "-l", "127.0.0.1:%d" % port, "-E", "NOTIFY_SOCKET=" + npath,
+                          exe("daemons/gateway/dsv4-gateway"), "-f", svc.conf],
+                         stdout=err, stderr=err)
+    try:
+        def listening():
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return True
+            except OSError:
+                return False
+        wait_for(listening, "systemd-socket-activate listening")
+        body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 16,
+                           "temperature": 0})
+        r = subprocess.run(["curl", "-sS", "--fail-with-body", "-H",
+                            "Authorization: Bearer " + key, "-H",
+                            "Content-Type: application/json", "-d", body,
+                            "http://127.0.0.1:%d/v1/completions" % port],
+                           capture_output=True, timeout=120)
+        check(r.returncode == 0, "socket-activated gateway: %s %s" % (r.stdout, r.stderr))
+        check(json.loads(r.stdout)["choices"][0]["text"] == want_text,
+              "socket-activated gateway answered differently: %s" % r.stdout[:200])
+        ns.settimeout(30)
+        msgs = []
+        while "READY=1" not in msgs:
+            msgs += ns.recv(4096).decode().split("\n")
+        log("socket-activated gateway: READY=1, same answer on the passed listener")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        ns.close()
+    check(p.returncode == 0, "socket-activated gateway exited %s" % p.returncode)
 
 
 def raw_conn(svc):
