@@ -23,7 +23,9 @@ decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
               up mid-stream and mid-answer: clear errors (OpenAI shape), the
               requests are cancelled at the scheduler (admin protocol and
               dsv4ctl --json show nothing left), the gateway keeps serving;
-              drain gives 503 on /health and on requests, undrain restores.
+              drain gives 503 on /health and on requests, undrain restores;
+              on a scheduler without ranks (queue_max 1, 1 s deadline): 504
+              for the queued request, 429 for the one after, /health 503.
   prometheus  a real Prometheus server (Debian's `prometheus`) scrapes the
               gateway; the PromQL query of the request counter (HTTP API
               /api/v1/query) returns the number of requests the test made;
@@ -42,6 +44,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -108,12 +111,14 @@ class GwService:
     gateway; attributes as svc_test.Service has them, so its leak check
     (Service.check_no_leaks) runs on this set too."""
 
-    def __init__(self, extra_conf=""):
+    def __init__(self, extra_conf="", ranks=True):
         self.dir = tempfile.mkdtemp(prefix="dsv4-gw-")
         self.model = os.path.join(self.dir, "model")
-        subprocess.run([exe("tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
-                        "--set", "vocab_size=129280", "--out", self.model],
-                       check=True, stdout=subprocess.DEVNULL)
+        if ranks:
+            subprocess.run([exe("tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
+                            "--set", "vocab_size=129280", "--out", self.model],
+                           check=True, stdout=subprocess.DEVNULL)
+        n = "1" if ranks else "0"
         self.client_ep = "ipc://%s/client.sock" % self.dir
         self.admin_ep = "ipc://%s/ctl.sock" % self.dir
         self.port = free_port()
@@ -142,7 +147,7 @@ gateway_launch = yes
         self.nsock.bind(self.nsock_path)
         self.stderr = open(os.path.join(self.dir, "launch.err"), "w")
         self.proc = subprocess.Popen(
-            [exe("tools/launch/dsv4-launch"), "-f", self.conf, "-P", "1", "-D", "1",
+            [exe("tools/launch/dsv4-launch"), "-f", self.conf, "-P", n, "-D", n,
              "-r", "200", "-w", "20", "-T", "120", "-t", "20",
              "--sched-bin", exe("daemons/sched/dsv4-sched"),
              "--prefill-bin", exe("daemons/rank/dsv4-prefill"),
@@ -153,8 +158,9 @@ gateway_launch = yes
         self.admin = svc_test.Admin(self.admin_ep)
         self.killed = set()
         svc_test.Service.wait_notify(self, "READY=1")
-        svc_test.Service.wait_ranks(self, 2)
-        wait_for(lambda: self.http("GET", "/health")[0] == 200, "/health 200")
+        if ranks:
+            svc_test.Service.wait_ranks(self, 2)
+            wait_for(lambda: self.http("GET", "/health")[0] == 200, "/health 200")
 
     errlog = svc_test.Service.errlog
     check_exits = svc_test.Service.check_exits
@@ -595,6 +601,43 @@ def sc_robust():
         st, _, data = svc.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
         check(st == 200, "after undrain: %d %s" % (st, data[:200]))
         log("drain: 503 on /health and requests; undrain restores")
+        svc.check_no_leaks()
+    finally:
+        svc.stop()
+    overload()
+
+
+def overload():
+    """A scheduler without ranks, queue_max 1, gateway_timeout_ms 1000: a
+    first request waits in the queue until its deadline (504); one sent
+    while it waits finds the queue full (429); /health says why it is 503."""
+    svc = GwService("queue_max = 1\ngateway_timeout_ms = 1000", ranks=False)
+    try:
+        st, _, data = svc.http("GET", "/health")
+        e = error_of(st, data, 503)
+        check("decode" in e["message"], "health reason: %s" % e["message"])
+        check(metric(svc.metrics(), "dsv4_serving") == 0, "dsv4_serving is not 0")
+        first = {}
+
+        def run_first():
+            first["r"] = svc.http("POST", "/v1/completions", {"prompt": "wait", "max_tokens": 4})
+        t = threading.Thread(target=run_first)
+        t.start()
+        wait_for(lambda: svc.admin.status()["n_queued"] == 1 or "r" in first,
+                 "the first request queued")
+        check("r" not in first, "the first request ended before the second was sent: %s" %
+              (first.get("r"),))
+        st, _, data = svc.http("POST", "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "x"}], "stream": True})
+        error_of(st, data, 429, "overloaded")
+        t.join(120)
+        st, _, data = first["r"]
+        error_of(st, data, 504, "timeout")
+        m = svc.metrics()
+        check(metric(m, "dsv4_gateway_requests_total", {"outcome": "timeout"}) == 1 and
+              metric(m, "dsv4_gateway_requests_total", {"outcome": "rejected"}) == 1,
+              "outcome counters after 504/429")
+        log("overload: 429 (queue full), 504 (deadline), /health 503 (no decode group)")
         svc.check_no_leaks()
     finally:
         svc.stop()
