@@ -270,6 +270,12 @@ static const struct field f_status[] = {
     METRIC(n_cancelled), METRIC(n_rejected), METRIC(tokens_in), METRIC(tokens_out),
     METRIC(handoffs), METRIC(reruns), METRIC(rank_deaths),
 #undef METRIC
+    FARR("handoff_buckets", struct dsv4_ctl_status, handoff_buckets, n_handoff_buckets, T_U64S,
+        0, DSV4_PROTO_HANDOFF_BUCKETS, DSV4_PROTO_HANDOFF_BUCKETS),
+    FHAS("handoff_sum_us", struct dsv4_ctl_status, handoff_sum_us, has_handoff, T_U64, 0,
+        U64MAX),
+    FHAS("handoff_count", struct dsv4_ctl_status, handoff_count, has_handoff, T_U64, 0,
+        U64MAX),
 };
 
 static const struct field f_ctl_rank[] = {
@@ -328,6 +334,7 @@ struct mdesc {
 static enum dsv4_err check_generate(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_ready(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_kv(const struct dsv4_msg *m, struct dsv4_perr *pe);
+static enum dsv4_err check_status(const struct dsv4_msg *m, struct dsv4_perr *pe);
 
 #define MD(nm, tbl, chk) { nm, tbl, sizeof(tbl) / sizeof(tbl[0]), chk }
 #define MD0(nm) { nm, NULL, 0, NULL }
@@ -362,7 +369,7 @@ static const struct mdesc rank_desc[DSV4_RANK__COUNT] = {
 
 static const struct mdesc ctl_desc[DSV4_CTL__COUNT] = {
     [DSV4_CTL_SHOW_STATUS] = MD0("SHOW_STATUS"),
-    [DSV4_CTL_STATUS] = MD("STATUS", f_status, NULL),
+    [DSV4_CTL_STATUS] = MD("STATUS", f_status, check_status),
     [DSV4_CTL_SHOW_RANKS] = MD0("SHOW_RANKS"),
     [DSV4_CTL_RANK] = MD("RANK", f_ctl_rank, NULL),
     [DSV4_CTL_RANKS_END] = MD("RANKS_END", f_count, NULL),
@@ -530,6 +537,28 @@ check_ready(const struct dsv4_msg *m, struct dsv4_perr *pe)
     if (m->u.ready.group_rank >= m->u.ready.group_size)
         return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "READY: group_rank %u >= group_size %u",
             m->u.ready.group_rank, m->u.ready.group_size);
+    return DSV4_OK;
+}
+
+/* The handoff histogram: buckets only with sum and count (which share one
+ * has-flag), cumulative and at most the count. */
+static enum dsv4_err
+check_status(const struct dsv4_msg *m, struct dsv4_perr *pe)
+{
+    const struct dsv4_ctl_status *st = &m->u.status;
+    uint64_t prev = 0;
+
+    if (st->handoff_buckets == NULL)
+        return DSV4_OK;
+    if (!st->has_handoff)
+        return perr(pe, DSV4_STATUS_BAD_ARGUMENT,
+            "STATUS: handoff_buckets without handoff_sum_us and handoff_count");
+    for (uint32_t i = 0; i < st->n_handoff_buckets; i++) {
+        if (st->handoff_buckets[i] < prev || st->handoff_buckets[i] > st->handoff_count)
+            return perr(pe, DSV4_STATUS_BAD_ARGUMENT,
+                "STATUS: handoff_buckets[%u] not cumulative up to handoff_count", i);
+        prev = st->handoff_buckets[i];
+    }
     return DSV4_OK;
 }
 

@@ -65,6 +65,16 @@ extern "C" {
 #define DSV4_PROTO_MAX_VERSION 64              /* bytes of admin version string */
 #define DSV4_PROTO_MAX_TOKEN 2147483647        /* largest token id on the wire */
 
+/* STATUS handoff histogram (docs/protocol.md §7): handoff_buckets[i] counts
+ * the handoffs (scheduler: PREFILL_DONE of every part -> the decode group's
+ * KV_RELEASE) that took at most DSV4_PROTO_HANDOFF_BOUNDS_US[i] microseconds;
+ * the +Inf bucket is handoff_count.  The list is fixed: changing it needs a
+ * new field name. */
+#define DSV4_PROTO_HANDOFF_BUCKETS 14
+#define DSV4_PROTO_HANDOFF_BOUNDS_US                                          \
+    { 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000,     \
+      1000000, 2500000, 5000000, 10000000 }
+
 /* Defaults of optional GENERATE fields. */
 #define DSV4_PROTO_DEFAULT_MAX_TOKENS 256
 #define DSV4_PROTO_DEFAULT_TEMPERATURE 1.0f
@@ -378,6 +388,16 @@ struct dsv4_ctl_status {
     uint64_t n_cancelled, n_rejected, tokens_in, tokens_out;
     uint64_t handoffs, reruns, rank_deaths;
     bool has_metrics;
+    /* Optional handoff histogram: handoff_buckets (NULL = absent) holds
+     * n_handoff_buckets == DSV4_PROTO_HANDOFF_BUCKETS cumulative counts, one
+     * per DSV4_PROTO_HANDOFF_BOUNDS_US entry; handoff_sum_us and
+     * handoff_count (valid iff has_handoff) are the total time in
+     * microseconds and the number of handoffs measured.  Buckets require
+     * has_handoff, never decrease and never exceed handoff_count. */
+    const uint64_t *handoff_buckets;
+    uint32_t n_handoff_buckets;
+    uint64_t handoff_sum_us, handoff_count;
+    bool has_handoff;
 };
 
 struct dsv4_ctl_rank {

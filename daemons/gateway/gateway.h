@@ -37,6 +37,7 @@
 
 #include "common/config_file.h"
 #include "common/tokenizer.h"
+#include "ipc/proto.h"
 
 #define GW_MAX_KEYS 64            /* bearer tokens in the keys file */
 #define GW_KEY_LEN 256            /* bytes of one token, with NUL */
@@ -86,7 +87,6 @@ struct gw_metrics {
     uint64_t streams_active;     /* generations in flight now */
     struct gw_hist ttft;         /* submit -> first token */
     struct gw_hist itl;          /* between tokens (gap / tokens of the event) */
-    struct gw_hist handoff;      /* first token (prefill rank) -> second (decode group) */
     struct gw_hist duration;     /* submit -> final event */
 };
 
@@ -170,6 +170,9 @@ struct gw_sched {
     bool has_metrics;
     uint64_t uptime_ms, n_done, n_failed, n_cancelled, n_rejected;
     uint64_t tokens_in, tokens_out, handoffs, reruns, rank_deaths;
+    bool has_handoff;           /* the scheduler sent its handoff histogram */
+    uint64_t handoff_le[DSV4_PROTO_HANDOFF_BUCKETS]; /* cumulative, per bound */
+    uint64_t handoff_sum_us, handoff_count;
     uint32_t n_ranks, n_ranks_ready, n_queued, n_running;
     struct gw_rank ranks[GW_MAX_RANKS];
     int n;

@@ -45,7 +45,7 @@ struct gw_gen {
     int err_code;                    /* ERROR: protocol code */
     char err_msg[512];
     uint32_t prompt_tokens, completion_tokens;
-    int64_t t_submit, t_first, t_last, deadline;
+    int64_t t_submit, t_last, deadline;
     uint64_t n_out;                  /* output tokens seen */
     bool in_reasoning;               /* thinking mode: before </think> */
     struct dsv4_tok_text content, reasoning;
@@ -691,11 +691,7 @@ gw_on_tokens(struct gw_gen *q, const struct dsv4_client_event *ev)
         for (i = 0; i < ev->n_tokens; i++)
             gw_hist_observe(&q->g->m.itl, (double)(now - q->t_last) / 1000.0 /
                 (double)ev->n_tokens);
-    if (q->n_out == 1 && ev->n_tokens >= 1)
-        gw_hist_observe(&q->g->m.handoff, (double)(now - q->t_first) / 1000.0);
     pthread_mutex_unlock(&q->g->mlock);
-    if (q->n_out == 0)
-        q->t_first = now;
     q->t_last = now;
     q->n_out += ev->n_tokens;
     for (i = 0; i < ev->n_tokens; i++) {

@@ -145,6 +145,14 @@ gw_take_status(struct gw_sched *s, const struct dsv4_msg *m)
     s->handoffs = st->handoffs;
     s->reruns = st->reruns;
     s->rank_deaths = st->rank_deaths;
+    /* The histogram is used only when complete (buckets, sum and count). */
+    s->has_handoff = st->has_handoff && st->handoff_buckets != NULL &&
+        st->n_handoff_buckets == DSV4_PROTO_HANDOFF_BUCKETS;
+    if (s->has_handoff) {
+        memcpy(s->handoff_le, st->handoff_buckets, sizeof(s->handoff_le));
+        s->handoff_sum_us = st->handoff_sum_us;
+        s->handoff_count = st->handoff_count;
+    }
 }
 
 static void
@@ -283,11 +291,27 @@ gw_render_gateway(FILE *f, const struct gw_metrics *m)
         "Time from submitting a request to its first token, at the gateway", &m->ttft);
     gw_hist_print(f, "dsv4_gateway_inter_token_seconds",
         "Time between output tokens of a stream, at the gateway", &m->itl);
-    gw_hist_print(f, "dsv4_gateway_handoff_seconds",
-        "Gap between the first token (prefill rank) and the second (decode group): "
-        "decode-state handoff plus one decode step, at the gateway", &m->handoff);
     gw_hist_print(f, "dsv4_gateway_request_duration_seconds",
         "Time from submitting a request to its final event, at the gateway", &m->duration);
+}
+
+/* The scheduler's handoff histogram (cumulative buckets already). */
+static void
+gw_render_handoff(FILE *f, const struct gw_sched *s)
+{
+    static const uint64_t bounds_us[DSV4_PROTO_HANDOFF_BUCKETS] =
+        DSV4_PROTO_HANDOFF_BOUNDS_US;
+    int i;
+
+    gw_help(f, "dsv4_handoff_seconds", "histogram",
+        "Decode-state handoff, measured by the scheduler from PREFILL_DONE (all parts) "
+        "to the decode group's KV_RELEASE");
+    for (i = 0; i < DSV4_PROTO_HANDOFF_BUCKETS; i++)
+        fprintf(f, "dsv4_handoff_seconds_bucket{le=\"%g\"} %" PRIu64 "\n",
+            (double)bounds_us[i] / 1e6, s->handoff_le[i]);
+    fprintf(f, "dsv4_handoff_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n", s->handoff_count);
+    fprintf(f, "dsv4_handoff_seconds_sum %.9g\ndsv4_handoff_seconds_count %" PRIu64 "\n",
+        (double)s->handoff_sum_us / 1e6, s->handoff_count);
 }
 
 static void
@@ -331,6 +355,8 @@ gw_render_sched(FILE *f, const struct gw_sched *s)
             "Ranks lost (each restart of a rank follows one)");
         fprintf(f, "dsv4_rank_deaths_total %" PRIu64 "\n", s->rank_deaths);
     }
+    if (s->has_handoff)
+        gw_render_handoff(f, s);
     gw_help(f, "dsv4_ranks", "gauge", "Ranks registered, and ready");
     fprintf(f, "dsv4_ranks{state=\"registered\"} %u\n", s->n_ranks);
     fprintf(f, "dsv4_ranks{state=\"ready\"} %u\n", s->n_ranks_ready);

@@ -146,6 +146,8 @@ struct sched_req {
     int32_t first_token;
     float first_lp;
     bool first_has_lp;
+    int64_t t_prefilled_us;          /* monotonic us when the last PREFILL_DONE
+                                        part arrived; 0 = no handoff timed */
 
     /* Output. */
     int32_t *out;                    /* tokens emitted (accepted by the scheduler) */
@@ -181,6 +183,11 @@ struct sched_metrics {
     uint64_t n_done, n_cancelled, n_failed, n_rejected;
     uint64_t tokens_in, tokens_out;
     uint64_t handoffs, reruns, rank_deaths;
+    /* Handoff time (PREFILL_DONE of every part -> the decode group's
+     * KV_RELEASE): cumulative counts per DSV4_PROTO_HANDOFF_BOUNDS_US bound,
+     * total microseconds, number measured. */
+    uint64_t handoff_le[DSV4_PROTO_HANDOFF_BUCKETS];
+    uint64_t handoff_sum_us, handoff_count;
 };
 
 /* --- The scheduler ---------------------------------------------------------- */
@@ -336,5 +343,9 @@ int64_t ctl_timers(struct sched *s, int64_t now);
  * rank registered again; may be NULL) or are answered. */
 void ctl_rank_gone(struct sched *s, struct sched_rank *k, struct sched_rank *heir);
 void ctl_free_all(struct sched *s);
+/* Count one handoff of `us` microseconds in the metrics' histogram. */
+void ctl_handoff_observe(struct sched_metrics *m, uint64_t us);
+/* Monotonic clock in microseconds (handoff timing). */
+int64_t ctl_now_us(void);
 
 #endif

@@ -1,7 +1,8 @@
 /*
  * sched_ctl.c — dsv4-sched: the admin sub-protocol (docs/protocol.md §7) on
  * the admin ROUTER, used by dsv4ctl: status with metrics, rank and request
- * listings (items, then _END with the count, ntpd style), drain and undrain.
+ * listings (items, then _END with the count, ntpd style), drain and undrain;
+ * the handoff-time histogram that STATUS reports.
  *
  * Runs in the scheduler's only thread.  A DRAIN is answered later: the wait
  * is kept until the drained work has finished (RESULT 200) or its timeout
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <zmq.h>
 
@@ -27,6 +29,27 @@ send_result(struct sched *s, const struct dsv4_route *to, uint16_t code, const c
     m.u.error.message = text;
     if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) != DSV4_OK)
         log_info("ctl: result not sent: %s", dsv4_errmsg());
+}
+
+static const uint64_t handoff_bounds_us[DSV4_PROTO_HANDOFF_BUCKETS] =
+    DSV4_PROTO_HANDOFF_BOUNDS_US;
+
+void
+ctl_handoff_observe(struct sched_metrics *m, uint64_t us)
+{
+    for (int i = DSV4_PROTO_HANDOFF_BUCKETS - 1; i >= 0 && us <= handoff_bounds_us[i]; i--)
+        m->handoff_le[i]++;
+    m->handoff_sum_us += us;
+    m->handoff_count++;
+}
+
+int64_t
+ctl_now_us(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 static void
@@ -60,6 +83,11 @@ show_status(struct sched *s, const struct dsv4_route *to)
     st->reruns = s->m.reruns;
     st->rank_deaths = s->m.rank_deaths;
     st->has_metrics = true;
+    st->handoff_buckets = s->m.handoff_le;
+    st->n_handoff_buckets = DSV4_PROTO_HANDOFF_BUCKETS;
+    st->handoff_sum_us = s->m.handoff_sum_us;
+    st->handoff_count = s->m.handoff_count;
+    st->has_handoff = true;
     (void)dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL);
 }
 

@@ -445,8 +445,10 @@ on_prefill_done(struct sched *s, struct sched_rank *k, struct sched_group *g,
         r->pre.acks--;
     if (r->pre.acks > 0)
         return;
-    /* Every part is in: the first token is output; then hand off. */
+    /* Every part is in: the first token is output; then hand off.  The
+     * handoff is timed from here to the decode group's KV_RELEASE. */
     r->state = DSV4_REQ_HANDOFF;
+    r->t_prefilled_us = ctl_now_us();
     if (req_emit(s, r, r->first_token, r->first_has_lp, r->first_lp))
         return;
     send_decode(s, r, g->size);
@@ -467,6 +469,12 @@ on_kv_release(struct sched *s, struct sched_group *g, uint64_t req)
     }
     req_kv_clear(r);
     r->state = DSV4_REQ_DECODING;
+    if (r->t_prefilled_us != 0) {
+        int64_t d = ctl_now_us() - r->t_prefilled_us;
+
+        ctl_handoff_observe(&s->m, d > 0 ? (uint64_t)d : 0);
+        r->t_prefilled_us = 0;
+    }
 }
 
 static void

@@ -714,12 +714,24 @@ scrape_configs:
                  ("handoffs", "dsv4_handoffs_total", None),
                  ("reruns", "dsv4_reruns_total", None),
                  ("rank_deaths", "dsv4_rank_deaths_total", None),
+                 ("handoff_count", "dsv4_handoff_seconds_count", None),
                  ("n_ranks_ready", "dsv4_ranks", {"state": "ready"})]
         for key, name, labels in pairs:
             check(metric(m, name, labels) == ctl[key], "%s: dsv4ctl %s, /metrics %s" %
                   (key, ctl[key], metric(m, name, labels)))
         check(ctl["n_done"] == n_req and ctl["tokens_out"] == sum(3 + i for i in range(n_req)),
               "scheduler counters: %s" % ctl)
+        # The scheduler timed every handoff of the run (PREFILL_DONE -> KV_RELEASE).
+        check(ctl["handoff_count"] > 0 and
+              metric(m, "dsv4_handoff_seconds_bucket", {"le": "+Inf"}) == ctl["handoff_count"]
+              and len(ctl["handoff_buckets"]) == 14 and
+              metric(m, "dsv4_handoff_seconds_bucket", {"le": "10"}) == ctl["handoff_buckets"][-1],
+              "handoff histogram: dsv4ctl %s, /metrics count %s" %
+              (ctl.get("handoff_count"), metric(m, "dsv4_handoff_seconds_count")))
+        check(abs(metric(m, "dsv4_handoff_seconds_sum") - ctl["handoff_sum_us"] / 1e6) <=
+              1e-8 * max(1.0, ctl["handoff_sum_us"] / 1e6),
+              "handoff sum: dsv4ctl %s us, /metrics %s s" %
+              (ctl["handoff_sum_us"], metric(m, "dsv4_handoff_seconds_sum")))
         check(metric(m, "dsv4_gateway_completion_tokens_total") == ctl["tokens_out"],
               "gateway usage total != scheduler tokens_out")
         check(metric(m, "dsv4_gateway_ttft_seconds_count") == n_req,

@@ -2,7 +2,8 @@
  * test_sched_queue.c — unit tests of dsv4-sched's pure parts: admission
  * status, group choice and decode slots (sched_queue.c), stop-string search
  * and hold-back (sched_req.c), and the round trip of the protocol fields the
- * scheduler added (PREFILL chunk, STATUS metrics, RANK rank_active).
+ * scheduler added (PREFILL chunk, STATUS metrics and handoff histogram, RANK
+ * rank_active), and the handoff histogram's bucketing (sched_ctl.c).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -142,6 +143,76 @@ roundtrip(struct dsv4_msg *m)
     dsv4_wire_clear(&w);
 }
 
+/* Encoding `m` is refused with 401 (a sender-side check). */
+static void
+encode_refused(const struct dsv4_msg *m)
+{
+    struct dsv4_perr pe;
+    struct dsv4_wire w;
+
+    assert_int_not_equal(dsv4_msg_encode(m, &w, &pe), DSV4_OK);
+    assert_int_equal(pe.code, DSV4_STATUS_BAD_ARGUMENT);
+    dsv4_wire_clear(&w);
+}
+
+/* The handoff histogram: bucket edges are inclusive upper bounds, counts
+ * cumulative; STATUS carries it (buckets, sum, count) and refuses a
+ * histogram that is not cumulative, is short, or lacks sum and count. */
+static void
+test_handoff_hist(void **state)
+{
+    static const uint64_t bounds[DSV4_PROTO_HANDOFF_BUCKETS] = DSV4_PROTO_HANDOFF_BOUNDS_US;
+    struct sched_metrics mt;
+    uint64_t bad[DSV4_PROTO_HANDOFF_BUCKETS];
+    struct dsv4_msg m;
+
+    (void)state;
+    memset(&mt, 0, sizeof(mt));
+    ctl_handoff_observe(&mt, 0);           /* every bucket */
+    ctl_handoff_observe(&mt, 500);         /* le 0.0005 (inclusive) */
+    ctl_handoff_observe(&mt, 501);         /* le 0.001 and up */
+    ctl_handoff_observe(&mt, 3000000);     /* le 5 and up */
+    ctl_handoff_observe(&mt, 60000000);    /* +Inf only */
+    assert_int_equal(bounds[0], 500);
+    assert_int_equal(bounds[DSV4_PROTO_HANDOFF_BUCKETS - 1], 10000000);
+    assert_int_equal(mt.handoff_count, 5);
+    assert_int_equal(mt.handoff_sum_us, 0 + 500 + 501 + 3000000 + 60000000);
+    assert_int_equal(mt.handoff_le[0], 2);
+    assert_int_equal(mt.handoff_le[1], 3);
+    assert_int_equal(mt.handoff_le[11], 3);  /* le 2.5 */
+    assert_int_equal(mt.handoff_le[12], 4);  /* le 5 */
+    assert_int_equal(mt.handoff_le[13], 4);  /* le 10 */
+    for (int i = 1; i < DSV4_PROTO_HANDOFF_BUCKETS; i++)
+        assert_true(bounds[i] > bounds[i - 1] && mt.handoff_le[i] >= mt.handoff_le[i - 1]);
+
+    dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_STATUS);
+    m.u.status.version = "v";
+    m.u.status.has_handoff = true;           /* sum and count without buckets */
+    m.u.status.handoff_sum_us = mt.handoff_sum_us;
+    m.u.status.handoff_count = mt.handoff_count;
+    roundtrip(&m);
+    m.u.status.handoff_buckets = mt.handoff_le;
+    m.u.status.n_handoff_buckets = DSV4_PROTO_HANDOFF_BUCKETS;
+    roundtrip(&m);
+    m.u.status.has_metrics = true;
+    m.u.status.handoffs = 5;
+    roundtrip(&m);
+
+    memcpy(bad, mt.handoff_le, sizeof(bad));
+    m.u.status.handoff_buckets = bad;
+    bad[5] = 1;                              /* decreases */
+    encode_refused(&m);
+    bad[5] = mt.handoff_le[5];
+    bad[13] = 6;                             /* above handoff_count */
+    encode_refused(&m);
+    bad[13] = mt.handoff_le[13];
+    m.u.status.n_handoff_buckets = DSV4_PROTO_HANDOFF_BUCKETS - 1;
+    encode_refused(&m);
+    m.u.status.n_handoff_buckets = DSV4_PROTO_HANDOFF_BUCKETS;
+    m.u.status.has_handoff = false;          /* buckets alone */
+    encode_refused(&m);
+}
+
 static void
 test_proto_additions(void **state)
 {
@@ -186,6 +257,7 @@ main(void)
         cmocka_unit_test(test_pick),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_proto_additions),
+        cmocka_unit_test(test_handoff_hist),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -141,6 +141,15 @@ print_status(struct ctl *c, const struct dsv4_ctl_status *st)
                 ", \"handoffs\": %" PRIu64 ", \"reruns\": %" PRIu64
                 ", \"rank_deaths\": %" PRIu64, st->n_cancelled, st->n_rejected,
                 st->tokens_in, st->tokens_out, st->handoffs, st->reruns, st->rank_deaths);
+        if (st->has_handoff)
+            printf(", \"handoff_sum_us\": %" PRIu64 ", \"handoff_count\": %" PRIu64,
+                st->handoff_sum_us, st->handoff_count);
+        if (st->handoff_buckets != NULL) {
+            printf(", \"handoff_buckets\": [");
+            for (uint32_t i = 0; i < st->n_handoff_buckets; i++)
+                printf("%s%" PRIu64, i > 0 ? ", " : "", st->handoff_buckets[i]);
+            printf("]");
+        }
         printf("}\n");
         return;
     }
@@ -159,6 +168,13 @@ print_status(struct ctl *c, const struct dsv4_ctl_status *st)
             st->tokens_out);
         printf("%-12s %" PRIu64 " handoffs, %" PRIu64 " re-runs, %" PRIu64 " rank deaths\n",
             "events", st->handoffs, st->reruns, st->rank_deaths);
+    }
+    if (st->has_handoff) {
+        printf("%-12s %" PRIu64 " measured", "handoff", st->handoff_count);
+        if (st->handoff_count > 0)
+            printf(", mean %.3f ms", (double)st->handoff_sum_us / 1000.0 /
+                (double)st->handoff_count);
+        printf("\n");
     }
 }
 
