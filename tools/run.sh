@@ -2,14 +2,16 @@
 # run.sh — the project's run command (README): install dependencies, build,
 # make a `small` synthetic checkpoint with dsv4-mkmodel if there is none,
 # start the service set (dsv4-sched, one dsv4-prefill, one dsv4-decode) under
-# dsv4-launch on the CPU backend, serve one request with dsv4-generate, print
-# it, and stop everything.
+# dsv4-launch — on the GPU (CUDA backend) when the build has CUDA and a GPU is
+# present, else on the CPU backend — serve one request with dsv4-generate,
+# print it, and stop everything.
 #
 #   tools/run.sh [PROMPT]
 #
 # Environment: DSV4_BUILD (build directory, default build), DSV4_MODEL
 # (checkpoint directory, default $DSV4_BUILD/model-small), DSV4_MAX_TOKENS
-# (default 32).  The weights are random, so the text is not meaningful; the
+# (default 32), DSV4_BACKEND (cpu or cuda; default: cuda when nvidia-smi lists
+# a GPU and the build has CUDA, else cpu).  The weights are random, so the text is not meaningful; the
 # point is the whole path: tokenizer, scheduler, prefill, decode-state
 # handoff, batched decode, streaming.  docs/operations.md runs the same set
 # under systemd.
@@ -32,6 +34,12 @@ if [ ! -f "$model/config.json" ]; then
     "$build/tools/mkmodel/dsv4-mkmodel" --preset small --out "$model" >/dev/null
 fi
 
+backend=cpu
+if nvidia-smi -L >/dev/null 2>&1 && grep -q -- '-DDSV4_HAVE_CUDA' "$build/build.ninja"; then
+    backend=cuda
+fi
+backend=${DSV4_BACKEND:-$backend}
+
 run=$(mktemp -d "${TMPDIR:-/tmp}/dsv4-run.XXXXXX")
 trap 'rm -rf "$run"' EXIT
 cat >"$run/dsv4.conf" <<CONF
@@ -39,11 +47,11 @@ client_endpoint = ipc://$run/client.sock
 rank_endpoint = ipc://$run/rank.sock
 admin_endpoint = ipc://$run/ctl.sock
 checkpoint = $(realpath "$model")
-backend = cpu
+backend = $backend
 max_seq = 1024
 CONF
 
-echo "run.sh: starting dsv4-sched + dsv4-prefill@0 + dsv4-decode@0 (CPU backend)"
+echo "run.sh: starting dsv4-sched + dsv4-prefill@0 + dsv4-decode@0 ($backend backend)"
 echo "run.sh: prompt: $prompt"
 status=0
 "$build/tools/launch/dsv4-launch" -f "$run/dsv4.conf" -P 1 -D 1 \
