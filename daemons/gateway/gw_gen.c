@@ -816,12 +816,21 @@ static int
 gw_wait(struct gw_gen *q, bool (*until)(const struct gw_gen *))
 {
     struct dsv4_client_event ev;
+    int64_t next_check = gw_now_ms() + GW_POLL_MS;
     int rc;
 
     while (!q->final && !until(q)) {
         rc = dsv4_client_next(q->c, &ev, GW_POLL_MS);
         if (rc == 0) {
             gw_on_event(q, &ev);
+            /* Events can arrive faster than GW_POLL_MS for the whole
+             * request (tokens of a non-streamed answer): look at the peer
+             * on a clock, not only when the scheduler is quiet. */
+            if (gw_now_ms() >= next_check) {
+                next_check = gw_now_ms() + GW_POLL_MS;
+                if (gw_http_peer_gone(q->conn))
+                    return 1;
+            }
             continue;
         }
         if (rc != DSV4_CLIENT_NONE) {
