@@ -870,79 +870,85 @@ state_fingerprint(const struct dsv4_model *m)
     return h;
 }
 
-/* One array of a slot's state: device address and byte count. */
-struct state_part {
-    float *dev;
-    size_t bytes;
+/* What state_walk does with each array of a slot's state. */
+enum state_dir {
+    STATE_SIZE,     /* count bytes only */
+    STATE_EXPORT,   /* backend -> host buffer */
+    STATE_IMPORT,   /* host buffer -> backend */
 };
 
-/* List the parts of slot `slot` for a sequence of `len` tokens, in the
- * export order; returns their number (parts may be NULL to count). */
-static int
-state_parts(const struct dsv4_model *m, int slot, int len, struct state_part *parts)
+/* One array of `nfloats` at `dev`: copy it in direction `dir` at *host
+ * (advanced past it) and add its bytes to *bytes. */
+static enum dsv4_err
+state_part(const struct dsv4_model *m, enum state_dir dir, float *dev, int64_t nfloats,
+           char **host, size_t *bytes)
 {
-    int n = 0;
-    size_t F = sizeof(float);
+    size_t n = (size_t)nfloats * sizeof(float);
+    enum dsv4_err e = DSV4_OK;
 
-#define PART(ptr, nfloats)                                         \
-    do {                                                           \
-        if (parts != NULL) {                                       \
-            parts[n].dev = (ptr);                                  \
-            parts[n].bytes = (size_t)(nfloats) * F;                \
-        }                                                          \
-        n++;                                                       \
-    } while (0)
+    if (n > 0 && dir == STATE_EXPORT)
+        e = m->be->ops->download(m->be, *host, dev, n);
+    else if (n > 0 && dir == STATE_IMPORT)
+        e = m->be->ops->upload(m->be, dev, *host, n);
+    if (dir != STATE_SIZE)
+        *host += n;
+    *bytes += n;
+    return e;
+}
 
+/*
+ * Walk slot `slot`'s state for a sequence of `len` tokens in the export
+ * order (per layer: ring, compressed entries up to len/r, compressor states;
+ * indexer keys up to len/4 and the indexer compressor states), counting the
+ * bytes into *bytes and copying each array per `dir` at `host`.
+ */
+static enum dsv4_err
+state_walk(const struct dsv4_model *m, int slot, int len, enum state_dir dir, char *host,
+           size_t *bytes)
+{
+    *bytes = 0;
     for (int l = 0; l < m->n_layers; l++) {
         const struct layer_state *ls = &m->L[l];
         int64_t ring = (int64_t)m->win * m->Dh;
-        PART(ls->ring + slot * ring, ring);
+
+        TRY(state_part(m, dir, ls->ring + slot * ring, ring, &host, bytes));
         if (ls->ratio) {
             int r = ls->ratio, cc = r == 4 ? 2 : 1;
             int64_t st = (int64_t)cc * r * cc * m->Dh;
-            PART(ls->comp + (int64_t)slot * ls->cap_c * m->Dh, (int64_t)(len / r) * m->Dh);
-            PART(ls->st_kv + slot * st, st);
-            PART(ls->st_z + slot * st, st);
+            TRY(state_part(m, dir, ls->comp + (int64_t)slot * ls->cap_c * m->Dh,
+                           (int64_t)(len / r) * m->Dh, &host, bytes));
+            TRY(state_part(m, dir, ls->st_kv + slot * st, st, &host, bytes));
+            TRY(state_part(m, dir, ls->st_z + slot * st, st, &host, bytes));
         }
         if (ls->ratio == 4) {
             int64_t st = (int64_t)8 * 2 * m->dI;
-            PART(ls->keys + (int64_t)slot * ls->cap_i * m->dI, (int64_t)(len / 4) * m->dI);
-            PART(ls->ist_kv + slot * st, st);
-            PART(ls->ist_z + slot * st, st);
+            TRY(state_part(m, dir, ls->keys + (int64_t)slot * ls->cap_i * m->dI,
+                           (int64_t)(len / 4) * m->dI, &host, bytes));
+            TRY(state_part(m, dir, ls->ist_kv + slot * st, st, &host, bytes));
+            TRY(state_part(m, dir, ls->ist_z + slot * st, st, &host, bytes));
         }
     }
-#undef PART
-    return n;
+    return DSV4_OK;
 }
 
 size_t
 dsv4_model_state_size(const struct dsv4_model *m, int len)
 {
-    size_t total = sizeof(struct state_header);
-    int n = state_parts(m, 0, len, NULL);
-    struct state_part *parts = malloc((size_t)n * sizeof(*parts));
+    size_t bytes;
 
-    if (parts == NULL)
-        return 0;
-    state_parts(m, 0, len, parts);
-    for (int i = 0; i < n; i++)
-        total += parts[i].bytes;
-    free(parts);
-    return total;
+    state_walk(m, 0, len, STATE_SIZE, NULL, &bytes);   /* cannot fail when counting */
+    return sizeof(struct state_header) + bytes;
 }
 
 enum dsv4_err
 dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, size_t *out_len)
 {
     struct state_header h;
-    size_t need;
-    char *p = buf;
+    size_t need, bytes;
 
     if (slot < 0 || slot >= m->n_slots)
         return dsv4_err_set(DSV4_ERR_INVAL, "state export: slot %d out of range", slot);
     need = dsv4_model_state_size(m, m->len[slot]);
-    if (need == 0)
-        return dsv4_err_set(DSV4_ERR_NOMEM, "state export: out of memory");
     if (cap < need)
         return dsv4_err_set(DSV4_ERR_INVAL, "state export: buffer of %zu bytes, need %zu", cap,
                             need);
@@ -952,40 +958,26 @@ dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, s
     h.len = m->len[slot];
     h.mtp_len = m->mtp_len[slot];
     h.n_layers = m->n_layers;
-    memcpy(p, &h, sizeof(h));
-    p += sizeof(h);
-
-    int n = state_parts(m, slot, h.len, NULL);
-    struct state_part *parts = malloc((size_t)n * sizeof(*parts));
-    if (parts == NULL)
-        return dsv4_err_set(DSV4_ERR_NOMEM, "state export: out of memory");
-    state_parts(m, slot, h.len, parts);
-    enum dsv4_err e = DSV4_OK;
-    for (int i = 0; i < n && e == DSV4_OK; i++) {
-        if (parts[i].bytes > 0)
-            e = m->be->ops->download(m->be, p, parts[i].dev, parts[i].bytes);
-        p += parts[i].bytes;
-    }
-    free(parts);
-    if (e == DSV4_OK)
-        e = m->be->ops->sync(m->be);
-    if (e == DSV4_OK && out_len != NULL)
+    memcpy(buf, &h, sizeof(h));
+    TRY(state_walk(m, slot, h.len, STATE_EXPORT, (char *)buf + sizeof(h), &bytes));
+    TRY(m->be->ops->sync(m->be));
+    if (out_len != NULL)
         *out_len = need;
-    return e;
+    return DSV4_OK;
 }
 
 enum dsv4_err
 dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t len)
 {
     struct state_header h;
-    const char *p = buf;
+    size_t want, bytes;
 
     if (slot < 0 || slot >= m->n_slots)
         return dsv4_err_set(DSV4_ERR_INVAL, "state import: slot %d out of range", slot);
     if (len < sizeof(h))
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: %zu bytes, shorter than a header",
                             len);
-    memcpy(&h, p, sizeof(h));
+    memcpy(&h, buf, sizeof(h));
     if (h.magic != STATE_MAGIC || h.fingerprint != state_fingerprint(m) ||
         h.n_layers != m->n_layers)
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: not a state of this model "
@@ -993,27 +985,13 @@ dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t 
     if (h.len < 0 || h.len > m->max_seq || h.mtp_len < 0 || h.mtp_len > h.len)
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: length %d (mtp %d) out of range "
                             "(max_seq_len %d)", h.len, h.mtp_len, m->max_seq);
-    if (dsv4_model_state_size(m, h.len) != len)
+    want = dsv4_model_state_size(m, h.len);
+    if (want != len)
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: %zu bytes, expected %zu for "
-                            "length %d", len, dsv4_model_state_size(m, h.len), h.len);
-    p += sizeof(h);
-
-    int n = state_parts(m, slot, h.len, NULL);
-    struct state_part *parts = malloc((size_t)n * sizeof(*parts));
-    if (parts == NULL)
-        return dsv4_err_set(DSV4_ERR_NOMEM, "state import: out of memory");
-    state_parts(m, slot, h.len, parts);
-    enum dsv4_err e = DSV4_OK;
-    for (int i = 0; i < n && e == DSV4_OK; i++) {
-        if (parts[i].bytes > 0)
-            e = m->be->ops->upload(m->be, parts[i].dev, p, parts[i].bytes);
-        p += parts[i].bytes;
-    }
-    free(parts);
-    if (e == DSV4_OK)
-        e = m->be->ops->sync(m->be);
-    if (e != DSV4_OK)
-        return e;
+                            "length %d", len, want, h.len);
+    /* the walker's host pointer is not const, but an import only reads it */
+    TRY(state_walk(m, slot, h.len, STATE_IMPORT, (char *)(uintptr_t)buf + sizeof(h), &bytes));
+    TRY(m->be->ops->sync(m->be));
     m->len[slot] = h.len;
     m->mtp_len[slot] = h.mtp_len;
     return DSV4_OK;
