@@ -23,7 +23,8 @@
  *
  * Decode state lives in per-layer pools indexed by a sequence slot (0 ..
  * n_slots-1), see kernels/forward.h; ops receive pool base pointers plus the
- * per-row slot.
+ * per-row slot.  The pools that grow with the sequence (compressed entries,
+ * indexer keys) are paged: see DSV4_PAGE_ENTRIES.
  */
 #ifndef DSV4_KERNELS_BACKEND_H
 #define DSV4_KERNELS_BACKEND_H
@@ -37,6 +38,27 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/*
+ * Paged pools.  Compressed KV entries and indexer keys live in pages of
+ * DSV4_PAGE_ENTRIES rows of one pool per layer.  An op reading such a pool
+ * takes its base, `cap` (entries one slot can address, a multiple of
+ * DSV4_PAGE_ENTRIES when paged) and `pages`, the page table (n_slots,
+ * cap / DSV4_PAGE_ENTRIES) int32 in backend memory: entry e of slot s is
+ * pool row dsv4_pool_row(pages, cap, s, e).  pages == NULL means an unpaged
+ * pool, entry e of slot s at row s * cap + e.
+ */
+#define DSV4_PAGE_ENTRIES 64
+
+/* Pool row of entry e of slot s (see above); host code only. */
+static inline int64_t
+dsv4_pool_row(const int32_t *pages, int cap, int s, int e)
+{
+    if (pages == NULL)
+        return (int64_t)s * cap + e;
+    return (int64_t)pages[(int64_t)s * (cap / DSV4_PAGE_ENTRIES) + e / DSV4_PAGE_ENTRIES] *
+               DSV4_PAGE_ENTRIES + e % DSV4_PAGE_ENTRIES;
+}
 
 enum dsv4_numerics {
     DSV4_NUMERICS_REF = 0,  /* DeepSeek reference (FP8 act quant, KV/indexer sims) */
@@ -180,17 +202,19 @@ struct dsv4_backend_ops {
 
     /*
      * Indexer scores and top-k (model doc §3.3.5).  For row t: valid entries
-     * s < (pos[t] + 1) / ratio of slot[t]'s key pool;
+     * s < min((pos[t] + 1) / ratio, cap) of slot[t]'s key pool (paged by
+     * `pages`, see DSV4_PAGE_ENTRIES);
      * score[s] = Σ_h w[t,h] · ReLU(q[t,h,:] · keys[slot, s, :]);
      * sel[t, :] = indices of the min(K, n_valid) best scores (ties: lower
      * index first), in decreasing score order, then -1.
-     *   q    (T, nh, dI)   w (T, nh)   keys pool (n_slots, cap, dI)
+     *   q    (T, nh, dI)   w (T, nh)   keys pool (rows, dI)
      *   sel  (T, K) int32
      * REF numerics round q·k, each head term and the sum to bf16 as the
      * reference's bf16 einsum does; HF numerics keep fp32.
      */
     enum dsv4_err (*indexer_topk)(struct dsv4_backend *be, int32_t *sel, const float *q,
-                                  const float *w, const float *keys, const int32_t *slot,
+                                  const float *w, const float *keys, const int32_t *pages,
+                                  const int32_t *slot,
                                   const int32_t *pos, int T, int nh, int dI, int cap,
                                   int ratio, int K);
 
@@ -203,13 +227,15 @@ struct dsv4_backend_ops {
      *   compressed (comp != NULL): sel == NULL -> every entry e < (p+1)/ratio
      *           (HCA); else the entries sel[t, 0..K) that are >= 0 (CSA).
      * out (T, H, Dh) -> bf16; fp32 softmax with the sink logit sink[h] in the
-     * denominator only; scores scaled by `scale`.
-     *   q (T, H, Dh)  kv (T, Dh)  ring (n_slots, win, Dh)  comp (n_slots, cap, Dh)
+     * denominator only; scores scaled by `scale`.  Compressed entry e of
+     * slot s is row dsv4_pool_row(pages, cap, s, e) of comp.
+     *   q (T, H, Dh)  kv (T, Dh)  ring (n_slots, win, Dh)  comp (rows, Dh)
      */
     enum dsv4_err (*attention)(struct dsv4_backend *be, float *out, const float *q,
                                const float *kv, const float *ring, const float *comp,
-                               const int32_t *sel, const float *sink, const int32_t *slot,
-                               const int32_t *pos, const int32_t *row0, const int32_t *pos0,
+                               const int32_t *pages, const int32_t *sel, const float *sink,
+                               const int32_t *slot, const int32_t *pos, const int32_t *row0,
+                               const int32_t *pos0,
                                int T, int H, int Dh, int win, int cap, int ratio, int K,
                                float scale);
 

@@ -28,13 +28,35 @@ struct layer_state {
     int ratio;                 /* 0, 4, 128 */
     const float *freqs;        /* host, rd/2: this layer's rope frequencies */
     float *ring;               /* (n_slots, win, Dh) */
-    float *comp;               /* (n_slots, cap_c, Dh) or NULL */
-    int cap_c;                 /* compressed entries per slot */
+    struct page_pool *pg;      /* page table of comp (and keys); NULL if ratio 0 */
+    float *comp;               /* ((pg->n_pages + 1) * P, Dh) or NULL */
     float *st_kv, *st_z;       /* main compressor state (n_slots, c*r, c*Dh) */
-    float *keys;               /* indexer keys (n_slots, cap_i, dI); ratio == 4 */
-    int cap_i;
+    float *keys;               /* indexer keys ((pg->n_pages + 1) * P, dI); ratio 4 */
     float *ist_kv, *ist_z;     /* indexer compressor state (n_slots, 8, 2*dI) */
 };
+
+/*
+ * Pages of the pools that grow with the sequence (backend.h,
+ * DSV4_PAGE_ENTRIES): one page table per compression ratio, shared by every
+ * layer of that ratio (their sequences have the same lengths) and by the
+ * ratio-4 layers' indexer keys.  Each layer's pool has n_pages pages plus a
+ * spare page (index n_pages): unallocated table entries point there, and the
+ * fixed-shape plan of a graphed step writes non-emitting rows there.
+ */
+struct page_pool {
+    int r;                     /* compression ratio */
+    int pps;                   /* pages per slot (page-table width) */
+    int cap;                   /* pps * P: entries a slot can address */
+    int n_pages;               /* allocatable pages */
+    int32_t *h_pt;             /* host (n_slots, pps) */
+    int32_t *d_pt;             /* backend copy */
+    uint8_t *dirty;            /* host (n_slots): row not yet uploaded */
+    int32_t *held;             /* host (n_slots): pages a slot holds */
+    int32_t *free_ids;         /* host stack of free pages */
+    int n_free;
+};
+
+#define P DSV4_PAGE_ENTRIES
 
 /* Host-side bookkeeping of one call, uploaded to the i_* device arrays. */
 struct call_plan {
@@ -65,6 +87,7 @@ struct dsv4_model {
     int n_main, n_layers;          /* main layers; main + MTP */
     float freqs_swa[64], freqs_comp[64];
     struct layer_state *L;
+    struct page_pool pg[2];        /* ratio 4, ratio 128 */
     int32_t *len;                  /* host (n_slots) */
     int32_t *mtp_len;              /* host (n_slots) */
     /* row bookkeeping of the last KEEP_HIDDEN call */
@@ -218,6 +241,13 @@ dsv4_model_free(struct dsv4_model *m)
         }
         free(m->L);
     }
+    for (int i = 0; i < 2; i++) {
+        dev_free(m, m->pg[i].d_pt);
+        free(m->pg[i].h_pt);
+        free(m->pg[i].dirty);
+        free(m->pg[i].held);
+        free(m->pg[i].free_ids);
+    }
     void *bufs[] = {
         m->i_slot, m->i_pos, m->i_row0, m->i_pos0, m->i_tok, m->i_emit4, m->i_emit128,
         m->i_epos4, m->i_epos128, m->i_erow4, m->i_erow128, m->i_ring_src,
@@ -282,10 +312,36 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         return dsv4_err_set(DSV4_ERR_NOMEM, "model: out of memory");
     }
 
-    /* compressed-entry and indexer-key pools have one spare row after the
-     * slots' rows: the fixed-shape plan of a graphed decode step sends the
-     * entries of rows that emit nothing there (plan_fix_emits) */
     size_t S = (size_t)m->n_slots, F = sizeof(float);
+    for (int i = 0; i < 2; i++) {
+        struct page_pool *pg = &m->pg[i];
+
+        pg->r = i == 0 ? 4 : 128;
+        pg->pps = (m->max_seq / pg->r + P - 1) / P;
+        pg->cap = pg->pps * P;
+        /* default: every slot can hold max_seq; else at least one such slot */
+        pg->n_pages = m->n_slots * pg->pps;
+        if (opts->pool_tokens > 0) {
+            int64_t n = (opts->pool_tokens / pg->r + P - 1) / P;
+
+            pg->n_pages = (int)(n < pg->pps ? pg->pps : n < pg->n_pages ? n : pg->n_pages);
+        }
+        pg->h_pt = malloc(S * pg->pps * sizeof(int32_t));
+        pg->dirty = calloc(S, 1);
+        pg->held = calloc(S, sizeof(int32_t));
+        pg->free_ids = malloc((size_t)pg->n_pages * sizeof(int32_t));
+        pg->d_pt = dev_alloc(m, S * pg->pps * sizeof(int32_t), &fail);
+        if (pg->h_pt == NULL || pg->dirty == NULL || pg->held == NULL || pg->free_ids == NULL) {
+            dsv4_model_free(m);
+            return dsv4_err_set(DSV4_ERR_NOMEM, "model: out of memory");
+        }
+        for (size_t j = 0; j < S * pg->pps; j++)
+            pg->h_pt[j] = pg->n_pages;            /* the spare page */
+        for (int j = 0; j < pg->n_pages; j++)
+            pg->free_ids[j] = pg->n_pages - 1 - j;  /* page 0 on top */
+        pg->n_free = pg->n_pages;
+        memset(pg->dirty, 1, S);
+    }
     for (int l = 0; l < m->n_layers; l++) {
         struct layer_state *ls = &m->L[l];
         ls->w = &w->layers[l];
@@ -294,14 +350,13 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         ls->ring = dev_alloc(m, S * m->win * m->Dh * F, &fail);
         if (ls->ratio) {
             int r = ls->ratio, cc = r == 4 ? 2 : 1;
-            ls->cap_c = m->max_seq / r;
-            ls->comp = dev_alloc(m, (S * ls->cap_c + 1) * m->Dh * F, &fail);
+            ls->pg = &m->pg[r == 4 ? 0 : 1];
+            ls->comp = dev_alloc(m, (size_t)(ls->pg->n_pages + 1) * P * m->Dh * F, &fail);
             ls->st_kv = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
             ls->st_z = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
         }
         if (ls->ratio == 4) {
-            ls->cap_i = m->max_seq / 4;
-            ls->keys = dev_alloc(m, (S * ls->cap_i + 1) * m->dI * F, &fail);
+            ls->keys = dev_alloc(m, (size_t)(ls->pg->n_pages + 1) * P * m->dI * F, &fail);
             ls->ist_kv = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
             ls->ist_z = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
         }
@@ -370,6 +425,97 @@ dsv4_model_vocab(const struct dsv4_model *m)
     return m->V;
 }
 
+/* --- pages ---------------------------------------------------------------- */
+
+/* Pages slot s needs in pool pg for a sequence of len tokens. */
+static int
+pages_needed(const struct page_pool *pg, int len)
+{
+    return (len / pg->r + P - 1) / P;
+}
+
+/* Return every page of slot s to the free lists. */
+static void
+pages_release(struct dsv4_model *m, int s)
+{
+    for (int i = 0; i < 2; i++) {
+        struct page_pool *pg = &m->pg[i];
+        int32_t *row = pg->h_pt + (int64_t)s * pg->pps;
+
+        for (int j = 0; j < pg->held[s]; j++) {
+            pg->free_ids[pg->n_free++] = row[j];
+            row[j] = pg->n_pages;
+        }
+        if (pg->held[s] > 0)
+            pg->dirty[s] = 1;
+        pg->held[s] = 0;
+    }
+}
+
+/*
+ * Give slot s[i] (i < n) the pages for a sequence of len[i] tokens, in both
+ * pools; all or nothing: DSV4_ERR_NOMEM naming the pool when the free pages
+ * do not cover every slot's growth.
+ */
+static enum dsv4_err
+pages_reserve(struct dsv4_model *m, const int32_t *s, const int32_t *len, int n)
+{
+    for (int i = 0; i < 2; i++) {
+        const struct page_pool *pg = &m->pg[i];
+        int64_t want = 0;
+
+        for (int j = 0; j < n; j++) {
+            int need = pages_needed(pg, len[j]);
+
+            want += need > pg->held[s[j]] ? need - pg->held[s[j]] : 0;
+        }
+        if (want > pg->n_free)
+            return dsv4_err_set(DSV4_ERR_NOMEM, "forward: decode-state pool full (ratio %d: "
+                                "%lld more pages needed, %d of %d free; raise pool_tokens)",
+                                pg->r, (long long)want, pg->n_free, pg->n_pages);
+    }
+    for (int i = 0; i < 2; i++) {
+        struct page_pool *pg = &m->pg[i];
+
+        for (int j = 0; j < n; j++) {
+            int32_t *row = pg->h_pt + (int64_t)s[j] * pg->pps;
+            int need = pages_needed(pg, len[j]);
+
+            while (pg->held[s[j]] < need) {
+                row[pg->held[s[j]]++] = pg->free_ids[--pg->n_free];
+                pg->dirty[s[j]] = 1;
+            }
+        }
+    }
+    return DSV4_OK;
+}
+
+/* Upload the page-table rows changed since the last upload. */
+static enum dsv4_err
+pages_upload(struct dsv4_model *m)
+{
+    for (int i = 0; i < 2; i++) {
+        struct page_pool *pg = &m->pg[i];
+
+        for (int s = 0; s < m->n_slots; s++) {
+            if (!pg->dirty[s])
+                continue;
+            TRY(m->be->ops->upload(m->be, pg->d_pt + (int64_t)s * pg->pps,
+                                   pg->h_pt + (int64_t)s * pg->pps,
+                                   (size_t)pg->pps * sizeof(int32_t)));
+            pg->dirty[s] = 0;
+        }
+    }
+    return DSV4_OK;
+}
+
+void
+dsv4_model_pages(const struct dsv4_model *m, int *in_use, int *total)
+{
+    *in_use = m->pg[0].n_pages - m->pg[0].n_free;
+    *total = m->pg[0].n_pages;
+}
+
 int
 dsv4_model_seq_len(const struct dsv4_model *m, int slot)
 {
@@ -399,6 +545,7 @@ dsv4_model_seq_reset(struct dsv4_model *m, int slot)
             TRY(ops->fill(m->be, ls->ist_z + (int64_t)slot * n, -INFINITY, n));
         }
     }
+    pages_release(m, slot);
     m->len[slot] = 0;
     m->mtp_len[slot] = 0;
     return DSV4_OK;
@@ -436,17 +583,21 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
                                 s, m->max_seq);
         T += b->n_tokens[i];
     }
+    for (int t = 0; t < T; t++)
+        if (b->tokens[t] < 0 || b->tokens[t] >= m->V)
+            return dsv4_err_set(DSV4_ERR_INVAL, "forward: token id %d out of range "
+                                "[0, %d)", b->tokens[t], m->V);
+    for (int i = 0; i < b->n_seqs; i++)
+        p->pos[i] = m->len[b->slot[i]] + b->n_tokens[i];   /* lengths after the call */
+    TRY(pages_reserve(m, b->slot, p->pos, b->n_seqs));
     p->T = T;
     p->n_emit4 = p->n_emit128 = p->n_ring = p->n_out = 0;
     int t = 0;
-    int cap4 = m->max_seq / 4, cap128 = m->max_seq / 128;
+    const struct page_pool *pg4 = &m->pg[0], *pg128 = &m->pg[1];
     for (int i = 0; i < b->n_seqs; i++) {
         int s = b->slot[i], n = b->n_tokens[i], p0 = m->len[s];
         for (int j = 0; j < n; j++, t++) {
             int pos = p0 + j, tok = b->tokens[t];
-            if (tok < 0 || tok >= m->V)
-                return dsv4_err_set(DSV4_ERR_INVAL, "forward: token id %d out of range "
-                                    "[0, %d)", tok, m->V);
             p->slot[t] = s;
             p->pos[t] = pos;
             p->row0[t] = t - j;
@@ -457,13 +608,14 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
                 int e = p->n_emit4++;
                 p->emit4[t] = e;
                 p->epos4[e] = pos + 1 - 4;
-                p->erow4[e] = s * cap4 + pos / 4;
+                p->erow4[e] = (int32_t)dsv4_pool_row(pg4->h_pt, pg4->cap, s, pos / 4);
             }
             if ((pos + 1) % 128 == 0) {
                 int e = p->n_emit128++;
                 p->emit128[t] = e;
                 p->epos128[e] = pos + 1 - 128;
-                p->erow128[e] = s * cap128 + pos / 128;
+                p->erow128[e] =
+                    (int32_t)dsv4_pool_row(pg128->h_pt, pg128->cap, s, pos / 128);
             }
             if (pos >= p0 + n - m->win) {
                 p->ring_src[p->n_ring] = t;
@@ -481,15 +633,14 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
  * Give the plan of a decode step (one row per run) a fixed shape, so that a
  * graph recorded once per batch size serves every step: every row counts as
  * emitting for both compressors (emit[t] = t), and a row that does not
- * really finish a window sends its entry to the pools' spare row
- * (n_slots * cap).  The ops then see the same counts at every step; the
+ * really finish a window sends its entry to the pools' spare page.  The ops then see the same counts at every step; the
  * entries that land in the spare row are never read.
  */
 static void
 plan_fix_emits(struct dsv4_model *m)
 {
     struct call_plan *p = &m->plan;
-    int cap4 = m->max_seq / 4, cap128 = m->max_seq / 128;
+    const struct page_pool *pg4 = &m->pg[0], *pg128 = &m->pg[1];
 
     for (int t = 0; t < p->T; t++) {
         int s = p->slot[t], pos = p->pos[t];
@@ -497,10 +648,12 @@ plan_fix_emits(struct dsv4_model *m)
 
         p->emit4[t] = e4 ? t : -1;
         p->epos4[t] = e4 ? pos + 1 - 4 : 0;
-        p->erow4[t] = e4 ? s * cap4 + pos / 4 : m->n_slots * cap4;
+        p->erow4[t] = e4 ? (int32_t)dsv4_pool_row(pg4->h_pt, pg4->cap, s, pos / 4)
+                         : pg4->n_pages * P;
         p->emit128[t] = e128 ? t : -1;
         p->epos128[t] = e128 ? pos + 1 - 128 : 0;
-        p->erow128[t] = e128 ? s * cap128 + pos / 128 : m->n_slots * cap128;
+        p->erow128[t] = e128 ? (int32_t)dsv4_pool_row(pg128->h_pt, pg128->cap, s, pos / 128)
+                             : pg128->n_pages * P;
     }
     p->n_emit4 = p->n_emit128 = p->T;
 }
@@ -528,7 +681,7 @@ plan_upload(struct dsv4_model *m)
         if (up[i].n > 0)
             TRY(m->be->ops->upload(m->be, up[i].dst, up[i].src,
                                    (size_t)up[i].n * sizeof(int32_t)));
-    return DSV4_OK;
+    return pages_upload(m);
 }
 
 /* --- attention sub-steps ----------------------------------------------- */
@@ -605,8 +758,8 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
         TRY(ops->linear(be, m->wI, m->xn, &lw->idx_weights_proj, T, 0));
         TRY(ops->scale(be, m->wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
                        (int64_t)T * nI));
-        TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, m->i_slot, m->i_pos, T, nI,
-                              dI, ls->cap_i, 4, m->K));
+        TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, ls->pg->d_pt, m->i_slot,
+                              m->i_pos, T, nI, dI, ls->pg->cap, 4, m->K));
         sel = m->sel;
     }
     if (ls->ratio) {
@@ -616,9 +769,10 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
         comp = ls->comp;
     }
 
-    TRY(ops->attention(be, m->o, m->q, m->kv, ls->ring, comp, sel, lw->attn_sink, m->i_slot,
-                       m->i_pos, m->i_row0, m->i_pos0, T, H, Dh, m->win, ls->cap_c,
-                       ls->ratio, m->K, (float)(1.0 / sqrt((double)Dh))));
+    TRY(ops->attention(be, m->o, m->q, m->kv, ls->ring, comp, ls->ratio ? ls->pg->d_pt : NULL,
+                       sel, lw->attn_sink, m->i_slot, m->i_pos, m->i_row0, m->i_pos0, T, H,
+                       Dh, m->win, ls->ratio ? ls->pg->cap : 0, ls->ratio, m->K,
+                       (float)(1.0 / sqrt((double)Dh))));
     /* the value carried the keys' rotation: undo it at the query position */
     TRY(ops->rope(be, m->o, m->i_pos, T, H, (int64_t)H * Dh, Dh, m->nope, rd, ls->freqs, 1));
 
@@ -896,6 +1050,22 @@ state_part(const struct dsv4_model *m, enum state_dir dir, float *dev, int64_t n
     return e;
 }
 
+/* Entries [0, n) of slot s of a paged pool with rows of d floats, page by
+ * page, as one array (state_part). */
+static enum dsv4_err
+state_paged(const struct dsv4_model *m, enum state_dir dir, const struct page_pool *pg,
+            float *pool, int s, int n, int d, char **host, size_t *bytes)
+{
+    for (int e0 = 0; e0 < n; e0 += P) {
+        int k = n - e0 < P ? n - e0 : P;
+        float *rows = dir == STATE_SIZE ? NULL
+                                        : pool + dsv4_pool_row(pg->h_pt, pg->cap, s, e0) * d;
+
+        TRY(state_part(m, dir, rows, (int64_t)k * d, host, bytes));
+    }
+    return DSV4_OK;
+}
+
 /*
  * Walk slot `slot`'s state for a sequence of `len` tokens in the export
  * order (per layer: ring, compressed entries up to len/r, compressor states;
@@ -915,15 +1085,13 @@ state_walk(const struct dsv4_model *m, int slot, int len, enum state_dir dir, ch
         if (ls->ratio) {
             int r = ls->ratio, cc = r == 4 ? 2 : 1;
             int64_t st = (int64_t)cc * r * cc * m->Dh;
-            TRY(state_part(m, dir, ls->comp + (int64_t)slot * ls->cap_c * m->Dh,
-                           (int64_t)(len / r) * m->Dh, &host, bytes));
+            TRY(state_paged(m, dir, ls->pg, ls->comp, slot, len / r, m->Dh, &host, bytes));
             TRY(state_part(m, dir, ls->st_kv + slot * st, st, &host, bytes));
             TRY(state_part(m, dir, ls->st_z + slot * st, st, &host, bytes));
         }
         if (ls->ratio == 4) {
             int64_t st = (int64_t)8 * 2 * m->dI;
-            TRY(state_part(m, dir, ls->keys + (int64_t)slot * ls->cap_i * m->dI,
-                           (int64_t)(len / 4) * m->dI, &host, bytes));
+            TRY(state_paged(m, dir, ls->pg, ls->keys, slot, len / 4, m->dI, &host, bytes));
             TRY(state_part(m, dir, ls->ist_kv + slot * st, st, &host, bytes));
             TRY(state_part(m, dir, ls->ist_z + slot * st, st, &host, bytes));
         }
@@ -989,6 +1157,10 @@ dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t 
     if (want != len)
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: %zu bytes, expected %zu for "
                             "length %d", len, want, h.len);
+    /* the slot's old pages go, the new sequence's are reserved */
+    pages_release(m, slot);
+    m->len[slot] = m->mtp_len[slot] = 0;
+    TRY(pages_reserve(m, &slot, &h.len, 1));
     /* the walker's host pointer is not const, but an import only reads it */
     TRY(state_walk(m, slot, h.len, STATE_IMPORT, (char *)(uintptr_t)buf + sizeof(h), &bytes));
     TRY(m->be->ops->sync(m->be));

@@ -7,11 +7,17 @@
  * decode state of `n_slots` sequence slots (model doc §4):
  *
  *   per layer        window ring       (n_slots, win, Dh)        f32
- *   ratio > 0        compressed KV     (n_slots, max_seq/r, Dh)  f32
+ *   ratio > 0        compressed KV     paged, Dh per entry       f32
  *                    compressor state  kv, z (n_slots, c*r, c*Dh) f32
- *   ratio == 4       indexer keys      (n_slots, max_seq/4, dI)  f32
+ *   ratio == 4       indexer keys      paged, dI per entry       f32
  *                    indexer compressor state (n_slots, 8, 2*dI) f32
  *   MTP layer(s)     window ring of their own
+ *
+ * The compressed entries and indexer keys, the state that grows with the
+ * sequence, live in pages of DSV4_PAGE_ENTRIES entries (kernels/backend.h)
+ * taken from a pool per layer as a sequence grows and returned when its slot
+ * is reset, so memory follows the tokens actually held rather than
+ * n_slots x max_seq_len (opts.pool_tokens).
  *
  * One call runs any mix of sequences: each sequence contributes a run of
  * consecutive tokens continuing from its current length, so the same call
@@ -42,6 +48,8 @@ struct dsv4_model_opts {
     int graphs;         /* nonzero: run decode steps as recorded backend graphs
                            (see DSV4_GRAPH_MAX_BATCH; ignored by backends without
                            graph ops, such as the CPU backend) */
+    int64_t pool_tokens; /* tokens the paged pools hold over all slots together;
+                            0 = n_slots * max_seq_len (every slot can be full) */
 };
 
 /*
@@ -90,7 +98,9 @@ int dsv4_model_seq_len(const struct dsv4_model *m, int slot);
  * and the slot's length grows by its n_tokens.  logits (host): (n_out, V) with
  * n_out = Σ n_tokens under DSV4_FWD_ALL_LOGITS, else n_seqs; fp32.
  * Errors: DSV4_ERR_INVAL for a bad batch (too many rows, slot out of range or
- * repeated, token id out of range, sequence longer than max_seq_len).
+ * repeated, token id out of range, sequence longer than max_seq_len);
+ * DSV4_ERR_NOMEM when the paged pools cannot hold the batch's growth (no
+ * state changes then; reset a slot and retry).
  */
 enum dsv4_err dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b,
                                  float *logits, unsigned flags);
@@ -125,9 +135,13 @@ enum dsv4_err dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf,
 
 /* Replace slot `slot`'s state by an exported one (checks the header: magic,
  * config fingerprint, length <= max_seq_len, size).  DSV4_ERR_PROTO on a
- * buffer that does not match this model. */
+ * buffer that does not match this model; DSV4_ERR_NOMEM when the paged pools
+ * lack the pages (the slot is then empty). */
 enum dsv4_err dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf,
                                       size_t len);
+
+/* Pages of the ratio-4 pool (the largest) in use and in all (forward.h). */
+void dsv4_model_pages(const struct dsv4_model *m, int *in_use, int *total);
 
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);

@@ -183,11 +183,13 @@ enum dsv4_err cpu_compress(struct dsv4_backend *be, float *entries, float *state
                            const int32_t *slot, const int32_t *pos, const int32_t *emit,
                            int T, int r, int d);
 enum dsv4_err cpu_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q,
-                               const float *w, const float *keys, const int32_t *slot,
+                               const float *w, const float *keys,
+                               const int32_t *pages, const int32_t *slot,
                                const int32_t *pos, int T, int nh, int dI, int cap, int ratio,
                                int K);
 enum dsv4_err cpu_attention(struct dsv4_backend *be, float *out, const float *q,
                             const float *kv, const float *ring, const float *comp,
+                            const int32_t *pages,
                             const int32_t *sel, const float *sink, const int32_t *slot,
                             const int32_t *pos, const int32_t *row0, const int32_t *pos0,
                             int T, int H, int Dh, int win, int cap, int ratio, int K,

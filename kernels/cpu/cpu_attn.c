@@ -207,6 +207,7 @@ cpu_topk(int32_t *sel, const float *s, int n, int K, struct cpu_pick *heap)
 struct idx_job {
     int32_t *sel;
     const float *q, *w, *keys;
+    const int32_t *pages;      /* page table or NULL (backend.h) */
     const int32_t *slot, *pos;
     int nh, dI, cap, ratio, K;
     int ref;                   /* REF numerics (bf16 roundings) */
@@ -239,11 +240,11 @@ idx_score_task(void *ctx, int64_t begin, int64_t end, int tid)
         int e1 = e0 + IDX_EB < nv ? e0 + IDX_EB : nv;
         const float *q = j->q + (int64_t)t * j->nh * j->dI;
         const float *w = j->w + (int64_t)t * j->nh;
-        const float *keys = j->keys + (int64_t)j->slot[t] * j->cap * j->dI;
         float *out = j->scores + j->off[rr];
 
         for (int e = e0; e < e1; e++) {
-            const float *k = keys + (int64_t)e * j->dI;
+            const float *k =
+                j->keys + dsv4_pool_row(j->pages, j->cap, j->slot[t], e) * j->dI;
             float acc = 0.0f;
 
             for (int h = 0; h < j->nh; h++) {
@@ -279,7 +280,7 @@ idx_topk_task(void *ctx, int64_t begin, int64_t end, int tid)
 
 enum dsv4_err
 cpu_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const float *w,
-                 const float *keys, const int32_t *slot, const int32_t *pos, int T, int nh,
+                 const float *keys, const int32_t *pages, const int32_t *slot, const int32_t *pos, int T, int nh,
                  int dI, int cap, int ratio, int K)
 {
     struct idx_job j = { 0 };
@@ -294,6 +295,7 @@ cpu_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const fl
     j.q = q;
     j.w = w;
     j.keys = keys;
+    j.pages = pages;
     j.slot = slot;
     j.pos = pos;
     j.nh = nh;
@@ -364,6 +366,7 @@ out:
 struct attn_job {
     float *out;
     const float *q, *kv, *ring, *comp;
+    const int32_t *pages;       /* page table of comp or NULL (backend.h) */
     const int32_t *sel;
     const float *sink;
     const int32_t *slot, *pos, *row0, *pos0;
@@ -389,21 +392,19 @@ attn_candidates(const struct attn_job *j, int t, const float **cand)
             cand[n++] = j->ring + ((int64_t)s * j->win + u % j->win) * j->Dh;
     }
     if (j->comp != NULL) {
-        const float *base = j->comp + (int64_t)s * j->cap * j->Dh;
-
         if (j->sel == NULL) {
             int ne = (p + 1) / j->ratio;
 
             assert(ne <= j->cap);
             for (int e = 0; e < ne; e++)
-                cand[n++] = base + (int64_t)e * j->Dh;
+                cand[n++] = j->comp + dsv4_pool_row(j->pages, j->cap, s, e) * j->Dh;
         } else {
             const int32_t *sl = j->sel + (int64_t)t * j->K;
 
             for (int i = 0; i < j->K; i++) {
                 assert(sl[i] < j->cap);
                 if (sl[i] >= 0)
-                    cand[n++] = base + (int64_t)sl[i] * j->Dh;
+                    cand[n++] = j->comp + dsv4_pool_row(j->pages, j->cap, s, sl[i]) * j->Dh;
             }
         }
     }
@@ -473,8 +474,8 @@ attn_task(void *ctx, int64_t begin, int64_t end, int tid)
 
 enum dsv4_err
 cpu_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
-              const float *ring, const float *comp, const int32_t *sel, const float *sink,
-              const int32_t *slot, const int32_t *pos, const int32_t *row0,
+              const float *ring, const float *comp, const int32_t *pages, const int32_t *sel,
+              const float *sink, const int32_t *slot, const int32_t *pos, const int32_t *row0,
               const int32_t *pos0, int T, int H, int Dh, int win, int cap, int ratio, int K,
               float scale)
 {
@@ -490,6 +491,7 @@ cpu_attention(struct dsv4_backend *be, float *out, const float *q, const float *
     j.kv = kv;
     j.ring = ring;
     j.comp = comp;
+    j.pages = pages;
     j.sel = sel;
     j.sink = sink;
     j.slot = slot;

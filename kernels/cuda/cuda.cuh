@@ -407,17 +407,29 @@ enum dsv4_err cuda_hc_head(struct dsv4_backend *be, float *x_out, const float *X
                            const struct dsv4_hc_w *hc, int T, int n, int D, float hc_eps,
                            float norm_eps);
 
+/* Pool row of entry e of slot s (dsv4_pool_row of kernels/backend.h). */
+static __device__ __forceinline__ int64_t
+cu_pool_row(const int32_t *pages, int cap, int s, int e)
+{
+    if (pages == NULL)
+        return (int64_t)s * cap + e;
+    return (int64_t)pages[(int64_t)s * (cap / DSV4_PAGE_ENTRIES) + e / DSV4_PAGE_ENTRIES] *
+               DSV4_PAGE_ENTRIES + e % DSV4_PAGE_ENTRIES;
+}
+
 /* cuda_attn.cu */
 enum dsv4_err cuda_compress(struct dsv4_backend *be, float *entries, float *state_kv,
                             float *state_z, const float *a, const float *z, const float *ape,
                             const int32_t *slot, const int32_t *pos, const int32_t *emit,
                             int T, int r, int d);
 enum dsv4_err cuda_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q,
-                                const float *w, const float *keys, const int32_t *slot,
+                                const float *w, const float *keys,
+                                const int32_t *pages, const int32_t *slot,
                                 const int32_t *pos, int T, int nh, int dI, int cap, int ratio,
                                 int K);
 enum dsv4_err cuda_attention(struct dsv4_backend *be, float *out, const float *q,
                              const float *kv, const float *ring, const float *comp,
+                             const int32_t *pages,
                              const int32_t *sel, const float *sink, const int32_t *slot,
                              const int32_t *pos, const int32_t *row0, const int32_t *pos0,
                              int T, int H, int Dh, int win, int cap, int ratio, int K,

@@ -106,7 +106,7 @@ idx_n_valid(const int32_t *pos, int t, int ratio, int cap)
 /* keys[t, e] for e < cap: the score's sort key, or ~0 past n_valid */
 static __global__ void
 idx_score_kernel(unsigned long long *keys, const float *q, const float *w, const float *kpool,
-                 const int32_t *slot, const int32_t *pos, int T, int nh, int dI, int cap,
+                 const int32_t *pages, const int32_t *slot, const int32_t *pos, int T, int nh, int dI, int cap,
                  int ratio, int ref)
 {
     int64_t it = blockIdx.x * (int64_t)(blockDim.x / 8) + threadIdx.x / 8;
@@ -116,7 +116,7 @@ idx_score_kernel(unsigned long long *keys, const float *q, const float *w, const
     int nv = idx_n_valid(pos, t, ratio, cap);
     int ec = e < nv ? e : 0;
     const float *qt = q + (int64_t)t * nh * dI, *wt = w + (int64_t)t * nh;
-    const float *k = kpool + ((int64_t)slot[t] * cap + ec) * dI;
+    const float *k = kpool + cu_pool_row(pages, cap, slot[t], ec) * dI;
     float acc = 0.0f;
 
     for (int h = 0; h < nh; h++) {
@@ -150,7 +150,8 @@ idx_select_kernel(int32_t *sel, const unsigned long long *sorted, const int32_t 
 
 enum dsv4_err
 cuda_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const float *w,
-                  const float *keys, const int32_t *slot, const int32_t *pos, int T, int nh,
+                  const float *keys, const int32_t *pages, const int32_t *slot,
+                  const int32_t *pos, int T, int nh,
                   int dI, int cap, int ratio, int K)
 {
     cudaStream_t s = cuda_stream(be);
@@ -179,7 +180,7 @@ cuda_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const f
     kin = (unsigned long long *)base;
     kout = (unsigned long long *)(base + kb);
     idx_score_kernel<<<cuda_blocks((int64_t)T * cap, 32), 256, 0, s>>>(
-        kin, q, w, keys, slot, pos, T, nh, dI, cap, ratio, be->numerics == DSV4_NUMERICS_REF);
+        kin, q, w, keys, pages, slot, pos, T, nh, dI, cap, ratio, be->numerics == DSV4_NUMERICS_REF);
     CUDA_LAUNCHED("idx_score");
     e = cuda_sort_segments(be, kout, kin, T, cap, base + 2 * kb);
     if (e != DSV4_OK)
@@ -195,8 +196,8 @@ cuda_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const f
 /* Candidate key rows of row t in the CPU's order; n[t] their count. */
 static __global__ void
 attn_cand_kernel(const float **cand, int *n_cand, const float *kv, const float *ring,
-                 const float *comp, const int32_t *sel, const int32_t *slot,
-                 const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int Dh,
+                 const float *comp, const int32_t *pages, const int32_t *sel,
+                 const int32_t *slot, const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int Dh,
                  int win, int cap, int ratio, int K, int max_cand)
 {
     int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -216,20 +217,18 @@ attn_cand_kernel(const float **cand, int *n_cand, const float *kv, const float *
             c[n++] = ring + ((int64_t)s * win + u % win) * Dh;
     }
     if (comp != NULL) {
-        const float *base = comp + (int64_t)s * cap * Dh;
-
         if (sel == NULL) {
             int ne = (p + 1) / ratio;
 
             ne = ne < cap ? ne : cap;
             for (int e = 0; e < ne; e++)
-                c[n++] = base + (int64_t)e * Dh;
+                c[n++] = comp + cu_pool_row(pages, cap, s, e) * Dh;
         } else {
             const int32_t *sl = sel + (int64_t)t * K;
 
             for (int i = 0; i < K; i++)
                 if (sl[i] >= 0 && sl[i] < cap)
-                    c[n++] = base + (int64_t)sl[i] * Dh;
+                    c[n++] = comp + cu_pool_row(pages, cap, s, sl[i]) * Dh;
         }
     }
     n_cand[t] = n;
@@ -298,8 +297,8 @@ attn_kernel(float *out, const float *q, const float *const *cand, const int *n_c
 
 enum dsv4_err
 cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
-               const float *ring, const float *comp, const int32_t *sel, const float *sink,
-               const int32_t *slot, const int32_t *pos, const int32_t *row0,
+               const float *ring, const float *comp, const int32_t *pages, const int32_t *sel,
+               const float *sink, const int32_t *slot, const int32_t *pos, const int32_t *row0,
                const int32_t *pos0, int T, int H, int Dh, int win, int cap, int ratio, int K,
                float scale)
 {
@@ -319,8 +318,8 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
     if (base == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda attention: no scratch");
     attn_cand_kernel<<<cuda_blocks(T, 64), 64, 0, s>>>(
-        (const float **)base, (int *)(base + cb), kv, ring, comp, sel, slot, pos, row0, pos0,
-        T, Dh, win, cap, ratio, K, max_cand);
+        (const float **)base, (int *)(base + cb), kv, ring, comp, pages, sel, slot, pos, row0,
+        pos0, T, Dh, win, cap, ratio, K, max_cand);
     CUDA_LAUNCHED("attn_cand");
     attn_kernel<<<(unsigned)((int64_t)T * H), ATTN_THREADS, 0, s>>>(
         out, q, (const float *const *)base, (const int *)(base + cb), sink,

@@ -491,29 +491,38 @@ test_compress(void)
 static void
 test_indexer(void)
 {
-    int T = 21, nh = 4, dI = 128, cap = 200, ratio = 4, K = 16, S = 3;
+    /* paged key pool: 4 pages per slot, 13 pages, shuffled page table */
+    int T = 21, nh = 4, dI = 128, cap = 256, ratio = 4, K = 16, S = 3, NP = 13;
     float *q = rand_bf16((int64_t)T * nh * dI, 1.0f), *w = rand_bf16((int64_t)T * nh, 1.0f);
-    float *keys = rand_bf16((int64_t)S * cap * dI, 1.0f);
-    int32_t slot[21], pos[21];
-    struct pair pq, pw, pk, psl, pps, psel;
+    float *keys = rand_bf16((int64_t)NP * DSV4_PAGE_ENTRIES * dI, 1.0f);
+    int32_t slot[21], pos[21], pages[13];
+    struct pair pq, pw, pk, psl, pps, psel, ppg;
 
+    for (int i = 0; i < NP; i++)
+        pages[i] = i;
+    for (int i = NP - 1; i > 0; i--) {
+        int j = rng_int(i + 1), x = pages[i];
+
+        pages[i] = pages[j], pages[j] = x;
+    }
     for (int t = 0; t < T; t++) {
         slot[t] = rng_int(S);
         pos[t] = t < 5 ? rng_int(60) : rng_int(cap * ratio);   /* some with n_valid < K */
     }
     pq = pair_new(q, (size_t)T * nh * dI * 4);
     pw = pair_new(w, (size_t)T * nh * 4);
-    pk = pair_new(keys, (size_t)S * cap * dI * 4);
+    pk = pair_new(keys, (size_t)NP * DSV4_PAGE_ENTRIES * dI * 4);
     psl = pair_new(slot, sizeof(slot));
     pps = pair_new(pos, sizeof(pos));
+    ppg = pair_new(pages, sizeof(pages));
     psel = pair_new(NULL, (size_t)T * K * 4);
-    BOTH("indexer_topk", cpu->ops->indexer_topk(cpu, psel.c, pq.c, pw.c, pk.c, psl.c, pps.c, T,
-                                                nh, dI, cap, ratio, K),
-         gpu->ops->indexer_topk(gpu, psel.g, pq.g, pw.g, pk.g, psl.g, pps.g, T, nh, dI, cap,
-                                ratio, K));
+    BOTH("indexer_topk", cpu->ops->indexer_topk(cpu, psel.c, pq.c, pw.c, pk.c, ppg.c, psl.c,
+                                                pps.c, T, nh, dI, cap, ratio, K),
+         gpu->ops->indexer_topk(gpu, psel.g, pq.g, pw.g, pk.g, ppg.g, psl.g, pps.g, T, nh, dI,
+                                cap, ratio, K));
     check_i32("indexer_topk sel", &psel, (int64_t)T * K);
     pair_free(&pq), pair_free(&pw), pair_free(&pk), pair_free(&psl), pair_free(&pps);
-    pair_free(&psel);
+    pair_free(&psel), pair_free(&ppg);
     free(q), free(w), free(keys);
 }
 
@@ -522,10 +531,11 @@ test_attention(void)
 {
     int T = 12, H = 8, Dh = 128, win = 16, cap = 64, ratio = 4, K = 10, S = 2;
     float *q = rand_bf16((int64_t)T * H * Dh, 1.0f), *kv = rand_bf16((int64_t)T * Dh, 1.0f);
-    float *ring = rand_bf16((int64_t)S * win * Dh, 1.0f), *comp = rand_bf16((int64_t)S * cap * Dh, 1.0f);
+    float *ring = rand_bf16((int64_t)S * win * Dh, 1.0f);
+    float *comp = rand_bf16((int64_t)(S + 1) * cap * Dh, 1.0f);   /* paged: 3 pages */
     float *sink = rand_f32(H, 2.0f);
-    int32_t slot[12], pos[12], row0[12], pos0[12], sel[12 * 10];
-    struct pair pq, pkv, pring, pcomp, psink, psl, pps, pr0, pp0, psel, po;
+    int32_t slot[12], pos[12], row0[12], pos0[12], sel[12 * 10], pages[2] = { 2, 0 };
+    struct pair pq, pkv, pring, pcomp, psink, psl, pps, pr0, pp0, psel, po, ppg;
 
     /* slot 0: 9 rows continuing at 200; slot 1: 3 rows at 5 (short) */
     for (int t = 0; t < T; t++) {
@@ -544,7 +554,8 @@ test_attention(void)
     pq = pair_new(q, (size_t)T * H * Dh * 4);
     pkv = pair_new(kv, (size_t)T * Dh * 4);
     pring = pair_new(ring, (size_t)S * win * Dh * 4);
-    pcomp = pair_new(comp, (size_t)S * cap * Dh * 4);
+    pcomp = pair_new(comp, (size_t)(S + 1) * cap * Dh * 4);
+    ppg = pair_new(pages, sizeof(pages));
     psink = pair_new(sink, (size_t)H * 4);
     psl = pair_new(slot, sizeof(slot));
     pps = pair_new(pos, sizeof(pos));
@@ -557,16 +568,17 @@ test_attention(void)
         const void *cc = mode ? pcomp.c : NULL, *cg = mode ? pcomp.g : NULL;
         const void *sc = mode == 2 ? psel.c : NULL, *sg = mode == 2 ? psel.g : NULL;
 
-        BOTH(nm[mode], cpu->ops->attention(cpu, po.c, pq.c, pkv.c, pring.c, cc, sc, psink.c,
-                                           psl.c, pps.c, pr0.c, pp0.c, T, H, Dh, win, cap,
-                                           ratio, K, 0.088f),
-             gpu->ops->attention(gpu, po.g, pq.g, pkv.g, pring.g, cg, sg, psink.g, psl.g, pps.g,
-                                 pr0.g, pp0.g, T, H, Dh, win, cap, ratio, K, 0.088f));
+        BOTH(nm[mode], cpu->ops->attention(cpu, po.c, pq.c, pkv.c, pring.c, cc, ppg.c, sc,
+                                           psink.c, psl.c, pps.c, pr0.c, pp0.c, T, H, Dh, win,
+                                           cap, ratio, K, 0.088f),
+             gpu->ops->attention(gpu, po.g, pq.g, pkv.g, pring.g, cg, ppg.g, sg, psink.g,
+                                 psl.g, pps.g, pr0.g, pp0.g, T, H, Dh, win, cap, ratio, K,
+                                 0.088f));
         check_f32(nm[mode], &po, (int64_t)T * H * Dh, BF16_ULP);   /* expf of the softmax */
     }
     pair_free(&pq), pair_free(&pkv), pair_free(&pring), pair_free(&pcomp), pair_free(&psink);
     pair_free(&psl), pair_free(&pps), pair_free(&pr0), pair_free(&pp0), pair_free(&psel);
-    pair_free(&po);
+    pair_free(&po), pair_free(&ppg);
     free(q), free(kv), free(ring), free(comp), free(sink);
 }
 

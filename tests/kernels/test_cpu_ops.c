@@ -999,7 +999,7 @@ run_indexer_case(enum dsv4_numerics num)
     int32_t sel[4 * 8];
     int ref_mode = num == DSV4_NUMERICS_REF;
 
-    assert_int_equal(be->ops->indexer_topk(be, sel, q, w, keys, slot, pos, T, nh, dI, cap,
+    assert_int_equal(be->ops->indexer_topk(be, sel, q, w, keys, NULL, slot, pos, T, nh, dI, cap,
                                            ratio, K), DSV4_OK);
     for (int t = 0; t < T; t++) {
         int nv = (pos[t] + 1) / ratio < cap ? (pos[t] + 1) / ratio : cap;
@@ -1070,7 +1070,7 @@ test_indexer_ties(void **state)
     /* entry 6 strictly best, all others equal */
     for (int i = 0; i < dI; i++)
         keys[6 * dI + i] = q[i] + q[dI + i];
-    assert_int_equal(be->ops->indexer_topk(be, &sel[0], q, w, keys, &slot, &pos, 1, nh, dI, cap,
+    assert_int_equal(be->ops->indexer_topk(be, &sel[0], q, w, keys, NULL, &slot, &pos, 1, nh, dI, cap,
                                            4, K), DSV4_OK);
     assert_int_equal(sel[0], 6);
     assert_int_equal(sel[1], 0);
@@ -1100,7 +1100,7 @@ test_indexer_bf16_scores(void **state)
     for (int num = 0; num < 2; num++) {
         struct dsv4_backend *be = mkbe(num == 0 ? DSV4_NUMERICS_REF : DSV4_NUMERICS_HF, 1);
 
-        assert_int_equal(be->ops->indexer_topk(be, sel, q, &w, keys, &slot, &pos, 1, 1, dI, cap,
+        assert_int_equal(be->ops->indexer_topk(be, sel, q, &w, keys, NULL, &slot, &pos, 1, 1, dI, cap,
                                                4, 2), DSV4_OK);
         assert_int_equal(sel[0], num == 0 ? 0 : 1);
         assert_int_equal(sel[1], num == 0 ? 1 : 0);
@@ -1221,7 +1221,7 @@ test_attention(void **state)
         char what[32];
 
         assert_int_equal(be->ops->attention(be, out, c.q, c.kv, c.ring,
-                                            mode == 0 ? NULL : c.comp,
+                                            mode == 0 ? NULL : c.comp, NULL,
                                             mode == 2 ? c.sel : NULL, c.sink, c.slot, c.pos,
                                             c.row0, c.pos0, c.T, c.H, c.Dh, c.win, c.cap,
                                             c.ratio, c.K, scale), DSV4_OK);
@@ -1232,14 +1232,79 @@ test_attention(void **state)
     /* a huge negative sink is a plain softmax */
     for (int h = 0; h < c.H; h++)
         c.sink[h] = -1e30f;
-    assert_int_equal(be->ops->attention(be, out, c.q, c.kv, c.ring, c.comp, NULL, c.sink, c.slot,
-                                        c.pos, c.row0, c.pos0, c.T, c.H, c.Dh, c.win, c.cap,
-                                        c.ratio, c.K, scale), DSV4_OK);
+    assert_int_equal(be->ops->attention(be, out, c.q, c.kv, c.ring, c.comp, NULL, NULL, c.sink,
+                                        c.slot, c.pos, c.row0, c.pos0, c.T, c.H, c.Dh, c.win,
+                                        c.cap, c.ratio, c.K, scale), DSV4_OK);
     ref_attention(ref, &c, 1, 0, scale);
     check_close("attention, no sink", out, ref, NULL, n, BF16_RTOL, 0, 1e-6);
     free(out);
     free(ref);
     attn_case_free(&c);
+    dsv4_backend_destroy(be);
+}
+
+/*
+ * Paged pools (backend.h, DSV4_PAGE_ENTRIES): attention over compressed
+ * entries and the indexer's top-k read the same values through a shuffled
+ * page table as through a contiguous pool, bit for bit.
+ */
+static void
+test_paged_pools(void **state)
+{
+    enum { S = 3, PPS = 2, NP = 8, P = DSV4_PAGE_ENTRIES, CAP = PPS * P, T = 6, H = 4,
+           DH = 64, WIN = 4, K = 20, NH = 2, DI = 128 };
+    struct dsv4_backend *be = mkbe(DSV4_NUMERICS_REF, 2);
+    int32_t pages[S * PPS], perm[NP], slot[T], pos[T], row0[T], pos0[T], sel[2][T * K];
+    float *comp = rand_bf16((int64_t)S * CAP * DH, 1.0), *paged = calloc(NP * P * DH, 4);
+    float *keys = rand_bf16((int64_t)S * CAP * DI, 1.0), *pkeys = calloc(NP * P * DI, 4);
+    float *q = rand_bf16((int64_t)T * H * DH, 0.5), *kv = rand_bf16((int64_t)T * DH, 1.0);
+    float *ring = rand_bf16((int64_t)S * WIN * DH, 1.0), *sink = rand_f32(H, 1.0);
+    float *qi = rand_bf16((int64_t)T * NH * DI, 1.0), *wi = rand_bf16((int64_t)T * NH, 0.3);
+    float *out[2];
+
+    (void)state;
+    for (int i = 0; i < NP; i++)
+        perm[i] = i;
+    for (int i = NP - 1; i > 0; i--) {
+        int j = (int)(rng_u64() % (uint64_t)(i + 1)), x = perm[i];
+
+        perm[i] = perm[j], perm[j] = x;
+    }
+    for (int i = 0; i < S * PPS; i++)
+        pages[i] = perm[i];
+    for (int s = 0; s < S; s++)
+        for (int e = 0; e < CAP; e++) {
+            int64_t r = dsv4_pool_row(pages, CAP, s, e);
+
+            assert_true(r >= 0 && r < NP * P);
+            memcpy(paged + r * DH, comp + ((int64_t)s * CAP + e) * DH, DH * 4);
+            memcpy(pkeys + r * DI, keys + ((int64_t)s * CAP + e) * DI, DI * 4);
+        }
+    for (int t = 0; t < T; t++) {
+        slot[t] = t % S;
+        pos[t] = 100 + 70 * t;          /* up to 450: (pos+1)/4 < CAP */
+        row0[t] = t;
+        pos0[t] = pos[t];
+    }
+    for (int v = 0; v < 2; v++)
+        assert_int_equal(be->ops->indexer_topk(be, sel[v], qi, wi, v ? pkeys : keys,
+                                               v ? pages : NULL, slot, pos, T, NH, DI, CAP, 4,
+                                               K), DSV4_OK);
+    assert_memory_equal(sel[0], sel[1], sizeof(sel[0]));
+    for (int mode = 0; mode < 2; mode++) {
+        for (int v = 0; v < 2; v++) {
+            out[v] = malloc((size_t)T * H * DH * 4);
+            assert_int_equal(be->ops->attention(be, out[v], q, kv, ring, v ? paged : comp,
+                                                v ? pages : NULL, mode ? sel[0] : NULL, sink,
+                                                slot, pos, row0, pos0, T, H, DH, WIN, CAP, 4, K,
+                                                0.125f), DSV4_OK);
+        }
+        assert_memory_equal(out[0], out[1], (size_t)T * H * DH * 4);
+        free(out[0]);
+        free(out[1]);
+    }
+    free(comp), free(paged), free(keys), free(pkeys), free(q), free(kv), free(ring);
+    free(sink), free(qi), free(wi);
     dsv4_backend_destroy(be);
 }
 
@@ -1496,9 +1561,10 @@ test_threads_bitwise(void **state)
         assert_int_equal(be->ops->linear(be, res[b][0], x, &w.L, T, 0), DSV4_OK);
         assert_int_equal(be->ops->moe(be, res[b][1], mc.x, mc.ids, mc.wts, mc.ex, &mc.ex[mc.E],
                                       mc.T, mc.k, mc.lim), DSV4_OK);
-        assert_int_equal(be->ops->attention(be, res[b][2], ac.q, ac.kv, ac.ring, ac.comp, ac.sel,
-                                            ac.sink, ac.slot, ac.pos, ac.row0, ac.pos0, ac.T,
-                                            ac.H, ac.Dh, ac.win, ac.cap, ac.ratio, ac.K, 0.17f),
+        assert_int_equal(be->ops->attention(be, res[b][2], ac.q, ac.kv, ac.ring, ac.comp, NULL,
+                                            ac.sel, ac.sink, ac.slot, ac.pos, ac.row0, ac.pos0,
+                                            ac.T, ac.H, ac.Dh, ac.win, ac.cap, ac.ratio, ac.K,
+                                            0.17f),
                          DSV4_OK);
         assert_int_equal(be->ops->hc_pre(be, res[b][3], res[b][3] + 3 * 64,
                                          res[b][3] + 3 * 64 + 12, hc.X, &hc.w, 3, 4, 64, 20,
@@ -1507,8 +1573,8 @@ test_threads_bitwise(void **state)
         q = rand_bf16(4 * 4 * 128, 1.0);
         wi = rand_bf16(4 * 4, 0.2);
         keys = rand_bf16(2 * 40 * 128, 1.0);
-        assert_int_equal(be->ops->indexer_topk(be, (int32_t *)res[b][4], q, wi, keys, slot, pos,
-                                               4, 4, 128, 40, 4, 8), DSV4_OK);
+        assert_int_equal(be->ops->indexer_topk(be, (int32_t *)res[b][4], q, wi, keys, NULL,
+                                               slot, pos, 4, 4, 128, 40, 4, 8), DSV4_OK);
         free(q);
         free(wi);
         free(keys);
@@ -1681,6 +1747,7 @@ main(void)
         cmocka_unit_test(test_indexer_ties),
         cmocka_unit_test(test_indexer_bf16_scores),
         cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_paged_pools),
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_router_ties),
         cmocka_unit_test(test_moe),

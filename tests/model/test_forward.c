@@ -9,7 +9,10 @@
  *     single-sequence result (prefill and batched decode);
  *   - the MTP head gives the same logits one-shot and incrementally;
  *   - a decode state exported from one slot and imported into another
- *     continues identically (the prefill -> decode handoff).
+ *     continues identically (the prefill -> decode handoff);
+ *   - paged pools: a pool smaller than n_slots x max_seq refuses growth it
+ *     cannot hold (DSV4_ERR_NOMEM, nothing changed), and pages returned by a
+ *     reset serve the next sequence with identical results.
  *
  * Usage: test_forward CHECKPOINT_DIR (made by dsv4-mkmodel; see
  * run_forward.sh).  The comparison bound is 1e-6 of the largest logit: the
@@ -216,6 +219,50 @@ test_state_handoff(void **state)
     free(b);
 }
 
+/* A pool of 512 tokens over 3 slots of 512: one full sequence at a time. */
+static void
+test_paged_pool(void **state)
+{
+    struct dsv4_model_opts o = { .n_slots = 3, .max_seq_len = 512, .max_rows = N_POS,
+                                 .pool_tokens = 512 };
+    struct dsv4_model *m = NULL;
+    float *got = malloc((size_t)N_POS * tm.V * sizeof(float));
+    int32_t other[N_POS], s0 = 0, s1 = 1, n = N_POS, three = 3, one = 1, half = N_POS / 2;
+    int used, total;
+
+    (void)state;
+    assert_non_null(got);
+    assert_int_equal(dsv4_model_create(&m, tm.be, &tm.w, &o), DSV4_OK);
+    tmodel_tokens(other, N_POS, tm.V, 99);
+    /* slot 0 takes every ratio-4 page */
+    struct dsv4_batch b0 = { 1, &s0, &n, other };
+    assert_int_equal(dsv4_model_forward(m, &b0, got, 0), DSV4_OK);
+    dsv4_model_pages(m, &used, &total);
+    printf("# pages after %d tokens: %d of %d\n", N_POS, used, total);
+    assert_int_equal(used, total);
+    /* slot 1: 3 tokens need no entry yet; the 4th needs a page there is not */
+    struct dsv4_batch b1 = { 1, &s1, &three, ids };
+    assert_int_equal(dsv4_model_forward(m, &b1, got, 0), DSV4_OK);
+    struct dsv4_batch b2 = { 1, &s1, &one, ids + 3 };
+    assert_int_equal(dsv4_model_forward(m, &b2, got, 0), DSV4_ERR_NOMEM);
+    printf("# %s\n", dsv4_errmsg());
+    assert_non_null(strstr(dsv4_errmsg(), "pool full"));
+    assert_int_equal(dsv4_model_seq_len(m, 1), 3);
+    /* free slot 0: slot 1 gets its (written) pages and matches the reference */
+    assert_int_equal(dsv4_model_seq_reset(m, 0), DSV4_OK);
+    assert_int_equal(dsv4_model_seq_reset(m, 1), DSV4_OK);
+    dsv4_model_pages(m, &used, &total);
+    assert_int_equal(used, 0);
+    struct dsv4_batch c1 = { 1, &s1, &half, ids };
+    struct dsv4_batch c2 = { 1, &s1, &half, ids + half };
+    assert_int_equal(dsv4_model_forward(m, &c1, got, DSV4_FWD_ALL_LOGITS), DSV4_OK);
+    assert_int_equal(dsv4_model_forward(m, &c2, got + (size_t)half * tm.V, DSV4_FWD_ALL_LOGITS),
+                     DSV4_OK);
+    check_close(got, ref, (int64_t)N_POS * tm.V, "paged pool, reused pages vs one-shot");
+    dsv4_model_free(m);
+    free(got);
+}
+
 static void
 test_bad_batch(void **state)
 {
@@ -242,6 +289,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_batch),
         cmocka_unit_test(test_mtp),
         cmocka_unit_test(test_state_handoff),
+        cmocka_unit_test(test_paged_pool),
         cmocka_unit_test(test_bad_batch),
     };
 
