@@ -33,6 +33,7 @@ struct cfg_key {
 static const char *const cfg_backends[] = { "cpu", "cuda", NULL };
 static const char *const cfg_numerics[] = { "ref", "hf", NULL };
 static const char *const cfg_yesno[] = { "no", "yes", NULL };
+static const char *const cfg_autoyesno[] = { "auto", "yes", "no", NULL };
 
 #define STR(f) CFG_STR, offsetof(struct dsv4_conf, f), \
     sizeof(((struct dsv4_conf *)0)->f), 0, 0, NULL
@@ -61,6 +62,11 @@ static const struct cfg_key cfg_keys[] = {
     { "slots",              INT(slots, 1, 65535) },
     { "prefill_slots",      INT(prefill_slots, 1, 65535) },
     { "max_seq",            INT(max_seq, 1, 1 << 20) },
+    { "host",               STR(host) },
+    { "ucx",                ENUM(ucx, cfg_autoyesno) },
+    { "ucx_tls",            STR(ucx_tls) },
+    { "ucx_devices",        STR(ucx_devices) },
+    { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
     { "gateway_model",      STR(gateway_model) },
@@ -104,6 +110,9 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->slots = 16;
     cfg->prefill_slots = 1;
     cfg->max_seq = 4096;
+    snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
+    snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
+    cfg->kv_timeout_ms = 5000;
     snprintf(cfg->gateway_listen, sizeof(cfg->gateway_listen), "%s", "127.0.0.1:8000");
     snprintf(cfg->gateway_model, sizeof(cfg->gateway_model), "%s", "deepseek-v4-flash");
     cfg->gateway_max_body = 1 << 20;

@@ -65,6 +65,19 @@ struct dsv4_conf {
     int slots;              /* [16] decode stream slots of a decode rank */
     int prefill_slots;      /* [1] concurrent prompts of a prefill rank */
     int max_seq;            /* [4096] longest sequence (prompt + output) */
+    /* --- several hosts (docs/operations.md "Several hosts") --- */
+    char host[256];         /* [""] this host's name in READY (the scheduler
+                               picks shm between ranks of one host, UCX
+                               between hosts); "" = gethostname() */
+    char ucx[8];            /* [auto] UCX decode-state transport: "auto" (on
+                               when built in and it starts), "yes" (must
+                               start), "no" */
+    char ucx_tls[128];      /* [tcp] UCX_TLS of the transport ("rc_x,tcp"
+                               for RDMA) */
+    char ucx_devices[256];  /* [""] UCX_NET_DEVICES (e.g. "eth1"); "" = all */
+    int kv_timeout_ms;      /* [5000] bound of one decode-state import; a
+                               stalled one fails the handoff and the
+                               scheduler re-runs the request */
     /* --- HTTP gateway (dsv4-gateway, docs/gateway.md) --- */
     char gateway_listen[DSV4_CONF_STR]; /* [127.0.0.1:8000] HOST:PORT of the HTTP
                                            listener (unless socket-activated) */

@@ -8,8 +8,12 @@
  */
 #include "ipc/kvxfer.h"
 
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#include "ipc/zsock.h"
 
 /* True when `owner` is 1 … DSV4_KVX_MAX_OWNER-1 bytes of [A-Za-z0-9._-]. */
 static int
@@ -30,32 +34,68 @@ kvx_owner_valid(const char *owner)
     return n > 0;
 }
 
+/* The ops table of transport t, or NULL when it is not built in. */
+static const struct dsv4_kvx_ops *
+kvx_ops_of(enum dsv4_transport t)
+{
+    switch (t) {
+    case DSV4_TRANSPORT_SHM:
+        return &dsv4_kvx_shm_ops;
+#ifdef DSV4_HAVE_UCX
+    case DSV4_TRANSPORT_UCX:
+        return &dsv4_kvx_ucx_ops;
+#endif
+    default:
+        return NULL;
+    }
+}
+
+bool
+dsv4_kvx_available(enum dsv4_transport t)
+{
+    return kvx_ops_of(t) != NULL;
+}
+
 enum dsv4_err
 dsv4_kvx_open(struct dsv4_kvx **out, enum dsv4_transport t, const char *owner)
 {
+    return dsv4_kvx_open_opts(out, t, owner, NULL);
+}
+
+enum dsv4_err
+dsv4_kvx_open_opts(struct dsv4_kvx **out, enum dsv4_transport t, const char *owner,
+                   const struct dsv4_kvx_opts *o)
+{
     const struct dsv4_kvx_ops *ops;
+    struct dsv4_kvx_opts none;
     struct dsv4_kvx *x;
+    enum dsv4_err e;
 
     *out = NULL;
-    switch (t) {
-    case DSV4_TRANSPORT_SHM:
-        ops = &dsv4_kvx_shm_ops;
-        break;
-    case DSV4_TRANSPORT_CUDAIPC:
-    case DSV4_TRANSPORT_UCX:
+    if (t <= DSV4_TRANSPORT_NONE || t >= DSV4_TRANSPORT__COUNT)
+        return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: unknown transport %d", (int)t);
+    if ((ops = kvx_ops_of(t)) == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "kvx_open: transport %s not built in",
                             dsv4_transport_name(t));
-    default:
-        return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: unknown transport %d", (int)t);
-    }
     if (!kvx_owner_valid(owner))
         return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: bad owner tag");
+    if (o == NULL) {
+        memset(&none, 0, sizeof(none));
+        o = &none;
+    }
+    if (o->timeout_ms < 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: negative timeout");
     x = calloc(1, sizeof(*x));
     if (x == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "kvx_open: out of memory");
     x->ops = ops;
     x->transport = t;
+    x->timeout_ms = o->timeout_ms > 0 ? o->timeout_ms : DSV4_KVX_TIMEOUT_MS;
     strcpy(x->owner, owner);
+    if (ops->init != NULL && (e = ops->init(x, o)) != DSV4_OK) {
+        free(x);
+        return e;
+    }
     *out = x;
     return DSV4_OK;
 }
@@ -63,6 +103,10 @@ dsv4_kvx_open(struct dsv4_kvx **out, enum dsv4_transport t, const char *owner)
 void
 dsv4_kvx_close(struct dsv4_kvx *x)
 {
+    if (x == NULL)
+        return;
+    if (x->ops->fini != NULL)
+        x->ops->fini(x);
     free(x);
 }
 
@@ -95,12 +139,10 @@ dsv4_kvx_free(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
     memset(r, 0, sizeof(*r));
 }
 
-enum dsv4_err
-dsv4_kvx_import(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_kvx_map *m)
+/* Checks shared by every import path. */
+static enum dsv4_err
+kvx_import_check(const struct dsv4_kvx *x, const struct dsv4_kvx_desc *d)
 {
-    enum dsv4_err e;
-
-    memset(m, 0, sizeof(*m));
     if (d->transport != x->transport)
         return dsv4_err_set(DSV4_ERR_PROTO, "kvx_import: descriptor transport %s, expected %s",
                             dsv4_transport_name(d->transport) != NULL ?
@@ -108,19 +150,145 @@ dsv4_kvx_import(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
                             dsv4_transport_name(x->transport));
     if (d->handle_len == 0 || d->handle_len > DSV4_KVX_MAX_HANDLE || d->size == 0)
         return dsv4_err_set(DSV4_ERR_PROTO, "kvx_import: empty handle or region");
+    return DSV4_OK;
+}
+
+/* A finished mapping must cover the descriptor's region. */
+static enum dsv4_err
+kvx_import_size(struct dsv4_kvx *x, uint64_t want, struct dsv4_kvx_map *m)
+{
+    if (m->size >= want)
+        return DSV4_OK;
+    x->ops->unmap(x, m);
+    memset(m, 0, sizeof(*m));
+    return dsv4_err_set(DSV4_ERR_PROTO, "kvx_import: region has %llu bytes, descriptor "
+                        "says %llu", (unsigned long long)m->size, (unsigned long long)want);
+}
+
+enum dsv4_err
+dsv4_kvx_import(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_kvx_map *m)
+{
+    struct dsv4_kvx_xfer *t;
+    enum dsv4_err e;
+
+    memset(m, 0, sizeof(*m));
+    if (x->ops->import_start != NULL) {
+        /* A network transport: start, then wait on its event fd. */
+        if ((e = dsv4_kvx_import_start(x, d, &t)) != DSV4_OK)
+            return e;
+        while ((e = dsv4_kvx_import_test(x, t, m)) == DSV4_ERR_BUSY) {
+            struct pollfd p = { .fd = dsv4_kvx_event_fd(x), .events = POLLIN };
+            int64_t left = t->deadline_ms - dsv4_now_ms();
+
+            poll(&p, p.fd >= 0 ? 1 : 0, left < 1 ? 1 : left > 100 ? 100 : (int)left);
+            dsv4_kvx_event_clear(x);
+        }
+        return e;
+    }
+    if ((e = kvx_import_check(x, d)) != DSV4_OK)
+        return e;
+    x->n_imports++;
     e = x->ops->import_map(x, d, m);
     if (e != DSV4_OK) {
         memset(m, 0, sizeof(*m));
         return e;
     }
-    if (m->size < d->size) {
-        x->ops->unmap(x, m);
-        memset(m, 0, sizeof(*m));
-        return dsv4_err_set(DSV4_ERR_PROTO, "kvx_import: region has %llu bytes, descriptor "
-                            "says %llu", (unsigned long long)m->size,
-                            (unsigned long long)d->size);
+    return kvx_import_size(x, d->size, m);
+}
+
+enum dsv4_err
+dsv4_kvx_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d,
+                      struct dsv4_kvx_xfer **out)
+{
+    struct dsv4_kvx_xfer *t;
+    enum dsv4_err e;
+
+    *out = NULL;
+    if ((e = kvx_import_check(x, d)) != DSV4_OK)
+        return e;
+    if ((t = calloc(1, sizeof(*t))) == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "kvx_import: out of memory");
+    t->size = d->size;
+    t->deadline_ms = dsv4_now_ms() + x->timeout_ms;
+    x->n_imports++;
+    if (x->ops->import_start == NULL) {
+        /* A local transport maps at once; _test hands the result over. */
+        if ((e = x->ops->import_map(x, d, &t->map)) != DSV4_OK) {
+            free(t);
+            return e;
+        }
+        t->done = true;
+        *out = t;
+        return DSV4_OK;
     }
+    if ((e = x->ops->import_start(x, d, t)) != DSV4_OK) {
+        free(t);
+        return e;
+    }
+    *out = t;
     return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_kvx_import_test(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t, struct dsv4_kvx_map *m)
+{
+    enum dsv4_err e;
+    uint64_t want = t->size;
+
+    memset(m, 0, sizeof(*m));
+    if (t->done) {
+        *m = t->map;
+        free(t);
+        return kvx_import_size(x, want, m);
+    }
+    e = x->ops->import_test(x, t, m);
+    if (e == DSV4_ERR_BUSY && dsv4_now_ms() >= t->deadline_ms) {
+        x->ops->import_abort(x, t);
+        x->n_timeouts++;
+        free(t);
+        return dsv4_err_set(DSV4_ERR_TIMEOUT, "kvx_import: %s transfer of %llu bytes did not "
+                            "finish within %lld ms", dsv4_transport_name(x->transport),
+                            (unsigned long long)want, (long long)x->timeout_ms);
+    }
+    if (e == DSV4_ERR_BUSY)
+        return e;
+    free(t);
+    if (e != DSV4_OK) {
+        memset(m, 0, sizeof(*m));
+        return e;
+    }
+    return kvx_import_size(x, want, m);
+}
+
+void
+dsv4_kvx_import_abort(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t)
+{
+    if (t == NULL)
+        return;
+    if (t->done) {
+        if (t->map.data != NULL)
+            x->ops->unmap(x, &t->map);
+    } else {
+        x->ops->import_abort(x, t);
+    }
+    free(t);
+}
+
+int
+dsv4_kvx_event_fd(struct dsv4_kvx *x)
+{
+    return x->ops->event_fd != NULL ? x->ops->event_fd(x) : -1;
+}
+
+void
+dsv4_kvx_event_clear(struct dsv4_kvx *x)
+{
+    uint64_t v;
+    int fd = dsv4_kvx_event_fd(x);
+
+    /* An eventfd (or a pipe): read what is there, never block. */
+    while (fd >= 0 && read(fd, &v, sizeof(v)) > 0)
+        ;
 }
 
 void

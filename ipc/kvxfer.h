@@ -10,9 +10,19 @@
  *   shm      POSIX shared memory on one host (CPU backend), ipc/kv_shm.c;
  *            handle = the shm object name ("/dsv4kv-<owner>-<req>-<n>").
  *   cudaipc  (later) device memory + cudaIpcMemHandle_t / event handle.
- *   ucx      (later) registered memory + packed rkey and worker address.
+ *   ucx      host memory registered with UCX, read by the importer with an
+ *            RMA get (TCP or RDMA underneath), ipc/kv_ucx.c; handle = the
+ *            exporter's worker address + buffer address + packed rkey.
  * A transport is a table of functions (struct dsv4_kvx_ops); adding one is a
  * new ops table and a case in dsv4_kvx_open().
+ *
+ * Imports can also run asynchronously (dsv4_kvx_import_start / _test): a
+ * transport that copies over a network (ucx) starts the copy and reports
+ * completion through dsv4_kvx_event_fd(); one that maps locally (shm)
+ * finishes at once.  Every import is bounded by the instance's timeout
+ * (struct dsv4_kvx_opts): one that has not finished by then fails with
+ * DSV4_ERR_TIMEOUT and its transport state is torn down, so a stalled link
+ * never leaves a request without a terminal state.
  *
  * The descriptor (struct dsv4_kvx_desc) is what travels: transport, handle
  * bytes (one raw frame of PREFILL_DONE / DECODE) and the region size.
@@ -28,6 +38,7 @@
 #ifndef DSV4_IPC_KVXFER_H
 #define DSV4_IPC_KVXFER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -67,7 +78,21 @@ struct dsv4_kvx_map {
 
 struct dsv4_kvx;
 
-/* One transport's implementation.  Every function is required. */
+struct dsv4_kvx_xfer;
+
+/* Options of a transport instance; zeroed = defaults. */
+struct dsv4_kvx_opts {
+    int64_t timeout_ms;        /* bound of one import; 0 = DSV4_KVX_TIMEOUT_MS */
+    const char *ucx_tls;       /* ucx: UCX_TLS list; NULL or "" = "tcp" */
+    const char *ucx_devices;   /* ucx: UCX_NET_DEVICES; NULL or "" = all devices */
+};
+
+#define DSV4_KVX_TIMEOUT_MS 5000  /* default import bound */
+
+/* One transport's implementation.  export_region, free_region, unmap and
+ * cleanup_stale are required, and import_map or import_start (+ _test and
+ * _abort); the rest are optional (NULL): without import_start an import is
+ * one synchronous import_map, without init/fini the instance has no state. */
 struct dsv4_kvx_ops {
     /* Allocate a region of `size` bytes for request `req` and fill r. */
     enum dsv4_err (*export_region)(struct dsv4_kvx *x, uint64_t req, uint64_t size,
@@ -84,6 +109,32 @@ struct dsv4_kvx_ops {
     /* Destroy regions a previous process with the same owner left behind;
      * returns how many were removed. */
     int (*cleanup_stale)(struct dsv4_kvx *x);
+    /* (optional) Set up x->priv from the options; DSV4_ERR_* on failure. */
+    enum dsv4_err (*init)(struct dsv4_kvx *x, const struct dsv4_kvx_opts *o);
+    /* (optional) Tear down x->priv (bounded time; in-flight imports fail). */
+    void (*fini)(struct dsv4_kvx *x);
+    /* (optional) Start importing d; the transport keeps its state in t->priv. */
+    enum dsv4_err (*import_start)(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d,
+                                  struct dsv4_kvx_xfer *t);
+    /* (optional, with import_start) DSV4_OK: finished, m filled (released
+     * with unmap); DSV4_ERR_BUSY: still running; anything else: failed, the
+     * transport state of t is gone. */
+    enum dsv4_err (*import_test)(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t,
+                                 struct dsv4_kvx_map *m);
+    /* (optional, with import_start) Give up an import that is still running;
+     * the transport state of t is released (now or once the network lets go). */
+    void (*import_abort)(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t);
+    /* (optional) fd readable when an import may have finished, or -1. */
+    int (*event_fd)(struct dsv4_kvx *x);
+};
+
+/* An import in flight (dsv4_kvx_import_start). */
+struct dsv4_kvx_xfer {
+    uint64_t size;               /* descriptor's region size */
+    int64_t deadline_ms;         /* monotonic: fails with DSV4_ERR_TIMEOUT after */
+    bool done;                   /* synchronous transports: finished at start */
+    struct dsv4_kvx_map map;     /* synchronous transports: the mapping */
+    void *priv;                  /* transport state */
 };
 
 /* A transport instance of one process. */
@@ -93,6 +144,10 @@ struct dsv4_kvx {
     char owner[DSV4_KVX_MAX_OWNER]; /* names this process's regions ("prefill-3") */
     uint64_t n_exported;            /* regions made so far (unique names) */
     uint64_t n_live;                /* regions exported and not freed */
+    int64_t timeout_ms;             /* bound of one import (opts) */
+    uint64_t n_imports;             /* imports started (statistics) */
+    uint64_t n_timeouts;            /* imports that hit timeout_ms */
+    void *priv;                     /* transport instance state (ops->init) */
 };
 
 /*
@@ -103,6 +158,17 @@ struct dsv4_kvx {
  * owner.  Free with dsv4_kvx_close().
  */
 enum dsv4_err dsv4_kvx_open(struct dsv4_kvx **out, enum dsv4_transport t, const char *owner);
+
+/*
+ * dsv4_kvx_open with options (timeout, UCX transports and devices); o may be
+ * NULL.  DSV4_ERR_SYS when the transport cannot start (UCX found no usable
+ * device), with the reason in dsv4_errmsg().
+ */
+enum dsv4_err dsv4_kvx_open_opts(struct dsv4_kvx **out, enum dsv4_transport t,
+                                 const char *owner, const struct dsv4_kvx_opts *o);
+
+/* True when transport t is built into this library. */
+bool dsv4_kvx_available(enum dsv4_transport t);
 
 /* Free the instance (regions still exported are NOT destroyed: callers free
  * them first, or a restart's dsv4_kvx_cleanup_stale() finds them).  NULL ok. */
@@ -115,9 +181,38 @@ enum dsv4_err dsv4_kvx_export(struct dsv4_kvx *x, uint64_t req, uint64_t size,
 /* Destroy an exported region; r is zeroed.  Idempotent on a zeroed region. */
 void dsv4_kvx_free(struct dsv4_kvx *x, struct dsv4_kvx_region *r);
 
-/* Map a descriptor read-only (m zeroed on failure). */
+/* Map a descriptor read-only (m zeroed on failure).  For a network
+ * transport this is import_start + waiting (bounded by the timeout). */
 enum dsv4_err dsv4_kvx_import(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d,
                               struct dsv4_kvx_map *m);
+
+/*
+ * Start importing a descriptor; *out (freed by _test or _abort) is the
+ * handle.  Errors found at once (malformed handle, peer unreachable) are
+ * returned here and *out is NULL.
+ */
+enum dsv4_err dsv4_kvx_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d,
+                                    struct dsv4_kvx_xfer **out);
+
+/*
+ * Poll an import: DSV4_OK = finished, m is the read-only view (release with
+ * dsv4_kvx_unmap) and t is freed; DSV4_ERR_BUSY = still running (t stays);
+ * any other error = failed and t is freed: DSV4_ERR_TIMEOUT when the
+ * instance's timeout passed since the start, DSV4_ERR_SYS when the network
+ * or the peer failed.  Never blocks.
+ */
+enum dsv4_err dsv4_kvx_import_test(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t,
+                                   struct dsv4_kvx_map *m);
+
+/* Give up an import still running (cancel, shutdown); t is freed.  NULL ok. */
+void dsv4_kvx_import_abort(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t);
+
+/* An fd that becomes readable when an import may have finished (drain it
+ * with dsv4_kvx_event_clear), or -1 when imports finish synchronously. */
+int dsv4_kvx_event_fd(struct dsv4_kvx *x);
+
+/* Consume the readiness of dsv4_kvx_event_fd. */
+void dsv4_kvx_event_clear(struct dsv4_kvx *x);
 
 /* Release a mapping; m is zeroed.  Idempotent on a zeroed mapping. */
 void dsv4_kvx_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m);
@@ -145,6 +240,11 @@ enum dsv4_err dsv4_kvx_desc_from_loc(const struct dsv4_kv_loc *loc, struct dsv4_
 
 /* The shm transport's ops (ipc/kv_shm.c). */
 extern const struct dsv4_kvx_ops dsv4_kvx_shm_ops;
+
+#ifdef DSV4_HAVE_UCX
+/* The ucx transport's ops (ipc/kv_ucx.c; built when libucx is found). */
+extern const struct dsv4_kvx_ops dsv4_kvx_ucx_ops;
+#endif
 
 #ifdef __cplusplus
 }

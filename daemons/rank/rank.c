@@ -33,7 +33,8 @@
 
 #define RANK_POLL_SOCK 0      /* poll slot: scheduler DEALER */
 #define RANK_POLL_SIGNAL 1    /* poll slot: signalfd */
-#define RANK_POLL_N 2
+#define RANK_POLL_KVX 2       /* poll slots: transport event fds (imports done) */
+#define RANK_POLL_N (RANK_POLL_KVX + DSV4_TRANSPORT__COUNT)
 
 static void
 usage(void)
@@ -129,7 +130,6 @@ static void
 link_join(struct rank *k)
 {
     struct dsv4_zsock_cfg cfg;
-    char host[DSV4_PROTO_MAX_HOST + 1];
     struct dsv4_msg m;
     enum dsv4_err e;
 
@@ -145,9 +145,6 @@ link_join(struct rank *k)
         log_warnx("link_join: %s: %s", k->o.conf.rank_endpoint, dsv4_errmsg());
         return;
     }
-    if (gethostname(host, sizeof(host)) != 0)
-        strcpy(host, "localhost");
-    host[sizeof(host) - 1] = '\0';
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_READY);
     m.u.ready.role = k->o.role;
     m.u.ready.index = k->o.index;
@@ -156,9 +153,9 @@ link_join(struct rank *k)
     m.u.ready.group_size = 1;
     m.u.ready.capacity = (uint32_t)k->o.slots;
     m.u.ready.max_ctx = (uint32_t)k->max_seq;
-    m.u.ready.host = host;
+    m.u.ready.host = k->host;
     m.u.ready.pid = (uint32_t)getpid();
-    m.u.ready.transports = 1u << k->kvx->transport;
+    m.u.ready.transports = k->transports;
     rank_send(k, &m);
     log_debug("link_join: READY sent to %s", k->o.conf.rank_endpoint);
 }
@@ -336,8 +333,11 @@ rank_signal(struct rank *k)
  * The loop.  Each iteration:
  *  - timers: READY retry / heartbeat / scheduler liveness, abandoned exports,
  *    watchdog, DRAIN_DONE once idle;
- *  - zmq_poll on the scheduler socket and the signalfd, for 0 ms when model
- *    work is pending, else until the nearest timer;
+ *  - decode: finish the decode-state imports that completed, fail those past
+ *    their bound (the nearest bound is a timer);
+ *  - zmq_poll on the scheduler socket, the signalfd and the transports'
+ *    event fds, for 0 ms when model work is pending, else until the nearest
+ *    timer;
  *  - signals, then every waiting scheduler message;
  *  - at most one forward call: a prefill chunk or one decode step.
  */
@@ -349,11 +349,17 @@ rank_loop(struct rank *k)
     while (!k->stopping) {
         int64_t now = dsv4_now_ms(), t, timeout;
         bool work;
+        int n = RANK_POLL_KVX;
 
         timeout = link_timers(k, now);
         t = kv_timers(k, now);
         if (t >= 0 && t < timeout)
             timeout = t;
+        if (k->o.role == DSV4_ROLE_DECODE && k->link == RANK_LINK_UP) {
+            t = decode_imports(k, now);
+            if (t >= 0 && t < timeout)
+                timeout = t;
+        }
         if (k->wd_interval_ms > 0) {
             if (now - k->wd_last_ms >= k->wd_interval_ms) {
                 sdnotify_watchdog();
@@ -380,8 +386,18 @@ rank_loop(struct rank *k)
         items[RANK_POLL_SOCK].events = k->sock != NULL ? ZMQ_POLLIN : 0;
         items[RANK_POLL_SIGNAL].fd = k->sigfd;
         items[RANK_POLL_SIGNAL].events = ZMQ_POLLIN;
-        if (zmq_poll(k->sock != NULL ? items : items + 1, k->sock != NULL ? 2 : 1,
-                     (long)timeout) < 0) {
+        for (int i = 0; i < DSV4_TRANSPORT__COUNT && k->o.role == DSV4_ROLE_DECODE; i++) {
+            int fd = k->kvx[i] != NULL ? dsv4_kvx_event_fd(k->kvx[i]) : -1;
+            if (fd < 0)
+                continue;
+            items[n].fd = fd;
+            items[n++].events = ZMQ_POLLIN;
+        }
+        if (k->sock == NULL) {
+            /* no socket: a plain fd in slot 0 keeps the slot layout */
+            items[RANK_POLL_SOCK].fd = k->sigfd;
+        }
+        if (zmq_poll(items, n, (long)timeout) < 0) {
             if (errno == EINTR)
                 continue;
             fatal("rank_loop: zmq_poll");
@@ -796,12 +812,18 @@ main(int argc, char **argv)
     rank_init_model(&k);
     k.wd_interval_ms = (int64_t)(sdnotify_watchdog_interval_us() / 1000);
     k.wd_last_ms = dsv4_now_ms();
+    /* The host the scheduler compares to pick shm (same host) or ucx. */
+    if (k.o.conf.host[0] != '\0')
+        snprintf(k.host, sizeof(k.host), "%s", k.o.conf.host);
+    else if (gethostname(k.host, sizeof(k.host)) != 0)
+        strcpy(k.host, "localhost");
+    k.host[sizeof(k.host) - 1] = '\0';
     k.zctx = zmq_ctx_new();
     if (k.zctx == NULL)
         fatal("main: zmq_ctx_new");
     sdnotify_status("registering with %s", k.o.conf.rank_endpoint);
-    log_notice("main: %s up (%d slots, max_seq %d, V %d), registering with %s", k.name,
-               k.o.slots, k.max_seq, k.V, k.o.conf.rank_endpoint);
+    log_notice("main: %s up on host %s (%d slots, max_seq %d, V %d), registering with %s",
+               k.name, k.host, k.o.slots, k.max_seq, k.V, k.o.conf.rank_endpoint);
     link_join(&k);
 
     rank_loop(&k);

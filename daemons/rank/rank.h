@@ -15,8 +15,9 @@
  * decode state exported into a transfer region (ipc/kvxfer.h) ->
  * PREFILL_DONE with its location; the region lives until KV_RELEASE, ABORT,
  * a new scheduler link, or RANK_KV_TIMEOUT_MS.
- * Decode: DECODE -> state imported into a slot -> KV_RELEASE -> the stream
- * joins the running batch; every step: one token per stream, one TOKENS
+ * Decode: DECODE -> state import started into a slot (a network transport
+ * copies in the background, bounded by kv_timeout_ms) -> KV_RELEASE -> the
+ * stream joins the running batch (or ERROR when the import failed); every step: one token per stream, one TOKENS
  * message; DECODE_DONE at max_tokens / a stop id / the sequence limit;
  * ABORT drops a stream.
  *
@@ -92,20 +93,27 @@ struct rank_job {
     uint32_t chunk;             /* rows per call for this prompt */
     struct dsv4_sampling s;
     uint32_t step;              /* RNG step of the token it samples */
+    enum dsv4_transport transport; /* how to export its state (PREFILL) */
 };
 
 /* An exported decode state waiting for KV_RELEASE. */
 struct rank_export {
     TAILQ_ENTRY(rank_export) entry;
+    struct dsv4_kvx *x;         /* transport that exported it */
     struct dsv4_kvx_region r;   /* region (r.req = request) */
     int64_t t_ms;               /* when exported (monotonic) */
 };
 TAILQ_HEAD(rank_export_list, rank_export);
 
-/* A decode stream in model slot `slot`. */
+/* A decode stream in model slot `slot`.  While `xfer` is set the slot is
+ * held but the state is still arriving (not in the batch yet). */
 struct rank_stream {
     bool active;
     uint64_t req;
+    struct dsv4_kvx_xfer *xfer; /* import in flight, or NULL */
+    struct dsv4_kvx *xk;        /* its transport */
+    uint64_t kv_off, kv_len;    /* the state's segment in the region */
+    uint32_t pos;               /* positions the imported state must hold */
     int32_t next;               /* token to feed in the next step */
     uint32_t max_tokens;        /* tokens it may emit */
     uint32_t n_emitted;
@@ -150,7 +158,9 @@ struct rank {
     bool stopping;
 
     /* Work. */
-    struct dsv4_kvx *kvx;
+    struct dsv4_kvx *kvx[DSV4_TRANSPORT__COUNT]; /* open transports; NULL = not offered */
+    uint32_t transports;        /* bit (1 << transport) per open one (READY) */
+    char host[DSV4_PROTO_MAX_HOST + 1]; /* announced in READY (conf host or hostname) */
     struct rank_job *jobs;      /* prefill: (slots) */
     uint32_t rr;                /* prefill: round-robin start */
     struct rank_export_list exports;
@@ -206,29 +216,40 @@ bool decode_pending(const struct rank *k);
 void decode_work(struct rank *k);
 /* Drop request `req`'s stream (ABORT); true if it was running. */
 bool decode_abort(struct rank *k, uint64_t req);
+/* Finish the imports that completed, fail the ones past their bound;
+ * returns ms until the nearest import deadline, or -1 when none runs. */
+int64_t decode_imports(struct rank *k, int64_t now);
 /* Drop every stream. */
 void decode_reset(struct rank *k);
 
 /* --- rank_kv.c: transfer regions ---------------------------------------------------- */
 
-/* Open the transport for this rank ("prefill-3") and remove the regions a
- * previous process of the same rank left behind.  0 or -1 (logged). */
+/* Open the transports for this rank (owner "<hash>-prefill-3"): shm always,
+ * ucx as the `ucx` key says; remove the regions a previous process of the
+ * same rank left behind.  0 or -1 (logged). */
 int kv_open(struct rank *k);
 void kv_close(struct rank *k);
-/* Export slot `slot` (sequence of n_tokens) for `req`; fills the protocol
- * location (borrowing the export's handle and `seg`).  On failure returns
- * the error (logged) and keeps nothing. */
-enum dsv4_err kv_export(struct rank *k, uint64_t req, int slot, uint32_t n_tokens,
-    uint64_t seg[2], struct dsv4_kv_loc *loc);
+/* Export slot `slot` (sequence of n_tokens) for `req` over transport t;
+ * fills the protocol location (borrowing the export's handle and `seg`).
+ * On failure returns the error (logged) and keeps nothing. */
+enum dsv4_err kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot,
+    uint32_t n_tokens, uint64_t seg[2], struct dsv4_kv_loc *loc);
 /* Free `req`'s export; true if there was one. */
 bool kv_release(struct rank *k, uint64_t req);
 /* Free every export. */
 void kv_release_all(struct rank *k);
 /* Free exports older than the timeout; returns ms until the next expiry or -1. */
 int64_t kv_timers(struct rank *k, int64_t now);
-/* Import location `loc` into slot `slot` (which must hold `pos` tokens
- * afterwards).  DSV4_ERR_* with the reason in dsv4_errmsg(). */
-enum dsv4_err kv_import(struct rank *k, const struct dsv4_kv_loc *loc, uint32_t n_kv, int slot,
-    uint32_t pos);
+/* Start importing location `loc` for stream st (which must hold `pos`
+ * positions afterwards): sets st->xfer, xk, kv_off, kv_len, pos.
+ * DSV4_ERR_* with the reason in dsv4_errmsg(). */
+enum dsv4_err kv_import_start(struct rank *k, struct rank_stream *st,
+    const struct dsv4_kv_loc *loc, uint32_t n_kv, uint32_t pos);
+/* Poll st's import; when it finished, copy the state into model slot
+ * `slot`.  DSV4_ERR_BUSY while it runs; DSV4_OK or the error when it ended
+ * (st->xfer is then NULL). */
+enum dsv4_err kv_import_poll(struct rank *k, struct rank_stream *st, int slot);
+/* Give up st's import (abort, reset). */
+void kv_import_abort(struct rank *k, struct rank_stream *st);
 
 #endif

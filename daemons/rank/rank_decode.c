@@ -1,7 +1,11 @@
 /*
- * rank_decode.c — the decode role: DECODE imports a request's decode state
- * into a free slot (rank_kv.c) and acknowledges with KV_RELEASE; the stream
- * then joins the running batch.  Every step is ONE forward call over all
+ * rank_decode.c — the decode role: DECODE starts importing a request's
+ * decode state into a free slot (rank_kv.c); when the state is in (at once
+ * for shm, after a network copy for ucx) the rank acknowledges with
+ * KV_RELEASE and the stream joins the running batch.  An import that fails
+ * or outlives kv_timeout_ms is acknowledged too (the exporter may free) and
+ * reported as ERROR, so the scheduler re-runs the request; the other
+ * streams keep stepping meanwhile.  Every step is ONE forward call over all
  * running streams (one token each); each stream samples with (seed, step),
  * the step's tokens go out in one TOKENS message, and a stream that reached
  * its max_tokens, sampled one of its stop ids or filled its slot ends with
@@ -17,6 +21,19 @@
 #include <string.h>
 
 #include "common/log.h"
+
+static void decode_import_step(struct rank *k, int slot);
+
+/* The decode state of `req` could not be imported: acknowledge (the
+ * exporter may free) and report, so the scheduler re-runs the request. */
+static void
+decode_import_failed(struct rank *k, uint64_t req, enum dsv4_err e)
+{
+    log_warnx("decode_import: req=%" PRIu64 ": %s", req, dsv4_errmsg());
+    rank_send_ref(k, DSV4_RANK_KV_RELEASE, req);
+    rank_send_error(k, req, dsv4_proto_code_from_err(e), "import of the decode state failed: "
+                    "%s", dsv4_errmsg());
+}
 
 void
 decode_start(struct rank *k, const struct dsv4_rank_decode *d)
@@ -53,17 +70,14 @@ decode_start(struct rank *k, const struct dsv4_rank_decode *d)
                         k->max_seq, k->V);
         return;
     }
-    e = kv_import(k, d->kv, d->n_kv, slot, d->pos);
-    /* Copied or failed: either way the exporter may free it now. */
-    rank_send_ref(k, DSV4_RANK_KV_RELEASE, d->req);
-    if (e != DSV4_OK) {
-        log_warnx("decode_start: req=%" PRIu64 " import: %s", d->req, dsv4_errmsg());
-        rank_send_error(k, d->req, dsv4_proto_code_from_err(e), "import of the decode state "
-                        "failed: %s", dsv4_errmsg());
-        return;
-    }
     st = &k->streams[slot];
     memset(st, 0, sizeof(*st));
+    e = kv_import_start(k, st, d->kv, d->n_kv, d->pos);
+    if (e != DSV4_OK) {
+        memset(st, 0, sizeof(*st));
+        decode_import_failed(k, d->req, e);
+        return;
+    }
     st->active = true;
     st->req = d->req;
     st->next = d->token;
@@ -73,15 +87,66 @@ decode_start(struct rank *k, const struct dsv4_rank_decode *d)
     st->n_stop_ids = d->n_stop_ids;
     if (d->n_stop_ids > 0)
         memcpy(st->stop_ids, d->stop_ids, sizeof(int32_t) * d->n_stop_ids);
-    log_info("decode_start: req=%" PRIu64 " slot=%d pos=%u max_tokens=%u", d->req, slot,
-             (unsigned)d->pos, (unsigned)d->max_tokens);
+    log_info("decode_start: req=%" PRIu64 " slot=%d pos=%u max_tokens=%u via %s", d->req,
+             slot, (unsigned)d->pos, (unsigned)d->max_tokens,
+             dsv4_transport_name(st->xk->transport));
+    /* A local transport has finished already. */
+    decode_import_step(k, slot);
+}
+
+/* The import of stream `slot` ended (st->xfer NULL): acknowledge, then run
+ * the stream or drop it. */
+static void
+decode_import_step(struct rank *k, int slot)
+{
+    struct rank_stream *st = &k->streams[slot];
+    uint64_t req = st->req;
+    enum dsv4_err e;
+
+    e = kv_import_poll(k, st, slot);
+    if (e == DSV4_ERR_BUSY)
+        return;
+    if (e != DSV4_OK) {
+        memset(st, 0, sizeof(*st));
+        decode_import_failed(k, req, e);
+        return;
+    }
+    /* Copied: the exporter may free it now. */
+    rank_send_ref(k, DSV4_RANK_KV_RELEASE, req);
+    log_debug("decode_import: req=%" PRIu64 " slot=%d running", req, slot);
+}
+
+int64_t
+decode_imports(struct rank *k, int64_t now)
+{
+    int64_t next = -1;
+
+    for (int t = 0; t < DSV4_TRANSPORT__COUNT; t++)
+        if (k->kvx[t] != NULL)
+            dsv4_kvx_event_clear(k->kvx[t]);
+    for (int i = 0; i < k->o.slots; i++) {
+        struct rank_stream *st = &k->streams[i];
+        int64_t left;
+
+        if (!st->active || st->xfer == NULL)
+            continue;
+        decode_import_step(k, i);
+        if (!st->active || st->xfer == NULL)
+            continue;
+        left = st->xfer->deadline_ms - now;
+        if (left < 0)
+            left = 0;
+        if (next < 0 || left < next)
+            next = left;
+    }
+    return next;
 }
 
 bool
 decode_pending(const struct rank *k)
 {
     for (int i = 0; i < k->o.slots; i++)
-        if (k->streams[i].active)
+        if (k->streams[i].active && k->streams[i].xfer == NULL)
             return true;
     return false;
 }
@@ -92,6 +157,8 @@ decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
     struct rank_stream *st = &k->streams[slot];
     struct dsv4_msg m;
 
+    if (st->xfer != NULL)
+        kv_import_abort(k, st);
     if (report) {
         dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DECODE_DONE);
         m.u.decode_done.req = st->req;
@@ -132,7 +199,7 @@ decode_work(struct rank *k)
 
     for (int i = 0; i < k->o.slots; i++) {
         struct rank_stream *st = &k->streams[i];
-        if (!st->active)
+        if (!st->active || st->xfer != NULL)
             continue;
         k->b_slot[n] = i;
         k->b_ntok[n] = 1;

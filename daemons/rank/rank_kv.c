@@ -2,7 +2,10 @@
  * rank_kv.c — the rank's side of the decode-state handoff: the transfer
  * regions a prefill rank exported and still owns (freed on KV_RELEASE,
  * ABORT, link loss or timeout), and the import of a location into a decode
- * slot.  Transport details live behind ipc/kvxfer.h.
+ * slot.  Transport details live behind ipc/kvxfer.h.  A rank opens shm (one
+ * host) and, unless `ucx = no`, ucx (across hosts); the scheduler names the
+ * transport in PREFILL and the location carries it to the decode rank.
+ * Imports are asynchronous and bounded by kv_timeout_ms.
  *
  * Rank main thread only.
  */
@@ -19,6 +22,7 @@ int
 kv_open(struct rank *k)
 {
     char owner[DSV4_KVX_MAX_OWNER];
+    struct dsv4_kvx_opts o;
     int n;
 
     /* The owner tag names this rank's shm regions and what a restart cleans
@@ -30,44 +34,69 @@ kv_open(struct rank *k)
         h = (h ^ (uint8_t)*c) * 16777619u;
     snprintf(owner, sizeof(owner), "%08x-%s-%u", (unsigned)h, dsv4_role_name(k->o.role),
              (unsigned)k->o.index);
-    if (dsv4_kvx_open(&k->kvx, DSV4_TRANSPORT_SHM, owner) != DSV4_OK) {
+    memset(&o, 0, sizeof(o));
+    o.timeout_ms = k->o.conf.kv_timeout_ms;
+    o.ucx_tls = k->o.conf.ucx_tls;
+    o.ucx_devices = k->o.conf.ucx_devices;
+    TAILQ_INIT(&k->exports);
+    if (dsv4_kvx_open_opts(&k->kvx[DSV4_TRANSPORT_SHM], DSV4_TRANSPORT_SHM, owner, &o) !=
+        DSV4_OK) {
         log_warnx("kv_open: %s", dsv4_errmsg());
         return -1;
     }
-    n = dsv4_kvx_cleanup_stale(k->kvx);
+    k->transports = 1u << DSV4_TRANSPORT_SHM;
+    n = dsv4_kvx_cleanup_stale(k->kvx[DSV4_TRANSPORT_SHM]);
     if (n > 0)
         log_notice("kv_open: removed %d stale exports of %s", n, owner);
-    TAILQ_INIT(&k->exports);
+    if (strcmp(k->o.conf.ucx, "no") != 0) {
+        if (dsv4_kvx_open_opts(&k->kvx[DSV4_TRANSPORT_UCX], DSV4_TRANSPORT_UCX, owner, &o) ==
+            DSV4_OK) {
+            k->transports |= 1u << DSV4_TRANSPORT_UCX;
+        } else if (strcmp(k->o.conf.ucx, "yes") == 0) {
+            log_warnx("kv_open: ucx = yes: %s", dsv4_errmsg());
+            return -1;
+        } else {
+            log_notice("kv_open: no ucx transport (one host only): %s", dsv4_errmsg());
+        }
+    }
+    log_info("kv_open: %s: transports%s%s, import bound %d ms", owner,
+             k->kvx[DSV4_TRANSPORT_SHM] != NULL ? " shm" : "",
+             k->kvx[DSV4_TRANSPORT_UCX] != NULL ? " ucx" : "", k->o.conf.kv_timeout_ms);
     return 0;
 }
 
 void
 kv_close(struct rank *k)
 {
-    if (k->kvx == NULL)
-        return;
     kv_release_all(k);
-    dsv4_kvx_close(k->kvx);
-    k->kvx = NULL;
+    for (int t = 0; t < DSV4_TRANSPORT__COUNT; t++) {
+        dsv4_kvx_close(k->kvx[t]);
+        k->kvx[t] = NULL;
+    }
+    k->transports = 0;
 }
 
 enum dsv4_err
-kv_export(struct rank *k, uint64_t req, int slot, uint32_t n_tokens, uint64_t seg[2],
-    struct dsv4_kv_loc *loc)
+kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot, uint32_t n_tokens,
+    uint64_t seg[2], struct dsv4_kv_loc *loc)
 {
     struct rank_export *x;
     size_t need, len = 0;
     enum dsv4_err e;
 
+    if (t <= DSV4_TRANSPORT_NONE || t >= DSV4_TRANSPORT__COUNT || k->kvx[t] == NULL)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_export: transport %s not open",
+                            dsv4_transport_name(t) != NULL ? dsv4_transport_name(t) : "?");
     need = dsv4_model_state_size(k->m, (int)n_tokens);
     x = calloc(1, sizeof(*x));
     if (x == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "kv_export: out of memory");
-    e = dsv4_kvx_export(k->kvx, req, need, &x->r);
+    x->x = k->kvx[t];
+    e = dsv4_kvx_export(x->x, req, need, &x->r);
     if (e == DSV4_OK) {
         e = dsv4_model_state_export(k->m, slot, x->r.data, need, &len);
         if (e != DSV4_OK)
-            dsv4_kvx_free(k->kvx, &x->r);
+            dsv4_kvx_free(x->x, &x->r);
     }
     if (e != DSV4_OK) {
         log_warnx("kv_export: req=%" PRIu64 " bytes=%zu: %s", req, need, dsv4_errmsg());
@@ -78,7 +107,8 @@ kv_export(struct rank *k, uint64_t req, int slot, uint32_t n_tokens, uint64_t se
     TAILQ_INSERT_TAIL(&k->exports, x, entry);
     k->n_exports++;
     dsv4_kvx_desc_to_loc(&x->r, len, n_tokens, seg, loc);
-    log_debug("kv_export: req=%" PRIu64 " n_tokens=%u bytes=%zu", req, n_tokens, len);
+    log_debug("kv_export: req=%" PRIu64 " n_tokens=%u bytes=%zu via %s", req, n_tokens, len,
+              dsv4_transport_name(t));
     return DSV4_OK;
 }
 
@@ -87,7 +117,7 @@ kv_drop(struct rank *k, struct rank_export *x)
 {
     TAILQ_REMOVE(&k->exports, x, entry);
     k->n_exports--;
-    dsv4_kvx_free(k->kvx, &x->r);
+    dsv4_kvx_free(x->x, &x->r);
     free(x);
 }
 
@@ -129,10 +159,10 @@ kv_timers(struct rank *k, int64_t now)
 }
 
 enum dsv4_err
-kv_import(struct rank *k, const struct dsv4_kv_loc *loc, uint32_t n_kv, int slot, uint32_t pos)
+kv_import_start(struct rank *k, struct rank_stream *st, const struct dsv4_kv_loc *loc,
+    uint32_t n_kv, uint32_t pos)
 {
     struct dsv4_kvx_desc d;
-    struct dsv4_kvx_map map;
     enum dsv4_err e;
 
     if (n_kv != 1 || loc->n_parts != 1 || loc->n_seg != 1)
@@ -145,20 +175,46 @@ kv_import(struct rank *k, const struct dsv4_kv_loc *loc, uint32_t n_kv, int slot
     e = dsv4_kvx_desc_from_loc(loc, &d);
     if (e != DSV4_OK)
         return e;
-    if (d.transport != k->kvx->transport)
+    if (k->kvx[d.transport] == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_import: transport %s not supported",
                             dsv4_transport_name(d.transport));
-    e = dsv4_kvx_import(k->kvx, &d, &map);
+    e = dsv4_kvx_import_start(k->kvx[d.transport], &d, &st->xfer);
     if (e != DSV4_OK)
         return e;
-    e = dsv4_model_state_import(k->m, slot,
-                                (const uint8_t *)map.data + loc->offsets[0],
-                                (size_t)loc->sizes[0]);
-    dsv4_kvx_unmap(k->kvx, &map);
-    if (e == DSV4_OK && dsv4_model_seq_len(k->m, slot) != (int)pos)
+    st->xk = k->kvx[d.transport];
+    st->kv_off = loc->offsets[0];
+    st->kv_len = loc->sizes[0];
+    st->pos = pos;
+    return DSV4_OK;
+}
+
+enum dsv4_err
+kv_import_poll(struct rank *k, struct rank_stream *st, int slot)
+{
+    struct dsv4_kvx_map map;
+    enum dsv4_err e;
+
+    e = dsv4_kvx_import_test(st->xk, st->xfer, &map);
+    if (e == DSV4_ERR_BUSY)
+        return e;
+    st->xfer = NULL;
+    if (e != DSV4_OK)
+        return e;
+    e = dsv4_model_state_import(k->m, slot, (const uint8_t *)map.data + st->kv_off,
+                                (size_t)st->kv_len);
+    dsv4_kvx_unmap(st->xk, &map);
+    if (e == DSV4_OK && dsv4_model_seq_len(k->m, slot) != (int)st->pos)
         e = dsv4_err_set(DSV4_ERR_PROTO, "kv_import: state holds %d positions, pos %u",
-                         dsv4_model_seq_len(k->m, slot), (unsigned)pos);
+                         dsv4_model_seq_len(k->m, slot), (unsigned)st->pos);
     if (e != DSV4_OK)
         dsv4_model_seq_reset(k->m, slot);
     return e;
+}
+
+void
+kv_import_abort(struct rank *k, struct rank_stream *st)
+{
+    (void)k;
+    dsv4_kvx_import_abort(st->xk, st->xfer);
+    st->xfer = NULL;
 }

@@ -31,9 +31,11 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
         if (!k->jobs[i].active && slot < 0)
             slot = i;
     }
-    if (p->transport != k->kvx->transport) {
+    if (p->transport <= DSV4_TRANSPORT_NONE || p->transport >= DSV4_TRANSPORT__COUNT ||
+        k->kvx[p->transport] == NULL) {
         rank_send_error(k, p->req, DSV4_STATUS_NOT_SUPPORTED, "transport %s not supported "
-                        "by %s", dsv4_transport_name(p->transport), k->name);
+                        "by %s", dsv4_transport_name(p->transport) != NULL ?
+                        dsv4_transport_name(p->transport) : "?", k->name);
         return;
     }
     if ((int64_t)p->n_tokens > k->max_seq) {
@@ -71,6 +73,7 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
         j->chunk = p->chunk;
     j->s = p->s;
     j->step = p->step;
+    j->transport = p->transport;
     log_info("prefill_start: req=%" PRIu64 " n_tokens=%u slot=%d", p->req,
              (unsigned)p->n_tokens, slot);
 }
@@ -112,7 +115,7 @@ prefill_finish(struct rank *k, int slot, const float *logits)
     if (e != DSV4_OK)
         fatalx("prefill_finish: sample: %s", dsv4_errmsg());
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL_DONE);
-    e = kv_export(k, j->req, slot, j->n_tokens, seg, &m.u.prefill_done.kv[0]);
+    e = kv_export(k, j->transport, j->req, slot, j->n_tokens, seg, &m.u.prefill_done.kv[0]);
     if (e != DSV4_OK) {
         rank_send_error(k, j->req, dsv4_proto_code_from_err(e), "export of the decode state "
                         "failed: %s", dsv4_errmsg());

@@ -1,0 +1,310 @@
+/*
+ * test_kv_ucx.c — the ucx decode-state transport (ipc/kvxfer.h,
+ * ipc/kv_ucx.c) over TCP on the loopback device: a round trip through the
+ * protocol's location descriptor (exporter and importer in one process, two
+ * UCX workers), asynchronous imports reported on the event fd, an exporter
+ * that stops answering (SIGSTOP: the import fails with DSV4_ERR_TIMEOUT and
+ * the next import from a live exporter works), an exporter that died
+ * (an error, never a hang), and malformed handles (DSV4_ERR_PROTO).
+ *
+ * Exporters in child processes are forked before the parent starts UCX.
+ * When UCX cannot start here (no usable TCP device) every test is skipped.
+ */
+#include <sys/wait.h>
+
+#include <poll.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "ipc/kvxfer.h"
+
+#define TEST_TIMEOUT_MS 1500   /* import bound used by these tests */
+
+static const struct dsv4_kvx_opts test_opts = {
+    .timeout_ms = TEST_TIMEOUT_MS,
+    .ucx_tls = "tcp",
+    .ucx_devices = "lo",
+};
+
+/* A byte pattern that differs per position and per seed. */
+static uint8_t
+pat(uint64_t i, unsigned seed)
+{
+    return (uint8_t)((i * 2654435761u) >> 13 ^ seed);
+}
+
+static int
+open_or_skip(struct dsv4_kvx **x, const char *owner)
+{
+    enum dsv4_err e = dsv4_kvx_open_opts(x, DSV4_TRANSPORT_UCX, owner, &test_opts);
+
+    if (e != DSV4_OK) {
+        print_message("ucx unusable here: %s\n", dsv4_errmsg());
+        return -1;
+    }
+    return 0;
+}
+
+/* Export, describe as a protocol location, import (sync), compare. */
+static void
+test_round_trip(void **state)
+{
+    struct dsv4_kvx *x, *y;
+    struct dsv4_kvx_region r;
+    struct dsv4_kvx_desc d;
+    struct dsv4_kvx_map m;
+    struct dsv4_kv_loc loc;
+    uint64_t seg[2];
+    const uint64_t size = (3u << 20) + 77, used = (3u << 20) + 50;
+
+    (void)state;
+    if (open_or_skip(&x, "ucx-exp") != 0)
+        skip();
+    assert_int_equal(open_or_skip(&y, "ucx-imp"), 0);
+    assert_int_equal(dsv4_kvx_export(x, 42, size, &r), DSV4_OK);
+    assert_int_equal(r.desc.transport, DSV4_TRANSPORT_UCX);
+    for (uint64_t i = 0; i < size; i++)
+        ((uint8_t *)r.data)[i] = pat(i, 1);
+    dsv4_kvx_desc_to_loc(&r, used, 9, seg, &loc);
+    assert_int_equal(dsv4_kvx_desc_from_loc(&loc, &d), DSV4_OK);
+    assert_int_equal(d.size, used);
+    for (int round = 0; round < 2; round++) {  /* the second reuses the endpoint */
+        assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_OK);
+        assert_true(m.size >= used);
+        for (uint64_t i = 0; i < used; i++)
+            if (((const uint8_t *)m.data)[i] != pat(i, 1))
+                fail_msg("byte %llu differs (round %d)", (unsigned long long)i, round);
+        dsv4_kvx_unmap(y, &m);
+    }
+    assert_int_equal(x->n_live, 1);
+    dsv4_kvx_free(x, &r);
+    assert_int_equal(x->n_live, 0);
+    dsv4_kvx_close(y);
+    dsv4_kvx_close(x);
+}
+
+/* Several imports in flight at once; completion comes through the event fd. */
+static void
+test_async(void **state)
+{
+    enum { N = 4 };
+    struct dsv4_kvx *x, *y;
+    struct dsv4_kvx_region r[N];
+    struct dsv4_kvx_xfer *t[N];
+    struct dsv4_kvx_map m;
+    int left = N, fd;
+
+    (void)state;
+    if (open_or_skip(&x, "ucx-aexp") != 0)
+        skip();
+    assert_int_equal(open_or_skip(&y, "ucx-aimp"), 0);
+    fd = dsv4_kvx_event_fd(y);
+    assert_true(fd >= 0);
+    for (int i = 0; i < N; i++) {
+        uint64_t size = 4096u * (uint64_t)(i + 1) + 5;
+        assert_int_equal(dsv4_kvx_export(x, (uint64_t)i, size, &r[i]), DSV4_OK);
+        for (uint64_t j = 0; j < size; j++)
+            ((uint8_t *)r[i].data)[j] = pat(j, (unsigned)i + 10);
+        assert_int_equal(dsv4_kvx_import_start(y, &r[i].desc, &t[i]), DSV4_OK);
+    }
+    while (left > 0) {
+        struct pollfd p = { .fd = fd, .events = POLLIN };
+
+        assert_true(poll(&p, 1, 100) >= 0);
+        dsv4_kvx_event_clear(y);
+        for (int i = 0; i < N; i++) {
+            enum dsv4_err e;
+
+            if (t[i] == NULL)
+                continue;
+            e = dsv4_kvx_import_test(y, t[i], &m);
+            if (e == DSV4_ERR_BUSY)
+                continue;
+            assert_int_equal(e, DSV4_OK);
+            t[i] = NULL;
+            left--;
+            assert_int_equal(m.size, r[i].size);
+            for (uint64_t j = 0; j < m.size; j++)
+                assert_int_equal(((const uint8_t *)m.data)[j], pat(j, (unsigned)i + 10));
+            dsv4_kvx_unmap(y, &m);
+        }
+    }
+    for (int i = 0; i < N; i++)
+        dsv4_kvx_free(x, &r[i]);
+    dsv4_kvx_close(y);
+    dsv4_kvx_close(x);
+}
+
+/*
+ * A child exports a region and sends its descriptor through a pipe, then
+ * waits for the parent to close the pipe.  Returns the child's pid; the
+ * descriptor is in *d.  The child skips (exit 77) when UCX cannot start.
+ */
+static pid_t
+spawn_exporter(struct dsv4_kvx_desc *d, int *keep_fd)
+{
+    int to_parent[2], hold[2];
+    pid_t pid;
+
+    assert_int_equal(pipe(to_parent), 0);
+    assert_int_equal(pipe(hold), 0);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        struct dsv4_kvx *x;
+        struct dsv4_kvx_region r;
+        char c;
+
+        close(to_parent[0]);
+        close(hold[1]);
+        if (dsv4_kvx_open_opts(&x, DSV4_TRANSPORT_UCX, "ucx-child", &test_opts) != DSV4_OK)
+            _exit(77);
+        if (dsv4_kvx_export(x, 7, 1u << 20, &r) != DSV4_OK)
+            _exit(1);
+        memset(r.data, 0x5a, r.size);
+        if (write(to_parent[1], &r.desc, sizeof(r.desc)) != (ssize_t)sizeof(r.desc))
+            _exit(1);
+        while (read(hold[0], &c, 1) > 0)
+            ;
+        dsv4_kvx_free(x, &r);
+        dsv4_kvx_close(x);
+        _exit(0);
+    }
+    close(to_parent[1]);
+    close(hold[0]);
+    if (read(to_parent[0], d, sizeof(*d)) != (ssize_t)sizeof(*d)) {
+        int st;
+        waitpid(pid, &st, 0);
+        close(to_parent[0]);
+        close(hold[1]);
+        if (WIFEXITED(st) && WEXITSTATUS(st) == 77)
+            skip();
+        fail_msg("exporter child failed (status %d)", st);
+    }
+    close(to_parent[0]);
+    *keep_fd = hold[1];
+    return pid;
+}
+
+/* An exporter that stops progressing: the import times out; a live
+ * exporter afterwards is imported from normally. */
+static void
+test_stalled_exporter(void **state)
+{
+    struct dsv4_kvx_desc d;
+    struct dsv4_kvx_map m;
+    struct dsv4_kvx *y;
+    int hold, st;
+    pid_t pid;
+
+    (void)state;
+    pid = spawn_exporter(&d, &hold);
+    assert_int_equal(kill(pid, SIGSTOP), 0);
+    assert_int_equal(open_or_skip(&y, "ucx-simp"), 0);
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_TIMEOUT);
+    assert_null(m.data);
+    assert_int_equal(y->n_timeouts, 1);
+    print_message("stalled exporter: %s\n", dsv4_errmsg());
+    /* Let it run again: the importer reconnects and gets the data. */
+    assert_int_equal(kill(pid, SIGCONT), 0);
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_OK);
+    assert_int_equal(((const uint8_t *)m.data)[12345], 0x5a);
+    dsv4_kvx_unmap(y, &m);
+    close(hold);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    dsv4_kvx_close(y);
+}
+
+/* An exporter that is gone: an error (connection refused / reset, or the
+ * timeout), never a hang and never success. */
+static void
+test_dead_exporter(void **state)
+{
+    struct dsv4_kvx_desc d;
+    struct dsv4_kvx_map m;
+    struct dsv4_kvx *y;
+    enum dsv4_err e;
+    int hold, st;
+    pid_t pid;
+
+    (void)state;
+    pid = spawn_exporter(&d, &hold);
+    assert_int_equal(kill(pid, SIGKILL), 0);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    close(hold);
+    assert_int_equal(open_or_skip(&y, "ucx-dimp"), 0);
+    e = dsv4_kvx_import(y, &d, &m);
+    print_message("dead exporter: %s\n", dsv4_errmsg());
+    assert_true(e == DSV4_ERR_SYS || e == DSV4_ERR_TIMEOUT);
+    assert_null(m.data);
+    dsv4_kvx_close(y);
+}
+
+/* Malformed handles are refused before any network traffic. */
+static void
+test_bad_handle(void **state)
+{
+    struct dsv4_kvx *x, *y;
+    struct dsv4_kvx_region r;
+    struct dsv4_kvx_desc d;
+    struct dsv4_kvx_map m;
+
+    (void)state;
+    if (open_or_skip(&x, "ucx-bexp") != 0)
+        skip();
+    assert_int_equal(open_or_skip(&y, "ucx-bimp"), 0);
+    assert_int_equal(dsv4_kvx_export(x, 1, 1000, &r), DSV4_OK);
+
+    d = r.desc;
+    d.handle[0] ^= 1;                        /* magic */
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
+    d = r.desc;
+    d.handle_len -= 1;                       /* lengths do not add up */
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
+    d = r.desc;
+    d.size = r.size + 1;                     /* more than the region holds */
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
+    d = r.desc;
+    d.handle[24] ^= 0x40;                    /* worker address length */
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
+    d = r.desc;
+    d.handle_len = 20;                       /* shorter than the header */
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
+    d = r.desc;
+    d.transport = DSV4_TRANSPORT_SHM;        /* not this instance's */
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
+    assert_null(m.data);
+    /* the genuine one still works */
+    memset(r.data, 3, 1000);
+    assert_int_equal(dsv4_kvx_import(y, &r.desc, &m), DSV4_OK);
+    assert_int_equal(((const uint8_t *)m.data)[999], 3);
+    dsv4_kvx_unmap(y, &m);
+    dsv4_kvx_free(x, &r);
+    dsv4_kvx_close(y);
+    dsv4_kvx_close(x);
+}
+
+int
+main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stalled_exporter),
+        cmocka_unit_test(test_dead_exporter),
+        cmocka_unit_test(test_round_trip),
+        cmocka_unit_test(test_async),
+        cmocka_unit_test(test_bad_handle),
+    };
+
+    signal(SIGPIPE, SIG_IGN);
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
