@@ -263,6 +263,31 @@ struct dsv4_backend_ops {
                          const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit);
 
     /*
+     * Expert parallelism: moe in two halves, so that ranks holding different
+     * experts can sum their parts (kernels/comm.h) and still compute moe's
+     * exact result.  moe_parts writes moe's summands,
+     *   y (T*k + T, D): row t*k + j = E_ids[t,j](x[t], weights[t,j]) when that
+     *   expert is held here (experts[id].w1.w != NULL), else 0; row T*k + t =
+     *   S(x[t]) when shared != NULL and shared->w1.w != NULL, else 0;
+     * each value exactly as moe computes it (bf16).  D and the intermediate
+     * size come from the held experts (all must agree); with none held, y is
+     * all zero.
+     */
+    enum dsv4_err (*moe_parts)(struct dsv4_backend *be, float *y, const float *x,
+                               const int32_t *ids, const float *weights,
+                               const struct dsv4_expert_w *experts,
+                               const struct dsv4_expert_w *shared, int T, int k, int D,
+                               float swiglu_limit);
+    /* out (T, D) = bf16(Σ_j y[t*k + j] over j by increasing ids[t, j]
+     * (stable), then + y[T*k + t]), fp32: moe's sum of moe_parts' y. */
+    enum dsv4_err (*moe_combine)(struct dsv4_backend *be, float *out, const float *y,
+                                 const int32_t *ids, int T, int k, int D);
+
+    /* dst[r * dst_ld + c] = src[r * src_ld + c] for r < rows, c < cols. */
+    enum dsv4_err (*copy2d)(struct dsv4_backend *be, float *dst, int64_t dst_ld,
+                            const float *src, int64_t src_ld, int rows, int cols);
+
+    /*
      * Sampling of n rows of logits (V each): greedy when temperature == 0,
      * else softmax(logits / temperature) restricted by top_k then top_p, drawn
      * with a generator seeded from (seed, step).  out_ids (n) int32,

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "kernels/comm.h"
 
 #define HC_MAX_STREAMS DSV4_HC_MAX
 
@@ -85,6 +86,10 @@ struct dsv4_model {
     int D, H, Dh, rd, nope, n_hc, win, V;
     int nI, dI, K;
     int n_main, n_layers;          /* main layers; main + MTP */
+    /* model group (opts.comm): tp ranks, this one tp_rank; local heads,
+     * output groups and output columns */
+    struct dsv4_comm *comm;
+    int tp, tp_rank, Hl, Gl, Dl;
     float freqs_swa[64], freqs_comp[64];
     struct layer_state *L;
     struct page_pool pg[2];        /* ratio 4, ratio 128 */
@@ -109,6 +114,8 @@ struct dsv4_model {
     float *hidden;                 /* (T, n, D) kept for MTP */
     float *e, *he;                 /* MTP: (T, D), (T, n, D) */
     float *logits_dev;             /* (max_rows, V) */
+    float *u_loc, *y_loc;          /* tp > 1: (T, Gl*R), (T, Dl) this rank's part */
+    float *parts;                  /* tp > 1: moe parts (T*k + T, D) */
     /* decode graphs by batch size (opts.graphs; NULL until first use) */
     int graphs;
     void *graph[DSV4_GRAPH_MAX_BATCH + 1];
@@ -254,6 +261,7 @@ dsv4_model_free(struct dsv4_model *m)
         m->i_ring_dst, m->i_out_rows, m->X, m->X2, m->x, m->xn, m->post, m->comb, m->y,
         m->qr, m->q, m->kv, m->o, m->u, m->ca, m->cz, m->ent, m->qI, m->wI, m->ia, m->iz,
         m->ient, m->sel, m->rw, m->rid, m->ring_tmp, m->hidden, m->e, m->he, m->logits_dev,
+        m->u_loc, m->y_loc, m->parts,
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         dev_free(m, bufs[i]);
@@ -298,6 +306,22 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->K = c->index_topk;
     m->n_main = c->num_hidden_layers;
     m->n_layers = w->n_layers;
+    m->comm = opts->comm;
+    m->tp = opts->comm != NULL ? opts->comm->size : 1;
+    m->tp_rank = opts->comm != NULL ? opts->comm->rank : 0;
+    m->Hl = m->H / m->tp;
+    m->Gl = c->o_groups / m->tp;
+    m->Dl = m->D / m->tp;
+    if (m->tp > 1 && (m->Hl * m->tp != m->H || m->Gl * m->tp != c->o_groups ||
+                      m->Dl * m->tp != m->D || w->n_layers < 1 ||
+                      w->layers[0].wq_b.n_out != m->Hl * m->Dh ||
+                      w->layers[0].wo_b.n_out != m->Dl)) {
+        int r = m->tp_rank, n = m->tp;
+
+        free(m);
+        return dsv4_err_set(DSV4_ERR_INVAL, "model: rank %d of %d needs its shard of the "
+                            "weights (common/weights_shard.h)", r, n);
+    }
     m->graphs = opts->graphs && be->ops->graph_begin != NULL && be->ops->graph_end != NULL &&
                 be->ops->graph_launch != NULL && be->ops->graph_free != NULL;
     rope_freqs(m->freqs_swa, m->rd, c->rope_theta, 0, 1, 0, 0);
@@ -402,6 +426,11 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->rw = dev_alloc(m, T * k * F, &fail);
     m->rid = dev_alloc(m, T * k * I4, &fail);
     m->logits_dev = dev_alloc(m, T * (size_t)m->V * F, &fail);
+    if (m->tp > 1) {
+        m->u_loc = dev_alloc(m, T * (size_t)m->Gl * c->o_lora_rank * F, &fail);
+        m->y_loc = dev_alloc(m, T * (size_t)m->Dl * F, &fail);
+        m->parts = dev_alloc(m, T * (k + 1) * D * F, &fail);
+    }
     if (fail) {
         dsv4_model_free(m);
         return dsv4_err_set(DSV4_ERR_NOMEM, "model: backend allocation failed "
@@ -720,6 +749,29 @@ run_compressor(struct dsv4_model *m, const struct layer_state *ls,
     return ops->scatter_rows(be, pool, erow, ent, n_emit, d);
 }
 
+/*
+ * The attention output projection over a group (kernels/comm.h): this
+ * rank's groups of wo_a, gathered into m->u (every rank's columns, exact:
+ * the others' are zero); this rank's output columns of wo_b, gathered into
+ * m->y.  Each value is the one a single rank computes.
+ */
+static enum dsv4_err
+attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    int T = m->plan.T, R = m->cfg.o_lora_rank, GR = m->cfg.o_groups * R, GRl = m->Gl * R;
+
+    TRY(ops->linear_grouped(be, m->u_loc, m->o, &lw->wo_a, T, m->Gl));
+    TRY(ops->fill(be, m->u, 0.0f, (int64_t)T * GR));
+    TRY(ops->copy2d(be, m->u + (int64_t)m->tp_rank * GRl, GR, m->u_loc, GRl, T, GRl));
+    TRY(m->comm->ops->allreduce_sum(m->comm, be, m->u, (int64_t)T * GR));
+    TRY(ops->linear(be, m->y_loc, m->u, &lw->wo_b, T, 0));
+    TRY(ops->fill(be, m->y, 0.0f, (int64_t)T * m->D));
+    TRY(ops->copy2d(be, m->y + (int64_t)m->tp_rank * m->Dl, m->D, m->y_loc, m->Dl, T, m->Dl));
+    return m->comm->ops->allreduce_sum(m->comm, be, m->y, (int64_t)T * m->D);
+}
+
 /* Attention sub-layer (model doc §3.3): m->xn (T, D) -> m->y (T, D). */
 static enum dsv4_err
 attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
@@ -729,7 +781,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     const struct dsv4_layer_w *lw = ls->w;
     const struct call_plan *p = &m->plan;
     float eps = (float)m->cfg.rms_norm_eps;
-    int T = p->T, H = m->H, Dh = m->Dh, rd = m->rd;
+    int T = p->T, H = m->Hl, Dh = m->Dh, rd = m->rd;   /* this rank's heads */
     const int32_t *sel = NULL;
     const float *comp = NULL;
 
@@ -783,8 +835,30 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     }
 
     /* grouped output projection */
-    TRY(ops->linear_grouped(be, m->u, m->o, &lw->wo_a, T, m->cfg.o_groups));
-    return ops->linear(be, m->y, m->u, &lw->wo_b, T, 0);
+    if (m->tp == 1) {
+        TRY(ops->linear_grouped(be, m->u, m->o, &lw->wo_a, T, m->cfg.o_groups));
+        return ops->linear(be, m->y, m->u, &lw->wo_b, T, 0);
+    }
+    return attention_out_tp(m, lw);
+}
+
+/* Routed + shared experts: m->xn -> m->y; over a group, each rank's
+ * experts' parts summed (exact: the others' are zero), then combined. */
+static enum dsv4_err
+experts(struct dsv4_model *m, const struct dsv4_layer_w *lw)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct dsv4_config *c = &m->cfg;
+    int T = m->plan.T, k = c->num_experts_per_tok;
+
+    if (m->tp == 1)
+        return ops->moe(be, m->y, m->xn, m->rid, m->rw, lw->experts, &lw->shared, T, k,
+                        (float)c->swiglu_limit);
+    TRY(ops->moe_parts(be, m->parts, m->xn, m->rid, m->rw, lw->experts, &lw->shared, T, k,
+                       m->D, (float)c->swiglu_limit));
+    TRY(m->comm->ops->allreduce_sum(m->comm, be, m->parts, ((int64_t)T * k + T) * m->D));
+    return ops->moe_combine(be, m->y, m->parts, m->rid, T, k, m->D);
 }
 
 /* One block (model doc §3.2): X (T, n, D) updated in place (via X2). */
@@ -811,8 +885,7 @@ block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     TRY(ops->rms_norm(be, m->xn, m->x, lw->ffn_norm, T, D, eps));
     TRY(ops->router(be, m->rw, m->rid, m->xn, &lw->gate, lw->gate_bias, lw->tid2eid, m->i_tok,
                     T, c->num_experts_per_tok, (float)c->routed_scaling_factor));
-    TRY(ops->moe(be, m->y, m->xn, m->rid, m->rw, lw->experts, &lw->shared, T,
-                 c->num_experts_per_tok, (float)c->swiglu_limit));
+    TRY(experts(m, lw));
     TRY(ops->hc_post(be, m->X2, m->y, m->X, m->post, m->comb, T, n, D));
     t = m->X, m->X = m->X2, m->X2 = t;
     return DSV4_OK;

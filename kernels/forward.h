@@ -36,6 +36,7 @@
 #include "common/err.h"
 #include "common/weights.h"
 #include "kernels/backend.h"
+#include "kernels/comm.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -50,7 +51,21 @@ struct dsv4_model_opts {
                            graph ops, such as the CPU backend) */
     int64_t pool_tokens; /* tokens the paged pools hold over all slots together;
                             0 = n_slots * max_seq_len (every slot can be full) */
+    struct dsv4_comm *comm; /* model group (kernels/comm.h), or NULL for one rank;
+                               not owned */
 };
+
+/*
+ * Model groups.  With opts.comm, the model is one rank of a group that runs
+ * the forward together: each rank holds its shard of the weights
+ * (common/weights_shard.h: its query heads and output groups of attention,
+ * its columns of wo_b, its routed experts, every size-th shared expert) and
+ * every rank runs every call with the same batch.  The ranks' parts are
+ * gathered with all-reduces over buffers where each element comes from one
+ * rank (three per layer: wo_a's output, wo_b's output, the experts' parts),
+ * so every rank computes bit for bit what a single rank holding all the
+ * weights computes, and each rank returns the full logits.
+ */
 
 /*
  * Decode graphs.  With opts.graphs set and a backend that records graphs

@@ -12,12 +12,13 @@
 #   libmicrohttpd-dev          HTTP server library of dsv4-gateway
 #   prometheus                 the gateway test scrapes /metrics with a real server
 #   clang, libclang-rt-14-dev  libFuzzer + sanitizer runtimes for fuzz targets
+#   python3-matplotlib         dsv4-bench --plot (tools/bench/plot.py)
 #   python3 packages           test oracles (tokenizer reference, protocol client)
 set -euo pipefail
 
 pkgs=(meson ninja-build pkg-config gcc libjson-c-dev libpcre2-dev libzmq3-dev libmsgpack-dev
       libsystemd-dev libucx-dev libcmocka-dev clang libclang-rt-14-dev python3 python3-pip
-      systemd iproute2 libmicrohttpd-dev prometheus curl)
+      systemd iproute2 libmicrohttpd-dev prometheus curl python3-matplotlib)
 
 missing=()
 for p in "${pkgs[@]}"; do

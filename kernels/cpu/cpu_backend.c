@@ -322,6 +322,16 @@ cpu_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16_
     return DSV4_OK;
 }
 
+static enum dsv4_err
+cpu_copy2d(struct dsv4_backend *be, float *dst, int64_t dst_ld, const float *src, int64_t src_ld,
+           int rows, int cols)
+{
+    (void)be;
+    for (int r = 0; r < rows; r++)
+        memcpy(dst + r * dst_ld, src + r * src_ld, (size_t)cols * sizeof(float));
+    return DSV4_OK;
+}
+
 /* --- constructor ------------------------------------------------------------ */
 
 static const struct dsv4_backend_ops cpu_ops = {
@@ -352,6 +362,9 @@ static const struct dsv4_backend_ops cpu_ops = {
     .attention = cpu_attention,
     .router = cpu_router,
     .moe = cpu_moe,
+    .moe_parts = cpu_moe_parts,
+    .moe_combine = cpu_moe_combine,
+    .copy2d = cpu_copy2d,
     .sample = cpu_sample,
 };
 

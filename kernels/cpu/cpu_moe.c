@@ -22,12 +22,19 @@
  *   (unit, D-tile, token-tile) for w2 (after the FP8 quantization of h under
  *   REF numerics), tokens for the sum.  All experts (routed and shared) must
  *   share D and the intermediate size I.
+ *
+ * moe_parts / moe_combine (expert parallelism, backend.h): the same units
+ *   for the experts held here only; instead of the sum, each pick's y row is
+ *   copied to its place in the parts array (zero for picks not held).
+ *   moe_combine is the sum phase over such an array.
  */
 #include "kernels/cpu/cpu.h"
 
 #include <assert.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/formats.h"
 
@@ -139,7 +146,8 @@ struct moe_job {
     /* phase 3 */
     float *out;
     const int32_t *ids;
-    const int64_t *yrow;               /* (T, k) rows of Y per routed pick */
+    const int64_t *yrow;               /* (T, k) rows of Y per routed pick;
+                                          NULL: row t*k + j */
     int64_t shared_row0;               /* -1 without shared expert */
     int k;
 };
@@ -283,7 +291,8 @@ moe_sum_task(void *ctx, int64_t begin, int64_t end, int tid)
         for (int i = 0; i < D; i++)
             o[i] = 0.0f;
         for (int a = 0; a < k; a++) {
-            const float *y = j->Y + j->yrow[t * k + order[a]] * D;
+            int64_t r = t * k + order[a];
+            const float *y = j->Y + (j->yrow != NULL ? j->yrow[r] : r) * D;
 
             for (int i = 0; i < D; i++)
                 o[i] += y[i];
@@ -306,10 +315,21 @@ moe_expert_ok(const struct dsv4_expert_w *w, int D, int I)
            w->w2.n_in == I && w->w2.n_out == D;
 }
 
-enum dsv4_err
-cpu_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
+/* Whether expert w is held here (its weights are present). */
+static int
+moe_held(const struct dsv4_expert_w *w)
+{
+    return w != NULL && w->w1.w != NULL;
+}
+
+/*
+ * moe (parts == NULL) or moe_parts (parts: (T*k + T, D), D given; experts
+ * not held give zero rows).
+ */
+static enum dsv4_err
+moe_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const int32_t *ids,
         const float *weights, const struct dsv4_expert_w *experts,
-        const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit)
+        const struct dsv4_expert_w *shared, int T, int k, int D_parts, float swiglu_limit)
 {
     struct moe_job j = { 0 };
     struct moe_unit *units = NULL;
@@ -329,13 +349,30 @@ cpu_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
         assert(ids[i] >= 0);
         E = ids[i] + 1 > E ? ids[i] + 1 : E;
     }
-    any = k > 0 ? &experts[ids[0]] : shared;
+    if (parts != NULL) {
+        /* only what is held here; zero rows for the rest */
+        if (!moe_held(shared))
+            shared = NULL;
+        any = shared;
+        for (int64_t i = 0; i < (int64_t)T * k && any == NULL; i++)
+            if (moe_held(&experts[ids[i]]))
+                any = &experts[ids[i]];
+        memset(parts, 0, ((size_t)T * k + T) * D_parts * sizeof(float));
+        if (any == NULL)
+            return DSV4_OK;
+        if (any->w1.n_in != D_parts)
+            return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu moe_parts: experts have D=%d, not %d",
+                                any->w1.n_in, D_parts);
+    } else {
+        any = k > 0 ? &experts[ids[0]] : shared;
+    }
     if (any == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu moe: no expert at all (k=0, no shared)");
     j.D = any->w1.n_in;
     j.I = any->w1.n_out;
     for (int i = 0; i < (int64_t)T * k; i++)
-        if (!moe_expert_ok(&experts[ids[i]], j.D, j.I))
+        if ((parts == NULL || moe_held(&experts[ids[i]])) &&
+            !moe_expert_ok(&experts[ids[i]], j.D, j.I))
             return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu moe: expert %d shape differs", ids[i]);
     if (shared != NULL && !moe_expert_ok(shared, j.D, j.I))
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu moe: shared expert shape differs");
@@ -367,7 +404,7 @@ cpu_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
     for (int ex = 0; ex < E; ex++) {
         int64_t r0 = ex > 0 ? cnt[ex - 1] : 0;
 
-        if (cnt[ex] == r0)
+        if (cnt[ex] == r0 || (parts != NULL && !moe_held(&experts[ex])))
             continue;
         units[nu].w = &experts[ex];
         units[nu].tok = tok + r0;
@@ -433,7 +470,16 @@ cpu_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
         goto out;
     j.hs_raw = (struct cpu_lin_src){ j.H, NULL, j.I, j.I };
     cpu_parallel_for(be, j.n_items[1], 1, moe_down_task, &j);
-    cpu_parallel_for(be, T, 1, moe_sum_task, &j);
+    if (parts == NULL) {
+        cpu_parallel_for(be, T, 1, moe_sum_task, &j);
+        goto out;
+    }
+    for (int64_t i = 0; i < (int64_t)T * k; i++)
+        if (moe_held(&experts[ids[i]]))
+            memcpy(parts + i * j.D, j.Y + yrow[i] * j.D, (size_t)j.D * sizeof(float));
+    if (shared != NULL)
+        memcpy(parts + (int64_t)T * k * j.D, j.Y + j.shared_row0 * j.D,
+               (size_t)T * j.D * sizeof(float));
     goto out;
 nomem:
     e = dsv4_err_set(DSV4_ERR_NOMEM, "cpu moe: no memory (T=%d k=%d)", T, k);
@@ -449,4 +495,45 @@ out:
     free(wts);
     free(yrow);
     return e;
+}
+
+enum dsv4_err
+cpu_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
+        const float *weights, const struct dsv4_expert_w *experts,
+        const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit)
+{
+    return moe_run(be, out, NULL, x, ids, weights, experts, shared, T, k, 0, swiglu_limit);
+}
+
+enum dsv4_err
+cpu_moe_parts(struct dsv4_backend *be, float *y, const float *x, const int32_t *ids,
+              const float *weights, const struct dsv4_expert_w *experts,
+              const struct dsv4_expert_w *shared, int T, int k, int D, float swiglu_limit)
+{
+    if (T <= 0)
+        return DSV4_OK;
+    if (k < 0 || k > MOE_MAX_K || D <= 0)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu moe_parts: k=%d D=%d", k, D);
+    return moe_run(be, NULL, y, x, ids, weights, experts, shared, T, k, D, swiglu_limit);
+}
+
+enum dsv4_err
+cpu_moe_combine(struct dsv4_backend *be, float *out, const float *y, const int32_t *ids, int T,
+                int k, int D)
+{
+    struct moe_job j = { 0 };
+
+    if (T <= 0)
+        return DSV4_OK;
+    if (k < 0 || k > MOE_MAX_K)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cpu moe_combine: k=%d", k);
+    j.Y = (float *)(uintptr_t)y;   /* the sum phase only reads Y */
+    j.D = D;
+    j.k = k;
+    j.ids = ids;
+    j.yrow = NULL;
+    j.shared_row0 = (int64_t)T * k;
+    j.out = out;
+    cpu_parallel_for(be, T, 1, moe_sum_task, &j);
+    return DSV4_OK;
 }

@@ -443,6 +443,14 @@ enum dsv4_err cuda_router(struct dsv4_backend *be, float *weights, int32_t *ids,
 enum dsv4_err cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
                        const float *weights, const struct dsv4_expert_w *experts,
                        const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit);
+enum dsv4_err cuda_moe_parts(struct dsv4_backend *be, float *y, const float *x,
+                             const int32_t *ids, const float *weights,
+                             const struct dsv4_expert_w *experts,
+                             const struct dsv4_expert_w *shared, int T, int k, int D,
+                             float swiglu_limit);
+enum dsv4_err cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y,
+                               const int32_t *ids, int T, int k, int D);
+
 
 /* cuda_sample.cu */
 enum dsv4_err cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,

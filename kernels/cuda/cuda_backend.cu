@@ -358,6 +358,18 @@ cuda_graph_free(struct dsv4_backend *be, void *g)
     cudaGraphExecDestroy((cudaGraphExec_t)g);
 }
 
+static enum dsv4_err
+cuda_copy2d(struct dsv4_backend *be, float *dst, int64_t dst_ld, const float *src,
+            int64_t src_ld, int rows, int cols)
+{
+    if (rows <= 0 || cols <= 0)
+        return DSV4_OK;
+    CUDA_TRY(cudaMemcpy2DAsync(dst, (size_t)dst_ld * sizeof(float), src,
+                               (size_t)src_ld * sizeof(float), (size_t)cols * sizeof(float),
+                               (size_t)rows, cudaMemcpyDeviceToDevice, cuda_stream(be)));
+    return DSV4_OK;
+}
+
 /* --- constructor -------------------------------------------------------------------- */
 
 static const struct dsv4_backend_ops cuda_ops = {
@@ -388,6 +400,9 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_attention,
     cuda_router,
     cuda_moe,
+    cuda_moe_parts,
+    cuda_moe_combine,
+    cuda_copy2d,
     cuda_sample,
     cuda_graph_begin,
     cuda_graph_end,

@@ -21,6 +21,11 @@
  *   dsv4_cuda_weights_upload registered for that array, or else one built
  *   for this call (which downloads ids to find the experts used, and so
  *   synchronises).  Expert ids are clamped into the table.
+ *
+ * moe_parts (expert parallelism): the same kernels write steps 1-4 into the
+ *   caller's (T*k + T, D) array, which is zeroed first; rows whose expert is
+ *   not held here (no weights) stay zero.  Needs a registered expert array.
+ *   moe_combine is step 5 on such an array.
  */
 #include "kernels/cuda/cuda.cuh"
 
@@ -150,6 +155,11 @@ moe_up_kernel(float *h, struct moe_src xs, const struct dsv4_expert_w *table, in
 
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const struct dsv4_expert_w *E = moe_expert(table, n_table, shared, ids, r, Tk);
+        if (E->w1.w == NULL) {            /* not held here (moe_parts) */
+            if (l8 == 0 && i < I)
+                h[r * I + i] = 0.0f;
+            continue;
+        }
         int64_t t = r < Tk ? r / k : r - Tk;
         int q1 = ref && E->w1.fmt != DSV4_WFMT_BF16, q3 = ref && E->w3.fmt != DSV4_WFMT_BF16;
         const float *x1 = (q1 ? xs.q : xs.raw) + t * xs.K, *x3 = (q3 ? xs.q : xs.raw) + t * xs.K;
@@ -183,6 +193,11 @@ moe_down_kernel(float *y, struct moe_src hs, const struct dsv4_expert_w *table, 
 
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const struct dsv4_expert_w *E = moe_expert(table, n_table, shared, ids, r, Tk);
+        if (E->w2.w == NULL) {            /* not held here (moe_parts) */
+            if (l8 == 0 && o < D)
+                y[r * D + o] = 0.0f;
+            continue;
+        }
         int q2 = ref && E->w2.fmt != DSV4_WFMT_BF16;
         const float *hr = (q2 ? hs.q : hs.raw) + r * hs.K;
         float v = cu_lin_dot(E->w2, oc, hr, q2 ? hs.sx + r * (hs.K / 128) : NULL, l8, 0);
@@ -265,10 +280,14 @@ moe_scan_ids(struct dsv4_backend *be, int *n_table, const struct dsv4_expert_w *
     return DSV4_OK;
 }
 
-enum dsv4_err
-cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
-         const float *weights, const struct dsv4_expert_w *experts,
-         const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit)
+/*
+ * moe (parts == NULL) or moe_parts (parts: (T*k + T, D_parts) device array,
+ * zeroed, then the held experts' rows).
+ */
+static enum dsv4_err
+moe_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const int32_t *ids,
+        const float *weights, const struct dsv4_expert_w *experts,
+        const struct dsv4_expert_w *shared, int T, int k, int D_parts, float swiglu_limit)
 {
     cudaStream_t s = cuda_stream(be);
     const struct cuda_expert_table *reg = NULL, *reg_sh = NULL;
@@ -289,6 +308,26 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe: no routed experts");
     /* D and I from any expert (the CPU takes ids[0]'s; all must agree) */
     any = k > 0 ? &experts[0] : shared;
+    if (parts != NULL) {
+        /* the held experts only: a registered array says how many there are */
+        const struct cuda_expert_table *rt = k > 0 ? cuda_experts_find(be, experts) : NULL;
+
+        if (k > 0 && rt == NULL)
+            return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe_parts: the expert array is not "
+                                "registered (upload it with dsv4_cuda_weights_upload)");
+        if (shared != NULL && shared->w1.w == NULL)
+            shared = NULL;
+        any = shared;
+        for (int i = 0; rt != NULL && i < rt->n && any == NULL; i++)
+            if (experts[i].w1.w != NULL)
+                any = &experts[i];
+        CUDA_TRY(cudaMemsetAsync(parts, 0, ((size_t)T * k + T) * D_parts * sizeof(float), s));
+        if (any == NULL)
+            return DSV4_OK;
+        if (any->w1.n_in != D_parts)
+            return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe_parts: experts have D=%d, not %d",
+                                any->w1.n_in, D_parts);
+    }
     if (any == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe: no expert at all (k=0, no shared)");
     D = any->w1.n_in;
@@ -320,7 +359,7 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
     b_h = cuda_align((size_t)rows * I * sizeof(float));
     b_hq = b_h;
     b_hs = cuda_align((size_t)rows * (I / 128) * sizeof(float));
-    b_y = cuda_align((size_t)rows * D * sizeof(float));
+    b_y = parts != NULL ? 0 : cuda_align((size_t)rows * D * sizeof(float));
     base = (char *)cuda_scratch(be, b_tab + b_sh + b_xq + b_xs + b_h + b_hq + b_hs + b_y);
     if (base == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda moe: no scratch (T=%d k=%d)", T, k);
@@ -343,7 +382,7 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
     hs.q = (float *)(p + b_sh + b_xq + b_xs + b_h);
     hs.sx = (float *)(p + b_sh + b_xq + b_xs + b_h + b_hq);
     hs.K = I;
-    float *y = (float *)(p + b_sh + b_xq + b_xs + b_h + b_hq + b_hs);
+    float *y = parts != NULL ? parts : (float *)(p + b_sh + b_xq + b_xs + b_h + b_hq + b_hs);
 
     if (ref) {
         e = cuda_quant_rows(be, (float *)xs.q, (float *)xs.sx, x, D, T, D);
@@ -370,8 +409,42 @@ cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids
             y, hs, table, n_table, sh_dev, ids, T, k, D, ref);
         CUDA_LAUNCHED("moe_down");
     }
+    if (parts != NULL)
+        return DSV4_OK;
     moe_sum_kernel<<<cuda_blocks((int64_t)T * D, 256), 256, 0, s>>>(out, y, ids, T, k, D,
                                                                      shared != NULL);
     CUDA_LAUNCHED("moe_sum");
+    return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
+         const float *weights, const struct dsv4_expert_w *experts,
+         const struct dsv4_expert_w *shared, int T, int k, float swiglu_limit)
+{
+    return moe_run(be, out, NULL, x, ids, weights, experts, shared, T, k, 0, swiglu_limit);
+}
+
+enum dsv4_err
+cuda_moe_parts(struct dsv4_backend *be, float *y, const float *x, const int32_t *ids,
+               const float *weights, const struct dsv4_expert_w *experts,
+               const struct dsv4_expert_w *shared, int T, int k, int D, float swiglu_limit)
+{
+    if (D <= 0)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe_parts: D=%d", D);
+    return moe_run(be, NULL, y, x, ids, weights, experts, shared, T, k, D, swiglu_limit);
+}
+
+enum dsv4_err
+cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y, const int32_t *ids,
+                 int T, int k, int D)
+{
+    if (T <= 0)
+        return DSV4_OK;
+    if (k < 0 || k > MOE_MAX_K)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe_combine: k=%d", k);
+    moe_sum_kernel<<<cuda_blocks((int64_t)T * D, 256), 256, 0, cuda_stream(be)>>>(
+        out, y, ids, T, k, D, 1);
+    CUDA_LAUNCHED("moe_combine");
     return DSV4_OK;
 }

@@ -294,14 +294,16 @@ test_stream_itl(void **state)
 static int
 parse(struct bench_opts *o, char *err, ...)
 {
-    char *argv[32];
+    char *argv[64];
     int argc = 0;
     va_list ap;
 
     argv[argc++] = (char *)(uintptr_t)"dsv4-bench";
     va_start(ap, err);
-    while ((argv[argc] = va_arg(ap, char *)) != NULL)
+    while ((argv[argc] = va_arg(ap, char *)) != NULL) {
         argc++;
+        assert_true(argc < 64);
+    }
     va_end(ap);
     bench_opts_init(o);
     err[0] = '\0';

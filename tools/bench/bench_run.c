@@ -27,6 +27,7 @@
  * the run does not drain the load), divided by t_end - t_start.
  */
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,7 +169,8 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
     struct bench_result *r = lv->res;
     int oom = 0;
 
-    if (w->kind == REQ_MEASURED && code == 0) {
+    /* A measured request is cancelled only by SIGINT: its times are cut short. */
+    if (w->kind == REQ_MEASURED && code == 0 && finish != DSV4_CLIENT_FINISH_CANCELLED) {
         oom |= bench_samples_add(&w->e2e, now - w->st.t_submit);
         if (w->st.n_tokens > 0)
             oom |= bench_samples_add(&w->ttft, w->st.t_first - w->st.t_submit);
@@ -263,8 +265,14 @@ worker_main(void *arg)
     struct level *lv = w->lv;
     const struct bench_opts *o = lv->o;
     struct dsv4_client_opts copts;
+    sigset_t ss;
     int rc;
 
+    /* SIGINT goes to the main thread (waiting in pthread_join), so no
+     * zmq_poll of a worker is interrupted; workers see bench_interrupted. */
+    sigemptyset(&ss);
+    sigaddset(&ss, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &ss, NULL);
     dsv4_client_opts_init(&copts);
     copts.server_key_file = o->server_key_file;
     copts.connect_timeout_ms = o->connect_timeout_ms;

@@ -1,0 +1,272 @@
+/*
+ * test_tp.c — a model group (kernels/forward.h "Model groups",
+ * common/weights_shard.h, kernels/comm.h) computes bit for bit what one rank
+ * holding all the weights computes.
+ *
+ * Two ranks, threads of this process with their own CPU backends and a
+ * local comm, each with its shard of the tiny checkpoint, run the same
+ * script as a single-rank model: a mixed-length batched prefill (3
+ * sequences, every row's logits), 60 greedy batched decode steps crossing
+ * the window, r=4 and r=128 boundaries, the MTP head over the prompts, and a
+ * decode-state handoff from rank to rank's slot.  Every logit of both ranks
+ * must equal the single rank's (memcmp).  Also: the shard rule refuses
+ * group sizes that do not divide the model.
+ *
+ * Usage: test_tp CHECKPOINT_DIR (run_with_ckpt.sh makes it).
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/weights_shard.h"
+#include "model_util.h"
+
+#define N_SEQ 3
+#define N_STEPS 60
+static const int32_t prompt_len[N_SEQ] = { 150, 37, 200 };
+#define N_PROMPT (150 + 37 + 200)
+
+static const char *ckpt_dir;
+
+/* Everything one run produces, in order. */
+struct run_out {
+    float *prefill;            /* (N_PROMPT, V) */
+    float *steps;              /* (N_STEPS, N_SEQ, V) */
+    float *mtp;                /* (N_PROMPT, V) MTP head over the prompts */
+    float *handoff;            /* (V) one step after export/import */
+    enum dsv4_err err;
+    char msg[256];
+};
+
+static int V;
+
+static void
+run_alloc(struct run_out *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->prefill = calloc((size_t)N_PROMPT * V, sizeof(float));
+    o->steps = calloc((size_t)N_STEPS * N_SEQ * V, sizeof(float));
+    o->mtp = calloc((size_t)N_PROMPT * V, sizeof(float));
+    o->handoff = calloc((size_t)V, sizeof(float));
+    assert_true(o->prefill && o->steps && o->mtp && o->handoff);
+}
+
+static void
+run_free(struct run_out *o)
+{
+    free(o->prefill), free(o->steps), free(o->mtp), free(o->handoff);
+}
+
+static int32_t
+argmax(const float *x, int n)
+{
+    int32_t b = 0;
+
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}
+
+#define RUN_TRY(expr)                                                        \
+    do {                                                                     \
+        enum dsv4_err e_ = (expr);                                           \
+        if (e_ != DSV4_OK) {                                                 \
+            o->err = e_;                                                     \
+            snprintf(o->msg, sizeof(o->msg), "%s: %s", #expr, dsv4_errmsg()); \
+            return;                                                          \
+        }                                                                    \
+    } while (0)
+
+/* The script: the same calls on any model (one rank, or each of a group). */
+static void
+run_script(struct dsv4_model *m, struct run_out *o)
+{
+    int32_t slot[N_SEQ] = { 0, 1, 2 }, ones[N_SEQ] = { 1, 1, 1 }, tok[N_SEQ];
+    int32_t *ids = malloc(N_PROMPT * sizeof(int32_t)), nxt[N_SEQ], *next = NULL;
+    struct dsv4_batch b = { N_SEQ, slot, prompt_len, ids };
+    size_t cap, len;
+    void *buf;
+
+    tmodel_tokens(ids, N_PROMPT, V, 5);
+    for (int s = 0; s < N_SEQ; s++)
+        RUN_TRY(dsv4_model_seq_reset(m, s));
+    RUN_TRY(dsv4_model_forward(m, &b, o->prefill, DSV4_FWD_ALL_LOGITS | DSV4_FWD_KEEP_HIDDEN));
+    for (int s = 0, row = 0; s < N_SEQ; s++) {
+        row += prompt_len[s];
+        tok[s] = argmax(o->prefill + (size_t)(row - 1) * V, V);
+    }
+    /* MTP head over the prompts: row i's next token is the prompt's next id,
+     * or the sampled one after a prompt's last row */
+    next = malloc(N_PROMPT * sizeof(int32_t));
+    for (int s = 0, row = 0; s < N_SEQ; s++)
+        for (int i = 0; i < prompt_len[s]; i++, row++)
+            next[row] = i + 1 < prompt_len[s] ? ids[row + 1] : tok[s];
+    RUN_TRY(dsv4_model_mtp(m, &b, next, o->mtp));
+    free(next);
+    for (int step = 0; step < N_STEPS; step++) {
+        struct dsv4_batch d = { N_SEQ, slot, ones, tok };
+        float *lg = o->steps + (size_t)step * N_SEQ * V;
+
+        RUN_TRY(dsv4_model_forward(m, &d, lg, 0));
+        for (int s = 0; s < N_SEQ; s++)
+            nxt[s] = argmax(lg + (size_t)s * V, V);
+        memcpy(tok, nxt, sizeof(tok));
+    }
+    /* handoff: slot 2's state to slot 3, one more step there */
+    cap = dsv4_model_state_size(m, dsv4_model_seq_len(m, 2));
+    buf = malloc(cap);
+    RUN_TRY(dsv4_model_state_export(m, 2, buf, cap, &len));
+    RUN_TRY(dsv4_model_state_import(m, 3, buf, len));
+    free(buf);
+    int32_t s3 = 3, one = 1;
+    struct dsv4_batch h = { 1, &s3, &one, &tok[2] };
+    RUN_TRY(dsv4_model_forward(m, &h, o->handoff, 0));
+    free(ids);
+}
+
+static struct dsv4_model_opts
+opts(struct dsv4_comm *c)
+{
+    struct dsv4_model_opts o = { .n_slots = 4, .max_seq_len = 512, .max_rows = N_PROMPT,
+                                 .comm = c };
+    return o;
+}
+
+/* One rank of the group: its backend, shard and model. */
+struct rank_ctx {
+    const struct dsv4_weights *full;
+    struct dsv4_comm *comm;
+    struct run_out out;
+};
+
+static void *
+rank_main(void *arg)
+{
+    struct rank_ctx *r = arg;
+    struct dsv4_backend *be = NULL;
+    struct dsv4_weights sh;
+    struct dsv4_model *m = NULL;
+    struct dsv4_model_opts o = opts(r->comm);
+    struct run_out *out = &r->out;
+
+    if (dsv4_weights_shard(&sh, r->full, r->comm->rank, r->comm->size) != DSV4_OK ||
+        dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
+        dsv4_model_create(&m, be, &sh, &o) != DSV4_OK) {
+        out->err = DSV4_ERR_INVAL;
+        snprintf(out->msg, sizeof(out->msg), "rank %d set-up: %s", r->comm->rank,
+                 dsv4_errmsg());
+        return NULL;   /* the other rank then blocks: the test times out, loudly */
+    }
+    run_script(m, out);
+    dsv4_model_free(m);
+    dsv4_backend_destroy(be);
+    dsv4_weights_shard_free(&sh);
+    return NULL;
+}
+
+static void
+expect_same(const char *what, int rank, const float *got, const float *want, size_t n)
+{
+    size_t diff = 0;
+
+    for (size_t i = 0; i < n; i++)
+        diff += memcmp(&got[i], &want[i], sizeof(float)) != 0;
+    printf("# rank %d %s: %zu of %zu logits differ\n", rank, what, diff, n);
+    assert_int_equal(diff, 0);
+}
+
+static void
+test_group_equals_one_rank(void **state)
+{
+    struct tmodel tm;
+    struct dsv4_model *ref_m = NULL;
+    struct dsv4_model_opts o = opts(NULL);
+    struct run_out ref;
+    struct dsv4_comm *comm[2];
+    struct rank_ctx rk[2];
+    pthread_t th[2];
+
+    (void)state;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
+    V = tm.V;
+    assert_int_equal(dsv4_model_create(&ref_m, tm.be, &tm.w, &o), DSV4_OK);
+    run_alloc(&ref);
+    run_script(ref_m, &ref);
+    if (ref.err != DSV4_OK)
+        fail_msg("one rank: %s", ref.msg);
+    assert_int_equal(dsv4_comm_local_create(comm, 2), DSV4_OK);
+    for (int r = 0; r < 2; r++) {
+        rk[r].full = &tm.w;
+        rk[r].comm = comm[r];
+        run_alloc(&rk[r].out);
+        assert_int_equal(pthread_create(&th[r], NULL, rank_main, &rk[r]), 0);
+    }
+    for (int r = 0; r < 2; r++)
+        pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++) {
+        struct run_out *g = &rk[r].out;
+
+        if (g->err != DSV4_OK)
+            fail_msg("rank %d: %s", r, g->msg);
+        expect_same("prefill", r, g->prefill, ref.prefill, (size_t)N_PROMPT * V);
+        expect_same("decode steps", r, g->steps, ref.steps, (size_t)N_STEPS * N_SEQ * V);
+        expect_same("mtp", r, g->mtp, ref.mtp, (size_t)N_PROMPT * V);
+        expect_same("handoff", r, g->handoff, ref.handoff, (size_t)V);
+        run_free(g);
+        dsv4_comm_destroy(comm[r]);
+    }
+    run_free(&ref);
+    dsv4_model_free(ref_m);
+    tmodel_close(&tm);
+}
+
+/* Group sizes that do not divide the model, and a model given the full
+ * weights as a rank of a group, are refused with clear errors. */
+static void
+test_bad_groups(void **state)
+{
+    struct tmodel tm;
+    struct dsv4_weights sh;
+    struct dsv4_comm *comm[2];
+    struct dsv4_model *m = NULL;
+    struct dsv4_model_opts o;
+
+    (void)state;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 3), DSV4_ERR_CONFIG);   /* 4 heads */
+    printf("# %s\n", dsv4_errmsg());
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 4), DSV4_ERR_CONFIG);   /* 2 groups */
+    printf("# %s\n", dsv4_errmsg());
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 2, 2), DSV4_ERR_INVAL);
+    assert_int_equal(dsv4_comm_local_create(comm, 2), DSV4_OK);
+    o = opts(comm[0]);
+    assert_int_equal(dsv4_model_create(&m, tm.be, &tm.w, &o), DSV4_ERR_INVAL);
+    printf("# %s\n", dsv4_errmsg());
+    dsv4_comm_destroy(comm[0]);
+    dsv4_comm_destroy(comm[1]);
+    tmodel_close(&tm);
+}
+
+int
+main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_group_equals_one_rank),
+        cmocka_unit_test(test_bad_groups),
+    };
+
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_tp CHECKPOINT_DIR\n");
+        return 2;
+    }
+    ckpt_dir = argv[1];
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
