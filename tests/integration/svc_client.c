@@ -21,6 +21,9 @@
  * checkpoint's EOS ends a sequence (included), as the scheduler does.
  *
  * PROMPTS: one prompt per line, token ids separated by blanks.
+ * DSV4_SERVER_KEY_FILE in the environment names the server's CURVE public key
+ * (tcp:// endpoints).
+ *
  * Exit status: 0 when every request got its final event, 1 otherwise, 2 usage.
  */
 #include <errno.h>
@@ -235,6 +238,8 @@ run_service(const char *endpoint, int max_tokens, int window, int repeat,
     }
     dsv4_client_opts_init(&o);
     o.connect_timeout_ms = 10000;
+    /* CURVE on a tcp:// endpoint (the multi-host rig): the server's key file */
+    o.server_key_file = getenv("DSV4_SERVER_KEY_FILE");
     if ((rc = dsv4_client_connect(endpoint, &o, &c)) != 0) {
         fprintf(stderr, "svc_client: connect %s: %s\n", endpoint, dsv4_client_strerror(rc));
         return 1;

@@ -7,12 +7,16 @@
  *   dsv4ctl ... ranks | requests
  *   dsv4ctl ... drain [RANK|all] [--timeout S]   (returns when drained)
  *   dsv4ctl ... undrain [RANK|all]
+ *   dsv4ctl [-f CONFIG] keygen [DIR]   (CURVE server key pair, no scheduler)
  *
  * The endpoint comes from --admin, else admin_endpoint of the configuration
  * file (-f, or /etc/dsv4/dsv4.conf when present), else the default.  Exit
  * status: 0 success, 1 the scheduler refused or a drain timed out, 2 usage,
  * 3 no answer from the scheduler.
  */
+#include <sys/stat.h>
+
+#include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdbool.h>
@@ -47,6 +51,8 @@ usage(void)
         "  requests                        requests in flight\n"
         "  drain [RANK|all] [--timeout S]  stop admissions / placements, wait until done\n"
         "  undrain [RANK|all]              lift a drain\n"
+        "  keygen [DIR]                    write DIR/server.key and server.pub (CURVE\n"
+        "                                  keys of tcp:// endpoints; DIR = key_dir)\n"
         "RANK is prefill@N or decode@N.\n");
     exit(2);
 }
@@ -307,7 +313,7 @@ main(int argc, char *argv[])
     struct dsv4_zsock_cfg zc;
     struct dsv4_conf conf;
     struct ctl c = { 0 };
-    const char *endpoint = NULL, *path = NULL, *cmd, *target = "all";
+    const char *endpoint = NULL, *path = NULL, *cmd, *target = NULL;
     double timeout_s = 0;
     int ch, rc;
 
@@ -326,7 +332,8 @@ main(int argc, char *argv[])
         usage();
     cmd = argv[optind++];
     if (optind < argc) {
-        if (strcmp(cmd, "drain") != 0 && strcmp(cmd, "undrain") != 0)
+        if (strcmp(cmd, "drain") != 0 && strcmp(cmd, "undrain") != 0 &&
+            strcmp(cmd, "keygen") != 0)
             usage();
         target = argv[optind++];
     }
@@ -334,7 +341,7 @@ main(int argc, char *argv[])
         usage();
     log_init(0);
     log_procinit("dsv4ctl");
-    if (endpoint == NULL) {
+    if (endpoint == NULL || strcmp(cmd, "keygen") == 0) {
         dsv4_conf_defaults(&conf);
         if (path == NULL && access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0)
             path = DSV4_CONF_DEFAULT_PATH;
@@ -342,8 +349,26 @@ main(int argc, char *argv[])
             fprintf(stderr, "dsv4ctl: %s\n", dsv4_errmsg());
             return 2;
         }
-        endpoint = conf.admin_endpoint;
+        if (endpoint == NULL)
+            endpoint = conf.admin_endpoint;
     }
+    if (strcmp(cmd, "keygen") == 0) {
+        /* Every host of a deployment gets a copy of server.pub; server.key
+         * stays on the scheduler's host (docs/operations.md). */
+        const char *dir = target != NULL ? target : conf.key_dir;
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+            fprintf(stderr, "dsv4ctl: keygen: %s: %s\n", dir, strerror(errno));
+            return 1;
+        }
+        if (dsv4_zsock_keygen(dir, "server") != DSV4_OK) {
+            fprintf(stderr, "dsv4ctl: keygen: %s\n", dsv4_errmsg());
+            return 1;
+        }
+        printf("%s/server.key and %s/server.pub written\n", dir, dir);
+        return 0;
+    }
+    if (target == NULL)
+        target = "all";
     if ((c.zctx = zmq_ctx_new()) == NULL)
         return 3;
     dsv4_zsock_cfg_init(&zc);

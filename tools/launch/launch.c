@@ -6,7 +6,12 @@
  *   dsv4-launch [-f CONF] [-o KEY=VALUE]... [-P N] [-D N] [-G] [-w SEC] [-r MS]
  *               [-T SEC] [-t SEC] [-v] [--sched-bin P] [--prefill-bin P]
  *               [--decode-bin P] [--gateway-bin P] [--notify-log FILE]
- *               [-- COMMAND [ARG]...]
+ *               [--no-sched] [--rank-base N] [-- COMMAND [ARG]...]
+ *
+ * --no-sched runs ranks only (a prefill or decode host of a deployment over
+ * several hosts, docs/operations.md): no scheduler and no listeners; the
+ * ranks start at once and connect to rank_endpoint.  --rank-base N numbers
+ * them from N so ranks of one role on different hosts have distinct indices.
  *
  * -G (or gateway_launch = yes in the configuration) also runs dsv4-gateway,
  * the HTTP gateway, started with the ranks and supervised like them.
@@ -32,7 +37,7 @@
 #include "tools/launch/launch.h"
 
 enum { OPT_SCHED_BIN = 256, OPT_PREFILL_BIN, OPT_DECODE_BIN, OPT_NOTIFY_LOG,
-    OPT_GATEWAY_BIN };
+    OPT_GATEWAY_BIN, OPT_NO_SCHED, OPT_RANK_BASE };
 
 int64_t
 launch_now_ms(void)
@@ -52,6 +57,7 @@ usage(void)
         "                   [-t stop_timeout_s] [-v] [--sched-bin path]\n"
         "                   [--prefill-bin path] [--decode-bin path]\n"
         "                   [--gateway-bin path] [--notify-log file]\n"
+        "                   [--no-sched] [--rank-base N]\n"
         "                   [-- command [arg]...]\n");
     exit(2);
 }
@@ -80,6 +86,8 @@ parse_args(struct launch *l, int argc, char **argv)
         { "decode-bin", required_argument, NULL, OPT_DECODE_BIN },
         { "notify-log", required_argument, NULL, OPT_NOTIFY_LOG },
         { "gateway-bin", required_argument, NULL, OPT_GATEWAY_BIN },
+        { "no-sched", no_argument, NULL, OPT_NO_SCHED },
+        { "rank-base", required_argument, NULL, OPT_RANK_BASE },
         { NULL, 0, NULL, 0 },
     };
     struct launch_opts *o = &l->o;
@@ -113,6 +121,9 @@ parse_args(struct launch *l, int argc, char **argv)
         case OPT_DECODE_BIN: o->bin[LAUNCH_DECODE] = optarg; break;
         case OPT_NOTIFY_LOG: o->notify_log = optarg; break;
         case OPT_GATEWAY_BIN: o->bin[LAUNCH_GATEWAY] = optarg; break;
+        case OPT_NO_SCHED: o->no_sched = true; break;
+        case OPT_RANK_BASE: o->rank_base = num_arg(optarg, 0, 65535 - LAUNCH_MAX_RANKS,
+                                                   "--rank-base"); break;
         default: usage();
         }
     }
@@ -269,11 +280,16 @@ main(int argc, char **argv)
         log_init(l.o.verbose);
     load_conf(&l);
     l.sigfd = signals_open();
-    l.listen_fd[0] = sock_listen(l.conf.client_endpoint, 0, l.listen_path[0],
+    l.listen_fd[0] = l.listen_fd[1] = -1;
+    if (l.o.no_sched && l.o.gateway)
+        fatalx("--no-sched: the gateway runs on the scheduler's host");
+    if (!l.o.no_sched)
+        l.listen_fd[0] = sock_listen(l.conf.client_endpoint, 0, l.listen_path[0],
         sizeof(l.listen_path[0]));
-    l.listen_fd[1] = sock_listen(l.conf.admin_endpoint, l.conf.admin_mode,
+    if (!l.o.no_sched)
+        l.listen_fd[1] = sock_listen(l.conf.admin_endpoint, l.conf.admin_mode,
         l.listen_path[1], sizeof(l.listen_path[1]));
-    if (l.listen_fd[0] < 0 || l.listen_fd[1] < 0) {
+    if (!l.o.no_sched && (l.listen_fd[0] < 0 || l.listen_fd[1] < 0)) {
         cleanup(&l);
         fatalx("cannot bind the scheduler's listeners");
     }
@@ -294,8 +310,10 @@ main(int argc, char **argv)
             cleanup(&l);
             fatalx("cannot create notify sockets");
         }
-    sdnotify_status("starting dsv4-sched");
-    proc_start(&l, &l.kids[0]);
+    if (!l.o.no_sched) {
+        sdnotify_status("starting dsv4-sched");
+        proc_start(&l, &l.kids[0]);
+    }
     launch_loop(&l);
     cleanup(&l);
     log_info("main: stopped, exit %d", l.exit_code);

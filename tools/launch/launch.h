@@ -80,6 +80,10 @@ struct launch_opts {
     int64_t stop_timeout_ms;         /* -t: TimeoutStopSec */
     int verbose;                     /* -v count, passed on as -v */
     const char *notify_log;          /* --notify-log FILE: every notify message */
+    bool no_sched;                   /* --no-sched: ranks only (a rank host of a
+                                        multi-host deployment); no listeners */
+    int rank_base;                   /* --rank-base N: first rank index (-P/-D
+                                        ranks are N, N+1, ...) */
     char **command;                  /* after `--`; NULL = none */
 };
 
@@ -90,8 +94,9 @@ struct launch {
     char listen_path[2][sizeof(((struct sockaddr_un *)0)->sun_path)]; /* ipc: unlink */
     char rundir[64];                 /* notify sockets live here */
     int sigfd;
-    struct launch_child kids[3 + LAUNCH_MAX_RANKS]; /* [0] sched, then ranks, the
-                                        gateway, then the command */
+    struct launch_child kids[3 + LAUNCH_MAX_RANKS]; /* [0] sched (unless
+                                        --no-sched), then ranks, the gateway,
+                                        then the command */
     int n_kids;
     bool all_ready_once;             /* READY sent to our own manager */
     bool stopping;

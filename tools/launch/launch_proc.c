@@ -72,11 +72,12 @@ proc_setup(struct launch *l)
     struct launch_child *k;
     int i, n = 0;
 
-    proc_setup_daemon(l, &l->kids[n++], LAUNCH_SCHED, 0);
+    if (!l->o.no_sched)
+        proc_setup_daemon(l, &l->kids[n++], LAUNCH_SCHED, 0);
     for (i = 0; i < l->o.n_prefill; i++)
-        proc_setup_daemon(l, &l->kids[n++], LAUNCH_PREFILL, i);
+        proc_setup_daemon(l, &l->kids[n++], LAUNCH_PREFILL, l->o.rank_base + i);
     for (i = 0; i < l->o.n_decode; i++)
-        proc_setup_daemon(l, &l->kids[n++], LAUNCH_DECODE, i);
+        proc_setup_daemon(l, &l->kids[n++], LAUNCH_DECODE, l->o.rank_base + i);
     if (l->o.gateway)
         proc_setup_daemon(l, &l->kids[n++], LAUNCH_GATEWAY, 0);
     if (l->o.command != NULL) {
@@ -392,11 +393,12 @@ proc_advance(struct launch *l)
 {
     struct launch_child *k;
     bool ranks_started = false, all_ready = true;
+    int first = l->o.no_sched ? 0 : 1;  /* kids[0] is the scheduler unless --no-sched */
     int i;
 
     if (l->stopping)
         return;
-    for (i = 1; i < l->n_kids; i++) {
+    for (i = first; i < l->n_kids; i++) {
         k = &l->kids[i];
         if (k->role == LAUNCH_COMMAND)
             continue;
@@ -405,10 +407,10 @@ proc_advance(struct launch *l)
         if (!k->ever_ready)
             all_ready = false;
     }
-    if (!l->kids[0].ever_ready)
+    if (!l->o.no_sched && !l->kids[0].ever_ready)
         return;
-    if (!ranks_started && l->n_kids > 1) {
-        for (i = 1; i < l->n_kids; i++)
+    if (!ranks_started && l->n_kids > first) {
+        for (i = first; i < l->n_kids; i++)
             if (l->kids[i].role != LAUNCH_COMMAND)
                 proc_start(l, &l->kids[i]);
         return;
