@@ -60,6 +60,9 @@ struct cuda_state {
                                            graphs may still use them; freed
                                            by destroy */
     int n_retired, cap_retired;
+    int fast_kernels;                   /* dsv4_cuda_set_kernels: linear and moe
+                                           use fast_linear.cu / fast_moe.cu
+                                           where they apply (0 = exact) */
 };
 
 static inline struct cuda_state *
@@ -451,6 +454,22 @@ enum dsv4_err cuda_moe_parts(struct dsv4_backend *be, float *y, const float *x,
 enum dsv4_err cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y,
                                const int32_t *ids, int T, int k, int D);
 
+/* fast_linear.cu, fast_moe.cu: the fast decode kernels (kernels/cuda_fast.h);
+ * cuda_linear / cuda_moe call them when st->fast_kernels is set and the
+ * _ok predicate holds (host-side checks only, no synchronisation). */
+int cuda_fast_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W);
+enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
+                               const struct dsv4_linear *W, int T, unsigned flags);
+/* experts: host array of n structs (device pointers); shared may be NULL. */
+int cuda_fast_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *experts, int n,
+                     const struct dsv4_expert_w *shared, int T, int k, int D, int I);
+/* table: device copy of the n_table expert structs (registered); shared:
+ * host struct of device pointers, or NULL. */
+enum dsv4_err cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x,
+                            const int32_t *ids, const float *weights,
+                            const struct dsv4_expert_w *table, int n_table,
+                            const struct dsv4_expert_w *shared, int T, int k, int D, int I,
+                            float lim);
 
 /* cuda_sample.cu */
 enum dsv4_err cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,

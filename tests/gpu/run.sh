@@ -21,6 +21,9 @@
 #      scheduler, prefill + decode ranks, tokens vs the CPU forward) with
 #      --backend cuda, and dsv4-decode --synthetic-weights start-up with
 #      its STATUS= lines.
+#   7. optional, when tests/bench_fast is packed: the fast decode kernels
+#      against the exact ones and their speed (tests/gpu/bench_fast.c), log
+#      in $OUT/fast.log; a numerical failure there fails the script.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -104,6 +107,12 @@ if [ "${MEMCHECK:-0}" = 1 ]; then
     [ "$rc_rc" = 0 ] || mc_rc="$mc_rc FAIL"
 fi
 
+fast_rc=skipped
+if command -v bench_fast > /dev/null; then
+    timeout 300 bench_fast > "$OUT/fast.log" 2>&1
+    fast_rc=$?
+fi
+
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
@@ -118,5 +127,10 @@ if command -v test_decode_gpu > /dev/null; then
     grep -E "synthetic|up \(" "$OUT/rank_synth.log" | tail -3
     grep STATUS "$OUT/notify.log" | tail -4
 fi
+if [ "$fast_rc" != skipped ]; then
+    echo "bench_fast (fast decode kernels): exit $fast_rc"
+    grep -E "^(FAIL|summary|bench_fast)" "$OUT/fast.log"
+fi
+[ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
 [ "$ops_rc" = 0 ] && [ "$fwd_rc" = 0 ] && [ "$rest_rc" = 0 ] && { [ "$mc_rc" = skipped ] ||
     [ "$mc_rc" = "memcheck exit 0, racecheck exit 0" ]; }

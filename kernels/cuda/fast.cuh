@@ -1,0 +1,356 @@
+/*
+ * fast.cuh — private header of the fast decode kernels (fast_linear.cu,
+ * fast_moe.cu): the warp-level tile routines that stream weight rows through
+ * the tensor cores, and the activation preparation they share.
+ *
+ * The idea.  Decode multiplies a few activation rows (T = 1..16) by large
+ * weights, so what counts is reading each weight byte once at full
+ * bandwidth.  A warp owns a tile of 16 (or 32) weight rows and a range of
+ * 128-column blocks; each thread reads 16 contiguous bytes of two rows per
+ * load (16-byte vector loads, coalesced per row) and feeds them, decoded to
+ * f16/bf16 pairs, straight into mma.sync.m16n8k16 as the A operand.  The
+ * activations are the B operand, 8 token rows per mma (n-tile).
+ *
+ * Fragment mapping.  In an m16n8k16 mma, thread (g = lane/4, q = lane%4)
+ * holds A rows g and g+8 at k slots {2q, 2q+1} (low pair) and {2q+8, 2q+9}
+ * (high pair), B column (token) g at the same k slots, and C rows g, g+8 at
+ * columns (tokens) 2q, 2q+1.  A dot product does not care in which order its
+ * k terms come, as long as A and B agree, so the k slots are mapped onto
+ * columns in the way that suits the loads: in mma step s, thread q's low
+ * pair is columns base + q*W + 4s + {0, 1} and its high pair base + q*W + 4s
+ * + {2, 3}, W being the width a thread reads per row (16 columns of FP8 or
+ * BF16 per 64-column chunk, 32 columns of FP4 per 128-column block).  Both
+ * operands then come from one 16-byte load per row (weights) and per token
+ * (activations, pre-converted to f16/bf16 in the same column order as x).
+ *
+ * Numerics (REF).  Activations are quantized per row per 128 columns to FP8
+ * exactly as the exact path does (same scale, same codes); FP8 values are
+ * exact in f16 and in bf16, E4M3 weights are exact in f16 (hardware cvt),
+ * FP4 weights times their E8M0 group scale are exact in bf16 (for scales
+ * 2^-126..2^127), so every product is exact and the tensor core sums them
+ * in fp32: per 128-column block the sum differs from the exact path's only by
+ * fp32 rounding (other order).  The block sum is then scaled by s_x (and s_w
+ * for FP8) and added in block order, as the op contract says.  BF16 weights
+ * take x as given: x = hi + lo with hi, lo bf16 (|x - hi - lo| <= 2^-17 |x|),
+ * two mma per step.
+ *
+ * Determinism: each output is a function of its own row and token only; the
+ * split of K over warps depends on N and K, never on T.
+ */
+#ifndef DSV4_KERNELS_CUDA_FAST_CUH
+#define DSV4_KERNELS_CUDA_FAST_CUH
+
+#include "kernels/cuda/cuda.cuh"
+
+#define FK_LUT_WORDS (256 * 32)   /* FP4 byte -> bf16x2 table, one copy per bank */
+
+/* --- loads and instructions ------------------------------------------------- */
+
+/* 16 bytes of weights, read once: no L1 allocation. */
+static __device__ __forceinline__ uint4
+fk_ld_w(const void *p)
+{
+    uint4 v;
+
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+/* 16 bytes of activations (re-read by many warps: cached). */
+static __device__ __forceinline__ uint4
+fk_ld_x(const uint16_t *p)
+{
+    return __ldg((const uint4 *)p);
+}
+
+/* Word i (compile-time after unrolling) of a vector. */
+static __device__ __forceinline__ uint32_t
+fk_word(const uint4 &v, int i)
+{
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+/* Word i (0..7) of two vectors, i.e. of 16 halves. */
+static __device__ __forceinline__ uint32_t
+fk_word8(const uint4 (&v)[2], int i)
+{
+    return fk_word(v[i / 4], i % 4);
+}
+
+/* Two E4M3 codes (low byte first) -> f16x2 (exact). */
+static __device__ __forceinline__ uint32_t
+fk_e4m3x2(uint32_t two)
+{
+    uint32_t r;
+    unsigned short h = (unsigned short)(two & 0xffffu);
+
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+    return r;
+}
+
+/* a * b on bf16 pairs (exact for a power-of-two b in range). */
+static __device__ __forceinline__ uint32_t
+fk_bmul2(uint32_t a, uint32_t b)
+{
+    uint32_t r;
+
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
+
+/* E8M0 scale -> the bf16 pair (s, s). */
+static __device__ __forceinline__ uint32_t
+fk_e8m0_bf16x2(uint32_t e)
+{
+    uint32_t h = e == 0xffu ? 0x7fc0u : e == 0 ? 0x0040u : e << 7;
+
+    return h | h << 16;
+}
+
+/* d += a * b, f16 inputs, fp32 accumulators. */
+static __device__ __forceinline__ void
+fk_mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+           uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* d += a * b, bf16 inputs, fp32 accumulators. */
+static __device__ __forceinline__ void
+fk_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+            uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/*
+ * Fill the FP4 table in shared memory: entry (byte b, lane l) at b*32 + l is
+ * the bf16 pair (e2m1(b & 15), e2m1(b >> 4)); each lane reads its own copy,
+ * so lookups never conflict.  Every thread of the block must call it.
+ */
+static __device__ __forceinline__ void
+fk_lut_fill(uint32_t *lut)
+{
+    for (int i = threadIdx.x; i < FK_LUT_WORDS; i += blockDim.x) {
+        int b = i >> 5;
+        uint32_t lo = __float_as_uint(cu_fp4_to_f32((unsigned)b & 15u)) >> 16;
+        uint32_t hi = __float_as_uint(cu_fp4_to_f32((unsigned)b >> 4)) >> 16;
+
+        lut[i] = lo | hi << 16;
+    }
+    __syncthreads();
+}
+
+/* --- warp tiles ------------------------------------------------------------------- */
+
+/* acc = 0 */
+template <int MT, int NT>
+static __device__ __forceinline__ void
+fk_zero(float (&acc)[MT][NT][4])
+{
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                acc[m][n][i] = 0.0f;
+}
+
+/* acc += blk * (s_x * sw) for block kb: C columns 2q, 2q+1 are the tokens of
+ * xs[n][0], xs[n][1] (sw == 1: exact, no change). */
+template <int NT>
+static __device__ __forceinline__ void
+fk_add_scaled(float (&acc)[NT][4], const float (&blk)[NT][4], const float *const (&xs)[NT][2],
+              int kb, float sw)
+{
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        float f0 = xs[n][0][kb] * sw, f1 = xs[n][1][kb] * sw;
+
+        acc[n][0] += blk[n][0] * f0;
+        acc[n][1] += blk[n][1] * f1;
+        acc[n][2] += blk[n][2] * f0;
+        acc[n][3] += blk[n][3] * f1;
+    }
+}
+/*
+ * Common arguments of the tile routines (one warp, lane = g*4 + q):
+ *   acc[m][n][i]  C fragment of row tile m, token tile n (see the file
+ *                 comment); accumulated into, never cleared
+ *   wr[m][h]      start of weight row (tile m's first row + g + 8h)
+ *   xb[n]         activation row (length K, f16 or bf16) of token n*8 + g
+ *   xs[n][j]      scale row (K/128 floats) of token n*8 + 2q + j
+ *   kb0..kb1      the 128-column blocks to add
+ */
+
+/* FP8 weights (E4M3, 128x128 E8M0 scales; ws[m] = tile m's scale row),
+ * f16 FP8-valued activations. */
+template <int MT, int NT>
+static __device__ __forceinline__ void
+fk_fp8(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
+       const uint8_t *const (&ws)[MT], const uint16_t *const (&xb)[NT],
+       const float *const (&xs)[NT][2], int kb0, int kb1, int q)
+{
+    for (int kb = kb0; kb < kb1; kb++) {
+        uint4 w[MT][2][2], x[NT][2][2];
+        float blk[MT][NT][4];
+
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int c = 0; c < 2; c++)
+                    w[m][h][c] = fk_ld_w(wr[m][h] + (int64_t)kb * 128 + c * 64 + q * 16);
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const uint16_t *p = xb[n] + (int64_t)kb * 128 + c * 64 + q * 16;
+
+                x[n][c][0] = fk_ld_x(p);
+                x[n][c][1] = fk_ld_x(p + 8);
+            }
+        fk_zero(blk);
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+#pragma unroll
+            for (int s = 0; s < 4; s++)
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    uint32_t u0 = fk_word(w[m][0][c], s), u8 = fk_word(w[m][1][c], s);
+                    uint32_t a0 = fk_e4m3x2(u0), a2 = fk_e4m3x2(u0 >> 16);
+                    uint32_t a1 = fk_e4m3x2(u8), a3 = fk_e4m3x2(u8 >> 16);
+
+#pragma unroll
+                    for (int n = 0; n < NT; n++)
+                        fk_mma_f16(blk[m][n], a0, a1, a2, a3, fk_word8(x[n][c], 2 * s),
+                                   fk_word8(x[n][c], 2 * s + 1));
+                }
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+            fk_add_scaled(acc[m], blk[m], xs, kb, cu_e8m0_to_f32(ws[m][kb]));
+    }
+}
+
+/* FP4 weights (E2M1 pairs, low nibble first; ws[m][h] = row's E8M0 group
+ * scales, one per 32 columns), bf16 FP8-valued activations.  Thread q reads
+ * the 16 bytes (32 columns, one scale group) kb*128 + q*32 of each row. */
+template <int MT, int NT>
+static __device__ __forceinline__ void
+fk_fp4(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
+       const uint8_t *const (&ws)[MT][2], const uint16_t *const (&xb)[NT],
+       const float *const (&xs)[NT][2], int kb0, int kb1, int q, const uint32_t *lut)
+{
+    const uint32_t *lt = lut + (threadIdx.x & 31);
+
+#pragma unroll 2
+    for (int kb = kb0; kb < kb1; kb++) {
+        uint4 w[MT][2], x[NT][4];
+        uint32_t sc[MT][2];
+        float blk[MT][NT][4];
+
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                w[m][h] = fk_ld_w(wr[m][h] + (int64_t)kb * 64 + q * 16);
+                sc[m][h] = fk_e8m0_bf16x2(__ldg(ws[m][h] + kb * 4 + q));
+            }
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                x[n][j] = fk_ld_x(xb[n] + (int64_t)kb * 128 + q * 32 + j * 8);
+        fk_zero(blk);
+#pragma unroll
+        for (int s = 0; s < 8; s++)
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                /* bytes 2s and 2s+1: columns 4s, 4s+1 and 4s+2, 4s+3 */
+                uint32_t u0 = fk_word(w[m][0], s / 2) >> (16 * (s % 2));
+                uint32_t u8 = fk_word(w[m][1], s / 2) >> (16 * (s % 2));
+                uint32_t a0 = fk_bmul2(lt[(u0 & 0xffu) * 32], sc[m][0]);
+                uint32_t a2 = fk_bmul2(lt[((u0 >> 8) & 0xffu) * 32], sc[m][0]);
+                uint32_t a1 = fk_bmul2(lt[(u8 & 0xffu) * 32], sc[m][1]);
+                uint32_t a3 = fk_bmul2(lt[((u8 >> 8) & 0xffu) * 32], sc[m][1]);
+
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    fk_mma_bf16(blk[m][n], a0, a1, a2, a3, fk_word(x[n][s / 2], (2 * s) % 4),
+                                fk_word(x[n][s / 2], (2 * s + 1) % 4));
+            }
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+            fk_add_scaled(acc[m], blk[m], xs, kb, 1.0f);
+    }
+}
+
+/* BF16 weights, activations as bf16 pairs hi (xb) + lo (xl); 64-column
+ * chunks ch0..ch1, no scales: acc collects the whole dot. */
+template <int MT, int NT>
+static __device__ __forceinline__ void
+fk_bf16(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
+        const uint16_t *const (&xb)[NT], const uint16_t *const (&xl)[NT], int ch0, int ch1,
+        int q)
+{
+    for (int ch = ch0; ch < ch1; ch++) {
+        uint4 w[MT][2][2], xh[NT][2], xo[NT][2];
+
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *p = wr[m][h] + ((int64_t)ch * 64 + q * 16) * 2;
+
+                w[m][h][0] = fk_ld_w(p);
+                w[m][h][1] = fk_ld_w(p + 16);
+            }
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            int64_t o = (int64_t)ch * 64 + q * 16;
+
+            xh[n][0] = fk_ld_x(xb[n] + o);
+            xh[n][1] = fk_ld_x(xb[n] + o + 8);
+            xo[n][0] = fk_ld_x(xl[n] + o);
+            xo[n][1] = fk_ld_x(xl[n] + o + 8);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                uint32_t a0 = fk_word8(w[m][0], 2 * s), a2 = fk_word8(w[m][0], 2 * s + 1);
+                uint32_t a1 = fk_word8(w[m][1], 2 * s), a3 = fk_word8(w[m][1], 2 * s + 1);
+
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    fk_mma_bf16(acc[m][n], a0, a1, a2, a3, fk_word8(xh[n], 2 * s),
+                                fk_word8(xh[n], 2 * s + 1));
+                    fk_mma_bf16(acc[m][n], a0, a1, a2, a3, fk_word8(xo[n], 2 * s),
+                                fk_word8(xo[n], 2 * s + 1));
+                }
+            }
+    }
+}
+
+/* --- activation preparation (fast_linear.cu) ---------------------------------- */
+
+/*
+ * REF activation quantization of x (rows, K), row stride `stride`, per 128
+ * columns (the exact path's codes and scales), written as the FP8 values in
+ * f16 (f16 != NULL) and/or bf16 (bf16 != NULL), rows x K each, and the
+ * scales sx (rows, K/128).  K % 128 == 0.
+ */
+enum dsv4_err fk_quant(struct dsv4_backend *be, uint16_t *f16, uint16_t *bf16, float *sx,
+                       const float *x, int64_t stride, int rows, int K);
+
+#endif

@@ -1,0 +1,126 @@
+/*
+ * fast_api.cu — kernels/cuda_fast.h: the exact/fast kernel switch, expert
+ * array registration by hand, and the event timer.
+ */
+#include "kernels/cuda_fast.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda.cuh"
+
+static int
+fast_is_cuda(const struct dsv4_backend *be)
+{
+    return be != NULL && be->name != NULL && strcmp(be->name, "cuda") == 0;
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_set_kernels(struct dsv4_backend *be, int fast)
+{
+    if (!fast_is_cuda(be))
+        return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_set_kernels: not a CUDA backend");
+    cuda_st(be)->fast_kernels = fast != 0;
+    return DSV4_OK;
+}
+
+extern "C" int
+dsv4_cuda_get_kernels(const struct dsv4_backend *be)
+{
+    return fast_is_cuda(be) ? ((const struct cuda_state *)be->priv)->fast_kernels : 0;
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *host, int n)
+{
+    struct dsv4_expert_w *dev = NULL;
+    size_t bytes = (size_t)n * sizeof(*host);
+    enum dsv4_err e;
+
+    if (!fast_is_cuda(be) || n <= 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_experts_register: not a CUDA backend "
+                            "or n=%d", n);
+    if (cuda_experts_find(be, host) != NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_experts_register: already registered");
+    CUDA_TRY(cudaMalloc((void **)&dev, bytes));
+    if (cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+        cudaFree(dev);
+        return dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_experts_register: copy failed");
+    }
+    e = cuda_experts_register(be, host, dev, n);
+    if (e != DSV4_OK)
+        cudaFree(dev);
+    return e;
+}
+
+extern "C" void
+dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert_w *host)
+{
+    const struct cuda_expert_table *t;
+
+    if (!fast_is_cuda(be) || (t = cuda_experts_find(be, host)) == NULL)
+        return;
+    (void)cudaStreamSynchronize(cuda_stream(be));   /* queued work may read it */
+    cudaFree(t->dev);
+    cuda_experts_unregister(be, host);
+}
+
+struct dsv4_cuda_timer {
+    struct dsv4_backend *be;
+    cudaEvent_t start, stop;
+};
+
+extern "C" struct dsv4_cuda_timer *
+dsv4_cuda_timer_create(struct dsv4_backend *be)
+{
+    struct dsv4_cuda_timer *t;
+
+    if (!fast_is_cuda(be)) {
+        dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_timer_create: not a CUDA backend");
+        return NULL;
+    }
+    t = (struct dsv4_cuda_timer *)calloc(1, sizeof(*t));
+    if (t == NULL) {
+        dsv4_err_set(DSV4_ERR_NOMEM, "dsv4_cuda_timer_create: no memory");
+        return NULL;
+    }
+    t->be = be;
+    if (cudaEventCreate(&t->start) != cudaSuccess) {
+        free(t);
+        dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_timer_create: no event");
+        return NULL;
+    }
+    if (cudaEventCreate(&t->stop) != cudaSuccess) {
+        cudaEventDestroy(t->start);
+        free(t);
+        dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_timer_create: no event");
+        return NULL;
+    }
+    return t;
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_timer_start(struct dsv4_cuda_timer *t)
+{
+    CUDA_TRY(cudaEventRecord(t->start, cuda_stream(t->be)));
+    return DSV4_OK;
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_timer_stop(struct dsv4_cuda_timer *t, float *ms)
+{
+    CUDA_TRY(cudaEventRecord(t->stop, cuda_stream(t->be)));
+    CUDA_TRY(cudaEventSynchronize(t->stop));
+    CUDA_TRY(cudaEventElapsedTime(ms, t->start, t->stop));
+    return DSV4_OK;
+}
+
+extern "C" void
+dsv4_cuda_timer_destroy(struct dsv4_cuda_timer *t)
+{
+    if (t == NULL)
+        return;
+    cudaEventDestroy(t->start);
+    cudaEventDestroy(t->stop);
+    free(t);
+}

@@ -1,0 +1,74 @@
+/*
+ * cuda_fast.h — switch between the CUDA backend's exact kernels and its fast
+ * decode kernels (kernels/cuda/fast_linear.cu, fast_moe.cu; docs/gpu.md,
+ * "Fast kernels"), plus two helpers the fast-kernel benchmark needs: expert
+ * array registration and event timing on the backend's stream.
+ *
+ * The exact kernels reproduce the CPU reference bit for bit.  The fast ones
+ * follow the same numerics contract (REF: FP8 activation quantization per
+ * 128 columns, per-block partial sums times the scales, bf16 outputs) with
+ * another summation order inside a 128-column block, so they differ from the
+ * exact path by rounding only; they are deterministic (same inputs, same
+ * bits, whatever T and the other rows).
+ *
+ * C-callable; only in builds with CUDA (DSV4_HAVE_CUDA).
+ */
+#ifndef DSV4_KERNELS_CUDA_FAST_H
+#define DSV4_KERNELS_CUDA_FAST_H
+
+#include "common/err.h"
+#include "common/weights.h"
+#include "kernels/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * fast != 0: linear and moe use the fast kernels where they apply, the
+ * exact kernels elsewhere:
+ *   linear  FP8 weights under REF numerics (n_out % 32 == 0), BF16 weights
+ *           (n_out % 16 == 0); n_in % 128 == 0; weights 16-byte aligned;
+ *   moe     REF numerics, T <= 96, 1 <= k <= 64, FP4 routed experts and an
+ *           FP8 shared expert, D and I multiples of 128, and an
+ *           expert array registered with the backend (as
+ *           dsv4_cuda_weights_upload does, or dsv4_cuda_experts_register).
+ * fast == 0 (the default): exact kernels everywhere.  Takes effect for ops
+ * queued afterwards; graphs already recorded keep the kernels they recorded.
+ * DSV4_ERR_INVAL when be is not a CUDA backend.
+ */
+enum dsv4_err dsv4_cuda_set_kernels(struct dsv4_backend *be, int fast);
+
+/* 1 when the fast kernels are on, 0 when not (or be is not CUDA). */
+int dsv4_cuda_get_kernels(const struct dsv4_backend *be);
+
+/*
+ * Register the host array `host` of n experts (structs holding device
+ * pointers): a device copy of the structs is made and the moe op finds it
+ * by the host array's address, so it reads the experts without a host copy
+ * or synchronisation.  Weight uploads do this for a model's arrays; this is
+ * for arrays built by hand (tests, benchmarks).  Release with
+ * dsv4_cuda_experts_release before freeing `host`.
+ */
+enum dsv4_err dsv4_cuda_experts_register(struct dsv4_backend *be,
+                                         const struct dsv4_expert_w *host, int n);
+/* Forget the registration of `host` and free its device copy (an array
+ * registered by dsv4_cuda_experts_register only). */
+void dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert_w *host);
+
+/* Event timer on the backend's stream. */
+struct dsv4_cuda_timer;
+
+/* A timer for be; NULL with the error set on failure. */
+struct dsv4_cuda_timer *dsv4_cuda_timer_create(struct dsv4_backend *be);
+/* Record the start event (queued work before it is not timed). */
+enum dsv4_err dsv4_cuda_timer_start(struct dsv4_cuda_timer *t);
+/* Record the stop event, wait for it, and give the elapsed GPU time. */
+enum dsv4_err dsv4_cuda_timer_stop(struct dsv4_cuda_timer *t, float *ms);
+/* Free (NULL is a no-op). */
+void dsv4_cuda_timer_destroy(struct dsv4_cuda_timer *t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
