@@ -64,6 +64,19 @@ enum dsv4_err dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_w
                                           const struct dsv4_config *cfg, uint64_t seed,
                                           const struct dsv4_cuda_progress *pr);
 
+/*
+ * The part of the synthetic weights that rank `rank` of a group of `size`
+ * holds (common/weights_shard.h): the same values as the corresponding
+ * elements of dsv4_cuda_weights_synthetic(seed), only the tensors and rows
+ * of that rank on the device; the struct is what dsv4_weights_shard()
+ * makes of the full weights.  DSV4_ERR_CONFIG when cfg cannot be split.
+ */
+enum dsv4_err dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be,
+                                                struct dsv4_weights *dev,
+                                                const struct dsv4_config *cfg, uint64_t seed,
+                                                int rank, int size,
+                                                const struct dsv4_cuda_progress *pr);
+
 /* Free what dsv4_cuda_weights_upload or _synthetic made (a zeroed *dev is
  * a no-op). */
 void dsv4_cuda_weights_free(struct dsv4_backend *be, struct dsv4_weights *dev);

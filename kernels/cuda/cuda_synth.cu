@@ -29,6 +29,7 @@
 
 #include "common/log.h"
 #include "common/model_tensors.h"
+#include "common/weights_shard.h"
 #include "kernels/cuda/cuda.cuh"
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
@@ -72,11 +73,11 @@ syn_normal(uint64_t key, uint64_t i)
 /* Plain F32 / BF16 tensor: mean + std * N(0,1), or mean + std * U[0,1). */
 static __global__ void
 syn_plain_kernel(void *out, int bf16, int64_t n, double mean, double std, int uniform,
-                 uint64_t key)
+                 uint64_t key, int64_t i0)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        double r = uniform ? syn_uniform(key, i) : syn_normal(key, i);
+        double r = uniform ? syn_uniform(key, i0 + i) : syn_normal(key, i0 + i);
         float v = (float)(mean + std * r);
 
         if (bf16)
@@ -93,10 +94,12 @@ syn_e8m0(float pow2)
     return (uint8_t)((__float_as_uint(pow2) >> 23) & 0xff);
 }
 
-/* FP8 weight [out, in]: one block per 128x128 tile; element (r, c) draws
- * N(0, std) at index r*in + c; the tile's scale from its amax. */
+/* FP8 weight [out, in], or its rows [g0, g0 + out) of a tensor of `in`
+ * columns (g0 a multiple of 128): one block per 128x128 tile; element (r, c)
+ * draws N(0, std) at index (g0 + r)*in + c; the tile's scale from its amax. */
 static __global__ void
-syn_fp8_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, uint64_t key)
+syn_fp8_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, uint64_t key,
+               int64_t g0)
 {
     __shared__ float red[SYN_THREADS];
     int64_t r0 = (int64_t)blockIdx.x * 128, c0 = (int64_t)blockIdx.y * 128;
@@ -106,7 +109,7 @@ syn_fp8_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, u
 
     for (int64_t e = threadIdx.x; e < rows * cols; e += blockDim.x) {
         int64_t r = r0 + e / cols, c = c0 + e % cols;
-        amax = fmaxf(amax, fabsf((float)syn_normal(key, r * in + c) * std));
+        amax = fmaxf(amax, fabsf((float)syn_normal(key, (g0 + r) * in + c) * std));
     }
     red[threadIdx.x] = amax;
     __syncthreads();
@@ -120,7 +123,7 @@ syn_fp8_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, u
         scale[blockIdx.x * nbc + blockIdx.y] = syn_e8m0(sc);
     for (int64_t e = threadIdx.x; e < rows * cols; e += blockDim.x) {
         int64_t r = r0 + e / cols, c = c0 + e % cols;
-        w[r * in + c] = cu_f32_to_fp8((float)syn_normal(key, r * in + c) * std / sc);
+        w[r * in + c] = cu_f32_to_fp8((float)syn_normal(key, (g0 + r) * in + c) * std / sc);
     }
 }
 
@@ -342,7 +345,7 @@ bind(struct syn_ctx *c, const struct dsv4_tensor_spec *s, const void *at)
  * FP4 weights). */
 static enum dsv4_err
 generate(struct dsv4_backend *be, const struct dsv4_config *cfg, const struct dsv4_tensor_spec *s,
-         int idx, uint64_t seed, void *at, void *scale_at)
+         int idx, uint64_t seed, void *at, void *scale_at, int64_t row0)
 {
     cudaStream_t st = cuda_stream(be);
     uint64_t key = seed ^ syn_mix((uint64_t)idx + 0x51ed270b27f3a1c5ull);
@@ -359,7 +362,7 @@ generate(struct dsv4_backend *be, const struct dsv4_config *cfg, const struct ds
         dim3 g((unsigned)((s->shape[0] + 127) / 128), (unsigned)((s->shape[1] + 127) / 128));
         syn_fp8_kernel<<<g, SYN_THREADS, 0, st>>>((uint8_t *)at, (uint8_t *)scale_at,
                                                   s->shape[0], s->shape[1], (float)in_std,
-                                                  key);
+                                                  key, row0);
         CUDA_LAUNCHED("synthetic fp8");
         return DSV4_OK;
     }
@@ -412,7 +415,9 @@ generate(struct dsv4_backend *be, const struct dsv4_config *cfg, const struct ds
         return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: %s: unexpected dtype",
                             s->name);
     syn_plain_kernel<<<grid, SYN_THREADS, 0, st>>>(at, s->dtype == DSV4_ST_BF16, n, mean, std,
-                                                   uniform, key);
+                                                   uniform, key,
+                                                   row0 * (s->shape[0] > 0 ? n / s->shape[0]
+                                                                           : 0));
     CUDA_LAUNCHED("synthetic plain");
     return DSV4_OK;
 }
@@ -422,10 +427,19 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
                             const struct dsv4_config *cfg, uint64_t seed,
                             const struct dsv4_cuda_progress *pr)
 {
+    return dsv4_cuda_weights_synthetic_shard(be, dev, cfg, seed, 0, 1, pr);
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *dev,
+                                  const struct dsv4_config *cfg, uint64_t seed, int rank,
+                                  int size, const struct dsv4_cuda_progress *pr)
+{
     struct dsv4_inventory inv;
     struct cuda_wpriv *p;
     struct syn_ctx c;
     size_t *off = NULL, total = 0, logged = 0;
+    int64_t *r0 = NULL;
     int L, E;
     enum dsv4_err e;
     cudaError_t rc;
@@ -433,6 +447,11 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
     memset(dev, 0, sizeof(*dev));
     if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: not a CUDA backend");
+    if (rank < 0 || rank >= size)
+        return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: rank %d of %d", rank, size);
+    e = dsv4_shard_check(cfg, size);
+    if (e != DSV4_OK)
+        return e;
     e = dsv4_inventory_build(&inv, cfg);
     if (e != DSV4_OK)
         return e;
@@ -440,9 +459,11 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
     E = cfg->n_routed_experts;
     p = (struct cuda_wpriv *)calloc(1, sizeof(*p));
     off = (size_t *)calloc((size_t)inv.n + 1, sizeof(*off));
-    if (p == NULL || off == NULL) {
+    r0 = (int64_t *)calloc((size_t)inv.n + 1, sizeof(*r0));
+    if (p == NULL || off == NULL || r0 == NULL) {
         free(p);
         free(off);
+        free(r0);
         dsv4_inventory_free(&inv);
         return dsv4_err_set(DSV4_ERR_NOMEM, "synthetic weights: no memory");
     }
@@ -466,12 +487,20 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
         lw->experts = E > 0 ? p->experts + (size_t)l * E : NULL;
         lw->compressor.ratio = lw->idx_compressor.ratio = lw->ratio;
     }
+    /* this rank's part: tensors not held get no place (row count 0), row
+     * slices a shape with their rows (common/weights_shard.h) */
     for (int i = 0; i < inv.n; i++) {
+        struct dsv4_tensor_spec *s = &inv.t[i];
+        int64_t rows;
+
+        if (!dsv4_shard_rows(cfg, s->name, rank, size, s->shape[0], &r0[i], &rows))
+            r0[i] = -1, rows = 0;
+        s->shape[0] = rows;
         off[i] = total;
-        total += cuda_align(dsv4_tensor_spec_bytes(&inv.t[i]));
+        total += rows > 0 ? cuda_align(dsv4_tensor_spec_bytes(s)) : 0;
     }
-    log_info("synthetic weights: %d tensors, %.2f GiB (%d layers, %d experts each), seed %llu",
-             inv.n, total / GIB, L, E, (unsigned long long)seed);
+    log_info("synthetic weights: %.2f GiB (%d layers, %d experts each), seed %llu, rank %d "
+             "of %d", total / GIB, L, E, (unsigned long long)seed, rank, size);
     rc = cudaMalloc((void **)&p->arena, total > 0 ? total : 256);
     if (rc != cudaSuccess) {
         (void)cudaGetLastError();
@@ -488,6 +517,8 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
         const struct dsv4_tensor_spec *s = &inv.t[i];
         void *scale_at = NULL;
 
+        if (r0[i] < 0)
+            continue;   /* held by another rank */
         if (bind(&c, s, p->arena + off[i]) != 0) {
             e = dsv4_err_set(DSV4_ERR_WEIGHTS, "synthetic weights: tensor '%s' has no place "
                              "in struct dsv4_weights", s->name);
@@ -506,7 +537,7 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
             }
             scale_at = p->arena + off[i + 1];
         }
-        e = generate(be, cfg, s, i, seed, p->arena + off[i], scale_at);
+        e = generate(be, cfg, s, i, seed, p->arena + off[i], scale_at, r0[i]);
         if (e != DSV4_OK)
             goto fail;
         if (off[i] - logged >= (size_t)GIB) {
@@ -532,10 +563,12 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
     cuda_progress(pr, total, total);
     log_info("synthetic weights: %.2f GiB on device %d", total / GIB, cuda_st(be)->device);
     free(off);
+    free(r0);
     dsv4_inventory_free(&inv);
     return DSV4_OK;
 fail:
     free(off);
+    free(r0);
     dsv4_inventory_free(&inv);
     dsv4_cuda_weights_free(be, dev);
     return e;

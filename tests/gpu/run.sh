@@ -24,6 +24,11 @@
 #   7. optional, when tests/bench_fast is packed: the fast decode kernels
 #      against the exact ones and their speed (tests/gpu/bench_fast.c), log
 #      in $OUT/fast.log; a numerical failure there fails the script.
+#   8. when tests/model/test_hf is packed: the CUDA backend against the
+#      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
+#      widths, made here); the `small` preset, STEPS_SMALL (300) decode
+#      steps CPU vs CUDA (test_decode_gpu long); on two GPUs, tests/test_tp_gpu
+#      (model group bit-identical to one GPU; TP_FULL=1: all 43 layers).
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -107,6 +112,65 @@ if [ "${MEMCHECK:-0}" = 1 ]; then
     [ "$rc_rc" = 0 ] || mc_rc="$mc_rc FAIL"
 fi
 
+# 7. transformers: the CUDA backend against the committed fixtures (made by
+#    tests/model/gpu_fixtures.sh), the bounds of CI's CPU runs
+#    (tests/model/meson.build); FLASH_HF=1 also makes the flash-widths
+#    fixture here (4 layers, 16 experts, 3.5 GB) and compares against it.
+hf_rc=skipped
+if command -v test_hf > /dev/null; then
+    hf_rc=0
+    B="--set vocab_size=2048 --set hidden_size=384 --set head_dim=256 --set q_lora_rank=256
+       --set sliding_window=32 --set index_n_heads=2 --set index_topk=16
+       --set n_routed_experts=16 --set num_experts_per_tok=4 --set moe_intermediate_size=256"
+    : > "$OUT/hf.log"
+    for spec in "tiny|--preset tiny --seed 11" "b|--preset small --seed 12 $B" \
+                "tinyk|--preset tiny --seed 11 --set index_topk=512" \
+                "bk|--preset small --seed 12 $B --set index_topk=512"; do
+        name=${spec%%|*}
+        # shellcheck disable=SC2086
+        dsv4-mkmodel ${spec#*|} --out /tmp/hf_$name > /dev/null || hf_rc=1
+        DSV4_TEST_BACKEND=cuda timeout 120 test_hf /tmp/hf_$name \
+            tests/model/fixtures/hf_$name.fix hf 0.03 0.65 >> "$OUT/hf.log" 2>&1 || hf_rc=1
+        DSV4_TEST_BACKEND=cuda timeout 120 test_hf /tmp/hf_$name \
+            tests/model/fixtures/hf_$name.fix ref 0.2 0 >> "$OUT/hf.log" 2>&1 || hf_rc=1
+    done
+    if [ "${FLASH_HF:-0}" = 1 ]; then
+        dsv4-mkmodel --preset flash --seed 13 --set num_hidden_layers=4 \
+            --set 'compress_ratios=[0,0,4,128,0]' --set num_hash_layers=3 \
+            --set n_routed_experts=16 --out /tmp/hf_flash4 > /dev/null || hf_rc=1
+        timeout 400 python3 tests/model/hf_reference.py --ckpt /tmp/hf_flash4 --n 300 --seed 7 \
+            --every 32 --out /tmp/hf_flash4.fix --meta '{"preset":"flash","seed":13,"sets":"F"}' \
+            >> "$OUT/hf.log" 2>&1 || hf_rc=1
+        for b in "hf 0.03 0.65" "ref 0.2 0"; do
+            # shellcheck disable=SC2086
+            DSV4_TEST_BACKEND=cuda timeout 200 test_hf /tmp/hf_flash4 /tmp/hf_flash4.fix $b \
+                >> "$OUT/hf.log" 2>&1 || hf_rc=1
+        done
+    fi
+fi
+
+# 8. the `small` preset: prefill + STEPS_SMALL (300) greedy decode steps,
+#    five sequences of mixed lengths, CPU vs CUDA (graphs and plain)
+small_rc=skipped
+if command -v test_decode_gpu > /dev/null && [ "${STEPS_SMALL:-300}" -gt 0 ]; then
+    dsv4-mkmodel --preset small --seed 3 --out /tmp/ck_small > /dev/null
+    timeout 400 test_decode_gpu long /tmp/ck_small "${STEPS_SMALL:-300}" > "$OUT/small.log" 2>&1
+    small_rc=$?
+fi
+
+# 9. two GPUs (when present): a model group over NCCL, bit-identical to one
+#    GPU on the flash widths with TP_LAYERS (4) layers; then TP_FULL=1: all
+#    43 layers of flash split over the two GPUs
+tp_rc=skipped
+if command -v test_tp_gpu > /dev/null && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    export NCCL_NVLS_ENABLE=0
+    timeout 400 test_tp_gpu equal "${TP_LAYERS:-4}" "${TP_STEPS:-64}" > "$OUT/tp.log" 2>&1
+    tp_rc=$?
+    if [ "${TP_FULL:-0}" = 1 ]; then
+        timeout 500 test_tp_gpu full "${TP_STEPS:-64}" >> "$OUT/tp.log" 2>&1 || tp_rc=1
+    fi
+fi
+
 fast_rc=skipped
 if command -v bench_fast > /dev/null; then
     timeout 300 bench_fast > "$OUT/fast.log" 2>&1
@@ -127,10 +191,25 @@ if command -v test_decode_gpu > /dev/null; then
     grep -E "synthetic|up \(" "$OUT/rank_synth.log" | tail -3
     grep STATUS "$OUT/notify.log" | tail -4
 fi
+if [ "$hf_rc" != skipped ]; then
+    echo "transformers vs CUDA backend (exit $hf_rc):"
+    grep -E "^test_hf|Error|error" "$OUT/hf.log"
+fi
+if [ "$small_rc" != skipped ]; then
+    echo "small preset, CPU vs CUDA (exit $small_rc):"
+    grep -vE "^   step" "$OUT/small.log" | tail -4
+fi
+if [ "$tp_rc" != skipped ]; then
+    echo "two GPUs (exit $tp_rc):"
+    grep -E "^\||PASS|FAIL|SKIP" "$OUT/tp.log"
+fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
     grep -E "^(FAIL|summary|bench_fast)" "$OUT/fast.log"
 fi
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
+for rc in "$hf_rc" "$small_rc" "$tp_rc"; do
+    [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
+done
 [ "$ops_rc" = 0 ] && [ "$fwd_rc" = 0 ] && [ "$rest_rc" = 0 ] && { [ "$mc_rc" = skipped ] ||
     [ "$mc_rc" = "memcheck exit 0, racecheck exit 0" ]; }

@@ -6,6 +6,11 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+
+#ifdef DSV4_HAVE_CUDA
+#include "kernels/cuda_weights.h"
+#endif
 
 void
 tmodel_open(struct tmodel *t, const char *dir, enum dsv4_numerics num, int n_slots, int max_seq,
@@ -18,8 +23,26 @@ tmodel_open(struct tmodel *t, const char *dir, enum dsv4_numerics num, int n_slo
         fprintf(stderr, "load %s: %s\n", dir, dsv4_errmsg());
         exit(1);
     }
-    if (dsv4_backend_create(&t->be, "cpu", num, 0) != DSV4_OK ||
-        dsv4_model_create(&t->m, t->be, &t->w, &o) != DSV4_OK) {
+    const char *bk = getenv("DSV4_TEST_BACKEND");
+    const struct dsv4_weights *mw = &t->w;
+
+    memset(&t->dw, 0, sizeof(t->dw));
+    if (bk == NULL || bk[0] == '\0')
+        bk = "cpu";
+    if (dsv4_backend_create(&t->be, bk, num, 0) != DSV4_OK) {
+        fprintf(stderr, "backend %s: %s\n", bk, dsv4_errmsg());
+        exit(1);
+    }
+#ifdef DSV4_HAVE_CUDA
+    if (strcmp(bk, "cuda") == 0) {
+        if (dsv4_cuda_weights_upload(t->be, &t->dw, &t->w) != DSV4_OK) {
+            fprintf(stderr, "upload: %s\n", dsv4_errmsg());
+            exit(1);
+        }
+        mw = &t->dw;
+    }
+#endif
+    if (dsv4_model_create(&t->m, t->be, mw, &o) != DSV4_OK) {
         fprintf(stderr, "model: %s\n", dsv4_errmsg());
         exit(1);
     }
@@ -30,6 +53,10 @@ void
 tmodel_close(struct tmodel *t)
 {
     dsv4_model_free(t->m);
+#ifdef DSV4_HAVE_CUDA
+    if (t->dw.priv != NULL)
+        dsv4_cuda_weights_free(t->be, &t->dw);
+#endif
     dsv4_backend_destroy(t->be);
     dsv4_weights_free(&t->w);
 }

@@ -11,9 +11,12 @@
 #include "kernels/backend.h"
 #include "kernels/forward.h"
 
-/* A loaded model on a CPU backend. */
+/* A loaded model on a CPU backend, or on the CUDA backend when the
+ * environment has DSV4_TEST_BACKEND=cuda (builds with CUDA; the weights are
+ * uploaded, dw). */
 struct tmodel {
     struct dsv4_weights w;
+    struct dsv4_weights dw;   /* device copy (CUDA backend), else zeroed */
     struct dsv4_backend *be;
     struct dsv4_model *m;
     int V;

@@ -1,5 +1,6 @@
 /*
- * test_hf.c — our CPU forward against transformers' DeepseekV4ForCausalLM.
+ * test_hf.c — our forward against transformers' DeepseekV4ForCausalLM (the
+ * CPU backend; the CUDA backend with DSV4_TEST_BACKEND=cuda, tests/gpu/run.sh).
  *
  * Reads a fixture written by hf_reference.py (logits of transformers for N
  * token ids at selected positions), runs a one-shot prefill of the same ids
@@ -152,9 +153,9 @@ main(int argc, char **argv)
     }
     qsort(rel, (size_t)np, sizeof(double), cmp_double);
     double median = rel[np / 2], frac = (double)within / np, top1 = (double)agree / np;
-    printf("test_hf: %s numerics=%s n=%d rows=%d median_rel=%.4f p90_rel=%.4f "
+    printf("test_hf: %s backend=%s numerics=%s n=%d rows=%d median_rel=%.4f p90_rel=%.4f "
            "rows_within_%.2f=%.3f top1=%.3f overall_rel=%.4f max_abs=%.3g "
-           "(bounds: median<=%g within>=%g)\n", argv[2], argv[3], n, np, median,
+           "(bounds: median<=%g within>=%g)\n", argv[2], tm.be->name, argv[3], n, np, median,
            rel[(int)(np * 0.9)], ROW_TOL, frac, top1, sqrt(se_all / sr_all), mx, max_med,
            min_within);
     int ok = median <= max_med && frac >= min_within;
