@@ -20,7 +20,8 @@ kill_decode, kill_prefill, drain, ...) run unchanged against this set (the
 rig replaces svc_test.Service), plus
   curve     a client and a "rank" without the server key are refused on the
             tcp links (ZeroMQ handshake failure seen on a socket monitor),
-            while the same client with the key is served;
+            while the same client with the key is served; dsv4ctl ranks
+            shows each rank's host;
   vethdown  the prefill-decode link goes down while requests are handed
             over: imports fail within kv_timeout_ms, the scheduler re-runs
             them, and after the link is back every request has completed
@@ -346,6 +347,12 @@ def sc_curve():
         log("svc_client without the key: %s" % err.strip()[-200:])
         got, rc, err = st.finish(svc.client(prompts, 8), svc)
         check(rc == 0 and all(g[0] == "done" for g in got), "client with the key failed")
+        # dsv4ctl ranks shows where each rank runs
+        r = sh(st.exe("tools/dsv4ctl/dsv4ctl"), "--admin", svc.admin_ep, "ranks")
+        log("dsv4ctl ranks:\n" + r.stdout.rstrip())
+        rows = {ln.split()[0]: ln.split()[2] for ln in r.stdout.splitlines()[1:] if ln.strip()}
+        check(rows == {"prefill@0": "prefill-host", "decode@0": "decode-host"},
+              "dsv4ctl ranks hosts: %s" % rows)
         svc.check_no_leaks()
     finally:
         check(svc.stop() == 0, "the rig did not stop cleanly")
