@@ -17,9 +17,9 @@
  * a new scheduler link, or RANK_KV_TIMEOUT_MS.
  * Decode: DECODE -> state import started into a slot (a network transport
  * copies in the background, bounded by kv_timeout_ms) -> KV_RELEASE -> the
- * stream joins the running batch (or ERROR when the import failed); every step: one token per stream, one TOKENS
- * message; DECODE_DONE at max_tokens / a stop id / the sequence limit;
- * ABORT drops a stream.
+ * stream joins the running batch (or ERROR when the import failed); every
+ * step: one token per stream, one TOKENS message; DECODE_DONE at max_tokens
+ * / a stop id / the sequence limit; ABORT drops a stream.
  *
  * Invariant: the rank's state is exactly its jobs, exports and streams; all
  * of it belongs to the current scheduler link and is dropped when the link
