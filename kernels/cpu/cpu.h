@@ -19,6 +19,7 @@
 #ifndef DSV4_KERNELS_CPU_CPU_H
 #define DSV4_KERNELS_CPU_CPU_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -176,6 +177,25 @@ enum dsv4_err cpu_hc_post(struct dsv4_backend *be, float *X_out, const float *f,
 enum dsv4_err cpu_hc_head(struct dsv4_backend *be, float *x_out, const float *X,
                           const struct dsv4_hc_w *hc, int T, int n, int D, float hc_eps,
                           float norm_eps);
+
+/*
+ * exp and log1p of a float, evaluated in double and rounded to float: the
+ * correctly rounded value but for double-rounding accidents (far rarer than
+ * one in a billion), and what the CUDA backend computes (cu_expf,
+ * cu_log1pf in kernels/cuda/cuda.cuh), so the two backends agree bit for
+ * bit where a float exp is taken (softmax, sigmoid, SiLU, softplus).
+ */
+static inline float
+cpu_expf(float x)
+{
+    return (float)exp((double)x);
+}
+
+static inline float
+cpu_log1pf(float x)
+{
+    return (float)log1p((double)x);
+}
 
 /* cpu_attn.c */
 enum dsv4_err cpu_compress(struct dsv4_backend *be, float *entries, float *state_kv,

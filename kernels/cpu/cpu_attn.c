@@ -94,7 +94,7 @@ comp_task(void *ctx, int64_t begin, int64_t end, int tid)
                 for (int k = 0; k < ns; k++) {
                     int64_t col = (c == 2 && k >= r) ? d + ch : ch;
 
-                    e[k] = expf(zs[k * cd + col] - m);
+                    e[k] = cpu_expf(zs[k * cd + col] - m);
                     den += e[k];
                 }
                 for (int k = 0; k < ns; k++) {
@@ -450,7 +450,7 @@ attn_task(void *ctx, int64_t begin, int64_t end, int tid)
             float e[ATTN_HG];
 
             for (int g = 0; g < ATTN_HG; g++) {
-                e[g] = expf(sc[g * j->max_cand + c] - m[g]);
+                e[g] = cpu_expf(sc[g * j->max_cand + c] - m[g]);
                 den[g] += e[g];
             }
             for (int i = 0; i < Dh; i++) {
@@ -464,7 +464,7 @@ attn_task(void *ctx, int64_t begin, int64_t end, int tid)
         }
         for (int g = 0; g < nh; g++) {
             float *o = j->out + ((int64_t)t * j->H + h0 + g) * Dh;
-            float dg = den[g] + expf(j->sink[h0 + g] - m[g]);
+            float dg = den[g] + cpu_expf(j->sink[h0 + g] - m[g]);
 
             for (int i = 0; i < Dh; i++)
                 o[i] = dsv4_bf16_round(acc[g * Dh + i] / dg);

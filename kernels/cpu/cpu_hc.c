@@ -82,7 +82,7 @@ hc_mix(struct dsv4_backend *be, const float *X, const float *fn, int T, int M, i
 static inline float
 sigmoidf(float x)
 {
-    return 1.0f / (1.0f + expf(-x));
+    return 1.0f / (1.0f + cpu_expf(-x));
 }
 
 /* out (D) = bf16(Σ_j pre[j] X[j]) */
@@ -111,7 +111,7 @@ sinkhorn(float *C, int n, int iters, float eps)
         for (int k = 1; k < n; k++)
             mx = row[k] > mx ? row[k] : mx;
         for (int k = 0; k < n; k++) {
-            row[k] = expf(row[k] - mx);
+            row[k] = cpu_expf(row[k] - mx);
             sum += row[k];
         }
         for (int k = 0; k < n; k++)

@@ -46,7 +46,7 @@
 static inline float
 sqrt_softplus(float l)
 {
-    return sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+    return sqrtf(l > 20.0f ? l : cpu_log1pf(cpu_expf(l)));
 }
 
 enum dsv4_err
@@ -234,7 +234,7 @@ moe_up_task(void *ctx, int64_t begin, int64_t end, int tid)
                     gv = gv < j->lim ? gv : j->lim;
                     uv = uv < -j->lim ? -j->lim : uv > j->lim ? j->lim : uv;
                 }
-                v = gv / (1.0f + expf(-gv)) * uv;
+                v = gv / (1.0f + cpu_expf(-gv)) * uv;
                 if (un->wt != NULL)
                     v *= un->wt[m.t0 + i];
                 h[m.n0 + c] = dsv4_bf16_round(v);

@@ -14,11 +14,13 @@
  *     (addition is commutative, so every thread of the group ends with the
  *     same bits);
  *   - expf/log1pf are evaluated in double and rounded to float (the correctly
- *     rounded value but for double-rounding accidents), which agrees with
- *     glibc's expf except in rare last-bit cases; cos/sin are computed in
- *     double as the CPU does; sqrtf and fp32 division are IEEE on both sides.
- * So most ops agree exactly with the CPU backend; the exceptions differ by
- * an ulp of an exp and are bounded in tests/gpu/test_ops_gpu.c.
+ *     rounded value but for double-rounding accidents), as the CPU backend
+ *     does (cpu_expf, cpu_log1pf); cos/sin are computed in double as the CPU
+ *     does; sqrtf and fp32 division are IEEE on both sides.
+ * So the ops agree exactly with the CPU backend, unless CUDA's and glibc's
+ * double exp round a value lying within a double ulp of a float rounding
+ * boundary differently; the op tests (tests/gpu/test_ops_gpu.c) keep small
+ * bounds for that case.
  *
  * Memory: backend memory is device memory (cudaMalloc, zero-filled).  Ops
  * that need temporary space take it from one scratch buffer owned by the

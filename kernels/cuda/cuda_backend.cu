@@ -453,8 +453,14 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
     be->numerics = numerics;
     be->n_threads = 1;
     be->priv = st;
-    log_info("cuda backend: device %d, %s numerics", st->device,
-             numerics == DSV4_NUMERICS_REF ? "ref" : "hf");
+    /* DSV4_CUDA_KERNELS=fast: the fast decode kernels (kernels/cuda_fast.h) */
+    {
+        const char *k = getenv("DSV4_CUDA_KERNELS");
+
+        st->fast_kernels = k != NULL && strcmp(k, "fast") == 0;
+    }
+    log_info("cuda backend: device %d, %s numerics, %s kernels", st->device,
+             numerics == DSV4_NUMERICS_REF ? "ref" : "hf", st->fast_kernels ? "fast" : "exact");
     *out = be;
     return DSV4_OK;
 }

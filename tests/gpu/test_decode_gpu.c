@@ -5,6 +5,7 @@
  *
  * usage: test_decode_gpu long CKPT_DIR [STEPS]
  *        test_decode_gpu synth CKPT_DIR [LAYERS [STEPS]]
+ *        test_decode_gpu profile LAYERS BATCH
  *
  * long: five sequences of mixed prompt lengths (150, 61, 9, 130, 2) are
  * prefilled in one call, then decoded for STEPS (default 1000) greedy
@@ -27,6 +28,12 @@
  * logits bit-identical to ungraphed ones, all finite; decode step times
  * printed (not checked).
  *
+ * profile: the `flash` widths cut to LAYERS layers with synthetic weights,
+ * 16 prompts of 64 tokens, 3 decode steps at batch BATCH, then one more
+ * ungraphed step between cudaProfilerStart/Stop (for `ncu
+ * --profile-from-start off`: the per-kernel breakdown of docs/perf.md), and
+ * the graphed step time.  DSV4_CUDA_KERNELS=fast selects the fast kernels.
+ *
  * Exit status: 0 pass, 1 failure, 77 no CUDA device.
  */
 #include <math.h>
@@ -35,6 +42,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <cuda_profiler_api.h>
+#include <cuda_runtime_api.h>
 
 #include "common/formats.h"
 #include "common/model_config.h"
@@ -462,6 +472,74 @@ run_synth(const char *dir, int layers, int steps)
     return bad ? 1 : 0;
 }
 
+static int
+run_profile(int layers, int batch)
+{
+    struct dsv4_weights fw;
+    struct dsv4_backend *gb = cuda_or_skip(DSV4_NUMERICS_REF);
+    struct dsv4_config cfg;
+    struct dsv4_model *pm, *gm;
+    struct dsv4_model_opts opts = { 0 };
+    int V, plen = 64, B = 16;
+    char set_layers[64], set_ratios[512];
+    double t0, ms_plain, ms_graph;
+
+    TRY("preset", dsv4_config_preset(&cfg, "flash"));
+    {
+        int o = snprintf(set_ratios, sizeof(set_ratios), "compress_ratios=[");
+        for (int l = 0; l <= layers; l++)
+            o += snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "%s%d", l ? "," : "",
+                          l == layers ? 0 : cfg.compress_ratios[l]);
+        snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "]");
+        snprintf(set_layers, sizeof(set_layers), "num_hidden_layers=%d", layers);
+        const char *sets[] = { set_layers, set_ratios };
+        TRY("flash override", dsv4_config_override(&cfg, 2, sets));
+    }
+    TRY("synthetic (flash)", dsv4_cuda_weights_synthetic(gb, &fw, &cfg, 11, NULL));
+    opts.n_slots = B;
+    opts.max_seq_len = plen + 64;
+    opts.max_rows = B * plen;
+    TRY("model", dsv4_model_create(&pm, gb, &fw, &opts));
+    opts.graphs = 1;
+    TRY("model (graphs)", dsv4_model_create(&gm, gb, &fw, &opts));
+    V = dsv4_model_vocab(pm);
+    {
+        int32_t slot[16], ntok[16], *tok = malloc((size_t)B * plen * sizeof(*tok)), tg[16];
+        float *lg = malloc((size_t)B * plen * V * sizeof(float));
+        struct dsv4_batch b = { B, slot, ntok, tok };
+
+        for (int i = 0; i < B * plen; i++)
+            tok[i] = (int32_t)((i * 2654435761u + 5) % (unsigned)V);
+        for (int i = 0; i < B; i++) {
+            slot[i] = i;
+            ntok[i] = plen;
+        }
+        TRY("prefill", dsv4_model_forward(pm, &b, lg, 0));
+        TRY("prefill", dsv4_model_forward(gm, &b, lg, 0));
+        for (int i = 0; i < B; i++)
+            tg[i] = argmax(lg + (size_t)i * V, V);
+        decode_steps(pm, batch, 3, V, lg, tg);
+        cudaDeviceSynchronize();
+        cudaProfilerStart();
+        t0 = now_ms();
+        decode_steps(pm, batch, 1, V, lg, tg);
+        ms_plain = now_ms() - t0;
+        cudaProfilerStop();
+        decode_steps(gm, batch, 3, V, lg, tg);
+        ms_graph = decode_steps(gm, batch, 20, V, lg, tg);
+        printf("| profile | flash widths, %d layers | batch %d | %s kernels | plain step %.2f ms "
+               "| graphed step %.2f ms |\n", layers, batch,
+               getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "exact", ms_plain,
+               ms_graph);
+        free(tok), free(lg);
+    }
+    dsv4_model_free(pm);
+    dsv4_model_free(gm);
+    dsv4_cuda_weights_free(gb, &fw);
+    dsv4_backend_destroy(gb);
+    return 0;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -481,9 +559,12 @@ main(int argc, char **argv)
                MEDIAN_TOL, MAX_TOL);
         return rc;
     }
+    if (argc >= 4 && strcmp(argv[1], "profile") == 0)
+        return run_profile(atoi(argv[2]), atoi(argv[3]));
     if (argc >= 3 && strcmp(argv[1], "synth") == 0)
         return run_synth(argv[2], argc > 3 ? atoi(argv[3]) : 4, argc > 4 ? atoi(argv[4]) : 32);
     fprintf(stderr, "usage: test_decode_gpu long CKPT_DIR [STEPS]\n"
-                    "       test_decode_gpu synth CKPT_DIR [LAYERS [STEPS]]\n");
+                    "       test_decode_gpu synth CKPT_DIR [LAYERS [STEPS]]\n"
+                    "       test_decode_gpu profile LAYERS BATCH\n");
     return 2;
 }
