@@ -307,8 +307,15 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->n_main = c->num_hidden_layers;
     m->n_layers = w->n_layers;
     m->comm = opts->comm;
-    m->tp = opts->comm != NULL ? opts->comm->size : 1;
-    m->tp_rank = opts->comm != NULL ? opts->comm->rank : 0;
+    m->tp = opts->comm != NULL ? opts->comm->size : opts->tp_size > 0 ? opts->tp_size : 1;
+    m->tp_rank = opts->comm != NULL ? opts->comm->rank : opts->tp_rank;
+    if (m->tp_rank < 0 || m->tp_rank >= m->tp ||
+        (opts->comm != NULL && opts->tp_size > 0 &&
+         (opts->tp_size != opts->comm->size || opts->tp_rank != opts->comm->rank))) {
+        free(m);
+        return dsv4_err_set(DSV4_ERR_INVAL, "model: rank %d of %d does not match the "
+                            "communicator", opts->tp_rank, opts->tp_size);
+    }
     m->Hl = m->H / m->tp;
     m->Gl = c->o_groups / m->tp;
     m->Dl = m->D / m->tp;
@@ -445,6 +452,21 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         }
     }
     *out = m;
+    return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm)
+{
+    if (comm != NULL && (comm->size != m->tp || comm->rank != m->tp_rank))
+        return dsv4_err_set(DSV4_ERR_INVAL, "model: communicator of rank %d of %d for rank "
+                            "%d of %d", comm->rank, comm->size, m->tp_rank, m->tp);
+    for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++) {
+        if (m->graph[i] != NULL)
+            m->be->ops->graph_free(m->be, m->graph[i]);
+        m->graph[i] = NULL;
+    }
+    m->comm = comm;
     return DSV4_OK;
 }
 
@@ -996,6 +1018,9 @@ dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b, float *logi
 
     int graphed;
 
+    if (m->tp > 1 && m->comm == NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "forward: rank %d of %d has no communicator",
+                            m->tp_rank, m->tp);
     TRY(plan_build(m, b, flags));
     graphed = graph_eligible(m, b, flags);
     if (graphed)
@@ -1030,6 +1055,9 @@ dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b, const int32_t *
 
     if (m->n_layers <= m->n_main)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "mtp: checkpoint has no MTP layer");
+    if (m->tp > 1 && m->comm == NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "mtp: rank %d of %d has no communicator",
+                            m->tp_rank, m->tp);
     for (int i = 0; i < b->n_seqs; i++)
         T += b->n_tokens[i];
     if (T != m->hidden_rows)

@@ -53,6 +53,9 @@ struct dsv4_model_opts {
                             0 = n_slots * max_seq_len (every slot can be full) */
     struct dsv4_comm *comm; /* model group (kernels/comm.h), or NULL for one rank;
                                not owned */
+    int tp_rank, tp_size;   /* place in the model group when comm is NULL at
+                               creation (dsv4_model_set_comm later); 0, 0 = from
+                               comm, or one rank */
 };
 
 /*
@@ -157,6 +160,15 @@ enum dsv4_err dsv4_model_state_import(struct dsv4_model *m, int slot, const void
 
 /* Pages of the ratio-4 pool (the largest) in use and in all (forward.h). */
 void dsv4_model_pages(const struct dsv4_model *m, int *in_use, int *total);
+
+/*
+ * Give the model (a rank of a group) its communicator, replacing the one it
+ * had: after a member of the group rejoined, the group makes a new one.
+ * Size and rank must be the model's; recorded decode graphs (which hold the
+ * old communicator's operations) are dropped.  NULL detaches (forward calls
+ * then fail with DSV4_ERR_INVAL until a communicator is set).
+ */
+enum dsv4_err dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm);
 
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);

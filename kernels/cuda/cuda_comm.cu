@@ -24,6 +24,7 @@ struct nccl_api {
     ncclResult_t (*all_reduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
                                ncclComm_t, cudaStream_t);
     ncclResult_t (*destroy)(ncclComm_t);
+    ncclResult_t (*abort)(ncclComm_t);
     const char *(*error_string)(ncclResult_t);
 };
 
@@ -48,8 +49,9 @@ nccl_open(void)
         lib, "ncclAllReduce");
     nccl.destroy = (ncclResult_t(*)(ncclComm_t))dlsym(lib, "ncclCommDestroy");
     nccl.error_string = (const char *(*)(ncclResult_t))dlsym(lib, "ncclGetErrorString");
+    nccl.abort = (ncclResult_t(*)(ncclComm_t))dlsym(lib, "ncclCommAbort");
     if (nccl.get_unique_id == NULL || nccl.init_rank == NULL || nccl.all_reduce == NULL ||
-        nccl.destroy == NULL || nccl.error_string == NULL) {
+        nccl.destroy == NULL || nccl.error_string == NULL || nccl.abort == NULL) {
         snprintf(nccl_why, sizeof(nccl_why), "libnccl.so.2 lacks an entry point");
         dlclose(lib);
         memset(&nccl, 0, sizeof(nccl));
@@ -85,6 +87,29 @@ nccl_allreduce(struct dsv4_comm *c, struct dsv4_backend *be, float *x, int64_t n
     return rc == ncclSuccess ? DSV4_OK : nccl_err(rc, "all-reduce");
 }
 
+static enum dsv4_err
+nccl_min_u64(struct dsv4_comm *c, struct dsv4_backend *be, uint64_t *x, int64_t n)
+{
+    ncclResult_t rc;
+
+    if (n <= 0)
+        return DSV4_OK;
+    rc = nccl.all_reduce(x, x, (size_t)n, ncclUint64, ncclMin, (ncclComm_t)c->priv,
+                         cuda_stream(be));
+    return rc == ncclSuccess ? DSV4_OK : nccl_err(rc, "all-reduce (min)");
+}
+
+/* ncclCommAbort: kernels waiting for a rank that is gone return; the
+ * communicator is unusable afterwards (destroy frees the handle only). */
+static void
+nccl_abort(struct dsv4_comm *c)
+{
+    void *comm = __atomic_exchange_n(&c->priv, (void *)NULL, __ATOMIC_ACQ_REL);
+
+    if (comm != NULL)
+        nccl.abort((ncclComm_t)comm);
+}
+
 static void
 nccl_destroy(struct dsv4_comm *c)
 {
@@ -95,6 +120,8 @@ nccl_destroy(struct dsv4_comm *c)
 
 static const struct dsv4_comm_ops nccl_ops = {
     nccl_allreduce,
+    nccl_min_u64,
+    nccl_abort,
     nccl_destroy,
 };
 

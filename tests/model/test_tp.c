@@ -9,13 +9,19 @@
  * sequences, every row's logits), 60 greedy batched decode steps crossing
  * the window, r=4 and r=128 boundaries, the MTP head over the prompts, and a
  * decode-state handoff from rank to rank's slot.  Every logit of both ranks
- * must equal the single rank's (memcmp).  Also: the shard rule refuses
- * group sizes that do not divide the model.
+ * must equal the single rank's (memcmp).  The same with the ranks as two
+ * processes over the shm communicator (fork).  Also: the shard rule refuses
+ * group sizes that do not divide the model; a shm group whose second rank
+ * never comes, or goes away, fails within its timeout instead of hanging,
+ * and leaves nothing in /dev/shm.
  *
  * Usage: test_tp CHECKPOINT_DIR (run_with_ckpt.sh makes it).
  */
+#include <dirent.h>
 #include <pthread.h>
 #include <setjmp.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -228,6 +234,138 @@ test_group_equals_one_rank(void **state)
     tmodel_close(&tm);
 }
 
+/* Rank `rank` of a shm group in this process: its shard, its model, the
+ * script; 0 when every logit equals ref's. */
+static int
+shm_rank_run(const struct dsv4_weights *full, const uint8_t *id, int rank,
+             const struct run_out *ref)
+{
+    struct dsv4_backend *be = NULL;
+    struct dsv4_weights sh;
+    struct dsv4_model *m = NULL;
+    struct dsv4_comm *c = NULL;
+    struct dsv4_model_opts o = opts(NULL);
+    struct run_out out;
+    int bad;
+
+    run_alloc(&out);
+    o.tp_rank = rank;
+    o.tp_size = 2;
+    if (dsv4_weights_shard(&sh, full, rank, 2) != DSV4_OK ||
+        dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
+        dsv4_model_create(&m, be, &sh, &o) != DSV4_OK ||
+        dsv4_comm_shm_create(&c, rank, 2, id, 4 << 20, 20000) != DSV4_OK ||
+        dsv4_model_set_comm(m, c) != DSV4_OK) {
+        printf("# shm rank %d set-up: %s\n", rank, dsv4_errmsg());
+        return 1;
+    }
+    run_script(m, &out);
+    if (out.err != DSV4_OK) {
+        printf("# shm rank %d: %s\n", rank, out.msg);
+        return 1;
+    }
+    bad = memcmp(out.prefill, ref->prefill, (size_t)N_PROMPT * V * sizeof(float)) != 0 ||
+          memcmp(out.steps, ref->steps, (size_t)N_STEPS * N_SEQ * V * sizeof(float)) != 0 ||
+          memcmp(out.mtp, ref->mtp, (size_t)N_PROMPT * V * sizeof(float)) != 0 ||
+          memcmp(out.handoff, ref->handoff, (size_t)V * sizeof(float)) != 0;
+    printf("# shm rank %d (pid %d): logits %s the single rank's\n", rank, (int)getpid(),
+           bad ? "DIFFER from" : "equal");
+    fflush(stdout);
+    dsv4_model_free(m);
+    dsv4_comm_destroy(c);
+    dsv4_backend_destroy(be);
+    dsv4_weights_shard_free(&sh);
+    run_free(&out);
+    return bad;
+}
+
+/* Entries of /dev/shm whose name starts with "dsv4comm-". */
+static int
+comm_segments(void)
+{
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    int n = 0;
+
+    if (d == NULL)
+        return 0;
+    while ((e = readdir(d)) != NULL)
+        n += strncmp(e->d_name, "dsv4comm-", 9) == 0;
+    closedir(d);
+    return n;
+}
+
+/* The same group as two processes over the shm communicator. */
+static void
+test_group_processes(void **state)
+{
+    struct tmodel tm;
+    struct dsv4_model *ref_m = NULL;
+    struct dsv4_model_opts o = opts(NULL);
+    struct run_out ref;
+    uint8_t id[DSV4_COMM_ID_BYTES];
+    int before = comm_segments(), st = 0;
+    pid_t pid;
+
+    (void)state;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
+    V = tm.V;
+    assert_int_equal(dsv4_model_create(&ref_m, tm.be, &tm.w, &o), DSV4_OK);
+    run_alloc(&ref);
+    run_script(ref_m, &ref);
+    assert_int_equal(ref.err, DSV4_OK);
+    assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
+    fflush(stdout);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0)
+        _exit(shm_rank_run(&tm.w, id, 1, &ref));
+    assert_int_equal(shm_rank_run(&tm.w, id, 0, &ref), 0);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    assert_int_equal(comm_segments(), before);
+    run_free(&ref);
+    dsv4_model_free(ref_m);
+    tmodel_close(&tm);
+}
+
+/* A shm group fails within its timeout when a rank never comes or leaves. */
+static void
+test_group_failures(void **state)
+{
+    uint8_t id[DSV4_COMM_ID_BYTES];
+    struct dsv4_comm *c = NULL;
+    float x[4] = { 1, 2, 3, 4 };
+    int before = comm_segments(), st = 0;
+    pid_t pid;
+
+    (void)state;
+    /* rank 1 never joins */
+    assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
+    assert_int_equal(dsv4_comm_shm_create(&c, 0, 2, id, 64, 300), DSV4_ERR_TIMEOUT);
+    printf("# %s\n", dsv4_errmsg());
+    assert_null(c);
+    /* rank 1 joins, then exits without a collective */
+    assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
+    fflush(stdout);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        struct dsv4_comm *cc = NULL;
+
+        _exit(dsv4_comm_shm_create(&cc, 1, 2, id, 64, 5000) == DSV4_OK ? 0 : 1);
+    }
+    assert_int_equal(dsv4_comm_shm_create(&c, 0, 2, id, 64, 400), DSV4_OK);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    assert_int_equal(c->ops->allreduce_sum(c, NULL, x, 4), DSV4_ERR_TIMEOUT);
+    printf("# %s\n", dsv4_errmsg());
+    /* broken stays broken: at once */
+    assert_int_equal(c->ops->allreduce_sum(c, NULL, x, 4), DSV4_ERR_TIMEOUT);
+    dsv4_comm_destroy(c);
+    assert_int_equal(comm_segments(), before);
+}
+
 /* Group sizes that do not divide the model, and a model given the full
  * weights as a rank of a group, are refused with clear errors. */
 static void
@@ -260,6 +398,8 @@ main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_group_equals_one_rank),
+        cmocka_unit_test(test_group_processes),
+        cmocka_unit_test(test_group_failures),
         cmocka_unit_test(test_bad_groups),
     };
 
