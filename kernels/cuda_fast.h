@@ -1,15 +1,17 @@
 /*
  * cuda_fast.h — switch between the CUDA backend's exact kernels and its fast
- * decode kernels (kernels/cuda/fast_linear.cu, fast_moe.cu; docs/gpu.md,
- * "Fast kernels"), plus two helpers the fast-kernel benchmark needs: expert
- * array registration and event timing on the backend's stream.
+ * decode kernels (kernels/cuda/fast_*.cu; docs/gpu.md, "Fast kernels"),
+ * plus two helpers the fast-kernel benchmark needs: expert array
+ * registration and event timing on the backend's stream.
  *
  * The exact kernels reproduce the CPU reference bit for bit.  The fast ones
  * follow the same numerics contract (REF: FP8 activation quantization per
- * 128 columns, per-block partial sums times the scales, bf16 outputs) with
- * another summation order inside a 128-column block, so they differ from the
- * exact path by rounding only; they are deterministic (same inputs, same
- * bits, whatever T and the other rows).
+ * 128 columns, per-block partial sums times the scales, bf16 outputs where
+ * the op says so) with another summation order (inside a 128-column block
+ * for the linears, a tree for the reductions of rms_norm and hc), so they
+ * differ from the exact path by rounding only (and the router's picks at
+ * near ties); they are deterministic (same inputs, same bits, whatever T
+ * and the other rows).
  *
  * C-callable; only in builds with CUDA (DSV4_HAVE_CUDA).
  */
@@ -25,14 +27,18 @@ extern "C" {
 #endif
 
 /*
- * fast != 0: linear and moe use the fast kernels where they apply, the
- * exact kernels elsewhere:
+ * fast != 0: these ops use the fast kernels where they apply, the exact
+ * kernels elsewhere:
  *   linear  FP8 weights under REF numerics (n_out % 32 == 0), BF16 weights
  *           (n_out % 16 == 0); n_in % 128 == 0; weights 16-byte aligned;
+ *   linear_grouped  FP8 weights, n_in % 128 == 0, rows per group % 32 == 0,
+ *           weights 16-byte aligned;
  *   moe     REF numerics, T <= 96, 1 <= k <= 64, FP4 routed experts and an
  *           FP8 shared expert, D and I multiples of 128, and an
  *           expert array registered with the backend (as
- *           dsv4_cuda_weights_upload does, or dsv4_cuda_experts_register).
+ *           dsv4_cuda_weights_upload does, or dsv4_cuda_experts_register);
+ *   rms_norm, router  always;
+ *   hc_pre  n <= 4 streams; hc_head  n <= 5.
  * fast == 0 (the default): exact kernels everywhere.  Takes effect for ops
  * queued afterwards; graphs already recorded keep the kernels they recorded.
  * DSV4_ERR_INVAL when be is not a CUDA backend.

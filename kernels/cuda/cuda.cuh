@@ -62,9 +62,9 @@ struct cuda_state {
                                            graphs may still use them; freed
                                            by destroy */
     int n_retired, cap_retired;
-    int fast_kernels;                   /* dsv4_cuda_set_kernels: linear and moe
-                                           use fast_linear.cu / fast_moe.cu
-                                           where they apply (0 = exact) */
+    int fast_kernels;                   /* dsv4_cuda_set_kernels: the ops with
+                                           a fast version (fast_*.cu) use it
+                                           where it applies (0 = exact) */
 };
 
 static inline struct cuda_state *
@@ -472,6 +472,26 @@ enum dsv4_err cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x,
                             const struct dsv4_expert_w *table, int n_table,
                             const struct dsv4_expert_w *shared, int T, int k, int D, int I,
                             float lim);
+
+/* fast_linear.cu (grouped), fast_norm.cu, fast_hc.cu, fast_router.cu: the
+ * fast versions of linear_grouped, rms_norm, hc_pre / hc_head and router,
+ * called by the ops of the same name when st->fast_kernels is set (and the
+ * _ok predicate holds where there is one). */
+int cuda_fast_linear_grouped_ok(const struct dsv4_linear *W, int G);
+enum dsv4_err cuda_fast_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
+                                       const struct dsv4_linear *W, int T, int G);
+enum dsv4_err cuda_fast_rms_norm(struct dsv4_backend *be, float *out, const float *x,
+                                 const uint16_t *w, int rows, int D, float eps);
+/* head: the hc_head form (n mix rows; post, comb unused). */
+int cuda_fast_hc_ok(int n, int head);
+enum dsv4_err cuda_fast_hc(struct dsv4_backend *be, float *x_out, float *post, float *comb,
+                           const float *X, const struct dsv4_hc_w *hc, int T, int n, int D,
+                           int iters, float hc_eps, float norm_eps, int head);
+/* Any router call cuda_router accepts (BF16 gate, 1 <= k <= min(E, 64)). */
+enum dsv4_err cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t *ids,
+                               const float *x, const struct dsv4_linear *gate,
+                               const float *bias, const int64_t *tid2eid,
+                               const int32_t *tokens, int T, int k, float route_scale);
 
 /* cuda_sample.cu */
 enum dsv4_err cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,

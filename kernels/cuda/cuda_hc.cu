@@ -133,6 +133,9 @@ hc_collapse_run(struct dsv4_backend *be, float *x_out, float *post, float *comb,
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda hc: n=%d iters=%d", n, iters);
     if (T <= 0)
         return DSV4_OK;
+    if (cuda_st(be)->fast_kernels && cuda_fast_hc_ok(n, head))   /* fast_hc.cu */
+        return cuda_fast_hc(be, x_out, post, comb, X, hc, T, n, D, iters, hc_eps, norm_eps,
+                            head);
     mix = (float *)cuda_scratch(be, mb + (size_t)T * n * sizeof(float));
     if (mix == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda hc: no scratch");

@@ -158,6 +158,8 @@ cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                             "G=%d)", (int)Wa->fmt, Wa->n_out, Wa->n_in, G);
     if (T <= 0)
         return DSV4_OK;
+    if (cuda_st(be)->fast_kernels && cuda_fast_linear_grouped_ok(Wa, G))
+        return cuda_fast_linear_grouped(be, out, x, Wa, T, G);   /* fast_linear.cu */
     /* bf16 inputs (rounded on the fly), no activation quantization */
     return lin_launch(be, out, x, NULL, &W, T, (int64_t)G * Wa->n_in, Wa->n_out / G, 1, 1);
 }

@@ -106,7 +106,11 @@ cuda_router(struct dsv4_backend *be, float *weights, int32_t *ids, const float *
                             (int)gate->fmt, k, E);
     if (T <= 0)
         return DSV4_OK;
-    /* the BF16 linear takes no scratch, so this buffer stays ours */
+    if (cuda_st(be)->fast_kernels)   /* fast_router.cu (also keeps the fast linear's
+                                        scratch apart from s) */
+        return cuda_fast_router(be, weights, ids, x, gate, bias, tid2eid, tokens, T, k,
+                                route_scale);
+    /* the exact BF16 linear takes no scratch, so this buffer stays ours */
     s = (float *)cuda_scratch(be, (size_t)T * E * sizeof(float));
     if (s == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda router: no scratch");

@@ -49,6 +49,8 @@ cuda_rms_norm(struct dsv4_backend *be, float *out, const float *x, const uint16_
 {
     if (rows <= 0 || D <= 0)
         return DSV4_OK;
+    if (cuda_st(be)->fast_kernels)
+        return cuda_fast_rms_norm(be, out, x, w, rows, D, eps);   /* fast_norm.cu */
     rms_norm_kernel<<<cuda_blocks(rows, NORM_ROWS), 32 * NORM_ROWS, 0, cuda_stream(be)>>>(
         out, x, w, rows, D, eps);
     CUDA_LAUNCHED("rms_norm");

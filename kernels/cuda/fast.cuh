@@ -100,6 +100,21 @@ fk_bmul2(uint32_t a, uint32_t b)
     return r;
 }
 
+/*
+ * Two E4M3 codes (low byte first) -> bf16x2 (exact): the code's bits placed
+ * in a bf16 (sign to bit 15, exponent and mantissa to bits 10..4) are the
+ * value times 2^-120 (subnormal codes included), so one exact multiply by
+ * 2^120 restores it.  The NaN code (S.1111.111) decodes as +-480, not NaN:
+ * checkpoints hold none.
+ */
+static __device__ __forceinline__ uint32_t
+fk_e4m3x2_bf16(uint32_t two)
+{
+    uint32_t t = (two & 0xffu) | (two & 0xff00u) << 8;
+
+    return fk_bmul2((t & 0x00800080u) << 8 | (t & 0x007f007fu) << 4, 0x7b807b80u);
+}
+
 /* E8M0 scale -> the bf16 pair (s, s). */
 static __device__ __forceinline__ uint32_t
 fk_e8m0_bf16x2(uint32_t e)
@@ -192,9 +207,11 @@ fk_add_scaled(float (&acc)[NT][4], const float (&blk)[NT][4], const float *const
  *   kb0..kb1      the 128-column blocks to add
  */
 
-/* FP8 weights (E4M3, 128x128 E8M0 scales; ws[m] = tile m's scale row),
- * f16 FP8-valued activations. */
-template <int MT, int NT>
+/* FP8 weights (E4M3, 128x128 E8M0 scales; ws[m] = tile m's scale row).
+ * BX == 0: f16 FP8-valued activations with their scales xs (REF linear);
+ * BX == 1: bf16 activations without scales (linear_grouped: xs unused), the
+ * weights decoded to bf16 and each block sum times the weight scale only. */
+template <int MT, int NT, int BX>
 static __device__ __forceinline__ void
 fk_fp8(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
        const uint8_t *const (&ws)[MT], const uint16_t *const (&xb)[NT],
@@ -228,17 +245,35 @@ fk_fp8(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
 #pragma unroll
                 for (int m = 0; m < MT; m++) {
                     uint32_t u0 = fk_word(w[m][0][c], s), u8 = fk_word(w[m][1][c], s);
-                    uint32_t a0 = fk_e4m3x2(u0), a2 = fk_e4m3x2(u0 >> 16);
-                    uint32_t a1 = fk_e4m3x2(u8), a3 = fk_e4m3x2(u8 >> 16);
+                    uint32_t a0 = BX ? fk_e4m3x2_bf16(u0) : fk_e4m3x2(u0);
+                    uint32_t a2 = BX ? fk_e4m3x2_bf16(u0 >> 16) : fk_e4m3x2(u0 >> 16);
+                    uint32_t a1 = BX ? fk_e4m3x2_bf16(u8) : fk_e4m3x2(u8);
+                    uint32_t a3 = BX ? fk_e4m3x2_bf16(u8 >> 16) : fk_e4m3x2(u8 >> 16);
 
 #pragma unroll
-                    for (int n = 0; n < NT; n++)
-                        fk_mma_f16(blk[m][n], a0, a1, a2, a3, fk_word8(x[n][c], 2 * s),
-                                   fk_word8(x[n][c], 2 * s + 1));
+                    for (int n = 0; n < NT; n++) {
+                        uint32_t b0 = fk_word8(x[n][c], 2 * s), b1 = fk_word8(x[n][c], 2 * s + 1);
+
+                        if (BX)
+                            fk_mma_bf16(blk[m][n], a0, a1, a2, a3, b0, b1);
+                        else
+                            fk_mma_f16(blk[m][n], a0, a1, a2, a3, b0, b1);
+                    }
                 }
 #pragma unroll
-        for (int m = 0; m < MT; m++)
-            fk_add_scaled(acc[m], blk[m], xs, kb, cu_e8m0_to_f32(ws[m][kb]));
+        for (int m = 0; m < MT; m++) {
+            float sw = cu_e8m0_to_f32(ws[m][kb]);
+
+            if (BX) {
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        acc[m][n][i] += blk[m][n][i] * sw;
+            } else {
+                fk_add_scaled(acc[m], blk[m], xs, kb, sw);
+            }
+        }
     }
 }
 
@@ -341,6 +376,23 @@ fk_bf16(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
             }
     }
 }
+
+/* --- fast_linear.cu, for the other fast ops ---------------------------------------- */
+
+/* Scratch bytes cuda_fast_linear_at takes for W at T tokens (G > 0: the
+ * grouped form with G groups). */
+size_t cuda_fast_linear_scratch(const struct dsv4_linear *W, int T, int G);
+
+/*
+ * cuda_fast_linear (G == 0) or cuda_fast_linear_grouped (G > 0) with its
+ * scratch placed `off` bytes into the backend scratch, so that a caller can
+ * keep its own arrays in the first `off` bytes: it reserves
+ * off + cuda_fast_linear_scratch(W, T, G) bytes, which moves nothing when the
+ * caller reserved at least as much before.
+ */
+enum dsv4_err cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
+                                  const struct dsv4_linear *W, int T, unsigned flags, int G,
+                                  size_t off);
 
 /* --- activation preparation (fast_linear.cu) ---------------------------------- */
 

@@ -3,10 +3,14 @@
  * under REF numerics and BF16 weights (any numerics), at any T (fast for
  * T <= 16), through the warp tiles of fast.cuh.  Used by cuda_linear when
  * dsv4_cuda_set_kernels(be, 1) was called and cuda_fast_linear_ok() agrees.
+ * Also the grouped output projection (linear_grouped, FP8 weights run as
+ * bf16 on bf16-rounded inputs): the same tile kernel, each row tile reading
+ * its group's slice of x (cuda_fast_linear_grouped_ok).
  *
  * Steps of one call:
  *   1. activations: REF FP8 quantization per 128 columns into f16 values +
- *      scales (FP8 weights), or the bf16 hi/lo split of x (BF16 weights);
+ *      scales (FP8 weights), the bf16 hi/lo split of x (BF16 weights), or
+ *      bf16(x) (grouped);
  *   2. the tile kernel, once per pass of 16 tokens: a block of 8 warps;
  *      warp w takes row tile (blockIdx.x * 8/bk + w / bk) (32 rows for FP8,
  *      16 for BF16) and K slice (blockIdx.y * bk + w % bk); the bk slices of
@@ -79,7 +83,7 @@ fk_quant(struct dsv4_backend *be, uint16_t *f16, uint16_t *bf16, float *sx, cons
 }
 
 /* x = hi + lo, both bf16 (hi = bf16(x), lo = bf16(x - hi); lo = 0 when x is
- * not finite). */
+ * not finite); lo == NULL: hi only. */
 static __global__ void
 fk_split_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
 {
@@ -91,25 +95,37 @@ fk_split_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
     v = x[i];
     h = cu_bf16_round(v);
     hi[i] = (uint16_t)(__float_as_uint(h) >> 16);
-    lo[i] = isfinite(v) ? (uint16_t)(__float_as_uint(cu_bf16_round(v - h)) >> 16) : 0;
+    if (lo != NULL)
+        lo[i] = isfinite(v) ? (uint16_t)(__float_as_uint(cu_bf16_round(v - h)) >> 16) : 0;
 }
 
 /* --- the tile kernel ---------------------------------------------------------------- */
 
+/* Weight and activation formats of a call (the tile kernel's MODE). */
+enum {
+    FL_BF16 = 0,     /* BF16 weights, x as bf16 hi + lo */
+    FL_FP8 = 1,      /* FP8 weights, REF-quantized x as f16 + scales */
+    FL_GROUPED = 2,  /* FP8 weights run as bf16, x rounded to bf16 (grouped) */
+};
+
 struct fl_args {
     struct dsv4_linear W;
-    const uint16_t *xv;     /* (T, K): f16 FP8 values (FP8) or bf16 hi (BF16) */
+    const uint16_t *xv;     /* (T, xstride): f16 FP8 values (FP8), bf16 hi (BF16)
+                               or bf16(x) (grouped) */
     const uint16_t *xl;     /* (T, K): bf16 lo (BF16), else NULL */
     const float *sx;        /* (T, K/128) (FP8) */
     float *out;             /* (T, N) */
     float *part;            /* (G, T, N) when G > 1 */
     int T, t0;              /* tokens; first token of this pass */
     int N, K, nb;           /* nb = K / 128 */
+    int64_t xstride;        /* x row stride (K, or G*K when grouped) */
+    int R;                  /* rows per group: row o reads x columns
+                               (o / R) * K .. + K (R = N: not grouped) */
     int bps, bk;            /* 128-blocks per slice, slices per block */
     int round_out;
 };
 
-template <int FP8, int MT, int NT>
+template <int MODE, int MT, int NT>
 static __global__ void __launch_bounds__(FL_THREADS, 2)
 fl_kernel(struct fl_args a)
 {
@@ -131,11 +147,12 @@ fl_kernel(struct fl_args a)
 #pragma unroll
             for (int h = 0; h < 2; h++)
                 wr[m][h] = (const uint8_t *)a.W.w +
-                           (int64_t)(row0 + m * 16 + g + 8 * h) * a.K * (FP8 ? 1 : 2);
+                           (int64_t)(row0 + m * 16 + g + 8 * h) * a.K * (MODE ? 1 : 2);
 #pragma unroll
         for (int n = 0; n < NT; n++)
-            xb[n] = a.xv + (int64_t)min(a.t0 + n * 8 + g, a.T - 1) * a.K;
-        if (FP8) {
+            xb[n] = a.xv + (int64_t)min(a.t0 + n * 8 + g, a.T - 1) * a.xstride +
+                    (int64_t)(row0 / a.R) * a.K;
+        if (MODE) {
             const uint8_t *ws[MT];
             const float *xs[NT][2];
 
@@ -146,8 +163,9 @@ fl_kernel(struct fl_args a)
             for (int n = 0; n < NT; n++)
 #pragma unroll
                 for (int j = 0; j < 2; j++)
-                    xs[n][j] = a.sx + (int64_t)min(a.t0 + n * 8 + 2 * q + j, a.T - 1) * a.nb;
-            fk_fp8<MT, NT>(acc, wr, ws, xb, xs, kb0, kb1, q);
+                    xs[n][j] = MODE == FL_GROUPED ? NULL :
+                               a.sx + (int64_t)min(a.t0 + n * 8 + 2 * q + j, a.T - 1) * a.nb;
+            fk_fp8<MT, NT, MODE == FL_GROUPED>(acc, wr, ws, xb, xs, kb0, kb1, q);
         } else {
             const uint16_t *xl[NT];
 
@@ -249,7 +267,15 @@ cuda_fast_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W)
     return W->fmt == DSV4_WFMT_BF16 && W->n_out % 16 == 0;
 }
 
-template <int FP8, int MT>
+int
+cuda_fast_linear_grouped_ok(const struct dsv4_linear *W, int G)
+{
+    return W->fmt == DSV4_WFMT_FP8 && W->w != NULL && W->scale != NULL && G > 0 &&
+           W->n_in > 0 && W->n_in % 128 == 0 && W->n_out > 0 && W->n_out % G == 0 &&
+           (W->n_out / G) % 32 == 0 && (uintptr_t)W->w % 16 == 0;
+}
+
+template <int MODE, int MT>
 static enum dsv4_err
 fl_run(struct dsv4_backend *be, struct fl_args *a, const struct fl_split *sp)
 {
@@ -258,9 +284,9 @@ fl_run(struct dsv4_backend *be, struct fl_args *a, const struct fl_split *sp)
 
     for (a->t0 = 0; a->t0 < a->T; a->t0 += FL_TOKENS) {
         if (a->T - a->t0 <= 8)
-            fl_kernel<FP8, MT, 1><<<grid, FL_THREADS, 0, st>>>(*a);
+            fl_kernel<MODE, MT, 1><<<grid, FL_THREADS, 0, st>>>(*a);
         else
-            fl_kernel<FP8, MT, 2><<<grid, FL_THREADS, 0, st>>>(*a);
+            fl_kernel<MODE, MT, 2><<<grid, FL_THREADS, 0, st>>>(*a);
         CUDA_LAUNCHED("fast linear");
     }
     if (sp->G > 1) {
@@ -273,51 +299,106 @@ fl_run(struct dsv4_backend *be, struct fl_args *a, const struct fl_split *sp)
     return DSV4_OK;
 }
 
-enum dsv4_err
-cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
-                 const struct dsv4_linear *W, int T, unsigned flags)
+/* Scratch layout of one call: x values, bf16 lo (BF16), scales (FP8), the
+ * partial sums (G > 1); sizes are multiples of 256. */
+struct fl_scratch {
+    size_t v, l, s, p;
+};
+
+static struct fl_scratch
+fl_scratch_for(int mode, const struct fl_split *sp, int T, int64_t xcols, int N)
 {
-    int fp8 = W->fmt == DSV4_WFMT_FP8, N = W->n_out, K = W->n_in;
-    struct fl_split sp = fl_split_for(N, K, fp8 ? 2 : 1);
-    size_t b_v = cuda_align((size_t)T * K * sizeof(uint16_t));
-    size_t b_l = fp8 ? 0 : b_v;
-    size_t b_s = fp8 ? cuda_align((size_t)T * sp.nb * sizeof(float)) : 0;
-    size_t b_p = sp.G > 1 ? (size_t)sp.G * T * N * sizeof(float) : 0;
+    struct fl_scratch b;
+
+    b.v = cuda_align((size_t)T * xcols * sizeof(uint16_t));
+    b.l = mode == FL_BF16 ? b.v : 0;
+    b.s = mode == FL_FP8 ? cuda_align((size_t)T * sp->nb * sizeof(float)) : 0;
+    b.p = sp->G > 1 ? cuda_align((size_t)sp->G * T * N * sizeof(float)) : 0;
+    return b;
+}
+
+/* The call's mode and row tile (MT) for weight W. */
+static int
+fl_mode(const struct dsv4_linear *W, int grouped)
+{
+    return grouped ? FL_GROUPED : W->fmt == DSV4_WFMT_FP8 ? FL_FP8 : FL_BF16;
+}
+
+size_t
+cuda_fast_linear_scratch(const struct dsv4_linear *W, int T, int G)
+{
+    int mode = fl_mode(W, G > 0);
+    struct fl_split sp = fl_split_for(W->n_out, W->n_in, mode == FL_BF16 ? 1 : 2);
+    struct fl_scratch b = fl_scratch_for(mode, &sp, T, (int64_t)W->n_in * (G > 0 ? G : 1),
+                                         W->n_out);
+
+    return b.v + b.l + b.s + b.p;
+}
+
+enum dsv4_err
+cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
+                    const struct dsv4_linear *W, int T, unsigned flags, int G, size_t off)
+{
+    int mode = fl_mode(W, G > 0), N = W->n_out, K = W->n_in;
+    int64_t xcols = (int64_t)K * (G > 0 ? G : 1), n = (int64_t)T * xcols;
+    struct fl_split sp = fl_split_for(N, K, mode == FL_BF16 ? 1 : 2);
+    struct fl_scratch b = fl_scratch_for(mode, &sp, T, xcols, N);
+    cudaStream_t st = cuda_stream(be);
     char *base;
     struct fl_args a;
     enum dsv4_err e;
 
     if (T <= 0)
         return DSV4_OK;
-    base = (char *)cuda_scratch(be, b_v + b_l + b_s + b_p + 256);
+    base = (char *)cuda_scratch(be, off + b.v + b.l + b.s + b.p);
     if (base == NULL)
-        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast linear: no scratch for %d x %d", T, K);
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast linear: no scratch for %d x %lld", T,
+                            (long long)xcols);
+    base += off;
     a.W = *W;
     a.xv = (const uint16_t *)base;
-    a.xl = fp8 ? NULL : (const uint16_t *)(base + b_v);
-    a.sx = fp8 ? (const float *)(base + b_v) : NULL;
-    a.part = sp.G > 1 ? (float *)(base + b_v + b_l + b_s) : NULL;
+    a.xl = mode == FL_BF16 ? (const uint16_t *)(base + b.v) : NULL;
+    a.sx = mode == FL_FP8 ? (const float *)(base + b.v) : NULL;
+    a.part = sp.G > 1 ? (float *)(base + b.v + b.l + b.s) : NULL;
     a.out = out;
     a.T = T;
     a.t0 = 0;
     a.N = N;
     a.K = K;
     a.nb = sp.nb;
+    a.xstride = xcols;
+    a.R = G > 0 ? N / G : N;
     a.bps = sp.bps;
     a.bk = sp.bk;
-    a.round_out = !(!fp8 && (flags & DSV4_LIN_F32_OUT));
-    if (fp8) {
+    a.round_out = !(mode == FL_BF16 && (flags & DSV4_LIN_F32_OUT));
+    switch (mode) {
+    case FL_FP8:
         e = fk_quant(be, (uint16_t *)a.xv, NULL, (float *)a.sx, x, K, T, K);
         if (e != DSV4_OK)
             return e;
-        return fl_run<1, 2>(be, &a, &sp);
-    }
-    {
-        int64_t n = (int64_t)T * K;
-
-        fk_split_kernel<<<cuda_blocks(n, 256), 256, 0, cuda_stream(be)>>>(
-            (uint16_t *)a.xv, (uint16_t *)a.xl, x, n);
+        return fl_run<FL_FP8, 2>(be, &a, &sp);
+    case FL_GROUPED:
+        fk_split_kernel<<<cuda_blocks(n, 256), 256, 0, st>>>((uint16_t *)a.xv, NULL, x, n);
+        CUDA_LAUNCHED("fast bf16 round");
+        return fl_run<FL_GROUPED, 2>(be, &a, &sp);
+    default:
+        fk_split_kernel<<<cuda_blocks(n, 256), 256, 0, st>>>((uint16_t *)a.xv,
+                                                            (uint16_t *)a.xl, x, n);
         CUDA_LAUNCHED("fast split");
+        return fl_run<FL_BF16, 1>(be, &a, &sp);
     }
-    return fl_run<0, 1>(be, &a, &sp);
+}
+
+enum dsv4_err
+cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
+                 const struct dsv4_linear *W, int T, unsigned flags)
+{
+    return cuda_fast_linear_at(be, out, x, W, T, flags, 0, 0);
+}
+
+enum dsv4_err
+cuda_fast_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
+                         const struct dsv4_linear *W, int T, int G)
+{
+    return cuda_fast_linear_at(be, out, x, W, T, 0, G, 0);
 }
