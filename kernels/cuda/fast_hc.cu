@@ -5,8 +5,8 @@
  * (M + 1 <= 32 mix values, i.e. n <= 4 for hc_pre; n*n <= 32 for Sinkhorn).
  *
  * Two kernels instead of the exact path's three latency-bound ones:
- *   1. mix: grid (S, T), S = ceil(nD / HF_COLS) column chunks (a function of
- *      nD only).  Block (s, t) computes, for its chunk of X[t] and of the M
+ *   1. mix: grid (T, S), S = ceil(nD / HF_COLS) column chunks (a function of
+ *      nD only).  Block (t, s) computes, for its chunk of X[t] and of the M
  *      rows of fn, the M partial dot products and the partial sum of squares:
  *      thread i sums its columns (i, i + 256) in order, warps add their lanes
  *      by an xor butterfly, thread m adds the 8 warp sums in warp order;
@@ -47,8 +47,8 @@ static __global__ void __launch_bounds__(HF_THREADS)
 hf_mix_kernel(float *part, const float *X, const float *fn, int M, int nD)
 {
     __shared__ float red[HF_NWARP][HF_MAX_M1];
-    int s = blockIdx.x, S = gridDim.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int64_t t = blockIdx.y;
+    int s = blockIdx.y, S = gridDim.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int64_t t = blockIdx.x;
     int c1 = min(nD, (s + 1) * HF_COLS);
     const float *Xt = X + t * nD;
     float acc[HF_MAX_M1];
@@ -210,7 +210,7 @@ cuda_fast_hc(struct dsv4_backend *be, float *x_out, float *post, float *comb, co
     part = (float *)cuda_scratch(be, (size_t)T * S * (M + 1) * sizeof(float));
     if (part == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast hc: no scratch");
-    hf_mix_kernel<<<dim3((unsigned)S, (unsigned)T), HF_THREADS, 0, st>>>(part, X, hc->fn, M,
+    hf_mix_kernel<<<dim3((unsigned)T, (unsigned)S), HF_THREADS, 0, st>>>(part, X, hc->fn, M,
                                                                         nD);
     CUDA_LAUNCHED("fast hc mix");
     hf_finish_kernel<<<T, HF_THREADS, 0, st>>>(x_out, post, comb, part, X, *hc, n, D, S, iters,
