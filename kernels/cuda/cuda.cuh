@@ -487,6 +487,11 @@ int cuda_fast_hc_ok(int n, int head);
 enum dsv4_err cuda_fast_hc(struct dsv4_backend *be, float *x_out, float *post, float *comb,
                            const float *X, const struct dsv4_hc_w *hc, int T, int n, int D,
                            int iters, float hc_eps, float norm_eps, int head);
+/* fast_attn.cu: any compress call cuda_compress accepts. */
+enum dsv4_err cuda_fast_compress(struct dsv4_backend *be, float *entries, float *state_kv,
+                                 float *state_z, const float *a, const float *z,
+                                 const float *ape, const int32_t *slot, const int32_t *pos,
+                                 const int32_t *emit, int T, int r, int d);
 /* Any router call cuda_router accepts (BF16 gate, 1 <= k <= min(E, 64)). */
 enum dsv4_err cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t *ids,
                                const float *x, const struct dsv4_linear *gate,

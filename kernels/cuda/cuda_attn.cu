@@ -87,6 +87,9 @@ cuda_compress(struct dsv4_backend *be, float *entries, float *state_kv, float *s
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda compress: r=%d d=%d", r, d);
     if (T <= 0)
         return DSV4_OK;
+    if (cuda_st(be)->fast_kernels)   /* fast_attn.cu */
+        return cuda_fast_compress(be, entries, state_kv, state_z, a, z, ape, slot, pos, emit,
+                                  T, r, d);
     compress_kernel<<<cuda_blocks(d, 64), 64, 0, cuda_stream(be)>>>(
         entries, state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, c);
     CUDA_LAUNCHED("compress");

@@ -15,7 +15,10 @@
  *            (the per-head q norm);
  *   hc_pre   n = 4 streams of 4096, Sinkhorn 20 iterations (x, post, comb);
  *   hc_head  the same streams, the head form;
- *   router   BF16 gate 256 x 4096, bias, k = 6, learned routing.
+ *   router   BF16 gate 256 x 4096, bias, k = 6, learned routing;
+ *   comp4, comp128  compress at ratio 4 (c = 2) and 128, d = 512, one slot
+ *            per row, every row emitting (state pools restored before each
+ *            checked run).
  *
  * Per case: the exact path and the fast path on the same inputs; per output,
  * the largest |fast - exact| relative to the largest |exact|, and the share
@@ -39,7 +42,9 @@
  *                               + bias, from the exact gate logits) within
  *                               2^-10 of the token's largest score of the
  *                               exact pick's; weights (fp32) of the tokens
- *                               without a flip: 2^-12.
+ *                               without a flip: 2^-12;
+ *   compress                    entries (fp32) 2^-12; the state pools
+ *                               after the call bit-identical.
  * Also checked: the fast path gives the same bits on a second run, and the
  * first rows at this T equal those at the previous (smaller) T: results do
  * not depend on T.  Then the fast op is recorded 10 times into a CUDA graph
@@ -92,6 +97,7 @@
 #define BOUND_HC 0x1p-12     /* hc post, comb (fp32) */
 #define BOUND_ROUTE 0x1p-12  /* router weights (fp32), tokens with the same picks */
 #define ROUTE_TIE 0x1p-10    /* near tie: exact scores within this share of the top one */
+#define BOUND_COMP 0x1p-12   /* compress entries (fp32); its state pools: identical */
 
 static const int t_list[] = { 1, 4, 16, 64 };
 #define N_T ((int)(sizeof(t_list) / sizeof(t_list[0])))
@@ -251,7 +257,9 @@ lin_bytes(const struct dsv4_linear *W)
 
 /* --- one case ------------------------------------------------------------------------------ */
 
-enum op_kind { OP_LINEAR, OP_MOE, OP_GROUPED, OP_NORM, OP_HC_PRE, OP_HC_HEAD, OP_ROUTER };
+enum op_kind {
+    OP_LINEAR, OP_MOE, OP_GROUPED, OP_NORM, OP_HC_PRE, OP_HC_HEAD, OP_ROUTER, OP_COMPRESS
+};
 
 #define MAX_OUTS 3
 
@@ -287,6 +295,13 @@ struct op {
     /* router */
     const float *bias;
     float *logits;    /* (T, E) scratch for the near-tie check */
+    /* compress: ratio r, d channels; state pools (T_MAX slots) and their
+     * initial contents (restored before each checked run) */
+    int r;
+    float *skv, *sz;
+    const float *skv0, *sz0, *za, *ape;
+    size_t pool_bytes;
+    const int32_t *slot, *pos, *emit;
     /* common */
     const float *x;
     struct out_arr outs[MAX_OUTS];
@@ -314,9 +329,23 @@ op_run(struct dsv4_backend *be, const struct op *o, int T)
     case OP_ROUTER:
         return be->ops->router(be, o1, (int32_t *)o0, o->x, &o->W, o->bias, NULL, NULL, T,
                                K_PICKS, 1.5f);
+    case OP_COMPRESS:
+        return be->ops->compress(be, o0, o->skv, o->sz, o->x, o->za, o->ape, o->slot, o->pos,
+                                 o->emit, T, o->r, o->D);
     default:
         return be->ops->linear(be, o0, o->x, &o->W, T, o->flags);
     }
+}
+
+/* Before a checked run: ops that update state in place start from the same
+ * state each time. */
+static void
+op_reset(struct dsv4_backend *be, const struct op *o)
+{
+    if (o->kind != OP_COMPRESS)
+        return;
+    TRY("copy", be->ops->copy(be, o->skv, o->skv0, o->pool_bytes));
+    TRY("copy", be->ops->copy(be, o->sz, o->sz0, o->pool_bytes));
 }
 
 /* Per-op state kept across T: the previous fast results (T-independence). */
@@ -469,6 +498,7 @@ run_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o
         TRY("download", be->ops->download(be, logits, o->logits, ne * sizeof(float)));
         TRY("download", be->ops->download(be, bias, o->bias, o->W.n_out * sizeof(float)));
     }
+    op_reset(be, o);
     TRY("sync", be->ops->sync(be));
     TRY("timer", dsv4_cuda_timer_start(tm));
     TRY("exact op", op_run(be, o, T));
@@ -477,10 +507,12 @@ run_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o
         TRY("download", be->ops->download(be, ref[i], o->outs[i].dev,
                                           (size_t)T * o->outs[i].w * 4));
     TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    op_reset(be, o);
     TRY("fast op", op_run(be, o, T));
     for (int i = 0; i < o->n_outs; i++)
         TRY("download", be->ops->download(be, fast[i], o->outs[i].dev,
                                           (size_t)T * o->outs[i].w * 4));
+    op_reset(be, o);
     TRY("fast op", op_run(be, o, T));
     for (int i = 0; i < o->n_outs; i++)
         TRY("download", be->ops->download(be, again[i], o->outs[i].dev,
@@ -848,6 +880,47 @@ main(int argc, char **argv)
         o.outs[1] = out_f32("weights", o1, K_PICKS, BOUND_ROUTE, 0.0);
         o.n_outs = 2;
         run_all(be, tm, &o, lin_bytes(&o.W), (size_t)D_MODEL * 4, 0, &ty);
+    }
+
+    /* compress: ratio 4 (overlapping windows, c = 2) and 128, d = 512; row t
+     * is slot t at the last position of a window (every row emits, ratio 4
+     * shifts its windows) */
+    for (int ci = 0; ci < 2; ci++) {
+        int r = ci == 0 ? 4 : 128, c = r == 4 ? 2 : 1, d = HEAD_DIM;
+        size_t per_slot = (size_t)c * r * c * d;
+        struct op o = { .name = ci == 0 ? "comp4" : "comp128", .kind = OP_COMPRESS, .r = r,
+                        .D = d };
+        int32_t sp[T_MAX][3];
+        int32_t *h = malloc(sizeof(int32_t) * 3 * T_MAX);
+
+        if (h == NULL)
+            return 1;
+        for (int t = 0; t < T_MAX; t++) {
+            sp[t][0] = t;
+            sp[t][1] = r * (t + 1) - 1;
+            sp[t][2] = t;
+        }
+        for (int j = 0; j < 3; j++) {
+            for (int t = 0; t < T_MAX; t++)
+                h[t] = sp[t][j];
+            *(j == 0 ? &o.slot : j == 1 ? &o.pos : &o.emit) =
+                dev_upload(be, h, T_MAX * sizeof(int32_t));
+        }
+        free(h);
+        o.pool_bytes = (size_t)T_MAX * per_slot * sizeof(float);
+        o.skv0 = dev_normals(be, (size_t)T_MAX * per_slot, 1.0f, 0);
+        o.sz0 = dev_normals(be, (size_t)T_MAX * per_slot, 1.0f, 0);
+        o.skv = dev_alloc(be, o.pool_bytes);
+        o.sz = dev_alloc(be, o.pool_bytes);
+        o.x = dev_normals(be, (size_t)T_MAX * c * d, 1.0f, 0);
+        o.za = dev_normals(be, (size_t)T_MAX * c * d, 1.0f, 0);
+        o.ape = dev_normals(be, (size_t)r * c * d, 0.5f, 0);
+        o.outs[0] = out_f32("entry", out, d, BOUND_COMP, 0.0);
+        o.outs[1] = out_f32("kv", o.skv, (int)per_slot, 0.0, 1.0);
+        o.outs[2] = out_f32("z", o.sz, (int)per_slot, 0.0, 1.0);
+        o.n_outs = 3;
+        run_all(be, tm, &o, (size_t)r * c * d * 4, (2 * per_slot + 2 * (size_t)c * d) * 4, 0,
+                &ty);
     }
 
     printf("summary: %d ok, %d failed; mean share of peak bandwidth of the weight-streaming "
