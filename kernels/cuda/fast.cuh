@@ -211,7 +211,7 @@ fk_add_scaled(float (&acc)[NT][4], const float (&blk)[NT][4], const float *const
  * BX == 0: f16 FP8-valued activations with their scales xs (REF linear);
  * BX == 1: bf16 activations without scales (linear_grouped: xs unused), the
  * weights decoded to bf16 and each block sum times the weight scale only. */
-template <int MT, int NT, int BX>
+template <int MT, int NT, int BX = 0>
 static __device__ __forceinline__ void
 fk_fp8(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
        const uint8_t *const (&ws)[MT], const uint16_t *const (&xb)[NT],
