@@ -62,6 +62,8 @@ static const struct cfg_key cfg_keys[] = {
     { "slots",              INT(slots, 1, 65535) },
     { "prefill_slots",      INT(prefill_slots, 1, 65535) },
     { "max_seq",            INT(max_seq, 1, 1 << 20) },
+    { "group_size",         INT(group_size, 1, 64) },
+    { "gpu",                INT(gpu, -1, 1023) },
     { "host",               STR(host) },
     { "ucx",                ENUM(ucx, cfg_autoyesno) },
     { "ucx_tls",            STR(ucx_tls) },
@@ -110,6 +112,8 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->slots = 16;
     cfg->prefill_slots = 1;
     cfg->max_seq = 4096;
+    cfg->group_size = 1;
+    cfg->gpu = -1;
     snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;

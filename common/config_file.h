@@ -65,6 +65,12 @@ struct dsv4_conf {
     int slots;              /* [16] decode stream slots of a decode rank */
     int prefill_slots;      /* [1] concurrent prompts of a prefill rank */
     int max_seq;            /* [4096] longest sequence (prompt + output) */
+    int group_size;         /* [1] ranks that run one model together (tensor-
+                               parallel attention, expert-parallel experts;
+                               kernels/forward.h): rank N of a role is rank
+                               N % group_size of group N / group_size */
+    int gpu;                /* [-1] CUDA device of the rank; -1 = its rank in
+                               the group modulo the devices present */
     /* --- several hosts (docs/operations.md "Several hosts") --- */
     char host[256];         /* [""] this host's name in READY (the scheduler
                                picks shm between ranks of one host, UCX

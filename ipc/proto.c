@@ -179,6 +179,12 @@ static const struct field f_welcome[] = {
         DSV4_PROTO_MAX_COMM_ID),
 };
 
+static const struct field f_rank_comm[] = {
+    FLD("comm_epoch", struct dsv4_rank_comm, comm_epoch, T_U32, F_REQ, 0, U32MAX, 0),
+    FARR("comm_id", struct dsv4_rank_comm, comm_id, comm_id_len, T_BIN, 0, 0,
+        DSV4_PROTO_MAX_COMM_ID),
+};
+
 static const struct field f_rank_heartbeat[] = {
     FLD("active", struct dsv4_rank_heartbeat, active, T_U32, 0, 0, U32MAX, 0),
 };
@@ -365,6 +371,7 @@ static const struct mdesc rank_desc[DSV4_RANK__COUNT] = {
     [DSV4_RANK_DRAIN] = MD0("DRAIN"),
     [DSV4_RANK_DRAIN_DONE] = MD0("DRAIN_DONE"),
     [DSV4_RANK_ERROR] = MD("ERROR", f_rank_error, NULL),
+    [DSV4_RANK_COMM] = MD("COMM", f_rank_comm, NULL),
 };
 
 static const struct mdesc ctl_desc[DSV4_CTL__COUNT] = {

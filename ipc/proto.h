@@ -121,6 +121,7 @@ enum dsv4_rank {
     DSV4_RANK_DRAIN,        /* S->R  report when idle; empty body */
     DSV4_RANK_DRAIN_DONE,   /* R->S  idle now; empty body */
     DSV4_RANK_ERROR,        /* both  failure, maybe of one request (struct dsv4_error) */
+    DSV4_RANK_COMM,         /* both  group communicator of an epoch (struct dsv4_rank_comm) */
     DSV4_RANK__COUNT
 };
 
@@ -299,6 +300,18 @@ struct dsv4_rank_heartbeat {
     uint32_t active; /* requests held now */
 };
 
+/*
+ * COMM (docs/protocol.md §6.4): the communicator of a group of ranks.
+ * S->R to group rank 0 without comm_id: make the id of epoch comm_epoch;
+ * R->S from rank 0 with comm_id: the id; S->R to every rank with comm_id:
+ * join epoch comm_epoch's communicator with it.
+ */
+struct dsv4_rank_comm {
+    uint32_t comm_epoch;
+    const uint8_t *comm_id; /* NULL = asking for one */
+    uint32_t comm_id_len;   /* <= DSV4_PROTO_MAX_COMM_ID */
+};
+
 struct dsv4_rank_disconnect {
     const char *reason; /* NULL = none */
 };
@@ -453,6 +466,7 @@ struct dsv4_msg {
         struct dsv4_rank_ready ready;
         struct dsv4_rank_welcome welcome;
         struct dsv4_rank_heartbeat heartbeat;
+        struct dsv4_rank_comm comm;
         struct dsv4_rank_disconnect disconnect;
         struct dsv4_rank_prefill prefill;
         struct dsv4_rank_prefill_done prefill_done;

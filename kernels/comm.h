@@ -96,11 +96,12 @@ enum dsv4_err dsv4_comm_nccl_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
 
 /*
  * Join NCCL group `id` as rank `rank` of `size`, on the device of CUDA
- * backend `be` (the calling thread's current device must be that one).
- * Blocks until every rank has joined.
+ * backend `be`.  Waits until every rank has joined, at most timeout_ms
+ * (then DSV4_ERR_TIMEOUT).  DSV4_ERR_NOTSUP without libnccl.so.2.
  */
 enum dsv4_err dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
-                                    int size, const uint8_t id[DSV4_COMM_ID_BYTES]);
+                                    int size, const uint8_t id[DSV4_COMM_ID_BYTES],
+                                    int timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -27,7 +27,10 @@
 #include "common/log.h"
 #include "common/model_config.h"
 #include "common/sdnotify.h"
+#include "common/weights_shard.h"
 #ifdef DSV4_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
 #include "kernels/cuda_weights.h"
 #endif
 
@@ -149,8 +152,8 @@ link_join(struct rank *k)
     m.u.ready.role = k->o.role;
     m.u.ready.index = k->o.index;
     m.u.ready.group = k->o.group;
-    m.u.ready.group_rank = 0;
-    m.u.ready.group_size = 1;
+    m.u.ready.group_rank = k->o.group_rank;
+    m.u.ready.group_size = k->o.group_size;
     m.u.ready.capacity = (uint32_t)k->o.slots;
     m.u.ready.max_ctx = (uint32_t)k->max_seq;
     m.u.ready.host = k->host;
@@ -169,12 +172,25 @@ link_lost(struct rank *k, const char *why)
 
     log_warnx("link_lost: %s; dropping %u requests, registering again", why, (unsigned)n);
     sdnotify_status("scheduler lost (%s); registering again", why);
+    group_close(k, true);   /* the group re-forms when we are back */
     if (k->o.role == DSV4_ROLE_PREFILL)
         prefill_reset(k);
     else
         decode_reset(k);
     k->drain = false;
     link_join(k);
+}
+
+void
+rank_relink(struct rank *k, const char *why)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DISCONNECT);
+    m.u.disconnect.reason = why;
+    if (k->link == RANK_LINK_UP)
+        rank_send(k, &m);
+    link_lost(k, why);
 }
 
 static void
@@ -276,6 +292,9 @@ rank_dispatch_msg(struct rank *k, const struct dsv4_msg *m)
         break;
     case DSV4_RANK_DRAIN:
         k->drain = true;
+        break;
+    case DSV4_RANK_COMM:
+        group_comm(k, &m->u.comm);
         break;
     case DSV4_RANK_ERROR:
         log_warnx("rank_dispatch: scheduler error req=%" PRIu64 " code=%u: %s",
@@ -379,6 +398,9 @@ rank_loop(struct rank *k)
                                            prefill_pending(k) : decode_pending(k));
         if (work || timeout < 0)
             timeout = 0;
+        /* a group ticks every iteration: the peers' ticks wait for ours */
+        if (k->comm != NULL && timeout > RANK_GROUP_IDLE_MS)
+            timeout = RANK_GROUP_IDLE_MS;
 
         memset(items, 0, sizeof(items));
         items[RANK_POLL_SOCK].socket = k->sock;
@@ -407,8 +429,23 @@ rank_loop(struct rank *k)
         if (k->stopping)
             break;
         rank_dispatch_sched(k);
-        if (k->link != RANK_LINK_UP)
+        if (k->comm != NULL) {
+            /* one tick per iteration, then the work every rank agrees on */
+            uint64_t mine[RANK_MAX_SLOTS];
+            int n_mine = k->link != RANK_LINK_UP ? 0 : k->o.role == DSV4_ROLE_PREFILL ?
+                                                       prefill_runnable(k, mine) :
+                                                       decode_runnable(k, mine);
+
+            if (group_tick(k, mine, n_mine) && k->n_agreed > 0 && k->link == RANK_LINK_UP) {
+                if (k->o.role == DSV4_ROLE_PREFILL)
+                    prefill_work(k);
+                else
+                    decode_work(k);
+            }
             continue;
+        }
+        if (k->link != RANK_LINK_UP || k->o.group_size > 1)
+            continue;   /* a group member without its communicator waits */
         if (k->o.role == DSV4_ROLE_PREFILL)
             prefill_work(k);
         else
@@ -570,8 +607,11 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         conf_set_or_die(&o->conf, "rank_endpoint", set[OPT_SCHED]);
     if (set[OPT_MAX_SEQ] != NULL)
         conf_set_or_die(&o->conf, "max_seq", set[OPT_MAX_SEQ]);
+    /* rank N is rank N % group_size of group N / group_size (unless --group) */
+    o->group_size = (uint32_t)o->conf.group_size;
+    o->group_rank = o->index % o->group_size;
     if (!group_set)
-        o->group = o->index;
+        o->group = o->index / o->group_size;
     o->slots = slots > 0 ? slots : RANK_ROLE == DSV4_ROLE_PREFILL ? o->conf.prefill_slots :
                                                                     o->conf.slots;
     if (o->slots < 1 || o->slots > RANK_MAX_SLOTS) {
@@ -581,8 +621,9 @@ rank_options(struct rank_opts *o, int argc, char **argv)
     }
     if (check) {
         dsv4_conf_print(&o->conf, stdout);
-        printf("# rank=%u group=%u slots=%d rows=%d kv_timeout_ms=%" PRId64 "\n",
-               (unsigned)o->index, (unsigned)o->group, o->slots, o->rows, o->kv_timeout_ms);
+        printf("# rank=%u group=%u group_rank=%u/%u slots=%d rows=%d kv_timeout_ms=%" PRId64
+               "\n", (unsigned)o->index, (unsigned)o->group, (unsigned)o->group_rank,
+               (unsigned)o->group_size, o->slots, o->rows, o->kv_timeout_ms);
         printf("configuration OK\n");
     }
     return check;
@@ -614,10 +655,13 @@ rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
 #endif
 
 /* The weights the model runs on: the checkpoint (host mappings; uploaded to
- * the GPU on the CUDA backend), or synthetic weights generated on the GPU. */
+ * the GPU on the CUDA backend), or synthetic weights generated on the GPU;
+ * in a group, this rank's shard of them (common/weights_shard.h). */
 static const struct dsv4_weights *
 rank_init_weights(struct rank *k, bool cuda)
 {
+    int gr = (int)k->o.group_rank, gs = (int)k->o.group_size;
+
 #ifdef DSV4_HAVE_CUDA
     struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
 #endif
@@ -640,8 +684,8 @@ rank_init_weights(struct rank *k, bool cuda)
         log_info("rank_init: synthetic weights, seed %" PRIu64 ", %s %s", k->o.synth_seed,
                  k->o.model_preset != NULL ? "preset" : "config",
                  k->o.model_preset != NULL ? k->o.model_preset : k->o.model_config);
-        if (dsv4_cuda_weights_synthetic(k->be, &k->wdev, &cfg, k->o.synth_seed, &pr) !=
-            DSV4_OK)
+        if (dsv4_cuda_weights_synthetic_shard(k->be, &k->wdev, &cfg, k->o.synth_seed, gr, gs,
+                                              &pr) != DSV4_OK)
             fatalx("rank_init: synthetic weights: %s", dsv4_errmsg());
         k->wdev_loaded = true;
         return &k->wdev;
@@ -654,13 +698,18 @@ rank_init_weights(struct rank *k, bool cuda)
     if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
         fatalx("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
     k->w_loaded = true;
+    if (dsv4_weights_shard(&k->wshard, &k->w, gr, gs) != DSV4_OK)
+        fatalx("rank_init: rank %d of a group of %d: %s", gr, gs, dsv4_errmsg());
+    k->wshard_on = true;
     if (!cuda)
-        return &k->w;
+        return &k->wshard;
 #ifdef DSV4_HAVE_CUDA
     pr.ctx = (void *)"uploading weights";
     sdnotify_status("uploading weights to the GPU");
-    if (dsv4_cuda_weights_upload_progress(k->be, &k->wdev, &k->w, &pr) != DSV4_OK)
+    if (dsv4_cuda_weights_upload_progress(k->be, &k->wdev, &k->wshard, &pr) != DSV4_OK)
         fatalx("rank_init: weights upload: %s", dsv4_errmsg());
+    dsv4_weights_shard_free(&k->wshard);
+    k->wshard_on = false;
     k->wdev_loaded = true;
     /* the device copy is all the model needs: drop the host mappings */
     dsv4_weights_free(&k->w);
@@ -704,11 +753,27 @@ rank_init_model(struct rank *k)
 
     sdnotify_status("creating the %s backend", k->o.conf.backend);
     num = strcmp(k->o.conf.numerics, "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
+#ifdef DSV4_HAVE_CUDA
+    if (cuda) {
+        /* the device: `gpu`, else the rank's place in its group */
+        int n_dev = 0, dev = k->o.conf.gpu;
+
+        if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1)
+            fatalx("rank_init: backend cuda: no CUDA device");
+        if (dev < 0)
+            dev = (int)(k->o.group_rank % (uint32_t)n_dev);
+        if (dsv4_cuda_backend_create(&k->be, num, dev) != DSV4_OK)
+            fatalx("rank_init: backend cuda (device %d): %s", dev, dsv4_errmsg());
+    } else
+#endif
     if (dsv4_backend_create(&k->be, k->o.conf.backend, num, k->o.conf.threads) != DSV4_OK)
         fatalx("rank_init: backend %s: %s", k->o.conf.backend, dsv4_errmsg());
     w = rank_init_weights(k, cuda);
+    k->cfg = w->cfg;
     sdnotify_status("creating the model");
     memset(&mo, 0, sizeof(mo));
+    mo.tp_rank = (int)k->o.group_rank;
+    mo.tp_size = (int)k->o.group_size;
     /* decode steps as CUDA graphs (one per batch size, kernels/forward.h) */
     mo.graphs = k->o.role == DSV4_ROLE_DECODE && !k->o.no_graphs;
     mo.n_slots = k->o.slots;
@@ -741,6 +806,7 @@ rank_init_model(struct rank *k)
         k->streams = xcalloc((size_t)k->o.slots, sizeof(*k->streams));
     if (kv_open(k) != 0)
         fatalx("rank_init: KV transfer layer");
+    group_init(k, &k->cfg);
 }
 
 static void
@@ -750,6 +816,7 @@ rank_free(struct rank *k)
         prefill_reset(k);
     if (k->streams != NULL)
         decode_reset(k);
+    group_free(k);
     kv_close(k);
     dsv4_zsock_close(k->sock);
     if (k->zctx != NULL)
@@ -775,6 +842,8 @@ rank_free(struct rank *k)
         dsv4_cuda_weights_free(k->be, &k->wdev);
 #endif
     dsv4_backend_destroy(k->be);
+    if (k->wshard_on)
+        dsv4_weights_shard_free(&k->wshard);
     if (k->w_loaded)
         dsv4_weights_free(&k->w);
     if (k->sigfd >= 0)

@@ -38,6 +38,7 @@
 #include "ipc/proto.h"
 #include "ipc/zsock.h"
 #include "kernels/backend.h"
+#include "kernels/comm.h"
 #include "kernels/forward.h"
 
 #ifndef RANK_ROLE
@@ -49,6 +50,7 @@
 #define RANK_PREFILL_ROWS 256        /* default rows per prefill forward call */
 #define RANK_MAX_SLOTS DSV4_PROTO_MAX_BATCH /* upper bound of --slots (one TOKENS) */
 #define RANK_STOP_REASON "rank stopping"
+#define RANK_GROUP_IDLE_MS 10        /* longest poll of a group member (it ticks) */
 
 /* --- Options (rank.c) ----------------------------------------------------- */
 
@@ -57,7 +59,9 @@ struct rank_opts {
     const char *conf_path;      /* file read, or NULL */
     enum dsv4_role role;        /* RANK_ROLE */
     uint32_t index;             /* --rank N: unit instance number */
-    uint32_t group;             /* --group N: model replica [index] */
+    uint32_t group;             /* --group N: model replica [index / group_size] */
+    uint32_t group_rank;        /* index % group_size: place in the group */
+    uint32_t group_size;        /* conf group_size: ranks running one model */
     int slots;                  /* prefill: concurrent prompts; decode: streams */
     int rows;                   /* prefill: rows per forward call */
     int64_t kv_timeout_ms;      /* abandoned exports */
@@ -170,6 +174,21 @@ struct rank {
 
     int64_t wd_interval_ms;     /* 0 = no watchdog */
     int64_t wd_last_ms;
+
+    struct dsv4_config cfg;     /* the model's configuration */
+    struct dsv4_weights wshard; /* group, CPU backend: this rank's shard of w */
+    bool wshard_on;
+
+    /* Model group (rank_group.c; group_size > 1). */
+    struct dsv4_comm *comm;     /* communicator of comm_epoch, or NULL */
+    uint32_t comm_epoch;
+    uint32_t pend_epoch;        /* COMM received, not yet switched to; 0 = none */
+    uint8_t *pend_id;           /* its id (DSV4_COMM_ID_BYTES) */
+    uint64_t *tick_h;           /* (2 * slots) host: the tick's descriptor */
+    uint64_t *tick_d;           /* the same in backend memory */
+    struct rank_watch *watch;   /* peer watchdog thread */
+    uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
+    int n_agreed;
 };
 
 /* --- rank.c: main, loop, link, dispatch --------------------------------------- */
@@ -192,6 +211,44 @@ void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling
 enum dsv4_err rank_sample(struct rank *k, int32_t *out_tok, float *out_lp,
                           const float *logits, const struct dsv4_sample_params *params, int n);
 
+/* Leave the scheduler link (DISCONNECT `why`), drop everything and register
+ * again; used when the model group broke (a member died). */
+void rank_relink(struct rank *k, const char *why);
+
+/* --- rank_group.c: a rank of a model group ----------------------------------------- */
+
+/*
+ * A group of group_size ranks runs one model (tensor-parallel attention,
+ * expert-parallel experts; kernels/forward.h "Model groups").  Every forward
+ * call is a collective, so the ranks must run the same calls on the same
+ * requests in the same order although messages reach them at different
+ * moments: every loop iteration ends in one tick, an all-reduce (minimum)
+ * of each rank's runnable requests (ascending, and their complements), and
+ * the iteration's work is the leading requests every rank can run, in that
+ * order (docs/architecture.md "Model groups").  A peer watchdog thread
+ * aborts the communicator when a peer process on this host dies during a
+ * collective, so survivors never hang; they re-register and the group
+ * re-forms with a new communicator (COMM, docs/protocol.md §6.4).
+ */
+
+/* Set up the group state (descriptor buffers, watchdog); no-op alone. */
+void group_init(struct rank *k, const struct dsv4_config *cfg);
+void group_free(struct rank *k);
+/* COMM: make the id (rank 0, asked) or join the epoch's communicator. */
+void group_comm(struct rank *k, const struct dsv4_rank_comm *c);
+/* The tick: fills k->agreed / n_agreed from the local runnable requests
+ * (`mine`, n); true when done, false when there is no work this iteration
+ * (the communicator broke, or the group switched to a new one). */
+bool group_tick(struct rank *k, const uint64_t *mine, int n);
+/* The communicator failed (`why`): drop it and the work; wait for COMM. */
+void group_broken(struct rank *k, const char *why);
+/* Bracket collectives (the watchdog acts only inside). */
+void group_enter(struct rank *k);
+void group_leave(struct rank *k);
+/* Drop the communicator (new epoch, link lost, shutdown); abort_peers:
+ * make the peers' collectives with it fail now. */
+void group_close(struct rank *k, bool abort_peers);
+
 /* --- rank_prefill.c ------------------------------------------------------------ */
 
 /* PREFILL: validate, take a job slot, start.  Replies ERROR on refusal. */
@@ -199,8 +256,12 @@ void prefill_start(struct rank *k, const struct dsv4_rank_prefill *p);
 /* True when some job has tokens left to run. */
 bool prefill_pending(const struct rank *k);
 /* One forward call over the pending jobs (at most o.rows rows); finished
- * prompts are sampled, exported and reported.  Fatal on model errors. */
+ * prompts are sampled, exported and reported.  Fatal on model errors
+ * (alone); in a group only the requests of k->agreed, in that order, and a
+ * failed forward breaks the group. */
 void prefill_work(struct rank *k);
+/* The requests with prompt tokens left (ascending); their count. */
+int prefill_runnable(const struct rank *k, uint64_t *reqs);
 /* Drop request `req`'s job and export (ABORT); true if anything was held. */
 bool prefill_abort(struct rank *k, uint64_t req);
 /* Drop every job and export (link lost, shutdown). */
@@ -212,8 +273,11 @@ void prefill_reset(struct rank *k);
 void decode_start(struct rank *k, const struct dsv4_rank_decode *d);
 /* True when some stream is running. */
 bool decode_pending(const struct rank *k);
-/* One step: one token per running stream, TOKENS, DECODE_DONE for ended ones. */
+/* One step: one token per running stream, TOKENS, DECODE_DONE for ended ones
+ * (in a group: the streams of k->agreed, in that order). */
 void decode_work(struct rank *k);
+/* The requests whose stream can step (imported), ascending; their count. */
+int decode_runnable(const struct rank *k, uint64_t *reqs);
 /* Drop request `req`'s stream (ABORT); true if it was running. */
 bool decode_abort(struct rank *k, uint64_t req);
 /* Finish the imports that completed, fail the ones past their bound;

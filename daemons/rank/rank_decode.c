@@ -142,6 +142,26 @@ decode_imports(struct rank *k, int64_t now)
     return next;
 }
 
+static int
+req_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+    return (x > y) - (x < y);
+}
+
+int
+decode_runnable(const struct rank *k, uint64_t *reqs)
+{
+    int n = 0;
+
+    for (int i = 0; i < k->o.slots; i++)
+        if (k->streams[i].active && k->streams[i].xfer == NULL)
+            reqs[n++] = k->streams[i].req;
+    qsort(reqs, (size_t)n, sizeof(uint64_t), req_cmp);
+    return n;
+}
+
 bool
 decode_pending(const struct rank *k)
 {
@@ -197,8 +217,22 @@ decode_work(struct rank *k)
     enum dsv4_err e;
     int n = 0;
 
-    for (int i = 0; i < k->o.slots; i++) {
-        struct rank_stream *st = &k->streams[i];
+    /* alone: every running stream; in a group: the agreed ones, in order */
+    int n_cand = k->comm != NULL ? k->n_agreed : k->o.slots;
+
+    for (int c = 0; c < n_cand; c++) {
+        int i = c;
+        struct rank_stream *st;
+
+        if (k->comm != NULL) {
+            i = -1;
+            for (int s = 0; s < k->o.slots && i < 0; s++)
+                if (k->streams[s].active && k->streams[s].req == k->agreed[c])
+                    i = s;
+            if (i < 0)
+                continue;
+        }
+        st = &k->streams[i];
         if (!st->active || st->xfer != NULL)
             continue;
         k->b_slot[n] = i;
@@ -214,7 +248,13 @@ decode_work(struct rank *k)
     b.slot = k->b_slot;
     b.n_tokens = k->b_ntok;
     b.tokens = k->b_tok;
+    group_enter(k);
     e = dsv4_model_forward(k->m, &b, k->logits, 0);
+    group_leave(k);
+    if (e != DSV4_OK && k->comm != NULL) {
+        group_broken(k, dsv4_errmsg());
+        return;
+    }
     if (e != DSV4_OK)
         fatalx("decode_work: forward of %d streams: %s", n, dsv4_errmsg());
     e = rank_sample(k, k->out_tok, k->out_lp, k->logits, k->sp, n);

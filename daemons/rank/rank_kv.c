@@ -165,9 +165,15 @@ kv_import_start(struct rank *k, struct rank_stream *st, const struct dsv4_kv_loc
     struct dsv4_kvx_desc d;
     enum dsv4_err e;
 
-    if (n_kv != 1 || loc->n_parts != 1 || loc->n_seg != 1)
+    /* every part holds the whole state (the prefill group's ranks each
+     * export their replica): take the one of the same group rank, so that a
+     * decode rank reads from the prefill rank on its own GPU */
+    if (n_kv < 1)
+        return dsv4_err_set(DSV4_ERR_PROTO, "kv_import: no location");
+    loc += k->o.group_rank % n_kv;
+    if (loc->n_parts != n_kv || loc->n_seg != 1)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_import: %u locations / %u parts / %u "
-                            "segments; this rank takes one", (unsigned)n_kv,
+                            "segments; expected one segment per part", (unsigned)n_kv,
                             (unsigned)loc->n_parts, (unsigned)loc->n_seg);
     if (loc->n_tokens != pos)
         return dsv4_err_set(DSV4_ERR_PROTO, "kv_import: location covers %u positions, pos %u",

@@ -78,6 +78,27 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
              (unsigned)p->n_tokens, slot);
 }
 
+/* Ascending order of request ids. */
+static int
+req_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+    return (x > y) - (x < y);
+}
+
+int
+prefill_runnable(const struct rank *k, uint64_t *reqs)
+{
+    int n = 0;
+
+    for (int i = 0; i < k->o.slots; i++)
+        if (k->jobs[i].active && k->jobs[i].done < k->jobs[i].n_tokens)
+            reqs[n++] = k->jobs[i].req;
+    qsort(reqs, (size_t)n, sizeof(uint64_t), req_cmp);
+    return n;
+}
+
 bool
 prefill_pending(const struct rank *k)
 {
@@ -125,6 +146,9 @@ prefill_finish(struct rank *k, int slot, const float *logits)
     m.u.prefill_done.req = j->req;
     m.u.prefill_done.token = tok;
     m.u.prefill_done.n_kv = 1;
+    /* in a group every rank holds the whole (replicated) state: one part each */
+    m.u.prefill_done.kv[0].part = k->o.group_rank;
+    m.u.prefill_done.kv[0].n_parts = k->o.group_size;
     if (j->s.logprobs) {
         m.u.prefill_done.logprob = lp;
         m.u.prefill_done.has_logprob = true;
@@ -143,11 +167,27 @@ prefill_work(struct rank *k)
     struct dsv4_batch b;
     enum dsv4_err e;
 
-    /* Round-robin over the jobs so one long prompt cannot starve the rest. */
-    for (int t = 0; t < S && rows < k->o.rows; t++) {
-        int i = (int)((k->rr + (uint32_t)t) % (uint32_t)S);
-        struct rank_job *j = &k->jobs[i];
+    /* Round-robin over the jobs so one long prompt cannot starve the rest; a
+     * group member takes the agreed requests (rank_group.c), rotated alike on
+     * every rank. */
+    int n_cand = k->comm != NULL ? k->n_agreed : S;
+
+    for (int t = 0; t < n_cand && rows < k->o.rows; t++) {
+        int i = (int)((k->rr + (uint32_t)t) % (uint32_t)n_cand);
+        struct rank_job *j;
         uint32_t n;
+
+        if (k->comm != NULL) {
+            uint64_t req = k->agreed[i];
+
+            i = -1;
+            for (int s = 0; s < S && i < 0; s++)
+                if (k->jobs[s].active && k->jobs[s].req == req)
+                    i = s;
+            if (i < 0)
+                continue;
+        }
+        j = &k->jobs[i];
         if (!j->active || j->done >= j->n_tokens)
             continue;
         n = j->n_tokens - j->done;
@@ -168,7 +208,13 @@ prefill_work(struct rank *k)
     b.slot = k->b_slot;
     b.n_tokens = k->b_ntok;
     b.tokens = k->b_tok;
+    group_enter(k);
     e = dsv4_model_forward(k->m, &b, k->logits, 0);
+    group_leave(k);
+    if (e != DSV4_OK && k->comm != NULL) {
+        group_broken(k, dsv4_errmsg());
+        return;
+    }
     if (e != DSV4_OK)
         fatalx("prefill_work: forward of %d rows: %s", rows, dsv4_errmsg());
     for (int s = 0; s < n_seqs; s++) {

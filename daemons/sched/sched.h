@@ -95,6 +95,9 @@ struct sched_group {
     uint8_t *slots;                  /* decode: slot -> in use; n_slots bytes */
     uint32_t n_slots;                /* >= capacity */
     uint32_t epoch;                  /* comm_epoch: bumped when a member joins */
+    uint32_t comm_asked;             /* size > 1: epoch whose id rank 0 was asked for */
+    uint32_t comm_ready;             /* size > 1: epoch whose id every rank got (work
+                                        is placed only when it is `epoch`) */
 };
 TAILQ_HEAD(sched_group_list, sched_group);
 
@@ -139,6 +142,8 @@ struct sched_req {
     uint32_t slot;                   /* decode slot in dec.g */
     bool dec_started;                /* DECODE sent on this attempt */
     bool dec_self_end;               /* the rank ends it by itself (length/stop id) */
+    uint32_t dec_early;              /* decode group ranks other than 0 that reported
+                                        the stream's end before rank 0 did */
     struct dsv4_msg kv;              /* PREFILL_DONE parts merged for DECODE */
     uint8_t *kv_handles[DSV4_PROTO_MAX_KV_PARTS];
     uint64_t *kv_arrays[DSV4_PROTO_MAX_KV_PARTS]; /* sizes then offsets */

@@ -51,11 +51,12 @@ queue_remove(struct sched *s, struct sched_req *r)
     s->n_queued--;
 }
 
-/* A group takes work when it is complete and none of its ranks is drained. */
+/* A group takes work when it is complete, none of its ranks is drained,
+ * and (several ranks) every rank has the communicator of its epoch. */
 static bool
 group_usable(const struct sched_group *g)
 {
-    if (g->size == 0 || g->n_ranks != g->size)
+    if (g->size == 0 || g->n_ranks != g->size || (g->size > 1 && g->comm_ready != g->epoch))
         return false;
     for (uint32_t i = 0; i < g->size; i++) {
         const struct sched_rank *k = g->ranks[i];

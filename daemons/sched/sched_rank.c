@@ -103,6 +103,19 @@ group_update(struct sched *s, struct sched_group *g)
     }
     if (g->role == DSV4_ROLE_DECODE && cap > (uint32_t)s->cfg.file.max_batch)
         cap = (uint32_t)s->cfg.file.max_batch;
+    /* A complete group of several ranks needs a communicator for its epoch:
+     * ask rank 0 for an id (docs/protocol.md §6.4). */
+    if (g->size > 1 && g->n_ranks == g->size && g->comm_ready != g->epoch &&
+        g->comm_asked != g->epoch && g->ranks[0] != NULL) {
+        struct dsv4_msg cm;
+
+        dsv4_msg_init(&cm, DSV4_SUB_RANK, DSV4_RANK_COMM);
+        cm.u.comm.comm_epoch = g->epoch;
+        rank_send(s, g->ranks[0], &cm);
+        g->comm_asked = g->epoch;
+        log_info("group %s/%u complete (epoch %u): asking rank 0 for a communicator id",
+            dsv4_role_name(g->role), g->id, g->epoch);
+    }
     g->capacity = cap;
     g->max_ctx = ctx;
     g->transports = tr;
@@ -341,14 +354,14 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     g->size = m->group_size;
     g->ranks[m->group_rank] = k;
     g->epoch++;
-    group_update(s, g);
-    rank_update_states(s);
 
     dsv4_msg_init(&w, DSV4_SUB_RANK, DSV4_RANK_WELCOME);
     w.u.welcome.heartbeat_ms = (uint32_t)s->cfg.file.heartbeat_ms;
     w.u.welcome.liveness = (uint32_t)s->cfg.file.liveness;
     w.u.welcome.comm_epoch = g->epoch;
     rank_send(s, k, &w);
+    group_update(s, g);   /* after WELCOME: it may send COMM to the group */
+    rank_update_states(s);
     log_notice("rank %s registered: group %u rank %u/%u capacity %u max_ctx %u host %s pid %u",
         rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size, k->capacity,
         k->max_ctx, k->host, k->pid);
@@ -494,10 +507,13 @@ on_tokens(struct sched *s, struct sched_rank *k, struct sched_group *g,
     }
 }
 
-/* DECODE_DONE or ABORT_DONE: rank k freed `req`. */
+/* DECODE_DONE or ABORT_DONE: rank k freed `req`.  In a group every rank
+ * ends a stream at the same step; rank 0 speaks for the group (its TOKENS
+ * are the ones used, and they precede its DECODE_DONE), the others' count
+ * as acknowledgements only. */
 static void
-on_freed(struct sched *s, struct sched_group *g, uint64_t req, bool decode_done,
-    enum dsv4_finish finish)
+on_freed(struct sched *s, struct sched_group *g, const struct sched_rank *k, uint64_t req,
+    bool decode_done, enum dsv4_finish finish)
 {
     struct sched_req *r = req_find(s, req);
     struct sched_hold *h;
@@ -507,6 +523,11 @@ on_freed(struct sched *s, struct sched_group *g, uint64_t req, bool decode_done,
     if (!r->closing) {
         if (!decode_done || r->dec.g != g || !r->dec_started)
             return;
+        if (k->group_rank != 0) {
+            /* counted when rank 0's report closes the request */
+            r->dec_early++;
+            return;
+        }
         /* The rank ended the stream before we saw a reason to. */
         r->dec_self_end = true;
         if (finish == DSV4_FINISH_CANCELLED)
@@ -557,14 +578,30 @@ rank_message(struct sched *s, struct sched_rank *k, const struct dsv4_route *fro
         break;
     case DSV4_RANK_DECODE_DONE:
         if (k->role == DSV4_ROLE_DECODE)
-            on_freed(s, g, m->u.decode_done.req, true, m->u.decode_done.finish);
+            on_freed(s, g, k, m->u.decode_done.req, true, m->u.decode_done.finish);
         else
             goto unexpected;
         break;
     case DSV4_RANK_ABORT_DONE:
-        on_freed(s, g, m->u.ref.req, false, DSV4_FINISH_NONE);
+        on_freed(s, g, k, m->u.ref.req, false, DSV4_FINISH_NONE);
         break;
     case DSV4_RANK_DRAIN_DONE:
+        break;
+    case DSV4_RANK_COMM:
+        /* rank 0's id for the current epoch: every rank joins with it */
+        if (g == NULL || k->group_rank != 0 || g->size < 2 || m->u.comm.comm_id == NULL)
+            goto unexpected;
+        if (m->u.comm.comm_epoch != g->epoch || g->n_ranks != g->size) {
+            log_info("rank %s: communicator id of epoch %u dropped (group at epoch %u, %u of "
+                "%u ranks)", rank_name(k, nb, sizeof(nb)), m->u.comm.comm_epoch, g->epoch,
+                g->n_ranks, g->size);
+            break;
+        }
+        rank_send_group(s, g, m);
+        g->comm_ready = g->epoch;
+        log_notice("group %s/%u: communicator of epoch %u sent to its %u ranks",
+            dsv4_role_name(g->role), g->id, g->epoch, g->size);
+        queue_dispatch(s);
         break;
     case DSV4_RANK_ERROR: {
         struct sched_req *r;

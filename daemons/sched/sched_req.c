@@ -140,8 +140,10 @@ req_hold_clear(struct sched *s, struct sched_req *r, struct sched_hold *h)
         return;
     if (h->g->load > 0)
         h->g->load--;
-    if (h == &r->dec)
+    if (h == &r->dec) {
         queue_slot_put(h->g, r->slot);
+        r->dec_early = 0;
+    }
     h->g = NULL;
     h->acks = 0;
     /* A closing request's exported KV outlives the decode group's import. */
@@ -290,7 +292,10 @@ release_holds(struct sched *s, struct sched_req *r, enum dsv4_req_state prev)
         } else {
             if (!r->dec_self_end)
                 rank_send_ref(s, r->dec.g, DSV4_RANK_ABORT, r->req);
-            r->dec.acks = r->dec.g->n_ranks;
+            /* ranks that already reported the end (on_freed) count as done */
+            r->dec.acks = r->dec.g->n_ranks > r->dec_early ? r->dec.g->n_ranks - r->dec_early
+                                                           : 0;
+            r->dec_early = 0;
             if (r->dec.acks == 0)
                 req_hold_clear(s, r, &r->dec);
         }

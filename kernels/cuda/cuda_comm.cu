@@ -5,6 +5,10 @@
  * binaries start on machines without NCCL and a one-rank model never needs
  * it; a group then fails with a clear error.  The sum is queued on the
  * rank's CUDA backend stream, so it can sit inside a recorded decode graph.
+ * Communicators are non-blocking (ncclConfig_t.blocking = 0): creation is
+ * polled against a deadline (a rank that never joins fails the others'
+ * set-up instead of hanging them), and ncclCommAbort can end collectives
+ * waiting for a rank that died.
  */
 #include "kernels/comm.h"
 #include "kernels/cuda/cuda.cuh"
@@ -15,12 +19,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 /* The NCCL entry points used, resolved once. */
 struct nccl_api {
     void *lib;
     ncclResult_t (*get_unique_id)(ncclUniqueId *);
-    ncclResult_t (*init_rank)(ncclComm_t *, int, ncclUniqueId, int);
+    ncclResult_t (*init_rank_config)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
+    ncclResult_t (*async_error)(ncclComm_t, ncclResult_t *);
     ncclResult_t (*all_reduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
                                ncclComm_t, cudaStream_t);
     ncclResult_t (*destroy)(ncclComm_t);
@@ -42,15 +49,19 @@ nccl_open(void)
         return;
     }
     nccl.get_unique_id = (ncclResult_t(*)(ncclUniqueId *))dlsym(lib, "ncclGetUniqueId");
-    nccl.init_rank = (ncclResult_t(*)(ncclComm_t *, int, ncclUniqueId, int))dlsym(
-        lib, "ncclCommInitRank");
+    nccl.init_rank_config = (ncclResult_t(*)(ncclComm_t *, int, ncclUniqueId, int,
+                                             ncclConfig_t *))dlsym(lib,
+                                                                   "ncclCommInitRankConfig");
+    nccl.async_error = (ncclResult_t(*)(ncclComm_t, ncclResult_t *))dlsym(
+        lib, "ncclCommGetAsyncError");
     nccl.all_reduce = (ncclResult_t(*)(const void *, void *, size_t, ncclDataType_t,
                                        ncclRedOp_t, ncclComm_t, cudaStream_t))dlsym(
         lib, "ncclAllReduce");
     nccl.destroy = (ncclResult_t(*)(ncclComm_t))dlsym(lib, "ncclCommDestroy");
     nccl.error_string = (const char *(*)(ncclResult_t))dlsym(lib, "ncclGetErrorString");
     nccl.abort = (ncclResult_t(*)(ncclComm_t))dlsym(lib, "ncclCommAbort");
-    if (nccl.get_unique_id == NULL || nccl.init_rank == NULL || nccl.all_reduce == NULL ||
+    if (nccl.get_unique_id == NULL || nccl.init_rank_config == NULL ||
+        nccl.async_error == NULL || nccl.all_reduce == NULL ||
         nccl.destroy == NULL || nccl.error_string == NULL || nccl.abort == NULL) {
         snprintf(nccl_why, sizeof(nccl_why), "libnccl.so.2 lacks an entry point");
         dlclose(lib);
@@ -75,28 +86,52 @@ nccl_err(ncclResult_t rc, const char *what)
     return dsv4_err_set(DSV4_ERR_CUDA, "comm nccl: %s: %s", what, nccl.error_string(rc));
 }
 
-static enum dsv4_err
-nccl_allreduce(struct dsv4_comm *c, struct dsv4_backend *be, float *x, int64_t n)
+static int64_t
+nccl_now_ms(void)
 {
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* A non-blocking call returned rc: wait until the communicator is no
+ * longer in progress (the operation is queued on the stream). */
+static ncclResult_t
+nccl_settle(ncclComm_t comm, ncclResult_t rc)
+{
+    while (rc == ncclInProgress) {
+        if (nccl.async_error(comm, &rc) != ncclSuccess)
+            return ncclInternalError;
+    }
+    return rc;
+}
+
+static enum dsv4_err
+nccl_reduce(struct dsv4_comm *c, struct dsv4_backend *be, void *x, int64_t n,
+            ncclDataType_t type, ncclRedOp_t op)
+{
+    ncclComm_t comm = (ncclComm_t)__atomic_load_n(&c->priv, __ATOMIC_ACQUIRE);
     ncclResult_t rc;
 
     if (n <= 0)
         return DSV4_OK;
-    rc = nccl.all_reduce(x, x, (size_t)n, ncclFloat32, ncclSum, (ncclComm_t)c->priv,
-                         cuda_stream(be));
+    if (comm == NULL)
+        return dsv4_err_set(DSV4_ERR_CUDA, "comm nccl: the communicator was aborted");
+    rc = nccl_settle(comm, nccl.all_reduce(x, x, (size_t)n, type, op, comm, cuda_stream(be)));
     return rc == ncclSuccess ? DSV4_OK : nccl_err(rc, "all-reduce");
+}
+
+static enum dsv4_err
+nccl_allreduce(struct dsv4_comm *c, struct dsv4_backend *be, float *x, int64_t n)
+{
+    return nccl_reduce(c, be, x, n, ncclFloat32, ncclSum);
 }
 
 static enum dsv4_err
 nccl_min_u64(struct dsv4_comm *c, struct dsv4_backend *be, uint64_t *x, int64_t n)
 {
-    ncclResult_t rc;
-
-    if (n <= 0)
-        return DSV4_OK;
-    rc = nccl.all_reduce(x, x, (size_t)n, ncclUint64, ncclMin, (ncclComm_t)c->priv,
-                         cuda_stream(be));
-    return rc == ncclSuccess ? DSV4_OK : nccl_err(rc, "all-reduce (min)");
+    return nccl_reduce(c, be, x, n, ncclUint64, ncclMin);
 }
 
 /* ncclCommAbort: kernels waiting for a rank that is gone return; the
@@ -145,12 +180,14 @@ dsv4_comm_nccl_unique_id(uint8_t id[DSV4_COMM_ID_BYTES])
 
 extern "C" enum dsv4_err
 dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank, int size,
-                      const uint8_t id[DSV4_COMM_ID_BYTES])
+                      const uint8_t id[DSV4_COMM_ID_BYTES], int timeout_ms)
 {
     struct dsv4_comm *c;
     ncclUniqueId u;
-    ncclComm_t comm;
-    ncclResult_t rc;
+    ncclComm_t comm = NULL;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    ncclResult_t rc, st;
+    int64_t deadline = nccl_now_ms() + timeout_ms;
     enum dsv4_err e = nccl_ready();
 
     *out = NULL;
@@ -162,9 +199,26 @@ dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
         return dsv4_err_set(DSV4_ERR_INVAL, "comm nccl: rank %d of %d", rank, size);
     CUDA_TRY(cudaSetDevice(cuda_st(be)->device));
     memcpy(&u, id, sizeof(u));
-    rc = nccl.init_rank(&comm, size, u, rank);
-    if (rc != ncclSuccess)
+    config.blocking = 0;
+    rc = nccl.init_rank_config(&comm, size, u, rank, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress)
         return nccl_err(rc, "init rank");
+    for (;;) {
+        if (nccl.async_error(comm, &st) != ncclSuccess)
+            st = ncclInternalError;
+        if (st != ncclInProgress)
+            break;
+        if (nccl_now_ms() > deadline) {
+            nccl.abort(comm);
+            return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm nccl: rank %d of %d: the group did "
+                                "not assemble within %d ms", rank, size, timeout_ms);
+        }
+        usleep(1000);
+    }
+    if (st != ncclSuccess) {
+        nccl.abort(comm);
+        return nccl_err(st, "init rank");
+    }
     c = (struct dsv4_comm *)calloc(1, sizeof(*c));
     if (c == NULL) {
         nccl.destroy(comm);

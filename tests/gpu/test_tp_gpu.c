@@ -110,7 +110,7 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
         r->gib = (double)(freeb - f2) / (1u << 30);
     }
     if (size > 1)
-        RTRY("nccl", dsv4_comm_nccl_create(comm, be, rank, size, nccl_id));
+        RTRY("nccl", dsv4_comm_nccl_create(comm, be, rank, size, nccl_id, 60000));
     o.n_slots = B;
     o.max_seq_len = 160 + steps + B1_STEPS + 8;
     o.max_rows = rows;

@@ -27,6 +27,12 @@ Scenarios:
   drain           drain of a decode rank under load finishes its streams,
                   admits nothing new there, new work runs elsewhere; global
                   drain answers 301; undrain restores service.
+  group2          model groups (group_size = 2: one prefill group and one
+                  decode group of two ranks each, shm communicator): 16 greedy
+                  streams == the single-process forward; then kill -9 of
+                  decode@1 mid-stream: dsv4-launch restarts it, the group
+                  re-forms with a new communicator while decode@0 keeps
+                  running (same pid), every stream == the undisturbed output.
 
 Leaked state is checked through the admin socket (SHOW_REQUESTS empty,
 every rank's `active` 0, STATUS n_queued/n_running 0), with dsv4ctl --json
@@ -524,6 +530,44 @@ def kill_during_streams(victim):
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 
 
+def sc_group2():
+    svc = Service(n_prefill=2, n_decode=2, extra_conf="group_size = 2")
+    try:
+        ranks = svc.admin.ranks()
+        groups = sorted((r["role"], r["group"], r["group_rank"]) for r in ranks)
+        check(groups == [("decode", 0, 0), ("decode", 0, 1), ("prefill", 0, 0),
+                         ("prefill", 0, 1)], "ranks are not two groups of two: %s" % groups)
+        prompts = os.path.join(svc.dir, "pg.txt")
+        make_prompts(prompts, 16, seed=21)
+        ref = reference(svc, prompts, 32)
+        wait_for(lambda: "communicator of epoch" in svc.errlog() or True, "groups formed")
+        got, rc, err = finish(svc.client(prompts, 32), svc)
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        compare(got, ref, "16 streams through a prefill group and a decode group", err)
+        # kill one decode rank of the group mid-stream
+        progress = os.path.join(svc.dir, "progress")
+        p = svc.client(prompts, 32, progress=progress)
+        wait_progress(progress, lambda c: any(n >= 4 for n in c.values()), "streams under way")
+        survivor = svc.pid("decode@0")
+        old = svc.kill9("decode@1")
+        got, rc, err = finish(p, svc)
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        compare(got, ref, "16 streams across a kill -9 of decode@1 (group of 2)", err)
+        wait_for(lambda: svc.pid("decode@1") not in (None, old) and
+                 svc.count("decode@1", "READY=1") >= 2, "decode@1 restarted")
+        check(svc.pid("decode@0") == survivor, "decode@0 was restarted too")
+        check(svc.count("decode@0", "READY=1") == 1, "decode@0 started more than once")
+        log("decode@1 restarted as pid %d; decode@0 kept pid %d" % (svc.pid("decode@1"),
+                                                                   survivor))
+        # the re-formed group serves again
+        got2, rc2, err2 = finish(svc.client(prompts, 32), svc)
+        check(rc2 == 0, "svc_client after the re-forming failed")
+        compare(got2, ref, "16 streams after the group re-formed", err2)
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
 def sc_kill_decode():
     kill_during_streams("decode@0")
 
@@ -870,6 +914,7 @@ SCENARIOS = {
     "cancel1000": sc_cancel1000,
     "drain": sc_drain,
     "pyclient": sc_pyclient,
+    "group2": sc_group2,
 }
 
 

@@ -173,6 +173,22 @@ s_welcome(struct dsv4_msg *m)
 }
 
 static void
+s_rank_comm(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_COMM);
+    m->u.comm.comm_epoch = 5;
+    m->u.comm.comm_id = comm_id;
+    m->u.comm.comm_id_len = sizeof(comm_id);
+}
+
+static void
+s_rank_comm_ask(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_COMM);
+    m->u.comm.comm_epoch = 6;
+}
+
+static void
 s_rank_heartbeat(struct dsv4_msg *m)
 {
     dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
@@ -429,6 +445,8 @@ static const struct {
     { "rank_drain", s_drain },
     { "rank_drain_done", s_drain_done },
     { "rank_error", s_rank_error },
+    { "rank_comm", s_rank_comm },
+    { "rank_comm_ask", s_rank_comm_ask },
     { "ctl_show_status", s_show_status },
     { "ctl_status", s_status },
     { "ctl_show_ranks", s_show_ranks },

@@ -1,0 +1,414 @@
+/*
+ * rank_group.c — a rank of a model group (rank.h, "rank_group.c"): the
+ * communicator of each epoch and the tick that keeps the ranks' forward
+ * calls in step.
+ *
+ * Communicator: the scheduler asks group rank 0 for an id when the group
+ * is complete (COMM without id); rank 0 makes one (NCCL unique id on the
+ * CUDA backend, a shm group name on the CPU backend) and returns it; the
+ * scheduler sends it to every rank.  A rank without a working communicator
+ * joins at once; a rank whose communicator still works keeps ticking on it
+ * with the new epoch marked pending, and the ranks switch together after
+ * the tick that shows every rank has the same pending epoch (so no rank is
+ * left waiting in a collective of the old one).  On a switch each rank
+ * drops what it held (the scheduler re-ran it when the group changed).
+ * Right after joining, the ranks exchange their process ids and host
+ * hashes (a minimum all-reduce), so the watchdog can tell when a peer on
+ * this host has died.  A broken communicator (a peer died or left: a
+ * collective failed or the watchdog aborted it) is dropped together with
+ * the work; the rank stays registered and waits for the next COMM.
+ *
+ * Tick descriptor (2 * slots + 2 uint64): the runnable requests ascending,
+ * padded with UINT64_MAX, then their complements, then the pending epoch
+ * (0 = none) and its complement.  After the minimum
+ * all-reduce the first half holds the smallest id of each position and the
+ * second half the complement of the largest: a position where both are
+ * equal holds the same request on every rank.  Requests are numbered in
+ * the order the scheduler sent them, so ranks that have not yet seen a
+ * message differ only at the end of the list; the agreed work is the
+ * leading run of equal positions.
+ */
+#include "rank.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/sdnotify.h"
+
+#define GROUP_JOIN_MS 60000     /* a communicator must assemble within this */
+#define GROUP_COLL_MS 20000     /* a collective section may wait this long (every
+                                   forward is collective, so a live peer that does
+                                   not come has left the group) */
+#define WATCH_MS 50             /* watchdog period */
+
+/* Peer watchdog: inside a collective section, aborts the communicator when
+ * a peer process of this host is gone. */
+struct rank_watch {
+    pthread_t th;
+    pthread_mutex_t mu;         /* guards comm, pids, local */
+    struct dsv4_comm *comm;
+    int n;
+    pid_t pids[64];
+    bool local[64];
+    atomic_int inside;          /* main thread in a collective section */
+    _Atomic int64_t since_ms;   /* ... since then */
+    atomic_int stop;
+    atomic_int fired;           /* the communicator was aborted */
+};
+
+static uint64_t
+host_hash(const char *h)
+{
+    uint64_t x = 1469598103934665603ull;
+
+    while (*h != '\0')
+        x = (x ^ (uint8_t)*h++) * 1099511628211ull;
+    return x;
+}
+
+static int64_t
+mono_ms(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void *
+watch_main(void *arg)
+{
+    struct rank_watch *w = arg;
+    struct timespec nap = { 0, WATCH_MS * 1000000L };
+
+    while (!atomic_load(&w->stop)) {
+        nanosleep(&nap, NULL);
+        if (!atomic_load(&w->inside))
+            continue;
+        pthread_mutex_lock(&w->mu);
+        if (w->comm != NULL && !atomic_load(&w->fired) &&
+            mono_ms() - atomic_load(&w->since_ms) > GROUP_COLL_MS) {
+            log_warnx("group: a collective section took over %d ms; aborting the "
+                      "communicator", GROUP_COLL_MS);
+            atomic_store(&w->fired, 1);
+            w->comm->ops->abort(w->comm);
+        }
+        for (int i = 0; i < w->n && w->comm != NULL && !atomic_load(&w->fired); i++) {
+            if (!w->local[i] || w->pids[i] <= 0)
+                continue;
+            if (kill(w->pids[i], 0) != 0 && errno == ESRCH) {
+                log_warnx("group: peer rank %d (pid %d) is gone; aborting the communicator",
+                          i, (int)w->pids[i]);
+                atomic_store(&w->fired, 1);
+                w->comm->ops->abort(w->comm);
+            }
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    return NULL;
+}
+
+void
+group_init(struct rank *k, const struct dsv4_config *cfg)
+{
+    struct rank_watch *w;
+
+    (void)cfg;
+    if (k->o.group_size <= 1)
+        return;
+    k->tick_h = calloc(2 * (size_t)k->o.slots + 2, sizeof(uint64_t));
+    k->tick_d = k->be->ops->alloc(k->be, (2 * (size_t)k->o.slots + 2) * sizeof(uint64_t));
+    w = calloc(1, sizeof(*w));
+    if (k->tick_h == NULL || k->tick_d == NULL || w == NULL)
+        fatalx("group_init: no memory");
+    pthread_mutex_init(&w->mu, NULL);
+    if (pthread_create(&w->th, NULL, watch_main, w) != 0)
+        fatalx("group_init: watchdog thread");
+    k->watch = w;
+    log_info("group_init: rank %u of group %u (%u ranks)", (unsigned)k->o.group_rank,
+             (unsigned)k->o.group, (unsigned)k->o.group_size);
+}
+
+void
+group_close(struct rank *k, bool abort_peers)
+{
+    if (k->comm == NULL)
+        return;
+    /* peers waiting in a collective with us fail now (shm), not at their
+     * timeout */
+    if (abort_peers)
+        k->comm->ops->abort(k->comm);
+    if (k->watch != NULL) {
+        pthread_mutex_lock(&k->watch->mu);
+        k->watch->comm = NULL;
+        k->watch->n = 0;
+        pthread_mutex_unlock(&k->watch->mu);
+    }
+    dsv4_model_set_comm(k->m, NULL);
+    dsv4_comm_destroy(k->comm);
+    k->comm = NULL;
+    log_info("group_close: communicator of epoch %u closed", (unsigned)k->comm_epoch);
+}
+
+void
+group_free(struct rank *k)
+{
+    group_close(k, true);
+    free(k->pend_id);
+    k->pend_id = NULL;
+    if (k->watch != NULL) {
+        atomic_store(&k->watch->stop, 1);
+        pthread_join(k->watch->th, NULL);
+        pthread_mutex_destroy(&k->watch->mu);
+        free(k->watch);
+        k->watch = NULL;
+    }
+    if (k->tick_d != NULL)
+        k->be->ops->free(k->be, k->tick_d);
+    free(k->tick_h);
+    k->tick_d = NULL;
+    k->tick_h = NULL;
+}
+
+void
+group_enter(struct rank *k)
+{
+    if (k->watch != NULL) {
+        atomic_store(&k->watch->since_ms, mono_ms());
+        atomic_store(&k->watch->inside, 1);
+    }
+}
+
+void
+group_leave(struct rank *k)
+{
+    if (k->watch != NULL)
+        atomic_store(&k->watch->inside, 0);
+}
+
+/* Bytes the largest all-reduce of the forward moves (shm group size). */
+static size_t
+group_max_bytes(const struct rank *k)
+{
+    const struct dsv4_config *c = &k->cfg;
+    size_t T = (size_t)(k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots);
+    size_t moe = ((size_t)c->num_experts_per_tok + 1) * (size_t)c->hidden_size;
+    size_t att = (size_t)c->o_groups * (size_t)c->o_lora_rank;
+    size_t per = moe > att ? moe : att;
+
+    return T * per * sizeof(float) + 4 * (size_t)k->o.slots * sizeof(uint64_t) + 4096;
+}
+
+/* Make the id of a new communicator (rank 0). */
+static enum dsv4_err
+group_make_id(struct rank *k, uint8_t *id)
+{
+    if (strcmp(k->be->name, "cpu") == 0)
+        return dsv4_comm_shm_unique_id(id);
+#ifdef DSV4_HAVE_CUDA
+    return dsv4_comm_nccl_unique_id(id);
+#else
+    return dsv4_err_set(DSV4_ERR_NOTSUP, "group: no communicator for backend %s",
+                        k->be->name);
+#endif
+}
+
+/* Exchange process ids and host hashes; arm the watchdog. */
+static enum dsv4_err
+group_peers(struct rank *k)
+{
+    uint32_t n = k->o.group_size;
+    uint64_t *v = calloc(2 * (size_t)n, sizeof(uint64_t));
+    uint64_t *d = k->be->ops->alloc(k->be, 2 * (size_t)n * sizeof(uint64_t));
+    uint64_t me = host_hash(k->host);
+    enum dsv4_err e = DSV4_OK;
+
+    if (v == NULL || d == NULL) {
+        e = dsv4_err_set(DSV4_ERR_NOMEM, "group: no memory");
+        goto out;
+    }
+    for (uint32_t i = 0; i < 2 * n; i++)
+        v[i] = UINT64_MAX;
+    v[k->o.group_rank] = (uint64_t)getpid();
+    v[n + k->o.group_rank] = me;
+    group_enter(k);
+    e = k->be->ops->upload(k->be, d, v, 2 * (size_t)n * sizeof(uint64_t));
+    if (e == DSV4_OK)
+        e = k->comm->ops->allreduce_min_u64(k->comm, k->be, d, 2 * (int64_t)n);
+    if (e == DSV4_OK)
+        e = k->be->ops->download(k->be, v, d, 2 * (size_t)n * sizeof(uint64_t));
+    if (e == DSV4_OK)
+        e = k->be->ops->sync(k->be);
+    group_leave(k);
+    if (e != DSV4_OK)
+        goto out;
+    pthread_mutex_lock(&k->watch->mu);
+    k->watch->comm = k->comm;
+    k->watch->n = (int)n;
+    for (uint32_t i = 0; i < n && i < 64; i++) {
+        k->watch->pids[i] = i == k->o.group_rank ? 0 : (pid_t)v[i];
+        k->watch->local[i] = v[n + i] == me;
+    }
+    atomic_store(&k->watch->fired, 0);
+    pthread_mutex_unlock(&k->watch->mu);
+out:
+    free(v);
+    if (d != NULL)
+        k->be->ops->free(k->be, d);
+    return e;
+}
+
+static void group_join(struct rank *k);
+
+void
+group_comm(struct rank *k, const struct dsv4_rank_comm *c)
+{
+    uint8_t id[DSV4_COMM_ID_BYTES];
+
+    if (k->o.group_size <= 1) {
+        log_warnx("group_comm: COMM for a rank that is alone dropped");
+        return;
+    }
+    if (c->comm_id == NULL) {
+        struct dsv4_msg m;
+
+        if (k->o.group_rank != 0) {
+            log_warnx("group_comm: asked for an id, but this is not rank 0");
+            return;
+        }
+        if (group_make_id(k, id) != DSV4_OK) {
+            rank_relink(k, "cannot make a communicator id");
+            return;
+        }
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_COMM);
+        m.u.comm.comm_epoch = c->comm_epoch;
+        m.u.comm.comm_id = id;
+        m.u.comm.comm_id_len = DSV4_COMM_ID_BYTES;
+        rank_send(k, &m);
+        log_info("group_comm: id of epoch %u made", (unsigned)c->comm_epoch);
+        return;
+    }
+    if (c->comm_id_len != DSV4_COMM_ID_BYTES) {
+        log_warnx("group_comm: id of %u bytes dropped", (unsigned)c->comm_id_len);
+        return;
+    }
+    if (k->pend_id == NULL && (k->pend_id = malloc(DSV4_COMM_ID_BYTES)) == NULL)
+        fatalx("group_comm: no memory");
+    memcpy(k->pend_id, c->comm_id, DSV4_COMM_ID_BYTES);
+    k->pend_epoch = c->comm_epoch;
+    if (k->comm == NULL)
+        group_join(k);   /* else at the tick where every rank has it */
+}
+
+/* Switch to the pending epoch's communicator. */
+static void
+group_join(struct rank *k)
+{
+    struct dsv4_comm *nc = NULL;
+    uint32_t epoch = k->pend_epoch;
+    enum dsv4_err e;
+
+    k->pend_epoch = 0;
+    /* a new epoch: what the old one held is being re-run by the scheduler */
+    if (k->o.role == DSV4_ROLE_PREFILL)
+        prefill_reset(k);
+    else
+        decode_reset(k);
+    group_close(k, false);
+    sdnotify_status("joining the communicator of group %u, epoch %u", (unsigned)k->o.group,
+                    (unsigned)epoch);
+    if (strcmp(k->be->name, "cpu") == 0)
+        e = dsv4_comm_shm_create(&nc, (int)k->o.group_rank, (int)k->o.group_size, k->pend_id,
+                                 group_max_bytes(k), GROUP_JOIN_MS);
+    else
+#ifdef DSV4_HAVE_CUDA
+        e = dsv4_comm_nccl_create(&nc, k->be, (int)k->o.group_rank, (int)k->o.group_size,
+                                  k->pend_id, GROUP_JOIN_MS);
+#else
+        e = dsv4_err_set(DSV4_ERR_NOTSUP, "no communicator for backend %s", k->be->name);
+#endif
+    if (e == DSV4_OK) {
+        k->comm = nc;
+        k->comm_epoch = epoch;
+        e = dsv4_model_set_comm(k->m, nc);
+    }
+    if (e == DSV4_OK)
+        e = group_peers(k);
+    if (e != DSV4_OK) {
+        log_warnx("group_join: epoch %u: %s", (unsigned)epoch, dsv4_errmsg());
+        group_close(k, true);
+        rank_relink(k, "joining the group's communicator failed");
+        return;
+    }
+    sdnotify_status("serving as %s, rank %u of group %u (epoch %u)", k->name,
+                    (unsigned)k->o.group_rank, (unsigned)k->o.group, (unsigned)k->comm_epoch);
+    log_notice("group_comm: joined group %u as rank %u of %u, epoch %u", (unsigned)k->o.group,
+               (unsigned)k->o.group_rank, (unsigned)k->o.group_size, (unsigned)k->comm_epoch);
+}
+
+void
+group_broken(struct rank *k, const char *why)
+{
+    log_warnx("group: %s; dropping the communicator and the work, waiting for the group to "
+              "re-form", why);
+    sdnotify_status("group %u broke (%s); waiting for it to re-form", (unsigned)k->o.group,
+                    why);
+    group_close(k, true);
+    if (k->o.role == DSV4_ROLE_PREFILL)
+        prefill_reset(k);
+    else
+        decode_reset(k);
+    if (k->pend_epoch != 0)
+        group_join(k);
+}
+
+bool
+group_tick(struct rank *k, const uint64_t *mine, int n)
+{
+    size_t S = (size_t)k->o.slots, N = 2 * S + 2;
+    enum dsv4_err e;
+
+    k->n_agreed = 0;
+    for (size_t i = 0; i < S; i++) {
+        uint64_t v = (int)i < n ? mine[i] : UINT64_MAX;
+
+        k->tick_h[i] = v;
+        k->tick_h[S + i] = ~v;
+    }
+    k->tick_h[2 * S] = k->pend_epoch;
+    k->tick_h[2 * S + 1] = ~(uint64_t)k->pend_epoch;
+    group_enter(k);
+    e = k->be->ops->upload(k->be, k->tick_d, k->tick_h, N * sizeof(uint64_t));
+    if (e == DSV4_OK)
+        e = k->comm->ops->allreduce_min_u64(k->comm, k->be, k->tick_d, (int64_t)N);
+    if (e == DSV4_OK)
+        e = k->be->ops->download(k->be, k->tick_h, k->tick_d, N * sizeof(uint64_t));
+    if (e == DSV4_OK)
+        e = k->be->ops->sync(k->be);
+    group_leave(k);
+    if (e != DSV4_OK) {
+        group_broken(k, dsv4_errmsg());
+        return false;
+    }
+    /* every rank holds the same pending epoch: switch together */
+    if (k->tick_h[2 * S] != 0 && k->tick_h[2 * S] == ~k->tick_h[2 * S + 1]) {
+        group_join(k);
+        return false;
+    }
+    for (size_t i = 0; i < S; i++) {
+        uint64_t lo = k->tick_h[i], hi = ~k->tick_h[S + i];
+
+        if (lo != hi || lo == UINT64_MAX)
+            break;
+        k->agreed[k->n_agreed++] = lo;
+    }
+    return true;
+}
