@@ -115,6 +115,8 @@ struct dsv4_model {
     float *e, *he;                 /* MTP: (T, D), (T, n, D) */
     float *logits_dev;             /* (max_rows, V) */
     float *u_loc, *y_loc;          /* tp > 1: (T, Gl*R), (T, Dl) this rank's part */
+    int32_t *s_ids;                /* forward_sample: (max_rows) sampled ids */
+    float *s_lp;                   /* forward_sample: (max_rows) their logprobs */
     float *parts;                  /* tp > 1: moe parts (T*k + T, D) */
     /* decode graphs by batch size (opts.graphs; NULL until first use) */
     int graphs;
@@ -261,7 +263,7 @@ dsv4_model_free(struct dsv4_model *m)
         m->i_ring_dst, m->i_out_rows, m->X, m->X2, m->x, m->xn, m->post, m->comb, m->y,
         m->qr, m->q, m->kv, m->o, m->u, m->ca, m->cz, m->ent, m->qI, m->wI, m->ia, m->iz,
         m->ient, m->sel, m->rw, m->rid, m->ring_tmp, m->hidden, m->e, m->he, m->logits_dev,
-        m->u_loc, m->y_loc, m->parts,
+        m->u_loc, m->y_loc, m->parts, m->s_ids, m->s_lp,
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         dev_free(m, bufs[i]);
@@ -433,6 +435,8 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->rw = dev_alloc(m, T * k * F, &fail);
     m->rid = dev_alloc(m, T * k * I4, &fail);
     m->logits_dev = dev_alloc(m, T * (size_t)m->V * F, &fail);
+    m->s_ids = dev_alloc(m, T * I4, &fail);
+    m->s_lp = dev_alloc(m, T * F, &fail);
     if (m->tp > 1) {
         m->u_loc = dev_alloc(m, T * (size_t)m->Gl * c->o_lora_rank * F, &fail);
         m->y_loc = dev_alloc(m, T * (size_t)m->Dl * F, &fail);
@@ -1008,14 +1012,14 @@ graph_eligible(const struct dsv4_model *m, const struct dsv4_batch *b, unsigned 
 
 /* --- public entry points ----------------------------------------------- */
 
-enum dsv4_err
-dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b, float *logits,
-                   unsigned flags)
+/* The device part of a forward call: plan, layers, logits in logits_dev
+ * (the caller downloads or samples them, then calls forward_commit). */
+static enum dsv4_err
+forward_run(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
     const struct call_plan *p = &m->plan;
-
     int graphed;
 
     if (m->tp > 1 && m->comm == NULL)
@@ -1036,9 +1040,43 @@ dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b, float *logi
     } else {
         m->hidden_rows = 0;
     }
-    TRY(logits_download(m, logits));
+    return DSV4_OK;
+}
+
+/* The runs of b are through the model: their slots grew. */
+static void
+forward_commit(struct dsv4_model *m, const struct dsv4_batch *b)
+{
     for (int i = 0; i < b->n_seqs; i++)
         m->len[b->slot[i]] += b->n_tokens[i];
+}
+
+enum dsv4_err
+dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b, float *logits,
+                   unsigned flags)
+{
+    TRY(forward_run(m, b, flags));
+    TRY(logits_download(m, logits));
+    forward_commit(m, b);
+    return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
+                          const struct dsv4_sample_params *params, int32_t *out_ids,
+                          float *out_logprob)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    int n = b->n_seqs;
+
+    TRY(forward_run(m, b, 0));
+    TRY(ops->sample(be, m->s_ids, m->s_lp, m->logits_dev, params, n, m->V));
+    TRY(ops->download(be, out_ids, m->s_ids, (size_t)n * sizeof(int32_t)));
+    if (out_logprob != NULL)
+        TRY(ops->download(be, out_logprob, m->s_lp, (size_t)n * sizeof(float)));
+    TRY(ops->sync(be));
+    forward_commit(m, b);
     return DSV4_OK;
 }
 

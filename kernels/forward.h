@@ -124,6 +124,18 @@ enum dsv4_err dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *
                                  float *logits, unsigned flags);
 
 /*
+ * dsv4_model_forward followed by sampling on the backend: one token per run
+ * (from its last row's logits) with params[i] (host, n_seqs entries), ids
+ * into out_ids and log-probabilities into out_logprob (may be NULL), both
+ * host arrays of n_seqs.  The logits stay in backend memory: a GPU backend
+ * moves a few bytes per run instead of a vocabulary row.  Same errors and
+ * slot growth as dsv4_model_forward.
+ */
+enum dsv4_err dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
+                                        const struct dsv4_sample_params *params,
+                                        int32_t *out_ids, float *out_logprob);
+
+/*
  * MTP head (model doc §3.6) on the rows kept by the last forward call made
  * with DSV4_FWD_KEEP_HIDDEN: row i of that call is paired with next_tokens[i]
  * (the token that follows it) and the MTP layer runs at the row's position,

@@ -720,27 +720,6 @@ rank_init_weights(struct rank *k, bool cuda)
 #endif
 }
 
-enum dsv4_err
-rank_sample(struct rank *k, int32_t *out_tok, float *out_lp, const float *logits,
-            const struct dsv4_sample_params *params, int n)
-{
-    const struct dsv4_backend_ops *ops = k->be->ops;
-    enum dsv4_err e;
-
-    if (!k->dev_mem)
-        return ops->sample(k->be, out_tok, out_lp, logits, params, n, k->V);
-    e = ops->upload(k->be, k->d_logits, logits, (size_t)n * (size_t)k->V * sizeof(float));
-    if (e == DSV4_OK)
-        e = ops->sample(k->be, k->d_tok, k->d_lp, k->d_logits, params, n, k->V);
-    if (e == DSV4_OK)
-        e = ops->download(k->be, out_tok, k->d_tok, (size_t)n * sizeof(int32_t));
-    if (e == DSV4_OK)
-        e = ops->download(k->be, out_lp, k->d_lp, (size_t)n * sizeof(float));
-    if (e == DSV4_OK)
-        e = ops->sync(k->be);
-    return e;
-}
-
 /* Weights, backend, model, buffers, transfer layer. */
 static void
 rank_init_model(struct rank *k)
@@ -784,22 +763,12 @@ rank_init_model(struct rank *k)
     k->V = dsv4_model_vocab(k->m);
     k->max_seq = k->o.conf.max_seq;
     rows = (size_t)(mo.max_rows > k->o.slots ? mo.max_rows : k->o.slots);
-    k->logits = xcalloc((size_t)k->o.slots * (size_t)k->V, sizeof(float));
     k->b_slot = xcalloc((size_t)k->o.slots, sizeof(int32_t));
     k->b_ntok = xcalloc((size_t)k->o.slots, sizeof(int32_t));
     k->b_tok = xcalloc(rows, sizeof(int32_t));
     k->sp = xcalloc((size_t)k->o.slots, sizeof(*k->sp));
     k->out_tok = xcalloc((size_t)k->o.slots, sizeof(int32_t));
     k->out_lp = xcalloc((size_t)k->o.slots, sizeof(float));
-    k->dev_mem = strcmp(k->be->name, "cpu") != 0;
-    if (k->dev_mem) {
-        k->d_logits = k->be->ops->alloc(k->be, (size_t)k->o.slots * (size_t)k->V *
-                                                   sizeof(float));
-        k->d_tok = k->be->ops->alloc(k->be, (size_t)k->o.slots * sizeof(int32_t));
-        k->d_lp = k->be->ops->alloc(k->be, (size_t)k->o.slots * sizeof(float));
-        if (k->d_logits == NULL || k->d_tok == NULL || k->d_lp == NULL)
-            fatalx("rank_init: no backend memory for the sampling buffers");
-    }
     if (k->o.role == DSV4_ROLE_PREFILL)
         k->jobs = xcalloc((size_t)k->o.slots, sizeof(*k->jobs));
     else
@@ -823,7 +792,6 @@ rank_free(struct rank *k)
         zmq_ctx_term(k->zctx);
     free(k->jobs);
     free(k->streams);
-    free(k->logits);
     free(k->b_slot);
     free(k->b_ntok);
     free(k->b_tok);
@@ -831,12 +799,6 @@ rank_free(struct rank *k)
     free(k->out_tok);
     free(k->out_lp);
     dsv4_model_free(k->m);
-    if (k->be != NULL) {
-        void *bufs[] = { k->d_logits, k->d_tok, k->d_lp };
-        for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
-            if (bufs[i] != NULL)
-                k->be->ops->free(k->be, bufs[i]);
-    }
 #ifdef DSV4_HAVE_CUDA
     if (k->wdev_loaded)
         dsv4_cuda_weights_free(k->be, &k->wdev);

@@ -140,15 +140,10 @@ struct rank {
     struct dsv4_model *m;
     int V;                      /* vocabulary */
     int max_seq;                /* positions per slot (model's, rounded) */
-    float *logits;              /* (slots, V) */
     int32_t *b_slot, *b_ntok, *b_tok;  /* batch arrays (rows / slots entries) */
     struct dsv4_sample_params *sp;     /* (slots) */
     int32_t *out_tok;           /* (slots) */
     float *out_lp;              /* (slots) */
-    bool dev_mem;               /* backend memory is not host memory (CUDA) */
-    float *d_logits;            /* dev_mem: (slots, V) backend memory */
-    int32_t *d_tok;             /* dev_mem: (slots) */
-    float *d_lp;                /* dev_mem: (slots) */
 
     /* Scheduler link. */
     void *zctx;
@@ -205,11 +200,6 @@ uint32_t rank_active(const struct rank *k);
 /* Sampling parameters of one row from protocol sampling + step. */
 void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
     uint64_t step);
-/* Sample n rows of host logits (V each) with host params into host out_tok /
- * out_lp through the backend's sample op; on a backend whose memory is not
- * host memory (CUDA) the rows go through the device buffers of struct rank. */
-enum dsv4_err rank_sample(struct rank *k, int32_t *out_tok, float *out_lp,
-                          const float *logits, const struct dsv4_sample_params *params, int n);
 
 /* Leave the scheduler link (DISCONNECT `why`), drop everything and register
  * again; used when the model group broke (a member died). */

@@ -248,8 +248,9 @@ decode_work(struct rank *k)
     b.slot = k->b_slot;
     b.n_tokens = k->b_ntok;
     b.tokens = k->b_tok;
+    /* forward and sampling on the backend: only the ids come back */
     group_enter(k);
-    e = dsv4_model_forward(k->m, &b, k->logits, 0);
+    e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
     group_leave(k);
     if (e != DSV4_OK && k->comm != NULL) {
         group_broken(k, dsv4_errmsg());
@@ -257,9 +258,6 @@ decode_work(struct rank *k)
     }
     if (e != DSV4_OK)
         fatalx("decode_work: forward of %d streams: %s", n, dsv4_errmsg());
-    e = rank_sample(k, k->out_tok, k->out_lp, k->logits, k->sp, n);
-    if (e != DSV4_OK)
-        fatalx("decode_work: sample: %s", dsv4_errmsg());
 
     for (int r = 0; r < n; r++) {
         struct rank_stream *st = &k->streams[k->b_slot[r]];

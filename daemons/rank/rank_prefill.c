@@ -118,23 +118,16 @@ prefill_job_clear(struct rank *k, int slot)
     dsv4_model_seq_reset(k->m, slot);
 }
 
-/* The prompt in `slot` is through the model and its last row's logits are
- * `logits`: sample, export, report. */
+/* The prompt in `slot` is through the model and its first token, sampled
+ * from its last row, is `tok` (log-probability lp): export, report. */
 static void
-prefill_finish(struct rank *k, int slot, const float *logits)
+prefill_finish(struct rank *k, int slot, int32_t tok, float lp)
 {
     struct rank_job *j = &k->jobs[slot];
-    struct dsv4_sample_params sp;
     struct dsv4_msg m;
     uint64_t seg[2];
-    int32_t tok;
-    float lp;
     enum dsv4_err e;
 
-    rank_sample_params(&sp, &j->s, j->step);
-    e = rank_sample(k, &tok, &lp, logits, &sp, 1);
-    if (e != DSV4_OK)
-        fatalx("prefill_finish: sample: %s", dsv4_errmsg());
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL_DONE);
     e = kv_export(k, j->transport, j->req, slot, j->n_tokens, seg, &m.u.prefill_done.kv[0]);
     if (e != DSV4_OK) {
@@ -197,6 +190,7 @@ prefill_work(struct rank *k)
             n = (uint32_t)(k->o.rows - rows);
         k->b_slot[n_seqs] = i;
         k->b_ntok[n_seqs] = (int32_t)n;
+        rank_sample_params(&k->sp[n_seqs], &j->s, j->step);
         memcpy(&k->b_tok[rows], &j->tokens[j->done], sizeof(int32_t) * n);
         rows += (int)n;
         n_seqs++;
@@ -208,8 +202,10 @@ prefill_work(struct rank *k)
     b.slot = k->b_slot;
     b.n_tokens = k->b_ntok;
     b.tokens = k->b_tok;
+    /* every run's last row is sampled on the backend; the runs that finish
+     * their prompt use theirs */
     group_enter(k);
-    e = dsv4_model_forward(k->m, &b, k->logits, 0);
+    e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
     group_leave(k);
     if (e != DSV4_OK && k->comm != NULL) {
         group_broken(k, dsv4_errmsg());
@@ -221,7 +217,7 @@ prefill_work(struct rank *k)
         struct rank_job *j = &k->jobs[k->b_slot[s]];
         j->done += (uint32_t)k->b_ntok[s];
         if (j->done == j->n_tokens)
-            prefill_finish(k, k->b_slot[s], k->logits + (size_t)s * (size_t)k->V);
+            prefill_finish(k, k->b_slot[s], k->out_tok[s], k->out_lp[s]);
     }
 }
 

@@ -10,6 +10,8 @@
  *   - the MTP head gives the same logits one-shot and incrementally;
  *   - a decode state exported from one slot and imported into another
  *     continues identically (the prefill -> decode handoff);
+ *   - forward_sample (sampling on the backend) gives the ids and
+ *     log-probabilities of the sample op applied to forward's logits;
  *   - paged pools: a pool smaller than n_slots x max_seq refuses growth it
  *     cannot hold (DSV4_ERR_NOMEM, nothing changed), and pages returned by a
  *     reset serve the next sequence with identical results.
@@ -219,6 +221,42 @@ test_state_handoff(void **state)
     free(b);
 }
 
+/* forward_sample == forward, then the sample op on the host logits. */
+static void
+test_forward_sample(void **state)
+{
+    int32_t slots[2] = { 2, 3 }, n[2] = { 37, 64 }, toks[101];
+    struct dsv4_sample_params sp[2] = {
+        { .temperature = 0.0f, .top_p = 1.0f, .seed = 1, .step = 0 },
+        { .temperature = 0.8f, .top_p = 0.9f, .top_k = 50, .seed = 7, .step = 3 },
+    };
+    float *lg = malloc(2 * (size_t)tm.V * sizeof(float)), lp[2], lp2[2];
+    int32_t got1[2], got2[2];
+
+    (void)state;
+    assert_non_null(lg);
+    for (int i = 0; i < 101; i++)
+        toks[i] = (int32_t)((i * 7919 + 3) % tm.V);
+    for (int round = 0; round < 2; round++) {
+        struct dsv4_batch b = { 2, slots, n, toks };
+
+        for (int s = 0; s < 2; s++)
+            assert_int_equal(dsv4_model_seq_reset(tm.m, slots[s]), DSV4_OK);
+        if (round == 0) {
+            assert_int_equal(dsv4_model_forward(tm.m, &b, lg, 0), DSV4_OK);
+            assert_int_equal(tm.be->ops->sample(tm.be, got1, lp, lg, sp, 2, tm.V), DSV4_OK);
+        } else {
+            assert_int_equal(dsv4_model_forward_sample(tm.m, &b, sp, got2, lp2), DSV4_OK);
+        }
+    }
+    printf("# forward_sample: ids %d %d (forward + sample: %d %d)\n", got2[0], got2[1], got1[0],
+           got1[1]);
+    assert_memory_equal(got1, got2, sizeof(got1));
+    assert_memory_equal(lp, lp2, sizeof(lp));
+    assert_int_equal(dsv4_model_seq_len(tm.m, 3), 64);
+    free(lg);
+}
+
 /* A pool of 512 tokens over 3 slots of 512: one full sequence at a time. */
 static void
 test_paged_pool(void **state)
@@ -289,6 +327,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_batch),
         cmocka_unit_test(test_mtp),
         cmocka_unit_test(test_state_handoff),
+        cmocka_unit_test(test_forward_sample),
         cmocka_unit_test(test_paged_pool),
         cmocka_unit_test(test_bad_batch),
     };

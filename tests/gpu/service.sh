@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# service.sh — the service set on the GPU machine: dsv4-sched, a prefill
+# group and a decode group of GPUS ranks each (group_size = GPUS; rank r of
+# each group on GPU r), CUDA backend, synthetic weights of the flash config
+# cut to LAYERS layers, driven by dsv4-bench through libdsv4client.
+# Run from the repository root with the binaries packed in .carry/
+# (tools/gpu-pack.sh BUILD tools/launch/dsv4-launch daemons/sched/dsv4-sched
+#  daemons/rank/dsv4-prefill daemons/rank/dsv4-decode tools/bench/dsv4-bench
+#  tools/dsv4ctl/dsv4ctl).
+#
+#   LAYERS=8 GPUS=2 BENCH="-c 1,16 -p 1024 -l 128 -n 32" KILL=1 tests/gpu/service.sh
+#   (TOKENS="--token-range LO:HI" for the prompts' ids, both runs)
+#
+# Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), dsv4ctl
+# status before and after; KILL=1 then kills decode@1 (kill -9) under C=16
+# load and reports the time until the group serves again and whether any
+# request was lost.
+set -uo pipefail
+export LD_LIBRARY_PATH=$PWD/.carry/lib PATH=$PWD/.carry/bin:$PATH NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/out}
+LAYERS=${LAYERS:-8}
+GPUS=${GPUS:-2}
+D=$(mktemp -d /tmp/dsv4svc.XXXX)
+mkdir -p "$OUT"
+# flash's ratio pattern for the first LAYERS layers, then the MTP layer
+ratios=$(python3 -c "n=$LAYERS; print('[' + ','.join(str(0 if i < 2 else (4 if i % 2 == 0 else 128)) for i in range(n)) + ',0]')")
+# BACKEND=cpu: the same set on the CPU backend with a tiny checkpoint (a dry
+# run of this script where there is no GPU)
+extra="--backend cuda --synthetic-weights 7 --preset flash --set num_hidden_layers=$LAYERS"
+extra="$extra --set 'compress_ratios=$ratios'"
+ckpt=""
+if [ "${BACKEND:-cuda}" = cpu ]; then
+    dsv4-mkmodel --preset tiny --out "$D/model" > /dev/null
+    extra="--backend cpu"
+    ckpt="checkpoint = $D/model"
+fi
+for r in prefill decode; do
+    printf '#!/bin/sh\nexec %s "$@" %s\n' "$(command -v dsv4-$r)" "$extra" > "$D/dsv4-$r"
+    chmod +x "$D/dsv4-$r"
+done
+cat > "$D/dsv4.conf" <<EOC
+client_endpoint = ipc://$D/client.sock
+rank_endpoint = ipc://$D/rank.sock
+admin_endpoint = ipc://$D/ctl.sock
+tokenizer = none
+heartbeat_ms = 1000
+liveness = 30
+group_size = $GPUS
+slots = 16
+max_batch = 16
+prefill_slots = 1
+prefill_chunk = 2048
+max_seq = ${MAX_SEQ:-4096}
+$ckpt
+EOC
+dsv4-launch -f "$D/dsv4.conf" -P "$GPUS" -D "$GPUS" -r 500 -w 120 -T 600 -t 30 \
+    --sched-bin "$(command -v dsv4-sched)" --prefill-bin "$D/dsv4-prefill" \
+    --decode-bin "$D/dsv4-decode" --notify-log "$D/notify.log" > "$OUT/launch.log" 2>&1 &
+lpid=$!
+ctl() { dsv4ctl --admin "ipc://$D/ctl.sock" "$@"; }
+t0=$SECONDS
+for i in $(seq 1 300); do
+    n=$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')
+    [ "${n:-0}" -ge $((2 * GPUS)) ] && grep -q "communicator of epoch" "$OUT/launch.log" && break
+    kill -0 $lpid 2> /dev/null || { echo "dsv4-launch exited"; tail -30 "$OUT/launch.log"; exit 1; }
+    sleep 1
+done
+echo "set up in $((SECONDS - t0)) s ($GPUS+$GPUS ranks, flash $LAYERS layers)"
+sleep 2
+ctl ranks
+# shellcheck disable=SC2086
+dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} ${BENCH:--c 1,16 -p 1024 -l 128 -n 32} \
+    -j "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+rc=${PIPESTATUS[0]}
+if [ "${KILL:-0}" = 1 ]; then
+    # shellcheck disable=SC2086
+    dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} -c 16 -p 256 -l 256 -n 48 -w 0 \
+        -j "$OUT/kill.json" > "$OUT/kill.txt" 2>&1 &
+    bpid=$!
+    sleep 8
+    victim=$(grep "decode@1 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
+    nc=$(grep -c 'communicator of epoch' "$OUT/launch.log")
+    tk=$(date +%s.%N)
+    kill -9 "$victim"
+    echo "kill -9 decode@1 (pid $victim)"
+    # serving again: the group's next communicator is out
+    for i in $(seq 1 1200); do
+        [ "$(grep -c 'communicator of epoch' "$OUT/launch.log")" -gt "$nc" ] && break
+        sleep 0.1
+    done
+    tr=$(date +%s.%N)
+    echo "kill -9 to group re-formed: $(python3 -c "print(round($tr - $tk, 2))") s"
+    wait $bpid
+    echo "bench under the kill: exit $?"
+    grep -E "requests|failed|tok/s" "$OUT/kill.txt" | head -8
+fi
+ctl status
+kill -TERM $lpid; wait $lpid
+echo "dsv4-launch exit $?"
+cp "$D/notify.log" "$OUT/" 2> /dev/null
+exit $rc
