@@ -482,7 +482,7 @@ run_profile(int layers, int batch)
     struct dsv4_model_opts opts = { 0 };
     int V, plen = 64, B = 16;
     char set_layers[64], set_ratios[512];
-    double t0, ms_plain, ms_graph;
+    double t0, ms_plain, ms_graph, ms_sample;
 
     TRY("preset", dsv4_config_preset(&cfg, "flash"));
     {
@@ -527,10 +527,25 @@ run_profile(int layers, int batch)
         cudaProfilerStop();
         decode_steps(gm, batch, 3, V, lg, tg);
         ms_graph = decode_steps(gm, batch, 20, V, lg, tg);
+        /* as the ranks run it: graphed, sampled on the GPU, only ids back */
+        {
+            struct dsv4_sample_params sp[16];
+            int32_t ones[16];
+            struct dsv4_batch d = { batch, slot, ones, tg };
+
+            memset(sp, 0, sizeof(sp));
+            for (int i = 0; i < 16; i++)
+                ones[i] = 1, sp[i].top_p = 1.0f;
+            TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL));
+            t0 = now_ms();
+            for (int s = 0; s < 20; s++)
+                TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL));
+            ms_sample = (now_ms() - t0) / 20;
+        }
         printf("| profile | flash widths, %d layers | batch %d | %s kernels | plain step %.2f ms "
-               "| graphed step %.2f ms |\n", layers, batch,
-               getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "exact", ms_plain,
-               ms_graph);
+               "| graphed step %.2f ms (logits to the host) | graphed + GPU sampling %.2f ms |\n",
+               layers, batch, getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "exact",
+               ms_plain, ms_graph, ms_sample);
         free(tok), free(lg);
     }
     dsv4_model_free(pm);
