@@ -115,9 +115,13 @@ void cuda_experts_unregister(struct dsv4_backend *be, const struct dsv4_expert_w
 
 /* Ownership record of device weights, kept in dev->priv
  * (kernels/cuda/cuda_weights.cu, cuda_synth.cu). */
+struct cuda_vmm;
 struct cuda_wpriv {
     char *arena;                     /* device: every tensor */
     size_t arena_bytes;
+    struct cuda_vmm *vmm;            /* arena made or imported through the VMM
+                                        API (cuda_share.cu); NULL: cudaMalloc */
+    uint64_t layout;                 /* hash of the tensors' places in the arena */
     struct dsv4_layer_w *layers;     /* host copy */
     struct dsv4_expert_w *experts;   /* host copy, n_layers * E */
     struct dsv4_expert_w *dev_experts; /* device copy of the same */
@@ -128,6 +132,18 @@ struct cuda_wpriv {
 /* Copy p's expert arrays and shared-expert structs to the device and
  * register them with the backend (the moe op finds them there). */
 enum dsv4_err cuda_weights_tables(struct dsv4_backend *be, struct cuda_wpriv *p);
+
+/* The arena of p for `bytes` (p->layout already computed): cudaMalloc'd
+ * when a is NULL or private, else made shareable or imported (a->kind;
+ * kernels/cuda_share.h, cuda_share.cu).  Sets p->arena, p->arena_bytes and
+ * p->vmm.  `what` starts the error messages. */
+struct dsv4_cuda_arena;
+enum dsv4_err cuda_arena_alloc(struct dsv4_backend *be, struct cuda_wpriv *p, size_t bytes,
+                               const struct dsv4_cuda_arena *a, const char *what);
+/* Release what cuda_arena_alloc made (the caller has synchronised). */
+void cuda_arena_free(struct cuda_wpriv *p);
+/* Whether a says to place the tensors without writing them (IMPORT). */
+int cuda_arena_import(const struct dsv4_cuda_arena *a);
 
 /* Report progress through pr (NULL or pr->fn NULL: nothing). */
 struct dsv4_cuda_progress;

@@ -20,6 +20,11 @@
  * element i of tensor j draws from splitmix64 finalisers of (seed, j, i), so
  * every thread computes its values independently and the result does not
  * depend on the launch shape.  Normals are Box-Muller in double.
+ *
+ * dsv4_cuda_weights_synthetic_arena (kernels/cuda_share.h) builds the same
+ * thing in a shareable arena, or only computes the layout and binds the
+ * fields in another process's arena (import: no generation).  The layout
+ * hash covers every tensor's (index, offset, bytes).
  */
 #include "kernels/cuda_weights.h"
 
@@ -29,8 +34,10 @@
 
 #include "common/log.h"
 #include "common/model_tensors.h"
+#include "common/weights_share.h"
 #include "common/weights_shard.h"
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda_share.h"
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define SYN_THREADS 256
@@ -435,12 +442,22 @@ dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *
                                   const struct dsv4_config *cfg, uint64_t seed, int rank,
                                   int size, const struct dsv4_cuda_progress *pr)
 {
+    return dsv4_cuda_weights_synthetic_arena(be, dev, cfg, seed, rank, size, pr, NULL);
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *dev,
+                                  const struct dsv4_config *cfg, uint64_t seed, int rank,
+                                  int size, const struct dsv4_cuda_progress *pr,
+                                  const struct dsv4_cuda_arena *a)
+{
     struct dsv4_inventory inv;
     struct cuda_wpriv *p;
     struct syn_ctx c;
     size_t *off = NULL, total = 0, logged = 0;
     int64_t *r0 = NULL;
-    int L, E;
+    int L, E, place_only = cuda_arena_import(a);
+    uint64_t layout = DSV4_WSHARE_FNV0;
     enum dsv4_err e;
     cudaError_t rc;
 
@@ -498,18 +515,19 @@ dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *
         s->shape[0] = rows;
         off[i] = total;
         total += rows > 0 ? cuda_align(dsv4_tensor_spec_bytes(s)) : 0;
+        {
+            uint64_t place[3] = { (uint64_t)i, off[i], rows > 0 ? dsv4_tensor_spec_bytes(s) : 0 };
+
+            layout = dsv4_wshare_hash(layout, place, sizeof(place));
+        }
     }
-    log_info("synthetic weights: %.2f GiB (%d layers, %d experts each), seed %llu, rank %d "
-             "of %d", total / GIB, L, E, (unsigned long long)seed, rank, size);
-    rc = cudaMalloc((void **)&p->arena, total > 0 ? total : 256);
-    if (rc != cudaSuccess) {
-        (void)cudaGetLastError();
-        p->arena = NULL;
-        e = dsv4_err_set(DSV4_ERR_NOMEM, "synthetic weights: cannot allocate %.2f GiB on the "
-                         "device", total / GIB);
+    p->layout = layout;
+    log_info("synthetic weights: %s %.2f GiB (%d layers, %d experts each), seed %llu, rank %d "
+             "of %d", place_only ? "mapping" : "generating", total / GIB, L, E,
+             (unsigned long long)seed, rank, size);
+    e = cuda_arena_alloc(be, p, total, a, "synthetic weights");
+    if (e != DSV4_OK)
         goto fail;
-    }
-    p->arena_bytes = total;
     c.w = dev;
     c.p = p;
     c.cfg = cfg;
@@ -537,6 +555,8 @@ dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *
             }
             scale_at = p->arena + off[i + 1];
         }
+        if (place_only)
+            continue;   /* the owner generated them */
         e = generate(be, cfg, s, i, seed, p->arena + off[i], scale_at, r0[i]);
         if (e != DSV4_OK)
             goto fail;
@@ -561,7 +581,8 @@ dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *
     if (e != DSV4_OK)
         goto fail;
     cuda_progress(pr, total, total);
-    log_info("synthetic weights: %.2f GiB on device %d", total / GIB, cuda_st(be)->device);
+    log_info("synthetic weights: %.2f GiB on device %d%s", total / GIB, cuda_st(be)->device,
+             place_only ? " (mapped)" : "");
     free(off);
     free(r0);
     dsv4_inventory_free(&inv);

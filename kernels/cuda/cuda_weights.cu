@@ -13,6 +13,11 @@
  * STATUS= lines.  Every layer's expert array and shared-expert struct get a
  * registered device copy (cuda_weights_tables), so the moe op reads them
  * without a host copy and can be recorded in a graph.
+ *
+ * The arena may also be a shareable VMM allocation or another process's,
+ * mapped (kernels/cuda_share.h): then pass 1 only places the pointers.  Pass
+ * 0 hashes every tensor's place (offset, bytes) into the layout hash that
+ * such an import must match.
  */
 #include "kernels/cuda_weights.h"
 
@@ -20,14 +25,19 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/weights_share.h"
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda_share.h"
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
-/* One walk: pass 0 sizes, pass 1 copies. */
+/* One walk: pass 0 sizes (and hashes the layout), pass 1 copies (or only
+ * places, for an imported arena). */
 struct walk {
     int pass;
+    int place_only;
     size_t total, off, logged;
+    uint64_t layout;
     char *arena;
     enum dsv4_err err;
     const struct dsv4_cuda_progress *progress;   /* may be NULL */
@@ -43,8 +53,16 @@ walk_tensor(struct walk *wk, const void **field, size_t bytes)
         return;
     at = wk->off;
     wk->off += cuda_align(bytes);
-    if (wk->pass == 0)
+    if (wk->pass == 0) {
+        uint64_t place[2] = { at, bytes };
+
+        wk->layout = dsv4_wshare_hash(wk->layout, place, sizeof(place));
         return;
+    }
+    if (wk->place_only) {
+        *field = wk->arena + at;
+        return;
+    }
     rc = cudaMemcpy(wk->arena + at, *field, bytes, cudaMemcpyHostToDevice);
     if (rc != cudaSuccess) {
         wk->err = cuda_err(rc, "weights upload", __FILE__, __LINE__);
@@ -171,7 +189,7 @@ dsv4_cuda_weights_free(struct dsv4_backend *be, struct dsv4_weights *dev)
     for (int l = 0; l < p->n_layers && p->layers != NULL; l++)
         cuda_experts_unregister(be, &p->layers[l].shared);
     cudaStreamSynchronize(cuda_stream(be));
-    cudaFree(p->arena);
+    cuda_arena_free(p);
     cudaFree(p->dev_experts);
     cudaFree(p->dev_shared);
     free(p->layers);
@@ -238,11 +256,19 @@ dsv4_cuda_weights_upload_progress(struct dsv4_backend *be, struct dsv4_weights *
                                   const struct dsv4_weights *host,
                                   const struct dsv4_cuda_progress *pr)
 {
+    return dsv4_cuda_weights_upload_arena(be, dev, host, pr, NULL);
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_weights_upload_arena(struct dsv4_backend *be, struct dsv4_weights *dev,
+                               const struct dsv4_weights *host,
+                               const struct dsv4_cuda_progress *pr,
+                               const struct dsv4_cuda_arena *a)
+{
     struct cuda_wpriv *p;
     struct walk wk;
     int L = host->n_layers, E = host->cfg.n_routed_experts;
     size_t ne = (size_t)L * E;
-    cudaError_t rc;
     enum dsv4_err e;
 
     memset(dev, 0, sizeof(*dev));
@@ -272,18 +298,18 @@ dsv4_cuda_weights_upload_progress(struct dsv4_backend *be, struct dsv4_weights *
 
     memset(&wk, 0, sizeof(wk));
     wk.progress = pr;
+    wk.layout = DSV4_WSHARE_FNV0;
     walk_all(&wk, dev);
     wk.total = wk.off;
-    log_info("cuda weights: uploading %.2f GiB (%d layers, %d experts each)", wk.total / GIB,
-             L, E);
-    rc = cudaMalloc((void **)&p->arena, wk.total > 0 ? wk.total : 256);
-    if (rc != cudaSuccess) {
-        (void)cudaGetLastError();
+    p->layout = wk.layout;
+    wk.place_only = cuda_arena_import(a);
+    log_info("cuda weights: %s %.2f GiB (%d layers, %d experts each)",
+             wk.place_only ? "mapping" : "uploading", wk.total / GIB, L, E);
+    e = cuda_arena_alloc(be, p, wk.total, a, "cuda weights");
+    if (e != DSV4_OK) {
         dsv4_cuda_weights_free(be, dev);
-        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda weights: cannot allocate %.2f GiB on the "
-                            "device", wk.total / GIB);
+        return e;
     }
-    p->arena_bytes = wk.total;
     wk.pass = 1;
     wk.off = 0;
     wk.arena = p->arena;
