@@ -64,6 +64,8 @@ static const struct cfg_key cfg_keys[] = {
     { "max_seq",            INT(max_seq, 1, 1 << 20) },
     { "group_size",         INT(group_size, 1, 64) },
     { "gpu",                INT(gpu, -1, 1023) },
+    { "share_weights",      ENUM(share_weights, cfg_autoyesno) },
+    { "share_dir",          STR(share_dir) },
     { "host",               STR(host) },
     { "ucx",                ENUM(ucx, cfg_autoyesno) },
     { "ucx_tls",            STR(ucx_tls) },
@@ -114,6 +116,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->max_seq = 4096;
     cfg->group_size = 1;
     cfg->gpu = -1;
+    snprintf(cfg->share_weights, sizeof(cfg->share_weights), "%s", "auto");
     snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;

@@ -71,6 +71,14 @@ struct dsv4_conf {
                                N % group_size of group N / group_size */
     int gpu;                /* [-1] CUDA device of the rank; -1 = its rank in
                                the group modulo the devices present */
+    char share_weights[8];  /* [auto] one copy of the weights per GPU, shared
+                               by its prefill and decode ranks (CUDA VMM,
+                               docs/gpu.md "Weight sharing"): "auto" (on with
+                               the cuda backend when the device can), "yes"
+                               (a rank that cannot share fails), "no" */
+    char share_dir[DSV4_CONF_STR]; /* [""] directory of the weight share
+                               sockets; "" = that of rank_endpoint when it is
+                               ipc://, else /run/dsv4 */
     /* --- several hosts (docs/operations.md "Several hosts") --- */
     char host[256];         /* [""] this host's name in READY (the scheduler
                                picks shm between ranks of one host, UCX

@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -31,6 +32,7 @@
 #ifdef DSV4_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "kernels/cuda_share.h"
 #include "kernels/cuda_weights.h"
 #endif
 
@@ -656,7 +658,9 @@ rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
 
 /* The weights the model runs on: the checkpoint (host mappings; uploaded to
  * the GPU on the CUDA backend), or synthetic weights generated on the GPU;
- * in a group, this rank's shard of them (common/weights_shard.h). */
+ * in a group, this rank's shard of them (common/weights_shard.h).  On the
+ * CUDA backend the device copy may be the other rank's of this GPU, mapped
+ * (rank_share.c; then nothing is uploaded or generated here). */
 static const struct dsv4_weights *
 rank_init_weights(struct rank *k, bool cuda)
 {
@@ -664,6 +668,8 @@ rank_init_weights(struct rank *k, bool cuda)
 
 #ifdef DSV4_HAVE_CUDA
     struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
+    struct dsv4_cuda_arena arena;
+    char source[PATH_MAX + 16];
 #endif
 
     if (k->o.synthetic) {
@@ -679,15 +685,25 @@ rank_init_weights(struct rank *k, bool cuda)
             e = dsv4_config_override(&cfg, k->o.n_model_sets, k->o.model_sets);
         if (e != DSV4_OK)
             fatalx("rank_init: model config: %s", dsv4_errmsg());
-        pr.ctx = (void *)"generating synthetic weights";
-        sdnotify_status("generating synthetic weights (seed %" PRIu64 ")", k->o.synth_seed);
-        log_info("rank_init: synthetic weights, seed %" PRIu64 ", %s %s", k->o.synth_seed,
-                 k->o.model_preset != NULL ? "preset" : "config",
-                 k->o.model_preset != NULL ? k->o.model_preset : k->o.model_config);
-        if (dsv4_cuda_weights_synthetic_shard(k->be, &k->wdev, &cfg, k->o.synth_seed, gr, gs,
-                                              &pr) != DSV4_OK)
-            fatalx("rank_init: synthetic weights: %s", dsv4_errmsg());
+        snprintf(source, sizeof(source), "synthetic:%" PRIu64, k->o.synth_seed);
+        rank_share_begin(k, &cfg, source, &arena);
+        if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
+            dsv4_cuda_weights_synthetic_arena(k->be, &k->wdev, &cfg, k->o.synth_seed, gr, gs,
+                                              NULL, &arena) != DSV4_OK)
+            rank_share_fallback(k, &arena);
+        if (arena.kind != DSV4_CUDA_ARENA_IMPORT) {
+            pr.ctx = (void *)"generating synthetic weights";
+            sdnotify_status("generating synthetic weights (seed %" PRIu64 ")",
+                            k->o.synth_seed);
+            log_info("rank_init: synthetic weights, seed %" PRIu64 ", %s %s", k->o.synth_seed,
+                     k->o.model_preset != NULL ? "preset" : "config",
+                     k->o.model_preset != NULL ? k->o.model_preset : k->o.model_config);
+            if (dsv4_cuda_weights_synthetic_arena(k->be, &k->wdev, &cfg, k->o.synth_seed, gr,
+                                                  gs, &pr, &arena) != DSV4_OK)
+                fatalx("rank_init: synthetic weights: %s", dsv4_errmsg());
+        }
         k->wdev_loaded = true;
+        rank_share_done(k, &arena);
         return &k->wdev;
 #else
         fatalx("rank_init: --synthetic-weights needs a build with CUDA");
@@ -704,10 +720,23 @@ rank_init_weights(struct rank *k, bool cuda)
     if (!cuda)
         return &k->wshard;
 #ifdef DSV4_HAVE_CUDA
-    pr.ctx = (void *)"uploading weights";
-    sdnotify_status("uploading weights to the GPU");
-    if (dsv4_cuda_weights_upload_progress(k->be, &k->wdev, &k->wshard, &pr) != DSV4_OK)
-        fatalx("rank_init: weights upload: %s", dsv4_errmsg());
+    {
+        char real[PATH_MAX];
+
+        snprintf(source, sizeof(source), "checkpoint:%s",
+                 realpath(k->o.conf.checkpoint, real) != NULL ? real : k->o.conf.checkpoint);
+    }
+    rank_share_begin(k, &k->w.cfg, source, &arena);
+    if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
+        dsv4_cuda_weights_upload_arena(k->be, &k->wdev, &k->wshard, NULL, &arena) != DSV4_OK)
+        rank_share_fallback(k, &arena);
+    if (arena.kind != DSV4_CUDA_ARENA_IMPORT) {
+        pr.ctx = (void *)"uploading weights";
+        sdnotify_status("uploading weights to the GPU");
+        if (dsv4_cuda_weights_upload_arena(k->be, &k->wdev, &k->wshard, &pr, &arena) != DSV4_OK)
+            fatalx("rank_init: weights upload: %s", dsv4_errmsg());
+    }
+    rank_share_done(k, &arena);
     dsv4_weights_shard_free(&k->wshard);
     k->wshard_on = false;
     k->wdev_loaded = true;
@@ -800,6 +829,7 @@ rank_free(struct rank *k)
     free(k->out_lp);
     dsv4_model_free(k->m);
 #ifdef DSV4_HAVE_CUDA
+    rank_share_free(k);
     if (k->wdev_loaded)
         dsv4_cuda_weights_free(k->be, &k->wdev);
 #endif

@@ -136,6 +136,8 @@ struct rank {
     bool w_loaded;
     struct dsv4_weights wdev;   /* CUDA backend: the weights on the device */
     bool wdev_loaded;
+    struct rank_share *share;   /* weights shared with the other rank of the
+                                   GPU (rank_share.c); NULL = not shared */
     struct dsv4_backend *be;
     struct dsv4_model *m;
     int V;                      /* vocabulary */
@@ -204,6 +206,30 @@ void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling
 /* Leave the scheduler link (DISCONNECT `why`), drop everything and register
  * again; used when the model group broke (a member died). */
 void rank_relink(struct rank *k, const char *why);
+
+/* --- rank_share.c: one copy of the weights per GPU (CUDA builds) ----------------- */
+
+/*
+ * The prefill and decode ranks of a GPU slot (same group, same group rank)
+ * hold one copy of the weights between them (share_weights; docs/gpu.md
+ * "Weight sharing", common/weights_share.h, kernels/cuda_share.h).
+ *
+ * rank_share_begin decides whether this rank shares (share_weights, backend,
+ * device) and, if so, takes the slot's start-up lock and asks the socket for
+ * a peer's copy: *a becomes IMPORT (map the peer's copy), SHAREABLE (no peer:
+ * build a copy here, the lock stays held) or PRIVATE (not shared).  `cfg`
+ * and `source` ("synthetic:SEED", "checkpoint:PATH") make the fingerprint.
+ * rank_share_fallback: the import failed; build here instead (*a becomes
+ * SHAREABLE).  rank_share_done, once k->wdev holds the weights: serve them,
+ * release the lock, log and report (STATUS=) which way they came.
+ */
+struct dsv4_cuda_arena;
+void rank_share_begin(struct rank *k, const struct dsv4_config *cfg, const char *source,
+    struct dsv4_cuda_arena *a);
+void rank_share_fallback(struct rank *k, struct dsv4_cuda_arena *a);
+void rank_share_done(struct rank *k, const struct dsv4_cuda_arena *a);
+/* Stop serving, release everything (safe when not shared). */
+void rank_share_free(struct rank *k);
 
 /* --- rank_group.c: a rank of a model group ----------------------------------------- */
 
