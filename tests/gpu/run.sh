@@ -29,6 +29,11 @@
 #      widths, made here); the `small` preset, STEPS_SMALL (300) decode
 #      steps CPU vs CUDA (test_decode_gpu long); on two GPUs, tests/test_tp_gpu
 #      (model group bit-identical to one GPU; TP_FULL=1: all 43 layers).
+#   9. optional, when tests/test_share_gpu is packed: one copy of the weights
+#      shared by processes through CUDA VMM + a unix socket (flash widths,
+#      SHARE_LAYERS (4) layers): the mapped copy equals the owner's bit for
+#      bit, survives the owner's kill -9 and is handed on to a third process
+#      (tests/gpu/test_share_gpu.c); log in $OUT/share.log.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -171,6 +176,37 @@ if command -v test_tp_gpu > /dev/null && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; t
     fi
 fi
 
+# 10. weight sharing between processes (optional: when packed)
+share_rc=skipped
+if command -v test_share_gpu > /dev/null; then
+    timeout 300 test_share_gpu "${SHARE_LAYERS:-4}" > "$OUT/share.log" 2>&1
+    share_rc=$?
+    [ "$share_rc" = 77 ] && share_rc=skipped
+    # the rank daemons: decode@0 generates and serves, prefill@0 maps its copy
+    if [ "$share_rc" = 0 ] && command -v dsv4-prefill > /dev/null; then
+        rm -rf /tmp/dsv4-share && mkdir -p /tmp/dsv4-share
+        share_pids=()
+        for r in decode prefill; do
+            timeout 200 "dsv4-$r" -f /dev/null --backend cuda -o share_dir=/tmp/dsv4-share \
+                -o share_weights=yes --synthetic-weights 3 --preset flash \
+                --set num_hidden_layers=4 --set 'compress_ratios=[0,0,4,128,0]' \
+                --max-seq 4096 --sched ipc:///tmp/dsv4-nosched.sock -v \
+                > "$OUT/share_$r.log" 2>&1 &
+            share_pids+=($!)
+            for _ in $(seq 1 110); do
+                grep -q " up (" "$OUT/share_$r.log" && break
+                sleep 1
+            done
+        done
+        grep -q "weights: mapped from decode@0's copy" "$OUT/share_prefill.log" || share_rc=1
+        grep -q "weights: generated, shared" "$OUT/share_decode.log" || share_rc=1
+        kill "${share_pids[@]}" 2> /dev/null
+        wait "${share_pids[@]}" 2> /dev/null
+        grep -hE "weights: |weights share:" "$OUT/share_decode.log" "$OUT/share_prefill.log" \
+            >> "$OUT/share.log"
+    fi
+fi
+
 fast_rc=skipped
 if command -v bench_fast > /dev/null; then
     timeout 300 bench_fast > "$OUT/fast.log" 2>&1
@@ -203,12 +239,16 @@ if [ "$tp_rc" != skipped ]; then
     echo "two GPUs (exit $tp_rc):"
     grep -E "^\||PASS|FAIL|SKIP" "$OUT/tp.log"
 fi
+if [ "$share_rc" != skipped ]; then
+    echo "weight sharing between processes (exit $share_rc):"
+    grep -E "^(FAIL|PASS|SKIP)|rank_init: weights: " "$OUT/share.log"
+fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
     grep -E "^(FAIL|summary|bench_fast)" "$OUT/fast.log"
 fi
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
-for rc in "$hf_rc" "$small_rc" "$tp_rc"; do
+for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done
 [ "$ops_rc" = 0 ] && [ "$fwd_rc" = 0 ] && [ "$rest_rc" = 0 ] && { [ "$mc_rc" = skipped ] ||
