@@ -459,6 +459,13 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     return DSV4_OK;
 }
 
+void
+dsv4_model_abandon_graphs(struct dsv4_model *m)
+{
+    for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++)
+        m->graph[i] = NULL;
+}
+
 enum dsv4_err
 dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm)
 {

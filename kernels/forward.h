@@ -182,6 +182,11 @@ void dsv4_model_pages(const struct dsv4_model *m, int *in_use, int *total);
  */
 enum dsv4_err dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm);
 
+/* Forget the recorded decode graphs without freeing them: after a
+ * communicator was aborted, graphs holding its operations may not be safe
+ * to destroy; they are leaked (a few MB per batch size) instead. */
+void dsv4_model_abandon_graphs(struct dsv4_model *m);
+
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);
 

@@ -53,7 +53,9 @@
  * a peer process of this host is gone. */
 struct rank_watch {
     pthread_t th;
-    pthread_mutex_t mu;         /* guards comm, pids, local */
+    pthread_mutex_t mu;         /* guards comm, pids, local, busy */
+    pthread_cond_t idle;        /* busy went to 0 */
+    int busy;                   /* the thread is aborting comm (outside mu) */
     struct dsv4_comm *comm;
     int n;
     pid_t pids[64];
@@ -93,24 +95,37 @@ watch_main(void *arg)
         nanosleep(&nap, NULL);
         if (!atomic_load(&w->inside))
             continue;
+        struct dsv4_comm *victim = NULL;
+
         pthread_mutex_lock(&w->mu);
         if (w->comm != NULL && !atomic_load(&w->fired) &&
             mono_ms() - atomic_load(&w->since_ms) > GROUP_COLL_MS) {
             log_warnx("group: a collective section took over %d ms; aborting the "
                       "communicator", GROUP_COLL_MS);
-            atomic_store(&w->fired, 1);
-            w->comm->ops->abort(w->comm);
+            victim = w->comm;
         }
-        for (int i = 0; i < w->n && w->comm != NULL && !atomic_load(&w->fired); i++) {
-            if (!w->local[i] || w->pids[i] <= 0)
+        for (int i = 0; i < w->n && w->comm != NULL && victim == NULL; i++) {
+            if (!w->local[i] || w->pids[i] <= 0 || atomic_load(&w->fired))
                 continue;
             if (kill(w->pids[i], 0) != 0 && errno == ESRCH) {
                 log_warnx("group: peer rank %d (pid %d) is gone; aborting the communicator",
                           i, (int)w->pids[i]);
-                atomic_store(&w->fired, 1);
-                w->comm->ops->abort(w->comm);
+                victim = w->comm;
             }
         }
+        if (victim != NULL) {
+            atomic_store(&w->fired, 1);
+            w->busy = 1;
+        }
+        pthread_mutex_unlock(&w->mu);
+        if (victim == NULL)
+            continue;
+        /* outside the lock: the main thread may be waiting in a collective */
+        victim->ops->abort(victim);
+        log_notice("group: communicator aborted");
+        pthread_mutex_lock(&w->mu);
+        w->busy = 0;
+        pthread_cond_broadcast(&w->idle);
         pthread_mutex_unlock(&w->mu);
     }
     return NULL;
@@ -130,6 +145,7 @@ group_init(struct rank *k, const struct dsv4_config *cfg)
     if (k->tick_h == NULL || k->tick_d == NULL || w == NULL)
         fatalx("group_init: no memory");
     pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->idle, NULL);
     if (pthread_create(&w->th, NULL, watch_main, w) != 0)
         fatalx("group_init: watchdog thread");
     k->watch = w;
@@ -144,13 +160,28 @@ group_close(struct rank *k, bool abort_peers)
         return;
     /* peers waiting in a collective with us fail now (shm), not at their
      * timeout */
-    if (abort_peers)
-        k->comm->ops->abort(k->comm);
+    bool aborted = abort_peers;
+
     if (k->watch != NULL) {
         pthread_mutex_lock(&k->watch->mu);
+        while (k->watch->busy)
+            pthread_cond_wait(&k->watch->idle, &k->watch->mu);
+        aborted = aborted || atomic_load(&k->watch->fired);
         k->watch->comm = NULL;
         k->watch->n = 0;
         pthread_mutex_unlock(&k->watch->mu);
+    }
+    if (abort_peers)
+        k->comm->ops->abort(k->comm);
+    if (aborted) {
+        /* graphs holding the aborted communicator's operations are left
+         * alone (kernels/forward.h), and so is the communicator's handle */
+        dsv4_model_abandon_graphs(k->m);
+        dsv4_model_set_comm(k->m, NULL);
+        log_notice("group_close: aborted communicator of epoch %u dropped",
+                   (unsigned)k->comm_epoch);
+        k->comm = NULL;
+        return;
     }
     dsv4_model_set_comm(k->m, NULL);
     dsv4_comm_destroy(k->comm);
@@ -168,6 +199,7 @@ group_free(struct rank *k)
         atomic_store(&k->watch->stop, 1);
         pthread_join(k->watch->th, NULL);
         pthread_mutex_destroy(&k->watch->mu);
+        pthread_cond_destroy(&k->watch->idle);
         free(k->watch);
         k->watch = NULL;
     }

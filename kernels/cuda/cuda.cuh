@@ -478,12 +478,17 @@ enum dsv4_err cuda_moe_combine(struct dsv4_backend *be, float *out, const float 
 int cuda_fast_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W);
 enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
                                const struct dsv4_linear *W, int T, unsigned flags);
-/* experts: host array of n structs (device pointers); shared may be NULL. */
+/* experts: host array of n structs (device pointers); shared may be NULL.
+ * parts: moe_parts' case (experts without weights are not held here and
+ * are skipped; shared NULL is allowed). */
 int cuda_fast_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *experts, int n,
-                     const struct dsv4_expert_w *shared, int T, int k, int D, int I);
+                     const struct dsv4_expert_w *shared, int T, int k, int D, int I,
+                     int parts);
 /* table: device copy of the n_table expert structs (registered); shared:
- * host struct of device pointers, or NULL. */
-enum dsv4_err cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x,
+ * host struct of device pointers, or NULL.  parts != NULL: moe_parts into
+ * that (T*k + T, D) array, zeroed by the caller (rows of experts not held
+ * stay zero), no combine. */
+enum dsv4_err cuda_fast_moe(struct dsv4_backend *be, float *out, float *parts, const float *x,
                             const int32_t *ids, const float *weights,
                             const struct dsv4_expert_w *table, int n_table,
                             const struct dsv4_expert_w *shared, int T, int k, int D, int I,

@@ -341,13 +341,14 @@ moe_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
     if (ref && (D % 128 != 0 || I % 128 != 0))
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe: D=%d I=%d not multiples of 128", D, I);
     rows = (int64_t)T * k + (shared != NULL ? T : 0);
-    if (parts == NULL && k > 0 && cuda_st(be)->fast_kernels) {   /* fast_moe.cu: */
+    if (k > 0 && cuda_st(be)->fast_kernels) {   /* fast_moe.cu: */
         /* registered expert arrays only (no host copy, no synchronisation) */
         const struct cuda_expert_table *fr = cuda_experts_find(be, experts);
 
-        if (fr != NULL && cuda_fast_moe_ok(be, experts, fr->n, shared, T, k, D, I))
-            return cuda_fast_moe(be, out, x, ids, weights, fr->dev, fr->n, shared, T, k, D, I,
-                                 swiglu_limit);
+        if (fr != NULL &&
+            cuda_fast_moe_ok(be, experts, fr->n, shared, T, k, D, I, parts != NULL))
+            return cuda_fast_moe(be, out, parts, x, ids, weights, fr->dev, fr->n, shared, T, k,
+                                 D, I, swiglu_limit);
     }
     if (k > 0) {
         reg = cuda_experts_find(be, experts);

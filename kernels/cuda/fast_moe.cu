@@ -100,9 +100,11 @@ fm_hrow(const struct fm_args &a, const struct fm_slot &s, int j)
 
 /* --- grouping ------------------------------------------------------------------------- */
 
-/* One block; dynamic shared memory (E + Tk) ints. */
+/* One block; dynamic shared memory (E + Tk) ints.  skip_unheld: experts of
+ * the table without weights (moe_parts: held by another rank) are left out. */
 static __global__ void
-fm_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A)
+fm_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A,
+                const struct dsv4_expert_w *table, int skip_unheld)
 {
     extern __shared__ int32_t fm_sm[];
     __shared__ int32_t n_act;
@@ -124,7 +126,7 @@ fm_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A)
         int n = 0, pos = 0;
 
         for (int e = 0; e < E; e++) {
-            if (cnt[e] == 0)
+            if (cnt[e] == 0 || (skip_unheld && table[e].w1.w == NULL))
                 continue;
             act_e[n] = e;
             act_off[n] = pos;
@@ -337,21 +339,23 @@ fm_expert_ok(const struct dsv4_expert_w *w, enum dsv4_wfmt fmt, int D, int I)
 
 int
 cuda_fast_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *experts, int n,
-                 const struct dsv4_expert_w *shared, int T, int k, int D, int I)
+                 const struct dsv4_expert_w *shared, int T, int k, int D, int I, int parts)
 {
     if (be->numerics != DSV4_NUMERICS_REF || T < 1 || T > FM_MAX_T || k < 1 ||
         k > FM_MAX_K || n < 1 || n > FM_MAX_E || D % 128 != 0 || I % 128 != 0)
         return 0;
-    if (shared == NULL || !fm_expert_ok(shared, DSV4_WFMT_FP8, D, I))
+    if (shared == NULL ? !parts : !fm_expert_ok(shared, DSV4_WFMT_FP8, D, I))
         return 0;
     for (int e = 0; e < n; e++)
-        if (!fm_expert_ok(&experts[e], DSV4_WFMT_FP4, D, I))
+        if (!(parts && experts[e].w1.w == NULL) &&
+            !fm_expert_ok(&experts[e], DSV4_WFMT_FP4, D, I))
             return 0;
     return 1;
 }
 
 enum dsv4_err
-cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t *ids,
+cuda_fast_moe(struct dsv4_backend *be, float *out, float *parts, const float *x,
+              const int32_t *ids,
               const float *weights, const struct dsv4_expert_w *table, int n_table,
               const struct dsv4_expert_w *shared, int T, int k, int D, int I, float lim)
 {
@@ -363,7 +367,7 @@ cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t
     size_t b_h = cuda_align((size_t)R * I * sizeof(float));
     size_t b_h16 = cuda_align((size_t)R * I * sizeof(uint16_t));
     size_t b_hs = cuda_align((size_t)R * (I / 128) * sizeof(float));
-    size_t b_y = cuda_align((size_t)R * D * sizeof(float));
+    size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
     char *p = (char *)cuda_scratch(be, b_grp + 2 * b_x + b_xs + b_h + 2 * b_h16 + b_hs + b_y);
     struct fm_args a;
     int32_t *grp;
@@ -389,7 +393,7 @@ cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t
     a.hb = (const uint16_t *)(p + b_h + b_h16);
     a.hs = (const float *)(p + b_h + 2 * b_h16);
     p += b_h + 2 * b_h16 + b_hs;
-    a.y = (float *)p;
+    a.y = parts != NULL ? parts : (float *)p;
     a.weights = weights;
     a.T = T;
     a.k = k;
@@ -400,8 +404,8 @@ cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t
     e = fk_quant(be, (uint16_t *)a.xf, (uint16_t *)a.xb, (float *)a.xs, x, D, T, D);
     if (e != DSV4_OK)
         return e;
-    fm_group_kernel<<<1, 256, (size_t)(n_table + Tk) * sizeof(int32_t), st>>>(grp, ids, Tk,
-                                                                              n_table, A);
+    fm_group_kernel<<<1, 256, (size_t)(n_table + Tk) * sizeof(int32_t), st>>>(
+        grp, ids, Tk, n_table, A, table, parts != NULL);
     CUDA_LAUNCHED("fast moe group");
     fm_kernel<1><<<dim3((unsigned)(I / 64), (unsigned)(A + 1)), FM_THREADS, 0, st>>>(a);
     CUDA_LAUNCHED("fast moe up");
@@ -410,5 +414,7 @@ cuda_fast_moe(struct dsv4_backend *be, float *out, const float *x, const int32_t
         return e;
     fm_kernel<0><<<dim3((unsigned)(D / 128), (unsigned)(A + 1)), FM_THREADS, 0, st>>>(a);
     CUDA_LAUNCHED("fast moe down");
+    if (parts != NULL)
+        return DSV4_OK;   /* moe_parts: the caller sums the ranks' parts, then combines */
     return cuda_moe_combine(be, out, a.y, ids, T, k, D);   /* the exact path's step 5 */
 }
