@@ -11,6 +11,8 @@
 #   LAYERS=8 GPUS=2 BENCH="-c 1,16 -p 1024 -l 128 -n 32" KILL=1 tests/gpu/service.sh
 #   (TOKENS="--token-range LO:HI" for the prompts' ids, both runs)
 #
+# KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
+# (seconds before the kill) size that part.
 # Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), dsv4ctl
 # status before and after; KILL=1 then kills decode@1 (kill -9) under C=16
 # load and reports the time until the group serves again and whether any
@@ -74,10 +76,10 @@ dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} ${BENCH:--c 1,16 -p 1024 -
 rc=${PIPESTATUS[0]}
 if [ "${KILL:-0}" = 1 ]; then
     # shellcheck disable=SC2086
-    dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} -c 16 -p 256 -l 256 -n 48 -w 0 \
+    dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} ${KILL_BENCH:--c 16 -p 256 -l 256 -n 48} -w 0 \
         -j "$OUT/kill.json" > "$OUT/kill.txt" 2>&1 &
     bpid=$!
-    sleep 8
+    sleep "${KILL_AFTER:-8}"
     victim=$(grep "decode@1 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     nc=$(grep -c 'communicator of epoch' "$OUT/launch.log")
     tk=$(date +%s.%N)
