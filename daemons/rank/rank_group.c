@@ -48,6 +48,7 @@
                                    forward is collective, so a live peer that does
                                    not come has left the group) */
 #define WATCH_MS 50             /* watchdog period */
+#define GROUP_ABORT_S 3         /* longest wait for an abort to return */
 
 /* Peer watchdog: inside a collective section, aborts the communicator when
  * a peer process of this host is gone. */
@@ -85,6 +86,28 @@ mono_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* Started before an abort: when the abort has not returned within
+ * GROUP_ABORT_S (see group_close), the process exits, wherever the main
+ * thread is stuck, so that the service manager restarts it. */
+static void *
+watch_reaper(void *arg)
+{
+    struct rank_watch *w = arg;
+    struct timespec nap = { GROUP_ABORT_S, 0 };
+    int busy;
+
+    nanosleep(&nap, NULL);
+    pthread_mutex_lock(&w->mu);
+    busy = w->busy;
+    pthread_mutex_unlock(&w->mu);
+    if (busy) {
+        log_warnx("group: the communicator's abort did not return within %d s; exiting so "
+                  "that this rank is restarted", GROUP_ABORT_S);
+        _exit(1);
+    }
+    return NULL;
+}
+
 static void *
 watch_main(void *arg)
 {
@@ -120,6 +143,12 @@ watch_main(void *arg)
         pthread_mutex_unlock(&w->mu);
         if (victim == NULL)
             continue;
+        {
+            pthread_t r;
+
+            if (pthread_create(&r, NULL, watch_reaper, w) == 0)
+                pthread_detach(r);
+        }
         /* outside the lock: the main thread may be waiting in a collective */
         victim->ops->abort(victim);
         log_notice("group: communicator aborted");
@@ -163,9 +192,22 @@ group_close(struct rank *k, bool abort_peers)
     bool aborted = abort_peers;
 
     if (k->watch != NULL) {
+        struct timespec until;
+
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += GROUP_ABORT_S;
         pthread_mutex_lock(&k->watch->mu);
-        while (k->watch->busy)
-            pthread_cond_wait(&k->watch->idle, &k->watch->mu);
+        while (k->watch->busy) {
+            if (pthread_cond_timedwait(&k->watch->idle, &k->watch->mu, &until) == ETIMEDOUT) {
+                /* Seen on H200s: ncclCommAbort does not return when a peer
+                 * died inside a collective of a recorded graph; the CUDA
+                 * stream is stuck behind it.  Exit: the service manager
+                 * restarts this rank, which maps the shared weights again
+                 * (a second or two) and rejoins the group. */
+                fatalx("group: the communicator's abort did not return within %d s; "
+                       "exiting so that this rank is restarted", GROUP_ABORT_S);
+            }
+        }
         aborted = aborted || atomic_load(&k->watch->fired);
         k->watch->comm = NULL;
         k->watch->n = 0;
