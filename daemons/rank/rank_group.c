@@ -234,6 +234,14 @@ group_close(struct rank *k, bool abort_peers)
 void
 group_free(struct rank *k)
 {
+    if (k->comm != NULL && strcmp(k->be->name, "cpu") != 0) {
+        /* at exit an NCCL communicator is left to the process's end:
+         * destroying it (or the graphs holding its operations) waits for
+         * peers that may be gone or exiting too (seen as stop timeouts) */
+        dsv4_model_abandon_graphs(k->m);
+        dsv4_model_set_comm(k->m, NULL);
+        k->comm = NULL;
+    }
     group_close(k, true);
     free(k->pend_id);
     k->pend_id = NULL;
