@@ -1170,28 +1170,47 @@ state_fingerprint(const struct dsv4_model *m)
     return h;
 }
 
-/* What state_walk does with each array of a slot's state. */
+/* What state_walk does with each array of a slot's state.  The buffer is
+ * host memory for EXPORT/IMPORT and backend memory for the _DEV directions
+ * (a CUDA IPC region), where each array is one device-to-device copy. */
 enum state_dir {
-    STATE_SIZE,     /* count bytes only */
-    STATE_EXPORT,   /* backend -> host buffer */
-    STATE_IMPORT,   /* host buffer -> backend */
+    STATE_SIZE,         /* count bytes only */
+    STATE_EXPORT,       /* backend -> host buffer */
+    STATE_IMPORT,       /* host buffer -> backend */
+    STATE_EXPORT_DEV,   /* backend -> backend buffer */
+    STATE_IMPORT_DEV,   /* backend buffer -> backend */
 };
 
-/* One array of `nfloats` at `dev`: copy it in direction `dir` at *host
+/* One array of `nfloats` at `dev`: copy it in direction `dir` at *buf
  * (advanced past it) and add its bytes to *bytes. */
 static enum dsv4_err
 state_part(const struct dsv4_model *m, enum state_dir dir, float *dev, int64_t nfloats,
-           char **host, size_t *bytes)
+           char **buf, size_t *bytes)
 {
+    const struct dsv4_backend_ops *ops = m->be->ops;
     size_t n = (size_t)nfloats * sizeof(float);
     enum dsv4_err e = DSV4_OK;
 
-    if (n > 0 && dir == STATE_EXPORT)
-        e = m->be->ops->download(m->be, *host, dev, n);
-    else if (n > 0 && dir == STATE_IMPORT)
-        e = m->be->ops->upload(m->be, dev, *host, n);
+    if (n > 0) {
+        switch (dir) {
+        case STATE_SIZE:
+            break;
+        case STATE_EXPORT:
+            e = ops->download(m->be, *buf, dev, n);
+            break;
+        case STATE_IMPORT:
+            e = ops->upload(m->be, dev, *buf, n);
+            break;
+        case STATE_EXPORT_DEV:
+            e = ops->copy(m->be, *buf, dev, n);
+            break;
+        case STATE_IMPORT_DEV:
+            e = ops->copy(m->be, dev, *buf, n);
+            break;
+        }
+    }
     if (dir != STATE_SIZE)
-        *host += n;
+        *buf += n;
     *bytes += n;
     return e;
 }
@@ -1200,14 +1219,14 @@ state_part(const struct dsv4_model *m, enum state_dir dir, float *dev, int64_t n
  * page, as one array (state_part). */
 static enum dsv4_err
 state_paged(const struct dsv4_model *m, enum state_dir dir, const struct page_pool *pg,
-            float *pool, int s, int n, int d, char **host, size_t *bytes)
+            float *pool, int s, int n, int d, char **buf, size_t *bytes)
 {
     for (int e0 = 0; e0 < n; e0 += P) {
         int k = n - e0 < P ? n - e0 : P;
         float *rows = dir == STATE_SIZE ? NULL
                                         : pool + dsv4_pool_row(pg->h_pt, pg->cap, s, e0) * d;
 
-        TRY(state_part(m, dir, rows, (int64_t)k * d, host, bytes));
+        TRY(state_part(m, dir, rows, (int64_t)k * d, buf, bytes));
     }
     return DSV4_OK;
 }
@@ -1216,10 +1235,10 @@ state_paged(const struct dsv4_model *m, enum state_dir dir, const struct page_po
  * Walk slot `slot`'s state for a sequence of `len` tokens in the export
  * order (per layer: ring, compressed entries up to len/r, compressor states;
  * indexer keys up to len/4 and the indexer compressor states), counting the
- * bytes into *bytes and copying each array per `dir` at `host`.
+ * bytes into *bytes and copying each array per `dir` at `buf`.
  */
 static enum dsv4_err
-state_walk(const struct dsv4_model *m, int slot, int len, enum state_dir dir, char *host,
+state_walk(const struct dsv4_model *m, int slot, int len, enum state_dir dir, char *buf,
            size_t *bytes)
 {
     *bytes = 0;
@@ -1227,19 +1246,19 @@ state_walk(const struct dsv4_model *m, int slot, int len, enum state_dir dir, ch
         const struct layer_state *ls = &m->L[l];
         int64_t ring = (int64_t)m->win * m->Dh;
 
-        TRY(state_part(m, dir, ls->ring + slot * ring, ring, &host, bytes));
+        TRY(state_part(m, dir, ls->ring + slot * ring, ring, &buf, bytes));
         if (ls->ratio) {
             int r = ls->ratio, cc = r == 4 ? 2 : 1;
             int64_t st = (int64_t)cc * r * cc * m->Dh;
-            TRY(state_paged(m, dir, ls->pg, ls->comp, slot, len / r, m->Dh, &host, bytes));
-            TRY(state_part(m, dir, ls->st_kv + slot * st, st, &host, bytes));
-            TRY(state_part(m, dir, ls->st_z + slot * st, st, &host, bytes));
+            TRY(state_paged(m, dir, ls->pg, ls->comp, slot, len / r, m->Dh, &buf, bytes));
+            TRY(state_part(m, dir, ls->st_kv + slot * st, st, &buf, bytes));
+            TRY(state_part(m, dir, ls->st_z + slot * st, st, &buf, bytes));
         }
         if (ls->ratio == 4) {
             int64_t st = (int64_t)8 * 2 * m->dI;
-            TRY(state_paged(m, dir, ls->pg, ls->keys, slot, len / 4, m->dI, &host, bytes));
-            TRY(state_part(m, dir, ls->ist_kv + slot * st, st, &host, bytes));
-            TRY(state_part(m, dir, ls->ist_z + slot * st, st, &host, bytes));
+            TRY(state_paged(m, dir, ls->pg, ls->keys, slot, len / 4, m->dI, &buf, bytes));
+            TRY(state_part(m, dir, ls->ist_kv + slot * st, st, &buf, bytes));
+            TRY(state_part(m, dir, ls->ist_z + slot * st, st, &buf, bytes));
         }
     }
     return DSV4_OK;
@@ -1254,8 +1273,13 @@ dsv4_model_state_size(const struct dsv4_model *m, int len)
     return sizeof(struct state_header) + bytes;
 }
 
-enum dsv4_err
-dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, size_t *out_len)
+/*
+ * Export slot `slot` into buf (host memory when dev == 0, backend memory
+ * else): the header (through a small host staging for a device buffer), then
+ * the walk in the matching direction.
+ */
+static enum dsv4_err
+state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, size_t *out_len, int dev)
 {
     struct state_header h;
     size_t need, bytes;
@@ -1272,8 +1296,13 @@ dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, s
     h.len = m->len[slot];
     h.mtp_len = m->mtp_len[slot];
     h.n_layers = m->n_layers;
-    memcpy(buf, &h, sizeof(h));
-    TRY(state_walk(m, slot, h.len, STATE_EXPORT, (char *)buf + sizeof(h), &bytes));
+    if (dev)
+        TRY(m->be->ops->upload(m->be, buf, &h, sizeof(h)));
+    else
+        memcpy(buf, &h, sizeof(h));
+    TRY(state_walk(m, slot, h.len, dev ? STATE_EXPORT_DEV : STATE_EXPORT,
+                   (char *)buf + sizeof(h), &bytes));
+    /* the header's staging (h) and the copies are done before returning */
     TRY(m->be->ops->sync(m->be));
     if (out_len != NULL)
         *out_len = need;
@@ -1281,7 +1310,22 @@ dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, s
 }
 
 enum dsv4_err
-dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t len)
+dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf, size_t cap, size_t *out_len)
+{
+    return state_export(m, slot, buf, cap, out_len, 0);
+}
+
+enum dsv4_err
+dsv4_model_state_export_dev(struct dsv4_model *m, int slot, void *dev_buf, size_t cap,
+                            size_t *out_len)
+{
+    return state_export(m, slot, dev_buf, cap, out_len, 1);
+}
+
+/* Import an exported state from buf (host memory when dev == 0, backend
+ * memory else) into slot `slot`, after checking its header. */
+static enum dsv4_err
+state_import(struct dsv4_model *m, int slot, const void *buf, size_t len, int dev)
 {
     struct state_header h;
     size_t want, bytes;
@@ -1291,7 +1335,13 @@ dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t 
     if (len < sizeof(h))
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: %zu bytes, shorter than a header",
                             len);
-    memcpy(&h, buf, sizeof(h));
+    if (dev) {
+        /* the header only comes to the host; the walk copies on the device */
+        TRY(m->be->ops->download(m->be, &h, buf, sizeof(h)));
+        TRY(m->be->ops->sync(m->be));
+    } else {
+        memcpy(&h, buf, sizeof(h));
+    }
     if (h.magic != STATE_MAGIC || h.fingerprint != state_fingerprint(m) ||
         h.n_layers != m->n_layers)
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: not a state of this model "
@@ -1307,10 +1357,23 @@ dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t 
     pages_release(m, slot);
     m->len[slot] = m->mtp_len[slot] = 0;
     TRY(pages_reserve(m, &slot, &h.len, 1));
-    /* the walker's host pointer is not const, but an import only reads it */
-    TRY(state_walk(m, slot, h.len, STATE_IMPORT, (char *)(uintptr_t)buf + sizeof(h), &bytes));
+    /* the walker's buffer pointer is not const, but an import only reads it */
+    TRY(state_walk(m, slot, h.len, dev ? STATE_IMPORT_DEV : STATE_IMPORT,
+                   (char *)(uintptr_t)buf + sizeof(h), &bytes));
     TRY(m->be->ops->sync(m->be));
     m->len[slot] = h.len;
     m->mtp_len[slot] = h.mtp_len;
     return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf, size_t len)
+{
+    return state_import(m, slot, buf, len, 0);
+}
+
+enum dsv4_err
+dsv4_model_state_import_dev(struct dsv4_model *m, int slot, const void *dev_buf, size_t len)
+{
+    return state_import(m, slot, dev_buf, len, 1);
 }

@@ -170,6 +170,22 @@ enum dsv4_err dsv4_model_state_export(struct dsv4_model *m, int slot, void *buf,
 enum dsv4_err dsv4_model_state_import(struct dsv4_model *m, int slot, const void *buf,
                                       size_t len);
 
+/*
+ * The same as dsv4_model_state_export / _import with the buffer in backend
+ * memory (a CUDA IPC region, docs/gpu.md "Decode-state handoff over CUDA
+ * IPC"): the same byte layout, but every array is a device-to-device copy
+ * (backend op `copy`) and only the header passes through the host.  On the
+ * CPU backend backend memory is host memory and these equal the host
+ * versions.  dev_buf must be device memory the backend's copy op can read or
+ * write (its own allocation, or another process's mapped through CUDA IPC);
+ * both return once the copies are complete.  Same errors as the host
+ * versions.
+ */
+enum dsv4_err dsv4_model_state_export_dev(struct dsv4_model *m, int slot, void *dev_buf,
+                                          size_t cap, size_t *out_len);
+enum dsv4_err dsv4_model_state_import_dev(struct dsv4_model *m, int slot, const void *dev_buf,
+                                          size_t len);
+
 /* Pages of the ratio-4 pool (the largest) in use and in all (forward.h). */
 void dsv4_model_pages(const struct dsv4_model *m, int *in_use, int *total);
 
