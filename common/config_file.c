@@ -71,6 +71,7 @@ static const struct cfg_key cfg_keys[] = {
     { "ucx_tls",            STR(ucx_tls) },
     { "ucx_devices",        STR(ucx_devices) },
     { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
+    { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
     { "gateway_model",      STR(gateway_model) },
@@ -120,6 +121,8 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;
+    /* no until the cudaipc transport has run on a GPU (docs/gpu.md) */
+    snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "no");
     snprintf(cfg->gateway_listen, sizeof(cfg->gateway_listen), "%s", "127.0.0.1:8000");
     snprintf(cfg->gateway_model, sizeof(cfg->gateway_model), "%s", "deepseek-v4-flash");
     cfg->gateway_max_body = 1 << 20;

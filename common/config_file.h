@@ -92,6 +92,12 @@ struct dsv4_conf {
     int kv_timeout_ms;      /* [5000] bound of one decode-state import; a
                                stalled one fails the handoff and the
                                scheduler re-runs the request */
+    char kv_cudaipc[8];     /* [no] decode state between the ranks of one
+                               host through CUDA IPC handles (device memory,
+                               no host copy; docs/gpu.md): "auto" (offered
+                               with the cuda backend when it starts), "yes"
+                               (a cuda rank that cannot fails), "no".
+                               Default no until it has run on a GPU. */
     /* --- HTTP gateway (dsv4-gateway, docs/gateway.md) --- */
     char gateway_listen[DSV4_CONF_STR]; /* [127.0.0.1:8000] HOST:PORT of the HTTP
                                            listener (unless socket-activated) */

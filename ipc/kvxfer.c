@@ -67,6 +67,20 @@ dsv4_kvx_open_opts(struct dsv4_kvx **out, enum dsv4_transport t, const char *own
                    const struct dsv4_kvx_opts *o)
 {
     const struct dsv4_kvx_ops *ops;
+
+    *out = NULL;
+    if (t <= DSV4_TRANSPORT_NONE || t >= DSV4_TRANSPORT__COUNT)
+        return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: unknown transport %d", (int)t);
+    if ((ops = kvx_ops_of(t)) == NULL)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "kvx_open: transport %s not built in",
+                            dsv4_transport_name(t));
+    return dsv4_kvx_open_ops(out, ops, t, owner, o);
+}
+
+enum dsv4_err
+dsv4_kvx_open_ops(struct dsv4_kvx **out, const struct dsv4_kvx_ops *ops, enum dsv4_transport t,
+                  const char *owner, const struct dsv4_kvx_opts *o)
+{
     struct dsv4_kvx_opts none;
     struct dsv4_kvx *x;
     enum dsv4_err e;
@@ -74,8 +88,8 @@ dsv4_kvx_open_opts(struct dsv4_kvx **out, enum dsv4_transport t, const char *own
     *out = NULL;
     if (t <= DSV4_TRANSPORT_NONE || t >= DSV4_TRANSPORT__COUNT)
         return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: unknown transport %d", (int)t);
-    if ((ops = kvx_ops_of(t)) == NULL)
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "kvx_open: transport %s not built in",
+    if (ops == NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: no ops table for %s",
                             dsv4_transport_name(t));
     if (!kvx_owner_valid(owner))
         return dsv4_err_set(DSV4_ERR_INVAL, "kvx_open: bad owner tag");

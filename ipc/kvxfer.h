@@ -9,12 +9,25 @@
  * One interface, several transports behind it (enum dsv4_transport):
  *   shm      POSIX shared memory on one host (CPU backend), ipc/kv_shm.c;
  *            handle = the shm object name ("/dsv4kv-<owner>-<req>-<n>").
- *   cudaipc  (later) device memory + cudaIpcMemHandle_t / event handle.
+ *   cudaipc  device memory (cudaMalloc) on one host, ipc/kv_cudaipc.c;
+ *            handle = cudaIpcMemHandle_t + the exporter's device UUID + the
+ *            allocation's size + the owner tag.  Built only with CUDA, in
+ *            its own library (the ranks link it): it is not in
+ *            dsv4_kvx_open's table, callers open it with
+ *            dsv4_kvx_open_ops(&dsv4_kvx_cudaipc_ops, ...).
  *   ucx      host memory registered with UCX, read by the importer with an
  *            RMA get (TCP or RDMA underneath), ipc/kv_ucx.c; handle = the
  *            exporter's worker address + buffer address + packed rkey.
  * A transport is a table of functions (struct dsv4_kvx_ops); adding one is a
- * new ops table and a case in dsv4_kvx_open().
+ * new ops table and a case in dsv4_kvx_open(), or, for a transport that
+ * needs libraries this one does not link (cudaipc), a table passed to
+ * dsv4_kvx_open_ops().
+ *
+ * Memory: with shm and ucx, region and map `data` are host memory.  A
+ * transport instance with `device_memory` set (cudaipc) hands out DEVICE
+ * pointers instead: the exporter writes the region with device copies
+ * (dsv4_model_state_export_dev) and the importer reads it the same way
+ * (dsv4_model_state_import_dev); never dereference them on the host.
  *
  * Imports can also run asynchronously (dsv4_kvx_import_start / _test): a
  * transport that copies over a network (ucx) starts the copy and reports
@@ -147,6 +160,8 @@ struct dsv4_kvx {
     int64_t timeout_ms;             /* bound of one import (opts) */
     uint64_t n_imports;             /* imports started (statistics) */
     uint64_t n_timeouts;            /* imports that hit timeout_ms */
+    bool device_memory;             /* region/map `data` are device pointers
+                                       (set by the transport's init: cudaipc) */
     void *priv;                     /* transport instance state (ops->init) */
 };
 
@@ -167,7 +182,19 @@ enum dsv4_err dsv4_kvx_open(struct dsv4_kvx **out, enum dsv4_transport t, const 
 enum dsv4_err dsv4_kvx_open_opts(struct dsv4_kvx **out, enum dsv4_transport t,
                                  const char *owner, const struct dsv4_kvx_opts *o);
 
-/* True when transport t is built into this library. */
+/*
+ * dsv4_kvx_open_opts with the transport's ops table given by the caller: for
+ * a transport built outside this library (cudaipc, ipc/kv_cudaipc.c).  `t`
+ * names the transport (descriptors must carry it); the table must have the
+ * required members (struct dsv4_kvx_ops).  Same errors as
+ * dsv4_kvx_open_opts, plus DSV4_ERR_INVAL for a NULL table.
+ */
+enum dsv4_err dsv4_kvx_open_ops(struct dsv4_kvx **out, const struct dsv4_kvx_ops *ops,
+                                enum dsv4_transport t, const char *owner,
+                                const struct dsv4_kvx_opts *o);
+
+/* True when transport t is built into this library (dsv4_kvx_open knows it;
+ * cudaipc never is: it is opened with dsv4_kvx_open_ops). */
 bool dsv4_kvx_available(enum dsv4_transport t);
 
 /* Free the instance (regions still exported are NOT destroyed: callers free
@@ -244,6 +271,15 @@ extern const struct dsv4_kvx_ops dsv4_kvx_shm_ops;
 #ifdef DSV4_HAVE_UCX
 /* The ucx transport's ops (ipc/kv_ucx.c; built when libucx is found). */
 extern const struct dsv4_kvx_ops dsv4_kvx_ucx_ops;
+#endif
+
+#ifdef DSV4_HAVE_CUDA
+/* The cudaipc transport's ops (ipc/kv_cudaipc.c, library dsv4kvxcuda; CUDA
+ * builds).  Its instance works on the calling thread's current CUDA device
+ * at open time (the rank's backend device); regions and maps are device
+ * memory (device_memory).  Exporter and importer must be different
+ * processes (CUDA cannot open an IPC handle in the process that made it). */
+extern const struct dsv4_kvx_ops dsv4_kvx_cudaipc_ops;
 #endif
 
 #ifdef __cplusplus

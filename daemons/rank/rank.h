@@ -305,8 +305,9 @@ void decode_reset(struct rank *k);
 /* --- rank_kv.c: transfer regions ---------------------------------------------------- */
 
 /* Open the transports for this rank (owner "<hash>-prefill-3"): shm always,
- * ucx as the `ucx` key says; remove the regions a previous process of the
- * same rank left behind.  0 or -1 (logged). */
+ * ucx as the `ucx` key says, cudaipc (cuda backend) as `kv_cudaipc` says;
+ * remove the regions a previous process of the same rank left behind.  0 or
+ * -1 (logged). */
 int kv_open(struct rank *k);
 void kv_close(struct rank *k);
 /* Export slot `slot` (sequence of n_tokens) for `req` over transport t;

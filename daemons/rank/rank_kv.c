@@ -3,9 +3,12 @@
  * regions a prefill rank exported and still owns (freed on KV_RELEASE,
  * ABORT, link loss or timeout), and the import of a location into a decode
  * slot.  Transport details live behind ipc/kvxfer.h.  A rank opens shm (one
- * host) and, unless `ucx = no`, ucx (across hosts); the scheduler names the
- * transport in PREFILL and the location carries it to the decode rank.
- * Imports are asynchronous and bounded by kv_timeout_ms.
+ * host) and, unless `ucx = no`, ucx (across hosts); with the cuda backend
+ * and `kv_cudaipc` auto or yes, also cudaipc (one host, device memory: the
+ * state is exported and imported with the model's _dev state functions and
+ * never visits the host).  The scheduler names the transport in PREFILL and
+ * the location carries it to the decode rank.  Imports are asynchronous and
+ * bounded by kv_timeout_ms.
  *
  * Rank main thread only.
  */
@@ -17,6 +20,42 @@
 #include <string.h>
 
 #include "common/log.h"
+
+/* Open the cudaipc transport when the config and the backend allow it
+ * (kv_cudaipc: no / auto / yes); -1 only when `yes` cannot be met. */
+static int
+kv_open_cudaipc(struct rank *k, const char *owner, const struct dsv4_kvx_opts *o)
+{
+    bool yes = strcmp(k->o.conf.kv_cudaipc, "yes") == 0;
+    const char *why;
+
+    if (strcmp(k->o.conf.kv_cudaipc, "no") == 0)
+        return 0;
+    if (strcmp(k->be->name, "cuda") != 0) {
+        why = "not the cuda backend";
+    } else {
+#ifdef DSV4_HAVE_CUDA
+        /* the backend made its device current on this thread; the transport
+         * keeps using it */
+        if (dsv4_kvx_open_ops(&k->kvx[DSV4_TRANSPORT_CUDAIPC], &dsv4_kvx_cudaipc_ops,
+                              DSV4_TRANSPORT_CUDAIPC, owner, o) == DSV4_OK) {
+            k->transports |= 1u << DSV4_TRANSPORT_CUDAIPC;
+            return 0;
+        }
+        why = dsv4_errmsg();
+#else
+        (void)owner;
+        (void)o;
+        why = "built without CUDA";
+#endif
+    }
+    if (yes) {
+        log_warnx("kv_open: kv_cudaipc = yes: %s", why);
+        return -1;
+    }
+    log_notice("kv_open: no cudaipc transport: %s", why);
+    return 0;
+}
 
 int
 kv_open(struct rank *k)
@@ -59,8 +98,11 @@ kv_open(struct rank *k)
             log_notice("kv_open: no ucx transport (one host only): %s", dsv4_errmsg());
         }
     }
-    log_info("kv_open: %s: transports%s%s, import bound %d ms", owner,
+    if (kv_open_cudaipc(k, owner, &o) != 0)
+        return -1;
+    log_info("kv_open: %s: transports%s%s%s, import bound %d ms", owner,
              k->kvx[DSV4_TRANSPORT_SHM] != NULL ? " shm" : "",
+             k->kvx[DSV4_TRANSPORT_CUDAIPC] != NULL ? " cudaipc" : "",
              k->kvx[DSV4_TRANSPORT_UCX] != NULL ? " ucx" : "", k->o.conf.kv_timeout_ms);
     return 0;
 }
@@ -94,7 +136,11 @@ kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot, uint32_
     x->x = k->kvx[t];
     e = dsv4_kvx_export(x->x, req, need, &x->r);
     if (e == DSV4_OK) {
-        e = dsv4_model_state_export(k->m, slot, x->r.data, need, &len);
+        /* cudaipc regions are device memory: device-to-device copies */
+        if (x->x->device_memory)
+            e = dsv4_model_state_export_dev(k->m, slot, x->r.data, need, &len);
+        else
+            e = dsv4_model_state_export(k->m, slot, x->r.data, need, &len);
         if (e != DSV4_OK)
             dsv4_kvx_free(x->x, &x->r);
     }
@@ -206,8 +252,13 @@ kv_import_poll(struct rank *k, struct rank_stream *st, int slot)
     st->xfer = NULL;
     if (e != DSV4_OK)
         return e;
-    e = dsv4_model_state_import(k->m, slot, (const uint8_t *)map.data + st->kv_off,
-                                (size_t)st->kv_len);
+    /* a cudaipc mapping is device memory: device-to-device copies */
+    if (st->xk->device_memory)
+        e = dsv4_model_state_import_dev(k->m, slot, (const uint8_t *)map.data + st->kv_off,
+                                        (size_t)st->kv_len);
+    else
+        e = dsv4_model_state_import(k->m, slot, (const uint8_t *)map.data + st->kv_off,
+                                    (size_t)st->kv_len);
     dsv4_kvx_unmap(st->xk, &map);
     if (e == DSV4_OK && dsv4_model_seq_len(k->m, slot) != (int)st->pos)
         e = dsv4_err_set(DSV4_ERR_PROTO, "kv_import: state holds %d positions, pos %u",
