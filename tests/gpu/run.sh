@@ -34,6 +34,11 @@
 #      SHARE_LAYERS (4) layers): the mapped copy equals the owner's bit for
 #      bit, survives the owner's kill -9 and is handed on to a third process
 #      (tests/gpu/test_share_gpu.c); log in $OUT/share.log.
+#  10. optional, when tests/test_kv_cudaipc is packed: decode state handed
+#      from one process to another through CUDA IPC handles (KV_PROMPT
+#      (8192) tokens, flash widths cut to 2 layers, two GPUs when present):
+#      export/import times and bit-identical decode (tests/gpu/
+#      test_kv_cudaipc.c); log in $OUT/kv_cudaipc.log.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -207,6 +212,14 @@ if command -v test_share_gpu > /dev/null; then
     fi
 fi
 
+# 11. decode state through CUDA IPC between two processes (optional: when packed)
+cipc_rc=skipped
+if command -v test_kv_cudaipc > /dev/null; then
+    timeout 300 test_kv_cudaipc "${KV_PROMPT:-8192}" 16 3 > "$OUT/kv_cudaipc.log" 2>&1
+    cipc_rc=$?
+    [ "$cipc_rc" = 77 ] && cipc_rc=skipped
+fi
+
 fast_rc=skipped
 if command -v bench_fast > /dev/null; then
     timeout 300 bench_fast > "$OUT/fast.log" 2>&1
@@ -243,12 +256,16 @@ if [ "$share_rc" != skipped ]; then
     echo "weight sharing between processes (exit $share_rc):"
     grep -E "^(FAIL|PASS|SKIP)|rank_init: weights: " "$OUT/share.log"
 fi
+if [ "$cipc_rc" != skipped ]; then
+    echo "decode state through CUDA IPC (exit $cipc_rc):"
+    grep -E "^(FAIL|PASS|prefill|host-staged|round|devices)" "$OUT/kv_cudaipc.log"
+fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
     grep -E "^(FAIL|summary|bench_fast)" "$OUT/fast.log"
 fi
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
-for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc"; do
+for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done
 [ "$ops_rc" = 0 ] && [ "$fwd_rc" = 0 ] && [ "$rest_rc" = 0 ] && { [ "$mc_rc" = skipped ] ||
