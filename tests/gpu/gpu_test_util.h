@@ -1,7 +1,8 @@
 /*
  * gpu_test_util.h — small helpers shared by the whole-forward GPU tests
- * (tests/gpu/test_forward_gpu.c, tests/gpu/test_decode_gpu.c): wall clock,
- * greedy argmax, logits row error, qsort comparator.
+ * (tests/gpu/test_forward_gpu.c, tests/gpu/test_decode_gpu.c, test_tp_gpu.c,
+ * test_share_gpu.c): wall clock, greedy argmax, logits row error, qsort
+ * comparator, the flash config cut to a few layers.
  */
 #ifndef DSV4_TESTS_GPU_GPU_TEST_UTIL_H
 #define DSV4_TESTS_GPU_GPU_TEST_UTIL_H
@@ -12,6 +13,7 @@
 #include <time.h>
 
 #include "common/err.h"
+#include "common/model_config.h"
 
 /* Logits bounds of the GPU vs CPU forward comparisons (the tests' headers
  * say why): median row error, every row. */
@@ -63,6 +65,26 @@ rel_err(const float *g, const float *c, int V, double *max_abs)
     }
     *max_abs = m;
     return n > 0 ? sqrt(d / n) : sqrt(d);
+}
+
+/* The `flash` preset cut to `layers` layers (their compress ratios as in
+ * flash) plus its MTP layer; the hash layers capped at `layers`. */
+static inline void
+flash_cut(struct dsv4_config *cfg, int layers)
+{
+    char set_layers[64], set_hash[64], set_ratios[512];
+    int o = snprintf(set_ratios, sizeof(set_ratios), "compress_ratios=[");
+
+    TRY("preset", dsv4_config_preset(cfg, "flash"));
+    for (int l = 0; l <= layers; l++)   /* + the MTP layer */
+        o += snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "%s%d", l ? "," : "",
+                      l == layers ? 0 : cfg->compress_ratios[l]);
+    snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "]");
+    snprintf(set_layers, sizeof(set_layers), "num_hidden_layers=%d", layers);
+    snprintf(set_hash, sizeof(set_hash), "num_hash_layers=%d",
+             cfg->num_hash_layers < layers ? cfg->num_hash_layers : layers);
+    const char *sets[] = { set_layers, set_ratios, set_hash };
+    TRY("flash override", dsv4_config_override(cfg, 3, sets));
 }
 
 /* qsort comparator for doubles, ascending. */

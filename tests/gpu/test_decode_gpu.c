@@ -390,7 +390,6 @@ run_synth(const char *dir, int layers, int steps)
     struct dsv4_model_opts opts = { 0 };
     int bad = 0, V, plen = 16, B = 16;
     double t0, t_gen;
-    char set_layers[64], set_ratios[512];
 
     /* (1) layout and values against the loaded checkpoint of the same config */
     TRY("weights", dsv4_weights_load(&hw, dir));
@@ -404,17 +403,7 @@ run_synth(const char *dir, int layers, int steps)
     dsv4_weights_free(&hw);
 
     /* (2) flash widths, a few layers */
-    TRY("preset", dsv4_config_preset(&cfg, "flash"));
-    {
-        int o = snprintf(set_ratios, sizeof(set_ratios), "compress_ratios=[");
-        for (int l = 0; l <= layers; l++)   /* + the MTP layer */
-            o += snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "%s%d", l ? "," : "",
-                          l == layers ? 0 : cfg.compress_ratios[l]);
-        snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "]");
-        snprintf(set_layers, sizeof(set_layers), "num_hidden_layers=%d", layers);
-        const char *sets[] = { set_layers, set_ratios };
-        TRY("flash override", dsv4_config_override(&cfg, 2, sets));
-    }
+    flash_cut(&cfg, layers);
     t0 = now_ms();
     TRY("synthetic (flash)", dsv4_cuda_weights_synthetic(gb, &fw, &cfg, 11, NULL));
     t_gen = now_ms() - t0;
@@ -481,20 +470,9 @@ run_profile(int layers, int batch)
     struct dsv4_model *pm, *gm;
     struct dsv4_model_opts opts = { 0 };
     int V, plen = 64, B = 16;
-    char set_layers[64], set_ratios[512];
     double t0, ms_plain, ms_graph, ms_sample;
 
-    TRY("preset", dsv4_config_preset(&cfg, "flash"));
-    {
-        int o = snprintf(set_ratios, sizeof(set_ratios), "compress_ratios=[");
-        for (int l = 0; l <= layers; l++)
-            o += snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "%s%d", l ? "," : "",
-                          l == layers ? 0 : cfg.compress_ratios[l]);
-        snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "]");
-        snprintf(set_layers, sizeof(set_layers), "num_hidden_layers=%d", layers);
-        const char *sets[] = { set_layers, set_ratios };
-        TRY("flash override", dsv4_config_override(&cfg, 2, sets));
-    }
+    flash_cut(&cfg, layers);
     TRY("synthetic (flash)", dsv4_cuda_weights_synthetic(gb, &fw, &cfg, 11, NULL));
     opts.n_slots = B;
     opts.max_seq_len = plen + 64;

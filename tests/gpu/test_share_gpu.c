@@ -60,25 +60,6 @@
 
 static struct dsv4_config cfg;
 
-/* The flash config cut to `layers` layers + the MTP layer. */
-static void
-cut_config(int layers)
-{
-    char set_layers[64], set_hash[64], set_ratios[512];
-    int o = snprintf(set_ratios, sizeof(set_ratios), "compress_ratios=[");
-
-    TRY("preset", dsv4_config_preset(&cfg, "flash"));
-    for (int l = 0; l <= layers; l++)
-        o += snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "%s%d", l ? "," : "",
-                      l == layers ? 0 : cfg.compress_ratios[l]);
-    snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "]");
-    snprintf(set_layers, sizeof(set_layers), "num_hidden_layers=%d", layers);
-    snprintf(set_hash, sizeof(set_hash), "num_hash_layers=%d",
-             cfg.num_hash_layers < layers ? cfg.num_hash_layers : layers);
-    const char *sets[] = { set_layers, set_ratios, set_hash };
-    TRY("flash override", dsv4_config_override(&cfg, 3, sets));
-}
-
 /* One report line to the parent. */
 static void
 say(const char *key, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -280,7 +261,7 @@ worker(const char *mode, const char *sock, int layers)
 
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1)
         return 77;
-    cut_config(layers);
+    flash_cut(&cfg, layers);
     TRY("cuda backend", dsv4_cuda_backend_create(&be, DSV4_NUMERICS_REF, 0));
     if (!dsv4_cuda_share_supported(be)) {
         fprintf(stderr, "%s: sharing not supported: %s\n", mode, dsv4_errmsg());

@@ -286,21 +286,6 @@ times(const char *what, const struct result *r)
            r->finite ? "yes" : "NO");
 }
 
-static void
-cut_layers(int layers)
-{
-    char set_layers[64], set_ratios[512];
-    int o = snprintf(set_ratios, sizeof(set_ratios), "compress_ratios=[");
-
-    for (int l = 0; l <= layers; l++)   /* + the MTP layer */
-        o += snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "%s%d", l ? "," : "",
-                      l == layers ? 0 : cfg.compress_ratios[l]);
-    snprintf(set_ratios + o, sizeof(set_ratios) - (size_t)o, "]");
-    snprintf(set_layers, sizeof(set_layers), "num_hidden_layers=%d", layers);
-    const char *sets[] = { set_layers, set_ratios };
-    TRY("flash override", dsv4_config_override(&cfg, 2, sets));
-}
-
 int
 main(int argc, char **argv)
 {
@@ -321,7 +306,7 @@ main(int argc, char **argv)
     if (strcmp(argv[1], "equal") == 0) {
         struct result one;
 
-        cut_layers(atoi(argv[2]));
+        flash_cut(&cfg, atoi(argv[2]));
         steps = atoi(argv[3]);
         result_init(&one);
         run(&one, 0, 0, 1, NULL, NULL);
