@@ -253,9 +253,9 @@ void group_free(struct rank *k);
 /* COMM: make the id (rank 0, asked) or join the epoch's communicator. */
 void group_comm(struct rank *k, const struct dsv4_rank_comm *c);
 /* The tick: fills k->agreed / n_agreed from the local runnable requests
- * (`mine`, n); true when done, false when there is no work this iteration
+ * (`mine`, n, any order; sorted in place); true when done, false when there is no work this iteration
  * (the communicator broke, or the group switched to a new one). */
-bool group_tick(struct rank *k, const uint64_t *mine, int n);
+bool group_tick(struct rank *k, uint64_t *mine, int n);
 /* The communicator failed (`why`): drop it and the work; wait for COMM. */
 void group_broken(struct rank *k, const char *why);
 /* Bracket collectives (the watchdog acts only inside). */
@@ -276,7 +276,7 @@ bool prefill_pending(const struct rank *k);
  * (alone); in a group only the requests of k->agreed, in that order, and a
  * failed forward breaks the group. */
 void prefill_work(struct rank *k);
-/* The requests with prompt tokens left (ascending); their count. */
+/* The requests with prompt tokens left; their count. */
 int prefill_runnable(const struct rank *k, uint64_t *reqs);
 /* Drop request `req`'s job and export (ABORT); true if anything was held. */
 bool prefill_abort(struct rank *k, uint64_t req);
@@ -292,7 +292,7 @@ bool decode_pending(const struct rank *k);
 /* One step: one token per running stream, TOKENS, DECODE_DONE for ended ones
  * (in a group: the streams of k->agreed, in that order). */
 void decode_work(struct rank *k);
-/* The requests whose stream can step (imported), ascending; their count. */
+/* The requests whose stream can step (imported); their count. */
 int decode_runnable(const struct rank *k, uint64_t *reqs);
 /* Drop request `req`'s stream (ABORT); true if it was running. */
 bool decode_abort(struct rank *k, uint64_t req);

@@ -142,14 +142,6 @@ decode_imports(struct rank *k, int64_t now)
     return next;
 }
 
-static int
-req_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-
-    return (x > y) - (x < y);
-}
-
 int
 decode_runnable(const struct rank *k, uint64_t *reqs)
 {
@@ -158,7 +150,6 @@ decode_runnable(const struct rank *k, uint64_t *reqs)
     for (int i = 0; i < k->o.slots; i++)
         if (k->streams[i].active && k->streams[i].xfer == NULL)
             reqs[n++] = k->streams[i].req;
-    qsort(reqs, (size_t)n, sizeof(uint64_t), req_cmp);
     return n;
 }
 

@@ -452,13 +452,23 @@ group_broken(struct rank *k, const char *why)
         group_join(k);
 }
 
+/* Ascending order of request ids. */
+static int
+req_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+    return (x > y) - (x < y);
+}
+
 bool
-group_tick(struct rank *k, const uint64_t *mine, int n)
+group_tick(struct rank *k, uint64_t *mine, int n)
 {
     size_t S = (size_t)k->o.slots, N = 2 * S + 2;
     enum dsv4_err e;
 
     k->n_agreed = 0;
+    qsort(mine, (size_t)n, sizeof(uint64_t), req_cmp);
     for (size_t i = 0; i < S; i++) {
         uint64_t v = (int)i < n ? mine[i] : UINT64_MAX;
 

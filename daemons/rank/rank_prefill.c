@@ -78,15 +78,6 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
              (unsigned)p->n_tokens, slot);
 }
 
-/* Ascending order of request ids. */
-static int
-req_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-
-    return (x > y) - (x < y);
-}
-
 int
 prefill_runnable(const struct rank *k, uint64_t *reqs)
 {
@@ -95,7 +86,6 @@ prefill_runnable(const struct rank *k, uint64_t *reqs)
     for (int i = 0; i < k->o.slots; i++)
         if (k->jobs[i].active && k->jobs[i].done < k->jobs[i].n_tokens)
             reqs[n++] = k->jobs[i].req;
-    qsort(reqs, (size_t)n, sizeof(uint64_t), req_cmp);
     return n;
 }
 
