@@ -33,6 +33,7 @@ struct cfg_key {
 static const char *const cfg_backends[] = { "cpu", "cuda", NULL };
 static const char *const cfg_numerics[] = { "ref", "hf", NULL };
 static const char *const cfg_yesno[] = { "no", "yes", NULL };
+static const char *const cfg_kernels[] = { "fast", "exact", NULL };
 static const char *const cfg_autoyesno[] = { "auto", "yes", "no", NULL };
 
 #define STR(f) CFG_STR, offsetof(struct dsv4_conf, f), \
@@ -72,6 +73,7 @@ static const struct cfg_key cfg_keys[] = {
     { "ucx_devices",        STR(ucx_devices) },
     { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
     { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
+    { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
     { "gateway_model",      STR(gateway_model) },
@@ -121,6 +123,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;
+    snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
     /* no until the cudaipc transport has run on a GPU (docs/gpu.md) */
     snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "no");
     snprintf(cfg->gateway_listen, sizeof(cfg->gateway_listen), "%s", "127.0.0.1:8000");

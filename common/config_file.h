@@ -92,6 +92,12 @@ struct dsv4_conf {
     int kv_timeout_ms;      /* [5000] bound of one decode-state import; a
                                stalled one fails the handoff and the
                                scheduler re-runs the request */
+    char cuda_kernels[8];   /* [fast] CUDA kernels of the ranks: "fast" (the
+                               decode/prefill kernels of kernels/cuda_fast.h,
+                               results within fp32 rounding of the exact
+                               ones) or "exact" (bit-identical to the CPU
+                               backend); the environment variable
+                               DSV4_CUDA_KERNELS, when set, wins */
     char kv_cudaipc[8];     /* [no] decode state between the ranks of one
                                host through CUDA IPC handles (device memory,
                                no host copy; docs/gpu.md): "auto" (offered

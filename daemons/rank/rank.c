@@ -32,6 +32,7 @@
 #ifdef DSV4_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "kernels/cuda_fast.h"
 #include "kernels/cuda_share.h"
 #include "kernels/cuda_weights.h"
 #endif
@@ -772,6 +773,12 @@ rank_init_model(struct rank *k)
             dev = (int)(k->o.group_rank % (uint32_t)n_dev);
         if (dsv4_cuda_backend_create(&k->be, num, dev) != DSV4_OK)
             fatalx("rank_init: backend cuda (device %d): %s", dev, dsv4_errmsg());
+        /* the kernels: `cuda_kernels`, unless DSV4_CUDA_KERNELS is set */
+        if (getenv("DSV4_CUDA_KERNELS") == NULL &&
+            dsv4_cuda_set_kernels(k->be, strcmp(k->o.conf.cuda_kernels, "fast") == 0) != DSV4_OK)
+            fatalx("rank_init: cuda kernels: %s", dsv4_errmsg());
+        log_info("cuda device %d, %s kernels", dev,
+                 dsv4_cuda_get_kernels(k->be) ? "fast" : "exact");
     } else
 #endif
     if (dsv4_backend_create(&k->be, k->o.conf.backend, num, k->o.conf.threads) != DSV4_OK)

@@ -111,6 +111,8 @@ test_round_trip(void **state)
     assert_int_equal(dsv4_conf_set_kv(&a, "max_batch=7"), DSV4_OK);
     assert_int_equal(dsv4_conf_set_kv(&a, "admin_mode=0600"), DSV4_OK);
     assert_int_equal(dsv4_conf_set_kv(&a, "backend=cuda"), DSV4_OK);
+    assert_int_equal(dsv4_conf_set_kv(&a, "cuda_kernels=exact"), DSV4_OK);
+    assert_int_equal(dsv4_conf_set_kv(&a, "cuda_kernels=quick"), DSV4_ERR_CONFIG);
     mem = open_memstream(&printed, &len);
     dsv4_conf_print(&a, mem);
     fclose(mem);
@@ -123,6 +125,7 @@ test_round_trip(void **state)
     assert_int_equal(b.admin_mode, 0600);
     assert_string_equal(b.checkpoint, "/x/a #b");
     assert_string_equal(b.key_dir, "");
+    assert_string_equal(b.cuda_kernels, "exact");
 }
 
 static void
