@@ -9,6 +9,8 @@
 #  tools/dsv4ctl/dsv4ctl).
 #
 #   LAYERS=8 GPUS=2 BENCH="-c 1,16 -p 1024 -l 128 -n 32" KILL=1 tests/gpu/service.sh
+#   (BENCH="RUN1;RUN2;...": several dsv4-bench runs one after the other,
+#   results in bench.json, bench2.json, ...)
 #   (TOKENS="--token-range LO:HI" for the prompts' ids, both runs)
 #
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
@@ -70,10 +72,18 @@ done
 echo "set up in $((SECONDS - t0)) s ($GPUS+$GPUS ranks, flash $LAYERS layers)"
 sleep 2
 ctl ranks
-# shellcheck disable=SC2086
-dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} ${BENCH:--c 1,16 -p 1024 -l 128 -n 32} \
-    -j "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
-rc=${PIPESTATUS[0]}
+# BENCH may hold several runs separated by ';' (bench.json, bench2.json, ...)
+rc=0 i=0
+IFS=';' read -ra runs <<< "${BENCH:--c 1,16 -p 1024 -l 128 -n 32}"
+for run in "${runs[@]}"; do
+    i=$((i + 1)) sfx=""
+    [ $i -gt 1 ] && sfx=$i
+    echo "== dsv4-bench $run"
+    # shellcheck disable=SC2086
+    dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} $run \
+        -j "$OUT/bench$sfx.json" 2>&1 | tee "$OUT/bench$sfx.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+done
 if [ "${KILL:-0}" = 1 ]; then
     # shellcheck disable=SC2086
     dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} ${KILL_BENCH:--c 16 -p 256 -l 256 -n 48} -w 0 \
