@@ -74,6 +74,7 @@ static const struct cfg_key cfg_keys[] = {
     { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
     { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
+    { "mps_sm_percent",     INT(mps_sm_percent, 0, 100) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
     { "gateway_model",      STR(gateway_model) },

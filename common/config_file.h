@@ -92,6 +92,12 @@ struct dsv4_conf {
     int kv_timeout_ms;      /* [5000] bound of one decode-state import; a
                                stalled one fails the handoff and the
                                scheduler re-runs the request */
+    int mps_sm_percent;     /* [0] with an MPS server on the GPU (docs/gpu.md
+                               "Prefill beside decode"): the share of the
+                               SMs this rank's kernels may use, 1-100, set
+                               as CUDA_MPS_ACTIVE_THREAD_PERCENTAGE before
+                               the rank touches CUDA (usually per role:
+                               prefill.mps_sm_percent); 0 = leave it */
     char cuda_kernels[8];   /* [fast] CUDA kernels of the ranks: "fast" (the
                                decode/prefill kernels of kernels/cuda_fast.h,
                                results within fp32 rounding of the exact

@@ -765,8 +765,15 @@ rank_init_model(struct rank *k)
 #ifdef DSV4_HAVE_CUDA
     if (cuda) {
         /* the device: `gpu`, else the rank's place in its group */
-        int n_dev = 0, dev = k->o.conf.gpu;
+        int n_dev = 0, dev = k->o.conf.gpu, mps = 0;
+        char pct[16] = "";
 
+        /* SM share under MPS: read by the CUDA runtime when it starts */
+        if (k->o.conf.mps_sm_percent > 0) {
+            snprintf(pct, sizeof(pct), "%d", k->o.conf.mps_sm_percent);
+            if (setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", pct, 1) != 0)
+                fatal("rank_init: setenv");
+        }
         if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1)
             fatalx("rank_init: backend cuda: no CUDA device");
         if (dev < 0)
@@ -777,8 +784,14 @@ rank_init_model(struct rank *k)
         if (getenv("DSV4_CUDA_KERNELS") == NULL &&
             dsv4_cuda_set_kernels(k->be, strcmp(k->o.conf.cuda_kernels, "fast") == 0) != DSV4_OK)
             fatalx("rank_init: cuda kernels: %s", dsv4_errmsg());
-        log_info("cuda device %d, %s kernels", dev,
-                 dsv4_cuda_get_kernels(k->be) ? "fast" : "exact");
+        if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, dev) != cudaSuccess)
+            mps = 0;
+        log_info("cuda device %d, %s kernels, MPS %s", dev,
+                 dsv4_cuda_get_kernels(k->be) ? "fast" : "exact",
+                 !mps ? "off" : k->o.conf.mps_sm_percent > 0 ? pct : "on (all SMs)");
+        if (k->o.conf.mps_sm_percent > 0 && !mps)
+            log_warnx("mps_sm_percent = %d has no effect: no MPS server for this GPU",
+                     k->o.conf.mps_sm_percent);
     } else
 #endif
     if (dsv4_backend_create(&k->be, k->o.conf.backend, num, k->o.conf.threads) != DSV4_OK)

@@ -13,6 +13,7 @@
 #   results in bench.json, bench2.json, ...)
 #   (TOKENS="--token-range LO:HI" for the prompts' ids, both runs)
 #
+# MPS=1 [MPS_PREFILL=N] [MPS_DECODE=N]: under an MPS server (see below).
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
 # (seconds before the kill) size that part.
 # Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), dsv4ctl
@@ -57,6 +58,16 @@ prefill_chunk = 2048
 max_seq = ${MAX_SEQ:-4096}
 $ckpt
 EOC
+# MPS=1: an MPS server for the GPUs, so prefill kernels run beside the decode
+# steps instead of time-sliced with them; MPS_PREFILL=N gives the prefill
+# ranks N% of the SMs (prefill.mps_sm_percent), MPS_DECODE likewise
+if [ "${MPS:-0}" = 1 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=$D/mps CUDA_MPS_LOG_DIRECTORY=$D/mpslog
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS server started (prefill ${MPS_PREFILL:-100}%, decode ${MPS_DECODE:-100}% of the SMs)"
+    [ -n "${MPS_PREFILL:-}" ] && echo "prefill.mps_sm_percent = $MPS_PREFILL" >> "$D/dsv4.conf"
+    [ -n "${MPS_DECODE:-}" ] && echo "decode.mps_sm_percent = $MPS_DECODE" >> "$D/dsv4.conf"
+fi
 dsv4-launch -f "$D/dsv4.conf" -P "$GPUS" -D "$GPUS" -r 500 -w 120 -T 600 -t 30 \
     --sched-bin "$(command -v dsv4-sched)" --prefill-bin "$D/dsv4-prefill" \
     --decode-bin "$D/dsv4-decode" --notify-log "$D/notify.log" > "$OUT/launch.log" 2>&1 &
@@ -110,4 +121,8 @@ ctl status
 kill -TERM $lpid; wait $lpid
 echo "dsv4-launch exit $?"
 cp "$D/notify.log" "$OUT/" 2> /dev/null
+if [ "${MPS:-0}" = 1 ]; then
+    echo quit | nvidia-cuda-mps-control
+    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mpslog" 2> /dev/null
+fi
 exit $rc
