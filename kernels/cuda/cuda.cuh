@@ -494,6 +494,27 @@ enum dsv4_err cuda_fast_moe(struct dsv4_backend *be, float *out, float *parts, c
                             const struct dsv4_expert_w *shared, int T, int k, int D, int I,
                             float lim);
 
+/* fast_gemm.cu: the prefill GEMMs (tensor-core tiles of 64/128 rows x 128
+ * weight rows), used before the decode kernels when their _ok predicate
+ * holds (host-side checks only; DSV4_CUDA_GEMM=off turns them off).
+ * linear: FP8 weights under REF numerics, n_out % 128 == 0, n_in % 128 == 0,
+ * weights 16-byte aligned, T > 16 and the GEMM cheaper than the decode
+ * kernel by a cost model of T, N and K. */
+int cuda_fast_gemm_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W, int T);
+enum dsv4_err cuda_fast_gemm_linear(struct dsv4_backend *be, float *out, const float *x,
+                                    const struct dsv4_linear *W, int T);
+/* moe / moe_parts at T > 96 (the decode MoE's bound): the arguments and
+ * conditions of cuda_fast_moe_ok / cuda_fast_moe (FP4 scales 4-byte aligned
+ * too, at most 4096 experts). */
+int cuda_fast_gemm_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *experts,
+                          int n, const struct dsv4_expert_w *shared, int T, int k, int D, int I,
+                          int parts);
+enum dsv4_err cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts,
+                                 const float *x, const int32_t *ids, const float *weights,
+                                 const struct dsv4_expert_w *table, int n_table,
+                                 const struct dsv4_expert_w *shared, int T, int k, int D, int I,
+                                 float lim);
+
 /* fast_linear.cu (grouped), fast_norm.cu, fast_hc.cu, fast_router.cu: the
  * fast versions of linear_grouped, rms_norm, hc_pre / hc_head and router,
  * called by the ops of the same name when st->fast_kernels is set (and the

@@ -129,6 +129,8 @@ cuda_linear(struct dsv4_backend *be, float *out, const float *x, const struct ds
                             (int)W->fmt, W->n_out, W->n_in);
     if (T <= 0)
         return DSV4_OK;
+    if (cuda_st(be)->fast_kernels && cuda_fast_gemm_linear_ok(be, W, T))
+        return cuda_fast_gemm_linear(be, out, x, W, T);   /* fast_gemm.cu: prefill */
     if (cuda_st(be)->fast_kernels && cuda_fast_linear_ok(be, W))
         return cuda_fast_linear(be, out, x, W, T, flags);   /* fast_linear.cu */
     if (cuda_lin_quantizes(be, W->fmt)) {

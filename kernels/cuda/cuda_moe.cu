@@ -345,6 +345,10 @@ moe_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
         /* registered expert arrays only (no host copy, no synchronisation) */
         const struct cuda_expert_table *fr = cuda_experts_find(be, experts);
 
+        if (fr != NULL &&   /* fast_gemm.cu: prefill (T > 96) */
+            cuda_fast_gemm_moe_ok(be, experts, fr->n, shared, T, k, D, I, parts != NULL))
+            return cuda_fast_gemm_moe(be, out, parts, x, ids, weights, fr->dev, fr->n, shared,
+                                      T, k, D, I, swiglu_limit);
         if (fr != NULL &&
             cuda_fast_moe_ok(be, experts, fr->n, shared, T, k, D, I, parts != NULL))
             return cuda_fast_moe(be, out, parts, x, ids, weights, fr->dev, fr->n, shared, T, k,
