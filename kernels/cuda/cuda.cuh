@@ -540,6 +540,30 @@ enum dsv4_err cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t 
                                const float *bias, const int64_t *tid2eid,
                                const int32_t *tokens, int T, int k, float route_scale);
 
+/* fast_attention.cu, fast_indexer.cu: the fast attention and indexer_topk
+ * for any T, called by cuda_attention / cuda_indexer_topk (after their own
+ * argument checks) when st->fast_kernels is set and the _ok predicate holds
+ * (host-side checks only).  Both predicates are false when the environment
+ * has DSV4_CUDA_FAST_ATTN=0 (cuda_fast_attn_enabled). */
+int cuda_fast_attn_enabled(void);
+/* Dh 128, 256 or 512; the float arrays 16-byte aligned (NULL allowed). */
+int cuda_fast_attention_ok(const float *out, const float *q, const float *kv,
+                           const float *ring, const float *comp, int H, int Dh, int win,
+                           int cap, int ratio);
+enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q,
+                                  const float *kv, const float *ring, const float *comp,
+                                  const int32_t *pages, const int32_t *sel, const float *sink,
+                                  const int32_t *slot, const int32_t *pos, const int32_t *row0,
+                                  const int32_t *pos0, int T, int H, int Dh, int win, int cap,
+                                  int ratio, int K, float scale);
+/* dI == 128, 1 <= nh <= 64, cap >= 1, 1 <= K <= 2048, q and keys 16-byte
+ * aligned. */
+int cuda_fast_indexer_ok(const float *q, const float *keys, int nh, int dI, int cap, int K);
+enum dsv4_err cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q,
+                                     const float *w, const float *keys, const int32_t *pages,
+                                     const int32_t *slot, const int32_t *pos, int T, int nh,
+                                     int dI, int cap, int ratio, int K);
+
 /* cuda_sample.cu */
 enum dsv4_err cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
                           const float *logits, const struct dsv4_sample_params *params, int n,

@@ -13,7 +13,8 @@
  *   computes the scores (8-thread groups), the max, the exponentials, the
  *   denominator (one thread, candidate order) and the weighted sums (one
  *   thread per output dimension, candidate order).
- * Not fast; the fused kernels are the next issue's.
+ * These are the exact kernels; with the fast switch on, attention and
+ * indexer_topk call fast_attention.cu / fast_indexer.cu where those apply.
  */
 #include "kernels/cuda/cuda.cuh"
 
@@ -174,6 +175,9 @@ cuda_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const f
         CUDA_LAUNCHED("idx_select");
         return DSV4_OK;
     }
+    if (cuda_st(be)->fast_kernels && cuda_fast_indexer_ok(q, keys, nh, dI, cap, K))
+        return cuda_fast_indexer_topk(be, sel, q, w, keys, pages, slot, pos, T, nh, dI, cap,
+                                      ratio, K);   /* fast_indexer.cu */
     kb = cuda_align((size_t)T * cap * sizeof(unsigned long long));
     tb = cuda_sort_temp_bytes(T, cap);
     base = (char *)cuda_scratch(be, 2 * kb + tb);
@@ -314,6 +318,11 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda attention: win=%d ratio=%d", win, ratio);
     if (T <= 0 || H <= 0)
         return DSV4_OK;
+    if (cuda_st(be)->fast_kernels &&
+        cuda_fast_attention_ok(out, q, kv, ring, comp, H, Dh, win, cap, ratio))
+        return cuda_fast_attention(be, out, q, kv, ring, comp, pages, sel, sink, slot, pos,
+                                   row0, pos0, T, H, Dh, win, cap, ratio, K,
+                                   scale);   /* fast_attention.cu */
     max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
     cb = cuda_align((size_t)T * max_cand * sizeof(float *));
     nb = cuda_align((size_t)T * sizeof(int));

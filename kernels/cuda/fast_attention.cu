@@ -1,0 +1,608 @@
+/*
+ * fast_attention.cu — the fast sparse attention with sink (backend.h
+ * `attention`, model doc §3.3.6) for any T: decode rows and prefill rows
+ * alike.  Used by cuda_attention when the fast kernels are on
+ * (kernels/cuda_fast.h) and cuda_fast_attention_ok accepts the shapes.
+ *
+ * The exact kernel runs one block per (row, head) and walks the candidates
+ * one after the other.  Here a CTA of 8 warps owns one row and a group of
+ * HG = 16 * MT heads (MT = 2 when H > 16: 32 heads, all of a TP = 2 rank's
+ * heads; H = 64 takes two CTAs per row), and streams the row's candidates
+ * in tiles of FA_NC = 32 key rows, flash-attention style:
+ *
+ *   1. the tile's key rows (window rows from kv or the ring, compressed rows
+ *      through the page table and, for CSA, sel) are copied into shared
+ *      memory with cp.async (fp32, double buffered: the next tile is in
+ *      flight while this one is used; masked candidates are zero-filled),
+ *      then converted to bf16 (the pools hold bf16 values, so this is
+ *      exact);
+ *   2. scores S = Q K^T on the tensor cores (mma.sync m16n8k16 bf16, fp32
+ *      accumulators): warp w owns head dimensions [w Dh/8, (w+1) Dh/8), its
+ *      Q fragments stay in registers for the whole row, and the 8 warps'
+ *      partial sums are added in warp order in shared memory;
+ *   3. online softmax per head (running max m, running sum l; 8 or 16
+ *      threads per head, fixed reduction trees), P = exp(S - m) in shared
+ *      memory, the rescale factor alpha = exp(m_old - m_new);
+ *   4. O = O * alpha + P V on the tensor cores, V = K from the same bf16
+ *      tile (ldmatrix.trans), each warp its Dh/8 output dimensions.  P is
+ *      fed as bf16 hi + lo (two mma; |p - hi - lo| <= 2^-16 |p|), so P V
+ *      is close to fp32 accuracy rather than bf16's.
+ *   At the end out = bf16(O / (l + exp(sink - m))).
+ *
+ * Decode-sized calls (T * head groups <= FA_SPLIT_ROWS) would give too few
+ * CTAs, so there each row's candidate list is cut into chunks of
+ * FA_CHUNK candidates, one CTA each (flash-decoding); a CTA writes its
+ * unnormalised (O, m, l) to scratch and fa_combine_kernel merges the chunks
+ * of a (row, head) in chunk order.  The candidate list is the exact path's
+ * (window positions, then the compressed entries in order; CSA slots with
+ * sel < 0 or >= cap are masked, not compacted), so a chunk's content
+ * depends on the row alone.
+ *
+ * Numerics.  q and the key rows are used as bf16 (the forward's values are
+ * bf16; other inputs are rounded to bf16 first).  Products are exact; the
+ * differences from the exact path are fp32 rounding: the dot product's
+ * summation order (tensor core, then 8 warp partials), expf (CUDA's, not
+ * the double-rounded one), the online rescaling by alpha, the sum order of
+ * the denominator and of P V, and P's hi + lo split (relative error
+ * <= 2^-16 per weight).  Outputs are deterministic and depend on the row's
+ * own inputs and on whether the call was split (T * groups <=
+ * FA_SPLIT_ROWS) only: not on the other rows or on T otherwise.  No host
+ * synchronisation, no allocation beyond the backend scratch (graph-safe).
+ */
+#include "kernels/cuda/fast_mma.cuh"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define FA_THREADS 256
+#define FA_WARPS 8
+#define FA_NC 32            /* candidates per tile */
+#define FA_CHUNK 64         /* candidates per CTA when split */
+#define FA_SPLIT_ROWS 64    /* split when T * head groups <= this */
+#define FA_SPLIT_BYTES ((size_t)64 << 20)   /* scratch bound of the split form */
+#define FA_SP_LD (FA_NC + 8)   /* row stride (floats) of the score / P tiles */
+
+struct fa_args {
+    float *out;
+    const float *q, *kv, *ring, *comp;
+    const int32_t *pages, *sel;
+    const float *sink;
+    const int32_t *slot, *pos, *row0, *pos0;
+    float *part;            /* split: (T, n_hg, n_ch, HG, Dh + 2) partials */
+    int T, H, Dh, win, cap, ratio, K;
+    float scale;
+    int n_hg, n_ch, split;  /* split: candidates per chunk, 0 = whole rows */
+};
+
+/* --- small device helpers ------------------------------------------------------ */
+
+/* p = hi + lo in bf16 pairs: hi = bf16(p), lo = bf16(p - hi). */
+static __device__ __forceinline__ void
+fa_split2(float p0, float p1, uint32_t &hi, uint32_t &lo)
+{
+    hi = fa_pack(p0, p1);
+    lo = fa_pack(p0 - __uint_as_float(hi << 16), p1 - __uint_as_float(hi & 0xffff0000u));
+}
+
+/* 16 bytes global -> shared, zero-filled when !valid. */
+static __device__ __forceinline__ void
+fa_cp16(void *dst, const void *src, int valid)
+{
+    uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+static __device__ __forceinline__ void
+fa_cp_commit(void)
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+/* Wait until at most n committed groups are pending. */
+template <int N>
+static __device__ __forceinline__ void
+fa_cp_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+/* Row facts shared by the main and the combine kernel. */
+struct fa_row {
+    int p, s, u0, nw, n_cand;
+};
+
+static __device__ __forceinline__ struct fa_row
+fa_row_of(const struct fa_args &a, int t)
+{
+    struct fa_row r;
+    int nc = 0;
+
+    r.p = a.pos[t];
+    r.s = a.slot[t];
+    r.u0 = r.p - a.win + 1 > 0 ? r.p - a.win + 1 : 0;
+    r.nw = r.p - r.u0 + 1;
+    if (a.comp != NULL) {
+        if (a.sel != NULL) {
+            nc = a.K;
+        } else {
+            nc = (r.p + 1) / a.ratio;
+            nc = nc < a.cap ? nc : a.cap;
+        }
+    }
+    r.n_cand = r.nw + nc;
+    return r;
+}
+
+/* Key row of candidate c (< n_cand) of row t, or NULL when masked (a CSA
+ * slot holding no entry). */
+static __device__ __forceinline__ const float *
+fa_cand(const struct fa_args &a, const struct fa_row &r, int t, int c)
+{
+    int e;
+
+    if (c < r.nw) {
+        int u = r.u0 + c, p0 = a.pos0[t];
+
+        if (u >= p0)
+            return a.kv + (int64_t)(a.row0[t] + (u - p0)) * a.Dh;
+        return a.ring + ((int64_t)r.s * a.win + u % a.win) * a.Dh;
+    }
+    e = c - r.nw;
+    if (a.sel != NULL) {
+        e = a.sel[(int64_t)t * a.K + e];
+        if (e < 0 || e >= a.cap)
+            return NULL;
+    }
+    return a.comp + cu_pool_row(a.pages, a.cap, r.s, e) * a.Dh;
+}
+
+/* Shared memory layout (bytes) of fa_kernel<MT> for head dimension Dh. */
+static __host__ __device__ __forceinline__ size_t
+fa_smem_bytes(int MT, int Dh)
+{
+    int HG = 16 * MT;
+
+    return (size_t)2 * FA_NC * Dh * 4               /* fp32 staging, 2 stages */
+           + (size_t)FA_NC * (Dh + 8) * 2           /* bf16 tile */
+           + (size_t)FA_WARPS * HG * FA_SP_LD * 4   /* score partials */
+           + (size_t)HG * FA_SP_LD * 4              /* P */
+           + (size_t)3 * HG * 4                     /* m, l, alpha */
+           + (size_t)2 * FA_NC * 4;                 /* candidate valid flags */
+}
+
+/* --- the main kernel -------------------------------------------------------------- */
+
+/*
+ * Issue the copies of tile `c0` of row t into staging buffer st (and its
+ * valid flags): FA_NC rows of Dh floats, 16 bytes per copy, row-major over
+ * the block's threads.
+ */
+static __device__ __forceinline__ void
+fa_issue(const struct fa_args &a, const struct fa_row &r, int t, int c0, int c_end, float *st,
+         int *valid)
+{
+    int per_row = a.Dh / 4;   /* 16-byte pieces per row */
+
+    for (int i = threadIdx.x; i < FA_NC * per_row; i += FA_THREADS) {
+        int row = i / per_row, piece = i % per_row, c = c0 + row;
+        const float *src = c < c_end ? fa_cand(a, r, t, c) : NULL;
+
+        fa_cp16(st + (size_t)row * a.Dh + piece * 4, src != NULL ? src + piece * 4 : a.q,
+                src != NULL);
+        if (piece == 0)
+            valid[row] = src != NULL;
+    }
+    fa_cp_commit();
+}
+
+/*
+ * One CTA per (row t, head group hg, chunk ch); MT m-tiles of 16 heads;
+ * DW = Dh / 8 head dimensions per warp.
+ */
+template <int MT, int DW>
+static __global__ void __launch_bounds__(FA_THREADS, 1)
+fa_kernel(struct fa_args a)
+{
+    constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
+    constexpr int TPH = FA_THREADS / HG, CPT = FA_NC / TPH;   /* softmax threads per head */
+    extern __shared__ __align__(16) unsigned char fa_sm[];
+    float *stage = (float *)fa_sm;
+    uint16_t *kb = (uint16_t *)(stage + 2 * FA_NC * Dh);
+    float *sp = (float *)(kb + FA_NC * (Dh + 8));
+    float *pm = sp + FA_WARPS * HG * FA_SP_LD;
+    float *s_m = pm + HG * FA_SP_LD, *s_l = s_m + HG, *s_al = s_l + HG;
+    int *valid = (int *)(s_al + HG);
+    int64_t bid = blockIdx.x;
+    int ch = (int)(bid % a.n_ch), hg = (int)(bid / a.n_ch % a.n_hg);
+    int t = (int)(bid / a.n_ch / a.n_hg);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    int d0 = warp * DW, h0 = hg * HG;
+    struct fa_row r = fa_row_of(a, t);
+    int c_beg = a.split ? ch * a.split : 0;
+    int c_end = a.split ? min(r.n_cand, c_beg + a.split) : r.n_cand;
+    int n_tiles = (c_end - c_beg + FA_NC - 1) / FA_NC;
+    uint32_t qa[MT][KS][4];
+    float o[MT][NT][4];
+
+    if (c_beg >= c_end)
+        return;   /* an empty chunk: the combine does not read it */
+    fa_issue(a, r, t, c_beg, c_end, stage, valid);
+
+    /* Q fragments of this warp's dimensions (zero rows past H) */
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int h = h0 + mt * 16 + g + 8 * hh;
+            const float *qr = a.q + ((int64_t)t * a.H + (h < a.H ? h : 0)) * Dh + d0 + 2 * q4;
+
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                float2 lo = h < a.H ? *(const float2 *)(qr + 16 * ks) : make_float2(0.f, 0.f);
+                float2 hi = h < a.H ? *(const float2 *)(qr + 16 * ks + 8)
+                                    : make_float2(0.f, 0.f);
+
+                qa[mt][ks][hh] = fa_pack(lo.x, lo.y);       /* a0 / a1 */
+                qa[mt][ks][2 + hh] = fa_pack(hi.x, hi.y);   /* a2 / a3 */
+            }
+        }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                o[mt][n][i] = 0.0f;
+    if (threadIdx.x < HG) {
+        s_m[threadIdx.x] = -__int_as_float(0x7f800000);
+        s_l[threadIdx.x] = 0.0f;
+    }
+
+    for (int it = 0; it < n_tiles; it++) {
+        int c0 = c_beg + it * FA_NC;
+        float *st = stage + (size_t)(it & 1) * FA_NC * Dh;
+        const int *vf = valid + (it & 1) * FA_NC;
+
+        if (it + 1 < n_tiles) {
+            fa_issue(a, r, t, c0 + FA_NC, c_end, stage + (size_t)((it + 1) & 1) * FA_NC * Dh,
+                     valid + ((it + 1) & 1) * FA_NC);
+            fa_cp_wait<1>();
+        } else {
+            fa_cp_wait<0>();
+        }
+        __syncthreads();
+        /* staging (fp32) -> bf16 tile */
+        for (int i = threadIdx.x; i < FA_NC * Dh / 4; i += FA_THREADS) {
+            int row = i / (Dh / 4), col = (i % (Dh / 4)) * 4;
+            float4 v = *(const float4 *)(st + (size_t)row * Dh + col);
+            uint2 w2 = make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+
+            *(uint2 *)(kb + (size_t)row * (Dh + 8) + col) = w2;
+        }
+        __syncthreads();
+
+        /* partial scores over this warp's dimensions */
+        {
+            float s[MT][FA_NC / 8][4];
+
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int n = 0; n < FA_NC / 8; n++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        s[mt][n][i] = 0.0f;
+#pragma unroll
+            for (int n = 0; n < FA_NC / 8; n++)
+#pragma unroll
+                for (int ks = 0; ks < KS; ks += 2) {
+                    uint32_t b[4];
+
+                    /* matrices: dims +0, +8 of k-step ks, then of ks + 1 */
+                    fa_ldsm_x4(b, kb + (size_t)(n * 8 + (lane & 7)) * (Dh + 8) + d0 +
+                                      16 * ks + ((lane >> 3) & (KS > 1 ? 3 : 1)) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        fk_mma_bf16(s[mt][n], qa[mt][ks][0], qa[mt][ks][1], qa[mt][ks][2],
+                                    qa[mt][ks][3], b[0], b[1]);
+                        if (ks + 1 < KS)
+                            fk_mma_bf16(s[mt][n], qa[mt][ks + 1][0], qa[mt][ks + 1][1],
+                                        qa[mt][ks + 1][2], qa[mt][ks + 1][3], b[2], b[3]);
+                    }
+                }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int n = 0; n < FA_NC / 8; n++) {
+                    float *d = sp + ((size_t)warp * HG + mt * 16 + g) * FA_SP_LD + n * 8 + 2 * q4;
+
+                    *(float2 *)d = make_float2(s[mt][n][0], s[mt][n][1]);
+                    *(float2 *)(d + 8 * FA_SP_LD) = make_float2(s[mt][n][2], s[mt][n][3]);
+                }
+        }
+        __syncthreads();
+
+        /* online softmax: TPH threads per head, CPT candidates each */
+        {
+            int hh = threadIdx.x / TPH, c1 = (threadIdx.x % TPH) * CPT;
+            float sv[CPT], mx = -__int_as_float(0x7f800000), sum = 0.0f, m_old, m_new, m_use;
+
+#pragma unroll
+            for (int j = 0; j < CPT; j++) {
+                float acc = 0.0f;
+
+#pragma unroll
+                for (int w = 0; w < FA_WARPS; w++)
+                    acc += sp[((size_t)w * HG + hh) * FA_SP_LD + c1 + j];
+                sv[j] = vf[c1 + j] && c0 + c1 + j < c_end ? acc * a.scale
+                                                           : -__int_as_float(0x7f800000);
+                mx = fmaxf(mx, sv[j]);
+            }
+#pragma unroll
+            for (int o2 = TPH / 2; o2 > 0; o2 /= 2)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+            m_old = s_m[hh];
+            m_new = fmaxf(m_old, mx);
+            m_use = m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new;
+#pragma unroll
+            for (int j = 0; j < CPT; j++) {
+                float p = expf(sv[j] - m_use);
+
+                pm[hh * FA_SP_LD + c1 + j] = p;
+                sum += p;
+            }
+#pragma unroll
+            for (int o2 = TPH / 2; o2 > 0; o2 /= 2)
+                sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+            __syncwarp();
+            if (threadIdx.x % TPH == 0) {
+                float al = expf(m_old - m_use);
+
+                s_al[hh] = al;
+                s_l[hh] = s_l[hh] * al + sum;
+                s_m[hh] = m_new;
+            }
+        }
+        __syncthreads();
+
+        /* O = O * alpha + P V */
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            float al0 = s_al[mt * 16 + g], al1 = s_al[mt * 16 + g + 8];
+
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                o[mt][n][0] *= al0;
+                o[mt][n][1] *= al0;
+                o[mt][n][2] *= al1;
+                o[mt][n][3] *= al1;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_NC / 16; kk++) {
+            uint32_t ph[MT][4], pl[MT][4];
+
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                const float *pr = pm + (mt * 16 + g) * FA_SP_LD + kk * 16 + 2 * q4;
+                float2 v0 = *(const float2 *)pr, v1 = *(const float2 *)(pr + 8 * FA_SP_LD);
+                float2 v2 = *(const float2 *)(pr + 8), v3 = *(const float2 *)(pr + 8 * FA_SP_LD + 8);
+
+                fa_split2(v0.x, v0.y, ph[mt][0], pl[mt][0]);
+                fa_split2(v1.x, v1.y, ph[mt][1], pl[mt][1]);
+                fa_split2(v2.x, v2.y, ph[mt][2], pl[mt][2]);
+                fa_split2(v3.x, v3.y, ph[mt][3], pl[mt][3]);
+            }
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                uint32_t b[4];
+                int kr = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                int dc = d0 + n * 8 + (lane >> 4) * 8;
+
+                /* matrices: candidates +0..7 / +8..15 at dims n, then at n + 1 */
+                fa_ldsm_x4_t(b, kb + (size_t)kr * (Dh + 8) + dc);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    fk_mma_bf16(o[mt][n], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], b[0], b[1]);
+                    fk_mma_bf16(o[mt][n], pl[mt][0], pl[mt][1], pl[mt][2], pl[mt][3], b[0], b[1]);
+                    fk_mma_bf16(o[mt][n + 1], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], b[2],
+                                b[3]);
+                    fk_mma_bf16(o[mt][n + 1], pl[mt][0], pl[mt][1], pl[mt][2], pl[mt][3], b[2],
+                                b[3]);
+                }
+            }
+        }
+        /* the next iteration's first __syncthreads orders these reads of kb,
+         * pm and s_al before they are overwritten */
+    }
+
+    /* write out: the output (whole rows) or the chunk's partials (split) */
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int hl = mt * 16 + g + 8 * hh, h = h0 + hl;
+            float m = s_m[hl], l = s_l[hl];
+
+            if (h >= a.H)
+                continue;
+            if (a.split) {
+                float *pp = a.part + (((int64_t)t * a.n_hg + hg) * a.n_ch + ch) * HG * (Dh + 2);
+
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    *(float2 *)(pp + (int64_t)hl * Dh + d0 + n * 8 + 2 * q4) =
+                        make_float2(o[mt][n][2 * hh], o[mt][n][2 * hh + 1]);
+                if (warp == 0 && q4 == 0) {
+                    pp[(int64_t)HG * Dh + 2 * hl] = m;
+                    pp[(int64_t)HG * Dh + 2 * hl + 1] = l;
+                }
+            } else {
+                float den = l + expf(a.sink[h] - m);
+                float *op = a.out + ((int64_t)t * a.H + h) * Dh + d0 + 2 * q4;
+
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    *(float2 *)(op + n * 8) =
+                        make_float2(cu_bf16_round(o[mt][n][2 * hh] / den),
+                                    cu_bf16_round(o[mt][n][2 * hh + 1] / den));
+            }
+        }
+}
+
+/*
+ * Split form: out[t, h, :] from the row's chunks (those holding at least one
+ * candidate), merged in chunk order.  One block per (row, head), one thread
+ * per 4 dimensions.
+ */
+template <int MT>
+static __global__ void
+fa_combine_kernel(struct fa_args a)
+{
+    constexpr int HG = 16 * MT;
+    int64_t th = blockIdx.x;
+    int t = (int)(th / a.H), h = (int)(th % a.H), hg = h / HG, hl = h % HG, Dh = a.Dh;
+    struct fa_row r = fa_row_of(a, t);
+    int nch = (r.n_cand + a.split - 1) / a.split;
+    const float *pp = a.part + ((int64_t)t * a.n_hg + hg) * a.n_ch * HG * (Dh + 2);
+    int64_t cs = (int64_t)HG * (Dh + 2);   /* floats per chunk */
+    float M = -__int_as_float(0x7f800000), den = 0.0f;
+
+    for (int c = 0; c < nch; c++)
+        M = fmaxf(M, pp[c * cs + (int64_t)HG * Dh + 2 * hl]);
+    for (int c = 0; c < nch; c++)
+        den += pp[c * cs + (int64_t)HG * Dh + 2 * hl + 1] *
+               expf(pp[c * cs + (int64_t)HG * Dh + 2 * hl] - M);
+    den += expf(a.sink[h] - M);
+    for (int d = threadIdx.x * 4; d < Dh; d += blockDim.x * 4) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+
+        for (int c = 0; c < nch; c++) {
+            float f = expf(pp[c * cs + (int64_t)HG * Dh + 2 * hl] - M);
+            float4 v = *(const float4 *)(pp + c * cs + (int64_t)hl * Dh + d);
+
+            acc.x += v.x * f;
+            acc.y += v.y * f;
+            acc.z += v.z * f;
+            acc.w += v.w * f;
+        }
+        *(float4 *)(a.out + ((int64_t)t * a.H + h) * Dh + d) =
+            make_float4(cu_bf16_round(acc.x / den), cu_bf16_round(acc.y / den),
+                        cu_bf16_round(acc.z / den), cu_bf16_round(acc.w / den));
+    }
+}
+
+/* --- host side ----------------------------------------------------------------------- */
+
+/* DSV4_CUDA_FAST_ATTN=0 keeps the exact attention and indexer under the fast
+ * switch (a way around a fast kernel suspected wrong). */
+int
+cuda_fast_attn_enabled(void)
+{
+    const char *v = getenv("DSV4_CUDA_FAST_ATTN");
+
+    return v == NULL || strcmp(v, "0") != 0;
+}
+
+static int
+fa_aligned(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+int
+cuda_fast_attention_ok(const float *out, const float *q, const float *kv, const float *ring,
+                       const float *comp, int H, int Dh, int win, int cap, int ratio)
+{
+    if (!cuda_fast_attn_enabled())
+        return 0;
+    if (Dh != 128 && Dh != 256 && Dh != 512)
+        return 0;
+    if (H < 1 || win < 1 || (comp != NULL && cap < 1) || ratio < 0)
+        return 0;
+    return fa_aligned(out) && fa_aligned(q) && fa_aligned(kv) && fa_aligned(ring) &&
+           fa_aligned(comp);
+}
+
+template <int MT, int DW>
+static enum dsv4_err
+fa_launch(struct dsv4_backend *be, const struct fa_args &a)
+{
+    cudaStream_t st = cuda_stream(be);
+    size_t smem = fa_smem_bytes(MT, 8 * DW);
+
+    CUDA_TRY(cudaFuncSetAttribute(fa_kernel<MT, DW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem));
+    fa_kernel<MT, DW><<<(unsigned)((int64_t)a.T * a.n_hg * a.n_ch), FA_THREADS, smem, st>>>(a);
+    CUDA_LAUNCHED("fast attention");
+    if (a.split) {
+        fa_combine_kernel<MT><<<(unsigned)((int64_t)a.T * a.H), 128, 0, st>>>(a);
+        CUDA_LAUNCHED("fast attention combine");
+    }
+    return DSV4_OK;
+}
+
+template <int MT>
+static enum dsv4_err
+fa_launch_dh(struct dsv4_backend *be, const struct fa_args &a)
+{
+    switch (a.Dh) {
+    case 128:
+        return fa_launch<MT, 16>(be, a);
+    case 256:
+        return fa_launch<MT, 32>(be, a);
+    default:
+        return fa_launch<MT, 64>(be, a);
+    }
+}
+
+enum dsv4_err
+cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
+                    const float *ring, const float *comp, const int32_t *pages,
+                    const int32_t *sel, const float *sink, const int32_t *slot,
+                    const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H,
+                    int Dh, int win, int cap, int ratio, int K, float scale)
+{
+    struct fa_args a;
+    int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand;
+
+    memset(&a, 0, sizeof(a));
+    a.out = out;
+    a.q = q;
+    a.kv = kv;
+    a.ring = ring;
+    a.comp = comp;
+    a.pages = pages;
+    a.sel = comp != NULL ? sel : NULL;
+    a.sink = sink;
+    a.slot = slot;
+    a.pos = pos;
+    a.row0 = row0;
+    a.pos0 = pos0;
+    a.T = T;
+    a.H = H;
+    a.Dh = Dh;
+    a.win = win;
+    a.cap = cap;
+    a.ratio = ratio;
+    a.K = K;
+    a.scale = scale;
+    a.n_hg = (H + HG - 1) / HG;
+    a.n_ch = 1;
+    max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
+    if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS) {
+        int n_ch = (max_cand + FA_CHUNK - 1) / FA_CHUNK;
+        size_t bytes = (size_t)T * a.n_hg * n_ch * HG * (Dh + 2) * sizeof(float);
+
+        if (n_ch > 1 && bytes <= FA_SPLIT_BYTES) {
+            a.part = (float *)cuda_scratch(be, bytes);
+            if (a.part == NULL)
+                return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention: no scratch");
+            a.split = FA_CHUNK;
+            a.n_ch = n_ch;
+        }
+    }
+    return MT == 2 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
+}

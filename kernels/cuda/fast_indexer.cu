@@ -1,0 +1,533 @@
+/*
+ * fast_indexer.cu — the fast indexer scores and top-k (backend.h
+ * `indexer_topk`, model doc §3.3.5) for any T.  Used by cuda_indexer_topk
+ * when the fast kernels are on (kernels/cuda_fast.h) and
+ * cuda_fast_indexer_ok accepts the shapes.
+ *
+ * Two kernels, scores (T, cap) fp32 in the backend scratch between them.
+ *
+ * fi_score_kernel: a CTA of 8 warps owns R rows (R = 4 for prefill-sized
+ *   calls, 1 for decode) and a chunk of key entries.  When the R rows share
+ *   a slot (consecutive rows of one sequence) one pass serves them all, each
+ *   key tile loaded once; else each row gets its own pass.  Per tile of 64
+ *   keys: the keys (fp32 pool rows through the page table) are converted to
+ *   bf16 in shared memory; the q·k dot products of every (row, head, key)
+ *   come from the tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators,
+ *   the Q fragments in registers for the pass); then one thread per
+ *   (row, key) forms the score exactly as the exact path does: per head in
+ *   head order, REF: term = bf16(ReLU(bf16(dot)) * w), sum in fp32,
+ *   score = bf16(sum); HF: the fp32 expression without roundings.
+ *
+ *   Exactness guard (REF).  The exact path's dot (cpu_dot's order) and the
+ *   tensor core's are both the exact real dot product whenever every
+ *   partial sum is representable: with all q_i, k_i bf16 values, q's
+ *   nonzero magnitudes in [2^Lq, 2^Mq) and k's in [2^Lk, 2^Mk), every
+ *   product and partial sum is a multiple of 2^(Lq+Lk) below
+ *   128 * 2^(Mq+Mk), so (Mq + 7 + Mk) - (Lq + Lk) <= 24 and
+ *   Lq + Lk >= -126 (no subnormals) make both exact, hence equal.  The
+ *   indexer's inputs are FP4-simulated (E2M1 codes times a power of two per
+ *   32 values), which meets this unless a vector's block scales are very far
+ *   apart.  A (head, key) pair that fails the guard (or has a value that is
+ *   not bf16, inf or NaN) gets its dot recomputed by the summing thread in
+ *   cpu_dot's order from the fp32 inputs.  So under REF the scores are the
+ *   exact path's bits, and the selection (below) is the exact path's set and
+ *   order.  HF numerics skip the guard (only non-bf16 / non-finite values
+ *   take the exact dot): scores differ by fp32 rounding, picks only at near
+ *   ties.
+ *
+ * fi_select_kernel: one CTA per row.  The sort key of entry e is the exact
+ *   path's (cu_rank_key: score descending, then index ascending).  When
+ *   n_valid > K a radix select (4 passes of 8 bits over the 32-bit score key,
+ *   shared-memory histograms) finds the K-th best score key; entries better
+ *   than it are taken, and of the entries equal to it the lowest indices
+ *   (an ordered block scan) until K are taken; the K keys are then sorted
+ *   (bitonic, shared memory) and written as sel, then -1.  n_valid <= K:
+ *   every valid entry, sorted.
+ *
+ * No host synchronisation, scratch from the backend only (graph-safe);
+ * deterministic, each row's picks depend on its own inputs only.
+ */
+#include "kernels/cuda/fast_mma.cuh"
+
+#include <string.h>
+
+#define FI_THREADS 256
+#define FI_NK 64              /* keys per tile */
+#define FI_KLD (128 + 8)      /* bf16 row stride of the key tile */
+#define FI_TLD (FI_NK + 8)    /* float row stride of the dot tile */
+#define FI_MAX_HEADS 64
+#define FI_SEL_THREADS 512
+#define FI_MAX_K 2048
+
+struct fi_args {
+    float *scores;            /* (T, cap) */
+    const float *q, *w, *keys;
+    const int32_t *pages, *slot, *pos;
+    int T, nh, cap, ratio, ref, kt;   /* kt: key tiles per CTA */
+};
+
+static __device__ __forceinline__ int
+fi_n_valid(const int32_t *pos, int t, int ratio, int cap)
+{
+    int n = (pos[t] + 1) / ratio;
+
+    return n < cap ? n : cap;
+}
+
+/*
+ * Exactness facts of 4 values, merged over a warp: x = M (values < 2^M),
+ * y = L (nonzero values >= 2^L), z = flags (1: some value is not a finite
+ * bf16; 2: some value is nonzero).
+ */
+static __device__ __forceinline__ int3
+fi_stats(float4 v)
+{
+    int3 s = make_int3(-1000, 1000, 0);
+    float e[4] = { v.x, v.y, v.z, v.w };
+
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint32_t b = __float_as_uint(e[i]);
+        int E = (int)((b >> 23) & 0xffu);
+        uint32_t m = b & 0x7fffffu;
+
+        if ((b & 0xffffu) != 0 || E == 0xff)
+            s.z |= 1;
+        if ((b & 0x7fffffffu) == 0)
+            continue;
+        s.z |= 2;
+        s.x = max(s.x, E == 0 ? -126 : E - 126);
+        s.y = min(s.y, E == 0 ? -149 + __ffs(m) - 1 : E - 150 + __ffs(m | 0x800000u) - 1);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+        s.x = max(s.x, __shfl_xor_sync(0xffffffffu, s.x, o));
+        s.y = min(s.y, __shfl_xor_sync(0xffffffffu, s.y, o));
+        s.z |= __shfl_xor_sync(0xffffffffu, s.z, o);
+    }
+    return s;
+}
+
+/* Whether the tensor-core dot of q (stats a) and k (stats b) is the exact
+ * path's (see the file comment). */
+static __device__ __forceinline__ int
+fi_exact(int3 a, int3 b, int ref)
+{
+    if ((a.z | b.z) & 1)
+        return 0;
+    if (!(a.z & 2) || !(b.z & 2) || !ref)
+        return 1;   /* a zero vector: both give 0 */
+    return a.x + 7 + b.x - (a.y + b.y) <= 24 && a.y + b.y >= -126;
+}
+
+/* cpu_dot(q, k, 128): 8 lane sums in order, added l+4, +2, +1. */
+static __device__ float
+fi_dot_ref(const float *q, const float *k)
+{
+    float s[8];
+
+#pragma unroll
+    for (int l = 0; l < 8; l++)
+        s[l] = 0.0f;
+    for (int i = 0; i < 128; i += 8)
+#pragma unroll
+        for (int l = 0; l < 8; l++)
+            s[l] += q[i + l] * k[i + l];
+#pragma unroll
+    for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+        for (int l = 0; l < w; l++)
+            s[l] += s[l + w];
+    return s[0];
+}
+
+/* Shared memory of fi_score_kernel<R>. */
+static __host__ __device__ __forceinline__ size_t
+fi_smem_bytes(int R)
+{
+    return (size_t)FI_NK * FI_KLD * 2                  /* key tile, bf16 */
+           + (size_t)R * FI_MAX_HEADS * FI_TLD * 4     /* dots */
+           + (size_t)R * FI_MAX_HEADS * (4 + 16)       /* w, q stats */
+           + (size_t)FI_NK * 16                        /* key stats */
+           + (size_t)FI_NK * sizeof(void *);           /* key rows */
+}
+
+/*
+ * grid (ceil(T / R), ceil(cap / (kt * 64))).  R * 4 m-tiles of 16 heads:
+ * R >= 2: R / 2 m-tiles per warp, all 8 n-tiles; R == 1: one m-tile per two
+ * warps, 4 n-tiles each.
+ */
+template <int R>
+static __global__ void __launch_bounds__(FI_THREADS, 1)
+fi_score_kernel(struct fi_args a)
+{
+    constexpr int MTW = R >= 2 ? R / 2 : 1, WPM = R >= 2 ? 1 : 2, NTW = 8 / WPM;
+    extern __shared__ __align__(16) unsigned char fi_sm[];
+    uint16_t *kb = (uint16_t *)fi_sm;
+    float *dt = (float *)(kb + FI_NK * FI_KLD);
+    float *ws = dt + R * FI_MAX_HEADS * FI_TLD;
+    int4 *qs = (int4 *)(ws + R * FI_MAX_HEADS);
+    int4 *ks = qs + R * FI_MAX_HEADS;
+    const float **krow = (const float **)(ks + FI_NK);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    int t0 = blockIdx.x * R, e_beg = blockIdx.y * a.kt * FI_NK;
+    int same = 1, n_pass;
+
+    for (int r = 1; r < R; r++)
+        if (t0 + r < a.T && a.slot[t0 + r] != a.slot[t0])
+            same = 0;
+    n_pass = same ? 1 : R;
+    for (int pass = 0; pass < n_pass; pass++) {
+        /* rows of this pass: all (same slot) or row `pass` alone */
+        int act[R], nv[R], nvmax = 0, s;
+        uint32_t qa[MTW][8][4];
+
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            act[r] = t0 + r < a.T && (same || r == pass);
+            nv[r] = act[r] ? fi_n_valid(a.pos, t0 + r, a.ratio, a.cap) : 0;
+            nvmax = max(nvmax, nv[r]);
+        }
+        if (e_beg >= nvmax)
+            continue;   /* uniform over the block */
+        s = a.slot[t0 + (same ? 0 : pass)];
+
+        /* q stats and w of the active rows */
+        for (int i = warp; i < R * FI_MAX_HEADS; i += FI_THREADS / 32) {
+            int r = i / FI_MAX_HEADS, h = i % FI_MAX_HEADS;
+
+            if (!act[r] || h >= a.nh)
+                continue;
+            {
+                const float *qr = a.q + ((int64_t)(t0 + r) * a.nh + h) * 128;
+                int3 st = fi_stats(*(const float4 *)(qr + lane * 4));
+
+                if (lane == 0) {
+                    qs[i] = make_int4(st.x, st.y, st.z, 0);
+                    ws[i] = a.w[(int64_t)(t0 + r) * a.nh + h];
+                }
+            }
+        }
+        /* Q fragments: m-tile mi = row mi / 4, heads (mi % 4) * 16 .. */
+#pragma unroll
+        for (int j = 0; j < MTW; j++) {
+            int mi = R >= 2 ? warp * MTW + j : warp / 2, r = mi / 4;
+
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                int h = (mi % 4) * 16 + g + 8 * hh;
+                int ok = act[r] && h < a.nh;
+                const float *qr = a.q + ((int64_t)(t0 + r) * a.nh + (ok ? h : 0)) * 128 + 2 * q4;
+
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    float2 lo = ok ? *(const float2 *)(qr + 16 * k) : make_float2(0.f, 0.f);
+                    float2 hi = ok ? *(const float2 *)(qr + 16 * k + 8) : make_float2(0.f, 0.f);
+
+                    qa[j][k][hh] = fa_pack(lo.x, lo.y);
+                    qa[j][k][2 + hh] = fa_pack(hi.x, hi.y);
+                }
+            }
+        }
+
+        for (int kt = 0; kt < a.kt; kt++) {
+            int e0 = e_beg + kt * FI_NK;
+
+            if (e0 >= nvmax)
+                break;   /* uniform */
+            __syncthreads();   /* the previous tile's readers are done */
+            /* key tile: warp w loads keys w*8 .. w*8+7, one float4 per lane */
+            for (int j = warp; j < FI_NK; j += FI_THREADS / 32) {
+                int e = e0 + j;
+                const float *kr = e < nvmax
+                    ? a.keys + cu_pool_row(a.pages, a.cap, s, e) * 128 : NULL;
+                float4 v = kr != NULL ? *(const float4 *)(kr + lane * 4)
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+                int3 st = fi_stats(v);
+
+                *(uint2 *)(kb + j * FI_KLD + lane * 4) =
+                    make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+                if (lane == 0) {
+                    ks[j] = make_int4(st.x, st.y, st.z, 0);
+                    krow[j] = kr;
+                }
+            }
+            __syncthreads();
+            /* dots: this warp's m-tiles x n-tiles, K = 128 */
+            {
+                float acc[MTW][NTW][4];
+                int n0 = R >= 2 ? 0 : (warp % 2) * NTW;
+
+#pragma unroll
+                for (int j = 0; j < MTW; j++)
+#pragma unroll
+                    for (int n = 0; n < NTW; n++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            acc[j][n][i] = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NTW; n++)
+#pragma unroll
+                    for (int k = 0; k < 8; k += 2) {
+                        uint32_t b[4];
+
+                        fa_ldsm_x4(b, kb + ((n0 + n) * 8 + (lane & 7)) * FI_KLD + 16 * k +
+                                          (lane >> 3) * 8);
+#pragma unroll
+                        for (int j = 0; j < MTW; j++) {
+                            fk_mma_bf16(acc[j][n], qa[j][k][0], qa[j][k][1], qa[j][k][2],
+                                        qa[j][k][3], b[0], b[1]);
+                            fk_mma_bf16(acc[j][n], qa[j][k + 1][0], qa[j][k + 1][1],
+                                        qa[j][k + 1][2], qa[j][k + 1][3], b[2], b[3]);
+                        }
+                    }
+#pragma unroll
+                for (int j = 0; j < MTW; j++) {
+                    int mi = R >= 2 ? warp * MTW + j : warp / 2;
+                    /* dot tile row = r * 64 + head */
+                    float *d = dt + ((mi / 4) * FI_MAX_HEADS + (mi % 4) * 16 + g) * FI_TLD;
+
+#pragma unroll
+                    for (int n = 0; n < NTW; n++) {
+                        int c = (n0 + n) * 8 + 2 * q4;
+
+                        *(float2 *)(d + c) = make_float2(acc[j][n][0], acc[j][n][1]);
+                        *(float2 *)(d + 8 * FI_TLD + c) = make_float2(acc[j][n][2], acc[j][n][3]);
+                    }
+                }
+            }
+            __syncthreads();
+            /* scores: one thread per (row, key), heads in order */
+            for (int i = threadIdx.x; i < R * FI_NK; i += FI_THREADS) {
+                int r = i / FI_NK, j = i % FI_NK, e = e0 + j, t = t0 + r;
+                float acc = 0.0f;
+                int3 kst;
+
+                if (!act[r] || e >= nv[r])
+                    continue;
+                kst = make_int3(ks[j].x, ks[j].y, ks[j].z);
+                for (int h = 0; h < a.nh; h++) {
+                    int4 q = qs[r * FI_MAX_HEADS + h];
+                    float wv = ws[r * FI_MAX_HEADS + h];
+                    float dot = fi_exact(make_int3(q.x, q.y, q.z), kst, a.ref)
+                        ? dt[(r * FI_MAX_HEADS + h) * FI_TLD + j]
+                        : fi_dot_ref(a.q + ((int64_t)t * a.nh + h) * 128, krow[j]);
+
+                    if (a.ref) {
+                        dot = cu_bf16_round(dot);
+                        acc += cu_bf16_round((dot > 0.0f ? dot : 0.0f) * wv);
+                    } else {
+                        acc += (dot > 0.0f ? dot : 0.0f) * wv;
+                    }
+                }
+                a.scores[(int64_t)t * a.cap + e] = a.ref ? cu_bf16_round(acc) : acc;
+            }
+        }
+        __syncthreads();   /* before the next pass rewrites qs / ws */
+    }
+}
+
+/* --- top-k ------------------------------------------------------------------------- */
+
+/* The 32-bit score part of cu_rank_key: ascending = better. */
+static __device__ __forceinline__ uint32_t
+fi_ukey(float s)
+{
+    return (uint32_t)(cu_rank_key(s, 0) >> 32);
+}
+
+/*
+ * Block-wide exclusive scan of flag f (0/1): this thread's rank among the
+ * flagged threads and (in *total) their count.  Every thread calls it;
+ * wsum: FI_SEL_THREADS / 32 ints of shared memory.
+ */
+static __device__ __forceinline__ int
+fi_scan(int f, int *wsum, int *total)
+{
+    unsigned bal = __ballot_sync(0xffffffffu, f);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int rank = __popc(bal & ((1u << lane) - 1u)), off = 0, tot = 0;
+
+    if (lane == 0)
+        wsum[warp] = __popc(bal);
+    __syncthreads();
+    for (int w = 0; w < FI_SEL_THREADS / 32; w++) {
+        off += w < warp ? wsum[w] : 0;
+        tot += wsum[w];
+    }
+    __syncthreads();
+    *total = tot;
+    return off + rank;
+}
+
+/* One CTA per row: sel[t, :] from scores[t, 0..n_valid). kpad: power of two >= K. */
+static __global__ void __launch_bounds__(FI_SEL_THREADS)
+fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap, int ratio,
+                 int K, int kpad)
+{
+    extern __shared__ unsigned long long fs_keys[];
+    __shared__ int hist[256], wsum[FI_SEL_THREADS / 32];
+    __shared__ int s_bin, s_before, s_lt;
+    int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap), kk = min(K, nv);
+    const float *sc = scores + (int64_t)t * cap;
+
+    if (nv > K) {
+        uint32_t prefix = 0, mask = 0;
+        int kleft = K, need, eq_base = 0;
+
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int i = threadIdx.x; i < 256; i += FI_SEL_THREADS)
+                hist[i] = 0;
+            __syncthreads();
+            for (int i = threadIdx.x; i < nv; i += FI_SEL_THREADS) {
+                uint32_t u = fi_ukey(sc[i]);
+
+                if ((u & mask) == prefix)
+                    atomicAdd(&hist[(u >> shift) & 255u], 1);
+            }
+            __syncthreads();
+            if (threadIdx.x < 32) {
+                int c[8], sum = 0, incl;
+
+                for (int i = 0; i < 8; i++) {
+                    c[i] = hist[threadIdx.x * 8 + i];
+                    sum += c[i];
+                }
+                incl = sum;
+                for (int o = 1; o < 32; o *= 2) {
+                    int v = __shfl_up_sync(0xffffffffu, incl, o);
+
+                    if ((int)threadIdx.x >= o)
+                        incl += v;
+                }
+                if (incl - sum < kleft && kleft <= incl) {
+                    int before = incl - sum;
+
+                    for (int i = 0; i < 8; i++) {
+                        if (kleft <= before + c[i]) {
+                            s_bin = (int)threadIdx.x * 8 + i;
+                            s_before = before;
+                            break;
+                        }
+                        before += c[i];
+                    }
+                }
+            }
+            __syncthreads();
+            prefix |= (uint32_t)s_bin << shift;
+            mask |= 255u << shift;
+            kleft -= s_before;
+            __syncthreads();   /* s_bin / s_before read before the next pass */
+        }
+        /* prefix: the K-th best score key; take the K - kleft better ones and
+         * the kleft lowest-index ones equal to it */
+        need = kleft;
+        if (threadIdx.x == 0)
+            s_lt = 0;
+        __syncthreads();
+        for (int b0 = 0; b0 < nv; b0 += FI_SEL_THREADS) {
+            int i = b0 + threadIdx.x, tot, rk;
+            uint32_t u = i < nv ? fi_ukey(sc[i]) : 0xffffffffu;
+            int eq = i < nv && u == prefix;
+
+            if (i < nv && u < prefix)
+                fs_keys[atomicAdd(&s_lt, 1)] = (unsigned long long)u << 32 | (uint32_t)i;
+            rk = fi_scan(eq, wsum, &tot);
+            if (eq && eq_base + rk < need)
+                fs_keys[K - need + eq_base + rk] = (unsigned long long)u << 32 | (uint32_t)i;
+            eq_base += tot;
+        }
+    } else {
+        for (int i = threadIdx.x; i < nv; i += FI_SEL_THREADS)
+            fs_keys[i] = (unsigned long long)fi_ukey(sc[i]) << 32 | (uint32_t)i;
+    }
+    for (int i = kk + threadIdx.x; i < kpad; i += FI_SEL_THREADS)
+        fs_keys[i] = ~0ull;
+    __syncthreads();
+    /* bitonic sort, ascending */
+    for (int k = 2; k <= kpad; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < kpad; i += FI_SEL_THREADS) {
+                int ixj = i ^ j;
+
+                if (ixj > i) {
+                    unsigned long long x = fs_keys[i], y = fs_keys[ixj];
+
+                    if ((x > y) == ((i & k) == 0)) {
+                        fs_keys[i] = y;
+                        fs_keys[ixj] = x;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    for (int i = threadIdx.x; i < K; i += FI_SEL_THREADS)
+        sel[(int64_t)t * K + i] = i < kk ? (int32_t)(fs_keys[i] & 0xffffffffu) : -1;
+}
+
+/* --- host side ----------------------------------------------------------------------- */
+
+int
+cuda_fast_indexer_ok(const float *q, const float *keys, int nh, int dI, int cap, int K)
+{
+    return cuda_fast_attn_enabled() && dI == 128 && nh >= 1 && nh <= FI_MAX_HEADS && cap >= 1 &&
+           K >= 1 && K <= FI_MAX_K && ((uintptr_t)q & 15u) == 0 &&
+           ((uintptr_t)keys & 15u) == 0;
+}
+
+template <int R>
+static enum dsv4_err
+fi_score_launch(struct dsv4_backend *be, const struct fi_args &a)
+{
+    size_t smem = fi_smem_bytes(R);
+    dim3 grid((unsigned)((a.T + R - 1) / R), (unsigned)((a.cap + a.kt * FI_NK - 1) /
+                                                        (a.kt * FI_NK)));
+
+    CUDA_TRY(cudaFuncSetAttribute(fi_score_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem));
+    fi_score_kernel<R><<<grid, FI_THREADS, smem, cuda_stream(be)>>>(a);
+    CUDA_LAUNCHED("fast indexer scores");
+    return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const float *w,
+                       const float *keys, const int32_t *pages, const int32_t *slot,
+                       const int32_t *pos, int T, int nh, int dI, int cap, int ratio, int K)
+{
+    struct fi_args a;
+    enum dsv4_err e;
+    int kpad = 1;
+
+    (void)dI;
+    memset(&a, 0, sizeof(a));
+    a.scores = (float *)cuda_scratch(be, (size_t)T * cap * sizeof(float));
+    if (a.scores == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fast indexer: no scratch (T=%d cap=%d)", T, cap);
+    a.q = q;
+    a.w = w;
+    a.keys = keys;
+    a.pages = pages;
+    a.slot = slot;
+    a.pos = pos;
+    a.T = T;
+    a.nh = nh;
+    a.cap = cap;
+    a.ratio = ratio;
+    a.ref = be->numerics == DSV4_NUMERICS_REF;
+    if (T >= 32) {
+        a.kt = 4;
+        e = fi_score_launch<4>(be, a);
+    } else {
+        a.kt = 1;
+        e = fi_score_launch<1>(be, a);
+    }
+    if (e != DSV4_OK)
+        return e;
+    while (kpad < K)
+        kpad *= 2;
+    fi_select_kernel<<<(unsigned)T, FI_SEL_THREADS, (size_t)kpad * 8, cuda_stream(be)>>>(
+        sel, a.scores, pos, cap, ratio, K, kpad);
+    CUDA_LAUNCHED("fast indexer top-k");
+    return DSV4_OK;
+}
