@@ -56,6 +56,15 @@
  * (linear, wo_a, moe) at T <= 16.  T = 64 reads the weights of an expert or
  * matrix once per 16 tokens (the fast path's pass size).
  *
+ * Prefill cases (kernels/cuda/fast_gemm.cu, after the decode ones): the FP8
+ * linears pf_wq_a 4096->1024, pf_wq_b 1024->16384 (half of 64x512 per rank),
+ * pf_wkv 4096->512, pf_wo_b 8192->4096, pf_idxq 1024->8192 at T = 32, 128,
+ * 512, 2048, 8192, and pf_moe / pf_parts (moe, and moe_parts with the odd
+ * experts not held) at T = 64, 512, 2048 tokens of random routing (6 of
+ * 256 per token), each checked on 48 sampled rows against the exact op on
+ * those rows (same bounds as above), run twice for determinism, and timed
+ * (TFLOP/s of the products, GB/s of weights + fp32 activations).
+ *
  * Exit status: 0 all ok, 1 a numerical failure, 77 no CUDA device.
  */
 #include <math.h>
@@ -258,7 +267,8 @@ lin_bytes(const struct dsv4_linear *W)
 /* --- one case ------------------------------------------------------------------------------ */
 
 enum op_kind {
-    OP_LINEAR, OP_MOE, OP_GROUPED, OP_NORM, OP_HC_PRE, OP_HC_HEAD, OP_ROUTER, OP_COMPRESS
+    OP_LINEAR, OP_MOE, OP_GROUPED, OP_NORM, OP_HC_PRE, OP_HC_HEAD, OP_ROUTER, OP_COMPRESS,
+    OP_PARTS
 };
 
 #define MAX_OUTS 3
@@ -317,6 +327,9 @@ op_run(struct dsv4_backend *be, const struct op *o, int T)
     case OP_MOE:
         return be->ops->moe(be, o0, o->x, o->ids, o->weights, o->experts, o->shared, T,
                             K_PICKS, 10.0f);
+    case OP_PARTS:
+        return be->ops->moe_parts(be, o0, o->x, o->ids, o->weights, o->experts, o->shared, T,
+                                  K_PICKS, D_MODEL, 10.0f);
     case OP_GROUPED:
         return be->ops->linear_grouped(be, o0, o->x, &o->W, T, o->G);
     case OP_NORM:
@@ -669,6 +682,352 @@ out_f32(const char *tag, void *dev, int w, double bound, double ident)
     return a;
 }
 
+/* Routing of n tokens: k distinct experts per token, positive weights
+ * summing to 1.5. */
+static void
+make_routing(int32_t *ids, float *wts, int n)
+{
+    for (int t = 0; t < n; t++) {
+        float sum = 0;
+
+        for (int j = 0; j < K_PICKS; j++) {
+            int e, dup;
+
+            do {
+                e = (int)(rng_next() % E_EXPERTS);
+                dup = 0;
+                for (int m = 0; m < j; m++)
+                    dup |= ids[t * K_PICKS + m] == e;
+            } while (dup);
+            ids[t * K_PICKS + j] = e;
+            wts[t * K_PICKS + j] = (float)(0.1 + rng_unif());
+            sum += wts[t * K_PICKS + j];
+        }
+        for (int j = 0; j < K_PICKS; j++)
+            wts[t * K_PICKS + j] *= 1.5f / sum;
+    }
+}
+
+/* --- prefill: the tensor-core GEMMs (kernels/cuda/fast_gemm.cu) ------------------- */
+
+/*
+ * Prefill cases (many token rows): the fast op on all T rows, the exact op
+ * on P_SAMPLE of them (spread over T, first and last included: the exact
+ * kernels take each row on its own, so a row's exact value does not depend
+ * on the others, and the exact op at T = 8192 would take minutes).  Checked:
+ * the bounds of the decode cases on the sampled rows, the same bits on a
+ * second run, and (reported, not failed: the op takes another path at small
+ * T, see cuda_fast.h) whether the first P_TIND rows equal those of the
+ * previous T.  Timed as the decode cases (graph of GRAPH_REPS calls);
+ * TFLOP/s counts 2 * rows * N * K of the products the op must do, GB/s the
+ * weights read once plus the fp32 activations in and out.
+ */
+#define P_SAMPLE 48          /* rows (tokens) checked against the exact op */
+#define P_TIND 32            /* first rows compared across T */
+#define P_TMAX 8192          /* linear rows */
+#define P_TMOE 2048          /* moe tokens */
+
+static const int pt_lin[] = { 32, 128, 512, 2048, 8192 };
+static const int pt_moe[] = { 64, 512, 2048 };
+
+/* n = min(T, P_SAMPLE) distinct rows spread over 0 .. T-1 (first and last). */
+static int
+sample_rows(int T, int *rows)
+{
+    int n = T < P_SAMPLE ? T : P_SAMPLE;
+
+    for (int i = 0; i < n; i++)
+        rows[i] = n > 1 ? (int)((int64_t)i * (T - 1) / (n - 1)) : 0;
+    return n;
+}
+
+/* Row rows[i] (w floats) of dev for i < n into host (n, w). */
+static void
+download_rows(struct dsv4_backend *be, float *host, const float *dev, const int *rows, int n,
+              size_t w)
+{
+    for (int i = 0; i < n; i++)
+        TRY("download", be->ops->download(be, host + (size_t)i * w, dev + (size_t)rows[i] * w,
+                                          w * sizeof(float)));
+}
+
+/* What one prefill case compares: the fast op's rows (n, w) against the
+ * exact op's, and two fast runs. */
+struct pf_check {
+    const char *name;
+    int T;
+    double bound, ident;
+    float exact_ms;
+    double flops, bytes;   /* per call */
+};
+
+static void
+pf_report(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o,
+          const struct pf_check *c, const float *fast, const float *again, const float *ref,
+          size_t n, const char *tind, struct tally *ty)
+{
+    struct diff d = { 0, 0, 0, 0 };
+    double rel, tfs, gbs;
+    int det = memcmp(fast, again, n * sizeof(float)) == 0, ok;
+    float ms;
+
+    diff_add(&d, fast, ref, n);
+    rel = d.maxr > 0 ? d.maxd / d.maxr : d.maxd;
+    ok = det && d.maxr > 0 && rel <= c->bound && (double)d.ident / d.n >= c->ident;
+    if (!ok) {   /* the first value out of bounds, for the diagnosis */
+        for (size_t i = 0; i < n; i++)
+            if (!(fabs((double)fast[i] - ref[i]) <= c->bound * d.maxr)) {
+                printf("     %s T=%d: first value out of bounds at %zu: fast %.8g exact %.8g\n",
+                       c->name, c->T, i, fast[i], ref[i]);
+                break;
+            }
+    }
+    ms = time_fast(be, tm, o, c->T);
+    tfs = c->flops / (ms * 1e-3) / 1e12;
+    gbs = c->bytes / (ms * 1e-3) / 1e9;
+    printf("%-4s %-8s T=%-5d out maxrel %.2e (%.1e) ident %5.1f%% (%2.0f%%)  det %s  "
+           "T-indep %s  exact(%d rows) %7.3f ms  fast %9.1f us  %6.1f TFLOP/s  %6.0f GB/s\n",
+           ok ? "ok" : "FAIL", c->name, c->T, rel, c->bound, d.n ? 100.0 * d.ident / d.n : 0.0,
+           100 * c->ident, det ? "yes" : "NO", tind, c->T < P_SAMPLE ? c->T : P_SAMPLE,
+           c->exact_ms, ms * 1e3, tfs, gbs);
+    fflush(stdout);
+    if (ok)
+        ty->ok++;
+    else
+        ty->fail++;
+}
+
+/* The FP8 linear W at every T of pt_lin on x (P_TMAX, K) (host copy xh). */
+static void
+pf_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
+          const struct dsv4_linear *W, float *x, const float *xh, float *out, float *xs,
+          float *outs, struct tally *ty)
+{
+    int N = W->n_out, K = W->n_in, rows[P_SAMPLE], prev_T = 0;
+    size_t nw = (size_t)P_SAMPLE * N;
+    float *fast = malloc(nw * 4), *again = malloc(nw * 4), *ref = malloc(nw * 4);
+    float *first = malloc((size_t)P_TIND * N * 4), *pfirst = malloc((size_t)P_TIND * N * 4);
+    struct op o = { .name = name, .kind = OP_LINEAR, .x = x, .W = *W };
+
+    if (fast == NULL || again == NULL || ref == NULL || first == NULL || pfirst == NULL)
+        exit(1);
+    o.outs[0] = out_f32("out", out, N, BOUND_BF16, IDENT_BF16);
+    o.n_outs = 1;
+    for (size_t i = 0; i < sizeof(pt_lin) / sizeof(pt_lin[0]); i++) {
+        int T = pt_lin[i], n = sample_rows(T, rows);
+        struct pf_check c = { name, T, BOUND_BF16, IDENT_BF16, 0, 2.0 * T * N * K,
+                              (double)lin_bytes(W) + 4.0 * T * (N + K) };
+        const char *tind = "-";
+
+        TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+        TRY("fast linear", be->ops->linear(be, out, x, W, T, 0));
+        download_rows(be, fast, out, rows, n, N);
+        TRY("download", be->ops->download(be, first, out, (size_t)P_TIND * N * 4));
+        TRY("fast linear", be->ops->linear(be, out, x, W, T, 0));
+        download_rows(be, again, out, rows, n, N);
+        if (prev_T > 0)
+            tind = memcmp(first, pfirst, (size_t)P_TIND * N * 4) == 0 ? "yes" : "no (path)";
+        memcpy(pfirst, first, (size_t)P_TIND * N * 4);
+        prev_T = T;
+        /* exact: the sampled rows gathered into xs */
+        for (int j = 0; j < n; j++)
+            TRY("upload", be->ops->upload(be, xs + (size_t)j * K, xh + (size_t)rows[j] * K,
+                                          (size_t)K * 4));
+        TRY("set_kernels", dsv4_cuda_set_kernels(be, 0));
+        TRY("sync", be->ops->sync(be));
+        TRY("timer", dsv4_cuda_timer_start(tm));
+        TRY("exact linear", be->ops->linear(be, outs, xs, W, n, 0));
+        TRY("timer", dsv4_cuda_timer_stop(tm, &c.exact_ms));
+        TRY("download", be->ops->download(be, ref, outs, (size_t)n * N * 4));
+        TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+        pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * N, tind, ty);
+    }
+    free(fast);
+    free(again);
+    free(ref);
+    free(first);
+    free(pfirst);
+}
+
+/*
+ * moe (parts == 0) or moe_parts (parts: experts of odd id not held, as a
+ * rank of an expert-parallel pair of ranks sees them) at every T of pt_moe:
+ * x (P_TMOE, D) with host copy xh, routing ids/wts (P_TMOE, k).
+ */
+static void
+pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
+       const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared, float *x,
+       const float *xh, const int32_t *ids_d, const float *wts_d, const int32_t *ids,
+       const float *wts, size_t per_expert, size_t shared_bytes, struct tally *ty)
+{
+    int rows[P_SAMPLE], w = parts ? (K_PICKS + 1) * D_MODEL : D_MODEL;
+    size_t nw = (size_t)P_SAMPLE * w, ny = ((size_t)P_TMOE * K_PICKS + P_TMOE) * D_MODEL;
+    float *fast = malloc(nw * 4), *again = malloc(nw * 4), *ref = malloc(nw * 4);
+    float *row = malloc((size_t)D_MODEL * 4), *xsh = malloc((size_t)P_SAMPLE * D_MODEL * 4);
+    int32_t *sid = malloc((size_t)P_SAMPLE * K_PICKS * 4);
+    float *swt = malloc((size_t)P_SAMPLE * K_PICKS * 4);
+    float *y = dev_alloc(be, ny * 4), *ys = dev_alloc(be, nw * 4);
+    float *xs = dev_alloc(be, (size_t)P_SAMPLE * D_MODEL * 4);
+    int32_t *sid_d = dev_alloc(be, (size_t)P_SAMPLE * K_PICKS * 4);
+    float *swt_d = dev_alloc(be, (size_t)P_SAMPLE * K_PICKS * 4);
+    struct op o = { .name = parts ? "pf_parts" : "pf_moe", .kind = parts ? OP_PARTS : OP_MOE,
+                    .experts = experts, .shared = shared, .ids = ids_d, .weights = wts_d,
+                    .x = x };
+
+    if (fast == NULL || again == NULL || ref == NULL || row == NULL || xsh == NULL ||
+        sid == NULL || swt == NULL)
+        exit(1);
+    o.outs[0] = out_f32("out", y, D_MODEL, BOUND_MOE, IDENT_MOE);
+    o.n_outs = 1;
+    for (size_t i = 0; i < sizeof(pt_moe) / sizeof(pt_moe[0]); i++) {
+        int T = pt_moe[i], n = sample_rows(T, rows), held = 0;
+        size_t Tk = (size_t)T * K_PICKS;
+        struct pf_check c = { o.name, T, BOUND_MOE, IDENT_MOE, 0, 0, 0 };
+
+        for (size_t r = 0; r < Tk; r++)
+            held += !parts || ids[r] % 2 == 0;
+        c.flops = 6.0 * D_MODEL * I_EXPERT * (double)(held + T);
+        c.bytes = (double)moe_bytes(ids, T, per_expert, 0) / (parts ? 2 : 1) + shared_bytes +
+                  8.0 * T * D_MODEL;
+        /* fast, twice; the sampled tokens' rows (moe: out; parts: k picks + shared) */
+        for (int run = 0; run < 2; run++) {
+            float *dst = run == 0 ? fast : again;
+
+            TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+            TRY("fast moe", op_run(be, &o, T));
+            for (int j = 0; j < n; j++) {
+                const float *src = parts ? y + (size_t)rows[j] * K_PICKS * D_MODEL
+                                         : y + (size_t)rows[j] * D_MODEL;
+
+                TRY("download", be->ops->download(be, dst + (size_t)j * w, src,
+                                                  (size_t)(parts ? K_PICKS : 1) * D_MODEL * 4));
+                if (parts) {
+                    TRY("download", be->ops->download(be, row, y + (Tk + rows[j]) * D_MODEL,
+                                                      (size_t)D_MODEL * 4));
+                    memcpy(dst + (size_t)j * w + (size_t)K_PICKS * D_MODEL, row,
+                           (size_t)D_MODEL * 4);
+                }
+            }
+        }
+        /* exact on the sampled tokens */
+        for (int j = 0; j < n; j++) {
+            memcpy(xsh + (size_t)j * D_MODEL, xh + (size_t)rows[j] * D_MODEL,
+                   (size_t)D_MODEL * 4);
+            memcpy(sid + (size_t)j * K_PICKS, ids + (size_t)rows[j] * K_PICKS, K_PICKS * 4);
+            memcpy(swt + (size_t)j * K_PICKS, wts + (size_t)rows[j] * K_PICKS, K_PICKS * 4);
+        }
+        TRY("upload", be->ops->upload(be, xs, xsh, (size_t)n * D_MODEL * 4));
+        TRY("upload", be->ops->upload(be, sid_d, sid, (size_t)n * K_PICKS * 4));
+        TRY("upload", be->ops->upload(be, swt_d, swt, (size_t)n * K_PICKS * 4));
+        TRY("set_kernels", dsv4_cuda_set_kernels(be, 0));
+        TRY("sync", be->ops->sync(be));
+        TRY("timer", dsv4_cuda_timer_start(tm));
+        if (parts)
+            TRY("exact moe_parts", be->ops->moe_parts(be, ys, xs, sid_d, swt_d, experts, shared,
+                                                     n, K_PICKS, D_MODEL, 10.0f));
+        else
+            TRY("exact moe", be->ops->moe(be, ys, xs, sid_d, swt_d, experts, shared, n,
+                                         K_PICKS, 10.0f));
+        TRY("timer", dsv4_cuda_timer_stop(tm, &c.exact_ms));
+        if (parts) {   /* rows s*k + j, then n*k + s: to the fast layout */
+            for (int j = 0; j < n; j++) {
+                TRY("download", be->ops->download(be, ref + (size_t)j * w,
+                                                  ys + (size_t)j * K_PICKS * D_MODEL,
+                                                  (size_t)K_PICKS * D_MODEL * 4));
+                TRY("download", be->ops->download(
+                                    be, ref + (size_t)j * w + (size_t)K_PICKS * D_MODEL,
+                                    ys + ((size_t)n * K_PICKS + j) * D_MODEL,
+                                    (size_t)D_MODEL * 4));
+            }
+        } else {
+            TRY("download", be->ops->download(be, ref, ys, (size_t)n * D_MODEL * 4));
+        }
+        TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+        pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * w, "-", ty);
+    }
+    be->ops->free(be, y);
+    be->ops->free(be, ys);
+    be->ops->free(be, xs);
+    be->ops->free(be, sid_d);
+    be->ops->free(be, swt_d);
+    free(fast);
+    free(again);
+    free(ref);
+    free(row);
+    free(xsh);
+    free(sid);
+    free(swt);
+}
+
+/* Every prefill case: the FP8 linears of the flash layers at P_TMAX rows,
+ * then moe and moe_parts (half the experts held) on P_TMOE tokens. */
+static void
+prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
+            const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared,
+            size_t per_expert, size_t shared_bytes, struct tally *ty)
+{
+    static const struct {
+        const char *name;
+        int N, K;
+    } lins[] = {
+        { "pf_wq_a", 1024, 4096 },
+        { "pf_wq_b", 16384, 1024 },    /* 64 heads x 512, half per rank of 2 */
+        { "pf_wkv", 512, 4096 },
+        { "pf_wo_b", 4096, 8192 },
+        { "pf_idxq", 8192, 1024 },     /* indexer wq_b: 64 heads x 128 */
+    };
+    size_t nx = (size_t)P_TMAX * 8192;
+    float *xh = host_normals(nx, 1.0f, 1), *x = dev_upload(be, xh, nx * 4);
+    float *out = dev_alloc(be, (size_t)P_TMAX * 16384 * 4);
+    float *xs = dev_alloc(be, (size_t)P_SAMPLE * 8192 * 4);
+    float *outs = dev_alloc(be, (size_t)P_SAMPLE * 16384 * 4);
+    int32_t *ids = malloc((size_t)P_TMOE * K_PICKS * 4);
+    float *wts = malloc((size_t)P_TMOE * K_PICKS * 4);
+    struct dsv4_expert_w *half = malloc(E_EXPERTS * sizeof(*half));
+
+    if (ids == NULL || wts == NULL || half == NULL)
+        exit(1);
+    printf("prefill (fast_gemm.cu): the exact op on %d sampled rows per case; "
+           "T-indep: first %d rows equal to the previous T's (not failed: smaller T may "
+           "take the decode kernels)\n", P_SAMPLE, P_TIND);
+    for (size_t l = 0; l < sizeof(lins) / sizeof(lins[0]); l++) {
+        struct dsv4_linear W = make_fp8(be, lins[l].N, lins[l].K);
+
+        /* x rows are K apart: xh read the same way (rows of K of the same array) */
+        pf_linear(be, tm, lins[l].name, &W, x, xh, out, xs, outs, ty);
+        be->ops->free(be, (void *)(uintptr_t)W.w);
+        be->ops->free(be, (void *)(uintptr_t)W.scale);
+    }
+    be->ops->free(be, out);
+    be->ops->free(be, xs);
+    be->ops->free(be, outs);
+
+    /* moe: x (P_TMOE, D) is the first rows of the same array; routing as the
+     * decode cases; moe_parts: the odd experts held elsewhere */
+    make_routing(ids, wts, P_TMOE);
+    memcpy(half, experts, E_EXPERTS * sizeof(*half));
+    for (int e = 1; e < E_EXPERTS; e += 2)
+        memset(&half[e], 0, sizeof(half[e]));
+    TRY("register experts", dsv4_cuda_experts_register(be, half, E_EXPERTS));
+    {
+        int32_t *ids_d = dev_upload(be, ids, (size_t)P_TMOE * K_PICKS * 4);
+        float *wts_d = dev_upload(be, wts, (size_t)P_TMOE * K_PICKS * 4);
+
+        pf_moe(be, tm, 0, experts, shared, x, xh, ids_d, wts_d, ids, wts, per_expert,
+               shared_bytes, ty);
+        pf_moe(be, tm, 1, half, shared, x, xh, ids_d, wts_d, ids, wts, per_expert,
+               shared_bytes, ty);
+        be->ops->free(be, ids_d);
+        be->ops->free(be, wts_d);
+    }
+    dsv4_cuda_experts_release(be, half);
+    be->ops->free(be, x);
+    free(half);
+    free(ids);
+    free(wts);
+    free(xh);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -783,25 +1142,7 @@ main(int argc, char **argv)
     wts = malloc((size_t)T_MAX * K_PICKS * sizeof(float));
     if (ids == NULL || wts == NULL)
         return 1;
-    for (int t = 0; t < T_MAX; t++) {
-        float sum = 0;
-
-        for (int j = 0; j < K_PICKS; j++) {
-            int e, dup;
-
-            do {
-                e = (int)(rng_next() % E_EXPERTS);
-                dup = 0;
-                for (int m = 0; m < j; m++)
-                    dup |= ids[t * K_PICKS + m] == e;
-            } while (dup);
-            ids[t * K_PICKS + j] = e;
-            wts[t * K_PICKS + j] = (float)(0.1 + rng_unif());
-            sum += wts[t * K_PICKS + j];
-        }
-        for (int j = 0; j < K_PICKS; j++)
-            wts[t * K_PICKS + j] *= 1.5f / sum;
-    }
+    make_routing(ids, wts, T_MAX);
     {
         struct op o = { .name = "moe", .kind = OP_MOE, .bw = 1, .experts = experts,
                         .shared = &shared, .x = x };
@@ -922,6 +1263,8 @@ main(int argc, char **argv)
         run_all(be, tm, &o, (size_t)r * c * d * 4, (2 * per_slot + 2 * (size_t)c * d) * 4, 0,
                 &ty);
     }
+
+    prefill_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
 
     printf("summary: %d ok, %d failed; mean share of peak bandwidth of the weight-streaming "
            "ops at T <= 16: %.2f\n",

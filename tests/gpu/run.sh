@@ -22,8 +22,9 @@
 #      --backend cuda, and dsv4-decode --synthetic-weights start-up with
 #      its STATUS= lines.
 #   7. optional, when tests/bench_fast is packed: the fast decode kernels
-#      against the exact ones and their speed (tests/gpu/bench_fast.c), log
-#      in $OUT/fast.log; a numerical failure there fails the script.
+#      and the prefill GEMMs against the exact ones and their speed
+#      (tests/gpu/bench_fast.c), log in $OUT/fast.log; a numerical failure
+#      there fails the script.
 #   8. when tests/model/test_hf is packed: the CUDA backend against the
 #      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
 #      widths, made here); the `small` preset, STEPS_SMALL (300) decode
@@ -222,7 +223,7 @@ fi
 
 fast_rc=skipped
 if command -v bench_fast > /dev/null; then
-    timeout 300 bench_fast > "$OUT/fast.log" 2>&1
+    timeout 540 bench_fast > "$OUT/fast.log" 2>&1
     fast_rc=$?
 fi
 
@@ -262,7 +263,7 @@ if [ "$cipc_rc" != skipped ]; then
 fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
-    grep -E "^(FAIL|summary|bench_fast)" "$OUT/fast.log"
+    grep -E "^(FAIL|summary|bench_fast|prefill)|^ok +pf_|first value out" "$OUT/fast.log"
 fi
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
