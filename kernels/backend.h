@@ -90,6 +90,20 @@ struct dsv4_backend_ops {
     enum dsv4_err (*upload)(struct dsv4_backend *be, void *dst, const void *src, size_t n);
     enum dsv4_err (*download)(struct dsv4_backend *be, void *dst, const void *src, size_t n);
     enum dsv4_err (*copy)(struct dsv4_backend *be, void *dst, const void *src, size_t n);
+    /*
+     * n backend -> backend copies in one call: dst[i][0, bytes[i]) =
+     * src[i][0, bytes[i]) for i < n.  dst, src, bytes: host arrays of n
+     * (backend pointers, any alignment; bytes[i] may be 0); no destination
+     * may overlap another piece's source or destination.  The arrays may be
+     * reused when the call returns.  CUDA: the table goes to the device in
+     * one copy and one kernel moves every piece (instead of one
+     * cudaMemcpyAsync each; DSV4_CUDA_COPY_BATCH=memcpy selects those); the
+     * call may wait for its previous call's table upload, and must not be
+     * recorded into a graph (DSV4_ERR_NOTSUP while recording).  Used by the
+     * decode-state export / import to and from CUDA IPC regions.
+     */
+    enum dsv4_err (*copy_batch)(struct dsv4_backend *be, int n, void *const *dst,
+                                const void *const *src, const size_t *bytes);
     /* Wait for all queued work. */
     enum dsv4_err (*sync)(struct dsv4_backend *be);
 

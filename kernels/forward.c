@@ -1172,7 +1172,8 @@ state_fingerprint(const struct dsv4_model *m)
 
 /* What state_walk does with each array of a slot's state.  The buffer is
  * host memory for EXPORT/IMPORT and backend memory for the _DEV directions
- * (a CUDA IPC region), where each array is one device-to-device copy. */
+ * (a CUDA IPC region), where the arrays are gathered (struct state_batch)
+ * and moved by one copy_batch call. */
 enum state_dir {
     STATE_SIZE,         /* count bytes only */
     STATE_EXPORT,       /* backend -> host buffer */
@@ -1181,11 +1182,55 @@ enum state_dir {
     STATE_IMPORT_DEV,   /* backend buffer -> backend */
 };
 
+/* The device-to-device pieces of a _DEV walk (host arrays of n). */
+struct state_batch {
+    int n, cap;
+    void **dst;
+    const void **src;
+    size_t *bytes;
+};
+
+/* Queue the copy dst <- src of n bytes; a piece that continues the last one
+ * on both sides (consecutive pages) extends it. */
+static enum dsv4_err
+state_batch_add(struct state_batch *b, void *dst, const void *src, size_t n)
+{
+    int k = b->n - 1;
+
+    if (k >= 0 && (char *)b->dst[k] + b->bytes[k] == (char *)dst &&
+        (const char *)b->src[k] + b->bytes[k] == (const char *)src) {
+        b->bytes[k] += n;
+        return DSV4_OK;
+    }
+    if (b->n == b->cap) {
+        int cap = b->cap ? 2 * b->cap : 256;
+        void **d = realloc(b->dst, (size_t)cap * sizeof(*d));
+        const void **s;
+        size_t *z;
+
+        if (d != NULL)
+            b->dst = d;
+        s = d != NULL ? realloc(b->src, (size_t)cap * sizeof(*s)) : NULL;
+        if (s != NULL)
+            b->src = s;
+        z = s != NULL ? realloc(b->bytes, (size_t)cap * sizeof(*z)) : NULL;
+        if (z == NULL)
+            return dsv4_err_set(DSV4_ERR_NOMEM, "state: out of memory");
+        b->bytes = z;
+        b->cap = cap;
+    }
+    b->dst[b->n] = dst;
+    b->src[b->n] = src;
+    b->bytes[b->n] = n;
+    b->n++;
+    return DSV4_OK;
+}
+
 /* One array of `nfloats` at `dev`: copy it in direction `dir` at *buf
- * (advanced past it) and add its bytes to *bytes. */
+ * (advanced past it; _DEV: queued into sb) and add its bytes to *bytes. */
 static enum dsv4_err
 state_part(const struct dsv4_model *m, enum state_dir dir, float *dev, int64_t nfloats,
-           char **buf, size_t *bytes)
+           char **buf, size_t *bytes, struct state_batch *sb)
 {
     const struct dsv4_backend_ops *ops = m->be->ops;
     size_t n = (size_t)nfloats * sizeof(float);
@@ -1202,10 +1247,10 @@ state_part(const struct dsv4_model *m, enum state_dir dir, float *dev, int64_t n
             e = ops->upload(m->be, dev, *buf, n);
             break;
         case STATE_EXPORT_DEV:
-            e = ops->copy(m->be, *buf, dev, n);
+            e = state_batch_add(sb, *buf, dev, n);
             break;
         case STATE_IMPORT_DEV:
-            e = ops->copy(m->be, dev, *buf, n);
+            e = state_batch_add(sb, dev, *buf, n);
             break;
         }
     }
@@ -1219,14 +1264,14 @@ state_part(const struct dsv4_model *m, enum state_dir dir, float *dev, int64_t n
  * page, as one array (state_part). */
 static enum dsv4_err
 state_paged(const struct dsv4_model *m, enum state_dir dir, const struct page_pool *pg,
-            float *pool, int s, int n, int d, char **buf, size_t *bytes)
+            float *pool, int s, int n, int d, char **buf, size_t *bytes, struct state_batch *sb)
 {
     for (int e0 = 0; e0 < n; e0 += P) {
         int k = n - e0 < P ? n - e0 : P;
         float *rows = dir == STATE_SIZE ? NULL
                                         : pool + dsv4_pool_row(pg->h_pt, pg->cap, s, e0) * d;
 
-        TRY(state_part(m, dir, rows, (int64_t)k * d, buf, bytes));
+        TRY(state_part(m, dir, rows, (int64_t)k * d, buf, bytes, sb));
     }
     return DSV4_OK;
 }
@@ -1235,33 +1280,52 @@ state_paged(const struct dsv4_model *m, enum state_dir dir, const struct page_po
  * Walk slot `slot`'s state for a sequence of `len` tokens in the export
  * order (per layer: ring, compressed entries up to len/r, compressor states;
  * indexer keys up to len/4 and the indexer compressor states), counting the
- * bytes into *bytes and copying each array per `dir` at `buf`.
+ * bytes into *bytes and copying each array per `dir` at `buf` (_DEV:
+ * queueing it into sb).
  */
 static enum dsv4_err
-state_walk(const struct dsv4_model *m, int slot, int len, enum state_dir dir, char *buf,
-           size_t *bytes)
+state_pieces(const struct dsv4_model *m, int slot, int len, enum state_dir dir, char *buf,
+             size_t *bytes, struct state_batch *sb)
 {
     *bytes = 0;
     for (int l = 0; l < m->n_layers; l++) {
         const struct layer_state *ls = &m->L[l];
         int64_t ring = (int64_t)m->win * m->Dh;
 
-        TRY(state_part(m, dir, ls->ring + slot * ring, ring, &buf, bytes));
+        TRY(state_part(m, dir, ls->ring + slot * ring, ring, &buf, bytes, sb));
         if (ls->ratio) {
             int r = ls->ratio, cc = r == 4 ? 2 : 1;
             int64_t st = (int64_t)cc * r * cc * m->Dh;
-            TRY(state_paged(m, dir, ls->pg, ls->comp, slot, len / r, m->Dh, &buf, bytes));
-            TRY(state_part(m, dir, ls->st_kv + slot * st, st, &buf, bytes));
-            TRY(state_part(m, dir, ls->st_z + slot * st, st, &buf, bytes));
+            TRY(state_paged(m, dir, ls->pg, ls->comp, slot, len / r, m->Dh, &buf, bytes, sb));
+            TRY(state_part(m, dir, ls->st_kv + slot * st, st, &buf, bytes, sb));
+            TRY(state_part(m, dir, ls->st_z + slot * st, st, &buf, bytes, sb));
         }
         if (ls->ratio == 4) {
             int64_t st = (int64_t)8 * 2 * m->dI;
-            TRY(state_paged(m, dir, ls->pg, ls->keys, slot, len / 4, m->dI, &buf, bytes));
-            TRY(state_part(m, dir, ls->ist_kv + slot * st, st, &buf, bytes));
-            TRY(state_part(m, dir, ls->ist_z + slot * st, st, &buf, bytes));
+            TRY(state_paged(m, dir, ls->pg, ls->keys, slot, len / 4, m->dI, &buf, bytes, sb));
+            TRY(state_part(m, dir, ls->ist_kv + slot * st, st, &buf, bytes, sb));
+            TRY(state_part(m, dir, ls->ist_z + slot * st, st, &buf, bytes, sb));
         }
     }
     return DSV4_OK;
+}
+
+/* state_pieces, then (_DEV directions) one copy_batch of all the pieces. */
+static enum dsv4_err
+state_walk(const struct dsv4_model *m, int slot, int len, enum state_dir dir, char *buf,
+           size_t *bytes)
+{
+    struct state_batch sb;
+    enum dsv4_err e;
+
+    memset(&sb, 0, sizeof(sb));
+    e = state_pieces(m, slot, len, dir, buf, bytes, &sb);
+    if (e == DSV4_OK && sb.n > 0)
+        e = m->be->ops->copy_batch(m->be, sb.n, sb.dst, sb.src, sb.bytes);
+    free(sb.dst);
+    free(sb.src);
+    free(sb.bytes);
+    return e;
 }
 
 size_t

@@ -173,8 +173,9 @@ enum dsv4_err dsv4_model_state_import(struct dsv4_model *m, int slot, const void
 /*
  * The same as dsv4_model_state_export / _import with the buffer in backend
  * memory (a CUDA IPC region, docs/gpu.md "Decode-state handoff over CUDA
- * IPC"): the same byte layout, but every array is a device-to-device copy
- * (backend op `copy`) and only the header passes through the host.  On the
+ * IPC"): the same byte layout, but the arrays move device to device, all
+ * of them in one backend copy_batch call (one kernel on CUDA), and only the
+ * header passes through the host.  On the
  * CPU backend backend memory is host memory and these equal the host
  * versions.  dev_buf must be device memory the backend's copy op can read or
  * write (its own allocation, or another process's mapped through CUDA IPC);

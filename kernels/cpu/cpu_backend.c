@@ -323,6 +323,19 @@ cpu_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16_
 }
 
 static enum dsv4_err
+cpu_copy_batch(struct dsv4_backend *be, int n, void *const *dst, const void *const *src,
+               const size_t *bytes)
+{
+    (void)be;
+    if (n < 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "copy_batch: %d pieces", n);
+    for (int i = 0; i < n; i++)
+        if (bytes[i] > 0)
+            memcpy(dst[i], src[i], bytes[i]);
+    return DSV4_OK;
+}
+
+static enum dsv4_err
 cpu_copy2d(struct dsv4_backend *be, float *dst, int64_t dst_ld, const float *src, int64_t src_ld,
            int rows, int cols)
 {
@@ -341,6 +354,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .upload = cpu_memcpy,
     .download = cpu_memcpy,
     .copy = cpu_memcpy,
+    .copy_batch = cpu_copy_batch,
     .sync = cpu_sync,
     .fill = cpu_fill,
     .scatter_rows = cpu_scatter_rows,

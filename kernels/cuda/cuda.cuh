@@ -65,6 +65,11 @@ struct cuda_state {
     int fast_kernels;                   /* dsv4_cuda_set_kernels: the ops with
                                            a fast version (fast_*.cu) use it
                                            where it applies (0 = exact) */
+    void *batch_host;                   /* copy_batch (cuda_copy.cu): pinned
+                                           staging of the piece table */
+    size_t batch_bytes;
+    cudaEvent_t batch_ev;               /* recorded after the table's upload
+                                           (NULL until the first call) */
 };
 
 static inline struct cuda_state *
@@ -563,6 +568,12 @@ enum dsv4_err cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, cons
                                      const float *w, const float *keys, const int32_t *pages,
                                      const int32_t *slot, const int32_t *pos, int T, int nh,
                                      int dI, int cap, int ratio, int K);
+
+/* cuda_copy.cu: the copy_batch op (backend.h) and the release of its
+ * staging at destroy. */
+enum dsv4_err cuda_copy_batch(struct dsv4_backend *be, int n, void *const *dst,
+                              const void *const *src, const size_t *bytes);
+void cuda_copy_fini(struct dsv4_backend *be);
 
 /* cuda_sample.cu */
 enum dsv4_err cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,

@@ -113,6 +113,7 @@ cuda_destroy(struct dsv4_backend *be)
     struct cuda_state *st = cuda_st(be);
 
     cudaStreamSynchronize(st->stream);
+    cuda_copy_fini(be);
     cudaFree(st->scratch);
     for (int i = 0; i < st->n_retired; i++)
         cudaFree(st->retired[i]);
@@ -379,6 +380,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_upload,
     cuda_download,
     cuda_copy,
+    cuda_copy_batch,
     cuda_sync,
     cuda_fill,
     cuda_scatter_rows,
