@@ -11,7 +11,11 @@
  * for the linears, a tree for the reductions of rms_norm and hc), so they
  * differ from the exact path by rounding only (and the router's picks at
  * near ties); they are deterministic (same inputs, same bits, whatever T
- * and the other rows).
+ * and the other rows), except that the linear and the moe switch to the
+ * prefill GEMMs (kernels/cuda/fast_gemm.cu) at larger T, which sum in
+ * another order: a row may differ in the last bit on the two sides of that
+ * switch (never within one side).  DSV4_CUDA_GEMM=off keeps the decode
+ * kernels at every T.
  *
  * C-callable; only in builds with CUDA (DSV4_HAVE_CUDA).
  */
@@ -30,13 +34,17 @@ extern "C" {
  * fast != 0: these ops use the fast kernels where they apply, the exact
  * kernels elsewhere:
  *   linear  FP8 weights under REF numerics (n_out % 32 == 0), BF16 weights
- *           (n_out % 16 == 0); n_in % 128 == 0; weights 16-byte aligned;
+ *           (n_out % 16 == 0); n_in % 128 == 0; weights 16-byte aligned
+ *           (FP8 with n_out % 128 == 0 at T > 16: the prefill GEMM where a
+ *           cost model of T, N, K prefers it);
  *   linear_grouped  FP8 weights, n_in % 128 == 0, rows per group % 32 == 0,
  *           weights 16-byte aligned;
- *   moe     REF numerics, T <= 96, 1 <= k <= 64, FP4 routed experts and an
+ *   moe     REF numerics, 1 <= k <= 64, FP4 routed experts and an
  *           FP8 shared expert, D and I multiples of 128, and an
  *           expert array registered with the backend (as
- *           dsv4_cuda_weights_upload does, or dsv4_cuda_experts_register);
+ *           dsv4_cuda_weights_upload does, or dsv4_cuda_experts_register):
+ *           the decode kernel at T <= 96, the prefill GEMM above (FP4
+ *           scales 4-byte aligned, at most 4096 experts); moe_parts too;
  *   rms_norm, router  always;
  *   hc_pre  n <= 4 streams; hc_head  n <= 5.
  * fast == 0 (the default): exact kernels everywhere.  Takes effect for ops
