@@ -40,6 +40,13 @@
 #      (8192) tokens, flash widths cut to 2 layers, two GPUs when present):
 #      export/import times and bit-identical decode (tests/gpu/
 #      test_kv_cudaipc.c); log in $OUT/kv_cudaipc.log.
+#  12. optional, when tests/bench_attn is packed: the fast attention and
+#      indexer_topk against the exact ones and their speed, decode and
+#      prefill shapes (tests/gpu/bench_attn.c; ATTN_QUICK=1: no 8192-row
+#      cases), log in $OUT/attn.log; a failure fails the script.  With
+#      PREFILL_LAYERS=N (and tests/test_decode_gpu packed) also the
+#      whole-prefill timing `test_decode_gpu prefill N PREFILL_T` (default
+#      2048 tokens), exact vs fast kernels, log in $OUT/prefill.log.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -221,6 +228,24 @@ if command -v test_kv_cudaipc > /dev/null; then
     [ "$cipc_rc" = 77 ] && cipc_rc=skipped
 fi
 
+# 12. fast attention and indexer (optional: when packed)
+attn_rc=skipped
+if command -v bench_attn > /dev/null; then
+    if [ "${ATTN_QUICK:-0}" = 1 ]; then
+        timeout 500 bench_attn "$SEED" quick > "$OUT/attn.log" 2>&1
+    else
+        timeout 500 bench_attn "$SEED" > "$OUT/attn.log" 2>&1
+    fi
+    attn_rc=$?
+    [ "$attn_rc" = 77 ] && attn_rc=skipped
+fi
+prefill_rc=skipped
+if [ -n "${PREFILL_LAYERS:-}" ] && command -v test_decode_gpu > /dev/null; then
+    timeout 500 test_decode_gpu prefill "$PREFILL_LAYERS" "${PREFILL_T:-2048}" \
+        > "$OUT/prefill.log" 2>&1
+    prefill_rc=$?
+fi
+
 fast_rc=skipped
 if command -v bench_fast > /dev/null; then
     timeout 540 bench_fast > "$OUT/fast.log" 2>&1
@@ -265,6 +290,16 @@ if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
     grep -E "^(FAIL|summary|bench_fast|prefill)|^ok +pf_|first value out" "$OUT/fast.log"
 fi
+if [ "$attn_rc" != skipped ]; then
+    echo "bench_attn (fast attention and indexer): exit $attn_rc"
+    grep -E "^(FAIL|ok|PASS|bench_attn)|first" "$OUT/attn.log"
+fi
+if [ "$prefill_rc" != skipped ]; then
+    echo "whole prefill, exact vs fast kernels (exit $prefill_rc):"
+    grep -E "^\||^prefill" "$OUT/prefill.log"
+fi
+[ "$attn_rc" = skipped ] || [ "$attn_rc" = 0 ] || exit 1
+[ "$prefill_rc" = skipped ] || [ "$prefill_rc" = 0 ] || exit 1
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1

@@ -6,6 +6,7 @@
  * usage: test_decode_gpu long CKPT_DIR [STEPS]
  *        test_decode_gpu synth CKPT_DIR [LAYERS [STEPS]]
  *        test_decode_gpu profile LAYERS BATCH
+ *        test_decode_gpu prefill LAYERS T
  *
  * long: five sequences of mixed prompt lengths (150, 61, 9, 130, 2) are
  * prefilled in one call, then decoded for STEPS (default 1000) greedy
@@ -34,6 +35,15 @@
  * --profile-from-start off`: the per-kernel breakdown of docs/perf.md), and
  * the graphed step time.  DSV4_CUDA_KERNELS=fast selects the fast kernels.
  *
+ * prefill: the `flash` widths cut to LAYERS layers with synthetic weights,
+ * one sequence of T tokens prefilled from an empty slot in chunks of 512
+ * tokens and in one call of T, with the exact kernels and with the fast
+ * ones (dsv4_cuda_set_kernels): wall ms per prompt token of each (after a
+ * warm-up prefill), and the last token's greedy pick of every run (fast vs
+ * exact: reported, not checked; the fast kernels differ by rounding).  One
+ * fast prefill in chunks of 512 runs between cudaProfilerStart/Stop (for
+ * `ncu --profile-from-start off`: its per-kernel breakdown).
+ *
  * Exit status: 0 pass, 1 failure, 77 no CUDA device.
  */
 #include <math.h>
@@ -50,6 +60,7 @@
 #include "common/model_config.h"
 #include "common/weights.h"
 #include "kernels/backend.h"
+#include "kernels/cuda_fast.h"
 #include "kernels/cuda_weights.h"
 #include "kernels/forward.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -533,6 +544,85 @@ run_profile(int layers, int batch)
     return 0;
 }
 
+/* --- prefill ---------------------------------------------------------------- */
+
+/* Prefill `T` tokens into empty slot 0 in calls of `chunk`; wall ms per
+ * token; *pick: the greedy pick after the last token. */
+static double
+prefill_run(struct dsv4_model *m, const int32_t *tok, int T, int chunk, int V, float *lg,
+            int *pick)
+{
+    int32_t slot = 0;
+    double t0;
+
+    TRY("seq_reset", dsv4_model_seq_reset(m, 0));
+    cudaDeviceSynchronize();
+    t0 = now_ms();
+    for (int off = 0; off < T; off += chunk) {
+        int32_t n = T - off < chunk ? T - off : chunk;
+        struct dsv4_batch b = { 1, &slot, &n, tok + off };
+
+        TRY("prefill", dsv4_model_forward(m, &b, lg, 0));
+    }
+    cudaDeviceSynchronize();
+    *pick = argmax(lg, V);
+    return (now_ms() - t0) / T;
+}
+
+static int
+run_prefill(int layers, int T)
+{
+    static const char *kname[2] = { "exact", "fast" };
+    struct dsv4_weights fw;
+    struct dsv4_backend *gb = cuda_or_skip(DSV4_NUMERICS_REF);
+    struct dsv4_config cfg;
+    struct dsv4_model *m;
+    struct dsv4_model_opts opts = { 0 };
+    int V, pick[2][2], chunks[2] = { 512, T };
+    double ms[2][2];
+    int32_t *tok;
+    float *lg;
+
+    if (T < 1)
+        return 2;
+    flash_cut(&cfg, layers);
+    TRY("synthetic (flash)", dsv4_cuda_weights_synthetic(gb, &fw, &cfg, 11, NULL));
+    opts.n_slots = 1;
+    opts.max_seq_len = T + 128;
+    opts.max_rows = T;
+    TRY("model", dsv4_model_create(&m, gb, &fw, &opts));
+    V = dsv4_model_vocab(m);
+    tok = malloc((size_t)T * sizeof(*tok));
+    lg = malloc((size_t)V * sizeof(float));
+    if (tok == NULL || lg == NULL)
+        return 1;
+    for (int i = 0; i < T; i++)
+        tok[i] = (int32_t)((i * 2654435761u + 7) % (unsigned)V);
+    for (int k = 0; k < 2; k++) {
+        TRY("set_kernels", dsv4_cuda_set_kernels(gb, k));
+        (void)prefill_run(m, tok, T < 512 ? T : 512, 512, V, lg, &pick[k][0]);   /* warm-up */
+        for (int c = 0; c < 2; c++)
+            ms[k][c] = prefill_run(m, tok, T, chunks[c], V, lg, &pick[k][c]);
+    }
+    TRY("set_kernels", dsv4_cuda_set_kernels(gb, 1));
+    cudaProfilerStart();
+    (void)prefill_run(m, tok, T, 512, V, lg, &pick[1][0]);
+    cudaProfilerStop();
+    for (int k = 0; k < 2; k++)
+        for (int c = 0; c < 2; c++)
+            printf("| prefill | flash widths, %d layers | %d tokens | chunks of %d | %s kernels "
+                   "| %.3f ms per prompt token | %.1f ms in all | last pick %d |\n", layers, T,
+                   chunks[c], kname[k], ms[k][c], ms[k][c] * T, pick[k][c]);
+    printf("prefill: fast / exact time, chunks of 512: %.3f, one call: %.3f; last picks "
+           "fast == exact: %s\n", ms[1][0] / ms[0][0], ms[1][1] / ms[0][1],
+           pick[1][0] == pick[0][0] && pick[1][1] == pick[0][1] ? "yes" : "no (rounding)");
+    free(tok), free(lg);
+    dsv4_model_free(m);
+    dsv4_cuda_weights_free(gb, &fw);
+    dsv4_backend_destroy(gb);
+    return 0;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -554,10 +644,13 @@ main(int argc, char **argv)
     }
     if (argc >= 4 && strcmp(argv[1], "profile") == 0)
         return run_profile(atoi(argv[2]), atoi(argv[3]));
+    if (argc >= 4 && strcmp(argv[1], "prefill") == 0)
+        return run_prefill(atoi(argv[2]), atoi(argv[3]));
     if (argc >= 3 && strcmp(argv[1], "synth") == 0)
         return run_synth(argv[2], argc > 3 ? atoi(argv[3]) : 4, argc > 4 ? atoi(argv[4]) : 32);
     fprintf(stderr, "usage: test_decode_gpu long CKPT_DIR [STEPS]\n"
                     "       test_decode_gpu synth CKPT_DIR [LAYERS [STEPS]]\n"
-                    "       test_decode_gpu profile LAYERS BATCH\n");
+                    "       test_decode_gpu profile LAYERS BATCH\n"
+                    "       test_decode_gpu prefill LAYERS T\n");
     return 2;
 }

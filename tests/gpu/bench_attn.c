@@ -1,0 +1,588 @@
+/*
+ * bench_attn.c — the fast attention and indexer_topk kernels
+ * (kernels/cuda/fast_attention.cu, fast_indexer.cu) against the exact CUDA
+ * kernels on the device: bounds, selection equality, speed.
+ *
+ *   bench_attn [SEED [quick]]
+ *
+ * Attention (REF numerics, Dh 512, window 128, K 512, scale 1/sqrt(Dh)):
+ *   decode: 16 rows of 16 slots at contexts 200, 4096, 8192 (rows at
+ *     slightly different positions), ratios 0 (window only), 4 (CSA: sel
+ *     lists of random distinct valid entries in random order, -1 tail when
+ *     fewer than K are valid) and 128 (HCA), H = 32 and 64;
+ *   prefill: one sequence of 2048 rows from position 0 (ratios 0, 4, 128;
+ *     H 32 and 64), a 2048-row chunk continuing at position 2048 (window
+ *     rows from the ring and from this call's rows; ratios 4, 128), and 8192
+ *     rows (ratios 4 and 128, H 32).
+ *   Inputs are random bf16 values (as the forward's are), compressed pools
+ *   paged with shuffled page tables.  Bounds per case: max |fast - exact| /
+ *   max |exact| <= 2^-7 (one bf16 step at the largest output) and at least
+ *   90% of the outputs bit-identical (the fast path sums in another order
+ *   and feeds P as bf16 hi + lo; fast_attention.cu).
+ * Indexer (64 heads x 128, K 512, ratio 4): decode (16 rows, contexts 200,
+ *   4096, 8192: 50 to 2048 valid keys), prefill 2048 rows from 0, 2048 rows
+ *   continuing at 6144, 8192 rows from 0.  q and the keys are FP4-simulated
+ *   by the backend's own hadamard_fp4 (what the forward feeds the op); two
+ *   more cases use plain fp32 random values (every dot then takes the exact
+ *   fallback of fast_indexer.cu).  Under REF numerics the fast picks must
+ *   equal the exact ones: the same set in the same order on every row.
+ * Each case also checks: the fast op gives the same bits twice, and a CUDA
+ * graph of it replays to the same bits.  Timing: the exact op once (twice
+ * for decode sizes, the second timed), the fast op as the median of 7
+ * timed calls; µs per call and the speed-up are printed, not checked.
+ * `quick` runs the decode cases and the 2048-row prefills only.
+ *
+ * Output: one line per case (OK / FAIL with the first out-of-bound index,
+ * both values, max errors), then "PASS bench_attn" or "FAIL bench_attn".
+ * Exit status: 0 pass, 1 failure, 77 no CUDA device.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/err.h"
+#include "common/formats.h"
+#include "kernels/backend.h"
+#include "kernels/cuda_fast.h"
+#include "tests/gpu/gpu_test_util.h"   /* TRY */
+
+#define DH 512
+#define WIN 128
+#define TOPK 512
+#define NI_HEADS 64
+#define DI 128
+#define ATT_BOUND 0x1p-7
+#define ATT_IDENT 0.90
+#define N_FAST 7               /* timed fast calls (median) */
+
+/* --- random data (xorshift64*) -------------------------------------------------- */
+
+static uint64_t rs = 88172645463325252ull;
+
+static uint64_t
+rnd(void)
+{
+    rs ^= rs >> 12;
+    rs ^= rs << 25;
+    rs ^= rs >> 27;
+    return rs * 2685821657736338717ull;
+}
+
+/* Roughly N(0, 1): sum of 4 uniforms, scaled. */
+static float
+rnd_normal(void)
+{
+    double s = 0;
+
+    for (int i = 0; i < 4; i++)
+        s += (double)(rnd() >> 11) * 0x1p-53;
+    return (float)((s - 2.0) * 1.7320508);
+}
+
+/* n values ~ N(0, sd), rounded to bf16 when bf16. */
+static void
+fill(float *x, size_t n, float sd, int bf16)
+{
+    for (size_t i = 0; i < n; i++) {
+        float v = rnd_normal() * sd;
+
+        x[i] = bf16 ? dsv4_bf16_round(v) : v;
+    }
+}
+
+/* A random permutation of 0..n-1. */
+static void
+shuffle(int32_t *p, int n)
+{
+    for (int i = 0; i < n; i++)
+        p[i] = i;
+    for (int i = n - 1; i > 0; i--) {
+        int j = (int)(rnd() % (uint64_t)(i + 1));
+        int32_t t = p[i];
+
+        p[i] = p[j];
+        p[j] = t;
+    }
+}
+
+/* --- device helpers -------------------------------------------------------------- */
+
+static struct dsv4_backend *be;
+static struct dsv4_cuda_timer *tm;
+
+static void *
+dev_put(const void *h, size_t bytes)
+{
+    void *d = be->ops->alloc(be, bytes > 0 ? bytes : 16);
+
+    if (d == NULL) {
+        fprintf(stderr, "device alloc of %zu bytes failed\n", bytes);
+        exit(1);
+    }
+    if (h != NULL && bytes > 0)
+        TRY("upload", be->ops->upload(be, d, h, bytes));
+    return d;
+}
+
+static void
+dev_free(void *d)
+{
+    if (d != NULL)
+        be->ops->free(be, d);
+}
+
+static void *
+xmalloc(size_t n)
+{
+    void *p = malloc(n > 0 ? n : 1);
+
+    if (p == NULL) {
+        fprintf(stderr, "out of host memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+/* One op call on the device (the case's closure). */
+typedef enum dsv4_err (*op_fn)(void *ctx);
+
+/* Run op with the kernels `fast`; ms: its time (one call) or NULL. */
+static void
+run_op(op_fn op, void *ctx, int fast, float *ms)
+{
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, fast));
+    if (ms != NULL)
+        TRY("timer", dsv4_cuda_timer_start(tm));
+    TRY("op", op(ctx));
+    if (ms != NULL)
+        TRY("timer", dsv4_cuda_timer_stop(tm, ms));
+    TRY("sync", be->ops->sync(be));
+}
+
+static int
+cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+
+    return (x > y) - (x < y);
+}
+
+/* Median time of N_FAST fast calls. */
+static float
+time_fast(op_fn op, void *ctx)
+{
+    float t[N_FAST];
+
+    for (int i = 0; i < N_FAST; i++)
+        run_op(op, ctx, 1, &t[i]);
+    qsort(t, N_FAST, sizeof(float), cmp_float);
+    return t[N_FAST / 2];
+}
+
+/* The fast op recorded as a graph and replayed into the same outputs. */
+static void
+run_graph(op_fn op, void *ctx)
+{
+    void *g = NULL;
+
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    TRY("graph_begin", be->ops->graph_begin(be));
+    TRY("op (recorded)", op(ctx));
+    TRY("graph_end", be->ops->graph_end(be, &g));
+    TRY("graph_launch", be->ops->graph_launch(be, g));
+    TRY("sync", be->ops->sync(be));
+    be->ops->graph_free(be, g);
+}
+
+/* --- attention ---------------------------------------------------------------------- */
+
+struct att_case {
+    const char *name;
+    int T, H, ratio;
+    int decode;       /* 16 rows of 16 slots at context ctx; else one sequence */
+    int ctx;          /* decode: context length; prefill: first position */
+};
+
+struct att_ctx {
+    float *out, *q, *kv, *ring, *comp, *sink;
+    int32_t *pages, *sel, *slot, *pos, *row0, *pos0;
+    int T, H, cap, ratio;
+};
+
+static enum dsv4_err
+att_op(void *p)
+{
+    struct att_ctx *c = p;
+
+    return be->ops->attention(be, c->out, c->q, c->kv, c->ring, c->ratio ? c->comp : NULL,
+                              c->ratio ? c->pages : NULL, c->ratio == 4 ? c->sel : NULL,
+                              c->sink, c->slot, c->pos, c->row0, c->pos0, c->T, c->H, DH, WIN,
+                              c->ratio ? c->cap : 0, c->ratio, TOPK,
+                              (float)(1.0 / sqrt((double)DH)));
+}
+
+/* Compare n outputs; returns 1 when within the attention bounds. */
+static int
+att_compare(const struct att_case *k, const float *ex, const float *fa, size_t n, int H)
+{
+    double mx = 0, md = 0;
+    size_t ident = 0, first = (size_t)-1;
+
+    for (size_t i = 0; i < n; i++)
+        mx = fmax(mx, fabs((double)ex[i]));
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)fa[i] - ex[i]);
+
+        md = isnan(d) ? INFINITY : fmax(md, d);
+        ident += memcmp(&fa[i], &ex[i], sizeof(float)) == 0;
+        if (first == (size_t)-1 && !(d <= ATT_BOUND * mx))
+            first = i;
+    }
+    printf("   %-28s max|exact| %.3g  max|fast-exact| %.3g (rel %.3g, bound %.3g)  "
+           "identical %.4f (bound %.2f)\n", k->name, mx, md, mx > 0 ? md / mx : md, ATT_BOUND,
+           (double)ident / (double)n, ATT_IDENT);
+    if (first != (size_t)-1)
+        printf("   first out of bound: index %zu (row %zu, head %zu, dim %zu): exact %.9g "
+               "fast %.9g\n", first, first / ((size_t)H * DH), first / DH % (size_t)H,
+               first % DH, ex[first], fa[first]);
+    return first == (size_t)-1 && (double)ident >= ATT_IDENT * (double)n;
+}
+
+static int
+att_run(const struct att_case *k)
+{
+    int T = k->T, H = k->H, n_slots = k->decode ? T : 1, max_pos = 0;
+    int32_t *slot = xmalloc((size_t)T * 4), *pos = xmalloc((size_t)T * 4);
+    int32_t *row0 = xmalloc((size_t)T * 4), *pos0 = xmalloc((size_t)T * 4);
+    int32_t *sel = NULL, *pages = NULL, *perm;
+    size_t nq = (size_t)T * H * DH, n_pool;
+    float *hq, *hkv, *hring, *hcomp = NULL, *hsink, *ex, *fa, *fb, t_ex = 0, t_fa;
+    struct att_ctx c;
+    int ok = 1, cap = 0;
+
+    memset(&c, 0, sizeof(c));
+    for (int t = 0; t < T; t++) {
+        if (k->decode) {
+            slot[t] = t;
+            pos[t] = k->ctx - 1 - (t % 5);
+            pos0[t] = pos[t];
+            row0[t] = t;
+        } else {
+            slot[t] = 0;
+            pos[t] = k->ctx + t;
+            pos0[t] = k->ctx;
+            row0[t] = 0;
+        }
+        max_pos = pos[t] > max_pos ? pos[t] : max_pos;
+    }
+    hq = xmalloc(nq * 4);
+    hkv = xmalloc((size_t)T * DH * 4);
+    hring = xmalloc((size_t)n_slots * WIN * DH * 4);
+    hsink = xmalloc((size_t)H * 4);
+    fill(hq, nq, 1.0f, 1);
+    fill(hkv, (size_t)T * DH, 1.0f, 1);
+    fill(hring, (size_t)n_slots * WIN * DH, 1.0f, 1);
+    for (int h = 0; h < H; h++)
+        hsink[h] = rnd_normal();
+    if (k->ratio) {
+        int n_pages;
+
+        cap = ((max_pos + 1) / k->ratio + 1 + DSV4_PAGE_ENTRIES - 1) / DSV4_PAGE_ENTRIES *
+              DSV4_PAGE_ENTRIES;
+        n_pages = n_slots * (cap / DSV4_PAGE_ENTRIES);
+        n_pool = (size_t)n_pages * DSV4_PAGE_ENTRIES;
+        hcomp = xmalloc(n_pool * DH * 4);
+        fill(hcomp, n_pool * DH, 1.0f, 1);
+        pages = xmalloc((size_t)n_pages * 4);
+        shuffle(pages, n_pages);
+        if (k->ratio == 4) {
+            perm = xmalloc((size_t)cap * 4);
+            sel = xmalloc((size_t)T * TOPK * 4);
+            for (int t = 0; t < T; t++) {
+                int nv = (pos[t] + 1) / 4;
+
+                shuffle(perm, nv);
+                for (int i = 0; i < TOPK; i++)
+                    sel[(size_t)t * TOPK + i] = i < nv ? perm[i] : -1;
+            }
+            free(perm);
+        }
+    }
+    c.T = T;
+    c.H = H;
+    c.cap = cap;
+    c.ratio = k->ratio;
+    c.q = dev_put(hq, nq * 4);
+    c.kv = dev_put(hkv, (size_t)T * DH * 4);
+    c.ring = dev_put(hring, (size_t)n_slots * WIN * DH * 4);
+    c.sink = dev_put(hsink, (size_t)H * 4);
+    c.out = dev_put(NULL, nq * 4);
+    c.slot = dev_put(slot, (size_t)T * 4);
+    c.pos = dev_put(pos, (size_t)T * 4);
+    c.row0 = dev_put(row0, (size_t)T * 4);
+    c.pos0 = dev_put(pos0, (size_t)T * 4);
+    if (k->ratio) {
+        c.comp = dev_put(hcomp, n_pool * DH * 4);
+        c.pages = dev_put(pages, n_pool / DSV4_PAGE_ENTRIES * 4);
+        if (sel != NULL)
+            c.sel = dev_put(sel, (size_t)T * TOPK * 4);
+    }
+    ex = xmalloc(nq * 4);
+    fa = xmalloc(nq * 4);
+    fb = xmalloc(nq * 4);
+    run_op(att_op, &c, 0, T * H <= 1024 ? NULL : &t_ex);
+    if (T * H <= 1024)
+        run_op(att_op, &c, 0, &t_ex);
+    TRY("download", be->ops->download(be, ex, c.out, nq * 4));
+    TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
+    run_op(att_op, &c, 1, NULL);
+    TRY("download", be->ops->download(be, fa, c.out, nq * 4));
+    ok &= att_compare(k, ex, fa, nq, H);
+    TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
+    run_op(att_op, &c, 1, NULL);
+    TRY("download", be->ops->download(be, fb, c.out, nq * 4));
+    if (memcmp(fa, fb, nq * 4) != 0) {
+        printf("   not deterministic: a second fast run differs\n");
+        ok = 0;
+    }
+    TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
+    run_graph(att_op, &c);
+    TRY("download", be->ops->download(be, fb, c.out, nq * 4));
+    if (memcmp(fa, fb, nq * 4) != 0) {
+        printf("   graph replay differs from the direct fast run\n");
+        ok = 0;
+    }
+    t_fa = time_fast(att_op, &c);
+    printf("%s attention %-28s T=%-5d H=%-2d ratio=%-3d exact %10.1f us  fast %8.1f us  "
+           "(x%.1f)\n", ok ? "ok  " : "FAIL", k->name, T, H, k->ratio, t_ex * 1e3, t_fa * 1e3,
+           t_ex / t_fa);
+    fflush(stdout);
+    dev_free(c.q), dev_free(c.kv), dev_free(c.ring), dev_free(c.sink), dev_free(c.out);
+    dev_free(c.slot), dev_free(c.pos), dev_free(c.row0), dev_free(c.pos0);
+    dev_free(c.comp), dev_free(c.pages), dev_free(c.sel);
+    free(hq), free(hkv), free(hring), free(hcomp), free(hsink), free(pages), free(sel);
+    free(slot), free(pos), free(row0), free(pos0), free(ex), free(fa), free(fb);
+    return ok;
+}
+
+/* --- indexer ------------------------------------------------------------------------ */
+
+struct idx_case {
+    const char *name;
+    int T, decode, ctx;   /* as att_case */
+    int fp4;              /* FP4-simulated q and keys (else plain fp32 values) */
+};
+
+struct idx_ctx {
+    int32_t *sel, *pages, *slot, *pos;
+    float *q, *w, *keys;
+    int T, cap;
+};
+
+static enum dsv4_err
+idx_op(void *p)
+{
+    struct idx_ctx *c = p;
+
+    return be->ops->indexer_topk(be, c->sel, c->q, c->w, c->keys, c->pages, c->slot, c->pos,
+                                 c->T, NI_HEADS, DI, c->cap, 4, TOPK);
+}
+
+/* Rows with the same picks in the same order (sel entries < cap); prints
+ * the first other row and the smallest overlap of the picked sets. */
+static int
+idx_compare(const struct idx_case *k, const int32_t *ex, const int32_t *fa, int T, int cap)
+{
+    int same = 0, first = -1;
+    double min_ov = 1.0;
+    char *mark = calloc((size_t)cap + 1, 1);
+
+    if (mark == NULL)
+        exit(1);
+    for (int t = 0; t < T; t++) {
+        const int32_t *a = ex + (size_t)t * TOPK, *b = fa + (size_t)t * TOPK;
+        int n = 0, hit = 0;
+
+        if (memcmp(a, b, TOPK * 4) == 0) {
+            same++;
+            continue;
+        }
+        if (first < 0)
+            first = t;
+        for (int i = 0; i < TOPK; i++)
+            if (a[i] >= 0 && a[i] < cap)
+                mark[a[i]] = 1, n++;
+        for (int i = 0; i < TOPK; i++)
+            if (b[i] >= 0 && b[i] < cap && mark[b[i]])
+                hit++;
+        for (int i = 0; i < TOPK; i++)
+            if (a[i] >= 0 && a[i] < cap)
+                mark[a[i]] = 0;
+        min_ov = fmin(min_ov, n > 0 ? (double)hit / n : 1.0);
+    }
+    printf("   %-28s rows with identical picks (set and order) %d / %d; smallest overlap of "
+           "the other rows' sets %.4f\n", k->name, same, T, min_ov);
+    if (first >= 0) {
+        const int32_t *a = ex + (size_t)first * TOPK, *b = fa + (size_t)first * TOPK;
+        int i = 0;
+
+        while (i < TOPK - 1 && a[i] == b[i])
+            i++;
+        printf("   first differing row %d, pick %d: exact %d fast %d\n", first, i, a[i], b[i]);
+    }
+    free(mark);
+    return same == T;
+}
+
+static int
+idx_run(const struct idx_case *k)
+{
+    int T = k->T, n_slots = k->decode ? T : 1, max_pos = 0, cap, n_pages;
+    int32_t *slot = xmalloc((size_t)T * 4), *pos = xmalloc((size_t)T * 4), *pages;
+    size_t nq = (size_t)T * NI_HEADS * DI, n_pool;
+    float *hq, *hw, *hk, t_ex = 0, t_fa;
+    int32_t *ex, *fa, *fb;
+    struct idx_ctx c;
+    int ok = 1;
+
+    for (int t = 0; t < T; t++) {
+        slot[t] = k->decode ? t : 0;
+        pos[t] = k->decode ? k->ctx - 1 - (t % 5) : k->ctx + t;
+        max_pos = pos[t] > max_pos ? pos[t] : max_pos;
+    }
+    cap = ((max_pos + 1) / 4 + 1 + DSV4_PAGE_ENTRIES - 1) / DSV4_PAGE_ENTRIES *
+          DSV4_PAGE_ENTRIES;
+    n_pages = n_slots * (cap / DSV4_PAGE_ENTRIES);
+    n_pool = (size_t)n_pages * DSV4_PAGE_ENTRIES;
+    hq = xmalloc(nq * 4);
+    hw = xmalloc((size_t)T * NI_HEADS * 4);
+    hk = xmalloc(n_pool * DI * 4);
+    pages = xmalloc((size_t)n_pages * 4);
+    fill(hq, nq, 1.0f, k->fp4);
+    fill(hk, n_pool * DI, 1.0f, k->fp4);
+    fill(hw, (size_t)T * NI_HEADS, 0.0110485f, 1);   /* 1 / sqrt(128 * 64) */
+    shuffle(pages, n_pages);
+    memset(&c, 0, sizeof(c));
+    c.T = T;
+    c.cap = cap;
+    c.q = dev_put(hq, nq * 4);
+    c.w = dev_put(hw, (size_t)T * NI_HEADS * 4);
+    c.keys = dev_put(hk, n_pool * DI * 4);
+    c.pages = dev_put(pages, (size_t)n_pages * 4);
+    c.slot = dev_put(slot, (size_t)T * 4);
+    c.pos = dev_put(pos, (size_t)T * 4);
+    c.sel = dev_put(NULL, (size_t)T * TOPK * 4);
+    if (k->fp4) {
+        /* the forward's values: FP4_sim(bf16(Hadamard(x))) */
+        TRY("hadamard_fp4", be->ops->hadamard_fp4(be, c.q, T * NI_HEADS));
+        TRY("hadamard_fp4", be->ops->hadamard_fp4(be, c.keys, (int)n_pool));
+    }
+    ex = xmalloc((size_t)T * TOPK * 4);
+    fa = xmalloc((size_t)T * TOPK * 4);
+    fb = xmalloc((size_t)T * TOPK * 4);
+    run_op(idx_op, &c, 0, T <= 16 ? NULL : &t_ex);
+    if (T <= 16)
+        run_op(idx_op, &c, 0, &t_ex);
+    TRY("download", be->ops->download(be, ex, c.sel, (size_t)T * TOPK * 4));
+    run_op(idx_op, &c, 1, NULL);
+    TRY("download", be->ops->download(be, fa, c.sel, (size_t)T * TOPK * 4));
+    ok &= idx_compare(k, ex, fa, T, cap);
+    TRY("fill", be->ops->fill(be, (float *)c.sel, 0.5f, (int64_t)T * TOPK));
+    run_op(idx_op, &c, 1, NULL);
+    TRY("download", be->ops->download(be, fb, c.sel, (size_t)T * TOPK * 4));
+    if (memcmp(fa, fb, (size_t)T * TOPK * 4) != 0) {
+        printf("   not deterministic: a second fast run differs\n");
+        ok = 0;
+    }
+    TRY("fill", be->ops->fill(be, (float *)c.sel, 0.5f, (int64_t)T * TOPK));
+    run_graph(idx_op, &c);
+    TRY("download", be->ops->download(be, fb, c.sel, (size_t)T * TOPK * 4));
+    if (memcmp(fa, fb, (size_t)T * TOPK * 4) != 0) {
+        printf("   graph replay differs from the direct fast run\n");
+        ok = 0;
+    }
+    t_fa = time_fast(idx_op, &c);
+    printf("%s indexer   %-28s T=%-5d cap=%-5d exact %10.1f us  fast %8.1f us  (x%.1f)\n",
+           ok ? "ok  " : "FAIL", k->name, T, cap, t_ex * 1e3, t_fa * 1e3, t_ex / t_fa);
+    fflush(stdout);
+    dev_free(c.q), dev_free(c.w), dev_free(c.keys), dev_free(c.pages);
+    dev_free(c.slot), dev_free(c.pos), dev_free(c.sel);
+    free(hq), free(hw), free(hk), free(pages), free(slot), free(pos);
+    free(ex), free(fa), free(fb);
+    return ok;
+}
+
+int
+main(int argc, char **argv)
+{
+    static const struct att_case att[] = {
+        { "decode ctx 200 window", 16, 32, 0, 1, 200 },
+        { "decode ctx 200 CSA", 16, 32, 4, 1, 200 },
+        { "decode ctx 200 HCA", 16, 32, 128, 1, 200 },
+        { "decode ctx 4096 window", 16, 32, 0, 1, 4096 },
+        { "decode ctx 4096 CSA", 16, 32, 4, 1, 4096 },
+        { "decode ctx 4096 HCA", 16, 32, 128, 1, 4096 },
+        { "decode ctx 8192 CSA", 16, 32, 4, 1, 8192 },
+        { "decode ctx 8192 HCA", 16, 32, 128, 1, 8192 },
+        { "decode ctx 4096 CSA", 16, 64, 4, 1, 4096 },
+        { "decode ctx 8192 CSA", 16, 64, 4, 1, 8192 },
+        { "decode ctx 8192 HCA", 16, 64, 128, 1, 8192 },
+        { "decode ctx 200 window", 1, 64, 0, 1, 200 },
+        { "decode ctx 8192 CSA", 1, 32, 4, 1, 8192 },
+        { "prefill 2048 window", 2048, 32, 0, 0, 0 },
+        { "prefill 2048 CSA", 2048, 32, 4, 0, 0 },
+        { "prefill 2048 HCA", 2048, 32, 128, 0, 0 },
+        { "prefill 2048 CSA", 2048, 64, 4, 0, 0 },
+        { "prefill 2048 HCA", 2048, 64, 128, 0, 0 },
+        { "chunk 2048 at 2048 CSA", 2048, 32, 4, 0, 2048 },
+        { "chunk 2048 at 2048 HCA", 2048, 32, 128, 0, 2048 },
+        { "prefill 8192 CSA", 8192, 32, 4, 0, 0 },
+        { "prefill 8192 HCA", 8192, 32, 128, 0, 0 },
+    };
+    static const struct idx_case idx[] = {
+        { "decode ctx 200 fp4", 16, 1, 200, 1 },
+        { "decode ctx 4096 fp4", 16, 1, 4096, 1 },
+        { "decode ctx 8192 fp4", 16, 1, 8192, 1 },
+        { "decode ctx 4096 fp32", 16, 1, 4096, 0 },
+        { "prefill 2048 fp4", 2048, 0, 0, 1 },
+        { "chunk 2048 at 6144 fp4", 2048, 0, 6144, 1 },
+        { "prefill 2048 fp32", 2048, 0, 0, 0 },
+        { "prefill 8192 fp4", 8192, 0, 0, 1 },
+    };
+    int quick = argc > 2 && strcmp(argv[2], "quick") == 0, n_fail = 0, n_run = 0;
+    enum dsv4_err e;
+
+    if (argc > 1)
+        rs ^= strtoull(argv[1], NULL, 0) * 0x9E3779B97F4A7C15ull + 1;
+    e = dsv4_backend_create(&be, "cuda", DSV4_NUMERICS_REF, 0);
+    if (e == DSV4_ERR_NOTSUP) {
+        printf("SKIP: %s\n", dsv4_errmsg());
+        return 77;
+    }
+    TRY("cuda backend", e);
+    tm = dsv4_cuda_timer_create(be);
+    if (tm == NULL)
+        TRY("timer", DSV4_ERR_CUDA);
+    printf("bench_attn: seed %s; attention bounds: max |fast - exact| / max |exact| <= %.4g, "
+           ">= %.0f%% bit-identical; indexer: identical picks on every row\n",
+           argc > 1 ? argv[1] : "default", ATT_BOUND, ATT_IDENT * 100);
+    for (size_t i = 0; i < sizeof(att) / sizeof(att[0]); i++) {
+        if (quick && att[i].T > 2048)
+            continue;
+        n_run++;
+        n_fail += !att_run(&att[i]);
+    }
+    for (size_t i = 0; i < sizeof(idx) / sizeof(idx[0]); i++) {
+        if (quick && idx[i].T > 2048)
+            continue;
+        n_run++;
+        n_fail += !idx_run(&idx[i]);
+    }
+    dsv4_cuda_timer_destroy(tm);
+    dsv4_backend_destroy(be);
+    printf("%s bench_attn: %d of %d cases within bounds\n", n_fail ? "FAIL" : "PASS",
+           n_run - n_fail, n_run);
+    return n_fail ? 1 : 0;
+}
