@@ -46,7 +46,17 @@ extern "C" {
  *           the decode kernel at T <= 96, the prefill GEMM above (FP4
  *           scales 4-byte aligned, at most 4096 experts); moe_parts too;
  *   rms_norm, router  always;
- *   hc_pre  n <= 4 streams; hc_head  n <= 5.
+ *   hc_pre  n <= 4 streams; hc_head  n <= 5;
+ *   attention  any T, Dh 128, 256 or 512, arrays 16-byte aligned; q and the
+ *           key rows are used as bf16 values (the forward's are); outputs
+ *           differ from the exact ones by fp32 rounding (another summation
+ *           order, online softmax, P as bf16 hi + lo);
+ *   indexer_topk  any T, dI 128, nh <= 64, K <= 2048, q and keys 16-byte
+ *           aligned; under REF numerics the exact path's picks (set and
+ *           order), under HF numerics fp32 rounding differences (picks
+ *           may differ at near ties).
+ * DSV4_CUDA_FAST_ATTN=0 in the environment keeps the exact attention and
+ * indexer_topk with the fast switch on.
  * fast == 0 (the default): exact kernels everywhere.  Takes effect for ops
  * queued afterwards; graphs already recorded keep the kernels they recorded.
  * DSV4_ERR_INVAL when be is not a CUDA backend.
