@@ -31,10 +31,20 @@ struct layer_state {
     float *ring;               /* (n_slots, win, Dh) */
     struct page_pool *pg;      /* page table of comp (and keys); NULL if ratio 0 */
     float *comp;               /* ((pg->n_pages + 1) * P, Dh) or NULL */
-    float *st_kv, *st_z;       /* main compressor state (n_slots, c*r, c*Dh) */
+    float *st_kv, *st_z;       /* main compressor state (n_slots, c*r, c*Dh);
+                                  ratio 4: followed by 2 * n_slots half rows
+                                  (spec_snapshot) */
     float *keys;               /* indexer keys ((pg->n_pages + 1) * P, dI); ratio 4 */
-    float *ist_kv, *ist_z;     /* indexer compressor state (n_slots, 8, 2*dI) */
+    float *ist_kv, *ist_z;     /* indexer compressor state (n_slots, 8, 2*dI),
+                                  followed by 2 * n_slots half rows */
 };
+
+/*
+ * Recorded graphs by kind and batch size (opts.graphs): plain decode steps,
+ * speculative verify steps, the MTP draft steps after them, and the
+ * restores of rejected drafts (forward.h, "Speculative decoding").
+ */
+enum graph_kind { G_DECODE, G_VERIFY, G_DRAFT, G_RESTORE, G_KINDS };
 
 /*
  * Pages of the pools that grow with the sequence (backend.h,
@@ -118,9 +128,18 @@ struct dsv4_model {
     int32_t *s_ids;                /* forward_sample: (max_rows) sampled ids */
     float *s_lp;                   /* forward_sample: (max_rows) their logprobs */
     float *parts;                  /* tp > 1: moe parts (T*k + T, D) */
-    /* decode graphs by batch size (opts.graphs; NULL until first use) */
+    /* graphs by kind and batch size (opts.graphs; NULL until first use) */
     int graphs;
-    void *graph[DSV4_GRAPH_MAX_BATCH + 1];
+    void *graph[G_KINDS][DSV4_GRAPH_MAX_BATCH + 1];
+    /* speculative decoding (forward.h): the verify call in flight or kept
+     * for the draft step; host arrays of n_slots (rows: max_rows) */
+    int spec_n;                    /* streams of the kept verify call; 0 = none */
+    int spec_graphed;              /* it ran as a graph (every stream had drafts) */
+    int32_t *spec_slot, *spec_rows, *spec_keep, *spec_pos, *spec_idx;
+    int32_t *spec_tok, *spec_next; /* (max_rows) rows fed; ids sampled per row */
+    float *spec_lp;                /* (max_rows) their log-probabilities */
+    struct dsv4_sample_params *spec_params;   /* (max_rows) per row */
+    int32_t *i_spec_src, *i_spec_dst;         /* device (n_slots): half rows */
 };
 
 /* --- small helpers ----------------------------------------------------- */
@@ -229,14 +248,25 @@ plan_alloc(struct call_plan *p, int n)
            p->out_rows;
 }
 
+/* Forget every recorded graph, freeing them when `release`. */
+static void
+graphs_drop(struct dsv4_model *m, int release)
+{
+    for (int k = 0; k < G_KINDS; k++) {
+        for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++) {
+            if (release && m->graph[k][i] != NULL)
+                m->be->ops->graph_free(m->be, m->graph[k][i]);
+            m->graph[k][i] = NULL;
+        }
+    }
+}
+
 void
 dsv4_model_free(struct dsv4_model *m)
 {
     if (m == NULL)
         return;
-    for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++)
-        if (m->graph[i] != NULL)
-            m->be->ops->graph_free(m->be, m->graph[i]);
+    graphs_drop(m, 1);
     if (m->L != NULL) {
         for (int l = 0; l < m->n_layers; l++) {
             struct layer_state *ls = &m->L[l];
@@ -263,13 +293,22 @@ dsv4_model_free(struct dsv4_model *m)
         m->i_ring_dst, m->i_out_rows, m->X, m->X2, m->x, m->xn, m->post, m->comb, m->y,
         m->qr, m->q, m->kv, m->o, m->u, m->ca, m->cz, m->ent, m->qI, m->wI, m->ia, m->iz,
         m->ient, m->sel, m->rw, m->rid, m->ring_tmp, m->hidden, m->e, m->he, m->logits_dev,
-        m->u_loc, m->y_loc, m->parts, m->s_ids, m->s_lp,
+        m->u_loc, m->y_loc, m->parts, m->s_ids, m->s_lp, m->i_spec_src, m->i_spec_dst,
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         dev_free(m, bufs[i]);
     plan_free(&m->plan);
     free(m->len);
     free(m->mtp_len);
+    free(m->spec_slot);
+    free(m->spec_rows);
+    free(m->spec_keep);
+    free(m->spec_pos);
+    free(m->spec_idx);
+    free(m->spec_tok);
+    free(m->spec_next);
+    free(m->spec_lp);
+    free(m->spec_params);
     free(m);
 }
 
@@ -340,7 +379,19 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->len = calloc((size_t)m->n_slots, sizeof(int32_t));
     m->mtp_len = calloc((size_t)m->n_slots, sizeof(int32_t));
     m->L = calloc((size_t)m->n_layers, sizeof(*m->L));
-    if (m->len == NULL || m->mtp_len == NULL || m->L == NULL || !plan_alloc(&m->plan, m->max_rows)) {
+    m->spec_slot = calloc((size_t)m->n_slots, sizeof(int32_t));
+    m->spec_rows = calloc((size_t)m->n_slots, sizeof(int32_t));
+    m->spec_keep = calloc((size_t)m->n_slots, sizeof(int32_t));
+    m->spec_pos = calloc((size_t)m->n_slots, sizeof(int32_t));
+    m->spec_idx = calloc((size_t)m->n_slots, sizeof(int32_t));
+    m->spec_tok = calloc((size_t)m->max_rows, sizeof(int32_t));
+    m->spec_next = calloc((size_t)m->max_rows, sizeof(int32_t));
+    m->spec_lp = calloc((size_t)m->max_rows, sizeof(float));
+    m->spec_params = calloc((size_t)m->max_rows, sizeof(*m->spec_params));
+    if (m->len == NULL || m->mtp_len == NULL || m->L == NULL || m->spec_slot == NULL ||
+        m->spec_rows == NULL || m->spec_keep == NULL || m->spec_pos == NULL ||
+        m->spec_idx == NULL || m->spec_tok == NULL || m->spec_next == NULL ||
+        m->spec_lp == NULL || m->spec_params == NULL || !plan_alloc(&m->plan, m->max_rows)) {
         dsv4_model_free(m);
         return dsv4_err_set(DSV4_ERR_NOMEM, "model: out of memory");
     }
@@ -382,16 +433,19 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         ls->freqs = ls->ratio ? m->freqs_comp : m->freqs_swa;
         ls->ring = dev_alloc(m, S * m->win * m->Dh * F, &fail);
         if (ls->ratio) {
+            /* ratio 4: room for the snapshot and spare half rows after the
+             * slots' states (spec_snapshot) */
             int r = ls->ratio, cc = r == 4 ? 2 : 1;
+            size_t rows = r == 4 ? 2 * S : S;
             ls->pg = &m->pg[r == 4 ? 0 : 1];
             ls->comp = dev_alloc(m, (size_t)(ls->pg->n_pages + 1) * P * m->Dh * F, &fail);
-            ls->st_kv = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
-            ls->st_z = dev_alloc(m, S * cc * r * cc * m->Dh * F, &fail);
+            ls->st_kv = dev_alloc(m, rows * cc * r * cc * m->Dh * F, &fail);
+            ls->st_z = dev_alloc(m, rows * cc * r * cc * m->Dh * F, &fail);
         }
         if (ls->ratio == 4) {
             ls->keys = dev_alloc(m, (size_t)(ls->pg->n_pages + 1) * P * m->dI * F, &fail);
-            ls->ist_kv = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
-            ls->ist_z = dev_alloc(m, S * 8 * 2 * m->dI * F, &fail);
+            ls->ist_kv = dev_alloc(m, 2 * S * 8 * 2 * m->dI * F, &fail);
+            ls->ist_z = dev_alloc(m, 2 * S * 8 * 2 * m->dI * F, &fail);
         }
     }
 
@@ -437,6 +491,8 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->logits_dev = dev_alloc(m, T * (size_t)m->V * F, &fail);
     m->s_ids = dev_alloc(m, T * I4, &fail);
     m->s_lp = dev_alloc(m, T * F, &fail);
+    m->i_spec_src = dev_alloc(m, S * I4, &fail);
+    m->i_spec_dst = dev_alloc(m, S * I4, &fail);
     if (m->tp > 1) {
         m->u_loc = dev_alloc(m, T * (size_t)m->Gl * c->o_lora_rank * F, &fail);
         m->y_loc = dev_alloc(m, T * (size_t)m->Dl * F, &fail);
@@ -462,8 +518,7 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
 void
 dsv4_model_abandon_graphs(struct dsv4_model *m)
 {
-    for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++)
-        m->graph[i] = NULL;
+    graphs_drop(m, 0);
 }
 
 enum dsv4_err
@@ -472,11 +527,7 @@ dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm)
     if (comm != NULL && (comm->size != m->tp || comm->rank != m->tp_rank))
         return dsv4_err_set(DSV4_ERR_INVAL, "model: communicator of rank %d of %d for rank "
                             "%d of %d", comm->rank, comm->size, m->tp_rank, m->tp);
-    for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++) {
-        if (m->graph[i] != NULL)
-            m->be->ops->graph_free(m->be, m->graph[i]);
-        m->graph[i] = NULL;
-    }
+    graphs_drop(m, 1);
     m->comm = comm;
     return DSV4_OK;
 }
@@ -610,6 +661,7 @@ dsv4_model_seq_reset(struct dsv4_model *m, int slot)
     pages_release(m, slot);
     m->len[slot] = 0;
     m->mtp_len[slot] = 0;
+    m->spec_n = 0;     /* a kept verify call may hold this slot */
     return DSV4_OK;
 }
 
@@ -954,15 +1006,6 @@ logits_download(struct dsv4_model *m, float *logits)
     return be->ops->sync(be);
 }
 
-/* logits_compute, then logits_download. */
-static enum dsv4_err
-logits_head(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t *norm,
-            float *logits)
-{
-    TRY(logits_compute(m, hc, norm));
-    return logits_download(m, logits);
-}
-
 /* The device work of a forward call after the plan upload: embedding, the
  * main layers, the logits on the device.  Leaves m->X where it found it
  * (each block swaps X and X2 twice). */
@@ -977,22 +1020,23 @@ forward_body(struct dsv4_model *m)
     return logits_compute(m, &m->w->hc_head, m->w->norm);
 }
 
-/* A decode step as a replay of the graph of its batch size, recorded on
- * first use (forward.h, docs/gpu.md). */
+/* `body` as a replay of the graph of kind `kind` for batch size n, recorded
+ * on first use (forward.h, docs/gpu.md).  The body's device work must
+ * depend on the call only through the uploaded index arrays. */
 static enum dsv4_err
-forward_graph(struct dsv4_model *m)
+graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
+          enum dsv4_err (*body)(struct dsv4_model *))
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
-    int T = m->plan.T;
 
-    if (m->graph[T] == NULL) {
+    if (m->graph[kind][n] == NULL) {
         float *X = m->X, *X2 = m->X2;
         void *g = NULL;
         enum dsv4_err e, e2;
 
         TRY(ops->graph_begin(be));
-        e = forward_body(m);
+        e = body(m);
         e2 = ops->graph_end(be, &g);
         m->X = X, m->X2 = X2;
         if (e != DSV4_OK || e2 != DSV4_OK) {
@@ -1000,9 +1044,9 @@ forward_graph(struct dsv4_model *m)
                 ops->graph_free(be, g);
             return e != DSV4_OK ? e : e2;
         }
-        m->graph[T] = g;
+        m->graph[kind][n] = g;
     }
-    return ops->graph_launch(be, m->graph[T]);
+    return ops->graph_launch(be, m->graph[kind][n]);
 }
 
 /* Whether the batch runs as a graph replay (forward.h). */
@@ -1032,13 +1076,14 @@ forward_run(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
     if (m->tp > 1 && m->comm == NULL)
         return dsv4_err_set(DSV4_ERR_INVAL, "forward: rank %d of %d has no communicator",
                             m->tp_rank, m->tp);
+    m->spec_n = 0;
     TRY(plan_build(m, b, flags));
     graphed = graph_eligible(m, b, flags);
     if (graphed)
         plan_fix_emits(m);
     TRY(plan_upload(m));
     if (graphed)
-        TRY(forward_graph(m));
+        TRY(graph_run(m, G_DECODE, m->plan.T, forward_body));
     else
         TRY(forward_body(m));
     if (flags & DSV4_FWD_KEEP_HIDDEN) {
@@ -1087,14 +1132,36 @@ dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
     return DSV4_OK;
 }
 
+/*
+ * The MTP layer (model doc §3.6) over the plan's rows, each paired with the
+ * hidden row of the same index in m->hidden and the plan's token (the one
+ * that follows it), then its logits on the plan's logits rows into
+ * m->logits_dev.  Leaves m->X where it found it.
+ */
+static enum dsv4_err
+mtp_body(struct dsv4_model *m)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const struct dsv4_layer_w *mw = &m->w->layers[m->n_main];
+    float eps = (float)m->cfg.rms_norm_eps;
+    int T = m->plan.T, n = m->n_hc, D = m->D;
+
+    /* Z = e_proj(enorm(embed(next))) broadcast + h_proj(hnorm(hidden)) */
+    TRY(ops->embed(be, m->x, m->i_tok, m->w->embed, T, D, 1));
+    TRY(ops->rms_norm(be, m->x, m->x, mw->enorm, T, D, eps));
+    TRY(ops->linear(be, m->e, m->x, &mw->e_proj, T, 0));
+    TRY(ops->rms_norm(be, m->X2, m->hidden, mw->hnorm, T * n, D, eps));
+    TRY(ops->linear(be, m->he, m->X2, &mw->h_proj, T * n, 0));
+    TRY(ops->add_streams(be, m->X, m->e, m->he, T, n, D));
+    TRY(block(m, &m->L[m->n_main], m->i_ring_dst));
+    return logits_compute(m, &mw->hc_head, mw->mtp_norm);
+}
+
 enum dsv4_err
 dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b, const int32_t *next_tokens,
                float *logits)
 {
-    struct dsv4_backend *be = m->be;
-    const struct dsv4_backend_ops *ops = be->ops;
-    const struct dsv4_config *c = &m->cfg;
-    float eps = (float)c->rms_norm_eps;
     struct dsv4_batch nb = *b;
     int T = 0;
 
@@ -1119,26 +1186,272 @@ dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b, const int32_t *
     for (int i = 0; i < b->n_seqs; i++)
         m->len[b->slot[i]] -= b->n_tokens[i];
     nb.tokens = next_tokens;
+    m->spec_n = 0;
     enum dsv4_err e = plan_build(m, &nb, DSV4_FWD_ALL_LOGITS);
     for (int i = 0; i < b->n_seqs; i++)
         m->len[b->slot[i]] += b->n_tokens[i];
     TRY(e);
     TRY(plan_upload(m));
-
-    const struct dsv4_layer_w *mw = &m->w->layers[m->n_main];
-    int n = m->n_hc, D = m->D;
-    /* Z = e_proj(enorm(embed(next))) broadcast + h_proj(hnorm(hidden)) */
-    TRY(ops->embed(be, m->x, m->i_tok, m->w->embed, T, D, 1));
-    TRY(ops->rms_norm(be, m->x, m->x, mw->enorm, T, D, eps));
-    TRY(ops->linear(be, m->e, m->x, &mw->e_proj, T, 0));
-    TRY(ops->rms_norm(be, m->X2, m->hidden, mw->hnorm, T * n, D, eps));
-    TRY(ops->linear(be, m->he, m->X2, &mw->h_proj, T * n, 0));
-    TRY(ops->add_streams(be, m->X, m->e, m->he, T, n, D));
-    TRY(block(m, &m->L[m->n_main], m->i_ring_dst));
-    TRY(logits_head(m, &mw->hc_head, mw->mtp_norm, logits));
+    TRY(mtp_body(m));
+    TRY(logits_download(m, logits));
     for (int i = 0; i < b->n_seqs; i++)
         m->mtp_len[b->slot[i]] += b->n_tokens[i];
     m->hidden_rows = 0;
+    return DSV4_OK;
+}
+
+/* --- speculative decoding (forward.h) ------------------------------------ */
+
+/*
+ * Snapshot and restore around a verify call.  The one piece of state a
+ * rejected draft changes that is read later is the previous-window half
+ * (slots [0, r)) of an r = 4 compressor state, overwritten when the draft's
+ * position completes a window (kernels/backend.h `compress`, overlap
+ * layout); everything else it writes (the current-window slot of its
+ * position, the r = 128 state row, its ring row, emitted entries and
+ * indexer keys) lies where the position is written again before anything
+ * reads it.  Each r = 4 state array holds, after the n_slots states of two
+ * half rows each, n_slots snapshot half rows (2S + i for stream i of the
+ * call) and n_slots spare ones (3S + i), so that both directions are one
+ * fixed-shape row copy per array: a graph can hold them.
+ */
+
+/* Call `fn` on every r = 4 state array of the main layers with its half-row
+ * length in floats. */
+static enum dsv4_err
+spec_arrays(struct dsv4_model *m, int n,
+            enum dsv4_err (*fn)(struct dsv4_model *, float *, int, int))
+{
+    for (int l = 0; l < m->n_main; l++) {
+        struct layer_state *ls = &m->L[l];
+
+        if (ls->ratio != 4)
+            continue;
+        TRY(fn(m, ls->st_kv, 4 * 2 * m->Dh, n));
+        TRY(fn(m, ls->st_z, 4 * 2 * m->Dh, n));
+        TRY(fn(m, ls->ist_kv, 4 * 2 * m->dI, n));
+        TRY(fn(m, ls->ist_z, 4 * 2 * m->dI, n));
+    }
+    return DSV4_OK;
+}
+
+/* Half row i_spec_src[i] (the slot's previous window) -> snapshot row i. */
+static enum dsv4_err
+spec_snap_one(struct dsv4_model *m, float *a, int half, int n)
+{
+    return m->be->ops->gather_rows(m->be, a + (int64_t)2 * m->n_slots * half, a,
+                                   m->i_spec_src, n, half);
+}
+
+/* Snapshot row i -> half row i_spec_dst[i] (the slot's, or a spare one). */
+static enum dsv4_err
+spec_restore_one(struct dsv4_model *m, float *a, int half, int n)
+{
+    return m->be->ops->scatter_rows(m->be, a, m->i_spec_dst,
+                                    a + (int64_t)2 * m->n_slots * half, n, half);
+}
+
+/* The device work of a verify call: snapshot, then the forward. */
+static enum dsv4_err
+verify_body(struct dsv4_model *m)
+{
+    TRY(spec_arrays(m, m->spec_n, spec_snap_one));
+    return forward_body(m);
+}
+
+/* The restore of a verify call's rejected drafts (i_spec_dst uploaded). */
+static enum dsv4_err
+restore_body(struct dsv4_model *m)
+{
+    return spec_arrays(m, m->spec_n, spec_restore_one);
+}
+
+/* Give slot s an empty MTP window when its MTP layer has not followed its
+ * positions (forward.h): the ring rows zeroed, the MTP length caught up. */
+static enum dsv4_err
+spec_mtp_catch_up(struct dsv4_model *m, int s)
+{
+    int64_t ring = (int64_t)m->win * m->Dh;
+
+    if (m->mtp_len[s] == m->len[s])
+        return DSV4_OK;
+    for (int l = m->n_main; l < m->n_layers; l++)
+        TRY(m->be->ops->fill(m->be, m->L[l].ring + s * ring, 0.0f, ring));
+    m->mtp_len[s] = m->len[s];
+    return DSV4_OK;
+}
+
+/* Download rows of the plan's logits when `logits` is set, the n sampled
+ * ids into ids and their log-probabilities into lp (when set), and wait. */
+static enum dsv4_err
+spec_download(struct dsv4_model *m, int n, int32_t *ids, float *lp, float *logits)
+{
+    const struct dsv4_backend_ops *ops = m->be->ops;
+
+    if (logits != NULL)
+        TRY(ops->download(m->be, logits, m->logits_dev,
+                          (size_t)m->plan.n_out * m->V * sizeof(float)));
+    TRY(ops->download(m->be, ids, m->s_ids, (size_t)n * sizeof(int32_t)));
+    if (lp != NULL)
+        TRY(ops->download(m->be, lp, m->s_lp, (size_t)n * sizeof(float)));
+    return ops->sync(m->be);
+}
+
+enum dsv4_err
+dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
+                       const struct dsv4_sample_params *params, int32_t *out_ids,
+                       float *out_lp, int32_t *out_n, float *logits)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    const int K = DSV4_SPEC_MAX_DRAFT, K1 = DSV4_SPEC_MAX_DRAFT + 1;
+    int n = b->n_seqs, T = 0, all = 1, graphed, any_restore = 0;
+    int64_t S = m->n_slots;
+    struct dsv4_batch fb;
+
+    m->spec_n = 0;
+    m->hidden_rows = 0;
+    if (m->tp > 1 && m->comm == NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "verify: rank %d of %d has no communicator",
+                            m->tp_rank, m->tp);
+    if (n <= 0 || n > m->n_slots)
+        return dsv4_err_set(DSV4_ERR_INVAL, "verify: %d streams (1 .. %d)", n, m->n_slots);
+    for (int i = 0; i < n; i++) {
+        int nd = b->n_draft[i];
+
+        if (nd < 0 || nd > K || T + 1 + nd > m->max_rows)
+            return dsv4_err_set(DSV4_ERR_INVAL, "verify: stream %d has %d drafts (0 .. %d) "
+                                "or the call exceeds max_rows=%d", i, nd, K, m->max_rows);
+        m->spec_rows[i] = 1 + nd;
+        m->spec_tok[T] = b->last[i];
+        for (int j = 0; j < nd; j++)
+            m->spec_tok[T + 1 + j] = b->draft[i * K + j];
+        for (int j = 0; j <= nd; j++) {
+            m->spec_params[T + j] = params[i];
+            m->spec_params[T + j].step = params[i].step + (uint64_t)j;
+        }
+        T += 1 + nd;
+        all = all && nd == K;
+    }
+    fb.n_seqs = n;
+    fb.slot = b->slot;
+    fb.n_tokens = m->spec_rows;
+    fb.tokens = m->spec_tok;
+    TRY(plan_build(m, &fb, DSV4_FWD_ALL_LOGITS | DSV4_FWD_KEEP_HIDDEN));
+    for (int i = 0; i < n; i++) {
+        m->spec_slot[i] = b->slot[i];
+        m->spec_pos[i] = m->len[b->slot[i]];
+        TRY(spec_mtp_catch_up(m, b->slot[i]));
+        m->spec_idx[i] = 2 * b->slot[i];
+    }
+    graphed = m->graphs && all && n <= DSV4_GRAPH_MAX_BATCH;
+    if (graphed)
+        plan_fix_emits(m);
+    TRY(plan_upload(m));
+    TRY(ops->upload(be, m->i_spec_src, m->spec_idx, (size_t)n * sizeof(int32_t)));
+    m->spec_n = n;
+    if (graphed)
+        TRY(graph_run(m, G_VERIFY, n, verify_body));
+    else
+        TRY(verify_body(m));
+    m->spec_n = 0;
+    TRY(ops->copy(be, m->hidden, m->X, (size_t)T * m->n_hc * m->D * sizeof(float)));
+    TRY(ops->sample(be, m->s_ids, m->s_lp, m->logits_dev, m->spec_params, T, m->V));
+    TRY(spec_download(m, T, m->spec_next, m->spec_lp, logits));
+
+    /* Keep the drafts up to the first one that differs from the token sampled
+     * before it.  k = 1: a rejected draft at p + 1 needs the restore when it
+     * completed an r = 4 window ((p + 2) % 4 == 0); the snapshot holds the
+     * state before the call, whose previous-window half position p leaves
+     * alone (p does not complete a window then). */
+    for (int i = 0, row = 0; i < n; i++) {
+        int nd = b->n_draft[i], acc = 0;
+
+        while (acc < nd && m->spec_next[row + acc] == b->draft[i * K + acc])
+            acc++;
+        out_n[i] = acc + 1;
+        for (int j = 0; j <= acc; j++) {
+            out_ids[i * K1 + j] = m->spec_next[row + j];
+            if (out_lp != NULL)
+                out_lp[i * K1 + j] = m->spec_lp[row + j];
+        }
+        m->spec_idx[i] = (int32_t)(3 * S + i);           /* spare: nothing to undo */
+        if (acc < nd && (m->spec_pos[i] + 2) % 4 == 0) {
+            m->spec_idx[i] = 2 * b->slot[i];
+            any_restore = 1;
+        }
+        m->spec_keep[i] = acc + 1;
+        row += nd + 1;
+    }
+    if (any_restore) {
+        TRY(ops->upload(be, m->i_spec_dst, m->spec_idx, (size_t)n * sizeof(int32_t)));
+        m->spec_n = n;
+        if (graphed)
+            TRY(graph_run(m, G_RESTORE, n, restore_body));
+        else
+            TRY(restore_body(m));
+    }
+    for (int i = 0; i < n; i++)
+        m->len[b->slot[i]] += out_n[i];
+    m->spec_n = n;
+    m->spec_graphed = graphed;
+    return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_model_spec_draft(struct dsv4_model *m, int32_t *drafts, float *logits)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    struct call_plan *p = &m->plan;
+    struct dsv4_batch mb;
+    int n = m->spec_n, graphed;
+    enum dsv4_err e;
+
+    if (m->n_layers <= m->n_main)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "draft: checkpoint has no MTP layer");
+    if (n == 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "draft: the last call was not a verify step");
+    if (m->tp > 1 && m->comm == NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "draft: rank %d of %d has no communicator",
+                            m->tp_rank, m->tp);
+    /* The MTP rows are the verify call's rows at its positions: step the
+     * slots back to where the call started while planning. */
+    mb.n_seqs = n;
+    mb.slot = m->spec_slot;
+    mb.n_tokens = m->spec_rows;
+    mb.tokens = m->spec_next;
+    for (int i = 0; i < n; i++)
+        m->len[m->spec_slot[i]] = m->spec_pos[i];
+    e = plan_build(m, &mb, 0);
+    for (int i = 0; i < n; i++)
+        m->len[m->spec_slot[i]] = m->spec_pos[i] + m->spec_keep[i];
+    if (e != DSV4_OK) {
+        m->spec_n = 0;
+        return e;
+    }
+    /* the draft comes from the last kept row of each stream */
+    for (int i = 0, row = 0; i < n; i++) {
+        p->out_rows[i] = row + m->spec_keep[i] - 1;
+        row += m->spec_rows[i];
+    }
+    graphed = m->spec_graphed;
+    if (graphed)
+        plan_fix_emits(m);
+    m->spec_n = 0;
+    TRY(plan_upload(m));
+    if (graphed)
+        TRY(graph_run(m, G_DRAFT, n, mtp_body));
+    else
+        TRY(mtp_body(m));
+    for (int i = 0; i < n; i++) {
+        memset(&m->spec_params[i], 0, sizeof(m->spec_params[i]));   /* greedy */
+        m->spec_params[i].top_p = 1.0f;
+    }
+    TRY(ops->sample(be, m->s_ids, NULL, m->logits_dev, m->spec_params, n, m->V));
+    TRY(spec_download(m, n, drafts, NULL, logits));
+    for (int i = 0; i < n; i++)
+        m->mtp_len[m->spec_slot[i]] = m->len[m->spec_slot[i]];
     return DSV4_OK;
 }
 
@@ -1418,6 +1731,7 @@ state_import(struct dsv4_model *m, int slot, const void *buf, size_t len, int de
         return dsv4_err_set(DSV4_ERR_PROTO, "state import: %zu bytes, expected %zu for "
                             "length %d", len, want, h.len);
     /* the slot's old pages go, the new sequence's are reserved */
+    m->spec_n = 0;
     pages_release(m, slot);
     m->len[slot] = m->mtp_len[slot] = 0;
     TRY(pages_reserve(m, &slot, &h.len, 1));

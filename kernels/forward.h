@@ -146,6 +146,77 @@ enum dsv4_err dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b,
                              const int32_t *next_tokens, float *logits);
 
 /*
+ * Speculative decoding with the MTP layer (docs/model.md, "Speculative
+ * decoding").  A step of a stream feeds its last accepted token t (not yet
+ * through the model, at position p = the slot's length) followed by up to
+ * DSV4_SPEC_MAX_DRAFT draft tokens in one forward call, samples every row,
+ * and keeps the drafts up to the first one that differs from the token the
+ * main model sampled before it, plus the main model's token after the last
+ * kept row: 1 .. k+1 tokens per stream.  The sampled rows use the stream's
+ * (seed, step), (seed, step + 1), ... exactly as plain decoding would, and a
+ * draft counts only when it equals the sampled token (exact match, also at
+ * temperature > 0), so the tokens are those of plain decoding: the rows
+ * before the first rejected draft see the same context as plain steps.
+ *
+ * A rejected draft leaves no trace: its position's ring row and emitted
+ * compressor entries are rewritten before they are read when that position
+ * is fed again, and the one piece of state it changes that is read later,
+ * the previous-window half of an r = 4 compressor state when the draft
+ * completes a window, is snapshotted in the verify call and restored.  The
+ * slot's length grows by the kept tokens.
+ *
+ * dsv4_model_spec_draft then runs the MTP layer over the verify call's rows
+ * (hidden state of row i with the token sampled at row i) and gives each
+ * stream its next draft: the MTP layer's greedy token at the last kept row.
+ * The MTP layer processes the slot's positions in order; a slot whose MTP
+ * layer has not seen its earlier positions (a decode state imported from a
+ * prefill that did not run it, or a stream decoded without drafts) starts
+ * with an empty MTP window (zeroed ring): its first drafts are poorer, the
+ * output is the same.
+ *
+ * With opts.graphs, verify calls where every stream has a draft and the
+ * draft steps after them run as graphs recorded per batch size (separate
+ * from the plain decode graphs).  Every rank of a group runs the same calls
+ * and samples the same logits, so all take the same decisions.
+ */
+#define DSV4_SPEC_MAX_DRAFT 1
+
+/* One verify call: stream i in slot[i] feeds last[i] then its n_draft[i]
+ * (0 .. DSV4_SPEC_MAX_DRAFT) drafts, draft[i * DSV4_SPEC_MAX_DRAFT + j]. */
+struct dsv4_spec_batch {
+    int n_seqs;
+    const int32_t *slot;      /* (n_seqs) distinct slots */
+    const int32_t *last;      /* (n_seqs) last accepted token, at the slot's length */
+    const int32_t *n_draft;   /* (n_seqs) drafts of each stream */
+    const int32_t *draft;     /* (n_seqs, DSV4_SPEC_MAX_DRAFT) */
+};
+
+/*
+ * Verify step.  params[i]: stream i's sampling; its row j samples with step
+ * params[i].step + j.  Output per stream i: out_n[i] tokens (1 ..
+ * n_draft[i] + 1) in out_ids[i * (DSV4_SPEC_MAX_DRAFT + 1) + j] and their
+ * log-probabilities in out_lp (same layout; may be NULL); the drafts
+ * accepted are out_n[i] - 1.  logits (host, may be NULL): every row's
+ * logits, (Σ (1 + n_draft), V), stream after stream.  The slot's length
+ * grows by out_n[i].  Errors as dsv4_model_forward (a stream needs room for
+ * all its rows); nothing changes on error.  Must be followed by
+ * dsv4_model_spec_draft before the next forward call on these slots when
+ * drafts are wanted (any other call forgets the verify's rows).
+ */
+enum dsv4_err dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
+                                     const struct dsv4_sample_params *params, int32_t *out_ids,
+                                     float *out_lp, int32_t *out_n, float *logits);
+
+/*
+ * Draft step after dsv4_model_spec_verify: runs the MTP layer over the
+ * verify call's rows and writes each stream's next draft (greedy) to
+ * drafts[i] (host, n_seqs of the verify call); logits (host, may be NULL):
+ * the MTP layer's logits of those rows, (n_seqs, V).  DSV4_ERR_NOTSUP
+ * without an MTP layer; DSV4_ERR_INVAL when the last call was not a verify.
+ */
+enum dsv4_err dsv4_model_spec_draft(struct dsv4_model *m, int32_t *drafts, float *logits);
+
+/*
  * Decode-state handoff (prefill -> decode, model doc §4).  A slot's state is
  * serialised into a flat host buffer: a fixed header, then for every layer its
  * window ring, its compressed entries and indexer keys up to the sequence's

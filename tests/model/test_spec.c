@@ -1,0 +1,505 @@
+/*
+ * test_spec.c — speculative decoding with the MTP layer (kernels/forward.h,
+ * "Speculative decoding") gives exactly the tokens of plain greedy decoding.
+ *
+ * Four streams of mixed prompt lengths (1, 37, 130, 250 tokens) on the tiny
+ * checkpoint (window 16, r = 4 and r = 128 layers, one MTP layer) generate
+ * N_GEN tokens each, once by plain batched greedy steps (the reference, with
+ * the MTP head run after every step as dsv4_model_mtp) and once by verify +
+ * draft steps.  At every verify step each stream draws its draft from one of
+ * four sources: the MTP layer's draft, the true next token (forced accept),
+ * a wrong one (forced reject), or none; random MTP weights alone would
+ * reject almost always, so the forced ones cover both paths, including the
+ * restore of an r = 4 compressor state, hundreds of times over many window,
+ * r = 4 and r = 128 boundaries.  Streams finish at different steps, so the
+ * batch shrinks.  Checked, bit for bit (memcmp): every token, every logits
+ * row of a kept token against the plain step that produced it, and every MTP
+ * draft row against the reference MTP head at the same position.
+ *
+ * The same script in a model group of two ranks (threads, local comm,
+ * weight shards) gives every rank the single rank's tokens and logits; that
+ * run skips the MTP pass over the prompts, so it also covers a slot whose
+ * MTP layer starts late (empty MTP window).
+ *
+ * Usage: test_spec CHECKPOINT_DIR (run_with_ckpt.sh makes it).
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/weights_shard.h"
+#include "model_util.h"
+
+#define N_SEQ 4
+#define N_GEN 360          /* generated tokens per stream (main test) */
+#define N_GEN_TP 90        /* in the group test */
+#define MAX_SEQ 1024
+static const int32_t prompt_len[N_SEQ] = { 1, 37, 130, 250 };
+#define N_PROMPT (1 + 37 + 130 + 250)
+#define K1 (DSV4_SPEC_MAX_DRAFT + 1)
+
+static const char *ckpt_dir;
+static int V;
+
+/* Draft sources of one stream at one verify step. */
+enum src { SRC_MTP, SRC_ACCEPT, SRC_REJECT, SRC_NONE };
+
+/*
+ * What a run produces, indexed by stream s and generated-token index k:
+ * tok[s][k] the k-th generated token (k = 0: from the prefill); lg[s][k]
+ * the logits row that produced tok[s][k + 1]; mtp[s][k] the MTP head's row
+ * at the position of tok[s][k] paired with tok[s][k + 1] (has_mtp marks the
+ * ones a speculative run computed).
+ */
+struct run {
+    int n_gen;
+    int32_t tok[N_SEQ][N_GEN + 2];
+    float *lg;                  /* (N_SEQ, N_GEN, V) */
+    float *mtp;                 /* (N_SEQ, N_GEN, V) */
+    uint8_t has_mtp[N_SEQ][N_GEN];
+    int accepted, rejected, restored, mtp_accepted, calls;
+    enum dsv4_err err;
+    char msg[256];
+};
+
+static void
+run_alloc(struct run *o, int n_gen)
+{
+    memset(o, 0, sizeof(*o));
+    o->n_gen = n_gen;
+    o->lg = calloc((size_t)N_SEQ * N_GEN * V, sizeof(float));
+    o->mtp = calloc((size_t)N_SEQ * N_GEN * V, sizeof(float));
+    assert_true(o->lg != NULL && o->mtp != NULL);
+}
+
+static void
+run_free(struct run *o)
+{
+    free(o->lg);
+    free(o->mtp);
+}
+
+static float *
+row_of(float *a, int s, int k)
+{
+    return a + ((size_t)s * N_GEN + k) * V;
+}
+
+static int32_t
+argmax(const float *x, int n)
+{
+    int32_t b = 0;
+
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}
+
+static uint64_t
+rng_next(uint64_t *x)
+{
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+#define RUN_TRY(expr)                                                        \
+    do {                                                                     \
+        enum dsv4_err e_ = (expr);                                           \
+        if (e_ != DSV4_OK) {                                                 \
+            o->err = e_;                                                     \
+            snprintf(o->msg, sizeof(o->msg), "%s: %s", #expr, dsv4_errmsg()); \
+            goto out;                                                        \
+        }                                                                    \
+    } while (0)
+
+/*
+ * Prefill the prompts into slots 0..N_SEQ-1 (fresh), first tokens into
+ * o->tok[s][0]; with `mtp`, the MTP head over the prompts too (each row
+ * paired with the next prompt id, the last with the first token), whose
+ * last rows are returned in first_draft (the MTP layer then follows the
+ * slots from position 0).
+ */
+static void
+prefill(struct dsv4_model *m, struct run *o, int mtp, int32_t *first_draft)
+{
+    int32_t slot[N_SEQ] = { 0, 1, 2, 3 };
+    int32_t *ids = malloc(N_PROMPT * sizeof(int32_t));
+    int32_t *next = malloc(N_PROMPT * sizeof(int32_t));
+    float *lg = malloc((size_t)N_PROMPT * V * sizeof(float));
+    struct dsv4_batch b = { N_SEQ, slot, prompt_len, ids };
+
+    tmodel_tokens(ids, N_PROMPT, V, 5);
+    for (int s = 0; s < N_SEQ; s++)
+        RUN_TRY(dsv4_model_seq_reset(m, s));
+    RUN_TRY(dsv4_model_forward(m, &b, lg, mtp ? DSV4_FWD_KEEP_HIDDEN : 0));
+    for (int s = 0; s < N_SEQ; s++)
+        o->tok[s][0] = argmax(lg + (size_t)s * V, V);
+    if (mtp) {
+        for (int s = 0, row = 0; s < N_SEQ; s++)
+            for (int i = 0; i < prompt_len[s]; i++, row++)
+                next[row] = i + 1 < prompt_len[s] ? ids[row + 1] : o->tok[s][0];
+        RUN_TRY(dsv4_model_mtp(m, &b, next, lg));
+        for (int s = 0, row = 0; s < N_SEQ; s++) {
+            row += prompt_len[s];
+            first_draft[s] = argmax(lg + (size_t)(row - 1) * V, V);
+        }
+    }
+out:
+    free(ids);
+    free(next);
+    free(lg);
+}
+
+/* The reference: plain batched greedy steps, each followed by the MTP head
+ * over its row with the token it produced. */
+static void
+plain_script(struct dsv4_model *m, struct run *o)
+{
+    int32_t slot[N_SEQ] = { 0, 1, 2, 3 }, ones[N_SEQ] = { 1, 1, 1, 1 }, tok[N_SEQ], nxt[N_SEQ];
+    int32_t first[N_SEQ];
+    float *lg = malloc((size_t)N_SEQ * V * sizeof(float));
+    float *mg = malloc((size_t)N_SEQ * V * sizeof(float));
+
+    prefill(m, o, 1, first);
+    if (o->err != DSV4_OK)
+        goto out;
+    for (int k = 0; k < o->n_gen; k++) {
+        struct dsv4_batch b = { N_SEQ, slot, ones, tok };
+
+        for (int s = 0; s < N_SEQ; s++)
+            tok[s] = o->tok[s][k];
+        RUN_TRY(dsv4_model_forward(m, &b, lg, DSV4_FWD_KEEP_HIDDEN));
+        for (int s = 0; s < N_SEQ; s++) {
+            nxt[s] = argmax(lg + (size_t)s * V, V);
+            o->tok[s][k + 1] = nxt[s];
+            memcpy(row_of(o->lg, s, k), lg + (size_t)s * V, (size_t)V * sizeof(float));
+        }
+        RUN_TRY(dsv4_model_mtp(m, &b, nxt, mg));
+        for (int s = 0; s < N_SEQ; s++)
+            memcpy(row_of(o->mtp, s, k), mg + (size_t)s * V, (size_t)V * sizeof(float));
+    }
+out:
+    free(lg);
+    free(mg);
+}
+
+/*
+ * The speculative run: verify + draft steps until every stream has n_gen
+ * tokens.  ref holds the plain tokens (for the forced drafts; the run does
+ * not otherwise look at them).  Drafts come from the sources drawn from a
+ * fixed generator, so every rank of a group makes the same calls.
+ */
+static void
+spec_script(struct dsv4_model *m, const struct run *ref, int prompt_mtp, struct run *o)
+{
+    int32_t slot[N_SEQ], last[N_SEQ], nd[N_SEQ], draft[N_SEQ], ids[N_SEQ * K1], nout[N_SEQ];
+    int32_t mtp_draft[N_SEQ] = { 0 }, next_draft[N_SEQ], e[N_SEQ] = { 0 }, map[N_SEQ];
+    enum src src[N_SEQ];
+    struct dsv4_sample_params sp[N_SEQ];
+    float *lg = malloc((size_t)N_SEQ * K1 * V * sizeof(float));
+    float *mg = malloc((size_t)N_SEQ * V * sizeof(float));
+    uint64_t rng = 0x5eed;
+    int n_gen = o->n_gen;
+
+    prefill(m, o, prompt_mtp, mtp_draft);
+    if (o->err != DSV4_OK)
+        goto out;
+    for (;;) {
+        struct dsv4_spec_batch b = { 0, slot, last, nd, draft };
+        int n = 0;
+
+        for (int s = 0; s < N_SEQ; s++) {
+            if (e[s] >= n_gen)
+                continue;
+            slot[n] = s;
+            map[n] = s;
+            last[n] = o->tok[s][e[s]];
+            src[n] = (enum src)(rng_next(&rng) % 4);
+            if (e[s] + 1 >= n_gen)
+                src[n] = SRC_NONE;     /* no reference row for a second token */
+            nd[n] = src[n] != SRC_NONE;
+            draft[n] = src[n] == SRC_MTP ? mtp_draft[s] :
+                       src[n] == SRC_ACCEPT ? ref->tok[s][e[s] + 1] :
+                       src[n] == SRC_REJECT ?
+                       (int32_t)((ref->tok[s][e[s] + 1] + 1 + rng_next(&rng) % (V - 1)) % V) : 0;
+            memset(&sp[n], 0, sizeof(sp[n]));
+            sp[n].top_p = 1.0f;
+            sp[n].step = (uint64_t)e[s] + 1;
+            n++;
+        }
+        if (n == 0)
+            break;
+        b.n_seqs = n;
+        RUN_TRY(dsv4_model_spec_verify(m, &b, sp, ids, NULL, nout, lg));
+        o->calls++;
+        for (int i = 0, row = 0; i < n; i++) {
+            int s = map[i], p = prompt_len[s] + e[s];
+
+            for (int j = 0; j < nout[i]; j++) {
+                o->tok[s][e[s] + 1 + j] = ids[i * K1 + j];
+                memcpy(row_of(o->lg, s, e[s] + j), lg + (size_t)(row + j) * V,
+                       (size_t)V * sizeof(float));
+            }
+            if (nd[i] == 1 && nout[i] == 2) {
+                o->accepted++;
+                o->mtp_accepted += src[i] == SRC_MTP;
+            } else if (nd[i] == 1) {
+                o->rejected++;
+                o->restored += (p + 2) % 4 == 0;
+            }
+            /* an accepted forced draft must be kept, a wrong one refused */
+            if ((src[i] == SRC_ACCEPT && nout[i] != 2) || (src[i] == SRC_REJECT && nout[i] != 1) ||
+                (nd[i] == 0 && nout[i] != 1)) {
+                o->err = DSV4_ERR_INVAL;
+                snprintf(o->msg, sizeof(o->msg), "stream %d at %d: source %d kept %d tokens", s,
+                         e[s], src[i], nout[i]);
+                goto out;
+            }
+            row += 1 + nd[i];
+        }
+        RUN_TRY(dsv4_model_spec_draft(m, next_draft, mg));
+        for (int i = 0; i < n; i++) {
+            int s = map[i];
+
+            e[s] += nout[i];
+            mtp_draft[s] = next_draft[i];
+            memcpy(row_of(o->mtp, s, e[s] - 1), mg + (size_t)i * V, (size_t)V * sizeof(float));
+            o->has_mtp[s][e[s] - 1] = 1;
+        }
+    }
+out:
+    free(lg);
+    free(mg);
+}
+
+/* Rows [0, n) of stream s of a and b differ: the first such row, else -1. */
+static int
+first_diff(const float *a, const float *b, int s, int n)
+{
+    for (int k = 0; k < n; k++)
+        if (memcmp(a + ((size_t)s * N_GEN + k) * V, b + ((size_t)s * N_GEN + k) * V,
+                   (size_t)V * sizeof(float)) != 0)
+            return k;
+    return -1;
+}
+
+static void
+expect_tokens(const struct run *got, const struct run *want, const char *what)
+{
+    for (int s = 0; s < N_SEQ; s++) {
+        for (int k = 0; k <= got->n_gen; k++) {
+            if (got->tok[s][k] != want->tok[s][k])
+                fail_msg("%s: stream %d token %d is %d, plain decoding gives %d", what, s, k,
+                         got->tok[s][k], want->tok[s][k]);
+        }
+    }
+}
+
+static void
+test_spec_equals_plain(void **state)
+{
+    struct tmodel tm;
+    struct run ref, sp;
+    int n_mtp = 0;
+
+    (void)state;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, N_SEQ, MAX_SEQ, N_PROMPT);
+    V = tm.V;
+    run_alloc(&ref, N_GEN);
+    run_alloc(&sp, N_GEN);
+    plain_script(tm.m, &ref);
+    if (ref.err != DSV4_OK)
+        fail_msg("plain: %s", ref.msg);
+    spec_script(tm.m, &ref, 1, &sp);
+    if (sp.err != DSV4_OK)
+        fail_msg("speculative: %s", sp.msg);
+    printf("# %d verify calls for %d tokens: %d drafts accepted, %d rejected (%d r=4 "
+           "restores), %d MTP drafts accepted\n", sp.calls, N_SEQ * N_GEN, sp.accepted,
+           sp.rejected, sp.restored, sp.mtp_accepted);
+    expect_tokens(&sp, &ref, "speculative");
+    for (int s = 0; s < N_SEQ; s++) {
+        int k = first_diff(sp.lg, ref.lg, s, N_GEN);
+
+        if (k >= 0)
+            fail_msg("stream %d: logits producing token %d differ from the plain step's", s,
+                     k + 1);
+        for (k = 0; k < N_GEN; k++) {
+            if (!sp.has_mtp[s][k])
+                continue;
+            n_mtp++;
+            if (memcmp(row_of(sp.mtp, s, k), row_of(ref.mtp, s, k),
+                       (size_t)V * sizeof(float)) != 0)
+                fail_msg("stream %d: MTP draft row at token %d differs from the MTP head's", s,
+                         k);
+        }
+    }
+    printf("# every token and logits row equal; %d MTP draft rows equal the MTP head's\n",
+           n_mtp);
+    /* both paths ran many times (a property of the fixed draft sources) */
+    assert_true(sp.accepted >= 100);
+    assert_true(sp.rejected >= 100);
+    assert_true(sp.restored >= 20);
+    assert_true(n_mtp >= N_GEN);
+    run_free(&ref);
+    run_free(&sp);
+    tmodel_close(&tm);
+}
+
+/* --- a group of two ranks ------------------------------------------------ */
+
+static struct dsv4_model_opts
+opts(struct dsv4_comm *c)
+{
+    struct dsv4_model_opts o = { .n_slots = N_SEQ, .max_seq_len = MAX_SEQ,
+                                 .max_rows = N_PROMPT, .comm = c };
+    return o;
+}
+
+struct rank_ctx {
+    const struct dsv4_weights *full;
+    struct dsv4_comm *comm;
+    const struct run *ref;
+    struct run out;
+};
+
+static void *
+rank_main(void *arg)
+{
+    struct rank_ctx *r = arg;
+    struct dsv4_backend *be = NULL;
+    struct dsv4_weights sh;
+    struct dsv4_model *m = NULL;
+    struct dsv4_model_opts o = opts(r->comm);
+
+    if (dsv4_weights_shard(&sh, r->full, r->comm->rank, r->comm->size) != DSV4_OK ||
+        dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
+        dsv4_model_create(&m, be, &sh, &o) != DSV4_OK) {
+        r->out.err = DSV4_ERR_INVAL;
+        snprintf(r->out.msg, sizeof(r->out.msg), "rank %d set-up: %s", r->comm->rank,
+                 dsv4_errmsg());
+        return NULL;   /* the other rank then blocks: the test times out, loudly */
+    }
+    spec_script(m, r->ref, 0, &r->out);
+    dsv4_model_free(m);
+    dsv4_backend_destroy(be);
+    dsv4_weights_shard_free(&sh);
+    return NULL;
+}
+
+static void
+test_spec_group(void **state)
+{
+    struct tmodel tm;
+    struct run ref, one;
+    struct dsv4_comm *comm[2];
+    struct rank_ctx rk[2];
+    pthread_t th[2];
+
+    (void)state;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, N_SEQ, MAX_SEQ, N_PROMPT);
+    V = tm.V;
+    run_alloc(&ref, N_GEN_TP);
+    run_alloc(&one, N_GEN_TP);
+    plain_script(tm.m, &ref);
+    if (ref.err != DSV4_OK)
+        fail_msg("plain: %s", ref.msg);
+    spec_script(tm.m, &ref, 0, &one);
+    if (one.err != DSV4_OK)
+        fail_msg("one rank: %s", one.msg);
+    expect_tokens(&one, &ref, "one rank, late MTP start");
+    assert_int_equal(dsv4_comm_local_create(comm, 2), DSV4_OK);
+    for (int r = 0; r < 2; r++) {
+        rk[r].full = &tm.w;
+        rk[r].comm = comm[r];
+        rk[r].ref = &ref;
+        run_alloc(&rk[r].out, N_GEN_TP);
+        assert_int_equal(pthread_create(&th[r], NULL, rank_main, &rk[r]), 0);
+    }
+    for (int r = 0; r < 2; r++)
+        pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++) {
+        struct run *g = &rk[r].out;
+
+        if (g->err != DSV4_OK)
+            fail_msg("rank %d: %s", r, g->msg);
+        expect_tokens(g, &ref, "group rank");
+        for (int s = 0; s < N_SEQ; s++) {
+            int k = first_diff(g->lg, one.lg, s, N_GEN_TP);
+
+            if (k < 0)
+                k = first_diff(g->mtp, one.mtp, s, N_GEN_TP);
+            if (k >= 0)
+                fail_msg("rank %d stream %d: row %d differs from the single rank's", r, s, k);
+        }
+        assert_memory_equal(g->has_mtp, one.has_mtp, sizeof(one.has_mtp));
+        assert_int_equal(g->accepted, one.accepted);
+        printf("# rank %d: %d verify calls, %d accepted, %d rejected: == one rank\n", r,
+               g->calls, g->accepted, g->rejected);
+        run_free(g);
+        dsv4_comm_destroy(comm[r]);
+    }
+    run_free(&ref);
+    run_free(&one);
+    tmodel_close(&tm);
+}
+
+/* Bad verify and draft calls are refused. */
+static void
+test_spec_errors(void **state)
+{
+    struct tmodel tm;
+    int32_t slot[2] = { 0, 0 }, last[2] = { 1, 2 }, nd[2] = { 1, 1 }, dr[2] = { 3, 4 };
+    int32_t ids[2 * K1], nout[2], two = 2;
+    struct dsv4_sample_params sp[2];
+    struct dsv4_spec_batch b = { 1, slot, last, nd, dr };
+
+    (void)state;
+    memset(sp, 0, sizeof(sp));
+    sp[0].top_p = sp[1].top_p = 1.0f;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 2, 128, 4);
+    V = tm.V;
+    assert_int_equal(dsv4_model_spec_draft(tm.m, ids, NULL), DSV4_ERR_INVAL);   /* no verify */
+    b.n_seqs = 2;                                                                 /* repeated slot */
+    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, nout, NULL), DSV4_ERR_INVAL);
+    b.n_seqs = 1;
+    nd[0] = DSV4_SPEC_MAX_DRAFT + 1;
+    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, nout, NULL), DSV4_ERR_INVAL);
+    nd[0] = 1;
+    assert_int_equal(dsv4_model_seq_len(tm.m, 0), 0);
+    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, nout, NULL), DSV4_OK);
+    assert_int_equal(dsv4_model_seq_len(tm.m, 0), nout[0]);
+    /* a plain forward in between forgets the verify's rows */
+    struct dsv4_batch fb = { 1, slot, &two, last };
+    float *lg = malloc((size_t)V * sizeof(float));
+    assert_int_equal(dsv4_model_forward(tm.m, &fb, lg, 0), DSV4_OK);
+    assert_int_equal(dsv4_model_spec_draft(tm.m, ids, NULL), DSV4_ERR_INVAL);
+    free(lg);
+    tmodel_close(&tm);
+}
+
+int
+main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_spec_errors),
+        cmocka_unit_test(test_spec_equals_plain),
+        cmocka_unit_test(test_spec_group),
+    };
+
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_spec CHECKPOINT_DIR\n");
+        return 2;
+    }
+    ckpt_dir = argv[1];
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
