@@ -73,6 +73,7 @@ static const struct cfg_key cfg_keys[] = {
     { "ucx_devices",        STR(ucx_devices) },
     { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
     { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
+    { "kv_cudaipc_cache_mib", INT(kv_cudaipc_cache_mib, 0, 1 << 20) },
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
     { "mps_sm_percent",     INT(mps_sm_percent, 0, 100) },
     { "gateway_listen",     STR(gateway_listen) },
@@ -125,8 +126,9 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;
     snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
-    /* no until the cudaipc transport has run on a GPU (docs/gpu.md) */
-    snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "no");
+    /* passed on the H200s (docs/gpu.md "Decode-state handoff over CUDA IPC") */
+    snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "auto");
+    cfg->kv_cudaipc_cache_mib = 4096;
     snprintf(cfg->gateway_listen, sizeof(cfg->gateway_listen), "%s", "127.0.0.1:8000");
     snprintf(cfg->gateway_model, sizeof(cfg->gateway_model), "%s", "deepseek-v4-flash");
     cfg->gateway_max_body = 1 << 20;

@@ -104,12 +104,15 @@ struct dsv4_conf {
                                ones) or "exact" (bit-identical to the CPU
                                backend); the environment variable
                                DSV4_CUDA_KERNELS, when set, wins */
-    char kv_cudaipc[8];     /* [no] decode state between the ranks of one
+    char kv_cudaipc[8];     /* [auto] decode state between the ranks of one
                                host through CUDA IPC handles (device memory,
                                no host copy; docs/gpu.md): "auto" (offered
                                with the cuda backend when it starts), "yes"
-                               (a cuda rank that cannot fails), "no".
-                               Default no until it has run on a GPU. */
+                               (a cuda rank that cannot fails), "no" */
+    int kv_cudaipc_cache_mib; /* [4096] cudaipc: MiB of released regions a
+                               prefill rank keeps for reuse, and of
+                               mappings a decode rank keeps open; 0 = none
+                               (DSV4_KV_CUDAIPC_CACHE_MIB wins when set) */
     /* --- HTTP gateway (dsv4-gateway, docs/gateway.md) --- */
     char gateway_listen[DSV4_CONF_STR]; /* [127.0.0.1:8000] HOST:PORT of the HTTP
                                            listener (unless socket-activated) */

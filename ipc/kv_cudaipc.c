@@ -4,31 +4,54 @@
  * the same host through CUDA IPC memory handles, so the state never visits
  * host memory (docs/gpu.md "Decode-state handoff over CUDA IPC").
  *
- * Exporter: export_region is cudaMalloc of the region on the instance's
- * device (its own allocation, so the handle covers exactly the region) and
- * cudaIpcGetMemHandle; the rank writes the state into it with device copies
- * (dsv4_model_state_export_dev), which have finished when it publishes the
- * descriptor.  free_region is cudaFree, called after KV_RELEASE (or cancel,
- * or the export timeout) as for every transport.
+ * Exporter: export_region takes a region from the instance's cache of
+ * released regions (ipc/kvx_cache.h: best fit, at most a quarter + 2 MiB
+ * larger than asked) with the IPC handle it already has, or else makes one:
+ * cudaMalloc of the size rounded up to 2 MiB on the instance's device (its
+ * own allocation, so the handle covers exactly the region; on out-of-memory
+ * the cached regions are freed and the allocation retried) and
+ * cudaIpcGetMemHandle.  The rank writes the state into it with device
+ * copies (dsv4_model_state_export_dev), which have finished when it
+ * publishes the descriptor.  recycle_region (dsv4_kvx_release, after
+ * KV_RELEASE: the importer has finished reading) puts the region back into
+ * the cache, which keeps at most cache_bytes (struct dsv4_kvx_opts; 4 GiB)
+ * and 64 regions, freeing the least recently used beyond; free_region
+ * (cancel, export timeout: a reader may still come, and a recycled region
+ * would show it another request's state) is cudaFree.  So a warm export
+ * does no cudaMalloc and no cudaFree (which synchronises the device).
  *
- * Handle bytes (docs/protocol.md §6.2), 89 … 151 bytes:
+ * Handle bytes (docs/protocol.md §6.2), 101 … 163 bytes:
  *     0   64  cudaIpcMemHandle_t of the allocation
  *    64   16  UUID of the exporter's device (cudaDeviceProp.uuid)
  *    80    8  size of the allocation in bytes, little-endian
- *    88  1-63 owner tag of the exporter ([A-Za-z0-9._-], no NUL)
+ *    88    4  pid of the exporting process, little-endian
+ *    92    8  instance of the exporter: its transport's start time in ns
+ *             since the epoch (CLOCK_REALTIME), little-endian
+ *   100  1-63 owner tag of the exporter ([A-Za-z0-9._-], no NUL)
  *
  * Importer: import_map checks the handle, that the exporter's device is one
  * this process sees (by UUID: device ordinals differ between processes with
- * different CUDA_VISIBLE_DEVICES) and the sizes, then cudaIpcOpenMemHandle
- * with cudaIpcMemLazyEnablePeerAccess (so the exporter's device may be
- * another GPU of the host, read over NVLink/PCIe); the mapped `data` is a
- * DEVICE pointer (x->device_memory), which the rank reads with
- * dsv4_model_state_import_dev (device-to-device copies, complete on return);
- * unmap is cudaIpcCloseMemHandle.
+ * different CUDA_VISIBLE_DEVICES) and the sizes.  Mappings are cached by the
+ * handle's bytes (a region the exporter recycled comes back with the same
+ * handle): a hit costs no CUDA call; a miss is cudaIpcOpenMemHandle with
+ * cudaIpcMemLazyEnablePeerAccess (so the exporter's device may be another
+ * GPU of the host, read over NVLink/PCIe).  The mapped `data` is a DEVICE
+ * pointer (x->device_memory), which the rank reads with
+ * dsv4_model_state_import_dev (device-to-device copies, complete on return).
+ * unmap drops the reference; the mapping stays open until the cache lets
+ * it go (least recently used beyond cache_bytes or 64 mappings), until a
+ * handle with the same owner tag from another exporter process or instance
+ * arrives (the old exporter went away: closing its mappings is what frees
+ * its memory), or until the transport closes.  Reading a recycled region
+ * through a kept mapping is safe because the exporter recycles a region only
+ * after KV_RELEASE, i.e. once the importer of its previous contents is done.
+ * With no cache (cache_bytes < 0, or DSV4_KV_CUDAIPC_CACHE_MIB=0) a release
+ * is cudaFree and an unmap cudaIpcCloseMemHandle, as before the caches.
  *
  * cleanup_stale has nothing to do: device memory is released by the driver
  * when the process that allocated it exits, so a crashed exporter leaves no
- * region behind (an importer still holding a mapping keeps it until unmap).
+ * region behind (an importer still holding a mapping keeps it until it
+ * closes the mapping: see above).
  *
  * Trust: the allocation's size comes from the handle (the runtime API cannot
  * query the size of an IPC allocation); a handle that overstates it makes
@@ -44,28 +67,68 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
 #include "common/log.h"
+#include "ipc/kvx_cache.h"
 
 #define CIPC_MEMH 64                        /* bytes of cudaIpcMemHandle_t */
 #define CIPC_UUID 16                        /* bytes of a device UUID */
 #define CIPC_OFF_UUID CIPC_MEMH
 #define CIPC_OFF_SIZE (CIPC_OFF_UUID + CIPC_UUID)
-#define CIPC_OFF_OWNER (CIPC_OFF_SIZE + 8)  /* = fixed part, 88 bytes */
+#define CIPC_OFF_PID (CIPC_OFF_SIZE + 8)
+#define CIPC_OFF_INST (CIPC_OFF_PID + 4)
+#define CIPC_OFF_OWNER (CIPC_OFF_INST + 8)  /* = fixed part, 100 bytes */
 #define CIPC_MAX_DEV 64                     /* devices of one host we look at */
+#define CIPC_GRAIN (2ull << 20)             /* allocation granularity */
+#define CIPC_MAX_CACHED 64                  /* regions / mappings kept */
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == CIPC_MEMH, "cudaIpcMemHandle_t is 64 bytes");
 _Static_assert(CIPC_OFF_OWNER + DSV4_KVX_MAX_OWNER - 1 <= DSV4_KVX_MAX_HANDLE,
                "a cudaipc handle fits a descriptor");
+_Static_assert(CIPC_OFF_OWNER + DSV4_KVX_MAX_OWNER - 1 <= DSV4_KVX_CACHE_KEY,
+               "a cudaipc handle fits a cache key");
 
 /* Instance state (x->priv). */
 struct cipc {
     int device;                             /* ours: current at open time */
     int n_dev;                              /* devices this process sees */
     uint8_t uuid[CIPC_MAX_DEV][CIPC_UUID];  /* their UUIDs, by ordinal */
+    uint32_t pid;                           /* ours: handle bytes 88 … 99 */
+    uint64_t instance;
+    struct dsv4_kvx_cache regions;          /* exporter: released regions */
+    struct dsv4_kvx_cache maps;             /* importer: open mappings */
 };
+
+/* A parsed handle (cipc_parse). */
+struct cipc_handle {
+    uint64_t size;                          /* of the allocation */
+    uint32_t pid;                           /* the exporter's process */
+    uint64_t instance;                      /* and transport instance */
+    char owner[DSV4_KVX_MAX_OWNER];         /* its owner tag */
+};
+
+/* Little-endian integer of n bytes at p. */
+static uint64_t
+cipc_get(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+
+    for (int i = 0; i < n; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+/* Store v as a little-endian integer of n bytes at p. */
+static void
+cipc_put(uint8_t *p, uint64_t v, int n)
+{
+    for (int i = 0; i < n; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
 
 /* A failed CUDA call as a dsv4 error (DSV4_ERR_SYS, or NOMEM for an
  * allocation). */
@@ -88,14 +151,58 @@ cipc_device(const struct dsv4_kvx *x)
     return rc == cudaSuccess ? DSV4_OK : cipc_fail(rc, "cudaSetDevice");
 }
 
+/* Cache callback: free a released region (the device is current). */
+static void
+cipc_region_destroy(void *ctx, const struct dsv4_kvx_centry *e)
+{
+    cudaError_t rc;
+
+    (void)ctx;
+    if ((rc = cudaFree(e->data)) != cudaSuccess)
+        log_warnx("kv_cudaipc: cudaFree of a cached region: %s", cudaGetErrorString(rc));
+}
+
+/* Cache callback: close a mapping (the device is current). */
+static void
+cipc_map_destroy(void *ctx, const struct dsv4_kvx_centry *e)
+{
+    cudaError_t rc;
+
+    (void)ctx;
+    if ((rc = cudaIpcCloseMemHandle(e->data)) != cudaSuccess)
+        log_warnx("kv_cudaipc: cudaIpcCloseMemHandle (region of %s): %s", e->owner,
+                  cudaGetErrorString(rc));
+}
+
+/* The caches' byte cap: DSV4_KV_CUDAIPC_CACHE_MIB when set, else the
+ * options' (0 = the default, < 0 = none). */
+static uint64_t
+cipc_cache_bytes(const struct dsv4_kvx_opts *o)
+{
+    const char *env = getenv("DSV4_KV_CUDAIPC_CACHE_MIB");
+    char *end;
+
+    if (env != NULL && *env != '\0') {
+        long long mib = strtoll(env, &end, 10);
+
+        if (*end == '\0' && mib >= 0 && mib <= (1ll << 30))
+            return (uint64_t)mib << 20;
+        log_warnx("kv_cudaipc: DSV4_KV_CUDAIPC_CACHE_MIB=%s ignored", env);
+    }
+    if (o->cache_bytes < 0)
+        return 0;
+    return o->cache_bytes > 0 ? (uint64_t)o->cache_bytes : DSV4_KVX_CACHE_BYTES;
+}
+
 static enum dsv4_err
 cipc_init(struct dsv4_kvx *x, const struct dsv4_kvx_opts *o)
 {
     struct cudaDeviceProp prop;
+    struct timespec ts;
     struct cipc *c;
     cudaError_t rc;
+    uint64_t cap;
 
-    (void)o;
     if ((c = calloc(1, sizeof(*c))) == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "kv_cudaipc: out of memory");
     if ((rc = cudaGetDeviceCount(&c->n_dev)) != cudaSuccess || c->n_dev < 1) {
@@ -116,6 +223,15 @@ cipc_init(struct dsv4_kvx *x, const struct dsv4_kvx_opts *o)
         }
         memcpy(c->uuid[d], prop.uuid.bytes, CIPC_UUID);
     }
+    clock_gettime(CLOCK_REALTIME, &ts);
+    c->pid = (uint32_t)getpid();
+    c->instance = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    cap = cipc_cache_bytes(o);
+    dsv4_kvx_cache_init(&c->regions, cap, cap > 0 ? CIPC_MAX_CACHED : 0, cipc_region_destroy,
+                        c);
+    dsv4_kvx_cache_init(&c->maps, cap, cap > 0 ? CIPC_MAX_CACHED : 0, cipc_map_destroy, c);
+    log_debug("kv_cudaipc: device %d, pid %u, caches of %" PRIu64 " MiB", c->device,
+              (unsigned)c->pid, cap >> 20);
     x->priv = c;
     x->device_memory = true;
     return DSV4_OK;
@@ -124,29 +240,68 @@ cipc_init(struct dsv4_kvx *x, const struct dsv4_kvx_opts *o)
 static void
 cipc_fini(struct dsv4_kvx *x)
 {
-    free(x->priv);
+    struct cipc *c = x->priv;
+
+    if (cipc_device(x) != DSV4_OK)
+        log_warnx("kv_cudaipc_fini: %s", dsv4_errmsg());
+    log_debug("kv_cudaipc: regions reused %" PRIu64 " of %" PRIu64 ", mappings reused %" PRIu64
+              " of %" PRIu64, c->regions.hits, c->regions.hits + c->regions.misses,
+              c->maps.hits, c->maps.hits + c->maps.misses);
+    dsv4_kvx_cache_clear(&c->regions);
+    dsv4_kvx_cache_clear(&c->maps);
+    free(c);
     x->priv = NULL;
+}
+
+/* A new region of at least `size` bytes: *p, its allocation size *asize and
+ * IPC handle *h.  On out-of-memory the cached regions go and it retries. */
+static enum dsv4_err
+cipc_alloc(struct cipc *c, uint64_t size, void **p, uint64_t *asize, cudaIpcMemHandle_t *h)
+{
+    cudaError_t rc;
+
+    *asize = (size + CIPC_GRAIN - 1) / CIPC_GRAIN * CIPC_GRAIN;
+    rc = cudaMalloc(p, (size_t)*asize);
+    if (rc == cudaErrorMemoryAllocation && c->regions.n > 0) {
+        (void)cudaGetLastError();
+        log_info("kv_cudaipc: out of device memory: freeing %d cached regions (%" PRIu64
+                 " MiB)", c->regions.n, c->regions.bytes >> 20);
+        dsv4_kvx_cache_clear(&c->regions);
+        rc = cudaMalloc(p, (size_t)*asize);
+    }
+    if (rc != cudaSuccess) {
+        (void)cudaGetLastError();
+        return cipc_fail(rc, "cudaMalloc of the region");
+    }
+    if ((rc = cudaIpcGetMemHandle(h, *p)) != cudaSuccess) {
+        cudaFree(*p);
+        return cipc_fail(rc, "cudaIpcGetMemHandle");
+    }
+    return DSV4_OK;
 }
 
 static enum dsv4_err
 cipc_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kvx_region *r)
 {
-    const struct cipc *c = x->priv;
+    struct cipc *c = x->priv;
+    struct dsv4_kvx_centry ent;
     cudaIpcMemHandle_t h;
     size_t olen = strlen(x->owner);
-    cudaError_t rc;
+    uint64_t asize;
     enum dsv4_err e;
     void *p = NULL;
 
-    if (size > (uint64_t)SIZE_MAX)
+    if (size > (uint64_t)SIZE_MAX - CIPC_GRAIN)
         return dsv4_err_set(DSV4_ERR_INVAL, "kv_cudaipc: region of %" PRIu64 " bytes", size);
     if ((e = cipc_device(x)) != DSV4_OK)
         return e;
-    if ((rc = cudaMalloc(&p, (size_t)size)) != cudaSuccess)
-        return cipc_fail(rc, "cudaMalloc of the region");
-    if ((rc = cudaIpcGetMemHandle(&h, p)) != cudaSuccess) {
-        cudaFree(p);
-        return cipc_fail(rc, "cudaIpcGetMemHandle");
+    if (dsv4_kvx_cache_take(&c->regions, size, CIPC_GRAIN, &ent)) {
+        /* a released region, with the handle it was exported with */
+        p = ent.data;
+        asize = ent.size;
+        memcpy(&h, ent.key, CIPC_MEMH);
+    } else if ((e = cipc_alloc(c, size, &p, &asize, &h)) != DSV4_OK) {
+        return e;
     }
     r->data = p;
     r->size = size;
@@ -154,8 +309,9 @@ cipc_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_
     r->desc.transport = DSV4_TRANSPORT_CUDAIPC;
     memcpy(r->desc.handle, &h, CIPC_MEMH);
     memcpy(r->desc.handle + CIPC_OFF_UUID, c->uuid[c->device], CIPC_UUID);
-    for (int i = 0; i < 8; i++)
-        r->desc.handle[CIPC_OFF_SIZE + i] = (uint8_t)(size >> (8 * i));
+    cipc_put(r->desc.handle + CIPC_OFF_SIZE, asize, 8);
+    cipc_put(r->desc.handle + CIPC_OFF_PID, c->pid, 4);
+    cipc_put(r->desc.handle + CIPC_OFF_INST, c->instance, 8);
     memcpy(r->desc.handle + CIPC_OFF_OWNER, x->owner, olen);
     r->desc.handle_len = (uint32_t)(CIPC_OFF_OWNER + olen);
     r->desc.size = size;
@@ -163,6 +319,7 @@ cipc_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_
     return DSV4_OK;
 }
 
+/* Not acknowledged (cancel, timeout, shutdown): the memory goes. */
 static void
 cipc_free_region(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
 {
@@ -175,16 +332,32 @@ cipc_free_region(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
                   cudaGetErrorString(rc));
 }
 
+/* Acknowledged (KV_RELEASE): back into the cache, handle and all. */
+static void
+cipc_recycle_region(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
+{
+    struct cipc *c = x->priv;
+    struct dsv4_kvx_centry ent;
+
+    if (cipc_device(x) != DSV4_OK)
+        log_warnx("kv_cudaipc_release: %s", dsv4_errmsg());
+    memset(&ent, 0, sizeof(ent));
+    ent.data = r->data;
+    ent.size = cipc_get(r->desc.handle + CIPC_OFF_SIZE, 8);
+    memcpy(ent.key, r->desc.handle, CIPC_MEMH);
+    ent.key_len = CIPC_MEMH;
+    dsv4_kvx_cache_put(&c->regions, &ent);
+}
+
 /*
- * Check a handle: length, owner tag characters, size; *size_out = the
- * allocation's size.  Returns the ordinal of the exporter's device here, -1
- * (DSV4_ERR_PROTO set) for a malformed handle, -2 (DSV4_ERR_SYS set) for a
- * device this process does not see.
+ * Check a handle: length, owner tag characters, size; fills *out.  Returns
+ * the ordinal of the exporter's device here, -1 (DSV4_ERR_PROTO set) for a
+ * malformed handle, -2 (DSV4_ERR_SYS set) for a device this process does
+ * not see.
  */
 static int
-cipc_parse(const struct cipc *c, const struct dsv4_kvx_desc *d, uint64_t *size_out)
+cipc_parse(const struct cipc *c, const struct dsv4_kvx_desc *d, struct cipc_handle *out)
 {
-    uint64_t size = 0;
     uint32_t olen;
 
     if (d->handle_len <= CIPC_OFF_OWNER ||
@@ -200,39 +373,51 @@ cipc_parse(const struct cipc *c, const struct dsv4_kvx_desc *d, uint64_t *size_o
             dsv4_err_set(DSV4_ERR_PROTO, "kv_cudaipc: bad owner tag in handle");
             return -1;
         }
+        out->owner[i] = (char)ch;
     }
-    for (int i = 0; i < 8; i++)
-        size |= (uint64_t)d->handle[CIPC_OFF_SIZE + i] << (8 * i);
-    if (size == 0 || size < d->size || size > (uint64_t)SIZE_MAX) {
+    out->owner[olen] = '\0';
+    out->size = cipc_get(d->handle + CIPC_OFF_SIZE, 8);
+    out->pid = (uint32_t)cipc_get(d->handle + CIPC_OFF_PID, 4);
+    out->instance = cipc_get(d->handle + CIPC_OFF_INST, 8);
+    if (out->size == 0 || out->size < d->size || out->size > (uint64_t)SIZE_MAX) {
         dsv4_err_set(DSV4_ERR_PROTO, "kv_cudaipc: allocation of %" PRIu64 " bytes, descriptor "
-                     "says %" PRIu64, size, d->size);
+                     "says %" PRIu64, out->size, d->size);
         return -1;
     }
-    *size_out = size;
     for (int dev = 0; dev < c->n_dev; dev++)
         if (memcmp(c->uuid[dev], d->handle + CIPC_OFF_UUID, CIPC_UUID) == 0)
             return dev;
-    dsv4_err_set(DSV4_ERR_SYS, "kv_cudaipc: the exporter's device (%.*s) is not visible here "
-                 "(CUDA_VISIBLE_DEVICES?)", (int)olen,
-                 (const char *)d->handle + CIPC_OFF_OWNER);
+    dsv4_err_set(DSV4_ERR_SYS, "kv_cudaipc: the exporter's device (%s) is not visible here "
+                 "(CUDA_VISIBLE_DEVICES?)", out->owner);
     return -2;
 }
 
 static enum dsv4_err
 cipc_import_map(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_kvx_map *m)
 {
-    const struct cipc *c = x->priv;
+    struct cipc *c = x->priv;
+    struct dsv4_kvx_centry *hit, ent;
+    struct cipc_handle ph;
     cudaIpcMemHandle_t h;
-    uint64_t size = 0;
     cudaError_t rc;
     enum dsv4_err e;
     void *p = NULL;
-    int dev;
+    int dev, n;
 
-    if ((dev = cipc_parse(c, d, &size)) < 0)
+    if ((dev = cipc_parse(c, d, &ph)) < 0)
         return dev == -1 ? DSV4_ERR_PROTO : DSV4_ERR_SYS;
     if ((e = cipc_device(x)) != DSV4_OK)
         return e;
+    /* a new process or instance under this owner tag: the old one is gone */
+    if ((n = dsv4_kvx_cache_drop_owner(&c->maps, ph.owner, ph.pid, ph.instance)) > 0)
+        log_info("kv_cudaipc: %s restarted (pid %u): closed %d mappings of its predecessor",
+                 ph.owner, (unsigned)ph.pid, n);
+    if ((hit = dsv4_kvx_cache_find(&c->maps, d->handle, d->handle_len)) != NULL) {
+        m->data = hit->data;
+        m->size = hit->size;
+        m->priv = NULL;
+        return DSV4_OK;
+    }
     memcpy(&h, d->handle, CIPC_MEMH);
     rc = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
     if (rc != cudaSuccess)
@@ -240,8 +425,19 @@ cipc_import_map(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
     if (dev != c->device)
         log_debug("kv_cudaipc: region on device %d, importing on device %d (peer access)", dev,
                   c->device);
+    memset(&ent, 0, sizeof(ent));
+    ent.data = p;
+    ent.size = ph.size;
+    memcpy(ent.key, d->handle, d->handle_len);
+    ent.key_len = d->handle_len;
+    memcpy(ent.owner, ph.owner, sizeof(ent.owner));
+    ent.pid = ph.pid;
+    ent.instance = ph.instance;
+    /* not kept (no memory for the table): unmap closes it */
+    if (!dsv4_kvx_cache_add(&c->maps, &ent))
+        log_debug("kv_cudaipc: mapping not cached (out of memory)");
     m->data = p;
-    m->size = size;
+    m->size = ph.size;
     m->priv = NULL;
     return DSV4_OK;
 }
@@ -249,10 +445,13 @@ cipc_import_map(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
 static void
 cipc_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m)
 {
+    struct cipc *c = x->priv;
     cudaError_t rc;
 
     if (cipc_device(x) != DSV4_OK)
         log_warnx("kv_cudaipc_unmap: %s", dsv4_errmsg());
+    if (dsv4_kvx_cache_release(&c->maps, m->data))
+        return;     /* kept open, or closed by the cache */
     if ((rc = cudaIpcCloseMemHandle((void *)(uintptr_t)m->data)) != cudaSuccess)
         log_warnx("kv_cudaipc_unmap: cudaIpcCloseMemHandle: %s", cudaGetErrorString(rc));
 }
@@ -273,4 +472,5 @@ const struct dsv4_kvx_ops dsv4_kvx_cudaipc_ops = {
     .cleanup_stale = cipc_cleanup_stale,
     .init = cipc_init,
     .fini = cipc_fini,
+    .recycle_region = cipc_recycle_region,
 };

@@ -153,6 +153,19 @@ dsv4_kvx_free(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
     memset(r, 0, sizeof(*r));
 }
 
+void
+dsv4_kvx_release(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
+{
+    if (r->data == NULL)
+        return;
+    if (x->ops->recycle_region != NULL)
+        x->ops->recycle_region(x, r);
+    else
+        x->ops->free_region(x, r);
+    x->n_live--;
+    memset(r, 0, sizeof(*r));
+}
+
 /* Checks shared by every import path. */
 static enum dsv4_err
 kvx_import_check(const struct dsv4_kvx *x, const struct dsv4_kvx_desc *d)

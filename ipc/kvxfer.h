@@ -11,7 +11,10 @@
  *            handle = the shm object name ("/dsv4kv-<owner>-<req>-<n>").
  *   cudaipc  device memory (cudaMalloc) on one host, ipc/kv_cudaipc.c;
  *            handle = cudaIpcMemHandle_t + the exporter's device UUID + the
- *            allocation's size + the owner tag.  Built only with CUDA, in
+ *            allocation's size + the exporter's pid and instance + the
+ *            owner tag.  Regions released after the importer's
+ *            acknowledgement (dsv4_kvx_release) are kept for reuse, and the
+ *            importer keeps mappings open (ipc/kvx_cache.h).  Built only with CUDA, in
  *            its own library (the ranks link it): it is not in
  *            dsv4_kvx_open's table, callers open it with
  *            dsv4_kvx_open_ops(&dsv4_kvx_cudaipc_ops, ...).
@@ -46,7 +49,9 @@
  *
  * Execution context: one thread per struct dsv4_kvx (a rank's main loop).
  * Ownership: a region belongs to the dsv4_kvx that exported it until
- * dsv4_kvx_free(); a mapping belongs to the importer until dsv4_kvx_unmap().
+ * dsv4_kvx_free() or dsv4_kvx_release(); a mapping belongs to the importer
+ * until dsv4_kvx_unmap() (a transport may keep the memory mapped after it,
+ * for the next import from the same region).
  */
 #ifndef DSV4_IPC_KVXFER_H
 #define DSV4_IPC_KVXFER_H
@@ -98,9 +103,15 @@ struct dsv4_kvx_opts {
     int64_t timeout_ms;        /* bound of one import; 0 = DSV4_KVX_TIMEOUT_MS */
     const char *ucx_tls;       /* ucx: UCX_TLS list; NULL or "" = "tcp" */
     const char *ucx_devices;   /* ucx: UCX_NET_DEVICES; NULL or "" = all devices */
+    int64_t cache_bytes;       /* cudaipc: bytes of released regions kept for
+                                  reuse (exporter) and of mappings kept open
+                                  (importer); 0 = DSV4_KVX_CACHE_BYTES, < 0 =
+                                  none (the environment's
+                                  DSV4_KV_CUDAIPC_CACHE_MIB wins when set) */
 };
 
 #define DSV4_KVX_TIMEOUT_MS 5000  /* default import bound */
+#define DSV4_KVX_CACHE_BYTES (4ull << 30)  /* default cudaipc cache cap */
 
 /* One transport's implementation.  export_region, free_region, unmap and
  * cleanup_stale are required, and import_map or import_start (+ _test and
@@ -139,6 +150,11 @@ struct dsv4_kvx_ops {
     void (*import_abort)(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t);
     /* (optional) fd readable when an import may have finished, or -1. */
     int (*event_fd)(struct dsv4_kvx *x);
+    /* (optional) free_region after the importer acknowledged the region
+     * (KV_RELEASE): nobody reads it any more, so the transport may keep its
+     * memory and handle for a later export_region instead of destroying it.
+     * NULL = free_region. */
+    void (*recycle_region)(struct dsv4_kvx *x, struct dsv4_kvx_region *r);
 };
 
 /* An import in flight (dsv4_kvx_import_start). */
@@ -207,6 +223,16 @@ enum dsv4_err dsv4_kvx_export(struct dsv4_kvx *x, uint64_t req, uint64_t size,
 
 /* Destroy an exported region; r is zeroed.  Idempotent on a zeroed region. */
 void dsv4_kvx_free(struct dsv4_kvx *x, struct dsv4_kvx_region *r);
+
+/*
+ * dsv4_kvx_free for a region whose importer has acknowledged it (KV_RELEASE:
+ * it has finished reading, and no other importer was given the descriptor):
+ * the transport may recycle the memory, and the same handle, for a later
+ * export (cudaipc does).  Use dsv4_kvx_free instead when a reader may still
+ * come (export timeout, cancel): a recycled region would show it another
+ * request's state.  r is zeroed; idempotent on a zeroed region.
+ */
+void dsv4_kvx_release(struct dsv4_kvx *x, struct dsv4_kvx_region *r);
 
 /* Map a descriptor read-only (m zeroed on failure).  For a network
  * transport this is import_start + waiting (bounded by the timeout). */
@@ -278,7 +304,8 @@ extern const struct dsv4_kvx_ops dsv4_kvx_ucx_ops;
  * builds).  Its instance works on the calling thread's current CUDA device
  * at open time (the rank's backend device); regions and maps are device
  * memory (device_memory).  Exporter and importer must be different
- * processes (CUDA cannot open an IPC handle in the process that made it). */
+ * processes (CUDA cannot open an IPC handle in the process that made it).
+ * Released regions and open mappings are cached (opts cache_bytes). */
 extern const struct dsv4_kvx_ops dsv4_kvx_cudaipc_ops;
 #endif
 

@@ -284,7 +284,7 @@ rank_dispatch_msg(struct rank *k, const struct dsv4_msg *m)
             decode_start(k, &m->u.decode);
         break;
     case DSV4_RANK_KV_RELEASE:
-        if (k->o.role == DSV4_ROLE_PREFILL && !kv_release(k, m->u.ref.req))
+        if (k->o.role == DSV4_ROLE_PREFILL && !kv_released(k, m->u.ref.req))
             log_debug("rank_dispatch: KV_RELEASE of unknown req=%" PRIu64, m->u.ref.req);
         break;
     case DSV4_RANK_ABORT:

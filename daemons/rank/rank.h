@@ -317,6 +317,10 @@ enum dsv4_err kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int
     uint32_t n_tokens, uint64_t seg[2], struct dsv4_kv_loc *loc);
 /* Free `req`'s export; true if there was one. */
 bool kv_release(struct rank *k, uint64_t req);
+/* The same on KV_RELEASE: the importer has finished reading, so the
+ * transport may keep the region for reuse (cudaipc); kv_release is for the
+ * unacknowledged cases (abort, a PREFILL_DONE that could not be sent). */
+bool kv_released(struct rank *k, uint64_t req);
 /* Free every export. */
 void kv_release_all(struct rank *k);
 /* Free exports older than the timeout; returns ms until the next expiry or -1. */

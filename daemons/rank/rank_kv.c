@@ -77,6 +77,8 @@ kv_open(struct rank *k)
     o.timeout_ms = k->o.conf.kv_timeout_ms;
     o.ucx_tls = k->o.conf.ucx_tls;
     o.ucx_devices = k->o.conf.ucx_devices;
+    o.cache_bytes = k->o.conf.kv_cudaipc_cache_mib > 0 ?
+                        (int64_t)k->o.conf.kv_cudaipc_cache_mib << 20 : -1;
     TAILQ_INIT(&k->exports);
     if (dsv4_kvx_open_opts(&k->kvx[DSV4_TRANSPORT_SHM], DSV4_TRANSPORT_SHM, owner, &o) !=
         DSV4_OK) {
@@ -158,17 +160,23 @@ kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot, uint32_
     return DSV4_OK;
 }
 
+/* Forget export x; `acked`: its importer is done with it, so the transport
+ * may recycle the region (cudaipc keeps it for the next export). */
 static void
-kv_drop(struct rank *k, struct rank_export *x)
+kv_drop(struct rank *k, struct rank_export *x, bool acked)
 {
     TAILQ_REMOVE(&k->exports, x, entry);
     k->n_exports--;
-    dsv4_kvx_free(x->x, &x->r);
+    if (acked)
+        dsv4_kvx_release(x->x, &x->r);
+    else
+        dsv4_kvx_free(x->x, &x->r);
     free(x);
 }
 
-bool
-kv_release(struct rank *k, uint64_t req)
+/* Drop every export of req; true if there was one. */
+static bool
+kv_drop_req(struct rank *k, uint64_t req, bool acked)
 {
     struct rank_export *x, *t;
     bool found = false;
@@ -176,18 +184,30 @@ kv_release(struct rank *k, uint64_t req)
     for (x = TAILQ_FIRST(&k->exports); x != NULL; x = t) {
         t = TAILQ_NEXT(x, entry);
         if (x->r.req == req) {
-            kv_drop(k, x);
+            kv_drop(k, x, acked);
             found = true;
         }
     }
     return found;
 }
 
+bool
+kv_release(struct rank *k, uint64_t req)
+{
+    return kv_drop_req(k, req, false);
+}
+
+bool
+kv_released(struct rank *k, uint64_t req)
+{
+    return kv_drop_req(k, req, true);
+}
+
 void
 kv_release_all(struct rank *k)
 {
     while (!TAILQ_EMPTY(&k->exports))
-        kv_drop(k, TAILQ_FIRST(&k->exports));
+        kv_drop(k, TAILQ_FIRST(&k->exports), false);
 }
 
 int64_t
@@ -199,7 +219,7 @@ kv_timers(struct rank *k, int64_t now)
     while ((x = TAILQ_FIRST(&k->exports)) != NULL && now - x->t_ms >= k->o.kv_timeout_ms) {
         log_warnx("kv_timers: export unclaimed for %" PRId64 " ms, freed req=%" PRIu64,
                   now - x->t_ms, x->r.req);
-        kv_drop(k, x);
+        kv_drop(k, x, false);
     }
     return x == NULL ? -1 : x->t_ms + k->o.kv_timeout_ms - now;
 }

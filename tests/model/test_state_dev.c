@@ -8,7 +8,9 @@
  *   - importing it into another slot and decoding there gives the logits of
  *     the slot it came from, bit for bit;
  *   - a device import followed by a host export reproduces the host bytes;
- *   - a damaged header, a wrong length or a short buffer are refused.
+ *   - a damaged header, a wrong length or a short buffer are refused;
+ *   - the backend's copy_batch op (which the device walk uses) moves pieces
+ *     of every size and alignment, empty ones included, exactly.
  *
  * Usage: test_state_dev CHECKPOINT_DIR (run_with_ckpt.sh makes one).  Runs
  * on the CPU backend (backend memory = host memory); DSV4_TEST_BACKEND=cuda
@@ -202,12 +204,75 @@ test_host_to_dev(void **state)
     free(b);
 }
 
+/* copy_batch of 200 pieces with random sizes (0 … 70,000 bytes, so some
+ * span several chunks of the CUDA kernel) and offsets (every residue modulo
+ * 16 on both sides) from one backend buffer to another: the destination
+ * equals a host replay of the same copies byte for byte, bytes between the
+ * pieces included. */
+static void
+test_copy_batch(void **state)
+{
+    enum { N = 200, MAXB = 70000 };
+    size_t span = (size_t)N * (MAXB + 64);
+    unsigned char *hsrc = malloc(span), *want = malloc(span), *got;
+    void *dst[N];
+    const void *src[N];
+    size_t bytes[N], so = 0, dof = 0, moved = 0;
+    unsigned char *dsrc, *ddst;
+    uint64_t r = 0x9e3779b97f4a7c15ull;
+
+    (void)state;
+    assert_non_null(hsrc);
+    assert_non_null(want);
+    for (size_t i = 0; i < span; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        hsrc[i] = (unsigned char)(r >> 56);
+    }
+    dsrc = dev_alloc(span);
+    ddst = dev_alloc(span);         /* zeroed */
+    assert_int_equal(tm.be->ops->upload(tm.be, dsrc, hsrc, span), DSV4_OK);
+    memset(want, 0, span);
+    for (int i = 0; i < N; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        so += (r >> 33) % 16;
+        dof += (r >> 40) % 16;
+        bytes[i] = i % 17 == 0 ? 0 : (size_t)((r >> 20) % MAXB);
+        /* pieces in a shuffled order of the destination (backwards) */
+        src[i] = dsrc + so;
+        dst[i] = ddst + span - dof - bytes[i];
+        memcpy(want + span - dof - bytes[i], hsrc + so, bytes[i]);
+        so += bytes[i];
+        dof += bytes[i];
+        moved += bytes[i];
+    }
+    assert_true(so <= span && dof <= span);
+    assert_int_equal(tm.be->ops->copy_batch(tm.be, N, dst, src, bytes), DSV4_OK);
+    assert_int_equal(tm.be->ops->copy_batch(tm.be, 0, dst, src, bytes), DSV4_OK);
+    assert_int_equal(tm.be->ops->copy_batch(tm.be, -1, dst, src, bytes), DSV4_ERR_INVAL);
+    got = dev_fetch(ddst, span);
+    for (size_t i = 0; i < span; i++) {
+        if (got[i] != want[i]) {
+            fprintf(stderr, "copy_batch: first difference at byte %zu: %u, want %u\n", i,
+                    got[i], want[i]);
+            break;
+        }
+    }
+    printf("# copy_batch: %d pieces, %zu bytes\n", N, moved);
+    assert_memory_equal(got, want, span);
+    free(got);
+    free(hsrc);
+    free(want);
+    tm.be->ops->free(tm.be, dsrc);
+    tm.be->ops->free(tm.be, ddst);
+}
+
 int
 main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_dev_handoff),
         cmocka_unit_test(test_host_to_dev),
+        cmocka_unit_test(test_copy_batch),
     };
 
     if (argc < 2) {
