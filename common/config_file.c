@@ -72,6 +72,7 @@ static const struct cfg_key cfg_keys[] = {
     { "ucx_tls",            STR(ucx_tls) },
     { "ucx_devices",        STR(ucx_devices) },
     { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
+    { "mtp",                ENUM(mtp, cfg_yesno) },
     { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
     { "kv_cudaipc_cache_mib", INT(kv_cudaipc_cache_mib, 0, 1 << 20) },
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
@@ -125,6 +126,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;
+    snprintf(cfg->mtp, sizeof(cfg->mtp), "%s", "no");
     snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
     /* passed on the H200s (docs/gpu.md "Decode-state handoff over CUDA IPC") */
     snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "auto");

@@ -92,6 +92,11 @@ struct dsv4_conf {
     int kv_timeout_ms;      /* [5000] bound of one decode-state import; a
                                stalled one fails the handoff and the
                                scheduler re-runs the request */
+    char mtp[8];            /* [no] decode ranks: speculative decoding with
+                               the checkpoint's MTP layer, one draft token per
+                               stream and step ("yes"/"no"; kernels/forward.h
+                               "Speculative decoding"); the tokens are those
+                               of plain decoding */
     int mps_sm_percent;     /* [0] with an MPS server on the GPU (docs/gpu.md
                                "Prefill beside decode"): the share of the
                                SMs this rank's kernels may use, 1-100, set

@@ -806,7 +806,15 @@ rank_init_model(struct rank *k)
     mo.graphs = k->o.role == DSV4_ROLE_DECODE && !k->o.no_graphs;
     mo.n_slots = k->o.slots;
     mo.max_seq_len = k->o.conf.max_seq;
-    mo.max_rows = k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots;
+    /* speculative decoding: verify steps feed 1 + DSV4_SPEC_MAX_DRAFT rows
+     * per stream (kernels/forward.h) */
+    k->mtp = k->o.role == DSV4_ROLE_DECODE && strcmp(k->o.conf.mtp, "yes") == 0;
+    if (k->mtp && w->n_layers <= w->cfg.num_hidden_layers) {
+        log_warnx("rank_init: mtp = yes, but the checkpoint has no MTP layer: plain decoding");
+        k->mtp = false;
+    }
+    k->spec_k1 = k->mtp ? DSV4_SPEC_MAX_DRAFT + 1 : 1;
+    mo.max_rows = k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots * k->spec_k1;
     if (dsv4_model_create(&k->m, k->be, w, &mo) != DSV4_OK)
         fatalx("rank_init: model: %s", dsv4_errmsg());
     k->V = dsv4_model_vocab(k->m);
@@ -816,8 +824,14 @@ rank_init_model(struct rank *k)
     k->b_ntok = xcalloc((size_t)k->o.slots, sizeof(int32_t));
     k->b_tok = xcalloc(rows, sizeof(int32_t));
     k->sp = xcalloc((size_t)k->o.slots, sizeof(*k->sp));
-    k->out_tok = xcalloc((size_t)k->o.slots, sizeof(int32_t));
-    k->out_lp = xcalloc((size_t)k->o.slots, sizeof(float));
+    k->out_tok = xcalloc((size_t)k->o.slots * k->spec_k1, sizeof(int32_t));
+    k->out_lp = xcalloc((size_t)k->o.slots * k->spec_k1, sizeof(float));
+    k->spec_nd = xcalloc((size_t)k->o.slots, sizeof(int32_t));
+    k->spec_draft = xcalloc((size_t)k->o.slots, sizeof(int32_t));
+    k->spec_n = xcalloc((size_t)k->o.slots, sizeof(int32_t));
+    if (k->mtp)
+        log_info("rank_init: speculative decoding with the MTP layer (%d draft per stream)",
+                 DSV4_SPEC_MAX_DRAFT);
     if (k->o.role == DSV4_ROLE_PREFILL)
         k->jobs = xcalloc((size_t)k->o.slots, sizeof(*k->jobs));
     else
@@ -847,6 +861,9 @@ rank_free(struct rank *k)
     free(k->sp);
     free(k->out_tok);
     free(k->out_lp);
+    free(k->spec_nd);
+    free(k->spec_draft);
+    free(k->spec_n);
     dsv4_model_free(k->m);
 #ifdef DSV4_HAVE_CUDA
     rank_share_free(k);

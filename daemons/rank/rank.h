@@ -125,6 +125,10 @@ struct rank_stream {
     struct dsv4_sampling s;
     int32_t stop_ids[DSV4_PROTO_MAX_STOP_IDS];
     uint32_t n_stop_ids;
+    /* speculative decoding (conf mtp; rank_decode.c decode_work_spec) */
+    bool has_draft;             /* `draft` follows `next` (from the MTP layer) */
+    int32_t draft;
+    uint32_t n_drafts, n_accepted; /* this stream's drafts, accepted ones */
 };
 
 struct rank {
@@ -144,8 +148,15 @@ struct rank {
     int max_seq;                /* positions per slot (model's, rounded) */
     int32_t *b_slot, *b_ntok, *b_tok;  /* batch arrays (rows / slots entries) */
     struct dsv4_sample_params *sp;     /* (slots) */
-    int32_t *out_tok;           /* (slots) */
-    float *out_lp;              /* (slots) */
+    int32_t *out_tok;           /* (slots * spec_k1) */
+    float *out_lp;              /* (slots * spec_k1) */
+    /* speculative decoding (conf mtp = yes, decode ranks with an MTP layer) */
+    bool mtp;
+    int spec_k1;                /* tokens a stream may emit per step: 1, or
+                                   DSV4_SPEC_MAX_DRAFT + 1 with mtp */
+    int32_t *spec_nd, *spec_draft, *spec_n;   /* (slots) verify arrays */
+    uint64_t spec_drafts, spec_accepted;      /* since start */
+    int64_t spec_status_ms;     /* last STATUS= with the counters */
 
     /* Scheduler link. */
     void *zctx;
@@ -292,6 +303,10 @@ bool decode_pending(const struct rank *k);
 /* One step: one token per running stream, TOKENS, DECODE_DONE for ended ones
  * (in a group: the streams of k->agreed, in that order). */
 void decode_work(struct rank *k);
+/* decode_work with speculative decoding (conf mtp): one verify + draft
+ * step, 1 or 2 tokens per stream in the TOKENS message (a stream's in
+ * order); drafts proposed and accepted counted for STATUS=. */
+void decode_work_spec(struct rank *k);
 /* The requests whose stream can step (imported); their count. */
 int decode_runnable(const struct rank *k, uint64_t *reqs);
 /* Drop request `req`'s stream (ABORT); true if it was running. */

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/sdnotify.h"
 
 static void decode_import_step(struct rank *k, int slot);
 
@@ -176,38 +177,51 @@ decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
         m.u.decode_done.finish = f;
         m.u.decode_done.n_tokens = st->n_emitted;
         rank_send(k, &m);
-        log_info("decode_done: req=%" PRIu64 " finish=%s n_tokens=%u", st->req,
-                 dsv4_finish_name(f), (unsigned)st->n_emitted);
+        log_info("decode_done: req=%" PRIu64 " finish=%s n_tokens=%u%s", st->req,
+                 dsv4_finish_name(f), (unsigned)st->n_emitted, k->mtp ? " (mtp)" : "");
+        if (k->mtp)
+            log_info("decode_done: req=%" PRIu64 " mtp drafts=%u accepted=%u", st->req,
+                     (unsigned)st->n_drafts, (unsigned)st->n_accepted);
     }
     memset(st, 0, sizeof(*st));
     dsv4_model_seq_reset(k->m, slot);
 }
 
-/* Why stream `st` ends after sampling `tok`, or NONE. */
+/* Why stream `st` ends after emitting `tok` (a stop id, max_tokens), or
+ * NONE. */
 static enum dsv4_finish
-decode_stop(const struct rank *k, const struct rank_stream *st, int slot, int32_t tok)
+decode_stop_token(const struct rank_stream *st, int32_t tok)
 {
     for (uint32_t i = 0; i < st->n_stop_ids; i++)
         if (st->stop_ids[i] == tok)
             return DSV4_FINISH_STOP;
     if (st->n_emitted >= st->max_tokens)
         return DSV4_FINISH_LENGTH;
+    return DSV4_FINISH_NONE;
+}
+
+/* Why stream `st` ends after sampling `tok`, or NONE. */
+static enum dsv4_finish
+decode_stop(const struct rank *k, const struct rank_stream *st, int slot, int32_t tok)
+{
+    enum dsv4_finish f = decode_stop_token(st, tok);
+
+    if (f != DSV4_FINISH_NONE)
+        return f;
     /* The next step would feed `tok` at position seq_len: it must fit. */
     if (dsv4_model_seq_len(k->m, slot) >= k->max_seq)
         return DSV4_FINISH_LENGTH;
     return DSV4_FINISH_NONE;
 }
 
-void
-decode_work(struct rank *k)
+/* The streams of this step into k->b_slot (one token each: b_ntok, b_tok,
+ * sp); their number; *want_lp when one wants log-probabilities. */
+static int
+decode_pick(struct rank *k, bool *want_lp)
 {
-    uint64_t reqs[RANK_MAX_SLOTS];
-    bool want_lp = false;
-    struct dsv4_batch b;
-    struct dsv4_msg m;
-    enum dsv4_err e;
     int n = 0;
 
+    *want_lp = false;
     /* alone: every running stream; in a group: the agreed ones, in order */
     int n_cand = k->comm != NULL ? k->n_agreed : k->o.slots;
 
@@ -230,9 +244,27 @@ decode_work(struct rank *k)
         k->b_ntok[n] = 1;
         k->b_tok[n] = st->next;
         rank_sample_params(&k->sp[n], &st->s, st->step);
-        want_lp = want_lp || st->s.logprobs;
+        *want_lp = *want_lp || st->s.logprobs;
         n++;
     }
+    return n;
+}
+
+void
+decode_work(struct rank *k)
+{
+    uint64_t reqs[RANK_MAX_SLOTS];
+    bool want_lp = false;
+    struct dsv4_batch b;
+    struct dsv4_msg m;
+    enum dsv4_err e;
+    int n;
+
+    if (k->mtp) {
+        decode_work_spec(k);
+        return;
+    }
+    n = decode_pick(k, &want_lp);
     if (n == 0)
         return;
     b.n_seqs = n;
@@ -272,6 +304,114 @@ decode_work(struct rank *k)
         if (f != DSV4_FINISH_NONE)
             decode_end(k, slot, f, true);
     }
+}
+
+/* STATUS= with the speculative-decoding counters: at most once a second,
+ * and when the rank has gone idle (`force`). */
+static void
+spec_status(struct rank *k, bool force)
+{
+    int64_t now = dsv4_now_ms();
+
+    if (!force && k->spec_status_ms != 0 && now - k->spec_status_ms < 1000)
+        return;
+    k->spec_status_ms = now;
+    sdnotify_status("serving as %s (%d slots); mtp drafts %" PRIu64 " accepted %" PRIu64
+                    " (%.1f%%)", k->name, k->o.slots, k->spec_drafts, k->spec_accepted,
+                    k->spec_drafts > 0 ? 100.0 * (double)k->spec_accepted /
+                    (double)k->spec_drafts : 0.0);
+}
+
+void
+decode_work_spec(struct rank *k)
+{
+    const int K = DSV4_SPEC_MAX_DRAFT, K1 = DSV4_SPEC_MAX_DRAFT + 1;
+    uint64_t reqs[RANK_MAX_SLOTS * (DSV4_SPEC_MAX_DRAFT + 1)];
+    int end_slot[RANK_MAX_SLOTS];
+    enum dsv4_finish end_why[RANK_MAX_SLOTS];
+    struct dsv4_spec_batch b;
+    struct dsv4_msg m;
+    bool want_lp;
+    enum dsv4_err e;
+    int n, n_out = 0, n_end = 0;
+
+    n = decode_pick(k, &want_lp);
+    if (n == 0)
+        return;
+    for (int r = 0; r < n; r++) {
+        const struct rank_stream *st = &k->streams[k->b_slot[r]];
+
+        /* a draft needs room for its row; the first step has none */
+        k->spec_nd[r] = st->has_draft &&
+                        dsv4_model_seq_len(k->m, k->b_slot[r]) + K1 <= k->max_seq ? K : 0;
+        k->spec_draft[r] = st->draft;
+    }
+    b.n_seqs = n;
+    b.slot = k->b_slot;
+    b.last = k->b_tok;
+    b.n_draft = k->spec_nd;
+    b.draft = k->spec_draft;
+    /* verify (forward of [next, draft] and sampling on the backend), then
+     * the MTP layer's next drafts; every rank of a group decides alike */
+    group_enter(k);
+    e = dsv4_model_spec_verify(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL,
+                               k->spec_n, NULL);
+    if (e == DSV4_OK)
+        e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
+    group_leave(k);
+    if (e != DSV4_OK && k->comm != NULL) {
+        group_broken(k, dsv4_errmsg());
+        return;
+    }
+    if (e != DSV4_OK)
+        fatalx("decode_work_spec: verify of %d streams: %s", n, dsv4_errmsg());
+
+    /* 1 .. K1 tokens per stream, in order; a stop id or max_tokens at any of
+     * them ends the stream there (out_tok is compacted in place: n_out never
+     * passes the index read) */
+    for (int r = 0; r < n; r++) {
+        int slot = k->b_slot[r];
+        struct rank_stream *st = &k->streams[slot];
+
+        st->has_draft = true;
+        st->draft = k->spec_draft[r];
+        st->n_drafts += (uint32_t)k->spec_nd[r];
+        st->n_accepted += (uint32_t)(k->spec_n[r] - 1);
+        k->spec_drafts += (uint64_t)k->spec_nd[r];
+        k->spec_accepted += (uint64_t)(k->spec_n[r] - 1);
+        for (int j = 0; j < k->spec_n[r]; j++) {
+            int32_t tok = k->out_tok[r * K1 + j];
+            enum dsv4_finish f;
+
+            reqs[n_out] = st->req;
+            k->out_tok[n_out] = tok;
+            k->out_lp[n_out] = k->out_lp[r * K1 + j];
+            n_out++;
+            st->next = tok;
+            st->step++;
+            st->n_emitted++;
+            /* the length check only after the last token (earlier ones are
+             * through the model already) */
+            f = j + 1 < k->spec_n[r] ? decode_stop_token(st, tok) : decode_stop(k, st, slot, tok);
+            if (f != DSV4_FINISH_NONE) {
+                end_slot[n_end] = slot;
+                end_why[n_end++] = f;
+                break;
+            }
+        }
+    }
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_TOKENS);
+    m.u.step.step = k->n_steps++;
+    m.u.step.reqs = reqs;
+    m.u.step.tokens = k->out_tok;
+    m.u.step.logprobs = want_lp ? k->out_lp : NULL;
+    m.u.step.n = (uint32_t)n_out;
+    rank_send(k, &m);
+    log_debug("decode_work_spec: step=%" PRIu64 " streams=%d tokens=%d", m.u.step.step, n,
+              n_out);
+    for (int i = 0; i < n_end; i++)
+        decode_end(k, end_slot[i], end_why[i], true);
+    spec_status(k, !decode_pending(k));
 }
 
 bool

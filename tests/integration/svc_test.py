@@ -33,6 +33,10 @@ Scenarios:
                   decode@1 mid-stream: dsv4-launch restarts it, the group
                   re-forms with a new communicator while decode@0 keeps
                   running (same pid), every stream == the undisturbed output.
+  mtp             mtp = yes (speculative decoding with the MTP layer, one draft
+                  per stream and step): 16 greedy streams through 2 prefill +
+                  2 decode ranks == the single-process forward, and the decode
+                  ranks report drafts proposed / accepted in STATUS=.
 
 Leaked state is checked through the admin socket (SHOW_REQUESTS empty,
 every rank's `active` 0, STATUS n_queued/n_running 0), with dsv4ctl --json
@@ -432,6 +436,45 @@ def sc_greedy16():
         check(rc == 0, "svc_client failed")
         compare(got, ref, "16 concurrent greedy streams", err)
         svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
+def mtp_counters(svc, name):
+    """The last (drafts, accepted) a rank reported in STATUS=, or None."""
+    last = None
+    for line in readf(svc.notify_log).splitlines():
+        m = re.match(re.escape(name) + r" NOTIFY .*STATUS=.*mtp drafts (\d+) accepted (\d+)",
+                     line)
+        if m:
+            last = (int(m.group(1)), int(m.group(2)))
+    return last
+
+
+def sc_mtp():
+    svc = Service(n_prefill=2, n_decode=2, extra_conf="decode.mtp = yes")
+    try:
+        prompts = os.path.join(svc.dir, "p16.txt")
+        make_prompts(prompts, 16, seed=16)
+        ref = reference(svc, prompts)
+        got, rc, err = finish(svc.client(prompts), svc)
+        check(rc == 0, "svc_client failed")
+        compare(got, ref, "16 greedy streams with MTP drafts", err)
+        svc.check_no_leaks()
+        # every decode step of a stream after its first had a draft, and a
+        # step emits 1 + accepted tokens: a stream of n output tokens (the
+        # first from the prefill) counts drafts + accepted >= n - 2
+        want = sum(max(0, len(r[2]) - 2) for r in ref)
+
+        def counted():
+            c = [mtp_counters(svc, "decode@%d" % i) for i in range(2)]
+            if any(x is None for x in c):
+                return None
+            return c if sum(d + a for d, a in c) >= want else None
+        c = wait_for(counted, "decode ranks reporting their MTP drafts")
+        for i, (d, a) in enumerate(c):
+            log("decode@%d: %d drafts proposed, %d accepted" % (i, d, a))
+            check(0 <= a <= d, "decode@%d: %d accepted of %d drafts" % (i, a, d))
     finally:
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 
@@ -915,6 +958,7 @@ SCENARIOS = {
     "drain": sc_drain,
     "pyclient": sc_pyclient,
     "group2": sc_group2,
+    "mtp": sc_mtp,
 }
 
 
