@@ -7,6 +7,7 @@
  *        test_decode_gpu synth CKPT_DIR [LAYERS [STEPS]]
  *        test_decode_gpu profile LAYERS BATCH
  *        test_decode_gpu prefill LAYERS T
+ *        test_decode_gpu spec LAYERS
  *
  * long: five sequences of mixed prompt lengths (150, 61, 9, 130, 2) are
  * prefilled in one call, then decoded for STEPS (default 1000) greedy
@@ -43,6 +44,20 @@
  * exact: reported, not checked; the fast kernels differ by rounding).  One
  * fast prefill in chunks of 512 runs between cudaProfilerStart/Stop (for
  * `ncu --profile-from-start off`: its per-kernel breakdown).
+ *
+ * spec: speculative decoding with the MTP layer (kernels/forward.h) on the
+ * `flash` widths cut to LAYERS layers (+ MTP) with synthetic weights, decode
+ * graphs on, 16 prompts of 64 tokens.  (1) Equality: 48 plain greedy steps
+ * (graphed, sampled on the GPU) against verify + draft steps whose drafts
+ * are mostly the true next token (forced accept), some wrong ones (forced
+ * reject: exercises the r=4 restore) and some MTP drafts; streams that near
+ * the end go without a draft (ungraphed verify).  Every token must equal the
+ * plain one; the first mismatch is printed.  (2) Timing (synthetic weights
+ * make the acceptance rate meaningless): plain graphed sampled step at batch
+ * 1 and 16, verify step (every stream with a draft, graphed; a rejected
+ * draft's restore included) and MTP draft step at batch 1 and 16, then tok/s
+ * for assumed acceptance rates 0, 0.5, 0.7, 0.9 ((1 + a) tokens per verify +
+ * draft) next to plain.
  *
  * Exit status: 0 pass, 1 failure, 77 no CUDA device.
  */
@@ -623,6 +638,219 @@ run_prefill(int layers, int T)
     return 0;
 }
 
+/* --- spec ----------------------------------------------------------------------- */
+
+#define SPEC_B 16
+#define SPEC_PLEN 64
+#define SPEC_CHK 48       /* greedy steps compared */
+#define SPEC_TIME 20      /* timed steps per measurement */
+
+/* Prefill SPEC_B prompts of SPEC_PLEN into slots 0..SPEC_B-1 of m; first
+ * greedy tokens into tok0. */
+static void
+spec_prefill(struct dsv4_model *m, int V, int32_t *tok0)
+{
+    int32_t slot[SPEC_B], ntok[SPEC_B], *tok = malloc(SPEC_B * SPEC_PLEN * sizeof(*tok));
+    float *lg = malloc((size_t)SPEC_B * V * sizeof(float));
+    struct dsv4_batch b = { SPEC_B, slot, ntok, tok };
+
+    for (int i = 0; i < SPEC_B * SPEC_PLEN; i++)
+        tok[i] = (int32_t)((i * 2654435761u + 5) % (unsigned)V);
+    for (int i = 0; i < SPEC_B; i++) {
+        slot[i] = i;
+        ntok[i] = SPEC_PLEN;
+        TRY("seq_reset", dsv4_model_seq_reset(m, i));
+    }
+    TRY("prefill", dsv4_model_forward(m, &b, lg, 0));
+    for (int i = 0; i < SPEC_B; i++)
+        tok0[i] = argmax(lg + (size_t)i * V, V);
+    free(tok);
+    free(lg);
+}
+
+/* Greedy sampling parameters for n streams. */
+static void
+spec_greedy(struct dsv4_sample_params *sp, int n)
+{
+    memset(sp, 0, sizeof(*sp) * (size_t)n);
+    for (int i = 0; i < n; i++)
+        sp[i].top_p = 1.0f;
+}
+
+/* Plain graphed sampled steps at batch n from tokens tok (updated); ms per
+ * step over `steps` after one warm-up step. */
+static double
+spec_time_plain(struct dsv4_model *m, int n, int steps, int32_t *tok)
+{
+    int32_t slot[SPEC_B], ones[SPEC_B];
+    struct dsv4_sample_params sp[SPEC_B];
+    struct dsv4_batch d = { n, slot, ones, tok };
+    double t0;
+
+    spec_greedy(sp, n);
+    for (int i = 0; i < n; i++)
+        slot[i] = i, ones[i] = 1;
+    TRY("plain step", dsv4_model_forward_sample(m, &d, sp, tok, NULL));
+    t0 = now_ms();
+    for (int s = 0; s < steps; s++)
+        TRY("plain step", dsv4_model_forward_sample(m, &d, sp, tok, NULL));
+    return steps > 0 ? (now_ms() - t0) / steps : 0;
+}
+
+/* Verify + draft steps at batch n, every stream with its MTP draft (random
+ * weights: nearly all rejected); ms per verify and per draft step. */
+static void
+spec_time_spec(struct dsv4_model *m, int n, int steps, int32_t *tok, double *ms_v,
+               double *ms_d)
+{
+    int32_t slot[SPEC_B], nd[SPEC_B], dr[SPEC_B], ids[SPEC_B * 2], nout[SPEC_B];
+    struct dsv4_sample_params sp[SPEC_B];
+    struct dsv4_spec_batch b = { n, slot, tok, nd, dr };
+    double tv = 0, td = 0, t0;
+
+    spec_greedy(sp, n);
+    for (int i = 0; i < n; i++)
+        slot[i] = i, nd[i] = 1, dr[i] = tok[i];
+    for (int s = -1; s < steps; s++) {       /* step -1: warm-up (records the graphs) */
+        t0 = now_ms();
+        TRY("verify", dsv4_model_spec_verify(m, &b, sp, ids, NULL, nout, NULL));
+        if (s >= 0)
+            tv += now_ms() - t0;
+        t0 = now_ms();
+        TRY("draft", dsv4_model_spec_draft(m, dr, NULL));
+        if (s >= 0)
+            td += now_ms() - t0;
+        for (int i = 0; i < n; i++)
+            tok[i] = ids[i * 2 + nout[i] - 1];
+    }
+    *ms_v = tv / steps;
+    *ms_d = td / steps;
+}
+
+static int
+run_spec(int layers)
+{
+    struct dsv4_weights fw;
+    struct dsv4_backend *gb = cuda_or_skip(DSV4_NUMERICS_REF);
+    struct dsv4_config cfg;
+    struct dsv4_model *pm, *sm;
+    struct dsv4_model_opts opts = { 0 };
+    int32_t ref[SPEC_B][SPEC_CHK + 2], got[SPEC_B][SPEC_CHK + 3], e[SPEC_B], tok[SPEC_B];
+    int V, bad = 0, n_acc = 0, n_rej = 0, calls = 0;
+    double ms_plain[2], ms_v[2], ms_d[2];
+    const int batches[2] = { 1, SPEC_B };
+
+    flash_cut(&cfg, layers);
+    TRY("synthetic (flash)", dsv4_cuda_weights_synthetic(gb, &fw, &cfg, 11, NULL));
+    opts.n_slots = SPEC_B;
+    opts.max_seq_len = SPEC_PLEN + SPEC_CHK + 4 * SPEC_TIME + 64;
+    opts.max_rows = SPEC_B * SPEC_PLEN;
+    opts.graphs = 1;
+    TRY("model (plain)", dsv4_model_create(&pm, gb, &fw, &opts));
+    TRY("model (spec)", dsv4_model_create(&sm, gb, &fw, &opts));
+    V = dsv4_model_vocab(pm);
+
+    /* (1) equality: plain greedy tokens, then the speculative run */
+    spec_prefill(pm, V, tok);
+    for (int s = 0; s < SPEC_B; s++)
+        ref[s][0] = tok[s];
+    for (int k = 0; k < SPEC_CHK; k++) {
+        spec_time_plain(pm, SPEC_B, 0, tok);   /* one step (the warm-up) */
+        for (int s = 0; s < SPEC_B; s++)
+            ref[s][k + 1] = tok[s];
+    }
+    spec_prefill(sm, V, tok);
+    for (int s = 0; s < SPEC_B; s++) {
+        got[s][0] = tok[s];
+        e[s] = 0;
+        if (tok[s] != ref[s][0])
+            bad = 1;
+    }
+    {
+        int32_t slot[SPEC_B], last[SPEC_B], nd[SPEC_B], dr[SPEC_B], mdr[SPEC_B] = { 0 };
+        int32_t ids[SPEC_B * 2], nout[SPEC_B], map[SPEC_B], next_dr[SPEC_B];
+        struct dsv4_sample_params sp[SPEC_B];
+        uint64_t rng = 12345;
+
+        spec_greedy(sp, SPEC_B);
+        while (!bad) {
+            struct dsv4_spec_batch b = { 0, slot, last, nd, dr };
+            int n = 0;
+
+            for (int s = 0; s < SPEC_B; s++) {
+                int src;
+
+                if (e[s] >= SPEC_CHK)
+                    continue;
+                rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                src = (int)((rng >> 33) % 8);   /* 0-4 accept, 5-6 reject, 7 MTP */
+                map[n] = s;
+                slot[n] = s;
+                last[n] = got[s][e[s]];
+                nd[n] = e[s] + 1 < SPEC_CHK;
+                dr[n] = src <= 4 ? ref[s][e[s] + 1] : src <= 6 ? (ref[s][e[s] + 1] + 1) % V
+                                                                 : mdr[s];
+                n++;
+            }
+            if (n == 0)
+                break;
+            b.n_seqs = n;
+            TRY("verify", dsv4_model_spec_verify(sm, &b, sp, ids, NULL, nout, NULL));
+            TRY("draft", dsv4_model_spec_draft(sm, next_dr, NULL));
+            calls++;
+            for (int i = 0; i < n && !bad; i++) {
+                int s = map[i];
+
+                if (nd[i])
+                    n_acc += nout[i] == 2, n_rej += nout[i] == 1;
+                for (int j = 0; j < nout[i]; j++) {
+                    int k = e[s] + 1 + j;
+
+                    got[s][k] = ids[i * 2 + j];
+                    if (got[s][k] != ref[s][k]) {
+                        printf("# stream %d token %d: spec %d, plain %d (verify call %d, draft "
+                               "%d, %s)\n", s, k, got[s][k], ref[s][k], calls, dr[i],
+                               j == 0 ? "first row" : "second row (draft accepted)");
+                        bad = 1;
+                        break;
+                    }
+                }
+                mdr[s] = next_dr[i];
+                e[s] += nout[i];
+            }
+        }
+    }
+    printf("| spec check | flash widths, %d layers | %d streams x %d greedy tokens | %d verify "
+           "calls | %d drafts accepted, %d rejected | tokens %s plain decoding |\n", layers,
+           SPEC_B, SPEC_CHK, calls, n_acc, n_rej, bad ? "DIFFER from" : "equal");
+
+    /* (2) timing */
+    for (int i = 0; i < 2; i++) {
+        spec_prefill(pm, V, tok);
+        ms_plain[i] = spec_time_plain(pm, batches[i], SPEC_TIME, tok);
+        spec_prefill(sm, V, tok);
+        spec_time_spec(sm, batches[i], SPEC_TIME, tok, &ms_v[i], &ms_d[i]);
+    }
+    printf("| batch | plain step ms | plain tok/s | verify ms | draft ms | spec tok/s a=0 | "
+           "a=0.5 | a=0.7 | a=0.9 |\n|---|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < 2; i++) {
+        double n = batches[i], t = ms_v[i] + ms_d[i];
+
+        printf("| %d | %.3f | %.1f | %.3f | %.3f | %.1f | %.1f | %.1f | %.1f |\n", batches[i],
+               ms_plain[i], n * 1e3 / ms_plain[i], ms_v[i], ms_d[i], n * 1e3 / t,
+               n * 1.5e3 / t, n * 1.7e3 / t, n * 1.9e3 / t);
+    }
+    printf("# flash widths, %d layers, %s kernels, synthetic weights, graphs on; times are wall "
+           "ms per call (ids back to the host)\n", layers,
+           getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "default");
+    dsv4_model_free(pm);
+    dsv4_model_free(sm);
+    dsv4_cuda_weights_free(gb, &fw);
+    dsv4_backend_destroy(gb);
+    printf("%s spec\n", bad ? "FAIL" : "PASS");
+    return bad;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -644,6 +872,8 @@ main(int argc, char **argv)
     }
     if (argc >= 4 && strcmp(argv[1], "profile") == 0)
         return run_profile(atoi(argv[2]), atoi(argv[3]));
+    if (argc >= 3 && strcmp(argv[1], "spec") == 0)
+        return run_spec(atoi(argv[2]));
     if (argc >= 4 && strcmp(argv[1], "prefill") == 0)
         return run_prefill(atoi(argv[2]), atoi(argv[3]));
     if (argc >= 3 && strcmp(argv[1], "synth") == 0)
@@ -651,6 +881,7 @@ main(int argc, char **argv)
     fprintf(stderr, "usage: test_decode_gpu long CKPT_DIR [STEPS]\n"
                     "       test_decode_gpu synth CKPT_DIR [LAYERS [STEPS]]\n"
                     "       test_decode_gpu profile LAYERS BATCH\n"
-                    "       test_decode_gpu prefill LAYERS T\n");
+                    "       test_decode_gpu prefill LAYERS T\n"
+                    "       test_decode_gpu spec LAYERS\n");
     return 2;
 }
