@@ -47,6 +47,13 @@
 #      PREFILL_LAYERS=N (and tests/test_decode_gpu packed) also the
 #      whole-prefill timing `test_decode_gpu prefill N PREFILL_T` (default
 #      2048 tokens), exact vs fast kernels, log in $OUT/prefill.log.
+#  13. optional, with SPEC_LAYERS=N (and tests/test_decode_gpu packed):
+#      speculative decoding with the MTP layer, `test_decode_gpu spec N`
+#      (flash widths cut to N layers, synthetic weights, graphs): spec ==
+#      plain greedy tokens with forced-accept/reject drafts, then plain,
+#      verify and draft step times at batch 1 and 16 and tok/s at assumed
+#      acceptance rates 0, 0.5, 0.7, 0.9; log in $OUT/spec.log; a failure
+#      fails the script.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -246,6 +253,14 @@ if [ -n "${PREFILL_LAYERS:-}" ] && command -v test_decode_gpu > /dev/null; then
     prefill_rc=$?
 fi
 
+# 13. speculative decoding with the MTP layer (optional: SPEC_LAYERS=N)
+spec_rc=skipped
+if [ -n "${SPEC_LAYERS:-}" ] && command -v test_decode_gpu > /dev/null; then
+    timeout 500 test_decode_gpu spec "$SPEC_LAYERS" > "$OUT/spec.log" 2>&1
+    spec_rc=$?
+    [ "$spec_rc" = 77 ] && spec_rc=skipped
+fi
+
 fast_rc=skipped
 if command -v bench_fast > /dev/null; then
     timeout 540 bench_fast > "$OUT/fast.log" 2>&1
@@ -286,6 +301,10 @@ if [ "$cipc_rc" != skipped ]; then
     echo "decode state through CUDA IPC (exit $cipc_rc):"
     grep -E "^(FAIL|PASS|prefill|host-staged|round|devices)" "$OUT/kv_cudaipc.log"
 fi
+if [ "$spec_rc" != skipped ]; then
+    echo "speculative decoding with the MTP layer (exit $spec_rc):"
+    grep -E "^(\||#|PASS|FAIL)" "$OUT/spec.log"
+fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
     grep -E "^(FAIL|summary|bench_fast|prefill)|^ok +pf_|first value out" "$OUT/fast.log"
@@ -301,6 +320,7 @@ fi
 [ "$attn_rc" = skipped ] || [ "$attn_rc" = 0 ] || exit 1
 [ "$prefill_rc" = skipped ] || [ "$prefill_rc" = 0 ] || exit 1
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
+[ "$spec_rc" = skipped ] || [ "$spec_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done
