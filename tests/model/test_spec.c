@@ -38,8 +38,8 @@
 #include "model_util.h"
 
 #define N_SEQ 4
-#define N_GEN 360          /* generated tokens per stream (main test) */
-#define N_GEN_TP 90        /* in the group test */
+#define N_GEN 200          /* generated tokens per stream (main test) */
+#define N_GEN_TP 60        /* in the group test */
 #define MAX_SEQ 1024
 static const int32_t prompt_len[N_SEQ] = { 1, 37, 130, 250 };
 #define N_PROMPT (1 + 37 + 130 + 250)
@@ -346,7 +346,7 @@ test_spec_equals_plain(void **state)
     printf("# every token and logits row equal; %d MTP draft rows equal the MTP head's\n",
            n_mtp);
     /* both paths ran many times (a property of the fixed draft sources) */
-    assert_true(sp.accepted >= 100);
+    assert_true(sp.accepted >= 60);
     assert_true(sp.rejected >= 100);
     assert_true(sp.restored >= 20);
     assert_true(n_mtp >= N_GEN);
