@@ -38,8 +38,11 @@
 #  10. optional, when tests/test_kv_cudaipc is packed: decode state handed
 #      from one process to another through CUDA IPC handles (KV_PROMPT
 #      (8192) tokens, flash widths cut to 2 layers, two GPUs when present):
-#      export/import times and bit-identical decode (tests/gpu/
-#      test_kv_cudaipc.c); log in $OUT/kv_cudaipc.log.
+#      export/import times and bit-identical decode; then `full` mode: the
+#      43-layer state (fabricated, KV_ROUNDS (5) handoffs to an importer on
+#      GPU 0 and one on GPU 1), byte-identical re-export, copy_batch check,
+#      "handoff ... total Z ms" lines (tests/gpu/test_kv_cudaipc.c); log in
+#      $OUT/kv_cudaipc.log.
 #  12. optional, when tests/bench_attn is packed: the fast attention and
 #      indexer_topk against the exact ones and their speed, decode and
 #      prefill shapes (tests/gpu/bench_attn.c; ATTN_QUICK=1: no 8192-row
@@ -232,6 +235,10 @@ cipc_rc=skipped
 if command -v test_kv_cudaipc > /dev/null; then
     timeout 300 test_kv_cudaipc "${KV_PROMPT:-8192}" 16 3 > "$OUT/kv_cudaipc.log" 2>&1
     cipc_rc=$?
+    timeout 300 test_kv_cudaipc full "${KV_PROMPT:-8192}" "${KV_ROUNDS:-5}" \
+        >> "$OUT/kv_cudaipc.log" 2>&1
+    full_rc=$?
+    [ "$cipc_rc" = 0 ] && [ "$full_rc" != 0 ] && [ "$full_rc" != 77 ] && cipc_rc=$full_rc
     [ "$cipc_rc" = 77 ] && cipc_rc=skipped
 fi
 
@@ -299,7 +306,8 @@ if [ "$share_rc" != skipped ]; then
 fi
 if [ "$cipc_rc" != skipped ]; then
     echo "decode state through CUDA IPC (exit $cipc_rc):"
-    grep -E "^(FAIL|PASS|prefill|host-staged|round|devices)" "$OUT/kv_cudaipc.log"
+    grep -E "^(FAIL|PASS|SKIP|prefill|host-staged|round|devices|handoff|copy_batch|importer)" \
+        "$OUT/kv_cudaipc.log"
 fi
 if [ "$spec_rc" != skipped ]; then
     echo "speculative decoding with the MTP layer (exit $spec_rc):"
