@@ -35,6 +35,7 @@ static const char *const cfg_numerics[] = { "ref", "hf", NULL };
 static const char *const cfg_yesno[] = { "no", "yes", NULL };
 static const char *const cfg_kernels[] = { "fast", "exact", NULL };
 static const char *const cfg_autoyesno[] = { "auto", "yes", "no", NULL };
+static const char *const cfg_comms[] = { "auto", "nccl", "cudaipc", "shm", NULL };
 
 #define STR(f) CFG_STR, offsetof(struct dsv4_conf, f), \
     sizeof(((struct dsv4_conf *)0)->f), 0, 0, NULL
@@ -65,6 +66,7 @@ static const struct cfg_key cfg_keys[] = {
     { "max_seq",            INT(max_seq, 1, 1 << 20) },
     { "group_size",         INT(group_size, 1, 64) },
     { "gpu",                INT(gpu, -1, 1023) },
+    { "comm",               ENUM(comm, cfg_comms) },
     { "share_weights",      ENUM(share_weights, cfg_autoyesno) },
     { "share_dir",          STR(share_dir) },
     { "host",               STR(host) },
@@ -122,6 +124,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->max_seq = 4096;
     cfg->group_size = 1;
     cfg->gpu = -1;
+    snprintf(cfg->comm, sizeof(cfg->comm), "%s", "auto");
     snprintf(cfg->share_weights, sizeof(cfg->share_weights), "%s", "auto");
     snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");

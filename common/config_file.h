@@ -71,6 +71,12 @@ struct dsv4_conf {
                                N % group_size of group N / group_size */
     int gpu;                /* [-1] CUDA device of the rank; -1 = its rank in
                                the group modulo the devices present */
+    char comm[16];          /* [auto] communicator of a model group: "auto"
+                               (cuda backend: cudaipc when every rank of the
+                               group is on this host, else nccl; cpu backend:
+                               shm), "nccl", "cudaipc" (one-shot all-reduce
+                               over CUDA IPC, docs/gpu.md), "shm" (cpu
+                               backend only) */
     char share_weights[8];  /* [auto] one copy of the weights per GPU, shared
                                by its prefill and decode ranks (CUDA VMM,
                                docs/gpu.md "Weight sharing"): "auto" (on with

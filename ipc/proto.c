@@ -183,6 +183,7 @@ static const struct field f_rank_comm[] = {
     FLD("comm_epoch", struct dsv4_rank_comm, comm_epoch, T_U32, F_REQ, 0, U32MAX, 0),
     FARR("comm_id", struct dsv4_rank_comm, comm_id, comm_id_len, T_BIN, 0, 0,
         DSV4_PROTO_MAX_COMM_ID),
+    FLD("one_host", struct dsv4_rank_comm, one_host, T_BOOL, 0, 0, 1, 0),
 };
 
 static const struct field f_rank_heartbeat[] = {

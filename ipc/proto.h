@@ -310,6 +310,9 @@ struct dsv4_rank_comm {
     uint32_t comm_epoch;
     const uint8_t *comm_id; /* NULL = asking for one */
     uint32_t comm_id_len;   /* <= DSV4_PROTO_MAX_COMM_ID */
+    bool one_host;          /* asking: every rank of the group announced the
+                               same host (rank 0 may pick a one-host
+                               communicator, cudaipc); default false */
 };
 
 struct dsv4_rank_disconnect {

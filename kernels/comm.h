@@ -19,6 +19,12 @@
  *   nccl   one CUDA device per rank, any process layout; the sum is queued
  *          on the rank's CUDA backend stream (so it can be recorded in a
  *          decode graph); kernels/cuda/cuda_comm.cu, CUDA builds only.
+ *   cudaipc  one CUDA device per rank, all ranks on one host (2..8): a
+ *          one-shot all-reduce kernel over NVLink / PCIe peer stores into
+ *          the peers' device buffers (CUDA IPC), queued on the backend
+ *          stream like nccl; it can be aborted while waiting for a rank that
+ *          died, leaving the stream and the CUDA context healthy;
+ *          kernels/cuda/cuda_ar.cu, CUDA builds only (docs/gpu.md).
  *
  * Execution context: each rank's handle is used by one thread at a time;
  * every rank must issue the same collectives in the same order.
@@ -52,6 +58,14 @@ struct dsv4_comm_ops {
     void (*abort)(struct dsv4_comm *c);
     /* Free this rank's handle. */
     void (*destroy)(struct dsv4_comm *c);
+    /* Optional (NULL: collectives report their errors when called).  For
+     * communicators whose queued collectives can fail after the call
+     * returned (cudaipc): DSV4_OK when none of those queued so far has
+     * failed; otherwise the group is broken (DSV4_ERR_TIMEOUT, or
+     * DSV4_ERR_CANCELED after an abort): make a new one.  Covers every
+     * collective that has completed on the device: call it after
+     * synchronising the backend to cover all of them. */
+    enum dsv4_err (*check)(struct dsv4_comm *c);
 };
 
 /* One rank's handle of a group. */
@@ -71,6 +85,10 @@ enum dsv4_err dsv4_comm_local_create(struct dsv4_comm **out, int size);
 
 /* Free a handle (NULL is a no-op). */
 void dsv4_comm_destroy(struct dsv4_comm *c);
+
+/* c->ops->check when the communicator has one, else DSV4_OK (NULL c:
+ * DSV4_OK).  kernels/comm_id.c. */
+enum dsv4_err dsv4_comm_check(struct dsv4_comm *c);
 
 /* Bytes of a group id (an NCCL unique id, or a shm group's name), made by
  * rank 0 and given to every rank. */
@@ -102,6 +120,66 @@ enum dsv4_err dsv4_comm_nccl_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
 enum dsv4_err dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
                                     int size, const uint8_t id[DSV4_COMM_ID_BYTES],
                                     int timeout_ms);
+
+/*
+ * cudaipc group (CUDA builds; kernels/cuda/cuda_ar.cu, docs/gpu.md "One-shot
+ * all-reduce over CUDA IPC").
+ *
+ * The id is a shm-style name with its own prefix ("/dsv4ar-" and 32 hex
+ * digits): dsv4_comm_cudaipc_unique_id makes one (any build), and
+ * dsv4_comm_id_is_cudaipc tells it from a shm group name or an NCCL unique
+ * id (kernels/comm_id.c), so the ranks of a group take the kind of
+ * communicator from the id rank 0 made.
+ */
+#define DSV4_COMM_CUDAIPC_PREFIX "/dsv4ar-"
+#define DSV4_COMM_CUDAIPC_MAX_RANKS 8
+
+enum dsv4_err dsv4_comm_cudaipc_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
+/* 1 when id is a cudaipc group id (prefix, 32 lower-case hex digits, NUL,
+ * zeros to the end), else 0. */
+int dsv4_comm_id_is_cudaipc(const uint8_t id[DSV4_COMM_ID_BYTES]);
+
+/* Kinds of communicator (dsv4_comm_pick). */
+enum dsv4_comm_kind {
+    DSV4_COMM_NONE = 0,     /* the setting does not fit the backend */
+    DSV4_COMM_SHM,
+    DSV4_COMM_NCCL,
+    DSV4_COMM_CUDAIPC,
+};
+
+/*
+ * The communicator a group's rank 0 makes (the rank daemons' `comm` key,
+ * docs/operations.md): `comm` "auto", "nccl", "cudaipc" or "shm"; `backend`
+ * "cpu" or "cuda"; one_host: every rank of the group is on this host (COMM,
+ * docs/protocol.md §6.4).  cpu: shm (auto or shm); cuda: auto is cudaipc on
+ * one host (2..8 ranks of `size`), else nccl.  DSV4_COMM_NONE with the
+ * reason in dsv4_errmsg() for a setting the backend cannot use (nccl or
+ * cudaipc on cpu, shm on cuda, cudaipc for more than 8 ranks).  Pure.
+ */
+enum dsv4_comm_kind dsv4_comm_pick(const char *comm, const char *backend, int one_host,
+                                   int size);
+
+/*
+ * Join cudaipc group `id` as rank `rank` of `size` (2 .. 8), on the device of
+ * CUDA backend `be`; the ranks are processes (or threads, one device each) of
+ * one host.  Rank 0 creates a bootstrap shm segment named by the id (the
+ * others wait for it up to timeout_ms); every rank allocates its receive
+ * buffer (2 x size slots of max_bytes, rounded up to 256, plus flags) in its
+ * own device memory and maps the peers' buffers (CUDA IPC, or direct
+ * pointers between threads of one process).  allreduce_sum: one kernel per
+ * max_bytes of x on be's stream (capturable in a graph: its epoch lives in
+ * device memory), x 16-byte aligned is fastest; the sum runs in rank order.
+ * Each wait inside the kernel gives up after timeout_ms (or at once after
+ * abort): the kernel returns normally, the stream stays usable, and
+ * check / the next call report the broken group.  allreduce_min_u64 is a
+ * host exchange through the bootstrap segment (synchronises be's stream; not
+ * for graphs).  destroy does not hang on a dead peer.
+ * DSV4_ERR_NOTSUP in builds without CUDA.
+ */
+enum dsv4_err dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be,
+                                       int rank, int size,
+                                       const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes,
+                                       int timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -269,6 +269,11 @@ void group_comm(struct rank *k, const struct dsv4_rank_comm *c);
 bool group_tick(struct rank *k, uint64_t *mine, int n);
 /* The communicator failed (`why`): drop it and the work; wait for COMM. */
 void group_broken(struct rank *k, const char *why);
+/* After a forward call returned: DSV4_OK when no collective it queued has
+ * failed since (cudaipc all-reduces give up inside the kernel and report
+ * here; dsv4_comm_check), else the error: the call's results are garbage
+ * and the group is broken. */
+enum dsv4_err group_check(struct rank *k);
 /* Bracket collectives (the watchdog acts only inside). */
 void group_enter(struct rank *k);
 void group_leave(struct rank *k);

@@ -274,6 +274,8 @@ decode_work(struct rank *k)
     /* forward and sampling on the backend: only the ids come back */
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
+    if (e == DSV4_OK && k->comm != NULL)
+        e = group_check(k);   /* a cudaipc all-reduce that gave up */
     group_leave(k);
     if (e != DSV4_OK && k->comm != NULL) {
         group_broken(k, dsv4_errmsg());
@@ -358,6 +360,8 @@ decode_work_spec(struct rank *k)
                                k->spec_n, NULL);
     if (e == DSV4_OK)
         e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
+    if (e == DSV4_OK && k->comm != NULL)
+        e = group_check(k);   /* a cudaipc all-reduce that gave up */
     group_leave(k);
     if (e != DSV4_OK && k->comm != NULL) {
         group_broken(k, dsv4_errmsg());

@@ -4,11 +4,14 @@
  * calls in step.
  *
  * Communicator: the scheduler asks group rank 0 for an id when the group
- * is complete (COMM without id); rank 0 makes one (NCCL unique id on the
- * CUDA backend, a shm group name on the CPU backend) and returns it; the
- * scheduler sends it to every rank.  A rank without a working communicator
- * joins at once; a rank whose communicator still works keeps ticking on it
- * with the new epoch marked pending, and the ranks switch together after
+ * is complete (COMM without id, saying whether the group is on one host);
+ * rank 0 makes one (the `comm` key, dsv4_comm_pick: on the CUDA backend a
+ * cudaipc group name when the group is on one host, else an NCCL unique id;
+ * a shm group name on the CPU backend) and returns it; the scheduler sends
+ * it to every rank, and each takes the kind of communicator from the id.
+ * A rank without a working communicator joins at once; a rank whose
+ * communicator still works keeps ticking on it with the new epoch marked
+ * pending, and the ranks switch together after
  * the tick that shows every rank has the same pending epoch (so no rank is
  * left waiting in a collective of the old one).  On a switch each rank
  * drops what it held (the scheduler re-ran it when the group changed).
@@ -16,7 +19,13 @@
  * hashes (a minimum all-reduce), so the watchdog can tell when a peer on
  * this host has died.  A broken communicator (a peer died or left: a
  * collective failed or the watchdog aborted it) is dropped together with
- * the work; the rank stays registered and waits for the next COMM.
+ * the work; the rank stays registered and waits for the next COMM.  Only
+ * NCCL's abort has been seen to hang (a peer killed inside a graphed
+ * collective): for it alone the rank exits when the abort does not return
+ * within GROUP_ABORT_S, and leaves the aborted communicator and its graphs
+ * alone.  cudaipc and shm aborts return at once: the rank destroys the
+ * communicator, frees the graphs recorded with it and keeps its process,
+ * CUDA context, weights and decode state.
  *
  * Tick descriptor (2 * slots + 2 uint64): the runnable requests ascending,
  * padded with UINT64_MAX, then their complements, then the pending epoch
@@ -65,6 +74,7 @@ struct rank_watch {
     _Atomic int64_t since_ms;   /* ... since then */
     atomic_int stop;
     atomic_int fired;           /* the communicator was aborted */
+    enum dsv4_comm_kind kind;   /* of comm (guarded by mu) */
 };
 
 static uint64_t
@@ -136,6 +146,8 @@ watch_main(void *arg)
                 victim = w->comm;
             }
         }
+        bool may_hang = w->kind == DSV4_COMM_NCCL;
+
         if (victim != NULL) {
             atomic_store(&w->fired, 1);
             w->busy = 1;
@@ -143,7 +155,7 @@ watch_main(void *arg)
         pthread_mutex_unlock(&w->mu);
         if (victim == NULL)
             continue;
-        {
+        if (may_hang) {
             pthread_t r;
 
             if (pthread_create(&r, NULL, watch_reaper, w) == 0)
@@ -168,6 +180,9 @@ group_init(struct rank *k, const struct dsv4_config *cfg)
     (void)cfg;
     if (k->o.group_size <= 1)
         return;
+    if (dsv4_comm_pick(k->o.conf.comm, k->be->name, 1, (int)k->o.group_size) ==
+        DSV4_COMM_NONE)
+        fatalx("group_init: %s", dsv4_errmsg());
     k->tick_h = calloc(2 * (size_t)k->o.slots + 2, sizeof(uint64_t));
     k->tick_d = k->be->ops->alloc(k->be, (2 * (size_t)k->o.slots + 2) * sizeof(uint64_t));
     w = calloc(1, sizeof(*w));
@@ -187,9 +202,10 @@ group_close(struct rank *k, bool abort_peers)
 {
     if (k->comm == NULL)
         return;
-    /* peers waiting in a collective with us fail now (shm), not at their
-     * timeout */
+    /* peers waiting in a collective with us fail now (shm, cudaipc), not
+     * at their timeout */
     bool aborted = abort_peers;
+    enum dsv4_comm_kind kind = DSV4_COMM_NCCL;
 
     if (k->watch != NULL) {
         struct timespec until;
@@ -197,7 +213,13 @@ group_close(struct rank *k, bool abort_peers)
         clock_gettime(CLOCK_REALTIME, &until);
         until.tv_sec += GROUP_ABORT_S;
         pthread_mutex_lock(&k->watch->mu);
+        kind = k->watch->kind;
         while (k->watch->busy) {
+            if (kind != DSV4_COMM_NCCL) {
+                /* its abort only sets flags: it returns at once */
+                pthread_cond_wait(&k->watch->idle, &k->watch->mu);
+                continue;
+            }
             if (pthread_cond_timedwait(&k->watch->idle, &k->watch->mu, &until) == ETIMEDOUT) {
                 /* Seen on H200s: ncclCommAbort does not return when a peer
                  * died inside a collective of a recorded graph; the CUDA
@@ -215,6 +237,18 @@ group_close(struct rank *k, bool abort_peers)
     }
     if (abort_peers)
         k->comm->ops->abort(k->comm);
+    if (aborted && kind != DSV4_COMM_NCCL) {
+        /* the abort ended every wait: the stream drains at once; the graphs
+         * recorded with this communicator go (freed), the next are recorded
+         * with the new one */
+        (void)k->be->ops->sync(k->be);
+        dsv4_model_set_comm(k->m, NULL);
+        dsv4_comm_destroy(k->comm);
+        k->comm = NULL;
+        log_notice("group_close: aborted communicator of epoch %u destroyed",
+                   (unsigned)k->comm_epoch);
+        return;
+    }
     if (aborted) {
         /* graphs holding the aborted communicator's operations are left
          * alone (kernels/forward.h), and so is the communicator's handle */
@@ -234,7 +268,7 @@ group_close(struct rank *k, bool abort_peers)
 void
 group_free(struct rank *k)
 {
-    if (k->comm != NULL && strcmp(k->be->name, "cpu") != 0) {
+    if (k->comm != NULL && k->watch != NULL && k->watch->kind == DSV4_COMM_NCCL) {
         /* at exit an NCCL communicator is left to the process's end:
          * destroying it (or the graphs holding its operations) waits for
          * peers that may be gone or exiting too (seen as stop timeouts) */
@@ -289,23 +323,34 @@ group_max_bytes(const struct rank *k)
     return T * per * sizeof(float) + 4 * (size_t)k->o.slots * sizeof(uint64_t) + 4096;
 }
 
-/* Make the id of a new communicator (rank 0). */
+/* Largest buffer of one cudaipc launch: larger all-reduces (prefill) go in
+ * pieces of this size (the receive buffers hold 2 x group size of it). */
+#define GROUP_IPC_MAX_BYTES (8u << 20)
+
+/* Make the id of a new communicator (rank 0); one_host from the COMM. */
 static enum dsv4_err
-group_make_id(struct rank *k, uint8_t *id)
+group_make_id(struct rank *k, uint8_t *id, bool one_host)
 {
-    if (strcmp(k->be->name, "cpu") == 0)
+    switch (dsv4_comm_pick(k->o.conf.comm, k->be->name, one_host, (int)k->o.group_size)) {
+    case DSV4_COMM_SHM:
         return dsv4_comm_shm_unique_id(id);
+    case DSV4_COMM_CUDAIPC:
+        return dsv4_comm_cudaipc_unique_id(id);
+    case DSV4_COMM_NCCL:
 #ifdef DSV4_HAVE_CUDA
-    return dsv4_comm_nccl_unique_id(id);
+        return dsv4_comm_nccl_unique_id(id);
 #else
-    return dsv4_err_set(DSV4_ERR_NOTSUP, "group: no communicator for backend %s",
-                        k->be->name);
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "group: no NCCL in this build");
 #endif
+    default:
+        return DSV4_ERR_CONFIG;   /* dsv4_comm_pick set the message */
+    }
 }
 
-/* Exchange process ids and host hashes; arm the watchdog. */
+/* Exchange process ids and host hashes; arm the watchdog for the
+ * communicator k->comm of `kind`. */
 static enum dsv4_err
-group_peers(struct rank *k)
+group_peers(struct rank *k, enum dsv4_comm_kind kind)
 {
     uint32_t n = k->o.group_size;
     uint64_t *v = calloc(2 * (size_t)n, sizeof(uint64_t));
@@ -334,6 +379,7 @@ group_peers(struct rank *k)
         goto out;
     pthread_mutex_lock(&k->watch->mu);
     k->watch->comm = k->comm;
+    k->watch->kind = kind;
     k->watch->n = (int)n;
     for (uint32_t i = 0; i < n && i < 64; i++) {
         k->watch->pids[i] = i == k->o.group_rank ? 0 : (pid_t)v[i];
@@ -366,7 +412,8 @@ group_comm(struct rank *k, const struct dsv4_rank_comm *c)
             log_warnx("group_comm: asked for an id, but this is not rank 0");
             return;
         }
-        if (group_make_id(k, id) != DSV4_OK) {
+        if (group_make_id(k, id, c->one_host) != DSV4_OK) {
+            log_warnx("group_comm: %s", dsv4_errmsg());
             rank_relink(k, "cannot make a communicator id");
             return;
         }
@@ -375,7 +422,9 @@ group_comm(struct rank *k, const struct dsv4_rank_comm *c)
         m.u.comm.comm_id = id;
         m.u.comm.comm_id_len = DSV4_COMM_ID_BYTES;
         rank_send(k, &m);
-        log_info("group_comm: id of epoch %u made", (unsigned)c->comm_epoch);
+        log_info("group_comm: id of epoch %u made (%s)", (unsigned)c->comm_epoch,
+                 dsv4_comm_id_is_cudaipc(id) ? "cudaipc" :
+                 strcmp(k->be->name, "cpu") == 0 ? "shm" : "nccl");
         return;
     }
     if (c->comm_id_len != DSV4_COMM_ID_BYTES) {
@@ -396,6 +445,7 @@ group_join(struct rank *k)
 {
     struct dsv4_comm *nc = NULL;
     uint32_t epoch = k->pend_epoch;
+    enum dsv4_comm_kind kind;
     enum dsv4_err e;
 
     k->pend_epoch = 0;
@@ -407,23 +457,37 @@ group_join(struct rank *k)
     group_close(k, false);
     sdnotify_status("joining the communicator of group %u, epoch %u", (unsigned)k->o.group,
                     (unsigned)epoch);
-    if (strcmp(k->be->name, "cpu") == 0)
+    /* the id says which kind rank 0 picked */
+    if (dsv4_comm_id_is_cudaipc(k->pend_id)) {
+        size_t mb = group_max_bytes(k);
+
+        kind = DSV4_COMM_CUDAIPC;
+        e = dsv4_comm_cudaipc_create(&nc, k->be, (int)k->o.group_rank, (int)k->o.group_size,
+                                     k->pend_id, mb < GROUP_IPC_MAX_BYTES ? mb :
+                                     GROUP_IPC_MAX_BYTES, GROUP_COLL_MS);
+    } else if (strcmp(k->be->name, "cpu") == 0) {
+        kind = DSV4_COMM_SHM;
         e = dsv4_comm_shm_create(&nc, (int)k->o.group_rank, (int)k->o.group_size, k->pend_id,
                                  group_max_bytes(k), GROUP_JOIN_MS);
-    else
+    } else {
+        kind = DSV4_COMM_NCCL;
 #ifdef DSV4_HAVE_CUDA
         e = dsv4_comm_nccl_create(&nc, k->be, (int)k->o.group_rank, (int)k->o.group_size,
                                   k->pend_id, GROUP_JOIN_MS);
 #else
         e = dsv4_err_set(DSV4_ERR_NOTSUP, "no communicator for backend %s", k->be->name);
 #endif
+    }
     if (e == DSV4_OK) {
         k->comm = nc;
         k->comm_epoch = epoch;
+        pthread_mutex_lock(&k->watch->mu);
+        k->watch->kind = kind;
+        pthread_mutex_unlock(&k->watch->mu);
         e = dsv4_model_set_comm(k->m, nc);
     }
     if (e == DSV4_OK)
-        e = group_peers(k);
+        e = group_peers(k, kind);
     if (e != DSV4_OK) {
         log_warnx("group_join: epoch %u: %s", (unsigned)epoch, dsv4_errmsg());
         group_close(k, true);
@@ -432,8 +496,16 @@ group_join(struct rank *k)
     }
     sdnotify_status("serving as %s, rank %u of group %u (epoch %u)", k->name,
                     (unsigned)k->o.group_rank, (unsigned)k->o.group, (unsigned)k->comm_epoch);
-    log_notice("group_comm: joined group %u as rank %u of %u, epoch %u", (unsigned)k->o.group,
-               (unsigned)k->o.group_rank, (unsigned)k->o.group_size, (unsigned)k->comm_epoch);
+    log_notice("group_comm: joined group %u as rank %u of %u, epoch %u (%s)",
+               (unsigned)k->o.group, (unsigned)k->o.group_rank, (unsigned)k->o.group_size,
+               (unsigned)k->comm_epoch, kind == DSV4_COMM_CUDAIPC ? "cudaipc" :
+               kind == DSV4_COMM_SHM ? "shm" : "nccl");
+}
+
+enum dsv4_err
+group_check(struct rank *k)
+{
+    return dsv4_comm_check(k->comm);
 }
 
 void

@@ -196,6 +196,8 @@ prefill_work(struct rank *k)
      * their prompt use theirs */
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
+    if (e == DSV4_OK && k->comm != NULL)
+        e = group_check(k);   /* a cudaipc all-reduce that gave up */
     group_leave(k);
     if (e != DSV4_OK && k->comm != NULL) {
         group_broken(k, dsv4_errmsg());

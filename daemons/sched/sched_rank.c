@@ -111,6 +111,10 @@ group_update(struct sched *s, struct sched_group *g)
 
         dsv4_msg_init(&cm, DSV4_SUB_RANK, DSV4_RANK_COMM);
         cm.u.comm.comm_epoch = g->epoch;
+        cm.u.comm.one_host = true;
+        for (uint32_t i = 1; i < g->size; i++)
+            if (strcmp(g->ranks[i]->host, g->ranks[0]->host) != 0)
+                cm.u.comm.one_host = false;
         rank_send(s, g->ranks[0], &cm);
         g->comm_asked = g->epoch;
         log_info("group %s/%u complete (epoch %u): asking rank 0 for a communicator id",

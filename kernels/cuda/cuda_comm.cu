@@ -158,6 +158,7 @@ static const struct dsv4_comm_ops nccl_ops = {
     nccl_min_u64,
     nccl_abort,
     nccl_destroy,
+    NULL,   /* check: a failed NCCL call reports itself */
 };
 
 extern "C" enum dsv4_err

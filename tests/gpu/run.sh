@@ -57,6 +57,13 @@
 #      verify and draft step times at batch 1 and 16 and tok/s at assumed
 #      acceptance rates 0, 0.5, 0.7, 0.9; log in $OUT/spec.log; a failure
 #      fails the script.
+#  14. optional, when tests/test_ar_gpu is packed (two GPUs): the cudaipc
+#      one-shot all-reduce between two processes: bit-identical sums (1 float
+#      .. 600000 floats, 1000 graph replays), us per all-reduce vs NCCL (64 KB,
+#      256 KB, 1.8 MB, eager and graphed), timeout, and kill -9 of the peer
+#      inside a graphed all-reduce (abort within 1 s, new group in the same
+#      process) (tests/gpu/test_ar_gpu.c); log in $OUT/ar.log; a failure
+#      fails the script.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -268,6 +275,14 @@ if [ -n "${SPEC_LAYERS:-}" ] && command -v test_decode_gpu > /dev/null; then
     [ "$spec_rc" = 77 ] && spec_rc=skipped
 fi
 
+# 14. the cudaipc all-reduce on two GPUs (optional: when packed)
+ar_rc=skipped
+if command -v test_ar_gpu > /dev/null; then
+    NCCL_NVLS_ENABLE=0 timeout 300 test_ar_gpu "$SEED" > "$OUT/ar.log" 2>&1
+    ar_rc=$?
+    [ "$ar_rc" = 77 ] && ar_rc=skipped
+fi
+
 fast_rc=skipped
 if command -v bench_fast > /dev/null; then
     timeout 540 bench_fast > "$OUT/fast.log" 2>&1
@@ -313,6 +328,10 @@ if [ "$spec_rc" != skipped ]; then
     echo "speculative decoding with the MTP layer (exit $spec_rc):"
     grep -E "^(\||#|PASS|FAIL)" "$OUT/spec.log"
 fi
+if [ "$ar_rc" != skipped ]; then
+    echo "cudaipc all-reduce (exit $ar_rc):"
+    grep -E "^(FAIL|PASS|SKIP)|^  \||^  (child|gave|destroy|rank|nccl)" "$OUT/ar.log"
+fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
     grep -E "^(FAIL|summary|bench_fast|prefill)|^ok +pf_|first value out" "$OUT/fast.log"
@@ -329,6 +348,7 @@ fi
 [ "$prefill_rc" = skipped ] || [ "$prefill_rc" = 0 ] || exit 1
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
 [ "$spec_rc" = skipped ] || [ "$spec_rc" = 0 ] || exit 1
+[ "$ar_rc" = skipped ] || [ "$ar_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done

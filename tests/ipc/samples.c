@@ -186,6 +186,7 @@ s_rank_comm_ask(struct dsv4_msg *m)
 {
     dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_COMM);
     m->u.comm.comm_epoch = 6;
+    m->u.comm.one_host = true;
 }
 
 static void

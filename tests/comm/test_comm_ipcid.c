@@ -1,0 +1,164 @@
+/*
+ * test_comm_ipcid.c — the host-side parts of the cudaipc communicator that
+ * need no GPU (kernels/comm.h, kernels/comm_id.c): its group ids (made,
+ * recognised, told apart from shm names and NCCL ids), the choice of
+ * communicator from the `comm` key (dsv4_comm_pick), the key itself in the
+ * config file (common/config_file.c), dsv4_comm_check on communicators
+ * without a check, and the constructor's refusal of a CPU backend.
+ */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/config_file.h"
+#include "kernels/backend.h"
+#include "kernels/comm.h"
+
+static void
+test_ids(void **state)
+{
+    uint8_t a[DSV4_COMM_ID_BYTES], b[DSV4_COMM_ID_BYTES], shm[DSV4_COMM_ID_BYTES];
+
+    (void)state;
+    assert_int_equal(dsv4_comm_cudaipc_unique_id(a), DSV4_OK);
+    assert_int_equal(dsv4_comm_cudaipc_unique_id(b), DSV4_OK);
+    assert_true(dsv4_comm_id_is_cudaipc(a));
+    assert_true(dsv4_comm_id_is_cudaipc(b));
+    assert_memory_not_equal(a, b, DSV4_COMM_ID_BYTES);
+    assert_int_equal(strncmp((const char *)a, DSV4_COMM_CUDAIPC_PREFIX,
+                             strlen(DSV4_COMM_CUDAIPC_PREFIX)), 0);
+    assert_int_equal(strlen((const char *)a), strlen(DSV4_COMM_CUDAIPC_PREFIX) + 32);
+    /* a shm group name is not one */
+    assert_int_equal(dsv4_comm_shm_unique_id(shm), DSV4_OK);
+    assert_false(dsv4_comm_id_is_cudaipc(shm));
+    /* nor bytes that only start like one */
+    memcpy(b, a, sizeof(b));
+    b[DSV4_COMM_ID_BYTES - 1] = 1;               /* garbage after the NUL */
+    assert_false(dsv4_comm_id_is_cudaipc(b));
+    memcpy(b, a, sizeof(b));
+    b[strlen(DSV4_COMM_CUDAIPC_PREFIX) + 3] = 'A'; /* upper-case hex */
+    assert_false(dsv4_comm_id_is_cudaipc(b));
+    memcpy(b, a, sizeof(b));
+    b[strlen(DSV4_COMM_CUDAIPC_PREFIX) + 31] = '\0'; /* 31 digits */
+    assert_false(dsv4_comm_id_is_cudaipc(b));
+    /* an NCCL-like id: random bytes */
+    for (int i = 0; i < DSV4_COMM_ID_BYTES; i++)
+        b[i] = (uint8_t)(i * 37 + 11);
+    assert_false(dsv4_comm_id_is_cudaipc(b));
+    /* a cudaipc id names a usable shm group (its bootstrap) */
+    {
+        struct dsv4_comm *c = NULL;
+        uint64_t v = 42;
+
+        assert_int_equal(dsv4_comm_shm_create(&c, 0, 1, a, 64, 1000), DSV4_OK);
+        assert_int_equal(c->ops->allreduce_min_u64(c, NULL, &v, 1), DSV4_OK);
+        assert_int_equal(v, 42);
+        dsv4_comm_destroy(c);
+    }
+}
+
+static void
+test_pick(void **state)
+{
+    (void)state;
+    /* cpu: shm only */
+    assert_int_equal(dsv4_comm_pick("auto", "cpu", 1, 2), DSV4_COMM_SHM);
+    assert_int_equal(dsv4_comm_pick("auto", "cpu", 0, 2), DSV4_COMM_SHM);
+    assert_int_equal(dsv4_comm_pick("shm", "cpu", 0, 16), DSV4_COMM_SHM);
+    assert_int_equal(dsv4_comm_pick("nccl", "cpu", 1, 2), DSV4_COMM_NONE);
+    assert_int_equal(dsv4_comm_pick("cudaipc", "cpu", 1, 2), DSV4_COMM_NONE);
+    /* cuda: auto is cudaipc on one host (2..8 ranks), else nccl */
+    assert_int_equal(dsv4_comm_pick("auto", "cuda", 1, 2), DSV4_COMM_CUDAIPC);
+    assert_int_equal(dsv4_comm_pick("auto", "cuda", 1, 8), DSV4_COMM_CUDAIPC);
+    assert_int_equal(dsv4_comm_pick("auto", "cuda", 1, 9), DSV4_COMM_NCCL);
+    assert_int_equal(dsv4_comm_pick("auto", "cuda", 0, 2), DSV4_COMM_NCCL);
+    assert_int_equal(dsv4_comm_pick("nccl", "cuda", 1, 2), DSV4_COMM_NCCL);
+    assert_int_equal(dsv4_comm_pick("cudaipc", "cuda", 1, 4), DSV4_COMM_CUDAIPC);
+    assert_int_equal(dsv4_comm_pick("cudaipc", "cuda", 0, 4), DSV4_COMM_CUDAIPC);
+    assert_int_equal(dsv4_comm_pick("cudaipc", "cuda", 1, 9), DSV4_COMM_NONE);
+    assert_non_null(strstr(dsv4_errmsg(), "cudaipc"));
+    assert_int_equal(dsv4_comm_pick("shm", "cuda", 1, 2), DSV4_COMM_NONE);
+}
+
+static void
+test_config_key(void **state)
+{
+    struct dsv4_conf cfg;
+    char path[] = "/tmp/test_comm_ipcid.XXXXXX";
+    int fd;
+    FILE *f;
+
+    (void)state;
+    dsv4_conf_defaults(&cfg);
+    assert_string_equal(cfg.comm, "auto");
+    assert_int_equal(dsv4_conf_set(&cfg, "comm", "cudaipc"), DSV4_OK);
+    assert_string_equal(cfg.comm, "cudaipc");
+    assert_int_equal(dsv4_conf_set(&cfg, "comm", "nccl"), DSV4_OK);
+    assert_int_equal(dsv4_conf_set(&cfg, "comm", "shm"), DSV4_OK);
+    assert_int_equal(dsv4_conf_set_kv(&cfg, "comm=auto"), DSV4_OK);
+    assert_string_equal(cfg.comm, "auto");
+    assert_int_not_equal(dsv4_conf_set(&cfg, "comm", "ucx"), DSV4_OK);
+    assert_int_not_equal(dsv4_conf_set(&cfg, "comm", ""), DSV4_OK);
+    assert_string_equal(cfg.comm, "auto");
+    /* in a file, with a role prefix that wins for that role only */
+    fd = mkstemp(path);
+    assert_true(fd >= 0);
+    f = fdopen(fd, "w");
+    assert_non_null(f);
+    fprintf(f, "decode.comm = cudaipc\ncomm = nccl\n");
+    fclose(f);
+    dsv4_conf_defaults(&cfg);
+    assert_int_equal(dsv4_conf_load(&cfg, path, DSV4_CONF_ROLE_DECODE), DSV4_OK);
+    assert_string_equal(cfg.comm, "cudaipc");
+    dsv4_conf_defaults(&cfg);
+    assert_int_equal(dsv4_conf_load(&cfg, path, DSV4_CONF_ROLE_PREFILL), DSV4_OK);
+    assert_string_equal(cfg.comm, "nccl");
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fprintf(f, "comm = gloo\n");
+    fclose(f);
+    assert_int_equal(dsv4_conf_load(&cfg, path, DSV4_CONF_ROLE_DECODE), DSV4_ERR_CONFIG);
+    assert_non_null(strstr(dsv4_errmsg(), ":1:"));
+    unlink(path);
+}
+
+static void
+test_check_and_create(void **state)
+{
+    struct dsv4_comm *g[2] = { NULL, NULL }, *c = (struct dsv4_comm *)&c;
+    struct dsv4_backend *be = NULL;
+    uint8_t id[DSV4_COMM_ID_BYTES];
+
+    (void)state;
+    assert_int_equal(dsv4_comm_check(NULL), DSV4_OK);
+    assert_int_equal(dsv4_comm_local_create(g, 2), DSV4_OK);
+    assert_null(g[0]->ops->check);
+    assert_int_equal(dsv4_comm_check(g[0]), DSV4_OK);
+    dsv4_comm_destroy(g[0]);
+    dsv4_comm_destroy(g[1]);
+    /* a CPU backend is refused (any build), leaving *out NULL */
+    assert_int_equal(dsv4_cpu_backend_create(&be, DSV4_NUMERICS_REF, 1), DSV4_OK);
+    assert_int_equal(dsv4_comm_cudaipc_unique_id(id), DSV4_OK);
+    assert_int_not_equal(dsv4_comm_cudaipc_create(&c, be, 0, 2, id, 4096, 100), DSV4_OK);
+    assert_null(c);
+    dsv4_backend_destroy(be);
+}
+
+int
+main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ids),
+        cmocka_unit_test(test_pick),
+        cmocka_unit_test(test_config_key),
+        cmocka_unit_test(test_check_and_create),
+    };
+
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
