@@ -1,8 +1,9 @@
 /*
  * rank_kv.c — the rank's side of the decode-state handoff: the transfer
- * regions a prefill rank exported and still owns (freed on KV_RELEASE,
- * ABORT, link loss or timeout), and the import of a location into a decode
- * slot.  Transport details live behind ipc/kvxfer.h.  A rank opens shm (one
+ * regions a prefill rank exported and still owns (released on KV_RELEASE,
+ * when the transport may recycle them: cudaipc keeps the region for the
+ * next export; freed on ABORT, link loss or timeout), and the import of a
+ * location into a decode slot.  Transport details live behind ipc/kvxfer.h.  A rank opens shm (one
  * host) and, unless `ucx = no`, ucx (across hosts); with the cuda backend
  * and `kv_cudaipc` auto or yes, also cudaipc (one host, device memory: the
  * state is exported and imported with the model's _dev state functions and
