@@ -201,9 +201,16 @@ ar_kernel(const struct ar_args a)
     /* this block's chunk [lo, hi) of x, 4-float aligned */
     const long long per = ((a.n + AR_BLOCKS - 1) / AR_BLOCKS + 3) / 4 * 4;
     const long long lo = min(a.n, (long long)b * per), hi = min(a.n, lo + per);
-    const bool vec = ((uintptr_t)a.x & 15) == 0;
-    const long long vlo = vec ? lo / 4 : 0, vhi = vec ? hi / 4 : 0;   /* float4 units */
-    const long long slo = vec ? vhi * 4 : lo;                         /* scalar tail */
+    /* float4 units [vlo, vhi) when x is 16-byte aligned (lo is a multiple
+     * of 4 when the chunk is not empty), then floats [slo, hi); an empty
+     * chunk (lo == hi == n) does nothing */
+    long long vlo = 0, vhi = 0, slo = lo;
+
+    if (((uintptr_t)a.x & 15) == 0 && lo < hi) {
+        vlo = lo / 4;
+        vhi = hi / 4;
+        slo = vhi * 4;
+    }
 
     /* 2. push the chunk into slot [par][rank] of every peer */
     {
