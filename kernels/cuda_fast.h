@@ -35,7 +35,7 @@ extern "C" {
  * kernels elsewhere:
  *   linear  FP8 weights under REF numerics (n_out % 32 == 0), BF16 weights
  *           (n_out % 16 == 0); n_in % 128 == 0; weights 16-byte aligned
- *           (FP8 with n_out % 128 == 0 at T > 16: the prefill GEMM where a
+ *           (FP8 with n_out % 128 == 0 at T > 64: the prefill GEMM where a
  *           cost model of T, N, K prefers it);
  *   linear_grouped  FP8 weights, n_in % 128 == 0, rows per group % 32 == 0,
  *           weights 16-byte aligned;

@@ -31,7 +31,12 @@
  * only (no split of K, no reduction across rows): the bits do not depend on
  * T, on the tile shape MT or on the other rows.  They do differ (by that
  * rounding) from the decode kernels', which add their K slices in another
- * tree: a row computed at T <= 16 and at T > 16 may differ in the last bit.
+ * tree: a row computed by the decode kernels and by the GEMM may differ in
+ * the last bit.  So calls of up to FG_DECODE_ROWS rows always take the
+ * decode kernels: decode steps and speculative verify / draft steps (2 rows
+ * per stream, up to 32 at batch 16) then compute every row with the same
+ * bits whatever the batch, which is what makes speculative greedy decoding
+ * reproduce plain greedy decoding token for token on the GPU.
  *
  * MoE (cuda_fast_gemm_moe), no host synchronisation:
  *   1. x quantized (fk_quant): bf16 values for the routed experts, f16 for
@@ -583,10 +588,13 @@ fg_linear_tile(int T, int N, int K)
     return mt;
 }
 
+/* Rows up to which the linear always takes the decode kernels (above). */
+#define FG_DECODE_ROWS 64
+
 int
 cuda_fast_gemm_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W, int T)
 {
-    if (!fg_enabled() || T <= 16 || be->numerics != DSV4_NUMERICS_REF ||
+    if (!fg_enabled() || T <= FG_DECODE_ROWS || be->numerics != DSV4_NUMERICS_REF ||
         W->fmt != DSV4_WFMT_FP8 || W->w == NULL || W->scale == NULL || W->n_in <= 0 ||
         W->n_in % 128 != 0 || W->n_out <= 0 || W->n_out % FG_BN != 0 ||
         (uintptr_t)W->w % 16 != 0)
