@@ -85,7 +85,11 @@ struct ar_ctl {
 struct ar_args {
     float *x;                       /* (n) in place */
     long long n;
-    char *buf[AR_MAX];              /* rank s's receive buffer, as mapped here */
+    char *buf[AR_MAX];              /* rank s's receive buffer, as mapped here
+                                       (indexed by constants only: a dynamic
+                                       index would copy the array to local
+                                       memory) */
+    char *own;                      /* buf[rank] */
     size_t data_off;                /* bytes of the header, rounded */
     size_t slot_bytes;
     struct ar_ctl *ctl;             /* device pointer of the mapped control */
@@ -145,8 +149,10 @@ ar_give_up(const struct ar_args &a, unsigned int why)
 {
     volatile struct ar_ctl *ctl = a.ctl;
 
-    for (int s = 0; s < a.size; s++)
-        *(volatile unsigned int *)&((struct ar_hdr *)a.buf[s])->broken = 1;
+#pragma unroll
+    for (int s = 0; s < AR_MAX; s++)
+        if (s < a.size)
+            *(volatile unsigned int *)&((struct ar_hdr *)a.buf[s])->broken = 1;
     if (ctl->err == 0)
         ctl->err = why;
     __threadfence_system();
@@ -183,7 +189,7 @@ ar_kernel(const struct ar_args a)
 {
     __shared__ unsigned long long s_epoch;
     __shared__ unsigned int s_fail;
-    struct ar_hdr *me = (struct ar_hdr *)a.buf[a.rank];
+    struct ar_hdr *me = (struct ar_hdr *)a.own;
     const int b = blockIdx.x, t = threadIdx.x;
 
     /* (an abort before this launch that no wait noticed is reported by the
@@ -236,8 +242,10 @@ ar_kernel(const struct ar_args a)
     /* 3. signal: data before flags, at system scope */
     ar_fence();
     __syncthreads();
-    if (t < a.size && t != a.rank)
-        ar_st_release(&((struct ar_hdr *)a.buf[t])->flag[a.rank][b], e);
+#pragma unroll
+    for (int s = 0; s < AR_MAX; s++)
+        if (t == s && s < a.size && s != a.rank)
+            ar_st_release(&((struct ar_hdr *)a.buf[s])->flag[a.rank][b], e);
     /* 4. wait for every peer's chunk b of epoch e */
     if (t < a.size && t != a.rank) {
         unsigned int why = ar_wait(a, me, t, e);
@@ -253,7 +261,7 @@ ar_kernel(const struct ar_args a)
     }
     /* 5. x = sum over the slots in rank order (own slot: x) */
     {
-        const char *base = a.buf[a.rank] + a.data_off + par * (size_t)a.size * a.slot_bytes;
+        const char *base = a.own + a.data_off + par * (size_t)a.size * a.slot_bytes;
 
         for (long long i = vlo + t; i < vhi; i += AR_THREADS) {
             float4 acc = a.rank == 0 ? ((const float4 *)a.x)[i]
@@ -290,6 +298,10 @@ ar_check(struct dsv4_comm *c)
     unsigned int err = __atomic_load_n(&ar->ctl_h->err, __ATOMIC_ACQUIRE);
     unsigned int ab = __atomic_load_n(&ar->ctl_h->abort, __ATOMIC_ACQUIRE);
 
+    if (ab != 0)   /* first: a block that saw another's give-up may have
+                      written AR_ERR_PEER before the one that saw the abort */
+        return dsv4_err_set(DSV4_ERR_CANCELED, "comm cudaipc: rank %d: aborted: the group is "
+                            "broken, make a new one", c->rank);
     if (err == AR_ERR_TIMEOUT)
         return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm cudaipc: rank %d: a peer did not answer "
                             "within %d ms: the group is broken, make a new one", c->rank,
@@ -297,7 +309,7 @@ ar_check(struct dsv4_comm *c)
     if (err == AR_ERR_PEER)
         return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm cudaipc: rank %d: a peer gave up: the "
                             "group is broken, make a new one", c->rank);
-    if (err != 0 || ab != 0)
+    if (err != 0)
         return dsv4_err_set(DSV4_ERR_CANCELED, "comm cudaipc: rank %d: aborted: the group is "
                             "broken, make a new one", c->rank);
     return DSV4_OK;
@@ -309,6 +321,7 @@ ar_args_init(struct ar_args *a, const struct dsv4_comm *c, const struct ar_rank 
     memset(a, 0, sizeof(*a));
     for (int s = 0; s < c->size; s++)
         a->buf[s] = ar->buf[s];
+    a->own = ar->buf[c->rank];
     a->data_off = ar->data_off;
     a->slot_bytes = ar->slot_bytes;
     a->ctl = ar->ctl_d;

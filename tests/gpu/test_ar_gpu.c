@@ -380,8 +380,9 @@ child_main(const char *mode, const char *hid, const char *hn)
     if (!hex_get(id, hid))
         return 2;
     CHECK_R(1, "cuda backend", dsv4_cuda_backend_create(&be, DSV4_NUMERICS_REF, 1));
-    CHECK_R(1, "cudaipc create", dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES,
-                                                     strcmp(mode, "idle") == 0 ? 500 : 10000));
+    CHECK_R(1, "cudaipc create",
+            dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES,
+                                     strcmp(mode, "idle") == 0 ? 500 : 10000));
     if (strcmp(mode, "correct") == 0 || strcmp(mode, "again") == 0) {
         ok = run_correct(be, c, rank, strcmp(mode, "again") == 0 ? 100 : REPLAYS);
     } else if (strcmp(mode, "time") == 0) {
@@ -550,7 +551,7 @@ main(int argc, char **argv)
     struct dsv4_backend *be = NULL;
     struct dsv4_comm *c = NULL, *nccl = NULL;
     uint8_t id[DSV4_COMM_ID_BYTES], nid[DSV4_COMM_ID_BYTES];
-    int n_dev = 0, ok[4] = { 0 }, rc;
+    int n_dev = 0, ok[4] = { 0 }, rc, have_nccl;
     const int rank = 0;
     pid_t pid;
 
@@ -579,20 +580,18 @@ main(int argc, char **argv)
     printf("%s correct: sizes 1 .. 600000 floats, exact gathers and dense sums, %d graph "
            "replays (child exit %d)\n", ok[0] ? "PASS" : "FAIL", REPLAYS, rc);
 
-    /* 2. timing */
+    /* 2. timing (the child joins in the same order: cudaipc, then NCCL) */
     CHECK_R(1, "cudaipc id", dsv4_comm_cudaipc_unique_id(id));
-    if (dsv4_comm_nccl_unique_id(nid) != DSV4_OK) {
+    have_nccl = dsv4_comm_nccl_unique_id(nid) == DSV4_OK;
+    if (!have_nccl)
         printf("  nccl: %s\n", dsv4_errmsg());
-        pid = spawn("time", id, NULL);
-    } else {
-        pid = spawn("time", id, nid);
-        if (dsv4_comm_nccl_create(&nccl, be, rank, SIZE, nid, 60000) != DSV4_OK) {
-            printf("  nccl: %s\n", dsv4_errmsg());
-            nccl = NULL;
-        }
-    }
+    pid = spawn("time", id, have_nccl ? nid : NULL);
     CHECK_R(1, "cudaipc create",
             dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 10000));
+    if (have_nccl && dsv4_comm_nccl_create(&nccl, be, rank, SIZE, nid, 60000) != DSV4_OK) {
+        printf("  nccl: %s\n", dsv4_errmsg());
+        nccl = NULL;
+    }
     ok[1] = run_time(be, c, nccl, rank);
     dsv4_comm_destroy(c);
     if (nccl != NULL)
