@@ -15,7 +15,8 @@
 #
 # MPS=1 [MPS_PREFILL=N] [MPS_DECODE=N]: under an MPS server (see below).
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
-# (seconds before the kill) size that part.
+# (seconds before the kill) size that part; COMM=nccl|cudaipc|auto sets the
+# groups' communicator (the `comm` key; default: the key's default, auto).
 # Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), dsv4ctl
 # status before and after; KILL=1 then kills decode@1 (kill -9) under C=16
 # load and reports the time until the group serves again and whether any
@@ -58,6 +59,7 @@ prefill_chunk = 2048
 max_seq = ${MAX_SEQ:-4096}
 $ckpt
 EOC
+[ -n "${COMM:-}" ] && echo "comm = $COMM" >> "$D/dsv4.conf"
 # MPS=1: an MPS server for the GPUs, so prefill kernels run beside the decode
 # steps instead of time-sliced with them; MPS_PREFILL=N gives the prefill
 # ranks N% of the SMs (prefill.mps_sm_percent), MPS_DECODE likewise
@@ -102,6 +104,7 @@ if [ "${KILL:-0}" = 1 ]; then
     bpid=$!
     sleep "${KILL_AFTER:-8}"
     victim=$(grep "decode@1 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
+    survivor=$(grep "decode@0 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     nc=$(grep -c 'communicator of epoch' "$OUT/launch.log")
     tk=$(date +%s.%N)
     kill -9 "$victim"
@@ -113,6 +116,11 @@ if [ "${KILL:-0}" = 1 ]; then
     done
     tr=$(date +%s.%N)
     echo "kill -9 to group re-formed: $(python3 -c "print(round($tr - $tk, 2))") s"
+    now0=$(grep "decode@0 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
+    [ "$now0" = "$survivor" ] && kept=yes || kept="NO (pid $survivor -> $now0)"
+    echo "survivor decode@0 kept its process: $kept"
+    grep -E "group_comm: joined|group_close: aborted|abort did not return" "$OUT/launch.log" |
+        tail -6
     wait $bpid
     echo "bench under the kill: exit $?"
     grep -E "requests|failed|tok/s" "$OUT/kill.txt" | head -8
