@@ -518,7 +518,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
     enum dsv4_conf_role crole = RANK_ROLE == DSV4_ROLE_PREFILL ? DSV4_CONF_ROLE_PREFILL :
                                                                  DSV4_CONF_ROLE_DECODE;
     int n_over = 0, c, slots = 0;
-    bool check = false, group_set = false;
+    bool check = false, group_set = false, rows_set = false;
 
     memset(o, 0, sizeof(*o));
     o->role = RANK_ROLE;
@@ -547,7 +547,10 @@ rank_options(struct rank_opts *o, int argc, char **argv)
             group_set = true;
             break;
         case OPT_SLOTS: slots = (int)opt_num(optarg, 1, RANK_MAX_SLOTS, "--slots"); break;
-        case OPT_ROWS: o->rows = (int)opt_num(optarg, 1, 1 << 20, "--rows"); break;
+        case OPT_ROWS:
+            o->rows = (int)opt_num(optarg, 1, 1 << 20, "--rows");
+            rows_set = true;
+            break;
         case OPT_KV_TIMEOUT:
             o->kv_timeout_ms = opt_num(optarg, 1, DSV4_PROTO_MAX_TIMEOUT_MS, "--kv-timeout-ms");
             break;
@@ -610,6 +613,11 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         conf_set_or_die(&o->conf, "rank_endpoint", set[OPT_SCHED]);
     if (set[OPT_MAX_SEQ] != NULL)
         conf_set_or_die(&o->conf, "max_seq", set[OPT_MAX_SEQ]);
+    /* rows per forward call: enough for the scheduler's prefill chunks (a
+     * prefill GEMM reads every expert's weights once per call, so chunks cut
+     * smaller than prefill_chunk cost the weights' bandwidth again) */
+    if (!rows_set && o->conf.prefill_chunk > o->rows)
+        o->rows = o->conf.prefill_chunk;
     /* rank N is rank N % group_size of group N / group_size (unless --group) */
     o->group_size = (uint32_t)o->conf.group_size;
     o->group_rank = o->index % o->group_size;
