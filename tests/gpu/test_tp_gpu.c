@@ -20,6 +20,11 @@
  *   holds about half of the 149 GiB); it does not fit one GPU, so the check
  *   is that both ranks compute identical, finite logits; times printed.
  *
+ * Environment: DSV4_TEST_COMM=cudaipc runs the groups over the cudaipc
+ * communicator (kernels/comm.h) instead of NCCL; DSV4_TEST_PREFILL=N adds,
+ * after the script, a prefill of one N-token prompt (slot 0 reset, one
+ * forward call) whose time is printed (the TTFT of the model alone).
+ *
  * Exit status: 0 pass, 1 failure, 77 fewer than two CUDA devices.
  */
 #include <math.h>
@@ -53,6 +58,7 @@ struct result {
     float *last;               /* (B, V) logits of the last batch-16 step */
     double ms_gen, ms_prefill, ms_b16, ms_b1;
     double ms_b16s, ms_b1s;    /* graphed steps sampled on the GPU (ids back only) */
+    double ms_long;            /* DSV4_TEST_PREFILL=N: one N-token prefill */
     double gib;                /* weights on this rank's GPU */
     int finite;
     char err[512];
@@ -78,6 +84,24 @@ fnv(const void *p, size_t n)
     } while (0)
 
 /* The script on device `dev` as rank `rank` of `size` (comm NULL: alone). */
+/* DSV4_TEST_COMM=cudaipc: the cudaipc communicator instead of NCCL. */
+static int
+use_cudaipc(void)
+{
+    const char *v = getenv("DSV4_TEST_COMM");
+
+    return v != NULL && strcmp(v, "cudaipc") == 0;
+}
+
+/* DSV4_TEST_PREFILL=N: tokens of the extra one-prompt prefill (0 = none). */
+static int
+long_prompt(void)
+{
+    const char *v = getenv("DSV4_TEST_PREFILL");
+
+    return v != NULL ? atoi(v) : 0;
+}
+
 static void
 run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
     const uint8_t *nccl_id)
@@ -110,11 +134,19 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
         cudaMemGetInfo(&f2, &totb);
         r->gib = (double)(freeb - f2) / (1u << 30);
     }
-    if (size > 1)
+    if (size > 1 && use_cudaipc())
+        RTRY("cudaipc", dsv4_comm_cudaipc_create(comm, be, rank, size, nccl_id,
+                                                 (size_t)64 << 20, 60000));
+    else if (size > 1)
         RTRY("nccl", dsv4_comm_nccl_create(comm, be, rank, size, nccl_id, 60000));
     o.n_slots = B;
     o.max_seq_len = 160 + steps + B1_STEPS + 64;
     o.max_rows = rows;
+    if (long_prompt() > 0) {
+        o.max_rows = rows > long_prompt() ? rows : long_prompt();
+        if (o.max_seq_len < long_prompt() + 64)
+            o.max_seq_len = long_prompt() + 64;
+    }
     o.graphs = 1;
     o.comm = size > 1 ? *comm : NULL;
     RTRY("model", dsv4_model_create(&m, be, &w, &o));
@@ -183,6 +215,28 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
             RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL));
         r->ms_b1s = (now_ms() - t0) / 16;
     }
+    if (long_prompt() > 0) {
+        int32_t n = long_prompt();
+        int32_t *lt = malloc((size_t)n * sizeof(*lt));
+        struct dsv4_batch b = { 1, slot, &n, lt };
+
+        if (lt == NULL) {
+            snprintf(r->err, sizeof(r->err), "no host memory");
+            goto out;
+        }
+        for (int i = 0; i < n; i++)
+            lt[i] = (int32_t)((i * 2246822519u + 7) % (unsigned)V);
+        enum dsv4_err e = dsv4_model_seq_reset(m, 0);
+
+        cudaDeviceSynchronize();
+        t0 = now_ms();
+        if (e == DSV4_OK)
+            e = dsv4_model_forward(m, &b, lg, 0);
+        cudaDeviceSynchronize();
+        r->ms_long = now_ms() - t0;
+        free(lt);
+        RTRY("long prefill", e);
+    }
 out:
     free(tok);
     free(lg);
@@ -230,7 +284,10 @@ run_group(struct rank_arg ra[2])
     pthread_t th[2];
     int bad = 0;
 
-    TRY("nccl unique id", dsv4_comm_nccl_unique_id(id));
+    if (use_cudaipc())
+        TRY("cudaipc unique id", dsv4_comm_cudaipc_unique_id(id));
+    else
+        TRY("nccl unique id", dsv4_comm_nccl_unique_id(id));
     for (int i = 0; i < 2; i++) {
         result_init(&ra[i].res);
         ra[i].rank = i;
@@ -284,6 +341,10 @@ times(const char *what, const struct result *r)
            "GPU-sampled b16 %.2f ms/step, b1 %.2f ms/step | finite %s |\n", what, r->gib,
            r->ms_gen, r->ms_prefill, r->ms_b16, r->ms_b1, r->ms_b16s, r->ms_b1s,
            r->finite ? "yes" : "NO");
+    if (r->ms_long > 0)
+        printf("| %s | prefill of one %d-token prompt (one call): %.1f ms (%.3f ms per token) "
+               "| comm %s |\n", what, long_prompt(), r->ms_long, r->ms_long / long_prompt(),
+               use_cudaipc() ? "cudaipc" : "nccl");
 }
 
 int
