@@ -1,5 +1,6 @@
 /*
- * backend.c — backend selection by name (kernels/backend.h).
+ * backend.c — backend selection by name (kernels/backend.h), and the fused
+ * ops as the compositions of plain ops that define them.
  *
  * "cpu" is always available.  "cuda" runs dsv4_cuda_backend_create on the
  * current device in builds with CUDA (DSV4_HAVE_CUDA, set by
@@ -35,4 +36,46 @@ dsv4_backend_destroy(struct dsv4_backend *be)
 {
     if (be != NULL)
         be->ops->destroy(be);
+}
+
+enum dsv4_err
+dsv4_hc_post_pre_compose(struct dsv4_backend *be, float *X_out, float *x_out, float *post_out,
+                         float *comb_out, float *xn, const float *f, const float *X,
+                         const float *post, const float *comb, const struct dsv4_hc_w *hc,
+                         const uint16_t *nw, int T, int n, int D, int iters, float hc_eps,
+                         float norm_eps)
+{
+    const struct dsv4_backend_ops *ops = be->ops;
+    enum dsv4_err e = ops->hc_post(be, X_out, f, X, post, comb, T, n, D);
+
+    if (e == DSV4_OK)
+        e = ops->hc_pre(be, x_out, post_out, comb_out, X_out, hc, T, n, D, iters, hc_eps,
+                        norm_eps);
+    if (e == DSV4_OK && xn != NULL)
+        e = ops->rms_norm(be, xn, x_out, nw, T, D, norm_eps);
+    return e;
+}
+
+enum dsv4_err
+dsv4_norm_rope_compose(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, int D,
+                       float eps, const int32_t *pos, int heads, int off, int rd,
+                       const float *freqs, int sim_cols, int sim_block, float *dst,
+                       const int32_t *dst_rows)
+{
+    const struct dsv4_backend_ops *ops = be->ops;
+    enum dsv4_err e;
+
+    if (heads < 1 || rows % heads != 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "norm_rope: %d rows, %d heads", rows, heads);
+    if (rows <= 0)
+        return DSV4_OK;
+    e = ops->rms_norm(be, x, x, w, rows, D, eps);
+    if (e == DSV4_OK && rd > 0)
+        e = ops->rope(be, x, pos, rows / heads, heads, (int64_t)heads * D, D, off, rd, freqs,
+                      0);
+    if (e == DSV4_OK && sim_cols > 0)
+        e = ops->fp8_sim(be, x, rows, D, sim_cols, sim_block);
+    if (e == DSV4_OK && dst != NULL)
+        e = ops->scatter_rows(be, dst, dst_rows, x, rows, D);
+    return e;
 }

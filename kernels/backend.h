@@ -330,6 +330,46 @@ struct dsv4_backend_ops {
     enum dsv4_err (*graph_launch)(struct dsv4_backend *be, void *g);
     /* Free a graph of graph_end (NULL is a no-op). */
     void (*graph_free)(struct dsv4_backend *be, void *g);
+
+    /* --- fused ops (issue 7: fewer, larger kernels per decode step).  Each
+     * is defined as the composition of the ops written in its comment, and
+     * the CPU backend runs exactly that composition
+     * (dsv4_hc_post_pre_compose, dsv4_norm_rope_compose below), so its
+     * results do not change; the CUDA backend runs the same composition of
+     * its exact kernels, and one fused kernel set with the fast kernels on
+     * (kernels/cuda_fast.h: same bits as the fast ops composed). --------- */
+    /*
+     * hc_post of one sub-layer followed by hc_pre of the next and the next
+     * sub-layer's input norm:
+     *   hc_post(X_out, f, X, post, comb, T, n, D);
+     *   hc_pre(x_out, post_out, comb_out, X_out, hc, T, n, D, iters, hc_eps,
+     *          norm_eps);
+     *   xn != NULL:  rms_norm(xn, x_out, nw, T, D, norm_eps).
+     * post_out / comb_out may alias post / comb (read before written);
+     * X_out must not alias X.
+     */
+    enum dsv4_err (*hc_post_pre)(struct dsv4_backend *be, float *X_out, float *x_out,
+                                 float *post_out, float *comb_out, float *xn, const float *f,
+                                 const float *X, const float *post, const float *comb,
+                                 const struct dsv4_hc_w *hc, const uint16_t *nw, int T, int n,
+                                 int D, int iters, float hc_eps, float norm_eps);
+    /*
+     * rms_norm, RoPE, FP8 simulation and a row scatter on `rows` contiguous
+     * rows of D values in place, `heads` rows per position (rows % heads ==
+     * 0; row i takes position pos[i / heads]):
+     *   rms_norm(x, x, w, rows, D, eps);
+     *   rd > 0:        rope(x, pos, rows / heads, heads, heads * D, D, off, rd,
+     *                       freqs, 0);
+     *   sim_cols > 0:  fp8_sim(x, rows, D, sim_cols, sim_block);
+     *   dst != NULL:   scatter_rows(dst, dst_rows, x, rows, D).
+     * freqs: host, rd/2 floats (as rope).  Used for the per-head q norm +
+     * RoPE, the window KV (kv_norm, RoPE, FP8 sim) and the compressed
+     * entries (norm, RoPE, FP8 sim, scatter into the pool).
+     */
+    enum dsv4_err (*norm_rope)(struct dsv4_backend *be, float *x, const uint16_t *w, int rows,
+                               int D, float eps, const int32_t *pos, int heads, int off,
+                               int rd, const float *freqs, int sim_cols, int sim_block,
+                               float *dst, const int32_t *dst_rows);
 };
 
 struct dsv4_backend {
@@ -348,6 +388,22 @@ enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
                                   enum dsv4_numerics numerics, int n_threads);
 /* Destroy (NULL is a no-op). */
 void dsv4_backend_destroy(struct dsv4_backend *be);
+
+/* The fused ops as the compositions that define them (see hc_post_pre and
+ * norm_rope above), through be's own ops: the CPU backend's implementation,
+ * and any backend's fallback where its fused kernels do not apply
+ * (kernels/backend.c). */
+enum dsv4_err dsv4_hc_post_pre_compose(struct dsv4_backend *be, float *X_out, float *x_out,
+                                       float *post_out, float *comb_out, float *xn,
+                                       const float *f, const float *X, const float *post,
+                                       const float *comb, const struct dsv4_hc_w *hc,
+                                       const uint16_t *nw, int T, int n, int D, int iters,
+                                       float hc_eps, float norm_eps);
+enum dsv4_err dsv4_norm_rope_compose(struct dsv4_backend *be, float *x, const uint16_t *w,
+                                     int rows, int D, float eps, const int32_t *pos,
+                                     int heads, int off, int rd, const float *freqs,
+                                     int sim_cols, int sim_block, float *dst,
+                                     const int32_t *dst_rows);
 
 /* The CPU backend constructor (kernels/cpu/cpu_backend.c). */
 enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,

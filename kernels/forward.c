@@ -825,12 +825,13 @@ run_compressor(struct dsv4_model *m, const struct layer_state *ls,
                       d));
     if (n_emit == 0)
         return DSV4_OK;
-    TRY(ops->rms_norm(be, ent, ent, cw->norm, n_emit, d, (float)m->cfg.rms_norm_eps));
-    TRY(ops->rope(be, ent, epos, n_emit, 1, d, d, d - m->rd, m->rd, ls->freqs, 0));
-    if (indexer)
-        TRY(ops->hadamard_fp4(be, ent, n_emit));
-    else
-        TRY(ops->fp8_sim(be, ent, n_emit, d, d - m->rd, 64));
+    /* norm -> RoPE (-> FP8 sim -> pool for the main compressor): one op */
+    if (!indexer)
+        return ops->norm_rope(be, ent, cw->norm, n_emit, d, (float)m->cfg.rms_norm_eps, epos, 1,
+                              d - m->rd, m->rd, ls->freqs, d - m->rd, 64, pool, erow);
+    TRY(ops->norm_rope(be, ent, cw->norm, n_emit, d, (float)m->cfg.rms_norm_eps, epos, 1,
+                       d - m->rd, m->rd, ls->freqs, 0, 0, NULL, NULL));
+    TRY(ops->hadamard_fp4(be, ent, n_emit));
     return ops->scatter_rows(be, pool, erow, ent, n_emit, d);
 }
 
@@ -874,14 +875,13 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     TRY(ops->linear(be, m->qr, m->xn, &lw->wq_a, T, 0));
     TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
     TRY(ops->linear(be, m->q, m->qr, &lw->wq_b, T, 0));
-    TRY(ops->rms_norm(be, m->q, m->q, NULL, T * H, Dh, eps));
-    TRY(ops->rope(be, m->q, m->i_pos, T, H, (int64_t)H * Dh, Dh, m->nope, rd, ls->freqs, 0));
+    TRY(ops->norm_rope(be, m->q, NULL, T * H, Dh, eps, m->i_pos, H, m->nope, rd, ls->freqs, 0,
+                       0, NULL, NULL));
 
     /* window KV (K = V): kv_norm(wkv x) -> RoPE -> FP8 sim of the nope dims */
     TRY(ops->linear(be, m->kv, m->xn, &lw->wkv, T, 0));
-    TRY(ops->rms_norm(be, m->kv, m->kv, lw->kv_norm, T, Dh, eps));
-    TRY(ops->rope(be, m->kv, m->i_pos, T, 1, Dh, Dh, m->nope, rd, ls->freqs, 0));
-    TRY(ops->fp8_sim(be, m->kv, T, Dh, m->nope, 64));
+    TRY(ops->norm_rope(be, m->kv, lw->kv_norm, T, Dh, eps, m->i_pos, 1, m->nope, rd, ls->freqs,
+                       m->nope, 64, NULL, NULL));
 
     if (ls->ratio == 4) {
         /* indexer: its compressor runs before the main one (model doc §3.7) */
@@ -946,9 +946,39 @@ experts(struct dsv4_model *m, const struct dsv4_layer_w *lw)
     return ops->moe_combine(be, m->y, m->parts, m->rid, T, k, m->D);
 }
 
-/* One block (model doc §3.2): X (T, n, D) updated in place (via X2). */
+/*
+ * hc_post of the sub-layer output m->y into X2, then (next != NULL) hc_pre
+ * of `next` on it into m->x, m->post, m->comb and the next sub-layer's
+ * input norm `nw` into m->xn, as one fused op; X and X2 swapped.
+ */
 static enum dsv4_err
-block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
+hc_step(struct dsv4_model *m, const struct dsv4_hc_w *next, const uint16_t *nw)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_config *c = &m->cfg;
+    int T = m->plan.T, n = m->n_hc, D = m->D;
+    float *t;
+
+    if (next != NULL)
+        TRY(be->ops->hc_post_pre(be, m->X2, m->x, m->post, m->comb, m->xn, m->y, m->X,
+                                 m->post, m->comb, next, nw, T, n, D, c->hc_sinkhorn_iters,
+                                 (float)c->hc_eps, (float)c->rms_norm_eps));
+    else
+        TRY(be->ops->hc_post(be, m->X2, m->y, m->X, m->post, m->comb, T, n, D));
+    t = m->X, m->X = m->X2, m->X2 = t;
+    return DSV4_OK;
+}
+
+/*
+ * One block (model doc §3.2): X (T, n, D) updated in place (via X2).
+ * pre_done: the attention hc_pre and attn_norm of this block already ran
+ * (the previous block's last hc_post_pre, into m->xn); next: the next
+ * block's layer, whose attention hc_pre and attn_norm then run fused with
+ * this block's last hc_post (NULL: plain hc_post).
+ */
+static enum dsv4_err
+block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst, int pre_done,
+      const struct dsv4_layer_w *next)
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
@@ -956,24 +986,20 @@ block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     const struct dsv4_config *c = &m->cfg;
     int T = m->plan.T, n = m->n_hc, D = m->D;
     float eps = (float)c->rms_norm_eps, hc_eps = (float)c->hc_eps;
-    float *t;
 
-    TRY(ops->hc_pre(be, m->x, m->post, m->comb, m->X, &lw->hc_attn, T, n, D,
-                    c->hc_sinkhorn_iters, hc_eps, eps));
-    TRY(ops->rms_norm(be, m->xn, m->x, lw->attn_norm, T, D, eps));
+    if (!pre_done) {
+        TRY(ops->hc_pre(be, m->x, m->post, m->comb, m->X, &lw->hc_attn, T, n, D,
+                        c->hc_sinkhorn_iters, hc_eps, eps));
+        TRY(ops->rms_norm(be, m->xn, m->x, lw->attn_norm, T, D, eps));
+    }
     TRY(attention(m, ls, ring_dst));
-    TRY(ops->hc_post(be, m->X2, m->y, m->X, m->post, m->comb, T, n, D));
-    t = m->X, m->X = m->X2, m->X2 = t;
+    TRY(hc_step(m, &lw->hc_ffn, lw->ffn_norm));
 
-    TRY(ops->hc_pre(be, m->x, m->post, m->comb, m->X, &lw->hc_ffn, T, n, D,
-                    c->hc_sinkhorn_iters, hc_eps, eps));
-    TRY(ops->rms_norm(be, m->xn, m->x, lw->ffn_norm, T, D, eps));
     TRY(ops->router(be, m->rw, m->rid, m->xn, &lw->gate, lw->gate_bias, lw->tid2eid, m->i_tok,
                     T, c->num_experts_per_tok, (float)c->routed_scaling_factor));
     TRY(experts(m, lw));
-    TRY(ops->hc_post(be, m->X2, m->y, m->X, m->post, m->comb, T, n, D));
-    t = m->X, m->X = m->X2, m->X2 = t;
-    return DSV4_OK;
+    return hc_step(m, next != NULL ? &next->hc_attn : NULL,
+                   next != NULL ? next->attn_norm : NULL);
 }
 
 /* hc_head -> norm -> head on the plan's logits rows into m->logits_dev. */
@@ -1016,7 +1042,7 @@ forward_body(struct dsv4_model *m)
 
     TRY(be->ops->embed(be, m->X, m->i_tok, m->w->embed, m->plan.T, m->D, m->n_hc));
     for (int l = 0; l < m->n_main; l++)
-        TRY(block(m, &m->L[l], m->i_ring_dst));
+        TRY(block(m, &m->L[l], m->i_ring_dst, l > 0, l + 1 < m->n_main ? m->L[l + 1].w : NULL));
     return logits_compute(m, &m->w->hc_head, m->w->norm);
 }
 
@@ -1154,7 +1180,7 @@ mtp_body(struct dsv4_model *m)
     TRY(ops->rms_norm(be, m->X2, m->hidden, mw->hnorm, T * n, D, eps));
     TRY(ops->linear(be, m->he, m->X2, &mw->h_proj, T * n, 0));
     TRY(ops->add_streams(be, m->X, m->e, m->he, T, n, D));
-    TRY(block(m, &m->L[m->n_main], m->i_ring_dst));
+    TRY(block(m, &m->L[m->n_main], m->i_ring_dst, 0, NULL));
     return logits_compute(m, &mw->hc_head, mw->mtp_norm);
 }
 

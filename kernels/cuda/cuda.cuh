@@ -569,6 +569,19 @@ enum dsv4_err cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, cons
                                      const int32_t *slot, const int32_t *pos, int T, int nh,
                                      int dI, int cap, int ratio, int K);
 
+/* fast_fuse.cu: the fused ops of backend.h (hc_post_pre, norm_rope): the
+ * fast kernels when st->fast_kernels is set and they apply, else the ops'
+ * compositions (dsv4_hc_post_pre_compose, dsv4_norm_rope_compose). */
+enum dsv4_err cuda_hc_post_pre(struct dsv4_backend *be, float *X_out, float *x_out,
+                               float *post_out, float *comb_out, float *xn, const float *f,
+                               const float *X, const float *post, const float *comb,
+                               const struct dsv4_hc_w *hc, const uint16_t *nw, int T, int n,
+                               int D, int iters, float hc_eps, float norm_eps);
+enum dsv4_err cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows,
+                             int D, float eps, const int32_t *pos, int heads, int off, int rd,
+                             const float *freqs, int sim_cols, int sim_block, float *dst,
+                             const int32_t *dst_rows);
+
 /* cuda_copy.cu: the copy_batch op (backend.h) and the release of its
  * staging at destroy. */
 enum dsv4_err cuda_copy_batch(struct dsv4_backend *be, int n, void *const *dst,

@@ -410,6 +410,8 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_graph_end,
     cuda_graph_launch,
     cuda_graph_free,
+    cuda_hc_post_pre,   /* fast_fuse.cu */
+    cuda_norm_rope,
 };
 
 extern "C" enum dsv4_err

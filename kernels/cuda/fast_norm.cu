@@ -9,25 +9,17 @@
  * and every thread adds the warps' sums in warp order.  So the result is
  * deterministic and independent of the number of rows; only this sum's order
  * differs from the exact path, the rest (1 / sqrtf(mean + eps), the
- * product with w, bf16 roundings) is the same expression.
+ * product with w, bf16 roundings) is the same expression.  The tree and the
+ * expressions live in fast_fuse.cuh: the fused ops that end in a norm (the
+ * hc finish, norm_rope) use them and give the same bits.
  */
 #include "kernels/cuda/fast.cuh"
+#include "kernels/cuda/fast_fuse.cuh"   /* the tree, shared with the fused ops */
 
-#define FN_MAX_THREADS 256
-
-/* Threads per row for rows of D values (about 8 values each). */
-static int
-fn_threads(int D)
-{
-    int t = (D / 8 + 31) / 32 * 32;
-
-    return t < 32 ? 32 : t > FN_MAX_THREADS ? FN_MAX_THREADS : t;
-}
-
-static __global__ void __launch_bounds__(FN_MAX_THREADS)
+static __global__ void __launch_bounds__(FZ_NORM_MAX_THREADS)
 fn_kernel(float *out, const float *x, const uint16_t *w, int D, float eps)
 {
-    __shared__ float red[FN_MAX_THREADS / 32];
+    __shared__ float red[FZ_NORM_MAX_THREADS / 32];
     int64_t r = blockIdx.x;
     int nw = blockDim.x / 32, lane = threadIdx.x % 32;
     const float *xr = x + r * D;
@@ -38,22 +30,13 @@ fn_kernel(float *out, const float *x, const uint16_t *w, int D, float eps)
 
         acc += v * v;
     }
-    for (int o = 16; o > 0; o /= 2)
-        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    acc = fz_warp_sum(acc);
     if (lane == 0)
         red[threadIdx.x / 32] = acc;
     __syncthreads();   /* also: every read of x is done before out (== x?) is written */
-    acc = red[0];
-    for (int j = 1; j < nw; j++)
-        acc += red[j];
-    rs = 1.0f / sqrtf(acc / (float)D + eps);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        float v = cu_bf16_round(xr[i]) * rs;
-
-        if (w != NULL)
-            v *= cu_bf16_to_f32(w[i]);
-        out[r * D + i] = cu_bf16_round(v);
-    }
+    rs = fz_norm_scale(fz_ordered_sum(red, nw), D, eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+        out[r * D + i] = fz_norm_value(xr[i], rs, w, i);
 }
 
 enum dsv4_err
@@ -62,7 +45,7 @@ cuda_fast_rms_norm(struct dsv4_backend *be, float *out, const float *x, const ui
 {
     if (rows <= 0 || D <= 0)
         return DSV4_OK;
-    fn_kernel<<<rows, fn_threads(D), 0, cuda_stream(be)>>>(out, x, w, D, eps);
+    fn_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(out, x, w, D, eps);
     CUDA_LAUNCHED("fast rms_norm");
     return DSV4_OK;
 }

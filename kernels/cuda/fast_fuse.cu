@@ -1,0 +1,162 @@
+/*
+ * fast_fuse.cu — the CUDA backend's fused ops (kernels/backend.h:
+ * hc_post_pre, norm_rope) and the fast norm + RoPE + FP8 sim kernel.
+ *
+ * With the fast kernels off (or where a fast kernel does not apply) each op
+ * runs its definition, the composition of the backend's own ops
+ * (dsv4_hc_post_pre_compose, dsv4_norm_rope_compose): the exact kernels,
+ * hence the CPU's bits.  With the fast kernels on:
+ *   hc_post_pre  fast_hc.cu's two kernels (hc_post fused into the mix, the
+ *                next input norm into the finish);
+ *   norm_rope    one block per row (fz_norm_threads(D) threads, the fast
+ *                rms_norm's tree): the normed row into shared memory, the
+ *                RoPE pairs (rope_kernel's expressions, cos/sin of the fp32
+ *                angle in double), FP8 sim per block of values on one warp
+ *                each (fp8_sim_kernel's expressions; REF only), then the
+ *                row written in place and, when asked, to its pool row.
+ * Both give the bits of the fast ops they replace run one after the other
+ * (fast rms_norm, rope, fp8_sim, scatter_rows; hc_post, fast hc_pre, fast
+ * rms_norm), so they differ from the exact path only where those do (the
+ * order of the norm's and the mix's sums).  One launch instead of two to
+ * four; T-independent and deterministic.
+ */
+#include <string.h>
+
+#include "kernels/cuda/fast.cuh"
+#include "kernels/cuda/fast_fuse.cuh"
+
+#define FZ_MAX_D 1024        /* norm_rope: row length staged in shared memory */
+#define FZ_MAX_PAIRS 64      /* norm_rope: RoPE pairs (rd / 2) */
+
+/* The host frequency table, passed by value (recorded into graphs). */
+struct fz_freqs {
+    float f[FZ_MAX_PAIRS];
+};
+
+/* Arguments of fz_norm_rope_kernel. */
+struct fz_nr {
+    float *x, *dst;
+    const uint16_t *w;
+    const int32_t *pos, *dst_rows;
+    int D, heads, off, np, sim_cols, sim_block;
+    float eps;
+    struct fz_freqs fr;
+};
+
+static __global__ void __launch_bounds__(FZ_NORM_MAX_THREADS)
+fz_norm_rope_kernel(struct fz_nr a)
+{
+    __shared__ float y[FZ_MAX_D];
+    __shared__ float red[FZ_NORM_MAX_THREADS / 32];
+    int64_t r = blockIdx.x;
+    int nt = blockDim.x, nw = nt / 32, tid = threadIdx.x, lane = tid % 32, D = a.D;
+    float *xr = a.x + r * D;
+    float acc = 0.0f, rs;
+
+    /* rms_norm (fn_kernel) */
+    for (int i = tid; i < D; i += nt) {
+        float v = cu_bf16_round(xr[i]);
+
+        acc += v * v;
+    }
+    acc = fz_warp_sum(acc);
+    if (lane == 0)
+        red[tid / 32] = acc;
+    __syncthreads();
+    rs = fz_norm_scale(fz_ordered_sum(red, nw), D, a.eps);
+    for (int i = tid; i < D; i += nt)
+        y[i] = fz_norm_value(xr[i], rs, a.w, i);
+    __syncthreads();
+    /* RoPE of pairs (off + 2i, off + 2i + 1) at the row's position (rope_kernel) */
+    if (a.np > 0) {
+        float pf = (float)a.pos[r / a.heads];
+
+        for (int i = tid; i < a.np; i += nt) {
+            float ang = pf * a.fr.f[i];
+            float cs = (float)cos((double)ang), sn = (float)sin((double)ang);
+            float u = y[a.off + 2 * i], v = y[a.off + 2 * i + 1];
+
+            y[a.off + 2 * i] = cu_bf16_round(u * cs - v * sn);
+            y[a.off + 2 * i + 1] = cu_bf16_round(u * sn + v * cs);
+        }
+        __syncthreads();
+    }
+    /* FP8 sim of the first sim_cols values per sim_block (fp8_sim_kernel) */
+    if (a.sim_cols > 0) {
+        for (int b = tid / 32; b < a.sim_cols / a.sim_block; b += nw) {
+            float *v = y + b * a.sim_block, amax = 1e-4f, s;
+
+            for (int i = lane; i < a.sim_block; i += 32)
+                amax = fmaxf(amax, fabsf(v[i]));
+            for (int o = 16; o > 0; o /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            s = cu_pow2_scale(amax, 448.0f);
+            for (int i = lane; i < a.sim_block; i += 32)
+                v[i] = cu_bf16_round(cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) *
+                                     s);
+        }
+        __syncthreads();
+    }
+    for (int i = tid; i < D; i += nt) {
+        xr[i] = y[i];
+        if (a.dst != NULL)
+            a.dst[(int64_t)a.dst_rows[r] * D + i] = y[i];
+    }
+}
+
+/* Whether the fast kernel takes this norm_rope call. */
+static int
+fz_norm_rope_ok(int D, int heads, int off, int rd, int sim_cols, int sim_block)
+{
+    if (D < 1 || D > FZ_MAX_D || heads < 1 || rd < 0 || rd % 2 != 0 ||
+        rd / 2 > FZ_MAX_PAIRS || off < 0 || (rd > 0 && off + rd > D))
+        return 0;
+    return sim_cols <= 0 || (sim_block > 0 && sim_cols <= D && sim_cols % sim_block == 0);
+}
+
+enum dsv4_err
+cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, int D,
+               float eps, const int32_t *pos, int heads, int off, int rd, const float *freqs,
+               int sim_cols, int sim_block, float *dst, const int32_t *dst_rows)
+{
+    struct fz_nr a;
+
+    if (!cuda_st(be)->fast_kernels || heads < 1 || rows % heads != 0 ||
+        !fz_norm_rope_ok(D, heads, off, rd, sim_cols, sim_block))
+        return dsv4_norm_rope_compose(be, x, w, rows, D, eps, pos, heads, off, rd, freqs,
+                                      sim_cols, sim_block, dst, dst_rows);
+    if (rows <= 0)
+        return DSV4_OK;
+    memset(&a, 0, sizeof(a));
+    a.x = x;
+    a.dst = dst;
+    a.w = w;
+    a.pos = pos;
+    a.dst_rows = dst_rows;
+    a.D = D;
+    a.heads = heads;
+    a.off = off;
+    a.np = rd / 2;
+    /* fp8_sim is a no-op under HF numerics */
+    a.sim_cols = be->numerics == DSV4_NUMERICS_REF && sim_cols > 0 ? sim_cols : 0;
+    a.sim_block = sim_block;
+    a.eps = eps;
+    for (int i = 0; i < a.np; i++)
+        a.fr.f[i] = freqs[i];
+    fz_norm_rope_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(a);
+    CUDA_LAUNCHED("fast norm_rope");
+    return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_hc_post_pre(struct dsv4_backend *be, float *X_out, float *x_out, float *post_out,
+                 float *comb_out, float *xn, const float *f, const float *X, const float *post,
+                 const float *comb, const struct dsv4_hc_w *hc, const uint16_t *nw, int T,
+                 int n, int D, int iters, float hc_eps, float norm_eps)
+{
+    if (!cuda_st(be)->fast_kernels || !cuda_fast_hc_ok(n, 0) || iters < 1)
+        return dsv4_hc_post_pre_compose(be, X_out, x_out, post_out, comb_out, xn, f, X, post,
+                                        comb, hc, nw, T, n, D, iters, hc_eps, norm_eps);
+    return cuda_fast_hc_post_pre(be, X_out, x_out, post_out, comb_out, xn, f, X, post, comb, hc,
+                                 nw, T, n, D, iters, hc_eps, norm_eps);
+}
