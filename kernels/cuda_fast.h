@@ -80,6 +80,26 @@ enum dsv4_err dsv4_cuda_experts_register(struct dsv4_backend *be,
  * registered by dsv4_cuda_experts_register only). */
 void dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert_w *host);
 
+/*
+ * The prefill GEMMs' Hopper path (kernels/cuda/fast_gemm.cu, wgmma on
+ * sm_90): on != 0 uses it where it applies (the MoE at T > 96, FP8 linears
+ * and BF16 linears at T > 64 where its cost model prefers it), 0 keeps the
+ * mma.sync GEMMs (FP8 linears, MoE) and the decode kernels (BF16 linears);
+ * -1 goes back to the environment's choice (DSV4_CUDA_WGMMA=0 or off: not
+ * used; default: used).  Process-wide; takes effect for ops queued
+ * afterwards.  The two paths sum in another order (a row may differ in the
+ * last bit between them).
+ */
+void dsv4_cuda_set_wgmma(int on);
+
+/*
+ * Kernel nodes of the last graph recorded on be (graph_begin .. graph_end
+ * of backend.h, e.g. a decode step's graph), and its nodes of any kind in
+ * *nodes (may be NULL); -1 when be is not a CUDA backend.  For counting the
+ * launches a decode step makes (tests/gpu/bench_fuse.c).
+ */
+int dsv4_cuda_graph_kernels(const struct dsv4_backend *be, int *nodes);
+
 /* Event timer on the backend's stream. */
 struct dsv4_cuda_timer;
 

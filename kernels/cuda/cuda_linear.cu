@@ -13,6 +13,7 @@
  * (cuBLASLt FP8, FP4 grouped GEMM) are the next issue's.
  */
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda/fast_gemm.cuh"
 
 #define LIN_THREADS 256
 #define LIN_GROUPS (LIN_THREADS / 8)   /* outputs per block */
@@ -131,6 +132,8 @@ cuda_linear(struct dsv4_backend *be, float *out, const float *x, const struct ds
         return DSV4_OK;
     if (cuda_st(be)->fast_kernels && cuda_fast_gemm_linear_ok(be, W, T))
         return cuda_fast_gemm_linear(be, out, x, W, T);   /* fast_gemm.cu: prefill */
+    if (cuda_st(be)->fast_kernels && cuda_fast_gemm_bf16_ok(be, W, T))
+        return cuda_fast_gemm_bf16(be, out, x, W, T, flags);   /* fast_gemm.cu: prefill */
     if (cuda_st(be)->fast_kernels && cuda_fast_linear_ok(be, W))
         return cuda_fast_linear(be, out, x, W, T, flags);   /* fast_linear.cu */
     if (cuda_lin_quantizes(be, W->fmt)) {

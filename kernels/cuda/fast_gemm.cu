@@ -57,7 +57,10 @@
  *      caller's (zeroed) array holds the held rows, nothing else is done.
  */
 #include "kernels/cuda/fast.cuh"
+#include "kernels/cuda/fast_gemm.cuh"
+#include "kernels/cuda_fast.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -513,6 +516,592 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
     }
 }
 
+/* --- the Hopper path: wgmma with the weights as the register operand -------------------- */
+
+/*
+ * fw_kernel (sm_90a).  The weights are the A operand (M = weight rows), the
+ * activation rows the B operand (N = tokens), so a tile holds as few token
+ * rows as the expert has (16, 32, 64 or 128) instead of padding them to 64
+ * or 128: at a few rows per expert the kernel streams each expert's
+ * weights once, and at many rows it is a 64-row x N wgmma per warpgroup.
+ *
+ * A (weights) go global -> shared with cp.async (S stages of 128 columns,
+ * rows XOR-swizzled per 16 bytes as in fg_kernel), then each thread decodes
+ * its own fragment into registers: FP4 through the per-lane table times the
+ * E8M0 group scale, FP8 by fk_e4m3x2_bf16 times the block scale, BF16 as
+ * stored.  All scales are powers of two, so every decoded weight is the
+ * exact bf16 value w * s_w.  Register fragment of wgmma m64nNk16 (the
+ * mma.sync m16n8k16 A fragment per warp; warp w of the warpgroup holds rows
+ * 16w..16w+15): thread (g, q) reg0 = row g, k slots 2q, 2q+1; reg1 = row
+ * g+8, same slots; reg2 = row g, slots 2q+8, 2q+9; reg3 = row g+8, same.
+ * As in fg_kernel, thread q reads the 8 consecutive columns 8q..8q+7 of a
+ * 32-column group of its rows (FP4: 4 bytes, FP8: 8, BF16: 16), and k16
+ * step s2 (0, 1) of the group takes columns 8q+4s2+{0,1} as slots 2q, 2q+1
+ * and 8q+4s2+{2,3} as slots 2q+8, 2q+9.
+ *
+ * B (activations) must then hold, at k slot j = 8h + 2q + i of step s2 of a
+ * group, the column 8q + 4s2 + 2h + i: the activations are stored in that
+ * permuted order in global memory (fw_perm: physical position p = 16s2 +
+ * 8h + 2q + i of logical column c = 8q + 4s2 + 2h + i, inside each 32-column
+ * group), written so by fw_prep_kernel (x) and by the up kernel's epilogue
+ * (h).  Their values are bf16: under REF the FP8 code value times its
+ * power-of-two block scale s_x (exact in bf16), so no per-block scaling is
+ * left to do; BF16 weights take x = hi + lo (two wgmma per step).
+ *
+ * B in shared memory: K-major, no swizzle.  Core matrix (8 token rows x 16
+ * bytes) (n8, k8) of a stage at byte (n8 * 16 + k8) * 128, row n % 8 at +16
+ * * (n % 8): so the leading byte offset (next 8 columns of K) is 128, the
+ * stride byte offset (next 8 tokens) 2048, and k16 step s of the stage
+ * starts at byte 256 * s.  Descriptor: start >> 4 in bits 0-13, LBO >> 4 in
+ * 16-29, SBO >> 4 in 32-45, base offset 0, swizzle mode 0 (PTX ISA,
+ * "Matrix Descriptor Format", K-major canonical layout
+ * ((8,m),(T,2k)):((1T,SBO),(1,LBO))).
+ *
+ * Numerics.  Every product is exact (bf16 values times bf16 values) and the
+ * tensor core sums them in fp32 over all of K: the same real sum as the op
+ * contract's per-block sums times the scales (the scales are powers of
+ * two), another order of fp32 rounding.  Each output depends on its own
+ * weight row and token only: the bits do not depend on T, the tile (N), the
+ * grid or the other rows; they differ from fg_kernel's (per-block sums) by
+ * rounding.
+ *
+ * Epilogues: FG_LINEAR writes out[token][row] (bf16-rounded, or fp32 for
+ * BF16 weights with DSV4_LIN_F32_OUT); FG_UP (NWG = 4: 128 rows of w1 and
+ * the same 128 of w3, rows 8..15 of each warp the w3 rows of rows 0..7, so
+ * one thread holds g and u of a column) forms h with the exact expression,
+ * then quantizes it per token over the block's 128 columns (REF: amax over
+ * the 16 warps through shared memory, the exact path's scale and codes) and
+ * writes the down GEMM's B operand (permuted, code value times scale).
+ */
+
+#define FW_BF16 2               /* weight format: BF16, x as hi + lo */
+#define FW_SMEM_MAX (220 * 1024)
+#define FW_MAX_STAGES 8
+#define FW_LBO 128              /* B: next 8 columns of K */
+#define FW_SBO 2048             /* B: next 8 token rows */
+
+/* Bytes of one weight row per stage of 128 columns. */
+#define FW_AROW(WF) ((WF) == FG_FP4 ? 64 : (WF) == FG_FP8 ? 128 : 256)
+
+/* Shared memory plan of an instantiation. */
+template <int WF, int EPI, int NWG, int BN>
+struct fw_cfg {
+    static constexpr int RA = 64 * NWG;                 /* weight rows */
+    static constexpr int THREADS = 128 * NWG;
+    static constexpr int AB = RA * FW_AROW(WF);         /* A bytes per stage */
+    static constexpr int BB = BN * 256;                 /* B bytes per stage (one of hi/lo) */
+    static constexpr int NB = WF == FW_BF16 ? 2 : 1;
+    static constexpr int SB = WF == FG_FP4 ? RA * 4 : 0;   /* FP4 group scales */
+    static constexpr int STAGE = AB + NB * BB + SB;
+    static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? 4 * NWG * BN * 4 : 0) +
+                                 (WF == FG_FP4 ? FK_LUT_WORDS * 4 : 0);
+    static constexpr int S0 = (FW_SMEM_MAX - FIXED) / STAGE;
+    static constexpr int S = S0 > FW_MAX_STAGES ? FW_MAX_STAGES : S0;
+    static constexpr int SMEM = S * STAGE + FIXED;
+};
+
+/* Everything a launch needs, by value (as fg_args; B values are bf16). */
+struct fw_args {
+    struct dsv4_linear W, W3;       /* dense tiles: the weight (FG_UP: w1, w3) */
+    const struct dsv4_expert_w *table;  /* routed tiles: device expert structs, else NULL */
+    const int32_t *grp;             /* routed: the grouping (fg_group_kernel) */
+    int A;                          /* routed: tile slots */
+    int down;                       /* routed: w2 (B row = pick row), else w1/w3
+                                       (B row = pick row / k) */
+    int k;
+    const uint16_t *xb;             /* (rows, K) B values, permuted bf16 */
+    const uint16_t *xl;             /* BF16 weights: the lo parts, else NULL */
+    float *out;                     /* FG_LINEAR: (rows, ldo) */
+    uint16_t *hq;                   /* FG_UP: (rows, ldo) the down GEMM's B values */
+    int64_t ldo;
+    const float *weights;           /* routed FG_UP: (T*k) route weights; else NULL */
+    int M;                          /* dense: rows; B row i -> brow0 + i, out row orow0 + i */
+    int brow0, orow0;
+    int K;                          /* weight n_in */
+    float lim;                      /* SwiGLU limit (<= 0: none) */
+    int f32out;                     /* FG_LINEAR: fp32 outputs (else bf16-rounded) */
+};
+
+/* Physical position of logical column c (permuted inside 32-column groups). */
+static __device__ __forceinline__ int
+fw_perm(int c)
+{
+    return (c & ~31) | ((c >> 2) & 1) << 4 | ((c >> 1) & 1) << 3 | ((c >> 3) & 3) << 1 | (c & 1);
+}
+
+/*
+ * B values from x (rows, K), row stride `stride`: mode 0 (REF) the FP8 code
+ * value of the exact path's quantization per 128 columns times its scale;
+ * mode 1 hi = bf16(x) and lo = bf16(x - hi) (lo = 0 when x is not finite).
+ * One warp per (row, 128-column block).
+ */
+static __global__ void
+fw_prep_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t stride, int rows, int K,
+               int mode)
+{
+    int nb = K / 128, lane = threadIdx.x & 31;
+    int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+    int64_t r = wid / nb;
+    int b = (int)(wid % nb);
+    float amax = 1e-4f, v[4], s = 1.0f;
+    const float *xr;
+
+    if (r >= rows)
+        return;   /* whole warps leave together */
+    xr = x + r * stride + (int64_t)b * 128;
+    for (int i = 0; i < 4; i++) {
+        v[i] = xr[lane + 32 * i];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    if (mode == 0) {
+        for (int o = 16; o > 0; o /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        s = cu_pow2_scale(amax, 448.0f);
+    }
+    for (int i = 0; i < 4; i++) {
+        int64_t at = r * K + fw_perm(b * 128 + lane + 32 * i);
+
+        if (mode == 0) {
+            float qv = cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) * s;
+
+            hi[at] = (uint16_t)(__float_as_uint(qv) >> 16);
+        } else {
+            float h = cu_bf16_round(v[i]);
+
+            hi[at] = (uint16_t)(__float_as_uint(h) >> 16);
+            lo[at] = isfinite(v[i]) ? (uint16_t)(__float_as_uint(cu_bf16_round(v[i] - h)) >> 16)
+                                    : 0;
+        }
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+/* d (64 x 16, fp32) += a (64 x 16, registers) * B (16 x 16 at desc). */
+static __device__ __forceinline__ void
+fw_mma16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+                 "{"
+                 "%0, %1, %2, %3, %4, %5, %6, %7"
+                 "}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+/* d (64 x 32, fp32) += a (64 x 16, registers) * B (16 x 32 at desc). */
+static __device__ __forceinline__ void
+fw_mma32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15"
+                 "}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+/* d (64 x 64, fp32) += a (64 x 16, registers) * B (16 x 64 at desc). */
+static __device__ __forceinline__ void
+fw_mma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+/* d (64 x 128, fp32) += a (64 x 16, registers) * B (16 x 128 at desc). */
+static __device__ __forceinline__ void
+fw_mma128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, "
+                 "%40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, "
+                 "%56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+/* d += a * B for the tile width BN. */
+template <int BN>
+static __device__ __forceinline__ void
+fw_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
+{
+    if constexpr (BN == 16)
+        fw_mma16(d, a, desc);
+    else if constexpr (BN == 32)
+        fw_mma32(d, a, desc);
+    else if constexpr (BN == 64)
+        fw_mma64(d, a, desc);
+    else
+        fw_mma128(d, a, desc);
+}
+
+static __device__ __forceinline__ void
+fw_fence(void)
+{
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+static __device__ __forceinline__ void
+fw_commit(void)
+{
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+static __device__ __forceinline__ void
+fw_wait0(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+/* cp.async writes (generic proxy) made visible to wgmma's reads (async proxy). */
+static __device__ __forceinline__ void
+fw_fence_proxy(void)
+{
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* Keep the accumulators in place until the wgmma that writes them is waited for. */
+template <int N>
+static __device__ __forceinline__ void
+fw_hold(float (&d)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* B descriptor of k16 step s of the B stage at shared address base. */
+static __device__ __forceinline__ uint64_t
+fw_desc(uint32_t base, int s)
+{
+    uint64_t a = (uint64_t)(((base + 256u * (uint32_t)s) & 0x3ffffu) >> 4);
+
+    return a | (uint64_t)(FW_LBO >> 4) << 16 | (uint64_t)(FW_SBO >> 4) << 32;
+}
+
+/* Weight row (of L1 or L3) of CTA row r: FG_UP rows 8..15 of each 16 are w3's. */
+template <int EPI>
+static __device__ __forceinline__ int
+fw_wrow(int r, int n0, int *is3)
+{
+    if (EPI == FG_UP) {
+        *is3 = (r >> 3) & 1;
+        return n0 + (r >> 4) * 8 + (r & 7);
+    }
+    *is3 = 0;
+    return n0 + r;
+}
+
+/* Byte offset of 16-byte chunk c of weight row r in an A stage. */
+template <int WF>
+static __device__ __forceinline__ int
+fw_a_off(int r, int c)
+{
+    return WF == FW_BF16 ? fg_a_off(r, c) : fg_b_off<WF>(r, c);
+}
+
+/* Queue the loads of 128-column block kb into stage st. */
+template <int WF, int EPI, int NWG, int BN>
+static __device__ __forceinline__ void
+fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *ss,
+        const int *brow, const struct fw_args &a, const struct dsv4_linear &L1,
+        const struct dsv4_linear &L3, int n0, int kb)
+{
+    typedef fw_cfg<WF, EPI, NWG, BN> C;
+    const int CH = FW_AROW(WF) / 16;   /* 16-byte chunks per weight row */
+    int tid = threadIdx.x, K = a.K;
+
+    for (int i = tid; i < C::RA * CH; i += C::THREADS) {
+        int r = i / CH, c = i % CH, is3, wr = fw_wrow<EPI>(r, n0, &is3);
+        const struct dsv4_linear &L = is3 ? L3 : L1;
+        const uint8_t *src = (const uint8_t *)L.w +
+                             (WF == FG_FP4 ? (int64_t)wr * (K / 2) + kb * 64
+                              : WF == FG_FP8 ? (int64_t)wr * K + kb * 128
+                                             : ((int64_t)wr * K + kb * 128) * 2) + c * 16;
+
+        fg_cp16(sa + fw_a_off<WF>(r, c), src, 1);
+    }
+    for (int i = tid; i < BN * 16; i += C::THREADS) {
+        int n = i >> 4, c = i & 15, r = brow[n];
+        int64_t o = (int64_t)(r < 0 ? 0 : r) * K + kb * 128 + c * 8;
+        int d = ((n >> 3) * 16 + c) * 128 + (n & 7) * 16;
+
+        fg_cp16(sb + d, a.xb + o, r >= 0);
+        if (WF == FW_BF16)
+            fg_cp16(sl + d, a.xl + o, r >= 0);
+    }
+    if (WF == FG_FP4 && tid < C::RA) {
+        int is3, wr = fw_wrow<EPI>(tid, n0, &is3);
+        const struct dsv4_linear &L = is3 ? L3 : L1;
+
+        fg_cp4(ss + tid * 4, L.scale + (int64_t)wr * (K / 32) + kb * 4, 1);
+    }
+}
+
+/*
+ * d += one stage (128 columns) of the warpgroup's 64 rows: decode the 8 A
+ * fragments (rows ra = 16w + g of the warpgroup's block and ra + 8), then 8
+ * (BF16: 16) wgmma, waited for before returning.  sw: FP8 block scales of
+ * rows ra and ra + 8 as bf16 pairs.
+ */
+template <int WF, int BN>
+static __device__ __forceinline__ void
+fw_stage(float (&d)[BN / 2], const unsigned char *sa, uint32_t sb, uint32_t sl,
+         const unsigned char *ss, const uint32_t *lt, int ra, int q, uint32_t swa, uint32_t swb)
+{
+    uint32_t af[8][4];
+
+#pragma unroll
+    for (int G = 0; G < 4; G++) {
+        if (WF == FG_FP4) {
+            uint32_t wa = *(const uint32_t *)(sa + fg_b_off<FG_FP4>(ra, G) + q * 4);
+            uint32_t wb = *(const uint32_t *)(sa + fg_b_off<FG_FP4>(ra + 8, G) + q * 4);
+            uint32_t ca = fk_e8m0_bf16x2(ss[ra * 4 + G]), cb = fk_e8m0_bf16x2(ss[(ra + 8) * 4 + G]);
+
+#pragma unroll
+            for (int s2 = 0; s2 < 2; s2++) {
+                af[2 * G + s2][0] = fk_bmul2(lt[((wa >> (16 * s2)) & 0xffu) * 32], ca);
+                af[2 * G + s2][1] = fk_bmul2(lt[((wb >> (16 * s2)) & 0xffu) * 32], cb);
+                af[2 * G + s2][2] = fk_bmul2(lt[((wa >> (16 * s2 + 8)) & 0xffu) * 32], ca);
+                af[2 * G + s2][3] = fk_bmul2(lt[((wb >> (16 * s2 + 8)) & 0xffu) * 32], cb);
+            }
+        } else if (WF == FG_FP8) {
+            int c = 2 * G + (q >> 1), o = (q & 1) * 8;
+            uint2 va = *(const uint2 *)(sa + fg_b_off<FG_FP8>(ra, c) + o);
+            uint2 vb = *(const uint2 *)(sa + fg_b_off<FG_FP8>(ra + 8, c) + o);
+
+#pragma unroll
+            for (int s2 = 0; s2 < 2; s2++) {
+                uint32_t ua = s2 ? va.y : va.x, ub = s2 ? vb.y : vb.x;
+
+                af[2 * G + s2][0] = fk_bmul2(fk_e4m3x2_bf16(ua), swa);
+                af[2 * G + s2][1] = fk_bmul2(fk_e4m3x2_bf16(ub), swb);
+                af[2 * G + s2][2] = fk_bmul2(fk_e4m3x2_bf16(ua >> 16), swa);
+                af[2 * G + s2][3] = fk_bmul2(fk_e4m3x2_bf16(ub >> 16), swb);
+            }
+        } else {
+            uint4 va = *(const uint4 *)(sa + fg_a_off(ra, 4 * G + q));
+            uint4 vb = *(const uint4 *)(sa + fg_a_off(ra + 8, 4 * G + q));
+
+#pragma unroll
+            for (int s2 = 0; s2 < 2; s2++) {
+                af[2 * G + s2][0] = fk_word(va, 2 * s2);
+                af[2 * G + s2][1] = fk_word(vb, 2 * s2);
+                af[2 * G + s2][2] = fk_word(va, 2 * s2 + 1);
+                af[2 * G + s2][3] = fk_word(vb, 2 * s2 + 1);
+            }
+        }
+    }
+    fw_fence();
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+        fw_mma<BN>(d, af[s], fw_desc(sb, s));
+        if (WF == FW_BF16)
+            fw_mma<BN>(d, af[s], fw_desc(sl, s));
+    }
+    fw_commit();
+    fw_wait0();
+    fw_hold(d);
+}
+
+#endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
+
+/*
+ * Grid (weight row tiles of RA rows (FG_UP: 128 columns of I), token tiles).
+ * Dense (a.table == NULL): token tile y is rows y*BN .. of a.M.  Routed: tile
+ * slot y of the grouping, or nothing.
+ */
+template <int WF, int EPI, int NWG, int BN>
+static __global__ void __launch_bounds__(128 * NWG, 1)
+fw_kernel(struct fw_args a)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef fw_cfg<WF, EPI, NWG, BN> C;
+    extern __shared__ __align__(128) unsigned char fw_sm[];
+    unsigned char *sa = fw_sm, *sb = sa + C::S * C::AB, *sl = sb + C::S * C::BB;
+    unsigned char *ss = sl + (C::NB - 1) * C::S * C::BB;
+    int *brow = (int *)(ss + C::S * C::SB), *orow = brow + BN;
+    float *red = (float *)(orow + BN);
+    uint32_t *lut = (uint32_t *)(red + (EPI == FG_UP ? 4 * NWG * BN : 0));
+    struct dsv4_linear L1, L3;
+    int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
+    int n0 = blockIdx.x * (EPI == FG_UP ? 128 : C::RA), nkt = a.K / 128;
+    uint32_t sb0 = (uint32_t)__cvta_generic_to_shared(sb);
+    uint32_t sl0 = (uint32_t)__cvta_generic_to_shared(sl);
+    const unsigned char *sw1 = NULL, *sw3 = NULL;
+    float d[BN / 2];
+
+    if (a.table != NULL) {
+        const int32_t *tl = a.grp + 1 + 3 * blockIdx.y, *rows;
+        const struct dsv4_expert_w *E;
+        int n_rows;
+
+        if ((int)blockIdx.y >= a.grp[0])
+            return;   /* an idle slot: the whole block leaves */
+        E = &a.table[tl[0]];
+        rows = a.grp + 1 + 3 * a.A + tl[1];
+        n_rows = tl[2];
+        L1 = a.down ? E->w2 : E->w1;
+        L3 = E->w3;
+        for (int i = tid; i < BN; i += C::THREADS) {
+            int r = i < n_rows ? rows[i] : -1;
+
+            orow[i] = r;
+            brow[i] = r < 0 ? -1 : (a.down ? r : r / a.k);
+        }
+    } else {
+        int m0 = blockIdx.y * BN;
+
+        L1 = a.W;
+        L3 = a.W3;
+        for (int i = tid; i < BN; i += C::THREADS) {
+            int ok = m0 + i < a.M;
+
+            brow[i] = ok ? a.brow0 + m0 + i : -1;
+            orow[i] = ok ? a.orow0 + m0 + i : -1;
+        }
+    }
+    __syncthreads();   /* the row maps, before the loads use them */
+    for (int s = 0; s < C::S - 1; s++) {
+        if (s < nkt)
+            fw_load<WF, EPI, NWG, BN>(sa + s * C::AB, sb + s * C::BB, sl + s * C::BB,
+                                      ss + s * C::SB, brow, a, L1, L3, n0, s);
+        fg_commit();
+    }
+    if (WF == FG_FP4)
+        fk_lut_fill(lut);   /* while the first stages load; ends with __syncthreads */
+    if (WF == FG_FP8) {
+        /* block scale rows of this thread's two weight rows (128-row blocks) */
+        int is3a, is3b, wa = fw_wrow<EPI>(wg * 64 + ra, n0, &is3a);
+        int wb = fw_wrow<EPI>(wg * 64 + ra + 8, n0, &is3b);
+
+        sw1 = (is3a ? L3 : L1).scale + (int64_t)(wa / 128) * nkt;
+        sw3 = (is3b ? L3 : L1).scale + (int64_t)(wb / 128) * nkt;
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++)
+        d[i] = 0.0f;
+
+    for (int kt = 0; kt < nkt; kt++) {
+        int st = kt % C::S, nx = kt + C::S - 1;
+        uint32_t swa = 0, swb = 0;
+
+        fg_wait<C::S - 2>();
+        fw_fence_proxy();
+        __syncthreads();   /* stage kt landed for all; stage nx's buffer is used up */
+        if (nx < nkt) {
+            int sn = nx % C::S;
+
+            fw_load<WF, EPI, NWG, BN>(sa + sn * C::AB, sb + sn * C::BB, sl + sn * C::BB,
+                                      ss + sn * C::SB, brow, a, L1, L3, n0, nx);
+        }
+        fg_commit();
+        if (WF == FG_FP8) {
+            swa = fk_e8m0_bf16x2(__ldg(sw1 + kt));
+            swb = fk_e8m0_bf16x2(__ldg(sw3 + kt));
+        }
+        fw_stage<WF, BN>(d, sa + st * C::AB + wg * 64 * FW_AROW(WF), sb0 + st * C::BB,
+                         sl0 + st * C::BB, ss + st * C::SB + wg * 64 * 4, lut + lane, ra, q,
+                         swa, swb);
+    }
+
+    /* D fragment: d[4j + i] is row ra + 8 * (i >> 1) of the warpgroup's 64,
+     * token 8j + 2q + (i & 1) */
+    if (EPI == FG_LINEAR) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int r = orow[8 * j + 2 * q + (i & 1)];
+
+                if (r >= 0)
+                    a.out[(int64_t)r * a.ldo + n0 + wg * 64 + ra + 8 * (i >> 1)] =
+                        a.f32out ? d[4 * j + i] : cu_bf16_round(d[4 * j + i]);
+            }
+    } else {
+        /* h of column c = wg*32 + warp*8 + g (rows ra: w1, ra + 8: w3) */
+        int c = n0 + wg * 32 + warp * 8 + g, wid = wg * 4 + warp;
+        float h[BN / 4];
+
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int ii = 0; ii < 2; ii++) {
+                int n = 8 * j + 2 * q + ii, r = orow[n];
+                float gv = cu_bf16_round(d[4 * j + ii]), uv = cu_bf16_round(d[4 * j + 2 + ii]);
+                float v, m;
+
+                if (a.lim > 0.0f) {
+                    gv = gv < a.lim ? gv : a.lim;
+                    uv = uv < -a.lim ? -a.lim : uv > a.lim ? a.lim : uv;
+                }
+                v = gv / (1.0f + cu_expf(-gv)) * uv;
+                if (a.weights != NULL && r >= 0)
+                    v *= a.weights[r];
+                v = cu_bf16_round(v);
+                h[2 * j + ii] = v;
+                m = fabsf(v);
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+                if (g == 0)
+                    red[wid * BN + n] = m;
+            }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int ii = 0; ii < 2; ii++) {
+                int n = 8 * j + 2 * q + ii, r = orow[n];
+                float amax = 1e-4f, s, qv;
+
+                if (r < 0)
+                    continue;
+                for (int w = 0; w < 4 * NWG; w++)
+                    amax = fmaxf(amax, red[w * BN + n]);
+                s = cu_pow2_scale(amax, 448.0f);
+                qv = cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(h[2 * j + ii] / s, 448.0f))) * s;
+                a.hq[(int64_t)r * a.ldo + fw_perm(c)] = (uint16_t)(__float_as_uint(qv) >> 16);
+            }
+    }
+#endif
+}
+
 /* --- host side ------------------------------------------------------------------------ */
 
 /* DSV4_CUDA_GEMM=off (or 0) keeps the decode kernels at every T (read once). */
@@ -591,6 +1180,321 @@ fg_linear_tile(int T, int N, int K)
 /* Rows up to which the linear always takes the decode kernels (above). */
 #define FG_DECODE_ROWS 64
 
+/* --- the Hopper path, host side ------------------------------------------------------------ */
+
+static int fw_override = -1;   /* dsv4_cuda_set_wgmma; -1: the environment decides */
+
+void
+dsv4_cuda_set_wgmma(int on)
+{
+    fw_override = on < 0 ? -1 : on != 0;
+}
+
+/* The wgmma path for this backend's device: sm_90 only, on unless
+ * DSV4_CUDA_WGMMA=0 (or off) or dsv4_cuda_set_wgmma(0). */
+static int
+fw_enabled(const struct dsv4_backend *be)
+{
+    static int env = -1;
+    static signed char cc9[FG_MAX_DEV];   /* 0 unknown, 1 sm_90, -1 other */
+    int dev = cuda_st((struct dsv4_backend *)be)->device;
+
+    if (env < 0) {
+        const char *v = getenv("DSV4_CUDA_WGMMA");
+
+        env = !(v != NULL && (strcmp(v, "off") == 0 || strcmp(v, "0") == 0));
+    }
+    if (!(fw_override < 0 ? env : fw_override) || dev < 0 || dev >= FG_MAX_DEV)
+        return 0;
+    if (cc9[dev] == 0) {
+        int major = 0;
+
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) !=
+            cudaSuccess)
+            major = 0;
+        cc9[dev] = major == 9 ? 1 : -1;
+    }
+    return cc9[dev] > 0;
+}
+
+template <int WF, int EPI, int NWG, int BN>
+static enum dsv4_err
+fw_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsigned gy)
+{
+    typedef fw_cfg<WF, EPI, NWG, BN> C;
+    static unsigned char attr_set[FG_MAX_DEV];   /* per instantiation and device */
+    int dev = cuda_st(be)->device;
+
+    static_assert(C::S >= 2, "fw_kernel: shared memory for fewer than 2 stages");
+    static_assert(EPI != FG_UP || NWG == 4, "fw_kernel: the up epilogue needs 128 columns");
+    if (dev < 0 || dev >= FG_MAX_DEV || !attr_set[dev]) {
+        CUDA_TRY(cudaFuncSetAttribute(fw_kernel<WF, EPI, NWG, BN>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+        if (dev >= 0 && dev < FG_MAX_DEV)
+            attr_set[dev] = 1;
+    }
+    if (gx == 0 || gy == 0)
+        return DSV4_OK;
+    fw_kernel<WF, EPI, NWG, BN><<<dim3(gx, gy), C::THREADS, C::SMEM, cuda_stream(be)>>>(*a);
+    CUDA_LAUNCHED("fast gemm (wgmma)");
+    return DSV4_OK;
+}
+
+/* The instantiations used: routed FP4 up (NWG 4) and down (NWG 2) at token
+ * tiles of 16, 32, 64; the FP8 shared expert and linears; BF16 linears. */
+template <int WF, int EPI, int NWG>
+static enum dsv4_err
+fw_run(struct dsv4_backend *be, const struct fw_args *a, int bn, unsigned gx, unsigned gy)
+{
+    if constexpr (WF == FG_FP4) {
+        if (bn == 16)
+            return fw_launch<WF, EPI, NWG, 16>(be, a, gx, gy);
+        if (bn == 32)
+            return fw_launch<WF, EPI, NWG, 32>(be, a, gx, gy);
+        if (bn == 64)
+            return fw_launch<WF, EPI, NWG, 64>(be, a, gx, gy);
+    } else if constexpr (EPI == FG_UP) {
+        if (bn == 64)
+            return fw_launch<WF, EPI, NWG, 64>(be, a, gx, gy);
+    } else {
+        if (bn == 32)
+            return fw_launch<WF, EPI, NWG, 32>(be, a, gx, gy);
+        if (bn == 64)
+            return fw_launch<WF, EPI, NWG, 64>(be, a, gx, gy);
+        if constexpr (WF == FG_FP8) {
+            if (bn == 128)
+                return fw_launch<WF, EPI, NWG, 128>(be, a, gx, gy);
+        }
+    }
+    return dsv4_err_set(DSV4_ERR_INVAL, "fast gemm (wgmma): no tile of %d tokens", bn);
+}
+
+/* B values of x (rows, K): mode 0 REF quantized, 1 the hi/lo split. */
+static enum dsv4_err
+fw_prep(struct dsv4_backend *be, uint16_t *hi, uint16_t *lo, const float *x, int64_t stride,
+        int rows, int K, int mode)
+{
+    int64_t warps = (int64_t)rows * (K / 128);
+
+    if (warps <= 0)
+        return DSV4_OK;
+    fw_prep_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(
+        hi, lo, x, stride, rows, K, mode);
+    CUDA_LAUNCHED("fast gemm prep");
+    return DSV4_OK;
+}
+
+/*
+ * Token tile of the dense linear (W: n_out N, n_in K, bpe weight bytes per
+ * value) at T rows, or 0 when the decode kernels are expected to be faster.
+ * A first model, to be tuned from bench_fast: the decode kernels read the
+ * weights once per 16 rows at ~2 TB/s; a CTA of the wgmma kernel streams its
+ * weight rows and token rows at ~28 GB/s (4.3 TB/s over 132 SMs, less the
+ * misses) and computes at ~3 TFLOP/s (half of the SM's bf16 peak), in waves
+ * of 132 CTAs.  Depends on T, N, K only.
+ */
+static int
+fw_linear_bn(int T, int N, int K, int bpe)
+{
+    int ra = N % 128 == 0 ? 128 : 64, best_bn = 0, nb = bpe == 2 ? 2 : 1;
+    double dec = (double)((T + 15) / 16) * ((double)N * K * bpe / 2.0e12 + 4e-6), best = dec;
+
+    for (int bn = 32; bn <= (bpe == 1 ? 128 : 64); bn *= 2) {
+        double ctas = (double)(N / ra) * ((T + bn - 1) / bn), waves = ceil(ctas / FG_SMS);
+        double bytes = (double)ra * K * bpe + (double)bn * K * 2 * nb;
+        double flops = 2.0 * ra * bn * K * nb;
+        double t = waves * (fmax(bytes / 28e9, flops / 3.0e12) + 2e-6);
+
+        if (t < best) {
+            best = t;
+            best_bn = bn;
+        }
+    }
+    return best_bn;
+}
+
+/* Scratch bytes of fw_linear: the B values (and the lo parts for BF16). */
+static size_t
+fw_linear_scratch(const struct dsv4_linear *W, int T)
+{
+    return (W->fmt == DSV4_WFMT_BF16 ? 2 : 1) *
+           cuda_align((size_t)T * W->n_in * sizeof(uint16_t));
+}
+
+/* The dense linear through fw_kernel: FP8 (REF) or BF16 weights; its
+ * scratch starts `off` bytes into the backend scratch. */
+static enum dsv4_err
+fw_linear(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W,
+          int T, unsigned flags, size_t off)
+{
+    int N = W->n_out, K = W->n_in, bf = W->fmt == DSV4_WFMT_BF16;
+    int bn = fw_linear_bn(T, N, K, bf ? 2 : 1), nwg = N % 128 == 0 ? 2 : 1;
+    size_t bx = cuda_align((size_t)T * K * sizeof(uint16_t));
+    char *p;
+    struct fw_args a;
+    enum dsv4_err e;
+    unsigned gx = (unsigned)(N / (64 * nwg)), gy;
+
+    if (T <= 0)
+        return DSV4_OK;
+    p = (char *)cuda_scratch(be, off + fw_linear_scratch(W, T));
+    if (p == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm: no scratch for %d x %d", T, K);
+    p += off;
+    bn = bn == 0 ? 64 : bn;
+    gy = (unsigned)((T + bn - 1) / bn);
+    memset(&a, 0, sizeof(a));
+    a.W = *W;
+    a.W3 = *W;
+    a.xb = (const uint16_t *)p;
+    a.xl = bf ? (const uint16_t *)(p + bx) : NULL;
+    a.out = out;
+    a.ldo = N;
+    a.M = T;
+    a.K = K;
+    a.f32out = bf && (flags & DSV4_LIN_F32_OUT);
+    e = fw_prep(be, (uint16_t *)a.xb, (uint16_t *)a.xl, x, K, T, K, bf);
+    if (e != DSV4_OK)
+        return e;
+    if (bf)
+        return nwg == 2 ? fw_run<FW_BF16, FG_LINEAR, 2>(be, &a, bn, gx, gy)
+                        : fw_run<FW_BF16, FG_LINEAR, 1>(be, &a, bn, gx, gy);
+    return fw_run<FG_FP8, FG_LINEAR, 2>(be, &a, bn, gx, gy);
+}
+
+int
+cuda_fast_gemm_bf16_ok(const struct dsv4_backend *be, const struct dsv4_linear *W, int T)
+{
+    if (T <= FG_DECODE_ROWS || !fg_enabled() || !fw_enabled(be) ||
+        W->fmt != DSV4_WFMT_BF16 || W->w == NULL || W->n_in <= 0 || W->n_in % 128 != 0 ||
+        W->n_out <= 0 || W->n_out % 64 != 0 || (uintptr_t)W->w % 16 != 0)
+        return 0;
+    return fw_linear_bn(T, W->n_out, W->n_in, 2) != 0;
+}
+
+enum dsv4_err
+cuda_fast_gemm_bf16(struct dsv4_backend *be, float *out, const float *x,
+                    const struct dsv4_linear *W, int T, unsigned flags)
+{
+    return fw_linear(be, out, x, W, T, flags, 0);
+}
+
+size_t
+cuda_fast_gemm_bf16_scratch(const struct dsv4_linear *W, int T)
+{
+    return fw_linear_scratch(W, T);
+}
+
+enum dsv4_err
+cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const float *x,
+                       const struct dsv4_linear *W, int T, unsigned flags, size_t off)
+{
+    return fw_linear(be, out, x, W, T, flags, off);
+}
+
+/*
+ * The shared expert's dense tiles of 64 tokens, on the routed launch's
+ * arguments r: up (W3 != NULL: w1, w3; B rows the tokens, h rows Tk + t) or
+ * down (W1 = w2; B and output rows Tk + t); N the output columns.
+ */
+static enum dsv4_err
+fw_shared(struct dsv4_backend *be, const struct fw_args *r, const struct dsv4_linear *W1,
+          const struct dsv4_linear *W3, int T, int Tk, int N)
+{
+    struct fw_args s = *r;
+    unsigned gy = (unsigned)((T + 63) / 64);
+
+    s.table = NULL;
+    s.W = *W1;
+    s.W3 = W3 != NULL ? *W3 : *W1;
+    s.weights = NULL;
+    s.M = T;
+    s.brow0 = W3 != NULL ? 0 : Tk;
+    s.orow0 = Tk;
+    if (W3 != NULL)
+        return fw_run<FG_FP8, FG_UP, 4>(be, &s, 64, (unsigned)(N / 128), gy);
+    return fw_run<FG_FP8, FG_LINEAR, 2>(be, &s, 64, (unsigned)(N / 128), gy);
+}
+
+/*
+ * The MoE through fw_kernel (cuda_fast_gemm_moe's contract): x's B values;
+ * the grouping with tiles of BN rows (16, 32 or 64 from the average rows of
+ * an active expert); up (routed FP4, then the shared expert's FP8 dense
+ * tiles) writing h's B values with the scales of the down GEMM's
+ * quantization; down into y in moe_parts' layout; the exact combine.
+ */
+static enum dsv4_err
+fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const int32_t *ids,
+       const float *weights, const struct dsv4_expert_w *table, int n_table,
+       const struct dsv4_expert_w *shared, int T, int k, int D, int I, float lim)
+{
+    cudaStream_t st = cuda_stream(be);
+    int Tk = T * k, R = Tk + T, act = Tk < n_table ? Tk : n_table, avg = Tk / act;
+    int bn = avg <= 12 ? 16 : avg <= 24 ? 32 : 64;
+    int A = (Tk + bn - 1) / bn + act, has_sh = shared != NULL;
+    size_t b_grp = cuda_align((size_t)(1 + 3 * A + Tk) * sizeof(int32_t));
+    size_t b_x = cuda_align((size_t)T * D * sizeof(uint16_t));
+    size_t b_h = cuda_align((size_t)R * I * sizeof(uint16_t));
+    size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
+    char *p = (char *)cuda_scratch(be, b_grp + b_x + b_h + b_y);
+    struct fw_args a;
+    enum dsv4_err e;
+    int32_t *grp;
+    uint16_t *xb, *hq;
+    float *y;
+
+    if (T <= 0)
+        return DSV4_OK;
+    if (p == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm moe: no scratch (T=%d k=%d)", T, k);
+    grp = (int32_t *)p;
+    xb = (uint16_t *)(p + b_grp);
+    hq = (uint16_t *)(p + b_grp + b_x);
+    y = parts != NULL ? parts : (float *)(p + b_grp + b_x + b_h);
+
+    e = fw_prep(be, xb, NULL, x, D, T, D, 0);
+    if (e != DSV4_OK)
+        return e;
+    fg_group_kernel<<<1, 1024, (size_t)3 * n_table * sizeof(int32_t), st>>>(
+        grp, ids, Tk, n_table, A, bn, table, parts != NULL);
+    CUDA_LAUNCHED("fast gemm moe group");
+
+    /* up: h of every pick row (routed), then of every token (shared, rows Tk + t) */
+    memset(&a, 0, sizeof(a));
+    a.table = table;
+    a.grp = grp;
+    a.A = A;
+    a.k = k;
+    a.xb = xb;
+    a.hq = hq;
+    a.ldo = I;
+    a.weights = weights;
+    a.K = D;
+    a.lim = lim;
+    e = fw_run<FG_FP4, FG_UP, 4>(be, &a, bn, (unsigned)(I / 128), (unsigned)A);
+    if (e != DSV4_OK)
+        return e;
+    if (has_sh && (e = fw_shared(be, &a, &shared->w1, &shared->w3, T, Tk, I)) != DSV4_OK)
+        return e;
+
+    /* down into y (rows of moe_parts' layout) */
+    a.down = 1;
+    a.xb = hq;
+    a.hq = NULL;
+    a.out = y;
+    a.ldo = D;
+    a.weights = NULL;
+    a.K = I;
+    e = fw_run<FG_FP4, FG_LINEAR, 2>(be, &a, bn, (unsigned)(D / 128), (unsigned)A);
+    if (e != DSV4_OK)
+        return e;
+    if (has_sh && (e = fw_shared(be, &a, &shared->w2, NULL, T, Tk, D)) != DSV4_OK)
+        return e;
+    if (parts != NULL)
+        return DSV4_OK;   /* moe_parts: the caller sums the ranks' parts, then combines */
+    return cuda_moe_combine(be, out, y, ids, T, k, D);   /* the exact path's step 5 */
+}
+
 int
 cuda_fast_gemm_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W, int T)
 {
@@ -599,6 +1503,8 @@ cuda_fast_gemm_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear
         W->n_in % 128 != 0 || W->n_out <= 0 || W->n_out % FG_BN != 0 ||
         (uintptr_t)W->w % 16 != 0)
         return 0;
+    if (fw_enabled(be))
+        return fw_linear_bn(T, W->n_out, W->n_in, 1) != 0;
     return fg_linear_tile(T, W->n_out, W->n_in) != 0;
 }
 
@@ -608,12 +1514,15 @@ cuda_fast_gemm_linear(struct dsv4_backend *be, float *out, const float *x,
 {
     int N = W->n_out, K = W->n_in, mt = fg_linear_tile(T, N, K);
     size_t bx = cuda_align((size_t)T * K * sizeof(uint16_t));
-    char *p = (char *)cuda_scratch(be, bx + cuda_align((size_t)T * (K / 128) * sizeof(float)));
+    char *p;
     struct fg_args a;
     enum dsv4_err e;
 
     if (T <= 0)
         return DSV4_OK;
+    if (fw_enabled(be))
+        return fw_linear(be, out, x, W, T, 0, 0);   /* the Hopper path */
+    p = (char *)cuda_scratch(be, bx + cuda_align((size_t)T * (K / 128) * sizeof(float)));
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm: no scratch for %d x %d", T, K);
     mt = mt == 0 ? 4 : mt;
@@ -670,7 +1579,7 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
                    int n_table, const struct dsv4_expert_w *shared, int T, int k, int D, int I,
                    float lim)
 {
-    cudaStream_t st = cuda_stream(be);
+    cudaStream_t st;
     int Tk = T * k, R = Tk + T, nbD = D / 128, nbI = I / 128;
     /* row tile: 64 rows unless the experts average more than 96 rows */
     int mt = Tk / (Tk < n_table ? Tk : n_table) > 96 ? 4 : 2, BM = 32 * mt;
@@ -684,8 +1593,7 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
     size_t b_hf = cuda_align((size_t)T * I * sizeof(uint16_t));
     size_t b_hs = cuda_align((size_t)R * nbI * sizeof(float));
     size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
-    char *p = (char *)cuda_scratch(be, b_grp + 2 * b_x16 + b_xs + b_h + b_hb + b_hf + b_hs +
-                                           b_y);
+    char *p;
     int32_t *grp;
     uint16_t *xb, *xf, *hb, *hf;
     float *xs, *h, *hs, *y;
@@ -694,6 +1602,10 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
 
     if (T <= 0)
         return DSV4_OK;
+    if (fw_enabled(be))   /* the Hopper path */
+        return fw_moe(be, out, parts, x, ids, weights, table, n_table, shared, T, k, D, I, lim);
+    st = cuda_stream(be);
+    p = (char *)cuda_scratch(be, b_grp + 2 * b_x16 + b_xs + b_h + b_hb + b_hf + b_hs + b_y);
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm moe: no scratch (T=%d k=%d)", T, k);
     grp = (int32_t *)p;

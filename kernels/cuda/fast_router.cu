@@ -1,6 +1,7 @@
 /*
  * fast_router.cu — the fast router (model doc §3.4): the gate logits by the
- * fast BF16 linear (fp32 out) when it applies, then one block per token
+ * fast BF16 linear (fp32 out) when it applies (at T > 64 the prefill GEMM,
+ * fast_gemm.cu, where cuda_fast_gemm_bf16_ok agrees), then one block per token
  * instead of one thread per token (cuda_moe.cu).  Used by cuda_router for
  * every call it accepts when dsv4_cuda_set_kernels(be, 1) was called.
  *
@@ -21,10 +22,11 @@
  * where two experts' scores are within rounding of each other (near ties).
  *
  * Scratch: logits s (T, E), ranking values v (T, E), then the fast linear's
- * own scratch (cuda_fast_linear_at at the offset after them), one
- * reservation so that no buffer moves.
+ * own scratch (cuda_fast_linear_at or cuda_fast_gemm_bf16_at at the offset
+ * after them), one reservation so that no buffer moves.
  */
 #include "kernels/cuda/fast.cuh"
+#include "kernels/cuda/fast_gemm.cuh"
 
 #define FR_THREADS 256
 #define FR_MAX_K 64      /* the exact router's bound */
@@ -89,9 +91,11 @@ cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t *ids, const fl
                  const struct dsv4_linear *gate, const float *bias, const int64_t *tid2eid,
                  const int32_t *tokens, int T, int k, float route_scale)
 {
-    int E = gate->n_out, fl = cuda_fast_linear_ok(be, gate);
+    int E = gate->n_out, fg = cuda_fast_gemm_bf16_ok(be, gate, T);
+    int fl = !fg && cuda_fast_linear_ok(be, gate);
     size_t sb = cuda_align((size_t)T * E * sizeof(float));
-    size_t lb = fl ? cuda_fast_linear_scratch(gate, T, 0) : 0;
+    size_t lb = fg ? cuda_fast_gemm_bf16_scratch(gate, T)
+                   : fl ? cuda_fast_linear_scratch(gate, T, 0) : 0;
     float *s, *v;
     enum dsv4_err e;
 
@@ -102,8 +106,9 @@ cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t *ids, const fl
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast router: no scratch");
     v = (float *)((char *)s + sb);
     /* the exact linear (when the fast one does not apply) takes no scratch */
-    e = fl ? cuda_fast_linear_at(be, s, x, gate, T, DSV4_LIN_F32_OUT, 0, 2 * sb)
-           : cuda_linear(be, s, x, gate, T, DSV4_LIN_F32_OUT);
+    e = fg ? cuda_fast_gemm_bf16_at(be, s, x, gate, T, DSV4_LIN_F32_OUT, 2 * sb)   /* prefill */
+        : fl ? cuda_fast_linear_at(be, s, x, gate, T, DSV4_LIN_F32_OUT, 0, 2 * sb)
+             : cuda_linear(be, s, x, gate, T, DSV4_LIN_F32_OUT);
     if (e != DSV4_OK)
         return e;
     fr_kernel<<<T, FR_THREADS, 0, cuda_stream(be)>>>(weights, ids, s, v, bias, tid2eid, tokens,

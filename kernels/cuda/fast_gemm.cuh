@@ -1,0 +1,39 @@
+/*
+ * fast_gemm.cuh — the prefill GEMM entry points of fast_gemm.cu beyond those
+ * declared in cuda.cuh: the BF16 linear at many rows (the Hopper wgmma
+ * path), called by cuda_linear when the fast kernels are on.
+ */
+#ifndef DSV4_KERNELS_CUDA_FAST_GEMM_CUH
+#define DSV4_KERNELS_CUDA_FAST_GEMM_CUH
+
+#include "kernels/cuda/cuda.cuh"
+
+/*
+ * BF16 weights at T > 64 rows (calls of up to 64 rows keep the decode
+ * kernels: FG_DECODE_ROWS), n_in % 128 == 0, n_out % 64 == 0, weights
+ * 16-byte aligned, on an sm_90 device with the wgmma path on
+ * (DSV4_CUDA_WGMMA, dsv4_cuda_set_wgmma) and the GEMM expected faster than
+ * the decode kernels by a cost model of T, N and K.  Host-side checks only.
+ */
+int cuda_fast_gemm_bf16_ok(const struct dsv4_backend *be, const struct dsv4_linear *W, int T);
+
+/*
+ * out (T, n_out) = x (T, n_in) times W^T with x as given (x = hi + lo, two
+ * bf16 parts, exact products, fp32 sums over all of K); bf16-rounded unless
+ * flags has DSV4_LIN_F32_OUT.  Each output depends on its own row and
+ * column only.
+ */
+enum dsv4_err cuda_fast_gemm_bf16(struct dsv4_backend *be, float *out, const float *x,
+                                  const struct dsv4_linear *W, int T, unsigned flags);
+
+/* Scratch bytes cuda_fast_gemm_bf16_at takes for W at T rows. */
+size_t cuda_fast_gemm_bf16_scratch(const struct dsv4_linear *W, int T);
+
+/* cuda_fast_gemm_bf16 with its scratch placed `off` bytes into the backend
+ * scratch (the caller keeps its own arrays in the first `off` bytes and
+ * reserves off + cuda_fast_gemm_bf16_scratch(W, T) beforehand). */
+enum dsv4_err cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const float *x,
+                                     const struct dsv4_linear *W, int T, unsigned flags,
+                                     size_t off);
+
+#endif
