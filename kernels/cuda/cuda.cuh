@@ -70,6 +70,8 @@ struct cuda_state {
     size_t batch_bytes;
     cudaEvent_t batch_ev;               /* recorded after the table's upload
                                            (NULL until the first call) */
+    int graph_nodes, graph_kernels;     /* of the last graph_end: all nodes,
+                                           kernel nodes (dsv4_cuda_graph_kernels) */
 };
 
 static inline struct cuda_state *

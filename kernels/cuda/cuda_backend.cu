@@ -10,6 +10,7 @@
  * that reuse their buffers right away need).
  */
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda_fast.h"   /* dsv4_cuda_graph_kernels */
 
 #include <stdlib.h>
 #include <string.h>
@@ -318,6 +319,45 @@ cuda_graph_begin(struct dsv4_backend *be)
     return DSV4_OK;
 }
 
+/* Count g's nodes and kernel nodes into the state (dsv4_cuda_graph_kernels). */
+static void
+cuda_graph_count(struct dsv4_backend *be, cudaGraph_t g)
+{
+    struct cuda_state *st = cuda_st(be);
+    cudaGraphNode_t *nodes;
+    size_t nn = 0;
+
+    st->graph_nodes = st->graph_kernels = 0;
+    if (cudaGraphGetNodes(g, NULL, &nn) != cudaSuccess || nn == 0)
+        return;
+    nodes = (cudaGraphNode_t *)malloc(nn * sizeof(*nodes));
+    if (nodes != NULL && cudaGraphGetNodes(g, nodes, &nn) == cudaSuccess) {
+        st->graph_nodes = (int)nn;
+        for (size_t i = 0; i < nn; i++) {
+            cudaGraphNodeType ty;
+
+            if (cudaGraphNodeGetType(nodes[i], &ty) == cudaSuccess &&
+                ty == cudaGraphNodeTypeKernel)
+                st->graph_kernels++;
+        }
+    }
+    free(nodes);
+    (void)cudaGetLastError();
+}
+
+extern "C" int
+dsv4_cuda_graph_kernels(const struct dsv4_backend *be, int *nodes)
+{
+    const struct cuda_state *st;
+
+    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+        return -1;
+    st = (const struct cuda_state *)be->priv;
+    if (nodes != NULL)
+        *nodes = st->graph_nodes;
+    return st->graph_kernels;
+}
+
 static enum dsv4_err
 cuda_graph_end(struct dsv4_backend *be, void **out)
 {
@@ -333,6 +373,7 @@ cuda_graph_end(struct dsv4_backend *be, void **out)
             cudaGraphDestroy(g);
         return cuda_err(rc, "cudaStreamEndCapture", __FILE__, __LINE__);
     }
+    cuda_graph_count(be, g);
     rc = cudaGraphInstantiate(&x, g, 0);
     cudaGraphDestroy(g);
     if (rc != cudaSuccess) {

@@ -189,7 +189,7 @@ hf_sinkhorn(float c, float *C, int n, int iters, float eps, int l)
 static __device__ __forceinline__ void
 hf_bar(int count)
 {
-    asm volatile("bar.sync 1, %0;" : : "r"(count) : "memory");
+    asm volatile("barrier.sync 1, %0;" : : "r"(count) : "memory");
 }
 
 /* Arguments of the finish kernel. */

@@ -64,6 +64,12 @@
 #      inside a graphed all-reduce (abort within 1 s, new group in the same
 #      process) (tests/gpu/test_ar_gpu.c); log in $OUT/ar.log; a failure
 #      fails the script.
+#  15. optional, when tests/bench_fuse is packed: the fused small ops
+#      (hc_post_pre, norm_rope) and the slot-chain compress: exact == CPU,
+#      fast fused == fast composed bit for bit, fast vs exact bounds,
+#      determinism, T-independence, us per call and kernels per call
+#      (tests/gpu/bench_fuse.c); log in $OUT/fuse.log; a failure fails the
+#      script.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -289,6 +295,13 @@ if command -v bench_fast > /dev/null; then
     fast_rc=$?
 fi
 
+fuse_rc=skipped
+if command -v bench_fuse > /dev/null; then
+    timeout 300 bench_fuse "$SEED" > "$OUT/fuse.log" 2>&1
+    fuse_rc=$?
+    [ "$fuse_rc" = 77 ] && fuse_rc=skipped
+fi
+
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
@@ -336,6 +349,10 @@ if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
     grep -E "^(FAIL|summary|bench_fast|prefill)|^ok +pf_|first value out" "$OUT/fast.log"
 fi
+if [ "$fuse_rc" != skipped ]; then
+    echo "bench_fuse (fused small ops): exit $fuse_rc"
+    grep -E "^(FAIL|ok|PASS|bench_fuse)" "$OUT/fuse.log"
+fi
 if [ "$attn_rc" != skipped ]; then
     echo "bench_attn (fast attention and indexer): exit $attn_rc"
     grep -E "^(FAIL|ok|PASS|bench_attn)|first" "$OUT/attn.log"
@@ -349,6 +366,7 @@ fi
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
 [ "$spec_rc" = skipped ] || [ "$spec_rc" = 0 ] || exit 1
 [ "$ar_rc" = skipped ] || [ "$ar_rc" = 0 ] || exit 1
+[ "$fuse_rc" = skipped ] || [ "$fuse_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done
