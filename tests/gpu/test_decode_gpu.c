@@ -34,7 +34,9 @@
  * 16 prompts of 64 tokens, 3 decode steps at batch BATCH, then one more
  * ungraphed step between cudaProfilerStart/Stop (for `ncu
  * --profile-from-start off`: the per-kernel breakdown of docs/perf.md), and
- * the graphed step time.  DSV4_CUDA_KERNELS=fast selects the fast kernels.
+ * the graphed step time and the step graph's kernel count
+ * (dsv4_cuda_graph_kernels).  DSV4_CUDA_KERNELS=fast selects the fast
+ * kernels.
  *
  * prefill: the `flash` widths cut to LAYERS layers with synthetic weights,
  * one sequence of T tokens prefilled from an empty slot in chunks of 512
@@ -495,7 +497,7 @@ run_profile(int layers, int batch)
     struct dsv4_config cfg;
     struct dsv4_model *pm, *gm;
     struct dsv4_model_opts opts = { 0 };
-    int V, plen = 64, B = 16;
+    int V, plen = 64, B = 16, n_kern, n_nodes = 0;
     double t0, ms_plain, ms_graph, ms_sample;
 
     flash_cut(&cfg, layers);
@@ -529,7 +531,8 @@ run_profile(int layers, int batch)
         decode_steps(pm, batch, 1, V, lg, tg);
         ms_plain = now_ms() - t0;
         cudaProfilerStop();
-        decode_steps(gm, batch, 3, V, lg, tg);
+        decode_steps(gm, batch, 3, V, lg, tg);   /* records the step's graph */
+        n_kern = dsv4_cuda_graph_kernels(gb, &n_nodes);
         ms_graph = decode_steps(gm, batch, 20, V, lg, tg);
         /* as the ranks run it: graphed, sampled on the GPU, only ids back */
         {
@@ -547,9 +550,10 @@ run_profile(int layers, int batch)
             ms_sample = (now_ms() - t0) / 20;
         }
         printf("| profile | flash widths, %d layers | batch %d | %s kernels | plain step %.2f ms "
-               "| graphed step %.2f ms (logits to the host) | graphed + GPU sampling %.2f ms |\n",
+               "| graphed step %.2f ms (logits to the host) | graphed + GPU sampling %.2f ms "
+               "| step graph: %d kernels, %d nodes |\n",
                layers, batch, getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "exact",
-               ms_plain, ms_graph, ms_sample);
+               ms_plain, ms_graph, ms_sample, n_kern, n_nodes);
         free(tok), free(lg);
     }
     dsv4_model_free(pm);
