@@ -100,14 +100,6 @@ void dsv4_cuda_set_wgmma(int on);
  */
 int dsv4_cuda_graph_kernels(const struct dsv4_backend *be, int *nodes);
 
-/*
- * Kernel nodes of the last graph recorded on be (graph_begin .. graph_end
- * of backend.h, e.g. a decode step's graph), and its nodes of any kind in
- * *nodes (may be NULL); -1 when be is not a CUDA backend.  For counting the
- * launches a decode step makes (tests/gpu/bench_fuse.c).
- */
-int dsv4_cuda_graph_kernels(const struct dsv4_backend *be, int *nodes);
-
 /* Event timer on the backend's stream. */
 struct dsv4_cuda_timer;
 
