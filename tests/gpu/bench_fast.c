@@ -58,12 +58,21 @@
  *
  * Prefill cases (kernels/cuda/fast_gemm.cu, after the decode ones): the FP8
  * linears pf_wq_a 4096->1024, pf_wq_b 1024->16384 (half of 64x512 per rank),
- * pf_wkv 4096->512, pf_wo_b 8192->4096, pf_idxq 1024->8192 at T = 32, 128,
- * 512, 2048, 8192, and pf_moe / pf_parts (moe, and moe_parts with the odd
- * experts not held) at T = 64, 512, 2048 tokens of random routing (6 of
- * 256 per token), each checked on 48 sampled rows against the exact op on
- * those rows (same bounds as above), run twice for determinism, and timed
- * (TFLOP/s of the products, GB/s of weights + fp32 activations).
+ * pf_wkv 4096->512, pf_wo_b 8192->4096, pf_idxq 1024->8192, and the BF16
+ * linears pf_cwkv 4096->1024 (compressor at ratio 4: c*d = 2*512, fp32
+ * out), pf_cwk128 4096->512 (ratio 128, fp32 out), pf_wproj 4096->64
+ * (indexer weights_proj, bf16 out), pf_gate 4096->256 (router gate, fp32
+ * out) at T = 32, 128, 512, 2048, 8192; pf_moe / pf_parts (moe, and
+ * moe_parts with the odd experts not held) at T = 64, 256, 512, 1024, 2048
+ * tokens of random routing (6 of 256 per token).  Each case runs on both
+ * paths of the prefill GEMMs: "wgmma" (the Hopper path, the default) and
+ * "mma" (dsv4_cuda_set_wgmma(0): the mma.sync GEMMs, the decode kernels
+ * for BF16), each checked on 48 sampled rows against the exact op on those
+ * rows (same bounds as above; a failure prints the first value out of
+ * bounds with its token row and column, and the largest difference), run
+ * twice for determinism, and timed: TFLOP/s of the products, GB/s of
+ * weights + fp32 activations, and the ratio of the op's floor (the larger
+ * of FLOPs at 990 TFLOP/s and bytes at 4.3 TB/s) to the time.
  *
  * Exit status: 0 all ok, 1 a numerical failure, 77 no CUDA device.
  */
@@ -727,8 +736,11 @@ make_routing(int32_t *ids, float *wts, int n)
 #define P_TMAX 8192          /* linear rows */
 #define P_TMOE 2048          /* moe tokens */
 
+#define PEAK_TFS 990.0        /* H200 dense bf16/fp16 tensor TFLOP/s: the floors */
+
 static const int pt_lin[] = { 32, 128, 512, 2048, 8192 };
-static const int pt_moe[] = { 64, 512, 2048 };
+static const int pt_moe[] = { 64, 256, 512, 1024, 2048 };
+static const char *const pf_path[2] = { "mma", "wgmma" };   /* dsv4_cuda_set_wgmma(i) */
 
 /* n = min(T, P_SAMPLE) distinct rows spread over 0 .. T-1 (first and last). */
 static int
@@ -752,13 +764,15 @@ download_rows(struct dsv4_backend *be, float *host, const float *dev, const int 
 }
 
 /* What one prefill case compares: the fast op's rows (n, w) against the
- * exact op's, and two fast runs. */
+ * exact op's (rows[i] the token of row i), and two fast runs. */
 struct pf_check {
     const char *name;
-    int T;
+    int T, path;           /* path: index of pf_path */
     double bound, ident;
     float exact_ms;
     double flops, bytes;   /* per call */
+    const int *rows;
+    size_t w;
 };
 
 static void
@@ -767,29 +781,47 @@ pf_report(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *
           size_t n, const char *tind, struct tally *ty)
 {
     struct diff d = { 0, 0, 0, 0 };
-    double rel, tfs, gbs;
+    double rel, tfs, gbs, floor_ms;
     int det = memcmp(fast, again, n * sizeof(float)) == 0, ok;
     float ms;
 
     diff_add(&d, fast, ref, n);
     rel = d.maxr > 0 ? d.maxd / d.maxr : d.maxd;
     ok = det && d.maxr > 0 && rel <= c->bound && (double)d.ident / d.n >= c->ident;
-    if (!ok) {   /* the first value out of bounds, for the diagnosis */
-        for (size_t i = 0; i < n; i++)
-            if (!(fabs((double)fast[i] - ref[i]) <= c->bound * d.maxr)) {
-                printf("     %s T=%d: first value out of bounds at %zu: fast %.8g exact %.8g\n",
-                       c->name, c->T, i, fast[i], ref[i]);
-                break;
+    if (!ok) {   /* the first value out of bounds and the largest difference (NaN first) */
+        size_t first = n, worst = 0;
+        double we = -1.0;
+
+        for (size_t i = 0; i < n; i++) {
+            double e = fabs((double)fast[i] - ref[i]);
+
+            if (first == n && !(e <= c->bound * d.maxr))
+                first = i;
+            if (isnan(e) ? !isnan(we) : e > we) {
+                worst = i;
+                we = e;
             }
+        }
+        if (first < n)
+            printf("     %s %s T=%d: first value out of bounds: token %d column %zu: "
+                   "fast %.8g exact %.8g\n", c->name, pf_path[c->path], c->T,
+                   c->rows[first / c->w], first % c->w, fast[first], ref[first]);
+        printf("     %s %s T=%d: largest difference: token %d column %zu: fast %.8g exact "
+               "%.8g (max |exact| %.6g); %zu of %zu identical; deterministic %s\n", c->name,
+               pf_path[c->path], c->T, c->rows[worst / c->w], worst % c->w, fast[worst],
+               ref[worst], d.maxr, d.ident, d.n, det ? "yes" : "NO");
     }
     ms = time_fast(be, tm, o, c->T);
     tfs = c->flops / (ms * 1e-3) / 1e12;
     gbs = c->bytes / (ms * 1e-3) / 1e9;
-    printf("%-4s %-8s T=%-5d out maxrel %.2e (%.1e) ident %5.1f%% (%2.0f%%)  det %s  "
-           "T-indep %s  exact(%d rows) %7.3f ms  fast %9.1f us  %6.1f TFLOP/s  %6.0f GB/s\n",
-           ok ? "ok" : "FAIL", c->name, c->T, rel, c->bound, d.n ? 100.0 * d.ident / d.n : 0.0,
-           100 * c->ident, det ? "yes" : "NO", tind, c->T < P_SAMPLE ? c->T : P_SAMPLE,
-           c->exact_ms, ms * 1e3, tfs, gbs);
+    floor_ms = fmax(c->flops / (PEAK_TFS * 1e12), c->bytes / (PEAK_GBS * 1e9)) * 1e3;
+    printf("%-4s %-9s %-5s T=%-5d out maxrel %.2e (%.1e) ident %5.1f%% (%2.0f%%)  det %s  "
+           "T-indep %-9s exact(%d rows) %7.3f ms  fast %9.1f us  %6.1f TFLOP/s  %6.0f GB/s  "
+           "floor %8.1f us  ratio %.2f\n",
+           ok ? "ok" : "FAIL", c->name, pf_path[c->path], c->T, rel, c->bound,
+           d.n ? 100.0 * d.ident / d.n : 0.0, 100 * c->ident, det ? "yes" : "NO", tind,
+           c->T < P_SAMPLE ? c->T : P_SAMPLE, c->exact_ms, ms * 1e3, tfs, gbs, floor_ms * 1e3,
+           floor_ms / ms);
     fflush(stdout);
     if (ok)
         ty->ok++;
@@ -797,38 +829,28 @@ pf_report(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *
         ty->fail++;
 }
 
-/* The FP8 linear W at every T of pt_lin on x (P_TMAX, K) (host copy xh). */
+/* The linear W (flags; output bounds bound, ident) at every T of pt_lin on
+ * x (P_TMAX, K) (host copy xh), on both paths (pf_path). */
 static void
 pf_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
-          const struct dsv4_linear *W, float *x, const float *xh, float *out, float *xs,
-          float *outs, struct tally *ty)
+          const struct dsv4_linear *W, unsigned flags, double bound, double ident, float *x,
+          const float *xh, float *out, float *xs, float *outs, struct tally *ty)
 {
     int N = W->n_out, K = W->n_in, rows[P_SAMPLE], prev_T = 0;
-    size_t nw = (size_t)P_SAMPLE * N;
+    size_t nw = (size_t)P_SAMPLE * N, nf = (size_t)P_TIND * N;
     float *fast = malloc(nw * 4), *again = malloc(nw * 4), *ref = malloc(nw * 4);
-    float *first = malloc((size_t)P_TIND * N * 4), *pfirst = malloc((size_t)P_TIND * N * 4);
-    struct op o = { .name = name, .kind = OP_LINEAR, .x = x, .W = *W };
+    float *first = malloc(nf * 4), *pfirst = malloc(2 * nf * 4);
+    struct op o = { .name = name, .kind = OP_LINEAR, .x = x, .W = *W, .flags = flags };
 
     if (fast == NULL || again == NULL || ref == NULL || first == NULL || pfirst == NULL)
         exit(1);
-    o.outs[0] = out_f32("out", out, N, BOUND_BF16, IDENT_BF16);
+    o.outs[0] = out_f32("out", out, N, bound, ident);
     o.n_outs = 1;
     for (size_t i = 0; i < sizeof(pt_lin) / sizeof(pt_lin[0]); i++) {
         int T = pt_lin[i], n = sample_rows(T, rows);
-        struct pf_check c = { name, T, BOUND_BF16, IDENT_BF16, 0, 2.0 * T * N * K,
-                              (double)lin_bytes(W) + 4.0 * T * (N + K) };
-        const char *tind = "-";
+        struct pf_check c = { name, T, 0, bound, ident, 0, 2.0 * T * N * K,
+                              (double)lin_bytes(W) + 4.0 * T * (N + K), rows, (size_t)N };
 
-        TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
-        TRY("fast linear", be->ops->linear(be, out, x, W, T, 0));
-        download_rows(be, fast, out, rows, n, N);
-        TRY("download", be->ops->download(be, first, out, (size_t)P_TIND * N * 4));
-        TRY("fast linear", be->ops->linear(be, out, x, W, T, 0));
-        download_rows(be, again, out, rows, n, N);
-        if (prev_T > 0)
-            tind = memcmp(first, pfirst, (size_t)P_TIND * N * 4) == 0 ? "yes" : "no (path)";
-        memcpy(pfirst, first, (size_t)P_TIND * N * 4);
-        prev_T = T;
         /* exact: the sampled rows gathered into xs */
         for (int j = 0; j < n; j++)
             TRY("upload", be->ops->upload(be, xs + (size_t)j * K, xh + (size_t)rows[j] * K,
@@ -836,11 +858,27 @@ pf_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
         TRY("set_kernels", dsv4_cuda_set_kernels(be, 0));
         TRY("sync", be->ops->sync(be));
         TRY("timer", dsv4_cuda_timer_start(tm));
-        TRY("exact linear", be->ops->linear(be, outs, xs, W, n, 0));
+        TRY("exact linear", be->ops->linear(be, outs, xs, W, n, flags));
         TRY("timer", dsv4_cuda_timer_stop(tm, &c.exact_ms));
         TRY("download", be->ops->download(be, ref, outs, (size_t)n * N * 4));
         TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
-        pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * N, tind, ty);
+        for (int path = 1; path >= 0; path--) {
+            const char *tind = "-";
+
+            dsv4_cuda_set_wgmma(path);
+            c.path = path;
+            TRY("fast linear", be->ops->linear(be, out, x, W, T, flags));
+            download_rows(be, fast, out, rows, n, N);
+            TRY("download", be->ops->download(be, first, out, nf * 4));
+            TRY("fast linear", be->ops->linear(be, out, x, W, T, flags));
+            download_rows(be, again, out, rows, n, N);
+            if (prev_T > 0)
+                tind = memcmp(first, pfirst + path * nf, nf * 4) == 0 ? "yes" : "no (path)";
+            memcpy(pfirst + path * nf, first, nf * 4);
+            pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * N, tind, ty);
+        }
+        dsv4_cuda_set_wgmma(-1);
+        prev_T = T;
     }
     free(fast);
     free(again);
@@ -882,33 +920,13 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
     for (size_t i = 0; i < sizeof(pt_moe) / sizeof(pt_moe[0]); i++) {
         int T = pt_moe[i], n = sample_rows(T, rows), held = 0;
         size_t Tk = (size_t)T * K_PICKS;
-        struct pf_check c = { o.name, T, BOUND_MOE, IDENT_MOE, 0, 0, 0 };
+        struct pf_check c = { o.name, T, 0, BOUND_MOE, IDENT_MOE, 0, 0, 0, rows, (size_t)w };
 
         for (size_t r = 0; r < Tk; r++)
             held += !parts || ids[r] % 2 == 0;
         c.flops = 6.0 * D_MODEL * I_EXPERT * (double)(held + T);
         c.bytes = (double)moe_bytes(ids, T, per_expert, 0) / (parts ? 2 : 1) + shared_bytes +
                   8.0 * T * D_MODEL;
-        /* fast, twice; the sampled tokens' rows (moe: out; parts: k picks + shared) */
-        for (int run = 0; run < 2; run++) {
-            float *dst = run == 0 ? fast : again;
-
-            TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
-            TRY("fast moe", op_run(be, &o, T));
-            for (int j = 0; j < n; j++) {
-                const float *src = parts ? y + (size_t)rows[j] * K_PICKS * D_MODEL
-                                         : y + (size_t)rows[j] * D_MODEL;
-
-                TRY("download", be->ops->download(be, dst + (size_t)j * w, src,
-                                                  (size_t)(parts ? K_PICKS : 1) * D_MODEL * 4));
-                if (parts) {
-                    TRY("download", be->ops->download(be, row, y + (Tk + rows[j]) * D_MODEL,
-                                                      (size_t)D_MODEL * 4));
-                    memcpy(dst + (size_t)j * w + (size_t)K_PICKS * D_MODEL, row,
-                           (size_t)D_MODEL * 4);
-                }
-            }
-        }
         /* exact on the sampled tokens */
         for (int j = 0; j < n; j++) {
             memcpy(xsh + (size_t)j * D_MODEL, xh + (size_t)rows[j] * D_MODEL,
@@ -943,7 +961,33 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
             TRY("download", be->ops->download(be, ref, ys, (size_t)n * D_MODEL * 4));
         }
         TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
-        pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * w, "-", ty);
+        for (int path = 1; path >= 0; path--) {
+            dsv4_cuda_set_wgmma(path);
+            c.path = path;
+            /* fast, twice; the sampled tokens' rows (moe: out; parts: k picks + shared) */
+            for (int run = 0; run < 2; run++) {
+                float *dst = run == 0 ? fast : again;
+
+                TRY("fast moe", op_run(be, &o, T));
+                for (int j = 0; j < n; j++) {
+                    const float *src = parts ? y + (size_t)rows[j] * K_PICKS * D_MODEL
+                                             : y + (size_t)rows[j] * D_MODEL;
+
+                    TRY("download", be->ops->download(be, dst + (size_t)j * w, src,
+                                                      (size_t)(parts ? K_PICKS : 1) * D_MODEL *
+                                                          4));
+                    if (parts) {
+                        TRY("download", be->ops->download(be, row,
+                                                          y + (Tk + rows[j]) * D_MODEL,
+                                                          (size_t)D_MODEL * 4));
+                        memcpy(dst + (size_t)j * w + (size_t)K_PICKS * D_MODEL, row,
+                               (size_t)D_MODEL * 4);
+                    }
+                }
+            }
+            pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * w, "-", ty);
+        }
+        dsv4_cuda_set_wgmma(-1);
     }
     be->ops->free(be, y);
     be->ops->free(be, ys);
@@ -968,16 +1012,23 @@ prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
 {
     static const struct {
         const char *name;
-        int N, K;
+        int bf16, N, K;
+        unsigned flags;
     } lins[] = {
-        { "pf_wq_a", 1024, 4096 },
-        { "pf_wq_b", 16384, 1024 },    /* 64 heads x 512, half per rank of 2 */
-        { "pf_wkv", 512, 4096 },
-        { "pf_wo_b", 4096, 8192 },
-        { "pf_idxq", 8192, 1024 },     /* indexer wq_b: 64 heads x 128 */
+        { "pf_wq_a", 0, 1024, 4096, 0 },
+        { "pf_wq_b", 0, 16384, 1024, 0 },    /* 64 heads x 512, half per rank of 2 */
+        { "pf_wkv", 0, 512, 4096, 0 },
+        { "pf_wo_b", 0, 4096, 8192, 0 },
+        { "pf_idxq", 0, 8192, 1024, 0 },     /* indexer wq_b: 64 heads x 128 */
+        { "pf_cwkv", 1, 1024, 4096, DSV4_LIN_F32_OUT },   /* compressor, ratio 4: 2 x 512 */
+        { "pf_cwk128", 1, 512, 4096, DSV4_LIN_F32_OUT },  /* compressor, ratio 128 */
+        { "pf_wproj", 1, 64, 4096, 0 },      /* indexer weights_proj */
+        { "pf_gate", 1, 256, 4096, DSV4_LIN_F32_OUT },    /* router gate */
     };
-    size_t nx = (size_t)P_TMAX * 8192;
+    size_t nx = (size_t)P_TMAX * 8192, nu = (size_t)P_TMAX * D_MODEL;
     float *xh = host_normals(nx, 1.0f, 1), *x = dev_upload(be, xh, nx * 4);
+    /* BF16 weights take x as given: values that are not bf16 (a lo part) */
+    float *xuh = host_normals(nu, 1.0f, 0), *xu = dev_upload(be, xuh, nu * 4);
     float *out = dev_alloc(be, (size_t)P_TMAX * 16384 * 4);
     float *xs = dev_alloc(be, (size_t)P_SAMPLE * 8192 * 4);
     float *outs = dev_alloc(be, (size_t)P_SAMPLE * 16384 * 4);
@@ -987,20 +1038,30 @@ prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
 
     if (ids == NULL || wts == NULL || half == NULL)
         exit(1);
-    printf("prefill (fast_gemm.cu): the exact op on %d sampled rows per case; "
-           "T-indep: first %d rows equal to the previous T's (not failed: smaller T may "
-           "take the decode kernels)\n", P_SAMPLE, P_TIND);
+    printf("prefill (fast_gemm.cu): the exact op on %d sampled rows per case; paths wgmma "
+           "(default) and mma (dsv4_cuda_set_wgmma(0)); T-indep: first %d rows equal to the "
+           "previous T's on the same path (not failed: smaller T may take the decode "
+           "kernels); ratio: floor (max of FLOPs at %.0f TFLOP/s, bytes at %.1f TB/s) / "
+           "time\n", P_SAMPLE, P_TIND, PEAK_TFS, PEAK_GBS / 1e3);
     for (size_t l = 0; l < sizeof(lins) / sizeof(lins[0]); l++) {
-        struct dsv4_linear W = make_fp8(be, lins[l].N, lins[l].K);
+        int bf = lins[l].bf16;
+        struct dsv4_linear W = bf ? make_bf16(be, lins[l].N, lins[l].K)
+                                  : make_fp8(be, lins[l].N, lins[l].K);
+        unsigned fl = lins[l].flags;
 
-        /* x rows are K apart: xh read the same way (rows of K of the same array) */
-        pf_linear(be, tm, lins[l].name, &W, x, xh, out, xs, outs, ty);
+        /* x rows are K apart: xh read the same way (rows of K of the same array);
+         * the BF16 weights (all K = D_MODEL) on xu */
+        pf_linear(be, tm, lins[l].name, &W, fl, bf && fl ? BOUND_F32 : BOUND_BF16,
+                  bf && fl ? 0.0 : IDENT_BF16, bf ? xu : x, bf ? xuh : xh, out, xs, outs, ty);
         be->ops->free(be, (void *)(uintptr_t)W.w);
-        be->ops->free(be, (void *)(uintptr_t)W.scale);
+        if (W.scale != NULL)
+            be->ops->free(be, (void *)(uintptr_t)W.scale);
     }
     be->ops->free(be, out);
     be->ops->free(be, xs);
     be->ops->free(be, outs);
+    be->ops->free(be, xu);
+    free(xuh);
 
     /* moe: x (P_TMOE, D) is the first rows of the same array; routing as the
      * decode cases; moe_parts: the odd experts held elsewhere */
