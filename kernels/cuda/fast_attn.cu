@@ -23,9 +23,11 @@
  * in the call runs that slot's rows in order (the others leave), so a
  * decode step (one row per slot) runs all rows at once instead of one
  * after the other; each row is the same fc_row code, so the bits are those
- * of the one-warp-per-channel kernel.
+ * of the one-warp-per-channel kernel.  DSV4_CUDA_FUSE=0 keeps the
+ * one-warp-per-channel kernel at every T.
  */
 #include "kernels/cuda/fast.cuh"
+#include "kernels/cuda/fast_fuse.cuh"   /* cuda_fast_fuse_enabled */
 
 #define FC_THREADS 128
 #define FC_CHAIN_MAX_T 64    /* calls up to this many rows run slot chains in parallel */
@@ -141,7 +143,7 @@ cuda_fast_compress(struct dsv4_backend *be, float *entries, float *state_kv, flo
 
     if (T <= 0)
         return DSV4_OK;
-    if (T <= FC_CHAIN_MAX_T)
+    if (T <= FC_CHAIN_MAX_T && cuda_fast_fuse_enabled())
         fc_chain_kernel<<<dim3(nb, (unsigned)T), FC_THREADS, 0, cuda_stream(be)>>>(
             entries, state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, r == 4 ? 2 : 1);
     else

@@ -14,12 +14,14 @@
  *                angle in double), FP8 sim per block of values on one warp
  *                each (fp8_sim_kernel's expressions; REF only), then the
  *                row written in place and, when asked, to its pool row.
- * Both give the bits of the fast ops they replace run one after the other
+ * DSV4_CUDA_FUSE=0 turns these kernels (and fast_hc.cu's, and the decode
+ * compress chains) off.  Both give the bits of the fast ops they replace run one after the other
  * (fast rms_norm, rope, fp8_sim, scatter_rows; hc_post, fast hc_pre, fast
  * rms_norm), so they differ from the exact path only where those do (the
  * order of the norm's and the mix's sums).  One launch instead of two to
  * four; T-independent and deterministic.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/fast.cuh"
@@ -104,6 +106,19 @@ fz_norm_rope_kernel(struct fz_nr a)
     }
 }
 
+int
+cuda_fast_fuse_enabled(void)
+{
+    static int on = -1;
+
+    if (on < 0) {
+        const char *e = getenv("DSV4_CUDA_FUSE");
+
+        on = !(e != NULL && strcmp(e, "0") == 0);
+    }
+    return on;
+}
+
 /* Whether the fast kernel takes this norm_rope call. */
 static int
 fz_norm_rope_ok(int D, int heads, int off, int rd, int sim_cols, int sim_block)
@@ -121,7 +136,8 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
 {
     struct fz_nr a;
 
-    if (!cuda_st(be)->fast_kernels || heads < 1 || rows % heads != 0 ||
+    if (!cuda_st(be)->fast_kernels || !cuda_fast_fuse_enabled() || heads < 1 ||
+        rows % heads != 0 ||
         !fz_norm_rope_ok(D, heads, off, rd, sim_cols, sim_block))
         return dsv4_norm_rope_compose(be, x, w, rows, D, eps, pos, heads, off, rd, freqs,
                                       sim_cols, sim_block, dst, dst_rows);

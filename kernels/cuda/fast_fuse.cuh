@@ -67,6 +67,12 @@ fz_norm_value(float x, float rs, const uint16_t *w, int i)
 
 /* --- fast entry points of the fused ops (kernels/backend.h) ----------------------- */
 
+/* 0 when the environment has DSV4_CUDA_FUSE=0: the fused ops run their
+ * compositions, hc_pre / hc_head the exact kernels and compress the
+ * one-warp-per-channel kernel at every T, even with the fast kernels on
+ * (to rule these kernels out); 1 otherwise.  Read once. */
+int cuda_fast_fuse_enabled(void);
+
 /* fast_hc.cu: hc_post_pre with the fast kernels (cuda_fast_hc_ok(n, 0)). */
 enum dsv4_err cuda_fast_hc_post_pre(struct dsv4_backend *be, float *X_out, float *x_out,
                                     float *post_out, float *comb_out, float *xn, const float *f,

@@ -3,7 +3,8 @@
  * doc §3.2) and the fused hc_post + hc_pre (+ the next input norm) of the
  * hc_post_pre op.  Used by cuda_hc_pre / cuda_hc_head / cuda_hc_post_pre
  * when dsv4_cuda_set_kernels(be, 1) was called and cuda_fast_hc_ok() agrees
- * (M + 1 <= 32 mix values, i.e. n <= 4 for hc_pre; n*n <= 32 for Sinkhorn).
+ * (M + 1 <= 32 mix values, i.e. n <= 4 for hc_pre; n*n <= 32 for Sinkhorn;
+ * DSV4_CUDA_FUSE=0 in the environment: never, the exact kernels run).
  *
  * Two kernels per op, both spread over the whole GPU at T = 1:
  *   1. mix: grid (S, ceil(T / HF_TG)), S = ceil(nD / HF_CW) column chunks
@@ -58,7 +59,8 @@ hf_rows(int n, int head)
 int
 cuda_fast_hc_ok(int n, int head)
 {
-    return n >= 1 && hf_rows(n, head) + 1 <= HF_MAX_M1 && n * n <= 32;
+    return n >= 1 && hf_rows(n, head) + 1 <= HF_MAX_M1 && n * n <= 32 &&
+           cuda_fast_fuse_enabled();
 }
 
 /* hc_post's inputs for the fused mix (X_out written, then used as X). */
