@@ -58,6 +58,20 @@ fk_ld_w(const void *p)
     return v;
 }
 
+/* fk_ld_w that the compiler keeps in program order with the other volatile
+ * asm (the mma): a load issued ahead of the math it is meant to overlap
+ * stays there (software pipelining, fast_moe.cu). */
+static __device__ __forceinline__ uint4
+fk_ld_wv(const void *p)
+{
+    uint4 v;
+
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 /* 16 bytes of activations (re-read by many warps: cached). */
 static __device__ __forceinline__ uint4
 fk_ld_x(const uint16_t *p)
@@ -181,15 +195,17 @@ fk_zero(float (&acc)[MT][NT][4])
 }
 
 /* acc += blk * (s_x * sw) for block kb: C columns 2q, 2q+1 are the tokens of
- * xs[n][0], xs[n][1] (sw == 1: exact, no change). */
-template <int NT>
+ * xs[n][0], xs[n][1] (sw == 1: exact, no change).  COH: the scales were
+ * written earlier in the same kernel (read at L2, fast_moe.cu's h). */
+template <int NT, int COH = 0>
 static __device__ __forceinline__ void
 fk_add_scaled(float (&acc)[NT][4], const float (&blk)[NT][4], const float *const (&xs)[NT][2],
               int kb, float sw)
 {
 #pragma unroll
     for (int n = 0; n < NT; n++) {
-        float f0 = xs[n][0][kb] * sw, f1 = xs[n][1][kb] * sw;
+        float f0 = (COH ? __ldcg(xs[n][0] + kb) : xs[n][0][kb]) * sw;
+        float f1 = (COH ? __ldcg(xs[n][1] + kb) : xs[n][1][kb]) * sw;
 
         acc[n][0] += blk[n][0] * f0;
         acc[n][1] += blk[n][1] * f1;
@@ -207,6 +223,113 @@ fk_add_scaled(float (&acc)[NT][4], const float (&blk)[NT][4], const float *const
  *   kb0..kb1      the 128-column blocks to add
  */
 
+/* 16 bytes of activations written by the same kernel (fast_moe.cu's h):
+ * coherent at L2, never the non-coherent path. */
+static __device__ __forceinline__ uint4
+fk_ld_xc(const uint16_t *p)
+{
+    return __ldcg((const uint4 *)p);
+}
+
+/* Activation load: COH == 0 read-only during the kernel (cached), else
+ * written earlier in the same kernel (L2).  VOL: volatile asm, kept in
+ * program order with the mma (a software-pipelined loop whose later loads
+ * the compiler would otherwise hoist, at the cost of registers). */
+template <int COH, int VOL = 0>
+static __device__ __forceinline__ uint4
+fk_ld_act(const uint16_t *p)
+{
+    uint4 v;
+
+    if (!VOL)
+        return COH ? fk_ld_xc(p) : fk_ld_x(p);
+    if (COH)
+        asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    else
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    return v;
+}
+
+/* The FP8 weight bytes of 128-column block kb: w[m][h][c] = 16 bytes at
+ * kb*128 + c*64 + q*16 of row wr[m][h] (VOL: fk_ld_wv, kept in place). */
+template <int MT, int VOL = 0>
+static __device__ __forceinline__ void
+fk_fp8_load(uint4 (&w)[MT][2][2], const uint8_t *const (&wr)[MT][2], int kb, int q)
+{
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const uint8_t *p = wr[m][h] + (int64_t)kb * 128 + c * 64 + q * 16;
+
+                w[m][h][c] = VOL ? fk_ld_wv(p) : fk_ld_w(p);
+            }
+}
+
+/* One 128-column block kb of fk_fp8 on weights already loaded (fk_fp8_load);
+ * COH, VOL: the activation load (fk_ld_act). */
+template <int MT, int NT, int BX, int COH, int VOL = 0>
+static __device__ __forceinline__ void
+fk_fp8_kb(float (&acc)[MT][NT][4], const uint4 (&w)[MT][2][2], const uint8_t *const (&ws)[MT],
+          const uint16_t *const (&xb)[NT], const float *const (&xs)[NT][2], int kb, int q)
+{
+    uint4 x[NT][2][2];
+    float blk[MT][NT][4];
+
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const uint16_t *p = xb[n] + (int64_t)kb * 128 + c * 64 + q * 16;
+
+            x[n][c][0] = fk_ld_act<COH, VOL>(p);
+            x[n][c][1] = fk_ld_act<COH, VOL>(p + 8);
+        }
+    fk_zero(blk);
+#pragma unroll
+    for (int c = 0; c < 2; c++)
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                uint32_t u0 = fk_word(w[m][0][c], s), u8 = fk_word(w[m][1][c], s);
+                uint32_t a0 = BX ? fk_e4m3x2_bf16(u0) : fk_e4m3x2(u0);
+                uint32_t a2 = BX ? fk_e4m3x2_bf16(u0 >> 16) : fk_e4m3x2(u0 >> 16);
+                uint32_t a1 = BX ? fk_e4m3x2_bf16(u8) : fk_e4m3x2(u8);
+                uint32_t a3 = BX ? fk_e4m3x2_bf16(u8 >> 16) : fk_e4m3x2(u8 >> 16);
+
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    uint32_t b0 = fk_word8(x[n][c], 2 * s), b1 = fk_word8(x[n][c], 2 * s + 1);
+
+                    if (BX)
+                        fk_mma_bf16(blk[m][n], a0, a1, a2, a3, b0, b1);
+                    else
+                        fk_mma_f16(blk[m][n], a0, a1, a2, a3, b0, b1);
+                }
+            }
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+        float sw = cu_e8m0_to_f32(ws[m][kb]);
+
+        if (BX) {
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    acc[m][n][i] += blk[m][n][i] * sw;
+        } else {
+            fk_add_scaled<NT, COH>(acc[m], blk[m], xs, kb, sw);
+        }
+    }
+}
+
 /* FP8 weights (E4M3, 128x128 E8M0 scales; ws[m] = tile m's scale row).
  * BX == 0: f16 FP8-valued activations with their scales xs (REF linear);
  * BX == 1: bf16 activations without scales (linear_grouped: xs unused), the
@@ -218,62 +341,10 @@ fk_fp8(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
        const float *const (&xs)[NT][2], int kb0, int kb1, int q)
 {
     for (int kb = kb0; kb < kb1; kb++) {
-        uint4 w[MT][2][2], x[NT][2][2];
-        float blk[MT][NT][4];
+        uint4 w[MT][2][2];
 
-#pragma unroll
-        for (int m = 0; m < MT; m++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int c = 0; c < 2; c++)
-                    w[m][h][c] = fk_ld_w(wr[m][h] + (int64_t)kb * 128 + c * 64 + q * 16);
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                const uint16_t *p = xb[n] + (int64_t)kb * 128 + c * 64 + q * 16;
-
-                x[n][c][0] = fk_ld_x(p);
-                x[n][c][1] = fk_ld_x(p + 8);
-            }
-        fk_zero(blk);
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-#pragma unroll
-            for (int s = 0; s < 4; s++)
-#pragma unroll
-                for (int m = 0; m < MT; m++) {
-                    uint32_t u0 = fk_word(w[m][0][c], s), u8 = fk_word(w[m][1][c], s);
-                    uint32_t a0 = BX ? fk_e4m3x2_bf16(u0) : fk_e4m3x2(u0);
-                    uint32_t a2 = BX ? fk_e4m3x2_bf16(u0 >> 16) : fk_e4m3x2(u0 >> 16);
-                    uint32_t a1 = BX ? fk_e4m3x2_bf16(u8) : fk_e4m3x2(u8);
-                    uint32_t a3 = BX ? fk_e4m3x2_bf16(u8 >> 16) : fk_e4m3x2(u8 >> 16);
-
-#pragma unroll
-                    for (int n = 0; n < NT; n++) {
-                        uint32_t b0 = fk_word8(x[n][c], 2 * s), b1 = fk_word8(x[n][c], 2 * s + 1);
-
-                        if (BX)
-                            fk_mma_bf16(blk[m][n], a0, a1, a2, a3, b0, b1);
-                        else
-                            fk_mma_f16(blk[m][n], a0, a1, a2, a3, b0, b1);
-                    }
-                }
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-            float sw = cu_e8m0_to_f32(ws[m][kb]);
-
-            if (BX) {
-#pragma unroll
-                for (int n = 0; n < NT; n++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        acc[m][n][i] += blk[m][n][i] * sw;
-            } else {
-                fk_add_scaled(acc[m], blk[m], xs, kb, sw);
-            }
-        }
+        fk_fp8_load<MT>(w, wr, kb, q);
+        fk_fp8_kb<MT, NT, BX, 0>(acc, w, ws, xb, xs, kb, q);
     }
 }
 

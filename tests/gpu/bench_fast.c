@@ -10,7 +10,11 @@
  *            4096->512 (FP8, 128x128 E8M0 scales), head 4096->129280 (BF16,
  *            fp32 out as the forward runs it);
  *   wo_a     linear_grouped, 8 groups of 1024 x 4096 FP8 run as bf16;
- *   moe      256 FP4 experts D=4096 I=2048, k=6, FP8 shared expert;
+ *   moe      256 FP4 experts D=4096 I=2048, k=6, FP8 shared expert, and
+ *            moe_parts with the odd experts held elsewhere, at T = 1, 2, 4,
+ *            8, 16, 32, 64, for every setting of DSV4_CUDA_FAST_MOE in a
+ *            sweep (BENCH_MOE_CFGS, default moe_cfgs_default), a table of
+ *            the shares of peak per setting at the end ("moe cfg" lines);
  *   norm     rms_norm (T, 4096) with a weight; norm_h: (T*64, 512) without
  *            (the per-head q norm);
  *   hc_pre   n = 4 streams of 4096, Sinkhorn 20 iterations (x, post, comb);
@@ -488,7 +492,8 @@ router_compare(const struct op *o, int T, const int32_t *fid, const int32_t *rid
     return flips;
 }
 
-static void
+/* One case at T (checks, then timing); returns the share of peak bandwidth. */
+static double
 run_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o, int T,
          size_t bytes, struct hist *h, struct tally *ty)
 {
@@ -608,6 +613,7 @@ run_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o
         ty->sum_ratio += gbs / PEAK_GBS;
         ty->n_ratio++;
     }
+    return gbs / PEAK_GBS;
 }
 
 /* Run o at every T of t_list; bytes_at(T) = bytes the op must move. */
@@ -637,6 +643,21 @@ moe_bytes(const int32_t *ids, int T, size_t per_expert, size_t shared)
 
     for (int i = 0; i < T * K_PICKS; i++) {
         n += !used[ids[i]];
+        used[ids[i]] = 1;
+    }
+    return n * per_expert + shared;
+}
+
+/* The same for moe_parts with the odd experts held elsewhere: the distinct
+ * even experts routed to, + shared. */
+static size_t
+moe_bytes_even(const int32_t *ids, int T, size_t per_expert, size_t shared)
+{
+    char used[E_EXPERTS] = { 0 };
+    size_t n = 0;
+
+    for (int i = 0; i < T * K_PICKS; i++) {
+        n += !used[ids[i]] && ids[i] % 2 == 0;
         used[ids[i]] = 1;
     }
     return n * per_expert + shared;
@@ -715,6 +736,88 @@ make_routing(int32_t *ids, float *wts, int n)
         for (int j = 0; j < K_PICKS; j++)
             wts[t * K_PICKS + j] *= 1.5f / sum;
     }
+}
+
+/* --- decode MoE (kernels/cuda/fast_moe.cu) for every configuration ------------------ */
+
+static const int moe_t[] = { 1, 2, 4, 8, 16, 32, 64 };
+#define N_MOE_T ((int)(sizeof(moe_t) / sizeof(moe_t[0])))
+
+/* DSV4_CUDA_FAST_MOE settings swept by default (BENCH_MOE_CFGS overrides:
+ * space-separated); the first is fast_moe.cu's default (FM2_DEFAULT). */
+static const char moe_cfgs_default[] =
+    "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1";
+
+/*
+ * moe (all 256 experts held) and moe_parts (the odd experts held elsewhere,
+ * `half`) at every T of moe_t, for every setting of DSV4_CUDA_FAST_MOE in
+ * the sweep: the checks of run_case against the exact op, then GB/s of the
+ * distinct experts' bytes the call needs (moe_parts: the held ones) plus the
+ * shared expert, as a share of 4.3 TB/s.  One table line per setting at the
+ * end ("moe cfg").  moe_parts' T-independence is not checked (its rows move
+ * with T: the shared rows follow the T*k pick rows).  Only the first
+ * setting counts in the summary's mean.
+ */
+static void
+moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
+               const struct dsv4_expert_w *experts, const struct dsv4_expert_w *half,
+               const struct dsv4_expert_w *shared, const float *x, float *out,
+               const int32_t *ids_d, const float *wts_d, const int32_t *ids,
+               size_t per_expert, size_t shared_bytes, struct tally *ty)
+{
+    const char *env = getenv("BENCH_MOE_CFGS");
+    char list[512], *save = NULL, *cfg;
+    char table[64][160];
+    int n_cfg = 0;
+
+    snprintf(list, sizeof(list), "%s", env != NULL ? env : moe_cfgs_default);
+    printf("decode moe (fast_moe.cu): settings of DSV4_CUDA_FAST_MOE \"W,KS,PF,CPS\" "
+           "(warps per block, K slices per item, FP4 blocks in flight, blocks per SM cap) "
+           "or v1; GB/s of the distinct experts' bytes + shared expert\n");
+    for (cfg = strtok_r(list, " ", &save); cfg != NULL && n_cfg < 64;
+         cfg = strtok_r(NULL, " ", &save), n_cfg++) {
+        size_t len;
+
+        setenv("DSV4_CUDA_FAST_MOE", cfg, 1);
+        printf("moe setting %s\n", cfg);
+        len = (size_t)snprintf(table[n_cfg], sizeof(table[n_cfg]), "moe cfg %-9s", cfg);
+        for (int parts = 0; parts < 2; parts++) {
+            struct op o = { .name = parts ? "parts" : "moe", .kind = parts ? OP_PARTS : OP_MOE,
+                            .bw = n_cfg == 0, .experts = parts ? half : experts,
+                            .shared = shared, .ids = ids_d, .weights = wts_d, .x = x };
+            struct hist h;
+
+            memset(&h, 0, sizeof(h));
+            o.outs[0] = out_f32("out", out, parts ? (K_PICKS + 1) * D_MODEL : D_MODEL,
+                                BOUND_MOE, IDENT_MOE);
+            o.n_outs = 1;
+            if (len < sizeof(table[n_cfg]))
+                len += (size_t)snprintf(table[n_cfg] + len, sizeof(table[n_cfg]) - len,
+                                        " %s", parts ? "| parts" : "moe");
+            for (int i = 0; i < N_MOE_T; i++) {
+                int T = moe_t[i];
+                size_t bytes = parts ? moe_bytes_even(ids, T, per_expert, shared_bytes)
+                                     : moe_bytes(ids, T, per_expert, shared_bytes);
+                double r;
+
+                if (parts) {   /* no T-independence check: rows move with T */
+                    free(h.prev[0]);
+                    h.prev[0] = NULL;
+                }
+                r = run_case(be, tm, &o, T, bytes, &h, ty);
+                if (len < sizeof(table[n_cfg]))
+                    len += (size_t)snprintf(table[n_cfg] + len, sizeof(table[n_cfg]) - len,
+                                            " %d:%.2f", T, r);
+            }
+            for (int i = 0; i < MAX_OUTS; i++)
+                free(h.prev[i]);
+        }
+    }
+    unsetenv("DSV4_CUDA_FAST_MOE");
+    printf("decode moe, share of 4.3 TB/s per setting (T:share; moe, then moe_parts with "
+           "half the experts held):\n");
+    for (int i = 0; i < n_cfg; i++)
+        printf("%s\n", table[i]);
 }
 
 /* --- prefill: the tensor-core GEMMs (kernels/cuda/fast_gemm.cu) ------------------- */
@@ -1205,23 +1308,23 @@ main(int argc, char **argv)
         return 1;
     make_routing(ids, wts, T_MAX);
     {
-        struct op o = { .name = "moe", .kind = OP_MOE, .bw = 1, .experts = experts,
-                        .shared = &shared, .x = x };
-        struct hist h;
+        /* moe_parts' expert array: the odd experts held elsewhere */
+        struct dsv4_expert_w *half = malloc(E_EXPERTS * sizeof(*half));
+        int32_t *ids_d = dev_upload(be, ids, (size_t)T_MAX * K_PICKS * sizeof(int32_t));
+        float *wts_d = dev_upload(be, wts, (size_t)T_MAX * K_PICKS * sizeof(float));
 
-        memset(&h, 0, sizeof(h));
-        o.outs[0] = out_f32("out", out, D_MODEL, BOUND_MOE, IDENT_MOE);
-        o.n_outs = 1;
-        o.ids = dev_upload(be, ids, (size_t)T_MAX * K_PICKS * sizeof(int32_t));
-        o.weights = dev_upload(be, wts, (size_t)T_MAX * K_PICKS * sizeof(float));
-        for (int i = 0; i < N_T; i++) {
-            int T = t_list[i];
-            size_t bytes = moe_bytes(ids, T, per_expert, shared_bytes);
-
-            run_case(be, tm, &o, T, bytes, &h, &ty);
-        }
-        for (int i = 0; i < MAX_OUTS; i++)
-            free(h.prev[i]);
+        if (half == NULL)
+            return 1;
+        memcpy(half, experts, E_EXPERTS * sizeof(*half));
+        for (int e = 1; e < E_EXPERTS; e += 2)
+            memset(&half[e], 0, sizeof(half[e]));
+        TRY("register experts", dsv4_cuda_experts_register(be, half, E_EXPERTS));
+        moe_decode_all(be, tm, experts, half, &shared, x, out, ids_d, wts_d, ids, per_expert,
+                       shared_bytes, &ty);
+        dsv4_cuda_experts_release(be, half);
+        free(half);
+        be->ops->free(be, ids_d);
+        be->ops->free(be, wts_d);
     }
 
     /* rms_norm: (T, 4096) weighted (attn/ffn norm), (T * 64, 512) unweighted

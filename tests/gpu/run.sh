@@ -25,6 +25,9 @@
 #      and the prefill GEMMs against the exact ones and their speed
 #      (tests/gpu/bench_fast.c), log in $OUT/fast.log; a numerical failure
 #      there fails the script.
+#      The decode MoE cases sweep the settings of DSV4_CUDA_FAST_MOE listed
+#      in BENCH_MOE_CFGS (space-separated; default in bench_fast.c) and end
+#      with one "moe cfg" line per setting (share of 4.3 TB/s per T).
 #   8. when tests/model/test_hf is packed: the CUDA backend against the
 #      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
 #      widths, made here); the `small` preset, STEPS_SMALL (300) decode
@@ -347,7 +350,7 @@ if [ "$ar_rc" != skipped ]; then
 fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
-    grep -E "^(FAIL|summary|bench_fast|prefill)|^ok +pf_|first value out" "$OUT/fast.log"
+    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg)|^ok +pf_|first value out" "$OUT/fast.log"
 fi
 if [ "$fuse_rc" != skipped ]; then
     echo "bench_fuse (fused small ops): exit $fuse_rc"
