@@ -3,7 +3,13 @@
  * under REF numerics and the routed + shared MoE at many token rows, used by
  * cuda_linear / cuda_moe when the fast kernels are on and the decode
  * kernels (fast_linear.cu, fast_moe.cu) would re-read the weights once per
- * 16 rows (cuda_fast_gemm_linear_ok, cuda_fast_gemm_moe_ok).
+ * 16 rows (cuda_fast_gemm_linear_ok, cuda_fast_gemm_moe_ok), and the BF16
+ * linear at T > 64 (cuda_fast_gemm_bf16_ok, fast_gemm.cuh).
+ *
+ * Two paths.  On sm_90 the Hopper path (fw_kernel, wgmma; its own comment
+ * below) takes all of them; DSV4_CUDA_WGMMA=0 or dsv4_cuda_set_wgmma(0)
+ * keeps the mma.sync path described next (fg_kernel, FP8 linear and MoE;
+ * BF16 linears then stay on the decode kernels).
  *
  * The tile kernel (fg_kernel).  A block of 8 warps computes a tile of
  * BM = 32*MT activation rows (the A operand, M) by 128 weight rows (the B
@@ -1430,7 +1436,9 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
 {
     cudaStream_t st = cuda_stream(be);
     int Tk = T * k, R = Tk + T, act = Tk < n_table ? Tk : n_table, avg = Tk / act;
-    int bn = avg <= 12 ? 16 : avg <= 24 ? 32 : 64;
+    /* token tile: one tile for nearly every expert (rows ~ Poisson(avg)); a
+     * wider tile costs only wgmma time, small while the weights stream */
+    int bn = avg <= 8 ? 16 : avg <= 20 ? 32 : 64;
     int A = (Tk + bn - 1) / bn + act, has_sh = shared != NULL;
     size_t b_grp = cuda_align((size_t)(1 + 3 * A + Tk) * sizeof(int32_t));
     size_t b_x = cuda_align((size_t)T * D * sizeof(uint16_t));
