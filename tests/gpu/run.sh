@@ -24,7 +24,9 @@
 #   7. optional, when tests/bench_fast is packed: the fast decode kernels
 #      and the prefill GEMMs against the exact ones and their speed
 #      (tests/gpu/bench_fast.c), log in $OUT/fast.log; a numerical failure
-#      there fails the script.
+#      there fails the script.  Each prefill case runs on both GEMM paths
+#      ("wgmma": the Hopper path, default; "mma": DSV4_CUDA_WGMMA=0's) and
+#      prints its ratio to the op's floor.
 #      The decode MoE cases sweep the settings of DSV4_CUDA_FAST_MOE listed
 #      in BENCH_MOE_CFGS (space-separated; default in bench_fast.c) and end
 #      with one "moe cfg" line per setting (share of 4.3 TB/s per T).
