@@ -6,7 +6,11 @@
  * no host copy: the op can be recorded in a CUDA graph.  Design, knobs and
  * measurements: docs/gpu.md, "The decode MoE kernel".
  *
- * v2 (default; DSV4_CUDA_FAST_MOE = "W,KS,PF,CPS" tunes it), three launches:
+ * v1 is the default: on the H200 (bench_fast, 2026-11-30) v2 read the
+ * weights at 0.35-0.37 of 4.3 TB/s at T = 4..64 against v1's 0.40-0.41
+ * (v2 only wins at T = 1-2), and a 4-layer batch-16 step spent 3.29 ms in
+ * fm2_kernel against 2.84 ms in v1's kernels.
+ * v2 (DSV4_CUDA_FAST_MOE = "v2" or "W,KS,PF,CPS" to tune it), three launches:
  *   1. fm2_prep_kernel: block 0 groups the (token, pick) rows r = t*k + j by
  *      expert id (clamped into the table, as the exact path does; the
  *      active experts in increasing id order, their rows in increasing r)
@@ -21,7 +25,7 @@
  *      ahead, 16-byte loads, decoded by bit placement (fm2_dec), times the
  *      E8M0 group scale (exact bf16 products), bf16 mma;
  *   3. the exact path's combine (cuda_moe_combine; moe only).
- * v1 (DSV4_CUDA_FAST_MOE=v1): the previous kernels, six launches:
+ * v1 (default; DSV4_CUDA_FAST_MOE=v1): the first kernels, six launches:
  *   x quantization (fk_quant); grouping (fm_group_kernel); up, grid (I/64,
  *   A+1) with A = min(T*k, E) expert slots plus the shared slot, a warp per
  *   16 rows of w1 and w3, FP4 decoded through a table in shared memory
@@ -1040,8 +1044,9 @@ struct fm2_cfg {
 #define FM2_DEFAULT "4,2,4,0"
 
 /*
- * DSV4_CUDA_FAST_MOE: "v1", or "W,KS,PF,CPS" (default FM2_DEFAULT); read at
- * every call (the benchmark sweeps it).  Anything else is the default.
+ * DSV4_CUDA_FAST_MOE: "v1" (also when unset), "v2" (v2 with FM2_DEFAULT) or
+ * "W,KS,PF,CPS" (v2 with those settings); read at every call (the
+ * benchmark sweeps it).  Anything else is v1.
  */
 static void
 fm2_cfg_get(struct fm2_cfg *c)
@@ -1050,14 +1055,14 @@ fm2_cfg_get(struct fm2_cfg *c)
     int W, ks, PF, cps;
 
     memset(c, 0, sizeof(*c));
-    if (v != NULL && strcmp(v, "v1") == 0) {
+    if (v != NULL && strcmp(v, "v2") == 0)
+        (void)sscanf(FM2_DEFAULT, "%d,%d,%d,%d", &W, &ks, &PF, &cps);
+    else if (v == NULL || sscanf(v, "%d,%d,%d,%d", &W, &ks, &PF, &cps) != 4 ||
+             (W != 4 && W != 8) || (ks != 1 && ks != 2 && ks != 4) || (PF != 2 && PF != 4) ||
+             cps < 0) {
         c->v1 = 1;
         return;
     }
-    if (v == NULL || sscanf(v, "%d,%d,%d,%d", &W, &ks, &PF, &cps) != 4 ||
-        (W != 4 && W != 8) || (ks != 1 && ks != 2 && ks != 4) || (PF != 2 && PF != 4) ||
-        cps < 0)
-        (void)sscanf(FM2_DEFAULT, "%d,%d,%d,%d", &W, &ks, &PF, &cps);
     c->W = W;
     c->ks = ks;
     c->PF = PF;
