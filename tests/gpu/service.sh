@@ -14,6 +14,8 @@
 #   (TOKENS="--token-range LO:HI" for the prompts' ids, both runs)
 #
 # MPS=1 [MPS_PREFILL=N] [MPS_DECODE=N]: under an MPS server (see below).
+# PREFILL_SLOTS (1) prompts a prefill rank runs in one forward call,
+# PREFILL_CHUNK (2048) rows of a prefill call.
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
 # (seconds before the kill) size that part; COMM=nccl|cudaipc|auto sets the
 # groups' communicator (the `comm` key; default: the key's default, auto).
@@ -54,8 +56,8 @@ liveness = 30
 group_size = $GPUS
 slots = 16
 max_batch = 16
-prefill_slots = 1
-prefill_chunk = 2048
+prefill_slots = ${PREFILL_SLOTS:-1}
+prefill_chunk = ${PREFILL_CHUNK:-2048}
 max_seq = ${MAX_SEQ:-4096}
 $ckpt
 EOC
