@@ -20,7 +20,8 @@
 # (seconds before the kill) size that part; COMM=nccl|cudaipc|auto sets the
 # groups' communicator (the `comm` key; default: the key's default, auto).
 # Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), dsv4ctl
-# status before and after; KILL=1 then kills decode@1 (kill -9) under C=16
+# status before and after; KILL=1 then kills decode@1 (decode@0 when
+# GPUS=1) (kill -9) under C=16
 # load and reports the time until the group serves again and whether any
 # request was lost.
 set -uo pipefail
@@ -62,6 +63,11 @@ max_seq = ${MAX_SEQ:-4096}
 $ckpt
 EOC
 [ -n "${COMM:-}" ] && echo "comm = $COMM" >> "$D/dsv4.conf"
+# DISAGG=1 (with GPUS=1): prefill on GPU 0, decode on GPU 1 (issue 8's
+# disaggregated shape on two GPUs, one rank per group; weights not shared)
+if [ "${DISAGG:-0}" = 1 ]; then
+    printf 'prefill.gpu = 0\ndecode.gpu = 1\n' >> "$D/dsv4.conf"
+fi
 # MPS=1: an MPS server for the GPUs, so prefill kernels run beside the decode
 # steps instead of time-sliced with them; MPS_PREFILL=N gives the prefill
 # ranks N% of the SMs (prefill.mps_sm_percent), MPS_DECODE likewise
@@ -80,7 +86,8 @@ ctl() { dsv4ctl --admin "ipc://$D/ctl.sock" "$@"; }
 t0=$SECONDS
 for i in $(seq 1 300); do
     n=$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')
-    [ "${n:-0}" -ge $((2 * GPUS)) ] && grep -q "communicator of epoch" "$OUT/launch.log" && break
+    [ "${n:-0}" -ge $((2 * GPUS)) ] &&
+        { [ "$GPUS" = 1 ] || grep -q "communicator of epoch" "$OUT/launch.log"; } && break
     kill -0 $lpid 2> /dev/null || { echo "dsv4-launch exited"; tail -30 "$OUT/launch.log"; exit 1; }
     sleep 1
 done
@@ -105,28 +112,30 @@ if [ "${KILL:-0}" = 1 ]; then
         -j "$OUT/kill.json" > "$OUT/kill.txt" 2>&1 &
     bpid=$!
     sleep "${KILL_AFTER:-8}"
-    victim=$(grep "decode@1 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
+    kr=$((GPUS - 1))   # the killed decode rank: decode@1 of a group of 2, else decode@0
+    victim=$(grep "decode@$kr START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     survivor=$(grep "decode@0 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     nc=$(grep -c 'decode/0: communicator of epoch .* sent' "$OUT/launch.log")
-    nr=$(grep -c 'decode@1 NOTIFY READY=1' "$D/notify.log")
+    nr=$(grep -c "decode@$kr NOTIFY READY=1" "$D/notify.log")
     tk=$(date +%s.%N) tready=""
     kill -9 "$victim"
-    echo "kill -9 decode@1 (pid $victim)"
+    echo "kill -9 decode@$kr (pid $victim)"
     # serving again: the restarted rank is READY, then the group's next
     # communicator (scheduler: "group decode/0: communicator of epoch N sent")
     for i in $(seq 1 1200); do
-        if [ -z "$tready" ] && [ "$(grep -c 'decode@1 NOTIFY READY=1' "$D/notify.log")" -gt "$nr" ]; then
+        if [ -z "$tready" ] && [ "$(grep -c "decode@$kr NOTIFY READY=1" "$D/notify.log")" -gt "$nr" ]; then
             tready=$(date +%s.%N)
         fi
+        [ "$GPUS" = 1 ] && [ -n "$tready" ] && break
         [ "$(grep -c 'decode/0: communicator of epoch .* sent' "$OUT/launch.log")" -gt "$nc" ] && break
         sleep 0.05
     done
     tr=$(date +%s.%N)
-    [ -n "$tready" ] && echo "kill -9 to the restarted decode@1 READY: $(python3 -c "print(round($tready - $tk, 2))") s"
+    [ -n "$tready" ] && echo "kill -9 to the restarted decode@$kr READY: $(python3 -c "print(round($tready - $tk, 2))") s"
     echo "kill -9 to group re-formed (serving again): $(python3 -c "print(round($tr - $tk, 2))") s"
     now0=$(grep "decode@0 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     [ "$now0" = "$survivor" ] && kept=yes || kept="NO (pid $survivor -> $now0)"
-    echo "survivor decode@0 kept its process: $kept"
+    [ "$GPUS" -gt 1 ] && echo "survivor decode@0 kept its process: $kept"
     grep -E "group_comm: joined|group_close: aborted|abort did not return" "$OUT/launch.log" |
         tail -6
     wait $bpid
