@@ -69,8 +69,11 @@ struct dsv4_conf {
                                parallel attention, expert-parallel experts;
                                kernels/forward.h): rank N of a role is rank
                                N % group_size of group N / group_size */
-    int gpu;                /* [-1] CUDA device of the rank; -1 = its rank in
-                               the group modulo the devices present */
+    int gpu;                /* [-1] first CUDA device of the rank's group:
+                               rank r of the group runs on gpu + r (usually
+                               per role: prefill.gpu = 0, decode.gpu = 2 puts
+                               the groups on separate GPUs); -1 = rank r on
+                               device r modulo the devices present */
     char comm[16];          /* [auto] communicator of a model group: "auto"
                                (cuda backend: cudaipc when every rank of the
                                group is on this host, else nccl; cpu backend:

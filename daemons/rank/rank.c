@@ -772,7 +772,6 @@ rank_init_model(struct rank *k)
     num = strcmp(k->o.conf.numerics, "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
 #ifdef DSV4_HAVE_CUDA
     if (cuda) {
-        /* the device: `gpu`, else the rank's place in its group */
         int n_dev = 0, dev = k->o.conf.gpu, mps = 0;
         char pct[16] = "";
 
@@ -784,8 +783,17 @@ rank_init_model(struct rank *k)
         }
         if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1)
             fatalx("rank_init: backend cuda: no CUDA device");
+        /* `gpu` is the first device of the rank's group (rank r of the group
+         * on gpu + r: a prefill group on GPUs 0-1 and a decode group on
+         * 2-3 with prefill.gpu = 0, decode.gpu = 2); -1 shares the devices
+         * among the groups (rank r on device r % n_dev) */
         if (dev < 0)
             dev = (int)(k->o.group_rank % (uint32_t)n_dev);
+        else if (dev + (int)k->o.group_rank >= n_dev)
+            fatalx("rank_init: gpu = %d: rank %u of its group needs device %d, this host "
+                   "has %d", dev, (unsigned)k->o.group_rank, dev + (int)k->o.group_rank, n_dev);
+        else
+            dev += (int)k->o.group_rank;
         if (dsv4_cuda_backend_create(&k->be, num, dev) != DSV4_OK)
             fatalx("rank_init: backend cuda (device %d): %s", dev, dsv4_errmsg());
         /* the kernels: `cuda_kernels`, unless DSV4_CUDA_KERNELS is set */

@@ -63,10 +63,10 @@ max_seq = ${MAX_SEQ:-4096}
 $ckpt
 EOC
 [ -n "${COMM:-}" ] && echo "comm = $COMM" >> "$D/dsv4.conf"
-# DISAGG=1 (with GPUS=1): prefill on GPU 0, decode on GPU 1 (issue 8's
-# disaggregated shape on two GPUs, one rank per group; weights not shared)
+# DISAGG=1: the prefill group on GPUs 0 .. GPUS-1, the decode group on
+# GPUS .. 2*GPUS-1 (issue 8's disaggregated shape; weights not shared)
 if [ "${DISAGG:-0}" = 1 ]; then
-    printf 'prefill.gpu = 0\ndecode.gpu = 1\n' >> "$D/dsv4.conf"
+    printf 'prefill.gpu = 0\ndecode.gpu = %d\n' "$GPUS" >> "$D/dsv4.conf"
 fi
 # MPS=1: an MPS server for the GPUs, so prefill kernels run beside the decode
 # steps instead of time-sliced with them; MPS_PREFILL=N gives the prefill
