@@ -14,6 +14,7 @@
 #   (TOKENS="--token-range LO:HI" for the prompts' ids, both runs)
 #
 # MPS=1 [MPS_PREFILL=N] [MPS_DECODE=N]: under an MPS server (see below).
+# MTP=1: decode ranks with mtp = yes (drafts proposed/accepted in the log).
 # PREFILL_SLOTS (1) prompts a prefill rank runs in one forward call,
 # PREFILL_CHUNK (2048) rows of a prefill call.
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
@@ -63,6 +64,8 @@ max_seq = ${MAX_SEQ:-4096}
 $ckpt
 EOC
 [ -n "${COMM:-}" ] && echo "comm = $COMM" >> "$D/dsv4.conf"
+# MTP=1: speculative decoding with the MTP layer on the decode ranks
+[ "${MTP:-0}" = 1 ] && echo "decode.mtp = yes" >> "$D/dsv4.conf"
 # DISAGG=1: the prefill group on GPUs 0 .. GPUS-1, the decode group on
 # GPUS .. 2*GPUS-1 (issue 8's disaggregated shape; weights not shared)
 if [ "${DISAGG:-0}" = 1 ]; then
@@ -143,6 +146,7 @@ if [ "${KILL:-0}" = 1 ]; then
     grep -vE "^dsv4-bench: " "$OUT/kill.txt" | tail -3
 fi
 ctl status
+[ "${MTP:-0}" = 1 ] && grep -h "mtp drafts" "$D/notify.log" "$OUT/launch.log" | tail -4
 kill -TERM $lpid; wait $lpid
 echo "dsv4-launch exit $?"
 cp "$D/notify.log" "$OUT/" 2> /dev/null
