@@ -181,6 +181,67 @@ enum dsv4_err dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backe
                                        const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes,
                                        int timeout_ms);
 
+/*
+ * Kernels of the cudaipc all-reduce (docs/gpu.md "One-shot all-reduce over
+ * CUDA IPC", Kernels):
+ *   V1    the first kernel: 64 blocks of 512 threads whatever n, every
+ *         thread fences at system scope before the flags;
+ *   PUSH  the same protocol (data stores, then one release flag per block
+ *         and peer), one block per push_block bytes (1..64), no fence but
+ *         the flag's own release;
+ *   LL    low latency: each 8-byte word carries 4 bytes of data and a
+ *         4-byte call flag, stored into the peers' LL slots; the reader polls
+ *         the data itself (one NVLink crossing, no fence, no flag round
+ *         trip); one block per ll_block bytes (1..64), at most 1 MiB (or
+ *         max_bytes) per launch;
+ *   AUTO  LL for n * 4 <= ll_max bytes, else PUSH (the default).
+ * Every kernel sums in rank order (bit-identical results), can be
+ * recorded in graphs and aborted in the same way.
+ */
+enum dsv4_comm_ar_algo {
+    DSV4_COMM_AR_AUTO = 0,
+    DSV4_COMM_AR_V1,
+    DSV4_COMM_AR_PUSH,
+    DSV4_COMM_AR_LL,
+};
+
+/* Kernel choice and geometry of a cudaipc communicator. */
+struct dsv4_comm_ar_tune {
+    enum dsv4_comm_ar_algo algo;
+    size_t ll_max;        /* AUTO: LL up to this many bytes (default 256 KiB) */
+    size_t ll_block;      /* LL bytes of x per block (default 8 KiB) */
+    size_t push_block;    /* PUSH bytes of x per block (default 32 KiB) */
+};
+
+#define DSV4_COMM_AR_MAX_BLOCKS 64
+
+/*
+ * Parse a kernel setting (the DSV4_CUDA_AR environment variable that
+ * dsv4_comm_cudaipc_create reads; NULL or "" = defaults): "auto", "v1",
+ * "push" or "ll", optionally followed by ":LL_MAX_KB[,LL_KB[,PUSH_KB]]"
+ * (KiB, 1 .. 1048576; an empty field keeps its default).
+ * DSV4_ERR_CONFIG on anything else (*t then holds the defaults).  Pure.
+ */
+enum dsv4_err dsv4_comm_ar_tune_parse(struct dsv4_comm_ar_tune *t, const char *spec);
+
+/* The kernel that setting t runs for an all-reduce of n floats (never
+ * AUTO).  Pure. */
+enum dsv4_comm_ar_algo dsv4_comm_ar_pick(const struct dsv4_comm_ar_tune *t, int64_t n);
+
+/* Blocks of a launch over `bytes` of x at `per_block` bytes per block:
+ * ceil(bytes / per_block), at least 1, at most DSV4_COMM_AR_MAX_BLOCKS.
+ * Pure. */
+int dsv4_comm_ar_blocks(size_t bytes, size_t per_block);
+
+/*
+ * Set the kernels of cudaipc handle c (spec as dsv4_comm_ar_tune_parse).
+ * Every rank of the group must set the same before its next all-reduce
+ * (different kernels on two ranks time out); already recorded graphs keep
+ * the kernels they recorded.  DSV4_ERR_INVAL when c is not a cudaipc
+ * handle, DSV4_ERR_CONFIG for a bad spec (c unchanged).
+ */
+enum dsv4_err dsv4_comm_cudaipc_set_tune(struct dsv4_comm *c, const char *spec);
+
 #ifdef __cplusplus
 }
 #endif

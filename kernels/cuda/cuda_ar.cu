@@ -5,14 +5,21 @@
  * DESIGN.  Each rank owns a receive buffer in its own device memory (struct
  * ar_hdr, then 2 x size data slots of slot_bytes) and maps every peer's
  * (cudaIpcOpenMemHandle between processes; the plain pointer between
- * threads of one process, with peer access enabled).  One call = one launch
- * of AR_BLOCKS blocks; block b owns the b-th 16-byte-aligned chunk of x:
- *   1. it reads and bumps its own epoch counter e (device memory: the same
- *      kernel node replayed from a graph gets a new epoch each time);
+ * threads of one process, with peer access enabled), and after the data
+ * slots 2 x size LL slots (ar_ll_kernel below).  Three kernels
+ * (kernels/comm.h dsv4_comm_ar_algo; DSV4_CUDA_AR or set_tune pick): PUSH
+ * and V1 (ar_kernel) and LL (ar_ll_kernel); AUTO runs LL for small x.
+ * One PUSH call = one launch of G blocks (1 .. AR_BLOCKS by size; V1: always
+ * AR_BLOCKS); block b owns the b-th 16-byte-aligned chunk of x:
+ *   1. it takes the call's epoch e from its counter in device memory (the
+ *      same kernel node replayed from a graph gets a new epoch each time)
+ *      and bumps its counter and those of the blocks this grid lacks, so
+ *      every call has one epoch whatever the grids of the calls before;
  *   2. it stores its chunk of x into slot [e & 1][rank] of every peer's
  *      buffer (16-byte peer stores);
- *   3. every thread fences (fence.acq_rel.sys), the block synchronises,
- *      and thread s stores e into flag[rank][b] of peer s (st.release.sys);
+ *   3. the block synchronises (V1: every thread fences first,
+ *      fence.acq_rel.sys), and thread s stores e into flag[rank][b] of peer
+ *      s (st.release.sys, cumulative over the block's stores);
  *   4. thread s spins on flag[s][b] of its own buffer (ld.acquire.sys)
  *      until it holds e or more; the block synchronises;
  *   5. it sums its chunk over the slots in rank order (its own slot is x
@@ -22,10 +29,11 @@
  * barrier order our reads after them (PTX release/acquire patterns at
  * system scope, cumulative through bar.sync).
  * Slot reuse: rank r writes parity p of peer q again at call e + 2, after
- * its block b saw q's flag of call e + 1, which q's block b stores only once
- * q's kernel of call e + 1 runs, i.e. after q's kernel of call e (all its
- * blocks, whatever the chunks) finished reading parity p.  Flags only grow,
- * so one flag per (rank, block) suffices ("e or more").
+ * its kernel of call e + 1 finished, whose blocks saw q's flags of call
+ * e + 1, which q stores only once q's kernel of call e + 1 runs, i.e. after
+ * q's kernel of call e (all its blocks, whatever the chunks and grids)
+ * finished reading parity p.  Flags only grow, so one flag per (rank,
+ * block) suffices ("e or more"), whatever grid each call had.
  *
  * Abort.  The waits poll the group's `broken` word (own device memory,
  * written by any rank that gives up), and every 64 turns the abort word
@@ -53,12 +61,15 @@
 #include <string.h>
 #include <unistd.h>
 
-#define AR_BLOCKS 64                 /* blocks of every launch (fixed: per-block epochs) */
+#define AR_BLOCKS DSV4_COMM_AR_MAX_BLOCKS  /* most blocks of a launch (per-block flags) */
 #define AR_THREADS 512
 #define AR_MAX DSV4_COMM_CUDAIPC_MAX_RANKS
 #define AR_SHM_BYTES 65536           /* inner shm group: min_u64 chunk, exchange */
 #define AR_ROW 12                    /* uint64 per rank in the bootstrap exchange */
 #define AR_POLL 64                   /* spins between abort / deadline checks */
+#define AR_LL_POLL_BROKEN 16         /* LL: spins between checks of `broken` */
+#define AR_LL_POLL_HOST 1024         /* LL: spins between reads of the abort word */
+#define AR_LL_CAP ((size_t)1 << 20)  /* most bytes of x per LL launch */
 
 /* Error word values (ar_ctl.err). */
 #define AR_ERR_TIMEOUT 1u
@@ -70,7 +81,9 @@
 struct ar_hdr {
     unsigned long long flag[AR_MAX][AR_BLOCKS]; /* [sender][block]: last epoch
                                                     whose data arrived */
-    unsigned long long epoch[AR_BLOCKS];        /* owner only: calls per block */
+    unsigned long long epoch[AR_BLOCKS];        /* owner only: calls so far
+                                                   (all entries equal between
+                                                   launches) */
     unsigned int broken;                        /* a rank gave up */
 };
 
@@ -92,9 +105,14 @@ struct ar_args {
     char *own;                      /* buf[rank] */
     size_t data_off;                /* bytes of the header, rounded */
     size_t slot_bytes;
+    size_t ll_off;                  /* LL slots: [2][size] of ll_bytes */
+    size_t ll_bytes;
     struct ar_ctl *ctl;             /* device pointer of the mapped control */
     unsigned long long timeout_ns;
+    long long per;                  /* per block: floats (push, a multiple
+                                       of 4), units of 4 floats (LL) */
     int rank, size;
+    int fence_all;                  /* push: every thread fences (V1) */
 };
 
 struct ar_rank {
@@ -105,6 +123,8 @@ struct ar_rank {
     char *buf[AR_MAX];              /* every rank's buffer as mapped here */
     bool opened[AR_MAX];            /* buf[s] from cudaIpcOpenMemHandle */
     size_t data_off, slot_bytes;
+    size_t ll_off, ll_bytes;        /* LL slots (ll_bytes = 2 x bytes of x) */
+    struct dsv4_comm_ar_tune tune;  /* kernels (DSV4_CUDA_AR, set_tune) */
     struct ar_ctl *ctl_h;           /* cudaHostAlloc'd, mapped */
     struct ar_ctl *ctl_d;
     int timeout_ms;
@@ -125,6 +145,25 @@ ar_ld_acquire(const unsigned long long *p)
     unsigned long long v;
 
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* LL line: two 8-byte words, each single-copy atomic (flag in the high
+ * half, data in the low half); the vector access is two such words. */
+static __device__ __forceinline__ void
+ar_st_line(ulonglong2 *p, ulonglong2 v)
+{
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(v.x), "l"(v.y)
+                 : "memory");
+}
+
+static __device__ __forceinline__ ulonglong2
+ar_ld_line(const ulonglong2 *p)
+{
+    ulonglong2 v;
+
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p)
+                 : "memory");
     return v;
 }
 
@@ -158,6 +197,38 @@ ar_give_up(const struct ar_args &a, unsigned int why)
     __threadfence_system();
 }
 
+/*
+ * Start of a launch (thread 0): this call's epoch e, the same in every block
+ * of every launch whatever its grid: block b reads its counter and writes
+ * e into the counters b, b + G, b + 2G, ... (G = gridDim.x), so that all
+ * AR_BLOCKS counters stay equal and each is touched by one block only.
+ */
+static __device__ unsigned long long
+ar_epoch_next(struct ar_hdr *me)
+{
+    const unsigned long long e = me->epoch[blockIdx.x] + 1;
+
+#pragma unroll 1
+    for (unsigned int b = blockIdx.x; b < AR_BLOCKS; b += gridDim.x)
+        me->epoch[b] = e;
+    return e;
+}
+
+/* Start of a launch (every thread): *s_epoch <- the call's epoch, *s_fail
+ * <- the group's broken word; false when broken (the block returns).  (An
+ * abort before this launch that no wait noticed is reported by the host
+ * side: check() reads the abort word too.) */
+static __device__ __forceinline__ bool
+ar_begin(struct ar_hdr *me, unsigned long long *s_epoch, unsigned int *s_fail)
+{
+    if (threadIdx.x == 0) {
+        *s_fail = *(volatile unsigned int *)&me->broken;
+        *s_epoch = ar_epoch_next(me);
+    }
+    __syncthreads();
+    return *s_fail == 0;
+}
+
 /* Wait (thread t of the block, t != rank) for rank t's chunk of epoch e;
  * 0 when it came, else AR_ERR_*. */
 static __device__ unsigned int
@@ -184,6 +255,7 @@ ar_wait(const struct ar_args &a, const struct ar_hdr *me, int t, unsigned long l
     }
 }
 
+/* PUSH and V1: see the file's head.  Grid: 1 .. AR_BLOCKS blocks. */
 __global__ void __launch_bounds__(AR_THREADS)
 ar_kernel(const struct ar_args a)
 {
@@ -192,21 +264,12 @@ ar_kernel(const struct ar_args a)
     struct ar_hdr *me = (struct ar_hdr *)a.own;
     const int b = blockIdx.x, t = threadIdx.x;
 
-    /* (an abort before this launch that no wait noticed is reported by the
-     * host side: check() reads the abort word too) */
-    if (t == 0) {
-        s_fail = *(volatile unsigned int *)&me->broken;
-        s_epoch = me->epoch[b] + 1;
-        me->epoch[b] = s_epoch;
-    }
-    __syncthreads();
-    if (s_fail != 0)
+    if (!ar_begin(me, &s_epoch, &s_fail))
         return;
     const unsigned long long e = s_epoch;
     const size_t par = (size_t)(e & 1);
-    /* this block's chunk [lo, hi) of x, 4-float aligned */
-    const long long per = ((a.n + AR_BLOCKS - 1) / AR_BLOCKS + 3) / 4 * 4;
-    const long long lo = min(a.n, (long long)b * per), hi = min(a.n, lo + per);
+    /* this block's chunk [lo, hi) of x, 4-float aligned (a.per floats) */
+    const long long lo = min(a.n, (long long)b * a.per), hi = min(a.n, lo + a.per);
     /* float4 units [vlo, vhi) when x is 16-byte aligned (lo is a multiple
      * of 4 when the chunk is not empty), then floats [slo, hi); an empty
      * chunk (lo == hi == n) does nothing */
@@ -239,8 +302,12 @@ ar_kernel(const struct ar_args a)
                     ((float *)(a.buf[s] + off))[i] = v;
         }
     }
-    /* 3. signal: data before flags, at system scope */
-    ar_fence();
+    /* 3. signal: data before flags, at system scope.  The release store is
+     * cumulative: it orders every store of the block that precedes it
+     * through the barrier, so one release per peer suffices (V1 also
+     * fences in every thread, as the first version did) */
+    if (a.fence_all)
+        ar_fence();
     __syncthreads();
 #pragma unroll
     for (int s = 0; s < AR_MAX; s++)
@@ -289,6 +356,207 @@ ar_kernel(const struct ar_args a)
     }
 }
 
+/* --- LL kernel ---------------------------------------------------------------- */
+
+/* The LL flag of epoch e: never 0 (the zeroed slots never match), and two
+ * epochs of the same parity share a flag only 2 x (2^32 - 1) calls apart. */
+static __device__ __forceinline__ unsigned int
+ar_ll_flag(unsigned long long e)
+{
+    /* e mod (2^32 - 1) by end-around carry, then + 1 */
+    unsigned long long r = (e & 0xffffffffull) + (e >> 32);
+
+    r = (r & 0xffffffffull) + (r >> 32);
+    return (r == 0xffffffffull ? 0u : (unsigned int)r) + 1u;
+}
+
+/* Floats 4u .. 4u+3 of x (zeros past n; element by element when x is not
+ * 16-byte aligned or at the tail). */
+static __device__ __forceinline__ float4
+ar_ll_get(const struct ar_args &a, long long u, bool vec)
+{
+    const long long i = 4 * u;
+    float4 v;
+
+    if (vec && i + 3 < a.n)
+        return ((const float4 *)a.x)[u];
+    v.x = a.x[i];
+    v.y = i + 1 < a.n ? a.x[i + 1] : 0.0f;
+    v.z = i + 2 < a.n ? a.x[i + 2] : 0.0f;
+    v.w = i + 3 < a.n ? a.x[i + 3] : 0.0f;
+    return v;
+}
+
+static __device__ __forceinline__ void
+ar_ll_put(const struct ar_args &a, long long u, bool vec, float4 v)
+{
+    const long long i = 4 * u;
+
+    if (vec && i + 3 < a.n) {
+        ((float4 *)a.x)[u] = v;
+        return;
+    }
+    a.x[i] = v.x;
+    if (i + 1 < a.n)
+        a.x[i + 1] = v.y;
+    if (i + 2 < a.n)
+        a.x[i + 2] = v.z;
+    if (i + 3 < a.n)
+        a.x[i + 3] = v.w;
+}
+
+static __device__ __forceinline__ unsigned long long
+ar_ll_word(unsigned int f, float v)
+{
+    return (unsigned long long)f << 32 | __float_as_uint(v);
+}
+
+static __device__ __forceinline__ bool
+ar_ll_ok(ulonglong2 l, unsigned int f)
+{
+    return (unsigned int)(l.x >> 32) == f && (unsigned int)(l.y >> 32) == f;
+}
+
+/*
+ * Wait (a whole warp: every lane calls it, valid or not) until lines p[0]
+ * and p[1] hold flag f in every valid lane, then *v = their data; 0, or the
+ * AR_ERR_* of a give-up (the same in every lane).  Lane 0 watches `broken`,
+ * the deadline and the abort word for the warp.
+ */
+static __device__ __forceinline__ unsigned int
+ar_ll_wait(const struct ar_args &a, const ulonglong2 *p, bool valid, unsigned int f, float4 *v)
+{
+    const volatile unsigned int *broken = &((const struct ar_hdr *)a.own)->broken;
+    volatile const struct ar_ctl *ctl = a.ctl;
+    unsigned long long t0 = 0;
+
+    for (unsigned int spin = 0;; spin++) {
+        ulonglong2 l0 = make_ulonglong2(0, 0), l1 = make_ulonglong2(0, 0);
+        unsigned int why = 0;
+        bool ok = true;
+
+        if (valid) {
+            l0 = ar_ld_line(p);
+            l1 = ar_ld_line(p + 1);
+            ok = ar_ll_ok(l0, f) && ar_ll_ok(l1, f);
+        }
+        if (__all_sync(0xffffffffu, ok)) {
+            v->x = __uint_as_float((unsigned int)l0.x);
+            v->y = __uint_as_float((unsigned int)l0.y);
+            v->z = __uint_as_float((unsigned int)l1.x);
+            v->w = __uint_as_float((unsigned int)l1.y);
+            return 0;
+        }
+        if ((threadIdx.x & 31) == 0) {
+            if (spin == 0)
+                t0 = ar_clock_ns();
+            if (spin % AR_LL_POLL_BROKEN == AR_LL_POLL_BROKEN - 1 && *broken)
+                why = AR_ERR_PEER;
+            else if (spin % AR_POLL == AR_POLL - 1 && ar_clock_ns() - t0 > a.timeout_ns)
+                why = AR_ERR_TIMEOUT;
+            else if (spin % AR_LL_POLL_HOST == AR_LL_POLL_HOST - 1 && ctl->abort)
+                why = AR_ERR_ABORT;   /* a host read: rare */
+        }
+        why = __shfl_sync(0xffffffffu, why, 0);
+        if (why != 0)
+            return why;
+    }
+}
+
+/*
+ * LL: x in units of 4 floats (u = 0 .. ceil(n/4) - 1), block b owns the
+ * b-th run of units.  Unit u travels as LL lines 2u and 2u + 1 of slot
+ * [e & 1][rank] of every peer's LL slots: 16-byte stores of two 8-byte
+ * words (flag f of epoch e << 32 | data bits).  An 8-byte word is written
+ * and read whole (single-copy atomic), so a reader that sees f in a word
+ * holds that word's data of call e: no fence, no flag round trip.  Phase 1
+ * stores every unit of the block's run, phase 2 polls the peers' lines and
+ * sums in rank order (own data: x itself) into x.
+ * Slot reuse as for PUSH: a rank writes parity p again at call e + 2 only
+ * after its whole kernel of call e + 1 received every peer's lines of call
+ * e + 1, which each peer writes only after its kernel of call e finished.
+ * Loops run the same number of turns in every lane of a warp (the warp
+ * polls together: __all_sync) and blockDim.x is a multiple of 32.
+ */
+__global__ void __launch_bounds__(AR_THREADS)
+ar_ll_kernel(const struct ar_args a)
+{
+    __shared__ unsigned long long s_epoch;
+    __shared__ unsigned int s_fail;
+    struct ar_hdr *me = (struct ar_hdr *)a.own;
+    const int t = threadIdx.x, nt = blockDim.x;
+
+    if (!ar_begin(me, &s_epoch, &s_fail))
+        return;
+    const unsigned long long e = s_epoch;
+    const unsigned int f = ar_ll_flag(e);
+    const size_t par = (size_t)(e & 1);
+    const long long units = (a.n + 3) / 4;
+    const long long lo = min(units, (long long)blockIdx.x * a.per), hi = min(units, lo + a.per);
+    const bool vec = ((uintptr_t)a.x & 15) == 0;
+    unsigned int why = 0;
+
+    /* 1. store the run into LL slot [par][rank] of every peer */
+    {
+        const size_t off = a.ll_off + (par * (size_t)a.size + (size_t)a.rank) * a.ll_bytes;
+
+        for (long long u = lo + t; u < hi; u += nt) {
+            const float4 v = ar_ll_get(a, u, vec);
+            const ulonglong2 l0 = make_ulonglong2(ar_ll_word(f, v.x), ar_ll_word(f, v.y));
+            const ulonglong2 l1 = make_ulonglong2(ar_ll_word(f, v.z), ar_ll_word(f, v.w));
+
+#pragma unroll
+            for (int s = 0; s < AR_MAX; s++)
+                if (s < a.size && s != a.rank) {
+                    ulonglong2 *q = (ulonglong2 *)(a.buf[s] + off) + 2 * u;
+
+                    ar_st_line(q, l0);
+                    ar_st_line(q + 1, l1);
+                }
+        }
+    }
+    /* 2. receive and sum in rank order */
+    {
+        const char *base = a.own + a.ll_off + par * (size_t)a.size * a.ll_bytes;
+
+        for (long long u0 = lo; u0 < hi && why == 0; u0 += nt) {
+            const long long u = u0 + t;
+            const bool valid = u < hi;
+            const float4 mine = valid ? ar_ll_get(a, u, vec) : make_float4(0, 0, 0, 0);
+            float4 acc = mine;
+
+#pragma unroll
+            for (int s = 0; s < AR_MAX; s++) {
+                float4 v = mine;
+
+                if (s >= a.size || why != 0)
+                    break;
+                if (s != a.rank)
+                    why = ar_ll_wait(a, (const ulonglong2 *)(base + s * a.ll_bytes) + 2 * u,
+                                     valid, f, &v);
+                if (s == 0) {
+                    acc = v;
+                } else {
+                    acc.x += v.x;
+                    acc.y += v.y;
+                    acc.z += v.z;
+                    acc.w += v.w;
+                }
+            }
+            if (why == 0 && valid)
+                ar_ll_put(a, u, vec, acc);
+        }
+    }
+    if (why != 0 && (t & 31) == 0) {
+        /* first reason wins; our other warps and blocks stop at once */
+        atomicCAS(&s_fail, 0u, why);
+        *(volatile unsigned int *)&me->broken = 1;
+    }
+    __syncthreads();
+    if (s_fail != 0 && t == 0)
+        ar_give_up(a, s_fail);
+}
+
 /* --- host side ----------------------------------------------------------------- */
 
 static enum dsv4_err
@@ -324,6 +592,8 @@ ar_args_init(struct ar_args *a, const struct dsv4_comm *c, const struct ar_rank 
     a->own = ar->buf[c->rank];
     a->data_off = ar->data_off;
     a->slot_bytes = ar->slot_bytes;
+    a->ll_off = ar->ll_off;
+    a->ll_bytes = ar->ll_bytes;
     a->ctl = ar->ctl_d;
     a->timeout_ns = (unsigned long long)ar->timeout_ms * 1000000ull;
     a->rank = c->rank;
@@ -334,7 +604,11 @@ static enum dsv4_err
 ar_allreduce(struct dsv4_comm *c, struct dsv4_backend *be, float *x, int64_t n)
 {
     struct ar_rank *ar = (struct ar_rank *)c->priv;
-    int64_t per = (int64_t)(ar->slot_bytes / sizeof(float));
+    enum dsv4_comm_ar_algo algo = dsv4_comm_ar_pick(&ar->tune, n);
+    bool ll = algo == DSV4_COMM_AR_LL;
+    /* most floats per launch: a slot, or half the LL slot (every rank
+     * splits the same way; the offsets keep x's alignment: per % 64 == 0) */
+    int64_t per = (int64_t)((ll ? ar->ll_bytes / 2 : ar->slot_bytes) / sizeof(float));
     struct ar_args a;
     enum dsv4_err e;
 
@@ -343,13 +617,26 @@ ar_allreduce(struct dsv4_comm *c, struct dsv4_backend *be, float *x, int64_t n)
     if ((e = ar_check(c)) != DSV4_OK)
         return e;
     ar_args_init(&a, c, ar);
-    /* larger than a slot: one launch per slot's worth (every rank splits
-     * the same way; the offsets keep x's alignment: per % 64 == 0) */
+    a.fence_all = algo == DSV4_COMM_AR_V1;
     for (int64_t off = 0; off < n; off += per) {
+        size_t bytes;
+        int blocks;
+
         a.x = x + off;
         a.n = n - off < per ? n - off : per;
-        ar_kernel<<<AR_BLOCKS, AR_THREADS, 0, cuda_stream(be)>>>(a);
-        CUDA_LAUNCHED("ar_kernel");
+        bytes = (size_t)a.n * sizeof(float);
+        if (ll) {
+            blocks = dsv4_comm_ar_blocks(bytes, ar->tune.ll_block);
+            a.per = ((a.n + 3) / 4 + blocks - 1) / blocks;
+            ar_ll_kernel<<<blocks, AR_THREADS, 0, cuda_stream(be)>>>(a);
+            CUDA_LAUNCHED("ar_ll_kernel");
+        } else {
+            blocks = algo == DSV4_COMM_AR_V1 ? AR_BLOCKS
+                                             : dsv4_comm_ar_blocks(bytes, ar->tune.push_block);
+            a.per = ((a.n + blocks - 1) / blocks + 3) / 4 * 4;
+            ar_kernel<<<blocks, AR_THREADS, 0, cuda_stream(be)>>>(a);
+            CUDA_LAUNCHED("ar_kernel");
+        }
     }
     return DSV4_OK;
 }
@@ -446,6 +733,20 @@ static const struct dsv4_comm_ops ar_ops = {
     ar_check,
 };
 
+extern "C" enum dsv4_err
+dsv4_comm_cudaipc_set_tune(struct dsv4_comm *c, const char *spec)
+{
+    struct dsv4_comm_ar_tune t;
+    enum dsv4_err e;
+
+    if (c == NULL || c->ops != &ar_ops)
+        return dsv4_err_set(DSV4_ERR_INVAL, "comm cudaipc: set_tune on another communicator");
+    if ((e = dsv4_comm_ar_tune_parse(&t, spec)) != DSV4_OK)
+        return e;
+    ((struct ar_rank *)c->priv)->tune = t;
+    return DSV4_OK;
+}
+
 /* Map rank s's buffer from its exchange row (pid, device, address, slot
  * bytes, IPC handle). */
 static enum dsv4_err
@@ -519,12 +820,20 @@ dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be, int ra
     c->rank = rank;
     c->size = size;
     c->priv = ar;
+    if (dsv4_comm_ar_tune_parse(&ar->tune, getenv("DSV4_CUDA_AR")) != DSV4_OK) {
+        e = DSV4_ERR_CONFIG;
+        free(tab);
+        ar_free(c);
+        return e;
+    }
     ar->device = cuda_st(be)->device;
     ar->stream = cuda_stream(be);
     ar->timeout_ms = timeout_ms;
     ar->data_off = cuda_align(sizeof(struct ar_hdr));
     ar->slot_bytes = cuda_align(max_bytes);
-    total = ar->data_off + 2 * (size_t)size * ar->slot_bytes;
+    ar->ll_off = ar->data_off + 2 * (size_t)size * ar->slot_bytes;
+    ar->ll_bytes = 2 * (ar->slot_bytes < AR_LL_CAP ? ar->slot_bytes : AR_LL_CAP);
+    total = ar->ll_off + 2 * (size_t)size * ar->ll_bytes;
 
 #define AR_FAIL(expr)                   \
     do {                                \
