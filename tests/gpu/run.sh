@@ -64,8 +64,10 @@
 #      fails the script.
 #  14. optional, when tests/test_ar_gpu is packed (two GPUs): the cudaipc
 #      one-shot all-reduce between two processes: bit-identical sums (1 float
-#      .. 600000 floats, 1000 graph replays), us per all-reduce vs NCCL (64 KB,
-#      256 KB, 1.8 MB, eager and graphed), timeout, and kill -9 of the peer
+#      .. 600000 floats, each kernel v1/push/ll/auto, 1000 graph replays), us
+#      per all-reduce vs NCCL (64 KB, 256 KB, 1.8 MB, eager and graphed; then
+#      4 KB .. 2 MB per kernel inside graphs of 100 replayed after a host
+#      barrier, and the auto / nccl ratio), timeout, and kill -9 of the peer
 #      inside a graphed all-reduce (abort within 1 s, new group in the same
 #      process) (tests/gpu/test_ar_gpu.c); log in $OUT/ar.log; a failure
 #      fails the script.

@@ -11,8 +11,15 @@
  *      all-reduces (1.8 MB; 1001 floats at a misaligned address, twice in a
  *      row) is recorded once and replayed 1000 times with new data each time,
  *      every replay checked.
+ *      Part 1's eager calls run once per kernel of the communicator (V1,
+ *      PUSH, LL, AUTO: dsv4_comm_cudaipc_set_tune), the graph under the
+ *      setting of DSV4_CUDA_AR (default AUTO: LL and PUSH in one graph).
  *   2. time: microseconds per all-reduce of 64 KB, 256 KB and 1.8 MB,
  *      cudaipc against NCCL (when libnccl.so.2 is there), eager and graphed.
+ *      Then, not skewed by the processes' arrival: for 4 KB .. 2 MB and
+ *      each kernel (and NCCL), one graph of 100 back-to-back all-reduces,
+ *      replayed by both processes after a host barrier (the bootstrap shm
+ *      group), best of 5 replays / 100.
  *   3. timeout: the child joins and then never all-reduces; the parent's
  *      call must give up after the group's timeout (500 ms) with
  *      DSV4_ERR_TIMEOUT and a usable stream.
@@ -176,6 +183,10 @@ replay_inputs(int rank, uint64_t r, const float *base, float *big_in, float *big
     }
 }
 
+/* Kernels of the cudaipc communicator that parts 1 and 2 go through. */
+static const char *const tunes[] = { "v1", "push", "ll", "auto" };
+#define N_TUNES ((int)(sizeof(tunes) / sizeof(tunes[0])))
+
 /* The whole part 1 as `rank`; `replays` graph replays.  1 = pass. */
 static int
 run_correct(struct dsv4_backend *be, struct dsv4_comm *c, int rank, int replays)
@@ -197,14 +208,20 @@ run_correct(struct dsv4_backend *be, struct dsv4_comm *c, int rank, int replays)
         fprintf(stderr, "  rank %d: no memory\n", rank);
         return 0;
     }
-    for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]) && ok; k++)
-        for (int dense = 0; dense < 2 && ok; dense++)
-            ok = check_call(be, c, rank, x, in, want, got, call++, sizes[k], dense);
-    /* misaligned starts: the scalar path */
-    for (int off = 1; off < 4 && ok; off++)
-        ok = check_call(be, c, rank, x + off, in, want, got, call++, 1001 + off, off & 1);
+    for (int v = 0; v < N_TUNES && ok; v++) {
+        CHECK("set_tune", dsv4_comm_cudaipc_set_tune(c, tunes[v]));
+        for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]) && ok; k++)
+            for (int dense = 0; dense < 2 && ok; dense++)
+                ok = check_call(be, c, rank, x, in, want, got, call++, sizes[k], dense);
+        /* misaligned starts: the scalar path */
+        for (int off = 1; off < 4 && ok; off++)
+            ok = check_call(be, c, rank, x + off, in, want, got, call++, 1001 + off, off & 1);
+        if (!ok)
+            fprintf(stderr, "  rank %d: kernel setting '%s' failed\n", rank, tunes[v]);
+    }
     if (!ok)
         return 0;
+    CHECK("set_tune (DSV4_CUDA_AR)", dsv4_comm_cudaipc_set_tune(c, getenv("DSV4_CUDA_AR")));
     /* a recorded graph replayed with new data */
     for (int64_t i = 0; i < BIG; i++)
         base[i] = val(7777, 0, i, 1);
@@ -310,6 +327,78 @@ run_time(struct dsv4_backend *be, struct dsv4_comm *ipc, struct dsv4_comm *nccl,
     return 1;
 }
 
+/*
+ * Microseconds per all-reduce inside one graph of 100, for each size and
+ * each kernel setting (then NCCL when there): both processes replay the
+ * graph right after a host barrier, best of 5 replays.
+ */
+static int
+run_time100(struct dsv4_backend *be, struct dsv4_comm *ipc, struct dsv4_comm *nccl, int rank)
+{
+    enum { CALLS = 100, REPS = 5, N_SIZES = 7 };
+    static const int64_t kb[N_SIZES] = { 4, 32, 64, 128, 256, 1024, 2048 };
+    const int rows = N_TUNES + (nccl != NULL);
+    float *x = be->ops->alloc(be, (size_t)2048 << 10);
+    uint64_t *u = be->ops->alloc(be, sizeof(uint64_t));
+    double us[N_TUNES + 1][N_SIZES];
+
+    if (x == NULL || u == NULL)
+        return 0;
+    for (int w = 0; w < rows; w++) {
+        struct dsv4_comm *c = w < N_TUNES ? ipc : nccl;
+
+        if (w < N_TUNES)
+            CHECK("set_tune", dsv4_comm_cudaipc_set_tune(ipc, tunes[w]));
+        for (int k = 0; k < N_SIZES; k++) {
+            int64_t n = kb[k] * 1024 / 4;
+            double best = 1e30;
+            void *g = NULL;
+
+            CHECK("graph_begin", be->ops->graph_begin(be));
+            for (int i = 0; i < CALLS; i++)
+                CHECK("allreduce", c->ops->allreduce_sum(c, be, x, n));
+            CHECK("graph_end", be->ops->graph_end(be, &g));
+            CHECK("graph_launch", be->ops->graph_launch(be, g));
+            CHECK("sync", be->ops->sync(be));
+            for (int r = 0; r < REPS; r++) {
+                double t0;
+
+                /* host barrier: a min over the bootstrap shm group */
+                CHECK("barrier", ipc->ops->allreduce_min_u64(ipc, be, u, 1));
+                t0 = now_ms();
+                CHECK("graph_launch", be->ops->graph_launch(be, g));
+                CHECK("sync", be->ops->sync(be));
+                if (now_ms() - t0 < best)
+                    best = now_ms() - t0;
+            }
+            us[w][k] = best * 1e3 / CALLS;
+            be->ops->graph_free(be, g);
+            CHECK("check", dsv4_comm_check(c));
+        }
+    }
+    CHECK("set_tune (DSV4_CUDA_AR)", dsv4_comm_cudaipc_set_tune(ipc, getenv("DSV4_CUDA_AR")));
+    if (rank == 0) {
+        printf("  | us per all-reduce, graph of %d | 4 KB | 32 KB | 64 KB | 128 KB | 256 KB | "
+               "1 MB | 2 MB |\n", CALLS);
+        printf("  |---|---|---|---|---|---|---|---|\n");
+        for (int w = 0; w < rows; w++) {
+            printf("  | %s%s |", w < N_TUNES ? "cudaipc " : "nccl", w < N_TUNES ? tunes[w] : "");
+            for (int k = 0; k < N_SIZES; k++)
+                printf(" %.2f |", us[w][k]);
+            printf("\n");
+        }
+        if (nccl != NULL) {
+            printf("  | cudaipc auto / nccl |");
+            for (int k = 0; k < N_SIZES; k++)
+                printf(" %.2f |", us[N_TUNES - 1][k] / us[N_TUNES][k]);
+            printf("\n");
+        }
+    }
+    be->ops->free(be, x);
+    be->ops->free(be, u);
+    return 1;
+}
+
 /* --- processes ------------------------------------------------------------- */
 
 static void
@@ -389,7 +478,7 @@ child_main(const char *mode, const char *hid, const char *hn)
         if (strcmp(hn, "-") != 0 && hex_get(nid, hn) &&
             dsv4_comm_nccl_create(&nccl, be, rank, SIZE, nid, 60000) != DSV4_OK)
             nccl = NULL;
-        ok = run_time(be, c, nccl, rank);
+        ok = run_time(be, c, nccl, rank) && run_time100(be, c, nccl, rank);
     } else if (strcmp(mode, "idle") == 0) {
         sleep(3);      /* joined, never all-reduces */
     } else if (strcmp(mode, "victim") == 0) {
@@ -592,7 +681,7 @@ main(int argc, char **argv)
         printf("  nccl: %s\n", dsv4_errmsg());
         nccl = NULL;
     }
-    ok[1] = run_time(be, c, nccl, rank);
+    ok[1] = run_time(be, c, nccl, rank) && run_time100(be, c, nccl, rank);
     dsv4_comm_destroy(c);
     if (nccl != NULL)
         dsv4_comm_destroy(nccl);
