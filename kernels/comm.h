@@ -167,8 +167,11 @@ enum dsv4_comm_kind dsv4_comm_pick(const char *comm, const char *backend, int on
  * buffer (2 x size slots of max_bytes, rounded up to 256, plus flags) in its
  * own device memory and maps the peers' buffers (CUDA IPC, or direct
  * pointers between threads of one process).  allreduce_sum: one kernel per
- * max_bytes of x on be's stream (capturable in a graph: its epoch lives in
- * device memory), x 16-byte aligned is fastest; the sum runs in rank order.
+ * max_bytes of x (LL kernel: per min(max_bytes, 1 MiB)) on be's stream
+ * (capturable in a graph: its epoch lives in device memory), x 16-byte
+ * aligned is fastest; the sum runs in rank order.  The kernels come from
+ * DSV4_CUDA_AR in the environment (dsv4_comm_ar_tune_parse below; a bad
+ * value: DSV4_ERR_CONFIG).
  * Each wait inside the kernel gives up after timeout_ms (or at once after
  * abort): the kernel returns normally, the stream stays usable, and
  * check / the next call report the broken group.  allreduce_min_u64 is a
