@@ -100,6 +100,15 @@ void dsv4_cuda_set_wgmma(int on);
  */
 int dsv4_cuda_graph_kernels(const struct dsv4_backend *be, int *nodes);
 
+/*
+ * Nonzero when be's CUDA context is lost: its stream reports an error that
+ * is not "not ready" (an illegal address, a launch failure, an MPS client
+ * fault: sticky errors after which every call fails), queried without
+ * waiting.  0 for a healthy context and for a backend that is not CUDA.  A
+ * rank whose context is lost can only exit and be restarted.
+ */
+int dsv4_cuda_context_lost(struct dsv4_backend *be);
+
 /* Event timer on the backend's stream. */
 struct dsv4_cuda_timer;
 

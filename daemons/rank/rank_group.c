@@ -51,6 +51,9 @@
 
 #include "common/log.h"
 #include "common/sdnotify.h"
+#ifdef DSV4_HAVE_CUDA
+#include "kernels/cuda_fast.h"
+#endif
 
 #define GROUP_JOIN_MS 60000     /* a communicator must assemble within this */
 #define GROUP_COLL_MS 20000     /* a collective section may wait this long (every
@@ -511,6 +514,15 @@ group_check(struct rank *k)
 void
 group_broken(struct rank *k, const char *why)
 {
+#ifdef DSV4_HAVE_CUDA
+    /* a sticky CUDA error (e.g. under MPS, a killed client of this GPU can
+     * fault the others): nothing on this context works any more, and the
+     * MPS server takes new clients for the GPU only once the faulted ones
+     * are gone; exit so that the rank restarts on a fresh context */
+    if (dsv4_cuda_context_lost(k->be))
+        fatalx("group: %s; the CUDA context is lost: exiting so that the rank restarts",
+               why);
+#endif
     log_warnx("group: %s; dropping the communicator and the work, waiting for the group to "
               "re-form", why);
     sdnotify_status("group %u broke (%s); waiting for it to re-form", (unsigned)k->o.group,

@@ -358,6 +358,17 @@ dsv4_cuda_graph_kernels(const struct dsv4_backend *be, int *nodes)
     return st->graph_kernels;
 }
 
+extern "C" int
+dsv4_cuda_context_lost(struct dsv4_backend *be)
+{
+    cudaError_t rc;
+
+    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+        return 0;
+    rc = cudaStreamQuery(cuda_stream(be));
+    return rc != cudaSuccess && rc != cudaErrorNotReady;
+}
+
 static enum dsv4_err
 cuda_graph_end(struct dsv4_backend *be, void **out)
 {
