@@ -149,6 +149,44 @@ fk_mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, ui
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+/*
+ * d += a * b, FP8 e4m3 inputs, fp32 accumulators (m16n8k32; sm_89+).
+ * Fragments (PTX ISA): with g = lane / 4, q = lane % 4, a0 holds A[g][4q ..
+ * 4q+3], a1 A[g+8][4q ..], a2 A[g][16+4q ..], a3 A[g+8][16+4q ..] (bytes in
+ * increasing k); b0 holds B[4q .. 4q+3][g], b1 B[16+4q ..][g]; d as the
+ * m16n8k16 forms.  The sum of the 32 products inside the instruction may be
+ * kept with less than fp32 precision on Hopper: add partials of one k32
+ * step (or one scale block) into fp32 registers.
+ */
+static __device__ __forceinline__ void
+fk_mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+            uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/*
+ * Eight FP4 e2m1 codes (w: byte j holds element 2j in its low nibble, 2j+1
+ * in its high one) as FP8 e4m3 bytes of the values times 2^-6, exactly:
+ * the code's bits E1 E0 M moved to bits 4..2 of the byte are e4m3's low
+ * exponent bits and first mantissa bit, and e4m3's subnormals (exponent 0)
+ * match e2m1's (E = 0: 0 or 0.5); the sign moves to bit 7.  *even gets
+ * elements 0, 2, 4, 6 (bytes in that order), *odd elements 1, 3, 5, 7.
+ * Five integer operations for eight values; the caller multiplies the
+ * scale by 64 (exact for E8M0 scales) and lays the other operand out in the
+ * same k order (any permutation of k shared by A and B leaves the dot
+ * product's terms unchanged).
+ */
+static __device__ __forceinline__ void
+fk_fp4x8_e4m3(uint32_t w, uint32_t *even, uint32_t *odd)
+{
+    *even = ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u);
+    *odd = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);
+}
+
 /* d += a * b, bf16 inputs, fp32 accumulators. */
 static __device__ __forceinline__ void
 fk_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
