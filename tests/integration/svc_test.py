@@ -43,6 +43,13 @@ every rank's `active` 0, STATUS n_queued/n_running 0), with dsv4ctl --json
 (both the scheduler's books and each rank's own count), with dsv4ctl
 --json when it is built, and in /dev/shm (no decode-state export left).
 
+A scenario that fails keeps its scratch directory (configuration, logs,
+notify log) and prints the last 60 lines of each daemon's log (dsv4-launch
+runs them with -v; their stderr is launch.err, split here by process tag),
+the lines without a tag (sanitizer reports) and the notify log to stderr, so
+that a CI failure can be diagnosed from the CI output alone.  SVC_TEST_KEEP=1
+keeps the directory of a passing run too.
+
 The client side is tests/integration/svc_client (libdsv4client); the admin
 side speaks docs/protocol.md §7 with pyzmq + msgpack (installed with pip
 when missing).
@@ -76,10 +83,71 @@ TIMEOUT_MS = 120000  # per-request timeout given to the service (sanitizer
                      # builds are ~10x slower; a timeout is a failure here)
 
 ARGS = None
+LOG_TAIL = 60        # lines of each daemon's log shown when a scenario fails
+
+# Scratch directories of the scenario: removed when it passes (unless
+# SVC_TEST_KEEP is set), kept (and the logs in them shown on stderr) when it
+# fails, so that a CI failure can be diagnosed from the CI output alone.
+SCRATCH = []
 
 
 def log(*a):
     print("svc_test:", *a, flush=True)
+
+
+def scratch_dir(prefix):
+    d = tempfile.mkdtemp(prefix=prefix)
+    SCRATCH.append(d)
+    return d
+
+
+def tail_lines(lines, n=LOG_TAIL):
+    return lines[-n:] if len(lines) > n else lines
+
+
+# "2024-01-01T00:00:00.000Z W decode/1: message" (common/log.c)
+LOG_LINE = re.compile(r"^\S+Z [A-Z] ([^:\s]+): ")
+
+
+def dump_launch_log(path, out):
+    """The last LOG_TAIL lines of each process's messages in a dsv4-launch
+    stderr file (the daemons inherit it; lines carry the process's tag), and
+    of the lines without a tag (sanitizer reports, exec errors)."""
+    by_tag = {}
+    for line in readf(path).splitlines():
+        m = LOG_LINE.match(line)
+        by_tag.setdefault(m.group(1) if m else "(untagged)", []).append(line)
+    for tag in sorted(by_tag):
+        lines = by_tag[tag]
+        out.write("----- %s: last %d of %d lines of %s -----\n" %
+                  (tag, min(len(lines), LOG_TAIL), len(lines), path))
+        out.write("\n".join(tail_lines(lines)) + "\n")
+
+
+def dump_scratch(out=sys.stderr):
+    """Show the logs of the kept scratch directories (on failure)."""
+    for d in SCRATCH:
+        if not os.path.isdir(d):
+            continue
+        out.write("svc_test: kept %s\n" % d)
+        for name in sorted(os.listdir(d)):
+            path = os.path.join(d, name)
+            if not os.path.isfile(path):
+                continue
+            if name == "launch.err":
+                dump_launch_log(path, out)
+            elif name.endswith((".log", ".err")) or name in ("n", "n2", "n3", "n4", "err"):
+                lines = readf(path).splitlines()
+                out.write("----- %s: last %d of %d lines -----\n" %
+                          (path, min(len(lines), LOG_TAIL), len(lines)))
+                out.write("\n".join(tail_lines(lines)) + "\n")
+    out.flush()
+
+
+def remove_scratch():
+    for d in SCRATCH:
+        shutil.rmtree(d, ignore_errors=True)
+    SCRATCH.clear()
 
 
 class Fail(Exception):
@@ -198,7 +266,7 @@ class Service:
     set with a NOTIFY_SOCKET of the test's own."""
 
     def __init__(self, n_prefill=1, n_decode=1, extra_conf=""):
-        self.dir = tempfile.mkdtemp(prefix="dsv4-it-")
+        self.dir = scratch_dir("dsv4-it-")
         self.model = os.path.join(self.dir, "model")
         subprocess.run([exe("tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
                         "--out", self.model], check=True, stdout=subprocess.DEVNULL)
@@ -227,7 +295,7 @@ prefill_chunk = 16
         env = dict(os.environ, NOTIFY_SOCKET=self.nsock_path)
         self.stderr = open(os.path.join(self.dir, "launch.err"), "w")
         self.proc = subprocess.Popen(
-            [exe("tools/launch/dsv4-launch"), "-f", self.conf,
+            [exe("tools/launch/dsv4-launch"), "-v", "-f", self.conf,
              "-P", str(n_prefill), "-D", str(n_decode), "-r", "200", "-w", "20",
              "-T", "120", "-t", "20",
              "--sched-bin", exe("daemons/sched/dsv4-sched"),
@@ -343,7 +411,6 @@ prefill_chunk = 16
             log("dsv4-launch exit %d; log tail:\n%s" % (rc, self.errlog()))
         self.stderr.close()
         self.nsock.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
         return rc
 
 
@@ -712,7 +779,8 @@ def sc_drain():
 def sc_socket_activate():
     sa = shutil.which("systemd-socket-activate")
     check(sa is not None, "systemd-socket-activate not installed (tools/setup.sh)")
-    d = tempfile.mkdtemp(prefix="dsv4-sa-")
+    d = scratch_dir("dsv4-sa-")
+    p = None
     try:
         client, ctl = os.path.join(d, "client.sock"), os.path.join(d, "ctl.sock")
         conf = os.path.join(d, "dsv4.conf")
@@ -774,7 +842,9 @@ def sc_socket_activate():
         ns.close()
         err.close()
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def unix_listeners():
@@ -790,8 +860,9 @@ def unix_listeners():
 
 
 def sc_launch():
-    d = tempfile.mkdtemp(prefix="dsv4-launch-")
+    d = scratch_dir("dsv4-launch-")
     fake = os.path.join(ARGS.src, "tests/integration/fake_daemon.py")
+    p = None
     try:
         def run(extra_env=None, args=(), wait=True, nlog=None):
             env = dict(os.environ, FAKE_REPORT=os.path.join(d, "rep"))
@@ -864,7 +935,9 @@ def sc_launch():
         check(len(reports_safe(d)) == 5, "%d starts before giving up" % len(reports_safe(d)))
         log("launch: start limit: ok")
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def readf(path):
@@ -975,7 +1048,17 @@ def main():
         SCENARIOS[ARGS.scenario]()
     except Fail as e:
         log("FAIL %s: %s" % (ARGS.scenario, e))
+        dump_scratch()
+        log("FAIL %s after %.1f s; logs above, kept in %s" %
+            (ARGS.scenario, time.monotonic() - t0, " ".join(SCRATCH)))
         return 1
+    except BaseException:
+        dump_scratch()
+        raise
+    if os.environ.get("SVC_TEST_KEEP"):
+        log("kept (SVC_TEST_KEEP): %s" % " ".join(SCRATCH))
+    else:
+        remove_scratch()
     log("PASS %s (%.1f s)" % (ARGS.scenario, time.monotonic() - t0))
     return 0
 
