@@ -112,8 +112,15 @@ struct sched_hold {
 
 struct sched_req {
     TAILQ_ENTRY(sched_req) qentry;   /* admission queue or sched.live */
-    struct sched_req *hnext;         /* hash chain by req */
-    uint64_t req;                    /* scheduler id */
+    struct sched_req *hnext;         /* hash chain by rid */
+    uint64_t req;                    /* scheduler id (shown to the client) */
+    uint64_t rid;                    /* id of the current run in the rank
+                                        protocol: `req` at first, a new one
+                                        for every re-run, so that what a rank
+                                        says late about an earlier run (a
+                                        PREFILL_DONE, ERROR, KV_RELEASE or
+                                        TOKENS crossing the ABORT) is unknown
+                                        and never taken for the new run's */
     uint64_t id;                     /* client's id */
     struct dsv4_route client;        /* client ROUTER identity */
     bool client_gone;                /* unroutable: drop output */
@@ -269,6 +276,8 @@ void queue_dispatch(struct sched *s);
 struct sched_req *req_new(struct sched *s);
 /* Move a queued request to the live list (dispatch, failure). */
 void req_unqueue(struct sched *s, struct sched_req *r);
+/* The request whose current run has rank-protocol id `req` (its rid: a
+ * message about an earlier run finds nothing); NULL. */
 struct sched_req *req_find(struct sched *s, uint64_t req);
 /* The live request of client `route` with client id `id`; NULL. */
 struct sched_req *req_find_client(struct sched *s, const struct dsv4_route *route, uint64_t id);

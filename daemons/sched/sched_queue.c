@@ -169,7 +169,7 @@ send_prefill(struct sched *s, struct sched_req *r, enum dsv4_transport t)
     if (r->n_out > 0)
         memcpy(ids + r->n_prompt, r->out, (size_t)r->n_out * sizeof(*ids));
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL);
-    m.u.prefill.req = r->req;
+    m.u.prefill.req = r->rid;
     m.u.prefill.tokens = ids;
     m.u.prefill.n_tokens = n;
     m.u.prefill.s = r->s;

@@ -412,7 +412,7 @@ send_decode(struct sched *s, struct sched_req *r, uint32_t n_parts)
 
     r->kv.sub = DSV4_SUB_RANK;
     r->kv.cmd = DSV4_RANK_DECODE;
-    d->req = r->req;
+    d->req = r->rid;
     d->slot = r->slot;
     d->token = r->out[r->n_out - 1];
     d->pos = pos;
@@ -481,7 +481,7 @@ on_kv_release(struct sched *s, struct sched_group *g, uint64_t req)
     if (r->dec.acks > 0 && --r->dec.acks > 0)
         return;
     if (r->pre.g != NULL) {
-        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->rid);
         req_hold_clear(s, r, &r->pre);
     }
     req_kv_clear(r);

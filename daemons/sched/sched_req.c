@@ -3,6 +3,11 @@
  * (docs/protocol.md §5): output bookkeeping with stop conditions, finishing,
  * failing, cancelling, re-running after a rank death, and freeing.
  *
+ * Requests are found from rank messages by `rid`, the id of the current
+ * run: a re-run aborts the old run on every rank still holding it and
+ * continues under a new id, so late messages about the old run are stale by
+ * construction (sched.h).
+ *
  * Runs in the scheduler's only thread.  Invariant: a request is freed only
  * when it is closing, its final client message has been sent (or its client
  * is gone) and no group holds state for it (pre.g == dec.g == NULL).  Every
@@ -30,23 +35,54 @@ hash_req(uint64_t req)
     return (unsigned)((req * 0x9E3779B97F4A7C15ull) >> 52) & (SCHED_REQ_BUCKETS - 1);
 }
 
+/* A new request id (never 0). */
+static uint64_t
+req_next_id(struct sched *s)
+{
+    uint64_t id = s->next_req++;
+
+    if (s->next_req == 0)
+        s->next_req = 1;
+    return id;
+}
+
+/* Put `r` on the hash chain of its rid. */
+static void
+req_hash(struct sched *s, struct sched_req *r)
+{
+    unsigned h = hash_req(r->rid);
+
+    r->hnext = s->hash[h];
+    s->hash[h] = r;
+}
+
+/* Take `r` out of the hash chain of its rid. */
+static void
+req_unhash(struct sched *s, struct sched_req *r)
+{
+    struct sched_req **pp;
+
+    for (pp = &s->hash[hash_req(r->rid)]; *pp != NULL; pp = &(*pp)->hnext) {
+        if (*pp == r) {
+            *pp = r->hnext;
+            break;
+        }
+    }
+}
+
 struct sched_req *
 req_new(struct sched *s)
 {
     struct sched_req *r;
-    unsigned h;
 
     if ((r = calloc(1, sizeof(*r))) == NULL)
         return NULL;
-    r->req = s->next_req++;
-    if (s->next_req == 0)
-        s->next_req = 1;
+    r->req = req_next_id(s);
+    r->rid = r->req;
     r->text_cut = NO_CUT;
     r->state = DSV4_REQ_QUEUED;
     dsv4_msg_init(&r->kv, DSV4_SUB_RANK, DSV4_RANK_DECODE);
-    h = hash_req(r->req);
-    r->hnext = s->hash[h];
-    s->hash[h] = r;
+    req_hash(s, r);
     if (s->tok != NULL)
         dsv4_tok_stream_init(&r->ts, s->tok);
     return r;
@@ -58,7 +94,7 @@ req_find(struct sched *s, uint64_t req)
     struct sched_req *r;
 
     for (r = s->hash[hash_req(req)]; r != NULL; r = r->hnext) {
-        if (r->req == req)
+        if (r->rid == req)
             return r;
     }
     return NULL;
@@ -111,14 +147,7 @@ req_kv_clear(struct sched_req *r)
 static void
 req_destroy(struct sched *s, struct sched_req *r)
 {
-    struct sched_req **pp;
-
-    for (pp = &s->hash[hash_req(r->req)]; *pp != NULL; pp = &(*pp)->hnext) {
-        if (*pp == r) {
-            *pp = r->hnext;
-            break;
-        }
-    }
+    req_unhash(s, r);
     req_kv_clear(r);
     free(r->tag);
     free(r->prompt);
@@ -148,7 +177,7 @@ req_hold_clear(struct sched *s, struct sched_req *r, struct sched_hold *h)
     h->acks = 0;
     /* A closing request's exported KV outlives the decode group's import. */
     if (h == &r->dec && r->closing && r->pre.g != NULL && r->pre.acks == 0) {
-        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+        rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->rid);
         req_hold_clear(s, r, &r->pre);
     }
 }
@@ -274,7 +303,7 @@ release_holds(struct sched *s, struct sched_req *r, enum dsv4_req_state prev)
 {
     if (r->pre.g != NULL) {
         if (prev == DSV4_REQ_PREFILLING) {
-            rank_send_ref(s, r->pre.g, DSV4_RANK_ABORT, r->req);
+            rank_send_ref(s, r->pre.g, DSV4_RANK_ABORT, r->rid);
             r->pre.acks = r->pre.g->n_ranks;
             if (r->pre.acks == 0)
                 req_hold_clear(s, r, &r->pre);
@@ -282,7 +311,7 @@ release_holds(struct sched *s, struct sched_req *r, enum dsv4_req_state prev)
             /* Its KV is exported: KV_RELEASE frees it, no answer.  (While a
              * decode group may still be importing it, the release waits for
              * that group to let go: req_hold_clear.) */
-            rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->req);
+            rank_send_ref(s, r->pre.g, DSV4_RANK_KV_RELEASE, r->rid);
             req_hold_clear(s, r, &r->pre);
         }
     }
@@ -291,7 +320,7 @@ release_holds(struct sched *s, struct sched_req *r, enum dsv4_req_state prev)
             req_hold_clear(s, r, &r->dec);
         } else {
             if (!r->dec_self_end)
-                rank_send_ref(s, r->dec.g, DSV4_RANK_ABORT, r->req);
+                rank_send_ref(s, r->dec.g, DSV4_RANK_ABORT, r->rid);
             /* ranks that already reported the end (on_freed) count as done */
             r->dec.acks = r->dec.g->n_ranks > r->dec_early ? r->dec.g->n_ranks - r->dec_early
                                                            : 0;
@@ -357,21 +386,31 @@ req_cancel(struct sched *s, struct sched_req *r)
     req_finish(s, r, DSV4_FINISH_CANCELLED);
 }
 
-/* Put `r` back at the head of the queue to run again from prompt + output. */
+/*
+ * Put `r` back at the head of the queue to run again from prompt + output,
+ * under a new rid.  Every rank of the groups holding it still (in a group,
+ * the ranks other than the one that died or failed) gets ABORT of the old
+ * rid: a rank of a group left holding a stream would keep it among its
+ * runnable requests, and the group's ranks, which agree on the leading run
+ * of their sorted runnable lists (daemons/rank/rank_group.c), would never
+ * agree on any request again.
+ */
 static void
 req_rerun(struct sched *s, struct sched_req *r, const char *why)
 {
+    uint64_t old = r->rid;
+
     if (r->pre.g != NULL) {
         /* Whatever it is prefilling or has exported is of no use now.  ABORT
          * (not KV_RELEASE) also stops a prefill still running, so the PREFILL
          * of the re-run, which follows on the same link, finds the rank free
          * of this request; its late ABORT_DONE is ignored (on_freed). */
-        rank_send_ref(s, r->pre.g, DSV4_RANK_ABORT, r->req);
+        rank_send_ref(s, r->pre.g, DSV4_RANK_ABORT, r->rid);
         req_hold_clear(s, r, &r->pre);
     }
     if (r->dec.g != NULL) {
         if (r->dec_started)
-            rank_send_ref(s, r->dec.g, DSV4_RANK_ABORT, r->req);
+            rank_send_ref(s, r->dec.g, DSV4_RANK_ABORT, r->rid);
         req_hold_clear(s, r, &r->dec);
     }
     if (++r->reruns > SCHED_MAX_RERUNS) {
@@ -380,8 +419,12 @@ req_rerun(struct sched *s, struct sched_req *r, const char *why)
         return;
     }
     s->m.reruns++;
-    log_notice("req_rerun: req=%llu from token %u (%s)", (unsigned long long)r->req,
-        r->n_out, why);
+    req_unhash(s, r);
+    r->rid = req_next_id(s);
+    req_hash(s, r);
+    log_notice("req_rerun: req=%llu from token %u as run %llu (was %llu) (%s)",
+        (unsigned long long)r->req, r->n_out, (unsigned long long)r->rid,
+        (unsigned long long)old, why);
     req_kv_clear(r);
     r->dec_started = false;
     r->dec_self_end = false;
@@ -403,7 +446,7 @@ req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g)
     }
     if (r->pre.g == g) {
         if (r->state == DSV4_REQ_PREFILLING) {
-            req_hold_clear(s, r, &r->pre);
+            /* the group's other ranks (if any) get ABORT */
             req_rerun(s, r, "prefill rank lost");
             return;
         }
@@ -411,10 +454,8 @@ req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g)
          * it cannot, its ERROR re-runs the request. */
         req_hold_clear(s, r, &r->pre);
     }
-    if (r->dec.g == g) {
-        req_hold_clear(s, r, &r->dec);
-        req_rerun(s, r, "decode rank lost");
-    }
+    if (r->dec.g == g)
+        req_rerun(s, r, "decode rank lost");   /* ABORT to the group's others */
 }
 
 /* Rank-side error about `r` from group `g`: the rank dropped it. */
@@ -432,18 +473,17 @@ req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint
     }
     if (r->pre.g == g && r->state == DSV4_REQ_PREFILLING) {
         if (code == DSV4_STATUS_BUSY || code == DSV4_STATUS_NO_MEMORY) {
-            req_hold_clear(s, r, &r->pre);
-            req_rerun(s, r, "prefill rank busy");
+            req_rerun(s, r, "prefill rank busy");   /* ABORT to the group's others */
         } else {
             req_hold_clear(s, r, &r->pre);
             req_fail(s, r, code, "prefill: %s", msg);
         }
         return;
     }
-    if (r->dec.g == g) {
-        req_hold_clear(s, r, &r->dec);
+    /* the rank that answered dropped the stream, the group's others may
+     * hold it: req_rerun aborts it on every rank of the group */
+    if (r->dec.g == g)
         req_rerun(s, r, "decode rank error");
-    }
 }
 
 int64_t

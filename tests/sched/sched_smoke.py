@@ -16,6 +16,10 @@ output.  Scenarios (one per argument, or all):
              completes with exactly f's tokens (no loss, no duplicates)
   overload   queue bound: 300 beyond it; 301 while draining; drain/undrain via dsv4ctl
   malformed  garbage on the client, rank and admin sockets; the scheduler keeps serving
+  group_error  a decode group of two ranks where rank 1 fails one import that rank 0
+             took: rank 0 gets ABORT of it, the re-run runs under a new rank-protocol
+             id, every request completes with f's tokens and no rank keeps a stream
+             (a rank of a group left holding a stream stalls the whole group)
 
 Exit status 0 on success, 1 on failure, 77 when pyzmq/msgpack are missing.
 """
@@ -53,10 +57,15 @@ ALL_SCHEDS = []
 class FakeRank(threading.Thread):
     """One fake rank (prefill or decode) on a DEALER socket."""
 
-    def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004):
+    def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004, group=None,
+                 group_rank=0, group_size=1):
         super().__init__(daemon=True)
         self.ctx, self.endpoint, self.role, self.index = ctx, endpoint, role, index
         self.capacity, self.tick = capacity, tick
+        self.group = index if group is None else group
+        self.group_rank, self.group_size = group_rank, group_size
+        self.fail_decode = 0            # answer this many DECODEs with an import ERROR
+        self.log = []                   # (cmd, req) of DECODE, ABORT, ERROR sent
         self.stop = False
         self.dead = False               # simulate a crash: stop answering
         self.streams = {}               # decode: req -> state
@@ -76,10 +85,10 @@ class FakeRank(threading.Thread):
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(self.endpoint)
-        self.send(s, 1, {"role": self.role, "index": self.index, "group": self.index,
-                         "group_rank": 0, "group_size": 1, "capacity": self.capacity,
-                         "max_ctx": 4096, "host": "test", "pid": os.getpid(),
-                         "transports": ["shm"]})
+        self.send(s, 1, {"role": self.role, "index": self.index, "group": self.group,
+                         "group_rank": self.group_rank, "group_size": self.group_size,
+                         "capacity": self.capacity, "max_ctx": 4096, "host": "test",
+                         "pid": os.getpid(), "transports": ["shm"]})
         while not self.stop:
             if self.dead:
                 break
@@ -97,9 +106,13 @@ class FakeRank(threading.Thread):
         if cmd == 2:
             self.welcomed.set()
         elif cmd == 4:                  # DISCONNECT: register again
-            self.send(s, 1, {"role": self.role, "index": self.index, "group": self.index,
-                             "group_rank": 0, "group_size": 1, "capacity": self.capacity,
-                             "max_ctx": 4096, "host": "test"})
+            self.send(s, 1, {"role": self.role, "index": self.index, "group": self.group,
+                             "group_rank": self.group_rank, "group_size": self.group_size,
+                             "capacity": self.capacity, "max_ctx": 4096, "host": "test"})
+        elif cmd == 16:                 # COMM: rank 0 makes the id; the others take it
+            if "comm_id" not in b:
+                self.send(s, 16, {"comm_epoch": b["comm_epoch"],
+                                  "comm_id": b"/fakecomm".ljust(128, b"\0")})
         elif cmd == 5:                  # PREFILL
             toks, step = b["tokens"], b.get("step", 0)
             prompt = toks[:len(toks) - step]
@@ -112,7 +125,19 @@ class FakeRank(threading.Thread):
                       [("shm-%d-%d" % (b["req"], sum(prompt))).encode()])
         elif cmd == 7:                  # DECODE
             h = b["kv"][0]
+            self.log.append((7, b["req"]))
             self.send(s, 8, {"req": b["req"]})
+            # like daemons/rank: a stream held already, or a failed import
+            err = None
+            if b["req"] in self.streams:
+                err = "req %d is already decoding" % b["req"]
+            elif self.fail_decode > 0:
+                self.fail_decode -= 1
+                err = "import of the decode state failed (test)"
+            if err is not None:
+                self.log.append((15, b["req"]))
+                self.send(s, 15, {"req": b["req"], "code": 500, "message": err})
+                return
             # The prompt sum rides in the fake KV handle the scheduler forwards.
             psum = int(raw[0].decode().split("-")[2])
             with self.lock:
@@ -128,6 +153,7 @@ class FakeRank(threading.Thread):
                 self.released.add(b["req"])
                 self.exported.discard(b["req"])
         elif cmd == 11:                 # ABORT
+            self.log.append((11, b["req"]))
             with self.lock:
                 self.aborts.add(b["req"])
                 self.streams.pop(b["req"], None)
@@ -525,8 +551,45 @@ def t_malformed(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_group_error(ctx, build, tmp):
+    sc = Sched(build, tmp, ["-o", "max_batch=16"])
+    time.sleep(0.2)
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2)
+    d0 = FakeRank(ctx, sc.ep["rank"], "decode", 0, group=0, group_rank=0, group_size=2)
+    d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=2)
+    d1.fail_decode = 1
+    for r in (pre, d0, d1):
+        r.start()
+    wait_ranks(sc, 3)
+    cl = Client(ctx, sc.ep["client"])
+    ids = {}
+    for k, p in enumerate(prompts(6)):
+        ids[submit(cl, p, k, 20)] = (p, k)
+    res = collect_with_psum(cl, ids)
+    for i, (p, k) in ids.items():
+        check(res[i]["final"][0] == 5, "request %d: %s" % (i, res[i]["final"]))
+        check(res[i]["tokens"] == expected(p, k, 20), "request %d: tokens %s" %
+              (i, res[i]["tokens"]))
+    failed = [q for c, q in d1.log if c == 15]
+    check(len(failed) == 1, "decode@1 failed %s" % failed)
+    bad = failed[0]
+    check((11, bad) in d0.log, "decode@0 got no ABORT of req %d: %s" % (bad, d0.log))
+    check(d0.log.index((11, bad)) > d0.log.index((7, bad)), "ABORT before DECODE")
+    check(not [q for c, q in d0.log if c == 15], "decode@0 failed: %s" % d0.log)
+    n7 = [q for c, q in d0.log if c == 7]
+    check(len(n7) == len(ids) + 1 and len(set(n7)) == len(n7),
+          "the re-run did not get a new id: DECODEs %s" % n7)
+    wait_idle(sc)
+    time.sleep(0.2)
+    check(not d0.streams and not d1.streams, "streams left: %s %s" % (d0.streams, d1.streams))
+    rc, st = sc.ctl("status")
+    check(st["reruns"] == 1 and st["n_failed"] == 0, st)
+    return sc, [pre, d0, d1]
+
+
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
-         "death": t_death, "overload": t_overload, "malformed": t_malformed}
+         "death": t_death, "overload": t_overload, "malformed": t_malformed,
+         "group_error": t_group_error}
 TOKENIZER = None
 
 
