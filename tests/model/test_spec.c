@@ -23,7 +23,6 @@
  *
  * Usage: test_spec CHECKPOINT_DIR (run_with_ckpt.sh makes it).
  */
-#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -34,7 +33,7 @@
 
 #include <cmocka.h>
 
-#include "common/weights_shard.h"
+#include "group_threads.h"
 #include "model_util.h"
 
 #define N_SEQ 4
@@ -365,45 +364,27 @@ opts(struct dsv4_comm *c)
     return o;
 }
 
-struct rank_ctx {
-    const struct dsv4_weights *full;
-    struct dsv4_comm *comm;
+/* The thread group's runs: the plain reference and one run per rank. */
+struct group_runs {
     const struct run *ref;
-    struct run out;
+    struct run out[2];
 };
 
-static void *
-rank_main(void *arg)
+static void
+rank_run(struct dsv4_model *m, int rank, void *ctx)
 {
-    struct rank_ctx *r = arg;
-    struct dsv4_backend *be = NULL;
-    struct dsv4_weights sh;
-    struct dsv4_model *m = NULL;
-    struct dsv4_model_opts o = opts(r->comm);
+    struct group_runs *g = ctx;
 
-    if (dsv4_weights_shard(&sh, r->full, r->comm->rank, r->comm->size) != DSV4_OK ||
-        dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
-        dsv4_model_create(&m, be, &sh, &o) != DSV4_OK) {
-        r->out.err = DSV4_ERR_INVAL;
-        snprintf(r->out.msg, sizeof(r->out.msg), "rank %d set-up: %s", r->comm->rank,
-                 dsv4_errmsg());
-        return NULL;   /* the other rank then blocks: the test times out, loudly */
-    }
-    spec_script(m, r->ref, 0, &r->out);
-    dsv4_model_free(m);
-    dsv4_backend_destroy(be);
-    dsv4_weights_shard_free(&sh);
-    return NULL;
+    spec_script(m, g->ref, 0, &g->out[rank]);
 }
 
 static void
 test_spec_group(void **state)
 {
     struct tmodel tm;
+    struct dsv4_model_opts o = opts(NULL);
     struct run ref, one;
-    struct dsv4_comm *comm[2];
-    struct rank_ctx rk[2];
-    pthread_t th[2];
+    struct group_runs gr;
 
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, N_SEQ, MAX_SEQ, N_PROMPT);
@@ -417,18 +398,13 @@ test_spec_group(void **state)
     if (one.err != DSV4_OK)
         fail_msg("one rank: %s", one.msg);
     expect_tokens(&one, &ref, "one rank, late MTP start");
-    assert_int_equal(dsv4_comm_local_create(comm, 2), DSV4_OK);
-    for (int r = 0; r < 2; r++) {
-        rk[r].full = &tm.w;
-        rk[r].comm = comm[r];
-        rk[r].ref = &ref;
-        run_alloc(&rk[r].out, N_GEN_TP);
-        assert_int_equal(pthread_create(&th[r], NULL, rank_main, &rk[r]), 0);
-    }
+    gr.ref = &ref;
     for (int r = 0; r < 2; r++)
-        pthread_join(th[r], NULL);
+        run_alloc(&gr.out[r], N_GEN_TP);
+    if (group_threads_run(&tm.w, 2, &o, rank_run, &gr) != DSV4_OK)
+        fail_msg("group: %s", dsv4_errmsg());
     for (int r = 0; r < 2; r++) {
-        struct run *g = &rk[r].out;
+        struct run *g = &gr.out[r];
 
         if (g->err != DSV4_OK)
             fail_msg("rank %d: %s", r, g->msg);
@@ -446,7 +422,6 @@ test_spec_group(void **state)
         printf("# rank %d: %d verify calls, %d accepted, %d rejected: == one rank\n", r,
                g->calls, g->accepted, g->rejected);
         run_free(g);
-        dsv4_comm_destroy(comm[r]);
     }
     run_free(&ref);
     run_free(&one);

@@ -18,7 +18,6 @@
  * Usage: test_tp CHECKPOINT_DIR (run_with_ckpt.sh makes it).
  */
 #include <dirent.h>
-#include <pthread.h>
 #include <setjmp.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -32,6 +31,7 @@
 #include <cmocka.h>
 
 #include "common/weights_shard.h"
+#include "group_threads.h"
 #include "model_util.h"
 
 #define N_SEQ 3
@@ -146,36 +146,11 @@ opts(struct dsv4_comm *c)
     return o;
 }
 
-/* One rank of the group: its backend, shard and model. */
-struct rank_ctx {
-    const struct dsv4_weights *full;
-    struct dsv4_comm *comm;
-    struct run_out out;
-};
-
-static void *
-rank_main(void *arg)
+/* A rank of the thread group: the script into its run_out (ctx: one per rank). */
+static void
+rank_run(struct dsv4_model *m, int rank, void *ctx)
 {
-    struct rank_ctx *r = arg;
-    struct dsv4_backend *be = NULL;
-    struct dsv4_weights sh;
-    struct dsv4_model *m = NULL;
-    struct dsv4_model_opts o = opts(r->comm);
-    struct run_out *out = &r->out;
-
-    if (dsv4_weights_shard(&sh, r->full, r->comm->rank, r->comm->size) != DSV4_OK ||
-        dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
-        dsv4_model_create(&m, be, &sh, &o) != DSV4_OK) {
-        out->err = DSV4_ERR_INVAL;
-        snprintf(out->msg, sizeof(out->msg), "rank %d set-up: %s", r->comm->rank,
-                 dsv4_errmsg());
-        return NULL;   /* the other rank then blocks: the test times out, loudly */
-    }
-    run_script(m, out);
-    dsv4_model_free(m);
-    dsv4_backend_destroy(be);
-    dsv4_weights_shard_free(&sh);
-    return NULL;
+    run_script(m, &((struct run_out *)ctx)[rank]);
 }
 
 static void
@@ -195,10 +170,7 @@ test_group_equals_one_rank(void **state)
     struct tmodel tm;
     struct dsv4_model *ref_m = NULL;
     struct dsv4_model_opts o = opts(NULL);
-    struct run_out ref;
-    struct dsv4_comm *comm[2];
-    struct rank_ctx rk[2];
-    pthread_t th[2];
+    struct run_out ref, out[2];
 
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
@@ -208,17 +180,12 @@ test_group_equals_one_rank(void **state)
     run_script(ref_m, &ref);
     if (ref.err != DSV4_OK)
         fail_msg("one rank: %s", ref.msg);
-    assert_int_equal(dsv4_comm_local_create(comm, 2), DSV4_OK);
-    for (int r = 0; r < 2; r++) {
-        rk[r].full = &tm.w;
-        rk[r].comm = comm[r];
-        run_alloc(&rk[r].out);
-        assert_int_equal(pthread_create(&th[r], NULL, rank_main, &rk[r]), 0);
-    }
     for (int r = 0; r < 2; r++)
-        pthread_join(th[r], NULL);
+        run_alloc(&out[r]);
+    if (group_threads_run(&tm.w, 2, &o, rank_run, out) != DSV4_OK)
+        fail_msg("group: %s", dsv4_errmsg());
     for (int r = 0; r < 2; r++) {
-        struct run_out *g = &rk[r].out;
+        struct run_out *g = &out[r];
 
         if (g->err != DSV4_OK)
             fail_msg("rank %d: %s", r, g->msg);
@@ -227,7 +194,6 @@ test_group_equals_one_rank(void **state)
         expect_same("mtp", r, g->mtp, ref.mtp, (size_t)N_PROMPT * V);
         expect_same("handoff", r, g->handoff, ref.handoff, (size_t)V);
         run_free(g);
-        dsv4_comm_destroy(comm[r]);
     }
     run_free(&ref);
     dsv4_model_free(ref_m);
