@@ -60,6 +60,13 @@
  * (linear, wo_a, moe) at T <= 16.  T = 64 reads the weights of an expert or
  * matrix once per 16 tokens (the fast path's pass size).
  *
+ * Decode linears v1 against v2 (kernels/cuda/fast_linear2.cu, after the
+ * linear cases; BENCH_FAST_ONLY=linear: only these): the self-check of the
+ * FP8 mma fragment layout and the activation codes, then the FP8 linears
+ * of the model at TP = 1 and 2 (wq_a, wq_b, wq_b/2, wkv, wo_b, wo_b/2,
+ * idx_wq_b, proj) under DSV4_CUDA_LINEAR = v1, v2, v2h with the checks
+ * above, a failure's first value out of bounds, and a "linear cfg" table.
+ *
  * Prefill cases (kernels/cuda/fast_gemm.cu, after the decode ones): the FP8
  * linears pf_wq_a 4096->1024, pf_wq_b 1024->16384 (half of 64x512 per rank),
  * pf_wkv 4096->512, pf_wo_b 8192->4096, pf_idxq 1024->8192, and the BF16
@@ -820,6 +827,162 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
         printf("%s\n", table[i]);
 }
 
+/* --- decode linear v1 against v2 (kernels/cuda/fast_linear2.cu) ------------------- */
+
+/*
+ * The FP8 linears of the model (REF numerics) at both group sizes (TP = 1,
+ * and the rank's share at TP = 2 where the weight is split), each run under
+ * every setting of DSV4_CUDA_LINEAR in lin2_var (v1: fl_kernel; v2: the
+ * E4M3 tensor-core kernel; v2h: the same kernel on f16 tensor cores) with
+ * run_case's checks (bounds against the exact op, same bits twice, rows
+ * independent of T: T = 4, 16, 64 against the rows of the previous T, so
+ * row 0 at T = 1 is row 0 inside T = 16 and 64).  A failed case prints its
+ * first value out of bounds and, where row 0 moved with T, its first
+ * differing column (lin2_diag).  Before the cases: the self-check of the
+ * mma fragment layout and the quantizer (dsv4_cuda_linear_selftest).  At
+ * the end one "linear cfg" line per shape and setting: share of 4.3 TB/s
+ * and microseconds per call at each T.  BENCH_FAST_ONLY=linear runs only
+ * this section.
+ */
+static const struct {
+    const char *name;
+    int N, K;
+} lin2_shapes[] = {
+    { "wq_a", 1024, 4096 },       /* replicated */
+    { "wq_b", 32768, 1024 },      /* 64 heads x 512 */
+    { "wq_b/2", 16384, 1024 },    /* TP = 2: 32 heads per rank */
+    { "wkv", 512, 4096 },         /* replicated */
+    { "wo_b", 4096, 8192 },
+    { "wo_b/2", 2048, 8192 },     /* TP = 2: half the output rows */
+    { "idx_wq_b", 8192, 1024 },   /* indexer, 64 heads x 128 */
+    { "proj", 4096, 4096 },       /* MTP e_proj / h_proj */
+};
+static const char *const lin2_var[] = { "v1", "v2", "v2h" };
+#define N_LIN2 ((int)(sizeof(lin2_shapes) / sizeof(lin2_shapes[0])))
+#define N_LIN2_VAR ((int)(sizeof(lin2_var) / sizeof(lin2_var[0])))
+
+/* Download (T, w) fp32 outputs of o after running it with the fast kernels
+ * on (fast != 0) or off. */
+static float *
+lin2_run(struct dsv4_backend *be, const struct op *o, int T, int fast)
+{
+    size_t n = (size_t)T * o->outs[0].w;
+    float *h = malloc(n * sizeof(float));
+
+    if (h == NULL)
+        exit(1);
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, fast));
+    TRY("op", op_run(be, o, T));
+    TRY("download", be->ops->download(be, h, o->outs[0].dev, n * sizeof(float)));
+    return h;
+}
+
+/* Why case (o, T) failed: its first value out of bounds (token, column,
+ * fast, exact, bits), the largest difference, and row 0 against T = 1. */
+static void
+lin2_diag(struct dsv4_backend *be, const struct op *o, int T)
+{
+    int N = o->outs[0].w;
+    float *ref = lin2_run(be, o, T, 0), *fast = lin2_run(be, o, T, 1);
+    float *one = lin2_run(be, o, 1, 1);
+    double maxr = 0, maxd = 0;
+    size_t n = (size_t)T * N, first = n, worst = 0;
+
+    for (size_t i = 0; i < n; i++)
+        maxr = fabs((double)ref[i]) > maxr ? fabs((double)ref[i]) : maxr;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)fast[i] - ref[i]);
+
+        if (!(d <= BOUND_BF16 * maxr) && first == n)
+            first = i;
+        if (!(d <= maxd)) {
+            maxd = isnan(d) ? INFINITY : d;
+            worst = i;
+        }
+    }
+    if (first < n) {
+        uint32_t fb, rb;
+
+        memcpy(&fb, &fast[first], 4);
+        memcpy(&rb, &ref[first], 4);
+        printf("     %s T=%d first value out of bounds: token %zu column %zu fast %.9g (%08x) "
+               "exact %.9g (%08x), bound %.3g\n",
+               o->name, T, first / N, first % N, fast[first], fb, ref[first], rb,
+               BOUND_BF16 * maxr);
+    }
+    printf("     %s T=%d largest difference %.3g at token %zu column %zu (fast %.9g exact "
+           "%.9g), max |exact| %.6g\n",
+           o->name, T, maxd, worst / N, worst % N, fast[worst], ref[worst], maxr);
+    for (int c = 0; c < N; c++)
+        if (memcmp(&one[c], &fast[c], 4) != 0) {
+            printf("     %s row 0 at T=%d differs from T=1 first at column %d: %.9g vs %.9g\n",
+                   o->name, T, c, fast[c], one[c]);
+            break;
+        }
+    free(ref);
+    free(fast);
+    free(one);
+}
+
+static void
+linear2_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const float *xh,
+            float *out, struct tally *ty)
+{
+    char msg[2048], table[N_LIN2 * N_LIN2_VAR][256];
+    int rc = dsv4_cuda_linear_selftest(be, msg, sizeof(msg)), row = 0;
+
+    printf("linear v2 self-check (kernels/cuda/fast_linear2.cu):\n%s", msg);
+    if (rc != 0) {
+        printf("FAIL linear v2 self-check (%d)\n", rc);
+        ty->fail++;
+    } else {
+        ty->ok++;
+    }
+    printf("decode linears, DSV4_CUDA_LINEAR = v1 | v2 | v2h side by side:\n");
+    for (int l = 0; l < N_LIN2; l++) {
+        int N = lin2_shapes[l].N, K = lin2_shapes[l].K;
+        struct dsv4_linear W = make_fp8(be, N, K);
+
+        for (int t = 0; t < T_MAX; t++)
+            TRY("upload", be->ops->upload(be, x + (size_t)t * K, xh + (size_t)t * 8192,
+                                          (size_t)K * sizeof(float)));
+        for (int v = 0; v < N_LIN2_VAR; v++, row++) {
+            char name[64];
+            struct op o = { .name = name, .kind = OP_LINEAR, .x = x, .W = W };
+            struct hist h;
+            size_t len;
+
+            snprintf(name, sizeof(name), "%s:%s", lin2_shapes[l].name, lin2_var[v]);
+            setenv("DSV4_CUDA_LINEAR", lin2_var[v], 1);
+            o.outs[0] = out_f32("out", out, N, BOUND_BF16, IDENT_BF16);
+            o.n_outs = 1;
+            memset(&h, 0, sizeof(h));
+            len = (size_t)snprintf(table[row], sizeof(table[row]),
+                                   "linear cfg %-9s %5d x %-5d %-3s", lin2_shapes[l].name, N,
+                                   K, lin2_var[v]);
+            for (int i = 0; i < N_T; i++) {
+                int T = t_list[i], fails = ty->fail;
+                size_t bytes = (size_t)(T + 15) / 16 * lin_bytes(&W);
+                double r = run_case(be, tm, &o, T, bytes, &h, ty);
+
+                if (ty->fail > fails)
+                    lin2_diag(be, &o, T);
+                if (len < sizeof(table[row]))
+                    len += (size_t)snprintf(table[row] + len, sizeof(table[row]) - len,
+                                            "  %d:%.2f %.1fus", T, r,
+                                            r > 0 ? (double)bytes / (r * PEAK_GBS * 1e3) : 0.0);
+            }
+            free(h.prev[0]);
+        }
+        be->ops->free(be, (void *)(uintptr_t)W.w);
+        be->ops->free(be, (void *)(uintptr_t)W.scale);
+    }
+    unsetenv("DSV4_CUDA_LINEAR");
+    printf("decode linears, share of 4.3 TB/s and us per call (T:share us):\n");
+    for (int i = 0; i < row; i++)
+        printf("%s\n", table[i]);
+}
+
 /* --- prefill: the tensor-core GEMMs (kernels/cuda/fast_gemm.cu) ------------------- */
 
 /*
@@ -1257,6 +1420,14 @@ main(int argc, char **argv)
         run_all(be, tm, &o, lin_bytes(&o.W), 0, 1, &ty);
         be->ops->free(be, (void *)(uintptr_t)o.W.w);   /* ours: allocated above */
         be->ops->free(be, (void *)(uintptr_t)o.W.scale);
+    }
+    linear2_all(be, tm, x, xh, out, &ty);
+    if (getenv("BENCH_FAST_ONLY") != NULL && strcmp(getenv("BENCH_FAST_ONLY"), "linear") == 0) {
+        printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=linear)\n", ty.ok, ty.fail);
+        dsv4_cuda_timer_destroy(tm);
+        dsv4_backend_destroy(be);
+        free(xh);
+        return ty.fail ? 1 : 0;
     }
     for (int t = 0; t < T_MAX; t++)
         TRY("upload", be->ops->upload(be, x + (size_t)t * D_MODEL, xh + (size_t)t * 8192,
