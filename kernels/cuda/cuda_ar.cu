@@ -35,8 +35,9 @@
  * finished reading parity p.  Flags only grow, so one flag per (rank,
  * block) suffices ("e or more"), whatever grid each call had.
  *
- * Abort.  The waits poll the group's `broken` word (own device memory,
- * written by any rank that gives up), and every 64 turns the abort word
+ * Abort.  The waits (ar_wait_poll, on each wait's own schedule) poll the
+ * group's `broken` word (own device memory, written by any rank that gives
+ * up), and every 64 turns the abort word
  * (pinned host memory mapped into the device, set by abort() from any
  * thread: a device word written by a copy could not pass a stream blocked
  * in the kernel) and %globaltimer against timeout_ms.  A block that gives
@@ -229,29 +230,56 @@ ar_begin(struct ar_hdr *me, unsigned long long *s_epoch, unsigned int *s_fail)
     return *s_fail == 0;
 }
 
+/*
+ * The give-up checks of turn `spin` (0, 1, ...) of a wait loop, the same
+ * for every wait: 0 to keep waiting, else the AR_ERR_* to give up with.
+ * Each reason is looked at only on the turns its flag says (the loop's
+ * schedule; constants once inlined): `broken` (own device memory, written
+ * by a peer that gave up) when peer; the abort word (mapped host memory: a
+ * read over PCIe, ~1 us) when host; the deadline (timeout_ns from *t0,
+ * %globaltimer) when deadline, the abort word first when host_first.  Turn
+ * 0 only starts the clock (*t0) after the `broken` check: neither loop
+ * schedules the deadline or the abort word there.
+ */
+static __device__ __forceinline__ unsigned int
+ar_wait_poll(const struct ar_args &a, unsigned int spin, unsigned long long *t0, bool peer,
+             bool host, bool deadline, bool host_first)
+{
+    const volatile unsigned int *broken = &((const struct ar_hdr *)a.own)->broken;
+    volatile const struct ar_ctl *ctl = a.ctl;
+
+    if (peer && *broken)
+        return AR_ERR_PEER;
+    if (spin == 0) {
+        *t0 = ar_clock_ns();
+        return 0;
+    }
+    if (host_first && host && ctl->abort)
+        return AR_ERR_ABORT;
+    if (deadline && ar_clock_ns() - *t0 > a.timeout_ns)
+        return AR_ERR_TIMEOUT;
+    if (!host_first && host && ctl->abort)
+        return AR_ERR_ABORT;
+    return 0;
+}
+
 /* Wait (thread t of the block, t != rank) for rank t's chunk of epoch e;
- * 0 when it came, else AR_ERR_*. */
+ * 0 when it came, else AR_ERR_*.  Every turn looks at `broken`; every
+ * AR_POLL turns at the abort word, then the deadline (host reads: not on
+ * the fast path). */
 static __device__ unsigned int
 ar_wait(const struct ar_args &a, const struct ar_hdr *me, int t, unsigned long long e)
 {
-    volatile const struct ar_ctl *ctl = a.ctl;
-    const volatile unsigned int *broken = &me->broken;
     unsigned long long t0 = 0;
 
     for (unsigned int spin = 0;; spin++) {
         if (ar_ld_acquire(&me->flag[t][blockIdx.x]) >= e)
             return 0;
-        if (*broken)
-            return AR_ERR_PEER;
-        if (spin == 0) {
-            t0 = ar_clock_ns();
-        } else if (spin % AR_POLL == 0) {
-            /* a host read (~1 us over PCIe): not on the fast path */
-            if (ctl->abort)
-                return AR_ERR_ABORT;
-            if (ar_clock_ns() - t0 > a.timeout_ns)
-                return AR_ERR_TIMEOUT;
-        }
+        const bool poll = spin % AR_POLL == 0;
+        const unsigned int why = ar_wait_poll(a, spin, &t0, true, poll, poll, true);
+
+        if (why != 0)
+            return why;
     }
 }
 
@@ -426,8 +454,6 @@ ar_ll_ok(ulonglong2 l, unsigned int f)
 static __device__ __forceinline__ unsigned int
 ar_ll_wait(const struct ar_args &a, const ulonglong2 *p, bool valid, unsigned int f, float4 *v)
 {
-    const volatile unsigned int *broken = &((const struct ar_hdr *)a.own)->broken;
-    volatile const struct ar_ctl *ctl = a.ctl;
     unsigned long long t0 = 0;
 
     for (unsigned int spin = 0;; spin++) {
@@ -447,16 +473,14 @@ ar_ll_wait(const struct ar_args &a, const ulonglong2 *p, bool valid, unsigned in
             v->w = __uint_as_float((unsigned int)l1.y);
             return 0;
         }
-        if ((threadIdx.x & 31) == 0) {
-            if (spin == 0)
-                t0 = ar_clock_ns();
-            if (spin % AR_LL_POLL_BROKEN == AR_LL_POLL_BROKEN - 1 && *broken)
-                why = AR_ERR_PEER;
-            else if (spin % AR_POLL == AR_POLL - 1 && ar_clock_ns() - t0 > a.timeout_ns)
-                why = AR_ERR_TIMEOUT;
-            else if (spin % AR_LL_POLL_HOST == AR_LL_POLL_HOST - 1 && ctl->abort)
-                why = AR_ERR_ABORT;   /* a host read: rare */
-        }
+        /* `broken` every AR_LL_POLL_BROKEN turns, the deadline every
+         * AR_POLL, the abort word (a host read: rare) every
+         * AR_LL_POLL_HOST, each on the last turn of its period */
+        if ((threadIdx.x & 31) == 0)
+            why = ar_wait_poll(a, spin, &t0,
+                               spin % AR_LL_POLL_BROKEN == AR_LL_POLL_BROKEN - 1,
+                               spin % AR_LL_POLL_HOST == AR_LL_POLL_HOST - 1,
+                               spin % AR_POLL == AR_POLL - 1, false);
         why = __shfl_sync(0xffffffffu, why, 0);
         if (why != 0)
             return why;
