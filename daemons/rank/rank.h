@@ -277,6 +277,13 @@ enum dsv4_err group_check(struct rank *k);
 /* Bracket collectives (the watchdog acts only inside). */
 void group_enter(struct rank *k);
 void group_leave(struct rank *k);
+/* End the collective section of a forward call (group_enter before the
+ * call; `e` its result): in a group, group_check after a call that
+ * succeeded, group_leave, and on failure group_broken.  True when the
+ * call's results may be used; false when the group broke (the work is
+ * dropped).  Outside a group a failure is fatal ("<fmt ...>: <error>"). */
+bool group_forward_end(struct rank *k, enum dsv4_err e, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 /* Drop the communicator (new epoch, link lost, shutdown); abort_peers:
  * make the peers' collectives with it fail now. */
 void group_close(struct rank *k, bool abort_peers);

@@ -274,15 +274,8 @@ decode_work(struct rank *k)
     /* forward and sampling on the backend: only the ids come back */
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
-    if (e == DSV4_OK && k->comm != NULL)
-        e = group_check(k);   /* a cudaipc all-reduce that gave up */
-    group_leave(k);
-    if (e != DSV4_OK && k->comm != NULL) {
-        group_broken(k, dsv4_errmsg());
+    if (!group_forward_end(k, e, "decode_work: forward of %d streams", n))
         return;
-    }
-    if (e != DSV4_OK)
-        fatalx("decode_work: forward of %d streams: %s", n, dsv4_errmsg());
 
     for (int r = 0; r < n; r++) {
         struct rank_stream *st = &k->streams[k->b_slot[r]];
@@ -360,15 +353,8 @@ decode_work_spec(struct rank *k)
                                k->spec_n, NULL);
     if (e == DSV4_OK)
         e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
-    if (e == DSV4_OK && k->comm != NULL)
-        e = group_check(k);   /* a cudaipc all-reduce that gave up */
-    group_leave(k);
-    if (e != DSV4_OK && k->comm != NULL) {
-        group_broken(k, dsv4_errmsg());
+    if (!group_forward_end(k, e, "decode_work_spec: verify of %d streams", n))
         return;
-    }
-    if (e != DSV4_OK)
-        fatalx("decode_work_spec: verify of %d streams: %s", n, dsv4_errmsg());
 
     /* 1 .. K1 tokens per stream, in order; a stop id or max_tokens at any of
      * them ends the stream there (out_tok is compacted in place: n_out never

@@ -43,7 +43,9 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -534,6 +536,27 @@ group_broken(struct rank *k, const char *why)
         decode_reset(k);
     if (k->pend_epoch != 0)
         group_join(k);
+}
+
+bool
+group_forward_end(struct rank *k, enum dsv4_err e, const char *fmt, ...)
+{
+    char what[128];
+    va_list ap;
+
+    if (e == DSV4_OK && k->comm != NULL)
+        e = group_check(k);   /* a cudaipc all-reduce that gave up */
+    group_leave(k);
+    if (e == DSV4_OK)
+        return true;
+    if (k->comm != NULL) {
+        group_broken(k, dsv4_errmsg());
+        return false;
+    }
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    fatalx("%s: %s", what, dsv4_errmsg());
 }
 
 /* Ascending order of request ids. */

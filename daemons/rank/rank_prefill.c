@@ -196,15 +196,8 @@ prefill_work(struct rank *k)
      * their prompt use theirs */
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
-    if (e == DSV4_OK && k->comm != NULL)
-        e = group_check(k);   /* a cudaipc all-reduce that gave up */
-    group_leave(k);
-    if (e != DSV4_OK && k->comm != NULL) {
-        group_broken(k, dsv4_errmsg());
+    if (!group_forward_end(k, e, "prefill_work: forward of %d rows", rows))
         return;
-    }
-    if (e != DSV4_OK)
-        fatalx("prefill_work: forward of %d rows: %s", rows, dsv4_errmsg());
     for (int s = 0; s < n_seqs; s++) {
         struct rank_job *j = &k->jobs[k->b_slot[s]];
         j->done += (uint32_t)k->b_ntok[s];
