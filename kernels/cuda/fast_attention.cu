@@ -29,14 +29,33 @@
  *      is close to fp32 accuracy rather than bf16's.
  *   At the end out = bf16(O / (l + exp(sink - m))).
  *
- * Decode-sized calls (T * head groups <= FA_SPLIT_ROWS) would give too few
- * CTAs, so there each row's candidate list is cut into chunks of
- * FA_CHUNK candidates, one CTA each (flash-decoding); a CTA writes its
- * unnormalised (O, m, l) to scratch and fa_combine_kernel merges the chunks
- * of a (row, head) in chunk order.  The candidate list is the exact path's
- * (window positions, then the compressed entries in order; CSA slots with
- * sel < 0 or >= cap are masked, not compacted), so a chunk's content
- * depends on the row alone.
+ * Decode-sized calls (T * head groups <= FA_SPLIT_ROWS, head groups of 32
+ * when H > 16, else 16) would give too few CTAs, so there each row's
+ * candidate list is split over several CTAs (flash-decoding).  The
+ * candidate list is the exact path's (window positions, then the compressed
+ * entries in order; CSA slots with sel < 0 or >= cap are masked, not
+ * compacted), so which CTA gets which candidate depends on the row alone.
+ * Two forms of the split, DSV4_CUDA_ATTN picks (fa_variant):
+ *
+ *   v2 (default; fd_kernel, one launch): a thread block cluster of FD_CS = 8
+ *     CTAs per (row, group of 16 or 32 heads); rank z takes the row's tiles
+ *     z, z + 8, z + 16, ...  The candidate rows of the CTA's tiles are looked
+ *     up once, all in parallel, before any tile is loaded (v1 looked them up
+ *     copy by copy, a chain of dependent sel / page-table loads per tile);
+ *     tile j + 1's copies are in flight while tile j is computed; 3 barriers a
+ *     tile.  Then the cluster merges in shared memory (each rank writes 1/8
+ *     of the head dimensions, reading the 8 partials over DSMEM in rank
+ *     order): no scratch, no second kernel, nothing to reset between graph
+ *     replays.  Heads per CTA: 32 once T * ceil(H / 32) * 8 CTAs fill the
+ *     GPU's SMs (fewer key reads), else 16 (more CTAs: a T = 1, H = 64 call
+ *     has 32); "v2-16" / "v2-32" force one.  A head's arithmetic is the same
+ *     with 16 or 32 heads per CTA (8 threads a head in the softmax either
+ *     way; the mma computes each element on its own).  Rows with more than
+ *     FD_MAX_CAND = 2048 candidates possible (win + K, or win + cap: HCA past
+ *     ~245k tokens), or a device that cannot hold a cluster, take v1.
+ *   v1 ("v1"): chunks of FA_CHUNK candidates, one fa_kernel CTA each, the
+ *     unnormalised (O, m, l) to scratch, and fa_combine_kernel merges the
+ *     chunks of a (row, head) in chunk order.
  *
  * Numerics.  q and the key rows are used as bf16 (the forward's values are
  * bf16; other inputs are rounded to bf16 first).  Products are exact; the
@@ -45,14 +64,18 @@
  * the double-rounded one), the online rescaling by alpha, the sum order of
  * the denominator and of P V, and P's hi + lo split (relative error
  * <= 2^-16 per weight).  Outputs are deterministic and depend on the row's
- * own inputs and on whether the call was split (T * groups <=
- * FA_SPLIT_ROWS) only: not on the other rows or on T otherwise.  No host
+ * own inputs, on whether the call was split (T * groups <= FA_SPLIT_ROWS)
+ * and on the form of the split (v1, v2) only: not on the other rows or on T
+ * otherwise (tests/gpu/bench_attn.c checks rows at T = 1, 4, 16).  No host
  * synchronisation, no allocation beyond the backend scratch (graph-safe).
  */
 #include "kernels/cuda/fast_mma.cuh"
 
+#include <cooperative_groups.h>
 #include <stdlib.h>
 #include <string.h>
+
+namespace cg = cooperative_groups;
 
 #define FA_THREADS 256
 #define FA_WARPS 8
@@ -61,6 +84,10 @@
 #define FA_SPLIT_ROWS 64    /* split when T * head groups <= this */
 #define FA_SPLIT_BYTES ((size_t)64 << 20)   /* scratch bound of the split form */
 #define FA_SP_LD (FA_NC + 8)   /* row stride (floats) of the score / P tiles */
+#define FD_CS 8             /* v2: CTAs per (row, head group), one cluster */
+#define FD_TPR 8            /* v2: tiles per CTA at most */
+#define FD_MAX_CAND (FD_CS * FD_TPR * FA_NC)   /* v2: candidates per row at most */
+#define FD_MAX_DEV 64       /* devices with a cached cluster check / SM count */
 
 struct fa_args {
     float *out;
@@ -197,6 +224,200 @@ fa_issue(const struct fa_args &a, const struct fa_row &r, int t, int c0, int c_e
     fa_cp_commit();
 }
 
+/* The Q fragments of heads h0 .. h0 + 16 MT - 1 of row t over this warp's
+ * head dimensions (bf16; zero rows past H). */
+template <int MT, int DW>
+static __device__ __forceinline__ void
+fa_load_q(uint32_t (&qa)[MT][DW / 16][4], const struct fa_args &a, int t, int h0, int warp,
+          int lane)
+{
+    constexpr int Dh = 8 * DW, KS = DW / 16;
+    int g = lane / 4, q4 = lane % 4, d0 = warp * DW;
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int h = h0 + mt * 16 + g + 8 * hh;
+            const float *qr = a.q + ((int64_t)t * a.H + (h < a.H ? h : 0)) * Dh + d0 + 2 * q4;
+
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                float2 lo = h < a.H ? *(const float2 *)(qr + 16 * ks) : make_float2(0.f, 0.f);
+                float2 hi = h < a.H ? *(const float2 *)(qr + 16 * ks + 8)
+                                    : make_float2(0.f, 0.f);
+
+                qa[mt][ks][hh] = fa_pack(lo.x, lo.y);       /* a0 / a1 */
+                qa[mt][ks][2 + hh] = fa_pack(hi.x, hi.y);   /* a2 / a3 */
+            }
+        }
+}
+
+/*
+ * Online softmax of one tile, thread tid (< HG TPH) of the TPH threads of
+ * head tid / TPH, each CPT = FA_NC / TPH consecutive candidates: scores
+ * (the FA_WARPS partials of sp added in warp order, times scale; -inf where
+ * !valid(candidate)), the tile's max by a fixed xor tree, P = exp(S - m) into
+ * pm, the running max s_m, sum s_l and the rescale factor s_al.  The TPH
+ * threads of a head are consecutive lanes of one warp, and every lane of a
+ * calling warp must call it.
+ */
+template <int HG, int TPH, class Valid>
+static __device__ __forceinline__ void
+fa_tile_softmax(const float *sp, float *pm, float *s_m, float *s_l, float *s_al, float scale,
+                int tid, Valid valid)
+{
+    constexpr int CPT = FA_NC / TPH;
+    int hh = tid / TPH, c1 = (tid % TPH) * CPT;
+    float sv[CPT], mx = -__int_as_float(0x7f800000), sum = 0.0f, m_old, m_new, m_use;
+
+#pragma unroll
+    for (int j = 0; j < CPT; j++) {
+        float acc = 0.0f;
+
+#pragma unroll
+        for (int w = 0; w < FA_WARPS; w++)
+            acc += sp[((size_t)w * HG + hh) * FA_SP_LD + c1 + j];
+        sv[j] = valid(c1 + j) ? acc * scale : -__int_as_float(0x7f800000);
+        mx = fmaxf(mx, sv[j]);
+    }
+#pragma unroll
+    for (int o2 = TPH / 2; o2 > 0; o2 /= 2)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+    m_old = s_m[hh];
+    m_new = fmaxf(m_old, mx);
+    m_use = m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new;
+#pragma unroll
+    for (int j = 0; j < CPT; j++) {
+        float p = expf(sv[j] - m_use);
+
+        pm[hh * FA_SP_LD + c1 + j] = p;
+        sum += p;
+    }
+#pragma unroll
+    for (int o2 = TPH / 2; o2 > 0; o2 /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+    __syncwarp();
+    if (tid % TPH == 0) {
+        float al = expf(m_old - m_use);
+
+        s_al[hh] = al;
+        s_l[hh] = s_l[hh] * al + sum;
+        s_m[hh] = m_new;
+    }
+}
+
+/*
+ * Scores of one tile over this warp's head dimensions [warp DW, (warp + 1)
+ * DW): sp[warp][head][candidate] (FA_SP_LD floats a head), from the bf16
+ * tile kb (FA_NC key rows of Dh + 8) and the warp's Q fragments qa.
+ */
+template <int MT, int DW>
+static __device__ __forceinline__ void
+fa_tile_qk(const uint16_t *kb, const uint32_t (&qa)[MT][DW / 16][4], float *sp, int warp,
+           int lane)
+{
+    constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16;
+    int g = lane / 4, q4 = lane % 4, d0 = warp * DW;
+    float s[MT][FA_NC / 8][4];
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < FA_NC / 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                s[mt][n][i] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < FA_NC / 8; n++)
+#pragma unroll
+        for (int ks = 0; ks < KS; ks += 2) {
+            uint32_t b[4];
+
+            /* matrices: dims +0, +8 of k-step ks, then of ks + 1 */
+            fa_ldsm_x4(b, kb + (size_t)(n * 8 + (lane & 7)) * (Dh + 8) + d0 +
+                              16 * ks + ((lane >> 3) & (KS > 1 ? 3 : 1)) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                fk_mma_bf16(s[mt][n], qa[mt][ks][0], qa[mt][ks][1], qa[mt][ks][2],
+                            qa[mt][ks][3], b[0], b[1]);
+                if (ks + 1 < KS)
+                    fk_mma_bf16(s[mt][n], qa[mt][ks + 1][0], qa[mt][ks + 1][1],
+                                qa[mt][ks + 1][2], qa[mt][ks + 1][3], b[2], b[3]);
+            }
+        }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < FA_NC / 8; n++) {
+            float *d = sp + ((size_t)warp * HG + mt * 16 + g) * FA_SP_LD + n * 8 + 2 * q4;
+
+            *(float2 *)d = make_float2(s[mt][n][0], s[mt][n][1]);
+            *(float2 *)(d + 8 * FA_SP_LD) = make_float2(s[mt][n][2], s[mt][n][3]);
+        }
+}
+
+/*
+ * O = O * alpha + P V for one tile: o holds this warp's head dimensions
+ * (NT = DW / 8 n-tiles), P the tile's weights pm (bf16 hi + lo), alpha the
+ * rescale factors s_al, V the bf16 tile kb.
+ */
+template <int MT, int DW>
+static __device__ __forceinline__ void
+fa_tile_pv(const uint16_t *kb, const float *pm, const float *s_al, float (&o)[MT][DW / 8][4],
+           int warp, int lane)
+{
+    constexpr int Dh = 8 * DW, NT = DW / 8;
+    int g = lane / 4, q4 = lane % 4, d0 = warp * DW;
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float al0 = s_al[mt * 16 + g], al1 = s_al[mt * 16 + g + 8];
+
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            o[mt][n][0] *= al0;
+            o[mt][n][1] *= al0;
+            o[mt][n][2] *= al1;
+            o[mt][n][3] *= al1;
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < FA_NC / 16; kk++) {
+        uint32_t ph[MT][4], pl[MT][4];
+
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            const float *pr = pm + (mt * 16 + g) * FA_SP_LD + kk * 16 + 2 * q4;
+            float2 v0 = *(const float2 *)pr, v1 = *(const float2 *)(pr + 8 * FA_SP_LD);
+            float2 v2 = *(const float2 *)(pr + 8), v3 = *(const float2 *)(pr + 8 * FA_SP_LD + 8);
+
+            fa_split2(v0.x, v0.y, ph[mt][0], pl[mt][0]);
+            fa_split2(v1.x, v1.y, ph[mt][1], pl[mt][1]);
+            fa_split2(v2.x, v2.y, ph[mt][2], pl[mt][2]);
+            fa_split2(v3.x, v3.y, ph[mt][3], pl[mt][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t b[4];
+            int kr = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            int dc = d0 + n * 8 + (lane >> 4) * 8;
+
+            /* matrices: candidates +0..7 / +8..15 at dims n, then at n + 1 */
+            fa_ldsm_x4_t(b, kb + (size_t)kr * (Dh + 8) + dc);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                fk_mma_bf16(o[mt][n], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], b[0], b[1]);
+                fk_mma_bf16(o[mt][n], pl[mt][0], pl[mt][1], pl[mt][2], pl[mt][3], b[0], b[1]);
+                fk_mma_bf16(o[mt][n + 1], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], b[2],
+                            b[3]);
+                fk_mma_bf16(o[mt][n + 1], pl[mt][0], pl[mt][1], pl[mt][2], pl[mt][3], b[2],
+                            b[3]);
+            }
+        }
+    }
+}
+
 /*
  * One CTA per (row t, head group hg, chunk ch); MT m-tiles of 16 heads;
  * DW = Dh / 8 head dimensions per warp.
@@ -206,7 +427,7 @@ static __global__ void __launch_bounds__(FA_THREADS, 1)
 fa_kernel(struct fa_args a)
 {
     constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
-    constexpr int TPH = FA_THREADS / HG, CPT = FA_NC / TPH;   /* softmax threads per head */
+    constexpr int TPH = FA_THREADS / HG;   /* softmax threads per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
     float *stage = (float *)fa_sm;
     uint16_t *kb = (uint16_t *)(stage + 2 * FA_NC * Dh);
@@ -230,24 +451,7 @@ fa_kernel(struct fa_args a)
         return;   /* an empty chunk: the combine does not read it */
     fa_issue(a, r, t, c_beg, c_end, stage, valid);
 
-    /* Q fragments of this warp's dimensions (zero rows past H) */
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            int h = h0 + mt * 16 + g + 8 * hh;
-            const float *qr = a.q + ((int64_t)t * a.H + (h < a.H ? h : 0)) * Dh + d0 + 2 * q4;
-
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                float2 lo = h < a.H ? *(const float2 *)(qr + 16 * ks) : make_float2(0.f, 0.f);
-                float2 hi = h < a.H ? *(const float2 *)(qr + 16 * ks + 8)
-                                    : make_float2(0.f, 0.f);
-
-                qa[mt][ks][hh] = fa_pack(lo.x, lo.y);       /* a0 / a1 */
-                qa[mt][ks][2 + hh] = fa_pack(hi.x, hi.y);   /* a2 / a3 */
-            }
-        }
+    fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -283,137 +487,16 @@ fa_kernel(struct fa_args a)
         }
         __syncthreads();
 
-        /* partial scores over this warp's dimensions */
-        {
-            float s[MT][FA_NC / 8][4];
-
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int n = 0; n < FA_NC / 8; n++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        s[mt][n][i] = 0.0f;
-#pragma unroll
-            for (int n = 0; n < FA_NC / 8; n++)
-#pragma unroll
-                for (int ks = 0; ks < KS; ks += 2) {
-                    uint32_t b[4];
-
-                    /* matrices: dims +0, +8 of k-step ks, then of ks + 1 */
-                    fa_ldsm_x4(b, kb + (size_t)(n * 8 + (lane & 7)) * (Dh + 8) + d0 +
-                                      16 * ks + ((lane >> 3) & (KS > 1 ? 3 : 1)) * 8);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        fk_mma_bf16(s[mt][n], qa[mt][ks][0], qa[mt][ks][1], qa[mt][ks][2],
-                                    qa[mt][ks][3], b[0], b[1]);
-                        if (ks + 1 < KS)
-                            fk_mma_bf16(s[mt][n], qa[mt][ks + 1][0], qa[mt][ks + 1][1],
-                                        qa[mt][ks + 1][2], qa[mt][ks + 1][3], b[2], b[3]);
-                    }
-                }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int n = 0; n < FA_NC / 8; n++) {
-                    float *d = sp + ((size_t)warp * HG + mt * 16 + g) * FA_SP_LD + n * 8 + 2 * q4;
-
-                    *(float2 *)d = make_float2(s[mt][n][0], s[mt][n][1]);
-                    *(float2 *)(d + 8 * FA_SP_LD) = make_float2(s[mt][n][2], s[mt][n][3]);
-                }
-        }
+        fa_tile_qk<MT, DW>(kb, qa, sp, warp, lane);
         __syncthreads();
 
         /* online softmax: TPH threads per head, CPT candidates each */
-        {
-            int hh = threadIdx.x / TPH, c1 = (threadIdx.x % TPH) * CPT;
-            float sv[CPT], mx = -__int_as_float(0x7f800000), sum = 0.0f, m_old, m_new, m_use;
-
-#pragma unroll
-            for (int j = 0; j < CPT; j++) {
-                float acc = 0.0f;
-
-#pragma unroll
-                for (int w = 0; w < FA_WARPS; w++)
-                    acc += sp[((size_t)w * HG + hh) * FA_SP_LD + c1 + j];
-                sv[j] = vf[c1 + j] && c0 + c1 + j < c_end ? acc * a.scale
-                                                           : -__int_as_float(0x7f800000);
-                mx = fmaxf(mx, sv[j]);
-            }
-#pragma unroll
-            for (int o2 = TPH / 2; o2 > 0; o2 /= 2)
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
-            m_old = s_m[hh];
-            m_new = fmaxf(m_old, mx);
-            m_use = m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new;
-#pragma unroll
-            for (int j = 0; j < CPT; j++) {
-                float p = expf(sv[j] - m_use);
-
-                pm[hh * FA_SP_LD + c1 + j] = p;
-                sum += p;
-            }
-#pragma unroll
-            for (int o2 = TPH / 2; o2 > 0; o2 /= 2)
-                sum += __shfl_xor_sync(0xffffffffu, sum, o2);
-            __syncwarp();
-            if (threadIdx.x % TPH == 0) {
-                float al = expf(m_old - m_use);
-
-                s_al[hh] = al;
-                s_l[hh] = s_l[hh] * al + sum;
-                s_m[hh] = m_new;
-            }
-        }
+        fa_tile_softmax<HG, TPH>(sp, pm, s_m, s_l, s_al, a.scale, threadIdx.x, [&](int c) {
+            return vf[c] && c0 + c < c_end;
+        });
         __syncthreads();
 
-        /* O = O * alpha + P V */
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            float al0 = s_al[mt * 16 + g], al1 = s_al[mt * 16 + g + 8];
-
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                o[mt][n][0] *= al0;
-                o[mt][n][1] *= al0;
-                o[mt][n][2] *= al1;
-                o[mt][n][3] *= al1;
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < FA_NC / 16; kk++) {
-            uint32_t ph[MT][4], pl[MT][4];
-
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                const float *pr = pm + (mt * 16 + g) * FA_SP_LD + kk * 16 + 2 * q4;
-                float2 v0 = *(const float2 *)pr, v1 = *(const float2 *)(pr + 8 * FA_SP_LD);
-                float2 v2 = *(const float2 *)(pr + 8), v3 = *(const float2 *)(pr + 8 * FA_SP_LD + 8);
-
-                fa_split2(v0.x, v0.y, ph[mt][0], pl[mt][0]);
-                fa_split2(v1.x, v1.y, ph[mt][1], pl[mt][1]);
-                fa_split2(v2.x, v2.y, ph[mt][2], pl[mt][2]);
-                fa_split2(v3.x, v3.y, ph[mt][3], pl[mt][3]);
-            }
-#pragma unroll
-            for (int n = 0; n < NT; n += 2) {
-                uint32_t b[4];
-                int kr = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                int dc = d0 + n * 8 + (lane >> 4) * 8;
-
-                /* matrices: candidates +0..7 / +8..15 at dims n, then at n + 1 */
-                fa_ldsm_x4_t(b, kb + (size_t)kr * (Dh + 8) + dc);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    fk_mma_bf16(o[mt][n], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], b[0], b[1]);
-                    fk_mma_bf16(o[mt][n], pl[mt][0], pl[mt][1], pl[mt][2], pl[mt][3], b[0], b[1]);
-                    fk_mma_bf16(o[mt][n + 1], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], b[2],
-                                b[3]);
-                    fk_mma_bf16(o[mt][n + 1], pl[mt][0], pl[mt][1], pl[mt][2], pl[mt][3], b[2],
-                                b[3]);
-                }
-            }
-        }
+        fa_tile_pv<MT, DW>(kb, pm, s_al, o, warp, lane);
         /* the next iteration's first __syncthreads orders these reads of kb,
          * pm and s_al before they are overwritten */
     }
@@ -494,6 +577,209 @@ fa_combine_kernel(struct fa_args a)
     }
 }
 
+/* --- v2: the split form in one launch (thread block clusters) ------------------------ */
+
+/*
+ * Shared memory of fd_kernel<MT> for head dimension Dh: one fp32 staging
+ * tile (each thread converts the pieces it copied itself, so the staging is
+ * private to the threads and needs no barrier of its own; after the loop the
+ * CTA's unnormalised O lies there for the cluster's combine), two bf16 tiles
+ * (tile j + 1 is converted while slower warps still read tile j), the score
+ * partials, P, the candidate rows of the CTA's tiles, m / l / alpha and the
+ * combine's factors.
+ */
+static __host__ __device__ __forceinline__ size_t
+fd_smem_bytes(int MT, int Dh)
+{
+    int HG = 16 * MT;
+
+    return (size_t)FA_NC * Dh * 4                   /* staging / O partial */
+           + (size_t)2 * FA_NC * (Dh + 8) * 2       /* bf16 tiles */
+           + (size_t)FA_WARPS * HG * FA_SP_LD * 4   /* score partials */
+           + (size_t)HG * FA_SP_LD * 4              /* P */
+           + (size_t)FD_TPR * FA_NC * sizeof(void *)   /* candidate rows */
+           + (size_t)3 * HG * 4                     /* m, l, alpha */
+           + (size_t)HG * (FD_CS + 1) * 4;          /* combine factors, denominators */
+}
+
+/* Issue the copies of one tile (rows ptr[0 .. FA_NC), NULL: zero-filled)
+ * into the staging: thread i of the block copies pieces i + FA_THREADS k. */
+template <int Dh>
+static __device__ __forceinline__ void
+fd_issue(const float *const *ptr, float *stage, const float *dummy)
+{
+    constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
+
+#pragma unroll
+    for (int k = 0; k < CPY; k++) {
+        int i = threadIdx.x + FA_THREADS * k, row = i / PER_ROW, piece = i % PER_ROW;
+        const float *src = ptr[row];
+
+        fa_cp16(stage + (size_t)row * Dh + piece * 4, src != NULL ? src + piece * 4 : dummy,
+                src != NULL);
+    }
+    fa_cp_commit();
+}
+
+/*
+ * One cluster of FD_CS CTAs per (row t, head group hg of HG = 16 MT heads);
+ * CTA rank z of the cluster takes the row's tiles z, z + FD_CS, z + 2 FD_CS,
+ * ... (FA_NC candidates each, in the exact path's candidate order), keeps
+ * (O, m, l) over them as fa_kernel does, then the cluster merges: rank z
+ * writes head dimensions [z Dh / FD_CS, (z + 1) Dh / FD_CS) of the HG heads,
+ * reading the FD_CS partials from the CTAs' shared memory in rank order.
+ * No scratch, no second launch, no counters.  No CTA returns early: every
+ * one must reach both cluster barriers.
+ */
+template <int MT, int DW>
+static __global__ void __launch_bounds__(FA_THREADS, 1)
+fd_kernel(struct fa_args a)
+{
+    constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
+    constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
+    constexpr int SL4 = Dh / FD_CS / 4;   /* float4s of a rank's output slice, per head */
+    extern __shared__ __align__(16) unsigned char fa_sm[];
+    float *stage = (float *)fa_sm, *po = stage;
+    uint16_t *kb = (uint16_t *)(stage + FA_NC * Dh);
+    float *sp = (float *)(kb + 2 * FA_NC * (Dh + 8));
+    float *pm = sp + FA_WARPS * HG * FA_SP_LD;
+    const float **s_ptr = (const float **)(pm + HG * FA_SP_LD);
+    float *s_m = (float *)(s_ptr + FD_TPR * FA_NC), *s_l = s_m + HG, *s_al = s_l + HG;
+    float *s_f = s_al + HG, *s_den = s_f + HG * FD_CS;
+    cg::cluster_group cl = cg::this_cluster();
+    int z = (int)cl.block_rank();
+    int64_t rg = blockIdx.x / FD_CS;   /* (row, head group) */
+    int hg = (int)(rg % a.n_hg), t = (int)(rg / a.n_hg);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    int d0 = warp * DW, h0 = hg * HG;
+    struct fa_row r = fa_row_of(a, t);
+    int n_tiles = (r.n_cand + FA_NC - 1) / FA_NC;
+    int nj = n_tiles > z ? (n_tiles - z + FD_CS - 1) / FD_CS : 0;   /* <= FD_TPR (host) */
+    uint32_t qa[MT][KS][4];
+    float o[MT][NT][4];
+
+    /* all loads of the prologue in flight together: q, then the candidate
+     * rows (window rows, or page table and sel for the compressed ones) */
+    fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
+    for (int i = threadIdx.x; i < nj * FA_NC; i += FA_THREADS) {
+        int c = (z + FD_CS * (i / FA_NC)) * FA_NC + i % FA_NC;
+
+        s_ptr[i] = c < r.n_cand ? fa_cand(a, r, t, c) : NULL;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                o[mt][n][i] = 0.0f;
+    if (threadIdx.x < HG) {
+        s_m[threadIdx.x] = -__int_as_float(0x7f800000);
+        s_l[threadIdx.x] = 0.0f;
+    }
+    __syncthreads();   /* s_ptr */
+    if (nj > 0)
+        fd_issue<Dh>(s_ptr, stage, a.q);
+
+    for (int j = 0; j < nj; j++) {
+        const float *const *tp = s_ptr + j * FA_NC;
+        uint16_t *kj = kb + (size_t)(j & 1) * FA_NC * (Dh + 8);
+
+        /* this thread's copies of tile j -> bf16 tile j & 1 (the last reads
+         * of that buffer, tile j - 2's, were before tile j - 1's barriers) */
+        fa_cp_wait<0>();
+#pragma unroll
+        for (int k = 0; k < CPY; k++) {
+            int i = threadIdx.x + FA_THREADS * k, row = i / PER_ROW, col = (i % PER_ROW) * 4;
+            float4 v = *(const float4 *)(stage + (size_t)row * Dh + col);
+
+            *(uint2 *)(kj + (size_t)row * (Dh + 8) + col) =
+                make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+        }
+        __syncthreads();   /* tile j complete; everyone's staging reads done */
+        if (j + 1 < nj)
+            fd_issue<Dh>(tp + FA_NC, stage, a.q);   /* in flight during tile j */
+
+        fa_tile_qk<MT, DW>(kj, qa, sp, warp, lane);
+        __syncthreads();
+
+        /* 8 threads per head, 4 candidates each, whatever HG (so a head's
+         * numerics do not depend on MT) */
+        if (threadIdx.x < HG * 8)
+            fa_tile_softmax<HG, 8>(sp, pm, s_m, s_l, s_al, a.scale, threadIdx.x,
+                                   [&](int c) { return tp[c] != NULL; });
+        __syncthreads();
+
+        fa_tile_pv<MT, DW>(kj, pm, s_al, o, warp, lane);
+        /* tile j + 1's barriers order these reads of pm and s_al before
+         * they are rewritten; kj is not rewritten before tile j + 2 */
+    }
+
+    /* the CTA's unnormalised O into the staging (its last reads were
+     * before the last tile's barriers; no copy is pending) */
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int hl = mt * 16 + g + 8 * hh;
+
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+                *(float2 *)(po + (size_t)hl * Dh + d0 + n * 8 + 2 * q4) =
+                    make_float2(o[mt][n][2 * hh], o[mt][n][2 * hh + 1]);
+        }
+    cl.sync();   /* every rank's O, m, l written */
+
+    /* per head: M = max of the ranks' m, the ranks' factors exp(m - M) (-1:
+     * a rank without candidates, skipped) and the denominator, in rank order */
+    if (threadIdx.x < HG) {
+        int hl = threadIdx.x, h = h0 + hl;
+        float mz[FD_CS], lz[FD_CS], M = -__int_as_float(0x7f800000), den = 0.0f;
+
+#pragma unroll
+        for (int k = 0; k < FD_CS; k++) {
+            mz[k] = cl.map_shared_rank(s_m, k)[hl];
+            lz[k] = cl.map_shared_rank(s_l, k)[hl];
+            M = fmaxf(M, mz[k]);
+        }
+        M = M == -__int_as_float(0x7f800000) ? 0.0f : M;
+#pragma unroll
+        for (int k = 0; k < FD_CS; k++) {
+            float f = mz[k] == -__int_as_float(0x7f800000) ? -1.0f : expf(mz[k] - M);
+
+            s_f[hl * FD_CS + k] = f;
+            if (f >= 0.0f)
+                den += lz[k] * f;
+        }
+        s_den[hl] = den + expf(a.sink[h < a.H ? h : 0] - M);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < HG * SL4; i += FA_THREADS) {
+        int hl = i / SL4, h = h0 + hl, d = z * (Dh / FD_CS) + (i % SL4) * 4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float den = s_den[hl];
+
+#pragma unroll
+        for (int k = 0; k < FD_CS; k++) {
+            float f = s_f[hl * FD_CS + k];
+
+            if (f >= 0.0f) {
+                float4 v = *(const float4 *)(cl.map_shared_rank(po, k) + (size_t)hl * Dh + d);
+
+                acc.x += v.x * f;
+                acc.y += v.y * f;
+                acc.z += v.z * f;
+                acc.w += v.w * f;
+            }
+        }
+        if (h < a.H)
+            *(float4 *)(a.out + ((int64_t)t * a.H + h) * Dh + d) =
+                make_float4(cu_bf16_round(acc.x / den), cu_bf16_round(acc.y / den),
+                            cu_bf16_round(acc.z / den), cu_bf16_round(acc.w / den));
+    }
+    cl.sync();   /* the other ranks have read this CTA's shared memory */
+}
+
 /* --- host side ----------------------------------------------------------------------- */
 
 /* DSV4_CUDA_FAST_ATTN=0 keeps the exact attention and indexer under the fast
@@ -558,6 +844,108 @@ fa_launch_dh(struct dsv4_backend *be, const struct fa_args &a)
     }
 }
 
+/*
+ * The kernels DSV4_CUDA_ATTN asks for: 1 ("v1": fa_kernel split into
+ * FA_CHUNK chunks + fa_combine_kernel, the first version), 16 or 32 ("v2-16",
+ * "v2-32": fd_kernel with that many heads per CTA), 0 (unset or anything
+ * else: fd_kernel, heads per CTA by the call's size).
+ */
+static int
+fa_variant(void)
+{
+    const char *v = getenv("DSV4_CUDA_ATTN");
+
+    if (v == NULL)
+        return 0;
+    if (strcmp(v, "v1") == 0)
+        return 1;
+    if (strcmp(v, "v2-16") == 0)
+        return 16;
+    if (strcmp(v, "v2-32") == 0)
+        return 32;
+    return 0;
+}
+
+/* Streaming multiprocessors of device dev (cached; 132 when unknown). */
+static int
+fa_sm_count(int dev)
+{
+    static int n_sm[FD_MAX_DEV];   /* one entry per device: rank threads own distinct devices */
+    int n = 0;
+
+    if (dev >= 0 && dev < FD_MAX_DEV && n_sm[dev] > 0)
+        return n_sm[dev];
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
+        (void)cudaGetLastError();
+        return 132;
+    }
+    if (dev >= 0 && dev < FD_MAX_DEV)
+        n_sm[dev] = n;
+    return n;
+}
+
+/*
+ * Launch fd_kernel<MT, DW> for a (a.n_hg head groups of 16 MT heads);
+ * *launched = 0 (and DSV4_OK) when the device cannot hold one cluster of
+ * FD_CS such CTAs (checked once per device), so the caller falls back.
+ */
+template <int MT, int DW>
+static enum dsv4_err
+fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
+{
+    static signed char fits[FD_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
+    int dev = cuda_st(be)->device;
+    size_t smem = fd_smem_bytes(MT, 8 * DW);
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1] = {};
+
+    *launched = 0;
+    CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem));
+    cfg.gridDim = dim3((unsigned)((int64_t)a.T * a.n_hg * FD_CS), 1, 1);
+    cfg.blockDim = dim3(FA_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cuda_stream(be);
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = FD_CS;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    if (dev < 0 || dev >= FD_MAX_DEV || fits[dev] == 0) {
+        int n = 0;
+
+        if (cudaOccupancyMaxActiveClusters(&n, fd_kernel<MT, DW>, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        if (dev >= 0 && dev < FD_MAX_DEV)
+            fits[dev] = n > 0 ? 1 : -1;
+        if (n <= 0)
+            return DSV4_OK;
+    } else if (fits[dev] < 0) {
+        return DSV4_OK;
+    }
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, fd_kernel<MT, DW>, a));
+    CUDA_LAUNCHED("fast attention v2");
+    *launched = 1;
+    return DSV4_OK;
+}
+
+template <int MT>
+static enum dsv4_err
+fd_launch_dh(struct dsv4_backend *be, const struct fa_args &a, int *launched)
+{
+    switch (a.Dh) {
+    case 128:
+        return fd_launch<MT, 16>(be, a, launched);
+    case 256:
+        return fd_launch<MT, 32>(be, a, launched);
+    default:
+        return fd_launch<MT, 64>(be, a, launched);
+    }
+}
+
 enum dsv4_err
 cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
                     const float *ring, const float *comp, const int32_t *pages,
@@ -566,7 +954,7 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
                     int Dh, int win, int cap, int ratio, int K, float scale)
 {
     struct fa_args a;
-    int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand;
+    int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant();
 
     memset(&a, 0, sizeof(a));
     a.out = out;
@@ -592,6 +980,23 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     a.n_hg = (H + HG - 1) / HG;
     a.n_ch = 1;
     max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
+    if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS && variant != 1 && max_cand > FA_NC &&
+        max_cand <= FD_MAX_CAND) {
+        /* v2: 32 heads per CTA once the 16-head form would fill the GPU
+         * anyway (fewer key reads), else 16 (more CTAs); a head's numerics
+         * are the same either way */
+        struct fa_args a2 = a;
+        int mt2 = H > 16 && (variant == 32 ||
+                             (variant == 0 && (int64_t)T * ((H + 31) / 32) * FD_CS >=
+                                                  fa_sm_count(cuda_st(be)->device)));
+        int launched = 0;
+        enum dsv4_err e;
+
+        a2.n_hg = (H + (mt2 ? 32 : 16) - 1) / (mt2 ? 32 : 16);
+        e = mt2 ? fd_launch_dh<2>(be, a2, &launched) : fd_launch_dh<1>(be, a2, &launched);
+        if (e != DSV4_OK || launched)
+            return e;
+    }
     if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS) {
         int n_ch = (max_cand + FA_CHUNK - 1) / FA_CHUNK;
         size_t bytes = (size_t)T * a.n_hg * n_ch * HG * (Dh + 2) * sizeof(float);
