@@ -88,6 +88,8 @@ namespace cg = cooperative_groups;
 #define F2_WANT 1024         /* warps wanted per call, default */
 #define F2_CTAS 128          /* CTAs wanted per call (132 SMs, one CTA each) */
 #define F2_SLOT 4096         /* bytes of one ring slot: 32 rows x 128 columns */
+#define F2_QB 8              /* (token, block) items a warp quantizes per batch */
+#define F2_SMEM_MAX (227 * 1024)   /* shared memory per CTA on sm_90 */
 #define F2_MAX_DEV 16
 
 /* --- the split ----------------------------------------------------------------------- */
@@ -199,11 +201,14 @@ f2_e4m3x4(float v0, float v1, float v2, float v3)
     return (uint32_t)lo | (uint32_t)hi << 16;
 }
 
-/* The REF code of v / s (the exact path's clamp, then RNE to E4M3). */
+/* The value the REF code is taken of: v / s clamped to +-448 (the exact
+ * path's expression), as v * rs with rs = 1/s: the same number, s being a
+ * power of two whose reciprocal is normal (2^-22 <= s <= 2^120 for amax >=
+ * 1e-4), and the same 0 or NaN when s is inf. */
 static __device__ __forceinline__ float
-f2_qin(float v, float s)
+f2_qin(float v, float rs)
 {
-    return cu_clampf(v / s, 448.0f);
+    return cu_clampf(v * rs, 448.0f);
 }
 
 /* Copy block kb of the warp's 32 rows into a ring slot: chunk j = 4m + 2h
@@ -315,26 +320,42 @@ f2_kernel(struct f2_args a)
     }
 
     /* 2. the pass's tokens over the CTA's blocks: a warp per (token, block),
-     *    4 columns per lane; tokens past T are zero codes with scale 0 */
-    for (int it = warp; it < NT * 8 * ncb; it += W) {
-        int tok = it / ncb, lb = it % ncb;
-        uint32_t word = 0;
-        float s = 0.0f;
+     *    4 columns per lane, F2_QB items' loads issued before any is used;
+     *    tokens past T are zero codes with scale 0 */
+    for (int it0 = warp; it0 < NT * 8 * ncb; it0 += F2_QB * W) {
+        float4 v[F2_QB];
 
-        if (tok < ntok) {
-            float4 v = __ldg((const float4 *)(a.x + (int64_t)(a.t0 + tok) * a.K +
+#pragma unroll
+        for (int u = 0; u < F2_QB; u++) {
+            int it = it0 + u * W, tok = it / ncb, lb = it % ncb;
+
+            v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (it < NT * 8 * ncb && tok < ntok)
+                v[u] = __ldg((const float4 *)(a.x + (int64_t)(a.t0 + tok) * a.K +
                                               (int64_t)(cb0 + lb) * 128) + lane);
-            float amax = fmaxf(fmaxf(fmaxf(fmaxf(1e-4f, fabsf(v.x)), fabsf(v.y)),
-                                     fabsf(v.z)), fabsf(v.w));
-
-            for (int o = 16; o > 0; o /= 2)
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            s = cu_pow2_scale(amax, 448.0f);
-            word = f2_e4m3x4(f2_qin(v.x, s), f2_qin(v.y, s), f2_qin(v.z, s), f2_qin(v.w, s));
         }
-        *(uint32_t *)(xq + tok * L.xs_stride + lb * 128 + lane * 4) = word;
-        if (lane == 0)
-            sx[tok * a.range + lb] = s;
+#pragma unroll
+        for (int u = 0; u < F2_QB; u++) {
+            int it = it0 + u * W, tok = it / ncb, lb = it % ncb;
+            float amax = 1e-4f, s = 0.0f, rs;
+            uint32_t word = 0;
+
+            if (it >= NT * 8 * ncb)
+                break;   /* warp-uniform */
+            if (tok < ntok) {
+                amax = fmaxf(fmaxf(fmaxf(fmaxf(amax, fabsf(v[u].x)), fabsf(v[u].y)),
+                                   fabsf(v[u].z)), fabsf(v[u].w));
+                for (int o = 16; o > 0; o /= 2)
+                    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                s = cu_pow2_scale(amax, 448.0f);
+                rs = __frcp_rn(s);   /* exact: s is a power of two (or inf: 0) */
+                word = f2_e4m3x4(f2_qin(v[u].x, rs), f2_qin(v[u].y, rs), f2_qin(v[u].z, rs),
+                                 f2_qin(v[u].w, rs));
+            }
+            *(uint32_t *)(xq + tok * L.xs_stride + lb * 128 + lane * 4) = word;
+            if (lane == 0)
+                sx[tok * a.range + lb] = s;
+        }
     }
     for (int i = threadIdx.x; i < (RT + 127) / 128 * ncb; i += blockDim.x) {
         int gi = i / ncb, lb = i % ncb;
@@ -469,7 +490,10 @@ cuda_fast_linear2_variant(const struct dsv4_backend *be, const struct dsv4_linea
         W->n_in <= 0 || W->n_in % 128 != 0 || (uintptr_t)W->w % 16 != 0 ||
         (uintptr_t)x % 16 != 0)
         return 0;
-    return f2_plan_for(&p, W->n_out, W->n_in, maxc, want) ? var : 0;
+    if (!f2_plan_for(&p, W->n_out, W->n_in, maxc, want) ||
+        f2_smem_for(p.KW, p.RW, p.range).total > F2_SMEM_MAX)
+        return 0;
+    return var;
 }
 
 template <int NT, int F16>
@@ -488,9 +512,6 @@ f2_launch(struct dsv4_backend *be, const struct f2_args &a, const struct f2_plan
         CUDA_TRY(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
         CUDA_TRY(cudaFuncSetAttribute(f2_kernel<NT, F16>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-        if (p.C > F2_MAXC)
-            CUDA_TRY(cudaFuncSetAttribute(f2_kernel<NT, F16>,
-                                          cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
         if (dev >= 0 && dev < F2_MAX_DEV)
             attr_set[dev] = 1;
     }
@@ -590,18 +611,21 @@ f2_tile_kernel(float *d8, float *d16, const uint8_t *A, const uint8_t *Bt)
     }
 }
 
-/* Quantizer check: codes[i] = 1 when the hardware code of v[i] (after the
- * clamp) differs from cu_f32_to_fp8's. */
+/* Quantizer check: bad[i] = 1 when the hardware code of v[i] (after the
+ * clamp) differs from cu_f32_to_fp8's, or v[i] * (1/s) from v[i] / s for
+ * the power of two s = 2^(i % 143 - 22) (f2_qin's claim). */
 static __global__ void
 f2_codes_kernel(int *bad, const float *v, int n)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
 
     if (i < n) {
-        float c = cu_clampf(v[i], 448.0f);
+        float c = cu_clampf(v[i], 448.0f), s = ldexpf(1.0f, i % 143 - 22);
         uint32_t hw = f2_e4m3x4(c, 0.0f, 0.0f, 0.0f) & 0xffu;
 
-        bad[i] = hw != cu_f32_to_fp8(c);
+        bad[i] = hw != cu_f32_to_fp8(c) ||
+                 __float_as_uint(f2_qin(v[i], __frcp_rn(s))) !=
+                     __float_as_uint(cu_clampf(v[i] / s, 448.0f));
     }
 }
 
@@ -771,8 +795,8 @@ dsv4_cuda_linear_selftest(struct dsv4_backend *be, char *msg, size_t len)
             if (nbad > 0)
                 fail = 1;
             at += (size_t)snprintf(msg + at, at < len ? len - at : 0,
-                                   "%s quantizer codes (cvt.rn.satfinite vs cu_f32_to_fp8, %d "
-                                   "values): %d differ",
+                                   "%s quantizer (cvt.rn.satfinite vs cu_f32_to_fp8, v * 1/s vs "
+                                   "v / s; %d values): %d differ",
                                    nbad ? "FAIL" : "ok  ", F2_NCODES, nbad);
             if (first_bad >= 0)
                 at += (size_t)snprintf(msg + at, at < len ? len - at : 0,

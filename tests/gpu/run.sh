@@ -30,6 +30,9 @@
 #      The decode MoE cases sweep the settings of DSV4_CUDA_FAST_MOE listed
 #      in BENCH_MOE_CFGS (space-separated; default in bench_fast.c) and end
 #      with one "moe cfg" line per setting (share of 4.3 TB/s per T).
+#      The decode linears run under DSV4_CUDA_LINEAR = v1, v2, v2h side by
+#      side (self-check of the FP8 mma layout first, then one "linear cfg"
+#      line per shape and kernel); BENCH_FAST_ONLY=linear runs only those.
 #   8. when tests/model/test_hf is packed: the CUDA backend against the
 #      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
 #      widths, made here); the `small` preset, STEPS_SMALL (300) decode
@@ -354,7 +357,7 @@ if [ "$ar_rc" != skipped ]; then
 fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
-    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg)|^ok +pf_|first value out" "$OUT/fast.log"
+    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear cfg|linear v2|ok   mma|ok   quant|info random)|^ok +pf_|first value out|largest difference|row 0 at" "$OUT/fast.log"
 fi
 if [ "$fuse_rc" != skipped ]; then
     echo "bench_fuse (fused small ops): exit $fuse_rc"
