@@ -26,6 +26,12 @@
  *   more cases use plain fp32 random values (every dot then takes the exact
  *   fallback of fast_indexer.cu).  Under REF numerics the fast picks must
  *   equal the exact ones: the same set in the same order on every row.
+ * Split kernels side by side (decode rows; H 64 and 32; window, CSA, HCA;
+ *   contexts 256, 1024, 8192; T 1, 4, 16; DSV4_CUDA_ATTN = v1, v2, v2-16,
+ *   v2-32, fast_attention.cu): each within the attention bounds, rows
+ *   bit-identical at T = 1, 4 and 16 (T-independence), v2-16 and v2-32
+ *   bit-identical; µs per call inside a CUDA graph of 20 calls (5 replays)
+ *   for each variant and the v1 / v2 ratio, printed, not checked.
  * Each case also checks: the fast op gives the same bits twice, and a CUDA
  * graph of it replays to the same bits.  Timing: the exact op once (twice
  * for decode sizes, the second timed), the fast op as the median of 7
@@ -250,42 +256,50 @@ att_compare(const struct att_case *k, const float *ex, const float *fa, size_t n
     return first == (size_t)-1 && (double)ident >= ATT_IDENT * (double)n;
 }
 
-static int
-att_run(const struct att_case *k)
-{
-    int T = k->T, H = k->H, n_slots = k->decode ? T : 1, max_pos = 0;
-    int32_t *slot = xmalloc((size_t)T * 4), *pos = xmalloc((size_t)T * 4);
-    int32_t *row0 = xmalloc((size_t)T * 4), *pos0 = xmalloc((size_t)T * 4);
-    int32_t *sel = NULL, *pages = NULL, *perm;
-    size_t nq = (size_t)T * H * DH, n_pool;
-    float *hq, *hkv, *hring, *hcomp = NULL, *hsink, *ex, *fa, *fb, t_ex = 0, t_fa;
-    struct att_ctx c;
-    int ok = 1, cap = 0;
+/* Host copies of one attention case's inputs (freed by att_release). */
+struct att_host {
+    float *q, *kv, *ring, *comp, *sink;
+    int32_t *slot, *pos, *row0, *pos0, *pages, *sel;
+};
 
-    memset(&c, 0, sizeof(c));
+/* Random inputs of case k on the host and the device (c; c->out allocated,
+ * not filled). */
+static void
+att_build(const struct att_case *k, struct att_ctx *c, struct att_host *h)
+{
+    int T = k->T, H = k->H, n_slots = k->decode ? T : 1, max_pos = 0, cap = 0;
+    size_t nq = (size_t)T * H * DH, n_pool = 0;
+    int32_t *perm;
+
+    memset(c, 0, sizeof(*c));
+    memset(h, 0, sizeof(*h));
+    h->slot = xmalloc((size_t)T * 4);
+    h->pos = xmalloc((size_t)T * 4);
+    h->row0 = xmalloc((size_t)T * 4);
+    h->pos0 = xmalloc((size_t)T * 4);
     for (int t = 0; t < T; t++) {
         if (k->decode) {
-            slot[t] = t;
-            pos[t] = k->ctx - 1 - (t % 5);
-            pos0[t] = pos[t];
-            row0[t] = t;
+            h->slot[t] = t;
+            h->pos[t] = k->ctx - 1 - (t % 5);
+            h->pos0[t] = h->pos[t];
+            h->row0[t] = t;
         } else {
-            slot[t] = 0;
-            pos[t] = k->ctx + t;
-            pos0[t] = k->ctx;
-            row0[t] = 0;
+            h->slot[t] = 0;
+            h->pos[t] = k->ctx + t;
+            h->pos0[t] = k->ctx;
+            h->row0[t] = 0;
         }
-        max_pos = pos[t] > max_pos ? pos[t] : max_pos;
+        max_pos = h->pos[t] > max_pos ? h->pos[t] : max_pos;
     }
-    hq = xmalloc(nq * 4);
-    hkv = xmalloc((size_t)T * DH * 4);
-    hring = xmalloc((size_t)n_slots * WIN * DH * 4);
-    hsink = xmalloc((size_t)H * 4);
-    fill(hq, nq, 1.0f, 1);
-    fill(hkv, (size_t)T * DH, 1.0f, 1);
-    fill(hring, (size_t)n_slots * WIN * DH, 1.0f, 1);
-    for (int h = 0; h < H; h++)
-        hsink[h] = rnd_normal();
+    h->q = xmalloc(nq * 4);
+    h->kv = xmalloc((size_t)T * DH * 4);
+    h->ring = xmalloc((size_t)n_slots * WIN * DH * 4);
+    h->sink = xmalloc((size_t)H * 4);
+    fill(h->q, nq, 1.0f, 1);
+    fill(h->kv, (size_t)T * DH, 1.0f, 1);
+    fill(h->ring, (size_t)n_slots * WIN * DH, 1.0f, 1);
+    for (int i = 0; i < H; i++)
+        h->sink[i] = rnd_normal();
     if (k->ratio) {
         int n_pages;
 
@@ -293,53 +307,75 @@ att_run(const struct att_case *k)
               DSV4_PAGE_ENTRIES;
         n_pages = n_slots * (cap / DSV4_PAGE_ENTRIES);
         n_pool = (size_t)n_pages * DSV4_PAGE_ENTRIES;
-        hcomp = xmalloc(n_pool * DH * 4);
-        fill(hcomp, n_pool * DH, 1.0f, 1);
-        pages = xmalloc((size_t)n_pages * 4);
-        shuffle(pages, n_pages);
+        h->comp = xmalloc(n_pool * DH * 4);
+        fill(h->comp, n_pool * DH, 1.0f, 1);
+        h->pages = xmalloc((size_t)n_pages * 4);
+        shuffle(h->pages, n_pages);
         if (k->ratio == 4) {
             perm = xmalloc((size_t)cap * 4);
-            sel = xmalloc((size_t)T * TOPK * 4);
+            h->sel = xmalloc((size_t)T * TOPK * 4);
             for (int t = 0; t < T; t++) {
-                int nv = (pos[t] + 1) / 4;
+                int nv = (h->pos[t] + 1) / 4;
 
                 shuffle(perm, nv);
                 for (int i = 0; i < TOPK; i++)
-                    sel[(size_t)t * TOPK + i] = i < nv ? perm[i] : -1;
+                    h->sel[(size_t)t * TOPK + i] = i < nv ? perm[i] : -1;
             }
             free(perm);
         }
     }
-    c.T = T;
-    c.H = H;
-    c.cap = cap;
-    c.ratio = k->ratio;
-    c.q = dev_put(hq, nq * 4);
-    c.kv = dev_put(hkv, (size_t)T * DH * 4);
-    c.ring = dev_put(hring, (size_t)n_slots * WIN * DH * 4);
-    c.sink = dev_put(hsink, (size_t)H * 4);
-    c.out = dev_put(NULL, nq * 4);
-    c.slot = dev_put(slot, (size_t)T * 4);
-    c.pos = dev_put(pos, (size_t)T * 4);
-    c.row0 = dev_put(row0, (size_t)T * 4);
-    c.pos0 = dev_put(pos0, (size_t)T * 4);
+    c->T = T;
+    c->H = H;
+    c->cap = cap;
+    c->ratio = k->ratio;
+    c->q = dev_put(h->q, nq * 4);
+    c->kv = dev_put(h->kv, (size_t)T * DH * 4);
+    c->ring = dev_put(h->ring, (size_t)n_slots * WIN * DH * 4);
+    c->sink = dev_put(h->sink, (size_t)H * 4);
+    c->out = dev_put(NULL, nq * 4);
+    c->slot = dev_put(h->slot, (size_t)T * 4);
+    c->pos = dev_put(h->pos, (size_t)T * 4);
+    c->row0 = dev_put(h->row0, (size_t)T * 4);
+    c->pos0 = dev_put(h->pos0, (size_t)T * 4);
     if (k->ratio) {
-        c.comp = dev_put(hcomp, n_pool * DH * 4);
-        c.pages = dev_put(pages, n_pool / DSV4_PAGE_ENTRIES * 4);
-        if (sel != NULL)
-            c.sel = dev_put(sel, (size_t)T * TOPK * 4);
+        c->comp = dev_put(h->comp, n_pool * DH * 4);
+        c->pages = dev_put(h->pages, n_pool / DSV4_PAGE_ENTRIES * 4);
+        if (h->sel != NULL)
+            c->sel = dev_put(h->sel, (size_t)T * TOPK * 4);
     }
+}
+
+static void
+att_release(struct att_ctx *c, struct att_host *h)
+{
+    dev_free(c->q), dev_free(c->kv), dev_free(c->ring), dev_free(c->sink), dev_free(c->out);
+    dev_free(c->slot), dev_free(c->pos), dev_free(c->row0), dev_free(c->pos0);
+    dev_free(c->comp), dev_free(c->pages), dev_free(c->sel);
+    free(h->q), free(h->kv), free(h->ring), free(h->comp), free(h->sink), free(h->pages);
+    free(h->sel), free(h->slot), free(h->pos), free(h->row0), free(h->pos0);
+}
+
+static int
+att_run(const struct att_case *k)
+{
+    size_t nq = (size_t)k->T * k->H * DH;
+    float *ex, *fa, *fb, t_ex = 0, t_fa;
+    struct att_ctx c;
+    struct att_host h;
+    int ok = 1;
+
+    att_build(k, &c, &h);
     ex = xmalloc(nq * 4);
     fa = xmalloc(nq * 4);
     fb = xmalloc(nq * 4);
-    run_op(att_op, &c, 0, T * H <= 1024 ? NULL : &t_ex);
-    if (T * H <= 1024)
+    run_op(att_op, &c, 0, k->T * k->H <= 1024 ? NULL : &t_ex);
+    if (k->T * k->H <= 1024)
         run_op(att_op, &c, 0, &t_ex);
     TRY("download", be->ops->download(be, ex, c.out, nq * 4));
     TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
     run_op(att_op, &c, 1, NULL);
     TRY("download", be->ops->download(be, fa, c.out, nq * 4));
-    ok &= att_compare(k, ex, fa, nq, H);
+    ok &= att_compare(k, ex, fa, nq, k->H);
     TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
     run_op(att_op, &c, 1, NULL);
     TRY("download", be->ops->download(be, fb, c.out, nq * 4));
@@ -356,14 +392,134 @@ att_run(const struct att_case *k)
     }
     t_fa = time_fast(att_op, &c);
     printf("%s attention %-28s T=%-5d H=%-2d ratio=%-3d exact %10.1f us  fast %8.1f us  "
-           "(x%.1f)\n", ok ? "ok  " : "FAIL", k->name, T, H, k->ratio, t_ex * 1e3, t_fa * 1e3,
-           t_ex / t_fa);
+           "(x%.1f)\n", ok ? "ok  " : "FAIL", k->name, k->T, k->H, k->ratio, t_ex * 1e3,
+           t_fa * 1e3, t_ex / t_fa);
     fflush(stdout);
-    dev_free(c.q), dev_free(c.kv), dev_free(c.ring), dev_free(c.sink), dev_free(c.out);
-    dev_free(c.slot), dev_free(c.pos), dev_free(c.row0), dev_free(c.pos0);
-    dev_free(c.comp), dev_free(c.pages), dev_free(c.sel);
-    free(hq), free(hkv), free(hring), free(hcomp), free(hsink), free(pages), free(sel);
-    free(slot), free(pos), free(row0), free(pos0), free(ex), free(fa), free(fb);
+    att_release(&c, &h);
+    free(ex), free(fa), free(fb);
+    return ok;
+}
+
+/* --- attention: the split kernels side by side, inside a CUDA graph ------------------- */
+
+#define N_VAR 4          /* DSV4_CUDA_ATTN values compared */
+#define N_GCALLS 20      /* op calls per recorded graph */
+#define N_GREPS 5        /* timed replays */
+
+static const char *const var_env[N_VAR] = { "v1", "v2", "v2-16", "v2-32" };
+
+/* µs per call of the fast op (as DSV4_CUDA_ATTN is now) over N_GREPS replays
+ * of a graph of N_GCALLS calls, after one untimed replay. */
+static float
+att_graph_us(struct att_ctx *c)
+{
+    void *g = NULL;
+    float ms = 0;
+
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    TRY("graph_begin", be->ops->graph_begin(be));
+    for (int i = 0; i < N_GCALLS; i++)
+        TRY("op (recorded)", att_op(c));
+    TRY("graph_end", be->ops->graph_end(be, &g));
+    TRY("graph_launch", be->ops->graph_launch(be, g));
+    TRY("sync", be->ops->sync(be));
+    TRY("timer", dsv4_cuda_timer_start(tm));
+    for (int i = 0; i < N_GREPS; i++)
+        TRY("graph_launch", be->ops->graph_launch(be, g));
+    TRY("timer", dsv4_cuda_timer_stop(tm, &ms));
+    TRY("sync", be->ops->sync(be));
+    be->ops->graph_free(be, g);
+    return ms * 1e3f / (N_GREPS * N_GCALLS);
+}
+
+/*
+ * Decode rows (16 slots, contexts ctx - 1 - t % 5) with H heads and layer
+ * type ratio: the exact op at T = 16 is the reference; each DSV4_CUDA_ATTN
+ * variant runs at T = 1, 4, 16 on the same buffers (a T-row call reads rows
+ * 0 .. T-1).  Checks per variant and T: the attention bounds against the
+ * exact rows; rows 0 .. T-1 bit-identical to the same variant's T = 16 rows
+ * (T-independence); "v2-16" and "v2-32" bit-identical to each other (a
+ * head's arithmetic does not depend on the heads per CTA).  Prints µs per
+ * call in a graph for every variant and the v1 / v2 ratio.
+ */
+/* The first index where a and b (n floats) differ in bits, or -1. */
+static long
+first_diff(const float *a, const float *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0)
+            return (long)i;
+    return -1;
+}
+
+static int
+att_versions(int H, int ratio, int ctx)
+{
+    static const int Ts[3] = { 1, 4, 16 };
+    struct att_case k = { "", 16, H, ratio, 1, ctx };
+    size_t n16 = (size_t)16 * H * DH;
+    float *ex, *out[N_VAR][3], us[N_VAR][3];
+    const char *type = ratio == 0 ? "window" : ratio == 4 ? "CSA" : "HCA";
+    char name[64];
+    struct att_ctx c;
+    struct att_host h;
+    int ok = 1;
+
+    att_build(&k, &c, &h);
+    ex = xmalloc(n16 * 4);
+    run_op(att_op, &c, 0, NULL);
+    TRY("download", be->ops->download(be, ex, c.out, n16 * 4));
+    for (int v = 0; v < N_VAR; v++) {
+        setenv("DSV4_CUDA_ATTN", var_env[v], 1);
+        for (int i = 0; i < 3; i++) {
+            size_t n = (size_t)Ts[i] * H * DH;
+
+            out[v][i] = xmalloc(n * 4);
+            c.T = Ts[i];
+            TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)n16));
+            run_op(att_op, &c, 1, NULL);
+            TRY("download", be->ops->download(be, out[v][i], c.out, n * 4));
+            snprintf(name, sizeof(name), "%s H=%d %s ctx %d T=%d", var_env[v], H, type, ctx,
+                     Ts[i]);
+            k.name = name;
+            ok &= att_compare(&k, ex, out[v][i], n, H);
+            us[v][i] = att_graph_us(&c);
+        }
+        c.T = 16;
+        for (int i = 0; i < 2; i++) {
+            long d = first_diff(out[v][i], out[v][2], (size_t)Ts[i] * H * DH);
+
+            if (d >= 0) {
+                printf("   %s H=%d %s ctx %d: rows at T=%d differ from the same rows at "
+                       "T=16 (not T-independent): first index %ld (row %ld head %ld dim %ld) "
+                       "%.9g vs %.9g\n", var_env[v], H, type, ctx, Ts[i], d, d / (H * DH),
+                       d / DH % H, d % DH, out[v][i][d], out[v][2][d]);
+                ok = 0;
+            }
+        }
+    }
+    unsetenv("DSV4_CUDA_ATTN");
+    for (int i = 0; i < 3; i++) {
+        long d = first_diff(out[2][i], out[3][i], (size_t)Ts[i] * H * DH);
+
+        if (d >= 0) {
+            printf("   H=%d %s ctx %d T=%d: v2-16 and v2-32 differ (heads per CTA change "
+                   "a head's arithmetic): first index %ld (row %ld head %ld dim %ld) %.9g vs "
+                   "%.9g\n", H, type, ctx, Ts[i], d, d / (H * DH), d / DH % H, d % DH,
+                   out[2][i][d], out[3][i][d]);
+            ok = 0;
+        }
+    }
+    for (int i = 0; i < 3; i++)
+        printf("%s graph H=%-2d %-6s ctx %5d T=%-2d  us/call: v1 %7.2f  v2 %7.2f  "
+               "(v1/v2 x%.2f)  v2-16 %7.2f  v2-32 %7.2f\n", ok ? "ok  " : "FAIL", H, type,
+               ctx, Ts[i], us[0][i], us[1][i], us[0][i] / us[1][i], us[2][i], us[3][i]);
+    fflush(stdout);
+    for (int v = 0; v < N_VAR; v++)
+        for (int i = 0; i < 3; i++)
+            free(out[v][i]);
+    free(ex);
+    att_release(&c, &h);
     return ok;
 }
 
@@ -574,6 +730,15 @@ main(int argc, char **argv)
         n_run++;
         n_fail += !att_run(&att[i]);
     }
+    for (int hi = 0; hi < 2; hi++)
+        for (int ri = 0; ri < 3; ri++)
+            for (int ci = 0; ci < 3; ci++) {
+                static const int Hs[2] = { 64, 32 }, rats[3] = { 0, 4, 128 };
+                static const int ctxs[3] = { 256, 1024, 8192 };
+
+                n_run++;
+                n_fail += !att_versions(Hs[hi], rats[ri], ctxs[ci]);
+            }
     for (size_t i = 0; i < sizeof(idx) / sizeof(idx[0]); i++) {
         if (quick && idx[i].T > 2048)
             continue;
