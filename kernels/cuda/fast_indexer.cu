@@ -44,11 +44,18 @@
  *   (bitonic, shared memory) and written as sel, then -1.  n_valid <= K:
  *   every valid entry, sorted.
  *
+ * v2 (the default; DSV4_CUDA_ATTN=v1 keeps the first kernels): decode-sized
+ *   calls (T < 32) batch the score kernel's loads (fi_score_kernel<1, true>),
+ *   and rows of K <= 512 picks from at most 4,096 valid entries use
+ *   fi_select2_kernel (keys in registers, shuffle steps in the sort).  Same
+ *   scores and picks bit for bit.
+ *
  * No host synchronisation, scratch from the backend only (graph-safe);
  * deterministic, each row's picks depend on its own inputs only.
  */
 #include "kernels/cuda/fast_mma.cuh"
 
+#include <stdlib.h>
 #include <string.h>
 
 #define FI_THREADS 256
@@ -58,6 +65,7 @@
 #define FI_MAX_HEADS 64
 #define FI_SEL_THREADS 512
 #define FI_MAX_K 2048
+#define FI_SEL_REG 8          /* v2 select: score keys per thread in registers */
 
 struct fi_args {
     float *scores;            /* (T, cap) */
@@ -155,9 +163,11 @@ fi_smem_bytes(int R)
 /*
  * grid (ceil(T / R), ceil(cap / (kt * 64))).  R * 4 m-tiles of 16 heads:
  * R >= 2: R / 2 m-tiles per warp, all 8 n-tiles; R == 1: one m-tile per two
- * warps, 4 n-tiles each.
+ * warps, 4 n-tiles each.  B (v2): the loads of the q stats (R == 1) and of
+ * a key tile are issued in batches instead of one dependent chain per
+ * iteration (the same arithmetic).
  */
-template <int R>
+template <int R, bool B>
 static __global__ void __launch_bounds__(FI_THREADS, 1)
 fi_score_kernel(struct fi_args a)
 {
@@ -192,19 +202,48 @@ fi_score_kernel(struct fi_args a)
             continue;   /* uniform over the block */
         s = a.slot[t0 + (same ? 0 : pass)];
 
-        /* q stats and w of the active rows */
-        for (int i = warp; i < R * FI_MAX_HEADS; i += FI_THREADS / 32) {
-            int r = i / FI_MAX_HEADS, h = i % FI_MAX_HEADS;
+        /* q stats and w of the active rows (B, R == 1: each warp's 8 loads
+         * issued together, then the stats) */
+        if (B && R == 1) {
+            constexpr int NQ = FI_MAX_HEADS / (FI_THREADS / 32);
+            float4 qv[NQ];
+            float wv[NQ];
 
-            if (!act[r] || h >= a.nh)
-                continue;
-            {
-                const float *qr = a.q + ((int64_t)(t0 + r) * a.nh + h) * 128;
-                int3 st = fi_stats(*(const float4 *)(qr + lane * 4));
+#pragma unroll
+            for (int k = 0; k < NQ; k++) {
+                int h = warp + (FI_THREADS / 32) * k, ok = act[0] && h < a.nh;
+                const float *qr = a.q + ((int64_t)t0 * a.nh + (ok ? h : 0)) * 128;
 
-                if (lane == 0) {
-                    qs[i] = make_int4(st.x, st.y, st.z, 0);
-                    ws[i] = a.w[(int64_t)(t0 + r) * a.nh + h];
+                qv[k] = ok ? *(const float4 *)(qr + lane * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+                wv[k] = ok && lane == 0 ? a.w[(int64_t)t0 * a.nh + h] : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < NQ; k++) {
+                int h = warp + (FI_THREADS / 32) * k;
+
+                if (act[0] && h < a.nh) {   /* uniform over the warp */
+                    int3 st = fi_stats(qv[k]);
+
+                    if (lane == 0) {
+                        qs[h] = make_int4(st.x, st.y, st.z, 0);
+                        ws[h] = wv[k];
+                    }
+                }
+            }
+        } else {
+            for (int i = warp; i < R * FI_MAX_HEADS; i += FI_THREADS / 32) {
+                int r = i / FI_MAX_HEADS, h = i % FI_MAX_HEADS;
+
+                if (!act[r] || h >= a.nh)
+                    continue;
+                {
+                    const float *qr = a.q + ((int64_t)(t0 + r) * a.nh + h) * 128;
+                    int3 st = fi_stats(*(const float4 *)(qr + lane * 4));
+
+                    if (lane == 0) {
+                        qs[i] = make_int4(st.x, st.y, st.z, 0);
+                        ws[i] = a.w[(int64_t)(t0 + r) * a.nh + h];
+                    }
                 }
             }
         }
@@ -236,20 +275,51 @@ fi_score_kernel(struct fi_args a)
             if (e0 >= nvmax)
                 break;   /* uniform */
             __syncthreads();   /* the previous tile's readers are done */
-            /* key tile: warp w loads keys w*8 .. w*8+7, one float4 per lane */
-            for (int j = warp; j < FI_NK; j += FI_THREADS / 32) {
-                int e = e0 + j;
-                const float *kr = e < nvmax
-                    ? a.keys + cu_pool_row(a.pages, a.cap, s, e) * 128 : NULL;
-                float4 v = kr != NULL ? *(const float4 *)(kr + lane * 4)
-                                      : make_float4(0.f, 0.f, 0.f, 0.f);
-                int3 st = fi_stats(v);
+            /* key tile: warp w loads keys w, w + 8, .. w + 56, one float4 per
+             * lane (B: the page-table reads, then the key loads, each batch
+             * in flight together) */
+            if (B) {
+                constexpr int KPW = FI_NK / (FI_THREADS / 32);
+                const float *kr[KPW];
+                float4 kv[KPW];
 
-                *(uint2 *)(kb + j * FI_KLD + lane * 4) =
-                    make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
-                if (lane == 0) {
-                    ks[j] = make_int4(st.x, st.y, st.z, 0);
-                    krow[j] = kr;
+#pragma unroll
+                for (int k = 0; k < KPW; k++) {
+                    int e = e0 + warp + (FI_THREADS / 32) * k;
+
+                    kr[k] = e < nvmax ? a.keys + cu_pool_row(a.pages, a.cap, s, e) * 128 : NULL;
+                }
+#pragma unroll
+                for (int k = 0; k < KPW; k++)
+                    kv[k] = kr[k] != NULL ? *(const float4 *)(kr[k] + lane * 4)
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                for (int k = 0; k < KPW; k++) {
+                    int j = warp + (FI_THREADS / 32) * k;
+                    int3 st = fi_stats(kv[k]);
+
+                    *(uint2 *)(kb + j * FI_KLD + lane * 4) =
+                        make_uint2(fa_pack(kv[k].x, kv[k].y), fa_pack(kv[k].z, kv[k].w));
+                    if (lane == 0) {
+                        ks[j] = make_int4(st.x, st.y, st.z, 0);
+                        krow[j] = kr[k];
+                    }
+                }
+            } else {
+                for (int j = warp; j < FI_NK; j += FI_THREADS / 32) {
+                    int e = e0 + j;
+                    const float *kr = e < nvmax
+                        ? a.keys + cu_pool_row(a.pages, a.cap, s, e) * 128 : NULL;
+                    float4 v = kr != NULL ? *(const float4 *)(kr + lane * 4)
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+                    int3 st = fi_stats(v);
+
+                    *(uint2 *)(kb + j * FI_KLD + lane * 4) =
+                        make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+                    if (lane == 0) {
+                        ks[j] = make_int4(st.x, st.y, st.z, 0);
+                        krow[j] = kr;
+                    }
                 }
             }
             __syncthreads();
@@ -360,6 +430,41 @@ fi_scan(int f, int *wsum, int *total)
     return off + rank;
 }
 
+/*
+ * Warp 0 of the select: the bin of the 256-bin histogram hist holding the
+ * kleft-th key (1-based, in bin order) into *bin, the count of the bins
+ * before it into *before.
+ */
+static __device__ __forceinline__ void
+fi_radix_bin(const int *hist, int kleft, int *bin, int *before_out)
+{
+    int c[8], sum = 0, incl;
+
+    for (int i = 0; i < 8; i++) {
+        c[i] = hist[threadIdx.x * 8 + i];
+        sum += c[i];
+    }
+    incl = sum;
+    for (int o = 1; o < 32; o *= 2) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o);
+
+        if ((int)threadIdx.x >= o)
+            incl += v;
+    }
+    if (incl - sum < kleft && kleft <= incl) {
+        int before = incl - sum;
+
+        for (int i = 0; i < 8; i++) {
+            if (kleft <= before + c[i]) {
+                *bin = (int)threadIdx.x * 8 + i;
+                *before_out = before;
+                break;
+            }
+            before += c[i];
+        }
+    }
+}
+
 /* One CTA per row: sel[t, :] from scores[t, 0..n_valid). kpad: power of two >= K. */
 static __global__ void __launch_bounds__(FI_SEL_THREADS)
 fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap, int ratio,
@@ -386,33 +491,8 @@ fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap,
                     atomicAdd(&hist[(u >> shift) & 255u], 1);
             }
             __syncthreads();
-            if (threadIdx.x < 32) {
-                int c[8], sum = 0, incl;
-
-                for (int i = 0; i < 8; i++) {
-                    c[i] = hist[threadIdx.x * 8 + i];
-                    sum += c[i];
-                }
-                incl = sum;
-                for (int o = 1; o < 32; o *= 2) {
-                    int v = __shfl_up_sync(0xffffffffu, incl, o);
-
-                    if ((int)threadIdx.x >= o)
-                        incl += v;
-                }
-                if (incl - sum < kleft && kleft <= incl) {
-                    int before = incl - sum;
-
-                    for (int i = 0; i < 8; i++) {
-                        if (kleft <= before + c[i]) {
-                            s_bin = (int)threadIdx.x * 8 + i;
-                            s_before = before;
-                            break;
-                        }
-                        before += c[i];
-                    }
-                }
-            }
+            if (threadIdx.x < 32)
+                fi_radix_bin(hist, kleft, &s_bin, &s_before);
             __syncthreads();
             prefix |= (uint32_t)s_bin << shift;
             mask |= 255u << shift;
@@ -465,6 +545,103 @@ fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap,
         sel[(int64_t)t * K + i] = i < kk ? (int32_t)(fs_keys[i] & 0xffffffffu) : -1;
 }
 
+/*
+ * v2 of fi_select_kernel for K <= FI_SEL_THREADS and rows of at most
+ * FI_SEL_THREADS * FI_SEL_REG valid entries: the same selection (the same
+ * picks in the same order), with the row's score keys read once into
+ * registers (all loads in flight together; the radix passes and the final
+ * pass read registers, not memory) and a bitonic sort of FI_SEL_THREADS
+ * keys, one per thread, whose steps of distance < 32 are register shuffles
+ * (no barrier) and the others one barrier each (two buffers).
+ */
+static __global__ void __launch_bounds__(FI_SEL_THREADS)
+fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap, int ratio,
+                  int K)
+{
+    __shared__ unsigned long long fs[2][FI_SEL_THREADS];
+    __shared__ int hist[256], wsum[FI_SEL_THREADS / 32];
+    __shared__ int s_bin, s_before, s_lt;
+    int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap), kk = min(K, nv);
+    int tid = threadIdx.x, b = 0;
+    const float *sc = scores + (int64_t)t * cap;
+    uint32_t u[FI_SEL_REG];
+    unsigned long long x;
+
+#pragma unroll
+    for (int k = 0; k < FI_SEL_REG; k++) {
+        int i = tid + FI_SEL_THREADS * k;
+
+        u[k] = i < nv ? fi_ukey(sc[i]) : 0xffffffffu;
+    }
+    if (nv > K) {
+        uint32_t prefix = 0, mask = 0;
+        int kleft = K, need, eq_base = 0;
+
+        fs[0][tid] = ~0ull;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            if (tid < 256)
+                hist[tid] = 0;
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < FI_SEL_REG; k++)
+                if (tid + FI_SEL_THREADS * k < nv && (u[k] & mask) == prefix)
+                    atomicAdd(&hist[(u[k] >> shift) & 255u], 1);
+            __syncthreads();
+            if (tid < 32)
+                fi_radix_bin(hist, kleft, &s_bin, &s_before);
+            __syncthreads();
+            prefix |= (uint32_t)s_bin << shift;
+            mask |= 255u << shift;
+            kleft -= s_before;
+            __syncthreads();   /* s_bin / s_before read before the next pass */
+        }
+        /* as fi_select_kernel: the K - kleft better keys, then the kleft
+         * lowest-index ones equal to the K-th */
+        need = kleft;
+        if (tid == 0)
+            s_lt = 0;
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < FI_SEL_REG; k++) {
+            int i = tid + FI_SEL_THREADS * k, tot, rk, eq;
+
+            if (FI_SEL_THREADS * k >= nv)
+                break;   /* uniform */
+            eq = i < nv && u[k] == prefix;
+            if (i < nv && u[k] < prefix)
+                fs[0][atomicAdd(&s_lt, 1)] = (unsigned long long)u[k] << 32 | (uint32_t)i;
+            rk = fi_scan(eq, wsum, &tot);
+            if (eq && eq_base + rk < need)
+                fs[0][K - need + eq_base + rk] = (unsigned long long)u[k] << 32 | (uint32_t)i;
+            eq_base += tot;
+        }
+        __syncthreads();
+        x = fs[0][tid];
+    } else {
+        x = tid < nv ? (unsigned long long)u[0] << 32 | (uint32_t)tid : ~0ull;
+    }
+    /* bitonic sort of the FI_SEL_THREADS keys x, ascending by thread */
+    for (int k = 2; k <= FI_SEL_THREADS; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            unsigned long long y;
+            int up = (tid & k) == 0, low = tid < (tid ^ j);
+
+            if (j >= 32) {
+                /* the last reads of fs[b] were before the previous
+                 * shared-memory step's barrier */
+                fs[b][tid] = x;
+                __syncthreads();
+                y = fs[b][tid ^ j];
+                b ^= 1;
+            } else {
+                y = __shfl_xor_sync(0xffffffffu, x, j);
+            }
+            x = low == up ? (x < y ? x : y) : (x < y ? y : x);
+        }
+    if (tid < K)
+        sel[(int64_t)t * K + tid] = tid < kk ? (int32_t)(x & 0xffffffffu) : -1;
+}
+
 /* --- host side ----------------------------------------------------------------------- */
 
 int
@@ -475,7 +652,7 @@ cuda_fast_indexer_ok(const float *q, const float *keys, int nh, int dI, int cap,
            ((uintptr_t)keys & 15u) == 0;
 }
 
-template <int R>
+template <int R, bool B>
 static enum dsv4_err
 fi_score_launch(struct dsv4_backend *be, const struct fi_args &a)
 {
@@ -483,9 +660,9 @@ fi_score_launch(struct dsv4_backend *be, const struct fi_args &a)
     dim3 grid((unsigned)((a.T + R - 1) / R), (unsigned)((a.cap + a.kt * FI_NK - 1) /
                                                         (a.kt * FI_NK)));
 
-    CUDA_TRY(cudaFuncSetAttribute(fi_score_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
-    fi_score_kernel<R><<<grid, FI_THREADS, smem, cuda_stream(be)>>>(a);
+    CUDA_TRY(cudaFuncSetAttribute(fi_score_kernel<R, B>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    fi_score_kernel<R, B><<<grid, FI_THREADS, smem, cuda_stream(be)>>>(a);
     CUDA_LAUNCHED("fast indexer scores");
     return DSV4_OK;
 }
@@ -497,7 +674,8 @@ cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, co
 {
     struct fi_args a;
     enum dsv4_err e;
-    int kpad = 1;
+    const char *var = getenv("DSV4_CUDA_ATTN");
+    int kpad = 1, v1 = var != NULL && strcmp(var, "v1") == 0;
 
     (void)dI;
     memset(&a, 0, sizeof(a));
@@ -517,13 +695,19 @@ cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, co
     a.ref = be->numerics == DSV4_NUMERICS_REF;
     if (T >= 32) {
         a.kt = 4;
-        e = fi_score_launch<4>(be, a);
+        e = fi_score_launch<4, false>(be, a);
     } else {
         a.kt = 1;
-        e = fi_score_launch<1>(be, a);
+        e = v1 ? fi_score_launch<1, false>(be, a) : fi_score_launch<1, true>(be, a);
     }
     if (e != DSV4_OK)
         return e;
+    if (!v1 && K <= FI_SEL_THREADS && cap <= FI_SEL_THREADS * FI_SEL_REG) {
+        fi_select2_kernel<<<(unsigned)T, FI_SEL_THREADS, 0, cuda_stream(be)>>>(
+            sel, a.scores, pos, cap, ratio, K);
+        CUDA_LAUNCHED("fast indexer top-k v2");
+        return DSV4_OK;
+    }
     while (kpad < K)
         kpad *= 2;
     fi_select_kernel<<<(unsigned)T, FI_SEL_THREADS, (size_t)kpad * 8, cuda_stream(be)>>>(
