@@ -20,7 +20,9 @@
  *   90% of the outputs bit-identical (the fast path sums in another order
  *   and feeds P as bf16 hi + lo; fast_attention.cu).
  * Indexer (64 heads x 128, K 512, ratio 4): decode (16 rows, contexts 200,
- *   4096, 8192: 50 to 2048 valid keys), prefill 2048 rows from 0, 2048 rows
+ *   4096, 8192: 50 to 2048 valid keys; 1 row at 1024 and 8192, 4 rows at
+ *   8192; each decode case also runs DSV4_CUDA_ATTN=v1, the first kernels:
+ *   the same picks required, µs per call in a graph printed for both), prefill 2048 rows from 0, 2048 rows
  *   continuing at 6144, 8192 rows from 0.  q and the keys are FP4-simulated
  *   by the backend's own hadamard_fp4 (what the forward feeds the op); two
  *   more cases use plain fp32 random values (every dot then takes the exact
@@ -411,7 +413,7 @@ static const char *const var_env[N_VAR] = { "v1", "v2", "v2-16", "v2-32" };
 /* µs per call of the fast op (as DSV4_CUDA_ATTN is now) over N_GREPS replays
  * of a graph of N_GCALLS calls, after one untimed replay. */
 static float
-att_graph_us(struct att_ctx *c)
+graph_us(op_fn op, void *c)
 {
     void *g = NULL;
     float ms = 0;
@@ -419,7 +421,7 @@ att_graph_us(struct att_ctx *c)
     TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
     TRY("graph_begin", be->ops->graph_begin(be));
     for (int i = 0; i < N_GCALLS; i++)
-        TRY("op (recorded)", att_op(c));
+        TRY("op (recorded)", op(c));
     TRY("graph_end", be->ops->graph_end(be, &g));
     TRY("graph_launch", be->ops->graph_launch(be, g));
     TRY("sync", be->ops->sync(be));
@@ -483,7 +485,7 @@ att_versions(int H, int ratio, int ctx)
                      Ts[i]);
             k.name = name;
             ok &= att_compare(&k, ex, out[v][i], n, H);
-            us[v][i] = att_graph_us(&c);
+            us[v][i] = graph_us(att_op, &c);
         }
         c.T = 16;
         for (int i = 0; i < 2; i++) {
@@ -662,6 +664,24 @@ idx_run(const struct idx_case *k)
     t_fa = time_fast(idx_op, &c);
     printf("%s indexer   %-28s T=%-5d cap=%-5d exact %10.1f us  fast %8.1f us  (x%.1f)\n",
            ok ? "ok  " : "FAIL", k->name, T, cap, t_ex * 1e3, t_fa * 1e3, t_ex / t_fa);
+    if (k->decode) {
+        /* the first kernels (DSV4_CUDA_ATTN=v1) beside v2: same picks, us per
+         * call inside a graph */
+        float g2 = graph_us(idx_op, &c), g1;
+
+        setenv("DSV4_CUDA_ATTN", "v1", 1);
+        TRY("fill", be->ops->fill(be, (float *)c.sel, 0.5f, (int64_t)T * TOPK));
+        run_op(idx_op, &c, 1, NULL);
+        TRY("download", be->ops->download(be, fb, c.sel, (size_t)T * TOPK * 4));
+        g1 = graph_us(idx_op, &c);
+        unsetenv("DSV4_CUDA_ATTN");
+        if (memcmp(fa, fb, (size_t)T * TOPK * 4) != 0) {
+            printf("   v1 and v2 indexer picks differ\n");
+            ok = 0;
+        }
+        printf("%s indexer   %-28s T=%-5d graph us/call: v1 %7.2f  v2 %7.2f  (v1/v2 x%.2f)\n",
+               ok ? "ok  " : "FAIL", k->name, T, g1, g2, g1 / g2);
+    }
     fflush(stdout);
     dev_free(c.q), dev_free(c.w), dev_free(c.keys), dev_free(c.pages);
     dev_free(c.slot), dev_free(c.pos), dev_free(c.sel);
@@ -702,6 +722,9 @@ main(int argc, char **argv)
         { "decode ctx 4096 fp4", 16, 1, 4096, 1 },
         { "decode ctx 8192 fp4", 16, 1, 8192, 1 },
         { "decode ctx 4096 fp32", 16, 1, 4096, 0 },
+        { "decode ctx 1024 fp4", 1, 1, 1024, 1 },
+        { "decode ctx 8192 fp4", 1, 1, 8192, 1 },
+        { "decode ctx 8192 fp4", 4, 1, 8192, 1 },
         { "prefill 2048 fp4", 2048, 0, 0, 1 },
         { "chunk 2048 at 6144 fp4", 2048, 0, 6144, 1 },
         { "prefill 2048 fp32", 2048, 0, 0, 0 },
