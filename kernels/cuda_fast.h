@@ -93,6 +93,18 @@ void dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert
 void dsv4_cuda_set_wgmma(int on);
 
 /*
+ * The version of the small fast kernels (the fast hc_pre, hc_head,
+ * hc_post_pre, rms_norm and norm_rope; kernels/cuda/fast_hc.cu,
+ * fast_norm.cu, fast_fuse.cu): 1 the first kernels, 2 the ones that issue
+ * their loads in batches (the default; the same bits as 1); -1 goes back to
+ * the environment's choice (DSV4_CUDA_HC=v1: the hc kernels 1;
+ * DSV4_CUDA_NORM=v1: rms_norm and norm_rope 1).  Process-wide; takes effect
+ * for ops queued afterwards.  For timing and checking both in one process
+ * (tests/gpu/bench_fuse.c).
+ */
+void dsv4_cuda_set_small_kernels(int version);
+
+/*
  * Kernel nodes of the last graph recorded on be (graph_begin .. graph_end
  * of backend.h, e.g. a decode step's graph), and its nodes of any kind in
  * *nodes (may be NULL); -1 when be is not a CUDA backend.  For counting the

@@ -20,10 +20,18 @@
  * rms_norm), so they differ from the exact path only where those do (the
  * order of the norm's and the mix's sums).  One launch instead of two to
  * four; T-independent and deterministic.
+ *
+ * Versions (cuda_fast_norm_version, fast_fuse.cuh).  v2 (default) issues
+ * each thread's loads of the row (its FZ_K elements i, i + B, ... of the
+ * tree, the weights, the position and the pool row) before any arithmetic
+ * and keeps the row in registers for the normed values; v1 (DSV4_CUDA_NORM=
+ * v1) is the first kernel, whose loops issue one load per iteration.  Same
+ * expressions in the same order: the same bits.
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cuda_fast.h"
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"
 
@@ -45,6 +53,9 @@ struct fz_nr {
     struct fz_freqs fr;
 };
 
+/* Row r of the norm_rope call, one block of fz_norm_threads(D) threads;
+ * V2: every load issued first (the row in registers, D <= FZ_K * threads). */
+template <int V2>
 static __global__ void __launch_bounds__(FZ_NORM_MAX_THREADS)
 fz_norm_rope_kernel(struct fz_nr a)
 {
@@ -53,25 +64,46 @@ fz_norm_rope_kernel(struct fz_nr a)
     int64_t r = blockIdx.x;
     int nt = blockDim.x, nw = nt / 32, tid = threadIdx.x, lane = tid % 32, D = a.D;
     float *xr = a.x + r * D;
-    float acc = 0.0f, rs;
+    float acc = 0.0f, rs, pf = 0.0f;
+    int64_t drow = 0;
 
     /* rms_norm (fn_kernel) */
-    for (int i = tid; i < D; i += nt) {
-        float v = cu_bf16_round(xr[i]);
+    if (V2) {
+        float v[FZ_K];
+        uint16_t wb[FZ_K];
 
-        acc += v * v;
+        if (a.np > 0)
+            pf = (float)a.pos[r / a.heads];
+        if (a.dst != NULL)
+            drow = a.dst_rows[r];
+        fz_row_load(v, wb, xr, a.w, D, tid, nt);
+        rs = fz_row_scale(v, red, D, tid, nt, a.eps);
+#pragma unroll
+        for (int k = 0; k < FZ_K; k++) {
+            int i = tid + k * nt;
+
+            if (i < D)
+                y[i] = fz_norm_apply(v[k], rs, a.w != NULL, wb[k]);
+        }
+    } else {
+        for (int i = tid; i < D; i += nt) {
+            float v = cu_bf16_round(xr[i]);
+
+            acc += v * v;
+        }
+        acc = fz_warp_sum(acc);
+        if (lane == 0)
+            red[tid / 32] = acc;
+        __syncthreads();
+        rs = fz_norm_scale(fz_ordered_sum(red, nw), D, a.eps);
+        for (int i = tid; i < D; i += nt)
+            y[i] = fz_norm_value(xr[i], rs, a.w, i);
     }
-    acc = fz_warp_sum(acc);
-    if (lane == 0)
-        red[tid / 32] = acc;
-    __syncthreads();
-    rs = fz_norm_scale(fz_ordered_sum(red, nw), D, a.eps);
-    for (int i = tid; i < D; i += nt)
-        y[i] = fz_norm_value(xr[i], rs, a.w, i);
     __syncthreads();
     /* RoPE of pairs (off + 2i, off + 2i + 1) at the row's position (rope_kernel) */
     if (a.np > 0) {
-        float pf = (float)a.pos[r / a.heads];
+        if (!V2)
+            pf = (float)a.pos[r / a.heads];
 
         for (int i = tid; i < a.np; i += nt) {
             float ang = pf * a.fr.f[i];
@@ -102,8 +134,47 @@ fz_norm_rope_kernel(struct fz_nr a)
     for (int i = tid; i < D; i += nt) {
         xr[i] = y[i];
         if (a.dst != NULL)
-            a.dst[(int64_t)a.dst_rows[r] * D + i] = y[i];
+            a.dst[(V2 ? drow : (int64_t)a.dst_rows[r]) * D + i] = y[i];
     }
+}
+
+static int fz_small_override = -1;   /* dsv4_cuda_set_small_kernels; -1: environment */
+
+void
+dsv4_cuda_set_small_kernels(int version)
+{
+    fz_small_override = version == 1 || version == 2 ? version : -1;
+}
+
+/* 1 when the environment variable `name` is "v1", else 2; *cache: -1 until
+ * read. */
+static int
+fz_env_version(const char *name, int *cache)
+{
+    if (fz_small_override > 0)
+        return fz_small_override;
+    if (*cache < 0) {
+        const char *e = getenv(name);
+
+        *cache = e != NULL && strcmp(e, "v1") == 0 ? 1 : 2;
+    }
+    return *cache;
+}
+
+int
+cuda_fast_hc_version(void)
+{
+    static int env = -1;
+
+    return fz_env_version("DSV4_CUDA_HC", &env);
+}
+
+int
+cuda_fast_norm_version(void)
+{
+    static int env = -1;
+
+    return fz_env_version("DSV4_CUDA_NORM", &env);
 }
 
 int
@@ -159,7 +230,10 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
     a.eps = eps;
     for (int i = 0; i < a.np; i++)
         a.fr.f[i] = freqs[i];
-    fz_norm_rope_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(a);
+    if (cuda_fast_norm_version() == 2 && fz_fits_regs(D))
+        fz_norm_rope_kernel<1><<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(a);
+    else
+        fz_norm_rope_kernel<0><<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(a);
     CUDA_LAUNCHED("fast norm_rope");
     return DSV4_OK;
 }

@@ -54,16 +54,93 @@ fz_norm_scale(float sumsq, int D, float eps)
     return 1.0f / sqrtf(sumsq / (float)D + eps);
 }
 
+/* The normed value bf16(bf16(x) * rs * w) with the weight's bf16 bits wb
+ * already loaded (has_w == 0: no weight, wb unused). */
+static __device__ __forceinline__ float
+fz_norm_apply(float x, float rs, int has_w, uint16_t wb)
+{
+    float v = cu_bf16_round(x) * rs;
+
+    if (has_w)
+        v *= cu_bf16_to_f32(wb);
+    return cu_bf16_round(v);
+}
+
 /* The normed value: bf16(bf16(x) * rs * w) (w == NULL: no weight). */
 static __device__ __forceinline__ float
 fz_norm_value(float x, float rs, const uint16_t *w, int i)
 {
-    float v = cu_bf16_round(x) * rs;
-
-    if (w != NULL)
-        v *= cu_bf16_to_f32(w[i]);
-    return cu_bf16_round(v);
+    return fz_norm_apply(x, rs, w != NULL, w != NULL ? w[i] : (uint16_t)0);
 }
+
+/* Component e (0..3, a constant after unrolling) of v. */
+static __device__ __forceinline__ float
+fz_f4(float4 v, int e)
+{
+    return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
+
+/* Elements per thread of the norm tree that the v2 kernels (fast_norm.cu,
+ * fast_fuse.cu) hold in registers: rows with D <= FZ_K * fz_norm_threads(D)
+ * (every D <= 4096) take them, longer rows the v1 loops. */
+#define FZ_K 16
+
+/* Whether a row of D values fits the v2 kernels' registers. */
+static __host__ __device__ __forceinline__ int
+fz_fits_regs(int D)
+{
+    return D >= 1 && D <= FZ_K * fz_norm_threads(D);
+}
+
+/* v2: elements tid + k*B (k < FZ_K) of the row xr into v (0 past D) and
+ * their weights' bits into wb (0 without w), every load issued first. */
+static __device__ __forceinline__ void
+fz_row_load(float *v, uint16_t *wb, const float *xr, const uint16_t *w, int D, int tid, int B)
+{
+#pragma unroll
+    for (int k = 0; k < FZ_K; k++) {
+        int i = tid + k * B;
+
+        v[k] = i < D ? xr[i] : 0.0f;
+        wb[k] = i < D && w != NULL ? w[i] : (uint16_t)0;
+    }
+}
+
+/* v2: the norm's scale of the row that fz_row_load gave the B = blockDim.x
+ * threads of the block (the tree above); red: B / 32 shared floats.  One
+ * __syncthreads: every thread of the block calls it. */
+static __device__ __forceinline__ float
+fz_row_scale(const float *v, float *red, int D, int tid, int B, float eps)
+{
+    float acc = 0.0f;
+
+#pragma unroll
+    for (int k = 0; k < FZ_K; k++) {
+        float b = cu_bf16_round(v[k]);
+
+        if (tid + k * B < D)
+            acc += b * b;
+    }
+    acc = fz_warp_sum(acc);
+    if (tid % 32 == 0)
+        red[tid / 32] = acc;
+    __syncthreads();
+    return fz_norm_scale(fz_ordered_sum(red, B / 32), D, eps);
+}
+
+/* --- kernel versions ------------------------------------------------------------------ */
+
+/*
+ * The version of the small fast kernels: 1 the first ones (global loads
+ * issued one loop iteration at a time), 2 the ones that issue every load of
+ * a thread up front (default).  Both give the same bits.  hc: fast_hc.cu
+ * (hc_pre, hc_head, hc_post_pre), 1 when the environment has
+ * DSV4_CUDA_HC=v1; norm: the fast rms_norm (fast_norm.cu) and norm_rope
+ * (fast_fuse.cu), 1 with DSV4_CUDA_NORM=v1.  dsv4_cuda_set_small_kernels
+ * (kernels/cuda_fast.h) overrides both.  The environment is read once.
+ */
+int cuda_fast_hc_version(void);
+int cuda_fast_norm_version(void);
 
 /* --- fast entry points of the fused ops (kernels/backend.h) ----------------------- */
 

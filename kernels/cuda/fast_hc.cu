@@ -37,6 +37,29 @@
  * other rows; the fused op gives the bits of hc_post, the fast hc_pre and
  * the fast rms_norm run one after the other.  Scratch: T*S*(M+1) floats,
  * the calls cut into slabs of HF_SLAB tokens.
+ *
+ * Versions (cuda_fast_hc_version, fast_fuse.cuh).  The kernels above are
+ * v1 (DSV4_CUDA_HC=v1).  v2 (default where hf2_ok holds: n <= 4, D % 4 ==
+ * 0, 16-byte aligned rows, S <= 256, D <= 4096 with the norm) computes the
+ * same values by the same expressions in the same order, but is built for
+ * latency (each of v1's loops issued one global load per iteration):
+ *   hf2_mix: 256 threads; every thread first issues its 16-byte loads of
+ *      the fn chunk and of X (or of hc_post's inputs: X rows, f, post,
+ *      comb) into registers, then stores them to shared memory (rows padded
+ *      to HF_CW + 4 floats: 16-byte aligned, no bank conflicts for the
+ *      float4 reads of the dot products); the partials go to
+ *      part (T, M+1, S) (contiguous in s for the finish's gather);
+ *   hf2_finish: with the norm, 512 collapse threads + one warp per token
+ *      (4 columns per thread and 16-byte loads); without, 128 + 32 threads
+ *      per 512 columns.  Every thread first issues its loads of X, of the
+ *      norm weights, of the hc scale/base values it needs and of its warp's
+ *      partials (all of them, then the sums in v1's order); Sinkhorn keeps
+ *      the n x n matrix in registers, one entry per lane, and reads rows
+ *      and columns with __shfl_sync in index order (v1's sequential sums,
+ *      no shared memory or __syncwarp); the collapsed row goes to shared
+ *      memory for the norm's tree (the first fz_norm_threads(D) threads,
+ *      elements i, i + B, ... in order as fn_kernel) and the normed values
+ *      are made from the registers.
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"
@@ -48,6 +71,14 @@
 #define HF_XCOLS 512         /* collapse columns per finish block (no norm) */
 #define HF_MAX_M1 32         /* mix values per token (M + 1) */
 #define HF_SLAB 1024         /* tokens per launch pair (bounds the scratch) */
+#define HF2_MT 256           /* v2 mix block */
+#define HF2_CWP (HF_CW + 4)  /* v2 mix: shared row stride (16-byte rows, no conflicts) */
+#define HF2_N 4              /* v2: streams n at most */
+#define HF2_NT 512           /* v2 finish with the norm: collapse threads (+ one warp) */
+#define HF2_NU 2             /* ... float4 columns per thread at most (D <= 4096) */
+#define HF2_XT 128           /* v2 finish without the norm: collapse threads (+ one warp), */
+                             /* one float4 column each (512 columns per block) */
+#define HF2_SQ 8             /* v2 finish: partials per lane and mix row (S <= 256) */
 
 /* The number of mix rows M of the hc_pre (head == 0) or hc_head form. */
 static __host__ __device__ int
@@ -281,6 +312,352 @@ hf_finish_kernel(struct hf_fin a)
     }
 }
 
+/* --- v2 ------------------------------------------------------------------------- */
+
+/*
+ * hf_mix_kernel with every load issued first; part (T, M+1, S).  Needs
+ * D % 4 == 0 and 16-byte aligned fn, X (POST: p.X, p.f, p.X_out).
+ */
+template <int POST>
+static __global__ void __launch_bounds__(HF2_MT)
+hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
+               struct hf_post p)
+{
+    enum {
+        FQ = ((HF_MAX_M1 - 1) * (HF_CW / 4) + HF2_MT - 1) / HF2_MT,   /* fn float4 per thread */
+        XQ = (HF_TG * (HF_CW / 4) + HF2_MT - 1) / HF2_MT              /* X float4 per thread */
+    };
+    __shared__ __align__(16) float fs[HF_MAX_M1 - 1][HF2_CWP];
+    __shared__ __align__(16) float xs[HF_TG][HF2_CWP];
+    int s = blockIdx.x, S = gridDim.x, tid = threadIdx.x;
+    int nD = n * D, c0 = s * HF_CW, cw = min(HF_CW, nD - c0);
+    int t0 = blockIdx.y * HF_TG, tg = min(HF_TG, T - t0);
+    float4 fv[FQ], xv[XQ][HF2_N], f4[XQ];
+    float pk[XQ], cc[XQ][HF2_N];
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+    /* every load first: the fn chunk, ... */
+#pragma unroll
+    for (int u = 0; u < FQ; u++) {
+        int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+
+        fv[u] = m < M && c < cw ? __ldg((const float4 *)(fn + (int64_t)m * nD + c0 + c)) : zero;
+    }
+    /* ... and X's chunk of the block's tokens (POST: hc_post's inputs) */
+#pragma unroll
+    for (int u = 0; u < XQ; u++) {
+        int i = tid + u * HF2_MT, tt = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4, col = c0 + c;
+        int k = col / D, d = col % D, ok = tt < tg && c < cw;
+        int64_t t = t0 + tt;
+
+        pk[u] = 0.0f;
+        f4[u] = zero;
+#pragma unroll
+        for (int j = 0; j < HF2_N; j++) {
+            xv[u][j] = zero;
+            cc[u][j] = 0.0f;
+        }
+        if (!POST && ok) {
+            xv[u][0] = *(const float4 *)(X + t * nD + col);
+        } else if (POST && ok) {
+#pragma unroll
+            for (int j = 0; j < HF2_N; j++) {
+                if (j < n) {
+                    xv[u][j] = *(const float4 *)(p.X + t * nD + (int64_t)j * D + d);
+                    cc[u][j] = p.comb[t * n * n + j * n + k];
+                }
+            }
+            f4[u] = *(const float4 *)(p.f + t * D + d);
+            pk[u] = p.post[t * n + k];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < FQ; u++) {
+        int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+
+        if (m < M)
+            *(float4 *)&fs[m][c] = fv[u];
+    }
+#pragma unroll
+    for (int u = 0; u < XQ; u++) {
+        int i = tid + u * HF2_MT, tt = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+        float4 v = xv[u][0];
+
+        if (tt >= tg)
+            continue;
+        if (POST && c < cw) {
+            /* hc_post_kernel's expression (cuda_hc.cu), per component */
+            float o[4];
+
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float acc = cc[u][0] * fz_f4(xv[u][0], e);
+
+#pragma unroll
+                for (int j = 1; j < HF2_N; j++)
+                    if (j < n)
+                        acc += cc[u][j] * fz_f4(xv[u][j], e);
+                o[e] = cu_bf16_round(pk[u] * fz_f4(f4[u], e) + acc);
+            }
+            v = make_float4(o[0], o[1], o[2], o[3]);
+            *(float4 *)(p.X_out + (int64_t)(t0 + tt) * nD + c0 + c) = v;
+        }
+        *(float4 *)&xs[tt][c] = v;
+    }
+    __syncthreads();
+    for (int i = tid; i < tg * (M + 1); i += HF2_MT) {
+        int tt = i / (M + 1), m = i % (M + 1);
+        const float4 *a = (const float4 *)xs[tt], *b = (const float4 *)(m < M ? fs[m] : xs[tt]);
+        float acc = 0.0f;
+
+#pragma unroll 8
+        for (int c = 0; c < cw / 4; c++) {
+            float4 x = a[c], y = b[c];
+
+            acc += x.x * y.x;
+            acc += x.y * y.y;
+            acc += x.z * y.z;
+            acc += x.w * y.w;
+        }
+        part[((int64_t)(t0 + tt) * (M + 1) + m) * S + s] = acc;
+    }
+}
+
+/* c / (Σ_i c of lane first + i*step, i < n in order + eps): hf_div_sum with
+ * the matrix in the warp's registers. */
+static __device__ __forceinline__ float
+hf2_div_sum(float c, int first, int step, int n, float eps)
+{
+    float sum = 0.0f;
+
+#pragma unroll
+    for (int i = 0; i < HF2_N; i++) {
+        float o = __shfl_sync(0xffffffffu, c, first + i * step);
+
+        if (i < n)
+            sum += o;
+    }
+    return c / (sum + eps);
+}
+
+/*
+ * hf_sinkhorn (the exact path's Sinkhorn) with entry (j, k) = (l / n, l % n)
+ * in lane l's register c and no shared memory; lanes l >= n*n compute a
+ * copy of entry 0 (their results are not used).  n <= HF2_N; every lane of
+ * the warp calls it.
+ */
+static __device__ float
+hf2_sinkhorn(float c, int n, int iters, float eps, int l)
+{
+    int e = l < n * n ? l : 0, j = e / n, k = e % n;
+    float mx = __shfl_sync(0xffffffffu, c, j * n), sum = 0.0f;
+
+    /* softmax of row j, then + eps */
+#pragma unroll
+    for (int kk = 1; kk < HF2_N; kk++) {
+        float o = __shfl_sync(0xffffffffu, c, j * n + (kk < n ? kk : 0));
+
+        if (kk < n)
+            mx = o > mx ? o : mx;
+    }
+    c = cu_expf(c - mx);
+#pragma unroll
+    for (int kk = 0; kk < HF2_N; kk++) {
+        float o = __shfl_sync(0xffffffffu, c, j * n + (kk < n ? kk : 0));
+
+        if (kk < n)
+            sum += o;
+    }
+    c = c / sum + eps;
+    for (int it = 0; it < iters; it++) {
+        if (it > 0)
+            c = hf2_div_sum(c, j * n, 1, n, eps);   /* row j */
+        c = hf2_div_sum(c, k, n, n, eps);           /* column k */
+    }
+    return c;
+}
+
+/*
+ * hf_finish_kernel with every load issued first.  NORM: one block per
+ * token, HF2_NT collapse threads (float4 columns tid + HF2_NT*u) + one
+ * warp; else block (t, y) collapses float4 columns y*HF2_XT + tid.  The mix
+ * rows: r < R, R = M + 1 (the block that writes post and comb) or n + 1
+ * (r == n standing for the sum of squares M); warp w sums rows w, w + W, ...
+ */
+template <int NORM>
+static __global__ void __launch_bounds__((NORM ? HF2_NT : HF2_XT) + 32)
+hf2_finish_kernel(struct hf_fin a)
+{
+    enum {
+        NT = NORM ? HF2_NT : HF2_XT,   /* collapse threads */
+        U = NORM ? HF2_NU : 1,         /* float4 columns per collapse thread */
+        W = NT / 32 + 1,               /* warps */
+        Q = (HF_MAX_M1 + W - 1) / W    /* mix rows per warp at most */
+    };
+    __shared__ float mix[HF_MAX_M1], pre[HF2_N], red[NT / 32];
+    __shared__ __align__(16) float xs[NORM ? 4 * NT * U : 4];
+    int64_t t = blockIdx.x;
+    int n = a.n, D = a.D, M = hf_rows(n, a.head), nD = n * D, S = a.S, D4 = D / 4;
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    int all = blockIdx.y == 0 && !a.head;       /* this block writes post and comb */
+    int R = all ? M + 1 : n + 1;
+    int q0 = NORM ? 0 : blockIdx.y * NT;        /* first float4 column */
+    int l = tid - NT, e = l >= 0 && l < n * n ? l : 0;
+    const float *Xt = a.X + t * nD, *pt = a.part + t * (M + 1) * S;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 xv[U][HF2_N], ov[U];
+    uint2 wv[U];
+    float pv[Q][HF2_SQ], sc = 0.0f, bs = 0.0f, sc2 = 0.0f, bs2 = 0.0f, r;
+
+    /* every load first: X of this thread's columns (and the norm weights), */
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int q = q0 + tid + NT * u, ok = tid < NT && q < D4;
+
+        wv[u] = make_uint2(0, 0);
+#pragma unroll
+        for (int j = 0; j < HF2_N; j++)
+            xv[u][j] = ok && j < n ? *(const float4 *)(Xt + (int64_t)j * D + 4 * q) : zero;
+        if (NORM && ok && a.nw != NULL)
+            wv[u] = *(const uint2 *)(a.nw + 4 * q);
+    }
+    /* the hc weights this thread uses (pre: tid < n; post, comb: the extra
+     * warp of the writing block), */
+    if (tid < n) {
+        sc = a.hc.scale[0];
+        bs = a.hc.base[tid];
+    } else if (l >= 0 && all) {
+        sc = a.hc.scale[1];
+        bs = a.hc.base[n + (l < n ? l : 0)];
+        sc2 = a.hc.scale[2];
+        bs2 = a.hc.base[2 * n + e];
+    }
+    /* and the partials of this warp's mix rows */
+#pragma unroll
+    for (int k = 0; k < Q; k++) {
+        int rr = warp + W * k, m = all || rr < n ? rr : M;
+
+#pragma unroll
+        for (int u = 0; u < HF2_SQ; u++) {
+            int sidx = lane + 32 * u;
+
+            pv[k][u] = rr < R && sidx < S ? pt[(int64_t)m * S + sidx] : 0.0f;
+        }
+    }
+    /* mix[m]: lane l sums chunks l, l + 32, ... in order, then the butterfly */
+#pragma unroll
+    for (int k = 0; k < Q; k++) {
+        int rr = warp + W * k, m = all || rr < n ? rr : M;
+        float v = 0.0f;
+
+#pragma unroll
+        for (int u = 0; u < HF2_SQ; u++)
+            if (lane + 32 * u < S)
+                v += pv[k][u];
+        v = fz_warp_sum(v);
+        if (lane == 0 && rr < R)
+            mix[m] = v;
+    }
+    __syncthreads();
+    r = 1.0f / sqrtf(mix[M] / (float)nD + a.norm_eps);
+    if (tid >= NT) {   /* the extra warp: post, then Sinkhorn */
+        float c;
+
+        if (!all)
+            return;
+        if (l < n)
+            a.post[t * n + l] = 2.0f * hf_sigmoidf((mix[n + l] * r) * sc + bs);
+        c = (mix[2 * n + e] * r) * sc2 + bs2;
+        c = hf2_sinkhorn(c, n, a.iters, a.hc_eps, l);
+        if (l < n * n)
+            a.comb[t * n * n + l] = c;
+        return;
+    }
+    if (tid < n)
+        pre[tid] = hf_sigmoidf((mix[tid] * r) * sc + bs) + a.hc_eps;
+    hf_bar(NT);
+    {
+        float pr[HF2_N];
+
+#pragma unroll
+        for (int j = 0; j < HF2_N; j++)
+            pr[j] = j < n ? pre[j] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int q = q0 + tid + NT * u;
+            float o[4];
+
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float acc = pr[0] * fz_f4(xv[u][0], c);
+
+#pragma unroll
+                for (int j = 1; j < HF2_N; j++)
+                    if (j < n)
+                        acc += pr[j] * fz_f4(xv[u][j], c);
+                o[c] = cu_bf16_round(acc);
+            }
+            ov[u] = make_float4(o[0], o[1], o[2], o[3]);
+            if (q < D4) {
+                *(float4 *)(a.x_out + t * D + 4 * q) = ov[u];
+                if (NORM)
+                    *(float4 *)&xs[4 * q] = ov[u];
+            }
+        }
+    }
+    if (!NORM)
+        return;
+    hf_bar(NT);
+    {
+        int B = fz_norm_threads(D);
+        float acc2 = 0.0f, rs;
+
+        if (warp < B / 32) {   /* the norm's tree (fn_kernel's) */
+            for (int i = tid; i < D; i += B) {
+                float v = xs[i];
+
+                acc2 += v * v;   /* fn_kernel's term: v is already bf16 */
+            }
+            acc2 = fz_warp_sum(acc2);
+            if (lane == 0)
+                red[warp] = acc2;
+        }
+        hf_bar(NT);
+        rs = fz_norm_scale(fz_ordered_sum(red, B / 32), D, a.norm_eps);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int q = tid + NT * u, has = a.nw != NULL;
+            uint16_t wb[4] = { (uint16_t)wv[u].x, (uint16_t)(wv[u].x >> 16), (uint16_t)wv[u].y,
+                               (uint16_t)(wv[u].y >> 16) };
+
+            if (q < D4)
+                *(float4 *)(a.xn + t * D + 4 * q) =
+                    make_float4(fz_norm_apply(ov[u].x, rs, has, wb[0]),
+                                fz_norm_apply(ov[u].y, rs, has, wb[1]),
+                                fz_norm_apply(ov[u].z, rs, has, wb[2]),
+                                fz_norm_apply(ov[u].w, rs, has, wb[3]));
+        }
+    }
+}
+
+/* Whether the v2 kernels take this call (a: the finish arguments; p: the
+ * hc_post inputs of the fused form, p->X_out == NULL otherwise). */
+static int
+hf2_ok(const struct hf_fin *a, const struct hf_post *p, const float *fn)
+{
+#define HF2_AL(ptr, b) (((uintptr_t)(ptr) % (b)) == 0)
+    int fused = p->X_out != NULL;
+
+    if (cuda_fast_hc_version() != 2 || a->n > HF2_N || a->D % 4 != 0 ||
+        a->S > 32 * HF2_SQ || (a->xn != NULL && a->D > 4 * HF2_NT * HF2_NU))
+        return 0;
+    if (!HF2_AL(a->X, 16) || !HF2_AL(a->x_out, 16) || !HF2_AL(fn, 16) ||
+        !HF2_AL(a->xn, 16) || !HF2_AL(a->nw, 8))
+        return 0;
+    return !fused || (HF2_AL(p->X, 16) && HF2_AL(p->f, 16) && HF2_AL(p->X_out, 16));
+#undef HF2_AL
+}
+
 /*
  * Both kernels for tokens [0, T) (pointers already offset to the slab);
  * p.X_out != NULL: the fused form (X_out = hc_post first, then its hc_pre).
@@ -297,6 +674,25 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
     if (part == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast hc: no scratch");
     a->part = part;
+    if (hf2_ok(a, p, fn)) {
+        if (p->X_out != NULL)
+            hf2_mix_kernel<1><<<dim3((unsigned)a->S, groups), HF2_MT, 0, st>>>(part, NULL, fn,
+                                                                              T, M, a->n, a->D,
+                                                                              *p);
+        else
+            hf2_mix_kernel<0><<<dim3((unsigned)a->S, groups), HF2_MT, 0, st>>>(part, a->X, fn,
+                                                                              T, M, a->n, a->D,
+                                                                              *p);
+        CUDA_LAUNCHED("fast hc mix v2");
+        if (a->xn != NULL)
+            hf2_finish_kernel<1><<<dim3((unsigned)T, 1), HF2_NT + 32, 0, st>>>(*a);
+        else
+            hf2_finish_kernel<0><<<dim3((unsigned)T, (unsigned)((a->D / 4 + HF2_XT - 1) /
+                                                                HF2_XT)),
+                                   HF2_XT + 32, 0, st>>>(*a);
+        CUDA_LAUNCHED("fast hc finish v2");
+        return DSV4_OK;
+    }
     if (p->X_out != NULL)
         hf_mix_kernel<1><<<dim3((unsigned)a->S, groups), HF_MT, 0, st>>>(part, NULL, fn, T, M,
                                                                         a->n, a->D, *p);

@@ -12,6 +12,13 @@
  * product with w, bf16 roundings) is the same expression.  The tree and the
  * expressions live in fast_fuse.cuh: the fused ops that end in a norm (the
  * hc finish, norm_rope) use them and give the same bits.
+ *
+ * Two versions (cuda_fast_norm_version, fast_fuse.cuh): fn2_kernel (v2,
+ * default where D <= FZ_K * B, i.e. every D <= 4096) issues all of a
+ * thread's loads of x and w before the sum and keeps the row in registers
+ * for the output; fn_kernel (v1, DSV4_CUDA_NORM=v1, and longer rows) loops
+ * with one load per iteration and reads x again after the sum.  The same
+ * expressions in the same order: the same bits.
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"   /* the tree, shared with the fused ops */
@@ -39,13 +46,40 @@ fn_kernel(float *out, const float *x, const uint16_t *w, int D, float eps)
         out[r * D + i] = fz_norm_value(xr[i], rs, w, i);
 }
 
+/* fn_kernel with the FZ_K elements i, i + B, ... of each thread (and their
+ * weights) loaded into registers first; D <= FZ_K * blockDim.x. */
+static __global__ void __launch_bounds__(FZ_NORM_MAX_THREADS)
+fn2_kernel(float *out, const float *x, const uint16_t *w, int D, float eps)
+{
+    __shared__ float red[FZ_NORM_MAX_THREADS / 32];
+    int64_t r = blockIdx.x;
+    int B = blockDim.x, tid = threadIdx.x;
+    const float *xr = x + r * D;
+    float v[FZ_K], rs;
+    uint16_t wb[FZ_K];
+
+    fz_row_load(v, wb, xr, w, D, tid, B);
+    /* its __syncthreads: every read of x is done before out (== x?) is written */
+    rs = fz_row_scale(v, red, D, tid, B, eps);
+#pragma unroll
+    for (int k = 0; k < FZ_K; k++) {
+        int i = tid + k * B;
+
+        if (i < D)
+            out[r * D + i] = fz_norm_apply(v[k], rs, w != NULL, wb[k]);
+    }
+}
+
 enum dsv4_err
 cuda_fast_rms_norm(struct dsv4_backend *be, float *out, const float *x, const uint16_t *w,
                    int rows, int D, float eps)
 {
     if (rows <= 0 || D <= 0)
         return DSV4_OK;
-    fn_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(out, x, w, D, eps);
+    if (cuda_fast_norm_version() == 2 && fz_fits_regs(D))
+        fn2_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(out, x, w, D, eps);
+    else
+        fn_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(out, x, w, D, eps);
     CUDA_LAUNCHED("fast rms_norm");
     return DSV4_OK;
 }

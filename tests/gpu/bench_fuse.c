@@ -20,12 +20,19 @@
  *   comp4c, comp128c  compress with rows sharing slots (slot t % ceil(T/2),
  *                each slot's rows at consecutive positions, windows ending
  *                inside the call), so the chains of fc_chain_kernel run
- *                more than one row.
- * Per case and T, four runs on the same inputs: the CPU backend (the fused
+ *                more than one row;
+ *   hc_pre       hc_pre alone (n = 4 streams of 4096, 20 iterations): x,
+ *                post, comb;
+ *   hc_head      hc_head (n = 4 streams of 4096): x;
+ *   rms_norm     the fast rms_norm alone, T rows of 4096 with a weight.
+ * Per case and T, five runs on the same inputs: the CPU backend (the fused
  * op is its composition), the CUDA exact kernels (fast off), the CUDA fast
- * fused kernels, and the CUDA fast kernels composed (the plain ops one after
+ * fused kernels, the CUDA fast kernels composed (the plain ops one after
  * the other: hc_post + hc_pre + rms_norm; rms_norm + rope + fp8_sim +
- * scatter_rows).  Checks:
+ * scatter_rows; not for the plain ops hc_pre, hc_head, rms_norm) and the
+ * fast op with the first version of the small kernels (v1:
+ * dsv4_cuda_set_small_kernels(1), as DSV4_CUDA_HC=v1 DSV4_CUDA_NORM=v1;
+ * not for compress).  Checks:
  *   exact == CPU       bit for bit (the exact kernels' contract; fp32
  *                      values after an exp within 2^-20 relative of the
  *                      largest, as test_ops_gpu allows);
@@ -38,13 +45,16 @@
  *                      FP8 sim, 2^-3 >= 80% with it (a one-ulp change of
  *                      a normed value can move it to the next FP8 code);
  *                      compress entries 2^-12, state pools identical);
+ *   v2 == v1           the small kernels' two versions give the same
+ *                      bits (not for compress);
  *   determinism        a second fast run gives the same bits;
  *   T-independence     the first rows at this T equal those at the
  *                      previous T (fast fused; not for compress, whose
  *                      slots, positions and emitted rows depend on T).
  * Then each form recorded 10 times into a CUDA graph, median of 15 timed
- * replays per call: exact, fast composed, fast fused (µs), and the kernel
- * launches per call of each (counted from the graph's nodes).
+ * replays per call: exact, fast composed, fast fused (v2, the default), fast
+ * fused with the v1 small kernels (µs), and the kernel launches per call of
+ * each (counted from the graph's nodes; 0.0 us (0): not run).
  * A failing line names the first differing value (index, both values).
  * Last line: PASS or FAIL.  Exit status: 0 pass, 1 fail, 77 no CUDA device.
  */
@@ -203,7 +213,7 @@ arr_cmp_bytes(const struct arr *a, int T)
 /* --- cases ---------------------------------------------------------------------------- */
 
 enum form { F_FUSED, F_COMPOSED };
-enum kind { K_HC, K_NR, K_COMP };
+enum kind { K_HC, K_NR, K_COMP, K_PRE, K_HEAD, K_NORM };
 
 struct kase {
     const char *name;
@@ -279,6 +289,14 @@ kase_run(struct dsv4_backend *be, struct kase *k, int T, enum form form)
             e = be->ops->scatter_rows(be, dst, rw, A(0), rows, k->D);
         return e;
     }
+    case K_PRE:   /* a[] = x, post, comb, X */
+        return be->ops->hc_pre(be, A(0), A(1), A(2), A(3), g ? &k->hc_g : &k->hc_c, T, HC_N,
+                               D_MODEL, HC_ITERS, 1e-6f, 1e-6f);
+    case K_HEAD:   /* a[] = x, X */
+        return be->ops->hc_head(be, A(0), A(1), g ? &k->hc_g : &k->hc_c, T, HC_N, D_MODEL,
+                                1e-6f, 1e-6f);
+    case K_NORM:   /* a[] = out, x */
+        return be->ops->rms_norm(be, A(0), A(1), g ? k->nw_g : k->nw_c, T, D_MODEL, 1e-6f);
     default:
         /* a[] = entries, kv pool, z pool, a, z, ape, slot, pos, emit */
         return be->ops->compress(be, A(0), A(1), A(2), A(3), A(4), A(5), I32(6), I32(7), I32(8),
@@ -463,22 +481,29 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
 {
     void *prev[MAX_ARRS] = { 0 };
     int prev_T = 0, fails = 0;
+    int has_co = k->kind == K_HC || k->kind == K_NR, has_v1 = k->kind != K_COMP;
 
     for (int ti = 0; ti < N_T; ti++) {
-        int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0;
+        int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0;
         void *rc[MAX_ARRS] = { 0 }, *rx[MAX_ARRS] = { 0 }, *rf[MAX_ARRS] = { 0 };
-        void *rf2[MAX_ARRS] = { 0 }, *rco[MAX_ARRS] = { 0 };
+        void *rf2[MAX_ARRS] = { 0 }, *rco[MAX_ARRS] = { 0 }, *rv1[MAX_ARRS] = { 0 };
         char line[2048] = "";
-        float us_ex, us_co = 0, us_fu;
+        float us_ex, us_co = 0, us_fu, us_v1 = 0;
 
         run_download(cpu, k, T, F_FUSED, rc);
         TRY("kernels", dsv4_cuda_set_kernels(gpu, 0));
         run_download(gpu, k, T, F_FUSED, rx);
         TRY("kernels", dsv4_cuda_set_kernels(gpu, 1));
+        dsv4_cuda_set_small_kernels(2);
         run_download(gpu, k, T, F_FUSED, rf);
         run_download(gpu, k, T, F_FUSED, rf2);
-        if (k->kind != K_COMP)
+        if (has_co)
             run_download(gpu, k, T, F_COMPOSED, rco);
+        if (has_v1) {
+            dsv4_cuda_set_small_kernels(1);
+            run_download(gpu, k, T, F_FUSED, rv1);
+            dsv4_cuda_set_small_kernels(2);
+        }
         for (int i = 0; i < k->n; i++) {
             const struct arr *a = &k->a[i];
             size_t nb = arr_cmp_bytes(a, T);
@@ -487,8 +512,10 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
                 continue;
             ok &= check(line, sizeof(line), "exact/cpu", a, rx[i], rc[i], nb, a->cpu_bound,
                         a->cpu_bound == 0 ? 1.0 : 0.0);
-            if (k->kind != K_COMP)
+            if (has_co)
                 ok &= check(line, sizeof(line), "fused/composed", a, rf[i], rco[i], nb, 0, 1.0);
+            if (has_v1)
+                ok &= check(line, sizeof(line), "v2/v1", a, rf[i], rv1[i], nb, 0, 1.0);
             ok &= check(line, sizeof(line), "fast/exact", a, rf[i], rx[i], nb, a->bound,
                         a->ident);
             ok &= check(line, sizeof(line), "determinism", a, rf2[i], rf[i], nb, 0, 1.0);
@@ -501,12 +528,18 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
         TRY("kernels", dsv4_cuda_set_kernels(gpu, 0));
         us_ex = time_form(tm, k, T, F_FUSED, &n_ex);
         TRY("kernels", dsv4_cuda_set_kernels(gpu, 1));
-        if (k->kind != K_COMP)
+        if (has_co)
             us_co = time_form(tm, k, T, F_COMPOSED, &n_co);
         us_fu = time_form(tm, k, T, F_FUSED, &n_fu);
+        if (has_v1) {
+            dsv4_cuda_set_small_kernels(1);
+            us_v1 = time_form(tm, k, T, F_FUSED, &n_v1);
+            dsv4_cuda_set_small_kernels(2);
+        }
         printf("%-4s %-12s T=%-3d exact %8.1f us (%d kernels)  fast composed %7.1f us (%d)  "
-               "fast fused %7.1f us (%d)%s\n",
-               ok ? "ok" : "FAIL", k->name, T, us_ex, n_ex, us_co, n_co, us_fu, n_fu, line);
+               "fast fused %7.1f us (%d)  v1 %7.1f us (%d)%s\n",
+               ok ? "ok" : "FAIL", k->name, T, us_ex, n_ex, us_co, n_co, us_fu, n_fu, us_v1,
+               n_v1, line);
         fflush(stdout);
         fails += !ok;
         free_res(prev, k->n);
@@ -516,6 +549,7 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
         free_res(rx, k->n);
         free_res(rf2, k->n);
         free_res(rco, k->n);
+        free_res(rv1, k->n);
     }
     free_res(prev, k->n);
     return fails;
@@ -537,16 +571,38 @@ host_norm_w(int D)
     return w;
 }
 
+/* The hc weights of n mix rows per stream set (hc_pre: (2 + n) n, hc_head:
+ * n) on both backends. */
+static void
+make_hc_w(struct kase *k, int M)
+{
+    int nD = HC_N * D_MODEL;
+    float sc[3] = { 0.7f, 1.3f, 0.9f };
+    float *fn = host_vals((size_t)M * nD, 0.01f, 0, 0, 0), *base = host_vals(M, 0.5f, 0, 0, 0);
+    void *pc, *pg;
+
+    both_upload(&pc, &pg, fn, (size_t)M * nD * 4);
+    k->hc_c.fn = pc;
+    k->hc_g.fn = pg;
+    both_upload(&pc, &pg, base, (size_t)M * 4);
+    k->hc_c.base = pc;
+    k->hc_g.base = pg;
+    both_upload(&pc, &pg, sc, sizeof(sc));
+    k->hc_c.scale = pc;
+    k->hc_g.scale = pg;
+    free(fn);
+    free(base);
+}
+
 static void
 make_hc_case(struct kase *k)
 {
-    int M = (2 + HC_N) * HC_N, nD = HC_N * D_MODEL;
-    float sc[3] = { 0.7f, 1.3f, 0.9f }, *comb;
+    int nD = HC_N * D_MODEL;
+    float *comb;
     uint16_t *nw = host_norm_w(D_MODEL);
-    void *pc, *pg;
-    float *fn = host_vals((size_t)M * nD, 0.01f, 0, 0, 0), *base = host_vals(M, 0.5f, 0, 0, 0);
 
     memset(k, 0, sizeof(*k));
+    make_hc_w(k, (2 + HC_N) * HC_N);
     k->name = "hc_post_pre";
     k->kind = K_HC;
     arr_make(&k->a[0], "X_out", (size_t)T_MAX * nD * 4, NULL);
@@ -566,19 +622,49 @@ make_hc_case(struct kase *k)
     arr_out(&k->a[2], HC_N, 1, 0x1p-12, 0.0, 0x1p-20);
     arr_out(&k->a[3], HC_N * HC_N, 1, 0x1p-12, 0.0, 0x1p-20);
     arr_out(&k->a[4], D_MODEL, 1, 0x1p-7, 0.90, 0);
-    both_upload(&pc, &pg, fn, (size_t)M * nD * 4);
-    k->hc_c.fn = pc;
-    k->hc_g.fn = pg;
-    both_upload(&pc, &pg, base, (size_t)M * 4);
-    k->hc_c.base = pc;
-    k->hc_g.base = pg;
-    both_upload(&pc, &pg, sc, sizeof(sc));
-    k->hc_c.scale = pc;
-    k->hc_g.scale = pg;
     both_upload((void **)&k->nw_c, (void **)&k->nw_g, nw, (size_t)D_MODEL * 2);
-    free(fn);
-    free(base);
     free(nw);
+}
+
+/* hc_pre (head == 0) or hc_head alone on X of T_MAX tokens. */
+static void
+make_pre_case(struct kase *k, const char *name, int head)
+{
+    int nD = HC_N * D_MODEL, i = 0;
+
+    memset(k, 0, sizeof(*k));
+    k->name = name;
+    k->kind = head ? K_HEAD : K_PRE;
+    arr_make(&k->a[i], "x", (size_t)T_MAX * D_MODEL * 4, NULL);
+    arr_out(&k->a[i++], D_MODEL, 1, 0x1p-7, 0.90, 0);
+    if (!head) {
+        arr_make(&k->a[i], "post", (size_t)T_MAX * HC_N * 4, NULL);
+        arr_out(&k->a[i++], HC_N, 1, 0x1p-12, 0.0, 0x1p-20);
+        arr_make(&k->a[i], "comb", (size_t)T_MAX * HC_N * HC_N * 4, NULL);
+        arr_out(&k->a[i++], HC_N * HC_N, 1, 0x1p-12, 0.0, 0x1p-20);
+    }
+    arr_make(&k->a[i++], "X", (size_t)T_MAX * nD * 4,
+             host_vals((size_t)T_MAX * nD, 1.0f, 1, 0, 0));
+    k->n = i;
+    make_hc_w(k, head ? HC_N : (2 + HC_N) * HC_N);
+}
+
+/* The fast rms_norm alone: T rows of D_MODEL, weighted, out of place. */
+static void
+make_norm_case(struct kase *k)
+{
+    uint16_t *w = host_norm_w(D_MODEL);
+    size_t n = (size_t)T_MAX * D_MODEL;
+
+    memset(k, 0, sizeof(*k));
+    k->name = "rms_norm";
+    k->kind = K_NORM;
+    arr_make(&k->a[0], "out", n * 4, NULL);
+    arr_out(&k->a[0], D_MODEL, 1, 0x1p-7, 0.90, 0);
+    arr_make(&k->a[1], "x", n * 4, host_vals(n, 3.0f, 0, 0, 0));
+    k->n = 2;
+    both_upload((void **)&k->nw_c, (void **)&k->nw_g, w, (size_t)D_MODEL * 2);
+    free(w);
 }
 
 /* A norm_rope case: rows of D per token (heads of them), RoPE of the last
@@ -679,7 +765,7 @@ int
 main(int argc, char **argv)
 {
     struct dsv4_cuda_timer *tm;
-    static struct kase ks[7];
+    static struct kase ks[10];
     int fails = 0, n_k = 0;
 
     rng_state = argc > 1 ? strtoull(argv[1], NULL, 10) : 20261202ull;
@@ -705,8 +791,12 @@ main(int argc, char **argv)
     make_nr_case(&ks[n_k++], "nr_idx", IDX_DIM, 1, 1, 0, 0);
     make_comp_case(&ks[n_k++], "comp4c", 4);
     make_comp_case(&ks[n_k++], "comp128c", 128);
+    make_pre_case(&ks[n_k++], "hc_pre", 0);
+    make_pre_case(&ks[n_k++], "hc_head", 1);
+    make_norm_case(&ks[n_k++]);
     for (int i = 0; i < n_k; i++)
         fails += kase_all(tm, &ks[i]);
+    dsv4_cuda_set_small_kernels(-1);
     printf("%s bench_fuse: %d case lines failed\n", fails ? "FAIL" : "PASS", fails);
     dsv4_cuda_timer_destroy(tm);
     dsv4_backend_destroy(cpu);
