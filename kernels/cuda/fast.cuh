@@ -520,6 +520,53 @@ int cuda_fast_linear2_variant(const struct dsv4_backend *be, const struct dsv4_l
 enum dsv4_err cuda_fast_linear2(struct dsv4_backend *be, float *out, const float *x,
                                 const struct dsv4_linear *W, int T, int variant);
 
+/* --- the decode MoE v3 (fast_moe3.cu) -------------------------------------------- */
+
+/* The exact path's REF activation scale of a 128-column block held by a
+ * warp (v[i] = column lane + 32 i): 2^ceil(log2(amax / 448)), amax at least
+ * 1e-4 (the codes are then cu_f32_to_fp8(cu_clampf(v / s, 448))). */
+static __device__ __forceinline__ float
+fk_quant_scale_warp(const float (&v)[4])
+{
+    float amax = 1e-4f;
+
+    for (int i = 0; i < 4; i++)
+        amax = fmaxf(amax, fabsf(v[i]));
+    for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    return cu_pow2_scale(amax, 448.0f);
+}
+
+/* The exact path's SwiGLU on the fp32 sums g, u of w1, w3: both rounded to
+ * bf16, g <= lim and |u| <= lim when lim > 0, silu(g) * u (not rounded). */
+static __device__ __forceinline__ float
+fk_swiglu(float g, float u, float lim)
+{
+    float gv = cu_bf16_round(g), uv = cu_bf16_round(u);
+
+    if (lim > 0.0f) {
+        gv = gv < lim ? gv : lim;
+        uv = uv < -lim ? -lim : uv > lim ? lim : uv;
+    }
+    return gv / (1.0f + cu_expf(-gv)) * uv;
+}
+
+/* Whether v3 takes these shapes: T*k <= 1024, D and I multiples of 1024 and at
+ * most 8192 (else fast_moe.cu's v1). */
+int cuda_fast_moe3_fits(int T, int k, int D, int I);
+
+/*
+ * cuda_fast_moe (cuda.cuh) through v3 (FP8 tensor cores, FP4 weights
+ * converted to E4M3); cuda_fast_moe calls it when DSV4_CUDA_FAST_MOE starts
+ * with "v3" and cuda_fast_moe3_fits holds.  cfg: that setting ("v3" or
+ * "v3,NS,RT", see fast_moe3.cu; anything else: the defaults).
+ */
+enum dsv4_err cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x,
+                             const int32_t *ids, const float *weights,
+                             const struct dsv4_expert_w *table, int n_table,
+                             const struct dsv4_expert_w *shared, int T, int k, int D, int I,
+                             float lim, const char *cfg);
+
 /* --- activation preparation (fast_linear.cu) ---------------------------------- */
 
 /*

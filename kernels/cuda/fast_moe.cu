@@ -1035,6 +1035,7 @@ fm1_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
 /* fm2 configuration (DSV4_CUDA_FAST_MOE, docs/gpu.md "The decode MoE kernel"). */
 struct fm2_cfg {
     int v1;     /* the previous kernels (fm_kernel) instead */
+    int v3;     /* fast_moe3.cu (DSV4_CUDA_FAST_MOE "v3", "v3,NS,RT") */
     int W;      /* warps per block: 4 or 8 */
     int ks;     /* K slices per item: 1, 2 or 4 (W % ks == 0) */
     int PF;     /* FP4 weight blocks in flight per warp: 2 or 4 */
@@ -1044,9 +1045,9 @@ struct fm2_cfg {
 #define FM2_DEFAULT "4,2,4,0"
 
 /*
- * DSV4_CUDA_FAST_MOE: "v1" (also when unset), "v2" (v2 with FM2_DEFAULT) or
- * "W,KS,PF,CPS" (v2 with those settings); read at every call (the
- * benchmark sweeps it).  Anything else is v1.
+ * DSV4_CUDA_FAST_MOE: "v1" (also when unset), "v2" (v2 with FM2_DEFAULT),
+ * "W,KS,PF,CPS" (v2 with those settings) or "v3..." (fast_moe3.cu); read at
+ * every call (the benchmark sweeps it).  Anything else is v1.
  */
 static void
 fm2_cfg_get(struct fm2_cfg *c)
@@ -1055,6 +1056,10 @@ fm2_cfg_get(struct fm2_cfg *c)
     int W, ks, PF, cps;
 
     memset(c, 0, sizeof(*c));
+    if (v != NULL && strncmp(v, "v3", 2) == 0) {
+        c->v3 = 1;
+        return;
+    }
     if (v != NULL && strcmp(v, "v2") == 0)
         (void)sscanf(FM2_DEFAULT, "%d,%d,%d,%d", &W, &ks, &PF, &cps);
     else if (v == NULL || sscanf(v, "%d,%d,%d,%d", &W, &ks, &PF, &cps) != 4 ||
@@ -1150,6 +1155,11 @@ cuda_fast_moe(struct dsv4_backend *be, float *out, float *parts, const float *x,
     int tiles;
 
     fm2_cfg_get(&c);
+    if (c.v3 && cuda_fast_moe3_fits(T, k, D, I))
+        return cuda_fast_moe3(be, out, parts, x, ids, weights, table, n_table, shared, T, k, D,
+                              I, lim, getenv("DSV4_CUDA_FAST_MOE"));
+    if (c.v3)
+        c.v1 = 1;   /* shapes v3 does not take */
     tiles = c.v1 ? 0 : c.W / c.ks;
     /* fm2's item shapes: K slices of whole 128-column blocks, h blocks of
      * whole items, y rows of whole items (else v1) */

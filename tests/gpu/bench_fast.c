@@ -60,6 +60,14 @@
  * (linear, wo_a, moe) at T <= 16.  T = 64 reads the weights of an expert or
  * matrix once per 16 tokens (the fast path's pass size).
  *
+ * Decode MoE self-check (before each setting's moe cases): moe_parts of one
+ * token through one FP4 expert and the FP8 shared expert against a host
+ * reference of the same formula, first with an identity w2 (y shows h
+ * column by column), then with random w2; the first value off is printed
+ * (moe_selfcheck).  The moe cases also check that the last call of the
+ * timed CUDA graph left the same bits as the plain call ("replay").
+ * BENCH_FAST_ONLY=moe runs only the MoE cases (self-checks and sweep).
+ *
  * Decode linears v1 against v2 (kernels/cuda/fast_linear2.cu, after the
  * linear cases; BENCH_FAST_ONLY=linear: only these): the self-check of the
  * FP8 mma fragment layout and the activation codes, then the FP8 linears
@@ -506,7 +514,7 @@ run_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o
 {
     void *ref[MAX_OUTS], *fast[MAX_OUTS], *again[MAX_OUTS];
     float exact_ms = 0, fast_ms, *logits = NULL, *bias = NULL;
-    int det_ok = 1, tind_ok = 1, ok = 1, flips = -1, bad_flip = 0;
+    int det_ok = 1, tind_ok = 1, ok = 1, flips = -1, bad_flip = 0, replay_ok = 1;
     char line[512];
     size_t len = 0;
     double gbs;
@@ -606,6 +614,23 @@ run_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o
     free(bias);
 
     fast_ms = time_fast(be, tm, o, T);
+    if (o->kind == OP_MOE || o->kind == OP_PARTS) {   /* the graph's last call == plain */
+        for (int i = 0; i < o->n_outs; i++) {
+            size_t nb = (size_t)T * o->outs[i].w * 4;
+            void *g = malloc(nb);
+
+            if (g == NULL)
+                exit(1);
+            TRY("download", be->ops->download(be, g, o->outs[i].dev, nb));
+            replay_ok &= memcmp(g, h->prev[i], nb) == 0;
+            free(g);
+        }
+        ok &= replay_ok;
+        len += (size_t)snprintf(line + len, sizeof(line) - len, "replay %s  ",
+                                replay_ok ? "yes" : "NO");
+        if (len >= sizeof(line))
+            len = sizeof(line) - 1;
+    }
     gbs = (double)bytes / (fast_ms * 1e-3) / 1e9;
     printf("%-4s %-8s T=%-3d %sdet %s  T-indep %s  exact %8.3f ms  fast %8.1f us  "
            "%6.0f GB/s  %.2f of peak\n",
@@ -745,6 +770,246 @@ make_routing(int32_t *ids, float *wts, int n)
     }
 }
 
+/* --- decode MoE self-check: one expert, one token, a scalar reference ---------------- */
+
+/*
+ * moe_parts at T = 1, k = 1 on one FP4 expert (pick row 0) and the FP8
+ * shared expert (row 1) against a host computation of the same formula
+ * (x and h quantized per 128 columns by dsv4_fp8_quant_block, dot products
+ * in double, g and u rounded to bf16, the SwiGLU with limit 10, route
+ * weight 0.75, y rounded to bf16), twice: with w2 (both experts) an
+ * identity on the first I columns, so that y[c] = the quantized h[c]
+ * itself ("up": checks w1, w3, the SwiGLU and h's quantization column by
+ * column), then with random w2 ("all").  Each prints the largest
+ * |gpu - ref| / max |ref|, the share of identical values and the first
+ * value off by more than 2^-6 of max |ref| (column, gpu, ref, the
+ * reference's h or x scale there), which points at a fragment layout
+ * error (a whole tile, a column pattern within 32 or 128 columns).
+ * Bounds: up 2^-4 and >= 90% identical (a one-ulp change of g or u moves
+ * an h value by at most one FP8 step); all: the moe bounds.
+ */
+struct sc_expert {
+    uint8_t *w[3], *s[3];      /* host: w1, w3, w2 codes and scales (w2: random) */
+    uint8_t *wi, *si;          /* host: the identity w2 */
+    struct dsv4_expert_w dev;  /* device, random w2 */
+    struct dsv4_expert_w devi; /* device, identity w2 (w1, w3 shared with dev) */
+};
+
+/* Value of weight (r, c) of linear m (0 w1, 1 w3, 2 w2; id: the identity
+ * w2) of e; fp8: the shared expert's format. */
+static double
+sc_weight(const struct sc_expert *e, int fp8, int m, int id, int r, int c)
+{
+    int K = m == 2 ? I_EXPERT : D_MODEL;
+    const uint8_t *w = id ? e->wi : e->w[m], *sc = id ? e->si : e->s[m];
+
+    if (fp8)
+        return (double)dsv4_fp8_to_f32(w[(size_t)r * K + c]) *
+               dsv4_e8m0_to_f32(sc[(size_t)(r / 128) * (K / 128) + c / 128]);
+    return (double)dsv4_fp4_get(w + (size_t)r * (K / 2), (size_t)c) *
+           dsv4_e8m0_to_f32(sc[(size_t)r * (K / 32) + c / 32]);
+}
+
+/* Random codes (FP8: no NaN) and scales of one expert, uploaded; the
+ * identity w2 beside them. */
+static void
+sc_make(struct dsv4_backend *be, struct sc_expert *e, int fp8)
+{
+    struct dsv4_linear *L[3];
+
+    for (int m = 0; m < 3; m++) {
+        int N = m == 2 ? D_MODEL : I_EXPERT, K = m == 2 ? I_EXPERT : D_MODEL;
+        size_t nw = fp8 ? (size_t)N * K : (size_t)N * K / 2;
+        size_t ns = fp8 ? (size_t)(N / 128) * (K / 128) : (size_t)N * (K / 32);
+
+        e->w[m] = malloc(nw);
+        e->s[m] = malloc(ns);
+        if (e->w[m] == NULL || e->s[m] == NULL)
+            exit(1);
+        fill_bytes(e->w[m], nw, fp8 ? 0xbf : 0xff);
+        fill_scales(e->s[m], ns, fp8 ? 120 : 118, fp8 ? 5 : 7);
+        L[m] = m == 0 ? &e->dev.w1 : m == 1 ? &e->dev.w3 : &e->dev.w2;
+        L[m]->n_out = N;
+        L[m]->n_in = K;
+        L[m]->fmt = fp8 ? DSV4_WFMT_FP8 : DSV4_WFMT_FP4;
+        L[m]->w = dev_upload(be, e->w[m], nw);
+        L[m]->scale = dev_upload(be, e->s[m], ns);
+        if (m == 2) {   /* identity: row r < I has 1.0 at column r, scales 1 */
+            e->wi = calloc(nw, 1);
+            e->si = malloc(ns);
+            if (e->wi == NULL || e->si == NULL)
+                exit(1);
+            memset(e->si, 127, ns);
+            for (int r = 0; r < I_EXPERT; r++) {
+                if (fp8)
+                    e->wi[(size_t)r * K + r] = 0x38;               /* E4M3 1.0 */
+                else
+                    e->wi[(size_t)r * (K / 2) + r / 2] = (uint8_t)(2 << (4 * (r & 1)));
+            }
+            e->devi = e->dev;
+            e->devi.w2.w = dev_upload(be, e->wi, nw);
+            e->devi.w2.scale = dev_upload(be, e->si, ns);
+        }
+    }
+}
+
+static void
+sc_free(struct dsv4_backend *be, struct sc_expert *e)
+{
+    be->ops->free(be, (void *)(uintptr_t)e->devi.w2.w);
+    be->ops->free(be, (void *)(uintptr_t)e->devi.w2.scale);
+    be->ops->free(be, (void *)(uintptr_t)e->dev.w1.w);
+    be->ops->free(be, (void *)(uintptr_t)e->dev.w1.scale);
+    be->ops->free(be, (void *)(uintptr_t)e->dev.w3.w);
+    be->ops->free(be, (void *)(uintptr_t)e->dev.w3.scale);
+    be->ops->free(be, (void *)(uintptr_t)e->dev.w2.w);
+    be->ops->free(be, (void *)(uintptr_t)e->dev.w2.scale);
+    for (int m = 0; m < 3; m++) {
+        free(e->w[m]);
+        free(e->s[m]);
+    }
+    free(e->wi);
+    free(e->si);
+}
+
+/* x (D) quantized as the exact path does: dequantized values xd, scales xs. */
+static void
+sc_quant(double *xd, float *xs, const float *x, int n)
+{
+    uint8_t q[128];
+
+    for (int b = 0; b < n / 128; b++) {
+        float s = dsv4_fp8_quant_block(q, x + b * 128, 128);
+
+        xs[b] = s;
+        for (int i = 0; i < 128; i++)
+            xd[b * 128 + i] = (double)dsv4_fp8_to_f32(q[i]) * s;
+    }
+}
+
+/* The reference row y (D) of expert e for x (weight w; 0: the shared
+ * expert, no weight); hs: h's scales. */
+static void
+sc_ref(float *y, float *hs, const struct sc_expert *e, int fp8, int id, const float *x,
+       float w)
+{
+    double *xd = malloc(D_MODEL * sizeof(double)), *hd = malloc(I_EXPERT * sizeof(double));
+    float *h = malloc(I_EXPERT * sizeof(float)), xs[D_MODEL / 128];
+
+    if (xd == NULL || hd == NULL || h == NULL)
+        exit(1);
+    sc_quant(xd, xs, x, D_MODEL);
+    for (int i = 0; i < I_EXPERT; i++) {
+        double g = 0, u = 0;
+        float gv, uv, v;
+
+        for (int c = 0; c < D_MODEL; c++) {
+            g += sc_weight(e, fp8, 0, 0, i, c) * xd[c];
+            u += sc_weight(e, fp8, 1, 0, i, c) * xd[c];
+        }
+        gv = dsv4_bf16_round((float)g);
+        uv = dsv4_bf16_round((float)u);
+        gv = gv < 10.0f ? gv : 10.0f;
+        uv = uv < -10.0f ? -10.0f : uv > 10.0f ? 10.0f : uv;
+        v = gv / (1.0f + (float)exp(-(double)gv)) * uv;
+        if (w != 0.0f)
+            v *= w;
+        h[i] = dsv4_bf16_round(v);
+    }
+    sc_quant(hd, hs, h, I_EXPERT);
+    for (int d = 0; d < D_MODEL; d++) {
+        double acc = 0;
+
+        for (int i = 0; i < I_EXPERT; i++) {
+            double wv = sc_weight(e, fp8, 2, id, d, i);
+
+            if (wv != 0.0)
+                acc += wv * hd[i];
+        }
+        y[d] = dsv4_bf16_round((float)acc);
+    }
+    free(xd);
+    free(hd);
+    free(h);
+}
+
+/* Compare one row; returns 1 when within (bound, ident). */
+static int
+sc_compare(const char *cfg, const char *what, const float *gpu, const float *ref, int n,
+           const float *hs, double bound, double ident)
+{
+    struct diff d = { 0, 0, 0, 0 };
+    double rel;
+    int first = -1, ok;
+
+    diff_add(&d, gpu, ref, (size_t)n);
+    for (int i = 0; i < n && first < 0; i++)
+        if (!(fabs((double)gpu[i] - ref[i]) <= 0x1p-6 * d.maxr))
+            first = i;
+    rel = d.maxr > 0 ? d.maxd / d.maxr : d.maxd;
+    ok = d.maxr > 0 && rel <= bound && (double)d.ident / d.n >= ident;
+    printf("%s moe selfcheck %-9s %-10s maxrel %.2e (%.1e) ident %5.1f%% (%2.0f%%)", ok ? "ok  " :
+           "FAIL", cfg, what, rel, bound, 100.0 * d.ident / d.n, 100 * ident);
+    if (first >= 0)
+        printf("  first off: col %d (in 128: %d, in 32: %d) gpu %.6g ref %.6g", first,
+               first % 128, first % 32, gpu[first], ref[first]);
+    if (first >= 0 && hs != NULL)   /* y[c] is the quantized h[c] */
+        printf(" (h scale %.3g)", hs[first / 128]);
+    printf("\n");
+    return ok;
+}
+
+/*
+ * The self-check under the DSV4_CUDA_FAST_MOE setting now in the
+ * environment (sc: the pick's and the shared expert's weights; ref: their
+ * reference rows, [0] up pick, [1] up shared, [2] all pick, [3] all shared;
+ * hs: the reference h scales of the same).
+ */
+static void
+moe_selfcheck(struct dsv4_backend *be, const char *cfg, struct sc_expert *sc,
+              const float *x, float (*ref)[D_MODEL], float (*hs)[I_EXPERT / 128],
+              struct tally *ty)
+{
+    static const char *what[4] = { "up pick", "up shared", "all pick", "all shared" };
+    int32_t id = 0;
+    float w = 0.75f, *y = malloc(2 * D_MODEL * sizeof(float)), *zero;
+    float *y_d = dev_alloc(be, 2 * D_MODEL * sizeof(float));
+    int32_t *id_d = dev_upload(be, &id, sizeof(id));
+    float *w_d = dev_upload(be, &w, sizeof(w));
+
+    zero = calloc(2 * D_MODEL, sizeof(float));
+    if (y == NULL || zero == NULL)
+        exit(1);
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    for (int pass = 0; pass < 2; pass++) {   /* 0: identity w2, 1: random w2 */
+        struct dsv4_expert_w *e = pass ? &sc[0].dev : &sc[0].devi;
+        const struct dsv4_expert_w *shared = pass ? &sc[1].dev : &sc[1].devi;
+
+        TRY("register experts", dsv4_cuda_experts_register(be, e, 1));
+        TRY("upload", be->ops->upload(be, y_d, zero, 2 * D_MODEL * sizeof(float)));
+        TRY("moe_parts", be->ops->moe_parts(be, y_d, x, id_d, w_d, e, shared, 1, 1, D_MODEL,
+                                            10.0f));
+        TRY("download", be->ops->download(be, y, y_d, 2 * D_MODEL * sizeof(float)));
+        dsv4_cuda_experts_release(be, e);
+        for (int r = 0; r < 2; r++) {
+            int k = pass * 2 + r, n = pass ? D_MODEL : I_EXPERT;
+            int ok = sc_compare(cfg, what[k], y + (size_t)r * D_MODEL, ref[k], n,
+                                pass ? NULL : hs[k],
+                                pass ? BOUND_MOE : 0x1p-4, pass ? IDENT_MOE : 0.90);
+
+            if (ok)
+                ty->ok++;
+            else
+                ty->fail++;
+        }
+    }
+    be->ops->free(be, y_d);
+    be->ops->free(be, id_d);
+    be->ops->free(be, w_d);
+    free(y);
+    free(zero);
+}
+
 /* --- decode MoE (kernels/cuda/fast_moe.cu) for every configuration ------------------ */
 
 static const int moe_t[] = { 1, 2, 4, 8, 16, 32, 64 };
@@ -753,7 +1018,7 @@ static const int moe_t[] = { 1, 2, 4, 8, 16, 32, 64 };
 /* DSV4_CUDA_FAST_MOE settings swept by default (BENCH_MOE_CFGS overrides:
  * space-separated); the first is fast_moe.cu's default (FM2_DEFAULT). */
 static const char moe_cfgs_default[] =
-    "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1";
+    "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1 v3";
 
 /*
  * moe (all 256 experts held) and moe_parts (the odd experts held elsewhere,
@@ -776,17 +1041,37 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     char list[512], *save = NULL, *cfg;
     char table[64][160];
     int n_cfg = 0;
+    struct sc_expert sc[2];
+    float(*sc_ref_rows)[D_MODEL] = malloc(4 * sizeof(*sc_ref_rows));
+    float(*sc_hs)[I_EXPERT / 128] = malloc(4 * sizeof(*sc_hs));
+    float *xh1 = malloc(D_MODEL * sizeof(float));
 
+    /* the self-check's experts and reference rows (token 0 of x) */
+    if (sc_ref_rows == NULL || sc_hs == NULL || xh1 == NULL)
+        exit(1);
+    {
+        uint64_t keep = rng_state;   /* the later cases' data as without the self-check */
+
+        sc_make(be, &sc[0], 0);
+        sc_make(be, &sc[1], 1);
+        rng_state = keep;
+    }
+    TRY("download", be->ops->download(be, xh1, x, D_MODEL * sizeof(float)));
+    for (int k = 0; k < 4; k++)
+        sc_ref(sc_ref_rows[k], sc_hs[k], &sc[k & 1], k & 1, k < 2, xh1, k & 1 ? 0.0f : 0.75f);
     snprintf(list, sizeof(list), "%s", env != NULL ? env : moe_cfgs_default);
     printf("decode moe (fast_moe.cu): settings of DSV4_CUDA_FAST_MOE \"W,KS,PF,CPS\" "
-           "(warps per block, K slices per item, FP4 blocks in flight, blocks per SM cap) "
-           "or v1; GB/s of the distinct experts' bytes + shared expert\n");
+           "(warps per block, K slices per item, FP4 blocks in flight, blocks per SM cap), "
+           "v1, or v3 / \"v3,NS,RT\" (fast_moe3.cu: ring stages per warp, row tiles per "
+           "block); GB/s of the "
+           "distinct experts' bytes + shared expert\n");
     for (cfg = strtok_r(list, " ", &save); cfg != NULL && n_cfg < 64;
          cfg = strtok_r(NULL, " ", &save), n_cfg++) {
         size_t len;
 
         setenv("DSV4_CUDA_FAST_MOE", cfg, 1);
         printf("moe setting %s\n", cfg);
+        moe_selfcheck(be, cfg, sc, x, sc_ref_rows, sc_hs, ty);
         len = (size_t)snprintf(table[n_cfg], sizeof(table[n_cfg]), "moe cfg %-9s", cfg);
         for (int parts = 0; parts < 2; parts++) {
             struct op o = { .name = parts ? "parts" : "moe", .kind = parts ? OP_PARTS : OP_MOE,
@@ -821,6 +1106,11 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
         }
     }
     unsetenv("DSV4_CUDA_FAST_MOE");
+    sc_free(be, &sc[0]);
+    sc_free(be, &sc[1]);
+    free(sc_ref_rows);
+    free(sc_hs);
+    free(xh1);
     printf("decode moe, share of 4.3 TB/s per setting (T:share; moe, then moe_parts with "
            "half the experts held):\n");
     for (int i = 0; i < n_cfg; i++)
@@ -1355,6 +1645,21 @@ prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     free(xh);
 }
 
+/* The end of main: release what it made; the exit status. */
+static int
+bench_end(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, struct dsv4_expert_w *experts,
+          int32_t *ids, float *wts, float *xh, const struct tally *ty)
+{
+    dsv4_cuda_experts_release(be, experts);
+    dsv4_cuda_timer_destroy(tm);
+    dsv4_backend_destroy(be);
+    free(experts);
+    free(ids);
+    free(wts);
+    free(xh);
+    return ty->fail ? 1 : 0;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -1372,6 +1677,8 @@ main(int argc, char **argv)
         { "head", 0, 129280, 4096 },
     };
     int n_lin = (int)(sizeof(lins) / sizeof(lins[0]));
+    const char *only = getenv("BENCH_FAST_ONLY");
+    int only_moe = only != NULL && strcmp(only, "moe") == 0;   /* the decode MoE only */
     float *xh, *x, *xg, *Xs, *out, *o1, *o2, *wts;
     int32_t *ids;
     struct dsv4_expert_w *experts, shared;
@@ -1403,7 +1710,7 @@ main(int argc, char **argv)
     o1 = dev_alloc(be, (size_t)T_MAX * 256 * sizeof(float));
     o2 = dev_alloc(be, (size_t)T_MAX * 256 * sizeof(float));
 
-    for (int l = 0; l < n_lin; l++) {
+    for (int l = 0; l < n_lin && !only_moe; l++) {
         struct op o = { .name = lins[l].name, .kind = OP_LINEAR, .bw = 1, .x = x };
 
         o.W = lins[l].fp8 ? make_fp8(be, lins[l].N, lins[l].K) : make_bf16(be, lins[l].N,
@@ -1421,7 +1728,8 @@ main(int argc, char **argv)
         be->ops->free(be, (void *)(uintptr_t)o.W.w);   /* ours: allocated above */
         be->ops->free(be, (void *)(uintptr_t)o.W.scale);
     }
-    linear2_all(be, tm, x, xh, out, &ty);
+    if (!only_moe)
+        linear2_all(be, tm, x, xh, out, &ty);
     if (getenv("BENCH_FAST_ONLY") != NULL && strcmp(getenv("BENCH_FAST_ONLY"), "linear") == 0) {
         printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=linear)\n", ty.ok, ty.fail);
         dsv4_cuda_timer_destroy(tm);
@@ -1436,7 +1744,7 @@ main(int argc, char **argv)
     /* wo_a: grouped, 8 x (1024 x 4096) FP8 run as bf16 on x (T, 8 * 4096);
      * x not bf16-valued (the op rounds it) */
     xg = dev_normals(be, (size_t)T_MAX * O_GROUPS * D_MODEL, 1.0f, 0);
-    {
+    if (!only_moe) {
         struct op o = { .name = "wo_a", .kind = OP_GROUPED, .bw = 1, .x = xg, .G = O_GROUPS };
 
         o.W = make_fp8(be, O_GROUPS * O_RANK, D_MODEL);
@@ -1496,6 +1804,10 @@ main(int argc, char **argv)
         free(half);
         be->ops->free(be, ids_d);
         be->ops->free(be, wts_d);
+    }
+    if (only_moe) {
+        printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=moe)\n", ty.ok, ty.fail);
+        return bench_end(be, tm, experts, ids, wts, xh, &ty);
     }
 
     /* rms_norm: (T, 4096) weighted (attn/ffn norm), (T * 64, 512) unweighted
@@ -1604,12 +1916,5 @@ main(int argc, char **argv)
     printf("summary: %d ok, %d failed; mean share of peak bandwidth of the weight-streaming "
            "ops at T <= 16: %.2f\n",
            ty.ok, ty.fail, ty.n_ratio ? ty.sum_ratio / ty.n_ratio : 0.0);
-    dsv4_cuda_experts_release(be, experts);
-    dsv4_cuda_timer_destroy(tm);
-    dsv4_backend_destroy(be);
-    free(experts);
-    free(ids);
-    free(wts);
-    free(xh);
-    return ty.fail ? 1 : 0;
+    return bench_end(be, tm, experts, ids, wts, xh, &ty);
 }

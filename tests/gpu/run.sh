@@ -29,7 +29,11 @@
 #      prints its ratio to the op's floor.
 #      The decode MoE cases sweep the settings of DSV4_CUDA_FAST_MOE listed
 #      in BENCH_MOE_CFGS (space-separated; default in bench_fast.c) and end
-#      with one "moe cfg" line per setting (share of 4.3 TB/s per T).
+#      with one "moe cfg" line per setting (share of 4.3 TB/s per T); each
+#      setting starts with the MoE self-check ("moe selfcheck": one token
+#      through one expert against a host reference), v3 (fast_moe3.cu) is
+#      "v3" or "v3,NS,RT"; BENCH_FAST_ONLY=moe runs only the MoE cases, e.g.
+#      BENCH_FAST_ONLY=moe BENCH_MOE_CFGS="v1 v3 v3,3,0 v3,5,0 v3,4,1 v3,4,4".
 #      The decode linears run under DSV4_CUDA_LINEAR = v1, v2, v2h side by
 #      side (self-check of the FP8 mma layout first, then one "linear cfg"
 #      line per shape and kernel); BENCH_FAST_ONLY=linear runs only those.
@@ -357,7 +361,7 @@ if [ "$ar_rc" != skipped ]; then
 fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
-    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear cfg|linear v2|ok   mma|ok   quant|info random)|^ok +pf_|first value out|largest difference|row 0 at" "$OUT/fast.log"
+    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear cfg|linear v2|ok   mma|ok   quant|info random)|^ok +pf_|first value out|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
 fi
 if [ "$fuse_rc" != skipped ]; then
     echo "bench_fuse (fused small ops): exit $fuse_rc"

@@ -1,0 +1,878 @@
+/*
+ * fast_moe3.cu — the decode MoE, version 3 (DSV4_CUDA_FAST_MOE=v3; v1 in
+ * fast_moe.cu stays the default until v3 is measured on the H200): the FP4
+ * routed experts and the FP8 shared expert through the FP8 tensor cores
+ * (mma.sync m16n8k32 e4m3), weights streamed through a per-warp
+ * shared-memory ring by cp.async.  Design, knobs, measurements: docs/gpu.md,
+ * "The decode MoE kernel".
+ *
+ * Why.  Hopper has no FP4 tensor-core input; v1 and v2 decoded every FP4
+ * weight to bf16 (a table in shared memory, or bit placement and a scale
+ * multiply), about 20 instructions per 32-bit word of weights, and read the
+ * weights at 0.41 of 4.3 TB/s.  Every E2M1 value is an E4M3 value, so the
+ * conversion is a bit move (fk_fp4x8_e4m3: eight codes in five integer
+ * operations, the values times 2^-6), the activations are already FP8
+ * (REF quantization), and the products are done by the FP8 tensor cores.
+ *
+ * Launches (five; four for moe_parts):
+ *   1. fm3_prep_kernel: block 0 groups the picks r = t*k + j by expert
+ *      (clamped into the table; active experts in increasing id order,
+ *      their rows in increasing r; moe_parts leaves out the experts not
+ *      held) by ranking every pick against all others; the other blocks
+ *      quantize x per row per 128 columns (the exact path's codes and
+ *      scales) as E4M3 bytes in two column orders, P4 (for the FP4 experts)
+ *      and P8 (for the FP8 shared expert), see fm3_p4 / fm3_p8;
+ *   2. fm3_kernel<1> (up): grid (I/16 / RT, slots), slot 0 the shared
+ *      expert (its items are the largest: first), then the active experts;
+ *      a block of 8 warps takes RT row tiles one after the other (one
+ *      stream: the next tile's stages load during a tile's epilogue), a
+ *      row tile being 16 rows of w1 and the same 16 rows of w3; warp w
+ *      streams tile w/4 (w1 or w3) over quarter w & 3 of K; h = the exact
+ *      path's SwiGLU expression, stored as fp32;
+ *   3. fm3_hquant_kernel: h quantized per row per 128 columns (the exact
+ *      codes), pick rows in P4 order, shared rows in P8 order;
+ *   4. fm3_kernel<0> (down): grid (D/32 / RT, slots); a row tile is 32
+ *      rows of w2, warp w streams rows (w/4)*16 .. + 15 of it over quarter
+ *      w & 3 of K; y = bf16(w2 . h);
+ *   5. the exact path's combine (cuda_moe_combine; moe only).
+ *
+ * Knobs: DSV4_CUDA_FAST_MOE "v3,NS,RT": NS ring stages per warp (2..6,
+ * default 4), RT row tiles per block (1, 2, 4, 8; 0 or absent: the most
+ * that leave 4224 blocks, fm3_rt).  Neither changes any result.
+ *
+ * A warp's work.  The warp streams its 16-row tiles through a ring of NS
+ * stages in its own part of shared memory; a stage is 128 bytes of each of the 16 rows (FP4: 256 columns,
+ * two 128-column blocks; FP8: 128 columns) plus, for FP4, the rows' 8 E8M0
+ * scale bytes.  Each lane issues four 16-byte cp.async (L2 prefetch 256 B)
+ * and one 4-byte one per stage, NS - 1 stages ahead; only the warp reads
+ * its ring, so __syncwarp is the only barrier of the stream.  Row r's
+ * 16-byte segment j lies at r*128 + 16*(j ^ (r & 7)), so the cp.async
+ * writes and the ldmatrix reads are free of bank conflicts.  One
+ * ldmatrix.x4 gives thread (g, q) word q of two segments of rows g and
+ * g + 8, which is exactly its A fragment words:
+ *   FP4: a segment is one scale group (32 columns); word q holds columns
+ *        8q .. 8q+7 of the group; fk_fp4x8_e4m3 gives a0 (row g) / a1
+ *        (row g+8) = the even columns 8q + 0, 2, 4, 6 and a2 / a3 the odd
+ *        ones; one mma per group;
+ *   FP8: segments 2m and 2m+1 are the mma's k 0..15 and 16..31 (natural
+ *        order); four mma per 128-column block.
+ * B (the tokens) is read from global memory (L1-cached: the block's warps
+ * of the same quarter share the rows), 32 bytes per thread and token tile
+ * per 128-column block: the quantizers store each 128-column block so
+ * that thread q's 32 bytes are contiguous and words 2m, 2m+1 are its b0,
+ * b1 of the block's mma m, in both orders:
+ *   P4: column c = 32G + 8q + e goes to q*32 + 8G + (e & 1)*4 + e/2;
+ *   P8: column c = 16s + 4q + i goes to q*32 + 4s + i.
+ * Tokens are the mma's N: passes of 8 or 16 slot rows (one or two n-tiles;
+ * rows past the slot's end repeat its last row and are not stored).
+ * tests/gpu/fm3_layout_sim.py replays this index algebra against the PTX
+ * definitions of ldmatrix and the mma.  Registers: 128 (two blocks of 8
+ * warps per SM at NS = 4, 81 KB of shared memory each), no spills.
+ *
+ * Numerics (REF), the contract.  The mma of one k32 step is run on a zero
+ * accumulator and its fp32 result d added in fp32 registers: FP4,
+ * blk = fma(d, s_w, blk) with s_w the E8M0 scale of the step's group
+ * (exact power of two); FP8, blk = blk + d.  Per 128-column block b:
+ * Q = fma(blk, s_x(b) * f, Q), s_x the token's activation scale and f = 64
+ * (FP4: undoes the 2^-6 of the conversion) or the FP8 block scale (products
+ * of powers of two: exact).  K is cut into four quarters, one per warp; Q
+ * is the sum of one quarter's blocks in order, and the output is
+ * (((Q0 + Q1) + Q2) + Q3), added through shared memory by the warp of
+ * quarter 0.  The products are exact; the sums differ from the exact
+ * path's only by the order and, inside one k32 mma, by the tensor core's
+ * internal precision (on Hopper the FP8 mma may keep fewer than 24 bits
+ * while adding its 32 products: that is why the partial sums are never
+ * longer than one group).  h = bf16(silu(min(g, L)) * clamp(u, +-L) *
+ * route weight) with g, u the bf16-rounded sums, the exact path's
+ * expression (fk_swiglu); y = bf16(sum); out = the exact path's combine.
+ * Determinism: every output value is computed by fixed warps of one block
+ * in a fixed order; an output column of an mma depends only on its own B
+ * column, so a token's row is the same whatever other rows share its
+ * pass, its slot or the call: independent of T, the same in a CUDA graph
+ * and outside.
+ *
+ * Requirements (else v1): T*k <= FM3_MAX_TK, D and I multiples of 1024 and
+ * at most 8192 (four quarters of whole stages; the FP8 block scales of a
+ * tile held in shared memory).  Weights 16-byte aligned (cuda_fast_moe_ok);
+ * FP4 scale rows 4-byte aligned (the loaders align every tensor to 256
+ * bytes): a slot whose scales are not gets NaN outputs.
+ */
+#include "kernels/cuda/fast.cuh"
+#include "kernels/cuda/fast_mma.cuh"   /* fa_ldsm_x4 */
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FM3_MAX_TK 1024          /* picks per call (the grouping is O((T*k)^2)) */
+#define FM3_SB 128               /* bytes of each weight row per stage */
+#define FM3_TILE_B (16 * FM3_SB) /* a stage of the warp's 16 rows */
+#define FM3_STAGE_B (FM3_TILE_B + 16 * 8)    /* + FP4 scales (16 rows x 8) */
+#define FM3_SCF 12               /* floats per row of the converted FP4 scales (8 + pad) */
+#define FM3_SCF_B (16 * FM3_SCF * 4)         /* per warp: converted scales */
+#define FM3_RED_Q (2 * 4 * 32)   /* floats of one quarter sum of a tile (NT = 2) */
+#define FM3_PREP_THREADS 512
+#define FM3_MAX_KB 64            /* 128-column blocks of K at most (FP8 scales of a quarter) */
+#define FM3_BOUND_THREADS 256    /* __launch_bounds__ of fm3_kernel: 8 warps ... */
+#define FM3_BOUND_BLOCKS 2       /* ... two blocks per SM: 128 registers */
+#define FM3_MAX_DEV 64           /* devices remembered by fm3_launch */
+
+/* Everything the kernels need, by value. */
+struct fm3_args {
+    const struct dsv4_expert_w *table;  /* device copy of the expert array */
+    struct dsv4_expert_w shared;        /* shared expert (device pointers) */
+    int has_shared;
+    const int32_t *grp;     /* n_act, act_e[A], act_off[A+1], rows[T*k] */
+    int A;                  /* routed slots at most: min(T*k, n_table) */
+    const uint8_t *xq4, *xq8;   /* (T, D): E4M3 codes of x, P4 and P8 order */
+    const float *xs;        /* (T, D/128) */
+    float *h;               /* (R, I), R = T*k + T: SwiGLU outputs (bf16 values) */
+    uint8_t *hq;            /* (R, I): codes of h, pick rows P4, shared rows P8 */
+    float *hs;              /* (R, I/128) */
+    float *y;               /* (R, D): the summands (moe_parts: the caller's array) */
+    const float *weights;   /* (T, k) */
+    int T, k, D, I;
+    int ns;                 /* ring stages per warp: 2 .. 6 */
+    int rt;                 /* row tiles per block (one after the other) */
+    float lim;
+};
+
+/* The expert of a block: slot blockIdx.y. */
+struct fm3_slot {
+    const struct dsv4_expert_w *E;
+    const int32_t *rows;    /* pick rows (routed), NULL for the shared expert */
+    int n;                  /* rows of this slot */
+};
+
+/* The 16-row tiles of a warp: tile i (i = 0 .. the block's row tiles - 1)
+ * starts at row r0 + i*step of the tensor. */
+struct fm3_warp {
+    const uint8_t *w;       /* tile 0's first row */
+    const uint8_t *sc;      /* FP4: tile 0's first row's scales; FP8: the scale array */
+    int64_t tw, ts;         /* bytes from one tile to the next: weights, FP4 scales */
+    int rb;                 /* bytes per weight row */
+    int sb;                 /* FP4 scale bytes per row */
+    int r0, step;           /* tile 0's first row; rows from one tile to the next */
+    int bad;                /* FP4 scales not 4-byte aligned: NaN outputs */
+};
+
+/* --- column orders ------------------------------------------------------------------ */
+
+/* Place of column c (0..127) of a 128-column block: P4 (FP4 experts). */
+static __device__ __forceinline__ int
+fm3_p4(int c)
+{
+    int G = c >> 5, q = (c >> 3) & 3, e = c & 7;
+
+    return q * 32 + G * 8 + (e & 1) * 4 + (e >> 1);
+}
+
+/* P8 (the FP8 shared expert). */
+static __device__ __forceinline__ int
+fm3_p8(int c)
+{
+    return ((c >> 2) & 3) * 32 + (c >> 4) * 4 + (c & 3);
+}
+
+/*
+ * REF quantization of a 128-column block held by a warp (v[i] = column
+ * lane + 32 i): the expressions of fk_quant and of the exact path; codes to
+ * p4 (P4 order) and/or p8 (P8 order), either may be NULL; the scale to *sp.
+ */
+static __device__ __forceinline__ void
+fm3_quant_warp(const float (&v)[4], uint8_t *p4, uint8_t *p8, float *sp)
+{
+    int lane = threadIdx.x & 31;
+    float s = fk_quant_scale_warp(v);
+
+    for (int i = 0; i < 4; i++) {
+        uint8_t c = cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f));
+        int col = lane + 32 * i;
+
+        if (p4 != NULL)
+            p4[fm3_p4(col)] = c;
+        if (p8 != NULL)
+            p8[fm3_p8(col)] = c;
+    }
+    if (lane == 0)
+        *sp = s;
+}
+
+/* --- grouping ------------------------------------------------------------------------- */
+
+/*
+ * Block 0 of fm3_prep_kernel: grp = n_act, act_e[A], act_off[A+1], rows[Tk]
+ * (see fm3_args).  Pick r of expert e (clamped into the table) goes to
+ * place #{valid r' : (e', r') < (e, r)}; its expert's slot is the number of
+ * distinct valid experts below e.  skip_unheld: experts without weights
+ * (moe_parts: held elsewhere) are not valid.  O(Tk^2 / threads).
+ */
+static __device__ void
+fm3_group(int32_t *grp, const int32_t *ids, int Tk, int E, int A,
+          const struct dsv4_expert_w *table, int skip_unheld)
+{
+    __shared__ int32_t ge[FM3_MAX_TK];
+    __shared__ uint8_t gv[FM3_MAX_TK], gf[FM3_MAX_TK];
+    __shared__ int n_act, n_valid;
+    int32_t *act_e = grp + 1, *act_off = grp + 1 + A, *rows = grp + 2 + 2 * A;
+
+    if (threadIdx.x == 0) {
+        n_act = 0;
+        n_valid = 0;
+    }
+    for (int r = threadIdx.x; r < Tk; r += blockDim.x) {
+        int e = ids[r];
+
+        e = e < 0 ? 0 : (e >= E ? E - 1 : e);
+        ge[r] = e;
+        gv[r] = !(skip_unheld && table[e].w1.w == NULL);
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < Tk; r += blockDim.x) {
+        int f = gv[r];
+
+        for (int r2 = 0; r2 < r && f; r2++)
+            f = ge[r2] != ge[r];
+        gf[r] = (uint8_t)f;
+        if (f)
+            atomicAdd(&n_act, 1);
+        if (gv[r])
+            atomicAdd(&n_valid, 1);
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < Tk; r += blockDim.x) {
+        int e = ge[r], pos = 0, slot = 0;
+
+        if (!gv[r])
+            continue;
+        for (int r2 = 0; r2 < Tk; r2++) {
+            int e2 = ge[r2];
+
+            pos += gv[r2] && (e2 < e || (e2 == e && r2 < r));
+            slot += gf[r2] && e2 < e;
+        }
+        rows[pos] = r;
+        if (gf[r]) {
+            act_e[slot] = e;
+            act_off[slot] = pos;
+        }
+    }
+    if (threadIdx.x == 0) {
+        grp[0] = n_act;
+        act_off[n_act] = n_valid;
+    }
+}
+
+/*
+ * Block 0 groups the picks (fm3_group); the others quantize x, a warp per
+ * (token, 128-column block), into both column orders.
+ */
+static __global__ void __launch_bounds__(FM3_PREP_THREADS)
+fm3_prep_kernel(struct fm3_args a, const float *x, const int32_t *ids, int E, int skip_unheld,
+                uint8_t *xq4, uint8_t *xq8, float *xs)
+{
+    int nb = a.D / 128;
+    int64_t wid;
+
+    if (blockIdx.x == 0) {
+        fm3_group((int32_t *)a.grp, ids, a.T * a.k, E, a.A, a.table, skip_unheld);
+        return;
+    }
+    wid = (int64_t)(blockIdx.x - 1) * (blockDim.x / 32) + threadIdx.x / 32;
+    if (wid >= (int64_t)a.T * nb)
+        return;   /* whole warps */
+    {
+        int64_t t = wid / nb, b = wid % nb, at = t * a.D + b * 128;
+        float v[4];
+
+        for (int i = 0; i < 4; i++)
+            v[i] = x[at + (threadIdx.x & 31) + 32 * i];
+        fm3_quant_warp(v, xq4 + at, xq8 + at, xs + t * nb + b);
+    }
+}
+
+/* h (R, I) -> codes and scales: pick rows (r < T*k) P4, shared rows P8. */
+static __global__ void
+fm3_hquant_kernel(struct fm3_args a)
+{
+    int nb = a.I / 128, R = a.T * a.k + a.T;
+    int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+
+    if (wid >= (int64_t)R * nb)
+        return;
+    {
+        int64_t r = wid / nb, b = wid % nb, at = r * a.I + b * 128;
+        int pick = r < (int64_t)a.T * a.k;
+        float v[4];
+
+        for (int i = 0; i < 4; i++)
+            v[i] = a.h[at + (threadIdx.x & 31) + 32 * i];
+        fm3_quant_warp(v, pick ? a.hq + at : NULL, pick ? NULL : a.hq + at, a.hs + r * nb + b);
+    }
+}
+
+/* --- the weight ring ------------------------------------------------------------------ */
+
+/* 16 bytes global -> shared, L2 prefetch of 256 bytes. */
+static __device__ __forceinline__ void
+fm3_cp16(uint32_t dst, const void *src)
+{
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;"
+                 :: "r"(dst), "l"(src) : "memory");
+}
+
+/* 4 bytes global -> shared. */
+static __device__ __forceinline__ void
+fm3_cp4(uint32_t dst, const void *src)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
+}
+
+static __device__ __forceinline__ void
+fm3_commit(void)
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+/* Wait until at most n (0..4) of this thread's groups are pending. */
+static __device__ __forceinline__ void
+fm3_wait(int n)
+{
+    switch (n) {
+    case 0:
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        break;
+    case 1:
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        break;
+    case 2:
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+        break;
+    case 3:
+        asm volatile("cp.async.wait_group 3;" ::: "memory");
+        break;
+    default:
+        asm volatile("cp.async.wait_group 4;" ::: "memory");
+        break;
+    }
+}
+
+/*
+ * Stage st of tile ti of the warp into buf: lane copies segment lane & 7 of
+ * rows i*4 + lane/8, i = 0..3 (a warp instruction reads four whole 128-byte
+ * row pieces), and (FP4) 4 of the 8 scale bytes of row lane/2 to
+ * buf + FM3_TILE_B + lane*4.
+ */
+template <int FP8>
+static __device__ __forceinline__ void
+fm3_issue(const struct fm3_warp &wp, int ti, int st, char *buf)
+{
+    uint32_t sb = (uint32_t)__cvta_generic_to_shared(buf);
+    int lane = threadIdx.x & 31, seg = lane & 7;
+    const uint8_t *w = wp.w + ti * wp.tw + st * FM3_SB + seg * 16;
+
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int row = i * 4 + (lane >> 3);
+
+        fm3_cp16(sb + row * FM3_SB + ((seg ^ (row & 7)) << 4), w + (int64_t)row * wp.rb);
+    }
+    if (!FP8)
+        fm3_cp4(sb + FM3_TILE_B + lane * 4,
+                wp.sc + ti * wp.ts + (int64_t)(lane >> 1) * wp.sb + st * 8 + (lane & 1) * 4);
+}
+
+/* FP4: the 4 scale bytes this lane copied into buf -> floats at
+ * scf[row * FM3_SCF + 4*(lane & 1) ..], row = lane/2. */
+static __device__ __forceinline__ void
+fm3_scales(const char *buf, float *scf)
+{
+    int lane = threadIdx.x & 31;
+    uint32_t v = *(const uint32_t *)(buf + FM3_TILE_B + lane * 4);
+    float4 f;
+
+    f.x = cu_e8m0_to_f32((uint8_t)(v & 0xffu));
+    f.y = cu_e8m0_to_f32((uint8_t)((v >> 8) & 0xffu));
+    f.z = cu_e8m0_to_f32((uint8_t)((v >> 16) & 0xffu));
+    f.w = cu_e8m0_to_f32((uint8_t)(v >> 24));
+    *(float4 *)(scf + (lane >> 1) * FM3_SCF + (lane & 1) * 4) = f;
+}
+
+/* ldmatrix.x4 of segments j, j+1 of the tile in buf: r[0], r[1] = word q of
+ * segment j of rows g, g+8; r[2], r[3] the same of segment j+1. */
+static __device__ __forceinline__ void
+fm3_ldsm(uint32_t (&r)[4], const char *buf, int j)
+{
+    int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+    int row = (mi & 1) * 8 + rr, seg = j + (mi >> 1);
+
+    fa_ldsm_x4(r, buf + row * FM3_SB + ((seg ^ rr) << 4));
+}
+
+/* The activations of 128-column block kb: xw[n] = thread q's 32 bytes of the
+ * B row of n-tile n, xc[n][j] = the scale of C column 2q + j. */
+template <int NT>
+static __device__ __forceinline__ void
+fm3_act(uint32_t (&xw)[NT][8], float (&xc)[NT][2], const uint8_t *const (&xr)[NT],
+        const float *const (&sr)[NT][2], int kb)
+{
+    int q = threadIdx.x & 3;
+
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        const uint4 *p = (const uint4 *)(xr[n] + (int64_t)kb * 128 + q * 32);
+        uint4 v0 = __ldg(p), v1 = __ldg(p + 1);
+
+        xw[n][0] = v0.x;
+        xw[n][1] = v0.y;
+        xw[n][2] = v0.z;
+        xw[n][3] = v0.w;
+        xw[n][4] = v1.x;
+        xw[n][5] = v1.y;
+        xw[n][6] = v1.z;
+        xw[n][7] = v1.w;
+        xc[n][0] = __ldg(sr[n][0] + kb);
+        xc[n][1] = __ldg(sr[n][1] + kb);
+    }
+}
+
+/*
+ * One 128-column block (block b of the stage in buf) into blk:
+ * FP4 (b = 0, 1): four groups, one mma each, blk = fma(d, s_w, blk);
+ * FP8 (b = 0): four mma, blk += d.
+ */
+template <int FP8, int NT>
+static __device__ __forceinline__ void
+fm3_block(float (&blk)[NT][4], const char *buf, int b, const float *scf,
+          const uint32_t (&xw)[NT][8])
+{
+    int lane = threadIdx.x & 31, g = lane >> 2;
+
+    if (FP8) {
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            uint32_t r[4];
+
+            fm3_ldsm(r, buf, 2 * m);
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                float d[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+
+                fk_mma_e4m3(d, r[0], r[1], r[2], r[3], xw[n][2 * m], xw[n][2 * m + 1]);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    blk[n][i] += d[i];
+            }
+        }
+    } else {
+#pragma unroll
+        for (int pr = 0; pr < 2; pr++) {
+            float2 s0 = *(const float2 *)(scf + g * FM3_SCF + 4 * b + 2 * pr);
+            float2 s8 = *(const float2 *)(scf + (g + 8) * FM3_SCF + 4 * b + 2 * pr);
+            uint32_t r[4];
+
+            fm3_ldsm(r, buf, 4 * b + 2 * pr);
+#pragma unroll
+            for (int gi = 0; gi < 2; gi++) {
+                int m = 2 * pr + gi;
+                float w0 = gi ? s0.y : s0.x, w8 = gi ? s8.y : s8.x;
+                uint32_t a0, a1, a2, a3;
+
+                fk_fp4x8_e4m3(r[2 * gi], &a0, &a2);
+                fk_fp4x8_e4m3(r[2 * gi + 1], &a1, &a3);
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    float d[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+
+                    fk_mma_e4m3(d, a0, a1, a2, a3, xw[n][2 * m], xw[n][2 * m + 1]);
+                    blk[n][0] = __fmaf_rn(d[0], w0, blk[n][0]);
+                    blk[n][1] = __fmaf_rn(d[1], w0, blk[n][1]);
+                    blk[n][2] = __fmaf_rn(d[2], w8, blk[n][2]);
+                    blk[n][3] = __fmaf_rn(d[3], w8, blk[n][3]);
+                }
+            }
+        }
+    }
+}
+
+/* --- a pass: slot rows p .. p + 8*NT - 1 through the warp's tile --------------------- */
+
+/* Activation row of slot row j (clamped by the caller): up, x (P4 / P8 by
+ * the expert's format); down, h (its own row's order). */
+template <int UP>
+static __device__ __forceinline__ int64_t
+fm3_act_row(const struct fm3_args &a, const struct fm3_slot &s, int j)
+{
+    if (s.rows == NULL)
+        return UP ? j : (int64_t)a.T * a.k + j;
+    return UP ? s.rows[j] / a.k : s.rows[j];
+}
+
+/* Quarter sum number `b` of the row tile in red (b = t*4 + qt - 1). */
+static __device__ __forceinline__ float *
+fm3_red(float *red, int b, int v)
+{
+    return red + ((size_t)b * 8 + v) * 32 + (threadIdx.x & 31);
+}
+
+/*
+ * The end of row tile rt of a pass: the quarter sums (acc) of the warps
+ * that do not combine go to red; the combining warps add them in order and
+ * store h (UP) or y.  Every warp of the block calls it (two barriers).
+ */
+template <int UP, int NT>
+static __device__ __forceinline__ void
+fm3_tile_end(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_warp &wp,
+             int p, int rt, int t, int qt, int comb, const float (&acc)[NT][4], float *red)
+{
+    int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+
+    /* quarter sums to red (all but the combining warps' own), then added */
+    if (!comb)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                *fm3_red(red, t * 4 + qt - 1, n * 4 + i) = acc[n][i];
+    __syncthreads();
+    if (comb)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int j = p + n * 8 + 2 * q + (i & 1);
+                int row = (UP ? rt * 16 : rt * 32 + t * 16) + g + 8 * (i >> 1);
+                float sum = acc[n][i], u = 0.0f;
+                int64_t hr;
+
+                for (int r = 1; r < 4; r++)
+                    sum += *fm3_red(red, t * 4 + r - 1, n * 4 + i);
+                if (UP) {   /* u: tile 1's quarters */
+                    u = *fm3_red(red, 3, n * 4 + i);
+                    for (int r = 1; r < 4; r++)
+                        u += *fm3_red(red, 3 + r, n * 4 + i);
+                }
+                if (j >= s.n)
+                    continue;
+                hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
+                if (UP) {
+                    float v = fk_swiglu(sum, u, a.lim);
+
+                    if (s.rows != NULL)
+                        v *= a.weights[hr];
+                    a.h[hr * a.I + row] = wp.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(v);
+                } else {
+                    a.y[hr * a.D + row] =
+                        wp.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(sum);
+                }
+            }
+    __syncthreads();   /* red is read before the next tile writes it */
+}
+
+/*
+ * Slot rows p .. p + 8*NT - 1 through the warp's tiles 0 .. nrt-1 (row
+ * tiles rt0 .., tile t of each) over quarter qt of K, one continuous
+ * stream of stages; after each row tile its quarters are added in order
+ * through red (every warp of the block: barriers; the next tile's stages
+ * are in flight meanwhile): for each tile (((Q0 + Q1) + Q2) + Q3), by the
+ * warp of quarter 0 of tile 0 (UP: it needs both tiles, g and u, and
+ * stores h) or of each tile (down: it stores its 16 rows of y).
+ */
+template <int UP, int FP8, int NT>
+static __device__ void
+fm3_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_warp &wp, int p,
+         int rt0, int nrt, int t, int qt, char *ring, float *scf, float *red)
+{
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4, ns = a.ns;
+    int bps = FP8 ? 1 : 2;                      /* 128-column blocks per stage */
+    int nst = wp.rb / FM3_SB / 4, st0 = qt * nst, kb0 = qt * nq, ntot = nrt * nst;
+    const uint8_t *xbase = UP ? (FP8 ? a.xq8 : a.xq4) : a.hq;
+    const float *sbase = UP ? a.xs : a.hs;
+    const uint8_t *xr[NT];
+    const float *sr[NT][2];
+    uint32_t xw[NT][8];
+    float xc[NT][2];
+    float acc[NT][4], blk[NT][4];
+    int comb = qt == 0 && (t == 0 || !UP);      /* this warp adds the quarters */
+
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        xr[n] = xbase + fm3_act_row<UP>(a, s, min(p + n * 8 + g, s.n - 1)) * K;
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+            sr[n][c] = sbase + fm3_act_row<UP>(a, s, min(p + n * 8 + 2 * q + c, s.n - 1)) * nb;
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            acc[n][i] = 0.0f;
+            blk[n][i] = 0.0f;
+        }
+    for (int i = 0; i < ns - 1; i++) {
+        if (i < ntot)
+            fm3_issue<FP8>(wp, i / nst, st0 + i % nst, ring + i * FM3_STAGE_B);
+        fm3_commit();
+    }
+    for (int gi = 0; gi < ntot; gi++) {
+        char *buf = ring + (gi % ns) * FM3_STAGE_B;
+        int ti = gi / nst, si = gi - ti * nst, nx = gi + ns - 1;
+
+        fm3_wait(ns - 2);   /* stage gi has landed (this thread's copies) */
+        __syncwarp();       /* ... and every lane's; stage gi-1 is read */
+        if (!FP8) {
+            fm3_scales(buf, scf);
+            __syncwarp();
+        }
+        if (nx < ntot)
+            fm3_issue<FP8>(wp, nx / nst, st0 + nx % nst, ring + (nx % ns) * FM3_STAGE_B);
+        fm3_commit();
+#pragma unroll
+        for (int b = 0; b < (FP8 ? 1 : 2); b++) {
+            int kb = kb0 + si * bps + b;
+            float f = 64.0f;
+
+            if (FP8)   /* the tile's 128x128 block scale */
+                f = cu_e8m0_to_f32(
+                    __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb));
+            fm3_act<NT>(xw, xc, xr, sr, kb);
+            fm3_block<FP8, NT>(blk, buf, b, scf, xw);
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    acc[n][i] = __fmaf_rn(blk[n][i], xc[n][i & 1] * f, acc[n][i]);
+                    blk[n][i] = 0.0f;
+                }
+        }
+        if (si == nst - 1) {   /* row tile rt0 + ti is complete */
+            fm3_tile_end<UP, NT>(a, s, wp, p, rt0 + ti, t, qt, comb, acc, red);
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    acc[n][i] = 0.0f;
+        }
+    }
+    __syncwarp();   /* the ring is read before the next pass refills it */
+}
+
+/* Every pass of the slot through the warp's tiles (FP8: the shared expert). */
+template <int UP, int FP8>
+static __device__ void
+fm3_passes(const struct fm3_args &a, const struct fm3_slot &s, int rt0, int nrt, int t, int qt,
+           char *ring, float *scf, float *red)
+{
+    int K = UP ? a.D : a.I;
+    const struct dsv4_linear *L = UP ? (t ? &s.E->w3 : &s.E->w1) : &s.E->w2;
+    struct fm3_warp wp;
+
+    wp.r0 = UP ? rt0 * 16 : rt0 * 32 + t * 16;
+    wp.step = UP ? 16 : 32;
+    wp.rb = FP8 ? K : K / 2;
+    wp.sb = K / 32;
+    wp.w = (const uint8_t *)L->w + (int64_t)wp.r0 * wp.rb;
+    wp.tw = (int64_t)wp.step * wp.rb;
+    wp.sc = FP8 ? L->scale : L->scale + (int64_t)wp.r0 * wp.sb;
+    wp.ts = (int64_t)wp.step * wp.sb;
+    /* FP4 scales not 4-byte aligned: NaN outputs, the weight bytes read as
+     * scales instead (aligned); UP: either tensor's (h needs both tiles) */
+    wp.bad = !FP8 && ((uintptr_t)(UP ? (uintptr_t)s.E->w1.scale | (uintptr_t)s.E->w3.scale
+                                     : (uintptr_t)L->scale) & 3) != 0;
+    if (wp.bad) {
+        wp.sc = wp.w;
+        wp.ts = wp.tw;
+    }
+    for (int p = 0; p < s.n; p += 16) {
+        if (s.n - p <= 8)
+            fm3_pass<UP, FP8, 1>(a, s, wp, p, rt0, nrt, t, qt, ring, scf, red);
+        else
+            fm3_pass<UP, FP8, 2>(a, s, wp, p, rt0, nrt, t, qt, ring, scf, red);
+    }
+}
+
+/*
+ * UP: w1/w3/SwiGLU, grid (I/16 / RT, slots); else w2, grid (D/32 / RT,
+ * slots): a block of 8 warps takes RT = a.rt row tiles one after the other
+ * (16 rows of w1 and w3, or 32 rows of w2, each); warp w: tile (w/4) & 1,
+ * quarter w & 3 of K.  Dynamic shared memory: fm3_smem_bytes.
+ */
+template <int UP>
+static __global__ void __launch_bounds__(FM3_BOUND_THREADS, FM3_BOUND_BLOCKS)
+fm3_kernel(struct fm3_args a)
+{
+    extern __shared__ __align__(16) char fm3_sm[];
+    struct fm3_slot s;
+    int warp = threadIdx.x >> 5, t = (warp >> 2) & 1, qt = warp & 3, rt0 = blockIdx.x * a.rt;
+    int per = a.ns * FM3_STAGE_B + FM3_SCF_B, y = blockIdx.y;
+    char *ring = fm3_sm + warp * per;
+    float *scf = (float *)(ring + a.ns * FM3_STAGE_B);
+    float *red = (float *)(fm3_sm + 8 * per);
+
+    if (a.has_shared && y == 0) {
+        s.E = &a.shared;
+        s.rows = NULL;
+        s.n = a.T;
+        fm3_passes<UP, 1>(a, s, rt0, a.rt, t, qt, ring, scf, red);
+        return;
+    }
+    y -= a.has_shared;
+    if (y >= a.grp[0])
+        return;   /* an idle slot: the whole block leaves */
+    {
+        const int32_t *act_e = a.grp + 1, *act_off = a.grp + 1 + a.A;
+
+        s.E = &a.table[act_e[y]];
+        s.rows = a.grp + 2 + 2 * a.A + act_off[y];
+        s.n = act_off[y + 1] - act_off[y];
+    }
+    fm3_passes<UP, 0>(a, s, rt0, a.rt, t, qt, ring, scf, red);
+}
+
+/* --- host side ------------------------------------------------------------------------------ */
+
+int
+cuda_fast_moe3_fits(int T, int k, int D, int I)
+{
+    return T >= 1 && k >= 1 && (int64_t)T * k <= FM3_MAX_TK && D % 1024 == 0 &&
+           I % 1024 == 0 && D / 128 <= FM3_MAX_KB && I / 128 <= FM3_MAX_KB;
+}
+
+/* v3 settings: DSV4_CUDA_FAST_MOE = "v3" (defaults), "v3,NS" or "v3,NS,RT". */
+struct fm3_cfg {
+    int ns;     /* ring stages per warp: 2 .. 6 */
+    int rt;     /* row tiles per block: 1, 2, 4, 8, or 0: by the number of tiles */
+};
+
+#define FM3_NS_DEFAULT 4         /* 81 KB per block: two blocks (16 warps) per SM */
+#define FM3_BLOCKS_AUTO 4224     /* rt = 0: at least this many blocks (16 waves of 264) */
+
+static void
+fm3_cfg_parse(struct fm3_cfg *c, const char *s)
+{
+    int ns, rt, n = s != NULL ? sscanf(s, "v3,%d,%d", &ns, &rt) : 0;
+
+    c->ns = FM3_NS_DEFAULT;
+    c->rt = 0;
+    if (n >= 1 && ns >= 2 && ns <= 6)
+        c->ns = ns;
+    if (n == 2 && (rt == 1 || rt == 2 || rt == 4 || rt == 8))
+        c->rt = rt;
+}
+
+/* Row tiles per block for `tiles` row tiles of each of `slots` slots: the
+ * setting, else the most (up to 8) that leave FM3_BLOCKS_AUTO blocks (long
+ * blocks for less per-block setup, many for a short tail).  The results do
+ * not depend on it. */
+static int
+fm3_rt(const struct fm3_cfg *c, int tiles, int slots)
+{
+    int rt = c->rt;
+
+    if (rt == 0)
+        for (rt = 8; rt > 1 && (int64_t)slots * tiles / rt < FM3_BLOCKS_AUTO; rt /= 2)
+            ;
+    while (tiles % rt != 0)
+        rt /= 2;
+    return rt;
+}
+
+/* Dynamic shared memory of a block: the 8 warps' rings and scales, and the
+ * quarter sums of a row tile (7: all but one). */
+static size_t
+fm3_smem_bytes(const struct fm3_cfg *c)
+{
+    size_t per = (size_t)c->ns * FM3_STAGE_B + FM3_SCF_B;
+
+    return 8 * per + 7 * FM3_RED_Q * sizeof(float);
+}
+
+/* Launch fm3_kernel<UP> on `tiles` row tiles per slot (a.rt per block). */
+template <int UP>
+static enum dsv4_err
+fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_cfg *c,
+           int tiles, int slots)
+{
+    static size_t opted[FM3_MAX_DEV];   /* dynamic shared memory allowed so far, per device */
+    int dev = cuda_st(be)->device;
+    size_t smem = fm3_smem_bytes(c);
+    dim3 grid((unsigned)(tiles / a.rt), (unsigned)slots);
+
+    if (dev < 0 || dev >= FM3_MAX_DEV || smem > opted[dev]) {
+        CUDA_TRY(cudaFuncSetAttribute(fm3_kernel<UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)smem));
+        if (dev >= 0 && dev < FM3_MAX_DEV)
+            opted[dev] = smem;
+    }
+    fm3_kernel<UP><<<grid, 8 * 32, smem, cuda_stream(be)>>>(a);
+    CUDA_LAUNCHED(UP ? "fast moe v3 up" : "fast moe v3 down");
+    return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x,
+               const int32_t *ids, const float *weights, const struct dsv4_expert_w *table,
+               int n_table, const struct dsv4_expert_w *shared, int T, int k, int D, int I,
+               float lim, const char *cfg)
+{
+    cudaStream_t st = cuda_stream(be);
+    int Tk = T * k, A = Tk < n_table ? Tk : n_table, R = Tk + T;
+    int slots = A + (shared != NULL), nbD = D / 128, nbI = I / 128;
+    size_t b_grp = cuda_align((size_t)(2 + 2 * A + Tk) * sizeof(int32_t));
+    size_t b_xq = cuda_align((size_t)T * D), b_xs = cuda_align((size_t)T * nbD * sizeof(float));
+    size_t b_h = cuda_align((size_t)R * I * sizeof(float)), b_hq = cuda_align((size_t)R * I);
+    size_t b_hs = cuda_align((size_t)R * nbI * sizeof(float));
+    size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
+    struct fm3_cfg c;
+    struct fm3_args a;
+    enum dsv4_err e;
+    char *p;
+
+    fm3_cfg_parse(&c, cfg);
+    p = (char *)cuda_scratch(be, b_grp + 2 * b_xq + b_xs + b_h + b_hq + b_hs + b_y);
+    if (p == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast moe v3: no scratch (T=%d k=%d)", T, k);
+    memset(&a, 0, sizeof(a));
+    a.table = table;
+    if (shared != NULL)
+        a.shared = *shared;
+    a.has_shared = shared != NULL;
+    a.grp = (const int32_t *)p;
+    a.A = A;
+    p += b_grp;
+    a.xq4 = (const uint8_t *)p;
+    a.xq8 = (const uint8_t *)(p + b_xq);
+    a.xs = (const float *)(p + 2 * b_xq);
+    p += 2 * b_xq + b_xs;
+    a.h = (float *)p;
+    a.hq = (uint8_t *)(p + b_h);
+    a.hs = (float *)(p + b_h + b_hq);
+    p += b_h + b_hq + b_hs;
+    a.y = parts != NULL ? parts : (float *)p;
+    a.weights = weights;
+    a.T = T;
+    a.k = k;
+    a.D = D;
+    a.I = I;
+    a.ns = c.ns;
+    a.lim = lim;
+
+    fm3_prep_kernel<<<1 + (unsigned)(((int64_t)T * nbD + FM3_PREP_THREADS / 32 - 1) /
+                                     (FM3_PREP_THREADS / 32)),
+                      FM3_PREP_THREADS, 0, st>>>(a, x, ids, n_table, parts != NULL,
+                                                 (uint8_t *)a.xq4, (uint8_t *)a.xq8,
+                                                 (float *)a.xs);
+    CUDA_LAUNCHED("fast moe v3 prep");
+    a.rt = fm3_rt(&c, I / 16, slots);
+    e = fm3_launch<1>(be, a, &c, I / 16, slots);
+    if (e != DSV4_OK)
+        return e;
+    fm3_hquant_kernel<<<cuda_blocks((int64_t)R * nbI * 32, 256), 256, 0, st>>>(a);
+    CUDA_LAUNCHED("fast moe v3 h quant");
+    a.rt = fm3_rt(&c, D / 32, slots);
+    e = fm3_launch<0>(be, a, &c, D / 32, slots);
+    if (e != DSV4_OK || parts != NULL)
+        return e;   /* moe_parts: the caller sums the ranks' parts, then combines */
+    return cuda_moe_combine(be, out, a.y, ids, T, k, D);   /* the exact path's step 5 */
+}
