@@ -96,10 +96,12 @@ void dsv4_cuda_set_wgmma(int on);
  * The version of the small fast kernels (the fast hc_pre, hc_head,
  * hc_post_pre, rms_norm and norm_rope; kernels/cuda/fast_hc.cu,
  * fast_norm.cu, fast_fuse.cu): 1 the first kernels, 2 the ones that issue
- * their loads in batches (the default; the same bits as 1); -1 goes back to
- * the environment's choice (DSV4_CUDA_HC=v1: the hc kernels 1;
- * DSV4_CUDA_NORM=v1: rms_norm and norm_rope 1).  Process-wide; takes effect
- * for ops queued afterwards.  For timing and checking both in one process
+ * their loads in batches (the default; the same bits as 1), 3 for the hc
+ * ops v2 with the second kernel a programmatic dependent launch (rms_norm
+ * and norm_rope: 2); -1 goes back to the environment's choice
+ * (DSV4_CUDA_HC=v1|v2|v3 for the hc ops, DSV4_CUDA_NORM=v1|v2 for rms_norm
+ * and norm_rope; default v2).  Process-wide; takes effect for ops queued
+ * afterwards.  For timing and checking the versions in one process
  * (tests/gpu/bench_fuse.c).
  */
 void dsv4_cuda_set_small_kernels(int version);

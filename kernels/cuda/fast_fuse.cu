@@ -143,20 +143,22 @@ static int fz_small_override = -1;   /* dsv4_cuda_set_small_kernels; -1: environ
 void
 dsv4_cuda_set_small_kernels(int version)
 {
-    fz_small_override = version == 1 || version == 2 ? version : -1;
+    fz_small_override = version >= 1 && version <= 3 ? version : -1;
 }
 
-/* 1 when the environment variable `name` is "v1", else 2; *cache: -1 until
- * read. */
+/* The version the environment variable `name` asks for ("v1", "v2", "v3"
+ * up to vmax; else 2), or the override; *cache: -1 until read. */
 static int
-fz_env_version(const char *name, int *cache)
+fz_env_version(const char *name, int *cache, int vmax)
 {
     if (fz_small_override > 0)
-        return fz_small_override;
+        return fz_small_override < vmax ? fz_small_override : vmax;
     if (*cache < 0) {
         const char *e = getenv(name);
 
-        *cache = e != NULL && strcmp(e, "v1") == 0 ? 1 : 2;
+        *cache = 2;
+        if (e != NULL && e[0] == 'v' && e[1] >= '1' && e[1] <= '0' + vmax && e[2] == '\0')
+            *cache = e[1] - '0';
     }
     return *cache;
 }
@@ -166,7 +168,7 @@ cuda_fast_hc_version(void)
 {
     static int env = -1;
 
-    return fz_env_version("DSV4_CUDA_HC", &env);
+    return fz_env_version("DSV4_CUDA_HC", &env, 3);
 }
 
 int
@@ -174,7 +176,7 @@ cuda_fast_norm_version(void)
 {
     static int env = -1;
 
-    return fz_env_version("DSV4_CUDA_NORM", &env);
+    return fz_env_version("DSV4_CUDA_NORM", &env, 2);
 }
 
 int

@@ -60,6 +60,14 @@
  *      memory for the norm's tree (the first fz_norm_threads(D) threads,
  *      elements i, i + B, ... in order as fn_kernel) and the normed values
  *      are made from the registers.
+ * v3 (DSV4_CUDA_HC=v3, opt-in) is v2 with the finish launched as a
+ * programmatic dependent launch (PDL): hf2_mix lets its dependents start
+ * as soon as every mix block runs, the finish blocks issue the loads that
+ * do not depend on the mix (hc weights, norm weights, and X for hc_pre /
+ * hc_head) and then wait (griddepcontrol.wait: the mix grid complete and
+ * its writes visible) before reading the partials (and X_out in the fused
+ * form).  Every thread of the finish waits, so the kernels after it see
+ * the mix's writes as well.  Same bits as v2.
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"
@@ -233,6 +241,7 @@ struct hf_fin {
     const float *part, *X;
     struct dsv4_hc_w hc;
     int n, D, S, iters, head;
+    int x_dep;                    /* X is written by the mix kernel (fused form) */
     float hc_eps, norm_eps;
 };
 
@@ -336,6 +345,8 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
     float pk[XQ], cc[XQ][HF2_N];
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
+    /* v3: the finish (launched with PDL) may start once every block is here */
+    asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
     /* every load first: the fn chunk, ... */
 #pragma unroll
     for (int u = 0; u < FQ; u++) {
@@ -484,7 +495,7 @@ hf2_sinkhorn(float c, int n, int iters, float eps, int l)
  * rows: r < R, R = M + 1 (the block that writes post and comb) or n + 1
  * (r == n standing for the sum of squares M); warp w sums rows w, w + W, ...
  */
-template <int NORM>
+template <int NORM, int PDL>
 static __global__ void __launch_bounds__((NORM ? HF2_NT : HF2_XT) + 32)
 hf2_finish_kernel(struct hf_fin a)
 {
@@ -508,6 +519,7 @@ hf2_finish_kernel(struct hf_fin a)
     float4 xv[U][HF2_N], ov[U];
     uint2 wv[U];
     float pv[Q][HF2_SQ], sc = 0.0f, bs = 0.0f, sc2 = 0.0f, bs2 = 0.0f, r;
+    int early = !PDL || !a.x_dep;                /* X loaded before the wait */
 
     /* every load first: X of this thread's columns (and the norm weights), */
 #pragma unroll
@@ -517,7 +529,8 @@ hf2_finish_kernel(struct hf_fin a)
         wv[u] = make_uint2(0, 0);
 #pragma unroll
         for (int j = 0; j < HF2_N; j++)
-            xv[u][j] = ok && j < n ? *(const float4 *)(Xt + (int64_t)j * D + 4 * q) : zero;
+            xv[u][j] = early && ok && j < n ? *(const float4 *)(Xt + (int64_t)j * D + 4 * q)
+                                            : zero;
         if (NORM && ok && a.nw != NULL)
             wv[u] = *(const uint2 *)(a.nw + 4 * q);
     }
@@ -531,6 +544,18 @@ hf2_finish_kernel(struct hf_fin a)
         bs = a.hc.base[n + (l < n ? l : 0)];
         sc2 = a.hc.scale[2];
         bs2 = a.hc.base[2 * n + e];
+    }
+    if (PDL) {   /* v3: what follows reads the mix kernel's writes */
+        asm volatile("griddepcontrol.wait;" : : : "memory");
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int q = q0 + tid + NT * u, ok = !early && tid < NT && q < D4;
+
+#pragma unroll
+            for (int j = 0; j < HF2_N; j++)
+                if (ok && j < n)
+                    xv[u][j] = *(const float4 *)(Xt + (int64_t)j * D + 4 * q);
+        }
     }
     /* and the partials of this warp's mix rows */
 #pragma unroll
@@ -648,7 +673,7 @@ hf2_ok(const struct hf_fin *a, const struct hf_post *p, const float *fn)
 #define HF2_AL(ptr, b) (((uintptr_t)(ptr) % (b)) == 0)
     int fused = p->X_out != NULL;
 
-    if (cuda_fast_hc_version() != 2 || a->n > HF2_N || a->D % 4 != 0 ||
+    if (cuda_fast_hc_version() < 2 || a->n > HF2_N || a->D % 4 != 0 ||
         a->S > 32 * HF2_SQ || (a->xn != NULL && a->D > 4 * HF2_NT * HF2_NU))
         return 0;
     if (!HF2_AL(a->X, 16) || !HF2_AL(a->x_out, 16) || !HF2_AL(fn, 16) ||
@@ -656,6 +681,32 @@ hf2_ok(const struct hf_fin *a, const struct hf_post *p, const float *fn)
         return 0;
     return !fused || (HF2_AL(p->X, 16) && HF2_AL(p->f, 16) && HF2_AL(p->X_out, 16));
 #undef HF2_AL
+}
+
+/* The v2 finish; v3 (cuda_fast_hc_version() == 3): as a programmatic
+ * dependent launch of the mix kernel before it on the stream. */
+template <int NORM>
+static enum dsv4_err
+hf2_finish_launch(const struct hf_fin *a, dim3 grid, unsigned threads, cudaStream_t st)
+{
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1] = {};
+
+    if (cuda_fast_hc_version() != 3) {
+        hf2_finish_kernel<NORM, 0><<<grid, threads, 0, st>>>(*a);
+        CUDA_LAUNCHED("fast hc finish v2");
+        return DSV4_OK;
+    }
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads, 1, 1);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, hf2_finish_kernel<NORM, 1>, *a));
+    return DSV4_OK;
 }
 
 /*
@@ -685,13 +736,10 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
                                                                               *p);
         CUDA_LAUNCHED("fast hc mix v2");
         if (a->xn != NULL)
-            hf2_finish_kernel<1><<<dim3((unsigned)T, 1), HF2_NT + 32, 0, st>>>(*a);
-        else
-            hf2_finish_kernel<0><<<dim3((unsigned)T, (unsigned)((a->D / 4 + HF2_XT - 1) /
-                                                                HF2_XT)),
-                                   HF2_XT + 32, 0, st>>>(*a);
-        CUDA_LAUNCHED("fast hc finish v2");
-        return DSV4_OK;
+            return hf2_finish_launch<1>(a, dim3((unsigned)T, 1), HF2_NT + 32, st);
+        return hf2_finish_launch<0>(a, dim3((unsigned)T, (unsigned)((a->D / 4 + HF2_XT - 1) /
+                                                                    HF2_XT)),
+                                    HF2_XT + 32, st);
     }
     if (p->X_out != NULL)
         hf_mix_kernel<1><<<dim3((unsigned)a->S, groups), HF_MT, 0, st>>>(part, NULL, fn, T, M,
@@ -739,6 +787,7 @@ hf_run(struct dsv4_backend *be, float *X_out, float *x_out, float *post, float *
         a.S = (int)((nD + HF_CW - 1) / HF_CW);
         a.iters = iters;
         a.head = head;
+        a.x_dep = X_out != NULL;
         a.hc_eps = hc_eps;
         a.norm_eps = norm_eps;
         p.X_out = X_out != NULL ? X_out + t0 * nD : NULL;

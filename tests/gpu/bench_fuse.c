@@ -29,10 +29,11 @@
  * op is its composition), the CUDA exact kernels (fast off), the CUDA fast
  * fused kernels, the CUDA fast kernels composed (the plain ops one after
  * the other: hc_post + hc_pre + rms_norm; rms_norm + rope + fp8_sim +
- * scatter_rows; not for the plain ops hc_pre, hc_head, rms_norm) and the
+ * scatter_rows; not for the plain ops hc_pre, hc_head, rms_norm), the
  * fast op with the first version of the small kernels (v1:
  * dsv4_cuda_set_small_kernels(1), as DSV4_CUDA_HC=v1 DSV4_CUDA_NORM=v1;
- * not for compress).  Checks:
+ * not for compress) and, for the hc ops, with v3 (the second kernel a
+ * programmatic dependent launch, DSV4_CUDA_HC=v3).  Checks:
  *   exact == CPU       bit for bit (the exact kernels' contract; fp32
  *                      values after an exp within 2^-20 relative of the
  *                      largest, as test_ops_gpu allows);
@@ -45,16 +46,16 @@
  *                      FP8 sim, 2^-3 >= 80% with it (a one-ulp change of
  *                      a normed value can move it to the next FP8 code);
  *                      compress entries 2^-12, state pools identical);
- *   v2 == v1           the small kernels' two versions give the same
- *                      bits (not for compress);
+ *   v2 == v1, v3       the small kernels' versions give the same bits
+ *                      (not for compress; v3: hc ops only);
  *   determinism        a second fast run gives the same bits;
  *   T-independence     the first rows at this T equal those at the
  *                      previous T (fast fused; not for compress, whose
  *                      slots, positions and emitted rows depend on T).
  * Then each form recorded 10 times into a CUDA graph, median of 15 timed
  * replays per call: exact, fast composed, fast fused (v2, the default), fast
- * fused with the v1 small kernels (µs), and the kernel launches per call of
- * each (counted from the graph's nodes; 0.0 us (0): not run).
+ * fused with the v1 and the v3 small kernels (µs), and the kernel launches
+ * per call of each (counted from the graph's nodes; 0.0 us (0): not run).
  * A failing line names the first differing value (index, both values).
  * Last line: PASS or FAIL.  Exit status: 0 pass, 1 fail, 77 no CUDA device.
  */
@@ -482,13 +483,15 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
     void *prev[MAX_ARRS] = { 0 };
     int prev_T = 0, fails = 0;
     int has_co = k->kind == K_HC || k->kind == K_NR, has_v1 = k->kind != K_COMP;
+    int has_v3 = k->kind == K_HC || k->kind == K_PRE || k->kind == K_HEAD;
 
     for (int ti = 0; ti < N_T; ti++) {
-        int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0;
+        int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0, n_v3 = 0;
         void *rc[MAX_ARRS] = { 0 }, *rx[MAX_ARRS] = { 0 }, *rf[MAX_ARRS] = { 0 };
         void *rf2[MAX_ARRS] = { 0 }, *rco[MAX_ARRS] = { 0 }, *rv1[MAX_ARRS] = { 0 };
+        void *rv3[MAX_ARRS] = { 0 };
         char line[2048] = "";
-        float us_ex, us_co = 0, us_fu, us_v1 = 0;
+        float us_ex, us_co = 0, us_fu, us_v1 = 0, us_v3 = 0;
 
         run_download(cpu, k, T, F_FUSED, rc);
         TRY("kernels", dsv4_cuda_set_kernels(gpu, 0));
@@ -502,8 +505,12 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
         if (has_v1) {
             dsv4_cuda_set_small_kernels(1);
             run_download(gpu, k, T, F_FUSED, rv1);
-            dsv4_cuda_set_small_kernels(2);
         }
+        if (has_v3) {
+            dsv4_cuda_set_small_kernels(3);
+            run_download(gpu, k, T, F_FUSED, rv3);
+        }
+        dsv4_cuda_set_small_kernels(2);
         for (int i = 0; i < k->n; i++) {
             const struct arr *a = &k->a[i];
             size_t nb = arr_cmp_bytes(a, T);
@@ -516,6 +523,8 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
                 ok &= check(line, sizeof(line), "fused/composed", a, rf[i], rco[i], nb, 0, 1.0);
             if (has_v1)
                 ok &= check(line, sizeof(line), "v2/v1", a, rf[i], rv1[i], nb, 0, 1.0);
+            if (has_v3)
+                ok &= check(line, sizeof(line), "v3/v2", a, rv3[i], rf[i], nb, 0, 1.0);
             ok &= check(line, sizeof(line), "fast/exact", a, rf[i], rx[i], nb, a->bound,
                         a->ident);
             ok &= check(line, sizeof(line), "determinism", a, rf2[i], rf[i], nb, 0, 1.0);
@@ -534,12 +543,16 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
         if (has_v1) {
             dsv4_cuda_set_small_kernels(1);
             us_v1 = time_form(tm, k, T, F_FUSED, &n_v1);
-            dsv4_cuda_set_small_kernels(2);
         }
+        if (has_v3) {
+            dsv4_cuda_set_small_kernels(3);
+            us_v3 = time_form(tm, k, T, F_FUSED, &n_v3);
+        }
+        dsv4_cuda_set_small_kernels(2);
         printf("%-4s %-12s T=%-3d exact %8.1f us (%d kernels)  fast composed %7.1f us (%d)  "
-               "fast fused %7.1f us (%d)  v1 %7.1f us (%d)%s\n",
+               "fast fused %7.1f us (%d)  v1 %7.1f us (%d)  v3 %7.1f us (%d)%s\n",
                ok ? "ok" : "FAIL", k->name, T, us_ex, n_ex, us_co, n_co, us_fu, n_fu, us_v1,
-               n_v1, line);
+               n_v1, us_v3, n_v3, line);
         fflush(stdout);
         fails += !ok;
         free_res(prev, k->n);
@@ -550,6 +563,7 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
         free_res(rf2, k->n);
         free_res(rco, k->n);
         free_res(rv1, k->n);
+        free_res(rv3, k->n);
     }
     free_res(prev, k->n);
     return fails;
