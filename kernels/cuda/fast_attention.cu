@@ -46,9 +46,9 @@
  *     tile.  Then the cluster merges in shared memory (each rank writes 1/8
  *     of the head dimensions, reading the 8 partials over DSMEM in rank
  *     order): no scratch, no second kernel, nothing to reset between graph
- *     replays.  Heads per CTA: 32 once T * ceil(H / 32) * 8 CTAs fill the
- *     GPU's SMs (fewer key reads), else 16 (more CTAs: a T = 1, H = 64 call
- *     has 32); "v2-16" / "v2-32" force one.  A head's arithmetic is the same
+ *     replays.  Heads per CTA: 32 once T * ceil(H / 32) * 8 >= FD_MIN_CTAS
+ *     (fewer key reads), else 16 (more CTAs: a T = 1, H = 64 call has 32);
+ *     "v2-16" / "v2-32" force one.  A head's arithmetic is the same
  *     with 16 or 32 heads per CTA (8 threads a head in the softmax either
  *     way; the mma computes each element on its own).  Rows with more than
  *     FD_MAX_CAND = 2048 candidates possible (win + K, or win + cap: HCA past
@@ -87,7 +87,10 @@ namespace cg = cooperative_groups;
 #define FD_CS 8             /* v2: CTAs per (row, head group), one cluster */
 #define FD_TPR 8            /* v2: tiles per CTA at most */
 #define FD_MAX_CAND (FD_CS * FD_TPR * FA_NC)   /* v2: candidates per row at most */
-#define FD_MAX_DEV 64       /* devices with a cached cluster check / SM count */
+#define FD_MIN_CTAS 64      /* 32 heads per CTA from this many CTAs (H200, bench_attn
+                               2026-11-30: T = 4 at H = 64 10.2 us vs 15.1 with 16,
+                               T = 4 at H = 32 7.9 vs 10.1 the other way) */
+#define FD_MAX_DEV 64       /* devices with a cached cluster check */
 
 struct fa_args {
     float *out;
@@ -866,24 +869,6 @@ fa_variant(void)
     return 0;
 }
 
-/* Streaming multiprocessors of device dev (cached; 132 when unknown). */
-static int
-fa_sm_count(int dev)
-{
-    static int n_sm[FD_MAX_DEV];   /* one entry per device: rank threads own distinct devices */
-    int n = 0;
-
-    if (dev >= 0 && dev < FD_MAX_DEV && n_sm[dev] > 0)
-        return n_sm[dev];
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
-        (void)cudaGetLastError();
-        return 132;
-    }
-    if (dev >= 0 && dev < FD_MAX_DEV)
-        n_sm[dev] = n;
-    return n;
-}
-
 /*
  * Launch fd_kernel<MT, DW> for a (a.n_hg head groups of 16 MT heads);
  * *launched = 0 (and DSV4_OK) when the device cannot hold one cluster of
@@ -982,13 +967,13 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
     if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS && variant != 1 && max_cand > FA_NC &&
         max_cand <= FD_MAX_CAND) {
-        /* v2: 32 heads per CTA once the 16-head form would fill the GPU
-         * anyway (fewer key reads), else 16 (more CTAs); a head's numerics
-         * are the same either way */
+        /* v2: 32 heads per CTA once the 32-head form has FD_MIN_CTAS CTAs
+         * (fewer key reads), else 16 (more CTAs); a head's numerics are the
+         * same either way */
         struct fa_args a2 = a;
         int mt2 = H > 16 && (variant == 32 ||
-                             (variant == 0 && (int64_t)T * ((H + 31) / 32) * FD_CS >=
-                                                  fa_sm_count(cuda_st(be)->device)));
+                             (variant == 0 &&
+                              (int64_t)T * ((H + 31) / 32) * FD_CS >= FD_MIN_CTAS));
         int launched = 0;
         enum dsv4_err e;
 

@@ -147,16 +147,16 @@ dsv4_cuda_set_small_kernels(int version)
 }
 
 /* The version the environment variable `name` asks for ("v1", "v2", "v3"
- * up to vmax; else 2), or the override; *cache: -1 until read. */
+ * up to vmax; else vdef), or the override; *cache: -1 until read. */
 static int
-fz_env_version(const char *name, int *cache, int vmax)
+fz_env_version(const char *name, int *cache, int vmax, int vdef)
 {
     if (fz_small_override > 0)
         return fz_small_override < vmax ? fz_small_override : vmax;
     if (*cache < 0) {
         const char *e = getenv(name);
 
-        *cache = 2;
+        *cache = vdef;
         if (e != NULL && e[0] == 'v' && e[1] >= '1' && e[1] <= '0' + vmax && e[2] == '\0')
             *cache = e[1] - '0';
     }
@@ -168,7 +168,7 @@ cuda_fast_hc_version(void)
 {
     static int env = -1;
 
-    return fz_env_version("DSV4_CUDA_HC", &env, 3);
+    return fz_env_version("DSV4_CUDA_HC", &env, 3, 3);
 }
 
 int
@@ -176,7 +176,7 @@ cuda_fast_norm_version(void)
 {
     static int env = -1;
 
-    return fz_env_version("DSV4_CUDA_NORM", &env, 2);
+    return fz_env_version("DSV4_CUDA_NORM", &env, 2, 2);
 }
 
 int

@@ -60,7 +60,9 @@
  *      memory for the norm's tree (the first fz_norm_threads(D) threads,
  *      elements i, i + B, ... in order as fn_kernel) and the normed values
  *      are made from the registers.
- * v3 (DSV4_CUDA_HC=v3, opt-in) is v2 with the finish launched as a
+ * v3 (the default since bench_fuse on the H200, 2026-11-30: hc_post_pre
+ * at T = 1 8.5 us against v2's 9.1 and v1's 21.7, same bits; DSV4_CUDA_HC=v2
+ * for v2) is v2 with the finish launched as a
  * programmatic dependent launch (PDL): hf2_mix lets its dependents start
  * as soon as every mix block runs, the finish blocks issue the loads that
  * do not depend on the mix (hc weights, norm weights, and X for hc_pre /

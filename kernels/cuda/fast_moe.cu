@@ -6,10 +6,12 @@
  * no host copy: the op can be recorded in a CUDA graph.  Design, knobs and
  * measurements: docs/gpu.md, "The decode MoE kernel".
  *
- * v1 is the default: on the H200 (bench_fast, 2026-11-30) v2 read the
- * weights at 0.35-0.37 of 4.3 TB/s at T = 4..64 against v1's 0.40-0.41
- * (v2 only wins at T = 1-2), and a 4-layer batch-16 step spent 3.29 ms in
- * fm2_kernel against 2.84 ms in v1's kernels.
+ * v3 (fast_moe3.cu: FP4 -> e4m3 and FP8 tensor-core MMA) is the default
+ * where it takes the shapes, v1 elsewhere: on the H200 (bench_fast,
+ * 2026-11-30, third session) v3 read the weights at 0.45 of 4.3 TB/s at
+ * T = 16 against v1's 0.42 (0.35 against 0.29 at T = 1) and a 4-layer
+ * batch-16 step took 3.52 ms against 3.73.  v2 read them at 0.35-0.37 at
+ * T = 4..64 against v1's 0.40-0.41 (v2 only wins at T = 1-2).
  * v2 (DSV4_CUDA_FAST_MOE = "v2" or "W,KS,PF,CPS" to tune it), three launches:
  *   1. fm2_prep_kernel: block 0 groups the (token, pick) rows r = t*k + j by
  *      expert id (clamped into the table, as the exact path does; the
@@ -1045,9 +1047,11 @@ struct fm2_cfg {
 #define FM2_DEFAULT "4,2,4,0"
 
 /*
- * DSV4_CUDA_FAST_MOE: "v1" (also when unset), "v2" (v2 with FM2_DEFAULT),
- * "W,KS,PF,CPS" (v2 with those settings) or "v3..." (fast_moe3.cu); read at
- * every call (the benchmark sweeps it).  Anything else is v1.
+ * DSV4_CUDA_FAST_MOE: "v3..." (fast_moe3.cu; also when unset: the default
+ * since bench_fast on the H200, 2026-11-30, 0.45 of 4.3 TB/s at T = 16
+ * against v1's 0.42, 0.35 against 0.29 at T = 1), "v1", "v2" (v2 with
+ * FM2_DEFAULT) or "W,KS,PF,CPS" (v2 with those settings); read at every
+ * call (the benchmark sweeps it).  Anything else is v1.
  */
 static void
 fm2_cfg_get(struct fm2_cfg *c)
@@ -1056,7 +1060,7 @@ fm2_cfg_get(struct fm2_cfg *c)
     int W, ks, PF, cps;
 
     memset(c, 0, sizeof(*c));
-    if (v != NULL && strncmp(v, "v3", 2) == 0) {
+    if (v == NULL || strncmp(v, "v3", 2) == 0) {
         c->v3 = 1;
         return;
     }
