@@ -558,8 +558,9 @@ int cuda_fast_moe3_fits(int T, int k, int D, int I);
 /*
  * cuda_fast_moe (cuda.cuh) through v3 (FP8 tensor cores, FP4 weights
  * converted to E4M3); cuda_fast_moe calls it when DSV4_CUDA_FAST_MOE starts
- * with "v3" and cuda_fast_moe3_fits holds.  cfg: that setting ("v3" or
- * "v3,NS,RT", see fast_moe3.cu; anything else: the defaults).
+ * with "v3" or "v4" (or is unset) and cuda_fast_moe3_fits holds.  cfg: that
+ * setting ("v3", "v3,NS,RT", "v4" or "v4,PF,RT,MB", see fast_moe3.cu;
+ * anything else: v3's defaults).
  */
 enum dsv4_err cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x,
                              const int32_t *ids, const float *weights,

@@ -91,6 +91,24 @@
  * pass, its slot or the call: independent of T, the same in a CUDA graph
  * and outside.
  *
+ * v4 (DSV4_CUDA_FAST_MOE "v4" or "v4,PF,RT,MB"; opt-in, not yet measured):
+ * fm4_kernel, the same grid, warps, quarters and fm3_tile_end, but no ring:
+ * the weights have no reuse between warps, so each thread loads its own
+ * 16-byte pieces from global memory into registers (ld.global.nc,
+ * L1::no_allocate, L2 prefetch 256 B), PF 128-column blocks ahead (FP4; the
+ * FP8 shared expert PF/2: twice the bytes), and a 4x4 word transpose in
+ * each quad (fm4_tr4: four __shfl_xor_sync) gives thread (g, q) word q of
+ * every group (FP4: lane q loaded group q of rows g and g+8; FP8: segments
+ * 2q, 2q+1), i.e. exactly the A words v3's ldmatrix gives; the row's four
+ * E8M0 scales of a block come in one 32-bit load.  Passes of 8 slot rows
+ * only (registers; a slot of more rows takes two).  The mma inputs, their
+ * order and every fp32 addition are v3's: the results are v3's bit for
+ * bit (bench_fast checks it: "moe v4 bits"; fm3_layout_sim.py replays the
+ * loads and shuffles against v3's fragments).  Shared memory: the quarter
+ * sums (7 KB); PF 1, 2 (default) or 4; MB the blocks per SM the registers
+ * are bounded for: 2 (128 registers, default) or 3 (80, with spills);
+ * RT as v3's.
+ *
  * Requirements (else v1): T*k <= FM3_MAX_TK, D and I multiples of 1024 and
  * at most 8192 (four quarters of whole stages; the FP8 block scales of a
  * tile held in shared memory).  Weights 16-byte aligned (cuda_fast_moe_ok);
@@ -508,6 +526,53 @@ fm3_act_row(const struct fm3_args &a, const struct fm3_slot &s, int j)
     return UP ? s.rows[j] / a.k : s.rows[j];
 }
 
+/* Activation rows of pass p: xr[n] = the B row (codes) of n-tile n of thread
+ * (g, q), sr[n][c] = the scale row of its C column 2q + c (slot rows past
+ * the end repeat the last). */
+template <int UP, int FP8, int NT>
+static __device__ __forceinline__ void
+fm3_act_rows(const struct fm3_args &a, const struct fm3_slot &s, int p, const uint8_t *(&xr)[NT],
+             const float *(&sr)[NT][2])
+{
+    int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3, K = UP ? a.D : a.I, nb = K / 128;
+    const uint8_t *xbase = UP ? (FP8 ? a.xq8 : a.xq4) : a.hq;
+    const float *sbase = UP ? a.xs : a.hs;
+
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        xr[n] = xbase + fm3_act_row<UP>(a, s, min(p + n * 8 + g, s.n - 1)) * K;
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+            sr[n][c] = sbase + fm3_act_row<UP>(a, s, min(p + n * 8 + 2 * q + c, s.n - 1)) * nb;
+    }
+}
+
+/* v = 0. */
+template <int NT>
+static __device__ __forceinline__ void
+fm3_zero(float (&v)[NT][4])
+{
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            v[n][i] = 0.0f;
+}
+
+/* The end of a 128-column block: acc = fma(blk, s_x * f, acc), blk = 0. */
+template <int NT>
+static __device__ __forceinline__ void
+fm3_block_end(float (&acc)[NT][4], float (&blk)[NT][4], const float (&xc)[NT][2], float f)
+{
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            acc[n][i] = __fmaf_rn(blk[n][i], xc[n][i & 1] * f, acc[n][i]);
+            blk[n][i] = 0.0f;
+        }
+}
+
 /* Quarter sum number `b` of the row tile in red (b = t*4 + qt - 1). */
 static __device__ __forceinline__ float *
 fm3_red(float *red, int b, int v)
@@ -583,12 +648,9 @@ static __device__ void
 fm3_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_warp &wp, int p,
          int rt0, int nrt, int t, int qt, char *ring, float *scf, float *red)
 {
-    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4, ns = a.ns;
     int bps = FP8 ? 1 : 2;                      /* 128-column blocks per stage */
     int nst = wp.rb / FM3_SB / 4, st0 = qt * nst, kb0 = qt * nq, ntot = nrt * nst;
-    const uint8_t *xbase = UP ? (FP8 ? a.xq8 : a.xq4) : a.hq;
-    const float *sbase = UP ? a.xs : a.hs;
     const uint8_t *xr[NT];
     const float *sr[NT][2];
     uint32_t xw[NT][8];
@@ -596,20 +658,9 @@ fm3_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_wa
     float acc[NT][4], blk[NT][4];
     int comb = qt == 0 && (t == 0 || !UP);      /* this warp adds the quarters */
 
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        xr[n] = xbase + fm3_act_row<UP>(a, s, min(p + n * 8 + g, s.n - 1)) * K;
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-            sr[n][c] = sbase + fm3_act_row<UP>(a, s, min(p + n * 8 + 2 * q + c, s.n - 1)) * nb;
-    }
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            acc[n][i] = 0.0f;
-            blk[n][i] = 0.0f;
-        }
+    fm3_act_rows<UP, FP8, NT>(a, s, p, xr, sr);
+    fm3_zero<NT>(acc);
+    fm3_zero<NT>(blk);
     for (int i = 0; i < ns - 1; i++) {
         if (i < ntot)
             fm3_issue<FP8>(wp, i / nst, st0 + i % nst, ring + i * FM3_STAGE_B);
@@ -638,28 +689,224 @@ fm3_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_wa
                     __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb));
             fm3_act<NT>(xw, xc, xr, sr, kb);
             fm3_block<FP8, NT>(blk, buf, b, scf, xw);
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    acc[n][i] = __fmaf_rn(blk[n][i], xc[n][i & 1] * f, acc[n][i]);
-                    blk[n][i] = 0.0f;
-                }
+            fm3_block_end<NT>(acc, blk, xc, f);
         }
         if (si == nst - 1) {   /* row tile rt0 + ti is complete */
             fm3_tile_end<UP, NT>(a, s, wp, p, rt0 + ti, t, qt, comb, acc, red);
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    acc[n][i] = 0.0f;
+            fm3_zero<NT>(acc);
         }
     }
     __syncwarp();   /* the ring is read before the next pass refills it */
 }
 
-/* Every pass of the slot through the warp's tiles (FP8: the shared expert). */
-template <int UP, int FP8>
+/* --- v4: weights straight from global memory into registers ------------------------- */
+
+/* 16 weight bytes global -> registers: non-coherent, not kept in L1, L2
+ * prefetch of 256 bytes; volatile: issued where written (the pipeline). */
+static __device__ __forceinline__ uint4
+fm4_ld16(const uint8_t *p)
+{
+    uint4 v;
+
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+/* 4 scale bytes global -> a register (non-coherent, L1-cached: the next
+ * blocks' scales of the row share the sector). */
+static __device__ __forceinline__ uint32_t
+fm4_ld4(const uint8_t *p)
+{
+    uint32_t v;
+
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+/*
+ * 4x4 transpose of 32-bit words inside each quad of lanes: lane q's word m
+ * becomes lane m's word q (on entry lane q holds w = words 0..3 of its 16
+ * bytes; on exit w[m] = word q of lane m's 16 bytes).  Two butterfly
+ * stages: lane bit 1 with word bit 1 (partner lane q ^ 2), then lane bit 0
+ * with word bit 0 (q ^ 1); each lane sends the two words whose index bit
+ * differs from its lane bit and receives the partner's into their places.
+ */
+static __device__ __forceinline__ void
+fm4_tr4(uint4 &w)
+{
+    int q = threadIdx.x & 3, hi = q & 2, lo = q & 1;
+    uint32_t r;
+
+    r = __shfl_xor_sync(0xffffffffu, hi ? w.x : w.z, 2);
+    w.x = hi ? r : w.x;
+    w.z = hi ? w.z : r;
+    r = __shfl_xor_sync(0xffffffffu, hi ? w.y : w.w, 2);
+    w.y = hi ? r : w.y;
+    w.w = hi ? w.w : r;
+    r = __shfl_xor_sync(0xffffffffu, lo ? w.x : w.y, 1);
+    w.x = lo ? r : w.x;
+    w.y = lo ? w.y : r;
+    r = __shfl_xor_sync(0xffffffffu, lo ? w.z : w.w, 1);
+    w.z = lo ? r : w.z;
+    w.w = lo ? w.w : r;
+}
+
+/* Word m of a uint4. */
+static __device__ __forceinline__ uint32_t
+fm4_word(const uint4 &v, int m)
+{
+    return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
+}
+
+/*
+ * The weights of a warp's block (tile ti, 128-column block kk of its
+ * quarter) into registers: wv[h][i] = 16 bytes of row g + 8h, FP4 group q
+ * (bytes 16q .. of the block's 64), FP8 segment 2q + i (bytes 32q + 16i ..
+ * of its 128); sv[h] (FP4) the row's 4 E8M0 scales of the block.  w0, s0:
+ * row g's first block of the quarter in tile 0.
+ */
+template <int FP8>
+static __device__ __forceinline__ void
+fm4_issue(uint4 (&wv)[2][FP8 + 1], uint32_t (&sv)[2], const struct fm3_warp &wp,
+          const uint8_t *w0, const uint8_t *s0, int ti, int kk)
+{
+    const uint8_t *w = w0 + ti * wp.tw + kk * (FP8 ? 128 : 64);
+
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < FP8 + 1; i++)
+            wv[h][i] = fm4_ld16(w + (int64_t)h * 8 * wp.rb + i * 16);
+    if (!FP8) {
+        const uint8_t *sp = s0 + ti * wp.ts + kk * 4;
+
+        sv[0] = fm4_ld4(sp);
+        sv[1] = fm4_ld4(sp + (int64_t)8 * wp.sb);
+    }
+}
+
+/*
+ * One 128-column block into blk from the weights fm4_issue loaded (they are
+ * transposed here): the A fragments and the order of the mma and of the
+ * fp32 additions are fm3_block's (the same bits): FP4, group m's mma takes
+ * word q of group m of rows g, g+8 (fk_fp4x8_e4m3: a0/a2, a1/a3), then
+ * blk = fma(d, s_w, blk), m = 0..3; FP8, mma m takes word q of segments
+ * 2m (a0, a1) and 2m + 1 (a2, a3), blk += d.
+ */
+template <int FP8, int NT>
+static __device__ __forceinline__ void
+fm4_block(float (&blk)[NT][4], uint4 (&wv)[2][FP8 + 1], const uint32_t (&sv)[2],
+          const uint32_t (&xw)[NT][8])
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < FP8 + 1; i++)
+            fm4_tr4(wv[h][i]);
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        uint32_t a0, a1, a2, a3;
+        float w0 = 1.0f, w8 = 1.0f;
+
+        if (FP8) {
+            a0 = fm4_word(wv[0][0], m);
+            a1 = fm4_word(wv[1][0], m);
+            a2 = fm4_word(wv[0][FP8], m);
+            a3 = fm4_word(wv[1][FP8], m);
+        } else {
+            fk_fp4x8_e4m3(fm4_word(wv[0][0], m), &a0, &a2);
+            fk_fp4x8_e4m3(fm4_word(wv[1][0], m), &a1, &a3);
+            w0 = cu_e8m0_to_f32((uint8_t)(sv[0] >> (8 * m)));
+            w8 = cu_e8m0_to_f32((uint8_t)(sv[1] >> (8 * m)));
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            float d[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+
+            fk_mma_e4m3(d, a0, a1, a2, a3, xw[n][2 * m], xw[n][2 * m + 1]);
+            if (FP8) {
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    blk[n][i] += d[i];
+            } else {
+                blk[n][0] = __fmaf_rn(d[0], w0, blk[n][0]);
+                blk[n][1] = __fmaf_rn(d[1], w0, blk[n][1]);
+                blk[n][2] = __fmaf_rn(d[2], w8, blk[n][2]);
+                blk[n][3] = __fmaf_rn(d[3], w8, blk[n][3]);
+            }
+        }
+    }
+}
+
+/*
+ * v4's pass: fm3_pass's work (slot rows p .. p + 8*NT - 1 through the
+ * warp's tiles over quarter qt of K, the same sums in the same order, the
+ * same fm3_tile_end) with the weights loaded by each thread straight into
+ * registers, PF blocks (FP4) or PF/2 (FP8: twice the bytes) ahead, no
+ * shared memory but the quarter sums.  Block gi of the stream is block
+ * kk = gi % nq of the quarter in tile ti = gi / nq.
+ */
+template <int UP, int FP8, int NT, int PF>
+static __device__ void
+fm4_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_warp &wp, int p,
+         int rt0, int nrt, int t, int qt, float *red)
+{
+    constexpr int NP = PF < 2 ? 1 : FP8 ? PF / 2 : PF;   /* blocks in flight (PF 0: unused) */
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4, kb0 = qt * nq, ntot = nrt * nq;
+    const uint8_t *w0 = wp.w + (int64_t)g * wp.rb + kb0 * (FP8 ? 128 : 64) + q * (FP8 ? 32 : 16);
+    const uint8_t *s0 = wp.sc + (int64_t)g * wp.sb + kb0 * 4;
+    const uint8_t *xr[NT];
+    const float *sr[NT][2];
+    uint4 wv[NP][2][FP8 + 1];
+    uint32_t sv[NP][2] = {};
+    uint32_t xw[NT][8];
+    float xc[NT][2];
+    float acc[NT][4], blk[NT][4];
+    int comb = qt == 0 && (t == 0 || !UP);      /* this warp adds the quarters */
+
+    fm3_act_rows<UP, FP8, NT>(a, s, p, xr, sr);
+    fm3_zero<NT>(acc);
+    fm3_zero<NT>(blk);
+#pragma unroll
+    for (int j = 0; j < NP; j++)
+        if (j < ntot)
+            fm4_issue<FP8>(wv[j], sv[j], wp, w0, s0, j / nq, j % nq);
+    for (int i0 = 0; i0 < ntot; i0 += NP) {
+#pragma unroll
+        for (int j = 0; j < NP; j++) {
+            int gi = i0 + j, ti = gi / nq, kk = gi - ti * nq, kb = kb0 + kk, nx = gi + NP;
+            uint4 cw[2][FP8 + 1];
+            uint32_t cs[2] = { sv[j][0], sv[j][1] };
+            float f = 64.0f;
+
+            if (gi >= ntot)
+                break;
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int c = 0; c < FP8 + 1; c++)
+                    cw[h][c] = wv[j][h][c];
+            if (nx < ntot)
+                fm4_issue<FP8>(wv[j], sv[j], wp, w0, s0, nx / nq, nx % nq);
+            if (FP8)   /* the tile's 128x128 block scale */
+                f = cu_e8m0_to_f32(
+                    __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb));
+            fm3_act<NT>(xw, xc, xr, sr, kb);
+            fm4_block<FP8, NT>(blk, cw, cs, xw);
+            fm3_block_end<NT>(acc, blk, xc, f);
+            if (kk == nq - 1) {   /* row tile rt0 + ti is complete */
+                fm3_tile_end<UP, NT>(a, s, wp, p, rt0 + ti, t, qt, comb, acc, red);
+                fm3_zero<NT>(acc);
+            }
+        }
+    }
+}
+
+/* Every pass of the slot through the warp's tiles (FP8: the shared expert);
+ * PF = 0: v3 (fm3_pass, the ring), else v4 (fm4_pass, PF blocks ahead). */
+template <int UP, int FP8, int PF>
 static __device__ void
 fm3_passes(const struct fm3_args &a, const struct fm3_slot &s, int rt0, int nrt, int t, int qt,
            char *ring, float *scf, float *red)
@@ -685,11 +932,40 @@ fm3_passes(const struct fm3_args &a, const struct fm3_slot &s, int rt0, int nrt,
         wp.ts = wp.tw;
     }
     for (int p = 0; p < s.n; p += 16) {
-        if (s.n - p <= 8)
+        if (PF != 0 && s.n - p <= 8)
+            fm4_pass<UP, FP8, 1, PF>(a, s, wp, p, rt0, nrt, t, qt, red);
+        else if (PF != 0) {   /* NT = 1 only (registers): two passes of 8 */
+            fm4_pass<UP, FP8, 1, PF>(a, s, wp, p, rt0, nrt, t, qt, red);
+            fm4_pass<UP, FP8, 1, PF>(a, s, wp, p + 8, rt0, nrt, t, qt, red);
+        } else if (s.n - p <= 8)
             fm3_pass<UP, FP8, 1>(a, s, wp, p, rt0, nrt, t, qt, ring, scf, red);
         else
             fm3_pass<UP, FP8, 2>(a, s, wp, p, rt0, nrt, t, qt, ring, scf, red);
     }
+}
+
+/*
+ * The expert of slot y (blockIdx.y) into *s: 1 the shared expert (FP8), 2 a
+ * routed one (FP4), 0 an idle slot (the whole block leaves).
+ */
+static __device__ __forceinline__ int
+fm3_slot_get(const struct fm3_args &a, int y, struct fm3_slot *s)
+{
+    const int32_t *act_e = a.grp + 1, *act_off = a.grp + 1 + a.A;
+
+    if (a.has_shared && y == 0) {
+        s->E = &a.shared;
+        s->rows = NULL;
+        s->n = a.T;
+        return 1;
+    }
+    y -= a.has_shared;
+    if (y >= a.grp[0])
+        return 0;
+    s->E = &a.table[act_e[y]];
+    s->rows = a.grp + 2 + 2 * a.A + act_off[y];
+    s->n = act_off[y + 1] - act_off[y];
+    return 2;
 }
 
 /*
@@ -710,24 +986,42 @@ fm3_kernel(struct fm3_args a)
     float *scf = (float *)(ring + a.ns * FM3_STAGE_B);
     float *red = (float *)(fm3_sm + 8 * per);
 
-    if (a.has_shared && y == 0) {
-        s.E = &a.shared;
-        s.rows = NULL;
-        s.n = a.T;
-        fm3_passes<UP, 1>(a, s, rt0, a.rt, t, qt, ring, scf, red);
-        return;
+    switch (fm3_slot_get(a, y, &s)) {
+    case 1:
+        fm3_passes<UP, 1, 0>(a, s, rt0, a.rt, t, qt, ring, scf, red);
+        break;
+    case 2:
+        fm3_passes<UP, 0, 0>(a, s, rt0, a.rt, t, qt, ring, scf, red);
+        break;
+    default:
+        break;   /* an idle slot: the whole block leaves */
     }
-    y -= a.has_shared;
-    if (y >= a.grp[0])
-        return;   /* an idle slot: the whole block leaves */
-    {
-        const int32_t *act_e = a.grp + 1, *act_off = a.grp + 1 + a.A;
+}
 
-        s.E = &a.table[act_e[y]];
-        s.rows = a.grp + 2 + 2 * a.A + act_off[y];
-        s.n = act_off[y + 1] - act_off[y];
+/*
+ * v4 (DSV4_CUDA_FAST_MOE "v4", "v4,PF,RT,MB"): fm3_kernel's grid, warps and
+ * sums with fm4_pass (weights into registers, PF blocks ahead); the only
+ * shared memory is the quarter sums (7 KB), registers bounded for MB
+ * blocks of 8 warps per SM (2: 128 registers, 3: 80).
+ */
+template <int UP, int PF, int MB>
+static __global__ void __launch_bounds__(FM3_BOUND_THREADS, MB)
+fm4_kernel(struct fm3_args a)
+{
+    __shared__ float red[7 * FM3_RED_Q];
+    struct fm3_slot s;
+    int warp = threadIdx.x >> 5, t = (warp >> 2) & 1, qt = warp & 3, rt0 = blockIdx.x * a.rt;
+
+    switch (fm3_slot_get(a, blockIdx.y, &s)) {
+    case 1:
+        fm3_passes<UP, 1, PF>(a, s, rt0, a.rt, t, qt, NULL, NULL, red);
+        break;
+    case 2:
+        fm3_passes<UP, 0, PF>(a, s, rt0, a.rt, t, qt, NULL, NULL, red);
+        break;
+    default:
+        break;   /* an idle slot: the whole block leaves */
     }
-    fm3_passes<UP, 0>(a, s, rt0, a.rt, t, qt, ring, scf, red);
 }
 
 /* --- host side ------------------------------------------------------------------------------ */
@@ -739,25 +1033,36 @@ cuda_fast_moe3_fits(int T, int k, int D, int I)
            I % 1024 == 0 && D / 128 <= FM3_MAX_KB && I / 128 <= FM3_MAX_KB;
 }
 
-/* v3 settings: DSV4_CUDA_FAST_MOE = "v3" (defaults), "v3,NS" or "v3,NS,RT". */
+/* v3 settings: DSV4_CUDA_FAST_MOE = "v3" (defaults), "v3,NS" or "v3,NS,RT";
+ * v4: "v4", "v4,PF" or "v4,PF,RT". */
 struct fm3_cfg {
-    int ns;     /* ring stages per warp: 2 .. 6 */
+    int v4;     /* fm4_kernel */
+    int ns;     /* v3: ring stages per warp: 2 .. 6; v4: FP4 blocks in flight, 1, 2 or 4 */
     int rt;     /* row tiles per block: 1, 2, 4, 8, or 0: by the number of tiles */
+    int mb;     /* v4: blocks per SM the registers are bounded for: 2 or 3 */
 };
 
 #define FM3_NS_DEFAULT 4         /* 81 KB per block: two blocks (16 warps) per SM */
+#define FM4_PF_DEFAULT 2         /* v4: FP4 blocks (1 KB per warp) in flight */
+/* v4 "v4,PF,RT,MB": PF 1, 2 (default) or 4 with MB 2 (default); PF 1 or 2
+ * with MB 3 (PF 4 there is PF 2) */
 #define FM3_BLOCKS_AUTO 4224     /* rt = 0: at least this many blocks (16 waves of 264) */
 
 static void
 fm3_cfg_parse(struct fm3_cfg *c, const char *s)
 {
-    int ns, rt, n = s != NULL ? sscanf(s, "v3,%d,%d", &ns, &rt) : 0;
+    int ns, rt, mb, n;
 
-    c->ns = FM3_NS_DEFAULT;
+    c->v4 = s != NULL && strncmp(s, "v4", 2) == 0;
+    n = s != NULL ? sscanf(s, c->v4 ? "v4,%d,%d,%d" : "v3,%d,%d", &ns, &rt, &mb) : 0;
+    c->ns = c->v4 ? FM4_PF_DEFAULT : FM3_NS_DEFAULT;
     c->rt = 0;
-    if (n >= 1 && ns >= 2 && ns <= 6)
+    c->mb = n == 3 && mb == 3 ? 3 : 2;
+    if (n >= 1 && !c->v4 && ns >= 2 && ns <= 6)
         c->ns = ns;
-    if (n == 2 && (rt == 1 || rt == 2 || rt == 4 || rt == 8))
+    if (n >= 1 && c->v4 && (ns == 1 || ns == 2 || ns == 4))
+        c->ns = ns;
+    if (n >= 2 && (rt == 1 || rt == 2 || rt == 4 || rt == 8))
         c->rt = rt;
 }
 
@@ -799,6 +1104,28 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
     size_t smem = fm3_smem_bytes(c);
     dim3 grid((unsigned)(tiles / a.rt), (unsigned)slots);
 
+    if (c->v4) {   /* static shared memory only */
+        switch (c->mb * 10 + c->ns) {
+        case 21:
+            fm4_kernel<UP, 1, 2><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            break;
+        case 24:
+            fm4_kernel<UP, 4, 2><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            break;
+        case 31:
+            fm4_kernel<UP, 1, 3><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            break;
+        case 32:
+        case 34:
+            fm4_kernel<UP, 2, 3><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            break;
+        default:
+            fm4_kernel<UP, 2, 2><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            break;
+        }
+        CUDA_LAUNCHED(UP ? "fast moe v4 up" : "fast moe v4 down");
+        return DSV4_OK;
+    }
     if (dev < 0 || dev >= FM3_MAX_DEV || smem > opted[dev]) {
         CUDA_TRY(cudaFuncSetAttribute(fm3_kernel<UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)smem));

@@ -1012,13 +1012,75 @@ moe_selfcheck(struct dsv4_backend *be, const char *cfg, struct sc_expert *sc,
 
 /* --- decode MoE (kernels/cuda/fast_moe.cu) for every configuration ------------------ */
 
+/*
+ * v4 against v3, bit for bit (fast_moe3.cu: the same sums in the same
+ * order): moe and moe_parts (half the experts held) at T = 1, 16 and 64
+ * (passes of one and of two n-tiles, several rows per expert) under the
+ * setting `cfg` (a "v4..." one) and under "v3"; the output is filled with
+ * 0xff bytes before each run (a row one of them does not write differs).
+ * One line per case: the first differing float, its index and both values.
+ */
+static void
+moe_v4_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w *experts,
+            const struct dsv4_expert_w *half, const struct dsv4_expert_w *shared,
+            const float *x, float *out, const int32_t *ids_d, const float *wts_d,
+            struct tally *ty)
+{
+    static const int ts[] = { 1, 16, 64 };
+    size_t w = (size_t)(K_PICKS + 1) * D_MODEL, nb = T_MAX * w * sizeof(float);
+    uint32_t *fill = malloc(nb), *r3 = malloc(nb), *r4 = malloc(nb);
+
+    if (fill == NULL || r3 == NULL || r4 == NULL)
+        exit(1);
+    memset(fill, 0xff, nb);
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    for (int parts = 0; parts < 2; parts++)
+        for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) {
+            struct op o = { .name = "v4 bits", .kind = parts ? OP_PARTS : OP_MOE,
+                            .experts = parts ? half : experts, .shared = shared,
+                            .ids = ids_d, .weights = wts_d, .x = x };
+            int T = ts[i];
+            size_t n = (size_t)T * (parts ? w : D_MODEL), bad = n;
+
+            o.outs[0] = out_f32("out", out, (int)(parts ? w : D_MODEL), BOUND_MOE, IDENT_MOE);
+            o.n_outs = 1;
+            for (int v = 0; v < 2; v++) {
+                setenv("DSV4_CUDA_FAST_MOE", v ? cfg : "v3", 1);
+                TRY("upload", be->ops->upload(be, out, fill, n * sizeof(float)));
+                TRY("fast op", op_run(be, &o, T));
+                TRY("download", be->ops->download(be, v ? r4 : r3, out, n * sizeof(float)));
+            }
+            for (size_t j = 0; j < n && bad == n; j++)
+                if (r3[j] != r4[j])
+                    bad = j;
+            if (bad == n) {
+                ty->ok++;
+                printf("ok   moe v4 bits %-9s %-5s T=%-2d %zu floats == v3\n", cfg,
+                       parts ? "parts" : "moe", T, n);
+            } else {
+                float f3, f4;
+
+                memcpy(&f3, &r3[bad], 4);
+                memcpy(&f4, &r4[bad], 4);
+                ty->fail++;
+                printf("FAIL moe v4 bits %-9s %-5s T=%-2d first difference at %zu (row %zu col "
+                       "%zu): v3 %.9g (%08x) v4 %.9g (%08x)\n", cfg, parts ? "parts" : "moe",
+                       T, bad, bad / D_MODEL, bad % D_MODEL, f3, r3[bad], f4, r4[bad]);
+            }
+        }
+    setenv("DSV4_CUDA_FAST_MOE", cfg, 1);
+    free(fill);
+    free(r3);
+    free(r4);
+}
+
 static const int moe_t[] = { 1, 2, 4, 8, 16, 32, 64 };
 #define N_MOE_T ((int)(sizeof(moe_t) / sizeof(moe_t[0])))
 
 /* DSV4_CUDA_FAST_MOE settings swept by default (BENCH_MOE_CFGS overrides:
  * space-separated); the first is fast_moe.cu's default (FM2_DEFAULT). */
 static const char moe_cfgs_default[] =
-    "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1 v3";
+    "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1 v3 v4";
 
 /*
  * moe (all 256 experts held) and moe_parts (the odd experts held elsewhere,
@@ -1063,7 +1125,8 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     printf("decode moe (fast_moe.cu): settings of DSV4_CUDA_FAST_MOE \"W,KS,PF,CPS\" "
            "(warps per block, K slices per item, FP4 blocks in flight, blocks per SM cap), "
            "v1, or v3 / \"v3,NS,RT\" (fast_moe3.cu: ring stages per warp, row tiles per "
-           "block); GB/s of the "
+           "block), or v4 / \"v4,PF,RT,MB\" (fast_moe3.cu: FP4 blocks in flight per warp, "
+           "row tiles per block, blocks per SM of the register bound); GB/s of the "
            "distinct experts' bytes + shared expert\n");
     for (cfg = strtok_r(list, " ", &save); cfg != NULL && n_cfg < 64;
          cfg = strtok_r(NULL, " ", &save), n_cfg++) {
@@ -1072,6 +1135,8 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
         setenv("DSV4_CUDA_FAST_MOE", cfg, 1);
         printf("moe setting %s\n", cfg);
         moe_selfcheck(be, cfg, sc, x, sc_ref_rows, sc_hs, ty);
+        if (strncmp(cfg, "v4", 2) == 0)
+            moe_v4_bits(be, cfg, experts, half, shared, x, out, ids_d, wts_d, ty);
         len = (size_t)snprintf(table[n_cfg], sizeof(table[n_cfg]), "moe cfg %-9s", cfg);
         for (int parts = 0; parts < 2; parts++) {
             struct op o = { .name = parts ? "parts" : "moe", .kind = parts ? OP_PARTS : OP_MOE,
