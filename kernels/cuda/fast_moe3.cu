@@ -760,29 +760,40 @@ fm4_word(const uint4 &v, int m)
 }
 
 /*
- * The weights of a warp's block (tile ti, 128-column block kk of its
- * quarter) into registers: wv[h][i] = 16 bytes of row g + 8h, FP4 group q
- * (bytes 16q .. of the block's 64), FP8 segment 2q + i (bytes 32q + 16i ..
- * of its 128); sv[h] (FP4) the row's 4 E8M0 scales of the block.  w0, s0:
- * row g's first block of the quarter in tile 0.
+ * The weights of a warp's block into registers: wv[h][i] = 16 bytes of row
+ * g + 8h, FP4 group q (bytes 16q .. of the block's 64), FP8 segment 2q + i
+ * (bytes 32q + 16i .. of its 128); sv[h] (FP4) the row's 4 E8M0 scales of
+ * the block.  w, sc: row g's piece of the block and its scales.
  */
 template <int FP8>
 static __device__ __forceinline__ void
 fm4_issue(uint4 (&wv)[2][FP8 + 1], uint32_t (&sv)[2], const struct fm3_warp &wp,
-          const uint8_t *w0, const uint8_t *s0, int ti, int kk)
+          const uint8_t *w, const uint8_t *sc)
 {
-    const uint8_t *w = w0 + ti * wp.tw + kk * (FP8 ? 128 : 64);
-
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int i = 0; i < FP8 + 1; i++)
             wv[h][i] = fm4_ld16(w + (int64_t)h * 8 * wp.rb + i * 16);
     if (!FP8) {
-        const uint8_t *sp = s0 + ti * wp.ts + kk * 4;
+        sv[0] = fm4_ld4(sc);
+        sv[1] = fm4_ld4(sc + (int64_t)8 * wp.sb);
+    }
+}
 
-        sv[0] = fm4_ld4(sp);
-        sv[1] = fm4_ld4(sp + (int64_t)8 * wp.sb);
+/* The next block of the stream: pointers w, sc one block on, the block of
+ * the quarter kk (0 .. nq-1) too; from the quarter's last block to the next
+ * tile's first. */
+template <int FP8>
+static __device__ __forceinline__ void
+fm4_next(const struct fm3_warp &wp, const uint8_t *&w, const uint8_t *&sc, int &kk, int nq)
+{
+    w += FP8 ? 128 : 64;
+    sc += 4;
+    if (++kk == nq) {
+        kk = 0;
+        w += wp.tw - (int64_t)nq * (FP8 ? 128 : 64);
+        sc += wp.ts - (int64_t)nq * 4;
     }
 }
 
@@ -844,8 +855,8 @@ fm4_block(float (&blk)[NT][4], uint4 (&wv)[2][FP8 + 1], const uint32_t (&sv)[2],
  * warp's tiles over quarter qt of K, the same sums in the same order, the
  * same fm3_tile_end) with the weights loaded by each thread straight into
  * registers, PF blocks (FP4) or PF/2 (FP8: twice the bytes) ahead, no
- * shared memory but the quarter sums.  Block gi of the stream is block
- * kk = gi % nq of the quarter in tile ti = gi / nq.
+ * shared memory but the quarter sums.  The stream: blocks kk = 0 .. nq-1
+ * of the quarter in tile 0, then in tile 1, ...
  */
 template <int UP, int FP8, int NT, int PF>
 static __device__ void
@@ -855,8 +866,11 @@ fm4_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_wa
     constexpr int NP = PF < 2 ? 1 : FP8 ? PF / 2 : PF;   /* blocks in flight (PF 0: unused) */
     int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4, kb0 = qt * nq, ntot = nrt * nq;
-    const uint8_t *w0 = wp.w + (int64_t)g * wp.rb + kb0 * (FP8 ? 128 : 64) + q * (FP8 ? 32 : 16);
-    const uint8_t *s0 = wp.sc + (int64_t)g * wp.sb + kb0 * 4;
+    /* the next block to load (row g's piece, scales; its block of the
+     * quarter) and the block to compute (tile, block of the quarter) */
+    const uint8_t *wi = wp.w + (int64_t)g * wp.rb + kb0 * (FP8 ? 128 : 64) + q * (FP8 ? 32 : 16);
+    const uint8_t *si = wp.sc + (int64_t)g * wp.sb + kb0 * 4;
+    int ki = 0, ti = 0, kk = 0;
     const uint8_t *xr[NT];
     const float *sr[NT][2];
     uint4 wv[NP][2][FP8 + 1];
@@ -871,34 +885,41 @@ fm4_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_wa
     fm3_zero<NT>(blk);
 #pragma unroll
     for (int j = 0; j < NP; j++)
-        if (j < ntot)
-            fm4_issue<FP8>(wv[j], sv[j], wp, w0, s0, j / nq, j % nq);
+        if (j < ntot) {
+            fm4_issue<FP8>(wv[j], sv[j], wp, wi, si);
+            fm4_next<FP8>(wp, wi, si, ki, nq);
+        }
     for (int i0 = 0; i0 < ntot; i0 += NP) {
 #pragma unroll
         for (int j = 0; j < NP; j++) {
-            int gi = i0 + j, ti = gi / nq, kk = gi - ti * nq, kb = kb0 + kk, nx = gi + NP;
             uint4 cw[2][FP8 + 1];
             uint32_t cs[2] = { sv[j][0], sv[j][1] };
             float f = 64.0f;
 
-            if (gi >= ntot)
+            if (i0 + j >= ntot)
                 break;
 #pragma unroll
             for (int h = 0; h < 2; h++)
 #pragma unroll
                 for (int c = 0; c < FP8 + 1; c++)
                     cw[h][c] = wv[j][h][c];
-            if (nx < ntot)
-                fm4_issue<FP8>(wv[j], sv[j], wp, w0, s0, nx / nq, nx % nq);
+            if (i0 + j + NP < ntot) {
+                fm4_issue<FP8>(wv[j], sv[j], wp, wi, si);
+                fm4_next<FP8>(wp, wi, si, ki, nq);
+            }
             if (FP8)   /* the tile's 128x128 block scale */
                 f = cu_e8m0_to_f32(
-                    __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb));
-            fm3_act<NT>(xw, xc, xr, sr, kb);
+                    __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb0 + kk));
+            fm3_act<NT>(xw, xc, xr, sr, kb0 + kk);
             fm4_block<FP8, NT>(blk, cw, cs, xw);
             fm3_block_end<NT>(acc, blk, xc, f);
             if (kk == nq - 1) {   /* row tile rt0 + ti is complete */
                 fm3_tile_end<UP, NT>(a, s, wp, p, rt0 + ti, t, qt, comb, acc, red);
                 fm3_zero<NT>(acc);
+                kk = 0;
+                ti++;
+            } else {
+                kk++;
             }
         }
     }
