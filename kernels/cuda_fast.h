@@ -67,6 +67,14 @@ enum dsv4_err dsv4_cuda_set_kernels(struct dsv4_backend *be, int fast);
 int dsv4_cuda_get_kernels(const struct dsv4_backend *be);
 
 /*
+ * 1 when the decode kernels are launched as programmatic dependent launches
+ * (PDL: each kernel's blocks scheduled while the previous kernel on the
+ * stream finishes; docs/gpu.md, "PDL"): DSV4_CUDA_PDL=1 in the environment,
+ * read once per process (default 0).  Same results either way.
+ */
+int dsv4_cuda_pdl_enabled(void);
+
+/*
  * Register the host array `host` of n experts (structs holding device
  * pointers): a device copy of the structs is made and the moe op finds it
  * by the host array's address, so it reads the experts without a host copy

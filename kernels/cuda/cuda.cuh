@@ -100,6 +100,80 @@ enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int l
 /* After a launch: the launch error, if any. */
 #define CUDA_LAUNCHED(name) CUDA_TRY(cudaGetLastError())
 
+/*
+ * Programmatic dependent launch (PDL; docs/gpu.md, "PDL").  With
+ * DSV4_CUDA_PDL=1 in the environment (read once per process; default off),
+ * cu_launch launches with cudaLaunchAttributeProgrammaticStreamSerialization,
+ * so the kernel's blocks may be scheduled while the kernel before it on the
+ * stream is still running (stream capture records a programmatic edge).
+ * The invariant: every kernel launched through cu_launch calls cu_pdl_wait()
+ * in all its threads before any global memory access (simplest: as its very
+ * first statement), and a thread that returns before the wait touches no
+ * global memory.  Kernels launched with <<<>>> need nothing.
+ */
+int cuda_pdl_enabled(void);
+
+/*
+ * Launch kernel k (grid, block, smem dynamic shared bytes, on stream st) with
+ * args, converted to k's parameter types as <<<>>> does; with the PDL
+ * attribute when cuda_pdl_enabled().  Returns the launch's error, which also
+ * reaches cudaGetLastError as a <<<>>> launch's does, so a call site's
+ * CUDA_LAUNCHED check reports it.
+ */
+template <typename... P, typename... A>
+static inline cudaError_t
+cu_launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A... args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1] = {};
+
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    if (cuda_pdl_enabled()) {
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&cfg, k, args...);
+}
+
+/*
+ * griddepcontrol.wait: block until every prerequisite grid (the kernel before
+ * this one when it was launched with the PDL attribute) has completed and its
+ * memory operations are visible.  PTX ISA, "griddepcontrol": ".wait modifier
+ * causes the executing thread to wait until all prerequisite grids in flight
+ * have completed"; a kernel launched without the attribute starts after its
+ * predecessor completed, so no prerequisite grid is in flight and the wait
+ * returns at once (a no-op; CUDA programming guide, "Programmatic Dependent
+ * Launch": cudaGridDependencySynchronize is then a no-op).
+ */
+static __device__ __forceinline__ void
+cu_pdl_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" : : : "memory");
+#endif
+}
+
+/*
+ * griddepcontrol.launch_dependents: the next kernel on the stream, when it is
+ * launched with the PDL attribute, may be scheduled once every block of this
+ * grid has executed this (or exited).  PTX ISA: it "signals that specific
+ * dependents the runtime system designated to react to this instruction can
+ * be scheduled"; without such a dependent it has no effect.  It orders no
+ * memory: the dependent still waits (cu_pdl_wait) for this grid's completion.
+ */
+static __device__ __forceinline__ void
+cu_pdl_trigger(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
+#endif
+}
+
 /* Device scratch of at least `bytes` (valid until the next cuda_scratch
  * call); NULL when it cannot be allocated. */
 void *cuda_scratch(struct dsv4_backend *be, size_t bytes);

@@ -192,6 +192,8 @@ cuda_sync(struct dsv4_backend *be)
 static __global__ void
 fill_kernel(float *x, float v, int64_t n)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         x[i] = v;
@@ -202,7 +204,7 @@ cuda_fill(struct dsv4_backend *be, float *x, float v, int64_t n)
 {
     if (n <= 0)
         return DSV4_OK;
-    fill_kernel<<<cuda_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_stream(be)>>>(x, v, n);
+    cu_launch(fill_kernel, cuda_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_stream(be), x, v, n);
     CUDA_LAUNCHED("fill");
     return DSV4_OK;
 }
@@ -212,6 +214,8 @@ static __global__ void
 rows_copy_kernel(float *dst, const int32_t *drows, const float *src, const int32_t *srows,
                  int cols)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int i = blockIdx.x;
     int64_t d = drows != NULL ? drows[i] : i, s = srows != NULL ? srows[i] : i;
 
@@ -225,7 +229,8 @@ cuda_scatter_rows(struct dsv4_backend *be, float *dst, const int32_t *rows, cons
 {
     if (n <= 0 || cols <= 0)
         return DSV4_OK;
-    rows_copy_kernel<<<n, EW_THREADS, 0, cuda_stream(be)>>>(dst, rows, src, NULL, cols);
+    cu_launch(rows_copy_kernel, n, EW_THREADS, 0, cuda_stream(be), dst, rows, src,
+              (const int32_t *)NULL, cols);
     CUDA_LAUNCHED("scatter_rows");
     return DSV4_OK;
 }
@@ -236,7 +241,8 @@ cuda_gather_rows(struct dsv4_backend *be, float *dst, const float *src, const in
 {
     if (n <= 0 || cols <= 0)
         return DSV4_OK;
-    rows_copy_kernel<<<n, EW_THREADS, 0, cuda_stream(be)>>>(dst, NULL, src, rows, cols);
+    cu_launch(rows_copy_kernel, n, EW_THREADS, 0, cuda_stream(be), dst,
+              (const int32_t *)NULL, src, rows, cols);
     CUDA_LAUNCHED("gather_rows");
     return DSV4_OK;
 }
@@ -244,6 +250,8 @@ cuda_gather_rows(struct dsv4_backend *be, float *dst, const float *src, const in
 static __global__ void
 scale_kernel(float *x, float s, int64_t n)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         x[i] = cu_bf16_round(x[i] * s);
@@ -254,7 +262,7 @@ cuda_scale(struct dsv4_backend *be, float *x, float s, int64_t n)
 {
     if (n <= 0)
         return DSV4_OK;
-    scale_kernel<<<cuda_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_stream(be)>>>(x, s, n);
+    cu_launch(scale_kernel, cuda_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_stream(be), x, s, n);
     CUDA_LAUNCHED("scale");
     return DSV4_OK;
 }
@@ -263,6 +271,8 @@ cuda_scale(struct dsv4_backend *be, float *x, float s, int64_t n)
 static __global__ void
 add_streams_kernel(float *out, const float *e, const float *h, int n_streams, int D)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t r = blockIdx.x, t = r / n_streams;
 
     for (int i = threadIdx.x; i < D; i += blockDim.x)
@@ -275,8 +285,8 @@ cuda_add_streams(struct dsv4_backend *be, float *out, const float *e, const floa
 {
     if (T <= 0 || n_streams <= 0)
         return DSV4_OK;
-    add_streams_kernel<<<T * n_streams, EW_THREADS, 0, cuda_stream(be)>>>(out, e, h, n_streams,
-                                                                         D);
+    cu_launch(add_streams_kernel, T * n_streams, EW_THREADS, 0, cuda_stream(be), out, e, h,
+              n_streams, D);
     CUDA_LAUNCHED("add_streams");
     return DSV4_OK;
 }
@@ -285,6 +295,8 @@ cuda_add_streams(struct dsv4_backend *be, float *out, const float *e, const floa
 static __global__ void
 embed_kernel(float *out, const int32_t *ids, const uint16_t *table, int D, int n_copies)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t r = blockIdx.x, t = r / n_copies;
     const uint16_t *row = table + (int64_t)ids[t] * D;
 
@@ -298,8 +310,8 @@ cuda_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16
 {
     if (T <= 0 || n_copies <= 0)
         return DSV4_OK;
-    embed_kernel<<<T * n_copies, EW_THREADS, 0, cuda_stream(be)>>>(out, ids, table, D,
-                                                                  n_copies);
+    cu_launch(embed_kernel, T * n_copies, EW_THREADS, 0, cuda_stream(be), out, ids, table, D,
+              n_copies);
     CUDA_LAUNCHED("embed");
     return DSV4_OK;
 }

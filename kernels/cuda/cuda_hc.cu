@@ -171,6 +171,8 @@ static __global__ void
 hc_post_kernel(float *X_out, const float *f, const float *X, const float *post,
                const float *comb, int T, int n, int D)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t it = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     int64_t tk = it / D, t = tk / n;
     int k = (int)(tk % n), i = (int)(it % D);
@@ -193,8 +195,8 @@ cuda_hc_post(struct dsv4_backend *be, float *X_out, const float *f, const float 
 
     if (N <= 0)
         return DSV4_OK;
-    hc_post_kernel<<<cuda_blocks(N, 256), 256, 0, cuda_stream(be)>>>(X_out, f, X, post, comb, T,
-                                                                     n, D);
+    cu_launch(hc_post_kernel, cuda_blocks(N, 256), 256, 0, cuda_stream(be), X_out, f, X, post, comb,
+              T, n, D);
     CUDA_LAUNCHED("hc_post");
     return DSV4_OK;
 }

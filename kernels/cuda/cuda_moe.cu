@@ -216,6 +216,8 @@ static __global__ void
 moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int D,
                int has_shared)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t it = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     int64_t t = it / D;
     int i = (int)(it % D);
@@ -428,8 +430,8 @@ moe_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
     }
     if (parts != NULL)
         return DSV4_OK;
-    moe_sum_kernel<<<cuda_blocks((int64_t)T * D, 256), 256, 0, s>>>(out, y, ids, T, k, D,
-                                                                     shared != NULL);
+    cu_launch(moe_sum_kernel, cuda_blocks((int64_t)T * D, 256), 256, 0, s, out, y, ids, T, k, D,
+              shared != NULL);
     CUDA_LAUNCHED("moe_sum");
     return DSV4_OK;
 }
@@ -460,8 +462,8 @@ cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y, const int3
         return DSV4_OK;
     if (k < 0 || k > MOE_MAX_K)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe_combine: k=%d", k);
-    moe_sum_kernel<<<cuda_blocks((int64_t)T * D, 256), 256, 0, cuda_stream(be)>>>(
-        out, y, ids, T, k, D, 1);
+    cu_launch(moe_sum_kernel, cuda_blocks((int64_t)T * D, 256), 256, 0, cuda_stream(be), out, y,
+              ids, T, k, D, 1);
     CUDA_LAUNCHED("moe_combine");
     return DSV4_OK;
 }

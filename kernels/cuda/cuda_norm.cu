@@ -19,6 +19,8 @@
 static __global__ void
 rms_norm_kernel(float *out, const float *x, const uint16_t *w, int rows, int D, float eps)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t r = blockIdx.x * (int64_t)NORM_ROWS + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     const float *xr;
@@ -51,8 +53,8 @@ cuda_rms_norm(struct dsv4_backend *be, float *out, const float *x, const uint16_
         return DSV4_OK;
     if (cuda_st(be)->fast_kernels)
         return cuda_fast_rms_norm(be, out, x, w, rows, D, eps);   /* fast_norm.cu */
-    rms_norm_kernel<<<cuda_blocks(rows, NORM_ROWS), 32 * NORM_ROWS, 0, cuda_stream(be)>>>(
-        out, x, w, rows, D, eps);
+    cu_launch(rms_norm_kernel, cuda_blocks(rows, NORM_ROWS), 32 * NORM_ROWS, 0, cuda_stream(be),
+              out, x, w, rows, D, eps);
     CUDA_LAUNCHED("rms_norm");
     return DSV4_OK;
 }
@@ -70,6 +72,8 @@ static __global__ void
 rope_kernel(float *x, const int32_t *pos, int T, int n_heads, int64_t row_stride,
             int64_t head_stride, int off, int np, struct rope_freqs fr, int inverse)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t it = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     int64_t t = it / ((int64_t)n_heads * np);
     int h = (int)(it / np % n_heads), i = (int)(it % np);
@@ -105,8 +109,8 @@ cuda_rope(struct dsv4_backend *be, float *x, const int32_t *pos, int T, int n_he
         return DSV4_OK;
     for (int i = 0; i < ROPE_MAX_PAIRS; i++)
         fr.f[i] = i < rd / 2 ? freqs[i] : 0.0f;
-    rope_kernel<<<cuda_blocks(n, 256), 256, 0, cuda_stream(be)>>>(
-        x, pos, T, n_heads, row_stride, head_stride, off, rd / 2, fr, inverse);
+    cu_launch(rope_kernel, cuda_blocks(n, 256), 256, 0, cuda_stream(be), x, pos, T, n_heads,
+              row_stride, head_stride, off, rd / 2, fr, inverse);
     CUDA_LAUNCHED("rope");
     return DSV4_OK;
 }
@@ -117,6 +121,8 @@ cuda_rope(struct dsv4_backend *be, float *x, const int32_t *pos, int T, int n_he
 static __global__ void
 fp8_sim_kernel(float *x, int rows, int64_t stride, int nb, int block)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
     int64_t r = wid / nb;
@@ -149,8 +155,8 @@ cuda_fp8_sim(struct dsv4_backend *be, float *x, int rows, int64_t stride, int n_
     warps = (int64_t)rows * (n_cols / block);
     if (warps <= 0)
         return DSV4_OK;
-    fp8_sim_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(
-        x, rows, stride, n_cols / block, block);
+    cu_launch(fp8_sim_kernel, cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be), x, rows,
+              stride, n_cols / block, block);
     CUDA_LAUNCHED("fp8_sim");
     return DSV4_OK;
 }
@@ -160,6 +166,8 @@ cuda_fp8_sim(struct dsv4_backend *be, float *x, int rows, int64_t stride, int n_
 static __global__ void
 hadamard_fp4_kernel(float *x)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ double v[128];
     float *row = x + (int64_t)blockIdx.x * 128;
     int i = threadIdx.x;
@@ -191,7 +199,7 @@ cuda_hadamard_fp4(struct dsv4_backend *be, float *x, int rows)
 {
     if (be->numerics != DSV4_NUMERICS_REF || rows <= 0)
         return DSV4_OK;
-    hadamard_fp4_kernel<<<rows, 128, 0, cuda_stream(be)>>>(x);
+    cu_launch(hadamard_fp4_kernel, rows, 128, 0, cuda_stream(be), x);
     CUDA_LAUNCHED("hadamard_fp4");
     return DSV4_OK;
 }

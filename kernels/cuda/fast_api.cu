@@ -1,6 +1,7 @@
 /*
  * fast_api.cu — kernels/cuda_fast.h: the exact/fast kernel switch, expert
- * array registration by hand, and the event timer.
+ * array registration by hand, the event timer, and the PDL switch
+ * (DSV4_CUDA_PDL, read once).
  */
 #include "kernels/cuda_fast.h"
 
@@ -28,6 +29,28 @@ extern "C" int
 dsv4_cuda_get_kernels(const struct dsv4_backend *be)
 {
     return fast_is_cuda(be) ? ((const struct cuda_state *)be->priv)->fast_kernels : 0;
+}
+
+static int
+fast_pdl_from_env(void)
+{
+    const char *v = getenv("DSV4_CUDA_PDL");
+
+    return v != NULL && strcmp(v, "1") == 0;
+}
+
+int
+cuda_pdl_enabled(void)
+{
+    static const int on = fast_pdl_from_env();   /* once; thread-safe init */
+
+    return on;
+}
+
+extern "C" int
+dsv4_cuda_pdl_enabled(void)
+{
+    return cuda_pdl_enabled();
 }
 
 extern "C" enum dsv4_err

@@ -429,6 +429,8 @@ template <int MT, int DW>
 static __global__ void __launch_bounds__(FA_THREADS, 1)
 fa_kernel(struct fa_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
     constexpr int TPH = FA_THREADS / HG;   /* softmax threads per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
@@ -547,6 +549,8 @@ template <int MT>
 static __global__ void
 fa_combine_kernel(struct fa_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     constexpr int HG = 16 * MT;
     int64_t th = blockIdx.x;
     int t = (int)(th / a.H), h = (int)(th % a.H), hg = h / HG, hl = h % HG, Dh = a.Dh;
@@ -638,6 +642,8 @@ template <int MT, int DW>
 static __global__ void __launch_bounds__(FA_THREADS, 1)
 fd_kernel(struct fa_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
     constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
     constexpr int SL4 = Dh / FD_CS / 4;   /* float4s of a rank's output slice, per head */
@@ -824,10 +830,11 @@ fa_launch(struct dsv4_backend *be, const struct fa_args &a)
 
     CUDA_TRY(cudaFuncSetAttribute(fa_kernel<MT, DW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
-    fa_kernel<MT, DW><<<(unsigned)((int64_t)a.T * a.n_hg * a.n_ch), FA_THREADS, smem, st>>>(a);
+    cu_launch(fa_kernel<MT, DW>, (unsigned)((int64_t)a.T * a.n_hg * a.n_ch), FA_THREADS, smem, st,
+              a);
     CUDA_LAUNCHED("fast attention");
     if (a.split) {
-        fa_combine_kernel<MT><<<(unsigned)((int64_t)a.T * a.H), 128, 0, st>>>(a);
+        cu_launch(fa_combine_kernel<MT>, (unsigned)((int64_t)a.T * a.H), 128, 0, st, a);
         CUDA_LAUNCHED("fast attention combine");
     }
     return DSV4_OK;
@@ -882,7 +889,7 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
     int dev = cuda_st(be)->device;
     size_t smem = fd_smem_bytes(MT, 8 * DW);
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute at[1] = {};
+    cudaLaunchAttribute at[2] = {};
 
     *launched = 0;
     CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -910,6 +917,11 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
             return DSV4_OK;
     } else if (fits[dev] < 0) {
         return DSV4_OK;
+    }
+    if (cuda_pdl_enabled()) {   /* fd_kernel waits at its top (cu_pdl_wait) */
+        at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[1].val.programmaticStreamSerializationAllowed = 1;
+        cfg.numAttrs = 2;
     }
     CUDA_TRY(cudaLaunchKernelEx(&cfg, fd_kernel<MT, DW>, a));
     CUDA_LAUNCHED("fast attention v2");

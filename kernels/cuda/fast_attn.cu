@@ -94,6 +94,8 @@ fc_kernel(float *entries, float *state_kv, float *state_z, const float *a, const
           const float *ape, const int32_t *slot, const int32_t *pos, const int32_t *emit,
           int T, int r, int d, int c)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t ch = (blockIdx.x * (int64_t)FC_THREADS + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
 
@@ -115,6 +117,8 @@ fc_chain_kernel(float *entries, float *state_kv, float *state_z, const float *a,
                 const float *z, const float *ape, const int32_t *slot, const int32_t *pos,
                 const int32_t *emit, int T, int r, int d, int c)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ int32_t sl[FC_CHAIN_MAX_T];
     int64_t ch = (blockIdx.x * (int64_t)FC_THREADS + threadIdx.x) / 32;
     int lane = threadIdx.x % 32, t = blockIdx.y, s;
@@ -144,11 +148,11 @@ cuda_fast_compress(struct dsv4_backend *be, float *entries, float *state_kv, flo
     if (T <= 0)
         return DSV4_OK;
     if (T <= FC_CHAIN_MAX_T && cuda_fast_fuse_enabled())
-        fc_chain_kernel<<<dim3(nb, (unsigned)T), FC_THREADS, 0, cuda_stream(be)>>>(
-            entries, state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, r == 4 ? 2 : 1);
+        cu_launch(fc_chain_kernel, dim3(nb, (unsigned)T), FC_THREADS, 0, cuda_stream(be), entries,
+                  state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, r == 4 ? 2 : 1);
     else
-        fc_kernel<<<nb, FC_THREADS, 0, cuda_stream(be)>>>(
-            entries, state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, r == 4 ? 2 : 1);
+        cu_launch(fc_kernel, nb, FC_THREADS, 0, cuda_stream(be), entries, state_kv, state_z, a, z,
+                  ape, slot, pos, emit, T, r, d, r == 4 ? 2 : 1);
     CUDA_LAUNCHED("fast compress");
     return DSV4_OK;
 }

@@ -59,6 +59,8 @@ template <int V2>
 static __global__ void __launch_bounds__(FZ_NORM_MAX_THREADS)
 fz_norm_rope_kernel(struct fz_nr a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ float y[FZ_MAX_D];
     __shared__ float red[FZ_NORM_MAX_THREADS / 32];
     int64_t r = blockIdx.x;
@@ -233,9 +235,9 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
     for (int i = 0; i < a.np; i++)
         a.fr.f[i] = freqs[i];
     if (cuda_fast_norm_version() == 2 && fz_fits_regs(D))
-        fz_norm_rope_kernel<1><<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(a);
+        cu_launch(fz_norm_rope_kernel<1>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);
     else
-        fz_norm_rope_kernel<0><<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(a);
+        cu_launch(fz_norm_rope_kernel<0>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);
     CUDA_LAUNCHED("fast norm_rope");
     return DSV4_OK;
 }

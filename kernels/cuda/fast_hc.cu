@@ -347,8 +347,10 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
     float pk[XQ], cc[XQ][HF2_N];
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
+    /* launched by cu_launch: the previous kernel complete before any load */
+    cu_pdl_wait();
     /* v3: the finish (launched with PDL) may start once every block is here */
-    asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
+    cu_pdl_trigger();
     /* every load first: the fn chunk, ... */
 #pragma unroll
     for (int u = 0; u < FQ; u++) {
@@ -729,13 +731,11 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
     a->part = part;
     if (hf2_ok(a, p, fn)) {
         if (p->X_out != NULL)
-            hf2_mix_kernel<1><<<dim3((unsigned)a->S, groups), HF2_MT, 0, st>>>(part, NULL, fn,
-                                                                              T, M, a->n, a->D,
-                                                                              *p);
+            cu_launch(hf2_mix_kernel<1>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part,
+                      (const float *)NULL, fn, T, M, a->n, a->D, *p);
         else
-            hf2_mix_kernel<0><<<dim3((unsigned)a->S, groups), HF2_MT, 0, st>>>(part, a->X, fn,
-                                                                              T, M, a->n, a->D,
-                                                                              *p);
+            cu_launch(hf2_mix_kernel<0>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part, a->X,
+                      fn, T, M, a->n, a->D, *p);
         CUDA_LAUNCHED("fast hc mix v2");
         if (a->xn != NULL)
             return hf2_finish_launch<1>(a, dim3((unsigned)T, 1), HF2_NT + 32, st);

@@ -171,6 +171,8 @@ template <int R, bool B>
 static __global__ void __launch_bounds__(FI_THREADS, 1)
 fi_score_kernel(struct fi_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     constexpr int MTW = R >= 2 ? R / 2 : 1, WPM = R >= 2 ? 1 : 2, NTW = 8 / WPM;
     extern __shared__ __align__(16) unsigned char fi_sm[];
     uint16_t *kb = (uint16_t *)fi_sm;
@@ -470,6 +472,8 @@ static __global__ void __launch_bounds__(FI_SEL_THREADS)
 fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap, int ratio,
                  int K, int kpad)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     extern __shared__ unsigned long long fs_keys[];
     __shared__ int hist[256], wsum[FI_SEL_THREADS / 32];
     __shared__ int s_bin, s_before, s_lt;
@@ -558,6 +562,8 @@ static __global__ void __launch_bounds__(FI_SEL_THREADS)
 fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap, int ratio,
                   int K)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ unsigned long long fs[2][FI_SEL_THREADS];
     __shared__ int hist[256], wsum[FI_SEL_THREADS / 32];
     __shared__ int s_bin, s_before, s_lt;
@@ -662,7 +668,7 @@ fi_score_launch(struct dsv4_backend *be, const struct fi_args &a)
 
     CUDA_TRY(cudaFuncSetAttribute(fi_score_kernel<R, B>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    fi_score_kernel<R, B><<<grid, FI_THREADS, smem, cuda_stream(be)>>>(a);
+    cu_launch(fi_score_kernel<R, B>, grid, FI_THREADS, smem, cuda_stream(be), a);
     CUDA_LAUNCHED("fast indexer scores");
     return DSV4_OK;
 }
@@ -703,15 +709,15 @@ cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, co
     if (e != DSV4_OK)
         return e;
     if (!v1 && K <= FI_SEL_THREADS && cap <= FI_SEL_THREADS * FI_SEL_REG) {
-        fi_select2_kernel<<<(unsigned)T, FI_SEL_THREADS, 0, cuda_stream(be)>>>(
-            sel, a.scores, pos, cap, ratio, K);
+        cu_launch(fi_select2_kernel, (unsigned)T, FI_SEL_THREADS, 0, cuda_stream(be), sel, a.scores,
+                  pos, cap, ratio, K);
         CUDA_LAUNCHED("fast indexer top-k v2");
         return DSV4_OK;
     }
     while (kpad < K)
         kpad *= 2;
-    fi_select_kernel<<<(unsigned)T, FI_SEL_THREADS, (size_t)kpad * 8, cuda_stream(be)>>>(
-        sel, a.scores, pos, cap, ratio, K, kpad);
+    cu_launch(fi_select_kernel, (unsigned)T, FI_SEL_THREADS, (size_t)kpad * 8, cuda_stream(be), sel,
+              a.scores, pos, cap, ratio, K, kpad);
     CUDA_LAUNCHED("fast indexer top-k");
     return DSV4_OK;
 }

@@ -41,6 +41,8 @@ static __global__ void
 fk_quant_kernel(uint16_t *f16, uint16_t *bf16, float *sx, const float *x, int64_t stride,
                 int rows, int K)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int nb = K / 128;
     int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
@@ -80,8 +82,8 @@ fk_quant(struct dsv4_backend *be, uint16_t *f16, uint16_t *bf16, float *sx, cons
 
     if (warps <= 0)
         return DSV4_OK;
-    fk_quant_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(
-        f16, bf16, sx, x, stride, rows, K);
+    cu_launch(fk_quant_kernel, cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be), f16, bf16, sx,
+              x, stride, rows, K);
     CUDA_LAUNCHED("fast quant");
     return DSV4_OK;
 }
@@ -91,6 +93,8 @@ fk_quant(struct dsv4_backend *be, uint16_t *f16, uint16_t *bf16, float *sx, cons
 static __global__ void
 fk_split_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     float v, h;
 
@@ -133,6 +137,8 @@ template <int MODE, int MT, int NT>
 static __global__ void __launch_bounds__(FL_THREADS, 2)
 fl_kernel(struct fl_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ float red[FL_NWARP][MT][NT][4][32];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     int tile = blockIdx.x * (FL_NWARP / a.bk) + warp / a.bk;
@@ -224,6 +230,8 @@ fl_kernel(struct fl_args a)
 static __global__ void
 fl_reduce_kernel(float *out, const float *part, int64_t n, int G, int round_out)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     float v;
 
@@ -288,16 +296,16 @@ fl_run(struct dsv4_backend *be, struct fl_args *a, const struct fl_split *sp)
 
     for (a->t0 = 0; a->t0 < a->T; a->t0 += FL_TOKENS) {
         if (a->T - a->t0 <= 8)
-            fl_kernel<MODE, MT, 1><<<grid, FL_THREADS, 0, st>>>(*a);
+            cu_launch(fl_kernel<MODE, MT, 1>, grid, FL_THREADS, 0, st, *a);
         else
-            fl_kernel<MODE, MT, 2><<<grid, FL_THREADS, 0, st>>>(*a);
+            cu_launch(fl_kernel<MODE, MT, 2>, grid, FL_THREADS, 0, st, *a);
         CUDA_LAUNCHED("fast linear");
     }
     if (sp->G > 1) {
         int64_t n = (int64_t)a->T * a->N;
 
-        fl_reduce_kernel<<<cuda_blocks(n, 256), 256, 0, st>>>(a->out, a->part, n, sp->G,
-                                                            a->round_out);
+        cu_launch(fl_reduce_kernel, cuda_blocks(n, 256), 256, 0, st, a->out, a->part, n, sp->G,
+                  a->round_out);
         CUDA_LAUNCHED("fast linear reduce");
     }
     return DSV4_OK;
@@ -385,12 +393,13 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
             return e;
         return fl_run<FL_FP8, 2>(be, &a, &sp);
     case FL_GROUPED:
-        fk_split_kernel<<<cuda_blocks(n, 256), 256, 0, st>>>((uint16_t *)a.xv, NULL, x, n);
+        cu_launch(fk_split_kernel, cuda_blocks(n, 256), 256, 0, st, (uint16_t *)a.xv,
+                  (uint16_t *)NULL, x, n);
         CUDA_LAUNCHED("fast bf16 round");
         return fl_run<FL_GROUPED, 2>(be, &a, &sp);
     default:
-        fk_split_kernel<<<cuda_blocks(n, 256), 256, 0, st>>>((uint16_t *)a.xv,
-                                                            (uint16_t *)a.xl, x, n);
+        cu_launch(fk_split_kernel, cuda_blocks(n, 256), 256, 0, st, (uint16_t *)a.xv,
+                  (uint16_t *)a.xl, x, n);
         CUDA_LAUNCHED("fast split");
         return fl_run<FL_BF16, 1>(be, &a, &sp);
     }

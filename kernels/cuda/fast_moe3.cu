@@ -289,6 +289,8 @@ static __global__ void __launch_bounds__(FM3_PREP_THREADS)
 fm3_prep_kernel(struct fm3_args a, const float *x, const int32_t *ids, int E, int skip_unheld,
                 uint8_t *xq4, uint8_t *xq8, float *xs)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int nb = a.D / 128;
     int64_t wid;
 
@@ -313,6 +315,8 @@ fm3_prep_kernel(struct fm3_args a, const float *x, const int32_t *ids, int E, in
 static __global__ void
 fm3_hquant_kernel(struct fm3_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     int nb = a.I / 128, R = a.T * a.k + a.T;
     int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
 
@@ -999,6 +1003,8 @@ template <int UP>
 static __global__ void __launch_bounds__(FM3_BOUND_THREADS, FM3_BOUND_BLOCKS)
 fm3_kernel(struct fm3_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     extern __shared__ __align__(16) char fm3_sm[];
     struct fm3_slot s;
     int warp = threadIdx.x >> 5, t = (warp >> 2) & 1, qt = warp & 3, rt0 = blockIdx.x * a.rt;
@@ -1029,6 +1035,8 @@ template <int UP, int PF, int MB>
 static __global__ void __launch_bounds__(FM3_BOUND_THREADS, MB)
 fm4_kernel(struct fm3_args a)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ float red[7 * FM3_RED_Q];
     struct fm3_slot s;
     int warp = threadIdx.x >> 5, t = (warp >> 2) & 1, qt = warp & 3, rt0 = blockIdx.x * a.rt;
@@ -1128,20 +1136,20 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
     if (c->v4) {   /* static shared memory only */
         switch (c->mb * 10 + c->ns) {
         case 21:
-            fm4_kernel<UP, 1, 2><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            cu_launch(fm4_kernel<UP, 1, 2>, grid, 8 * 32, 0, cuda_stream(be), a);
             break;
         case 24:
-            fm4_kernel<UP, 4, 2><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            cu_launch(fm4_kernel<UP, 4, 2>, grid, 8 * 32, 0, cuda_stream(be), a);
             break;
         case 31:
-            fm4_kernel<UP, 1, 3><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            cu_launch(fm4_kernel<UP, 1, 3>, grid, 8 * 32, 0, cuda_stream(be), a);
             break;
         case 32:
         case 34:
-            fm4_kernel<UP, 2, 3><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            cu_launch(fm4_kernel<UP, 2, 3>, grid, 8 * 32, 0, cuda_stream(be), a);
             break;
         default:
-            fm4_kernel<UP, 2, 2><<<grid, 8 * 32, 0, cuda_stream(be)>>>(a);
+            cu_launch(fm4_kernel<UP, 2, 2>, grid, 8 * 32, 0, cuda_stream(be), a);
             break;
         }
         CUDA_LAUNCHED(UP ? "fast moe v4 up" : "fast moe v4 down");
@@ -1153,7 +1161,7 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
         if (dev >= 0 && dev < FM3_MAX_DEV)
             opted[dev] = smem;
     }
-    fm3_kernel<UP><<<grid, 8 * 32, smem, cuda_stream(be)>>>(a);
+    cu_launch(fm3_kernel<UP>, grid, 8 * 32, smem, cuda_stream(be), a);
     CUDA_LAUNCHED(UP ? "fast moe v3 up" : "fast moe v3 down");
     return DSV4_OK;
 }
@@ -1206,17 +1214,17 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     a.ns = c.ns;
     a.lim = lim;
 
-    fm3_prep_kernel<<<1 + (unsigned)(((int64_t)T * nbD + FM3_PREP_THREADS / 32 - 1) /
-                                     (FM3_PREP_THREADS / 32)),
-                      FM3_PREP_THREADS, 0, st>>>(a, x, ids, n_table, parts != NULL,
-                                                 (uint8_t *)a.xq4, (uint8_t *)a.xq8,
-                                                 (float *)a.xs);
+    cu_launch(fm3_prep_kernel,
+              1 + (unsigned)(((int64_t)T * nbD + FM3_PREP_THREADS / 32 - 1) /
+                             (FM3_PREP_THREADS / 32)),
+              FM3_PREP_THREADS, 0, st, a, x, ids, n_table, parts != NULL, (uint8_t *)a.xq4,
+              (uint8_t *)a.xq8, (float *)a.xs);
     CUDA_LAUNCHED("fast moe v3 prep");
     a.rt = fm3_rt(&c, I / 16, slots);
     e = fm3_launch<1>(be, a, &c, I / 16, slots);
     if (e != DSV4_OK)
         return e;
-    fm3_hquant_kernel<<<cuda_blocks((int64_t)R * nbI * 32, 256), 256, 0, st>>>(a);
+    cu_launch(fm3_hquant_kernel, cuda_blocks((int64_t)R * nbI * 32, 256), 256, 0, st, a);
     CUDA_LAUNCHED("fast moe v3 h quant");
     a.rt = fm3_rt(&c, D / 32, slots);
     e = fm3_launch<0>(be, a, &c, D / 32, slots);

@@ -26,6 +26,8 @@
 static __global__ void __launch_bounds__(FZ_NORM_MAX_THREADS)
 fn_kernel(float *out, const float *x, const uint16_t *w, int D, float eps)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ float red[FZ_NORM_MAX_THREADS / 32];
     int64_t r = blockIdx.x;
     int nw = blockDim.x / 32, lane = threadIdx.x % 32;
@@ -51,6 +53,8 @@ fn_kernel(float *out, const float *x, const uint16_t *w, int D, float eps)
 static __global__ void __launch_bounds__(FZ_NORM_MAX_THREADS)
 fn2_kernel(float *out, const float *x, const uint16_t *w, int D, float eps)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ float red[FZ_NORM_MAX_THREADS / 32];
     int64_t r = blockIdx.x;
     int B = blockDim.x, tid = threadIdx.x;
@@ -77,9 +81,9 @@ cuda_fast_rms_norm(struct dsv4_backend *be, float *out, const float *x, const ui
     if (rows <= 0 || D <= 0)
         return DSV4_OK;
     if (cuda_fast_norm_version() == 2 && fz_fits_regs(D))
-        fn2_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(out, x, w, D, eps);
+        cu_launch(fn2_kernel, rows, fz_norm_threads(D), 0, cuda_stream(be), out, x, w, D, eps);
     else
-        fn_kernel<<<rows, fz_norm_threads(D), 0, cuda_stream(be)>>>(out, x, w, D, eps);
+        cu_launch(fn_kernel, rows, fz_norm_threads(D), 0, cuda_stream(be), out, x, w, D, eps);
     CUDA_LAUNCHED("fast rms_norm");
     return DSV4_OK;
 }

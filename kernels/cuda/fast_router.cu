@@ -36,6 +36,8 @@ fr_kernel(float *weights, int32_t *ids, float *s, float *v, const float *bias,
           const int64_t *tid2eid, const int32_t *tokens, int E, int k, float route_scale,
           int hf)
 {
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
     __shared__ int32_t sid[FR_MAX_K];
     __shared__ float ssum;
     int64_t t = blockIdx.x;
@@ -111,9 +113,8 @@ cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t *ids, const fl
              : cuda_linear(be, s, x, gate, T, DSV4_LIN_F32_OUT);
     if (e != DSV4_OK)
         return e;
-    fr_kernel<<<T, FR_THREADS, 0, cuda_stream(be)>>>(weights, ids, s, v, bias, tid2eid, tokens,
-                                                     E, k, route_scale,
-                                                     be->numerics == DSV4_NUMERICS_HF);
+    cu_launch(fr_kernel, T, FR_THREADS, 0, cuda_stream(be), weights, ids, s, v, bias, tid2eid,
+              tokens, E, k, route_scale, be->numerics == DSV4_NUMERICS_HF);
     CUDA_LAUNCHED("fast router");
     return DSV4_OK;
 }

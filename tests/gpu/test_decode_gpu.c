@@ -549,11 +549,13 @@ run_profile(int layers, int batch)
                 TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL));
             ms_sample = (now_ms() - t0) / 20;
         }
-        printf("| profile | flash widths, %d layers | batch %d | %s kernels | plain step %.2f ms "
+        printf("| profile | flash widths, %d layers | batch %d | %s kernels, PDL %s "
+               "| plain step %.2f ms "
                "| graphed step %.2f ms (logits to the host) | graphed + GPU sampling %.2f ms "
                "| step graph: %d kernels, %d nodes |\n",
                layers, batch, getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "exact",
-               ms_plain, ms_graph, ms_sample, n_kern, n_nodes);
+               dsv4_cuda_pdl_enabled() ? "on" : "off", ms_plain, ms_graph, ms_sample, n_kern,
+               n_nodes);
         free(tok), free(lg);
     }
     dsv4_model_free(pm);
