@@ -147,8 +147,8 @@ cu_launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, 
  * causes the executing thread to wait until all prerequisite grids in flight
  * have completed"; a kernel launched without the attribute starts after its
  * predecessor completed, so no prerequisite grid is in flight and the wait
- * returns at once (a no-op; CUDA programming guide, "Programmatic Dependent
- * Launch": cudaGridDependencySynchronize is then a no-op).
+ * returns at once (a no-op; see also the CUDA programming guide, 4.5
+ * "Programmatic Dependent Launch and Synchronization").
  */
 static __device__ __forceinline__ void
 cu_pdl_wait(void)

@@ -347,7 +347,10 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
     float pk[XQ], cc[XQ][HF2_N];
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
-    /* launched by cu_launch: the previous kernel complete before any load */
+    /* launched by cu_launch: the previous kernel complete before any load;
+     * the wait stays before the trigger: the v3 finish loads X before its
+     * own wait when X is not ours (x_dep 0), so every kernel before this
+     * one must be complete when the finish starts */
     cu_pdl_wait();
     /* v3: the finish (launched with PDL) may start once every block is here */
     cu_pdl_trigger();
@@ -551,6 +554,7 @@ hf2_finish_kernel(struct hf_fin a)
     }
     if (PDL) {   /* v3: what follows reads the mix kernel's writes */
         asm volatile("griddepcontrol.wait;" : : : "memory");
+        cu_pdl_trigger();   /* the next kernel, if PDL, may be scheduled */
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int q = q0 + tid + NT * u, ok = !early && tid < NT && q < D4;
