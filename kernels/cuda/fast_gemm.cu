@@ -65,6 +65,7 @@
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_gemm.cuh"
 #include "kernels/cuda_fast.h"
+#include "kernels/cuda_gemm8.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -1528,6 +1529,8 @@ cuda_fast_gemm_linear(struct dsv4_backend *be, float *out, const float *x,
 
     if (T <= 0)
         return DSV4_OK;
+    if (fw_enabled(be) && cuda_fast_gemm8_on())   /* opt-in FP8 x FP8 (fast_gemm8.cu) */
+        return cuda_fast_gemm8_linear(be, out, x, W, T);
     if (fw_enabled(be))
         return fw_linear(be, out, x, W, T, 0, 0);   /* the Hopper path */
     p = (char *)cuda_scratch(be, bx + cuda_align((size_t)T * (K / 128) * sizeof(float)));

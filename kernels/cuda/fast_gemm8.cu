@@ -1,0 +1,407 @@
+/*
+ * fast_gemm8.cu — the FP8 x FP8 prefill linear (opt-in: DSV4_CUDA_GEMM8=1 or
+ * dsv4_cuda_set_gemm8(1); kernels/cuda_gemm8.h).  fw_kernel (fast_gemm.cu)
+ * decodes every FP8 weight into bf16 registers once per token tile; here
+ * both operands stay E4M3 codes in shared memory and the tensor cores take
+ * them as they are (wgmma m64n128k32 .f32.e4m3.e4m3), DeepGEMM-style.
+ *
+ * Operands.  A = the weights (M: 128 rows per CTA, 64 per consumer
+ * warpgroup), rows of W as stored (K-major); B = the activations' REF E4M3
+ * codes (N: a tile of 128 tokens), K-major, from g8_prep_kernel: per token
+ * and 128-column block the exact path's quantization (amax from 1e-4,
+ * s_x = 2^ceil(log2(amax / 448)), code = e4m3(clamp(x / s_x, 448))), the
+ * same codes and scales as fw_prep_kernel's mode 0.
+ *
+ * Shared memory.  A ring of G8_S stages of one 128-column block each: A
+ * (128 weight rows x 128 bytes), B (128 tokens x 128 bytes), the tokens'
+ * s_x (128 floats).  A and B rows are 128 bytes at row * 128, 16-byte chunk
+ * c of a row stored at chunk c ^ (row & 7): the 128-byte swizzle pattern
+ * (address bits 4-6 XOR bits 7-9) on 1024-byte aligned stages.  wgmma
+ * descriptor (PTX ISA "Matrix Descriptor Format", K-major, 128B swizzle):
+ * start >> 4 in bits 0-13, LBO 1 (unused for swizzled K-major), SBO = 1024
+ * >> 4 (next 8 rows) in bits 32-45, base offset 0, layout 1 (128B swizzle)
+ * in bits 62-63; k32 step s of a stage starts 32 * s bytes into it (the
+ * hardware swizzles the full address, so this addresses logical chunks
+ * 2s, 2s+1 of every row).  Consumer warpgroup g's A starts at row 64 g
+ * (8192 bytes, a multiple of 1024).
+ *
+ * Warps.  384 threads: warpgroups 0 and 1 consume (64 weight rows x 128
+ * tokens each), warpgroup 2 produces: per stage it waits until the stage's
+ * previous block is used up (mbarrier `empty`, 256 arrivals), queues the
+ * stage's cp.async copies (16 per thread), and G8_LAG stages later, when
+ * cp.async.wait_group says they landed, makes them visible to the async
+ * proxy (fence.proxy.async) and arrives at the stage's `full` mbarrier (128
+ * arrivals).  Consumers wait on `full`, issue the block's 4 wgmma (scale-d
+ * 0 on the first: a fresh fp32 partial per block), wait for them, add the
+ * partial scaled, and arrive at `empty`.
+ *
+ * Numerics (REF).  Per 128-column block the tensor cores sum the 128
+ * products of codes (exact) into blk (fp32; Hopper's FP8 accumulation is of
+ * reduced precision inside an instruction, so no partial spans more than
+ * one block), then acc += blk * (s_w * s_x) in fp32 (both scales powers of
+ * two: the product is exact), blocks in increasing order: the op
+ * contract's per-block scaling, another order inside a block.  Output
+ * out[token][row] = bf16-rounded acc, as fw_kernel's FG_LINEAR epilogue.
+ * Each output depends on its own weight row and token only, and a token
+ * sits at the same column (token mod 128) of its tile at every T, so the
+ * bits do not depend on T; they may differ from fw_kernel's (one fp32 sum
+ * over all of K) by rounding.  Only calls of T > 64 rows come here (the
+ * caller's FG_DECODE_ROWS rule).
+ *
+ * Accumulator fragment (m64nNk32 has m64nNk16's D layout): thread lane
+ * (g = lane / 4, q = lane % 4) of warp w in its warpgroup holds, in
+ * d[4 j + i], weight row 16 w + g + 8 (i / 2) of the warpgroup's 64 and
+ * token 8 j + 2 q + (i % 2) of the tile.
+ */
+#include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda_gemm8.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define G8_BM 128                  /* weight rows per CTA */
+#define G8_BN 128                  /* tokens per CTA */
+#define G8_S 6                     /* stages in the ring */
+#define G8_LAG (G8_S - 2)          /* stages the producer keeps in flight unsignalled */
+#define G8_THREADS 384             /* 2 consumer warpgroups + 1 producer warpgroup */
+#define G8_STAGE_A (G8_BM * 128)   /* bytes */
+#define G8_STAGE_B (G8_BN * 128)
+#define G8_SMEM (1024 + G8_S * (G8_STAGE_A + G8_STAGE_B) + G8_S * G8_BN * 4 + 2 * G8_S * 8)
+#define G8_MAX_DEV 64
+
+/* Arguments of a launch, by value. */
+struct g8_args {
+    const uint8_t *w;        /* (N, K) E4M3 weights */
+    const uint8_t *ws;       /* (N / 128, K / 128) E8M0 block scales */
+    const uint8_t *xq;       /* (T, K) E4M3 activation codes */
+    const float *sx;         /* (T, K / 128) their scales */
+    float *out;              /* (T, N) */
+    int T, N, K;
+};
+
+/*
+ * Codes and scales of x (rows, K) per 128-column block: one warp per (row,
+ * block), the exact path's quantization (see the file comment).
+ */
+static __global__ void
+g8_prep_kernel(uint8_t *xq, float *sx, const float *x, int rows, int K)
+{
+    int nb = K / 128, lane = threadIdx.x & 31;
+    int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+    int64_t r = wid / nb;
+    int b = (int)(wid % nb);
+    float amax = 1e-4f, v[4], s;
+    const float *xr;
+
+    if (r >= rows)
+        return;   /* whole warps leave together */
+    xr = x + r * K + (int64_t)b * 128;
+    for (int i = 0; i < 4; i++) {
+        v[i] = xr[lane + 32 * i];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    s = cu_pow2_scale(amax, 448.0f);
+    for (int i = 0; i < 4; i++)
+        xq[r * K + b * 128 + lane + 32 * i] = cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f));
+    if (lane == 0)
+        sx[r * nb + b] = s;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+/* --- mbarriers, cp.async, wgmma ------------------------------------------------------ */
+
+static __device__ __forceinline__ void
+g8_bar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ void
+g8_bar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+/* Wait until the phase of parity `parity` of bar has completed. */
+static __device__ __forceinline__ void
+g8_bar_wait(uint32_t bar, uint32_t parity)
+{
+    uint32_t done;
+
+    do {
+        asm volatile("{\n"
+                     ".reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n"
+                     "}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+/* 16 bytes global -> shared; valid == 0: the 16 bytes are zeroed (src not read). */
+static __device__ __forceinline__ void
+g8_cp16(uint32_t dst, const void *src, int valid)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+/* 4 bytes, the same way. */
+static __device__ __forceinline__ void
+g8_cp4(uint32_t dst, const void *src, int valid)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+/* Descriptor of a K-major, 128B-swizzled operand at shared address addr. */
+static __device__ __forceinline__ uint64_t
+g8_desc(uint32_t addr)
+{
+    return (uint64_t)((addr & 0x3ffffu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+
+/* d (64 x 128, fp32) = (acc ? d : 0) + A (64 x 32 E4M3 at da) * B (32 x 128 E4M3 at db). */
+static __device__ __forceinline__ void
+g8_mma(float (&d)[64], uint64_t da, uint64_t db, int acc)
+{
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+                 "{"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, "
+                 "%40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, "
+                 "%56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, p, 1, 1;\n"
+                 "}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+
+/* Keep the accumulators in place until the wgmma that writes them is waited for. */
+static __device__ __forceinline__ void
+g8_hold(float (&d)[64])
+{
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* Byte offset of 16-byte chunk c of 128-byte row r in a stage (128B swizzle). */
+static __device__ __forceinline__ uint32_t
+g8_off(int r, int c)
+{
+    return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4));
+}
+
+/* Producer thread p (0..127): queue block kb's copies into the stage at sa, sb, ss. */
+static __device__ __forceinline__ void
+g8_load(const struct g8_args &a, int p, int n0, int t0, int kb, uint32_t sa, uint32_t sb,
+        uint32_t ss)
+{
+    int nb = a.K / 128;
+
+#pragma unroll
+    for (int i = 0; i < G8_BM * 8 / 128; i++) {
+        int idx = p + 128 * i, r = idx >> 3, c = idx & 7;
+
+        g8_cp16(sa + g8_off(r, c), a.w + (int64_t)(n0 + r) * a.K + kb * 128 + c * 16, 1);
+    }
+#pragma unroll
+    for (int i = 0; i < G8_BN * 8 / 128; i++) {
+        int idx = p + 128 * i, r = idx >> 3, c = idx & 7, ok = t0 + r < a.T;
+
+        g8_cp16(sb + g8_off(r, c), a.xq + (int64_t)(ok ? t0 + r : 0) * a.K + kb * 128 + c * 16,
+                ok);
+    }
+    {
+        int ok = t0 + p < a.T;
+
+        g8_cp4(ss + 4 * p, a.sx + (int64_t)(ok ? t0 + p : 0) * nb + kb, ok);
+    }
+}
+
+#endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
+
+/* Grid (N / 128 weight row tiles, ceil(T / 128) token tiles). */
+static __global__ void __launch_bounds__(G8_THREADS, 1)
+g8_kernel(struct g8_args a)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) unsigned char g8_sm[];
+    uint32_t base = (uint32_t)__cvta_generic_to_shared(g8_sm);
+    uint32_t pad = (1024u - (base & 1023u)) & 1023u;
+    uint32_t sa = base + pad, sb = sa + G8_S * G8_STAGE_A, ss = sb + G8_S * G8_STAGE_B;
+    uint32_t full = ss + G8_S * G8_BN * 4, empty = full + 8 * G8_S;
+    const float *sxs = (const float *)(g8_sm + pad + G8_S * (G8_STAGE_A + G8_STAGE_B));
+    int tid = threadIdx.x, wg = tid >> 7, nkt = a.K / 128;
+    int n0 = blockIdx.x * G8_BM, t0 = blockIdx.y * G8_BN;
+
+    if (tid == 0) {
+        for (int s = 0; s < G8_S; s++) {
+            g8_bar_init(full + 8 * s, 128);
+            g8_bar_init(empty + 8 * s, 256);
+        }
+    }
+    __syncthreads();
+
+    if (wg == 2) {
+        /* producer */
+        int p = tid - 256;
+
+        for (int kt = 0; kt < nkt; kt++) {
+            int st = kt % G8_S;
+
+            if (kt >= G8_S)
+                g8_bar_wait(empty + 8 * st, (uint32_t)((kt / G8_S - 1) & 1));
+            g8_load(a, p, n0, t0, kt, sa + st * G8_STAGE_A, sb + st * G8_STAGE_B,
+                    ss + st * G8_BN * 4);
+            asm volatile("cp.async.commit_group;" ::: "memory");
+            if (kt >= G8_LAG) {
+                /* block kt - LAG (and all before it) landed */
+                asm volatile("cp.async.wait_group %0;" :: "n"(G8_LAG) : "memory");
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                g8_bar_arrive(full + 8 * ((kt - G8_LAG) % G8_S));
+            }
+        }
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        for (int kt = nkt - G8_LAG > 0 ? nkt - G8_LAG : 0; kt < nkt; kt++)
+            g8_bar_arrive(full + 8 * (kt % G8_S));
+        return;
+    }
+
+    {
+        /* consumers: warpgroup wg has weight rows n0 + 64 wg .. + 63 */
+        int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
+        const uint8_t *wsr = a.ws + (int64_t)(n0 / 128) * nkt;
+        float acc[64], blk[64];
+
+#pragma unroll
+        for (int i = 0; i < 64; i++) {
+            acc[i] = 0.0f;
+            blk[i] = 0.0f;
+        }
+        for (int kt = 0; kt < nkt; kt++) {
+            int st = kt % G8_S;
+            uint32_t a0 = sa + st * G8_STAGE_A + wg * 64 * 128, b0 = sb + st * G8_STAGE_B;
+            float sw = cu_e8m0_to_f32(__ldg(wsr + kt));
+            const float *sxt = sxs + st * G8_BN;
+
+            g8_bar_wait(full + 8 * st, (uint32_t)((kt / G8_S) & 1));
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int s = 0; s < 4; s++)
+                g8_mma(blk, g8_desc(a0 + 32 * s), g8_desc(b0 + 32 * s), s);
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            g8_hold(blk);
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+#pragma unroll
+                for (int ii = 0; ii < 2; ii++) {
+                    float f = sw * sxt[8 * j + 2 * q + ii];
+
+                    acc[4 * j + ii] += blk[4 * j + ii] * f;
+                    acc[4 * j + 2 + ii] += blk[4 * j + 2 + ii] * f;
+                }
+            g8_bar_arrive(empty + 8 * st);
+        }
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int t = t0 + 8 * j + 2 * q + (i & 1);
+
+                if (t < a.T)
+                    a.out[(int64_t)t * a.N + n0 + wg * 64 + warp * 16 + g + 8 * (i >> 1)] =
+                        cu_bf16_round(acc[4 * j + i]);
+            }
+    }
+#endif
+}
+
+/* --- host side ------------------------------------------------------------------------ */
+
+static int g8_override = -1;   /* dsv4_cuda_set_gemm8; -1: the environment decides */
+
+void
+dsv4_cuda_set_gemm8(int on)
+{
+    g8_override = on < 0 ? -1 : on != 0;
+}
+
+int
+cuda_fast_gemm8_on(void)
+{
+    static int env = -1;
+
+    if (env < 0) {
+        const char *v = getenv("DSV4_CUDA_GEMM8");
+
+        env = v != NULL && (strcmp(v, "1") == 0 || strcmp(v, "on") == 0);
+    }
+    return g8_override < 0 ? env : g8_override;
+}
+
+enum dsv4_err
+cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
+                       const struct dsv4_linear *W, int T)
+{
+    static unsigned char attr_set[G8_MAX_DEV];
+    int N = W->n_out, K = W->n_in, nb = K / 128, dev = cuda_st(be)->device;
+    size_t bq = cuda_align((size_t)T * K);
+    int64_t warps = (int64_t)T * nb;
+    struct g8_args a;
+    char *p;
+
+    if (T <= 0)
+        return DSV4_OK;
+    if (W->fmt != DSV4_WFMT_FP8 || N % G8_BM != 0 || K % 128 != 0 || K <= 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "fast gemm8: %d x %d not FP8 in 128 blocks", N, K);
+    p = (char *)cuda_scratch(be, bq + cuda_align((size_t)T * nb * sizeof(float)));
+    if (p == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fast gemm8: no scratch for %d x %d", T, K);
+    if (dev < 0 || dev >= G8_MAX_DEV || !attr_set[dev]) {
+        CUDA_TRY(cudaFuncSetAttribute(g8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      G8_SMEM));
+        if (dev >= 0 && dev < G8_MAX_DEV)
+            attr_set[dev] = 1;
+    }
+    memset(&a, 0, sizeof(a));
+    a.w = (const uint8_t *)W->w;
+    a.ws = W->scale;
+    a.xq = (const uint8_t *)p;
+    a.sx = (const float *)(p + bq);
+    a.out = out;
+    a.T = T;
+    a.N = N;
+    a.K = K;
+    g8_prep_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(
+        (uint8_t *)a.xq, (float *)a.sx, x, T, K);
+    CUDA_LAUNCHED("fast gemm8 prep");
+    g8_kernel<<<dim3((unsigned)(N / G8_BM), (unsigned)((T + G8_BN - 1) / G8_BN)), G8_THREADS,
+                G8_SMEM, cuda_stream(be)>>>(a);
+    CUDA_LAUNCHED("fast gemm8");
+    return DSV4_OK;
+}
