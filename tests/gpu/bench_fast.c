@@ -93,6 +93,16 @@
  * weights + fp32 activations, and the ratio of the op's floor (the larger
  * of FLOPs at 990 TFLOP/s and bytes at 4.3 TB/s) to the time.
  *
+ * FP8 x FP8 prefill linear (kernels/cuda/fast_gemm8.cu; BENCH_FAST_ONLY=gemm8
+ * runs only these, nothing else): wq_a, wq_b, wq_b/2, wkv, wo_b, wo_b/2
+ * (4096 x 4096), idx_wq_b at T = 128, 512, 2048: the kernel called directly
+ * ("gemm8") and the linear op without it ("fw/op": fw_kernel where the cost
+ * model takes the GEMM, else the decode kernels) against the exact op on 48
+ * sampled rows (bounds as the FP8 linears), gemm8 run twice (same bits),
+ * its first 32 rows at every T equal to those at T = 128, the timed graph's
+ * last replay equal to the plain call; us per call, TFLOP/s and the speedup
+ * over fw/op.
+ *
  * Exit status: 0 all ok, 1 a numerical failure, 77 no CUDA device.
  */
 #include <math.h>
@@ -106,6 +116,7 @@
 #include "common/weights.h"
 #include "kernels/backend.h"
 #include "kernels/cuda_fast.h"
+#include "kernels/cuda_gemm8.h"
 #include "tests/gpu/gpu_test_util.h"   /* TRY */
 
 #define PEAK_GBS 4300.0      /* DESIGN.md §7: device copy bandwidth per H200 */
@@ -1624,6 +1635,195 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
     free(swt);
 }
 
+/* --- the FP8 x FP8 prefill linear (kernels/cuda/fast_gemm8.cu) ----------------------- */
+
+static const int g8_t[] = { 128, 512, 2048 };
+#define G8_NT ((int)(sizeof(g8_t) / sizeof(g8_t[0])))
+#define G8_TMAX 2048
+
+/* One call: kernel 1 the FP8 x FP8 linear (called directly), 0 the linear
+ * op with it switched off (the Hopper path fw_kernel where its cost model
+ * takes the GEMM, else the decode kernels). */
+static enum dsv4_err
+g8_call(struct dsv4_backend *be, int kernel, float *out, const float *x,
+        const struct dsv4_linear *W, int T)
+{
+    if (kernel)
+        return cuda_fast_gemm8_linear(be, out, x, W, T);
+    dsv4_cuda_set_gemm8(0);
+    return be->ops->linear(be, out, x, W, T, 0);
+}
+
+/* Median ms of one call, from graphs of GRAPH_REPS calls (the output then
+ * holds the last replay's values). */
+static float
+g8_time(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int kernel, float *out,
+        const float *x, const struct dsv4_linear *W, int T)
+{
+    void *g = NULL;
+    float ms[N_TIMED];
+
+    TRY("graph_begin", be->ops->graph_begin(be));
+    for (int i = 0; i < GRAPH_REPS; i++)
+        TRY("linear (recording)", g8_call(be, kernel, out, x, W, T));
+    TRY("graph_end", be->ops->graph_end(be, &g));
+    for (int i = 0; i < 2; i++)
+        TRY("graph_launch", be->ops->graph_launch(be, g));
+    TRY("sync", be->ops->sync(be));
+    for (int i = 0; i < N_TIMED; i++) {
+        TRY("timer", dsv4_cuda_timer_start(tm));
+        TRY("graph_launch", be->ops->graph_launch(be, g));
+        TRY("timer", dsv4_cuda_timer_stop(tm, &ms[i]));
+        ms[i] /= GRAPH_REPS;
+    }
+    be->ops->graph_free(be, g);
+    qsort(ms, N_TIMED, sizeof(float), cmp_float);
+    return ms[N_TIMED / 2];
+}
+
+/* |a - b| / max |b| over n values; *ident: the bit-identical ones.  The
+ * first value over bound * max |b| (or NaN) in *first (n when none). */
+static double
+g8_rel(const float *a, const float *b, size_t n, double bound, size_t *ident, size_t *first)
+{
+    struct diff d = { 0, 0, 0, 0 };
+
+    diff_add(&d, a, b, n);
+    *ident = d.ident;
+    *first = n;
+    for (size_t i = 0; i < n && *first == n; i++)
+        if (!(fabs((double)a[i] - b[i]) <= bound * d.maxr))
+            *first = i;
+    return d.maxr > 0 ? d.maxd / d.maxr : d.maxd;
+}
+
+/*
+ * The FP8 linear W at T = 128, 512, 2048 rows of x (G8_TMAX, K) (host copy
+ * xh): the FP8 x FP8 kernel ("gemm8") and the op without it ("fw/op")
+ * against the exact op on the sampled rows (BOUND_BF16, IDENT_BF16), run
+ * twice (same bits), the first P_TIND rows at every T equal to T = 128's
+ * (gemm8), the timed graph's last replay equal to the plain call (gemm8),
+ * and the times of both.
+ */
+static void
+g8_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
+          const struct dsv4_linear *W, float *x, const float *xh, float *out, float *xs,
+          float *outs, struct tally *ty)
+{
+    int N = W->n_out, K = W->n_in, rows[P_SAMPLE];
+    size_t nw = (size_t)P_SAMPLE * N, nf = (size_t)P_TIND * N;
+    float *fast = malloc(nw * 4), *again = malloc(nw * 4), *ref = malloc(nw * 4);
+    float *fw = malloc(nw * 4), *first = malloc(nf * 4), *first0 = malloc(nf * 4);
+
+    if (fast == NULL || again == NULL || ref == NULL || fw == NULL || first == NULL ||
+        first0 == NULL)
+        exit(1);
+    for (int i = 0; i < G8_NT; i++) {
+        int T = g8_t[i], n = sample_rows(T, rows), det, tind, replay, ok;
+        size_t m = (size_t)n * N, id8, idw, idx, f8, fwf, fx;
+        double r8, rw, rx, flops = 2.0 * T * N * K;
+        float ms8, msw;
+
+        for (int j = 0; j < n; j++)
+            TRY("upload", be->ops->upload(be, xs + (size_t)j * K, xh + (size_t)rows[j] * K,
+                                          (size_t)K * 4));
+        TRY("set_kernels", dsv4_cuda_set_kernels(be, 0));
+        TRY("exact linear", be->ops->linear(be, outs, xs, W, n, 0));
+        TRY("download", be->ops->download(be, ref, outs, m * 4));
+        TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+        dsv4_cuda_set_wgmma(1);
+
+        TRY("gemm8", g8_call(be, 1, out, x, W, T));
+        download_rows(be, fast, out, rows, n, N);
+        TRY("download", be->ops->download(be, first, out, nf * 4));
+        TRY("gemm8", g8_call(be, 1, out, x, W, T));
+        download_rows(be, again, out, rows, n, N);
+        det = memcmp(fast, again, m * 4) == 0;
+        if (i == 0)
+            memcpy(first0, first, nf * 4);
+        tind = memcmp(first0, first, nf * 4) == 0;
+        ms8 = g8_time(be, tm, 1, out, x, W, T);
+        download_rows(be, again, out, rows, n, N);
+        replay = memcmp(fast, again, m * 4) == 0;
+
+        TRY("fw linear", g8_call(be, 0, out, x, W, T));
+        download_rows(be, fw, out, rows, n, N);
+        msw = g8_time(be, tm, 0, out, x, W, T);
+        dsv4_cuda_set_gemm8(-1);
+        dsv4_cuda_set_wgmma(-1);
+
+        r8 = g8_rel(fast, ref, m, BOUND_BF16, &id8, &f8);
+        rw = g8_rel(fw, ref, m, BOUND_BF16, &idw, &fwf);
+        rx = g8_rel(fast, fw, m, BOUND_BF16, &idx, &fx);
+        ok = det && tind && replay && r8 <= BOUND_BF16 && (double)id8 / m >= IDENT_BF16;
+        if (f8 < m)
+            printf("     %s gemm8 T=%d: first value out of bounds: token %d column %zu: "
+                   "gemm8 %.8g exact %.8g fw/op %.8g\n", name, T, rows[f8 / N], f8 % N,
+                   fast[f8], ref[f8], fw[f8]);
+        printf("%-4s %-10s gemm8 T=%-5d vs exact maxrel %.2e (%.1e) ident %5.1f%% (%2.0f%%)  "
+               "det %s  T-indep(T=%d) %s  replay %s  %9.1f us %7.1f TFLOP/s | fw/op maxrel "
+               "%.2e ident %5.1f%% %9.1f us %7.1f TFLOP/s | gemm8 vs fw/op maxrel %.2e ident "
+               "%5.1f%%  speedup %.2f\n",
+               ok ? "ok" : "FAIL", name, T, r8, BOUND_BF16, 100.0 * id8 / m, 100 * IDENT_BF16,
+               det ? "yes" : "NO", g8_t[0], tind ? "yes" : "NO", replay ? "yes" : "NO",
+               ms8 * 1e3, flops / (ms8 * 1e-3) / 1e12, rw, 100.0 * idw / m, msw * 1e3,
+               flops / (msw * 1e-3) / 1e12, rx, 100.0 * idx / m, msw / ms8);
+        fflush(stdout);
+        if (ok)
+            ty->ok++;
+        else
+            ty->fail++;
+    }
+    free(fast);
+    free(again);
+    free(ref);
+    free(fw);
+    free(first);
+    free(first0);
+}
+
+/* Every FP8 linear of the prefill at T = 128, 512, 2048 (BENCH_FAST_ONLY=gemm8). */
+static void
+g8_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, struct tally *ty)
+{
+    static const struct {
+        const char *name;
+        int N, K;
+    } lins[] = {
+        { "wq_a", 1024, 4096 },
+        { "wq_b", 32768, 1024 },
+        { "wq_b/2", 16384, 1024 },   /* TP = 2 */
+        { "wkv", 512, 4096 },
+        { "wo_b", 4096, 8192 },
+        { "wo_b/2", 4096, 4096 },    /* TP = 2 */
+        { "idx_wq_b", 8192, 1024 },
+    };
+    size_t nx = (size_t)G8_TMAX * 8192;
+    float *xh = host_normals(nx, 1.0f, 1), *x = dev_alloc(be, nx * 4);
+    float *out = dev_alloc(be, (size_t)G8_TMAX * 32768 * 4);
+    float *xs = dev_alloc(be, (size_t)P_SAMPLE * 8192 * 4);
+    float *outs = dev_alloc(be, (size_t)P_SAMPLE * 32768 * 4);
+
+    printf("gemm8 (fast_gemm8.cu, FP8 x FP8 wgmma) and fw/op (the linear op without it: "
+           "fw_kernel where the cost model takes the GEMM) against the exact op on %d "
+           "sampled rows; T-indep: first %d rows equal to T = %d's; replay: the timed "
+           "graph's last replay equal to the plain call\n", P_SAMPLE, P_TIND, g8_t[0]);
+    for (size_t l = 0; l < sizeof(lins) / sizeof(lins[0]); l++) {
+        struct dsv4_linear W = make_fp8(be, lins[l].N, lins[l].K);
+
+        /* x as (G8_TMAX, K): rows K apart */
+        TRY("upload", be->ops->upload(be, x, xh, (size_t)G8_TMAX * lins[l].K * 4));
+        g8_linear(be, tm, lins[l].name, &W, x, xh, out, xs, outs, ty);
+        be->ops->free(be, (void *)(uintptr_t)W.w);
+        be->ops->free(be, (void *)(uintptr_t)W.scale);
+    }
+    be->ops->free(be, x);
+    be->ops->free(be, out);
+    be->ops->free(be, xs);
+    be->ops->free(be, outs);
+    free(xh);
+}
+
 /* Every prefill case: the FP8 linears of the flash layers at P_TMAX rows,
  * then moe and moe_parts (half the experts held) on P_TMOE tokens. */
 static void
@@ -1767,6 +1967,14 @@ main(int argc, char **argv)
            "move, peak %.0f GB/s\n",
            (unsigned long long)(argc > 1 ? strtoull(argv[1], NULL, 10) : 20261201ull),
            ROUTE_TIE, PEAK_GBS);
+
+    if (only != NULL && strcmp(only, "gemm8") == 0) {
+        g8_all(be, tm, &ty);
+        printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=gemm8)\n", ty.ok, ty.fail);
+        dsv4_cuda_timer_destroy(tm);
+        dsv4_backend_destroy(be);
+        return ty.fail ? 1 : 0;
+    }
 
     /* activations: (T_MAX, 8192) bf16-valued normals; rows are prefixes */
     xh = host_normals((size_t)T_MAX * 8192, 1.0f, 1);
