@@ -420,16 +420,18 @@ cmp_float(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Median time (ms) of one op call, from graphs of GRAPH_REPS calls. */
+/* Median time (ms) of one call of f(be, ctx, T), from graphs of GRAPH_REPS
+ * calls (what f writes then holds the last replay's values). */
 static float
-time_fast(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o, int T)
+time_calls(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
+           enum dsv4_err (*f)(struct dsv4_backend *, const void *, int), const void *ctx, int T)
 {
     void *g = NULL;
     float ms[N_TIMED];
 
     TRY("graph_begin", be->ops->graph_begin(be));
     for (int i = 0; i < GRAPH_REPS; i++)
-        TRY("op (recording)", op_run(be, o, T));
+        TRY("op (recording)", f(be, ctx, T));
     TRY("graph_end", be->ops->graph_end(be, &g));
     for (int i = 0; i < 2; i++)
         TRY("graph_launch", be->ops->graph_launch(be, g));
@@ -443,6 +445,19 @@ time_fast(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *
     be->ops->graph_free(be, g);
     qsort(ms, N_TIMED, sizeof(float), cmp_float);
     return ms[N_TIMED / 2];
+}
+
+static enum dsv4_err
+op_call(struct dsv4_backend *be, const void *o, int T)
+{
+    return op_run(be, (const struct op *)o, T);
+}
+
+/* Median time (ms) of one op call, from graphs of GRAPH_REPS calls. */
+static float
+time_fast(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o, int T)
+{
+    return time_calls(be, tm, op_call, o, T);
 }
 
 /* Comparison of one float output (or the router's weights). */
@@ -1641,44 +1656,25 @@ static const int g8_t[] = { 128, 512, 2048 };
 #define G8_NT ((int)(sizeof(g8_t) / sizeof(g8_t[0])))
 #define G8_TMAX 2048
 
-/* One call: kernel 1 the FP8 x FP8 linear (called directly), 0 the linear
- * op with it switched off (the Hopper path fw_kernel where its cost model
- * takes the GEMM, else the decode kernels). */
+/* One linear call of the gemm8 cases. */
+struct g8_call {
+    int kernel;   /* 1: the FP8 x FP8 linear (called directly); 0: the linear op
+                     with it switched off (fw_kernel where the cost model takes
+                     the GEMM, else the decode kernels) */
+    float *out;
+    const float *x;
+    const struct dsv4_linear *W;
+};
+
 static enum dsv4_err
-g8_call(struct dsv4_backend *be, int kernel, float *out, const float *x,
-        const struct dsv4_linear *W, int T)
+g8_run(struct dsv4_backend *be, const void *ctx, int T)
 {
-    if (kernel)
-        return cuda_fast_gemm8_linear(be, out, x, W, T);
+    const struct g8_call *c = ctx;
+
+    if (c->kernel)
+        return cuda_fast_gemm8_linear(be, c->out, c->x, c->W, T);
     dsv4_cuda_set_gemm8(0);
-    return be->ops->linear(be, out, x, W, T, 0);
-}
-
-/* Median ms of one call, from graphs of GRAPH_REPS calls (the output then
- * holds the last replay's values). */
-static float
-g8_time(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int kernel, float *out,
-        const float *x, const struct dsv4_linear *W, int T)
-{
-    void *g = NULL;
-    float ms[N_TIMED];
-
-    TRY("graph_begin", be->ops->graph_begin(be));
-    for (int i = 0; i < GRAPH_REPS; i++)
-        TRY("linear (recording)", g8_call(be, kernel, out, x, W, T));
-    TRY("graph_end", be->ops->graph_end(be, &g));
-    for (int i = 0; i < 2; i++)
-        TRY("graph_launch", be->ops->graph_launch(be, g));
-    TRY("sync", be->ops->sync(be));
-    for (int i = 0; i < N_TIMED; i++) {
-        TRY("timer", dsv4_cuda_timer_start(tm));
-        TRY("graph_launch", be->ops->graph_launch(be, g));
-        TRY("timer", dsv4_cuda_timer_stop(tm, &ms[i]));
-        ms[i] /= GRAPH_REPS;
-    }
-    be->ops->graph_free(be, g);
-    qsort(ms, N_TIMED, sizeof(float), cmp_float);
-    return ms[N_TIMED / 2];
+    return be->ops->linear(be, c->out, c->x, c->W, T, 0);
 }
 
 /* |a - b| / max |b| over n values; *ident: the bit-identical ones.  The
@@ -1714,6 +1710,7 @@ g8_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
     size_t nw = (size_t)P_SAMPLE * N, nf = (size_t)P_TIND * N;
     float *fast = malloc(nw * 4), *again = malloc(nw * 4), *ref = malloc(nw * 4);
     float *fw = malloc(nw * 4), *first = malloc(nf * 4), *first0 = malloc(nf * 4);
+    struct g8_call c8 = { 1, out, x, W }, cw = { 0, out, x, W };
 
     if (fast == NULL || again == NULL || ref == NULL || fw == NULL || first == NULL ||
         first0 == NULL)
@@ -1733,22 +1730,22 @@ g8_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
         TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
         dsv4_cuda_set_wgmma(1);
 
-        TRY("gemm8", g8_call(be, 1, out, x, W, T));
+        TRY("gemm8", g8_run(be, &c8, T));
         download_rows(be, fast, out, rows, n, N);
         TRY("download", be->ops->download(be, first, out, nf * 4));
-        TRY("gemm8", g8_call(be, 1, out, x, W, T));
+        TRY("gemm8", g8_run(be, &c8, T));
         download_rows(be, again, out, rows, n, N);
         det = memcmp(fast, again, m * 4) == 0;
         if (i == 0)
             memcpy(first0, first, nf * 4);
         tind = memcmp(first0, first, nf * 4) == 0;
-        ms8 = g8_time(be, tm, 1, out, x, W, T);
+        ms8 = time_calls(be, tm, g8_run, &c8, T);
         download_rows(be, again, out, rows, n, N);
         replay = memcmp(fast, again, m * 4) == 0;
 
-        TRY("fw linear", g8_call(be, 0, out, x, W, T));
+        TRY("fw linear", g8_run(be, &cw, T));
         download_rows(be, fw, out, rows, n, N);
-        msw = g8_time(be, tm, 0, out, x, W, T);
+        msw = time_calls(be, tm, g8_run, &cw, T);
         dsv4_cuda_set_gemm8(-1);
         dsv4_cuda_set_wgmma(-1);
 
