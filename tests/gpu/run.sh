@@ -37,6 +37,10 @@
 #      The decode linears run under DSV4_CUDA_LINEAR = v1, v2, v2h side by
 #      side (self-check of the FP8 mma layout first, then one "linear cfg"
 #      line per shape and kernel); BENCH_FAST_ONLY=linear runs only those.
+#      BENCH_FAST_ONLY=gemm8 runs only the FP8 x FP8 prefill linear
+#      (kernels/cuda/fast_gemm8.cu) against the exact op and fw_kernel at
+#      T = 128, 512, 2048 (one line per shape and T: bounds, T-independence,
+#      graph replay, us and TFLOP/s of both, speedup).
 #   8. when tests/model/test_hf is packed: the CUDA backend against the
 #      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
 #      widths, made here); the `small` preset, STEPS_SMALL (300) decode
@@ -361,7 +365,7 @@ if [ "$ar_rc" != skipped ]; then
 fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
-    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear cfg|linear v2|ok   mma|ok   quant|info random)|^ok +pf_|first value out|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
+    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear cfg|linear v2|ok   mma|ok   quant|info random)|^ok +pf_|^ok .* gemm8 T=|^gemm8|first value out|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
 fi
 if [ "$fuse_rc" != skipped ]; then
     echo "bench_fuse (fused small ops): exit $fuse_rc"
