@@ -38,8 +38,9 @@ enum dsv4_err cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const 
 
 /*
  * fast_gemm4.cu: the prefill MoE on FP8 wgmma (FP4 weights as e4m3 codes
- * times 2^-6, one k32 step per E8M0 group), opt-in.  1 when the
- * environment has DSV4_CUDA_GEMM4=1 (read once).
+ * times 2^-6, one k32 step per E8M0 group), opt-in.  1 when switched on
+ * (dsv4_cuda_set_gemm4, kernels/cuda_gemm4.h; else the environment:
+ * DSV4_CUDA_GEMM4=1, read once); says nothing about the device.
  */
 int cuda_fast_gemm4_on(void);
 

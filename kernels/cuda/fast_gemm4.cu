@@ -59,6 +59,7 @@
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_gemm.cuh"
+#include "kernels/cuda_gemm4.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -628,17 +629,25 @@ f4_kernel(struct f4_args a)
 
 /* --- host side ------------------------------------------------------------------------ */
 
+static int f4_override = -1;   /* dsv4_cuda_set_gemm4; -1: the environment decides */
+
+void
+dsv4_cuda_set_gemm4(int on)
+{
+    f4_override = on < 0 ? -1 : on != 0;
+}
+
 int
 cuda_fast_gemm4_on(void)
 {
-    static int on = -1;
+    static int env = -1;
 
-    if (on < 0) {
+    if (env < 0) {
         const char *v = getenv("DSV4_CUDA_GEMM4");
 
-        on = v != NULL && strcmp(v, "1") == 0;
+        env = v != NULL && strcmp(v, "1") == 0;
     }
-    return on;
+    return f4_override < 0 ? env : f4_override;
 }
 
 template <int WF, int EPI, int NWG, int BN>

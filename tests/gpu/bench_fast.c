@@ -117,6 +117,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda_gemm8.h"
+#include "kernels/cuda_gemm4.h"
 #include "tests/gpu/gpu_test_util.h"   /* TRY */
 
 #define PEAK_GBS 4300.0      /* DESIGN.md §7: device copy bandwidth per H200 */
@@ -1387,7 +1388,10 @@ linear2_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const
 
 static const int pt_lin[] = { 32, 128, 512, 2048, 8192 };
 static const int pt_moe[] = { 64, 256, 512, 1024, 2048 };
-static const char *const pf_path[2] = { "mma", "wgmma" };   /* dsv4_cuda_set_wgmma(i) */
+/* paths: dsv4_cuda_set_wgmma(i) for i < 2; 2: the wgmma path with
+ * dsv4_cuda_set_gemm4(1) (the FP8 wgmma MoE, fast_gemm4.cu) */
+static const char *const pf_path[3] = { "mma", "wgmma", "gemm4" };
+static const int pf_paths_default[2] = { 1, 0 };
 
 /* n = min(T, P_SAMPLE) distinct rows spread over 0 .. T-1 (first and last). */
 static int
@@ -1534,23 +1538,90 @@ pf_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
     free(pfirst);
 }
 
+/* The sampled tokens' rows of a moe / moe_parts output y (T tokens; parts:
+ * the k pick rows and the shared row of each) into dst (n, w). */
+static void
+pf_moe_rows(struct dsv4_backend *be, float *dst, const float *y, const int *rows, int n, int T,
+            int parts, int w)
+{
+    size_t Tk = (size_t)T * K_PICKS;
+
+    for (int j = 0; j < n; j++) {
+        const float *src = parts ? y + (size_t)rows[j] * K_PICKS * D_MODEL
+                                 : y + (size_t)rows[j] * D_MODEL;
+
+        TRY("download", be->ops->download(be, dst + (size_t)j * w, src,
+                                          (size_t)(parts ? K_PICKS : 1) * D_MODEL * 4));
+        if (parts)
+            TRY("download", be->ops->download(be, dst + (size_t)j * w +
+                                                      (size_t)K_PICKS * D_MODEL,
+                                              y + (Tk + rows[j]) * D_MODEL,
+                                              (size_t)D_MODEL * 4));
+    }
+}
+
+/* The timed graph's last replay (in y) against the plain call's rows
+ * (fast): the same bits, or a failure with the first difference. */
+static void
+pf_moe_replay(struct dsv4_backend *be, const struct pf_check *c, const float *y, int parts,
+              int w, const float *fast, float *buf, struct tally *ty)
+{
+    int n = c->T < P_SAMPLE ? c->T : P_SAMPLE;
+    size_t nv = (size_t)n * w, i;
+
+    pf_moe_rows(be, buf, y, c->rows, n, c->T, parts, w);
+    for (i = 0; i < nv && memcmp(buf + i, fast + i, 4) == 0; i++)
+        ;
+    if (i == nv) {
+        printf("ok   %-9s %-5s T=%-5d graph replay: same bits as the plain call\n", c->name,
+               pf_path[c->path], c->T);
+        ty->ok++;
+    } else {
+        printf("FAIL %-9s %-5s T=%-5d graph replay differs from the plain call: token %d "
+               "column %zu: replay %.8g plain %.8g\n", c->name, pf_path[c->path], c->T,
+               c->rows[i / w], i % w, buf[i], fast[i]);
+        ty->fail++;
+    }
+}
+
+/* Reported only: this path's rows (b) against the first path's (a, name an). */
+static void
+pf_moe_vs(const struct pf_check *c, const char *an, const float *a, const float *b, size_t n)
+{
+    struct diff d = { 0, 0, 0, 0 };
+
+    diff_add(&d, b, a, n);
+    printf("     %-9s %-5s T=%-5d vs %s: maxrel %.2e, %5.1f%% identical\n", c->name,
+           pf_path[c->path], c->T, an, d.maxr > 0 ? d.maxd / d.maxr : d.maxd,
+           d.n ? 100.0 * d.ident / d.n : 0.0);
+}
+
 /*
  * moe (parts == 0) or moe_parts (parts: experts of odd id not held, as a
- * rank of an expert-parallel pair of ranks sees them) at every T of pt_moe:
- * x (P_TMOE, D) with host copy xh, routing ids/wts (P_TMOE, k).
+ * rank of an expert-parallel pair of ranks sees them) at every T of tl (nt
+ * of them, at most P_TMOE) on the paths pp (np of them, indices of
+ * pf_path): x (P_TMOE, D) with host copy xh, routing ids/wts (P_TMOE, k).
+ * With np > 1 each path after the first is also compared with the first
+ * ("vs <path>": maxrel, identical share; reported), the first P_TIND rows
+ * with those of the previous T on the same path (T-indep; a difference
+ * fails when the first path is gemm4, whose rows never depend on T) and,
+ * for gemm4, the timed graph's last replay with the plain call (fails when
+ * not the same bits).
  */
 static void
 pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
        const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared, float *x,
        const float *xh, const int32_t *ids_d, const float *wts_d, const int32_t *ids,
-       const float *wts, size_t per_expert, size_t shared_bytes, struct tally *ty)
+       const float *wts, size_t per_expert, size_t shared_bytes, const int *tl, int nt,
+       const int *pp, int np, struct tally *ty)
 {
-    int rows[P_SAMPLE], w = parts ? (K_PICKS + 1) * D_MODEL : D_MODEL;
+    int rows[P_SAMPLE], trows[P_TIND], w = parts ? (K_PICKS + 1) * D_MODEL : D_MODEL;
     size_t nw = (size_t)P_SAMPLE * w, ny = ((size_t)P_TMOE * K_PICKS + P_TMOE) * D_MODEL;
     float *fast = malloc(nw * 4), *again = malloc(nw * 4), *ref = malloc(nw * 4);
-    float *row = malloc((size_t)D_MODEL * 4), *xsh = malloc((size_t)P_SAMPLE * D_MODEL * 4);
+    float *xsh = malloc((size_t)P_SAMPLE * D_MODEL * 4);
     int32_t *sid = malloc((size_t)P_SAMPLE * K_PICKS * 4);
     float *swt = malloc((size_t)P_SAMPLE * K_PICKS * 4);
+    float *first = malloc(nw * 4), *pfirst = malloc(3 * nw * 4), *f0 = malloc(nw * 4);
     float *y = dev_alloc(be, ny * 4), *ys = dev_alloc(be, nw * 4);
     float *xs = dev_alloc(be, (size_t)P_SAMPLE * D_MODEL * 4);
     int32_t *sid_d = dev_alloc(be, (size_t)P_SAMPLE * K_PICKS * 4);
@@ -1559,13 +1630,16 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
                     .experts = experts, .shared = shared, .ids = ids_d, .weights = wts_d,
                     .x = x };
 
-    if (fast == NULL || again == NULL || ref == NULL || row == NULL || xsh == NULL ||
-        sid == NULL || swt == NULL)
+    if (fast == NULL || again == NULL || ref == NULL || xsh == NULL ||
+        sid == NULL || swt == NULL || first == NULL || pfirst == NULL ||
+        f0 == NULL)
         exit(1);
     o.outs[0] = out_f32("out", y, D_MODEL, BOUND_MOE, IDENT_MOE);
     o.n_outs = 1;
-    for (size_t i = 0; i < sizeof(pt_moe) / sizeof(pt_moe[0]); i++) {
-        int T = pt_moe[i], n = sample_rows(T, rows), held = 0;
+    for (int j = 0; j < P_TIND; j++)
+        trows[j] = j;
+    for (int i = 0; i < nt; i++) {
+        int T = tl[i], n = sample_rows(T, rows), held = 0;
         size_t Tk = (size_t)T * K_PICKS;
         struct pf_check c = { o.name, T, 0, BOUND_MOE, IDENT_MOE, 0, 0, 0, rows, (size_t)w };
 
@@ -1608,33 +1682,40 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
             TRY("download", be->ops->download(be, ref, ys, (size_t)n * D_MODEL * 4));
         }
         TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
-        for (int path = 1; path >= 0; path--) {
-            dsv4_cuda_set_wgmma(path);
+        for (int pi = 0; pi < np; pi++) {
+            int path = pp[pi];
+            const char *tind = "-";
+
+            dsv4_cuda_set_wgmma(path != 0);
+            dsv4_cuda_set_gemm4(path == 2);
             c.path = path;
-            /* fast, twice; the sampled tokens' rows (moe: out; parts: k picks + shared) */
-            for (int run = 0; run < 2; run++) {
-                float *dst = run == 0 ? fast : again;
+            /* fast, twice (the sampled tokens' rows), and the first P_TIND tokens' rows */
+            TRY("fast moe", op_run(be, &o, T));
+            pf_moe_rows(be, fast, y, rows, n, T, parts, w);
+            pf_moe_rows(be, first, y, trows, P_TIND, T, parts, w);
+            TRY("fast moe", op_run(be, &o, T));
+            pf_moe_rows(be, again, y, rows, n, T, parts, w);
+            if (i > 0 && T >= P_TIND && tl[i - 1] >= P_TIND) {
+                int same = memcmp(first, pfirst + pi * nw, (size_t)P_TIND * w * 4) == 0;
 
-                TRY("fast moe", op_run(be, &o, T));
-                for (int j = 0; j < n; j++) {
-                    const float *src = parts ? y + (size_t)rows[j] * K_PICKS * D_MODEL
-                                             : y + (size_t)rows[j] * D_MODEL;
-
-                    TRY("download", be->ops->download(be, dst + (size_t)j * w, src,
-                                                      (size_t)(parts ? K_PICKS : 1) * D_MODEL *
-                                                          4));
-                    if (parts) {
-                        TRY("download", be->ops->download(be, row,
-                                                          y + (Tk + rows[j]) * D_MODEL,
-                                                          (size_t)D_MODEL * 4));
-                        memcpy(dst + (size_t)j * w + (size_t)K_PICKS * D_MODEL, row,
-                               (size_t)D_MODEL * 4);
-                    }
+                tind = same ? "yes" : "no";
+                if (!same && pp[0] == 2 && pi == 0) {
+                    printf("     %s gemm4 T=%d: the first %d tokens' rows differ from those "
+                           "at T=%d\n", o.name, T, P_TIND, tl[i - 1]);
+                    ty->fail++;
                 }
             }
-            pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * w, "-", ty);
+            memcpy(pfirst + pi * nw, first, (size_t)P_TIND * w * 4);
+            if (pi == 0)
+                memcpy(f0, fast, (size_t)n * w * 4);
+            pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * w, tind, ty);
+            if (path == 2)   /* y now holds the timed graph's last replay */
+                pf_moe_replay(be, &c, y, parts, w, fast, again, ty);
+            if (pi > 0)
+                pf_moe_vs(&c, pf_path[pp[0]], f0, fast, (size_t)n * w);
         }
         dsv4_cuda_set_wgmma(-1);
+        dsv4_cuda_set_gemm4(-1);
     }
     be->ops->free(be, y);
     be->ops->free(be, ys);
@@ -1644,10 +1725,12 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
     free(fast);
     free(again);
     free(ref);
-    free(row);
     free(xsh);
     free(sid);
     free(swt);
+    free(first);
+    free(pfirst);
+    free(f0);
 }
 
 /* --- the FP8 x FP8 prefill linear (kernels/cuda/fast_gemm8.cu) ----------------------- */
@@ -1823,6 +1906,66 @@ g8_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, struct tally *ty)
 
 /* Every prefill case: the FP8 linears of the flash layers at P_TMAX rows,
  * then moe and moe_parts (half the experts held) on P_TMOE tokens. */
+/*
+ * moe and moe_parts (the odd experts held elsewhere) through pf_moe at the
+ * T of tl on the paths pp: x (P_TMOE, D) with host copy xh; routing as the
+ * decode cases.
+ */
+static void
+pf_moe_both(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
+            const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared, float *x,
+            const float *xh, size_t per_expert, size_t shared_bytes, const int *tl, int nt,
+            const int *pp, int np, struct tally *ty)
+{
+    int32_t *ids = malloc((size_t)P_TMOE * K_PICKS * 4);
+    float *wts = malloc((size_t)P_TMOE * K_PICKS * 4);
+    struct dsv4_expert_w *half = malloc(E_EXPERTS * sizeof(*half));
+    int32_t *ids_d;
+    float *wts_d;
+
+    if (ids == NULL || wts == NULL || half == NULL)
+        exit(1);
+    make_routing(ids, wts, P_TMOE);
+    memcpy(half, experts, E_EXPERTS * sizeof(*half));
+    for (int e = 1; e < E_EXPERTS; e += 2)
+        memset(&half[e], 0, sizeof(half[e]));
+    TRY("register experts", dsv4_cuda_experts_register(be, half, E_EXPERTS));
+    ids_d = dev_upload(be, ids, (size_t)P_TMOE * K_PICKS * 4);
+    wts_d = dev_upload(be, wts, (size_t)P_TMOE * K_PICKS * 4);
+    pf_moe(be, tm, 0, experts, shared, x, xh, ids_d, wts_d, ids, wts, per_expert,
+           shared_bytes, tl, nt, pp, np, ty);
+    pf_moe(be, tm, 1, half, shared, x, xh, ids_d, wts_d, ids, wts, per_expert, shared_bytes,
+           tl, nt, pp, np, ty);
+    be->ops->free(be, ids_d);
+    be->ops->free(be, wts_d);
+    dsv4_cuda_experts_release(be, half);
+    free(half);
+    free(ids);
+    free(wts);
+}
+
+/* The FP8 wgmma prefill MoE (fast_gemm4.cu; BENCH_FAST_ONLY=gemm4): moe and
+ * moe_parts at T = 256, 1024, 2048, gemm4 then fw_kernel ("wgmma"). */
+static void
+g4_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
+       const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared,
+       size_t per_expert, size_t shared_bytes, struct tally *ty)
+{
+    static const int g4_t[] = { 256, 1024, 2048 }, g4_paths[] = { 2, 1 };
+    size_t nx = (size_t)P_TMOE * D_MODEL;
+    float *xh = host_normals(nx, 1.0f, 1), *x = dev_upload(be, xh, nx * 4);
+
+    printf("gemm4 (fast_gemm4.cu, FP8 wgmma MoE) against the exact op on %d sampled rows "
+           "and against fw_kernel (\"wgmma\"); T-indep: first %d tokens' rows equal to the "
+           "previous T's (gemm4: failed when not); replay: the timed graph's last call equal "
+           "to the plain call; ratio: floor (max of FLOPs at %.0f TFLOP/s, bytes at %.1f "
+           "TB/s) / time\n", P_SAMPLE, P_TIND, PEAK_TFS, PEAK_GBS / 1e3);
+    pf_moe_both(be, tm, experts, shared, x, xh, per_expert, shared_bytes, g4_t,
+                (int)(sizeof(g4_t) / sizeof(g4_t[0])), g4_paths, 2, ty);
+    be->ops->free(be, x);
+    free(xh);
+}
+
 static void
 prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
             const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared,
@@ -1850,12 +1993,7 @@ prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     float *out = dev_alloc(be, (size_t)P_TMAX * 16384 * 4);
     float *xs = dev_alloc(be, (size_t)P_SAMPLE * 8192 * 4);
     float *outs = dev_alloc(be, (size_t)P_SAMPLE * 16384 * 4);
-    int32_t *ids = malloc((size_t)P_TMOE * K_PICKS * 4);
-    float *wts = malloc((size_t)P_TMOE * K_PICKS * 4);
-    struct dsv4_expert_w *half = malloc(E_EXPERTS * sizeof(*half));
 
-    if (ids == NULL || wts == NULL || half == NULL)
-        exit(1);
     printf("prefill (fast_gemm.cu): the exact op on %d sampled rows per case; paths wgmma "
            "(default) and mma (dsv4_cuda_set_wgmma(0)); T-indep: first %d rows equal to the "
            "previous T's on the same path (not failed: smaller T may take the decode "
@@ -1881,29 +2019,10 @@ prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     be->ops->free(be, xu);
     free(xuh);
 
-    /* moe: x (P_TMOE, D) is the first rows of the same array; routing as the
-     * decode cases; moe_parts: the odd experts held elsewhere */
-    make_routing(ids, wts, P_TMOE);
-    memcpy(half, experts, E_EXPERTS * sizeof(*half));
-    for (int e = 1; e < E_EXPERTS; e += 2)
-        memset(&half[e], 0, sizeof(half[e]));
-    TRY("register experts", dsv4_cuda_experts_register(be, half, E_EXPERTS));
-    {
-        int32_t *ids_d = dev_upload(be, ids, (size_t)P_TMOE * K_PICKS * 4);
-        float *wts_d = dev_upload(be, wts, (size_t)P_TMOE * K_PICKS * 4);
-
-        pf_moe(be, tm, 0, experts, shared, x, xh, ids_d, wts_d, ids, wts, per_expert,
-               shared_bytes, ty);
-        pf_moe(be, tm, 1, half, shared, x, xh, ids_d, wts_d, ids, wts, per_expert,
-               shared_bytes, ty);
-        be->ops->free(be, ids_d);
-        be->ops->free(be, wts_d);
-    }
-    dsv4_cuda_experts_release(be, half);
+    /* moe: x (P_TMOE, D) is the first rows of the same array */
+    pf_moe_both(be, tm, experts, shared, x, xh, per_expert, shared_bytes, pt_moe,
+                (int)(sizeof(pt_moe) / sizeof(pt_moe[0])), pf_paths_default, 2, ty);
     be->ops->free(be, x);
-    free(half);
-    free(ids);
-    free(wts);
     free(xh);
 }
 
@@ -1941,6 +2060,7 @@ main(int argc, char **argv)
     int n_lin = (int)(sizeof(lins) / sizeof(lins[0]));
     const char *only = getenv("BENCH_FAST_ONLY");
     int only_moe = only != NULL && strcmp(only, "moe") == 0;   /* the decode MoE only */
+    int only_g4 = only != NULL && strcmp(only, "gemm4") == 0;  /* the FP8 wgmma prefill MoE */
     float *xh, *x, *xg, *Xs, *out, *o1, *o2, *wts;
     int32_t *ids;
     struct dsv4_expert_w *experts, shared;
@@ -1980,7 +2100,7 @@ main(int argc, char **argv)
     o1 = dev_alloc(be, (size_t)T_MAX * 256 * sizeof(float));
     o2 = dev_alloc(be, (size_t)T_MAX * 256 * sizeof(float));
 
-    for (int l = 0; l < n_lin && !only_moe; l++) {
+    for (int l = 0; l < n_lin && !only_moe && !only_g4; l++) {
         struct op o = { .name = lins[l].name, .kind = OP_LINEAR, .bw = 1, .x = x };
 
         o.W = lins[l].fp8 ? make_fp8(be, lins[l].N, lins[l].K) : make_bf16(be, lins[l].N,
@@ -2014,7 +2134,7 @@ main(int argc, char **argv)
     /* wo_a: grouped, 8 x (1024 x 4096) FP8 run as bf16 on x (T, 8 * 4096);
      * x not bf16-valued (the op rounds it) */
     xg = dev_normals(be, (size_t)T_MAX * O_GROUPS * D_MODEL, 1.0f, 0);
-    if (!only_moe) {
+    if (!only_moe && !only_g4) {
         struct op o = { .name = "wo_a", .kind = OP_GROUPED, .bw = 1, .x = xg, .G = O_GROUPS };
 
         o.W = make_fp8(be, O_GROUPS * O_RANK, D_MODEL);
@@ -2049,6 +2169,16 @@ main(int argc, char **argv)
     shared.w2 = make_fp8(be, D_MODEL, I_EXPERT);
     shared_bytes = lin_bytes(&shared.w1) + lin_bytes(&shared.w3) + lin_bytes(&shared.w2);
     TRY("register experts", dsv4_cuda_experts_register(be, experts, E_EXPERTS));
+    if (only_g4) {
+        g4_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
+        printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=gemm4)\n", ty.ok, ty.fail);
+        dsv4_cuda_experts_release(be, experts);
+        dsv4_cuda_timer_destroy(tm);
+        dsv4_backend_destroy(be);
+        free(experts);
+        free(xh);
+        return ty.fail ? 1 : 0;
+    }
 
     /* routing: k distinct experts per token, positive weights summing to 1.5 */
     ids = malloc((size_t)T_MAX * K_PICKS * sizeof(int32_t));
