@@ -271,10 +271,12 @@ f4_commit(void)
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
+/* Wait until at most N wgmma groups of the warpgroup are pending. */
+template <int N>
 static __device__ __forceinline__ void
-f4_wait0(void)
+f4_wait(void)
 {
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
 
 /* cp.async writes (generic proxy) made visible to wgmma's reads (async proxy). */
@@ -379,15 +381,28 @@ f4_ratio(float p, float c)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+/* acc = fma(t, s_w, acc): rows ra (s0) and ra + 8 (s1) of the D fragment. */
+template <int N>
+static __device__ __forceinline__ void
+f4_fma(float (&acc)[N], const float (&t)[N], float s0, float s1)
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        acc[i] = __fmaf_rn(t[i], (i & 2) ? s1 : s0, acc[i]);
+}
+
 /*
  * One stage (128 columns) of the warpgroup's 64 rows into acc: decode the 4
  * A fragments (rows ra = 16w + g of the warpgroup's block and ra + 8),
  * rescale acc to this block's activation scales (sxc; sxp the previous
  * block's, = sxc for the first), then per group (FP4) or per block (FP8)
  * wgmma into t, waited for, and acc = fma(t, s_w, acc).  swa, swb: FP8
- * block scales of rows ra and ra + 8.
+ * block scales of rows ra and ra + 8.  PIPE (FP4): two accumulator sets, the
+ * next group's wgmma in flight while the previous one is added (the same
+ * additions in the same order: the same bits; 16 registers more per
+ * thread, so only where there is room).
  */
-template <int WF, int BN>
+template <int WF, int BN, int PIPE>
 static __device__ __forceinline__ void
 f4_stage(float (&acc)[BN / 2], const unsigned char *sa, uint32_t sb, const unsigned char *ss,
          const float *sxc, const float *sxp, int ra, int q, float swa, float swb)
@@ -426,7 +441,39 @@ f4_stage(float (&acc)[BN / 2], const unsigned char *sa, uint32_t sb, const unsig
         acc[4 * j + 2] *= r0;
         acc[4 * j + 3] *= r1;
     }
-    if (WF == F4_FP4) {
+    if (WF == F4_FP4 && PIPE) {
+        float u[BN / 2], s0[4], s1[4];
+
+#pragma unroll
+        for (int G = 0; G < 4; G++) {
+            s0[G] = cu_e8m0_to_f32(ss[ra * 4 + G]) * 64.0f;
+            s1[G] = cu_e8m0_to_f32(ss[(ra + 8) * 4 + G]) * 64.0f;
+        }
+        f4_fence();
+        f4_mma<BN, 0>(t, af[0], f4_desc(sb, 0));
+        f4_commit();
+        f4_fence();
+        f4_mma<BN, 0>(u, af[1], f4_desc(sb, 1));
+        f4_commit();
+        f4_wait<1>();   /* group 0 done, group 1 in flight */
+        f4_hold(t);
+        f4_fma(acc, t, s0[0], s1[0]);
+        f4_fence();
+        f4_mma<BN, 0>(t, af[2], f4_desc(sb, 2));
+        f4_commit();
+        f4_wait<1>();   /* group 1 done, group 2 in flight */
+        f4_hold(u);
+        f4_fma(acc, u, s0[1], s1[1]);
+        f4_fence();
+        f4_mma<BN, 0>(u, af[3], f4_desc(sb, 3));
+        f4_commit();
+        f4_wait<1>();   /* group 2 done, group 3 in flight */
+        f4_hold(t);
+        f4_fma(acc, t, s0[2], s1[2]);
+        f4_wait<0>();
+        f4_hold(u);
+        f4_fma(acc, u, s0[3], s1[3]);
+    } else if (WF == F4_FP4) {
 #pragma unroll
         for (int G = 0; G < 4; G++) {
             float s0 = cu_e8m0_to_f32(ss[ra * 4 + G]) * 64.0f;
@@ -435,11 +482,9 @@ f4_stage(float (&acc)[BN / 2], const unsigned char *sa, uint32_t sb, const unsig
             f4_fence();
             f4_mma<BN, 0>(t, af[G], f4_desc(sb, G));
             f4_commit();
-            f4_wait0();
+            f4_wait<0>();
             f4_hold(t);
-#pragma unroll
-            for (int i = 0; i < BN / 2; i++)
-                acc[i] = __fmaf_rn(t[i], (i & 2) ? s1 : s0, acc[i]);
+            f4_fma(acc, t, s0, s1);
         }
     } else {
         f4_fence();
@@ -448,11 +493,9 @@ f4_stage(float (&acc)[BN / 2], const unsigned char *sa, uint32_t sb, const unsig
         f4_mma<BN, 1>(t, af[2], f4_desc(sb, 2));
         f4_mma<BN, 1>(t, af[3], f4_desc(sb, 3));
         f4_commit();
-        f4_wait0();
+        f4_wait<0>();
         f4_hold(t);
-#pragma unroll
-        for (int i = 0; i < BN / 2; i++)
-            acc[i] = __fmaf_rn(t[i], (i & 2) ? swb : swa, acc[i]);
+        f4_fma(acc, t, swa, swb);
     }
 }
 
@@ -556,9 +599,9 @@ f4_kernel(struct f4_args a)
             swa = cu_e8m0_to_f32(__ldg(sw1 + kt));
             swb = cu_e8m0_to_f32(__ldg(sw3 + kt));
         }
-        f4_stage<WF, BN>(acc, sa + st * C::AB + wg * 64 * F4_AROW(WF), sb0 + st * C::BB,
-                         ss + st * C::SB + wg * 64 * 4, sx + st * BN, sx + sp * BN, ra, q,
-                         swa, swb);
+        f4_stage<WF, BN, NWG == 2>(acc, sa + st * C::AB + wg * 64 * F4_AROW(WF),
+                                   sb0 + st * C::BB, ss + st * C::SB + wg * 64 * 4,
+                                   sx + st * BN, sx + sp * BN, ra, q, swa, swb);
     }
     sxl = sx + ((nkt - 1) % C::S) * BN;   /* the last block's scales: not refilled */
 
