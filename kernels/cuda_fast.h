@@ -69,8 +69,8 @@ int dsv4_cuda_get_kernels(const struct dsv4_backend *be);
 /*
  * 1 when the decode kernels are launched as programmatic dependent launches
  * (PDL: each kernel's blocks scheduled while the previous kernel on the
- * stream finishes; docs/gpu.md, "PDL"): DSV4_CUDA_PDL=1 in the environment,
- * read once per process (default 0).  Same results either way.
+ * stream finishes; docs/gpu.md, "PDL"): unless DSV4_CUDA_PDL=0 in the
+ * environment, read once per process (default 1).  Same results either way.
  */
 int dsv4_cuda_pdl_enabled(void);
 

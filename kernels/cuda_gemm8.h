@@ -21,7 +21,7 @@ extern "C" {
  * on != 0: FP8 linears that reach the prefill GEMM on an sm_90 device
  * (REF numerics, T > 64 rows, the Hopper path on) take the FP8 x FP8
  * kernel; 0: they keep fw_kernel; -1: back to the environment's choice
- * (DSV4_CUDA_GEMM8=1 or on: used; default: not used).  Process-wide; takes
+ * (DSV4_CUDA_GEMM8=0 or off: not used; default: used).  Process-wide; takes
  * effect for ops queued afterwards.  The two kernels round differently (a
  * value may differ in the last bits between them).
  */

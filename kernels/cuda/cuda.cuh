@@ -102,7 +102,7 @@ enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int l
 
 /*
  * Programmatic dependent launch (PDL; docs/gpu.md, "PDL").  With
- * DSV4_CUDA_PDL=1 in the environment (read once per process; default off),
+ * DSV4_CUDA_PDL unset or not "0" (read once per process; default on),
  * cu_launch launches with cudaLaunchAttributeProgrammaticStreamSerialization,
  * so the kernel's blocks may be scheduled while the kernel before it on the
  * stream is still running (stream capture records a programmatic edge).
