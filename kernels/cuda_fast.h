@@ -115,6 +115,19 @@ void dsv4_cuda_set_wgmma(int on);
 void dsv4_cuda_set_small_kernels(int version);
 
 /*
+ * The prefill form of the fast compress (kernels/cuda/fast_attn.cu): calls
+ * of more than 64 rows compute their entries in parallel (one launch over
+ * the emitting rows, one for the state, one checking that the call fits:
+ * each slot's rows one run of consecutive positions; otherwise the
+ * one-warp-per-channel loop) with the same bits as the one-warp-per-channel
+ * kernel.  on != 0 uses it, 0 keeps the one-warp-per-channel kernel, -1 goes
+ * back to the environment's choice (DSV4_CUDA_FC_PREFILL=1: used; default:
+ * not used).  Process-wide; takes effect for ops queued afterwards
+ * (tests/gpu/bench_fcp.c).
+ */
+void dsv4_cuda_set_fc_prefill(int on);
+
+/*
  * Kernel nodes of the last graph recorded on be (graph_begin .. graph_end
  * of backend.h, e.g. a decode step's graph), and its nodes of any kind in
  * *nodes (may be NULL); -1 when be is not a CUDA backend.  For counting the

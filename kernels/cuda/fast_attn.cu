@@ -25,12 +25,32 @@
  * after the other; each row is the same fc_row code, so the bits are those
  * of the one-warp-per-channel kernel.  DSV4_CUDA_FUSE=0 keeps the
  * one-warp-per-channel kernel at every T.
+ *
+ * Prefill-sized calls (T > 64) with DSV4_CUDA_FC_PREFILL=1 or
+ * dsv4_cuda_set_fc_prefill(1) (default off until measured) compute the
+ * entries in parallel: an entry is a function of its window's c*r rows
+ * only, so a grid over (channel blocks, emitting rows) runs fc_row's
+ * softmax on values taken straight from a, z + ape (rows of the call) or
+ * from the state as it was before the call (rows streamed earlier), with
+ * the same expressions and the same lane order, so the same bits.  Then one
+ * warp per channel and slot run writes the state fc_kernel leaves: current
+ * slot j <- the run's last row at a position = j mod r; overlap: previous
+ * slots <- the rows of the run's last complete window.  This needs every
+ * slot's rows in the call to be one run of consecutive positions and every
+ * emitting row to end a window; fcp_check_kernel tests that on the device
+ * and, when it does not hold, the entries kernel does nothing and the state
+ * kernel runs fc_kernel's loop (same result as fc_kernel, one launch more).
  */
+#include <stdlib.h>
+#include <string.h>
+
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"   /* cuda_fast_fuse_enabled */
+#include "kernels/cuda_fast.h"         /* dsv4_cuda_set_fc_prefill */
 
 #define FC_THREADS 128
 #define FC_CHAIN_MAX_T 64    /* calls up to this many rows run slot chains in parallel */
+#define FCP_MAX_K 4          /* prefill form: window rows per lane (c*r <= 128) */
 
 /* Row t of the channel ch on one warp: the state writes, the entry when the
  * row emits, the overlap shift at the end of a window (see above). */
@@ -138,21 +158,258 @@ fc_chain_kernel(float *entries, float *state_kv, float *state_z, const float *a,
                    c);
 }
 
+/*
+ * The prefill form (see the head of the file).  fcp_ok: 1 when the call's
+ * rows fit it (written by fcp_check_kernel, read by the two kernels after
+ * it on the same stream; one per device, as are the kernels' launches on a
+ * backend's stream).
+ */
+static __device__ int fcp_ok;
+
+/* One block: fcp_ok = every slot's rows are one run of consecutive
+ * positions and every emitting row ends a window. */
+static __global__ void
+fcp_check_kernel(const int32_t *slot, const int32_t *pos, const int32_t *emit, int T, int r)
+{
+    __shared__ int bad;
+
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    if (threadIdx.x == 0)
+        bad = 0;
+    __syncthreads();
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+        int s = slot[t];
+
+        if (emit[t] >= 0 && pos[t] % r != r - 1)
+            bad = 1;
+        if (t > 0 && slot[t - 1] == s) {
+            if (pos[t] != pos[t - 1] + 1)
+                bad = 1;
+            continue;
+        }
+        for (int i = 0; i < t; i++)   /* t starts a run: no earlier run of s */
+            if (slot[i] == s && (i == 0 || slot[i - 1] != s)) {
+                bad = 1;
+                break;
+            }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        fcp_ok = !bad;
+}
+
+/*
+ * Entries: block (x, y) takes the rows y, y + gridDim.y, ... that emit; a
+ * warp per channel.  State slot k of row t's window (position
+ * q = pos[t] - c*r + 1 + k) is call row u = t - (c*r - 1 - k) when that row
+ * is of the same slot (runs are contiguous), else the pre-call state: its
+ * slot k, except for an overlap previous-window slot whose window was
+ * shifted inside the call (row t - r is in the call): then the pre-call
+ * current slot r + k, the one fc_row copies.  Then fc_row's softmax.
+ */
+static __global__ void __launch_bounds__(FC_THREADS)
+fcp_entry_kernel(float *entries, const float *state_kv, const float *state_z, const float *a,
+                 const float *z, const float *ape, const int32_t *slot, const int32_t *pos,
+                 const int32_t *emit, int T, int r, int d, int c)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    int64_t ch = (blockIdx.x * (int64_t)FC_THREADS + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32, ns = c * r;
+    int64_t cd = (int64_t)c * d, pool = (int64_t)ns * cd;
+
+    if (!fcp_ok || ch >= d)
+        return;   /* whole warps (fcp_ok is grid-uniform) */
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        int s, shifted;
+        const float *kv, *zs;
+        float m = -__int_as_float(0x7f800000), den = 0.0f, acc = 0.0f;
+        float lv[FCP_MAX_K], vv[FCP_MAX_K];
+
+        if (emit[t] < 0)
+            continue;
+        s = slot[t];
+        kv = state_kv + s * pool;
+        zs = state_z + s * pool;
+        shifted = c == 2 && t - r >= 0 && slot[t - r] == s;
+        for (int i = 0; i < FCP_MAX_K; i++) {
+            int k = lane + 32 * i, u = t - (ns - 1 - k);
+            int64_t col = (c == 2 && k >= r) ? d + ch : ch;
+
+            if (k >= ns)
+                break;
+            if (u >= 0 && slot[u] == s) {
+                lv[i] = z[u * cd + col] + ape[(int64_t)(k % r) * cd + col];
+                vv[i] = a[u * cd + col];
+            } else {
+                int64_t sk = (c == 2 && k < r && shifted) ? r + k : k;
+
+                lv[i] = zs[sk * cd + col];
+                vv[i] = kv[sk * cd + col];
+            }
+        }
+        /* fc_row's sums, the same order: lane's k = lane, lane + 32, ... */
+        for (int i = 0; i < FCP_MAX_K && lane + 32 * i < ns; i++)
+            m = lv[i] > m ? lv[i] : m;
+        for (int o = 16; o > 0; o /= 2)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        for (int i = 0; i < FCP_MAX_K && lane + 32 * i < ns; i++)
+            den += cu_expf(lv[i] - m);
+        for (int o = 16; o > 0; o /= 2)
+            den += __shfl_xor_sync(0xffffffffu, den, o);
+        for (int i = 0; i < FCP_MAX_K && lane + 32 * i < ns; i++)
+            acc += (cu_expf(lv[i] - m) / den) * vv[i];
+        for (int o = 16; o > 0; o /= 2)
+            acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0)
+            entries[(int64_t)emit[t] * d + ch] = acc;
+    }
+}
+
+/* ((x mod r) + r) mod r for x possibly negative. */
+static __device__ __forceinline__ int
+fcp_mod(int x, int r)
+{
+    return (x % r + r) % r;
+}
+
+/*
+ * State: block (x, y) takes the rows y, y + gridDim.y, ... that end their
+ * slot's run (u1); a warp per channel writes the state fc_kernel leaves
+ * after the run (see the head of the file), reading before it writes (the
+ * previous-window values may come from the pre-call current slots).  When
+ * fcp_ok is 0, blocks y == 0 run fc_kernel's loop instead.
+ */
+static __global__ void __launch_bounds__(FC_THREADS)
+fcp_state_kernel(float *entries, float *state_kv, float *state_z, const float *a,
+                 const float *z, const float *ape, const int32_t *slot, const int32_t *pos,
+                 const int32_t *emit, int T, int r, int d, int c)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    int64_t ch = (blockIdx.x * (int64_t)FC_THREADS + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    int64_t cd = (int64_t)c * d, pool = (int64_t)c * r * cd;
+
+    if (ch >= d)
+        return;   /* whole warps */
+    if (!fcp_ok) {
+        if (blockIdx.y == 0)
+            for (int t = 0; t < T; t++)
+                fc_row(entries, state_kv, state_z, a, z, ape, slot, pos, emit, t, ch, lane, r,
+                       d, c);
+        return;
+    }
+    for (int u1 = blockIdx.y; u1 < T; u1 += gridDim.y) {
+        int s = slot[u1], p1 = pos[u1];
+        float *kv = state_kv + s * pool, *zs = state_z + s * pool;
+
+        if (u1 + 1 < T && slot[u1 + 1] == s)
+            continue;   /* not the run's last row */
+        if (c == 1) {
+            for (int j = lane; j < r; j += 32) {
+                int u = u1 - fcp_mod(p1 - j, r);
+
+                if (u >= 0 && slot[u] == s) {
+                    kv[(int64_t)j * cd + ch] = a[u * cd + ch];
+                    zs[(int64_t)j * cd + ch] = z[u * cd + ch] + ape[(int64_t)j * cd + ch];
+                }
+            }
+            continue;
+        }
+        /* overlap: lane i < c*r takes slot j = i / c, half h = i % c */
+        {
+            int i = lane, j = i / c, has_cur = 0, has_prev = 0;
+            int64_t col = (int64_t)(i % c) * d + ch;
+            float ck = 0.0f, cz = 0.0f, pk = 0.0f, pz = 0.0f;
+
+            if (i < c * r) {
+                int u = u1 - fcp_mod(p1 - j, r), ue = u1 - fcp_mod(p1 - (r - 1), r);
+
+                if (u >= 0 && slot[u] == s) {
+                    has_cur = 1;
+                    ck = a[u * cd + col];
+                    cz = z[u * cd + col] + ape[(int64_t)j * cd + col];
+                }
+                if (ue >= 0 && slot[ue] == s) {   /* a window ended in the run */
+                    int v = ue - (r - 1) + j;
+
+                    has_prev = 1;
+                    if (v >= 0 && slot[v] == s) {
+                        pk = a[v * cd + col];
+                        pz = z[v * cd + col] + ape[(int64_t)j * cd + col];
+                    } else {
+                        pk = kv[(int64_t)(r + j) * cd + col];
+                        pz = zs[(int64_t)(r + j) * cd + col];
+                    }
+                }
+            }
+            __syncwarp();
+            if (has_prev) {
+                kv[(int64_t)j * cd + col] = pk;
+                zs[(int64_t)j * cd + col] = pz;
+            }
+            if (has_cur) {
+                kv[(int64_t)(r + j) * cd + col] = ck;
+                zs[(int64_t)(r + j) * cd + col] = cz;
+            }
+            __syncwarp();
+        }
+    }
+}
+
+static int fcp_override = -1;   /* dsv4_cuda_set_fc_prefill; -1: the environment decides */
+
+void
+dsv4_cuda_set_fc_prefill(int on)
+{
+    fcp_override = on < 0 ? -1 : on != 0;
+}
+
+/* Whether calls of T > FC_CHAIN_MAX_T rows take the prefill form. */
+static int
+fcp_enabled(void)
+{
+    static int env = -1;
+
+    if (env < 0) {
+        const char *v = getenv("DSV4_CUDA_FC_PREFILL");
+
+        env = v != NULL && strcmp(v, "1") == 0;
+    }
+    return fcp_override < 0 ? env : fcp_override;
+}
+
 enum dsv4_err
 cuda_fast_compress(struct dsv4_backend *be, float *entries, float *state_kv, float *state_z,
                    const float *a, const float *z, const float *ape, const int32_t *slot,
                    const int32_t *pos, const int32_t *emit, int T, int r, int d)
 {
     unsigned nb = cuda_blocks((int64_t)d * 32, FC_THREADS);
+    int c = r == 4 ? 2 : 1;
 
     if (T <= 0)
         return DSV4_OK;
-    if (T <= FC_CHAIN_MAX_T && cuda_fast_fuse_enabled())
+    if (T <= FC_CHAIN_MAX_T && cuda_fast_fuse_enabled()) {
         cu_launch(fc_chain_kernel, dim3(nb, (unsigned)T), FC_THREADS, 0, cuda_stream(be), entries,
-                  state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, r == 4 ? 2 : 1);
-    else
+                  state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, c);
+    } else if (T > FC_CHAIN_MAX_T && c * r <= 32 * FCP_MAX_K && fcp_enabled()) {
+        /* about one emitting row per entry block, a few run ends per state block */
+        unsigned ny = (unsigned)((T + r - 1) / r), ns = (unsigned)(T < 64 ? T : 64);
+
+        cu_launch(fcp_check_kernel, 1, 1024, 0, cuda_stream(be), slot, pos, emit, T, r);
+        CUDA_LAUNCHED("fast compress check");
+        cu_launch(fcp_entry_kernel, dim3(nb, ny), FC_THREADS, 0, cuda_stream(be), entries,
+                  (const float *)state_kv, (const float *)state_z, a, z, ape, slot, pos, emit,
+                  T, r, d, c);
+        CUDA_LAUNCHED("fast compress entries");
+        cu_launch(fcp_state_kernel, dim3(nb, ns), FC_THREADS, 0, cuda_stream(be), entries,
+                  state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, c);
+    } else {
         cu_launch(fc_kernel, nb, FC_THREADS, 0, cuda_stream(be), entries, state_kv, state_z, a, z,
-                  ape, slot, pos, emit, T, r, d, r == 4 ? 2 : 1);
+                  ape, slot, pos, emit, T, r, d, c);
+    }
     CUDA_LAUNCHED("fast compress");
     return DSV4_OK;
 }

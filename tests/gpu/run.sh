@@ -93,6 +93,10 @@
 #      determinism, T-independence, us per call and kernels per call
 #      (tests/gpu/bench_fuse.c); log in $OUT/fuse.log; a failure fails the
 #      script.
+#  16. optional, when tests/bench_fcp is packed: the prefill form of the
+#      fast compress vs fc_kernel bit for bit at T = 512, 2,048, us per call
+#      (tests/gpu/bench_fcp.c); log in $OUT/fcp.log; a failure fails the
+#      script.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -325,6 +329,13 @@ if command -v bench_fuse > /dev/null; then
     [ "$fuse_rc" = 77 ] && fuse_rc=skipped
 fi
 
+fcp_rc=skipped
+if command -v bench_fcp > /dev/null; then
+    timeout 300 bench_fcp "$SEED" > "$OUT/fcp.log" 2>&1
+    fcp_rc=$?
+    [ "$fcp_rc" = 77 ] && fcp_rc=skipped
+fi
+
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
@@ -376,6 +387,10 @@ if [ "$fuse_rc" != skipped ]; then
     echo "bench_fuse (fused small ops): exit $fuse_rc"
     grep -E "^(FAIL|ok|PASS|bench_fuse)" "$OUT/fuse.log"
 fi
+if [ "$fcp_rc" != skipped ]; then
+    echo "bench_fcp (prefill compress vs fc_kernel): exit $fcp_rc"
+    grep -E "^(FAIL|ok|PASS|bench_fcp)" "$OUT/fcp.log"
+fi
 if [ "$attn_rc" != skipped ]; then
     echo "bench_attn (fast attention and indexer): exit $attn_rc"
     grep -E "^(FAIL|ok|PASS|bench_attn)|first" "$OUT/attn.log"
@@ -390,6 +405,7 @@ fi
 [ "$spec_rc" = skipped ] || [ "$spec_rc" = 0 ] || exit 1
 [ "$ar_rc" = skipped ] || [ "$ar_rc" = 0 ] || exit 1
 [ "$fuse_rc" = skipped ] || [ "$fuse_rc" = 0 ] || exit 1
+[ "$fcp_rc" = skipped ] || [ "$fcp_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done
