@@ -64,6 +64,7 @@
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_gemm.cuh"
+#include "kernels/cuda/fast_wgmma.cuh"
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda_gemm8.h"
 
@@ -129,42 +130,6 @@ fg_smem_bytes(int wf, int mt)
            2 * bm * 4 + (wf == FG_FP4 ? FK_LUT_WORDS * 4 : 0);
 }
 
-/* --- cp.async --------------------------------------------------------------------- */
-
-/* 16 bytes global -> shared; valid == 0: the 16 bytes are zeroed (src not read). */
-static __device__ __forceinline__ void
-fg_cp16(void *dst, const void *src, int valid)
-{
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(d), "l"(src), "r"(valid ? 16 : 0));
-}
-
-/* 4 bytes, the same way. */
-static __device__ __forceinline__ void
-fg_cp4(void *dst, const void *src, int valid)
-{
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-                 :: "r"(d), "l"(src), "r"(valid ? 4 : 0));
-}
-
-static __device__ __forceinline__ void
-fg_commit(void)
-{
-    asm volatile("cp.async.commit_group;");
-}
-
-/* Wait until at most N groups are pending. */
-template <int N>
-static __device__ __forceinline__ void
-fg_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;" :: "n"(N));
-}
-
 /* --- the tile kernel ------------------------------------------------------------- */
 
 /* Shared memory of a block, carved per fg_smem_bytes. */
@@ -174,24 +139,6 @@ struct fg_smem {
     int *arow, *orow;           /* (BM) A row and output row of tile row i; -1: none */
     uint32_t *lut;              /* FP4 table */
 };
-
-/* Byte offset of logical 16-byte chunk c of row `row` in a stage:
- * A rows (256 bytes): chunk ^ 4 on odd rows;
- * FP8 B rows (128 bytes): chunk pairs ^ (row & 3);
- * FP4 B rows (64 bytes): chunk ^ ((row >> 1) & 3). */
-static __device__ __forceinline__ int
-fg_a_off(int row, int c)
-{
-    return row * 256 + ((c ^ ((row & 1) << 2)) << 4);
-}
-
-template <int WF>
-static __device__ __forceinline__ int
-fg_b_off(int row, int c)
-{
-    return WF == FG_FP8 ? row * 128 + ((c ^ ((row & 3) << 1)) << 4)
-                        : row * 64 + ((c ^ ((row >> 1) & 3)) << 4);
-}
 
 /* B (smem) row of warp column wn's n-tile j: FG_UP puts w1's 64 rows first,
  * w3's next, so that n-tiles j and j + 2 are g and u of the same columns. */
@@ -218,7 +165,7 @@ fg_load(const struct fg_smem &sm, int st, int kb, const struct fg_args &a,
         int row = (tid >> 4) + it * (FG_THREADS / 16), c = tid & 15, r = sm.arow[row];
         const uint16_t *src = a.xa + (int64_t)(r < 0 ? 0 : r) * K + kb * 128 + c * 8;
 
-        fg_cp16(as + fg_a_off(row, c), src, r >= 0);
+        wg_cp16(as + wg_off<256>(row, c), src, r >= 0);
     }
     if (WF == FG_FP8) {
 #pragma unroll
@@ -227,7 +174,7 @@ fg_load(const struct fg_smem &sm, int st, int kb, const struct fg_args &a,
             const struct dsv4_linear &L = EPI == FG_UP && row >= 64 ? L3 : L1;
             int wrow = n0 + (EPI == FG_UP ? (row & 63) : row);
 
-            fg_cp16(bs + fg_b_off<WF>(row, c),
+            wg_cp16(bs + wg_off<FG_BROW(WF)>(row, c),
                     (const uint8_t *)L.w + (int64_t)wrow * K + kb * 128 + c * 16, 1);
         }
     } else {
@@ -237,7 +184,7 @@ fg_load(const struct fg_smem &sm, int st, int kb, const struct fg_args &a,
             const struct dsv4_linear &L = EPI == FG_UP && row >= 64 ? L3 : L1;
             int wrow = n0 + (EPI == FG_UP ? (row & 63) : row);
 
-            fg_cp16(bs + fg_b_off<WF>(row, c),
+            wg_cp16(bs + wg_off<FG_BROW(WF)>(row, c),
                     (const uint8_t *)L.w + (int64_t)wrow * (K / 2) + kb * 64 + c * 16, 1);
         }
         if (tid < FG_BN) {
@@ -245,14 +192,14 @@ fg_load(const struct fg_smem &sm, int st, int kb, const struct fg_args &a,
             const struct dsv4_linear &L = EPI == FG_UP && row >= 64 ? L3 : L1;
             int wrow = n0 + (EPI == FG_UP ? (row & 63) : row);
 
-            fg_cp4(sm.s + st * FG_BN * 4 + row * 4, L.scale + (int64_t)wrow * (K / 32) + kb * 4,
+            wg_cp4(sm.s + st * FG_BN * 4 + row * 4, L.scale + (int64_t)wrow * (K / 32) + kb * 4,
                    1);
         }
     }
     if (tid >= FG_THREADS - BM) {
         int i = tid - (FG_THREADS - BM), r = sm.arow[i];
 
-        fg_cp4(sm.x + st * BM + i, a.sx + (int64_t)(r < 0 ? 0 : r) * nb + kb, r >= 0);
+        wg_cp4(sm.x + st * BM + i, a.sx + (int64_t)(r < 0 ? 0 : r) * nb + kb, r >= 0);
     }
 }
 
@@ -285,14 +232,14 @@ fg_stage(float (&acc)[MT][4][4], const struct fg_smem &sm, int st, const float (
             for (int h = 0; h < 2; h++) {
                 int row = wm * 16 * MT + m * 16 + g + 8 * h;
 
-                av[m][h] = *(const uint4 *)(as + fg_a_off(row, kc * 4 + q));
+                av[m][h] = *(const uint4 *)(as + wg_off<256>(row, kc * 4 + q));
             }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             int row = fg_brow<EPI>(wn, j) + g;
 
             if (WF == FG_FP8) {
-                uint2 w = *(const uint2 *)(bs + fg_b_off<WF>(row, kc * 2 + (q >> 1)) +
+                uint2 w = *(const uint2 *)(bs + wg_off<FG_BROW(WF)>(row, kc * 2 + (q >> 1)) +
                                            (q & 1) * 8);
 
                 bv[j][0][0] = fk_e4m3x2(w.x);
@@ -300,7 +247,7 @@ fg_stage(float (&acc)[MT][4][4], const struct fg_smem &sm, int st, const float (
                 bv[j][1][0] = fk_e4m3x2(w.y);
                 bv[j][1][1] = fk_e4m3x2(w.y >> 16);
             } else {
-                uint32_t w = *(const uint32_t *)(bs + fg_b_off<WF>(row, kc) + q * 4);
+                uint32_t w = *(const uint32_t *)(bs + wg_off<FG_BROW(WF)>(row, kc) + q * 4);
                 uint32_t sc = fk_e8m0_bf16x2(ss[row * 4 + kc]);
 
 #pragma unroll
@@ -410,17 +357,17 @@ fg_kernel(struct fg_args a)
     for (int s = 0; s < FG_STAGES - 1; s++) {
         if (s < nkt)
             fg_load<WF, EPI, MT>(sm, s, s, a, L1, L3, n0);
-        fg_commit();
+        wg_cp_commit();
     }
     for (int kt = 0; kt < nkt; kt++) {
         int nx = kt + FG_STAGES - 1;
         float sw[4];
 
-        fg_wait<FG_STAGES - 2>();
+        wg_cp_wait<FG_STAGES - 2>();
         __syncthreads();   /* stage kt landed for all; stage nx's old data is used up */
         if (nx < nkt)
             fg_load<WF, EPI, MT>(sm, nx % FG_STAGES, nx, a, L1, L3, n0);
-        fg_commit();
+        wg_cp_commit();
 #pragma unroll
         for (int j = 0; j < 4; j++)
             sw[j] = WF == FG_FP8 ? cu_e8m0_to_f32(__ldg(swp[j] + kt)) : 1.0f;
@@ -692,8 +639,7 @@ fw_mma16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc)
                  "{"
                  "%0, %1, %2, %3, %4, %5, %6, %7"
                  "}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7])
+                 : WG_D8(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -706,9 +652,7 @@ fw_mma32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc)
                  "%0, %1, %2, %3, %4, %5, %6, %7, "
                  "%8, %9, %10, %11, %12, %13, %14, %15"
                  "}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : WG_D16(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -723,12 +667,7 @@ fw_mma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc)
                  "%16, %17, %18, %19, %20, %21, %22, %23, "
                  "%24, %25, %26, %27, %28, %29, %30, %31"
                  "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                   "+f"(d[30]), "+f"(d[31])
+                 : WG_D32(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -747,17 +686,7 @@ fw_mma128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc)
                  "%48, %49, %50, %51, %52, %53, %54, %55, "
                  "%56, %57, %58, %59, %60, %61, %62, %63"
                  "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : WG_D64(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -776,71 +705,6 @@ fw_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
         fw_mma128(d, a, desc);
 }
 
-static __device__ __forceinline__ void
-fw_fence(void)
-{
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-
-static __device__ __forceinline__ void
-fw_commit(void)
-{
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-static __device__ __forceinline__ void
-fw_wait0(void)
-{
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-
-/* cp.async writes (generic proxy) made visible to wgmma's reads (async proxy). */
-static __device__ __forceinline__ void
-fw_fence_proxy(void)
-{
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-/* Keep the accumulators in place until the wgmma that writes them is waited for. */
-template <int N>
-static __device__ __forceinline__ void
-fw_hold(float (&d)[N])
-{
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* B descriptor of k16 step s of the B stage at shared address base. */
-static __device__ __forceinline__ uint64_t
-fw_desc(uint32_t base, int s)
-{
-    uint64_t a = (uint64_t)(((base + 256u * (uint32_t)s) & 0x3ffffu) >> 4);
-
-    return a | (uint64_t)(FW_LBO >> 4) << 16 | (uint64_t)(FW_SBO >> 4) << 32;
-}
-
-/* Weight row (of L1 or L3) of CTA row r: FG_UP rows 8..15 of each 16 are w3's. */
-template <int EPI>
-static __device__ __forceinline__ int
-fw_wrow(int r, int n0, int *is3)
-{
-    if (EPI == FG_UP) {
-        *is3 = (r >> 3) & 1;
-        return n0 + (r >> 4) * 8 + (r & 7);
-    }
-    *is3 = 0;
-    return n0 + r;
-}
-
-/* Byte offset of 16-byte chunk c of weight row r in an A stage. */
-template <int WF>
-static __device__ __forceinline__ int
-fw_a_off(int r, int c)
-{
-    return WF == FW_BF16 ? fg_a_off(r, c) : fg_b_off<WF>(r, c);
-}
-
 /* Queue the loads of 128-column block kb into stage st. */
 template <int WF, int EPI, int NWG, int BN>
 static __device__ __forceinline__ void
@@ -853,29 +717,29 @@ fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *
     int tid = threadIdx.x, K = a.K;
 
     for (int i = tid; i < C::RA * CH; i += C::THREADS) {
-        int r = i / CH, c = i % CH, is3, wr = fw_wrow<EPI>(r, n0, &is3);
+        int r = i / CH, c = i % CH, is3, wr = wg_wrow<EPI == FG_UP>(r, n0, &is3);
         const struct dsv4_linear &L = is3 ? L3 : L1;
         const uint8_t *src = (const uint8_t *)L.w +
                              (WF == FG_FP4 ? (int64_t)wr * (K / 2) + kb * 64
                               : WF == FG_FP8 ? (int64_t)wr * K + kb * 128
                                              : ((int64_t)wr * K + kb * 128) * 2) + c * 16;
 
-        fg_cp16(sa + fw_a_off<WF>(r, c), src, 1);
+        wg_cp16(sa + wg_off<FW_AROW(WF)>(r, c), src, 1);
     }
     for (int i = tid; i < BN * 16; i += C::THREADS) {
         int n = i >> 4, c = i & 15, r = brow[n];
         int64_t o = (int64_t)(r < 0 ? 0 : r) * K + kb * 128 + c * 8;
         int d = ((n >> 3) * 16 + c) * 128 + (n & 7) * 16;
 
-        fg_cp16(sb + d, a.xb + o, r >= 0);
+        wg_cp16(sb + d, a.xb + o, r >= 0);
         if (WF == FW_BF16)
-            fg_cp16(sl + d, a.xl + o, r >= 0);
+            wg_cp16(sl + d, a.xl + o, r >= 0);
     }
     if (WF == FG_FP4 && tid < C::RA) {
-        int is3, wr = fw_wrow<EPI>(tid, n0, &is3);
+        int is3, wr = wg_wrow<EPI == FG_UP>(tid, n0, &is3);
         const struct dsv4_linear &L = is3 ? L3 : L1;
 
-        fg_cp4(ss + tid * 4, L.scale + (int64_t)wr * (K / 32) + kb * 4, 1);
+        wg_cp4(ss + tid * 4, L.scale + (int64_t)wr * (K / 32) + kb * 4, 1);
     }
 }
 
@@ -895,8 +759,8 @@ fw_stage(float (&d)[BN / 2], const unsigned char *sa, uint32_t sb, uint32_t sl,
 #pragma unroll
     for (int G = 0; G < 4; G++) {
         if (WF == FG_FP4) {
-            uint32_t wa = *(const uint32_t *)(sa + fg_b_off<FG_FP4>(ra, G) + q * 4);
-            uint32_t wb = *(const uint32_t *)(sa + fg_b_off<FG_FP4>(ra + 8, G) + q * 4);
+            uint32_t wa = *(const uint32_t *)(sa + wg_off<FG_BROW(FG_FP4)>(ra, G) + q * 4);
+            uint32_t wb = *(const uint32_t *)(sa + wg_off<FG_BROW(FG_FP4)>(ra + 8, G) + q * 4);
             uint32_t ca = fk_e8m0_bf16x2(ss[ra * 4 + G]), cb = fk_e8m0_bf16x2(ss[(ra + 8) * 4 + G]);
 
 #pragma unroll
@@ -908,8 +772,8 @@ fw_stage(float (&d)[BN / 2], const unsigned char *sa, uint32_t sb, uint32_t sl,
             }
         } else if (WF == FG_FP8) {
             int c = 2 * G + (q >> 1), o = (q & 1) * 8;
-            uint2 va = *(const uint2 *)(sa + fg_b_off<FG_FP8>(ra, c) + o);
-            uint2 vb = *(const uint2 *)(sa + fg_b_off<FG_FP8>(ra + 8, c) + o);
+            uint2 va = *(const uint2 *)(sa + wg_off<FG_BROW(FG_FP8)>(ra, c) + o);
+            uint2 vb = *(const uint2 *)(sa + wg_off<FG_BROW(FG_FP8)>(ra + 8, c) + o);
 
 #pragma unroll
             for (int s2 = 0; s2 < 2; s2++) {
@@ -921,8 +785,8 @@ fw_stage(float (&d)[BN / 2], const unsigned char *sa, uint32_t sb, uint32_t sl,
                 af[2 * G + s2][3] = fk_bmul2(fk_e4m3x2_bf16(ub >> 16), swb);
             }
         } else {
-            uint4 va = *(const uint4 *)(sa + fg_a_off(ra, 4 * G + q));
-            uint4 vb = *(const uint4 *)(sa + fg_a_off(ra + 8, 4 * G + q));
+            uint4 va = *(const uint4 *)(sa + wg_off<256>(ra, 4 * G + q));
+            uint4 vb = *(const uint4 *)(sa + wg_off<256>(ra + 8, 4 * G + q));
 
 #pragma unroll
             for (int s2 = 0; s2 < 2; s2++) {
@@ -933,16 +797,16 @@ fw_stage(float (&d)[BN / 2], const unsigned char *sa, uint32_t sb, uint32_t sl,
             }
         }
     }
-    fw_fence();
+    wg_fence();
 #pragma unroll
     for (int s = 0; s < 8; s++) {
-        fw_mma<BN>(d, af[s], fw_desc(sb, s));
+        fw_mma<BN>(d, af[s], wg_desc<FW_LBO, FW_SBO>(sb, s));
         if (WF == FW_BF16)
-            fw_mma<BN>(d, af[s], fw_desc(sl, s));
+            fw_mma<BN>(d, af[s], wg_desc<FW_LBO, FW_SBO>(sl, s));
     }
-    fw_commit();
-    fw_wait0();
-    fw_hold(d);
+    wg_commit();
+    wg_wait<0>();
+    wg_hold(d);
 }
 
 #endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
@@ -973,49 +837,21 @@ fw_kernel(struct fw_args a)
     const unsigned char *sw1 = NULL, *sw3 = NULL;
     float d[BN / 2];
 
-    if (a.table != NULL) {
-        const int32_t *tl = a.grp + 1 + 3 * blockIdx.y, *rows;
-        const struct dsv4_expert_w *E;
-        int n_rows;
-
-        if ((int)blockIdx.y >= a.grp[0])
-            return;   /* an idle slot: the whole block leaves */
-        E = &a.table[tl[0]];
-        rows = a.grp + 1 + 3 * a.A + tl[1];
-        n_rows = tl[2];
-        L1 = a.down ? E->w2 : E->w1;
-        L3 = E->w3;
-        for (int i = tid; i < BN; i += C::THREADS) {
-            int r = i < n_rows ? rows[i] : -1;
-
-            orow[i] = r;
-            brow[i] = r < 0 ? -1 : (a.down ? r : r / a.k);
-        }
-    } else {
-        int m0 = blockIdx.y * BN;
-
-        L1 = a.W;
-        L3 = a.W3;
-        for (int i = tid; i < BN; i += C::THREADS) {
-            int ok = m0 + i < a.M;
-
-            brow[i] = ok ? a.brow0 + m0 + i : -1;
-            orow[i] = ok ? a.orow0 + m0 + i : -1;
-        }
-    }
+    if (!wg_tile_rows<BN, C::THREADS>(a, brow, orow, L1, L3))
+        return;   /* an idle slot: the whole block leaves */
     __syncthreads();   /* the row maps, before the loads use them */
     for (int s = 0; s < C::S - 1; s++) {
         if (s < nkt)
             fw_load<WF, EPI, NWG, BN>(sa + s * C::AB, sb + s * C::BB, sl + s * C::BB,
                                       ss + s * C::SB, brow, a, L1, L3, n0, s);
-        fg_commit();
+        wg_cp_commit();
     }
     if (WF == FG_FP4)
         fk_lut_fill(lut);   /* while the first stages load; ends with __syncthreads */
     if (WF == FG_FP8) {
         /* block scale rows of this thread's two weight rows (128-row blocks) */
-        int is3a, is3b, wa = fw_wrow<EPI>(wg * 64 + ra, n0, &is3a);
-        int wb = fw_wrow<EPI>(wg * 64 + ra + 8, n0, &is3b);
+        int is3a, is3b, wa = wg_wrow<EPI == FG_UP>(wg * 64 + ra, n0, &is3a);
+        int wb = wg_wrow<EPI == FG_UP>(wg * 64 + ra + 8, n0, &is3b);
 
         sw1 = (is3a ? L3 : L1).scale + (int64_t)(wa / 128) * nkt;
         sw3 = (is3b ? L3 : L1).scale + (int64_t)(wb / 128) * nkt;
@@ -1028,8 +864,8 @@ fw_kernel(struct fw_args a)
         int st = kt % C::S, nx = kt + C::S - 1;
         uint32_t swa = 0, swb = 0;
 
-        fg_wait<C::S - 2>();
-        fw_fence_proxy();
+        wg_cp_wait<C::S - 2>();
+        wg_fence_proxy();
         __syncthreads();   /* stage kt landed for all; stage nx's buffer is used up */
         if (nx < nkt) {
             int sn = nx % C::S;
@@ -1037,7 +873,7 @@ fw_kernel(struct fw_args a)
             fw_load<WF, EPI, NWG, BN>(sa + sn * C::AB, sb + sn * C::BB, sl + sn * C::BB,
                                       ss + sn * C::SB, brow, a, L1, L3, n0, nx);
         }
-        fg_commit();
+        wg_cp_commit();
         if (WF == FG_FP8) {
             swa = fk_e8m0_bf16x2(__ldg(sw1 + kt));
             swb = fk_e8m0_bf16x2(__ldg(sw3 + kt));

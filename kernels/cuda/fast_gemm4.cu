@@ -59,6 +59,7 @@
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_gemm.cuh"
+#include "kernels/cuda/fast_wgmma.cuh"
 #include "kernels/cuda_gemm4.h"
 
 #include <stdlib.h>
@@ -164,36 +165,6 @@ f4_prep_kernel(uint8_t *xq, float *xs, const float *x, int64_t stride, int rows,
         xs[r * nb + b] = s;
 }
 
-/* --- cp.async ------------------------------------------------------------------------ */
-
-/* 16 bytes global -> shared; valid == 0: the 16 bytes are zeroed (src not read). */
-static __device__ __forceinline__ void
-f4_cp16(void *dst, const void *src, int valid)
-{
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(d), "l"(src), "r"(valid ? 16 : 0));
-}
-
-/* 4 bytes, the same way. */
-static __device__ __forceinline__ void
-f4_cp4(void *dst, const void *src, int valid)
-{
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-                 :: "r"(d), "l"(src), "r"(valid ? 4 : 0));
-}
-
-/* Wait until at most N cp.async groups are pending. */
-template <int N>
-static __device__ __forceinline__ void
-f4_cp_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;" :: "n"(N));
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 /* --- wgmma --------------------------------------------------------------------------- */
@@ -206,8 +177,7 @@ f4_mma16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc)
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7])
+                 : WG_D8(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(SD));
 }
 
@@ -220,9 +190,7 @@ f4_mma32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc)
                  "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, "
                  "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : WG_D16(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(SD));
 }
 
@@ -237,12 +205,7 @@ f4_mma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc)
                  "%8, %9, %10, %11, %12, %13, %14, %15, "
                  "%16, %17, %18, %19, %20, %21, %22, %23, "
                  "%24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                   "+f"(d[30]), "+f"(d[31])
+                 : WG_D32(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(SD));
 }
 
@@ -259,78 +222,7 @@ f4_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
         f4_mma64<SD>(d, a, desc);
 }
 
-static __device__ __forceinline__ void
-f4_fence(void)
-{
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-
-static __device__ __forceinline__ void
-f4_commit(void)
-{
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-/* Wait until at most N wgmma groups of the warpgroup are pending. */
-template <int N>
-static __device__ __forceinline__ void
-f4_wait(void)
-{
-    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
-}
-
-/* cp.async writes (generic proxy) made visible to wgmma's reads (async proxy). */
-static __device__ __forceinline__ void
-f4_fence_proxy(void)
-{
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-/* Keep the accumulators in place until the wgmma that writes them is waited for. */
-template <int N>
-static __device__ __forceinline__ void
-f4_hold(float (&d)[N])
-{
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* B descriptor of k32 step s of the B stage at shared address base. */
-static __device__ __forceinline__ uint64_t
-f4_desc(uint32_t base, int s)
-{
-    uint64_t a = (uint64_t)(((base + 256u * (uint32_t)s) & 0x3ffffu) >> 4);
-
-    return a | (uint64_t)(F4_LBO >> 4) << 16 | (uint64_t)(F4_SBO >> 4) << 32;
-}
-
 #endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
-
-/* Weight row (of L1 or L3) of CTA row r: F4_UP rows 8..15 of each 16 are w3's. */
-template <int EPI>
-static __device__ __forceinline__ int
-f4_wrow(int r, int n0, int *is3)
-{
-    if (EPI == F4_UP) {
-        *is3 = (r >> 3) & 1;
-        return n0 + (r >> 4) * 8 + (r & 7);
-    }
-    *is3 = 0;
-    return n0 + r;
-}
-
-/* Byte offset of 16-byte chunk c of weight row r in an A stage (XOR-swizzled
- * so that the fragment reads are free of bank conflicts, as fg_b_off):
- * FP8 rows (128 bytes) chunk pairs ^ (r & 3); FP4 rows (64 bytes) chunk ^
- * ((r >> 1) & 3). */
-template <int WF>
-static __device__ __forceinline__ int
-f4_a_off(int r, int c)
-{
-    return WF == F4_FP8 ? r * 128 + ((c ^ ((r & 3) << 1)) << 4)
-                        : r * 64 + ((c ^ ((r >> 1) & 3)) << 4);
-}
 
 /* Queue the loads of 128-column block kb into the stage at sa, sb, ss, sx. */
 template <int WF, int EPI, int NWG, int BN>
@@ -344,30 +236,30 @@ f4_load(unsigned char *sa, unsigned char *sb, unsigned char *ss, float *sx, cons
     int tid = threadIdx.x, K = a.K;
 
     for (int i = tid; i < C::RA * CH; i += C::THREADS) {
-        int r = i / CH, c = i % CH, is3, wr = f4_wrow<EPI>(r, n0, &is3);
+        int r = i / CH, c = i % CH, is3, wr = wg_wrow<EPI == F4_UP>(r, n0, &is3);
         const struct dsv4_linear &L = is3 ? L3 : L1;
         const uint8_t *src = (const uint8_t *)L.w +
                              (WF == F4_FP4 ? (int64_t)wr * (K / 2) + kb * 64
                                            : (int64_t)wr * K + kb * 128) + c * 16;
 
-        f4_cp16(sa + f4_a_off<WF>(r, c), src, 1);
+        wg_cp16(sa + wg_off<F4_AROW(WF)>(r, c), src, 1);
     }
     for (int i = tid; i < BN * 8; i += C::THREADS) {
         int n = i >> 3, c = i & 7, r = brow[n];
         int64_t o = (int64_t)(r < 0 ? 0 : r) * K + kb * 128 + c * 16;
 
-        f4_cp16(sb + ((n >> 3) * 8 + c) * 128 + (n & 7) * 16, a.xq + o, r >= 0);
+        wg_cp16(sb + ((n >> 3) * 8 + c) * 128 + (n & 7) * 16, a.xq + o, r >= 0);
     }
     if (WF == F4_FP4 && tid < C::RA) {
-        int is3, wr = f4_wrow<EPI>(tid, n0, &is3);
+        int is3, wr = wg_wrow<EPI == F4_UP>(tid, n0, &is3);
         const struct dsv4_linear &L = is3 ? L3 : L1;
 
-        f4_cp4(ss + tid * 4, L.scale + (int64_t)wr * (K / 32) + kb * 4, 1);
+        wg_cp4(ss + tid * 4, L.scale + (int64_t)wr * (K / 32) + kb * 4, 1);
     }
     if (tid < BN) {
         int r = brow[tid];
 
-        f4_cp4(sx + tid, a.xs + (int64_t)(r < 0 ? 0 : r) * (K / 128) + kb, r >= 0);
+        wg_cp4(sx + tid, a.xs + (int64_t)(r < 0 ? 0 : r) * (K / 128) + kb, r >= 0);
     }
 }
 
@@ -413,15 +305,15 @@ f4_stage(float (&acc)[BN / 2], const unsigned char *sa, uint32_t sb, const unsig
 #pragma unroll
     for (int G = 0; G < 4; G++) {
         if (WF == F4_FP4) {
-            uint32_t wa = *(const uint32_t *)(sa + f4_a_off<F4_FP4>(ra, G) + q * 4);
-            uint32_t wb = *(const uint32_t *)(sa + f4_a_off<F4_FP4>(ra + 8, G) + q * 4);
+            uint32_t wa = *(const uint32_t *)(sa + wg_off<F4_AROW(F4_FP4)>(ra, G) + q * 4);
+            uint32_t wb = *(const uint32_t *)(sa + wg_off<F4_AROW(F4_FP4)>(ra + 8, G) + q * 4);
 
             fk_fp4x8_e4m3(wa, &af[G][0], &af[G][2]);
             fk_fp4x8_e4m3(wb, &af[G][1], &af[G][3]);
         } else {
             int c = 2 * G + (q >> 1), o = (q & 1) * 8;
-            uint2 va = *(const uint2 *)(sa + f4_a_off<F4_FP8>(ra, c) + o);
-            uint2 vb = *(const uint2 *)(sa + f4_a_off<F4_FP8>(ra + 8, c) + o);
+            uint2 va = *(const uint2 *)(sa + wg_off<F4_AROW(F4_FP8)>(ra, c) + o);
+            uint2 vb = *(const uint2 *)(sa + wg_off<F4_AROW(F4_FP8)>(ra + 8, c) + o);
 
             af[G][0] = __byte_perm(va.x, va.y, 0x6420);   /* columns 8q + 0, 2, 4, 6 */
             af[G][2] = __byte_perm(va.x, va.y, 0x7531);   /* columns 8q + 1, 3, 5, 7 */
@@ -449,29 +341,29 @@ f4_stage(float (&acc)[BN / 2], const unsigned char *sa, uint32_t sb, const unsig
             s0[G] = cu_e8m0_to_f32(ss[ra * 4 + G]) * 64.0f;
             s1[G] = cu_e8m0_to_f32(ss[(ra + 8) * 4 + G]) * 64.0f;
         }
-        f4_fence();
-        f4_mma<BN, 0>(t, af[0], f4_desc(sb, 0));
-        f4_commit();
-        f4_fence();
-        f4_mma<BN, 0>(u, af[1], f4_desc(sb, 1));
-        f4_commit();
-        f4_wait<1>();   /* group 0 done, group 1 in flight */
-        f4_hold(t);
+        wg_fence();
+        f4_mma<BN, 0>(t, af[0], wg_desc<F4_LBO, F4_SBO>(sb, 0));
+        wg_commit();
+        wg_fence();
+        f4_mma<BN, 0>(u, af[1], wg_desc<F4_LBO, F4_SBO>(sb, 1));
+        wg_commit();
+        wg_wait<1>();   /* group 0 done, group 1 in flight */
+        wg_hold(t);
         f4_fma(acc, t, s0[0], s1[0]);
-        f4_fence();
-        f4_mma<BN, 0>(t, af[2], f4_desc(sb, 2));
-        f4_commit();
-        f4_wait<1>();   /* group 1 done, group 2 in flight */
-        f4_hold(u);
+        wg_fence();
+        f4_mma<BN, 0>(t, af[2], wg_desc<F4_LBO, F4_SBO>(sb, 2));
+        wg_commit();
+        wg_wait<1>();   /* group 1 done, group 2 in flight */
+        wg_hold(u);
         f4_fma(acc, u, s0[1], s1[1]);
-        f4_fence();
-        f4_mma<BN, 0>(u, af[3], f4_desc(sb, 3));
-        f4_commit();
-        f4_wait<1>();   /* group 2 done, group 3 in flight */
-        f4_hold(t);
+        wg_fence();
+        f4_mma<BN, 0>(u, af[3], wg_desc<F4_LBO, F4_SBO>(sb, 3));
+        wg_commit();
+        wg_wait<1>();   /* group 2 done, group 3 in flight */
+        wg_hold(t);
         f4_fma(acc, t, s0[2], s1[2]);
-        f4_wait<0>();
-        f4_hold(u);
+        wg_wait<0>();
+        wg_hold(u);
         f4_fma(acc, u, s0[3], s1[3]);
     } else if (WF == F4_FP4) {
 #pragma unroll
@@ -479,22 +371,22 @@ f4_stage(float (&acc)[BN / 2], const unsigned char *sa, uint32_t sb, const unsig
             float s0 = cu_e8m0_to_f32(ss[ra * 4 + G]) * 64.0f;
             float s1 = cu_e8m0_to_f32(ss[(ra + 8) * 4 + G]) * 64.0f;
 
-            f4_fence();
-            f4_mma<BN, 0>(t, af[G], f4_desc(sb, G));
-            f4_commit();
-            f4_wait<0>();
-            f4_hold(t);
+            wg_fence();
+            f4_mma<BN, 0>(t, af[G], wg_desc<F4_LBO, F4_SBO>(sb, G));
+            wg_commit();
+            wg_wait<0>();
+            wg_hold(t);
             f4_fma(acc, t, s0, s1);
         }
     } else {
-        f4_fence();
-        f4_mma<BN, 0>(t, af[0], f4_desc(sb, 0));
-        f4_mma<BN, 1>(t, af[1], f4_desc(sb, 1));
-        f4_mma<BN, 1>(t, af[2], f4_desc(sb, 2));
-        f4_mma<BN, 1>(t, af[3], f4_desc(sb, 3));
-        f4_commit();
-        f4_wait<0>();
-        f4_hold(t);
+        wg_fence();
+        f4_mma<BN, 0>(t, af[0], wg_desc<F4_LBO, F4_SBO>(sb, 0));
+        f4_mma<BN, 1>(t, af[1], wg_desc<F4_LBO, F4_SBO>(sb, 1));
+        f4_mma<BN, 1>(t, af[2], wg_desc<F4_LBO, F4_SBO>(sb, 2));
+        f4_mma<BN, 1>(t, af[3], wg_desc<F4_LBO, F4_SBO>(sb, 3));
+        wg_commit();
+        wg_wait<0>();
+        wg_hold(t);
         f4_fma(acc, t, swa, swb);
     }
 }
@@ -532,47 +424,19 @@ f4_kernel(struct f4_args a)
     float acc[BN / 2];
 
     static_assert(C::S >= 3, "f4_kernel: shared memory for fewer than 3 stages");
-    if (a.table != NULL) {
-        const int32_t *tl = a.grp + 1 + 3 * blockIdx.y, *rows;
-        const struct dsv4_expert_w *E;
-        int n_rows;
-
-        if ((int)blockIdx.y >= a.grp[0])
-            return;   /* an idle slot: the whole block leaves */
-        E = &a.table[tl[0]];
-        rows = a.grp + 1 + 3 * a.A + tl[1];
-        n_rows = tl[2];
-        L1 = a.down ? E->w2 : E->w1;
-        L3 = E->w3;
-        for (int i = tid; i < BN; i += C::THREADS) {
-            int r = i < n_rows ? rows[i] : -1;
-
-            orow[i] = r;
-            brow[i] = r < 0 ? -1 : (a.down ? r : r / a.k);
-        }
-    } else {
-        int m0 = blockIdx.y * BN;
-
-        L1 = a.W;
-        L3 = a.W3;
-        for (int i = tid; i < BN; i += C::THREADS) {
-            int ok = m0 + i < a.M;
-
-            brow[i] = ok ? a.brow0 + m0 + i : -1;
-            orow[i] = ok ? a.orow0 + m0 + i : -1;
-        }
-    }
+    if (!wg_tile_rows<BN, C::THREADS>(a, brow, orow, L1, L3))
+        return;   /* an idle slot: the whole block leaves */
     __syncthreads();   /* the row maps, before the loads use them */
     for (int s = 0; s < C::S - 2; s++) {
         if (s < nkt)
             f4_load<WF, EPI, NWG, BN>(sa + s * C::AB, sb + s * C::BB, ss + s * C::SB,
                                       sx + s * BN, brow, a, L1, L3, n0, s);
-        asm volatile("cp.async.commit_group;");
+        wg_cp_commit();
     }
     if (WF == F4_FP8) {
         /* block scale rows of this thread's two weight rows (128-row blocks) */
-        int is3a, is3b, wa = f4_wrow<EPI>(wg * 64 + ra, n0, &is3a);
-        int wb = f4_wrow<EPI>(wg * 64 + ra + 8, n0, &is3b);
+        int is3a, is3b, wa = wg_wrow<EPI == F4_UP>(wg * 64 + ra, n0, &is3a);
+        int wb = wg_wrow<EPI == F4_UP>(wg * 64 + ra + 8, n0, &is3b);
 
         sw1 = (is3a ? L3 : L1).scale + (int64_t)(wa / 128) * nkt;
         sw3 = (is3b ? L3 : L1).scale + (int64_t)(wb / 128) * nkt;
@@ -585,8 +449,8 @@ f4_kernel(struct f4_args a)
         int st = kt % C::S, sp = kt == 0 ? st : (kt - 1) % C::S, nx = kt + C::S - 2;
         float swa = 0.0f, swb = 0.0f;
 
-        f4_cp_wait<C::S - 3>();
-        f4_fence_proxy();
+        wg_cp_wait<C::S - 3>();
+        wg_fence_proxy();
         __syncthreads();   /* stage kt landed for all; stage nx's buffer (kt - 2) is used up */
         if (nx < nkt) {
             int sn = nx % C::S;
@@ -594,7 +458,7 @@ f4_kernel(struct f4_args a)
             f4_load<WF, EPI, NWG, BN>(sa + sn * C::AB, sb + sn * C::BB, ss + sn * C::SB,
                                       sx + sn * BN, brow, a, L1, L3, n0, nx);
         }
-        asm volatile("cp.async.commit_group;");
+        wg_cp_commit();
         if (WF == F4_FP8) {
             swa = cu_e8m0_to_f32(__ldg(sw1 + kt));
             swb = cu_e8m0_to_f32(__ldg(sw3 + kt));

@@ -55,6 +55,7 @@
  * token 8 j + 2 q + (i % 2) of the tile.
  */
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda/fast_wgmma.cuh"
 #include "kernels/cuda_gemm8.h"
 
 #include <stdlib.h>
@@ -158,14 +159,6 @@ g8_cp4(uint32_t dst, const void *src, int valid)
                  :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-/* Descriptor of a K-major, 128B-swizzled operand at shared address addr. */
-static __device__ __forceinline__ uint64_t
-g8_desc(uint32_t addr)
-{
-    return (uint64_t)((addr & 0x3ffffu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
-           (uint64_t)1 << 62;
-}
-
 /* d (64 x 128, fp32) = (acc ? d : 0) + A (64 x 32 E4M3 at da) * B (32 x 128 E4M3 at db). */
 static __device__ __forceinline__ void
 g8_mma(float (&d)[64], uint64_t da, uint64_t db, int acc)
@@ -185,34 +178,8 @@ g8_mma(float (&d)[64], uint64_t da, uint64_t db, int acc)
                  "%56, %57, %58, %59, %60, %61, %62, %63"
                  "}, %64, %65, p, 1, 1;\n"
                  "}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : WG_D64(d)
                  : "l"(da), "l"(db), "r"(acc));
-}
-
-/* Keep the accumulators in place until the wgmma that writes them is waited for. */
-static __device__ __forceinline__ void
-g8_hold(float (&d)[64])
-{
-#pragma unroll
-    for (int i = 0; i < 64; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* Byte offset of 16-byte chunk c of 128-byte row r in a stage (128B swizzle). */
-static __device__ __forceinline__ uint32_t
-g8_off(int r, int c)
-{
-    return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4));
 }
 
 /* Producer thread p (0..127): queue block kb's copies into the stage at sa, sb, ss. */
@@ -226,14 +193,14 @@ g8_load(const struct g8_args &a, int p, int n0, int t0, int kb, uint32_t sa, uin
     for (int i = 0; i < G8_BM * 8 / 128; i++) {
         int idx = p + 128 * i, r = idx >> 3, c = idx & 7;
 
-        g8_cp16(sa + g8_off(r, c), a.w + (int64_t)(n0 + r) * a.K + kb * 128 + c * 16, 1);
+        g8_cp16(sa + wg_off_sw128(r, c), a.w + (int64_t)(n0 + r) * a.K + kb * 128 + c * 16, 1);
     }
 #pragma unroll
     for (int i = 0; i < G8_BN * 8 / 128; i++) {
         int idx = p + 128 * i, r = idx >> 3, c = idx & 7, ok = t0 + r < a.T;
 
-        g8_cp16(sb + g8_off(r, c), a.xq + (int64_t)(ok ? t0 + r : 0) * a.K + kb * 128 + c * 16,
-                ok);
+        g8_cp16(sb + wg_off_sw128(r, c),
+                a.xq + (int64_t)(ok ? t0 + r : 0) * a.K + kb * 128 + c * 16, ok);
     }
     {
         int ok = t0 + p < a.T;
@@ -277,16 +244,16 @@ g8_kernel(struct g8_args a)
                 g8_bar_wait(empty + 8 * st, (uint32_t)((kt / G8_S - 1) & 1));
             g8_load(a, p, n0, t0, kt, sa + st * G8_STAGE_A, sb + st * G8_STAGE_B,
                     ss + st * G8_BN * 4);
-            asm volatile("cp.async.commit_group;" ::: "memory");
+            wg_cp_commit_mem();
             if (kt >= G8_LAG) {
                 /* block kt - LAG (and all before it) landed */
-                asm volatile("cp.async.wait_group %0;" :: "n"(G8_LAG) : "memory");
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                wg_cp_wait_mem<G8_LAG>();
+                wg_fence_proxy();
                 g8_bar_arrive(full + 8 * ((kt - G8_LAG) % G8_S));
             }
         }
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        wg_cp_wait_mem<0>();
+        wg_fence_proxy();
         for (int kt = nkt - G8_LAG > 0 ? nkt - G8_LAG : 0; kt < nkt; kt++)
             g8_bar_arrive(full + 8 * (kt % G8_S));
         return;
@@ -310,13 +277,13 @@ g8_kernel(struct g8_args a)
             const float *sxt = sxs + st * G8_BN;
 
             g8_bar_wait(full + 8 * st, (uint32_t)((kt / G8_S) & 1));
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            wg_fence();
 #pragma unroll
             for (int s = 0; s < 4; s++)
-                g8_mma(blk, g8_desc(a0 + 32 * s), g8_desc(b0 + 32 * s), s);
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-            g8_hold(blk);
+                g8_mma(blk, wg_desc_sw128(a0 + 32 * s), wg_desc_sw128(b0 + 32 * s), s);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold(blk);
 #pragma unroll
             for (int j = 0; j < 16; j++)
 #pragma unroll

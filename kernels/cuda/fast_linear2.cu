@@ -68,6 +68,7 @@
  * columns.
  */
 #include "kernels/cuda/fast.cuh"
+#include "kernels/cuda/fast_wgmma.cuh"
 
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
@@ -174,20 +175,6 @@ f2_cp16(void *dst, const void *src)
     uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
-}
-
-static __device__ __forceinline__ void
-f2_commit(void)
-{
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-/* Wait until at most N of this thread's committed groups are pending. */
-template <int N>
-static __device__ __forceinline__ void
-f2_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
 /* Four floats -> four E4M3 codes (RNE, saturating; v0 in the low byte). */
@@ -316,7 +303,7 @@ f2_kernel(struct f2_args a)
     for (int s = 0; s < F2_STAGES; s++) {
         if (s < n_kb)
             f2_issue(ring + s * (F2_SLOT / 16), wr, kb0 + s, lane, q);
-        f2_commit();
+        wg_cp_commit_mem();
     }
 
     /* 2. the pass's tokens over the CTA's blocks: a warp per (token, block),
@@ -373,7 +360,7 @@ f2_kernel(struct f2_args a)
         uint4 wv[8], xv[NT][2];
         float blk[2][NT][4];
 
-        f2_wait<F2_STAGES - 1>();   /* this thread's copies of block i are in */
+        wg_cp_wait_mem<F2_STAGES - 1>();   /* this thread's copies of block i are in */
 #pragma unroll
         for (int j = 0; j < 8; j++)
             wv[j] = slot[j * 32 + lane];
@@ -402,9 +389,9 @@ f2_kernel(struct f2_args a)
         /* the slot's words are in registers and consumed: refill it */
         if (i + F2_STAGES < n_kb)
             f2_issue(slot, wr, kb0 + i + F2_STAGES, lane, q);
-        f2_commit();
+        wg_cp_commit_mem();
     }
-    f2_wait<0>();
+    wg_cp_wait_mem<0>();
 
     /* 4. slices: the warp's partial -> part[kw][tok][row]; the CTA's KW
      *    slices added in order into part[0] */
