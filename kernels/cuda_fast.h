@@ -121,8 +121,8 @@ void dsv4_cuda_set_small_kernels(int version);
  * each slot's rows one run of consecutive positions; otherwise the
  * one-warp-per-channel loop) with the same bits as the one-warp-per-channel
  * kernel.  on != 0 uses it, 0 keeps the one-warp-per-channel kernel, -1 goes
- * back to the environment's choice (DSV4_CUDA_FC_PREFILL=1: used; default:
- * not used).  Process-wide; takes effect for ops queued afterwards
+ * back to the environment's choice (DSV4_CUDA_FC_PREFILL=0: not used;
+ * default: used).  Process-wide; takes effect for ops queued afterwards
  * (tests/gpu/bench_fcp.c).
  */
 void dsv4_cuda_set_fc_prefill(int on);

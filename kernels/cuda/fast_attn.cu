@@ -26,8 +26,10 @@
  * of the one-warp-per-channel kernel.  DSV4_CUDA_FUSE=0 keeps the
  * one-warp-per-channel kernel at every T.
  *
- * Prefill-sized calls (T > 64) with DSV4_CUDA_FC_PREFILL=1 or
- * dsv4_cuda_set_fc_prefill(1) (default off until measured) compute the
+ * Prefill-sized calls (T > 64) (the default since run 17 on the H200,
+ * 2026-11-30: bench_fcp 24 cases bit-identical to fc_kernel, 4-26x faster
+ * where the check passes; DSV4_CUDA_FC_PREFILL=0 or
+ * dsv4_cuda_set_fc_prefill(0) keeps fc_kernel) compute the
  * entries in parallel: an entry is a function of its window's c*r rows
  * only, so a grid over (channel blocks, emitting rows) runs fc_row's
  * softmax on values taken straight from a, z + ape (rows of the call) or
@@ -376,7 +378,7 @@ fcp_enabled(void)
     if (env < 0) {
         const char *v = getenv("DSV4_CUDA_FC_PREFILL");
 
-        env = v != NULL && strcmp(v, "1") == 0;
+        env = v == NULL || strcmp(v, "0") != 0;
     }
     return fcp_override < 0 ? env : fcp_override;
 }
