@@ -188,6 +188,8 @@ static const struct field f_rank_comm[] = {
 
 static const struct field f_rank_heartbeat[] = {
     FLD("active", struct dsv4_rank_heartbeat, active, T_U32, 0, 0, U32MAX, 0),
+    FHAS("mtp_drafts", struct dsv4_rank_heartbeat, mtp_drafts, has_mtp, T_U64, 0, U64MAX),
+    FHAS("mtp_accepted", struct dsv4_rank_heartbeat, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
 };
 
 static const struct field f_disconnect[] = {
@@ -283,6 +285,8 @@ static const struct field f_status[] = {
         U64MAX),
     FHAS("handoff_count", struct dsv4_ctl_status, handoff_count, has_handoff, T_U64, 0,
         U64MAX),
+    FHAS("mtp_drafts", struct dsv4_ctl_status, mtp_drafts, has_mtp, T_U64, 0, U64MAX),
+    FHAS("mtp_accepted", struct dsv4_ctl_status, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
 };
 
 static const struct field f_ctl_rank[] = {
@@ -296,6 +300,8 @@ static const struct field f_ctl_rank[] = {
     FLD("capacity", struct dsv4_ctl_rank, capacity, T_U32, F_REQ, 0, U32MAX, 0),
     FLD("last_seen_ms", struct dsv4_ctl_rank, last_seen_ms, T_U64, F_REQ, 0, U64MAX, 0),
     FHAS("rank_active", struct dsv4_ctl_rank, rank_active, has_rank_active, T_U32, 0, U32MAX),
+    FHAS("mtp_drafts", struct dsv4_ctl_rank, mtp_drafts, has_mtp, T_U64, 0, U64MAX),
+    FHAS("mtp_accepted", struct dsv4_ctl_rank, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
 };
 
 static const struct field f_count[] = {

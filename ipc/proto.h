@@ -298,6 +298,12 @@ struct dsv4_rank_welcome {
 
 struct dsv4_rank_heartbeat {
     uint32_t active; /* requests held now */
+    /* Optional speculative-decoding counters (docs/protocol.md §6.1), sent
+     * together iff has_mtp, by a decode rank running with mtp = yes (never by
+     * the scheduler): MTP drafts proposed and accepted since the rank
+     * started, cumulative; accepted <= drafts.  Absent: zeros, has_mtp false. */
+    uint64_t mtp_drafts, mtp_accepted;
+    bool has_mtp;
 };
 
 /*
@@ -414,6 +420,12 @@ struct dsv4_ctl_status {
     uint32_t n_handoff_buckets;
     uint64_t handoff_sum_us, handoff_count;
     bool has_handoff;
+    /* Optional MTP totals (sent together iff has_mtp, i.e. some rank summed
+     * reported MTP counters): the sums of mtp_drafts / mtp_accepted of
+     * struct dsv4_ctl_rank over the live (not DEAD) ranks with group_rank 0
+     * (every rank of a group runs the same steps, so each group counts once). */
+    uint64_t mtp_drafts, mtp_accepted;
+    bool has_mtp;
 };
 
 struct dsv4_ctl_rank {
@@ -429,6 +441,11 @@ struct dsv4_ctl_rank {
     uint32_t rank_active;    /* `active` of the rank's last HEARTBEAT; valid iff
                                 has_rank_active */
     bool has_rank_active;
+    /* MTP counters of the rank's last HEARTBEAT that carried them (cumulative
+     * drafts proposed, drafts accepted); sent together iff has_mtp, i.e. the
+     * rank decodes with mtp = yes. */
+    uint64_t mtp_drafts, mtp_accepted;
+    bool has_mtp;
 };
 
 struct dsv4_ctl_request {

@@ -231,6 +231,12 @@ link_timers(struct rank *k, int64_t now)
     if (dsv4_liveness_due(&k->live, now)) {
         dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
         m.u.heartbeat.active = rank_active(k);
+        if (k->mtp) {
+            /* cumulative MTP counters for dsv4ctl (docs/protocol.md §6.1) */
+            m.u.heartbeat.mtp_drafts = k->spec_drafts;
+            m.u.heartbeat.mtp_accepted = k->spec_accepted;
+            m.u.heartbeat.has_mtp = true;
+        }
         rank_send(k, &m);
     }
     return dsv4_liveness_next_ms(&k->live, now);

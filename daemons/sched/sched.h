@@ -73,6 +73,8 @@ struct sched_rank {
     bool drain;                      /* admin asked to drain it */
     bool unreachable;                /* a send failed: handled as lost at the next timer */
     uint32_t reported_active;        /* `active` of its last HEARTBEAT */
+    uint64_t mtp_drafts, mtp_accepted; /* MTP counters of its last HEARTBEAT with them */
+    bool has_mtp;                    /* it reported MTP counters (decodes with mtp = yes) */
     struct dsv4_liveness live;
     int64_t joined_ms;
 };

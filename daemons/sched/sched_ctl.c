@@ -70,6 +70,12 @@ show_status(struct sched *s, const struct dsv4_route *to)
         st->n_ranks++;
         if (k->state == DSV4_RANK_STATE_READY)
             st->n_ranks_ready++;
+        /* MTP totals: one rank per group (all of a group run the same steps) */
+        if (k->has_mtp && k->group_rank == 0) {
+            st->mtp_drafts += k->mtp_drafts;
+            st->mtp_accepted += k->mtp_accepted;
+            st->has_mtp = true;
+        }
     }
     st->n_queued = s->n_queued;
     st->n_running = s->n_live;
@@ -124,6 +130,9 @@ show_ranks(struct sched *s, const struct dsv4_route *to)
         m.u.rank.last_seen_ms = (uint64_t)(now - k->live.last_rx_ms);
         m.u.rank.rank_active = k->reported_active;
         m.u.rank.has_rank_active = true;
+        m.u.rank.mtp_drafts = k->mtp_drafts;
+        m.u.rank.mtp_accepted = k->mtp_accepted;
+        m.u.rank.has_mtp = k->has_mtp;
         if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
             n++;
     }

@@ -557,6 +557,11 @@ rank_message(struct sched *s, struct sched_rank *k, const struct dsv4_route *fro
     switch (m->cmd) {
     case DSV4_RANK_HEARTBEAT:
         k->reported_active = m->u.heartbeat.active;
+        if (m->u.heartbeat.has_mtp) {
+            k->mtp_drafts = m->u.heartbeat.mtp_drafts;
+            k->mtp_accepted = m->u.heartbeat.mtp_accepted;
+            k->has_mtp = true;
+        }
         break;
     case DSV4_RANK_DISCONNECT:
         rank_lost(s, k, m->u.disconnect.reason != NULL ? m->u.disconnect.reason :

@@ -518,6 +518,56 @@ def mtp_counters(svc, name):
     return last
 
 
+def ctl_mtp(svc, counts):
+    """dsv4ctl shows the decode ranks' MTP counters (carried by their idle
+    HEARTBEATs): per rank equal to the rank's own final STATUS= counts, "-"
+    and no keys for prefill ranks, totals the sum (one rank per group)."""
+    ctl = exe("tools/dsv4ctl/dsv4ctl")
+
+    def run(*what):
+        r = subprocess.run([ctl, "--admin", svc.admin_ep] + list(what),
+                           capture_output=True, text=True, timeout=30)
+        check(r.returncode == 0, "dsv4ctl %s: %s" % (" ".join(what), r.stderr))
+        return r.stdout
+    want = {"decode@%d" % i: c for i, c in enumerate(counts)}
+    seen = {}
+
+    def reported():
+        ranks = json.loads(run("--json", "ranks"))
+        st = json.loads(run("--json", "status"))
+        got = {r["name"]: (r.get("mtp_drafts"), r.get("mtp_accepted")) for r in ranks}
+        seen["last"] = (got, st)
+        if any(got.get(n) != c for n, c in want.items()):
+            return None
+        tot = (sum(d for d, _ in counts), sum(a for _, a in counts))
+        if (st.get("mtp_drafts"), st.get("mtp_accepted")) != tot:
+            return None
+        return got, st
+    try:
+        got, st = wait_for(reported, "dsv4ctl reporting the MTP counters", step=0.2)
+    except Fail:
+        raise Fail("dsv4ctl MTP counters (ranks, status) %s, the ranks' STATUS= %s" %
+                   (seen.get("last"), want))
+    check(st["mtp_drafts"] > 0, "dsv4ctl status: no MTP drafts: %s" % st)
+    for name, (d, a) in got.items():
+        if name.startswith("prefill"):
+            check(d is None and a is None, "%s reports MTP counters" % name)
+    text = run("status")
+    check(re.search(r"^mtp +drafts %d, accepted %d \(\d+\.\d%%\)$" %
+                    (st["mtp_drafts"], st["mtp_accepted"]), text, re.M) is not None,
+          "dsv4ctl status: no mtp line:\n" + text)
+    text = run("ranks")
+    for line in text.splitlines()[1:]:
+        name = line.split()[0]
+        if name in want:
+            d, a = want[name]
+            check(line.endswith("%d/%d (%.1f%%)" % (a, d, 100.0 * a / d if d else 0.0)),
+                  "dsv4ctl ranks: %s" % line)
+        else:
+            check(line.endswith(" -"), "dsv4ctl ranks: %s" % line)
+    log("dsv4ctl: mtp drafts %d accepted %d" % (st["mtp_drafts"], st["mtp_accepted"]))
+
+
 def sc_mtp():
     svc = Service(n_prefill=2, n_decode=2, extra_conf="decode.mtp = yes")
     try:
@@ -542,6 +592,7 @@ def sc_mtp():
         for i, (d, a) in enumerate(c):
             log("decode@%d: %d drafts proposed, %d accepted" % (i, d, a))
             check(0 <= a <= d, "decode@%d: %d accepted of %d drafts" % (i, a, d))
+        ctl_mtp(svc, c)
     finally:
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 

@@ -196,6 +196,17 @@ s_rank_heartbeat(struct dsv4_msg *m)
     m->u.heartbeat.active = 12;
 }
 
+/* A decode rank with mtp = yes: the optional MTP counters. */
+static void
+s_rank_heartbeat_mtp(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    m->u.heartbeat.active = 3;
+    m->u.heartbeat.mtp_drafts = 5000000000ull;
+    m->u.heartbeat.mtp_accepted = 1234567;
+    m->u.heartbeat.has_mtp = true;
+}
+
 static void
 s_disconnect(struct dsv4_msg *m)
 {
@@ -361,6 +372,46 @@ s_ctl_rank(struct dsv4_msg *m)
     r->last_seen_ms = 250;
 }
 
+/* A decode rank with MTP counters and its own `active`. */
+static void
+s_ctl_rank_mtp(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_rank *r = &m->u.rank;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RANK);
+    r->role = DSV4_ROLE_DECODE;
+    r->index = 1;
+    r->group = 1;
+    r->group_rank = 0;
+    r->host = "gpu7";
+    r->state = DSV4_RANK_STATE_READY;
+    r->active = 2;
+    r->capacity = 64;
+    r->last_seen_ms = 12;
+    r->rank_active = 2;
+    r->has_rank_active = true;
+    r->mtp_drafts = 900;
+    r->mtp_accepted = 0;
+    r->has_mtp = true;
+}
+
+/* STATUS with the MTP totals only (no metrics, no histogram). */
+static void
+s_status_mtp(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_status *s = &m->u.status;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_STATUS);
+    s->version = "0.1.0";
+    s->uptime_ms = 1000;
+    s->n_ranks = 2;
+    s->n_ranks_ready = 2;
+    s->n_done = 16;
+    s->mtp_drafts = 4096;
+    s->mtp_accepted = 1025;
+    s->has_mtp = true;
+}
+
 static void
 s_ranks_end(struct dsv4_msg *m)
 {
@@ -434,6 +485,7 @@ static const struct {
     { "rank_ready", s_ready },
     { "rank_welcome", s_welcome },
     { "rank_heartbeat", s_rank_heartbeat },
+    { "rank_heartbeat_mtp", s_rank_heartbeat_mtp },
     { "rank_disconnect", s_disconnect },
     { "rank_prefill", s_prefill },
     { "rank_prefill_done", s_prefill_done },
@@ -450,8 +502,10 @@ static const struct {
     { "rank_comm_ask", s_rank_comm_ask },
     { "ctl_show_status", s_show_status },
     { "ctl_status", s_status },
+    { "ctl_status_mtp", s_status_mtp },
     { "ctl_show_ranks", s_show_ranks },
     { "ctl_rank", s_ctl_rank },
+    { "ctl_rank_mtp", s_ctl_rank_mtp },
     { "ctl_ranks_end", s_ranks_end },
     { "ctl_show_requests", s_show_requests },
     { "ctl_request", s_ctl_request },

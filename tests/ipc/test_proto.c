@@ -82,6 +82,134 @@ test_roundtrip(void **state)
     }
 }
 
+/* Decode one body of `cmd` (sub-protocol `sig`) into *m; fails the test on error. */
+static void
+decode_body(const char *sig, int cmd, const void *body, size_t body_len, struct dsv4_msg *m)
+{
+    struct dsv4_frame fr[4];
+    uint8_t c = (uint8_t)cmd;
+    struct dsv4_perr pe;
+
+    fr[0] = (struct dsv4_frame){ "", 0 };
+    fr[1] = (struct dsv4_frame){ sig, strlen(sig) };
+    fr[2] = (struct dsv4_frame){ &c, 1 };
+    fr[3] = (struct dsv4_frame){ body, body_len };
+    if (dsv4_msg_decode(m, fr, 4, &pe) != DSV4_OK)
+        fail_msg("decode %s command %d: %s", sig, cmd, pe.message);
+}
+
+static void
+pk_u64(msgpack_packer *pk, const char *key, uint64_t v)
+{
+    msgpack_pack_str(pk, strlen(key));
+    msgpack_pack_str_body(pk, key, strlen(key));
+    msgpack_pack_uint64(pk, v);
+}
+
+/* Decode the HEARTBEAT body {"active": active[, "mtp_drafts": drafts]}
+ * (drafts 0: no key) into *d. */
+static void
+heartbeat_body(uint64_t active, uint64_t drafts, struct dsv4_msg *d)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, drafts > 0 ? 2 : 1);
+    pk_u64(&pk, "active", active);
+    if (drafts > 0)
+        pk_u64(&pk, "mtp_drafts", drafts);
+    decode_body(dsv4_proto_sig(DSV4_SUB_RANK), DSV4_RANK_HEARTBEAT, sb.data, sb.size, d);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+/* Encode *m and decode it into *d; true iff the body carries an "mtp_" key. */
+static bool
+mtp_trip(const struct dsv4_msg *m, struct dsv4_msg *d)
+{
+    struct dsv4_wire w;
+    bool has_key;
+
+    encode_ok(m, &w);
+    has_key = memmem(w.body, w.body_len, "mtp_", 4) != NULL;
+    decode_body(dsv4_proto_sig(m->sub), m->cmd, w.body, w.body_len, d);
+    dsv4_wire_clear(&w);
+    return has_key;
+}
+
+/*
+ * The optional MTP counters of HEARTBEAT, RANK and STATUS: a body of an older
+ * peer without them decodes to zeros with has_mtp false; with them they come
+ * back exactly (values above 2^32 included); has_mtp false puts no key on the
+ * wire; a lone mtp_drafts sets has_mtp with mtp_accepted 0.
+ */
+static void
+test_mtp_counters(void **state)
+{
+    struct dsv4_msg m, d;
+
+    (void)state;
+    /* an old HEARTBEAT: {"active": 3} */
+    heartbeat_body(3, 0, &d);
+    assert_int_equal(d.u.heartbeat.active, 3);
+    assert_false(d.u.heartbeat.has_mtp);
+    assert_int_equal(d.u.heartbeat.mtp_drafts, 0);
+    assert_int_equal(d.u.heartbeat.mtp_accepted, 0);
+    dsv4_msg_clear(&d);
+
+    /* only mtp_drafts: has_mtp, accepted 0 */
+    heartbeat_body(0, 77, &d);
+    assert_true(d.u.heartbeat.has_mtp);
+    assert_int_equal(d.u.heartbeat.mtp_drafts, 77);
+    assert_int_equal(d.u.heartbeat.mtp_accepted, 0);
+    dsv4_msg_clear(&d);
+
+    /* with the counters: exact values back; without: no key, zeros */
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    m.u.heartbeat.mtp_drafts = (1ull << 40) + 7;
+    m.u.heartbeat.mtp_accepted = (1ull << 33) + 1;
+    m.u.heartbeat.has_mtp = true;
+    assert_true(mtp_trip(&m, &d));
+    assert_true(d.u.heartbeat.has_mtp);
+    assert_true(d.u.heartbeat.mtp_drafts == (1ull << 40) + 7);
+    assert_true(d.u.heartbeat.mtp_accepted == (1ull << 33) + 1);
+    dsv4_msg_clear(&d);
+    m.u.heartbeat.has_mtp = false;
+    assert_false(mtp_trip(&m, &d));
+    assert_false(d.u.heartbeat.has_mtp);
+    assert_true(d.u.heartbeat.mtp_drafts == 0 && d.u.heartbeat.mtp_accepted == 0);
+    dsv4_msg_clear(&d);
+
+    /* RANK and STATUS: same keys, same rule */
+    dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_RANK);
+    m.u.rank.role = DSV4_ROLE_DECODE;
+    m.u.rank.host = "h";
+    m.u.rank.state = DSV4_RANK_STATE_READY;
+    m.u.rank.mtp_drafts = 10;
+    m.u.rank.mtp_accepted = 4;
+    m.u.rank.has_mtp = true;
+    assert_true(mtp_trip(&m, &d));
+    assert_true(d.u.rank.has_mtp);
+    assert_true(d.u.rank.mtp_drafts == 10 && d.u.rank.mtp_accepted == 4);
+    dsv4_msg_clear(&d);
+    m.u.rank.has_mtp = false;
+    assert_false(mtp_trip(&m, &d));
+    assert_false(d.u.rank.has_mtp);
+    assert_true(d.u.rank.mtp_drafts == 0 && d.u.rank.mtp_accepted == 0);
+    dsv4_msg_clear(&d);
+
+    dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_STATUS);
+    m.u.status.version = "v";
+    m.u.status.mtp_drafts = 8;
+    m.u.status.mtp_accepted = 8;
+    m.u.status.has_mtp = true;
+    assert_true(mtp_trip(&m, &d));
+    assert_true(d.u.status.has_mtp);
+    assert_true(d.u.status.mtp_drafts == 8 && d.u.status.mtp_accepted == 8);
+    dsv4_msg_clear(&d);
+}
+
 /* Every command of every sub-protocol has a sample. */
 static void
 test_coverage(void **state)
@@ -716,6 +844,7 @@ main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip),
         cmocka_unit_test(test_coverage),
+        cmocka_unit_test(test_mtp_counters),
         cmocka_unit_test(test_golden),
         cmocka_unit_test(test_malformed_values),
         cmocka_unit_test(test_malformed_framing),

@@ -130,6 +130,13 @@ result(struct ctl *c, const struct dsv4_msg *m)
     return e->code == DSV4_STATUS_OK ? 0 : 1;
 }
 
+/* Accepted drafts in percent of those proposed; 0 without drafts. */
+static double
+mtp_rate(uint64_t drafts, uint64_t accepted)
+{
+    return drafts > 0 ? 100.0 * (double)accepted / (double)drafts : 0.0;
+}
+
 static void
 print_status(struct ctl *c, const struct dsv4_ctl_status *st)
 {
@@ -156,6 +163,9 @@ print_status(struct ctl *c, const struct dsv4_ctl_status *st)
                 printf("%s%" PRIu64, i > 0 ? ", " : "", st->handoff_buckets[i]);
             printf("]");
         }
+        if (st->has_mtp)
+            printf(", \"mtp_drafts\": %" PRIu64 ", \"mtp_accepted\": %" PRIu64,
+                st->mtp_drafts, st->mtp_accepted);
         printf("}\n");
         return;
     }
@@ -182,12 +192,15 @@ print_status(struct ctl *c, const struct dsv4_ctl_status *st)
                 (double)st->handoff_count);
         printf("\n");
     }
+    if (st->has_mtp)
+        printf("%-12s drafts %" PRIu64 ", accepted %" PRIu64 " (%.1f%%)\n", "mtp",
+            st->mtp_drafts, st->mtp_accepted, mtp_rate(st->mtp_drafts, st->mtp_accepted));
 }
 
 static void
 print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
 {
-    char name[48];
+    char name[48], mtp[64];
 
     snprintf(name, sizeof(name), "%s@%u", dsv4_role_name(k->role), k->index);
     if (c->json) {
@@ -200,14 +213,23 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
             k->capacity, k->last_seen_ms);
         if (k->has_rank_active)
             printf(", \"rank_active\": %u", k->rank_active);
+        if (k->has_mtp)
+            printf(", \"mtp_drafts\": %" PRIu64 ", \"mtp_accepted\": %" PRIu64,
+                k->mtp_drafts, k->mtp_accepted);
         printf("}");
     } else {
+        /* MTP: "accepted/drafts (rate)", "-" for a rank without MTP */
+        if (k->has_mtp)
+            snprintf(mtp, sizeof(mtp), "%" PRIu64 "/%" PRIu64 " (%.1f%%)", k->mtp_accepted,
+                k->mtp_drafts, mtp_rate(k->mtp_drafts, k->mtp_accepted));
+        else
+            snprintf(mtp, sizeof(mtp), "-");
         if (c->n_items == 0)
-            printf("%-12s %-7s %-16s %-9s %7s %9s %10s\n", "RANK", "GROUP", "HOST",
-                "STATE", "ACTIVE", "CAPACITY", "LAST_SEEN");
-        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %8.1fs\n", name, k->group,
+            printf("%-12s %-7s %-16s %-9s %7s %9s %10s  %s\n", "RANK", "GROUP", "HOST",
+                "STATE", "ACTIVE", "CAPACITY", "LAST_SEEN", "MTP");
+        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %8.1fs  %s\n", name, k->group,
             k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active, k->capacity,
-            (double)k->last_seen_ms / 1000.0);
+            (double)k->last_seen_ms / 1000.0, mtp);
     }
     c->n_items++;
 }
