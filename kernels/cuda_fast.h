@@ -69,7 +69,7 @@ int dsv4_cuda_get_kernels(const struct dsv4_backend *be);
 /*
  * 1 when the decode kernels are launched as programmatic dependent launches
  * (PDL: each kernel's blocks scheduled while the previous kernel on the
- * stream finishes; docs/gpu.md, "PDL"): unless DSV4_CUDA_PDL=0 in the
+ * stream finishes; docs/gpu.md, "PDL"): unless DSV4_CUDA_PDL=0 (or off) in the
  * environment, read once per process (default 1).  Same results either way.
  */
 int dsv4_cuda_pdl_enabled(void);
@@ -121,7 +121,7 @@ void dsv4_cuda_set_small_kernels(int version);
  * each slot's rows one run of consecutive positions; otherwise the
  * one-warp-per-channel loop) with the same bits as the one-warp-per-channel
  * kernel.  on != 0 uses it, 0 keeps the one-warp-per-channel kernel, -1 goes
- * back to the environment's choice (DSV4_CUDA_FC_PREFILL=0: not used;
+ * back to the environment's choice (DSV4_CUDA_FC_PREFILL=0 or off: not used;
  * default: used).  Process-wide; takes effect for ops queued afterwards
  * (tests/gpu/bench_fcp.c).
  */

@@ -17,7 +17,7 @@ extern "C" {
 /*
  * on != 0: MoE calls that reach the prefill GEMM's Hopper path (sm_90, REF
  * numerics, T > 96 rows) take the FP8 wgmma kernels; 0: they keep
- * fw_kernel; -1: back to the environment's choice (DSV4_CUDA_GEMM4=1: used;
+ * fw_kernel; -1: back to the environment's choice (DSV4_CUDA_GEMM4=1 or on: used;
  * default: not used).  Process-wide; takes effect for ops queued
  * afterwards.  The two paths round differently (a value may differ in the
  * last bits between them).

@@ -102,7 +102,7 @@ enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int l
 
 /*
  * Programmatic dependent launch (PDL; docs/gpu.md, "PDL").  With
- * DSV4_CUDA_PDL unset or not "0" (read once per process; default on),
+ * DSV4_CUDA_PDL unset or not "0"/"off" (read once per process; default on),
  * cu_launch launches with cudaLaunchAttributeProgrammaticStreamSerialization,
  * so the kernel's blocks may be scheduled while the kernel before it on the
  * stream is still running (stream capture records a programmatic edge).
@@ -112,6 +112,13 @@ enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int l
  * global memory.  Kernels launched with <<<>>> need nothing.
  */
 int cuda_pdl_enabled(void);
+
+/*
+ * An on/off switch from the environment: 1 when the variable `name` is
+ * "1" or "on", 0 when it is "0" or "off", dflt when unset or anything else.
+ * Read at each call (callers cache it).
+ */
+int cuda_env_switch(const char *name, int dflt);
 
 /*
  * Launch kernel k (grid, block, smem dynamic shared bytes, on stream st) with

@@ -34,12 +34,22 @@ dsv4_cuda_get_kernels(const struct dsv4_backend *be)
 /* DSV4_CUDA_PDL: on unless "0" (the default since run 14 on the H200,
  * 2026-11-30: every bit check equal with it on and off, a 4-layer batch-1
  * step 1.33 -> 1.29 ms). */
+int
+cuda_env_switch(const char *name, int dflt)
+{
+    const char *v = getenv(name);
+
+    if (v != NULL && (strcmp(v, "1") == 0 || strcmp(v, "on") == 0))
+        return 1;
+    if (v != NULL && (strcmp(v, "0") == 0 || strcmp(v, "off") == 0))
+        return 0;
+    return dflt;
+}
+
 static int
 fast_pdl_from_env(void)
 {
-    const char *v = getenv("DSV4_CUDA_PDL");
-
-    return v == NULL || strcmp(v, "0") != 0;
+    return cuda_env_switch("DSV4_CUDA_PDL", 1);
 }
 
 int

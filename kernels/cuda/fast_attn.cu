@@ -375,11 +375,8 @@ fcp_enabled(void)
 {
     static int env = -1;
 
-    if (env < 0) {
-        const char *v = getenv("DSV4_CUDA_FC_PREFILL");
-
-        env = v == NULL || strcmp(v, "0") != 0;
-    }
+    if (env < 0)
+        env = cuda_env_switch("DSV4_CUDA_FC_PREFILL", 1);
     return fcp_override < 0 ? env : fcp_override;
 }
 

@@ -549,11 +549,8 @@ cuda_fast_gemm4_on(void)
 {
     static int env = -1;
 
-    if (env < 0) {
-        const char *v = getenv("DSV4_CUDA_GEMM4");
-
-        env = v != NULL && strcmp(v, "1") == 0;
-    }
+    if (env < 0)
+        env = cuda_env_switch("DSV4_CUDA_GEMM4", 0);
     return f4_override < 0 ? env : f4_override;
 }
 

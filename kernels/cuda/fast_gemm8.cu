@@ -324,13 +324,10 @@ cuda_fast_gemm8_on(void)
 {
     static int env = -1;
 
-    if (env < 0) {
-        const char *v = getenv("DSV4_CUDA_GEMM8");
-
-        /* on unless "0"/"off": the default since run 14 on the H200
-         * (2026-11-30: bench_fast 21 cases ok, 2.4-3.1x fw_kernel) */
-        env = v == NULL || !(strcmp(v, "0") == 0 || strcmp(v, "off") == 0);
-    }
+    /* on unless "0"/"off": the default since run 14 on the H200
+     * (2026-11-30: bench_fast 21 cases ok, 2.4-3.1x fw_kernel) */
+    if (env < 0)
+        env = cuda_env_switch("DSV4_CUDA_GEMM8", 1);
     return g8_override < 0 ? env : g8_override;
 }
 
