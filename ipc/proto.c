@@ -186,10 +186,20 @@ static const struct field f_rank_comm[] = {
     FLD("one_host", struct dsv4_rank_comm, one_host, T_BOOL, 0, 0, 1, 0),
 };
 
+static const struct field f_group_broken[] = {
+    FLD("group", struct dsv4_rank_group_broken, group, T_U32, F_REQ, 0, 65535, 0),
+    FLD("group_rank", struct dsv4_rank_group_broken, group_rank, T_U32, F_REQ, 0, 65535, 0),
+    FLD("comm_epoch", struct dsv4_rank_group_broken, comm_epoch, T_U32, F_REQ, 0, U32MAX, 0),
+    FLD("reason", struct dsv4_rank_group_broken, reason, T_STR, 0, 0, DSV4_PROTO_MAX_MESSAGE,
+        0),
+};
+
 static const struct field f_rank_heartbeat[] = {
     FLD("active", struct dsv4_rank_heartbeat, active, T_U32, 0, 0, U32MAX, 0),
     FHAS("mtp_drafts", struct dsv4_rank_heartbeat, mtp_drafts, has_mtp, T_U64, 0, U64MAX),
     FHAS("mtp_accepted", struct dsv4_rank_heartbeat, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
+    FHAS("comm_epoch", struct dsv4_rank_heartbeat, comm_epoch, has_comm_epoch, T_U32, 0,
+        U32MAX),
 };
 
 static const struct field f_disconnect[] = {
@@ -379,6 +389,7 @@ static const struct mdesc rank_desc[DSV4_RANK__COUNT] = {
     [DSV4_RANK_DRAIN_DONE] = MD0("DRAIN_DONE"),
     [DSV4_RANK_ERROR] = MD("ERROR", f_rank_error, NULL),
     [DSV4_RANK_COMM] = MD("COMM", f_rank_comm, NULL),
+    [DSV4_RANK_GROUP_BROKEN] = MD("GROUP_BROKEN", f_group_broken, NULL),
 };
 
 static const struct mdesc ctl_desc[DSV4_CTL__COUNT] = {

@@ -122,6 +122,8 @@ enum dsv4_rank {
     DSV4_RANK_DRAIN_DONE,   /* R->S  idle now; empty body */
     DSV4_RANK_ERROR,        /* both  failure, maybe of one request (struct dsv4_error) */
     DSV4_RANK_COMM,         /* both  group communicator of an epoch (struct dsv4_rank_comm) */
+    DSV4_RANK_GROUP_BROKEN, /* R->S  the rank left its group's broken communicator
+                               (struct dsv4_rank_group_broken) */
     DSV4_RANK__COUNT
 };
 
@@ -304,6 +306,12 @@ struct dsv4_rank_heartbeat {
      * started, cumulative; accepted <= drafts.  Absent: zeros, has_mtp false. */
     uint64_t mtp_drafts, mtp_accepted;
     bool has_mtp;
+    /* Optional (docs/protocol.md §6.1), sent by the ranks of a group of
+     * group_size > 1 (never by the scheduler): the epoch of the communicator
+     * the rank works on, 0 while it has none (joining one, or waiting for
+     * COMM after its group broke).  Valid iff has_comm_epoch. */
+    uint32_t comm_epoch;
+    bool has_comm_epoch;
 };
 
 /*
@@ -319,6 +327,22 @@ struct dsv4_rank_comm {
     bool one_host;          /* asking: every rank of the group announced the
                                same host (rank 0 may pick a one-host
                                communicator, cudaipc); default false */
+};
+
+/*
+ * GROUP_BROKEN (docs/protocol.md §6.5): a rank of a group of group_size > 1
+ * dropped the communicator of epoch comm_epoch because it broke (a
+ * collective failed or timed out, the peer watchdog aborted it, a forward
+ * call failed) and with it every request it held; it stays registered and
+ * waits for the next COMM.  The scheduler re-forms the group under a new
+ * epoch when comm_epoch is the group's current one, and ignores older
+ * epochs.  group and group_rank repeat the rank's READY values.
+ */
+struct dsv4_rank_group_broken {
+    uint32_t group;
+    uint32_t group_rank;
+    uint32_t comm_epoch;
+    const char *reason; /* NULL = none */
 };
 
 struct dsv4_rank_disconnect {
@@ -487,6 +511,7 @@ struct dsv4_msg {
         struct dsv4_rank_welcome welcome;
         struct dsv4_rank_heartbeat heartbeat;
         struct dsv4_rank_comm comm;
+        struct dsv4_rank_group_broken broken;
         struct dsv4_rank_disconnect disconnect;
         struct dsv4_rank_prefill prefill;
         struct dsv4_rank_prefill_done prefill_done;

@@ -207,6 +207,36 @@ s_rank_heartbeat_mtp(struct dsv4_msg *m)
     m->u.heartbeat.has_mtp = true;
 }
 
+/* A rank of a group: the epoch of its communicator. */
+static void
+s_rank_heartbeat_comm(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    m->u.heartbeat.active = 2;
+    m->u.heartbeat.comm_epoch = 7;
+    m->u.heartbeat.has_comm_epoch = true;
+}
+
+static void
+s_group_broken(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_GROUP_BROKEN);
+    m->u.broken.group = 3;
+    m->u.broken.group_rank = 1;
+    m->u.broken.comm_epoch = 70000;
+    m->u.broken.reason = "collective timed out";
+}
+
+/* Without the optional reason. */
+static void
+s_group_broken_bare(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_GROUP_BROKEN);
+    m->u.broken.group = 0;
+    m->u.broken.group_rank = 0;
+    m->u.broken.comm_epoch = 1;
+}
+
 static void
 s_disconnect(struct dsv4_msg *m)
 {
@@ -500,6 +530,9 @@ static const struct {
     { "rank_error", s_rank_error },
     { "rank_comm", s_rank_comm },
     { "rank_comm_ask", s_rank_comm_ask },
+    { "rank_heartbeat_comm", s_rank_heartbeat_comm },
+    { "rank_group_broken", s_group_broken },
+    { "rank_group_broken_bare", s_group_broken_bare },
     { "ctl_show_status", s_show_status },
     { "ctl_status", s_status },
     { "ctl_status_mtp", s_status_mtp },

@@ -210,6 +210,97 @@ test_mtp_counters(void **state)
     dsv4_msg_clear(&d);
 }
 
+/* Decode a rank-protocol body of `cmd` made of the `n` (key, value) pairs;
+ * returns the status code (200 when it decoded; then *d holds it). */
+static uint16_t
+rank_body_code(int cmd, const char *const *keys, const uint64_t *vals, int n,
+    struct dsv4_msg *d)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    struct dsv4_frame fr[4];
+    struct dsv4_perr pe;
+    uint8_t c = (uint8_t)cmd;
+    uint16_t code = 200;
+
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, (size_t)n);
+    for (int i = 0; i < n; i++)
+        pk_u64(&pk, keys[i], vals[i]);
+    fr[0] = (struct dsv4_frame){ "", 0 };
+    fr[1] = (struct dsv4_frame){ DSV4_PROTO_SIG_RANK, DSV4_PROTO_SIG_LEN };
+    fr[2] = (struct dsv4_frame){ &c, 1 };
+    fr[3] = (struct dsv4_frame){ sb.data, sb.size };
+    if (dsv4_msg_decode(d, fr, 4, &pe) != DSV4_OK)
+        code = pe.code;
+    msgpack_sbuffer_destroy(&sb);
+    return code;
+}
+
+/*
+ * GROUP_BROKEN and HEARTBEAT's comm_epoch: the three keys of GROUP_BROKEN
+ * are required and range-checked, its reason is optional, unknown keys are
+ * ignored; a HEARTBEAT of an older rank (no comm_epoch) decodes with
+ * has_comm_epoch false, and has_comm_epoch false puts no key on the wire.
+ */
+static void
+test_group_broken(void **state)
+{
+    static const char *const k3[] = { "group", "group_rank", "comm_epoch", "later" };
+    uint64_t v[] = { 2, 1, 9, 5 };
+    struct dsv4_msg m, d;
+    struct dsv4_wire w;
+
+    (void)state;
+    assert_string_equal(dsv4_proto_cmd_name(DSV4_SUB_RANK, DSV4_RANK_GROUP_BROKEN),
+        "GROUP_BROKEN");
+    assert_int_equal(rank_body_code(DSV4_RANK_GROUP_BROKEN, k3, v, 4, &d), 200);
+    assert_int_equal(d.u.broken.group, 2);
+    assert_int_equal(d.u.broken.group_rank, 1);
+    assert_int_equal(d.u.broken.comm_epoch, 9);
+    assert_null(d.u.broken.reason);
+    dsv4_msg_clear(&d);
+    /* each required key missing: 400 */
+    for (int skip = 0; skip < 3; skip++) {
+        const char *keys[2];
+        uint64_t vals[2];
+        int n = 0;
+
+        for (int i = 0; i < 3; i++) {
+            if (i == skip)
+                continue;
+            keys[n] = k3[i];
+            vals[n++] = v[i];
+        }
+        assert_int_equal(rank_body_code(DSV4_RANK_GROUP_BROKEN, keys, vals, 2, &d), 400);
+    }
+    /* a group number past 65535: 401 */
+    v[0] = 65536;
+    assert_int_equal(rank_body_code(DSV4_RANK_GROUP_BROKEN, k3, v, 3, &d), 401);
+
+    /* HEARTBEAT: an older rank's body has no comm_epoch */
+    heartbeat_body(4, 0, &d);
+    assert_false(d.u.heartbeat.has_comm_epoch);
+    assert_int_equal(d.u.heartbeat.comm_epoch, 0);
+    dsv4_msg_clear(&d);
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    m.u.heartbeat.comm_epoch = 0;
+    m.u.heartbeat.has_comm_epoch = true;
+    encode_ok(&m, &w);
+    assert_non_null(memmem(w.body, w.body_len, "comm_epoch", 10));
+    decode_body(DSV4_PROTO_SIG_RANK, DSV4_RANK_HEARTBEAT, w.body, w.body_len, &d);
+    assert_true(d.u.heartbeat.has_comm_epoch);
+    assert_int_equal(d.u.heartbeat.comm_epoch, 0);
+    dsv4_msg_clear(&d);
+    dsv4_wire_clear(&w);
+    m.u.heartbeat.comm_epoch = 12;
+    m.u.heartbeat.has_comm_epoch = false;
+    encode_ok(&m, &w);
+    assert_null(memmem(w.body, w.body_len, "comm_epoch", 10));
+    dsv4_wire_clear(&w);
+}
+
 /* Every command of every sub-protocol has a sample. */
 static void
 test_coverage(void **state)
@@ -845,6 +936,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_roundtrip),
         cmocka_unit_test(test_coverage),
         cmocka_unit_test(test_mtp_counters),
+        cmocka_unit_test(test_group_broken),
         cmocka_unit_test(test_golden),
         cmocka_unit_test(test_malformed_values),
         cmocka_unit_test(test_malformed_framing),
