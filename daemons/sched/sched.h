@@ -75,6 +75,9 @@ struct sched_rank {
     uint32_t reported_active;        /* `active` of its last HEARTBEAT */
     uint64_t mtp_drafts, mtp_accepted; /* MTP counters of its last HEARTBEAT with them */
     bool has_mtp;                    /* it reported MTP counters (decodes with mtp = yes) */
+    uint32_t comm_epoch;             /* group: epoch its last HEARTBEAT said it joined */
+    bool has_comm_epoch;             /* it reports comm_epoch (else taken as joined once
+                                        the group's COMM is out) */
     struct dsv4_liveness live;
     int64_t joined_ms;
 };
@@ -96,7 +99,8 @@ struct sched_group {
                                         decode slots taken, incl. closing) */
     uint8_t *slots;                  /* decode: slot -> in use; n_slots bytes */
     uint32_t n_slots;                /* >= capacity */
-    uint32_t epoch;                  /* comm_epoch: bumped when a member joins */
+    uint32_t epoch;                  /* comm_epoch: bumped when a member joins or the
+                                        communicator of the epoch broke (GROUP_BROKEN) */
     uint32_t comm_asked;             /* size > 1: epoch whose id rank 0 was asked for */
     uint32_t comm_ready;             /* size > 1: epoch whose id every rank got (work
                                         is placed only when it is `epoch`) */

@@ -136,6 +136,19 @@ group_update(struct sched *s, struct sched_group *g)
     }
 }
 
+/* Has rank k of (complete) group g joined the communicator of g's epoch?
+ * Alone: yes.  In a group: once the epoch's COMM is out and, for a rank
+ * that reports comm_epoch in its HEARTBEATs, once it reported this epoch. */
+static bool
+rank_joined(const struct sched_rank *k, const struct sched_group *g)
+{
+    if (g->size <= 1)
+        return true;
+    if (g->comm_ready != g->epoch)
+        return false;
+    return !k->has_comm_epoch || k->comm_epoch == g->epoch;
+}
+
 void
 rank_update_states(struct sched *s)
 {
@@ -147,7 +160,7 @@ rank_update_states(struct sched *s)
         if (k->state == DSV4_RANK_STATE_DEAD)
             continue;
         g = group_of(s, k);
-        if (g == NULL || g->n_ranks != g->size)
+        if (g == NULL || g->n_ranks != g->size || !rank_joined(k, g))
             k->state = DSV4_RANK_STATE_JOINING;
         else if (k->drain)
             k->state = g->load == 0 ? DSV4_RANK_STATE_DRAINED : DSV4_RANK_STATE_DRAINING;
@@ -545,6 +558,46 @@ on_freed(struct sched *s, struct sched_group *g, const struct sched_rank *k, uin
     req_maybe_free(s, r);
 }
 
+/*
+ * GROUP_BROKEN from rank k of group g: the communicator of epoch
+ * m->comm_epoch broke and k dropped it with its work (docs/protocol.md
+ * §6.5).  For the current epoch, once its COMM is out: a new epoch, every
+ * request the group held re-run as on a rank's death, and rank 0 asked for
+ * the new epoch's id.  Anything else (an older epoch: the break was
+ * handled; the epoch's COMM not out: re-forming already) is ignored.
+ */
+static void
+on_group_broken(struct sched *s, struct sched_rank *k, struct sched_group *g,
+    const struct dsv4_rank_group_broken *m)
+{
+    const char *why = m->reason != NULL ? m->reason : "";
+    struct sched_req *r, *tmp;
+    char nb[48];
+
+    rank_name(k, nb, sizeof(nb));
+    if (g == NULL || g->size < 2 || m->group != k->group || m->group_rank != k->group_rank) {
+        log_warnx("rank %s: GROUP_BROKEN of group %u rank %u does not match its "
+            "registration (group %u rank %u of %u); dropped", nb, m->group, m->group_rank,
+            k->group, k->group_rank, k->group_size);
+        return;
+    }
+    if (m->comm_epoch != g->epoch || g->comm_ready != g->epoch) {
+        log_info("rank %s: GROUP_BROKEN of epoch %u ignored (group %s/%u at epoch %u, "
+            "communicator %s) (%s)", nb, m->comm_epoch, dsv4_role_name(g->role), g->id,
+            g->epoch, g->comm_ready == g->epoch ? "out" : "re-forming", why);
+        return;
+    }
+    log_notice("group %s/%u: communicator of epoch %u broke (rank %s: %s); re-forming as "
+        "epoch %u", dsv4_role_name(g->role), g->id, g->epoch, nb, why, g->epoch + 1);
+    g->epoch++;
+    TAILQ_FOREACH_SAFE(r, &s->live, qentry, tmp) {
+        if (r->pre.g == g || r->dec.g == g)
+            req_rank_lost(s, r, g);
+    }
+    group_update(s, g);   /* asks rank 0 for the new epoch's id */
+    rank_update_states(s);
+}
+
 /* --- Dispatch -------------------------------------------------------------------------- */
 
 static void
@@ -557,6 +610,11 @@ rank_message(struct sched *s, struct sched_rank *k, const struct dsv4_route *fro
     switch (m->cmd) {
     case DSV4_RANK_HEARTBEAT:
         k->reported_active = m->u.heartbeat.active;
+        if (m->u.heartbeat.has_comm_epoch) {
+            /* the state (joining / ready) follows in the loop's update */
+            k->comm_epoch = m->u.heartbeat.comm_epoch;
+            k->has_comm_epoch = true;
+        }
         if (m->u.heartbeat.has_mtp) {
             k->mtp_drafts = m->u.heartbeat.mtp_drafts;
             k->mtp_accepted = m->u.heartbeat.mtp_accepted;
@@ -611,6 +669,9 @@ rank_message(struct sched *s, struct sched_rank *k, const struct dsv4_route *fro
         log_notice("group %s/%u: communicator of epoch %u sent to its %u ranks",
             dsv4_role_name(g->role), g->id, g->epoch, g->size);
         queue_dispatch(s);
+        break;
+    case DSV4_RANK_GROUP_BROKEN:
+        on_group_broken(s, k, g, &m->u.broken);
         break;
     case DSV4_RANK_ERROR: {
         struct sched_req *r;

@@ -20,6 +20,10 @@ output.  Scenarios (one per argument, or all):
              took: rank 0 gets ABORT of it, the re-run runs under a new rank-protocol
              id, every request completes with f's tokens and no rank keeps a stream
              (a rank of a group left holding a stream stalls the whole group)
+  group_broken  a decode group of two whose communicator breaks mid-stream with both
+             ranks alive (GROUP_BROKEN): one re-form under a new epoch, the ranks show
+             `joining` until it is out, reports of an old epoch or of the epoch being
+             re-formed are ignored, every request completes with f's tokens, no rank death
 
 Exit status 0 on success, 1 on failure, 77 when pyzmq/msgpack are missing.
 """
@@ -75,7 +79,43 @@ class FakeRank(threading.Thread):
         self.exported = set()
         self.welcomed = threading.Event()
         self.lock = threading.Lock()
+        # groups (group_size > 1): COMM epochs this rank 0 was asked for, asks
+        # held back while hold_comm, the epoch joined (HEARTBEAT comm_epoch),
+        # actions for the rank's thread, a forced HEARTBEAT `active`
+        self.comm_asks, self.held, self.hold_comm, self.joined = [], [], False, 0
+        self.script, self.active_override = [], None
         ALL_RANKS.append(self)
+
+    def do(self, *acts):
+        """Queue actions for the rank's thread: ("broken", epoch) drops the
+        streams and reports GROUP_BROKEN, ("late", epoch) only sends the report
+        (one delivered late), ("hb",) sends a HEARTBEAT now."""
+        with self.lock:
+            self.script += list(acts)
+
+    def heartbeat(self, s):
+        b = {"active": len(self.streams) if self.active_override is None
+             else self.active_override}
+        if self.group_size > 1:
+            b["comm_epoch"] = self.joined
+        self.send(s, 3, b)
+
+    def run_script(self, s):
+        with self.lock:
+            acts, self.script = self.script, []
+        for a in acts:
+            if a[0] in ("broken", "late"):
+                if a[0] == "broken":    # like daemons/rank group_broken
+                    with self.lock:
+                        self.streams.clear()
+                    self.joined = 0
+                self.send(s, 17, {"group": self.group, "group_rank": self.group_rank,
+                                  "comm_epoch": a[1], "reason": "test: collective failed"})
+            elif a[0] == "hb":
+                self.heartbeat(s)
+        while self.held and not self.hold_comm:
+            self.send(s, 16, {"comm_epoch": self.held.pop(0),
+                              "comm_id": b"/fakecomm".ljust(128, b"\0")})
 
     def send(self, s, cmd, body, raw=()):
         self.last_tx = time.time()
@@ -96,23 +136,29 @@ class FakeRank(threading.Thread):
                 fr = s.recv_multipart()
                 cmd, body = fr[2][0], msgpack.unpackb(fr[3])
                 self.handle(s, cmd, body, fr[4:])
+            self.run_script(s)
             if self.role == "decode" and self.streams:
                 self.step(s)
             if time.time() - self.last_tx > 0.05:
-                self.send(s, 3, {"active": len(self.streams)})
+                self.heartbeat(s)
         s.close(0)
 
     def handle(self, s, cmd, b, raw):
         if cmd == 2:
             self.welcomed.set()
         elif cmd == 4:                  # DISCONNECT: register again
+            self.joined = 0
             self.send(s, 1, {"role": self.role, "index": self.index, "group": self.group,
                              "group_rank": self.group_rank, "group_size": self.group_size,
                              "capacity": self.capacity, "max_ctx": 4096, "host": "test"})
         elif cmd == 16:                 # COMM: rank 0 makes the id; the others take it
             if "comm_id" not in b:
-                self.send(s, 16, {"comm_epoch": b["comm_epoch"],
-                                  "comm_id": b"/fakecomm".ljust(128, b"\0")})
+                self.comm_asks.append(b["comm_epoch"])
+                self.held.append(b["comm_epoch"])
+                self.run_script(s)
+            else:
+                self.joined = b["comm_epoch"]
+                self.heartbeat(s)       # like daemons/rank after a join
         elif cmd == 5:                  # PREFILL
             toks, step = b["tokens"], b.get("step", 0)
             prompt = toks[:len(toks) - step]
@@ -551,16 +597,23 @@ def t_malformed(ctx, build, tmp):
     return sc, [pre, dec]
 
 
-def t_group_error(ctx, build, tmp):
+def setup_group(ctx, build, tmp, fail_decode=0):
+    """The scheduler, a prefill rank and a decode group of two (decode@0,
+    decode@1; decode@1 fails its first fail_decode imports), all ready."""
     sc = Sched(build, tmp, ["-o", "max_batch=16"])
     time.sleep(0.2)
     pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2)
     d0 = FakeRank(ctx, sc.ep["rank"], "decode", 0, group=0, group_rank=0, group_size=2)
     d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=2)
-    d1.fail_decode = 1
+    d1.fail_decode = fail_decode
     for r in (pre, d0, d1):
         r.start()
     wait_ranks(sc, 3)
+    return sc, pre, d0, d1
+
+
+def t_group_error(ctx, build, tmp):
+    sc, pre, d0, d1 = setup_group(ctx, build, tmp, fail_decode=1)
     cl = Client(ctx, sc.ep["client"])
     ids = {}
     for k, p in enumerate(prompts(6)):
@@ -587,9 +640,83 @@ def t_group_error(ctx, build, tmp):
     return sc, [pre, d0, d1]
 
 
+def rank_row(sc, name):
+    rc, ranks = sc.ctl("ranks")
+    check(rc == 0, "dsv4ctl ranks")
+    return next(r for r in ranks if r["name"] == name)
+
+
+def wait_marker(sc, name, active):
+    """Until the scheduler has handled rank `name`'s HEARTBEAT {active}
+    (so every message that rank sent before it too)."""
+    end = time.time() + 20
+    while time.time() < end:
+        if rank_row(sc, name).get("rank_active") == active:
+            return
+        time.sleep(0.02)
+    raise AssertionError("%s: HEARTBEAT active=%d never seen" % (name, active))
+
+
+def t_group_broken(ctx, build, tmp):
+    sc, pre, d0, d1 = setup_group(ctx, build, tmp)
+    check(len(d0.comm_asks) == 1, "asks %s" % d0.comm_asks)
+    E = d0.comm_asks[0]
+    cl = Client(ctx, sc.ep["client"])
+    ids = {}
+    for k, p in enumerate(prompts(8)):
+        ids[submit(cl, p, k, 40)] = (p, k)
+    state = {"broken": False}
+
+    def on_tokens(i, r):
+        if state["broken"] or len(r["tokens"]) < 8:
+            return
+        state["broken"] = True
+        # The communicator of epoch E breaks with both ranks alive: each drops
+        # its streams and reports E.  decode@1 then reports E + 1, the epoch
+        # being re-formed, whose COMM is not out (rank 0 holds the ask): it
+        # must be ignored too.
+        d0.hold_comm = True
+        d1.active_override = 4242
+        d1.do(("broken", E), ("broken", E + 1), ("hb",))
+        d0.do(("broken", E))
+        wait_marker(sc, "decode@1", 4242)
+        for n in ("decode@0", "decode@1"):
+            row = rank_row(sc, n)
+            check(row["state"] == "joining", "%s while re-forming: %s" % (n, row))
+        d0.hold_comm = False
+        d1.active_override = None
+        d0.do(("hb",))
+    res = collect_with_psum(cl, ids, timeout=60, on_tokens=on_tokens)
+    check(state["broken"], "never broken")
+    for i, (p, k) in ids.items():
+        check(res[i]["final"][0] == 5, "request %d: %s" % (i, res[i]["final"]))
+        check(res[i]["tokens"] == expected(p, k, 40),
+              "request %d: %d tokens, duplicates or loss" % (i, len(res[i]["tokens"])))
+    check(d0.comm_asks == [E, E + 1], "one re-form expected, asks %s" % d0.comm_asks)
+    rc, st = sc.ctl("status")
+    check(st["rank_deaths"] == 0 and st["reruns"] >= 1 and st["n_failed"] == 0, st)
+    wait_idle(sc)
+    # A stale report (delivered late) after the re-form changes nothing:
+    # rank 0 now holds any ask, so a wrong re-form would leave the group
+    # without a communicator and the next request would never finish.
+    d0.hold_comm = True
+    d1.active_override = 4343
+    d1.do(("late", E), ("hb",))
+    wait_marker(sc, "decode@1", 4343)
+    d1.active_override = None
+    p = [11, 12, 13]
+    i = submit(cl, p, 77, 10)
+    res = collect_with_psum(cl, {i: (p, 77)}, timeout=30)
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 77, 10), res[i])
+    check(d0.comm_asks == [E, E + 1], "stale report re-formed: asks %s" % d0.comm_asks)
+    rc, ranks = sc.ctl("ranks")
+    check(all(r["state"] == "ready" for r in ranks), ranks)
+    return sc, [pre, d0, d1]
+
+
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "death": t_death, "overload": t_overload, "malformed": t_malformed,
-         "group_error": t_group_error}
+         "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
 
 
