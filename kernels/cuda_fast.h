@@ -156,18 +156,6 @@ enum dsv4_err dsv4_cuda_timer_stop(struct dsv4_cuda_timer *t, float *ms);
 /* Free (NULL is a no-op). */
 void dsv4_cuda_timer_destroy(struct dsv4_cuda_timer *t);
 
-/*
- * Self-check of the pieces of the second decode linear (DSV4_CUDA_LINEAR=v2
- * or v2h, kernels/cuda/fast_linear2.cu) that the op comparisons cannot
- * pin down: the m16n8k32 E4M3 mma fragment layout (one 16x32 tile against
- * a scalar product, integer values: exact) and the f16 path's, the FP8
- * tensor core's precision on random codes (reported, not judged), and the
- * activation codes of the hardware conversion against cu_f32_to_fp8.
- * Writes one line per check into msg (len bytes); 0 when all pass, 1 on a
- * failure, -1 on a CUDA error or when be is not a CUDA backend.
- */
-int dsv4_cuda_linear_selftest(struct dsv4_backend *be, char *msg, size_t len);
-
 #ifdef __cplusplus
 }
 #endif

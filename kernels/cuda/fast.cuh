@@ -503,23 +503,6 @@ enum dsv4_err cuda_fast_linear_at(struct dsv4_backend *be, float *out, const flo
                                   const struct dsv4_linear *W, int T, unsigned flags, int G,
                                   size_t off);
 
-/* --- fast_linear2.cu: the second decode linear (FP8 weights, REF) ----------------- */
-
-/*
- * Which v2 kernel, if any, the FP8 linear W on activations x should run:
- * 0 = none (v1: DSV4_CUDA_LINEAR unset or "v1", not REF numerics, not FP8,
- * n_out % 32, n_in % 128, W or x not 16-byte aligned, or a split v2 has no
- * room for), 1 = "v2" (E4M3 tensor cores), 2 = "v2h" (f16 tensor cores).
- */
-int cuda_fast_linear2_variant(const struct dsv4_backend *be, const struct dsv4_linear *W,
-                              const float *x);
-
-/* out (T, N) = bf16(x (T, K) W^T) under REF numerics by v2 kernel `variant`
- * (cuda_fast_linear2_variant's nonzero answer); one launch per 16 tokens,
- * no scratch. */
-enum dsv4_err cuda_fast_linear2(struct dsv4_backend *be, float *out, const float *x,
-                                const struct dsv4_linear *W, int T, int variant);
-
 /* --- the decode MoE v3 (fast_moe3.cu) -------------------------------------------- */
 
 /* The exact path's REF activation scale of a 128-column block held by a

@@ -19,10 +19,6 @@
  *   3. with G > 1, a reduction adds the G partials in order and rounds.
  * The split (slices S = bk * G, blocks of K per slice) is chosen from N and K
  * only, aiming at >= FL_WARPS warps in flight, so results never depend on T.
- *
- * FP8 weights go to the second version (fast_linear2.cu: one launch, FP8
- * tensor cores, cp.async ring, cluster split-K) instead when
- * DSV4_CUDA_LINEAR selects it (v2, v2h) and it takes the shape.
  */
 #include "kernels/cuda/fast.cuh"
 
@@ -359,12 +355,9 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
     char *base;
     struct fl_args a;
     enum dsv4_err e;
-    int v2;
 
     if (T <= 0)
         return DSV4_OK;
-    if (mode == FL_FP8 && (v2 = cuda_fast_linear2_variant(be, W, x)) != 0)
-        return cuda_fast_linear2(be, out, x, W, T, v2);   /* fast_linear2.cu */
     base = (char *)cuda_scratch(be, off + b.v + b.l + b.s + b.p);
     if (base == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast linear: no scratch for %d x %lld", T,

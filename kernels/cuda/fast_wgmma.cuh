@@ -6,9 +6,9 @@
  * weight-row map of the SwiGLU up tiles and the accumulator operand lists
  * of the wgmma inline assembly.
  *
- * Used by fast_gemm.cu (fg_kernel, fw_kernel), fast_gemm4.cu (f4_kernel),
- * fast_gemm8.cu (g8_kernel) and fast_linear2.cu (cp.async groups).  Every
- * helper is the exact instruction sequence its users had before; where
+ * Used by fast_gemm.cu (fg_kernel, fw_kernel), fast_gemm4.cu (f4_kernel)
+ * and fast_gemm8.cu (g8_kernel).  Every helper is the exact instruction
+ * sequence its users had before; where
  * users differ (memory clobber or not, descriptor strides, swizzle mode)
  * the difference is a template parameter or a separately named function.
  * Also the token-tile row maps of fw_kernel and f4_kernel (wg_tile_rows).

@@ -68,12 +68,7 @@
  * timed CUDA graph left the same bits as the plain call ("replay").
  * BENCH_FAST_ONLY=moe runs only the MoE cases (self-checks and sweep).
  *
- * Decode linears v1 against v2 (kernels/cuda/fast_linear2.cu, after the
- * linear cases; BENCH_FAST_ONLY=linear: only these): the self-check of the
- * FP8 mma fragment layout and the activation codes, then the FP8 linears
- * of the model at TP = 1 and 2 (wq_a, wq_b, wq_b/2, wkv, wo_b, wo_b/2,
- * idx_wq_b, proj) under DSV4_CUDA_LINEAR = v1, v2, v2h with the checks
- * above, a failure's first value out of bounds, and a "linear cfg" table.
+ * BENCH_FAST_ONLY=linear runs only the linear cases.
  *
  * Prefill cases (kernels/cuda/fast_gemm.cu, after the decode ones): the FP8
  * linears pf_wq_a 4096->1024, pf_wq_b 1024->16384 (half of 64x512 per rank),
@@ -1040,15 +1035,15 @@ moe_selfcheck(struct dsv4_backend *be, const char *cfg, struct sc_expert *sc,
 /* --- decode MoE (kernels/cuda/fast_moe.cu) for every configuration ------------------ */
 
 /*
- * v4 against v3, bit for bit (fast_moe3.cu: the same sums in the same
+ * v5 against v3, bit for bit (fast_moe3.cu: the same sums in the same
  * order): moe and moe_parts (half the experts held) at T = 1, 16 and 64
  * (passes of one and of two n-tiles, several rows per expert) under the
- * setting `cfg` (a "v4..." one) and under "v3"; the output is filled with
+ * setting `cfg` (a "v5" one) and under "v3"; the output is filled with
  * 0xff bytes before each run (a row one of them does not write differs).
  * One line per case: the first differing float, its index and both values.
  */
 static void
-moe_v4_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w *experts,
+moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w *experts,
             const struct dsv4_expert_w *half, const struct dsv4_expert_w *shared,
             const float *x, float *out, const int32_t *ids_d, const float *wts_d,
             struct tally *ty)
@@ -1063,7 +1058,7 @@ moe_v4_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
     TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
     for (int parts = 0; parts < 2; parts++)
         for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) {
-            struct op o = { .name = "v4 bits", .kind = parts ? OP_PARTS : OP_MOE,
+            struct op o = { .name = "v5 bits", .kind = parts ? OP_PARTS : OP_MOE,
                             .experts = parts ? half : experts, .shared = shared,
                             .ids = ids_d, .weights = wts_d, .x = x };
             int T = ts[i];
@@ -1082,7 +1077,7 @@ moe_v4_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
                     bad = j;
             if (bad == n) {
                 ty->ok++;
-                printf("ok   moe v4 bits %-9s %-5s T=%-2d %zu floats == v3\n", cfg,
+                printf("ok   moe v5 bits %-9s %-5s T=%-2d %zu floats == v3\n", cfg,
                        parts ? "parts" : "moe", T, n);
             } else {
                 float f3, f4;
@@ -1090,8 +1085,8 @@ moe_v4_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
                 memcpy(&f3, &r3[bad], 4);
                 memcpy(&f4, &r4[bad], 4);
                 ty->fail++;
-                printf("FAIL moe v4 bits %-9s %-5s T=%-2d first difference at %zu (row %zu col "
-                       "%zu): v3 %.9g (%08x) v4 %.9g (%08x)\n", cfg, parts ? "parts" : "moe",
+                printf("FAIL moe v5 bits %-9s %-5s T=%-2d first difference at %zu (row %zu col "
+                       "%zu): v3 %.9g (%08x) v5 %.9g (%08x)\n", cfg, parts ? "parts" : "moe",
                        T, bad, bad / D_MODEL, bad % D_MODEL, f3, r3[bad], f4, r4[bad]);
             }
         }
@@ -1107,7 +1102,7 @@ static const int moe_t[] = { 1, 2, 4, 8, 16, 32, 64 };
 /* DSV4_CUDA_FAST_MOE settings swept by default (BENCH_MOE_CFGS overrides:
  * space-separated); the first is fast_moe.cu's default (FM2_DEFAULT). */
 static const char moe_cfgs_default[] =
-    "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1 v3 v4";
+    "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1 v3 v5";
 
 /*
  * moe (all 256 experts held) and moe_parts (the odd experts held elsewhere,
@@ -1152,8 +1147,8 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     printf("decode moe (fast_moe.cu): settings of DSV4_CUDA_FAST_MOE \"W,KS,PF,CPS\" "
            "(warps per block, K slices per item, FP4 blocks in flight, blocks per SM cap), "
            "v1, or v3 / \"v3,NS,RT\" (fast_moe3.cu: ring stages per warp, row tiles per "
-           "block), or v4 / \"v4,PF,RT,MB\" (fast_moe3.cu: FP4 blocks in flight per warp, "
-           "row tiles per block, blocks per SM of the register bound); GB/s of the "
+           "block), or v5 (fast_moe3.cu: persistent warps, a 16-row tile over all of K "
+           "each); GB/s of the "
            "distinct experts' bytes + shared expert\n");
     for (cfg = strtok_r(list, " ", &save); cfg != NULL && n_cfg < 64;
          cfg = strtok_r(NULL, " ", &save), n_cfg++) {
@@ -1162,8 +1157,8 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
         setenv("DSV4_CUDA_FAST_MOE", cfg, 1);
         printf("moe setting %s\n", cfg);
         moe_selfcheck(be, cfg, sc, x, sc_ref_rows, sc_hs, ty);
-        if (strncmp(cfg, "v4", 2) == 0)
-            moe_v4_bits(be, cfg, experts, half, shared, x, out, ids_d, wts_d, ty);
+        if (strncmp(cfg, "v5", 2) == 0)
+            moe_v5_bits(be, cfg, experts, half, shared, x, out, ids_d, wts_d, ty);
         len = (size_t)snprintf(table[n_cfg], sizeof(table[n_cfg]), "moe cfg %-9s", cfg);
         for (int parts = 0; parts < 2; parts++) {
             struct op o = { .name = parts ? "parts" : "moe", .kind = parts ? OP_PARTS : OP_MOE,
@@ -1206,162 +1201,6 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     printf("decode moe, share of 4.3 TB/s per setting (T:share; moe, then moe_parts with "
            "half the experts held):\n");
     for (int i = 0; i < n_cfg; i++)
-        printf("%s\n", table[i]);
-}
-
-/* --- decode linear v1 against v2 (kernels/cuda/fast_linear2.cu) ------------------- */
-
-/*
- * The FP8 linears of the model (REF numerics) at both group sizes (TP = 1,
- * and the rank's share at TP = 2 where the weight is split), each run under
- * every setting of DSV4_CUDA_LINEAR in lin2_var (v1: fl_kernel; v2: the
- * E4M3 tensor-core kernel; v2h: the same kernel on f16 tensor cores) with
- * run_case's checks (bounds against the exact op, same bits twice, rows
- * independent of T: T = 4, 16, 64 against the rows of the previous T, so
- * row 0 at T = 1 is row 0 inside T = 16 and 64).  A failed case prints its
- * first value out of bounds and, where row 0 moved with T, its first
- * differing column (lin2_diag).  Before the cases: the self-check of the
- * mma fragment layout and the quantizer (dsv4_cuda_linear_selftest).  At
- * the end one "linear cfg" line per shape and setting: share of 4.3 TB/s
- * and microseconds per call at each T.  BENCH_FAST_ONLY=linear runs only
- * this section.
- */
-static const struct {
-    const char *name;
-    int N, K;
-} lin2_shapes[] = {
-    { "wq_a", 1024, 4096 },       /* replicated */
-    { "wq_b", 32768, 1024 },      /* 64 heads x 512 */
-    { "wq_b/2", 16384, 1024 },    /* TP = 2: 32 heads per rank */
-    { "wkv", 512, 4096 },         /* replicated */
-    { "wo_b", 4096, 8192 },
-    { "wo_b/2", 2048, 8192 },     /* TP = 2: half the output rows */
-    { "idx_wq_b", 8192, 1024 },   /* indexer, 64 heads x 128 */
-    { "proj", 4096, 4096 },       /* MTP e_proj / h_proj */
-};
-static const char *const lin2_var[] = { "v1", "v2", "v2h" };
-#define N_LIN2 ((int)(sizeof(lin2_shapes) / sizeof(lin2_shapes[0])))
-#define N_LIN2_VAR ((int)(sizeof(lin2_var) / sizeof(lin2_var[0])))
-
-/* Download (T, w) fp32 outputs of o after running it with the fast kernels
- * on (fast != 0) or off. */
-static float *
-lin2_run(struct dsv4_backend *be, const struct op *o, int T, int fast)
-{
-    size_t n = (size_t)T * o->outs[0].w;
-    float *h = malloc(n * sizeof(float));
-
-    if (h == NULL)
-        exit(1);
-    TRY("set_kernels", dsv4_cuda_set_kernels(be, fast));
-    TRY("op", op_run(be, o, T));
-    TRY("download", be->ops->download(be, h, o->outs[0].dev, n * sizeof(float)));
-    return h;
-}
-
-/* Why case (o, T) failed: its first value out of bounds (token, column,
- * fast, exact, bits), the largest difference, and row 0 against T = 1. */
-static void
-lin2_diag(struct dsv4_backend *be, const struct op *o, int T)
-{
-    int N = o->outs[0].w;
-    float *ref = lin2_run(be, o, T, 0), *fast = lin2_run(be, o, T, 1);
-    float *one = lin2_run(be, o, 1, 1);
-    double maxr = 0, maxd = 0;
-    size_t n = (size_t)T * N, first = n, worst = 0;
-
-    for (size_t i = 0; i < n; i++)
-        maxr = fabs((double)ref[i]) > maxr ? fabs((double)ref[i]) : maxr;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)fast[i] - ref[i]);
-
-        if (!(d <= BOUND_BF16 * maxr) && first == n)
-            first = i;
-        if (!(d <= maxd)) {
-            maxd = isnan(d) ? INFINITY : d;
-            worst = i;
-        }
-    }
-    if (first < n) {
-        uint32_t fb, rb;
-
-        memcpy(&fb, &fast[first], 4);
-        memcpy(&rb, &ref[first], 4);
-        printf("     %s T=%d first value out of bounds: token %zu column %zu fast %.9g (%08x) "
-               "exact %.9g (%08x), bound %.3g\n",
-               o->name, T, first / N, first % N, fast[first], fb, ref[first], rb,
-               BOUND_BF16 * maxr);
-    }
-    printf("     %s T=%d largest difference %.3g at token %zu column %zu (fast %.9g exact "
-           "%.9g), max |exact| %.6g\n",
-           o->name, T, maxd, worst / N, worst % N, fast[worst], ref[worst], maxr);
-    for (int c = 0; c < N; c++)
-        if (memcmp(&one[c], &fast[c], 4) != 0) {
-            printf("     %s row 0 at T=%d differs from T=1 first at column %d: %.9g vs %.9g\n",
-                   o->name, T, c, fast[c], one[c]);
-            break;
-        }
-    free(ref);
-    free(fast);
-    free(one);
-}
-
-static void
-linear2_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const float *xh,
-            float *out, struct tally *ty)
-{
-    char msg[2048], table[N_LIN2 * N_LIN2_VAR][256];
-    int rc = dsv4_cuda_linear_selftest(be, msg, sizeof(msg)), row = 0;
-
-    printf("linear v2 self-check (kernels/cuda/fast_linear2.cu):\n%s", msg);
-    if (rc != 0) {
-        printf("FAIL linear v2 self-check (%d)\n", rc);
-        ty->fail++;
-    } else {
-        ty->ok++;
-    }
-    printf("decode linears, DSV4_CUDA_LINEAR = v1 | v2 | v2h side by side:\n");
-    for (int l = 0; l < N_LIN2; l++) {
-        int N = lin2_shapes[l].N, K = lin2_shapes[l].K;
-        struct dsv4_linear W = make_fp8(be, N, K);
-
-        for (int t = 0; t < T_MAX; t++)
-            TRY("upload", be->ops->upload(be, x + (size_t)t * K, xh + (size_t)t * 8192,
-                                          (size_t)K * sizeof(float)));
-        for (int v = 0; v < N_LIN2_VAR; v++, row++) {
-            char name[64];
-            struct op o = { .name = name, .kind = OP_LINEAR, .x = x, .W = W };
-            struct hist h;
-            size_t len;
-
-            snprintf(name, sizeof(name), "%s:%s", lin2_shapes[l].name, lin2_var[v]);
-            setenv("DSV4_CUDA_LINEAR", lin2_var[v], 1);
-            o.outs[0] = out_f32("out", out, N, BOUND_BF16, IDENT_BF16);
-            o.n_outs = 1;
-            memset(&h, 0, sizeof(h));
-            len = (size_t)snprintf(table[row], sizeof(table[row]),
-                                   "linear cfg %-9s %5d x %-5d %-3s", lin2_shapes[l].name, N,
-                                   K, lin2_var[v]);
-            for (int i = 0; i < N_T; i++) {
-                int T = t_list[i], fails = ty->fail;
-                size_t bytes = (size_t)(T + 15) / 16 * lin_bytes(&W);
-                double r = run_case(be, tm, &o, T, bytes, &h, ty);
-
-                if (ty->fail > fails)
-                    lin2_diag(be, &o, T);
-                if (len < sizeof(table[row]))
-                    len += (size_t)snprintf(table[row] + len, sizeof(table[row]) - len,
-                                            "  %d:%.2f %.1fus", T, r,
-                                            r > 0 ? (double)bytes / (r * PEAK_GBS * 1e3) : 0.0);
-            }
-            free(h.prev[0]);
-        }
-        be->ops->free(be, (void *)(uintptr_t)W.w);
-        be->ops->free(be, (void *)(uintptr_t)W.scale);
-    }
-    unsetenv("DSV4_CUDA_LINEAR");
-    printf("decode linears, share of 4.3 TB/s and us per call (T:share us):\n");
-    for (int i = 0; i < row; i++)
         printf("%s\n", table[i]);
 }
 
@@ -2118,8 +1957,6 @@ main(int argc, char **argv)
         be->ops->free(be, (void *)(uintptr_t)o.W.w);   /* ours: allocated above */
         be->ops->free(be, (void *)(uintptr_t)o.W.scale);
     }
-    if (!only_moe)
-        linear2_all(be, tm, x, xh, out, &ty);
     if (getenv("BENCH_FAST_ONLY") != NULL && strcmp(getenv("BENCH_FAST_ONLY"), "linear") == 0) {
         printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=linear)\n", ty.ok, ty.fail);
         dsv4_cuda_timer_destroy(tm);

@@ -34,9 +34,7 @@
 #      through one expert against a host reference), v3 (fast_moe3.cu) is
 #      "v3" or "v3,NS,RT"; BENCH_FAST_ONLY=moe runs only the MoE cases, e.g.
 #      BENCH_FAST_ONLY=moe BENCH_MOE_CFGS="v1 v3 v3,3,0 v3,5,0 v3,4,1 v3,4,4".
-#      The decode linears run under DSV4_CUDA_LINEAR = v1, v2, v2h side by
-#      side (self-check of the FP8 mma layout first, then one "linear cfg"
-#      line per shape and kernel); BENCH_FAST_ONLY=linear runs only those.
+#      BENCH_FAST_ONLY=linear runs only the decode linear cases.
 #      BENCH_FAST_ONLY=gemm8 runs only the FP8 x FP8 prefill linear
 #      (kernels/cuda/fast_gemm8.cu) against the exact op and fw_kernel at
 #      T = 128, 512, 2048 (one line per shape and T: bounds, T-independence,
