@@ -163,6 +163,8 @@ cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                             "G=%d)", (int)Wa->fmt, Wa->n_out, Wa->n_in, G);
     if (T <= 0)
         return DSV4_OK;
+    if (cuda_st(be)->fast_kernels && cuda_fast_gemm_grouped_ok(be, Wa, T, G))
+        return cuda_fast_gemm_grouped(be, out, x, Wa, T, G);   /* fast_gemm.cu: prefill */
     if (cuda_st(be)->fast_kernels && cuda_fast_linear_grouped_ok(Wa, G))
         return cuda_fast_linear_grouped(be, out, x, Wa, T, G);   /* fast_linear.cu */
     /* bf16 inputs (rounded on the fly), no activation quantization */

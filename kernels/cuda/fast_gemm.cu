@@ -3,8 +3,10 @@
  * under REF numerics and the routed + shared MoE at many token rows, used by
  * cuda_linear / cuda_moe when the fast kernels are on and the decode
  * kernels (fast_linear.cu, fast_moe.cu) would re-read the weights once per
- * 16 rows (cuda_fast_gemm_linear_ok, cuda_fast_gemm_moe_ok), and the BF16
- * linear at T > 64 (cuda_fast_gemm_bf16_ok, fast_gemm.cuh).
+ * 16 rows (cuda_fast_gemm_linear_ok, cuda_fast_gemm_moe_ok), the BF16
+ * linear at T > 64 (cuda_fast_gemm_bf16_ok, fast_gemm.cuh) and the grouped
+ * output projection (linear_grouped, wo_a) at T > 64 (fw_kernel's grouped
+ * mode: cuda_fast_gemm_grouped_ok, kernels/cuda_gemm_grouped.h).
  *
  * Two paths.  On sm_90 the Hopper path (fw_kernel, wgmma; its own comment
  * below) takes all of them; DSV4_CUDA_WGMMA=0 or dsv4_cuda_set_wgmma(0)
@@ -91,6 +93,8 @@ enum {
 enum {
     FG_LINEAR = 0,  /* out[row, n] = bf16(acc) for its 128 weight rows (also w2) */
     FG_UP = 1,      /* 64 rows of w1 and the same 64 of w3: h = SwiGLU */
+    FG_GROUPED = 2, /* fw_kernel only: FG_LINEAR's output, B (the token rows)
+                       from the block's group slice of x (linear_grouped) */
 };
 
 /* Everything a launch needs, by value. */
@@ -526,6 +530,16 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
  * then quantizes it per token over the block's 128 columns (REF: amax over
  * the 16 warps through shared memory, the exact path's scale and codes) and
  * writes the down GEMM's B operand (permuted, code value times scale).
+ *
+ * Grouped (FG_GROUPED, linear_grouped: wo_a): FP8 weights (G * R, K), x
+ * (T, G * K); weight row o reads x columns (o / R) * K .. + K.  R % 128 ==
+ * 0, so a block's 128 rows n0.. lie in one group g = n0 / R: its B rows are
+ * x's rows (a.ldb = G * K values apart) from column g * K on, prepared as
+ * bf16(x) (fw_prep mode 2: the op rounds x to bf16, no quantization) in the
+ * permuted order over the whole row (g * K is a multiple of 32, so group
+ * g's columns keep fw_perm's order relative to g * K).  Everything else is
+ * the FP8 FG_LINEAR block: weights decoded to the exact bf16 w * s_w, one
+ * fp32 sum over K, out[token][o] bf16-rounded.
  */
 
 #define FW_BF16 2               /* weight format: BF16, x as hi + lo */
@@ -574,6 +588,10 @@ struct fw_args {
     int K;                          /* weight n_in */
     float lim;                      /* SwiGLU limit (<= 0: none) */
     int f32out;                     /* FG_LINEAR: fp32 outputs (else bf16-rounded) */
+    int64_t ldb;                    /* FG_GROUPED: B row stride (G * K values) */
+    int grows;                      /* FG_GROUPED: weight rows per group (R): the
+                                       block of rows n0.. reads B columns
+                                       (n0 / R) * K .. + K */
 };
 
 /* Physical position of logical column c (permuted inside 32-column groups). */
@@ -586,8 +604,9 @@ fw_perm(int c)
 /*
  * B values from x (rows, K), row stride `stride`: mode 0 (REF) the FP8 code
  * value of the exact path's quantization per 128 columns times its scale;
- * mode 1 hi = bf16(x) and lo = bf16(x - hi) (lo = 0 when x is not finite).
- * One warp per (row, 128-column block).
+ * mode 1 hi = bf16(x) and lo = bf16(x - hi) (lo = 0 when x is not finite);
+ * mode 2 hi = bf16(x) only (linear_grouped; lo unused).  One warp per (row,
+ * 128-column block).
  */
 static __global__ void
 fw_prep_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t stride, int rows, int K,
@@ -623,8 +642,9 @@ fw_prep_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t stride, int r
             float h = cu_bf16_round(v[i]);
 
             hi[at] = (uint16_t)(__float_as_uint(h) >> 16);
-            lo[at] = isfinite(v[i]) ? (uint16_t)(__float_as_uint(cu_bf16_round(v[i] - h)) >> 16)
-                                    : 0;
+            if (mode == 1)
+                lo[at] = isfinite(v[i]) ?
+                         (uint16_t)(__float_as_uint(cu_bf16_round(v[i] - h)) >> 16) : 0;
         }
     }
 }
@@ -715,6 +735,9 @@ fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *
     typedef fw_cfg<WF, EPI, NWG, BN> C;
     const int CH = FW_AROW(WF) / 16;   /* 16-byte chunks per weight row */
     int tid = threadIdx.x, K = a.K;
+    /* B rows: K values apart from column 0, or (grouped) the group's slice */
+    int64_t ldb = EPI == FG_GROUPED ? a.ldb : K;
+    int64_t b0 = EPI == FG_GROUPED ? (int64_t)(n0 / a.grows) * K : 0;
 
     for (int i = tid; i < C::RA * CH; i += C::THREADS) {
         int r = i / CH, c = i % CH, is3, wr = wg_wrow<EPI == FG_UP>(r, n0, &is3);
@@ -728,7 +751,7 @@ fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *
     }
     for (int i = tid; i < BN * 16; i += C::THREADS) {
         int n = i >> 4, c = i & 15, r = brow[n];
-        int64_t o = (int64_t)(r < 0 ? 0 : r) * K + kb * 128 + c * 8;
+        int64_t o = (int64_t)(r < 0 ? 0 : r) * ldb + b0 + kb * 128 + c * 8;
         int d = ((n >> 3) * 16 + c) * 128 + (n & 7) * 16;
 
         wg_cp16(sb + d, a.xb + o, r >= 0);
@@ -885,7 +908,7 @@ fw_kernel(struct fw_args a)
 
     /* D fragment: d[4j + i] is row ra + 8 * (i >> 1) of the warpgroup's 64,
      * token 8j + 2q + (i & 1) */
-    if (EPI == FG_LINEAR) {
+    if (EPI != FG_UP) {   /* FG_LINEAR, FG_GROUPED */
 #pragma unroll
         for (int j = 0; j < BN / 8; j++)
 #pragma unroll
@@ -1233,6 +1256,86 @@ cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const float *x,
                        const struct dsv4_linear *W, int T, unsigned flags, size_t off)
 {
     return fw_linear(be, out, x, W, T, flags, off);
+}
+
+/* --- the grouped linear (linear_grouped, wo_a) on fw_kernel ------------------------------ */
+
+static int fwg_override = -1;   /* dsv4_cuda_set_gemm_grouped; -1: the environment decides */
+
+void
+dsv4_cuda_set_gemm_grouped(int on)
+{
+    fwg_override = on < 0 ? -1 : on != 0;
+}
+
+int
+cuda_fast_gemm_grouped_on(void)
+{
+    static int env = -1;
+
+    if (env < 0)
+        env = cuda_env_switch("DSV4_CUDA_GEMM_GROUPED", 1);
+    return fwg_override < 0 ? env : fwg_override;
+}
+
+/* The shapes of fw_kernel's grouped mode: FP8 weights (G * R, K), R and K
+ * multiples of 128 (a block's 128 rows in one group), codes 16-byte aligned. */
+static int
+fw_grouped_shape(const struct dsv4_linear *W, int G)
+{
+    return W->fmt == DSV4_WFMT_FP8 && W->w != NULL && W->scale != NULL && G > 0 &&
+           W->n_in > 0 && W->n_in % 128 == 0 && W->n_out > 0 && W->n_out % G == 0 &&
+           (W->n_out / G) % 128 == 0 && (uintptr_t)W->w % 16 == 0;
+}
+
+int
+cuda_fast_gemm_grouped_ok(const struct dsv4_backend *be, const struct dsv4_linear *W, int T,
+                          int G)
+{
+    if (T <= FG_DECODE_ROWS || !fg_enabled() || !cuda_fast_gemm_grouped_on() ||
+        !fw_enabled(be) || !fw_grouped_shape(W, G))
+        return 0;
+    /* the decode kernels' grouped mode streams the weights once per 16 rows,
+     * as for a dense linear of the same N and K: the same cost model */
+    return fw_linear_bn(T, W->n_out, W->n_in, 1) != 0;
+}
+
+enum dsv4_err
+cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const float *x,
+                       const struct dsv4_linear *W, int T, int G)
+{
+    int N = W->n_out, K = W->n_in, bn;
+    int64_t xcols = (int64_t)G * K;
+    uint16_t *xb;
+    struct fw_args a;
+    enum dsv4_err e;
+
+    if (!fw_grouped_shape(W, G) || !fw_enabled(be) || xcols > INT32_MAX)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda fast gemm grouped: not for fmt %d, %d x %d, "
+                            "G=%d on this device", (int)W->fmt, W->n_out, W->n_in, G);
+    if (T <= 0)
+        return DSV4_OK;
+    xb = (uint16_t *)cuda_scratch(be, cuda_align((size_t)T * xcols * sizeof(uint16_t)));
+    if (xb == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm grouped: no scratch for %d x %lld",
+                            T, (long long)xcols);
+    bn = fw_linear_bn(T, N, K, 1);
+    bn = bn == 0 ? 64 : bn;   /* a direct call below the cost model's threshold */
+    memset(&a, 0, sizeof(a));
+    a.W = *W;
+    a.W3 = *W;
+    a.xb = xb;
+    a.out = out;
+    a.ldo = N;
+    a.M = T;
+    a.K = K;
+    a.ldb = xcols;
+    a.grows = N / G;
+    e = fw_prep(be, xb, NULL, x, xcols, T, (int)xcols, 2);
+    if (e != DSV4_OK)
+        return e;
+    return fw_run<FG_FP8, FG_GROUPED, 2>(be, &a, bn, (unsigned)(N / 128),
+                                         (unsigned)((T + bn - 1) / bn));
 }
 
 /*

@@ -1,12 +1,15 @@
 /*
  * fast_gemm.cuh — the prefill GEMM entry points of fast_gemm.cu beyond those
  * declared in cuda.cuh: the BF16 linear at many rows (the Hopper wgmma
- * path), called by cuda_linear when the fast kernels are on.
+ * path), called by cuda_linear when the fast kernels are on; and, through
+ * kernels/cuda_gemm_grouped.h, the grouped linear's (linear_grouped: wo_a),
+ * called by cuda_linear_grouped.
  */
 #ifndef DSV4_KERNELS_CUDA_FAST_GEMM_CUH
 #define DSV4_KERNELS_CUDA_FAST_GEMM_CUH
 
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda_gemm_grouped.h"
 
 /*
  * BF16 weights at T > 64 rows (calls of up to 64 rows keep the decode

@@ -16,8 +16,13 @@
 # start + (n/8)*SBO + (n%8)*16 + (k/8)*LBO + (k%8)*2, and D element
 # d[4j+i] = (row g + 8*(i>>1), column 8j + 2q + (i&1)).  Each case must
 # equal a plain GEMM to rounding ("OK"); the index functions are copies of
-# the kernel's, so keep them in step when the kernel changes.  Exit status 1
-# when a case is off.
+# the kernel's, so keep them in step when the kernel changes.  FP8 block
+# scales (one power of two per 128 weight rows x 128 columns) are applied as
+# the kernel does: per thread, the scale row of its absolute weight row.
+# The grouped mode (FG_GROUPED, linear_grouped) runs every block of G
+# groups of R rows: block n0 reads x columns (n0 // R) * K .. of rows G * K
+# values apart, against out[t, o] = W[o] . x[t, (o // R) * K ..].  Exit
+# status 1 when a case is off.
 import numpy as np
 rng = np.random.default_rng(1)
 FP4, FP8, BF16 = 1, 0, 2
@@ -36,104 +41,112 @@ def fw_wrow(epi, r, n0):
 E2M1 = [0, .5, 1, 1.5, 2, 3, 4, 6]
 def e2m1(c): return (-1 if c & 8 else 1) * E2M1[c & 7]
 
-def run(wf, epi, NWG, BN, K, ntok):
+def run(wf, epi, NWG, BN, K, ntok, ng=1, R=0):
     RA = 64 * NWG
-    nrows = 128 if epi == UP else RA     # weight rows of each matrix used
+    grouped = R > 0                      # FG_GROUPED: ng groups of R rows, x (ntok, ng*K)
+    assert not grouped or (epi == LIN and R % RA == 0)
+    nrows = ng * R if grouped else 128 if epi == UP else RA   # weight rows of each matrix used
     # weights: value arrays W1 (and W3) [rows, K] as python float; raw bytes per stage
     W = [rng.integers(0, 256, size=(nrows, K // 2 if wf == FP4 else K * (2 if wf == BF16 else 1)), dtype=np.uint8) for _ in range(2)]
     gs = [rng.integers(120, 130, size=(nrows, K // 32)) for _ in range(2)]  # fp4 group scale exps
+    s8 = [rng.integers(-3, 4, size=((nrows + 127) // 128, K // 128)) for _ in range(2)]  # fp8 block exps
     def wval(m, row, col):
         if wf == FP4:
             b = W[m][row, col // 2]; code = (b & 15) if col % 2 == 0 else (b >> 4)
             return e2m1(int(code)) * 2.0 ** (int(gs[m][row, col // 32]) - 127)
         if wf == FP8:   # treat bytes as small ints for the index check
-            return float(W[m][row, col]) - 128.0
+            return (float(W[m][row, col]) - 128.0) * 2.0 ** int(s8[m][row // 128, col // 128])
         return float(int(W[m][row, 2 * col]) + 256 * int(W[m][row, 2 * col + 1]))
-    x = rng.standard_normal((ntok, K))
+    x = rng.standard_normal((ntok, ng * K if grouped else K))
     xp = np.zeros_like(x)
-    for c in range(K): xp[:, fw_perm(c)] = x[:, c]          # fw_prep (values only)
+    for c in range(x.shape[1]): xp[:, fw_perm(c)] = x[:, c]   # fw_prep (values only; whole rows)
     nkt = K // 128
-    n0 = 0
-    d = np.zeros((NWG, 4, 32, BN // 2))
-    for kb in range(nkt):
-        # --- fw_load: A stage bytes, B stage (as element array addressed by byte) ---
-        sa = np.zeros(RA * AROW[wf], dtype=np.uint8)
-        ss = np.zeros(RA * 4, dtype=np.int64)
-        CH = AROW[wf] // 16
-        for i in range(RA * CH):
-            r, c = i // CH, i % CH
-            wr, m = fw_wrow(epi, r, n0)
-            if wf == FP4: src = W[m][wr, kb * 64 + c * 16: kb * 64 + c * 16 + 16]
-            elif wf == FP8: src = W[m][wr, kb * 128 + c * 16: kb * 128 + c * 16 + 16]
-            else: src = W[m][wr, kb * 256 + c * 16: kb * 256 + c * 16 + 16]
-            o = fw_a_off(wf, r, c); assert (sa[o:o + 16] == 0).all() or True
-            sa[o:o + 16] = src
-        if wf == FP4:
-            for t in range(RA):
-                wr, m = fw_wrow(epi, t, n0); ss[t * 4:t * 4 + 4] = gs[m][wr, kb * 4:kb * 4 + 4]
-        sb = {}   # byte offset -> element value (bf16 granule)
-        for i in range(BN * 16):
-            n, c = i >> 4, i & 15
-            dd = ((n >> 3) * 16 + c) * 128 + (n & 7) * 16
-            for e in range(8):
-                sb[dd + 2 * e] = xp[n, kb * 128 + c * 8 + e] if n < ntok else 0.0
-        # --- fw_stage per warpgroup / warp / lane, then the wgmma semantics ---
-        for wg in range(NWG):
-            base = wg * 64 * AROW[wf]
-            A = np.zeros((8, 64, 16))   # per k16 step: the 64 x 16 A matrix assembled from fragments
-            for w in range(4):
-                for lane in range(32):
-                    g, q = lane >> 2, lane & 3
-                    ra = w * 16 + g
-                    for G in range(4):
-                        for s2 in range(2):
-                            s = 2 * G + s2
-                            for reg in range(4):
-                                row = ra + (8 if reg in (1, 3) else 0)
-                                hi = reg >= 2
-                                if wf == FP4:
-                                    o = base + fg_b_off(FP4, row, G) + q * 4
-                                    word = int.from_bytes(bytes(sa[o:o + 4]), 'little')
-                                    byte = (word >> (16 * s2 + (8 if hi else 0))) & 0xff
-                                    sc = 2.0 ** (int(ss[(wg * 64 + row) * 4 + G]) - 127)
-                                    vals = [e2m1(byte & 15) * sc, e2m1(byte >> 4) * sc]
-                                elif wf == FP8:
-                                    c = 2 * G + (q >> 1); o = base + fg_b_off(FP8, row, c) + (q & 1) * 8
-                                    v8 = sa[o:o + 8]; wd = v8[4 * s2: 4 * s2 + 4]
-                                    pair = wd[2:4] if hi else wd[0:2]
-                                    vals = [float(pair[0]) - 128, float(pair[1]) - 128]
-                                else:
-                                    o = base + fg_a_off(row, 4 * G + q); v16 = sa[o:o + 16]
-                                    wi = 2 * s2 + (1 if hi else 0); wd = v16[4 * wi: 4 * wi + 4]
-                                    vals = [float(int(wd[0]) + 256 * int(wd[1])), float(int(wd[2]) + 256 * int(wd[3]))]
-                                kk = 2 * q + (8 if hi else 0)
-                                A[s, 16 * w + (row - ra) + g, kk] = vals[0]
-                                A[s, 16 * w + (row - ra) + g, kk + 1] = vals[1]
-            for s in range(8):
-                start = 256 * s; LBO, SBO = 128, 2048
-                B = np.zeros((16, BN))
-                for k in range(16):
-                    for n in range(BN):
-                        B[k, n] = sb[start + (n // 8) * SBO + (n % 8) * 16 + (k // 8) * LBO + (k % 8) * 2]
-                Dm = A[s] @ B   # 64 x BN
+    out = np.full((ntok, nrows), np.nan)
+    for n0 in range(0, nrows, RA) if grouped else (0,):
+        b0 = (n0 // R) * K if grouped else 0                 # fw_load: the group's first column
+        d = np.zeros((NWG, 4, 32, BN // 2))
+        for kb in range(nkt):
+            # --- fw_load: A stage bytes, B stage (as element array addressed by byte) ---
+            sa = np.zeros(RA * AROW[wf], dtype=np.uint8)
+            ss = np.zeros(RA * 4, dtype=np.int64)
+            CH = AROW[wf] // 16
+            for i in range(RA * CH):
+                r, c = i // CH, i % CH
+                wr, m = fw_wrow(epi, r, n0)
+                if wf == FP4: src = W[m][wr, kb * 64 + c * 16: kb * 64 + c * 16 + 16]
+                elif wf == FP8: src = W[m][wr, kb * 128 + c * 16: kb * 128 + c * 16 + 16]
+                else: src = W[m][wr, kb * 256 + c * 16: kb * 256 + c * 16 + 16]
+                o = fw_a_off(wf, r, c); assert (sa[o:o + 16] == 0).all() or True
+                sa[o:o + 16] = src
+            if wf == FP4:
+                for t in range(RA):
+                    wr, m = fw_wrow(epi, t, n0); ss[t * 4:t * 4 + 4] = gs[m][wr, kb * 4:kb * 4 + 4]
+            sb = {}   # byte offset -> element value (bf16 granule)
+            for i in range(BN * 16):
+                n, c = i >> 4, i & 15
+                dd = ((n >> 3) * 16 + c) * 128 + (n & 7) * 16
+                for e in range(8):
+                    sb[dd + 2 * e] = xp[n, b0 + kb * 128 + c * 8 + e] if n < ntok else 0.0
+            # --- fw_stage per warpgroup / warp / lane, then the wgmma semantics ---
+            for wg in range(NWG):
+                base = wg * 64 * AROW[wf]
+                A = np.zeros((8, 64, 16))   # per k16 step: the 64 x 16 A matrix assembled from fragments
                 for w in range(4):
                     for lane in range(32):
                         g, q = lane >> 2, lane & 3
+                        ra = w * 16 + g
+                        for G in range(4):
+                            for s2 in range(2):
+                                s = 2 * G + s2
+                                for reg in range(4):
+                                    row = ra + (8 if reg in (1, 3) else 0)
+                                    hi = reg >= 2
+                                    if wf == FP4:
+                                        o = base + fg_b_off(FP4, row, G) + q * 4
+                                        word = int.from_bytes(bytes(sa[o:o + 4]), 'little')
+                                        byte = (word >> (16 * s2 + (8 if hi else 0))) & 0xff
+                                        sc = 2.0 ** (int(ss[(wg * 64 + row) * 4 + G]) - 127)
+                                        vals = [e2m1(byte & 15) * sc, e2m1(byte >> 4) * sc]
+                                    elif wf == FP8:
+                                        c = 2 * G + (q >> 1); o = base + fg_b_off(FP8, row, c) + (q & 1) * 8
+                                        v8 = sa[o:o + 8]; wd = v8[4 * s2: 4 * s2 + 4]
+                                        pair = wd[2:4] if hi else wd[0:2]
+                                        wr8, m8 = fw_wrow(epi, wg * 64 + row, n0)   # block scale row
+                                        sc = 2.0 ** int(s8[m8][wr8 // 128, kb])
+                                        vals = [(float(pair[0]) - 128) * sc, (float(pair[1]) - 128) * sc]
+                                    else:
+                                        o = base + fg_a_off(row, 4 * G + q); v16 = sa[o:o + 16]
+                                        wi = 2 * s2 + (1 if hi else 0); wd = v16[4 * wi: 4 * wi + 4]
+                                        vals = [float(int(wd[0]) + 256 * int(wd[1])), float(int(wd[2]) + 256 * int(wd[3]))]
+                                    kk = 2 * q + (8 if hi else 0)
+                                    A[s, 16 * w + (row - ra) + g, kk] = vals[0]
+                                    A[s, 16 * w + (row - ra) + g, kk + 1] = vals[1]
+                for s in range(8):
+                    start = 256 * s; LBO, SBO = 128, 2048
+                    B = np.zeros((16, BN))
+                    for k in range(16):
+                        for n in range(BN):
+                            B[k, n] = sb[start + (n // 8) * SBO + (n % 8) * 16 + (k // 8) * LBO + (k % 8) * 2]
+                    Dm = A[s] @ B   # 64 x BN
+                    for w in range(4):
+                        for lane in range(32):
+                            g, q = lane >> 2, lane & 3
+                            for j in range(BN // 8):
+                                for i in range(4):
+                                    d[wg, w, lane, 4 * j + i] += Dm[16 * w + g + 8 * (i >> 1), 8 * j + 2 * q + (i & 1)]
+        # --- epilogue: scatter into out[token][weight row] (LINEAR; UP below) ---
+        if epi == LIN:
+            for wg in range(NWG):
+                for w in range(4):
+                    for lane in range(32):
+                        g, q = lane >> 2, lane & 3; ra = w * 16 + g
                         for j in range(BN // 8):
                             for i in range(4):
-                                d[wg, w, lane, 4 * j + i] += Dm[16 * w + g + 8 * (i >> 1), 8 * j + 2 * q + (i & 1)]
-    # --- epilogue: scatter into out[token][weight row] (LINEAR) or g/u pairs (UP) ---
+                                n = 8 * j + 2 * q + (i & 1)
+                                if n < ntok: out[n, n0 + wg * 64 + ra + 8 * (i >> 1)] = d[wg, w, lane, 4 * j + i]
     if epi == LIN:
-        out = np.full((ntok, RA), np.nan)
-        for wg in range(NWG):
-            for w in range(4):
-                for lane in range(32):
-                    g, q = lane >> 2, lane & 3; ra = w * 16 + g
-                    for j in range(BN // 8):
-                        for i in range(4):
-                            n = 8 * j + 2 * q + (i & 1)
-                            if n < ntok: out[n, n0 + wg * 64 + ra + 8 * (i >> 1)] = d[wg, w, lane, 4 * j + i]
-        ref = np.array([[sum(wval(0, r, c) * x[t, c] for c in range(K)) for r in range(RA)] for t in range(ntok)])
+        xo = lambda r: (r // R) * K if grouped else 0   # row r's first x column
+        ref = np.array([[sum(wval(0, r, c) * x[t, xo(r) + c] for c in range(K)) for r in range(nrows)] for t in range(ntok)])
         return np.abs(out - ref).max() / np.abs(ref).max()
     gout = np.full((ntok, 128), np.nan); uout = np.full((ntok, 128), np.nan)
     for wg in range(NWG):
@@ -161,4 +174,10 @@ for wf in (FP4, FP8, BF16):
             print("wf", {FP4: "fp4", FP8: "fp8", BF16: "bf16"}[wf], "epi", ("linear", "up")[epi],
                   "nwg", nwg, "BN", BN, "tokens", nt, "rel err %.2e" % err,
                   "OK" if err < 1e-12 else "BAD")
+# grouped (linear_grouped): FP8, 2 warpgroups (128 rows), 3 groups of 128 or 2 of 256 rows
+for ng, R, BN, nt in ((3, 128, 16, 11), (2, 256, 32, 32)):
+    err = run(FP8, LIN, 2, BN, 256, nt, ng, R)
+    bad += not err < 1e-12
+    print("wf fp8 epi grouped nwg 2 groups", ng, "rows", R, "BN", BN, "tokens", nt,
+          "rel err %.2e" % err, "OK" if err < 1e-12 else "BAD")
 raise SystemExit(1 if bad else 0)

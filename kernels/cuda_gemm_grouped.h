@@ -1,0 +1,65 @@
+/*
+ * cuda_gemm_grouped.h — the prefill GEMM of the grouped output projection
+ * (linear_grouped: wo_a) in the CUDA backend (kernels/cuda/fast_gemm.cu,
+ * fw_kernel's grouped mode; docs/gpu.md, "Prefill GEMMs").  With the fast
+ * kernels on, cuda_linear_grouped takes it at T > 64 rows where the cost
+ * model of the dense FP8 linears prefers the GEMM; the decode kernels
+ * (fast_linear.cu, FL_GROUPED) keep the other calls.  The switch and the
+ * direct entry are here for the benchmark (tests/gpu/bench_woa.c).
+ * C-callable; only in builds with CUDA.
+ */
+#ifndef DSV4_KERNELS_CUDA_GEMM_GROUPED_H
+#define DSV4_KERNELS_CUDA_GEMM_GROUPED_H
+
+#include "common/err.h"
+#include "common/weights.h"
+#include "kernels/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * on != 0: linear_grouped calls that qualify (cuda_fast_gemm_grouped_ok)
+ * take the grouped GEMM; 0: they keep the decode kernels at every T; -1:
+ * back to the environment's choice (DSV4_CUDA_GEMM_GROUPED=0 or off: not
+ * used; default: used).  Process-wide; takes effect for ops queued
+ * afterwards.  The two paths sum in another order (a value may differ in
+ * the last bit between them).
+ */
+void dsv4_cuda_set_gemm_grouped(int on);
+
+/* 1 when the grouped GEMM is switched on (dsv4_cuda_set_gemm_grouped, the
+ * environment); says nothing about the device or the shape. */
+int cuda_fast_gemm_grouped_on(void);
+
+/*
+ * 1 when cuda_linear_grouped (fast kernels on) takes the grouped GEMM for
+ * W, T rows and G groups: T > 64, the switch on, DSV4_CUDA_GEMM not off,
+ * the Hopper path on an sm_90 device (DSV4_CUDA_WGMMA, dsv4_cuda_set_wgmma),
+ * FP8 weights with scales, rows per group R = n_out / G and n_in multiples
+ * of 128, codes 16-byte aligned, and the dense linears' cost model of T,
+ * n_out and n_in prefers the GEMM.  Host-side checks only.
+ */
+int cuda_fast_gemm_grouped_ok(const struct dsv4_backend *be, const struct dsv4_linear *W, int T,
+                              int G);
+
+/*
+ * out (T, G, R)[t, g, :] = W[g rows] (R, K) · bf16(x (T, G, K)[t, g, :]):
+ * linear_grouped's contract (kernels/backend.h) with W (G * R, K) FP8,
+ * 128x128 E8M0 block scales, decoded to the exact bf16 values w * s_w, the
+ * products summed in fp32 over all of K by the tensor cores, outputs
+ * bf16-rounded.  Each output depends on its own token row and weight row
+ * only (not on T, the tile or the other rows).  Any T >= 0 (the T > 64
+ * and cost-model conditions of _ok are not applied); the shape, format and
+ * device conditions of _ok are, else DSV4_ERR_NOTSUP.  Uses the backend
+ * scratch (T * G * K bf16 values).
+ */
+enum dsv4_err cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const float *x,
+                                     const struct dsv4_linear *W, int T, int G);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
