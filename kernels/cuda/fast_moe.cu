@@ -1037,7 +1037,7 @@ fm1_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
 /* fm2 configuration (DSV4_CUDA_FAST_MOE, docs/gpu.md "The decode MoE kernel"). */
 struct fm2_cfg {
     int v1;     /* the previous kernels (fm_kernel) instead */
-    int v3;     /* fast_moe3.cu (DSV4_CUDA_FAST_MOE "v3", "v3,NS,RT", "v4...") */
+    int v3;     /* fast_moe3.cu (DSV4_CUDA_FAST_MOE "v3", "v3,NS,RT", "v5") */
     int W;      /* warps per block: 4 or 8 */
     int ks;     /* K slices per item: 1, 2 or 4 (W % ks == 0) */
     int PF;     /* FP4 weight blocks in flight per warp: 2 or 4 */
@@ -1047,7 +1047,7 @@ struct fm2_cfg {
 #define FM2_DEFAULT "4,2,4,0"
 
 /*
- * DSV4_CUDA_FAST_MOE: "v3..." or "v4..." (fast_moe3.cu; v3 also when unset: the default
+ * DSV4_CUDA_FAST_MOE: "v3..." or "v5" (fast_moe3.cu; v3 also when unset: the default
  * since bench_fast on the H200, 2026-11-30, 0.45 of 4.3 TB/s at T = 16
  * against v1's 0.42, 0.35 against 0.29 at T = 1), "v1", "v2" (v2 with
  * FM2_DEFAULT) or "W,KS,PF,CPS" (v2 with those settings); read at every
@@ -1060,7 +1060,7 @@ fm2_cfg_get(struct fm2_cfg *c)
     int W, ks, PF, cps;
 
     memset(c, 0, sizeof(*c));
-    if (v == NULL || strncmp(v, "v3", 2) == 0 || strncmp(v, "v4", 2) == 0) {
+    if (v == NULL || strncmp(v, "v3", 2) == 0 || strncmp(v, "v5", 2) == 0) {
         c->v3 = 1;
         return;
     }

@@ -1,6 +1,6 @@
 /*
- * fast_moe3.cu — the decode MoE, version 3 (DSV4_CUDA_FAST_MOE=v3; v1 in
- * fast_moe.cu stays the default until v3 is measured on the H200): the FP4
+ * fast_moe3.cu — the decode MoE, versions 3 and 5 (v5 the default, v3 for
+ * moe_parts below 8 tokens; DSV4_CUDA_FAST_MOE=v1 for fast_moe.cu's): the FP4
  * routed experts and the FP8 shared expert through the FP8 tensor cores
  * (mma.sync m16n8k32 e4m3), weights streamed through a per-warp
  * shared-memory ring by cp.async.  Design, knobs, measurements: docs/gpu.md,
@@ -91,23 +91,21 @@
  * pass, its slot or the call: independent of T, the same in a CUDA graph
  * and outside.
  *
- * v4 (DSV4_CUDA_FAST_MOE "v4" or "v4,PF,RT,MB"; opt-in, not yet measured):
- * fm4_kernel, the same grid, warps, quarters and fm3_tile_end, but no ring:
- * the weights have no reuse between warps, so each thread loads its own
- * 16-byte pieces from global memory into registers (ld.global.nc,
- * L1::no_allocate, L2 prefetch 256 B), PF 128-column blocks ahead (FP4; the
- * FP8 shared expert PF/2: twice the bytes), and a 4x4 word transpose in
- * each quad (fm4_tr4: four __shfl_xor_sync) gives thread (g, q) word q of
- * every group (FP4: lane q loaded group q of rows g and g+8; FP8: segments
- * 2q, 2q+1), i.e. exactly the A words v3's ldmatrix gives; the row's four
- * E8M0 scales of a block come in one 32-bit load.  Passes of 8 slot rows
- * only (registers; a slot of more rows takes two).  The mma inputs, their
- * order and every fp32 addition are v3's: the results are v3's bit for
- * bit (bench_fast checks it: "moe v4 bits"; fm3_layout_sim.py replays the
- * loads and shuffles against v3's fragments).  Shared memory: the quarter
- * sums (7 KB); PF 1, 2 (default) or 4; MB the blocks per SM the registers
- * are bounded for: 2 (128 registers, default) or 3 (80, with spills);
- * RT as v3's.
+ * v5 (fm5_kernel; the default except moe_parts below T = 8, fm3_v5_auto;
+ * DSV4_CUDA_FAST_MOE "v5" / "v3" force one): the same stages, ring, A
+ * fragments, mma and fp32 additions, but no quarters of K across warps and
+ * no block barrier.  Each warp takes (slot, 16-row tile) items from a
+ * per-call counter (zeroed by the prep kernel) and streams the tile over
+ * all of K (up: w1's stages, then w3's) through its own ring of FM5_NS
+ * stages, with the ring slot, stage and part kept as counters (v3 paid
+ * five runtime integer divisions per stage: on the H200 v3 issued ~540
+ * instructions per 2 KB stage and was issue-bound, 25% occupancy, DRAM at
+ * a third of its peak, while the same loads with no arithmetic move
+ * 0.99 of 4.3 TB/s).  The warp keeps a quarter's blocks in acc and folds
+ * the quarters in order, tot = ((Q0 + Q1) + Q2) + Q3, fm3_tile_end's
+ * order, and stores h or y itself: v3's results bit for bit (bench_fast
+ * "moe v5 bits").  Passes of 8 slot rows (a second pass of a tile reads
+ * it from L2).  Down tiles are 16 rows of w2.
  *
  * Requirements (else v1): T*k <= FM3_MAX_TK, D and I multiples of 1024 and
  * at most 8192 (four quarters of whole stages; the FP8 block scales of a
@@ -153,6 +151,7 @@ struct fm3_args {
     int ns;                 /* ring stages per warp: 2 .. 6 */
     int rt;                 /* row tiles per block (one after the other) */
     float lim;
+    int *ctr;               /* v5: items taken so far by the up [1] and down [0] kernel */
 };
 
 /* The expert of a block: slot blockIdx.y. */
@@ -295,6 +294,8 @@ fm3_prep_kernel(struct fm3_args a, const float *x, const int32_t *ids, int E, in
     int64_t wid;
 
     if (blockIdx.x == 0) {
+        if (threadIdx.x < 2)
+            a.ctr[threadIdx.x] = 0;   /* v5's item counters of this call */
         fm3_group((int32_t *)a.grp, ids, a.T * a.k, E, a.A, a.table, skip_unheld);
         return;
     }
@@ -703,235 +704,8 @@ fm3_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_wa
     __syncwarp();   /* the ring is read before the next pass refills it */
 }
 
-/* --- v4: weights straight from global memory into registers ------------------------- */
-
-/* 16 weight bytes global -> registers: non-coherent, not kept in L1, L2
- * prefetch of 256 bytes; volatile: issued where written (the pipeline). */
-static __device__ __forceinline__ uint4
-fm4_ld16(const uint8_t *p)
-{
-    uint4 v;
-
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-/* 4 scale bytes global -> a register (non-coherent, L1-cached: the next
- * blocks' scales of the row share the sector). */
-static __device__ __forceinline__ uint32_t
-fm4_ld4(const uint8_t *p)
-{
-    uint32_t v;
-
-    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
-/*
- * 4x4 transpose of 32-bit words inside each quad of lanes: lane q's word m
- * becomes lane m's word q (on entry lane q holds w = words 0..3 of its 16
- * bytes; on exit w[m] = word q of lane m's 16 bytes).  Two butterfly
- * stages: lane bit 1 with word bit 1 (partner lane q ^ 2), then lane bit 0
- * with word bit 0 (q ^ 1); each lane sends the two words whose index bit
- * differs from its lane bit and receives the partner's into their places.
- */
-static __device__ __forceinline__ void
-fm4_tr4(uint4 &w)
-{
-    int q = threadIdx.x & 3, hi = q & 2, lo = q & 1;
-    uint32_t r;
-
-    r = __shfl_xor_sync(0xffffffffu, hi ? w.x : w.z, 2);
-    w.x = hi ? r : w.x;
-    w.z = hi ? w.z : r;
-    r = __shfl_xor_sync(0xffffffffu, hi ? w.y : w.w, 2);
-    w.y = hi ? r : w.y;
-    w.w = hi ? w.w : r;
-    r = __shfl_xor_sync(0xffffffffu, lo ? w.x : w.y, 1);
-    w.x = lo ? r : w.x;
-    w.y = lo ? w.y : r;
-    r = __shfl_xor_sync(0xffffffffu, lo ? w.z : w.w, 1);
-    w.z = lo ? r : w.z;
-    w.w = lo ? w.w : r;
-}
-
-/* Word m of a uint4. */
-static __device__ __forceinline__ uint32_t
-fm4_word(const uint4 &v, int m)
-{
-    return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
-}
-
-/*
- * The weights of a warp's block into registers: wv[h][i] = 16 bytes of row
- * g + 8h, FP4 group q (bytes 16q .. of the block's 64), FP8 segment 2q + i
- * (bytes 32q + 16i .. of its 128); sv[h] (FP4) the row's 4 E8M0 scales of
- * the block.  w, sc: row g's piece of the block and its scales.
- */
-template <int FP8>
-static __device__ __forceinline__ void
-fm4_issue(uint4 (&wv)[2][FP8 + 1], uint32_t (&sv)[2], const struct fm3_warp &wp,
-          const uint8_t *w, const uint8_t *sc)
-{
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int i = 0; i < FP8 + 1; i++)
-            wv[h][i] = fm4_ld16(w + (int64_t)h * 8 * wp.rb + i * 16);
-    if (!FP8) {
-        sv[0] = fm4_ld4(sc);
-        sv[1] = fm4_ld4(sc + (int64_t)8 * wp.sb);
-    }
-}
-
-/* The next block of the stream: pointers w, sc one block on, the block of
- * the quarter kk (0 .. nq-1) too; from the quarter's last block to the next
- * tile's first. */
-template <int FP8>
-static __device__ __forceinline__ void
-fm4_next(const struct fm3_warp &wp, const uint8_t *&w, const uint8_t *&sc, int &kk, int nq)
-{
-    w += FP8 ? 128 : 64;
-    sc += 4;
-    if (++kk == nq) {
-        kk = 0;
-        w += wp.tw - (int64_t)nq * (FP8 ? 128 : 64);
-        sc += wp.ts - (int64_t)nq * 4;
-    }
-}
-
-/*
- * One 128-column block into blk from the weights fm4_issue loaded (they are
- * transposed here): the A fragments and the order of the mma and of the
- * fp32 additions are fm3_block's (the same bits): FP4, group m's mma takes
- * word q of group m of rows g, g+8 (fk_fp4x8_e4m3: a0/a2, a1/a3), then
- * blk = fma(d, s_w, blk), m = 0..3; FP8, mma m takes word q of segments
- * 2m (a0, a1) and 2m + 1 (a2, a3), blk += d.
- */
-template <int FP8, int NT>
-static __device__ __forceinline__ void
-fm4_block(float (&blk)[NT][4], uint4 (&wv)[2][FP8 + 1], const uint32_t (&sv)[2],
-          const uint32_t (&xw)[NT][8])
-{
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int i = 0; i < FP8 + 1; i++)
-            fm4_tr4(wv[h][i]);
-#pragma unroll
-    for (int m = 0; m < 4; m++) {
-        uint32_t a0, a1, a2, a3;
-        float w0 = 1.0f, w8 = 1.0f;
-
-        if (FP8) {
-            a0 = fm4_word(wv[0][0], m);
-            a1 = fm4_word(wv[1][0], m);
-            a2 = fm4_word(wv[0][FP8], m);
-            a3 = fm4_word(wv[1][FP8], m);
-        } else {
-            fk_fp4x8_e4m3(fm4_word(wv[0][0], m), &a0, &a2);
-            fk_fp4x8_e4m3(fm4_word(wv[1][0], m), &a1, &a3);
-            w0 = cu_e8m0_to_f32((uint8_t)(sv[0] >> (8 * m)));
-            w8 = cu_e8m0_to_f32((uint8_t)(sv[1] >> (8 * m)));
-        }
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            float d[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
-
-            fk_mma_e4m3(d, a0, a1, a2, a3, xw[n][2 * m], xw[n][2 * m + 1]);
-            if (FP8) {
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    blk[n][i] += d[i];
-            } else {
-                blk[n][0] = __fmaf_rn(d[0], w0, blk[n][0]);
-                blk[n][1] = __fmaf_rn(d[1], w0, blk[n][1]);
-                blk[n][2] = __fmaf_rn(d[2], w8, blk[n][2]);
-                blk[n][3] = __fmaf_rn(d[3], w8, blk[n][3]);
-            }
-        }
-    }
-}
-
-/*
- * v4's pass: fm3_pass's work (slot rows p .. p + 8*NT - 1 through the
- * warp's tiles over quarter qt of K, the same sums in the same order, the
- * same fm3_tile_end) with the weights loaded by each thread straight into
- * registers, PF blocks (FP4) or PF/2 (FP8: twice the bytes) ahead, no
- * shared memory but the quarter sums.  The stream: blocks kk = 0 .. nq-1
- * of the quarter in tile 0, then in tile 1, ...
- */
-template <int UP, int FP8, int NT, int PF>
-static __device__ void
-fm4_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_warp &wp, int p,
-         int rt0, int nrt, int t, int qt, float *red)
-{
-    constexpr int NP = PF < 2 ? 1 : FP8 ? PF / 2 : PF;   /* blocks in flight (PF 0: unused) */
-    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4, kb0 = qt * nq, ntot = nrt * nq;
-    /* the next block to load (row g's piece, scales; its block of the
-     * quarter) and the block to compute (tile, block of the quarter) */
-    const uint8_t *wi = wp.w + (int64_t)g * wp.rb + kb0 * (FP8 ? 128 : 64) + q * (FP8 ? 32 : 16);
-    const uint8_t *si = wp.sc + (int64_t)g * wp.sb + kb0 * 4;
-    int ki = 0, ti = 0, kk = 0;
-    const uint8_t *xr[NT];
-    const float *sr[NT][2];
-    uint4 wv[NP][2][FP8 + 1];
-    uint32_t sv[NP][2] = {};
-    uint32_t xw[NT][8];
-    float xc[NT][2];
-    float acc[NT][4], blk[NT][4];
-    int comb = qt == 0 && (t == 0 || !UP);      /* this warp adds the quarters */
-
-    fm3_act_rows<UP, FP8, NT>(a, s, p, xr, sr);
-    fm3_zero<NT>(acc);
-    fm3_zero<NT>(blk);
-#pragma unroll
-    for (int j = 0; j < NP; j++)
-        if (j < ntot) {
-            fm4_issue<FP8>(wv[j], sv[j], wp, wi, si);
-            fm4_next<FP8>(wp, wi, si, ki, nq);
-        }
-    for (int i0 = 0; i0 < ntot; i0 += NP) {
-#pragma unroll
-        for (int j = 0; j < NP; j++) {
-            uint4 cw[2][FP8 + 1];
-            uint32_t cs[2] = { sv[j][0], sv[j][1] };
-            float f = 64.0f;
-
-            if (i0 + j >= ntot)
-                break;
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int c = 0; c < FP8 + 1; c++)
-                    cw[h][c] = wv[j][h][c];
-            if (i0 + j + NP < ntot) {
-                fm4_issue<FP8>(wv[j], sv[j], wp, wi, si);
-                fm4_next<FP8>(wp, wi, si, ki, nq);
-            }
-            if (FP8)   /* the tile's 128x128 block scale */
-                f = cu_e8m0_to_f32(
-                    __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb0 + kk));
-            fm3_act<NT>(xw, xc, xr, sr, kb0 + kk);
-            fm4_block<FP8, NT>(blk, cw, cs, xw);
-            fm3_block_end<NT>(acc, blk, xc, f);
-            if (kk == nq - 1) {   /* row tile rt0 + ti is complete */
-                fm3_tile_end<UP, NT>(a, s, wp, p, rt0 + ti, t, qt, comb, acc, red);
-                fm3_zero<NT>(acc);
-                kk = 0;
-                ti++;
-            } else {
-                kk++;
-            }
-        }
-    }
-}
-
-/* Every pass of the slot through the warp's tiles (FP8: the shared expert);
- * PF = 0: v3 (fm3_pass, the ring), else v4 (fm4_pass, PF blocks ahead). */
-template <int UP, int FP8, int PF>
+/* Every pass of the slot through the warp's tiles (FP8: the shared expert). */
+template <int UP, int FP8>
 static __device__ void
 fm3_passes(const struct fm3_args &a, const struct fm3_slot &s, int rt0, int nrt, int t, int qt,
            char *ring, float *scf, float *red)
@@ -957,12 +731,7 @@ fm3_passes(const struct fm3_args &a, const struct fm3_slot &s, int rt0, int nrt,
         wp.ts = wp.tw;
     }
     for (int p = 0; p < s.n; p += 16) {
-        if (PF != 0 && s.n - p <= 8)
-            fm4_pass<UP, FP8, 1, PF>(a, s, wp, p, rt0, nrt, t, qt, red);
-        else if (PF != 0) {   /* NT = 1 only (registers): two passes of 8 */
-            fm4_pass<UP, FP8, 1, PF>(a, s, wp, p, rt0, nrt, t, qt, red);
-            fm4_pass<UP, FP8, 1, PF>(a, s, wp, p + 8, rt0, nrt, t, qt, red);
-        } else if (s.n - p <= 8)
+        if (s.n - p <= 8)
             fm3_pass<UP, FP8, 1>(a, s, wp, p, rt0, nrt, t, qt, ring, scf, red);
         else
             fm3_pass<UP, FP8, 2>(a, s, wp, p, rt0, nrt, t, qt, ring, scf, red);
@@ -1015,41 +784,245 @@ fm3_kernel(struct fm3_args a)
 
     switch (fm3_slot_get(a, y, &s)) {
     case 1:
-        fm3_passes<UP, 1, 0>(a, s, rt0, a.rt, t, qt, ring, scf, red);
+        fm3_passes<UP, 1>(a, s, rt0, a.rt, t, qt, ring, scf, red);
         break;
     case 2:
-        fm3_passes<UP, 0, 0>(a, s, rt0, a.rt, t, qt, ring, scf, red);
+        fm3_passes<UP, 0>(a, s, rt0, a.rt, t, qt, ring, scf, red);
         break;
     default:
         break;   /* an idle slot: the whole block leaves */
     }
 }
 
+/* --- v5: persistent warps, each a 16-row tile over all of K ------------------------- */
+
+#define FM5_NS 4                                    /* ring stages per warp */
+#define FM5_PER (FM5_NS * FM3_STAGE_B + FM3_SCF_B)  /* shared memory per warp */
+
+/* A warp's 16-row tile of one slot's expert: the parts it streams (UP: w1
+ * then w3; down: w2). */
+struct fm5_tile {
+    const uint8_t *w[2];    /* part p's first row of the tile */
+    const uint8_t *sc[2];   /* FP4: part p's first row's scales; FP8: its scale array */
+    int row;                /* the tile's first row */
+    int rb, sb;             /* bytes per weight row; FP4 scale bytes per row */
+    int bad;                /* FP4 scales not 4-byte aligned: NaN outputs */
+};
+
+/* The tile of rows row .. row + 15 of slot s's expert (fm3_passes' pointers
+ * and its rule for misaligned FP4 scales). */
+template <int UP, int FP8>
+static __device__ __forceinline__ void
+fm5_tile_get(const struct fm3_args &a, const struct fm3_slot &s, int row, struct fm5_tile *tl)
+{
+    int K = UP ? a.D : a.I;
+
+    tl->row = row;
+    tl->rb = FP8 ? K : K / 2;
+    tl->sb = K / 32;
+    tl->bad = !FP8 && ((UP ? (uintptr_t)s.E->w1.scale | (uintptr_t)s.E->w3.scale
+                           : (uintptr_t)s.E->w2.scale) & 3) != 0;
+    for (int p = 0; p < 2; p++) {
+        const struct dsv4_linear *L = UP ? (p ? &s.E->w3 : &s.E->w1) : &s.E->w2;
+
+        tl->w[p] = (const uint8_t *)L->w + (int64_t)row * tl->rb;
+        tl->sc[p] = FP8 ? L->scale : tl->bad ? tl->w[p] : L->scale + (int64_t)row * tl->sb;
+    }
+}
+
+/* Stage st of part p of the tile into the ring slot at shared address sb:
+ * fm3_issue's placement, the lane's row offsets (ro: global, so: shared)
+ * and scale offset (sco) computed once per pass. */
+template <int FP8>
+static __device__ __forceinline__ void
+fm5_issue(const struct fm5_tile &tl, int p, int st, uint32_t sb, const int (&ro)[4],
+          const uint32_t (&so)[4], int sco)
+{
+    const uint8_t *w = (p ? tl.w[1] : tl.w[0]) + st * FM3_SB;   /* no local-memory index */
+
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        fm3_cp16(sb + so[i], w + ro[i]);
+    if (!FP8)
+        fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4,
+                (p ? tl.sc[1] : tl.sc[0]) + sco + st * 8);
+}
+
 /*
- * v4 (DSV4_CUDA_FAST_MOE "v4", "v4,PF,RT,MB"): fm3_kernel's grid, warps and
- * sums with fm4_pass (weights into registers, PF blocks ahead); the only
- * shared memory is the quarter sums (7 KB), registers bounded for MB
- * blocks of 8 warps per SM (2: 128 registers, 3: 80).
+ * Slot rows p .. p + 8*NT - 1 through the warp's tile over all of K: one
+ * stream of stages (UP: w1's, then w3's) through the warp's ring, FM5_NS - 1
+ * ahead; per 128-column block fm3_block and fm3_block_end exactly as v3, a
+ * quarter's blocks into acc, the quarters folded in order into tot
+ * (((Q0 + Q1) + Q2) + Q3: fm3_tile_end's order), so every output is v3's
+ * bit for bit; then h (UP: SwiGLU of the two parts' sums, as fm3_tile_end)
+ * or y stored by the warp itself.  No block barrier: the warps of a block
+ * are independent.
  */
-template <int UP, int PF, int MB>
-static __global__ void __launch_bounds__(FM3_BOUND_THREADS, MB)
-fm4_kernel(struct fm3_args a)
+template <int UP, int FP8, int NT>
+static __device__ void
+fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_tile &tl, int p,
+         char *ring, float *scf)
+{
+    constexpr int BPS = FP8 ? 1 : 2;   /* 128-column blocks per stage */
+    constexpr int NP = UP ? 2 : 1;     /* parts */
+    const int lane = threadIdx.x & 31, seg = lane & 7, g = lane >> 2, q = lane & 3;
+    const int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4, nst = nb / BPS;
+    const int ntot = NP * nst, sco = (lane >> 1) * tl.sb + (lane & 1) * 4;
+    const uint32_t rs = (uint32_t)__cvta_generic_to_shared(ring);
+    const uint8_t *xr[NT];
+    const float *sr[NT][2];
+    uint32_t xw[NT][8];
+    float xc[NT][2];
+    float tot[NP][NT][4], acc[NT][4], blk[NT][4];
+    int ro[4], ip = 0, is = 0, islot = 0, slot = 0, gi = 0;
+    uint32_t so[4];
+
+#pragma unroll
+    for (int pp = 0; pp < NP; pp++)
+        fm3_zero<NT>(tot[pp]);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int row = i * 4 + (lane >> 3);
+
+        ro[i] = row * tl.rb + seg * 16;
+        so[i] = (uint32_t)(row * FM3_SB + ((seg ^ (row & 7)) << 4));
+    }
+    fm3_act_rows<UP, FP8, NT>(a, s, p, xr, sr);
+    fm3_zero<NT>(acc);
+    fm3_zero<NT>(blk);
+    for (int i = 0; i < FM5_NS - 1; i++) {   /* the issue cursor: part ip, stage is */
+        if (i < ntot) {
+            fm5_issue<FP8>(tl, ip, is, rs + islot * FM3_STAGE_B, ro, so, sco);
+            if (++is == nst) {
+                is = 0;
+                ip++;
+            }
+        }
+        fm3_commit();
+        islot++;
+    }
+#pragma unroll
+    for (int pp = 0; pp < NP; pp++)
+        for (int st = 0, kq = 0, qn = 0; st < nst; st++, gi++) {
+            char *buf = ring + slot * FM3_STAGE_B;
+
+            asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
+            __syncwarp();   /* every lane's copies of this stage; the previous one is read */
+            if (!FP8) {
+                fm3_scales(buf, scf);
+                __syncwarp();
+            }
+            if (gi + FM5_NS - 1 < ntot) {
+                fm5_issue<FP8>(tl, ip, is, rs + islot * FM3_STAGE_B, ro, so, sco);
+                if (++is == nst) {
+                    is = 0;
+                    ip++;
+                }
+            }
+            fm3_commit();
+            islot = islot == FM5_NS - 1 ? 0 : islot + 1;
+#pragma unroll
+            for (int b = 0; b < BPS; b++) {
+                int kb = st * BPS + b;
+                float f = 64.0f;
+
+                if (FP8)   /* the tile's 128x128 block scale */
+                    f = cu_e8m0_to_f32(__ldg(tl.sc[pp] + (int64_t)(tl.row / 128) * nb + kb));
+                fm3_act<NT>(xw, xc, xr, sr, kb);
+                fm3_block<FP8, NT>(blk, buf, b, scf, xw);
+                fm3_block_end<NT>(acc, blk, xc, f);
+                if (++kq == nq) {   /* quarter qn of part pp is complete */
+#pragma unroll
+                    for (int n = 0; n < NT; n++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            tot[pp][n][i] = qn == 0 ? acc[n][i] : tot[pp][n][i] + acc[n][i];
+                            acc[n][i] = 0.0f;
+                        }
+                    kq = 0;
+                    qn++;
+                }
+            }
+            slot = slot == FM5_NS - 1 ? 0 : slot + 1;
+        }
+    __syncwarp();   /* the ring is read before the next pass refills it */
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int j = p + n * 8 + 2 * q + (i & 1), row = tl.row + g + 8 * (i >> 1);
+            int64_t hr;
+
+            if (j >= s.n)
+                continue;
+            hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
+            if (UP) {
+                float v = fk_swiglu(tot[0][n][i], tot[NP - 1][n][i], a.lim);
+
+                if (s.rows != NULL)
+                    v *= a.weights[hr];
+                a.h[hr * a.I + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(v);
+            } else {
+                a.y[hr * a.D + row] =
+                    tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(tot[0][n][i]);
+            }
+        }
+}
+
+/* Every pass of slot s through the tile at `row` (v5): passes of 8 slot
+ * rows (one n-tile; two n-tiles spill registers), the second pass of a
+ * tile reading its weights from L2. */
+template <int UP, int FP8>
+static __device__ void
+fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, char *ring, float *scf)
+{
+    struct fm5_tile tl;
+
+    fm5_tile_get<UP, FP8>(a, s, row, &tl);
+    for (int p = 0; p < s.n; p += 8)
+        fm5_pass<UP, FP8, 1>(a, s, tl, p, ring, scf);
+}
+
+/*
+ * v5 (DSV4_CUDA_FAST_MOE "v5"): UP, w1/w3/SwiGLU, else w2.  Items are
+ * (slot, 16-row tile): slot-major, the shared expert (largest) first, then
+ * the active experts; every warp takes the next item from the call's
+ * counter (ctr[UP], zeroed by fm3_prep_kernel) until none is left, so the
+ * grid only needs to fill the SMs it gets (also under MPS) and the results
+ * do not depend on which warp takes an item.  Dynamic shared memory:
+ * 8 warps' rings and scales (8 * FM5_PER).
+ */
+template <int UP>
+static __global__ void __launch_bounds__(FM3_BOUND_THREADS, FM3_BOUND_BLOCKS)
+fm5_kernel(struct fm3_args a)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
-    __shared__ float red[7 * FM3_RED_Q];
-    struct fm3_slot s;
-    int warp = threadIdx.x >> 5, t = (warp >> 2) & 1, qt = warp & 3, rt0 = blockIdx.x * a.rt;
+    extern __shared__ __align__(16) char fm3_sm[];
+    int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / 16;
+    char *ring = fm3_sm + warp * FM5_PER;
+    float *scf = (float *)(ring + FM5_NS * FM3_STAGE_B);
+    int items = (a.has_shared + a.grp[0]) * tiles;
 
-    switch (fm3_slot_get(a, blockIdx.y, &s)) {
-    case 1:
-        fm3_passes<UP, 1, PF>(a, s, rt0, a.rt, t, qt, NULL, NULL, red);
-        break;
-    case 2:
-        fm3_passes<UP, 0, PF>(a, s, rt0, a.rt, t, qt, NULL, NULL, red);
-        break;
-    default:
-        break;   /* an idle slot: the whole block leaves */
+    for (;;) {
+        struct fm3_slot s;
+        int it = 0;
+
+        if ((threadIdx.x & 31) == 0)
+            it = atomicAdd(&a.ctr[UP], 1);
+        it = __shfl_sync(0xffffffffu, it, 0);
+        if (it >= items)
+            break;
+        switch (fm3_slot_get(a, it / tiles, &s)) {
+        case 1:
+            fm5_passes<UP, 1>(a, s, (it % tiles) * 16, ring, scf);
+            break;
+        case 2:
+            fm5_passes<UP, 0>(a, s, (it % tiles) * 16, ring, scf);
+            break;
+        default:
+            break;
+        }
     }
 }
 
@@ -1062,37 +1035,45 @@ cuda_fast_moe3_fits(int T, int k, int D, int I)
            I % 1024 == 0 && D / 128 <= FM3_MAX_KB && I / 128 <= FM3_MAX_KB;
 }
 
-/* v3 settings: DSV4_CUDA_FAST_MOE = "v3" (defaults), "v3,NS" or "v3,NS,RT";
- * v4: "v4", "v4,PF" or "v4,PF,RT". */
+/* Settings: DSV4_CUDA_FAST_MOE unset: v5 or v3 by the call (fm3_v5_auto);
+ * "v3", "v3,NS" or "v3,NS,RT": v3; "v5": v5 (no knobs). */
 struct fm3_cfg {
-    int v4;     /* fm4_kernel */
-    int ns;     /* v3: ring stages per warp: 2 .. 6; v4: FP4 blocks in flight, 1, 2 or 4 */
-    int rt;     /* row tiles per block: 1, 2, 4, 8, or 0: by the number of tiles */
-    int mb;     /* v4: blocks per SM the registers are bounded for: 2 or 3 */
+    int v5;     /* fm5_kernel: 1, 0 (fm3_kernel), -1: by the call */
+    int ns;     /* v3: ring stages per warp: 2 .. 6 */
+    int rt;     /* v3: row tiles per block: 1, 2, 4, 8, or 0: by the number of tiles */
 };
 
 #define FM3_NS_DEFAULT 4         /* 81 KB per block: two blocks (16 warps) per SM */
-#define FM4_PF_DEFAULT 2         /* v4: FP4 blocks (1 KB per warp) in flight */
-/* v4 "v4,PF,RT,MB": PF 1, 2 (default) or 4 with MB 2 (default); PF 1 or 2
- * with MB 3 (PF 4 there is PF 2) */
 #define FM3_BLOCKS_AUTO 4224     /* rt = 0: at least this many blocks (16 waves of 264) */
 
 static void
 fm3_cfg_parse(struct fm3_cfg *c, const char *s)
 {
-    int ns, rt, mb, n;
+    int ns, rt, n;
 
-    c->v4 = s != NULL && strncmp(s, "v4", 2) == 0;
-    n = s != NULL ? sscanf(s, c->v4 ? "v4,%d,%d,%d" : "v3,%d,%d", &ns, &rt, &mb) : 0;
-    c->ns = c->v4 ? FM4_PF_DEFAULT : FM3_NS_DEFAULT;
+    c->v5 = s == NULL ? -1 : strncmp(s, "v5", 2) == 0;
+    n = s != NULL && !c->v5 ? sscanf(s, "v3,%d,%d", &ns, &rt) : 0;
+    c->ns = FM3_NS_DEFAULT;
     c->rt = 0;
-    c->mb = n == 3 && mb == 3 ? 3 : 2;
-    if (n >= 1 && !c->v4 && ns >= 2 && ns <= 6)
-        c->ns = ns;
-    if (n >= 1 && c->v4 && (ns == 1 || ns == 2 || ns == 4))
+    if (n >= 1 && ns >= 2 && ns <= 6)
         c->ns = ns;
     if (n >= 2 && (rt == 1 || rt == 2 || rt == 4 || rt == 8))
         c->rt = rt;
+}
+
+/*
+ * The default: v5 except for moe_parts below 8 tokens.  v5 gives every warp
+ * a whole 16-row tile (64 KB of w1 + w3): with moe_parts' few held slots at
+ * small T (T = 1: about 4 slots, 512 tiles for 2,112 warps) too few warps
+ * stream, and v3's quarters of K keep four times as many busy (bench_fast on
+ * the H200, docs/perf.md run 19: parts T = 1, 4 v3 0.32, 0.36 of 4.3 TB/s
+ * against v5 0.25, 0.34; T = 8, 16 v5 0.46, 0.53 against 0.39, 0.43; moe
+ * v5 ahead at every T).
+ */
+static int
+fm3_v5_auto(int T, int parts)
+{
+    return !parts || T >= 8;
 }
 
 /* Row tiles per block for `tiles` row tiles of each of `slots` slots: the
@@ -1122,45 +1103,52 @@ fm3_smem_bytes(const struct fm3_cfg *c)
     return 8 * per + 7 * FM3_RED_Q * sizeof(float);
 }
 
-/* Launch fm3_kernel<UP> on `tiles` row tiles per slot (a.rt per block). */
+/* Allow `smem` bytes of dynamic shared memory for kernel f on the current
+ * device (once per device and size: opted[] remembers the largest so far). */
+static enum dsv4_err
+fm3_smem_opt(struct dsv4_backend *be, const void *f, size_t smem, size_t *opted)
+{
+    int dev = cuda_st(be)->device;
+
+    if (dev < 0 || dev >= FM3_MAX_DEV || smem > opted[dev]) {
+        CUDA_TRY(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        if (dev >= 0 && dev < FM3_MAX_DEV)
+            opted[dev] = smem;
+    }
+    return DSV4_OK;
+}
+
+/* Launch fm3_kernel<UP> on `tiles` row tiles per slot (a.rt per block), or
+ * (v5) fm5_kernel<UP> on a grid that fills the device's SMs. */
 template <int UP>
 static enum dsv4_err
 fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_cfg *c,
            int tiles, int slots)
 {
-    static size_t opted[FM3_MAX_DEV];   /* dynamic shared memory allowed so far, per device */
-    int dev = cuda_st(be)->device;
+    static size_t opted[FM3_MAX_DEV], opted5[FM3_MAX_DEV];
     size_t smem = fm3_smem_bytes(c);
     dim3 grid((unsigned)(tiles / a.rt), (unsigned)slots);
+    enum dsv4_err e;
 
-    if (c->v4) {   /* static shared memory only */
-        switch (c->mb * 10 + c->ns) {
-        case 21:
-            cu_launch(fm4_kernel<UP, 1, 2>, grid, 8 * 32, 0, cuda_stream(be), a);
-            break;
-        case 24:
-            cu_launch(fm4_kernel<UP, 4, 2>, grid, 8 * 32, 0, cuda_stream(be), a);
-            break;
-        case 31:
-            cu_launch(fm4_kernel<UP, 1, 3>, grid, 8 * 32, 0, cuda_stream(be), a);
-            break;
-        case 32:
-        case 34:
-            cu_launch(fm4_kernel<UP, 2, 3>, grid, 8 * 32, 0, cuda_stream(be), a);
-            break;
-        default:
-            cu_launch(fm4_kernel<UP, 2, 2>, grid, 8 * 32, 0, cuda_stream(be), a);
-            break;
-        }
-        CUDA_LAUNCHED(UP ? "fast moe v4 up" : "fast moe v4 down");
+    if (c->v5) {
+        int n_sm = 0;
+        int64_t items = (int64_t)slots * tiles, warps;
+        unsigned blocks;
+
+        CUDA_TRY(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount,
+                                        cuda_st(be)->device));
+        warps = (int64_t)(n_sm > 0 ? n_sm : 1) * 8 * FM3_BOUND_BLOCKS;
+        blocks = (unsigned)(((items < warps ? items : warps) + 7) / 8);
+        e = fm3_smem_opt(be, (const void *)fm5_kernel<UP>, 8 * FM5_PER, opted5);
+        if (e != DSV4_OK)
+            return e;
+        cu_launch(fm5_kernel<UP>, blocks, 8 * 32, 8 * FM5_PER, cuda_stream(be), a);
+        CUDA_LAUNCHED(UP ? "fast moe v5 up" : "fast moe v5 down");
         return DSV4_OK;
     }
-    if (dev < 0 || dev >= FM3_MAX_DEV || smem > opted[dev]) {
-        CUDA_TRY(cudaFuncSetAttribute(fm3_kernel<UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)smem));
-        if (dev >= 0 && dev < FM3_MAX_DEV)
-            opted[dev] = smem;
-    }
+    e = fm3_smem_opt(be, (const void *)fm3_kernel<UP>, smem, opted);
+    if (e != DSV4_OK)
+        return e;
     cu_launch(fm3_kernel<UP>, grid, 8 * 32, smem, cuda_stream(be), a);
     CUDA_LAUNCHED(UP ? "fast moe v3 up" : "fast moe v3 down");
     return DSV4_OK;
@@ -1175,7 +1163,7 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     cudaStream_t st = cuda_stream(be);
     int Tk = T * k, A = Tk < n_table ? Tk : n_table, R = Tk + T;
     int slots = A + (shared != NULL), nbD = D / 128, nbI = I / 128;
-    size_t b_grp = cuda_align((size_t)(2 + 2 * A + Tk) * sizeof(int32_t));
+    size_t b_grp = cuda_align((size_t)(2 + 2 * A + Tk + 2) * sizeof(int32_t));   /* + ctr */
     size_t b_xq = cuda_align((size_t)T * D), b_xs = cuda_align((size_t)T * nbD * sizeof(float));
     size_t b_h = cuda_align((size_t)R * I * sizeof(float)), b_hq = cuda_align((size_t)R * I);
     size_t b_hs = cuda_align((size_t)R * nbI * sizeof(float));
@@ -1186,6 +1174,8 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     char *p;
 
     fm3_cfg_parse(&c, cfg);
+    if (c.v5 < 0)
+        c.v5 = fm3_v5_auto(T, parts != NULL);
     p = (char *)cuda_scratch(be, b_grp + 2 * b_xq + b_xs + b_h + b_hq + b_hs + b_y);
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast moe v3: no scratch (T=%d k=%d)", T, k);
@@ -1195,6 +1185,7 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
         a.shared = *shared;
     a.has_shared = shared != NULL;
     a.grp = (const int32_t *)p;
+    a.ctr = (int *)p + 2 + 2 * A + Tk;
     a.A = A;
     p += b_grp;
     a.xq4 = (const uint8_t *)p;
@@ -1227,7 +1218,7 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     cu_launch(fm3_hquant_kernel, cuda_blocks((int64_t)R * nbI * 32, 256), 256, 0, st, a);
     CUDA_LAUNCHED("fast moe v3 h quant");
     a.rt = fm3_rt(&c, D / 32, slots);
-    e = fm3_launch<0>(be, a, &c, D / 32, slots);
+    e = fm3_launch<0>(be, a, &c, c.v5 ? D / 16 : D / 32, slots);   /* v5: 16-row tiles */
     if (e != DSV4_OK || parts != NULL)
         return e;   /* moe_parts: the caller sums the ranks' parts, then combines */
     return cuda_moe_combine(be, out, a.y, ids, T, k, D);   /* the exact path's step 5 */

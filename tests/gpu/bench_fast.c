@@ -1050,9 +1050,9 @@ moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
 {
     static const int ts[] = { 1, 16, 64 };
     size_t w = (size_t)(K_PICKS + 1) * D_MODEL, nb = T_MAX * w * sizeof(float);
-    uint32_t *fill = malloc(nb), *r3 = malloc(nb), *r4 = malloc(nb);
+    uint32_t *fill = malloc(nb), *r3 = malloc(nb), *r5 = malloc(nb);
 
-    if (fill == NULL || r3 == NULL || r4 == NULL)
+    if (fill == NULL || r3 == NULL || r5 == NULL)
         exit(1);
     memset(fill, 0xff, nb);
     TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
@@ -1070,30 +1070,30 @@ moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
                 setenv("DSV4_CUDA_FAST_MOE", v ? cfg : "v3", 1);
                 TRY("upload", be->ops->upload(be, out, fill, n * sizeof(float)));
                 TRY("fast op", op_run(be, &o, T));
-                TRY("download", be->ops->download(be, v ? r4 : r3, out, n * sizeof(float)));
+                TRY("download", be->ops->download(be, v ? r5 : r3, out, n * sizeof(float)));
             }
             for (size_t j = 0; j < n && bad == n; j++)
-                if (r3[j] != r4[j])
+                if (r3[j] != r5[j])
                     bad = j;
             if (bad == n) {
                 ty->ok++;
                 printf("ok   moe v5 bits %-9s %-5s T=%-2d %zu floats == v3\n", cfg,
                        parts ? "parts" : "moe", T, n);
             } else {
-                float f3, f4;
+                float f3, f5;
 
                 memcpy(&f3, &r3[bad], 4);
-                memcpy(&f4, &r4[bad], 4);
+                memcpy(&f5, &r5[bad], 4);
                 ty->fail++;
                 printf("FAIL moe v5 bits %-9s %-5s T=%-2d first difference at %zu (row %zu col "
                        "%zu): v3 %.9g (%08x) v5 %.9g (%08x)\n", cfg, parts ? "parts" : "moe",
-                       T, bad, bad / D_MODEL, bad % D_MODEL, f3, r3[bad], f4, r4[bad]);
+                       T, bad, bad / D_MODEL, bad % D_MODEL, f3, r3[bad], f5, r5[bad]);
             }
         }
     setenv("DSV4_CUDA_FAST_MOE", cfg, 1);
     free(fill);
     free(r3);
-    free(r4);
+    free(r5);
 }
 
 static const int moe_t[] = { 1, 2, 4, 8, 16, 32, 64 };
