@@ -2,18 +2,22 @@
  * gpu_test_util.h — small helpers shared by the whole-forward GPU tests
  * (tests/gpu/test_forward_gpu.c, tests/gpu/test_decode_gpu.c, test_tp_gpu.c,
  * test_share_gpu.c): wall clock, greedy argmax, logits row error, qsort
- * comparator, the flash config cut to a few layers.
+ * comparator, the flash config cut to a few layers, a seeded random
+ * sequence and the CUDA backend with its timer (tests/gpu/bench_woa.c).
  */
 #ifndef DSV4_TESTS_GPU_GPU_TEST_UTIL_H
 #define DSV4_TESTS_GPU_GPU_TEST_UTIL_H
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
 #include "common/err.h"
 #include "common/model_config.h"
+#include "kernels/backend.h"
+#include "kernels/cuda_fast.h"
 
 /* Logits bounds of the GPU vs CPU forward comparisons (the tests' headers
  * say why): median row error, every row. */
@@ -85,6 +89,57 @@ flash_cut(struct dsv4_config *cfg, int layers)
              cfg->num_hash_layers < layers ? cfg->num_hash_layers : layers);
     const char *sets[] = { set_layers, set_ratios, set_hash };
     TRY("flash override", dsv4_config_override(cfg, 3, sets));
+}
+
+/* The next value of the splitmix64 sequence whose state is *s. */
+static inline uint64_t
+test_rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* A standard normal value from the sequence *s (Box-Muller). */
+static inline float
+test_rng_normal(uint64_t *s)
+{
+    double u = (double)(test_rng_next(s) >> 11) * 0x1p-53 + 1e-300;
+    double v = (double)(test_rng_next(s) >> 11) * 0x1p-53;
+
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
+/* A CUDA backend (REF numerics, device 0) in *be and an event timer on its
+ * stream in *tm; without a CUDA device prints a skip line and exits 77,
+ * exits 1 when the timer cannot be made. */
+static inline void
+test_cuda_open(struct dsv4_backend **be, struct dsv4_cuda_timer **tm)
+{
+    if (dsv4_backend_create(be, "cuda", DSV4_NUMERICS_REF, 0) != DSV4_OK) {
+        printf("skip: no CUDA backend (%s)\n", dsv4_errmsg());
+        exit(77);
+    }
+    *tm = dsv4_cuda_timer_create(*be);
+    if (*tm == NULL) {
+        fprintf(stderr, "timer: %s\n", dsv4_errmsg());
+        exit(1);
+    }
+}
+
+/* bytes of device memory from be; exits 1 when there are none. */
+static inline void *
+test_dev_alloc(struct dsv4_backend *be, size_t bytes)
+{
+    void *p = be->ops->alloc(be, bytes);
+
+    if (p == NULL) {
+        fprintf(stderr, "device allocation of %zu bytes failed: %s\n", bytes, dsv4_errmsg());
+        exit(1);
+    }
+    return p;
 }
 
 /* qsort comparator for doubles, ascending. */

@@ -95,6 +95,13 @@
 #      fast compress vs fc_kernel bit for bit at T = 512, 2,048, us per call
 #      (tests/gpu/bench_fcp.c); log in $OUT/fcp.log; a failure fails the
 #      script.
+#  17. optional, when tests/bench_woa is packed: the grouped prefill GEMM
+#      (linear_grouped, wo_a; fw_kernel's grouped mode) at T = 64, 512, 2,048
+#      (G = 8 and 4): bounds against the exact op (GEMM, op, fl_kernel), same
+#      bits twice, T-independence, op == GEMM, graph replay; us per call of
+#      the GEMM, the op and the op with DSV4_CUDA_GEMM_GROUPED off
+#      (tests/gpu/bench_woa.c); log in $OUT/woa.log; a failure fails the
+#      script.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -334,6 +341,13 @@ if command -v bench_fcp > /dev/null; then
     [ "$fcp_rc" = 77 ] && fcp_rc=skipped
 fi
 
+woa_rc=skipped
+if command -v bench_woa > /dev/null; then
+    timeout 300 bench_woa "$SEED" > "$OUT/woa.log" 2>&1
+    woa_rc=$?
+    [ "$woa_rc" = 77 ] && woa_rc=skipped
+fi
+
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
@@ -389,6 +403,10 @@ if [ "$fcp_rc" != skipped ]; then
     echo "bench_fcp (prefill compress vs fc_kernel): exit $fcp_rc"
     grep -E "^(FAIL|ok|PASS|bench_fcp)" "$OUT/fcp.log"
 fi
+if [ "$woa_rc" != skipped ]; then
+    echo "bench_woa (grouped prefill GEMM, wo_a): exit $woa_rc"
+    grep -E "^(FAIL|PASS|bench_woa)|^     " "$OUT/woa.log"
+fi
 if [ "$attn_rc" != skipped ]; then
     echo "bench_attn (fast attention and indexer): exit $attn_rc"
     grep -E "^(FAIL|ok|PASS|bench_attn)|first" "$OUT/attn.log"
@@ -404,6 +422,7 @@ fi
 [ "$ar_rc" = skipped ] || [ "$ar_rc" = 0 ] || exit 1
 [ "$fuse_rc" = skipped ] || [ "$fuse_rc" = 0 ] || exit 1
 [ "$fcp_rc" = skipped ] || [ "$fcp_rc" = 0 ] || exit 1
+[ "$woa_rc" = skipped ] || [ "$woa_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done
