@@ -156,6 +156,26 @@ enum dsv4_err dsv4_cuda_timer_stop(struct dsv4_cuda_timer *t, float *ms);
 /* Free (NULL is a no-op). */
 void dsv4_cuda_timer_destroy(struct dsv4_cuda_timer *t);
 
+/*
+ * The form of the fast decode linear (kernels/cuda/fast_linear.cu) on be:
+ * one launch per pass of up to 16 tokens (activation preparation and split-K
+ * reduction inside the tile kernel) for passes of at most tmax tokens, three
+ * launches (prepare, tiles, reduce) for larger passes; tmax 16 (the default)
+ * is one launch always, 0 three launches always (DSV4_CUDA_LINEAR=v1 at
+ * backend creation; "fused:N" sets N).  Both forms give the same bits.
+ * Returns the previous tmax, or -1 when be is not a CUDA backend.
+ */
+int dsv4_cuda_set_linear(struct dsv4_backend *be, int tmax);
+
+/*
+ * Check the one-launch linear's FP8 activation code (hardware E4M3
+ * conversion) against the exact path's expression on all 2^32 float bit
+ * patterns (scale 1; f16 bits compared).  *n_bad: the number that differ,
+ * *first: the first such bit pattern (when any).  Synchronises the stream.
+ */
+enum dsv4_err dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_bad,
+                                           uint32_t *first);
+
 #ifdef __cplusplus
 }
 #endif

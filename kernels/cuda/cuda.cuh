@@ -72,6 +72,17 @@ struct cuda_state {
                                            (NULL until the first call) */
     int graph_nodes, graph_kernels;     /* of the last graph_end: all nodes,
                                            kernel nodes (dsv4_cuda_graph_kernels) */
+    unsigned *lin_ctr;                  /* fast_linear.cu: the split-K arrival
+                                           counters of the one-launch decode
+                                           linear (FL_CTRS, zero between its
+                                           launches); per backend, so calls on
+                                           another backend's stream never share
+                                           them (NULL: three-launch form only) */
+    int lin_tmax;                       /* the one-launch decode linear for
+                                           passes of at most this many tokens
+                                           (0: three launches always; from
+                                           DSV4_CUDA_LINEAR at create, or
+                                           dsv4_cuda_set_linear) */
 };
 
 static inline struct cuda_state *
@@ -564,6 +575,14 @@ enum dsv4_err cuda_moe_combine(struct dsv4_backend *be, float *out, const float 
  * cuda_linear / cuda_moe call them when st->fast_kernels is set and the
  * _ok predicate holds (host-side checks only, no synchronisation). */
 int cuda_fast_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W);
+/* At backend creation: the decode linear's counters (st->lin_ctr, zeroed on
+ * the stream) and its form from DSV4_CUDA_LINEAR ("v1": three launches;
+ * "fused:N": one launch for passes of at most N tokens (1..16), three
+ * above; unset or anything else: one launch).  Never fails: without
+ * counters the split-K shapes take the three-launch form.  fini frees the
+ * counters (stream synchronised by the caller). */
+void cuda_fast_linear_init(struct dsv4_backend *be);
+void cuda_fast_linear_fini(struct dsv4_backend *be);
 enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
                                const struct dsv4_linear *W, int T, unsigned flags);
 /* experts: host array of n structs (device pointers); shared may be NULL.

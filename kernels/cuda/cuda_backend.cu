@@ -115,6 +115,7 @@ cuda_destroy(struct dsv4_backend *be)
 
     cudaStreamSynchronize(st->stream);
     cuda_copy_fini(be);
+    cuda_fast_linear_fini(be);
     cudaFree(st->scratch);
     for (int i = 0; i < st->n_retired; i++)
         cudaFree(st->retired[i]);
@@ -527,6 +528,7 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
 
         st->fast_kernels = k != NULL && strcmp(k, "fast") == 0;
     }
+    cuda_fast_linear_init(be);   /* fast_linear.cu: counters, DSV4_CUDA_LINEAR */
     log_info("cuda backend: device %d, %s numerics, %s kernels", st->device,
              numerics == DSV4_NUMERICS_REF ? "ref" : "hf", st->fast_kernels ? "fast" : "exact");
     *out = be;

@@ -233,8 +233,9 @@ fk_zero(float (&acc)[MT][NT][4])
 }
 
 /* acc += blk * (s_x * sw) for block kb: C columns 2q, 2q+1 are the tokens of
- * xs[n][0], xs[n][1] (sw == 1: exact, no change).  COH: the scales were
- * written earlier in the same kernel (read at L2, fast_moe.cu's h). */
+ * xs[n][0], xs[n][1] (sw == 1: exact, no change).  COH: 1, the scales were
+ * written earlier in the same kernel (read at L2, fast_moe.cu's h); 2, they
+ * are in shared memory (plain loads, fast_linear.cu's one-launch form). */
 template <int NT, int COH = 0>
 static __device__ __forceinline__ void
 fk_add_scaled(float (&acc)[NT][4], const float (&blk)[NT][4], const float *const (&xs)[NT][2],
@@ -242,8 +243,8 @@ fk_add_scaled(float (&acc)[NT][4], const float (&blk)[NT][4], const float *const
 {
 #pragma unroll
     for (int n = 0; n < NT; n++) {
-        float f0 = (COH ? __ldcg(xs[n][0] + kb) : xs[n][0][kb]) * sw;
-        float f1 = (COH ? __ldcg(xs[n][1] + kb) : xs[n][1][kb]) * sw;
+        float f0 = (COH == 1 ? __ldcg(xs[n][0] + kb) : xs[n][0][kb]) * sw;
+        float f1 = (COH == 1 ? __ldcg(xs[n][1] + kb) : xs[n][1][kb]) * sw;
 
         acc[n][0] += blk[n][0] * f0;
         acc[n][1] += blk[n][1] * f1;
@@ -269,16 +270,19 @@ fk_ld_xc(const uint16_t *p)
     return __ldcg((const uint4 *)p);
 }
 
-/* Activation load: COH == 0 read-only during the kernel (cached), else
- * written earlier in the same kernel (L2).  VOL: volatile asm, kept in
- * program order with the mma (a software-pipelined loop whose later loads
- * the compiler would otherwise hoist, at the cost of registers). */
+/* Activation load: COH == 0 read-only during the kernel (cached), 1
+ * written earlier in the same kernel (L2), 2 in shared memory (a plain
+ * load; VOL ignored).  VOL: volatile asm, kept in program order with the
+ * mma (a software-pipelined loop whose later loads the compiler would
+ * otherwise hoist, at the cost of registers). */
 template <int COH, int VOL = 0>
 static __device__ __forceinline__ uint4
 fk_ld_act(const uint16_t *p)
 {
     uint4 v;
 
+    if (COH == 2)
+        return *(const uint4 *)p;
     if (!VOL)
         return COH ? fk_ld_xc(p) : fk_ld_x(p);
     if (COH)
@@ -371,8 +375,9 @@ fk_fp8_kb(float (&acc)[MT][NT][4], const uint4 (&w)[MT][2][2], const uint8_t *co
 /* FP8 weights (E4M3, 128x128 E8M0 scales; ws[m] = tile m's scale row).
  * BX == 0: f16 FP8-valued activations with their scales xs (REF linear);
  * BX == 1: bf16 activations without scales (linear_grouped: xs unused), the
- * weights decoded to bf16 and each block sum times the weight scale only. */
-template <int MT, int NT, int BX = 0>
+ * weights decoded to bf16 and each block sum times the weight scale only.
+ * COH: where xb and xs are (fk_ld_act; 2: shared memory). */
+template <int MT, int NT, int BX = 0, int COH = 0>
 static __device__ __forceinline__ void
 fk_fp8(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
        const uint8_t *const (&ws)[MT], const uint16_t *const (&xb)[NT],
@@ -382,7 +387,7 @@ fk_fp8(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
         uint4 w[MT][2][2];
 
         fk_fp8_load<MT>(w, wr, kb, q);
-        fk_fp8_kb<MT, NT, BX, 0>(acc, w, ws, xb, xs, kb, q);
+        fk_fp8_kb<MT, NT, BX, COH>(acc, w, ws, xb, xs, kb, q);
     }
 }
 
@@ -440,8 +445,9 @@ fk_fp4(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
 }
 
 /* BF16 weights, activations as bf16 pairs hi (xb) + lo (xl); 64-column
- * chunks ch0..ch1, no scales: acc collects the whole dot. */
-template <int MT, int NT>
+ * chunks ch0..ch1, no scales: acc collects the whole dot.  SH: xb and xl
+ * are in shared memory (plain loads). */
+template <int MT, int NT, int SH = 0>
 static __device__ __forceinline__ void
 fk_bf16(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
         const uint16_t *const (&xb)[NT], const uint16_t *const (&xl)[NT], int ch0, int ch1,
@@ -463,10 +469,10 @@ fk_bf16(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
         for (int n = 0; n < NT; n++) {
             int64_t o = (int64_t)ch * 64 + q * 16;
 
-            xh[n][0] = fk_ld_x(xb[n] + o);
-            xh[n][1] = fk_ld_x(xb[n] + o + 8);
-            xo[n][0] = fk_ld_x(xl[n] + o);
-            xo[n][1] = fk_ld_x(xl[n] + o + 8);
+            xh[n][0] = fk_ld_act<SH ? 2 : 0>(xb[n] + o);
+            xh[n][1] = fk_ld_act<SH ? 2 : 0>(xb[n] + o + 8);
+            xo[n][0] = fk_ld_act<SH ? 2 : 0>(xl[n] + o);
+            xo[n][1] = fk_ld_act<SH ? 2 : 0>(xl[n] + o + 8);
         }
 #pragma unroll
         for (int s = 0; s < 4; s++)

@@ -7,22 +7,45 @@
  * bf16 on bf16-rounded inputs): the same tile kernel, each row tile reading
  * its group's slice of x (cuda_fast_linear_grouped_ok).
  *
- * Steps of one call:
+ * The work of one call (both forms):
  *   1. activations: REF FP8 quantization per 128 columns into f16 values +
  *      scales (FP8 weights), the bf16 hi/lo split of x (BF16 weights), or
  *      bf16(x) (grouped);
- *   2. the tile kernel, once per pass of 16 tokens: a block of 8 warps;
- *      warp w takes row tile (blockIdx.x * 8/bk + w / bk) (32 rows for FP8,
- *      16 for BF16) and K slice (blockIdx.y * bk + w % bk); the bk slices of
- *      a block are added in shared memory in slice order; with G =
- *      gridDim.y > 1 each block writes its partial sums (G, T, N);
- *   3. with G > 1, a reduction adds the G partials in order and rounds.
+ *   2. the tiles, once per pass of 16 tokens: a block of 8 warps; warp w
+ *      takes row tile (blockIdx.x * 8/bk + w / bk) (32 rows for FP8, 16 for
+ *      BF16) and K slice (blockIdx.y * bk + w % bk); the bk slices of a
+ *      block are added in shared memory in slice order; with G = gridDim.y
+ *      > 1 each block writes its partial sums (G, T, N);
+ *   3. with G > 1, the G partials of each output added in order y = 0..G-1,
+ *      then rounded.
  * The split (slices S = bk * G, blocks of K per slice) is chosen from N and K
  * only, aiming at >= FL_WARPS warps in flight, so results never depend on T.
+ *
+ * Two forms, same bits (dsv4_cuda_set_linear, DSV4_CUDA_LINEAR=v1):
+ *   one launch per pass (flf_kernel, the default): each block prepares, from
+ *   fp32 x, the 128-column blocks of x its warps read, for the pass's
+ *   tokens, into shared memory (fl_stage: the expressions of step 1, so the
+ *   same codes, scales and bf16 halves), in rounds of rs blocks per slice
+ *   when the whole range would not fit (FL_SMEM_MAX); with G > 1 each block
+ *   then writes its partials, fences, and counts itself in at its row
+ *   group's counter (st->lin_ctr[blockIdx.x]); the block that arrives last
+ *   adds the G partials of its rows in the order y = 0..G-1 (fl_reduce's
+ *   order, whatever the arrival order) and sets the counter back to zero
+ *   for the next launch or graph replay (the next launch on the stream
+ *   waits for this grid to complete, PDL included).  The counters belong to
+ *   the backend, whose work is all on its one stream: two calls never use
+ *   them at the same time; calls on other backends have their own.
+ *   Three launches (fk_quant_kernel / fk_split_kernel, fl_kernel,
+ *   fl_reduce_kernel; "v1"): step 1 into scratch, then the tiles, then the
+ *   reduction.  The one-launch form falls back to this one where it does
+ *   not apply (x not 16-byte aligned, more row groups than counters, a
+ *   grouped block spanning two groups, no counters).
  */
 #include "kernels/cuda/fast.cuh"
 
 #include <cuda_fp16.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define FL_THREADS 256
 #define FL_NWARP (FL_THREADS / 32)
@@ -30,6 +53,25 @@
 #define FL_TOKENS 16       /* tokens per pass (two n-tiles) */
 
 /* --- activation preparation ------------------------------------------------------- */
+
+/* The REF value of column v in a block of scale s: the FP8 value of v / s
+ * (the exact path's quant_kernel expression). */
+static __device__ __forceinline__ float
+fk_quant_value(float v, float s)
+{
+    return cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v / s, 448.0f)));
+}
+
+/* x = hi + lo, both bf16 bits (hi = bf16(x), lo = bf16(x - hi); lo = 0 when
+ * x is not finite). */
+static __device__ __forceinline__ void
+fk_split_value(float v, uint16_t *hi, uint16_t *lo)
+{
+    float h = cu_bf16_round(v);
+
+    *hi = (uint16_t)(__float_as_uint(h) >> 16);
+    *lo = isfinite(v) ? (uint16_t)(__float_as_uint(cu_bf16_round(v - h)) >> 16) : 0;
+}
 
 /* One warp per (row, 128-block): the exact path's quant_kernel, values
  * written as f16 and/or bf16 bits (both exact for FP8 values). */
@@ -58,7 +100,7 @@ fk_quant_kernel(uint16_t *f16, uint16_t *bf16, float *sx, const float *x, int64_
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     s = cu_pow2_scale(amax, 448.0f);
     for (int i = 0; i < 4; i++) {
-        float qv = cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f)));
+        float qv = fk_quant_value(v[i], s);
         int64_t at = r * K + (int64_t)b * 128 + lane + 32 * i;
 
         if (f16 != NULL)
@@ -92,15 +134,14 @@ fk_split_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
     int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    float v, h;
+    uint16_t h, l;
 
     if (i >= n)
         return;
-    v = x[i];
-    h = cu_bf16_round(v);
-    hi[i] = (uint16_t)(__float_as_uint(h) >> 16);
+    fk_split_value(x[i], &h, &l);
+    hi[i] = h;
     if (lo != NULL)
-        lo[i] = isfinite(v) ? (uint16_t)(__float_as_uint(cu_bf16_round(v - h)) >> 16) : 0;
+        lo[i] = l;
 }
 
 /* --- the tile kernel ---------------------------------------------------------------- */
@@ -127,7 +168,82 @@ struct fl_args {
                                (o / R) * K .. + K (R = N: not grouped) */
     int bps, bk;            /* 128-blocks per slice, slices per block */
     int round_out;
+    /* the one-launch form (flf_kernel) */
+    const float *x;         /* (T, xstride) fp32 activations */
+    unsigned *ctr;          /* (gridDim.x) arrival counters when G > 1 */
+    int nt;                 /* tokens of this pass, min(16, T - t0) */
+    int rs;                 /* 128-blocks per slice staged per round */
+    int ld;                 /* staged row stride, halves: rs * 128 + 8 */
 };
+
+/* wr[m][h]: weight row (row0 + 16 m + g + 8 h) from 128-column block kb on
+ * (bf16 rows: two bytes per column). */
+template <int MODE, int MT>
+static __device__ __forceinline__ void
+fl_wrows(const uint8_t *(&wr)[MT][2], const struct fl_args &a, int row0, int kb, int g)
+{
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            wr[m][h] = (const uint8_t *)a.W.w +
+                       ((int64_t)(row0 + m * 16 + g + 8 * h) * a.K + (int64_t)kb * 128) *
+                           (MODE ? 1 : 2);
+}
+
+/*
+ * The end of a pass of both forms: the bk slices of the block added in
+ * slice order (red: the block's shared array; every thread calls this),
+ * then warp w % bk == 0 of each row tile writes its sums: out (rounded when
+ * round_out) when G == 1, else the partials (G, T, N).
+ */
+template <int MT, int NT>
+static __device__ __forceinline__ void
+fl_finish(float (&acc)[MT][NT][4], float (&red)[FL_NWARP][MT][NT][4][32],
+          const struct fl_args &a, int tile, int row0)
+{
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+
+    if (a.bk > 1) {
+        /* add the block's slices in slice order */
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    red[warp][m][n][i][lane] = acc[m][n][i];
+        __syncthreads();
+        if (warp % a.bk == 0)
+            for (int j = 1; j < a.bk; j++)
+#pragma unroll
+                for (int m = 0; m < MT; m++)
+#pragma unroll
+                    for (int n = 0; n < NT; n++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            acc[m][n][i] += red[warp + j][m][n][i][lane];
+    }
+    if (warp % a.bk != 0 || tile >= a.N / (16 * MT))
+        return;
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int row = row0 + m * 16 + g + 8 * (i >> 1);
+                int t = a.t0 + n * 8 + 2 * q + (i & 1);
+                float v = acc[m][n][i];
+
+                if (t >= a.T)
+                    continue;
+                if (gridDim.y == 1)
+                    a.out[(int64_t)t * a.N + row] = a.round_out ? cu_bf16_round(v) : v;
+                else
+                    a.part[((int64_t)blockIdx.y * a.T + t) * a.N + row] = v;
+            }
+}
 
 template <int MODE, int MT, int NT>
 static __global__ void __launch_bounds__(FL_THREADS, 2)
@@ -148,12 +264,7 @@ fl_kernel(struct fl_args a)
         const uint8_t *wr[MT][2];
         const uint16_t *xb[NT];
 
-#pragma unroll
-        for (int m = 0; m < MT; m++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                wr[m][h] = (const uint8_t *)a.W.w +
-                           (int64_t)(row0 + m * 16 + g + 8 * h) * a.K * (MODE ? 1 : 2);
+        fl_wrows<MODE, MT>(wr, a, row0, 0, g);
 #pragma unroll
         for (int n = 0; n < NT; n++)
             xb[n] = a.xv + (int64_t)min(a.t0 + n * 8 + g, a.T - 1) * a.xstride +
@@ -181,45 +292,7 @@ fl_kernel(struct fl_args a)
             fk_bf16<MT, NT>(acc, wr, xb, xl, 2 * kb0, 2 * kb1, q);
         }
     }
-    if (a.bk > 1) {
-        /* add the block's slices in slice order */
-#pragma unroll
-        for (int m = 0; m < MT; m++)
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    red[warp][m][n][i][lane] = acc[m][n][i];
-        __syncthreads();
-        if (warp % a.bk == 0)
-            for (int j = 1; j < a.bk; j++)
-#pragma unroll
-                for (int m = 0; m < MT; m++)
-#pragma unroll
-                    for (int n = 0; n < NT; n++)
-#pragma unroll
-                        for (int i = 0; i < 4; i++)
-                            acc[m][n][i] += red[warp + j][m][n][i][lane];
-    }
-    if (warp % a.bk != 0 || tile >= n_tiles)
-        return;
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int row = row0 + m * 16 + g + 8 * (i >> 1);
-                int t = a.t0 + n * 8 + 2 * q + (i & 1);
-                float v = acc[m][n][i];
-
-                if (t >= a.T)
-                    continue;
-                if (gridDim.y == 1)
-                    a.out[(int64_t)t * a.N + row] = a.round_out ? cu_bf16_round(v) : v;
-                else
-                    a.part[((int64_t)blockIdx.y * a.T + t) * a.N + row] = v;
-            }
+    fl_finish<MT, NT>(acc, red, a, tile, row0);
 }
 
 /* out[i] = Σ_y part[y, i] in order, then rounded. */
@@ -237,6 +310,244 @@ fl_reduce_kernel(float *out, const float *part, int64_t n, int G, int round_out)
     for (int y = 1; y < G; y++)
         v += part[(int64_t)y * n + i];
     out[i] = round_out ? cu_bf16_round(v) : v;
+}
+
+/* --- the one-launch form ------------------------------------------------------------------ */
+
+#define FL_CTRS 1024                 /* row-group counters per backend (G > 1 needs
+                                        at most 256 for any N, K: fl_split_for) */
+#define FL_SMEM_MAX (72 * 1024)      /* staged x per block: 2 blocks per SM with red */
+
+/*
+ * fk_quant_value of two columns v0, v1 of a block whose scale has the
+ * reciprocal inv = 1 / s, as f16 bits (v0 in the low half).  The same
+ * values: s is a power of two in [2^-22, 2^120] (amax >= 1e-4; or inf),
+ * so 1 / s is exact and v * inv is v / s, rounded once the same way;
+ * cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even as cu_f32_to_fp8 does
+ * (subnormal codes, signed zeros) and saturates to +-448 as cu_clampf does
+ * before it (infinities included); E4M3 to f16 is exact; a NaN gets the f16
+ * the exact expression gives (cu_fp8_to_f32(0x7f) is +qNaN, rounded to
+ * f16).  dsv4_cuda_linear_quant_check compares the two on every float.
+ */
+static __device__ __forceinline__ uint32_t
+flf_quant2(float v0, float v1, float inv)
+{
+    float a0 = v0 * inv, a1 = v1 * inv;
+    uint32_t nan16 = __half_as_ushort(__float2half_rn(__int_as_float(0x7fc00000)));
+    unsigned short e;
+    uint32_t h;
+
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e) : "f"(a1), "f"(a0));
+    h = fk_e4m3x2(e);
+    if (isnan(a0))
+        h = (h & 0xffff0000u) | nan16;
+    if (isnan(a1))
+        h = (h & 0x0000ffffu) | nan16 << 16;
+    return h;
+}
+
+#define FLF_U 4   /* staging tasks per warp in flight */
+
+/*
+ * Task i of staging round j0 (flf_stage): token tok < nt, block jj < rn of
+ * the round, slice sl of the block; the 128-block of x it reads (kb), or -1
+ * past the end (i >= tasks, or kb >= nb).
+ */
+static __device__ __forceinline__ int
+flf_task(const struct fl_args &a, int i, int rn, int j0, int *tok, int *jj, int *sl)
+{
+    int kb;
+
+    *tok = i % a.nt;
+    *jj = i / a.nt % rn;
+    *sl = i / (a.nt * rn);
+    kb = (blockIdx.y * a.bk + *sl) * a.bps + j0 + *jj;
+    return i < a.bk * rn * a.nt && kb < a.nb ? kb : -1;
+}
+
+/*
+ * Stage round j0 of the block's slices: for each slice sl of the block, each
+ * 128-block jj < rs of the round (block kb = (blockIdx.y * bk + sl) * bps +
+ * j0 + jj, when below nb and inside the slice) and each token tok < nt of
+ * the pass, one warp reads the 128 fp32 columns (lane: columns 4 lane ..
+ * 4 lane + 3; FLF_U tasks' loads in flight per warp) and writes row
+ * (sl * nt + tok) of the staged arrays at column jj * 128 (row stride ld
+ * halves): FP8, the f16 values and the scale (sxs, row stride rs); BF16, hi
+ * and lo; grouped, hi.  The block's amax is the exact path's (fmaxf over the
+ * same 128 values, in another order: the same maximum).
+ */
+template <int MODE>
+static __device__ __forceinline__ void
+flf_stage(const struct fl_args &a, uint16_t *xv, uint16_t *xl, float *sxs, int j0,
+          int64_t xcol, int warp, int lane)
+{
+    int rn = min(a.rs, a.bps - j0), tasks = a.bk * rn * a.nt;
+
+    for (int i0 = warp; i0 < tasks; i0 += FL_NWARP * FLF_U) {
+        float4 v[FLF_U];
+        int tok, jj, sl, kb;
+
+#pragma unroll
+        for (int u = 0; u < FLF_U; u++) {
+            kb = flf_task(a, i0 + u * FL_NWARP, rn, j0, &tok, &jj, &sl);
+            v[u] = kb < 0 ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                          : __ldg((const float4 *)(a.x + (int64_t)(a.t0 + tok) * a.xstride +
+                                                   xcol + (int64_t)kb * 128) + lane);
+        }
+#pragma unroll
+        for (int u = 0; u < FLF_U; u++) {
+            int64_t d;
+            uint2 h;
+
+            kb = flf_task(a, i0 + u * FL_NWARP, rn, j0, &tok, &jj, &sl);
+            if (kb < 0)
+                continue;   /* whole warps */
+            d = (int64_t)(sl * a.nt + tok) * a.ld + jj * 128 + lane * 4;
+            if (MODE == FL_FP8) {
+                float vv[4] = { v[u].x, v[u].y, v[u].z, v[u].w };
+                float sc = fk_quant_scale_warp(vv), inv = 1.0f / sc;
+
+                h.x = flf_quant2(v[u].x, v[u].y, inv);
+                h.y = flf_quant2(v[u].z, v[u].w, inv);
+                if (lane == 0)
+                    sxs[(sl * a.nt + tok) * a.rs + jj] = sc;
+            } else {
+                uint16_t hi[4], lo[4];
+
+                fk_split_value(v[u].x, &hi[0], &lo[0]);
+                fk_split_value(v[u].y, &hi[1], &lo[1]);
+                fk_split_value(v[u].z, &hi[2], &lo[2]);
+                fk_split_value(v[u].w, &hi[3], &lo[3]);
+                h.x = hi[0] | (uint32_t)hi[1] << 16;
+                h.y = hi[2] | (uint32_t)hi[3] << 16;
+                if (MODE == FL_BF16) {
+                    uint2 l;
+
+                    l.x = lo[0] | (uint32_t)lo[1] << 16;
+                    l.y = lo[2] | (uint32_t)lo[3] << 16;
+                    *(uint2 *)(xl + d) = l;
+                }
+            }
+            *(uint2 *)(xv + d) = h;
+        }
+    }
+}
+
+/* Ask L2 for the first two 128-column blocks kb0.. of the warp's weight rows
+ * (one 128-byte line per lane and block: 32 FP8 rows, or 16 BF16 rows of
+ * two lines), so they stream in while the block stages x. */
+template <int MODE, int MT>
+static __device__ __forceinline__ void
+flf_prefetch(const struct fl_args &a, int row0, int kb0, int kb1, int lane)
+{
+    int esz = MODE == FL_BF16 ? 2 : 1;
+    int row = row0 + (MODE == FL_BF16 ? lane / 2 : lane % (16 * MT));
+    int64_t col = MODE == FL_BF16 ? (lane % 2) * 128 : 0;
+
+    for (int kb = kb0; kb < min(kb1, kb0 + 2); kb++) {
+        const uint8_t *p = (const uint8_t *)a.W.w + ((int64_t)row * a.K + (int64_t)kb * 128) * esz +
+                           col;
+
+        asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+    }
+}
+
+/*
+ * One pass of the one-launch form: fl_kernel's tiles on x staged in shared
+ * memory (flf_stage, rounds of rs blocks per slice), then, with G > 1, the
+ * row group's last block adds the partials (see the file comment).  Dynamic
+ * shared memory: bk * nt rows of ld halves (values; BF16: twice, hi then
+ * lo), then (FP8) bk * nt rows of rs scales.
+ */
+template <int MODE, int MT, int NT>
+static __global__ void __launch_bounds__(FL_THREADS, 2)
+flf_kernel(struct fl_args a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    extern __shared__ uint4 flf_smem[];
+    __shared__ float red[FL_NWARP][MT][NT][4][32];
+    __shared__ int last;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    int tpb = FL_NWARP / a.bk, rowA = blockIdx.x * tpb * 16 * MT;
+    int tile = blockIdx.x * tpb + warp / a.bk, sl = warp % a.bk;
+    int slice = blockIdx.y * a.bk + sl;
+    int kb0 = slice * a.bps, kb1 = min(a.nb, kb0 + a.bps);
+    int n_tiles = a.N / (16 * MT), row0 = tile * 16 * MT;
+    int64_t xcol = (int64_t)(rowA / a.R) * a.K;   /* the block's group (host: one) */
+    uint16_t *xv = (uint16_t *)flf_smem, *xl = xv + (int64_t)a.bk * a.nt * a.ld;
+    float *sxs = (float *)xl;
+    float acc[MT][NT][4];
+
+    fk_zero(acc);
+    for (int j0 = 0; j0 < a.bps; j0 += a.rs) {
+        int kr = kb0 + j0, kre = min(kb1, kr + a.rs);   /* the warp's blocks this round */
+        int busy = tile < n_tiles && kr < kre;
+
+        if (busy)
+            flf_prefetch<MODE, MT>(a, row0, kr, kre, lane);
+        if (j0 > 0)
+            __syncthreads();   /* the last round's x read */
+        flf_stage<MODE>(a, xv, xl, sxs, j0, xcol, warp, lane);
+        __syncthreads();
+        if (busy) {
+            const uint8_t *wr[MT][2];
+            const uint16_t *xb[NT];
+
+            fl_wrows<MODE, MT>(wr, a, row0, kr, g);
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+                xb[n] = xv + (int64_t)(sl * a.nt + min(n * 8 + g, a.nt - 1)) * a.ld;
+            if (MODE) {
+                const uint8_t *ws[MT];
+                const float *xs[NT][2];
+
+#pragma unroll
+                for (int m = 0; m < MT; m++)
+                    ws[m] = a.W.scale + (int64_t)((row0 + m * 16) / 128) * a.nb + kr;
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++)
+                        xs[n][j] = MODE == FL_GROUPED ? NULL :
+                                   sxs + (sl * a.nt + min(n * 8 + 2 * q + j, a.nt - 1)) * a.rs;
+                fk_fp8<MT, NT, MODE == FL_GROUPED, 2>(acc, wr, ws, xb, xs, 0, kre - kr, q);
+            } else {
+                const uint16_t *xo[NT];
+
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    xo[n] = xl + (xb[n] - xv);
+                fk_bf16<MT, NT, 1>(acc, wr, xb, xo, 0, 2 * (kre - kr), q);
+            }
+        }
+    }
+    fl_finish<MT, NT>(acc, red, a, tile, row0);
+    if (gridDim.y == 1)
+        return;
+    /* split-K: the last block of the row group adds the G partials */
+    __threadfence();   /* this thread's partials, before the count */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(a.ctr + blockIdx.x, 1u) == gridDim.y - 1;
+        if (last)
+            atomicExch(a.ctr + blockIdx.x, 0u);   /* all G arrived: ready for the next launch */
+        __threadfence();   /* the count, before the partials are read */
+    }
+    __syncthreads();
+    if (last) {
+        int rows = min(tpb * 16 * MT, a.N - rowA), n = rows * a.nt;
+        int64_t tn = (int64_t)a.T * a.N;
+
+        for (int e = threadIdx.x; e < n; e += FL_THREADS) {
+            int64_t i = (int64_t)(a.t0 + e / rows) * a.N + rowA + e % rows;
+            float v = __ldcg(a.part + i);   /* L2: other blocks wrote them */
+
+            for (int y = 1; y < (int)gridDim.y; y++)
+                v += __ldcg(a.part + (int64_t)y * tn + i);
+            a.out[i] = a.round_out ? cu_bf16_round(v) : v;
+        }
+    }
 }
 
 /* --- host side ------------------------------------------------------------------------ */
@@ -307,8 +618,186 @@ fl_run(struct dsv4_backend *be, struct fl_args *a, const struct fl_split *sp)
     return DSV4_OK;
 }
 
+/* Dynamic shared bytes of flf_kernel for nt tokens and rounds of rs blocks
+ * per slice. */
+static size_t
+flf_smem_bytes(int mode, const struct fl_split *sp, int nt, int rs)
+{
+    size_t rows = (size_t)sp->bk * nt, vals = rows * (size_t)(rs * 128 + 8) * 2;
+
+    return (mode == FL_BF16 ? 2 * vals : vals) + (mode == FL_FP8 ? rows * rs * 4 : 0);
+}
+
+/* Blocks per slice and round for nt tokens: the fewest rounds whose staged x
+ * fits FL_SMEM_MAX (0: none does). */
+static int
+flf_rounds(int mode, const struct fl_split *sp, int nt)
+{
+    for (int r = 1; r <= sp->bps; r++) {
+        int rs = (sp->bps + r - 1) / r;
+
+        if (flf_smem_bytes(mode, sp, nt, rs) <= FL_SMEM_MAX)
+            return rs;
+    }
+    return 0;
+}
+
+/* Whether the call takes the one-launch form (see the file comment). */
+static int
+flf_applies(struct dsv4_backend *be, int mode, const struct fl_split *sp, const float *x,
+            int N, int R, int T)
+{
+    const struct cuda_state *st = cuda_st(be);
+    int MT = mode == FL_BF16 ? 1 : 2, tpb = FL_NWARP / sp->bk;
+    unsigned blocks = cuda_blocks(sp->tiles, tpb);
+
+    if ((T < FL_TOKENS ? T : FL_TOKENS) > st->lin_tmax || (uintptr_t)x % 16 != 0)
+        return 0;
+    if (sp->G > 1 && (st->lin_ctr == NULL || blocks > FL_CTRS))
+        return 0;
+    if (R != N && R % (tpb * 16 * MT) != 0)
+        return 0;   /* a block's tiles in two groups */
+    return flf_rounds(mode, sp, T < FL_TOKENS ? T : FL_TOKENS) > 0;
+}
+
+/* The one-launch form: one flf_kernel per pass of 16 tokens. */
+template <int MODE, int MT>
+static enum dsv4_err
+flf_run(struct dsv4_backend *be, struct fl_args *a, const struct fl_split *sp)
+{
+    cudaStream_t st = cuda_stream(be);
+    dim3 grid(cuda_blocks(sp->tiles, FL_NWARP / sp->bk), (unsigned)sp->G);
+
+    a->ctr = cuda_st(be)->lin_ctr;
+    for (a->t0 = 0; a->t0 < a->T; a->t0 += FL_TOKENS) {
+        size_t smem;
+
+        a->nt = a->T - a->t0 < FL_TOKENS ? a->T - a->t0 : FL_TOKENS;
+        a->rs = flf_rounds(MODE, sp, a->nt);   /* > 0: fewer tokens than checked */
+        a->ld = a->rs * 128 + 8;
+        smem = flf_smem_bytes(MODE, sp, a->nt, a->rs);
+        if (a->nt <= 8) {
+            CUDA_TRY(cudaFuncSetAttribute(flf_kernel<MODE, MT, 1>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          FL_SMEM_MAX));
+            cu_launch(flf_kernel<MODE, MT, 1>, grid, FL_THREADS, smem, st, *a);
+        } else {
+            CUDA_TRY(cudaFuncSetAttribute(flf_kernel<MODE, MT, 2>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          FL_SMEM_MAX));
+            cu_launch(flf_kernel<MODE, MT, 2>, grid, FL_THREADS, smem, st, *a);
+        }
+        CUDA_LAUNCHED("fast linear (one launch)");
+    }
+    return DSV4_OK;
+}
+
+void
+cuda_fast_linear_init(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+    const char *v = getenv("DSV4_CUDA_LINEAR");
+    void *p = NULL;
+
+    st->lin_tmax = FL_TOKENS;
+    if (v != NULL && strcmp(v, "v1") == 0)
+        st->lin_tmax = 0;
+    else if (v != NULL && strncmp(v, "fused:", 6) == 0)
+        st->lin_tmax = atoi(v + 6) < 0 ? 0 : atoi(v + 6);
+    st->lin_ctr = NULL;
+    if (cudaMalloc(&p, FL_CTRS * sizeof(unsigned)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    /* zero before any later work on the stream */
+    if (cudaMemsetAsync(p, 0, FL_CTRS * sizeof(unsigned), st->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaFree(p);
+        return;
+    }
+    st->lin_ctr = (unsigned *)p;
+}
+
+void
+cuda_fast_linear_fini(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    cudaFree(st->lin_ctr);
+    st->lin_ctr = NULL;
+}
+
+extern "C" int
+dsv4_cuda_set_linear(struct dsv4_backend *be, int tmax)
+{
+    int was;
+
+    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+        return -1;
+    was = cuda_st(be)->lin_tmax;
+    cuda_st(be)->lin_tmax = tmax < 0 ? 0 : tmax;
+    return was;
+}
+
+/* flf_quant2 (scale 1) against fk_quant_value rounded to f16, on the bit
+ * patterns i, i + stride, ...: count the differences, keep the first. */
+static __global__ void
+flf_quant_check_kernel(unsigned long long *bad, unsigned *first)
+{
+    uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < (1ull << 32);
+         i += 2 * stride) {
+        uint32_t u0 = (uint32_t)i, u1 = (uint32_t)(i + stride < (1ull << 32) ? i + stride : i);
+        float v0 = __uint_as_float(u0), v1 = __uint_as_float(u1);
+        uint32_t h = flf_quant2(v0, v1, 1.0f);
+        uint32_t r0 = __half_as_ushort(__float2half_rn(fk_quant_value(v0, 1.0f)));
+        uint32_t r1 = __half_as_ushort(__float2half_rn(fk_quant_value(v1, 1.0f)));
+
+        if ((h & 0xffffu) != r0) {
+            atomicAdd(bad, 1ull);
+            atomicMin(first, u0);
+        }
+        if (u1 != u0 && h >> 16 != r1) {
+            atomicAdd(bad, 1ull);
+            atomicMin(first, u1);
+        }
+    }
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_bad, uint32_t *first)
+{
+    unsigned long long *d = NULL, hb = 0;
+    unsigned hf = 0xffffffffu;
+    cudaStream_t st;
+
+    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_linear_quant_check: not a CUDA backend");
+    st = cuda_stream(be);
+    CUDA_TRY(cudaMalloc((void **)&d, 16));
+    if (cudaMemcpyAsync(d, &hb, 8, cudaMemcpyHostToDevice, st) != cudaSuccess ||
+        cudaMemcpyAsync(d + 1, &hf, 4, cudaMemcpyHostToDevice, st) != cudaSuccess) {
+        cudaFree(d);
+        return dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_linear_quant_check: copy failed");
+    }
+    flf_quant_check_kernel<<<1024, 256, 0, st>>>(d, (unsigned *)(d + 1));
+    if (cudaGetLastError() != cudaSuccess ||
+        cudaMemcpyAsync(&hb, d, 8, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
+        cudaMemcpyAsync(&hf, d + 1, 4, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
+        cudaStreamSynchronize(st) != cudaSuccess) {
+        cudaFree(d);
+        return dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_linear_quant_check: kernel failed");
+    }
+    cudaFree(d);
+    *n_bad = hb;
+    *first = hf;
+    return DSV4_OK;
+}
+
 /* Scratch layout of one call: x values, bf16 lo (BF16), scales (FP8), the
- * partial sums (G > 1); sizes are multiples of 256. */
+ * partial sums (G > 1); sizes are multiples of 256.  The one-launch form
+ * uses only the partial sums, at the same place. */
 struct fl_scratch {
     size_t v, l, s, p;
 };
@@ -379,6 +868,13 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
     a.bps = sp.bps;
     a.bk = sp.bk;
     a.round_out = !(mode == FL_BF16 && (flags & DSV4_LIN_F32_OUT));
+    a.x = x;
+    a.ctr = NULL;
+    a.nt = a.rs = a.ld = 0;
+    if (flf_applies(be, mode, &sp, x, N, a.R, T))
+        return mode == FL_FP8 ? flf_run<FL_FP8, 2>(be, &a, &sp)
+             : mode == FL_GROUPED ? flf_run<FL_GROUPED, 2>(be, &a, &sp)
+             : flf_run<FL_BF16, 1>(be, &a, &sp);
     switch (mode) {
     case FL_FP8:
         e = fk_quant(be, (uint16_t *)a.xv, NULL, (float *)a.sx, x, K, T, K);
