@@ -7,9 +7,19 @@
  * Cases, each at T = 1, 4, 16, 64 token rows, REF numerics, random weights
  * in the checkpoint formats:
  *   linear   wq_a 4096->1024, wq_b 1024->32768, wo_b 8192->4096, wkv
- *            4096->512 (FP8, 128x128 E8M0 scales), head 4096->129280 (BF16,
- *            fp32 out as the forward runs it);
- *   wo_a     linear_grouped, 8 groups of 1024 x 4096 FP8 run as bf16;
+ *            4096->512, idx_wq_b 1024->8192, proj 4096->4096, wq_b and wo_b
+ *            at TP = 2 (FP8, 128x128 E8M0 scales), head 4096->129280, gate
+ *            4096->256, cwkv 4096->1024 (BF16, fp32 out as the forward runs
+ *            them); wo_a: linear_grouped, 8 (and 4) groups of 1024 x 4096 FP8
+ *            run as bf16.  Each on the one-launch form (the default) with
+ *            the checks below, then against the three-launch form
+ *            (DSV4_CUDA_LINEAR=v1's): bit for bit equal (else the first
+ *            differing value: index, token, column, both values), graph
+ *            replay == plain call for both, kernels per call in the graph
+ *            (one launch: one per pass of 16 tokens), us per call of both
+ *            ("lin" lines, a table at the end); first the one-launch FP8
+ *            activation code against the exact expression on all 2^32
+ *            floats ("linear quant check");
  *   moe      256 FP4 experts D=4096 I=2048, k=6, FP8 shared expert, and
  *            moe_parts with the odd experts held elsewhere, at T = 1, 2, 4,
  *            8, 16, 32, 64, for every setting of DSV4_CUDA_FAST_MOE in a
@@ -68,7 +78,7 @@
  * timed CUDA graph left the same bits as the plain call ("replay").
  * BENCH_FAST_ONLY=moe runs only the MoE cases (self-checks and sweep).
  *
- * BENCH_FAST_ONLY=linear runs only the linear cases.
+ * BENCH_FAST_ONLY=linear runs only the linear cases (linear, wo_a).
  *
  * Prefill cases (kernels/cuda/fast_gemm.cu, after the decode ones): the FP8
  * linears pf_wq_a 4096->1024, pf_wq_b 1024->16384 (half of 64x512 per rank),
@@ -1204,6 +1214,193 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
         printf("%s\n", table[i]);
 }
 
+/* --- decode linears: one launch against three (kernels/cuda/fast_linear.cu) ------------ */
+
+/*
+ * The decode linears (REF numerics): the model's FP8 linears at TP = 1 and
+ * the rank's share at TP = 2, wo_a (linear_grouped, 8 and 4 groups), the
+ * BF16 head, router gate and compressor (fp32 out).  The gate (16 row
+ * tiles, split-K over 4 blocks), wq_a, wkv, wo_b and wo_a/2 take the split-K
+ * reduction, the others not.  "bw": counted in the bandwidth summary (the
+ * shapes the summary had before).
+ */
+static const struct {
+    const char *name;
+    int fp8, N, K, G, bw;   /* G > 0: linear_grouped with G groups of N / G rows */
+} lin_shapes[] = {
+    { "wq_a", 1, 1024, 4096, 0, 1 },
+    { "wq_b", 1, 32768, 1024, 0, 1 },     /* 64 heads x 512 */
+    { "wq_b/2", 1, 16384, 1024, 0, 0 },   /* TP = 2: 32 heads per rank */
+    { "wkv", 1, 512, 4096, 0, 1 },
+    { "wo_b", 1, 4096, 8192, 0, 1 },
+    { "wo_b/2", 1, 2048, 8192, 0, 0 },    /* TP = 2: half the output rows */
+    { "idx_wq_b", 1, 8192, 1024, 0, 0 },  /* indexer, 64 heads x 128 */
+    { "proj", 1, 4096, 4096, 0, 0 },      /* MTP e_proj / h_proj */
+    { "wo_a", 1, O_GROUPS * O_RANK, D_MODEL, O_GROUPS, 1 },
+    { "wo_a/2", 1, O_GROUPS / 2 * O_RANK, D_MODEL, O_GROUPS / 2, 0 },
+    { "head", 0, 129280, 4096, 0, 1 },
+    { "gate", 0, E_EXPERTS, D_MODEL, 0, 0 },
+    { "cwkv", 0, 1024, D_MODEL, 0, 0 },   /* compressor at ratio 4: c * d = 2 * 512 */
+};
+#define N_LIN ((int)(sizeof(lin_shapes) / sizeof(lin_shapes[0])))
+
+/* Output 0 of o at T, downloaded (malloc'd). */
+static float *
+lin_get(struct dsv4_backend *be, const struct op *o, int T)
+{
+    size_t n = (size_t)T * o->outs[0].w;
+    float *h = malloc(n * sizeof(float));
+
+    if (h == NULL)
+        exit(1);
+    TRY("download", be->ops->download(be, h, o->outs[0].dev, n * sizeof(float)));
+    return h;
+}
+
+/* Index of the first value whose bits differ between a and b, or n. */
+static size_t
+lin_first_diff(const float *a, const float *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0)
+            return i;
+    return n;
+}
+
+/* Print a first difference (i < n) of what vs the one-launch output. */
+static void
+lin_print_diff(const char *what, const float *a, const float *fused, size_t i, size_t n, int N)
+{
+    uint32_t ab, fb;
+
+    if (i >= n)
+        return;
+    memcpy(&ab, &a[i], 4);
+    memcpy(&fb, &fused[i], 4);
+    printf("     %s differs first at index %zu (token %zu, column %zu): %.9g (%08x), one "
+           "launch %.9g (%08x)\n", what, i, i / N, i % N, a[i], ab, fused[i], fb);
+}
+
+/*
+ * One linear case at T: run_case with the one-launch form (bounds against
+ * the exact op, same bits twice, rows independent of T, us per call from
+ * graphs), then: the timed graph's last replay == the plain call, the
+ * graph's kernels per call == the passes of 16 tokens; the three-launch
+ * form (dsv4_cuda_set_linear(be, 0)) bit for bit equal to the one-launch
+ * output, its graph replay equal too, and its us per call.  Appends
+ * " T:v1/one us" to row.
+ */
+static void
+lin_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o, int T,
+         size_t bytes, struct hist *h, struct tally *ty, char *row, size_t rowlen)
+{
+    int N = o->outs[0].w, passes = (T + 15) / 16, kf, kv, ok;
+    size_t n = (size_t)T * N, dr, d1, dv, len = strlen(row);
+    double share;
+    float ms_v, *fused, *rep, *v1, *v1rep;
+
+    dsv4_cuda_set_linear(be, 16);
+    share = run_case(be, tm, o, T, bytes, h, ty);
+    kf = dsv4_cuda_graph_kernels(be, NULL);   /* the graph run_case timed */
+    rep = lin_get(be, o, T);                   /* its last replay */
+    fused = h->prev[0];                        /* run_case's plain call at this T */
+    dr = lin_first_diff(rep, fused, n);
+
+    dsv4_cuda_set_linear(be, 0);
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    TRY("op (three launches)", op_run(be, o, T));
+    v1 = lin_get(be, o, T);
+    d1 = lin_first_diff(v1, fused, n);
+    ms_v = time_fast(be, tm, o, T);
+    kv = dsv4_cuda_graph_kernels(be, NULL);
+    v1rep = lin_get(be, o, T);
+    dv = lin_first_diff(v1rep, v1, n);
+    dsv4_cuda_set_linear(be, 16);
+
+    ok = dr == n && d1 == n && dv == n && kf == GRAPH_REPS * passes && kv > kf;
+    printf("%-4s lin %-8s T=%-3d v1==one %s  replay one %s v1 %s  launches/call v1 %.1f one "
+           "%.1f (%d passes)  v1 %8.1f us  one %8.1f us  v1/one %.2f\n",
+           ok ? "ok" : "FAIL", o->name, T, d1 == n ? "yes" : "NO", dr == n ? "yes" : "NO",
+           dv == n ? "yes" : "NO", (double)kv / GRAPH_REPS, (double)kf / GRAPH_REPS, passes,
+           ms_v * 1e3, share > 0 ? bytes / (share * PEAK_GBS * 1e6) * 1e3 : 0.0,
+           share > 0 ? ms_v * 1e3 / (bytes / (share * PEAK_GBS * 1e6) * 1e3) : 0.0);
+    lin_print_diff("three-launch output", v1, fused, d1, n, N);
+    lin_print_diff("one-launch graph replay", rep, fused, dr, n, N);
+    lin_print_diff("three-launch graph replay", v1rep, v1, dv, n, N);
+    fflush(stdout);
+    if (ok)
+        ty->ok++;
+    else
+        ty->fail++;
+    if (len < rowlen)
+        snprintf(row + len, rowlen - len, "  %d:%.1f/%.1f", T, ms_v * 1e3,
+                 share > 0 ? bytes / (share * PEAK_GBS * 1e6) * 1e3 : 0.0);
+    free(rep);
+    free(v1);
+    free(v1rep);
+}
+
+/*
+ * Every decode linear case (BENCH_FAST_ONLY=linear runs only these): first
+ * the hardware FP8 code of the one-launch form against the exact expression
+ * on all 2^32 floats (dsv4_cuda_linear_quant_check), then lin_case at every
+ * T of t_list per shape, and a table of us per call (three launches / one).
+ * x: (T_MAX, 8192) device scratch re-laid per K from xh; xg: (T_MAX, 8 *
+ * 4096) activations of the grouped cases.
+ */
+static void
+linear_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const float *xh,
+           float *xg, float *out, struct tally *ty)
+{
+    char table[N_LIN][256];
+    uint64_t bad = 0;
+    uint32_t first = 0;
+
+    TRY("quant check", dsv4_cuda_linear_quant_check(be, &bad, &first));
+    if (bad == 0) {
+        printf("ok   linear quant check: one-launch FP8 codes == exact path's on all 2^32 "
+               "floats\n");
+        ty->ok++;
+    } else {
+        printf("FAIL linear quant check: %llu of 2^32 floats differ, first bits %08x\n",
+               (unsigned long long)bad, first);
+        ty->fail++;
+    }
+    for (int l = 0; l < N_LIN; l++) {
+        int N = lin_shapes[l].N, K = lin_shapes[l].K, G = lin_shapes[l].G;
+        struct op o = { .name = lin_shapes[l].name, .kind = G > 0 ? OP_GROUPED : OP_LINEAR,
+                        .bw = lin_shapes[l].bw, .x = G > 0 ? xg : x, .G = G };
+        struct hist h;
+
+        o.W = lin_shapes[l].fp8 ? make_fp8(be, N, K) : make_bf16(be, N, K);
+        o.flags = lin_shapes[l].fp8 ? 0 : DSV4_LIN_F32_OUT;
+        o.outs[0] = lin_shapes[l].fp8 ? out_f32("out", out, N, BOUND_BF16, IDENT_BF16)
+                                      : out_f32("out", out, N, BOUND_F32, 0.0);
+        o.n_outs = 1;
+        /* rows of x are K apart: re-lay the first T_MAX rows for this K */
+        for (int t = 0; t < T_MAX && G == 0; t++)
+            TRY("upload", be->ops->upload(be, x + (size_t)t * K, xh + (size_t)t * 8192,
+                                          (size_t)K * sizeof(float)));
+        snprintf(table[l], sizeof(table[l]), "linear %-8s %6d x %-5d%s us v1/one:",
+                 o.name, N, K, G > 0 ? " grouped" : "");
+        memset(&h, 0, sizeof(h));
+        for (int i = 0; i < N_T; i++) {
+            int T = t_list[i];
+            size_t bytes = (size_t)(T + 15) / 16 * lin_bytes(&o.W) +
+                           (G > 0 ? (size_t)T * G * K * 4 : 0);
+
+            lin_case(be, tm, &o, T, bytes, &h, ty, table[l], sizeof(table[l]));
+        }
+        for (int i = 0; i < MAX_OUTS; i++)
+            free(h.prev[i]);
+        be->ops->free(be, (void *)(uintptr_t)o.W.w);   /* ours: allocated above */
+        be->ops->free(be, (void *)(uintptr_t)o.W.scale);
+    }
+    printf("decode linears, us per call at T (three launches / one launch):\n");
+    for (int l = 0; l < N_LIN; l++)
+        printf("%s\n", table[l]);
+}
+
 /* --- prefill: the tensor-core GEMMs (kernels/cuda/fast_gemm.cu) ------------------- */
 
 /*
@@ -1886,17 +2083,6 @@ main(int argc, char **argv)
     struct dsv4_backend *be = NULL;
     struct dsv4_cuda_timer *tm;
     struct tally ty = { 0 };
-    static const struct {
-        const char *name;
-        int fp8, N, K;
-    } lins[] = {
-        { "wq_a", 1, 1024, 4096 },
-        { "wq_b", 1, 32768, 1024 },
-        { "wo_b", 1, 4096, 8192 },
-        { "wkv", 1, 512, 4096 },
-        { "head", 0, 129280, 4096 },
-    };
-    int n_lin = (int)(sizeof(lins) / sizeof(lins[0]));
     const char *only = getenv("BENCH_FAST_ONLY");
     int only_moe = only != NULL && strcmp(only, "moe") == 0;   /* the decode MoE only */
     int only_g4 = only != NULL && strcmp(only, "gemm4") == 0;  /* the FP8 wgmma prefill MoE */
@@ -1939,24 +2125,11 @@ main(int argc, char **argv)
     o1 = dev_alloc(be, (size_t)T_MAX * 256 * sizeof(float));
     o2 = dev_alloc(be, (size_t)T_MAX * 256 * sizeof(float));
 
-    for (int l = 0; l < n_lin && !only_moe && !only_g4; l++) {
-        struct op o = { .name = lins[l].name, .kind = OP_LINEAR, .bw = 1, .x = x };
-
-        o.W = lins[l].fp8 ? make_fp8(be, lins[l].N, lins[l].K) : make_bf16(be, lins[l].N,
-                                                                            lins[l].K);
-        o.flags = lins[l].fp8 ? 0 : DSV4_LIN_F32_OUT;
-        o.outs[0] = lins[l].fp8 ? out_f32("out", out, lins[l].N, BOUND_BF16, IDENT_BF16)
-                                : out_f32("out", out, lins[l].N, BOUND_F32, 0.0);
-        o.n_outs = 1;
-        /* rows of x are K apart: re-lay the first T_MAX rows for this K */
-        for (int t = 0; t < T_MAX; t++)
-            TRY("upload", be->ops->upload(be, x + (size_t)t * lins[l].K,
-                                          xh + (size_t)t * 8192,
-                                          (size_t)lins[l].K * sizeof(float)));
-        run_all(be, tm, &o, lin_bytes(&o.W), 0, 1, &ty);
-        be->ops->free(be, (void *)(uintptr_t)o.W.w);   /* ours: allocated above */
-        be->ops->free(be, (void *)(uintptr_t)o.W.scale);
-    }
+    /* grouped activations (wo_a): (T, 8 * 4096), not bf16-valued (the op
+     * rounds them) */
+    xg = dev_normals(be, (size_t)T_MAX * O_GROUPS * D_MODEL, 1.0f, 0);
+    if (!only_moe && !only_g4)
+        linear_all(be, tm, x, xh, xg, out, &ty);
     if (getenv("BENCH_FAST_ONLY") != NULL && strcmp(getenv("BENCH_FAST_ONLY"), "linear") == 0) {
         printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=linear)\n", ty.ok, ty.fail);
         dsv4_cuda_timer_destroy(tm);
@@ -1967,20 +2140,6 @@ main(int argc, char **argv)
     for (int t = 0; t < T_MAX; t++)
         TRY("upload", be->ops->upload(be, x + (size_t)t * D_MODEL, xh + (size_t)t * 8192,
                                       D_MODEL * sizeof(float)));
-
-    /* wo_a: grouped, 8 x (1024 x 4096) FP8 run as bf16 on x (T, 8 * 4096);
-     * x not bf16-valued (the op rounds it) */
-    xg = dev_normals(be, (size_t)T_MAX * O_GROUPS * D_MODEL, 1.0f, 0);
-    if (!only_moe && !only_g4) {
-        struct op o = { .name = "wo_a", .kind = OP_GROUPED, .bw = 1, .x = xg, .G = O_GROUPS };
-
-        o.W = make_fp8(be, O_GROUPS * O_RANK, D_MODEL);
-        o.outs[0] = out_f32("out", out, O_GROUPS * O_RANK, BOUND_BF16, IDENT_BF16);
-        o.n_outs = 1;
-        run_all(be, tm, &o, lin_bytes(&o.W), (size_t)O_GROUPS * D_MODEL * 4, 1, &ty);
-        be->ops->free(be, (void *)(uintptr_t)o.W.w);
-        be->ops->free(be, (void *)(uintptr_t)o.W.scale);
-    }
 
     /* experts: one arena, 256 x (w1, w3, w2) FP4; shared FP8 */
     per_expert = 0;
