@@ -116,6 +116,8 @@
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_mma.cuh"   /* fa_ldsm_x4 */
 
+#include <cuda_fp16.h>
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,9 +143,11 @@ struct fm3_args {
     const int32_t *grp;     /* n_act, act_e[A], act_off[A+1], rows[T*k] */
     int A;                  /* routed slots at most: min(T*k, n_table) */
     const uint8_t *xq4, *xq8;   /* (T, D): E4M3 codes of x, P4 and P8 order */
+    const uint16_t *xh4, *xh8;  /* (T, D): the codes' values as f16, v5's order (fm3_h) */
     const float *xs;        /* (T, D/128) */
     float *h;               /* (R, I), R = T*k + T: SwiGLU outputs (bf16 values) */
     uint8_t *hq;            /* (R, I): codes of h, pick rows P4, shared rows P8 */
+    uint16_t *hh;           /* (R, I): their values as f16, v5's order */
     float *hs;              /* (R, I/128) */
     float *y;               /* (R, D): the summands (moe_parts: the caller's array) */
     const float *weights;   /* (T, k) */
@@ -192,24 +196,46 @@ fm3_p8(int c)
 }
 
 /*
+ * v5's place of the value whose code is at P4 / P8 place `pos` (its f16
+ * copy): thread q's 32 values stay its 64 contiguous bytes, reordered so
+ * that f16x2 word m*4 + h*2 + i holds bytes 2h, 2h+1 of its code word
+ * 2m + i (b0 / b1 of mma m): the B registers of the two m16n8k16 halves
+ * of mma m (fm5_block) are words m*4 + 2h, m*4 + 2h + 1.
+ */
+static __device__ __forceinline__ int
+fm3_h(int pos)
+{
+    int q = pos >> 5, j = pos & 31, w = j >> 2, bb = j & 3;
+
+    return q * 32 + (w >> 1) * 8 + (bb >> 1) * 4 + (w & 1) * 2 + (bb & 1);
+}
+
+/*
  * REF quantization of a 128-column block held by a warp (v[i] = column
  * lane + 32 i): the expressions of fk_quant and of the exact path; codes to
- * p4 (P4 order) and/or p8 (P8 order), either may be NULL; the scale to *sp.
+ * p4 (P4 order) and/or p8 (P8 order), their values as f16 (exact) to h4 /
+ * h8 (v5's order, fm3_h), any may be NULL; the scale to *sp.
  */
 static __device__ __forceinline__ void
-fm3_quant_warp(const float (&v)[4], uint8_t *p4, uint8_t *p8, float *sp)
+fm3_quant_warp(const float (&v)[4], uint8_t *p4, uint8_t *p8, uint16_t *h4, uint16_t *h8,
+               float *sp)
 {
     int lane = threadIdx.x & 31;
     float s = fk_quant_scale_warp(v);
 
     for (int i = 0; i < 4; i++) {
         uint8_t c = cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f));
+        uint16_t hv = __half_as_ushort(__float2half_rn(cu_fp8_to_f32(c)));
         int col = lane + 32 * i;
 
         if (p4 != NULL)
             p4[fm3_p4(col)] = c;
         if (p8 != NULL)
             p8[fm3_p8(col)] = c;
+        if (h4 != NULL)
+            h4[fm3_h(fm3_p4(col))] = hv;
+        if (h8 != NULL)
+            h8[fm3_h(fm3_p8(col))] = hv;
     }
     if (lane == 0)
         *sp = s;
@@ -308,7 +334,8 @@ fm3_prep_kernel(struct fm3_args a, const float *x, const int32_t *ids, int E, in
 
         for (int i = 0; i < 4; i++)
             v[i] = x[at + (threadIdx.x & 31) + 32 * i];
-        fm3_quant_warp(v, xq4 + at, xq8 + at, xs + t * nb + b);
+        fm3_quant_warp(v, xq4 + at, xq8 + at, (uint16_t *)a.xh4 + at, (uint16_t *)a.xh8 + at,
+                       xs + t * nb + b);
     }
 }
 
@@ -330,7 +357,8 @@ fm3_hquant_kernel(struct fm3_args a)
 
         for (int i = 0; i < 4; i++)
             v[i] = a.h[at + (threadIdx.x & 31) + 32 * i];
-        fm3_quant_warp(v, pick ? a.hq + at : NULL, pick ? NULL : a.hq + at, a.hs + r * nb + b);
+        fm3_quant_warp(v, pick ? a.hq + at : NULL, pick ? NULL : a.hq + at,
+                       pick ? a.hh + at : NULL, pick ? NULL : a.hh + at, a.hs + r * nb + b);
     }
 }
 
@@ -830,6 +858,112 @@ fm5_tile_get(const struct fm3_args &a, const struct fm3_slot &s, int row, struct
     }
 }
 
+/* The e4m3 pair in the low (hi = 0) or high half of v as an f16x2 (exact). */
+static __device__ __forceinline__ uint32_t
+fm5_h2(uint32_t v, int hi)
+{
+    uint32_t d;
+
+    if (hi)
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }"
+            : "=r"(d) : "r"(v));
+    else
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }"
+            : "=r"(d) : "r"(v));
+    return d;
+}
+
+/*
+ * d = the m16n8k32 e4m3 product of A (a0..a3, e4m3) and B (v5's f16 words
+ * bh[0..3]) on a zero accumulator, as two native m16n8k16 f16 mma: the
+ * first on the low e4m3 pair of every register (k 4q, 4q+1, 16+4q, 16+4q+1
+ * of the k32 step), the second on the high pairs, accumulating.  Hopper has
+ * no FP8 mma.sync: the compiler emulates fk_mma_e4m3 the same way (two
+ * HMMA.16816 on F2FP-unpacked halves) but also unpacks B every time and
+ * adds the zero accumulator afterwards; here B comes unpacked from memory.
+ */
+static __device__ __forceinline__ void
+fm5_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, const uint32_t *bh)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(fm5_h2(a0, 0)), "r"(fm5_h2(a1, 0)), "r"(fm5_h2(a2, 0)),
+                   "r"(fm5_h2(a3, 0)), "r"(bh[0]), "r"(bh[1]), "f"(0.0f));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(fm5_h2(a0, 1)), "r"(fm5_h2(a1, 1)), "r"(fm5_h2(a2, 1)),
+                   "r"(fm5_h2(a3, 1)), "r"(bh[2]), "r"(bh[3]));
+}
+
+/* The activations of 128-column block kb (one n-tile): xh = thread q's 64
+ * bytes of v5's f16 words, xc[j] = the scale of C column 2q + j. */
+static __device__ __forceinline__ void
+fm5_act(uint32_t (&xh)[16], float (&xc)[1][2], const uint16_t *xr, const float *const (&sr)[1][2],
+        int kb)
+{
+    const uint4 *p = (const uint4 *)(xr + (int64_t)kb * 128 + (threadIdx.x & 3) * 32);
+
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 v = __ldg(p + i);
+
+        xh[4 * i] = v.x;
+        xh[4 * i + 1] = v.y;
+        xh[4 * i + 2] = v.z;
+        xh[4 * i + 3] = v.w;
+    }
+    xc[0][0] = __ldg(sr[0][0] + kb);
+    xc[0][1] = __ldg(sr[0][1] + kb);
+}
+
+/* fm3_block<FP8, 1> with fm5_mma: the same A fragments, groups, scale
+ * multiplies and fp32 additions. */
+template <int FP8>
+static __device__ __forceinline__ void
+fm5_block(float (&blk)[1][4], const char *buf, int b, const float *scf, const uint32_t (&xh)[16])
+{
+    int lane = threadIdx.x & 31, g = lane >> 2;
+
+    if (FP8) {
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            uint32_t r[4];
+            float d[4];
+
+            fm3_ldsm(r, buf, 2 * m);
+            fm5_mma(d, r[0], r[1], r[2], r[3], &xh[4 * m]);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                blk[0][i] += d[i];
+        }
+    } else {
+#pragma unroll
+        for (int pr = 0; pr < 2; pr++) {
+            float2 s0 = *(const float2 *)(scf + g * FM3_SCF + 4 * b + 2 * pr);
+            float2 s8 = *(const float2 *)(scf + (g + 8) * FM3_SCF + 4 * b + 2 * pr);
+            uint32_t r[4];
+
+            fm3_ldsm(r, buf, 4 * b + 2 * pr);
+#pragma unroll
+            for (int gi = 0; gi < 2; gi++) {
+                int m = 2 * pr + gi;
+                float w0 = gi ? s0.y : s0.x, w8 = gi ? s8.y : s8.x, d[4];
+                uint32_t a0, a1, a2, a3;
+
+                fk_fp4x8_e4m3(r[2 * gi], &a0, &a2);
+                fk_fp4x8_e4m3(r[2 * gi + 1], &a1, &a3);
+                fm5_mma(d, a0, a1, a2, a3, &xh[4 * m]);
+                blk[0][0] = __fmaf_rn(d[0], w0, blk[0][0]);
+                blk[0][1] = __fmaf_rn(d[1], w0, blk[0][1]);
+                blk[0][2] = __fmaf_rn(d[2], w8, blk[0][2]);
+                blk[0][3] = __fmaf_rn(d[3], w8, blk[0][3]);
+            }
+        }
+    }
+}
+
 /* Stage st of part p of the tile into the ring slot at shared address sb:
  * fm3_issue's placement, the lane's row offsets (ro: global, so: shared)
  * and scale offset (sco) computed once per pass. */
@@ -870,12 +1004,15 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     const int ntot = NP * nst, sco = (lane >> 1) * tl.sb + (lane & 1) * 4;
     const uint32_t rs = (uint32_t)__cvta_generic_to_shared(ring);
     const uint8_t *xr[NT];
+    const uint16_t *xhr;
     const float *sr[NT][2];
-    uint32_t xw[NT][8];
+    uint32_t xh[16];
     float xc[NT][2];
     float tot[NP][NT][4], acc[NT][4], blk[NT][4];
     int ro[4], ip = 0, is = 0, islot = 0, slot = 0, gi = 0;
     uint32_t so[4];
+
+    static_assert(NT == 1, "v5 runs passes of one n-tile");
 
 #pragma unroll
     for (int pp = 0; pp < NP; pp++)
@@ -888,6 +1025,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
         so[i] = (uint32_t)(row * FM3_SB + ((seg ^ (row & 7)) << 4));
     }
     fm3_act_rows<UP, FP8, NT>(a, s, p, xr, sr);
+    xhr = (UP ? (FP8 ? a.xh8 : a.xh4) : a.hh) + (xr[0] - (UP ? (FP8 ? a.xq8 : a.xq4) : a.hq));
     fm3_zero<NT>(acc);
     fm3_zero<NT>(blk);
     for (int i = 0; i < FM5_NS - 1; i++) {   /* the issue cursor: part ip, stage is */
@@ -928,8 +1066,8 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
 
                 if (FP8)   /* the tile's 128x128 block scale */
                     f = cu_e8m0_to_f32(__ldg(tl.sc[pp] + (int64_t)(tl.row / 128) * nb + kb));
-                fm3_act<NT>(xw, xc, xr, sr, kb);
-                fm3_block<FP8, NT>(blk, buf, b, scf, xw);
+                fm5_act(xh, xc, xhr, sr, kb);
+                fm5_block<FP8>(blk, buf, b, scf, xh);
                 fm3_block_end<NT>(acc, blk, xc, f);
                 if (++kq == nq) {   /* quarter qn of part pp is complete */
 #pragma unroll
@@ -1167,6 +1305,7 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     size_t b_xq = cuda_align((size_t)T * D), b_xs = cuda_align((size_t)T * nbD * sizeof(float));
     size_t b_h = cuda_align((size_t)R * I * sizeof(float)), b_hq = cuda_align((size_t)R * I);
     size_t b_hs = cuda_align((size_t)R * nbI * sizeof(float));
+    size_t b_xh = cuda_align((size_t)T * D * 2), b_hh = cuda_align((size_t)R * I * 2);
     size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
     struct fm3_cfg c;
     struct fm3_args a;
@@ -1176,7 +1315,8 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     fm3_cfg_parse(&c, cfg);
     if (c.v5 < 0)
         c.v5 = fm3_v5_auto(T, parts != NULL);
-    p = (char *)cuda_scratch(be, b_grp + 2 * b_xq + b_xs + b_h + b_hq + b_hs + b_y);
+    p = (char *)cuda_scratch(be, b_grp + 2 * b_xq + b_xs + b_h + b_hq + b_hs + b_y + 2 * b_xh +
+                                     b_hh);
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast moe v3: no scratch (T=%d k=%d)", T, k);
     memset(&a, 0, sizeof(a));
@@ -1197,6 +1337,10 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     a.hs = (float *)(p + b_h + b_hq);
     p += b_h + b_hq + b_hs;
     a.y = parts != NULL ? parts : (float *)p;
+    p += b_y;
+    a.xh4 = (const uint16_t *)p;
+    a.xh8 = (const uint16_t *)(p + b_xh);
+    a.hh = (uint16_t *)(p + 2 * b_xh);
     a.weights = weights;
     a.T = T;
     a.k = k;
