@@ -323,25 +323,27 @@ fl_reduce_kernel(float *out, const float *part, int64_t n, int G, int round_out)
  * reciprocal inv = 1 / s, as f16 bits (v0 in the low half).  The same
  * values: s is a power of two in [2^-22, 2^120] (amax >= 1e-4; or inf),
  * so 1 / s is exact and v * inv is v / s, rounded once the same way;
- * cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even as cu_f32_to_fp8 does
- * (subnormal codes, signed zeros) and saturates to +-448 as cu_clampf does
- * before it (infinities included); E4M3 to f16 is exact; a NaN gets the f16
- * the exact expression gives (cu_fp8_to_f32(0x7f) is +qNaN, rounded to
- * f16).  dsv4_cuda_linear_quant_check compares the two on every float.
+ * the clamp to +-448 is cu_clampf's but for NaN (fminf/fmaxf drop it:
+ * handled apart); cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even as
+ * cu_f32_to_fp8 does (subnormal codes, signed zeros); E4M3 to f16 is exact;
+ * a NaN gets the f16 the exact expression gives (cu_fp8_to_f32(0x7f) is
+ * +qNaN, rounded to f16).  dsv4_cuda_linear_quant_check compares the two
+ * on every float.
  */
 static __device__ __forceinline__ uint32_t
 flf_quant2(float v0, float v1, float inv)
 {
-    float a0 = v0 * inv, a1 = v1 * inv;
+    float p0 = v0 * inv, p1 = v1 * inv;
+    float a0 = fminf(fmaxf(p0, -448.0f), 448.0f), a1 = fminf(fmaxf(p1, -448.0f), 448.0f);
     uint32_t nan16 = __half_as_ushort(__float2half_rn(__int_as_float(0x7fc00000)));
     unsigned short e;
     uint32_t h;
 
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e) : "f"(a1), "f"(a0));
     h = fk_e4m3x2(e);
-    if (isnan(a0))
+    if (isnan(p0))
         h = (h & 0xffff0000u) | nan16;
-    if (isnan(a1))
+    if (isnan(p1))
         h = (h & 0x0000ffffu) | nan16 << 16;
     return h;
 }
