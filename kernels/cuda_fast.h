@@ -160,9 +160,10 @@ void dsv4_cuda_timer_destroy(struct dsv4_cuda_timer *t);
  * The form of the fast decode linear (kernels/cuda/fast_linear.cu) on be:
  * one launch per pass of up to 16 tokens (activation preparation and split-K
  * reduction inside the tile kernel) for passes of at most tmax tokens, three
- * launches (prepare, tiles, reduce) for larger passes; tmax 16 (the default)
- * is one launch always, 0 three launches always (DSV4_CUDA_LINEAR=v1 at
- * backend creation; "fused:N" sets N).  Both forms give the same bits.
+ * launches (prepare, tiles, reduce) for larger passes; tmax 16 is one launch
+ * always, 0 (the default: the one-launch form measured slower on the H200)
+ * three launches always (DSV4_CUDA_LINEAR at backend creation: "v1" 0,
+ * "fused" 16, "fused:N" N).  Both forms give the same bits.
  * Returns the previous tmax, or -1 when be is not a CUDA backend.
  */
 int dsv4_cuda_set_linear(struct dsv4_backend *be, int tmax);

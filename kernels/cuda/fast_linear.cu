@@ -21,8 +21,9 @@
  * The split (slices S = bk * G, blocks of K per slice) is chosen from N and K
  * only, aiming at >= FL_WARPS warps in flight, so results never depend on T.
  *
- * Two forms, same bits (dsv4_cuda_set_linear, DSV4_CUDA_LINEAR=v1):
- *   one launch per pass (flf_kernel, the default): each block prepares, from
+ * Two forms, same bits (dsv4_cuda_set_linear, DSV4_CUDA_LINEAR=v1 / fused:N):
+ *   one launch per pass (flf_kernel; opt-in, DSV4_CUDA_LINEAR=fused:16:
+ *   measured slower on the H200, docs/perf.md run 20): each block prepares, from
  *   fp32 x, the 128-column blocks of x its warps read, for the pass's
  *   tokens, into shared memory (fl_stage: the expressions of step 1, so the
  *   same codes, scales and bf16 halves), in rounds of rs blocks per slice
@@ -36,8 +37,8 @@
  *   the backend, whose work is all on its one stream: two calls never use
  *   them at the same time; calls on other backends have their own.
  *   Three launches (fk_quant_kernel / fk_split_kernel, fl_kernel,
- *   fl_reduce_kernel; "v1"): step 1 into scratch, then the tiles, then the
- *   reduction.  The one-launch form falls back to this one where it does
+ *   fl_reduce_kernel; "v1", the default): step 1 into scratch, then the
+ *   tiles, then the reduction.  The one-launch form falls back to this one where it does
  *   not apply (x not 16-byte aligned, more row groups than counters, a
  *   grouped block spanning two groups, no counters).
  */
@@ -701,9 +702,11 @@ cuda_fast_linear_init(struct dsv4_backend *be)
     const char *v = getenv("DSV4_CUDA_LINEAR");
     void *p = NULL;
 
-    st->lin_tmax = FL_TOKENS;
-    if (v != NULL && strcmp(v, "v1") == 0)
-        st->lin_tmax = 0;
+    /* three launches by default: the one-launch form stages x per block
+     * and was slower at every T >= 4 and overall at T = 1 (perf.md run 20) */
+    st->lin_tmax = 0;
+    if (v != NULL && strcmp(v, "fused") == 0)
+        st->lin_tmax = FL_TOKENS;
     else if (v != NULL && strncmp(v, "fused:", 6) == 0)
         st->lin_tmax = atoi(v + 6) < 0 ? 0 : atoi(v + 6);
     st->lin_ctr = NULL;
