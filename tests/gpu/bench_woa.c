@@ -36,10 +36,11 @@
  *   replay  the op (switch on) recorded into a CUDA graph and launched
  *           twice leaves the plain call's bits (the forward does not graph
  *           prefill, but a graph must not change what the kernel computes).
- * A failure prints the first value off (token, output column o = group g,
- * row j, the values) and, for the bounds, which group slice of x the
- * value matches (host dot products of W's row o with each slice: a wrong
- * group offset shows as the value of another group).
+ * A failure prints, on indented lines just before its case's line, the
+ * first value off (token, output column o = group g, row j, the values),
+ * for the bounds also the largest difference and which group slice of x
+ * the first value off matches (host dot products of W's row o with each
+ * slice: a wrong group offset shows as the value of another group).
  * Timed (CUDA events on the backend's stream, no graph, as prefill runs
  * it): median over N_TIMED of REPS back-to-back calls, µs per call, for
  * gemm, op and fl; TFLOP/s of gemm (2 T G R K); speedup = fl / op.
@@ -204,7 +205,7 @@ static int
 vs_exact(const char *tag, const struct woa *w, const struct bufs *b, const float *v,
          const int *rows, int n, char *line, size_t len)
 {
-    size_t m = (size_t)n * w->N, ident = 0, first = m;
+    size_t m = (size_t)n * w->N, ident = 0, first = m, worst = 0;
     double maxd = 0, maxr = 0, rel;
     int ok;
 
@@ -213,7 +214,10 @@ vs_exact(const char *tag, const struct woa *w, const struct bufs *b, const float
 
         if (isnan(d))
             d = INFINITY;   /* a NaN is the largest difference */
-        maxd = fmax(maxd, d);
+        if (d > maxd) {
+            maxd = d;
+            worst = i;
+        }
         maxr = fmax(maxr, fabs((double)b->ref[i]));
         ident += memcmp(&v[i], &b->ref[i], sizeof(float)) == 0;
     }
@@ -226,7 +230,9 @@ vs_exact(const char *tag, const struct woa *w, const struct bufs *b, const float
         if (!(fabs((double)v[i] - b->ref[i]) <= BOUND * maxr))
             first = i;
     printf("     %s %s: maxrel %.3e (bound %.1e), %zu of %zu identical (min %.0f%%), max "
-           "|exact| %.6g\n", w->name, tag, rel, BOUND, ident, m, 100 * IDENT, maxr);
+           "|exact| %.6g; largest difference at token %d column %d: %.8g exact %.8g\n",
+           w->name, tag, rel, BOUND, ident, m, 100 * IDENT, maxr, rows[worst / w->N],
+           (int)(worst % w->N), v[worst], b->ref[worst]);
     if (first < m) {
         int t = rows[first / w->N], o = (int)(first % w->N);
 
