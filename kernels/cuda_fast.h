@@ -11,10 +11,10 @@
  * for the linears, a tree for the reductions of rms_norm and hc), so they
  * differ from the exact path by rounding only (and the router's picks at
  * near ties); they are deterministic (same inputs, same bits, whatever T
- * and the other rows), except that the linear and the moe switch to the
- * prefill GEMMs (kernels/cuda/fast_gemm.cu) at larger T, which sum in
- * another order: a row may differ in the last bit on the two sides of that
- * switch (never within one side).  DSV4_CUDA_GEMM=off keeps the decode
+ * and the other rows), except that the linear, linear_grouped and the moe
+ * switch to the prefill GEMMs (kernels/cuda/fast_gemm.cu) at larger T,
+ * which sum in another order: a row may differ in the last bit on the two
+ * sides of that switch (never within one side).  DSV4_CUDA_GEMM=off keeps the decode
  * kernels at every T.
  *
  * C-callable; only in builds with CUDA (DSV4_HAVE_CUDA).
@@ -38,7 +38,9 @@ extern "C" {
  *           (FP8 with n_out % 128 == 0 at T > 64: the prefill GEMM where a
  *           cost model of T, N, K prefers it);
  *   linear_grouped  FP8 weights, n_in % 128 == 0, rows per group % 32 == 0,
- *           weights 16-byte aligned;
+ *           weights 16-byte aligned (rows per group % 128 == 0 at T > 64:
+ *           the prefill GEMM where the cost model prefers it,
+ *           kernels/cuda_gemm_grouped.h);
  *   moe     REF numerics, 1 <= k <= 64, FP4 routed experts and an
  *           FP8 shared expert, D and I multiples of 128, and an
  *           expert array registered with the backend (as
