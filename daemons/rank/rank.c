@@ -175,6 +175,7 @@ link_lost(struct rank *k, const char *why)
 
     log_warnx("link_lost: %s; dropping %u requests, registering again", why, (unsigned)n);
     sdnotify_status("scheduler lost (%s); registering again", why);
+    group_join_abandon(k);  /* a join in flight: wait for it, drop what it made */
     group_close(k, true);   /* the group re-forms when we are back */
     if (k->o.role == DSV4_ROLE_PREFILL)
         prefill_reset(k);
@@ -211,14 +212,37 @@ link_welcome(struct rank *k, const struct dsv4_rank_welcome *w)
         sdnotify_ready();
         k->notified_ready = true;
     }
+    if (k->o.group_size > 1)
+        rank_heartbeat(k);   /* says it has no communicator yet: shown joining */
+}
+
+void
+rank_heartbeat(struct rank *k)
+{
+    struct dsv4_msg m;
+
+    if (k->link != RANK_LINK_UP)
+        return;
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    m.u.heartbeat.active = rank_active(k);
+    if (k->mtp) {
+        /* cumulative MTP counters for dsv4ctl (docs/protocol.md §6.1) */
+        m.u.heartbeat.mtp_drafts = k->spec_drafts;
+        m.u.heartbeat.mtp_accepted = k->spec_accepted;
+        m.u.heartbeat.has_mtp = true;
+    }
+    if (k->o.group_size > 1) {
+        /* the epoch joined, 0 while joining or broken (dsv4ctl: joining) */
+        m.u.heartbeat.comm_epoch = k->comm != NULL ? k->comm_epoch : 0;
+        m.u.heartbeat.has_comm_epoch = true;
+    }
+    rank_send(k, &m);
 }
 
 /* Heartbeats, liveness, READY retries; returns ms until the next event. */
 static int64_t
 link_timers(struct rank *k, int64_t now)
 {
-    struct dsv4_msg m;
-
     if (k->link != RANK_LINK_UP) {
         if (now - k->ready_ms >= RANK_READY_RETRY_MS)
             link_join(k);
@@ -228,17 +252,8 @@ link_timers(struct rank *k, int64_t now)
         link_lost(k, "no message within liveness");
         return RANK_READY_RETRY_MS;
     }
-    if (dsv4_liveness_due(&k->live, now)) {
-        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
-        m.u.heartbeat.active = rank_active(k);
-        if (k->mtp) {
-            /* cumulative MTP counters for dsv4ctl (docs/protocol.md §6.1) */
-            m.u.heartbeat.mtp_drafts = k->spec_drafts;
-            m.u.heartbeat.mtp_accepted = k->spec_accepted;
-            m.u.heartbeat.has_mtp = true;
-        }
-        rank_send(k, &m);
-    }
+    if (dsv4_liveness_due(&k->live, now))
+        rank_heartbeat(k);
     return dsv4_liveness_next_ms(&k->live, now);
 }
 
@@ -339,6 +354,13 @@ rank_dispatch_sched(struct rank *k)
                 log_warnx("rank_dispatch: receive: %s", dsv4_errmsg());
             break;
         }
+        if (group_joining(k)) {
+            /* handled once the join ended; the link stays alive meanwhile */
+            if (k->link == RANK_LINK_UP)
+                dsv4_liveness_rx(&k->live, dsv4_now_ms());
+            group_hold(k, &m);
+            continue;
+        }
         rank_dispatch_msg(k, &m);
         dsv4_msg_clear(&m);
     }
@@ -363,9 +385,11 @@ rank_signal(struct rank *k)
  *    watchdog, DRAIN_DONE once idle;
  *  - decode: finish the decode-state imports that completed, fail those past
  *    their bound (the nearest bound is a timer);
+ *  - a communicator join running in its thread: finish it when done (then
+ *    the scheduler messages held meanwhile are dispatched);
  *  - zmq_poll on the scheduler socket, the signalfd and the transports'
  *    event fds, for 0 ms when model work is pending, else until the nearest
- *    timer;
+ *    timer (at most RANK_JOIN_POLL_MS while a join runs);
  *  - signals, then every waiting scheduler message;
  *  - at most one forward call: a prefill chunk or one decode step.
  */
@@ -379,11 +403,14 @@ rank_loop(struct rank *k)
         bool work;
         int n = RANK_POLL_KVX;
 
+        group_join_poll(k, rank_dispatch_msg);
         timeout = link_timers(k, now);
-        t = kv_timers(k, now);
+        /* neither while a join uses the backend (nothing is exported then;
+         * imports wait) */
+        t = group_joining(k) ? -1 : kv_timers(k, now);
         if (t >= 0 && t < timeout)
             timeout = t;
-        if (k->o.role == DSV4_ROLE_DECODE && k->link == RANK_LINK_UP) {
+        if (k->o.role == DSV4_ROLE_DECODE && k->link == RANK_LINK_UP && !group_joining(k)) {
             t = decode_imports(k, now);
             if (t >= 0 && t < timeout)
                 timeout = t;
@@ -410,6 +437,8 @@ rank_loop(struct rank *k)
         /* a group ticks every iteration: the peers' ticks wait for ours */
         if (k->comm != NULL && timeout > RANK_GROUP_IDLE_MS)
             timeout = RANK_GROUP_IDLE_MS;
+        if (group_joining(k) && timeout > RANK_JOIN_POLL_MS)
+            timeout = RANK_JOIN_POLL_MS;
 
         memset(items, 0, sizeof(items));
         items[RANK_POLL_SOCK].socket = k->sock;
@@ -866,6 +895,7 @@ rank_init_model(struct rank *k)
 static void
 rank_free(struct rank *k)
 {
+    group_join_abandon(k);   /* its thread uses the backend and the model */
     if (k->jobs != NULL)
         prefill_reset(k);
     if (k->streams != NULL)

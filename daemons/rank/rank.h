@@ -51,6 +51,18 @@
 #define RANK_MAX_SLOTS DSV4_PROTO_MAX_BATCH /* upper bound of --slots (one TOKENS) */
 #define RANK_STOP_REASON "rank stopping"
 #define RANK_GROUP_IDLE_MS 10        /* longest poll of a group member (it ticks) */
+#define RANK_JOIN_POLL_MS 5          /* longest poll while a communicator join runs */
+
+/* Test-only fault injection (read once at start; docs/operations.md "Test-only
+ * environment"), each a list "ROLE@INDEX:N[,ROLE@INDEX:N]..." naming the ranks
+ * it applies to; never set in a deployment:
+ *   DSV4_TEST_GROUP_BREAK    the rank's N-th forward call in a group (N >= 1)
+ *                            reports a collective failure, once: the group
+ *                            breaks with every member alive;
+ *   DSV4_TEST_JOIN_DELAY_MS  the rank's first communicator join waits N ms
+ *                            before it starts (a peer slow to join). */
+#define RANK_TEST_GROUP_BREAK "DSV4_TEST_GROUP_BREAK"
+#define RANK_TEST_JOIN_DELAY "DSV4_TEST_JOIN_DELAY_MS"
 
 /* --- Options (rank.c) ----------------------------------------------------- */
 
@@ -98,6 +110,7 @@ struct rank_job {
     struct dsv4_sampling s;
     uint32_t step;              /* RNG step of the token it samples */
     enum dsv4_transport transport; /* how to export its state (PREFILL) */
+    uint32_t gen;               /* k->comm_gen when it arrived (its epoch) */
 };
 
 /* An exported decode state waiting for KV_RELEASE. */
@@ -126,6 +139,7 @@ struct rank_stream {
     int32_t stop_ids[DSV4_PROTO_MAX_STOP_IDS];
     uint32_t n_stop_ids;
     /* speculative decoding (conf mtp; rank_decode.c decode_work_spec) */
+    uint32_t gen;               /* k->comm_gen when it arrived (its epoch) */
     bool has_draft;             /* `draft` follows `next` (from the MTP layer) */
     int32_t draft;
     uint32_t n_drafts, n_accepted; /* this stream's drafts, accepted ones */
@@ -191,10 +205,16 @@ struct rank {
     struct dsv4_comm *comm;     /* communicator of comm_epoch, or NULL */
     uint32_t comm_epoch;
     uint32_t pend_epoch;        /* COMM received, not yet switched to; 0 = none */
+    uint32_t comm_gen;          /* COMMs with an id received: work that arrives
+                                   after the last one belongs to its epoch and
+                                   survives the switch (rank_group.c) */
     uint8_t *pend_id;           /* its id (DSV4_COMM_ID_BYTES) */
     uint64_t *tick_h;           /* (2 * slots) host: the tick's descriptor */
     uint64_t *tick_d;           /* the same in backend memory */
     struct rank_watch *watch;   /* peer watchdog thread */
+    struct rank_join *join;     /* communicator join running in its thread, or NULL */
+    long test_break;            /* DSV4_TEST_GROUP_BREAK: forward calls left; 0 = off */
+    long test_join_delay_ms;    /* DSV4_TEST_JOIN_DELAY_MS, first join only; 0 = off */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;
 };
@@ -217,6 +237,9 @@ void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling
 /* Leave the scheduler link (DISCONNECT `why`), drop everything and register
  * again; used when the model group broke (a member died). */
 void rank_relink(struct rank *k, const char *why);
+/* Send a HEARTBEAT now (active, MTP counters, and in a group the epoch of
+ * the communicator the rank works on, 0 = none); no-op unless the link is up. */
+void rank_heartbeat(struct rank *k);
 
 /* --- rank_share.c: one copy of the weights per GPU (CUDA builds) ----------------- */
 
@@ -258,11 +281,32 @@ void rank_share_free(struct rank *k);
  * re-forms with a new communicator (COMM, docs/protocol.md §6.4).
  */
 
-/* Set up the group state (descriptor buffers, watchdog); no-op alone. */
+/* Set up the group state (descriptor buffers, watchdog, the test-only
+ * environment above); no-op alone. */
 void group_init(struct rank *k, const struct dsv4_config *cfg);
+/* Free it (waits for a join in flight first). */
 void group_free(struct rank *k);
 /* COMM: make the id (rank 0, asked) or join the epoch's communicator. */
 void group_comm(struct rank *k, const struct dsv4_rank_comm *c);
+/*
+ * Joining a communicator waits for the peers (up to a minute when one is
+ * slow or stuck in a collective of the old one), so it runs in a thread of
+ * its own: making the communicator, binding the model to it and the first
+ * exchange (process ids, hosts).  Meanwhile the main loop keeps the link
+ * (heartbeats, the scheduler's liveness, signals) and touches neither the
+ * backend nor the model: scheduler messages are held (group_hold) and
+ * handled in order once the join ended (group_join_poll).  True while a join
+ * runs.
+ */
+bool group_joining(const struct rank *k);
+/* Finish the join when its thread is done (then the held messages are
+ * dispatched through `dispatch`); no-op otherwise. */
+void group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv4_msg *));
+/* Keep a scheduler message (moved: `m` is left empty) until the join ends. */
+void group_hold(struct rank *k, struct dsv4_msg *m);
+/* Wait for a join in flight to end and drop its result and the held
+ * messages (link lost, shutdown). */
+void group_join_abandon(struct rank *k);
 /* The tick: fills k->agreed / n_agreed from the local runnable requests
  * (`mine`, n, any order; sorted in place); true when done, false when there is no work this iteration
  * (the communicator broke, or the group switched to a new one). */
@@ -305,6 +349,9 @@ int prefill_runnable(const struct rank *k, uint64_t *reqs);
 bool prefill_abort(struct rank *k, uint64_t req);
 /* Drop every job and export (link lost, shutdown). */
 void prefill_reset(struct rank *k);
+/* Drop the jobs that arrived before COMM number `gen` (gen < gen) and every
+ * export (a group switching epochs, rank_group.c). */
+void prefill_reset_before(struct rank *k, uint32_t gen);
 
 /* --- rank_decode.c ---------------------------------------------------------------- */
 
@@ -328,6 +375,8 @@ bool decode_abort(struct rank *k, uint64_t req);
 int64_t decode_imports(struct rank *k, int64_t now);
 /* Drop every stream. */
 void decode_reset(struct rank *k);
+/* Drop the streams that arrived before COMM number `gen` (rank_group.c). */
+void decode_reset_before(struct rank *k, uint32_t gen);
 
 /* --- rank_kv.c: transfer regions ---------------------------------------------------- */
 

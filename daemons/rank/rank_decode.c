@@ -81,6 +81,7 @@ decode_start(struct rank *k, const struct dsv4_rank_decode *d)
     }
     st->active = true;
     st->req = d->req;
+    st->gen = k->comm_gen;
     st->next = d->token;
     st->max_tokens = d->max_tokens;
     st->step = d->has_step ? d->step : 1;
@@ -419,7 +420,13 @@ decode_abort(struct rank *k, uint64_t req)
 void
 decode_reset(struct rank *k)
 {
+    decode_reset_before(k, UINT32_MAX);
+}
+
+void
+decode_reset_before(struct rank *k, uint32_t gen)
+{
     for (int i = 0; i < k->o.slots; i++)
-        if (k->streams[i].active)
+        if (k->streams[i].active && k->streams[i].gen < gen)
             decode_end(k, i, DSV4_FINISH_CANCELLED, false);
 }

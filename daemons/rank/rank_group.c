@@ -14,12 +14,20 @@
  * pending, and the ranks switch together after
  * the tick that shows every rank has the same pending epoch (so no rank is
  * left waiting in a collective of the old one).  On a switch each rank
- * drops what it held (the scheduler re-ran it when the group changed).
+ * drops what it held for the old epoch (the scheduler re-ran it when the
+ * group changed) and keeps what arrived after the new epoch's COMM (work
+ * the scheduler placed on the new epoch, which a rank still ticking on the
+ * old communicator can receive before it switches).
  * Right after joining, the ranks exchange their process ids and host
  * hashes (a minimum all-reduce), so the watchdog can tell when a peer on
- * this host has died.  A broken communicator (a peer died or left: a
- * collective failed or the watchdog aborted it) is dropped together with
- * the work; the rank stays registered and waits for the next COMM.  Only
+ * this host has died.  The join (making the communicator, binding the model
+ * to it, that exchange) runs in a thread of its own, because it waits for
+ * the peers: the main loop keeps heartbeating meanwhile and holds the
+ * scheduler's messages until it ends.  A broken communicator (a peer died
+ * or left: a collective failed or the watchdog aborted it) is dropped
+ * together with the work; the rank says so (GROUP_BROKEN with the epoch,
+ * docs/protocol.md §6.5), stays registered and waits for the next COMM,
+ * which the scheduler sends for a new epoch.  Only
  * NCCL's abort has been seen to hang (a peer killed inside a graphed
  * collective): for it alone the rank exits when the abort does not return
  * within GROUP_ABORT_S, and leaves the aborted communicator and its graphs
@@ -80,6 +88,31 @@ struct rank_watch {
     atomic_int stop;
     atomic_int fired;           /* the communicator was aborted */
     enum dsv4_comm_kind kind;   /* of comm (guarded by mu) */
+};
+
+/* A scheduler message held while a join runs. */
+struct rank_held {
+    struct rank_held *next;
+    struct dsv4_msg m;
+};
+
+/* A communicator join in its thread (group_join).  The thread reads k's
+ * options, backend, model and watchdog and writes only the fields below
+ * `done` marks as final; the main thread reads them once done is set. */
+struct rank_join {
+    pthread_t th;
+    bool threaded;              /* th runs (else the join ran inline) */
+    struct rank *k;
+    uint32_t epoch;
+    uint8_t id[DSV4_COMM_ID_BYTES];
+    enum dsv4_comm_kind kind;
+    long delay_ms;              /* test only (DSV4_TEST_JOIN_DELAY_MS) */
+    atomic_int done;
+    struct dsv4_comm *nc;       /* the communicator, when made (even if a later
+                                   step failed) */
+    enum dsv4_err e;
+    char why[256];              /* dsv4_errmsg() of the thread on failure */
+    struct rank_held *held, **held_tail; /* main thread only */
 };
 
 static uint64_t
@@ -177,6 +210,29 @@ watch_main(void *arg)
     return NULL;
 }
 
+/* The N of this rank in test-only variable `var` ("ROLE@INDEX:N,..."); 0
+ * when unset or not naming this rank. */
+static long
+group_test_env(const struct rank *k, const char *var)
+{
+    const char *v = getenv(var), *p;
+    char me[48];
+    int n;
+
+    if (v == NULL)
+        return 0;
+    n = snprintf(me, sizeof(me), "%s:", k->name);
+    for (p = v; p != NULL; p = strchr(p, ',') != NULL ? strchr(p, ',') + 1 : NULL) {
+        if (strncmp(p, me, (size_t)n) == 0) {
+            long x = strtol(p + n, NULL, 10);
+
+            log_warnx("group_init: test-only %s=%s applies to %s: %ld", var, v, k->name, x);
+            return x > 0 ? x : 0;
+        }
+    }
+    return 0;
+}
+
 void
 group_init(struct rank *k, const struct dsv4_config *cfg)
 {
@@ -185,6 +241,8 @@ group_init(struct rank *k, const struct dsv4_config *cfg)
     (void)cfg;
     if (k->o.group_size <= 1)
         return;
+    k->test_break = group_test_env(k, RANK_TEST_GROUP_BREAK);
+    k->test_join_delay_ms = group_test_env(k, RANK_TEST_JOIN_DELAY);
     if (dsv4_comm_pick(k->o.conf.comm, k->be->name, 1, (int)k->o.group_size) ==
         DSV4_COMM_NONE)
         fatalx("group_init: %s", dsv4_errmsg());
@@ -273,6 +331,7 @@ group_close(struct rank *k, bool abort_peers)
 void
 group_free(struct rank *k)
 {
+    group_join_abandon(k);
     if (k->comm != NULL && k->watch != NULL && k->watch->kind == DSV4_COMM_NCCL) {
         /* at exit an NCCL communicator is left to the process's end:
          * destroying it (or the graphs holding its operations) waits for
@@ -352,10 +411,10 @@ group_make_id(struct rank *k, uint8_t *id, bool one_host)
     }
 }
 
-/* Exchange process ids and host hashes; arm the watchdog for the
- * communicator k->comm of `kind`. */
+/* Exchange process ids and host hashes over the new communicator nc of
+ * `kind`; arm the watchdog for it.  Runs in the join's thread. */
 static enum dsv4_err
-group_peers(struct rank *k, enum dsv4_comm_kind kind)
+group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind)
 {
     uint32_t n = k->o.group_size;
     uint64_t *v = calloc(2 * (size_t)n, sizeof(uint64_t));
@@ -374,7 +433,7 @@ group_peers(struct rank *k, enum dsv4_comm_kind kind)
     group_enter(k);
     e = k->be->ops->upload(k->be, d, v, 2 * (size_t)n * sizeof(uint64_t));
     if (e == DSV4_OK)
-        e = k->comm->ops->allreduce_min_u64(k->comm, k->be, d, 2 * (int64_t)n);
+        e = nc->ops->allreduce_min_u64(nc, k->be, d, 2 * (int64_t)n);
     if (e == DSV4_OK)
         e = k->be->ops->download(k->be, v, d, 2 * (size_t)n * sizeof(uint64_t));
     if (e == DSV4_OK)
@@ -383,7 +442,7 @@ group_peers(struct rank *k, enum dsv4_comm_kind kind)
     if (e != DSV4_OK)
         goto out;
     pthread_mutex_lock(&k->watch->mu);
-    k->watch->comm = k->comm;
+    k->watch->comm = nc;
     k->watch->kind = kind;
     k->watch->n = (int)n;
     for (uint32_t i = 0; i < n && i < 64; i++) {
@@ -440,61 +499,193 @@ group_comm(struct rank *k, const struct dsv4_rank_comm *c)
         fatalx("group_comm: no memory");
     memcpy(k->pend_id, c->comm_id, DSV4_COMM_ID_BYTES);
     k->pend_epoch = c->comm_epoch;
+    k->comm_gen++;   /* what arrives from now on is the new epoch's work */
     if (k->comm == NULL)
         group_join(k);   /* else at the tick where every rank has it */
 }
 
-/* Switch to the pending epoch's communicator. */
+/*
+ * Drop the work that arrived before COMM number `gen` (every export too):
+ * the scheduler re-runs what the group held when its epoch changed, and
+ * work that arrived after the COMM of the next epoch was sent for that
+ * epoch (the scheduler places work only once an epoch's COMM is out, and
+ * the link keeps the order), so it stays.
+ */
 static void
-group_join(struct rank *k)
+group_drop_work(struct rank *k, uint32_t gen)
 {
+    if (k->o.role == DSV4_ROLE_PREFILL)
+        prefill_reset_before(k, gen);
+    else
+        decode_reset_before(k, gen);
+}
+
+/* The join's thread: wait (test only), make the communicator of the
+ * epoch, bind the model to it, exchange pids and hosts. */
+static void *
+join_main(void *arg)
+{
+    struct rank_join *j = arg;
+    struct rank *k = j->k;
     struct dsv4_comm *nc = NULL;
-    uint32_t epoch = k->pend_epoch;
-    enum dsv4_comm_kind kind;
     enum dsv4_err e;
 
-    k->pend_epoch = 0;
-    /* a new epoch: what the old one held is being re-run by the scheduler */
-    if (k->o.role == DSV4_ROLE_PREFILL)
-        prefill_reset(k);
-    else
-        decode_reset(k);
-    group_close(k, false);
-    sdnotify_status("joining the communicator of group %u, epoch %u", (unsigned)k->o.group,
-                    (unsigned)epoch);
-    /* the id says which kind rank 0 picked */
-    if (dsv4_comm_id_is_cudaipc(k->pend_id)) {
+    if (j->delay_ms > 0) {
+        struct timespec nap = { j->delay_ms / 1000, (j->delay_ms % 1000) * 1000000L };
+
+        nanosleep(&nap, NULL);
+    }
+    switch (j->kind) {
+    case DSV4_COMM_CUDAIPC: {
         size_t mb = group_max_bytes(k);
 
-        kind = DSV4_COMM_CUDAIPC;
         e = dsv4_comm_cudaipc_create(&nc, k->be, (int)k->o.group_rank, (int)k->o.group_size,
-                                     k->pend_id, mb < GROUP_IPC_MAX_BYTES ? mb :
+                                     j->id, mb < GROUP_IPC_MAX_BYTES ? mb :
                                      GROUP_IPC_MAX_BYTES, GROUP_COLL_MS);
-    } else if (strcmp(k->be->name, "cpu") == 0) {
-        kind = DSV4_COMM_SHM;
-        e = dsv4_comm_shm_create(&nc, (int)k->o.group_rank, (int)k->o.group_size, k->pend_id,
+        break;
+    }
+    case DSV4_COMM_SHM:
+        e = dsv4_comm_shm_create(&nc, (int)k->o.group_rank, (int)k->o.group_size, j->id,
                                  group_max_bytes(k), GROUP_JOIN_MS);
-    } else {
-        kind = DSV4_COMM_NCCL;
+        break;
+    default:
 #ifdef DSV4_HAVE_CUDA
         e = dsv4_comm_nccl_create(&nc, k->be, (int)k->o.group_rank, (int)k->o.group_size,
-                                  k->pend_id, GROUP_JOIN_MS);
+                                  j->id, GROUP_JOIN_MS);
 #else
         e = dsv4_err_set(DSV4_ERR_NOTSUP, "no communicator for backend %s", k->be->name);
 #endif
+        break;
     }
     if (e == DSV4_OK) {
-        k->comm = nc;
-        k->comm_epoch = epoch;
+        j->nc = nc;
         pthread_mutex_lock(&k->watch->mu);
-        k->watch->kind = kind;
+        k->watch->kind = j->kind;
         pthread_mutex_unlock(&k->watch->mu);
         e = dsv4_model_set_comm(k->m, nc);
     }
     if (e == DSV4_OK)
-        e = group_peers(k, kind);
-    if (e != DSV4_OK) {
-        log_warnx("group_join: epoch %u: %s", (unsigned)epoch, dsv4_errmsg());
+        e = group_peers(k, nc, j->kind);
+    j->e = e;
+    if (e != DSV4_OK)
+        snprintf(j->why, sizeof(j->why), "%s", dsv4_errmsg());
+    atomic_store(&j->done, 1);
+    return NULL;
+}
+
+/* Start joining the pending epoch's communicator (group_join_poll ends it). */
+static void
+group_join(struct rank *k)
+{
+    struct rank_join *j = calloc(1, sizeof(*j));
+
+    if (j == NULL)
+        fatalx("group_join: no memory");
+    j->k = k;
+    j->epoch = k->pend_epoch;
+    memcpy(j->id, k->pend_id, DSV4_COMM_ID_BYTES);
+    j->delay_ms = k->test_join_delay_ms;
+    k->test_join_delay_ms = 0;
+    j->held_tail = &j->held;
+    k->pend_epoch = 0;
+    group_drop_work(k, k->comm_gen);
+    group_close(k, false);
+    sdnotify_status("joining the communicator of group %u, epoch %u", (unsigned)k->o.group,
+                    (unsigned)j->epoch);
+    /* the id says which kind rank 0 picked */
+    if (dsv4_comm_id_is_cudaipc(j->id))
+        j->kind = DSV4_COMM_CUDAIPC;
+    else if (strcmp(k->be->name, "cpu") == 0)
+        j->kind = DSV4_COMM_SHM;
+    else
+        j->kind = DSV4_COMM_NCCL;
+    if (j->delay_ms > 0)
+        log_warnx("group_join: test-only delay of %ld ms before joining epoch %u",
+                  j->delay_ms, (unsigned)j->epoch);
+    k->join = j;
+    j->threaded = pthread_create(&j->th, NULL, join_main, j) == 0;
+    if (!j->threaded) {
+        log_warnx("group_join: no thread for the join; joining in the main loop");
+        join_main(j);
+    }
+}
+
+bool
+group_joining(const struct rank *k)
+{
+    return k->join != NULL;
+}
+
+void
+group_hold(struct rank *k, struct dsv4_msg *m)
+{
+    struct rank_held *h = malloc(sizeof(*h));
+
+    if (h == NULL)
+        fatalx("group_hold: no memory");
+    h->next = NULL;
+    h->m = *m;   /* the decoded copies move with it */
+    dsv4_msg_init(m, DSV4_SUB_NONE, 0);
+    *k->join->held_tail = h;
+    k->join->held_tail = &h->next;
+}
+
+/* Wait for the join's thread; k->join is NULL afterwards.  On failure the
+ * communicator made (if any) becomes k->comm so that group_close drops it. */
+static struct rank_join *
+join_end(struct rank *k)
+{
+    struct rank_join *j = k->join;
+
+    if (j->threaded)
+        pthread_join(j->th, NULL);
+    k->join = NULL;
+    if (j->nc != NULL) {
+        k->comm = j->nc;
+        k->comm_epoch = j->epoch;
+    }
+    return j;
+}
+
+/* Free held messages from `h` on. */
+static void
+held_free(struct rank_held *h)
+{
+    while (h != NULL) {
+        struct rank_held *next = h->next;
+
+        dsv4_msg_clear(&h->m);
+        free(h);
+        h = next;
+    }
+}
+
+void
+group_join_abandon(struct rank *k)
+{
+    struct rank_join *j;
+
+    if (k->join == NULL)
+        return;
+    j = join_end(k);
+    held_free(j->held);
+    free(j);
+    group_close(k, true);
+}
+
+void
+group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv4_msg *))
+{
+    struct rank_join *j = k->join;
+    struct rank_held *h;
+
+    if (j == NULL || !atomic_load(&j->done))
+        return;
+    j = join_end(k);
+    if (j->e != DSV4_OK) {
+        log_warnx("group_join: epoch %u: %s", (unsigned)j->epoch, j->why);
+        held_free(j->held);   /* of this link, which is being left */
+        free(j);
         group_close(k, true);
         rank_relink(k, "joining the group's communicator failed");
         return;
@@ -503,8 +694,25 @@ group_join(struct rank *k)
                     (unsigned)k->o.group_rank, (unsigned)k->o.group, (unsigned)k->comm_epoch);
     log_notice("group_comm: joined group %u as rank %u of %u, epoch %u (%s)",
                (unsigned)k->o.group, (unsigned)k->o.group_rank, (unsigned)k->o.group_size,
-               (unsigned)k->comm_epoch, kind == DSV4_COMM_CUDAIPC ? "cudaipc" :
-               kind == DSV4_COMM_SHM ? "shm" : "nccl");
+               (unsigned)k->comm_epoch, j->kind == DSV4_COMM_CUDAIPC ? "cudaipc" :
+               j->kind == DSV4_COMM_SHM ? "shm" : "nccl");
+    rank_heartbeat(k);   /* the scheduler shows the rank joined */
+    /* the held messages, in order; one may start another join, which holds
+     * the rest */
+    h = j->held;
+    free(j);
+    while (h != NULL) {
+        struct rank_held *next = h->next;
+
+        if (group_joining(k)) {
+            group_hold(k, &h->m);
+        } else {
+            dispatch(k, &h->m);
+            dsv4_msg_clear(&h->m);
+        }
+        free(h);
+        h = next;
+    }
 }
 
 enum dsv4_err
@@ -514,8 +722,12 @@ group_check(struct rank *k)
 }
 
 void
-group_broken(struct rank *k, const char *why)
+group_broken(struct rank *k, const char *what)
 {
+    char why[256];
+
+    /* `what` is often dsv4_errmsg(), which the calls below may overwrite */
+    snprintf(why, sizeof(why), "%s", what);
 #ifdef DSV4_HAVE_CUDA
     /* a sticky CUDA error (e.g. under MPS, a killed client of this GPU can
      * fault the others): nothing on this context works any more, and the
@@ -527,13 +739,23 @@ group_broken(struct rank *k, const char *why)
 #endif
     log_warnx("group: %s; dropping the communicator and the work, waiting for the group to "
               "re-form", why);
+    if (k->link == RANK_LINK_UP) {
+        struct dsv4_msg m;
+
+        /* the scheduler re-forms the group under a new epoch (§6.5) */
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_GROUP_BROKEN);
+        m.u.broken.group = k->o.group;
+        m.u.broken.group_rank = k->o.group_rank;
+        m.u.broken.comm_epoch = k->comm_epoch;
+        m.u.broken.reason = why;
+        rank_send(k, &m);
+    }
     sdnotify_status("group %u broke (%s); waiting for it to re-form", (unsigned)k->o.group,
                     why);
     group_close(k, true);
-    if (k->o.role == DSV4_ROLE_PREFILL)
-        prefill_reset(k);
-    else
-        decode_reset(k);
+    /* the epoch's work goes (the scheduler re-runs it); the work that came
+     * after the COMM of a pending epoch is that epoch's and stays */
+    group_drop_work(k, k->pend_epoch != 0 ? k->comm_gen : UINT32_MAX);
     if (k->pend_epoch != 0)
         group_join(k);
 }
@@ -546,6 +768,9 @@ group_forward_end(struct rank *k, enum dsv4_err e, const char *fmt, ...)
 
     if (e == DSV4_OK && k->comm != NULL)
         e = group_check(k);   /* a cudaipc all-reduce that gave up */
+    if (e == DSV4_OK && k->comm != NULL && k->test_break > 0 && --k->test_break == 0)
+        e = dsv4_err_set(DSV4_ERR_TIMEOUT, "collective failure injected for a test (%s)",
+                         RANK_TEST_GROUP_BREAK);
     group_leave(k);
     if (e == DSV4_OK)
         return true;

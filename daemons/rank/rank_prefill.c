@@ -66,6 +66,7 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
         fatalx("prefill_start: seq_reset slot=%d: %s", slot, dsv4_errmsg());
     j->active = true;
     j->req = p->req;
+    j->gen = k->comm_gen;
     j->n_tokens = p->n_tokens;
     j->done = 0;
     j->chunk = (uint32_t)k->o.rows;
@@ -223,8 +224,14 @@ prefill_abort(struct rank *k, uint64_t req)
 void
 prefill_reset(struct rank *k)
 {
+    prefill_reset_before(k, UINT32_MAX);
+}
+
+void
+prefill_reset_before(struct rank *k, uint32_t gen)
+{
     for (int i = 0; i < k->o.slots; i++)
-        if (k->jobs[i].active)
+        if (k->jobs[i].active && k->jobs[i].gen < gen)
             prefill_job_clear(k, i);
     kv_release_all(k);
 }

@@ -33,6 +33,15 @@ Scenarios:
                   decode@1 mid-stream: dsv4-launch restarts it, the group
                   re-forms with a new communicator while decode@0 keeps
                   running (same pid), every stream == the undisturbed output.
+  group_break     groups of two on the CPU backend with test-only fault
+                  injection (daemons/rank/rank.h): decode@1 starts its first
+                  communicator join later than the liveness window: both
+                  decode ranks are shown joining and none is taken for dead;
+                  then one forward call of decode@1 and one of prefill@0
+                  report a collective failure: each group breaks with every
+                  rank alive (GROUP_BROKEN), the scheduler re-forms it and
+                  re-runs what it held there, every stream == the
+                  single-process forward, no process restarts, no rank death.
   mtp             mtp = yes (speculative decoding with the MTP layer, one draft
                   per stream and step): 16 greedy streams through 2 prefill +
                   2 decode ranks == the single-process forward, and the decode
@@ -265,7 +274,8 @@ class Service:
     """A tmp dir with a tiny checkpoint, a config, and dsv4-launch running the
     set with a NOTIFY_SOCKET of the test's own."""
 
-    def __init__(self, n_prefill=1, n_decode=1, extra_conf=""):
+    def __init__(self, n_prefill=1, n_decode=1, extra_conf="", env=None, wait=True,
+                 heartbeat=(500, 10)):
         self.dir = scratch_dir("dsv4-it-")
         self.model = os.path.join(self.dir, "model")
         subprocess.run([exe("tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
@@ -278,8 +288,8 @@ class Service:
 client_endpoint = {self.client_ep}
 rank_endpoint = ipc://{self.dir}/rank.sock
 admin_endpoint = {self.admin_ep}
-heartbeat_ms = 500
-liveness = 10
+heartbeat_ms = {heartbeat[0]}
+liveness = {heartbeat[1]}
 checkpoint = {self.model}
 threads = 1
 slots = 16
@@ -292,7 +302,7 @@ prefill_chunk = 16
         self.nsock_path = os.path.join(self.dir, "launch.notify")
         self.nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.nsock.bind(self.nsock_path)
-        env = dict(os.environ, NOTIFY_SOCKET=self.nsock_path)
+        env = dict(os.environ, NOTIFY_SOCKET=self.nsock_path, **(env or {}))
         self.stderr = open(os.path.join(self.dir, "launch.err"), "w")
         self.proc = subprocess.Popen(
             [exe("tools/launch/dsv4-launch"), "-v", "-f", self.conf,
@@ -306,7 +316,8 @@ prefill_chunk = 16
         self.admin = Admin(self.admin_ep)
         self.killed = set()
         self.wait_notify("READY=1")
-        self.wait_ranks(n_prefill + n_decode)
+        if wait:
+            self.wait_ranks(n_prefill + n_decode)
 
     def wait_notify(self, what):
         self.nsock.settimeout(WAIT_S * 2)
@@ -729,6 +740,59 @@ def sc_group2():
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 
 
+def sc_group_break():
+    """Groups of two whose communicator breaks with every rank alive, and a
+    slow join (test-only fault injection, daemons/rank/rank.h)."""
+    hb_ms, liveness = 500, 10               # Service's default: a forward call of a
+                                            # sanitizer build may take seconds
+    delay_ms = hb_ms * liveness + 1000      # longer than the liveness window
+    env = {"DSV4_TEST_JOIN_DELAY_MS": "decode@1:%d" % delay_ms,
+           "DSV4_TEST_GROUP_BREAK": "decode@1:10,prefill@0:2"}
+    svc = Service(n_prefill=2, n_decode=2, extra_conf="group_size = 2", env=env, wait=False,
+                  heartbeat=(hb_ms, liveness))
+    try:
+        # 1. decode@1 starts its first join late; decode@0 waits for it in
+        # its own join.  Both keep heartbeating: shown joining, never dead.
+        def joining():
+            st = {(r["role"], r["index"]): r["state"] for r in svc.admin.ranks()}
+            return st.get(("decode", 0)) == "joining" and st.get(("decode", 1)) == "joining"
+        wait_for(joining, "decode@0 and decode@1 shown joining", step=0.02)
+        svc.wait_ranks(4)
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        check("test-only delay of %d ms" % delay_ms in text, "the join was not delayed")
+        st = svc.admin.status()
+        check(st["rank_deaths"] == 0, "a rank was taken for dead during the slow join: %s" %
+              st)
+        log("slow join (%d ms > liveness %d ms): ranks shown joining, none dead" %
+            (delay_ms, hb_ms * liveness))
+        # 2. decode@1's 10th and prefill@0's 2nd forward call fail: each
+        # group breaks mid-work with every rank alive and re-forms.
+        # The requests re-run after a break run on the re-formed group, so
+        # their output shows that it serves again.
+        prompts = os.path.join(svc.dir, "pb.txt")
+        make_prompts(prompts, 8, seed=33)
+        ref = reference(svc, prompts, 24)
+        pids = {n: svc.pid(n) for n in ("prefill@0", "prefill@1", "decode@0", "decode@1")}
+        got, rc, err = finish(svc.client(prompts, 24), svc)
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        compare(got, ref, "8 streams across a break of each group", err)
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        for g in ("prefill/0", "decode/0"):
+            check(re.search(r"group %s: communicator of epoch \d+ broke" % g, text),
+                  "group %s did not break and re-form" % g)
+        st = svc.admin.status()
+        check(st["rank_deaths"] == 0 and st["reruns"] >= 1 and st["n_failed"] == 0,
+              "after the breaks: %s" % st)
+        for n, pid in pids.items():
+            check(svc.pid(n) == pid and svc.count(n, "READY=1") == 1,
+                  "%s was restarted" % n)
+        svc.check_exits()
+        log("both groups broke and re-formed without a restart or a rank death")
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
 def sc_kill_decode():
     kill_during_streams("decode@0")
 
@@ -1083,6 +1147,7 @@ SCENARIOS = {
     "pyclient": sc_pyclient,
     "group2": sc_group2,
     "mtp": sc_mtp,
+    "group_break": sc_group_break,
 }
 
 
