@@ -351,21 +351,36 @@ flf_quant2(float v0, float v1, float inv)
 
 #define FLF_U 4   /* staging tasks per warp in flight */
 
+/* i / d for 0 <= i < 2^22 and d >= 1, rd = 1.0f / d: the float quotient is
+ * within one of the true one (i exact, rd within 2^-24), then corrected
+ * (an integer division would cost ~20 instructions per task). */
+static __device__ __forceinline__ int
+flf_div(int i, int d, float rd)
+{
+    int q = (int)((float)i * rd);
+
+    q -= q * d > i;
+    q += (q + 1) * d <= i;
+    return q;
+}
+
 /*
  * Task i of staging round j0 (flf_stage): token tok < nt, block jj < rn of
- * the round, slice sl of the block; the 128-block of x it reads (kb), or -1
- * past the end (i >= tasks, or kb >= nb).
+ * the round, slice sl of the block (rnt = rn * nt; r1, r2: 1.0f / nt,
+ * 1.0f / rnt); the 128-block of x it reads (kb), or -1 past the end
+ * (i >= bk * rnt, or kb >= nb).
  */
 static __device__ __forceinline__ int
-flf_task(const struct fl_args &a, int i, int rn, int j0, int *tok, int *jj, int *sl)
+flf_task(const struct fl_args &a, int i, int rnt, int j0, float r1, float r2, int *tok,
+         int *jj, int *sl)
 {
-    int kb;
+    int kb, u = flf_div(i, a.nt, r1);
 
-    *tok = i % a.nt;
-    *jj = i / a.nt % rn;
-    *sl = i / (a.nt * rn);
+    *tok = i - u * a.nt;
+    *sl = flf_div(i, rnt, r2);
+    *jj = u - *sl * (rnt / a.nt);
     kb = (blockIdx.y * a.bk + *sl) * a.bps + j0 + *jj;
-    return i < a.bk * rn * a.nt && kb < a.nb ? kb : -1;
+    return i < a.bk * rnt && kb < a.nb ? kb : -1;
 }
 
 /*
@@ -384,28 +399,29 @@ static __device__ __forceinline__ void
 flf_stage(const struct fl_args &a, uint16_t *xv, uint16_t *xl, float *sxs, int j0,
           int64_t xcol, int warp, int lane)
 {
-    int rn = min(a.rs, a.bps - j0), tasks = a.bk * rn * a.nt;
+    int rn = min(a.rs, a.bps - j0), rnt = rn * a.nt, tasks = a.bk * rnt;
+    float r1 = 1.0f / (float)a.nt, r2 = 1.0f / (float)rnt;
 
     for (int i0 = warp; i0 < tasks; i0 += FL_NWARP * FLF_U) {
         float4 v[FLF_U];
-        int tok, jj, sl, kb;
+        int tok[FLF_U], jj[FLF_U], sl[FLF_U], kb[FLF_U];
 
 #pragma unroll
         for (int u = 0; u < FLF_U; u++) {
-            kb = flf_task(a, i0 + u * FL_NWARP, rn, j0, &tok, &jj, &sl);
-            v[u] = kb < 0 ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
-                          : __ldg((const float4 *)(a.x + (int64_t)(a.t0 + tok) * a.xstride +
-                                                   xcol + (int64_t)kb * 128) + lane);
+            kb[u] = flf_task(a, i0 + u * FL_NWARP, rnt, j0, r1, r2, &tok[u], &jj[u], &sl[u]);
+            v[u] = kb[u] < 0 ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                             : __ldg((const float4 *)(a.x + (int64_t)(a.t0 + tok[u]) *
+                                                                a.xstride +
+                                                      xcol + (int64_t)kb[u] * 128) + lane);
         }
 #pragma unroll
         for (int u = 0; u < FLF_U; u++) {
             int64_t d;
             uint2 h;
 
-            kb = flf_task(a, i0 + u * FL_NWARP, rn, j0, &tok, &jj, &sl);
-            if (kb < 0)
+            if (kb[u] < 0)
                 continue;   /* whole warps */
-            d = (int64_t)(sl * a.nt + tok) * a.ld + jj * 128 + lane * 4;
+            d = (int64_t)(sl[u] * a.nt + tok[u]) * a.ld + jj[u] * 128 + lane * 4;
             if (MODE == FL_FP8) {
                 float vv[4] = { v[u].x, v[u].y, v[u].z, v[u].w };
                 float sc = fk_quant_scale_warp(vv), inv = 1.0f / sc;
@@ -413,7 +429,7 @@ flf_stage(const struct fl_args &a, uint16_t *xv, uint16_t *xl, float *sxs, int j
                 h.x = flf_quant2(v[u].x, v[u].y, inv);
                 h.y = flf_quant2(v[u].z, v[u].w, inv);
                 if (lane == 0)
-                    sxs[(sl * a.nt + tok) * a.rs + jj] = sc;
+                    sxs[(sl[u] * a.nt + tok[u]) * a.rs + jj[u]] = sc;
             } else {
                 uint16_t hi[4], lo[4];
 
