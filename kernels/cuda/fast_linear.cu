@@ -349,7 +349,8 @@ flf_quant2(float v0, float v1, float inv)
     return h;
 }
 
-#define FLF_U 4   /* staging tasks per warp in flight */
+#define FLF_U 4    /* staging tasks per warp in flight */
+#define FLF_PF 4   /* weight blocks per warp asked of L2 before staging */
 
 /* i / d for 0 <= i < 2^22 and d >= 1, rd = 1.0f / d: the float quotient is
  * within one of the true one (i exact, rd within 2^-24), then corrected
@@ -452,9 +453,11 @@ flf_stage(const struct fl_args &a, uint16_t *xv, uint16_t *xl, float *sxs, int j
     }
 }
 
-/* Ask L2 for the first two 128-column blocks kb0.. of the warp's weight rows
- * (one 128-byte line per lane and block: 32 FP8 rows, or 16 BF16 rows of
- * two lines), so they stream in while the block stages x. */
+/* Ask L2 for the first FLF_PF 128-column blocks kb0.. (below kb1) of the
+ * warp's weight rows (one 128-byte line per lane and block: 32 FP8 rows, or
+ * 16 BF16 rows of two lines), so they stream in while the block stages x
+ * (wo_b: the warp's whole slice).  At most FLF_PF * 4 KB per resident warp
+ * in flight: 34 MB for 16 warps on each of 132 SMs, inside the 50 MB L2. */
 template <int MODE, int MT>
 static __device__ __forceinline__ void
 flf_prefetch(const struct fl_args &a, int row0, int kb0, int kb1, int lane)
@@ -463,7 +466,7 @@ flf_prefetch(const struct fl_args &a, int row0, int kb0, int kb1, int lane)
     int row = row0 + (MODE == FL_BF16 ? lane / 2 : lane % (16 * MT));
     int64_t col = MODE == FL_BF16 ? (lane % 2) * 128 : 0;
 
-    for (int kb = kb0; kb < min(kb1, kb0 + 2); kb++) {
+    for (int kb = kb0; kb < min(kb1, kb0 + FLF_PF); kb++) {
         const uint8_t *p = (const uint8_t *)a.W.w + ((int64_t)row * a.K + (int64_t)kb * 128) * esz +
                            col;
 
