@@ -393,7 +393,7 @@ if [ "$ar_rc" != skipped ]; then
 fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
-    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear cfg|linear v2|ok   mma|ok   quant|info random)|^ok +pf_|^ok .* gemm8 T=|^gemm8|^gemm4|^ok .* graph replay|^ +pf_(moe|parts) .* vs |first value out|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
+    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear |ok   linear quant|ok   mma|ok   quant|info random)|^ok +pf_|^ok .* gemm8 T=|^gemm8|^gemm4|^ok .* graph replay|^ +pf_(moe|parts) .* vs |first value out|differs first at|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
 fi
 if [ "$fuse_rc" != skipped ]; then
     echo "bench_fuse (fused small ops): exit $fuse_rc"
