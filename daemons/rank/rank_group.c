@@ -96,9 +96,10 @@ struct rank_held {
     struct dsv4_msg m;
 };
 
-/* A communicator join in its thread (group_join).  The thread reads k's
- * options, backend, model and watchdog and writes only the fields below
- * `done` marks as final; the main thread reads them once done is set. */
+/* A communicator join in its thread (group_join).  The thread uses k's
+ * options, backend and model (the main thread leaves them alone meanwhile)
+ * and the watchdog (under its lock), writes nc, e and why, then sets done;
+ * the main thread reads them once done is set. */
 struct rank_join {
     pthread_t th;
     bool threaded;              /* th runs (else the join ran inline) */
