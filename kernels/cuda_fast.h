@@ -171,6 +171,16 @@ void dsv4_cuda_timer_destroy(struct dsv4_cuda_timer *t);
 int dsv4_cuda_set_linear(struct dsv4_backend *be, int tmax);
 
 /*
+ * Whether the three-launch decode linear adds its split-K partials in the
+ * tile kernel (in_kernel != 0: the row group's last block, in the order of
+ * the reduction kernel, so the same bits; two launches per call instead of
+ * three; DSV4_CUDA_LINEAR=v1r at backend creation) or in a third kernel (0,
+ * the default).  The one-launch form always adds them in its kernel.
+ * Returns the previous setting, or -1 when be is not a CUDA backend.
+ */
+int dsv4_cuda_set_linear_reduce(struct dsv4_backend *be, int in_kernel);
+
+/*
  * Check the one-launch linear's FP8 activation code (hardware E4M3
  * conversion) against the exact path's expression on all 2^32 float bit
  * patterns (scale 1; f16 bits compared).  *n_bad: the number that differ,

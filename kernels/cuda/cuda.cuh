@@ -83,6 +83,10 @@ struct cuda_state {
                                            (0: three launches always; from
                                            DSV4_CUDA_LINEAR at create, or
                                            dsv4_cuda_set_linear) */
+    int lin_red;                        /* the three-launch form adds split-K
+                                           in the tile kernel (two launches;
+                                           DSV4_CUDA_LINEAR=v1r at create, or
+                                           dsv4_cuda_set_linear_reduce) */
 };
 
 static inline struct cuda_state *
@@ -576,11 +580,12 @@ enum dsv4_err cuda_moe_combine(struct dsv4_backend *be, float *out, const float 
  * _ok predicate holds (host-side checks only, no synchronisation). */
 int cuda_fast_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear *W);
 /* At backend creation: the decode linear's counters (st->lin_ctr, zeroed on
- * the stream) and its form from DSV4_CUDA_LINEAR ("v1": three launches;
- * "fused:N": one launch for passes of at most N tokens (1..16), three
- * above; unset or anything else: one launch).  Never fails: without
- * counters the split-K shapes take the three-launch form.  fini frees the
- * counters (stream synchronised by the caller). */
+ * the stream) and its form from DSV4_CUDA_LINEAR (unset, "v1" or anything
+ * else: three launches; "v1r": two, the split-K reduction in the tile
+ * kernel; "fused": one launch; "fused:N": one launch for passes of at most
+ * N tokens (1..16), three above).  Never fails: without counters the
+ * split-K shapes take the three-launch form.  fini frees the counters
+ * (stream synchronised by the caller). */
 void cuda_fast_linear_init(struct dsv4_backend *be);
 void cuda_fast_linear_fini(struct dsv4_backend *be);
 enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,

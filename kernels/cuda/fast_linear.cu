@@ -38,7 +38,10 @@
  *   them at the same time; calls on other backends have their own.
  *   Three launches (fk_quant_kernel / fk_split_kernel, fl_kernel,
  *   fl_reduce_kernel; "v1", the default): step 1 into scratch, then the
- *   tiles, then the reduction.  The one-launch form falls back to this one where it does
+ *   tiles, then the reduction.  Two launches ("v1r",
+ *   dsv4_cuda_set_linear_reduce): the same, but fl_kernel's row groups add
+ *   their split-K partials as flf_kernel's do (fl_last_reduce, the same
+ *   counters), so no fl_reduce_kernel; no staging cost.  The one-launch form falls back to this one where it does
  *   not apply (x not 16-byte aligned, more row groups than counters, a
  *   grouped block spanning two groups, no counters).
  */
@@ -246,6 +249,48 @@ fl_finish(float (&acc)[MT][NT][4], float (&red)[FL_NWARP][MT][NT][4][32],
             }
 }
 
+/*
+ * Split-K in the tile kernel (a.ctr != NULL, G = gridDim.y > 1; after the
+ * block wrote its partials, fl_finish): every thread fences its partials,
+ * thread 0 counts the block in at its row group's counter, and the block
+ * that arrives last (old count G - 1) sets the counter back to zero (for the
+ * next launch or graph replay: the next kernel on the stream waits for this
+ * grid to complete) and adds, for its rows and the pass's a.nt tokens, the
+ * G partials read at L2 in the order y = 0..G-1 (fl_reduce_kernel's order and
+ * expression, whatever order the blocks arrived in).  Every thread of the
+ * block calls it.
+ */
+template <int MT>
+static __device__ __forceinline__ void
+fl_last_reduce(const struct fl_args &a)
+{
+    __shared__ int last;
+    int tpb = FL_NWARP / a.bk, rowA = blockIdx.x * tpb * 16 * MT;
+
+    __threadfence();   /* this thread's partials, before the count */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(a.ctr + blockIdx.x, 1u) == gridDim.y - 1;
+        if (last)
+            atomicExch(a.ctr + blockIdx.x, 0u);   /* all G arrived: ready for the next launch */
+        __threadfence();   /* the count, before the partials are read */
+    }
+    __syncthreads();
+    if (last) {
+        int rows = min(tpb * 16 * MT, a.N - rowA), n = rows * a.nt;
+        int64_t tn = (int64_t)a.T * a.N;
+
+        for (int e = threadIdx.x; e < n; e += FL_THREADS) {
+            int64_t i = (int64_t)(a.t0 + e / rows) * a.N + rowA + e % rows;
+            float v = __ldcg(a.part + i);   /* L2: other blocks wrote them */
+
+            for (int y = 1; y < (int)gridDim.y; y++)
+                v += __ldcg(a.part + (int64_t)y * tn + i);
+            a.out[i] = a.round_out ? cu_bf16_round(v) : v;
+        }
+    }
+}
+
 template <int MODE, int MT, int NT>
 static __global__ void __launch_bounds__(FL_THREADS, 2)
 fl_kernel(struct fl_args a)
@@ -294,6 +339,8 @@ fl_kernel(struct fl_args a)
         }
     }
     fl_finish<MT, NT>(acc, red, a, tile, row0);
+    if (gridDim.y > 1 && a.ctr != NULL)
+        fl_last_reduce<MT>(a);   /* the two-launch form */
 }
 
 /* out[i] = Σ_y part[y, i] in order, then rounded. */
@@ -489,7 +536,6 @@ flf_kernel(struct fl_args a)
     cu_pdl_trigger();
     extern __shared__ uint4 flf_smem[];
     __shared__ float red[FL_NWARP][MT][NT][4][32];
-    __shared__ int last;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     int tpb = FL_NWARP / a.bk, rowA = blockIdx.x * tpb * 16 * MT;
     int tile = blockIdx.x * tpb + warp / a.bk, sl = warp % a.bk;
@@ -545,31 +591,8 @@ flf_kernel(struct fl_args a)
         }
     }
     fl_finish<MT, NT>(acc, red, a, tile, row0);
-    if (gridDim.y == 1)
-        return;
-    /* split-K: the last block of the row group adds the G partials */
-    __threadfence();   /* this thread's partials, before the count */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(a.ctr + blockIdx.x, 1u) == gridDim.y - 1;
-        if (last)
-            atomicExch(a.ctr + blockIdx.x, 0u);   /* all G arrived: ready for the next launch */
-        __threadfence();   /* the count, before the partials are read */
-    }
-    __syncthreads();
-    if (last) {
-        int rows = min(tpb * 16 * MT, a.N - rowA), n = rows * a.nt;
-        int64_t tn = (int64_t)a.T * a.N;
-
-        for (int e = threadIdx.x; e < n; e += FL_THREADS) {
-            int64_t i = (int64_t)(a.t0 + e / rows) * a.N + rowA + e % rows;
-            float v = __ldcg(a.part + i);   /* L2: other blocks wrote them */
-
-            for (int y = 1; y < (int)gridDim.y; y++)
-                v += __ldcg(a.part + (int64_t)y * tn + i);
-            a.out[i] = a.round_out ? cu_bf16_round(v) : v;
-        }
-    }
+    if (gridDim.y > 1)
+        fl_last_reduce<MT>(a);
 }
 
 /* --- host side ------------------------------------------------------------------------ */
@@ -620,17 +643,22 @@ template <int MODE, int MT>
 static enum dsv4_err
 fl_run(struct dsv4_backend *be, struct fl_args *a, const struct fl_split *sp)
 {
+    const struct cuda_state *cs = cuda_st(be);
     cudaStream_t st = cuda_stream(be);
     dim3 grid(cuda_blocks(sp->tiles, FL_NWARP / sp->bk), (unsigned)sp->G);
 
+    /* the two-launch form: split-K added by each row group's last block */
+    a->ctr = sp->G > 1 && cs->lin_red && cs->lin_ctr != NULL && grid.x <= FL_CTRS ? cs->lin_ctr
+                                                                                  : NULL;
     for (a->t0 = 0; a->t0 < a->T; a->t0 += FL_TOKENS) {
-        if (a->T - a->t0 <= 8)
+        a->nt = a->T - a->t0 < FL_TOKENS ? a->T - a->t0 : FL_TOKENS;
+        if (a->nt <= 8)
             cu_launch(fl_kernel<MODE, MT, 1>, grid, FL_THREADS, 0, st, *a);
         else
             cu_launch(fl_kernel<MODE, MT, 2>, grid, FL_THREADS, 0, st, *a);
         CUDA_LAUNCHED("fast linear");
     }
-    if (sp->G > 1) {
+    if (sp->G > 1 && a->ctr == NULL) {
         int64_t n = (int64_t)a->T * a->N;
 
         cu_launch(fl_reduce_kernel, cuda_blocks(n, 256), 256, 0, st, a->out, a->part, n, sp->G,
@@ -724,7 +752,10 @@ cuda_fast_linear_init(struct dsv4_backend *be)
     /* three launches by default: the one-launch form stages x per block
      * and was slower at every T >= 4 and overall at T = 1 (perf.md run 20) */
     st->lin_tmax = 0;
-    if (v != NULL && strcmp(v, "fused") == 0)
+    st->lin_red = 0;
+    if (v != NULL && strcmp(v, "v1r") == 0)
+        st->lin_red = 1;
+    else if (v != NULL && strcmp(v, "fused") == 0)
         st->lin_tmax = FL_TOKENS;
     else if (v != NULL && strncmp(v, "fused:", 6) == 0)
         st->lin_tmax = atoi(v + 6) < 0 ? 0 : atoi(v + 6);
@@ -760,6 +791,18 @@ dsv4_cuda_set_linear(struct dsv4_backend *be, int tmax)
         return -1;
     was = cuda_st(be)->lin_tmax;
     cuda_st(be)->lin_tmax = tmax < 0 ? 0 : tmax;
+    return was;
+}
+
+extern "C" int
+dsv4_cuda_set_linear_reduce(struct dsv4_backend *be, int in_kernel)
+{
+    int was;
+
+    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+        return -1;
+    was = cuda_st(be)->lin_red;
+    cuda_st(be)->lin_red = in_kernel != 0;
     return was;
 }
 

@@ -11,15 +11,16 @@
  *            at TP = 2 (FP8, 128x128 E8M0 scales), head 4096->129280, gate
  *            4096->256, cwkv 4096->1024 (BF16, fp32 out as the forward runs
  *            them); wo_a: linear_grouped, 8 (and 4) groups of 1024 x 4096 FP8
- *            run as bf16.  Each on the one-launch form (the default) with
- *            the checks below, then against the three-launch form
- *            (DSV4_CUDA_LINEAR=v1's): bit for bit equal (else the first
+ *            run as bf16.  Each on the one-launch form (DSV4_CUDA_LINEAR=
+ *            fused) with the checks below, then the three-launch form (the
+ *            default) and the two-launch form (v1r: split-K added in the
+ *            tile kernel) against it: bit for bit equal (else the first
  *            differing value: index, token, column, both values), graph
- *            replay == plain call for both, kernels per call in the graph
- *            (one launch: one per pass of 16 tokens), us per call of both
- *            ("lin" lines, a table at the end); first the one-launch FP8
- *            activation code against the exact expression on all 2^32
- *            floats ("linear quant check");
+ *            replay == plain call for each, kernels per call in the graph
+ *            (one launch: one per pass of 16 tokens; two: at most three's),
+ *            us per call of each ("lin" lines, a table at the end); first
+ *            the one-launch FP8 activation code against the exact
+ *            expression on all 2^32 floats ("linear quant check");
  *   moe      256 FP4 experts D=4096 I=2048, k=6, FP8 shared expert, and
  *            moe_parts with the odd experts held elsewhere, at T = 1, 2, 4,
  *            8, 16, 32, 64, for every setting of DSV4_CUDA_FAST_MOE in a
@@ -1281,63 +1282,98 @@ lin_print_diff(const char *what, const float *a, const float *fused, size_t i, s
            "launch %.9g (%08x)\n", what, i, i / N, i % N, a[i], ab, fused[i], fb);
 }
 
+/* A form of the decode linear against the one-launch output `fused` at T:
+ * the plain call, then timed graphs; sets its ms per call, kernels per call
+ * in the graph, the first index whose bits differ from fused (plain call)
+ * and from the plain call (the graph's last replay), n if none; returns the
+ * plain output (malloc'd). */
+struct lin_form {
+    float ms, kern;
+    size_t diff, rep;
+};
+
+static float *
+lin_form_run(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o, int T,
+             const float *fused, struct lin_form *f)
+{
+    size_t n = (size_t)T * o->outs[0].w;
+    float *plain, *rep;
+
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    TRY("op", op_run(be, o, T));
+    plain = lin_get(be, o, T);
+    f->diff = lin_first_diff(plain, fused, n);
+    f->ms = time_fast(be, tm, o, T);
+    f->kern = (float)dsv4_cuda_graph_kernels(be, NULL) / GRAPH_REPS;
+    rep = lin_get(be, o, T);
+    f->rep = lin_first_diff(rep, plain, n);
+    if (f->rep < n)
+        lin_print_diff("graph replay vs its plain call", rep, plain, f->rep, n,
+                       o->outs[0].w);
+    free(rep);
+    return plain;
+}
+
 /*
  * One linear case at T: run_case with the one-launch form (bounds against
  * the exact op, same bits twice, rows independent of T, us per call from
- * graphs), then: the timed graph's last replay == the plain call, the
- * graph's kernels per call == the passes of 16 tokens; the three-launch
- * form (dsv4_cuda_set_linear(be, 0)) bit for bit equal to the one-launch
- * output, its graph replay equal too, and its us per call.  Appends
- * " T:v1/one us" to row.
+ * graphs), its timed graph's last replay == the plain call and kernels per
+ * call == the passes of 16 tokens; then the three-launch form
+ * (dsv4_cuda_set_linear(be, 0)) and the two-launch form (and
+ * dsv4_cuda_set_linear_reduce(be, 1)), each bit for bit equal to the
+ * one-launch output, its graph replay equal to its plain call, at most as
+ * many kernels as the three-launch form (two launches: as many, less one
+ * per call for split-K shapes), and its us per call.  The backend's
+ * settings are restored.  Appends " T:three/two/one us" to row.
  */
 static void
 lin_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o, int T,
          size_t bytes, struct hist *h, struct tally *ty, char *row, size_t rowlen)
 {
-    int N = o->outs[0].w, passes = (T + 15) / 16, kf, kv, ok;
-    size_t n = (size_t)T * N, dr, d1, dv, len = strlen(row);
-    double share;
-    float ms_v, *fused, *rep, *v1, *v1rep;
+    int N = o->outs[0].w, passes = (T + 15) / 16, ok;
+    int was_t = dsv4_cuda_set_linear(be, 16), was_r = dsv4_cuda_set_linear_reduce(be, 0);
+    size_t n = (size_t)T * N, dr, len = strlen(row);
+    struct lin_form f3, f2;
+    double share, us1;
+    float kf, *fused, *rep, *v3, *v2;
 
-    dsv4_cuda_set_linear(be, 16);
     share = run_case(be, tm, o, T, bytes, h, ty);
-    kf = dsv4_cuda_graph_kernels(be, NULL);   /* the graph run_case timed */
-    rep = lin_get(be, o, T);                   /* its last replay */
+    us1 = share > 0 ? bytes / (share * PEAK_GBS * 1e6) * 1e3 : 0.0;
+    kf = (float)dsv4_cuda_graph_kernels(be, NULL) / GRAPH_REPS;   /* run_case's graph */
+    rep = lin_get(be, o, T);                                       /* its last replay */
     fused = h->prev[0];                        /* run_case's plain call at this T */
     dr = lin_first_diff(rep, fused, n);
+    lin_print_diff("one-launch graph replay", rep, fused, dr, n, N);
 
     dsv4_cuda_set_linear(be, 0);
-    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
-    TRY("op (three launches)", op_run(be, o, T));
-    v1 = lin_get(be, o, T);
-    d1 = lin_first_diff(v1, fused, n);
-    ms_v = time_fast(be, tm, o, T);
-    kv = dsv4_cuda_graph_kernels(be, NULL);
-    v1rep = lin_get(be, o, T);
-    dv = lin_first_diff(v1rep, v1, n);
-    dsv4_cuda_set_linear(be, 16);
+    v3 = lin_form_run(be, tm, o, T, fused, &f3);
+    dsv4_cuda_set_linear_reduce(be, 1);
+    v2 = lin_form_run(be, tm, o, T, fused, &f2);
+    dsv4_cuda_set_linear(be, was_t);
+    dsv4_cuda_set_linear_reduce(be, was_r);
 
-    ok = dr == n && d1 == n && dv == n && kf == GRAPH_REPS * passes && kv > kf;
-    printf("%-4s lin %-8s T=%-3d v1==one %s  replay one %s v1 %s  launches/call v1 %.1f one "
-           "%.1f (%d passes)  v1 %8.1f us  one %8.1f us  v1/one %.2f\n",
-           ok ? "ok" : "FAIL", o->name, T, d1 == n ? "yes" : "NO", dr == n ? "yes" : "NO",
-           dv == n ? "yes" : "NO", (double)kv / GRAPH_REPS, (double)kf / GRAPH_REPS, passes,
-           ms_v * 1e3, share > 0 ? bytes / (share * PEAK_GBS * 1e6) * 1e3 : 0.0,
-           share > 0 ? ms_v * 1e3 / (bytes / (share * PEAK_GBS * 1e6) * 1e3) : 0.0);
-    lin_print_diff("three-launch output", v1, fused, d1, n, N);
-    lin_print_diff("one-launch graph replay", rep, fused, dr, n, N);
-    lin_print_diff("three-launch graph replay", v1rep, v1, dv, n, N);
+    ok = dr == n && f3.diff == n && f3.rep == n && f2.diff == n && f2.rep == n &&
+         kf == passes && f3.kern > kf && f2.kern <= f3.kern;
+    printf("%-4s lin %-8s T=%-3d ==one: three %s two %s  replay: one %s three %s two %s  "
+           "launches/call three %.1f two %.1f one %.1f (%d passes)  us three %8.1f two "
+           "%8.1f one %8.1f\n",
+           ok ? "ok" : "FAIL", o->name, T, f3.diff == n ? "yes" : "NO",
+           f2.diff == n ? "yes" : "NO", dr == n ? "yes" : "NO", f3.rep == n ? "yes" : "NO",
+           f2.rep == n ? "yes" : "NO", f3.kern, f2.kern, kf, passes, f3.ms * 1e3, f2.ms * 1e3,
+           us1);
+    lin_print_diff("three-launch output", v3, fused, f3.diff, n, N);
+    lin_print_diff("two-launch output", v2, fused, f2.diff, n, N);
     fflush(stdout);
     if (ok)
         ty->ok++;
     else
         ty->fail++;
     if (len < rowlen)
-        snprintf(row + len, rowlen - len, "  %d:%.1f/%.1f", T, ms_v * 1e3,
-                 share > 0 ? bytes / (share * PEAK_GBS * 1e6) * 1e3 : 0.0);
+        snprintf(row + len, rowlen - len, "  %d:%.1f/%.1f/%.1f", T, f3.ms * 1e3, f2.ms * 1e3,
+                 us1);
     free(rep);
-    free(v1);
-    free(v1rep);
+    free(v3);
+    free(v2);
 }
 
 /*
@@ -1381,7 +1417,7 @@ linear_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const 
         for (int t = 0; t < T_MAX && G == 0; t++)
             TRY("upload", be->ops->upload(be, x + (size_t)t * K, xh + (size_t)t * 8192,
                                           (size_t)K * sizeof(float)));
-        snprintf(table[l], sizeof(table[l]), "linear %-8s %6d x %-5d%s us v1/one:",
+        snprintf(table[l], sizeof(table[l]), "linear %-8s %6d x %-5d%s us three/two/one:",
                  o.name, N, K, G > 0 ? " grouped" : "");
         memset(&h, 0, sizeof(h));
         for (int i = 0; i < N_T; i++) {
@@ -1396,7 +1432,7 @@ linear_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const 
         be->ops->free(be, (void *)(uintptr_t)o.W.w);   /* ours: allocated above */
         be->ops->free(be, (void *)(uintptr_t)o.W.scale);
     }
-    printf("decode linears, us per call at T (three launches / one launch):\n");
+    printf("decode linears, us per call at T (three launches / two / one):\n");
     for (int l = 0; l < N_LIN; l++)
         printf("%s\n", table[l]);
 }
