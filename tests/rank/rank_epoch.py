@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""rank_epoch.py — two real dsv4-prefill ranks of one group (CPU backend, shm
+communicator) driven by this script playing the scheduler (docs/protocol.md
+§6.4, §6.5) over a ROUTER socket, message by message:
+
+  1. READY -> WELCOME; COMM ask -> rank 0's id -> COMM to both: each reports
+     HEARTBEAT comm_epoch 1 once it joined (and 0 before).
+  2. A switch of epoch with work placed on the new epoch before a rank has
+     switched: rank 0 gets COMM of epoch 2 and PREFILL A while its epoch-1
+     communicator still works (it reports A in HEARTBEAT active), then rank 1
+     gets them.  The ranks switch together and both must run A (PREFILL_DONE
+     from both): work that arrives after the new epoch's COMM belongs to it.
+  3. A break with every rank alive (test-only DSV4_TEST_GROUP_BREAK makes
+     rank 1's 2nd forward call fail): PREFILL B -> GROUP_BROKEN {group 0,
+     group_rank, comm_epoch 2} from both ranks, HEARTBEAT comm_epoch 0 after;
+     then epoch 3: both join again (same processes) and run PREFILL C.
+
+usage: rank_epoch.py BUILD_DIR.  Exit 0 pass, 1 fail, 77 without pyzmq/msgpack.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+try:
+    import msgpack
+    import zmq
+except ImportError:
+    print("pyzmq/msgpack not installed: skipped")
+    sys.exit(77)
+
+RANK = b"DSV4R1"
+READY, WELCOME, HEARTBEAT, DISCONNECT, PREFILL, PREFILL_DONE = 1, 2, 3, 4, 5, 6
+KV_RELEASE, ERROR, COMM, GROUP_BROKEN = 8, 15, 16, 17
+BOUND_S = 120        # a step that does not happen within this fails the test
+
+
+class Fail(Exception):
+    pass
+
+
+class Sched:
+    """The scheduler side: a ROUTER; ranks by group_rank."""
+
+    def __init__(self, ctx, ep):
+        self.s = ctx.socket(zmq.ROUTER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.bind(ep)
+        self.route = {}              # group_rank -> identity
+
+    def send(self, gr, cmd, body):
+        self.s.send_multipart([self.route[gr], b"", RANK, bytes([cmd]),
+                               msgpack.packb(body)])
+
+    def recv(self):
+        fr = self.s.recv_multipart()
+        if fr[2] != RANK:
+            raise Fail("not a rank message: %r" % fr[:3])
+        b = msgpack.unpackb(fr[4], raw=False)
+        gr = next((g for g, r in self.route.items() if r == fr[0]), None)
+        if fr[3][0] == READY:
+            gr = b["group_rank"]
+            self.route[gr] = fr[0]
+        return gr, fr[3][0], b
+
+    def wait(self, pred, what):
+        """Receive until pred(group_rank, cmd, body) holds; returns that body."""
+        end = time.monotonic() + BOUND_S
+        while time.monotonic() < end:
+            if self.s.poll(100):
+                gr, cmd, b = self.recv()
+                if cmd == HEARTBEAT:
+                    self.send(gr, HEARTBEAT, {})   # the rank's view of our liveness
+                if cmd == ERROR:
+                    raise Fail("rank %s: ERROR %s" % (gr, b))
+                if pred(gr, cmd, b):
+                    return b
+        raise Fail("never got " + what)
+
+
+def hb(epoch, gr=None, active=None):
+    """Predicate: a HEARTBEAT carrying comm_epoch `epoch` (and `active`)."""
+    return lambda g, c, b: (c == HEARTBEAT and b.get("comm_epoch") == epoch and
+                            (gr is None or g == gr) and
+                            (active is None or b.get("active") == active))
+
+
+def form(sc, epoch):
+    """Ask rank 0 for epoch's id, send it to both, wait until both joined."""
+    sc.send(0, COMM, {"comm_epoch": epoch, "one_host": True})
+    cid = sc.wait(lambda g, c, b: g == 0 and c == COMM and b["comm_epoch"] == epoch,
+                  "rank 0's id of epoch %d" % epoch)["comm_id"]
+    for gr in (0, 1):
+        sc.send(gr, COMM, {"comm_epoch": epoch, "comm_id": cid})
+    for gr in (0, 1):
+        sc.wait(hb(epoch, gr), "rank %d joined epoch %d" % (gr, epoch))
+    return cid
+
+
+def prefill(req):
+    return {"req": req, "tokens": [5, 9, 17, 33, 2 + req], "temperature": 0.0,
+            "dst_group": 0, "transport": "shm"}
+
+
+def done_by_both(sc, req):
+    got = set()
+    sc.wait(lambda g, c, b: c == PREFILL_DONE and b["req"] == req and
+            (got.add(g) or got == {0, 1}), "PREFILL_DONE of req %d from both ranks" % req)
+    for gr in (0, 1):
+        sc.send(gr, KV_RELEASE, {"req": req})
+
+
+def run(build, tmp, ctx):
+    model = os.path.join(tmp, "model")
+    subprocess.run([os.path.join(build, "tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
+                    "--out", model], check=True, stdout=subprocess.DEVNULL)
+    ep = "ipc://%s/rank.sock" % tmp
+    sc = Sched(ctx, ep)
+    env = dict(os.environ, DSV4_TEST_GROUP_BREAK="prefill@1:2")
+    env.pop("NOTIFY_SOCKET", None)
+    procs = []
+    logs = []
+    try:
+        for r in (0, 1):
+            logs.append(open(os.path.join(tmp, "prefill%d.log" % r), "w"))
+            procs.append(subprocess.Popen(
+                [os.path.join(build, "daemons/rank/dsv4-prefill"), "-v",
+                 "-o", "group_size=2",
+                 "--rank", str(r), "--checkpoint", model, "--sched", ep, "--threads", "1",
+                 "--max-seq", "256", "--slots", "4"],
+                env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+        # 1. registration and the first communicator
+        for _ in (0, 1):
+            sc.wait(lambda g, c, b: c == READY, "READY")
+        for gr in (0, 1):
+            sc.send(gr, WELCOME, {"heartbeat_ms": 200, "liveness": 100, "comm_epoch": 1})
+        for gr in (0, 1):
+            sc.wait(hb(0, gr), "rank %d: HEARTBEAT comm_epoch 0 after WELCOME" % gr)
+        form(sc, 1)
+        print("ok epoch 1 formed")
+
+        # 2. epoch 2 with work placed on it before rank 1 has its COMM
+        sc.send(0, COMM, {"comm_epoch": 2, "one_host": True})
+        cid2 = sc.wait(lambda g, c, b: g == 0 and c == COMM and b["comm_epoch"] == 2,
+                       "rank 0's id of epoch 2")["comm_id"]
+        sc.send(0, COMM, {"comm_epoch": 2, "comm_id": cid2})
+        sc.send(0, PREFILL, prefill(7))
+        # rank 0 holds A while still on epoch 1 (a HEARTBEAT says so)
+        sc.wait(hb(1, 0, active=1), "rank 0 holding req 7 on epoch 1")
+        sc.send(1, COMM, {"comm_epoch": 2, "comm_id": cid2})
+        sc.send(1, PREFILL, prefill(7))
+        done_by_both(sc, 7)
+        print("ok work placed on epoch 2 before the switch ran on both ranks")
+
+        # 3. rank 1's 2nd forward call fails: the group breaks, both alive
+        for gr in (0, 1):
+            sc.send(gr, PREFILL, prefill(8))
+        broken = {}
+        sc.wait(lambda g, c, b: c == GROUP_BROKEN and
+                (broken.__setitem__(g, b) or len(broken) == 2),
+                "GROUP_BROKEN from both ranks")
+        for gr, b in broken.items():
+            if (b["group"], b["group_rank"], b["comm_epoch"]) != (0, gr, 2) or not b.get("reason"):
+                raise Fail("rank %d: GROUP_BROKEN %s" % (gr, b))
+        for gr in (0, 1):
+            sc.wait(hb(0, gr), "rank %d: HEARTBEAT comm_epoch 0 after the break" % gr)
+        form(sc, 3)
+        for gr in (0, 1):
+            sc.send(gr, PREFILL, prefill(9))
+        done_by_both(sc, 9)
+        for p in procs:
+            if p.poll() is not None:
+                raise Fail("a rank exited (%d)" % p.returncode)
+        print("ok broken group reported (epoch 2) and re-formed (epoch 3), same processes")
+        for gr in (0, 1):
+            sc.send(gr, DISCONNECT, {"reason": "test over"})
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        rcs = [p.wait(timeout=60) for p in procs]
+        for f in logs:
+            f.close()
+    if rcs != [0, 0]:
+        raise Fail("rank exit status %s" % rcs)
+
+
+def main():
+    build = sys.argv[1]
+    tmp = tempfile.mkdtemp(prefix="rank-epoch-")
+    ctx = zmq.Context()
+    try:
+        run(build, tmp, ctx)
+    except Fail as e:
+        print("FAIL: %s" % e)
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".log"):
+                with open(os.path.join(tmp, name)) as f:
+                    print("----- %s -----\n%s" % (name, f.read()[-4000:]))
+        return 1
+    finally:
+        ctx.destroy(0)
+    shutil.rmtree(tmp, ignore_errors=True)
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
