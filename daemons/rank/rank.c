@@ -354,10 +354,17 @@ rank_dispatch_sched(struct rank *k)
                 log_warnx("rank_dispatch: receive: %s", dsv4_errmsg());
             break;
         }
-        if (group_joining(k)) {
-            /* handled once the join ended; the link stays alive meanwhile */
+        if (group_joining(k) && !(m.sub == DSV4_SUB_RANK && m.cmd == DSV4_RANK_COMM &&
+                                  m.u.comm.comm_id == NULL)) {
+            /* handled once the join ended, in order; the link stays alive
+             * meanwhile.  A request for an id (rank 0) is answered now: the
+             * scheduler re-forming the group must not wait for this join,
+             * and the id of a newer epoch makes it give up */
             if (k->link == RANK_LINK_UP)
                 dsv4_liveness_rx(&k->live, dsv4_now_ms());
+            if (m.sub == DSV4_SUB_RANK && m.cmd == DSV4_RANK_COMM &&
+                m.u.comm.comm_epoch != group_joining_epoch(k))
+                group_join_cancel(k);
             group_hold(k, &m);
             continue;
         }

@@ -304,6 +304,13 @@ bool group_joining(const struct rank *k);
 void group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv4_msg *));
 /* Keep a scheduler message (moved: `m` is left empty) until the join ends. */
 void group_hold(struct rank *k, struct dsv4_msg *m);
+/* The epoch being joined; 0 when no join runs. */
+uint32_t group_joining_epoch(const struct rank *k);
+/* A COMM of a newer epoch arrived during the join (held like the others):
+ * give the join up now instead of waiting for peers that moved on (shm,
+ * cudaipc: its waits end at once; NCCL: at its end).  The join then ends
+ * without a re-registration and the held messages start the newer one. */
+void group_join_cancel(struct rank *k);
 /* Wait for a join in flight to end and drop its result and the held
  * messages (link lost, shutdown). */
 void group_join_abandon(struct rank *k);

@@ -87,6 +87,7 @@ struct rank_watch {
     _Atomic int64_t since_ms;   /* ... since then */
     atomic_int stop;
     atomic_int fired;           /* the communicator was aborted */
+    atomic_int peer_gone;       /* ... because a peer process of this host died */
     enum dsv4_comm_kind kind;   /* of comm (guarded by mu) */
 };
 
@@ -109,6 +110,8 @@ struct rank_join {
     enum dsv4_comm_kind kind;
     long delay_ms;              /* test only (DSV4_TEST_JOIN_DELAY_MS) */
     atomic_int done;
+    pthread_mutex_t mu;         /* guards nc and cancel between the threads */
+    bool cancel;                /* a newer epoch came: give up (group_join_cancel) */
     struct dsv4_comm *nc;       /* the communicator, when made (even if a later
                                    step failed) */
     enum dsv4_err e;
@@ -182,6 +185,7 @@ watch_main(void *arg)
             if (kill(w->pids[i], 0) != 0 && errno == ESRCH) {
                 log_warnx("group: peer rank %d (pid %d) is gone; aborting the communicator",
                           i, (int)w->pids[i]);
+                atomic_store(&w->peer_gone, 1);
                 victim = w->comm;
             }
         }
@@ -451,6 +455,7 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind)
         k->watch->local[i] = v[n + i] == me;
     }
     atomic_store(&k->watch->fired, 0);
+    atomic_store(&k->watch->peer_gone, 0);
     pthread_mutex_unlock(&k->watch->mu);
 out:
     free(v);
@@ -559,7 +564,16 @@ join_main(void *arg)
         break;
     }
     if (e == DSV4_OK) {
+        bool cancel;
+
+        pthread_mutex_lock(&j->mu);
         j->nc = nc;
+        cancel = j->cancel;
+        pthread_mutex_unlock(&j->mu);
+        if (cancel)
+            e = dsv4_err_set(DSV4_ERR_CANCELED, "a newer epoch came");
+    }
+    if (e == DSV4_OK) {
         pthread_mutex_lock(&k->watch->mu);
         k->watch->kind = j->kind;
         pthread_mutex_unlock(&k->watch->mu);
@@ -588,6 +602,7 @@ group_join(struct rank *k)
     j->delay_ms = k->test_join_delay_ms;
     k->test_join_delay_ms = 0;
     j->held_tail = &j->held;
+    pthread_mutex_init(&j->mu, NULL);
     k->pend_epoch = 0;
     group_drop_work(k, k->comm_gen);
     group_close(k, false);
@@ -617,6 +632,33 @@ group_joining(const struct rank *k)
     return k->join != NULL;
 }
 
+uint32_t
+group_joining_epoch(const struct rank *k)
+{
+    return k->join != NULL ? k->join->epoch : 0;
+}
+
+void
+group_join_cancel(struct rank *k)
+{
+    struct rank_join *j = k->join;
+
+    if (j == NULL)
+        return;
+    pthread_mutex_lock(&j->mu);
+    if (!j->cancel) {
+        j->cancel = true;
+        log_notice("group_join: giving up the join of epoch %u for a newer epoch",
+                   (unsigned)j->epoch);
+        /* a wait for a peer of the old epoch ends now (shm, cudaipc: the
+         * abort only sets flags; an NCCL abort may hang, so an NCCL join
+         * runs to its end) */
+        if (j->nc != NULL && j->kind != DSV4_COMM_NCCL)
+            j->nc->ops->abort(j->nc);
+    }
+    pthread_mutex_unlock(&j->mu);
+}
+
 void
 group_hold(struct rank *k, struct dsv4_msg *m)
 {
@@ -640,6 +682,7 @@ join_end(struct rank *k)
 
     if (j->threaded)
         pthread_join(j->th, NULL);
+    pthread_mutex_destroy(&j->mu);
     k->join = NULL;
     if (j->nc != NULL) {
         k->comm = j->nc;
@@ -674,6 +717,8 @@ group_join_abandon(struct rank *k)
     group_close(k, true);
 }
 
+static void group_joined(struct rank *k, enum dsv4_comm_kind kind);
+
 void
 group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv4_msg *))
 {
@@ -683,7 +728,7 @@ group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv
     if (j == NULL || !atomic_load(&j->done))
         return;
     j = join_end(k);
-    if (j->e != DSV4_OK) {
+    if (j->e != DSV4_OK && !j->cancel) {
         log_warnx("group_join: epoch %u: %s", (unsigned)j->epoch, j->why);
         held_free(j->held);   /* of this link, which is being left */
         free(j);
@@ -691,13 +736,13 @@ group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv
         rank_relink(k, "joining the group's communicator failed");
         return;
     }
-    sdnotify_status("serving as %s, rank %u of group %u (epoch %u)", k->name,
-                    (unsigned)k->o.group_rank, (unsigned)k->o.group, (unsigned)k->comm_epoch);
-    log_notice("group_comm: joined group %u as rank %u of %u, epoch %u (%s)",
-               (unsigned)k->o.group, (unsigned)k->o.group_rank, (unsigned)k->o.group_size,
-               (unsigned)k->comm_epoch, j->kind == DSV4_COMM_CUDAIPC ? "cudaipc" :
-               j->kind == DSV4_COMM_SHM ? "shm" : "nccl");
-    rank_heartbeat(k);   /* the scheduler shows the rank joined */
+    if (j->e != DSV4_OK) {
+        /* given up: the held COMM of the newer epoch starts its join */
+        log_info("group_join: epoch %u given up (%s)", (unsigned)j->epoch, j->why);
+        group_close(k, true);
+    } else {
+        group_joined(k, j->kind);
+    }
     /* the held messages, in order; one may start another join, which holds
      * the rest */
     h = j->held;
@@ -714,6 +759,19 @@ group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv
         free(h);
         h = next;
     }
+}
+
+/* A join succeeded: say so (STATUS=, log, HEARTBEAT with the epoch). */
+static void
+group_joined(struct rank *k, enum dsv4_comm_kind kind)
+{
+    sdnotify_status("serving as %s, rank %u of group %u (epoch %u)", k->name,
+                    (unsigned)k->o.group_rank, (unsigned)k->o.group, (unsigned)k->comm_epoch);
+    log_notice("group_comm: joined group %u as rank %u of %u, epoch %u (%s)",
+               (unsigned)k->o.group, (unsigned)k->o.group_rank, (unsigned)k->o.group_size,
+               (unsigned)k->comm_epoch, kind == DSV4_COMM_CUDAIPC ? "cudaipc" :
+               kind == DSV4_COMM_SHM ? "shm" : "nccl");
+    rank_heartbeat(k);   /* the scheduler shows the rank joined */
 }
 
 enum dsv4_err
@@ -740,7 +798,13 @@ group_broken(struct rank *k, const char *what)
 #endif
     log_warnx("group: %s; dropping the communicator and the work, waiting for the group to "
               "re-form", why);
-    if (k->link == RANK_LINK_UP) {
+    if (k->watch != NULL && atomic_load(&k->watch->peer_gone)) {
+        /* a peer died: the scheduler learns it from the link (liveness,
+         * DISCONNECT) and re-forms the group when the peer is back; a
+         * GROUP_BROKEN could reach it first and make it re-form with the
+         * dead peer, whose new epoch would then hold this rank's join */
+        log_info("group: a peer process died; its restart re-forms the group");
+    } else if (k->link == RANK_LINK_UP) {
         struct dsv4_msg m;
 
         /* the scheduler re-forms the group under a new epoch (§6.5) */

@@ -3,19 +3,23 @@
 communicator) driven by this script playing the scheduler (docs/protocol.md
 §6.4, §6.5) over a ROUTER socket, message by message:
 
-  1. READY -> WELCOME; COMM ask -> rank 0's id -> COMM to both: each reports
-     HEARTBEAT comm_epoch 1 once it joined (and 0 before).
+  1. READY -> WELCOME (each says HEARTBEAT comm_epoch 0); the id of epoch 1
+     goes to rank 0 only, so its join waits for its peer: it keeps
+     heartbeating meanwhile and answers the request for epoch 2's id; then
+     rank 1 gets epoch 1's id too (both report comm_epoch 1), and both get
+     epoch 2's and switch to it together (both report comm_epoch 2).
   2. A switch of epoch with work placed on the new epoch before a rank has
-     switched: rank 0 gets COMM of epoch 2 and PREFILL A while its epoch-1
+     switched: rank 0 gets COMM of epoch 3 and PREFILL A while its epoch-2
      communicator still works (it reports A in HEARTBEAT active), then rank 1
      gets them.  The ranks switch together and both must run A (PREFILL_DONE
      from both): work that arrives after the new epoch's COMM belongs to it.
   3. A break with every rank alive (test-only DSV4_TEST_GROUP_BREAK makes
      rank 1's 2nd forward call fail): PREFILL B -> GROUP_BROKEN {group 0,
-     group_rank, comm_epoch 2} from both ranks, HEARTBEAT comm_epoch 0 after;
-     then epoch 3: both join again (same processes) and run PREFILL C.
+     group_rank, comm_epoch 3} from both ranks, HEARTBEAT comm_epoch 0 after;
+     then epoch 4: both join again (same processes) and run PREFILL C.
 
-usage: rank_epoch.py BUILD_DIR.  Exit 0 pass, 1 fail, 77 without pyzmq/msgpack.
+usage: rank_epoch.py BUILD_DIR (KEEP=1 keeps the scratch directory with the
+ranks' logs).  Exit 0 pass, 1 fail, 77 without pyzmq/msgpack.
 """
 import os
 import shutil
@@ -65,8 +69,9 @@ class Sched:
             self.route[gr] = fr[0]
         return gr, fr[3][0], b
 
-    def wait(self, pred, what):
-        """Receive until pred(group_rank, cmd, body) holds; returns that body."""
+    def wait(self, pred, what, registered=True):
+        """Receive until pred(group_rank, cmd, body) holds; returns that body.
+        registered: a DISCONNECT or READY (a rank registering again) fails."""
         end = time.monotonic() + BOUND_S
         while time.monotonic() < end:
             if self.s.poll(100):
@@ -75,6 +80,9 @@ class Sched:
                     self.send(gr, HEARTBEAT, {})   # the rank's view of our liveness
                 if cmd == ERROR:
                     raise Fail("rank %s: ERROR %s" % (gr, b))
+                if registered and cmd in (DISCONNECT, READY):
+                    raise Fail("rank %s left the link (%d %s) waiting for %s" %
+                               (gr, cmd, b, what))
                 if pred(gr, cmd, b):
                     return b
         raise Fail("never got " + what)
@@ -87,11 +95,16 @@ def hb(epoch, gr=None, active=None):
                             (active is None or b.get("active") == active))
 
 
+def ask(sc, epoch):
+    """Ask rank 0 for the id of `epoch`; returns it."""
+    sc.send(0, COMM, {"comm_epoch": epoch, "one_host": True})
+    return sc.wait(lambda g, c, b: g == 0 and c == COMM and b["comm_epoch"] == epoch,
+                   "rank 0's id of epoch %d" % epoch)["comm_id"]
+
+
 def form(sc, epoch):
     """Ask rank 0 for epoch's id, send it to both, wait until both joined."""
-    sc.send(0, COMM, {"comm_epoch": epoch, "one_host": True})
-    cid = sc.wait(lambda g, c, b: g == 0 and c == COMM and b["comm_epoch"] == epoch,
-                  "rank 0's id of epoch %d" % epoch)["comm_id"]
+    cid = ask(sc, epoch)
     for gr in (0, 1):
         sc.send(gr, COMM, {"comm_epoch": epoch, "comm_id": cid})
     for gr in (0, 1):
@@ -132,27 +145,38 @@ def run(build, tmp, ctx):
                  "--max-seq", "256", "--slots", "4"],
                 env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
         # 1. registration and the first communicator
-        for _ in (0, 1):
-            sc.wait(lambda g, c, b: c == READY, "READY")
+        seen = set()
+        sc.wait(lambda g, c, b: c == READY and (seen.add(g) or len(seen) == 2), "READY",
+                registered=False)
         for gr in (0, 1):
             sc.send(gr, WELCOME, {"heartbeat_ms": 200, "liveness": 100, "comm_epoch": 1})
         for gr in (0, 1):
             sc.wait(hb(0, gr), "rank %d: HEARTBEAT comm_epoch 0 after WELCOME" % gr)
-        form(sc, 1)
-        print("ok epoch 1 formed")
+        # 1. rank 0 alone gets epoch 1's id: its join waits for rank 1
+        cid1 = ask(sc, 1)
+        sc.send(0, COMM, {"comm_epoch": 1, "comm_id": cid1})
+        for _ in range(3):
+            sc.wait(hb(0, 0), "rank 0 heartbeating while it joins")
+        cid2 = ask(sc, 2)
+        sc.send(1, COMM, {"comm_epoch": 1, "comm_id": cid1})
+        for gr in (0, 1):
+            sc.wait(hb(1, gr), "rank %d joined epoch 1" % gr)
+        for gr in (0, 1):
+            sc.send(gr, COMM, {"comm_epoch": 2, "comm_id": cid2})
+        for gr in (0, 1):
+            sc.wait(hb(2, gr), "rank %d switched to epoch 2" % gr)
+        print("ok a rank waiting in a join heartbeats and answers the next ask")
 
-        # 2. epoch 2 with work placed on it before rank 1 has its COMM
-        sc.send(0, COMM, {"comm_epoch": 2, "one_host": True})
-        cid2 = sc.wait(lambda g, c, b: g == 0 and c == COMM and b["comm_epoch"] == 2,
-                       "rank 0's id of epoch 2")["comm_id"]
-        sc.send(0, COMM, {"comm_epoch": 2, "comm_id": cid2})
+        # 2. epoch 3 with work placed on it before rank 1 has its COMM
+        cid3 = ask(sc, 3)
+        sc.send(0, COMM, {"comm_epoch": 3, "comm_id": cid3})
         sc.send(0, PREFILL, prefill(7))
-        # rank 0 holds A while still on epoch 1 (a HEARTBEAT says so)
-        sc.wait(hb(1, 0, active=1), "rank 0 holding req 7 on epoch 1")
-        sc.send(1, COMM, {"comm_epoch": 2, "comm_id": cid2})
+        # rank 0 holds A while still on epoch 2 (a HEARTBEAT says so)
+        sc.wait(hb(2, 0, active=1), "rank 0 holding req 7 on epoch 2")
+        sc.send(1, COMM, {"comm_epoch": 3, "comm_id": cid3})
         sc.send(1, PREFILL, prefill(7))
         done_by_both(sc, 7)
-        print("ok work placed on epoch 2 before the switch ran on both ranks")
+        print("ok work placed on epoch 3 before the switch ran on both ranks")
 
         # 3. rank 1's 2nd forward call fails: the group breaks, both alive
         for gr in (0, 1):
@@ -162,18 +186,18 @@ def run(build, tmp, ctx):
                 (broken.__setitem__(g, b) or len(broken) == 2),
                 "GROUP_BROKEN from both ranks")
         for gr, b in broken.items():
-            if (b["group"], b["group_rank"], b["comm_epoch"]) != (0, gr, 2) or not b.get("reason"):
+            if (b["group"], b["group_rank"], b["comm_epoch"]) != (0, gr, 3) or not b.get("reason"):
                 raise Fail("rank %d: GROUP_BROKEN %s" % (gr, b))
         for gr in (0, 1):
             sc.wait(hb(0, gr), "rank %d: HEARTBEAT comm_epoch 0 after the break" % gr)
-        form(sc, 3)
+        form(sc, 4)
         for gr in (0, 1):
             sc.send(gr, PREFILL, prefill(9))
         done_by_both(sc, 9)
         for p in procs:
             if p.poll() is not None:
                 raise Fail("a rank exited (%d)" % p.returncode)
-        print("ok broken group reported (epoch 2) and re-formed (epoch 3), same processes")
+        print("ok broken group reported (epoch 3) and re-formed (epoch 4), same processes")
         for gr in (0, 1):
             sc.send(gr, DISCONNECT, {"reason": "test over"})
     finally:
@@ -202,8 +226,9 @@ def main():
         return 1
     finally:
         ctx.destroy(0)
-    shutil.rmtree(tmp, ignore_errors=True)
-    print("PASS")
+    if not os.environ.get("KEEP"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("PASS", tmp)
     return 0
 
 
