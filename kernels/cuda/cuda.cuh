@@ -596,6 +596,15 @@ enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float 
 int cuda_fast_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *experts, int n,
                      const struct dsv4_expert_w *shared, int T, int k, int D, int I,
                      int parts);
+/* Whether the decode MoE (fast_moe.cu / fast_moe3.cu) takes a call of T
+ * tokens of these shapes, so that the prefill GEMM (fast_gemm.cu) leaves it
+ * alone: T <= 96 (every version), or T up to DSV4_CUDA_MOE_SPLIT (default
+ * 256) when v3 / v5 is selected and fits.  Up to a few hundred tokens the
+ * experts average a few rows each, a bandwidth-bound load v5 streams faster
+ * than the GEMM reads it (H200, docs/perf.md run 23: a 4-layer prefill of
+ * 128 tokens 14.4 -> 8.4 ms, 256 16.5 -> 12.4 ms; 512 21.0 -> 22.6 ms, so
+ * the GEMM keeps 512 and up). */
+int cuda_fast_moe_takes(int T, int k, int D, int I);
 /* table: device copy of the n_table expert structs (registered); shared:
  * host struct of device pointers, or NULL.  parts != NULL: moe_parts into
  * that (T*k + T, D) array, zeroed by the caller (rows of experts not held

@@ -540,16 +540,16 @@ fk_swiglu(float g, float u, float lim)
     return gv / (1.0f + cu_expf(-gv)) * uv;
 }
 
-/* Whether v3 takes these shapes: T*k <= 1024, D and I multiples of 1024 and at
- * most 8192 (else fast_moe.cu's v1). */
+/* Whether v3 / v5 take these shapes: T*k <= 4096, D and I multiples of 1024
+ * and at most 8192 (else fast_moe.cu's v1). */
 int cuda_fast_moe3_fits(int T, int k, int D, int I);
 
 /*
- * cuda_fast_moe (cuda.cuh) through v3 (FP8 tensor cores, FP4 weights
- * converted to E4M3); cuda_fast_moe calls it when DSV4_CUDA_FAST_MOE starts
- * with "v3" or "v4" (or is unset) and cuda_fast_moe3_fits holds.  cfg: that
- * setting ("v3", "v3,NS,RT", "v4" or "v4,PF,RT,MB", see fast_moe3.cu;
- * anything else: v3's defaults).
+ * cuda_fast_moe (cuda.cuh) through v3 / v5 (FP4 weights converted to E4M3,
+ * tensor cores); cuda_fast_moe calls it when DSV4_CUDA_FAST_MOE starts with
+ * "v3" or "v5" (or is unset) and cuda_fast_moe3_fits holds.  cfg: that
+ * setting ("v3", "v3,NS,RT", "v5", see fast_moe3.cu; unset: v5, or v3 for
+ * moe_parts below 8 tokens).
  */
 enum dsv4_err cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x,
                              const int32_t *ids, const float *weights,

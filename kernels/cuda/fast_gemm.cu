@@ -1511,8 +1511,9 @@ cuda_fast_gemm_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w 
                       const struct dsv4_expert_w *shared, int T, int k, int D, int I,
                       int parts)
 {
-    if (!fg_enabled() || be->numerics != DSV4_NUMERICS_REF || T < FG_MOE_MIN_T || k < 1 ||
-        k > FG_MAX_K || n < 1 || n > FG_MAX_E || D % 128 != 0 || I % 128 != 0)
+    if (!fg_enabled() || be->numerics != DSV4_NUMERICS_REF || T < FG_MOE_MIN_T ||
+        cuda_fast_moe_takes(T, k, D, I) || k < 1 || k > FG_MAX_K || n < 1 || n > FG_MAX_E ||
+        D % 128 != 0 || I % 128 != 0)
         return 0;
     if (shared == NULL ? !parts : !fg_expert_ok(shared, DSV4_WFMT_FP8, D, I))
         return 0;

@@ -910,8 +910,8 @@ int
 cuda_fast_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *experts, int n,
                  const struct dsv4_expert_w *shared, int T, int k, int D, int I, int parts)
 {
-    if (be->numerics != DSV4_NUMERICS_REF || T < 1 || T > FM_MAX_T || k < 1 ||
-        k > FM_MAX_K || n < 1 || n > FM_MAX_E || D % 128 != 0 || I % 128 != 0)
+    if (be->numerics != DSV4_NUMERICS_REF || T < 1 || !cuda_fast_moe_takes(T, k, D, I) ||
+        k < 1 || k > FM_MAX_K || n < 1 || n > FM_MAX_E || D % 128 != 0 || I % 128 != 0)
         return 0;
     if (shared == NULL ? !parts : !fm_expert_ok(shared, DSV4_WFMT_FP8, D, I))
         return 0;
@@ -920,6 +920,20 @@ cuda_fast_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *expe
             !fm_expert_ok(&experts[e], DSV4_WFMT_FP4, D, I))
             return 0;
     return 1;
+}
+
+#define FM_SPLIT_DEFAULT 256       /* cuda_fast_moe_takes: T the decode MoE takes */
+
+int
+cuda_fast_moe_takes(int T, int k, int D, int I)
+{
+    const char *v = getenv("DSV4_CUDA_MOE_SPLIT"), *m = getenv("DSV4_CUDA_FAST_MOE");
+    int split = v != NULL ? atoi(v) : FM_SPLIT_DEFAULT;
+    int v35 = m == NULL || strncmp(m, "v3", 2) == 0 || strncmp(m, "v5", 2) == 0;
+
+    if (T <= FM_MAX_T)
+        return 1;
+    return v35 && T <= split && cuda_fast_moe3_fits(T, k, D, I);
 }
 
 /* The arrays of one call, carved from the backend scratch (v1 and v2). */

@@ -122,7 +122,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FM3_MAX_TK 1024          /* picks per call (the grouping is O((T*k)^2)) */
+#define FM3_MAX_TK 4096          /* picks per call (the grouping is O((T*k)^2)) */
 #define FM3_SB 128               /* bytes of each weight row per stage */
 #define FM3_TILE_B (16 * FM3_SB) /* a stage of the warp's 16 rows */
 #define FM3_STAGE_B (FM3_TILE_B + 16 * 8)    /* + FP4 scales (16 rows x 8) */
@@ -1107,28 +1107,32 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
         }
 }
 
-/* Every pass of slot s through the tile at `row` (v5): passes of 8 slot
- * rows (one n-tile; two n-tiles spill registers), the second pass of a
- * tile reading its weights from L2. */
+/* The passes of slot rows p0 .. p1 - 1 through the tile at `row` (v5):
+ * passes of 8 slot rows (one n-tile; two n-tiles spill registers), a later
+ * pass of a tile reading its weights from L2. */
 template <int UP, int FP8>
 static __device__ void
-fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, char *ring, float *scf)
+fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, int p1,
+           char *ring, float *scf)
 {
     struct fm5_tile tl;
 
     fm5_tile_get<UP, FP8>(a, s, row, &tl);
-    for (int p = 0; p < s.n; p += 8)
+    for (int p = p0; p < p1 && p < s.n; p += 8)
         fm5_pass<UP, FP8, 1>(a, s, tl, p, ring, scf);
 }
 
 /*
- * v5 (DSV4_CUDA_FAST_MOE "v5"): UP, w1/w3/SwiGLU, else w2.  Items are
- * (slot, 16-row tile): slot-major, the shared expert (largest) first, then
- * the active experts; every warp takes the next item from the call's
- * counter (ctr[UP], zeroed by fm3_prep_kernel) until none is left, so the
- * grid only needs to fill the SMs it gets (also under MPS) and the results
- * do not depend on which warp takes an item.  Dynamic shared memory:
- * 8 warps' rings and scales (8 * FM5_PER).
+ * v5 (DSV4_CUDA_FAST_MOE "v5"): UP, w1/w3/SwiGLU, else w2.  Items: first
+ * the shared expert's (16-row tile, pass of 8 of its T rows), tile-major
+ * (a tile's passes run side by side, its weights read from DRAM once and
+ * from L2 after: at prefill T the shared expert has T / 8 passes, which one
+ * warp alone would take long after the rest), then the active experts'
+ * (slot, tile) with all their passes; every warp takes the next item from
+ * the call's counter (ctr[UP], zeroed by fm3_prep_kernel) until none is
+ * left, so the grid only needs to fill the SMs it gets (also under MPS)
+ * and the results do not depend on which warp takes an item.  Dynamic
+ * shared memory: 8 warps' rings and scales (8 * FM5_PER).
  */
 template <int UP>
 static __global__ void __launch_bounds__(FM3_BOUND_THREADS, FM3_BOUND_BLOCKS)
@@ -1140,7 +1144,8 @@ fm5_kernel(struct fm3_args a)
     int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / 16;
     char *ring = fm3_sm + warp * FM5_PER;
     float *scf = (float *)(ring + FM5_NS * FM3_STAGE_B);
-    int items = (a.has_shared + a.grp[0]) * tiles;
+    int ps = a.has_shared ? (a.T + 7) / 8 : 0, nsh = tiles * ps;
+    int items = nsh + a.grp[0] * tiles;
 
     for (;;) {
         struct fm3_slot s;
@@ -1151,16 +1156,16 @@ fm5_kernel(struct fm3_args a)
         it = __shfl_sync(0xffffffffu, it, 0);
         if (it >= items)
             break;
-        switch (fm3_slot_get(a, it / tiles, &s)) {
-        case 1:
-            fm5_passes<UP, 1>(a, s, (it % tiles) * 16, ring, scf);
-            break;
-        case 2:
-            fm5_passes<UP, 0>(a, s, (it % tiles) * 16, ring, scf);
-            break;
-        default:
-            break;
+        if (it < nsh) {   /* the shared expert: one pass of one tile */
+            int p = (it % ps) * 8;
+
+            if (fm3_slot_get(a, 0, &s) == 1)
+                fm5_passes<UP, 1>(a, s, (it / ps) * 16, p, p + 8, ring, scf);
+            continue;
         }
+        it -= nsh;
+        if (fm3_slot_get(a, a.has_shared + it / tiles, &s) == 2)
+            fm5_passes<UP, 0>(a, s, (it % tiles) * 16, 0, s.n, ring, scf);
     }
 }
 
