@@ -200,7 +200,7 @@ fm3_p8(int c)
  * copy): thread q's 32 values stay its 64 contiguous bytes, reordered so
  * that f16x2 word m*4 + h*2 + i holds bytes 2h, 2h+1 of its code word
  * 2m + i (b0 / b1 of mma m): the B registers of the two m16n8k16 halves
- * of mma m (fm5_block) are words m*4 + 2h, m*4 + 2h + 1.
+ * of mma m (fm5_mma) are words m*4 + 2h, m*4 + 2h + 1.
  */
 static __device__ __forceinline__ int
 fm3_h(int pos)
@@ -487,15 +487,29 @@ fm3_act(uint32_t (&xw)[NT][8], float (&xc)[NT][2], const uint8_t *const (&xr)[NT
     }
 }
 
+/* v3's B operand of fm3_block: the E4M3 words of n-tile n (fm3_act);
+ * d = the k32 product (fk_mma_e4m3) on a zero accumulator. */
+template <int NT>
+struct fm3_b8 {
+    const uint32_t (&xw)[NT][8];
+
+    __device__ __forceinline__ void
+    mma(float (&d)[4], int n, int m, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) const
+    {
+        d[0] = d[1] = d[2] = d[3] = 0.0f;
+        fk_mma_e4m3(d, a0, a1, a2, a3, xw[n][2 * m], xw[n][2 * m + 1]);
+    }
+};
+
 /*
- * One 128-column block (block b of the stage in buf) into blk:
- * FP4 (b = 0, 1): four groups, one mma each, blk = fma(d, s_w, blk);
- * FP8 (b = 0): four mma, blk += d.
+ * One 128-column block (block b of the stage in buf) into blk, the B
+ * operand and the k32 product from bo (fm3_b8: v3; fm5_bh: v5):
+ * FP4 (b = 0, 1): four groups, one k32 product each, blk = fma(d, s_w, blk);
+ * FP8 (b = 0): four k32 products, blk += d.
  */
-template <int FP8, int NT>
+template <int FP8, int NT, class BOP>
 static __device__ __forceinline__ void
-fm3_block(float (&blk)[NT][4], const char *buf, int b, const float *scf,
-          const uint32_t (&xw)[NT][8])
+fm3_block(float (&blk)[NT][4], const char *buf, int b, const float *scf, const BOP &bo)
 {
     int lane = threadIdx.x & 31, g = lane >> 2;
 
@@ -507,9 +521,9 @@ fm3_block(float (&blk)[NT][4], const char *buf, int b, const float *scf,
             fm3_ldsm(r, buf, 2 * m);
 #pragma unroll
             for (int n = 0; n < NT; n++) {
-                float d[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+                float d[4];
 
-                fk_mma_e4m3(d, r[0], r[1], r[2], r[3], xw[n][2 * m], xw[n][2 * m + 1]);
+                bo.mma(d, n, m, r[0], r[1], r[2], r[3]);
 #pragma unroll
                 for (int i = 0; i < 4; i++)
                     blk[n][i] += d[i];
@@ -533,9 +547,9 @@ fm3_block(float (&blk)[NT][4], const char *buf, int b, const float *scf,
                 fk_fp4x8_e4m3(r[2 * gi + 1], &a1, &a3);
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
-                    float d[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+                    float d[4];
 
-                    fk_mma_e4m3(d, a0, a1, a2, a3, xw[n][2 * m], xw[n][2 * m + 1]);
+                    bo.mma(d, n, m, a0, a1, a2, a3);
                     blk[n][0] = __fmaf_rn(d[0], w0, blk[n][0]);
                     blk[n][1] = __fmaf_rn(d[1], w0, blk[n][1]);
                     blk[n][2] = __fmaf_rn(d[2], w8, blk[n][2]);
@@ -721,7 +735,7 @@ fm3_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_wa
                 f = cu_e8m0_to_f32(
                     __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb));
             fm3_act<NT>(xw, xc, xr, sr, kb);
-            fm3_block<FP8, NT>(blk, buf, b, scf, xw);
+            fm3_block<FP8, NT>(blk, buf, b, scf, fm3_b8<NT>{ xw });
             fm3_block_end<NT>(acc, blk, xc, f);
         }
         if (si == nst - 1) {   /* row tile rt0 + ti is complete */
@@ -918,51 +932,16 @@ fm5_act(uint32_t (&xh)[16], float (&xc)[1][2], const uint16_t *xr, const float *
     xc[0][1] = __ldg(sr[0][1] + kb);
 }
 
-/* fm3_block<FP8, 1> with fm5_mma: the same A fragments, groups, scale
- * multiplies and fp32 additions. */
-template <int FP8>
-static __device__ __forceinline__ void
-fm5_block(float (&blk)[1][4], const char *buf, int b, const float *scf, const uint32_t (&xh)[16])
-{
-    int lane = threadIdx.x & 31, g = lane >> 2;
+/* v5's B operand of fm3_block: the f16 words of fm5_act; d = fm5_mma. */
+struct fm5_bh {
+    const uint32_t (&xh)[16];
 
-    if (FP8) {
-#pragma unroll
-        for (int m = 0; m < 4; m++) {
-            uint32_t r[4];
-            float d[4];
-
-            fm3_ldsm(r, buf, 2 * m);
-            fm5_mma(d, r[0], r[1], r[2], r[3], &xh[4 * m]);
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                blk[0][i] += d[i];
-        }
-    } else {
-#pragma unroll
-        for (int pr = 0; pr < 2; pr++) {
-            float2 s0 = *(const float2 *)(scf + g * FM3_SCF + 4 * b + 2 * pr);
-            float2 s8 = *(const float2 *)(scf + (g + 8) * FM3_SCF + 4 * b + 2 * pr);
-            uint32_t r[4];
-
-            fm3_ldsm(r, buf, 4 * b + 2 * pr);
-#pragma unroll
-            for (int gi = 0; gi < 2; gi++) {
-                int m = 2 * pr + gi;
-                float w0 = gi ? s0.y : s0.x, w8 = gi ? s8.y : s8.x, d[4];
-                uint32_t a0, a1, a2, a3;
-
-                fk_fp4x8_e4m3(r[2 * gi], &a0, &a2);
-                fk_fp4x8_e4m3(r[2 * gi + 1], &a1, &a3);
-                fm5_mma(d, a0, a1, a2, a3, &xh[4 * m]);
-                blk[0][0] = __fmaf_rn(d[0], w0, blk[0][0]);
-                blk[0][1] = __fmaf_rn(d[1], w0, blk[0][1]);
-                blk[0][2] = __fmaf_rn(d[2], w8, blk[0][2]);
-                blk[0][3] = __fmaf_rn(d[3], w8, blk[0][3]);
-            }
-        }
+    __device__ __forceinline__ void
+    mma(float (&d)[4], int, int m, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) const
+    {
+        fm5_mma(d, a0, a1, a2, a3, &xh[4 * m]);
     }
-}
+};
 
 /* Stage st of part p of the tile into the ring slot at shared address sb:
  * fm3_issue's placement, the lane's row offsets (ro: global, so: shared)
@@ -1067,7 +1046,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
                 if (FP8)   /* the tile's 128x128 block scale */
                     f = cu_e8m0_to_f32(__ldg(tl.sc[pp] + (int64_t)(tl.row / 128) * nb + kb));
                 fm5_act(xh, xc, xhr, sr, kb);
-                fm5_block<FP8>(blk, buf, b, scf, xh);
+                fm3_block<FP8, 1>(blk, buf, b, scf, fm5_bh{ xh });
                 fm3_block_end<NT>(acc, blk, xc, f);
                 if (++kq == nq) {   /* quarter qn of part pp is complete */
 #pragma unroll
