@@ -838,7 +838,7 @@ fm3_kernel(struct fm3_args a)
 
 /* --- v5: persistent warps, each a 16-row tile over all of K ------------------------- */
 
-#define FM5_NS 4                                    /* ring stages per warp */
+#define FM5_NS 3   /* ring stages per warp (3, 4, 6 measured: perf.md run 25) */
 #define FM5_PER (FM5_NS * FM3_STAGE_B + FM3_SCF_B)  /* shared memory per warp */
 
 /* A warp's 16-row tile of one slot's expert: the parts it streams (UP: w1
