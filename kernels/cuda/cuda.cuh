@@ -136,6 +136,35 @@ int cuda_pdl_enabled(void);
 int cuda_env_switch(const char *name, int dflt);
 
 /*
+ * An on/off kernel switch a program may set: the environment variable
+ * `env` (cuda_env_switch, read once, `dflt` when unset) unless
+ * cuda_switch_set gave a value.  Define one per switch as
+ * `static struct cuda_switch x = CUDA_SWITCH("DSV4_CUDA_X", 1);`.
+ */
+struct cuda_switch {
+    const char *env;    /* the variable */
+    int dflt;           /* its value when unset */
+    int from_env;       /* -1 until read */
+    int set;            /* -1: the environment decides */
+};
+#define CUDA_SWITCH(env, dflt) { (env), (dflt), -1, -1 }
+
+/* on < 0: back to the environment; else on != 0. */
+void cuda_switch_set(struct cuda_switch *sw, int on);
+/* The switch's value: 1 or 0. */
+int cuda_switch_on(struct cuda_switch *sw);
+
+#define CUDA_MAX_DEV 64     /* devices whose per-kernel attributes are remembered */
+
+/*
+ * Allow kernel f `smem` bytes of dynamic shared memory on be's device, once
+ * per device and size: done (CUDA_MAX_DEV entries, zero at start, one array
+ * per kernel) keeps the largest size allowed so far on each device.
+ */
+enum dsv4_err cuda_smem_allow(struct dsv4_backend *be, const void *f, size_t smem,
+                              size_t *done);
+
+/*
  * Launch kernel k (grid, block, smem dynamic shared bytes, on stream st) with
  * args, converted to k's parameter types as <<<>>> does; with the PDL
  * attribute when cuda_pdl_enabled().  Returns the launch's error, which also

@@ -46,6 +46,33 @@ cuda_env_switch(const char *name, int dflt)
     return dflt;
 }
 
+void
+cuda_switch_set(struct cuda_switch *sw, int on)
+{
+    sw->set = on < 0 ? -1 : on != 0;
+}
+
+int
+cuda_switch_on(struct cuda_switch *sw)
+{
+    if (sw->from_env < 0)
+        sw->from_env = cuda_env_switch(sw->env, sw->dflt);
+    return sw->set < 0 ? sw->from_env : sw->set;
+}
+
+enum dsv4_err
+cuda_smem_allow(struct dsv4_backend *be, const void *f, size_t smem, size_t *done)
+{
+    int dev = cuda_st(be)->device;
+
+    if (dev < 0 || dev >= CUDA_MAX_DEV || smem > done[dev]) {
+        CUDA_TRY(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        if (dev >= 0 && dev < CUDA_MAX_DEV)
+            done[dev] = smem;
+    }
+    return DSV4_OK;
+}
+
 static int
 fast_pdl_from_env(void)
 {

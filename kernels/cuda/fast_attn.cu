@@ -361,23 +361,20 @@ fcp_state_kernel(float *entries, float *state_kv, float *state_z, const float *a
     }
 }
 
-static int fcp_override = -1;   /* dsv4_cuda_set_fc_prefill; -1: the environment decides */
+/* dsv4_cuda_set_fc_prefill */
+static struct cuda_switch fcp_switch = CUDA_SWITCH("DSV4_CUDA_FC_PREFILL", 1);
 
 void
 dsv4_cuda_set_fc_prefill(int on)
 {
-    fcp_override = on < 0 ? -1 : on != 0;
+    cuda_switch_set(&fcp_switch, on);
 }
 
 /* Whether calls of T > FC_CHAIN_MAX_T rows take the prefill form. */
 static int
 fcp_enabled(void)
 {
-    static int env = -1;
-
-    if (env < 0)
-        env = cuda_env_switch("DSV4_CUDA_FC_PREFILL", 1);
-    return fcp_override < 0 ? env : fcp_override;
+    return cuda_switch_on(&fcp_switch);
 }
 
 enum dsv4_err

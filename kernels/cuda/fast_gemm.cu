@@ -81,7 +81,6 @@
 #define FG_MAX_K 64          /* picks per token (the exact path's bound) */
 #define FG_MOE_MIN_T 97      /* the decode MoE (fast_moe.cu) takes T <= 96 */
 #define FG_SMS 132           /* H200 SMs: the linear's cost model */
-#define FG_MAX_DEV 64        /* devices whose kernel attributes are remembered */
 
 /* Weight format of a launch. */
 enum {
@@ -988,16 +987,12 @@ template <int WF, int EPI, int MT>
 static enum dsv4_err
 fg_launch(struct dsv4_backend *be, const struct fg_args *a, unsigned gx, unsigned gy)
 {
-    static unsigned char attr_set[FG_MAX_DEV];   /* per instantiation and device */
+    static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
     size_t smem = fg_smem_bytes(WF, MT);
-    int dev = cuda_st(be)->device;
+    enum dsv4_err e = cuda_smem_allow(be, (const void *)fg_kernel<WF, EPI, MT>, smem, smem_done);
 
-    if (dev < 0 || dev >= FG_MAX_DEV || !attr_set[dev]) {
-        CUDA_TRY(cudaFuncSetAttribute(fg_kernel<WF, EPI, MT>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        if (dev >= 0 && dev < FG_MAX_DEV)
-            attr_set[dev] = 1;
-    }
+    if (e != DSV4_OK)
+        return e;
     fg_kernel<WF, EPI, MT><<<dim3(gx, gy), FG_THREADS, smem, cuda_stream(be)>>>(*a);
     CUDA_LAUNCHED("fast gemm");
     return DSV4_OK;
@@ -1062,7 +1057,7 @@ static int
 fw_enabled(const struct dsv4_backend *be)
 {
     static int env = -1;
-    static signed char cc9[FG_MAX_DEV];   /* 0 unknown, 1 sm_90, -1 other */
+    static signed char cc9[CUDA_MAX_DEV];   /* 0 unknown, 1 sm_90, -1 other */
     int dev = cuda_st((struct dsv4_backend *)be)->device;
 
     if (env < 0) {
@@ -1070,7 +1065,7 @@ fw_enabled(const struct dsv4_backend *be)
 
         env = !(v != NULL && (strcmp(v, "off") == 0 || strcmp(v, "0") == 0));
     }
-    if (!(fw_override < 0 ? env : fw_override) || dev < 0 || dev >= FG_MAX_DEV)
+    if (!(fw_override < 0 ? env : fw_override) || dev < 0 || dev >= CUDA_MAX_DEV)
         return 0;
     if (cc9[dev] == 0) {
         int major = 0;
@@ -1088,17 +1083,14 @@ static enum dsv4_err
 fw_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsigned gy)
 {
     typedef fw_cfg<WF, EPI, NWG, BN> C;
-    static unsigned char attr_set[FG_MAX_DEV];   /* per instantiation and device */
-    int dev = cuda_st(be)->device;
+    static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
+    enum dsv4_err e;
 
     static_assert(C::S >= 2, "fw_kernel: shared memory for fewer than 2 stages");
     static_assert(EPI != FG_UP || NWG == 4, "fw_kernel: the up epilogue needs 128 columns");
-    if (dev < 0 || dev >= FG_MAX_DEV || !attr_set[dev]) {
-        CUDA_TRY(cudaFuncSetAttribute(fw_kernel<WF, EPI, NWG, BN>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-        if (dev >= 0 && dev < FG_MAX_DEV)
-            attr_set[dev] = 1;
-    }
+    e = cuda_smem_allow(be, (const void *)fw_kernel<WF, EPI, NWG, BN>, C::SMEM, smem_done);
+    if (e != DSV4_OK)
+        return e;
     if (gx == 0 || gy == 0)
         return DSV4_OK;
     fw_kernel<WF, EPI, NWG, BN><<<dim3(gx, gy), C::THREADS, C::SMEM, cuda_stream(be)>>>(*a);
@@ -1260,22 +1252,19 @@ cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const float *x,
 
 /* --- the grouped linear (linear_grouped, wo_a) on fw_kernel ------------------------------ */
 
-static int fwg_override = -1;   /* dsv4_cuda_set_gemm_grouped; -1: the environment decides */
+/* dsv4_cuda_set_gemm_grouped */
+static struct cuda_switch fwg_switch = CUDA_SWITCH("DSV4_CUDA_GEMM_GROUPED", 1);
 
 void
 dsv4_cuda_set_gemm_grouped(int on)
 {
-    fwg_override = on < 0 ? -1 : on != 0;
+    cuda_switch_set(&fwg_switch, on);
 }
 
 int
 cuda_fast_gemm_grouped_on(void)
 {
-    static int env = -1;
-
-    if (env < 0)
-        env = cuda_env_switch("DSV4_CUDA_GEMM_GROUPED", 1);
-    return fwg_override < 0 ? env : fwg_override;
+    return cuda_switch_on(&fwg_switch);
 }
 
 /* The shapes of fw_kernel's grouped mode: FP8 weights (G * R, K), R and K

@@ -69,7 +69,6 @@
 #define F4_MAX_STAGES 8
 #define F4_LBO 128              /* B: next 16 bytes of K */
 #define F4_SBO 1024             /* B: next 8 token rows */
-#define F4_MAX_DEV 64           /* devices whose kernel attributes are remembered */
 
 /* Weight format of a launch. */
 enum {
@@ -536,22 +535,19 @@ f4_kernel(struct f4_args a)
 
 /* --- host side ------------------------------------------------------------------------ */
 
-static int f4_override = -1;   /* dsv4_cuda_set_gemm4; -1: the environment decides */
+/* off unless "1"/"on" (no gain measured); dsv4_cuda_set_gemm4 */
+static struct cuda_switch f4_switch = CUDA_SWITCH("DSV4_CUDA_GEMM4", 0);
 
 void
 dsv4_cuda_set_gemm4(int on)
 {
-    f4_override = on < 0 ? -1 : on != 0;
+    cuda_switch_set(&f4_switch, on);
 }
 
 int
 cuda_fast_gemm4_on(void)
 {
-    static int env = -1;
-
-    if (env < 0)
-        env = cuda_env_switch("DSV4_CUDA_GEMM4", 0);
-    return f4_override < 0 ? env : f4_override;
+    return cuda_switch_on(&f4_switch);
 }
 
 template <int WF, int EPI, int NWG, int BN>
@@ -559,16 +555,13 @@ static enum dsv4_err
 f4_launch(struct dsv4_backend *be, const struct f4_args *a, unsigned gx, unsigned gy)
 {
     typedef f4_cfg<WF, EPI, NWG, BN> C;
-    static unsigned char attr_set[F4_MAX_DEV];   /* per instantiation and device */
-    int dev = cuda_st(be)->device;
+    static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
+    enum dsv4_err e;
 
     static_assert(EPI != F4_UP || NWG == 4, "f4_kernel: the up epilogue needs 128 columns");
-    if (dev < 0 || dev >= F4_MAX_DEV || !attr_set[dev]) {
-        CUDA_TRY(cudaFuncSetAttribute(f4_kernel<WF, EPI, NWG, BN>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-        if (dev >= 0 && dev < F4_MAX_DEV)
-            attr_set[dev] = 1;
-    }
+    e = cuda_smem_allow(be, (const void *)f4_kernel<WF, EPI, NWG, BN>, C::SMEM, smem_done);
+    if (e != DSV4_OK)
+        return e;
     if (gx == 0 || gy == 0)
         return DSV4_OK;
     f4_kernel<WF, EPI, NWG, BN><<<dim3(gx, gy), C::THREADS, C::SMEM, cuda_stream(be)>>>(*a);

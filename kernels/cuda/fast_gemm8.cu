@@ -69,7 +69,6 @@
 #define G8_STAGE_A (G8_BM * 128)   /* bytes */
 #define G8_STAGE_B (G8_BN * 128)
 #define G8_SMEM (1024 + G8_S * (G8_STAGE_A + G8_STAGE_B) + G8_S * G8_BN * 4 + 2 * G8_S * 8)
-#define G8_MAX_DEV 64
 
 /* Arguments of a launch, by value. */
 struct g8_args {
@@ -311,35 +310,32 @@ g8_kernel(struct g8_args a)
 
 /* --- host side ------------------------------------------------------------------------ */
 
-static int g8_override = -1;   /* dsv4_cuda_set_gemm8; -1: the environment decides */
+/* on unless "0"/"off": the default since run 14 on the H200 (2026-11-30:
+ * bench_fast 21 cases ok, 2.4-3.1x fw_kernel); dsv4_cuda_set_gemm8 */
+static struct cuda_switch g8_switch = CUDA_SWITCH("DSV4_CUDA_GEMM8", 1);
 
 void
 dsv4_cuda_set_gemm8(int on)
 {
-    g8_override = on < 0 ? -1 : on != 0;
+    cuda_switch_set(&g8_switch, on);
 }
 
 int
 cuda_fast_gemm8_on(void)
 {
-    static int env = -1;
-
-    /* on unless "0"/"off": the default since run 14 on the H200
-     * (2026-11-30: bench_fast 21 cases ok, 2.4-3.1x fw_kernel) */
-    if (env < 0)
-        env = cuda_env_switch("DSV4_CUDA_GEMM8", 1);
-    return g8_override < 0 ? env : g8_override;
+    return cuda_switch_on(&g8_switch);
 }
 
 enum dsv4_err
 cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
                        const struct dsv4_linear *W, int T)
 {
-    static unsigned char attr_set[G8_MAX_DEV];
-    int N = W->n_out, K = W->n_in, nb = K / 128, dev = cuda_st(be)->device;
+    static size_t smem_done[CUDA_MAX_DEV];
+    int N = W->n_out, K = W->n_in, nb = K / 128;
     size_t bq = cuda_align((size_t)T * K);
     int64_t warps = (int64_t)T * nb;
     struct g8_args a;
+    enum dsv4_err e;
     char *p;
 
     if (T <= 0)
@@ -349,12 +345,9 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
     p = (char *)cuda_scratch(be, bq + cuda_align((size_t)T * nb * sizeof(float)));
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "fast gemm8: no scratch for %d x %d", T, K);
-    if (dev < 0 || dev >= G8_MAX_DEV || !attr_set[dev]) {
-        CUDA_TRY(cudaFuncSetAttribute(g8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      G8_SMEM));
-        if (dev >= 0 && dev < G8_MAX_DEV)
-            attr_set[dev] = 1;
-    }
+    e = cuda_smem_allow(be, (const void *)g8_kernel, G8_SMEM, smem_done);
+    if (e != DSV4_OK)
+        return e;
     memset(&a, 0, sizeof(a));
     a.w = (const uint8_t *)W->w;
     a.ws = W->scale;

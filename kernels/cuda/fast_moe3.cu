@@ -133,7 +133,6 @@
 #define FM3_MAX_KB 64            /* 128-column blocks of K at most (FP8 scales of a quarter) */
 #define FM3_BOUND_THREADS 256    /* __launch_bounds__ of fm3_kernel: 8 warps ... */
 #define FM3_BOUND_BLOCKS 2       /* ... two blocks per SM: 128 registers */
-#define FM3_MAX_DEV 64           /* devices remembered by fm3_launch */
 
 /* Everything the kernels need, by value. */
 struct fm3_args {
@@ -1225,21 +1224,6 @@ fm3_smem_bytes(const struct fm3_cfg *c)
     return 8 * per + 7 * FM3_RED_Q * sizeof(float);
 }
 
-/* Allow `smem` bytes of dynamic shared memory for kernel f on the current
- * device (once per device and size: opted[] remembers the largest so far). */
-static enum dsv4_err
-fm3_smem_opt(struct dsv4_backend *be, const void *f, size_t smem, size_t *opted)
-{
-    int dev = cuda_st(be)->device;
-
-    if (dev < 0 || dev >= FM3_MAX_DEV || smem > opted[dev]) {
-        CUDA_TRY(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        if (dev >= 0 && dev < FM3_MAX_DEV)
-            opted[dev] = smem;
-    }
-    return DSV4_OK;
-}
-
 /* Launch fm3_kernel<UP> on `tiles` row tiles per slot (a.rt per block), or
  * (v5) fm5_kernel<UP> on a grid that fills the device's SMs. */
 template <int UP>
@@ -1247,7 +1231,7 @@ static enum dsv4_err
 fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_cfg *c,
            int tiles, int slots)
 {
-    static size_t opted[FM3_MAX_DEV], opted5[FM3_MAX_DEV];
+    static size_t opted[CUDA_MAX_DEV], opted5[CUDA_MAX_DEV];
     size_t smem = fm3_smem_bytes(c);
     dim3 grid((unsigned)(tiles / a.rt), (unsigned)slots);
     enum dsv4_err e;
@@ -1261,14 +1245,14 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
                                         cuda_st(be)->device));
         warps = (int64_t)(n_sm > 0 ? n_sm : 1) * 8 * FM3_BOUND_BLOCKS;
         blocks = (unsigned)(((items < warps ? items : warps) + 7) / 8);
-        e = fm3_smem_opt(be, (const void *)fm5_kernel<UP>, 8 * FM5_PER, opted5);
+        e = cuda_smem_allow(be, (const void *)fm5_kernel<UP>, 8 * FM5_PER, opted5);
         if (e != DSV4_OK)
             return e;
         cu_launch(fm5_kernel<UP>, blocks, 8 * 32, 8 * FM5_PER, cuda_stream(be), a);
         CUDA_LAUNCHED(UP ? "fast moe v5 up" : "fast moe v5 down");
         return DSV4_OK;
     }
-    e = fm3_smem_opt(be, (const void *)fm3_kernel<UP>, smem, opted);
+    e = cuda_smem_allow(be, (const void *)fm3_kernel<UP>, smem, opted);
     if (e != DSV4_OK)
         return e;
     cu_launch(fm3_kernel<UP>, grid, 8 * 32, smem, cuda_stream(be), a);
