@@ -44,8 +44,9 @@
  * ones (dsv4_cuda_set_kernels): wall ms per prompt token of each (after a
  * warm-up prefill), and the last token's greedy pick of every run (fast vs
  * exact: reported, not checked; the fast kernels differ by rounding).  One
- * fast prefill in chunks of 512 runs between cudaProfilerStart/Stop (for
- * `ncu --profile-from-start off`: its per-kernel breakdown).
+ * fast prefill in chunks of 512 (or of DSV4_TEST_PROFILE_CHUNK tokens) runs
+ * between cudaProfilerStart/Stop (for `ncu --profile-from-start off`: its
+ * per-kernel breakdown).
  *
  * spec: speculative decoding with the MTP layer (kernels/forward.h) on the
  * `flash` widths cut to LAYERS layers (+ MTP) with synthetic weights, decode
@@ -626,9 +627,14 @@ run_prefill(int layers, int T)
             ms[k][c] = prefill_run(m, tok, T, chunks[c], V, lg, &pick[k][c]);
     }
     TRY("set_kernels", dsv4_cuda_set_kernels(gb, 1));
-    cudaProfilerStart();
-    (void)prefill_run(m, tok, T, 512, V, lg, &pick[1][0]);
-    cudaProfilerStop();
+    {   /* the profiled run: chunks of DSV4_TEST_PROFILE_CHUNK (default 512) */
+        const char *pc = getenv("DSV4_TEST_PROFILE_CHUNK");
+        int chunk = pc != NULL && atoi(pc) > 0 ? atoi(pc) : 512;
+
+        cudaProfilerStart();
+        (void)prefill_run(m, tok, T, chunk, V, lg, &pick[1][0]);
+        cudaProfilerStop();
+    }
     for (int k = 0; k < 2; k++)
         for (int c = 0; c < 2; c++)
             printf("| prefill | flash widths, %d layers | %d tokens | chunks of %d | %s kernels "
