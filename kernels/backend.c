@@ -79,3 +79,23 @@ dsv4_norm_rope_compose(struct dsv4_backend *be, float *x, const uint16_t *w, int
         e = ops->scatter_rows(be, dst, dst_rows, x, rows, D);
     return e;
 }
+
+enum dsv4_err
+dsv4_linear_multi_compose(struct dsv4_backend *be, int n, float *const *outs, const float *x,
+                          const struct dsv4_linear *const *Ws, const unsigned *flags, int T)
+{
+    if (n < 1 || n > DSV4_LINEAR_MULTI_MAX)
+        return dsv4_err_set(DSV4_ERR_INVAL, "linear_multi: %d linears (1..%d)", n,
+                            DSV4_LINEAR_MULTI_MAX);
+    for (int i = 0; i < n; i++) {
+        enum dsv4_err e;
+
+        if (Ws[i]->n_in != Ws[0]->n_in)
+            return dsv4_err_set(DSV4_ERR_INVAL, "linear_multi: inputs of %d and %d columns",
+                                Ws[0]->n_in, Ws[i]->n_in);
+        e = be->ops->linear(be, outs[i], x, Ws[i], T, flags[i]);
+        if (e != DSV4_OK)
+            return e;
+    }
+    return DSV4_OK;
+}

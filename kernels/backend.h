@@ -370,7 +370,23 @@ struct dsv4_backend_ops {
                                int D, float eps, const int32_t *pos, int heads, int off,
                                int rd, const float *freqs, int sim_cols, int sim_block,
                                float *dst, const int32_t *dst_rows);
+    /*
+     * n linears of one input x (T rows of K columns; every Ws[i]->n_in == K),
+     * 1 <= n <= DSV4_LINEAR_MULTI_MAX:
+     *   for i < n: linear(outs[i], x, Ws[i], T, flags[i]).
+     * The outputs must not alias x or each other.  The forward uses it for
+     * the projections of one normalised input (wq_a, wkv and the
+     * compressors' and the indexer's of xn; wq_b and the indexer's wq_b of
+     * the normed qr); the CUDA fast kernels run them as one activation
+     * preparation, one tile launch per weight format and one reduction.
+     */
+    enum dsv4_err (*linear_multi)(struct dsv4_backend *be, int n, float *const *outs,
+                                  const float *x, const struct dsv4_linear *const *Ws,
+                                  const unsigned *flags, int T);
 };
+
+/* The most linears of one linear_multi call. */
+#define DSV4_LINEAR_MULTI_MAX 8
 
 struct dsv4_backend {
     const struct dsv4_backend_ops *ops;
@@ -389,8 +405,8 @@ enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
 /* Destroy (NULL is a no-op). */
 void dsv4_backend_destroy(struct dsv4_backend *be);
 
-/* The fused ops as the compositions that define them (see hc_post_pre and
- * norm_rope above), through be's own ops: the CPU backend's implementation,
+/* The fused ops as the compositions that define them (see hc_post_pre,
+ * norm_rope and linear_multi above), through be's own ops: the CPU backend's implementation,
  * and any backend's fallback where its fused kernels do not apply
  * (kernels/backend.c). */
 enum dsv4_err dsv4_hc_post_pre_compose(struct dsv4_backend *be, float *X_out, float *x_out,
@@ -404,6 +420,9 @@ enum dsv4_err dsv4_norm_rope_compose(struct dsv4_backend *be, float *x, const ui
                                      int heads, int off, int rd, const float *freqs,
                                      int sim_cols, int sim_block, float *dst,
                                      const int32_t *dst_rows);
+enum dsv4_err dsv4_linear_multi_compose(struct dsv4_backend *be, int n, float *const *outs,
+                                        const float *x, const struct dsv4_linear *const *Ws,
+                                        const unsigned *flags, int T);
 
 /* The CPU backend constructor (kernels/cpu/cpu_backend.c). */
 enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,

@@ -802,7 +802,8 @@ plan_upload(struct dsv4_model *m)
 
 /*
  * Run a compressor over this call's rows and store the finished entries
- * (model doc §3.3.4): projections in fp32, streaming update, then
+ * (model doc §3.3.4): its projections a = wkv xn and z = wgate xn (fp32)
+ * are already there (attention's linear_multi), then the streaming update,
  * norm -> RoPE at the window start -> FP8 sim (main) or Hadamard+FP4 sim
  * (indexer), scattered into the slot's pool.
  */
@@ -819,8 +820,6 @@ run_compressor(struct dsv4_model *m, const struct layer_state *ls,
     const int32_t *emit = r == 4 ? m->i_emit4 : m->i_emit128;
     const int32_t *epos = r == 4 ? m->i_epos4 : m->i_epos128;
 
-    TRY(ops->linear(be, a, m->xn, &cw->wkv, p->T, DSV4_LIN_F32_OUT));
-    TRY(ops->linear(be, z, m->xn, &cw->wgate, p->T, DSV4_LIN_F32_OUT));
     TRY(ops->compress(be, ent, st_kv, st_z, a, z, cw->ape, m->i_slot, m->i_pos, emit, p->T, r,
                       d));
     if (n_emit == 0)
@@ -871,28 +870,54 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     const int32_t *sel = NULL;
     const float *comp = NULL;
 
-    /* queries: q_norm(wq_a x) -> wq_b -> per-head RMS -> RoPE on the last rd */
-    TRY(ops->linear(be, m->qr, m->xn, &lw->wq_a, T, 0));
-    TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
-    TRY(ops->linear(be, m->q, m->qr, &lw->wq_b, T, 0));
+    /* every projection of xn in one call (each reads only xn and writes its
+     * own buffer, so the order does not matter): wq_a, wkv, the indexer's
+     * compressor and weights_proj (ratio 4), the compressor's wkv / wgate */
+    {
+        float *outs[DSV4_LINEAR_MULTI_MAX];
+        const struct dsv4_linear *Ws[DSV4_LINEAR_MULTI_MAX];
+        unsigned fl[DSV4_LINEAR_MULTI_MAX];
+        int n = 0;
+
+#define LIN_ADD(o, w, f) (outs[n] = (o), Ws[n] = (w), fl[n++] = (f))
+        LIN_ADD(m->qr, &lw->wq_a, 0);
+        LIN_ADD(m->kv, &lw->wkv, 0);
+        if (ls->ratio == 4) {
+            LIN_ADD(m->ia, &lw->idx_compressor.wkv, DSV4_LIN_F32_OUT);
+            LIN_ADD(m->iz, &lw->idx_compressor.wgate, DSV4_LIN_F32_OUT);
+            LIN_ADD(m->wI, &lw->idx_weights_proj, 0);
+        }
+        if (ls->ratio) {
+            LIN_ADD(m->ca, &lw->compressor.wkv, DSV4_LIN_F32_OUT);
+            LIN_ADD(m->cz, &lw->compressor.wgate, DSV4_LIN_F32_OUT);
+        }
+        TRY(ops->linear_multi(be, n, outs, m->xn, Ws, fl, T));
+
+        /* queries: q_norm(wq_a x) -> wq_b (and the indexer's wq_b) */
+        TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
+        n = 0;
+        LIN_ADD(m->q, &lw->wq_b, 0);
+        if (ls->ratio == 4)
+            LIN_ADD(m->qI, &lw->idx_wq_b, 0);
+#undef LIN_ADD
+        TRY(ops->linear_multi(be, n, outs, m->qr, Ws, fl, T));
+    }
+    /* per-head RMS -> RoPE on the last rd */
     TRY(ops->norm_rope(be, m->q, NULL, T * H, Dh, eps, m->i_pos, H, m->nope, rd, ls->freqs, 0,
                        0, NULL, NULL));
 
     /* window KV (K = V): kv_norm(wkv x) -> RoPE -> FP8 sim of the nope dims */
-    TRY(ops->linear(be, m->kv, m->xn, &lw->wkv, T, 0));
     TRY(ops->norm_rope(be, m->kv, lw->kv_norm, T, Dh, eps, m->i_pos, 1, m->nope, rd, ls->freqs,
                        m->nope, 64, NULL, NULL));
 
     if (ls->ratio == 4) {
         /* indexer: its compressor runs before the main one (model doc §3.7) */
         int nI = m->nI, dI = m->dI;
-        TRY(ops->linear(be, m->qI, m->qr, &lw->idx_wq_b, T, 0));
         TRY(ops->rope(be, m->qI, m->i_pos, T, nI, (int64_t)nI * dI, dI, dI - rd, rd,
                       ls->freqs, 0));
         TRY(ops->hadamard_fp4(be, m->qI, T * nI));
         TRY(run_compressor(m, ls, &lw->idx_compressor, ls->ist_kv, ls->ist_z, ls->keys,
                            m->i_erow4, m->ia, m->iz, m->ient, 1));
-        TRY(ops->linear(be, m->wI, m->xn, &lw->idx_weights_proj, T, 0));
         TRY(ops->scale(be, m->wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
                        (int64_t)T * nI));
         TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, ls->pg->d_pt, m->i_slot,

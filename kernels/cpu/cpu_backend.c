@@ -382,6 +382,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .sample = cpu_sample,
     .hc_post_pre = dsv4_hc_post_pre_compose,   /* the fused ops: their definitions */
     .norm_rope = dsv4_norm_rope_compose,
+    .linear_multi = dsv4_linear_multi_compose,
 };
 
 enum dsv4_err

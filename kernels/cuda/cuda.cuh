@@ -538,6 +538,9 @@ enum dsv4_err cuda_linear(struct dsv4_backend *be, float *out, const float *x,
                           const struct dsv4_linear *W, int T, unsigned flags);
 enum dsv4_err cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                                   const struct dsv4_linear *Wa, int T, int G);
+enum dsv4_err cuda_linear_multi(struct dsv4_backend *be, int n, float *const *outs,
+                                const float *x, const struct dsv4_linear *const *Ws,
+                                const unsigned *flags, int T);
 
 /* cuda_norm.cu */
 enum dsv4_err cuda_rms_norm(struct dsv4_backend *be, float *out, const float *x,
@@ -619,6 +622,16 @@ void cuda_fast_linear_init(struct dsv4_backend *be);
 void cuda_fast_linear_fini(struct dsv4_backend *be);
 enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
                                const struct dsv4_linear *W, int T, unsigned flags);
+/* linear_multi on the fast decode linear: one activation preparation per
+ * weight format (FP8 quantization, BF16 split), one tile launch per format
+ * over all the linears' blocks, one launch adding the split-K partials of
+ * all; each linear's split, tiles and sums are those of its own
+ * cuda_fast_linear call, so the outputs are the same bits.  The caller
+ * checks: 1 <= n <= DSV4_LINEAR_MULTI_MAX, 1 <= T <= 16 (one pass of
+ * tokens), every Ws[i] cuda_fast_linear_ok with the same n_in. */
+enum dsv4_err cuda_fast_linear_multi(struct dsv4_backend *be, int n, float *const *outs,
+                                     const float *x, const struct dsv4_linear *const *Ws,
+                                     const unsigned *flags, int T);
 /* experts: host array of n structs (device pointers); shared may be NULL.
  * parts: moe_parts' case (experts without weights are not held here and
  * are skipped; shared NULL is allowed). */

@@ -477,6 +477,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_graph_free,
     cuda_hc_post_pre,   /* fast_fuse.cu */
     cuda_norm_rope,
+    cuda_linear_multi,
 };
 
 extern "C" enum dsv4_err

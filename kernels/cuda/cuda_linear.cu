@@ -152,6 +152,25 @@ cuda_linear(struct dsv4_backend *be, float *out, const float *x, const struct ds
     return lin_launch(be, out, x, NULL, W, T, K, W->n_out, 0, round_out);
 }
 
+/* The fast decode linear takes all n in one go when each would take it
+ * alone (cuda_linear's order: the prefill GEMMs first) and they fit one
+ * pass of tokens; otherwise the composition (n cuda_linear calls). */
+enum dsv4_err
+cuda_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const float *x,
+                  const struct dsv4_linear *const *Ws, const unsigned *flags, int T)
+{
+    int fast = cuda_st(be)->fast_kernels && n >= 1 && n <= DSV4_LINEAR_MULTI_MAX && T >= 1 &&
+               T <= 16;
+
+    for (int i = 0; fast && i < n; i++)
+        fast = lin_check(Ws[i]) && Ws[i]->n_in == Ws[0]->n_in &&
+               !cuda_fast_gemm_linear_ok(be, Ws[i], T) && !cuda_fast_gemm_bf16_ok(be, Ws[i], T) &&
+               cuda_fast_linear_ok(be, Ws[i]);
+    if (fast)
+        return cuda_fast_linear_multi(be, n, outs, x, Ws, flags, T);
+    return dsv4_linear_multi_compose(be, n, outs, x, Ws, flags, T);
+}
+
 enum dsv4_err
 cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                     const struct dsv4_linear *Wa, int T, int G)

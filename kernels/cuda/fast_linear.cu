@@ -199,12 +199,12 @@ fl_wrows(const uint8_t *(&wr)[MT][2], const struct fl_args &a, int row0, int kb,
  * The end of a pass of both forms: the bk slices of the block added in
  * slice order (red: the block's shared array; every thread calls this),
  * then warp w % bk == 0 of each row tile writes its sums: out (rounded when
- * round_out) when G == 1, else the partials (G, T, N).
+ * round_out) when G == 1, else the partials (G, T, N) at slice group by.
  */
 template <int MT, int NT>
 static __device__ __forceinline__ void
 fl_finish(float (&acc)[MT][NT][4], float (&red)[FL_NWARP][MT][NT][4][32],
-          const struct fl_args &a, int tile, int row0)
+          const struct fl_args &a, int tile, int row0, int by, int G)
 {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
 
@@ -242,10 +242,10 @@ fl_finish(float (&acc)[MT][NT][4], float (&red)[FL_NWARP][MT][NT][4][32],
 
                 if (t >= a.T)
                     continue;
-                if (gridDim.y == 1)
+                if (G == 1)
                     a.out[(int64_t)t * a.N + row] = a.round_out ? cu_bf16_round(v) : v;
                 else
-                    a.part[((int64_t)blockIdx.y * a.T + t) * a.N + row] = v;
+                    a.part[((int64_t)by * a.T + t) * a.N + row] = v;
             }
 }
 
@@ -291,16 +291,18 @@ fl_last_reduce(const struct fl_args &a)
     }
 }
 
+/*
+ * Block (bx, by) of a linear's tile grid (G = its y extent): the row tiles
+ * bx * 8/bk .., slice group by (fl_kernel's block; flm_kernel's blocks of
+ * each of its linears).
+ */
 template <int MODE, int MT, int NT>
-static __global__ void __launch_bounds__(FL_THREADS, 2)
-fl_kernel(struct fl_args a)
+static __device__ __forceinline__ void
+fl_block(const struct fl_args &a, int bx, int by, int G, float (&red)[FL_NWARP][MT][NT][4][32])
 {
-    cu_pdl_wait();   /* PDL: before any global access */
-    cu_pdl_trigger();
-    __shared__ float red[FL_NWARP][MT][NT][4][32];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    int tile = blockIdx.x * (FL_NWARP / a.bk) + warp / a.bk;
-    int slice = blockIdx.y * a.bk + warp % a.bk;
+    int tile = bx * (FL_NWARP / a.bk) + warp / a.bk;
+    int slice = by * a.bk + warp % a.bk;
     int kb0 = slice * a.bps, kb1 = min(a.nb, kb0 + a.bps);
     int n_tiles = a.N / (16 * MT), row0 = tile * 16 * MT;
     float acc[MT][NT][4];
@@ -338,10 +340,60 @@ fl_kernel(struct fl_args a)
             fk_bf16<MT, NT>(acc, wr, xb, xl, 2 * kb0, 2 * kb1, q);
         }
     }
-    fl_finish<MT, NT>(acc, red, a, tile, row0);
+    fl_finish<MT, NT>(acc, red, a, tile, row0, by, G);
+}
+
+template <int MODE, int MT, int NT>
+static __global__ void __launch_bounds__(FL_THREADS, 2)
+fl_kernel(struct fl_args a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    __shared__ float red[FL_NWARP][MT][NT][4][32];
+
+    fl_block<MODE, MT, NT>(a, blockIdx.x, blockIdx.y, gridDim.y, red);
     if (gridDim.y > 1 && a.ctr != NULL)
         fl_last_reduce<MT>(a);   /* the two-launch form */
 }
+
+/* --- several linears of one input (linear_multi) -------------------------------------- */
+
+/* One tile launch over the linears of one format: linear e owns the blocks
+ * off[e] .. off[e+1] - 1 of the 1-D grid, its own fl_kernel grid of gx[e] x
+ * (off[e+1] - off[e]) / gx[e] blocks, x-major. */
+struct flm_args {
+    struct fl_args a[DSV4_LINEAR_MULTI_MAX];
+    int off[DSV4_LINEAR_MULTI_MAX + 1];
+    int gx[DSV4_LINEAR_MULTI_MAX];
+    int n;
+};
+
+template <int MODE, int MT, int NT>
+static __global__ void __launch_bounds__(FL_THREADS, 2)
+flm_kernel(struct flm_args m)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    __shared__ float red[FL_NWARP][MT][NT][4][32];
+    int b = blockIdx.x, e = 0;
+
+    while (e + 1 < m.n && b >= m.off[e + 1])
+        e++;
+    b -= m.off[e];
+    fl_block<MODE, MT, NT>(m.a[e], b % m.gx[e], b / m.gx[e], (m.off[e + 1] - m.off[e]) / m.gx[e],
+                           red);
+}
+
+/* fl_reduce_kernel over several linears: linear e's n[e] outputs are the
+ * elements off[e] .. off[e+1] - 1 of the 1-D grid. */
+struct flm_red {
+    float *out[DSV4_LINEAR_MULTI_MAX];
+    const float *part[DSV4_LINEAR_MULTI_MAX];
+    int64_t off[DSV4_LINEAR_MULTI_MAX + 1];
+    int G[DSV4_LINEAR_MULTI_MAX];
+    int round_out[DSV4_LINEAR_MULTI_MAX];
+    int n;
+};
 
 /* out[i] = Σ_y part[y, i] in order, then rounded. */
 static __global__ void
@@ -358,6 +410,28 @@ fl_reduce_kernel(float *out, const float *part, int64_t n, int G, int round_out)
     for (int y = 1; y < G; y++)
         v += part[(int64_t)y * n + i];
     out[i] = round_out ? cu_bf16_round(v) : v;
+}
+
+/* fl_reduce_kernel's sums for each linear of r (the same expression). */
+static __global__ void
+flm_reduce_kernel(struct flm_red r)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, n;
+    int e = 0;
+    float v;
+
+    if (i >= r.off[r.n])
+        return;
+    while (e + 1 < r.n && i >= r.off[e + 1])
+        e++;
+    i -= r.off[e];
+    n = r.off[e + 1] - r.off[e];
+    v = r.part[e][i];
+    for (int y = 1; y < r.G[e]; y++)
+        v += r.part[e][(int64_t)y * n + i];
+    r.out[e][i] = r.round_out[e] ? cu_bf16_round(v) : v;
 }
 
 /* --- the one-launch form ------------------------------------------------------------------ */
@@ -590,7 +664,7 @@ flf_kernel(struct fl_args a)
             }
         }
     }
-    fl_finish<MT, NT>(acc, red, a, tile, row0);
+    fl_finish<MT, NT>(acc, red, a, tile, row0, blockIdx.y, gridDim.y);
     if (gridDim.y > 1)
         fl_last_reduce<MT>(a);
 }
@@ -973,4 +1047,124 @@ cuda_fast_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                          const struct dsv4_linear *W, int T, int G)
 {
     return cuda_fast_linear_at(be, out, x, W, T, 0, G, 0);
+}
+
+/* The launches of cuda_fast_linear_multi for the linears of one format
+ * (idx[0..cnt-1] into a[]): one flm_kernel over all their blocks. */
+template <int MODE, int MT>
+static void
+flm_launch(struct dsv4_backend *be, const struct fl_args *a, const struct fl_split *sp,
+           const int *idx, int cnt, int T)
+{
+    struct flm_args m;
+    int blocks = 0;
+
+    memset(&m, 0, sizeof(m));
+    m.n = cnt;
+    for (int j = 0; j < cnt; j++) {
+        const struct fl_split *s = &sp[idx[j]];
+
+        m.a[j] = a[idx[j]];
+        m.gx[j] = (int)cuda_blocks(s->tiles, FL_NWARP / s->bk);
+        m.off[j] = blocks;
+        blocks += m.gx[j] * s->G;
+    }
+    m.off[cnt] = blocks;
+    if (T <= 8)
+        cu_launch(flm_kernel<MODE, MT, 1>, blocks, FL_THREADS, 0, cuda_stream(be), m);
+    else
+        cu_launch(flm_kernel<MODE, MT, 2>, blocks, FL_THREADS, 0, cuda_stream(be), m);
+}
+
+enum dsv4_err
+cuda_fast_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const float *x,
+                       const struct dsv4_linear *const *Ws, const unsigned *flags, int T)
+{
+    struct fl_args a[DSV4_LINEAR_MULTI_MAX];
+    struct fl_split sp[DSV4_LINEAR_MULTI_MAX];
+    int idx[2][DSV4_LINEAR_MULTI_MAX], cnt[2] = { 0, 0 }, K = Ws[0]->n_in, nb = K / 128;
+    size_t b_v = cuda_align((size_t)T * K * sizeof(uint16_t)), total = 0, at;
+    size_t b_s = cuda_align((size_t)T * nb * sizeof(float)), part[DSV4_LINEAR_MULTI_MAX];
+    struct flm_red r;
+    cudaStream_t st = cuda_stream(be);
+    char *base;
+
+    for (int i = 0; i < n; i++) {
+        int fp8 = Ws[i]->fmt == DSV4_WFMT_FP8;
+
+        sp[i] = fl_split_for(Ws[i]->n_out, K, fp8 ? 2 : 1);
+        part[i] = sp[i].G > 1 ? cuda_align((size_t)sp[i].G * T * Ws[i]->n_out * sizeof(float))
+                              : 0;
+        total += part[i];
+        idx[fp8][cnt[fp8]++] = i;
+    }
+    /* FP8: f16 values + scales; BF16: hi + lo; then the partial sums */
+    at = (cnt[1] ? b_v + b_s : 0) + (cnt[0] ? 2 * b_v : 0);
+    base = (char *)cuda_scratch(be, at + total);
+    if (base == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast linear multi: no scratch (%d x %d)", T,
+                            K);
+    {
+        uint16_t *v8 = (uint16_t *)base, *hi = (uint16_t *)(base + (cnt[1] ? b_v + b_s : 0));
+        float *sx = (float *)(base + b_v);
+        char *pp = base + at;
+        enum dsv4_err e;
+
+        if (cnt[1]) {
+            e = fk_quant(be, v8, NULL, sx, x, K, T, K);
+            if (e != DSV4_OK)
+                return e;
+        }
+        if (cnt[0]) {
+            cu_launch(fk_split_kernel, cuda_blocks((int64_t)T * K, 256), 256, 0, st, hi,
+                      (uint16_t *)((char *)hi + b_v), x, (int64_t)T * K);
+            CUDA_LAUNCHED("fast split (multi)");
+        }
+        for (int i = 0; i < n; i++) {
+            int fp8 = Ws[i]->fmt == DSV4_WFMT_FP8;
+
+            memset(&a[i], 0, sizeof(a[i]));
+            a[i].W = *Ws[i];
+            a[i].xv = fp8 ? v8 : hi;
+            a[i].xl = fp8 ? NULL : (const uint16_t *)((char *)hi + b_v);
+            a[i].sx = fp8 ? sx : NULL;
+            a[i].part = sp[i].G > 1 ? (float *)pp : NULL;
+            pp += part[i];
+            a[i].out = outs[i];
+            a[i].T = T;
+            a[i].N = Ws[i]->n_out;
+            a[i].K = K;
+            a[i].nb = sp[i].nb;
+            a[i].xstride = K;
+            a[i].R = Ws[i]->n_out;
+            a[i].bps = sp[i].bps;
+            a[i].bk = sp[i].bk;
+            a[i].round_out = !(!fp8 && (flags[i] & DSV4_LIN_F32_OUT));
+            a[i].x = x;
+            a[i].nt = T;
+        }
+    }
+    if (cnt[1]) {
+        flm_launch<FL_FP8, 2>(be, a, sp, idx[1], cnt[1], T);
+        CUDA_LAUNCHED("fast linear multi (FP8)");
+    }
+    if (cnt[0]) {
+        flm_launch<FL_BF16, 1>(be, a, sp, idx[0], cnt[0], T);
+        CUDA_LAUNCHED("fast linear multi (BF16)");
+    }
+    memset(&r, 0, sizeof(r));
+    for (int i = 0; i < n; i++)
+        if (sp[i].G > 1) {
+            r.out[r.n] = outs[i];
+            r.part[r.n] = a[i].part;
+            r.G[r.n] = sp[i].G;
+            r.round_out[r.n] = a[i].round_out;
+            r.off[r.n + 1] = r.off[r.n] + (int64_t)T * Ws[i]->n_out;
+            r.n++;
+        }
+    if (r.n > 0) {
+        cu_launch(flm_reduce_kernel, cuda_blocks(r.off[r.n], 256), 256, 0, st, r);
+        CUDA_LAUNCHED("fast linear multi reduce");
+    }
+    return DSV4_OK;
 }

@@ -1048,10 +1048,13 @@ moe_selfcheck(struct dsv4_backend *be, const char *cfg, struct sc_expert *sc,
 /*
  * v5 against v3, bit for bit (fast_moe3.cu: the same sums in the same
  * order): moe and moe_parts (half the experts held) at T = 1, 16 and 64
- * (passes of one and of two n-tiles, several rows per expert) under the
- * setting `cfg` (a "v5" one) and under "v3"; the output is filled with
- * 0xff bytes before each run (a row one of them does not write differs).
- * One line per case: the first differing float, its index and both values.
+ * (passes of one and of two n-tiles, several rows per expert), and at T =
+ * 64 routed to experts 0..11 only ("skew": about 32 rows per expert, so
+ * several passes per tile, which v5 streams in one item with both parts)
+ * under the setting `cfg` (a "v5" one) and under "v3"; the output is
+ * filled with 0xff bytes before each run (a row one of them does not write
+ * differs).  One line per case: the first differing float, its index and
+ * both values.
  */
 static void
 moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w *experts,
@@ -1059,19 +1062,28 @@ moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
             const float *x, float *out, const int32_t *ids_d, const float *wts_d,
             struct tally *ty)
 {
-    static const int ts[] = { 1, 16, 64 };
+    static const int ts[] = { 1, 16, 64, 64 };   /* the last: skewed routing */
     size_t w = (size_t)(K_PICKS + 1) * D_MODEL, nb = T_MAX * w * sizeof(float);
     uint32_t *fill = malloc(nb), *r3 = malloc(nb), *r5 = malloc(nb);
+    int32_t skew[T_MAX * K_PICKS], *skew_d;
 
     if (fill == NULL || r3 == NULL || r5 == NULL)
         exit(1);
+    for (int t = 0; t < T_MAX; t++)   /* 6 distinct of experts 0..11 */
+        for (int j = 0; j < K_PICKS; j++)
+            skew[t * K_PICKS + j] = (t + 2 * j + (j >= 3 && t % 2)) % 12;
+    skew_d = be->ops->alloc(be, sizeof(skew));
+    if (skew_d == NULL)
+        exit(1);
+    TRY("upload", be->ops->upload(be, skew_d, skew, sizeof(skew)));
     memset(fill, 0xff, nb);
     TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
     for (int parts = 0; parts < 2; parts++)
         for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) {
+            int sk = i == sizeof(ts) / sizeof(ts[0]) - 1;
             struct op o = { .name = "v5 bits", .kind = parts ? OP_PARTS : OP_MOE,
                             .experts = parts ? half : experts, .shared = shared,
-                            .ids = ids_d, .weights = wts_d, .x = x };
+                            .ids = sk ? skew_d : ids_d, .weights = wts_d, .x = x };
             int T = ts[i];
             size_t n = (size_t)T * (parts ? w : D_MODEL), bad = n;
 
@@ -1088,20 +1100,22 @@ moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
                     bad = j;
             if (bad == n) {
                 ty->ok++;
-                printf("ok   moe v5 bits %-9s %-5s T=%-2d %zu floats == v3\n", cfg,
-                       parts ? "parts" : "moe", T, n);
+                printf("ok   moe v5 bits %-9s %-5s T=%-2d%s %zu floats == v3\n", cfg,
+                       parts ? "parts" : "moe", T, sk ? " skew" : "", n);
             } else {
                 float f3, f5;
 
                 memcpy(&f3, &r3[bad], 4);
                 memcpy(&f5, &r5[bad], 4);
                 ty->fail++;
-                printf("FAIL moe v5 bits %-9s %-5s T=%-2d first difference at %zu (row %zu col "
-                       "%zu): v3 %.9g (%08x) v5 %.9g (%08x)\n", cfg, parts ? "parts" : "moe",
-                       T, bad, bad / D_MODEL, bad % D_MODEL, f3, r3[bad], f5, r5[bad]);
+                printf("FAIL moe v5 bits %-9s %-5s T=%-2d%s first difference at %zu (row %zu "
+                       "col %zu): v3 %.9g (%08x) v5 %.9g (%08x)\n", cfg, parts ? "parts" : "moe",
+                       T, sk ? " skew" : "", bad, bad / D_MODEL, bad % D_MODEL, f3, r3[bad], f5,
+                       r5[bad]);
             }
         }
     setenv("DSV4_CUDA_FAST_MOE", cfg, 1);
+    be->ops->free(be, skew_d);
     free(fill);
     free(r3);
     free(r5);
@@ -1374,6 +1388,96 @@ lin_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o
     free(rep);
     free(v3);
     free(v2);
+}
+
+/* --- linear_multi against separate linears (kernels/cuda/fast_linear.cu) ------------- */
+
+/*
+ * The projections of one input the forward gives linear_multi (a ratio-4
+ * layer's xn: wq_a, wkv FP8; the indexer's compressor wkv / wgate (fp32
+ * out), its weights_proj BF16; the compressor's wkv / wgate BF16 fp32 out;
+ * then qr's wq_b/2 and idx_wq_b FP8) at T = 1, 5, 16: every output of the
+ * one call bit for bit equal to the separate linear calls' (each call's
+ * output filled with 0xff bytes first, so an output the call does not
+ * write differs).  One line per case.
+ */
+static void
+lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
+{
+    static const struct { int fp8, N, K; unsigned fl; } sh[] = {
+        { 1, 1024, 4096, 0 }, { 1, 512, 4096, 0 }, { 0, 256, 4096, DSV4_LIN_F32_OUT },
+        { 0, 256, 4096, DSV4_LIN_F32_OUT }, { 0, 64, 4096, 0 },
+        { 0, 1024, 4096, DSV4_LIN_F32_OUT }, { 0, 1024, 4096, DSV4_LIN_F32_OUT },
+        { 1, 16384, 1024, 0 }, { 1, 8192, 1024, 0 },
+    };
+    static const int groups[2][2] = { { 0, 7 }, { 7, 9 } };   /* [first, end) of sh */
+    static const int ts[] = { 1, 5, 16 };
+    enum { NS = sizeof(sh) / sizeof(sh[0]) };
+    struct dsv4_linear W[NS];
+    float *o1[NS], *o2[NS];
+    size_t maxn = 0;
+    uint8_t *fill;
+    float *h1, *h2;
+
+    for (int i = 0; i < NS; i++) {
+        size_t n = (size_t)16 * sh[i].N * sizeof(float);
+
+        W[i] = sh[i].fp8 ? make_fp8(be, sh[i].N, sh[i].K) : make_bf16(be, sh[i].N, sh[i].K);
+        o1[i] = dev_alloc(be, n);
+        o2[i] = dev_alloc(be, n);
+        maxn = n > maxn ? n : maxn;
+    }
+    fill = malloc(maxn);
+    h1 = malloc(maxn);
+    h2 = malloc(maxn);
+    if (fill == NULL || h1 == NULL || h2 == NULL)
+        exit(1);
+    memset(fill, 0xff, maxn);
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
+    for (int gi = 0; gi < 2; gi++)
+        for (size_t ti = 0; ti < sizeof(ts) / sizeof(ts[0]); ti++) {
+            int T = ts[ti], a = groups[gi][0], n = groups[gi][1] - a, bad = -1;
+            const struct dsv4_linear *Wp[NS];
+            unsigned fl[NS];
+            size_t at = 0;
+
+            for (int i = a; i < a + n; i++) {
+                size_t bytes = (size_t)T * sh[i].N * sizeof(float);
+
+                Wp[i - a] = &W[i];
+                fl[i - a] = sh[i].fl;
+                TRY("upload", be->ops->upload(be, o1[i], fill, bytes));
+                TRY("upload", be->ops->upload(be, o2[i], fill, bytes));
+                TRY("linear", be->ops->linear(be, o1[i], x, &W[i], T, sh[i].fl));
+            }
+            TRY("linear_multi", be->ops->linear_multi(be, n, &o2[a], x, Wp, fl, T));
+            for (int i = a; i < a + n && bad < 0; i++) {
+                size_t cnt = (size_t)T * sh[i].N;
+
+                TRY("download", be->ops->download(be, h1, o1[i], cnt * sizeof(float)));
+                TRY("download", be->ops->download(be, h2, o2[i], cnt * sizeof(float)));
+                at = lin_first_diff(h1, h2, cnt);
+                if (at < cnt)
+                    bad = i;
+            }
+            if (bad < 0) {
+                ty->ok++;
+                printf("ok   linear multi bits  %s T=%-2d %d linears == separate calls\n",
+                       gi ? "qr" : "xn", T, n);
+            } else {
+                ty->fail++;
+                printf("FAIL linear multi bits  %s T=%-2d linear %d (%d x %d) first difference at "
+                       "%zu: %.9g vs %.9g\n", gi ? "qr" : "xn", T, bad - a, sh[bad].N,
+                       sh[bad].K, at, h1[at], h2[at]);
+            }
+        }
+    for (int i = 0; i < NS; i++) {
+        be->ops->free(be, o1[i]);
+        be->ops->free(be, o2[i]);   /* the weights stay until the backend goes */
+    }
+    free(fill);
+    free(h1);
+    free(h2);
 }
 
 /*
@@ -2164,8 +2268,10 @@ main(int argc, char **argv)
     /* grouped activations (wo_a): (T, 8 * 4096), not bf16-valued (the op
      * rounds them) */
     xg = dev_normals(be, (size_t)T_MAX * O_GROUPS * D_MODEL, 1.0f, 0);
-    if (!only_moe && !only_g4)
+    if (!only_moe && !only_g4) {
         linear_all(be, tm, x, xh, xg, out, &ty);
+        lin_multi_bits(be, x, &ty);
+    }
     if (getenv("BENCH_FAST_ONLY") != NULL && strcmp(getenv("BENCH_FAST_ONLY"), "linear") == 0) {
         printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=linear)\n", ty.ok, ty.fail);
         dsv4_cuda_timer_destroy(tm);
