@@ -100,6 +100,7 @@ struct dsv4_model {
      * output groups and output columns */
     struct dsv4_comm *comm;
     int tp, tp_rank, Hl, Gl, Dl;
+    int moe_local;                 /* opts.moe_local in a group */
     float freqs_swa[64], freqs_comp[64];
     struct layer_state *L;
     struct page_pool pg[2];        /* ratio 4, ratio 128 */
@@ -350,6 +351,7 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->comm = opts->comm;
     m->tp = opts->comm != NULL ? opts->comm->size : opts->tp_size > 0 ? opts->tp_size : 1;
     m->tp_rank = opts->comm != NULL ? opts->comm->rank : opts->tp_rank;
+    m->moe_local = opts->moe_local && m->tp > 1;
     if (m->tp_rank < 0 || m->tp_rank >= m->tp ||
         (opts->comm != NULL && opts->tp_size > 0 &&
          (opts->tp_size != opts->comm->size || opts->tp_rank != opts->comm->rank))) {
@@ -953,7 +955,8 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
 }
 
 /* Routed + shared experts: m->xn -> m->y; over a group, each rank's
- * experts' parts summed (exact: the others' are zero), then combined. */
+ * experts' parts summed (exact: the others' are zero), then combined; with
+ * moe_local, combined on each rank, then summed (forward.h). */
 static enum dsv4_err
 experts(struct dsv4_model *m, const struct dsv4_layer_w *lw)
 {
@@ -967,6 +970,10 @@ experts(struct dsv4_model *m, const struct dsv4_layer_w *lw)
                         (float)c->swiglu_limit);
     TRY(ops->moe_parts(be, m->parts, m->xn, m->rid, m->rw, lw->experts, &lw->shared, T, k,
                        m->D, (float)c->swiglu_limit));
+    if (m->moe_local) {   /* this rank's rows combined, then the partial outputs summed */
+        TRY(ops->moe_combine(be, m->y, m->parts, m->rid, T, k, m->D));
+        return m->comm->ops->allreduce_sum(m->comm, be, m->y, (int64_t)T * m->D);
+    }
     TRY(m->comm->ops->allreduce_sum(m->comm, be, m->parts, ((int64_t)T * k + T) * m->D));
     return ops->moe_combine(be, m->y, m->parts, m->rid, T, k, m->D);
 }

@@ -862,6 +862,14 @@ rank_init_model(struct rank *k)
     mo.tp_size = (int)k->o.group_size;
     /* decode steps as CUDA graphs (one per batch size, kernels/forward.h) */
     mo.graphs = k->o.role == DSV4_ROLE_DECODE && !k->o.no_graphs;
+#ifdef DSV4_HAVE_CUDA
+    /* the experts' outputs combined on each rank before the group's sum
+     * with the fast kernels (kernels/forward.h "Model groups");
+     * DSV4_MOE_LOCAL=0 / 1 overrides */
+    mo.moe_local = cuda && dsv4_cuda_get_kernels(k->be);
+    if (getenv("DSV4_MOE_LOCAL") != NULL)
+        mo.moe_local = atoi(getenv("DSV4_MOE_LOCAL")) != 0;
+#endif
     mo.n_slots = k->o.slots;
     mo.max_seq_len = k->o.conf.max_seq;
     /* speculative decoding: verify steps feed 1 + DSV4_SPEC_MAX_DRAFT rows

@@ -23,7 +23,10 @@
  * Environment: DSV4_TEST_COMM=cudaipc runs the groups over the cudaipc
  * communicator (kernels/comm.h) instead of NCCL; DSV4_TEST_PREFILL=N adds,
  * after the script, a prefill of one N-token prompt (slot 0 reset, one
- * forward call) whose time is printed (the TTFT of the model alone).
+ * forward call) whose time is printed (the TTFT of the model alone);
+ * DSV4_TEST_MOE_LOCAL=0 / 1 sets the groups' moe_local (default: on with
+ * the fast kernels, as the rank daemons do; the exact kernels' groups stay
+ * bit-identical to one GPU only with it off).
  *
  * Exit status: 0 pass, 1 failure, 77 fewer than two CUDA devices.
  */
@@ -40,6 +43,7 @@
 #include "common/weights.h"
 #include "kernels/backend.h"
 #include "kernels/comm.h"
+#include "kernels/cuda_fast.h"
 #include "kernels/cuda_weights.h"
 #include "kernels/forward.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -102,6 +106,16 @@ long_prompt(void)
     return v != NULL ? atoi(v) : 0;
 }
 
+/* The group's moe_local (kernels/forward.h): on with the fast kernels, as
+ * the rank daemons set it; DSV4_TEST_MOE_LOCAL=0 / 1 overrides. */
+static int
+moe_local(struct dsv4_backend *be)
+{
+    const char *v = getenv("DSV4_TEST_MOE_LOCAL");
+
+    return v != NULL ? atoi(v) != 0 : dsv4_cuda_get_kernels(be) != 0;
+}
+
 static void
 run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
     const uint8_t *nccl_id)
@@ -149,6 +163,7 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
     }
     o.graphs = 1;
     o.comm = size > 1 ? *comm : NULL;
+    o.moe_local = moe_local(be);
     RTRY("model", dsv4_model_create(&m, be, &w, &o));
     tok = malloc((size_t)rows * sizeof(*tok));
     lg = malloc((size_t)B * V * sizeof(float));
@@ -343,8 +358,9 @@ times(const char *what, const struct result *r)
            r->finite ? "yes" : "NO");
     if (r->ms_long > 0)
         printf("| %s | prefill of one %d-token prompt (one call): %.1f ms (%.3f ms per token) "
-               "| comm %s |\n", what, long_prompt(), r->ms_long, r->ms_long / long_prompt(),
-               use_cudaipc() ? "cudaipc" : "nccl");
+               "| comm %s | moe_local %s |\n", what, long_prompt(), r->ms_long,
+               r->ms_long / long_prompt(), use_cudaipc() ? "cudaipc" : "nccl",
+               getenv("DSV4_TEST_MOE_LOCAL") != NULL ? getenv("DSV4_TEST_MOE_LOCAL") : "default");
 }
 
 int
