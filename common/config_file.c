@@ -34,6 +34,7 @@ static const char *const cfg_backends[] = { "cpu", "cuda", NULL };
 static const char *const cfg_numerics[] = { "ref", "hf", NULL };
 static const char *const cfg_yesno[] = { "no", "yes", NULL };
 static const char *const cfg_kernels[] = { "fast", "exact", NULL };
+static const char *const cfg_priority[] = { "decode", "none", NULL };
 static const char *const cfg_autoyesno[] = { "auto", "yes", "no", NULL };
 static const char *const cfg_comms[] = { "auto", "nccl", "cudaipc", "shm", NULL };
 
@@ -78,6 +79,7 @@ static const struct cfg_key cfg_keys[] = {
     { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
     { "kv_cudaipc_cache_mib", INT(kv_cudaipc_cache_mib, 0, 1 << 20) },
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
+    { "cuda_priority",      ENUM(cuda_priority, cfg_priority) },
     { "mps_sm_percent",     INT(mps_sm_percent, 0, 100) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
@@ -131,6 +133,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->kv_timeout_ms = 5000;
     snprintf(cfg->mtp, sizeof(cfg->mtp), "%s", "no");
     snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
+    snprintf(cfg->cuda_priority, sizeof(cfg->cuda_priority), "%s", "decode");
     /* passed on the H200s (docs/gpu.md "Decode-state handoff over CUDA IPC") */
     snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "auto");
     cfg->kv_cudaipc_cache_mib = 4096;

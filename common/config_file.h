@@ -118,6 +118,13 @@ struct dsv4_conf {
                                ones) or "exact" (bit-identical to the CPU
                                backend); the environment variable
                                DSV4_CUDA_KERNELS, when set, wins */
+    char cuda_priority[8];  /* [decode] CUDA stream priority of the ranks:
+                               "decode" (decode ranks' streams at the
+                               highest priority, prefill ranks' at the
+                               lowest: decode steps go first on a GPU both
+                               use) or "none"; the environment variable
+                               DSV4_CUDA_STREAM_PRIORITY (high / low), when
+                               set, wins */
     char kv_cudaipc[8];     /* [auto] decode state between the ranks of one
                                host through CUDA IPC handles (device memory,
                                no host copy; docs/gpu.md): "auto" (offered

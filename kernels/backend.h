@@ -431,7 +431,8 @@ enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numer
 /* The CUDA backend constructor (kernels/cuda/cuda_backend.cu; only in builds
  * with CUDA, where DSV4_HAVE_CUDA is defined): one stream on device `device`
  * (-1 = the calling thread's current device); the exact kernels, or the fast
- * ones (kernels/cuda_fast.h) when the environment has DSV4_CUDA_KERNELS=fast.  DSV4_ERR_NOTSUP when no CUDA
+ * ones (kernels/cuda_fast.h) when the environment has DSV4_CUDA_KERNELS=fast;
+ * DSV4_CUDA_STREAM_PRIORITY=high / low sets the stream's priority.  DSV4_ERR_NOTSUP when no CUDA
  * device is present.  Weights go to the device with dsv4_cuda_weights_upload
  * (kernels/cuda_weights.h). */
 enum dsv4_err dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,

@@ -823,6 +823,14 @@ rank_init_model(struct rank *k)
             if (setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", pct, 1) != 0)
                 fatal("rank_init: setenv");
         }
+        /* cuda_priority = decode: decode ranks' stream at the highest
+         * priority, prefill ranks' at the lowest (a GPU running both: the
+         * decode steps' blocks go first); read by the backend's stream
+         * creation, unless DSV4_CUDA_STREAM_PRIORITY is set already */
+        if (strcmp(k->o.conf.cuda_priority, "decode") == 0 &&
+            setenv("DSV4_CUDA_STREAM_PRIORITY",
+                   k->o.role == DSV4_ROLE_DECODE ? "high" : "low", 0) != 0)
+            fatal("rank_init: setenv");
         if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1)
             fatalx("rank_init: backend cuda: no CUDA device");
         /* `gpu` is the first device of the rank's group (rank r of the group

@@ -511,8 +511,17 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
     rc = device >= 0 ? cudaSetDevice(device) : cudaSuccess;
     if (rc == cudaSuccess)
         rc = cudaGetDevice(&st->device);
-    if (rc == cudaSuccess)
-        rc = cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking);
+    if (rc == cudaSuccess) {
+        /* DSV4_CUDA_STREAM_PRIORITY=high / low: the stream's scheduling
+         * priority (the rank daemons set it per role with `cuda_priority`:
+         * decode steps ahead of prefill kernels on a shared GPU) */
+        const char *pv = getenv("DSV4_CUDA_STREAM_PRIORITY");
+        int lo = 0, hi = 0, prio = 0;
+
+        if (pv != NULL && cudaDeviceGetStreamPriorityRange(&lo, &hi) == cudaSuccess)
+            prio = strcmp(pv, "high") == 0 ? hi : strcmp(pv, "low") == 0 ? lo : 0;
+        rc = cudaStreamCreateWithPriority(&st->stream, cudaStreamNonBlocking, prio);
+    }
     if (rc != cudaSuccess) {
         free(be);
         free(st);
