@@ -168,31 +168,43 @@ expect_same(const char *what, int rank, const float *got, const float *want, siz
     assert_int_equal(diff, 0);
 }
 
+/* The script on one rank holding all the weights (ref, model *ref_m) and
+ * on a group of two threads with opts.moe_local = moe_local (out[2]). */
+static void
+run_one_and_group(struct tmodel *tm, int moe_local, struct dsv4_model **ref_m,
+                  struct run_out *ref, struct run_out *out)
+{
+    struct dsv4_model_opts o = opts(NULL);
+
+    assert_int_equal(dsv4_model_create(ref_m, tm->be, &tm->w, &o), DSV4_OK);
+    run_alloc(ref);
+    run_script(*ref_m, ref);
+    if (ref->err != DSV4_OK)
+        fail_msg("one rank: %s", ref->msg);
+    for (int r = 0; r < 2; r++)
+        run_alloc(&out[r]);
+    o.moe_local = moe_local;
+    if (group_threads_run(&tm->w, 2, &o, rank_run, out) != DSV4_OK)
+        fail_msg("group: %s", dsv4_errmsg());
+    for (int r = 0; r < 2; r++)
+        if (out[r].err != DSV4_OK)
+            fail_msg("rank %d: %s", r, out[r].msg);
+}
+
 static void
 test_group_equals_one_rank(void **state)
 {
     struct tmodel tm;
     struct dsv4_model *ref_m = NULL;
-    struct dsv4_model_opts o = opts(NULL);
     struct run_out ref, out[2];
 
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
     V = tm.V;
-    assert_int_equal(dsv4_model_create(&ref_m, tm.be, &tm.w, &o), DSV4_OK);
-    run_alloc(&ref);
-    run_script(ref_m, &ref);
-    if (ref.err != DSV4_OK)
-        fail_msg("one rank: %s", ref.msg);
-    for (int r = 0; r < 2; r++)
-        run_alloc(&out[r]);
-    if (group_threads_run(&tm.w, 2, &o, rank_run, out) != DSV4_OK)
-        fail_msg("group: %s", dsv4_errmsg());
+    run_one_and_group(&tm, 0, &ref_m, &ref, out);
     for (int r = 0; r < 2; r++) {
         struct run_out *g = &out[r];
 
-        if (g->err != DSV4_OK)
-            fail_msg("rank %d: %s", r, g->msg);
         expect_same("prefill", r, g->prefill, ref.prefill, (size_t)N_PROMPT * V);
         expect_same("decode steps", r, g->steps, ref.steps, (size_t)N_STEPS * N_SEQ * V);
         expect_same("mtp", r, g->mtp, ref.mtp, (size_t)N_PROMPT * V);
@@ -272,17 +284,17 @@ moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be)
  * moe_local (kernels/forward.h): each rank combines its own experts' rows,
  * then the group sums the partial outputs.  The ranks must agree bit for
  * bit on everything and the partial outputs must add up to the experts'
- * output (moe_local_identity).  The logits are not compared with the single
- * rank's: the changed rounding of the MoE output grows through the random
- * tiny model's layers as any numerics change does (docs/model.md §4: the
- * hf and ref modes of the same model differ by ~14% median).
+ * output (moe_local_identity).  Against the single rank only a statistical
+ * bound: the changed rounding of the MoE output grows through the random
+ * tiny model's layers as any numerics change does (docs/gpu.md: the hf and
+ * ref modes of one model differ by ~14% median), and greedy decode steps
+ * may part at near ties.
  */
 static void
 test_group_moe_local(void **state)
 {
     struct tmodel tm;
     struct dsv4_model *ref_m = NULL;
-    struct dsv4_model_opts o = opts(NULL);
     struct run_out ref, out[2];
     size_t np;
     int finite = 1;
@@ -293,19 +305,7 @@ test_group_moe_local(void **state)
     V = tm.V;
     np = (size_t)N_PROMPT * V;
     moe_local_identity(&tm.w, tm.be);
-    assert_int_equal(dsv4_model_create(&ref_m, tm.be, &tm.w, &o), DSV4_OK);
-    run_alloc(&ref);
-    run_script(ref_m, &ref);
-    if (ref.err != DSV4_OK)
-        fail_msg("one rank: %s", ref.msg);
-    for (int r = 0; r < 2; r++)
-        run_alloc(&out[r]);
-    o.moe_local = 1;
-    if (group_threads_run(&tm.w, 2, &o, rank_run, out) != DSV4_OK)
-        fail_msg("group: %s", dsv4_errmsg());
-    for (int r = 0; r < 2; r++)
-        if (out[r].err != DSV4_OK)
-            fail_msg("rank %d: %s", r, out[r].msg);
+    run_one_and_group(&tm, 1, &ref_m, &ref, out);
     expect_same("prefill (moe_local) vs rank 0", 1, out[1].prefill, out[0].prefill, np);
     expect_same("decode steps (moe_local) vs rank 0", 1, out[1].steps, out[0].steps,
                 (size_t)N_STEPS * N_SEQ * V);
