@@ -76,7 +76,8 @@ struct dsv4_model_opts {
  * group all-reduces those (T, D) partial outputs: a (T*k + T) / T times
  * smaller exchange (7x at k = 6: 235 MB a layer at a 2,048-token prefill),
  * as DeepSeek's reference does its expert parallelism.  Every rank still
- * computes the same bits as the others, but no longer a single rank's:
+ * computes the same bits as the others (every communicator adds the ranks'
+ * values in rank order on every rank), but no longer a single rank's:
  * the sum of two bf16-rounded partial outputs is not the bf16 sum of all
  * rows.  The rank daemons set it with the CUDA fast kernels (which differ
  * from the exact ones by rounding anyway); the exact kernels and the CPU
