@@ -37,6 +37,7 @@
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common/err.h"
 #include "kernels/backend.h"
@@ -88,6 +89,14 @@ struct cuda_state {
                                            DSV4_CUDA_LINEAR=v1r at create, or
                                            dsv4_cuda_set_linear_reduce) */
 };
+
+/* Whether be is a CUDA backend (the entry points that take any backend
+ * check this before cuda_st). */
+static inline int
+cuda_is_backend(const struct dsv4_backend *be)
+{
+    return be != NULL && be->name != NULL && strcmp(be->name, "cuda") == 0;
+}
 
 static inline struct cuda_state *
 cuda_st(struct dsv4_backend *be)

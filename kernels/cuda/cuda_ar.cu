@@ -820,7 +820,7 @@ dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be, int ra
     static_assert(sizeof(cudaIpcMemHandle_t) <= (AR_ROW - 4) * sizeof(uint64_t),
                   "IPC handle larger than its row");
     *out = NULL;
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return dsv4_err_set(DSV4_ERR_INVAL, "comm cudaipc: not a CUDA backend");
     if (size < 2 || size > AR_MAX || rank < 0 || rank >= size || max_bytes == 0 ||
         timeout_ms <= 0 || !dsv4_comm_id_is_cudaipc(id))

@@ -363,7 +363,7 @@ dsv4_cuda_graph_kernels(const struct dsv4_backend *be, int *nodes)
 {
     const struct cuda_state *st;
 
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return -1;
     st = (const struct cuda_state *)be->priv;
     if (nodes != NULL)
@@ -376,7 +376,7 @@ dsv4_cuda_context_lost(struct dsv4_backend *be)
 {
     cudaError_t rc;
 
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return 0;
     rc = cudaStreamQuery(cuda_stream(be));
     return rc != cudaSuccess && rc != cudaErrorNotReady;

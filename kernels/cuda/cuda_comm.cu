@@ -194,7 +194,7 @@ dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
     *out = NULL;
     if (e != DSV4_OK)
         return e;
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return dsv4_err_set(DSV4_ERR_INVAL, "comm nccl: not a CUDA backend");
     if (rank < 0 || rank >= size)
         return dsv4_err_set(DSV4_ERR_INVAL, "comm nccl: rank %d of %d", rank, size);

@@ -118,6 +118,16 @@ lin_launch(struct dsv4_backend *be, float *out, const float *x, const float *sx,
     return DSV4_OK;
 }
 
+/* Whether cuda_linear gives W at T rows to the fast decode linear: the fast
+ * kernels are on, neither prefill GEMM takes it (they come first) and the
+ * decode linear does. */
+static int
+lin_fast_decode(struct dsv4_backend *be, const struct dsv4_linear *W, int T)
+{
+    return cuda_st(be)->fast_kernels && !cuda_fast_gemm_linear_ok(be, W, T) &&
+           !cuda_fast_gemm_bf16_ok(be, W, T) && cuda_fast_linear_ok(be, W);
+}
+
 enum dsv4_err
 cuda_linear(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W,
             int T, unsigned flags)
@@ -134,7 +144,7 @@ cuda_linear(struct dsv4_backend *be, float *out, const float *x, const struct ds
         return cuda_fast_gemm_linear(be, out, x, W, T);   /* fast_gemm.cu: prefill */
     if (cuda_st(be)->fast_kernels && cuda_fast_gemm_bf16_ok(be, W, T))
         return cuda_fast_gemm_bf16(be, out, x, W, T, flags);   /* fast_gemm.cu: prefill */
-    if (cuda_st(be)->fast_kernels && cuda_fast_linear_ok(be, W))
+    if (lin_fast_decode(be, W, T))
         return cuda_fast_linear(be, out, x, W, T, flags);   /* fast_linear.cu */
     if (cuda_lin_quantizes(be, W->fmt)) {
         size_t xb = cuda_align((size_t)T * K * sizeof(float));
@@ -152,20 +162,17 @@ cuda_linear(struct dsv4_backend *be, float *out, const float *x, const struct ds
     return lin_launch(be, out, x, NULL, W, T, K, W->n_out, 0, round_out);
 }
 
-/* The fast decode linear takes all n in one go when each would take it
- * alone (cuda_linear's order: the prefill GEMMs first) and they fit one
- * pass of tokens; otherwise the composition (n cuda_linear calls). */
+/* The fast decode linear takes all n in one go when cuda_linear would give
+ * each of them to it (lin_fast_decode) and they fit one pass of tokens;
+ * otherwise the composition (n cuda_linear calls). */
 enum dsv4_err
 cuda_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const float *x,
                   const struct dsv4_linear *const *Ws, const unsigned *flags, int T)
 {
-    int fast = cuda_st(be)->fast_kernels && n >= 1 && n <= DSV4_LINEAR_MULTI_MAX && T >= 1 &&
-               T <= 16;
+    int fast = n >= 1 && n <= DSV4_LINEAR_MULTI_MAX && T >= 1 && T <= 16;
 
     for (int i = 0; fast && i < n; i++)
-        fast = lin_check(Ws[i]) && Ws[i]->n_in == Ws[0]->n_in &&
-               !cuda_fast_gemm_linear_ok(be, Ws[i], T) && !cuda_fast_gemm_bf16_ok(be, Ws[i], T) &&
-               cuda_fast_linear_ok(be, Ws[i]);
+        fast = lin_check(Ws[i]) && Ws[i]->n_in == Ws[0]->n_in && lin_fast_decode(be, Ws[i], T);
     if (fast)
         return cuda_fast_linear_multi(be, n, outs, x, Ws, flags, T);
     return dsv4_linear_multi_compose(be, n, outs, x, Ws, flags, T);

@@ -335,7 +335,7 @@ dsv4_cuda_share_supported(struct dsv4_backend *be)
     int vmm = 0, fd = 0;
     CUresult r;
 
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0) {
+    if (!cuda_is_backend(be)) {
         dsv4_err_set(DSV4_ERR_INVAL, "weights share: not a CUDA backend");
         return 0;
     }

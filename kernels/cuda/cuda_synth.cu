@@ -462,7 +462,7 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
     cudaError_t rc;
 
     memset(dev, 0, sizeof(*dev));
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: not a CUDA backend");
     if (rank < 0 || rank >= size)
         return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: rank %d of %d", rank, size);

@@ -272,7 +272,7 @@ dsv4_cuda_weights_upload_arena(struct dsv4_backend *be, struct dsv4_weights *dev
     enum dsv4_err e;
 
     memset(dev, 0, sizeof(*dev));
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return dsv4_err_set(DSV4_ERR_INVAL, "cuda weights: not a CUDA backend");
     p = (struct cuda_wpriv *)calloc(1, sizeof(*p));
     if (p == NULL)

@@ -10,16 +10,10 @@
 
 #include "kernels/cuda/cuda.cuh"
 
-static int
-fast_is_cuda(const struct dsv4_backend *be)
-{
-    return be != NULL && be->name != NULL && strcmp(be->name, "cuda") == 0;
-}
-
 extern "C" enum dsv4_err
 dsv4_cuda_set_kernels(struct dsv4_backend *be, int fast)
 {
-    if (!fast_is_cuda(be))
+    if (!cuda_is_backend(be))
         return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_set_kernels: not a CUDA backend");
     cuda_st(be)->fast_kernels = fast != 0;
     return DSV4_OK;
@@ -28,7 +22,7 @@ dsv4_cuda_set_kernels(struct dsv4_backend *be, int fast)
 extern "C" int
 dsv4_cuda_get_kernels(const struct dsv4_backend *be)
 {
-    return fast_is_cuda(be) ? ((const struct cuda_state *)be->priv)->fast_kernels : 0;
+    return cuda_is_backend(be) ? ((const struct cuda_state *)be->priv)->fast_kernels : 0;
 }
 
 /* DSV4_CUDA_PDL: on unless "0" (the default since run 14 on the H200,
@@ -100,7 +94,7 @@ dsv4_cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *
     size_t bytes = (size_t)n * sizeof(*host);
     enum dsv4_err e;
 
-    if (!fast_is_cuda(be) || n <= 0)
+    if (!cuda_is_backend(be) || n <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_experts_register: not a CUDA backend "
                             "or n=%d", n);
     if (cuda_experts_find(be, host) != NULL)
@@ -121,7 +115,7 @@ dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert_w *h
 {
     const struct cuda_expert_table *t;
 
-    if (!fast_is_cuda(be) || (t = cuda_experts_find(be, host)) == NULL)
+    if (!cuda_is_backend(be) || (t = cuda_experts_find(be, host)) == NULL)
         return;
     (void)cudaStreamSynchronize(cuda_stream(be));   /* queued work may read it */
     cudaFree(t->dev);
@@ -138,7 +132,7 @@ dsv4_cuda_timer_create(struct dsv4_backend *be)
 {
     struct dsv4_cuda_timer *t;
 
-    if (!fast_is_cuda(be)) {
+    if (!cuda_is_backend(be)) {
         dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_timer_create: not a CUDA backend");
         return NULL;
     }

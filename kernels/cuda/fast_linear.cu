@@ -395,21 +395,26 @@ struct flm_red {
     int n;
 };
 
-/* out[i] = Σ_y part[y, i] in order, then rounded. */
+/* out[i] = Σ_y part[y, i] in order (G partials of n values), then rounded. */
+static __device__ __forceinline__ void
+fl_reduce_one(float *out, const float *part, int64_t n, int G, int round_out, int64_t i)
+{
+    float v = part[i];
+
+    for (int y = 1; y < G; y++)
+        v += part[(int64_t)y * n + i];
+    out[i] = round_out ? cu_bf16_round(v) : v;
+}
+
 static __global__ void
 fl_reduce_kernel(float *out, const float *part, int64_t n, int G, int round_out)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
     int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    float v;
 
-    if (i >= n)
-        return;
-    v = part[i];
-    for (int y = 1; y < G; y++)
-        v += part[(int64_t)y * n + i];
-    out[i] = round_out ? cu_bf16_round(v) : v;
+    if (i < n)
+        fl_reduce_one(out, part, n, G, round_out, i);
 }
 
 /* fl_reduce_kernel's sums for each linear of r (the same expression). */
@@ -418,20 +423,15 @@ flm_reduce_kernel(struct flm_red r)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
-    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, n;
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     int e = 0;
-    float v;
 
     if (i >= r.off[r.n])
         return;
     while (e + 1 < r.n && i >= r.off[e + 1])
         e++;
-    i -= r.off[e];
-    n = r.off[e + 1] - r.off[e];
-    v = r.part[e][i];
-    for (int y = 1; y < r.G[e]; y++)
-        v += r.part[e][(int64_t)y * n + i];
-    r.out[e][i] = r.round_out[e] ? cu_bf16_round(v) : v;
+    fl_reduce_one(r.out[e], r.part[e], r.off[e + 1] - r.off[e], r.G[e], r.round_out[e],
+                  i - r.off[e]);
 }
 
 /* --- the one-launch form ------------------------------------------------------------------ */
@@ -861,7 +861,7 @@ dsv4_cuda_set_linear(struct dsv4_backend *be, int tmax)
 {
     int was;
 
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return -1;
     was = cuda_st(be)->lin_tmax;
     cuda_st(be)->lin_tmax = tmax < 0 ? 0 : tmax;
@@ -873,7 +873,7 @@ dsv4_cuda_set_linear_reduce(struct dsv4_backend *be, int in_kernel)
 {
     int was;
 
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return -1;
     was = cuda_st(be)->lin_red;
     cuda_st(be)->lin_red = in_kernel != 0;
@@ -913,7 +913,7 @@ dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_bad, uint32_t 
     unsigned hf = 0xffffffffu;
     cudaStream_t st;
 
-    if (be == NULL || be->name == NULL || strcmp(be->name, "cuda") != 0)
+    if (!cuda_is_backend(be))
         return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_linear_quant_check: not a CUDA backend");
     st = cuda_stream(be);
     CUDA_TRY(cudaMalloc((void **)&d, 16));
@@ -962,6 +962,45 @@ fl_mode(const struct dsv4_linear *W, int grouped)
     return grouped ? FL_GROUPED : W->fmt == DSV4_WFMT_FP8 ? FL_FP8 : FL_BF16;
 }
 
+/* The tile kernel's arguments for W (mode, split sp) at T rows of x (row
+ * stride xcols; R rows per group, N when not grouped), with x prepared at
+ * xv / xl / sx, the split-K partials at part (G > 1) and the output out. */
+static struct fl_args
+fl_args_for(const struct dsv4_linear *W, int mode, const struct fl_split *sp, int T,
+            int64_t xcols, int R, unsigned flags, const float *x, const uint16_t *xv,
+            const uint16_t *xl, const float *sx, float *part, float *out)
+{
+    struct fl_args a;
+
+    memset(&a, 0, sizeof(a));
+    a.W = *W;
+    a.xv = xv;
+    a.xl = xl;
+    a.sx = sx;
+    a.part = sp->G > 1 ? part : NULL;
+    a.out = out;
+    a.T = T;
+    a.N = W->n_out;
+    a.K = W->n_in;
+    a.nb = sp->nb;
+    a.xstride = xcols;
+    a.R = R;
+    a.bps = sp->bps;
+    a.bk = sp->bk;
+    a.round_out = !(mode == FL_BF16 && (flags & DSV4_LIN_F32_OUT));
+    a.x = x;
+    return a;
+}
+
+/* x = hi + lo for n values (fk_split_kernel; lo NULL: hi = bf16(x) only). */
+static enum dsv4_err
+fk_split(struct dsv4_backend *be, uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
+{
+    cu_launch(fk_split_kernel, cuda_blocks(n, 256), 256, 0, cuda_stream(be), hi, lo, x, n);
+    CUDA_LAUNCHED("fast split");
+    return DSV4_OK;
+}
+
 size_t
 cuda_fast_linear_scratch(const struct dsv4_linear *W, int T, int G)
 {
@@ -981,7 +1020,6 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
     int64_t xcols = (int64_t)K * (G > 0 ? G : 1), n = (int64_t)T * xcols;
     struct fl_split sp = fl_split_for(N, K, mode == FL_BF16 ? 1 : 2);
     struct fl_scratch b = fl_scratch_for(mode, &sp, T, xcols, N);
-    cudaStream_t st = cuda_stream(be);
     char *base;
     struct fl_args a;
     enum dsv4_err e;
@@ -993,25 +1031,10 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast linear: no scratch for %d x %lld", T,
                             (long long)xcols);
     base += off;
-    a.W = *W;
-    a.xv = (const uint16_t *)base;
-    a.xl = mode == FL_BF16 ? (const uint16_t *)(base + b.v) : NULL;
-    a.sx = mode == FL_FP8 ? (const float *)(base + b.v) : NULL;
-    a.part = sp.G > 1 ? (float *)(base + b.v + b.l + b.s) : NULL;
-    a.out = out;
-    a.T = T;
-    a.t0 = 0;
-    a.N = N;
-    a.K = K;
-    a.nb = sp.nb;
-    a.xstride = xcols;
-    a.R = G > 0 ? N / G : N;
-    a.bps = sp.bps;
-    a.bk = sp.bk;
-    a.round_out = !(mode == FL_BF16 && (flags & DSV4_LIN_F32_OUT));
-    a.x = x;
-    a.ctr = NULL;
-    a.nt = a.rs = a.ld = 0;
+    a = fl_args_for(W, mode, &sp, T, xcols, G > 0 ? N / G : N, flags, x, (const uint16_t *)base,
+                    mode == FL_BF16 ? (const uint16_t *)(base + b.v) : NULL,
+                    mode == FL_FP8 ? (const float *)(base + b.v) : NULL,
+                    (float *)(base + b.v + b.l + b.s), out);
     if (flf_applies(be, mode, &sp, x, N, a.R, T))
         return mode == FL_FP8 ? flf_run<FL_FP8, 2>(be, &a, &sp)
              : mode == FL_GROUPED ? flf_run<FL_GROUPED, 2>(be, &a, &sp)
@@ -1022,16 +1045,12 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
         if (e != DSV4_OK)
             return e;
         return fl_run<FL_FP8, 2>(be, &a, &sp);
-    case FL_GROUPED:
-        cu_launch(fk_split_kernel, cuda_blocks(n, 256), 256, 0, st, (uint16_t *)a.xv,
-                  (uint16_t *)NULL, x, n);
-        CUDA_LAUNCHED("fast bf16 round");
-        return fl_run<FL_GROUPED, 2>(be, &a, &sp);
+    case FL_GROUPED:   /* bf16(x) only */
+        e = fk_split(be, (uint16_t *)a.xv, NULL, x, n);
+        return e != DSV4_OK ? e : fl_run<FL_GROUPED, 2>(be, &a, &sp);
     default:
-        cu_launch(fk_split_kernel, cuda_blocks(n, 256), 256, 0, st, (uint16_t *)a.xv,
-                  (uint16_t *)a.xl, x, n);
-        CUDA_LAUNCHED("fast split");
-        return fl_run<FL_BF16, 1>(be, &a, &sp);
+        e = fk_split(be, (uint16_t *)a.xv, (uint16_t *)a.xl, x, n);
+        return e != DSV4_OK ? e : fl_run<FL_BF16, 1>(be, &a, &sp);
     }
 }
 
@@ -1082,19 +1101,17 @@ cuda_fast_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const
 {
     struct fl_args a[DSV4_LINEAR_MULTI_MAX];
     struct fl_split sp[DSV4_LINEAR_MULTI_MAX];
-    int idx[2][DSV4_LINEAR_MULTI_MAX], cnt[2] = { 0, 0 }, K = Ws[0]->n_in, nb = K / 128;
+    int idx[2][DSV4_LINEAR_MULTI_MAX], cnt[2] = { 0, 0 }, K = Ws[0]->n_in;
     size_t b_v = cuda_align((size_t)T * K * sizeof(uint16_t)), total = 0, at;
-    size_t b_s = cuda_align((size_t)T * nb * sizeof(float)), part[DSV4_LINEAR_MULTI_MAX];
+    size_t b_s = cuda_align((size_t)T * (K / 128) * sizeof(float)), part[DSV4_LINEAR_MULTI_MAX];
     struct flm_red r;
-    cudaStream_t st = cuda_stream(be);
     char *base;
 
     for (int i = 0; i < n; i++) {
-        int fp8 = Ws[i]->fmt == DSV4_WFMT_FP8;
+        int mode = fl_mode(Ws[i], 0), fp8 = mode == FL_FP8;
 
         sp[i] = fl_split_for(Ws[i]->n_out, K, fp8 ? 2 : 1);
-        part[i] = sp[i].G > 1 ? cuda_align((size_t)sp[i].G * T * Ws[i]->n_out * sizeof(float))
-                              : 0;
+        part[i] = fl_scratch_for(mode, &sp[i], T, K, Ws[i]->n_out).p;
         total += part[i];
         idx[fp8][cnt[fp8]++] = i;
     }
@@ -1116,32 +1133,17 @@ cuda_fast_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const
                 return e;
         }
         if (cnt[0]) {
-            cu_launch(fk_split_kernel, cuda_blocks((int64_t)T * K, 256), 256, 0, st, hi,
-                      (uint16_t *)((char *)hi + b_v), x, (int64_t)T * K);
-            CUDA_LAUNCHED("fast split (multi)");
+            e = fk_split(be, hi, (uint16_t *)((char *)hi + b_v), x, (int64_t)T * K);
+            if (e != DSV4_OK)
+                return e;
         }
         for (int i = 0; i < n; i++) {
-            int fp8 = Ws[i]->fmt == DSV4_WFMT_FP8;
+            int mode = fl_mode(Ws[i], 0), fp8 = mode == FL_FP8;
 
-            memset(&a[i], 0, sizeof(a[i]));
-            a[i].W = *Ws[i];
-            a[i].xv = fp8 ? v8 : hi;
-            a[i].xl = fp8 ? NULL : (const uint16_t *)((char *)hi + b_v);
-            a[i].sx = fp8 ? sx : NULL;
-            a[i].part = sp[i].G > 1 ? (float *)pp : NULL;
+            a[i] = fl_args_for(Ws[i], mode, &sp[i], T, K, Ws[i]->n_out, flags[i], x,
+                               fp8 ? v8 : hi, fp8 ? NULL : (const uint16_t *)((char *)hi + b_v),
+                               fp8 ? sx : NULL, (float *)pp, outs[i]);
             pp += part[i];
-            a[i].out = outs[i];
-            a[i].T = T;
-            a[i].N = Ws[i]->n_out;
-            a[i].K = K;
-            a[i].nb = sp[i].nb;
-            a[i].xstride = K;
-            a[i].R = Ws[i]->n_out;
-            a[i].bps = sp[i].bps;
-            a[i].bk = sp[i].bk;
-            a[i].round_out = !(!fp8 && (flags[i] & DSV4_LIN_F32_OUT));
-            a[i].x = x;
-            a[i].nt = T;
         }
     }
     if (cnt[1]) {
@@ -1163,7 +1165,7 @@ cuda_fast_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const
             r.n++;
         }
     if (r.n > 0) {
-        cu_launch(flm_reduce_kernel, cuda_blocks(r.off[r.n], 256), 256, 0, st, r);
+        cu_launch(flm_reduce_kernel, cuda_blocks(r.off[r.n], 256), 256, 0, cuda_stream(be), r);
         CUDA_LAUNCHED("fast linear multi reduce");
     }
     return DSV4_OK;
