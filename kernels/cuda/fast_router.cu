@@ -5,52 +5,73 @@
  * instead of one thread per token (cuda_moe.cu).  Used by cuda_router for
  * every call it accepts when dsv4_cuda_set_kernels(be, 1) was called.
  *
- * Per token t (block t):
+ * Per token t (block t, the logits and the values in shared memory):
  *   1. s[i] = sqrtf(softplus(l[i])) (the exact path's expression), and the
  *      ranking value v[i] = s[i] + bias[i], one thread per expert, strided;
- *   2. learned routing: the rank of expert i is the number of experts j with
- *      v[j] > v[i], plus those with v[j] == v[i] and j < i; the experts of
- *      rank < k are the picks, ids[t, rank] = i.  For values that are not
- *      NaN this is exactly the exact path's insertion top-k (best first,
- *      ties to the lower id); a NaN ranks as -inf here (the exact path's
- *      insertion order around a NaN is not a ranking).  Hash routing:
- *      ids = tid2eid[tokens[t]] clamped into [0, E), as the exact path does;
+ *   2. learned routing: k rounds of a block argmax over the experts not yet
+ *      picked, by v then by the lower id (each thread its strided experts,
+ *      an xor butterfly per warp, the warps' winners in warp order); round
+ *      j's winner is ids[t, j].  That is the order of the rank "experts j
+ *      with v[j] > v[i], plus those with v[j] == v[i] and j < i": for
+ *      values that are not NaN exactly the exact path's insertion top-k
+ *      (best first, ties to the lower id); a NaN ranks as -inf here (the
+ *      exact path's insertion order around a NaN is not a ranking).  (The
+ *      first kernel counted each expert's rank over all E others: E^2 / 256
+ *      dependent loads per thread, 16 us a call on the H200, perf.md run
+ *      29.)  Hash routing: ids = tid2eid[tokens[t]] clamped into [0, E), as
+ *      the exact path does;
  *   3. weights = s[id] / Σ_j s[ids_j] * route_scale, the sum in pick order
  *      (+ 1e-20 under HF numerics), by one thread as the exact path does.
  * Given the same logits the outputs are the exact path's bits; the logits
  * come from the fast linear (another summation order), so a pick can differ
  * where two experts' scores are within rounding of each other (near ties).
  *
- * Scratch: logits s (T, E), ranking values v (T, E), then the fast linear's
- * own scratch (cuda_fast_linear_at or cuda_fast_gemm_bf16_at at the offset
- * after them), one reservation so that no buffer moves.
+ * Scratch: logits (T, E), then the fast linear's own scratch
+ * (cuda_fast_linear_at or cuda_fast_gemm_bf16_at at the offset after them),
+ * one reservation so that no buffer moves.
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_gemm.cuh"
 
+#include <limits.h>
+
 #define FR_THREADS 256
 #define FR_MAX_K 64      /* the exact router's bound */
+#define FR_MAX_E 4096    /* s and v of one token in shared memory (32 KiB) */
+
+/* Whether expert (va, ia) ranks before (vb, ib): larger value, then lower
+ * id.  A NaN never does (picked experts are marked NaN). */
+static __device__ __forceinline__ bool
+fr_before(float va, int ia, float vb, int ib)
+{
+    return va > vb || (va == vb && ia < ib);
+}
 
 static __global__ void __launch_bounds__(FR_THREADS)
-fr_kernel(float *weights, int32_t *ids, float *s, float *v, const float *bias,
+fr_kernel(float *weights, int32_t *ids, const float *logits, const float *bias,
           const int64_t *tid2eid, const int32_t *tokens, int E, int k, float route_scale,
           int hf)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
+    extern __shared__ float fr_smem[];   /* s (E), v (E) */
     __shared__ int32_t sid[FR_MAX_K];
+    __shared__ float wbv[FR_THREADS / 32];
+    __shared__ int wbi[FR_THREADS / 32];
     __shared__ float ssum;
     int64_t t = blockIdx.x;
-    float *st = s + t * E, *vt = v + t * E;
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const float *lt = logits + t * E;
+    float *st = fr_smem, *vt = fr_smem + E;
 
     for (int i = threadIdx.x; i < E; i += FR_THREADS) {
-        float l = st[i], sv = sqrtf(l > 20.0f ? l : cu_log1pf(cu_expf(l)));
+        float l = lt[i], sv = sqrtf(l > 20.0f ? l : cu_log1pf(cu_expf(l)));
         float rv = sv + (bias != NULL ? bias[i] : 0.0f);
 
         st[i] = sv;
         vt[i] = isnan(rv) ? -__int_as_float(0x7f800000) : rv;
     }
-    __syncthreads();   /* st, vt (global) visible to the block */
+    __syncthreads();
     if (tid2eid != NULL) {
         for (int j = threadIdx.x; j < k; j += FR_THREADS) {
             int64_t e = tid2eid[(int64_t)tokens[t] * k + j];
@@ -58,17 +79,31 @@ fr_kernel(float *weights, int32_t *ids, float *s, float *v, const float *bias,
             sid[j] = (int32_t)(e < 0 ? 0 : (e >= E ? E - 1 : e));
         }
     } else {
-        for (int i = threadIdx.x; i < E; i += FR_THREADS) {
-            float vi = vt[i];
-            int rank = 0;
+        for (int j = 0; j < k; j++) {
+            float bv = -__int_as_float(0x7f800000);
+            int bi = INT_MAX;
 
-            for (int j = 0; j < E && rank < k; j++) {
-                float vj = vt[j];
+            for (int i = threadIdx.x; i < E; i += FR_THREADS)
+                if (fr_before(vt[i], i, bv, bi))
+                    bv = vt[i], bi = i;
+            for (int o = 16; o > 0; o /= 2) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
 
-                rank += vj > vi || (vj == vi && j < i);
+                if (fr_before(ov, oi, bv, bi))
+                    bv = ov, bi = oi;
             }
-            if (rank < k)
-                sid[rank] = i;
+            if (lane == 0)
+                wbv[warp] = bv, wbi[warp] = bi;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                for (int w = 1; w < FR_THREADS / 32; w++)
+                    if (fr_before(wbv[w], wbi[w], bv, bi))
+                        bv = wbv[w], bi = wbi[w];
+                sid[j] = bi;
+                vt[bi] = __int_as_float(0x7fffffff);   /* picked: NaN */
+            }
+            __syncthreads();
         }
     }
     __syncthreads();
@@ -98,23 +133,26 @@ cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t *ids, const fl
     size_t sb = cuda_align((size_t)T * E * sizeof(float));
     size_t lb = fg ? cuda_fast_gemm_bf16_scratch(gate, T)
                    : fl ? cuda_fast_linear_scratch(gate, T, 0) : 0;
-    float *s, *v;
+    float *s;
     enum dsv4_err e;
 
+    if (E > FR_MAX_E || k > FR_MAX_K)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda fast router: E=%d (max %d), k=%d (max %d)",
+                            E, FR_MAX_E, k, FR_MAX_K);
     if (T <= 0)
         return DSV4_OK;
-    s = (float *)cuda_scratch(be, 2 * sb + lb);
+    s = (float *)cuda_scratch(be, sb + lb);
     if (s == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast router: no scratch");
-    v = (float *)((char *)s + sb);
     /* the exact linear (when the fast one does not apply) takes no scratch */
-    e = fg ? cuda_fast_gemm_bf16_at(be, s, x, gate, T, DSV4_LIN_F32_OUT, 2 * sb)   /* prefill */
-        : fl ? cuda_fast_linear_at(be, s, x, gate, T, DSV4_LIN_F32_OUT, 0, 2 * sb)
+    e = fg ? cuda_fast_gemm_bf16_at(be, s, x, gate, T, DSV4_LIN_F32_OUT, sb)   /* prefill */
+        : fl ? cuda_fast_linear_at(be, s, x, gate, T, DSV4_LIN_F32_OUT, 0, sb)
              : cuda_linear(be, s, x, gate, T, DSV4_LIN_F32_OUT);
     if (e != DSV4_OK)
         return e;
-    cu_launch(fr_kernel, T, FR_THREADS, 0, cuda_stream(be), weights, ids, s, v, bias, tid2eid,
-              tokens, E, k, route_scale, be->numerics == DSV4_NUMERICS_HF);
+    cu_launch(fr_kernel, T, FR_THREADS, 2 * (size_t)E * sizeof(float), cuda_stream(be),
+              weights, ids, (const float *)s, bias, tid2eid, tokens, E, k, route_scale,
+              be->numerics == DSV4_NUMERICS_HF);
     CUDA_LAUNCHED("fast router");
     return DSV4_OK;
 }
