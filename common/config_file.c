@@ -35,6 +35,7 @@ static const char *const cfg_numerics[] = { "ref", "hf", NULL };
 static const char *const cfg_yesno[] = { "no", "yes", NULL };
 static const char *const cfg_kernels[] = { "fast", "exact", NULL };
 static const char *const cfg_priority[] = { "decode", "none", NULL };
+static const char *const cfg_split[] = { "auto", "ep", "tp", NULL };
 static const char *const cfg_autoyesno[] = { "auto", "yes", "no", NULL };
 static const char *const cfg_comms[] = { "auto", "nccl", "cudaipc", "shm", NULL };
 
@@ -80,6 +81,7 @@ static const struct cfg_key cfg_keys[] = {
     { "kv_cudaipc_cache_mib", INT(kv_cudaipc_cache_mib, 0, 1 << 20) },
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
     { "cuda_priority",      ENUM(cuda_priority, cfg_priority) },
+    { "expert_split",       ENUM(expert_split, cfg_split) },
     { "mps_sm_percent",     INT(mps_sm_percent, 0, 100) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
@@ -134,6 +136,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->mtp, sizeof(cfg->mtp), "%s", "no");
     snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
     snprintf(cfg->cuda_priority, sizeof(cfg->cuda_priority), "%s", "decode");
+    snprintf(cfg->expert_split, sizeof(cfg->expert_split), "%s", "auto");
     /* passed on the H200s (docs/gpu.md "Decode-state handoff over CUDA IPC") */
     snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "auto");
     cfg->kv_cudaipc_cache_mib = 4096;

@@ -64,7 +64,9 @@ struct dsv4_model_opts {
  * Model groups.  With opts.comm, the model is one rank of a group that runs
  * the forward together: each rank holds its shard of the weights
  * (common/weights_shard.h: its query heads and output groups of attention,
- * its columns of wo_b, its routed experts, every size-th shared expert) and
+ * its columns of wo_b; by the expert split, its routed experts and every
+ * size-th shared expert (ep) or its slice of every expert's intermediate
+ * size (tp)) and
  * every rank runs every call with the same batch.  The ranks' parts are
  * gathered with all-reduces over buffers where each element comes from one
  * rank (three per layer: wo_a's output, wo_b's output, the experts' parts),
@@ -81,7 +83,10 @@ struct dsv4_model_opts {
  * the sum of two bf16-rounded partial outputs is not the bf16 sum of all
  * rows.  The rank daemons set it with the CUDA fast kernels (which differ
  * from the exact ones by rounding anyway); the exact kernels and the CPU
- * backend keep the bit-identical form.
+ * backend keep the bit-identical form.  With the tp expert split every
+ * rank's experts' rows are partial sums (over its slice of I), so the
+ * group's result is again the sum of the ranks' parts; moe_local is what
+ * the rank daemons run with it (each rank's combine, one (T, D) exchange).
  */
 
 /*

@@ -707,6 +707,32 @@ rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
 }
 #endif
 
+/* The group's expert split (common/weights_shard.h): the expert_split key;
+ * auto: tp with the CUDA fast kernels (every rank reads the same bytes a
+ * step), else ep (the exact kernels' and the CPU's groups stay
+ * bit-identical to one rank).  DSV4_EXPERT_SPLIT=ep / tp wins. */
+static enum dsv4_expert_split
+rank_expert_split(struct rank *k, bool cuda)
+{
+    const char *v = getenv("DSV4_EXPERT_SPLIT");
+    enum dsv4_expert_split split = DSV4_EXPERT_SPLIT_EP;
+
+    if (v == NULL || *v == '\0')
+        v = k->o.conf.expert_split;
+    if (strcmp(v, "auto") == 0) {
+#ifdef DSV4_HAVE_CUDA
+        if (cuda && dsv4_cuda_get_kernels(k->be))
+            split = DSV4_EXPERT_SPLIT_TP;
+#else
+        (void)cuda;
+#endif
+        return split;
+    }
+    if (dsv4_expert_split_parse(v, &split) != DSV4_OK)
+        fatalx("rank_init: %s", dsv4_errmsg());
+    return split;
+}
+
 /* The weights the model runs on: the checkpoint (host mappings; uploaded to
  * the GPU on the CUDA backend), or synthetic weights generated on the GPU;
  * in a group, this rank's shard of them (common/weights_shard.h).  On the
@@ -716,11 +742,15 @@ static const struct dsv4_weights *
 rank_init_weights(struct rank *k, bool cuda)
 {
     int gr = (int)k->o.group_rank, gs = (int)k->o.group_size;
+    enum dsv4_expert_split split = rank_expert_split(k, cuda);
 
+    k->expert_split = split;
+    log_info("rank_init: experts split %s over the group of %d", dsv4_expert_split_name(split),
+             gs);
 #ifdef DSV4_HAVE_CUDA
     struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
     struct dsv4_cuda_arena arena;
-    char source[PATH_MAX + 16];
+    char source[PATH_MAX + 32];
 #endif
 
     if (k->o.synthetic) {
@@ -736,11 +766,12 @@ rank_init_weights(struct rank *k, bool cuda)
             e = dsv4_config_override(&cfg, k->o.n_model_sets, k->o.model_sets);
         if (e != DSV4_OK)
             fatalx("rank_init: model config: %s", dsv4_errmsg());
-        snprintf(source, sizeof(source), "synthetic:%" PRIu64, k->o.synth_seed);
+        snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed,
+                 split == DSV4_EXPERT_SPLIT_TP && gs > 1 ? ":experts-tp" : "");
         rank_share_begin(k, &cfg, source, &arena);
         if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
             dsv4_cuda_weights_synthetic_arena(k->be, &k->wdev, &cfg, k->o.synth_seed, gr, gs,
-                                              NULL, &arena) != DSV4_OK)
+                                              split, NULL, &arena) != DSV4_OK)
             rank_share_fallback(k, &arena);
         if (arena.kind != DSV4_CUDA_ARENA_IMPORT) {
             pr.ctx = (void *)"generating synthetic weights";
@@ -750,7 +781,7 @@ rank_init_weights(struct rank *k, bool cuda)
                      k->o.model_preset != NULL ? "preset" : "config",
                      k->o.model_preset != NULL ? k->o.model_preset : k->o.model_config);
             if (dsv4_cuda_weights_synthetic_arena(k->be, &k->wdev, &cfg, k->o.synth_seed, gr,
-                                                  gs, &pr, &arena) != DSV4_OK)
+                                                  gs, split, &pr, &arena) != DSV4_OK)
                 fatalx("rank_init: synthetic weights: %s", dsv4_errmsg());
         }
         k->wdev_loaded = true;
@@ -765,7 +796,7 @@ rank_init_weights(struct rank *k, bool cuda)
     if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
         fatalx("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
     k->w_loaded = true;
-    if (dsv4_weights_shard(&k->wshard, &k->w, gr, gs) != DSV4_OK)
+    if (dsv4_weights_shard(&k->wshard, &k->w, gr, gs, split) != DSV4_OK)
         fatalx("rank_init: rank %d of a group of %d: %s", gr, gs, dsv4_errmsg());
     k->wshard_on = true;
     if (!cuda)
@@ -774,8 +805,9 @@ rank_init_weights(struct rank *k, bool cuda)
     {
         char real[PATH_MAX];
 
-        snprintf(source, sizeof(source), "checkpoint:%s",
-                 realpath(k->o.conf.checkpoint, real) != NULL ? real : k->o.conf.checkpoint);
+        snprintf(source, sizeof(source), "checkpoint:%s%s",
+                 realpath(k->o.conf.checkpoint, real) != NULL ? real : k->o.conf.checkpoint,
+                 split == DSV4_EXPERT_SPLIT_TP && gs > 1 ? ":experts-tp" : "");
     }
     rank_share_begin(k, &k->w.cfg, source, &arena);
     if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
@@ -870,14 +902,15 @@ rank_init_model(struct rank *k)
     mo.tp_size = (int)k->o.group_size;
     /* decode steps as CUDA graphs (one per batch size, kernels/forward.h) */
     mo.graphs = k->o.role == DSV4_ROLE_DECODE && !k->o.no_graphs;
-#ifdef DSV4_HAVE_CUDA
     /* the experts' outputs combined on each rank before the group's sum
-     * with the fast kernels (kernels/forward.h "Model groups");
-     * DSV4_MOE_LOCAL=0 / 1 overrides */
-    mo.moe_local = cuda && dsv4_cuda_get_kernels(k->be);
+     * with the fast kernels and with the tp expert split (kernels/forward.h
+     * "Model groups"); DSV4_MOE_LOCAL=0 / 1 overrides */
+    mo.moe_local = k->expert_split == DSV4_EXPERT_SPLIT_TP;
+#ifdef DSV4_HAVE_CUDA
+    mo.moe_local = mo.moe_local || (cuda && dsv4_cuda_get_kernels(k->be));
+#endif
     if (getenv("DSV4_MOE_LOCAL") != NULL)
         mo.moe_local = atoi(getenv("DSV4_MOE_LOCAL")) != 0;
-#endif
     mo.n_slots = k->o.slots;
     mo.max_seq_len = k->o.conf.max_seq;
     /* speculative decoding: verify steps feed 1 + DSV4_SPEC_MAX_DRAFT rows

@@ -34,6 +34,7 @@
 
 #include "common/config_file.h"
 #include "common/weights.h"
+#include "common/weights_shard.h"
 #include "ipc/kvxfer.h"
 #include "ipc/proto.h"
 #include "ipc/zsock.h"
@@ -156,6 +157,7 @@ struct rank {
     bool wdev_loaded;
     struct rank_share *share;   /* weights shared with the other rank of the
                                    GPU (rank_share.c); NULL = not shared */
+    enum dsv4_expert_split expert_split;   /* the group's (rank_expert_split) */
     struct dsv4_backend *be;
     struct dsv4_model *m;
     int V;                      /* vocabulary */

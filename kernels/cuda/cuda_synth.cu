@@ -101,22 +101,23 @@ syn_e8m0(float pow2)
     return (uint8_t)((__float_as_uint(pow2) >> 23) & 0xff);
 }
 
-/* FP8 weight [out, in], or its rows [g0, g0 + out) of a tensor of `in`
- * columns (g0 a multiple of 128): one block per 128x128 tile; element (r, c)
- * draws N(0, std) at index (g0 + r)*in + c; the tile's scale from its amax. */
+/* FP8 weight [out, in], or its part [g0, g0 + out) x [c0, c0 + in) of a
+ * tensor of `full` columns (g0, c0 multiples of 128): one block per 128x128
+ * tile; element (r, c) draws N(0, std) at index (g0 + r)*full + c0 + c; the
+ * tile's scale from its amax (the full tensor's tile: the same scale). */
 static __global__ void
 syn_fp8_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, uint64_t key,
-               int64_t g0)
+               int64_t g0, int64_t c0, int64_t full)
 {
     __shared__ float red[SYN_THREADS];
-    int64_t r0 = (int64_t)blockIdx.x * 128, c0 = (int64_t)blockIdx.y * 128;
-    int64_t rows = out - r0 < 128 ? out - r0 : 128, cols = in - c0 < 128 ? in - c0 : 128;
+    int64_t r0 = (int64_t)blockIdx.x * 128, t0 = (int64_t)blockIdx.y * 128;
+    int64_t rows = out - r0 < 128 ? out - r0 : 128, cols = in - t0 < 128 ? in - t0 : 128;
     int64_t nbc = (in + 127) / 128;
     float amax = 0.0f, sc;
 
     for (int64_t e = threadIdx.x; e < rows * cols; e += blockDim.x) {
-        int64_t r = r0 + e / cols, c = c0 + e % cols;
-        amax = fmaxf(amax, fabsf((float)syn_normal(key, (g0 + r) * in + c) * std));
+        int64_t r = r0 + e / cols, c = t0 + e % cols;
+        amax = fmaxf(amax, fabsf((float)syn_normal(key, (g0 + r) * full + c0 + c) * std));
     }
     red[threadIdx.x] = amax;
     __syncthreads();
@@ -129,20 +130,26 @@ syn_fp8_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, u
     if (threadIdx.x == 0)
         scale[blockIdx.x * nbc + blockIdx.y] = syn_e8m0(sc);
     for (int64_t e = threadIdx.x; e < rows * cols; e += blockDim.x) {
-        int64_t r = r0 + e / cols, c = c0 + e % cols;
-        w[r * in + c] = cu_f32_to_fp8((float)syn_normal(key, (g0 + r) * in + c) * std / sc);
+        int64_t r = r0 + e / cols, c = t0 + e % cols;
+        w[r * in + c] =
+            cu_f32_to_fp8((float)syn_normal(key, (g0 + r) * full + c0 + c) * std / sc);
     }
 }
 
-/* FP4 expert weight, logical [out, in]: one thread per (row, 32-group). */
+/* FP4 expert weight, logical [out, in], or its part [g0, g0 + out) x
+ * [c0, c0 + in) of a tensor of `full` columns (c0 a multiple of 32): one
+ * thread per (row, 32-group); element (r, c) draws at index
+ * (g0 + r)*full + c0 + c, so a part holds the full tensor's values. */
 static __global__ void
-syn_fp4_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, uint64_t key)
+syn_fp4_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, uint64_t key,
+               int64_t g0, int64_t c0, int64_t full)
 {
     int64_t ng = in / 32;
 
     for (int64_t g = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; g < out * ng;
          g += (int64_t)gridDim.x * blockDim.x) {
-        int64_t base = (g / ng) * in + (g % ng) * 32;
+        int64_t base = (g0 + g / ng) * full + c0 + (g % ng) * 32;
+        int64_t dst = (g / ng) * in + (g % ng) * 32;
         float v[32], amax = 0.0f, sc;
 
         for (int i = 0; i < 32; i++) {
@@ -152,8 +159,8 @@ syn_fp4_kernel(uint8_t *w, uint8_t *scale, int64_t out, int64_t in, float std, u
         sc = cu_pow2_scale(fmaxf(amax, 0x1.0p-100f), 6.0f);
         scale[g] = syn_e8m0(sc);
         for (int i = 0; i < 32; i += 2)
-            w[base / 2 + i / 2] = (uint8_t)(cu_f32_to_fp4(v[i] / sc) |
-                                            (cu_f32_to_fp4(v[i + 1] / sc) << 4));
+            w[dst / 2 + i / 2] = (uint8_t)(cu_f32_to_fp4(v[i] / sc) |
+                                           (cu_f32_to_fp4(v[i + 1] / sc) << 4));
     }
 }
 
@@ -348,28 +355,35 @@ bind(struct syn_ctx *c, const struct dsv4_tensor_spec *s, const void *at)
 
 /* --- generation ------------------------------------------------------------------ */
 
-/* Generate tensor `idx` at `at`; `scale_at`: its scale tensor's place (FP8 /
- * FP4 weights). */
+/* Generate tensor `idx` at `at`, whose shape `s` is this rank's part `pt`
+ * of a tensor of `full1` columns; `scale_at`: its scale tensor's place (FP8
+ * / FP4 weights). */
 static enum dsv4_err
 generate(struct dsv4_backend *be, const struct dsv4_config *cfg, const struct dsv4_tensor_spec *s,
-         int idx, uint64_t seed, void *at, void *scale_at, int64_t row0)
+         int idx, uint64_t seed, void *at, void *scale_at, const struct dsv4_shard_part *pt,
+         int64_t full1)
 {
     cudaStream_t st = cuda_stream(be);
     uint64_t key = seed ^ syn_mix((uint64_t)idx + 0x51ed270b27f3a1c5ull);
     int64_t n = (int64_t)(dsv4_tensor_spec_bytes(s) / dsv4_st_dtype_size(s->dtype));
-    double in_std = s->n_dims == 2 ? 1.0 / sqrt((double)s->shape[1]) : 1.0;
+    int64_t row0 = pt->row0;
+    double in_std = s->n_dims == 2 ? 1.0 / sqrt((double)full1) : 1.0;
     double mean = 0, std = 1;
     int uniform = 0;
     unsigned grid = cuda_blocks(n, SYN_THREADS);
 
     if (grid > 65536)
         grid = 65536;
+    if (s->kind != DSV4_TK_FP8_WEIGHT && s->kind != DSV4_TK_FP4_WEIGHT &&
+        s->kind != DSV4_TK_FP8_SCALE && s->kind != DSV4_TK_FP4_SCALE && pt->cols != full1)
+        return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: %s: a column slice of a "
+                            "tensor that is not an FP8 / FP4 weight", s->name);
     switch (s->kind) {
     case DSV4_TK_FP8_WEIGHT: {
         dim3 g((unsigned)((s->shape[0] + 127) / 128), (unsigned)((s->shape[1] + 127) / 128));
         syn_fp8_kernel<<<g, SYN_THREADS, 0, st>>>((uint8_t *)at, (uint8_t *)scale_at,
                                                   s->shape[0], s->shape[1], (float)in_std,
-                                                  key, row0);
+                                                  key, row0, pt->col0, full1);
         CUDA_LAUNCHED("synthetic fp8");
         return DSV4_OK;
     }
@@ -379,7 +393,7 @@ generate(struct dsv4_backend *be, const struct dsv4_config *cfg, const struct ds
 
         syn_fp4_kernel<<<g4 > 65536 ? 65536 : g4, 128, 0, st>>>(
             (uint8_t *)at, (uint8_t *)scale_at, s->shape[0], in,
-            (float)(1.0 / sqrt((double)in)), key);
+            (float)(1.0 / sqrt((double)(2 * full1))), key, row0, 2 * pt->col0, 2 * full1);
         CUDA_LAUNCHED("synthetic fp4");
         return DSV4_OK;
     }
@@ -434,28 +448,31 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
                             const struct dsv4_config *cfg, uint64_t seed,
                             const struct dsv4_cuda_progress *pr)
 {
-    return dsv4_cuda_weights_synthetic_shard(be, dev, cfg, seed, 0, 1, pr);
+    return dsv4_cuda_weights_synthetic_shard(be, dev, cfg, seed, 0, 1, DSV4_EXPERT_SPLIT_EP, pr);
 }
 
 extern "C" enum dsv4_err
 dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *dev,
                                   const struct dsv4_config *cfg, uint64_t seed, int rank,
-                                  int size, const struct dsv4_cuda_progress *pr)
+                                  int size, enum dsv4_expert_split split,
+                                  const struct dsv4_cuda_progress *pr)
 {
-    return dsv4_cuda_weights_synthetic_arena(be, dev, cfg, seed, rank, size, pr, NULL);
+    return dsv4_cuda_weights_synthetic_arena(be, dev, cfg, seed, rank, size, split, pr, NULL);
 }
 
 extern "C" enum dsv4_err
 dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *dev,
                                   const struct dsv4_config *cfg, uint64_t seed, int rank,
-                                  int size, const struct dsv4_cuda_progress *pr,
+                                  int size, enum dsv4_expert_split split,
+                                  const struct dsv4_cuda_progress *pr,
                                   const struct dsv4_cuda_arena *a)
 {
     struct dsv4_inventory inv;
     struct cuda_wpriv *p;
     struct syn_ctx c;
     size_t *off = NULL, total = 0, logged = 0;
-    int64_t *r0 = NULL;
+    struct dsv4_shard_part *pt = NULL;
+    int64_t *full1 = NULL;
     int L, E, place_only = cuda_arena_import(a);
     uint64_t layout = DSV4_WSHARE_FNV0;
     enum dsv4_err e;
@@ -466,7 +483,7 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
         return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: not a CUDA backend");
     if (rank < 0 || rank >= size)
         return dsv4_err_set(DSV4_ERR_INVAL, "synthetic weights: rank %d of %d", rank, size);
-    e = dsv4_shard_check(cfg, size);
+    e = dsv4_shard_check(cfg, size, split);
     if (e != DSV4_OK)
         return e;
     e = dsv4_inventory_build(&inv, cfg);
@@ -476,11 +493,13 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
     E = cfg->n_routed_experts;
     p = (struct cuda_wpriv *)calloc(1, sizeof(*p));
     off = (size_t *)calloc((size_t)inv.n + 1, sizeof(*off));
-    r0 = (int64_t *)calloc((size_t)inv.n + 1, sizeof(*r0));
-    if (p == NULL || off == NULL || r0 == NULL) {
+    pt = (struct dsv4_shard_part *)calloc((size_t)inv.n + 1, sizeof(*pt));
+    full1 = (int64_t *)calloc((size_t)inv.n + 1, sizeof(*full1));
+    if (p == NULL || off == NULL || pt == NULL || full1 == NULL) {
         free(p);
         free(off);
-        free(r0);
+        free(pt);
+        free(full1);
         dsv4_inventory_free(&inv);
         return dsv4_err_set(DSV4_ERR_NOMEM, "synthetic weights: no memory");
     }
@@ -504,27 +523,31 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
         lw->experts = E > 0 ? p->experts + (size_t)l * E : NULL;
         lw->compressor.ratio = lw->idx_compressor.ratio = lw->ratio;
     }
-    /* this rank's part: tensors not held get no place (row count 0), row
-     * slices a shape with their rows (common/weights_shard.h) */
+    /* this rank's part: tensors not held get no place (row count 0), a
+     * slice gets the shape of its rows and columns (common/weights_shard.h) */
     for (int i = 0; i < inv.n; i++) {
         struct dsv4_tensor_spec *s = &inv.t[i];
-        int64_t rows;
+        int64_t shape1 = s->n_dims == 2 ? s->shape[1] : 1;
 
-        if (!dsv4_shard_rows(cfg, s->name, rank, size, s->shape[0], &r0[i], &rows))
-            r0[i] = -1, rows = 0;
-        s->shape[0] = rows;
+        full1[i] = shape1;
+        if (!dsv4_shard_part(cfg, s->name, rank, size, split, s->shape[0], shape1, &pt[i]))
+            pt[i].row0 = -1, pt[i].rows = 0;
+        s->shape[0] = pt[i].rows;
+        if (s->n_dims == 2)
+            s->shape[1] = pt[i].cols;
         off[i] = total;
-        total += rows > 0 ? cuda_align(dsv4_tensor_spec_bytes(s)) : 0;
+        total += pt[i].rows > 0 ? cuda_align(dsv4_tensor_spec_bytes(s)) : 0;
         {
-            uint64_t place[3] = { (uint64_t)i, off[i], rows > 0 ? dsv4_tensor_spec_bytes(s) : 0 };
+            uint64_t place[3] = { (uint64_t)i, off[i],
+                                  pt[i].rows > 0 ? dsv4_tensor_spec_bytes(s) : 0 };
 
             layout = dsv4_wshare_hash(layout, place, sizeof(place));
         }
     }
     p->layout = layout;
     log_info("synthetic weights: %s %.2f GiB (%d layers, %d experts each), seed %llu, rank %d "
-             "of %d", place_only ? "mapping" : "generating", total / GIB, L, E,
-             (unsigned long long)seed, rank, size);
+             "of %d, experts split %s", place_only ? "mapping" : "generating", total / GIB, L,
+             E, (unsigned long long)seed, rank, size, dsv4_expert_split_name(split));
     e = cuda_arena_alloc(be, p, total, a, "synthetic weights");
     if (e != DSV4_OK)
         goto fail;
@@ -535,7 +558,7 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
         const struct dsv4_tensor_spec *s = &inv.t[i];
         void *scale_at = NULL;
 
-        if (r0[i] < 0)
+        if (pt[i].row0 < 0)
             continue;   /* held by another rank */
         if (bind(&c, s, p->arena + off[i]) != 0) {
             e = dsv4_err_set(DSV4_ERR_WEIGHTS, "synthetic weights: tensor '%s' has no place "
@@ -557,7 +580,7 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
         }
         if (place_only)
             continue;   /* the owner generated them */
-        e = generate(be, cfg, s, i, seed, p->arena + off[i], scale_at, r0[i]);
+        e = generate(be, cfg, s, i, seed, p->arena + off[i], scale_at, &pt[i], full1[i]);
         if (e != DSV4_OK)
             goto fail;
         if (off[i] - logged >= (size_t)GIB) {
@@ -584,12 +607,14 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
     log_info("synthetic weights: %.2f GiB on device %d%s", total / GIB, cuda_st(be)->device,
              place_only ? " (mapped)" : "");
     free(off);
-    free(r0);
+    free(pt);
+    free(full1);
     dsv4_inventory_free(&inv);
     return DSV4_OK;
 fail:
     free(off);
-    free(r0);
+    free(pt);
+    free(full1);
     dsv4_inventory_free(&inv);
     dsv4_cuda_weights_free(be, dev);
     return e;

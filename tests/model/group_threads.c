@@ -13,6 +13,7 @@
 struct group_rank {
     const struct dsv4_weights *full;
     const struct dsv4_model_opts *opts;
+    enum dsv4_expert_split split;
     struct dsv4_comm *comm;
     void (*fn)(struct dsv4_model *m, int rank, void *ctx);
     void *ctx;
@@ -31,7 +32,7 @@ group_rank_main(void *arg)
     int rank = r->comm->rank;
 
     o.comm = r->comm;
-    if ((r->err = dsv4_weights_shard(&sh, r->full, rank, r->comm->size)) != DSV4_OK) {
+    if ((r->err = dsv4_weights_shard(&sh, r->full, rank, r->comm->size, r->split)) != DSV4_OK) {
         snprintf(r->msg, sizeof(r->msg), "rank %d set-up: %s", rank, dsv4_errmsg());
         return NULL;    /* the other ranks then block: the test times out */
     }
@@ -47,7 +48,8 @@ group_rank_main(void *arg)
 }
 
 enum dsv4_err
-group_threads_run(const struct dsv4_weights *full, int n, const struct dsv4_model_opts *opts,
+group_threads_run(const struct dsv4_weights *full, int n, enum dsv4_expert_split split,
+                  const struct dsv4_model_opts *opts,
                   void (*fn)(struct dsv4_model *m, int rank, void *ctx), void *ctx)
 {
     struct dsv4_comm **comm = calloc((size_t)n, sizeof(*comm));
@@ -65,6 +67,7 @@ group_threads_run(const struct dsv4_weights *full, int n, const struct dsv4_mode
     for (int r = 0; r < n; r++) {
         rk[r].full = full;
         rk[r].opts = opts;
+        rk[r].split = split;
         rk[r].comm = comm[r];
         rk[r].fn = fn;
         rk[r].ctx = ctx;

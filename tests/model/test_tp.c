@@ -12,7 +12,11 @@
  * must equal the single rank's (memcmp).  The same with the ranks as two
  * processes over the shm communicator (fork).  With moe_local (each rank
  * combines its own experts' rows first) the ranks must still agree bit for
- * bit, and the partial outputs must add up to the experts' output.  Also: the shard rule refuses
+ * bit, and the partial outputs must add up to the experts' output.  With
+ * the experts split along their intermediate size (expert split tp,
+ * `test_tp DIR experts-tp` on a checkpoint whose moe_intermediate_size is a
+ * multiple of 256) the same, and each rank holds every expert's slice.
+ * Also: the shard rule refuses
  * group sizes that do not divide the model; a shm group whose second rank
  * never comes, or goes away, fails within its timeout instead of hanging,
  * and leaves nothing in /dev/shm.
@@ -169,10 +173,11 @@ expect_same(const char *what, int rank, const float *got, const float *want, siz
 }
 
 /* The script on one rank holding all the weights (ref, model *ref_m) and
- * on a group of two threads with opts.moe_local = moe_local (out[2]). */
+ * on a group of two threads with opts.moe_local = moe_local and the experts
+ * split by `split` (out[2]). */
 static void
-run_one_and_group(struct tmodel *tm, int moe_local, struct dsv4_model **ref_m,
-                  struct run_out *ref, struct run_out *out)
+run_one_and_group(struct tmodel *tm, int moe_local, enum dsv4_expert_split split,
+                  struct dsv4_model **ref_m, struct run_out *ref, struct run_out *out)
 {
     struct dsv4_model_opts o = opts(NULL);
 
@@ -184,7 +189,7 @@ run_one_and_group(struct tmodel *tm, int moe_local, struct dsv4_model **ref_m,
     for (int r = 0; r < 2; r++)
         run_alloc(&out[r]);
     o.moe_local = moe_local;
-    if (group_threads_run(&tm->w, 2, &o, rank_run, out) != DSV4_OK)
+    if (group_threads_run(&tm->w, 2, split, &o, rank_run, out) != DSV4_OK)
         fail_msg("group: %s", dsv4_errmsg());
     for (int r = 0; r < 2; r++)
         if (out[r].err != DSV4_OK)
@@ -201,7 +206,7 @@ test_group_equals_one_rank(void **state)
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
     V = tm.V;
-    run_one_and_group(&tm, 0, &ref_m, &ref, out);
+    run_one_and_group(&tm, 0, DSV4_EXPERT_SPLIT_EP, &ref_m, &ref, out);
     for (int r = 0; r < 2; r++) {
         struct run_out *g = &out[r];
 
@@ -226,12 +231,14 @@ cmp_double(const void *a, const void *b)
 
 /*
  * The identity behind moe_local on layer 0's experts: for 8 tokens with
- * random picks, moe_parts + moe_combine on each rank's shard, the two
- * partial outputs added, against moe on all the weights: within two bf16
- * roundings (each partial is rounded, then the sum) of the largest output.
+ * random picks, moe_parts + moe_combine on each rank's shard (experts split
+ * by `split`), the two partial outputs added, against moe on all the
+ * weights: within two bf16 roundings (each partial is rounded, then the
+ * sum) of the largest output.
  */
 static void
-moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be)
+moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be,
+                   enum dsv4_expert_split split)
 {
     enum { T = 8 };
     const struct dsv4_config *c = &full->cfg;
@@ -260,7 +267,7 @@ moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be)
     for (int r = 0; r < 2; r++) {
         struct dsv4_weights sh;
 
-        assert_int_equal(dsv4_weights_shard(&sh, full, r, 2), DSV4_OK);
+        assert_int_equal(dsv4_weights_shard(&sh, full, r, 2, split), DSV4_OK);
         assert_int_equal(be->ops->moe_parts(be, parts, x, ids, wts, sh.layers[0].experts,
                                             &sh.layers[0].shared, T, k, D,
                                             (float)c->swiglu_limit), DSV4_OK);
@@ -273,8 +280,8 @@ moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be)
         amax = fmaxf(amax, fabsf(ref[i]));
         dmax = fmaxf(dmax, fabsf(sum[i] - ref[i]));
     }
-    printf("# moe_local identity: max |partials summed - moe| %g (max |moe| %g)\n",
-           (double)dmax, (double)amax);
+    printf("# moe_local identity (experts split %s): max |partials summed - moe| %g "
+           "(max |moe| %g)\n", dsv4_expert_split_name(split), (double)dmax, (double)amax);
     assert_true(amax > 0);
     assert_true(dmax <= amax / 128);
     free(x), free(ref), free(sum), free(p), free(parts);
@@ -291,7 +298,7 @@ moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be)
  * may part at near ties.
  */
 static void
-test_group_moe_local(void **state)
+group_moe_local(enum dsv4_expert_split split)
 {
     struct tmodel tm;
     struct dsv4_model *ref_m = NULL;
@@ -300,12 +307,11 @@ test_group_moe_local(void **state)
     int finite = 1;
     double rel[N_PROMPT], med;
 
-    (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
     V = tm.V;
     np = (size_t)N_PROMPT * V;
-    moe_local_identity(&tm.w, tm.be);
-    run_one_and_group(&tm, 1, &ref_m, &ref, out);
+    moe_local_identity(&tm.w, tm.be, split);
+    run_one_and_group(&tm, 1, split, &ref_m, &ref, out);
     expect_same("prefill (moe_local) vs rank 0", 1, out[1].prefill, out[0].prefill, np);
     expect_same("decode steps (moe_local) vs rank 0", 1, out[1].steps, out[0].steps,
                 (size_t)N_STEPS * N_SEQ * V);
@@ -324,14 +330,87 @@ test_group_moe_local(void **state)
     }
     qsort(rel, N_PROMPT, sizeof(rel[0]), cmp_double);
     med = rel[N_PROMPT / 2];
-    printf("# moe_local prefill vs one rank: median row rel diff %.4f, max %.4f\n", med,
-           rel[N_PROMPT - 1]);
+    printf("# moe_local (experts split %s) prefill vs one rank: median row rel diff %.4f, "
+           "max %.4f\n", dsv4_expert_split_name(split), med, rel[N_PROMPT - 1]);
     assert_true(med <= 0.2);
     for (int r = 0; r < 2; r++)
         run_free(&out[r]);
     run_free(&ref);
     dsv4_model_free(ref_m);
     tmodel_close(&tm);
+}
+
+static void
+test_group_moe_local(void **state)
+{
+    (void)state;
+    group_moe_local(DSV4_EXPERT_SPLIT_EP);
+}
+
+/* Bytes of row r, columns [c0, c0 + n) (values) of an FP8 / FP4 linear. */
+static const uint8_t *
+lin_row(const struct dsv4_linear *L, int64_t r, int64_t c0, size_t *n, int64_t cols)
+{
+    int fp4 = L->fmt == DSV4_WFMT_FP4;
+
+    *n = (size_t)(fp4 ? cols / 2 : cols);
+    return (const uint8_t *)L->w + r * (fp4 ? L->n_in / 2 : L->n_in) + (fp4 ? c0 / 2 : c0);
+}
+
+/*
+ * Expert split tp (common/weights_shard.h): each rank of two holds every
+ * routed expert and the shared expert, w1 / w3 rows and w2 columns of its
+ * half of I (bytes and scales equal to the full tensors'), and the group
+ * with moe_local agrees bit for bit across ranks and with one rank as
+ * test_group_moe_local's bounds say.
+ */
+static void
+test_group_experts_tp(void **state)
+{
+    struct tmodel tm;
+    int I, E, D;
+
+    (void)state;
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
+    I = tm.w.cfg.moe_intermediate_size, E = tm.w.cfg.n_routed_experts;
+    D = tm.w.cfg.hidden_size;
+    for (int r = 0; r < 2; r++) {
+        struct dsv4_weights sh;
+        const struct dsv4_layer_w *fl = &tm.w.layers[0], *sl;
+        int h = I / 2;
+
+        assert_int_equal(dsv4_weights_shard(&sh, &tm.w, r, 2, DSV4_EXPERT_SPLIT_TP), DSV4_OK);
+        sl = &sh.layers[0];
+        for (int x = 0; x < E + 1; x++) {
+            const struct dsv4_expert_w *f = x < E ? &fl->experts[x] : &fl->shared;
+            const struct dsv4_expert_w *g = x < E ? &sl->experts[x] : &sl->shared;
+            size_t n, m;
+            const uint8_t *a, *b;
+
+            assert_non_null(g->w1.w);
+            assert_int_equal(g->w1.n_out, h);
+            assert_int_equal(g->w3.n_out, h);
+            assert_int_equal(g->w2.n_in, h);
+            assert_int_equal(g->w2.n_out, D);
+            /* w1 row 1 of the slice is row r*h + 1 of the full tensor */
+            a = lin_row(&g->w1, 1, 0, &n, D);
+            b = lin_row(&f->w1, (int64_t)r * h + 1, 0, &m, D);
+            assert_memory_equal(a, b, n);
+            /* w2 row 5: columns [r*h, (r+1)*h) of the full row, and its scales */
+            a = lin_row(&g->w2, 5, 0, &n, h);
+            b = lin_row(&f->w2, 5, (int64_t)r * h, &m, h);
+            assert_int_equal(n, m);
+            assert_memory_equal(a, b, n);
+            if (f->w2.fmt == DSV4_WFMT_FP4)
+                assert_memory_equal(g->w2.scale + 5 * (h / 32),
+                                    f->w2.scale + 5 * (I / 32) + r * (h / 32), (size_t)h / 32);
+            else
+                assert_memory_equal(g->w2.scale, f->w2.scale + r * (h / 128), (size_t)h / 128);
+        }
+        dsv4_weights_shard_free(&sh);
+    }
+    tmodel_close(&tm);
+    group_moe_local(DSV4_EXPERT_SPLIT_TP);
 }
 
 /* Rank `rank` of a shm group in this process: its shard, its model, the
@@ -351,7 +430,7 @@ shm_rank_run(const struct dsv4_weights *full, const uint8_t *id, int rank,
     run_alloc(&out);
     o.tp_rank = rank;
     o.tp_size = 2;
-    if (dsv4_weights_shard(&sh, full, rank, 2) != DSV4_OK ||
+    if (dsv4_weights_shard(&sh, full, rank, 2, DSV4_EXPERT_SPLIT_EP) != DSV4_OK ||
         dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
         dsv4_model_create(&m, be, &sh, &o) != DSV4_OK ||
         dsv4_comm_shm_create(&c, rank, 2, id, 4 << 20, 20000) != DSV4_OK ||
@@ -479,11 +558,17 @@ test_bad_groups(void **state)
 
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
-    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 3), DSV4_ERR_CONFIG);   /* 4 heads */
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 3, DSV4_EXPERT_SPLIT_EP),
+                     DSV4_ERR_CONFIG);   /* 4 heads */
     printf("# %s\n", dsv4_errmsg());
-    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 4), DSV4_ERR_CONFIG);   /* 2 groups */
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 4, DSV4_EXPERT_SPLIT_EP),
+                     DSV4_ERR_CONFIG);   /* 2 groups */
     printf("# %s\n", dsv4_errmsg());
-    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 2, 2), DSV4_ERR_INVAL);
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 2, 2, DSV4_EXPERT_SPLIT_EP), DSV4_ERR_INVAL);
+    /* tiny: I = 128, so half of it is not whole 128-blocks of h */
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 2, DSV4_EXPERT_SPLIT_TP),
+                     DSV4_ERR_CONFIG);
+    printf("# %s\n", dsv4_errmsg());
     assert_int_equal(dsv4_comm_local_create(comm, 2), DSV4_OK);
     o = opts(comm[0]);
     assert_int_equal(dsv4_model_create(&m, tm.be, &tm.w, &o), DSV4_ERR_INVAL);
@@ -503,11 +588,16 @@ main(int argc, char **argv)
         cmocka_unit_test(test_group_failures),
         cmocka_unit_test(test_bad_groups),
     };
+    const struct CMUnitTest tests_tp[] = {
+        cmocka_unit_test(test_group_experts_tp),
+    };
 
-    if (argc != 2) {
-        fprintf(stderr, "usage: test_tp CHECKPOINT_DIR\n");
+    if (argc != 2 && !(argc == 3 && strcmp(argv[2], "experts-tp") == 0)) {
+        fprintf(stderr, "usage: test_tp CHECKPOINT_DIR [experts-tp]\n");
         return 2;
     }
     ckpt_dir = argv[1];
+    if (argc == 3)
+        return cmocka_run_group_tests(tests_tp, NULL, NULL);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
