@@ -21,12 +21,15 @@
  * order of the norm's and the mix's sums).  One launch instead of two to
  * four; T-independent and deterministic.
  *
- * Versions (cuda_fast_norm_version, fast_fuse.cuh).  v2 (default) issues
- * each thread's loads of the row (its FZ_K elements i, i + B, ... of the
- * tree, the weights, the position and the pool row) before any arithmetic
- * and keeps the row in registers for the normed values; v1 (DSV4_CUDA_NORM=
- * v1) is the first kernel, whose loops issue one load per iteration.  Same
- * expressions in the same order: the same bits.
+ * Versions (cuda_fast_norm_version, fast_fuse.cuh).  v2 issues each
+ * thread's loads of the row (its FZ_K elements i, i + B, ... of the tree,
+ * the weights, the position and the pool row) before any arithmetic and
+ * keeps the row in registers for the normed values; v1 (DSV4_CUDA_NORM=
+ * v1) is the first kernel, whose loops issue one load per iteration; v3
+ * (default; calls of up to FZ3_MAX_ROWS rows, else v2) adds helper warps
+ * that compute the RoPE angles while the tree loads the row, and does the
+ * RoPE, FP8 sim and store with all 256 threads (fz_norm_rope3_kernel).
+ * Same expressions in the same order: the same bits.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -140,6 +143,101 @@ fz_norm_rope_kernel(struct fz_nr a)
     }
 }
 
+/*
+ * v3 (decode-sized calls): FZ3_THREADS threads a row.  The first B =
+ * fz_norm_threads(D) are v2's norm tree (the same loads, sums and order);
+ * meanwhile the others compute the RoPE pairs' cos / sin (v2's expressions)
+ * into shared memory, so the double-precision trig overlaps the row's
+ * loads instead of following the norm.  The RoPE pairs then take all
+ * threads, the FP8 sim one warp per block of values (8 warps instead of
+ * v2's 2 for D = 512), the store all threads.  Same bits as v2.
+ */
+#define FZ3_THREADS 256
+#define FZ3_MAX_ROWS 256    /* larger calls keep v2 (bench_fuse, H200: nr_q at 1,024 rows
+                               6.2 us against v2 5.0; at <= 256 rows 3.0-3.3 against 4.3) */
+
+static __global__ void __launch_bounds__(FZ3_THREADS)
+fz_norm_rope3_kernel(struct fz_nr a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    __shared__ float y[FZ_MAX_D];
+    __shared__ float red[FZ_NORM_MAX_THREADS / 32];
+    __shared__ float cs[FZ_MAX_PAIRS], sn[FZ_MAX_PAIRS];
+    int64_t r = blockIdx.x;
+    int nt = FZ3_THREADS, nw = nt / 32, tid = threadIdx.x, lane = tid % 32, D = a.D;
+    int B = fz_norm_threads(D);
+    float *xr = a.x + r * D;
+    int64_t drow = a.dst != NULL ? a.dst_rows[r] : 0;
+    float xv[FZ_K];
+    uint16_t wb[FZ_K];
+
+    if (tid < B) {   /* the norm tree: v2's loads and sums */
+        float acc = 0.0f;
+
+        fz_row_load(xv, wb, xr, a.w, D, tid, B);
+#pragma unroll
+        for (int k = 0; k < FZ_K; k++) {
+            float b = cu_bf16_round(xv[k]);
+
+            if (tid + k * B < D)
+                acc += b * b;
+        }
+        acc = fz_warp_sum(acc);
+        if (lane == 0)
+            red[tid / 32] = acc;
+    } else if (a.np > 0) {   /* the RoPE angles of the row's position */
+        float pf = (float)a.pos[r / a.heads];
+
+        for (int i = tid - B; i < a.np; i += nt - B) {
+            float ang = pf * a.fr.f[i];
+
+            cs[i] = (float)cos((double)ang);
+            sn[i] = (float)sin((double)ang);
+        }
+    }
+    __syncthreads();
+    if (tid < B) {
+        float rs = fz_norm_scale(fz_ordered_sum(red, B / 32), D, a.eps);
+
+#pragma unroll
+        for (int k = 0; k < FZ_K; k++) {
+            int i = tid + k * B;
+
+            if (i < D)
+                y[i] = fz_norm_apply(xv[k], rs, a.w != NULL, wb[k]);
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < a.np; i += nt) {
+        float u = y[a.off + 2 * i], v = y[a.off + 2 * i + 1];
+
+        y[a.off + 2 * i] = cu_bf16_round(u * cs[i] - v * sn[i]);
+        y[a.off + 2 * i + 1] = cu_bf16_round(u * sn[i] + v * cs[i]);
+    }
+    if (a.sim_cols > 0) {
+        __syncthreads();
+        for (int b = tid / 32; b < a.sim_cols / a.sim_block; b += nw) {
+            float *v = y + b * a.sim_block, amax = 1e-4f, s;
+
+            for (int i = lane; i < a.sim_block; i += 32)
+                amax = fmaxf(amax, fabsf(v[i]));
+            for (int o = 16; o > 0; o /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            s = cu_pow2_scale(amax, 448.0f);
+            for (int i = lane; i < a.sim_block; i += 32)
+                v[i] = cu_bf16_round(cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) *
+                                     s);
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < D; i += nt) {
+        xr[i] = y[i];
+        if (a.dst != NULL)
+            a.dst[drow * D + i] = y[i];
+    }
+}
+
 static int fz_small_override = -1;   /* dsv4_cuda_set_small_kernels; -1: environment */
 
 void
@@ -178,7 +276,7 @@ cuda_fast_norm_version(void)
 {
     static int env = -1;
 
-    return fz_env_version("DSV4_CUDA_NORM", &env, 2, 2);
+    return fz_env_version("DSV4_CUDA_NORM", &env, 3, 3);
 }
 
 int
@@ -234,7 +332,10 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
     a.eps = eps;
     for (int i = 0; i < a.np; i++)
         a.fr.f[i] = freqs[i];
-    if (cuda_fast_norm_version() == 2 && fz_fits_regs(D))
+    if (cuda_fast_norm_version() == 3 && fz_fits_regs(D) && fz_norm_threads(D) < FZ3_THREADS &&
+        rows <= FZ3_MAX_ROWS)
+        cu_launch(fz_norm_rope3_kernel, rows, FZ3_THREADS, 0, cuda_stream(be), a);
+    else if (cuda_fast_norm_version() >= 2 && fz_fits_regs(D))
         cu_launch(fz_norm_rope_kernel<1>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);
     else
         cu_launch(fz_norm_rope_kernel<0>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);

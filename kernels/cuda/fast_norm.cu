@@ -80,7 +80,7 @@ cuda_fast_rms_norm(struct dsv4_backend *be, float *out, const float *x, const ui
 {
     if (rows <= 0 || D <= 0)
         return DSV4_OK;
-    if (cuda_fast_norm_version() == 2 && fz_fits_regs(D))
+    if (cuda_fast_norm_version() >= 2 && fz_fits_regs(D))
         cu_launch(fn2_kernel, rows, fz_norm_threads(D), 0, cuda_stream(be), out, x, w, D, eps);
     else
         cu_launch(fn_kernel, rows, fz_norm_threads(D), 0, cuda_stream(be), out, x, w, D, eps);

@@ -32,8 +32,9 @@
  * scatter_rows; not for the plain ops hc_pre, hc_head, rms_norm), the
  * fast op with the first version of the small kernels (v1:
  * dsv4_cuda_set_small_kernels(1), as DSV4_CUDA_HC=v1 DSV4_CUDA_NORM=v1;
- * not for compress) and, for the hc ops, with v3 (the second kernel a
- * programmatic dependent launch, DSV4_CUDA_HC=v3).  Checks:
+ * not for compress) and, for the hc ops and norm_rope, with v3 (hc: the
+ * second kernel a programmatic dependent launch, DSV4_CUDA_HC=v3;
+ * norm_rope: helper warps for the RoPE angles, DSV4_CUDA_NORM=v3).  Checks:
  *   exact == CPU       bit for bit (the exact kernels' contract; fp32
  *                      values after an exp within 2^-20 relative of the
  *                      largest, as test_ops_gpu allows);
@@ -47,13 +48,13 @@
  *                      a normed value can move it to the next FP8 code);
  *                      compress entries 2^-12, state pools identical);
  *   v2 == v1, v3       the small kernels' versions give the same bits
- *                      (not for compress; v3: hc ops only);
+ *                      (not for compress; v3: hc ops and norm_rope);
  *   determinism        a second fast run gives the same bits;
  *   T-independence     the first rows at this T equal those at the
  *                      previous T (fast fused; not for compress, whose
  *                      slots, positions and emitted rows depend on T).
  * Then each form recorded 10 times into a CUDA graph, median of 15 timed
- * replays per call: exact, fast composed, fast fused (v2, the default), fast
+ * replays per call: exact, fast composed, fast fused (v2), fast
  * fused with the v1 and the v3 small kernels (µs), and the kernel launches
  * per call of each (counted from the graph's nodes; 0.0 us (0): not run).
  * A failing line names the first differing value (index, both values).
@@ -483,7 +484,7 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
     void *prev[MAX_ARRS] = { 0 };
     int prev_T = 0, fails = 0;
     int has_co = k->kind == K_HC || k->kind == K_NR, has_v1 = k->kind != K_COMP;
-    int has_v3 = k->kind == K_HC || k->kind == K_PRE || k->kind == K_HEAD;
+    int has_v3 = k->kind == K_HC || k->kind == K_PRE || k->kind == K_HEAD || k->kind == K_NR;
 
     for (int ti = 0; ti < N_T; ti++) {
         int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0, n_v3 = 0;
