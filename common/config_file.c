@@ -81,7 +81,7 @@ static const struct cfg_key cfg_keys[] = {
     { "kv_cudaipc_cache_mib", INT(kv_cudaipc_cache_mib, 0, 1 << 20) },
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
     { "cuda_priority",      ENUM(cuda_priority, cfg_priority) },
-    { "expert_split",       ENUM(expert_split, cfg_split) },
+    { "group_split",       ENUM(group_split, cfg_split) },
     { "mps_sm_percent",     INT(mps_sm_percent, 0, 100) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
@@ -136,7 +136,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->mtp, sizeof(cfg->mtp), "%s", "no");
     snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
     snprintf(cfg->cuda_priority, sizeof(cfg->cuda_priority), "%s", "decode");
-    snprintf(cfg->expert_split, sizeof(cfg->expert_split), "%s", "auto");
+    snprintf(cfg->group_split, sizeof(cfg->group_split), "%s", "auto");
     /* passed on the H200s (docs/gpu.md "Decode-state handoff over CUDA IPC") */
     snprintf(cfg->kv_cudaipc, sizeof(cfg->kv_cudaipc), "%s", "auto");
     cfg->kv_cudaipc_cache_mib = 4096;

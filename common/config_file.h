@@ -125,17 +125,18 @@ struct dsv4_conf {
                                use) or "none"; the environment variable
                                DSV4_CUDA_STREAM_PRIORITY (high / low), when
                                set, wins */
-    char expert_split[8];   /* [auto] how a group of ranks splits the
-                               experts (common/weights_shard.h): "ep"
-                               (whole routed experts per rank, a layer's
-                               shared expert on one rank), "tp" (every
-                               expert on every rank, cut along the
-                               intermediate size: the ranks read the same
-                               bytes whatever the routing) or "auto" (tp
-                               with the CUDA fast kernels, else ep, which
-                               keeps the exact kernels' and the CPU's group
-                               bit-identical to one rank).  Prefill and
-                               decode ranks sharing weights must agree */
+    char group_split[8];    /* [auto] how a group of ranks splits the
+                               experts and wo_b (common/weights_shard.h):
+                               "ep" (whole routed experts per rank, a
+                               layer's shared expert on one rank, wo_b by
+                               output rows: bit-identical to one rank),
+                               "tp" (every expert on every rank cut along
+                               the intermediate size, wo_b by input
+                               columns: partial sums, the ranks read the
+                               same bytes whatever the routing) or "auto"
+                               (tp with the CUDA fast kernels, else ep).
+                               Prefill and decode ranks sharing weights
+                               must agree */
     char kv_cudaipc[8];     /* [auto] decode state between the ranks of one
                                host through CUDA IPC handles (device memory,
                                no host copy; docs/gpu.md): "auto" (offered

@@ -8,38 +8,38 @@
 #include <string.h>
 
 enum dsv4_err
-dsv4_expert_split_parse(const char *s, enum dsv4_expert_split *split)
+dsv4_group_split_parse(const char *s, enum dsv4_group_split *split)
 {
     if (s != NULL && strcmp(s, "ep") == 0)
-        *split = DSV4_EXPERT_SPLIT_EP;
+        *split = DSV4_GROUP_SPLIT_EP;
     else if (s != NULL && strcmp(s, "tp") == 0)
-        *split = DSV4_EXPERT_SPLIT_TP;
+        *split = DSV4_GROUP_SPLIT_TP;
     else
-        return dsv4_err_set(DSV4_ERR_CONFIG, "expert split '%s': expected ep or tp",
+        return dsv4_err_set(DSV4_ERR_CONFIG, "group split '%s': expected ep or tp",
                             s != NULL ? s : "(null)");
     return DSV4_OK;
 }
 
 const char *
-dsv4_expert_split_name(enum dsv4_expert_split split)
+dsv4_group_split_name(enum dsv4_group_split split)
 {
-    return split == DSV4_EXPERT_SPLIT_TP ? "tp" : "ep";
+    return split == DSV4_GROUP_SPLIT_TP ? "tp" : "ep";
 }
 
 enum dsv4_err
-dsv4_shard_check(const struct dsv4_config *c, int size, enum dsv4_expert_split split)
+dsv4_shard_check(const struct dsv4_config *c, int size, enum dsv4_group_split split)
 {
     int H = c->num_attention_heads, G = c->o_groups, D = c->hidden_size;
     int E = c->n_routed_experts, I = c->moe_intermediate_size;
 
     if (size < 1)
         return dsv4_err_set(DSV4_ERR_CONFIG, "shard: %d ranks", size);
-    if (split != DSV4_EXPERT_SPLIT_EP && split != DSV4_EXPERT_SPLIT_TP)
-        return dsv4_err_set(DSV4_ERR_CONFIG, "shard: expert split %d", (int)split);
+    if (split != DSV4_GROUP_SPLIT_EP && split != DSV4_GROUP_SPLIT_TP)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "shard: group split %d", (int)split);
     if (size == 1)
         return DSV4_OK;
     if (H % size != 0 || G % size != 0 ||
-        (split == DSV4_EXPERT_SPLIT_EP && E % size != 0))
+        (split == DSV4_GROUP_SPLIT_EP && E % size != 0))
         return dsv4_err_set(DSV4_ERR_CONFIG, "shard: %d ranks do not divide the heads (%d), "
                             "output groups (%d) and experts (%d)", size, H, G, E);
     if ((int64_t)H / size * c->head_dim % 128 != 0 || c->o_lora_rank % 128 != 0 ||
@@ -47,10 +47,10 @@ dsv4_shard_check(const struct dsv4_config *c, int size, enum dsv4_expert_split s
         return dsv4_err_set(DSV4_ERR_CONFIG, "shard: %d ranks: a rank's query rows (%d), "
                             "o_lora_rank (%d) or output columns (%d) are not multiples of 128",
                             size, H / size * c->head_dim, c->o_lora_rank, D / size);
-    if (split == DSV4_EXPERT_SPLIT_TP && I % (128 * size) != 0)
-        return dsv4_err_set(DSV4_ERR_CONFIG, "shard: expert split tp over %d ranks: a rank's "
-                            "part of moe_intermediate_size %d is not a multiple of 128", size,
-                            I);
+    if (split == DSV4_GROUP_SPLIT_TP && I % (128 * size) != 0)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "shard: group split tp over %d ranks: a rank's "
+                            "part of moe_intermediate_size %d (%d) is not a multiple of 128",
+                            size, I, I / size);
     return DSV4_OK;
 }
 
@@ -95,7 +95,7 @@ expert_matrix(const char *rest, int *shared, int *e)
 
 int
 dsv4_shard_part(const struct dsv4_config *c, const char *name, int rank, int size,
-                enum dsv4_expert_split split, int64_t shape0, int64_t shape1,
+                enum dsv4_group_split split, int64_t shape0, int64_t shape1,
                 struct dsv4_shard_part *part)
 {
     const char *rest = NULL;
@@ -112,7 +112,7 @@ dsv4_shard_part(const struct dsv4_config *c, const char *name, int rank, int siz
     if (m == 0 && (strncmp(rest, "ffn.experts.", 12) == 0 ||
                    strncmp(rest, "ffn.shared_experts.", 19) == 0))
         m = 3;   /* another tensor of an expert (none in the checkpoint today) */
-    if (m != 0 && split == DSV4_EXPERT_SPLIT_EP) {
+    if (m != 0 && split == DSV4_GROUP_SPLIT_EP) {
         if (shared)
             return l % size == rank;
         return e >= rank * (c->n_routed_experts / size) &&
@@ -125,8 +125,11 @@ dsv4_shard_part(const struct dsv4_config *c, const char *name, int rank, int siz
         part->col0 = rank * (shape1 / size);
         part->cols = shape1 / size;
     }
-    if (strcmp(rest, "attn.attn_sink") == 0 || strncmp(rest, "attn.wq_b.", 10) == 0 ||
-        strncmp(rest, "attn.wo_a.", 10) == 0 || strncmp(rest, "attn.wo_b.", 10) == 0) {
+    if (strncmp(rest, "attn.wo_b.", 10) == 0 && split == DSV4_GROUP_SPLIT_TP) {
+        part->col0 = rank * (shape1 / size);   /* TP: this rank's wo_a outputs */
+        part->cols = shape1 / size;
+    } else if (strcmp(rest, "attn.attn_sink") == 0 || strncmp(rest, "attn.wq_b.", 10) == 0 ||
+               strncmp(rest, "attn.wo_a.", 10) == 0 || strncmp(rest, "attn.wo_b.", 10) == 0) {
         part->row0 = rank * per;
         part->rows = per;
     }
@@ -220,12 +223,12 @@ struct shard_priv {
 
 enum dsv4_err
 dsv4_weights_shard(struct dsv4_weights *out, const struct dsv4_weights *in, int rank, int size,
-                   enum dsv4_expert_split split)
+                   enum dsv4_group_split split)
 {
     const struct dsv4_config *c = &in->cfg;
     int E = c->n_routed_experts, L = in->n_layers;
     int H = c->num_attention_heads, G = c->o_groups, D = c->hidden_size;
-    int tp = size > 1 && split == DSV4_EXPERT_SPLIT_TP;
+    int tp = size > 1 && split == DSV4_GROUP_SPLIT_TP;
     struct shard_priv *pv = NULL;
     size_t need = 0, at = 0;
     enum dsv4_err e;
@@ -236,9 +239,11 @@ dsv4_weights_shard(struct dsv4_weights *out, const struct dsv4_weights *in, int 
     e = dsv4_shard_check(c, size, split);
     if (e != DSV4_OK)
         return e;
-    for (int l = 0; tp && l < L; l++) {   /* bytes of the w2 column copies */
+    for (int l = 0; tp && l < L; l++) {   /* bytes of the column copies */
         struct dsv4_expert_w x = in->layers[l].shared;
+        struct dsv4_linear wo_b = in->layers[l].wo_b;
 
+        need += slice_cols(&wo_b, 0, (int64_t)(G / size) * c->o_lora_rank, NULL);
         need += slice_expert(&x, rank, size, NULL);
         for (int i = 0; in->layers[l].experts != NULL && i < E; i++) {
             x = in->layers[l].experts[i];
@@ -275,10 +280,15 @@ dsv4_weights_shard(struct dsv4_weights *out, const struct dsv4_weights *in, int 
                 lw->attn_sink += rank * (H / size);
             slice_rows(&lw->wo_a, (int64_t)rank * (G / size) * c->o_lora_rank,
                        (int64_t)(G / size) * c->o_lora_rank);
-            slice_rows(&lw->wo_b, (int64_t)rank * (D / size), D / size);
-            if (tp)
+            if (tp) {   /* wo_b by its input columns: this rank's groups' */
+                int64_t gr = (int64_t)(G / size) * c->o_lora_rank;
+
+                at += slice_cols(&lw->wo_b, rank * gr, gr, pv->cols + at);
                 at += slice_expert(&lw->shared, rank, size, pv->cols + at);
-            else if (l % size != rank)
+            } else {
+                slice_rows(&lw->wo_b, (int64_t)rank * (D / size), D / size);
+            }
+            if (!tp && l % size != rank)
                 memset(&lw->shared, 0, sizeof(lw->shared));
         }
         if (in->layers[l].experts != NULL) {

@@ -79,7 +79,7 @@ enum dsv4_err dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be,
                                                 struct dsv4_weights *dev,
                                                 const struct dsv4_config *cfg, uint64_t seed,
                                                 int rank, int size,
-                                                enum dsv4_expert_split split,
+                                                enum dsv4_group_split split,
                                                 const struct dsv4_cuda_progress *pr,
                                                 const struct dsv4_cuda_arena *a);
 

@@ -67,7 +67,7 @@ enum dsv4_err dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_w
 
 /*
  * The part of the synthetic weights that rank `rank` of a group of `size`
- * holds (common/weights_shard.h) under the expert split `split`: the same
+ * holds (common/weights_shard.h) under the group split `split`: the same
  * values as the corresponding elements of dsv4_cuda_weights_synthetic(seed),
  * only the tensors, rows and columns of that rank on the device; the struct
  * is what dsv4_weights_shard() makes of the full weights.  DSV4_ERR_CONFIG
@@ -77,7 +77,7 @@ enum dsv4_err dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be,
                                                 struct dsv4_weights *dev,
                                                 const struct dsv4_config *cfg, uint64_t seed,
                                                 int rank, int size,
-                                                enum dsv4_expert_split split,
+                                                enum dsv4_group_split split,
                                                 const struct dsv4_cuda_progress *pr);
 
 /* Free what dsv4_cuda_weights_upload or _synthetic made (a zeroed *dev is

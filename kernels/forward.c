@@ -101,6 +101,8 @@ struct dsv4_model {
     struct dsv4_comm *comm;
     int tp, tp_rank, Hl, Gl, Dl;
     int moe_local;                 /* opts.moe_local in a group */
+    int wo_b_cols;                 /* the shard holds wo_b's input columns (group split
+                                      tp, common/weights_shard.h), not its rows */
     float freqs_swa[64], freqs_comp[64];
     struct layer_state *L;
     struct page_pool pg[2];        /* ratio 4, ratio 128 */
@@ -362,10 +364,12 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->Hl = m->H / m->tp;
     m->Gl = c->o_groups / m->tp;
     m->Dl = m->D / m->tp;
+    m->wo_b_cols = m->tp > 1 && w->n_layers >= 1 && w->layers[0].wo_b.n_out == m->D &&
+                   w->layers[0].wo_b.n_in == m->Gl * c->o_lora_rank;
     if (m->tp > 1 && (m->Hl * m->tp != m->H || m->Gl * m->tp != c->o_groups ||
                       m->Dl * m->tp != m->D || w->n_layers < 1 ||
                       w->layers[0].wq_b.n_out != m->Hl * m->Dh ||
-                      w->layers[0].wo_b.n_out != m->Dl)) {
+                      (w->layers[0].wo_b.n_out != m->Dl && !m->wo_b_cols))) {
         int r = m->tp_rank, n = m->tp;
 
         free(m);
@@ -840,7 +844,9 @@ run_compressor(struct dsv4_model *m, const struct layer_state *ls,
  * The attention output projection over a group (kernels/comm.h): this
  * rank's groups of wo_a, gathered into m->u (every rank's columns, exact:
  * the others' are zero); this rank's output columns of wo_b, gathered into
- * m->y.  Each value is the one a single rank computes.
+ * m->y.  Each value is the one a single rank computes.  With wo_b's input
+ * columns instead (group split tp): wo_b on this rank's wo_a outputs, a
+ * partial y, and one all-reduce adds the ranks' partials (no gather of u).
  */
 static enum dsv4_err
 attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
@@ -850,6 +856,10 @@ attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
     int T = m->plan.T, R = m->cfg.o_lora_rank, GR = m->cfg.o_groups * R, GRl = m->Gl * R;
 
     TRY(ops->linear_grouped(be, m->u_loc, m->o, &lw->wo_a, T, m->Gl));
+    if (m->wo_b_cols) {
+        TRY(ops->linear(be, m->y, m->u_loc, &lw->wo_b, T, 0));
+        return m->comm->ops->allreduce_sum(m->comm, be, m->y, (int64_t)T * m->D);
+    }
     TRY(ops->fill(be, m->u, 0.0f, (int64_t)T * GR));
     TRY(ops->copy2d(be, m->u + (int64_t)m->tp_rank * GRl, GR, m->u_loc, GRl, T, GRl));
     TRY(m->comm->ops->allreduce_sum(m->comm, be, m->u, (int64_t)T * GR));

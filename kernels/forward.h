@@ -64,9 +64,9 @@ struct dsv4_model_opts {
  * Model groups.  With opts.comm, the model is one rank of a group that runs
  * the forward together: each rank holds its shard of the weights
  * (common/weights_shard.h: its query heads and output groups of attention,
- * its columns of wo_b; by the expert split, its routed experts and every
- * size-th shared expert (ep) or its slice of every expert's intermediate
- * size (tp)) and
+ * and by the group split either its rows of wo_b, its routed experts and
+ * every size-th shared expert (ep) or its input columns of wo_b and its
+ * slice of every expert's intermediate size (tp)) and
  * every rank runs every call with the same batch.  The ranks' parts are
  * gathered with all-reduces over buffers where each element comes from one
  * rank (three per layer: wo_a's output, wo_b's output, the experts' parts),
@@ -83,10 +83,13 @@ struct dsv4_model_opts {
  * the sum of two bf16-rounded partial outputs is not the bf16 sum of all
  * rows.  The rank daemons set it with the CUDA fast kernels (which differ
  * from the exact ones by rounding anyway); the exact kernels and the CPU
- * backend keep the bit-identical form.  With the tp expert split every
+ * backend keep the bit-identical form.  With the tp group split every
  * rank's experts' rows are partial sums (over its slice of I), so the
  * group's result is again the sum of the ranks' parts; moe_local is what
  * the rank daemons run with it (each rank's combine, one (T, D) exchange).
+ * The tp split also gives each rank wo_b's input columns of its own wo_a
+ * groups (the model sees it in the shapes): the attention output is then
+ * one all-reduce of partial outputs instead of two gathers (u, then y).
  */
 
 /*

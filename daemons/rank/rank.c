@@ -707,28 +707,28 @@ rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
 }
 #endif
 
-/* The group's expert split (common/weights_shard.h): the expert_split key;
+/* The group's split (common/weights_shard.h): the group_split key;
  * auto: tp with the CUDA fast kernels (every rank reads the same bytes a
  * step), else ep (the exact kernels' and the CPU's groups stay
- * bit-identical to one rank).  DSV4_EXPERT_SPLIT=ep / tp wins. */
-static enum dsv4_expert_split
-rank_expert_split(struct rank *k, bool cuda)
+ * bit-identical to one rank).  DSV4_GROUP_SPLIT=ep / tp wins. */
+static enum dsv4_group_split
+rank_group_split(struct rank *k, bool cuda)
 {
-    const char *v = getenv("DSV4_EXPERT_SPLIT");
-    enum dsv4_expert_split split = DSV4_EXPERT_SPLIT_EP;
+    const char *v = getenv("DSV4_GROUP_SPLIT");
+    enum dsv4_group_split split = DSV4_GROUP_SPLIT_EP;
 
     if (v == NULL || *v == '\0')
-        v = k->o.conf.expert_split;
+        v = k->o.conf.group_split;
     if (strcmp(v, "auto") == 0) {
 #ifdef DSV4_HAVE_CUDA
         if (cuda && dsv4_cuda_get_kernels(k->be))
-            split = DSV4_EXPERT_SPLIT_TP;
+            split = DSV4_GROUP_SPLIT_TP;
 #else
         (void)cuda;
 #endif
         return split;
     }
-    if (dsv4_expert_split_parse(v, &split) != DSV4_OK)
+    if (dsv4_group_split_parse(v, &split) != DSV4_OK)
         fatalx("rank_init: %s", dsv4_errmsg());
     return split;
 }
@@ -742,10 +742,10 @@ static const struct dsv4_weights *
 rank_init_weights(struct rank *k, bool cuda)
 {
     int gr = (int)k->o.group_rank, gs = (int)k->o.group_size;
-    enum dsv4_expert_split split = rank_expert_split(k, cuda);
+    enum dsv4_group_split split = rank_group_split(k, cuda);
 
-    k->expert_split = split;
-    log_info("rank_init: experts split %s over the group of %d", dsv4_expert_split_name(split),
+    k->group_split = split;
+    log_info("rank_init: group split %s over the group of %d", dsv4_group_split_name(split),
              gs);
 #ifdef DSV4_HAVE_CUDA
     struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
@@ -767,7 +767,7 @@ rank_init_weights(struct rank *k, bool cuda)
         if (e != DSV4_OK)
             fatalx("rank_init: model config: %s", dsv4_errmsg());
         snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed,
-                 split == DSV4_EXPERT_SPLIT_TP && gs > 1 ? ":experts-tp" : "");
+                 split == DSV4_GROUP_SPLIT_TP && gs > 1 ? ":split-tp" : "");
         rank_share_begin(k, &cfg, source, &arena);
         if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
             dsv4_cuda_weights_synthetic_arena(k->be, &k->wdev, &cfg, k->o.synth_seed, gr, gs,
@@ -807,7 +807,7 @@ rank_init_weights(struct rank *k, bool cuda)
 
         snprintf(source, sizeof(source), "checkpoint:%s%s",
                  realpath(k->o.conf.checkpoint, real) != NULL ? real : k->o.conf.checkpoint,
-                 split == DSV4_EXPERT_SPLIT_TP && gs > 1 ? ":experts-tp" : "");
+                 split == DSV4_GROUP_SPLIT_TP && gs > 1 ? ":split-tp" : "");
     }
     rank_share_begin(k, &k->w.cfg, source, &arena);
     if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
@@ -903,9 +903,9 @@ rank_init_model(struct rank *k)
     /* decode steps as CUDA graphs (one per batch size, kernels/forward.h) */
     mo.graphs = k->o.role == DSV4_ROLE_DECODE && !k->o.no_graphs;
     /* the experts' outputs combined on each rank before the group's sum
-     * with the fast kernels and with the tp expert split (kernels/forward.h
+     * with the fast kernels and with the tp group split (kernels/forward.h
      * "Model groups"); DSV4_MOE_LOCAL=0 / 1 overrides */
-    mo.moe_local = k->expert_split == DSV4_EXPERT_SPLIT_TP;
+    mo.moe_local = k->group_split == DSV4_GROUP_SPLIT_TP;
 #ifdef DSV4_HAVE_CUDA
     mo.moe_local = mo.moe_local || (cuda && dsv4_cuda_get_kernels(k->be));
 #endif

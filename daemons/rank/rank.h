@@ -157,7 +157,7 @@ struct rank {
     bool wdev_loaded;
     struct rank_share *share;   /* weights shared with the other rank of the
                                    GPU (rank_share.c); NULL = not shared */
-    enum dsv4_expert_split expert_split;   /* the group's (rank_expert_split) */
+    enum dsv4_group_split group_split;   /* the group's (rank_group_split) */
     struct dsv4_backend *be;
     struct dsv4_model *m;
     int V;                      /* vocabulary */

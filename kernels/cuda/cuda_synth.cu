@@ -448,13 +448,13 @@ dsv4_cuda_weights_synthetic(struct dsv4_backend *be, struct dsv4_weights *dev,
                             const struct dsv4_config *cfg, uint64_t seed,
                             const struct dsv4_cuda_progress *pr)
 {
-    return dsv4_cuda_weights_synthetic_shard(be, dev, cfg, seed, 0, 1, DSV4_EXPERT_SPLIT_EP, pr);
+    return dsv4_cuda_weights_synthetic_shard(be, dev, cfg, seed, 0, 1, DSV4_GROUP_SPLIT_EP, pr);
 }
 
 extern "C" enum dsv4_err
 dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *dev,
                                   const struct dsv4_config *cfg, uint64_t seed, int rank,
-                                  int size, enum dsv4_expert_split split,
+                                  int size, enum dsv4_group_split split,
                                   const struct dsv4_cuda_progress *pr)
 {
     return dsv4_cuda_weights_synthetic_arena(be, dev, cfg, seed, rank, size, split, pr, NULL);
@@ -463,7 +463,7 @@ dsv4_cuda_weights_synthetic_shard(struct dsv4_backend *be, struct dsv4_weights *
 extern "C" enum dsv4_err
 dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *dev,
                                   const struct dsv4_config *cfg, uint64_t seed, int rank,
-                                  int size, enum dsv4_expert_split split,
+                                  int size, enum dsv4_group_split split,
                                   const struct dsv4_cuda_progress *pr,
                                   const struct dsv4_cuda_arena *a)
 {
@@ -546,8 +546,8 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
     }
     p->layout = layout;
     log_info("synthetic weights: %s %.2f GiB (%d layers, %d experts each), seed %llu, rank %d "
-             "of %d, experts split %s", place_only ? "mapping" : "generating", total / GIB, L,
-             E, (unsigned long long)seed, rank, size, dsv4_expert_split_name(split));
+             "of %d, group split %s", place_only ? "mapping" : "generating", total / GIB, L,
+             E, (unsigned long long)seed, rank, size, dsv4_group_split_name(split));
     e = cuda_arena_alloc(be, p, total, a, "synthetic weights");
     if (e != DSV4_OK)
         goto fail;

@@ -275,7 +275,7 @@ worker(const char *mode, const char *sock, int layers)
     if (strcmp(mode, "serve") == 0) {
         a.kind = DSV4_CUDA_ARENA_SHAREABLE;
         TRY("shareable synthetic weights",
-            dsv4_cuda_weights_synthetic_arena(be, &w, &cfg, SEED, 0, 1, DSV4_EXPERT_SPLIT_EP, NULL, &a));
+            dsv4_cuda_weights_synthetic_arena(be, &w, &cfg, SEED, 0, 1, DSV4_GROUP_SPLIT_EP, NULL, &a));
         memset(&hdr, 0, sizeof(hdr));
         fd = dsv4_cuda_weights_share_fd(&w, &hdr.alloc_bytes, &hdr.used_bytes, &hdr.layout);
         if (fd < 0) {
@@ -301,7 +301,7 @@ worker(const char *mode, const char *sock, int layers)
         a.layout = hdr.layout;
         cudaDeviceSynchronize();
         cudaMemGetInfo(&f0, &tot);
-        TRY("import", dsv4_cuda_weights_synthetic_arena(be, &w, &cfg, SEED, 0, 1, DSV4_EXPERT_SPLIT_EP, NULL, &a));
+        TRY("import", dsv4_cuda_weights_synthetic_arena(be, &w, &cfg, SEED, 0, 1, DSV4_GROUP_SPLIT_EP, NULL, &a));
         cudaDeviceSynchronize();
         cudaMemGetInfo(&f1, &tot);
         say("import_mib", "%.1f", f0 > f1 ? (f0 - f1) / MIB : 0.0);

@@ -25,11 +25,11 @@
  * after the script, a prefill of one N-token prompt (slot 0 reset, one
  * forward call) whose time is printed (the TTFT of the model alone);
  * DSV4_TEST_MOE_LOCAL=0 / 1 sets the groups' moe_local (default: on with
- * the fast kernels or the tp expert split, as the rank daemons do; the
+ * the fast kernels or the tp group split, as the rank daemons do; the
  * exact kernels' groups stay bit-identical to one GPU only with it off);
- * DSV4_TEST_EXPERT_SPLIT=ep / tp the groups' expert split
+ * DSV4_TEST_GROUP_SPLIT=ep / tp the groups' split
  * (common/weights_shard.h; default: tp with the fast kernels, as the rank
- * daemons' expert_split = auto, else ep).
+ * daemons' group_split = auto, else ep).
  *
  * Exit status: 0 pass, 1 failure, 77 fewer than two CUDA devices.
  */
@@ -109,16 +109,16 @@ long_prompt(void)
     return v != NULL ? atoi(v) : 0;
 }
 
-/* The group's expert split: tp with the fast kernels, as the rank daemons'
- * expert_split = auto; DSV4_TEST_EXPERT_SPLIT=ep / tp overrides. */
-static enum dsv4_expert_split
-expert_split(struct dsv4_backend *be)
+/* The group's split: tp with the fast kernels, as the rank daemons'
+ * group_split = auto; DSV4_TEST_GROUP_SPLIT=ep / tp overrides. */
+static enum dsv4_group_split
+group_split(struct dsv4_backend *be)
 {
-    const char *v = getenv("DSV4_TEST_EXPERT_SPLIT");
+    const char *v = getenv("DSV4_TEST_GROUP_SPLIT");
 
     if (v != NULL)
-        return strcmp(v, "tp") == 0 ? DSV4_EXPERT_SPLIT_TP : DSV4_EXPERT_SPLIT_EP;
-    return dsv4_cuda_get_kernels(be) ? DSV4_EXPERT_SPLIT_TP : DSV4_EXPERT_SPLIT_EP;
+        return strcmp(v, "tp") == 0 ? DSV4_GROUP_SPLIT_TP : DSV4_GROUP_SPLIT_EP;
+    return dsv4_cuda_get_kernels(be) ? DSV4_GROUP_SPLIT_TP : DSV4_GROUP_SPLIT_EP;
 }
 
 /* The group's moe_local (kernels/forward.h): on with the fast kernels or
@@ -131,7 +131,7 @@ moe_local(struct dsv4_backend *be)
 
     return v != NULL ? atoi(v) != 0
                      : dsv4_cuda_get_kernels(be) != 0 ||
-                           expert_split(be) == DSV4_EXPERT_SPLIT_TP;
+                           group_split(be) == DSV4_GROUP_SPLIT_TP;
 }
 
 static void
@@ -158,7 +158,7 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
     cudaMemGetInfo(&freeb, &totb);
     t0 = now_ms();
     RTRY("synthetic weights", dsv4_cuda_weights_synthetic_shard(be, &w, &cfg, SEED, rank, size,
-                                                                expert_split(be), NULL));
+                                                                group_split(be), NULL));
     r->ms_gen = now_ms() - t0;
     {
         size_t f2;
@@ -376,10 +376,10 @@ times(const char *what, const struct result *r)
            r->finite ? "yes" : "NO");
     if (r->ms_long > 0)
         printf("| %s | prefill of one %d-token prompt (one call): %.1f ms (%.3f ms per token) "
-               "| comm %s | moe_local %s | experts split %s |\n", what, long_prompt(), r->ms_long,
+               "| comm %s | moe_local %s | group split %s |\n", what, long_prompt(), r->ms_long,
                r->ms_long / long_prompt(), use_cudaipc() ? "cudaipc" : "nccl",
                getenv("DSV4_TEST_MOE_LOCAL") != NULL ? getenv("DSV4_TEST_MOE_LOCAL") : "default",
-               getenv("DSV4_TEST_EXPERT_SPLIT") != NULL ? getenv("DSV4_TEST_EXPERT_SPLIT")
+               getenv("DSV4_TEST_GROUP_SPLIT") != NULL ? getenv("DSV4_TEST_GROUP_SPLIT")
                                                         : "default");
 }
 

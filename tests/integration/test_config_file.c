@@ -115,8 +115,8 @@ test_round_trip(void **state)
     assert_int_equal(dsv4_conf_set_kv(&a, "cuda_kernels=quick"), DSV4_ERR_CONFIG);
     assert_int_equal(dsv4_conf_set_kv(&a, "cuda_priority=none"), DSV4_OK);
     assert_int_equal(dsv4_conf_set_kv(&a, "cuda_priority=prefill"), DSV4_ERR_CONFIG);
-    assert_int_equal(dsv4_conf_set_kv(&a, "expert_split=tp"), DSV4_OK);
-    assert_int_equal(dsv4_conf_set_kv(&a, "expert_split=dp"), DSV4_ERR_CONFIG);
+    assert_int_equal(dsv4_conf_set_kv(&a, "group_split=tp"), DSV4_OK);
+    assert_int_equal(dsv4_conf_set_kv(&a, "group_split=dp"), DSV4_ERR_CONFIG);
     mem = open_memstream(&printed, &len);
     dsv4_conf_print(&a, mem);
     fclose(mem);
@@ -131,7 +131,7 @@ test_round_trip(void **state)
     assert_string_equal(b.key_dir, "");
     assert_string_equal(b.cuda_kernels, "exact");
     assert_string_equal(b.cuda_priority, "none");
-    assert_string_equal(b.expert_split, "tp");
+    assert_string_equal(b.group_split, "tp");
 }
 
 static void

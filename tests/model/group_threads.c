@@ -13,7 +13,7 @@
 struct group_rank {
     const struct dsv4_weights *full;
     const struct dsv4_model_opts *opts;
-    enum dsv4_expert_split split;
+    enum dsv4_group_split split;
     struct dsv4_comm *comm;
     void (*fn)(struct dsv4_model *m, int rank, void *ctx);
     void *ctx;
@@ -48,7 +48,7 @@ group_rank_main(void *arg)
 }
 
 enum dsv4_err
-group_threads_run(const struct dsv4_weights *full, int n, enum dsv4_expert_split split,
+group_threads_run(const struct dsv4_weights *full, int n, enum dsv4_group_split split,
                   const struct dsv4_model_opts *opts,
                   void (*fn)(struct dsv4_model *m, int rank, void *ctx), void *ctx)
 {

@@ -18,7 +18,7 @@
  * Run fn(m, rank, ctx) on every rank 0 .. n-1 of a new local group of n
  * ranks, one thread per rank, and wait for all of them.  Rank r's model m
  * is made on a CPU backend (reference numerics, one thread) from shard r of
- * n of `full` (experts split by `split`) with *opts, whose comm is replaced by rank r's; the model,
+ * n of `full` (group split `split`) with *opts, whose comm is replaced by rank r's; the model,
  * backend, shard and communicators are freed before this returns.  ctx is
  * the caller's, the same for every rank (fn writes only its rank's part).
  *
@@ -29,7 +29,7 @@
  * test, loudly), or of making the group or its threads.
  */
 enum dsv4_err group_threads_run(const struct dsv4_weights *full, int n,
-                                enum dsv4_expert_split split,
+                                enum dsv4_group_split split,
                                 const struct dsv4_model_opts *opts,
                                 void (*fn)(struct dsv4_model *m, int rank, void *ctx),
                                 void *ctx);

@@ -401,7 +401,7 @@ test_spec_group(void **state)
     gr.ref = &ref;
     for (int r = 0; r < 2; r++)
         run_alloc(&gr.out[r], N_GEN_TP);
-    if (group_threads_run(&tm.w, 2, DSV4_EXPERT_SPLIT_EP, &o, rank_run, &gr) != DSV4_OK)
+    if (group_threads_run(&tm.w, 2, DSV4_GROUP_SPLIT_EP, &o, rank_run, &gr) != DSV4_OK)
         fail_msg("group: %s", dsv4_errmsg());
     for (int r = 0; r < 2; r++) {
         struct run *g = &gr.out[r];

@@ -13,9 +13,10 @@
  * processes over the shm communicator (fork).  With moe_local (each rank
  * combines its own experts' rows first) the ranks must still agree bit for
  * bit, and the partial outputs must add up to the experts' output.  With
- * the experts split along their intermediate size (expert split tp,
- * `test_tp DIR experts-tp` on a checkpoint whose moe_intermediate_size is a
- * multiple of 256) the same, and each rank holds every expert's slice.
+ * the group split tp (experts cut along their intermediate size, wo_b by
+ * its input columns; `test_tp DIR split-tp` on a checkpoint whose
+ * moe_intermediate_size is a multiple of 256) the same, and each rank holds
+ * every expert's slice and its wo_a groups' columns of wo_b.
  * Also: the shard rule refuses
  * group sizes that do not divide the model; a shm group whose second rank
  * never comes, or goes away, fails within its timeout instead of hanging,
@@ -176,7 +177,7 @@ expect_same(const char *what, int rank, const float *got, const float *want, siz
  * on a group of two threads with opts.moe_local = moe_local and the experts
  * split by `split` (out[2]). */
 static void
-run_one_and_group(struct tmodel *tm, int moe_local, enum dsv4_expert_split split,
+run_one_and_group(struct tmodel *tm, int moe_local, enum dsv4_group_split split,
                   struct dsv4_model **ref_m, struct run_out *ref, struct run_out *out)
 {
     struct dsv4_model_opts o = opts(NULL);
@@ -206,7 +207,7 @@ test_group_equals_one_rank(void **state)
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
     V = tm.V;
-    run_one_and_group(&tm, 0, DSV4_EXPERT_SPLIT_EP, &ref_m, &ref, out);
+    run_one_and_group(&tm, 0, DSV4_GROUP_SPLIT_EP, &ref_m, &ref, out);
     for (int r = 0; r < 2; r++) {
         struct run_out *g = &out[r];
 
@@ -231,14 +232,14 @@ cmp_double(const void *a, const void *b)
 
 /*
  * The identity behind moe_local on layer 0's experts: for 8 tokens with
- * random picks, moe_parts + moe_combine on each rank's shard (experts split
- * by `split`), the two partial outputs added, against moe on all the
+ * random picks, moe_parts + moe_combine on each rank's shard (group split
+ * `split`), the two partial outputs added, against moe on all the
  * weights: within two bf16 roundings (each partial is rounded, then the
  * sum) of the largest output.
  */
 static void
 moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be,
-                   enum dsv4_expert_split split)
+                   enum dsv4_group_split split)
 {
     enum { T = 8 };
     const struct dsv4_config *c = &full->cfg;
@@ -280,8 +281,8 @@ moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be,
         amax = fmaxf(amax, fabsf(ref[i]));
         dmax = fmaxf(dmax, fabsf(sum[i] - ref[i]));
     }
-    printf("# moe_local identity (experts split %s): max |partials summed - moe| %g "
-           "(max |moe| %g)\n", dsv4_expert_split_name(split), (double)dmax, (double)amax);
+    printf("# moe_local identity (group split %s): max |partials summed - moe| %g "
+           "(max |moe| %g)\n", dsv4_group_split_name(split), (double)dmax, (double)amax);
     assert_true(amax > 0);
     assert_true(dmax <= amax / 128);
     free(x), free(ref), free(sum), free(p), free(parts);
@@ -298,7 +299,7 @@ moe_local_identity(const struct dsv4_weights *full, struct dsv4_backend *be,
  * may part at near ties.
  */
 static void
-group_moe_local(enum dsv4_expert_split split)
+group_moe_local(enum dsv4_group_split split)
 {
     struct tmodel tm;
     struct dsv4_model *ref_m = NULL;
@@ -330,8 +331,8 @@ group_moe_local(enum dsv4_expert_split split)
     }
     qsort(rel, N_PROMPT, sizeof(rel[0]), cmp_double);
     med = rel[N_PROMPT / 2];
-    printf("# moe_local (experts split %s) prefill vs one rank: median row rel diff %.4f, "
-           "max %.4f\n", dsv4_expert_split_name(split), med, rel[N_PROMPT - 1]);
+    printf("# moe_local (group split %s) prefill vs one rank: median row rel diff %.4f, "
+           "max %.4f\n", dsv4_group_split_name(split), med, rel[N_PROMPT - 1]);
     assert_true(med <= 0.2);
     for (int r = 0; r < 2; r++)
         run_free(&out[r]);
@@ -344,7 +345,7 @@ static void
 test_group_moe_local(void **state)
 {
     (void)state;
-    group_moe_local(DSV4_EXPERT_SPLIT_EP);
+    group_moe_local(DSV4_GROUP_SPLIT_EP);
 }
 
 /* Bytes of row r, columns [c0, c0 + n) (values) of an FP8 / FP4 linear. */
@@ -358,29 +359,44 @@ lin_row(const struct dsv4_linear *L, int64_t r, int64_t c0, size_t *n, int64_t c
 }
 
 /*
- * Expert split tp (common/weights_shard.h): each rank of two holds every
+ * Group split tp (common/weights_shard.h): each rank of two holds every
  * routed expert and the shared expert, w1 / w3 rows and w2 columns of its
- * half of I (bytes and scales equal to the full tensors'), and the group
- * with moe_local agrees bit for bit across ranks and with one rank as
- * test_group_moe_local's bounds say.
+ * half of I, and the columns of wo_b that its wo_a groups feed (bytes and
+ * scales equal to the full tensors'); the group with moe_local agrees bit
+ * for bit across ranks and with one rank as test_group_moe_local's bounds
+ * say.
  */
 static void
-test_group_experts_tp(void **state)
+test_group_split_tp(void **state)
 {
     struct tmodel tm;
-    int I, E, D;
+    int I, E, D, GR;
 
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
     I = tm.w.cfg.moe_intermediate_size, E = tm.w.cfg.n_routed_experts;
     D = tm.w.cfg.hidden_size;
+    GR = tm.w.cfg.o_groups * tm.w.cfg.o_lora_rank;
     for (int r = 0; r < 2; r++) {
         struct dsv4_weights sh;
         const struct dsv4_layer_w *fl = &tm.w.layers[0], *sl;
         int h = I / 2;
 
-        assert_int_equal(dsv4_weights_shard(&sh, &tm.w, r, 2, DSV4_EXPERT_SPLIT_TP), DSV4_OK);
+        assert_int_equal(dsv4_weights_shard(&sh, &tm.w, r, 2, DSV4_GROUP_SPLIT_TP), DSV4_OK);
         sl = &sh.layers[0];
+        {   /* wo_b: all D rows, columns [r*GR/2, (r+1)*GR/2) */
+            size_t n, m;
+            const uint8_t *a = lin_row(&sl->wo_b, 7, 0, &n, GR / 2);
+            const uint8_t *b = lin_row(&fl->wo_b, 7, (int64_t)r * (GR / 2), &m, GR / 2);
+
+            assert_int_equal(sl->wo_b.n_out, D);
+            assert_int_equal(sl->wo_b.n_in, GR / 2);
+            assert_int_equal(n, m);
+            assert_memory_equal(a, b, n);
+            assert_memory_equal(sl->wo_b.scale + (GR / 2 / 128),
+                                fl->wo_b.scale + ((GR + 127) / 128) + r * (GR / 2 / 128),
+                                (size_t)GR / 2 / 128);
+        }
         for (int x = 0; x < E + 1; x++) {
             const struct dsv4_expert_w *f = x < E ? &fl->experts[x] : &fl->shared;
             const struct dsv4_expert_w *g = x < E ? &sl->experts[x] : &sl->shared;
@@ -410,7 +426,7 @@ test_group_experts_tp(void **state)
         dsv4_weights_shard_free(&sh);
     }
     tmodel_close(&tm);
-    group_moe_local(DSV4_EXPERT_SPLIT_TP);
+    group_moe_local(DSV4_GROUP_SPLIT_TP);
 }
 
 /* Rank `rank` of a shm group in this process: its shard, its model, the
@@ -430,7 +446,7 @@ shm_rank_run(const struct dsv4_weights *full, const uint8_t *id, int rank,
     run_alloc(&out);
     o.tp_rank = rank;
     o.tp_size = 2;
-    if (dsv4_weights_shard(&sh, full, rank, 2, DSV4_EXPERT_SPLIT_EP) != DSV4_OK ||
+    if (dsv4_weights_shard(&sh, full, rank, 2, DSV4_GROUP_SPLIT_EP) != DSV4_OK ||
         dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
         dsv4_model_create(&m, be, &sh, &o) != DSV4_OK ||
         dsv4_comm_shm_create(&c, rank, 2, id, 4 << 20, 20000) != DSV4_OK ||
@@ -558,15 +574,15 @@ test_bad_groups(void **state)
 
     (void)state;
     tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 1, 512, 16);
-    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 3, DSV4_EXPERT_SPLIT_EP),
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 3, DSV4_GROUP_SPLIT_EP),
                      DSV4_ERR_CONFIG);   /* 4 heads */
     printf("# %s\n", dsv4_errmsg());
-    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 4, DSV4_EXPERT_SPLIT_EP),
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 4, DSV4_GROUP_SPLIT_EP),
                      DSV4_ERR_CONFIG);   /* 2 groups */
     printf("# %s\n", dsv4_errmsg());
-    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 2, 2, DSV4_EXPERT_SPLIT_EP), DSV4_ERR_INVAL);
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 2, 2, DSV4_GROUP_SPLIT_EP), DSV4_ERR_INVAL);
     /* tiny: I = 128, so half of it is not whole 128-blocks of h */
-    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 2, DSV4_EXPERT_SPLIT_TP),
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 0, 2, DSV4_GROUP_SPLIT_TP),
                      DSV4_ERR_CONFIG);
     printf("# %s\n", dsv4_errmsg());
     assert_int_equal(dsv4_comm_local_create(comm, 2), DSV4_OK);
@@ -589,11 +605,11 @@ main(int argc, char **argv)
         cmocka_unit_test(test_bad_groups),
     };
     const struct CMUnitTest tests_tp[] = {
-        cmocka_unit_test(test_group_experts_tp),
+        cmocka_unit_test(test_group_split_tp),
     };
 
-    if (argc != 2 && !(argc == 3 && strcmp(argv[2], "experts-tp") == 0)) {
-        fprintf(stderr, "usage: test_tp CHECKPOINT_DIR [experts-tp]\n");
+    if (argc != 2 && !(argc == 3 && strcmp(argv[2], "split-tp") == 0)) {
+        fprintf(stderr, "usage: test_tp CHECKPOINT_DIR [split-tp]\n");
         return 2;
     }
     ckpt_dir = argv[1];
