@@ -3,15 +3,21 @@
  * temperature, top-k, top-p, the (seed, step) counter-based draw), and the
  * segmented key sort it shares with indexer_topk.
  *
- * Per call: one block per row finds the argmax (lowest id on ties), the
- * maximum and Σ exp(l - max) in double (log-probability), and for sampled
- * rows writes z = l / temperature and its sort keys; the rows that need a
- * candidate order (top_k in [1, V) or top_p < 1) are sorted by CUB's
- * segmented radix sort on (z desc, id asc) keys, which is cpu_topk's order;
- * then one thread per row runs steps 4-5 of the algorithm sequentially in
- * candidate order, in double, as the CPU does.  Σ exp for the log-probability
- * is a block reduction (a different double summation order than the CPU's,
- * invisible after the rounding to float but for rare last-bit cases).
+ * Per call: SAMPLE_CHUNKS blocks per row (each a contiguous chunk of the
+ * vocabulary) find their chunk's argmax (lowest id on ties) and, for
+ * sampled rows, write z = l / temperature and its sort keys; a second
+ * launch of the same grid takes the row's argmax and maximum from the
+ * chunks' and sums exp(l - max) over its chunk in double; the final kernel
+ * adds the chunks' sums in chunk order (log-probability).  (One block per
+ * row did all of it before: 108 us a step for the 129,280 double exps on
+ * one SM, perf.md run 30.)  The rows that need a candidate order (top_k in
+ * [1, V) or top_p < 1) are sorted by CUB's segmented radix sort on (z desc,
+ * id asc) keys, which is cpu_topk's order; then one thread per row runs
+ * steps 4-5 of the algorithm sequentially in candidate order, in double, as
+ * the CPU does.  The argmax and maximum are the CPU's (order-free); Σ exp
+ * for the log-probability is a tree of partial sums (a different double
+ * summation order than the CPU's, invisible after the rounding to float but
+ * for rare last-bit cases).
  */
 #include "kernels/cuda/cuda.cuh"
 
@@ -63,6 +69,7 @@ cuda_sort_segments(struct dsv4_backend *be, unsigned long long *keys_out,
 /* --- sampling ---------------------------------------------------------------------- */
 
 #define SAMPLE_THREADS 256
+#define SAMPLE_CHUNKS 32   /* blocks per row */
 
 /* Per-row results of the first pass. */
 struct row_stats {
@@ -71,31 +78,54 @@ struct row_stats {
     double sum;   /* Σ exp((double)(l - max)) */
 };
 
-static __global__ void
-sample_stats_kernel(struct row_stats *stats, float *z, unsigned long long *keys,
-                    const float *logits, const struct dsv4_sample_params *params, int V,
-                    int want_keys)
+/* One chunk's partial results. */
+struct chunk_stats {
+    float max;     /* the chunk's largest value (-inf when empty) */
+    int32_t arg;   /* its lowest id (INT_MAX when none) */
+    double sum;    /* Σ exp((double)(l - row max)) over the chunk */
+};
+
+/* [lo, hi) of chunk c of a row of V. */
+static __device__ __forceinline__ void
+sample_chunk(int V, int c, int *lo, int *hi)
+{
+    int per = (V + SAMPLE_CHUNKS - 1) / SAMPLE_CHUNKS;
+
+    *lo = min(V, c * per);
+    *hi = min(V, *lo + per);
+}
+
+/* Whether (v, i) ranks before (bv, bi): larger, then lower id. */
+static __device__ __forceinline__ bool
+sample_before(float v, int i, float bv, int bi)
+{
+    return v > bv || (v == bv && i < bi);
+}
+
+/* grid (n, SAMPLE_CHUNKS): the chunk's argmax into cs; z and keys of
+ * sampled rows. */
+static __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_max_kernel(struct chunk_stats *cs, float *z, unsigned long long *keys,
+                  const float *logits, const struct dsv4_sample_params *params, int V,
+                  int want_keys)
 {
     __shared__ float rv[SAMPLE_THREADS / 32];
     __shared__ int ri[SAMPLE_THREADS / 32];
-    __shared__ double rs[SAMPLE_THREADS / 32];
-    __shared__ float s_max;
     int64_t r = blockIdx.x;
+    int c = blockIdx.y, lo, hi;
     const float *l = logits + r * V;
-    const struct dsv4_sample_params sp = params[r];
+    const float temp = params[r].temperature;
     float bv = -__int_as_float(0x7f800000);
     int bi = 0x7fffffff;
-    double sum = 0.0;
 
-    for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS) {
+    sample_chunk(V, c, &lo, &hi);
+    for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
         float v = l[i];
 
-        if (v > bv || (v == bv && i < bi)) {
-            bv = v;
-            bi = i;
-        }
-        if (sp.temperature != 0.0f) {
-            float zi = v / sp.temperature;
+        if (sample_before(v, i, bv, bi))
+            bv = v, bi = i;
+        if (temp != 0.0f) {
+            float zi = v / temp;
 
             z[r * V + i] = zi;
             if (want_keys)
@@ -106,10 +136,8 @@ sample_stats_kernel(struct row_stats *stats, float *z, unsigned long long *keys,
         float ov = __shfl_xor_sync(0xffffffffu, bv, o);
         int oi = __shfl_xor_sync(0xffffffffu, bi, o);
 
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
+        if (sample_before(ov, oi, bv, bi))
+            bv = ov, bi = oi;
     }
     if (threadIdx.x % 32 == 0) {
         rv[threadIdx.x / 32] = bv;
@@ -117,21 +145,46 @@ sample_stats_kernel(struct row_stats *stats, float *z, unsigned long long *keys,
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int w = 1; w < SAMPLE_THREADS / 32; w++) {
-            if (rv[w] > bv || (rv[w] == bv && ri[w] < bi)) {
-                bv = rv[w];
-                bi = ri[w];
-            }
-        }
-        /* the CPU's argmax starts at 0 and never moves off a NaN there */
-        if (isnan(l[0]) || bi == 0x7fffffff)
-            bi = 0;
-        stats[r].argmax = bi;
-        stats[r].max = l[bi];
-        s_max = l[bi];
+        for (int w = 1; w < SAMPLE_THREADS / 32; w++)
+            if (sample_before(rv[w], ri[w], bv, bi))
+                bv = rv[w], bi = ri[w];
+        cs[r * SAMPLE_CHUNKS + c].max = bv;
+        cs[r * SAMPLE_CHUNKS + c].arg = bi;
     }
+}
+
+/* The row's argmax (lowest id on ties; 0 when l[0] is NaN or nothing
+ * compares, as the CPU's argmax) from its chunks' (order-free). */
+static __device__ __forceinline__ int
+sample_row_argmax(const struct chunk_stats *cs, const float *l)
+{
+    float bv = -__int_as_float(0x7f800000);
+    int bi = 0x7fffffff;
+
+    for (int c = 0; c < SAMPLE_CHUNKS; c++)
+        if (sample_before(cs[c].max, cs[c].arg, bv, bi))
+            bv = cs[c].max, bi = cs[c].arg;
+    if (isnan(l[0]) || bi == 0x7fffffff)
+        bi = 0;
+    return bi;
+}
+
+/* grid (n, SAMPLE_CHUNKS): Σ exp(l - max) over the chunk into cs. */
+static __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_sum_kernel(struct chunk_stats *cs, const float *logits, int V)
+{
+    __shared__ double rs[SAMPLE_THREADS / 32];
+    __shared__ float s_max;
+    int64_t r = blockIdx.x;
+    int c = blockIdx.y, lo, hi;
+    const float *l = logits + r * V;
+    double sum = 0.0;
+
+    if (threadIdx.x == 0)
+        s_max = l[sample_row_argmax(cs + r * SAMPLE_CHUNKS, l)];
     __syncthreads();
-    for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS)
+    sample_chunk(V, c, &lo, &hi);
+    for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS)
         sum += exp((double)(l[i] - s_max));
     for (int o = 16; o > 0; o /= 2)
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -141,8 +194,22 @@ sample_stats_kernel(struct row_stats *stats, float *z, unsigned long long *keys,
     if (threadIdx.x == 0) {
         for (int w = 1; w < SAMPLE_THREADS / 32; w++)
             sum += rs[w];
-        stats[r].sum = sum;
+        cs[r * SAMPLE_CHUNKS + c].sum = sum;
     }
+}
+
+/* Row r's statistics from its chunks': argmax, max, Σ in chunk order. */
+static __device__ struct row_stats
+sample_row_stats(const struct chunk_stats *cs, const float *l)
+{
+    struct row_stats st;
+
+    st.argmax = sample_row_argmax(cs, l);
+    st.max = l[st.argmax];
+    st.sum = 0.0;
+    for (int c = 0; c < SAMPLE_CHUNKS; c++)
+        st.sum += cs[c].sum;
+    return st;
 }
 
 static __device__ uint64_t
@@ -203,24 +270,26 @@ sample_draw(const float *z, const unsigned long long *sorted,
 }
 
 static __global__ void
-sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct row_stats *stats,
+sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_stats *cs,
                     const float *z, const unsigned long long *sorted, const float *logits,
                     const struct dsv4_sample_params *params, int n, int V)
 {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     int id;
+    struct row_stats st;
 
     if (r >= n)
         return;
+    st = sample_row_stats(cs + (int64_t)r * SAMPLE_CHUNKS, logits + (int64_t)r * V);
     if (params[r].temperature == 0.0f)
-        id = stats[r].argmax;
+        id = st.argmax;
     else
         id = sample_draw(z + (int64_t)r * V, sorted != NULL ? sorted + (int64_t)r * V : NULL,
                          &params[r], V);
     out_ids[r] = id;
     if (out_logprob != NULL)
         out_logprob[r] = (float)((double)logits[(int64_t)r * V + id] -
-                                 ((double)stats[r].max + log(stats[r].sum)));
+                                 ((double)st.max + log(st.sum)));
 }
 
 enum dsv4_err
@@ -252,7 +321,7 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
     if (n <= 0)
         return DSV4_OK;
     pb = cuda_align((size_t)n * sizeof(*params));
-    sb = cuda_align((size_t)n * sizeof(struct row_stats));
+    sb = cuda_align((size_t)n * SAMPLE_CHUNKS * sizeof(struct chunk_stats));
     zb = any_temp ? cuda_align((size_t)n * V * sizeof(float)) : 0;
     kb = any_sort ? cuda_align((size_t)n * V * sizeof(unsigned long long)) : 0;
     if (any_sort)
@@ -266,10 +335,13 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
     }
     CUDA_TRY(cudaMemcpyAsync(base, params, (size_t)n * sizeof(*params), cudaMemcpyHostToDevice,
                              s));
-    sample_stats_kernel<<<n, SAMPLE_THREADS, 0, s>>>(
-        (struct row_stats *)(base + pb), (float *)(base + pb + sb), kin, logits,
+    sample_max_kernel<<<dim3((unsigned)n, SAMPLE_CHUNKS), SAMPLE_THREADS, 0, s>>>(
+        (struct chunk_stats *)(base + pb), (float *)(base + pb + sb), kin, logits,
         (const struct dsv4_sample_params *)base, V, any_sort);
-    CUDA_LAUNCHED("sample_stats");
+    CUDA_LAUNCHED("sample_max");
+    sample_sum_kernel<<<dim3((unsigned)n, SAMPLE_CHUNKS), SAMPLE_THREADS, 0, s>>>(
+        (struct chunk_stats *)(base + pb), logits, V);
+    CUDA_LAUNCHED("sample_sum");
     if (any_sort) {
         enum dsv4_err e = cuda_sort_segments(be, kout, kin, n, V, base + pb + sb + zb + 2 * kb);
 
@@ -277,7 +349,7 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
             return e;
     }
     sample_final_kernel<<<cuda_blocks(n, 64), 64, 0, s>>>(
-        out_ids, out_logprob, (const struct row_stats *)(base + pb),
+        out_ids, out_logprob, (const struct chunk_stats *)(base + pb),
         (const float *)(base + pb + sb), kout, logits,
         (const struct dsv4_sample_params *)base, n, V);
     CUDA_LAUNCHED("sample_final");
