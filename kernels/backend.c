@@ -81,6 +81,23 @@ dsv4_norm_rope_compose(struct dsv4_backend *be, float *x, const uint16_t *w, int
 }
 
 enum dsv4_err
+dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
+                        const struct dsv4_norm_rope *b)
+{
+    const struct dsv4_norm_rope *c[2] = { a, b };
+
+    for (int i = 0; i < 2; i++) {
+        enum dsv4_err e = be->ops->norm_rope(be, c[i]->x, c[i]->w, c[i]->rows, c[i]->D,
+                                             c[i]->eps, c[i]->pos, c[i]->heads, c[i]->off,
+                                             c[i]->rd, c[i]->freqs, c[i]->sim_cols,
+                                             c[i]->sim_block, c[i]->dst, c[i]->dst_rows);
+        if (e != DSV4_OK)
+            return e;
+    }
+    return DSV4_OK;
+}
+
+enum dsv4_err
 dsv4_linear_multi_compose(struct dsv4_backend *be, int n, float *const *outs, const float *x,
                           const struct dsv4_linear *const *Ws, const unsigned *flags, int T)
 {

@@ -80,6 +80,20 @@ struct dsv4_sample_params {
 
 struct dsv4_backend;
 
+/* The arguments of one norm_rope call (norm_rope2). */
+struct dsv4_norm_rope {
+    float *x;
+    const uint16_t *w;
+    int rows, D;
+    float eps;
+    const int32_t *pos;
+    int heads, off, rd;
+    const float *freqs;
+    int sim_cols, sim_block;
+    float *dst;
+    const int32_t *dst_rows;
+};
+
 struct dsv4_backend_ops {
     /* --- lifecycle and memory ------------------------------------------ */
     void (*destroy)(struct dsv4_backend *be);
@@ -383,6 +397,15 @@ struct dsv4_backend_ops {
     enum dsv4_err (*linear_multi)(struct dsv4_backend *be, int n, float *const *outs,
                                   const float *x, const struct dsv4_linear *const *Ws,
                                   const unsigned *flags, int T);
+    /*
+     * Two independent norm_rope calls (fields as norm_rope's parameters):
+     *   norm_rope(a...); norm_rope(b...).
+     * Their rows (and pool rows) must not overlap.  The forward gives it the
+     * per-head q and the window KV of attention; the CUDA fast kernels run
+     * both in one launch.
+     */
+    enum dsv4_err (*norm_rope2)(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
+                                const struct dsv4_norm_rope *b);
 };
 
 /* The most linears of one linear_multi call. */
@@ -406,7 +429,7 @@ enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
 void dsv4_backend_destroy(struct dsv4_backend *be);
 
 /* The fused ops as the compositions that define them (see hc_post_pre,
- * norm_rope and linear_multi above), through be's own ops: the CPU backend's implementation,
+ * norm_rope, linear_multi and norm_rope2 above), through be's own ops: the CPU backend's implementation,
  * and any backend's fallback where its fused kernels do not apply
  * (kernels/backend.c). */
 enum dsv4_err dsv4_hc_post_pre_compose(struct dsv4_backend *be, float *X_out, float *x_out,
@@ -423,6 +446,8 @@ enum dsv4_err dsv4_norm_rope_compose(struct dsv4_backend *be, float *x, const ui
 enum dsv4_err dsv4_linear_multi_compose(struct dsv4_backend *be, int n, float *const *outs,
                                         const float *x, const struct dsv4_linear *const *Ws,
                                         const unsigned *flags, int T);
+enum dsv4_err dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
+                                      const struct dsv4_norm_rope *b);
 
 /* The CPU backend constructor (kernels/cpu/cpu_backend.c). */
 enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,

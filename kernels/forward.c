@@ -914,13 +914,21 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
 #undef LIN_ADD
         TRY(ops->linear_multi(be, n, outs, m->qr, Ws, fl, T));
     }
-    /* per-head RMS -> RoPE on the last rd */
-    TRY(ops->norm_rope(be, m->q, NULL, T * H, Dh, eps, m->i_pos, H, m->nope, rd, ls->freqs, 0,
-                       0, NULL, NULL));
+    /* per-head RMS -> RoPE on the last rd; window KV (K = V): kv_norm(wkv x)
+     * -> RoPE -> FP8 sim of the nope dims */
+    {
+        struct dsv4_norm_rope nq = {
+            .x = m->q, .w = NULL, .rows = T * H, .D = Dh, .eps = eps, .pos = m->i_pos,
+            .heads = H, .off = m->nope, .rd = rd, .freqs = ls->freqs,
+        };
+        struct dsv4_norm_rope nkv = {
+            .x = m->kv, .w = lw->kv_norm, .rows = T, .D = Dh, .eps = eps, .pos = m->i_pos,
+            .heads = 1, .off = m->nope, .rd = rd, .freqs = ls->freqs, .sim_cols = m->nope,
+            .sim_block = 64,
+        };
 
-    /* window KV (K = V): kv_norm(wkv x) -> RoPE -> FP8 sim of the nope dims */
-    TRY(ops->norm_rope(be, m->kv, lw->kv_norm, T, Dh, eps, m->i_pos, 1, m->nope, rd, ls->freqs,
-                       m->nope, 64, NULL, NULL));
+        TRY(ops->norm_rope2(be, &nq, &nkv));
+    }
 
     if (ls->ratio == 4) {
         /* indexer: its compressor runs before the main one (model doc §3.7) */

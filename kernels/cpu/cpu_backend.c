@@ -383,6 +383,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .hc_post_pre = dsv4_hc_post_pre_compose,   /* the fused ops: their definitions */
     .norm_rope = dsv4_norm_rope_compose,
     .linear_multi = dsv4_linear_multi_compose,
+    .norm_rope2 = dsv4_norm_rope2_compose,
 };
 
 enum dsv4_err

@@ -744,6 +744,9 @@ enum dsv4_err cuda_hc_post_pre(struct dsv4_backend *be, float *X_out, float *x_o
                                const float *X, const float *post, const float *comb,
                                const struct dsv4_hc_w *hc, const uint16_t *nw, int T, int n,
                                int D, int iters, float hc_eps, float norm_eps);
+/* norm_rope2: one launch of the v3 kernel for both calls where it applies. */
+enum dsv4_err cuda_norm_rope2(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
+                              const struct dsv4_norm_rope *b);
 enum dsv4_err cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows,
                              int D, float eps, const int32_t *pos, int heads, int off, int rd,
                              const float *freqs, int sim_cols, int sim_block, float *dst,

@@ -478,6 +478,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_hc_post_pre,   /* fast_fuse.cu */
     cuda_norm_rope,
     cuda_linear_multi,
+    cuda_norm_rope2,    /* fast_fuse.cu */
 };
 
 extern "C" enum dsv4_err

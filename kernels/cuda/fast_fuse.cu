@@ -28,7 +28,10 @@
  * v1) is the first kernel, whose loops issue one load per iteration; v3
  * (default; calls of up to FZ3_MAX_ROWS rows, else v2) adds helper warps
  * that compute the RoPE angles while the tree loads the row, and does the
- * RoPE, FP8 sim and store with all 256 threads (fz_norm_rope3_kernel).
+ * RoPE, FP8 sim and store with all 256 threads (fz_norm_rope3_kernel);
+ * norm_rope2 (the q and the window KV of a layer) runs both calls in one
+ * v3 launch (fz_norm_rope3x2_kernel) when they have at most FZ3_MAX_PAIR
+ * rows together.
  * Same expressions in the same order: the same bits.
  */
 #include <stdlib.h>
@@ -153,18 +156,17 @@ fz_norm_rope_kernel(struct fz_nr a)
  * v2's 2 for D = 512), the store all threads.  Same bits as v2.
  */
 #define FZ3_THREADS 256
+#define FZ3_MAX_PAIR 1024   /* norm_rope2: rows of both calls in one v3 launch */
 #define FZ3_MAX_ROWS 256    /* larger calls keep v2 (bench_fuse, H200: nr_q at 1,024 rows
                                6.2 us against v2 5.0; at <= 256 rows 3.0-3.3 against 4.3) */
 
-static __global__ void __launch_bounds__(FZ3_THREADS)
-fz_norm_rope3_kernel(struct fz_nr a)
+/* Row r of call a, the whole block (v3). */
+static __device__ __forceinline__ void
+fz_norm_rope3_row(const struct fz_nr &a, int64_t r)
 {
-    cu_pdl_wait();   /* PDL: before any global access */
-    cu_pdl_trigger();
     __shared__ float y[FZ_MAX_D];
     __shared__ float red[FZ_NORM_MAX_THREADS / 32];
     __shared__ float cs[FZ_MAX_PAIRS], sn[FZ_MAX_PAIRS];
-    int64_t r = blockIdx.x;
     int nt = FZ3_THREADS, nw = nt / 32, tid = threadIdx.x, lane = tid % 32, D = a.D;
     int B = fz_norm_threads(D);
     float *xr = a.x + r * D;
@@ -238,6 +240,32 @@ fz_norm_rope3_kernel(struct fz_nr a)
     }
 }
 
+static __global__ void __launch_bounds__(FZ3_THREADS)
+fz_norm_rope3_kernel(struct fz_nr a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    fz_norm_rope3_row(a, blockIdx.x);
+}
+
+/* Two calls in one launch (norm_rope2): blocks [0, rows0) are call 0's
+ * rows, the rest call 1's. */
+struct fz_nr2 {
+    struct fz_nr c[2];
+    int rows0;
+};
+
+static __global__ void __launch_bounds__(FZ3_THREADS)
+fz_norm_rope3x2_kernel(struct fz_nr2 a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    if ((int)blockIdx.x < a.rows0)
+        fz_norm_rope3_row(a.c[0], blockIdx.x);
+    else
+        fz_norm_rope3_row(a.c[1], (int64_t)blockIdx.x - a.rows0);
+}
+
 static int fz_small_override = -1;   /* dsv4_cuda_set_small_kernels; -1: environment */
 
 void
@@ -302,6 +330,42 @@ fz_norm_rope_ok(int D, int heads, int off, int rd, int sim_cols, int sim_block)
     return sim_cols <= 0 || (sim_block > 0 && sim_cols <= D && sim_cols % sim_block == 0);
 }
 
+/* Whether call (x, rows, heads, ...) takes the fast kernels; then *a set. */
+static int
+fz_nr_make(struct dsv4_backend *be, struct fz_nr *a, float *x, const uint16_t *w, int rows,
+           int D, float eps, const int32_t *pos, int heads, int off, int rd,
+           const float *freqs, int sim_cols, int sim_block, float *dst, const int32_t *dst_rows)
+{
+    if (!cuda_st(be)->fast_kernels || !cuda_fast_fuse_enabled() || heads < 1 ||
+        rows % heads != 0 || !fz_norm_rope_ok(D, heads, off, rd, sim_cols, sim_block))
+        return 0;
+    memset(a, 0, sizeof(*a));
+    a->x = x;
+    a->dst = dst;
+    a->w = w;
+    a->pos = pos;
+    a->dst_rows = dst_rows;
+    a->D = D;
+    a->heads = heads;
+    a->off = off;
+    a->np = rd / 2;
+    /* fp8_sim is a no-op under HF numerics */
+    a->sim_cols = be->numerics == DSV4_NUMERICS_REF && sim_cols > 0 ? sim_cols : 0;
+    a->sim_block = sim_block;
+    a->eps = eps;
+    for (int i = 0; i < a->np; i++)
+        a->fr.f[i] = freqs[i];
+    return 1;
+}
+
+/* Whether v3 takes a call of `rows` rows of D. */
+static int
+fz_v3_ok(int rows, int D)
+{
+    return cuda_fast_norm_version() == 3 && fz_fits_regs(D) && fz_norm_threads(D) < FZ3_THREADS &&
+           rows <= FZ3_MAX_ROWS;
+}
+
 enum dsv4_err
 cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, int D,
                float eps, const int32_t *pos, int heads, int off, int rd, const float *freqs,
@@ -309,31 +373,13 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
 {
     struct fz_nr a;
 
-    if (!cuda_st(be)->fast_kernels || !cuda_fast_fuse_enabled() || heads < 1 ||
-        rows % heads != 0 ||
-        !fz_norm_rope_ok(D, heads, off, rd, sim_cols, sim_block))
+    if (!fz_nr_make(be, &a, x, w, rows, D, eps, pos, heads, off, rd, freqs, sim_cols, sim_block,
+                    dst, dst_rows))
         return dsv4_norm_rope_compose(be, x, w, rows, D, eps, pos, heads, off, rd, freqs,
                                       sim_cols, sim_block, dst, dst_rows);
     if (rows <= 0)
         return DSV4_OK;
-    memset(&a, 0, sizeof(a));
-    a.x = x;
-    a.dst = dst;
-    a.w = w;
-    a.pos = pos;
-    a.dst_rows = dst_rows;
-    a.D = D;
-    a.heads = heads;
-    a.off = off;
-    a.np = rd / 2;
-    /* fp8_sim is a no-op under HF numerics */
-    a.sim_cols = be->numerics == DSV4_NUMERICS_REF && sim_cols > 0 ? sim_cols : 0;
-    a.sim_block = sim_block;
-    a.eps = eps;
-    for (int i = 0; i < a.np; i++)
-        a.fr.f[i] = freqs[i];
-    if (cuda_fast_norm_version() == 3 && fz_fits_regs(D) && fz_norm_threads(D) < FZ3_THREADS &&
-        rows <= FZ3_MAX_ROWS)
+    if (fz_v3_ok(rows, D))
         cu_launch(fz_norm_rope3_kernel, rows, FZ3_THREADS, 0, cuda_stream(be), a);
     else if (cuda_fast_norm_version() >= 2 && fz_fits_regs(D))
         cu_launch(fz_norm_rope_kernel<1>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);
@@ -341,6 +387,28 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
         cu_launch(fz_norm_rope_kernel<0>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);
     CUDA_LAUNCHED("fast norm_rope");
     return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_norm_rope2(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
+                const struct dsv4_norm_rope *b)
+{
+    struct fz_nr2 k;
+    int n = a->rows + b->rows;
+
+    /* one launch when both take v3 together (FZ3_MAX_PAIR rows in all) */
+    if (a->rows > 0 && b->rows > 0 && n <= FZ3_MAX_PAIR && fz_v3_ok(1, a->D) &&
+        fz_v3_ok(1, b->D) &&
+        fz_nr_make(be, &k.c[0], a->x, a->w, a->rows, a->D, a->eps, a->pos, a->heads, a->off,
+                   a->rd, a->freqs, a->sim_cols, a->sim_block, a->dst, a->dst_rows) &&
+        fz_nr_make(be, &k.c[1], b->x, b->w, b->rows, b->D, b->eps, b->pos, b->heads, b->off,
+                   b->rd, b->freqs, b->sim_cols, b->sim_block, b->dst, b->dst_rows)) {
+        k.rows0 = a->rows;
+        cu_launch(fz_norm_rope3x2_kernel, n, FZ3_THREADS, 0, cuda_stream(be), k);
+        CUDA_LAUNCHED("fast norm_rope x2");
+        return DSV4_OK;
+    }
+    return dsv4_norm_rope2_compose(be, a, b);
 }
 
 enum dsv4_err

@@ -15,6 +15,9 @@
  *                first 448 per 64;
  *   nr_ent       a compressor's entries: as nr_kv, plus the scatter into a
  *                pool of 4*T_MAX rows at shuffled rows;
+ *   nr_pair      nr_ent through norm_rope2: the first ceil(T/2) tokens' rows
+ *                as one call, the rest as the other (T = 1: all in the
+ *                first, an empty second);
  *   nr_idx       the indexer compressor's entries: 128 wide, RoPE of the
  *                last 64, no sim;
  *   comp4c, comp128c  compress with rows sharing slots (slot t % ceil(T/2),
@@ -227,7 +230,7 @@ struct kase {
     struct dsv4_hc_w hc_c, hc_g;
     uint16_t *nw_c, *nw_g;
     /* norm_rope */
-    int D, heads, off, rd, sim_cols, with_w, with_dst;
+    int D, heads, off, rd, sim_cols, with_w, with_dst, pair;
     int32_t *pos_c, *pos_g, *rows_c, *rows_g;
     float freqs[RD / 2];
     /* compress */
@@ -278,6 +281,21 @@ kase_run(struct dsv4_backend *be, struct kase *k, int T, enum form form)
         float *dst = k->with_dst ? A(1) : NULL;
         enum dsv4_err e;
 
+        if (form == F_FUSED && k->pair) {   /* tokens [0, h) and [h, T) */
+            int h = (T + 1) / 2;
+            struct dsv4_norm_rope a = {
+                .x = A(0), .w = w, .rows = h * k->heads, .D = k->D, .eps = 1e-6f, .pos = pos,
+                .heads = k->heads, .off = k->off, .rd = k->rd, .freqs = k->freqs,
+                .sim_cols = k->sim_cols, .sim_block = 64, .dst = dst, .dst_rows = rw,
+            };
+            struct dsv4_norm_rope b = a;
+
+            b.x = A(0) + (int64_t)h * k->heads * k->D;
+            b.rows = (T - h) * k->heads;
+            b.pos = pos + h;
+            b.dst_rows = rw + (int64_t)h * k->heads;
+            return be->ops->norm_rope2(be, &a, &b);
+        }
         if (form == F_FUSED)
             return be->ops->norm_rope(be, A(0), w, rows, k->D, 1e-6f, pos, k->heads, k->off,
                                       k->rd, k->freqs, k->sim_cols, 64, dst, rw);
@@ -780,7 +798,7 @@ int
 main(int argc, char **argv)
 {
     struct dsv4_cuda_timer *tm;
-    static struct kase ks[10];
+    static struct kase ks[12];
     int fails = 0, n_k = 0;
 
     rng_state = argc > 1 ? strtoull(argv[1], NULL, 10) : 20261202ull;
@@ -803,6 +821,8 @@ main(int argc, char **argv)
     make_nr_case(&ks[n_k++], "nr_q", HEAD_DIM, HEADS, 0, 0, 0);
     make_nr_case(&ks[n_k++], "nr_kv", HEAD_DIM, 1, 1, NOPE, 0);
     make_nr_case(&ks[n_k++], "nr_ent", HEAD_DIM, 1, 1, NOPE, 1);
+    make_nr_case(&ks[n_k++], "nr_pair", HEAD_DIM, 1, 1, NOPE, 1);
+    ks[n_k - 1].pair = 1;
     make_nr_case(&ks[n_k++], "nr_idx", IDX_DIM, 1, 1, 0, 0);
     make_comp_case(&ks[n_k++], "comp4c", 4);
     make_comp_case(&ks[n_k++], "comp128c", 128);
