@@ -133,13 +133,14 @@ fz_row_scale(const float *v, float *red, int D, int tid, int B, float eps)
 /*
  * The version of the small fast kernels: 1 the first ones (global loads
  * issued one loop iteration at a time), 2 the ones that issue every load of
- * a thread up front (default); hc only: 3, v2 with the finish launched as a
- * programmatic dependent launch (fast_hc.cu).  All give the same bits.
+ * a thread up front; 3 (the default of both): hc, v2 with the finish
+ * launched as a programmatic dependent launch (fast_hc.cu); norm, v2 with
+ * norm_rope's helper warps for calls of up to 256 rows and norm_rope2's
+ * one launch (fast_fuse.cu; rms_norm runs v2).  All give the same bits.
  * hc: fast_hc.cu (hc_pre, hc_head, hc_post_pre), DSV4_CUDA_HC=v1|v2|v3 in
  * the environment; norm: the fast rms_norm (fast_norm.cu) and norm_rope
- * (fast_fuse.cu), DSV4_CUDA_NORM=v1|v2.  dsv4_cuda_set_small_kernels
- * (kernels/cuda_fast.h) overrides both (3: norm 2).  The environment is
- * read once.
+ * (fast_fuse.cu), DSV4_CUDA_NORM=v1|v2|v3.  dsv4_cuda_set_small_kernels
+ * (kernels/cuda_fast.h) overrides both.  The environment is read once.
  */
 int cuda_fast_hc_version(void);
 int cuda_fast_norm_version(void);
