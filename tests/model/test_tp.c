@@ -16,7 +16,9 @@
  * the group split tp (experts cut along their intermediate size, wo_b by
  * its input columns; `test_tp DIR split-tp` on a checkpoint whose
  * moe_intermediate_size is a multiple of 256) the same, and each rank holds
- * every expert's slice and its wo_a groups' columns of wo_b.
+ * every expert's slice and its wo_a groups' columns of wo_b; the shard rule
+ * by name (what the GPU's synthetic weights generate) matches the view
+ * (what a checkpoint's ranks upload) for both splits.
  * Also: the shard rule refuses
  * group sizes that do not divide the model; a shm group whose second rank
  * never comes, or goes away, fails within its timeout instead of hanging,
@@ -39,6 +41,7 @@
 #include <cmocka.h>
 
 #include "common/formats.h"
+#include "common/model_tensors.h"
 #include "common/weights_shard.h"
 #include "group_threads.h"
 #include "model_util.h"
@@ -358,6 +361,86 @@ lin_row(const struct dsv4_linear *L, int64_t r, int64_t c0, size_t *n, int64_t c
     return (const uint8_t *)L->w + r * (fp4 ? L->n_in / 2 : L->n_in) + (fp4 ? c0 / 2 : c0);
 }
 
+/* The linear of layer lw that checkpoint name `rest` (after "layers.N.")
+ * names, for the tensors the shard rule slices; NULL for others. */
+static const struct dsv4_linear *
+shard_linear(const struct dsv4_layer_w *lw, const char *rest, int E)
+{
+    int e, w, n = 0;
+
+    if (strcmp(rest, "attn.wq_b.weight") == 0)
+        return &lw->wq_b;
+    if (strcmp(rest, "attn.wo_a.weight") == 0)
+        return &lw->wo_a;
+    if (strcmp(rest, "attn.wo_b.weight") == 0)
+        return &lw->wo_b;
+    if (sscanf(rest, "ffn.shared_experts.w%d.weight%n", &w, &n) == 1 && rest[n] == '\0')
+        return w == 1 ? &lw->shared.w1 : w == 2 ? &lw->shared.w2 : &lw->shared.w3;
+    if (sscanf(rest, "ffn.experts.%d.w%d.weight%n", &e, &w, &n) == 2 && rest[n] == '\0' &&
+        e >= 0 && e < E)
+        return w == 1 ? &lw->experts[e].w1 : w == 2 ? &lw->experts[e].w2 : &lw->experts[e].w3;
+    return NULL;
+}
+
+/*
+ * The shard rule by name (dsv4_shard_part: what the synthetic weights on the
+ * GPU generate) against the view (dsv4_weights_shard: what a checkpoint's
+ * ranks upload), for both splits and both ranks, on every sliced linear of
+ * layer 0 and the MTP layer: held or not alike, the part's shape the view's,
+ * and the view's first row the full tensor's row row0 from column col0.
+ */
+static void
+shard_rule_matches_view(const struct dsv4_weights *full)
+{
+    const struct dsv4_config *c = &full->cfg;
+    struct dsv4_inventory inv;
+    int checked = 0;
+
+    assert_int_equal(dsv4_inventory_build(&inv, c), DSV4_OK);
+    for (int sp = 0; sp < 2; sp++)
+        for (int r = 0; r < 2; r++) {
+            enum dsv4_group_split split = sp ? DSV4_GROUP_SPLIT_TP : DSV4_GROUP_SPLIT_EP;
+            struct dsv4_weights sh;
+
+            assert_int_equal(dsv4_weights_shard(&sh, full, r, 2, split), DSV4_OK);
+            for (int i = 0; i < inv.n; i++) {
+                const struct dsv4_tensor_spec *t = &inv.t[i];
+                const char *rest = strchr(t->name, '.');
+                const struct dsv4_linear *g, *f;
+                struct dsv4_shard_part pt;
+                int held, fp4, lid = t->layer;
+
+                if (lid != 0 && lid != c->num_hidden_layers)
+                    continue;
+                rest = rest != NULL ? strchr(rest + 1, '.') : NULL;
+                if (rest == NULL || t->n_dims != 2 ||
+                    (g = shard_linear(&sh.layers[lid], rest + 1, c->n_routed_experts)) == NULL)
+                    continue;
+                f = shard_linear(&full->layers[lid], rest + 1, c->n_routed_experts);
+                held = dsv4_shard_part(c, t->name, r, 2, split, t->shape[0], t->shape[1], &pt);
+                assert_int_equal(held, g->w != NULL);
+                if (!held)
+                    continue;
+                fp4 = g->fmt == DSV4_WFMT_FP4;
+                assert_int_equal(g->n_out, pt.rows);
+                assert_int_equal(g->n_in, fp4 ? 2 * pt.cols : pt.cols);
+                {
+                    size_t es = g->fmt == DSV4_WFMT_BF16 ? 2 : 1;   /* bytes per stored column */
+                    int64_t fcols = fp4 ? f->n_in / 2 : f->n_in;
+
+                    assert_memory_equal(g->w,
+                                        (const uint8_t *)f->w + (pt.row0 * fcols + pt.col0) * es,
+                                        (size_t)pt.cols * es);
+                }
+                checked++;
+            }
+            dsv4_weights_shard_free(&sh);
+        }
+    printf("# shard rule by name == the view: %d sliced linears checked\n", checked);
+    assert_true(checked > 0);
+    dsv4_inventory_free(&inv);
+}
+
 /*
  * Group split tp (common/weights_shard.h): each rank of two holds every
  * routed expert and the shared expert, w1 / w3 rows and w2 columns of its
@@ -425,6 +508,7 @@ test_group_split_tp(void **state)
         }
         dsv4_weights_shard_free(&sh);
     }
+    shard_rule_matches_view(&tm.w);
     tmodel_close(&tm);
     group_moe_local(DSV4_GROUP_SPLIT_TP);
 }
