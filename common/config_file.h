@@ -66,7 +66,8 @@ struct dsv4_conf {
     int prefill_slots;      /* [1] concurrent prompts of a prefill rank */
     int max_seq;            /* [4096] longest sequence (prompt + output) */
     int group_size;         /* [1] ranks that run one model together (tensor-
-                               parallel attention, expert-parallel experts;
+                               parallel attention, experts split as
+                               group_split says;
                                kernels/forward.h): rank N of a role is rank
                                N % group_size of group N / group_size */
     int gpu;                /* [-1] first CUDA device of the rank's group:

@@ -1,6 +1,6 @@
 /*
  * weights_shard.h — the part of the weights one rank of a model group holds
- * (tensor-parallel attention, expert-parallel experts; kernels/forward.h
+ * (tensor-parallel attention, experts whole or sliced; kernels/forward.h
  * and kernels/comm.h).  Rank r of S holds:
  *
  *   attention  query heads [r*H/S, (r+1)*H/S): rows of attn.wq_b and of

@@ -1,6 +1,6 @@
 /*
  * comm.h — collective communication between the ranks of one model group
- * (tensor-parallel attention, expert-parallel experts; kernels/forward.h).
+ * (tensor-parallel attention, experts split as group_split says; kernels/forward.h).
  *
  * The forward pass needs one collective: an in-place sum over the ranks of
  * a buffer of backend memory (all-reduce).  The model uses it only on
