@@ -781,6 +781,40 @@ cu_rank_key(float s, int32_t idx)
     return ((unsigned long long)(~u) << 32) | (uint32_t)idx;
 }
 
+/* Whether (va, ia) ranks before (vb, ib): larger value, then lower index
+ * (the top-k order of the router and the sampler's argmax).  A NaN value
+ * never does. */
+static __device__ __forceinline__ bool
+cu_ranks_before(float va, int ia, float vb, int ib)
+{
+    return va > vb || (va == vb && ia < ib);
+}
+
+/* The block's best (bv, bi) by cu_ranks_before, from each thread's own:
+ * an xor butterfly per warp, then the warps' in warp order; the result is
+ * thread 0's (the other threads keep their warp's).  rv, ri: blockDim.x / 32
+ * shared entries.  One __syncthreads: every thread of the block calls it. */
+static __device__ __forceinline__ void
+cu_block_best(float &bv, int &bi, float *rv, int *ri)
+{
+    for (int o = 16; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+
+        if (cu_ranks_before(ov, oi, bv, bi))
+            bv = ov, bi = oi;
+    }
+    if (threadIdx.x % 32 == 0) {
+        rv[threadIdx.x / 32] = bv;
+        ri[threadIdx.x / 32] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)blockDim.x / 32; w++)
+            if (cu_ranks_before(rv[w], ri[w], bv, bi))
+                bv = rv[w], bi = ri[w];
+}
+
 /* Device temporary bytes cuda_sort_segments needs for n_seg segments of
  * seg_len keys (host-side query, no device work). */
 size_t cuda_sort_temp_bytes(int n_seg, int seg_len);

@@ -95,13 +95,6 @@ sample_chunk(int V, int c, int *lo, int *hi)
     *hi = min(V, *lo + per);
 }
 
-/* Whether (v, i) ranks before (bv, bi): larger, then lower id. */
-static __device__ __forceinline__ bool
-sample_before(float v, int i, float bv, int bi)
-{
-    return v > bv || (v == bv && i < bi);
-}
-
 /* grid (n, SAMPLE_CHUNKS): the chunk's argmax into cs; z and keys of
  * sampled rows. */
 static __global__ void __launch_bounds__(SAMPLE_THREADS)
@@ -122,7 +115,7 @@ sample_max_kernel(struct chunk_stats *cs, float *z, unsigned long long *keys,
     for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
         float v = l[i];
 
-        if (sample_before(v, i, bv, bi))
+        if (cu_ranks_before(v, i, bv, bi))
             bv = v, bi = i;
         if (temp != 0.0f) {
             float zi = v / temp;
@@ -132,22 +125,8 @@ sample_max_kernel(struct chunk_stats *cs, float *z, unsigned long long *keys,
                 keys[r * V + i] = cu_rank_key(zi, i);
         }
     }
-    for (int o = 16; o > 0; o /= 2) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-
-        if (sample_before(ov, oi, bv, bi))
-            bv = ov, bi = oi;
-    }
-    if (threadIdx.x % 32 == 0) {
-        rv[threadIdx.x / 32] = bv;
-        ri[threadIdx.x / 32] = bi;
-    }
-    __syncthreads();
+    cu_block_best(bv, bi, rv, ri);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < SAMPLE_THREADS / 32; w++)
-            if (sample_before(rv[w], ri[w], bv, bi))
-                bv = rv[w], bi = ri[w];
         cs[r * SAMPLE_CHUNKS + c].max = bv;
         cs[r * SAMPLE_CHUNKS + c].arg = bi;
     }
@@ -162,7 +141,7 @@ sample_row_argmax(const struct chunk_stats *cs, const float *l)
     int bi = 0x7fffffff;
 
     for (int c = 0; c < SAMPLE_CHUNKS; c++)
-        if (sample_before(cs[c].max, cs[c].arg, bv, bi))
+        if (cu_ranks_before(cs[c].max, cs[c].arg, bv, bi))
             bv = cs[c].max, bi = cs[c].arg;
     if (isnan(l[0]) || bi == 0x7fffffff)
         bi = 0;

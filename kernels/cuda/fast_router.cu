@@ -39,14 +39,6 @@
 #define FR_MAX_K 64      /* the exact router's bound */
 #define FR_MAX_E 4096    /* s and v of one token in shared memory (32 KiB) */
 
-/* Whether expert (va, ia) ranks before (vb, ib): larger value, then lower
- * id.  A NaN never does (picked experts are marked NaN). */
-static __device__ __forceinline__ bool
-fr_before(float va, int ia, float vb, int ib)
-{
-    return va > vb || (va == vb && ia < ib);
-}
-
 static __global__ void __launch_bounds__(FR_THREADS)
 fr_kernel(float *weights, int32_t *ids, const float *logits, const float *bias,
           const int64_t *tid2eid, const int32_t *tokens, int E, int k, float route_scale,
@@ -60,7 +52,6 @@ fr_kernel(float *weights, int32_t *ids, const float *logits, const float *bias,
     __shared__ int wbi[FR_THREADS / 32];
     __shared__ float ssum;
     int64_t t = blockIdx.x;
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float *lt = logits + t * E;
     float *st = fr_smem, *vt = fr_smem + E;
 
@@ -84,22 +75,10 @@ fr_kernel(float *weights, int32_t *ids, const float *logits, const float *bias,
             int bi = INT_MAX;
 
             for (int i = threadIdx.x; i < E; i += FR_THREADS)
-                if (fr_before(vt[i], i, bv, bi))
+                if (cu_ranks_before(vt[i], i, bv, bi))
                     bv = vt[i], bi = i;
-            for (int o = 16; o > 0; o /= 2) {
-                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-
-                if (fr_before(ov, oi, bv, bi))
-                    bv = ov, bi = oi;
-            }
-            if (lane == 0)
-                wbv[warp] = bv, wbi[warp] = bi;
-            __syncthreads();
+            cu_block_best(bv, bi, wbv, wbi);
             if (threadIdx.x == 0) {
-                for (int w = 1; w < FR_THREADS / 32; w++)
-                    if (fr_before(wbv[w], wbi[w], bv, bi))
-                        bv = wbv[w], bi = wbi[w];
                 sid[j] = bi;
                 vt[bi] = __int_as_float(0x7fffffff);   /* picked: NaN */
             }
