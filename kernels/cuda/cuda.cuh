@@ -425,6 +425,23 @@ cu_clampf(float v, float lim)
     return v > lim ? lim : (v < -lim ? -lim : v);
 }
 
+/* dsv4_fp8_sim of `block` values at v by one warp (lane of 32): the
+ * block's power-of-two scale from its amax, each value through E4M3 and
+ * back, bf16-rounded (fp8_sim_kernel, and the fused norm_rope's sim). */
+static __device__ __forceinline__ void
+cu_fp8_sim_block(float *v, int block, int lane)
+{
+    float amax = 1e-4f, s;
+
+    for (int i = lane; i < block; i += 32)
+        amax = fmaxf(amax, fabsf(v[i]));
+    for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    s = cu_pow2_scale(amax, 448.0f);
+    for (int i = lane; i < block; i += 32)
+        v[i] = cu_bf16_round(cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) * s);
+}
+
 /* expf / log1pf through double (see the file comment). */
 static __device__ __forceinline__ float
 cu_expf(float x)

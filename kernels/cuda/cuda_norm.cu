@@ -126,19 +126,10 @@ fp8_sim_kernel(float *x, int rows, int64_t stride, int nb, int block)
     int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
     int64_t r = wid / nb;
-    float amax = 1e-4f, s;
-    float *v;
 
     if (r >= rows)
         return;
-    v = x + r * stride + (wid % nb) * block;
-    for (int i = lane; i < block; i += 32)
-        amax = fmaxf(amax, fabsf(v[i]));
-    for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    s = cu_pow2_scale(amax, 448.0f);
-    for (int i = lane; i < block; i += 32)
-        v[i] = cu_bf16_round(cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) * s);
+    cu_fp8_sim_block(x + r * stride + (wid % nb) * block, block, lane);
 }
 
 enum dsv4_err

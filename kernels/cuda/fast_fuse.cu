@@ -59,6 +59,41 @@ struct fz_nr {
     struct fz_freqs fr;
 };
 
+/* v2: the normed values of the elements fz_row_load gave thread tid of
+ * the B tree threads, into y. */
+static __device__ __forceinline__ void
+fz_row_normed(float *y, const float *v, const uint16_t *wb, float rs, int has_w, int D,
+              int tid, int B)
+{
+#pragma unroll
+    for (int k = 0; k < FZ_K; k++) {
+        int i = tid + k * B;
+
+        if (i < D)
+            y[i] = fz_norm_apply(v[k], rs, has_w, wb[k]);
+    }
+}
+
+/* RoPE of the pair (off + 2i, off + 2i + 1) of y by (cs, sn) (rope_kernel's
+ * expressions). */
+static __device__ __forceinline__ void
+fz_rope_pair(float *y, int off, int i, float cs, float sn)
+{
+    float u = y[off + 2 * i], v = y[off + 2 * i + 1];
+
+    y[off + 2 * i] = cu_bf16_round(u * cs - v * sn);
+    y[off + 2 * i + 1] = cu_bf16_round(u * sn + v * cs);
+}
+
+/* FP8 sim of the first sim_cols values of y per sim_block (fp8_sim_kernel's
+ * cu_fp8_sim_block): warp `warp` of nw takes blocks warp, warp + nw, ... */
+static __device__ __forceinline__ void
+fz_fp8_sim(float *y, int sim_cols, int sim_block, int warp, int nw, int lane)
+{
+    for (int b = warp; b < sim_cols / sim_block; b += nw)
+        cu_fp8_sim_block(y + b * sim_block, sim_block, lane);
+}
+
 /* Row r of the norm_rope call, one block of fz_norm_threads(D) threads;
  * V2: every load issued first (the row in registers, D <= FZ_K * threads). */
 template <int V2>
@@ -86,13 +121,7 @@ fz_norm_rope_kernel(struct fz_nr a)
             drow = a.dst_rows[r];
         fz_row_load(v, wb, xr, a.w, D, tid, nt);
         rs = fz_row_scale(v, red, D, tid, nt, a.eps);
-#pragma unroll
-        for (int k = 0; k < FZ_K; k++) {
-            int i = tid + k * nt;
-
-            if (i < D)
-                y[i] = fz_norm_apply(v[k], rs, a.w != NULL, wb[k]);
-        }
+        fz_row_normed(y, v, wb, rs, a.w != NULL, D, tid, nt);
     } else {
         for (int i = tid; i < D; i += nt) {
             float v = cu_bf16_round(xr[i]);
@@ -115,28 +144,14 @@ fz_norm_rope_kernel(struct fz_nr a)
 
         for (int i = tid; i < a.np; i += nt) {
             float ang = pf * a.fr.f[i];
-            float cs = (float)cos((double)ang), sn = (float)sin((double)ang);
-            float u = y[a.off + 2 * i], v = y[a.off + 2 * i + 1];
 
-            y[a.off + 2 * i] = cu_bf16_round(u * cs - v * sn);
-            y[a.off + 2 * i + 1] = cu_bf16_round(u * sn + v * cs);
+            fz_rope_pair(y, a.off, i, (float)cos((double)ang), (float)sin((double)ang));
         }
         __syncthreads();
     }
     /* FP8 sim of the first sim_cols values per sim_block (fp8_sim_kernel) */
     if (a.sim_cols > 0) {
-        for (int b = tid / 32; b < a.sim_cols / a.sim_block; b += nw) {
-            float *v = y + b * a.sim_block, amax = 1e-4f, s;
-
-            for (int i = lane; i < a.sim_block; i += 32)
-                amax = fmaxf(amax, fabsf(v[i]));
-            for (int o = 16; o > 0; o /= 2)
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            s = cu_pow2_scale(amax, 448.0f);
-            for (int i = lane; i < a.sim_block; i += 32)
-                v[i] = cu_bf16_round(cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) *
-                                     s);
-        }
+        fz_fp8_sim(y, a.sim_cols, a.sim_block, tid / 32, nw, lane);
         __syncthreads();
     }
     for (int i = tid; i < D; i += nt) {
@@ -175,19 +190,8 @@ fz_norm_rope3_row(const struct fz_nr &a, int64_t r)
     uint16_t wb[FZ_K];
 
     if (tid < B) {   /* the norm tree: v2's loads and sums */
-        float acc = 0.0f;
-
         fz_row_load(xv, wb, xr, a.w, D, tid, B);
-#pragma unroll
-        for (int k = 0; k < FZ_K; k++) {
-            float b = cu_bf16_round(xv[k]);
-
-            if (tid + k * B < D)
-                acc += b * b;
-        }
-        acc = fz_warp_sum(acc);
-        if (lane == 0)
-            red[tid / 32] = acc;
+        fz_row_sumsq(xv, red, D, tid, B);
     } else if (a.np > 0) {   /* the RoPE angles of the row's position */
         float pf = (float)a.pos[r / a.heads];
 
@@ -199,38 +203,15 @@ fz_norm_rope3_row(const struct fz_nr &a, int64_t r)
         }
     }
     __syncthreads();
-    if (tid < B) {
-        float rs = fz_norm_scale(fz_ordered_sum(red, B / 32), D, a.eps);
-
-#pragma unroll
-        for (int k = 0; k < FZ_K; k++) {
-            int i = tid + k * B;
-
-            if (i < D)
-                y[i] = fz_norm_apply(xv[k], rs, a.w != NULL, wb[k]);
-        }
-    }
+    if (tid < B)
+        fz_row_normed(y, xv, wb, fz_norm_scale(fz_ordered_sum(red, B / 32), D, a.eps),
+                      a.w != NULL, D, tid, B);
     __syncthreads();
-    for (int i = tid; i < a.np; i += nt) {
-        float u = y[a.off + 2 * i], v = y[a.off + 2 * i + 1];
-
-        y[a.off + 2 * i] = cu_bf16_round(u * cs[i] - v * sn[i]);
-        y[a.off + 2 * i + 1] = cu_bf16_round(u * sn[i] + v * cs[i]);
-    }
+    for (int i = tid; i < a.np; i += nt)
+        fz_rope_pair(y, a.off, i, cs[i], sn[i]);
     if (a.sim_cols > 0) {
         __syncthreads();
-        for (int b = tid / 32; b < a.sim_cols / a.sim_block; b += nw) {
-            float *v = y + b * a.sim_block, amax = 1e-4f, s;
-
-            for (int i = lane; i < a.sim_block; i += 32)
-                amax = fmaxf(amax, fabsf(v[i]));
-            for (int o = 16; o > 0; o /= 2)
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            s = cu_pow2_scale(amax, 448.0f);
-            for (int i = lane; i < a.sim_block; i += 32)
-                v[i] = cu_bf16_round(cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) *
-                                     s);
-        }
+        fz_fp8_sim(y, a.sim_cols, a.sim_block, tid / 32, nw, lane);
     }
     __syncthreads();
     for (int i = tid; i < D; i += nt) {
@@ -358,12 +339,12 @@ fz_nr_make(struct dsv4_backend *be, struct fz_nr *a, float *x, const uint16_t *w
     return 1;
 }
 
-/* Whether v3 takes a call of `rows` rows of D. */
+/* Whether the v3 row takes rows of D (v3 on, the tree's threads fewer
+ * than the block's). */
 static int
-fz_v3_ok(int rows, int D)
+fz_v3_shape_ok(int D)
 {
-    return cuda_fast_norm_version() == 3 && fz_fits_regs(D) && fz_norm_threads(D) < FZ3_THREADS &&
-           rows <= FZ3_MAX_ROWS;
+    return cuda_fast_norm_version() == 3 && fz_fits_regs(D) && fz_norm_threads(D) < FZ3_THREADS;
 }
 
 enum dsv4_err
@@ -379,7 +360,7 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
                                       sim_cols, sim_block, dst, dst_rows);
     if (rows <= 0)
         return DSV4_OK;
-    if (fz_v3_ok(rows, D))
+    if (fz_v3_shape_ok(D) && rows <= FZ3_MAX_ROWS)
         cu_launch(fz_norm_rope3_kernel, rows, FZ3_THREADS, 0, cuda_stream(be), a);
     else if (cuda_fast_norm_version() >= 2 && fz_fits_regs(D))
         cu_launch(fz_norm_rope_kernel<1>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);
@@ -397,8 +378,8 @@ cuda_norm_rope2(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
     int n = a->rows + b->rows;
 
     /* one launch when both take v3 together (FZ3_MAX_PAIR rows in all) */
-    if (a->rows > 0 && b->rows > 0 && n <= FZ3_MAX_PAIR && fz_v3_ok(1, a->D) &&
-        fz_v3_ok(1, b->D) &&
+    if (a->rows > 0 && b->rows > 0 && n <= FZ3_MAX_PAIR && fz_v3_shape_ok(a->D) &&
+        fz_v3_shape_ok(b->D) &&
         fz_nr_make(be, &k.c[0], a->x, a->w, a->rows, a->D, a->eps, a->pos, a->heads, a->off,
                    a->rd, a->freqs, a->sim_cols, a->sim_block, a->dst, a->dst_rows) &&
         fz_nr_make(be, &k.c[1], b->x, b->w, b->rows, b->D, b->eps, b->pos, b->heads, b->off,

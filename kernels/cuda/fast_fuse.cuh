@@ -106,11 +106,11 @@ fz_row_load(float *v, uint16_t *wb, const float *xr, const uint16_t *w, int D, i
     }
 }
 
-/* v2: the norm's scale of the row that fz_row_load gave the B = blockDim.x
- * threads of the block (the tree above); red: B / 32 shared floats.  One
- * __syncthreads: every thread of the block calls it. */
-static __device__ __forceinline__ float
-fz_row_scale(const float *v, float *red, int D, int tid, int B, float eps)
+/* v2: this warp's sum of squares of the row's elements that fz_row_load
+ * gave thread tid of the B tree threads, into red[tid / 32] (the tree's
+ * first half; no barrier: fz_row_scale, or the caller's). */
+static __device__ __forceinline__ void
+fz_row_sumsq(const float *v, float *red, int D, int tid, int B)
 {
     float acc = 0.0f;
 
@@ -124,6 +124,15 @@ fz_row_scale(const float *v, float *red, int D, int tid, int B, float eps)
     acc = fz_warp_sum(acc);
     if (tid % 32 == 0)
         red[tid / 32] = acc;
+}
+
+/* v2: the norm's scale of the row that fz_row_load gave the B = blockDim.x
+ * threads of the block (the tree above); red: B / 32 shared floats.  One
+ * __syncthreads: every thread of the block calls it. */
+static __device__ __forceinline__ float
+fz_row_scale(const float *v, float *red, int D, int tid, int B, float eps)
+{
+    fz_row_sumsq(v, red, D, tid, B);
     __syncthreads();
     return fz_norm_scale(fz_ordered_sum(red, B / 32), D, eps);
 }
