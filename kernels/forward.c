@@ -482,7 +482,8 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->o = dev_alloc(m, T * qdim * F, &fail);
     m->kv = dev_alloc(m, T * m->Dh * F, &fail);
     m->ring_tmp = dev_alloc(m, T * m->Dh * F, &fail);
-    m->u = dev_alloc(m, T * udim * F, &fail);
+    if (!m->wo_b_cols)   /* wo_a's whole output (a group with wo_b's columns: u_loc) */
+        m->u = dev_alloc(m, T * udim * F, &fail);
     m->ca = dev_alloc(m, T * 2 * m->Dh * F, &fail);
     m->cz = dev_alloc(m, T * 2 * m->Dh * F, &fail);
     m->ent = dev_alloc(m, T * m->Dh * F, &fail);
@@ -501,7 +502,8 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->i_spec_dst = dev_alloc(m, S * I4, &fail);
     if (m->tp > 1) {
         m->u_loc = dev_alloc(m, T * (size_t)m->Gl * c->o_lora_rank * F, &fail);
-        m->y_loc = dev_alloc(m, T * (size_t)m->Dl * F, &fail);
+        if (!m->wo_b_cols)   /* wo_b's rows: this rank's output columns */
+            m->y_loc = dev_alloc(m, T * (size_t)m->Dl * F, &fail);
         m->parts = dev_alloc(m, T * (k + 1) * D * F, &fail);
     }
     if (fail) {
