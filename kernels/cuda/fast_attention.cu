@@ -56,6 +56,14 @@
  *   v1 ("v1"): chunks of FA_CHUNK candidates, one fa_kernel CTA each, the
  *     unnormalised (O, m, l) to scratch, and fa_combine_kernel merges the
  *     chunks of a (row, head) in chunk order.
+ * Masked candidates change no value (P = 0 and alpha = 1, or everything
+ * still 0 while the running max is -inf), so two walks skip them where whole
+ * tiles are masked: a v2 CTA walks only its tiles with a valid candidate
+ * (fd_kernel), and an unsplit row (prefill) stops after its last valid
+ * candidate (fa_trim).  Below K * ratio tokens a CSA row's selection ends in
+ * -1 slots (the indexer writes its picks, then -1): at 1,024 tokens 256 of
+ * the 512 slots.  The values are those of the full walk up to the sign of a
+ * zero (-0 + 0 is +0 in the walk that adds the masked tile).
  *
  * Numerics.  q and the key rows are used as bf16 (the forward's values are
  * bf16; other inputs are rounded to bf16 first).  Products are exact; the
@@ -186,6 +194,33 @@ fa_cand(const struct fa_args &a, const struct fa_row &r, int t, int c)
             return NULL;
     }
     return a.comp + cu_pool_row(a.pages, a.cap, r.s, e) * a.Dh;
+}
+
+/*
+ * The end of row t's candidates past its last valid one (CSA: slots with sel
+ * < 0 or >= cap are masked; the indexer writes its picks first, then -1, so
+ * a row below K * ratio tokens ends in masked slots): candidates past it
+ * change no value (P = 0, alpha = 1), so a walk may stop there.  Every
+ * thread of the block calls it; c_end without sel.
+ */
+static __device__ __forceinline__ int
+fa_trim(const struct fa_args &a, const struct fa_row &r, int t, int c_end)
+{
+    __shared__ int last;
+
+    if (a.sel == NULL)
+        return c_end;
+    if (threadIdx.x == 0)
+        last = -1;
+    __syncthreads();
+    for (int e = threadIdx.x; e < c_end - r.nw; e += blockDim.x) {
+        int v = a.sel[(int64_t)t * a.K + e];
+
+        if (v >= 0 && v < a.cap)
+            atomicMax(&last, e);
+    }
+    __syncthreads();
+    return r.nw + last + 1;
 }
 
 /* Shared memory layout (bytes) of fa_kernel<MT> for head dimension Dh. */
@@ -447,7 +482,9 @@ fa_kernel(struct fa_args a)
     int d0 = warp * DW, h0 = hg * HG;
     struct fa_row r = fa_row_of(a, t);
     int c_beg = a.split ? ch * a.split : 0;
-    int c_end = a.split ? min(r.n_cand, c_beg + a.split) : r.n_cand;
+    /* whole rows stop after the last valid candidate (the split form's
+     * chunks stay as they are: its combine reads every chunk of the row) */
+    int c_end = a.split ? min(r.n_cand, c_beg + a.split) : fa_trim(a, r, t, r.n_cand);
     int n_tiles = (c_end - c_beg + FA_NC - 1) / FA_NC;
     uint32_t qa[MT][KS][4];
     float o[MT][NT][4];
@@ -648,6 +685,7 @@ fd_kernel(struct fa_args a)
     constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
     constexpr int SL4 = Dh / FD_CS / 4;   /* float4s of a rank's output slice, per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
+    __shared__ int s_tl[FD_TPR], s_nt;   /* the CTA's tiles with a valid candidate */
     float *stage = (float *)fa_sm, *po = stage;
     uint16_t *kb = (uint16_t *)(stage + FA_NC * Dh);
     float *sp = (float *)(kb + 2 * FA_NC * (Dh + 8));
@@ -687,11 +725,31 @@ fd_kernel(struct fa_args a)
         s_l[threadIdx.x] = 0.0f;
     }
     __syncthreads();   /* s_ptr */
+    /* skip the tiles without a valid candidate (CSA slots past the
+     * indexer's selection are -1, so below K * ratio tokens the last tiles
+     * hold none): such a tile changes no value (its P is 0, alpha 1, or all
+     * zero while m is still -inf), so the CTA walks only the others, in
+     * order (up to the sign of a zero sum) */
+    if (warp == 0) {
+        bool any = false;
+
+        if (lane < nj)
+            for (int c = 0; c < FA_NC; c++)
+                any |= s_ptr[lane * FA_NC + c] != NULL;
+        unsigned int b = __ballot_sync(0xffffffffu, any);
+
+        if (any)
+            s_tl[__popc(b & ((1u << lane) - 1u))] = lane;
+        if (lane == 0)
+            s_nt = __popc(b);
+    }
+    __syncthreads();   /* s_tl, s_nt */
+    nj = s_nt;
     if (nj > 0)
-        fd_issue<Dh>(s_ptr, stage, a.q);
+        fd_issue<Dh>(s_ptr + s_tl[0] * FA_NC, stage, a.q);
 
     for (int j = 0; j < nj; j++) {
-        const float *const *tp = s_ptr + j * FA_NC;
+        const float *const *tp = s_ptr + s_tl[j] * FA_NC;
         uint16_t *kj = kb + (size_t)(j & 1) * FA_NC * (Dh + 8);
 
         /* this thread's copies of tile j -> bf16 tile j & 1 (the last reads
@@ -707,7 +765,7 @@ fd_kernel(struct fa_args a)
         }
         __syncthreads();   /* tile j complete; everyone's staging reads done */
         if (j + 1 < nj)
-            fd_issue<Dh>(tp + FA_NC, stage, a.q);   /* in flight during tile j */
+            fd_issue<Dh>(s_ptr + s_tl[j + 1] * FA_NC, stage, a.q);   /* in flight during tile j */
 
         fa_tile_qk<MT, DW>(kj, qa, sp, warp, lane);
         __syncthreads();
