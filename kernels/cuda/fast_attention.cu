@@ -37,22 +37,24 @@
  * compacted), so which CTA gets which candidate depends on the row alone.
  * Two forms of the split, DSV4_CUDA_ATTN picks (fa_variant):
  *
- *   v2 (default; fd_kernel, one launch): a thread block cluster of FD_CS = 8
- *     CTAs per (row, group of 16 or 32 heads); rank z takes the row's tiles
- *     z, z + 8, z + 16, ...  The candidate rows of the CTA's tiles are looked
+ *   v2 (default; fd_kernel, one launch): a thread block cluster of CS = 4
+ *     CTAs (8 with DSV4_CUDA_FD_CS=8; fd_cs) per (row, group of 16 or 32
+ *     heads); rank z takes the row's tiles z, z + CS, z + 2 CS, ...  The
+ *     candidate rows of the CTA's tiles are looked
  *     up once, all in parallel, before any tile is loaded (v1 looked them up
  *     copy by copy, a chain of dependent sel / page-table loads per tile);
  *     tile j + 1's copies are in flight while tile j is computed; 3 barriers a
- *     tile.  Then the cluster merges in shared memory (each rank writes 1/8
- *     of the head dimensions, reading the 8 partials over DSMEM in rank
+ *     tile.  Then the cluster merges in shared memory (each rank writes 1/CS
+ *     of the head dimensions, reading the CS partials over DSMEM in rank
  *     order): no scratch, no second kernel, nothing to reset between graph
- *     replays.  Heads per CTA: 32 once T * ceil(H / 32) * 8 >= FD_MIN_CTAS
+ *     replays.  Heads per CTA: 32 once T * ceil(H / 32) * CS >= FD_MIN_CTAS
  *     (fewer key reads), else 16 (more CTAs: a T = 1, H = 64 call has 32);
  *     "v2-16" / "v2-32" force one.  A head's arithmetic is the same
  *     with 16 or 32 heads per CTA (8 threads a head in the softmax either
  *     way; the mma computes each element on its own).  Rows with more than
- *     FD_MAX_CAND = 2048 candidates possible (win + K, or win + cap: HCA past
- *     ~245k tokens), or a device that cannot hold a cluster, take v1.
+ *     CS * FD_TPR * FA_NC candidates possible (2,048 with CS = 4: win + K,
+ *     or win + cap, HCA past ~245k tokens), or a device that cannot hold a
+ *     cluster, take v1.
  *   v1 ("v1"): chunks of FA_CHUNK candidates, one fa_kernel CTA each, the
  *     unnormalised (O, m, l) to scratch, and fa_combine_kernel merges the
  *     chunks of a (row, head) in chunk order.
@@ -92,9 +94,8 @@ namespace cg = cooperative_groups;
 #define FA_SPLIT_ROWS 64    /* split when T * head groups <= this */
 #define FA_SPLIT_BYTES ((size_t)64 << 20)   /* scratch bound of the split form */
 #define FA_SP_LD (FA_NC + 8)   /* row stride (floats) of the score / P tiles */
-#define FD_CS 8             /* v2: CTAs per (row, head group), one cluster */
-#define FD_TPR 8            /* v2: tiles per CTA at most */
-#define FD_MAX_CAND (FD_CS * FD_TPR * FA_NC)   /* v2: candidates per row at most */
+#define FD_CS 4             /* v2: CTAs per (row, head group), one cluster (or 8: fd_cs) */
+#define FD_TPR 16           /* v2: tiles per CTA at most */
 #define FD_MIN_CTAS 64      /* 32 heads per CTA from this many CTAs (H200, bench_attn
                                2026-11-30: T = 4 at H = 64 10.2 us vs 15.1 with 16,
                                T = 4 at H = 32 7.9 vs 10.1 the other way) */
@@ -633,7 +634,7 @@ fa_combine_kernel(struct fa_args a)
  * combine's factors.
  */
 static __host__ __device__ __forceinline__ size_t
-fd_smem_bytes(int MT, int Dh)
+fd_smem_bytes(int MT, int Dh, int CS)
 {
     int HG = 16 * MT;
 
@@ -643,7 +644,7 @@ fd_smem_bytes(int MT, int Dh)
            + (size_t)HG * FA_SP_LD * 4              /* P */
            + (size_t)FD_TPR * FA_NC * sizeof(void *)   /* candidate rows */
            + (size_t)3 * HG * 4                     /* m, l, alpha */
-           + (size_t)HG * (FD_CS + 1) * 4;          /* combine factors, denominators */
+           + (size_t)HG * (CS + 1) * 4;             /* combine factors, denominators */
 }
 
 /* Issue the copies of one tile (rows ptr[0 .. FA_NC), NULL: zero-filled)
@@ -666,16 +667,16 @@ fd_issue(const float *const *ptr, float *stage, const float *dummy)
 }
 
 /*
- * One cluster of FD_CS CTAs per (row t, head group hg of HG = 16 MT heads);
- * CTA rank z of the cluster takes the row's tiles z, z + FD_CS, z + 2 FD_CS,
- * ... (FA_NC candidates each, in the exact path's candidate order), keeps
+ * One cluster of CS CTAs per (row t, head group hg of HG = 16 MT heads);
+ * CTA rank z of the cluster takes the row's tiles z, z + CS, z + 2 CS, ...
+ * (FA_NC candidates each, in the exact path's candidate order), keeps
  * (O, m, l) over them as fa_kernel does, then the cluster merges: rank z
- * writes head dimensions [z Dh / FD_CS, (z + 1) Dh / FD_CS) of the HG heads,
- * reading the FD_CS partials from the CTAs' shared memory in rank order.
+ * writes head dimensions [z Dh / CS, (z + 1) Dh / CS) of the HG heads,
+ * reading the CS partials from the CTAs' shared memory in rank order.
  * No scratch, no second launch, no counters.  No CTA returns early: every
  * one must reach both cluster barriers.
  */
-template <int MT, int DW>
+template <int MT, int DW, int CS>
 static __global__ void __launch_bounds__(FA_THREADS, 1)
 fd_kernel(struct fa_args a)
 {
@@ -683,7 +684,7 @@ fd_kernel(struct fa_args a)
     cu_pdl_trigger();
     constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
     constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
-    constexpr int SL4 = Dh / FD_CS / 4;   /* float4s of a rank's output slice, per head */
+    constexpr int SL4 = Dh / CS / 4;   /* float4s of a rank's output slice, per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
     __shared__ int s_tl[FD_TPR], s_nt;   /* the CTA's tiles with a valid candidate */
     float *stage = (float *)fa_sm, *po = stage;
@@ -692,16 +693,16 @@ fd_kernel(struct fa_args a)
     float *pm = sp + FA_WARPS * HG * FA_SP_LD;
     const float **s_ptr = (const float **)(pm + HG * FA_SP_LD);
     float *s_m = (float *)(s_ptr + FD_TPR * FA_NC), *s_l = s_m + HG, *s_al = s_l + HG;
-    float *s_f = s_al + HG, *s_den = s_f + HG * FD_CS;
+    float *s_f = s_al + HG, *s_den = s_f + HG * CS;
     cg::cluster_group cl = cg::this_cluster();
     int z = (int)cl.block_rank();
-    int64_t rg = blockIdx.x / FD_CS;   /* (row, head group) */
+    int64_t rg = blockIdx.x / CS;   /* (row, head group) */
     int hg = (int)(rg % a.n_hg), t = (int)(rg / a.n_hg);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
     int d0 = warp * DW, h0 = hg * HG;
     struct fa_row r = fa_row_of(a, t);
     int n_tiles = (r.n_cand + FA_NC - 1) / FA_NC;
-    int nj = n_tiles > z ? (n_tiles - z + FD_CS - 1) / FD_CS : 0;   /* <= FD_TPR (host) */
+    int nj = n_tiles > z ? (n_tiles - z + CS - 1) / CS : 0;   /* <= FD_TPR (host) */
     uint32_t qa[MT][KS][4];
     float o[MT][NT][4];
 
@@ -709,7 +710,7 @@ fd_kernel(struct fa_args a)
      * rows (window rows, or page table and sel for the compressed ones) */
     fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
     for (int i = threadIdx.x; i < nj * FA_NC; i += FA_THREADS) {
-        int c = (z + FD_CS * (i / FA_NC)) * FA_NC + i % FA_NC;
+        int c = (z + CS * (i / FA_NC)) * FA_NC + i % FA_NC;
 
         s_ptr[i] = c < r.n_cand ? fa_cand(a, r, t, c) : NULL;
     }
@@ -801,20 +802,20 @@ fd_kernel(struct fa_args a)
      * a rank without candidates, skipped) and the denominator, in rank order */
     if (threadIdx.x < HG) {
         int hl = threadIdx.x, h = h0 + hl;
-        float mz[FD_CS], lz[FD_CS], M = -__int_as_float(0x7f800000), den = 0.0f;
+        float mz[CS], lz[CS], M = -__int_as_float(0x7f800000), den = 0.0f;
 
 #pragma unroll
-        for (int k = 0; k < FD_CS; k++) {
+        for (int k = 0; k < CS; k++) {
             mz[k] = cl.map_shared_rank(s_m, k)[hl];
             lz[k] = cl.map_shared_rank(s_l, k)[hl];
             M = fmaxf(M, mz[k]);
         }
         M = M == -__int_as_float(0x7f800000) ? 0.0f : M;
 #pragma unroll
-        for (int k = 0; k < FD_CS; k++) {
+        for (int k = 0; k < CS; k++) {
             float f = mz[k] == -__int_as_float(0x7f800000) ? -1.0f : expf(mz[k] - M);
 
-            s_f[hl * FD_CS + k] = f;
+            s_f[hl * CS + k] = f;
             if (f >= 0.0f)
                 den += lz[k] * f;
         }
@@ -822,13 +823,13 @@ fd_kernel(struct fa_args a)
     }
     __syncthreads();
     for (int i = threadIdx.x; i < HG * SL4; i += FA_THREADS) {
-        int hl = i / SL4, h = h0 + hl, d = z * (Dh / FD_CS) + (i % SL4) * 4;
+        int hl = i / SL4, h = h0 + hl, d = z * (Dh / CS) + (i % SL4) * 4;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         float den = s_den[hl];
 
 #pragma unroll
-        for (int k = 0; k < FD_CS; k++) {
-            float f = s_f[hl * FD_CS + k];
+        for (int k = 0; k < CS; k++) {
+            float f = s_f[hl * CS + k];
 
             if (f >= 0.0f) {
                 float4 v = *(const float4 *)(cl.map_shared_rank(po, k) + (size_t)hl * Dh + d);
@@ -937,27 +938,27 @@ fa_variant(void)
 /*
  * Launch fd_kernel<MT, DW> for a (a.n_hg head groups of 16 MT heads);
  * *launched = 0 (and DSV4_OK) when the device cannot hold one cluster of
- * FD_CS such CTAs (checked once per device), so the caller falls back.
+ * CS such CTAs (checked once per device), so the caller falls back.
  */
-template <int MT, int DW>
+template <int MT, int DW, int CS>
 static enum dsv4_err
 fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
 {
     static signed char fits[FD_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
     int dev = cuda_st(be)->device;
-    size_t smem = fd_smem_bytes(MT, 8 * DW);
+    size_t smem = fd_smem_bytes(MT, 8 * DW, CS);
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute at[2] = {};
 
     *launched = 0;
-    CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW, CS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
-    cfg.gridDim = dim3((unsigned)((int64_t)a.T * a.n_hg * FD_CS), 1, 1);
+    cfg.gridDim = dim3((unsigned)((int64_t)a.T * a.n_hg * CS), 1, 1);
     cfg.blockDim = dim3(FA_THREADS, 1, 1);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream(be);
     at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = FD_CS;
+    at[0].val.clusterDim.x = CS;
     at[0].val.clusterDim.y = 1;
     at[0].val.clusterDim.z = 1;
     cfg.attrs = at;
@@ -965,7 +966,7 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
     if (dev < 0 || dev >= FD_MAX_DEV || fits[dev] == 0) {
         int n = 0;
 
-        if (cudaOccupancyMaxActiveClusters(&n, fd_kernel<MT, DW>, &cfg) != cudaSuccess) {
+        if (cudaOccupancyMaxActiveClusters(&n, fd_kernel<MT, DW, CS>, &cfg) != cudaSuccess) {
             (void)cudaGetLastError();
             n = 0;
         }
@@ -981,24 +982,42 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
         at[1].val.programmaticStreamSerializationAllowed = 1;
         cfg.numAttrs = 2;
     }
-    CUDA_TRY(cudaLaunchKernelEx(&cfg, fd_kernel<MT, DW>, a));
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, fd_kernel<MT, DW, CS>, a));
     CUDA_LAUNCHED("fast attention v2");
     *launched = 1;
     return DSV4_OK;
 }
 
-template <int MT>
+template <int MT, int CS>
 static enum dsv4_err
 fd_launch_dh(struct dsv4_backend *be, const struct fa_args &a, int *launched)
 {
     switch (a.Dh) {
     case 128:
-        return fd_launch<MT, 16>(be, a, launched);
+        return fd_launch<MT, 16, CS>(be, a, launched);
     case 256:
-        return fd_launch<MT, 32>(be, a, launched);
+        return fd_launch<MT, 32, CS>(be, a, launched);
     default:
-        return fd_launch<MT, 64>(be, a, launched);
+        return fd_launch<MT, 64, CS>(be, a, launched);
     }
+}
+
+/*
+ * CTAs per cluster: FD_CS (4), or 8 with DSV4_CUDA_FD_CS=8 (read at each
+ * call).  A cluster of 8 of these 180 KB CTAs needs 8 SMs of one GPC: the
+ * H200 holds 15 at once (30 of 4), so a batch-16 call at 32 heads per CTA
+ * (16 clusters) ran in two waves.  H200, bench_attn, H = 32 (perf.md run
+ * 31): T = 16 window 22.0 -> 11.8 us, CSA at 1,024 tokens 30.7 -> 18.4,
+ * HCA 22.2 -> 14.7; T = 1 (one cluster, half the CTAs) CSA at 1,024 tokens
+ * 11.4 -> 13.5, at 8,192 14.0 -> 19.0, window unchanged.  The two give
+ * different bits (another grouping of the tiles), each T-independent.
+ */
+static int
+fd_cs(void)
+{
+    const char *v = getenv("DSV4_CUDA_FD_CS");
+
+    return v != NULL && strcmp(v, "8") == 0 ? 8 : FD_CS;
 }
 
 enum dsv4_err
@@ -1009,7 +1028,7 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
                     int Dh, int win, int cap, int ratio, int K, float scale)
 {
     struct fa_args a;
-    int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant();
+    int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant(), cs = fd_cs();
 
     memset(&a, 0, sizeof(a));
     a.out = out;
@@ -1036,19 +1055,22 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     a.n_ch = 1;
     max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
     if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS && variant != 1 && max_cand > FA_NC &&
-        max_cand <= FD_MAX_CAND) {
+        max_cand <= cs * FD_TPR * FA_NC) {
         /* v2: 32 heads per CTA once the 32-head form has FD_MIN_CTAS CTAs
          * (fewer key reads), else 16 (more CTAs); a head's numerics are the
          * same either way */
         struct fa_args a2 = a;
         int mt2 = H > 16 && (variant == 32 ||
                              (variant == 0 &&
-                              (int64_t)T * ((H + 31) / 32) * FD_CS >= FD_MIN_CTAS));
+                              (int64_t)T * ((H + 31) / 32) * cs >= FD_MIN_CTAS));
         int launched = 0;
         enum dsv4_err e;
 
         a2.n_hg = (H + (mt2 ? 32 : 16) - 1) / (mt2 ? 32 : 16);
-        e = mt2 ? fd_launch_dh<2>(be, a2, &launched) : fd_launch_dh<1>(be, a2, &launched);
+        if (cs == 4)
+            e = mt2 ? fd_launch_dh<2, 4>(be, a2, &launched) : fd_launch_dh<1, 4>(be, a2, &launched);
+        else
+            e = mt2 ? fd_launch_dh<2, 8>(be, a2, &launched) : fd_launch_dh<1, 8>(be, a2, &launched);
         if (e != DSV4_OK || launched)
             return e;
     }
