@@ -149,6 +149,52 @@ fi_dot_ref(const float *q, const float *k)
     return s[0];
 }
 
+/* The term of head h for a key of stats kst at row t: REF bf16(ReLU(
+ * bf16(dot)) * w), else ReLU(dot) * w; dot = the tensor core's d when the
+ * exactness guard holds, else cpu_dot's from the fp32 inputs. */
+static __device__ __forceinline__ float
+fi_term(const struct fi_args &a, int4 q, float wv, int3 kst, float d, int t, int h,
+        const float *krow)
+{
+    float dot = fi_exact(make_int3(q.x, q.y, q.z), kst, a.ref)
+        ? d : fi_dot_ref(a.q + ((int64_t)t * a.nh + h) * 128, krow);
+
+    if (a.ref) {
+        dot = cu_bf16_round(dot);
+        return cu_bf16_round((dot > 0.0f ? dot : 0.0f) * wv);
+    }
+    return (dot > 0.0f ? dot : 0.0f) * wv;
+}
+
+/*
+ * The scores of one key tile of row t (R == 1): every thread of the block
+ * turns (head, key) dots of dt into terms in place, then thread j < FI_NK
+ * adds key j's terms in head order and stores the score (REF: bf16).  The
+ * same expression per term (fi_term) and the same order of the sum as one
+ * thread per key walking the heads.  Every thread of the block calls it.
+ */
+static __device__ __forceinline__ void
+fi_score_sum(const struct fi_args &a, float *dt, const int4 *qs, const float *ws,
+             const int4 *ks, const float *const *krow, int t, int e0, int nv, int act)
+{
+    for (int i = threadIdx.x; i < a.nh * FI_NK; i += FI_THREADS) {
+        int h = i / FI_NK, j = i % FI_NK;
+
+        if (act && e0 + j < nv)
+            dt[h * FI_TLD + j] = fi_term(a, qs[h], ws[h], make_int3(ks[j].x, ks[j].y, ks[j].z),
+                                         dt[h * FI_TLD + j], t, h, krow[j]);
+    }
+    __syncthreads();
+    if (threadIdx.x < FI_NK && act && e0 + (int)threadIdx.x < nv) {
+        int j = threadIdx.x;
+        float acc = 0.0f;
+
+        for (int h = 0; h < a.nh; h++)
+            acc += dt[h * FI_TLD + j];
+        a.scores[(int64_t)t * a.cap + e0 + j] = a.ref ? cu_bf16_round(acc) : acc;
+    }
+}
+
 /* Shared memory of fi_score_kernel<R>. */
 static __host__ __device__ __forceinline__ size_t
 fi_smem_bytes(int R)
@@ -375,30 +421,30 @@ fi_score_kernel(struct fi_args a)
                 }
             }
             __syncthreads();
-            /* scores: one thread per (row, key), heads in order */
-            for (int i = threadIdx.x; i < R * FI_NK; i += FI_THREADS) {
-                int r = i / FI_NK, j = i % FI_NK, e = e0 + j, t = t0 + r;
-                float acc = 0.0f;
-                int3 kst;
+            if (R == 1) {
+                /* decode: the (head, key) terms by all the block's threads,
+                 * each into its own dot's place, then one thread per key
+                 * adds them in head order (fi_score_sum: the same
+                 * expressions and order as the loop of R > 1, so the same
+                 * bits; that loop had 64 of the 256 threads walk 64 heads
+                 * each) */
+                fi_score_sum(a, dt, qs, ws, ks, krow, t0, e0, nv[0], act[0]);
+            } else {
+                /* scores: one thread per (row, key), heads in order */
+                for (int i = threadIdx.x; i < R * FI_NK; i += FI_THREADS) {
+                    int r = i / FI_NK, j = i % FI_NK, e = e0 + j, t = t0 + r;
+                    float acc = 0.0f;
+                    int3 kst;
 
-                if (!act[r] || e >= nv[r])
-                    continue;
-                kst = make_int3(ks[j].x, ks[j].y, ks[j].z);
-                for (int h = 0; h < a.nh; h++) {
-                    int4 q = qs[r * FI_MAX_HEADS + h];
-                    float wv = ws[r * FI_MAX_HEADS + h];
-                    float dot = fi_exact(make_int3(q.x, q.y, q.z), kst, a.ref)
-                        ? dt[(r * FI_MAX_HEADS + h) * FI_TLD + j]
-                        : fi_dot_ref(a.q + ((int64_t)t * a.nh + h) * 128, krow[j]);
-
-                    if (a.ref) {
-                        dot = cu_bf16_round(dot);
-                        acc += cu_bf16_round((dot > 0.0f ? dot : 0.0f) * wv);
-                    } else {
-                        acc += (dot > 0.0f ? dot : 0.0f) * wv;
-                    }
+                    if (!act[r] || e >= nv[r])
+                        continue;
+                    kst = make_int3(ks[j].x, ks[j].y, ks[j].z);
+                    for (int h = 0; h < a.nh; h++)
+                        acc += fi_term(a, qs[r * FI_MAX_HEADS + h], ws[r * FI_MAX_HEADS + h],
+                                       kst, dt[(r * FI_MAX_HEADS + h) * FI_TLD + j], t, h,
+                                       krow[j]);
+                    a.scores[(int64_t)t * a.cap + e] = a.ref ? cu_bf16_round(acc) : acc;
                 }
-                a.scores[(int64_t)t * a.cap + e] = a.ref ? cu_bf16_round(acc) : acc;
             }
         }
         __syncthreads();   /* before the next pass rewrites qs / ws */
