@@ -3,14 +3,17 @@
 (tools/ktrace/ktrace.c).
 
 A step is the run of kernels from one embed_kernel to the next (a decode
-step of the forward).  Steps of exactly --kernels kernels on --device are
-selected, the first --skip of them dropped and the next --steps kept.  Each
+step of the forward).  Steps of exactly --kernels kernels on --device (and,
+with --with NAME, holding a kernel whose mangled name contains NAME: the
+batch-16 and batch-1 steps of test_tp_gpu have the same count, only the
+former runs fm5_kernel) are selected, the first --skip of them dropped and
+the next --steps kept.  Each
 kernel is charged the time from the end of the kernel before it to its own
 end (with programmatic dependent launch a kernel starts before its
 predecessor ends, so start-to-end times overlap); the sums by kernel name
 (demangled with c++filt when present) are printed per step.
 
-usage: ktrace_sum.py TRACE [--device D] [--kernels N] [--skip S] [--steps K]
+usage: ktrace_sum.py TRACE [--device D] [--kernels N] [--with NAME] [--skip S] [--steps K]
 """
 import argparse
 import re
@@ -31,6 +34,8 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--kernels", type=int, default=0, help="kernels per step (0: any)")
+    ap.add_argument("--with", dest="with_name", default=None,
+                    help="only steps holding a kernel whose name contains this")
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args()
@@ -42,7 +47,8 @@ def main():
                 rows.append((int(p[2]), int(p[3]), p[6]))
     rows.sort()
     starts = [i for i, r in enumerate(rows) if "embed_kernel" in r[2]] + [len(rows)]
-    steps = [(s, e) for s, e in zip(starts, starts[1:]) if a.kernels in (0, e - s)]
+    steps = [(s, e) for s, e in zip(starts, starts[1:]) if a.kernels in (0, e - s) and
+             (a.with_name is None or any(a.with_name in r[2] for r in rows[s:e]))]
     steps = steps[a.skip:a.skip + a.steps]
     if not steps:
         print("no step of that shape")
