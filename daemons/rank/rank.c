@@ -751,6 +751,8 @@ rank_init_weights(struct rank *k, bool cuda)
     struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
     struct dsv4_cuda_arena arena;
     char source[PATH_MAX + 32];
+    /* the weights share is keyed by the split: a tp rank's copy holds other bytes */
+    const char *keyed = split == DSV4_GROUP_SPLIT_TP && gs > 1 ? ":split-tp" : "";
 #endif
 
     if (k->o.synthetic) {
@@ -766,8 +768,7 @@ rank_init_weights(struct rank *k, bool cuda)
             e = dsv4_config_override(&cfg, k->o.n_model_sets, k->o.model_sets);
         if (e != DSV4_OK)
             fatalx("rank_init: model config: %s", dsv4_errmsg());
-        snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed,
-                 split == DSV4_GROUP_SPLIT_TP && gs > 1 ? ":split-tp" : "");
+        snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed, keyed);
         rank_share_begin(k, &cfg, source, &arena);
         if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
             dsv4_cuda_weights_synthetic_arena(k->be, &k->wdev, &cfg, k->o.synth_seed, gr, gs,
@@ -807,7 +808,7 @@ rank_init_weights(struct rank *k, bool cuda)
 
         snprintf(source, sizeof(source), "checkpoint:%s%s",
                  realpath(k->o.conf.checkpoint, real) != NULL ? real : k->o.conf.checkpoint,
-                 split == DSV4_GROUP_SPLIT_TP && gs > 1 ? ":split-tp" : "");
+                 keyed);
     }
     rank_share_begin(k, &k->w.cfg, source, &arena);
     if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&

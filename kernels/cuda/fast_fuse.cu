@@ -311,31 +311,30 @@ fz_norm_rope_ok(int D, int heads, int off, int rd, int sim_cols, int sim_block)
     return sim_cols <= 0 || (sim_block > 0 && sim_cols <= D && sim_cols % sim_block == 0);
 }
 
-/* Whether call (x, rows, heads, ...) takes the fast kernels; then *a set. */
+/* Whether norm_rope call c takes the fast kernels; then *a set. */
 static int
-fz_nr_make(struct dsv4_backend *be, struct fz_nr *a, float *x, const uint16_t *w, int rows,
-           int D, float eps, const int32_t *pos, int heads, int off, int rd,
-           const float *freqs, int sim_cols, int sim_block, float *dst, const int32_t *dst_rows)
+fz_nr_make(struct dsv4_backend *be, struct fz_nr *a, const struct dsv4_norm_rope *c)
 {
-    if (!cuda_st(be)->fast_kernels || !cuda_fast_fuse_enabled() || heads < 1 ||
-        rows % heads != 0 || !fz_norm_rope_ok(D, heads, off, rd, sim_cols, sim_block))
+    if (!cuda_st(be)->fast_kernels || !cuda_fast_fuse_enabled() || c->heads < 1 ||
+        c->rows % c->heads != 0 ||
+        !fz_norm_rope_ok(c->D, c->heads, c->off, c->rd, c->sim_cols, c->sim_block))
         return 0;
     memset(a, 0, sizeof(*a));
-    a->x = x;
-    a->dst = dst;
-    a->w = w;
-    a->pos = pos;
-    a->dst_rows = dst_rows;
-    a->D = D;
-    a->heads = heads;
-    a->off = off;
-    a->np = rd / 2;
+    a->x = c->x;
+    a->dst = c->dst;
+    a->w = c->w;
+    a->pos = c->pos;
+    a->dst_rows = c->dst_rows;
+    a->D = c->D;
+    a->heads = c->heads;
+    a->off = c->off;
+    a->np = c->rd / 2;
     /* fp8_sim is a no-op under HF numerics */
-    a->sim_cols = be->numerics == DSV4_NUMERICS_REF && sim_cols > 0 ? sim_cols : 0;
-    a->sim_block = sim_block;
-    a->eps = eps;
+    a->sim_cols = be->numerics == DSV4_NUMERICS_REF && c->sim_cols > 0 ? c->sim_cols : 0;
+    a->sim_block = c->sim_block;
+    a->eps = c->eps;
     for (int i = 0; i < a->np; i++)
-        a->fr.f[i] = freqs[i];
+        a->fr.f[i] = c->freqs[i];
     return 1;
 }
 
@@ -352,10 +351,14 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
                float eps, const int32_t *pos, int heads, int off, int rd, const float *freqs,
                int sim_cols, int sim_block, float *dst, const int32_t *dst_rows)
 {
+    const struct dsv4_norm_rope c = {
+        .x = x, .w = w, .rows = rows, .D = D, .eps = eps, .pos = pos, .heads = heads,
+        .off = off, .rd = rd, .freqs = freqs, .sim_cols = sim_cols, .sim_block = sim_block,
+        .dst = dst, .dst_rows = dst_rows,
+    };
     struct fz_nr a;
 
-    if (!fz_nr_make(be, &a, x, w, rows, D, eps, pos, heads, off, rd, freqs, sim_cols, sim_block,
-                    dst, dst_rows))
+    if (!fz_nr_make(be, &a, &c))
         return dsv4_norm_rope_compose(be, x, w, rows, D, eps, pos, heads, off, rd, freqs,
                                       sim_cols, sim_block, dst, dst_rows);
     if (rows <= 0)
@@ -379,11 +382,7 @@ cuda_norm_rope2(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
 
     /* one launch when both take v3 together (FZ3_MAX_PAIR rows in all) */
     if (a->rows > 0 && b->rows > 0 && n <= FZ3_MAX_PAIR && fz_v3_shape_ok(a->D) &&
-        fz_v3_shape_ok(b->D) &&
-        fz_nr_make(be, &k.c[0], a->x, a->w, a->rows, a->D, a->eps, a->pos, a->heads, a->off,
-                   a->rd, a->freqs, a->sim_cols, a->sim_block, a->dst, a->dst_rows) &&
-        fz_nr_make(be, &k.c[1], b->x, b->w, b->rows, b->D, b->eps, b->pos, b->heads, b->off,
-                   b->rd, b->freqs, b->sim_cols, b->sim_block, b->dst, b->dst_rows)) {
+        fz_v3_shape_ok(b->D) && fz_nr_make(be, &k.c[0], a) && fz_nr_make(be, &k.c[1], b)) {
         k.rows0 = a->rows;
         cu_launch(fz_norm_rope3x2_kernel, n, FZ3_THREADS, 0, cuda_stream(be), k);
         CUDA_LAUNCHED("fast norm_rope x2");
