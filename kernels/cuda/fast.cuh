@@ -122,11 +122,38 @@ fk_bmul2(uint32_t a, uint32_t b)
  * checkpoints hold none.
  */
 static __device__ __forceinline__ uint32_t
+fk_e4m3b02_bf16(uint32_t t);
+
+static __device__ __forceinline__ uint32_t
 fk_e4m3x2_bf16(uint32_t two)
 {
-    uint32_t t = (two & 0xffu) | (two & 0xff00u) << 8;
+    return fk_e4m3b02_bf16((two & 0xffu) | (two & 0xff00u) << 8);
+}
 
+/* As fk_e4m3x2_bf16 for the two codes in bytes 0 and 2 of t (bytes 1 and 3
+ * are ignored): low half from byte 0. */
+static __device__ __forceinline__ uint32_t
+fk_e4m3b02_bf16(uint32_t t)
+{
     return fk_bmul2((t & 0x00800080u) << 8 | (t & 0x007f007fu) << 4, 0x7b807b80u);
+}
+
+/*
+ * FP4 (E2M1) codes n and n + 4 of the word w (nibble n at bits 4n..4n+3,
+ * n = 0..3) as a bf16 pair times 2^-126, low half code n: the code's
+ * magnitude bits e1 e0 m go to bf16 bits 8..6 (exponent field e, top
+ * mantissa bit m) and its sign to bit 15, which is the E2M1 value times
+ * 2^-126 (code 1, 0.5, lands on the subnormal 2^-127).  Four integer
+ * operations for n constant; the caller multiplies by 2^126 times the
+ * group scale.
+ */
+static __device__ __forceinline__ uint32_t
+fk_fp4pair_bf16(uint32_t w, int n)
+{
+    int sm = 6 - 4 * n, ss = 12 - 4 * n;
+    uint32_t m = sm >= 0 ? w << sm : w >> -sm, s = ss >= 0 ? w << ss : w >> -ss;
+
+    return (m & 0x01c001c0u) | (s & 0x80008000u);
 }
 
 /* E8M0 scale -> the bf16 pair (s, s). */

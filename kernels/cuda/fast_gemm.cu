@@ -483,27 +483,36 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
  * weights once, and at many rows it is a 64-row x N wgmma per warpgroup.
  *
  * A (weights) go global -> shared with cp.async (S stages of 128 columns,
- * rows XOR-swizzled per 16 bytes as in fg_kernel), then each thread decodes
- * its own fragment into registers: FP4 through the per-lane table times the
- * E8M0 group scale, FP8 by fk_e4m3x2_bf16 times the block scale, BF16 as
- * stored.  All scales are powers of two, so every decoded weight is the
- * exact bf16 value w * s_w.  Register fragment of wgmma m64nNk16 (the
- * mma.sync m16n8k16 A fragment per warp; warp w of the warpgroup holds rows
- * 16w..16w+15): thread (g, q) reg0 = row g, k slots 2q, 2q+1; reg1 = row
- * g+8, same slots; reg2 = row g, slots 2q+8, 2q+9; reg3 = row g+8, same.
- * As in fg_kernel, thread q reads the 8 consecutive columns 8q..8q+7 of a
- * 32-column group of its rows (FP4: 4 bytes, FP8: 8, BF16: 16), and k16
- * step s2 (0, 1) of the group takes columns 8q+4s2+{0,1} as slots 2q, 2q+1
- * and 8q+4s2+{2,3} as slots 2q+8, 2q+9.
+ * rows XOR-swizzled per 16 bytes as in fg_kernel; each thread's sources
+ * worked out once, fw_src), then each thread decodes its own fragment into
+ * registers: FP4 by bit placement (fk_fp4pair_bf16: the value times
+ * 2^-126) times 2^126 times the E8M0 group scale in one bf16 multiply (two
+ * when a scale of the warp's stage is 2^1 or more, or NaN), FP8 by
+ * fk_e4m3b02_bf16 times the block scale, BF16 as stored.  All scales are
+ * powers of two, so every decoded weight is the exact bf16 value w * s_w.
+ * Register fragment of wgmma m64nNk16 (the mma.sync m16n8k16 A fragment per
+ * warp; warp w of the warpgroup holds rows 16w..16w+15): thread (g, q) reg0
+ * = row g, k slots 2q, 2q+1; reg1 = row g+8, same slots; reg2 = row g,
+ * slots 2q+8, 2q+9; reg3 = row g+8, same.  Thread q reads the 8 consecutive
+ * columns 8q..8q+7 of a 32-column group of its rows (FP4: one 32-bit word,
+ * FP8: 8 bytes, BF16: 16), and pairs column 8q+n with 8q+n+4 (n = 0..3:
+ * FP4 nibbles n and n+4 of the word sit 16 bits apart, so both values of a
+ * bf16 pair need the same two shifts): k16 step s2 (0, 1) of the group takes
+ * the pair n = 2s2 as slots 2q, 2q+1 and n = 2s2+1 as slots 2q+8, 2q+9.
  *
  * B (activations) must then hold, at k slot j = 8h + 2q + i of step s2 of a
- * group, the column 8q + 4s2 + 2h + i: the activations are stored in that
+ * group, the column 8q + 2s2 + h + 4i: the activations are stored in that
  * permuted order in global memory (fw_perm: physical position p = 16s2 +
- * 8h + 2q + i of logical column c = 8q + 4s2 + 2h + i, inside each 32-column
- * group), written so by fw_prep_kernel (x) and by the up kernel's epilogue
- * (h).  Their values are bf16: under REF the FP8 code value times its
- * power-of-two block scale s_x (exact in bf16), so no per-block scaling is
- * left to do; BF16 weights take x = hi + lo (two wgmma per step).
+ * 8h + 2q + i of logical column c = 8q + 2s2 + h + 4i, inside each
+ * 32-column group), written so by fw_prep_kernel (x) and by the up kernel's
+ * epilogue (h).  Their values are bf16: under REF the FP8 code value times
+ * its power-of-two block scale s_x (exact in bf16), so no per-block scaling
+ * is left to do; BF16 weights take x = hi + lo (two wgmma per step).
+ *
+ * Per stage a warpgroup runs two halves (fw_half): decode 4 A fragments,
+ * issue their 4 wgmma as one group and go on to the next half while the
+ * tensor cores run it (at most one group in flight before a decode); loads
+ * run S - 2 stages ahead so that a refilled buffer's wgmma are done.
  *
  * B in shared memory: K-major, no swizzle.  Core matrix (8 token rows x 16
  * bytes) (n8, k8) of a stage at byte (n8 * 16 + k8) * 128, row n % 8 at +16
@@ -560,10 +569,13 @@ struct fw_cfg {
     static constexpr int NB = WF == FW_BF16 ? 2 : 1;
     static constexpr int SB = WF == FG_FP4 ? RA * 4 : 0;   /* FP4 group scales */
     static constexpr int STAGE = AB + NB * BB + SB;
-    static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? 4 * NWG * BN * 4 : 0) +
-                                 (WF == FG_FP4 ? FK_LUT_WORDS * 4 : 0);
-    static constexpr int S0 = (FW_SMEM_MAX - FIXED) / STAGE;
-    static constexpr int S = S0 > FW_MAX_STAGES ? FW_MAX_STAGES : S0;
+    static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? 4 * NWG * BN * 4 : 0);
+    /* the FP4 down tiles (2 warpgroups, 24.5 KB a stage) run two CTAs an SM
+     * on 4 stages each: 16 warps instead of 8 (docs/perf.md run 32) */
+    static constexpr int BLOCKS = WF == FG_FP4 && EPI == FG_LINEAR && NWG == 2 ? 2 : 1;
+    static constexpr int S0 = (FW_SMEM_MAX / BLOCKS - FIXED) / STAGE;
+    static constexpr int SMAX = BLOCKS == 2 ? 4 : FW_MAX_STAGES;
+    static constexpr int S = S0 > SMAX ? SMAX : S0;
     static constexpr int SMEM = S * STAGE + FIXED;
 };
 
@@ -597,7 +609,7 @@ struct fw_args {
 static __device__ __forceinline__ int
 fw_perm(int c)
 {
-    return (c & ~31) | ((c >> 2) & 1) << 4 | ((c >> 1) & 1) << 3 | ((c >> 3) & 3) << 1 | (c & 1);
+    return (c & ~31) | ((c >> 1) & 1) << 4 | (c & 1) << 3 | ((c >> 3) & 3) << 1 | ((c >> 2) & 1);
 }
 
 /*
@@ -724,111 +736,193 @@ fw_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
         fw_mma128(d, a, desc);
 }
 
-/* Queue the loads of 128-column block kb into stage st. */
+/*
+ * Where this thread's cp.async of every stage come from and go to, worked
+ * out once per CTA after the row maps (fw_src_make); stage kb only adds kb
+ * times the stage's column step (fw_load).  Before, the address algebra
+ * (row map, weight row, swizzle, 64-bit products) ran again for every chunk
+ * of every stage: about half of the FP4 up kernel's instructions
+ * (docs/perf.md run 32).
+ *
+ * A: thread tid copies chunk c = tid % CH of CTA rows r + j * RS (r = tid /
+ * CH, j < NA; RS = THREADS / CH is a multiple of 8, of 16 for the up
+ * tiles, so the swizzle and the w1 / w3 choice are those of row r for every
+ * j): from a0 + j * as (as: the weight bytes of RS rows, RS / 2 for the up
+ * tiles, whose CTA rows interleave w1 and w3 by 8) to stage offset ad + j *
+ * RS * FW_AROW.
+ * B: token row n = tid / 16 + j * (THREADS / 16), chunk tid % 16: bo[j] =
+ * the element offset of that chunk in x (-1: no row, zero-filled; FW_NONE:
+ * past the tile's BN * 16 chunks) to stage offset bd + j * NWG * 2048.
+ * FP4 scales: thread tid < RA copies its row's 4 bytes from sc + kb * 4.
+ */
+#define FW_NONE INT64_MAX
+
+template <int WF, int EPI, int NWG, int BN>
+struct fw_src {
+    typedef fw_cfg<WF, EPI, NWG, BN> C;
+    static constexpr int CH = FW_AROW(WF) / 16;                      /* chunks per row */
+    static constexpr int NA = C::RA * CH / C::THREADS;                /* A chunks per thread */
+    static constexpr int RS = C::THREADS / CH;                        /* rows between them */
+    static constexpr int NBL = (BN * 16 + C::THREADS - 1) / C::THREADS;   /* B chunks */
+    static_assert(C::RA * CH % C::THREADS == 0 && RS % 8 == 0 && (EPI != FG_UP || RS % 16 == 0),
+                  "fw_src: chunk layout");
+    const uint8_t *a0;      /* A: first chunk's source */
+    int64_t as;             /* A: bytes between chunk j and j + 1 */
+    uint32_t ad;            /* A: first chunk's offset in a stage */
+    uint32_t bd;            /* B: first chunk's offset in a stage */
+    int64_t bo[NBL];        /* B: element offsets, -1 or FW_NONE */
+    const uint8_t *sc;      /* FP4: this thread's row's scale bytes (tid < RA), else NULL */
+};
+
+/* This thread's fw_src (the row maps written and synchronised; L1 / L3 the
+ * tile's weights, n0 its first weight row). */
 template <int WF, int EPI, int NWG, int BN>
 static __device__ __forceinline__ void
-fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *ss,
-        const int *brow, const struct fw_args &a, const struct dsv4_linear &L1,
-        const struct dsv4_linear &L3, int n0, int kb)
+fw_src_make(struct fw_src<WF, EPI, NWG, BN> &f, const int *brow, const struct fw_args &a,
+            const struct dsv4_linear &L1, const struct dsv4_linear &L3, int n0)
 {
+    typedef fw_src<WF, EPI, NWG, BN> F;
     typedef fw_cfg<WF, EPI, NWG, BN> C;
-    const int CH = FW_AROW(WF) / 16;   /* 16-byte chunks per weight row */
-    int tid = threadIdx.x, K = a.K;
+    int tid = threadIdx.x, K = a.K, r = tid / F::CH, c = tid % F::CH, is3;
+    int wr = wg_wrow<EPI == FG_UP>(r, n0, &is3);
+    int64_t rowb = WF == FG_FP4 ? K / 2 : WF == FG_FP8 ? K : (int64_t)K * 2;
     /* B rows: K values apart from column 0, or (grouped) the group's slice */
     int64_t ldb = EPI == FG_GROUPED ? a.ldb : K;
     int64_t b0 = EPI == FG_GROUPED ? (int64_t)(n0 / a.grows) * K : 0;
 
-    for (int i = tid; i < C::RA * CH; i += C::THREADS) {
-        int r = i / CH, c = i % CH, is3, wr = wg_wrow<EPI == FG_UP>(r, n0, &is3);
-        const struct dsv4_linear &L = is3 ? L3 : L1;
-        const uint8_t *src = (const uint8_t *)L.w +
-                             (WF == FG_FP4 ? (int64_t)wr * (K / 2) + kb * 64
-                              : WF == FG_FP8 ? (int64_t)wr * K + kb * 128
-                                             : ((int64_t)wr * K + kb * 128) * 2) + c * 16;
+    f.a0 = (const uint8_t *)(is3 ? L3 : L1).w + wr * rowb + c * 16;
+    f.as = (EPI == FG_UP ? F::RS / 2 : F::RS) * rowb;
+    f.ad = (uint32_t)wg_off<FW_AROW(WF)>(r, c);
+    f.bd = (uint32_t)(((tid >> 7) * 16 + (tid & 15)) * 128 + ((tid >> 4) & 7) * 16);
+#pragma unroll
+    for (int j = 0; j < F::NBL; j++) {
+        int i = tid + j * C::THREADS, br = i < BN * 16 ? brow[i >> 4] : 0;
 
-        wg_cp16(sa + wg_off<FW_AROW(WF)>(r, c), src, 1);
+        f.bo[j] = i >= BN * 16 ? FW_NONE : br < 0 ? -1 : (int64_t)br * ldb + b0 + (i & 15) * 8;
     }
-    for (int i = tid; i < BN * 16; i += C::THREADS) {
-        int n = i >> 4, c = i & 15, r = brow[n];
-        int64_t o = (int64_t)(r < 0 ? 0 : r) * ldb + b0 + kb * 128 + c * 8;
-        int d = ((n >> 3) * 16 + c) * 128 + (n & 7) * 16;
-
-        wg_cp16(sb + d, a.xb + o, r >= 0);
-        if (WF == FW_BF16)
-            wg_cp16(sl + d, a.xl + o, r >= 0);
-    }
+    f.sc = NULL;
     if (WF == FG_FP4 && tid < C::RA) {
-        int is3, wr = wg_wrow<EPI == FG_UP>(tid, n0, &is3);
-        const struct dsv4_linear &L = is3 ? L3 : L1;
+        int s3, sr = wg_wrow<EPI == FG_UP>(tid, n0, &s3);
 
-        wg_cp4(ss + tid * 4, L.scale + (int64_t)wr * (K / 32) + kb * 4, 1);
+        f.sc = (s3 ? L3 : L1).scale + (int64_t)sr * (K / 32);
     }
 }
 
-/*
- * d += one stage (128 columns) of the warpgroup's 64 rows: decode the 8 A
- * fragments (rows ra = 16w + g of the warpgroup's block and ra + 8), then 8
- * (BF16: 16) wgmma, waited for before returning.  sw: FP8 block scales of
- * rows ra and ra + 8 as bf16 pairs.
- */
-template <int WF, int BN>
+/* Queue the loads of 128-column block kb into the stage at sa / sb / sl / ss. */
+template <int WF, int EPI, int NWG, int BN>
 static __device__ __forceinline__ void
-fw_stage(float (&d)[BN / 2], const unsigned char *sa, uint32_t sb, uint32_t sl,
-         const unsigned char *ss, const uint32_t *lt, int ra, int q, uint32_t swa, uint32_t swb)
+fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *ss,
+        const struct fw_src<WF, EPI, NWG, BN> &f, const struct fw_args &a, int kb)
 {
-    uint32_t af[8][4];
+    typedef fw_src<WF, EPI, NWG, BN> F;
+    const uint8_t *src = f.a0 + (int64_t)kb * FW_AROW(WF);
 
 #pragma unroll
-    for (int G = 0; G < 4; G++) {
+    for (int j = 0; j < F::NA; j++)
+        wg_cp16(sa + f.ad + j * F::RS * FW_AROW(WF), src + j * f.as, 1);
+#pragma unroll
+    for (int j = 0; j < F::NBL; j++) {
+        int64_t o = f.bo[j];
+        uint32_t d = f.bd + j * NWG * 2048;
+
+        if (o == FW_NONE)
+            continue;
+        wg_cp16(sb + d, a.xb + (o < 0 ? 0 : o + kb * 128), o >= 0);
+        if (WF == FW_BF16)
+            wg_cp16(sl + d, a.xl + (o < 0 ? 0 : o + kb * 128), o >= 0);
+    }
+    if (WF == FG_FP4 && f.sc != NULL)
+        wg_cp4(ss + threadIdx.x * 4, f.sc + kb * 4, 1);
+}
+
+/*
+ * d += half H (columns 64H .. 64H + 63) of a stage of the warpgroup's 64
+ * rows: decode its 4 A fragments (groups 2H, 2H + 1; rows ra = 16w + g of
+ * the warpgroup's block and ra + 8) into af, then 4 (BF16: 8) wgmma as one
+ * group, not waited for: the tensor cores run it while the warpgroup
+ * decodes the next half into the other af (fw_kernel alternates two).
+ * First waits until at most one group is pending, i.e. the group that read
+ * af last (two commits ago) is done.  sw: FP8 block scales of rows ra and
+ * ra + 8 as bf16 pairs.
+ */
+template <int WF, int BN, int H>
+static __device__ __forceinline__ void
+fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sb,
+        uint32_t sl, uint32_t sca, uint32_t scb, int big, int ra, int q, uint32_t swa,
+        uint32_t swb)
+{
+    wg_wait<1>();
+#pragma unroll
+    for (int G2 = 0; G2 < 2; G2++) {
+        const int G = 2 * H + G2;
+
         if (WF == FG_FP4) {
             uint32_t wa = *(const uint32_t *)(sa + wg_off<FG_BROW(FG_FP4)>(ra, G) + q * 4);
             uint32_t wb = *(const uint32_t *)(sa + wg_off<FG_BROW(FG_FP4)>(ra + 8, G) + q * 4);
-            uint32_t ca = fk_e8m0_bf16x2(ss[ra * 4 + G]), cb = fk_e8m0_bf16x2(ss[(ra + 8) * 4 + G]);
+            /* the group's scale bytes e in both halves; multiplier 2^126 * 2^(e - 127) */
+            uint32_t ea = __byte_perm(sca, 0, G | 4 << 4 | G << 8 | 4 << 12);
+            uint32_t eb = __byte_perm(scb, 0, G | 4 << 4 | G << 8 | 4 << 12);
+            uint32_t ma = big ? 0x7e807e80u : ea * 128u + 0x3f003f00u;
+            uint32_t mb = big ? 0x7e807e80u : eb * 128u + 0x3f003f00u;
 
 #pragma unroll
-            for (int s2 = 0; s2 < 2; s2++) {
-                af[2 * G + s2][0] = fk_bmul2(lt[((wa >> (16 * s2)) & 0xffu) * 32], ca);
-                af[2 * G + s2][1] = fk_bmul2(lt[((wb >> (16 * s2)) & 0xffu) * 32], cb);
-                af[2 * G + s2][2] = fk_bmul2(lt[((wa >> (16 * s2 + 8)) & 0xffu) * 32], ca);
-                af[2 * G + s2][3] = fk_bmul2(lt[((wb >> (16 * s2 + 8)) & 0xffu) * 32], cb);
-            }
+            for (int s2 = 0; s2 < 2; s2++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int n = 2 * s2 + h;   /* columns 8q + n and 8q + n + 4 */
+                    uint32_t va = fk_bmul2(fk_fp4pair_bf16(wa, n), ma);
+                    uint32_t vb = fk_bmul2(fk_fp4pair_bf16(wb, n), mb);
+
+                    if (big) {   /* a scale above 2^1 (or NaN): times the scale apart */
+                        va = fk_bmul2(va, fk_e8m0_bf16x2(ea & 0xffu));
+                        vb = fk_bmul2(vb, fk_e8m0_bf16x2(eb & 0xffu));
+                    }
+                    af[2 * G2 + s2][2 * h] = va;
+                    af[2 * G2 + s2][2 * h + 1] = vb;
+                }
         } else if (WF == FG_FP8) {
             int c = 2 * G + (q >> 1), o = (q & 1) * 8;
             uint2 va = *(const uint2 *)(sa + wg_off<FG_BROW(FG_FP8)>(ra, c) + o);
             uint2 vb = *(const uint2 *)(sa + wg_off<FG_BROW(FG_FP8)>(ra + 8, c) + o);
 
 #pragma unroll
-            for (int s2 = 0; s2 < 2; s2++) {
-                uint32_t ua = s2 ? va.y : va.x, ub = s2 ? vb.y : vb.x;
+            for (int s2 = 0; s2 < 2; s2++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int n = 2 * s2 + h;   /* bytes n and n + 4 of the 8 columns */
+                    uint32_t sel = n | n << 4 | (4 + n) << 8 | (4 + n) << 12;
 
-                af[2 * G + s2][0] = fk_bmul2(fk_e4m3x2_bf16(ua), swa);
-                af[2 * G + s2][1] = fk_bmul2(fk_e4m3x2_bf16(ub), swb);
-                af[2 * G + s2][2] = fk_bmul2(fk_e4m3x2_bf16(ua >> 16), swa);
-                af[2 * G + s2][3] = fk_bmul2(fk_e4m3x2_bf16(ub >> 16), swb);
-            }
+                    af[2 * G2 + s2][2 * h] =
+                        fk_bmul2(fk_e4m3b02_bf16(__byte_perm(va.x, va.y, sel)), swa);
+                    af[2 * G2 + s2][2 * h + 1] =
+                        fk_bmul2(fk_e4m3b02_bf16(__byte_perm(vb.x, vb.y, sel)), swb);
+                }
         } else {
             uint4 va = *(const uint4 *)(sa + wg_off<256>(ra, 4 * G + q));
             uint4 vb = *(const uint4 *)(sa + wg_off<256>(ra + 8, 4 * G + q));
 
 #pragma unroll
-            for (int s2 = 0; s2 < 2; s2++) {
-                af[2 * G + s2][0] = fk_word(va, 2 * s2);
-                af[2 * G + s2][1] = fk_word(vb, 2 * s2);
-                af[2 * G + s2][2] = fk_word(va, 2 * s2 + 1);
-                af[2 * G + s2][3] = fk_word(vb, 2 * s2 + 1);
-            }
+            for (int s2 = 0; s2 < 2; s2++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int n = 2 * s2 + h;   /* columns n and n + 4: words n / 2 and n / 2 + 2 */
+                    uint32_t sel = (n & 1) ? 0x7632u : 0x5410u;
+
+                    af[2 * G2 + s2][2 * h] =
+                        __byte_perm(fk_word(va, n >> 1), fk_word(va, (n >> 1) + 2), sel);
+                    af[2 * G2 + s2][2 * h + 1] =
+                        __byte_perm(fk_word(vb, n >> 1), fk_word(vb, (n >> 1) + 2), sel);
+                }
         }
     }
     wg_fence();
 #pragma unroll
-    for (int s = 0; s < 8; s++) {
-        fw_mma<BN>(d, af[s], wg_desc<FW_LBO, FW_SBO>(sb, s));
+    for (int s = 0; s < 4; s++) {
+        fw_mma<BN>(d, af[s], wg_desc<FW_LBO, FW_SBO>(sb, 4 * H + s));
         if (WF == FW_BF16)
-            fw_mma<BN>(d, af[s], wg_desc<FW_LBO, FW_SBO>(sl, s));
+            fw_mma<BN>(d, af[s], wg_desc<FW_LBO, FW_SBO>(sl, 4 * H + s));
     }
     wg_commit();
-    wg_wait<0>();
-    wg_hold(d);
 }
 
 #endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
@@ -839,7 +933,7 @@ fw_stage(float (&d)[BN / 2], const unsigned char *sa, uint32_t sb, uint32_t sl,
  * slot y of the grouping, or nothing.
  */
 template <int WF, int EPI, int NWG, int BN>
-static __global__ void __launch_bounds__(128 * NWG, 1)
+static __global__ void __launch_bounds__(128 * NWG, (fw_cfg<WF, EPI, NWG, BN>::BLOCKS))
 fw_kernel(struct fw_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -849,7 +943,6 @@ fw_kernel(struct fw_args a)
     unsigned char *ss = sl + (C::NB - 1) * C::S * C::BB;
     int *brow = (int *)(ss + C::S * C::SB), *orow = brow + BN;
     float *red = (float *)(orow + BN);
-    uint32_t *lut = (uint32_t *)(red + (EPI == FG_UP ? 4 * NWG * BN : 0));
     struct dsv4_linear L1, L3;
     int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
@@ -858,18 +951,22 @@ fw_kernel(struct fw_args a)
     uint32_t sl0 = (uint32_t)__cvta_generic_to_shared(sl);
     const unsigned char *sw1 = NULL, *sw3 = NULL;
     float d[BN / 2];
+    uint32_t af0[4][4], af1[4][4];   /* the two halves' A fragments (fw_half) */
+    struct fw_src<WF, EPI, NWG, BN> fs;
 
     if (!wg_tile_rows<BN, C::THREADS>(a, brow, orow, L1, L3))
         return;   /* an idle slot: the whole block leaves */
     __syncthreads();   /* the row maps, before the loads use them */
-    for (int s = 0; s < C::S - 1; s++) {
+    fw_src_make<WF, EPI, NWG, BN>(fs, brow, a, L1, L3, n0);
+    /* loads run S - 2 stages ahead: the buffer a load refills was last read
+     * by the wgmma of two stages back, which every warpgroup has waited for
+     * (fw_half) before the barrier that precedes the load */
+    for (int s = 0; s < C::S - 2; s++) {
         if (s < nkt)
             fw_load<WF, EPI, NWG, BN>(sa + s * C::AB, sb + s * C::BB, sl + s * C::BB,
-                                      ss + s * C::SB, brow, a, L1, L3, n0, s);
+                                      ss + s * C::SB, fs, a, s);
         wg_cp_commit();
     }
-    if (WF == FG_FP4)
-        fk_lut_fill(lut);   /* while the first stages load; ends with __syncthreads */
     if (WF == FG_FP8) {
         /* block scale rows of this thread's two weight rows (128-row blocks) */
         int is3a, is3b, wa = wg_wrow<EPI == FG_UP>(wg * 64 + ra, n0, &is3a);
@@ -883,27 +980,40 @@ fw_kernel(struct fw_args a)
         d[i] = 0.0f;
 
     for (int kt = 0; kt < nkt; kt++) {
-        int st = kt % C::S, nx = kt + C::S - 1;
-        uint32_t swa = 0, swb = 0;
+        int st = kt % C::S, nx = kt + C::S - 2;
+        uint32_t swa = 0, swb = 0, sca = 0, scb = 0;
+        int big = 0;
 
-        wg_cp_wait<C::S - 2>();
+        wg_cp_wait<C::S - 3>();
         wg_fence_proxy();
-        __syncthreads();   /* stage kt landed for all; stage nx's buffer is used up */
+        __syncthreads();   /* stage kt landed for all; stage kt - 2 read by all */
         if (nx < nkt) {
             int sn = nx % C::S;
 
             fw_load<WF, EPI, NWG, BN>(sa + sn * C::AB, sb + sn * C::BB, sl + sn * C::BB,
-                                      ss + sn * C::SB, brow, a, L1, L3, n0, nx);
+                                      ss + sn * C::SB, fs, a, nx);
         }
         wg_cp_commit();
         if (WF == FG_FP8) {
             swa = fk_e8m0_bf16x2(__ldg(sw1 + kt));
             swb = fk_e8m0_bf16x2(__ldg(sw3 + kt));
         }
-        fw_stage<WF, BN>(d, sa + st * C::AB + wg * 64 * FW_AROW(WF), sb0 + st * C::BB,
-                         sl0 + st * C::BB, ss + st * C::SB + wg * 64 * 4, lut + lane, ra, q,
-                         swa, swb);
+        if (WF == FG_FP4) {
+            /* rows ra's and ra + 8's four group scales; big: one above 2^0 (or
+             * NaN) in the warp, which fw_half multiplies in apart */
+            const unsigned char *sw = ss + st * C::SB + wg * 64 * 4;
+
+            sca = *(const uint32_t *)(sw + ra * 4);
+            scb = *(const uint32_t *)(sw + (ra + 8) * 4);
+            big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
+        }
+        fw_half<WF, BN, 0>(d, af0, sa + st * C::AB + wg * 64 * FW_AROW(WF), sb0 + st * C::BB,
+                           sl0 + st * C::BB, sca, scb, big, ra, q, swa, swb);
+        fw_half<WF, BN, 1>(d, af1, sa + st * C::AB + wg * 64 * FW_AROW(WF), sb0 + st * C::BB,
+                           sl0 + st * C::BB, sca, scb, big, ra, q, swa, swb);
     }
+    wg_wait<0>();
+    wg_hold(d);
 
     /* D fragment: d[4j + i] is row ra + 8 * (i >> 1) of the warpgroup's 64,
      * token 8j + 2q + (i & 1) */
@@ -1086,7 +1196,7 @@ fw_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsigne
     static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
     enum dsv4_err e;
 
-    static_assert(C::S >= 2, "fw_kernel: shared memory for fewer than 2 stages");
+    static_assert(C::S >= 3, "fw_kernel: shared memory for fewer than 3 stages");
     static_assert(EPI != FG_UP || NWG == 4, "fw_kernel: the up epilogue needs 128 columns");
     e = cuda_smem_allow(be, (const void *)fw_kernel<WF, EPI, NWG, BN>, C::SMEM, smem_done);
     if (e != DSV4_OK)

@@ -80,6 +80,7 @@
  * BENCH_FAST_ONLY=moe runs only the MoE cases (self-checks and sweep).
  *
  * BENCH_FAST_ONLY=linear runs only the linear cases (linear, wo_a).
+ * BENCH_FAST_ONLY=prefill runs only the prefill cases below (pf_*).
  *
  * Prefill cases (kernels/cuda/fast_gemm.cu, after the decode ones): the FP8
  * linears pf_wq_a 4096->1024, pf_wq_b 1024->16384 (half of 64x512 per rank),
@@ -2226,6 +2227,7 @@ main(int argc, char **argv)
     const char *only = getenv("BENCH_FAST_ONLY");
     int only_moe = only != NULL && strcmp(only, "moe") == 0;   /* the decode MoE only */
     int only_g4 = only != NULL && strcmp(only, "gemm4") == 0;  /* the FP8 wgmma prefill MoE */
+    int only_pf = only != NULL && strcmp(only, "prefill") == 0; /* the prefill GEMMs */
     float *xh, *x, *xg, *Xs, *out, *o1, *o2, *wts;
     int32_t *ids;
     struct dsv4_expert_w *experts, shared;
@@ -2268,7 +2270,7 @@ main(int argc, char **argv)
     /* grouped activations (wo_a): (T, 8 * 4096), not bf16-valued (the op
      * rounds them) */
     xg = dev_normals(be, (size_t)T_MAX * O_GROUPS * D_MODEL, 1.0f, 0);
-    if (!only_moe && !only_g4) {
+    if (!only_moe && !only_g4 && !only_pf) {
         linear_all(be, tm, x, xh, xg, out, &ty);
         lin_multi_bits(be, x, &ty);
     }
@@ -2307,9 +2309,12 @@ main(int argc, char **argv)
     shared.w2 = make_fp8(be, D_MODEL, I_EXPERT);
     shared_bytes = lin_bytes(&shared.w1) + lin_bytes(&shared.w3) + lin_bytes(&shared.w2);
     TRY("register experts", dsv4_cuda_experts_register(be, experts, E_EXPERTS));
-    if (only_g4) {
-        g4_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
-        printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=gemm4)\n", ty.ok, ty.fail);
+    if (only_g4 || only_pf) {
+        if (only_g4)
+            g4_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
+        else
+            prefill_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
+        printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=%s)\n", ty.ok, ty.fail, only);
         dsv4_cuda_experts_release(be, experts);
         dsv4_cuda_timer_destroy(tm);
         dsv4_backend_destroy(be);

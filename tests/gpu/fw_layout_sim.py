@@ -33,7 +33,7 @@ def fg_a_off(row, c): return row * 256 + ((c ^ ((row & 1) << 2)) << 4)
 def fg_b_off(wf, row, c):
     return row * 128 + ((c ^ ((row & 3) << 1)) << 4) if wf == FP8 else row * 64 + ((c ^ ((row >> 1) & 3)) << 4)
 def fw_a_off(wf, r, c): return fg_a_off(r, c) if wf == BF16 else fg_b_off(wf, r, c)
-def fw_perm(c): return (c & ~31) | ((c >> 2) & 1) << 4 | ((c >> 1) & 1) << 3 | ((c >> 3) & 3) << 1 | (c & 1)
+def fw_perm(c): return (c & ~31) | ((c >> 1) & 1) << 4 | (c & 1) << 3 | ((c >> 3) & 3) << 1 | ((c >> 2) & 1)
 def fw_wrow(epi, r, n0):
     if epi == UP: return n0 + (r >> 4) * 8 + (r & 7), (r >> 3) & 1
     return n0 + r, 0
@@ -101,23 +101,23 @@ def run(wf, epi, NWG, BN, K, ntok, ng=1, R=0):
                                 for reg in range(4):
                                     row = ra + (8 if reg in (1, 3) else 0)
                                     hi = reg >= 2
+                                    pn = 2 * s2 + (1 if hi else 0)   # pair: columns 8q + pn, 8q + pn + 4
                                     if wf == FP4:
                                         o = base + fg_b_off(FP4, row, G) + q * 4
                                         word = int.from_bytes(bytes(sa[o:o + 4]), 'little')
-                                        byte = (word >> (16 * s2 + (8 if hi else 0))) & 0xff
                                         sc = 2.0 ** (int(ss[(wg * 64 + row) * 4 + G]) - 127)
-                                        vals = [e2m1(byte & 15) * sc, e2m1(byte >> 4) * sc]
+                                        vals = [e2m1((word >> (4 * pn)) & 15) * sc, e2m1((word >> (4 * pn + 16)) & 15) * sc]
                                     elif wf == FP8:
                                         c = 2 * G + (q >> 1); o = base + fg_b_off(FP8, row, c) + (q & 1) * 8
-                                        v8 = sa[o:o + 8]; wd = v8[4 * s2: 4 * s2 + 4]
-                                        pair = wd[2:4] if hi else wd[0:2]
+                                        v8 = sa[o:o + 8]
+                                        pair = (v8[pn], v8[pn + 4])
                                         wr8, m8 = fw_wrow(epi, wg * 64 + row, n0)   # block scale row
                                         sc = 2.0 ** int(s8[m8][wr8 // 128, kb])
                                         vals = [(float(pair[0]) - 128) * sc, (float(pair[1]) - 128) * sc]
                                     else:
                                         o = base + fg_a_off(row, 4 * G + q); v16 = sa[o:o + 16]
-                                        wi = 2 * s2 + (1 if hi else 0); wd = v16[4 * wi: 4 * wi + 4]
-                                        vals = [float(int(wd[0]) + 256 * int(wd[1])), float(int(wd[2]) + 256 * int(wd[3]))]
+                                        lo, hh = v16[2 * pn: 2 * pn + 2], v16[2 * pn + 8: 2 * pn + 10]
+                                        vals = [float(int(lo[0]) + 256 * int(lo[1])), float(int(hh[0]) + 256 * int(hh[1]))]
                                     kk = 2 * q + (8 if hi else 0)
                                     A[s, 16 * w + (row - ra) + g, kk] = vals[0]
                                     A[s, 16 * w + (row - ra) + g, kk + 1] = vals[1]
