@@ -836,22 +836,19 @@ fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *
 }
 
 /*
- * d += half H (columns 64H .. 64H + 63) of a stage of the warpgroup's 64
- * rows: decode its 4 A fragments (groups 2H, 2H + 1; rows ra = 16w + g of
- * the warpgroup's block and ra + 8) into af, then 4 (BF16: 8) wgmma as one
- * group, not waited for: the tensor cores run it while the warpgroup
- * decodes the next half into the other af (fw_kernel alternates two).
- * First waits until at most one group is pending, i.e. the group that read
- * af last (two commits ago) is done.  sw: FP8 block scales of rows ra and
- * ra + 8 as bf16 pairs.
+ * The 4 A fragments of half H (columns 64H .. 64H + 63; groups 2H, 2H + 1)
+ * of a stage, rows ra = 16w + g of the warpgroup's block and ra + 8, into
+ * af.  FP4: sca / scb the rows' four group scale bytes; the decoded pair
+ * (fk_fp4pair_bf16, the values times 2^-126) times 2^126 * s_w in one bf16
+ * multiply, exact for s_w up to 2^1; BIG (a scale of 2^1 or more, or NaN,
+ * in the warp's stage) times 2^126, then times s_w.  FP8: swa / swb the
+ * rows' block scales as bf16 pairs.
  */
-template <int WF, int BN, int H>
+template <int WF, int H, int BIG>
 static __device__ __forceinline__ void
-fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sb,
-        uint32_t sl, uint32_t sca, uint32_t scb, int big, int ra, int q, uint32_t swa,
-        uint32_t swb)
+fw_dec(uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sca, uint32_t scb, int ra,
+       int q, uint32_t swa, uint32_t swb)
 {
-    wg_wait<1>();
 #pragma unroll
     for (int G2 = 0; G2 < 2; G2++) {
         const int G = 2 * H + G2;
@@ -862,8 +859,8 @@ fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint3
             /* the group's scale bytes e in both halves; multiplier 2^126 * 2^(e - 127) */
             uint32_t ea = __byte_perm(sca, 0, G | 4 << 4 | G << 8 | 4 << 12);
             uint32_t eb = __byte_perm(scb, 0, G | 4 << 4 | G << 8 | 4 << 12);
-            uint32_t ma = big ? 0x7e807e80u : ea * 128u + 0x3f003f00u;
-            uint32_t mb = big ? 0x7e807e80u : eb * 128u + 0x3f003f00u;
+            uint32_t ma = BIG ? 0x7e807e80u : ea * 128u + 0x3f003f00u;
+            uint32_t mb = BIG ? 0x7e807e80u : eb * 128u + 0x3f003f00u;
 
 #pragma unroll
             for (int s2 = 0; s2 < 2; s2++)
@@ -873,7 +870,7 @@ fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint3
                     uint32_t va = fk_bmul2(fk_fp4pair_bf16(wa, n), ma);
                     uint32_t vb = fk_bmul2(fk_fp4pair_bf16(wb, n), mb);
 
-                    if (big) {   /* a scale above 2^1 (or NaN): times the scale apart */
+                    if (BIG) {   /* a scale of 2^1 or more (or NaN): times it apart */
                         va = fk_bmul2(va, fk_e8m0_bf16x2(ea & 0xffu));
                         vb = fk_bmul2(vb, fk_e8m0_bf16x2(eb & 0xffu));
                     }
@@ -915,6 +912,29 @@ fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint3
                 }
         }
     }
+}
+
+/*
+ * d += half H (columns 64H .. 64H + 63) of a stage of the warpgroup's 64
+ * rows: fw_dec's 4 A fragments into af, then 4 (BF16: 8) wgmma as one
+ * group, not waited for: the tensor cores run it while the warpgroup
+ * decodes the next half into the other af (fw_kernel alternates two).
+ * First waits until at most one group is pending, i.e. the group that read
+ * af last (two commits ago) is done.  FP4: big (uniform in the warp) picks
+ * fw_dec's two-multiply form; the wgmma stay outside the branch (every warp
+ * of the warpgroup issues the same instructions).
+ */
+template <int WF, int BN, int H>
+static __device__ __forceinline__ void
+fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sb,
+        uint32_t sl, uint32_t sca, uint32_t scb, int big, int ra, int q, uint32_t swa,
+        uint32_t swb)
+{
+    wg_wait<1>();
+    if (WF == FG_FP4 && big)
+        fw_dec<WF, H, 1>(af, sa, sca, scb, ra, q, swa, swb);
+    else
+        fw_dec<WF, H, 0>(af, sa, sca, scb, ra, q, swa, swb);
     wg_fence();
 #pragma unroll
     for (int s = 0; s < 4; s++) {

@@ -90,7 +90,9 @@
  * (indexer weights_proj, bf16 out), pf_gate 4096->256 (router gate, fp32
  * out) at T = 32, 128, 512, 2048, 8192; pf_moe / pf_parts (moe, and
  * moe_parts with the odd experts not held) at T = 64, 256, 512, 1024, 2048
- * tokens of random routing (6 of 256 per token).  Each case runs on both
+ * tokens of random routing (6 of 256 per token), and at T = 512 again with
+ * every FP4 group scale raised 2^12 (fw_kernel's decode for scales of 2^1
+ * and more).  Each case runs on both
  * paths of the prefill GEMMs: "wgmma" (the Hopper path, the default) and
  * "mma" (dsv4_cuda_set_wgmma(0): the mma.sync GEMMs, the decode kernels
  * for BF16), each checked on 48 sampled rows against the exact op on those
@@ -2121,6 +2123,30 @@ pf_moe_both(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     free(wts);
 }
 
+/* Add delta to every E8M0 group scale of the FP4 experts' w1, w3 and w2
+ * (device copies, through the host). */
+static void
+shift_fp4_scales(struct dsv4_backend *be, const struct dsv4_expert_w *experts, int delta)
+{
+    for (int e = 0; e < E_EXPERTS; e++) {
+        const struct dsv4_linear *L[3] = { &experts[e].w1, &experts[e].w3, &experts[e].w2 };
+
+        for (int m = 0; m < 3; m++) {
+            size_t n = (size_t)L[m]->n_out * (L[m]->n_in / 32);
+            uint8_t *h = malloc(n);
+            void *d = (void *)(uintptr_t)L[m]->scale;
+
+            if (h == NULL)
+                exit(1);
+            TRY("download scales", be->ops->download(be, h, d, n));
+            for (size_t i = 0; i < n; i++)
+                h[i] = (uint8_t)(h[i] + delta);
+            TRY("upload scales", be->ops->upload(be, d, h, n));
+            free(h);
+        }
+    }
+}
+
 /* The FP8 wgmma prefill MoE (fast_gemm4.cu; BENCH_FAST_ONLY=gemm4): moe and
  * moe_parts at T = 256, 1024, 2048, gemm4 then fw_kernel ("wgmma"). */
 static void
@@ -2199,6 +2225,18 @@ prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     /* moe: x (P_TMOE, D) is the first rows of the same array */
     pf_moe_both(be, tm, experts, shared, x, xh, per_expert, shared_bytes, pt_moe,
                 (int)(sizeof(pt_moe) / sizeof(pt_moe[0])), pf_paths_default, 2, ty);
+    {
+        /* the FP4 group scales 2^3 .. 2^9 (bytes 130 .. 136): fw_kernel's
+         * decode multiplies by the scale apart (its one-multiply form holds
+         * up to 2^1 only) */
+        static const int big_t[] = { 512 };
+
+        printf("prefill moe with the FP4 group scales raised 2^12 (2^3 .. 2^9)\n");
+        shift_fp4_scales(be, experts, 12);
+        pf_moe_both(be, tm, experts, shared, x, xh, per_expert, shared_bytes, big_t, 1,
+                    pf_paths_default, 2, ty);
+        shift_fp4_scales(be, experts, -12);
+    }
     be->ops->free(be, x);
     free(xh);
 }
