@@ -143,17 +143,19 @@ fk_e4m3b02_bf16(uint32_t t)
  * n = 0..3) as a bf16 pair times 2^-126, low half code n: the code's
  * magnitude bits e1 e0 m go to bf16 bits 8..6 (exponent field e, top
  * mantissa bit m) and its sign to bit 15, which is the E2M1 value times
- * 2^-126 (code 1, 0.5, lands on the subnormal 2^-127).  Four integer
- * operations for n constant; the caller multiplies by 2^126 times the
- * group scale.
+ * 2^-126 (code 1, 0.5, lands on the subnormal 2^-127).  The caller
+ * multiplies by 2^126 times the group scale.  Three integer operations for
+ * n constant (and one shift per word for n = 2, 3): the two nibbles masked
+ * out, one multiply by 2^a + 2^(a+6) makes the copy shifted by a (the
+ * magnitudes in place) and the copy shifted by a + 6 (the signs in place)
+ * without overlapping bits, and a mask keeps those.
  */
 static __device__ __forceinline__ uint32_t
 fk_fp4pair_bf16(uint32_t w, int n)
 {
-    int sm = 6 - 4 * n, ss = 12 - 4 * n;
-    uint32_t m = sm >= 0 ? w << sm : w >> -sm, s = ss >= 0 ? w << ss : w >> -ss;
-
-    return (m & 0x01c001c0u) | (s & 0x80008000u);
+    if (n >= 2)
+        w >>= 8;
+    return (n & 1 ? (w & 0x00f000f0u) * 0x0104u : (w & 0x000f000fu) * 0x1040u) & 0x81c081c0u;
 }
 
 /* E8M0 scale -> the bf16 pair (s, s). */

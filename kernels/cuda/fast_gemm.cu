@@ -70,6 +70,7 @@
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda_gemm8.h"
 
+#include <cuda_fp16.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -569,7 +570,7 @@ struct fw_cfg {
     static constexpr int NB = WF == FW_BF16 ? 2 : 1;
     static constexpr int SB = WF == FG_FP4 ? RA * 4 : 0;   /* FP4 group scales */
     static constexpr int STAGE = AB + NB * BB + SB;
-    static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? 4 * NWG * BN * 4 : 0);
+    static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? (4 * NWG + 1) * BN * 4 : 0);
     /* the FP4 down tiles (2 warpgroups, 24.5 KB a stage) run two CTAs an SM
      * on 4 stages each: 16 warps instead of 8 (docs/perf.md run 32) */
     static constexpr int BLOCKS = WF == FG_FP4 && EPI == FG_LINEAR && NWG == 2 ? 2 : 1;
@@ -604,6 +605,27 @@ struct fw_args {
                                        block of rows n0.. reads B columns
                                        (n0 / R) * K .. + K */
 };
+
+/*
+ * x (finite, |x| <= 448) rounded to the nearest E4M3 value, ties to even:
+ * cu_fp8_to_f32(cu_f32_to_fp8(x)), on sm_89 and later by the hardware's
+ * conversions (RN to E4M3 and back through f16, which holds every E4M3
+ * value exactly).
+ */
+static __device__ __forceinline__ float
+fw_e4m3_round(float x)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short p;
+    uint32_t h2;
+
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p) : "f"(0.0f), "f"(x));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(p));
+    return __half2float(__ushort_as_half((unsigned short)(h2 & 0xffffu)));
+#else
+    return cu_fp8_to_f32(cu_f32_to_fp8(x));
+#endif
+}
 
 /* Physical position of logical column c (permuted inside 32-column groups). */
 static __device__ __forceinline__ int
@@ -646,7 +668,8 @@ fw_prep_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t stride, int r
         int64_t at = r * K + fw_perm(b * 128 + lane + 32 * i);
 
         if (mode == 0) {
-            float qv = cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) * s;
+            /* v / s as v * (1 / s): s is a power of two */
+            float qv = fw_e4m3_round(cu_clampf(v[i] * (1.0f / s), 448.0f)) * s;
 
             hi[at] = (uint16_t)(__float_as_uint(qv) >> 16);
         } else {
@@ -962,7 +985,7 @@ fw_kernel(struct fw_args a)
     unsigned char *sa = fw_sm, *sb = sa + C::S * C::AB, *sl = sb + C::S * C::BB;
     unsigned char *ss = sl + (C::NB - 1) * C::S * C::BB;
     int *brow = (int *)(ss + C::S * C::SB), *orow = brow + BN;
-    float *red = (float *)(orow + BN);
+    float *red = (float *)(orow + BN), *scl = red + (EPI == FG_UP ? 4 * NWG * BN : 0);
     struct dsv4_linear L1, L3;
     int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
@@ -1078,19 +1101,26 @@ fw_kernel(struct fw_args a)
                     red[wid * BN + n] = m;
             }
         __syncthreads();
+        if (tid < BN) {   /* token tid's scale, from the 4 * NWG warps' maxima */
+            float amax = 1e-4f;
+
+            for (int w = 0; w < 4 * NWG; w++)
+                amax = fmaxf(amax, red[w * BN + tid]);
+            scl[tid] = cu_pow2_scale(amax, 448.0f);
+        }
+        __syncthreads();
 #pragma unroll
         for (int j = 0; j < BN / 8; j++)
 #pragma unroll
             for (int ii = 0; ii < 2; ii++) {
                 int n = 8 * j + 2 * q + ii, r = orow[n];
-                float amax = 1e-4f, s, qv;
+                float s = scl[n], qv;
 
                 if (r < 0)
                     continue;
-                for (int w = 0; w < 4 * NWG; w++)
-                    amax = fmaxf(amax, red[w * BN + n]);
-                s = cu_pow2_scale(amax, 448.0f);
-                qv = cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(h[2 * j + ii] / s, 448.0f))) * s;
+                /* h / s as h * (1 / s): s is a power of two, so both are the
+                 * same correctly rounded value */
+                qv = fw_e4m3_round(cu_clampf(h[2 * j + ii] * (1.0f / s), 448.0f)) * s;
                 a.hq[(int64_t)r * a.ldo + fw_perm(c)] = (uint16_t)(__float_as_uint(qv) >> 16);
             }
     }
