@@ -2148,13 +2148,16 @@ shift_fp4_scales(struct dsv4_backend *be, const struct dsv4_expert_w *experts, i
 }
 
 /* The FP8 wgmma prefill MoE (fast_gemm4.cu; BENCH_FAST_ONLY=gemm4): moe and
- * moe_parts at T = 256, 1024, 2048, gemm4 then fw_kernel ("wgmma"). */
+ * moe_parts at T = 512, 1024, 2048, gemm4 then fw_kernel ("wgmma").  All
+ * three above the decode MoE's share (cuda_fast_moe_takes: T <= 256 by
+ * default), so the T-independence check compares gemm4 with itself (with
+ * T = 256 it compared gemm4's rows with the decode MoE's and failed). */
 static void
 g4_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
        const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared,
        size_t per_expert, size_t shared_bytes, struct tally *ty)
 {
-    static const int g4_t[] = { 256, 1024, 2048 }, g4_paths[] = { 2, 1 };
+    static const int g4_t[] = { 512, 1024, 2048 }, g4_paths[] = { 2, 1 };
     size_t nx = (size_t)P_TMOE * D_MODEL;
     float *xh = host_normals(nx, 1.0f, 1), *x = dev_upload(be, xh, nx * 4);
 
