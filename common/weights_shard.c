@@ -20,6 +20,16 @@ dsv4_group_split_parse(const char *s, enum dsv4_group_split *split)
     return DSV4_OK;
 }
 
+enum dsv4_err
+dsv4_group_split_resolve(const char *s, int fast_kernels, enum dsv4_group_split *split)
+{
+    if (s != NULL && strcmp(s, "auto") == 0) {
+        *split = fast_kernels ? DSV4_GROUP_SPLIT_TP : DSV4_GROUP_SPLIT_EP;
+        return DSV4_OK;
+    }
+    return dsv4_group_split_parse(s, split);
+}
+
 const char *
 dsv4_group_split_name(enum dsv4_group_split split)
 {

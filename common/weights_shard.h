@@ -54,6 +54,14 @@ enum dsv4_group_split {
 /* "ep" / "tp" -> *split; DSV4_ERR_CONFIG for anything else. */
 enum dsv4_err dsv4_group_split_parse(const char *s, enum dsv4_group_split *split);
 
+/* The split a group runs for the group_split key's value s: "ep" / "tp" as
+ * dsv4_group_split_parse; "auto": tp where the ranks run the CUDA fast
+ * kernels (fast_kernels != 0: every rank then reads the same bytes a step),
+ * else ep (the exact kernels' and the CPU's groups stay bit-identical to
+ * one rank).  DSV4_ERR_CONFIG for anything else, *split unchanged. */
+enum dsv4_err dsv4_group_split_resolve(const char *s, int fast_kernels,
+                                       enum dsv4_group_split *split);
+
 /* The name of a split ("ep", "tp"). */
 const char *dsv4_group_split_name(enum dsv4_group_split split);
 

@@ -707,28 +707,24 @@ rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
 }
 #endif
 
-/* The group's split (common/weights_shard.h): the group_split key;
- * auto: tp with the CUDA fast kernels (every rank reads the same bytes a
- * step), else ep (the exact kernels' and the CPU's groups stay
- * bit-identical to one rank).  DSV4_GROUP_SPLIT=ep / tp wins. */
+/* The group's split: the group_split key (dsv4_group_split_resolve: auto
+ * is tp with the CUDA fast kernels, else ep); DSV4_GROUP_SPLIT=ep / tp /
+ * auto wins. */
 static enum dsv4_group_split
 rank_group_split(struct rank *k, bool cuda)
 {
     const char *v = getenv("DSV4_GROUP_SPLIT");
     enum dsv4_group_split split = DSV4_GROUP_SPLIT_EP;
+    int fast = 0;
 
     if (v == NULL || *v == '\0')
         v = k->o.conf.group_split;
-    if (strcmp(v, "auto") == 0) {
 #ifdef DSV4_HAVE_CUDA
-        if (cuda && dsv4_cuda_get_kernels(k->be))
-            split = DSV4_GROUP_SPLIT_TP;
+    fast = cuda && dsv4_cuda_get_kernels(k->be);
 #else
-        (void)cuda;
+    (void)cuda;
 #endif
-        return split;
-    }
-    if (dsv4_group_split_parse(v, &split) != DSV4_OK)
+    if (dsv4_group_split_resolve(v, fast, &split) != DSV4_OK)
         fatalx("rank_init: %s", dsv4_errmsg());
     return split;
 }

@@ -27,9 +27,9 @@
  * DSV4_TEST_MOE_LOCAL=0 / 1 sets the groups' moe_local (default: on with
  * the fast kernels or the tp group split, as the rank daemons do; the
  * exact kernels' groups stay bit-identical to one GPU only with it off);
- * DSV4_TEST_GROUP_SPLIT=ep / tp the groups' split
- * (common/weights_shard.h; default: tp with the fast kernels, as the rank
- * daemons' group_split = auto, else ep).
+ * DSV4_TEST_GROUP_SPLIT=ep / tp / auto the groups' split
+ * (common/weights_shard.h; default auto: tp with the fast kernels, as the
+ * rank daemons' group_split = auto, else ep; another value: exit 2).
  *
  * Exit status: 0 pass, 1 failure, 77 fewer than two CUDA devices.
  */
@@ -109,16 +109,21 @@ long_prompt(void)
     return v != NULL ? atoi(v) : 0;
 }
 
-/* The group's split: tp with the fast kernels, as the rank daemons'
- * group_split = auto; DSV4_TEST_GROUP_SPLIT=ep / tp overrides. */
+/* The group's split: DSV4_TEST_GROUP_SPLIT=ep / tp / auto (default auto:
+ * tp with the fast kernels, as the rank daemons' group_split = auto,
+ * dsv4_group_split_resolve); any other value ends the test. */
 static enum dsv4_group_split
 group_split(struct dsv4_backend *be)
 {
     const char *v = getenv("DSV4_TEST_GROUP_SPLIT");
+    enum dsv4_group_split split = DSV4_GROUP_SPLIT_EP;
 
-    if (v != NULL)
-        return strcmp(v, "tp") == 0 ? DSV4_GROUP_SPLIT_TP : DSV4_GROUP_SPLIT_EP;
-    return dsv4_cuda_get_kernels(be) ? DSV4_GROUP_SPLIT_TP : DSV4_GROUP_SPLIT_EP;
+    if (dsv4_group_split_resolve(v != NULL ? v : "auto", dsv4_cuda_get_kernels(be), &split) !=
+        DSV4_OK) {
+        fprintf(stderr, "DSV4_TEST_GROUP_SPLIT: %s\n", dsv4_errmsg());
+        exit(2);
+    }
+    return split;
 }
 
 /* The group's moe_local (kernels/forward.h): on with the fast kernels or

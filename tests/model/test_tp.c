@@ -449,6 +449,43 @@ shard_rule_matches_view(const struct dsv4_weights *full)
  * for bit across ranks and with one rank as test_group_moe_local's bounds
  * say.
  */
+/*
+ * dsv4_group_split_resolve: the group_split key's values, auto by whether
+ * the ranks run the CUDA fast kernels; anything else refused with
+ * DSV4_ERR_CONFIG and the split left as it was.
+ */
+static void
+test_group_split_resolve(void **state)
+{
+    static const struct {
+        const char *s;
+        int fast;
+        enum dsv4_err e;
+        enum dsv4_group_split want;
+    } cases[] = {
+        { "ep", 0, DSV4_OK, DSV4_GROUP_SPLIT_EP },
+        { "ep", 1, DSV4_OK, DSV4_GROUP_SPLIT_EP },
+        { "tp", 0, DSV4_OK, DSV4_GROUP_SPLIT_TP },
+        { "auto", 0, DSV4_OK, DSV4_GROUP_SPLIT_EP },
+        { "auto", 1, DSV4_OK, DSV4_GROUP_SPLIT_TP },
+        { "TP", 1, DSV4_ERR_CONFIG, DSV4_GROUP_SPLIT_TP },   /* unchanged (preset) */
+        { "", 0, DSV4_ERR_CONFIG, DSV4_GROUP_SPLIT_TP },
+        { NULL, 1, DSV4_ERR_CONFIG, DSV4_GROUP_SPLIT_TP },
+    };
+
+    (void)state;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        enum dsv4_group_split split = DSV4_GROUP_SPLIT_TP;
+
+        if (cases[i].e == DSV4_OK)
+            split = cases[i].want == DSV4_GROUP_SPLIT_TP ? DSV4_GROUP_SPLIT_EP
+                                                         : DSV4_GROUP_SPLIT_TP;
+        assert_int_equal(dsv4_group_split_resolve(cases[i].s, cases[i].fast, &split),
+                         cases[i].e);
+        assert_int_equal(split, cases[i].want);
+    }
+}
+
 static void
 test_group_split_tp(void **state)
 {
@@ -689,6 +726,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_bad_groups),
     };
     const struct CMUnitTest tests_tp[] = {
+        cmocka_unit_test(test_group_split_resolve),
         cmocka_unit_test(test_group_split_tp),
     };
 
