@@ -1042,8 +1042,8 @@ fw_kernel(struct fw_args a)
             swb = fk_e8m0_bf16x2(__ldg(sw3 + kt));
         }
         if (WF == FG_FP4) {
-            /* rows ra's and ra + 8's four group scales; big: one above 2^0 (or
-             * NaN) in the warp, which fw_half multiplies in apart */
+            /* rows ra's and ra + 8's four group scales; big: one of 2^1 or
+             * more (or NaN) in the warp, which fw_dec multiplies in apart */
             const unsigned char *sw = ss + st * C::SB + wg * 64 * 4;
 
             sca = *(const uint32_t *)(sw + ra * 4);
