@@ -13,12 +13,13 @@
 #   prometheus                 the gateway test scrapes /metrics with a real server
 #   clang, libclang-rt-14-dev  libFuzzer + sanitizer runtimes for fuzz targets
 #   python3-matplotlib         dsv4-bench --plot (tools/bench/plot.py)
+#   python3-numpy              the CUDA kernels' layout desk checks (tests/gpu/*_layout_sim.py)
 #   python3 packages           test oracles (tokenizer reference, protocol client)
 set -euo pipefail
 
 pkgs=(meson ninja-build pkg-config gcc libjson-c-dev libpcre2-dev libzmq3-dev libmsgpack-dev
       libsystemd-dev libucx-dev libcmocka-dev clang libclang-rt-14-dev python3 python3-pip
-      systemd iproute2 libmicrohttpd-dev prometheus curl python3-matplotlib)
+      systemd iproute2 libmicrohttpd-dev prometheus curl python3-matplotlib python3-numpy)
 
 missing=()
 for p in "${pkgs[@]}"; do
