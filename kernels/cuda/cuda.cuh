@@ -34,6 +34,7 @@
 #ifndef DSV4_KERNELS_CUDA_CUDA_CUH
 #define DSV4_KERNELS_CUDA_CUDA_CUH
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -374,6 +375,27 @@ cu_f32_to_fp8(float f)
     (void)frexpf(a, &e);
     q = (int)rintf(ldexpf(a, 3 - (e - 1)));
     return sign | (uint8_t)((e - 1 + 7) * 8 + q - 8);
+}
+
+/*
+ * x (finite, |x| <= 448) rounded to the nearest E4M3 value, ties to even:
+ * cu_fp8_to_f32(cu_f32_to_fp8(x)), on sm_89 and later by the hardware's
+ * conversions (RN to E4M3 and back through f16, which holds every E4M3
+ * value exactly).  Only a NaN's payload could differ from the composition.
+ */
+static __device__ __forceinline__ float
+cu_fp8_round(float x)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short p;
+    uint32_t h2;
+
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p) : "f"(0.0f), "f"(x));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(p));
+    return __half2float(__ushort_as_half((unsigned short)(h2 & 0xffffu)));
+#else
+    return cu_fp8_to_f32(cu_f32_to_fp8(x));
+#endif
 }
 
 /* dsv4_f32_to_fp4: nearest E2M1 code, ties to the even code, clamps to 6. */

@@ -115,27 +115,24 @@ fk_bmul2(uint32_t a, uint32_t b)
 }
 
 /*
- * Two E4M3 codes (low byte first) -> bf16x2 (exact): the code's bits placed
- * in a bf16 (sign to bit 15, exponent and mantissa to bits 10..4) are the
- * value times 2^-120 (subnormal codes included), so one exact multiply by
- * 2^120 restores it.  The NaN code (S.1111.111) decodes as +-480, not NaN:
+ * The two E4M3 codes in bytes 0 and 2 of t (bytes 1 and 3 are ignored) ->
+ * bf16x2 (exact), low half from byte 0: the code's bits placed in a bf16
+ * (sign to bit 15, exponent and mantissa to bits 10..4) are the value times
+ * 2^-120 (subnormal codes included), so one exact multiply by 2^120
+ * restores it.  The NaN code (S.1111.111) decodes as +-480, not NaN:
  * checkpoints hold none.
  */
-static __device__ __forceinline__ uint32_t
-fk_e4m3b02_bf16(uint32_t t);
-
-static __device__ __forceinline__ uint32_t
-fk_e4m3x2_bf16(uint32_t two)
-{
-    return fk_e4m3b02_bf16((two & 0xffu) | (two & 0xff00u) << 8);
-}
-
-/* As fk_e4m3x2_bf16 for the two codes in bytes 0 and 2 of t (bytes 1 and 3
- * are ignored): low half from byte 0. */
 static __device__ __forceinline__ uint32_t
 fk_e4m3b02_bf16(uint32_t t)
 {
     return fk_bmul2((t & 0x00800080u) << 8 | (t & 0x007f007fu) << 4, 0x7b807b80u);
+}
+
+/* Two E4M3 codes (low byte first) -> bf16x2 (exact), as fk_e4m3b02_bf16. */
+static __device__ __forceinline__ uint32_t
+fk_e4m3x2_bf16(uint32_t two)
+{
+    return fk_e4m3b02_bf16((two & 0xffu) | (two & 0xff00u) << 8);
 }
 
 /*

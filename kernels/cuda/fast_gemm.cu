@@ -70,7 +70,6 @@
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda_gemm8.h"
 
-#include <cuda_fp16.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -606,27 +605,6 @@ struct fw_args {
                                        (n0 / R) * K .. + K */
 };
 
-/*
- * x (finite, |x| <= 448) rounded to the nearest E4M3 value, ties to even:
- * cu_fp8_to_f32(cu_f32_to_fp8(x)), on sm_89 and later by the hardware's
- * conversions (RN to E4M3 and back through f16, which holds every E4M3
- * value exactly).
- */
-static __device__ __forceinline__ float
-fw_e4m3_round(float x)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned short p;
-    uint32_t h2;
-
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p) : "f"(0.0f), "f"(x));
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(p));
-    return __half2float(__ushort_as_half((unsigned short)(h2 & 0xffffu)));
-#else
-    return cu_fp8_to_f32(cu_f32_to_fp8(x));
-#endif
-}
-
 /* Physical position of logical column c (permuted inside 32-column groups). */
 static __device__ __forceinline__ int
 fw_perm(int c)
@@ -669,7 +647,7 @@ fw_prep_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t stride, int r
 
         if (mode == 0) {
             /* v / s as v * (1 / s): s is a power of two */
-            float qv = fw_e4m3_round(cu_clampf(v[i] * (1.0f / s), 448.0f)) * s;
+            float qv = cu_fp8_round(cu_clampf(v[i] * (1.0f / s), 448.0f)) * s;
 
             hi[at] = (uint16_t)(__float_as_uint(qv) >> 16);
         } else {
@@ -1050,10 +1028,14 @@ fw_kernel(struct fw_args a)
             scb = *(const uint32_t *)(sw + (ra + 8) * 4);
             big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
         }
-        fw_half<WF, BN, 0>(d, af0, sa + st * C::AB + wg * 64 * FW_AROW(WF), sb0 + st * C::BB,
-                           sl0 + st * C::BB, sca, scb, big, ra, q, swa, swb);
-        fw_half<WF, BN, 1>(d, af1, sa + st * C::AB + wg * 64 * FW_AROW(WF), sb0 + st * C::BB,
-                           sl0 + st * C::BB, sca, scb, big, ra, q, swa, swb);
+        {
+            /* this stage's weight rows of the warpgroup, B and BF16 lo parts */
+            const unsigned char *sas = sa + st * C::AB + wg * 64 * FW_AROW(WF);
+            uint32_t sbs = sb0 + st * C::BB, sls = sl0 + st * C::BB;
+
+            fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, swa, swb);
+            fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, swa, swb);
+        }
     }
     wg_wait<0>();
     wg_hold(d);
@@ -1120,7 +1102,7 @@ fw_kernel(struct fw_args a)
                     continue;
                 /* h / s as h * (1 / s): s is a power of two, so both are the
                  * same correctly rounded value */
-                qv = fw_e4m3_round(cu_clampf(h[2 * j + ii] * (1.0f / s), 448.0f)) * s;
+                qv = cu_fp8_round(cu_clampf(h[2 * j + ii] * (1.0f / s), 448.0f)) * s;
                 a.hq[(int64_t)r * a.ldo + fw_perm(c)] = (uint16_t)(__float_as_uint(qv) >> 16);
             }
     }
