@@ -406,6 +406,26 @@ struct dsv4_backend_ops {
      */
     enum dsv4_err (*norm_rope2)(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
                                 const struct dsv4_norm_rope *b);
+
+    /* --- optional: a second queue (NULL where the backend has none, as on
+     * the CPU backend: everything runs in the order queued) -------------- */
+    /*
+     * side_begin: *on = 1 when the ops queued from here until side_end go to
+     * the backend's second queue, where they run after every op queued
+     * before side_begin but beside (before, during or after) the ops queued
+     * after side_end on the main queue, until side_join; *on = 0 when the
+     * backend runs them in order as usual (side_end and side_join must still
+     * be called; they then do nothing).  side_end: later ops go to the main
+     * queue again (call it also when a side op failed).  side_join: the ops
+     * queued after it run after every side op.  Between side_begin and
+     * side_join an op of either queue must not write memory that an op of
+     * the other reads or writes; backend scratch is per queue.  No nesting;
+     * a recording (graph_begin) records both queues, and every side_begin
+     * of it must be joined before graph_end.
+     */
+    enum dsv4_err (*side_begin)(struct dsv4_backend *be, int *on);
+    enum dsv4_err (*side_end)(struct dsv4_backend *be);
+    enum dsv4_err (*side_join)(struct dsv4_backend *be);
 };
 
 /* The most linears of one linear_multi call. */

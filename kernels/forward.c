@@ -871,6 +871,43 @@ attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
     return m->comm->ops->allreduce_sum(m->comm, be, m->y, (int64_t)T * m->D);
 }
 
+/*
+ * The compressor branch of a compressed layer's attention (model doc §3.3.4,
+ * §3.7): the projections of xn that only the compressors and the indexer's
+ * weights read (the compressors' wkv / wgate, the indexer's compressor and
+ * weights_proj: BF16 in the checkpoint), then the indexer's compressor
+ * (before the main one) and the main compressor.  It reads m->xn and writes
+ * m->ia, iz, wI, ca, cz, the entries, the compressor states and the pools,
+ * none of which the query branch (attention) reads or writes, so the two
+ * may run beside each other (the backend's side queue).
+ */
+static enum dsv4_err
+attention_compress(struct dsv4_model *m, struct layer_state *ls)
+{
+    const struct dsv4_backend_ops *ops = m->be->ops;
+    const struct dsv4_layer_w *lw = ls->w;
+    float *outs[DSV4_LINEAR_MULTI_MAX];
+    const struct dsv4_linear *Ws[DSV4_LINEAR_MULTI_MAX];
+    unsigned fl[DSV4_LINEAR_MULTI_MAX];
+    int n = 0;
+
+#define LIN_ADD(o, w, f) (outs[n] = (o), Ws[n] = (w), fl[n++] = (f))
+    if (ls->ratio == 4) {
+        LIN_ADD(m->ia, &lw->idx_compressor.wkv, DSV4_LIN_F32_OUT);
+        LIN_ADD(m->iz, &lw->idx_compressor.wgate, DSV4_LIN_F32_OUT);
+        LIN_ADD(m->wI, &lw->idx_weights_proj, 0);
+    }
+    LIN_ADD(m->ca, &lw->compressor.wkv, DSV4_LIN_F32_OUT);
+    LIN_ADD(m->cz, &lw->compressor.wgate, DSV4_LIN_F32_OUT);
+#undef LIN_ADD
+    TRY(ops->linear_multi(m->be, n, outs, m->xn, Ws, fl, m->plan.T));
+    if (ls->ratio == 4)
+        TRY(run_compressor(m, ls, &lw->idx_compressor, ls->ist_kv, ls->ist_z, ls->keys,
+                           m->i_erow4, m->ia, m->iz, m->ient, 1));
+    return run_compressor(m, ls, &lw->compressor, ls->st_kv, ls->st_z, ls->comp,
+                          ls->ratio == 4 ? m->i_erow4 : m->i_erow128, m->ca, m->cz, m->ent, 0);
+}
+
 /* Attention sub-layer (model doc §3.3): m->xn (T, D) -> m->y (T, D). */
 static enum dsv4_err
 attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
@@ -884,9 +921,23 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     const int32_t *sel = NULL;
     const float *comp = NULL;
 
-    /* every projection of xn in one call (each reads only xn and writes its
-     * own buffer, so the order does not matter): wq_a, wkv, the indexer's
-     * compressor and weights_proj (ratio 4), the compressor's wkv / wgate */
+    /* the compressor branch first, on the backend's side queue where it has
+     * one (beside the query branch below, until side_join) */
+    if (ls->ratio) {
+        enum dsv4_err e, e_end;
+        int side = 0;
+
+        if (ops->side_begin != NULL)
+            TRY(ops->side_begin(be, &side));
+        e = attention_compress(m, ls);
+        e_end = ops->side_end != NULL ? ops->side_end(be) : DSV4_OK;
+        TRY(e);
+        TRY(e_end);
+    }
+
+    /* the query branch: the projections of xn it reads (wq_a, wkv: each
+     * reads only xn and writes its own buffer), then q_norm(wq_a x) -> wq_b
+     * (and the indexer's wq_b) */
     {
         float *outs[DSV4_LINEAR_MULTI_MAX];
         const struct dsv4_linear *Ws[DSV4_LINEAR_MULTI_MAX];
@@ -896,18 +947,8 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
 #define LIN_ADD(o, w, f) (outs[n] = (o), Ws[n] = (w), fl[n++] = (f))
         LIN_ADD(m->qr, &lw->wq_a, 0);
         LIN_ADD(m->kv, &lw->wkv, 0);
-        if (ls->ratio == 4) {
-            LIN_ADD(m->ia, &lw->idx_compressor.wkv, DSV4_LIN_F32_OUT);
-            LIN_ADD(m->iz, &lw->idx_compressor.wgate, DSV4_LIN_F32_OUT);
-            LIN_ADD(m->wI, &lw->idx_weights_proj, 0);
-        }
-        if (ls->ratio) {
-            LIN_ADD(m->ca, &lw->compressor.wkv, DSV4_LIN_F32_OUT);
-            LIN_ADD(m->cz, &lw->compressor.wgate, DSV4_LIN_F32_OUT);
-        }
         TRY(ops->linear_multi(be, n, outs, m->xn, Ws, fl, T));
 
-        /* queries: q_norm(wq_a x) -> wq_b (and the indexer's wq_b) */
         TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
         n = 0;
         LIN_ADD(m->q, &lw->wq_b, 0);
@@ -931,26 +972,24 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
 
         TRY(ops->norm_rope2(be, &nq, &nkv));
     }
-
+    if (ls->ratio == 4) {   /* the indexer's queries (model doc §3.7) */
+        TRY(ops->rope(be, m->qI, m->i_pos, T, m->nI, (int64_t)m->nI * m->dI, m->dI,
+                      m->dI - rd, rd, ls->freqs, 0));
+        TRY(ops->hadamard_fp4(be, m->qI, T * m->nI));
+    }
+    if (ls->ratio) {   /* what follows reads the compressor branch's outputs */
+        if (ops->side_join != NULL)
+            TRY(ops->side_join(be));
+        comp = ls->comp;
+    }
     if (ls->ratio == 4) {
-        /* indexer: its compressor runs before the main one (model doc §3.7) */
         int nI = m->nI, dI = m->dI;
-        TRY(ops->rope(be, m->qI, m->i_pos, T, nI, (int64_t)nI * dI, dI, dI - rd, rd,
-                      ls->freqs, 0));
-        TRY(ops->hadamard_fp4(be, m->qI, T * nI));
-        TRY(run_compressor(m, ls, &lw->idx_compressor, ls->ist_kv, ls->ist_z, ls->keys,
-                           m->i_erow4, m->ia, m->iz, m->ient, 1));
+
         TRY(ops->scale(be, m->wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
                        (int64_t)T * nI));
         TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, ls->pg->d_pt, m->i_slot,
                               m->i_pos, T, nI, dI, ls->pg->cap, 4, m->K));
         sel = m->sel;
-    }
-    if (ls->ratio) {
-        TRY(run_compressor(m, ls, &lw->compressor, ls->st_kv, ls->st_z, ls->comp,
-                           ls->ratio == 4 ? m->i_erow4 : m->i_erow128, m->ca, m->cz, m->ent,
-                           0));
-        comp = ls->comp;
     }
 
     TRY(ops->attention(be, m->o, m->q, m->kv, ls->ring, comp, ls->ratio ? ls->pg->d_pt : NULL,

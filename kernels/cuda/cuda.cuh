@@ -89,6 +89,20 @@ struct cuda_state {
                                            in the tile kernel (two launches;
                                            DSV4_CUDA_LINEAR=v1r at create, or
                                            dsv4_cuda_set_linear_reduce) */
+    /* The side queue (side_begin / side_end / side_join, kernels/backend.h;
+     * cuda_backend.cu).  While its ops are queued (side == 1), `stream` is
+     * side_stream and main_stream the backend's own; scratch and lin_ctr
+     * are swapped with side_scratch and side_ctr, so each queue has its
+     * own. */
+    cudaStream_t side_stream;           /* NULL: no side queue */
+    cudaStream_t main_stream;
+    cudaEvent_t side_ev[2];             /* [0] the fork point on the main
+                                           stream, [1] the side's last op */
+    int side;                           /* 0 none, 1 side ops being queued,
+                                           2 ended, join pending */
+    void *side_scratch;
+    size_t side_scratch_bytes;
+    unsigned *side_ctr;                 /* lin_ctr's second half */
 };
 
 /* Whether be is a CUDA backend (the entry points that take any backend

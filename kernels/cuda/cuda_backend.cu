@@ -17,6 +17,8 @@
 
 #include "common/log.h"
 
+static enum dsv4_err cuda_side_join(struct dsv4_backend *be);
+
 enum dsv4_err
 cuda_err(cudaError_t rc, const char *what, const char *file, int line)
 {
@@ -113,10 +115,18 @@ cuda_destroy(struct dsv4_backend *be)
 {
     struct cuda_state *st = cuda_st(be);
 
+    (void)cuda_side_join(be);   /* back on the main stream, own scratch */
     cudaStreamSynchronize(st->stream);
+    if (st->side_stream != NULL) {
+        cudaStreamSynchronize(st->side_stream);
+        cudaStreamDestroy(st->side_stream);
+        cudaEventDestroy(st->side_ev[0]);
+        cudaEventDestroy(st->side_ev[1]);
+    }
     cuda_copy_fini(be);
     cuda_fast_linear_fini(be);
     cudaFree(st->scratch);
+    cudaFree(st->side_scratch);
     for (int i = 0; i < st->n_retired; i++)
         cudaFree(st->retired[i]);
     free(st->retired);
@@ -424,6 +434,88 @@ cuda_graph_free(struct dsv4_backend *be, void *g)
     cudaGraphExecDestroy((cudaGraphExec_t)g);
 }
 
+/* --- the side queue ------------------------------------------------------------------ */
+
+/* DSV4_CUDA_SIDE=0: side_begin answers *on = 0 (everything in order). */
+static struct cuda_switch side_sw = CUDA_SWITCH("DSV4_CUDA_SIDE", 1);
+
+/* Exchange the per-queue resources (scratch, linear counters) with the
+ * other queue's. */
+static void
+cuda_side_swap(struct cuda_state *st)
+{
+    void *p = st->scratch;
+    size_t b = st->scratch_bytes;
+    unsigned *c = st->lin_ctr;
+
+    st->scratch = st->side_scratch;
+    st->scratch_bytes = st->side_scratch_bytes;
+    st->lin_ctr = st->side_ctr;
+    st->side_scratch = p;
+    st->side_scratch_bytes = b;
+    st->side_ctr = c;
+}
+
+/*
+ * Fork: the side stream waits for an event recorded on the main stream (in
+ * a recording, the capture's fork), then takes the ops.  A branch left
+ * unjoined by a failed call is ended and joined first.
+ */
+static enum dsv4_err
+cuda_side_begin(struct dsv4_backend *be, int *on)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    enum dsv4_err e;
+
+    *on = 0;
+    if (st->side != 0 && (e = cuda_side_join(be)) != DSV4_OK)
+        return e;
+    if (st->side_stream == NULL || !cuda_switch_on(&side_sw))
+        return DSV4_OK;
+    CUDA_TRY(cudaEventRecord(st->side_ev[0], st->stream));
+    CUDA_TRY(cudaStreamWaitEvent(st->side_stream, st->side_ev[0], 0));
+    st->main_stream = st->stream;
+    st->stream = st->side_stream;
+    cuda_side_swap(st);
+    st->side = 1;
+    *on = 1;
+    return DSV4_OK;
+}
+
+/* Back to the main stream; the side's last op marked by side_ev[1]. */
+static enum dsv4_err
+cuda_side_end(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+    cudaError_t rc;
+
+    if (st->side != 1)
+        return DSV4_OK;
+    rc = cudaEventRecord(st->side_ev[1], st->side_stream);
+    st->stream = st->main_stream;
+    cuda_side_swap(st);
+    st->side = rc == cudaSuccess ? 2 : 0;
+    CUDA_TRY(rc);
+    return DSV4_OK;
+}
+
+/* The main stream waits for side_ev[1] (in a recording, the join). */
+static enum dsv4_err
+cuda_side_join(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+    enum dsv4_err e;
+
+    if (st->side == 1 && (e = cuda_side_end(be)) != DSV4_OK)
+        return e;
+    if (st->side != 2)
+        return DSV4_OK;
+    st->side = 0;
+    CUDA_TRY(cudaStreamWaitEvent(st->stream, st->side_ev[1], 0));
+    return DSV4_OK;
+}
+
 static enum dsv4_err
 cuda_copy2d(struct dsv4_backend *be, float *dst, int64_t dst_ld, const float *src,
             int64_t src_ld, int rows, int cols)
@@ -479,6 +571,9 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_norm_rope,
     cuda_linear_multi,
     cuda_norm_rope2,    /* fast_fuse.cu */
+    cuda_side_begin,
+    cuda_side_end,
+    cuda_side_join,
 };
 
 extern "C" enum dsv4_err
@@ -527,6 +622,24 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         free(be);
         free(st);
         return cuda_err(rc, "stream creation", __FILE__, __LINE__);
+    }
+    /* the side queue: a second stream of the same priority and two events
+     * (none if any of them cannot be made: side_begin then answers 0) */
+    {
+        int prio = 0;
+
+        if (cudaStreamGetPriority(st->stream, &prio) != cudaSuccess ||
+            cudaStreamCreateWithPriority(&st->side_stream, cudaStreamNonBlocking, prio) !=
+                cudaSuccess)
+            st->side_stream = NULL;
+        else if (cudaEventCreateWithFlags(&st->side_ev[0], cudaEventDisableTiming) !=
+                     cudaSuccess ||
+                 cudaEventCreateWithFlags(&st->side_ev[1], cudaEventDisableTiming) !=
+                     cudaSuccess) {
+            cudaStreamDestroy(st->side_stream);
+            st->side_stream = NULL;
+        }
+        (void)cudaGetLastError();
     }
     be->ops = &cuda_ops;
     be->name = "cuda";

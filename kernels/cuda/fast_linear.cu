@@ -834,17 +834,20 @@ cuda_fast_linear_init(struct dsv4_backend *be)
     else if (v != NULL && strncmp(v, "fused:", 6) == 0)
         st->lin_tmax = atoi(v + 6) < 0 ? 0 : atoi(v + 6);
     st->lin_ctr = NULL;
-    if (cudaMalloc(&p, FL_CTRS * sizeof(unsigned)) != cudaSuccess) {
+    st->side_ctr = NULL;
+    /* two sets: the main queue's and the side queue's (cuda_state.side_ctr) */
+    if (cudaMalloc(&p, 2 * FL_CTRS * sizeof(unsigned)) != cudaSuccess) {
         (void)cudaGetLastError();
         return;
     }
     /* zero before any later work on the stream */
-    if (cudaMemsetAsync(p, 0, FL_CTRS * sizeof(unsigned), st->stream) != cudaSuccess) {
+    if (cudaMemsetAsync(p, 0, 2 * FL_CTRS * sizeof(unsigned), st->stream) != cudaSuccess) {
         (void)cudaGetLastError();
         cudaFree(p);
         return;
     }
     st->lin_ctr = (unsigned *)p;
+    st->side_ctr = st->lin_ctr + FL_CTRS;
 }
 
 void
@@ -852,8 +855,10 @@ cuda_fast_linear_fini(struct dsv4_backend *be)
 {
     struct cuda_state *st = cuda_st(be);
 
-    cudaFree(st->lin_ctr);
-    st->lin_ctr = NULL;
+    /* the allocation starts at the main queue's half (destroy ends a side
+     * branch first; either order is freed right) */
+    cudaFree(st->side_ctr != NULL && st->side_ctr < st->lin_ctr ? st->side_ctr : st->lin_ctr);
+    st->lin_ctr = st->side_ctr = NULL;
 }
 
 extern "C" int

@@ -374,11 +374,17 @@ compare(const char *what, const struct result *a, const struct result *b)
 static void
 times(const char *what, const struct result *r)
 {
+    uint64_t digest = 1469598103934665603ull;   /* FNV-1a over the step hashes */
+
+    for (int s = 0; s < steps + B1_STEPS + 1; s++)
+        for (int i = 0; i < 8; i++)
+            digest = (digest ^ ((r->hash[s] >> (8 * i)) & 0xff)) * 1099511628211ull;
     printf("| %s | weights %.1f GiB in %.0f ms | prefill 16 prompts (1,160 tokens) %.0f ms | "
            "decode b16 %.2f ms/step | b1 %.2f ms/step (logits to the host, checked) | "
-           "GPU-sampled b16 %.2f ms/step, b1 %.2f ms/step | finite %s |\n", what, r->gib,
+           "GPU-sampled b16 %.2f ms/step, b1 %.2f ms/step | finite %s | logits digest "
+           "%016llx (equal across builds and switches when the bits are) |\n", what, r->gib,
            r->ms_gen, r->ms_prefill, r->ms_b16, r->ms_b1, r->ms_b16s, r->ms_b1s,
-           r->finite ? "yes" : "NO");
+           r->finite ? "yes" : "NO", (unsigned long long)digest);
     if (r->ms_long > 0)
         printf("| %s | prefill of one %d-token prompt (one call): %.1f ms (%.3f ms per token) "
                "| comm %s | moe_local %s | group split %s |\n", what, long_prompt(), r->ms_long,
