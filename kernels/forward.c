@@ -872,6 +872,45 @@ attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
 }
 
 /*
+ * The most rows of a call whose latency-hiding side branches (the q / kv
+ * norm beside the indexer, the ring update beside the output projection)
+ * run on the side queue: with more, both branches' kernels fill the GPU
+ * and running them side by side only slows the longer one (docs/perf.md
+ * run 33: a 2,048-token prefill 297 -> 301 ms with them).
+ */
+#define SIDE_SMALL_T 64
+
+/*
+ * Run fn(m, ls, arg) on the backend's side queue where it has one
+ * (kernels/backend.h side_begin: beside the ops queued after it until
+ * side_join), else in order.  fn's ops must not write what the main
+ * queue's ops up to the join read or write, nor read what they write.
+ */
+static enum dsv4_err
+side_run(struct dsv4_model *m, struct layer_state *ls,
+         enum dsv4_err (*fn)(struct dsv4_model *, struct layer_state *, const void *),
+         const void *arg)
+{
+    const struct dsv4_backend_ops *ops = m->be->ops;
+    enum dsv4_err e, e_end;
+    int on = 0;
+
+    if (ops->side_begin != NULL)
+        TRY(ops->side_begin(m->be, &on));
+    e = fn(m, ls, arg);
+    e_end = ops->side_end != NULL ? ops->side_end(m->be) : DSV4_OK;
+    TRY(e);
+    return e_end;
+}
+
+/* The ops queued after this run after side_run's ops. */
+static enum dsv4_err
+side_join(struct dsv4_model *m)
+{
+    return m->be->ops->side_join != NULL ? m->be->ops->side_join(m->be) : DSV4_OK;
+}
+
+/*
  * The compressor branch of a compressed layer's attention (model doc §3.3.4,
  * §3.7): the projections of xn that only the compressors and the indexer's
  * weights read (the compressors' wkv / wgate, the indexer's compressor and
@@ -882,7 +921,7 @@ attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
  * may run beside each other (the backend's side queue).
  */
 static enum dsv4_err
-attention_compress(struct dsv4_model *m, struct layer_state *ls)
+attention_compress(struct dsv4_model *m, struct layer_state *ls, const void *unused)
 {
     const struct dsv4_backend_ops *ops = m->be->ops;
     const struct dsv4_layer_w *lw = ls->w;
@@ -900,12 +939,52 @@ attention_compress(struct dsv4_model *m, struct layer_state *ls)
     LIN_ADD(m->ca, &lw->compressor.wkv, DSV4_LIN_F32_OUT);
     LIN_ADD(m->cz, &lw->compressor.wgate, DSV4_LIN_F32_OUT);
 #undef LIN_ADD
+    (void)unused;
     TRY(ops->linear_multi(m->be, n, outs, m->xn, Ws, fl, m->plan.T));
     if (ls->ratio == 4)
         TRY(run_compressor(m, ls, &lw->idx_compressor, ls->ist_kv, ls->ist_z, ls->keys,
                            m->i_erow4, m->ia, m->iz, m->ient, 1));
     return run_compressor(m, ls, &lw->compressor, ls->st_kv, ls->st_z, ls->comp,
                           ls->ratio == 4 ? m->i_erow4 : m->i_erow128, m->ca, m->cz, m->ent, 0);
+}
+
+/*
+ * Per-head RMS -> RoPE on the last rd of the queries (m->q); the window KV
+ * (K = V, m->kv): kv_norm -> RoPE -> FP8 sim of the nope dims.  Reads and
+ * writes m->q and m->kv only.
+ */
+static enum dsv4_err
+attention_qkv_norm(struct dsv4_model *m, struct layer_state *ls, const void *unused)
+{
+    float eps = (float)m->cfg.rms_norm_eps;
+    int T = m->plan.T, H = m->Hl, Dh = m->Dh, rd = m->rd;
+    struct dsv4_norm_rope nq = {
+        .x = m->q, .w = NULL, .rows = T * H, .D = Dh, .eps = eps, .pos = m->i_pos,
+        .heads = H, .off = m->nope, .rd = rd, .freqs = ls->freqs,
+    };
+    struct dsv4_norm_rope nkv = {
+        .x = m->kv, .w = ls->w->kv_norm, .rows = T, .D = Dh, .eps = eps, .pos = m->i_pos,
+        .heads = 1, .off = m->nope, .rd = rd, .freqs = ls->freqs, .sim_cols = m->nope,
+        .sim_block = 64,
+    };
+
+    (void)unused;
+    return m->be->ops->norm_rope2(m->be, &nq, &nkv);
+}
+
+/*
+ * The ring update after attention (older ring rows were still being read):
+ * this call's window KV rows (m->kv) into the slots' rings at ring_dst,
+ * through m->ring_tmp.
+ */
+static enum dsv4_err
+attention_ring_update(struct dsv4_model *m, struct layer_state *ls, const void *ring_dst)
+{
+    const struct call_plan *p = &m->plan;
+
+    TRY(m->be->ops->gather_rows(m->be, m->ring_tmp, m->kv, m->i_ring_src, p->n_ring, m->Dh));
+    return m->be->ops->scatter_rows(m->be, ls->ring, (const int32_t *)ring_dst, m->ring_tmp,
+                                    p->n_ring, m->Dh);
 }
 
 /* Attention sub-layer (model doc §3.3): m->xn (T, D) -> m->y (T, D). */
@@ -923,17 +1002,8 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
 
     /* the compressor branch first, on the backend's side queue where it has
      * one (beside the query branch below, until side_join) */
-    if (ls->ratio) {
-        enum dsv4_err e, e_end;
-        int side = 0;
-
-        if (ops->side_begin != NULL)
-            TRY(ops->side_begin(be, &side));
-        e = attention_compress(m, ls);
-        e_end = ops->side_end != NULL ? ops->side_end(be) : DSV4_OK;
-        TRY(e);
-        TRY(e_end);
-    }
+    if (ls->ratio)
+        TRY(side_run(m, ls, attention_compress, NULL));
 
     /* the query branch: the projections of xn it reads (wq_a, wkv: each
      * reads only xn and writes its own buffer), then q_norm(wq_a x) -> wq_b
@@ -957,38 +1027,32 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
 #undef LIN_ADD
         TRY(ops->linear_multi(be, n, outs, m->qr, Ws, fl, T));
     }
-    /* per-head RMS -> RoPE on the last rd; window KV (K = V): kv_norm(wkv x)
-     * -> RoPE -> FP8 sim of the nope dims */
-    {
-        struct dsv4_norm_rope nq = {
-            .x = m->q, .w = NULL, .rows = T * H, .D = Dh, .eps = eps, .pos = m->i_pos,
-            .heads = H, .off = m->nope, .rd = rd, .freqs = ls->freqs,
-        };
-        struct dsv4_norm_rope nkv = {
-            .x = m->kv, .w = lw->kv_norm, .rows = T, .D = Dh, .eps = eps, .pos = m->i_pos,
-            .heads = 1, .off = m->nope, .rd = rd, .freqs = ls->freqs, .sim_cols = m->nope,
-            .sim_block = 64,
-        };
-
-        TRY(ops->norm_rope2(be, &nq, &nkv));
-    }
-    if (ls->ratio == 4) {   /* the indexer's queries (model doc §3.7) */
-        TRY(ops->rope(be, m->qI, m->i_pos, T, m->nI, (int64_t)m->nI * m->dI, m->dI,
-                      m->dI - rd, rd, ls->freqs, 0));
-        TRY(ops->hadamard_fp4(be, m->qI, T * m->nI));
-    }
-    if (ls->ratio) {   /* what follows reads the compressor branch's outputs */
-        if (ops->side_join != NULL)
-            TRY(ops->side_join(be));
-        comp = ls->comp;
-    }
-    if (ls->ratio == 4) {
+    if (ls->ratio != 4) {
+        TRY(attention_qkv_norm(m, ls, NULL));
+        if (ls->ratio) {   /* what follows reads the compressor branch's outputs */
+            TRY(side_join(m));
+            comp = ls->comp;
+        }
+    } else {
         int nI = m->nI, dI = m->dI;
 
+        /* the indexer's queries (model doc §3.7), then its top-k (which
+         * reads the compressor branch's keys and weights) beside the q / kv
+         * norm on the side queue */
+        TRY(ops->rope(be, m->qI, m->i_pos, T, nI, (int64_t)nI * dI, dI, dI - rd, rd, ls->freqs,
+                      0));
+        TRY(ops->hadamard_fp4(be, m->qI, T * nI));
+        TRY(side_join(m));
+        comp = ls->comp;
+        if (T <= SIDE_SMALL_T)
+            TRY(side_run(m, ls, attention_qkv_norm, NULL));
+        else
+            TRY(attention_qkv_norm(m, ls, NULL));
         TRY(ops->scale(be, m->wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
                        (int64_t)T * nI));
         TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, ls->pg->d_pt, m->i_slot,
                               m->i_pos, T, nI, dI, ls->pg->cap, 4, m->K));
+        TRY(side_join(m));
         sel = m->sel;
     }
 
@@ -996,21 +1060,23 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
                        sel, lw->attn_sink, m->i_slot, m->i_pos, m->i_row0, m->i_pos0, T, H,
                        Dh, m->win, ls->ratio ? ls->pg->cap : 0, ls->ratio, m->K,
                        (float)(1.0 / sqrt((double)Dh))));
+    /* the ring update on the side queue, beside the output projection (it
+     * touches only m->kv, m->ring_tmp and the ring) */
+    if (p->n_ring > 0 && T <= SIDE_SMALL_T)
+        TRY(side_run(m, ls, attention_ring_update, ring_dst));
+    else if (p->n_ring > 0)
+        TRY(attention_ring_update(m, ls, ring_dst));
     /* the value carried the keys' rotation: undo it at the query position */
     TRY(ops->rope(be, m->o, m->i_pos, T, H, (int64_t)H * Dh, Dh, m->nope, rd, ls->freqs, 1));
-
-    /* ring update after attention (older ring rows were still being read) */
-    if (p->n_ring > 0) {
-        TRY(ops->gather_rows(be, m->ring_tmp, m->kv, m->i_ring_src, p->n_ring, Dh));
-        TRY(ops->scatter_rows(be, ls->ring, ring_dst, m->ring_tmp, p->n_ring, Dh));
-    }
 
     /* grouped output projection */
     if (m->tp == 1) {
         TRY(ops->linear_grouped(be, m->u, m->o, &lw->wo_a, T, m->cfg.o_groups));
-        return ops->linear(be, m->y, m->u, &lw->wo_b, T, 0);
+        TRY(ops->linear(be, m->y, m->u, &lw->wo_b, T, 0));
+    } else {
+        TRY(attention_out_tp(m, lw));
     }
-    return attention_out_tp(m, lw);
+    return side_join(m);
 }
 
 /* Routed + shared experts: m->xn -> m->y; over a group, each rank's

@@ -46,7 +46,7 @@ run_mode(const char *dir, enum dsv4_numerics num, int steps, int prompt)
     struct dsv4_weights hw, dw;
     struct dsv4_backend *cb, *gb;
     struct dsv4_model *cm, *gm;
-    struct dsv4_model_opts opts;
+    struct dsv4_model_opts opts = { 0 };   /* unset fields: defaults (a single model) */
     int plen[N_SEQ] = { prompt, prompt / 2 + 3 }, slot[N_SEQ] = { 0, 1 }, V;
     int32_t *tok, next[N_SEQ];
     float *lc, *lg;
