@@ -192,7 +192,13 @@ cuda_copy(struct dsv4_backend *be, void *dst, const void *src, size_t n)
 static enum dsv4_err
 cuda_sync(struct dsv4_backend *be)
 {
+    struct cuda_state *st = cuda_st(be);
+
     CUDA_TRY(cudaStreamSynchronize(cuda_stream(be)));
+    /* a side branch a failed call left unjoined (joined ones are in the
+     * main stream's wait already) */
+    if (st->side_stream != NULL)
+        CUDA_TRY(cudaStreamSynchronize(st->side_stream));
     return DSV4_OK;
 }
 
