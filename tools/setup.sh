@@ -40,6 +40,11 @@ echo "setup: system packages OK"
 if ! python3 -c 'import zmq, msgpack' 2>/dev/null; then
     python3 -m pip install -q pyzmq msgpack || echo "setup: WARNING: pip install pyzmq msgpack failed" >&2
 fi
+# numpy for the kernels' layout desk checks (meson tests layout-*, run by
+# that same python3: python3-numpy above serves only Debian's interpreter)
+if ! python3 -c 'import numpy' 2>/dev/null; then
+    python3 -m pip install -q numpy || echo "setup: WARNING: pip install numpy failed" >&2
+fi
 echo "setup: python packages OK"
 
 # --- tokenizer (issue 3) ----------------------------------------------------
