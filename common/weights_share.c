@@ -99,14 +99,18 @@ dsv4_wshare_dir(char *buf, size_t n, const char *share_dir, const char *rank_end
 }
 
 enum dsv4_err
-dsv4_wshare_path(char *buf, size_t n, const char *dir, unsigned group, unsigned group_rank)
+dsv4_wshare_path(char *buf, size_t n, const char *dir, const uint8_t gpu_uuid[16],
+                 unsigned group_rank, unsigned group_size)
 {
     size_t max = sizeof(((struct sockaddr_un *)0)->sun_path) - WS_TMP_EXTRA;
+    char gpu[17];
     int len;
 
-    len = snprintf(buf, n, "%s%sweights-g%u-r%u.sock", dir,
-                   dir[0] != '\0' && dir[strlen(dir) - 1] == '/' ? "" : "/", group,
-                   group_rank);
+    for (int i = 0; i < 8; i++)
+        snprintf(gpu + 2 * i, 3, "%02x", gpu_uuid[i]);
+    len = snprintf(buf, n, "%s%sweights-%s-p%uof%u.sock", dir,
+                   dir[0] != '\0' && dir[strlen(dir) - 1] == '/' ? "" : "/", gpu, group_rank,
+                   group_size);
     if (len < 0 || (size_t)len >= n || (size_t)len >= max)
         return dsv4_err_set(DSV4_ERR_CONFIG, "weights share: socket path in %s too long "
                             "(at most %zu bytes)", dir, max - 1);

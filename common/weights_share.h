@@ -5,7 +5,10 @@
  * any file descriptor (kernels/cuda_share.h makes and maps the CUDA one; the
  * unit tests pass a memfd).
  *
- * One unix stream socket per GPU slot, <dir>/weights-g<group>-r<rank>.sock.
+ * One unix stream socket per GPU and part of the weights,
+ * <dir>/weights-<GPU>-p<part>of<parts>.sock (every rank of the GPU holding
+ * that part, of whatever group: several decode groups on the same GPUs
+ * share one copy too).
  * A client connects, sends one request byte ('F') and receives a struct
  * dsv4_wshare_hdr with the descriptor attached (SCM_RIGHTS); then the
  * connection closes.  Only clients of the server's effective uid are served.
@@ -61,10 +64,12 @@ struct dsv4_wshare_hdr {
 enum dsv4_err dsv4_wshare_dir(char *buf, size_t n, const char *share_dir,
                               const char *rank_endpoint);
 
-/* <dir>/weights-g<group>-r<group_rank>.sock into buf; DSV4_ERR_CONFIG when
- * longer than n or than a unix socket address holds. */
-enum dsv4_err dsv4_wshare_path(char *buf, size_t n, const char *dir, unsigned group,
-                               unsigned group_rank);
+/* <dir>/weights-<GPU>-p<group_rank>of<group_size>.sock into buf, <GPU> the
+ * first 8 bytes of the device's UUID in hex (so the ranks of one GPU that
+ * hold the same part of the weights meet on one path whatever their group);
+ * DSV4_ERR_CONFIG when longer than n or than a unix socket address holds. */
+enum dsv4_err dsv4_wshare_path(char *buf, size_t n, const char *dir, const uint8_t gpu_uuid[16],
+                               unsigned group_rank, unsigned group_size);
 
 /* FNV-1a 64 of n bytes, continuing from h (start with DSV4_WSHARE_FNV0). */
 #define DSV4_WSHARE_FNV0 0xcbf29ce484222325ull

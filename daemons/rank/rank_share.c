@@ -88,11 +88,11 @@ rank_share_begin(struct rank *k, const struct dsv4_config *cfg, const char *sour
     if (s == NULL)
         fatalx("rank_init: out of memory");
     s->lockfd = s->fd = -1;
-    if (dsv4_wshare_path(s->path, sizeof(s->path), dir, k->o.group, k->o.group_rank) !=
-        DSV4_OK)
-        fatalx("rank_init: %s", dsv4_errmsg());
     if (dsv4_cuda_device_uuid(k->be, s->uuid) != DSV4_OK)
         fatalx("rank_init: weights share: %s", dsv4_errmsg());
+    if (dsv4_wshare_path(s->path, sizeof(s->path), dir, s->uuid, k->o.group_rank,
+                         k->o.group_size) != DSV4_OK)
+        fatalx("rank_init: %s", dsv4_errmsg());
     s->fingerprint = dsv4_wshare_fingerprint(cfg, source, (int)k->o.group_rank,
                                              (int)k->o.group_size);
     k->share = s;

@@ -15,6 +15,9 @@
 #
 # MPS=1 [MPS_PREFILL=N] [MPS_DECODE=N]: under an MPS server (see below).
 # MTP=1: decode ranks with mtp = yes (drafts proposed/accepted in the log).
+# DECODE_GROUPS=N (1): N decode groups of GPUS ranks on the same GPUs (they
+# share the weights), each with SLOTS (16 / N) streams: one group's
+# latency-bound kernels run beside another's MoE (with MPS).
 # PREFILL_SLOTS (1) prompts a prefill rank runs in one forward call,
 # PREFILL_CHUNK (2048) rows of a prefill call.
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
@@ -56,8 +59,8 @@ tokenizer = none
 heartbeat_ms = 1000
 liveness = 30
 group_size = $GPUS
-slots = 16
-max_batch = 16
+slots = ${SLOTS:-$((16 / ${DECODE_GROUPS:-1}))}
+max_batch = ${SLOTS:-$((16 / ${DECODE_GROUPS:-1}))}
 prefill_slots = ${PREFILL_SLOTS:-1}
 prefill_chunk = ${PREFILL_CHUNK:-2048}
 max_seq = ${MAX_SEQ:-4096}
@@ -81,7 +84,7 @@ if [ "${MPS:-0}" = 1 ]; then
     [ -n "${MPS_PREFILL:-}" ] && echo "prefill.mps_sm_percent = $MPS_PREFILL" >> "$D/dsv4.conf"
     [ -n "${MPS_DECODE:-}" ] && echo "decode.mps_sm_percent = $MPS_DECODE" >> "$D/dsv4.conf"
 fi
-dsv4-launch -f "$D/dsv4.conf" -P "$GPUS" -D "$GPUS" -r 500 -w 120 -T 600 -t 30 \
+dsv4-launch -f "$D/dsv4.conf" -P "$GPUS" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
     --sched-bin "$(command -v dsv4-sched)" --prefill-bin "$D/dsv4-prefill" \
     --decode-bin "$D/dsv4-decode" --notify-log "$D/notify.log" > "$OUT/launch.log" 2>&1 &
 lpid=$!
@@ -89,7 +92,7 @@ ctl() { dsv4ctl --admin "ipc://$D/ctl.sock" "$@"; }
 t0=$SECONDS
 for i in $(seq 1 300); do
     n=$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')
-    [ "${n:-0}" -ge $((2 * GPUS)) ] &&
+    [ "${n:-0}" -ge $((GPUS * (1 + ${DECODE_GROUPS:-1}))) ] &&
         { [ "$GPUS" = 1 ] || grep -q "communicator of epoch" "$OUT/launch.log"; } && break
     kill -0 $lpid 2> /dev/null || { echo "dsv4-launch exited"; tail -30 "$OUT/launch.log"; exit 1; }
     sleep 1

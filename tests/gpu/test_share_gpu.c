@@ -456,6 +456,7 @@ int
 main(int argc, char **argv)
 {
     struct proc A, B, C;
+    static const uint8_t zero_uuid[16];   /* the test's own socket: any GPU key */
     char dir[] = "/tmp/dsv4share.XXXXXX", sock[128], cmd[160];
     const char *layers = "4";
     int rc;
@@ -468,7 +469,8 @@ main(int argc, char **argv)
         fprintf(stderr, "usage: test_share_gpu [LAYERS]\n");
         return 2;
     }
-    if (mkdtemp(dir) == NULL || dsv4_wshare_path(sock, sizeof(sock), dir, 0, 0) != DSV4_OK) {
+    if (mkdtemp(dir) == NULL ||
+        dsv4_wshare_path(sock, sizeof(sock), dir, zero_uuid, 0, 1) != DSV4_OK) {
         perror("mkdtemp");
         return 1;
     }

@@ -38,6 +38,9 @@
 
 static char dir[64];
 static char path[96];
+/* two GPUs' UUIDs (the path takes the first 8 bytes) */
+static const uint8_t uuid_a[16] = { 0x00, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0xff, 9 };
+static const uint8_t uuid_b[16] = { 0xa0, 0xb1, 0xc2, 0xd3, 0xe4, 0xf5, 0x06, 0x17, 1 };
 
 static int
 setup(void **state)
@@ -45,7 +48,7 @@ setup(void **state)
     (void)state;
     snprintf(dir, sizeof(dir), "/tmp/dsv4ws.XXXXXX");
     assert_non_null(mkdtemp(dir));
-    assert_int_equal(dsv4_wshare_path(path, sizeof(path), dir, 3, 1), DSV4_OK);
+    assert_int_equal(dsv4_wshare_path(path, sizeof(path), dir, uuid_a, 1, 2), DSV4_OK);
     return 0;
 }
 
@@ -121,10 +124,10 @@ test_names(void **state)
     assert_string_equal(b, DSV4_WSHARE_DEFAULT_DIR);
     assert_int_equal(dsv4_wshare_dir(b, 4, "/long/dir", NULL), DSV4_ERR_CONFIG);
 
-    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/run/dsv4", 2, 1), DSV4_OK);
-    assert_string_equal(b, "/run/dsv4/weights-g2-r1.sock");
-    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/", 0, 0), DSV4_OK);
-    assert_string_equal(b, "/weights-g0-r0.sock");
+    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/run/dsv4", uuid_a, 1, 2), DSV4_OK);
+    assert_string_equal(b, "/run/dsv4/weights-00112233445566ff-p1of2.sock");
+    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/", uuid_b, 0, 1), DSV4_OK);
+    assert_string_equal(b, "/weights-a0b1c2d3e4f50617-p0of1.sock");
     /* longer than a socket address (with room for the temporary name) */
     {
         char longdir[100], big[256];
@@ -132,7 +135,8 @@ test_names(void **state)
         memset(longdir, 'd', sizeof(longdir) - 1);
         longdir[0] = '/';
         longdir[sizeof(longdir) - 1] = '\0';
-        assert_int_equal(dsv4_wshare_path(big, sizeof(big), longdir, 0, 0), DSV4_ERR_CONFIG);
+        assert_int_equal(dsv4_wshare_path(big, sizeof(big), longdir, uuid_a, 0, 1),
+                         DSV4_ERR_CONFIG);
     }
 }
 
