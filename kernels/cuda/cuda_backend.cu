@@ -471,7 +471,6 @@ static enum dsv4_err
 cuda_side_begin(struct dsv4_backend *be, int *on)
 {
     struct cuda_state *st = cuda_st(be);
-
     enum dsv4_err e;
 
     *on = 0;
@@ -632,16 +631,19 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
     /* the side queue: a second stream of the same priority and two events
      * (none if any of them cannot be made: side_begin then answers 0) */
     {
-        int prio = 0;
+        int prio = 0, n_ev = 0;
 
         if (cudaStreamGetPriority(st->stream, &prio) != cudaSuccess ||
             cudaStreamCreateWithPriority(&st->side_stream, cudaStreamNonBlocking, prio) !=
                 cudaSuccess)
             st->side_stream = NULL;
-        else if (cudaEventCreateWithFlags(&st->side_ev[0], cudaEventDisableTiming) !=
-                     cudaSuccess ||
-                 cudaEventCreateWithFlags(&st->side_ev[1], cudaEventDisableTiming) !=
-                     cudaSuccess) {
+        while (st->side_stream != NULL && n_ev < 2 &&
+               cudaEventCreateWithFlags(&st->side_ev[n_ev], cudaEventDisableTiming) ==
+                   cudaSuccess)
+            n_ev++;
+        if (st->side_stream != NULL && n_ev < 2) {
+            while (n_ev > 0)
+                cudaEventDestroy(st->side_ev[--n_ev]);
             cudaStreamDestroy(st->side_stream);
             st->side_stream = NULL;
         }
