@@ -881,13 +881,14 @@ attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
 #define SIDE_SMALL_T 64
 
 /*
- * Run fn(m, ls, arg) on the backend's side queue where it has one
- * (kernels/backend.h side_begin: beside the ops queued after it until
- * side_join), else in order.  fn's ops must not write what the main
- * queue's ops up to the join read or write, nor read what they write.
+ * Run fn(m, ls, arg) on the backend's side queue where it has one and
+ * `side` asks for it (kernels/backend.h side_begin: beside the ops queued
+ * after it until side_join), else in order.  fn's ops must not write what
+ * the main queue's ops up to the join read or write, nor read what they
+ * write.
  */
 static enum dsv4_err
-side_run(struct dsv4_model *m, struct layer_state *ls,
+side_run(struct dsv4_model *m, struct layer_state *ls, int side,
          enum dsv4_err (*fn)(struct dsv4_model *, struct layer_state *, const void *),
          const void *arg)
 {
@@ -895,6 +896,8 @@ side_run(struct dsv4_model *m, struct layer_state *ls,
     enum dsv4_err e, e_end;
     int on = 0;
 
+    if (!side)
+        return fn(m, ls, arg);
     if (ops->side_begin != NULL)
         TRY(ops->side_begin(m->be, &on));
     e = fn(m, ls, arg);
@@ -1003,7 +1006,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
     /* the compressor branch first, on the backend's side queue where it has
      * one (beside the query branch below, until side_join) */
     if (ls->ratio)
-        TRY(side_run(m, ls, attention_compress, NULL));
+        TRY(side_run(m, ls, 1, attention_compress, NULL));
 
     /* the query branch: the projections of xn it reads (wq_a, wkv: each
      * reads only xn and writes its own buffer), then q_norm(wq_a x) -> wq_b
@@ -1044,10 +1047,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
         TRY(ops->hadamard_fp4(be, m->qI, T * nI));
         TRY(side_join(m));
         comp = ls->comp;
-        if (T <= SIDE_SMALL_T)
-            TRY(side_run(m, ls, attention_qkv_norm, NULL));
-        else
-            TRY(attention_qkv_norm(m, ls, NULL));
+        TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_qkv_norm, NULL));
         TRY(ops->scale(be, m->wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
                        (int64_t)T * nI));
         TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, ls->pg->d_pt, m->i_slot,
@@ -1062,10 +1062,8 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
                        (float)(1.0 / sqrt((double)Dh))));
     /* the ring update on the side queue, beside the output projection (it
      * touches only m->kv, m->ring_tmp and the ring) */
-    if (p->n_ring > 0 && T <= SIDE_SMALL_T)
-        TRY(side_run(m, ls, attention_ring_update, ring_dst));
-    else if (p->n_ring > 0)
-        TRY(attention_ring_update(m, ls, ring_dst));
+    if (p->n_ring > 0)
+        TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_ring_update, ring_dst));
     /* the value carried the keys' rotation: undo it at the query position */
     TRY(ops->rope(be, m->o, m->i_pos, T, H, (int64_t)H * Dh, Dh, m->nope, rd, ls->freqs, 1));
 

@@ -374,11 +374,7 @@ compare(const char *what, const struct result *a, const struct result *b)
 static void
 times(const char *what, const struct result *r)
 {
-    uint64_t digest = 1469598103934665603ull;   /* FNV-1a over the step hashes */
-
-    for (int s = 0; s < steps + B1_STEPS + 1; s++)
-        for (int i = 0; i < 8; i++)
-            digest = (digest ^ ((r->hash[s] >> (8 * i)) & 0xff)) * 1099511628211ull;
+    uint64_t digest = fnv(r->hash, (size_t)(steps + B1_STEPS + 1) * sizeof(*r->hash));
     printf("| %s | weights %.1f GiB in %.0f ms | prefill 16 prompts (1,160 tokens) %.0f ms | "
            "decode b16 %.2f ms/step | b1 %.2f ms/step (logits to the host, checked) | "
            "GPU-sampled b16 %.2f ms/step, b1 %.2f ms/step | finite %s | logits digest "
