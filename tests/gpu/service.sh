@@ -47,8 +47,18 @@ if [ "${BACKEND:-cuda}" = cpu ]; then
     extra="--backend cpu"
     ckpt="checkpoint = $D/model"
 fi
+# DECODE_KTRACE=1: the decode ranks run under tools/ktrace (libdsv4ktrace.so
+# packed in .carry/bin), one kernel timeline per process in
+# $OUT/decode-ktrace.PID (tools/ktrace/ktrace_sum.py).  The tracer records
+# every graph node at each launch: the gaps between steps it shows are its
+# own, not the service's (docs/perf.md run 34).
+kt=""
+[ "${DECODE_KTRACE:-0}" = 1 ] &&
+    kt="env KTRACE_OUT=$OUT/decode-ktrace.\$\$ LD_PRELOAD=$PWD/.carry/bin/libdsv4ktrace.so"
 for r in prefill decode; do
-    printf '#!/bin/sh\nexec %s "$@" %s\n' "$(command -v dsv4-$r)" "$extra" > "$D/dsv4-$r"
+    pre=""
+    [ $r = decode ] && pre=$kt
+    printf '#!/bin/sh\nexec %s %s "$@" %s\n' "$pre" "$(command -v dsv4-$r)" "$extra" > "$D/dsv4-$r"
     chmod +x "$D/dsv4-$r"
 done
 cat > "$D/dsv4.conf" <<EOC
