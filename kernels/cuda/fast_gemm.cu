@@ -512,7 +512,10 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
  * Per stage a warpgroup runs two halves (fw_half): decode 4 A fragments,
  * issue their 4 wgmma as one group and go on to the next half while the
  * tensor cores run it (at most one group in flight before a decode); loads
- * run S - 2 stages ahead so that a refilled buffer's wgmma are done.
+ * run S - 2 stages ahead so that a refilled buffer's wgmma are done.  The
+ * FP4 / FP8 weight words of both halves are read from shared memory into
+ * registers first thing in the stage (fw_half's wait is a memory clobber:
+ * behind it the second half's loads started late; perf.md run 34).
  *
  * B in shared memory: K-major, no swizzle.  Core matrix (8 token rows x 16
  * bytes) (n8, k8) of a stage at byte (n8 * 16 + k8) * 128, row n % 8 at +16
@@ -843,20 +846,22 @@ fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *
  * (fk_fp4pair_bf16, the values times 2^-126) times 2^126 * s_w in one bf16
  * multiply, exact for s_w up to 2^1; BIG (a scale of 2^1 or more, or NaN,
  * in the warp's stage) times 2^126, then times s_w.  FP8: swa / swb the
- * rows' block scales as bf16 pairs.
+ * rows' block scales as bf16 pairs.  FP4 and FP8 take the words of group G
+ * of rows ra and ra + 8 from pw[G] (FP4: the row's 32-bit word, then row ra
+ * + 8's; FP8: the 8 bytes of row ra, then of ra + 8), which fw_kernel loads
+ * at the start of the stage; BF16 reads shared memory here.
  */
 template <int WF, int H, int BIG>
 static __device__ __forceinline__ void
 fw_dec(uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sca, uint32_t scb, int ra,
-       int q, uint32_t swa, uint32_t swb)
+       int q, uint32_t swa, uint32_t swb, const uint32_t (&pw)[4][4])
 {
 #pragma unroll
     for (int G2 = 0; G2 < 2; G2++) {
         const int G = 2 * H + G2;
 
         if (WF == FG_FP4) {
-            uint32_t wa = *(const uint32_t *)(sa + wg_off<FG_BROW(FG_FP4)>(ra, G) + q * 4);
-            uint32_t wb = *(const uint32_t *)(sa + wg_off<FG_BROW(FG_FP4)>(ra + 8, G) + q * 4);
+            uint32_t wa = pw[G][0], wb = pw[G][1];
             /* the group's scale bytes e in both halves; multiplier 2^126 * 2^(e - 127) */
             uint32_t ea = __byte_perm(sca, 0, G | 4 << 4 | G << 8 | 4 << 12);
             uint32_t eb = __byte_perm(scb, 0, G | 4 << 4 | G << 8 | 4 << 12);
@@ -879,9 +884,7 @@ fw_dec(uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sca, uint32_t scb
                     af[2 * G2 + s2][2 * h + 1] = vb;
                 }
         } else if (WF == FG_FP8) {
-            int c = 2 * G + (q >> 1), o = (q & 1) * 8;
-            uint2 va = *(const uint2 *)(sa + wg_off<FG_BROW(FG_FP8)>(ra, c) + o);
-            uint2 vb = *(const uint2 *)(sa + wg_off<FG_BROW(FG_FP8)>(ra + 8, c) + o);
+            uint2 va = make_uint2(pw[G][0], pw[G][1]), vb = make_uint2(pw[G][2], pw[G][3]);
 
 #pragma unroll
             for (int s2 = 0; s2 < 2; s2++)
@@ -929,13 +932,13 @@ template <int WF, int BN, int H>
 static __device__ __forceinline__ void
 fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sb,
         uint32_t sl, uint32_t sca, uint32_t scb, int big, int ra, int q, uint32_t swa,
-        uint32_t swb)
+        uint32_t swb, const uint32_t (&pw)[4][4])
 {
     wg_wait<1>();
     if (WF == FG_FP4 && big)
-        fw_dec<WF, H, 1>(af, sa, sca, scb, ra, q, swa, swb);
+        fw_dec<WF, H, 1>(af, sa, sca, scb, ra, q, swa, swb, pw);
     else
-        fw_dec<WF, H, 0>(af, sa, sca, scb, ra, q, swa, swb);
+        fw_dec<WF, H, 0>(af, sa, sca, scb, ra, q, swa, swb, pw);
     wg_fence();
 #pragma unroll
     for (int s = 0; s < 4; s++) {
@@ -1002,12 +1005,33 @@ fw_kernel(struct fw_args a)
 
     for (int kt = 0; kt < nkt; kt++) {
         int st = kt % C::S, nx = kt + C::S - 2;
-        uint32_t swa = 0, swb = 0, sca = 0, scb = 0;
+        uint32_t swa = 0, swb = 0, sca = 0, scb = 0, pw[4][4] = {};
         int big = 0;
 
         wg_cp_wait<C::S - 3>();
         wg_fence_proxy();
         __syncthreads();   /* stage kt landed for all; stage kt - 2 read by all */
+        if (WF != FW_BF16) {
+            /* the stage's A words of rows ra and ra + 8 (all four groups),
+             * loaded first: in fw_dec, behind fw_half's wait (a memory
+             * clobber), the second half's loads could not start early */
+            const unsigned char *sas = sa + st * C::AB + wg * 64 * FW_AROW(WF);
+
+#pragma unroll
+            for (int G = 0; G < 4; G++) {
+                if (WF == FG_FP4) {
+                    pw[G][0] = *(const uint32_t *)(sas + wg_off<FG_BROW(FG_FP4)>(ra, G) + q * 4);
+                    pw[G][1] =
+                        *(const uint32_t *)(sas + wg_off<FG_BROW(FG_FP4)>(ra + 8, G) + q * 4);
+                } else {
+                    int c = 2 * G + (q >> 1), o = (q & 1) * 8;
+                    uint2 va = *(const uint2 *)(sas + wg_off<FG_BROW(FG_FP8)>(ra, c) + o);
+                    uint2 vb = *(const uint2 *)(sas + wg_off<FG_BROW(FG_FP8)>(ra + 8, c) + o);
+
+                    pw[G][0] = va.x, pw[G][1] = va.y, pw[G][2] = vb.x, pw[G][3] = vb.y;
+                }
+            }
+        }
         if (nx < nkt) {
             int sn = nx % C::S;
 
@@ -1033,8 +1057,8 @@ fw_kernel(struct fw_args a)
             const unsigned char *sas = sa + st * C::AB + wg * 64 * FW_AROW(WF);
             uint32_t sbs = sb0 + st * C::BB, sls = sl0 + st * C::BB;
 
-            fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, swa, swb);
-            fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, swa, swb);
+            fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, swa, swb, pw);
+            fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, swa, swb, pw);
         }
     }
     wg_wait<0>();
