@@ -173,6 +173,13 @@ struct rank {
     int32_t *spec_nd, *spec_draft, *spec_n;   /* (slots) verify arrays */
     uint64_t spec_drafts, spec_accepted;      /* since start */
     int64_t spec_status_ms;     /* last STATUS= with the counters */
+    /* decode steps of the current STATUS= window (decode_stats; plain
+     * decode, not mtp): monotonic microseconds */
+    int64_t st_win_us;          /* the window's first step's start, 0: none */
+    int64_t st_fwd_end_us;      /* the previous step's forward end, 0: idle since */
+    int64_t st_fwd_us;          /* forward + sampling time of the window's steps */
+    int64_t st_host_us;         /* time between a forward's end and the next one's start */
+    uint64_t st_steps, st_rows, st_gaps;
 
     /* Scheduler link. */
     void *zctx;

@@ -19,6 +19,7 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/log.h"
 #include "common/sdnotify.h"
@@ -186,6 +187,8 @@ decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
     }
     memset(st, 0, sizeof(*st));
     dsv4_model_seq_reset(k->m, slot);
+    if (!decode_pending(k))
+        k->st_fwd_end_us = 0;   /* idle from here: no step gap to count (decode_stats) */
 }
 
 /* Why stream `st` ends after emitting `tok` (a stop id, max_tokens), or
@@ -251,6 +254,55 @@ decode_pick(struct rank *k, bool *want_lp)
     return n;
 }
 
+/* Monotonic clock in microseconds. */
+static int64_t
+mono_us(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/*
+ * Account a step of n streams whose forward (with sampling, tokens back on
+ * the host) ran from t0 to t1; STATUS= with the window's figures once a
+ * second and when the rank goes idle: steps, streams a step, the forward's
+ * time a step and the host's time between two forwards (the group's tick,
+ * the TOKENS message, the scheduler's messages: what a model-level
+ * benchmark of the forward does not see).
+ */
+static void
+decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
+{
+    bool idle = !decode_pending(k);
+
+    if (k->st_win_us == 0)
+        k->st_win_us = t0;
+    if (k->st_fwd_end_us != 0) {
+        k->st_host_us += t0 - k->st_fwd_end_us;
+        k->st_gaps++;
+    }
+    k->st_fwd_us += t1 - t0;
+    k->st_steps++;
+    k->st_rows += (uint64_t)n;
+    k->st_fwd_end_us = idle ? 0 : t1;   /* idle: the next gap is not a step's */
+    if (!idle && t1 - k->st_win_us < 1000000)
+        return;
+    sdnotify_status("serving as %s (%d slots); %" PRIu64 " steps (%" PRIu64 " stream-steps) "
+                    "in %.2f s, forward %.2f ms a step, %.0f us a step outside it", k->name,
+                    k->o.slots, k->st_steps, k->st_rows, (double)(t1 - k->st_win_us) / 1e6,
+                    (double)k->st_fwd_us / 1e3 / (double)k->st_steps,
+                    k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0);
+    log_debug("decode_stats: %" PRIu64 " steps, %" PRIu64 " stream-steps, forward %.3f ms, "
+              "outside %.1f us a step", k->st_steps, k->st_rows,
+              (double)k->st_fwd_us / 1e3 / (double)k->st_steps,
+              k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0);
+    k->st_win_us = 0;
+    k->st_fwd_us = k->st_host_us = 0;
+    k->st_steps = k->st_rows = k->st_gaps = 0;
+}
+
 void
 decode_work(struct rank *k)
 {
@@ -259,6 +311,7 @@ decode_work(struct rank *k)
     struct dsv4_batch b;
     struct dsv4_msg m;
     enum dsv4_err e;
+    int64_t t0, t1;
     int n;
 
     if (k->mtp) {
@@ -273,10 +326,14 @@ decode_work(struct rank *k)
     b.n_tokens = k->b_ntok;
     b.tokens = k->b_tok;
     /* forward and sampling on the backend: only the ids come back */
+    t0 = mono_us();
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
-    if (!group_forward_end(k, e, "decode_work: forward of %d streams", n))
+    t1 = mono_us();
+    if (!group_forward_end(k, e, "decode_work: forward of %d streams", n)) {
+        k->st_fwd_end_us = 0;
         return;
+    }
 
     for (int r = 0; r < n; r++) {
         struct rank_stream *st = &k->streams[k->b_slot[r]];
@@ -300,6 +357,7 @@ decode_work(struct rank *k)
         if (f != DSV4_FINISH_NONE)
             decode_end(k, slot, f, true);
     }
+    decode_stats(k, n, t0, t1);
 }
 
 /* STATUS= with the speculative-decoding counters: at most once a second,

@@ -11,7 +11,8 @@ Scenarios:
                   after a clean exit, watchdog kill, start limit, stop on SIGTERM.
   greedy16        16 concurrent greedy streams through sched + 2 prefill + 2
                   decode ranks == the single-process forward (svc_client
-                  --reference) for every prompt.
+                  --reference) for every prompt; the decode ranks' step
+                  reports in STATUS= account for every token they emitted.
   batch64         64 submitted at once (1 decode rank) are all served and
                   never more than 16 decode at a time (admin protocol).
   socket_activate dsv4-sched under systemd-socket-activate with a NOTIFY_SOCKET
@@ -504,6 +505,21 @@ def wait_progress(path, pred, what):
 # --- scenarios -----------------------------------------------------------------
 
 
+def step_reports(svc):
+    """The decode ranks' step reports in STATUS= (daemons/rank/rank_decode.c
+    decode_stats): per rank a list of (steps, stream-steps, forward ms a
+    step, us a step outside it)."""
+    out = {}
+    pat = (r"(decode@\d+) NOTIFY .*STATUS=serving as .*; (\d+) steps \((\d+) stream-steps\) "
+           r"in [0-9.]+ s, forward ([0-9.]+) ms a step, ([0-9.]+) us a step outside it")
+    for line in readf(svc.notify_log).splitlines():
+        m = re.match(pat, line)
+        if m:
+            out.setdefault(m.group(1), []).append(
+                (int(m.group(2)), int(m.group(3)), float(m.group(4)), float(m.group(5))))
+    return out
+
+
 def sc_greedy16():
     svc = Service(n_prefill=2, n_decode=2)
     try:
@@ -514,6 +530,22 @@ def sc_greedy16():
         check(rc == 0, "svc_client failed")
         compare(got, ref, "16 concurrent greedy streams", err)
         svc.check_no_leaks()
+        # every decode step is reported by the time the ranks are idle: the
+        # stream-steps are the tokens the decode ranks emitted, all but the
+        # first of each stream (the prefill's)
+        want = sum(len(g[2]) for g in got) - len(got)
+        seen = {}
+
+        def all_reported():
+            seen["rep"] = step_reports(svc)
+            return sum(n for r in seen["rep"].values() for _, n, _, _ in r) == want
+        try:
+            wait_for(all_reported, "the decode ranks' step reports", timeout=30, step=0.2)
+        except Fail:
+            raise Fail("step reports in STATUS= %s: not %d stream-steps" % (seen["rep"], want))
+        rep = seen["rep"]
+        check(all(s > 0 and n >= s and f > 0 and o >= 0 for r in rep.values()
+                  for s, n, f, o in r), "step reports: %s" % rep)
     finally:
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 
