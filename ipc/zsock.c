@@ -394,10 +394,16 @@ dsv4_zsock_send_perr(void *sock, const struct dsv4_route *to, const struct dsv4_
 int64_t
 dsv4_now_ms(void)
 {
+    return dsv4_now_us() / 1000;
+}
+
+int64_t
+dsv4_now_us(void)
+{
     struct timespec ts;
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 void

@@ -131,6 +131,9 @@ enum dsv4_err dsv4_zsock_send_perr(void *sock, const struct dsv4_route *to,
 /* Monotonic clock in milliseconds. */
 int64_t dsv4_now_ms(void);
 
+/* The same clock in microseconds. */
+int64_t dsv4_now_us(void);
+
 /* Heartbeat state of one peer. */
 struct dsv4_liveness {
     int64_t last_rx_ms;   /* when anything last arrived from the peer */

@@ -19,7 +19,6 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "common/log.h"
 #include "common/sdnotify.h"
@@ -254,16 +253,6 @@ decode_pick(struct rank *k, bool *want_lp)
     return n;
 }
 
-/* Monotonic clock in microseconds. */
-static int64_t
-mono_us(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
 /*
  * Account a step of n streams whose forward (with sampling, tokens back on
  * the host) ran from t0 to t1; STATUS= with the window's figures once a
@@ -326,10 +315,10 @@ decode_work(struct rank *k)
     b.n_tokens = k->b_ntok;
     b.tokens = k->b_tok;
     /* forward and sampling on the backend: only the ids come back */
-    t0 = mono_us();
+    t0 = dsv4_now_us();
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
-    t1 = mono_us();
+    t1 = dsv4_now_us();
     if (!group_forward_end(k, e, "decode_work: forward of %d streams", n)) {
         k->st_fwd_end_us = 0;
         return;
