@@ -256,15 +256,16 @@ decode_pick(struct rank *k, bool *want_lp)
 /*
  * Account a step of n streams whose forward (with sampling, tokens back on
  * the host) ran from t0 to t1; STATUS= with the window's figures once a
- * second and when the rank goes idle: steps, streams a step, the forward's
- * time a step and the host's time between two forwards (the group's tick,
- * the TOKENS message, the scheduler's messages: what a model-level
- * benchmark of the forward does not see).
+ * second and when the rank goes idle: steps, stream-steps (tokens emitted),
+ * the forward's time a step and the host's time between two forwards (the
+ * group's tick, the TOKENS message, the scheduler's messages: what a
+ * model-level benchmark of the forward does not see).
  */
 static void
 decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
 {
     bool idle = !decode_pending(k);
+    double fwd_ms, out_us;
 
     if (k->st_win_us == 0)
         k->st_win_us = t0;
@@ -278,15 +279,14 @@ decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
     k->st_fwd_end_us = idle ? 0 : t1;   /* idle: the next gap is not a step's */
     if (!idle && t1 - k->st_win_us < 1000000)
         return;
+    fwd_ms = (double)k->st_fwd_us / 1e3 / (double)k->st_steps;
+    out_us = k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0;
     sdnotify_status("serving as %s (%d slots); %" PRIu64 " steps (%" PRIu64 " stream-steps) "
                     "in %.2f s, forward %.2f ms a step, %.0f us a step outside it", k->name,
                     k->o.slots, k->st_steps, k->st_rows, (double)(t1 - k->st_win_us) / 1e6,
-                    (double)k->st_fwd_us / 1e3 / (double)k->st_steps,
-                    k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0);
+                    fwd_ms, out_us);
     log_debug("decode_stats: %" PRIu64 " steps, %" PRIu64 " stream-steps, forward %.3f ms, "
-              "outside %.1f us a step", k->st_steps, k->st_rows,
-              (double)k->st_fwd_us / 1e3 / (double)k->st_steps,
-              k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0);
+              "outside %.1f us a step", k->st_steps, k->st_rows, fwd_ms, out_us);
     k->st_win_us = 0;
     k->st_fwd_us = k->st_host_us = 0;
     k->st_steps = k->st_rows = k->st_gaps = 0;

@@ -1007,6 +1007,8 @@ fw_kernel(struct fw_args a)
         int st = kt % C::S, nx = kt + C::S - 2;
         uint32_t swa = 0, swb = 0, sca = 0, scb = 0, pw[4][4] = {};
         int big = 0;
+        /* this stage's weight rows of the warpgroup */
+        const unsigned char *sas = sa + st * C::AB + wg * 64 * FW_AROW(WF);
 
         wg_cp_wait<C::S - 3>();
         wg_fence_proxy();
@@ -1015,8 +1017,6 @@ fw_kernel(struct fw_args a)
             /* the stage's A words of rows ra and ra + 8 (all four groups),
              * loaded first: in fw_dec, behind fw_half's wait (a memory
              * clobber), the second half's loads could not start early */
-            const unsigned char *sas = sa + st * C::AB + wg * 64 * FW_AROW(WF);
-
 #pragma unroll
             for (int G = 0; G < 4; G++) {
                 if (WF == FG_FP4) {
@@ -1053,8 +1053,7 @@ fw_kernel(struct fw_args a)
             big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
         }
         {
-            /* this stage's weight rows of the warpgroup, B and BF16 lo parts */
-            const unsigned char *sas = sa + st * C::AB + wg * 64 * FW_AROW(WF);
+            /* this stage's B and BF16 lo parts */
             uint32_t sbs = sb0 + st * C::BB, sls = sl0 + st * C::BB;
 
             fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, swa, swb, pw);
