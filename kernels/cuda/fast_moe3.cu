@@ -1,6 +1,6 @@
 /*
- * fast_moe3.cu — the decode MoE, versions 3 and 5 (v5 the default, v3 for
- * moe_parts below 8 tokens; DSV4_CUDA_FAST_MOE=v1 for fast_moe.cu's): the FP4
+ * fast_moe3.cu — the decode MoE, versions 3 and 5 (v5 the default, v3 on
+ * request; DSV4_CUDA_FAST_MOE=v1 for fast_moe.cu's): the FP4
  * routed experts and the FP8 shared expert through the FP8 tensor cores
  * (mma.sync m16n8k32 e4m3), weights streamed through a per-warp
  * shared-memory ring by cp.async.  Design, knobs, measurements: docs/gpu.md,
@@ -91,8 +91,8 @@
  * pass, its slot or the call: independent of T, the same in a CUDA graph
  * and outside.
  *
- * v5 (fm5_kernel; the default except moe_parts below T = 8, fm3_v5_auto;
- * DSV4_CUDA_FAST_MOE "v5" / "v3" force one): the same stages, ring, A
+ * v5 (fm5_kernel; the default, DSV4_CUDA_FAST_MOE "v3" forces v3; "v5,P"
+ * sets the warps per item, fm5_team): the same stages, ring, A
  * fragments, mma and fp32 additions, but no quarters of K across warps and
  * no block barrier.  Each warp takes (slot, 16-row tile) items from a
  * per-call counter (zeroed by the prep kernel) and streams the tile over
@@ -105,7 +105,13 @@
  * the quarters in order, tot = ((Q0 + Q1) + Q2) + Q3, fm3_tile_end's
  * order, and stores h or y itself: v3's results bit for bit (bench_fast
  * "moe v5 bits").  Passes of 8 slot rows (a second pass of a tile reads
- * it from L2).  Down tiles are 16 rows of w2.
+ * it from L2).  Down tiles are 16 rows of w2.  Small calls have fewer
+ * items than resident warps (one token: 7 slots, 896 up items for 2,112
+ * warps; a tp rank's share 448), and a warp alone on a tile is bound by
+ * its ring's latency: there a team of 2 or 4 warps of a block takes each
+ * item (fm5_team, fm5_parts), warp j streaming quarters j*4/P .. of every
+ * part, the team's first warp folding the others' quarter sums in the
+ * same order (shared memory, a named barrier): the same bits at any P.
  *
  * Requirements (else v1): T*k <= FM3_MAX_TK, D and I multiples of 1024 and
  * at most 8192 (four quarters of whole stages; the FP8 block scales of a
@@ -155,6 +161,7 @@ struct fm3_args {
     int rt;                 /* row tiles per block (one after the other) */
     float lim;
     int *ctr;               /* v5: items taken so far by the up [1] and down [0] kernel */
+    int p5;                 /* v5: warps per item (1, 2, 4: fm5_team; host side) */
 };
 
 /* The expert of a block: slot blockIdx.y. */
@@ -898,6 +905,8 @@ fm3_kernel(struct fm3_args a)
 
 #define FM5_NS 3   /* ring stages per warp (3, 4, 6 measured: perf.md run 25) */
 #define FM5_PER (FM5_NS * FM3_STAGE_B + FM3_SCF_B)  /* shared memory per warp */
+#define FM5_TEAM_F (4 * 2 * 4 * 32)   /* floats of a team's quarter sums (fm5_team) */
+#define FM5_SMEM(P) (8 * FM5_PER + ((P) > 1 ? 8 / (P) * FM5_TEAM_F * 4 : 0))
 
 /* A warp's 16-row tile of one slot's expert: the parts it streams (UP: w1
  * then w3; down: w2). */
@@ -1016,26 +1025,27 @@ struct fm5_cursor {
     int left;               /* stages of the current part not issued yet */
 };
 
-/* The cursor at stage 0 of part p of the tile. */
+/* The cursor at stage st0 of part p of the tile, nst stages to issue. */
 template <int FP8>
 static __device__ __forceinline__ void
-fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int p, int nst)
+fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int p, int nst, int st0)
 {
     int lane = threadIdx.x & 31;
 
-    c->gw = (p ? tl.w[1] : tl.w[0]) + (lane >> 3) * tl.rb + (lane & 7) * 16;
-    c->gs = FP8 ? NULL : (p ? tl.sc[1] : tl.sc[0]) + (lane >> 1) * tl.sb + (lane & 1) * 4;
+    c->gw = (p ? tl.w[1] : tl.w[0]) + (lane >> 3) * tl.rb + (lane & 7) * 16 + st0 * FM3_SB;
+    c->gs = FP8 ? NULL
+                : (p ? tl.sc[1] : tl.sc[0]) + (lane >> 1) * tl.sb + (lane & 1) * 4 + st0 * 8;
     c->r4 = 4 * tl.rb;
     c->left = nst;
 }
 
 /* The next stage into the ring slot at shared address sb (fm3_issue's
  * placement; so: the lane's four shared offsets); then the cursor steps,
- * to part 1's stage 0 after part 0's last stage (UP). */
+ * to part 1's stage st0 after part 0's last stage of the warp (UP). */
 template <int FP8, int NP>
 static __device__ __forceinline__ void
 fm5_issue(struct fm5_cursor *c, const struct fm5_tile &tl, uint32_t sb, const uint32_t (&so)[4],
-          int nst)
+          int nst, int st0)
 {
     fm3_cp16(sb + so[0], c->gw);
     fm3_cp16(sb + so[1], c->gw + c->r4);
@@ -1047,11 +1057,34 @@ fm5_issue(struct fm5_cursor *c, const struct fm5_tile &tl, uint32_t sb, const ui
     }
     c->gw += FM3_SB;
     if (--c->left == 0 && NP == 2)
-        fm5_cursor_at<FP8>(c, tl, 1, nst);
+        fm5_cursor_at<FP8>(c, tl, 1, nst, st0);
 }
 
 /*
- * Slot rows p .. p + 8*NT - 1 through the warp's tile over all of K: one
+ * The team of warps that shares v5's items (fm5_kernel): P = 1, 2 or 4
+ * consecutive warps of the block; warp j of the team streams quarters
+ * j * 4/P .. (j + 1) * 4/P - 1 of K of each part of the item's tile.  The
+ * team's first warp folds the quarters in order, its own from registers
+ * and the others' through `part`, so the outputs are those of one warp
+ * taking the whole tile (P = 1), bit for bit.
+ */
+struct fm5_team {
+    int j;          /* this warp's place in the team (0 .. P - 1) */
+    int bar;        /* the team's named barrier (1 + the team's index) */
+    float *part;    /* the team's quarter sums: [quarter][part][4][32 lanes] */
+};
+
+/* The P warps of the team meet (named barrier tm.bar; shared memory ordered). */
+template <int P>
+static __device__ __forceinline__ void
+fm5_team_sync(const struct fm5_team &tm)
+{
+    asm volatile("bar.sync %0, %1;" :: "r"(tm.bar), "n"(P * 32) : "memory");
+}
+
+/*
+ * Slot rows p .. p + 8*NT - 1 through the warp's tile over all of K (over
+ * its quarters of K, in a team of P > 1: fm5_team): one
  * stream of stages (UP: w1's, then w3's) through the warp's ring, FM5_NS - 1
  * ahead; per 128-column block fm3_block and fm3_block_end exactly as v3, a
  * quarter's blocks into acc, the quarters folded in order into tot
@@ -1060,15 +1093,17 @@ fm5_issue(struct fm5_cursor *c, const struct fm5_tile &tl, uint32_t sb, const ui
  * or y stored by the warp itself.  No block barrier: the warps of a block
  * are independent.
  */
-template <int UP, int FP8, int NT>
+template <int UP, int FP8, int NT, int P>
 static __device__ void
 fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_tile &tl, int p,
-         char *ring, float *scf)
+         char *ring, float *scf, const struct fm5_team &tm)
 {
     constexpr int BPS = FP8 ? 1 : 2;   /* 128-column blocks per stage */
     constexpr int NP = UP ? 2 : 1;     /* parts */
     const int lane = threadIdx.x & 31, seg = lane & 7, g = lane >> 2, q = lane & 3;
-    const int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4, nst = nb / BPS;
+    const int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4;
+    const int nqw = 4 / P, q0 = P == 1 ? 0 : tm.j * nqw;   /* the warp's quarters */
+    const int nst = nqw * (nq / BPS), st0 = q0 * (nq / BPS);   /* and stages per part */
     const int ntot = NP * nst;
     const uint32_t rs = (uint32_t)__cvta_generic_to_shared(ring);
     const uint32_t rend = rs + FM5_NS * FM3_STAGE_B;
@@ -1097,19 +1132,20 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     xhr = (UP ? (FP8 ? a.xh8 : a.xh4) : a.hh) + (xr[0] - (UP ? (FP8 ? a.xq8 : a.xq4) : a.hq));
     fm3_zero<NT>(acc);
     fm3_zero<NT>(blk);
-    fm5_cursor_at<FP8>(&cur, tl, 0, nst);
+    fm5_cursor_at<FP8>(&cur, tl, 0, nst, st0);
     for (int i = 0; i < FM5_NS - 1; i++) {
         if (i < ntot)
-            fm5_issue<FP8, NP>(&cur, tl, isb, so, nst);
+            fm5_issue<FP8, NP>(&cur, tl, isb, so, nst, st0);
         fm3_commit();
         isb += FM3_STAGE_B;
     }
 #pragma unroll
     for (int pp = 0; pp < NP; pp++) {
-        const uint4 *xp = (const uint4 *)(xhr + q * 32);   /* part pp reads x from block 0 */
-        const float *sp[2] = { sr[0][0], sr[0][1] };
+        /* part pp reads x from the warp's first block */
+        const uint4 *xp = (const uint4 *)(xhr + q * 32) + st0 * BPS * (128 * 2 / 16);
+        const float *sp[2] = { sr[0][0] + st0 * BPS, sr[0][1] + st0 * BPS };
 
-        for (int st = 0, kq = 0, qn = 0; st < nst; st++, gi++) {
+        for (int st = st0, kq = 0, qn = q0; st < st0 + nst; st++, gi++) {
             char *buf = ring + slot * FM3_STAGE_B;
 
             asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
@@ -1119,7 +1155,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
                 __syncwarp();
             }
             if (gi + FM5_NS - 1 < ntot)
-                fm5_issue<FP8, NP>(&cur, tl, isb, so, nst);
+                fm5_issue<FP8, NP>(&cur, tl, isb, so, nst, st0);
             fm3_commit();
             isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
 #pragma unroll
@@ -1137,7 +1173,10 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
                     for (int n = 0; n < NT; n++)
 #pragma unroll
                         for (int i = 0; i < 4; i++) {
-                            tot[pp][n][i] = qn == 0 ? acc[n][i] : tot[pp][n][i] + acc[n][i];
+                            if (P == 1 || tm.j == 0)
+                                tot[pp][n][i] = qn == 0 ? acc[n][i] : tot[pp][n][i] + acc[n][i];
+                            else   /* to the team's first warp */
+                                tm.part[((qn * 2 + pp) * 4 + i) * 32 + lane] = acc[n][i];
                             acc[n][i] = 0.0f;
                         }
                     kq = 0;
@@ -1148,6 +1187,19 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
         }
     }
     __syncwarp();   /* the ring is read before the next pass refills it */
+    if (P > 1) {   /* the other warps' quarters, in order; part is free again after */
+        fm5_team_sync<P>(tm);
+        if (tm.j == 0)
+            for (int qn = nqw; qn < 4; qn++)
+#pragma unroll
+                for (int pp = 0; pp < NP; pp++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        tot[pp][0][i] += tm.part[((qn * 2 + pp) * 4 + i) * 32 + lane];
+        fm5_team_sync<P>(tm);
+        if (tm.j != 0)
+            return;
+    }
 #pragma unroll
     for (int n = 0; n < NT; n++)
 #pragma unroll
@@ -1174,16 +1226,16 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
 /* The passes of slot rows p0 .. p1 - 1 through the tile at `row` (v5):
  * passes of 8 slot rows (one n-tile; two n-tiles spill registers), a later
  * pass of a tile reading its weights from L2. */
-template <int UP, int FP8>
+template <int UP, int FP8, int P>
 static __device__ void
 fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, int p1,
-           char *ring, float *scf)
+           char *ring, float *scf, const struct fm5_team &tm)
 {
     struct fm5_tile tl;
 
     fm5_tile_get<UP, FP8>(a, s, row, &tl);
     for (int p = p0; p < p1 && p < s.n; p += 8)
-        fm5_pass<UP, FP8, 1>(a, s, tl, p, ring, scf);
+        fm5_pass<UP, FP8, 1, P>(a, s, tl, p, ring, scf, tm);
 }
 
 /*
@@ -1198,38 +1250,51 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * and the results do not depend on which warp takes an item.  Dynamic
  * shared memory: 8 warps' rings and scales (8 * FM5_PER).
  */
-template <int UP>
+template <int UP, int P>
 static __global__ void __launch_bounds__(FM3_BOUND_THREADS, FM3_BOUND_BLOCKS)
 fm5_kernel(struct fm3_args a)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
     extern __shared__ __align__(16) char fm3_sm[];
+    __shared__ int taken[8][2];   /* a team's items, by the parity of its turn */
     int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / 16;
     char *ring = fm3_sm + warp * FM5_PER;
     float *scf = (float *)(ring + FM5_NS * FM3_STAGE_B);
     int ps = a.has_shared ? (a.T + 7) / 8 : 0, nsh = tiles * ps;
     int items = nsh + a.grp[0] * tiles;
+    struct fm5_team tm;
 
-    for (;;) {
+    tm.j = warp % P;
+    tm.bar = 1 + warp / P;
+    tm.part = (float *)(fm3_sm + 8 * FM5_PER) + (warp / P) * FM5_TEAM_F;
+    for (int turn = 0;; turn ^= 1) {
         struct fm3_slot s;
         int it = 0;
 
-        if ((threadIdx.x & 31) == 0)
+        if ((threadIdx.x & 31) == 0 && tm.j == 0)
             it = atomicAdd(&a.ctr[UP], 1);
-        it = __shfl_sync(0xffffffffu, it, 0);
+        if (P == 1) {
+            it = __shfl_sync(0xffffffffu, it, 0);
+        } else {   /* the first warp's item to the team (parity: a slow warp still
+                      reads its turn's entry, the next turn writing the other) */
+            if ((threadIdx.x & 31) == 0 && tm.j == 0)
+                taken[warp / P][turn] = it;
+            fm5_team_sync<P>(tm);
+            it = taken[warp / P][turn];
+        }
         if (it >= items)
             break;
         if (it < nsh) {   /* the shared expert: one pass of one tile */
             int p = (it % ps) * 8;
 
             if (fm3_slot_get(a, 0, &s) == 1)
-                fm5_passes<UP, 1>(a, s, (it / ps) * 16, p, p + 8, ring, scf);
+                fm5_passes<UP, 1, P>(a, s, (it / ps) * 16, p, p + 8, ring, scf, tm);
             continue;
         }
         it -= nsh;
         if (fm3_slot_get(a, a.has_shared + it / tiles, &s) == 2)
-            fm5_passes<UP, 0>(a, s, (it % tiles) * 16, 0, s.n, ring, scf);
+            fm5_passes<UP, 0, P>(a, s, (it % tiles) * 16, 0, s.n, ring, scf, tm);
     }
 }
 
@@ -1242,12 +1307,16 @@ cuda_fast_moe3_fits(int T, int k, int D, int I)
            I % 1024 == 0 && D / 128 <= FM3_MAX_KB && I / 128 <= FM3_MAX_KB;
 }
 
-/* Settings: DSV4_CUDA_FAST_MOE unset: v5 or v3 by the call (fm3_v5_auto);
- * "v3", "v3,NS" or "v3,NS,RT": v3; "v5": v5 (no knobs). */
+/* Settings: DSV4_CUDA_FAST_MOE unset or "v5": v5, its warps per item by the
+ * call (fm5_parts); "v5,P": v5 with P warps per item (1, 2, 4); "v3",
+ * "v3,NS" or "v3,NS,RT": v3.  Until v5 had teams (docs/perf.md run 35),
+ * v3 was the default for moe_parts below 8 tokens, where whole tiles per
+ * warp left most warps idle. */
 struct fm3_cfg {
-    int v5;     /* fm5_kernel: 1, 0 (fm3_kernel), -1: by the call */
+    int v5;     /* fm5_kernel: 1, 0 (fm3_kernel), -1: unset (v5) */
     int ns;     /* v3: ring stages per warp: 2 .. 6 */
     int rt;     /* v3: row tiles per block: 1, 2, 4, 8, or 0: by the number of tiles */
+    int p5;     /* v5: warps per item: 1, 2, 4, or 0: by the number of items (fm5_parts) */
 };
 
 #define FM3_NS_DEFAULT 4         /* 81 KB per block: two blocks (16 warps) per SM */
@@ -1262,25 +1331,32 @@ fm3_cfg_parse(struct fm3_cfg *c, const char *s)
     n = s != NULL && !c->v5 ? sscanf(s, "v3,%d,%d", &ns, &rt) : 0;
     c->ns = FM3_NS_DEFAULT;
     c->rt = 0;
+    c->p5 = 0;
+    if (c->v5 > 0 && sscanf(s, "v5,%d", &ns) == 1 && (ns == 1 || ns == 2 || ns == 4))
+        c->p5 = ns;
     if (n >= 1 && ns >= 2 && ns <= 6)
         c->ns = ns;
     if (n >= 2 && (rt == 1 || rt == 2 || rt == 4 || rt == 8))
         c->rt = rt;
 }
 
-/*
- * The default: v5 except for moe_parts below 8 tokens.  v5 gives every warp
- * a whole 16-row tile (64 KB of w1 + w3): with moe_parts' few held slots at
- * small T (T = 1: about 4 slots, 512 tiles for 2,112 warps) too few warps
- * stream, and v3's quarters of K keep four times as many busy (bench_fast on
- * the H200, docs/perf.md run 19: parts T = 1, 4 v3 0.32, 0.36 of 4.3 TB/s
- * against v5 0.25, 0.34; T = 8, 16 v5 0.46, 0.53 against 0.39, 0.43; moe
- * v5 ahead at every T).
- */
+/* v5's warps per item (fm5_team) for `items` items at most on a device of
+ * `warps` resident warps: the setting, else the fewest (1, 2, 4) that give
+ * every resident warp a share of an item.  Small calls have fewer items
+ * than warps (one token: 7 slots x 128 tiles of w1 / w3 for 2,112 warps),
+ * and a warp streaming a whole tile alone is bound by its own ring's
+ * latency; a team streams the tile's quarters side by side.  The results
+ * do not depend on it. */
 static int
-fm3_v5_auto(int T, int parts)
+fm5_parts(const struct fm3_cfg *c, int64_t items, int64_t warps)
 {
-    return !parts || T >= 8;
+    int P = 1;
+
+    if (c->p5 > 0)
+        return c->p5;
+    while (P < 4 && items * P < warps)
+        P *= 2;
+    return P;
 }
 
 /* Row tiles per block for `tiles` row tiles of each of `slots` slots: the
@@ -1317,24 +1393,42 @@ static enum dsv4_err
 fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_cfg *c,
            int tiles, int slots)
 {
-    static size_t opted[CUDA_MAX_DEV], opted5[CUDA_MAX_DEV];
+    static size_t opted[CUDA_MAX_DEV], opted5[3][CUDA_MAX_DEV];
     size_t smem = fm3_smem_bytes(c);
     dim3 grid((unsigned)(tiles / a.rt), (unsigned)slots);
     enum dsv4_err e;
 
     if (c->v5) {
         int n_sm = 0;
-        int64_t items = (int64_t)slots * tiles, warps;
+        int64_t items = (int64_t)slots * tiles, warps, busy;
         unsigned blocks;
+        struct fm3_args a5 = a;
 
         CUDA_TRY(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount,
                                         cuda_st(be)->device));
         warps = (int64_t)(n_sm > 0 ? n_sm : 1) * 8 * FM3_BOUND_BLOCKS;
-        blocks = (unsigned)(((items < warps ? items : warps) + 7) / 8);
-        e = cuda_smem_allow(be, (const void *)fm5_kernel<UP>, 8 * FM5_PER, opted5);
+        a5.p5 = fm5_parts(c, items, warps);
+        busy = items * a5.p5;
+        blocks = (unsigned)(((busy < warps ? busy : warps) + 7) / 8);
+        switch (a5.p5) {
+        case 1:
+            e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 1>, FM5_SMEM(1), opted5[0]);
+            if (e == DSV4_OK)
+                cu_launch(fm5_kernel<UP, 1>, blocks, 8 * 32, FM5_SMEM(1), cuda_stream(be), a5);
+            break;
+        case 2:
+            e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 2>, FM5_SMEM(2), opted5[1]);
+            if (e == DSV4_OK)
+                cu_launch(fm5_kernel<UP, 2>, blocks, 8 * 32, FM5_SMEM(2), cuda_stream(be), a5);
+            break;
+        default:
+            e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 4>, FM5_SMEM(4), opted5[2]);
+            if (e == DSV4_OK)
+                cu_launch(fm5_kernel<UP, 4>, blocks, 8 * 32, FM5_SMEM(4), cuda_stream(be), a5);
+            break;
+        }
         if (e != DSV4_OK)
             return e;
-        cu_launch(fm5_kernel<UP>, blocks, 8 * 32, 8 * FM5_PER, cuda_stream(be), a);
         CUDA_LAUNCHED(UP ? "fast moe v5 up" : "fast moe v5 down");
         return DSV4_OK;
     }
@@ -1368,7 +1462,7 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
 
     fm3_cfg_parse(&c, cfg);
     if (c.v5 < 0)
-        c.v5 = fm3_v5_auto(T, parts != NULL);
+        c.v5 = 1;
     p = (char *)cuda_scratch(be, b_grp + 2 * b_xq + b_xs + b_h + b_hq + b_hs + b_y + 2 * b_xh +
                                      b_hh);
     if (p == NULL)

@@ -1049,8 +1049,24 @@ moe_selfcheck(struct dsv4_backend *be, const char *cfg, struct sc_expert *sc,
 /* --- decode MoE (kernels/cuda/fast_moe.cu) for every configuration ------------------ */
 
 /*
+ * The expert sets of the decode MoE cases: [0] all 256 experts (moe), [1]
+ * the odd ones held elsewhere (moe_parts, the ep group split), [2] every
+ * expert cut to the first half of I (moe_parts, a rank's share under the
+ * tp group split: w1 / w3 the first I/2 rows, w2 and the shared expert the
+ * same bytes read as (D, I/2): other values, the same shapes and bytes as
+ * a tp rank's), each with its shared expert.
+ */
+struct moe_sets {
+    const struct dsv4_expert_w *table[3];
+    const struct dsv4_expert_w *shared[3];
+    size_t per_expert[3], shared_bytes[3];
+};
+
+static const char *const moe_set_name[3] = { "moe", "parts", "tp" };
+
+/*
  * v5 against v3, bit for bit (fast_moe3.cu: the same sums in the same
- * order): moe and moe_parts (half the experts held) at T = 1, 16 and 64
+ * order): moe, moe_parts (half the experts held) and the tp set at T = 1, 16 and 64
  * (passes of one and of two n-tiles, several rows per expert), and at T =
  * 64 routed to experts 0..11 only ("skew": about 32 rows per expert, so
  * several passes per tile, which v5 streams in one item with both parts)
@@ -1060,10 +1076,8 @@ moe_selfcheck(struct dsv4_backend *be, const char *cfg, struct sc_expert *sc,
  * both values.
  */
 static void
-moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w *experts,
-            const struct dsv4_expert_w *half, const struct dsv4_expert_w *shared,
-            const float *x, float *out, const int32_t *ids_d, const float *wts_d,
-            struct tally *ty)
+moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct moe_sets *ms, const float *x,
+            float *out, const int32_t *ids_d, const float *wts_d, struct tally *ty)
 {
     static const int ts[] = { 1, 16, 64, 64 };   /* the last: skewed routing */
     size_t w = (size_t)(K_PICKS + 1) * D_MODEL, nb = T_MAX * w * sizeof(float);
@@ -1081,11 +1095,11 @@ moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
     TRY("upload", be->ops->upload(be, skew_d, skew, sizeof(skew)));
     memset(fill, 0xff, nb);
     TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
-    for (int parts = 0; parts < 2; parts++)
+    for (int parts = 0; parts < 3; parts++)
         for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) {
             int sk = i == sizeof(ts) / sizeof(ts[0]) - 1;
             struct op o = { .name = "v5 bits", .kind = parts ? OP_PARTS : OP_MOE,
-                            .experts = parts ? half : experts, .shared = shared,
+                            .experts = ms->table[parts], .shared = ms->shared[parts],
                             .ids = sk ? skew_d : ids_d, .weights = wts_d, .x = x };
             int T = ts[i];
             size_t n = (size_t)T * (parts ? w : D_MODEL), bad = n;
@@ -1104,7 +1118,7 @@ moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
             if (bad == n) {
                 ty->ok++;
                 printf("ok   moe v5 bits %-9s %-5s T=%-2d%s %zu floats == v3\n", cfg,
-                       parts ? "parts" : "moe", T, sk ? " skew" : "", n);
+                       moe_set_name[parts], T, sk ? " skew" : "", n);
             } else {
                 float f3, f5;
 
@@ -1112,7 +1126,7 @@ moe_v5_bits(struct dsv4_backend *be, const char *cfg, const struct dsv4_expert_w
                 memcpy(&f5, &r5[bad], 4);
                 ty->fail++;
                 printf("FAIL moe v5 bits %-9s %-5s T=%-2d%s first difference at %zu (row %zu "
-                       "col %zu): v3 %.9g (%08x) v5 %.9g (%08x)\n", cfg, parts ? "parts" : "moe",
+                       "col %zu): v3 %.9g (%08x) v5 %.9g (%08x)\n", cfg, moe_set_name[parts],
                        T, sk ? " skew" : "", bad, bad / D_MODEL, bad % D_MODEL, f3, r3[bad], f5,
                        r5[bad]);
             }
@@ -1133,25 +1147,24 @@ static const char moe_cfgs_default[] =
     "4,2,4,0 4,4,4,0 4,1,4,0 8,2,4,0 8,4,4,0 4,2,2,0 v1 v3 v5";
 
 /*
- * moe (all 256 experts held) and moe_parts (the odd experts held elsewhere,
- * `half`) at every T of moe_t, for every setting of DSV4_CUDA_FAST_MOE in
- * the sweep: the checks of run_case against the exact op, then GB/s of the
- * distinct experts' bytes the call needs (moe_parts: the held ones) plus the
- * shared expert, as a share of 4.3 TB/s.  One table line per setting at the
+ * moe (all 256 experts held), moe_parts (the odd experts held elsewhere)
+ * and moe_parts on the tp set (struct moe_sets) at every T of moe_t, for
+ * every setting of DSV4_CUDA_FAST_MOE in the sweep: the checks of run_case
+ * against the exact op, then GB/s of the distinct experts' bytes the call
+ * needs (moe_parts: the held ones) plus the shared expert, as a share of
+ * 4.3 TB/s.  One table line per setting at the
  * end ("moe cfg").  moe_parts' T-independence is not checked (its rows move
  * with T: the shared rows follow the T*k pick rows).  Only the first
  * setting counts in the summary's mean.
  */
 static void
-moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
-               const struct dsv4_expert_w *experts, const struct dsv4_expert_w *half,
-               const struct dsv4_expert_w *shared, const float *x, float *out,
-               const int32_t *ids_d, const float *wts_d, const int32_t *ids,
-               size_t per_expert, size_t shared_bytes, struct tally *ty)
+moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct moe_sets *ms,
+               const float *x, float *out, const int32_t *ids_d, const float *wts_d,
+               const int32_t *ids, struct tally *ty)
 {
     const char *env = getenv("BENCH_MOE_CFGS");
     char list[512], *save = NULL, *cfg;
-    char table[64][160];
+    char table[64][240];
     int n_cfg = 0;
     struct sc_expert sc[2];
     float(*sc_ref_rows)[D_MODEL] = malloc(4 * sizeof(*sc_ref_rows));
@@ -1186,12 +1199,13 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
         printf("moe setting %s\n", cfg);
         moe_selfcheck(be, cfg, sc, x, sc_ref_rows, sc_hs, ty);
         if (strncmp(cfg, "v5", 2) == 0)
-            moe_v5_bits(be, cfg, experts, half, shared, x, out, ids_d, wts_d, ty);
+            moe_v5_bits(be, cfg, ms, x, out, ids_d, wts_d, ty);
         len = (size_t)snprintf(table[n_cfg], sizeof(table[n_cfg]), "moe cfg %-9s", cfg);
-        for (int parts = 0; parts < 2; parts++) {
-            struct op o = { .name = parts ? "parts" : "moe", .kind = parts ? OP_PARTS : OP_MOE,
-                            .bw = n_cfg == 0, .experts = parts ? half : experts,
-                            .shared = shared, .ids = ids_d, .weights = wts_d, .x = x };
+        for (int parts = 0; parts < 3; parts++) {
+            struct op o = { .name = moe_set_name[parts], .kind = parts ? OP_PARTS : OP_MOE,
+                            .bw = n_cfg == 0 && parts < 2, .experts = ms->table[parts],
+                            .shared = ms->shared[parts], .ids = ids_d, .weights = wts_d,
+                            .x = x };
             struct hist h;
 
             memset(&h, 0, sizeof(h));
@@ -1200,11 +1214,12 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
             o.n_outs = 1;
             if (len < sizeof(table[n_cfg]))
                 len += (size_t)snprintf(table[n_cfg] + len, sizeof(table[n_cfg]) - len,
-                                        " %s", parts ? "| parts" : "moe");
+                                        "%s%s", parts ? " | " : " ", moe_set_name[parts]);
             for (int i = 0; i < N_MOE_T; i++) {
                 int T = moe_t[i];
-                size_t bytes = parts ? moe_bytes_even(ids, T, per_expert, shared_bytes)
-                                     : moe_bytes(ids, T, per_expert, shared_bytes);
+                size_t pe = ms->per_expert[parts], sb = ms->shared_bytes[parts];
+                size_t bytes = parts == 1 ? moe_bytes_even(ids, T, pe, sb)
+                                          : moe_bytes(ids, T, pe, sb);
                 double r;
 
                 if (parts) {   /* no T-independence check: rows move with T */
@@ -1227,7 +1242,7 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
     free(sc_hs);
     free(xh1);
     printf("decode moe, share of 4.3 TB/s per setting (T:share; moe, then moe_parts with "
-           "half the experts held):\n");
+           "half the experts held, then moe_parts on a tp rank's share of every expert):\n");
     for (int i = 0; i < n_cfg; i++)
         printf("%s\n", table[i]);
 }
@@ -2371,20 +2386,38 @@ main(int argc, char **argv)
         return 1;
     make_routing(ids, wts, T_MAX);
     {
-        /* moe_parts' expert array: the odd experts held elsewhere */
+        /* moe_parts' expert arrays: the odd experts held elsewhere; the tp
+         * rank's share of every expert (struct moe_sets) */
         struct dsv4_expert_w *half = malloc(E_EXPERTS * sizeof(*half));
+        struct dsv4_expert_w *tp = malloc(E_EXPERTS * sizeof(*tp)), shared_tp;
         int32_t *ids_d = dev_upload(be, ids, (size_t)T_MAX * K_PICKS * sizeof(int32_t));
         float *wts_d = dev_upload(be, wts, (size_t)T_MAX * K_PICKS * sizeof(float));
+        struct moe_sets ms = {
+            .table = { experts, half, tp },
+            .shared = { &shared, &shared, &shared_tp },
+            .per_expert = { per_expert, per_expert, per_expert / 2 },
+            .shared_bytes = { shared_bytes, shared_bytes, shared_bytes / 2 },
+        };
 
-        if (half == NULL)
+        if (half == NULL || tp == NULL)
             return 1;
         memcpy(half, experts, E_EXPERTS * sizeof(*half));
         for (int e = 1; e < E_EXPERTS; e += 2)
             memset(&half[e], 0, sizeof(half[e]));
+        memcpy(tp, experts, E_EXPERTS * sizeof(*tp));
+        shared_tp = shared;
+        for (int e = 0; e <= E_EXPERTS; e++) {
+            struct dsv4_expert_w *w = e < E_EXPERTS ? &tp[e] : &shared_tp;
+
+            w->w1.n_out = w->w3.n_out = I_EXPERT / 2;
+            w->w2.n_in = I_EXPERT / 2;
+        }
         TRY("register experts", dsv4_cuda_experts_register(be, half, E_EXPERTS));
-        moe_decode_all(be, tm, experts, half, &shared, x, out, ids_d, wts_d, ids, per_expert,
-                       shared_bytes, &ty);
+        TRY("register experts", dsv4_cuda_experts_register(be, tp, E_EXPERTS));
+        moe_decode_all(be, tm, &ms, x, out, ids_d, wts_d, ids, &ty);
+        dsv4_cuda_experts_release(be, tp);
         dsv4_cuda_experts_release(be, half);
+        free(tp);
         free(half);
         be->ops->free(be, ids_d);
         be->ops->free(be, wts_d);
