@@ -1021,7 +1021,7 @@ fm1_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
 {
     cudaStream_t st = cuda_stream(be);
     int Tk = T * k, A = Tk < n_table ? Tk : n_table, R = Tk + T;
-    struct fm_bufs b;
+    struct fm_bufs b = {};   /* every field set by fm_bufs_get on success */
     struct fm2_args a;
     enum dsv4_err e;
 
@@ -1131,7 +1131,7 @@ fm2_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
     cudaStream_t st = cuda_stream(be);
     int Tk = T * k, A = Tk < n_table ? Tk : n_table, NB = I / 128;
     int n_ctr = 1 + (A + 1) * (NB + 1), warps = T * (D / 128);
-    struct fm_bufs b;
+    struct fm_bufs b = {};   /* every field set by fm_bufs_get on success */
     struct fm2_args a;
     enum dsv4_err e;
 
