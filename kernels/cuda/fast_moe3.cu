@@ -161,7 +161,6 @@ struct fm3_args {
     int rt;                 /* row tiles per block (one after the other) */
     float lim;
     int *ctr;               /* v5: items taken so far by the up [1] and down [0] kernel */
-    int p5;                 /* v5: warps per item (1, 2, 4: fm5_team; host side) */
 };
 
 /* The expert of a block: slot blockIdx.y. */
@@ -1247,8 +1246,9 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * (slot, tile) with all their passes; every warp takes the next item from
  * the call's counter (ctr[UP], zeroed by fm3_prep_kernel) until none is
  * left, so the grid only needs to fill the SMs it gets (also under MPS)
- * and the results do not depend on which warp takes an item.  Dynamic
- * shared memory: 8 warps' rings and scales (8 * FM5_PER).
+ * and the results do not depend on which warp takes an item.  P > 1:
+ * teams of P warps take the items (fm5_team).  Dynamic shared memory: 8
+ * warps' rings and scales, and the teams' quarter sums (FM5_SMEM(P)).
  */
 template <int UP, int P>
 static __global__ void __launch_bounds__(FM3_BOUND_THREADS, FM3_BOUND_BLOCKS)
@@ -1402,29 +1402,29 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
         int n_sm = 0;
         int64_t items = (int64_t)slots * tiles, warps, busy;
         unsigned blocks;
-        struct fm3_args a5 = a;
+        int P;
 
         CUDA_TRY(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount,
                                         cuda_st(be)->device));
         warps = (int64_t)(n_sm > 0 ? n_sm : 1) * 8 * FM3_BOUND_BLOCKS;
-        a5.p5 = fm5_parts(c, items, warps);
-        busy = items * a5.p5;
-        blocks = (unsigned)(((busy < warps ? busy : warps) + 7) / 8);
-        switch (a5.p5) {
+        P = fm5_parts(c, items, warps);
+        busy = items * P;
+        blocks = (unsigned)(((busy < warps ? busy : warps) + 7) / 8);   /* whole teams */
+        switch (P) {
         case 1:
             e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 1>, FM5_SMEM(1), opted5[0]);
             if (e == DSV4_OK)
-                cu_launch(fm5_kernel<UP, 1>, blocks, 8 * 32, FM5_SMEM(1), cuda_stream(be), a5);
+                cu_launch(fm5_kernel<UP, 1>, blocks, 8 * 32, FM5_SMEM(1), cuda_stream(be), a);
             break;
         case 2:
             e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 2>, FM5_SMEM(2), opted5[1]);
             if (e == DSV4_OK)
-                cu_launch(fm5_kernel<UP, 2>, blocks, 8 * 32, FM5_SMEM(2), cuda_stream(be), a5);
+                cu_launch(fm5_kernel<UP, 2>, blocks, 8 * 32, FM5_SMEM(2), cuda_stream(be), a);
             break;
         default:
             e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 4>, FM5_SMEM(4), opted5[2]);
             if (e == DSV4_OK)
-                cu_launch(fm5_kernel<UP, 4>, blocks, 8 * 32, FM5_SMEM(4), cuda_stream(be), a5);
+                cu_launch(fm5_kernel<UP, 4>, blocks, 8 * 32, FM5_SMEM(4), cuda_stream(be), a);
             break;
         }
         if (e != DSV4_OK)
