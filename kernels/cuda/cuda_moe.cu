@@ -211,7 +211,15 @@ moe_down_kernel(float *y, struct moe_src hs, const struct dsv4_expert_w *table, 
     }
 }
 
-/* out[t, i]: picks by increasing expert id (stable), then the shared row */
+/*
+ * out[t, i]: picks by increasing expert id (stable), then the shared row.
+ * KS > 0 (k == KS, the model's 6): every load first (the token's ids and its
+ * k + 1 values, one round trip), then each pick's place in the order as a
+ * count of the picks before it, and the values added in that order from
+ * registers; the same sums as the insertion sort below (KS = 0, any k),
+ * which waits for each id it compares and then for each value in turn.
+ */
+template <int KS>
 static __global__ void
 moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int D,
                int has_shared)
@@ -222,26 +230,72 @@ moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int
     int64_t t = it / D;
     int i = (int)(it % D);
     const int32_t *id;
-    int order[MOE_MAX_K];
     float o = 0.0f;
 
     if (t >= T)
         return;
     id = ids + t * k;
-    for (int a = 0; a < k; a++) {
-        int at = a;
+    if (KS > 0) {
+        int32_t iv[KS > 0 ? KS : 1];
+        float yv[KS > 0 ? KS : 1], ys = 0.0f;
+        int rk[KS > 0 ? KS : 1];
 
-        while (at > 0 && id[order[at - 1]] > id[a]) {
-            order[at] = order[at - 1];
-            at--;
+#pragma unroll
+        for (int a = 0; a < KS; a++) {
+            iv[a] = id[a];
+            yv[a] = y[(t * KS + a) * D + i];
         }
-        order[at] = a;
+        if (has_shared)
+            ys = y[((int64_t)T * KS + t) * D + i];
+#pragma unroll
+        for (int a = 0; a < KS; a++) {   /* a's place: the picks before it */
+            rk[a] = 0;
+#pragma unroll
+            for (int b = 0; b < KS; b++)
+                rk[a] += b != a && (iv[b] < iv[a] || (iv[b] == iv[a] && b < a));
+        }
+#pragma unroll
+        for (int r = 0; r < KS; r++) {
+            float v = 0.0f;
+
+#pragma unroll
+            for (int a = 0; a < KS; a++)
+                v = rk[a] == r ? yv[a] : v;
+            o += v;
+        }
+        if (has_shared)
+            o += ys;
+    } else {
+        int order[MOE_MAX_K];
+
+        for (int a = 0; a < k; a++) {
+            int at = a;
+
+            while (at > 0 && id[order[at - 1]] > id[a]) {
+                order[at] = order[at - 1];
+                at--;
+            }
+            order[at] = a;
+        }
+        for (int a = 0; a < k; a++)
+            o += y[(t * k + order[a]) * D + i];
+        if (has_shared)
+            o += y[((int64_t)T * k + t) * D + i];
     }
-    for (int a = 0; a < k; a++)
-        o += y[(t * k + order[a]) * D + i];
-    if (has_shared)
-        o += y[((int64_t)T * k + t) * D + i];
     out[it] = cu_bf16_round(o);
+}
+
+/* moe_sum_kernel for k picks a token (the k = 6 form where it applies). */
+static void
+moe_sum_launch(cudaStream_t st, float *out, const float *y, const int32_t *ids, int T, int k,
+               int D, int has_shared)
+{
+    if (k == 6)
+        cu_launch(moe_sum_kernel<6>, cuda_blocks((int64_t)T * D, 256), 256, 0, st, out, y, ids,
+                  T, k, D, has_shared);
+    else
+        cu_launch(moe_sum_kernel<0>, cuda_blocks((int64_t)T * D, 256), 256, 0, st, out, y, ids,
+                  T, k, D, has_shared);
 }
 
 static int
@@ -430,8 +484,7 @@ moe_run(struct dsv4_backend *be, float *out, float *parts, const float *x, const
     }
     if (parts != NULL)
         return DSV4_OK;
-    cu_launch(moe_sum_kernel, cuda_blocks((int64_t)T * D, 256), 256, 0, s, out, y, ids, T, k, D,
-              shared != NULL);
+    moe_sum_launch(s, out, y, ids, T, k, D, shared != NULL);
     CUDA_LAUNCHED("moe_sum");
     return DSV4_OK;
 }
@@ -462,8 +515,7 @@ cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y, const int3
         return DSV4_OK;
     if (k < 0 || k > MOE_MAX_K)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda moe_combine: k=%d", k);
-    cu_launch(moe_sum_kernel, cuda_blocks((int64_t)T * D, 256), 256, 0, cuda_stream(be), out, y,
-              ids, T, k, D, 1);
+    moe_sum_launch(cuda_stream(be), out, y, ids, T, k, D, 1);
     CUDA_LAUNCHED("moe_combine");
     return DSV4_OK;
 }
