@@ -24,10 +24,15 @@
  *         value: a small kernel with some memory traffic.
  * Printed: microseconds a kernel (graph replay time / N, the best of 5
  * replays after one warm-up), and for work also one kernel timed alone.
+ * Then the same N steps inside one kernel instead: a cooperative launch of
+ * 264 blocks that separates the steps by grid-wide barriers
+ * (cooperative_groups grid.sync), the persistent-kernel alternative to a
+ * chain of launches; microseconds a step.
  * Exit status 0, 1 when a check fails, 77 without a CUDA device.  A
  * measurement program for the GPU machine, not a meson test; no timing is
  * checked.
  */
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -70,6 +75,20 @@ bc_kernel(float *val, const float4 *buf, int i, int pdl)
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (threadIdx.x == 0)
         val[blockIdx.x] += add;
+}
+
+/* n steps in one kernel: each block's thread 0 adds 1 to its value, then
+ * every block of the grid waits for all (grid.sync); val[b] ends at n. */
+static __global__ void
+bc_grid_kernel(float *val, int n)
+{
+    cooperative_groups::grid_group g = cooperative_groups::this_grid();
+
+    for (int i = 0; i < n; i++) {
+        if (threadIdx.x == 0)
+            val[blockIdx.x] += 1.0f;
+        g.sync();
+    }
 }
 
 /* Launch kernel i of a chain of `form` on st, with PDL or not. */
@@ -181,6 +200,42 @@ main(int argc, char **argv)
                    pdl, us);
             bad += !ok;
         }
+    {   /* the steps behind grid-wide barriers in one cooperative kernel */
+        cudaEvent_t e0, e1;
+        float best = 1e30f, h[BC_WIDE_BLOCKS];
+        int ok = 1, coop = 0;
+
+        BC_TRY("attribute", cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, 0));
+        BC_TRY("event", cudaEventCreate(&e0));
+        BC_TRY("event", cudaEventCreate(&e1));
+        for (int r = 0; coop && r < 6; r++) {
+            void *args[] = { &val, &n };
+            float ms = 0.0f;
+
+            BC_TRY("memset", cudaMemsetAsync(val, 0, BC_WIDE_BLOCKS * sizeof(float), st));
+            BC_TRY("record", cudaEventRecord(e0, st));
+            BC_TRY("cooperative launch",
+                   cudaLaunchCooperativeKernel((const void *)bc_grid_kernel,
+                                               dim3(BC_WIDE_BLOCKS), dim3(256), args, 0, st));
+            BC_TRY("record", cudaEventRecord(e1, st));
+            BC_TRY("sync", cudaEventSynchronize(e1));
+            BC_TRY("elapsed", cudaEventElapsedTime(&ms, e0, e1));
+            if (r > 0 && ms < best)
+                best = ms;
+        }
+        if (coop) {
+            BC_TRY("download", cudaMemcpy(h, val, sizeof(h), cudaMemcpyDeviceToHost));
+            for (int b = 0; b < BC_WIDE_BLOCKS; b++)
+                ok &= h[b] == (float)n;
+            printf("%s grid sync, %d blocks of 256 in one kernel: %7.3f us a step\n",
+                   ok ? "ok  " : "FAIL", BC_WIDE_BLOCKS, best * 1000.0 / n);
+            bad += !ok;
+        } else {
+            printf("skip grid sync: no cooperative launch on this device\n");
+        }
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+    }
     {   /* one work kernel alone: its own time, the rest of its chain figure is the boundary */
         int ok = 0;
         double us = bc_chain(BC_WORK, 0, 1, val, buf, st, &ok);
