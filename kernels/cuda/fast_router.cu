@@ -10,8 +10,10 @@
  *      ranking value v[i] = s[i] + bias[i], one thread per expert, strided;
  *   2. learned routing: k rounds of a block argmax over the experts not yet
  *      picked, by v then by the lower id (each thread its strided experts,
- *      an xor butterfly per warp, the warps' winners in warp order); round
- *      j's winner is ids[t, j].  That is the order of the rank "experts j
+ *      an xor butterfly per warp, the warps' winners in warp order; up to
+ *      FR_WARP_E experts, the model's 256, warp 0 alone with 8 values a
+ *      lane in registers, a butterfly a round and no block barrier: the
+ *      same winners, perf.md run 35); round j's winner is ids[t, j].  That is the order of the rank "experts j
  *      with v[j] > v[i], plus those with v[j] == v[i] and j < i": for
  *      values that are not NaN exactly the exact path's insertion top-k
  *      (best first, ties to the lower id); a NaN ranks as -inf here (the
@@ -38,6 +40,7 @@
 #define FR_THREADS 256
 #define FR_MAX_K 64      /* the exact router's bound */
 #define FR_MAX_E 4096    /* s and v of one token in shared memory (32 KiB) */
+#define FR_WARP_E 256    /* up to this many experts the picks are made by one warp */
 
 static __global__ void __launch_bounds__(FR_THREADS)
 fr_kernel(float *weights, int32_t *ids, const float *logits, const float *bias,
@@ -68,6 +71,43 @@ fr_kernel(float *weights, int32_t *ids, const float *logits, const float *bias,
             int64_t e = tid2eid[(int64_t)tokens[t] * k + j];
 
             sid[j] = (int32_t)(e < 0 ? 0 : (e >= E ? E - 1 : e));
+        }
+    } else if (E <= FR_WARP_E) {
+        /* warp 0 alone, each lane's ranking values in registers: a round is
+         * a scan of 8 registers and one butterfly, no block barrier (the
+         * same winner: the best by cu_ranks_before, a strict order) */
+        if (threadIdx.x < 32) {
+            float rv[FR_WARP_E / 32];
+            int lane = threadIdx.x;
+
+#pragma unroll
+            for (int m = 0; m < FR_WARP_E / 32; m++) {
+                int i = lane + 32 * m;
+
+                rv[m] = i < E ? vt[i] : __int_as_float(0x7fffffff);   /* NaN: never */
+            }
+            for (int j = 0; j < k; j++) {
+                float bv = -__int_as_float(0x7f800000);
+                int bi = INT_MAX;
+
+#pragma unroll
+                for (int m = 0; m < FR_WARP_E / 32; m++)
+                    if (cu_ranks_before(rv[m], lane + 32 * m, bv, bi))
+                        bv = rv[m], bi = lane + 32 * m;
+                for (int o = 16; o > 0; o /= 2) {
+                    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+
+                    if (cu_ranks_before(ov, oi, bv, bi))
+                        bv = ov, bi = oi;
+                }
+                if (lane == 0)
+                    sid[j] = bi;
+#pragma unroll
+                for (int m = 0; m < FR_WARP_E / 32; m++)
+                    if (lane + 32 * m == bi)
+                        rv[m] = __int_as_float(0x7fffffff);   /* picked: NaN */
+            }
         }
     } else {
         for (int j = 0; j < k; j++) {
