@@ -77,8 +77,41 @@ fk_split_value(float v, uint16_t *hi, uint16_t *lo)
     *lo = isfinite(v) ? (uint16_t)(__float_as_uint(cu_bf16_round(v - h)) >> 16) : 0;
 }
 
+/*
+ * fk_quant_value of two columns v0, v1 of a block whose scale has the
+ * reciprocal inv = 1 / s, as f16 bits (v0 in the low half).  The same
+ * values: s is a power of two in [2^-22, 2^120] (amax >= 1e-4; or inf),
+ * so 1 / s is exact and v * inv is v / s, rounded once the same way;
+ * the clamp to +-448 is cu_clampf's but for NaN (fminf/fmaxf drop it:
+ * handled apart); cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even as
+ * cu_f32_to_fp8 does (subnormal codes, signed zeros); E4M3 to f16 is exact;
+ * a NaN gets the f16 the exact expression gives (cu_fp8_to_f32(0x7f) is
+ * +qNaN, rounded to f16).  dsv4_cuda_linear_quant_check compares the two
+ * on every float.
+ */
+static __device__ __forceinline__ uint32_t
+flf_quant2(float v0, float v1, float inv)
+{
+    float p0 = v0 * inv, p1 = v1 * inv;
+    float a0 = fminf(fmaxf(p0, -448.0f), 448.0f), a1 = fminf(fmaxf(p1, -448.0f), 448.0f);
+    uint32_t nan16 = __half_as_ushort(__float2half_rn(__int_as_float(0x7fc00000)));
+    unsigned short e;
+    uint32_t h;
+
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e) : "f"(a1), "f"(a0));
+    h = fk_e4m3x2(e);
+    if (isnan(p0))
+        h = (h & 0xffff0000u) | nan16;
+    if (isnan(p1))
+        h = (h & 0x0000ffffu) | nan16 << 16;
+    return h;
+}
+
 /* One warp per (row, 128-block): the exact path's quant_kernel, values
- * written as f16 and/or bf16 bits (both exact for FP8 values). */
+ * written as f16 and/or bf16 bits (both exact for FP8 values); the codes by
+ * flf_quant2 (the hardware's conversion: the same values, every load of the
+ * warp first and a few instructions a value instead of a division and the
+ * software rounding of fk_quant_value). */
 static __global__ void
 fk_quant_kernel(uint16_t *f16, uint16_t *bf16, float *sx, const float *x, int64_t stride,
                 int rows, int K)
@@ -103,14 +136,21 @@ fk_quant_kernel(uint16_t *f16, uint16_t *bf16, float *sx, const float *x, int64_
     for (int o = 16; o > 0; o /= 2)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     s = cu_pow2_scale(amax, 448.0f);
-    for (int i = 0; i < 4; i++) {
-        float qv = fk_quant_value(v[i], s);
-        int64_t at = r * K + (int64_t)b * 128 + lane + 32 * i;
+    {
+        float inv = 1.0f / s;   /* exact: s is a power of two (or inf) */
+        uint32_t h01 = flf_quant2(v[0], v[1], inv), h23 = flf_quant2(v[2], v[3], inv);
+        uint16_t q[4] = { (uint16_t)h01, (uint16_t)(h01 >> 16), (uint16_t)h23,
+                          (uint16_t)(h23 >> 16) };
 
-        if (f16 != NULL)
-            f16[at] = __half_as_ushort(__float2half_rn(qv));
-        if (bf16 != NULL)
-            bf16[at] = (uint16_t)(__float_as_uint(qv) >> 16);
+        for (int i = 0; i < 4; i++) {
+            int64_t at = r * K + (int64_t)b * 128 + lane + 32 * i;
+
+            if (f16 != NULL)
+                f16[at] = q[i];
+            if (bf16 != NULL)   /* the FP8 value's bf16 bits (f16 -> fp32 is exact) */
+                bf16[at] = (uint16_t)(__float_as_uint(__half2float(__ushort_as_half(q[i]))) >>
+                                      16);
+        }
     }
     if (lane == 0)
         sx[r * nb + b] = s;
@@ -439,36 +479,6 @@ flm_reduce_kernel(struct flm_red r)
 #define FL_CTRS 1024                 /* row-group counters per backend (G > 1 needs
                                         at most 256 for any N, K: fl_split_for) */
 #define FL_SMEM_MAX (72 * 1024)      /* staged x per block: 2 blocks per SM with red */
-
-/*
- * fk_quant_value of two columns v0, v1 of a block whose scale has the
- * reciprocal inv = 1 / s, as f16 bits (v0 in the low half).  The same
- * values: s is a power of two in [2^-22, 2^120] (amax >= 1e-4; or inf),
- * so 1 / s is exact and v * inv is v / s, rounded once the same way;
- * the clamp to +-448 is cu_clampf's but for NaN (fminf/fmaxf drop it:
- * handled apart); cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even as
- * cu_f32_to_fp8 does (subnormal codes, signed zeros); E4M3 to f16 is exact;
- * a NaN gets the f16 the exact expression gives (cu_fp8_to_f32(0x7f) is
- * +qNaN, rounded to f16).  dsv4_cuda_linear_quant_check compares the two
- * on every float.
- */
-static __device__ __forceinline__ uint32_t
-flf_quant2(float v0, float v1, float inv)
-{
-    float p0 = v0 * inv, p1 = v1 * inv;
-    float a0 = fminf(fmaxf(p0, -448.0f), 448.0f), a1 = fminf(fmaxf(p1, -448.0f), 448.0f);
-    uint32_t nan16 = __half_as_ushort(__float2half_rn(__int_as_float(0x7fc00000)));
-    unsigned short e;
-    uint32_t h;
-
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e) : "f"(a1), "f"(a0));
-    h = fk_e4m3x2(e);
-    if (isnan(p0))
-        h = (h & 0xffff0000u) | nan16;
-    if (isnan(p1))
-        h = (h & 0x0000ffffu) | nan16 << 16;
-    return h;
-}
 
 #define FLF_U 4    /* staging tasks per warp in flight */
 #define FLF_PF 4   /* weight blocks per warp asked of L2 before staging */
