@@ -843,12 +843,10 @@ cu_ranks_before(float va, int ia, float vb, int ib)
     return va > vb || (va == vb && ia < ib);
 }
 
-/* The block's best (bv, bi) by cu_ranks_before, from each thread's own:
- * an xor butterfly per warp, then the warps' in warp order; the result is
- * thread 0's (the other threads keep their warp's).  rv, ri: blockDim.x / 32
- * shared entries.  One __syncthreads: every thread of the block calls it. */
+/* The warp's best (bv, bi) by cu_ranks_before, from each lane's own, in
+ * every lane (an xor butterfly; every lane of the warp calls it). */
 static __device__ __forceinline__ void
-cu_block_best(float &bv, int &bi, float *rv, int *ri)
+cu_warp_best(float &bv, int &bi)
 {
     for (int o = 16; o > 0; o /= 2) {
         float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -857,6 +855,16 @@ cu_block_best(float &bv, int &bi, float *rv, int *ri)
         if (cu_ranks_before(ov, oi, bv, bi))
             bv = ov, bi = oi;
     }
+}
+
+/* The block's best (bv, bi) by cu_ranks_before, from each thread's own:
+ * cu_warp_best per warp, then the warps' in warp order; the result is
+ * thread 0's (the other threads keep their warp's).  rv, ri: blockDim.x / 32
+ * shared entries.  One __syncthreads: every thread of the block calls it. */
+static __device__ __forceinline__ void
+cu_block_best(float &bv, int &bi, float *rv, int *ri)
+{
+    cu_warp_best(bv, bi);
     if (threadIdx.x % 32 == 0) {
         rv[threadIdx.x / 32] = bv;
         ri[threadIdx.x / 32] = bi;

@@ -123,19 +123,15 @@ fk_quant_kernel(uint16_t *f16, uint16_t *bf16, float *sx, const float *x, int64_
     int lane = threadIdx.x % 32;
     int64_t r = wid / nb;
     int b = (int)(wid % nb);
-    float amax = 1e-4f, v[4], s;
+    float v[4], s;
     const float *xb;
 
     if (r >= rows)
         return;   /* whole warps leave together */
     xb = x + r * stride + (int64_t)b * 128;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 4; i++)
         v[i] = xb[lane + 32 * i];
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
-    for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    s = cu_pow2_scale(amax, 448.0f);
+    s = fk_quant_scale_warp(v);
     {
         float inv = 1.0f / s;   /* exact: s is a power of two (or inf) */
         uint32_t h01 = flf_quant2(v[0], v[1], inv), h23 = flf_quant2(v[2], v[3], inv);

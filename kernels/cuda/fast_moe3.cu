@@ -1386,6 +1386,20 @@ fm3_smem_bytes(const struct fm3_cfg *c)
     return 8 * per + 7 * FM3_RED_Q * sizeof(float);
 }
 
+/* Launch fm5_kernel<UP, P> (teams of P warps) on `blocks` blocks of 8 warps,
+ * its shared memory allowed first (once per device). */
+template <int UP, int P>
+static enum dsv4_err
+fm5_launch(struct dsv4_backend *be, const struct fm3_args &a, unsigned blocks)
+{
+    static size_t opted[CUDA_MAX_DEV];
+    enum dsv4_err e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, P>, FM5_SMEM(P), opted);
+
+    if (e == DSV4_OK)
+        cu_launch(fm5_kernel<UP, P>, blocks, 8 * 32, FM5_SMEM(P), cuda_stream(be), a);
+    return e;
+}
+
 /* Launch fm3_kernel<UP> on `tiles` row tiles per slot (a.rt per block), or
  * (v5) fm5_kernel<UP> on a grid that fills the device's SMs. */
 template <int UP>
@@ -1393,7 +1407,7 @@ static enum dsv4_err
 fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_cfg *c,
            int tiles, int slots)
 {
-    static size_t opted[CUDA_MAX_DEV], opted5[3][CUDA_MAX_DEV];
+    static size_t opted[CUDA_MAX_DEV];
     size_t smem = fm3_smem_bytes(c);
     dim3 grid((unsigned)(tiles / a.rt), (unsigned)slots);
     enum dsv4_err e;
@@ -1410,23 +1424,9 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
         P = fm5_parts(c, items, warps);
         busy = items * P;
         blocks = (unsigned)(((busy < warps ? busy : warps) + 7) / 8);   /* whole teams */
-        switch (P) {
-        case 1:
-            e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 1>, FM5_SMEM(1), opted5[0]);
-            if (e == DSV4_OK)
-                cu_launch(fm5_kernel<UP, 1>, blocks, 8 * 32, FM5_SMEM(1), cuda_stream(be), a);
-            break;
-        case 2:
-            e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 2>, FM5_SMEM(2), opted5[1]);
-            if (e == DSV4_OK)
-                cu_launch(fm5_kernel<UP, 2>, blocks, 8 * 32, FM5_SMEM(2), cuda_stream(be), a);
-            break;
-        default:
-            e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, 4>, FM5_SMEM(4), opted5[2]);
-            if (e == DSV4_OK)
-                cu_launch(fm5_kernel<UP, 4>, blocks, 8 * 32, FM5_SMEM(4), cuda_stream(be), a);
-            break;
-        }
+        e = P == 1   ? fm5_launch<UP, 1>(be, a, blocks)
+            : P == 2 ? fm5_launch<UP, 2>(be, a, blocks)
+                     : fm5_launch<UP, 4>(be, a, blocks);
         if (e != DSV4_OK)
             return e;
         CUDA_LAUNCHED(UP ? "fast moe v5 up" : "fast moe v5 down");

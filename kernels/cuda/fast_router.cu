@@ -94,13 +94,7 @@ fr_kernel(float *weights, int32_t *ids, const float *logits, const float *bias,
                 for (int m = 0; m < FR_WARP_E / 32; m++)
                     if (cu_ranks_before(rv[m], lane + 32 * m, bv, bi))
                         bv = rv[m], bi = lane + 32 * m;
-                for (int o = 16; o > 0; o /= 2) {
-                    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-
-                    if (cu_ranks_before(ov, oi, bv, bi))
-                        bv = ov, bi = oi;
-                }
+                cu_warp_best(bv, bi);
                 if (lane == 0)
                     sid[j] = bi;
 #pragma unroll
