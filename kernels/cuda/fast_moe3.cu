@@ -563,11 +563,18 @@ struct fm3_b8 {
         d[0] = d[1] = d[2] = d[3] = 0.0f;
         fk_mma_e4m3(d, a0, a1, a2, a3, xw[n][2 * m], xw[n][2 * m + 1]);
     }
+
+    /* group m's B is used (nothing to do: v3 loads B per block) */
+    __device__ __forceinline__ void
+    done(int) const
+    {
+    }
 };
 
 /*
  * One 128-column block (block b of the stage in buf) into blk, the B
- * operand and the k32 product from bo (fm3_b8: v3; fm5_bh: v5):
+ * operand and the k32 product from bo (fm3_b8: v3; fm5_bh: v5; bo.done(m)
+ * after the last use of group m's B):
  * FP4 (b = 0, 1): four groups, one k32 product each, blk = fma(d, s_w, blk);
  * FP8 (b = 0): four k32 products, blk += d.
  */
@@ -592,6 +599,7 @@ fm3_block(float (&blk)[NT][4], const char *buf, int b, const float *scf, const B
                 for (int i = 0; i < 4; i++)
                     blk[n][i] += d[i];
             }
+            bo.done(m);
         }
     } else {
 #pragma unroll
@@ -619,6 +627,7 @@ fm3_block(float (&blk)[NT][4], const char *buf, int b, const float *scf, const B
                     blk[n][2] = __fmaf_rn(d[2], w8, blk[n][2]);
                     blk[n][3] = __fmaf_rn(d[3], w8, blk[n][3]);
                 }
+                bo.done(m);
             }
         }
     }
@@ -977,11 +986,10 @@ fm5_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, const
                    "r"(fm5_h2(a3, 1)), "r"(bh[2]), "r"(bh[3]));
 }
 
-/* The activations of the next 128-column block (one n-tile): xh = thread
- * q's 64 bytes of v5's f16 words at xp, xc[j] = the scale at sp[j]; the
- * three cursors then step to the following block. */
+/* The activations of one 128-column block (one n-tile): xh = thread q's 64
+ * bytes of v5's f16 words at xp. */
 static __device__ __forceinline__ void
-fm5_act(uint32_t (&xh)[16], float (&xc)[1][2], const uint4 *&xp, const float *(&sp)[2])
+fm5_act(uint32_t (&xh)[16], const uint4 *xp)
 {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -992,21 +1000,34 @@ fm5_act(uint32_t (&xh)[16], float (&xc)[1][2], const uint4 *&xp, const float *(&
         xh[4 * i + 2] = v.z;
         xh[4 * i + 3] = v.w;
     }
-    xc[0][0] = __ldg(sp[0]);
-    xc[0][1] = __ldg(sp[1]);
-    xp += 128 * 2 / 16;   /* 128 f16 values */
-    sp[0]++;
-    sp[1]++;
 }
 
-/* v5's B operand of fm3_block: the f16 words of fm5_act; d = fm5_mma. */
+/*
+ * v5's B operand of fm3_block: the f16 words of fm5_act in xh; d =
+ * fm5_mma.  Once group m's words are used, the same registers take group m
+ * of the block the warp reads next (at nx), so each block's B is asked for
+ * a block ahead instead of right before its first mma (Nsight Compute: the
+ * first mma of a stage had waited on those loads).
+ */
 struct fm5_bh {
-    const uint32_t (&xh)[16];
+    uint32_t *xh;
+    const uint4 *nx;
 
     __device__ __forceinline__ void
     mma(float (&d)[4], int, int m, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) const
     {
         fm5_mma(d, a0, a1, a2, a3, &xh[4 * m]);
+    }
+
+    __device__ __forceinline__ void
+    done(int m) const
+    {
+        uint4 v = __ldg(nx + m);
+
+        xh[4 * m] = v.x;
+        xh[4 * m + 1] = v.y;
+        xh[4 * m + 2] = v.z;
+        xh[4 * m + 3] = v.w;
     }
 };
 
@@ -1138,51 +1159,66 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
         fm3_commit();
         isb += FM3_STAGE_B;
     }
+    /* the warp's blocks of x (each part reads them from the first), the
+     * first's words and scales now, every next one's a block ahead */
+    const uint4 *xb0 = (const uint4 *)(xhr + q * 32) + st0 * BPS * (128 * 2 / 16);
+    const float *xs0 = sr[0][0] + st0 * BPS, *xs1 = sr[0][1] + st0 * BPS;
+    const int nblk = nst * BPS;
+    int jb = 0;   /* the current block's place among the warp's */
+
+    fm5_act(xh, xb0);
+    xc[0][0] = __ldg(xs0);
+    xc[0][1] = __ldg(xs1);
 #pragma unroll
     for (int pp = 0; pp < NP; pp++) {
-        /* part pp reads x from the warp's first block */
-        const uint4 *xp = (const uint4 *)(xhr + q * 32) + st0 * BPS * (128 * 2 / 16);
-        const float *sp[2] = { sr[0][0] + st0 * BPS, sr[0][1] + st0 * BPS };
+        /* the warp's quarters of the part, nq / BPS stages each, then the
+         * quarter folded (nq is even: K a multiple of 1,024), so the stage
+         * loop holds no fold */
+#pragma unroll 1
+        for (int qn = q0, st = st0; qn < q0 + nqw; qn++) {
+#pragma unroll 1
+            for (int se = st + nq / BPS; st < se; st++, gi++) {
+                char *buf = ring + slot * FM3_STAGE_B;
 
-        for (int st = st0, kq = 0, qn = q0; st < st0 + nst; st++, gi++) {
-            char *buf = ring + slot * FM3_STAGE_B;
-
-            asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
-            __syncwarp();   /* every lane's copies of this stage; the previous one is read */
-            if (!FP8) {
-                fm3_scales(buf, scf);
-                __syncwarp();
-            }
-            if (gi + FM5_NS - 1 < ntot)
-                fm5_issue<FP8, NP>(&cur, tl, isb, so, nst, st0);
-            fm3_commit();
-            isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
-#pragma unroll
-            for (int b = 0; b < BPS; b++) {
-                float f = 64.0f;
-
-                if (FP8)   /* the tile's 128x128 block scale */
-                    f = cu_e8m0_to_f32(
-                        __ldg(tl.sc[pp] + (int64_t)(tl.row / 128) * nb + st * BPS + b));
-                fm5_act(xh, xc, xp, sp);
-                fm3_block<FP8, 1>(blk, buf, b, scf, fm5_bh{ xh });
-                fm3_block_end<NT>(acc, blk, xc, f);
-                if (++kq == nq) {   /* quarter qn of part pp is complete */
-#pragma unroll
-                    for (int n = 0; n < NT; n++)
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            if (P == 1 || tm.j == 0)
-                                tot[pp][n][i] = qn == 0 ? acc[n][i] : tot[pp][n][i] + acc[n][i];
-                            else   /* to the team's first warp */
-                                tm.part[((qn * 2 + pp) * 4 + i) * 32 + lane] = acc[n][i];
-                            acc[n][i] = 0.0f;
-                        }
-                    kq = 0;
-                    qn++;
+                asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
+                __syncwarp();   /* every lane's copies of this stage; the previous one is read */
+                if (!FP8) {
+                    fm3_scales(buf, scf);
+                    __syncwarp();
                 }
+                if (gi + FM5_NS - 1 < ntot)
+                    fm5_issue<FP8, NP>(&cur, tl, isb, so, nst, st0);
+                fm3_commit();
+                isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
+#pragma unroll
+                for (int b = 0; b < BPS; b++) {
+                    float f = 64.0f;
+
+                    if (FP8)   /* the tile's 128x128 block scale */
+                        f = cu_e8m0_to_f32(
+                            __ldg(tl.sc[pp] + (int64_t)(tl.row / 128) * nb + st * BPS + b));
+                    int jn = jb + 1 == nblk ? 0 : jb + 1;   /* next part: its first */
+                    float xn[1][2] = { { __ldg(xs0 + jn), __ldg(xs1 + jn) } };
+
+                    fm3_block<FP8, 1>(blk, buf, b, scf,
+                                      fm5_bh{ xh, xb0 + jn * (128 * 2 / 16) });
+                    fm3_block_end<NT>(acc, blk, xc, f);
+                    xc[0][0] = xn[0][0];
+                    xc[0][1] = xn[0][1];
+                    jb = jn;
+                }
+                slot = slot == FM5_NS - 1 ? 0 : slot + 1;
             }
-            slot = slot == FM5_NS - 1 ? 0 : slot + 1;
+#pragma unroll
+            for (int n = 0; n < NT; n++)   /* quarter qn of part pp is complete */
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    if (P == 1 || tm.j == 0)
+                        tot[pp][n][i] = qn == 0 ? acc[n][i] : tot[pp][n][i] + acc[n][i];
+                    else   /* to the team's first warp */
+                        tm.part[((qn * 2 + pp) * 4 + i) * 32 + lane] = acc[n][i];
+                    acc[n][i] = 0.0f;
+                }
         }
     }
     __syncwarp();   /* the ring is read before the next pass refills it */
