@@ -914,7 +914,14 @@ fm3_kernel(struct fm3_args a)
 #define FM5_NS 3   /* ring stages per warp (3, 4, 6 measured: perf.md run 25) */
 #define FM5_PER (FM5_NS * FM3_STAGE_B + FM3_SCF_B)  /* shared memory per warp */
 #define FM5_TEAM_F (4 * 2 * 4 * 32)   /* floats of a team's quarter sums (fm5_team) */
-#define FM5_SMEM(P) (8 * FM5_PER + ((P) > 1 ? 8 / (P) * FM5_TEAM_F * 4 : 0))
+/* fm5_kernel's blocks: 4 warps each; 5 blocks (20 warps) an SM where the
+ * kernel fits 96 registers without spilling (down with whole tiles: P = 1,
+ * the batch-16 form), else 4 (16 warps, 128 registers; up, and teams).
+ * Against 8-warp blocks two an SM (perf.md run 36): batch-16 down 123 ->
+ * 117 us a layer, up 233 -> 230; the 96-register up spills and is slower. */
+#define FM5_WARPS 4
+#define FM5_BLOCKS(UP, P) ((UP) || (P) > 1 ? 4 : 5)
+#define FM5_SMEM(P) (FM5_WARPS * FM5_PER + ((P) > 1 ? FM5_WARPS / (P) * FM5_TEAM_F * 4 : 0))
 
 /* A warp's 16-row tile of one slot's expert: the parts it streams (UP: w1
  * then w3; down: w2). */
@@ -1283,17 +1290,18 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * the call's counter (ctr[UP], zeroed by fm3_prep_kernel) until none is
  * left, so the grid only needs to fill the SMs it gets (also under MPS)
  * and the results do not depend on which warp takes an item.  P > 1:
- * teams of P warps take the items (fm5_team).  Dynamic shared memory: 8
- * warps' rings and scales, and the teams' quarter sums (FM5_SMEM(P)).
+ * teams of P warps take the items (fm5_team).  Blocks of FM5_WARPS warps,
+ * FM5_BLOCKS(UP, P) an SM.  Dynamic shared memory: the warps' rings and
+ * scales, and the teams' quarter sums (FM5_SMEM(P)).
  */
 template <int UP, int P>
-static __global__ void __launch_bounds__(FM3_BOUND_THREADS, FM3_BOUND_BLOCKS)
+static __global__ void __launch_bounds__(FM5_WARPS * 32, FM5_BLOCKS(UP, P))
 fm5_kernel(struct fm3_args a)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
     extern __shared__ __align__(16) char fm3_sm[];
-    __shared__ int taken[8][2];   /* a team's items, by the parity of its turn */
+    __shared__ int taken[FM5_WARPS][2];   /* a team's items, by the parity of its turn */
     int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / 16;
     char *ring = fm3_sm + warp * FM5_PER;
     float *scf = (float *)(ring + FM5_NS * FM3_STAGE_B);
@@ -1303,7 +1311,7 @@ fm5_kernel(struct fm3_args a)
 
     tm.j = warp % P;
     tm.bar = 1 + warp / P;
-    tm.part = (float *)(fm3_sm + 8 * FM5_PER) + (warp / P) * FM5_TEAM_F;
+    tm.part = (float *)(fm3_sm + FM5_WARPS * FM5_PER) + (warp / P) * FM5_TEAM_F;
     for (int turn = 0;; turn ^= 1) {
         struct fm3_slot s;
         int it = 0;
@@ -1377,19 +1385,22 @@ fm3_cfg_parse(struct fm3_cfg *c, const char *s)
 }
 
 /* v5's warps per item (fm5_team) for `items` items at most on a device of
- * `warps` resident warps: the setting, else the fewest (1, 2, 4) that give
+ * `warps1` resident warps of the whole-tile kernel (P = 1) and `warps` of
+ * the teams' (FM5_BLOCKS): the setting, else the fewest (1, 2, 4) that give
  * every resident warp a share of an item.  Small calls have fewer items
  * than warps (one token: 7 slots x 128 tiles of w1 / w3 for 2,112 warps),
  * and a warp streaming a whole tile alone is bound by its own ring's
  * latency; a team streams the tile's quarters side by side.  The results
  * do not depend on it. */
 static int
-fm5_parts(const struct fm3_cfg *c, int64_t items, int64_t warps)
+fm5_parts(const struct fm3_cfg *c, int64_t items, int64_t warps1, int64_t warps)
 {
-    int P = 1;
+    int P = 2;
 
     if (c->p5 > 0)
         return c->p5;
+    if (items >= warps1)
+        return 1;
     while (P < 4 && items * P < warps)
         P *= 2;
     return P;
@@ -1422,7 +1433,7 @@ fm3_smem_bytes(const struct fm3_cfg *c)
     return 8 * per + 7 * FM3_RED_Q * sizeof(float);
 }
 
-/* Launch fm5_kernel<UP, P> (teams of P warps) on `blocks` blocks of 8 warps,
+/* Launch fm5_kernel<UP, P> (teams of P warps) on `blocks` blocks of FM5_WARPS warps,
  * its shared memory allowed first (once per device). */
 template <int UP, int P>
 static enum dsv4_err
@@ -1432,7 +1443,7 @@ fm5_launch(struct dsv4_backend *be, const struct fm3_args &a, unsigned blocks)
     enum dsv4_err e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, P>, FM5_SMEM(P), opted);
 
     if (e == DSV4_OK)
-        cu_launch(fm5_kernel<UP, P>, blocks, 8 * 32, FM5_SMEM(P), cuda_stream(be), a);
+        cu_launch(fm5_kernel<UP, P>, blocks, FM5_WARPS * 32, FM5_SMEM(P), cuda_stream(be), a);
     return e;
 }
 
@@ -1450,16 +1461,19 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
 
     if (c->v5) {
         int n_sm = 0;
-        int64_t items = (int64_t)slots * tiles, warps, busy;
+        int64_t items = (int64_t)slots * tiles, warps1, warps, busy;
         unsigned blocks;
         int P;
 
         CUDA_TRY(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount,
                                         cuda_st(be)->device));
-        warps = (int64_t)(n_sm > 0 ? n_sm : 1) * 8 * FM3_BOUND_BLOCKS;
-        P = fm5_parts(c, items, warps);
+        warps1 = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 1);
+        warps = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 2);
+        P = fm5_parts(c, items, warps1, warps);
+        if (P == 1)
+            warps = warps1;
         busy = items * P;
-        blocks = (unsigned)(((busy < warps ? busy : warps) + 7) / 8);   /* whole teams */
+        blocks = (unsigned)(((busy < warps ? busy : warps) + FM5_WARPS - 1) / FM5_WARPS);   /* whole teams */
         e = P == 1   ? fm5_launch<UP, 1>(be, a, blocks)
             : P == 2 ? fm5_launch<UP, 2>(be, a, blocks)
                      : fm5_launch<UP, 4>(be, a, blocks);
