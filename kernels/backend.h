@@ -78,6 +78,16 @@ struct dsv4_sample_params {
                             fully determines the random draw */
 };
 
+/*
+ * The order of the sampler's double sums (cpu_sample.c, step 4-5): the
+ * candidates' weights are summed in runs of DSV4_SAMPLE_RUN positions, the
+ * runs' sums in spans of DSV4_SAMPLE_SPAN runs, the spans' sums in order, so
+ * that a backend can form the sums in parallel and still draw the CPU's
+ * token.
+ */
+#define DSV4_SAMPLE_RUN 16
+#define DSV4_SAMPLE_SPAN 256
+
 struct dsv4_backend;
 
 /* The arguments of one norm_rope call (norm_rope2). */

@@ -12,9 +12,13 @@
  * row did all of it before: 108 us a step for the 129,280 double exps on
  * one SM, perf.md run 30.)  The rows that need a candidate order (top_k in
  * [1, V) or top_p < 1) are sorted by CUB's segmented radix sort on (z desc,
- * id asc) keys, which is cpu_topk's order; then one thread per row runs
- * steps 4-5 of the algorithm sequentially in candidate order, in double, as
- * the CPU does.  The argmax and maximum are the CPU's (order-free); Σ exp
+ * id asc) keys, which is cpu_topk's order.  Steps 4-5 of the algorithm sum
+ * the weights in runs and spans (cpu_sample.c): sample_runs_kernel forms
+ * every run's sum (a thread a run) and every span's (a block a span), and
+ * one thread per row then finds the draw with cpu_sample.c's procedure,
+ * recomputing at most one run's weights.  (One thread per row made one
+ * running sum over all candidates before run 36: 41 ms a step at
+ * temperature 1.)  The argmax and maximum are the CPU's (order-free); Σ exp
  * for the log-probability is a tree of partial sums (a different double
  * summation order than the CPU's, invisible after the rounding to float but
  * for rare last-bit cases).
@@ -201,70 +205,222 @@ cu_splitmix64(uint64_t x)
     return z ^ (z >> 31);
 }
 
-/* Steps 2-5 of cpu_sample.c for one row (temperature > 0). */
-static __device__ int
-sample_draw(const float *z, const unsigned long long *sorted,
-            const struct dsv4_sample_params *sp, int V)
+/* Runs and spans of step 4 in a row of V (cpu_sample.c; backend.h). */
+static __host__ __device__ __forceinline__ int
+sample_runs(int V)
 {
-    int n, best = 0;
+    return (V + DSV4_SAMPLE_RUN - 1) / DSV4_SAMPLE_RUN;
+}
+
+static __host__ __device__ __forceinline__ int
+sample_spans(int V)
+{
+    return (V + DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN - 1) / (DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN);
+}
+
+/* The candidates of a sampled row: n_cand positions (top_k, or V), the
+ * candidate at position i (sorted keys, or id order), the stored run and
+ * span sums of all n_cand (sample_runs_kernel), zmax. */
+struct sample_cands {
+    const float *z;
+    const unsigned long long *sorted;   /* NULL: id order */
+    const double *q, *d;
     float zmax;
-    double total = 0.0, target, cum;
-    uint64_t bits;
+    int n_cand;
+};
 
-    if ((sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f)
-        n = sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
-    else
-        sorted = NULL, n = V;
-#define CAND(i) (sorted != NULL ? (int)(sorted[i] & 0xffffffffu) : (i))
-    for (int i = 1; i < V; i++)
-        if (z[i] > z[best])
-            best = i;
-    zmax = z[best];
-    for (int i = 0; i < n; i++)
-        total += exp((double)(z[CAND(i)] - zmax));
-    if (sp->top_p < 1.0f) {
-        double lim = (double)sp->top_p * total;
-        int keep = 0;
+static __device__ __forceinline__ int
+sc_cand(const struct sample_cands &c, int i)
+{
+    return c.sorted != NULL ? (int)(c.sorted[i] & 0xffffffffu) : i;
+}
 
-        cum = 0.0;
-        while (keep < n) {
-            cum += exp((double)(z[CAND(keep)] - zmax));
-            keep++;
-            if (cum >= lim)
-                break;
+/* Step 4's weight of position i. */
+static __device__ __forceinline__ double
+sc_w(const struct sample_cands &c, int i)
+{
+    return exp((double)(c.z[sc_cand(c, i)] - c.zmax));
+}
+
+/* The sum of run b of the first n positions: stored, or (cut by n) anew. */
+static __device__ double
+sc_run(const struct sample_cands &c, int b, int n)
+{
+    int p0 = b * DSV4_SAMPLE_RUN, p1 = min(p0 + DSV4_SAMPLE_RUN, n);
+    double q = 0.0;
+
+    if (p1 == min(p0 + DSV4_SAMPLE_RUN, c.n_cand))
+        return c.q[b];
+    for (int i = p0; i < p1; i++)
+        q += sc_w(c, i);
+    return q;
+}
+
+/* The sum of span s of the first n positions: stored, or its runs' anew. */
+static __device__ double
+sc_span(const struct sample_cands &c, int s, int n)
+{
+    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
+    int p0 = s * span, p1 = min(p0 + span, n);
+    double d = 0.0;
+
+    if (p1 == min(p0 + span, c.n_cand))
+        return c.d[s];
+    for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN)
+        d += sc_run(c, p / DSV4_SAMPLE_RUN, n);
+    return d;
+}
+
+/* cpu_sample.c's mass(n). */
+static __device__ double
+sc_mass(const struct sample_cands &c, int n)
+{
+    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
+    double m = 0.0;
+
+    for (int s = 0; s * span < n; s++)
+        m += sc_span(c, s, n);
+    return m;
+}
+
+/* cpu_sample.c's find(n, t); ge: "passes" is >=, else >. */
+static __device__ int
+sc_find(const struct sample_cands &c, int n, double t, int ge)
+{
+    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
+    double e = 0.0;
+
+#define PASSES(v) (ge ? (v) >= t : (v) > t)
+    for (int s = 0; s * span < n; s++) {
+        int p0 = s * span, p1 = min(p0 + span, n);
+        double d = sc_span(c, s, n), g = e;
+
+        if (!PASSES(e + d)) {
+            e += d;
+            continue;
         }
-        n = keep;
-        total = cum;
+        for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN) {
+            int len = min(p1 - p, DSV4_SAMPLE_RUN);
+            double q = sc_run(c, p / DSV4_SAMPLE_RUN, n);
+
+            if (!PASSES(g + q)) {
+                g += q;
+                continue;
+            }
+            for (int i = p; i < p + len; i++) {
+                g += sc_w(c, i);
+                if (PASSES(g))
+                    return i;
+            }
+            return p + len - 1;
+        }
+        return p1 - 1;
     }
+#undef PASSES
+    return n - 1;
+}
+
+/* The candidate count of a sampled row (step 3). */
+static __device__ __forceinline__ int
+sample_n_cand(const struct dsv4_sample_params *sp, int V)
+{
+    return sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
+}
+
+/* Whether a sampled row needs the sorted candidate order (step 3). */
+static __host__ __device__ __forceinline__ int
+sample_sorted(const struct dsv4_sample_params *sp, int V)
+{
+    return (sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f;
+}
+
+/* Steps 4-5 of cpu_sample.c for one row (temperature > 0). */
+static __device__ int
+sample_draw(const struct sample_cands &c, const struct dsv4_sample_params *sp)
+{
+    int n = c.n_cand;
+    uint64_t bits;
+    double target;
+
+    if (sp->top_p < 1.0f)
+        n = sc_find(c, n, (double)sp->top_p * sc_mass(c, n), 1) + 1;
     bits = cu_splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
-    target = (double)(bits >> 11) * 0x1p-53 * total;
-    cum = 0.0;
-    for (int i = 0; i < n; i++) {
-        cum += exp((double)(z[CAND(i)] - zmax));
-        if (target < cum)
-            return CAND(i);
+    target = (double)(bits >> 11) * 0x1p-53 * sc_mass(c, n);
+    return sc_cand(c, sc_find(c, n, target, 0));
+}
+
+/*
+ * grid (n rows, sample_spans(V)), DSV4_SAMPLE_SPAN threads: for a sampled
+ * row thread t sums the weights of run t of span y in order into q, and
+ * thread 0 the span's run sums in order into d (runs past the row's
+ * candidates add nothing).  Greedy rows leave at once.
+ */
+static __global__ void __launch_bounds__(DSV4_SAMPLE_SPAN)
+sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const float *z,
+                   const unsigned long long *sorted, const float *logits,
+                   const struct dsv4_sample_params *params, int V)
+{
+    __shared__ double qs[DSV4_SAMPLE_SPAN];
+    __shared__ float s_zmax;
+    int64_t r = blockIdx.x;
+    int b = blockIdx.y * DSV4_SAMPLE_SPAN + threadIdx.x, p0 = b * DSV4_SAMPLE_RUN;
+    const struct dsv4_sample_params *sp = &params[r];
+    struct sample_cands c;
+    double v = 0.0;
+
+    if (sp->temperature == 0.0f)
+        return;   /* the whole block */
+    if (threadIdx.x == 0)   /* zmax: z at the row's argmax (z = l / temperature keeps the order) */
+        s_zmax = z[r * V + sample_row_argmax(cs + r * SAMPLE_CHUNKS, logits + r * V)];
+    __syncthreads();
+    c.z = z + r * V;
+    c.sorted = sample_sorted(sp, V) ? sorted + r * V : NULL;
+    c.q = c.d = NULL;
+    c.zmax = s_zmax;
+    c.n_cand = sample_n_cand(sp, V);
+    for (int i = p0; i < min(p0 + DSV4_SAMPLE_RUN, c.n_cand); i++)
+        v += sc_w(c, i);
+    if (b < sample_runs(V))
+        q[r * sample_runs(V) + b] = v;
+    qs[threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double sum = 0.0;
+
+        for (int t = 0; t < DSV4_SAMPLE_SPAN; t++)
+            sum += qs[t];
+        d[r * sample_spans(V) + blockIdx.y] = sum;
     }
-    return CAND(n - 1);
-#undef CAND
 }
 
 static __global__ void
 sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_stats *cs,
-                    const float *z, const unsigned long long *sorted, const float *logits,
+                    const float *z, const unsigned long long *sorted, const double *q,
+                    const double *d, const float *logits,
                     const struct dsv4_sample_params *params, int n, int V)
 {
-    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    int r = blockIdx.x;   /* a block a row (one thread works): rows side by side, not
+                             one warp's diverging lanes in turn */
     int id;
     struct row_stats st;
 
-    if (r >= n)
+    if (r >= n || threadIdx.x != 0)
         return;
     st = sample_row_stats(cs + (int64_t)r * SAMPLE_CHUNKS, logits + (int64_t)r * V);
-    if (params[r].temperature == 0.0f)
+    if (params[r].temperature == 0.0f) {
         id = st.argmax;
-    else
-        id = sample_draw(z + (int64_t)r * V, sorted != NULL ? sorted + (int64_t)r * V : NULL,
-                         &params[r], V);
+    } else {
+        const struct dsv4_sample_params *sp = &params[r];
+        struct sample_cands c;
+
+        c.z = z + (int64_t)r * V;
+        c.sorted = sample_sorted(sp, V) ? sorted + (int64_t)r * V : NULL;
+        c.q = q + (int64_t)r * sample_runs(V);
+        c.d = d + (int64_t)r * sample_spans(V);
+        c.zmax = c.z[st.argmax];
+        c.n_cand = sample_n_cand(sp, V);
+        id = sample_draw(c, sp);
+    }
     out_ids[r] = id;
     if (out_logprob != NULL)
         out_logprob[r] = (float)((double)logits[(int64_t)r * V + id] -
@@ -277,7 +433,8 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
 {
     cudaStream_t s = cuda_stream(be);
     int any_temp = 0, any_sort = 0;
-    size_t pb, sb, zb, kb, tb = 0;
+    size_t pb, sb, zb, kb, tb = 0, qb, db;
+    double *q = NULL, *d = NULL;
     char *base;
     unsigned long long *kin = NULL, *kout = NULL;
 
@@ -293,7 +450,7 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
                                 (double)sp->temperature, sp->top_k, (double)sp->top_p);
         if (sp->temperature != 0.0f) {
             any_temp = 1;
-            if ((sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f)
+            if (sample_sorted(sp, V))
                 any_sort = 1;
         }
     }
@@ -305,12 +462,19 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
     kb = any_sort ? cuda_align((size_t)n * V * sizeof(unsigned long long)) : 0;
     if (any_sort)
         tb = cuda_sort_temp_bytes(n, V);
-    base = (char *)cuda_scratch(be, pb + sb + zb + 2 * kb + tb);
+    tb = cuda_align(tb);
+    qb = any_temp ? cuda_align((size_t)n * sample_runs(V) * sizeof(double)) : 0;
+    db = any_temp ? cuda_align((size_t)n * sample_spans(V) * sizeof(double)) : 0;
+    base = (char *)cuda_scratch(be, pb + sb + zb + 2 * kb + tb + qb + db);
     if (base == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "sample: no scratch (n=%d V=%d)", n, V);
     if (any_sort) {
         kin = (unsigned long long *)(base + pb + sb + zb);
         kout = (unsigned long long *)(base + pb + sb + zb + kb);
+    }
+    if (any_temp) {
+        q = (double *)(base + pb + sb + zb + 2 * kb + tb);
+        d = (double *)(base + pb + sb + zb + 2 * kb + tb + qb);
     }
     CUDA_TRY(cudaMemcpyAsync(base, params, (size_t)n * sizeof(*params), cudaMemcpyHostToDevice,
                              s));
@@ -327,9 +491,16 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
         if (e != DSV4_OK)
             return e;
     }
-    sample_final_kernel<<<cuda_blocks(n, 64), 64, 0, s>>>(
+    if (any_temp) {
+        sample_runs_kernel<<<dim3((unsigned)n, (unsigned)sample_spans(V)), DSV4_SAMPLE_SPAN, 0,
+                             s>>>(q, d, (const struct chunk_stats *)(base + pb),
+                                  (const float *)(base + pb + sb), kout, logits,
+                                  (const struct dsv4_sample_params *)base, V);
+        CUDA_LAUNCHED("sample_runs");
+    }
+    sample_final_kernel<<<(unsigned)n, 32, 0, s>>>(
         out_ids, out_logprob, (const struct chunk_stats *)(base + pb),
-        (const float *)(base + pb + sb), kout, logits,
+        (const float *)(base + pb + sb), kout, q, d, logits,
         (const struct dsv4_sample_params *)base, n, V);
     CUDA_LAUNCHED("sample_final");
     return DSV4_OK;

@@ -36,7 +36,8 @@
  * --profile-from-start off`: the per-kernel breakdown of docs/perf.md), and
  * the graphed step time and the step graph's kernel count
  * (dsv4_cuda_graph_kernels).  DSV4_CUDA_KERNELS=fast selects the fast
- * kernels.
+ * kernels; DSV4_TEST_TEMPERATURE=T samples the GPU-sampled steps at
+ * temperature T (default 0: greedy).
  *
  * prefill: the `flash` widths cut to LAYERS layers with synthetic weights,
  * one sequence of T tokens prefilled from an empty slot in chunks of 512
@@ -541,9 +542,14 @@ run_profile(int layers, int batch)
             int32_t ones[16];
             struct dsv4_batch d = { batch, slot, ones, tg };
 
+            const char *te = getenv("DSV4_TEST_TEMPERATURE");
+
             memset(sp, 0, sizeof(sp));
-            for (int i = 0; i < 16; i++)
+            for (int i = 0; i < 16; i++) {
                 ones[i] = 1, sp[i].top_p = 1.0f;
+                sp[i].temperature = te != NULL ? (float)atof(te) : 0.0f;
+                sp[i].seed = 1234 + (uint64_t)i;
+            }
             TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL));
             t0 = now_ms();
             for (int s = 0; s < 20; s++)

@@ -1726,6 +1726,48 @@ test_sample_distribution(void **state)
     dsv4_backend_destroy(be);
 }
 
+/* The same over a vocabulary of several spans (the sums of runs of 16 and
+ * spans of 256 runs, backend.h): four live tokens in different runs and
+ * spans, the rest -inf (weight 0), with and without a sorted order. */
+static void
+test_sample_distribution_spans(void **state)
+{
+    enum { V = 3 * DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN + 77, N = 4000 };
+    static const int tok[4] = { 5, 4096 + 17, 2 * 4096 + 4095, 3 * 4096 + 76 };
+    static const double want[4] = { 0.1, 0.2, 0.3, 0.4 };
+    struct dsv4_backend *be = mkbe(DSV4_NUMERICS_HF, 1);
+    float *lg = malloc(V * sizeof(float));
+
+    (void)state;
+    for (int i = 0; i < V; i++)
+        lg[i] = -INFINITY;
+    for (int k = 0; k < 4; k++)
+        lg[tok[k]] = (float)log(want[k]);
+    for (int sorted = 0; sorted < 2; sorted++) {
+        struct dsv4_sample_params sp = { 1.0f, sorted ? 0.999f : 1.0f, 0, 99, 0 };
+        int count[4] = { 0 };
+
+        for (int step = 0; step < N; step++) {
+            int32_t id;
+            int k;
+
+            sp.step = (uint64_t)step;
+            assert_int_equal(be->ops->sample(be, &id, NULL, lg, &sp, 1, V), DSV4_OK);
+            for (k = 0; k < 4 && tok[k] != id; k++)
+                ;
+            assert_true(k < 4);   /* never a token of weight 0 */
+            count[k]++;
+        }
+        for (int k = 0; k < 4; k++) {
+            print_message("sorted %d token %d: freq %.4f expected %.4f\n", sorted, tok[k],
+                          (double)count[k] / N, want[k]);
+            assert_true(fabs((double)count[k] / N - want[k]) < 0.03);
+        }
+    }
+    free(lg);
+    dsv4_backend_destroy(be);
+}
+
 int
 main(void)
 {
@@ -1754,6 +1796,7 @@ main(void)
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_sample),
         cmocka_unit_test(test_sample_distribution),
+        cmocka_unit_test(test_sample_distribution_spans),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);
