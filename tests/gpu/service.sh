@@ -18,6 +18,7 @@
 # DECODE_GROUPS=N (1): N decode groups of GPUS ranks on the same GPUs (they
 # share the weights), each with SLOTS (16 / N) streams: one group's
 # latency-bound kernels run beside another's MoE (with MPS).
+# TEMP (0: greedy) the requests' sampling temperature (dsv4-bench -t).
 # PREFILL_SLOTS (1) prompts a prefill rank runs in one forward call,
 # PREFILL_CHUNK (2048) rows of a prefill call.
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
@@ -118,13 +119,13 @@ for run in "${runs[@]}"; do
     [ $i -gt 1 ] && sfx=$i
     echo "== dsv4-bench $run"
     # shellcheck disable=SC2086
-    dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} $run \
+    dsv4-bench -e "ipc://$D/client.sock" -t ${TEMP:-0} ${TOKENS:-} $run \
         -j "$OUT/bench$sfx.json" 2>&1 | tee "$OUT/bench$sfx.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 if [ "${KILL:-0}" = 1 ]; then
     # shellcheck disable=SC2086
-    dsv4-bench -e "ipc://$D/client.sock" -t 0 ${TOKENS:-} ${KILL_BENCH:--c 16 -p 256 -l 256 -n 48} -w 0 \
+    dsv4-bench -e "ipc://$D/client.sock" -t ${TEMP:-0} ${TOKENS:-} ${KILL_BENCH:--c 16 -p 256 -l 256 -n 48} -w 0 \
         -j "$OUT/kill.json" > "$OUT/kill.txt" 2>&1 &
     bpid=$!
     sleep "${KILL_AFTER:-8}"
