@@ -9,23 +9,16 @@
  *      otherwise, when top_p < 1, all V in that order; otherwise all V in id
  *      order (no sorting needed).
  *   4. weights w_p = exp((double)(z - zmax)) of the candidate at position p
- *      (candidate order), zmax the largest z.  Sums are in double, in this
- *      order (backend.h DSV4_SAMPLE_RUN, DSV4_SAMPLE_SPAN): the mass of the
- *      first n positions is Σ over spans (in order) of Σ over the span's
- *      runs (in order) of Σ over the run's positions (in order), runs of 16
- *      positions and spans of 256 runs (the last ones cut at n).
- *      find(n, t) is the position the running mass first passes t, found
- *      span, run, position: E = the mass of the spans before span s, for the
- *      first span whose E + its sum passes t; then G = E plus run sums, in
- *      order, up to the first run for which G + its sum passes t; then G
- *      plus that run's weights, in order, up to the first position where G
- *      passes t.  Where rounding leaves no passing run or position, the last
- *      one of the span or run; no passing span, the last position.
- *      top_p < 1 keeps the first find(n, top_p * mass(n)) + 1 candidates,
- *      "passes" meaning >= there; the kept candidates' mass is M.
+ *      (candidate order), zmax the largest z.  The mass of the first n
+ *      positions is their weights' sum in double in a fixed blocked order:
+ *      runs of 16 positions, spans of 256 runs, each summed in order;
+ *      find(n, t) is the position where the running mass first passes t,
+ *      searched span, run, position (kernels/sample_order.h, the code both
+ *      backends run, says exactly how).  top_p < 1 keeps the first
+ *      find(n, top_p * mass(n)) + 1 candidates ("passes": >=); their mass
+ *      is M.
  *   5. u = (splitmix64(seed ^ (step * 0xD1B54A32D192ED03)) >> 11) * 2^-53 in
- *      [0, 1); the pick is the candidate at find(kept, u * M), "passes"
- *      meaning >.
+ *      [0, 1); the pick is the candidate at find(kept, u * M) ("passes": >).
  * (Before run 36 the sums of steps 4-5 were one running sum over all
  * candidates: the same draw up to rounding, but only one thread could form
  * it, 41 ms a step on the GPU.)
@@ -35,6 +28,7 @@
  * (0, 1]) give DSV4_ERR_INVAL.  Rows run in parallel.
  */
 #include "kernels/cpu/cpu.h"
+#include "kernels/sample_order.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -50,16 +44,6 @@ struct sample_job {
     int32_t *cand;            /* (n_threads, V) */
 };
 
-static uint64_t
-splitmix64(uint64_t x)
-{
-    uint64_t z = x + 0x9E3779B97F4A7C15ull;
-
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 static int
 argmax(const float *l, int V)
 {
@@ -71,80 +55,6 @@ argmax(const float *l, int V)
     return best;
 }
 
-/* The weights of positions p .. p + len - 1 summed in order (step 4). */
-static double
-run_sum(const float *z, const int32_t *cand, int p, int len, float zmax)
-{
-    double q = 0.0;
-
-    for (int i = p; i < p + len; i++)
-        q += exp((double)(z[cand[i]] - zmax));
-    return q;
-}
-
-/* The sum of span s of the first n positions (its runs' sums in order). */
-static double
-span_sum(const float *z, const int32_t *cand, int n, int s, float zmax)
-{
-    int p0 = s * DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN, p1 = p0 + DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
-    double d = 0.0;
-
-    if (p1 > n)
-        p1 = n;
-    for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN)
-        d += run_sum(z, cand, p, p1 - p < DSV4_SAMPLE_RUN ? p1 - p : DSV4_SAMPLE_RUN, zmax);
-    return d;
-}
-
-/* mass(n) of step 4. */
-static double
-mass(const float *z, const int32_t *cand, int n, float zmax)
-{
-    int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
-    double m = 0.0;
-
-    for (int s = 0; s * span < n; s++)
-        m += span_sum(z, cand, n, s, zmax);
-    return m;
-}
-
-/* find(n, t) of step 4; ge: "passes" is >=, else >. */
-static int
-find(const float *z, const int32_t *cand, int n, double t, int ge, float zmax)
-{
-    int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
-    double e = 0.0;
-
-#define PASSES(v) (ge ? (v) >= t : (v) > t)
-    for (int s = 0; s * span < n; s++) {
-        int p0 = s * span, p1 = p0 + span < n ? p0 + span : n;
-        double d = span_sum(z, cand, n, s, zmax), g = e;
-
-        if (!PASSES(e + d)) {
-            e += d;
-            continue;
-        }
-        for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN) {
-            int len = p1 - p < DSV4_SAMPLE_RUN ? p1 - p : DSV4_SAMPLE_RUN;
-            double q = run_sum(z, cand, p, len, zmax);
-
-            if (!PASSES(g + q)) {
-                g += q;
-                continue;
-            }
-            for (int i = p; i < p + len; i++) {
-                g += exp((double)(z[cand[i]] - zmax));
-                if (PASSES(g))
-                    return i;
-            }
-            return p + len - 1;
-        }
-        return p1 - 1;
-    }
-#undef PASSES
-    return n - 1;
-}
-
 static int
 sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_params *sp,
            int tid)
@@ -153,8 +63,6 @@ sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_
     float *z = j->z + (int64_t)tid * V;
     int32_t *cand = j->cand + (int64_t)tid * V;
     float zmax;
-    double target;
-    uint64_t bits;
 
     if (sp->temperature == 0.0f)
         return argmax(l, V);
@@ -170,11 +78,11 @@ sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_
         n = V;
     }
     zmax = z[argmax(z, V)];
-    if (sp->top_p < 1.0f)
-        n = find(z, cand, n, (double)sp->top_p * mass(z, cand, n, zmax), 1, zmax) + 1;
-    bits = splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
-    target = (double)(bits >> 11) * 0x1p-53 * mass(z, cand, n, zmax);
-    return cand[find(z, cand, n, target, 0, zmax)];
+    {
+        struct so_cands c = { z, cand, NULL, NULL, NULL, zmax, n };
+
+        return so_draw(&c, sp);
+    }
 }
 
 static void

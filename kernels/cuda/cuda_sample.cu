@@ -13,10 +13,10 @@
  * one SM, perf.md run 30.)  The rows that need a candidate order (top_k in
  * [1, V) or top_p < 1) are sorted by CUB's segmented radix sort on (z desc,
  * id asc) keys, which is cpu_topk's order.  Steps 4-5 of the algorithm sum
- * the weights in runs and spans (cpu_sample.c): sample_runs_kernel forms
- * every run's sum (a thread a run) and every span's (a block a span), and
- * one thread per row then finds the draw with cpu_sample.c's procedure,
- * recomputing at most one run's weights.  (One thread per row made one
+ * the weights in runs and spans (kernels/sample_order.h, the CPU's code
+ * too): sample_runs_kernel forms every run's sum (a thread a run) and
+ * every span's (a block a span), and one thread per row then draws with
+ * so_draw on those sums, recomputing at most one run's weights.  (One thread per row made one
  * running sum over all candidates before run 36: 41 ms a step at
  * temperature 1.)  The argmax and maximum are the CPU's (order-free); Σ exp
  * for the log-probability is a tree of partial sums (a different double
@@ -24,6 +24,7 @@
  * for rare last-bit cases).
  */
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/sample_order.h"
 
 #include <math.h>
 
@@ -195,16 +196,6 @@ sample_row_stats(const struct chunk_stats *cs, const float *l)
     return st;
 }
 
-static __device__ uint64_t
-cu_splitmix64(uint64_t x)
-{
-    uint64_t z = x + 0x9E3779B97F4A7C15ull;
-
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* Runs and spans of step 4 in a row of V (cpu_sample.c; backend.h). */
 static __host__ __device__ __forceinline__ int
 sample_runs(int V)
@@ -216,108 +207,6 @@ static __host__ __device__ __forceinline__ int
 sample_spans(int V)
 {
     return (V + DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN - 1) / (DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN);
-}
-
-/* The candidates of a sampled row: n_cand positions (top_k, or V), the
- * candidate at position i (sorted keys, or id order), the stored run and
- * span sums of all n_cand (sample_runs_kernel), zmax. */
-struct sample_cands {
-    const float *z;
-    const unsigned long long *sorted;   /* NULL: id order */
-    const double *q, *d;
-    float zmax;
-    int n_cand;
-};
-
-static __device__ __forceinline__ int
-sc_cand(const struct sample_cands &c, int i)
-{
-    return c.sorted != NULL ? (int)(c.sorted[i] & 0xffffffffu) : i;
-}
-
-/* Step 4's weight of position i. */
-static __device__ __forceinline__ double
-sc_w(const struct sample_cands &c, int i)
-{
-    return exp((double)(c.z[sc_cand(c, i)] - c.zmax));
-}
-
-/* The sum of run b of the first n positions: stored, or (cut by n) anew. */
-static __device__ double
-sc_run(const struct sample_cands &c, int b, int n)
-{
-    int p0 = b * DSV4_SAMPLE_RUN, p1 = min(p0 + DSV4_SAMPLE_RUN, n);
-    double q = 0.0;
-
-    if (p1 == min(p0 + DSV4_SAMPLE_RUN, c.n_cand))
-        return c.q[b];
-    for (int i = p0; i < p1; i++)
-        q += sc_w(c, i);
-    return q;
-}
-
-/* The sum of span s of the first n positions: stored, or its runs' anew. */
-static __device__ double
-sc_span(const struct sample_cands &c, int s, int n)
-{
-    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
-    int p0 = s * span, p1 = min(p0 + span, n);
-    double d = 0.0;
-
-    if (p1 == min(p0 + span, c.n_cand))
-        return c.d[s];
-    for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN)
-        d += sc_run(c, p / DSV4_SAMPLE_RUN, n);
-    return d;
-}
-
-/* cpu_sample.c's mass(n). */
-static __device__ double
-sc_mass(const struct sample_cands &c, int n)
-{
-    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
-    double m = 0.0;
-
-    for (int s = 0; s * span < n; s++)
-        m += sc_span(c, s, n);
-    return m;
-}
-
-/* cpu_sample.c's find(n, t); ge: "passes" is >=, else >. */
-static __device__ int
-sc_find(const struct sample_cands &c, int n, double t, int ge)
-{
-    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
-    double e = 0.0;
-
-#define PASSES(v) (ge ? (v) >= t : (v) > t)
-    for (int s = 0; s * span < n; s++) {
-        int p0 = s * span, p1 = min(p0 + span, n);
-        double d = sc_span(c, s, n), g = e;
-
-        if (!PASSES(e + d)) {
-            e += d;
-            continue;
-        }
-        for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN) {
-            int len = min(p1 - p, DSV4_SAMPLE_RUN);
-            double q = sc_run(c, p / DSV4_SAMPLE_RUN, n);
-
-            if (!PASSES(g + q)) {
-                g += q;
-                continue;
-            }
-            for (int i = p; i < p + len; i++) {
-                g += sc_w(c, i);
-                if (PASSES(g))
-                    return i;
-            }
-            return p + len - 1;
-        }
-        return p1 - 1;
-    }
-#undef PASSES
-    return n - 1;
 }
 
 /* The candidate count of a sampled row (step 3). */
@@ -334,21 +223,6 @@ sample_sorted(const struct dsv4_sample_params *sp, int V)
     return (sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f;
 }
 
-/* Steps 4-5 of cpu_sample.c for one row (temperature > 0). */
-static __device__ int
-sample_draw(const struct sample_cands &c, const struct dsv4_sample_params *sp)
-{
-    int n = c.n_cand;
-    uint64_t bits;
-    double target;
-
-    if (sp->top_p < 1.0f)
-        n = sc_find(c, n, (double)sp->top_p * sc_mass(c, n), 1) + 1;
-    bits = cu_splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
-    target = (double)(bits >> 11) * 0x1p-53 * sc_mass(c, n);
-    return sc_cand(c, sc_find(c, n, target, 0));
-}
-
 /*
  * grid (n rows, sample_spans(V)), DSV4_SAMPLE_SPAN threads: for a sampled
  * row thread t sums the weights of run t of span y in order into q, and
@@ -363,10 +237,10 @@ sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const flo
     __shared__ double qs[DSV4_SAMPLE_SPAN];
     __shared__ float s_zmax;
     int64_t r = blockIdx.x;
-    int b = blockIdx.y * DSV4_SAMPLE_SPAN + threadIdx.x, p0 = b * DSV4_SAMPLE_RUN;
+    int b = blockIdx.y * DSV4_SAMPLE_SPAN + threadIdx.x;
     const struct dsv4_sample_params *sp = &params[r];
-    struct sample_cands c;
-    double v = 0.0;
+    struct so_cands c;
+    double v;
 
     if (sp->temperature == 0.0f)
         return;   /* the whole block */
@@ -374,12 +248,12 @@ sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const flo
         s_zmax = z[r * V + sample_row_argmax(cs + r * SAMPLE_CHUNKS, logits + r * V)];
     __syncthreads();
     c.z = z + r * V;
-    c.sorted = sample_sorted(sp, V) ? sorted + r * V : NULL;
+    c.cand = NULL;
+    c.keys = sample_sorted(sp, V) ? sorted + r * V : NULL;
     c.q = c.d = NULL;
     c.zmax = s_zmax;
     c.n_cand = sample_n_cand(sp, V);
-    for (int i = p0; i < min(p0 + DSV4_SAMPLE_RUN, c.n_cand); i++)
-        v += sc_w(c, i);
+    v = so_run(&c, b, c.n_cand);   /* 0 past the candidates */
     if (b < sample_runs(V))
         q[r * sample_runs(V) + b] = v;
     qs[threadIdx.x] = v;
@@ -411,15 +285,16 @@ sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_sta
         id = st.argmax;
     } else {
         const struct dsv4_sample_params *sp = &params[r];
-        struct sample_cands c;
+        struct so_cands c;
 
         c.z = z + (int64_t)r * V;
-        c.sorted = sample_sorted(sp, V) ? sorted + (int64_t)r * V : NULL;
+        c.cand = NULL;
+        c.keys = sample_sorted(sp, V) ? sorted + (int64_t)r * V : NULL;
         c.q = q + (int64_t)r * sample_runs(V);
         c.d = d + (int64_t)r * sample_spans(V);
         c.zmax = c.z[st.argmax];
         c.n_cand = sample_n_cand(sp, V);
-        id = sample_draw(c, sp);
+        id = so_draw(&c, sp);
     }
     out_ids[r] = id;
     if (out_logprob != NULL)

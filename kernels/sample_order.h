@@ -1,0 +1,166 @@
+/*
+ * sample_order.h — steps 4-5 of the sampler (cpu_sample.c), written once for
+ * the CPU backend and the CUDA one (kernels/cuda/cuda_sample.cu), so that
+ * both draw the same token from the same (seed, step): the candidates'
+ * weights, the fixed order of their double sums (runs of DSV4_SAMPLE_RUN
+ * positions, spans of DSV4_SAMPLE_SPAN runs: kernels/backend.h), the
+ * search for the position the running mass passes a value, and the draw.
+ * A backend may hand in the sums of whole runs and spans formed elsewhere
+ * in the same order (the CUDA backend forms them in parallel); whatever is
+ * not handed in is summed here.
+ */
+#ifndef DSV4_SAMPLE_ORDER_H
+#define DSV4_SAMPLE_ORDER_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+#ifdef __CUDACC__
+#define SO_FN static __host__ __device__ inline
+#else
+#define SO_FN static inline
+#endif
+
+/* The candidates of a sampled row (cpu_sample.c step 3). */
+struct so_cands {
+    const float *z;                  /* z = logits / temperature, by id */
+    const int32_t *cand;             /* candidate ids by position, or NULL: */
+    const unsigned long long *keys;  /* sorted keys (id in the low 32 bits), or NULL: id order */
+    const double *q, *d;             /* sums of every whole run / span of the n_cand
+                                        positions in this order, or NULL */
+    float zmax;                      /* the largest z */
+    int n_cand;                      /* candidates */
+};
+
+/* The counter-based generator of step 5. */
+SO_FN uint64_t
+so_splitmix64(uint64_t x)
+{
+    uint64_t z = x + 0x9E3779B97F4A7C15ull;
+
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* The id of the candidate at position i. */
+SO_FN int
+so_cand(const struct so_cands *c, int i)
+{
+    return c->cand != NULL ? c->cand[i] : c->keys != NULL ? (int)(c->keys[i] & 0xffffffffu) : i;
+}
+
+/* Step 4's weight of position i. */
+SO_FN double
+so_w(const struct so_cands *c, int i)
+{
+    return exp((double)(c->z[so_cand(c, i)] - c->zmax));
+}
+
+/* The sum of run b of the first n positions, in position order. */
+SO_FN double
+so_run(const struct so_cands *c, int b, int n)
+{
+    int p0 = b * DSV4_SAMPLE_RUN, p1 = p0 + DSV4_SAMPLE_RUN < n ? p0 + DSV4_SAMPLE_RUN : n;
+    int whole = p0 + DSV4_SAMPLE_RUN < c->n_cand ? p0 + DSV4_SAMPLE_RUN : c->n_cand;
+    double q = 0.0;
+
+    if (c->q != NULL && p1 == whole)
+        return c->q[b];
+    for (int i = p0; i < p1; i++)
+        q += so_w(c, i);
+    return q;
+}
+
+/* The sum of span s of the first n positions: its runs' sums in order. */
+SO_FN double
+so_span(const struct so_cands *c, int s, int n)
+{
+    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
+    int p0 = s * span, p1 = p0 + span < n ? p0 + span : n;
+    int whole = p0 + span < c->n_cand ? p0 + span : c->n_cand;
+    double d = 0.0;
+
+    if (c->d != NULL && p1 == whole)
+        return c->d[s];
+    for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN)
+        d += so_run(c, p / DSV4_SAMPLE_RUN, n);
+    return d;
+}
+
+/* The mass of the first n positions: the spans' sums in order. */
+SO_FN double
+so_mass(const struct so_cands *c, int n)
+{
+    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
+    double m = 0.0;
+
+    for (int s = 0; s * span < n; s++)
+        m += so_span(c, s, n);
+    return m;
+}
+
+/*
+ * The position the running mass of the first n positions first passes t
+ * (ge: reaches, >=; else exceeds, >), found span, run, position: E = the
+ * mass of the spans before span s, for the first span whose E + its sum
+ * passes t; then G = E plus run sums, in order, up to the first run for
+ * which G + its sum passes t; then G plus that run's weights, in order, up
+ * to the first position where G passes t.  Where rounding leaves no passing
+ * run or position, the last one of the span or run; no passing span, the
+ * last position.
+ */
+SO_FN int
+so_find(const struct so_cands *c, int n, double t, int ge)
+{
+    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
+    double e = 0.0;
+
+    for (int s = 0; s * span < n; s++) {
+        int p0 = s * span, p1 = p0 + span < n ? p0 + span : n;
+        double d = so_span(c, s, n), g = e;
+
+        if (!(ge ? e + d >= t : e + d > t)) {
+            e += d;
+            continue;
+        }
+        for (int p = p0; p < p1; p += DSV4_SAMPLE_RUN) {
+            int len = p1 - p < DSV4_SAMPLE_RUN ? p1 - p : DSV4_SAMPLE_RUN;
+            double q = so_run(c, p / DSV4_SAMPLE_RUN, n);
+
+            if (!(ge ? g + q >= t : g + q > t)) {
+                g += q;
+                continue;
+            }
+            for (int i = p; i < p + len; i++) {
+                g += so_w(c, i);
+                if (ge ? g >= t : g > t)
+                    return i;
+            }
+            return p + len - 1;
+        }
+        return p1 - 1;
+    }
+    return n - 1;
+}
+
+/* Steps 4-5 for one row: top_p < 1 keeps the first so_find(n, top_p *
+ * mass(n), >=) + 1 candidates; u from (seed, step); the id at so_find(kept,
+ * u * mass(kept), >). */
+SO_FN int
+so_draw(const struct so_cands *c, const struct dsv4_sample_params *sp)
+{
+    int n = c->n_cand;
+    uint64_t bits;
+    double target;
+
+    if (sp->top_p < 1.0f)
+        n = so_find(c, n, (double)sp->top_p * so_mass(c, n), 1) + 1;
+    bits = so_splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
+    target = (double)(bits >> 11) * 0x1p-53 * so_mass(c, n);
+    return so_cand(c, so_find(c, n, target, 0));
+}
+
+#endif
