@@ -689,6 +689,41 @@ test_sample(void)
     free(l);
 }
 
+/* The same at flash's vocabulary (32 spans of 256 runs of 16): draws over
+ * every span in id order, and sorted candidates cut inside a run by top_k
+ * (1,000 = 62.5 runs) and by top_p, so the draw also sums runs and spans
+ * the stored sums do not cover (kernels/sample_order.h). */
+static void
+test_sample_vocab(void)
+{
+    enum { N = 5, V = 129280 };
+    float *l = rand_f32((int64_t)N * V, 3.0f);
+    struct dsv4_sample_params sp[N];
+    struct pair pl, pid = pair_new(NULL, N * 4), plp = pair_poison(N);
+
+    memset(sp, 0, sizeof(sp));
+    for (int r = 0; r < N; r++) {
+        sp[r].seed = rng_u64();
+        sp[r].step = (uint64_t)rng_int(1000);
+        sp[r].top_p = 1.0f;
+    }
+    sp[1].temperature = 1.0f;
+    sp[2].temperature = 1.3f, sp[2].top_k = 1000;
+    sp[3].temperature = 0.9f, sp[3].top_p = 0.95f;
+    sp[4].temperature = 2.0f, sp[4].top_k = 5000, sp[4].top_p = 0.6f;
+    pl = pair_new(l, (size_t)N * V * 4);
+    for (int rep = 0; rep < 4; rep++) {
+        BOTH("sample (vocab)", cpu->ops->sample(cpu, pid.c, plp.c, pl.c, sp, N, V),
+             gpu->ops->sample(gpu, pid.g, plp.g, pl.g, sp, N, V));
+        check_i32("sample ids (vocab)", &pid, N);
+        check_f32("sample logprob (vocab)", &plp, N, F32_TOL);
+        for (int r = 0; r < N; r++)
+            sp[r].step++;
+    }
+    pair_free(&pl), pair_free(&pid), pair_free(&plp);
+    free(l);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -718,6 +753,7 @@ main(int argc, char **argv)
         test_attention();
         test_moe();
         test_sample();
+        test_sample_vocab();
         dsv4_backend_destroy(cpu);
         dsv4_backend_destroy(gpu);
     }
