@@ -993,20 +993,26 @@ fm5_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, const
                    "r"(fm5_h2(a3, 1)), "r"(bh[2]), "r"(bh[3]));
 }
 
+/* Group m of a block's activations: xh[4m .. 4m+3] = the 16 bytes at p. */
+static __device__ __forceinline__ void
+fm5_act_group(uint32_t *xh, int m, const uint4 *p)
+{
+    uint4 v = __ldg(p);
+
+    xh[4 * m] = v.x;
+    xh[4 * m + 1] = v.y;
+    xh[4 * m + 2] = v.z;
+    xh[4 * m + 3] = v.w;
+}
+
 /* The activations of one 128-column block (one n-tile): xh = thread q's 64
  * bytes of v5's f16 words at xp. */
 static __device__ __forceinline__ void
 fm5_act(uint32_t (&xh)[16], const uint4 *xp)
 {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        uint4 v = __ldg(xp + i);
-
-        xh[4 * i] = v.x;
-        xh[4 * i + 1] = v.y;
-        xh[4 * i + 2] = v.z;
-        xh[4 * i + 3] = v.w;
-    }
+    for (int m = 0; m < 4; m++)
+        fm5_act_group(xh, m, xp + m);
 }
 
 /*
@@ -1029,12 +1035,7 @@ struct fm5_bh {
     __device__ __forceinline__ void
     done(int m) const
     {
-        uint4 v = __ldg(nx + m);
-
-        xh[4 * m] = v.x;
-        xh[4 * m + 1] = v.y;
-        xh[4 * m + 2] = v.z;
-        xh[4 * m + 3] = v.w;
+        fm5_act_group(xh, m, nx + m);
     }
 };
 
@@ -1473,7 +1474,8 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
         if (P == 1)
             warps = warps1;
         busy = items * P;
-        blocks = (unsigned)(((busy < warps ? busy : warps) + FM5_WARPS - 1) / FM5_WARPS);   /* whole teams */
+        /* whole teams: FM5_WARPS is a multiple of P */
+        blocks = (unsigned)(((busy < warps ? busy : warps) + FM5_WARPS - 1) / FM5_WARPS);
         e = P == 1   ? fm5_launch<UP, 1>(be, a, blocks)
             : P == 2 ? fm5_launch<UP, 2>(be, a, blocks)
                      : fm5_launch<UP, 4>(be, a, blocks);
