@@ -23,6 +23,56 @@
 #define SO_FN static inline
 #endif
 
+#define SO_SPAN_POS (DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN)   /* positions of a span */
+
+/* Runs and spans of n positions. */
+SO_FN int
+so_runs(int n)
+{
+    return (n + DSV4_SAMPLE_RUN - 1) / DSV4_SAMPLE_RUN;
+}
+
+SO_FN int
+so_spans(int n)
+{
+    return (n + SO_SPAN_POS - 1) / SO_SPAN_POS;
+}
+
+/* Step 3 for a sampled row of V: whether its candidates are in sorted
+ * order (top_k in [1, V) or top_p < 1; else id order), and how many there
+ * are (top_k, or V). */
+SO_FN int
+so_sorted(const struct dsv4_sample_params *sp, int V)
+{
+    return (sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f;
+}
+
+SO_FN int
+so_n_cand(const struct dsv4_sample_params *sp, int V)
+{
+    return sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
+}
+
+/* The rows' parameters, checked as every backend's sample op does: V >= 1,
+ * temperature >= 0 and finite, top_k >= 0, top_p in (0, 1]; else
+ * DSV4_ERR_INVAL naming the row (host code). */
+static inline enum dsv4_err
+so_check(const struct dsv4_sample_params *params, int n, int V)
+{
+    if (V < 1)
+        return dsv4_err_set(DSV4_ERR_INVAL, "sample: V=%d", V);
+    for (int r = 0; r < n; r++) {
+        const struct dsv4_sample_params *sp = &params[r];
+
+        if (!(sp->temperature >= 0.0f) || !isfinite(sp->temperature) || sp->top_k < 0 ||
+            !(sp->top_p > 0.0f && sp->top_p <= 1.0f))
+            return dsv4_err_set(DSV4_ERR_INVAL, "sample: row %d: bad parameters "
+                                "(temperature %g, top_k %d, top_p %g)", r,
+                                (double)sp->temperature, sp->top_k, (double)sp->top_p);
+    }
+    return DSV4_OK;
+}
+
 /* The candidates of a sampled row (cpu_sample.c step 3). */
 struct so_cands {
     const float *z;                  /* z = logits / temperature, by id */
@@ -78,9 +128,8 @@ so_run(const struct so_cands *c, int b, int n)
 SO_FN double
 so_span(const struct so_cands *c, int s, int n)
 {
-    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
-    int p0 = s * span, p1 = p0 + span < n ? p0 + span : n;
-    int whole = p0 + span < c->n_cand ? p0 + span : c->n_cand;
+    int p0 = s * SO_SPAN_POS, p1 = p0 + SO_SPAN_POS < n ? p0 + SO_SPAN_POS : n;
+    int whole = p0 + SO_SPAN_POS < c->n_cand ? p0 + SO_SPAN_POS : c->n_cand;
     double d = 0.0;
 
     if (c->d != NULL && p1 == whole)
@@ -90,14 +139,28 @@ so_span(const struct so_cands *c, int s, int n)
     return d;
 }
 
+/* Every run's and span's sum of all c->n_cand positions into q
+ * (so_runs(n_cand)) and d (so_spans(n_cand)), in order, for the sums
+ * below to read (c->q, c->d set). */
+SO_FN void
+so_sums(struct so_cands *c, double *q, double *d)
+{
+    c->q = c->d = NULL;
+    for (int b = 0; b < so_runs(c->n_cand); b++)
+        q[b] = so_run(c, b, c->n_cand);
+    c->q = q;
+    for (int s = 0; s < so_spans(c->n_cand); s++)
+        d[s] = so_span(c, s, c->n_cand);
+    c->d = d;
+}
+
 /* The mass of the first n positions: the spans' sums in order. */
 SO_FN double
 so_mass(const struct so_cands *c, int n)
 {
-    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
     double m = 0.0;
 
-    for (int s = 0; s * span < n; s++)
+    for (int s = 0; s < so_spans(n); s++)
         m += so_span(c, s, n);
     return m;
 }
@@ -115,11 +178,10 @@ so_mass(const struct so_cands *c, int n)
 SO_FN int
 so_find(const struct so_cands *c, int n, double t, int ge)
 {
-    const int span = DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN;
     double e = 0.0;
 
-    for (int s = 0; s * span < n; s++) {
-        int p0 = s * span, p1 = p0 + span < n ? p0 + span : n;
+    for (int s = 0; s < so_spans(n); s++) {
+        int p0 = s * SO_SPAN_POS, p1 = p0 + SO_SPAN_POS < n ? p0 + SO_SPAN_POS : n;
         double d = so_span(c, s, n), g = e;
 
         if (!(ge ? e + d >= t : e + d > t)) {

@@ -42,6 +42,7 @@ struct sample_job {
     float *z;                 /* (n_threads, V) */
     struct cpu_pick *heap;    /* (n_threads, V) */
     int32_t *cand;            /* (n_threads, V) */
+    double *q, *d;            /* (n_threads, so_runs(V) / so_spans(V)): the run and span sums */
 };
 
 static int
@@ -68,10 +69,8 @@ sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_
         return argmax(l, V);
     for (int i = 0; i < V; i++)
         z[i] = l[i] / sp->temperature;
-    if ((sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f) {
-        int K = sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
-
-        n = cpu_topk(cand, z, V, K, j->heap + (int64_t)tid * V);
+    if (so_sorted(sp, V)) {
+        n = cpu_topk(cand, z, V, so_n_cand(sp, V), j->heap + (int64_t)tid * V);
     } else {
         for (int i = 0; i < V; i++)
             cand[i] = i;
@@ -81,6 +80,7 @@ sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_
     {
         struct so_cands c = { z, cand, NULL, NULL, NULL, zmax, n };
 
+        so_sums(&c, j->q + (int64_t)tid * so_runs(V), j->d + (int64_t)tid * so_spans(V));
         return so_draw(&c, sp);
     }
 }
@@ -110,34 +110,26 @@ enum dsv4_err
 cpu_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const float *logits,
            const struct dsv4_sample_params *params, int n, int V)
 {
-    struct sample_job j = { out_ids, out_logprob, logits, params, V, NULL, NULL, NULL };
+    struct sample_job j = { out_ids, out_logprob, logits, params, V, NULL, NULL, NULL, NULL,
+                            NULL };
     int nthr = cpu_threads(be);
+    enum dsv4_err e = so_check(params, n, V);
 
-    if (V < 1)
-        return dsv4_err_set(DSV4_ERR_INVAL, "sample: V=%d", V);
-    for (int r = 0; r < n; r++) {
-        const struct dsv4_sample_params *sp = &params[r];
-
-        if (!(sp->temperature >= 0.0f) || !isfinite(sp->temperature) || sp->top_k < 0 ||
-            !(sp->top_p > 0.0f && sp->top_p <= 1.0f))
-            return dsv4_err_set(DSV4_ERR_INVAL, "sample: row %d: bad parameters "
-                                "(temperature %g, top_k %d, top_p %g)", r,
-                                (double)sp->temperature, sp->top_k, (double)sp->top_p);
-    }
-    if (n <= 0)
-        return DSV4_OK;
+    if (e != DSV4_OK || n <= 0)
+        return e;
     j.z = malloc((size_t)nthr * V * sizeof(float));
     j.heap = malloc((size_t)nthr * V * sizeof(struct cpu_pick));
     j.cand = malloc((size_t)nthr * V * sizeof(int32_t));
-    if (j.z == NULL || j.heap == NULL || j.cand == NULL) {
-        free(j.z);
-        free(j.heap);
-        free(j.cand);
-        return dsv4_err_set(DSV4_ERR_NOMEM, "sample: no memory (V=%d)", V);
-    }
-    cpu_parallel_for(be, n, 1, sample_task, &j);
+    j.q = malloc((size_t)nthr * so_runs(V) * sizeof(double));
+    j.d = malloc((size_t)nthr * so_spans(V) * sizeof(double));
+    if (j.z != NULL && j.heap != NULL && j.cand != NULL && j.q != NULL && j.d != NULL)
+        cpu_parallel_for(be, n, 1, sample_task, &j);
+    else
+        e = dsv4_err_set(DSV4_ERR_NOMEM, "sample: no memory (V=%d)", V);
     free(j.z);
     free(j.heap);
     free(j.cand);
-    return DSV4_OK;
+    free(j.q);
+    free(j.d);
+    return e;
 }

@@ -16,9 +16,9 @@
  * the weights in runs and spans (kernels/sample_order.h, the CPU's code
  * too): sample_runs_kernel forms every run's sum (a thread a run) and
  * every span's (a block a span), and one thread per row then draws with
- * so_draw on those sums, recomputing at most one run's weights.  (One thread per row made one
- * running sum over all candidates before run 36: 41 ms a step at
- * temperature 1.)  The argmax and maximum are the CPU's (order-free); Σ exp
+ * so_draw on those sums, recomputing at most one run's weights.  (One
+ * thread per row made one running sum over all candidates before run 36:
+ * 41 ms a step at temperature 1.)  The argmax and maximum are the CPU's (order-free); Σ exp
  * for the log-probability is a tree of partial sums (a different double
  * summation order than the CPU's, invisible after the rounding to float but
  * for rare last-bit cases).
@@ -196,35 +196,25 @@ sample_row_stats(const struct chunk_stats *cs, const float *l)
     return st;
 }
 
-/* Runs and spans of step 4 in a row of V (cpu_sample.c; backend.h). */
-static __host__ __device__ __forceinline__ int
-sample_runs(int V)
+/* Row r's candidates (z, and its sorted keys when step 3 sorts them) with
+ * zmax, no stored sums yet. */
+static __device__ struct so_cands
+sample_cands(const struct dsv4_sample_params *sp, const float *z,
+             const unsigned long long *sorted, float zmax, int64_t r, int V)
 {
-    return (V + DSV4_SAMPLE_RUN - 1) / DSV4_SAMPLE_RUN;
-}
+    struct so_cands c;
 
-static __host__ __device__ __forceinline__ int
-sample_spans(int V)
-{
-    return (V + DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN - 1) / (DSV4_SAMPLE_RUN * DSV4_SAMPLE_SPAN);
-}
-
-/* The candidate count of a sampled row (step 3). */
-static __device__ __forceinline__ int
-sample_n_cand(const struct dsv4_sample_params *sp, int V)
-{
-    return sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
-}
-
-/* Whether a sampled row needs the sorted candidate order (step 3). */
-static __host__ __device__ __forceinline__ int
-sample_sorted(const struct dsv4_sample_params *sp, int V)
-{
-    return (sp->top_k > 0 && sp->top_k < V) || sp->top_p < 1.0f;
+    c.z = z + r * V;
+    c.cand = NULL;
+    c.keys = so_sorted(sp, V) ? sorted + r * V : NULL;
+    c.q = c.d = NULL;
+    c.zmax = zmax;
+    c.n_cand = so_n_cand(sp, V);
+    return c;
 }
 
 /*
- * grid (n rows, sample_spans(V)), DSV4_SAMPLE_SPAN threads: for a sampled
+ * grid (n rows, so_spans(V)), DSV4_SAMPLE_SPAN threads: for a sampled
  * row thread t sums the weights of run t of span y in order into q, and
  * thread 0 the span's run sums in order into d (runs past the row's
  * candidates add nothing).  Greedy rows leave at once.
@@ -247,15 +237,10 @@ sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const flo
     if (threadIdx.x == 0)   /* zmax: z at the row's argmax (z = l / temperature keeps the order) */
         s_zmax = z[r * V + sample_row_argmax(cs + r * SAMPLE_CHUNKS, logits + r * V)];
     __syncthreads();
-    c.z = z + r * V;
-    c.cand = NULL;
-    c.keys = sample_sorted(sp, V) ? sorted + r * V : NULL;
-    c.q = c.d = NULL;
-    c.zmax = s_zmax;
-    c.n_cand = sample_n_cand(sp, V);
+    c = sample_cands(sp, z, sorted, s_zmax, r, V);
     v = so_run(&c, b, c.n_cand);   /* 0 past the candidates */
-    if (b < sample_runs(V))
-        q[r * sample_runs(V) + b] = v;
+    if (b < so_runs(V))
+        q[r * so_runs(V) + b] = v;
     qs[threadIdx.x] = v;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -263,7 +248,7 @@ sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const flo
 
         for (int t = 0; t < DSV4_SAMPLE_SPAN; t++)
             sum += qs[t];
-        d[r * sample_spans(V) + blockIdx.y] = sum;
+        d[r * so_spans(V) + blockIdx.y] = sum;
     }
 }
 
@@ -285,15 +270,10 @@ sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_sta
         id = st.argmax;
     } else {
         const struct dsv4_sample_params *sp = &params[r];
-        struct so_cands c;
+        struct so_cands c = sample_cands(sp, z, sorted, z[(int64_t)r * V + st.argmax], r, V);
 
-        c.z = z + (int64_t)r * V;
-        c.cand = NULL;
-        c.keys = sample_sorted(sp, V) ? sorted + (int64_t)r * V : NULL;
-        c.q = q + (int64_t)r * sample_runs(V);
-        c.d = d + (int64_t)r * sample_spans(V);
-        c.zmax = c.z[st.argmax];
-        c.n_cand = sample_n_cand(sp, V);
+        c.q = q + (int64_t)r * so_runs(V);
+        c.d = d + (int64_t)r * so_spans(V);
         id = so_draw(&c, sp);
     }
     out_ids[r] = id;
@@ -312,25 +292,15 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
     double *q = NULL, *d = NULL;
     char *base;
     unsigned long long *kin = NULL, *kout = NULL;
+    enum dsv4_err e = so_check(params, n, V);
 
-    if (V < 1)
-        return dsv4_err_set(DSV4_ERR_INVAL, "sample: V=%d", V);
-    for (int r = 0; r < n; r++) {
-        const struct dsv4_sample_params *sp = &params[r];
-
-        if (!(sp->temperature >= 0.0f) || !isfinite(sp->temperature) || sp->top_k < 0 ||
-            !(sp->top_p > 0.0f && sp->top_p <= 1.0f))
-            return dsv4_err_set(DSV4_ERR_INVAL, "sample: row %d: bad parameters "
-                                "(temperature %g, top_k %d, top_p %g)", r,
-                                (double)sp->temperature, sp->top_k, (double)sp->top_p);
-        if (sp->temperature != 0.0f) {
+    if (e != DSV4_OK || n <= 0)
+        return e;
+    for (int r = 0; r < n; r++)
+        if (params[r].temperature != 0.0f) {
             any_temp = 1;
-            if (sample_sorted(sp, V))
-                any_sort = 1;
+            any_sort = any_sort || so_sorted(&params[r], V);
         }
-    }
-    if (n <= 0)
-        return DSV4_OK;
     pb = cuda_align((size_t)n * sizeof(*params));
     sb = cuda_align((size_t)n * SAMPLE_CHUNKS * sizeof(struct chunk_stats));
     zb = any_temp ? cuda_align((size_t)n * V * sizeof(float)) : 0;
@@ -338,8 +308,8 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
     if (any_sort)
         tb = cuda_sort_temp_bytes(n, V);
     tb = cuda_align(tb);
-    qb = any_temp ? cuda_align((size_t)n * sample_runs(V) * sizeof(double)) : 0;
-    db = any_temp ? cuda_align((size_t)n * sample_spans(V) * sizeof(double)) : 0;
+    qb = any_temp ? cuda_align((size_t)n * so_runs(V) * sizeof(double)) : 0;
+    db = any_temp ? cuda_align((size_t)n * so_spans(V) * sizeof(double)) : 0;
     base = (char *)cuda_scratch(be, pb + sb + zb + 2 * kb + tb + qb + db);
     if (base == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "sample: no scratch (n=%d V=%d)", n, V);
@@ -361,13 +331,12 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
         (struct chunk_stats *)(base + pb), logits, V);
     CUDA_LAUNCHED("sample_sum");
     if (any_sort) {
-        enum dsv4_err e = cuda_sort_segments(be, kout, kin, n, V, base + pb + sb + zb + 2 * kb);
-
+        e = cuda_sort_segments(be, kout, kin, n, V, base + pb + sb + zb + 2 * kb);
         if (e != DSV4_OK)
             return e;
     }
     if (any_temp) {
-        sample_runs_kernel<<<dim3((unsigned)n, (unsigned)sample_spans(V)), DSV4_SAMPLE_SPAN, 0,
+        sample_runs_kernel<<<dim3((unsigned)n, (unsigned)so_spans(V)), DSV4_SAMPLE_SPAN, 0,
                              s>>>(q, d, (const struct chunk_stats *)(base + pb),
                                   (const float *)(base + pb + sb), kout, logits,
                                   (const struct dsv4_sample_params *)base, V);

@@ -655,38 +655,61 @@ test_moe(void)
     free(x), free(bias), free(tid2eid);
 }
 
+/* Rows of V random logits (scale a) sampled by both backends under sp
+ * (steps advanced between reps): ids identical, log-probabilities within
+ * F32_TOL.  tie: logits that get a tie for a row's argmax (-1: none). */
 static void
-test_sample(void)
+sample_check(const char *what, struct dsv4_sample_params *sp, int N, int V, float a,
+             int64_t tie0, int64_t tie1, int reps)
 {
-    enum { N = 8, V = 5000 };
-    float *l = rand_f32((int64_t)N * V, 4.0f);
-    struct dsv4_sample_params sp[N];
-    struct pair pl, pid = pair_new(NULL, N * 4), plp = pair_poison(N);
+    float *l = rand_f32((int64_t)N * V, a);
+    struct pair pl, pid = pair_new(NULL, (size_t)N * 4), plp = pair_poison(N);
+    char name[64];
 
-    memset(sp, 0, sizeof(sp));
-    l[3 * V + 17] = l[3 * V + 4000] = 50.0f;   /* row 3: a tie for the argmax */
+    if (tie0 >= 0)
+        l[tie0] = l[tie1] = 50.0f;
+    pl = pair_new(l, (size_t)N * V * 4);
+    for (int rep = 0; rep < reps; rep++) {
+        BOTH(what, cpu->ops->sample(cpu, pid.c, plp.c, pl.c, sp, N, V),
+             gpu->ops->sample(gpu, pid.g, plp.g, pl.g, sp, N, V));
+        snprintf(name, sizeof(name), "%s ids", what);
+        check_i32(name, &pid, N);
+        snprintf(name, sizeof(name), "%s logprob", what);
+        check_f32(name, &plp, N, F32_TOL);
+        for (int r = 0; r < N; r++)
+            sp[r].step++;
+    }
+    pair_free(&pl), pair_free(&pid), pair_free(&plp);
+    free(l);
+}
+
+/* Seeded parameters of N rows: greedy, top_p 1, random seed and step. */
+static void
+sample_params(struct dsv4_sample_params *sp, int N)
+{
+    memset(sp, 0, (size_t)N * sizeof(*sp));
     for (int r = 0; r < N; r++) {
         sp[r].seed = rng_u64();
         sp[r].step = (uint64_t)rng_int(1000);
         sp[r].top_p = 1.0f;
     }
+}
+
+static void
+test_sample(void)
+{
+    enum { N = 8, V = 5000 };
+    struct dsv4_sample_params sp[N];
+
+    sample_params(sp, N);
     sp[1].temperature = 0.8f;
     sp[2].temperature = 1.0f, sp[2].top_k = 50;
     sp[4].temperature = 0.7f, sp[4].top_p = 0.9f;
     sp[5].temperature = 1.2f, sp[5].top_k = 200, sp[5].top_p = 0.5f;
     sp[6].temperature = 2.0f, sp[6].top_p = 0.99f;
     sp[7].temperature = 0.01f, sp[7].top_k = 1;
-    pl = pair_new(l, (size_t)N * V * 4);
-    for (int rep = 0; rep < 3; rep++) {
-        BOTH("sample", cpu->ops->sample(cpu, pid.c, plp.c, pl.c, sp, N, V),
-             gpu->ops->sample(gpu, pid.g, plp.g, pl.g, sp, N, V));
-        check_i32("sample ids", &pid, N);
-        check_f32("sample logprob", &plp, N, F32_TOL);
-        for (int r = 0; r < N; r++)
-            sp[r].step++;
-    }
-    pair_free(&pl), pair_free(&pid), pair_free(&plp);
-    free(l);
+    /* row 3: a tie for the argmax */
+    sample_check("sample", sp, N, V, 4.0f, 3 * V + 17, 3 * V + 4000, 3);
 }
 
 /* The same at flash's vocabulary (32 spans of 256 runs of 16): draws over
@@ -697,31 +720,14 @@ static void
 test_sample_vocab(void)
 {
     enum { N = 5, V = 129280 };
-    float *l = rand_f32((int64_t)N * V, 3.0f);
     struct dsv4_sample_params sp[N];
-    struct pair pl, pid = pair_new(NULL, N * 4), plp = pair_poison(N);
 
-    memset(sp, 0, sizeof(sp));
-    for (int r = 0; r < N; r++) {
-        sp[r].seed = rng_u64();
-        sp[r].step = (uint64_t)rng_int(1000);
-        sp[r].top_p = 1.0f;
-    }
+    sample_params(sp, N);
     sp[1].temperature = 1.0f;
     sp[2].temperature = 1.3f, sp[2].top_k = 1000;
     sp[3].temperature = 0.9f, sp[3].top_p = 0.95f;
     sp[4].temperature = 2.0f, sp[4].top_k = 5000, sp[4].top_p = 0.6f;
-    pl = pair_new(l, (size_t)N * V * 4);
-    for (int rep = 0; rep < 4; rep++) {
-        BOTH("sample (vocab)", cpu->ops->sample(cpu, pid.c, plp.c, pl.c, sp, N, V),
-             gpu->ops->sample(gpu, pid.g, plp.g, pl.g, sp, N, V));
-        check_i32("sample ids (vocab)", &pid, N);
-        check_f32("sample logprob (vocab)", &plp, N, F32_TOL);
-        for (int r = 0; r < N; r++)
-            sp[r].step++;
-    }
-    pair_free(&pl), pair_free(&pid), pair_free(&plp);
-    free(l);
+    sample_check("sample (vocab)", sp, N, V, 3.0f, -1, -1, 4);
 }
 
 int
