@@ -101,7 +101,12 @@ struct dsv4_layer_w {
 struct dsv4_weights {
     struct dsv4_config cfg;
     const uint16_t *embed;   /* bf16 [V, D] */
-    const uint16_t *head;    /* bf16 [V, D] */
+    const uint16_t *head;    /* bf16 [V, D], or rows head_row0 .. of it (a group's rank) */
+    /* The vocabulary rows of head held: [head_row0, head_row0 + head_rows);
+     * head_rows 0 means all V (head_row0 0): every loader's default.  A
+     * rank of a model group holds its slice (dsv4_shard_vocab,
+     * common/weights_shard.h) and the group gathers the logits. */
+    int32_t head_row0, head_rows;
     const uint16_t *norm;    /* bf16 [D] */
     struct dsv4_hc_w hc_head;
     int n_layers;            /* main + MTP */

@@ -64,6 +64,15 @@ dsv4_shard_check(const struct dsv4_config *c, int size, enum dsv4_group_split sp
     return DSV4_OK;
 }
 
+void
+dsv4_shard_vocab(int V, int rank, int size, int32_t *row0, int32_t *rows)
+{
+    int64_t a = (int64_t)V * rank / size, b = (int64_t)V * (rank + 1) / size;
+
+    *row0 = (int32_t)a;
+    *rows = (int32_t)(b - a);
+}
+
 /* Layer index of a "layers.N." / "mtp.N." name and the rest after it. */
 static int
 layer_of(const struct dsv4_config *c, const char *name, const char **rest)
@@ -116,6 +125,14 @@ dsv4_shard_part(const struct dsv4_config *c, const char *name, int rank, int siz
     part->rows = shape0;
     part->col0 = 0;
     part->cols = shape1;
+    if (size > 1 && strcmp(name, "head.weight") == 0) {
+        int32_t r0, n;
+
+        dsv4_shard_vocab((int)shape0, rank, size, &r0, &n);
+        part->row0 = r0;
+        part->rows = n;
+        return 1;
+    }
     if (size <= 1 || l < 0)
         return 1;
     m = expert_matrix(rest, &shared, &e);
@@ -277,6 +294,10 @@ dsv4_weights_shard(struct dsv4_weights *out, const struct dsv4_weights *in, int 
         return dsv4_err_set(DSV4_ERR_NOMEM, "shard: no memory (%zu bytes of w2 columns)", need);
     }
     out->priv = pv;
+    if (size > 1 && in->head != NULL) {   /* this rank's vocabulary rows */
+        dsv4_shard_vocab(c->vocab_size, rank, size, &out->head_row0, &out->head_rows);
+        out->head = in->head + (int64_t)out->head_row0 * D;
+    }
     for (int l = 0; l < L; l++) {
         struct dsv4_layer_w *lw = &out->layers[l];
         int pe = E / size;

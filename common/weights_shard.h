@@ -23,7 +23,12 @@
  *                  I, and the group's all-reduce adds the partials: every
  *                  rank reads the same bytes whatever the routing (EP's
  *                  ranks wait for the one whose experts were picked more).
- *   the rest   embedding, head, norms, mHC, router: on every rank.
+ *   head       vocabulary rows [r*V/S, (r+1)*V/S) of head.weight
+ *              (dsv4_shard_vocab; V need not divide): each rank computes
+ *              its slice of the logits and the group gathers them (the
+ *              all-reduce of a zero-filled row, kernels/forward.c), so the
+ *              logits are the full model's bit for bit under either split.
+ *   the rest   embedding, norms, mHC, router: on every rank.
  *
  * EP keeps a group's results bit-identical to one rank (every all-reduce
  * adds one rank's value to zeros); TP's partial sums round differently.
@@ -69,6 +74,11 @@ const char *dsv4_group_split_name(enum dsv4_group_split split);
  * naming the dimension that does not divide. */
 enum dsv4_err dsv4_shard_check(const struct dsv4_config *cfg, int size,
                                enum dsv4_group_split split);
+
+/* The vocabulary rows of head.weight rank `rank` of `size` holds:
+ * [*row0, *row0 + *rows) = [rank*V/size, (rank+1)*V/size) (integer
+ * division; the slices of the ranks cover [0, V) once). */
+void dsv4_shard_vocab(int V, int rank, int size, int32_t *row0, int32_t *rows);
 
 /* The part of a 2-D tensor one rank holds: rows [row0, row0 + rows) and
  * columns [col0, col0 + cols) (in the tensor's stored elements: an FP4

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/weights_shard.h"
 #include "kernels/comm.h"
 
 #define HC_MAX_STREAMS DSV4_HC_MAX
@@ -103,6 +104,8 @@ struct dsv4_model {
     int moe_local;                 /* opts.moe_local in a group */
     int wo_b_cols;                 /* the shard holds wo_b's input columns (group split
                                       tp, common/weights_shard.h), not its rows */
+    int Vr0, Vl;                   /* the head's vocabulary rows held: [Vr0, Vr0 + Vl);
+                                      Vl < V in a group (gathered, logits_compute) */
     float freqs_swa[64], freqs_comp[64];
     struct layer_state *L;
     struct page_pool pg[2];        /* ratio 4, ratio 128 */
@@ -127,6 +130,7 @@ struct dsv4_model {
     float *hidden;                 /* (T, n, D) kept for MTP */
     float *e, *he;                 /* MTP: (T, D), (T, n, D) */
     float *logits_dev;             /* (max_rows, V) */
+    float *logits_loc;             /* Vl < V: (max_rows, Vl) this rank's columns */
     float *u_loc, *y_loc;          /* tp > 1: (T, Gl*R), (T, Dl) this rank's part */
     int32_t *s_ids;                /* forward_sample: (max_rows) sampled ids */
     float *s_lp;                   /* forward_sample: (max_rows) their logprobs */
@@ -296,6 +300,7 @@ dsv4_model_free(struct dsv4_model *m)
         m->i_ring_dst, m->i_out_rows, m->X, m->X2, m->x, m->xn, m->post, m->comb, m->y,
         m->qr, m->q, m->kv, m->o, m->u, m->ca, m->cz, m->ent, m->qI, m->wI, m->ia, m->iz,
         m->ient, m->sel, m->rw, m->rid, m->ring_tmp, m->hidden, m->e, m->he, m->logits_dev,
+        m->logits_loc,
         m->u_loc, m->y_loc, m->parts, m->s_ids, m->s_lp, m->i_spec_src, m->i_spec_dst,
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
@@ -375,6 +380,21 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         free(m);
         return dsv4_err_set(DSV4_ERR_INVAL, "model: rank %d of %d needs its shard of the "
                             "weights (common/weights_shard.h)", r, n);
+    }
+    m->Vr0 = w->head_rows > 0 ? w->head_row0 : 0;
+    m->Vl = w->head_rows > 0 ? w->head_rows : m->V;
+    if (m->Vl != m->V) {   /* a vocabulary slice: this rank's of its group */
+        int32_t r0, n;
+
+        dsv4_shard_vocab(m->V, m->tp_rank, m->tp, &r0, &n);
+        if (m->tp <= 1 || r0 != m->Vr0 || n != m->Vl) {
+            int r = m->tp_rank, g = m->tp;
+
+            free(m);
+            return dsv4_err_set(DSV4_ERR_INVAL, "model: the head holds vocabulary rows "
+                                "[%d, %d), not rank %d of %d's (common/weights_shard.h)",
+                                w->head_row0, w->head_row0 + w->head_rows, r, g);
+        }
     }
     m->graphs = opts->graphs && be->ops->graph_begin != NULL && be->ops->graph_end != NULL &&
                 be->ops->graph_launch != NULL && be->ops->graph_free != NULL;
@@ -496,6 +516,8 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->rw = dev_alloc(m, T * k * F, &fail);
     m->rid = dev_alloc(m, T * k * I4, &fail);
     m->logits_dev = dev_alloc(m, T * (size_t)m->V * F, &fail);
+    if (m->Vl != m->V)
+        m->logits_loc = dev_alloc(m, T * (size_t)m->Vl * F, &fail);
     m->s_ids = dev_alloc(m, T * I4, &fail);
     m->s_lp = dev_alloc(m, T * F, &fail);
     m->i_spec_src = dev_alloc(m, S * I4, &fail);
@@ -1157,7 +1179,11 @@ block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst, int
                    next != NULL ? next->attn_norm : NULL);
 }
 
-/* hc_head -> norm -> head on the plan's logits rows into m->logits_dev. */
+/* hc_head -> norm -> head on the plan's logits rows into m->logits_dev.  A
+ * rank holding a vocabulary slice of the head (m->Vl < m->V) computes its
+ * columns, and the group's all-reduce of rows that are zero elsewhere
+ * gathers the whole rows on every rank: each logit is one rank's value
+ * plus zeros, the full head's bits (but -0 may come back +0). */
 static enum dsv4_err
 logits_compute(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t *norm)
 {
@@ -1173,7 +1199,15 @@ logits_compute(struct dsv4_model *m, const struct dsv4_hc_w *hc, const uint16_t 
     TRY(ops->hc_head(be, m->x, m->X2, hc, p->n_out, m->n_hc, m->D, (float)c->hc_eps,
                      (float)c->rms_norm_eps));
     TRY(ops->rms_norm(be, m->xn, m->x, norm, p->n_out, m->D, (float)c->rms_norm_eps));
-    return ops->linear(be, m->logits_dev, m->xn, &head, p->n_out, DSV4_LIN_F32_OUT);
+    if (m->Vl == m->V)
+        return ops->linear(be, m->logits_dev, m->xn, &head, p->n_out, DSV4_LIN_F32_OUT);
+    if (p->n_out == 0)
+        return DSV4_OK;   /* the same plan on every rank: none of them gathers */
+    head.n_out = m->Vl;
+    TRY(ops->linear(be, m->logits_loc, m->xn, &head, p->n_out, DSV4_LIN_F32_OUT));
+    TRY(ops->fill(be, m->logits_dev, 0.0f, (int64_t)p->n_out * m->V));
+    TRY(ops->copy2d(be, m->logits_dev + m->Vr0, m->V, m->logits_loc, m->Vl, p->n_out, m->Vl));
+    return m->comm->ops->allreduce_sum(m->comm, be, m->logits_dev, (int64_t)p->n_out * m->V);
 }
 
 /* Download the plan's (n_out, V) logits and wait. */

@@ -66,12 +66,14 @@ struct dsv4_model_opts {
  * (common/weights_shard.h: its query heads and output groups of attention,
  * and by the group split either its rows of wo_b, its routed experts and
  * every size-th shared expert (ep) or its input columns of wo_b and its
- * slice of every expert's intermediate size (tp)) and
+ * slice of every expert's intermediate size (tp); under both its slice of
+ * the head's vocabulary rows) and
  * every rank runs every call with the same batch.  The ranks' parts are
  * gathered with all-reduces over buffers where each element comes from one
- * rank (three per layer: wo_a's output, wo_b's output, the experts' parts),
- * so every rank computes bit for bit what a single rank holding all the
- * weights computes, and each rank returns the full logits.
+ * rank (three per layer: wo_a's output, wo_b's output, the experts' parts;
+ * and the logits' columns once a call), so every rank computes bit for bit
+ * what a single rank holding all the weights computes, and each rank
+ * returns (and samples from) the full logits.
  *
  * With opts.moe_local each rank instead combines its own experts' rows
  * (moe_combine over its moe_parts, the other rank's rows zero) and the

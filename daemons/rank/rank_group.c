@@ -379,17 +379,22 @@ group_leave(struct rank *k)
         atomic_store(&k->watch->inside, 0);
 }
 
-/* Bytes the largest all-reduce of the forward moves (shm group size). */
+/* Bytes the largest all-reduce of the forward moves (shm group size): the
+ * MoE's or wo_a's outputs of a call's rows, or the gather of its logits
+ * (one row a sequence: the head's vocabulary slices, forward.c). */
 static size_t
 group_max_bytes(const struct rank *k)
 {
     const struct dsv4_config *c = &k->cfg;
-    size_t T = (size_t)(k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots);
+    size_t k1 = (size_t)(k->spec_k1 > 0 ? k->spec_k1 : 1);
+    size_t T = k->o.role == DSV4_ROLE_PREFILL ? (size_t)k->o.rows : (size_t)k->o.slots * k1;
+    size_t n_out = (size_t)k->o.slots * k1;
     size_t moe = ((size_t)c->num_experts_per_tok + 1) * (size_t)c->hidden_size;
     size_t att = (size_t)c->o_groups * (size_t)c->o_lora_rank;
-    size_t per = moe > att ? moe : att;
+    size_t per = moe > att ? moe : att, lg = n_out * (size_t)c->vocab_size;
 
-    return T * per * sizeof(float) + 4 * (size_t)k->o.slots * sizeof(uint64_t) + 4096;
+    return (T * per > lg ? T * per : lg) * sizeof(float) +
+           4 * (size_t)k->o.slots * sizeof(uint64_t) + 4096;
 }
 
 /* Largest buffer of one cudaipc launch: larger all-reduces (prefill) go in

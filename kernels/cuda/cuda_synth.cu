@@ -532,6 +532,10 @@ dsv4_cuda_weights_synthetic_arena(struct dsv4_backend *be, struct dsv4_weights *
         full1[i] = shape1;
         if (!dsv4_shard_part(cfg, s->name, rank, size, split, s->shape[0], shape1, &pt[i]))
             pt[i].row0 = -1, pt[i].rows = 0;
+        if (size > 1 && strcmp(s->name, "head.weight") == 0) {   /* a vocabulary slice */
+            dev->head_row0 = (int32_t)pt[i].row0;
+            dev->head_rows = (int32_t)pt[i].rows;
+        }
         s->shape[0] = pt[i].rows;
         if (s->n_dims == 2)
             s->shape[1] = pt[i].cols;

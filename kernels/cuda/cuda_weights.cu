@@ -136,7 +136,7 @@ walk_all(struct walk *wk, struct dsv4_weights *w)
     size_t V = c->vocab_size, D = c->hidden_size, n = c->hc_mult, E = c->n_routed_experts;
 
     WALK(wk, w->embed, V * D * 2);
-    WALK(wk, w->head, V * D * 2);
+    WALK(wk, w->head, (w->head_rows > 0 ? (size_t)w->head_rows : V) * D * 2);
     WALK(wk, w->norm, D * 2);
     walk_hc(wk, &w->hc_head, n, n * D, 1);
     for (int l = 0; l < w->n_layers; l++) {

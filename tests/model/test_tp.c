@@ -434,6 +434,20 @@ shard_rule_matches_view(const struct dsv4_weights *full)
                 }
                 checked++;
             }
+            {   /* the head: this rank's vocabulary rows, by the rule and in the view */
+                struct dsv4_shard_part pt;
+                int64_t nv = c->vocab_size, D = c->hidden_size;
+
+                assert_true(dsv4_shard_part(c, "head.weight", r, 2, split, nv, D, &pt));
+                assert_int_equal(pt.row0, r == 0 ? 0 : nv / 2);
+                assert_int_equal(pt.rows, r == 0 ? nv / 2 : nv - nv / 2);
+                assert_int_equal(pt.col0, 0);
+                assert_int_equal(pt.cols, D);
+                assert_int_equal(sh.head_row0, pt.row0);
+                assert_int_equal(sh.head_rows, pt.rows);
+                assert_ptr_equal(sh.head, full->head + pt.row0 * D);
+                checked++;
+            }
             dsv4_weights_shard_free(&sh);
         }
     printf("# shard rule by name == the view: %d sliced linears checked\n", checked);
@@ -710,9 +724,37 @@ test_bad_groups(void **state)
     o = opts(comm[0]);
     assert_int_equal(dsv4_model_create(&m, tm.be, &tm.w, &o), DSV4_ERR_INVAL);
     printf("# %s\n", dsv4_errmsg());
+    /* rank 1's shard (the other half of the vocabulary) as rank 0 */
+    assert_int_equal(dsv4_weights_shard(&sh, &tm.w, 1, 2, DSV4_GROUP_SPLIT_EP), DSV4_OK);
+    assert_int_equal(dsv4_model_create(&m, tm.be, &sh, &o), DSV4_ERR_INVAL);
+    printf("# %s\n", dsv4_errmsg());
+    assert_non_null(strstr(dsv4_errmsg(), "vocabulary"));
+    dsv4_weights_shard_free(&sh);
     dsv4_comm_destroy(comm[0]);
     dsv4_comm_destroy(comm[1]);
     tmodel_close(&tm);
+}
+
+/* dsv4_shard_vocab: the ranks' slices of the vocabulary cover [0, V) once,
+ * in rank order, for sizes that divide V and sizes that do not. */
+static void
+test_shard_vocab(void **state)
+{
+    static const int Vs[] = { 1, 7, 1000, 129280, 129281 };
+
+    (void)state;
+    for (size_t v = 0; v < sizeof(Vs) / sizeof(Vs[0]); v++)
+        for (int size = 1; size <= 8; size++) {
+            int32_t next = 0, r0, n;
+
+            for (int r = 0; r < size; r++) {
+                dsv4_shard_vocab(Vs[v], r, size, &r0, &n);
+                assert_int_equal(r0, next);
+                assert_true(n >= Vs[v] / size && n <= Vs[v] / size + 1);
+                next = r0 + n;
+            }
+            assert_int_equal(next, Vs[v]);
+        }
 }
 
 int
@@ -724,6 +766,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_group_processes),
         cmocka_unit_test(test_group_failures),
         cmocka_unit_test(test_bad_groups),
+        cmocka_unit_test(test_shard_vocab),
     };
     const struct CMUnitTest tests_tp[] = {
         cmocka_unit_test(test_group_split_resolve),
