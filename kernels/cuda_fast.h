@@ -190,6 +190,16 @@ int dsv4_cuda_set_linear_reduce(struct dsv4_backend *be, int in_kernel);
 enum dsv4_err dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_bad,
                                            uint32_t *first);
 
+/*
+ * Check the grouped linear's E4M3 -> bf16 weight decode (fk_e4m3x2_bf16,
+ * through the hardware's f16 conversion, and the bit-placement form before
+ * it) against the exact decode on all 65,536 pairs of codes but those with
+ * the NaN code.  *n_bad: the pairs that differ, *first: the first (low code
+ * in the low byte).  Synchronises the stream.
+ */
+enum dsv4_err dsv4_cuda_linear_e4m3_check(struct dsv4_backend *be, uint64_t *n_bad,
+                                          uint32_t *first);
+
 #ifdef __cplusplus
 }
 #endif

@@ -917,34 +917,80 @@ flf_quant_check_kernel(unsigned long long *bad, unsigned *first)
     }
 }
 
-extern "C" enum dsv4_err
-dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_bad, uint32_t *first)
+/* Run a check kernel (launch: on the stream, into a counter of differences
+ * and the first one) and read its results; `what` names it in errors. */
+static enum dsv4_err
+fl_check(struct dsv4_backend *be, void (*launch)(unsigned long long *, unsigned *, cudaStream_t),
+         const char *what, uint64_t *n_bad, uint32_t *first)
 {
     unsigned long long *d = NULL, hb = 0;
     unsigned hf = 0xffffffffu;
     cudaStream_t st;
 
     if (!cuda_is_backend(be))
-        return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_linear_quant_check: not a CUDA backend");
+        return dsv4_err_set(DSV4_ERR_INVAL, "%s: not a CUDA backend", what);
     st = cuda_stream(be);
     CUDA_TRY(cudaMalloc((void **)&d, 16));
     if (cudaMemcpyAsync(d, &hb, 8, cudaMemcpyHostToDevice, st) != cudaSuccess ||
         cudaMemcpyAsync(d + 1, &hf, 4, cudaMemcpyHostToDevice, st) != cudaSuccess) {
         cudaFree(d);
-        return dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_linear_quant_check: copy failed");
+        return dsv4_err_set(DSV4_ERR_CUDA, "%s: copy failed", what);
     }
-    flf_quant_check_kernel<<<1024, 256, 0, st>>>(d, (unsigned *)(d + 1));
+    launch(d, (unsigned *)(d + 1), st);
     if (cudaGetLastError() != cudaSuccess ||
         cudaMemcpyAsync(&hb, d, 8, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
         cudaMemcpyAsync(&hf, d + 1, 4, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
         cudaStreamSynchronize(st) != cudaSuccess) {
         cudaFree(d);
-        return dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_linear_quant_check: kernel failed");
+        return dsv4_err_set(DSV4_ERR_CUDA, "%s: kernel failed", what);
     }
     cudaFree(d);
     *n_bad = hb;
     *first = hf;
     return DSV4_OK;
+}
+
+static void
+flf_quant_check_launch(unsigned long long *bad, unsigned *first, cudaStream_t st)
+{
+    flf_quant_check_kernel<<<1024, 256, 0, st>>>(bad, first);
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_bad, uint32_t *first)
+{
+    return fl_check(be, flf_quant_check_launch, "dsv4_cuda_linear_quant_check", n_bad, first);
+}
+
+/* fk_e4m3x2_bf16 against the bf16 of the exact decode (cu_fp8_to_f32) of
+ * both codes, on every pair of codes but those holding the NaN code. */
+static __global__ void
+fk_e4m3_check_kernel(unsigned long long *bad, unsigned *first)
+{
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x, c0 = i & 0xffu, c1 = i >> 8 & 0xffu;
+    uint32_t want, got;
+
+    if (i >= 65536u || (c0 & 0x7fu) == 0x7fu || (c1 & 0x7fu) == 0x7fu)
+        return;
+    want = __float_as_uint(cu_fp8_to_f32((uint8_t)c0)) >> 16 |
+           (__float_as_uint(cu_fp8_to_f32((uint8_t)c1)) & 0xffff0000u);
+    got = fk_e4m3x2_bf16(i | 0xabcd0000u);   /* the high half must not matter */
+    if (got != want || fk_e4m3x2_bf16_spread(i) != want) {
+        atomicAdd(bad, 1ull);
+        atomicMin(first, i);
+    }
+}
+
+static void
+fk_e4m3_check_launch(unsigned long long *bad, unsigned *first, cudaStream_t st)
+{
+    fk_e4m3_check_kernel<<<256, 256, 0, st>>>(bad, first);
+}
+
+extern "C" enum dsv4_err
+dsv4_cuda_linear_e4m3_check(struct dsv4_backend *be, uint64_t *n_bad, uint32_t *first)
+{
+    return fl_check(be, fk_e4m3_check_launch, "dsv4_cuda_linear_e4m3_check", n_bad, first);
 }
 
 /* Scratch layout of one call: x values, bf16 lo (BF16), scales (FP8), the

@@ -1501,7 +1501,9 @@ lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
 /*
  * Every decode linear case (BENCH_FAST_ONLY=linear runs only these): first
  * the hardware FP8 code of the one-launch form against the exact expression
- * on all 2^32 floats (dsv4_cuda_linear_quant_check), then lin_case at every
+ * on all 2^32 floats (dsv4_cuda_linear_quant_check) and the grouped form's
+ * weight decode on all pairs of E4M3 codes (dsv4_cuda_linear_e4m3_check),
+ * then lin_case at every
  * T of t_list per shape, and a table of us per call (three launches / one).
  * x: (T_MAX, 8192) device scratch re-laid per K from xh; xg: (T_MAX, 8 *
  * 4096) activations of the grouped cases.
@@ -1521,6 +1523,16 @@ linear_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const 
         ty->ok++;
     } else {
         printf("FAIL linear quant check: %llu of 2^32 floats differ, first bits %08x\n",
+               (unsigned long long)bad, first);
+        ty->fail++;
+    }
+    TRY("e4m3 check", dsv4_cuda_linear_e4m3_check(be, &bad, &first));
+    if (bad == 0) {
+        printf("ok   linear e4m3 check: grouped weights' bf16 == exact decode on all "
+               "65,536 pairs of codes (NaN codes aside)\n");
+        ty->ok++;
+    } else {
+        printf("FAIL linear e4m3 check: %llu pairs of codes differ, first %04x\n",
                (unsigned long long)bad, first);
         ty->fail++;
     }
