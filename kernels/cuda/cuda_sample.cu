@@ -15,8 +15,11 @@
  * id asc) keys, which is cpu_topk's order.  Steps 4-5 of the algorithm sum
  * the weights in runs and spans (kernels/sample_order.h, the CPU's code
  * too): sample_runs_kernel forms every run's sum (a thread a run) and
- * every span's (a block a span), and one thread per row then draws with
- * so_draw on those sums, recomputing at most one run's weights.  (One
+ * every span's (a block a span), and one warp per row then draws as
+ * so_draw on those sums, recomputing at most one run's weights: its 32
+ * lanes walk 32 spans, runs or positions at once, each lane adding the
+ * values before its own in order, so the draw is so_draw's bit for bit
+ * (sw_draw; until run 37 one thread walked, 25-38 us a step).  (One
  * thread per row made one running sum over all candidates before run 36:
  * 41 ms a step at temperature 1.)  The argmax and maximum are the CPU's (order-free); Σ exp
  * for the log-probability is a tree of partial sums (a different double
@@ -252,18 +255,128 @@ sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const flo
     }
 }
 
+/* --- the draw by one warp ------------------------------------------------------------ */
+
+/*
+ * so_find, so_mass and so_draw (sample_order.h) with the 32 lanes of a warp
+ * walking 32 spans, runs or positions at once: lane j of a group of 32
+ * values adds the group's values before its own to the running sum one by
+ * one in order (shuffles), so every partial sum it compares is the
+ * sequential walk's, bit for bit, and the first lane whose test passes
+ * (ballot) is the walk's stop.  The same position as so_find for every
+ * input; every lane returns it.
+ */
+#define SW_ALL 0xffffffffu
+
+/* base + the values of lanes 0 .. lane - 1, added in lane order. */
+static __device__ double
+sw_prefix(double base, double v, int lane)
+{
+    double e = base;
+
+#pragma unroll
+    for (int j = 0; j < 31; j++) {
+        double o = __shfl_sync(SW_ALL, v, j);
+
+        if (j < lane)
+            e += o;
+    }
+    return e;
+}
+
+/* t passed by s (ge: s >= t, else s > t): so_find's test. */
+static __device__ __forceinline__ int
+sw_pass(double s, double t, int ge)
+{
+    return ge ? s >= t : s > t;
+}
+
+/* so_mass by the warp. */
+static __device__ double
+sw_mass(const struct so_cands *c, int n)
+{
+    int lane = threadIdx.x & 31, ns = so_spans(n);
+    double m = 0.0;
+
+    for (int s0 = 0; s0 < ns; s0 += 32) {
+        int s = s0 + lane, last = ns - s0 < 32 ? ns - s0 - 1 : 31;
+        double d = s < ns ? so_span(c, s, n) : 0.0;
+
+        m = __shfl_sync(SW_ALL, sw_prefix(m, d, lane) + d, last);
+    }
+    return m;
+}
+
+/* so_find by the warp. */
+static __device__ int
+sw_find(const struct so_cands *c, int n, double t, int ge)
+{
+    int lane = threadIdx.x & 31, ns = so_spans(n);
+    double e = 0.0;
+
+    for (int s0 = 0; s0 < ns; s0 += 32) {
+        int s = s0 + lane;
+        double d = s < ns ? so_span(c, s, n) : 0.0, es = sw_prefix(e, d, lane);
+        unsigned hit = __ballot_sync(SW_ALL, s < ns && sw_pass(es + d, t, ge));
+
+        if (hit == 0) {
+            e = __shfl_sync(SW_ALL, es + d, 31);   /* a partial group is the last */
+            continue;
+        }
+        /* span sf: its runs from G = the spans' mass before it */
+        int sf = s0 + __ffs(hit) - 1;
+        int p0 = sf * SO_SPAN_POS, p1 = p0 + SO_SPAN_POS < n ? p0 + SO_SPAN_POS : n;
+        double g = __shfl_sync(SW_ALL, es, __ffs(hit) - 1);
+
+        for (int r0 = p0; r0 < p1; r0 += 32 * DSV4_SAMPLE_RUN) {
+            int p = r0 + lane * DSV4_SAMPLE_RUN;
+            double q = p < p1 ? so_run(c, p / DSV4_SAMPLE_RUN, n) : 0.0, gs = sw_prefix(g, q, lane);
+            unsigned rh = __ballot_sync(SW_ALL, p < p1 && sw_pass(gs + q, t, ge));
+
+            if (rh == 0) {
+                g = __shfl_sync(SW_ALL, gs + q, 31);
+                continue;
+            }
+            /* run at pr: its weights from G */
+            int pr = r0 + (__ffs(rh) - 1) * DSV4_SAMPLE_RUN;
+            int len = p1 - pr < DSV4_SAMPLE_RUN ? p1 - pr : DSV4_SAMPLE_RUN;
+            double gr = __shfl_sync(SW_ALL, gs, __ffs(rh) - 1);
+            double w = lane < len ? so_w(c, pr + lane) : 0.0, gi = sw_prefix(gr, w, lane) + w;
+            unsigned ph = __ballot_sync(SW_ALL, lane < len && sw_pass(gi, t, ge));
+
+            return ph != 0 ? pr + __ffs(ph) - 1 : pr + len - 1;
+        }
+        return p1 - 1;
+    }
+    return n - 1;
+}
+
+/* so_draw by the warp. */
+static __device__ int
+sw_draw(const struct so_cands *c, const struct dsv4_sample_params *sp)
+{
+    int n = c->n_cand;
+    uint64_t bits;
+    double target;
+
+    if (sp->top_p < 1.0f)
+        n = sw_find(c, n, (double)sp->top_p * sw_mass(c, n), 1) + 1;
+    bits = so_splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
+    target = (double)(bits >> 11) * 0x1p-53 * sw_mass(c, n);
+    return so_cand(c, sw_find(c, n, target, 0));
+}
+
 static __global__ void
 sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_stats *cs,
                     const float *z, const unsigned long long *sorted, const double *q,
                     const double *d, const float *logits,
                     const struct dsv4_sample_params *params, int n, int V)
 {
-    int r = blockIdx.x;   /* a block a row (one thread works): rows side by side, not
-                             one warp's diverging lanes in turn */
+    int r = blockIdx.x;   /* a warp a row (the draw by all its lanes, sw_draw) */
     int id;
     struct row_stats st;
 
-    if (r >= n || threadIdx.x != 0)
+    if (r >= n)
         return;
     st = sample_row_stats(cs + (int64_t)r * SAMPLE_CHUNKS, logits + (int64_t)r * V);
     if (params[r].temperature == 0.0f) {
@@ -274,8 +387,10 @@ sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_sta
 
         c.q = q + (int64_t)r * so_runs(V);
         c.d = d + (int64_t)r * so_spans(V);
-        id = so_draw(&c, sp);
+        id = sw_draw(&c, sp);
     }
+    if (threadIdx.x != 0)
+        return;
     out_ids[r] = id;
     if (out_logprob != NULL)
         out_logprob[r] = (float)((double)logits[(int64_t)r * V + id] -
