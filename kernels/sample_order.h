@@ -95,6 +95,21 @@ so_splitmix64(uint64_t x)
     return z ^ (z >> 31);
 }
 
+/* Step 5's u in [0, 1) for (seed, step). */
+SO_FN double
+so_u(const struct dsv4_sample_params *sp)
+{
+    return (double)(so_splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull)) >> 11) *
+           0x1p-53;
+}
+
+/* Whether the running mass s passes t (ge: reaches, >=; else exceeds, >). */
+SO_FN int
+so_pass(double s, double t, int ge)
+{
+    return ge ? s >= t : s > t;
+}
+
 /* The id of the candidate at position i. */
 SO_FN int
 so_cand(const struct so_cands *c, int i)
@@ -184,7 +199,7 @@ so_find(const struct so_cands *c, int n, double t, int ge)
         int p0 = s * SO_SPAN_POS, p1 = p0 + SO_SPAN_POS < n ? p0 + SO_SPAN_POS : n;
         double d = so_span(c, s, n), g = e;
 
-        if (!(ge ? e + d >= t : e + d > t)) {
+        if (!so_pass(e + d, t, ge)) {
             e += d;
             continue;
         }
@@ -192,13 +207,13 @@ so_find(const struct so_cands *c, int n, double t, int ge)
             int len = p1 - p < DSV4_SAMPLE_RUN ? p1 - p : DSV4_SAMPLE_RUN;
             double q = so_run(c, p / DSV4_SAMPLE_RUN, n);
 
-            if (!(ge ? g + q >= t : g + q > t)) {
+            if (!so_pass(g + q, t, ge)) {
                 g += q;
                 continue;
             }
             for (int i = p; i < p + len; i++) {
                 g += so_w(c, i);
-                if (ge ? g >= t : g > t)
+                if (so_pass(g, t, ge))
                     return i;
             }
             return p + len - 1;
@@ -215,14 +230,10 @@ SO_FN int
 so_draw(const struct so_cands *c, const struct dsv4_sample_params *sp)
 {
     int n = c->n_cand;
-    uint64_t bits;
-    double target;
 
     if (sp->top_p < 1.0f)
         n = so_find(c, n, (double)sp->top_p * so_mass(c, n), 1) + 1;
-    bits = so_splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
-    target = (double)(bits >> 11) * 0x1p-53 * so_mass(c, n);
-    return so_cand(c, so_find(c, n, target, 0));
+    return so_cand(c, so_find(c, n, so_u(sp) * so_mass(c, n), 0));
 }
 
 #endif

@@ -284,13 +284,6 @@ sw_prefix(double base, double v, int lane)
     return e;
 }
 
-/* t passed by s (ge: s >= t, else s > t): so_find's test. */
-static __device__ __forceinline__ int
-sw_pass(double s, double t, int ge)
-{
-    return ge ? s >= t : s > t;
-}
-
 /* so_mass by the warp. */
 static __device__ double
 sw_mass(const struct so_cands *c, int n)
@@ -317,7 +310,7 @@ sw_find(const struct so_cands *c, int n, double t, int ge)
     for (int s0 = 0; s0 < ns; s0 += 32) {
         int s = s0 + lane;
         double d = s < ns ? so_span(c, s, n) : 0.0, es = sw_prefix(e, d, lane);
-        unsigned hit = __ballot_sync(SW_ALL, s < ns && sw_pass(es + d, t, ge));
+        unsigned hit = __ballot_sync(SW_ALL, s < ns && so_pass(es + d, t, ge));
 
         if (hit == 0) {
             e = __shfl_sync(SW_ALL, es + d, 31);   /* a partial group is the last */
@@ -331,7 +324,7 @@ sw_find(const struct so_cands *c, int n, double t, int ge)
         for (int r0 = p0; r0 < p1; r0 += 32 * DSV4_SAMPLE_RUN) {
             int p = r0 + lane * DSV4_SAMPLE_RUN;
             double q = p < p1 ? so_run(c, p / DSV4_SAMPLE_RUN, n) : 0.0, gs = sw_prefix(g, q, lane);
-            unsigned rh = __ballot_sync(SW_ALL, p < p1 && sw_pass(gs + q, t, ge));
+            unsigned rh = __ballot_sync(SW_ALL, p < p1 && so_pass(gs + q, t, ge));
 
             if (rh == 0) {
                 g = __shfl_sync(SW_ALL, gs + q, 31);
@@ -342,7 +335,7 @@ sw_find(const struct so_cands *c, int n, double t, int ge)
             int len = p1 - pr < DSV4_SAMPLE_RUN ? p1 - pr : DSV4_SAMPLE_RUN;
             double gr = __shfl_sync(SW_ALL, gs, __ffs(rh) - 1);
             double w = lane < len ? so_w(c, pr + lane) : 0.0, gi = sw_prefix(gr, w, lane) + w;
-            unsigned ph = __ballot_sync(SW_ALL, lane < len && sw_pass(gi, t, ge));
+            unsigned ph = __ballot_sync(SW_ALL, lane < len && so_pass(gi, t, ge));
 
             return ph != 0 ? pr + __ffs(ph) - 1 : pr + len - 1;
         }
@@ -356,14 +349,10 @@ static __device__ int
 sw_draw(const struct so_cands *c, const struct dsv4_sample_params *sp)
 {
     int n = c->n_cand;
-    uint64_t bits;
-    double target;
 
     if (sp->top_p < 1.0f)
         n = sw_find(c, n, (double)sp->top_p * sw_mass(c, n), 1) + 1;
-    bits = so_splitmix64(sp->seed ^ (sp->step * 0xD1B54A32D192ED03ull));
-    target = (double)(bits >> 11) * 0x1p-53 * sw_mass(c, n);
-    return so_cand(c, sw_find(c, n, target, 0));
+    return so_cand(c, sw_find(c, n, so_u(sp) * sw_mass(c, n), 0));
 }
 
 static __global__ void
