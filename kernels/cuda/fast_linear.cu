@@ -917,10 +917,11 @@ flf_quant_check_kernel(unsigned long long *bad, unsigned *first)
     }
 }
 
-/* Run a check kernel (launch: on the stream, into a counter of differences
- * and the first one) and read its results; `what` names it in errors. */
+/* Run check kernel k (`blocks` blocks of 256 threads, into a counter of
+ * differences and the first one) and read its results; `what` names it in
+ * errors. */
 static enum dsv4_err
-fl_check(struct dsv4_backend *be, void (*launch)(unsigned long long *, unsigned *, cudaStream_t),
+fl_check(struct dsv4_backend *be, void (*k)(unsigned long long *, unsigned *), unsigned blocks,
          const char *what, uint64_t *n_bad, uint32_t *first)
 {
     unsigned long long *d = NULL, hb = 0;
@@ -936,7 +937,7 @@ fl_check(struct dsv4_backend *be, void (*launch)(unsigned long long *, unsigned 
         cudaFree(d);
         return dsv4_err_set(DSV4_ERR_CUDA, "%s: copy failed", what);
     }
-    launch(d, (unsigned *)(d + 1), st);
+    k<<<blocks, 256, 0, st>>>(d, (unsigned *)(d + 1));
     if (cudaGetLastError() != cudaSuccess ||
         cudaMemcpyAsync(&hb, d, 8, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
         cudaMemcpyAsync(&hf, d + 1, 4, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
@@ -950,16 +951,11 @@ fl_check(struct dsv4_backend *be, void (*launch)(unsigned long long *, unsigned 
     return DSV4_OK;
 }
 
-static void
-flf_quant_check_launch(unsigned long long *bad, unsigned *first, cudaStream_t st)
-{
-    flf_quant_check_kernel<<<1024, 256, 0, st>>>(bad, first);
-}
-
 extern "C" enum dsv4_err
 dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_bad, uint32_t *first)
 {
-    return fl_check(be, flf_quant_check_launch, "dsv4_cuda_linear_quant_check", n_bad, first);
+    return fl_check(be, flf_quant_check_kernel, 1024, "dsv4_cuda_linear_quant_check", n_bad,
+                    first);
 }
 
 /* fk_e4m3x2_bf16 against the bf16 of the exact decode (cu_fp8_to_f32) of
@@ -981,16 +977,10 @@ fk_e4m3_check_kernel(unsigned long long *bad, unsigned *first)
     }
 }
 
-static void
-fk_e4m3_check_launch(unsigned long long *bad, unsigned *first, cudaStream_t st)
-{
-    fk_e4m3_check_kernel<<<256, 256, 0, st>>>(bad, first);
-}
-
 extern "C" enum dsv4_err
 dsv4_cuda_linear_e4m3_check(struct dsv4_backend *be, uint64_t *n_bad, uint32_t *first)
 {
-    return fl_check(be, fk_e4m3_check_launch, "dsv4_cuda_linear_e4m3_check", n_bad, first);
+    return fl_check(be, fk_e4m3_check_kernel, 256, "dsv4_cuda_linear_e4m3_check", n_bad, first);
 }
 
 /* Scratch layout of one call: x values, bf16 lo (BF16), scales (FP8), the
