@@ -1386,25 +1386,26 @@ fm3_cfg_parse(struct fm3_cfg *c, const char *s)
 }
 
 /* v5's warps per item (fm5_team) for `items` items at most on a device of
- * `warps1` resident warps of the whole-tile kernel (P = 1) and `warps` of
- * the teams' (FM5_BLOCKS): the setting, else the fewest (1, 2, 4) that give
- * every resident warp a share of an item.  Small calls have fewer items
- * than warps (one token: 7 slots x 128 tiles of w1 / w3 for 2,112 warps),
- * and a warp streaming a whole tile alone is bound by its own ring's
- * latency; a team streams the tile's quarters side by side.  The results
- * do not depend on it. */
+ * `warps` resident warps of the teams' kernel (FM5_BLOCKS(UP, 2)): the
+ * setting, else the most (4, 2, 1) whose teams take every item at once.
+ * Small calls have fewer items than warps (one token: 7 slots x 128 tiles
+ * of w1 / w3 for 2,112 warps), and a warp streaming a whole tile alone is
+ * bound by its own ring's latency: a team streams the tile's quarters side
+ * by side.  But a P that leaves items for a second round of the teams costs
+ * that round's latency again for the items' last fraction: at batch 1 the
+ * up kernel's 896 items took 32.0 us as 4-warp teams (1.7 rounds) and 29.2
+ * as 2-warp teams (one round), the down kernel's 1,792 items 20.2 us in
+ * pairs (1.7 rounds) and 17.4 us alone (one round) (H200, docs/perf.md run
+ * 38; until then the fewest P that gave every resident warp a share).  The
+ * results do not depend on it. */
 static int
-fm5_parts(const struct fm3_cfg *c, int64_t items, int64_t warps1, int64_t warps)
+fm5_parts(const struct fm3_cfg *c, int64_t items, int64_t warps)
 {
-    int P = 2;
-
     if (c->p5 > 0)
         return c->p5;
-    if (items >= warps1)
-        return 1;
-    while (P < 4 && items * P < warps)
-        P *= 2;
-    return P;
+    if (items * 4 <= warps)
+        return 4;
+    return items * 2 <= warps ? 2 : 1;
 }
 
 /* Row tiles per block for `tiles` row tiles of each of `slots` slots: the
@@ -1470,7 +1471,7 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
                                         cuda_st(be)->device));
         warps1 = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 1);
         warps = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 2);
-        P = fm5_parts(c, items, warps1, warps);
+        P = fm5_parts(c, items, warps);
         if (P == 1)
             warps = warps1;
         busy = items * P;

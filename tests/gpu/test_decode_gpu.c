@@ -34,8 +34,9 @@
  * 16 prompts of 64 tokens, 3 decode steps at batch BATCH, then one more
  * ungraphed step between cudaProfilerStart/Stop (for `ncu
  * --profile-from-start off`: the per-kernel breakdown of docs/perf.md), and
- * the graphed step time and the step graph's kernel count
- * (dsv4_cuda_graph_kernels).  DSV4_CUDA_KERNELS=fast selects the fast
+ * the graphed step time, the step graph's kernel count
+ * (dsv4_cuda_graph_kernels) and a digest of the last graphed step's logits
+ * (equal digests: the same bits, e.g. under DSV4_SHARED_SIDE=0 and 1).  DSV4_CUDA_KERNELS=fast selects the fast
  * kernels; DSV4_TEST_TEMPERATURE=T samples the GPU-sampled steps at
  * temperature T (default 0: greedy).
  *
@@ -536,6 +537,17 @@ run_profile(int layers, int batch)
         decode_steps(gm, batch, 3, V, lg, tg);   /* records the step's graph */
         n_kern = dsv4_cuda_graph_kernels(gb, &n_nodes);
         ms_graph = decode_steps(gm, batch, 20, V, lg, tg);
+        /* the last graphed step's logits: the same bits under settings that
+         * must not change them (DSV4_SHARED_SIDE, DSV4_CUDA_SIDE, ...) */
+        {
+            uint64_t h = 1469598103934665603ull;
+            const unsigned char *bytes = (const unsigned char *)lg;
+
+            for (size_t i = 0; i < (size_t)batch * V * sizeof(float); i++)
+                h = (h ^ bytes[i]) * 1099511628211ull;
+            printf("   profile: last graphed step's logits digest %016llx\n",
+                   (unsigned long long)h);
+        }
         /* as the ranks run it: graphed, sampled on the GPU, only ids back */
         {
             struct dsv4_sample_params sp[16];
