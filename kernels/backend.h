@@ -204,6 +204,12 @@ struct dsv4_backend_ops {
      * mHC pre (model doc §3.2) for T rows: from X (T, n, D) computes
      * x_out (T, D) -> bf16, post (T, n) and comb (T, n, n) in fp32, with
      * Sinkhorn of `iters` iterations.  hc->fn: (mix=(2+n)n, n*D).
+     * comb (here and from hc_post_pre) is an input of the hc ops only: a
+     * backend may complete it beside its queue (the CUDA fast kernels run
+     * the Sinkhorn on a stream of their own), so only the hc ops, the
+     * memory ops (upload, download, copy, copy_batch, fill, scatter_rows,
+     * gather_rows, copy2d), sync and graph_end are ordered after it; the
+     * compute ops (linear, attention, ...) must not be given it.
      */
     enum dsv4_err (*hc_pre)(struct dsv4_backend *be, float *x_out, float *post, float *comb,
                             const float *X, const struct dsv4_hc_w *hc, int T, int n, int D,

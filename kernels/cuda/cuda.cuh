@@ -103,6 +103,12 @@ struct cuda_state {
     void *side_scratch;
     size_t side_scratch_bytes;
     unsigned *side_ctr;                 /* lin_ctr's second half */
+    /* The hc Sinkhorn beside the main stream (cuda_hc_fork / cuda_hc_join;
+     * fast_hc.cu): its own stream, fork and done events, and whether a
+     * Sinkhorn launched there is not joined yet. */
+    cudaStream_t hc_stream;             /* NULL: Sinkhorn in the finish kernel */
+    cudaEvent_t hc_ev[2];
+    int hc_pending;
 };
 
 /* Whether be is a CUDA backend (the entry points that take any backend
@@ -248,6 +254,31 @@ cu_pdl_trigger(void)
     asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
 #endif
 }
+
+/*
+ * The hc Sinkhorn beside the main stream (fast_hc.cu).  cuda_hc_defer_on:
+ * whether an hc op being queued now may leave its Sinkhorn to such a
+ * stream (the finish kernels then write its input).  cuda_hc_fork:
+ * the stream on which the Sinkhorn of the hc op being queued may run beside
+ * what the main stream runs next (it waits for everything queued so far),
+ * or NULL (no such stream, a side branch being queued, or
+ * DSV4_CUDA_HC_DEFER=0: the finish kernel runs it); after launching there,
+ * cuda_hc_forked marks the Sinkhorn pending.  cuda_hc_join: the current
+ * stream waits for a pending Sinkhorn; every op that may read or write the
+ * comb matrix it writes (the hc ops, the copies, sync, graph_end, ...)
+ * calls it first, so the matrix is complete before anything touches it.
+ */
+int cuda_hc_defer_on(struct dsv4_backend *be);
+cudaStream_t cuda_hc_fork(struct dsv4_backend *be);
+enum dsv4_err cuda_hc_forked(struct dsv4_backend *be);
+enum dsv4_err cuda_hc_join(struct dsv4_backend *be);
+/* cuda_hc_join, returning its error from the calling op. */
+#define TRY_HC_JOIN(be)                              \
+    do {                                             \
+        enum dsv4_err hj_ = cuda_hc_join(be);        \
+        if (hj_ != DSV4_OK)                          \
+            return hj_;                              \
+    } while (0)
 
 /* Device scratch of at least `bytes` (valid until the next cuda_scratch
  * call); NULL when it cannot be allocated. */

@@ -108,6 +108,58 @@ cuda_experts_unregister(struct dsv4_backend *be, const struct dsv4_expert_w *hos
     }
 }
 
+/* --- the hc Sinkhorn beside the main stream (cuda.cuh) ------------------------------ */
+
+/* DSV4_CUDA_HC_DEFER=0: cuda_hc_fork answers NULL (the finish kernel runs
+ * the Sinkhorn, as before docs/perf.md run 38). */
+static struct cuda_switch hc_defer_sw = CUDA_SWITCH("DSV4_CUDA_HC_DEFER", 1);
+
+int
+cuda_hc_defer_on(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    return st->hc_stream != NULL && st->side != 1 && cuda_switch_on(&hc_defer_sw);
+}
+
+cudaStream_t
+cuda_hc_fork(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    if (st->hc_stream == NULL || st->side == 1 || !cuda_switch_on(&hc_defer_sw) ||
+        cuda_hc_join(be) != DSV4_OK ||   /* one pending at a time */
+        cudaEventRecord(st->hc_ev[0], cuda_stream(be)) != cudaSuccess ||
+        cudaStreamWaitEvent(st->hc_stream, st->hc_ev[0], 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return st->hc_stream;
+}
+
+enum dsv4_err
+cuda_hc_forked(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    CUDA_TRY(cudaEventRecord(st->hc_ev[1], st->hc_stream));
+    st->hc_pending = 1;
+    return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_hc_join(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    if (!st->hc_pending)
+        return DSV4_OK;
+    CUDA_TRY(cudaStreamWaitEvent(cuda_stream(be), st->hc_ev[1], 0));
+    if (st->side != 1)   /* a side branch's wait does not order the main stream */
+        st->hc_pending = 0;
+    return DSV4_OK;
+}
+
 /* --- lifecycle and memory --------------------------------------------------------- */
 
 static void
@@ -116,7 +168,14 @@ cuda_destroy(struct dsv4_backend *be)
     struct cuda_state *st = cuda_st(be);
 
     (void)cuda_side_join(be);   /* back on the main stream, own scratch */
+    (void)cuda_hc_join(be);
     cudaStreamSynchronize(st->stream);
+    if (st->hc_stream != NULL) {
+        cudaStreamSynchronize(st->hc_stream);
+        cudaStreamDestroy(st->hc_stream);
+        cudaEventDestroy(st->hc_ev[0]);
+        cudaEventDestroy(st->hc_ev[1]);
+    }
     if (st->side_stream != NULL) {
         cudaStreamSynchronize(st->side_stream);
         cudaStreamDestroy(st->side_stream);
@@ -168,6 +227,7 @@ cuda_free(struct dsv4_backend *be, void *p)
 static enum dsv4_err
 cuda_upload(struct dsv4_backend *be, void *dst, const void *src, size_t n)
 {
+    TRY_HC_JOIN(be);
     if (n > 0)
         CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, cuda_stream(be)));
     return DSV4_OK;
@@ -176,6 +236,7 @@ cuda_upload(struct dsv4_backend *be, void *dst, const void *src, size_t n)
 static enum dsv4_err
 cuda_download(struct dsv4_backend *be, void *dst, const void *src, size_t n)
 {
+    TRY_HC_JOIN(be);
     if (n > 0)
         CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, cuda_stream(be)));
     return DSV4_OK;
@@ -184,6 +245,7 @@ cuda_download(struct dsv4_backend *be, void *dst, const void *src, size_t n)
 static enum dsv4_err
 cuda_copy(struct dsv4_backend *be, void *dst, const void *src, size_t n)
 {
+    TRY_HC_JOIN(be);
     if (n > 0)
         CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, cuda_stream(be)));
     return DSV4_OK;
@@ -194,6 +256,7 @@ cuda_sync(struct dsv4_backend *be)
 {
     struct cuda_state *st = cuda_st(be);
 
+    TRY_HC_JOIN(be);
     CUDA_TRY(cudaStreamSynchronize(cuda_stream(be)));
     /* a side branch a failed call left unjoined (joined ones are in the
      * main stream's wait already) */
@@ -219,6 +282,7 @@ fill_kernel(float *x, float v, int64_t n)
 static enum dsv4_err
 cuda_fill(struct dsv4_backend *be, float *x, float v, int64_t n)
 {
+    TRY_HC_JOIN(be);
     if (n <= 0)
         return DSV4_OK;
     cu_launch(fill_kernel, cuda_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_stream(be), x, v, n);
@@ -244,6 +308,7 @@ static enum dsv4_err
 cuda_scatter_rows(struct dsv4_backend *be, float *dst, const int32_t *rows, const float *src,
                   int n, int cols)
 {
+    TRY_HC_JOIN(be);
     if (n <= 0 || cols <= 0)
         return DSV4_OK;
     cu_launch(rows_copy_kernel, n, EW_THREADS, 0, cuda_stream(be), dst, rows, src,
@@ -256,6 +321,7 @@ static enum dsv4_err
 cuda_gather_rows(struct dsv4_backend *be, float *dst, const float *src, const int32_t *rows,
                  int n, int cols)
 {
+    TRY_HC_JOIN(be);
     if (n <= 0 || cols <= 0)
         return DSV4_OK;
     cu_launch(rows_copy_kernel, n, EW_THREADS, 0, cuda_stream(be), dst,
@@ -344,6 +410,7 @@ cuda_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16
 static enum dsv4_err
 cuda_graph_begin(struct dsv4_backend *be)
 {
+    TRY_HC_JOIN(be);   /* a recording starts with nothing pending beside */
     CUDA_TRY(cudaStreamBeginCapture(cuda_stream(be), cudaStreamCaptureModeRelaxed));
     return DSV4_OK;
 }
@@ -406,6 +473,7 @@ cuda_graph_end(struct dsv4_backend *be, void **out)
     cudaError_t rc;
 
     *out = NULL;
+    (void)cuda_hc_join(be);   /* a capture ends with every fork joined */
     rc = cudaStreamEndCapture(cuda_stream(be), &g);
     if (rc != cudaSuccess) {
         (void)cudaGetLastError();
@@ -427,6 +495,7 @@ cuda_graph_end(struct dsv4_backend *be, void **out)
 static enum dsv4_err
 cuda_graph_launch(struct dsv4_backend *be, void *g)
 {
+    TRY_HC_JOIN(be);
     CUDA_TRY(cudaGraphLaunch((cudaGraphExec_t)g, cuda_stream(be)));
     return DSV4_OK;
 }
@@ -525,6 +594,7 @@ static enum dsv4_err
 cuda_copy2d(struct dsv4_backend *be, float *dst, int64_t dst_ld, const float *src,
             int64_t src_ld, int rows, int cols)
 {
+    TRY_HC_JOIN(be);
     if (rows <= 0 || cols <= 0)
         return DSV4_OK;
     CUDA_TRY(cudaMemcpy2DAsync(dst, (size_t)dst_ld * sizeof(float), src,
@@ -646,6 +716,21 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
                 cudaEventDestroy(st->side_ev[--n_ev]);
             cudaStreamDestroy(st->side_stream);
             st->side_stream = NULL;
+        }
+        /* the hc Sinkhorn's stream (cuda_hc_fork): the same way */
+        n_ev = 0;
+        if (cudaStreamCreateWithPriority(&st->hc_stream, cudaStreamNonBlocking, prio) !=
+            cudaSuccess)
+            st->hc_stream = NULL;
+        while (st->hc_stream != NULL && n_ev < 2 &&
+               cudaEventCreateWithFlags(&st->hc_ev[n_ev], cudaEventDisableTiming) ==
+                   cudaSuccess)
+            n_ev++;
+        if (st->hc_stream != NULL && n_ev < 2) {
+            while (n_ev > 0)
+                cudaEventDestroy(st->hc_ev[--n_ev]);
+            cudaStreamDestroy(st->hc_stream);
+            st->hc_stream = NULL;
         }
         (void)cudaGetLastError();
     }

@@ -143,6 +143,7 @@ cuda_copy_batch(struct dsv4_backend *be, int n, void *const *dst, const void *co
     int m = 0, sms = 0, grid;
     void *dev;
 
+    TRY_HC_JOIN(be);
     if (n < 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "copy_batch: %d pieces", n);
     if (n == 0)

@@ -133,6 +133,8 @@ hc_collapse_run(struct dsv4_backend *be, float *x_out, float *post, float *comb,
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda hc: n=%d iters=%d", n, iters);
     if (T <= 0)
         return DSV4_OK;
+    if (!head)
+        TRY_HC_JOIN(be);   /* comb: a Sinkhorn still running beside (cuda.cuh) */
     if (cuda_st(be)->fast_kernels && cuda_fast_hc_ok(n, head))   /* fast_hc.cu */
         return cuda_fast_hc(be, x_out, post, comb, X, hc, T, n, D, iters, hc_eps, norm_eps,
                             head);
@@ -195,6 +197,7 @@ cuda_hc_post(struct dsv4_backend *be, float *X_out, const float *f, const float 
 
     if (N <= 0)
         return DSV4_OK;
+    TRY_HC_JOIN(be);   /* comb: a Sinkhorn still running beside (cuda.cuh) */
     cu_launch(hc_post_kernel, cuda_blocks(N, 256), 256, 0, cuda_stream(be), X_out, f, X, post, comb,
               T, n, D);
     CUDA_LAUNCHED("hc_post");

@@ -397,6 +397,7 @@ cuda_hc_post_pre(struct dsv4_backend *be, float *X_out, float *x_out, float *pos
                  const float *comb, const struct dsv4_hc_w *hc, const uint16_t *nw, int T,
                  int n, int D, int iters, float hc_eps, float norm_eps)
 {
+    TRY_HC_JOIN(be);   /* comb: a Sinkhorn still running beside (cuda.cuh) */
     if (!cuda_st(be)->fast_kernels || !cuda_fast_hc_ok(n, 0) || iters < 1)
         return dsv4_hc_post_pre_compose(be, X_out, x_out, post_out, comb_out, xn, f, X, post,
                                         comb, hc, nw, T, n, D, iters, hc_eps, norm_eps);

@@ -70,6 +70,13 @@
  * its writes visible) before reading the partials (and X_out in the fused
  * form).  Every thread of the finish waits, so the kernels after it see
  * the mix's writes as well.  Same bits as v2.
+ * Sinkhorn beside (v2 and v3, since run 38; DSV4_CUDA_HC_DEFER=0: in the
+ * finish as before): the finish's extra warp writes the Sinkhorn's input
+ * into comb, and hf2_sinkhorn_kernel (a warp per token, the same
+ * hf2_sinkhorn) finishes it on the backend's hc stream (cuda_hc_fork,
+ * cuda.cuh), which the next op touching comb joins: its 20 dependent
+ * iterations were the finish's longest part, and comb is only read at the
+ * sub-layer's end.
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"
@@ -89,6 +96,7 @@
 #define HF2_XT 128           /* v2 finish without the norm: collapse threads (+ one warp), */
                              /* one float4 column each (512 columns per block) */
 #define HF2_SQ 8             /* v2 finish: partials per lane and mix row (S <= 256) */
+#define HF_DEFER_SLABS 64    /* slabs of a call whose Sinkhorn can be deferred */
 
 /* The number of mix rows M of the hc_pre (head == 0) or hc_head form. */
 static __host__ __device__ int
@@ -244,6 +252,8 @@ struct hf_fin {
     struct dsv4_hc_w hc;
     int n, D, S, iters, head;
     int x_dep;                    /* X is written by the mix kernel (fused form) */
+    int defer;                    /* v2 / v3: comb gets Sinkhorn's input; hf2_sinkhorn_kernel
+                                     (beside the main stream, cuda_hc_fork) finishes it */
     float hc_eps, norm_eps;
 };
 
@@ -601,7 +611,8 @@ hf2_finish_kernel(struct hf_fin a)
         if (l < n)
             a.post[t * n + l] = 2.0f * hf_sigmoidf((mix[n + l] * r) * sc + bs);
         c = (mix[2 * n + e] * r) * sc2 + bs2;
-        c = hf2_sinkhorn(c, n, a.iters, a.hc_eps, l);
+        if (!a.defer)
+            c = hf2_sinkhorn(c, n, a.iters, a.hc_eps, l);
         if (l < n * n)
             a.comb[t * n * n + l] = c;
         return;
@@ -673,6 +684,27 @@ hf2_finish_kernel(struct hf_fin a)
     }
 }
 
+/*
+ * The Sinkhorn of the finish kernels of a call whose comb they left as its
+ * input (hf_fin.defer), in place: a warp per token, hf2_sinkhorn with the
+ * finish warp's lanes (l >= n*n a copy of entry 0), so the same bits.  Run
+ * beside the main stream (cuda_hc_fork): until run 38 it was the longest
+ * part of the finish (bench_fuse at T = 1: hc_post_pre 8.1 us with 20
+ * iterations, 6.3 with one), and comb is not read before the sub-layer's
+ * end.
+ */
+static __global__ void __launch_bounds__(32)
+hf2_sinkhorn_kernel(float *comb, int n, int iters, float eps)
+{
+    int64_t t = blockIdx.x;
+    int l = threadIdx.x, e = l < n * n ? l : 0;
+    float c = comb[t * n * n + e];
+
+    c = hf2_sinkhorn(c, n, iters, eps, l);
+    if (l < n * n)
+        comb[t * n * n + l] = c;
+}
+
 /* Whether the v2 kernels take this call (a: the finish arguments; p: the
  * hc_post inputs of the fused form, p->X_out == NULL otherwise). */
 static int
@@ -729,11 +761,15 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
     unsigned groups = (unsigned)((T + HF_TG - 1) / HF_TG);
     cudaStream_t st = cuda_stream(be);
     float *part = (float *)cuda_scratch(be, (size_t)T * a->S * (M + 1) * sizeof(float));
+    int v2;
 
     if (part == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast hc: no scratch");
     a->part = part;
-    if (hf2_ok(a, p, fn)) {
+    v2 = hf2_ok(a, p, fn);
+    if (!v2)
+        a->defer = 0;   /* v1 runs its own Sinkhorn */
+    if (v2) {
         if (p->X_out != NULL)
             cu_launch(hf2_mix_kernel<1>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part,
                       (const float *)NULL, fn, T, M, a->n, a->D, *p);
@@ -772,6 +808,8 @@ hf_run(struct dsv4_backend *be, float *X_out, float *x_out, float *post, float *
        float hc_eps, float norm_eps, int head)
 {
     int64_t nD = (int64_t)n * D;
+    int defer = comb != NULL && !head && cuda_hc_defer_on(be), n_def = 0;
+    int def0[HF_DEFER_SLABS], defn[HF_DEFER_SLABS];   /* the deferred slabs */
 
     if (T <= 0 || D <= 0)
         return DSV4_OK;
@@ -794,6 +832,7 @@ hf_run(struct dsv4_backend *be, float *X_out, float *x_out, float *post, float *
         a.iters = iters;
         a.head = head;
         a.x_dep = X_out != NULL;
+        a.defer = defer && n_def < HF_DEFER_SLABS;
         a.hc_eps = hc_eps;
         a.norm_eps = norm_eps;
         p.X_out = X_out != NULL ? X_out + t0 * nD : NULL;
@@ -804,6 +843,20 @@ hf_run(struct dsv4_backend *be, float *X_out, float *x_out, float *post, float *
         e = hf_slab(be, &a, &p, hc->fn, Ts);
         if (e != DSV4_OK)
             return e;
+        if (a.defer) {
+            def0[n_def] = t0;
+            defn[n_def++] = Ts;
+        }
+    }
+    if (n_def > 0) {   /* their Sinkhorn beside the main stream (else on it) */
+        cudaStream_t hs = cuda_hc_fork(be);
+
+        for (int i = 0; i < n_def; i++)
+            hf2_sinkhorn_kernel<<<(unsigned)defn[i], 32, 0, hs != NULL ? hs : cuda_stream(be)>>>(
+                comb + (int64_t)def0[i] * n * n, n, iters, hc_eps);
+        CUDA_LAUNCHED("fast hc sinkhorn");
+        if (hs != NULL)
+            return cuda_hc_forked(be);
     }
     return DSV4_OK;
 }
