@@ -651,6 +651,26 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_side_join,
 };
 
+/* A non-blocking stream of priority prio and two timing-free events in ev,
+ * or NULL (and no events) if any of them cannot be made. */
+static cudaStream_t
+stream_pair(int prio, cudaEvent_t ev[2])
+{
+    cudaStream_t s = NULL;
+    int n_ev = 0;
+
+    if (cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio) != cudaSuccess)
+        return NULL;
+    while (n_ev < 2 && cudaEventCreateWithFlags(&ev[n_ev], cudaEventDisableTiming) == cudaSuccess)
+        n_ev++;
+    if (n_ev == 2)
+        return s;
+    while (n_ev > 0)
+        cudaEventDestroy(ev[--n_ev]);
+    cudaStreamDestroy(s);
+    return NULL;
+}
+
 extern "C" enum dsv4_err
 dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics, int device)
 {
@@ -698,40 +718,16 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         free(st);
         return cuda_err(rc, "stream creation", __FILE__, __LINE__);
     }
-    /* the side queue: a second stream of the same priority and two events
-     * (none if any of them cannot be made: side_begin then answers 0) */
+    /* the side queue and the hc Sinkhorn's stream: each a second stream of
+     * the same priority and two events (none if any of them cannot be
+     * made: side_begin then answers 0, cuda_hc_fork NULL) */
     {
-        int prio = 0, n_ev = 0;
+        int prio = 0;
 
-        if (cudaStreamGetPriority(st->stream, &prio) != cudaSuccess ||
-            cudaStreamCreateWithPriority(&st->side_stream, cudaStreamNonBlocking, prio) !=
-                cudaSuccess)
-            st->side_stream = NULL;
-        while (st->side_stream != NULL && n_ev < 2 &&
-               cudaEventCreateWithFlags(&st->side_ev[n_ev], cudaEventDisableTiming) ==
-                   cudaSuccess)
-            n_ev++;
-        if (st->side_stream != NULL && n_ev < 2) {
-            while (n_ev > 0)
-                cudaEventDestroy(st->side_ev[--n_ev]);
-            cudaStreamDestroy(st->side_stream);
-            st->side_stream = NULL;
-        }
-        /* the hc Sinkhorn's stream (cuda_hc_fork): the same way */
-        n_ev = 0;
-        if (cudaStreamCreateWithPriority(&st->hc_stream, cudaStreamNonBlocking, prio) !=
-            cudaSuccess)
-            st->hc_stream = NULL;
-        while (st->hc_stream != NULL && n_ev < 2 &&
-               cudaEventCreateWithFlags(&st->hc_ev[n_ev], cudaEventDisableTiming) ==
-                   cudaSuccess)
-            n_ev++;
-        if (st->hc_stream != NULL && n_ev < 2) {
-            while (n_ev > 0)
-                cudaEventDestroy(st->hc_ev[--n_ev]);
-            cudaStreamDestroy(st->hc_stream);
-            st->hc_stream = NULL;
-        }
+        if (cudaStreamGetPriority(st->stream, &prio) != cudaSuccess)
+            prio = 0;
+        st->side_stream = stream_pair(prio, st->side_ev);
+        st->hc_stream = stream_pair(prio, st->hc_ev);
         (void)cudaGetLastError();
     }
     be->ops = &cuda_ops;
