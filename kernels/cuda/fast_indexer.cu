@@ -107,12 +107,12 @@ fi_stats(float4 v)
         s.x = max(s.x, E == 0 ? -126 : E - 126);
         s.y = min(s.y, E == 0 ? -149 + __ffs(m) - 1 : E - 150 + __ffs(m | 0x800000u) - 1);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-        s.x = max(s.x, __shfl_xor_sync(0xffffffffu, s.x, o));
-        s.y = min(s.y, __shfl_xor_sync(0xffffffffu, s.y, o));
-        s.z |= __shfl_xor_sync(0xffffffffu, s.z, o);
-    }
+    /* one warp reduction each (redux.sync): the same max, min and or as
+     * five xor-shuffle rounds, without their chain of dependent shuffles
+     * (16 calls a warp in a decode score kernel) */
+    s.x = __reduce_max_sync(0xffffffffu, s.x);
+    s.y = __reduce_min_sync(0xffffffffu, s.y);
+    s.z = (int)__reduce_or_sync(0xffffffffu, (unsigned)s.z);
     return s;
 }
 
@@ -620,7 +620,7 @@ fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap
     __shared__ int hist[256], wsum[FI_SEL_THREADS / 32];
     __shared__ int s_bin, s_before, s_lt;
     int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap), kk = min(K, nv);
-    int tid = threadIdx.x, b = 0;
+    int tid = threadIdx.x, b = 0, N = 32;
     const float *sc = scores + (int64_t)t * cap;
     uint32_t u[FI_SEL_REG];
     unsigned long long x;
@@ -678,8 +678,13 @@ fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap
     } else {
         x = tid < nv ? (unsigned long long)u[0] << 32 | (uint32_t)tid : ~0ull;
     }
-    /* bitonic sort of the FI_SEL_THREADS keys x, ascending by thread */
-    for (int k = 2; k <= FI_SEL_THREADS; k <<= 1)
+    /* bitonic sort of the first N keys x, ascending by thread: N the
+     * least power of two (at least a warp) that holds the kk keys taken,
+     * the threads past it holding ~0, already in place (a decode step's
+     * few dozen keys took the whole 512-key network) */
+    while (N < kk)
+        N <<= 1;
+    for (int k = 2; k <= N; k <<= 1)
         for (int j = k >> 1; j > 0; j >>= 1) {
             unsigned long long y;
             int up = (tid & k) == 0, low = tid < (tid ^ j);
