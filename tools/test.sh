@@ -21,7 +21,12 @@ failed=0
 run_suite() {
     local dir=$1; shift
     if [ ! -f "$dir/build.ninja" ]; then
-        meson setup "$dir" "$@" >"$dir.setup.log" 2>&1 || { cat "$dir.setup.log"; failed=$((failed + 1)); return; }
+        # nvcc with header dependencies (tools/nvcc-deps.sh)
+        local native=()
+        if command -v nvcc >/dev/null && tools/nvcc-deps.sh --machine-file "$dir.nvcc.ini"; then
+            native=(--native-file "$dir.nvcc.ini")
+        fi
+        meson setup "${native[@]}" "$dir" "$@" >"$dir.setup.log" 2>&1 || { cat "$dir.setup.log"; failed=$((failed + 1)); return; }
     fi
     if ! ninja -C "$dir" -j "$jobs" >"$dir.build.log" 2>&1; then
         tail -50 "$dir.build.log"
