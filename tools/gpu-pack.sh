@@ -13,7 +13,7 @@ build=$1; shift
 obj=kernels/libdsv4kernels.a.p/cuda_cuda_share.cu.o
 if [ -f "$build/$obj" ] && ! tests/tools/cuda_deps.sh "$build" "$obj" common/weights.h >/dev/null; then
     echo "gpu-pack.sh: $build was configured without tools/nvcc-deps.sh (CUDA objects may be" \
-         "stale); set it up again with tools/nvcc-deps.sh --machine-file and --native-file" >&2
+         "stale); set it up again with tools/nvcc-deps.sh --native-args" >&2
     exit 1
 fi
 rm -rf .carry && mkdir -p .carry/bin .carry/lib

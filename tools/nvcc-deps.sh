@@ -6,18 +6,23 @@
 # against an older struct layout (docs/perf.md run 38: a rank daemon read
 # struct dsv4_weights.priv at its old offset and crashed).
 #
-#   nvcc-deps.sh --machine-file FILE   write a Meson machine file naming this
-#                                      script (by absolute path: Meson 1.0
-#                                      takes the CUDA compiler from a machine
-#                                      file only) as the CUDA compiler
-#   meson setup --native-file FILE BUILDDIR
+#   nvcc-deps.sh --native-args FILE   where nvcc is: write a Meson machine
+#                                     file naming this script (by absolute
+#                                     path: Meson 1.0 takes the CUDA compiler
+#                                     from a machine file only) as the CUDA
+#                                     compiler, and print the `meson setup`
+#                                     arguments that use it, one a line
+#                                     (--native-file, FILE); else nothing
+#   meson setup $(tools/nvcc-deps.sh --native-args build.nvcc.ini) build
 #
-# tools/test.sh and tools/run.sh do both.  As the compiler: calls that
-# compile one object (-c ... -o OBJECT) get -MD -MF OBJECT.d; every other
-# call (Meson's probes, links) goes to nvcc unchanged.
-if [ "${1:-}" = "--machine-file" ]; then
+# tools/test.sh and tools/run.sh set their builds up so.  As the compiler:
+# calls that compile one object (-c ... -o OBJECT) get -MD -MF OBJECT.d;
+# every other call (Meson's probes, links) goes to nvcc unchanged.
+if [ "${1:-}" = "--native-args" ]; then
+    command -v nvcc >/dev/null || exit 0
     self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
-    printf "[binaries]\ncuda = '%s'\n" "$self" > "$2"
+    printf "[binaries]\ncuda = '%s'\n" "$self" > "$2" || exit 1
+    printf -- "--native-file\n%s\n" "$2"
     exit
 fi
 out=""

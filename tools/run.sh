@@ -25,10 +25,7 @@ max_tokens=${DSV4_MAX_TOKENS:-32}
 tools/setup.sh
 if [ ! -f "$build/build.ninja" ]; then
     # nvcc with header dependencies (tools/nvcc-deps.sh)
-    native=()
-    if command -v nvcc >/dev/null && tools/nvcc-deps.sh --machine-file "$build.nvcc.ini"; then
-        native=(--native-file "$build.nvcc.ini")
-    fi
+    mapfile -t native < <(tools/nvcc-deps.sh --native-args "$build.nvcc.ini")
     meson setup "${native[@]}" "$build" >/dev/null
 fi
 ninja -C "$build" >/dev/null

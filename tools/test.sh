@@ -22,10 +22,8 @@ run_suite() {
     local dir=$1; shift
     if [ ! -f "$dir/build.ninja" ]; then
         # nvcc with header dependencies (tools/nvcc-deps.sh)
-        local native=()
-        if command -v nvcc >/dev/null && tools/nvcc-deps.sh --machine-file "$dir.nvcc.ini"; then
-            native=(--native-file "$dir.nvcc.ini")
-        fi
+        local native
+        mapfile -t native < <(tools/nvcc-deps.sh --native-args "$dir.nvcc.ini")
         meson setup "${native[@]}" "$dir" "$@" >"$dir.setup.log" 2>&1 || { cat "$dir.setup.log"; failed=$((failed + 1)); return; }
     fi
     if ! ninja -C "$dir" -j "$jobs" >"$dir.build.log" 2>&1; then

@@ -127,8 +127,7 @@ cuda_hc_fork(struct dsv4_backend *be)
 {
     struct cuda_state *st = cuda_st(be);
 
-    if (st->hc_stream == NULL || st->side == 1 || !cuda_switch_on(&hc_defer_sw) ||
-        cuda_hc_join(be) != DSV4_OK ||   /* one pending at a time */
+    if (!cuda_hc_defer_on(be) || cuda_hc_join(be) != DSV4_OK ||   /* one pending at a time */
         cudaEventRecord(st->hc_ev[0], cuda_stream(be)) != cudaSuccess ||
         cudaStreamWaitEvent(st->hc_stream, st->hc_ev[0], 0) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -162,6 +161,38 @@ cuda_hc_join(struct dsv4_backend *be)
 
 /* --- lifecycle and memory --------------------------------------------------------- */
 
+/* A non-blocking stream of priority prio and two timing-free events in ev,
+ * or NULL (and no events) if any of them cannot be made. */
+static cudaStream_t
+stream_pair(int prio, cudaEvent_t ev[2])
+{
+    cudaStream_t s = NULL;
+    int n_ev = 0;
+
+    if (cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio) != cudaSuccess)
+        return NULL;
+    while (n_ev < 2 && cudaEventCreateWithFlags(&ev[n_ev], cudaEventDisableTiming) == cudaSuccess)
+        n_ev++;
+    if (n_ev == 2)
+        return s;
+    while (n_ev > 0)
+        cudaEventDestroy(ev[--n_ev]);
+    cudaStreamDestroy(s);
+    return NULL;
+}
+
+/* Wait for and release what stream_pair made (nothing when s is NULL). */
+static void
+stream_pair_free(cudaStream_t s, cudaEvent_t ev[2])
+{
+    if (s == NULL)
+        return;
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    cudaEventDestroy(ev[0]);
+    cudaEventDestroy(ev[1]);
+}
+
 static void
 cuda_destroy(struct dsv4_backend *be)
 {
@@ -170,18 +201,8 @@ cuda_destroy(struct dsv4_backend *be)
     (void)cuda_side_join(be);   /* back on the main stream, own scratch */
     (void)cuda_hc_join(be);
     cudaStreamSynchronize(st->stream);
-    if (st->hc_stream != NULL) {
-        cudaStreamSynchronize(st->hc_stream);
-        cudaStreamDestroy(st->hc_stream);
-        cudaEventDestroy(st->hc_ev[0]);
-        cudaEventDestroy(st->hc_ev[1]);
-    }
-    if (st->side_stream != NULL) {
-        cudaStreamSynchronize(st->side_stream);
-        cudaStreamDestroy(st->side_stream);
-        cudaEventDestroy(st->side_ev[0]);
-        cudaEventDestroy(st->side_ev[1]);
-    }
+    stream_pair_free(st->hc_stream, st->hc_ev);
+    stream_pair_free(st->side_stream, st->side_ev);
     cuda_copy_fini(be);
     cuda_fast_linear_fini(be);
     cudaFree(st->scratch);
@@ -650,26 +671,6 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_side_end,
     cuda_side_join,
 };
-
-/* A non-blocking stream of priority prio and two timing-free events in ev,
- * or NULL (and no events) if any of them cannot be made. */
-static cudaStream_t
-stream_pair(int prio, cudaEvent_t ev[2])
-{
-    cudaStream_t s = NULL;
-    int n_ev = 0;
-
-    if (cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio) != cudaSuccess)
-        return NULL;
-    while (n_ev < 2 && cudaEventCreateWithFlags(&ev[n_ev], cudaEventDisableTiming) == cudaSuccess)
-        n_ev++;
-    if (n_ev == 2)
-        return s;
-    while (n_ev > 0)
-        cudaEventDestroy(ev[--n_ev]);
-    cudaStreamDestroy(s);
-    return NULL;
-}
 
 extern "C" enum dsv4_err
 dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics, int device)

@@ -1498,6 +1498,23 @@ lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
     free(h2);
 }
 
+/* One exhaustive check of the linear kernels' conversions (cuda_fast.h
+ * dsv4_cuda_linear_*_check): ok with what it showed, else how many inputs
+ * differ (`differ`) and the first, in hex. */
+static void
+lin_check_report(struct tally *ty, const char *name, const char *ok_what, const char *differ,
+                 uint64_t bad, uint32_t first)
+{
+    if (bad == 0) {
+        printf("ok   linear %s check: %s\n", name, ok_what);
+        ty->ok++;
+    } else {
+        printf("FAIL linear %s check: %llu %s %08x\n", name, (unsigned long long)bad, differ,
+               first);
+        ty->fail++;
+    }
+}
+
 /*
  * Every decode linear case (BENCH_FAST_ONLY=linear runs only these): first
  * the hardware FP8 code of the one-launch form against the exact expression
@@ -1517,25 +1534,11 @@ linear_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const 
     uint32_t first = 0;
 
     TRY("quant check", dsv4_cuda_linear_quant_check(be, &bad, &first));
-    if (bad == 0) {
-        printf("ok   linear quant check: one-launch FP8 codes == exact path's on all 2^32 "
-               "floats\n");
-        ty->ok++;
-    } else {
-        printf("FAIL linear quant check: %llu of 2^32 floats differ, first bits %08x\n",
-               (unsigned long long)bad, first);
-        ty->fail++;
-    }
+    lin_check_report(ty, "quant", "one-launch FP8 codes == exact path's on all 2^32 floats",
+                     "of 2^32 floats differ, first bits", bad, first);
     TRY("e4m3 check", dsv4_cuda_linear_e4m3_check(be, &bad, &first));
-    if (bad == 0) {
-        printf("ok   linear e4m3 check: grouped weights' bf16 == exact decode on all "
-               "65,536 pairs of codes (NaN codes aside)\n");
-        ty->ok++;
-    } else {
-        printf("FAIL linear e4m3 check: %llu pairs of codes differ, first %04x\n",
-               (unsigned long long)bad, first);
-        ty->fail++;
-    }
+    lin_check_report(ty, "e4m3", "grouped weights' bf16 == exact decode on all 65,536 pairs "
+                     "of codes (NaN codes aside)", "pairs of codes differ, first", bad, first);
     for (int l = 0; l < N_LIN; l++) {
         int N = lin_shapes[l].N, K = lin_shapes[l].K, G = lin_shapes[l].G;
         struct op o = { .name = lin_shapes[l].name, .kind = G > 0 ? OP_GROUPED : OP_LINEAR,

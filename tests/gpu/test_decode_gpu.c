@@ -39,9 +39,9 @@
  * --profile-from-start off`: the per-kernel breakdown of docs/perf.md), and
  * the graphed step time, the step graph's kernel count
  * (dsv4_cuda_graph_kernels) and a digest of the last graphed step's logits
- * (equal digests: the same bits, e.g. under DSV4_SHARED_SIDE=0 and 1).  DSV4_CUDA_KERNELS=fast selects the fast
- * kernels; DSV4_TEST_TEMPERATURE=T samples the GPU-sampled steps at
- * temperature T (default 0: greedy).
+ * (equal digests: the same bits, e.g. under DSV4_CUDA_HC_DEFER=0 and 1).
+ * DSV4_CUDA_KERNELS=fast selects the fast kernels; DSV4_TEST_TEMPERATURE=T
+ * samples the GPU-sampled steps at temperature T (default 0: greedy).
  *
  * prefill: the `flash` widths cut to LAYERS layers with synthetic weights,
  * one sequence of T tokens prefilled from an empty slot in chunks of 512
@@ -541,7 +541,7 @@ run_profile(int layers, int batch)
         n_kern = dsv4_cuda_graph_kernels(gb, &n_nodes);
         ms_graph = decode_steps(gm, batch, 20, V, lg, tg);
         /* the last graphed step's logits: the same bits under settings that
-         * must not change them (DSV4_SHARED_SIDE, DSV4_CUDA_SIDE, ...) */
+         * must not change them (DSV4_CUDA_HC_DEFER, DSV4_CUDA_SIDE, ...) */
         {
             uint64_t h = 1469598103934665603ull;
             const unsigned char *bytes = (const unsigned char *)lg;

@@ -9,6 +9,6 @@ if printf '%s\n' "$deps" | grep -q -- "$hdr"; then
     echo "ok: $obj depends on $hdr"
     exit 0
 fi
-echo "FAIL: ninja records no dependency of $obj on $hdr (configure with tools/nvcc-deps.sh --machine-file, see that script):"
+echo "FAIL: ninja records no dependency of $obj on $hdr (set it up with tools/nvcc-deps.sh --native-args, see that script):"
 printf '%s\n' "$deps" | head -5
 exit 1
