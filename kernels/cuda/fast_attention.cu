@@ -11,11 +11,12 @@
  * in tiles of FA_NC = 32 key rows, flash-attention style:
  *
  *   1. the tile's key rows (window rows from kv or the ring, compressed rows
- *      through the page table and, for CSA, sel) are copied into shared
- *      memory with cp.async (fp32, double buffered: the next tile is in
- *      flight while this one is used; masked candidates are zero-filled),
- *      then converted to bf16 (the pools hold bf16 values, so this is
- *      exact);
+ *      through the page table and, for CSA, sel; looked up FA_PG tiles at a
+ *      time into a table in shared memory, one candidate a thread) are
+ *      copied into shared memory with cp.async (fp32, double buffered: the
+ *      next tile is in flight while this one is used; masked candidates are
+ *      zero-filled), then converted to bf16 (the pools hold bf16 values, so
+ *      this is exact);
  *   2. scores S = Q K^T on the tensor cores (mma.sync m16n8k16 bf16, fp32
  *      accumulators): warp w owns head dimensions [w Dh/8, (w+1) Dh/8), its
  *      Q fragments stay in registers for the whole row, and the 8 warps'
@@ -27,7 +28,8 @@
  *      tile (ldmatrix.trans), each warp its Dh/8 output dimensions.  P is
  *      fed as bf16 hi + lo (two mma; |p - hi - lo| <= 2^-16 |p|), so P V
  *      is close to fp32 accuracy rather than bf16's.
- *   At the end out = bf16(O / (l + exp(sink - m))).
+ *   At the end out = bf16(O / (l + exp(sink - m))) (unsplit rows: O times
+ *   the correctly rounded reciprocal of the denominator).
  *
  * Decode-sized calls (T * head groups <= FA_SPLIT_ROWS, head groups of 32
  * when H > 16, else 16) would give too few CTAs, so there each row's
@@ -72,8 +74,8 @@
  * differences from the exact path are fp32 rounding: the dot product's
  * summation order (tensor core, then 8 warp partials), expf (CUDA's, not
  * the double-rounded one), the online rescaling by alpha, the sum order of
- * the denominator and of P V, and P's hi + lo split (relative error
- * <= 2^-16 per weight).  Outputs are deterministic and depend on the row's
+ * the denominator and of P V, P's hi + lo split (relative error
+ * <= 2^-16 per weight) and, in unsplit rows, O · (1 / den) for O / den.  Outputs are deterministic and depend on the row's
  * own inputs, on whether the call was split (T * groups <= FA_SPLIT_ROWS)
  * and on the form of the split (v1, v2) only: not on the other rows or on T
  * otherwise (tests/gpu/bench_attn.c checks rows at T = 1, 4, 16).  No host
@@ -92,6 +94,8 @@ namespace cg = cooperative_groups;
 #define FA_NC 32            /* candidates per tile */
 #define FA_CHUNK 64         /* candidates per CTA when split */
 #define FA_SPLIT_ROWS 64    /* split when T * head groups <= this */
+#define FA_PG 8             /* tiles whose key rows fa_kernel looks up at once (FA_PG FA_NC
+                               = FA_THREADS: one candidate a thread) */
 #define FA_SPLIT_BYTES ((size_t)64 << 20)   /* scratch bound of the split form */
 #define FA_SP_LD (FA_NC + 8)   /* row stride (floats) of the score / P tiles */
 #define FD_CS 4             /* v2: CTAs per (row, head group), one cluster (or 8: fd_cs) */
@@ -235,32 +239,48 @@ fa_smem_bytes(int MT, int Dh)
            + (size_t)FA_WARPS * HG * FA_SP_LD * 4   /* score partials */
            + (size_t)HG * FA_SP_LD * 4              /* P */
            + (size_t)3 * HG * 4                     /* m, l, alpha */
-           + (size_t)2 * FA_NC * 4;                 /* candidate valid flags */
+           + (size_t)2 * FA_NC * 4                  /* candidate valid flags */
+           + (size_t)FA_PG * FA_NC * sizeof(void *);   /* key rows of FA_PG tiles */
 }
 
 /* --- the main kernel -------------------------------------------------------------- */
 
-/*
- * Issue the copies of tile `c0` of row t into staging buffer st (and its
- * valid flags): FA_NC rows of Dh floats, 16 bytes per copy, row-major over
- * the block's threads.
- */
+/* Issue the copies of one tile (rows ptr[0 .. FA_NC), NULL: zero-filled)
+ * into the staging: thread i of the block copies pieces i + FA_THREADS k. */
+template <int Dh>
 static __device__ __forceinline__ void
-fa_issue(const struct fa_args &a, const struct fa_row &r, int t, int c0, int c_end, float *st,
-         int *valid)
+fd_issue(const float *const *ptr, float *stage, const float *dummy)
 {
-    int per_row = a.Dh / 4;   /* 16-byte pieces per row */
+    constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
 
-    for (int i = threadIdx.x; i < FA_NC * per_row; i += FA_THREADS) {
-        int row = i / per_row, piece = i % per_row, c = c0 + row;
-        const float *src = c < c_end ? fa_cand(a, r, t, c) : NULL;
+#pragma unroll
+    for (int k = 0; k < CPY; k++) {
+        int i = threadIdx.x + FA_THREADS * k, row = i / PER_ROW, piece = i % PER_ROW;
+        const float *src = ptr[row];
 
-        fa_cp16(st + (size_t)row * a.Dh + piece * 4, src != NULL ? src + piece * 4 : a.q,
+        fa_cp16(stage + (size_t)row * Dh + piece * 4, src != NULL ? src + piece * 4 : dummy,
                 src != NULL);
-        if (piece == 0)
-            valid[row] = src != NULL;
     }
     fa_cp_commit();
+}
+
+/*
+ * The key rows of candidates c0 .. c0 + FA_PG FA_NC - 1 of row t (NULL:
+ * masked, or past c_end) into ptr: thread i looks up candidate c0 + i.
+ * The unsplit walk (prefill rows) looks its candidates up FA_PG tiles at a
+ * time, so each copy of a tile reads its source row from shared memory
+ * instead of working out the window / ring / page-table address per 16-byte
+ * piece (docs/perf.md run 39: that was a third of fa_kernel's instructions).
+ */
+static __device__ __forceinline__ void
+fa_rows(const struct fa_args &a, const struct fa_row &r, int t, int c0, int c_end,
+        const float **ptr)
+{
+    for (int i = threadIdx.x; i < FA_PG * FA_NC; i += FA_THREADS) {
+        int c = c0 + i;
+
+        ptr[i] = c < c_end ? fa_cand(a, r, t, c) : NULL;
+    }
 }
 
 /* The Q fragments of heads h0 .. h0 + 16 MT - 1 of row t over this warp's
@@ -476,6 +496,7 @@ fa_kernel(struct fa_args a)
     float *pm = sp + FA_WARPS * HG * FA_SP_LD;
     float *s_m = pm + HG * FA_SP_LD, *s_l = s_m + HG, *s_al = s_l + HG;
     int *valid = (int *)(s_al + HG);
+    const float **s_ptr = (const float **)(valid + 2 * FA_NC);
     int64_t bid = blockIdx.x;
     int ch = (int)(bid % a.n_ch), hg = (int)(bid / a.n_ch % a.n_hg);
     int t = (int)(bid / a.n_ch / a.n_hg);
@@ -492,7 +513,11 @@ fa_kernel(struct fa_args a)
 
     if (c_beg >= c_end)
         return;   /* an empty chunk: the combine does not read it */
-    fa_issue(a, r, t, c_beg, c_end, stage, valid);
+    fa_rows(a, r, t, c_beg, c_end, s_ptr);
+    __syncthreads();
+    fd_issue<Dh>(s_ptr, stage, a.q);
+    if (threadIdx.x < FA_NC)
+        valid[threadIdx.x] = s_ptr[threadIdx.x] != NULL;
 
     fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
 #pragma unroll
@@ -513,8 +538,15 @@ fa_kernel(struct fa_args a)
         const int *vf = valid + (it & 1) * FA_NC;
 
         if (it + 1 < n_tiles) {
-            fa_issue(a, r, t, c0 + FA_NC, c_end, stage + (size_t)((it + 1) & 1) * FA_NC * Dh,
-                     valid + ((it + 1) & 1) * FA_NC);
+            int j = (it + 1) % FA_PG;
+
+            if (j == 0) {   /* the table's readers (earlier issues) are past a barrier */
+                fa_rows(a, r, t, c0 + FA_NC, c_end, s_ptr);
+                __syncthreads();
+            }
+            fd_issue<Dh>(s_ptr + j * FA_NC, stage + (size_t)((it + 1) & 1) * FA_NC * Dh, a.q);
+            if (threadIdx.x < FA_NC)
+                valid[((it + 1) & 1) * FA_NC + threadIdx.x] = s_ptr[j * FA_NC + threadIdx.x] != NULL;
             fa_cp_wait<1>();
         } else {
             fa_cp_wait<0>();
@@ -566,14 +598,19 @@ fa_kernel(struct fa_args a)
                     pp[(int64_t)HG * Dh + 2 * hl + 1] = l;
                 }
             } else {
-                float den = l + expf(a.sink[h] - m);
+                /* o * (1 / den) and the hardware's bf16 rounding: one multiply
+                 * and one conversion a value (an IEEE division and the software
+                 * rounding were an eighth of a window layer's instructions) */
+                float rd = __frcp_rn(l + expf(a.sink[h] - m));
                 float *op = a.out + ((int64_t)t * a.H + h) * Dh + d0 + 2 * q4;
 
 #pragma unroll
-                for (int n = 0; n < NT; n++)
+                for (int n = 0; n < NT; n++) {
+                    uint32_t b = fa_pack(o[mt][n][2 * hh] * rd, o[mt][n][2 * hh + 1] * rd);
+
                     *(float2 *)(op + n * 8) =
-                        make_float2(cu_bf16_round(o[mt][n][2 * hh] / den),
-                                    cu_bf16_round(o[mt][n][2 * hh + 1] / den));
+                        make_float2(__uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));
+                }
             }
         }
 }
@@ -645,25 +682,6 @@ fd_smem_bytes(int MT, int Dh, int CS)
            + (size_t)FD_TPR * FA_NC * sizeof(void *)   /* candidate rows */
            + (size_t)3 * HG * 4                     /* m, l, alpha */
            + (size_t)HG * (CS + 1) * 4;             /* combine factors, denominators */
-}
-
-/* Issue the copies of one tile (rows ptr[0 .. FA_NC), NULL: zero-filled)
- * into the staging: thread i of the block copies pieces i + FA_THREADS k. */
-template <int Dh>
-static __device__ __forceinline__ void
-fd_issue(const float *const *ptr, float *stage, const float *dummy)
-{
-    constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
-
-#pragma unroll
-    for (int k = 0; k < CPY; k++) {
-        int i = threadIdx.x + FA_THREADS * k, row = i / PER_ROW, piece = i % PER_ROW;
-        const float *src = ptr[row];
-
-        fa_cp16(stage + (size_t)row * Dh + piece * 4, src != NULL ? src + piece * 4 : dummy,
-                src != NULL);
-    }
-    fa_cp_commit();
 }
 
 /*
