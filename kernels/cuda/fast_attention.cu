@@ -234,34 +234,57 @@ fa_smem_bytes(int MT, int Dh)
 {
     int HG = 16 * MT;
 
-    return (size_t)2 * FA_NC * Dh * 4               /* fp32 staging, 2 stages */
-           + (size_t)FA_NC * (Dh + 8) * 2           /* bf16 tile */
+    return (size_t)FA_NC * Dh * 4                   /* fp32 staging */
+           + (size_t)2 * FA_NC * (Dh + 8) * 2       /* bf16 tiles */
            + (size_t)FA_WARPS * HG * FA_SP_LD * 4   /* score partials */
            + (size_t)HG * FA_SP_LD * 4              /* P */
            + (size_t)3 * HG * 4                     /* m, l, alpha */
-           + (size_t)2 * FA_NC * 4                  /* candidate valid flags */
-           + (size_t)FA_PG * FA_NC * sizeof(void *);   /* key rows of FA_PG tiles */
+           + (size_t)2 * FA_PG * FA_NC * sizeof(void *);   /* key rows, two halves */
 }
 
 /* --- the main kernel -------------------------------------------------------------- */
 
-/* Issue the copies of one tile (rows ptr[0 .. FA_NC), NULL: zero-filled)
- * into the staging: thread i of the block copies pieces i + FA_THREADS k. */
+/*
+ * The copies of a tile: FA_NC rows of Dh floats in 16-byte pieces; thread i
+ * of the block takes row i / 8 and its pieces i % 8 + 8 k (k < Dh / 32), so
+ * a thread reads one row's pointer and a quarter warp copies 128 contiguous
+ * bytes.  Each thread converts the pieces it copied itself (fa_convert), so
+ * the staging needs no barrier of its own.
+ */
+static_assert(FA_THREADS == 8 * FA_NC, "fd_issue: 8 threads a tile row");
+
+/* Issue this thread's copies of one tile (rows ptr[0 .. FA_NC), NULL:
+ * zero-filled) into the staging. */
 template <int Dh>
 static __device__ __forceinline__ void
 fd_issue(const float *const *ptr, float *stage, const float *dummy)
 {
-    constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
+    int row = threadIdx.x / 8, c4 = (threadIdx.x % 8) * 4;
+    const float *src = ptr[row];
+    float *dst = stage + (size_t)row * Dh + c4;
 
 #pragma unroll
-    for (int k = 0; k < CPY; k++) {
-        int i = threadIdx.x + FA_THREADS * k, row = i / PER_ROW, piece = i % PER_ROW;
-        const float *src = ptr[row];
-
-        fa_cp16(stage + (size_t)row * Dh + piece * 4, src != NULL ? src + piece * 4 : dummy,
-                src != NULL);
-    }
+    for (int k = 0; k < Dh / 32; k++)
+        fa_cp16(dst + 32 * k, src != NULL ? src + c4 + 32 * k : dummy, src != NULL);
     fa_cp_commit();
+}
+
+/* This thread's pieces of the staged tile (its copies complete) -> the bf16
+ * tile kj (rows of Dh + 8). */
+template <int Dh>
+static __device__ __forceinline__ void
+fa_convert(const float *stage, uint16_t *kj)
+{
+    int row = threadIdx.x / 8, c4 = (threadIdx.x % 8) * 4;
+    const float *sr = stage + (size_t)row * Dh + c4;
+    uint16_t *kr = kj + (size_t)row * (Dh + 8) + c4;
+
+#pragma unroll
+    for (int k = 0; k < Dh / 32; k++) {
+        float4 v = *(const float4 *)(sr + 32 * k);
+
+        *(uint2 *)(kr + 32 * k) = make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+    }
 }
 
 /*
@@ -491,12 +514,11 @@ fa_kernel(struct fa_args a)
     constexpr int TPH = FA_THREADS / HG;   /* softmax threads per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
     float *stage = (float *)fa_sm;
-    uint16_t *kb = (uint16_t *)(stage + 2 * FA_NC * Dh);
-    float *sp = (float *)(kb + FA_NC * (Dh + 8));
+    uint16_t *kb = (uint16_t *)(stage + FA_NC * Dh);
+    float *sp = (float *)(kb + 2 * FA_NC * (Dh + 8));
     float *pm = sp + FA_WARPS * HG * FA_SP_LD;
     float *s_m = pm + HG * FA_SP_LD, *s_l = s_m + HG, *s_al = s_l + HG;
-    int *valid = (int *)(s_al + HG);
-    const float **s_ptr = (const float **)(valid + 2 * FA_NC);
+    const float **s_ptr = (const float **)(s_al + HG);
     int64_t bid = blockIdx.x;
     int ch = (int)(bid % a.n_ch), hg = (int)(bid / a.n_ch % a.n_hg);
     int t = (int)(bid / a.n_ch / a.n_hg);
@@ -513,12 +535,11 @@ fa_kernel(struct fa_args a)
 
     if (c_beg >= c_end)
         return;   /* an empty chunk: the combine does not read it */
+    /* the key rows of tiles 0 .. 2 FA_PG - 1 (tile i in slot i % (2 FA_PG));
+     * q's loads in flight with them */
     fa_rows(a, r, t, c_beg, c_end, s_ptr);
-    __syncthreads();
-    fd_issue<Dh>(s_ptr, stage, a.q);
-    if (threadIdx.x < FA_NC)
-        valid[threadIdx.x] = s_ptr[threadIdx.x] != NULL;
-
+    if (n_tiles > FA_PG)
+        fa_rows(a, r, t, c_beg + FA_PG * FA_NC, c_end, s_ptr + FA_PG * FA_NC);
     fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -531,49 +552,42 @@ fa_kernel(struct fa_args a)
         s_m[threadIdx.x] = -__int_as_float(0x7f800000);
         s_l[threadIdx.x] = 0.0f;
     }
+    __syncthreads();   /* s_ptr */
+    fd_issue<Dh>(s_ptr, stage, a.q);
 
+    /* tile it: this thread's copies -> bf16 tile it & 1, barrier, tile it + 1's
+     * copies issued (in flight during tile it), scores, barrier, softmax,
+     * barrier, P V; 3 barriers a tile (fd_kernel's pipeline) */
     for (int it = 0; it < n_tiles; it++) {
         int c0 = c_beg + it * FA_NC;
-        float *st = stage + (size_t)(it & 1) * FA_NC * Dh;
-        const int *vf = valid + (it & 1) * FA_NC;
+        uint16_t *kj = kb + (size_t)(it & 1) * FA_NC * (Dh + 8);
+        const float *const *tp = s_ptr + (it % (2 * FA_PG)) * FA_NC;
 
-        if (it + 1 < n_tiles) {
-            int j = (it + 1) % FA_PG;
+        /* the last reads of bf16 tile it & 1 (tile it - 2's) were before tile
+         * it - 1's barriers */
+        fa_cp_wait<0>();
+        fa_convert<Dh>(stage, kj);
+        /* from tile FA_PG on, every FA_PG tiles: the rows of tiles it + FA_PG ..
+         * into the half whose tiles (it - FA_PG ..) were last read before tile
+         * it - 1's softmax barrier */
+        if (it >= FA_PG && it % FA_PG == 0 && it + FA_PG < n_tiles)
+            fa_rows(a, r, t, c0 + FA_PG * FA_NC, c_end,
+                    s_ptr + ((it / FA_PG + 1) % 2) * FA_PG * FA_NC);
+        __syncthreads();   /* tile it complete; everyone's staging reads done */
+        if (it + 1 < n_tiles)
+            fd_issue<Dh>(s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC, stage, a.q);
 
-            if (j == 0) {   /* the table's readers (earlier issues) are past a barrier */
-                fa_rows(a, r, t, c0 + FA_NC, c_end, s_ptr);
-                __syncthreads();
-            }
-            fd_issue<Dh>(s_ptr + j * FA_NC, stage + (size_t)((it + 1) & 1) * FA_NC * Dh, a.q);
-            if (threadIdx.x < FA_NC)
-                valid[((it + 1) & 1) * FA_NC + threadIdx.x] = s_ptr[j * FA_NC + threadIdx.x] != NULL;
-            fa_cp_wait<1>();
-        } else {
-            fa_cp_wait<0>();
-        }
-        __syncthreads();
-        /* staging (fp32) -> bf16 tile */
-        for (int i = threadIdx.x; i < FA_NC * Dh / 4; i += FA_THREADS) {
-            int row = i / (Dh / 4), col = (i % (Dh / 4)) * 4;
-            float4 v = *(const float4 *)(st + (size_t)row * Dh + col);
-            uint2 w2 = make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
-
-            *(uint2 *)(kb + (size_t)row * (Dh + 8) + col) = w2;
-        }
-        __syncthreads();
-
-        fa_tile_qk<MT, DW>(kb, qa, sp, warp, lane);
+        fa_tile_qk<MT, DW>(kj, qa, sp, warp, lane);
         __syncthreads();
 
         /* online softmax: TPH threads per head, CPT candidates each */
-        fa_tile_softmax<HG, TPH>(sp, pm, s_m, s_l, s_al, a.scale, threadIdx.x, [&](int c) {
-            return vf[c] && c0 + c < c_end;
-        });
+        fa_tile_softmax<HG, TPH>(sp, pm, s_m, s_l, s_al, a.scale, threadIdx.x,
+                                 [&](int c) { return tp[c] != NULL; });
         __syncthreads();
 
-        fa_tile_pv<MT, DW>(kb, pm, s_al, o, warp, lane);
-        /* the next iteration's first __syncthreads orders these reads of kb,
-         * pm and s_al before they are overwritten */
+        fa_tile_pv<MT, DW>(kj, pm, s_al, o, warp, lane);
+        /* tile it + 1's barriers order these reads of pm and s_al before they
+         * are rewritten; kj is not rewritten before tile it + 2 */
     }
 
     /* write out: the output (whole rows) or the chunk's partials (split) */
@@ -701,7 +715,6 @@ fd_kernel(struct fa_args a)
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
     constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
-    constexpr int PER_ROW = Dh / 4, CPY = FA_NC * PER_ROW / FA_THREADS;
     constexpr int SL4 = Dh / CS / 4;   /* float4s of a rank's output slice, per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
     __shared__ int s_tl[FD_TPR], s_nt;   /* the CTA's tiles with a valid candidate */
@@ -774,14 +787,7 @@ fd_kernel(struct fa_args a)
         /* this thread's copies of tile j -> bf16 tile j & 1 (the last reads
          * of that buffer, tile j - 2's, were before tile j - 1's barriers) */
         fa_cp_wait<0>();
-#pragma unroll
-        for (int k = 0; k < CPY; k++) {
-            int i = threadIdx.x + FA_THREADS * k, row = i / PER_ROW, col = (i % PER_ROW) * 4;
-            float4 v = *(const float4 *)(stage + (size_t)row * Dh + col);
-
-            *(uint2 *)(kj + (size_t)row * (Dh + 8) + col) =
-                make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
-        }
+        fa_convert<Dh>(stage, kj);
         __syncthreads();   /* tile j complete; everyone's staging reads done */
         if (j + 1 < nj)
             fd_issue<Dh>(s_ptr + s_tl[j + 1] * FA_NC, stage, a.q);   /* in flight during tile j */
