@@ -524,23 +524,33 @@ fa_kernel(struct fa_args a)
     int t = (int)(bid / a.n_ch / a.n_hg);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
     int d0 = warp * DW, h0 = hg * HG;
+    uint32_t qa[MT][KS][4];
+    float o[MT][NT][4], sk[MT][2];
+
+    /* q and the sinks first: their loads in flight while the row's
+     * candidates are worked out (a chain of dependent loads and barriers) */
+    fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int h = h0 + mt * 16 + g + 8 * hh;
+
+            sk[mt][hh] = a.sink[h < a.H ? h : 0];
+        }
     struct fa_row r = fa_row_of(a, t);
     int c_beg = a.split ? ch * a.split : 0;
     /* whole rows stop after the last valid candidate (the split form's
      * chunks stay as they are: its combine reads every chunk of the row) */
     int c_end = a.split ? min(r.n_cand, c_beg + a.split) : fa_trim(a, r, t, r.n_cand);
     int n_tiles = (c_end - c_beg + FA_NC - 1) / FA_NC;
-    uint32_t qa[MT][KS][4];
-    float o[MT][NT][4];
 
     if (c_beg >= c_end)
         return;   /* an empty chunk: the combine does not read it */
-    /* the key rows of tiles 0 .. 2 FA_PG - 1 (tile i in slot i % (2 FA_PG));
-     * q's loads in flight with them */
+    /* the key rows of tiles 0 .. 2 FA_PG - 1 (tile i in slot i % (2 FA_PG)) */
     fa_rows(a, r, t, c_beg, c_end, s_ptr);
     if (n_tiles > FA_PG)
         fa_rows(a, r, t, c_beg + FA_PG * FA_NC, c_end, s_ptr + FA_PG * FA_NC);
-    fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -615,7 +625,7 @@ fa_kernel(struct fa_args a)
                 /* o * (1 / den) and the hardware's bf16 rounding: one multiply
                  * and one conversion a value (an IEEE division and the software
                  * rounding were an eighth of a window layer's instructions) */
-                float rd = __frcp_rn(l + expf(a.sink[h] - m));
+                float rd = __frcp_rn(l + expf(sk[mt][hh] - m));
                 float *op = a.out + ((int64_t)t * a.H + h) * Dh + d0 + 2 * q4;
 
 #pragma unroll
