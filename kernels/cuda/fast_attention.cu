@@ -13,10 +13,12 @@
  *   1. the tile's key rows (window rows from kv or the ring, compressed rows
  *      through the page table and, for CSA, sel; looked up FA_PG tiles at a
  *      time into a table in shared memory, one candidate a thread) are
- *      copied into shared memory with cp.async (fp32, double buffered: the
- *      next tile is in flight while this one is used; masked candidates are
- *      zero-filled), then converted to bf16 (the pools hold bf16 values, so
- *      this is exact);
+ *      copied into an fp32 staging tile with cp.async (8 threads a key row;
+ *      masked candidates are zero-filled); each thread converts the pieces
+ *      it copied itself into one of two bf16 tiles (the pools hold bf16
+ *      values, so this is exact), and after the tile's first barrier issues
+ *      the next tile's copies, which are in flight while this one is used
+ *      (3 barriers a tile);
  *   2. scores S = Q K^T on the tensor cores (mma.sync m16n8k16 bf16, fp32
  *      accumulators): warp w owns head dimensions [w Dh/8, (w+1) Dh/8), its
  *      Q fragments stay in registers for the whole row, and the 8 warps'
@@ -28,8 +30,7 @@
  *      tile (ldmatrix.trans), each warp its Dh/8 output dimensions.  P is
  *      fed as bf16 hi + lo (two mma; |p - hi - lo| <= 2^-16 |p|), so P V
  *      is close to fp32 accuracy rather than bf16's.
- *   At the end out = bf16(O / (l + exp(sink - m))) (unsplit rows: O times
- *   the correctly rounded reciprocal of the denominator).
+ *   At the end out = bf16(O / (l + exp(sink - m))).
  *
  * Decode-sized calls (T * head groups <= FA_SPLIT_ROWS, head groups of 32
  * when H > 16, else 16) would give too few CTAs, so there each row's
@@ -74,8 +75,8 @@
  * differences from the exact path are fp32 rounding: the dot product's
  * summation order (tensor core, then 8 warp partials), expf (CUDA's, not
  * the double-rounded one), the online rescaling by alpha, the sum order of
- * the denominator and of P V, P's hi + lo split (relative error
- * <= 2^-16 per weight) and, in unsplit rows, O · (1 / den) for O / den.  Outputs are deterministic and depend on the row's
+ * the denominator and of P V, and P's hi + lo split (relative error
+ * <= 2^-16 per weight).  Outputs are deterministic and depend on the row's
  * own inputs, on whether the call was split (T * groups <= FA_SPLIT_ROWS)
  * and on the form of the split (v1, v2) only: not on the other rows or on T
  * otherwise (tests/gpu/bench_attn.c checks rows at T = 1, 4, 16).  No host
@@ -622,15 +623,14 @@ fa_kernel(struct fa_args a)
                     pp[(int64_t)HG * Dh + 2 * hl + 1] = l;
                 }
             } else {
-                /* o * (1 / den) and the hardware's bf16 rounding: one multiply
-                 * and one conversion a value (an IEEE division and the software
-                 * rounding were an eighth of a window layer's instructions) */
-                float rd = __frcp_rn(l + expf(sk[mt][hh] - m));
+                /* the hardware's bf16 rounding (cu_bf16_round's bits for
+                 * every non-NaN value) */
+                float den = l + expf(sk[mt][hh] - m);
                 float *op = a.out + ((int64_t)t * a.H + h) * Dh + d0 + 2 * q4;
 
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
-                    uint32_t b = fa_pack(o[mt][n][2 * hh] * rd, o[mt][n][2 * hh + 1] * rd);
+                    uint32_t b = fa_pack(o[mt][n][2 * hh] / den, o[mt][n][2 * hh + 1] / den);
 
                     *(float2 *)(op + n * 8) =
                         make_float2(__uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));
