@@ -44,19 +44,27 @@
  *   (bitonic, shared memory) and written as sel, then -1.  n_valid <= K:
  *   every valid entry, sorted.
  *
- * v2 (the default; DSV4_CUDA_ATTN=v1 keeps the first kernels): decode-sized
+ * v2 (DSV4_CUDA_ATTN=v1 keeps the first kernels): decode-sized
  *   calls (T < 32) batch the score kernel's loads (fi_score_kernel<1, true>),
  *   and rows of K <= 512 picks from at most 4,096 valid entries use
  *   fi_select2_kernel (keys in registers, shuffle steps in the sort).  Same
  *   scores and picks bit for bit.
+ * v3 (the default for decode-sized calls whose v3 grid fits the SMs at
+ *   once, fi_score_cl_launch; DSV4_CUDA_FI_CLUSTER=0: v2): the scores on a
+ *   cluster of 4 CTAs per (row, key tile), 16 heads each, the head-order
+ *   sums over distributed shared memory (fi_score_cl_kernel).  Same scores
+ *   bit for bit.
  *
  * No host synchronisation, scratch from the backend only (graph-safe);
  * deterministic, each row's picks depend on its own inputs only.
  */
 #include "kernels/cuda/fast_mma.cuh"
 
+#include <cooperative_groups.h>
 #include <stdlib.h>
 #include <string.h>
+
+namespace cg = cooperative_groups;
 
 #define FI_THREADS 256
 #define FI_NK 64              /* keys per tile */
@@ -66,6 +74,9 @@
 #define FI_SEL_THREADS 512
 #define FI_MAX_K 2048
 #define FI_SEL_REG 8          /* v2 select: score keys per thread in registers */
+#define FI_CS 4               /* v3 decode scores: CTAs of a cluster, 16 heads each */
+#define FI_CH 16              /* ... heads per CTA (FI_CS FI_CH = FI_MAX_HEADS) */
+#define FI_MAX_DEV 64         /* devices with a cached cluster check */
 
 struct fi_args {
     float *scores;            /* (T, cap) */
@@ -167,6 +178,83 @@ fi_term(const struct fi_args &a, int4 q, float wv, int3 kst, float d, int t, int
 }
 
 /*
+ * The q stats and w of heads h0 .. h0 + NH - 1 of row t into qs[0 .. NH) /
+ * ws (heads >= nh skipped; nothing when !act): warp w takes heads
+ * h0 + w + 8 k, every warp's loads issued together, then the stats.  Every
+ * thread of the block calls it.
+ */
+template <int NH>
+static __device__ __forceinline__ void
+fi_q_stats(const struct fi_args &a, int t, int h0, int act, int4 *qs, float *ws)
+{
+    constexpr int NQ = NH / (FI_THREADS / 32);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float4 qv[NQ];
+    float wv[NQ];
+
+#pragma unroll
+    for (int k = 0; k < NQ; k++) {
+        int h = h0 + warp + (FI_THREADS / 32) * k, ok = act && h < a.nh;
+        const float *qr = a.q + ((int64_t)t * a.nh + (ok ? h : 0)) * 128;
+
+        qv[k] = ok ? *(const float4 *)(qr + lane * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        wv[k] = ok && lane == 0 ? a.w[(int64_t)t * a.nh + h] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < NQ; k++) {
+        int hl = warp + (FI_THREADS / 32) * k;
+
+        if (act && h0 + hl < a.nh) {   /* uniform over the warp */
+            int3 st = fi_stats(qv[k]);
+
+            if (lane == 0) {
+                qs[hl] = make_int4(st.x, st.y, st.z, 0);
+                ws[hl] = wv[k];
+            }
+        }
+    }
+}
+
+/*
+ * Key tile e0 .. e0 + FI_NK - 1 of slot s (entries >= n zero): bf16 rows
+ * into kb, stats into ks, pool rows (NULL past n) into krow.  Warp w loads
+ * keys w, w + 8, .., one float4 a lane: the page-table reads, then the key
+ * loads, each batch in flight together.  Every thread of the block calls it.
+ */
+static __device__ __forceinline__ void
+fi_key_tile(const struct fi_args &a, int s, int e0, int n, uint16_t *kb, int4 *ks,
+            const float **krow)
+{
+    constexpr int KPW = FI_NK / (FI_THREADS / 32);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float *kr[KPW];
+    float4 kv[KPW];
+
+#pragma unroll
+    for (int k = 0; k < KPW; k++) {
+        int e = e0 + warp + (FI_THREADS / 32) * k;
+
+        kr[k] = e < n ? a.keys + cu_pool_row(a.pages, a.cap, s, e) * 128 : NULL;
+    }
+#pragma unroll
+    for (int k = 0; k < KPW; k++)
+        kv[k] = kr[k] != NULL ? *(const float4 *)(kr[k] + lane * 4)
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < KPW; k++) {
+        int j = warp + (FI_THREADS / 32) * k;
+        int3 st = fi_stats(kv[k]);
+
+        *(uint2 *)(kb + j * FI_KLD + lane * 4) =
+            make_uint2(fa_pack(kv[k].x, kv[k].y), fa_pack(kv[k].z, kv[k].w));
+        if (lane == 0) {
+            ks[j] = make_int4(st.x, st.y, st.z, 0);
+            krow[j] = kr[k];
+        }
+    }
+}
+
+/*
  * The scores of one key tile of row t (R == 1): every thread of the block
  * turns (head, key) dots of dt into terms in place, then thread j < FI_NK
  * adds key j's terms in head order and stores the score (REF: bf16).  The
@@ -259,31 +347,7 @@ fi_score_kernel(struct fi_args a)
         /* q stats and w of the active rows (B, R == 1: each warp's 8 loads
          * issued together, then the stats) */
         if (B && R == 1) {
-            constexpr int NQ = FI_MAX_HEADS / (FI_THREADS / 32);
-            float4 qv[NQ];
-            float wv[NQ];
-
-#pragma unroll
-            for (int k = 0; k < NQ; k++) {
-                int h = warp + (FI_THREADS / 32) * k, ok = act[0] && h < a.nh;
-                const float *qr = a.q + ((int64_t)t0 * a.nh + (ok ? h : 0)) * 128;
-
-                qv[k] = ok ? *(const float4 *)(qr + lane * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-                wv[k] = ok && lane == 0 ? a.w[(int64_t)t0 * a.nh + h] : 0.0f;
-            }
-#pragma unroll
-            for (int k = 0; k < NQ; k++) {
-                int h = warp + (FI_THREADS / 32) * k;
-
-                if (act[0] && h < a.nh) {   /* uniform over the warp */
-                    int3 st = fi_stats(qv[k]);
-
-                    if (lane == 0) {
-                        qs[h] = make_int4(st.x, st.y, st.z, 0);
-                        ws[h] = wv[k];
-                    }
-                }
-            }
+            fi_q_stats<FI_MAX_HEADS>(a, t0, 0, act[0], qs, ws);
         } else {
             for (int i = warp; i < R * FI_MAX_HEADS; i += FI_THREADS / 32) {
                 int r = i / FI_MAX_HEADS, h = i % FI_MAX_HEADS;
@@ -333,32 +397,7 @@ fi_score_kernel(struct fi_args a)
              * lane (B: the page-table reads, then the key loads, each batch
              * in flight together) */
             if (B) {
-                constexpr int KPW = FI_NK / (FI_THREADS / 32);
-                const float *kr[KPW];
-                float4 kv[KPW];
-
-#pragma unroll
-                for (int k = 0; k < KPW; k++) {
-                    int e = e0 + warp + (FI_THREADS / 32) * k;
-
-                    kr[k] = e < nvmax ? a.keys + cu_pool_row(a.pages, a.cap, s, e) * 128 : NULL;
-                }
-#pragma unroll
-                for (int k = 0; k < KPW; k++)
-                    kv[k] = kr[k] != NULL ? *(const float4 *)(kr[k] + lane * 4)
-                                          : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-                for (int k = 0; k < KPW; k++) {
-                    int j = warp + (FI_THREADS / 32) * k;
-                    int3 st = fi_stats(kv[k]);
-
-                    *(uint2 *)(kb + j * FI_KLD + lane * 4) =
-                        make_uint2(fa_pack(kv[k].x, kv[k].y), fa_pack(kv[k].z, kv[k].w));
-                    if (lane == 0) {
-                        ks[j] = make_int4(st.x, st.y, st.z, 0);
-                        krow[j] = kr[k];
-                    }
-                }
+                fi_key_tile(a, s, e0, nvmax, kb, ks, krow);
             } else {
                 for (int j = warp; j < FI_NK; j += FI_THREADS / 32) {
                     int e = e0 + j;
@@ -449,6 +488,95 @@ fi_score_kernel(struct fi_args a)
         }
         __syncthreads();   /* before the next pass rewrites qs / ws */
     }
+}
+
+/*
+ * v3 decode scores (T < 32; DSV4_CUDA_FI_CLUSTER=0 keeps v2's
+ * fi_score_kernel<1, true>): a cluster of FI_CS CTAs per (row, key tile),
+ * CTA z owning heads z FI_CH .. z FI_CH + FI_CH - 1.  Each CTA loads the
+ * whole tile (keys, their stats and rows), its heads' q stats, w and Q
+ * fragments, computes their dots (one m-tile; warp w the keys 8w .. 8w + 7)
+ * and their terms in place (fi_term); then rank z adds keys z FI_CH ..
+ * of the tile over all the heads in head order, reading each head's term
+ * from the CTA that owns it (distributed shared memory).  The expressions
+ * and the order of fi_score_sum, so v2's scores bit for bit, with a quarter
+ * of its q work, dots and terms on each CTA: v2 ran them all on one CTA,
+ * which for the few dozen keys of a short context was the whole kernel
+ * (docs/perf.md run 38: ~3,900 instructions a warp, one SM busy).
+ */
+static __global__ void __launch_bounds__(FI_THREADS, 1)
+fi_score_cl_kernel(struct fi_args a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    __shared__ __align__(16) uint16_t kb[FI_NK * FI_KLD];
+    __shared__ __align__(16) float dt[FI_CH * FI_TLD];
+    __shared__ float ws[FI_CH];
+    __shared__ int4 qs[FI_CH], ks[FI_NK];
+    __shared__ const float *krow[FI_NK];
+    cg::cluster_group cl = cg::this_cluster();
+    int z = (int)cl.block_rank(), t = (int)(blockIdx.x / FI_CS), h0 = z * FI_CH;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    int e0 = blockIdx.y * FI_NK, nv = fi_n_valid(a.pos, t, a.ratio, a.cap), s = a.slot[t];
+    uint32_t qa[8][4];
+
+    if (e0 >= nv)
+        return;   /* the whole cluster (same row and tile) */
+    /* this CTA's heads: q stats and w (two a warp), Q fragments */
+    fi_q_stats<FI_CH>(a, t, h0, 1, qs, ws);
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        int h = h0 + g + 8 * hh, ok = h < a.nh;
+        const float *qr = a.q + ((int64_t)t * a.nh + (ok ? h : 0)) * 128 + 2 * q4;
+
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float2 lo = ok ? *(const float2 *)(qr + 16 * k) : make_float2(0.f, 0.f);
+            float2 hi = ok ? *(const float2 *)(qr + 16 * k + 8) : make_float2(0.f, 0.f);
+
+            qa[k][hh] = fa_pack(lo.x, lo.y);
+            qa[k][2 + hh] = fa_pack(hi.x, hi.y);
+        }
+    }
+    fi_key_tile(a, s, e0, nv, kb, ks, krow);
+    __syncthreads();
+    /* dots of the CTA's 16 heads with keys 8 warp .. 8 warp + 7, K = 128 in
+     * k-steps of 16 in order (v2's sequence of mma for every element) */
+    {
+        float acc[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+
+#pragma unroll
+        for (int k = 0; k < 8; k += 2) {
+            uint32_t b[4];
+
+            fa_ldsm_x4(b, kb + (warp * 8 + (lane & 7)) * FI_KLD + 16 * k + (lane >> 3) * 8);
+            fk_mma_bf16(acc, qa[k][0], qa[k][1], qa[k][2], qa[k][3], b[0], b[1]);
+            fk_mma_bf16(acc, qa[k + 1][0], qa[k + 1][1], qa[k + 1][2], qa[k + 1][3], b[2], b[3]);
+        }
+        *(float2 *)(dt + g * FI_TLD + warp * 8 + 2 * q4) = make_float2(acc[0], acc[1]);
+        *(float2 *)(dt + (g + 8) * FI_TLD + warp * 8 + 2 * q4) = make_float2(acc[2], acc[3]);
+    }
+    __syncthreads();
+    /* this CTA's (head, key) terms in place */
+    for (int i = threadIdx.x; i < FI_CH * FI_NK; i += FI_THREADS) {
+        int hl = i / FI_NK, j = i % FI_NK, h = h0 + hl;
+
+        if (h < a.nh && e0 + j < nv)
+            dt[hl * FI_TLD + j] = fi_term(a, qs[hl], ws[hl], make_int3(ks[j].x, ks[j].y, ks[j].z),
+                                          dt[hl * FI_TLD + j], t, h, krow[j]);
+    }
+    cl.sync();   /* every rank's terms written */
+    if (threadIdx.x < FI_NK / FI_CS) {
+        int j = z * (FI_NK / FI_CS) + threadIdx.x;
+        float acc = 0.0f;
+
+        if (e0 + j < nv) {
+            for (int h = 0; h < a.nh; h++)
+                acc += cl.map_shared_rank(dt, h / FI_CH)[(h % FI_CH) * FI_TLD + j];
+            a.scores[(int64_t)t * a.cap + e0 + j] = a.ref ? cu_bf16_round(acc) : acc;
+        }
+    }
+    cl.sync();   /* no rank leaves while another reads its terms */
 }
 
 /* --- top-k ------------------------------------------------------------------------- */
@@ -730,6 +858,66 @@ fi_score_launch(struct dsv4_backend *be, const struct fi_args &a)
     return DSV4_OK;
 }
 
+/*
+ * v3's decode scores (fi_score_cl_kernel) for a; *launched = 0 (and
+ * DSV4_OK) when DSV4_CUDA_FI_CLUSTER=0, nh > FI_CS FI_CH, the device cannot
+ * hold one cluster (checked once per device), or v3's grid (FI_CS CTAs per
+ * row and key tile of the pool, whatever the rows' positions: a graph
+ * replays one shape) would not fit the SMs at once: each of v3's CTAs loads
+ * its whole key tile, so where v2 already fills the GPU v3 only repeats
+ * that work (bench_attn, H200: 16 rows, cap 1,088: 61.6 against 37.6 us;
+ * 1 row, cap 320: 12.8 against 16.2).  Then the caller runs v2.
+ */
+static enum dsv4_err
+fi_score_cl_launch(struct dsv4_backend *be, const struct fi_args &a, int *launched)
+{
+    static signed char fits[FI_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
+    static int sms[FI_MAX_DEV];
+    const char *env = getenv("DSV4_CUDA_FI_CLUSTER");
+    int dev = cuda_st(be)->device, tiles = (a.cap + FI_NK - 1) / FI_NK, n_sm = 0;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[2] = {};
+
+    *launched = 0;
+    if ((env != NULL && strcmp(env, "0") == 0) || a.nh > FI_CS * FI_CH || dev < 0 ||
+        dev >= FI_MAX_DEV)
+        return DSV4_OK;
+    if (sms[dev] == 0)
+        CUDA_TRY(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
+    n_sm = sms[dev];
+    if ((int64_t)a.T * tiles * FI_CS > n_sm)
+        return DSV4_OK;
+    cfg.gridDim = dim3((unsigned)(a.T * FI_CS), (unsigned)tiles, 1);
+    cfg.blockDim = dim3(FI_THREADS, 1, 1);
+    cfg.stream = cuda_stream(be);
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = FI_CS;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    if (fits[dev] == 0) {
+        int n = 0;
+
+        if (cudaOccupancyMaxActiveClusters(&n, fi_score_cl_kernel, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        fits[dev] = n > 0 ? 1 : -1;
+    }
+    if (fits[dev] < 0)
+        return DSV4_OK;
+    if (cuda_pdl_enabled()) {   /* the kernel waits at its top (cu_pdl_wait) */
+        at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[1].val.programmaticStreamSerializationAllowed = 1;
+        cfg.numAttrs = 2;
+    }
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, fi_score_cl_kernel, a));
+    CUDA_LAUNCHED("fast indexer scores v3");
+    *launched = 1;
+    return DSV4_OK;
+}
+
 enum dsv4_err
 cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const float *w,
                        const float *keys, const int32_t *pages, const int32_t *slot,
@@ -760,8 +948,12 @@ cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, co
         a.kt = 4;
         e = fi_score_launch<4, false>(be, a);
     } else {
+        int done = 0;
+
         a.kt = 1;
-        e = v1 ? fi_score_launch<1, false>(be, a) : fi_score_launch<1, true>(be, a);
+        e = v1 ? DSV4_OK : fi_score_cl_launch(be, a, &done);
+        if (e == DSV4_OK && !done)
+            e = v1 ? fi_score_launch<1, false>(be, a) : fi_score_launch<1, true>(be, a);
     }
     if (e != DSV4_OK)
         return e;
