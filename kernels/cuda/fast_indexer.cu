@@ -216,6 +216,31 @@ fi_q_stats(const struct fi_args &a, int t, int h0, int act, int4 *qs, float *ws)
 }
 
 /*
+ * The A fragments (bf16, mma m16n8k16, K = 128 in 8 k-steps) of heads
+ * h0 .. h0 + 15 of row t for this lane; zero for heads >= nh or when !act.
+ */
+static __device__ __forceinline__ void
+fi_q_frag(uint32_t (&qa)[8][4], const struct fi_args &a, int t, int h0, int act)
+{
+    int lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        int h = h0 + g + 8 * hh, ok = act && h < a.nh;
+        const float *qr = a.q + ((int64_t)t * a.nh + (ok ? h : 0)) * 128 + 2 * q4;
+
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float2 lo = ok ? *(const float2 *)(qr + 16 * k) : make_float2(0.f, 0.f);
+            float2 hi = ok ? *(const float2 *)(qr + 16 * k + 8) : make_float2(0.f, 0.f);
+
+            qa[k][hh] = fa_pack(lo.x, lo.y);
+            qa[k][2 + hh] = fa_pack(hi.x, hi.y);
+        }
+    }
+}
+
+/*
  * Key tile e0 .. e0 + FI_NK - 1 of slot s (entries >= n zero): bf16 rows
  * into kb, stats into ks, pool rows (NULL past n) into krow.  Warp w loads
  * keys w, w + 8, .., one float4 a lane: the page-table reads, then the key
@@ -370,21 +395,7 @@ fi_score_kernel(struct fi_args a)
         for (int j = 0; j < MTW; j++) {
             int mi = R >= 2 ? warp * MTW + j : warp / 2, r = mi / 4;
 
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                int h = (mi % 4) * 16 + g + 8 * hh;
-                int ok = act[r] && h < a.nh;
-                const float *qr = a.q + ((int64_t)(t0 + r) * a.nh + (ok ? h : 0)) * 128 + 2 * q4;
-
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    float2 lo = ok ? *(const float2 *)(qr + 16 * k) : make_float2(0.f, 0.f);
-                    float2 hi = ok ? *(const float2 *)(qr + 16 * k + 8) : make_float2(0.f, 0.f);
-
-                    qa[j][k][hh] = fa_pack(lo.x, lo.y);
-                    qa[j][k][2 + hh] = fa_pack(hi.x, hi.y);
-                }
-            }
+            fi_q_frag(qa[j], a, t0 + r, (mi % 4) * 16, act[r]);
         }
 
         for (int kt = 0; kt < a.kt; kt++) {
@@ -524,20 +535,7 @@ fi_score_cl_kernel(struct fi_args a)
         return;   /* the whole cluster (same row and tile) */
     /* this CTA's heads: q stats and w (two a warp), Q fragments */
     fi_q_stats<FI_CH>(a, t, h0, 1, qs, ws);
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        int h = h0 + g + 8 * hh, ok = h < a.nh;
-        const float *qr = a.q + ((int64_t)t * a.nh + (ok ? h : 0)) * 128 + 2 * q4;
-
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            float2 lo = ok ? *(const float2 *)(qr + 16 * k) : make_float2(0.f, 0.f);
-            float2 hi = ok ? *(const float2 *)(qr + 16 * k + 8) : make_float2(0.f, 0.f);
-
-            qa[k][hh] = fa_pack(lo.x, lo.y);
-            qa[k][2 + hh] = fa_pack(hi.x, hi.y);
-        }
-    }
+    fi_q_frag(qa, a, t, h0, 1);
     fi_key_tile(a, s, e0, nv, kb, ks, krow);
     __syncthreads();
     /* dots of the CTA's 16 heads with keys 8 warp .. 8 warp + 7, K = 128 in
