@@ -572,7 +572,8 @@ struct fw_cfg {
     static constexpr int NB = WF == FW_BF16 ? 2 : 1;
     static constexpr int SB = WF == FG_FP4 ? RA * 4 : 0;   /* FP4 group scales */
     static constexpr int STAGE = AB + NB * BB + SB;
-    static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? (4 * NWG + 1) * BN * 4 : 0);
+    /* the row maps; FG_UP: the warps' maxima, the scales, the route weights */
+    static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? (4 * NWG + 2) * BN * 4 : 0);
     /* the FP4 down tiles (2 warpgroups, 24.5 KB a stage) run two CTAs an SM
      * on 4 stages each: 16 warps instead of 8 (docs/perf.md run 32) */
     static constexpr int BLOCKS = WF == FG_FP4 && EPI == FG_LINEAR && NWG == 2 ? 2 : 1;
@@ -741,26 +742,27 @@ fw_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
 }
 
 /*
- * Where this thread's cp.async of every stage come from and go to, worked
- * out once per CTA after the row maps (fw_src_make); stage kb only adds kb
- * times the stage's column step (fw_load).  Before, the address algebra
+ * Where this thread's cp.async of the next stage come from and go to: a
+ * cursor worked out once per CTA after the row maps (fw_src_make), whose
+ * source pointers step one stage's columns after each stage is queued
+ * (fw_step, at the end of a stage's work).  Before, the address algebra
  * (row map, weight row, swizzle, 64-bit products) ran again for every chunk
- * of every stage: about half of the FP4 up kernel's instructions
- * (docs/perf.md run 32).
+ * of every stage (docs/perf.md run 32), and later each stage still worked
+ * out its sources from kb into the registers the previous copies were
+ * reading: a copy holds its address registers until the memory pipe takes
+ * it, so the next address waited for it (Nsight Compute, run 40: a tenth of
+ * the FP4 up kernel's stall samples).
  *
  * A: thread tid copies chunk c = tid % CH of CTA rows r + j * RS (r = tid /
  * CH, j < NA; RS = THREADS / CH is a multiple of 8, of 16 for the up
  * tiles, so the swizzle and the w1 / w3 choice are those of row r for every
- * j): from a0 + j * as (as: the weight bytes of RS rows, RS / 2 for the up
- * tiles, whose CTA rows interleave w1 and w3 by 8) to stage offset ad + j *
- * RS * FW_AROW.
- * B: token row n = tid / 16 + j * (THREADS / 16), chunk tid % 16: bo[j] =
- * the element offset of that chunk in x (-1: no row, zero-filled; FW_NONE:
- * past the tile's BN * 16 chunks) to stage offset bd + j * NWG * 2048.
- * FP4 scales: thread tid < RA copies its row's 4 bytes from sc + kb * 4.
+ * j): from pa[j] to stage offset ad + j * RS * FW_AROW.
+ * B: token row n = tid / 16 + j * (THREADS / 16), chunk tid % 16, from
+ * pb[j] (zero-filled where bit j of bz is set: no row; pb[j] then walks
+ * row 0, never read) to stage offset bd + j * NWG * 2048; bit j of bn set:
+ * past the tile's BN * 16 chunks, no copy.
+ * FP4 scales: thread tid < RA copies its row's 4 bytes from sc.
  */
-#define FW_NONE INT64_MAX
-
 template <int WF, int EPI, int NWG, int BN>
 struct fw_src {
     typedef fw_cfg<WF, EPI, NWG, BN> C;
@@ -770,16 +772,17 @@ struct fw_src {
     static constexpr int NBL = (BN * 16 + C::THREADS - 1) / C::THREADS;   /* B chunks */
     static_assert(C::RA * CH % C::THREADS == 0 && RS % 8 == 0 && (EPI != FG_UP || RS % 16 == 0),
                   "fw_src: chunk layout");
-    const uint8_t *a0;      /* A: first chunk's source */
-    int64_t as;             /* A: bytes between chunk j and j + 1 */
+    const uint8_t *pa[NA];  /* A: chunk j's source for the next stage */
+    const uint16_t *pb[NBL];    /* B: chunk j's source (hi) for the next stage */
+    const uint16_t *pl[NBL];    /* BF16 weights: the same in the lo parts */
     uint32_t ad;            /* A: first chunk's offset in a stage */
     uint32_t bd;            /* B: first chunk's offset in a stage */
-    int64_t bo[NBL];        /* B: element offsets, -1 or FW_NONE */
+    uint32_t bz, bn;        /* B: chunks zero-filled / not copied (bit j) */
     const uint8_t *sc;      /* FP4: this thread's row's scale bytes (tid < RA), else NULL */
 };
 
-/* This thread's fw_src (the row maps written and synchronised; L1 / L3 the
- * tile's weights, n0 its first weight row). */
+/* This thread's fw_src at stage 0 (the row maps written and synchronised;
+ * L1 / L3 the tile's weights, n0 its first weight row). */
 template <int WF, int EPI, int NWG, int BN>
 static __device__ __forceinline__ void
 fw_src_make(struct fw_src<WF, EPI, NWG, BN> &f, const int *brow, const struct fw_args &a,
@@ -793,16 +796,24 @@ fw_src_make(struct fw_src<WF, EPI, NWG, BN> &f, const int *brow, const struct fw
     /* B rows: K values apart from column 0, or (grouped) the group's slice */
     int64_t ldb = EPI == FG_GROUPED ? a.ldb : K;
     int64_t b0 = EPI == FG_GROUPED ? (int64_t)(n0 / a.grows) * K : 0;
+    const uint8_t *a0 = (const uint8_t *)(is3 ? L3 : L1).w + wr * rowb + c * 16;
+    int64_t as = (EPI == FG_UP ? F::RS / 2 : F::RS) * rowb;
 
-    f.a0 = (const uint8_t *)(is3 ? L3 : L1).w + wr * rowb + c * 16;
-    f.as = (EPI == FG_UP ? F::RS / 2 : F::RS) * rowb;
+#pragma unroll
+    for (int j = 0; j < F::NA; j++)
+        f.pa[j] = a0 + j * as;
     f.ad = (uint32_t)wg_off<FW_AROW(WF)>(r, c);
     f.bd = (uint32_t)(((tid >> 7) * 16 + (tid & 15)) * 128 + ((tid >> 4) & 7) * 16);
+    f.bz = f.bn = 0;
 #pragma unroll
     for (int j = 0; j < F::NBL; j++) {
-        int i = tid + j * C::THREADS, br = i < BN * 16 ? brow[i >> 4] : 0;
+        int i = tid + j * C::THREADS, br = i < BN * 16 ? brow[i >> 4] : -1;
+        int64_t o = br < 0 ? 0 : (int64_t)br * ldb + b0 + (i & 15) * 8;
 
-        f.bo[j] = i >= BN * 16 ? FW_NONE : br < 0 ? -1 : (int64_t)br * ldb + b0 + (i & 15) * 8;
+        f.bn |= (uint32_t)(i >= BN * 16) << j;
+        f.bz |= (uint32_t)(br < 0) << j;
+        f.pb[j] = a.xb + o;
+        f.pl[j] = WF == FW_BF16 ? a.xl + o : NULL;
     }
     f.sc = NULL;
     if (WF == FG_FP4 && tid < C::RA) {
@@ -812,31 +823,50 @@ fw_src_make(struct fw_src<WF, EPI, NWG, BN> &f, const int *brow, const struct fw
     }
 }
 
-/* Queue the loads of 128-column block kb into the stage at sa / sb / sl / ss. */
+/* Queue the loads of the cursor's stage into the stage at sa / sb / sl / ss. */
 template <int WF, int EPI, int NWG, int BN>
 static __device__ __forceinline__ void
 fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *ss,
-        const struct fw_src<WF, EPI, NWG, BN> &f, const struct fw_args &a, int kb)
+        const struct fw_src<WF, EPI, NWG, BN> &f)
 {
     typedef fw_src<WF, EPI, NWG, BN> F;
-    const uint8_t *src = f.a0 + (int64_t)kb * FW_AROW(WF);
 
 #pragma unroll
     for (int j = 0; j < F::NA; j++)
-        wg_cp16(sa + f.ad + j * F::RS * FW_AROW(WF), src + j * f.as, 1);
+        wg_cp16(sa + f.ad + j * F::RS * FW_AROW(WF), f.pa[j], 1);
 #pragma unroll
     for (int j = 0; j < F::NBL; j++) {
-        int64_t o = f.bo[j];
         uint32_t d = f.bd + j * NWG * 2048;
+        int ok = !((f.bz >> j) & 1);
 
-        if (o == FW_NONE)
+        if ((f.bn >> j) & 1)
             continue;
-        wg_cp16(sb + d, a.xb + (o < 0 ? 0 : o + kb * 128), o >= 0);
+        wg_cp16(sb + d, f.pb[j], ok);
         if (WF == FW_BF16)
-            wg_cp16(sl + d, a.xl + (o < 0 ? 0 : o + kb * 128), o >= 0);
+            wg_cp16(sl + d, f.pl[j], ok);
     }
     if (WF == FG_FP4 && f.sc != NULL)
-        wg_cp4(ss + threadIdx.x * 4, f.sc + kb * 4, 1);
+        wg_cp4(ss + threadIdx.x * 4, f.sc, 1);
+}
+
+/* The cursor to the next stage (128 columns on). */
+template <int WF, int EPI, int NWG, int BN>
+static __device__ __forceinline__ void
+fw_step(struct fw_src<WF, EPI, NWG, BN> &f)
+{
+    typedef fw_src<WF, EPI, NWG, BN> F;
+
+#pragma unroll
+    for (int j = 0; j < F::NA; j++)
+        f.pa[j] += FW_AROW(WF);
+#pragma unroll
+    for (int j = 0; j < F::NBL; j++) {
+        f.pb[j] += 128;
+        if (WF == FW_BF16)
+            f.pl[j] += 128;
+    }
+    if (WF == FG_FP4 && f.sc != NULL)
+        f.sc += 4;
 }
 
 /*
@@ -967,6 +997,7 @@ fw_kernel(struct fw_args a)
     unsigned char *ss = sl + (C::NB - 1) * C::S * C::BB;
     int *brow = (int *)(ss + C::S * C::SB), *orow = brow + BN;
     float *red = (float *)(orow + BN), *scl = red + (EPI == FG_UP ? 4 * NWG * BN : 0);
+    float *rwt = scl + BN;   /* FG_UP: the tile's route weights */
     struct dsv4_linear L1, L3;
     int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
@@ -982,13 +1013,19 @@ fw_kernel(struct fw_args a)
         return;   /* an idle slot: the whole block leaves */
     __syncthreads();   /* the row maps, before the loads use them */
     fw_src_make<WF, EPI, NWG, BN>(fs, brow, a, L1, L3, n0);
+    /* the route weights now, read in the epilogue after the stages'
+     * barriers (loaded there, each waited for its own global load) */
+    if (EPI == FG_UP && a.weights != NULL && tid < BN && orow[tid] >= 0)
+        rwt[tid] = a.weights[orow[tid]];
     /* loads run S - 2 stages ahead: the buffer a load refills was last read
      * by the wgmma of two stages back, which every warpgroup has waited for
      * (fw_half) before the barrier that precedes the load */
     for (int s = 0; s < C::S - 2; s++) {
-        if (s < nkt)
+        if (s < nkt) {
             fw_load<WF, EPI, NWG, BN>(sa + s * C::AB, sb + s * C::BB, sl + s * C::BB,
-                                      ss + s * C::SB, fs, a, s);
+                                      ss + s * C::SB, fs);
+            fw_step<WF, EPI, NWG, BN>(fs);
+        }
         wg_cp_commit();
     }
     if (WF == FG_FP8) {
@@ -1032,26 +1069,29 @@ fw_kernel(struct fw_args a)
                 }
             }
         }
+        if (WF == FG_FP4) {
+            /* rows ra's and ra + 8's four group scales, with the words:
+             * behind the copies below they waited in the memory pipe */
+            const unsigned char *sw = ss + st * C::SB + wg * 64 * 4;
+
+            sca = *(const uint32_t *)(sw + ra * 4);
+            scb = *(const uint32_t *)(sw + (ra + 8) * 4);
+        }
         if (nx < nkt) {
             int sn = nx % C::S;
 
             fw_load<WF, EPI, NWG, BN>(sa + sn * C::AB, sb + sn * C::BB, sl + sn * C::BB,
-                                      ss + sn * C::SB, fs, a, nx);
+                                      ss + sn * C::SB, fs);
         }
         wg_cp_commit();
         if (WF == FG_FP8) {
             swa = fk_e8m0_bf16x2(__ldg(sw1 + kt));
             swb = fk_e8m0_bf16x2(__ldg(sw3 + kt));
         }
-        if (WF == FG_FP4) {
-            /* rows ra's and ra + 8's four group scales; big: one of 2^1 or
-             * more (or NaN) in the warp, which fw_dec multiplies in apart */
-            const unsigned char *sw = ss + st * C::SB + wg * 64 * 4;
-
-            sca = *(const uint32_t *)(sw + ra * 4);
-            scb = *(const uint32_t *)(sw + (ra + 8) * 4);
+        /* big: a group scale of 2^1 or more (or NaN) in the warp, which
+         * fw_dec multiplies in apart */
+        if (WF == FG_FP4)
             big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
-        }
         {
             /* this stage's B and BF16 lo parts */
             uint32_t sbs = sb0 + st * C::BB, sls = sl0 + st * C::BB;
@@ -1059,6 +1099,10 @@ fw_kernel(struct fw_args a)
             fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, swa, swb, pw);
             fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, swa, swb, pw);
         }
+        /* the cursor steps after the stage's work, when the copies it
+         * queued have long left with its address registers */
+        if (nx < nkt)
+            fw_step<WF, EPI, NWG, BN>(fs);
     }
     wg_wait<0>();
     wg_hold(d);
@@ -1095,7 +1139,7 @@ fw_kernel(struct fw_args a)
                 }
                 v = gv / (1.0f + cu_expf(-gv)) * uv;
                 if (a.weights != NULL && r >= 0)
-                    v *= a.weights[r];
+                    v *= rwt[n];
                 v = cu_bf16_round(v);
                 h[2 * j + ii] = v;
                 m = fabsf(v);
