@@ -222,6 +222,54 @@ cu_launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, 
 }
 
 /*
+ * cu_launch for a kernel run in clusters of cs CTAs along x: *launched = 1
+ * once launched; 0 (and cudaSuccess) when the device cannot hold one such
+ * cluster (cudaOccupancyMaxActiveClusters), asked while *fits is 0 (the
+ * caller's per-device cache: 1 fits, -1 does not), so the caller falls
+ * back to another kernel.  The PDL attribute as cu_launch's.
+ */
+template <typename... P, typename... A>
+static inline cudaError_t
+cu_launch_cluster(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, int cs,
+                  signed char *fits, int *launched, A... args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[2] = {};
+    cudaError_t e;
+
+    *launched = 0;
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = (unsigned)cs;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    if (*fits == 0) {
+        int n = 0;
+
+        if (cudaOccupancyMaxActiveClusters(&n, k, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        *fits = n > 0 ? 1 : -1;
+    }
+    if (*fits < 0)
+        return cudaSuccess;
+    if (cuda_pdl_enabled()) {   /* the kernel waits at its top (cu_pdl_wait) */
+        at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[1].val.programmaticStreamSerializationAllowed = 1;
+        cfg.numAttrs = 2;
+    }
+    e = cudaLaunchKernelEx(&cfg, k, args...);
+    *launched = e == cudaSuccess;
+    return e;
+}
+
+/*
  * griddepcontrol.wait: block until every prerequisite grid (the kernel before
  * this one when it was launched with the PDL attribute) has completed and its
  * memory operations are visible.  PTX ISA, "griddepcontrol": ".wait modifier

@@ -981,44 +981,16 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
     static signed char fits[FD_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
     int dev = cuda_st(be)->device;
     size_t smem = fd_smem_bytes(MT, 8 * DW, CS);
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute at[2] = {};
+    signed char once = 0;   /* a device past FD_MAX_DEV: asked at every launch */
 
     *launched = 0;
     CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW, CS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
-    cfg.gridDim = dim3((unsigned)((int64_t)a.T * a.n_hg * CS), 1, 1);
-    cfg.blockDim = dim3(FA_THREADS, 1, 1);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = cuda_stream(be);
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = CS;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    if (dev < 0 || dev >= FD_MAX_DEV || fits[dev] == 0) {
-        int n = 0;
-
-        if (cudaOccupancyMaxActiveClusters(&n, fd_kernel<MT, DW, CS>, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();
-            n = 0;
-        }
-        if (dev >= 0 && dev < FD_MAX_DEV)
-            fits[dev] = n > 0 ? 1 : -1;
-        if (n <= 0)
-            return DSV4_OK;
-    } else if (fits[dev] < 0) {
-        return DSV4_OK;
-    }
-    if (cuda_pdl_enabled()) {   /* fd_kernel waits at its top (cu_pdl_wait) */
-        at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[1].val.programmaticStreamSerializationAllowed = 1;
-        cfg.numAttrs = 2;
-    }
-    CUDA_TRY(cudaLaunchKernelEx(&cfg, fd_kernel<MT, DW, CS>, a));
-    CUDA_LAUNCHED("fast attention v2");
-    *launched = 1;
+    CUDA_TRY(cu_launch_cluster(fd_kernel<MT, DW, CS>, dim3((unsigned)((int64_t)a.T * a.n_hg * CS)),
+                               dim3(FA_THREADS), smem, cuda_stream(be), CS,
+                               dev >= 0 && dev < FD_MAX_DEV ? &fits[dev] : &once, launched, a));
+    if (*launched)
+        CUDA_LAUNCHED("fast attention v2");
     return DSV4_OK;
 }
 

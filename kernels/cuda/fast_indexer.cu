@@ -872,9 +872,7 @@ fi_score_cl_launch(struct dsv4_backend *be, const struct fi_args &a, int *launch
     static signed char fits[FI_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
     static int sms[FI_MAX_DEV];
     const char *env = getenv("DSV4_CUDA_FI_CLUSTER");
-    int dev = cuda_st(be)->device, tiles = (a.cap + FI_NK - 1) / FI_NK, n_sm = 0;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute at[2] = {};
+    int dev = cuda_st(be)->device, tiles = (a.cap + FI_NK - 1) / FI_NK;
 
     *launched = 0;
     if ((env != NULL && strcmp(env, "0") == 0) || a.nh > FI_CS * FI_CH || dev < 0 ||
@@ -882,37 +880,13 @@ fi_score_cl_launch(struct dsv4_backend *be, const struct fi_args &a, int *launch
         return DSV4_OK;
     if (sms[dev] == 0)
         CUDA_TRY(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
-    n_sm = sms[dev];
-    if ((int64_t)a.T * tiles * FI_CS > n_sm)
+    if ((int64_t)a.T * tiles * FI_CS > sms[dev])
         return DSV4_OK;
-    cfg.gridDim = dim3((unsigned)(a.T * FI_CS), (unsigned)tiles, 1);
-    cfg.blockDim = dim3(FI_THREADS, 1, 1);
-    cfg.stream = cuda_stream(be);
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = FI_CS;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    if (fits[dev] == 0) {
-        int n = 0;
-
-        if (cudaOccupancyMaxActiveClusters(&n, fi_score_cl_kernel, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();
-            n = 0;
-        }
-        fits[dev] = n > 0 ? 1 : -1;
-    }
-    if (fits[dev] < 0)
-        return DSV4_OK;
-    if (cuda_pdl_enabled()) {   /* the kernel waits at its top (cu_pdl_wait) */
-        at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[1].val.programmaticStreamSerializationAllowed = 1;
-        cfg.numAttrs = 2;
-    }
-    CUDA_TRY(cudaLaunchKernelEx(&cfg, fi_score_cl_kernel, a));
-    CUDA_LAUNCHED("fast indexer scores v3");
-    *launched = 1;
+    CUDA_TRY(cu_launch_cluster(fi_score_cl_kernel, dim3((unsigned)(a.T * FI_CS), (unsigned)tiles),
+                               dim3(FI_THREADS), 0, cuda_stream(be), FI_CS, &fits[dev], launched,
+                               a));
+    if (*launched)
+        CUDA_LAUNCHED("fast indexer scores v3");
     return DSV4_OK;
 }
 
