@@ -574,8 +574,9 @@ struct fw_cfg {
     static constexpr int STAGE = AB + NB * BB + SB;
     /* the row maps; FG_UP: the warps' maxima, the scales, the route weights */
     static constexpr int FIXED = 2 * BN * 4 + (EPI == FG_UP ? (4 * NWG + 2) * BN * 4 : 0);
-    /* the FP4 down tiles (2 warpgroups, 24.5 KB a stage) run two CTAs an SM
-     * on 4 stages each: 16 warps instead of 8 (docs/perf.md run 32) */
+    /* the FP4 down tiles of 2 warpgroups (24.5 KB a stage; fw_moe's tiles
+     * of 16 and 32 tokens, those of 64 take 4 warpgroups) run two CTAs an
+     * SM on 4 stages each: 16 warps instead of 8 (docs/perf.md run 32) */
     static constexpr int BLOCKS = WF == FG_FP4 && EPI == FG_LINEAR && NWG == 2 ? 2 : 1;
     static constexpr int S0 = (FW_SMEM_MAX / BLOCKS - FIXED) / STAGE;
     static constexpr int SMAX = BLOCKS == 2 ? 4 : FW_MAX_STAGES;
