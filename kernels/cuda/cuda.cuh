@@ -55,6 +55,7 @@ struct cuda_expert_table {
 /* Backend state (be->priv). */
 struct cuda_state {
     int device;
+    int sms;                            /* the device's SM count (cuda_sms) */
     cudaStream_t stream;
     void *scratch;                      /* device scratch, grown on demand */
     size_t scratch_bytes;
@@ -129,6 +130,14 @@ static inline cudaStream_t
 cuda_stream(struct dsv4_backend *be)
 {
     return cuda_st(be)->stream;
+}
+
+/* The backend's device's SM count (queried once at create; 132, an H100 /
+ * H200's, where the query failed): grids that fill the GPU size by it. */
+static inline int
+cuda_sms(struct dsv4_backend *be)
+{
+    return cuda_st(be)->sms;
 }
 
 /* Map a CUDA error to DSV4_ERR_CUDA with the call site in the message. */

@@ -703,6 +703,13 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
     rc = device >= 0 ? cudaSetDevice(device) : cudaSuccess;
     if (rc == cudaSuccess)
         rc = cudaGetDevice(&st->device);
+    if (rc == cudaSuccess &&
+        (cudaDeviceGetAttribute(&st->sms, cudaDevAttrMultiProcessorCount, st->device) !=
+             cudaSuccess ||
+         st->sms < 1)) {
+        st->sms = 132;
+        (void)cudaGetLastError();
+    }
     if (rc == cudaSuccess) {
         /* DSV4_CUDA_STREAM_PRIORITY=high / low: the stream's scheduling
          * priority (the rank daemons set it per role with `cuda_priority`:

@@ -178,9 +178,7 @@ cuda_copy_batch(struct dsv4_backend *be, int n, void *const *dst, const void *co
     CUDA_TRY(cudaMemcpyAsync(dev, tab, (size_t)m * sizeof(*tab), cudaMemcpyHostToDevice,
                              st->stream));
     CUDA_TRY(cudaEventRecord(st->batch_ev, st->stream));
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, st->device) != cudaSuccess ||
-        sms < 1)
-        sms = 132;
+    sms = cuda_sms(be);
     grid = chunks < (unsigned long long)sms * 8 ? (int)chunks : sms * 8;
     copy_batch_kernel<<<grid, COPY_THREADS, 0, st->stream>>>((const struct copy_piece *)dev, m,
                                                               chunks);

@@ -870,7 +870,6 @@ static enum dsv4_err
 fi_score_cl_launch(struct dsv4_backend *be, const struct fi_args &a, int *launched)
 {
     static signed char fits[FI_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
-    static int sms[FI_MAX_DEV];
     const char *env = getenv("DSV4_CUDA_FI_CLUSTER");
     int dev = cuda_st(be)->device, tiles = (a.cap + FI_NK - 1) / FI_NK;
 
@@ -878,9 +877,7 @@ fi_score_cl_launch(struct dsv4_backend *be, const struct fi_args &a, int *launch
     if ((env != NULL && strcmp(env, "0") == 0) || a.nh > FI_CS * FI_CH || dev < 0 ||
         dev >= FI_MAX_DEV)
         return DSV4_OK;
-    if (sms[dev] == 0)
-        CUDA_TRY(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
-    if ((int64_t)a.T * tiles * FI_CS > sms[dev])
+    if ((int64_t)a.T * tiles * FI_CS > cuda_sms(be))
         return DSV4_OK;
     CUDA_TRY(cu_launch_cluster(fi_score_cl_kernel, dim3((unsigned)(a.T * FI_CS), (unsigned)tiles),
                                dim3(FI_THREADS), 0, cuda_stream(be), FI_CS, &fits[dev], launched,

@@ -1110,10 +1110,8 @@ template <int W, int PF>
 static enum dsv4_err
 fm2_launch(struct dsv4_backend *be, const struct fm2_args &a, int cps)
 {
-    int n_sm = 0, per = fm2_occupancy<W, PF>();
+    int n_sm = cuda_sms(be), per = fm2_occupancy<W, PF>();
 
-    CUDA_TRY(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount,
-                                    cuda_st(be)->device));
     if (cps > 0 && cps < per)
         per = cps;
     fm2_kernel<W, PF><<<n_sm * per, W * 32, 0, cuda_stream(be)>>>(a);

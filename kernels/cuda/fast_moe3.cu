@@ -1462,13 +1462,11 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
     enum dsv4_err e;
 
     if (c->v5) {
-        int n_sm = 0;
+        int n_sm = cuda_sms(be);
         int64_t items = (int64_t)slots * tiles, warps1, warps, busy;
         unsigned blocks;
         int P;
 
-        CUDA_TRY(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount,
-                                        cuda_st(be)->device));
         warps1 = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 1);
         warps = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 2);
         P = fm5_parts(c, items, warps);
