@@ -743,7 +743,7 @@ fw_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
 }
 
 /*
- * Where this thread's cp.async of the next stage come from and go to: a
+ * Where a copier's cp.async of the next stage come from and go to: a
  * cursor worked out once per CTA after the row maps (fw_src_make), whose
  * source pointers step one stage's columns after each stage is queued
  * (fw_step, at the end of a stage's work).  Before, the address algebra
@@ -754,24 +754,28 @@ fw_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
  * it, so the next address waited for it (Nsight Compute, run 40: a tenth of
  * the FP4 up kernel's stall samples).
  *
- * A: thread tid copies chunk c = tid % CH of CTA rows r + j * RS (r = tid /
- * CH, j < NA; RS = THREADS / CH is a multiple of 8, of 16 for the up
- * tiles, so the swizzle and the w1 / w3 choice are those of row r for every
- * j): from pa[j] to stage offset ad + j * RS * FW_AROW.
- * B: token row n = tid / 16 + j * (THREADS / 16), chunk tid % 16, from
- * pb[j] (zero-filled where bit j of bz is set: no row; pb[j] then walks
- * row 0, never read) to stage offset bd + j * NWG * 2048; bit j of bn set:
+ * PT copiers share a stage's copies (fw_kernel: all C::THREADS threads;
+ * fwp_kernel: its producer warpgroup, PT = 128); copier p:
+ * A: chunk c = p % CH of CTA rows r + j * RS (r = p / CH, j < NA; RS = PT /
+ * CH is a multiple of 8, of 16 for the up tiles, so the swizzle and the w1
+ * / w3 choice are those of row r for every j): from pa[j] to stage offset
+ * ad + j * RS * FW_AROW.
+ * B: token row n = p / 16 + j * (PT / 16), chunk p % 16, from pb[j]
+ * (zero-filled where bit j of bz is set: no row; pb[j] then walks row 0,
+ * never read) to stage offset bd + j * (PT / 128) * 2048; bit j of bn set:
  * past the tile's BN * 16 chunks, no copy.
- * FP4 scales: thread tid < RA copies its row's 4 bytes from sc.
+ * FP4 scales: rows p + j * PT < RA (j < NS), 4 bytes each from sc[j].
  */
-template <int WF, int EPI, int NWG, int BN>
+template <int WF, int EPI, int NWG, int BN, int PT>
 struct fw_src {
     typedef fw_cfg<WF, EPI, NWG, BN> C;
     static constexpr int CH = FW_AROW(WF) / 16;                      /* chunks per row */
-    static constexpr int NA = C::RA * CH / C::THREADS;                /* A chunks per thread */
-    static constexpr int RS = C::THREADS / CH;                        /* rows between them */
-    static constexpr int NBL = (BN * 16 + C::THREADS - 1) / C::THREADS;   /* B chunks */
-    static_assert(C::RA * CH % C::THREADS == 0 && RS % 8 == 0 && (EPI != FG_UP || RS % 16 == 0),
+    static constexpr int NA = C::RA * CH / PT;                        /* A chunks per copier */
+    static constexpr int RS = PT / CH;                                /* rows between them */
+    static constexpr int NBL = (BN * 16 + PT - 1) / PT;               /* B chunks */
+    static constexpr int NS = (C::RA + PT - 1) / PT;                  /* FP4 scale rows */
+    static_assert(C::RA * CH % PT == 0 && PT % 128 == 0 && RS % 8 == 0 &&
+                      (EPI != FG_UP || RS % 16 == 0),
                   "fw_src: chunk layout");
     const uint8_t *pa[NA];  /* A: chunk j's source for the next stage */
     const uint16_t *pb[NBL];    /* B: chunk j's source (hi) for the next stage */
@@ -779,19 +783,20 @@ struct fw_src {
     uint32_t ad;            /* A: first chunk's offset in a stage */
     uint32_t bd;            /* B: first chunk's offset in a stage */
     uint32_t bz, bn;        /* B: chunks zero-filled / not copied (bit j) */
-    const uint8_t *sc;      /* FP4: this thread's row's scale bytes (tid < RA), else NULL */
+    const uint8_t *sc[NS];  /* FP4: scale row j's next 4 bytes (row < RA), else NULL */
 };
 
-/* This thread's fw_src at stage 0 (the row maps written and synchronised;
+/* Copier p's fw_src at stage 0 (the row maps written and synchronised;
  * L1 / L3 the tile's weights, n0 its first weight row). */
-template <int WF, int EPI, int NWG, int BN>
+template <int WF, int EPI, int NWG, int BN, int PT>
 static __device__ __forceinline__ void
-fw_src_make(struct fw_src<WF, EPI, NWG, BN> &f, const int *brow, const struct fw_args &a,
-            const struct dsv4_linear &L1, const struct dsv4_linear &L3, int n0)
+fw_src_make(struct fw_src<WF, EPI, NWG, BN, PT> &f, int p, const int *brow,
+            const struct fw_args &a, const struct dsv4_linear &L1, const struct dsv4_linear &L3,
+            int n0)
 {
-    typedef fw_src<WF, EPI, NWG, BN> F;
+    typedef fw_src<WF, EPI, NWG, BN, PT> F;
     typedef fw_cfg<WF, EPI, NWG, BN> C;
-    int tid = threadIdx.x, K = a.K, r = tid / F::CH, c = tid % F::CH, is3;
+    int K = a.K, r = p / F::CH, c = p % F::CH, is3;
     int wr = wg_wrow<EPI == FG_UP>(r, n0, &is3);
     int64_t rowb = WF == FG_FP4 ? K / 2 : WF == FG_FP8 ? K : (int64_t)K * 2;
     /* B rows: K values apart from column 0, or (grouped) the group's slice */
@@ -804,11 +809,11 @@ fw_src_make(struct fw_src<WF, EPI, NWG, BN> &f, const int *brow, const struct fw
     for (int j = 0; j < F::NA; j++)
         f.pa[j] = a0 + j * as;
     f.ad = (uint32_t)wg_off<FW_AROW(WF)>(r, c);
-    f.bd = (uint32_t)(((tid >> 7) * 16 + (tid & 15)) * 128 + ((tid >> 4) & 7) * 16);
+    f.bd = (uint32_t)(((p >> 7) * 16 + (p & 15)) * 128 + ((p >> 4) & 7) * 16);
     f.bz = f.bn = 0;
 #pragma unroll
     for (int j = 0; j < F::NBL; j++) {
-        int i = tid + j * C::THREADS, br = i < BN * 16 ? brow[i >> 4] : -1;
+        int i = p + j * PT, br = i < BN * 16 ? brow[i >> 4] : -1;
         int64_t o = br < 0 ? 0 : (int64_t)br * ldb + b0 + (i & 15) * 8;
 
         f.bn |= (uint32_t)(i >= BN * 16) << j;
@@ -816,28 +821,34 @@ fw_src_make(struct fw_src<WF, EPI, NWG, BN> &f, const int *brow, const struct fw
         f.pb[j] = a.xb + o;
         f.pl[j] = WF == FW_BF16 ? a.xl + o : NULL;
     }
-    f.sc = NULL;
-    if (WF == FG_FP4 && tid < C::RA) {
-        int s3, sr = wg_wrow<EPI == FG_UP>(tid, n0, &s3);
+#pragma unroll
+    for (int j = 0; j < F::NS; j++) {
+        int row = p + j * PT;
 
-        f.sc = (s3 ? L3 : L1).scale + (int64_t)sr * (K / 32);
+        f.sc[j] = NULL;
+        if (WF == FG_FP4 && row < C::RA) {
+            int s3, sr = wg_wrow<EPI == FG_UP>(row, n0, &s3);
+
+            f.sc[j] = (s3 ? L3 : L1).scale + (int64_t)sr * (K / 32);
+        }
     }
 }
 
-/* Queue the loads of the cursor's stage into the stage at sa / sb / sl / ss. */
-template <int WF, int EPI, int NWG, int BN>
+/* Queue copier p's loads of the cursor's stage into the stage at sa / sb /
+ * sl / ss. */
+template <int WF, int EPI, int NWG, int BN, int PT>
 static __device__ __forceinline__ void
-fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *ss,
-        const struct fw_src<WF, EPI, NWG, BN> &f)
+fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *ss, int p,
+        const struct fw_src<WF, EPI, NWG, BN, PT> &f)
 {
-    typedef fw_src<WF, EPI, NWG, BN> F;
+    typedef fw_src<WF, EPI, NWG, BN, PT> F;
 
 #pragma unroll
     for (int j = 0; j < F::NA; j++)
         wg_cp16(sa + f.ad + j * F::RS * FW_AROW(WF), f.pa[j], 1);
 #pragma unroll
     for (int j = 0; j < F::NBL; j++) {
-        uint32_t d = f.bd + j * NWG * 2048;
+        uint32_t d = f.bd + j * (PT / 128) * 2048;
         int ok = !((f.bz >> j) & 1);
 
         if ((f.bn >> j) & 1)
@@ -846,16 +857,18 @@ fw_load(unsigned char *sa, unsigned char *sb, unsigned char *sl, unsigned char *
         if (WF == FW_BF16)
             wg_cp16(sl + d, f.pl[j], ok);
     }
-    if (WF == FG_FP4 && f.sc != NULL)
-        wg_cp4(ss + threadIdx.x * 4, f.sc, 1);
+#pragma unroll
+    for (int j = 0; j < F::NS; j++)
+        if (WF == FG_FP4 && f.sc[j] != NULL)
+            wg_cp4(ss + (p + j * PT) * 4, f.sc[j], 1);
 }
 
 /* The cursor to the next stage (128 columns on). */
-template <int WF, int EPI, int NWG, int BN>
+template <int WF, int EPI, int NWG, int BN, int PT>
 static __device__ __forceinline__ void
-fw_step(struct fw_src<WF, EPI, NWG, BN> &f)
+fw_step(struct fw_src<WF, EPI, NWG, BN, PT> &f)
 {
-    typedef fw_src<WF, EPI, NWG, BN> F;
+    typedef fw_src<WF, EPI, NWG, BN, PT> F;
 
 #pragma unroll
     for (int j = 0; j < F::NA; j++)
@@ -866,8 +879,10 @@ fw_step(struct fw_src<WF, EPI, NWG, BN> &f)
         if (WF == FW_BF16)
             f.pl[j] += 128;
     }
-    if (WF == FG_FP4 && f.sc != NULL)
-        f.sc += 4;
+#pragma unroll
+    for (int j = 0; j < F::NS; j++)
+        if (WF == FG_FP4 && f.sc[j] != NULL)
+            f.sc[j] += 4;
 }
 
 /*
@@ -980,6 +995,114 @@ fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint3
     wg_commit();
 }
 
+/* Where fw_kernel's and fwp_kernel's shared memory holds what (fw_cfg's
+ * plan): the ring's A, B, BF16 lo parts and FP4 scales, then the row maps
+ * and the up epilogue's warp maxima, scales and route weights. */
+template <int WF, int EPI, int NWG, int BN>
+struct fw_smem {
+    typedef fw_cfg<WF, EPI, NWG, BN> C;
+    unsigned char *sa, *sb, *sl, *ss;
+    int *brow, *orow;
+    float *red, *scl, *rwt;
+
+    __device__ __forceinline__ explicit fw_smem(unsigned char *base)
+    {
+        sa = base;
+        sb = sa + C::S * C::AB;
+        sl = sb + C::S * C::BB;
+        ss = sl + (C::NB - 1) * C::S * C::BB;
+        brow = (int *)(ss + C::S * C::SB);
+        orow = brow + BN;
+        red = (float *)(orow + BN);
+        scl = red + (EPI == FG_UP ? 4 * NWG * BN : 0);
+        rwt = scl + BN;
+    }
+};
+
+/*
+ * A tile's outputs from the accumulators d of consumer thread tid (0 ..
+ * 128 * NWG - 1; fw_kernel: every thread, fwp_kernel: its consumer
+ * warpgroups): FG_LINEAR / FG_GROUPED out (bf16-rounded or fp32), FG_UP h
+ * and its quantization (the consumers meet on named barrier 1).  orow: the
+ * tile's output rows, rwt its route weights, red / scl the up form's
+ * maxima and scales, n0 the tile's first weight row.
+ */
+template <int WF, int EPI, int NWG, int BN>
+static __device__ __forceinline__ void
+fw_epilogue(const struct fw_args &a, const float (&d)[BN / 2], const int *orow, const float *rwt,
+            float *red, float *scl, int n0)
+{
+    int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
+
+    /* D fragment: d[4j + i] is row ra + 8 * (i >> 1) of the warpgroup's 64,
+     * token 8j + 2q + (i & 1) */
+    if (EPI != FG_UP) {   /* FG_LINEAR, FG_GROUPED */
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int r = orow[8 * j + 2 * q + (i & 1)];
+
+                if (r >= 0)
+                    a.out[(int64_t)r * a.ldo + n0 + wg * 64 + ra + 8 * (i >> 1)] =
+                        a.f32out ? d[4 * j + i] : cu_bf16_round(d[4 * j + i]);
+            }
+    } else {
+        /* h of column c = wg*32 + warp*8 + g (rows ra: w1, ra + 8: w3) */
+        int c = n0 + wg * 32 + warp * 8 + g, wid = wg * 4 + warp;
+        float h[BN / 4];
+
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int ii = 0; ii < 2; ii++) {
+                int n = 8 * j + 2 * q + ii, r = orow[n];
+                float gv = cu_bf16_round(d[4 * j + ii]), uv = cu_bf16_round(d[4 * j + 2 + ii]);
+                float v, m;
+
+                if (a.lim > 0.0f) {
+                    gv = gv < a.lim ? gv : a.lim;
+                    uv = uv < -a.lim ? -a.lim : uv > a.lim ? a.lim : uv;
+                }
+                v = gv / (1.0f + cu_expf(-gv)) * uv;
+                if (a.weights != NULL && r >= 0)
+                    v *= rwt[n];
+                v = cu_bf16_round(v);
+                h[2 * j + ii] = v;
+                m = fabsf(v);
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+                if (g == 0)
+                    red[wid * BN + n] = m;
+            }
+        wg_sync<1, 128 * NWG>();
+        if (tid < BN) {   /* token tid's scale, from the 4 * NWG warps' maxima */
+            float amax = 1e-4f;
+
+            for (int w = 0; w < 4 * NWG; w++)
+                amax = fmaxf(amax, red[w * BN + tid]);
+            scl[tid] = cu_pow2_scale(amax, 448.0f);
+        }
+        wg_sync<1, 128 * NWG>();
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int ii = 0; ii < 2; ii++) {
+                int n = 8 * j + 2 * q + ii, r = orow[n];
+                float s = scl[n], qv;
+
+                if (r < 0)
+                    continue;
+                /* h / s as h * (1 / s): s is a power of two, so both are the
+                 * same correctly rounded value */
+                qv = cu_fp8_round(cu_clampf(h[2 * j + ii] * (1.0f / s), 448.0f)) * s;
+                a.hq[(int64_t)r * a.ldo + fw_perm(c)] = (uint16_t)(__float_as_uint(qv) >> 16);
+            }
+    }
+}
+
 #endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
 
 /*
@@ -994,11 +1117,10 @@ fw_kernel(struct fw_args a)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef fw_cfg<WF, EPI, NWG, BN> C;
     extern __shared__ __align__(128) unsigned char fw_sm[];
-    unsigned char *sa = fw_sm, *sb = sa + C::S * C::AB, *sl = sb + C::S * C::BB;
-    unsigned char *ss = sl + (C::NB - 1) * C::S * C::BB;
-    int *brow = (int *)(ss + C::S * C::SB), *orow = brow + BN;
-    float *red = (float *)(orow + BN), *scl = red + (EPI == FG_UP ? 4 * NWG * BN : 0);
-    float *rwt = scl + BN;   /* FG_UP: the tile's route weights */
+    const struct fw_smem<WF, EPI, NWG, BN> m(fw_sm);
+    unsigned char *sa = m.sa, *sb = m.sb, *sl = m.sl, *ss = m.ss;
+    int *brow = m.brow, *orow = m.orow;
+    float *red = m.red, *scl = m.scl, *rwt = m.rwt;
     struct dsv4_linear L1, L3;
     int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
@@ -1008,12 +1130,12 @@ fw_kernel(struct fw_args a)
     const unsigned char *sw1 = NULL, *sw3 = NULL;
     float d[BN / 2];
     uint32_t af0[4][4], af1[4][4];   /* the two halves' A fragments (fw_half) */
-    struct fw_src<WF, EPI, NWG, BN> fs;
+    struct fw_src<WF, EPI, NWG, BN, C::THREADS> fs;
 
     if (!wg_tile_rows<BN, C::THREADS>(a, brow, orow, L1, L3))
         return;   /* an idle slot: the whole block leaves */
     __syncthreads();   /* the row maps, before the loads use them */
-    fw_src_make<WF, EPI, NWG, BN>(fs, brow, a, L1, L3, n0);
+    fw_src_make<WF, EPI, NWG, BN, C::THREADS>(fs, tid, brow, a, L1, L3, n0);
     /* the route weights now, read in the epilogue after the stages'
      * barriers (loaded there, each waited for its own global load) */
     if (EPI == FG_UP && a.weights != NULL && tid < BN && orow[tid] >= 0)
@@ -1023,9 +1145,9 @@ fw_kernel(struct fw_args a)
      * (fw_half) before the barrier that precedes the load */
     for (int s = 0; s < C::S - 2; s++) {
         if (s < nkt) {
-            fw_load<WF, EPI, NWG, BN>(sa + s * C::AB, sb + s * C::BB, sl + s * C::BB,
-                                      ss + s * C::SB, fs);
-            fw_step<WF, EPI, NWG, BN>(fs);
+            fw_load<WF, EPI, NWG, BN, C::THREADS>(sa + s * C::AB, sb + s * C::BB, sl + s * C::BB,
+                                                  ss + s * C::SB, tid, fs);
+            fw_step<WF, EPI, NWG, BN, C::THREADS>(fs);
         }
         wg_cp_commit();
     }
@@ -1081,8 +1203,8 @@ fw_kernel(struct fw_args a)
         if (nx < nkt) {
             int sn = nx % C::S;
 
-            fw_load<WF, EPI, NWG, BN>(sa + sn * C::AB, sb + sn * C::BB, sl + sn * C::BB,
-                                      ss + sn * C::SB, fs);
+            fw_load<WF, EPI, NWG, BN, C::THREADS>(sa + sn * C::AB, sb + sn * C::BB,
+                                                  sl + sn * C::BB, ss + sn * C::SB, tid, fs);
         }
         wg_cp_commit();
         if (WF == FG_FP8) {
@@ -1103,76 +1225,128 @@ fw_kernel(struct fw_args a)
         /* the cursor steps after the stage's work, when the copies it
          * queued have long left with its address registers */
         if (nx < nkt)
-            fw_step<WF, EPI, NWG, BN>(fs);
+            fw_step<WF, EPI, NWG, BN, C::THREADS>(fs);
     }
     wg_wait<0>();
     wg_hold(d);
+    fw_epilogue<WF, EPI, NWG, BN>(a, d, orow, rwt, red, scl, n0);
+#endif
+}
 
-    /* D fragment: d[4j + i] is row ra + 8 * (i >> 1) of the warpgroup's 64,
-     * token 8j + 2q + (i & 1) */
-    if (EPI != FG_UP) {   /* FG_LINEAR, FG_GROUPED */
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int r = orow[8 * j + 2 * q + (i & 1)];
+/*
+ * fwp_kernel (sm_90a): fw_kernel's routed FP4 tiles of four warpgroups (the
+ * MoE's up tiles; its down tiles of 64 tokens) with the copies on a fifth,
+ * producer warpgroup.  In fw_kernel every thread queued its share of a
+ * stage's cp.async (address registers, predicates, ~80 instructions a warp
+ * and stage of ~330) and all 16 warps met at a CTA barrier every stage
+ * (perf.md run 40: 9% of the stall samples).  Here the 128 producer threads
+ * (fw_src with PT = 128: 8 A chunks, 8 B chunks and 2 scale rows each)
+ * fill a ring of C::S stages: per stage each waits until the consumers
+ * have released the slot (mbarrier `empty`, one arrival per consumer warp),
+ * queues its copies and arrives at the slot's `full` mbarrier through
+ * cp.async.mbarrier.arrive (counted once its copies have landed).  The
+ * consumer warpgroups wait on `full`, make the B operand visible to the
+ * async proxy, load the stage's A words and scales, decode and issue the
+ * wgmma as fw_kernel (fw_half), and release the previous stage once its
+ * wgmma are done (fw_half's wait of the second half).  No CTA barrier in
+ * the loop.  The epilogue (fw_epilogue) is fw_kernel's: the same values,
+ * bit for bit.
+ */
+#define FWP_PT 128   /* producer threads */
 
-                if (r >= 0)
-                    a.out[(int64_t)r * a.ldo + n0 + wg * 64 + ra + 8 * (i >> 1)] =
-                        a.f32out ? d[4 * j + i] : cu_bf16_round(d[4 * j + i]);
-            }
-    } else {
-        /* h of column c = wg*32 + warp*8 + g (rows ra: w1, ra + 8: w3) */
-        int c = n0 + wg * 32 + warp * 8 + g, wid = wg * 4 + warp;
-        float h[BN / 4];
+template <int WF, int EPI, int NWG, int BN>
+static __global__ void __launch_bounds__(128 * NWG + FWP_PT, 1)
+fwp_kernel(struct fw_args a)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef fw_cfg<WF, EPI, NWG, BN> C;
+    extern __shared__ __align__(128) unsigned char fw_sm[];
+    const struct fw_smem<WF, EPI, NWG, BN> m(fw_sm);   /* the ring, maps, epilogue's */
+    uint32_t full = (uint32_t)__cvta_generic_to_shared(fw_sm + C::SMEM), empty = full + 8 * C::S;
+    struct dsv4_linear L1, L3;
+    int tid = threadIdx.x, n0 = blockIdx.x * (EPI == FG_UP ? 128 : C::RA), nkt = a.K / 128;
 
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-            for (int ii = 0; ii < 2; ii++) {
-                int n = 8 * j + 2 * q + ii, r = orow[n];
-                float gv = cu_bf16_round(d[4 * j + ii]), uv = cu_bf16_round(d[4 * j + 2 + ii]);
-                float v, m;
-
-                if (a.lim > 0.0f) {
-                    gv = gv < a.lim ? gv : a.lim;
-                    uv = uv < -a.lim ? -a.lim : uv > a.lim ? a.lim : uv;
-                }
-                v = gv / (1.0f + cu_expf(-gv)) * uv;
-                if (a.weights != NULL && r >= 0)
-                    v *= rwt[n];
-                v = cu_bf16_round(v);
-                h[2 * j + ii] = v;
-                m = fabsf(v);
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-                if (g == 0)
-                    red[wid * BN + n] = m;
-            }
-        __syncthreads();
-        if (tid < BN) {   /* token tid's scale, from the 4 * NWG warps' maxima */
-            float amax = 1e-4f;
-
-            for (int w = 0; w < 4 * NWG; w++)
-                amax = fmaxf(amax, red[w * BN + tid]);
-            scl[tid] = cu_pow2_scale(amax, 448.0f);
+    static_assert(WF == FG_FP4 && NWG == 4, "fwp_kernel: routed FP4 tiles of four warpgroups");
+    if (!wg_tile_rows<BN, C::THREADS + FWP_PT>(a, m.brow, m.orow, L1, L3))
+        return;   /* an idle slot: the whole block leaves */
+    /* orow[tid] was written by this thread */
+    if (EPI == FG_UP && a.weights != NULL && tid < BN && m.orow[tid] >= 0)
+        m.rwt[tid] = a.weights[m.orow[tid]];
+    if (tid == 0)
+        for (int s = 0; s < C::S; s++) {
+            wg_bar_init(full + 8 * s, FWP_PT);
+            wg_bar_init(empty + 8 * s, 4 * NWG);
         }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-            for (int ii = 0; ii < 2; ii++) {
-                int n = 8 * j + 2 * q + ii, r = orow[n];
-                float s = scl[n], qv;
+    __syncthreads();   /* the row maps, the route weights, the mbarriers */
 
-                if (r < 0)
-                    continue;
-                /* h / s as h * (1 / s): s is a power of two, so both are the
-                 * same correctly rounded value */
-                qv = cu_fp8_round(cu_clampf(h[2 * j + ii] * (1.0f / s), 448.0f)) * s;
-                a.hq[(int64_t)r * a.ldo + fw_perm(c)] = (uint16_t)(__float_as_uint(qv) >> 16);
+    if (tid >= C::THREADS) {
+        /* the producer: stage kt into slot st, its round's parity ph */
+        int p = tid - C::THREADS;
+        struct fw_src<WF, EPI, NWG, BN, FWP_PT> fs;
+
+        fw_src_make<WF, EPI, NWG, BN, FWP_PT>(fs, p, m.brow, a, L1, L3, n0);
+        for (int kt = 0, st = 0, ph = 0; kt < nkt; kt++) {
+            if (kt >= C::S)   /* the slot's stage of the previous round released */
+                wg_bar_wait(empty + 8 * st, (uint32_t)(ph ^ 1));
+            fw_load<WF, EPI, NWG, BN, FWP_PT>(m.sa + st * C::AB, m.sb + st * C::BB,
+                                              m.sl + st * C::BB, m.ss + st * C::SB, p, fs);
+            wg_bar_cp_arrive(full + 8 * st);
+            fw_step<WF, EPI, NWG, BN, FWP_PT>(fs);
+            if (++st == C::S) {
+                st = 0;
+                ph ^= 1;
             }
+        }
+        wg_cp_wait_mem<0>();   /* leave with no copy in flight */
+        return;
+    }
+
+    {
+        int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+        int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
+        uint32_t sb0 = (uint32_t)__cvta_generic_to_shared(m.sb);
+        uint32_t sl0 = (uint32_t)__cvta_generic_to_shared(m.sl);
+        float d[BN / 2];
+        uint32_t af0[4][4], af1[4][4];   /* the two halves' A fragments (fw_half) */
+
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++)
+            d[i] = 0.0f;
+        for (int kt = 0, st = 0, ph = 0, pv = C::S - 1; kt < nkt; kt++) {
+            uint32_t sca, scb, pw[4][4] = {};
+            int big;
+            /* this stage's weight rows of the warpgroup, scales, B */
+            const unsigned char *sas = m.sa + st * C::AB + wg * 64 * FW_AROW(WF);
+            const unsigned char *sw = m.ss + st * C::SB + wg * 64 * 4;
+            uint32_t sbs = sb0 + st * C::BB, sls = sl0 + st * C::BB;
+
+            wg_bar_wait(full + 8 * st, (uint32_t)ph);
+            wg_fence_proxy();   /* the stage's B, copied by cp.async, before the wgmma read it */
+#pragma unroll
+            for (int G = 0; G < 4; G++) {
+                const unsigned char *pa = sas + q * 4;
+
+                pw[G][0] = *(const uint32_t *)(pa + wg_off<FG_BROW(FG_FP4)>(ra, G));
+                pw[G][1] = *(const uint32_t *)(pa + wg_off<FG_BROW(FG_FP4)>(ra + 8, G));
+            }
+            sca = *(const uint32_t *)(sw + ra * 4);
+            scb = *(const uint32_t *)(sw + (ra + 8) * 4);
+            big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
+            fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
+            fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
+            /* fw_half's wait of the second half: the previous stage's wgmma
+             * are done, its slot free (its A words were read before them) */
+            if (kt > 0 && lane == 0)
+                wg_bar_arrive(empty + 8 * pv);
+            pv = st;
+            if (++st == C::S) {
+                st = 0;
+                ph ^= 1;
+            }
+        }
+        wg_wait<0>();
+        wg_hold(d);
+        fw_epilogue<WF, EPI, NWG, BN>(a, d, m.orow, m.rwt, m.red, m.scl, n0);
     }
 #endif
 }
@@ -1308,6 +1482,46 @@ fw_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsigne
     return DSV4_OK;
 }
 
+/* DSV4_CUDA_FW_PRODUCER=0: the routed FP4 tiles of four warpgroups on
+ * fw_kernel instead of fwp_kernel (read once). */
+static int
+fwp_enabled(void)
+{
+    static int on = -1;
+
+    if (on < 0) {
+        const char *v = getenv("DSV4_CUDA_FW_PRODUCER");
+
+        on = !(v != NULL && strcmp(v, "0") == 0);
+    }
+    return on;
+}
+
+/* fwp_kernel<FG_FP4, EPI, 4, BN> on grid (gx, gy) (fw_kernel<...> when
+ * DSV4_CUDA_FW_PRODUCER=0).  Used for the tiles of 64 tokens: at 32 and 16
+ * fw_kernel was faster (docs/perf.md run 41). */
+template <int EPI, int BN>
+static enum dsv4_err
+fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsigned gy)
+{
+    typedef fw_cfg<FG_FP4, EPI, 4, BN> C;
+    static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
+    size_t smem = (size_t)C::SMEM + 16 * C::S;   /* + the full and empty mbarriers */
+    enum dsv4_err e;
+
+    if (!fwp_enabled())
+        return fw_launch<FG_FP4, EPI, 4, BN>(be, a, gx, gy);
+    e = cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN>, smem, smem_done);
+    if (e != DSV4_OK)
+        return e;
+    if (gx == 0 || gy == 0)
+        return DSV4_OK;
+    fwp_kernel<FG_FP4, EPI, 4, BN><<<dim3(gx, gy), C::THREADS + FWP_PT, smem, cuda_stream(be)>>>(
+        *a);
+    CUDA_LAUNCHED("fast gemm (wgmma, producer)");
+    return DSV4_OK;
+}
+
 /* The instantiations used: routed FP4 up (NWG 4) and down (NWG 2) at token
  * tiles of 16, 32, 64 (down at 64: NWG 4, fw_moe); the FP8 shared expert
  * and linears; BF16 linears. */
@@ -1316,6 +1530,8 @@ static enum dsv4_err
 fw_run(struct dsv4_backend *be, const struct fw_args *a, int bn, unsigned gx, unsigned gy)
 {
     if constexpr (WF == FG_FP4) {
+        if (bn == 64 && NWG == 4)   /* the producer form (fwp_kernel) */
+            return fwp_launch<EPI, 64>(be, a, gx, gy);
         if (bn == 16)
             return fw_launch<WF, EPI, NWG, 16>(be, a, gx, gy);
         if (bn == 32)
@@ -1639,7 +1855,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
      * ms for the down GEMMs of a 4-layer 2,048-token prefill); 16 and 32
      * as before */
     if (bn == 64 && D % 256 == 0)
-        e = fw_launch<FG_FP4, FG_LINEAR, 4, 64>(be, &a, (unsigned)(D / 256), (unsigned)A);
+        e = fwp_launch<FG_LINEAR, 64>(be, &a, (unsigned)(D / 256), (unsigned)A);
     else
         e = fw_run<FG_FP4, FG_LINEAR, 2>(be, &a, bn, (unsigned)(D / 128), (unsigned)A);
     if (e != DSV4_OK)

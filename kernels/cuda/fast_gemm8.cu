@@ -112,35 +112,7 @@ g8_prep_kernel(uint8_t *xq, float *sx, const float *x, int rows, int K)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-/* --- mbarriers, cp.async, wgmma ------------------------------------------------------ */
-
-static __device__ __forceinline__ void
-g8_bar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-
-static __device__ __forceinline__ void
-g8_bar_arrive(uint32_t bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
-
-/* Wait until the phase of parity `parity` of bar has completed. */
-static __device__ __forceinline__ void
-g8_bar_wait(uint32_t bar, uint32_t parity)
-{
-    uint32_t done;
-
-    do {
-        asm volatile("{\n"
-                     ".reg .pred p;\n"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n"
-                     "}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
+/* --- cp.async, wgmma (the mbarriers: fast_wgmma.cuh) ------------------------------ */
 
 /* 16 bytes global -> shared; valid == 0: the 16 bytes are zeroed (src not read). */
 static __device__ __forceinline__ void
@@ -226,8 +198,8 @@ g8_kernel(struct g8_args a)
 
     if (tid == 0) {
         for (int s = 0; s < G8_S; s++) {
-            g8_bar_init(full + 8 * s, 128);
-            g8_bar_init(empty + 8 * s, 256);
+            wg_bar_init(full + 8 * s, 128);
+            wg_bar_init(empty + 8 * s, 256);
         }
     }
     __syncthreads();
@@ -240,7 +212,7 @@ g8_kernel(struct g8_args a)
             int st = kt % G8_S;
 
             if (kt >= G8_S)
-                g8_bar_wait(empty + 8 * st, (uint32_t)((kt / G8_S - 1) & 1));
+                wg_bar_wait(empty + 8 * st, (uint32_t)((kt / G8_S - 1) & 1));
             g8_load(a, p, n0, t0, kt, sa + st * G8_STAGE_A, sb + st * G8_STAGE_B,
                     ss + st * G8_BN * 4);
             wg_cp_commit_mem();
@@ -248,13 +220,13 @@ g8_kernel(struct g8_args a)
                 /* block kt - LAG (and all before it) landed */
                 wg_cp_wait_mem<G8_LAG>();
                 wg_fence_proxy();
-                g8_bar_arrive(full + 8 * ((kt - G8_LAG) % G8_S));
+                wg_bar_arrive(full + 8 * ((kt - G8_LAG) % G8_S));
             }
         }
         wg_cp_wait_mem<0>();
         wg_fence_proxy();
         for (int kt = nkt - G8_LAG > 0 ? nkt - G8_LAG : 0; kt < nkt; kt++)
-            g8_bar_arrive(full + 8 * (kt % G8_S));
+            wg_bar_arrive(full + 8 * (kt % G8_S));
         return;
     }
 
@@ -275,7 +247,7 @@ g8_kernel(struct g8_args a)
             float sw = cu_e8m0_to_f32(__ldg(wsr + kt));
             const float *sxt = sxs + st * G8_BN;
 
-            g8_bar_wait(full + 8 * st, (uint32_t)((kt / G8_S) & 1));
+            wg_bar_wait(full + 8 * st, (uint32_t)((kt / G8_S) & 1));
             wg_fence();
 #pragma unroll
             for (int s = 0; s < 4; s++)
@@ -292,7 +264,7 @@ g8_kernel(struct g8_args a)
                     acc[4 * j + ii] += blk[4 * j + ii] * f;
                     acc[4 * j + 2 + ii] += blk[4 * j + 2 + ii] * f;
                 }
-            g8_bar_arrive(empty + 8 * st);
+            wg_bar_arrive(empty + 8 * st);
         }
 #pragma unroll
         for (int j = 0; j < 16; j++)

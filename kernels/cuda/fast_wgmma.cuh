@@ -224,6 +224,53 @@ wg_fence_proxy(void)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+/* --- mbarriers and named barriers ------------------------------------------------------ */
+
+/* Initialise the mbarrier at shared address bar for `count` arrivals a phase. */
+static __device__ __forceinline__ void
+wg_bar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+/* One arrival of this thread at bar. */
+static __device__ __forceinline__ void
+wg_bar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+/* One arrival at bar once every cp.async this thread issued before has
+ * landed (the arrival is not counted in advance: bar's count includes it). */
+static __device__ __forceinline__ void
+wg_bar_cp_arrive(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+
+/* Wait until the phase of parity `parity` of bar has completed.  The retry
+ * loop is inside the asm, so the compiler sees no divergent branch (values
+ * after the wait stay uniform: warp-uniform registers, wgmma descriptors). */
+static __device__ __forceinline__ void
+wg_bar_wait(uint32_t bar, uint32_t parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "WG_BAR_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WG_BAR_WAIT;\n"
+                 "}\n"
+                 :: "r"(bar), "r"(parity) : "memory");
+}
+
+/* Named barrier ID for N threads (a multiple of 32; shared memory ordered). */
+template <int ID, int N>
+static __device__ __forceinline__ void
+wg_sync(void)
+{
+    asm volatile("bar.sync %0, %1;" :: "n"(ID), "n"(N) : "memory");
+}
+
 /* Keep the accumulators in place until the wgmma that writes them is waited for. */
 template <int N>
 static __device__ __forceinline__ void
@@ -244,9 +291,11 @@ template <int LBO, int SBO>
 static __device__ __forceinline__ uint64_t
 wg_desc(uint32_t base, int s)
 {
-    uint64_t a = (uint64_t)(((base + 256u * (uint32_t)s) & 0x3ffffu) >> 4);
+    /* shared addresses are below 2^18: the 14-bit start field needs no mask,
+     * and step s is an add to the low word (no per-step masking and shifts) */
+    uint32_t lo = (base >> 4) + 16u * (uint32_t)s + (uint32_t)(LBO >> 4 << 16);
 
-    return a | (uint64_t)(LBO >> 4) << 16 | (uint64_t)(SBO >> 4) << 32;
+    return (uint64_t)lo | (uint64_t)(SBO >> 4) << 32;
 }
 
 /* Descriptor of a K-major, 128B-swizzled operand at shared address addr
