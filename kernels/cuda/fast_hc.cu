@@ -48,7 +48,10 @@
  *      comb) into registers, then stores them to shared memory (rows padded
  *      to HF_CW + 4 floats: 16-byte aligned, no bank conflicts for the
  *      float4 reads of the dot products); the partials go to
- *      part (T, M+1, S) (contiguous in s for the finish's gather);
+ *      part (T, M+1, S) (contiguous in s for the finish's gather); in
+ *      calls of at least HF2_BLOCKED_T tokens each thread runs two (token,
+ *      row) chains of one token side by side (the same chains, so the same
+ *      bits; the token's X words read once for both);
  *   hf2_finish: with the norm, 512 collapse threads + one warp per token
  *      (4 columns per thread and 16-byte loads); without, 128 + 32 threads
  *      per 512 columns.  Every thread first issues its loads of X, of the
@@ -88,7 +91,8 @@
 #define HF_XCOLS 512         /* collapse columns per finish block (no norm) */
 #define HF_MAX_M1 32         /* mix values per token (M + 1) */
 #define HF_SLAB 1024         /* tokens per launch pair (bounds the scratch) */
-#define HF2_MT 256           /* v2 mix block */
+#define HF2_MT 256           /* v2 mix block (8 warps: hf2_mix_kernel's blocked form needs them) */
+#define HF2_BLOCKED_T 64     /* v2 mix: calls of at least this many tokens take the blocked form */
 #define HF2_CWP (HF_CW + 4)  /* v2 mix: shared row stride (16-byte rows, no conflicts) */
 #define HF2_N 4              /* v2: streams n at most */
 #define HF2_NT 512           /* v2 finish with the norm: collapse threads (+ one warp) */
@@ -339,6 +343,25 @@ hf_finish_kernel(struct hf_fin a)
  * hf_mix_kernel with every load issued first; part (T, M+1, S).  Needs
  * D % 4 == 0 and 16-byte aligned fn, X (POST: p.X, p.f, p.X_out).
  */
+/* The sum of a[c] . b[c] over c < n4 (float4s), one chain in column order:
+ * hf2_mix's partial of one (token, mix row) over its chunk. */
+static __device__ __forceinline__ float
+hf2_dot(const float4 *a, const float4 *b, int n4)
+{
+    float acc = 0.0f;
+
+#pragma unroll 8
+    for (int c = 0; c < n4; c++) {
+        float4 x = a[c], y = b[c];
+
+        acc += x.x * y.x;
+        acc += x.y * y.y;
+        acc += x.z * y.z;
+        acc += x.w * y.w;
+    }
+    return acc;
+}
+
 template <int POST>
 static __global__ void __launch_bounds__(HF2_MT)
 hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
@@ -433,21 +456,51 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
         *(float4 *)&xs[tt][c] = v;
     }
     __syncthreads();
+    if (T >= HF2_BLOCKED_T && tg == HF_TG) {
+        /* whole blocks of a long call: lane l of warp w takes token l % 16
+         * and mix rows g, g + 16 (g = 2w + l / 16; row M is the sum of
+         * squares), both chains in one loop: a token's X words are read
+         * once for two rows and a row's fn words are the same for the 16
+         * lanes that read them, so a product costs ~0.4 of the shared-memory
+         * wavefronts of one (token, row) a thread, on which the long calls
+         * were bound (perf.md run 41: L1 95% busy).  The same chains in the
+         * same order: the same bits. */
+        int l = tid & 31, tt = l & 15, g = 2 * (tid >> 5) + (l >> 4), m1 = g + 16;
+        const float4 *a = (const float4 *)xs[tt];
+        const float4 *b0 = (const float4 *)(g < M ? fs[g] : xs[tt]);
+        const float4 *b1 = (const float4 *)(m1 < M ? fs[m1] : m1 == M ? xs[tt] : fs[0]);
+        float acc0 = 0.0f, acc1 = 0.0f;
+        int two = __any_sync(0xffffffffu, m1 <= M);   /* a second row in the warp */
+
+        if (g > M)
+            return;   /* no row here (M + 1 <= 16 + 16 rows) */
+        if (two) {
+#pragma unroll 4
+            for (int c = 0; c < cw / 4; c++) {
+                float4 x = a[c], y = b0[c], z = b1[c];
+
+                acc0 += x.x * y.x;
+                acc1 += x.x * z.x;
+                acc0 += x.y * y.y;
+                acc1 += x.y * z.y;
+                acc0 += x.z * y.z;
+                acc1 += x.z * z.z;
+                acc0 += x.w * y.w;
+                acc1 += x.w * z.w;
+            }
+        } else {
+            acc0 = hf2_dot(a, b0, cw / 4);
+        }
+        part[((int64_t)(t0 + tt) * (M + 1) + g) * S + s] = acc0;
+        if (m1 <= M)
+            part[((int64_t)(t0 + tt) * (M + 1) + m1) * S + s] = acc1;
+        return;
+    }
     for (int i = tid; i < tg * (M + 1); i += HF2_MT) {
         int tt = i / (M + 1), m = i % (M + 1);
         const float4 *a = (const float4 *)xs[tt], *b = (const float4 *)(m < M ? fs[m] : xs[tt]);
-        float acc = 0.0f;
 
-#pragma unroll 8
-        for (int c = 0; c < cw / 4; c++) {
-            float4 x = a[c], y = b[c];
-
-            acc += x.x * y.x;
-            acc += x.y * y.y;
-            acc += x.z * y.z;
-            acc += x.w * y.w;
-        }
-        part[((int64_t)(t0 + tt) * (M + 1) + m) * S + s] = acc;
+        part[((int64_t)(t0 + tt) * (M + 1) + m) * S + s] = hf2_dot(a, b, cw / 4);
     }
 }
 
