@@ -760,10 +760,15 @@ fw_mma(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc)
  * CH is a multiple of 8, of 16 for the up tiles, so the swizzle and the w1
  * / w3 choice are those of row r for every j): from pa[j] to stage offset
  * ad + j * RS * FW_AROW.
- * B: token row n = p / 16 + j * (PT / 16), chunk p % 16, from pb[j]
- * (zero-filled where bit j of bz is set: no row; pb[j] then walks row 0,
- * never read) to stage offset bd + j * (PT / 128) * 2048; bit j of bn set:
- * past the tile's BN * 16 chunks, no copy.
+ * B: copy i = p + j * PT is token row n = 8 (i / 128) + i % 8, chunk c =
+ * (i / 8) % 16, from pb[j] (zero-filled where bit j of bz is set: no row;
+ * pb[j] then walks row 0, never read) to stage offset ((n / 8) 16 + c) 128
+ * + (n % 8) 16 = bd + j * (PT / 128) * 2048; bit j of bn set: past the
+ * tile's BN * 16 chunks, no copy.  So a warp's 32 copies fill four whole
+ * 128-byte lines of the stage (8 tokens' chunk c side by side: no bank
+ * conflicts) from 8 rows' 64 contiguous bytes each (until run 41 a warp
+ * copied 16 chunks of one row, 128 bytes apart in shared memory: 8-way
+ * bank conflicts on every B copy, Nsight Compute).
  * FP4 scales: rows p + j * PT < RA (j < NS), 4 bytes each from sc[j].
  */
 template <int WF, int EPI, int NWG, int BN, int PT>
@@ -809,12 +814,12 @@ fw_src_make(struct fw_src<WF, EPI, NWG, BN, PT> &f, int p, const int *brow,
     for (int j = 0; j < F::NA; j++)
         f.pa[j] = a0 + j * as;
     f.ad = (uint32_t)wg_off<FW_AROW(WF)>(r, c);
-    f.bd = (uint32_t)(((p >> 7) * 16 + (p & 15)) * 128 + ((p >> 4) & 7) * 16);
+    f.bd = (uint32_t)(((p >> 7) * 16 + ((p >> 3) & 15)) * 128 + (p & 7) * 16);
     f.bz = f.bn = 0;
 #pragma unroll
     for (int j = 0; j < F::NBL; j++) {
-        int i = p + j * PT, br = i < BN * 16 ? brow[i >> 4] : -1;
-        int64_t o = br < 0 ? 0 : (int64_t)br * ldb + b0 + (i & 15) * 8;
+        int i = p + j * PT, br = i < BN * 16 ? brow[8 * (i >> 7) + (i & 7)] : -1;
+        int64_t o = br < 0 ? 0 : (int64_t)br * ldb + b0 + ((i >> 3) & 15) * 8;
 
         f.bn |= (uint32_t)(i >= BN * 16) << j;
         f.bz |= (uint32_t)(br < 0) << j;

@@ -83,7 +83,7 @@ def run(wf, epi, NWG, BN, K, ntok, ng=1, R=0):
                     wr, m = fw_wrow(epi, t, n0); ss[t * 4:t * 4 + 4] = gs[m][wr, kb * 4:kb * 4 + 4]
             sb = {}   # byte offset -> element value (bf16 granule)
             for i in range(BN * 16):
-                n, c = i >> 4, i & 15
+                n, c = 8 * (i >> 7) + (i & 7), (i >> 3) & 15   # fw_src_make's copy i
                 dd = ((n >> 3) * 16 + c) * 128 + (n & 7) * 16
                 for e in range(8):
                     sb[dd + 2 * e] = xp[n, b0 + kb * 128 + c * 8 + e] if n < ntok else 0.0
