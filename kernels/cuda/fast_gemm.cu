@@ -1488,19 +1488,8 @@ fw_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsigne
 }
 
 /* DSV4_CUDA_FW_PRODUCER=0: the routed FP4 tiles of four warpgroups on
- * fw_kernel instead of fwp_kernel (read once). */
-static int
-fwp_enabled(void)
-{
-    static int on = -1;
-
-    if (on < 0) {
-        const char *v = getenv("DSV4_CUDA_FW_PRODUCER");
-
-        on = !(v != NULL && strcmp(v, "0") == 0);
-    }
-    return on;
-}
+ * fw_kernel instead of fwp_kernel. */
+static struct cuda_switch fwp_switch = CUDA_SWITCH("DSV4_CUDA_FW_PRODUCER", 1);
 
 /* fwp_kernel<FG_FP4, EPI, 4, BN> on grid (gx, gy) (fw_kernel<...> when
  * DSV4_CUDA_FW_PRODUCER=0).  Used for the tiles of 64 tokens: at 32 and 16
@@ -1514,7 +1503,7 @@ fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsign
     size_t smem = (size_t)C::SMEM + 16 * C::S;   /* + the full and empty mbarriers */
     enum dsv4_err e;
 
-    if (!fwp_enabled())
+    if (!cuda_switch_on(&fwp_switch))
         return fw_launch<FG_FP4, EPI, 4, BN>(be, a, gx, gy);
     e = cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN>, smem, smem_done);
     if (e != DSV4_OK)
