@@ -94,10 +94,12 @@
  * v5 (fm5_kernel; the default, DSV4_CUDA_FAST_MOE "v3" forces v3; "v5,P"
  * sets the warps per item, fm5_team): the same stages, ring, A
  * fragments, mma and fp32 additions, but no quarters of K across warps and
- * no block barrier.  Each warp takes (slot, 16-row tile) items from a
- * per-call counter (zeroed by the prep kernel) and streams the tile over
- * all of K (up: w1's stages, then w3's) through its own ring of FM5_NS
- * stages, with the ring slot, stage and part kept as counters (v3 paid
+ * no block barrier.  Each warp takes (slot, tile) items from a per-call
+ * counter (zeroed by the prep kernel) and streams the tile's 16 rows of A
+ * over all of K through its own ring of FM5_NS stages (up: rows r .. r + 7
+ * of w1 and the same rows of w3, so that one thread holds g and u of an
+ * output; down: 16 rows of w2), with the ring slot and stage kept as
+ * counters (v3 paid
  * five runtime integer divisions per stage: on the H200 v3 issued ~540
  * instructions per 2 KB stage and was issue-bound, 25% occupancy, DRAM at
  * a third of its peak, while the same loads with no arithmetic move
@@ -105,12 +107,12 @@
  * the quarters in order, tot = ((Q0 + Q1) + Q2) + Q3, fm3_tile_end's
  * order, and stores h or y itself: v3's results bit for bit (bench_fast
  * "moe v5 bits").  Passes of 8 slot rows (a second pass of a tile reads
- * it from L2).  Down tiles are 16 rows of w2.  Small calls have fewer
- * items than resident warps (one token: 7 slots, 896 up items for 2,112
- * warps; a tp rank's share 448), and a warp alone on a tile is bound by
- * its ring's latency: there a team of 2 or 4 warps of a block takes each
- * item (fm5_team, fm5_parts), warp j streaming quarters j*4/P .. of every
- * part, the team's first warp folding the others' quarter sums in the
+ * it from L2).  Small calls have fewer items than resident warps (one
+ * token: 7 slots, 1,792 up items for 2,112 warps; a tp rank's share 896),
+ * and a warp alone on a tile is bound by its ring's latency: there a team
+ * of 2 or 4 warps of a block takes each item (fm5_team, fm5_parts), warp
+ * j streaming quarters j*4/P .. of the tile, the team's first warp folding
+ * the others' quarter sums in the
  * same order (shared memory, a named barrier): the same bits at any P.
  *
  * Requirements (else v1): T*k <= FM3_MAX_TK, D and I multiples of 1024 and
@@ -909,31 +911,36 @@ fm3_kernel(struct fm3_args a)
     }
 }
 
-/* --- v5: persistent warps, each a 16-row tile over all of K ------------------------- */
+/* --- v5: persistent warps, each a tile of 16 rows of A over all of K -------------- */
 
 #define FM5_NS 3   /* ring stages per warp (3, 4, 6 measured: perf.md run 25) */
 #define FM5_PER (FM5_NS * FM3_STAGE_B + FM3_SCF_B)  /* shared memory per warp */
-#define FM5_TEAM_F (4 * 2 * 4 * 32)   /* floats of a team's quarter sums (fm5_team) */
+#define FM5_TEAM_F (4 * 4 * 32)   /* floats of a team's quarter sums (fm5_team) */
+#define FM5_ROWS(UP) ((UP) ? 8 : 16)  /* output rows of a tile (fm5_tile) */
 /* fm5_kernel's blocks: 4 warps each; 5 blocks (20 warps) an SM where the
  * kernel fits 96 registers without spilling (down with whole tiles: P = 1,
  * the batch-16 form), else 4 (16 warps, 128 registers; up, and teams).
  * Against 8-warp blocks two an SM (perf.md run 36): batch-16 down 123 ->
- * 117 us a layer, up 233 -> 230; the 96-register up spills and is slower. */
+ * 117 us a layer, up 233 -> 230.  The up kernel at 96 registers (20 warps)
+ * is no faster, with w1 / w3 tiles of 16 rows each (perf.md run 36) or of 8
+ * (run 42). */
 #define FM5_WARPS 4
 #define FM5_BLOCKS(UP, P) ((UP) || (P) > 1 ? 4 : 5)
 #define FM5_SMEM(P) (FM5_WARPS * FM5_PER + ((P) > 1 ? FM5_WARPS / (P) * FM5_TEAM_F * 4 : 0))
 
-/* A warp's 16-row tile of one slot's expert: the parts it streams (UP: w1
- * then w3; down: w2). */
+/* A warp's tile of one slot's expert: 16 rows of A, two halves of 8 rows
+ * (UP: rows row .. row + 7 of w1, then the same rows of w3, so that a
+ * thread's C fragment holds g and u of one output; down: rows row .. row +
+ * 15 of w2). */
 struct fm5_tile {
-    const uint8_t *w[2];    /* part p's first row of the tile */
-    const uint8_t *sc[2];   /* FP4: part p's first row's scales; FP8: its scale array */
-    int row;                /* the tile's first row */
+    const uint8_t *w[2];    /* half h's first weight row */
+    const uint8_t *sc[2];   /* FP4: half h's first row's scales; FP8: its scale array */
+    int row;                /* the tile's first output row */
     int rb, sb;             /* bytes per weight row; FP4 scale bytes per row */
     int bad;                /* FP4 scales not 4-byte aligned: NaN outputs */
 };
 
-/* The tile of rows row .. row + 15 of slot s's expert (fm3_passes' pointers
+/* The tile at output row `row` of slot s's expert (fm3_passes' pointers
  * and its rule for misaligned FP4 scales). */
 template <int UP, int FP8>
 static __device__ __forceinline__ void
@@ -946,11 +953,12 @@ fm5_tile_get(const struct fm3_args &a, const struct fm3_slot &s, int row, struct
     tl->sb = K / 32;
     tl->bad = !FP8 && ((UP ? (uintptr_t)s.E->w1.scale | (uintptr_t)s.E->w3.scale
                            : (uintptr_t)s.E->w2.scale) & 3) != 0;
-    for (int p = 0; p < 2; p++) {
-        const struct dsv4_linear *L = UP ? (p ? &s.E->w3 : &s.E->w1) : &s.E->w2;
+    for (int h = 0; h < 2; h++) {
+        const struct dsv4_linear *L = UP ? (h ? &s.E->w3 : &s.E->w1) : &s.E->w2;
+        int r = UP ? row : row + 8 * h;
 
-        tl->w[p] = (const uint8_t *)L->w + (int64_t)row * tl->rb;
-        tl->sc[p] = FP8 ? L->scale : tl->bad ? tl->w[p] : L->scale + (int64_t)row * tl->sb;
+        tl->w[h] = (const uint8_t *)L->w + (int64_t)r * tl->rb;
+        tl->sc[h] = FP8 ? L->scale : tl->bad ? tl->w[h] : L->scale + (int64_t)r * tl->sb;
     }
 }
 
@@ -1041,51 +1049,55 @@ struct fm5_bh {
 
 /*
  * v5's issue cursor: where the lane's copies of the next stage to issue
- * come from (the lane's first row piece gw, rows 4, 8, 12 below it at
- * multiples of r4; FP4: its 4 scale bytes gs) and how many stages of the
- * current part are left; pointers step instead of being recomputed from
- * (part, stage) each time (Nsight Compute: about 35 integer instructions
- * per stage for five copies).
+ * come from (its row piece in half 0 and in half 1 of the tile, gw[h], the
+ * rows 4 below them at r4; FP4: its 4 scale bytes gs); pointers step
+ * instead of being recomputed from the stage each time (Nsight Compute:
+ * about 35 integer instructions per stage for five copies).
  */
 struct fm5_cursor {
-    const uint8_t *gw, *gs;
+    const uint8_t *gw[2], *gs;
     int r4;                 /* bytes from row i to row i + 4 */
-    int left;               /* stages of the current part not issued yet */
 };
 
-/* The cursor at stage st0 of part p of the tile, nst stages to issue. */
-template <int FP8>
+/* The cursor at stage st0 of the tile: lane l copies segment l & 7 of rows
+ * l / 8 and 4 + l / 8 of each half (the tile's rows i * 4 + l / 8, i = 0
+ * .. 3) and scale bytes 4 (l & 1) .. of row l / 2 (half l / 16). */
+template <int UP, int FP8>
 static __device__ __forceinline__ void
-fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int p, int nst, int st0)
+fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
 {
-    int lane = threadIdx.x & 31;
+    int lane = threadIdx.x & 31, off = (lane >> 3) * tl.rb + (lane & 7) * 16 + st0 * FM3_SB;
 
-    c->gw = (p ? tl.w[1] : tl.w[0]) + (lane >> 3) * tl.rb + (lane & 7) * 16 + st0 * FM3_SB;
-    c->gs = FP8 ? NULL
-                : (p ? tl.sc[1] : tl.sc[0]) + (lane >> 1) * tl.sb + (lane & 1) * 4 + st0 * 8;
+    c->gw[0] = tl.w[0] + off;
+    c->gw[1] = tl.w[1] + off;   /* UP only (fm5_issue) */
+    if (FP8)
+        c->gs = NULL;
+    else if (UP)
+        c->gs = (lane >> 4 ? tl.sc[1] : tl.sc[0]) + ((lane >> 1) & 7) * tl.sb + (lane & 1) * 4 +
+                st0 * 8;
+    else   /* the halves' scale rows are one run */
+        c->gs = tl.sc[0] + (lane >> 1) * tl.sb + (lane & 1) * 4 + st0 * 8;
     c->r4 = 4 * tl.rb;
-    c->left = nst;
 }
 
 /* The next stage into the ring slot at shared address sb (fm3_issue's
- * placement; so: the lane's four shared offsets); then the cursor steps,
- * to part 1's stage st0 after part 0's last stage of the warp (UP). */
-template <int FP8, int NP>
+ * placement; so: the lane's four shared offsets); then the cursor steps.
+ * UP: the halves are two tensors; down: rows of one (gw[1] = gw[0] + 2
+ * r4, not kept: one register pair fewer). */
+template <int UP, int FP8>
 static __device__ __forceinline__ void
-fm5_issue(struct fm5_cursor *c, const struct fm5_tile &tl, uint32_t sb, const uint32_t (&so)[4],
-          int nst, int st0)
+fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4])
 {
-    fm3_cp16(sb + so[0], c->gw);
-    fm3_cp16(sb + so[1], c->gw + c->r4);
-    fm3_cp16(sb + so[2], c->gw + 2 * c->r4);
-    fm3_cp16(sb + so[3], c->gw + 3 * c->r4);
+    fm3_cp16(sb + so[0], c->gw[0]);
+    fm3_cp16(sb + so[1], c->gw[0] + c->r4);
+    fm3_cp16(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4);
+    fm3_cp16(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4);
     if (!FP8) {
         fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
         c->gs += 8;
     }
-    c->gw += FM3_SB;
-    if (--c->left == 0 && NP == 2)
-        fm5_cursor_at<FP8>(c, tl, 1, nst, st0);
+    c->gw[0] += FM3_SB;
+    c->gw[1] += FM3_SB;
 }
 
 /*
@@ -1099,7 +1111,7 @@ fm5_issue(struct fm5_cursor *c, const struct fm5_tile &tl, uint32_t sb, const ui
 struct fm5_team {
     int j;          /* this warp's place in the team (0 .. P - 1) */
     int bar;        /* the team's named barrier (1 + the team's index) */
-    float *part;    /* the team's quarter sums: [quarter][part][4][32 lanes] */
+    float *part;    /* the team's quarter sums: [quarter][4][32 lanes] */
 };
 
 /* The P warps of the team meet (named barrier tm.bar; shared memory ordered). */
@@ -1110,65 +1122,73 @@ fm5_team_sync(const struct fm5_team &tm)
     asm volatile("bar.sync %0, %1;" :: "r"(tm.bar), "n"(P * 32) : "memory");
 }
 
+/* The end of a 128-column block in v5: fm3_block_end's expression with the
+ * factor f0 for the tile's rows g (half 0) and f1 for rows g + 8 (half 1). */
+static __device__ __forceinline__ void
+fm5_block_end(float (&acc)[1][4], float (&blk)[1][4], const float (&xc)[1][2], float f0,
+              float f1)
+{
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        acc[0][i] = __fmaf_rn(blk[0][i], xc[0][i & 1] * (i < 2 ? f0 : f1), acc[0][i]);
+        blk[0][i] = 0.0f;
+    }
+}
+
 /*
- * Slot rows p .. p + 8*NT - 1 through the warp's tile over all of K (over
- * its quarters of K, in a team of P > 1: fm5_team): one
- * stream of stages (UP: w1's, then w3's) through the warp's ring, FM5_NS - 1
- * ahead; per 128-column block fm3_block and fm3_block_end exactly as v3, a
- * quarter's blocks into acc, the quarters folded in order into tot
- * (((Q0 + Q1) + Q2) + Q3: fm3_tile_end's order), so every output is v3's
- * bit for bit; then h (UP: SwiGLU of the two parts' sums, as fm3_tile_end)
- * or y stored by the warp itself.  No block barrier: the warps of a block
- * are independent.
+ * Slot rows p .. p + 7 through the warp's tile over all of K (over its
+ * quarters of K, in a team of P > 1: fm5_team): one stream of stages
+ * through the warp's ring, FM5_NS - 1 ahead; per 128-column block
+ * fm3_block and fm3_block_end's expression exactly as v3, a quarter's
+ * blocks into acc, the quarters folded in order into tot (((Q0 + Q1) + Q2)
+ * + Q3: fm3_tile_end's order), so every output is v3's bit for bit (an
+ * output of an mma depends only on its own A row and B column); then h
+ * (UP: the SwiGLU of g, C rows g, and u, C rows g + 8 of the same thread,
+ * as fm3_tile_end) or y stored by the warp itself.  No block barrier: the
+ * warps of a block are independent.
  */
-template <int UP, int FP8, int NT, int P>
+template <int UP, int FP8, int P>
 static __device__ void
 fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_tile &tl, int p,
          char *ring, float *scf, const struct fm5_team &tm)
 {
     constexpr int BPS = FP8 ? 1 : 2;   /* 128-column blocks per stage */
-    constexpr int NP = UP ? 2 : 1;     /* parts */
     const int lane = threadIdx.x & 31, seg = lane & 7, g = lane >> 2, q = lane & 3;
     const int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4;
     const int nqw = 4 / P, q0 = P == 1 ? 0 : tm.j * nqw;   /* the warp's quarters */
-    const int nst = nqw * (nq / BPS), st0 = q0 * (nq / BPS);   /* and stages per part */
-    const int ntot = NP * nst;
+    const int nst = nqw * (nq / BPS), st0 = q0 * (nq / BPS);   /* and stages */
     const uint32_t rs = (uint32_t)__cvta_generic_to_shared(ring);
     const uint32_t rend = rs + FM5_NS * FM3_STAGE_B;
-    const uint8_t *xr[NT];
+    const uint8_t *xr[1];
     const uint16_t *xhr;
-    const float *sr[NT][2];
+    const float *sr[1][2];
     uint32_t xh[16];
-    float xc[NT][2];
-    float tot[NP][NT][4], acc[NT][4], blk[NT][4];
+    float xc[1][2];
+    float tot[1][4], acc[1][4], blk[1][4];
     uint32_t so[4], isb = rs;
     int slot = 0, gi = 0;
     struct fm5_cursor cur;
 
-    static_assert(NT == 1, "v5 runs passes of one n-tile");
-
-#pragma unroll
-    for (int pp = 0; pp < NP; pp++)
-        fm3_zero<NT>(tot[pp]);
+    fm3_zero<1>(tot);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         int row = i * 4 + (lane >> 3);
 
         so[i] = (uint32_t)(row * FM3_SB + ((seg ^ (row & 7)) << 4));
     }
-    fm3_act_rows<UP, FP8, NT>(a, s, p, xr, sr);
+    fm3_act_rows<UP, FP8, 1>(a, s, p, xr, sr);
     xhr = (UP ? (FP8 ? a.xh8 : a.xh4) : a.hh) + (xr[0] - (UP ? (FP8 ? a.xq8 : a.xq4) : a.hq));
-    fm3_zero<NT>(acc);
-    fm3_zero<NT>(blk);
-    fm5_cursor_at<FP8>(&cur, tl, 0, nst, st0);
+    fm3_zero<1>(acc);
+    fm3_zero<1>(blk);
+    fm5_cursor_at<UP, FP8>(&cur, tl, st0);
     for (int i = 0; i < FM5_NS - 1; i++) {
-        if (i < ntot)
-            fm5_issue<FP8, NP>(&cur, tl, isb, so, nst, st0);
+        if (i < nst)
+            fm5_issue<UP, FP8>(&cur, isb, so);
         fm3_commit();
         isb += FM3_STAGE_B;
     }
-    /* the warp's blocks of x (each part reads them from the first), the
-     * first's words and scales now, every next one's a block ahead */
+    /* the warp's blocks of the activations, the first's words and scales
+     * now, every next one's a block ahead */
     const uint4 *xb0 = (const uint4 *)(xhr + q * 32) + st0 * BPS * (128 * 2 / 16);
     const float *xs0 = sr[0][0] + st0 * BPS, *xs1 = sr[0][1] + st0 * BPS;
     const int nblk = nst * BPS;
@@ -1177,56 +1197,52 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     fm5_act(xh, xb0);
     xc[0][0] = __ldg(xs0);
     xc[0][1] = __ldg(xs1);
-#pragma unroll
-    for (int pp = 0; pp < NP; pp++) {
-        /* the warp's quarters of the part, nq / BPS stages each, then the
-         * quarter folded (nq is even: K a multiple of 1,024), so the stage
-         * loop holds no fold */
+    /* the warp's quarters, nq / BPS stages each, then the quarter folded (nq
+     * is even: K a multiple of 1,024), so the stage loop holds no fold */
 #pragma unroll 1
-        for (int qn = q0, st = st0; qn < q0 + nqw; qn++) {
+    for (int qn = q0, st = st0; qn < q0 + nqw; qn++) {
 #pragma unroll 1
-            for (int se = st + nq / BPS; st < se; st++, gi++) {
-                char *buf = ring + slot * FM3_STAGE_B;
+        for (int se = st + nq / BPS; st < se; st++, gi++) {
+            char *buf = ring + slot * FM3_STAGE_B;
 
-                asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
-                __syncwarp();   /* every lane's copies of this stage; the previous one is read */
-                if (!FP8) {
-                    fm3_scales(buf, scf);
-                    __syncwarp();
-                }
-                if (gi + FM5_NS - 1 < ntot)
-                    fm5_issue<FP8, NP>(&cur, tl, isb, so, nst, st0);
-                fm3_commit();
-                isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
-#pragma unroll
-                for (int b = 0; b < BPS; b++) {
-                    float f = 64.0f;
-
-                    if (FP8)   /* the tile's 128x128 block scale */
-                        f = cu_e8m0_to_f32(
-                            __ldg(tl.sc[pp] + (int64_t)(tl.row / 128) * nb + st * BPS + b));
-                    int jn = jb + 1 == nblk ? 0 : jb + 1;   /* next part: its first */
-                    float xn[1][2] = { { __ldg(xs0 + jn), __ldg(xs1 + jn) } };
-
-                    fm3_block<FP8, 1>(blk, buf, b, scf,
-                                      fm5_bh{ xh, xb0 + jn * (128 * 2 / 16) });
-                    fm3_block_end<NT>(acc, blk, xc, f);
-                    xc[0][0] = xn[0][0];
-                    xc[0][1] = xn[0][1];
-                    jb = jn;
-                }
-                slot = slot == FM5_NS - 1 ? 0 : slot + 1;
+            asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
+            __syncwarp();   /* every lane's copies of this stage; the previous one is read */
+            if (!FP8) {
+                fm3_scales(buf, scf);
+                __syncwarp();
             }
+            if (gi + FM5_NS - 1 < nst)
+                fm5_issue<UP, FP8>(&cur, isb, so);
+            fm3_commit();
+            isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
 #pragma unroll
-            for (int n = 0; n < NT; n++)   /* quarter qn of part pp is complete */
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    if (P == 1 || tm.j == 0)
-                        tot[pp][n][i] = qn == 0 ? acc[n][i] : tot[pp][n][i] + acc[n][i];
-                    else   /* to the team's first warp */
-                        tm.part[((qn * 2 + pp) * 4 + i) * 32 + lane] = acc[n][i];
-                    acc[n][i] = 0.0f;
+            for (int b = 0; b < BPS; b++) {
+                float f0 = 64.0f, f1 = 64.0f;
+
+                if (FP8) {   /* the 128x128 block scales of the halves' rows */
+                    int64_t si = (int64_t)(tl.row / 128) * nb + st * BPS + b;
+
+                    f0 = cu_e8m0_to_f32(__ldg(tl.sc[0] + si));
+                    f1 = UP ? cu_e8m0_to_f32(__ldg(tl.sc[1] + si)) : f0;
                 }
+                int jn = jb + 1 == nblk ? 0 : jb + 1;   /* after the last: the first again */
+                float xn[1][2] = { { __ldg(xs0 + jn), __ldg(xs1 + jn) } };
+
+                fm3_block<FP8, 1>(blk, buf, b, scf, fm5_bh{ xh, xb0 + jn * (128 * 2 / 16) });
+                fm5_block_end(acc, blk, xc, f0, f1);
+                xc[0][0] = xn[0][0];
+                xc[0][1] = xn[0][1];
+                jb = jn;
+            }
+            slot = slot == FM5_NS - 1 ? 0 : slot + 1;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {   /* quarter qn is complete */
+            if (P == 1 || tm.j == 0)
+                tot[0][i] = qn == 0 ? acc[0][i] : tot[0][i] + acc[0][i];
+            else   /* to the team's first warp */
+                tm.part[(qn * 4 + i) * 32 + lane] = acc[0][i];
+            acc[0][i] = 0.0f;
         }
     }
     __syncwarp();   /* the ring is read before the next pass refills it */
@@ -1235,35 +1251,30 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
         if (tm.j == 0)
             for (int qn = nqw; qn < 4; qn++)
 #pragma unroll
-                for (int pp = 0; pp < NP; pp++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        tot[pp][0][i] += tm.part[((qn * 2 + pp) * 4 + i) * 32 + lane];
+                for (int i = 0; i < 4; i++)
+                    tot[0][i] += tm.part[(qn * 4 + i) * 32 + lane];
         fm5_team_sync<P>(tm);
         if (tm.j != 0)
             return;
     }
 #pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int j = p + n * 8 + 2 * q + (i & 1), row = tl.row + g + 8 * (i >> 1);
-            int64_t hr;
+    for (int i = 0; i < (UP ? 2 : 4); i++) {
+        int j = p + 2 * q + (i & 1), row = tl.row + g + 8 * (i >> 1);
+        int64_t hr;
 
-            if (j >= s.n)
-                continue;
-            hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
-            if (UP) {
-                float v = fk_swiglu(tot[0][n][i], tot[NP - 1][n][i], a.lim);
+        if (j >= s.n)
+            continue;
+        hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
+        if (UP) {   /* g: half 0 (w1), u: half 1 (w3) */
+            float v = fk_swiglu(tot[0][i], tot[0][i + 2], a.lim);
 
-                if (s.rows != NULL)
-                    v *= a.weights[hr];
-                a.h[hr * a.I + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(v);
-            } else {
-                a.y[hr * a.D + row] =
-                    tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(tot[0][n][i]);
-            }
+            if (s.rows != NULL)
+                v *= a.weights[hr];
+            a.h[hr * a.I + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(v);
+        } else {
+            a.y[hr * a.D + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(tot[0][i]);
         }
+    }
 }
 
 /* The passes of slot rows p0 .. p1 - 1 through the tile at `row` (v5):
@@ -1278,12 +1289,12 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
 
     fm5_tile_get<UP, FP8>(a, s, row, &tl);
     for (int p = p0; p < p1 && p < s.n; p += 8)
-        fm5_pass<UP, FP8, 1, P>(a, s, tl, p, ring, scf, tm);
+        fm5_pass<UP, FP8, P>(a, s, tl, p, ring, scf, tm);
 }
 
 /*
  * v5 (DSV4_CUDA_FAST_MOE "v5"): UP, w1/w3/SwiGLU, else w2.  Items: first
- * the shared expert's (16-row tile, pass of 8 of its T rows), tile-major
+ * the shared expert's (tile, pass of 8 of its T rows), tile-major
  * (a tile's passes run side by side, its weights read from DRAM once and
  * from L2 after: at prefill T the shared expert has T / 8 passes, which one
  * warp alone would take long after the rest), then the active experts'
@@ -1303,7 +1314,7 @@ fm5_kernel(struct fm3_args a)
     cu_pdl_trigger();
     extern __shared__ __align__(16) char fm3_sm[];
     __shared__ int taken[FM5_WARPS][2];   /* a team's items, by the parity of its turn */
-    int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / 16;
+    int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / FM5_ROWS(UP);
     char *ring = fm3_sm + warp * FM5_PER;
     float *scf = (float *)(ring + FM5_NS * FM3_STAGE_B);
     int ps = a.has_shared ? (a.T + 7) / 8 : 0, nsh = tiles * ps;
@@ -1334,12 +1345,12 @@ fm5_kernel(struct fm3_args a)
             int p = (it % ps) * 8;
 
             if (fm3_slot_get(a, 0, &s) == 1)
-                fm5_passes<UP, 1, P>(a, s, (it / ps) * 16, p, p + 8, ring, scf, tm);
+                fm5_passes<UP, 1, P>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf, tm);
             continue;
         }
         it -= nsh;
         if (fm3_slot_get(a, a.has_shared + it / tiles, &s) == 2)
-            fm5_passes<UP, 0, P>(a, s, (it % tiles) * 16, 0, s.n, ring, scf, tm);
+            fm5_passes<UP, 0, P>(a, s, (it % tiles) * FM5_ROWS(UP), 0, s.n, ring, scf, tm);
     }
 }
 
@@ -1555,13 +1566,13 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
               (uint8_t *)a.xq8, (float *)a.xs);
     CUDA_LAUNCHED("fast moe v3 prep");
     a.rt = fm3_rt(&c, I / 16, slots);
-    e = fm3_launch<1>(be, a, &c, I / 16, slots);
+    e = fm3_launch<1>(be, a, &c, c.v5 ? I / FM5_ROWS(1) : I / 16, slots);   /* v5: 8 rows of w1, w3 */
     if (e != DSV4_OK)
         return e;
     cu_launch(fm3_hquant_kernel, cuda_blocks((int64_t)R * nbI * 32, 256), 256, 0, st, a);
     CUDA_LAUNCHED("fast moe v3 h quant");
     a.rt = fm3_rt(&c, D / 32, slots);
-    e = fm3_launch<0>(be, a, &c, c.v5 ? D / 16 : D / 32, slots);   /* v5: 16-row tiles */
+    e = fm3_launch<0>(be, a, &c, c.v5 ? D / FM5_ROWS(0) : D / 32, slots);   /* v5: 16 rows of w2 */
     if (e != DSV4_OK || parts != NULL)
         return e;   /* moe_parts: the caller sums the ranks' parts, then combines */
     return cuda_moe_combine(be, out, a.y, ids, T, k, D);   /* the exact path's step 5 */

@@ -1188,7 +1188,7 @@ moe_decode_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct
     printf("decode moe (fast_moe.cu): settings of DSV4_CUDA_FAST_MOE \"W,KS,PF,CPS\" "
            "(warps per block, K slices per item, FP4 blocks in flight, blocks per SM cap), "
            "v1, or v3 / \"v3,NS,RT\" (fast_moe3.cu: ring stages per warp, row tiles per "
-           "block), or v5 (fast_moe3.cu: persistent warps, a 16-row tile over all of K "
+           "block), or v5 (fast_moe3.cu: persistent warps, a tile of 16 rows of A over all of K "
            "each); GB/s of the "
            "distinct experts' bytes + shared expert\n");
     for (cfg = strtok_r(list, " ", &save); cfg != NULL && n_cfg < 64;
