@@ -1566,7 +1566,8 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
               (uint8_t *)a.xq8, (float *)a.xs);
     CUDA_LAUNCHED("fast moe v3 prep");
     a.rt = fm3_rt(&c, I / 16, slots);
-    e = fm3_launch<1>(be, a, &c, c.v5 ? I / FM5_ROWS(1) : I / 16, slots);   /* v5: 8 rows of w1, w3 */
+    /* v5: tiles of 8 rows of w1 and w3 */
+    e = fm3_launch<1>(be, a, &c, c.v5 ? I / FM5_ROWS(1) : I / 16, slots);
     if (e != DSV4_OK)
         return e;
     cu_launch(fm3_hquant_kernel, cuda_blocks((int64_t)R * nbI * 32, 256), 256, 0, st, a);
