@@ -106,12 +106,15 @@ void dsv4_cuda_set_wgmma(int on);
  * The version of the small fast kernels (the fast hc_pre, hc_head,
  * hc_post_pre, rms_norm and norm_rope; kernels/cuda/fast_hc.cu,
  * fast_norm.cu, fast_fuse.cu): 1 the first kernels, 2 the ones that issue
- * their loads in batches (the same bits as 1), 3 (the default) for the hc
- * ops v2 with the second kernel a programmatic dependent launch, for
- * norm_rope v2 with helper warps for the RoPE angles (calls of up to 256
- * rows; rms_norm: 2); -1 goes back to the environment's choice
- * (DSV4_CUDA_HC=v1|v2|v3 for the hc ops, DSV4_CUDA_NORM=v1|v2|v3 for
- * rms_norm and norm_rope; default v3).  Process-wide; takes effect for ops queued
+ * their loads in batches (the same bits as 1), 3 (the default of the hc
+ * ops) for the hc ops v2 with the second kernel a programmatic dependent
+ * launch, for norm_rope v2 with helper warps for the RoPE angles (calls of
+ * up to 256 rows; rms_norm: 2), 4 (the default of rms_norm and norm_rope;
+ * the hc ops take it as 3) v3 with a warp per row for larger norm_rope
+ * calls of several heads (the prefill's and a decode batch's q); -1 goes
+ * back to the environment's choice (DSV4_CUDA_HC=v1|v2|v3 for the hc ops,
+ * DSV4_CUDA_NORM=v1|v2|v3|v4 for rms_norm and norm_rope).  All versions
+ * give the same bits.  Process-wide; takes effect for ops queued
  * afterwards.  For timing and checking the versions in one process
  * (tests/gpu/bench_fuse.c).
  */

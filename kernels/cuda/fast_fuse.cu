@@ -26,12 +26,15 @@
  * the weights, the position and the pool row) before any arithmetic and
  * keeps the row in registers for the normed values; v1 (DSV4_CUDA_NORM=
  * v1) is the first kernel, whose loops issue one load per iteration; v3
- * (default; calls of up to FZ3_MAX_ROWS rows, else v2) adds helper warps
- * that compute the RoPE angles while the tree loads the row, and does the
- * RoPE, FP8 sim and store with all 256 threads (fz_norm_rope3_kernel);
+ * (calls of up to FZ3_MAX_ROWS rows, else v2) adds helper warps that
+ * compute the RoPE angles while the tree loads the row, and does the RoPE,
+ * FP8 sim and store with all 256 threads (fz_norm_rope3_kernel);
  * norm_rope2 (the q and the window KV of a layer) runs both calls in one
  * v3 launch (fz_norm_rope3x2_kernel) when they have at most FZ3_MAX_PAIR
- * rows together.
+ * rows together.  v4 (default) is v3 but for larger calls of several heads
+ * without FP8 sim (the per-head q of a prefill or a decode batch): a warp
+ * per row, a block of FZ4_WARPS rows of one position sharing its RoPE
+ * angles (fz_norm_rope4_kernel).
  * Same expressions in the same order: the same bits.
  */
 #include <stdlib.h>
@@ -247,12 +250,145 @@ fz_norm_rope3x2_kernel(struct fz_nr2 a)
         fz_norm_rope3_row(a.c[1], (int64_t)blockIdx.x - a.rows0);
 }
 
+/*
+ * v4 (the default for calls of more than FZ3_MAX_ROWS rows whose heads are
+ * a multiple of FZ4_WARPS, without FP8 sim: the per-head q of a prefill or
+ * of a decode batch): a warp per row, the row in registers (element lane +
+ * 32 j in v[j]), FZ4_WARPS rows of one position a block; the block's RoPE
+ * angles computed once by its first warp (v2's expressions) while the
+ * others load their rows.  v2 ran a block of
+ * fz_norm_threads(D) threads per row (131,072 blocks for the q of a
+ * 2,048-token prefill), each computing its row's angles, with two block
+ * barriers.  The norm's tree is v2's: lane l stands for the tree threads l +
+ * 32 w (w < B / 32) in turn, each summing its elements in order (j = w, w +
+ * B / 32, ...), a tree warp's 32 partials added by the same xor butterfly,
+ * the B / 32 warp sums in order; the RoPE pairs meet across adjacent lanes
+ * (a shuffle) with rope_kernel's expressions: the same bits as v2
+ * (bench_fuse "v4/v2").  Blocks of 32 rows (four a warp) were no faster
+ * at 16,384 rows and slower below (docs/perf.md run 42).
+ */
+#define FZ4_WARPS 8
+
+/* Threads of fz_norm_threads(D)'s tree as a constant (D = 32 J). */
+template <int J>
+struct fz4_tree {
+    static constexpr int b0 = (J * 32 / 8 + 31) / 32 * 32;
+    static constexpr int B = b0 < 32 ? 32 : b0 > FZ_NORM_MAX_THREADS ? FZ_NORM_MAX_THREADS : b0;
+};
+
+template <int J>
+static __global__ void __launch_bounds__(FZ4_WARPS * 32)
+fz_norm_rope4_kernel(struct fz_nr a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    constexpr int D = J * 32, NVW = fz4_tree<J>::B / 32;
+    __shared__ float cs[FZ_MAX_PAIRS], sn[FZ_MAX_PAIRS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, has_w = a.w != NULL;
+    const int64_t r = (int64_t)blockIdx.x * FZ4_WARPS + warp;   /* the block's: one position */
+    const int re = a.off + 2 * a.np;   /* the RoPE's elements: off .. re - 1 */
+    uint16_t wb[J];
+
+    static_assert(fz4_tree<J>::B * FZ_K >= D, "the tree covers the row");
+#pragma unroll
+    for (int j = 0; j < J; j++)
+        wb[j] = has_w ? a.w[lane + 32 * j] : (uint16_t)0;
+    if (warp == 0 && a.np > 0) {
+        float pf = (float)a.pos[r / a.heads];
+
+        for (int i = lane; i < a.np; i += 32) {
+            float ang = pf * a.fr.f[i];
+
+            cs[i] = (float)cos((double)ang);
+            sn[i] = (float)sin((double)ang);
+        }
+    }
+    float *xr = a.x + r * D;
+    int64_t drow = a.dst != NULL ? a.dst_rows[r] : 0;
+    float v[J], tot = 0.0f, rs;
+
+#pragma unroll
+    for (int j = 0; j < J; j++)
+        v[j] = xr[lane + 32 * j];
+#pragma unroll
+    for (int w = 0; w < NVW; w++) {   /* tree warp w: threads 32 w + lane */
+        float acc = 0.0f;
+
+#pragma unroll
+        for (int j = w; j < J; j += NVW) {
+            float b = cu_bf16_round(v[j]);
+
+            acc += b * b;
+        }
+        acc = fz_warp_sum(acc);
+        tot = w == 0 ? acc : tot + acc;
+    }
+    rs = fz_norm_scale(tot, D, a.eps);
+#pragma unroll
+    for (int j = 0; j < J; j++)
+        v[j] = fz_norm_apply(v[j], rs, has_w, wb[j]);
+    __syncthreads();   /* the angles */
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        int e = lane + 32 * j;
+        float p;
+
+        if (32 * j + 31 < a.off || 32 * j >= re)   /* the same for the whole warp */
+            continue;
+        p = __shfl_xor_sync(0xffffffffu, v[j], 1);   /* the pair's other element */
+        if (e >= a.off && e < re) {
+            int i = (e - a.off) >> 1;
+            float c = cs[i], sv = sn[i];
+
+            v[j] = (e - a.off) & 1 ? cu_bf16_round(p * sv + v[j] * c)
+                                   : cu_bf16_round(v[j] * c - p * sv);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        xr[lane + 32 * j] = v[j];
+        if (a.dst != NULL)
+            a.dst[drow * D + lane + 32 * j] = v[j];
+    }
+}
+
+/* Whether v4 takes call a of `rows` rows (fz_nr_make done). */
+static int
+fz4_takes(const struct fz_nr &a, int rows)
+{
+    return cuda_fast_norm_version() >= 4 && rows > FZ3_MAX_ROWS && a.heads % FZ4_WARPS == 0 &&
+           a.sim_cols <= 0 && a.off % 2 == 0 &&
+           (a.D == 128 || a.D == 256 || a.D == 512 || a.D == 1024);
+}
+
+/* Launch v4 on call a of `rows` rows (fz4_takes). */
+static void
+fz4_launch(struct dsv4_backend *be, const struct fz_nr &a, int rows)
+{
+    unsigned blocks = (unsigned)(rows / FZ4_WARPS);
+
+    switch (a.D) {
+    case 128:
+        cu_launch(fz_norm_rope4_kernel<4>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
+        break;
+    case 256:
+        cu_launch(fz_norm_rope4_kernel<8>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
+        break;
+    case 512:
+        cu_launch(fz_norm_rope4_kernel<16>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
+        break;
+    default:
+        cu_launch(fz_norm_rope4_kernel<32>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
+        break;
+    }
+}
+
 static int fz_small_override = -1;   /* dsv4_cuda_set_small_kernels; -1: environment */
 
 void
 dsv4_cuda_set_small_kernels(int version)
 {
-    fz_small_override = version >= 1 && version <= 3 ? version : -1;
+    fz_small_override = version >= 1 && version <= 4 ? version : -1;
 }
 
 /* The version the environment variable `name` asks for ("v1", "v2", "v3"
@@ -285,7 +421,7 @@ cuda_fast_norm_version(void)
 {
     static int env = -1;
 
-    return fz_env_version("DSV4_CUDA_NORM", &env, 3, 3);
+    return fz_env_version("DSV4_CUDA_NORM", &env, 4, 4);
 }
 
 int
@@ -343,7 +479,7 @@ fz_nr_make(struct dsv4_backend *be, struct fz_nr *a, const struct dsv4_norm_rope
 static int
 fz_v3_shape_ok(int D)
 {
-    return cuda_fast_norm_version() == 3 && fz_fits_regs(D) && fz_norm_threads(D) < FZ3_THREADS;
+    return cuda_fast_norm_version() >= 3 && fz_fits_regs(D) && fz_norm_threads(D) < FZ3_THREADS;
 }
 
 enum dsv4_err
@@ -363,7 +499,9 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
                                       sim_cols, sim_block, dst, dst_rows);
     if (rows <= 0)
         return DSV4_OK;
-    if (fz_v3_shape_ok(D) && rows <= FZ3_MAX_ROWS)
+    if (fz4_takes(a, rows))   /* v4: large calls of several heads */
+        fz4_launch(be, a, rows);
+    else if (fz_v3_shape_ok(D) && rows <= FZ3_MAX_ROWS)
         cu_launch(fz_norm_rope3_kernel, rows, FZ3_THREADS, 0, cuda_stream(be), a);
     else if (cuda_fast_norm_version() >= 2 && fz_fits_regs(D))
         cu_launch(fz_norm_rope_kernel<1>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);

@@ -6,8 +6,9 @@
  *
  *   bench_fuse [SEED]
  *
- * Cases at T = 1, 2, 4, 16, 32, 64 rows (the hc ops also 256: the
- * prefill form of the mix's dot products), REF numerics, random inputs:
+ * Cases at T = 1, 2, 4, 16, 32, 64 rows (the hc ops and nr_q also 256:
+ * the prefill form of the mix's dot products, norm_rope's v4), REF
+ * numerics, random inputs:
  *   hc_post_pre  n = 4 streams of 4096, Sinkhorn 20 iterations, with the
  *                next input norm (weighted): X_out, x, post, comb, xn;
  *   nr_q         norm_rope as the per-head q path: T*64 rows of 512, no
@@ -38,7 +39,9 @@
  * dsv4_cuda_set_small_kernels(1), as DSV4_CUDA_HC=v1 DSV4_CUDA_NORM=v1;
  * not for compress) and, for the hc ops and norm_rope, with v3 (hc: the
  * second kernel a programmatic dependent launch, DSV4_CUDA_HC=v3;
- * norm_rope: helper warps for the RoPE angles, DSV4_CUDA_NORM=v3).  Checks:
+ * norm_rope: helper warps for the RoPE angles, DSV4_CUDA_NORM=v3) and, for
+ * norm_rope, v4 (a warp per row for calls of more than 256 rows of several
+ * heads, DSV4_CUDA_NORM=v4; the other calls as v3).  Checks:
  *   exact == CPU       bit for bit (the exact kernels' contract; fp32
  *                      values after an exp within 2^-20 relative of the
  *                      largest, as test_ops_gpu allows);
@@ -51,15 +54,16 @@
  *                      FP8 sim, 2^-3 >= 80% with it (a one-ulp change of
  *                      a normed value can move it to the next FP8 code);
  *                      compress entries 2^-12, state pools identical);
- *   v2 == v1, v3       the small kernels' versions give the same bits
- *                      (not for compress; v3: hc ops and norm_rope);
+ *   v2 == v1, v3, v4   the small kernels' versions give the same bits
+ *                      (not for compress; v3: hc ops and norm_rope; v4:
+ *                      norm_rope);
  *   determinism        a second fast run gives the same bits;
  *   T-independence     the first rows at this T equal those at the
  *                      previous T (fast fused; not for compress, whose
  *                      slots, positions and emitted rows depend on T).
  * Then each form recorded 10 times into a CUDA graph, median of 15 timed
  * replays per call: exact, fast composed, fast fused (v2), fast
- * fused with the v1 and the v3 small kernels (µs), and the kernel launches
+ * fused with the v1, the v3 and the v4 small kernels (µs), and the kernel launches
  * per call of each (counted from the graph's nodes; 0.0 us (0): not run).
  * A failing line names the first differing value (index, both values).
  * Last line: PASS or FAIL.  Exit status: 0 pass, 1 fail, 77 no CUDA device.
@@ -504,17 +508,20 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
     int prev_T = 0, fails = 0;
     int has_co = k->kind == K_HC || k->kind == K_NR, has_v1 = k->kind != K_COMP;
     int has_v3 = k->kind == K_HC || k->kind == K_PRE || k->kind == K_HEAD || k->kind == K_NR;
+    int has_v4 = k->kind == K_NR;
 
     for (int ti = 0; ti < N_T; ti++) {
-        int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0, n_v3 = 0;
+        int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0, n_v3 = 0, n_v4 = 0;
         void *rc[MAX_ARRS] = { 0 }, *rx[MAX_ARRS] = { 0 }, *rf[MAX_ARRS] = { 0 };
         void *rf2[MAX_ARRS] = { 0 }, *rco[MAX_ARRS] = { 0 }, *rv1[MAX_ARRS] = { 0 };
-        void *rv3[MAX_ARRS] = { 0 };
+        void *rv3[MAX_ARRS] = { 0 }, *rv4[MAX_ARRS] = { 0 };
         char line[2048] = "";
-        float us_ex, us_co = 0, us_fu, us_v1 = 0, us_v3 = 0;
+        float us_ex, us_co = 0, us_fu, us_v1 = 0, us_v3 = 0, us_v4 = 0;
 
-        if (T > 64 && k->kind != K_HC && k->kind != K_PRE && k->kind != K_HEAD)
-            continue;   /* beyond 64 rows: the hc ops only */
+        /* beyond 64 rows: the hc ops, and norm_rope of several heads (v4) */
+        if (T > 64 && k->kind != K_HC && k->kind != K_PRE && k->kind != K_HEAD &&
+            !(k->kind == K_NR && k->heads > 1))
+            continue;
 
         run_download(cpu, k, T, F_FUSED, rc);
         TRY("kernels", dsv4_cuda_set_kernels(gpu, 0));
@@ -533,6 +540,10 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
             dsv4_cuda_set_small_kernels(3);
             run_download(gpu, k, T, F_FUSED, rv3);
         }
+        if (has_v4) {
+            dsv4_cuda_set_small_kernels(4);
+            run_download(gpu, k, T, F_FUSED, rv4);
+        }
         dsv4_cuda_set_small_kernels(2);
         for (int i = 0; i < k->n; i++) {
             const struct arr *a = &k->a[i];
@@ -548,6 +559,8 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
                 ok &= check(line, sizeof(line), "v2/v1", a, rf[i], rv1[i], nb, 0, 1.0);
             if (has_v3)
                 ok &= check(line, sizeof(line), "v3/v2", a, rv3[i], rf[i], nb, 0, 1.0);
+            if (has_v4)
+                ok &= check(line, sizeof(line), "v4/v2", a, rv4[i], rf[i], nb, 0, 1.0);
             ok &= check(line, sizeof(line), "fast/exact", a, rf[i], rx[i], nb, a->bound,
                         a->ident);
             ok &= check(line, sizeof(line), "determinism", a, rf2[i], rf[i], nb, 0, 1.0);
@@ -571,11 +584,16 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
             dsv4_cuda_set_small_kernels(3);
             us_v3 = time_form(tm, k, T, F_FUSED, &n_v3);
         }
+        if (has_v4) {
+            dsv4_cuda_set_small_kernels(4);
+            us_v4 = time_form(tm, k, T, F_FUSED, &n_v4);
+        }
         dsv4_cuda_set_small_kernels(2);
         printf("%-4s %-12s T=%-3d exact %8.1f us (%d kernels)  fast composed %7.1f us (%d)  "
-               "fast fused %7.1f us (%d)  v1 %7.1f us (%d)  v3 %7.1f us (%d)%s\n",
+               "fast fused %7.1f us (%d)  v1 %7.1f us (%d)  v3 %7.1f us (%d)  v4 %7.1f us "
+               "(%d)%s\n",
                ok ? "ok" : "FAIL", k->name, T, us_ex, n_ex, us_co, n_co, us_fu, n_fu, us_v1,
-               n_v1, us_v3, n_v3, line);
+               n_v1, us_v3, n_v3, us_v4, n_v4, line);
         fflush(stdout);
         fails += !ok;
         free_res(prev, k->n);
@@ -587,6 +605,7 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
         free_res(rco, k->n);
         free_res(rv1, k->n);
         free_res(rv3, k->n);
+        free_res(rv4, k->n);
     }
     free_res(prev, k->n);
     return fails;
