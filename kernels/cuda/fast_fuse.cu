@@ -269,27 +269,20 @@ fz_norm_rope3x2_kernel(struct fz_nr2 a)
  */
 #define FZ4_WARPS 8
 
-/* Threads of fz_norm_threads(D)'s tree as a constant (D = 32 J). */
-template <int J>
-struct fz4_tree {
-    static constexpr int b0 = (J * 32 / 8 + 31) / 32 * 32;
-    static constexpr int B = b0 < 32 ? 32 : b0 > FZ_NORM_MAX_THREADS ? FZ_NORM_MAX_THREADS : b0;
-};
-
 template <int J>
 static __global__ void __launch_bounds__(FZ4_WARPS * 32)
 fz_norm_rope4_kernel(struct fz_nr a)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
-    constexpr int D = J * 32, NVW = fz4_tree<J>::B / 32;
+    constexpr int D = J * 32, NVW = fz_norm_threads(D) / 32;
     __shared__ float cs[FZ_MAX_PAIRS], sn[FZ_MAX_PAIRS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, has_w = a.w != NULL;
     const int64_t r = (int64_t)blockIdx.x * FZ4_WARPS + warp;   /* the block's: one position */
     const int re = a.off + 2 * a.np;   /* the RoPE's elements: off .. re - 1 */
     uint16_t wb[J];
 
-    static_assert(fz4_tree<J>::B * FZ_K >= D, "the tree covers the row");
+    static_assert(fz_norm_threads(D) * FZ_K >= D, "the tree covers the row");
 #pragma unroll
     for (int j = 0; j < J; j++)
         wb[j] = has_w ? a.w[lane + 32 * j] : (uint16_t)0;

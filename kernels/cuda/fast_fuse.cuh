@@ -18,8 +18,9 @@
 
 #define FZ_NORM_MAX_THREADS 256
 
-/* Threads of the norm tree for rows of D values (about 8 values each). */
-static __host__ __device__ __forceinline__ int
+/* Threads of the norm tree for rows of D values (about 8 values each); a
+ * constant expression for a constant D (fz_norm_rope4_kernel). */
+static constexpr __host__ __device__ __forceinline__ int
 fz_norm_threads(int D)
 {
     int t = (D / 8 + 31) / 32 * 32;
