@@ -579,6 +579,22 @@ cu_log1pf(float x)
     return (float)log1p((double)x);
 }
 
+/* The SwiGLU of the MoE on the fp32 sums g, u of w1, w3 (the exact path's
+ * expression, which every fast MoE kernel repeats bit for bit): both
+ * rounded to bf16, g <= lim and |u| <= lim when lim > 0, silu(g) * u (not
+ * rounded). */
+static __device__ __forceinline__ float
+cu_swiglu(float g, float u, float lim)
+{
+    float gv = cu_bf16_round(g), uv = cu_bf16_round(u);
+
+    if (lim > 0.0f) {
+        gv = gv < lim ? gv : lim;
+        uv = uv < -lim ? -lim : uv > lim ? lim : uv;
+    }
+    return gv / (1.0f + cu_expf(-gv)) * uv;
+}
+
 /* --- the canonical dot product on 8 lanes ---------------------------------- */
 
 /* Add the partial sums of an aligned 8-thread group in cpu_dot's pairwise

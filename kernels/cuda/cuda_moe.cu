@@ -167,17 +167,9 @@ moe_up_kernel(float *h, struct moe_src xs, const struct dsv4_expert_w *table, in
         int64_t t = r < Tk ? r / k : r - Tk;
         int q1 = ref && E->w1.fmt != DSV4_WFMT_BF16, q3 = ref && E->w3.fmt != DSV4_WFMT_BF16;
         const float *x1 = (q1 ? xs.q : xs.raw) + t * xs.K, *x3 = (q3 ? xs.q : xs.raw) + t * xs.K;
-        float gv = cu_bf16_round(cu_lin_dot(E->w1, ic, x1, q1 ? xs.sx + t * (xs.K / 128) : NULL,
-                                            l8, 0));
-        float uv = cu_bf16_round(cu_lin_dot(E->w3, ic, x3, q3 ? xs.sx + t * (xs.K / 128) : NULL,
-                                            l8, 0));
-        float v;
-
-        if (lim > 0.0f) {
-            gv = gv < lim ? gv : lim;
-            uv = uv < -lim ? -lim : uv > lim ? lim : uv;
-        }
-        v = gv / (1.0f + cu_expf(-gv)) * uv;
+        float g = cu_lin_dot(E->w1, ic, x1, q1 ? xs.sx + t * (xs.K / 128) : NULL, l8, 0);
+        float u = cu_lin_dot(E->w3, ic, x3, q3 ? xs.sx + t * (xs.K / 128) : NULL, l8, 0);
+        float v = cu_swiglu(g, u, lim);
         if (r < Tk)
             v *= weights[r];
         if (l8 == 0 && i < I)

@@ -571,20 +571,6 @@ fk_quant_scale_warp(const float (&v)[4])
     return cu_pow2_scale(amax, 448.0f);
 }
 
-/* The exact path's SwiGLU on the fp32 sums g, u of w1, w3: both rounded to
- * bf16, g <= lim and |u| <= lim when lim > 0, silu(g) * u (not rounded). */
-static __device__ __forceinline__ float
-fk_swiglu(float g, float u, float lim)
-{
-    float gv = cu_bf16_round(g), uv = cu_bf16_round(u);
-
-    if (lim > 0.0f) {
-        gv = gv < lim ? gv : lim;
-        uv = uv < -lim ? -lim : uv > lim ? lim : uv;
-    }
-    return gv / (1.0f + cu_expf(-gv)) * uv;
-}
-
 /* Whether v3 / v5 take these shapes: T*k <= 4096, D and I multiples of 1024
  * and at most 8192 (else fast_moe.cu's v1). */
 int cuda_fast_moe3_fits(int T, int k, int D, int I);

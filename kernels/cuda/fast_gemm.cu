@@ -390,14 +390,8 @@ fg_kernel(struct fg_args a)
             if (EPI == FG_UP) {
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    float gv = cu_bf16_round(acc[m][j][i]), uv = cu_bf16_round(acc[m][j + 2][i]);
-                    float v;
+                    float v = cu_swiglu(acc[m][j][i], acc[m][j + 2][i], a.lim);
 
-                    if (a.lim > 0.0f) {
-                        gv = gv < a.lim ? gv : a.lim;
-                        uv = uv < -a.lim ? -a.lim : uv > a.lim ? a.lim : uv;
-                    }
-                    v = gv / (1.0f + cu_expf(-gv)) * uv;
                     if (a.weights != NULL)
                         v *= a.weights[r];
                     a.out[(int64_t)r * a.ldo + n0 + wn * 16 + j * 8 + 2 * q + (i & 1)] =
@@ -1063,14 +1057,8 @@ fw_epilogue(const struct fw_args &a, const float (&d)[BN / 2], const int *orow, 
 #pragma unroll
             for (int ii = 0; ii < 2; ii++) {
                 int n = 8 * j + 2 * q + ii, r = orow[n];
-                float gv = cu_bf16_round(d[4 * j + ii]), uv = cu_bf16_round(d[4 * j + 2 + ii]);
-                float v, m;
+                float v = cu_swiglu(d[4 * j + ii], d[4 * j + 2 + ii], a.lim), m;
 
-                if (a.lim > 0.0f) {
-                    gv = gv < a.lim ? gv : a.lim;
-                    uv = uv < -a.lim ? -a.lim : uv > a.lim ? a.lim : uv;
-                }
-                v = gv / (1.0f + cu_expf(-gv)) * uv;
                 if (a.weights != NULL && r >= 0)
                     v *= rwt[n];
                 v = cu_bf16_round(v);

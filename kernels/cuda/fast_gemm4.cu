@@ -491,15 +491,9 @@ f4_kernel(struct f4_args a)
 #pragma unroll
             for (int ii = 0; ii < 2; ii++) {
                 int n = 8 * j + 2 * q + ii, r = orow[n];
-                float gv = cu_bf16_round(acc[4 * j + ii] * sxl[n]);
-                float uv = cu_bf16_round(acc[4 * j + 2 + ii] * sxl[n]);
-                float v, m;
+                float v = cu_swiglu(acc[4 * j + ii] * sxl[n], acc[4 * j + 2 + ii] * sxl[n], a.lim);
+                float m;
 
-                if (a.lim > 0.0f) {
-                    gv = gv < a.lim ? gv : a.lim;
-                    uv = uv < -a.lim ? -a.lim : uv > a.lim ? a.lim : uv;
-                }
-                v = gv / (1.0f + cu_expf(-gv)) * uv;
                 if (a.weights != NULL && r >= 0)
                     v *= a.weights[r];
                 v = cu_bf16_round(v);

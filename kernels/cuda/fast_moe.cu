@@ -229,17 +229,11 @@ fm_up_store(float *h, const float (&acc)[2][NT][4], const struct fm_slot &s, int
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int j = p + n * 8 + 2 * q + (i & 1), row = row0 + g + 8 * (i >> 1), hr;
-            float gv, uv, v;
+            float v;
 
             if (j >= s.n)
                 continue;
-            gv = cu_bf16_round(acc[0][n][i]);
-            uv = cu_bf16_round(acc[1][n][i]);
-            if (lim > 0.0f) {
-                gv = gv < lim ? gv : lim;
-                uv = uv < -lim ? -lim : uv > lim ? lim : uv;
-            }
-            v = gv / (1.0f + cu_expf(-gv)) * uv;
+            v = cu_swiglu(acc[0][n][i], acc[1][n][i], lim);
             hr = fm_hrow(s, j, T, k);
             if (s.rows != NULL)
                 v *= weights[hr];

@@ -84,7 +84,7 @@
  * while adding its 32 products: that is why the partial sums are never
  * longer than one group).  h = bf16(silu(min(g, L)) * clamp(u, +-L) *
  * route weight) with g, u the bf16-rounded sums, the exact path's
- * expression (fk_swiglu); y = bf16(sum); out = the exact path's combine.
+ * expression (cu_swiglu); y = bf16(sum); out = the exact path's combine.
  * Determinism: every output value is computed by fixed warps of one block
  * in a fixed order; an output column of an mma depends only on its own B
  * column, so a token's row is the same whatever other rows share its
@@ -743,7 +743,7 @@ fm3_tile_end(const struct fm3_args &a, const struct fm3_slot &s, const struct fm
                     continue;
                 hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
                 if (UP) {
-                    float v = fk_swiglu(sum, u, a.lim);
+                    float v = cu_swiglu(sum, u, a.lim);
 
                     if (s.rows != NULL)
                         v *= a.weights[hr];
@@ -1266,7 +1266,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
             continue;
         hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
         if (UP) {   /* g: half 0 (w1), u: half 1 (w3) */
-            float v = fk_swiglu(tot[0][i], tot[0][i + 2], a.lim);
+            float v = cu_swiglu(tot[0][i], tot[0][i + 2], a.lim);
 
             if (s.rows != NULL)
                 v *= a.weights[hr];
