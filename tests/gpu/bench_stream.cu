@@ -11,6 +11,7 @@
  * the time.  docs/perf.md run 37 compares the step's kernels with it.
  *
  * usage: bench_stream [N]      (N kernels a graph, default 32)
+ *        bench_stream tile [N] (the decode MoE's access patterns, below)
  *
  * Each kernel: blocks of 256 threads, grid-stride 16-byte streaming loads
  * (ld.global.cs), four in flight per thread, summed per block as 32-bit
@@ -22,11 +23,22 @@
  * share of 4.3 TB/s.  Exit status 0, 1 when a check fails, 77 without a
  * CUDA device.  A measurement program for the GPU machine, not a meson
  * test; no time is checked.
+ *
+ * `tile` mode: the same graphs, but each kernel reads its bytes as the decode
+ * MoE's fm5_kernel does (docs/perf.md run 43): persistent warps (blocks of 4
+ * warps, 4 blocks an SM), each warp taking items of 32 KB (a tile of 16
+ * rows of 2,048 bytes: FP4 weight rows of K = 4,096), streaming an item in
+ * 2 KB stages through its own ring of 3 stages in shared memory
+ * (cp.async.cg, 16 bytes a lane, wait_group 1), then summing the stage from
+ * shared memory.  Patterns of a stage: rows (fm5's: 128 bytes of each of
+ * the 16 rows), q4 (512 bytes of 4 rows, the rows in turn), contig (2 KB
+ * in one run: a tile stored stage by stage).
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BS_BUF ((size_t)4 << 30)   /* bytes of the buffer the regions rotate over */
 #define BS_THREADS 256
@@ -82,11 +94,80 @@ bs_kernel(const uint4 *__restrict__ p, size_t n4, uint32_t *sums)
     }
 }
 
+#define BT_WARPS 4
+#define BT_BLOCKS 4                /* an SM */
+#define BT_NS 3
+#define BT_STAGE 2048
+#define BT_ITEM 32768              /* 16 rows of 2,048 bytes */
+
+/* Item-streaming reader (tile mode): pattern 0 rows, 1 q4, 2 contig. */
+static __global__ void __launch_bounds__(BT_WARPS * 32, BT_BLOCKS)
+bt_kernel(const char *__restrict__ p, size_t items, uint32_t *sums, int pat)
+{
+    __shared__ __align__(16) char ring[BT_WARPS][BT_NS][BT_STAGE];
+    __shared__ uint32_t red[BT_WARPS];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    size_t gw = (size_t)blockIdx.x * BT_WARPS + w, nw = (size_t)gridDim.x * BT_WARPS;
+    uint32_t acc = 0;
+    const int nst = BT_ITEM / BT_STAGE;
+
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    for (size_t it = gw; it < items; it += nw) {
+        const char *base = p + it * BT_ITEM;
+
+        for (int st = 0; st < nst + BT_NS - 1; st++) {
+            if (st < nst) {
+                uint32_t sb = (uint32_t)__cvta_generic_to_shared(ring[w][st % BT_NS]);
+
+                for (int i = 0; i < 4; i++) {
+                    size_t off;
+
+                    if (pat == 0)
+                        off = (size_t)(i * 4 + lane / 8) * 2048 + st * 128 + (lane % 8) * 16;
+                    else if (pat == 1)
+                        off = (size_t)((st % 4) * 4 + i) * 2048 + (st / 4) * 512 + lane * 16;
+                    else
+                        off = (size_t)st * BT_STAGE + (i * 32 + lane) * 16;
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sb + (i * 32 + lane) * 16),
+                                 "l"(base + off) : "memory");
+                }
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+            if (st >= BT_NS - 1) {
+                const uint4 *v = (const uint4 *)ring[w][(st - (BT_NS - 1)) % BT_NS];
+
+                asm volatile("cp.async.wait_group %0;" ::"n"(BT_NS - 1) : "memory");
+                __syncwarp();
+                for (int i = 0; i < 4; i++) {
+                    uint4 x = v[i * 32 + lane];
+
+                    acc += x.x + x.y + x.z + x.w;
+                }
+                __syncwarp();
+            }
+        }
+    }
+    for (int o = 16; o > 0; o /= 2)
+        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0)
+        red[w] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t s = 0;
+
+        for (int i = 0; i < BT_WARPS; i++)
+            s += red[i];
+        sums[blockIdx.x] = s;
+    }
+}
+
 /* One graph of n kernels of `grid` blocks, each reading `bytes` of its own
  * region; returns microseconds a kernel (best of 5 replays) and checks the
  * last kernel's sums (0 ok). */
 static int
-bs_case(char *buf, uint32_t *sums, cudaStream_t st, int grid, size_t bytes, int n, double *us)
+bs_case(char *buf, uint32_t *sums, cudaStream_t st, int grid, size_t bytes, int n, double *us,
+        int pat)
 {
     size_t n4 = bytes / 16, stride = (bytes / 4096 + 257) * 4096;
     int slots = (int)(BS_BUF / stride), last = 0;
@@ -104,15 +185,19 @@ bs_case(char *buf, uint32_t *sums, cudaStream_t st, int grid, size_t bytes, int 
         cudaLaunchAttribute at[1] = {};
 
         c.gridDim = dim3((unsigned)grid);
-        c.blockDim = dim3(BS_THREADS);
+        c.blockDim = dim3(pat < 0 ? BS_THREADS : BT_WARPS * 32);
         c.stream = st;
         at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         at[0].val.programmaticStreamSerializationAllowed = 1;
         c.attrs = at;
         c.numAttrs = 1;
         last = i % slots;
-        BS_TRY(cudaLaunchKernelEx(&c, bs_kernel,
-                                  (const uint4 *)(buf + (size_t)last * stride), n4, sums));
+        if (pat < 0)
+            BS_TRY(cudaLaunchKernelEx(&c, bs_kernel,
+                                      (const uint4 *)(buf + (size_t)last * stride), n4, sums));
+        else
+            BS_TRY(cudaLaunchKernelEx(&c, bt_kernel, (const char *)(buf + (size_t)last * stride),
+                                      bytes / BT_ITEM, sums, pat));
     }
     BS_TRY(cudaStreamEndCapture(st, &g));
     BS_TRY(cudaGraphInstantiate(&ge, g, 0));
@@ -138,6 +223,8 @@ bs_case(char *buf, uint32_t *sums, cudaStream_t st, int grid, size_t bytes, int 
     BS_TRY(cudaGraphExecDestroy(ge));
     BS_TRY(cudaGraphDestroy(g));
     /* every 32-bit word is 0x01010101: 4 of them a 16-byte load */
+    if (pat >= 0)
+        n4 = bytes / BT_ITEM * (BT_ITEM / 16);
     return total != (uint32_t)(n4 * 4u * 0x01010101u);
 }
 
@@ -146,7 +233,8 @@ main(int argc, char **argv)
 {
     static const double mb[] = { 2, 4, 8, 15, 22, 30, 45, 60, 90, 120, 240, 480 };
     static const int grids[] = { 132, 264, 528, BS_MAX_GRID };
-    int n = argc > 1 ? atoi(argv[1]) : 32, n_dev = 0, bad = 0;
+    int tile = argc > 1 && strcmp(argv[1], "tile") == 0;
+    int n = argc > 1 + tile ? atoi(argv[1 + tile]) : 32, n_dev = 0, bad = 0;
     char *buf;
     uint32_t *sums;
     cudaStream_t st;
@@ -161,12 +249,33 @@ main(int argc, char **argv)
     BS_TRY(cudaMemset(buf, 1, BS_BUF));
     BS_TRY(cudaMalloc((void **)&sums, BS_MAX_GRID * sizeof(uint32_t)));
     BS_TRY(cudaStreamCreate(&st));
+    if (tile) {
+        static const double tmb[] = { 30, 120, 344, 690 };
+        static const char *pn[] = { "rows", "q4", "contig" };
+        int sms = 0;
+
+        BS_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        printf("| pattern | MB read | us a kernel | TB/s | of 4.3 TB/s | check |\n"
+               "|---|---|---|---|---|---|\n");
+        for (size_t mi = 0; mi < sizeof(tmb) / sizeof(tmb[0]); mi++)
+            for (int pat = 0; pat < 3; pat++) {
+                size_t bytes = (size_t)(tmb[mi] * 1e6) / BT_ITEM * BT_ITEM;
+                double us;
+                int fail = bs_case(buf, sums, st, sms * BT_BLOCKS, bytes, n, &us, pat);
+
+                bad |= fail;
+                printf("| %s | %.0f | %.2f | %.2f | %.2f | %s |\n", pn[pat], tmb[mi], us,
+                       bytes / us / 1e6, bytes / us / 1e6 / 4.3, fail ? "FAIL" : "ok");
+            }
+        printf("%s bench_stream tile (%d kernels a graph)\n", bad ? "FAIL" : "PASS", n);
+        return bad;
+    }
     printf("| grid | MB read | us a kernel | TB/s | of 4.3 TB/s | check |\n|---|---|---|---|---|---|\n");
     for (size_t gi = 0; gi < sizeof(grids) / sizeof(grids[0]); gi++)
         for (size_t mi = 0; mi < sizeof(mb) / sizeof(mb[0]); mi++) {
             size_t bytes = (size_t)(mb[mi] * 1e6) / 16 * 16;
             double us;
-            int fail = bs_case(buf, sums, st, grids[gi], bytes, n, &us);
+            int fail = bs_case(buf, sums, st, grids[gi], bytes, n, &us, -1);
 
             bad |= fail;
             printf("| %d | %.0f | %.2f | %.2f | %.2f | %s |\n", grids[gi], mb[mi], us,
