@@ -92,7 +92,8 @@
  * and outside.
  *
  * v5 (fm5_kernel; the default, DSV4_CUDA_FAST_MOE "v3" forces v3; "v5,P"
- * sets the warps per item, fm5_team): the same stages, ring, A
+ * sets the warps per item, fm5_team, "v5,P,MT" also the m-tiles of an
+ * item, fm5_pass's wide tiles): the same stages, ring, A
  * fragments, mma and fp32 additions, but no quarters of K across warps and
  * no block barrier.  Each warp takes (slot, tile) items from a per-call
  * counter (zeroed by the prep kernel) and streams the tile's 16 rows of A
@@ -925,7 +926,7 @@ fm3_kernel(struct fm3_args a)
  * is no faster, with w1 / w3 tiles of 16 rows each (perf.md run 36) or of 8
  * (run 42). */
 #define FM5_WARPS 4
-#define FM5_BLOCKS(UP, P) ((UP) || (P) > 1 ? 4 : 5)
+#define FM5_BLOCKS(UP, P, MT) ((UP) || (P) > 1 || (MT) > 1 ? 4 : 5)
 #define FM5_SMEM(P) (FM5_WARPS * FM5_PER + ((P) > 1 ? FM5_WARPS / (P) * FM5_TEAM_F * 4 : 0))
 
 /* A warp's tile of one slot's expert: 16 rows of A, two halves of 8 rows
@@ -1033,6 +1034,7 @@ fm5_act(uint32_t (&xh)[16], const uint4 *xp)
 struct fm5_bh {
     uint32_t *xh;
     const uint4 *nx;
+    bool keep;      /* B is used again (wide tiles' m-tile 0): no load in done */
 
     __device__ __forceinline__ void
     mma(float (&d)[4], int, int m, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) const
@@ -1043,7 +1045,8 @@ struct fm5_bh {
     __device__ __forceinline__ void
     done(int m) const
     {
-        fm5_act_group(xh, m, nx + m);
+        if (!keep)
+            fm5_act_group(xh, m, nx + m);
     }
 };
 
@@ -1061,17 +1064,34 @@ struct fm5_cursor {
 
 /* The cursor at stage st0 of the tile: lane l copies segment l & 7 of rows
  * l / 8 and 4 + l / 8 of each half (the tile's rows i * 4 + l / 8, i = 0
- * .. 3) and scale bytes 4 (l & 1) .. of row l / 2 (half l / 16). */
-template <int UP, int FP8>
+ * .. 3) and scale bytes 4 (l & 1) .. of row l / 2 (half l / 16).  Wide
+ * tiles (MT = 2, FP4; fm5_pass): a stage is one 128-column block of 32
+ * rows, held as 16 rows of 128 bytes whose segments 0-3 are m-tile 0's row
+ * and segments 4-7 m-tile 1's (UP: rows r + 8 mt + i of w1 and w3, down:
+ * rows r + 16 mt + i of w2), and a row's 8 scale bytes m-tile 0's 4, then
+ * m-tile 1's: so fm3_block's block b = mt reads m-tile mt of the stage. */
+template <int UP, int FP8, int MT>
 static __device__ __forceinline__ void
 fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
 {
-    int lane = threadIdx.x & 31, off = (lane >> 3) * tl.rb + (lane & 7) * 16 + st0 * FM3_SB;
+    int lane = threadIdx.x & 31, off;
 
+    if (MT == 1) {
+        off = (lane >> 3) * tl.rb + (lane & 7) * 16 + st0 * FM3_SB;
+    } else {   /* m-tile (lane & 7) / 4, its 64 bytes of the stage */
+        int mt = (lane >> 2) & 1;
+
+        off = ((UP ? 8 : 16) * mt + (lane >> 3)) * tl.rb + (lane & 3) * 16 + st0 * (FM3_SB / 2);
+    }
     c->gw[0] = tl.w[0] + off;
     c->gw[1] = tl.w[1] + off;   /* UP only (fm5_issue) */
     if (FP8)
         c->gs = NULL;
+    else if (MT == 2 && UP)
+        c->gs = (lane >> 4 ? tl.sc[1] : tl.sc[0]) + (((lane >> 1) & 7) + 8 * (lane & 1)) * tl.sb +
+                st0 * 4;
+    else if (MT == 2)
+        c->gs = tl.sc[0] + ((lane >> 1) + 16 * (lane & 1)) * tl.sb + st0 * 4;
     else if (UP)
         c->gs = (lane >> 4 ? tl.sc[1] : tl.sc[0]) + ((lane >> 1) & 7) * tl.sb + (lane & 1) * 4 +
                 st0 * 8;
@@ -1084,7 +1104,7 @@ fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
  * placement; so: the lane's four shared offsets); then the cursor steps.
  * UP: the halves are two tensors; down: rows of one (gw[1] = gw[0] + 2
  * r4, not kept: one register pair fewer). */
-template <int UP, int FP8>
+template <int UP, int FP8, int MT>
 static __device__ __forceinline__ void
 fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4])
 {
@@ -1094,10 +1114,10 @@ fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4])
     fm3_cp16(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4);
     if (!FP8) {
         fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
-        c->gs += 8;
+        c->gs += 8 / MT;
     }
-    c->gw[0] += FM3_SB;
-    c->gw[1] += FM3_SB;
+    c->gw[0] += FM3_SB / MT;
+    c->gw[1] += FM3_SB / MT;
 }
 
 /*
@@ -1145,14 +1165,20 @@ fm5_block_end(float (&acc)[1][4], float (&blk)[1][4], const float (&xc)[1][2], f
  * output of an mma depends only on its own A row and B column); then h
  * (UP: the SwiGLU of g, C rows g, and u, C rows g + 8 of the same thread,
  * as fm3_tile_end) or y stored by the warp itself.  No block barrier: the
- * warps of a block are independent.
+ * warps of a block are independent.  Wide tiles (MT = 2: FP4, P = 1;
+ * fm5_cursor_at): two m-tiles of 16 rows, a stage one block of both, each
+ * block's B (the activations, loaded a block ahead) used by both m-tiles'
+ * mma: half the activation loads per weight byte, the loads that kept L1
+ * busy (docs/perf.md run 43).  Each output is the same sum in the same
+ * order as with MT = 1.
  */
-template <int UP, int FP8, int P>
+template <int UP, int FP8, int P, int MT>
 static __device__ void
 fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_tile &tl, int p,
          char *ring, float *scf, const struct fm5_team &tm)
 {
-    constexpr int BPS = FP8 ? 1 : 2;   /* 128-column blocks per stage */
+    static_assert(MT == 1 || (MT == 2 && !FP8 && P == 1), "wide tiles: FP4, one warp an item");
+    constexpr int BPS = FP8 || MT == 2 ? 1 : 2;   /* 128-column blocks per stage */
     const int lane = threadIdx.x & 31, seg = lane & 7, g = lane >> 2, q = lane & 3;
     const int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4;
     const int nqw = 4 / P, q0 = P == 1 ? 0 : tm.j * nqw;   /* the warp's quarters */
@@ -1164,12 +1190,17 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     const float *sr[1][2];
     uint32_t xh[16];
     float xc[1][2];
-    float tot[1][4], acc[1][4], blk[1][4];
+    float tot[MT][1][4], acc[MT][1][4], blk[MT][1][4];
     uint32_t so[4], isb = rs;
     int slot = 0, gi = 0;
     struct fm5_cursor cur;
 
-    fm3_zero<1>(tot);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        fm3_zero<1>(tot[mt]);
+        fm3_zero<1>(acc[mt]);
+        fm3_zero<1>(blk[mt]);
+    }
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         int row = i * 4 + (lane >> 3);
@@ -1178,12 +1209,10 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     }
     fm3_act_rows<UP, FP8, 1>(a, s, p, xr, sr);
     xhr = (UP ? (FP8 ? a.xh8 : a.xh4) : a.hh) + (xr[0] - (UP ? (FP8 ? a.xq8 : a.xq4) : a.hq));
-    fm3_zero<1>(acc);
-    fm3_zero<1>(blk);
-    fm5_cursor_at<UP, FP8>(&cur, tl, st0);
+    fm5_cursor_at<UP, FP8, MT>(&cur, tl, st0);
     for (int i = 0; i < FM5_NS - 1; i++) {
         if (i < nst)
-            fm5_issue<UP, FP8>(&cur, isb, so);
+            fm5_issue<UP, FP8, MT>(&cur, isb, so);
         fm3_commit();
         isb += FM3_STAGE_B;
     }
@@ -1212,7 +1241,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
                 __syncwarp();
             }
             if (gi + FM5_NS - 1 < nst)
-                fm5_issue<UP, FP8>(&cur, isb, so);
+                fm5_issue<UP, FP8, MT>(&cur, isb, so);
             fm3_commit();
             isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
 #pragma unroll
@@ -1227,9 +1256,17 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
                 }
                 int jn = jb + 1 == nblk ? 0 : jb + 1;   /* after the last: the first again */
                 float xn[1][2] = { { __ldg(xs0 + jn), __ldg(xs1 + jn) } };
+                const uint4 *nx = xb0 + jn * (128 * 2 / 16);
 
-                fm3_block<FP8, 1>(blk, buf, b, scf, fm5_bh{ xh, xb0 + jn * (128 * 2 / 16) });
-                fm5_block_end(acc, blk, xc, f0, f1);
+                if (MT == 1) {
+                    fm3_block<FP8, 1>(blk[0], buf, b, scf, fm5_bh{ xh, nx, false });
+                } else {   /* m-tile mt is the stage's block mt */
+                    fm3_block<FP8, 1>(blk[0], buf, 0, scf, fm5_bh{ xh, nx, true });
+                    fm3_block<FP8, 1>(blk[MT - 1], buf, 1, scf, fm5_bh{ xh, nx, false });
+                }
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    fm5_block_end(acc[mt], blk[mt], xc, f0, f1);
                 xc[0][0] = xn[0][0];
                 xc[0][1] = xn[0][1];
                 jb = jn;
@@ -1237,13 +1274,15 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
             slot = slot == FM5_NS - 1 ? 0 : slot + 1;
         }
 #pragma unroll
-        for (int i = 0; i < 4; i++) {   /* quarter qn is complete */
-            if (P == 1 || tm.j == 0)
-                tot[0][i] = qn == 0 ? acc[0][i] : tot[0][i] + acc[0][i];
-            else   /* to the team's first warp */
-                tm.part[(qn * 4 + i) * 32 + lane] = acc[0][i];
-            acc[0][i] = 0.0f;
-        }
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {   /* quarter qn is complete */
+                if (P == 1 || tm.j == 0)
+                    tot[mt][0][i] = qn == 0 ? acc[mt][0][i] : tot[mt][0][i] + acc[mt][0][i];
+                else   /* to the team's first warp */
+                    tm.part[(qn * 4 + i) * 32 + lane] = acc[mt][0][i];
+                acc[mt][0][i] = 0.0f;
+            }
     }
     __syncwarp();   /* the ring is read before the next pass refills it */
     if (P > 1) {   /* the other warps' quarters, in order; part is free again after */
@@ -1252,35 +1291,39 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
             for (int qn = nqw; qn < 4; qn++)
 #pragma unroll
                 for (int i = 0; i < 4; i++)
-                    tot[0][i] += tm.part[(qn * 4 + i) * 32 + lane];
+                    tot[0][0][i] += tm.part[(qn * 4 + i) * 32 + lane];
         fm5_team_sync<P>(tm);
         if (tm.j != 0)
             return;
     }
 #pragma unroll
-    for (int i = 0; i < (UP ? 2 : 4); i++) {
-        int j = p + 2 * q + (i & 1), row = tl.row + g + 8 * (i >> 1);
-        int64_t hr;
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < (UP ? 2 : 4); i++) {
+            int j = p + 2 * q + (i & 1);
+            int row = tl.row + (UP ? 8 : 16) * mt + g + 8 * (i >> 1);
+            int64_t hr;
 
-        if (j >= s.n)
-            continue;
-        hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
-        if (UP) {   /* g: half 0 (w1), u: half 1 (w3) */
-            float v = cu_swiglu(tot[0][i], tot[0][i + 2], a.lim);
+            if (j >= s.n)
+                continue;
+            hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
+            if (UP) {   /* g: half 0 (w1), u: half 1 (w3) */
+                float v = cu_swiglu(tot[mt][0][i], tot[mt][0][i + 2], a.lim);
 
-            if (s.rows != NULL)
-                v *= a.weights[hr];
-            a.h[hr * a.I + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(v);
-        } else {
-            a.y[hr * a.D + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(tot[0][i]);
+                if (s.rows != NULL)
+                    v *= a.weights[hr];
+                a.h[hr * a.I + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(v);
+            } else {
+                a.y[hr * a.D + row] =
+                    tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(tot[mt][0][i]);
+            }
         }
-    }
 }
 
 /* The passes of slot rows p0 .. p1 - 1 through the tile at `row` (v5):
  * passes of 8 slot rows (one n-tile; two n-tiles spill registers), a later
  * pass of a tile reading its weights from L2. */
-template <int UP, int FP8, int P>
+template <int UP, int FP8, int P, int MT>
 static __device__ void
 fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, int p1,
            char *ring, float *scf, const struct fm5_team &tm)
@@ -1289,7 +1332,7 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
 
     fm5_tile_get<UP, FP8>(a, s, row, &tl);
     for (int p = p0; p < p1 && p < s.n; p += 8)
-        fm5_pass<UP, FP8, P>(a, s, tl, p, ring, scf, tm);
+        fm5_pass<UP, FP8, P, MT>(a, s, tl, p, ring, scf, tm);
 }
 
 /*
@@ -1302,23 +1345,25 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * the call's counter (ctr[UP], zeroed by fm3_prep_kernel) until none is
  * left, so the grid only needs to fill the SMs it gets (also under MPS)
  * and the results do not depend on which warp takes an item.  P > 1:
- * teams of P warps take the items (fm5_team).  Blocks of FM5_WARPS warps,
- * FM5_BLOCKS(UP, P) an SM.  Dynamic shared memory: the warps' rings and
- * scales, and the teams' quarter sums (FM5_SMEM(P)).
+ * teams of P warps take the items (fm5_team).  MT = 2: the active experts'
+ * tiles are wide (two m-tiles, fm5_pass; the shared expert's stay).
+ * Blocks of FM5_WARPS warps, FM5_BLOCKS(UP, P, MT) an SM.  Dynamic shared
+ * memory: the warps' rings and scales, and the teams' quarter sums
+ * (FM5_SMEM(P)).
  */
-template <int UP, int P>
-static __global__ void __launch_bounds__(FM5_WARPS * 32, FM5_BLOCKS(UP, P))
+template <int UP, int P, int MT>
+static __global__ void __launch_bounds__(FM5_WARPS * 32, FM5_BLOCKS(UP, P, MT))
 fm5_kernel(struct fm3_args a)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
     extern __shared__ __align__(16) char fm3_sm[];
     __shared__ int taken[FM5_WARPS][2];   /* a team's items, by the parity of its turn */
-    int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / FM5_ROWS(UP);
+    int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / FM5_ROWS(UP), wide = tiles / MT;
     char *ring = fm3_sm + warp * FM5_PER;
     float *scf = (float *)(ring + FM5_NS * FM3_STAGE_B);
     int ps = a.has_shared ? (a.T + 7) / 8 : 0, nsh = tiles * ps;
-    int items = nsh + a.grp[0] * tiles;
+    int items = nsh + a.grp[0] * wide;
     struct fm5_team tm;
 
     tm.j = warp % P;
@@ -1345,12 +1390,13 @@ fm5_kernel(struct fm3_args a)
             int p = (it % ps) * 8;
 
             if (fm3_slot_get(a, 0, &s) == 1)
-                fm5_passes<UP, 1, P>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf, tm);
+                fm5_passes<UP, 1, P, 1>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf, tm);
             continue;
         }
         it -= nsh;
-        if (fm3_slot_get(a, a.has_shared + it / tiles, &s) == 2)
-            fm5_passes<UP, 0, P>(a, s, (it % tiles) * FM5_ROWS(UP), 0, s.n, ring, scf, tm);
+        if (fm3_slot_get(a, a.has_shared + it / wide, &s) == 2)
+            fm5_passes<UP, 0, P, MT>(a, s, (it % wide) * MT * FM5_ROWS(UP), 0, s.n, ring, scf,
+                                     tm);
     }
 }
 
@@ -1363,8 +1409,10 @@ cuda_fast_moe3_fits(int T, int k, int D, int I)
            I % 1024 == 0 && D / 128 <= FM3_MAX_KB && I / 128 <= FM3_MAX_KB;
 }
 
-/* Settings: DSV4_CUDA_FAST_MOE unset or "v5": v5, its warps per item by the
- * call (fm5_parts); "v5,P": v5 with P warps per item (1, 2, 4); "v3",
+/* Settings: DSV4_CUDA_FAST_MOE unset or "v5": v5, its warps per item and
+ * m-tiles by the call (fm5_parts, fm5_wide); "v5,P": v5 with P warps per
+ * item (1, 2, 4); "v5,P,MT": and MT m-tiles (1, 2; 2 only where P is 1);
+ * "v3",
  * "v3,NS" or "v3,NS,RT": v3.  Until v5 had teams (docs/perf.md run 35),
  * v3 was the default for moe_parts below 8 tokens, where whole tiles per
  * warp left most warps idle. */
@@ -1373,6 +1421,7 @@ struct fm3_cfg {
     int ns;     /* v3: ring stages per warp: 2 .. 6 */
     int rt;     /* v3: row tiles per block: 1, 2, 4, 8, or 0: by the number of tiles */
     int p5;     /* v5: warps per item: 1, 2, 4, or 0: by the number of items (fm5_parts) */
+    int mt;     /* v5: m-tiles of an active expert's item: 1, 2, or 0: by the call (fm5_wide) */
 };
 
 #define FM3_NS_DEFAULT 4         /* 81 KB per block: two blocks (16 warps) per SM */
@@ -1388,8 +1437,15 @@ fm3_cfg_parse(struct fm3_cfg *c, const char *s)
     c->ns = FM3_NS_DEFAULT;
     c->rt = 0;
     c->p5 = 0;
-    if (c->v5 > 0 && sscanf(s, "v5,%d", &ns) == 1 && (ns == 1 || ns == 2 || ns == 4))
-        c->p5 = ns;
+    c->mt = 0;
+    if (c->v5 > 0) {
+        int p5, mt, n5 = sscanf(s, "v5,%d,%d", &p5, &mt);
+
+        if (n5 >= 1 && (p5 == 1 || p5 == 2 || p5 == 4))
+            c->p5 = p5;
+        if (n5 == 2 && (mt == 1 || mt == 2))
+            c->mt = mt;
+    }
     if (n >= 1 && ns >= 2 && ns <= 6)
         c->ns = ns;
     if (n >= 2 && (rt == 1 || rt == 2 || rt == 4 || rt == 8))
@@ -1397,7 +1453,7 @@ fm3_cfg_parse(struct fm3_cfg *c, const char *s)
 }
 
 /* v5's warps per item (fm5_team) for `items` items at most on a device of
- * `warps` resident warps of the teams' kernel (FM5_BLOCKS(UP, 2)): the
+ * `warps` resident warps of the teams' kernel (FM5_BLOCKS(UP, 2, 1)): the
  * setting, else the most (4, 2, 1) whose teams take every item at once.
  * Small calls have fewer items than warps (one token: 7 slots x 128 tiles
  * of w1 / w3 for 2,112 warps), and a warp streaming a whole tile alone is
@@ -1417,6 +1473,23 @@ fm5_parts(const struct fm3_cfg *c, int64_t items, int64_t warps)
     if (items * 4 <= warps)
         return 4;
     return items * 2 <= warps ? 2 : 1;
+}
+
+/* v5's m-tiles an item (fm5_pass) for calls of one warp an item, of
+ * `items` wide items at most (every slot active) on `warps` resident warps
+ * of the wide kernel: the setting, else wide tiles where they would leave
+ * four rounds of items.  A wide item is twice as long, so is the last
+ * round's tail: at 8 tokens (6,272 wide items at most, fewer active) the
+ * wide tiles were slower with half the experts held (moe_parts 0.49 of
+ * 4.3 TB/s against 0.55), at 16 faster (0.66 against 0.64; all held: 0.75
+ * against 0.70; H200, docs/perf.md run 43).  The results do not depend on
+ * it. */
+static int
+fm5_wide(const struct fm3_cfg *c, int64_t items, int64_t warps)
+{
+    if (c->mt > 0)
+        return c->mt;
+    return items >= 4 * warps ? 2 : 1;
 }
 
 /* Row tiles per block for `tiles` row tiles of each of `slots` slots: the
@@ -1446,17 +1519,20 @@ fm3_smem_bytes(const struct fm3_cfg *c)
     return 8 * per + 7 * FM3_RED_Q * sizeof(float);
 }
 
-/* Launch fm5_kernel<UP, P> (teams of P warps) on `blocks` blocks of FM5_WARPS warps,
- * its shared memory allowed first (once per device). */
-template <int UP, int P>
+/* Launch fm5_kernel<UP, P, MT> (teams of P warps, MT m-tiles an active
+ * expert's item) on `blocks` blocks of FM5_WARPS warps, its shared memory
+ * allowed first (once per device). */
+template <int UP, int P, int MT>
 static enum dsv4_err
 fm5_launch(struct dsv4_backend *be, const struct fm3_args &a, unsigned blocks)
 {
     static size_t opted[CUDA_MAX_DEV];
-    enum dsv4_err e = cuda_smem_allow(be, (const void *)fm5_kernel<UP, P>, FM5_SMEM(P), opted);
+    enum dsv4_err e =
+        cuda_smem_allow(be, (const void *)fm5_kernel<UP, P, MT>, FM5_SMEM(P), opted);
 
     if (e == DSV4_OK)
-        cu_launch(fm5_kernel<UP, P>, blocks, FM5_WARPS * 32, FM5_SMEM(P), cuda_stream(be), a);
+        cu_launch(fm5_kernel<UP, P, MT>, blocks, FM5_WARPS * 32, FM5_SMEM(P), cuda_stream(be),
+                  a);
     return e;
 }
 
@@ -1474,21 +1550,27 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
 
     if (c->v5) {
         int n_sm = cuda_sms(be);
-        int64_t items = (int64_t)slots * tiles, warps1, warps, busy;
+        int64_t items = (int64_t)slots * tiles, sms = n_sm > 0 ? n_sm : 1, warps, busy;
         unsigned blocks;
-        int P;
+        int P, MT = 1;
 
-        warps1 = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 1);
-        warps = (int64_t)(n_sm > 0 ? n_sm : 1) * FM5_WARPS * FM5_BLOCKS(UP, 2);
+        warps = sms * FM5_WARPS * FM5_BLOCKS(UP, 2, 1);
         P = fm5_parts(c, items, warps);
-        if (P == 1)
-            warps = warps1;
+        if (P == 1) {
+            warps = sms * FM5_WARPS * FM5_BLOCKS(UP, 1, 2);
+            MT = fm5_wide(c, items / 2, warps);
+            if (MT == 1)
+                warps = sms * FM5_WARPS * FM5_BLOCKS(UP, 1, 1);
+            else
+                items /= 2;
+        }
         busy = items * P;
         /* whole teams: FM5_WARPS is a multiple of P */
         blocks = (unsigned)(((busy < warps ? busy : warps) + FM5_WARPS - 1) / FM5_WARPS);
-        e = P == 1   ? fm5_launch<UP, 1>(be, a, blocks)
-            : P == 2 ? fm5_launch<UP, 2>(be, a, blocks)
-                     : fm5_launch<UP, 4>(be, a, blocks);
+        e = P == 1 && MT == 2 ? fm5_launch<UP, 1, 2>(be, a, blocks)
+            : P == 1          ? fm5_launch<UP, 1, 1>(be, a, blocks)
+            : P == 2          ? fm5_launch<UP, 2, 1>(be, a, blocks)
+                              : fm5_launch<UP, 4, 1>(be, a, blocks);
         if (e != DSV4_OK)
             return e;
         CUDA_LAUNCHED(UP ? "fast moe v5 up" : "fast moe v5 down");
