@@ -77,15 +77,37 @@ fz_row_normed(float *y, const float *v, const uint16_t *wb, float rs, int has_w,
     }
 }
 
-/* RoPE of the pair (off + 2i, off + 2i + 1) of y by (cs, sn) (rope_kernel's
+/* Element `odd` of the RoPE of the pair (u, v) by (cs, sn) (rope_kernel's
  * expressions). */
+static __device__ __forceinline__ float
+fz_rope_elem(float u, float v, float cs, float sn, int odd)
+{
+    return odd ? cu_bf16_round(u * sn + v * cs) : cu_bf16_round(u * cs - v * sn);
+}
+
+/* RoPE of the pair (off + 2i, off + 2i + 1) of y by (cs, sn). */
 static __device__ __forceinline__ void
 fz_rope_pair(float *y, int off, int i, float cs, float sn)
 {
     float u = y[off + 2 * i], v = y[off + 2 * i + 1];
 
-    y[off + 2 * i] = cu_bf16_round(u * cs - v * sn);
-    y[off + 2 * i + 1] = cu_bf16_round(u * sn + v * cs);
+    y[off + 2 * i] = fz_rope_elem(u, v, cs, sn, 0);
+    y[off + 2 * i + 1] = fz_rope_elem(u, v, cs, sn, 1);
+}
+
+/* The RoPE angles of row r's position into cs, sn: pairs i0, i0 + step, ...
+ * (v2's expressions: cos / sin in double of the fp32 angle). */
+static __device__ __forceinline__ void
+fz_rope_angles(const struct fz_nr &a, int64_t r, int i0, int step, float *cs, float *sn)
+{
+    float pf = (float)a.pos[r / a.heads];
+
+    for (int i = i0; i < a.np; i += step) {
+        float ang = pf * a.fr.f[i];
+
+        cs[i] = (float)cos((double)ang);
+        sn[i] = (float)sin((double)ang);
+    }
 }
 
 /* FP8 sim of the first sim_cols values of y per sim_block (fp8_sim_kernel's
@@ -196,14 +218,7 @@ fz_norm_rope3_row(const struct fz_nr &a, int64_t r)
         fz_row_load(xv, wb, xr, a.w, D, tid, B);
         fz_row_sumsq(xv, red, D, tid, B);
     } else if (a.np > 0) {   /* the RoPE angles of the row's position */
-        float pf = (float)a.pos[r / a.heads];
-
-        for (int i = tid - B; i < a.np; i += nt - B) {
-            float ang = pf * a.fr.f[i];
-
-            cs[i] = (float)cos((double)ang);
-            sn[i] = (float)sin((double)ang);
-        }
+        fz_rope_angles(a, r, tid - B, nt - B, cs, sn);
     }
     __syncthreads();
     if (tid < B)
@@ -286,16 +301,8 @@ fz_norm_rope4_kernel(struct fz_nr a)
 #pragma unroll
     for (int j = 0; j < J; j++)
         wb[j] = has_w ? a.w[lane + 32 * j] : (uint16_t)0;
-    if (warp == 0 && a.np > 0) {
-        float pf = (float)a.pos[r / a.heads];
-
-        for (int i = lane; i < a.np; i += 32) {
-            float ang = pf * a.fr.f[i];
-
-            cs[i] = (float)cos((double)ang);
-            sn[i] = (float)sin((double)ang);
-        }
-    }
+    if (warp == 0 && a.np > 0)
+        fz_rope_angles(a, r, lane, 32, cs, sn);
     float *xr = a.x + r * D;
     int64_t drow = a.dst != NULL ? a.dst_rows[r] : 0;
     float v[J], tot = 0.0f, rs;
@@ -330,11 +337,10 @@ fz_norm_rope4_kernel(struct fz_nr a)
             continue;
         p = __shfl_xor_sync(0xffffffffu, v[j], 1);   /* the pair's other element */
         if (e >= a.off && e < re) {
-            int i = (e - a.off) >> 1;
-            float c = cs[i], sv = sn[i];
+            int i = (e - a.off) >> 1, odd = (e - a.off) & 1;
 
-            v[j] = (e - a.off) & 1 ? cu_bf16_round(p * sv + v[j] * c)
-                                   : cu_bf16_round(v[j] * c - p * sv);
+            v[j] = odd ? fz_rope_elem(p, v[j], cs[i], sn[i], 1)
+                       : fz_rope_elem(v[j], p, cs[i], sn[i], 0);
         }
     }
 #pragma unroll
