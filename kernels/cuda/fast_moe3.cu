@@ -682,16 +682,19 @@ fm3_zero(float (&v)[NT][4])
             v[n][i] = 0.0f;
 }
 
-/* The end of a 128-column block: acc = fma(blk, s_x * f, acc), blk = 0. */
+/* The end of a 128-column block: acc = fma(blk, s_x * f, acc), blk = 0,
+ * with f = f0 for the tile's rows g (C values 0, 1) and f1 for rows g + 8
+ * (v3's tiles and FP4 have one f; v5's FP8 up tiles are w1 and w3 rows). */
 template <int NT>
 static __device__ __forceinline__ void
-fm3_block_end(float (&acc)[NT][4], float (&blk)[NT][4], const float (&xc)[NT][2], float f)
+fm3_block_end(float (&acc)[NT][4], float (&blk)[NT][4], const float (&xc)[NT][2], float f0,
+              float f1)
 {
 #pragma unroll
     for (int n = 0; n < NT; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            acc[n][i] = __fmaf_rn(blk[n][i], xc[n][i & 1] * f, acc[n][i]);
+            acc[n][i] = __fmaf_rn(blk[n][i], xc[n][i & 1] * (i < 2 ? f0 : f1), acc[n][i]);
             blk[n][i] = 0.0f;
         }
 }
@@ -812,7 +815,7 @@ fm3_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm3_wa
                     __ldg(wp.sc + (int64_t)((wp.r0 + ti * wp.step) / 128) * nb + kb));
             fm3_act<NT>(xw, xc, xr, sr, kb);
             fm3_block<FP8, NT>(blk, buf, b, scf, fm3_b8<NT>{ xw });
-            fm3_block_end<NT>(acc, blk, xc, f);
+            fm3_block_end<NT>(acc, blk, xc, f, f);
         }
         if (si == nst - 1) {   /* row tile rt0 + ti is complete */
             fm3_tile_end<UP, NT>(a, s, wp, p, rt0 + ti, t, qt, comb, acc, red);
@@ -1074,29 +1077,20 @@ template <int UP, int FP8, int MT>
 static __device__ __forceinline__ void
 fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
 {
-    int lane = threadIdx.x & 31, off;
+    /* the m-tile of the lane's segment and of its scale bytes (0 unless
+     * wide), the rows an m-tile further down */
+    const int lane = threadIdx.x & 31, seg = lane & 7, ms = MT == 2 ? seg >> 2 : 0;
+    const int mc = MT == 2 ? lane & 1 : 0, mrows = UP ? 8 : 16;
+    const int off =
+        (mrows * ms + (lane >> 3)) * tl.rb + (seg & (8 / MT - 1)) * 16 + st0 * (FM3_SB / MT);
+    /* UP: half lane / 16's scale rows (w1 or w3); down: the halves' rows are one run */
+    const int srow = UP ? (lane >> 1) & 7 : lane >> 1;
 
-    if (MT == 1) {
-        off = (lane >> 3) * tl.rb + (lane & 7) * 16 + st0 * FM3_SB;
-    } else {   /* m-tile (lane & 7) / 4, its 64 bytes of the stage */
-        int mt = (lane >> 2) & 1;
-
-        off = ((UP ? 8 : 16) * mt + (lane >> 3)) * tl.rb + (lane & 3) * 16 + st0 * (FM3_SB / 2);
-    }
     c->gw[0] = tl.w[0] + off;
     c->gw[1] = tl.w[1] + off;   /* UP only (fm5_issue) */
-    if (FP8)
-        c->gs = NULL;
-    else if (MT == 2 && UP)
-        c->gs = (lane >> 4 ? tl.sc[1] : tl.sc[0]) + (((lane >> 1) & 7) + 8 * (lane & 1)) * tl.sb +
-                st0 * 4;
-    else if (MT == 2)
-        c->gs = tl.sc[0] + ((lane >> 1) + 16 * (lane & 1)) * tl.sb + st0 * 4;
-    else if (UP)
-        c->gs = (lane >> 4 ? tl.sc[1] : tl.sc[0]) + ((lane >> 1) & 7) * tl.sb + (lane & 1) * 4 +
-                st0 * 8;
-    else   /* the halves' scale rows are one run */
-        c->gs = tl.sc[0] + (lane >> 1) * tl.sb + (lane & 1) * 4 + st0 * 8;
+    c->gs = FP8 ? NULL
+                : (UP && (lane >> 4) ? tl.sc[1] : tl.sc[0]) + (srow + mrows * mc) * tl.sb +
+                      (MT == 1 ? (lane & 1) * 4 : 0) + st0 * (8 / MT);
     c->r4 = 4 * tl.rb;
 }
 
@@ -1140,19 +1134,6 @@ static __device__ __forceinline__ void
 fm5_team_sync(const struct fm5_team &tm)
 {
     asm volatile("bar.sync %0, %1;" :: "r"(tm.bar), "n"(P * 32) : "memory");
-}
-
-/* The end of a 128-column block in v5: fm3_block_end's expression with the
- * factor f0 for the tile's rows g (half 0) and f1 for rows g + 8 (half 1). */
-static __device__ __forceinline__ void
-fm5_block_end(float (&acc)[1][4], float (&blk)[1][4], const float (&xc)[1][2], float f0,
-              float f1)
-{
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        acc[0][i] = __fmaf_rn(blk[0][i], xc[0][i & 1] * (i < 2 ? f0 : f1), acc[0][i]);
-        blk[0][i] = 0.0f;
-    }
 }
 
 /*
@@ -1266,7 +1247,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
                 }
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++)
-                    fm5_block_end(acc[mt], blk[mt], xc, f0, f1);
+                    fm3_block_end<1>(acc[mt], blk[mt], xc, f0, f1);
                 xc[0][0] = xn[0][0];
                 xc[0][1] = xn[0][1];
                 jb = jn;
