@@ -55,12 +55,33 @@
         }                                                                                  \
     } while (0)
 
+/* sums[block] = the sum of every thread's acc over the block of NW warps
+ * (mod 2^32); every thread of the block calls it. */
+template <int NW>
+static __device__ void
+bs_block_sum(uint32_t acc, uint32_t *sums)
+{
+    __shared__ uint32_t red[NW];
+
+    for (int o = 16; o > 0; o /= 2)
+        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (threadIdx.x % 32 == 0)
+        red[threadIdx.x / 32] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t s = 0;
+
+        for (int w = 0; w < NW; w++)
+            s += red[w];
+        sums[blockIdx.x] = s;
+    }
+}
+
 /* Read n4 16-byte words from p; sums[block] = the block's sum of their
  * 32-bit words (mod 2^32). */
 static __global__ void __launch_bounds__(BS_THREADS)
 bs_kernel(const uint4 *__restrict__ p, size_t n4, uint32_t *sums)
 {
-    __shared__ uint32_t red[BS_THREADS / 32];
     size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     size_t nt = (size_t)gridDim.x * blockDim.x;
     uint32_t acc = 0;
@@ -80,18 +101,7 @@ bs_kernel(const uint4 *__restrict__ p, size_t n4, uint32_t *sums)
         for (int u = 0; u < BS_U; u++)
             acc += v[u].x + v[u].y + v[u].z + v[u].w;
     }
-    for (int o = 16; o > 0; o /= 2)
-        acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (threadIdx.x % 32 == 0)
-        red[threadIdx.x / 32] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        uint32_t s = 0;
-
-        for (int w = 0; w < BS_THREADS / 32; w++)
-            s += red[w];
-        sums[blockIdx.x] = s;
-    }
+    bs_block_sum<BS_THREADS / 32>(acc, sums);
 }
 
 #define BT_WARPS 4
@@ -105,7 +115,6 @@ static __global__ void __launch_bounds__(BT_WARPS * 32, BT_BLOCKS)
 bt_kernel(const char *__restrict__ p, size_t items, uint32_t *sums, int pat)
 {
     __shared__ __align__(16) char ring[BT_WARPS][BT_NS][BT_STAGE];
-    __shared__ uint32_t red[BT_WARPS];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     size_t gw = (size_t)blockIdx.x * BT_WARPS + w, nw = (size_t)gridDim.x * BT_WARPS;
     uint32_t acc = 0;
@@ -148,18 +157,7 @@ bt_kernel(const char *__restrict__ p, size_t items, uint32_t *sums, int pat)
             }
         }
     }
-    for (int o = 16; o > 0; o /= 2)
-        acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0)
-        red[w] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        uint32_t s = 0;
-
-        for (int i = 0; i < BT_WARPS; i++)
-            s += red[i];
-        sums[blockIdx.x] = s;
-    }
+    bs_block_sum<BT_WARPS>(acc, sums);
 }
 
 /* One graph of n kernels of `grid` blocks, each reading `bytes` of its own
