@@ -98,6 +98,21 @@ dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
 }
 
 enum dsv4_err
+dsv4_attention_unrope_compose(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
+                              int rd, const float *freqs)
+{
+    enum dsv4_err e = be->ops->attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages,
+                                         a->sel, a->sink, a->slot, a->pos, a->row0, a->pos0,
+                                         a->T, a->H, a->Dh, a->win, a->cap, a->ratio, a->K,
+                                         a->scale);
+
+    if (e != DSV4_OK)
+        return e;
+    return be->ops->rope(be, a->out, a->pos, a->T, a->H, (int64_t)a->H * a->Dh, a->Dh, off, rd,
+                         freqs, 1);
+}
+
+enum dsv4_err
 dsv4_linear_multi_compose(struct dsv4_backend *be, int n, float *const *outs, const float *x,
                           const struct dsv4_linear *const *Ws, const unsigned *flags, int T)
 {

@@ -90,6 +90,18 @@ struct dsv4_sample_params {
 
 struct dsv4_backend;
 
+/* The arguments of one attention call (attention_unrope; the fields are
+ * attention's parameters of the same names). */
+struct dsv4_attn {
+    float *out;
+    const float *q, *kv, *ring, *comp;
+    const int32_t *pages, *sel;
+    const float *sink;
+    const int32_t *slot, *pos, *row0, *pos0;
+    int T, H, Dh, win, cap, ratio, K;
+    float scale;
+};
+
 /* The arguments of one norm_rope call (norm_rope2). */
 struct dsv4_norm_rope {
     float *x;
@@ -422,6 +434,16 @@ struct dsv4_backend_ops {
      */
     enum dsv4_err (*norm_rope2)(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
                                 const struct dsv4_norm_rope *b);
+    /*
+     * Attention, then the inverse RoPE of its output at the query positions
+     * (the value carried the keys' rotation: model doc §3.3.6):
+     *   attention(a->out, a->q, ..., a->scale);
+     *   rope(a->out, a->pos, a->T, a->H, a->H * a->Dh, a->Dh, off, rd, freqs, 1).
+     * freqs: host, rd/2 floats (as rope).  The CUDA fast kernels rotate the
+     * output pairs in the attention kernel's own output stage.
+     */
+    enum dsv4_err (*attention_unrope)(struct dsv4_backend *be, const struct dsv4_attn *a,
+                                      int off, int rd, const float *freqs);
 
     /* --- optional: a second queue (NULL where the backend has none, as on
      * the CPU backend: everything runs in the order queued) -------------- */
@@ -465,7 +487,8 @@ enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
 void dsv4_backend_destroy(struct dsv4_backend *be);
 
 /* The fused ops as the compositions that define them (see hc_post_pre,
- * norm_rope, linear_multi and norm_rope2 above), through be's own ops: the CPU backend's implementation,
+ * norm_rope, linear_multi, norm_rope2 and attention_unrope above), through be's own ops: the CPU
+ * backend's implementation,
  * and any backend's fallback where its fused kernels do not apply
  * (kernels/backend.c). */
 enum dsv4_err dsv4_hc_post_pre_compose(struct dsv4_backend *be, float *X_out, float *x_out,
@@ -484,6 +507,8 @@ enum dsv4_err dsv4_linear_multi_compose(struct dsv4_backend *be, int n, float *c
                                         const unsigned *flags, int T);
 enum dsv4_err dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
                                       const struct dsv4_norm_rope *b);
+enum dsv4_err dsv4_attention_unrope_compose(struct dsv4_backend *be, const struct dsv4_attn *a,
+                                            int off, int rd, const float *freqs);
 
 /* The CPU backend constructor (kernels/cpu/cpu_backend.c). */
 enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,

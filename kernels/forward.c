@@ -1078,16 +1078,22 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
         sel = m->sel;
     }
 
-    TRY(ops->attention(be, m->o, m->q, m->kv, ls->ring, comp, ls->ratio ? ls->pg->d_pt : NULL,
-                       sel, lw->attn_sink, m->i_slot, m->i_pos, m->i_row0, m->i_pos0, T, H,
-                       Dh, m->win, ls->ratio ? ls->pg->cap : 0, ls->ratio, m->K,
-                       (float)(1.0 / sqrt((double)Dh))));
+    {
+        /* the value carried the keys' rotation: undone at the query position */
+        struct dsv4_attn at = {
+            .out = m->o, .q = m->q, .kv = m->kv, .ring = ls->ring, .comp = comp,
+            .pages = ls->ratio ? ls->pg->d_pt : NULL, .sel = sel, .sink = lw->attn_sink,
+            .slot = m->i_slot, .pos = m->i_pos, .row0 = m->i_row0, .pos0 = m->i_pos0, .T = T,
+            .H = H, .Dh = Dh, .win = m->win, .cap = ls->ratio ? ls->pg->cap : 0,
+            .ratio = ls->ratio, .K = m->K, .scale = (float)(1.0 / sqrt((double)Dh)),
+        };
+
+        TRY(ops->attention_unrope(be, &at, m->nope, rd, ls->freqs));
+    }
     /* the ring update on the side queue, beside the output projection (it
      * touches only m->kv, m->ring_tmp and the ring) */
     if (p->n_ring > 0)
         TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_ring_update, ring_dst));
-    /* the value carried the keys' rotation: undo it at the query position */
-    TRY(ops->rope(be, m->o, m->i_pos, T, H, (int64_t)H * Dh, Dh, m->nope, rd, ls->freqs, 1));
 
     /* grouped output projection */
     if (m->tp == 1) {

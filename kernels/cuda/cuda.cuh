@@ -566,6 +566,40 @@ cu_fp8_sim_block(float *v, int block, int lane)
         v[i] = cu_bf16_round(cu_fp8_to_f32(cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f))) * s);
 }
 
+/* The RoPE factors of position p (as float) and frequency f: the angle
+ * p * f in fp32, its cos / sin in double rounded to fp32, sin negated when
+ * `inverse` (rope_kernel's expressions, which define the op; cu_rope_pair). */
+static __device__ __forceinline__ void
+cu_rope_cs(float p, float f, int inverse, float &cs, float &sn)
+{
+    float ang = p * f;
+
+    cs = (float)cos((double)ang);
+    sn = (float)sin((double)ang);
+    if (inverse)
+        sn = -sn;
+}
+
+/* The pair (u, v) rotated by (cs, sn) in place, each output bf16-rounded. */
+static __device__ __forceinline__ void
+cu_rope_rot(float &u, float &v, float cs, float sn)
+{
+    float a = u, b = v;
+
+    u = cu_bf16_round(a * cs - b * sn);
+    v = cu_bf16_round(a * sn + b * cs);
+}
+
+/* RoPE of the pair (u, v) at position p by frequency f, in place (rope_kernel). */
+static __device__ __forceinline__ void
+cu_rope_pair(float &u, float &v, float p, float f, int inverse)
+{
+    float cs, sn;
+
+    cu_rope_cs(p, f, inverse, cs, sn);
+    cu_rope_rot(u, v, cs, sn);
+}
+
 /* expf / log1pf through double (see the file comment). */
 static __device__ __forceinline__ float
 cu_expf(float x)
@@ -756,6 +790,11 @@ enum dsv4_err cuda_attention(struct dsv4_backend *be, float *out, const float *q
                              const int32_t *pos, const int32_t *row0, const int32_t *pos0,
                              int T, int H, int Dh, int win, int cap, int ratio, int K,
                              float scale);
+/* backend.h attention_unrope: the fast attention with the output's inverse
+ * RoPE in its output stage where it applies (cuda_fast_attention's ur_*),
+ * else dsv4_attention_unrope_compose. */
+enum dsv4_err cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
+                                    int rd, const float *freqs);
 
 /* cuda_moe.cu */
 enum dsv4_err cuda_router(struct dsv4_backend *be, float *weights, int32_t *ids,
@@ -879,12 +918,19 @@ int cuda_fast_attn_enabled(void);
 int cuda_fast_attention_ok(const float *out, const float *q, const float *kv,
                            const float *ring, const float *comp, int H, int Dh, int win,
                            int cap, int ratio);
+/* ur_rd > 0: then the output's inverse RoPE (rope(out, pos, T, H, H * Dh,
+ * Dh, ur_off, ur_rd, ur_freqs, 1): ur_off even, ur_off + ur_rd <= Dh, ur_rd
+ * / 2 <= CUDA_FA_UR_MAX, ur_freqs on the host), in the decode kernel's
+ * (fd_kernel's) output stage, else as a rope launch after. */
 enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q,
                                   const float *kv, const float *ring, const float *comp,
                                   const int32_t *pages, const int32_t *sel, const float *sink,
                                   const int32_t *slot, const int32_t *pos, const int32_t *row0,
                                   const int32_t *pos0, int T, int H, int Dh, int win, int cap,
-                                  int ratio, int K, float scale);
+                                  int ratio, int K, float scale, int ur_off, int ur_rd,
+                                  const float *ur_freqs);
+/* The most RoPE pairs cuda_fast_attention rotates in its output stage. */
+#define CUDA_FA_UR_MAX 64
 /* dI == 128, 1 <= nh <= 64, cap >= 1, 1 <= K <= 2048, q and keys 16-byte
  * aligned. */
 int cuda_fast_indexer_ok(const float *q, const float *keys, int nh, int dI, int cap, int K);

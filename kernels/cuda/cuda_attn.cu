@@ -321,8 +321,8 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
     if (cuda_st(be)->fast_kernels &&
         cuda_fast_attention_ok(out, q, kv, ring, comp, H, Dh, win, cap, ratio))
         return cuda_fast_attention(be, out, q, kv, ring, comp, pages, sel, sink, slot, pos,
-                                   row0, pos0, T, H, Dh, win, cap, ratio, K,
-                                   scale);   /* fast_attention.cu */
+                                   row0, pos0, T, H, Dh, win, cap, ratio, K, scale, 0, 0,
+                                   NULL);   /* fast_attention.cu */
     max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
     cb = cuda_align((size_t)T * max_cand * sizeof(float *));
     nb = cuda_align((size_t)T * sizeof(int));
@@ -338,4 +338,26 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
         (float *)(base + cb + nb), H, Dh, max_cand, scale);
     CUDA_LAUNCHED("attention");
     return DSV4_OK;
+}
+
+/* DSV4_CUDA_FUSE_UNROPE=0: the output's inverse RoPE as its own launch
+ * (rope_kernel) after the fast attention, as before it was fused (the same
+ * bits: docs/perf.md run 44). */
+static struct cuda_switch cuda_unrope_sw = CUDA_SWITCH("DSV4_CUDA_FUSE_UNROPE", 1);
+
+enum dsv4_err
+cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
+                      const float *freqs)
+{
+    if (a->win >= 1 && a->T > 0 && a->H > 0 && cuda_st(be)->fast_kernels &&
+        cuda_switch_on(&cuda_unrope_sw) && rd > 0 && rd % 2 == 0 &&
+        rd / 2 <= CUDA_FA_UR_MAX && off >= 0 && off % 2 == 0 && off + rd <= a->Dh &&
+        cuda_fast_attention_ok(a->out, a->q, a->kv, a->ring, a->comp, a->H, a->Dh, a->win,
+                               a->cap, a->ratio) &&
+        !(a->comp != NULL && a->sel == NULL && a->ratio < 1))
+        return cuda_fast_attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages, a->sel,
+                                   a->sink, a->slot, a->pos, a->row0, a->pos0, a->T, a->H,
+                                   a->Dh, a->win, a->cap, a->ratio, a->K, a->scale, off, rd,
+                                   freqs);
+    return dsv4_attention_unrope_compose(be, a, off, rd, freqs);
 }

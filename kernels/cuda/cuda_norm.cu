@@ -77,20 +77,16 @@ rope_kernel(float *x, const int32_t *pos, int T, int n_heads, int64_t row_stride
     int64_t it = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     int64_t t = it / ((int64_t)n_heads * np);
     int h = (int)(it / np % n_heads), i = (int)(it % np);
-    float ang, cs, sn, a, b, *v;
+    float a, b, *v;
 
     if (t >= T)
         return;
-    ang = (float)pos[t] * fr.f[i];
-    cs = (float)cos((double)ang);
-    sn = (float)sin((double)ang);
-    if (inverse)
-        sn = -sn;
     v = x + t * row_stride + h * head_stride + off;
     a = v[2 * i];
     b = v[2 * i + 1];
-    v[2 * i] = cu_bf16_round(a * cs - b * sn);
-    v[2 * i + 1] = cu_bf16_round(a * sn + b * cs);
+    cu_rope_pair(a, b, (float)pos[t], fr.f[i], inverse);
+    v[2 * i] = a;
+    v[2 * i + 1] = b;
 }
 
 enum dsv4_err

@@ -104,6 +104,46 @@ fk_e4m3x2(uint32_t two)
     return r;
 }
 
+/*
+ * fk_quant_value of two columns v0, v1 of a block whose scale has the
+ * reciprocal inv = 1 / s, as f16 bits (v0 in the low half), and, when
+ * codes != NULL, their E4M3 codes into *codes (v0's in the low byte): the
+ * exact path's cu_f32_to_fp8(cu_clampf(v / s, 448)).  The same values: s is
+ * a power of two in [2^-22, 2^120] (amax >= 1e-4; or inf), so 1 / s is
+ * exact and v * inv is v / s, rounded once the same way; the clamp to
+ * +-448 is cu_clampf's but for NaN (fminf/fmaxf drop it: handled apart);
+ * cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even as cu_f32_to_fp8 does
+ * (subnormal codes, signed zeros); E4M3 to f16 is exact; a NaN gets the
+ * exact expression's code 0x7f and its f16 (cu_fp8_to_f32(0x7f) is +qNaN,
+ * rounded to f16).  dsv4_cuda_linear_quant_check compares the values with
+ * the exact expression's on every float; equal values are equal codes
+ * (E4M3 -> f16 is one to one but for the NaN codes, which the conversion
+ * never gives a clamped input).
+ */
+static __device__ __forceinline__ uint32_t
+fk_quant2(float v0, float v1, float inv, uint16_t *codes)
+{
+    float p0 = v0 * inv, p1 = v1 * inv;
+    float a0 = fminf(fmaxf(p0, -448.0f), 448.0f), a1 = fminf(fmaxf(p1, -448.0f), 448.0f);
+    uint32_t nan16 = __half_as_ushort(__float2half_rn(__int_as_float(0x7fc00000)));
+    unsigned short e;
+    uint32_t h;
+
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e) : "f"(a1), "f"(a0));
+    h = fk_e4m3x2(e);
+    if (isnan(p0)) {
+        h = (h & 0xffff0000u) | nan16;
+        e = (unsigned short)((e & 0xff00u) | 0x7fu);
+    }
+    if (isnan(p1)) {
+        h = (h & 0x0000ffffu) | nan16 << 16;
+        e = (unsigned short)((e & 0x00ffu) | 0x7f00u);
+    }
+    if (codes != NULL)
+        *codes = e;
+    return h;
+}
+
 /* a * b on bf16 pairs (exact for a power-of-two b in range). */
 static __device__ __forceinline__ uint32_t
 fk_bmul2(uint32_t a, uint32_t b)

@@ -30,7 +30,11 @@
  *      tile (ldmatrix.trans), each warp its Dh/8 output dimensions.  P is
  *      fed as bf16 hi + lo (two mma; |p - hi - lo| <= 2^-16 |p|), so P V
  *      is close to fp32 accuracy rather than bf16's.
- *   At the end out = bf16(O / (l + exp(sink - m))).
+ *   At the end out = bf16(O / (l + exp(sink - m))); for attention_unrope
+ *   (cuda_attention_unrope) fd_kernel's output stage then rotates the pairs
+ *   of the RoPE dimensions back at the row's position (fa_unrope_cs:
+ *   rope_kernel's expressions on the stored values, so the bits of
+ *   attention + rope); after fa_kernel the rope kernel does it.
  *
  * Decode-sized calls (T * head groups <= FA_SPLIT_ROWS, head groups of 32
  * when H > 16, else 16) would give too few CTAs, so there each row's
@@ -116,9 +120,37 @@ struct fa_args {
     int T, H, Dh, win, cap, ratio, K;
     float scale;
     int n_hg, n_ch, split;  /* split: candidates per chunk, 0 = whole rows */
+    int ur_off, ur_np;      /* the output's inverse RoPE: ur_np pairs from dimension ur_off */
+    float ur_f[CUDA_FA_UR_MAX];   /* (ur_np = 0: none), frequencies */
 };
 
 /* --- small device helpers ------------------------------------------------------ */
+
+/* The factors of row t's inverse RoPE pairs (cu_rope_cs; they depend on
+ * the position and the pair, not on the head) into cs / sn, pairs
+ * threadIdx.x, threadIdx.x + blockDim.x, ...: a CTA works them out once,
+ * while its first tile's copies are in flight, for every head's output
+ * stage (fa_unrope_cs).
+ * The caller's barriers order these stores before the reads. */
+static __device__ __forceinline__ void
+fa_unrope_table(const struct fa_args &a, int t, float *cs, float *sn)
+{
+    for (int i = threadIdx.x; i < a.ur_np; i += blockDim.x)
+        cu_rope_cs((float)a.pos[t], a.ur_f[i], 1, cs[i], sn[i]);
+}
+
+/* The output pair (u, v) of dimensions d, d + 1 (d even), rotated back
+ * where the call asks (the inverse RoPE of pairs ur_off .. ur_off + 2 ur_np)
+ * by the CTA's table (fa_unrope_table): rope_kernel's values. */
+static __device__ __forceinline__ void
+fa_unrope_cs(const struct fa_args &a, int d, const float *cs, const float *sn, float &u,
+             float &v)
+{
+    int i = (d - a.ur_off) >> 1;
+
+    if (d >= a.ur_off && i < a.ur_np)
+        cu_rope_rot(u, v, cs[i], sn[i]);
+}
 
 /* p = hi + lo in bf16 pairs: hi = bf16(p), lo = bf16(p - hi). */
 static __device__ __forceinline__ void
@@ -746,6 +778,7 @@ fd_kernel(struct fa_args a)
     int nj = n_tiles > z ? (n_tiles - z + CS - 1) / CS : 0;   /* <= FD_TPR (host) */
     uint32_t qa[MT][KS][4];
     float o[MT][NT][4];
+    __shared__ float s_ucs[CUDA_FA_UR_MAX], s_usn[CUDA_FA_UR_MAX];   /* fa_unrope_table */
 
     /* all loads of the prologue in flight together: q, then the candidate
      * rows (window rows, or page table and sel for the compressed ones) */
@@ -789,6 +822,9 @@ fd_kernel(struct fa_args a)
     nj = s_nt;
     if (nj > 0)
         fd_issue<Dh>(s_ptr + s_tl[0] * FA_NC, stage, a.q);
+    /* the output stage's RoPE factors while the first tile's copies are in
+     * flight (ordered before their reads by the barriers that follow) */
+    fa_unrope_table(a, t, s_ucs, s_usn);
 
     for (int j = 0; j < nj; j++) {
         const float *const *tp = s_ptr + s_tl[j] * FA_NC;
@@ -874,10 +910,14 @@ fd_kernel(struct fa_args a)
                 acc.w += v.w * f;
             }
         }
-        if (h < a.H)
-            *(float4 *)(a.out + ((int64_t)t * a.H + h) * Dh + d) =
-                make_float4(cu_bf16_round(acc.x / den), cu_bf16_round(acc.y / den),
-                            cu_bf16_round(acc.z / den), cu_bf16_round(acc.w / den));
+        if (h < a.H) {
+            float4 v = make_float4(cu_bf16_round(acc.x / den), cu_bf16_round(acc.y / den),
+                                   cu_bf16_round(acc.z / den), cu_bf16_round(acc.w / den));
+
+            fa_unrope_cs(a, d, s_ucs, s_usn, v.x, v.y);
+            fa_unrope_cs(a, d + 2, s_ucs, s_usn, v.z, v.w);
+            *(float4 *)(a.out + ((int64_t)t * a.H + h) * Dh + d) = v;
+        }
     }
     cl.sync();   /* the other ranks have read this CTA's shared memory */
 }
@@ -1031,7 +1071,8 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
                     const float *ring, const float *comp, const int32_t *pages,
                     const int32_t *sel, const float *sink, const int32_t *slot,
                     const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H,
-                    int Dh, int win, int cap, int ratio, int K, float scale)
+                    int Dh, int win, int cap, int ratio, int K, float scale, int ur_off,
+                    int ur_rd, const float *ur_freqs)
 {
     struct fa_args a;
     int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant(), cs = fd_cs();
@@ -1059,6 +1100,16 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     a.scale = scale;
     a.n_hg = (H + HG - 1) / HG;
     a.n_ch = 1;
+    if (ur_rd > 0) {
+        if (ur_rd % 2 != 0 || ur_rd / 2 > CUDA_FA_UR_MAX || ur_off < 0 || ur_off % 2 != 0 ||
+            ur_off + ur_rd > Dh)
+            return dsv4_err_set(DSV4_ERR_NOTSUP, "fast attention: inverse RoPE of %d dims "
+                                "from %d (Dh %d)", ur_rd, ur_off, Dh);
+        a.ur_off = ur_off;
+        a.ur_np = ur_rd / 2;
+        for (int i = 0; i < a.ur_np; i++)
+            a.ur_f[i] = ur_freqs[i];
+    }
     max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
     if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS && variant != 1 && max_cand > FA_NC &&
         max_cand <= cs * FD_TPR * FA_NC) {
@@ -1080,6 +1131,10 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
         if (e != DSV4_OK || launched)
             return e;
     }
+    /* fa_kernel and its combine rotate nothing: the inverse RoPE as its own
+     * launch (in fa_kernel's output stage it made a 2,048-token prefill
+     * slower, docs/perf.md run 44) */
+    a.ur_off = a.ur_np = 0;
     if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS) {
         int n_ch = (max_cand + FA_CHUNK - 1) / FA_CHUNK;
         size_t bytes = (size_t)T * a.n_hg * n_ch * HG * (Dh + 2) * sizeof(float);
@@ -1092,5 +1147,11 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
             a.n_ch = n_ch;
         }
     }
-    return MT == 2 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
+    enum dsv4_err e = MT == 2 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
+
+    if (e != DSV4_OK)
+        return e;
+    return ur_rd > 0 ? cuda_rope(be, out, pos, T, H, (int64_t)H * Dh, Dh, ur_off, ur_rd,
+                                 ur_freqs, 1)
+                     : DSV4_OK;
 }

@@ -77,39 +77,9 @@ fk_split_value(float v, uint16_t *hi, uint16_t *lo)
     *lo = isfinite(v) ? (uint16_t)(__float_as_uint(cu_bf16_round(v - h)) >> 16) : 0;
 }
 
-/*
- * fk_quant_value of two columns v0, v1 of a block whose scale has the
- * reciprocal inv = 1 / s, as f16 bits (v0 in the low half).  The same
- * values: s is a power of two in [2^-22, 2^120] (amax >= 1e-4; or inf),
- * so 1 / s is exact and v * inv is v / s, rounded once the same way;
- * the clamp to +-448 is cu_clampf's but for NaN (fminf/fmaxf drop it:
- * handled apart); cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even as
- * cu_f32_to_fp8 does (subnormal codes, signed zeros); E4M3 to f16 is exact;
- * a NaN gets the f16 the exact expression gives (cu_fp8_to_f32(0x7f) is
- * +qNaN, rounded to f16).  dsv4_cuda_linear_quant_check compares the two
- * on every float.
- */
-static __device__ __forceinline__ uint32_t
-flf_quant2(float v0, float v1, float inv)
-{
-    float p0 = v0 * inv, p1 = v1 * inv;
-    float a0 = fminf(fmaxf(p0, -448.0f), 448.0f), a1 = fminf(fmaxf(p1, -448.0f), 448.0f);
-    uint32_t nan16 = __half_as_ushort(__float2half_rn(__int_as_float(0x7fc00000)));
-    unsigned short e;
-    uint32_t h;
-
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e) : "f"(a1), "f"(a0));
-    h = fk_e4m3x2(e);
-    if (isnan(p0))
-        h = (h & 0xffff0000u) | nan16;
-    if (isnan(p1))
-        h = (h & 0x0000ffffu) | nan16 << 16;
-    return h;
-}
-
 /* One warp per (row, 128-block): the exact path's quant_kernel, values
  * written as f16 and/or bf16 bits (both exact for FP8 values); the codes by
- * flf_quant2 (the hardware's conversion: the same values, every load of the
+ * fk_quant2 (fast.cuh: the hardware's conversion: the same values, every load of the
  * warp first and a few instructions a value instead of a division and the
  * software rounding of fk_quant_value). */
 static __global__ void
@@ -134,7 +104,8 @@ fk_quant_kernel(uint16_t *f16, uint16_t *bf16, float *sx, const float *x, int64_
     s = fk_quant_scale_warp(v);
     {
         float inv = 1.0f / s;   /* exact: s is a power of two (or inf) */
-        uint32_t h01 = flf_quant2(v[0], v[1], inv), h23 = flf_quant2(v[2], v[3], inv);
+        uint32_t h01 = fk_quant2(v[0], v[1], inv, NULL),
+                 h23 = fk_quant2(v[2], v[3], inv, NULL);
         uint16_t q[4] = { (uint16_t)h01, (uint16_t)(h01 >> 16), (uint16_t)h23,
                           (uint16_t)(h23 >> 16) };
 
@@ -554,8 +525,8 @@ flf_stage(const struct fl_args &a, uint16_t *xv, uint16_t *xl, float *sxs, int j
                 float vv[4] = { v[u].x, v[u].y, v[u].z, v[u].w };
                 float sc = fk_quant_scale_warp(vv), inv = 1.0f / sc;
 
-                h.x = flf_quant2(v[u].x, v[u].y, inv);
-                h.y = flf_quant2(v[u].z, v[u].w, inv);
+                h.x = fk_quant2(v[u].x, v[u].y, inv, NULL);
+                h.y = fk_quant2(v[u].z, v[u].w, inv, NULL);
                 if (lane == 0)
                     sxs[(sl[u] * a.nt + tok[u]) * a.rs + jj[u]] = sc;
             } else {
@@ -891,7 +862,7 @@ dsv4_cuda_set_linear_reduce(struct dsv4_backend *be, int in_kernel)
     return was;
 }
 
-/* flf_quant2 (scale 1) against fk_quant_value rounded to f16, on the bit
+/* fk_quant2 (scale 1) against fk_quant_value rounded to f16, on the bit
  * patterns i, i + stride, ...: count the differences, keep the first. */
 static __global__ void
 flf_quant_check_kernel(unsigned long long *bad, unsigned *first)
@@ -902,7 +873,7 @@ flf_quant_check_kernel(unsigned long long *bad, unsigned *first)
          i += 2 * stride) {
         uint32_t u0 = (uint32_t)i, u1 = (uint32_t)(i + stride < (1ull << 32) ? i + stride : i);
         float v0 = __uint_as_float(u0), v1 = __uint_as_float(u1);
-        uint32_t h = flf_quant2(v0, v1, 1.0f);
+        uint32_t h = fk_quant2(v0, v1, 1.0f, NULL);
         uint32_t r0 = __half_as_ushort(__float2half_rn(fk_quant_value(v0, 1.0f)));
         uint32_t r1 = __half_as_ushort(__float2half_rn(fk_quant_value(v1, 1.0f)));
 

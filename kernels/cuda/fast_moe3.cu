@@ -220,7 +220,8 @@ fm3_h(int pos)
 
 /*
  * REF quantization of a 128-column block held by a warp (v[i] = column
- * lane + 32 i): the expressions of fk_quant and of the exact path; codes to
+ * lane + 32 i): the codes and values of fk_quant and of the exact path
+ * (through fk_quant2: the hardware's conversion, the same bits); codes to
  * p4 (P4 order) and/or p8 (P8 order), their values as f16 (exact) to h4 /
  * h8 (v5's order, fm3_h), any may be NULL; the scale to *sp.
  */
@@ -229,11 +230,13 @@ fm3_quant_warp(const float (&v)[4], uint8_t *p4, uint8_t *p8, uint16_t *h4, uint
                float *sp)
 {
     int lane = threadIdx.x & 31;
-    float s = fk_quant_scale_warp(v);
+    float s = fk_quant_scale_warp(v), inv = 1.0f / s;   /* exact: s is a power of two or inf */
+    uint16_t c2[2];
+    uint32_t h2[2] = { fk_quant2(v[0], v[1], inv, &c2[0]), fk_quant2(v[2], v[3], inv, &c2[1]) };
 
     for (int i = 0; i < 4; i++) {
-        uint8_t c = cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f));
-        uint16_t hv = __half_as_ushort(__float2half_rn(cu_fp8_to_f32(c)));
+        uint8_t c = (uint8_t)(c2[i / 2] >> (8 * (i & 1)));
+        uint16_t hv = (uint16_t)(h2[i / 2] >> (16 * (i & 1)));
         int col = lane + 32 * i;
 
         if (p4 != NULL)

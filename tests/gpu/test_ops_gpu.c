@@ -526,24 +526,28 @@ test_indexer(void)
     free(q), free(w), free(keys);
 }
 
+/* T rows: 12 (the fast kernels' split form, fd_kernel) or more than 64
+ * (whole rows, fa_kernel); slot 0 the first 3/4 of them. */
 static void
-test_attention(void)
+test_attention(int T)
 {
-    int T = 12, H = 8, Dh = 128, win = 16, cap = 64, ratio = 4, K = 10, S = 2;
+    int H = 8, Dh = 128, win = 16, cap = 64, ratio = 4, K = 10, S = 2, T0 = T * 3 / 4;
     float *q = rand_bf16((int64_t)T * H * Dh, 1.0f), *kv = rand_bf16((int64_t)T * Dh, 1.0f);
     float *ring = rand_bf16((int64_t)S * win * Dh, 1.0f);
     float *comp = rand_bf16((int64_t)(S + 1) * cap * Dh, 1.0f);   /* paged: 3 pages */
     float *sink = rand_f32(H, 2.0f);
-    int32_t slot[12], pos[12], row0[12], pos0[12], sel[12 * 10], pages[2] = { 2, 0 };
+    int32_t *slot = malloc((size_t)T * 4), *pos = malloc((size_t)T * 4);
+    int32_t *row0 = malloc((size_t)T * 4), *pos0 = malloc((size_t)T * 4);
+    int32_t *sel = malloc((size_t)T * K * 4), pages[2] = { 2, 0 };
     struct pair pq, pkv, pring, pcomp, psink, psl, pps, pr0, pp0, psel, po, ppg;
 
-    /* slot 0: 9 rows continuing at 200; slot 1: 3 rows at 5 (short) */
+    /* slot 0: T0 rows continuing up to 208; slot 1: the others from 5 (short) */
     for (int t = 0; t < T; t++) {
-        int s = t < 9 ? 0 : 1;
+        int s = t < T0 ? 0 : 1;
 
         slot[t] = s;
-        pos0[t] = s == 0 ? 200 : 5;
-        row0[t] = s == 0 ? 0 : 9;
+        pos0[t] = s == 0 ? 209 - T0 : 5;   /* slot 0 ends at 208 */
+        row0[t] = s == 0 ? 0 : T0;
         pos[t] = pos0[t] + (t - row0[t]);
         for (int i = 0; i < K; i++) {
             int nv = (pos[t] + 1) / ratio;
@@ -557,11 +561,11 @@ test_attention(void)
     pcomp = pair_new(comp, (size_t)(S + 1) * cap * Dh * 4);
     ppg = pair_new(pages, sizeof(pages));
     psink = pair_new(sink, (size_t)H * 4);
-    psl = pair_new(slot, sizeof(slot));
-    pps = pair_new(pos, sizeof(pos));
-    pr0 = pair_new(row0, sizeof(row0));
-    pp0 = pair_new(pos0, sizeof(pos0));
-    psel = pair_new(sel, sizeof(sel));
+    psl = pair_new(slot, (size_t)T * 4);
+    pps = pair_new(pos, (size_t)T * 4);
+    pr0 = pair_new(row0, (size_t)T * 4);
+    pp0 = pair_new(pos0, (size_t)T * 4);
+    psel = pair_new(sel, (size_t)T * K * 4);
     po = pair_poison((int64_t)T * H * Dh);
     for (int mode = 0; mode < 3; mode++) {
         static const char *nm[] = { "attention swa", "attention hca", "attention csa" };
@@ -575,11 +579,56 @@ test_attention(void)
                                  psl.g, pps.g, pr0.g, pp0.g, T, H, Dh, win, cap, ratio, K,
                                  0.088f));
         check_f32(nm[mode], &po, (int64_t)T * H * Dh, BF16_ULP);   /* expf of the softmax */
+
+        /* attention_unrope (the last 64 dimensions rotated back): the CPU's
+         * composition against the CUDA op; then, on the CUDA side, the op's
+         * bits against its own attention + rope (the fused output stage of
+         * the fast kernels must not change a bit) */
+        {
+            static const char *nu[] = { "attention_unrope swa", "attention_unrope hca",
+                                        "attention_unrope csa" };
+            int off = Dh - 64, rd = 64, same = 0;
+            float fr[32], *g1, *g2;
+            enum dsv4_err e;
+            struct dsv4_attn ac = {
+                .out = po.c, .q = pq.c, .kv = pkv.c, .ring = pring.c, .comp = cc,
+                .pages = ppg.c, .sel = sc, .sink = psink.c, .slot = psl.c, .pos = pps.c,
+                .row0 = pr0.c, .pos0 = pp0.c, .T = T, .H = H, .Dh = Dh, .win = win,
+                .cap = cap, .ratio = ratio, .K = K, .scale = 0.088f,
+            };
+            struct dsv4_attn ag = {
+                .out = po.g, .q = pq.g, .kv = pkv.g, .ring = pring.g, .comp = cg,
+                .pages = ppg.g, .sel = sg, .sink = psink.g, .slot = psl.g, .pos = pps.g,
+                .row0 = pr0.g, .pos0 = pp0.g, .T = T, .H = H, .Dh = Dh, .win = win,
+                .cap = cap, .ratio = ratio, .K = K, .scale = 0.088f,
+            };
+
+            for (int i = 0; i < rd / 2; i++)
+                fr[i] = powf(10000.0f, -2.0f * i / rd);
+            BOTH(nu[mode], cpu->ops->attention_unrope(cpu, &ac, off, rd, fr),
+                 gpu->ops->attention_unrope(gpu, &ag, off, rd, fr));
+            check_f32(nu[mode], &po, (int64_t)T * H * Dh, 2 * BF16_ULP);
+            g1 = pair_gpu(&po);
+            e = gpu->ops->attention(gpu, po.g, pq.g, pkv.g, pring.g, cg, ppg.g, sg, psink.g,
+                                    psl.g, pps.g, pr0.g, pp0.g, T, H, Dh, win, cap, ratio, K,
+                                    0.088f);
+            BOTH(nu[mode], e,
+                 gpu->ops->rope(gpu, po.g, pps.g, T, H, (int64_t)H * Dh, Dh, off, rd, fr, 1));
+            g2 = pair_gpu(&po);
+            for (int64_t i = 0; i < (int64_t)T * H * Dh; i++)
+                same += memcmp(&g1[i], &g2[i], 4) == 0;
+            printf("%s %-28s cuda op == cuda attention + rope: %d of %lld\n",
+                   same == T * H * Dh ? "ok  " : "FAIL", nu[mode], same,
+                   (long long)T * H * Dh);
+            n_fail += same != T * H * Dh;
+            free(g1), free(g2);
+        }
     }
     pair_free(&pq), pair_free(&pkv), pair_free(&pring), pair_free(&pcomp), pair_free(&psink);
     pair_free(&psl), pair_free(&pps), pair_free(&pr0), pair_free(&pp0), pair_free(&psel);
     pair_free(&po), pair_free(&ppg);
     free(q), free(kv), free(ring), free(comp), free(sink);
+    free(slot), free(pos), free(row0), free(pos0), free(sel);
 }
 
 static void
@@ -756,7 +805,8 @@ main(int argc, char **argv)
         test_hc();
         test_compress();
         test_indexer();
-        test_attention();
+        test_attention(12);
+        test_attention(80);
         test_moe();
         test_sample();
         test_sample_vocab();
