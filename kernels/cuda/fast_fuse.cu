@@ -34,7 +34,10 @@
  * rows together.  v4 (default) is v3 but for larger calls of several heads
  * without FP8 sim (the per-head q of a prefill or a decode batch): a warp
  * per row, a block of FZ4_WARPS rows of one position sharing its RoPE
- * angles (fz_norm_rope4_kernel).
+ * angles (fz_norm_rope4_kernel).  norm_rope2 whose first call takes v4 and
+ * whose second takes v3 (a decode batch's q and window KV) runs both in one
+ * launch too (fz_norm_rope43_kernel: v4's blocks, then v3's), ahead of the
+ * two-v3 form.
  * Same expressions in the same order: the same bits.
  */
 #include <stdlib.h>
@@ -284,16 +287,15 @@ fz_norm_rope3x2_kernel(struct fz_nr2 a)
  */
 #define FZ4_WARPS 8
 
+/* Block `blk` of v4 on call a: rows blk * FZ4_WARPS .. + FZ4_WARPS - 1. */
 template <int J>
-static __global__ void __launch_bounds__(FZ4_WARPS * 32)
-fz_norm_rope4_kernel(struct fz_nr a)
+static __device__ __forceinline__ void
+fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
 {
-    cu_pdl_wait();   /* PDL: before any global access */
-    cu_pdl_trigger();
     constexpr int D = J * 32, NVW = fz_norm_threads(D) / 32;
     __shared__ float cs[FZ_MAX_PAIRS], sn[FZ_MAX_PAIRS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, has_w = a.w != NULL;
-    const int64_t r = (int64_t)blockIdx.x * FZ4_WARPS + warp;   /* the block's: one position */
+    const int64_t r = blk * FZ4_WARPS + warp;   /* the block's: one position */
     const int re = a.off + 2 * a.np;   /* the RoPE's elements: off .. re - 1 */
     uint16_t wb[J];
 
@@ -349,6 +351,34 @@ fz_norm_rope4_kernel(struct fz_nr a)
         if (a.dst != NULL)
             a.dst[drow * D + lane + 32 * j] = v[j];
     }
+}
+
+template <int J>
+static __global__ void __launch_bounds__(FZ4_WARPS * 32)
+fz_norm_rope4_kernel(struct fz_nr a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    fz_norm_rope4_block<J>(a, blockIdx.x);
+}
+
+/* norm_rope2 with call 0 on v4 (blocks [0, rows0 / FZ4_WARPS)) and call 1
+ * on v3 (a block a row after them): a decode batch's per-head q and its
+ * window KV in one launch, each with its own kernel's code (the same bits). */
+static_assert(FZ4_WARPS * 32 == FZ3_THREADS, "v4 and v3 blocks of one size");
+
+template <int J>
+static __global__ void __launch_bounds__(FZ3_THREADS)
+fz_norm_rope43_kernel(struct fz_nr2 a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    int nb0 = a.rows0 / FZ4_WARPS;
+
+    if ((int)blockIdx.x < nb0)
+        fz_norm_rope4_block<J>(a.c[0], blockIdx.x);
+    else
+        fz_norm_rope3_row(a.c[1], (int64_t)blockIdx.x - nb0);
 }
 
 /* Whether v4 takes call a of `rows` rows (fz_nr_make done). */
@@ -517,10 +547,34 @@ cuda_norm_rope2(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
     struct fz_nr2 k;
     int n = a->rows + b->rows;
 
-    /* one launch when both take v3 together (FZ3_MAX_PAIR rows in all) */
-    if (a->rows > 0 && b->rows > 0 && n <= FZ3_MAX_PAIR && fz_v3_shape_ok(a->D) &&
-        fz_v3_shape_ok(b->D) && fz_nr_make(be, &k.c[0], a) && fz_nr_make(be, &k.c[1], b)) {
-        k.rows0 = a->rows;
+    if (a->rows <= 0 || b->rows <= 0 || !fz_nr_make(be, &k.c[0], a) ||
+        !fz_nr_make(be, &k.c[1], b))
+        return dsv4_norm_rope2_compose(be, a, b);
+    k.rows0 = a->rows;
+    /* one launch: call 0 on v4 where it takes it (a batch's per-head q),
+     * call 1 on v3 (run 44: at batch 16 on one GPU this was two launches) */
+    if (fz4_takes(k.c[0], a->rows) && fz_v3_shape_ok(b->D) && b->rows <= FZ3_MAX_ROWS) {
+        unsigned blocks = (unsigned)(a->rows / FZ4_WARPS + b->rows);
+
+        switch (a->D) {
+        case 128:
+            cu_launch(fz_norm_rope43_kernel<4>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
+            break;
+        case 256:
+            cu_launch(fz_norm_rope43_kernel<8>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
+            break;
+        case 512:
+            cu_launch(fz_norm_rope43_kernel<16>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
+            break;
+        default:
+            cu_launch(fz_norm_rope43_kernel<32>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
+            break;
+        }
+        CUDA_LAUNCHED("fast norm_rope v4 + v3");
+        return DSV4_OK;
+    }
+    /* or both on v3 (FZ3_MAX_PAIR rows in all) */
+    if (n <= FZ3_MAX_PAIR && fz_v3_shape_ok(a->D) && fz_v3_shape_ok(b->D)) {
         cu_launch(fz_norm_rope3x2_kernel, n, FZ3_THREADS, 0, cuda_stream(be), k);
         CUDA_LAUNCHED("fast norm_rope x2");
         return DSV4_OK;

@@ -20,6 +20,8 @@
  *   nr_pair      nr_ent through norm_rope2: the first ceil(T/2) tokens' rows
  *                as one call, the rest as the other (T = 1: all in the
  *                first, an empty second);
+ *   nr_qkv       the attention's norm_rope2: nr_q's rows and nr_kv's in
+ *                one call (from 5 tokens q takes v4, kv v3: one launch);
  *   nr_idx       the indexer compressor's entries: 128 wide, RoPE of the
  *                last 64, no sim;
  *   comp4c, comp128c  compress with rows sharing slots (slot t % ceil(T/2),
@@ -223,7 +225,7 @@ arr_cmp_bytes(const struct arr *a, int T)
 /* --- cases ---------------------------------------------------------------------------- */
 
 enum form { F_FUSED, F_COMPOSED };
-enum kind { K_HC, K_NR, K_COMP, K_PRE, K_HEAD, K_NORM };
+enum kind { K_HC, K_NR, K_QKV, K_COMP, K_PRE, K_HEAD, K_NORM };
 
 struct kase {
     const char *name;
@@ -312,6 +314,34 @@ kase_run(struct dsv4_backend *be, struct kase *k, int T, enum form form)
             e = be->ops->fp8_sim(be, A(0), rows, k->D, k->sim_cols, 64);
         if (e == DSV4_OK && dst != NULL)
             e = be->ops->scatter_rows(be, dst, rw, A(0), rows, k->D);
+        return e;
+    }
+    case K_QKV: {   /* a[] = q (T * HEADS rows, no weight), kv (T rows: weight, FP8 sim) */
+        const uint16_t *w = g ? k->nw_g : k->nw_c;
+        const int32_t *pos = g ? k->pos_g : k->pos_c;
+        struct dsv4_norm_rope q = {
+            .x = A(0), .rows = T * HEADS, .D = k->D, .eps = 1e-6f, .pos = pos,
+            .heads = HEADS, .off = k->off, .rd = k->rd, .freqs = k->freqs,
+        };
+        struct dsv4_norm_rope kv = {
+            .x = A(1), .w = w, .rows = T, .D = k->D, .eps = 1e-6f, .pos = pos, .heads = 1,
+            .off = k->off, .rd = k->rd, .freqs = k->freqs, .sim_cols = k->sim_cols,
+            .sim_block = 64,
+        };
+        enum dsv4_err e;
+
+        if (form == F_FUSED)
+            return be->ops->norm_rope2(be, &q, &kv);
+        e = be->ops->rms_norm(be, A(0), A(0), NULL, T * HEADS, k->D, 1e-6f);
+        if (e == DSV4_OK)
+            e = be->ops->rope(be, A(0), pos, T, HEADS, (int64_t)HEADS * k->D, k->D, k->off,
+                              k->rd, k->freqs, 0);
+        if (e == DSV4_OK)
+            e = be->ops->rms_norm(be, A(1), A(1), w, T, k->D, 1e-6f);
+        if (e == DSV4_OK)
+            e = be->ops->rope(be, A(1), pos, T, 1, k->D, k->D, k->off, k->rd, k->freqs, 0);
+        if (e == DSV4_OK)
+            e = be->ops->fp8_sim(be, A(1), T, k->D, k->sim_cols, 64);
         return e;
     }
     case K_PRE:   /* a[] = x, post, comb, X */
@@ -506,9 +536,10 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
 {
     void *prev[MAX_ARRS] = { 0 };
     int prev_T = 0, fails = 0;
-    int has_co = k->kind == K_HC || k->kind == K_NR, has_v1 = k->kind != K_COMP;
-    int has_v3 = k->kind == K_HC || k->kind == K_PRE || k->kind == K_HEAD || k->kind == K_NR;
-    int has_v4 = k->kind == K_NR;
+    int nr = k->kind == K_NR || k->kind == K_QKV;
+    int has_co = k->kind == K_HC || nr, has_v1 = k->kind != K_COMP;
+    int has_v3 = k->kind == K_HC || k->kind == K_PRE || k->kind == K_HEAD || nr;
+    int has_v4 = nr;
 
     for (int ti = 0; ti < N_T; ti++) {
         int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0, n_v3 = 0, n_v4 = 0;
@@ -520,7 +551,7 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
 
         /* beyond 64 rows: the hc ops, and norm_rope of several heads (v4) */
         if (T > 64 && k->kind != K_HC && k->kind != K_PRE && k->kind != K_HEAD &&
-            !(k->kind == K_NR && k->heads > 1))
+            !(nr && k->heads > 1))
             continue;
 
         run_download(cpu, k, T, F_FUSED, rc);
@@ -776,6 +807,24 @@ make_nr_case(struct kase *k, const char *name, int D, int heads, int with_w, int
     }
 }
 
+/* nr_qkv: the attention's norm_rope2, the per-head q (nr_q's rows, a[0])
+ * with the window KV (nr_kv's rows, a[1]) in one call. */
+static void
+make_qkv_case(struct kase *k)
+{
+    size_t n = (size_t)T_MAX * HEAD_DIM;
+    uint16_t *w = host_norm_w(HEAD_DIM);
+
+    make_nr_case(k, "nr_qkv", HEAD_DIM, HEADS, 0, 0, 0);
+    k->kind = K_QKV;
+    k->sim_cols = NOPE;
+    both_upload((void **)&k->nw_c, (void **)&k->nw_g, w, (size_t)HEAD_DIM * 2);
+    free(w);
+    arr_make(&k->a[1], "kv", n * 4, host_vals(n, 3.0f, 0, 0, 0));
+    arr_out(&k->a[1], HEAD_DIM, 1, 0x1p-3, 0.80, 0);
+    k->n = 2;
+}
+
 static void
 make_comp_case(struct kase *k, const char *name, int r)
 {
@@ -821,7 +870,7 @@ int
 main(int argc, char **argv)
 {
     struct dsv4_cuda_timer *tm;
-    static struct kase ks[12];
+    static struct kase ks[16];
     int fails = 0, n_k = 0;
 
     rng_state = argc > 1 ? strtoull(argv[1], NULL, 10) : 20261202ull;
@@ -846,6 +895,7 @@ main(int argc, char **argv)
     make_nr_case(&ks[n_k++], "nr_ent", HEAD_DIM, 1, 1, NOPE, 1);
     make_nr_case(&ks[n_k++], "nr_pair", HEAD_DIM, 1, 1, NOPE, 1);
     ks[n_k - 1].pair = 1;
+    make_qkv_case(&ks[n_k++]);
     make_nr_case(&ks[n_k++], "nr_idx", IDX_DIM, 1, 1, 0, 0);
     make_comp_case(&ks[n_k++], "comp4c", 4);
     make_comp_case(&ks[n_k++], "comp128c", 128);
