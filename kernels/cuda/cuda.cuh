@@ -580,14 +580,21 @@ cu_rope_cs(float p, float f, int inverse, float &cs, float &sn)
         sn = -sn;
 }
 
+/* Element `odd` of the pair (u, v) rotated by (cs, sn), bf16-rounded. */
+static __device__ __forceinline__ float
+cu_rope_elem(float u, float v, float cs, float sn, int odd)
+{
+    return odd ? cu_bf16_round(u * sn + v * cs) : cu_bf16_round(u * cs - v * sn);
+}
+
 /* The pair (u, v) rotated by (cs, sn) in place, each output bf16-rounded. */
 static __device__ __forceinline__ void
 cu_rope_rot(float &u, float &v, float cs, float sn)
 {
     float a = u, b = v;
 
-    u = cu_bf16_round(a * cs - b * sn);
-    v = cu_bf16_round(a * sn + b * cs);
+    u = cu_rope_elem(a, b, cs, sn, 0);
+    v = cu_rope_elem(a, b, cs, sn, 1);
 }
 
 /* RoPE of the pair (u, v) at position p by frequency f, in place (rope_kernel). */
@@ -790,9 +797,9 @@ enum dsv4_err cuda_attention(struct dsv4_backend *be, float *out, const float *q
                              const int32_t *pos, const int32_t *row0, const int32_t *pos0,
                              int T, int H, int Dh, int win, int cap, int ratio, int K,
                              float scale);
-/* backend.h attention_unrope: the fast attention with the output's inverse
- * RoPE in its output stage where it applies (cuda_fast_attention's ur_*),
- * else dsv4_attention_unrope_compose. */
+/* backend.h attention_unrope (rd = 0: attention alone; cuda_attention is
+ * that): the fast attention with the output's inverse RoPE
+ * (cuda_fast_attention's ur_*), or the exact kernels and rope_kernel. */
 enum dsv4_err cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
                                     int rd, const float *freqs);
 
@@ -919,9 +926,10 @@ int cuda_fast_attention_ok(const float *out, const float *q, const float *kv,
                            const float *ring, const float *comp, int H, int Dh, int win,
                            int cap, int ratio);
 /* ur_rd > 0: then the output's inverse RoPE (rope(out, pos, T, H, H * Dh,
- * Dh, ur_off, ur_rd, ur_freqs, 1): ur_off even, ur_off + ur_rd <= Dh, ur_rd
- * / 2 <= CUDA_FA_UR_MAX, ur_freqs on the host), in the decode kernel's
- * (fd_kernel's) output stage, else as a rope launch after. */
+ * Dh, ur_off, ur_rd, ur_freqs, 1), ur_freqs on the host): in the decode
+ * kernel's (fd_kernel's) output stage where it applies (ur_off even, ur_off
+ * + ur_rd <= Dh, ur_rd / 2 <= CUDA_FA_UR_MAX, DSV4_CUDA_FUSE_UNROPE not 0),
+ * else as a rope launch after. */
 enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q,
                                   const float *kv, const float *ring, const float *comp,
                                   const int32_t *pages, const int32_t *sel, const float *sink,

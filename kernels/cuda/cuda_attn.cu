@@ -309,55 +309,53 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
                const int32_t *pos0, int T, int H, int Dh, int win, int cap, int ratio, int K,
                float scale)
 {
+    const struct dsv4_attn a = {
+        .out = out, .q = q, .kv = kv, .ring = ring, .comp = comp, .pages = pages, .sel = sel,
+        .sink = sink, .slot = slot, .pos = pos, .row0 = row0, .pos0 = pos0, .T = T, .H = H,
+        .Dh = Dh, .win = win, .cap = cap, .ratio = ratio, .K = K, .scale = scale,
+    };
+
+    return cuda_attention_unrope(be, &a, 0, 0, NULL);
+}
+
+/* attention with rd = 0, or attention_unrope: the fast kernels take the
+ * inverse RoPE themselves (cuda_fast_attention), the exact ones are
+ * followed by rope_kernel. */
+enum dsv4_err
+cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
+                      const float *freqs)
+{
     cudaStream_t s = cuda_stream(be);
-    int max_cand;
+    int T = a->T, H = a->H, Dh = a->Dh, max_cand;
     size_t cb, nb;
     char *base;
 
-    if (win < 1 || (comp != NULL && sel == NULL && ratio < 1))
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda attention: win=%d ratio=%d", win, ratio);
+    if (a->win < 1 || (a->comp != NULL && a->sel == NULL && a->ratio < 1))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda attention: win=%d ratio=%d", a->win,
+                            a->ratio);
     if (T <= 0 || H <= 0)
         return DSV4_OK;
     if (cuda_st(be)->fast_kernels &&
-        cuda_fast_attention_ok(out, q, kv, ring, comp, H, Dh, win, cap, ratio))
-        return cuda_fast_attention(be, out, q, kv, ring, comp, pages, sel, sink, slot, pos,
-                                   row0, pos0, T, H, Dh, win, cap, ratio, K, scale, 0, 0,
-                                   NULL);   /* fast_attention.cu */
-    max_cand = win + (comp == NULL ? 0 : sel != NULL ? K : cap);
+        cuda_fast_attention_ok(a->out, a->q, a->kv, a->ring, a->comp, H, Dh, a->win, a->cap,
+                               a->ratio))
+        return cuda_fast_attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages, a->sel,
+                                   a->sink, a->slot, a->pos, a->row0, a->pos0, T, H, Dh,
+                                   a->win, a->cap, a->ratio, a->K, a->scale, off, rd,
+                                   freqs);   /* fast_attention.cu */
+    max_cand = a->win + (a->comp == NULL ? 0 : a->sel != NULL ? a->K : a->cap);
     cb = cuda_align((size_t)T * max_cand * sizeof(float *));
     nb = cuda_align((size_t)T * sizeof(int));
     base = (char *)cuda_scratch(be, cb + nb + (size_t)T * H * max_cand * sizeof(float));
     if (base == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda attention: no scratch");
     attn_cand_kernel<<<cuda_blocks(T, 64), 64, 0, s>>>(
-        (const float **)base, (int *)(base + cb), kv, ring, comp, pages, sel, slot, pos, row0,
-        pos0, T, Dh, win, cap, ratio, K, max_cand);
+        (const float **)base, (int *)(base + cb), a->kv, a->ring, a->comp, a->pages, a->sel,
+        a->slot, a->pos, a->row0, a->pos0, T, Dh, a->win, a->cap, a->ratio, a->K, max_cand);
     CUDA_LAUNCHED("attn_cand");
     attn_kernel<<<(unsigned)((int64_t)T * H), ATTN_THREADS, 0, s>>>(
-        out, q, (const float *const *)base, (const int *)(base + cb), sink,
-        (float *)(base + cb + nb), H, Dh, max_cand, scale);
+        a->out, a->q, (const float *const *)base, (const int *)(base + cb), a->sink,
+        (float *)(base + cb + nb), H, Dh, max_cand, a->scale);
     CUDA_LAUNCHED("attention");
-    return DSV4_OK;
-}
-
-/* DSV4_CUDA_FUSE_UNROPE=0: the output's inverse RoPE as its own launch
- * (rope_kernel) after the fast attention, as before it was fused (the same
- * bits: docs/perf.md run 44). */
-static struct cuda_switch cuda_unrope_sw = CUDA_SWITCH("DSV4_CUDA_FUSE_UNROPE", 1);
-
-enum dsv4_err
-cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
-                      const float *freqs)
-{
-    if (a->win >= 1 && a->T > 0 && a->H > 0 && cuda_st(be)->fast_kernels &&
-        cuda_switch_on(&cuda_unrope_sw) && rd > 0 && rd % 2 == 0 &&
-        rd / 2 <= CUDA_FA_UR_MAX && off >= 0 && off % 2 == 0 && off + rd <= a->Dh &&
-        cuda_fast_attention_ok(a->out, a->q, a->kv, a->ring, a->comp, a->H, a->Dh, a->win,
-                               a->cap, a->ratio) &&
-        !(a->comp != NULL && a->sel == NULL && a->ratio < 1))
-        return cuda_fast_attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages, a->sel,
-                                   a->sink, a->slot, a->pos, a->row0, a->pos0, a->T, a->H,
-                                   a->Dh, a->win, a->cap, a->ratio, a->K, a->scale, off, rd,
-                                   freqs);
-    return dsv4_attention_unrope_compose(be, a, off, rd, freqs);
+    return rd > 0 ? cuda_rope(be, a->out, a->pos, T, H, (int64_t)H * Dh, Dh, off, rd, freqs, 1)
+                  : DSV4_OK;
 }

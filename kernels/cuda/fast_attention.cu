@@ -1066,6 +1066,23 @@ fd_cs(void)
     return v != NULL && strcmp(v, "8") == 0 ? 8 : FD_CS;
 }
 
+/* DSV4_CUDA_FUSE_UNROPE=0: the output's inverse RoPE as its own launch
+ * (rope_kernel) after fd_kernel too, as before it was fused (the same bits:
+ * docs/perf.md run 44). */
+static struct cuda_switch fa_unrope_sw = CUDA_SWITCH("DSV4_CUDA_FUSE_UNROPE", 1);
+
+/* The output's inverse RoPE as its own launch where the call asks for it
+ * (ur_rd > 0) and the kernel launched for `a` did not rotate (a.ur_np == 0). */
+static enum dsv4_err
+fa_unrope_after(struct dsv4_backend *be, const struct fa_args &a, int ur_off, int ur_rd,
+                const float *ur_freqs)
+{
+    if (ur_rd <= 0 || a.ur_np > 0)
+        return DSV4_OK;
+    return cuda_rope(be, a.out, a.pos, a.T, a.H, (int64_t)a.H * a.Dh, a.Dh, ur_off, ur_rd,
+                     ur_freqs, 1);
+}
+
 enum dsv4_err
 cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
                     const float *ring, const float *comp, const int32_t *pages,
@@ -1100,11 +1117,8 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     a.scale = scale;
     a.n_hg = (H + HG - 1) / HG;
     a.n_ch = 1;
-    if (ur_rd > 0) {
-        if (ur_rd % 2 != 0 || ur_rd / 2 > CUDA_FA_UR_MAX || ur_off < 0 || ur_off % 2 != 0 ||
-            ur_off + ur_rd > Dh)
-            return dsv4_err_set(DSV4_ERR_NOTSUP, "fast attention: inverse RoPE of %d dims "
-                                "from %d (Dh %d)", ur_rd, ur_off, Dh);
+    if (ur_rd > 0 && ur_rd % 2 == 0 && ur_rd / 2 <= CUDA_FA_UR_MAX && ur_off >= 0 &&
+        ur_off % 2 == 0 && ur_off + ur_rd <= Dh && cuda_switch_on(&fa_unrope_sw)) {
         a.ur_off = ur_off;
         a.ur_np = ur_rd / 2;
         for (int i = 0; i < a.ur_np; i++)
@@ -1128,12 +1142,13 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
             e = mt2 ? fd_launch_dh<2, 4>(be, a2, &launched) : fd_launch_dh<1, 4>(be, a2, &launched);
         else
             e = mt2 ? fd_launch_dh<2, 8>(be, a2, &launched) : fd_launch_dh<1, 8>(be, a2, &launched);
-        if (e != DSV4_OK || launched)
+        if (e != DSV4_OK)
             return e;
+        if (launched)
+            return fa_unrope_after(be, a2, ur_off, ur_rd, ur_freqs);
     }
-    /* fa_kernel and its combine rotate nothing: the inverse RoPE as its own
-     * launch (in fa_kernel's output stage it made a 2,048-token prefill
-     * slower, docs/perf.md run 44) */
+    /* fa_kernel and its combine rotate nothing (in fa_kernel's output stage
+     * it made a 2,048-token prefill slower, docs/perf.md run 44) */
     a.ur_off = a.ur_np = 0;
     if ((int64_t)T * a.n_hg <= FA_SPLIT_ROWS) {
         int n_ch = (max_cand + FA_CHUNK - 1) / FA_CHUNK;
@@ -1151,7 +1166,5 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
 
     if (e != DSV4_OK)
         return e;
-    return ur_rd > 0 ? cuda_rope(be, out, pos, T, H, (int64_t)H * Dh, Dh, ur_off, ur_rd,
-                                 ur_freqs, 1)
-                     : DSV4_OK;
+    return fa_unrope_after(be, a, ur_off, ur_rd, ur_freqs);
 }

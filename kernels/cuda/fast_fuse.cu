@@ -42,6 +42,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <type_traits>
 
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda/fast.cuh"
@@ -80,37 +81,23 @@ fz_row_normed(float *y, const float *v, const uint16_t *wb, float rs, int has_w,
     }
 }
 
-/* Element `odd` of the RoPE of the pair (u, v) by (cs, sn) (rope_kernel's
- * expressions). */
-static __device__ __forceinline__ float
-fz_rope_elem(float u, float v, float cs, float sn, int odd)
-{
-    return odd ? cu_bf16_round(u * sn + v * cs) : cu_bf16_round(u * cs - v * sn);
-}
-
-/* RoPE of the pair (off + 2i, off + 2i + 1) of y by (cs, sn). */
+/* RoPE of the pair (off + 2i, off + 2i + 1) of y by (cs, sn) (rope_kernel's
+ * expressions, cu_rope_rot). */
 static __device__ __forceinline__ void
 fz_rope_pair(float *y, int off, int i, float cs, float sn)
 {
-    float u = y[off + 2 * i], v = y[off + 2 * i + 1];
-
-    y[off + 2 * i] = fz_rope_elem(u, v, cs, sn, 0);
-    y[off + 2 * i + 1] = fz_rope_elem(u, v, cs, sn, 1);
+    cu_rope_rot(y[off + 2 * i], y[off + 2 * i + 1], cs, sn);
 }
 
 /* The RoPE angles of row r's position into cs, sn: pairs i0, i0 + step, ...
- * (v2's expressions: cos / sin in double of the fp32 angle). */
+ * (cu_rope_cs: cos / sin in double of the fp32 angle). */
 static __device__ __forceinline__ void
 fz_rope_angles(const struct fz_nr &a, int64_t r, int i0, int step, float *cs, float *sn)
 {
     float pf = (float)a.pos[r / a.heads];
 
-    for (int i = i0; i < a.np; i += step) {
-        float ang = pf * a.fr.f[i];
-
-        cs[i] = (float)cos((double)ang);
-        sn[i] = (float)sin((double)ang);
-    }
+    for (int i = i0; i < a.np; i += step)
+        cu_rope_cs(pf, a.fr.f[i], 0, cs[i], sn[i]);
 }
 
 /* FP8 sim of the first sim_cols values of y per sim_block (fp8_sim_kernel's
@@ -171,9 +158,10 @@ fz_norm_rope_kernel(struct fz_nr a)
             pf = (float)a.pos[r / a.heads];
 
         for (int i = tid; i < a.np; i += nt) {
-            float ang = pf * a.fr.f[i];
+            float cs, sn;
 
-            fz_rope_pair(y, a.off, i, (float)cos((double)ang), (float)sin((double)ang));
+            cu_rope_cs(pf, a.fr.f[i], 0, cs, sn);
+            fz_rope_pair(y, a.off, i, cs, sn);
         }
         __syncthreads();
     }
@@ -341,8 +329,8 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
         if (e >= a.off && e < re) {
             int i = (e - a.off) >> 1, odd = (e - a.off) & 1;
 
-            v[j] = odd ? fz_rope_elem(p, v[j], cs[i], sn[i], 1)
-                       : fz_rope_elem(v[j], p, cs[i], sn[i], 0);
+            v[j] = odd ? cu_rope_elem(p, v[j], cs[i], sn[i], 1)
+                       : cu_rope_elem(v[j], p, cs[i], sn[i], 0);
         }
     }
 #pragma unroll
@@ -390,26 +378,39 @@ fz4_takes(const struct fz_nr &a, int rows)
            (a.D == 128 || a.D == 256 || a.D == 512 || a.D == 1024);
 }
 
+/* f(std::integral_constant<int, J>()) for v4's J = D / 32 of the row widths
+ * fz4_takes allows (128, 256, 512, else 1024): the v4 kernels' template
+ * argument, chosen once for every launch of them. */
+template <typename F>
+static void
+fz4_by_j(int D, F f)
+{
+    switch (D) {
+    case 128:
+        f(std::integral_constant<int, 4>());
+        break;
+    case 256:
+        f(std::integral_constant<int, 8>());
+        break;
+    case 512:
+        f(std::integral_constant<int, 16>());
+        break;
+    default:
+        f(std::integral_constant<int, 32>());
+        break;
+    }
+}
+
 /* Launch v4 on call a of `rows` rows (fz4_takes). */
 static void
 fz4_launch(struct dsv4_backend *be, const struct fz_nr &a, int rows)
 {
     unsigned blocks = (unsigned)(rows / FZ4_WARPS);
 
-    switch (a.D) {
-    case 128:
-        cu_launch(fz_norm_rope4_kernel<4>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
-        break;
-    case 256:
-        cu_launch(fz_norm_rope4_kernel<8>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
-        break;
-    case 512:
-        cu_launch(fz_norm_rope4_kernel<16>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
-        break;
-    default:
-        cu_launch(fz_norm_rope4_kernel<32>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be), a);
-        break;
-    }
+    fz4_by_j(a.D, [&](auto j) {
+        cu_launch(fz_norm_rope4_kernel<decltype(j)::value>, blocks, FZ4_WARPS * 32, 0,
+                  cuda_stream(be), a);
+    });
 }
 
 static int fz_small_override = -1;   /* dsv4_cuda_set_small_kernels; -1: environment */
@@ -556,20 +557,10 @@ cuda_norm_rope2(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
     if (fz4_takes(k.c[0], a->rows) && fz_v3_shape_ok(b->D) && b->rows <= FZ3_MAX_ROWS) {
         unsigned blocks = (unsigned)(a->rows / FZ4_WARPS + b->rows);
 
-        switch (a->D) {
-        case 128:
-            cu_launch(fz_norm_rope43_kernel<4>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
-            break;
-        case 256:
-            cu_launch(fz_norm_rope43_kernel<8>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
-            break;
-        case 512:
-            cu_launch(fz_norm_rope43_kernel<16>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
-            break;
-        default:
-            cu_launch(fz_norm_rope43_kernel<32>, blocks, FZ3_THREADS, 0, cuda_stream(be), k);
-            break;
-        }
+        fz4_by_j(a->D, [&](auto j) {
+            cu_launch(fz_norm_rope43_kernel<decltype(j)::value>, blocks, FZ3_THREADS, 0,
+                      cuda_stream(be), k);
+        });
         CUDA_LAUNCHED("fast norm_rope v4 + v3");
         return DSV4_OK;
     }
