@@ -34,7 +34,16 @@
  * proxy (fence.proxy.async) and arrives at the stage's `full` mbarrier (128
  * arrivals).  Consumers wait on `full`, issue the block's 4 wgmma (scale-d
  * 0 on the first: a fresh fp32 partial per block), wait for them, add the
- * partial scaled, and arrive at `empty`.
+ * partial scaled (one fma a value), and arrive at `empty`.
+ *
+ * Tiles.  The grid is persistent: min(tiles, SMs) CTAs, CTA b taking tiles
+ * b, b + grid, ...; the ring's blocks are counted across a CTA's tiles, so
+ * the producer queues the next tile's first blocks while the consumers
+ * finish a tile and store it.  With K = 1,024 (wq_b: 8 blocks a tile) a
+ * CTA a tile spent a fifth of its time filling the ring and storing (one
+ * CTA an SM: nothing overlapped them); docs/perf.md run 45.  Token tiles
+ * vary fastest (g8_tile), so the CTAs running at one time share a few
+ * weight tiles.
  *
  * Numerics (REF).  Per 128-column block the tensor cores sum the 128
  * products of codes (exact) into blk (fp32; Hopper's FP8 accumulation is of
@@ -180,9 +189,83 @@ g8_load(const struct g8_args &a, int p, int n0, int t0, int kb, uint32_t sa, uin
     }
 }
 
+/* acc += blk * (s_w * s_x) for the block whose token scales are at sxt (one
+ * fma a value: blk * s_w * s_x is exact, both scales being powers of two, so
+ * the fused form rounds as the product's sum would, short of a product below
+ * 2^-126). */
+static __device__ __forceinline__ void
+g8_promote(float (&acc)[64], const float (&blk)[64], float sw, const float *sxt, int q)
+{
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int ii = 0; ii < 2; ii++) {
+            float f = sw * sxt[8 * j + 2 * q + ii];
+
+            acc[4 * j + ii] = __fmaf_rn(blk[4 * j + ii], f, acc[4 * j + ii]);
+            acc[4 * j + 2 + ii] = __fmaf_rn(blk[4 * j + 2 + ii], f, acc[4 * j + 2 + ii]);
+        }
+}
+
+/* Wait for block `it` of the ring and issue its 4 wgmma into blk (one group). */
+static __device__ __forceinline__ void
+g8_issue(float (&blk)[64], uint32_t sa, uint32_t sb, uint32_t full, int wg, int it)
+{
+    int st = it % G8_S;
+    uint32_t a0 = sa + st * G8_STAGE_A + wg * 64 * 128, b0 = sb + st * G8_STAGE_B;
+
+    wg_bar_wait(full + 8 * st, (uint32_t)((it / G8_S) & 1));
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+        g8_mma(blk, wg_desc_sw128(a0 + 32 * s), wg_desc_sw128(b0 + 32 * s), s);
+    wg_commit();
+}
+
+/* out[token][row] = bf16(acc) of the consumer thread's values of tile (n0, t0). */
+static __device__ __forceinline__ void
+g8_store(const struct g8_args &a, const float (&acc)[64], int n0, int t0, int wg, int warp,
+         int g, int q)
+{
+    /* a whole tile stores without a test per value */
+    float *o = a.out + (int64_t)(t0 + 2 * q) * a.N + n0 + wg * 64 + warp * 16 + g;
+    int whole = t0 + G8_BN <= a.T;
+
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int dt = 8 * j + (i & 1);
+
+            if (whole || t0 + 2 * q + dt < a.T)
+                o[(int64_t)dt * a.N + 8 * (i >> 1)] = cu_bf16_round(acc[4 * j + i]);
+        }
+}
+
 #endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
 
-/* Grid (N / 128 weight row tiles, ceil(T / 128) token tiles). */
+/*
+ * Tile u of a call: token tile u % nT (nT = ceil(T / 128)), weight row tile
+ * u / nT.  Token tiles vary fastest, so the CTAs running at one time share
+ * a few weight tiles (read from DRAM once, then from L2) and the whole
+ * activation matrix (T x K bytes, small), instead of sweeping all weights
+ * once per token tile.
+ */
+static __device__ __forceinline__ void
+g8_tile(const struct g8_args &a, int u, int *n0, int *t0)
+{
+    int nT = (a.T + G8_BN - 1) / G8_BN;
+
+    *n0 = (u / nT) * G8_BM;
+    *t0 = (u % nT) * G8_BN;
+}
+
+/*
+ * Persistent grid of min(tiles, SMs) CTAs; CTA b takes tiles b, b + grid,
+ * ...  The ring's blocks are counted across the CTA's tiles (it), so the
+ * producer queues the next tile's first blocks while the consumers finish
+ * the current one and write its outputs.
+ */
 static __global__ void __launch_bounds__(G8_THREADS, 1)
 g8_kernel(struct g8_args a)
 {
@@ -194,7 +277,7 @@ g8_kernel(struct g8_args a)
     uint32_t full = ss + G8_S * G8_BN * 4, empty = full + 8 * G8_S;
     const float *sxs = (const float *)(g8_sm + pad + G8_S * (G8_STAGE_A + G8_STAGE_B));
     int tid = threadIdx.x, wg = tid >> 7, nkt = a.K / 128;
-    int n0 = blockIdx.x * G8_BM, t0 = blockIdx.y * G8_BN;
+    int ntiles = (a.N / G8_BM) * ((a.T + G8_BN - 1) / G8_BN);
 
     if (tid == 0) {
         for (int s = 0; s < G8_S; s++) {
@@ -205,77 +288,68 @@ g8_kernel(struct g8_args a)
     __syncthreads();
 
     if (wg == 2) {
-        /* producer */
-        int p = tid - 256;
+        /* producer: block `it` of the CTA's sequence goes to stage it % S */
+        int p = tid - 256, it = 0;
 
-        for (int kt = 0; kt < nkt; kt++) {
-            int st = kt % G8_S;
+        for (int u = blockIdx.x; u < ntiles; u += gridDim.x) {
+            int n0, t0;
 
-            if (kt >= G8_S)
-                wg_bar_wait(empty + 8 * st, (uint32_t)((kt / G8_S - 1) & 1));
-            g8_load(a, p, n0, t0, kt, sa + st * G8_STAGE_A, sb + st * G8_STAGE_B,
-                    ss + st * G8_BN * 4);
-            wg_cp_commit_mem();
-            if (kt >= G8_LAG) {
-                /* block kt - LAG (and all before it) landed */
-                wg_cp_wait_mem<G8_LAG>();
-                wg_fence_proxy();
-                wg_bar_arrive(full + 8 * ((kt - G8_LAG) % G8_S));
+            g8_tile(a, u, &n0, &t0);
+            for (int kt = 0; kt < nkt; kt++, it++) {
+                int st = it % G8_S;
+
+                if (it >= G8_S)
+                    wg_bar_wait(empty + 8 * st, (uint32_t)((it / G8_S - 1) & 1));
+                g8_load(a, p, n0, t0, kt, sa + st * G8_STAGE_A, sb + st * G8_STAGE_B,
+                        ss + st * G8_BN * 4);
+                wg_cp_commit_mem();
+                if (it >= G8_LAG) {
+                    /* block it - LAG (and all before it) landed */
+                    wg_cp_wait_mem<G8_LAG>();
+                    wg_fence_proxy();
+                    wg_bar_arrive(full + 8 * ((it - G8_LAG) % G8_S));
+                }
             }
         }
         wg_cp_wait_mem<0>();
         wg_fence_proxy();
-        for (int kt = nkt - G8_LAG > 0 ? nkt - G8_LAG : 0; kt < nkt; kt++)
-            wg_bar_arrive(full + 8 * (kt % G8_S));
+        for (int j = it - G8_LAG > 0 ? it - G8_LAG : 0; j < it; j++)
+            wg_bar_arrive(full + 8 * (j % G8_S));
         return;
     }
 
     {
-        /* consumers: warpgroup wg has weight rows n0 + 64 wg .. + 63 */
-        int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
-        const uint8_t *wsr = a.ws + (int64_t)(n0 / 128) * nkt;
-        float acc[64], blk[64];
+        /* consumers: warpgroup wg has weight rows n0 + 64 wg .. + 63 of each tile */
+        int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3, it = 0;
 
-#pragma unroll
-        for (int i = 0; i < 64; i++) {
-            acc[i] = 0.0f;
-            blk[i] = 0.0f;
-        }
-        for (int kt = 0; kt < nkt; kt++) {
-            int st = kt % G8_S;
-            uint32_t a0 = sa + st * G8_STAGE_A + wg * 64 * 128, b0 = sb + st * G8_STAGE_B;
-            float sw = cu_e8m0_to_f32(__ldg(wsr + kt));
-            const float *sxt = sxs + st * G8_BN;
+        for (int u = blockIdx.x; u < ntiles; u += gridDim.x) {
+            int n0, t0;
+            const uint8_t *wsr;
+            float acc[64], blk[64];
+            uint8_t wnext;
 
-            wg_bar_wait(full + 8 * st, (uint32_t)((kt / G8_S) & 1));
-            wg_fence();
+            g8_tile(a, u, &n0, &t0);
+            wsr = a.ws + (int64_t)(n0 / 128) * nkt;
+            wnext = __ldg(wsr);
 #pragma unroll
-            for (int s = 0; s < 4; s++)
-                g8_mma(blk, wg_desc_sw128(a0 + 32 * s), wg_desc_sw128(b0 + 32 * s), s);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold(blk);
-#pragma unroll
-            for (int j = 0; j < 16; j++)
-#pragma unroll
-                for (int ii = 0; ii < 2; ii++) {
-                    float f = sw * sxt[8 * j + 2 * q + ii];
-
-                    acc[4 * j + ii] += blk[4 * j + ii] * f;
-                    acc[4 * j + 2 + ii] += blk[4 * j + 2 + ii] * f;
-                }
-            wg_bar_arrive(empty + 8 * st);
-        }
-#pragma unroll
-        for (int j = 0; j < 16; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int t = t0 + 8 * j + 2 * q + (i & 1);
-
-                if (t < a.T)
-                    a.out[(int64_t)t * a.N + n0 + wg * 64 + warp * 16 + g + 8 * (i >> 1)] =
-                        cu_bf16_round(acc[4 * j + i]);
+            for (int i = 0; i < 64; i++) {
+                acc[i] = 0.0f;
+                blk[i] = 0.0f;
             }
+            for (int kt = 0; kt < nkt; kt++, it++) {
+                float sw = cu_e8m0_to_f32(wnext);
+
+                /* the next block's weight scale, a block ahead of its use */
+                if (kt + 1 < nkt)
+                    wnext = __ldg(wsr + kt + 1);
+                g8_issue(blk, sa, sb, full, wg, it);
+                wg_wait<0>();
+                wg_hold(blk);
+                g8_promote(acc, blk, sw, sxs + (it % G8_S) * G8_BN, q);
+                wg_bar_arrive(empty + 8 * (it % G8_S));
+            }
+            g8_store(a, acc, n0, t0, wg, warp, g, q);
+        }
     }
 #endif
 }
@@ -305,7 +379,8 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
     static size_t smem_done[CUDA_MAX_DEV];
     int N = W->n_out, K = W->n_in, nb = K / 128;
     size_t bq = cuda_align((size_t)T * K);
-    int64_t warps = (int64_t)T * nb;
+    int64_t warps = (int64_t)T * nb, tiles;
+    int grid;
     struct g8_args a;
     enum dsv4_err e;
     char *p;
@@ -332,8 +407,9 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
     g8_prep_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(
         (uint8_t *)a.xq, (float *)a.sx, x, T, K);
     CUDA_LAUNCHED("fast gemm8 prep");
-    g8_kernel<<<dim3((unsigned)(N / G8_BM), (unsigned)((T + G8_BN - 1) / G8_BN)), G8_THREADS,
-                G8_SMEM, cuda_stream(be)>>>(a);
+    tiles = (int64_t)(N / G8_BM) * ((T + G8_BN - 1) / G8_BN);
+    grid = tiles < cuda_sms(be) ? (int)tiles : cuda_sms(be);
+    g8_kernel<<<grid, G8_THREADS, G8_SMEM, cuda_stream(be)>>>(a);
     CUDA_LAUNCHED("fast gemm8");
     return DSV4_OK;
 }

@@ -1,9 +1,10 @@
 /*
  * gpu_test_util.h — small helpers shared by the whole-forward GPU tests
  * (tests/gpu/test_forward_gpu.c, tests/gpu/test_decode_gpu.c, test_tp_gpu.c,
- * test_share_gpu.c): wall clock, greedy argmax, logits row error, qsort
- * comparator, the flash config cut to a few layers, a seeded random
- * sequence and the CUDA backend with its timer (tests/gpu/bench_woa.c).
+ * test_share_gpu.c): wall clock, greedy argmax, byte and logits digests,
+ * logits row error, qsort comparator, the flash config cut to a few layers,
+ * a seeded random sequence and the CUDA backend with its timer
+ * (tests/gpu/bench_woa.c).
  */
 #ifndef DSV4_TESTS_GPU_GPU_TEST_UTIL_H
 #define DSV4_TESTS_GPU_GPU_TEST_UTIL_H
@@ -53,6 +54,25 @@ argmax(const float *l, int V)
         if (l[i] > l[b])
             b = i;
     return b;
+}
+
+/* FNV-1a of n bytes (equal digests: the same bits). */
+static inline uint64_t
+digest_bytes(const void *p, size_t n)
+{
+    const unsigned char *b = (const unsigned char *)p;
+    uint64_t h = 1469598103934665603ull;
+
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* digest_bytes of n floats (a logits row, or several). */
+static inline uint64_t
+logits_digest(const float *l, size_t n)
+{
+    return digest_bytes(l, n * sizeof(float));
 }
 
 /* ||g - c|| / ||c|| of one logits row; *max_abs = max |g - c|. */

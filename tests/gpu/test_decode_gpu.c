@@ -47,8 +47,9 @@
  * one sequence of T tokens prefilled from an empty slot in chunks of 512
  * tokens and in one call of T, with the exact kernels and with the fast
  * ones (dsv4_cuda_set_kernels): wall ms per prompt token of each (after a
- * warm-up prefill), and the last token's greedy pick of every run (fast vs
- * exact: reported, not checked; the fast kernels differ by rounding).  One
+ * warm-up prefill), and the last token's greedy pick and the digest of its
+ * logits of every run (fast vs exact: reported, not checked; the fast
+ * kernels differ by rounding; equal digests of one kind: the same bits).  One
  * fast prefill in chunks of 512 (or of DSV4_TEST_PROFILE_CHUNK tokens) runs
  * between cudaProfilerStart/Stop (for `ncu --profile-from-start off`: its
  * per-kernel breakdown).
@@ -542,15 +543,8 @@ run_profile(int layers, int batch)
         ms_graph = decode_steps(gm, batch, 20, V, lg, tg);
         /* the last graphed step's logits: the same bits under settings that
          * must not change them (DSV4_CUDA_HC_DEFER, DSV4_CUDA_SIDE, ...) */
-        {
-            uint64_t h = 1469598103934665603ull;
-            const unsigned char *bytes = (const unsigned char *)lg;
-
-            for (size_t i = 0; i < (size_t)batch * V * sizeof(float); i++)
-                h = (h ^ bytes[i]) * 1099511628211ull;
-            printf("   profile: last graphed step's logits digest %016llx\n",
-                   (unsigned long long)h);
-        }
+        printf("   profile: last graphed step's logits digest %016llx\n",
+               (unsigned long long)logits_digest(lg, (size_t)batch * V));
         /* as the ranks run it: graphed, sampled on the GPU, only ids back */
         {
             struct dsv4_sample_params sp[16];
@@ -590,13 +584,14 @@ run_profile(int layers, int batch)
 /* --- prefill ---------------------------------------------------------------- */
 
 /* Prefill `T` tokens into empty slot 0 in calls of `chunk`; wall ms per
- * token; *pick: the greedy pick after the last token. */
+ * token; *pick: the greedy pick after the last token, *digest: the digest of
+ * its logits (equal digests: the same bits). */
 static double
 prefill_run(struct dsv4_model *m, const int32_t *tok, int T, int chunk, int V, float *lg,
-            int *pick)
+            int *pick, uint64_t *digest)
 {
     int32_t slot = 0;
-    double t0;
+    double t0, ms;
 
     TRY("seq_reset", dsv4_model_seq_reset(m, 0));
     cudaDeviceSynchronize();
@@ -608,8 +603,10 @@ prefill_run(struct dsv4_model *m, const int32_t *tok, int T, int chunk, int V, f
         TRY("prefill", dsv4_model_forward(m, &b, lg, 0));
     }
     cudaDeviceSynchronize();
+    ms = (now_ms() - t0) / T;
     *pick = argmax(lg, V);
-    return (now_ms() - t0) / T;
+    *digest = logits_digest(lg, (size_t)V);
+    return ms;
 }
 
 static int
@@ -622,6 +619,7 @@ run_prefill(int layers, int T)
     struct dsv4_model *m;
     struct dsv4_model_opts opts = { 0 };
     int V, pick[2][2], chunks[2] = { 512, T };
+    uint64_t dig[2][2], dig_w;
     double ms[2][2];
     int32_t *tok;
     float *lg;
@@ -643,9 +641,10 @@ run_prefill(int layers, int T)
         tok[i] = (int32_t)((i * 2654435761u + 7) % (unsigned)V);
     for (int k = 0; k < 2; k++) {
         TRY("set_kernels", dsv4_cuda_set_kernels(gb, k));
-        (void)prefill_run(m, tok, T < 512 ? T : 512, 512, V, lg, &pick[k][0]);   /* warm-up */
+        (void)prefill_run(m, tok, T < 512 ? T : 512, 512, V, lg, &pick[k][0],
+                          &dig_w);   /* warm-up */
         for (int c = 0; c < 2; c++)
-            ms[k][c] = prefill_run(m, tok, T, chunks[c], V, lg, &pick[k][c]);
+            ms[k][c] = prefill_run(m, tok, T, chunks[c], V, lg, &pick[k][c], &dig[k][c]);
     }
     TRY("set_kernels", dsv4_cuda_set_kernels(gb, 1));
     {   /* the profiled run: chunks of DSV4_TEST_PROFILE_CHUNK (default 512) */
@@ -653,14 +652,15 @@ run_prefill(int layers, int T)
         int chunk = pc != NULL && atoi(pc) > 0 ? atoi(pc) : 512;
 
         cudaProfilerStart();
-        (void)prefill_run(m, tok, T, chunk, V, lg, &pick[1][0]);
+        (void)prefill_run(m, tok, T, chunk, V, lg, &pick[1][0], &dig_w);
         cudaProfilerStop();
     }
     for (int k = 0; k < 2; k++)
         for (int c = 0; c < 2; c++)
             printf("| prefill | flash widths, %d layers | %d tokens | chunks of %d | %s kernels "
-                   "| %.3f ms per prompt token | %.1f ms in all | last pick %d |\n", layers, T,
-                   chunks[c], kname[k], ms[k][c], ms[k][c] * T, pick[k][c]);
+                   "| %.3f ms per prompt token | %.1f ms in all | last pick %d | logits digest "
+                   "%016llx |\n", layers, T, chunks[c], kname[k], ms[k][c], ms[k][c] * T,
+                   pick[k][c], (unsigned long long)dig[k][c]);
     printf("prefill: fast / exact time, chunks of 512: %.3f, one call: %.3f; last picks "
            "fast == exact: %s\n", ms[1][0] / ms[0][0], ms[1][1] / ms[0][1],
            pick[1][0] == pick[0][0] && pick[1][1] == pick[0][1] ? "yes" : "no (rounding)");

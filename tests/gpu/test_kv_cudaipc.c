@@ -188,18 +188,6 @@ side_close(struct side *s)
     dsv4_backend_destroy(s->be);
 }
 
-/* FNV-1a of a logits row. */
-static uint64_t
-row_hash(const float *l, int V)
-{
-    const unsigned char *b = (const unsigned char *)l;
-    uint64_t h = 1469598103934665603ull;
-
-    for (size_t i = 0; i < (size_t)V * sizeof(float); i++)
-        h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
-
 /* Decode ids[prompt, prompt + steps) in `slot`, one hash per step. */
 static void
 decode_steps(struct side *s, int32_t slot, uint64_t *hash)
@@ -209,7 +197,7 @@ decode_steps(struct side *s, int32_t slot, uint64_t *hash)
     for (int i = 0; i < steps; i++) {
         struct dsv4_batch b = { 1, &slot, &one, &ids[prompt + i] };
         TRY("decode step", dsv4_model_forward(s->m, &b, s->logits, 0));
-        hash[i] = row_hash(s->logits, s->V);
+        hash[i] = logits_digest(s->logits, (size_t)s->V);
     }
 }
 

@@ -71,17 +71,6 @@ struct result {
     char err[512];
 };
 
-static uint64_t
-fnv(const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    uint64_t h = 1469598103934665603ull;
-
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
-
 #define RTRY(what, expr)                                                           \
     do {                                                                           \
         if ((expr) != DSV4_OK) {                                                   \
@@ -203,7 +192,7 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
         RTRY("prefill", dsv4_model_forward(m, &b, lg, 0));
         r->ms_prefill = now_ms() - t0;
     }
-    r->hash[0] = fnv(lg, (size_t)B * V * sizeof(float));
+    r->hash[0] = digest_bytes(lg, (size_t)B * V * sizeof(float));
     for (int i = 0; i < B; i++) {
         cur[i] = argmax(lg + (size_t)i * V, V);
         ntok[i] = 1;
@@ -213,7 +202,7 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
         struct dsv4_batch b = { B, slot, ntok, cur };
 
         RTRY("decode b16", dsv4_model_forward(m, &b, lg, 0));
-        r->hash[1 + s] = fnv(lg, (size_t)B * V * sizeof(float));
+        r->hash[1 + s] = digest_bytes(lg, (size_t)B * V * sizeof(float));
         for (int i = 0; i < B; i++) {
             cur[i] = argmax(lg + (size_t)i * V, V);
             r->tok[(size_t)s * B + i] = cur[i];
@@ -229,7 +218,7 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
         struct dsv4_batch b = { 1, slot, ntok, cur };
 
         RTRY("decode b1", dsv4_model_forward(m, &b, lg, 0));
-        r->hash[1 + steps + s] = fnv(lg, (size_t)V * sizeof(float));
+        r->hash[1 + steps + s] = digest_bytes(lg, (size_t)V * sizeof(float));
         cur[0] = argmax(lg, V);
     }
     r->ms_b1 = (now_ms() - t0) / B1_STEPS;
@@ -374,7 +363,7 @@ compare(const char *what, const struct result *a, const struct result *b)
 static void
 times(const char *what, const struct result *r)
 {
-    uint64_t digest = fnv(r->hash, (size_t)(steps + B1_STEPS + 1) * sizeof(*r->hash));
+    uint64_t digest = digest_bytes(r->hash, (size_t)(steps + B1_STEPS + 1) * sizeof(*r->hash));
     printf("| %s | weights %.1f GiB in %.0f ms | prefill 16 prompts (1,160 tokens) %.0f ms | "
            "decode b16 %.2f ms/step | b1 %.2f ms/step (logits to the host, checked) | "
            "GPU-sampled b16 %.2f ms/step, b1 %.2f ms/step | finite %s | logits digest "
