@@ -53,6 +53,7 @@
 #define FC_THREADS 128
 #define FC_CHAIN_MAX_T 64    /* calls up to this many rows run slot chains in parallel */
 #define FCP_MAX_K 4          /* prefill form: window rows per lane (c*r <= 128) */
+#define FCP_STATE_ROWS 32    /* prefill form: rows of a state block's chunk */
 
 /* Row t of the channel ch on one warp: the state writes, the entry when the
  * row emits, the overlap shift at the end of a window (see above). */
@@ -201,9 +202,41 @@ fcp_check_kernel(const int32_t *slot, const int32_t *pos, const int32_t *emit, i
         fcp_ok = !bad;
 }
 
+/* The first row t in [t, t1) with emit[t] >= 0, else t1: the warp's lanes
+ * test 32 rows a load (the result is warp-uniform). */
+static __device__ __forceinline__ int
+fcp_next(const int32_t *emit, int t, int t1, int lane)
+{
+    for (; t < t1; t += 32) {
+        unsigned m = __ballot_sync(0xffffffffu, t + lane < t1 && emit[t + lane] >= 0);
+
+        if (m != 0)
+            return t + __ffs((int)m) - 1;
+    }
+    return t1;
+}
+
+/* The first row u in [u, u1) that ends its slot's run in the call (the
+ * call's last row, or the next row is of another slot), else u1; as
+ * fcp_next. */
+static __device__ __forceinline__ int
+fcp_next_end(const int32_t *slot, int u, int u1, int T, int lane)
+{
+    for (; u < u1; u += 32) {
+        int v = u + lane;
+        unsigned m = __ballot_sync(0xffffffffu,
+                                   v < u1 && (v + 1 == T || slot[v + 1] != slot[v]));
+
+        if (m != 0)
+            return u + __ffs((int)m) - 1;
+    }
+    return u1;
+}
+
 /*
- * Entries: block (x, y) takes the rows y, y + gridDim.y, ... that emit; a
- * warp per channel.  State slot k of row t's window (position
+ * Entries: block (x, y) takes the rows of [y r, y r + r) that emit (about
+ * one: in a run of consecutive positions, one window's last row); a warp
+ * per channel.  State slot k of row t's window (position
  * q = pos[t] - c*r + 1 + k) is call row u = t - (c*r - 1 - k) when that row
  * is of the same slot (runs are contiguous), else the pre-call state: its
  * slot k, except for an overlap previous-window slot whose window was
@@ -223,14 +256,13 @@ fcp_entry_kernel(float *entries, const float *state_kv, const float *state_z, co
 
     if (!fcp_ok || ch >= d)
         return;   /* whole warps (fcp_ok is grid-uniform) */
-    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+    for (int t1 = min(T, (int)blockIdx.y * r + r), t = fcp_next(emit, blockIdx.y * r, t1, lane);
+         t < t1; t = fcp_next(emit, t + 1, t1, lane)) {
         int s, shifted;
         const float *kv, *zs;
         float m = -__int_as_float(0x7f800000), den = 0.0f, acc = 0.0f;
         float lv[FCP_MAX_K], vv[FCP_MAX_K];
 
-        if (emit[t] < 0)
-            continue;
         s = slot[t];
         kv = state_kv + s * pool;
         zs = state_z + s * pool;
@@ -276,9 +308,72 @@ fcp_mod(int x, int r)
     return (x % r + r) % r;
 }
 
+/* The state fc_kernel leaves after row u1, the last of its slot's run in
+ * the call, for channel ch (one warp; see fcp_state_kernel). */
+static __device__ __forceinline__ void
+fcp_state_row(float *state_kv, float *state_z, const float *a, const float *z,
+              const float *ape, const int32_t *slot, const int32_t *pos, int u1, int64_t ch,
+              int lane, int r, int d, int c)
+{
+    int64_t cd = (int64_t)c * d, pool = (int64_t)c * r * cd;
+    int s = slot[u1], p1 = pos[u1];
+    float *kv = state_kv + s * pool, *zs = state_z + s * pool;
+
+    if (c == 1) {
+        for (int j = lane; j < r; j += 32) {
+            int u = u1 - fcp_mod(p1 - j, r);
+
+            if (u >= 0 && slot[u] == s) {
+                kv[(int64_t)j * cd + ch] = a[u * cd + ch];
+                zs[(int64_t)j * cd + ch] = z[u * cd + ch] + ape[(int64_t)j * cd + ch];
+            }
+        }
+        return;
+    }
+    /* overlap: lane i < c*r takes slot j = i / c, half h = i % c */
+    {
+        int i = lane, j = i / c, has_cur = 0, has_prev = 0;
+        int64_t col = (int64_t)(i % c) * d + ch;
+        float ck = 0.0f, cz = 0.0f, pk = 0.0f, pz = 0.0f;
+
+        if (i < c * r) {
+            int u = u1 - fcp_mod(p1 - j, r), ue = u1 - fcp_mod(p1 - (r - 1), r);
+
+            if (u >= 0 && slot[u] == s) {
+                has_cur = 1;
+                ck = a[u * cd + col];
+                cz = z[u * cd + col] + ape[(int64_t)j * cd + col];
+            }
+            if (ue >= 0 && slot[ue] == s) {   /* a window ended in the run */
+                int v = ue - (r - 1) + j;
+
+                has_prev = 1;
+                if (v >= 0 && slot[v] == s) {
+                    pk = a[v * cd + col];
+                    pz = z[v * cd + col] + ape[(int64_t)j * cd + col];
+                } else {
+                    pk = kv[(int64_t)(r + j) * cd + col];
+                    pz = zs[(int64_t)(r + j) * cd + col];
+                }
+            }
+        }
+        __syncwarp();
+        if (has_prev) {
+            kv[(int64_t)j * cd + col] = pk;
+            zs[(int64_t)j * cd + col] = pz;
+        }
+        if (has_cur) {
+            kv[(int64_t)(r + j) * cd + col] = ck;
+            zs[(int64_t)(r + j) * cd + col] = cz;
+        }
+        __syncwarp();
+    }
+}
+
 /*
- * State: block (x, y) takes the rows y, y + gridDim.y, ... that end their
- * slot's run (u1); a warp per channel writes the state fc_kernel leaves
+ * State: block (x, y) takes the rows of its chunks of FCP_STATE_ROWS rows
+ * (chunks y, y + gridDim.y, ...) that end their slot's run (u1), found 32
+ * rows a load; a warp per channel writes the state fc_kernel leaves
  * after the run (see the head of the file), reading before it writes (the
  * previous-window values may come from the pre-call current slots).  When
  * fcp_ok is 0, blocks y == 0 run fc_kernel's loop instead.
@@ -292,7 +387,6 @@ fcp_state_kernel(float *entries, float *state_kv, float *state_z, const float *a
     cu_pdl_trigger();
     int64_t ch = (blockIdx.x * (int64_t)FC_THREADS + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
-    int64_t cd = (int64_t)c * d, pool = (int64_t)c * r * cd;
 
     if (ch >= d)
         return;   /* whole warps */
@@ -303,61 +397,12 @@ fcp_state_kernel(float *entries, float *state_kv, float *state_z, const float *a
                        d, c);
         return;
     }
-    for (int u1 = blockIdx.y; u1 < T; u1 += gridDim.y) {
-        int s = slot[u1], p1 = pos[u1];
-        float *kv = state_kv + s * pool, *zs = state_z + s * pool;
+    for (int q = blockIdx.y * FCP_STATE_ROWS; q < T; q += gridDim.y * FCP_STATE_ROWS) {
+        int q1 = min(T, q + FCP_STATE_ROWS);
 
-        if (u1 + 1 < T && slot[u1 + 1] == s)
-            continue;   /* not the run's last row */
-        if (c == 1) {
-            for (int j = lane; j < r; j += 32) {
-                int u = u1 - fcp_mod(p1 - j, r);
-
-                if (u >= 0 && slot[u] == s) {
-                    kv[(int64_t)j * cd + ch] = a[u * cd + ch];
-                    zs[(int64_t)j * cd + ch] = z[u * cd + ch] + ape[(int64_t)j * cd + ch];
-                }
-            }
-            continue;
-        }
-        /* overlap: lane i < c*r takes slot j = i / c, half h = i % c */
-        {
-            int i = lane, j = i / c, has_cur = 0, has_prev = 0;
-            int64_t col = (int64_t)(i % c) * d + ch;
-            float ck = 0.0f, cz = 0.0f, pk = 0.0f, pz = 0.0f;
-
-            if (i < c * r) {
-                int u = u1 - fcp_mod(p1 - j, r), ue = u1 - fcp_mod(p1 - (r - 1), r);
-
-                if (u >= 0 && slot[u] == s) {
-                    has_cur = 1;
-                    ck = a[u * cd + col];
-                    cz = z[u * cd + col] + ape[(int64_t)j * cd + col];
-                }
-                if (ue >= 0 && slot[ue] == s) {   /* a window ended in the run */
-                    int v = ue - (r - 1) + j;
-
-                    has_prev = 1;
-                    if (v >= 0 && slot[v] == s) {
-                        pk = a[v * cd + col];
-                        pz = z[v * cd + col] + ape[(int64_t)j * cd + col];
-                    } else {
-                        pk = kv[(int64_t)(r + j) * cd + col];
-                        pz = zs[(int64_t)(r + j) * cd + col];
-                    }
-                }
-            }
-            __syncwarp();
-            if (has_prev) {
-                kv[(int64_t)j * cd + col] = pk;
-                zs[(int64_t)j * cd + col] = pz;
-            }
-            if (has_cur) {
-                kv[(int64_t)(r + j) * cd + col] = ck;
-                zs[(int64_t)(r + j) * cd + col] = cz;
-            }
-            __syncwarp();
-        }
+        for (int u1 = fcp_next_end(slot, q, q1, T, lane); u1 < q1;
+             u1 = fcp_next_end(slot, u1 + 1, q1, T, lane))
+            fcp_state_row(state_kv, state_z, a, z, ape, slot, pos, u1, ch, lane, r, d, c);
     }
 }
 
