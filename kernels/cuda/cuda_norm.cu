@@ -89,6 +89,37 @@ rope_kernel(float *x, const int32_t *pos, int T, int n_heads, int64_t row_stride
     v[2 * i + 1] = b;
 }
 
+/*
+ * The same rotation, one block per row t: the row's cos / sin per pair
+ * worked out once into shared memory (rope_kernel works them out again for
+ * every head), then every head's pairs.  For rows of many heads (the
+ * attention output's inverse RoPE at prefill: 64 heads x 32 pairs a row).
+ */
+static __global__ void
+rope_rows_kernel(float *x, const int32_t *pos, int n_heads, int64_t row_stride,
+                 int64_t head_stride, int off, int np, struct rope_freqs fr, int inverse)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    __shared__ float cs[ROPE_MAX_PAIRS], sn[ROPE_MAX_PAIRS];
+    int64_t t = blockIdx.x;
+    float *xr = x + t * row_stride + off;
+
+    for (int i = threadIdx.x; i < np; i += blockDim.x)
+        cu_rope_cs((float)pos[t], fr.f[i], inverse, cs[i], sn[i]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_heads * np; e += blockDim.x) {
+        int h = e / np, i = e % np;
+        float *v = xr + h * head_stride + 2 * i, a = v[0], b = v[1];
+
+        cu_rope_rot(a, b, cs[i], sn[i]);
+        v[0] = a;
+        v[1] = b;
+    }
+}
+
+#define ROPE_ROWS_MIN_PAIRS 256   /* pairs a row from which rope_rows_kernel runs */
+
 enum dsv4_err
 cuda_rope(struct dsv4_backend *be, float *x, const int32_t *pos, int T, int n_heads,
           int64_t row_stride, int64_t head_stride, int off, int rd, const float *freqs,
@@ -105,6 +136,12 @@ cuda_rope(struct dsv4_backend *be, float *x, const int32_t *pos, int T, int n_he
         return DSV4_OK;
     for (int i = 0; i < ROPE_MAX_PAIRS; i++)
         fr.f[i] = i < rd / 2 ? freqs[i] : 0.0f;
+    if ((int64_t)n_heads * (rd / 2) >= ROPE_ROWS_MIN_PAIRS) {
+        cu_launch(rope_rows_kernel, (unsigned)T, 256, 0, cuda_stream(be), x, pos, n_heads,
+                  row_stride, head_stride, off, rd / 2, fr, inverse);
+        CUDA_LAUNCHED("rope rows");
+        return DSV4_OK;
+    }
     cu_launch(rope_kernel, cuda_blocks(n, 256), 256, 0, cuda_stream(be), x, pos, T, n_heads,
               row_stride, head_stride, off, rd / 2, fr, inverse);
     CUDA_LAUNCHED("rope");
@@ -150,35 +187,52 @@ cuda_fp8_sim(struct dsv4_backend *be, float *x, int rows, int64_t stride, int n_
 
 /* --- hadamard_fp4 ---------------------------------------------------------------------- */
 
+/*
+ * One warp per 128-value row: lane l holds elements l + 32 k (k = 0..3).
+ * The butterflies are the exact path's, level h = 1, 2, ..., 64 pairing
+ * element j (bit h clear) with j + h into a + b and a - b in double: levels
+ * below 32 across lanes (xor shuffles), 32 and 64 inside a lane.  FP4_sim's
+ * block of 32 values is k's column of the warp.
+ */
 static __global__ void
-hadamard_fp4_kernel(float *x)
+hadamard_fp4_kernel(float *x, int64_t rows)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
-    __shared__ double v[128];
-    float *row = x + (int64_t)blockIdx.x * 128;
-    int i = threadIdx.x;
-    float y, amax, s;
+    int64_t r = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    double v[4];
+    float *row = x + r * 128;
 
-    v[i] = row[i];
-    __syncthreads();
-    for (int h = 1; h < 128; h *= 2) {
-        if (i < 64) {
-            int j = (i / h) * 2 * h + i % h;
-            double a = v[j], b = v[j + h];
+    if (r >= rows)
+        return;   /* whole warps */
+    for (int k = 0; k < 4; k++)
+        v[k] = row[lane + 32 * k];
+    for (int h = 1; h < 32; h *= 2)
+        for (int k = 0; k < 4; k++) {
+            double o = __shfl_xor_sync(0xffffffffu, v[k], h);
 
-            v[j] = a + b;
-            v[j + h] = a - b;
+            v[k] = (lane & h) ? o - v[k] : v[k] + o;
         }
-        __syncthreads();
+    for (int h = 1; h <= 2; h *= 2)   /* element bits 5 and 6: k's bits 0 and 1 */
+        for (int k = 0; k < 4; k++)
+            if (!(k & h)) {
+                double a = v[k], b = v[k + h];
+
+                v[k] = a + b;
+                v[k + h] = a - b;
+            }
+    for (int k = 0; k < 4; k++) {
+        float y = cu_bf16_round((float)(v[k] / sqrt(128.0))), amax, s;
+
+        /* FP4_sim over the 32 values of column k */
+        amax = fmaxf(6.0f * 0x1p-126f, fabsf(y));
+        for (int o = 16; o > 0; o /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        s = cu_pow2_scale(amax, 6.0f);
+        row[lane + 32 * k] =
+            cu_bf16_round(cu_fp4_to_f32(cu_f32_to_fp4(cu_clampf(y / s, 6.0f))) * s);
     }
-    y = cu_bf16_round((float)(v[i] / sqrt(128.0)));
-    /* FP4_sim over the warp's 32 values */
-    amax = fmaxf(6.0f * 0x1p-126f, fabsf(y));
-    for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    s = cu_pow2_scale(amax, 6.0f);
-    row[i] = cu_bf16_round(cu_fp4_to_f32(cu_f32_to_fp4(cu_clampf(y / s, 6.0f))) * s);
 }
 
 enum dsv4_err
@@ -186,7 +240,8 @@ cuda_hadamard_fp4(struct dsv4_backend *be, float *x, int rows)
 {
     if (be->numerics != DSV4_NUMERICS_REF || rows <= 0)
         return DSV4_OK;
-    cu_launch(hadamard_fp4_kernel, rows, 128, 0, cuda_stream(be), x);
+    cu_launch(hadamard_fp4_kernel, cuda_blocks((int64_t)rows * 32, 128), 128, 0,
+              cuda_stream(be), x, (int64_t)rows);
     CUDA_LAUNCHED("hadamard_fp4");
     return DSV4_OK;
 }

@@ -390,16 +390,19 @@ test_norm(void)
     for (int t = 0; t < T; t++)
         pos[t] = rng_int(100000);
     pp = pair_new(pos, sizeof(pos));
-    for (int inv = 0; inv < 2; inv++) {
-        const char *nm = inv ? "rope inverse" : "rope";
+    /* H heads: a thread a pair; 16 heads (512 pairs a row): a block a row */
+    for (int c = 0; c < 4; c++) {
+        int inv = c & 1, Hc = c < 2 ? H : 16;
+        const char *nm = c == 0 ? "rope" : c == 1 ? "rope inverse" : c == 2 ? "rope rows"
+                                                                           : "rope rows inverse";
 
-        BOTH(nm, cpu->ops->rope(cpu, px.c, pp.c, T, H, (int64_t)H * Dh, Dh, Dh - rd, rd, freqs,
-                                inv),
-             gpu->ops->rope(gpu, px.g, pp.g, T, H, (int64_t)H * Dh, Dh, Dh - rd, rd, freqs,
+        BOTH(nm, cpu->ops->rope(cpu, px.c, pp.c, T, Hc, (int64_t)Hc * Dh, Dh, Dh - rd, rd,
+                                freqs, inv),
+             gpu->ops->rope(gpu, px.g, pp.g, T, Hc, (int64_t)Hc * Dh, Dh, Dh - rd, rd, freqs,
                             inv));
         /* cos/sin through double on both sides; a one-ulp difference of a
          * float cos/sin could flip one bf16 rounding */
-        check_f32(nm, &px, (int64_t)T * H * Dh, BF16_ULP);
+        check_f32(nm, &px, (int64_t)T * Hc * Dh, BF16_ULP);
     }
 
     BOTH("fp8_sim", cpu->ops->fp8_sim(cpu, px.c, rows, D, D - 64, 64),
