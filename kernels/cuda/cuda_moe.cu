@@ -203,6 +203,21 @@ moe_down_kernel(float *y, struct moe_src hs, const struct dsv4_expert_w *table, 
     }
 }
 
+/* rk[a]: pick a's place in the order of increasing expert id (stable): the
+ * picks before it. */
+template <int KS>
+static __device__ __forceinline__ void
+moe_pick_ranks(const int32_t (&iv)[KS], int (&rk)[KS])
+{
+#pragma unroll
+    for (int a = 0; a < KS; a++) {
+        rk[a] = 0;
+#pragma unroll
+        for (int b = 0; b < KS; b++)
+            rk[a] += b != a && (iv[b] < iv[a] || (iv[b] == iv[a] && b < a));
+    }
+}
+
 /*
  * out[t, i]: picks by increasing expert id (stable), then the shared row.
  * KS > 0 (k == KS, the model's 6): every load first (the token's ids and its
@@ -239,13 +254,7 @@ moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int
         }
         if (has_shared)
             ys = y[((int64_t)T * KS + t) * D + i];
-#pragma unroll
-        for (int a = 0; a < KS; a++) {   /* a's place: the picks before it */
-            rk[a] = 0;
-#pragma unroll
-            for (int b = 0; b < KS; b++)
-                rk[a] += b != a && (iv[b] < iv[a] || (iv[b] == iv[a] && b < a));
-        }
+        moe_pick_ranks<(KS > 0 ? KS : 1)>(iv, rk);
 #pragma unroll
         for (int r = 0; r < KS; r++) {
             float v = 0.0f;
@@ -277,12 +286,67 @@ moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int
     out[it] = cu_bf16_round(o);
 }
 
-/* moe_sum_kernel for k picks a token (the k = 6 form where it applies). */
+/*
+ * moe_sum_kernel<KS>'s sums for 4 consecutive columns a thread (16-byte
+ * loads and store; the picks' order worked out once for the 4): the same
+ * sums.  D % 4 == 0, y and out 16-byte aligned.
+ */
+template <int KS>
+static __global__ void
+moe_sum4_kernel(float *out, const float *y, const int32_t *ids, int T, int D, int has_shared)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    int64_t it = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, t = it / (D / 4);
+    int i = (int)(it % (D / 4)) * 4;
+    const int32_t *id = ids + t * KS;
+    int32_t iv[KS];
+    float4 yv[KS], ys = make_float4(0.0f, 0.0f, 0.0f, 0.0f), o;
+    int rk[KS];
+
+    if (t >= T)
+        return;
+#pragma unroll
+    for (int a = 0; a < KS; a++) {
+        iv[a] = id[a];
+        yv[a] = *(const float4 *)(y + (t * KS + a) * D + i);
+    }
+    if (has_shared)
+        ys = *(const float4 *)(y + ((int64_t)T * KS + t) * D + i);
+    moe_pick_ranks<KS>(iv, rk);
+    o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int r = 0; r < KS; r++) {
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+#pragma unroll
+        for (int a = 0; a < KS; a++)
+            v = rk[a] == r ? yv[a] : v;
+        o.x += v.x;
+        o.y += v.y;
+        o.z += v.z;
+        o.w += v.w;
+    }
+    if (has_shared) {
+        o.x += ys.x;
+        o.y += ys.y;
+        o.z += ys.z;
+        o.w += ys.w;
+    }
+    *(float4 *)(out + t * D + i) = make_float4(cu_bf16_round(o.x), cu_bf16_round(o.y),
+                                               cu_bf16_round(o.z), cu_bf16_round(o.w));
+}
+
+/* moe_sum_kernel for k picks a token (the k = 6 form where it applies; 4
+ * columns a thread where the shapes allow). */
 static void
 moe_sum_launch(cudaStream_t st, float *out, const float *y, const int32_t *ids, int T, int k,
                int D, int has_shared)
 {
-    if (k == 6)
+    if (k == 6 && D % 4 == 0 && (((uintptr_t)out | (uintptr_t)y) & 15) == 0)
+        cu_launch(moe_sum4_kernel<6>, cuda_blocks((int64_t)T * D / 4, 256), 256, 0, st, out, y,
+                  ids, T, D, has_shared);
+    else if (k == 6)
         cu_launch(moe_sum_kernel<6>, cuda_blocks((int64_t)T * D, 256), 256, 0, st, out, y, ids,
                   T, k, D, has_shared);
     else

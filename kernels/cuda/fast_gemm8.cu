@@ -90,33 +90,55 @@ struct g8_args {
 };
 
 /*
- * Codes and scales of x (rows, K) per 128-column block: one warp per (row,
- * block), the exact path's quantization (see the file comment).
+ * Codes and scales of x (rows, K) per 128-column block, the exact path's
+ * quantization (see the file comment): a warp per G8_PREP_BLOCKS blocks of
+ * a row, lane l taking columns 4l .. 4l + 3 of each (one 16-byte load, one
+ * 4-byte store of codes), every block's loads issued before the first
+ * block's amax (a warp of one block had too few bytes in flight to stream).
  */
+#define G8_PREP_BLOCKS 4
+
 static __global__ void
 g8_prep_kernel(uint8_t *xq, float *sx, const float *x, int rows, int K)
 {
-    int nb = K / 128, lane = threadIdx.x & 31;
+    int nb = K / 128, lane = threadIdx.x & 31, ng = (nb + G8_PREP_BLOCKS - 1) / G8_PREP_BLOCKS;
     int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
-    int64_t r = wid / nb;
-    int b = (int)(wid % nb);
-    float amax = 1e-4f, v[4], s;
-    const float *xr;
+    int64_t r = wid / ng;
+    int b0 = (int)(wid % ng) * G8_PREP_BLOCKS;
+    float4 v[G8_PREP_BLOCKS];
 
     if (r >= rows)
         return;   /* whole warps leave together */
-    xr = x + r * K + (int64_t)b * 128;
-    for (int i = 0; i < 4; i++) {
-        v[i] = xr[lane + 32 * i];
-        amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int j = 0; j < G8_PREP_BLOCKS; j++)
+        if (b0 + j < nb) {
+            const float *p = x + r * K + (int64_t)(b0 + j) * 128 + 4 * lane;
+
+            if (((uintptr_t)x & 15) == 0)   /* K is a multiple of 128: every p aligned */
+                v[j] = *(const float4 *)p;
+            else
+                v[j] = make_float4(p[0], p[1], p[2], p[3]);
+        }
+#pragma unroll
+    for (int j = 0; j < G8_PREP_BLOCKS; j++) {
+        float amax = 1e-4f, s;
+        uint32_t q;
+
+        if (b0 + j >= nb)
+            break;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)),
+                                 fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
+        for (int o = 16; o > 0; o /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        s = cu_pow2_scale(amax, 448.0f);
+        q = (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].x / s, 448.0f)) |
+            (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].y / s, 448.0f)) << 8 |
+            (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].z / s, 448.0f)) << 16 |
+            (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].w / s, 448.0f)) << 24;
+        *(uint32_t *)(xq + r * K + (int64_t)(b0 + j) * 128 + 4 * lane) = q;
+        if (lane == 0)
+            sx[r * nb + b0 + j] = s;
     }
-    for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    s = cu_pow2_scale(amax, 448.0f);
-    for (int i = 0; i < 4; i++)
-        xq[r * K + b * 128 + lane + 32 * i] = cu_f32_to_fp8(cu_clampf(v[i] / s, 448.0f));
-    if (lane == 0)
-        sx[r * nb + b] = s;
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -379,7 +401,7 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
     static size_t smem_done[CUDA_MAX_DEV];
     int N = W->n_out, K = W->n_in, nb = K / 128;
     size_t bq = cuda_align((size_t)T * K);
-    int64_t warps = (int64_t)T * nb, tiles;
+    int64_t warps = (int64_t)T * ((nb + G8_PREP_BLOCKS - 1) / G8_PREP_BLOCKS), tiles;
     int grid;
     struct g8_args a;
     enum dsv4_err e;

@@ -701,6 +701,23 @@ test_moe(void)
             weight_free(&sw[j]);
         pair_free(&po);
     }
+    /* moe_combine at the model's k = 6 (the GPU's 4-column form), ids with
+     * repeats: the same sums in the same order, bit for bit */
+    {
+        float *yh = rand_f32((int64_t)(T * 6 + T) * D, 2.0f);
+        int32_t ids6[20 * 6];
+        struct pair py = pair_new(yh, (size_t)(T * 6 + T) * D * 4), pi6;
+        struct pair po6 = pair_poison((int64_t)T * D);
+
+        for (int i = 0; i < T * 6; i++)
+            ids6[i] = rng_int(E);
+        pi6 = pair_new(ids6, sizeof(ids6));
+        BOTH("moe_combine k=6", cpu->ops->moe_combine(cpu, po6.c, py.c, pi6.c, T, 6, D),
+             gpu->ops->moe_combine(gpu, po6.g, py.g, pi6.g, T, 6, D));
+        check_f32("moe_combine k=6", &po6, (int64_t)T * D, 0);
+        pair_free(&py), pair_free(&pi6), pair_free(&po6);
+        free(yh);
+    }
     weight_free(&gate);
     pair_free(&px), pair_free(&pb), pair_free(&pt), pair_free(&ptk), pair_free(&pw);
     pair_free(&pid);
