@@ -34,7 +34,9 @@
  * only, so a grid over (channel blocks, emitting rows) runs fc_row's
  * softmax on values taken straight from a, z + ape (rows of the call) or
  * from the state as it was before the call (rows streamed earlier), with
- * the same expressions and the same lane order, so the same bits.  Then one
+ * the same expressions and the same lane order, so the same bits (windows
+ * of c*r = 8 rows: a thread per channel, fcp_entry8_kernel, the lane
+ * order's sums rebuilt as trees).  Then one
  * warp per channel and slot run writes the state fc_kernel leaves: current
  * slot j <- the run's last row at a position = j mod r; overlap: previous
  * slots <- the rows of the run's last complete window.  This needs every
@@ -234,6 +236,32 @@ fcp_next_end(const int32_t *slot, int u, int u1, int T, int lane)
 }
 
 /*
+ * Row k of the window of row t (slot s), channel ch: lv = z + ape of call
+ * row u = t - (c r - 1 - k) when that row is of the same slot, else the
+ * pre-call state's z (its slot k, or the current slot r + k for an overlap
+ * previous-window slot whose window shifted inside the call); vv the same
+ * row's a (or kv).  kv, zs: the slot's state pools.
+ */
+static __device__ __forceinline__ void
+fcp_key(const float *kv, const float *zs, const float *a, const float *z, const float *ape,
+        const int32_t *slot, int s, int t, int k, int64_t ch, int r, int d, int c, int shifted,
+        float *lv, float *vv)
+{
+    int u = t - (c * r - 1 - k);
+    int64_t cd = (int64_t)c * d, col = (c == 2 && k >= r) ? d + ch : ch;
+
+    if (u >= 0 && slot[u] == s) {
+        *lv = z[u * cd + col] + ape[(int64_t)(k % r) * cd + col];
+        *vv = a[u * cd + col];
+    } else {
+        int64_t sk = (c == 2 && k < r && shifted) ? r + k : k;
+
+        *lv = zs[sk * cd + col];
+        *vv = kv[sk * cd + col];
+    }
+}
+
+/*
  * Entries: block (x, y) takes the rows of [y r, y r + r) that emit (about
  * one: in a run of consecutive positions, one window's last row); a warp
  * per channel.  State slot k of row t's window (position
@@ -252,7 +280,7 @@ fcp_entry_kernel(float *entries, const float *state_kv, const float *state_z, co
     cu_pdl_trigger();
     int64_t ch = (blockIdx.x * (int64_t)FC_THREADS + threadIdx.x) / 32;
     int lane = threadIdx.x % 32, ns = c * r;
-    int64_t cd = (int64_t)c * d, pool = (int64_t)ns * cd;
+    int64_t pool = (int64_t)ns * c * d;
 
     if (!fcp_ok || ch >= d)
         return;   /* whole warps (fcp_ok is grid-uniform) */
@@ -267,22 +295,9 @@ fcp_entry_kernel(float *entries, const float *state_kv, const float *state_z, co
         kv = state_kv + s * pool;
         zs = state_z + s * pool;
         shifted = c == 2 && t - r >= 0 && slot[t - r] == s;
-        for (int i = 0; i < FCP_MAX_K; i++) {
-            int k = lane + 32 * i, u = t - (ns - 1 - k);
-            int64_t col = (c == 2 && k >= r) ? d + ch : ch;
-
-            if (k >= ns)
-                break;
-            if (u >= 0 && slot[u] == s) {
-                lv[i] = z[u * cd + col] + ape[(int64_t)(k % r) * cd + col];
-                vv[i] = a[u * cd + col];
-            } else {
-                int64_t sk = (c == 2 && k < r && shifted) ? r + k : k;
-
-                lv[i] = zs[sk * cd + col];
-                vv[i] = kv[sk * cd + col];
-            }
-        }
+        for (int i = 0; i < FCP_MAX_K && lane + 32 * i < ns; i++)
+            fcp_key(kv, zs, a, z, ape, slot, s, t, lane + 32 * i, ch, r, d, c, shifted, &lv[i],
+                    &vv[i]);
         /* fc_row's sums, the same order: lane's k = lane, lane + 32, ... */
         for (int i = 0; i < FCP_MAX_K && lane + 32 * i < ns; i++)
             m = lv[i] > m ? lv[i] : m;
@@ -298,6 +313,56 @@ fcp_entry_kernel(float *entries, const float *state_kv, const float *state_z, co
             acc += __shfl_xor_sync(0xffffffffu, acc, o);
         if (lane == 0)
             entries[(int64_t)emit[t] * d + ch] = acc;
+    }
+}
+
+/*
+ * fcp_entry_kernel for windows of 8 rows (c r = 8: the CSA compressors,
+ * main and indexer): a thread per (emitting row, channel), its 8 rows in
+ * registers (a warp's loads cover 32 channels of a row), and the warp
+ * form's sums in their order: there lane k held row k and lanes 8-31
+ * nothing (max -inf, sums 0), so its xor butterflies add the lanes' values
+ * in the trees below; each lane's sum starts from 0 (0 + x: -0 becomes
+ * +0, as there).  The same bits (bench_fcp).
+ */
+static __global__ void __launch_bounds__(FC_THREADS)
+fcp_entry8_kernel(float *entries, const float *state_kv, const float *state_z, const float *a,
+                  const float *z, const float *ape, const int32_t *slot, const int32_t *emit,
+                  int T, int r, int d, int c)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    int64_t ch = blockIdx.x * (int64_t)FC_THREADS + threadIdx.x, pool = (int64_t)8 * c * d;
+    float ninf = -__int_as_float(0x7f800000);
+
+    if (!fcp_ok || ch >= d)
+        return;   /* fcp_ok is grid-uniform */
+    for (int t = blockIdx.y * r, t1 = min(T, t + r); t < t1; t++) {
+        float lv[8], vv[8], x[8], m, den, acc;
+        int s, shifted;
+
+        if (emit[t] < 0)
+            continue;
+        s = slot[t];
+        shifted = c == 2 && t - r >= 0 && slot[t - r] == s;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            fcp_key(state_kv + s * pool, state_z + s * pool, a, z, ape, slot, s, t, k, ch, r, d,
+                    c, shifted, &lv[k], &vv[k]);
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            x[k] = lv[k] > ninf ? lv[k] : ninf;
+        m = fmaxf(fmaxf(fmaxf(x[0], x[4]), fmaxf(x[2], x[6])),
+                  fmaxf(fmaxf(x[1], x[5]), fmaxf(x[3], x[7])));
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            x[k] = 0.0f + cu_expf(lv[k] - m);
+        den = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            x[k] = 0.0f + (cu_expf(lv[k] - m) / den) * vv[k];
+        acc = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+        entries[(int64_t)emit[t] * d + ch] = acc;
     }
 }
 
@@ -441,9 +506,14 @@ cuda_fast_compress(struct dsv4_backend *be, float *entries, float *state_kv, flo
 
         cu_launch(fcp_check_kernel, 1, 1024, 0, cuda_stream(be), slot, pos, emit, T, r);
         CUDA_LAUNCHED("fast compress check");
-        cu_launch(fcp_entry_kernel, dim3(nb, ny), FC_THREADS, 0, cuda_stream(be), entries,
-                  (const float *)state_kv, (const float *)state_z, a, z, ape, slot, pos, emit,
-                  T, r, d, c);
+        if (c * r == 8)
+            cu_launch(fcp_entry8_kernel, dim3((unsigned)((d + FC_THREADS - 1) / FC_THREADS), ny),
+                      FC_THREADS, 0, cuda_stream(be), entries, (const float *)state_kv,
+                      (const float *)state_z, a, z, ape, slot, emit, T, r, d, c);
+        else
+            cu_launch(fcp_entry_kernel, dim3(nb, ny), FC_THREADS, 0, cuda_stream(be), entries,
+                      (const float *)state_kv, (const float *)state_z, a, z, ape, slot, pos,
+                      emit, T, r, d, c);
         CUDA_LAUNCHED("fast compress entries");
         cu_launch(fcp_state_kernel, dim3(nb, ns), FC_THREADS, 0, cuda_stream(be), entries,
                   state_kv, state_z, a, z, ape, slot, pos, emit, T, r, d, c);
