@@ -56,6 +56,7 @@ struct cuda_expert_table {
 struct cuda_state {
     int device;
     int sms;                            /* the device's SM count (cuda_sms) */
+    int mps;                            /* 1: the context is an MPS client (cuda_mps) */
     cudaStream_t stream;
     void *scratch;                      /* device scratch, grown on demand */
     size_t scratch_bytes;
@@ -138,6 +139,16 @@ static inline int
 cuda_sms(struct dsv4_backend *be)
 {
     return cuda_st(be)->sms;
+}
+
+/* Whether the backend's context is an MPS client (cudaDevAttrMpsEnabled,
+ * queried once at create): its kernels may get only a share of the SMs and
+ * share the block scheduler with another process's, so a grid of one
+ * resident CTA a device SM can run in two waves. */
+static inline int
+cuda_mps(struct dsv4_backend *be)
+{
+    return cuda_st(be)->mps;
 }
 
 /* Map a CUDA error to DSV4_ERR_CUDA with the call site in the message. */

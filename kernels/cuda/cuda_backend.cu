@@ -711,6 +711,11 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         st->sms = 132;
         (void)cudaGetLastError();
     }
+    if (rc == cudaSuccess &&
+        cudaDeviceGetAttribute(&st->mps, cudaDevAttrMpsEnabled, st->device) != cudaSuccess) {
+        st->mps = 0;
+        (void)cudaGetLastError();
+    }
     if (rc == cudaSuccess) {
         /* DSV4_CUDA_STREAM_PRIORITY=high / low: the stream's scheduling
          * priority (the rank daemons set it per role with `cuda_priority`:

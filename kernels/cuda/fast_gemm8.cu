@@ -43,7 +43,10 @@
  * CTA a tile spent a fifth of its time filling the ring and storing (one
  * CTA an SM: nothing overlapped them); docs/perf.md run 45.  Token tiles
  * vary fastest (g8_tile), so the CTAs running at one time share a few
- * weight tiles.
+ * weight tiles.  Under MPS (cuda_mps) the grid stays a CTA a tile: a
+ * client may get only a share of the SMs (a prefill rank's
+ * mps_sm_percent), and a grid of one CTA a device SM, each with a fixed
+ * list of tiles, would then run in two waves.
  *
  * Numerics (REF).  Per 128-column block the tensor cores sum the 128
  * products of codes (exact) into blk (fp32; Hopper's FP8 accumulation is of
@@ -431,7 +434,9 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
         (uint8_t *)a.xq, (float *)a.sx, x, T, K);
     CUDA_LAUNCHED("fast gemm8 prep");
     tiles = (int64_t)(N / G8_BM) * ((T + G8_BN - 1) / G8_BN);
-    grid = tiles < cuda_sms(be) ? (int)tiles : cuda_sms(be);
+    /* persistent: a CTA an SM; under MPS (a share of the SMs, perhaps) a CTA
+     * a tile, as before run 45 (the file comment) */
+    grid = cuda_mps(be) || tiles < cuda_sms(be) ? (int)tiles : cuda_sms(be);
     g8_kernel<<<grid, G8_THREADS, G8_SMEM, cuda_stream(be)>>>(a);
     CUDA_LAUNCHED("fast gemm8");
     return DSV4_OK;
