@@ -278,7 +278,7 @@ ucx_devices = {net.dev('d', 'p')}
 # --- scenarios of this rig ------------------------------------------------------
 
 PROBE = r"""
-import sys, zmq, zmq.utils.monitor, msgpack
+import sys, time, zmq, zmq.utils.monitor, msgpack
 ep, key, kind = sys.argv[1], sys.argv[2], sys.argv[3]
 ctx = zmq.Context()
 s = ctx.socket(zmq.DEALER)
@@ -302,15 +302,26 @@ bad = {zmq.EVENT_DISCONNECTED: "disconnected",
 poller = zmq.Poller()
 poller.register(mon, zmq.POLLIN)
 poller.register(s, zmq.POLLIN)
+names = {getattr(zmq, n): n[6:] for n in dir(zmq) if n.startswith("EVENT_")}
+seen, end = [], time.monotonic() + 60
 while True:
-    ev = dict(poller.poll(60000))
+    ev = dict(poller.poll(max(1, int((end - time.monotonic()) * 1000))))
     if not ev:
-        print("no event"); sys.exit(3)
+        # no verdict in 60 s: say what the socket went through (a connection
+        # retried without ever a handshake event, or nothing at all)
+        print("no verdict in 60 s; events: " + (" ".join(seen[-12:]) or "none"))
+        sys.exit(3)
     if s in ev:
         print("reply received"); sys.exit(0)
     e = zmq.utils.monitor.recv_monitor_message(mon)["event"]
+    seen.append(names.get(e, str(e)))
     if e in bad:
         print("refused: " + bad[e]); sys.exit(1)
+    if e == zmq.EVENT_CLOSED and "CONNECTED" in seen:
+        # the server dropped the connection before any handshake event
+        # reached us (libzmq then retries and may never report a failure)
+        print("refused: closed during the handshake (" + " ".join(seen[-6:]) + ")")
+        sys.exit(1)
     if e in ok and kind == "rank":
         print(ok[e]); sys.exit(0)
 """
