@@ -392,9 +392,10 @@ test_norm(void)
     pp = pair_new(pos, sizeof(pos));
     /* H heads: a thread a pair; 16 heads (512 pairs a row): a block a row */
     for (int c = 0; c < 4; c++) {
+        static const char *names[4] = { "rope", "rope inverse", "rope rows",
+                                        "rope rows inverse" };
         int inv = c & 1, Hc = c < 2 ? H : 16;
-        const char *nm = c == 0 ? "rope" : c == 1 ? "rope inverse" : c == 2 ? "rope rows"
-                                                                           : "rope rows inverse";
+        const char *nm = names[c];
 
         BOTH(nm, cpu->ops->rope(cpu, px.c, pp.c, T, Hc, (int64_t)Hc * Dh, Dh, Dh - rd, rd,
                                 freqs, inv),
