@@ -87,6 +87,20 @@ struct call_plan {
     /* logits rows */
     int n_out;
     int32_t *out_rows;
+    /* the logits rows' slot, pos, row0, pos0 and tok, and 0 .. n_out - 1:
+     * the rows of a trimmed last layer (forward.h DSV4_FWD_FULL_LAST) */
+    int32_t *oslot, *opos, *orow0, *opos0, *otok, *oid;
+};
+
+/*
+ * The rows the layers run on: the call's, or (a trimmed last layer) its
+ * logits rows past the layer's KV-side work.  trim_enter saves the call's
+ * here and points the model at the compact ones; trim_leave restores them.
+ */
+struct row_view {
+    int T;
+    float *X, *X2, *xn, *post, *comb;
+    int32_t *slot, *pos, *row0, *pos0, *tok, *out_rows;
 };
 
 struct dsv4_model {
@@ -118,6 +132,14 @@ struct dsv4_model {
     int32_t *i_slot, *i_pos, *i_row0, *i_pos0, *i_tok;
     int32_t *i_emit4, *i_emit128, *i_epos4, *i_epos128, *i_erow4, *i_erow128;
     int32_t *i_ring_src, *i_ring_dst, *i_out_rows;
+    /* the last layer on the logits rows only (forward.h DSV4_FWD_FULL_LAST):
+     * asked for by this call; running so (then `full` holds the call's rows);
+     * the compact rows' index arrays and scratch (n_slots rows: a trimmed
+     * call has one logits row per run) */
+    int trim_last, trimmed;
+    struct row_view full;
+    int32_t *i_oslot, *i_opos, *i_orow0, *i_opos0, *i_otok, *i_oid;
+    float *Xc, *xnc, *postc, *combc, *wIc;
     /* device scratch */
     float *X, *X2, *x, *xn, *post, *comb, *y;
     float *qr, *q, *kv, *o, *u;
@@ -229,6 +251,12 @@ plan_free(struct call_plan *p)
     free(p->ring_src);
     free(p->ring_dst);
     free(p->out_rows);
+    free(p->oslot);
+    free(p->opos);
+    free(p->orow0);
+    free(p->opos0);
+    free(p->otok);
+    free(p->oid);
 }
 
 static int
@@ -250,9 +278,15 @@ plan_alloc(struct call_plan *p, int n)
     p->ring_src = malloc(b);
     p->ring_dst = malloc(b);
     p->out_rows = malloc(b);
+    p->oslot = malloc(b);
+    p->opos = malloc(b);
+    p->orow0 = malloc(b);
+    p->opos0 = malloc(b);
+    p->otok = malloc(b);
+    p->oid = malloc(b);
     return p->slot && p->pos && p->row0 && p->pos0 && p->tok && p->emit4 && p->emit128 &&
            p->epos4 && p->epos128 && p->erow4 && p->erow128 && p->ring_src && p->ring_dst &&
-           p->out_rows;
+           p->out_rows && p->oslot && p->opos && p->orow0 && p->opos0 && p->otok && p->oid;
 }
 
 /* Forget every recorded graph, freeing them when `release`. */
@@ -297,7 +331,9 @@ dsv4_model_free(struct dsv4_model *m)
     void *bufs[] = {
         m->i_slot, m->i_pos, m->i_row0, m->i_pos0, m->i_tok, m->i_emit4, m->i_emit128,
         m->i_epos4, m->i_epos128, m->i_erow4, m->i_erow128, m->i_ring_src,
-        m->i_ring_dst, m->i_out_rows, m->X, m->X2, m->x, m->xn, m->post, m->comb, m->y,
+        m->i_ring_dst, m->i_out_rows, m->i_oslot, m->i_opos, m->i_orow0, m->i_opos0,
+        m->i_otok, m->i_oid, m->Xc, m->xnc, m->postc, m->combc, m->wIc, m->X, m->X2, m->x,
+        m->xn, m->post, m->comb, m->y,
         m->qr, m->q, m->kv, m->o, m->u, m->ca, m->cz, m->ent, m->qI, m->wI, m->ia, m->iz,
         m->ient, m->sel, m->rw, m->rid, m->ring_tmp, m->hidden, m->e, m->he, m->logits_dev,
         m->logits_loc,
@@ -483,12 +519,18 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     int32_t **idx[] = {
         &m->i_slot, &m->i_pos, &m->i_row0, &m->i_pos0, &m->i_tok, &m->i_emit4, &m->i_emit128,
         &m->i_epos4, &m->i_epos128, &m->i_erow4, &m->i_erow128, &m->i_ring_src,
-        &m->i_ring_dst, &m->i_out_rows,
+        &m->i_ring_dst, &m->i_out_rows, &m->i_oslot, &m->i_opos, &m->i_orow0, &m->i_opos0,
+        &m->i_otok, &m->i_oid,
     };
     for (size_t i = 0; i < sizeof(idx) / sizeof(idx[0]); i++)
         *idx[i] = dev_alloc(m, T * I4, &fail);
     m->X = dev_alloc(m, T * n * D * F, &fail);
     m->X2 = dev_alloc(m, T * n * D * F, &fail);
+    m->Xc = dev_alloc(m, S * n * D * F, &fail);
+    m->xnc = dev_alloc(m, S * D * F, &fail);
+    m->postc = dev_alloc(m, S * n * F, &fail);
+    m->combc = dev_alloc(m, S * n * n * F, &fail);
+    m->wIc = dev_alloc(m, S * (size_t)(m->nI > 0 ? m->nI : 1) * F, &fail);
     m->hidden = dev_alloc(m, T * n * D * F, &fail);
     m->he = dev_alloc(m, T * n * D * F, &fail);
     m->x = dev_alloc(m, T * D * F, &fail);
@@ -707,6 +749,7 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
     struct call_plan *p = &m->plan;
     int T = 0;
 
+    m->trim_last = 0;   /* forward_run may ask for it */
     if (b->n_seqs <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "forward: empty batch");
     for (int i = 0; i < b->n_seqs; i++) {
@@ -807,6 +850,20 @@ static enum dsv4_err
 plan_upload(struct dsv4_model *m)
 {
     struct call_plan *p = &m->plan;
+    int no = m->trim_last ? p->n_out : 0;
+
+    /* a trimmed last layer's rows: the logits rows' indices (row0 stays a
+     * row of the call: the window keys are the call's kv rows) */
+    for (int i = 0; i < no; i++) {
+        int t = p->out_rows[i];
+
+        p->oslot[i] = p->slot[t];
+        p->opos[i] = p->pos[t];
+        p->orow0[i] = p->row0[t];
+        p->opos0[i] = p->pos0[t];
+        p->otok[i] = p->tok[t];
+        p->oid[i] = i;
+    }
     struct {
         int32_t *dst;
         const int32_t *src;
@@ -820,12 +877,65 @@ plan_upload(struct dsv4_model *m)
         { m->i_erow128, p->erow128, p->n_emit128 },
         { m->i_ring_src, p->ring_src, p->n_ring }, { m->i_ring_dst, p->ring_dst, p->n_ring },
         { m->i_out_rows, p->out_rows, p->n_out },
+        { m->i_oslot, p->oslot, no },         { m->i_opos, p->opos, no },
+        { m->i_orow0, p->orow0, no },         { m->i_opos0, p->opos0, no },
+        { m->i_otok, p->otok, no },           { m->i_oid, p->oid, no },
     };
     for (size_t i = 0; i < sizeof(up) / sizeof(up[0]); i++)
         if (up[i].n > 0)
             TRY(m->be->ops->upload(m->be, up[i].dst, up[i].src,
                                    (size_t)up[i].n * sizeof(int32_t)));
     return pages_upload(m);
+}
+
+/* --- the last layer on the logits rows (forward.h DSV4_FWD_FULL_LAST) --- */
+
+/*
+ * From here on the layer runs on the call's logits rows only: their streams
+ * X, the normed input xn and the hc_pre outputs post / comb gathered into
+ * the compact buffers, the index arrays and T the compact ones.  What was
+ * queued before (the compressor branch, the window KV of every row) keeps
+ * the call's rows.
+ */
+static enum dsv4_err
+trim_enter(struct dsv4_model *m)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    struct call_plan *p = &m->plan;
+    int n = m->n_hc, D = m->D, N = p->n_out;
+
+    TRY(ops->gather_rows(be, m->Xc, m->X, m->i_out_rows, N, n * D));
+    TRY(ops->gather_rows(be, m->xnc, m->xn, m->i_out_rows, N, D));
+    TRY(ops->gather_rows(be, m->postc, m->post, m->i_out_rows, N, n));
+    TRY(ops->gather_rows(be, m->combc, m->comb, m->i_out_rows, N, n * n));
+    m->full = (struct row_view){
+        .T = p->T, .X = m->X, .X2 = m->X2, .xn = m->xn, .post = m->post, .comb = m->comb,
+        .slot = m->i_slot, .pos = m->i_pos, .row0 = m->i_row0, .pos0 = m->i_pos0,
+        .tok = m->i_tok, .out_rows = m->i_out_rows,
+    };
+    m->X = m->Xc, m->xn = m->xnc, m->post = m->postc, m->comb = m->combc;
+    m->i_slot = m->i_oslot, m->i_pos = m->i_opos, m->i_row0 = m->i_orow0;
+    m->i_pos0 = m->i_opos0, m->i_tok = m->i_otok, m->i_out_rows = m->i_oid;
+    p->T = N;
+    m->trimmed = 1;
+    return DSV4_OK;
+}
+
+/* Back to the call's rows (nothing when not trimmed).  The streams of the
+ * call's rows are stale: only the logits rows went through the last layer. */
+static void
+trim_leave(struct dsv4_model *m)
+{
+    const struct row_view *f = &m->full;
+
+    if (!m->trimmed)
+        return;
+    m->X = f->X, m->X2 = f->X2, m->xn = f->xn, m->post = f->post, m->comb = f->comb;
+    m->i_slot = f->slot, m->i_pos = f->pos, m->i_row0 = f->row0, m->i_pos0 = f->pos0;
+    m->i_tok = f->tok, m->i_out_rows = f->out_rows;
+    m->plan.T = f->T;
+    m->trimmed = 0;
 }
 
 /* --- attention sub-steps ----------------------------------------------- */
@@ -983,12 +1093,15 @@ attention_qkv_norm(struct dsv4_model *m, struct layer_state *ls, const void *unu
 {
     float eps = (float)m->cfg.rms_norm_eps;
     int T = m->plan.T, H = m->Hl, Dh = m->Dh, rd = m->rd;
+    /* the window KV of every row of the call, also in a trimmed layer */
+    int Tkv = m->trimmed ? m->full.T : T;
+    const int32_t *pkv = m->trimmed ? m->full.pos : m->i_pos;
     struct dsv4_norm_rope nq = {
         .x = m->q, .w = NULL, .rows = T * H, .D = Dh, .eps = eps, .pos = m->i_pos,
         .heads = H, .off = m->nope, .rd = rd, .freqs = ls->freqs,
     };
     struct dsv4_norm_rope nkv = {
-        .x = m->kv, .w = ls->w->kv_norm, .rows = T, .D = Dh, .eps = eps, .pos = m->i_pos,
+        .x = m->kv, .w = ls->w->kv_norm, .rows = Tkv, .D = Dh, .eps = eps, .pos = pkv,
         .heads = 1, .off = m->nope, .rd = rd, .freqs = ls->freqs, .sim_cols = m->nope,
         .sim_block = 64,
     };
@@ -1012,9 +1125,15 @@ attention_ring_update(struct dsv4_model *m, struct layer_state *ls, const void *
                                     p->n_ring, m->Dh);
 }
 
-/* Attention sub-layer (model doc §3.3): m->xn (T, D) -> m->y (T, D). */
+/*
+ * Attention sub-layer (model doc §3.3): m->xn (T, D) -> m->y (T, D).  trim:
+ * the call's last layer on its logits rows only (forward.h
+ * DSV4_FWD_FULL_LAST): the compressor branch and the window KV (wkv, its
+ * norm and RoPE, the ring) on every row, the rest, and so the layer's
+ * output, on the logits rows (trim_enter).
+ */
 static enum dsv4_err
-attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
+attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst, int trim)
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
@@ -1040,8 +1159,16 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
         int n = 0;
 
 #define LIN_ADD(o, w, f) (outs[n] = (o), Ws[n] = (w), fl[n++] = (f))
-        LIN_ADD(m->qr, &lw->wq_a, 0);
-        LIN_ADD(m->kv, &lw->wkv, 0);
+        if (trim) {   /* wkv on every row, then the logits rows only */
+            LIN_ADD(m->kv, &lw->wkv, 0);
+            TRY(ops->linear_multi(be, n, outs, m->xn, Ws, fl, T));
+            TRY(trim_enter(m));
+            T = p->T, n = 0;
+            LIN_ADD(m->qr, &lw->wq_a, 0);
+        } else {
+            LIN_ADD(m->qr, &lw->wq_a, 0);
+            LIN_ADD(m->kv, &lw->wkv, 0);
+        }
         TRY(ops->linear_multi(be, n, outs, m->xn, Ws, fl, T));
 
         TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
@@ -1060,6 +1187,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
         }
     } else {
         int nI = m->nI, dI = m->dI;
+        float *wI = m->wI;
 
         /* the indexer's queries (model doc §3.7), then its top-k (which
          * reads the compressor branch's keys and weights) beside the q / kv
@@ -1069,10 +1197,14 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst)
         TRY(ops->hadamard_fp4(be, m->qI, T * nI));
         TRY(side_join(m));
         comp = ls->comp;
+        if (m->trimmed) {   /* the branch's weights of the logits rows */
+            TRY(ops->gather_rows(be, m->wIc, wI, m->full.out_rows, T, nI));
+            wI = m->wIc;
+        }
         TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_qkv_norm, NULL));
-        TRY(ops->scale(be, m->wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
+        TRY(ops->scale(be, wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
                        (int64_t)T * nI));
-        TRY(ops->indexer_topk(be, m->sel, m->qI, m->wI, ls->keys, ls->pg->d_pt, m->i_slot,
+        TRY(ops->indexer_topk(be, m->sel, m->qI, wI, ls->keys, ls->pg->d_pt, m->i_slot,
                               m->i_pos, T, nI, dI, ls->pg->cap, 4, m->K));
         TRY(side_join(m));
         sel = m->sel;
@@ -1161,7 +1293,7 @@ hc_step(struct dsv4_model *m, const struct dsv4_hc_w *next, const uint16_t *nw)
  */
 static enum dsv4_err
 block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst, int pre_done,
-      const struct dsv4_layer_w *next)
+      const struct dsv4_layer_w *next, int trim)
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
@@ -1175,7 +1307,8 @@ block(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst, int
                         c->hc_sinkhorn_iters, hc_eps, eps));
         TRY(ops->rms_norm(be, m->xn, m->x, lw->attn_norm, T, D, eps));
     }
-    TRY(attention(m, ls, ring_dst));
+    TRY(attention(m, ls, ring_dst, trim));
+    T = m->plan.T;   /* the logits rows from here on when trimmed */
     TRY(hc_step(m, &lw->hc_ffn, lw->ffn_norm));
 
     TRY(ops->router(be, m->rw, m->rid, m->xn, &lw->gate, lw->gate_bias, lw->tid2eid, m->i_tok,
@@ -1231,14 +1364,27 @@ logits_download(struct dsv4_model *m, float *logits)
  * main layers, the logits on the device.  Leaves m->X where it found it
  * (each block swaps X and X2 twice). */
 static enum dsv4_err
-forward_body(struct dsv4_model *m)
+forward_layers(struct dsv4_model *m)
 {
     struct dsv4_backend *be = m->be;
+    int last = m->n_main - 1;
 
     TRY(be->ops->embed(be, m->X, m->i_tok, m->w->embed, m->plan.T, m->D, m->n_hc));
-    for (int l = 0; l < m->n_main; l++)
-        TRY(block(m, &m->L[l], m->i_ring_dst, l > 0, l + 1 < m->n_main ? m->L[l + 1].w : NULL));
+    for (int l = 0; l <= last; l++)
+        TRY(block(m, &m->L[l], m->i_ring_dst, l > 0, l < last ? m->L[l + 1].w : NULL,
+                  l == last && m->trim_last));
     return logits_compute(m, &m->w->hc_head, m->w->norm);
+}
+
+/* forward_layers, back on the call's rows after a trimmed last layer (also
+ * when it failed). */
+static enum dsv4_err
+forward_body(struct dsv4_model *m)
+{
+    enum dsv4_err e = forward_layers(m);
+
+    trim_leave(m);
+    return e;
 }
 
 /* `body` as a replay of the graph of kind `kind` for batch size n, recorded
@@ -1302,6 +1448,10 @@ forward_run(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
     graphed = graph_eligible(m, b, flags);
     if (graphed)
         plan_fix_emits(m);
+    /* the last layer on the logits rows alone where the other rows' output
+     * is not used (their KV state still comes from every row) */
+    m->trim_last = !(flags & (DSV4_FWD_FULL_LAST | DSV4_FWD_KEEP_HIDDEN)) && !graphed &&
+                   p->n_out < p->T;
     TRY(plan_upload(m));
     if (graphed)
         TRY(graph_run(m, G_DECODE, m->plan.T, forward_body));
@@ -1375,7 +1525,7 @@ mtp_body(struct dsv4_model *m)
     TRY(ops->rms_norm(be, m->X2, m->hidden, mw->hnorm, T * n, D, eps));
     TRY(ops->linear(be, m->he, m->X2, &mw->h_proj, T * n, 0));
     TRY(ops->add_streams(be, m->X, m->e, m->he, T, n, D));
-    TRY(block(m, &m->L[m->n_main], m->i_ring_dst, 0, NULL));
+    TRY(block(m, &m->L[m->n_main], m->i_ring_dst, 0, NULL, 0));
     return logits_compute(m, &mw->hc_head, mw->mtp_norm);
 }
 

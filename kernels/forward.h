@@ -118,6 +118,20 @@ struct dsv4_batch {
 /* dsv4_model_forward flags */
 #define DSV4_FWD_ALL_LOGITS 1u  /* logits for every row (else last row of each run) */
 #define DSV4_FWD_KEEP_HIDDEN 2u /* keep the final streams of the rows for the MTP head */
+/*
+ * Run the last layer on every row.  Without it a call whose logits rows are
+ * fewer than its rows (a prefill chunk: one logits row a run) runs the last
+ * main layer's KV-side work (compressors, indexer keys, window KV and ring)
+ * on every row and the rest of the layer (queries, attention, output
+ * projection, experts, mHC) on the logits rows only: no later call reads the
+ * other rows' output of the last layer.  Same logits and the same decode
+ * state either way (each op's rows are computed from their own inputs; on
+ * the CUDA backend a different kernel for fewer rows may round a value
+ * differently).  For tests and A/B measurements; implied by
+ * DSV4_FWD_KEEP_HIDDEN (the MTP head reads every row) and
+ * DSV4_FWD_ALL_LOGITS.
+ */
+#define DSV4_FWD_FULL_LAST 4u
 
 struct dsv4_model;
 

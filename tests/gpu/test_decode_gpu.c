@@ -585,11 +585,15 @@ run_profile(int layers, int batch)
 
 /* Prefill `T` tokens into empty slot 0 in calls of `chunk`; wall ms per
  * token; *pick: the greedy pick after the last token, *digest: the digest of
- * its logits (equal digests: the same bits). */
+ * its logits (equal digests: the same bits).  DSV4_TEST_FULL_LAST=1 in the
+ * environment: every row through the last layer (DSV4_FWD_FULL_LAST), for
+ * A/B runs of the trimmed last layer. */
 static double
 prefill_run(struct dsv4_model *m, const int32_t *tok, int T, int chunk, int V, float *lg,
             int *pick, uint64_t *digest)
 {
+    const char *fl = getenv("DSV4_TEST_FULL_LAST");
+    unsigned flags = fl != NULL && atoi(fl) ? DSV4_FWD_FULL_LAST : 0;
     int32_t slot = 0;
     double t0, ms;
 
@@ -600,7 +604,7 @@ prefill_run(struct dsv4_model *m, const int32_t *tok, int T, int chunk, int V, f
         int32_t n = T - off < chunk ? T - off : chunk;
         struct dsv4_batch b = { 1, &slot, &n, tok + off };
 
-        TRY("prefill", dsv4_model_forward(m, &b, lg, 0));
+        TRY("prefill", dsv4_model_forward(m, &b, lg, flags));
     }
     cudaDeviceSynchronize();
     ms = (now_ms() - t0) / T;

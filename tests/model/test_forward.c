@@ -14,7 +14,11 @@
  *     log-probabilities of the sample op applied to forward's logits;
  *   - paged pools: a pool smaller than n_slots x max_seq refuses growth it
  *     cannot hold (DSV4_ERR_NOMEM, nothing changed), and pages returned by a
- *     reset serve the next sequence with identical results.
+ *     reset serve the next sequence with identical results;
+ *   - the last layer on the logits rows only (the default for prefill
+ *     calls) gives the logits of every row through it (DSV4_FWD_FULL_LAST)
+ *     bit for bit, and leaves the same decode state: decode steps after
+ *     either agree with the one-shot prefill.
  *
  * Usage: test_forward CHECKPOINT_DIR (made by dsv4-mkmodel; see
  * run_forward.sh).  The comparison bound is 1e-6 of the largest logit: the
@@ -55,7 +59,7 @@ static int
 setup(void **state)
 {
     (void)state;
-    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 4, 512, N_POS);
+    tmodel_open(&tm, ckpt_dir, DSV4_NUMERICS_REF, 8, 512, N_POS);
     tmodel_tokens(ids, N_POS + 1, tm.V, 7);
     ref = malloc((size_t)N_POS * tm.V * sizeof(float));
     assert_non_null(ref);
@@ -301,6 +305,73 @@ test_paged_pool(void **state)
     free(got);
 }
 
+/* A batched prefill of three runs (the last layer's tail on 3 of 192 rows),
+ * then a chunked one of a fourth sequence whose chunks end off the r = 4
+ * and r = 128 boundaries, each once trimmed (flags 0) and once with
+ * DSV4_FWD_FULL_LAST on other slots: the same logits bits, each run's last
+ * row the one-shot prefill's, and 20 batched decode steps of all four on
+ * each side the one-shot prefill's rows (the trimmed layer's KV state:
+ * window ring, compressor states and pools, indexer keys). */
+static void
+test_trimmed_last(void **state)
+{
+    int32_t lens[4] = { 37, 150, 5, 0 }, tok[3 * N_POS];
+    static const int chunks[] = { 61, 70, 3, 57 };   /* the fourth run: 191 rows */
+    int32_t slot_sets[2][4] = { { 0, 1, 2, 3 }, { 4, 5, 6, 7 } };
+    float *got[2];
+    int at = 0;
+
+    (void)state;
+    for (int i = 0; i < 3; i++) {
+        memcpy(&tok[at], ids, (size_t)lens[i] * sizeof(int32_t));
+        at += lens[i];
+    }
+    for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++)
+        lens[3] += chunks[c];
+    for (int side = 0; side < 2; side++) {
+        unsigned flags = side ? DSV4_FWD_FULL_LAST : 0;
+        int32_t *slots = slot_sets[side];
+        struct dsv4_batch b = { 3, slots, lens, tok };
+        int done = 0;
+
+        got[side] = malloc((size_t)4 * tm.V * sizeof(float));
+        assert_non_null(got[side]);
+        for (int i = 0; i < 4; i++)
+            assert_int_equal(dsv4_model_seq_reset(tm.m, slots[i]), DSV4_OK);
+        assert_int_equal(dsv4_model_forward(tm.m, &b, got[side], flags), DSV4_OK);
+        for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++) {
+            int32_t n = chunks[c];
+            struct dsv4_batch cb = { 1, &slots[3], &n, &ids[done] };
+
+            assert_int_equal(dsv4_model_forward(tm.m, &cb, got[side] + (size_t)3 * tm.V, flags),
+                             DSV4_OK);
+            done += n;
+        }
+        for (int i = 0; i < 4; i++)
+            check_close(got[side] + (size_t)i * tm.V, ref + (size_t)(lens[i] - 1) * tm.V, tm.V,
+                        side ? "full last layer" : "trimmed last layer");
+    }
+    assert_memory_equal(got[0], got[1], (size_t)4 * tm.V * sizeof(float));
+    for (int step = 0; step < 20; step++) {
+        int32_t ones[4] = { 1, 1, 1, 1 }, next[4];
+
+        for (int i = 0; i < 4; i++)
+            next[i] = ids[lens[i] + step];
+        for (int side = 0; side < 2; side++) {
+            struct dsv4_batch d = { 4, slot_sets[side], ones, next };
+
+            assert_int_equal(dsv4_model_forward(tm.m, &d, got[side], 0), DSV4_OK);
+            for (int i = 0; i < 4; i++)
+                check_close(got[side] + (size_t)i * tm.V,
+                            ref + (size_t)(lens[i] + step) * tm.V, tm.V,
+                            side ? "decode after full last layer" : "decode after trimmed");
+        }
+        assert_memory_equal(got[0], got[1], (size_t)4 * tm.V * sizeof(float));
+    }
+    free(got[0]);
+    free(got[1]);
+}
+
 static void
 test_bad_batch(void **state)
 {
@@ -329,6 +400,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_state_handoff),
         cmocka_unit_test(test_forward_sample),
         cmocka_unit_test(test_paged_pool),
+        cmocka_unit_test(test_trimmed_last),
         cmocka_unit_test(test_bad_batch),
     };
 
