@@ -261,8 +261,11 @@ struct dsv4_backend_ops {
      * s < min((pos[t] + 1) / ratio, cap) of slot[t]'s key pool (paged by
      * `pages`, see DSV4_PAGE_ENTRIES);
      * score[s] = Σ_h w[t,h] · ReLU(q[t,h,:] · keys[slot, s, :]);
-     * sel[t, :] = indices of the min(K, n_valid) best scores (ties: lower
-     * index first), in decreasing score order, then -1.
+     * sel[t, :] = indices of the K best scores (ties: lower index first), in
+     * decreasing score order, when n_valid > K; else every valid entry (the
+     * top-k set is all of them) in increasing index order, unscored; then -1.
+     * q and w are not read for rows with n_valid <= K and may be NULL when
+     * every row has n_valid <= K (then only sel is written).
      *   q    (T, nh, dI)   w (T, nh)   keys pool (rows, dI)
      *   sel  (T, K) int32
      * REF numerics round q·k, each head term and the sum to bf16 as the

@@ -41,11 +41,12 @@ struct layer_state {
 };
 
 /*
- * Recorded graphs by kind and batch size (opts.graphs): plain decode steps,
- * speculative verify steps, the MTP draft steps after them, and the
+ * Recorded graphs by kind and batch size (opts.graphs): plain decode steps
+ * (G_DECODE_ALL: steps whose every row takes all its compressed entries, so
+ * the indexer's query side is left out; idx_all), speculative verify steps, the MTP draft steps after them, and the
  * restores of rejected drafts (forward.h, "Speculative decoding").
  */
-enum graph_kind { G_DECODE, G_VERIFY, G_DRAFT, G_RESTORE, G_KINDS };
+enum graph_kind { G_DECODE, G_DECODE_ALL, G_VERIFY, G_DRAFT, G_RESTORE, G_KINDS };
 
 /*
  * Pages of the pools that grow with the sequence (backend.h,
@@ -87,6 +88,8 @@ struct call_plan {
     /* logits rows */
     int n_out;
     int32_t *out_rows;
+    /* every row has at most K valid ratio-4 entries (idx_all) */
+    int idx_small;
     /* the logits rows' slot, pos, row0, pos0 and tok, and 0 .. n_out - 1:
      * the rows of a trimmed last layer (forward.h DSV4_FWD_FULL_LAST) */
     int32_t *oslot, *opos, *orow0, *opos0, *otok, *oid;
@@ -137,6 +140,11 @@ struct dsv4_model {
      * the compact rows' index arrays and scratch (n_slots rows: a trimmed
      * call has one logits row per run) */
     int trim_last, trimmed;
+    /* this call's CSA top-k is every valid entry of each row (at most K of
+     * them: plan.idx_small): the indexer's query side (its wq_b, RoPE,
+     * Hadamard, weights_proj and scores) is left out and indexer_topk runs
+     * without q (backend.h) */
+    int idx_all;
     struct row_view full;
     int32_t *i_oslot, *i_opos, *i_orow0, *i_opos0, *i_otok, *i_oid;
     float *Xc, *xnc, *postc, *combc, *wIc;
@@ -749,7 +757,7 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
     struct call_plan *p = &m->plan;
     int T = 0;
 
-    m->trim_last = 0;   /* forward_run may ask for it */
+    m->trim_last = m->idx_all = 0;   /* forward_run may ask for them */
     if (b->n_seqs <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "forward: empty batch");
     for (int i = 0; i < b->n_seqs; i++) {
@@ -779,6 +787,7 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
     TRY(pages_reserve(m, b->slot, p->pos, b->n_seqs));
     p->T = T;
     p->n_emit4 = p->n_emit128 = p->n_ring = p->n_out = 0;
+    p->idx_small = 1;
     int t = 0;
     const struct page_pool *pg4 = &m->pg[0], *pg128 = &m->pg[1];
     for (int i = 0; i < b->n_seqs; i++) {
@@ -791,6 +800,8 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
             p->pos0[t] = p0;
             p->tok[t] = tok;
             p->emit4[t] = p->emit128[t] = -1;
+            if ((pos + 1) / 4 > m->K && pg4->cap > m->K)   /* row's valid entries > K */
+                p->idx_small = 0;
             if ((pos + 1) % 4 == 0) {
                 int e = p->n_emit4++;
                 p->emit4[t] = e;
@@ -1069,7 +1080,8 @@ attention_compress(struct dsv4_model *m, struct layer_state *ls, const void *unu
     if (ls->ratio == 4) {
         LIN_ADD(m->ia, &lw->idx_compressor.wkv, DSV4_LIN_F32_OUT);
         LIN_ADD(m->iz, &lw->idx_compressor.wgate, DSV4_LIN_F32_OUT);
-        LIN_ADD(m->wI, &lw->idx_weights_proj, 0);
+        if (!m->idx_all)   /* the scores' head weights */
+            LIN_ADD(m->wI, &lw->idx_weights_proj, 0);
     }
     LIN_ADD(m->ca, &lw->compressor.wkv, DSV4_LIN_F32_OUT);
     LIN_ADD(m->cz, &lw->compressor.wgate, DSV4_LIN_F32_OUT);
@@ -1174,7 +1186,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
         TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
         n = 0;
         LIN_ADD(m->q, &lw->wq_b, 0);
-        if (ls->ratio == 4)
+        if (ls->ratio == 4 && !m->idx_all)
             LIN_ADD(m->qI, &lw->idx_wq_b, 0);
 #undef LIN_ADD
         TRY(ops->linear_multi(be, n, outs, m->qr, Ws, fl, T));
@@ -1187,24 +1199,28 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
         }
     } else {
         int nI = m->nI, dI = m->dI;
-        float *wI = m->wI;
+        float *qI = m->idx_all ? NULL : m->qI, *wI = m->idx_all ? NULL : m->wI;
 
         /* the indexer's queries (model doc §3.7), then its top-k (which
          * reads the compressor branch's keys and weights) beside the q / kv
-         * norm on the side queue */
-        TRY(ops->rope(be, m->qI, m->i_pos, T, nI, (int64_t)nI * dI, dI, dI - rd, rd, ls->freqs,
-                      0));
-        TRY(ops->hadamard_fp4(be, m->qI, T * nI));
+         * norm on the side queue; with idx_all the top-k is every valid
+         * entry, and nothing of the query side is needed */
+        if (qI != NULL) {
+            TRY(ops->rope(be, qI, m->i_pos, T, nI, (int64_t)nI * dI, dI, dI - rd, rd,
+                          ls->freqs, 0));
+            TRY(ops->hadamard_fp4(be, qI, T * nI));
+        }
         TRY(side_join(m));
         comp = ls->comp;
-        if (m->trimmed) {   /* the branch's weights of the logits rows */
+        if (wI != NULL && m->trimmed) {   /* the branch's weights of the logits rows */
             TRY(ops->gather_rows(be, m->wIc, wI, m->full.out_rows, T, nI));
             wI = m->wIc;
         }
         TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_qkv_norm, NULL));
-        TRY(ops->scale(be, wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
-                       (int64_t)T * nI));
-        TRY(ops->indexer_topk(be, m->sel, m->qI, wI, ls->keys, ls->pg->d_pt, m->i_slot,
+        if (wI != NULL)
+            TRY(ops->scale(be, wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
+                           (int64_t)T * nI));
+        TRY(ops->indexer_topk(be, m->sel, qI, wI, ls->keys, ls->pg->d_pt, m->i_slot,
                               m->i_pos, T, nI, dI, ls->pg->cap, 4, m->K));
         TRY(side_join(m));
         sel = m->sel;
@@ -1452,9 +1468,11 @@ forward_run(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
      * is not used (their KV state still comes from every row) */
     m->trim_last = !(flags & (DSV4_FWD_FULL_LAST | DSV4_FWD_KEEP_HIDDEN)) && !graphed &&
                    p->n_out < p->T;
+    /* no indexer scores where every row's top-k is all its valid entries */
+    m->idx_all = p->idx_small && !(flags & DSV4_FWD_FULL_INDEXER);
     TRY(plan_upload(m));
     if (graphed)
-        TRY(graph_run(m, G_DECODE, m->plan.T, forward_body));
+        TRY(graph_run(m, m->idx_all ? G_DECODE_ALL : G_DECODE, m->plan.T, forward_body));
     else
         TRY(forward_body(m));
     if (flags & DSV4_FWD_KEEP_HIDDEN) {

@@ -132,6 +132,16 @@ struct dsv4_batch {
  * DSV4_FWD_ALL_LOGITS.
  */
 #define DSV4_FWD_FULL_LAST 4u
+/*
+ * Score the indexer's entries even where every row of the call has at most
+ * index_topk valid compressed entries (a context of at most 4 · index_topk
+ * tokens).  Without it such a call's CSA top-k is every valid entry, in
+ * index order (backend.h indexer_topk: the same for those rows either way),
+ * and the indexer's query side (its wq_b, RoPE, Hadamard, weights_proj,
+ * scores) is left out: the same logits and state.  For tests and A/B
+ * measurements.
+ */
+#define DSV4_FWD_FULL_INDEXER 8u
 
 struct dsv4_model;
 

@@ -21,10 +21,11 @@
  * indexer_topk: REF numerics compute each head's q·k with cpu_dot and round
  *   it to bf16, then term = bf16(ReLU(dot) * w[h]), and the score is
  *   bf16(Σ_h term) summed in fp32 over heads in order; HF numerics keep fp32
- *   throughout.  Top-k keeps the best min(K, n_valid) by (score desc, index
- *   asc) with a bounded heap.  Scores are computed in parallel over
- *   (row, 64-entry block), top-k in parallel over rows, in row groups that
- *   bound the score buffer.
+ *   throughout.  Top-k keeps the best K by (score desc, index asc) with a
+ *   bounded heap; a row with at most K valid entries takes them all in index
+ *   order and is not scored.  Scores are computed in parallel over (row,
+ *   64-entry block), top-k in parallel over rows, in row groups that bound
+ *   the score buffer.
  *
  * attention: for each (row, head), candidates are the window positions in
  *   ascending order, then the compressed entries (ascending for HCA, in sel
@@ -227,6 +228,16 @@ idx_n_valid(const struct idx_job *j, int t)
     return n < j->cap ? n : j->cap;
 }
 
+/* Entries of row t that are scored: every valid one when there are more
+ * than K, else none (the row takes them all). */
+static int
+idx_n_scored(const struct idx_job *j, int t)
+{
+    int n = idx_n_valid(j, t);
+
+    return n > j->K ? n : 0;
+}
+
 static void
 idx_score_task(void *ctx, int64_t begin, int64_t end, int tid)
 {
@@ -235,7 +246,7 @@ idx_score_task(void *ctx, int64_t begin, int64_t end, int tid)
     (void)tid;
     for (int64_t it = begin; it < end; it++) {
         int rr = j->item_row[it], t = j->t0 + rr;
-        int nv = idx_n_valid(j, t);
+        int nv = idx_n_scored(j, t);
         int e0 = j->item_blk[it] * IDX_EB;
         int e1 = e0 + IDX_EB < nv ? e0 + IDX_EB : nv;
         const float *q = j->q + (int64_t)t * j->nh * j->dI;
@@ -271,8 +282,14 @@ idx_topk_task(void *ctx, int64_t begin, int64_t end, int tid)
     for (int64_t rr = begin; rr < end; rr++) {
         int t = j->t0 + (int)rr;
         int32_t *sel = j->sel + (int64_t)t * j->K;
-        int n = cpu_topk(sel, j->scores + j->off[rr], idx_n_valid(j, t), j->K, heap);
+        int n = idx_n_valid(j, t);
 
+        if (n > j->K) {
+            n = cpu_topk(sel, j->scores + j->off[rr], n, j->K, heap);
+        } else {
+            for (int i = 0; i < n; i++)
+                sel[i] = i;
+        }
         for (int i = n; i < j->K; i++)
             sel[i] = -1;
     }
@@ -304,6 +321,11 @@ cpu_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const fl
     j.ratio = ratio;
     j.K = K;
     j.ref = be->numerics == DSV4_NUMERICS_REF;
+    if (q == NULL || w == NULL)
+        for (int t = 0; t < T; t++)
+            if (idx_n_scored(&j, t) > 0)
+                return dsv4_err_set(DSV4_ERR_INVAL, "cpu indexer_topk: row %d has %d valid "
+                                    "entries (> K = %d) and no q / w", t, idx_n_valid(&j, t), K);
     j.heaps = malloc((size_t)cpu_threads(be) * K * sizeof(*j.heaps));
     off = malloc(((size_t)T + 1) * sizeof(*off));
     if (j.heaps == NULL || off == NULL)
@@ -315,7 +337,7 @@ cpu_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const fl
         /* row group: at least one row, scores within the budget */
         off[0] = 0;
         while (t1 < T) {
-            int nv = idx_n_valid(&j, t1);
+            int nv = idx_n_scored(&j, t1);
 
             if (t1 > t0 && off[t1 - t0] + nv > IDX_SCORE_BUDGET)
                 break;
@@ -332,7 +354,7 @@ cpu_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const fl
         if (j.scores == NULL || item_row == NULL || item_blk == NULL)
             goto nomem;
         for (int t = t0; t < t1; t++) {
-            int nb = (idx_n_valid(&j, t) + IDX_EB - 1) / IDX_EB;
+            int nb = (idx_n_scored(&j, t) + IDX_EB - 1) / IDX_EB;
 
             for (int b = 0; b < nb; b++, it++) {
                 item_row[it] = t - t0;

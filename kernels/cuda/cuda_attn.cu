@@ -7,7 +7,8 @@
  *   channel is touched by that thread only).
  * indexer_topk: an 8-thread group per (row, entry) computes the score and
  *   writes a 64-bit sort key (score desc, index asc); each row's keys are
- *   sorted (cuda_sort_segments) and the first min(K, n_valid) give sel.
+ *   sorted (cuda_sort_segments) and the first K give sel; a row with at most
+ *   K valid entries takes them in index order (without q: only that).
  * attention: the candidate key rows of each row are listed first (one thread
  *   per row, in the CPU's candidate order); then one block per (row, head)
  *   computes the scores (8-thread groups), the max, the exponentials, the
@@ -139,17 +140,22 @@ idx_score_kernel(unsigned long long *keys, const float *q, const float *w, const
         keys[it] = e < nv ? cu_rank_key(acc, e) : ~0ull;
 }
 
+/* sel from the sorted keys; rows of at most K valid entries (every row
+ * when sorted is NULL) take them in index order */
 static __global__ void
 idx_select_kernel(int32_t *sel, const unsigned long long *sorted, const int32_t *pos, int T,
                   int cap, int ratio, int K)
 {
     int64_t it = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    int t = (int)(it / K), i = (int)(it % K);
+    int t = (int)(it / K), i = (int)(it % K), nv;
 
     if (t >= T)
         return;
-    sel[it] = i < idx_n_valid(pos, t, ratio, cap)
-                  ? (int32_t)(sorted[(int64_t)t * cap + i] & 0xffffffffu) : -1;
+    nv = idx_n_valid(pos, t, ratio, cap);
+    sel[it] = i >= nv ? -1
+              : nv <= K || sorted == NULL
+                  ? i
+                  : (int32_t)(sorted[(int64_t)t * cap + i] & 0xffffffffu);
 }
 
 enum dsv4_err
@@ -168,10 +174,11 @@ cuda_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, const f
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda indexer_topk: ratio=%d K=%d", ratio, K);
     if (T <= 0)
         return DSV4_OK;
-    if (cap <= 0) {
-        /* no entry can be valid: every pick is -1 */
+    if (cap <= 0 || q == NULL || w == NULL) {
+        /* no entry can be valid (every pick -1), or (no q) each row takes
+         * its valid entries, at most K (backend.h) */
         idx_select_kernel<<<cuda_blocks((int64_t)T * K, 256), 256, 0, s>>>(sel, NULL, pos, T,
-                                                                           0, ratio, K);
+                                                                           cap, ratio, K);
         CUDA_LAUNCHED("idx_select");
         return DSV4_OK;
     }

@@ -42,7 +42,8 @@
  *   than it are taken, and of the entries equal to it the lowest indices
  *   (an ordered block scan) until K are taken; the K keys are then sorted
  *   (bitonic, shared memory) and written as sel, then -1.  n_valid <= K:
- *   every valid entry, sorted.
+ *   every valid entry in index order (backend.h), and the score kernels
+ *   skip the row (fi_n_scored).
  *
  * v2 (DSV4_CUDA_ATTN=v1 keeps the first kernels): decode-sized
  *   calls (T < 32) batch the score kernel's loads (fi_score_kernel<1, true>),
@@ -83,6 +84,7 @@ struct fi_args {
     const float *q, *w, *keys;
     const int32_t *pages, *slot, *pos;
     int T, nh, cap, ratio, ref, kt;   /* kt: key tiles per CTA */
+    int K;
 };
 
 static __device__ __forceinline__ int
@@ -91,6 +93,28 @@ fi_n_valid(const int32_t *pos, int t, int ratio, int cap)
     int n = (pos[t] + 1) / ratio;
 
     return n < cap ? n : cap;
+}
+
+/* Entries of row t the score kernels score: every valid one when there are
+ * more than K, else none (the row takes them all, unscored). */
+static __device__ __forceinline__ int
+fi_n_scored(const struct fi_args &a, int t)
+{
+    int n = fi_n_valid(a.pos, t, a.ratio, a.cap);
+
+    return n > a.K ? n : 0;
+}
+
+/* A select kernel's row t of at most K valid entries: them in index order,
+ * then -1; 1 when it took the row (uniform over the CTA). */
+static __device__ __forceinline__ int
+fi_select_all(int32_t *sel, int t, int nv, int K)
+{
+    if (nv > K)
+        return 0;
+    for (int i = threadIdx.x; i < K; i += blockDim.x)
+        sel[(int64_t)t * K + i] = i < nv ? i : -1;
+    return 1;
 }
 
 /*
@@ -362,7 +386,7 @@ fi_score_kernel(struct fi_args a)
 #pragma unroll
         for (int r = 0; r < R; r++) {
             act[r] = t0 + r < a.T && (same || r == pass);
-            nv[r] = act[r] ? fi_n_valid(a.pos, t0 + r, a.ratio, a.cap) : 0;
+            nv[r] = act[r] ? fi_n_scored(a, t0 + r) : 0;
             nvmax = max(nvmax, nv[r]);
         }
         if (e_beg >= nvmax)
@@ -528,7 +552,7 @@ fi_score_cl_kernel(struct fi_args a)
     cg::cluster_group cl = cg::this_cluster();
     int z = (int)cl.block_rank(), t = (int)(blockIdx.x / FI_CS), h0 = z * FI_CH;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
-    int e0 = blockIdx.y * FI_NK, nv = fi_n_valid(a.pos, t, a.ratio, a.cap), s = a.slot[t];
+    int e0 = blockIdx.y * FI_NK, nv = fi_n_scored(a, t), s = a.slot[t];
     uint32_t qa[8][4];
 
     if (e0 >= nv)
@@ -658,7 +682,9 @@ fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap,
     int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap), kk = min(K, nv);
     const float *sc = scores + (int64_t)t * cap;
 
-    if (nv > K) {
+    if (fi_select_all(sel, t, nv, K))
+        return;
+    {   /* nv > K */
         uint32_t prefix = 0, mask = 0;
         int kleft = K, need, eq_base = 0;
 
@@ -699,9 +725,6 @@ fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap,
                 fs_keys[K - need + eq_base + rk] = (unsigned long long)u << 32 | (uint32_t)i;
             eq_base += tot;
         }
-    } else {
-        for (int i = threadIdx.x; i < nv; i += FI_SEL_THREADS)
-            fs_keys[i] = (unsigned long long)fi_ukey(sc[i]) << 32 | (uint32_t)i;
     }
     for (int i = kk + threadIdx.x; i < kpad; i += FI_SEL_THREADS)
         fs_keys[i] = ~0ull;
@@ -751,13 +774,15 @@ fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap
     uint32_t u[FI_SEL_REG];
     unsigned long long x;
 
+    if (fi_select_all(sel, t, nv, K))
+        return;
 #pragma unroll
     for (int k = 0; k < FI_SEL_REG; k++) {
         int i = tid + FI_SEL_THREADS * k;
 
         u[k] = i < nv ? fi_ukey(sc[i]) : 0xffffffffu;
     }
-    if (nv > K) {
+    {   /* nv > K */
         uint32_t prefix = 0, mask = 0;
         int kleft = K, need, eq_base = 0;
 
@@ -801,8 +826,6 @@ fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap
         }
         __syncthreads();
         x = fs[0][tid];
-    } else {
-        x = tid < nv ? (unsigned long long)u[0] << 32 | (uint32_t)tid : ~0ull;
     }
     /* bitonic sort of the first N keys x, ascending by thread: N the
      * least power of two (at least a warp) that holds the kk keys taken,
@@ -912,6 +935,7 @@ cuda_fast_indexer_topk(struct dsv4_backend *be, int32_t *sel, const float *q, co
     a.nh = nh;
     a.cap = cap;
     a.ratio = ratio;
+    a.K = K;
     a.ref = be->numerics == DSV4_NUMERICS_REF;
     if (T >= 32) {
         a.kt = 4;

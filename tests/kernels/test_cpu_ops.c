@@ -1021,6 +1021,11 @@ run_indexer_case(enum dsv4_numerics num)
         }
         /* REF rounds dots, terms and sum to bf16: allow a few bf16 ulps */
         tol = ref_mode ? 0.03 : 1e-4;
+        if (nv <= K) {   /* every valid entry, in index order, unscored */
+            for (int i = 0; i < K; i++)
+                assert_int_equal(sel[t * K + i], i < nv ? i : -1);
+            continue;
+        }
         for (int i = 0; i < K; i++) {
             if (i >= kk) {
                 assert_int_equal(sel[t * K + i], -1);
@@ -1085,13 +1090,13 @@ test_indexer_ties(void **state)
 
 /*
  * REF rounds the scores to bf16, HF does not: two entries scoring 1.0 and
- * 1.001 tie under REF (lower index first) and not under HF.
+ * 1.001 tie under REF (lower index first) and not under HF (top-1 of 2).
  */
 static void
 test_indexer_bf16_scores(void **state)
 {
     int dI = 128, cap = 4;
-    int32_t slot = 0, pos = 7, sel[2];
+    int32_t slot = 0, pos = 7, sel[1];
     float q[128] = { 1.0f }, w = 1.0f, keys[4 * 128] = { 0 };
 
     (void)state;
@@ -1101,11 +1106,39 @@ test_indexer_bf16_scores(void **state)
         struct dsv4_backend *be = mkbe(num == 0 ? DSV4_NUMERICS_REF : DSV4_NUMERICS_HF, 1);
 
         assert_int_equal(be->ops->indexer_topk(be, sel, q, &w, keys, NULL, &slot, &pos, 1, 1, dI, cap,
-                                               4, 2), DSV4_OK);
+                                               4, 1), DSV4_OK);
         assert_int_equal(sel[0], num == 0 ? 0 : 1);
-        assert_int_equal(sel[1], num == 0 ? 1 : 0);
         dsv4_backend_destroy(be);
     }
+}
+
+/*
+ * Rows with at most K valid entries take them all in index order, without q
+ * and w; a row with more and no q is refused.
+ */
+static void
+test_indexer_all(void **state)
+{
+    int dI = 128, cap = 40, K = 8;
+    int32_t slot[3] = { 0, 1, 0 }, pos[3] = { 31, 2, 12 }, sel[3 * 8];
+    float *keys = rand_bf16((int64_t)2 * cap * dI, 1.0);
+    struct dsv4_backend *be = mkbe(DSV4_NUMERICS_REF, 2);
+
+    (void)state;
+    memset(sel, 0x55, sizeof(sel));
+    assert_int_equal(be->ops->indexer_topk(be, sel, NULL, NULL, keys, NULL, slot, pos, 3, 4, dI,
+                                           cap, 4, K), DSV4_OK);
+    for (int t = 0; t < 3; t++) {
+        int nv = (pos[t] + 1) / 4;
+
+        for (int i = 0; i < K; i++)
+            assert_int_equal(sel[t * K + i], i < nv ? i : -1);
+    }
+    pos[1] = 36;   /* 9 valid entries > K */
+    assert_int_equal(be->ops->indexer_topk(be, sel, NULL, NULL, keys, NULL, slot, pos, 3, 4, dI,
+                                           cap, 4, K), DSV4_ERR_INVAL);
+    free(keys);
+    dsv4_backend_destroy(be);
 }
 
 /* --- attention ------------------------------------------------------------------------------- */
@@ -1788,6 +1821,7 @@ main(void)
         cmocka_unit_test(test_indexer),
         cmocka_unit_test(test_indexer_ties),
         cmocka_unit_test(test_indexer_bf16_scores),
+        cmocka_unit_test(test_indexer_all),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_paged_pools),
         cmocka_unit_test(test_router),

@@ -18,7 +18,11 @@
  *   - the last layer on the logits rows only (the default for prefill
  *     calls) gives the logits of every row through it (DSV4_FWD_FULL_LAST)
  *     bit for bit, and leaves the same decode state: decode steps after
- *     either agree with the one-shot prefill.
+ *     either agree with the one-shot prefill;
+ *   - calls whose every row has at most index_topk valid compressed entries
+ *     (the indexer's query side left out) give the bits of the same calls
+ *     with the indexer scored (DSV4_FWD_FULL_INDEXER), up to and across the
+ *     point where a row first has more.
  *
  * Usage: test_forward CHECKPOINT_DIR (made by dsv4-mkmodel; see
  * run_forward.sh).  The comparison bound is 1e-6 of the largest logit: the
@@ -372,6 +376,45 @@ test_trimmed_last(void **state)
     free(got[1]);
 }
 
+/* 33 tokens (the r = 4 layers' rows: at most 8 = K valid entries), then
+ * single-token steps to position 40 (9 and 10 valid entries from 35 on),
+ * with and without DSV4_FWD_FULL_INDEXER on slots 0 and 1. */
+static void
+test_indexer_all(void **state)
+{
+    float *got[2];
+    int32_t n0 = 33;
+
+    (void)state;
+    for (int side = 0; side < 2; side++) {
+        int32_t slot = side;
+        struct dsv4_batch b = { 1, &slot, &n0, ids };
+
+        got[side] = malloc((size_t)tm.V * sizeof(float));
+        assert_non_null(got[side]);
+        assert_int_equal(dsv4_model_seq_reset(tm.m, slot), DSV4_OK);
+        assert_int_equal(dsv4_model_forward(tm.m, &b, got[side],
+                                            side ? DSV4_FWD_FULL_INDEXER : 0), DSV4_OK);
+    }
+    assert_memory_equal(got[0], got[1], (size_t)tm.V * sizeof(float));
+    check_close(got[0], ref + (size_t)(n0 - 1) * tm.V, tm.V, "prefill, all entries taken");
+    for (int p = n0; p < 41; p++) {
+        int32_t one = 1;
+
+        for (int side = 0; side < 2; side++) {
+            int32_t slot = side;
+            struct dsv4_batch d = { 1, &slot, &one, &ids[p] };
+
+            assert_int_equal(dsv4_model_forward(tm.m, &d, got[side],
+                                                side ? DSV4_FWD_FULL_INDEXER : 0), DSV4_OK);
+        }
+        assert_memory_equal(got[0], got[1], (size_t)tm.V * sizeof(float));
+        check_close(got[0], ref + (size_t)p * tm.V, tm.V, "step, all entries or scored");
+    }
+    free(got[0]);
+    free(got[1]);
+}
+
 static void
 test_bad_batch(void **state)
 {
@@ -401,6 +444,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_forward_sample),
         cmocka_unit_test(test_paged_pool),
         cmocka_unit_test(test_trimmed_last),
+        cmocka_unit_test(test_indexer_all),
         cmocka_unit_test(test_bad_batch),
     };
 
