@@ -43,8 +43,9 @@ struct layer_state {
 /*
  * Recorded graphs by kind and batch size (opts.graphs): plain decode steps
  * (G_DECODE_ALL: steps whose every row takes all its compressed entries, so
- * the indexer's query side is left out; idx_all), speculative verify steps, the MTP draft steps after them, and the
- * restores of rejected drafts (forward.h, "Speculative decoding").
+ * the indexer's query side is left out; idx_all), speculative verify steps,
+ * the MTP draft steps after them, and the restores of rejected drafts
+ * (forward.h, "Speculative decoding").
  */
 enum graph_kind { G_DECODE, G_DECODE_ALL, G_VERIFY, G_DRAFT, G_RESTORE, G_KINDS };
 
