@@ -408,62 +408,132 @@ fg_kernel(struct fg_args a)
 
 /* --- grouping ---------------------------------------------------------------------- */
 
+#define FG_GROUP_ILP 8   /* pick ids a thread of fg_group_kernel loads at once */
+
+/* The expert ids, clamped into [0, E), of picks r0 + i * stride (i <
+ * FG_GROUP_ILP; -1 past Tk), all loads issued before any is used. */
+static __device__ __forceinline__ void
+fg_group_ids(int (&e)[FG_GROUP_ILP], const int32_t *ids, int r0, int stride, int Tk, int E)
+{
+#pragma unroll
+    for (int i = 0; i < FG_GROUP_ILP; i++)
+        e[i] = r0 + i * stride < Tk ? ids[r0 + i * stride] : 0;
+#pragma unroll
+    for (int i = 0; i < FG_GROUP_ILP; i++)
+        e[i] = r0 + i * stride >= Tk ? -1 : e[i] < 0 ? 0 : (e[i] >= E ? E - 1 : e[i]);
+}
+
+/*
+ * Exclusive prefix over the block of v (one value a thread, blockDim.x a
+ * multiple of 32, at most 1024); *total: the block's sum.  Every thread
+ * calls it; ws: 33 shared slots.
+ */
+static __device__ __forceinline__ unsigned long long
+fg_block_scan(unsigned long long v, unsigned long long *ws, unsigned long long *total)
+{
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    unsigned long long x = v;
+
+    for (int o = 1; o < 32; o *= 2) {
+        unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
+
+        if (lane >= o)
+            x += y;
+    }
+    if (lane == 31)
+        ws[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned long long w = lane < nw ? ws[lane] : 0, z = w;
+
+        for (int o = 1; o < 32; o *= 2) {
+            unsigned long long y = __shfl_up_sync(0xffffffffu, z, o);
+
+            if (lane >= o)
+                z += y;
+        }
+        if (lane < nw)
+            ws[lane] = z - w;   /* exclusive, by warp */
+        if (lane == 31)
+            ws[32] = z;         /* the block's total (lanes past nw added 0) */
+    }
+    __syncthreads();
+    x = x - v + ws[warp];
+    *total = ws[32];
+    __syncthreads();   /* ws reused by the next call */
+    return x;
+}
+
 /*
  * One block; dynamic shared memory 3 * E ints.  grp: [0] the number of
  * tiles; tile i at 1 + 3i: expert, first entry in rows, rows (<= BM); rows
  * at 1 + 3A: the pick rows of each active expert, experts in increasing id
  * order (inside an expert in any order: rows are computed independently).
  * skip_unheld: experts without weights (held by another rank) are left out.
+ * The ids are read FG_GROUP_ILP a thread at once, and the experts' row and
+ * tile offsets come from a block scan (a thread an expert), not one
+ * thread's walk over the experts.
  */
 static __global__ void
 fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
                 const struct dsv4_expert_w *table, int skip_unheld)
 {
     extern __shared__ int32_t fg_gs[];
+    __shared__ unsigned long long ws[33];
     int32_t *cnt = fg_gs, *off = fg_gs + E, *fill = fg_gs + 2 * E;
     int32_t *tiles = grp + 1, *rows = grp + 1 + 3 * A;
+    int nthr = blockDim.x, pos0 = 0, nt0 = 0;
 
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    for (int e = threadIdx.x; e < E; e += nthr) {
         cnt[e] = 0;
         fill[e] = 0;
         off[e] = !skip_unheld || table[e].w1.w != NULL;   /* held */
     }
     __syncthreads();
-    for (int r = threadIdx.x; r < Tk; r += blockDim.x) {
-        int e = ids[r];
+    for (int r0 = threadIdx.x; r0 < Tk; r0 += nthr * FG_GROUP_ILP) {
+        int e[FG_GROUP_ILP];
 
-        e = e < 0 ? 0 : (e >= E ? E - 1 : e);
-        atomicAdd(&cnt[e], 1);
+        fg_group_ids(e, ids, r0, nthr, Tk, E);
+#pragma unroll
+        for (int i = 0; i < FG_GROUP_ILP; i++)
+            if (e[i] >= 0)
+                atomicAdd(&cnt[e[i]], 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int pos = 0, nt = 0;
+    /* rows and tiles of the active experts, by increasing id: a scan of
+     * (rows << 32 | tiles), nthr experts a round */
+    for (int e0 = 0; e0 < E; e0 += nthr) {
+        int e = e0 + (int)threadIdx.x, c = 0, nt = 0;
+        unsigned long long ex, tot;
 
-        for (int e = 0; e < E; e++) {
-            int c = cnt[e];
+        if (e < E && off[e])
+            c = cnt[e];
+        nt = (c + BM - 1) / BM;
+        ex = fg_block_scan((unsigned long long)c << 32 | (unsigned)nt, ws, &tot);
+        if (e < E) {
+            int p = pos0 + (int)(ex >> 32), t0 = nt0 + (int)(ex & 0xffffffffu);
 
-            if (c == 0 || !off[e]) {
-                off[e] = -1;
-                continue;
+            off[e] = c > 0 ? p : -1;
+            for (int j = 0; j < nt; j++) {
+                tiles[3 * (t0 + j)] = e;
+                tiles[3 * (t0 + j) + 1] = p + j * BM;
+                tiles[3 * (t0 + j) + 2] = c - j * BM < BM ? c - j * BM : BM;
             }
-            off[e] = pos;
-            for (int j = 0; j < c; j += BM) {
-                tiles[3 * nt] = e;
-                tiles[3 * nt + 1] = pos + j;
-                tiles[3 * nt + 2] = c - j < BM ? c - j : BM;
-                nt++;
-            }
-            pos += c;
         }
-        grp[0] = nt;
+        pos0 += (int)(tot >> 32);
+        nt0 += (int)(tot & 0xffffffffu);
     }
+    if (threadIdx.x == 0)
+        grp[0] = nt0;
     __syncthreads();
-    for (int r = threadIdx.x; r < Tk; r += blockDim.x) {
-        int e = ids[r];
+    for (int r0 = threadIdx.x; r0 < Tk; r0 += nthr * FG_GROUP_ILP) {
+        int e[FG_GROUP_ILP];
 
-        e = e < 0 ? 0 : (e >= E ? E - 1 : e);
-        if (off[e] >= 0)
-            rows[off[e] + atomicAdd(&fill[e], 1)] = r;
+        fg_group_ids(e, ids, r0, nthr, Tk, E);
+#pragma unroll
+        for (int i = 0; i < FG_GROUP_ILP; i++)
+            if (e[i] >= 0 && off[e[i]] >= 0)
+                rows[off[e[i]] + atomicAdd(&fill[e[i]], 1)] = r0 + i * nthr;
     }
 }
 

@@ -20,6 +20,11 @@
  * on ties) identical at every step, except where the CPU's two candidates
  * are a near tie: their logit margin is below the row's largest absolute
  * logit difference (reported; such a row cannot be decided at this error).
+ * A third model on the GPU runs the same calls with decode graphs
+ * (opts.graphs): its logits must be the ungraphed GPU model's bit for bit at
+ * every step (with a PROMPT of 20 on the tiny model, index_topk 8, the
+ * steps up to position 34 replay the graphs of steps without indexer
+ * scores, later ones those with: forward.c G_DECODE_ALL).
  * Prints one table row per mode.
  *
  * Exit status: 0 pass, 1 failure, 77 no CUDA device.
@@ -45,13 +50,13 @@ run_mode(const char *dir, enum dsv4_numerics num, int steps, int prompt)
 {
     struct dsv4_weights hw, dw;
     struct dsv4_backend *cb, *gb;
-    struct dsv4_model *cm, *gm;
+    struct dsv4_model *cm, *gm, *gg;
     struct dsv4_model_opts opts = { 0 };   /* unset fields: defaults (a single model) */
     int plen[N_SEQ] = { prompt, prompt / 2 + 3 }, slot[N_SEQ] = { 0, 1 }, V;
     int32_t *tok, next[N_SEQ];
-    float *lc, *lg;
+    float *lc, *lg, *lgg;
     double *errs, t_cpu = 0, t_gpu = 0, t0, worst = 0;
-    int n_err = 0, same = 0, ties = 0, total = 0, first_inexact = -1, exact = 0;
+    int n_err = 0, same = 0, ties = 0, total = 0, first_inexact = -1, exact = 0, graph_diff = 0;
     struct dsv4_batch b;
     enum dsv4_err e;
 
@@ -69,10 +74,13 @@ run_mode(const char *dir, enum dsv4_numerics num, int steps, int prompt)
     opts.max_rows = plen[0] + plen[1];
     TRY("cpu model", dsv4_model_create(&cm, cb, &hw, &opts));
     TRY("gpu model", dsv4_model_create(&gm, gb, &dw, &opts));
+    opts.graphs = 1;
+    TRY("gpu model (graphs)", dsv4_model_create(&gg, gb, &dw, &opts));
     V = dsv4_model_vocab(cm);
     tok = malloc((size_t)(plen[0] + plen[1]) * sizeof(*tok));
     lc = malloc((size_t)N_SEQ * V * sizeof(float));
     lg = malloc((size_t)N_SEQ * V * sizeof(float));
+    lgg = malloc((size_t)N_SEQ * V * sizeof(float));
     errs = malloc((size_t)(steps + 1) * N_SEQ * sizeof(double));
     for (int i = 0; i < plen[0] + plen[1]; i++)
         tok[i] = (int32_t)((i * 2654435761u + 17) % (unsigned)V);
@@ -88,6 +96,9 @@ run_mode(const char *dir, enum dsv4_numerics num, int steps, int prompt)
         t0 = now_ms();
         TRY("gpu forward", dsv4_model_forward(gm, &b, lg, 0));
         t_gpu += s > 0 ? now_ms() - t0 : 0;
+        TRY("gpu forward (graphs)", dsv4_model_forward(gg, &b, lgg, 0));
+        if (memcmp(lgg, lg, (size_t)N_SEQ * V * sizeof(float)) != 0 && graph_diff++ == 0)
+            printf("   step %d: graphed logits differ from the plain GPU call's\n", s);
         for (int q = 0; q < N_SEQ; q++) {
             int ac = argmax(lc + (size_t)q * V, V), ag = argmax(lg + (size_t)q * V, V);
             double diff, r = rel_err(lg + (size_t)q * V, lc + (size_t)q * V, V, &diff);
@@ -117,21 +128,24 @@ run_mode(const char *dir, enum dsv4_numerics num, int steps, int prompt)
         b.n_tokens = plen;
     }
     qsort(errs, (size_t)n_err, sizeof(double), cmp_double);
-    int ok = same + ties == total && errs[n_err / 2] <= MEDIAN_TOL && worst <= MAX_TOL;
+    int ok = same + ties == total && errs[n_err / 2] <= MEDIAN_TOL && worst <= MAX_TOL &&
+             graph_diff == 0;
 
     printf("| %-4s | %d+%d | %d | %d/%d | %d | %d/%d | %.2e | %.2e | %.2f | %.2f | %s |\n",
            num == DSV4_NUMERICS_REF ? "ref" : "hf", prompt, prompt / 2 + 3, steps, same, total,
            ties, exact, total, errs[n_err / 2], worst, t_cpu / steps, t_gpu / steps,
            ok ? "ok" : "FAIL");
-    printf("   (%s: first step with any logits difference: %d)\n",
-           num == DSV4_NUMERICS_REF ? "ref" : "hf", first_inexact);
+    printf("   (%s: first step with any logits difference: %d; graphed steps differing "
+           "from plain: %d)\n", num == DSV4_NUMERICS_REF ? "ref" : "hf", first_inexact,
+           graph_diff);
+    dsv4_model_free(gg);
     dsv4_model_free(gm);
     dsv4_model_free(cm);
     dsv4_cuda_weights_free(gb, &dw);
     dsv4_backend_destroy(gb);
     dsv4_backend_destroy(cb);
     dsv4_weights_free(&hw);
-    free(tok), free(lc), free(lg), free(errs);
+    free(tok), free(lc), free(lg), free(lgg), free(errs);
     return ok ? 0 : 1;
 }
 
