@@ -44,6 +44,52 @@
 
 #define FK_LUT_WORDS (256 * 32)   /* FP4 byte -> bf16x2 table, one copy per bank */
 
+/* --- block scan --------------------------------------------------------------- */
+
+/*
+ * Exclusive prefix sum over the block of v, one value a thread (blockDim.x a
+ * multiple of 32, at most 1024); *total: the block's sum.  Every thread of
+ * the block calls it; ws: 33 shared slots, free again when it returns (it
+ * ends with a barrier).  The grouping of the MoE kernels (fm3_group,
+ * fg_group_kernel) takes its offsets from it.
+ */
+template <typename T>
+static __device__ __forceinline__ T
+fk_block_scan(T v, T *ws, T *total)
+{
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    T x = v;
+
+    for (int o = 1; o < 32; o *= 2) {
+        T y = __shfl_up_sync(0xffffffffu, x, o);
+
+        if (lane >= o)
+            x += y;
+    }
+    if (lane == 31)
+        ws[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < nw ? ws[lane] : 0, z = w;
+
+        for (int o = 1; o < 32; o *= 2) {
+            T y = __shfl_up_sync(0xffffffffu, z, o);
+
+            if (lane >= o)
+                z += y;
+        }
+        if (lane < nw)
+            ws[lane] = z - w;   /* exclusive, by warp */
+        if (lane == 31)
+            ws[32] = z;         /* the block's total (lanes past nw added 0) */
+    }
+    __syncthreads();
+    x = x - v + ws[warp];
+    *total = ws[32];
+    __syncthreads();   /* ws read by every thread before anyone reuses it */
+    return x;
+}
+
 /* --- loads and instructions ------------------------------------------------- */
 
 /* 16 bytes of weights, read once: no L1 allocation. */

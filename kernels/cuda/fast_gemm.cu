@@ -424,47 +424,6 @@ fg_group_ids(int (&e)[FG_GROUP_ILP], const int32_t *ids, int r0, int stride, int
 }
 
 /*
- * Exclusive prefix over the block of v (one value a thread, blockDim.x a
- * multiple of 32, at most 1024); *total: the block's sum.  Every thread
- * calls it; ws: 33 shared slots.
- */
-static __device__ __forceinline__ unsigned long long
-fg_block_scan(unsigned long long v, unsigned long long *ws, unsigned long long *total)
-{
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    unsigned long long x = v;
-
-    for (int o = 1; o < 32; o *= 2) {
-        unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
-
-        if (lane >= o)
-            x += y;
-    }
-    if (lane == 31)
-        ws[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        unsigned long long w = lane < nw ? ws[lane] : 0, z = w;
-
-        for (int o = 1; o < 32; o *= 2) {
-            unsigned long long y = __shfl_up_sync(0xffffffffu, z, o);
-
-            if (lane >= o)
-                z += y;
-        }
-        if (lane < nw)
-            ws[lane] = z - w;   /* exclusive, by warp */
-        if (lane == 31)
-            ws[32] = z;         /* the block's total (lanes past nw added 0) */
-    }
-    __syncthreads();
-    x = x - v + ws[warp];
-    *total = ws[32];
-    __syncthreads();   /* ws reused by the next call */
-    return x;
-}
-
-/*
  * One block; dynamic shared memory 3 * E ints.  grp: [0] the number of
  * tiles; tile i at 1 + 3i: expert, first entry in rows, rows (<= BM); rows
  * at 1 + 3A: the pick rows of each active expert, experts in increasing id
@@ -509,7 +468,7 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
         if (e < E && off[e])
             c = cnt[e];
         nt = (c + BM - 1) / BM;
-        ex = fg_block_scan((unsigned long long)c << 32 | (unsigned)nt, ws, &tot);
+        ex = fk_block_scan((unsigned long long)c << 32 | (unsigned)nt, ws, &tot);
         if (e < E) {
             int p = pos0 + (int)(ex >> 32), t0 = nt0 + (int)(ex & 0xffffffffu);
 

@@ -277,11 +277,11 @@ fm3_group(int32_t *grp, const int32_t *ids, int Tk, int E, int A,
 {
     __shared__ uint16_t ge[FM3_MAX_TK], rk[FM3_MAX_TK];   /* expert; rank among its picks */
     __shared__ int32_t cnt[FM3_MAX_E];   /* picks per expert, then first place | slot << 16 */
-    __shared__ int32_t wbase[FM3_PREP_THREADS / 32];
-    __shared__ int32_t total;            /* n_valid | n_act << 16 */
+    __shared__ int32_t wbase[33];        /* fk_block_scan */
+    int32_t total;                       /* n_valid | n_act << 16 */
     int32_t *act_e = grp + 1, *act_off = grp + 1 + A, *rows = grp + 2 + 2 * A;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x / 32;
-    int per = (E + blockDim.x - 1) / blockDim.x, e0 = threadIdx.x * per, s = 0, incl, run;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int per = (E + blockDim.x - 1) / blockDim.x, e0 = threadIdx.x * per, s = 0, run;
 
     for (int e = threadIdx.x; e < E; e += blockDim.x)
         cnt[e] = 0;
@@ -310,32 +310,7 @@ fm3_group(int32_t *grp, const int32_t *ids, int Tk, int E, int A,
     /* exclusive scan over the experts of count + (count > 0) << 16 */
     for (int i = 0; i < per && e0 + i < E; i++)
         s += cnt[e0 + i] + (cnt[e0 + i] > 0 ? 1 << 16 : 0);
-    incl = s;
-    for (int o = 1; o < 32; o <<= 1) {
-        int t = __shfl_up_sync(0xffffffffu, incl, o);
-
-        if (lane >= o)
-            incl += t;
-    }
-    if (lane == 31)
-        wbase[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < nw ? wbase[lane] : 0, wi = w;
-
-        for (int o = 1; o < 32; o <<= 1) {
-            int t = __shfl_up_sync(0xffffffffu, wi, o);
-
-            if (lane >= o)
-                wi += t;
-        }
-        if (lane < nw)
-            wbase[lane] = wi - w;
-        if (lane == 31)
-            total = wi;
-    }
-    __syncthreads();
-    run = wbase[warp] + incl - s;
+    run = fk_block_scan(s, wbase, &total);
     for (int i = 0; i < per && e0 + i < E; i++) {
         int c = cnt[e0 + i];
 
