@@ -60,6 +60,17 @@ dsv4_pool_row(const int32_t *pages, int cap, int s, int e)
                DSV4_PAGE_ENTRIES + e % DSV4_PAGE_ENTRIES;
 }
 
+/* Compressed entries a row at position pos sees of a pool of ratio `ratio`
+ * holding `cap` entries a slot: the finished windows, min((pos + 1) /
+ * ratio, cap) (indexer_topk's n_valid); host code only. */
+static inline int
+dsv4_n_valid(int pos, int ratio, int cap)
+{
+    int n = (pos + 1) / ratio;
+
+    return n < cap ? n : cap;
+}
+
 enum dsv4_numerics {
     DSV4_NUMERICS_REF = 0,  /* DeepSeek reference (FP8 act quant, KV/indexer sims) */
     DSV4_NUMERICS_HF = 1,   /* transformers dequantized mode (see above) */

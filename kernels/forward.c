@@ -801,7 +801,7 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
             p->pos0[t] = p0;
             p->tok[t] = tok;
             p->emit4[t] = p->emit128[t] = -1;
-            if ((pos + 1) / 4 > m->K && pg4->cap > m->K)   /* row's valid entries > K */
+            if (dsv4_n_valid(pos, 4, pg4->cap) > m->K)
                 p->idx_small = 0;
             if ((pos + 1) % 4 == 0) {
                 int e = p->n_emit4++;

@@ -223,9 +223,7 @@ struct idx_job {
 static int
 idx_n_valid(const struct idx_job *j, int t)
 {
-    int n = (j->pos[t] + 1) / j->ratio;
-
-    return n < j->cap ? n : j->cap;
+    return dsv4_n_valid(j->pos[t], j->ratio, j->cap);
 }
 
 /* Entries of row t that are scored: every valid one when there are more

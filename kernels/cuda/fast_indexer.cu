@@ -679,7 +679,7 @@ fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap,
     extern __shared__ unsigned long long fs_keys[];
     __shared__ int hist[256], wsum[FI_SEL_THREADS / 32];
     __shared__ int s_bin, s_before, s_lt;
-    int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap), kk = min(K, nv);
+    int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap);
     const float *sc = scores + (int64_t)t * cap;
 
     if (fi_select_all(sel, t, nv, K))
@@ -726,7 +726,7 @@ fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap,
             eq_base += tot;
         }
     }
-    for (int i = kk + threadIdx.x; i < kpad; i += FI_SEL_THREADS)
+    for (int i = K + threadIdx.x; i < kpad; i += FI_SEL_THREADS)
         fs_keys[i] = ~0ull;
     __syncthreads();
     /* bitonic sort, ascending */
@@ -747,7 +747,7 @@ fi_select_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap,
             __syncthreads();
         }
     for (int i = threadIdx.x; i < K; i += FI_SEL_THREADS)
-        sel[(int64_t)t * K + i] = i < kk ? (int32_t)(fs_keys[i] & 0xffffffffu) : -1;
+        sel[(int64_t)t * K + i] = (int32_t)(fs_keys[i] & 0xffffffffu);
 }
 
 /*
@@ -768,7 +768,7 @@ fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap
     __shared__ unsigned long long fs[2][FI_SEL_THREADS];
     __shared__ int hist[256], wsum[FI_SEL_THREADS / 32];
     __shared__ int s_bin, s_before, s_lt;
-    int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap), kk = min(K, nv);
+    int t = blockIdx.x, nv = fi_n_valid(pos, t, ratio, cap);
     int tid = threadIdx.x, b = 0, N = 32;
     const float *sc = scores + (int64_t)t * cap;
     uint32_t u[FI_SEL_REG];
@@ -828,10 +828,10 @@ fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap
         x = fs[0][tid];
     }
     /* bitonic sort of the first N keys x, ascending by thread: N the
-     * least power of two (at least a warp) that holds the kk keys taken,
-     * the threads past it holding ~0, already in place (a decode step's
-     * few dozen keys took the whole 512-key network) */
-    while (N < kk)
+     * least power of two (at least a warp) that holds the K keys taken,
+     * the threads past it holding ~0, already in place (rows of at most K
+     * valid entries, a decode step's few dozen, take fi_select_all) */
+    while (N < K)
         N <<= 1;
     for (int k = 2; k <= N; k <<= 1)
         for (int j = k >> 1; j > 0; j >>= 1) {
@@ -851,7 +851,7 @@ fi_select2_kernel(int32_t *sel, const float *scores, const int32_t *pos, int cap
             x = low == up ? (x < y ? x : y) : (x < y ? y : x);
         }
     if (tid < K)
-        sel[(int64_t)t * K + tid] = tid < kk ? (int32_t)(x & 0xffffffffu) : -1;
+        sel[(int64_t)t * K + tid] = (int32_t)(x & 0xffffffffu);
 }
 
 /* --- host side ----------------------------------------------------------------------- */
