@@ -44,7 +44,8 @@
 #      exact op and fw_kernel ("wgmma") at T = 256, 1024, 2048, moe and
 #      moe_parts: bounds, T-independence, graph replay, us and TFLOP/s of
 #      both, "vs gemm4" (maxrel, identical share of fw_kernel's rows).
-#   8. when tests/model/test_hf is packed: the CUDA backend against the
+#   8. when tests/model/test_hf is packed: the CUDA backend, exact and fast
+#      kernels, against the
 #      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
 #      widths, made here); the `small` preset, STEPS_SMALL (300) decode
 #      steps CPU vs CUDA (test_decode_gpu long); on two GPUs, tests/test_tp_gpu
@@ -202,10 +203,16 @@ if command -v test_hf > /dev/null; then
         name=${spec%%|*}
         # shellcheck disable=SC2086
         dsv4-mkmodel ${spec#*|} --out /tmp/hf_$name > /dev/null || hf_rc=1
-        DSV4_TEST_BACKEND=cuda timeout 120 test_hf /tmp/hf_$name \
-            tests/model/fixtures/hf_$name.fix hf 0.03 0.65 >> "$OUT/hf.log" 2>&1 || hf_rc=1
-        DSV4_TEST_BACKEND=cuda timeout 120 test_hf /tmp/hf_$name \
-            tests/model/fixtures/hf_$name.fix ref 0.2 0 >> "$OUT/hf.log" 2>&1 || hf_rc=1
+        # both kernel sets: `exact` (the CPU's bits) and `fast` (the
+        # service's default; not the CPU's bits, so test_forward_gpu's
+        # bounds are not its yardstick: transformers is)
+        for k in exact fast; do
+            for b in "hf 0.03 0.65" "ref 0.2 0"; do
+                # shellcheck disable=SC2086
+                DSV4_CUDA_KERNELS=$k DSV4_TEST_BACKEND=cuda timeout 120 test_hf /tmp/hf_$name \
+                    tests/model/fixtures/hf_$name.fix $b >> "$OUT/hf.log" 2>&1 || hf_rc=1
+            done
+        done
     done
     if [ "${FLASH_HF:-0}" = 1 ]; then
         dsv4-mkmodel --preset flash --seed 13 --set num_hidden_layers=4 \
@@ -214,10 +221,12 @@ if command -v test_hf > /dev/null; then
         timeout 400 python3 tests/model/hf_reference.py --ckpt /tmp/hf_flash4 --n 300 --seed 7 \
             --every 32 --out /tmp/hf_flash4.fix --meta '{"preset":"flash","seed":13,"sets":"F"}' \
             >> "$OUT/hf.log" 2>&1 || hf_rc=1
-        for b in "hf 0.03 0.65" "ref 0.2 0"; do
-            # shellcheck disable=SC2086
-            DSV4_TEST_BACKEND=cuda timeout 200 test_hf /tmp/hf_flash4 /tmp/hf_flash4.fix $b \
-                >> "$OUT/hf.log" 2>&1 || hf_rc=1
+        for k in exact fast; do
+            for b in "hf 0.03 0.65" "ref 0.2 0"; do
+                # shellcheck disable=SC2086
+                DSV4_CUDA_KERNELS=$k DSV4_TEST_BACKEND=cuda timeout 200 test_hf /tmp/hf_flash4 \
+                    /tmp/hf_flash4.fix $b >> "$OUT/hf.log" 2>&1 || hf_rc=1
+            done
         done
     fi
 fi
