@@ -50,13 +50,25 @@ int cuda_fast_gemm_grouped_ok(const struct dsv4_backend *be, const struct dsv4_l
  * 128x128 E8M0 block scales, decoded to the exact bf16 values w * s_w, the
  * products summed in fp32 over all of K by the tensor cores, outputs
  * bf16-rounded.  Each output depends on its own token row and weight row
- * only (not on T, the tile or the other rows).  Any T >= 0 (the T > 64
+ * only (not on T, the tile or the other rows).  On cuBLASLt unless
+ * dsv4_cuda_set_blas / DSV4_CUDA_BLAS say otherwise (below).  Any T >= 0 (the T > 64
  * and cost-model conditions of _ok are not applied); the shape, format and
  * device conditions of _ok are, else DSV4_ERR_NOTSUP.  Uses the backend
- * scratch (T * G * K bf16 values).
+ * scratch (T * G * K bf16 values; on cuBLASLt also the bf16 weights and
+ * outputs).
  */
 enum dsv4_err cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const float *x,
                                      const struct dsv4_linear *W, int T, int G);
+
+/*
+ * on != 0: cuda_fast_gemm_grouped runs on cuBLASLt (kernels/cuda/fast_blas.cu:
+ * the weights decoded once a call, cuBLASLt's BF16 GEMM) where libcublasLt
+ * can be opened, and fw_kernel otherwise; 0: fw_kernel always; -1: back to
+ * the environment (DSV4_CUDA_BLAS=0 or off: fw_kernel; default on).
+ * Process-wide; for ops queued afterwards.  The two sum in other orders (a
+ * value may differ in the last bit between them).
+ */
+void dsv4_cuda_set_blas(int on);
 
 #ifdef __cplusplus
 }

@@ -111,6 +111,9 @@ struct cuda_state {
     cudaStream_t hc_stream;             /* NULL: Sinkhorn in the finish kernel */
     cudaEvent_t hc_ev[2];
     int hc_pending;
+    void *blas;                         /* fast_blas.cu: the cuBLASLt handle,
+                                           workspace and plans (NULL until
+                                           the first call; cuda_blas_fini) */
 };
 
 /* Whether be is a CUDA backend (the entry points that take any backend
@@ -843,6 +846,23 @@ int cuda_fast_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear 
  * (stream synchronised by the caller). */
 void cuda_fast_linear_init(struct dsv4_backend *be);
 void cuda_fast_linear_fini(struct dsv4_backend *be);
+
+/*
+ * fast_blas.cu: linear_grouped (wo_a) of prefill calls through cuBLASLt's
+ * BF16 GEMM — W (G * R, K) FP8 with 128x128 block scales decoded once a
+ * call to bf16, x rounded to bf16, out the bf16-rounded fp32 outputs
+ * (cuda_fast_gemm_grouped's contract, kernels/cuda_gemm_grouped.h).  Any
+ * T >= 0.  DSV4_ERR_NOTSUP when switched off (DSV4_CUDA_BLAS=0,
+ * dsv4_cuda_set_blas), when libcublasLt cannot be opened, for other shapes
+ * or when cuBLASLt has no algorithm: the caller then takes fw_kernel.
+ * Uses the backend scratch (2 N K + 2 T G K + 2 T N bytes).
+ */
+enum dsv4_err cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
+                                const struct dsv4_linear *W, int T, int G);
+/* 1 when the cuBLASLt path is switched on (says nothing of the library). */
+int cuda_blas_grouped_on(void);
+/* Frees the backend's cuBLASLt state (destroy). */
+void cuda_blas_fini(struct dsv4_backend *be);
 enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
                                const struct dsv4_linear *W, int T, unsigned flags);
 /* linear_multi on the fast decode linear: one activation preparation per

@@ -205,6 +205,7 @@ cuda_destroy(struct dsv4_backend *be)
     stream_pair_free(st->side_stream, st->side_ev);
     cuda_copy_fini(be);
     cuda_fast_linear_fini(be);
+    cuda_blas_fini(be);
     cudaFree(st->scratch);
     cudaFree(st->side_scratch);
     for (int i = 0; i < st->n_retired; i++)

@@ -1742,6 +1742,11 @@ cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const float *x,
                             "G=%d on this device", (int)W->fmt, W->n_out, W->n_in, G);
     if (T <= 0)
         return DSV4_OK;
+    if (cuda_blas_grouped_on()) {   /* fast_blas.cu; NOTSUP: fw_kernel below */
+        e = cuda_blas_grouped(be, out, x, W, T, G);
+        if (e != DSV4_ERR_NOTSUP)
+            return e;
+    }
     xb = (uint16_t *)cuda_scratch(be, cuda_align((size_t)T * xcols * sizeof(uint16_t)));
     if (xb == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm grouped: no scratch for %d x %lld",

@@ -10,7 +10,7 @@
  * Shapes: wo_a of DeepSeek-V4-Flash (model doc: o_groups G = 8, R =
  * o_lora_rank 1024 rows per group, K = 8 heads x 512 = 4096 columns per
  * group; W (8192, 4096) FP8 with 128x128 E8M0 block scales, x (T, 32768))
- * and its half per rank at TP = 2 (wo_a/2: G = 4), at T = 64, 512, 2048.
+ * and its half per rank at TP = 2 (wo_a/2: G = 4), at T = 64, 128, 256, 512, 2048.
  * Random weights (E4M3 codes without NaN, scales 2^-7..2^-3) and x
  * (normals, not bf16-valued: the op's rounding of x counts).
  *
@@ -71,7 +71,7 @@
 #define BOUND 0x1p-7         /* max |v - exact| / max |exact| */
 #define IDENT 0.90           /* least share of bit-identical values */
 
-static const int t_list[] = { 64, 512, 2048 };
+static const int t_list[] = { 64, 128, 256, 512, 2048 };
 static const struct {
     const char *name;
     int G;

@@ -1,0 +1,421 @@
+/*
+ * fast_blas.cu — the grouped output projection (linear_grouped: wo_a) of
+ * prefill calls through cuBLASLt's BF16 GEMM (issue 7; docs/gpu.md "wo_a on
+ * cuBLASLt").
+ *
+ * fw_kernel's grouped mode (fast_gemm.cu) decodes each FP8 weight to bf16
+ * in registers once per tile of 128 tokens, so a 2,048-token call decodes
+ * every weight 16 times and runs its bf16 wgmma at about a quarter of the
+ * tensor cores' rate (docs/perf.md run 46).  Here the weights are decoded
+ * once per call into a bf16 copy (bl_w_kernel: the exact values w * s_w,
+ * as fw_kernel's), x is rounded to bf16 in its own layout (bl_x_kernel:
+ * the op's rounding), and cuBLASLt multiplies the G groups as one strided
+ * batch (TN: each group's (R, K) weights times its (K, T) slice of x, fp32
+ * accumulation, bf16 output, round to nearest even) into scratch, which
+ * bl_out_kernel widens to the op's fp32 output.
+ *
+ * Bits.  cuBLASLt sums in its own order: values may differ from
+ * fw_kernel's in the last bit (the op's bounds against the exact path hold
+ * for both).  The algorithm is chosen once per backend and shape, for a
+ * fixed number of token columns (BL_TUNE_T) and with split-K and its
+ * reductions switched off, and then used for every T, so that a row's
+ * outputs depend on that row only (tests/gpu/bench_woa.c checks this: its
+ * T-independence case).  A call cuBLASLt cannot take returns
+ * DSV4_ERR_NOTSUP before anything is queued, or after the conversions (then
+ * harmless), and the caller falls back to fw_kernel.
+ *
+ * cuBLASLt is opened at run time (dlopen, as NCCL in cuda_comm.cu): the
+ * binaries need no link-time CUDA library besides the static runtime, and a
+ * machine without libcublasLt keeps fw_kernel.  DSV4_CUDA_BLAS=0 switches
+ * this path off.
+ */
+#include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda/fast.cuh"   /* fk_e4m3x2 */
+#include "kernels/cuda_gemm_grouped.h"
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BL_TUNE_T 2048                 /* token columns the algorithm is chosen for */
+#define BL_WS_BYTES (32u << 20)        /* cuBLASLt workspace per backend */
+
+/* --- the library, opened once ------------------------------------------------------------- */
+
+struct bl_api {
+    void *lib;
+    decltype(&cublasLtCreate) create;
+    decltype(&cublasLtDestroy) destroy;
+    decltype(&cublasLtMatmulDescCreate) desc_create;
+    decltype(&cublasLtMatmulDescSetAttribute) desc_set;
+    decltype(&cublasLtMatmulDescDestroy) desc_destroy;
+    decltype(&cublasLtMatrixLayoutCreate) layout_create;
+    decltype(&cublasLtMatrixLayoutSetAttribute) layout_set;
+    decltype(&cublasLtMatrixLayoutDestroy) layout_destroy;
+    decltype(&cublasLtMatmulPreferenceCreate) pref_create;
+    decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set;
+    decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy;
+    decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic;
+    decltype(&cublasLtMatmulAlgoConfigSetAttribute) algo_set;
+    decltype(&cublasLtMatmul) matmul;
+};
+
+static struct bl_api bl;
+static pthread_once_t bl_once = PTHREAD_ONCE_INIT;
+static char bl_why[256];
+
+static void
+bl_open(void)
+{
+    static const char *names[] = { "libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so" };
+    void *lib = NULL;
+
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]) && lib == NULL; i++)
+        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) {
+        snprintf(bl_why, sizeof(bl_why), "cannot open libcublasLt: %s", dlerror());
+        return;
+    }
+#define BL_SYM(field, name) bl.field = (decltype(bl.field))dlsym(lib, name)
+    BL_SYM(create, "cublasLtCreate");
+    BL_SYM(destroy, "cublasLtDestroy");
+    BL_SYM(desc_create, "cublasLtMatmulDescCreate");
+    BL_SYM(desc_set, "cublasLtMatmulDescSetAttribute");
+    BL_SYM(desc_destroy, "cublasLtMatmulDescDestroy");
+    BL_SYM(layout_create, "cublasLtMatrixLayoutCreate");
+    BL_SYM(layout_set, "cublasLtMatrixLayoutSetAttribute");
+    BL_SYM(layout_destroy, "cublasLtMatrixLayoutDestroy");
+    BL_SYM(pref_create, "cublasLtMatmulPreferenceCreate");
+    BL_SYM(pref_set, "cublasLtMatmulPreferenceSetAttribute");
+    BL_SYM(pref_destroy, "cublasLtMatmulPreferenceDestroy");
+    BL_SYM(heuristic, "cublasLtMatmulAlgoGetHeuristic");
+    BL_SYM(algo_set, "cublasLtMatmulAlgoConfigSetAttribute");
+    BL_SYM(matmul, "cublasLtMatmul");
+#undef BL_SYM
+    if (bl.create == NULL || bl.destroy == NULL || bl.desc_create == NULL ||
+        bl.desc_set == NULL || bl.desc_destroy == NULL || bl.layout_create == NULL ||
+        bl.layout_set == NULL || bl.layout_destroy == NULL || bl.pref_create == NULL ||
+        bl.pref_set == NULL || bl.pref_destroy == NULL || bl.heuristic == NULL ||
+        bl.algo_set == NULL || bl.matmul == NULL) {
+        snprintf(bl_why, sizeof(bl_why), "libcublasLt lacks an entry point");
+        dlclose(lib);
+        memset(&bl, 0, sizeof(bl));
+        return;
+    }
+    bl.lib = lib;
+}
+
+/* --- per backend: handle, workspace, the chosen algorithm ----------------------------------- */
+
+/* One grouped shape's plan: descriptors whose sizes do not depend on T are
+ * kept; the layouts of x and the output are set per call. */
+struct bl_plan {
+    int R, K, G;
+    int ok;                            /* 1 usable, -1 cuBLASLt has no algorithm */
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a;          /* the weights: (K, R) column-major, batch G */
+    cublasLtMatmulAlgo_t algo;
+};
+
+#define BL_PLANS 4
+
+struct cuda_blas {
+    cublasLtHandle_t h;
+    void *ws;
+    struct bl_plan plan[BL_PLANS];
+    int n_plan;
+};
+
+static struct cuda_switch bl_switch = CUDA_SWITCH("DSV4_CUDA_BLAS", 1);
+
+void
+cuda_blas_fini(struct dsv4_backend *be)
+{
+    struct cuda_blas *b = (struct cuda_blas *)cuda_st(be)->blas;
+
+    if (b == NULL)
+        return;
+    for (int i = 0; i < b->n_plan; i++) {
+        if (b->plan[i].a != NULL)
+            bl.layout_destroy(b->plan[i].a);
+        if (b->plan[i].desc != NULL)
+            bl.desc_destroy(b->plan[i].desc);
+    }
+    if (b->h != NULL)
+        bl.destroy(b->h);
+    cudaFree(b->ws);
+    free(b);
+    cuda_st(be)->blas = NULL;
+}
+
+/* The backend's cuBLASLt state, made on first use; NULL (dsv4 error set)
+ * when the library or the workspace is missing. */
+static struct cuda_blas *
+bl_state(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+    struct cuda_blas *b = (struct cuda_blas *)st->blas;
+
+    if (b != NULL)
+        return b;
+    pthread_once(&bl_once, bl_open);
+    if (bl.lib == NULL) {
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: %s", bl_why);
+        return NULL;
+    }
+    b = (struct cuda_blas *)calloc(1, sizeof(*b));
+    if (b == NULL) {
+        dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no memory");
+        return NULL;
+    }
+    if (bl.create(&b->h) != CUBLAS_STATUS_SUCCESS ||
+        cudaMalloc(&b->ws, BL_WS_BYTES) != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (b->h != NULL)
+            bl.destroy(b->h);
+        free(b);
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: cublasLtCreate or the workspace failed");
+        return NULL;
+    }
+    st->blas = b;
+    return b;
+}
+
+/* A bf16 column-major layout of rows x cols, leading dimension ld, batch
+ * of G with `stride` elements between matrices; NULL on failure. */
+static cublasLtMatrixLayout_t
+bl_layout(uint64_t rows, uint64_t cols, int64_t ld, int G, int64_t stride)
+{
+    cublasLtMatrixLayout_t l = NULL;
+    int32_t n = G;
+
+    if (bl.layout_create(&l, CUDA_R_16BF, rows, cols, ld) != CUBLAS_STATUS_SUCCESS)
+        return NULL;
+    if (bl.layout_set(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof(n)) !=
+            CUBLAS_STATUS_SUCCESS ||
+        bl.layout_set(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)) !=
+            CUBLAS_STATUS_SUCCESS) {
+        bl.layout_destroy(l);
+        return NULL;
+    }
+    return l;
+}
+
+/* The plan of shape (R, K, G) for b, made on first use: the descriptor,
+ * the weights' layout and one algorithm chosen at BL_TUNE_T token columns,
+ * without split-K.  NULL when cuBLASLt offers none. */
+static struct bl_plan *
+bl_plan_get(struct cuda_blas *b, int R, int K, int G)
+{
+    struct bl_plan *p = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatrixLayout_t lx = NULL, lo = NULL;
+    cublasLtMatmulHeuristicResult_t hr[8];
+    int n_hr = 0;
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    uint64_t wsb = BL_WS_BYTES;
+
+    for (int i = 0; i < b->n_plan; i++)
+        if (b->plan[i].R == R && b->plan[i].K == K && b->plan[i].G == G)
+            return b->plan[i].ok > 0 ? &b->plan[i] : NULL;
+    if (b->n_plan == BL_PLANS)
+        return NULL;
+    p = &b->plan[b->n_plan++];
+    memset(p, 0, sizeof(*p));
+    p->R = R, p->K = K, p->G = G, p->ok = -1;
+    if (bl.desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) {
+        p->desc = NULL;
+        return NULL;
+    }
+    if (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) !=
+            CUBLAS_STATUS_SUCCESS ||
+        bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) !=
+            CUBLAS_STATUS_SUCCESS)
+        return NULL;
+    /* weights: group g's rows (R, K) row-major = (K, R) column-major, op T */
+    p->a = bl_layout((uint64_t)K, (uint64_t)R, K, G, (int64_t)R * K);
+    /* x: group g's columns of the (T, G K) rows = (K, T) column-major, ld G K;
+     * out: (T, G R) rows = (R, T) column-major per group, ld G R */
+    lx = bl_layout((uint64_t)K, BL_TUNE_T, (int64_t)G * K, G, K);
+    lo = bl_layout((uint64_t)R, BL_TUNE_T, (int64_t)G * R, G, R);
+    if (p->a != NULL && lx != NULL && lo != NULL &&
+        bl.pref_create(&pref) == CUBLAS_STATUS_SUCCESS &&
+        bl.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)) ==
+            CUBLAS_STATUS_SUCCESS &&
+        bl.heuristic(b->h, p->desc, p->a, lx, lo, lo, pref, 8, hr, &n_hr) ==
+            CUBLAS_STATUS_SUCCESS) {
+        for (int i = 0; i < n_hr && p->ok < 0; i++) {
+            uint32_t one = 1, none = CUBLASLT_REDUCTION_SCHEME_NONE;
+            cublasLtMatmulAlgo_t algo = hr[i].algo;
+
+            if (hr[i].state != CUBLAS_STATUS_SUCCESS)
+                continue;
+            /* one pass over K per output: no split, no reduction order
+             * that could depend on the grid */
+            if (bl.algo_set(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) !=
+                    CUBLAS_STATUS_SUCCESS ||
+                bl.algo_set(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none,
+                            sizeof(none)) != CUBLAS_STATUS_SUCCESS)
+                continue;
+            p->algo = algo;
+            p->ok = 1;
+        }
+    }
+    if (pref != NULL)
+        bl.pref_destroy(pref);
+    if (lx != NULL)
+        bl.layout_destroy(lx);
+    if (lo != NULL)
+        bl.layout_destroy(lo);
+    return p->ok > 0 ? p : NULL;
+}
+
+/* --- the conversions ---------------------------------------------------------------------- */
+
+/* W (N, K) FP8 with 128x128 E8M0 block scales -> bf16 (N, K): the exact
+ * values w * s_w (fw_kernel's decoded weights).  Sixteen codes a thread
+ * (one block scale: 16 divides 128), E4M3 pairs through the hardware's
+ * exact conversion to f16 (fk_e4m3x2; NaN stays NaN), times s_w in fp32
+ * (exact: a power of two), whose upper half is the bf16 value (at most 4
+ * significant bits). */
+static __global__ void
+bl_w_kernel(uint16_t *wb, const uint8_t *codes, const uint8_t *scale, int N, int K)
+{
+    int64_t e = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 16;
+
+    if (e >= (int64_t)N * K)
+        return;
+    {
+        int64_t n = e / K;
+        int k = (int)(e % K);
+        float s = cu_e8m0_to_f32(scale[(n / 128) * (K / 128) + k / 128]);
+        uint4 c = *(const uint4 *)(codes + e);
+        uint32_t cw[4] = { c.x, c.y, c.z, c.w }, o[8];
+
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            __half2 h;
+            uint32_t p = fk_e4m3x2(cw[j / 2] >> (16 * (j % 2)));
+            float lo, hi;
+
+            memcpy(&h, &p, 4);
+            lo = __low2float(h) * s;
+            hi = __high2float(h) * s;
+            o[j] = __float_as_uint(lo) >> 16 | (__float_as_uint(hi) & 0xffff0000u);
+        }
+        *(uint4 *)(wb + e) = make_uint4(o[0], o[1], o[2], o[3]);
+        *(uint4 *)(wb + e + 8) = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+}
+
+/* x (n floats) -> bf16 bits (cu_bf16_round's rounding), four a thread. */
+static __global__ void
+bl_x_kernel(uint16_t *xb, const float *x, int64_t n)
+{
+    int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+
+    if (i >= n)
+        return;
+    {
+        float4 v = *(const float4 *)(x + i);
+        uint32_t a = __float_as_uint(cu_bf16_round(v.x)) >> 16 |
+                     (__float_as_uint(cu_bf16_round(v.y)) & 0xffff0000u);
+        uint32_t c = __float_as_uint(cu_bf16_round(v.z)) >> 16 |
+                     (__float_as_uint(cu_bf16_round(v.w)) & 0xffff0000u);
+
+        *(uint2 *)(xb + i) = make_uint2(a, c);
+    }
+}
+
+/* bf16 bits (n) -> fp32 values, four a thread. */
+static __global__ void
+bl_out_kernel(float *out, const uint16_t *ob, int64_t n)
+{
+    int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+
+    if (i >= n)
+        return;
+    {
+        uint2 v = *(const uint2 *)(ob + i);
+
+        *(float4 *)(out + i) = make_float4(__uint_as_float(v.x << 16),
+                                           __uint_as_float(v.x & 0xffff0000u),
+                                           __uint_as_float(v.y << 16),
+                                           __uint_as_float(v.y & 0xffff0000u));
+    }
+}
+
+/* --- the op -------------------------------------------------------------------------------- */
+
+int
+cuda_blas_grouped_on(void)
+{
+    return cuda_switch_on(&bl_switch);
+}
+
+void
+dsv4_cuda_set_blas(int on)
+{
+    cuda_switch_set(&bl_switch, on);
+}
+
+enum dsv4_err
+cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
+                  const struct dsv4_linear *W, int T, int G)
+{
+    int N = W->n_out, K = W->n_in, R = G > 0 ? N / G : 0;
+    int64_t nx = (int64_t)T * G * K, no = (int64_t)T * N, nw = (int64_t)N * K;
+    size_t bw = cuda_align((size_t)nw * 2), bx = cuda_align((size_t)nx * 2);
+    struct cuda_blas *b;
+    struct bl_plan *p;
+    cublasLtMatrixLayout_t lx = NULL, lo = NULL;
+    unsigned char *sc;
+    uint16_t *wb, *xb, *ob;
+    float one = 1.0f, zero = 0.0f;
+    cublasStatus_t rc;
+
+    if (!cuda_switch_on(&bl_switch))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off (DSV4_CUDA_BLAS)");
+    if (W->fmt != DSV4_WFMT_FP8 || W->w == NULL || W->scale == NULL || G <= 0 || N % G != 0 ||
+        R % 128 != 0 || K % 128 != 0 || (uintptr_t)W->w % 16 != 0 || (uintptr_t)x % 16 != 0 ||
+        (uintptr_t)out % 16 != 0)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: not for fmt %d, %d x %d, G=%d",
+                            (int)W->fmt, N, K, G);
+    if (T <= 0)
+        return DSV4_OK;
+    if ((b = bl_state(be)) == NULL)
+        return DSV4_ERR_NOTSUP;
+    if ((p = bl_plan_get(b, R, K, G)) == NULL)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
+                            G);
+    lx = bl_layout((uint64_t)K, (uint64_t)T, (int64_t)G * K, G, K);
+    lo = bl_layout((uint64_t)R, (uint64_t)T, (int64_t)N, G, R);
+    sc = (unsigned char *)cuda_scratch(be, bw + bx + cuda_align((size_t)no * 2));
+    if (lx == NULL || lo == NULL || sc == NULL) {
+        if (lx != NULL)
+            bl.layout_destroy(lx);
+        if (lo != NULL)
+            bl.layout_destroy(lo);
+        return sc == NULL ? dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch")
+                          : dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: layouts");
+    }
+    wb = (uint16_t *)sc;
+    xb = (uint16_t *)(sc + bw);
+    ob = (uint16_t *)(sc + bw + bx);
+    bl_w_kernel<<<(unsigned)((nw / 16 + 255) / 256), 256, 0, cuda_stream(be)>>>(
+        wb, (const uint8_t *)W->w, W->scale, N, K);
+    bl_x_kernel<<<(unsigned)((nx / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(xb, x, nx);
+    rc = bl.matmul(b->h, p->desc, &one, wb, p->a, xb, lx, &zero, ob, lo, ob, lo, &p->algo,
+                   b->ws, BL_WS_BYTES, cuda_stream(be));
+    bl.layout_destroy(lx);
+    bl.layout_destroy(lo);
+    if (rc != CUBLAS_STATUS_SUCCESS)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: cublasLtMatmul: status %d", (int)rc);
+    bl_out_kernel<<<(unsigned)((no / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(out, ob, no);
+    CUDA_LAUNCHED("cuda blas grouped");
+    return DSV4_OK;
+}
