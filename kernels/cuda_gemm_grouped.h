@@ -50,8 +50,9 @@ int cuda_fast_gemm_grouped_ok(const struct dsv4_backend *be, const struct dsv4_l
  * 128x128 E8M0 block scales, decoded to the exact bf16 values w * s_w, the
  * products summed in fp32 over all of K by the tensor cores, outputs
  * bf16-rounded.  Each output depends on its own token row and weight row
- * only (not on T, the tile or the other rows).  On cuBLASLt unless
- * dsv4_cuda_set_blas / DSV4_CUDA_BLAS say otherwise (below).  Any T >= 0 (the T > 64
+ * only (not on T, the tile or the other rows).  On cuBLASLt at every T
+ * unless dsv4_cuda_set_blas / DSV4_CUDA_BLAS say otherwise (below; the op
+ * takes it from DSV4_CUDA_BLAS_MIN_T rows).  Any T >= 0 (the T > 64
  * and cost-model conditions of _ok are not applied); the shape, format and
  * device conditions of _ok are, else DSV4_ERR_NOTSUP.  Uses the backend
  * scratch (T * G * K bf16 values; on cuBLASLt also the bf16 weights and
@@ -69,6 +70,20 @@ enum dsv4_err cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const 
  * value may differ in the last bit between them).
  */
 void dsv4_cuda_set_blas(int on);
+
+/* 1 when the cuBLASLt path is switched on (dsv4_cuda_set_blas, the
+ * environment); says nothing of the library. */
+int dsv4_cuda_blas_on(void);
+
+/*
+ * The least T at which linear_grouped (fast kernels on) takes cuBLASLt:
+ * below it the weights' decode of each call costs more than fw_kernel's
+ * grouped mode saves (docs/perf.md run 47: wo_a at T = 128 85 against 60
+ * µs, at 256 94 against 105, wo_a/2 at 256 72 against 58, at 512 81 against
+ * 100).  cuda_fast_gemm_grouped itself follows the switch at every T (its
+ * rows T-independent on either path).
+ */
+#define DSV4_CUDA_BLAS_MIN_T 384
 
 #ifdef __cplusplus
 }

@@ -861,6 +861,11 @@ enum dsv4_err cuda_blas_grouped(struct dsv4_backend *be, float *out, const float
                                 const struct dsv4_linear *W, int T, int G);
 /* 1 when the cuBLASLt path is switched on (says nothing of the library). */
 int cuda_blas_grouped_on(void);
+/* cuda_fast_gemm_grouped (fast_gemm.cu) on cuBLASLt when blas != 0 (and
+ * cuda_blas_grouped takes the call), else on fw_kernel's grouped mode:
+ * cuda_linear_grouped passes blas only from DSV4_CUDA_BLAS_MIN_T rows. */
+enum dsv4_err cuda_fast_gemm_grouped_run(struct dsv4_backend *be, float *out, const float *x,
+                                         const struct dsv4_linear *W, int T, int G, int blas);
 /* Frees the backend's cuBLASLt state (destroy). */
 void cuda_blas_fini(struct dsv4_backend *be);
 enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,

@@ -13,6 +13,7 @@
  * (cuBLASLt FP8, FP4 grouped GEMM) are the next issue's.
  */
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda_gemm_grouped.h"   /* DSV4_CUDA_BLAS_MIN_T */
 #include "kernels/cuda/fast_gemm.cuh"
 
 #define LIN_THREADS 256
@@ -189,8 +190,10 @@ cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                             "G=%d)", (int)Wa->fmt, Wa->n_out, Wa->n_in, G);
     if (T <= 0)
         return DSV4_OK;
+    /* fast_gemm.cu: prefill; on cuBLASLt from DSV4_CUDA_BLAS_MIN_T rows (fast_blas.cu) */
     if (cuda_st(be)->fast_kernels && cuda_fast_gemm_grouped_ok(be, Wa, T, G))
-        return cuda_fast_gemm_grouped(be, out, x, Wa, T, G);   /* fast_gemm.cu: prefill */
+        return cuda_fast_gemm_grouped_run(be, out, x, Wa, T, G,
+                                          cuda_blas_grouped_on() && T >= DSV4_CUDA_BLAS_MIN_T);
     if (cuda_st(be)->fast_kernels && cuda_fast_linear_grouped_ok(Wa, G))
         return cuda_fast_linear_grouped(be, out, x, Wa, T, G);   /* fast_linear.cu */
     /* bf16 inputs (rounded on the fly), no activation quantization */

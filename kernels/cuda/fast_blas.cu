@@ -363,6 +363,12 @@ dsv4_cuda_set_blas(int on)
     cuda_switch_set(&bl_switch, on);
 }
 
+int
+dsv4_cuda_blas_on(void)
+{
+    return cuda_switch_on(&bl_switch);
+}
+
 enum dsv4_err
 cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
                   const struct dsv4_linear *W, int T, int G)

@@ -1731,6 +1731,13 @@ enum dsv4_err
 cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const float *x,
                        const struct dsv4_linear *W, int T, int G)
 {
+    return cuda_fast_gemm_grouped_run(be, out, x, W, T, G, cuda_blas_grouped_on());
+}
+
+enum dsv4_err
+cuda_fast_gemm_grouped_run(struct dsv4_backend *be, float *out, const float *x,
+                           const struct dsv4_linear *W, int T, int G, int blas)
+{
     int N = W->n_out, K = W->n_in, bn;
     int64_t xcols = (int64_t)G * K;
     uint16_t *xb;
@@ -1742,7 +1749,7 @@ cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const float *x,
                             "G=%d on this device", (int)W->fmt, W->n_out, W->n_in, G);
     if (T <= 0)
         return DSV4_OK;
-    if (cuda_blas_grouped_on()) {   /* fast_blas.cu; NOTSUP: fw_kernel below */
+    if (blas) {   /* fast_blas.cu; NOTSUP: fw_kernel below */
         e = cuda_blas_grouped(be, out, x, W, T, G);
         if (e != DSV4_ERR_NOTSUP)
             return e;

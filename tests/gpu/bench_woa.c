@@ -15,7 +15,10 @@
  * (normals, not bf16-valued: the op's rounding of x counts).
  *
  * Per case, with the fast kernels on:
- *   gemm    cuda_fast_gemm_grouped called directly (any T) on the T rows;
+ *   gemm    cuda_fast_gemm_grouped called directly (any T) on the T rows,
+ *           on the path the op takes at this T: cuBLASLt (fast_blas.cu) from
+ *           DSV4_CUDA_BLAS_MIN_T rows when DSV4_CUDA_BLAS is on, else
+ *           fw_kernel's grouped mode (dsv4_cuda_set_blas for the case);
  *   op      linear_grouped as the forward calls it (the GEMM where
  *           cuda_fast_gemm_grouped_ok holds: T > 64 and the cost model;
  *           else fl_kernel);
@@ -43,7 +46,9 @@
  * slice: a wrong group offset shows as the value of another group).
  * Timed (CUDA events on the backend's stream, no graph, as prefill runs
  * it): median over N_TIMED of REPS back-to-back calls, µs per call, for
- * gemm, op and fl; TFLOP/s of gemm (2 T G R K); speedup = fl / op.
+ * gemm, op and fl; TFLOP/s of gemm (2 T G R K); speedup = fl / op; and,
+ * when DSV4_CUDA_BLAS is on, `other`: gemm on the other path (the
+ * crossover that DSV4_CUDA_BLAS_MIN_T is chosen from).
  * Last line: PASS or FAIL.  Exit status: 0 pass, 1 fail, 77 no CUDA
  * device (or no sm_90 device: the GEMM is Hopper-only).
  */
@@ -377,7 +382,8 @@ run_case(const struct woa *w, struct bufs *b, int T)
     struct call cg = { 0, w, b->out, b->x }, co = { 1, w, b->out, b->x };
     struct call cf = { 2, w, b->out, b->x };
     char lg[96], lo[96], lf[96];
-    double us_g, us_o, us_f;
+    double us_g, us_o, us_f, us_alt = 0;
+    int blas_env = dsv4_cuda_blas_on(), blas = blas_env && T >= DSV4_CUDA_BLAS_MIN_T;
 
     /* exact: the sampled rows gathered */
     for (int j = 0; j < n; j++)
@@ -389,6 +395,7 @@ run_case(const struct woa *w, struct bufs *b, int T)
     TRY("download", be->ops->download(be, b->ref, b->outs, (size_t)n * N * sizeof(float)));
     TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
 
+    dsv4_cuda_set_blas(blas);   /* gemm on the op's path at this T */
     call_get(&cg, T, b->gemm);
     gather(b->rows, b->gemm, rows, n, N);
     ok_g = vs_exact("gemm", w, b, b->rows, rows, n, lg, sizeof(lg));
@@ -413,18 +420,24 @@ run_case(const struct woa *w, struct bufs *b, int T)
     us_g = call_time(&cg, T);
     us_o = call_time(&co, T);
     us_f = call_time(&cf, T);
+    if (blas_env) {
+        dsv4_cuda_set_blas(!blas);
+        us_alt = call_time(&cg, T);
+    }
+    dsv4_cuda_set_blas(-1);
     dsv4_cuda_set_gemm_grouped(-1);
 
     wr = written("gemm", w, b->gemm, m) && written("op", w, b->op, m);
     ok = ok_g && ok_o && ok_f && det && tind && op_same && replay && wr;
-    printf("%s %-6s G=%d T=%-4d op->%-4s | %s | %s | %s | det %s T-indep %s op==gemm %s "
-           "replay %s written %s | gemm %8.1f us %6.1f TFLOP/s  op %8.1f us  fl %8.1f us  "
-           "speedup %.2f\n",
-           ok ? "PASS" : "FAIL", w->name, w->G, T, to_gemm ? "gemm" : "fl", lg, lo, lf,
+    printf("%s %-6s G=%d T=%-4d op->%-4s gemm=%-4s | %s | %s | %s | det %s T-indep %s "
+           "op==gemm %s replay %s written %s | gemm %8.1f us %6.1f TFLOP/s  op %8.1f us  "
+           "fl %8.1f us  speedup %.2f  other %8.1f us\n",
+           ok ? "PASS" : "FAIL", w->name, w->G, T, to_gemm ? "gemm" : "fl", blas ? "blas" : "fw",
+           lg, lo, lf,
            det ? "yes" : "NO", tind ? "yes" : "NO",
            to_gemm ? (op_same ? "yes" : "NO") : "-", replay ? "yes" : "NO", wr ? "yes" : "NO",
            us_g,
-           2.0 * T * N * w->K / (us_g * 1e-6) / 1e12, us_o, us_f, us_f / us_o);
+           2.0 * T * N * w->K / (us_g * 1e-6) / 1e12, us_o, us_f, us_f / us_o, us_alt);
     fflush(stdout);
     return ok;
 }
