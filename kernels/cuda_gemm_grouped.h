@@ -62,12 +62,13 @@ enum dsv4_err cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const 
                                      const struct dsv4_linear *W, int T, int G);
 
 /*
- * on != 0: cuda_fast_gemm_grouped runs on cuBLASLt (kernels/cuda/fast_blas.cu:
- * the weights decoded once a call, cuBLASLt's BF16 GEMM) where libcublasLt
- * can be opened, and fw_kernel otherwise; 0: fw_kernel always; -1: back to
- * the environment (DSV4_CUDA_BLAS=0 or off: fw_kernel; default on).
- * Process-wide; for ops queued afterwards.  The two sum in other orders (a
- * value may differ in the last bit between them).
+ * on != 0: cuda_fast_gemm_grouped, and the shared expert of the prefill MoE
+ * GEMM (fast_gemm.cu, fw_moe), run on cuBLASLt (kernels/cuda/fast_blas.cu:
+ * the FP8 weights decoded once a call, cuBLASLt's BF16 GEMM) where
+ * libcublasLt can be opened, and on fw_kernel otherwise; 0: fw_kernel
+ * always; -1: back to the environment (DSV4_CUDA_BLAS=0 or off: fw_kernel;
+ * default on).  Process-wide; for ops queued afterwards.  The two sum in
+ * other orders (a value may differ in the last bit between them).
  */
 void dsv4_cuda_set_blas(int on);
 

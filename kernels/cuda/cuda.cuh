@@ -868,6 +868,24 @@ enum dsv4_err cuda_fast_gemm_grouped_run(struct dsv4_backend *be, float *out, co
                                          const struct dsv4_linear *W, int T, int G, int blas);
 /* Frees the backend's cuBLASLt state (destroy). */
 void cuda_blas_fini(struct dsv4_backend *be);
+
+/* fast_blas.cu's pieces (the shared expert of fast_gemm.cu's fw_moe). */
+/* 1 when the cuBLASLt path is on and the library and handle are there. */
+int cuda_blas_ready(struct dsv4_backend *be);
+/* W (N, K) FP8, 128x128 E8M0 block scales, K % 128 == 0 -> the exact bf16
+ * values (N, K) in wb; perm: column k of each row at fw_perm(k)
+ * (fast_gemm.cuh), fw_kernel's B order.  Queued on the backend stream. */
+enum dsv4_err cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb,
+                               const struct dsv4_linear *W, int perm);
+/* out (T, G R) bf16 = per group g: wb rows g R .. (R, K) times xb (T, G K)
+ * columns g K .. , fp32 sums rounded to bf16; cuBLASLt with one algorithm
+ * per (R, K, G) (chosen at 2,048 columns, no split-K: rows T-independent).
+ * DSV4_ERR_NOTSUP when cuBLASLt cannot take it (nothing queued). */
+enum dsv4_err cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb,
+                             const uint16_t *xb, int R, int K, int G, int T);
+/* out[i] = the bf16 value ob[i] (n values, n % 4 == 0, 16-byte aligned). */
+enum dsv4_err cuda_blas_widen(struct dsv4_backend *be, float *out, const uint16_t *ob,
+                              int64_t n);
 enum dsv4_err cuda_fast_linear(struct dsv4_backend *be, float *out, const float *x,
                                const struct dsv4_linear *W, int T, unsigned flags);
 /* linear_multi on the fast decode linear: one activation preparation per

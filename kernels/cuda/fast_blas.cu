@@ -24,13 +24,19 @@
  * DSV4_ERR_NOTSUP before anything is queued, or after the conversions (then
  * harmless), and the caller falls back to fw_kernel.
  *
+ * The same pieces (cuda_blas_decode, cuda_blas_gemm, cuda_blas_widen) run
+ * the shared expert of the prefill MoE (fast_gemm.cu, fw_moe): its FP8
+ * weights decoded with their columns in fw_kernel's B order (fw_perm), so
+ * the GEMMs take fw_moe's prepared x and quantized h as they are.
+ *
  * cuBLASLt is opened at run time (dlopen, as NCCL in cuda_comm.cu): the
  * binaries need no link-time CUDA library besides the static runtime, and a
  * machine without libcublasLt keeps fw_kernel.  DSV4_CUDA_BLAS=0 switches
  * this path off.
  */
 #include "kernels/cuda/cuda.cuh"
-#include "kernels/cuda/fast.cuh"   /* fk_e4m3x2 */
+#include "kernels/cuda/fast.cuh"        /* fk_e4m3x2 */
+#include "kernels/cuda/fast_gemm.cuh"   /* fw_perm */
 #include "kernels/cuda_gemm_grouped.h"
 
 #include <cublasLt.h>
@@ -121,7 +127,7 @@ struct bl_plan {
     cublasLtMatmulAlgo_t algo;
 };
 
-#define BL_PLANS 4
+#define BL_PLANS 8
 
 struct cuda_blas {
     cublasLtHandle_t h;
@@ -277,15 +283,20 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G)
 /* --- the conversions ---------------------------------------------------------------------- */
 
 /* W (N, K) FP8 with 128x128 E8M0 block scales -> bf16 (N, K): the exact
- * values w * s_w (fw_kernel's decoded weights).  Sixteen codes a thread
- * (one block scale: 16 divides 128), E4M3 pairs through the hardware's
- * exact conversion to f16 (fk_e4m3x2; NaN stays NaN), times s_w in fp32
- * (exact: a power of two), whose upper half is the bf16 value (at most 4
- * significant bits). */
+ * values w * s_w (fw_kernel's decoded weights); PERM: column k of a row at
+ * fw_perm(k).  A thread per NC = 16 codes (PERM: 32, one 32-column group;
+ * either way one block scale): E4M3 pairs through the hardware's exact
+ * conversion to f16 (fk_e4m3x2; NaN stays NaN), times s_w in fp32 (exact:
+ * a power of two), whose upper half is the bf16 value (at most 4
+ * significant bits); the group's permutation is done in registers
+ * (constant indices once unrolled), so the stores stay contiguous (16 codes
+ * a thread measured faster where nothing is permuted). */
+template <int PERM>
 static __global__ void
 bl_w_kernel(uint16_t *wb, const uint8_t *codes, const uint8_t *scale, int N, int K)
 {
-    int64_t e = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 16;
+    constexpr int NC = PERM ? 32 : 16;
+    int64_t e = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * NC;
 
     if (e >= (int64_t)N * K)
         return;
@@ -293,22 +304,34 @@ bl_w_kernel(uint16_t *wb, const uint8_t *codes, const uint8_t *scale, int N, int
         int64_t n = e / K;
         int k = (int)(e % K);
         float s = cu_e8m0_to_f32(scale[(n / 128) * (K / 128) + k / 128]);
-        uint4 c = *(const uint4 *)(codes + e);
-        uint32_t cw[4] = { c.x, c.y, c.z, c.w }, o[8];
+        uint32_t cw[NC / 4], o[NC / 2];
+        uint16_t v[NC];
 
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < NC / 16; j++) {
+            uint4 c = *(const uint4 *)(codes + e + 16 * j);
+
+            cw[4 * j] = c.x, cw[4 * j + 1] = c.y, cw[4 * j + 2] = c.z, cw[4 * j + 3] = c.w;
+        }
+#pragma unroll
+        for (int j = 0; j < NC / 2; j++) {
             __half2 h;
             uint32_t p = fk_e4m3x2(cw[j / 2] >> (16 * (j % 2)));
-            float lo, hi;
 
             memcpy(&h, &p, 4);
-            lo = __low2float(h) * s;
-            hi = __high2float(h) * s;
-            o[j] = __float_as_uint(lo) >> 16 | (__float_as_uint(hi) & 0xffff0000u);
+            /* columns 2j and 2j + 1, at their places */
+            v[PERM ? fw_perm(2 * j) : 2 * j] =
+                (uint16_t)(__float_as_uint(__low2float(h) * s) >> 16);
+            v[PERM ? fw_perm(2 * j + 1) : 2 * j + 1] =
+                (uint16_t)(__float_as_uint(__high2float(h) * s) >> 16);
         }
-        *(uint4 *)(wb + e) = make_uint4(o[0], o[1], o[2], o[3]);
-        *(uint4 *)(wb + e + 8) = make_uint4(o[4], o[5], o[6], o[7]);
+#pragma unroll
+        for (int j = 0; j < NC / 2; j++)
+            o[j] = (uint32_t)v[2 * j] | (uint32_t)v[2 * j + 1] << 16;
+#pragma unroll
+        for (int j = 0; j < NC / 8; j++)
+            *(uint4 *)(wb + e + 8 * j) = make_uint4(o[4 * j], o[4 * j + 1], o[4 * j + 2],
+                                                    o[4 * j + 3]);
     }
 }
 
@@ -349,7 +372,7 @@ bl_out_kernel(float *out, const uint16_t *ob, int64_t n)
     }
 }
 
-/* --- the op -------------------------------------------------------------------------------- */
+/* --- the pieces ---------------------------------------------------------------------------- */
 
 int
 cuda_blas_grouped_on(void)
@@ -369,6 +392,90 @@ dsv4_cuda_blas_on(void)
     return cuda_switch_on(&bl_switch);
 }
 
+int
+cuda_blas_ready(struct dsv4_backend *be)
+{
+    return cuda_switch_on(&bl_switch) && bl_state(be) != NULL;
+}
+
+/* The FP8 formats the decode takes: 128x128 block scales, codes 16-byte
+ * aligned, K a multiple of 128. */
+static int
+bl_fp8_ok(const struct dsv4_linear *W)
+{
+    return W->fmt == DSV4_WFMT_FP8 && W->w != NULL && W->scale != NULL && W->n_out > 0 &&
+           W->n_out % 128 == 0 && W->n_in > 0 && W->n_in % 128 == 0 &&
+           (uintptr_t)W->w % 16 == 0;
+}
+
+enum dsv4_err
+cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linear *W, int perm)
+{
+    int64_t nw = (int64_t)W->n_out * W->n_in;
+    unsigned blocks = (unsigned)((nw / (perm ? 32 : 16) + 255) / 256);
+
+    if (!bl_fp8_ok(W))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no decode for fmt %d, %d x %d",
+                            (int)W->fmt, W->n_out, W->n_in);
+    if (perm)
+        bl_w_kernel<1><<<blocks, 256, 0, cuda_stream(be)>>>(wb, (const uint8_t *)W->w, W->scale,
+                                                             W->n_out, W->n_in);
+    else
+        bl_w_kernel<0><<<blocks, 256, 0, cuda_stream(be)>>>(wb, (const uint8_t *)W->w, W->scale,
+                                                             W->n_out, W->n_in);
+    CUDA_LAUNCHED("cuda blas decode");
+    return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb, const uint16_t *xb,
+               int R, int K, int G, int T)
+{
+    struct cuda_blas *b;
+    struct bl_plan *p;
+    cublasLtMatrixLayout_t lx, lo;
+    float one = 1.0f, zero = 0.0f;
+    cublasStatus_t rc;
+
+    if (T <= 0)
+        return DSV4_OK;
+    if (!cuda_switch_on(&bl_switch))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off (DSV4_CUDA_BLAS)");
+    if ((b = bl_state(be)) == NULL)
+        return DSV4_ERR_NOTSUP;
+    if ((p = bl_plan_get(b, R, K, G)) == NULL)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
+                            G);
+    lx = bl_layout((uint64_t)K, (uint64_t)T, (int64_t)G * K, G, K);
+    lo = bl_layout((uint64_t)R, (uint64_t)T, (int64_t)G * R, G, R);
+    if (lx == NULL || lo == NULL) {
+        if (lx != NULL)
+            bl.layout_destroy(lx);
+        if (lo != NULL)
+            bl.layout_destroy(lo);
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: layouts");
+    }
+    rc = bl.matmul(b->h, p->desc, &one, wb, p->a, xb, lx, &zero, out, lo, out, lo, &p->algo,
+                   b->ws, BL_WS_BYTES, cuda_stream(be));
+    bl.layout_destroy(lx);
+    bl.layout_destroy(lo);
+    if (rc != CUBLAS_STATUS_SUCCESS)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: cublasLtMatmul: status %d", (int)rc);
+    return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_blas_widen(struct dsv4_backend *be, float *out, const uint16_t *ob, int64_t n)
+{
+    if (n <= 0)
+        return DSV4_OK;
+    bl_out_kernel<<<(unsigned)((n / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(out, ob, n);
+    CUDA_LAUNCHED("cuda blas widen");
+    return DSV4_OK;
+}
+
+/* --- the grouped linear --------------------------------------------------------------------- */
+
 enum dsv4_err
 cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
                   const struct dsv4_linear *W, int T, int G)
@@ -376,52 +483,35 @@ cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
     int N = W->n_out, K = W->n_in, R = G > 0 ? N / G : 0;
     int64_t nx = (int64_t)T * G * K, no = (int64_t)T * N, nw = (int64_t)N * K;
     size_t bw = cuda_align((size_t)nw * 2), bx = cuda_align((size_t)nx * 2);
-    struct cuda_blas *b;
-    struct bl_plan *p;
-    cublasLtMatrixLayout_t lx = NULL, lo = NULL;
     unsigned char *sc;
     uint16_t *wb, *xb, *ob;
-    float one = 1.0f, zero = 0.0f;
-    cublasStatus_t rc;
+    enum dsv4_err e;
 
     if (!cuda_switch_on(&bl_switch))
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off (DSV4_CUDA_BLAS)");
-    if (W->fmt != DSV4_WFMT_FP8 || W->w == NULL || W->scale == NULL || G <= 0 || N % G != 0 ||
-        R % 128 != 0 || K % 128 != 0 || (uintptr_t)W->w % 16 != 0 || (uintptr_t)x % 16 != 0 ||
+    if (!bl_fp8_ok(W) || G <= 0 || N % G != 0 || R % 128 != 0 || (uintptr_t)x % 16 != 0 ||
         (uintptr_t)out % 16 != 0)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: not for fmt %d, %d x %d, G=%d",
                             (int)W->fmt, N, K, G);
     if (T <= 0)
         return DSV4_OK;
-    if ((b = bl_state(be)) == NULL)
+    /* library and algorithm first: NOTSUP before anything is queued */
+    if (!cuda_blas_ready(be))
         return DSV4_ERR_NOTSUP;
-    if ((p = bl_plan_get(b, R, K, G)) == NULL)
+    if (bl_plan_get((struct cuda_blas *)cuda_st(be)->blas, R, K, G) == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
                             G);
-    lx = bl_layout((uint64_t)K, (uint64_t)T, (int64_t)G * K, G, K);
-    lo = bl_layout((uint64_t)R, (uint64_t)T, (int64_t)N, G, R);
     sc = (unsigned char *)cuda_scratch(be, bw + bx + cuda_align((size_t)no * 2));
-    if (lx == NULL || lo == NULL || sc == NULL) {
-        if (lx != NULL)
-            bl.layout_destroy(lx);
-        if (lo != NULL)
-            bl.layout_destroy(lo);
-        return sc == NULL ? dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch")
-                          : dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: layouts");
-    }
+    if (sc == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch");
     wb = (uint16_t *)sc;
     xb = (uint16_t *)(sc + bw);
     ob = (uint16_t *)(sc + bw + bx);
-    bl_w_kernel<<<(unsigned)((nw / 16 + 255) / 256), 256, 0, cuda_stream(be)>>>(
-        wb, (const uint8_t *)W->w, W->scale, N, K);
+    if ((e = cuda_blas_decode(be, wb, W, 0)) != DSV4_OK)
+        return e;
     bl_x_kernel<<<(unsigned)((nx / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(xb, x, nx);
-    rc = bl.matmul(b->h, p->desc, &one, wb, p->a, xb, lx, &zero, ob, lo, ob, lo, &p->algo,
-                   b->ws, BL_WS_BYTES, cuda_stream(be));
-    bl.layout_destroy(lx);
-    bl.layout_destroy(lo);
-    if (rc != CUBLAS_STATUS_SUCCESS)
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: cublasLtMatmul: status %d", (int)rc);
-    bl_out_kernel<<<(unsigned)((no / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(out, ob, no);
-    CUDA_LAUNCHED("cuda blas grouped");
-    return DSV4_OK;
+    CUDA_LAUNCHED("cuda blas x");
+    if ((e = cuda_blas_gemm(be, ob, wb, xb, R, K, G, T)) != DSV4_OK)
+        return e;
+    return cuda_blas_widen(be, out, ob, no);
 }

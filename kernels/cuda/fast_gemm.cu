@@ -633,13 +633,6 @@ struct fw_args {
                                        (n0 / R) * K .. + K */
 };
 
-/* Physical position of logical column c (permuted inside 32-column groups). */
-static __device__ __forceinline__ int
-fw_perm(int c)
-{
-    return (c & ~31) | ((c >> 1) & 1) << 4 | (c & 1) << 3 | ((c >> 3) & 3) << 1 | ((c >> 2) & 1);
-}
-
 /*
  * B values from x (rows, K), row stride `stride`: mode 0 (REF) the FP8 code
  * value of the exact path's quantization per 128 columns times its scale;
@@ -687,6 +680,48 @@ fw_prep_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t stride, int r
                          (uint16_t)(__float_as_uint(cu_bf16_round(v[i] - h)) >> 16) : 0;
         }
     }
+}
+
+/* The down GEMM's B value of h in a block of scale s (the exact path's FP8
+ * code of h / s times s; h / s as h * (1 / s): s is a power of two, so both
+ * are the same correctly rounded value), as bf16 bits. */
+static __device__ __forceinline__ uint16_t
+fw_hq_bits(float h, float s)
+{
+    float qv = cu_fp8_round(cu_clampf(h * (1.0f / s), 448.0f)) * s;
+
+    return (uint16_t)(__float_as_uint(qv) >> 16);
+}
+
+/*
+ * The shared expert's h from cuBLASLt's up GEMM (fw_shared_blas): gu (T,
+ * 2I) bf16 holds g (columns 0 .. I-1) and u (I .. 2I-1) of each token; h =
+ * bf16(swiglu(g, u)) and its quantization per 128 columns as fw_epilogue's
+ * FG_UP form (amax floored at 1e-4, the power-of-two scale, fw_hq_bits),
+ * into hq rows row0 + t in fw_perm order.  A warp per (token, 128-column
+ * block), four columns a lane.
+ */
+static __global__ void
+fw_sh_hq_kernel(uint16_t *hq, const uint16_t *gu, int I, int64_t row0, float lim)
+{
+    int t = blockIdx.x, c0 = blockIdx.y * 128 + threadIdx.x * 4;
+    const uint16_t *gr = gu + (int64_t)t * 2 * I;
+    uint16_t *hr = hq + (row0 + t) * I;
+    float h[4], m = 0.0f, s;
+
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        h[j] = cu_bf16_round(cu_swiglu(cu_bf16_to_f32(gr[c0 + j]), cu_bf16_to_f32(gr[I + c0 + j]),
+                                       lim));
+        m = fmaxf(m, fabsf(h[j]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    s = cu_pow2_scale(fmaxf(1e-4f, m), 448.0f);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        hr[fw_perm(c0 + j)] = fw_hq_bits(h[j], s);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1113,14 +1148,11 @@ fw_epilogue(const struct fw_args &a, const float (&d)[BN / 2], const int *orow, 
 #pragma unroll
             for (int ii = 0; ii < 2; ii++) {
                 int n = 8 * j + 2 * q + ii, r = orow[n];
-                float s = scl[n], qv;
+                float s = scl[n];
 
                 if (r < 0)
                     continue;
-                /* h / s as h * (1 / s): s is a power of two, so both are the
-                 * same correctly rounded value */
-                qv = cu_fp8_round(cu_clampf(h[2 * j + ii] * (1.0f / s), 448.0f)) * s;
-                a.hq[(int64_t)r * a.ldo + fw_perm(c)] = (uint16_t)(__float_as_uint(qv) >> 16);
+                a.hq[(int64_t)r * a.ldo + fw_perm(c)] = fw_hq_bits(h[2 * j + ii], s);
             }
     }
 }
@@ -1802,11 +1834,46 @@ fw_shared(struct dsv4_backend *be, const struct fw_args *r, const struct dsv4_li
 }
 
 /*
+ * The shared expert on cuBLASLt (fast_blas.cu; docs/gpu.md "The shared
+ * expert on cuBLASLt"): its FP8 weights decoded to bf16 with their columns
+ * in fw_perm order (so fw_moe's permuted x and h serve as they are), one
+ * GEMM each way.  Up (W3 != NULL): g | u of every token into bo (T, 2 I),
+ * then fw_sh_hq_kernel writes h's B values into hq rows Tk + t.  Down (W1 =
+ * w2): y rows Tk + t (bf16-rounded, as FG_LINEAR) from hq rows Tk + t.  wb:
+ * 2 I D bf16 of scratch, bo: T max(2 I, D).  DSV4_ERR_NOTSUP (nothing
+ * queued but the weights' decode) when cuBLASLt cannot take it.
+ */
+static enum dsv4_err
+fw_shared_blas(struct dsv4_backend *be, const struct fw_args *r, const struct dsv4_linear *W1,
+               const struct dsv4_linear *W3, int T, int Tk, int D, int I, uint16_t *wb,
+               uint16_t *bo)
+{
+    enum dsv4_err e;
+
+    if (W3 != NULL) {
+        if ((e = cuda_blas_decode(be, wb, W1, 1)) != DSV4_OK ||
+            (e = cuda_blas_decode(be, wb + (size_t)I * D, W3, 1)) != DSV4_OK ||
+            (e = cuda_blas_gemm(be, bo, wb, r->xb, 2 * I, D, 1, T)) != DSV4_OK)
+            return e;
+        fw_sh_hq_kernel<<<dim3((unsigned)T, (unsigned)(I / 128)), 32, 0, cuda_stream(be)>>>(
+            r->hq, bo, I, Tk, r->lim);
+        CUDA_LAUNCHED("fast gemm moe shared h");
+        return DSV4_OK;
+    }
+    if ((e = cuda_blas_decode(be, wb, W1, 1)) != DSV4_OK ||
+        (e = cuda_blas_gemm(be, bo, wb, r->xb + (size_t)Tk * I, D, I, 1, T)) != DSV4_OK)
+        return e;
+    return cuda_blas_widen(be, r->out + (size_t)Tk * D, bo, (int64_t)T * D);
+}
+
+/*
  * The MoE through fw_kernel (cuda_fast_gemm_moe's contract): x's B values;
  * the grouping with tiles of BN rows (16, 32 or 64 from the average rows of
  * an active expert); up (routed FP4, then the shared expert's FP8 dense
  * tiles) writing h's B values with the scales of the down GEMM's
- * quantization; down into y in moe_parts' layout; the exact combine.
+ * quantization; down into y in moe_parts' layout; the exact combine.  The
+ * shared expert's two GEMMs run on cuBLASLt where it is there
+ * (fw_shared_blas; DSV4_CUDA_BLAS), else on fw_kernel's dense tiles.
  */
 static enum dsv4_err
 fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const int32_t *ids,
@@ -1823,11 +1890,15 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     size_t b_x = cuda_align((size_t)T * D * sizeof(uint16_t));
     size_t b_h = cuda_align((size_t)R * I * sizeof(uint16_t));
     size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
-    char *p = (char *)cuda_scratch(be, b_grp + b_x + b_h + b_y);
+    /* the shared expert on cuBLASLt (fw_shared_blas): bf16 weights, outputs */
+    int bl = has_sh && cuda_blas_ready(be);
+    size_t b_bw = bl ? cuda_align((size_t)2 * I * D * sizeof(uint16_t)) : 0;
+    size_t b_bo = bl ? cuda_align((size_t)T * (2 * I > D ? 2 * I : D) * sizeof(uint16_t)) : 0;
+    char *p = (char *)cuda_scratch(be, b_grp + b_x + b_h + b_y + b_bw + b_bo);
     struct fw_args a;
     enum dsv4_err e;
     int32_t *grp;
-    uint16_t *xb, *hq;
+    uint16_t *xb, *hq, *bw, *bo;
     float *y;
 
     if (T <= 0)
@@ -1838,6 +1909,8 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     xb = (uint16_t *)(p + b_grp);
     hq = (uint16_t *)(p + b_grp + b_x);
     y = parts != NULL ? parts : (float *)(p + b_grp + b_x + b_h);
+    bw = (uint16_t *)(p + b_grp + b_x + b_h + b_y);
+    bo = (uint16_t *)(p + b_grp + b_x + b_h + b_y + b_bw);
 
     e = fw_prep(be, xb, NULL, x, D, T, D, 0);
     if (e != DSV4_OK)
@@ -1861,7 +1934,13 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     e = fw_run<FG_FP4, FG_UP, 4>(be, &a, bn, (unsigned)(I / 128), (unsigned)A);
     if (e != DSV4_OK)
         return e;
-    if (has_sh && (e = fw_shared(be, &a, &shared->w1, &shared->w3, T, Tk, I)) != DSV4_OK)
+    if (bl && (e = fw_shared_blas(be, &a, &shared->w1, &shared->w3, T, Tk, D, I, bw, bo)) !=
+                  DSV4_OK) {
+        if (e != DSV4_ERR_NOTSUP)
+            return e;
+        bl = 0;   /* cuBLASLt cannot take it: fw_kernel's tiles, both ways */
+    }
+    if (has_sh && !bl && (e = fw_shared(be, &a, &shared->w1, &shared->w3, T, Tk, I)) != DSV4_OK)
         return e;
 
     /* down into y (rows of moe_parts' layout) */
@@ -1883,7 +1962,12 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
         e = fw_run<FG_FP4, FG_LINEAR, 2>(be, &a, bn, (unsigned)(D / 128), (unsigned)A);
     if (e != DSV4_OK)
         return e;
-    if (has_sh && (e = fw_shared(be, &a, &shared->w2, NULL, T, Tk, D)) != DSV4_OK)
+    if (bl && (e = fw_shared_blas(be, &a, &shared->w2, NULL, T, Tk, D, I, bw, bo)) != DSV4_OK) {
+        if (e != DSV4_ERR_NOTSUP)
+            return e;
+        bl = 0;
+    }
+    if (has_sh && !bl && (e = fw_shared(be, &a, &shared->w2, NULL, T, Tk, D)) != DSV4_OK)
         return e;
     if (parts != NULL)
         return DSV4_OK;   /* moe_parts: the caller sums the ranks' parts, then combines */

@@ -11,6 +11,15 @@
 #include "kernels/cuda/cuda.cuh"
 #include "kernels/cuda_gemm_grouped.h"
 
+/* Physical position of logical column c (permuted inside 32-column groups):
+ * fw_kernel's B operand order (fast_gemm.cu, "Column order"), also that of
+ * the bf16 weights fast_blas.cu decodes for the shared expert. */
+static __device__ __forceinline__ int
+fw_perm(int c)
+{
+    return (c & ~31) | ((c >> 1) & 1) << 4 | (c & 1) << 3 | ((c >> 3) & 3) << 1 | ((c >> 2) & 1);
+}
+
 /*
  * BF16 weights at T > 64 rows (calls of up to 64 rows keep the decode
  * kernels: FG_DECODE_ROWS), n_in % 128 == 0, n_out % 64 == 0, weights
