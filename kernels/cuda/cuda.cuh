@@ -853,14 +853,13 @@ void cuda_fast_linear_fini(struct dsv4_backend *be);
  * call to bf16, x rounded to bf16, out the bf16-rounded fp32 outputs
  * (cuda_fast_gemm_grouped's contract, kernels/cuda_gemm_grouped.h).  Any
  * T >= 0.  DSV4_ERR_NOTSUP when switched off (DSV4_CUDA_BLAS=0,
- * dsv4_cuda_set_blas), when libcublasLt cannot be opened, for other shapes
- * or when cuBLASLt has no algorithm: the caller then takes fw_kernel.
+ * dsv4_cuda_set_blas; dsv4_cuda_blas_on in kernels/cuda_gemm_grouped.h),
+ * when libcublasLt cannot be opened, for other shapes or when cuBLASLt has
+ * no algorithm: the caller then takes fw_kernel.
  * Uses the backend scratch (2 N K + 2 T G K + 2 T N bytes).
  */
 enum dsv4_err cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
                                 const struct dsv4_linear *W, int T, int G);
-/* 1 when the cuBLASLt path is switched on (says nothing of the library). */
-int cuda_blas_grouped_on(void);
 /* cuda_fast_gemm_grouped (fast_gemm.cu) on cuBLASLt when blas != 0 (and
  * cuda_blas_grouped takes the call), else on fw_kernel's grouped mode:
  * cuda_linear_grouped passes blas only from DSV4_CUDA_BLAS_MIN_T rows. */

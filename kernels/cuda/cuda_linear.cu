@@ -193,7 +193,7 @@ cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
     /* fast_gemm.cu: prefill; on cuBLASLt from DSV4_CUDA_BLAS_MIN_T rows (fast_blas.cu) */
     if (cuda_st(be)->fast_kernels && cuda_fast_gemm_grouped_ok(be, Wa, T, G))
         return cuda_fast_gemm_grouped_run(be, out, x, Wa, T, G,
-                                          cuda_blas_grouped_on() && T >= DSV4_CUDA_BLAS_MIN_T);
+                                          dsv4_cuda_blas_on() && T >= DSV4_CUDA_BLAS_MIN_T);
     if (cuda_st(be)->fast_kernels && cuda_fast_linear_grouped_ok(Wa, G))
         return cuda_fast_linear_grouped(be, out, x, Wa, T, G);   /* fast_linear.cu */
     /* bf16 inputs (rounded on the fly), no activation quantization */

@@ -374,12 +374,6 @@ bl_out_kernel(float *out, const uint16_t *ob, int64_t n)
 
 /* --- the pieces ---------------------------------------------------------------------------- */
 
-int
-cuda_blas_grouped_on(void)
-{
-    return cuda_switch_on(&bl_switch);
-}
-
 void
 dsv4_cuda_set_blas(int on)
 {

@@ -1763,7 +1763,7 @@ enum dsv4_err
 cuda_fast_gemm_grouped(struct dsv4_backend *be, float *out, const float *x,
                        const struct dsv4_linear *W, int T, int G)
 {
-    return cuda_fast_gemm_grouped_run(be, out, x, W, T, G, cuda_blas_grouped_on());
+    return cuda_fast_gemm_grouped_run(be, out, x, W, T, G, dsv4_cuda_blas_on());
 }
 
 enum dsv4_err

@@ -28,6 +28,7 @@
 
 #include "common/formats.h"
 #include "kernels/backend.h"
+#include "kernels/cuda_fast.h"   /* dsv4_cuda_get_kernels */
 
 #define BF16_ULP (1.0 / 128.0)
 #define F32_TOL 1e-5
@@ -36,14 +37,13 @@ static struct dsv4_backend *cpu, *gpu;
 static int n_fail;
 
 /* The bound of the rms_norm checks: 0 (the exact kernels sum in the CPU's
- * order), one bf16 ulp under DSV4_CUDA_KERNELS=fast (a tree of its own:
- * the rsqrt may differ in its last bit and flip one bf16 rounding). */
+ * order), one bf16 ulp with the fast kernels on (DSV4_CUDA_KERNELS=fast: a
+ * tree of its own, the rsqrt may differ in its last bit and flip one bf16
+ * rounding). */
 static double
 norm_bound(void)
 {
-    const char *k = getenv("DSV4_CUDA_KERNELS");
-
-    return k != NULL && strcmp(k, "fast") == 0 ? BF16_ULP : 0;
+    return dsv4_cuda_get_kernels(gpu) ? BF16_ULP : 0;
 }
 
 /* --- random inputs -------------------------------------------------------------------- */
