@@ -32,7 +32,10 @@ void dsv4_cuda_set_gemm8(int on);
 int cuda_fast_gemm8_on(void);
 
 /*
- * out (T, n_out) = bf16-rounded x (T, n_in) times W^T under REF numerics:
+ * out (T, n_out) = bf16-rounded x (T, n_in) times W^T under REF numerics
+ * (on cuBLASLt's FP8 block-scaled GEMM where it takes the shape and the
+ * cuBLASLt paths are on, DSV4_CUDA_BLAS and DSV4_CUDA_BLAS_FP8; else the
+ * wgmma kernel):
  * x quantized to E4M3 per 128 columns with power-of-two scales (the exact
  * path's codes), per 128-column block the tensor cores' fp32 sum of the
  * code products, acc += blk * (s_w * s_x), blocks in order.  W FP8 with

@@ -882,6 +882,23 @@ enum dsv4_err cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb,
  * DSV4_ERR_NOTSUP when cuBLASLt cannot take it (nothing queued). */
 enum dsv4_err cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb,
                              const uint16_t *xb, int R, int K, int G, int T);
+/* Token columns of an FP8 call are a multiple of this (cuBLASLt's scales of x
+ * are (K / 128, T) column-major; the caller pads T with zero rows). */
+#define BL_FP8_ROWS 16
+/* 1 when cuda_blas_fp8 can take W (N, K) FP8 on this backend: the cuBLASLt
+ * path on, the library there, an algorithm for the shape (N, K multiples of
+ * 128).  Queues nothing. */
+int cuda_blas_fp8_ready(struct dsv4_backend *be, int N, int K);
+/* out (T, N) bf16 = per 128-column block k the tensor cores' sum of the E4M3
+ * code products of xq row t (T, K; row-major) and W row n, times ws[n / 128
+ * * (K / 128) + k] * sx[k * T + t] (fp32 scales: W's block scales as values,
+ * x's one per token and block, column-major), blocks summed in fp32,
+ * rounded to bf16.  cuBLASLt's FP8 block-scaled GEMM (sm_90) with one
+ * algorithm per (N, K) chosen at 2,048 columns, no split-K: each row depends
+ * on its own token only.  T % BL_FP8_ROWS == 0.  DSV4_ERR_NOTSUP when
+ * cuBLASLt cannot take it (nothing queued). */
+enum dsv4_err cuda_blas_fp8(struct dsv4_backend *be, uint16_t *out, const struct dsv4_linear *W,
+                            const float *ws, const uint8_t *xq, const float *sx, int T);
 /* out[i] = the bf16 value ob[i] (n values, n % 4 == 0, 16-byte aligned). */
 enum dsv4_err cuda_blas_widen(struct dsv4_backend *be, float *out, const uint16_t *ob,
                               int64_t n);

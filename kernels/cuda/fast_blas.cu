@@ -1,7 +1,9 @@
 /*
  * fast_blas.cu — the grouped output projection (linear_grouped: wo_a) of
  * prefill calls through cuBLASLt's BF16 GEMM (issue 7; docs/gpu.md "wo_a on
- * cuBLASLt").
+ * cuBLASLt"), and cuBLASLt's FP8 block-scaled GEMM for the FP8 linears of
+ * prefill calls (cuda_blas_fp8, called by fast_gemm8.cu; docs/gpu.md "FP8
+ * linears on cuBLASLt").
  *
  * fw_kernel's grouped mode (fast_gemm.cu) decodes each FP8 weight to bf16
  * in registers once per tile of 128 tokens, so a 2,048-token call decodes
@@ -28,6 +30,9 @@
  * the shared expert of the prefill MoE (fast_gemm.cu, fw_moe): its FP8
  * weights decoded with their columns in fw_kernel's B order (fw_perm), so
  * the GEMMs take fw_moe's prepared x and quantized h as they are.
+ *
+ * Workspace: one per queue (the side queue's FP8 linears may run beside
+ * the main queue's GEMMs; an algorithm may keep a counter there).
  *
  * cuBLASLt is opened at run time (dlopen, as NCCL in cuda_comm.cu): the
  * binaries need no link-time CUDA library besides the static runtime, and a
@@ -117,21 +122,33 @@ bl_open(void)
 
 /* --- per backend: handle, workspace, the chosen algorithm ----------------------------------- */
 
-/* One grouped shape's plan: descriptors whose sizes do not depend on T are
- * kept; the layouts of x and the output are set per call. */
+/* What a plan multiplies. */
+enum {
+    BL_BF16 = 0,   /* bf16 weights and x (the grouped linear, the shared expert) */
+    BL_FP8 = 1,    /* E4M3 weights with 128x128 fp32 block scales, E4M3 x with
+                      fp32 scales per 128 columns (the FP8 linear) */
+};
+
+/* One shape's plan: descriptors whose sizes do not depend on T are kept;
+ * the layouts of x and the output are set per call. */
 struct bl_plan {
-    int R, K, G;
+    int R, K, G, kind;
     int ok;                            /* 1 usable, -1 cuBLASLt has no algorithm */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a;          /* the weights: (K, R) column-major, batch G */
     cublasLtMatmulAlgo_t algo;
 };
 
-#define BL_PLANS 8
+#define BL_PLANS 24   /* shapes a backend meets: wo_a, the shared expert, the FP8 linears */
 
 struct cuda_blas {
     cublasLtHandle_t h;
-    void *ws;
+    void *ws;                          /* the main queue's workspace; also
+                                          stands in for the scale pointers
+                                          while an FP8 plan is made */
+    void *ws_side;                     /* the side queue's (its linears may
+                                          run beside the main queue's): made
+                                          on first use there */
     struct bl_plan plan[BL_PLANS];
     int n_plan;
 };
@@ -154,6 +171,7 @@ cuda_blas_fini(struct dsv4_backend *be)
     if (b->h != NULL)
         bl.destroy(b->h);
     cudaFree(b->ws);
+    cudaFree(b->ws_side);
     free(b);
     cuda_st(be)->blas = NULL;
 }
@@ -191,15 +209,33 @@ bl_state(struct dsv4_backend *be)
     return b;
 }
 
-/* A bf16 column-major layout of rows x cols, leading dimension ld, batch
- * of G with `stride` elements between matrices; NULL on failure. */
+/* The workspace of the queue whose ops are being queued: the main queue's
+ * or the side queue's (cuda.cuh, side), whose kernels may run at the same
+ * time and must not share one; NULL (dsv4 error set) when it cannot be
+ * made. */
+static void *
+bl_ws(struct dsv4_backend *be, struct cuda_blas *b)
+{
+    if (cuda_st(be)->side != 1)
+        return b->ws;
+    if (b->ws_side == NULL && cudaMalloc(&b->ws_side, BL_WS_BYTES) != cudaSuccess) {
+        (void)cudaGetLastError();
+        b->ws_side = NULL;
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no side-queue workspace");
+    }
+    return b->ws_side;
+}
+
+/* A column-major layout of rows x cols elements of type ty, leading
+ * dimension ld, batch of G with `stride` elements between matrices; NULL
+ * on failure. */
 static cublasLtMatrixLayout_t
-bl_layout(uint64_t rows, uint64_t cols, int64_t ld, int G, int64_t stride)
+bl_layout(cudaDataType_t ty, uint64_t rows, uint64_t cols, int64_t ld, int G, int64_t stride)
 {
     cublasLtMatrixLayout_t l = NULL;
     int32_t n = G;
 
-    if (bl.layout_create(&l, CUDA_R_16BF, rows, cols, ld) != CUBLAS_STATUS_SUCCESS)
+    if (bl.layout_create(&l, ty, rows, cols, ld) != CUBLAS_STATUS_SUCCESS)
         return NULL;
     if (bl.layout_set(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof(n)) !=
             CUBLAS_STATUS_SUCCESS ||
@@ -211,11 +247,14 @@ bl_layout(uint64_t rows, uint64_t cols, int64_t ld, int G, int64_t stride)
     return l;
 }
 
-/* The plan of shape (R, K, G) for b, made on first use: the descriptor,
- * the weights' layout and one algorithm chosen at BL_TUNE_T token columns,
- * without split-K.  NULL when cuBLASLt offers none. */
+/* The plan of shape (R, K, G) and kind for b, made on first use: the
+ * descriptor, the weights' layout and one algorithm chosen at BL_TUNE_T
+ * token columns, without split-K.  BL_FP8: G == 1, the weights' scales
+ * 128x128 blocks (A), x's one per token and 128 columns (B); the scale
+ * pointers are set per call (b->ws stands in for them while the algorithm
+ * is chosen).  NULL when cuBLASLt offers none. */
 static struct bl_plan *
-bl_plan_get(struct cuda_blas *b, int R, int K, int G)
+bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
 {
     struct bl_plan *p = NULL;
     cublasLtMatmulPreference_t pref = NULL;
@@ -223,16 +262,20 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G)
     cublasLtMatmulHeuristicResult_t hr[8];
     int n_hr = 0;
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtMatmulMatrixScale_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    cublasLtMatmulMatrixScale_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    cudaDataType_t ty = kind == BL_FP8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     uint64_t wsb = BL_WS_BYTES;
 
     for (int i = 0; i < b->n_plan; i++)
-        if (b->plan[i].R == R && b->plan[i].K == K && b->plan[i].G == G)
+        if (b->plan[i].R == R && b->plan[i].K == K && b->plan[i].G == G &&
+            b->plan[i].kind == kind)
             return b->plan[i].ok > 0 ? &b->plan[i] : NULL;
     if (b->n_plan == BL_PLANS)
         return NULL;
     p = &b->plan[b->n_plan++];
     memset(p, 0, sizeof(*p));
-    p->R = R, p->K = K, p->G = G, p->ok = -1;
+    p->R = R, p->K = K, p->G = G, p->kind = kind, p->ok = -1;
     if (bl.desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) {
         p->desc = NULL;
         return NULL;
@@ -242,12 +285,22 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G)
         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) !=
             CUBLAS_STATUS_SUCCESS)
         return NULL;
+    if (kind == BL_FP8 &&
+        (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &blk, sizeof(blk)) !=
+             CUBLAS_STATUS_SUCCESS ||
+         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof(vec)) !=
+             CUBLAS_STATUS_SUCCESS ||
+         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b->ws, sizeof(b->ws)) !=
+             CUBLAS_STATUS_SUCCESS ||
+         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b->ws, sizeof(b->ws)) !=
+             CUBLAS_STATUS_SUCCESS))
+        return NULL;
     /* weights: group g's rows (R, K) row-major = (K, R) column-major, op T */
-    p->a = bl_layout((uint64_t)K, (uint64_t)R, K, G, (int64_t)R * K);
+    p->a = bl_layout(ty, (uint64_t)K, (uint64_t)R, K, G, (int64_t)R * K);
     /* x: group g's columns of the (T, G K) rows = (K, T) column-major, ld G K;
      * out: (T, G R) rows = (R, T) column-major per group, ld G R */
-    lx = bl_layout((uint64_t)K, BL_TUNE_T, (int64_t)G * K, G, K);
-    lo = bl_layout((uint64_t)R, BL_TUNE_T, (int64_t)G * R, G, R);
+    lx = bl_layout(ty, (uint64_t)K, BL_TUNE_T, (int64_t)G * K, G, K);
+    lo = bl_layout(CUDA_R_16BF, (uint64_t)R, BL_TUNE_T, (int64_t)G * R, G, R);
     if (p->a != NULL && lx != NULL && lo != NULL &&
         bl.pref_create(&pref) == CUBLAS_STATUS_SUCCESS &&
         bl.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)) ==
@@ -421,27 +474,22 @@ cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linear
     return DSV4_OK;
 }
 
-enum dsv4_err
-cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb, const uint16_t *xb,
-               int R, int K, int G, int T)
+/* out (T, G R) bf16 = plan p's weights w times x (T, G K) of type tx, on
+ * the queue's workspace: one cublasLtMatmul with this call's layouts. */
+static enum dsv4_err
+bl_matmul(struct dsv4_backend *be, struct cuda_blas *b, struct bl_plan *p, uint16_t *out,
+          const void *w, const void *x, cudaDataType_t tx, int T)
 {
-    struct cuda_blas *b;
-    struct bl_plan *p;
+    int R = p->R, K = p->K, G = p->G;
     cublasLtMatrixLayout_t lx, lo;
     float one = 1.0f, zero = 0.0f;
     cublasStatus_t rc;
+    void *ws = bl_ws(be, b);
 
-    if (T <= 0)
-        return DSV4_OK;
-    if (!cuda_switch_on(&bl_switch))
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off (DSV4_CUDA_BLAS)");
-    if ((b = bl_state(be)) == NULL)
+    if (ws == NULL)
         return DSV4_ERR_NOTSUP;
-    if ((p = bl_plan_get(b, R, K, G)) == NULL)
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
-                            G);
-    lx = bl_layout((uint64_t)K, (uint64_t)T, (int64_t)G * K, G, K);
-    lo = bl_layout((uint64_t)R, (uint64_t)T, (int64_t)G * R, G, R);
+    lx = bl_layout(tx, (uint64_t)K, (uint64_t)T, (int64_t)G * K, G, K);
+    lo = bl_layout(CUDA_R_16BF, (uint64_t)R, (uint64_t)T, (int64_t)G * R, G, R);
     if (lx == NULL || lo == NULL) {
         if (lx != NULL)
             bl.layout_destroy(lx);
@@ -449,13 +497,67 @@ cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb, const
             bl.layout_destroy(lo);
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: layouts");
     }
-    rc = bl.matmul(b->h, p->desc, &one, wb, p->a, xb, lx, &zero, out, lo, out, lo, &p->algo,
-                   b->ws, BL_WS_BYTES, cuda_stream(be));
+    rc = bl.matmul(b->h, p->desc, &one, w, p->a, x, lx, &zero, out, lo, out, lo, &p->algo, ws,
+                   BL_WS_BYTES, cuda_stream(be));
     bl.layout_destroy(lx);
     bl.layout_destroy(lo);
     if (rc != CUBLAS_STATUS_SUCCESS)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: cublasLtMatmul: status %d", (int)rc);
     return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb, const uint16_t *xb,
+               int R, int K, int G, int T)
+{
+    struct cuda_blas *b;
+    struct bl_plan *p;
+
+    if (T <= 0)
+        return DSV4_OK;
+    if (!cuda_switch_on(&bl_switch))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off (DSV4_CUDA_BLAS)");
+    if ((b = bl_state(be)) == NULL)
+        return DSV4_ERR_NOTSUP;
+    if ((p = bl_plan_get(b, R, K, G, BL_BF16)) == NULL)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
+                            G);
+    return bl_matmul(be, b, p, out, wb, xb, CUDA_R_16BF, T);
+}
+
+int
+cuda_blas_fp8_ready(struct dsv4_backend *be, int N, int K)
+{
+    struct cuda_blas *b;
+
+    if (!cuda_switch_on(&bl_switch) || N <= 0 || N % 128 != 0 || K <= 0 || K % 128 != 0 ||
+        (b = bl_state(be)) == NULL)
+        return 0;
+    return bl_plan_get(b, N, K, 1, BL_FP8) != NULL;
+}
+
+enum dsv4_err
+cuda_blas_fp8(struct dsv4_backend *be, uint16_t *out, const struct dsv4_linear *W,
+              const float *ws, const uint8_t *xq, const float *sx, int T)
+{
+    int N = W->n_out, K = W->n_in;
+    struct cuda_blas *b;
+    struct bl_plan *p;
+
+    if (T <= 0)
+        return DSV4_OK;
+    if (T % BL_FP8_ROWS != 0 || !cuda_blas_fp8_ready(be, N, K))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no FP8 algorithm for %d x %d, T=%d", N,
+                            K, T);
+    b = (struct cuda_blas *)cuda_st(be)->blas;
+    p = bl_plan_get(b, N, K, 1, BL_FP8);
+    /* the plan's descriptor takes this call's scales (read when the call is queued) */
+    if (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws, sizeof(ws)) !=
+            CUBLAS_STATUS_SUCCESS ||
+        bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)) !=
+            CUBLAS_STATUS_SUCCESS)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: FP8 scale pointers");
+    return bl_matmul(be, b, p, out, W->w, xq, CUDA_R_8F_E4M3, T);
 }
 
 enum dsv4_err
@@ -492,7 +594,7 @@ cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
     /* library and algorithm first: NOTSUP before anything is queued */
     if (!cuda_blas_ready(be))
         return DSV4_ERR_NOTSUP;
-    if (bl_plan_get((struct cuda_blas *)cuda_st(be)->blas, R, K, G) == NULL)
+    if (bl_plan_get((struct cuda_blas *)cuda_st(be)->blas, R, K, G, BL_BF16) == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
                             G);
     sc = (unsigned char *)cuda_scratch(be, bw + bx + cuda_align((size_t)no * 2));

@@ -61,6 +61,26 @@
  * over all of K) by rounding.  Only calls of T > 64 rows come here (the
  * caller's FG_DECODE_ROWS rule).
  *
+ * cuBLASLt (the default where it can take the shape: kernels/cuda/
+ * fast_blas.cu, switched with the other cuBLASLt paths, DSV4_CUDA_BLAS /
+ * dsv4_cuda_set_blas, and alone with DSV4_CUDA_BLAS_FP8=0).  cuBLASLt 12.9+ multiplies E4M3 operands with the
+ * same scaling on sm_90: the weights' scales as 128 x 128 blocks, x's one
+ * per token and 128 columns (both fp32), each 128-column block's products
+ * summed by the tensor cores and scaled into fp32 accumulators.  g8_blas
+ * prepares x with g8_prep_kernel (the same codes and scales), writing the
+ * scales column-major (K / 128, T') for T' = T rounded up to BL_FP8_ROWS
+ * with zero rows after T, and the weights' E8M0 scales as fp32 values in
+ * the same launch; cuBLASLt writes bf16 (its rounding of the fp32 sums),
+ * widened into out.  Measured on the H200 (docs/perf.md run 48), the op
+ * at 2,048 tokens with preparation and widening: wq_b (32,768 x 1,024)
+ * 283.7 -> 243.9 us, wo_b (4,096 x 8,192) 255.9 -> 172.8 us.  The scales'
+ * layouts were found with a probe (docs/gpu.md "FP8 linears on
+ * cuBLASLt").  The same algorithm serves every
+ * T (chosen once at 2,048 columns, no split-K), so a row's bits do not
+ * depend on T; they may differ from g8_kernel's (another order inside a
+ * block, the same fp32 sum across blocks in order or not: cuBLASLt does
+ * not say).
+ *
  * Accumulator fragment (m64nNk32 has m64nNk16's D layout): thread lane
  * (g = lane / 4, q = lane % 4) of warp w in its warpgroup holds, in
  * d[4 j + i], weight row 16 w + g + 8 (i / 2) of the warpgroup's 64 and
@@ -102,17 +122,43 @@ struct g8_args {
  */
 #define G8_PREP_BLOCKS 4
 
+/* Where the scales of x go and what else a launch does: the cuBLASLt form
+ * (g8_blas) wants them column-major (nb, ldt), zero rows rows .. ldt - 1
+ * (codes and scales) and the weights' E8M0 block scales as fp32 values. */
+struct g8_prep_more {
+    int ldt;                 /* 0: sx (rows, nb) row-major; else sx (nb, ldt) */
+    float *wsf;              /* (nws) fp32 values of ws, or NULL */
+    const uint8_t *ws;
+    int nws;
+};
+
+/* g8_kernel's form: scales row-major, nothing else. */
+static const struct g8_prep_more g8_row_major = { 0, NULL, NULL, 0 };
+
 static __global__ void
-g8_prep_kernel(uint8_t *xq, float *sx, const float *x, int rows, int K)
+g8_prep_kernel(uint8_t *xq, float *sx, const float *x, int rows, int K, struct g8_prep_more mo)
 {
     int nb = K / 128, lane = threadIdx.x & 31, ng = (nb + G8_PREP_BLOCKS - 1) / G8_PREP_BLOCKS;
     int64_t wid = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
-    int64_t r = wid / ng;
+    int64_t r = wid / ng, rpad = mo.ldt > rows ? mo.ldt : rows;
     int b0 = (int)(wid % ng) * G8_PREP_BLOCKS;
     float4 v[G8_PREP_BLOCKS];
 
-    if (r >= rows)
-        return;   /* whole warps leave together */
+    if (r >= rows) {   /* whole warps: padding rows, then the weights' scales */
+        if (r < rpad) {
+            for (int j = 0; j < G8_PREP_BLOCKS && b0 + j < nb; j++) {
+                *(uint32_t *)(xq + r * K + (int64_t)(b0 + j) * 128 + 4 * lane) = 0;
+                if (lane == 0)
+                    sx[(int64_t)(b0 + j) * mo.ldt + r] = 0.0f;
+            }
+        } else if (mo.wsf != NULL) {
+            int64_t i = (wid - rpad * ng) * 32 + lane;
+
+            if (i < mo.nws)
+                mo.wsf[i] = cu_e8m0_to_f32(mo.ws[i]);
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < G8_PREP_BLOCKS; j++)
         if (b0 + j < nb) {
@@ -141,7 +187,7 @@ g8_prep_kernel(uint8_t *xq, float *sx, const float *x, int rows, int K)
             (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].w / s, 448.0f)) << 24;
         *(uint32_t *)(xq + r * K + (int64_t)(b0 + j) * 128 + 4 * lane) = q;
         if (lane == 0)
-            sx[r * nb + b0 + j] = s;
+            sx[mo.ldt > 0 ? (int64_t)(b0 + j) * mo.ldt + r : r * nb + b0 + j] = s;
     }
 }
 
@@ -386,6 +432,10 @@ g8_kernel(struct g8_args a)
  * bench_fast 21 cases ok, 2.4-3.1x fw_kernel); dsv4_cuda_set_gemm8 */
 static struct cuda_switch g8_switch = CUDA_SWITCH("DSV4_CUDA_GEMM8", 1);
 
+/* on unless "0"/"off": g8_blas where cuBLASLt takes the shape (and the
+ * cuBLASLt paths are on: DSV4_CUDA_BLAS); 0 keeps g8_kernel (A/B runs) */
+static struct cuda_switch g8_blas_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_FP8", 1);
+
 void
 dsv4_cuda_set_gemm8(int on)
 {
@@ -396,6 +446,40 @@ int
 cuda_fast_gemm8_on(void)
 {
     return cuda_switch_on(&g8_switch);
+}
+
+/* The cuBLASLt form (file comment): x's codes for T rows padded with zero
+ * rows to a multiple of BL_FP8_ROWS, their scales column-major, the
+ * weights' block scales as fp32 (one prep launch), cuBLASLt's FP8
+ * block-scaled GEMM into bf16 scratch, widened into out.  NOTSUP from
+ * cuBLASLt leaves only scratch written. */
+static enum dsv4_err
+g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W, int T)
+{
+    int N = W->n_out, K = W->n_in, nb = K / 128, nws = N / 128 * nb;
+    int Tp = (T + BL_FP8_ROWS - 1) / BL_FP8_ROWS * BL_FP8_ROWS;
+    size_t bq = cuda_align((size_t)Tp * K), bs = cuda_align((size_t)Tp * nb * sizeof(float));
+    size_t bw = cuda_align((size_t)nws * sizeof(float));
+    int64_t warps = (int64_t)Tp * ((nb + G8_PREP_BLOCKS - 1) / G8_PREP_BLOCKS) + (nws + 31) / 32;
+    struct g8_prep_more mo;
+    char *p = (char *)cuda_scratch(be, bq + bs + bw + cuda_align((size_t)Tp * N * 2));
+    uint8_t *xq = (uint8_t *)p;
+    float *sx = (float *)(p + bq);
+    uint16_t *ob = (uint16_t *)(p + bq + bs + bw);
+    enum dsv4_err e;
+
+    if (p == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fast gemm8: no scratch for %d x %d", T, K);
+    mo.ldt = Tp;
+    mo.wsf = (float *)(p + bq + bs);
+    mo.ws = W->scale;
+    mo.nws = nws;
+    g8_prep_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(xq, sx, x, T, K,
+                                                                              mo);
+    CUDA_LAUNCHED("fast gemm8 prep (cuBLASLt)");
+    if ((e = cuda_blas_fp8(be, ob, W, mo.wsf, xq, sx, Tp)) != DSV4_OK)
+        return e;
+    return cuda_blas_widen(be, out, ob, (int64_t)T * N);
 }
 
 enum dsv4_err
@@ -415,6 +499,9 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
         return DSV4_OK;
     if (W->fmt != DSV4_WFMT_FP8 || N % G8_BM != 0 || K % 128 != 0 || K <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "fast gemm8: %d x %d not FP8 in 128 blocks", N, K);
+    if (cuda_switch_on(&g8_blas_switch) && cuda_blas_fp8_ready(be, N, K) &&
+        (e = g8_blas(be, out, x, W, T)) != DSV4_ERR_NOTSUP)
+        return e;   /* cuBLASLt took it (or failed otherwise) */
     p = (char *)cuda_scratch(be, bq + cuda_align((size_t)T * nb * sizeof(float)));
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "fast gemm8: no scratch for %d x %d", T, K);
@@ -431,7 +518,7 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
     a.N = N;
     a.K = K;
     g8_prep_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(
-        (uint8_t *)a.xq, (float *)a.sx, x, T, K);
+        (uint8_t *)a.xq, (float *)a.sx, x, T, K, g8_row_major);
     CUDA_LAUNCHED("fast gemm8 prep");
     tiles = (int64_t)(N / G8_BM) * ((T + G8_BN - 1) / G8_BN);
     /* persistent: a CTA an SM; under MPS (a share of the SMs, perhaps) a CTA

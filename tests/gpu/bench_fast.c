@@ -105,7 +105,7 @@
  * FP8 x FP8 prefill linear (kernels/cuda/fast_gemm8.cu; BENCH_FAST_ONLY=gemm8
  * runs only these, nothing else): wq_a, wq_b, wq_b/2, wkv, wo_b, wo_b/2
  * (4096 x 4096), idx_wq_b at T = 128, 512, 2048: the kernel called directly
- * ("gemm8") and the linear op without it ("fw/op": fw_kernel where the cost
+ * ("gemm8"; each case twice, "lt:" on cuBLASLt and "wg:" on g8_kernel) and the linear op without it ("fw/op": fw_kernel where the cost
  * model takes the GEMM, else the decode kernels) against the exact op on 48
  * sampled rows (bounds as the FP8 linears), gemm8 run twice (same bits),
  * its first 32 rows at every T equal to those at T = 128, the timed graph's
@@ -126,6 +126,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda_gemm8.h"
+#include "kernels/cuda_gemm_grouped.h"   /* dsv4_cuda_set_blas */
 #include "kernels/cuda_gemm4.h"
 #include "tests/gpu/gpu_test_util.h"   /* TRY */
 
@@ -2049,7 +2050,7 @@ g8_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
             printf("     %s gemm8 T=%d: first value out of bounds: token %d column %zu: "
                    "gemm8 %.8g exact %.8g fw/op %.8g\n", name, T, rows[f8 / N], f8 % N,
                    fast[f8], ref[f8], fw[f8]);
-        printf("%-4s %-10s gemm8 T=%-5d vs exact maxrel %.2e (%.1e) ident %5.1f%% (%2.0f%%)  "
+        printf("%-4s %-13s gemm8 T=%-5d vs exact maxrel %.2e (%.1e) ident %5.1f%% (%2.0f%%)  "
                "det %s  T-indep(T=%d) %s  replay %s  %9.1f us %7.1f TFLOP/s | fw/op maxrel "
                "%.2e ident %5.1f%% %9.1f us %7.1f TFLOP/s | gemm8 vs fw/op maxrel %.2e ident "
                "%5.1f%%  speedup %.2f\n",
@@ -2102,7 +2103,15 @@ g8_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, struct tally *ty)
 
         /* x as (G8_TMAX, K): rows K apart */
         TRY("upload", be->ops->upload(be, x, xh, (size_t)G8_TMAX * lins[l].K * 4));
-        g8_linear(be, tm, lins[l].name, &W, x, xh, out, xs, outs, ty);
+        /* both forms of the kernel: cuBLASLt ("lt:") and g8_kernel ("wg:") */
+        for (int lt = 1; lt >= 0; lt--) {
+            char name[32];
+
+            snprintf(name, sizeof(name), "%s:%s", lt ? "lt" : "wg", lins[l].name);
+            dsv4_cuda_set_blas(lt);
+            g8_linear(be, tm, name, &W, x, xh, out, xs, outs, ty);
+        }
+        dsv4_cuda_set_blas(-1);
         be->ops->free(be, (void *)(uintptr_t)W.w);
         be->ops->free(be, (void *)(uintptr_t)W.scale);
     }
