@@ -6,8 +6,10 @@
  *
  *   bench_fuse [SEED]
  *
- * Cases at T = 1, 2, 4, 16, 32, 64 rows (the hc ops and nr_q also 256:
- * the prefill form of the mix's dot products, norm_rope's v4), REF
+ * Cases at T = 1, 2, 4, 16, 32, 64 rows (the hc ops and nr_q also 256,
+ * 300 and 2,048: the prefill form of the mix, several token groups a block
+ * from 256, a last block of fewer groups and a last group of fewer tokens
+ * at 300, two slabs at 2,048; norm_rope's v4), REF
  * numerics, random inputs:
  *   hc_post_pre  n = 4 streams of 4096, Sinkhorn 20 iterations, with the
  *                next input norm (weighted): X_out, x, post, comb, xn;
@@ -83,7 +85,7 @@
 #include "kernels/cuda_fast.h"
 #include "tests/gpu/gpu_test_util.h"   /* TRY */
 
-#define T_MAX 256
+#define T_MAX 2048
 #define D_MODEL 4096
 #define HC_N 4
 #define HC_ITERS 20
@@ -97,7 +99,7 @@
 #define N_TIMED 15
 #define MAX_ARRS 10
 
-static const int t_list[] = { 1, 2, 4, 16, 32, 64, 256 };
+static const int t_list[] = { 1, 2, 4, 16, 32, 64, 256, 300, 2048 };
 #define N_T ((int)(sizeof(t_list) / sizeof(t_list[0])))
 
 static struct dsv4_backend *cpu, *gpu;
