@@ -104,7 +104,7 @@
  *
  * FP8 x FP8 prefill linear (kernels/cuda/fast_gemm8.cu; BENCH_FAST_ONLY=gemm8
  * runs only these, nothing else): wq_a, wq_b, wq_b/2, wkv, wo_b, wo_b/2
- * (4096 x 4096), idx_wq_b at T = 128, 512, 2048: the kernel called directly
+ * (4096 x 4096), idx_wq_b at T = 128, 300, 512, 2048: the kernel called directly
  * ("gemm8"; each case twice, "lt:" on cuBLASLt and "wg:" on g8_kernel) and the linear op without it ("fw/op": fw_kernel where the cost
  * model takes the GEMM, else the decode kernels) against the exact op on 48
  * sampled rows (bounds as the FP8 linears), gemm8 run twice (same bits),
@@ -1945,7 +1945,7 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
 
 /* --- the FP8 x FP8 prefill linear (kernels/cuda/fast_gemm8.cu) ----------------------- */
 
-static const int g8_t[] = { 128, 512, 2048 };
+static const int g8_t[] = { 128, 300, 512, 2048 };   /* 300: cuBLASLt's rows padded to 16 */
 #define G8_NT ((int)(sizeof(g8_t) / sizeof(g8_t[0])))
 #define G8_TMAX 2048
 
@@ -1987,7 +1987,7 @@ g8_rel(const float *a, const float *b, size_t n, double bound, size_t *ident, si
 }
 
 /*
- * The FP8 linear W at T = 128, 512, 2048 rows of x (G8_TMAX, K) (host copy
+ * The FP8 linear W at T = 128, 300, 512, 2048 rows of x (G8_TMAX, K) (host copy
  * xh): the FP8 x FP8 kernel ("gemm8") and the op without it ("fw/op")
  * against the exact op on the sampled rows (BOUND_BF16, IDENT_BF16), run
  * twice (same bits), the first P_TIND rows at every T equal to T = 128's
@@ -2072,7 +2072,7 @@ g8_linear(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const char *name,
     free(first0);
 }
 
-/* Every FP8 linear of the prefill at T = 128, 512, 2048 (BENCH_FAST_ONLY=gemm8). */
+/* Every FP8 linear of the prefill at T = 128, 300, 512, 2048 (BENCH_FAST_ONLY=gemm8). */
 static void
 g8_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, struct tally *ty)
 {
