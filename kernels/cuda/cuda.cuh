@@ -899,6 +899,16 @@ int cuda_blas_fp8_ready(struct dsv4_backend *be, int N, int K);
  * cuBLASLt cannot take it (nothing queued). */
 enum dsv4_err cuda_blas_fp8(struct dsv4_backend *be, uint16_t *out, const struct dsv4_linear *W,
                             const float *ws, const uint8_t *xq, const float *sx, int T);
+/* The BF16 linear of prefill calls (cuda_fast_gemm_bf16's contract,
+ * fast_gemm.cuh) on cuBLASLt: x split into bf16 hi + lo (scratch from `off`
+ * bytes into the backend scratch: 2 T K bf16), out = W hi then out += W lo
+ * (fp32 sums, one algorithm per (N, K) chosen at 2,048 columns, no split-K:
+ * rows T-independent), rounded to bf16 unless flags has DSV4_LIN_F32_OUT.
+ * DSV4_ERR_NOTSUP (nothing queued) when switched off (DSV4_CUDA_BLAS,
+ * DSV4_CUDA_BLAS_BF16), for other shapes or alignments, or without an
+ * algorithm. */
+enum dsv4_err cuda_blas_bf16(struct dsv4_backend *be, float *out, const float *x,
+                             const struct dsv4_linear *W, int T, unsigned flags, size_t off);
 /* out[i] = the bf16 value ob[i] (n values, n % 4 == 0, 16-byte aligned). */
 enum dsv4_err cuda_blas_widen(struct dsv4_backend *be, float *out, const uint16_t *ob,
                               int64_t n);

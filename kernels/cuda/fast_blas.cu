@@ -127,6 +127,8 @@ enum {
     BL_BF16 = 0,   /* bf16 weights and x (the grouped linear, the shared expert) */
     BL_FP8 = 1,    /* E4M3 weights with 128x128 fp32 block scales, E4M3 x with
                       fp32 scales per 128 columns (the FP8 linear) */
+    BL_BF16F = 2,  /* bf16 weights and x, fp32 output (the BF16 linear: x as
+                      hi + lo, two GEMMs into one fp32 sum) */
 };
 
 /* One shape's plan: descriptors whose sizes do not depend on T are kept;
@@ -265,6 +267,7 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
     cublasLtMatmulMatrixScale_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
     cublasLtMatmulMatrixScale_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     cudaDataType_t ty = kind == BL_FP8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
+    cudaDataType_t to = kind == BL_BF16F ? CUDA_R_32F : CUDA_R_16BF;
     uint64_t wsb = BL_WS_BYTES;
 
     for (int i = 0; i < b->n_plan; i++)
@@ -300,7 +303,7 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
     /* x: group g's columns of the (T, G K) rows = (K, T) column-major, ld G K;
      * out: (T, G R) rows = (R, T) column-major per group, ld G R */
     lx = bl_layout(ty, (uint64_t)K, BL_TUNE_T, (int64_t)G * K, G, K);
-    lo = bl_layout(CUDA_R_16BF, (uint64_t)R, BL_TUNE_T, (int64_t)G * R, G, R);
+    lo = bl_layout(to, (uint64_t)R, BL_TUNE_T, (int64_t)G * R, G, R);
     if (p->a != NULL && lx != NULL && lo != NULL &&
         bl.pref_create(&pref) == CUBLAS_STATUS_SUCCESS &&
         bl.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)) ==
@@ -474,22 +477,24 @@ cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linear
     return DSV4_OK;
 }
 
-/* out (T, G R) bf16 = plan p's weights w times x (T, G K) of type tx, on
- * the queue's workspace: one cublasLtMatmul with this call's layouts. */
+/* out (T, G R) (bf16; BL_BF16F: fp32) = plan p's weights w times x (T, G
+ * K) of type tx, plus beta times out, on the queue's workspace: one
+ * cublasLtMatmul with this call's layouts. */
 static enum dsv4_err
-bl_matmul(struct dsv4_backend *be, struct cuda_blas *b, struct bl_plan *p, uint16_t *out,
-          const void *w, const void *x, cudaDataType_t tx, int T)
+bl_matmul(struct dsv4_backend *be, struct cuda_blas *b, struct bl_plan *p, void *out,
+          const void *w, const void *x, cudaDataType_t tx, int T, float beta)
 {
     int R = p->R, K = p->K, G = p->G;
     cublasLtMatrixLayout_t lx, lo;
-    float one = 1.0f, zero = 0.0f;
+    float one = 1.0f;
     cublasStatus_t rc;
     void *ws = bl_ws(be, b);
 
     if (ws == NULL)
         return DSV4_ERR_NOTSUP;
     lx = bl_layout(tx, (uint64_t)K, (uint64_t)T, (int64_t)G * K, G, K);
-    lo = bl_layout(CUDA_R_16BF, (uint64_t)R, (uint64_t)T, (int64_t)G * R, G, R);
+    lo = bl_layout(p->kind == BL_BF16F ? CUDA_R_32F : CUDA_R_16BF, (uint64_t)R, (uint64_t)T,
+                   (int64_t)G * R, G, R);
     if (lx == NULL || lo == NULL) {
         if (lx != NULL)
             bl.layout_destroy(lx);
@@ -497,7 +502,7 @@ bl_matmul(struct dsv4_backend *be, struct cuda_blas *b, struct bl_plan *p, uint1
             bl.layout_destroy(lo);
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: layouts");
     }
-    rc = bl.matmul(b->h, p->desc, &one, w, p->a, x, lx, &zero, out, lo, out, lo, &p->algo, ws,
+    rc = bl.matmul(b->h, p->desc, &one, w, p->a, x, lx, &beta, out, lo, out, lo, &p->algo, ws,
                    BL_WS_BYTES, cuda_stream(be));
     bl.layout_destroy(lx);
     bl.layout_destroy(lo);
@@ -522,7 +527,7 @@ cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb, const
     if ((p = bl_plan_get(b, R, K, G, BL_BF16)) == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
                             G);
-    return bl_matmul(be, b, p, out, wb, xb, CUDA_R_16BF, T);
+    return bl_matmul(be, b, p, out, wb, xb, CUDA_R_16BF, T, 0.0f);
 }
 
 int
@@ -557,7 +562,7 @@ cuda_blas_fp8(struct dsv4_backend *be, uint16_t *out, const struct dsv4_linear *
         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)) !=
             CUBLAS_STATUS_SUCCESS)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: FP8 scale pointers");
-    return bl_matmul(be, b, p, out, W->w, xq, CUDA_R_8F_E4M3, T);
+    return bl_matmul(be, b, p, out, W->w, xq, CUDA_R_8F_E4M3, T, 0.0f);
 }
 
 enum dsv4_err
@@ -567,6 +572,97 @@ cuda_blas_widen(struct dsv4_backend *be, float *out, const uint16_t *ob, int64_t
         return DSV4_OK;
     bl_out_kernel<<<(unsigned)((n / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(out, ob, n);
     CUDA_LAUNCHED("cuda blas widen");
+    return DSV4_OK;
+}
+
+/* --- the BF16 linear ------------------------------------------------------------------------ */
+
+/* x (n values, n % 4 == 0) -> hi = bf16(x), lo = bf16(x - hi) (round to
+ * nearest even: |x - hi - lo| <= 2^-17 |x|, fw_kernel's split). */
+static __global__ void
+bl_split_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
+{
+    int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+
+    if (i >= n)
+        return;
+    {
+        float4 v = *(const float4 *)(x + i);
+        float f[4] = { v.x, v.y, v.z, v.w };
+        uint16_t h[4], l[4];
+
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float r = cu_bf16_round(f[j]);
+
+            h[j] = (uint16_t)(__float_as_uint(r) >> 16);
+            l[j] = (uint16_t)(__float_as_uint(cu_bf16_round(f[j] - r)) >> 16);
+        }
+        *(uint2 *)(hi + i) = make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
+        *(uint2 *)(lo + i) = make_uint2(l[0] | (uint32_t)l[1] << 16, l[2] | (uint32_t)l[3] << 16);
+    }
+}
+
+/* out[i] = bf16(out[i]) in place (n % 4 == 0): the linear's rounding. */
+static __global__ void
+bl_round_kernel(float *out, int64_t n)
+{
+    int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+
+    if (i >= n)
+        return;
+    {
+        float4 v = *(const float4 *)(out + i);
+
+        *(float4 *)(out + i) = make_float4(cu_bf16_round(v.x), cu_bf16_round(v.y),
+                                           cu_bf16_round(v.z), cu_bf16_round(v.w));
+    }
+}
+
+/* the BF16 linear alone back on fw_kernel (A/B runs) */
+static struct cuda_switch bl_bf16_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_BF16", 1);
+
+enum dsv4_err
+cuda_blas_bf16(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W,
+               int T, unsigned flags, size_t off)
+{
+    int N = W->n_out, K = W->n_in;
+    int64_t nx = (int64_t)T * K, no = (int64_t)T * N;
+    size_t bx = cuda_align((size_t)nx * 2);
+    struct cuda_blas *b;
+    struct bl_plan *p;
+    unsigned char *sc;
+    uint16_t *hi, *lo;
+    enum dsv4_err e;
+
+    if (!cuda_switch_on(&bl_switch) || !cuda_switch_on(&bl_bf16_switch))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off");
+    if (W->fmt != DSV4_WFMT_BF16 || W->w == NULL || N <= 0 || N % 4 != 0 || K <= 0 ||
+        K % 8 != 0 || (uintptr_t)W->w % 16 != 0 || (uintptr_t)x % 16 != 0 ||
+        (uintptr_t)out % 16 != 0)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: not for fmt %d, %d x %d", (int)W->fmt,
+                            N, K);
+    if (T <= 0)
+        return DSV4_OK;
+    /* library and algorithm first: NOTSUP before anything is queued */
+    if ((b = bl_state(be)) == NULL)
+        return DSV4_ERR_NOTSUP;
+    if ((p = bl_plan_get(b, N, K, 1, BL_BF16F)) == NULL)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no BF16 algorithm for %d x %d", N, K);
+    sc = (unsigned char *)cuda_scratch(be, off + 2 * bx);
+    if (sc == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch");
+    hi = (uint16_t *)(sc + off);
+    lo = (uint16_t *)(sc + off + bx);
+    bl_split_kernel<<<(unsigned)((nx / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(hi, lo, x, nx);
+    CUDA_LAUNCHED("cuda blas split");
+    if ((e = bl_matmul(be, b, p, out, W->w, hi, CUDA_R_16BF, T, 0.0f)) != DSV4_OK ||
+        (e = bl_matmul(be, b, p, out, W->w, lo, CUDA_R_16BF, T, 1.0f)) != DSV4_OK)
+        return e;
+    if (flags & DSV4_LIN_F32_OUT)
+        return DSV4_OK;
+    bl_round_kernel<<<(unsigned)((no / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(out, no);
+    CUDA_LAUNCHED("cuda blas round");
     return DSV4_OK;
 }
 

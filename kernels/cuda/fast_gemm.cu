@@ -1704,7 +1704,7 @@ enum dsv4_err
 cuda_fast_gemm_bf16(struct dsv4_backend *be, float *out, const float *x,
                     const struct dsv4_linear *W, int T, unsigned flags)
 {
-    return fw_linear(be, out, x, W, T, flags, 0);
+    return cuda_fast_gemm_bf16_at(be, out, x, W, T, flags, 0);
 }
 
 size_t
@@ -1717,6 +1717,11 @@ enum dsv4_err
 cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const float *x,
                        const struct dsv4_linear *W, int T, unsigned flags, size_t off)
 {
+    /* cuBLASLt first (fast_blas.cu; the same scratch: 2 T K bf16 from off) */
+    enum dsv4_err e = cuda_blas_bf16(be, out, x, W, T, flags, off);
+
+    if (e != DSV4_ERR_NOTSUP)
+        return e;
     return fw_linear(be, out, x, W, T, flags, off);
 }
 
