@@ -685,4 +685,10 @@ enum dsv4_err cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, 
 enum dsv4_err fk_quant(struct dsv4_backend *be, uint16_t *f16, uint16_t *bf16, float *sx,
                        const float *x, int64_t stride, int rows, int K);
 
+/* x = hi + lo for n values, both bf16 bits (hi = bf16(x), lo = bf16(x -
+ * hi); lo = 0 where x is not finite; lo NULL: hi only), queued on the
+ * backend stream. */
+enum dsv4_err fk_split(struct dsv4_backend *be, uint16_t *hi, uint16_t *lo, const float *x,
+                       int64_t n);
+
 #endif

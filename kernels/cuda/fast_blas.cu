@@ -577,32 +577,6 @@ cuda_blas_widen(struct dsv4_backend *be, float *out, const uint16_t *ob, int64_t
 
 /* --- the BF16 linear ------------------------------------------------------------------------ */
 
-/* x (n values, n % 4 == 0) -> hi = bf16(x), lo = bf16(x - hi) (round to
- * nearest even: |x - hi - lo| <= 2^-17 |x|, fw_kernel's split). */
-static __global__ void
-bl_split_kernel(uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
-{
-    int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
-
-    if (i >= n)
-        return;
-    {
-        float4 v = *(const float4 *)(x + i);
-        float f[4] = { v.x, v.y, v.z, v.w };
-        uint16_t h[4], l[4];
-
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            float r = cu_bf16_round(f[j]);
-
-            h[j] = (uint16_t)(__float_as_uint(r) >> 16);
-            l[j] = (uint16_t)(__float_as_uint(cu_bf16_round(f[j] - r)) >> 16);
-        }
-        *(uint2 *)(hi + i) = make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
-        *(uint2 *)(lo + i) = make_uint2(l[0] | (uint32_t)l[1] << 16, l[2] | (uint32_t)l[3] << 16);
-    }
-}
-
 /* out[i] = bf16(out[i]) in place (n % 4 == 0): the linear's rounding. */
 static __global__ void
 bl_round_kernel(float *out, int64_t n)
@@ -654,9 +628,9 @@ cuda_blas_bf16(struct dsv4_backend *be, float *out, const float *x, const struct
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch");
     hi = (uint16_t *)(sc + off);
     lo = (uint16_t *)(sc + off + bx);
-    bl_split_kernel<<<(unsigned)((nx / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(hi, lo, x, nx);
-    CUDA_LAUNCHED("cuda blas split");
-    if ((e = bl_matmul(be, b, p, out, W->w, hi, CUDA_R_16BF, T, 0.0f)) != DSV4_OK ||
+    /* fw_kernel's split of x (fast_linear.cu) */
+    if ((e = fk_split(be, hi, lo, x, nx)) != DSV4_OK ||
+        (e = bl_matmul(be, b, p, out, W->w, hi, CUDA_R_16BF, T, 0.0f)) != DSV4_OK ||
         (e = bl_matmul(be, b, p, out, W->w, lo, CUDA_R_16BF, T, 1.0f)) != DSV4_OK)
         return e;
     if (flags & DSV4_LIN_F32_OUT)

@@ -1010,8 +1010,8 @@ fl_args_for(const struct dsv4_linear *W, int mode, const struct fl_split *sp, in
     return a;
 }
 
-/* x = hi + lo for n values (fk_split_kernel; lo NULL: hi = bf16(x) only). */
-static enum dsv4_err
+/* fast.cuh: x = hi + lo for n values (fk_split_kernel). */
+enum dsv4_err
 fk_split(struct dsv4_backend *be, uint16_t *hi, uint16_t *lo, const float *x, int64_t n)
 {
     cu_launch(fk_split_kernel, cuda_blocks(n, 256), 256, 0, cuda_stream(be), hi, lo, x, n);
