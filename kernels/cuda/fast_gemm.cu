@@ -431,11 +431,12 @@ fg_group_ids(int (&e)[FG_GROUP_ILP], const int32_t *ids, int r0, int stride, int
  * skip_unheld: experts without weights (held by another rank) are left out.
  * The ids are read FG_GROUP_ILP a thread at once, and the experts' row and
  * tile offsets come from a block scan (a thread an expert), not one
- * thread's walk over the experts.
+ * thread's walk over the experts.  ctr (or NULL): nctr item counters of the
+ * GEMMs that follow (fwp_kernel), zeroed.
  */
 static __global__ void
 fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
-                const struct dsv4_expert_w *table, int skip_unheld)
+                const struct dsv4_expert_w *table, int skip_unheld, int32_t *ctr, int nctr)
 {
     extern __shared__ int32_t fg_gs[];
     __shared__ unsigned long long ws[33];
@@ -484,6 +485,8 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
     }
     if (threadIdx.x == 0)
         grp[0] = nt0;
+    if (ctr != NULL && (int)threadIdx.x < nctr)
+        ctr[threadIdx.x] = 0;
     __syncthreads();
     for (int r0 = threadIdx.x; r0 < Tk; r0 += nthr * FG_GROUP_ILP) {
         int e[FG_GROUP_ILP];
@@ -631,6 +634,10 @@ struct fw_args {
     int grows;                      /* FG_GROUPED: weight rows per group (R): the
                                        block of rows n0.. reads B columns
                                        (n0 / R) * K .. + K */
+    int gx, gy;                     /* fwp_kernel: the items (column block, tile) */
+    int32_t *ctr;                   /* fwp_kernel: the item counter (zeroed by
+                                       fg_group_kernel), or NULL: item blockIdx.x +
+                                       i * gridDim.x */
 };
 
 /*
@@ -1288,6 +1295,62 @@ fw_kernel(struct fw_args a)
 }
 
 /*
+ * fwp_kernel's consumers: one item's nkt stages from the ring (slot st,
+ * parity ph, pv the slot last read; all carried on to the next item).
+ * Each stage's slot is released once the next stage's first wgmma wait
+ * shows its wgmma done; the item's last stage's by the caller.
+ */
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int WF, int EPI, int NWG, int BN>
+static __device__ __forceinline__ void
+fwp_stages(const struct fw_smem<WF, EPI, NWG, BN> &m, float (&d)[BN / 2], uint32_t (&af0)[4][4],
+           uint32_t (&af1)[4][4], uint32_t full, uint32_t empty, int nkt, int &st, int &ph,
+           int &pv)
+{
+    typedef fw_cfg<WF, EPI, NWG, BN> C;
+    int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
+    uint32_t sb0 = (uint32_t)__cvta_generic_to_shared(m.sb);
+    uint32_t sl0 = (uint32_t)__cvta_generic_to_shared(m.sl);
+
+    for (int kt = 0; kt < nkt; kt++) {
+        uint32_t sca, scb, pw[4][4] = {};
+        int big;
+        /* this stage's weight rows of the warpgroup, scales, B */
+        const unsigned char *sas = m.sa + st * C::AB + wg * 64 * FW_AROW(WF);
+        const unsigned char *sw = m.ss + st * C::SB + wg * 64 * 4;
+        uint32_t sbs = sb0 + st * C::BB, sls = sl0 + st * C::BB;
+
+        wg_bar_wait(full + 8 * st, (uint32_t)ph);
+        wg_fence_proxy();   /* the stage's B, copied by cp.async, before the wgmma read it */
+#pragma unroll
+        for (int G = 0; G < 4; G++) {
+            const unsigned char *pa = sas + q * 4;
+
+            pw[G][0] = *(const uint32_t *)(pa + wg_off<FG_BROW(FG_FP4)>(ra, G));
+            pw[G][1] = *(const uint32_t *)(pa + wg_off<FG_BROW(FG_FP4)>(ra + 8, G));
+        }
+        sca = *(const uint32_t *)(sw + ra * 4);
+        scb = *(const uint32_t *)(sw + (ra + 8) * 4);
+        big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
+        fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
+        fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
+        /* fw_half's wait of the second half: the previous stage's
+         * wgmma are done, its slot free (its A words were read
+         * before them); at the item's first stage the caller has
+         * released the previous item's last */
+        if (kt > 0 && lane == 0)
+            wg_bar_arrive(empty + 8 * pv);
+        pv = st;
+        if (++st == C::S) {
+            st = 0;
+            ph ^= 1;
+        }
+    }
+}
+#endif
+
+/*
  * fwp_kernel (sm_90a): fw_kernel's routed FP4 tiles of four warpgroups (the
  * MoE's up tiles; its down tiles of 64 tokens) with the copies on a fifth,
  * producer warpgroup.  In fw_kernel every thread queued its share of a
@@ -1305,6 +1368,21 @@ fw_kernel(struct fw_args a)
  * wgmma are done (fw_half's wait of the second half).  No CTA barrier in
  * the loop.  The epilogue (fw_epilogue) is fw_kernel's: the same values,
  * bit for bit.
+ *
+ * Persistent (perf.md run 49): a CTA runs items (column block x, tile y)
+ * one after another, w = y * a.gx + x, from the counter a.ctr (an atomic
+ * add per item: a late CTA, under MPS or beside another kernel, only finds
+ * fewer) or, with a.ctr NULL, blockIdx.x + i * gridDim.x.  The producer's
+ * thread 0 takes the item and passes it to the consumers through a
+ * two-entry ring in shared memory (mbarriers `ifull`, one arrival, and
+ * `iempty`, one per consumer warp); the stage ring's slots and parities run
+ * on across items, so the producer queues the next item's first stages
+ * while the consumers run the last one's epilogue (which had left the SM's
+ * tensor cores idle: perf.md run 40, the epilogue and the prologue 22% of
+ * fw_kernel's stall samples).  Producer and consumers each write the row
+ * map they read (brow / orow and the route weights), behind their own
+ * named barriers (2 and 1).  Each item's values are those of the one-tile
+ * form: the same bits.
  */
 #define FWP_PT 128   /* producer threads */
 
@@ -1317,38 +1395,62 @@ fwp_kernel(struct fw_args a)
     extern __shared__ __align__(128) unsigned char fw_sm[];
     const struct fw_smem<WF, EPI, NWG, BN> m(fw_sm);   /* the ring, maps, epilogue's */
     uint32_t full = (uint32_t)__cvta_generic_to_shared(fw_sm + C::SMEM), empty = full + 8 * C::S;
-    struct dsv4_linear L1, L3;
-    int tid = threadIdx.x, n0 = blockIdx.x * (EPI == FG_UP ? 128 : C::RA), nkt = a.K / 128;
+    uint32_t ifull = empty + 8 * C::S, iempty = ifull + 16;
+    volatile int *item = (volatile int *)(fw_sm + C::SMEM + 16 * C::S + 32);
+    int tid = threadIdx.x, nkt = a.K / 128;
 
     static_assert(WF == FG_FP4 && NWG == 4, "fwp_kernel: routed FP4 tiles of four warpgroups");
-    if (!wg_tile_rows<BN, C::THREADS + FWP_PT>(a, m.brow, m.orow, L1, L3))
-        return;   /* an idle slot: the whole block leaves */
-    /* orow[tid] was written by this thread */
-    if (EPI == FG_UP && a.weights != NULL && tid < BN && m.orow[tid] >= 0)
-        m.rwt[tid] = a.weights[m.orow[tid]];
-    if (tid == 0)
+    if (tid == 0) {
         for (int s = 0; s < C::S; s++) {
             wg_bar_init(full + 8 * s, FWP_PT);
             wg_bar_init(empty + 8 * s, 4 * NWG);
         }
-    __syncthreads();   /* the row maps, the route weights, the mbarriers */
+        for (int s = 0; s < 2; s++) {
+            wg_bar_init(ifull + 8 * s, 1);
+            wg_bar_init(iempty + 8 * s, 4 * NWG);
+        }
+    }
+    __syncthreads();   /* the mbarriers */
 
     if (tid >= C::THREADS) {
-        /* the producer: stage kt into slot st, its round's parity ph */
-        int p = tid - C::THREADS;
-        struct fw_src<WF, EPI, NWG, BN, FWP_PT> fs;
+        /* the producer: stage kt of item i into slot st, its round's parity ph */
+        int p = tid - C::THREADS, st = 0, ph = 0, g = 0;
+        int ny = a.table != NULL ? min(a.grp[0], a.gy) : a.gy, items = a.gx * ny;
 
-        fw_src_make<WF, EPI, NWG, BN, FWP_PT>(fs, p, m.brow, a, L1, L3, n0);
-        for (int kt = 0, st = 0, ph = 0; kt < nkt; kt++) {
-            if (kt >= C::S)   /* the slot's stage of the previous round released */
-                wg_bar_wait(empty + 8 * st, (uint32_t)(ph ^ 1));
-            fw_load<WF, EPI, NWG, BN, FWP_PT>(m.sa + st * C::AB, m.sb + st * C::BB,
-                                              m.sl + st * C::BB, m.ss + st * C::SB, p, fs);
-            wg_bar_cp_arrive(full + 8 * st);
-            fw_step<WF, EPI, NWG, BN, FWP_PT>(fs);
-            if (++st == C::S) {
-                st = 0;
-                ph ^= 1;
+        for (int i = 0;; i++) {
+            struct fw_src<WF, EPI, NWG, BN, FWP_PT> fs;
+            struct dsv4_linear L1, L3;
+            int w, x, n0;
+
+            if (p == 0) {
+                if (i >= 2)   /* the consumers have read the entry's item i - 2 */
+                    wg_bar_wait(iempty + 8 * (i & 1), (uint32_t)(((i >> 1) & 1) ^ 1));
+                w = a.ctr != NULL ? atomicAdd(a.ctr, 1) : (int)blockIdx.x + i * (int)gridDim.x;
+                item[i & 1] = w < items ? w : -1;
+                wg_bar_arrive(ifull + 8 * (i & 1));
+            }
+            /* item i's entry written; every producer thread done with item
+             * i - 1's brow (fw_src_make) */
+            wg_sync<2, FWP_PT>();
+            w = item[i & 1];
+            if (w < 0)
+                break;
+            x = w % a.gx;
+            n0 = x * (EPI == FG_UP ? 128 : C::RA);
+            wg_tile_rows_at<BN>(a, w / a.gx, p, FWP_PT, m.brow, (int *)NULL, L1, L3);
+            wg_sync<2, FWP_PT>();   /* brow */
+            fw_src_make<WF, EPI, NWG, BN, FWP_PT>(fs, p, m.brow, a, L1, L3, n0);
+            for (int kt = 0; kt < nkt; kt++, g++) {
+                if (g >= C::S)   /* the slot's stage of the previous round released */
+                    wg_bar_wait(empty + 8 * st, (uint32_t)(ph ^ 1));
+                fw_load<WF, EPI, NWG, BN, FWP_PT>(m.sa + st * C::AB, m.sb + st * C::BB,
+                                                  m.sl + st * C::BB, m.ss + st * C::SB, p, fs);
+                wg_bar_cp_arrive(full + 8 * st);
+                fw_step<WF, EPI, NWG, BN, FWP_PT>(fs);
+                if (++st == C::S) {
+                    st = 0;
+                    ph ^= 1;
+                }
             }
         }
         wg_cp_wait_mem<0>();   /* leave with no copy in flight */
@@ -1356,51 +1458,38 @@ fwp_kernel(struct fw_args a)
     }
 
     {
-        int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-        int g = lane >> 2, q = lane & 3, ra = warp * 16 + g;   /* row in the warpgroup's 64 */
-        uint32_t sb0 = (uint32_t)__cvta_generic_to_shared(m.sb);
-        uint32_t sl0 = (uint32_t)__cvta_generic_to_shared(m.sl);
-        float d[BN / 2];
-        uint32_t af0[4][4], af1[4][4];   /* the two halves' A fragments (fw_half) */
+        int lane = tid & 31, st = 0, ph = 0, pv = C::S - 1;
 
+        for (int i = 0;; i++) {
+            float d[BN / 2];
+            uint32_t af0[4][4], af1[4][4];   /* the two halves' A fragments (fw_half) */
+            struct dsv4_linear L1, L3;
+            int w, n0;
+
+            wg_bar_wait(ifull + 8 * (i & 1), (uint32_t)((i >> 1) & 1));
+            w = item[i & 1];
+            __syncwarp();
+            if (lane == 0)
+                wg_bar_arrive(iempty + 8 * (i & 1));
+            if (w < 0)
+                break;
+            n0 = (w % a.gx) * (EPI == FG_UP ? 128 : C::RA);
+            wg_sync<1, C::THREADS>();   /* the previous item's epilogue done with orow, rwt */
+            wg_tile_rows_at<BN>(a, w / a.gx, tid, C::THREADS, (int *)NULL, m.orow, L1, L3);
+            /* orow[tid] was written by this thread */
+            if (EPI == FG_UP && a.weights != NULL && tid < BN && m.orow[tid] >= 0)
+                m.rwt[tid] = a.weights[m.orow[tid]];
+            wg_sync<1, C::THREADS>();   /* orow, rwt */
 #pragma unroll
-        for (int i = 0; i < BN / 2; i++)
-            d[i] = 0.0f;
-        for (int kt = 0, st = 0, ph = 0, pv = C::S - 1; kt < nkt; kt++) {
-            uint32_t sca, scb, pw[4][4] = {};
-            int big;
-            /* this stage's weight rows of the warpgroup, scales, B */
-            const unsigned char *sas = m.sa + st * C::AB + wg * 64 * FW_AROW(WF);
-            const unsigned char *sw = m.ss + st * C::SB + wg * 64 * 4;
-            uint32_t sbs = sb0 + st * C::BB, sls = sl0 + st * C::BB;
-
-            wg_bar_wait(full + 8 * st, (uint32_t)ph);
-            wg_fence_proxy();   /* the stage's B, copied by cp.async, before the wgmma read it */
-#pragma unroll
-            for (int G = 0; G < 4; G++) {
-                const unsigned char *pa = sas + q * 4;
-
-                pw[G][0] = *(const uint32_t *)(pa + wg_off<FG_BROW(FG_FP4)>(ra, G));
-                pw[G][1] = *(const uint32_t *)(pa + wg_off<FG_BROW(FG_FP4)>(ra + 8, G));
-            }
-            sca = *(const uint32_t *)(sw + ra * 4);
-            scb = *(const uint32_t *)(sw + (ra + 8) * 4);
-            big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
-            fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
-            fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
-            /* fw_half's wait of the second half: the previous stage's wgmma
-             * are done, its slot free (its A words were read before them) */
-            if (kt > 0 && lane == 0)
+            for (int j = 0; j < BN / 2; j++)
+                d[j] = 0.0f;
+            fwp_stages<WF, EPI, NWG, BN>(m, d, af0, af1, full, empty, nkt, st, ph, pv);
+            wg_wait<0>();
+            if (lane == 0)   /* the item's last stage: its wgmma are done */
                 wg_bar_arrive(empty + 8 * pv);
-            pv = st;
-            if (++st == C::S) {
-                st = 0;
-                ph ^= 1;
-            }
+            wg_hold(d);
+            fw_epilogue<WF, EPI, NWG, BN>(a, d, m.orow, m.rwt, m.red, m.scl, n0);
         }
-        wg_wait<0>();
-        wg_hold(d);
-        fw_epilogue<WF, EPI, NWG, BN>(a, d, m.orow, m.rwt, m.red, m.scl, n0);
     }
 #endif
 }
@@ -1540,6 +1629,11 @@ fw_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsigne
  * fw_kernel instead of fwp_kernel. */
 static struct cuda_switch fwp_switch = CUDA_SWITCH("DSV4_CUDA_FW_PRODUCER", 1);
 
+/* DSV4_CUDA_FW_PERSIST=0: fwp_kernel with one item (column block, tile) a
+ * CTA, as until run 49, instead of one CTA an SM taking items from the
+ * launch's counter. */
+static struct cuda_switch fwp_persist_switch = CUDA_SWITCH("DSV4_CUDA_FW_PERSIST", 1);
+
 /* fwp_kernel<FG_FP4, EPI, 4, BN> on grid (gx, gy) (fw_kernel<...> when
  * DSV4_CUDA_FW_PRODUCER=0).  Used for the tiles of 64 tokens: at 32 and 16
  * fw_kernel was faster (docs/perf.md run 41). */
@@ -1549,7 +1643,10 @@ fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsign
 {
     typedef fw_cfg<FG_FP4, EPI, 4, BN> C;
     static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
-    size_t smem = (size_t)C::SMEM + 16 * C::S;   /* + the full and empty mbarriers */
+    /* + the full and empty mbarriers, ifull and iempty, the item entries */
+    size_t smem = (size_t)C::SMEM + 16 * C::S + 32 + 8;
+    struct fw_args b = *a;
+    unsigned grid = gx * gy;
     enum dsv4_err e;
 
     if (!cuda_switch_on(&fwp_switch))
@@ -1559,8 +1656,15 @@ fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsign
         return e;
     if (gx == 0 || gy == 0)
         return DSV4_OK;
-    fwp_kernel<FG_FP4, EPI, 4, BN><<<dim3(gx, gy), C::THREADS + FWP_PT, smem, cuda_stream(be)>>>(
-        *a);
+    b.gx = (int)gx;
+    b.gy = (int)gy;
+    if (b.ctr != NULL && cuda_switch_on(&fwp_persist_switch)) {
+        if (grid > (unsigned)cuda_sms(be))
+            grid = (unsigned)cuda_sms(be);   /* one CTA an SM, items from the counter */
+    } else {
+        b.ctr = NULL;   /* one item a CTA */
+    }
+    fwp_kernel<FG_FP4, EPI, 4, BN><<<grid, C::THREADS + FWP_PT, smem, cuda_stream(be)>>>(b);
     CUDA_LAUNCHED("fast gemm (wgmma, producer)");
     return DSV4_OK;
 }
@@ -1891,7 +1995,8 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
      * wider tile costs only wgmma time, small while the weights stream */
     int bn = avg <= 8 ? 16 : avg <= 20 ? 32 : 64;
     int A = (Tk + bn - 1) / bn + act, has_sh = shared != NULL;
-    size_t b_grp = cuda_align((size_t)(1 + 3 * A + Tk) * sizeof(int32_t));
+    /* the grouping, then the up and down GEMMs' item counters */
+    size_t b_grp = cuda_align((size_t)(1 + 3 * A + Tk + 2) * sizeof(int32_t));
     size_t b_x = cuda_align((size_t)T * D * sizeof(uint16_t));
     size_t b_h = cuda_align((size_t)R * I * sizeof(uint16_t));
     size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
@@ -1921,7 +2026,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     if (e != DSV4_OK)
         return e;
     fg_group_kernel<<<1, 1024, (size_t)3 * n_table * sizeof(int32_t), st>>>(
-        grp, ids, Tk, n_table, A, bn, table, parts != NULL);
+        grp, ids, Tk, n_table, A, bn, table, parts != NULL, grp + 1 + 3 * A + Tk, 2);
     CUDA_LAUNCHED("fast gemm moe group");
 
     /* up: h of every pick row (routed), then of every token (shared, rows Tk + t) */
@@ -1936,6 +2041,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     a.weights = weights;
     a.K = D;
     a.lim = lim;
+    a.ctr = grp + 1 + 3 * A + Tk;   /* fwp_kernel's items (tiles of 64 tokens) */
     e = fw_run<FG_FP4, FG_UP, 4>(be, &a, bn, (unsigned)(I / 128), (unsigned)A);
     if (e != DSV4_OK)
         return e;
@@ -1956,6 +2062,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     a.ldo = D;
     a.weights = NULL;
     a.K = I;
+    a.ctr = grp + 1 + 3 * A + Tk + 1;
     /* token tiles of 64: 256 weight rows a CTA (four warpgroups, one CTA an
      * SM), each tile's activations read half as often as with 128 rows
      * (two CTAs of two warpgroups an SM; docs/perf.md run 40: 4.53 -> 3.71
@@ -2093,7 +2200,8 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
         auto group = [](int32_t *g, const int32_t *id, int tk, int ne, int na, int bm,
                         const struct dsv4_expert_w *tb, int skip, cudaStream_t s) {
             fg_group_kernel<<<1, 1024, (size_t)3 * ne * sizeof(int32_t), s>>>(g, id, tk, ne, na,
-                                                                              bm, tb, skip);
+                                                                              bm, tb, skip,
+                                                                              NULL, 0);
         };
 
         return cuda_fast_gemm4_moe(be, out, parts, x, ids, weights, table, n_table, shared, T,
@@ -2123,7 +2231,7 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
         return e;
     /* 2. grouping */
     fg_group_kernel<<<1, 1024, (size_t)3 * n_table * sizeof(int32_t), st>>>(
-        grp, ids, Tk, n_table, A, BM, table, parts != NULL);
+        grp, ids, Tk, n_table, A, BM, table, parts != NULL, NULL, 0);
     CUDA_LAUNCHED("fast gemm moe group");
 
     /* 3. up: routed tiles, then the shared expert's */

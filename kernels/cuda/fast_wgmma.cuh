@@ -121,54 +121,68 @@ wg_wrow(int r, int n0, int *is3)
 }
 
 /*
- * The token rows of tile blockIdx.y of an fw_kernel / f4_kernel launch
- * (ARGS: fw_args or f4_args, which name these fields alike), by the block's
- * THREADS threads.  Routed (a.table != NULL): tile slot y of the grouping
- * (fg_group_kernel's layout); 0 for an idle slot (the whole block leaves,
- * nothing written); else *L1 = w2 (a.down) or w1, *L3 = w3, orow[i] = pick
- * row i of the tile or -1, brow[i] = that pick row (a.down) or its token
- * (pick row / a.k).  Dense: *L1 = a.W, *L3 = a.W3, rows blockIdx.y * BN + i
- * of a.M, offset by a.brow0 / a.orow0, -1 past a.M.  1 then; the caller
- * synchronises before it reads the maps.
+ * The token rows of tile y of an fw_kernel / fwp_kernel / f4_kernel launch
+ * (ARGS: fw_args or f4_args, which name these fields alike), written by
+ * threads t0, t0 + nt, ... (the caller's share of the block).  Routed
+ * (a.table != NULL): tile slot y of the grouping (fg_group_kernel's
+ * layout); 0 for an idle slot (nothing written); else *L1 = w2 (a.down) or
+ * w1, *L3 = w3, orow[i] = pick row i of the tile or -1, brow[i] = that pick
+ * row (a.down) or its token (pick row / a.k).  Dense: *L1 = a.W, *L3 =
+ * a.W3, rows y * BN + i of a.M, offset by a.brow0 / a.orow0, -1 past a.M.
+ * brow or orow NULL: not written.  Then the tile's rows (1 .. BN; the
+ * valid rows are a prefix); the caller synchronises before its threads read
+ * the maps.
  */
-template <int BN, int THREADS, class ARGS>
+template <int BN, class ARGS>
 static __device__ __forceinline__ int
-wg_tile_rows(const ARGS &a, int *brow, int *orow, struct dsv4_linear &L1,
-             struct dsv4_linear &L3)
+wg_tile_rows_at(const ARGS &a, int y, int t0, int nt, int *brow, int *orow,
+                struct dsv4_linear &L1, struct dsv4_linear &L3)
 {
-    int tid = threadIdx.x;
-
     if (a.table != NULL) {
-        const int32_t *tl = a.grp + 1 + 3 * blockIdx.y, *rows;
+        const int32_t *tl = a.grp + 1 + 3 * y, *rows;
         const struct dsv4_expert_w *E;
         int n_rows;
 
-        if ((int)blockIdx.y >= a.grp[0])
+        if (y >= a.grp[0])
             return 0;   /* an idle slot */
         E = &a.table[tl[0]];
         rows = a.grp + 1 + 3 * a.A + tl[1];
         n_rows = tl[2];
         L1 = a.down ? E->w2 : E->w1;
         L3 = E->w3;
-        for (int i = tid; i < BN; i += THREADS) {
+        for (int i = t0; i < BN; i += nt) {
             int r = i < n_rows ? rows[i] : -1;
 
-            orow[i] = r;
-            brow[i] = r < 0 ? -1 : (a.down ? r : r / a.k);
+            if (orow != NULL)
+                orow[i] = r;
+            if (brow != NULL)
+                brow[i] = r < 0 ? -1 : (a.down ? r : r / a.k);
         }
+        return n_rows < BN ? n_rows : BN;
     } else {
-        int m0 = blockIdx.y * BN;
+        int m0 = y * BN;
 
         L1 = a.W;
         L3 = a.W3;
-        for (int i = tid; i < BN; i += THREADS) {
+        for (int i = t0; i < BN; i += nt) {
             int ok = m0 + i < a.M;
 
-            brow[i] = ok ? a.brow0 + m0 + i : -1;
-            orow[i] = ok ? a.orow0 + m0 + i : -1;
+            if (brow != NULL)
+                brow[i] = ok ? a.brow0 + m0 + i : -1;
+            if (orow != NULL)
+                orow[i] = ok ? a.orow0 + m0 + i : -1;
         }
+        return a.M - m0 < BN ? a.M - m0 : BN;
     }
-    return 1;
+}
+
+/* wg_tile_rows_at for tile blockIdx.y by the block's THREADS threads. */
+template <int BN, int THREADS, class ARGS>
+static __device__ __forceinline__ int
+wg_tile_rows(const ARGS &a, int *brow, int *orow, struct dsv4_linear &L1,
+             struct dsv4_linear &L3)
+{
+    return wg_tile_rows_at<BN>(a, (int)blockIdx.y, (int)threadIdx.x, THREADS, brow, orow, L1, L3);
 }
 
 /* --- wgmma --------------------------------------------------------------------------- */
