@@ -51,7 +51,10 @@
  *      part (T, M+1, S) (contiguous in s for the finish's gather); in
  *      calls of at least HF2_BLOCKED_T tokens each thread runs two (token,
  *      row) chains of one token side by side (the same chains, so the same
- *      bits; the token's X words read once for both);
+ *      bits; the token's X words read once for both); since run 49 such
+ *      calls take hf2_mixb_kernel instead (blocks of 64 tokens, 4-token x
+ *      2-row register tiles: the same chains; DSV4_CUDA_HC_MIXB=0 keeps
+ *      the blocked form);
  *   hf2_finish: with the norm, 512 collapse threads + one warp per token
  *      (4 columns per thread and 16-byte loads); without, 128 + 32 threads
  *      per 512 columns.  Every thread first issues its loads of X, of the
@@ -101,6 +104,9 @@
                              /* one float4 column each (512 columns per block) */
 #define HF2_SQ 8             /* v2 finish: partials per lane and mix row (S <= 256) */
 #define HF_DEFER_SLABS 64    /* slabs of a call whose Sinkhorn can be deferred */
+#define HF2B_TG 64           /* v2 mix, long calls (hf2_mixb_kernel): tokens per block */
+#define HF2B_MR 24           /* ... mix rows at most ((2 + n) n for n <= 4) */
+#define HF2B_TILE 192        /* ... threads on 4-token x 2-row tiles (16 x HF2B_MR / 2) */
 
 /* The number of mix rows M of the hc_pre (head == 0) or hc_head form. */
 static __host__ __device__ int
@@ -504,6 +510,148 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
     }
 }
 
+/*
+ * hf2_mix_kernel for calls of at least HF2_BLOCKED_T tokens (perf.md run
+ * 49): blocks of HF2B_TG = 64 tokens instead of 16, so a block's fn chunk
+ * (M rows of 128 columns, from L2) serves four times the tokens, and
+ * register tiles instead of one or two chains a thread.  hf2_mix's
+ * blocked form had every product cost a shared-memory load of its X word
+ * (the fn word shared by 16 lanes) and ran at ≈ 4 times the slab's DRAM
+ * time, its issue slots filled by loads (Nsight Compute, run 43: 80 M
+ * instructions a 1,024-token slab for 26 M products).  Here thread i <
+ * HF2B_TILE holds 8 chains: tokens q, q + 16, q + 32, q + 48 (q = i % 16:
+ * the 16 lanes of a load read 16 consecutive token rows, two wavefronts)
+ * times mix rows 2r, 2r + 1 (r = i / 16; rows past M are zero rows of fs,
+ * not written): per float4 of columns 6 loads for 32 products.  The other
+ * 64 threads sum each token's squares (row M).  Every chain is hf2_dot's
+ * (products in column order over the chunk, one fp32 add each): the same
+ * partials, the same bits.  M <= HF2B_MR.
+ */
+template <int POST>
+static __global__ void __launch_bounds__(HF2_MT)
+hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
+                struct hf_post p)
+{
+    __shared__ __align__(16) float fs[HF2B_MR][HF2_CWP];
+    __shared__ __align__(16) float xs[HF2B_TG][HF2_CWP];
+    int s = blockIdx.x, S = gridDim.x, tid = threadIdx.x;
+    int nD = n * D, c0 = s * HF_CW, cw = min(HF_CW, nD - c0);
+    int t0 = blockIdx.y * HF2B_TG, tg = min(HF2B_TG, T - t0);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+    static_assert(HF2B_TILE + HF2B_TG == HF2_MT && HF2B_TILE == 16 * (HF2B_MR / 2),
+                  "hf2_mixb: thread roles");
+    /* as hf2_mix_kernel: the previous kernel complete before any load,
+     * then the finish (PDL) may start */
+    cu_pdl_wait();
+    cu_pdl_trigger();
+    {
+        /* the fn chunk (rows M .. HF2B_MR - 1 zero) */
+        enum { FQ = HF2B_MR * (HF_CW / 4) / HF2_MT };
+        float4 fv[FQ];
+
+#pragma unroll
+        for (int u = 0; u < FQ; u++) {
+            int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+
+            fv[u] = m < M && c < cw ? __ldg((const float4 *)(fn + (int64_t)m * nD + c0 + c))
+                                    : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < FQ; u++) {
+            int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+
+            *(float4 *)&fs[m][c] = fv[u];
+        }
+    }
+    /* X's chunk of the block's tokens (POST: made by hc_post and written) */
+#pragma unroll 2
+    for (int u = 0; u < HF2B_TG * (HF_CW / 4) / HF2_MT; u++) {
+        int i = tid + u * HF2_MT, tt = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4, col = c0 + c;
+        int64_t t = t0 + tt;
+        float4 v = zero;
+
+        if (tt < tg && c < cw) {
+            if (!POST) {
+                v = *(const float4 *)(X + t * nD + col);
+            } else {
+                /* hc_post_kernel's expression (cuda_hc.cu), per component,
+                 * as hf2_mix_kernel */
+                int k = col / D, d = col % D;
+                float4 xv[HF2_N], f4 = *(const float4 *)(p.f + t * D + d);
+                float cc[HF2_N], pk = p.post[t * n + k], o[4];
+
+#pragma unroll
+                for (int j = 0; j < HF2_N; j++) {
+                    xv[j] = zero;
+                    cc[j] = 0.0f;
+                    if (j < n) {
+                        xv[j] = *(const float4 *)(p.X + t * nD + (int64_t)j * D + d);
+                        cc[j] = p.comb[t * n * n + j * n + k];
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float acc = cc[0] * fz_f4(xv[0], e);
+
+#pragma unroll
+                    for (int j = 1; j < HF2_N; j++)
+                        if (j < n)
+                            acc += cc[j] * fz_f4(xv[j], e);
+                    o[e] = cu_bf16_round(pk * fz_f4(f4, e) + acc);
+                }
+                v = make_float4(o[0], o[1], o[2], o[3]);
+                *(float4 *)(p.X_out + t * nD + col) = v;
+            }
+        }
+        *(float4 *)&xs[tt][c] = v;
+    }
+    __syncthreads();
+    if (tid < HF2B_TILE) {
+        int q = tid & 15, m0 = 2 * (tid >> 4), m1 = m0 + 1;
+        const float4 *b0 = (const float4 *)fs[m0], *b1 = (const float4 *)fs[m1];
+        float acc[4][2] = {};
+
+        if (m0 >= M)
+            return;
+#pragma unroll 2
+        for (int c = 0; c < cw / 4; c++) {
+            float4 y0 = b0[c], y1 = b1[c];
+
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float4 x = ((const float4 *)xs[q + 16 * j])[c];
+
+                acc[j][0] += x.x * y0.x;
+                acc[j][1] += x.x * y1.x;
+                acc[j][0] += x.y * y0.y;
+                acc[j][1] += x.y * y1.y;
+                acc[j][0] += x.z * y0.z;
+                acc[j][1] += x.z * y1.z;
+                acc[j][0] += x.w * y0.w;
+                acc[j][1] += x.w * y1.w;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int tt = q + 16 * j;
+
+            if (tt >= tg)
+                continue;
+            part[((int64_t)(t0 + tt) * (M + 1) + m0) * S + s] = acc[j][0];
+            if (m1 < M)
+                part[((int64_t)(t0 + tt) * (M + 1) + m1) * S + s] = acc[j][1];
+        }
+    } else {
+        int tt = tid - HF2B_TILE;   /* the sum of squares of token tt */
+        const float4 *a = (const float4 *)xs[tt];
+        float acc = hf2_dot(a, a, cw / 4);
+
+        if (tt < tg)
+            part[((int64_t)(t0 + tt) * (M + 1) + M) * S + s] = acc;
+    }
+}
+
 /* c / (Σ_i c of lane first + i*step, i < n in order + eps): hf_div_sum with
  * the matrix in the warp's registers. */
 static __device__ __forceinline__ float
@@ -806,6 +954,10 @@ hf2_finish_launch(const struct hf_fin *a, dim3 grid, unsigned threads, cudaStrea
  * Both kernels for tokens [0, T) (pointers already offset to the slab);
  * p.X_out != NULL: the fused form (X_out = hc_post first, then its hc_pre).
  */
+/* DSV4_CUDA_HC_MIXB=0: long calls' mix on hf2_mix_kernel's blocked form
+ * instead of hf2_mixb_kernel (the same bits). */
+static struct cuda_switch hf2b_switch = CUDA_SWITCH("DSV4_CUDA_HC_MIXB", 1);
+
 static enum dsv4_err
 hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, const float *fn,
         int T)
@@ -822,7 +974,17 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
     v2 = hf2_ok(a, p, fn);
     if (!v2)
         a->defer = 0;   /* v1 runs its own Sinkhorn */
-    if (v2) {
+    if (v2 && T >= HF2_BLOCKED_T && M <= HF2B_MR && cuda_switch_on(&hf2b_switch)) {
+        dim3 grid((unsigned)a->S, (unsigned)((T + HF2B_TG - 1) / HF2B_TG));
+
+        if (p->X_out != NULL)
+            cu_launch(hf2_mixb_kernel<1>, grid, HF2_MT, 0, st, part, (const float *)NULL, fn, T,
+                      M, a->n, a->D, *p);
+        else
+            cu_launch(hf2_mixb_kernel<0>, grid, HF2_MT, 0, st, part, a->X, fn, T, M, a->n,
+                      a->D, *p);
+        CUDA_LAUNCHED("fast hc mix v2 (blocks of 64 tokens)");
+    } else if (v2) {
         if (p->X_out != NULL)
             cu_launch(hf2_mix_kernel<1>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part,
                       (const float *)NULL, fn, T, M, a->n, a->D, *p);
@@ -830,6 +992,8 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
             cu_launch(hf2_mix_kernel<0>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part, a->X,
                       fn, T, M, a->n, a->D, *p);
         CUDA_LAUNCHED("fast hc mix v2");
+    }
+    if (v2) {
         if (a->xn != NULL)
             return hf2_finish_launch<1>(a, dim3((unsigned)T, 1), HF2_NT + 32, st);
         return hf2_finish_launch<0>(a, dim3((unsigned)T, (unsigned)((a->D / 4 + HF2_XT - 1) /
