@@ -53,7 +53,7 @@
  *      row) chains of one token side by side (the same chains, so the same
  *      bits; the token's X words read once for both); since run 49 such
  *      calls take hf2_mixb_kernel instead (blocks of 64 tokens, 4-token x
- *      4-row register tiles: the same chains; DSV4_CUDA_HC_MIXB=0 keeps
+ *      2-row register tiles: the same chains; DSV4_CUDA_HC_MIXB=0 keeps
  *      the blocked form);
  *   hf2_finish: with the norm, 512 collapse threads + one warp per token
  *      (4 columns per thread and 16-byte loads); without, 128 + 32 threads
@@ -106,8 +106,7 @@
 #define HF_DEFER_SLABS 64    /* slabs of a call whose Sinkhorn can be deferred */
 #define HF2B_TG 64           /* v2 mix, long calls (hf2_mixb_kernel): tokens per block */
 #define HF2B_MR 24           /* ... mix rows at most ((2 + n) n for n <= 4) */
-#define HF2B_TILE 96         /* ... threads on 4-token x 4-row tiles (16 x HF2B_MR / 4) */
-#define HF2B_THREADS (HF2B_TILE + HF2B_TG)   /* ... and one a token for its sum of squares */
+#define HF2B_TILE 192        /* ... threads on 4-token x 2-row tiles (16 x HF2B_MR / 2) */
 
 /* The number of mix rows M of the hc_pre (head == 0) or hc_head form. */
 static __host__ __device__ int
@@ -516,21 +515,20 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
  * 49): blocks of HF2B_TG = 64 tokens instead of 16, so a block's fn chunk
  * (M rows of 128 columns, from L2) serves four times the tokens, and
  * register tiles instead of one or two chains a thread.  hf2_mix's
- * blocked form was bound by the shared-memory pipe (L1 95% busy, perf.md
- * run 41): a product cost a 4-byte load of its X word.  A warp's 16-byte
- * shared load is four wavefronts whatever its addresses, so what counts is
- * the loads a thread makes per product: here thread i < HF2B_TILE holds 16
- * chains, tokens q, q + 16, q + 32, q + 48 (q = i % 16: a quarter warp
- * reads 8 consecutive token rows, no bank conflict) times mix rows 4r ..
- * 4r + 3 (r = i / 16; rows past M are zero rows of fs, not written): per
- * float4 of columns 8 loads for 64 products (the first form, 4 tokens x 2
- * rows: 6 for 32, L1/TEX 80% busy).  The other HF2B_TG threads sum each
- * token's squares (row M).  Every chain is hf2_dot's (products in column
- * order over the chunk, one fp32 add each): the same partials, the same
- * bits.  M <= HF2B_MR.
+ * blocked form had every product cost a shared-memory load of its X word
+ * (the fn word shared by 16 lanes) and ran at ≈ 4 times the slab's DRAM
+ * time, its issue slots filled by loads (Nsight Compute, run 43: 80 M
+ * instructions a 1,024-token slab for 26 M products).  Here thread i <
+ * HF2B_TILE holds 8 chains: tokens q, q + 16, q + 32, q + 48 (q = i % 16:
+ * the 16 lanes of a load read 16 consecutive token rows, two wavefronts)
+ * times mix rows 2r, 2r + 1 (r = i / 16; rows past M are zero rows of fs,
+ * not written): per float4 of columns 6 loads for 32 products.  The other
+ * 64 threads sum each token's squares (row M).  Every chain is hf2_dot's
+ * (products in column order over the chunk, one fp32 add each): the same
+ * partials, the same bits.  M <= HF2B_MR.
  */
 template <int POST>
-static __global__ void __launch_bounds__(HF2B_THREADS)
+static __global__ void __launch_bounds__(HF2_MT)
 hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
                 struct hf_post p)
 {
@@ -541,36 +539,35 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
     int t0 = blockIdx.y * HF2B_TG, tg = min(HF2B_TG, T - t0);
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
-    static_assert(HF2B_TILE == 16 * (HF2B_MR / 4) && HF2B_MR % 4 == 0, "hf2_mixb: tiles");
+    static_assert(HF2B_TILE + HF2B_TG == HF2_MT && HF2B_TILE == 16 * (HF2B_MR / 2),
+                  "hf2_mixb: thread roles");
     /* as hf2_mix_kernel: the previous kernel complete before any load,
      * then the finish (PDL) may start */
     cu_pdl_wait();
     cu_pdl_trigger();
     {
         /* the fn chunk (rows M .. HF2B_MR - 1 zero) */
-        enum { NF = HF2B_MR * (HF_CW / 4), FQ = (NF + HF2B_THREADS - 1) / HF2B_THREADS };
+        enum { FQ = HF2B_MR * (HF_CW / 4) / HF2_MT };
         float4 fv[FQ];
 
 #pragma unroll
         for (int u = 0; u < FQ; u++) {
-            int i = tid + u * HF2B_THREADS, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+            int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
 
-            fv[u] = i < NF && m < M && c < cw
-                        ? __ldg((const float4 *)(fn + (int64_t)m * nD + c0 + c))
-                        : zero;
+            fv[u] = m < M && c < cw ? __ldg((const float4 *)(fn + (int64_t)m * nD + c0 + c))
+                                    : zero;
         }
 #pragma unroll
         for (int u = 0; u < FQ; u++) {
-            int i = tid + u * HF2B_THREADS, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+            int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
 
-            if (i < NF)
-                *(float4 *)&fs[m][c] = fv[u];
+            *(float4 *)&fs[m][c] = fv[u];
         }
     }
     /* X's chunk of the block's tokens (POST: made by hc_post and written) */
 #pragma unroll 2
-    for (int i = tid; i < HF2B_TG * (HF_CW / 4); i += HF2B_THREADS) {
-        int tt = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4, col = c0 + c;
+    for (int u = 0; u < HF2B_TG * (HF_CW / 4) / HF2_MT; u++) {
+        int i = tid + u * HF2_MT, tt = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4, col = c0 + c;
         int64_t t = t0 + tt;
         float4 v = zero;
 
@@ -611,34 +608,28 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
     }
     __syncthreads();
     if (tid < HF2B_TILE) {
-        int q = tid & 15, m0 = 4 * (tid >> 4);
-        float acc[4][4] = {};   /* [token j][row i] */
+        int q = tid & 15, m0 = 2 * (tid >> 4), m1 = m0 + 1;
+        const float4 *b0 = (const float4 *)fs[m0], *b1 = (const float4 *)fs[m1];
+        float acc[4][2] = {};
 
         if (m0 >= M)
             return;
 #pragma unroll 2
         for (int c = 0; c < cw / 4; c++) {
-            float4 y[4];
+            float4 y0 = b0[c], y1 = b1[c];
 
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                y[i] = ((const float4 *)fs[m0 + i])[c];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 float4 x = ((const float4 *)xs[q + 16 * j])[c];
 
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    acc[j][i] += x.x * y[i].x;
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    acc[j][i] += x.y * y[i].y;
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    acc[j][i] += x.z * y[i].z;
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    acc[j][i] += x.w * y[i].w;
+                acc[j][0] += x.x * y0.x;
+                acc[j][1] += x.x * y1.x;
+                acc[j][0] += x.y * y0.y;
+                acc[j][1] += x.y * y1.y;
+                acc[j][0] += x.z * y0.z;
+                acc[j][1] += x.z * y1.z;
+                acc[j][0] += x.w * y0.w;
+                acc[j][1] += x.w * y1.w;
             }
         }
 #pragma unroll
@@ -647,10 +638,9 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
 
             if (tt >= tg)
                 continue;
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                if (m0 + i < M)
-                    part[((int64_t)(t0 + tt) * (M + 1) + m0 + i) * S + s] = acc[j][i];
+            part[((int64_t)(t0 + tt) * (M + 1) + m0) * S + s] = acc[j][0];
+            if (m1 < M)
+                part[((int64_t)(t0 + tt) * (M + 1) + m1) * S + s] = acc[j][1];
         }
     } else {
         int tt = tid - HF2B_TILE;   /* the sum of squares of token tt */
@@ -988,11 +978,11 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
         dim3 grid((unsigned)a->S, (unsigned)((T + HF2B_TG - 1) / HF2B_TG));
 
         if (p->X_out != NULL)
-            cu_launch(hf2_mixb_kernel<1>, grid, HF2B_THREADS, 0, st, part, (const float *)NULL,
-                      fn, T, M, a->n, a->D, *p);
+            cu_launch(hf2_mixb_kernel<1>, grid, HF2_MT, 0, st, part, (const float *)NULL, fn, T,
+                      M, a->n, a->D, *p);
         else
-            cu_launch(hf2_mixb_kernel<0>, grid, HF2B_THREADS, 0, st, part, a->X, fn, T, M,
-                      a->n, a->D, *p);
+            cu_launch(hf2_mixb_kernel<0>, grid, HF2_MT, 0, st, part, a->X, fn, T, M, a->n,
+                      a->D, *p);
         CUDA_LAUNCHED("fast hc mix v2 (blocks of 64 tokens)");
     } else if (v2) {
         if (p->X_out != NULL)
