@@ -368,6 +368,46 @@ hf2_dot(const float4 *a, const float4 *b, int n4)
     return acc;
 }
 
+/* hc_post's inputs for the 4 columns col .. col + 3 of X_out (row length
+ * nD = n D; one stream k = col / D) of token t: the n streams' X words at
+ * those columns, comb's column k, f and post[k].  xv, cc past n untouched. */
+static __device__ __forceinline__ void
+hf2_post_load(const struct hf_post &p, int64_t t, int col, int n, int D, int nD,
+              float4 (&xv)[HF2_N], float (&cc)[HF2_N], float4 &f4, float &pk)
+{
+    int k = col / D, d = col % D;
+
+#pragma unroll
+    for (int j = 0; j < HF2_N; j++) {
+        if (j < n) {
+            xv[j] = *(const float4 *)(p.X + t * nD + (int64_t)j * D + d);
+            cc[j] = p.comb[t * n * n + j * n + k];
+        }
+    }
+    f4 = *(const float4 *)(p.f + t * D + d);
+    pk = p.post[t * n + k];
+}
+
+/* X_out's 4 values from hf2_post_load's inputs: hc_post_kernel's expression
+ * (cuda_hc.cu), per component. */
+static __device__ __forceinline__ float4
+hf2_post_value(const float4 (&xv)[HF2_N], const float (&cc)[HF2_N], float4 f4, float pk, int n)
+{
+    float o[4];
+
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float acc = cc[0] * fz_f4(xv[0], e);
+
+#pragma unroll
+        for (int j = 1; j < HF2_N; j++)
+            if (j < n)
+                acc += cc[j] * fz_f4(xv[j], e);
+        o[e] = cu_bf16_round(pk * fz_f4(f4, e) + acc);
+    }
+    return make_float4(o[0], o[1], o[2], o[3]);
+}
+
 template <int POST>
 static __global__ void __launch_bounds__(HF2_MT)
 hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
@@ -404,7 +444,7 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
 #pragma unroll
     for (int u = 0; u < XQ; u++) {
         int i = tid + u * HF2_MT, tt = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4, col = c0 + c;
-        int k = col / D, d = col % D, ok = tt < tg && c < cw;
+        int ok = tt < tg && c < cw;
         int64_t t = t0 + tt;
 
         pk[u] = 0.0f;
@@ -417,15 +457,7 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
         if (!POST && ok) {
             xv[u][0] = *(const float4 *)(X + t * nD + col);
         } else if (POST && ok) {
-#pragma unroll
-            for (int j = 0; j < HF2_N; j++) {
-                if (j < n) {
-                    xv[u][j] = *(const float4 *)(p.X + t * nD + (int64_t)j * D + d);
-                    cc[u][j] = p.comb[t * n * n + j * n + k];
-                }
-            }
-            f4[u] = *(const float4 *)(p.f + t * D + d);
-            pk[u] = p.post[t * n + k];
+            hf2_post_load(p, t, col, n, D, nD, xv[u], cc[u], f4[u], pk[u]);
         }
     }
 #pragma unroll
@@ -443,20 +475,7 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
         if (tt >= tg)
             continue;
         if (POST && c < cw) {
-            /* hc_post_kernel's expression (cuda_hc.cu), per component */
-            float o[4];
-
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float acc = cc[u][0] * fz_f4(xv[u][0], e);
-
-#pragma unroll
-                for (int j = 1; j < HF2_N; j++)
-                    if (j < n)
-                        acc += cc[u][j] * fz_f4(xv[u][j], e);
-                o[e] = cu_bf16_round(pk[u] * fz_f4(f4[u], e) + acc);
-            }
-            v = make_float4(o[0], o[1], o[2], o[3]);
+            v = hf2_post_value(xv[u], cc[u], f4[u], pk[u], n);
             *(float4 *)(p.X_out + (int64_t)(t0 + tt) * nD + c0 + c) = v;
         }
         *(float4 *)&xs[tt][c] = v;
@@ -575,32 +594,17 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
             if (!POST) {
                 v = *(const float4 *)(X + t * nD + col);
             } else {
-                /* hc_post_kernel's expression (cuda_hc.cu), per component,
-                 * as hf2_mix_kernel */
-                int k = col / D, d = col % D;
-                float4 xv[HF2_N], f4 = *(const float4 *)(p.f + t * D + d);
-                float cc[HF2_N], pk = p.post[t * n + k], o[4];
+                /* hc_post's inputs, then its expression, as hf2_mix_kernel */
+                float4 xv[HF2_N], f4;
+                float cc[HF2_N], pk;
 
 #pragma unroll
                 for (int j = 0; j < HF2_N; j++) {
                     xv[j] = zero;
                     cc[j] = 0.0f;
-                    if (j < n) {
-                        xv[j] = *(const float4 *)(p.X + t * nD + (int64_t)j * D + d);
-                        cc[j] = p.comb[t * n * n + j * n + k];
-                    }
                 }
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float acc = cc[0] * fz_f4(xv[0], e);
-
-#pragma unroll
-                    for (int j = 1; j < HF2_N; j++)
-                        if (j < n)
-                            acc += cc[j] * fz_f4(xv[j], e);
-                    o[e] = cu_bf16_round(pk * fz_f4(f4, e) + acc);
-                }
-                v = make_float4(o[0], o[1], o[2], o[3]);
+                hf2_post_load(p, t, col, n, D, nD, xv, cc, f4, pk);
+                v = hf2_post_value(xv, cc, f4, pk, n);
                 *(float4 *)(p.X_out + t * nD + col) = v;
             }
         }

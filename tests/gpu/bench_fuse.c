@@ -7,9 +7,9 @@
  *   bench_fuse [SEED]
  *
  * Cases at T = 1, 2, 4, 16, 32, 64 rows (the hc ops and nr_q also 256,
- * 300 and 2,048: the prefill form of the mix, several token groups a block
- * from 256, a last block of fewer groups and a last group of fewer tokens
- * at 300, two slabs at 2,048; norm_rope's v4), REF
+ * 300 and 2,048: the prefill form of the mix, hf2_mixb_kernel's blocks of
+ * 64 tokens from 64, a last block of fewer tokens at 300, two slabs at
+ * 2,048; norm_rope's v4), REF
  * numerics, random inputs:
  *   hc_post_pre  n = 4 streams of 4096, Sinkhorn 20 iterations, with the
  *                next input norm (weighted): X_out, x, post, comb, xn;
