@@ -530,15 +530,23 @@ cuda_blas_gemm(struct dsv4_backend *be, uint16_t *out, const uint16_t *wb, const
     return bl_matmul(be, b, p, out, wb, xb, CUDA_R_16BF, T, 0.0f);
 }
 
-int
-cuda_blas_fp8_ready(struct dsv4_backend *be, int N, int K)
+/* The FP8 plan of W (N, K) on be, or NULL: the cuBLASLt paths off, no
+ * library, a shape not in 128 blocks, no algorithm. */
+static struct bl_plan *
+bl_fp8_plan(struct dsv4_backend *be, int N, int K)
 {
     struct cuda_blas *b;
 
     if (!cuda_switch_on(&bl_switch) || N <= 0 || N % 128 != 0 || K <= 0 || K % 128 != 0 ||
         (b = bl_state(be)) == NULL)
-        return 0;
-    return bl_plan_get(b, N, K, 1, BL_FP8) != NULL;
+        return NULL;
+    return bl_plan_get(b, N, K, 1, BL_FP8);
+}
+
+int
+cuda_blas_fp8_ready(struct dsv4_backend *be, int N, int K)
+{
+    return bl_fp8_plan(be, N, K) != NULL;
 }
 
 enum dsv4_err
@@ -546,23 +554,21 @@ cuda_blas_fp8(struct dsv4_backend *be, uint16_t *out, const struct dsv4_linear *
               const float *ws, const uint8_t *xq, const float *sx, int T)
 {
     int N = W->n_out, K = W->n_in;
-    struct cuda_blas *b;
     struct bl_plan *p;
 
     if (T <= 0)
         return DSV4_OK;
-    if (T % BL_FP8_ROWS != 0 || !cuda_blas_fp8_ready(be, N, K))
+    if (T % BL_FP8_ROWS != 0 || (p = bl_fp8_plan(be, N, K)) == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no FP8 algorithm for %d x %d, T=%d", N,
                             K, T);
-    b = (struct cuda_blas *)cuda_st(be)->blas;
-    p = bl_plan_get(b, N, K, 1, BL_FP8);
     /* the plan's descriptor takes this call's scales (read when the call is queued) */
     if (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws, sizeof(ws)) !=
             CUBLAS_STATUS_SUCCESS ||
         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof(sx)) !=
             CUBLAS_STATUS_SUCCESS)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: FP8 scale pointers");
-    return bl_matmul(be, b, p, out, W->w, xq, CUDA_R_8F_E4M3, T, 0.0f);
+    return bl_matmul(be, (struct cuda_blas *)cuda_st(be)->blas, p, out, W->w, xq, CUDA_R_8F_E4M3,
+                     T, 0.0f);
 }
 
 enum dsv4_err
