@@ -1472,7 +1472,7 @@ fwp_kernel(struct fw_args a)
                 break;
             x = w % a.gx;
             n0 = x * (EPI == FG_UP ? 128 : C::RA);
-            wg_tile_rows_at<BN>(a, w / a.gx, p, FWP_PT, m.brow, (int *)NULL, L1, L3);
+            wg_tile_rows_at<BN, WG_BROW>(a, w / a.gx, p, FWP_PT, m.brow, (int *)NULL, L1, L3);
             wg_sync<2, FWP_PT>();   /* brow */
             fw_src_make<WF, EPI, NWG, BN, FWP_PT>(fs, p, m.brow, a, L1, L3, n0);
             for (int kt = 0; kt < nkt; kt++, g++) {
@@ -1512,7 +1512,8 @@ fwp_kernel(struct fw_args a)
                 break;
             n0 = (w % a.gx) * (EPI == FG_UP ? 128 : C::RA);
             wg_sync<1, C::THREADS>();   /* the previous item's epilogue done with orow, rwt */
-            wg_tile_rows_at<BN>(a, w / a.gx, tid, C::THREADS, (int *)NULL, m.orow, L1, L3);
+            wg_tile_rows_at<BN, WG_OROW>(a, w / a.gx, tid, C::THREADS, (int *)NULL, m.orow, L1,
+                                         L3);
             /* orow[tid] was written by this thread */
             if (EPI == FG_UP && a.weights != NULL && tid < BN && m.orow[tid] >= 0)
                 m.rwt[tid] = a.weights[m.orow[tid]];

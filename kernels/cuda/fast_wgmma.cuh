@@ -129,11 +129,15 @@ wg_wrow(int r, int n0, int *is3)
  * w1, *L3 = w3, orow[i] = pick row i of the tile or -1, brow[i] = that pick
  * row (a.down) or its token (pick row / a.k).  Dense: *L1 = a.W, *L3 =
  * a.W3, rows y * BN + i of a.M, offset by a.brow0 / a.orow0, -1 past a.M.
- * brow or orow NULL: not written.  Then the tile's rows (1 .. BN; the
- * valid rows are a prefix); the caller synchronises before its threads read
- * the maps.
+ * Only brow (MAPS & WG_BROW) or orow (MAPS & WG_OROW) is written where
+ * the caller asks for one (a compile-time choice: no test of the pointers
+ * on the kernels' path).  1 then; the caller synchronises before its threads
+ * read the maps.
  */
-template <int BN, class ARGS>
+#define WG_BROW 1
+#define WG_OROW 2
+
+template <int BN, int MAPS, class ARGS>
 static __device__ __forceinline__ int
 wg_tile_rows_at(const ARGS &a, int y, int t0, int nt, int *brow, int *orow,
                 struct dsv4_linear &L1, struct dsv4_linear &L3)
@@ -153,12 +157,11 @@ wg_tile_rows_at(const ARGS &a, int y, int t0, int nt, int *brow, int *orow,
         for (int i = t0; i < BN; i += nt) {
             int r = i < n_rows ? rows[i] : -1;
 
-            if (orow != NULL)
+            if (MAPS & WG_OROW)
                 orow[i] = r;
-            if (brow != NULL)
+            if (MAPS & WG_BROW)
                 brow[i] = r < 0 ? -1 : (a.down ? r : r / a.k);
         }
-        return n_rows < BN ? n_rows : BN;
     } else {
         int m0 = y * BN;
 
@@ -167,13 +170,13 @@ wg_tile_rows_at(const ARGS &a, int y, int t0, int nt, int *brow, int *orow,
         for (int i = t0; i < BN; i += nt) {
             int ok = m0 + i < a.M;
 
-            if (brow != NULL)
+            if (MAPS & WG_BROW)
                 brow[i] = ok ? a.brow0 + m0 + i : -1;
-            if (orow != NULL)
+            if (MAPS & WG_OROW)
                 orow[i] = ok ? a.orow0 + m0 + i : -1;
         }
-        return a.M - m0 < BN ? a.M - m0 : BN;
     }
+    return 1;
 }
 
 /* wg_tile_rows_at for tile blockIdx.y by the block's THREADS threads. */
@@ -182,7 +185,8 @@ static __device__ __forceinline__ int
 wg_tile_rows(const ARGS &a, int *brow, int *orow, struct dsv4_linear &L1,
              struct dsv4_linear &L3)
 {
-    return wg_tile_rows_at<BN>(a, (int)blockIdx.y, (int)threadIdx.x, THREADS, brow, orow, L1, L3);
+    return wg_tile_rows_at<BN, WG_BROW | WG_OROW>(a, (int)blockIdx.y, (int)threadIdx.x, THREADS,
+                                                   brow, orow, L1, L3);
 }
 
 /* --- wgmma --------------------------------------------------------------------------- */
