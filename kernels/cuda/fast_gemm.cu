@@ -1695,13 +1695,15 @@ fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsign
     struct fw_args b = *a;
     unsigned grid = gx * gy;
     enum dsv4_err e;
+    int pp;
 
     if (!cuda_switch_on(&fwp_switch))
         return fw_launch<FG_FP4, EPI, 4, BN>(be, a, gx, gy);
-    e = cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN, 0>, smem, smem_done);
-    if (e == DSV4_OK)
-        e = cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN, 1>, smem,
-                            smem_done_pp);
+    pp = cuda_switch_on(&fwp_pp_switch);
+    e = pp ? cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN, 1>, smem,
+                             smem_done_pp)
+           : cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN, 0>, smem,
+                             smem_done);
     if (e != DSV4_OK)
         return e;
     if (gx == 0 || gy == 0)
@@ -1714,7 +1716,7 @@ fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsign
     } else {
         b.ctr = NULL;   /* one item a CTA */
     }
-    if (cuda_switch_on(&fwp_pp_switch))
+    if (pp)
         fwp_kernel<FG_FP4, EPI, 4, BN, 1><<<grid, C::THREADS + FWP_PT, smem, cuda_stream(be)>>>(
             b);
     else
