@@ -1044,25 +1044,7 @@ fw_dec(uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sca, uint32_t scb
  * fw_dec's two-multiply form; the wgmma stay outside the branch (every warp
  * of the warpgroup issues the same instructions).
  */
-/* fwp_kernel's ping-pong order (PP, opt-in): consumer pair P (warpgroups
- * 2P, 2P + 1) issues a half's wgmma only on its turn, named barrier
- * FWP_TURN + P (its 256 threads wait, the other pair's 256 arrive), and
- * hands the turn over once they are issued. */
-#define FWP_TURN 3
-
-static __device__ __forceinline__ void
-fwp_turn_wait(int pair)
-{
-    asm volatile("bar.sync %0, 512;" :: "r"(FWP_TURN + pair) : "memory");
-}
-
-static __device__ __forceinline__ void
-fwp_turn_pass(int pair)
-{
-    asm volatile("bar.arrive %0, 512;" :: "r"(FWP_TURN + pair) : "memory");
-}
-
-template <int WF, int BN, int H, int PP = 0>
+template <int WF, int BN, int H>
 static __device__ __forceinline__ void
 fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint32_t sb,
         uint32_t sl, uint32_t sca, uint32_t scb, int big, int ra, int q, uint32_t swa,
@@ -1073,8 +1055,6 @@ fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint3
         fw_dec<WF, H, 1>(af, sa, sca, scb, ra, q, swa, swb, pw);
     else
         fw_dec<WF, H, 0>(af, sa, sca, scb, ra, q, swa, swb, pw);
-    if (PP)
-        fwp_turn_wait((int)threadIdx.x >> 8);
     wg_fence();
 #pragma unroll
     for (int s = 0; s < 4; s++) {
@@ -1083,8 +1063,6 @@ fw_half(float (&d)[BN / 2], uint32_t (&af)[4][4], const unsigned char *sa, uint3
             fw_mma<BN>(d, af[s], wg_desc<FW_LBO, FW_SBO>(sl, 4 * H + s));
     }
     wg_commit();
-    if (PP)
-        fwp_turn_pass(((int)threadIdx.x >> 8) ^ 1);
 }
 
 /* Where fw_kernel's and fwp_kernel's shared memory holds what (fw_cfg's
@@ -1323,7 +1301,7 @@ fw_kernel(struct fw_args a)
  * shows its wgmma done; the item's last stage's by the caller.
  */
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int WF, int EPI, int NWG, int BN, int PP>
+template <int WF, int EPI, int NWG, int BN>
 static __device__ __forceinline__ void
 fwp_stages(const struct fw_smem<WF, EPI, NWG, BN> &m, float (&d)[BN / 2], uint32_t (&af0)[4][4],
            uint32_t (&af1)[4][4], uint32_t full, uint32_t empty, int nkt, int &st, int &ph,
@@ -1355,8 +1333,8 @@ fwp_stages(const struct fw_smem<WF, EPI, NWG, BN> &m, float (&d)[BN / 2], uint32
         sca = *(const uint32_t *)(sw + ra * 4);
         scb = *(const uint32_t *)(sw + (ra + 8) * 4);
         big = __any_sync(0xffffffffu, ((sca | scb) & 0x80808080u) != 0);
-        fw_half<WF, BN, 0, PP>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
-        fw_half<WF, BN, 1, PP>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
+        fw_half<WF, BN, 0>(d, af0, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
+        fw_half<WF, BN, 1>(d, af1, sas, sbs, sls, sca, scb, big, ra, q, 0, 0, pw);
         /* fw_half's wait of the second half: the previous stage's
          * wgmma are done, its slot free (its A words were read
          * before them); at the item's first stage the caller has
@@ -1405,22 +1383,10 @@ fwp_stages(const struct fw_smem<WF, EPI, NWG, BN> &m, float (&d)[BN / 2], uint32
  * map they read (brow / orow and the route weights), behind their own
  * named barriers (2 and 1).  Each item's values are those of the one-tile
  * form: the same bits.
- *
- * Ping-pong (PP = 1, opt-in: DSV4_CUDA_FW_PINGPONG=1; not yet run on a GPU,
- * perf.md run 49): the four consumer warpgroups wait on the same `full`
- * barrier, so they decode their FP4 words at the same time and issue their
- * wgmma at the same time.  With PP the two pairs of warpgroups take turns
- * to issue a half's wgmma (fw_half: named barriers FWP_TURN + pair, 512
- * threads, one pair waiting, the other arriving), as FlashAttention-3
- * alternates its warpgroups' GEMMs, so that one pair decodes while the
- * tensor cores run the other's.  Pair 0 has the first turn (pair 1 passes
- * it once before its loop) and takes the last pass after its loop, so no
- * arrival is left on a barrier.  The same wgmma on the same values: the
- * same bits.
  */
 #define FWP_PT 128   /* producer threads */
 
-template <int WF, int EPI, int NWG, int BN, int PP>
+template <int WF, int EPI, int NWG, int BN>
 static __global__ void __launch_bounds__(128 * NWG + FWP_PT, 1)
 fwp_kernel(struct fw_args a)
 {
@@ -1434,7 +1400,6 @@ fwp_kernel(struct fw_args a)
     int tid = threadIdx.x, nkt = a.K / 128;
 
     static_assert(WF == FG_FP4 && NWG == 4, "fwp_kernel: routed FP4 tiles of four warpgroups");
-    static_assert(!PP || 128 * NWG == 512, "fwp_kernel: the ping-pong pairs are 2 x 256 threads");
     if (tid == 0) {
         for (int s = 0; s < C::S; s++) {
             wg_bar_init(full + 8 * s, FWP_PT);
@@ -1495,8 +1460,6 @@ fwp_kernel(struct fw_args a)
     {
         int lane = tid & 31, st = 0, ph = 0, pv = C::S - 1;
 
-        if (PP && tid >= 256)   /* pair 0 takes the first turn */
-            fwp_turn_pass(0);
         for (int i = 0;; i++) {
             float d[BN / 2];
             uint32_t af0[4][4], af1[4][4];   /* the two halves' A fragments (fw_half) */
@@ -1521,17 +1484,13 @@ fwp_kernel(struct fw_args a)
 #pragma unroll
             for (int j = 0; j < BN / 2; j++)
                 d[j] = 0.0f;
-            fwp_stages<WF, EPI, NWG, BN, PP>(m, d, af0, af1, full, empty, nkt, st, ph, pv);
+            fwp_stages<WF, EPI, NWG, BN>(m, d, af0, af1, full, empty, nkt, st, ph, pv);
             wg_wait<0>();
             if (lane == 0)   /* the item's last stage: its wgmma are done */
                 wg_bar_arrive(empty + 8 * pv);
             wg_hold(d);
             fw_epilogue<WF, EPI, NWG, BN>(a, d, m.orow, m.rwt, m.red, m.scl, n0);
         }
-        /* pair 1 passed the turn once more than pair 0 took it (its first
-         * pass above): taken here, so no arrival is left pending */
-        if (PP && tid < 256)
-            fwp_turn_wait(0);
     }
 #endif
 }
@@ -1676,11 +1635,7 @@ static struct cuda_switch fwp_switch = CUDA_SWITCH("DSV4_CUDA_FW_PRODUCER", 1);
  * launch's counter. */
 static struct cuda_switch fwp_persist_switch = CUDA_SWITCH("DSV4_CUDA_FW_PERSIST", 1);
 
-/* DSV4_CUDA_FW_PINGPONG=1: fwp_kernel's consumer pairs take turns to issue
- * their wgmma (PP = 1; opt-in, not yet measured). */
-static struct cuda_switch fwp_pp_switch = CUDA_SWITCH("DSV4_CUDA_FW_PINGPONG", 0);
-
-/* fwp_kernel<FG_FP4, EPI, 4, BN, PP> on grid (gx, gy) (fw_kernel<...> when
+/* fwp_kernel<FG_FP4, EPI, 4, BN> on grid (gx, gy) (fw_kernel<...> when
  * DSV4_CUDA_FW_PRODUCER=0).  Used for the tiles of 64 tokens: at 32 and 16
  * fw_kernel was faster (docs/perf.md run 41). */
 template <int EPI, int BN>
@@ -1689,21 +1644,15 @@ fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsign
 {
     typedef fw_cfg<FG_FP4, EPI, 4, BN> C;
     static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
-    static size_t smem_done_pp[CUDA_MAX_DEV];
     /* + the full and empty mbarriers, ifull and iempty, the item entries */
     size_t smem = (size_t)C::SMEM + 16 * C::S + 32 + 8;
     struct fw_args b = *a;
     unsigned grid = gx * gy;
     enum dsv4_err e;
-    int pp;
 
     if (!cuda_switch_on(&fwp_switch))
         return fw_launch<FG_FP4, EPI, 4, BN>(be, a, gx, gy);
-    pp = cuda_switch_on(&fwp_pp_switch);
-    e = pp ? cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN, 1>, smem,
-                             smem_done_pp)
-           : cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN, 0>, smem,
-                             smem_done);
+    e = cuda_smem_allow(be, (const void *)fwp_kernel<FG_FP4, EPI, 4, BN>, smem, smem_done);
     if (e != DSV4_OK)
         return e;
     if (gx == 0 || gy == 0)
@@ -1716,12 +1665,7 @@ fwp_launch(struct dsv4_backend *be, const struct fw_args *a, unsigned gx, unsign
     } else {
         b.ctr = NULL;   /* one item a CTA */
     }
-    if (pp)
-        fwp_kernel<FG_FP4, EPI, 4, BN, 1><<<grid, C::THREADS + FWP_PT, smem, cuda_stream(be)>>>(
-            b);
-    else
-        fwp_kernel<FG_FP4, EPI, 4, BN, 0><<<grid, C::THREADS + FWP_PT, smem, cuda_stream(be)>>>(
-            b);
+    fwp_kernel<FG_FP4, EPI, 4, BN><<<grid, C::THREADS + FWP_PT, smem, cuda_stream(be)>>>(b);
     CUDA_LAUNCHED("fast gemm (wgmma, producer)");
     return DSV4_OK;
 }
