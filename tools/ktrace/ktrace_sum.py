@@ -13,7 +13,11 @@ end (with programmatic dependent launch a kernel starts before its
 predecessor ends, so start-to-end times overlap); the sums by kernel name
 (demangled with c++filt when present) are printed per step.
 
+--chain prints instead the kernels of the first selected step in launch
+order, each with the time charged to it (a layer's chain of small kernels).
+
 usage: ktrace_sum.py TRACE [--device D] [--kernels N] [--with NAME] [--skip S] [--steps K]
+                     [--chain]
 """
 import argparse
 import re
@@ -38,6 +42,8 @@ def main():
                     help="only steps holding a kernel whose name contains this")
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--chain", action="store_true",
+                    help="the first selected step's kernels in order, each with its time")
     a = ap.parse_args()
     rows = []
     with open(a.trace) as f:
@@ -54,6 +60,16 @@ def main():
         print("no step of that shape")
         return
     names = demangle(sorted({r[2] for s, e in steps for r in rows[s:e]}))
+    if a.chain:
+        s, e = steps[0]
+        prev = rows[s][0]
+        print(f"step of {e - s} kernels, {(rows[e - 1][1] - rows[s][0]) / 1e3:.1f} us")
+        print("| # | kernel | us |")
+        print("|---|---|---|")
+        for i, (t0, t1, n) in enumerate(rows[s:e]):
+            print(f"| {i} | {names[n]} | {(t1 - prev) / 1e3:.2f} |")
+            prev = t1
+        return
     agg, span = {}, 0.0
     for s, e in steps:
         prev = rows[s][0]
