@@ -531,23 +531,6 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
     }
 }
 
-/*
- * hf2_mix_kernel for calls of at least HF2_BLOCKED_T tokens (perf.md run
- * 49): blocks of HF2B_TG = 64 tokens instead of 16, so a block's fn chunk
- * (M rows of 128 columns, from L2) serves four times the tokens, and
- * register tiles instead of one or two chains a thread.  hf2_mix's
- * blocked form had every product cost a shared-memory load of its X word
- * (the fn word shared by 16 lanes) and ran at ≈ 4 times the slab's DRAM
- * time, its issue slots filled by loads (Nsight Compute, run 43: 80 M
- * instructions a 1,024-token slab for 26 M products).  Here thread i <
- * HF2B_TILE holds 8 chains: tokens q, q + 16, q + 32, q + 48 (q = i % 16:
- * the 16 lanes of a load read 16 consecutive token rows, two wavefronts)
- * times mix rows 2r, 2r + 1 (r = i / 16; rows past M are zero rows of fs,
- * not written): per float4 of columns 6 loads for 32 products.  The other
- * 64 threads sum each token's squares (row M).  Every chain is hf2_dot's
- * (products in column order over the chunk, one fp32 add each): the same
- * partials, the same bits.  M <= HF2B_MR.
- */
 /* x = big + small, both tf32 (round to nearest, ties away: cvt.rna): the
  * 3xTF32 split of hf2_mixb_kernel's TC form. */
 static __device__ __forceinline__ void
@@ -568,6 +551,22 @@ hf2_mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2])
 }
 
 /*
+ * hf2_mix_kernel for calls of at least HF2_BLOCKED_T tokens (perf.md run
+ * 49): blocks of HF2B_TG = 64 tokens instead of 16, so a block's fn chunk
+ * (M rows of 128 columns, from L2) serves four times the tokens, and
+ * register tiles instead of one or two chains a thread.  hf2_mix's
+ * blocked form had every product cost a shared-memory load of its X word
+ * (the fn word shared by 16 lanes) and ran at ≈ 4 times the slab's DRAM
+ * time, its issue slots filled by loads (Nsight Compute, run 43: 80 M
+ * instructions a 1,024-token slab for 26 M products).  Here thread i <
+ * HF2B_TILE holds 8 chains: tokens q, q + 16, q + 32, q + 48 (q = i % 16:
+ * the 16 lanes of a load read 16 consecutive token rows, two wavefronts)
+ * times mix rows 2r, 2r + 1 (r = i / 16; rows past M are zero rows of fs,
+ * not written): per float4 of columns 6 loads for 32 products.  The other
+ * 64 threads sum each token's squares (row M).  Every chain is hf2_dot's
+ * (products in column order over the chunk, one fp32 add each): the same
+ * partials, the same bits.  M <= HF2B_MR.
+ *
  * TC = 1 (opt-in, DSV4_CUDA_HC_MIXT=1 / dsv4_cuda_set_hc_mixt; not yet run
  * on a GPU, perf.md run 50): the mix rows' partials on the tensor cores
  * instead of the register tiles: warp w < 4 takes tokens 16w .. 16w + 15 and
@@ -576,7 +575,7 @@ hf2_mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2])
  * big into fp32 accumulators), so a partial is the chunk's sum to about
  * fp32's precision but in the tensor cores' order, not hf2_dot's: other
  * bits than v2 (deterministic, a token's partials depend on its own row
- * only).  Threads 128 .. 191 sum the squares (row M) as the TC = 0 form.
+ * only).  The squares (row M) as with TC = 0.
  */
 template <int POST, int TC>
 static __global__ void __launch_bounds__(HF2_MT)
@@ -643,53 +642,43 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
         *(float4 *)&xs[tt][c] = v;
     }
     __syncthreads();
-    if (TC) {
+    if (TC && tid < HF2B_TILE) {
         static_assert(HF2B_MR == 24 && HF2B_TG == 64 && HF_CW % 8 == 0, "hf2_mixb TC: tiles");
         int warp = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
+        const int r0 = 16 * warp;
+        float d[3][4] = {};
 
-        if (warp < 4) {
-            const int r0 = 16 * warp;
-            float d[3][4] = {};
-
+        if (warp >= 4)
+            return;   /* four warps hold the 64 tokens */
 #pragma unroll 2
-            for (int k0 = 0; k0 < HF_CW; k0 += 8) {
-                uint32_t ab[4], as[4];
+        for (int k0 = 0; k0 < HF_CW; k0 += 8) {
+            uint32_t ab[4], as[4];
 
-                hf2_tf32_split(xs[r0 + g][k0 + q], ab[0], as[0]);
-                hf2_tf32_split(xs[r0 + g + 8][k0 + q], ab[1], as[1]);
-                hf2_tf32_split(xs[r0 + g][k0 + q + 4], ab[2], as[2]);
-                hf2_tf32_split(xs[r0 + g + 8][k0 + q + 4], ab[3], as[3]);
+            hf2_tf32_split(xs[r0 + g][k0 + q], ab[0], as[0]);
+            hf2_tf32_split(xs[r0 + g + 8][k0 + q], ab[1], as[1]);
+            hf2_tf32_split(xs[r0 + g][k0 + q + 4], ab[2], as[2]);
+            hf2_tf32_split(xs[r0 + g + 8][k0 + q + 4], ab[3], as[3]);
 #pragma unroll
-                for (int nt = 0; nt < 3; nt++) {
-                    uint32_t bb[2], bs[2];
+            for (int nt = 0; nt < 3; nt++) {
+                uint32_t bb[2], bs[2];
 
-                    hf2_tf32_split(fs[8 * nt + g][k0 + q], bb[0], bs[0]);
-                    hf2_tf32_split(fs[8 * nt + g][k0 + q + 4], bb[1], bs[1]);
-                    hf2_mma_tf32(d[nt], as, bb);
-                    hf2_mma_tf32(d[nt], ab, bs);
-                    hf2_mma_tf32(d[nt], ab, bb);
-                }
+                hf2_tf32_split(fs[8 * nt + g][k0 + q], bb[0], bs[0]);
+                hf2_tf32_split(fs[8 * nt + g][k0 + q + 4], bb[1], bs[1]);
+                hf2_mma_tf32(d[nt], as, bb);
+                hf2_mma_tf32(d[nt], ab, bs);
+                hf2_mma_tf32(d[nt], ab, bb);
             }
-#pragma unroll
-            for (int nt = 0; nt < 3; nt++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int tt = r0 + g + 8 * (i >> 1), m = 8 * nt + 2 * q + (i & 1);
-
-                    if (tt < tg && m < M)
-                        part[((int64_t)(t0 + tt) * (M + 1) + m) * S + s] = d[nt][i];
-                }
-        } else if (tid >= 128 && tid < 128 + HF2B_TG) {
-            int tt = tid - 128;   /* the sum of squares of token tt */
-            const float4 *a = (const float4 *)xs[tt];
-            float acc = hf2_dot(a, a, cw / 4);
-
-            if (tt < tg)
-                part[((int64_t)(t0 + tt) * (M + 1) + M) * S + s] = acc;
         }
-        return;
-    }
-    if (tid < HF2B_TILE) {
+#pragma unroll
+        for (int nt = 0; nt < 3; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int tt = r0 + g + 8 * (i >> 1), m = 8 * nt + 2 * q + (i & 1);
+
+                if (tt < tg && m < M)
+                    part[((int64_t)(t0 + tt) * (M + 1) + m) * S + s] = d[nt][i];
+            }
+    } else if (tid < HF2B_TILE) {
         int q = tid & 15, m0 = 2 * (tid >> 4), m1 = m0 + 1;
         const float4 *b0 = (const float4 *)fs[m0], *b1 = (const float4 *)fs[m1];
         float acc[4][2] = {};
