@@ -134,18 +134,6 @@ void dsv4_cuda_set_small_kernels(int version);
 void dsv4_cuda_set_fc_prefill(int on);
 
 /*
- * The fast mHC mix of long calls (64 tokens and more, kernels/cuda/
- * fast_hc.cu hf2_mixb_kernel): on != 0 computes each chunk's mix partials
- * on the tensor cores (3xTF32: fp32-like precision in the tensor cores'
- * summation order, so other bits than the default's register tiles), 0
- * keeps the register tiles, -1 goes back to the environment's choice
- * (DSV4_CUDA_HC_MIXT=1 or on: tensor cores; default: off).  Opt-in, not
- * yet measured on a GPU.  Process-wide; takes effect for ops queued
- * afterwards (tests/gpu/bench_fuse.c).
- */
-void dsv4_cuda_set_hc_mixt(int on);
-
-/*
  * Kernel nodes of the last graph recorded on be (graph_begin .. graph_end
  * of backend.h, e.g. a decode step's graph), and its nodes of any kind in
  * *nodes (may be NULL); -1 when be is not a CUDA backend.  For counting the

@@ -54,8 +54,7 @@
  *      bits; the token's X words read once for both); since run 49 such
  *      calls take hf2_mixb_kernel instead (blocks of 64 tokens, 4-token x
  *      2-row register tiles: the same chains; DSV4_CUDA_HC_MIXB=0 keeps
- *      the blocked form; DSV4_CUDA_HC_MIXT=1, opt-in and not yet measured:
- *      the partials on the tensor cores, 3xTF32, other bits);
+ *      the blocked form);
  *   hf2_finish: with the norm, 512 collapse threads + one warp per token
  *      (4 columns per thread and 16-byte loads); without, 128 + 32 threads
  *      per 512 columns.  Every thread first issues its loads of X, of the
@@ -87,7 +86,6 @@
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"
-#include "kernels/cuda_fast.h"   /* dsv4_cuda_set_hc_mixt */
 
 #define HF_THREADS 256       /* finish: collapse threads (+ one warp) */
 #define HF_MT 128            /* mix block */
@@ -531,25 +529,6 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
     }
 }
 
-/* x = big + small, both tf32 (round to nearest, ties away: cvt.rna): the
- * 3xTF32 split of hf2_mixb_kernel's TC form. */
-static __device__ __forceinline__ void
-hf2_tf32_split(float x, uint32_t &big, uint32_t &small)
-{
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(big) : "f"(x));
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(small) : "f"(x - __uint_as_float(big)));
-}
-
-/* d += a b on the tensor cores, tf32 inputs, fp32 accumulators (m16n8k8). */
-static __device__ __forceinline__ void
-hf2_mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2])
-{
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 /*
  * hf2_mix_kernel for calls of at least HF2_BLOCKED_T tokens (perf.md run
  * 49): blocks of HF2B_TG = 64 tokens instead of 16, so a block's fn chunk
@@ -566,18 +545,8 @@ hf2_mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2])
  * 64 threads sum each token's squares (row M).  Every chain is hf2_dot's
  * (products in column order over the chunk, one fp32 add each): the same
  * partials, the same bits.  M <= HF2B_MR.
- *
- * TC = 1 (opt-in, DSV4_CUDA_HC_MIXT=1 / dsv4_cuda_set_hc_mixt; not yet run
- * on a GPU, perf.md run 50): the mix rows' partials on the tensor cores
- * instead of the register tiles: warp w < 4 takes tokens 16w .. 16w + 15 and
- * all HF2B_MR rows (three n-tiles of 8), each 8-column step as 3xTF32 (x and
- * fn split into tf32 big + small halves; small x big, big x small, then big x
- * big into fp32 accumulators), so a partial is the chunk's sum to about
- * fp32's precision but in the tensor cores' order, not hf2_dot's: other
- * bits than v2 (deterministic, a token's partials depend on its own row
- * only).  The squares (row M) as with TC = 0.
  */
-template <int POST, int TC>
+template <int POST>
 static __global__ void __launch_bounds__(HF2_MT)
 hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
                 struct hf_post p)
@@ -642,43 +611,7 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
         *(float4 *)&xs[tt][c] = v;
     }
     __syncthreads();
-    if (TC && tid < HF2B_TILE) {
-        static_assert(HF2B_MR == 24 && HF2B_TG == 64 && HF_CW % 8 == 0, "hf2_mixb TC: tiles");
-        int warp = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
-        const int r0 = 16 * warp;
-        float d[3][4] = {};
-
-        if (warp >= 4)
-            return;   /* four warps hold the 64 tokens */
-#pragma unroll 2
-        for (int k0 = 0; k0 < HF_CW; k0 += 8) {
-            uint32_t ab[4], as[4];
-
-            hf2_tf32_split(xs[r0 + g][k0 + q], ab[0], as[0]);
-            hf2_tf32_split(xs[r0 + g + 8][k0 + q], ab[1], as[1]);
-            hf2_tf32_split(xs[r0 + g][k0 + q + 4], ab[2], as[2]);
-            hf2_tf32_split(xs[r0 + g + 8][k0 + q + 4], ab[3], as[3]);
-#pragma unroll
-            for (int nt = 0; nt < 3; nt++) {
-                uint32_t bb[2], bs[2];
-
-                hf2_tf32_split(fs[8 * nt + g][k0 + q], bb[0], bs[0]);
-                hf2_tf32_split(fs[8 * nt + g][k0 + q + 4], bb[1], bs[1]);
-                hf2_mma_tf32(d[nt], as, bb);
-                hf2_mma_tf32(d[nt], ab, bs);
-                hf2_mma_tf32(d[nt], ab, bb);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < 3; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int tt = r0 + g + 8 * (i >> 1), m = 8 * nt + 2 * q + (i & 1);
-
-                if (tt < tg && m < M)
-                    part[((int64_t)(t0 + tt) * (M + 1) + m) * S + s] = d[nt][i];
-            }
-    } else if (tid < HF2B_TILE) {
+    if (tid < HF2B_TILE) {
         int q = tid & 15, m0 = 2 * (tid >> 4), m1 = m0 + 1;
         const float4 *b0 = (const float4 *)fs[m0], *b1 = (const float4 *)fs[m1];
         float acc[4][2] = {};
@@ -1028,15 +961,6 @@ hf2_finish_launch(const struct hf_fin *a, dim3 grid, unsigned threads, cudaStrea
 /* DSV4_CUDA_HC_MIXB=0: long calls' mix on hf2_mix_kernel's blocked form
  * instead of hf2_mixb_kernel (the same bits). */
 static struct cuda_switch hf2b_switch = CUDA_SWITCH("DSV4_CUDA_HC_MIXB", 1);
-/* DSV4_CUDA_HC_MIXT=1: hf2_mixb_kernel's partials on the tensor cores (TC =
- * 1; opt-in, other bits, not yet measured). */
-static struct cuda_switch hf2t_switch = CUDA_SWITCH("DSV4_CUDA_HC_MIXT", 0);
-
-void
-dsv4_cuda_set_hc_mixt(int on)
-{
-    cuda_switch_set(&hf2t_switch, on);
-}
 
 static enum dsv4_err
 hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, const float *fn,
@@ -1056,14 +980,13 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
         a->defer = 0;   /* v1 runs its own Sinkhorn */
     if (v2 && T >= HF2_BLOCKED_T && M <= HF2B_MR && cuda_switch_on(&hf2b_switch)) {
         dim3 grid((unsigned)a->S, (unsigned)((T + HF2B_TG - 1) / HF2B_TG));
-        int tc = cuda_switch_on(&hf2t_switch);
 
         if (p->X_out != NULL)
-            cu_launch(tc ? hf2_mixb_kernel<1, 1> : hf2_mixb_kernel<1, 0>, grid, HF2_MT, 0, st,
-                      part, (const float *)NULL, fn, T, M, a->n, a->D, *p);
+            cu_launch(hf2_mixb_kernel<1>, grid, HF2_MT, 0, st, part, (const float *)NULL, fn, T,
+                      M, a->n, a->D, *p);
         else
-            cu_launch(tc ? hf2_mixb_kernel<0, 1> : hf2_mixb_kernel<0, 0>, grid, HF2_MT, 0, st,
-                      part, a->X, fn, T, M, a->n, a->D, *p);
+            cu_launch(hf2_mixb_kernel<0>, grid, HF2_MT, 0, st, part, a->X, fn, T, M, a->n,
+                      a->D, *p);
         CUDA_LAUNCHED("fast hc mix v2 (blocks of 64 tokens)");
     } else if (v2) {
         if (p->X_out != NULL)

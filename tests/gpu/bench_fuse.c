@@ -61,17 +61,13 @@
  *   v2 == v1, v3, v4   the small kernels' versions give the same bits
  *                      (not for compress; v3: hc ops and norm_rope; v4:
  *                      norm_rope);
- *   mixt vs exact      the hc ops at 64 rows and more with the mix's
- *                      partials on the tensor cores (dsv4_cuda_set_hc_mixt,
- *                      opt-in; other bits than v2): fast vs exact's bounds;
  *   determinism        a second fast run gives the same bits;
  *   T-independence     the first rows at this T equal those at the
  *                      previous T (fast fused; not for compress, whose
  *                      slots, positions and emitted rows depend on T).
  * Then each form recorded 10 times into a CUDA graph, median of 15 timed
  * replays per call: exact, fast composed, fast fused (v2), fast
- * fused with the v1, the v3 and the v4 small kernels, with the mix on the
- * tensor cores (mixt, the hc ops at 64 rows and more) (µs), and the kernel launches
+ * fused with the v1, the v3 and the v4 small kernels (µs), and the kernel launches
  * per call of each (counted from the graph's nodes; 0.0 us (0): not run).
  * A failing line names the first differing value (index, both values).
  * Last line: PASS or FAIL.  Exit status: 0 pass, 1 fail, 77 no CUDA device.
@@ -549,14 +545,11 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
 
     for (int ti = 0; ti < N_T; ti++) {
         int T = t_list[ti], ok = 1, n_ex = 0, n_co = 0, n_fu = 0, n_v1 = 0, n_v3 = 0, n_v4 = 0;
-        int n_mt = 0;
         void *rc[MAX_ARRS] = { 0 }, *rx[MAX_ARRS] = { 0 }, *rf[MAX_ARRS] = { 0 };
         void *rf2[MAX_ARRS] = { 0 }, *rco[MAX_ARRS] = { 0 }, *rv1[MAX_ARRS] = { 0 };
-        void *rv3[MAX_ARRS] = { 0 }, *rv4[MAX_ARRS] = { 0 }, *rmt[MAX_ARRS] = { 0 };
+        void *rv3[MAX_ARRS] = { 0 }, *rv4[MAX_ARRS] = { 0 };
         char line[2048] = "";
-        float us_ex, us_co = 0, us_fu, us_v1 = 0, us_v3 = 0, us_v4 = 0, us_mt = 0;
-        /* the hc ops' mix of long calls on the tensor cores (opt-in) */
-        int has_mt = (k->kind == K_HC || k->kind == K_PRE || k->kind == K_HEAD) && T >= 64;
+        float us_ex, us_co = 0, us_fu, us_v1 = 0, us_v3 = 0, us_v4 = 0;
 
         /* beyond 64 rows: the hc ops, and norm_rope of several heads (v4) */
         if (T > 64 && k->kind != K_HC && k->kind != K_PRE && k->kind != K_HEAD &&
@@ -585,11 +578,6 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
             run_download(gpu, k, T, F_FUSED, rv4);
         }
         dsv4_cuda_set_small_kernels(2);
-        if (has_mt) {
-            dsv4_cuda_set_hc_mixt(1);
-            run_download(gpu, k, T, F_FUSED, rmt);
-            dsv4_cuda_set_hc_mixt(-1);
-        }
         for (int i = 0; i < k->n; i++) {
             const struct arr *a = &k->a[i];
             size_t nb = arr_cmp_bytes(a, T);
@@ -608,9 +596,6 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
                 ok &= check(line, sizeof(line), "v4/v2", a, rv4[i], rf[i], nb, 0, 1.0);
             ok &= check(line, sizeof(line), "fast/exact", a, rf[i], rx[i], nb, a->bound,
                         a->ident);
-            if (has_mt)
-                ok &= check(line, sizeof(line), "mixt/exact", a, rmt[i], rx[i], nb, a->bound,
-                            a->ident);
             ok &= check(line, sizeof(line), "determinism", a, rf2[i], rf[i], nb, 0, 1.0);
             /* compress: slots (t % ceil(T/2)), positions and emitted rows
              * depend on T, so its rows at two T are different inputs */
@@ -637,16 +622,11 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
             us_v4 = time_form(tm, k, T, F_FUSED, &n_v4);
         }
         dsv4_cuda_set_small_kernels(2);
-        if (has_mt) {
-            dsv4_cuda_set_hc_mixt(1);
-            us_mt = time_form(tm, k, T, F_FUSED, &n_mt);
-            dsv4_cuda_set_hc_mixt(-1);
-        }
         printf("%-4s %-12s T=%-3d exact %8.1f us (%d kernels)  fast composed %7.1f us (%d)  "
                "fast fused %7.1f us (%d)  v1 %7.1f us (%d)  v3 %7.1f us (%d)  v4 %7.1f us "
-               "(%d)  mixt %7.1f us (%d)%s\n",
+               "(%d)%s\n",
                ok ? "ok" : "FAIL", k->name, T, us_ex, n_ex, us_co, n_co, us_fu, n_fu, us_v1,
-               n_v1, us_v3, n_v3, us_v4, n_v4, us_mt, n_mt, line);
+               n_v1, us_v3, n_v3, us_v4, n_v4, line);
         fflush(stdout);
         fails += !ok;
         free_res(prev, k->n);
@@ -659,7 +639,6 @@ kase_all(struct dsv4_cuda_timer *tm, struct kase *k)
         free_res(rv1, k->n);
         free_res(rv3, k->n);
         free_res(rv4, k->n);
-        free_res(rmt, k->n);
     }
     free_res(prev, k->n);
     return fails;
