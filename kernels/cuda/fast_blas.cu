@@ -157,6 +157,12 @@ struct cuda_blas {
 
 static struct cuda_switch bl_switch = CUDA_SWITCH("DSV4_CUDA_BLAS", 1);
 
+/* DSV4_CUDA_BLAS_MPS=1: cuBLASLt in an MPS client too.  Off by default: with
+ * a share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 70 and 80, 92 and
+ * 104 SMs of 132) its FP8 and BF16 GEMMs gave wrong outputs (docs/perf.md
+ * run 51; right at 66, 119 and 132 SMs); our own kernels take those calls. */
+static struct cuda_switch bl_mps_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_MPS", 0);
+
 void
 cuda_blas_fini(struct dsv4_backend *be)
 {
@@ -179,7 +185,8 @@ cuda_blas_fini(struct dsv4_backend *be)
 }
 
 /* The backend's cuBLASLt state, made on first use; NULL (dsv4 error set)
- * when the library or the workspace is missing. */
+ * when the library or the workspace is missing, or the context is an MPS
+ * client (bl_mps_switch). */
 static struct cuda_blas *
 bl_state(struct dsv4_backend *be)
 {
@@ -188,6 +195,10 @@ bl_state(struct dsv4_backend *be)
 
     if (b != NULL)
         return b;
+    if (cuda_mps(be) && !cuda_switch_on(&bl_mps_switch)) {
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: not in an MPS client (DSV4_CUDA_BLAS_MPS)");
+        return NULL;
+    }
     pthread_once(&bl_once, bl_open);
     if (bl.lib == NULL) {
         dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: %s", bl_why);
