@@ -103,6 +103,13 @@
 #      the GEMM, the op and the op with DSV4_CUDA_GEMM_GROUPED off
 #      (tests/gpu/bench_woa.c); log in $OUT/woa.log; a failure fails the
 #      script.
+#  18. optional, with MPS_CHECK=1 (tests/test_decode_gpu packed, an MPS
+#      control daemon on the machine): the 4-layer flash prefill of 2,048
+#      tokens (fast kernels) as an MPS client at 100, 90, 80, 70 and 50% of
+#      the SMs must give the digest it gives without MPS and with
+#      DSV4_CUDA_BLAS=0 (cuBLASLt is off in MPS clients: at 80 and 70% it
+#      gave wrong outputs, docs/gpu.md "Prefill beside decode"); log in
+#      $OUT/mps.log; a mismatch fails the script.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -357,6 +364,35 @@ if command -v bench_woa > /dev/null; then
     [ "$woa_rc" = 77 ] && woa_rc=skipped
 fi
 
+# 18. the prefill as an MPS client at several SM shares (optional: MPS_CHECK=1)
+mps_rc=skipped
+if [ "${MPS_CHECK:-0}" = 1 ] && command -v test_decode_gpu > /dev/null &&
+    command -v nvidia-cuda-mps-control > /dev/null; then
+    mps_digest() {
+        DSV4_CUDA_KERNELS=fast DSV4_TEST_PROFILE_CHUNK=2048 timeout 120 \
+            test_decode_gpu prefill 4 2048 2>&1 | grep "^| prefill.*fast" |
+            grep -oE 'digest [0-9a-f]+' | tail -1
+    }
+    mps_ref=$(DSV4_CUDA_BLAS=0 mps_digest)
+    echo "without MPS, DSV4_CUDA_BLAS=0: ${mps_ref:-no digest}" > "$OUT/mps.log"
+    mps_rc=0
+    [ -n "$mps_ref" ] || mps_rc=1
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/dsv4-mps CUDA_MPS_LOG_DIRECTORY=/tmp/dsv4-mpslog
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+        for pct in 100 90 80 70 50; do
+            d=$(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct mps_digest)
+            echo "MPS client at $pct% of the SMs: ${d:-no digest}" >> "$OUT/mps.log"
+            [ "$d" = "$mps_ref" ] || mps_rc=1
+        done
+        echo quit | nvidia-cuda-mps-control
+    else
+        echo "nvidia-cuda-mps-control -d failed" >> "$OUT/mps.log"
+        mps_rc=1
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
+
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
@@ -424,7 +460,12 @@ if [ "$prefill_rc" != skipped ]; then
     echo "whole prefill, exact vs fast kernels (exit $prefill_rc):"
     grep -E "^\||^prefill" "$OUT/prefill.log"
 fi
+if [ "$mps_rc" != skipped ]; then
+    echo "prefill as an MPS client (exit $mps_rc):"
+    cat "$OUT/mps.log"
+fi
 [ "$attn_rc" = skipped ] || [ "$attn_rc" = 0 ] || exit 1
+[ "$mps_rc" = skipped ] || [ "$mps_rc" = 0 ] || exit 1
 [ "$prefill_rc" = skipped ] || [ "$prefill_rc" = 0 ] || exit 1
 [ "$fast_rc" = skipped ] || [ "$fast_rc" = 0 ] || exit 1
 [ "$spec_rc" = skipped ] || [ "$spec_rc" = 0 ] || exit 1
