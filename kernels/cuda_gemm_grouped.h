@@ -77,6 +77,17 @@ void dsv4_cuda_set_blas(int on);
 int dsv4_cuda_blas_on(void);
 
 /*
+ * 1 when be's prefill GEMMs may take cuBLASLt: the path switched on
+ * (dsv4_cuda_blas_on), libcublasLt opened with its handle and workspace (made
+ * here on first use, as the first cuBLASLt call would), and be's context not
+ * an MPS client, unless DSV4_CUDA_BLAS_MPS=1 (cuBLASLt gave wrong outputs
+ * with a share of the SMs: docs/gpu.md "Prefill beside decode").  0
+ * otherwise, the reason in dsv4_errmsg(); the GEMMs then run on fw_kernel /
+ * g8_kernel.  For the rank's start-up log.
+ */
+int dsv4_cuda_blas_usable(struct dsv4_backend *be);
+
+/*
  * The least T at which linear_grouped (fast kernels on) takes cuBLASLt:
  * below it the weights' decode of each call costs more than fw_kernel's
  * grouped mode saves (docs/perf.md run 47: wo_a at T = 128 85 against 60

@@ -33,6 +33,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda_fast.h"
+#include "kernels/cuda_gemm_grouped.h"   /* dsv4_cuda_blas_usable */
 #include "kernels/cuda_share.h"
 #include "kernels/cuda_weights.h"
 #endif
@@ -887,6 +888,13 @@ rank_init_model(struct rank *k)
         if (k->o.conf.mps_sm_percent > 0 && !mps)
             log_warnx("mps_sm_percent = %d has no effect: no MPS server for this GPU",
                      k->o.conf.mps_sm_percent);
+        /* the prefill GEMMs' library (not under MPS: docs/gpu.md) */
+        if (k->o.role == DSV4_ROLE_PREFILL && dsv4_cuda_get_kernels(k->be)) {
+            if (dsv4_cuda_blas_usable(k->be))
+                log_info("prefill GEMMs: cuBLASLt on");
+            else
+                log_info("prefill GEMMs: dsv4's kernels only (%s)", dsv4_errmsg());
+        }
     } else
 #endif
     if (dsv4_backend_create(&k->be, k->o.conf.backend, num, k->o.conf.threads) != DSV4_OK)

@@ -454,6 +454,16 @@ dsv4_cuda_blas_on(void)
 }
 
 int
+dsv4_cuda_blas_usable(struct dsv4_backend *be)
+{
+    if (!cuda_switch_on(&bl_switch)) {
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off (DSV4_CUDA_BLAS)");
+        return 0;
+    }
+    return bl_state(be) != NULL;
+}
+
+int
 cuda_blas_ready(struct dsv4_backend *be)
 {
     return cuda_switch_on(&bl_switch) && bl_state(be) != NULL;
