@@ -260,6 +260,23 @@ bl_layout(cudaDataType_t ty, uint64_t rows, uint64_t cols, int64_t ld, int G, in
     return l;
 }
 
+/* A/B knobs for finding why cuBLASLt went wrong in an MPS client with a
+ * share of the SMs (bl_mps_switch; docs/gpu.md "Prefill beside decode"),
+ * read when a plan is made: DSV4_CUDA_BLAS_RAW=1 keeps the heuristic's
+ * algorithm as it comes (no split-K and reduction overrides, so its sums
+ * may depend on the grid); DSV4_CUDA_BLAS_SMS=N sets the descriptor's SM
+ * count target (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) to N. */
+static struct cuda_switch bl_raw_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_RAW", 0);
+
+static int32_t
+bl_sm_target(void)
+{
+    const char *e = getenv("DSV4_CUDA_BLAS_SMS");
+    long n = e != NULL ? strtol(e, NULL, 10) : 0;
+
+    return n > 0 && n <= 1024 ? (int32_t)n : 0;
+}
+
 /* The plan of shape (R, K, G) and kind for b, made on first use: the
  * descriptor, the weights' layout and one algorithm chosen at BL_TUNE_T
  * token columns, without split-K.  BL_FP8: G == 1, the weights' scales
@@ -280,6 +297,8 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
     cudaDataType_t ty = kind == BL_FP8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     cudaDataType_t to = kind == BL_BF16F ? CUDA_R_32F : CUDA_R_16BF;
     uint64_t wsb = BL_WS_BYTES;
+    int32_t sms = bl_sm_target();
+    int raw = cuda_switch_on(&bl_raw_switch);
 
     for (int i = 0; i < b->n_plan; i++)
         if (b->plan[i].R == R && b->plan[i].K == K && b->plan[i].G == G &&
@@ -297,7 +316,9 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
     if (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) !=
             CUBLAS_STATUS_SUCCESS ||
         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) !=
-            CUBLAS_STATUS_SUCCESS)
+            CUBLAS_STATUS_SUCCESS ||
+        (sms > 0 && bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms,
+                                sizeof(sms)) != CUBLAS_STATUS_SUCCESS))
         return NULL;
     if (kind == BL_FP8 &&
         (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &blk, sizeof(blk)) !=
@@ -327,6 +348,11 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
 
             if (hr[i].state != CUBLAS_STATUS_SUCCESS)
                 continue;
+            if (raw) {   /* DSV4_CUDA_BLAS_RAW=1: as the heuristic gave it */
+                p->algo = algo;
+                p->ok = 1;
+                continue;
+            }
             /* one pass over K per output: no split, no reduction order
              * that could depend on the grid */
             if (bl.algo_set(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) !=
