@@ -83,7 +83,8 @@ int dsv4_cuda_blas_on(void);
  * an MPS client, unless DSV4_CUDA_BLAS_MPS=1 (cuBLASLt gave wrong outputs
  * with a share of the SMs: docs/gpu.md "Prefill beside decode").  0
  * otherwise, the reason in dsv4_errmsg(); the GEMMs then run on fw_kernel /
- * g8_kernel.  For the rank's start-up log.
+ * g8_kernel.  Asked by the shared expert's path (fw_moe) and the grouped
+ * GEMM before they queue anything, and by the rank for its start-up log.
  */
 int dsv4_cuda_blas_usable(struct dsv4_backend *be);
 

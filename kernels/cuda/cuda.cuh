@@ -868,9 +868,8 @@ enum dsv4_err cuda_fast_gemm_grouped_run(struct dsv4_backend *be, float *out, co
 /* Frees the backend's cuBLASLt state (destroy). */
 void cuda_blas_fini(struct dsv4_backend *be);
 
-/* fast_blas.cu's pieces (the shared expert of fast_gemm.cu's fw_moe). */
-/* 1 when the cuBLASLt path is on and the library and handle are there. */
-int cuda_blas_ready(struct dsv4_backend *be);
+/* fast_blas.cu's pieces (the shared expert of fast_gemm.cu's fw_moe; whether
+ * cuBLASLt is there at all: dsv4_cuda_blas_usable, kernels/cuda_gemm_grouped.h). */
 /* W (N, K) FP8, 128x128 E8M0 block scales, K % 128 == 0 -> the exact bf16
  * values (N, K) in wb; perm: column k of each row at fw_perm(k)
  * (fast_gemm.cuh), fw_kernel's B order.  Queued on the backend stream. */

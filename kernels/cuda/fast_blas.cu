@@ -489,12 +489,6 @@ dsv4_cuda_blas_usable(struct dsv4_backend *be)
     return bl_state(be) != NULL;
 }
 
-int
-cuda_blas_ready(struct dsv4_backend *be)
-{
-    return cuda_switch_on(&bl_switch) && bl_state(be) != NULL;
-}
-
 /* The FP8 formats the decode takes: 128x128 block scales, codes 16-byte
  * aligned, K a multiple of 128. */
 static int
@@ -715,7 +709,7 @@ cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
     if (T <= 0)
         return DSV4_OK;
     /* library and algorithm first: NOTSUP before anything is queued */
-    if (!cuda_blas_ready(be))
+    if (!dsv4_cuda_blas_usable(be))
         return DSV4_ERR_NOTSUP;
     if (bl_plan_get((struct cuda_blas *)cuda_st(be)->blas, R, K, G, BL_BF16) == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,

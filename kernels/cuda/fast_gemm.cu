@@ -69,6 +69,7 @@
 #include "kernels/cuda/fast_wgmma.cuh"
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda_gemm8.h"
+#include "kernels/cuda_gemm_grouped.h"   /* dsv4_cuda_blas_usable */
 
 #include <math.h>
 #include <stdlib.h>
@@ -2002,7 +2003,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     size_t b_h = cuda_align((size_t)R * I * sizeof(uint16_t));
     size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
     /* the shared expert on cuBLASLt (fw_shared_blas): bf16 weights, outputs */
-    int bl = has_sh && cuda_blas_ready(be);
+    int bl = has_sh && dsv4_cuda_blas_usable(be);
     size_t b_bw = bl ? cuda_align((size_t)2 * I * D * sizeof(uint16_t)) : 0;
     size_t b_bo = bl ? cuda_align((size_t)T * (2 * I > D ? 2 * I : D) * sizeof(uint16_t)) : 0;
     char *p = (char *)cuda_scratch(be, b_grp + b_x + b_h + b_y + b_bw + b_bo);
