@@ -882,18 +882,20 @@ rank_init_model(struct rank *k)
             fatalx("rank_init: cuda kernels: %s", dsv4_errmsg());
         if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, dev) != cudaSuccess)
             mps = 0;
-        log_info("cuda device %d, %s kernels, MPS %s", dev,
-                 dsv4_cuda_get_kernels(k->be) ? "fast" : "exact",
-                 !mps ? "off" : k->o.conf.mps_sm_percent > 0 ? pct : "on (all SMs)");
+        /* notice, not info: what a rank runs on belongs in the default log */
+        log_notice("cuda device %d, %s kernels, MPS %s%s", dev,
+                   dsv4_cuda_get_kernels(k->be) ? "fast" : "exact",
+                   !mps ? "off" : k->o.conf.mps_sm_percent > 0 ? pct : "on (all SMs)",
+                   mps && k->o.conf.mps_sm_percent > 0 ? "% of the SMs" : "");
         if (k->o.conf.mps_sm_percent > 0 && !mps)
             log_warnx("mps_sm_percent = %d has no effect: no MPS server for this GPU",
                      k->o.conf.mps_sm_percent);
         /* the prefill GEMMs' library (not under MPS: docs/gpu.md) */
         if (k->o.role == DSV4_ROLE_PREFILL && dsv4_cuda_get_kernels(k->be)) {
             if (dsv4_cuda_blas_usable(k->be))
-                log_info("prefill GEMMs: cuBLASLt on");
+                log_notice("prefill GEMMs: cuBLASLt on");
             else
-                log_info("prefill GEMMs: dsv4's kernels only (%s)", dsv4_errmsg());
+                log_notice("prefill GEMMs: dsv4's kernels only (%s)", dsv4_errmsg());
         }
     } else
 #endif
