@@ -123,9 +123,11 @@ struct dsv4_conf {
                                "decode" (decode ranks' streams at the
                                highest priority, prefill ranks' at the
                                lowest: decode steps go first on a GPU both
-                               use) or "none"; the environment variable
-                               DSV4_CUDA_STREAM_PRIORITY (high / low), when
-                               set, wins */
+                               use; under MPS prefill ranks are clients of
+                               below-normal priority) or "none"; the
+                               environment variables DSV4_CUDA_STREAM_PRIORITY
+                               (high / low) and CUDA_MPS_CLIENT_PRIORITY,
+                               when set, win */
     char group_split[8];    /* [auto] how a group of ranks splits the
                                experts and wo_b (common/weights_shard.h):
                                "ep" (whole routed experts per rank, a

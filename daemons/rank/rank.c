@@ -846,6 +846,7 @@ rank_init_model(struct rank *k)
     if (cuda) {
         int n_dev = 0, dev = k->o.conf.gpu, mps = 0;
         char pct[16] = "";
+        const char *prio;
 
         /* SM share under MPS: read by the CUDA runtime when it starts */
         if (k->o.conf.mps_sm_percent > 0) {
@@ -860,6 +861,13 @@ rank_init_model(struct rank *k)
         if (strcmp(k->o.conf.cuda_priority, "decode") == 0 &&
             setenv("DSV4_CUDA_STREAM_PRIORITY",
                    k->o.role == DSV4_ROLE_DECODE ? "high" : "low", 0) != 0)
+            fatal("rank_init: setenv");
+        /* and under an MPS server, prefill ranks are clients of the lower
+         * of MPS's two priorities (1, below normal; read by the CUDA
+         * runtime when it starts, ignored without MPS), unless
+         * CUDA_MPS_CLIENT_PRIORITY is set already */
+        if (strcmp(k->o.conf.cuda_priority, "decode") == 0 && k->o.role == DSV4_ROLE_PREFILL &&
+            setenv("CUDA_MPS_CLIENT_PRIORITY", "1", 0) != 0)
             fatal("rank_init: setenv");
         if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1)
             fatalx("rank_init: backend cuda: no CUDA device");
@@ -883,10 +891,13 @@ rank_init_model(struct rank *k)
         if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, dev) != cudaSuccess)
             mps = 0;
         /* notice, not info: what a rank runs on belongs in the default log */
-        log_notice("cuda device %d, %s kernels, MPS %s%s", dev,
+        prio = getenv("CUDA_MPS_CLIENT_PRIORITY");
+        log_notice("cuda device %d, %s kernels, MPS %s%s%s", dev,
                    dsv4_cuda_get_kernels(k->be) ? "fast" : "exact",
                    !mps ? "off" : k->o.conf.mps_sm_percent > 0 ? pct : "on (all SMs)",
-                   mps && k->o.conf.mps_sm_percent > 0 ? "% of the SMs" : "");
+                   mps && k->o.conf.mps_sm_percent > 0 ? "% of the SMs" : "",
+                   mps && prio != NULL && strcmp(prio, "1") == 0 ? ", client priority below normal"
+                                                                 : "");
         if (k->o.conf.mps_sm_percent > 0 && !mps)
             log_warnx("mps_sm_percent = %d has no effect: no MPS server for this GPU",
                      k->o.conf.mps_sm_percent);

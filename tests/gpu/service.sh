@@ -13,7 +13,8 @@
 #   results in bench.json, bench2.json, ...)
 #   (TOKENS="--token-range LO:HI" for the prompts' ids, both runs)
 #
-# MPS=1 [MPS_PREFILL=N] [MPS_DECODE=N]: under an MPS server (see below).
+# MPS=1 [MPS_PREFILL=N] [MPS_DECODE=N] [MPS_PRIO=0]: under an MPS server
+# (see below).
 # MTP=1: decode ranks with mtp = yes (drafts proposed/accepted in the log).
 # DECODE_GROUPS=N (1): N decode groups of GPUS ranks on the same GPUs (they
 # share the weights), each with SLOTS (16 / N) streams: one group's
@@ -94,6 +95,9 @@ if [ "${MPS:-0}" = 1 ]; then
     nvidia-cuda-mps-control -d && echo "MPS server started (prefill ${MPS_PREFILL:-100}%, decode ${MPS_DECODE:-100}% of the SMs)"
     [ -n "${MPS_PREFILL:-}" ] && echo "prefill.mps_sm_percent = $MPS_PREFILL" >> "$D/dsv4.conf"
     [ -n "${MPS_DECODE:-}" ] && echo "decode.mps_sm_percent = $MPS_DECODE" >> "$D/dsv4.conf"
+    # MPS_PRIO=0: every rank an MPS client of normal priority (the default
+    # puts prefill ranks below normal: cuda_priority = decode)
+    [ "${MPS_PRIO:-}" = 0 ] && export CUDA_MPS_CLIENT_PRIORITY=0
 fi
 dsv4-launch -f "$D/dsv4.conf" -P "$GPUS" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
     --sched-bin "$(command -v dsv4-sched)" --prefill-bin "$D/dsv4-prefill" \
