@@ -79,9 +79,9 @@ int dsv4_cuda_blas_on(void);
 /*
  * 1 when be's prefill GEMMs may take cuBLASLt: the path switched on
  * (dsv4_cuda_blas_on), libcublasLt opened with its handle and workspace (made
- * here on first use, as the first cuBLASLt call would), and be's context not
- * an MPS client, unless DSV4_CUDA_BLAS_MPS=1 (cuBLASLt gave wrong outputs
- * with a share of the SMs: docs/gpu.md "Prefill beside decode").  0
+ * here on first use, as the first cuBLASLt call would), and, where be's
+ * context is an MPS client, DSV4_CUDA_BLAS_MPS not 0 (in an MPS client the
+ * plans use clusters of one block: docs/gpu.md "Prefill beside decode").  0
  * otherwise, the reason in dsv4_errmsg(); the GEMMs then run on fw_kernel /
  * g8_kernel.  Asked by the shared expert's path (fw_moe) and the grouped
  * GEMM before they queue anything, and by the rank for its start-up log.

@@ -901,10 +901,11 @@ rank_init_model(struct rank *k)
         if (k->o.conf.mps_sm_percent > 0 && !mps)
             log_warnx("mps_sm_percent = %d has no effect: no MPS server for this GPU",
                      k->o.conf.mps_sm_percent);
-        /* the prefill GEMMs' library (not under MPS: docs/gpu.md) */
+        /* the prefill GEMMs' library (docs/gpu.md "Prefill beside decode") */
         if (k->o.role == DSV4_ROLE_PREFILL && dsv4_cuda_get_kernels(k->be)) {
             if (dsv4_cuda_blas_usable(k->be))
-                log_notice("prefill GEMMs: cuBLASLt on");
+                log_notice("prefill GEMMs: cuBLASLt on%s",
+                           mps ? ", clusters of one block (MPS client)" : "");
             else
                 log_notice("prefill GEMMs: dsv4's kernels only (%s)", dsv4_errmsg());
         }

@@ -34,6 +34,13 @@
  * Workspace: one per queue (the side queue's FP8 linears may run beside
  * the main queue's GEMMs; an algorithm may keep a counter there).
  *
+ * MPS.  In an MPS client with a share of the SMs the heuristic's algorithms
+ * with thread block clusters of several blocks gave wrong outputs
+ * (docs/perf.md runs 51-52), so there every plan's cluster shape is set to
+ * one block (1x1x1; cublasLtMatmulAlgoCheck must accept it, else the next
+ * candidate), which gives the same bits as the heuristic's shape without
+ * MPS.  DSV4_CUDA_BLAS_MPS=0 keeps MPS clients off cuBLASLt altogether.
+ *
  * cuBLASLt is opened at run time (dlopen, as NCCL in cuda_comm.cu): the
  * binaries need no link-time CUDA library besides the static runtime, and a
  * machine without libcublasLt keeps fw_kernel.  DSV4_CUDA_BLAS=0 switches
@@ -73,6 +80,10 @@ struct bl_api {
     decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic;
     decltype(&cublasLtMatmulAlgoConfigSetAttribute) algo_set;
     decltype(&cublasLtMatmul) matmul;
+    /* optional: the check of a changed cluster shape (without it an MPS
+     * client gets no plan) and DSV4_CUDA_BLAS_LOG's configuration */
+    decltype(&cublasLtMatmulAlgoConfigGetAttribute) algo_get;
+    decltype(&cublasLtMatmulAlgoCheck) algo_check;
 };
 
 static struct bl_api bl;
@@ -106,6 +117,8 @@ bl_open(void)
     BL_SYM(heuristic, "cublasLtMatmulAlgoGetHeuristic");
     BL_SYM(algo_set, "cublasLtMatmulAlgoConfigSetAttribute");
     BL_SYM(matmul, "cublasLtMatmul");
+    BL_SYM(algo_get, "cublasLtMatmulAlgoConfigGetAttribute");
+    BL_SYM(algo_check, "cublasLtMatmulAlgoCheck");
 #undef BL_SYM
     if (bl.create == NULL || bl.destroy == NULL || bl.desc_create == NULL ||
         bl.desc_set == NULL || bl.desc_destroy == NULL || bl.layout_create == NULL ||
@@ -153,15 +166,16 @@ struct cuda_blas {
                                           on first use there */
     struct bl_plan plan[BL_PLANS];
     int n_plan;
+    int mps;                           /* the context is an MPS client */
 };
 
 static struct cuda_switch bl_switch = CUDA_SWITCH("DSV4_CUDA_BLAS", 1);
 
-/* DSV4_CUDA_BLAS_MPS=1: cuBLASLt in an MPS client too.  Off by default: with
- * a share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 70 and 80, 92 and
- * 104 SMs of 132) its FP8 and BF16 GEMMs gave wrong outputs (docs/perf.md
- * run 51; right at 66, 119 and 132 SMs); our own kernels take those calls. */
-static struct cuda_switch bl_mps_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_MPS", 0);
+/* DSV4_CUDA_BLAS_MPS=0: no cuBLASLt in an MPS client (our own kernels take
+ * those calls).  On by default, with clusters of one block there (the
+ * header comment: the heuristic's clusters gave wrong outputs with 70 and
+ * 80% of the SMs, docs/perf.md runs 51-52). */
+static struct cuda_switch bl_mps_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_MPS", 1);
 
 void
 cuda_blas_fini(struct dsv4_backend *be)
@@ -186,7 +200,7 @@ cuda_blas_fini(struct dsv4_backend *be)
 
 /* The backend's cuBLASLt state, made on first use; NULL (dsv4 error set)
  * when the library or the workspace is missing, or the context is an MPS
- * client (bl_mps_switch). */
+ * client and DSV4_CUDA_BLAS_MPS=0 (bl_mps_switch). */
 static struct cuda_blas *
 bl_state(struct dsv4_backend *be)
 {
@@ -196,7 +210,7 @@ bl_state(struct dsv4_backend *be)
     if (b != NULL)
         return b;
     if (cuda_mps(be) && !cuda_switch_on(&bl_mps_switch)) {
-        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: not in an MPS client (DSV4_CUDA_BLAS_MPS)");
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: not in an MPS client (DSV4_CUDA_BLAS_MPS=0)");
         return NULL;
     }
     pthread_once(&bl_once, bl_open);
@@ -218,6 +232,7 @@ bl_state(struct dsv4_backend *be)
         dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: cublasLtCreate or the workspace failed");
         return NULL;
     }
+    b->mps = cuda_mps(be);
     st->blas = b;
     return b;
 }
@@ -260,26 +275,58 @@ bl_layout(cudaDataType_t ty, uint64_t rows, uint64_t cols, int64_t ld, int G, in
     return l;
 }
 
-/* A/B knobs for finding why cuBLASLt went wrong in an MPS client with a
- * share of the SMs (bl_mps_switch; docs/gpu.md "Prefill beside decode"),
- * read when a plan is made: DSV4_CUDA_BLAS_RAW=1 keeps the heuristic's
- * algorithm as it comes (no split-K and reduction overrides, so its sums
- * may depend on the grid); DSV4_CUDA_BLAS_SMS=N sets the descriptor's SM
- * count target (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) to N. */
-static struct cuda_switch bl_raw_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_RAW", 0);
+/* Knobs: DSV4_CUDA_BLAS_CLUSTER=N sets every plan's thread block cluster
+ * shape (CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, cublasLtClusterShape_t: 2 =
+ * 1x1x1, 0 = the heuristic's), kept only if cublasLtMatmulAlgoCheck accepts
+ * it; unset: 1x1x1 in an MPS client, the heuristic's elsewhere.
+ * DSV4_CUDA_BLAS_LOG=1 writes each plan's configuration to stderr when it
+ * is made. */
+static struct cuda_switch bl_log_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_LOG", 0);
 
-static int32_t
-bl_sm_target(void)
+static int
+bl_cluster_shape(const struct cuda_blas *b)
 {
-    const char *e = getenv("DSV4_CUDA_BLAS_SMS");
-    long n = e != NULL ? strtol(e, NULL, 10) : 0;
+    const char *e = getenv("DSV4_CUDA_BLAS_CLUSTER");
+    long n = e != NULL && *e != '\0' ? strtol(e, NULL, 10) : -1;
 
-    return n > 0 && n <= 1024 ? (int32_t)n : 0;
+    if (n < 0 || n >= 1000)
+        return b->mps ? CUBLASLT_CLUSTER_SHAPE_1x1x1 : 0;
+    return (int)n;
+}
+
+/* One line on stderr: the configuration of p's algorithm (DSV4_CUDA_BLAS_LOG);
+ * workspace and waves are the heuristic's figures for its own form. */
+static void
+bl_plan_log(const struct bl_plan *p, const cublasLtMatmulHeuristicResult_t *hr)
+{
+    int32_t id = -1, splitk = -1;
+    uint32_t tile = 0, red = 0, swz = 0, custom = 0, stages = 0;
+    uint16_t inner = 0, cluster = 0;
+    size_t n;
+
+    if (bl.algo_get == NULL)
+        return;
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof(red), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof(swz), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof(custom), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &inner, sizeof(inner), &n);
+    bl.algo_get(&p->algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &n);
+    fprintf(stderr,
+            "cuda blas plan R %d K %d G %d kind %d: algo %d tile %u stages %u cluster %u "
+            "inner %u splitk %d reduction %u swizzle %u custom %u; workspace %zu, waves %.2f\n",
+            p->R, p->K, p->G, p->kind, (int)id, tile, stages, (unsigned)cluster,
+            (unsigned)inner, (int)splitk, red, swz, custom, hr->workspaceSize,
+            (double)hr->wavesCount);
 }
 
 /* The plan of shape (R, K, G) and kind for b, made on first use: the
  * descriptor, the weights' layout and one algorithm chosen at BL_TUNE_T
- * token columns, without split-K.  BL_FP8: G == 1, the weights' scales
+ * token columns, without split-K (in an MPS client with clusters of one
+ * block: bl_cluster_shape).  BL_FP8: G == 1, the weights' scales
  * 128x128 blocks (A), x's one per token and 128 columns (B); the scale
  * pointers are set per call (b->ws stands in for them while the algorithm
  * is chosen).  NULL when cuBLASLt offers none. */
@@ -297,8 +344,7 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
     cudaDataType_t ty = kind == BL_FP8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     cudaDataType_t to = kind == BL_BF16F ? CUDA_R_32F : CUDA_R_16BF;
     uint64_t wsb = BL_WS_BYTES;
-    int32_t sms = bl_sm_target();
-    int raw = cuda_switch_on(&bl_raw_switch);
+    int cluster = bl_cluster_shape(b), chosen = -1;
 
     for (int i = 0; i < b->n_plan; i++)
         if (b->plan[i].R == R && b->plan[i].K == K && b->plan[i].G == G &&
@@ -316,9 +362,7 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
     if (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) !=
             CUBLAS_STATUS_SUCCESS ||
         bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) !=
-            CUBLAS_STATUS_SUCCESS ||
-        (sms > 0 && bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms,
-                                sizeof(sms)) != CUBLAS_STATUS_SUCCESS))
+            CUBLAS_STATUS_SUCCESS)
         return NULL;
     if (kind == BL_FP8 &&
         (bl.desc_set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &blk, sizeof(blk)) !=
@@ -348,11 +392,6 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
 
             if (hr[i].state != CUBLAS_STATUS_SUCCESS)
                 continue;
-            if (raw) {   /* DSV4_CUDA_BLAS_RAW=1: as the heuristic gave it */
-                p->algo = algo;
-                p->ok = 1;
-                continue;
-            }
             /* one pass over K per output: no split, no reduction order
              * that could depend on the grid */
             if (bl.algo_set(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) !=
@@ -360,9 +399,24 @@ bl_plan_get(struct cuda_blas *b, int R, int K, int G, int kind)
                 bl.algo_set(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none,
                             sizeof(none)) != CUBLAS_STATUS_SUCCESS)
                 continue;
+            if (cluster > 0) {   /* MPS, or DSV4_CUDA_BLAS_CLUSTER=N */
+                uint16_t c = (uint16_t)cluster;
+                cublasLtMatmulHeuristicResult_t chk;
+
+                if (bl.algo_check == NULL ||
+                    bl.algo_set(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &c, sizeof(c)) !=
+                        CUBLAS_STATUS_SUCCESS ||
+                    bl.algo_check(b->h, p->desc, p->a, lx, lo, lo, &algo, &chk) !=
+                        CUBLAS_STATUS_SUCCESS ||
+                    chk.workspaceSize > wsb)
+                    continue;
+            }
             p->algo = algo;
             p->ok = 1;
+            chosen = i;
         }
+        if (chosen >= 0 && cuda_switch_on(&bl_log_switch))
+            bl_plan_log(p, &hr[chosen]);
     }
     if (pref != NULL)
         bl.pref_destroy(pref);
