@@ -26,7 +26,8 @@
 # (seconds before the kill) size that part; COMM=nccl|cudaipc|auto sets the
 # groups' communicator (the `comm` key; default: the key's default, auto).
 # Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), dsv4ctl
-# status before and after; KILL=1 then kills decode@1 (decode@0 when
+# status before and after, and a line on decode@0's step times (its STATUS=
+# windows: all of them, and those with a full batch); KILL=1 then kills decode@1 (decode@0 when
 # GPUS=1) (kill -9) under C=16
 # load and reports the time until the group serves again and whether any
 # request was lost.
@@ -164,6 +165,17 @@ if [ "${KILL:-0}" = 1 ]; then
     grep -vE "^dsv4-bench: " "$OUT/kill.txt" | tail -3
 fi
 ctl status
+# decode@0's once-a-second STATUS= windows: those with at least slots - 1
+# streams a step show the model-level step, the mean over all of them how
+# much the prefills beside it cost
+full=$(( ${SLOTS:-$((16 / ${DECODE_GROUPS:-1}))} - 1 ))
+grep "decode@0 .*STATUS" "$D/notify.log" |
+    grep -oE "[0-9]+ steps \([0-9]+ stream-steps\) in [0-9.]+ s, forward [0-9.]+ ms a step" |
+    awk -v full="$full" '{ st = $3; gsub(/\(/, "", st)
+        if ($1 > 0) { n++; t += $9; if (st / $1 >= full) { nf++; tf += $9; if ($9 > mf) mf = $9 } } }
+        END { if (n) printf "decode@0 STATUS windows: %d with steps, forward mean %.2f ms a step; " \
+                            "%d with >= %d streams a step: mean %.2f, max %.2f ms\n",
+                            n, t / n, nf, full, nf ? tf / nf : 0, mf }'
 [ "${MTP:-0}" = 1 ] && grep -h "mtp drafts" "$D/notify.log" "$OUT/launch.log" | tail -4
 kill -TERM $lpid; wait $lpid
 echo "dsv4-launch exit $?"
