@@ -200,7 +200,8 @@ cuda_blas_fini(struct dsv4_backend *be)
 
 /* The backend's cuBLASLt state, made on first use; NULL (dsv4 error set)
  * when the library or the workspace is missing, or the context is an MPS
- * client and DSV4_CUDA_BLAS_MPS=0 (bl_mps_switch). */
+ * client and DSV4_CUDA_BLAS_MPS=0 (bl_mps_switch) or the library cannot
+ * check a plan with a changed cluster shape. */
 static struct cuda_blas *
 bl_state(struct dsv4_backend *be)
 {
@@ -216,6 +217,11 @@ bl_state(struct dsv4_backend *be)
     pthread_once(&bl_once, bl_open);
     if (bl.lib == NULL) {
         dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: %s", bl_why);
+        return NULL;
+    }
+    if (cuda_mps(be) && bl.algo_check == NULL) {   /* no plan could be checked */
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: MPS client, and libcublasLt has no "
+                                      "cublasLtMatmulAlgoCheck for its one-block clusters");
         return NULL;
     }
     b = (struct cuda_blas *)calloc(1, sizeof(*b));
