@@ -756,6 +756,7 @@ cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
     int N = W->n_out, K = W->n_in, R = G > 0 ? N / G : 0;
     int64_t nx = (int64_t)T * G * K, no = (int64_t)T * N, nw = (int64_t)N * K;
     size_t bw = cuda_align((size_t)nw * 2), bx = cuda_align((size_t)nx * 2);
+    struct cuda_blas *b;
     unsigned char *sc;
     uint16_t *wb, *xb, *ob;
     enum dsv4_err e;
@@ -768,10 +769,11 @@ cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
                             (int)W->fmt, N, K, G);
     if (T <= 0)
         return DSV4_OK;
-    /* library and algorithm first: NOTSUP before anything is queued */
-    if (!dsv4_cuda_blas_usable(be))
+    /* library and algorithm first: NOTSUP before anything is queued (the
+     * switch was asked above) */
+    if ((b = bl_state(be)) == NULL)
         return DSV4_ERR_NOTSUP;
-    if (bl_plan_get((struct cuda_blas *)cuda_st(be)->blas, R, K, G, BL_BF16) == NULL)
+    if (bl_plan_get(b, R, K, G, BL_BF16) == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
                             G);
     sc = (unsigned char *)cuda_scratch(be, bw + bx + cuda_align((size_t)no * 2));
