@@ -6,7 +6,8 @@
 # and the device tool carries .carry along (carry [".carry"]).
 #
 #   1. test_ops_gpu: every op on both backends, fresh random inputs (SEED,
-#      default the clock), per-op bounds (tests/gpu/test_ops_gpu.c);
+#      default the clock), per-op bounds (tests/gpu/test_ops_gpu.c); then
+#      again with DSV4_CUDA_KERNELS=fast (the fast kernels' bounds there);
 #   2. test_forward_gpu on the `tiny` checkpoint (dsv4-mkmodel --preset tiny
 #      --seed 3): prefill + STEPS (256) greedy decode steps, two sequences;
 #   3. with MEMCHECK=1, compute-sanitizer memcheck and racecheck on the op
@@ -128,6 +129,9 @@ if [ "${SKIP_OPS:-0}" = 1 ]; then
 else
     timeout 200 test_ops_gpu "$SEED" > "$OUT/ops.log" 2>&1
     ops_rc=$?
+    # the same checks with the fast kernels on (their bounds: test_ops_gpu.c)
+    echo "== DSV4_CUDA_KERNELS=fast" >> "$OUT/ops.log"
+    DSV4_CUDA_KERNELS=fast timeout 200 test_ops_gpu "$SEED" >> "$OUT/ops.log" 2>&1 || ops_rc=1
 fi
 grep -E "^(FAIL|==)" "$OUT/ops.log"
 tail -1 "$OUT/ops.log"
