@@ -18,9 +18,10 @@
 #   3. C=16, C16_PROMPT (1,024) / C16_OUT (512), N_C16 (32) measured
 #      requests after 16 of warm-up: aggregate output tok/s.
 # With MTP=1 a second service set with mtp = yes runs 2. and 3. again and
-# reports the drafts' acceptance (synthetic weights make it meaningless; the
-# verify step's cost at an assumed acceptance is test_decode_gpu spec's,
-# run.sh step 13).  Requests are greedy unless TEMP says otherwise.
+# reports the drafts' acceptance (synthetic weights make it meaningless);
+# where one GPU holds the model (GPUS=1) test_decode_gpu spec LAYERS adds
+# the verify step's cost and the tok/s at assumed acceptances (run.sh step
+# 13 runs it too).  Requests are greedy unless TEMP says otherwise.
 #
 # The floor (DESIGN.md §7, scaled to LAYERS of 43 layers and split over GPUS
 # GPUs at 4.3 TB/s each): a batch-16 step reads 46.5 GB of experts and 6.7
@@ -55,7 +56,8 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 rc=0
 
 echo "== service set: $LAYERS layers, $GPUS GPU(s) a group, backend ${BACKEND:-cuda}, MPS $MPS"
-OUT=$OUT/service BENCH="-c 1 -p $tp -l 1 -n $n1 -w 1;-c 1 -p $ip -l $io -n $n1 -w 1;-c 16 -p $cp_ -l $co -n $n16 -w 16" \
+# MTP=0 here: MTP=1 in this script's environment is for the second set
+OUT=$OUT/service MTP=0 BENCH="-c 1 -p $tp -l 1 -n $n1 -w 1;-c 1 -p $ip -l $io -n $n1 -w 1;-c 16 -p $cp_ -l $co -n $n16 -w 16" \
     KILL=${KILL:-1} KILL_BENCH=${KILL_BENCH:--c 16 -p 256 -l 256 -n 48} \
     bash tests/gpu/service.sh > "$OUT/service.txt" 2>&1 || rc=1
 tail -25 "$OUT/service.txt"
@@ -64,6 +66,12 @@ if [ "${MTP:-0}" = 1 ]; then
     OUT=$OUT/mtp MTP=1 KILL=0 BENCH="-c 1 -p $ip -l $io -n $n1 -w 1;-c 16 -p $cp_ -l $co -n $n16 -w 16" \
         bash tests/gpu/service.sh > "$OUT/mtp.txt" 2>&1 || rc=1
     tail -8 "$OUT/mtp.txt"
+    # the verify step's cost at assumed acceptances (model level; the whole
+    # model on one GPU, so only where one GPU holds it)
+    if [ "${BACKEND:-cuda}" = cuda ] && [ "$GPUS" = 1 ] && command -v test_decode_gpu > /dev/null; then
+        DSV4_CUDA_KERNELS=fast timeout 300 test_decode_gpu spec "$LAYERS" > "$OUT/spec.log" 2>&1 ||
+            rc=1
+    fi
 fi
 
 python3 - "$OUT" "$LAYERS" "$GPUS" "${MTP:-0}" "$tp" "$ip/$io" "$cp_/$co" << 'EOF' || rc=1
@@ -149,6 +157,10 @@ md = [f"# Issue 7 targets: {layers} layers, {gpus} GPU(s) a group",
       "| figure | measured | target | floor | ratio to floor |",
       "|---|---|---|---|---|"]
 md += [f"| {' | '.join(r)} |" for r in rows]
+spec = [l for l in text(os.path.join(out, "spec.log")).splitlines() if l.startswith("|")]
+if spec:
+    md += ["", "MTP verify step at assumed acceptances a (`test_decode_gpu spec`, model level):", ""]
+    md += spec
 open(os.path.join(out, "targets.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 sys.exit(1 if failed or tok is None or itl is None or ttft is None else 0)
