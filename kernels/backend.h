@@ -538,6 +538,10 @@ enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numer
 enum dsv4_err dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
                                        int device);
 
+/* 1 when be is a CUDA backend whose context is an MPS client
+ * (cudaDevAttrMpsEnabled, asked once by dsv4_cuda_backend_create), else 0. */
+int dsv4_cuda_mps_client(const struct dsv4_backend *be);
+
 #ifdef __cplusplus
 }
 #endif

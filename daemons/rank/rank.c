@@ -888,8 +888,7 @@ rank_init_model(struct rank *k)
         if (getenv("DSV4_CUDA_KERNELS") == NULL &&
             dsv4_cuda_set_kernels(k->be, strcmp(k->o.conf.cuda_kernels, "fast") == 0) != DSV4_OK)
             fatalx("rank_init: cuda kernels: %s", dsv4_errmsg());
-        if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, dev) != cudaSuccess)
-            mps = 0;
+        mps = dsv4_cuda_mps_client(k->be);
         /* notice, not info: what a rank runs on belongs in the default log */
         prio = getenv("CUDA_MPS_CLIENT_PRIORITY");
         log_notice("cuda device %d, %s kernels, MPS %s%s%s", dev,
@@ -903,9 +902,17 @@ rank_init_model(struct rank *k)
                      k->o.conf.mps_sm_percent);
         /* the prefill GEMMs' library (docs/gpu.md "Prefill beside decode") */
         if (k->o.role == DSV4_ROLE_PREFILL && dsv4_cuda_get_kernels(k->be)) {
+            /* DSV4_CUDA_BLAS_CLUSTER overrides the plans' cluster shape
+             * when it reads as 0-999 (fast_blas.cu bl_cluster_shape) */
+            const char *cl = getenv("DSV4_CUDA_BLAS_CLUSTER");
+            long cn = cl != NULL && *cl != '\0' ? strtol(cl, NULL, 10) : -1;
+            int forced = cn >= 0 && cn < 1000;
+
             if (dsv4_cuda_blas_usable(k->be))
-                log_notice("prefill GEMMs: cuBLASLt on%s",
-                           mps ? ", clusters of one block (MPS client)" : "");
+                log_notice("prefill GEMMs: cuBLASLt on%s%s",
+                           forced ? ", cluster shape DSV4_CUDA_BLAS_CLUSTER="
+                           : mps ? ", clusters of one block (MPS client)" : "",
+                           forced ? cl : "");
             else
                 log_notice("prefill GEMMs: dsv4's kernels only (%s)", dsv4_errmsg());
         }

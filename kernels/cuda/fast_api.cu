@@ -25,6 +25,12 @@ dsv4_cuda_get_kernels(const struct dsv4_backend *be)
     return cuda_is_backend(be) ? ((const struct cuda_state *)be->priv)->fast_kernels : 0;
 }
 
+extern "C" int
+dsv4_cuda_mps_client(const struct dsv4_backend *be)
+{
+    return cuda_is_backend(be) ? ((const struct cuda_state *)be->priv)->mps != 0 : 0;
+}
+
 /* DSV4_CUDA_PDL: on unless "0" (the default since run 14 on the H200,
  * 2026-11-30: every bit check equal with it on and off, a 4-layer batch-1
  * step 1.33 -> 1.29 ms). */
