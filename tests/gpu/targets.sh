@@ -36,15 +36,18 @@
 # failed request (the targets themselves are reported, not enforced), 1
 # otherwise.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/targets}
 export LAYERS=${LAYERS:-43} GPUS=${GPUS:-2} TEMP=${TEMP:-0}
 if [ "${BACKEND:-cuda}" = cuda ]; then
     export MPS=${MPS:-1}
     # measured best shares (docs/perf.md runs 36 and 53): 80% with a GPU
     # per rank pair of a 2-GPU group, 40% when one GPU holds both daemons
-    [ "$GPUS" = 1 ] && export MPS_PREFILL=${MPS_PREFILL:-40} ||
+    if [ "$GPUS" = 1 ]; then
+        export MPS_PREFILL=${MPS_PREFILL:-40}
+    else
         export MPS_PREFILL=${MPS_PREFILL:-80}
+    fi
 else
     export MPS=0
     # the tiny checkpoint's vocabulary (1,024 ids)
