@@ -464,7 +464,7 @@ fm3_issue(const struct fm3_warp &wp, int ti, int st, char *buf)
                 wp.sc + ti * wp.ts + (int64_t)(lane >> 1) * wp.sb + st * 8 + (lane & 1) * 4);
 }
 
-/* FP4: the 4 scale bytes this lane copied into buf -> floats at
+/* FP4: 4 scale bytes v of this lane -> floats at
  * scf[row * FM3_SCF + 4*(lane & 1) ..], row = lane/2 (cu_e8m0_to_f32's
  * values).  A byte b is 2^(b-127) = b << 23 as fp32 bits unless it is 0
  * (subnormal 2^-127) or 0xff (NaN): those two are the bytes whose bits
@@ -473,10 +473,9 @@ fm3_issue(const struct fm3_warp &wp, int ti, int st, char *buf)
  * operations per scale instead of cu_e8m0_to_f32's two compares and
  * branches (Nsight Compute: 45 of v5's 430 instructions per stage). */
 static __device__ __forceinline__ void
-fm3_scales(const char *buf, float *scf)
+fm3_scales_word(uint32_t v, float *scf)
 {
     int lane = threadIdx.x & 31;
-    uint32_t v = *(const uint32_t *)(buf + FM3_TILE_B + lane * 4);
     uint32_t y = (v ^ (v << 1)) & 0xfefefefeu;
     float4 f;
 
@@ -492,6 +491,13 @@ fm3_scales(const char *buf, float *scf)
         f.w = cu_e8m0_to_f32((uint8_t)(v >> 24));
     }
     *(float4 *)(scf + (lane >> 1) * FM3_SCF + (lane & 1) * 4) = f;
+}
+
+/* fm3_scales_word of the 4 scale bytes this lane copied into buf. */
+static __device__ __forceinline__ void
+fm3_scales(const char *buf, float *scf)
+{
+    fm3_scales_word(*(const uint32_t *)(buf + FM3_TILE_B + (threadIdx.x & 31) * 4), scf);
 }
 
 /* ldmatrix.x4 of segments j, j+1 of the tile in buf: r[0], r[1] = word q of
@@ -896,7 +902,10 @@ fm3_kernel(struct fm3_args a)
 /* --- v5: persistent warps, each a tile of 16 rows of A over all of K -------------- */
 
 #define FM5_NS 3   /* ring stages per warp (3, 4, 6 measured: perf.md run 25) */
-#define FM5_PER (FM5_NS * FM3_STAGE_B + FM3_SCF_B)  /* shared memory per warp */
+#define FM5_SG_B (2 * 32 * 16)   /* SG: the wide tiles' scale groups, two of 16 bytes a lane */
+/* shared memory per warp: the ring, the converted scales, with SG the scale groups */
+#define FM5_PER_SG(SG) (FM5_NS * FM3_STAGE_B + FM3_SCF_B + ((SG) ? FM5_SG_B : 0))
+#define FM5_PER FM5_PER_SG(0)
 #define FM5_TEAM_F (4 * 4 * 32)   /* floats of a team's quarter sums (fm5_team) */
 #define FM5_ROWS(UP) ((UP) ? 8 : 16)  /* output rows of a tile (fm5_tile) */
 /* fm5_kernel's blocks: 4 warps each; 5 blocks (20 warps) an SM where the
@@ -908,7 +917,9 @@ fm3_kernel(struct fm3_args a)
  * (run 42). */
 #define FM5_WARPS 4
 #define FM5_BLOCKS(UP, P, MT) ((UP) || (P) > 1 || (MT) > 1 ? 4 : 5)
-#define FM5_SMEM(P) (FM5_WARPS * FM5_PER + ((P) > 1 ? FM5_WARPS / (P) * FM5_TEAM_F * 4 : 0))
+#define FM5_SMEM_SG(P, SG) \
+    (FM5_WARPS * FM5_PER_SG(SG) + ((P) > 1 ? FM5_WARPS / (P) * FM5_TEAM_F * 4 : 0))
+#define FM5_SMEM(P) FM5_SMEM_SG(P, 0)
 
 /* A warp's tile of one slot's expert: 16 rows of A, two halves of 8 rows
  * (UP: rows row .. row + 7 of w1, then the same rows of w3, so that a
@@ -1041,6 +1052,11 @@ struct fm5_bh {
 struct fm5_cursor {
     const uint8_t *gw[2], *gs;
     int r4;                 /* bytes from row i to row i + 4 */
+    int k;                  /* stages issued in this pass */
+    int sg16;               /* wide tiles, 16-byte aligned scales: fm5_issue copies
+                               a lane's scales of four stages at once (16 bytes,
+                               group k / 4 into scale group (k / 4) & 1 at sgb) */
+    uint32_t sgb;           /* shared address of the warp's two scale groups */
 };
 
 /* The cursor at stage st0 of the tile: lane l copies segment l & 7 of rows
@@ -1051,7 +1067,7 @@ struct fm5_cursor {
  * and segments 4-7 m-tile 1's (UP: rows r + 8 mt + i of w1 and w3, down:
  * rows r + 16 mt + i of w2), and a row's 8 scale bytes m-tile 0's 4, then
  * m-tile 1's: so fm3_block's block b = mt reads m-tile mt of the stage. */
-template <int UP, int FP8, int MT>
+template <int UP, int FP8, int MT, int SG>
 static __device__ __forceinline__ void
 fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
 {
@@ -1070,13 +1086,15 @@ fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
                 : (UP && (lane >> 4) ? tl.sc[1] : tl.sc[0]) + (srow + mrows * mc) * tl.sb +
                       (MT == 1 ? (lane & 1) * 4 : 0) + st0 * (8 / MT);
     c->r4 = 4 * tl.rb;
+    c->k = 0;
+    c->sg16 = SG && MT == 2 && !FP8 && !tl.bad && st0 == 0 && ((uintptr_t)c->gs & 15) == 0;
 }
 
 /* The next stage into the ring slot at shared address sb (fm3_issue's
  * placement; so: the lane's four shared offsets); then the cursor steps.
  * UP: the halves are two tensors; down: rows of one (gw[1] = gw[0] + 2
  * r4, not kept: one register pair fewer). */
-template <int UP, int FP8, int MT>
+template <int UP, int FP8, int MT, int SG>
 static __device__ __forceinline__ void
 fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4])
 {
@@ -1085,11 +1103,16 @@ fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4])
     fm3_cp16(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4);
     fm3_cp16(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4);
     if (!FP8) {
-        fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
+        if (!SG || MT != 2 || !c->sg16)
+            fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
+        else if ((c->k & 3) == 0)   /* this and the next three stages' */
+            fm3_cp16(c->sgb + ((c->k >> 2) & 1) * (32 * 16) + (threadIdx.x & 31) * 16, c->gs);
         c->gs += 8 / MT;
     }
     c->gw[0] += FM3_SB / MT;
     c->gw[1] += FM3_SB / MT;
+    if (SG && MT == 2)
+        c->k++;
 }
 
 /*
@@ -1131,12 +1154,13 @@ fm5_team_sync(const struct fm5_team &tm)
  * busy (docs/perf.md run 43).  Each output is the same sum in the same
  * order as with MT = 1.
  */
-template <int UP, int FP8, int P, int MT>
+template <int UP, int FP8, int P, int MT, int SG>
 static __device__ void
 fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_tile &tl, int p,
          char *ring, float *scf, const struct fm5_team &tm)
 {
     static_assert(MT == 1 || (MT == 2 && !FP8 && P == 1), "wide tiles: FP4, one warp an item");
+    static_assert(!SG || MT == 2, "scale groups: wide tiles only");
     constexpr int BPS = FP8 || MT == 2 ? 1 : 2;   /* 128-column blocks per stage */
     const int lane = threadIdx.x & 31, seg = lane & 7, g = lane >> 2, q = lane & 3;
     const int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4;
@@ -1144,6 +1168,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     const int nst = nqw * (nq / BPS), st0 = q0 * (nq / BPS);   /* and stages */
     const uint32_t rs = (uint32_t)__cvta_generic_to_shared(ring);
     const uint32_t rend = rs + FM5_NS * FM3_STAGE_B;
+    const char *sg = ring + FM5_NS * FM3_STAGE_B + FM3_SCF_B;   /* SG: the scale groups */
     const uint8_t *xr[1];
     const uint16_t *xhr;
     const float *sr[1][2];
@@ -1168,10 +1193,11 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     }
     fm3_act_rows<UP, FP8, 1>(a, s, p, xr, sr);
     xhr = (UP ? (FP8 ? a.xh8 : a.xh4) : a.hh) + (xr[0] - (UP ? (FP8 ? a.xq8 : a.xq4) : a.hq));
-    fm5_cursor_at<UP, FP8, MT>(&cur, tl, st0);
+    fm5_cursor_at<UP, FP8, MT, SG>(&cur, tl, st0);
+    cur.sgb = (uint32_t)__cvta_generic_to_shared(sg);
     for (int i = 0; i < FM5_NS - 1; i++) {
         if (i < nst)
-            fm5_issue<UP, FP8, MT>(&cur, isb, so);
+            fm5_issue<UP, FP8, MT, SG>(&cur, isb, so);
         fm3_commit();
         isb += FM3_STAGE_B;
     }
@@ -1196,11 +1222,16 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
             asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
             __syncwarp();   /* every lane's copies of this stage; the previous one is read */
             if (!FP8) {
-                fm3_scales(buf, scf);
+                if (SG && MT == 2 && cur.sg16)   /* word gi & 3 of the lane's group gi / 4 */
+                    fm3_scales_word(*(const uint32_t *)(sg + ((gi >> 2) & 1) * (32 * 16) +
+                                                        lane * 16 + (gi & 3) * 4),
+                                    scf);
+                else
+                    fm3_scales(buf, scf);
                 __syncwarp();
             }
             if (gi + FM5_NS - 1 < nst)
-                fm5_issue<UP, FP8, MT>(&cur, isb, so);
+                fm5_issue<UP, FP8, MT, SG>(&cur, isb, so);
             fm3_commit();
             isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
 #pragma unroll
@@ -1282,7 +1313,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
 /* The passes of slot rows p0 .. p1 - 1 through the tile at `row` (v5):
  * passes of 8 slot rows (one n-tile; two n-tiles spill registers), a later
  * pass of a tile reading its weights from L2. */
-template <int UP, int FP8, int P, int MT>
+template <int UP, int FP8, int P, int MT, int SG>
 static __device__ void
 fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, int p1,
            char *ring, float *scf, const struct fm5_team &tm)
@@ -1291,7 +1322,7 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
 
     fm5_tile_get<UP, FP8>(a, s, row, &tl);
     for (int p = p0; p < p1 && p < s.n; p += 8)
-        fm5_pass<UP, FP8, P, MT>(a, s, tl, p, ring, scf, tm);
+        fm5_pass<UP, FP8, P, MT, SG>(a, s, tl, p, ring, scf, tm);
 }
 
 /*
@@ -1308,9 +1339,11 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * tiles are wide (two m-tiles, fm5_pass; the shared expert's stay).
  * Blocks of FM5_WARPS warps, FM5_BLOCKS(UP, P, MT) an SM.  Dynamic shared
  * memory: the warps' rings and scales, and the teams' quarter sums
- * (FM5_SMEM(P)).
+ * (FM5_SMEM_SG(P, SG)).  SG (wide tiles only; opt-in, fm5_sg_sw): each
+ * warp also holds two scale groups, and the wide tiles copy their FP4
+ * scales four stages at a time (fm5_issue).
  */
-template <int UP, int P, int MT>
+template <int UP, int P, int MT, int SG = 0>
 static __global__ void __launch_bounds__(FM5_WARPS * 32, FM5_BLOCKS(UP, P, MT))
 fm5_kernel(struct fm3_args a)
 {
@@ -1319,7 +1352,7 @@ fm5_kernel(struct fm3_args a)
     extern __shared__ __align__(16) char fm3_sm[];
     __shared__ int taken[FM5_WARPS][2];   /* a team's items, by the parity of its turn */
     int warp = threadIdx.x >> 5, tiles = (UP ? a.I : a.D) / FM5_ROWS(UP), wide = tiles / MT;
-    char *ring = fm3_sm + warp * FM5_PER;
+    char *ring = fm3_sm + warp * FM5_PER_SG(SG);
     float *scf = (float *)(ring + FM5_NS * FM3_STAGE_B);
     int ps = a.has_shared ? (a.T + 7) / 8 : 0, nsh = tiles * ps;
     int items = nsh + a.grp[0] * wide;
@@ -1327,7 +1360,7 @@ fm5_kernel(struct fm3_args a)
 
     tm.j = warp % P;
     tm.bar = 1 + warp / P;
-    tm.part = (float *)(fm3_sm + FM5_WARPS * FM5_PER) + (warp / P) * FM5_TEAM_F;
+    tm.part = (float *)(fm3_sm + FM5_WARPS * FM5_PER_SG(SG)) + (warp / P) * FM5_TEAM_F;
     for (int turn = 0;; turn ^= 1) {
         struct fm3_slot s;
         int it = 0;
@@ -1349,13 +1382,14 @@ fm5_kernel(struct fm3_args a)
             int p = (it % ps) * 8;
 
             if (fm3_slot_get(a, 0, &s) == 1)
-                fm5_passes<UP, 1, P, 1>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf, tm);
+                fm5_passes<UP, 1, P, 1, 0>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf,
+                                           tm);
             continue;
         }
         it -= nsh;
         if (fm3_slot_get(a, a.has_shared + it / wide, &s) == 2)
-            fm5_passes<UP, 0, P, MT>(a, s, (it % wide) * MT * FM5_ROWS(UP), 0, s.n, ring, scf,
-                                     tm);
+            fm5_passes<UP, 0, P, MT, SG>(a, s, (it % wide) * MT * FM5_ROWS(UP), 0, s.n, ring,
+                                         scf, tm);
     }
 }
 
@@ -1478,20 +1512,30 @@ fm3_smem_bytes(const struct fm3_cfg *c)
     return 8 * per + 7 * FM3_RED_Q * sizeof(float);
 }
 
-/* Launch fm5_kernel<UP, P, MT> (teams of P warps, MT m-tiles an active
+/*
+ * DSV4_CUDA_FM5_SG16=1 (opt-in, not yet measured; docs/perf.md run 54): the
+ * wide tiles copy their FP4 scales four stages at a time, one 16-byte
+ * cp.async a lane (the 4-byte one of every stage took 32 shared-memory
+ * wavefronts, 57% of the up kernel's excess in Nsight Compute), from two
+ * scale groups of 512 bytes more shared memory a warp.  The same scales
+ * reach the same lanes: the same bits.
+ */
+static struct cuda_switch fm5_sg_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16", 0);
+
+/* Launch fm5_kernel<UP, P, MT, SG> (teams of P warps, MT m-tiles an active
  * expert's item) on `blocks` blocks of FM5_WARPS warps, its shared memory
  * allowed first (once per device). */
-template <int UP, int P, int MT>
+template <int UP, int P, int MT, int SG = 0>
 static enum dsv4_err
 fm5_launch(struct dsv4_backend *be, const struct fm3_args &a, unsigned blocks)
 {
     static size_t opted[CUDA_MAX_DEV];
     enum dsv4_err e =
-        cuda_smem_allow(be, (const void *)fm5_kernel<UP, P, MT>, FM5_SMEM(P), opted);
+        cuda_smem_allow(be, (const void *)fm5_kernel<UP, P, MT, SG>, FM5_SMEM_SG(P, SG), opted);
 
     if (e == DSV4_OK)
-        cu_launch(fm5_kernel<UP, P, MT>, blocks, FM5_WARPS * 32, FM5_SMEM(P), cuda_stream(be),
-                  a);
+        cu_launch(fm5_kernel<UP, P, MT, SG>, blocks, FM5_WARPS * 32, FM5_SMEM_SG(P, SG),
+                  cuda_stream(be), a);
     return e;
 }
 
@@ -1526,7 +1570,8 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
         busy = items * P;
         /* whole teams: FM5_WARPS is a multiple of P */
         blocks = (unsigned)(((busy < warps ? busy : warps) + FM5_WARPS - 1) / FM5_WARPS);
-        e = P == 1 && MT == 2 ? fm5_launch<UP, 1, 2>(be, a, blocks)
+        e = P == 1 && MT == 2 && cuda_switch_on(&fm5_sg_sw) ? fm5_launch<UP, 1, 2, 1>(be, a, blocks)
+            : P == 1 && MT == 2 ? fm5_launch<UP, 1, 2>(be, a, blocks)
             : P == 1          ? fm5_launch<UP, 1, 1>(be, a, blocks)
             : P == 2          ? fm5_launch<UP, 2, 1>(be, a, blocks)
                               : fm5_launch<UP, 4, 1>(be, a, blocks);
