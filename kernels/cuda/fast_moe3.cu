@@ -902,7 +902,8 @@ fm3_kernel(struct fm3_args a)
 /* --- v5: persistent warps, each a tile of 16 rows of A over all of K -------------- */
 
 #define FM5_NS 3   /* ring stages per warp (3, 4, 6 measured: perf.md run 25) */
-#define FM5_SG_B (2 * 32 * 16)   /* SG: the wide tiles' scale groups, two of 16 bytes a lane */
+#define FM5_SG_GROUP (32 * 16)   /* SG: a scale group of the wide tiles, 16 bytes a lane */
+#define FM5_SG_B (2 * FM5_SG_GROUP)   /* SG: a warp's two scale groups */
 /* shared memory per warp: the ring, the converted scales, with SG the scale groups */
 #define FM5_PER_SG(SG) (FM5_NS * FM3_STAGE_B + FM3_SCF_B + ((SG) ? FM5_SG_B : 0))
 #define FM5_PER FM5_PER_SG(0)
@@ -1052,12 +1053,19 @@ struct fm5_bh {
 struct fm5_cursor {
     const uint8_t *gw[2], *gs;
     int r4;                 /* bytes from row i to row i + 4 */
-    int k;                  /* stages issued in this pass */
-    int sg16;               /* wide tiles, 16-byte aligned scales: fm5_issue copies
-                               a lane's scales of four stages at once (16 bytes,
-                               group k / 4 into scale group (k / 4) & 1 at sgb) */
+    int sg16;               /* SG, 16-byte aligned scales: fm5_issue copies a lane's
+                               scales of four stages at once (fm5_sg_off) */
     uint32_t sgb;           /* shared address of the warp's two scale groups */
 };
+
+/* SG: byte offset, in the warp's scale groups, of this lane's scale word of
+ * stage k of the pass: stages 4j .. 4j + 3 are group j & 1, 16 bytes a lane,
+ * a word a stage (fm5_issue copies the lane's 16 bytes at stage 4j). */
+static __device__ __forceinline__ uint32_t
+fm5_sg_off(int k)
+{
+    return ((k >> 2) & 1) * FM5_SG_GROUP + (threadIdx.x & 31) * 16 + (k & 3) * 4;
+}
 
 /* The cursor at stage st0 of the tile: lane l copies segment l & 7 of rows
  * l / 8 and 4 + l / 8 of each half (the tile's rows i * 4 + l / 8, i = 0
@@ -1086,33 +1094,31 @@ fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
                 : (UP && (lane >> 4) ? tl.sc[1] : tl.sc[0]) + (srow + mrows * mc) * tl.sb +
                       (MT == 1 ? (lane & 1) * 4 : 0) + st0 * (8 / MT);
     c->r4 = 4 * tl.rb;
-    c->k = 0;
     c->sg16 = SG && MT == 2 && !FP8 && !tl.bad && st0 == 0 && ((uintptr_t)c->gs & 15) == 0;
 }
 
-/* The next stage into the ring slot at shared address sb (fm3_issue's
- * placement; so: the lane's four shared offsets); then the cursor steps.
+/* The next stage, stage k of the pass, into the ring slot at shared address
+ * sb (fm3_issue's placement; so: the lane's four shared offsets); then the
+ * cursor steps.
  * UP: the halves are two tensors; down: rows of one (gw[1] = gw[0] + 2
  * r4, not kept: one register pair fewer). */
 template <int UP, int FP8, int MT, int SG>
 static __device__ __forceinline__ void
-fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4])
+fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4], int k)
 {
     fm3_cp16(sb + so[0], c->gw[0]);
     fm3_cp16(sb + so[1], c->gw[0] + c->r4);
     fm3_cp16(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4);
     fm3_cp16(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4);
     if (!FP8) {
-        if (!SG || MT != 2 || !c->sg16)
+        if (!SG || !c->sg16)
             fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
-        else if ((c->k & 3) == 0)   /* this and the next three stages' */
-            fm3_cp16(c->sgb + ((c->k >> 2) & 1) * (32 * 16) + (threadIdx.x & 31) * 16, c->gs);
+        else if ((k & 3) == 0)   /* this and the next three stages' */
+            fm3_cp16(c->sgb + fm5_sg_off(k), c->gs);
         c->gs += 8 / MT;
     }
     c->gw[0] += FM3_SB / MT;
     c->gw[1] += FM3_SB / MT;
-    if (SG && MT == 2)
-        c->k++;
 }
 
 /*
@@ -1197,7 +1203,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     cur.sgb = (uint32_t)__cvta_generic_to_shared(sg);
     for (int i = 0; i < FM5_NS - 1; i++) {
         if (i < nst)
-            fm5_issue<UP, FP8, MT, SG>(&cur, isb, so);
+            fm5_issue<UP, FP8, MT, SG>(&cur, isb, so, i);
         fm3_commit();
         isb += FM3_STAGE_B;
     }
@@ -1222,16 +1228,14 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
             asm volatile("cp.async.wait_group %0;" :: "n"(FM5_NS - 2) : "memory");
             __syncwarp();   /* every lane's copies of this stage; the previous one is read */
             if (!FP8) {
-                if (SG && MT == 2 && cur.sg16)   /* word gi & 3 of the lane's group gi / 4 */
-                    fm3_scales_word(*(const uint32_t *)(sg + ((gi >> 2) & 1) * (32 * 16) +
-                                                        lane * 16 + (gi & 3) * 4),
-                                    scf);
+                if (SG && cur.sg16)
+                    fm3_scales_word(*(const uint32_t *)(sg + fm5_sg_off(gi)), scf);
                 else
                     fm3_scales(buf, scf);
                 __syncwarp();
             }
             if (gi + FM5_NS - 1 < nst)
-                fm5_issue<UP, FP8, MT, SG>(&cur, isb, so);
+                fm5_issue<UP, FP8, MT, SG>(&cur, isb, so, gi + FM5_NS - 1);
             fm3_commit();
             isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
 #pragma unroll
