@@ -1343,7 +1343,7 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * tiles are wide (two m-tiles, fm5_pass; the shared expert's stay).
  * Blocks of FM5_WARPS warps, FM5_BLOCKS(UP, P, MT) an SM.  Dynamic shared
  * memory: the warps' rings and scales, and the teams' quarter sums
- * (FM5_SMEM_SG(P, SG)).  SG (wide tiles only; opt-in, fm5_sg_sw): each
+ * (FM5_SMEM_SG(P, SG)).  SG (wide tiles only; default, fm5_sg_sw): each
  * warp also holds two scale groups, and the wide tiles copy their FP4
  * scales four stages at a time (fm5_issue).
  */
@@ -1517,14 +1517,16 @@ fm3_smem_bytes(const struct fm3_cfg *c)
 }
 
 /*
- * DSV4_CUDA_FM5_SG16=1 (opt-in, not yet measured; docs/perf.md run 54): the
+ * DSV4_CUDA_FM5_SG16 (default on; 0 = the 4-byte copy of every stage): the
  * wide tiles copy their FP4 scales four stages at a time, one 16-byte
  * cp.async a lane (the 4-byte one of every stage took 32 shared-memory
  * wavefronts, 57% of the up kernel's excess in Nsight Compute), from two
  * scale groups of 512 bytes more shared memory a warp.  The same scales
- * reach the same lanes: the same bits.
+ * reach the same lanes: the same bits.  docs/perf.md run 55: the 20-layer
+ * batch-16 step 9.82-9.83 -> 9.73-9.79 ms, the up kernel's `Mem Busy' 77
+ * -> 57%.
  */
-static struct cuda_switch fm5_sg_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16", 0);
+static struct cuda_switch fm5_sg_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16", 1);
 
 /* Launch fm5_kernel<UP, P, MT, SG> (teams of P warps, MT m-tiles an active
  * expert's item) on `blocks` blocks of FM5_WARPS warps, its shared memory

@@ -36,9 +36,10 @@
 #      "v3" or "v3,NS,RT"; BENCH_FAST_ONLY=moe runs only the MoE cases, e.g.
 #      BENCH_FAST_ONLY=moe BENCH_MOE_CFGS="v1 v3 v3,3,0 v3,5,0 v3,4,1 v3,4,4".
 #      BENCH_FAST_ONLY=linear runs only the decode linear cases.
-#      Then the MoE cases again with DSV4_CUDA_FM5_SG16=1 (the wide tiles'
-#      scales four stages a copy, opt-in; v5 and v5,1,2, whose `moe v5
-#      bits` must equal v3's), log in $OUT/fast_sg16.log.
+#      Then the MoE cases again with DSV4_CUDA_FM5_SG16=0 (the wide tiles'
+#      scales a stage a copy, the form before the default of four stages a
+#      copy; v5 and v5,1,2, whose `moe v5 bits` must equal v3's), log in
+#      $OUT/fast_sg16.log.
 #      BENCH_FAST_ONLY=gemm8 runs only the FP8 x FP8 prefill linear
 #      (kernels/cuda/fast_gemm8.cu) against the exact op and fw_kernel at
 #      T = 128, 512, 2048 (one line per shape and T: bounds, T-independence,
@@ -351,7 +352,7 @@ sg16_rc=skipped
 if command -v bench_fast > /dev/null; then
     timeout 540 bench_fast > "$OUT/fast.log" 2>&1
     fast_rc=$?
-    DSV4_CUDA_FM5_SG16=1 BENCH_FAST_ONLY=moe BENCH_MOE_CFGS="v5 v5,1,2" timeout 300 \
+    DSV4_CUDA_FM5_SG16=0 BENCH_FAST_ONLY=moe BENCH_MOE_CFGS="v5 v5,1,2" timeout 300 \
         bench_fast > "$OUT/fast_sg16.log" 2>&1
     sg16_rc=$?
 fi
@@ -459,7 +460,7 @@ if [ "$fast_rc" != skipped ]; then
     grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear |ok   linear quant|ok   mma|ok   quant|info random)|^ok +pf_|^ok .* gemm8 T=|^gemm8|^gemm4|^ok .* graph replay|^ +pf_(moe|parts) .* vs |first value out|differs first at|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
 fi
 if [ "$sg16_rc" != skipped ]; then
-    echo "bench_fast moe with DSV4_CUDA_FM5_SG16=1: exit $sg16_rc"
+    echo "bench_fast moe with DSV4_CUDA_FM5_SG16=0: exit $sg16_rc"
     grep -E "^(FAIL|summary|moe cfg)|moe v5 bits|moe selfcheck" "$OUT/fast_sg16.log"
 fi
 if [ "$fuse_rc" != skipped ]; then
