@@ -1053,37 +1053,18 @@ struct fm5_bh {
 struct fm5_cursor {
     const uint8_t *gw[2], *gs;
     int r4;                 /* bytes from row i to row i + 4 */
-    int sg16;               /* SG, 16-byte aligned scale rows: fm5_issue copies 16
-                               bytes of a row's scales of four stages at once
-                               (fm5_sg_dst, fm5_sg_off) */
+    int sg16;               /* SG, 16-byte aligned scales: fm5_issue copies a lane's
+                               scales of four stages at once (fm5_sg_off) */
     uint32_t sgb;           /* shared address of the warp's two scale groups */
 };
 
-/* SG: byte offset, in the warp's scale groups, of the 16 bytes this lane
- * copies at stage k = 4j of the pass (fm5_issue): stages 4j .. 4j + 3 are
- * group j & 1, 16 bytes a lane. */
-static __device__ __forceinline__ uint32_t
-fm5_sg_dst(int k)
-{
-    return ((k >> 2) & 1) * FM5_SG_GROUP + (threadIdx.x & 31) * 16;
-}
-
 /* SG: byte offset, in the warp's scale groups, of this lane's scale word of
- * stage k (the 4 bytes fm3_scales_word takes).  Wide tiles (MT = 2): the
- * lane's own 16 bytes, a word a stage.  Narrow (MT = 1, 8 scale bytes a row
- * a stage, lanes 2r and 2r + 1 on row r): lane 2r + i copied row r's bytes
- * of stages 4j + 2i and 4j + 2i + 1, so the lane's word of stage k is at
- * lane 2r + ((k >> 1) & 1)'s copy, 8 bytes a stage, 4 a half (lane & 1). */
-template <int MT>
+ * stage k of the pass: stages 4j .. 4j + 3 are group j & 1, 16 bytes a lane,
+ * a word a stage (fm5_issue copies the lane's 16 bytes at stage 4j). */
 static __device__ __forceinline__ uint32_t
 fm5_sg_off(int k)
 {
-    const int lane = threadIdx.x & 31;
-
-    if (MT == 2)
-        return fm5_sg_dst(k) + (k & 3) * 4;
-    return ((k >> 2) & 1) * FM5_SG_GROUP + ((lane & ~1) + ((k >> 1) & 1)) * 16 + (k & 1) * 8 +
-           (lane & 1) * 4;
+    return ((k >> 2) & 1) * FM5_SG_GROUP + (threadIdx.x & 31) * 16 + (k & 3) * 4;
 }
 
 /* The cursor at stage st0 of the tile: lane l copies segment l & 7 of rows
@@ -1113,10 +1094,7 @@ fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
                 : (UP && (lane >> 4) ? tl.sc[1] : tl.sc[0]) + (srow + mrows * mc) * tl.sb +
                       (MT == 1 ? (lane & 1) * 4 : 0) + st0 * (8 / MT);
     c->r4 = 4 * tl.rb;
-    /* the lane's scale row's start aligned (the same for both lanes of a
-     * narrow row: the copy of one is read by the other) */
-    c->sg16 = SG && !FP8 && !tl.bad && st0 == 0 &&
-              (((uintptr_t)c->gs - (MT == 1 ? (lane & 1) * 4 : 0)) & 15) == 0;
+    c->sg16 = SG && MT == 2 && !FP8 && !tl.bad && st0 == 0 && ((uintptr_t)c->gs & 15) == 0;
 }
 
 /* The next stage, stage k of the pass, into the ring slot at shared address
@@ -1135,9 +1113,8 @@ fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4], int k)
     if (!FP8) {
         if (!SG || !c->sg16)
             fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
-        else if ((k & 3) == 0)   /* this and the next three stages' (fm5_sg_off) */
-            fm3_cp16(c->sgb + fm5_sg_dst(k),
-                     c->gs + (MT == 1 ? (threadIdx.x & 1) * 12 : 0));
+        else if ((k & 3) == 0)   /* this and the next three stages' */
+            fm3_cp16(c->sgb + fm5_sg_off(k), c->gs);
         c->gs += 8 / MT;
     }
     c->gw[0] += FM3_SB / MT;
@@ -1189,7 +1166,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
          char *ring, float *scf, const struct fm5_team &tm)
 {
     static_assert(MT == 1 || (MT == 2 && !FP8 && P == 1), "wide tiles: FP4, one warp an item");
-    static_assert(!SG || (!FP8 && P == 1), "scale groups: FP4, one warp an item");
+    static_assert(!SG || MT == 2, "scale groups: wide tiles only");
     constexpr int BPS = FP8 || MT == 2 ? 1 : 2;   /* 128-column blocks per stage */
     const int lane = threadIdx.x & 31, seg = lane & 7, g = lane >> 2, q = lane & 3;
     const int K = UP ? a.D : a.I, nb = K / 128, nq = nb / 4;
@@ -1252,7 +1229,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
             __syncwarp();   /* every lane's copies of this stage; the previous one is read */
             if (!FP8) {
                 if (SG && cur.sg16)
-                    fm3_scales_word(*(const uint32_t *)(sg + fm5_sg_off<MT>(gi)), scf);
+                    fm3_scales_word(*(const uint32_t *)(sg + fm5_sg_off(gi)), scf);
                 else
                     fm3_scales(buf, scf);
                 __syncwarp();
@@ -1366,10 +1343,9 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * tiles are wide (two m-tiles, fm5_pass; the shared expert's stay).
  * Blocks of FM5_WARPS warps, FM5_BLOCKS(UP, P, MT) an SM.  Dynamic shared
  * memory: the warps' rings and scales, and the teams' quarter sums
- * (FM5_SMEM_SG(P, SG)).  SG (one warp an item; wide tiles by default,
- * fm5_sg_sw; narrow ones opt-in, fm5_sgn_sw): each warp also holds two
- * scale groups, and the active experts' tiles copy their FP4 scales four
- * stages at a time (fm5_issue).
+ * (FM5_SMEM_SG(P, SG)).  SG (wide tiles only; default, fm5_sg_sw): each
+ * warp also holds two scale groups, and the wide tiles copy their FP4
+ * scales four stages at a time (fm5_issue).
  */
 template <int UP, int P, int MT, int SG = 0>
 static __global__ void __launch_bounds__(FM5_WARPS * 32, FM5_BLOCKS(UP, P, MT))
@@ -1551,11 +1527,6 @@ fm3_smem_bytes(const struct fm3_cfg *c)
  * -> 57%.
  */
 static struct cuda_switch fm5_sg_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16", 1);
-/* DSV4_CUDA_FM5_SG16N=1 (opt-in until measured): the narrow tiles of one
- * warp an item (P = 1, MT = 1: batch 1) the same way; a stage's 8 scale
- * bytes a row, so lanes 2r and 2r + 1 each copy two stages of row r and
- * read each other's copies (fm5_sg_off). */
-static struct cuda_switch fm5_sgn_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16N", 0);
 
 /* Launch fm5_kernel<UP, P, MT, SG> (teams of P warps, MT m-tiles an active
  * expert's item) on `blocks` blocks of FM5_WARPS warps, its shared memory
@@ -1607,7 +1578,6 @@ fm3_launch(struct dsv4_backend *be, const struct fm3_args &a, const struct fm3_c
         blocks = (unsigned)(((busy < warps ? busy : warps) + FM5_WARPS - 1) / FM5_WARPS);
         e = P == 1 && MT == 2 && cuda_switch_on(&fm5_sg_sw) ? fm5_launch<UP, 1, 2, 1>(be, a, blocks)
             : P == 1 && MT == 2 ? fm5_launch<UP, 1, 2>(be, a, blocks)
-            : P == 1 && cuda_switch_on(&fm5_sgn_sw) ? fm5_launch<UP, 1, 1, 1>(be, a, blocks)
             : P == 1          ? fm5_launch<UP, 1, 1>(be, a, blocks)
             : P == 2          ? fm5_launch<UP, 2, 1>(be, a, blocks)
                               : fm5_launch<UP, 4, 1>(be, a, blocks);
