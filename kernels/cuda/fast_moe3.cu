@@ -164,6 +164,8 @@ struct fm3_args {
     int rt;                 /* row tiles per block (one after the other) */
     float lim;
     int *ctr;               /* v5: items taken so far by the up [1] and down [0] kernel */
+    int ef;                 /* v5: narrow tiles of one pass copy with L2 evict_first
+                               (fm5_cursor_at; fm5_ef_sw) */
 };
 
 /* The expert of a block: slot blockIdx.y. */
@@ -401,6 +403,24 @@ fm3_cp16(uint32_t dst, const void *src)
 {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;"
                  :: "r"(dst), "l"(src) : "memory");
+}
+
+/* fm3_cp16 whose lines L2 evicts first (policy pol: fm3_ef_policy). */
+static __device__ __forceinline__ void
+fm3_cp16_ef(uint32_t dst, const void *src, uint64_t pol)
+{
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;"
+                 :: "r"(dst), "l"(src), "l"(pol) : "memory");
+}
+
+/* An L2 policy of evict_first for every line it is given to. */
+static __device__ __forceinline__ uint64_t
+fm3_ef_policy(void)
+{
+    uint64_t pol;
+
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
 }
 
 /* 4 bytes global -> shared. */
@@ -1056,6 +1076,8 @@ struct fm5_cursor {
     int sg16;               /* SG, 16-byte aligned scales: fm5_issue copies a lane's
                                scales of four stages at once (fm5_sg_off) */
     uint32_t sgb;           /* shared address of the warp's two scale groups */
+    int ef;                 /* narrow tile of one pass: copies evict_first (pol) */
+    uint64_t pol;
 };
 
 /* SG: byte offset, in the warp's scale groups, of this lane's scale word of
@@ -1075,9 +1097,9 @@ fm5_sg_off(int k)
  * and segments 4-7 m-tile 1's (UP: rows r + 8 mt + i of w1 and w3, down:
  * rows r + 16 mt + i of w2), and a row's 8 scale bytes m-tile 0's 4, then
  * m-tile 1's: so fm3_block's block b = mt reads m-tile mt of the stage. */
-template <int UP, int FP8, int MT, int SG>
+template <int UP, int FP8, int MT, int SG, int EF>
 static __device__ __forceinline__ void
-fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
+fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0, int ef)
 {
     /* the m-tile of the lane's segment and of its scale bytes (0 unless
      * wide), the rows an m-tile further down */
@@ -1095,6 +1117,11 @@ fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
                       (MT == 1 ? (lane & 1) * 4 : 0) + st0 * (8 / MT);
     c->r4 = 4 * tl.rb;
     c->sg16 = SG && MT == 2 && !FP8 && !tl.bad && st0 == 0 && ((uintptr_t)c->gs & 15) == 0;
+    /* a narrow tile's rows are read by one pass: L2 may drop them first
+     * (wide tiles read each 256-byte line over four stages, and a tile of
+     * several passes reads it again: not for them; docs/perf.md run 55) */
+    c->ef = EF && ef;
+    c->pol = c->ef ? fm3_ef_policy() : 0;
 }
 
 /* The next stage, stage k of the pass, into the ring slot at shared address
@@ -1102,14 +1129,21 @@ fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0)
  * cursor steps.
  * UP: the halves are two tensors; down: rows of one (gw[1] = gw[0] + 2
  * r4, not kept: one register pair fewer). */
-template <int UP, int FP8, int MT, int SG>
+template <int UP, int FP8, int MT, int SG, int EF>
 static __device__ __forceinline__ void
 fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4], int k)
 {
-    fm3_cp16(sb + so[0], c->gw[0]);
-    fm3_cp16(sb + so[1], c->gw[0] + c->r4);
-    fm3_cp16(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4);
-    fm3_cp16(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4);
+    if (EF && c->ef) {
+        fm3_cp16_ef(sb + so[0], c->gw[0], c->pol);
+        fm3_cp16_ef(sb + so[1], c->gw[0] + c->r4, c->pol);
+        fm3_cp16_ef(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4, c->pol);
+        fm3_cp16_ef(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4, c->pol);
+    } else {
+        fm3_cp16(sb + so[0], c->gw[0]);
+        fm3_cp16(sb + so[1], c->gw[0] + c->r4);
+        fm3_cp16(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4);
+        fm3_cp16(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4);
+    }
     if (!FP8) {
         if (!SG || !c->sg16)
             fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
@@ -1160,7 +1194,7 @@ fm5_team_sync(const struct fm5_team &tm)
  * busy (docs/perf.md run 43).  Each output is the same sum in the same
  * order as with MT = 1.
  */
-template <int UP, int FP8, int P, int MT, int SG>
+template <int UP, int FP8, int P, int MT, int SG, int EF>
 static __device__ void
 fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_tile &tl, int p,
          char *ring, float *scf, const struct fm5_team &tm)
@@ -1199,11 +1233,11 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     }
     fm3_act_rows<UP, FP8, 1>(a, s, p, xr, sr);
     xhr = (UP ? (FP8 ? a.xh8 : a.xh4) : a.hh) + (xr[0] - (UP ? (FP8 ? a.xq8 : a.xq4) : a.hq));
-    fm5_cursor_at<UP, FP8, MT, SG>(&cur, tl, st0);
+    fm5_cursor_at<UP, FP8, MT, SG, EF>(&cur, tl, st0, a.ef && s.n <= 8);
     cur.sgb = (uint32_t)__cvta_generic_to_shared(sg);
     for (int i = 0; i < FM5_NS - 1; i++) {
         if (i < nst)
-            fm5_issue<UP, FP8, MT, SG>(&cur, isb, so, i);
+            fm5_issue<UP, FP8, MT, SG, EF>(&cur, isb, so, i);
         fm3_commit();
         isb += FM3_STAGE_B;
     }
@@ -1235,7 +1269,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
                 __syncwarp();
             }
             if (gi + FM5_NS - 1 < nst)
-                fm5_issue<UP, FP8, MT, SG>(&cur, isb, so, gi + FM5_NS - 1);
+                fm5_issue<UP, FP8, MT, SG, EF>(&cur, isb, so, gi + FM5_NS - 1);
             fm3_commit();
             isb = isb + FM3_STAGE_B == rend ? rs : isb + FM3_STAGE_B;
 #pragma unroll
@@ -1317,7 +1351,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
 /* The passes of slot rows p0 .. p1 - 1 through the tile at `row` (v5):
  * passes of 8 slot rows (one n-tile; two n-tiles spill registers), a later
  * pass of a tile reading its weights from L2. */
-template <int UP, int FP8, int P, int MT, int SG>
+template <int UP, int FP8, int P, int MT, int SG, int EF>
 static __device__ void
 fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, int p1,
            char *ring, float *scf, const struct fm5_team &tm)
@@ -1326,7 +1360,7 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
 
     fm5_tile_get<UP, FP8>(a, s, row, &tl);
     for (int p = p0; p < p1 && p < s.n; p += 8)
-        fm5_pass<UP, FP8, P, MT, SG>(a, s, tl, p, ring, scf, tm);
+        fm5_pass<UP, FP8, P, MT, SG, EF>(a, s, tl, p, ring, scf, tm);
 }
 
 /*
@@ -1386,13 +1420,13 @@ fm5_kernel(struct fm3_args a)
             int p = (it % ps) * 8;
 
             if (fm3_slot_get(a, 0, &s) == 1)
-                fm5_passes<UP, 1, P, 1, 0>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf,
+                fm5_passes<UP, 1, P, 1, 0, MT == 1>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf,
                                            tm);
             continue;
         }
         it -= nsh;
         if (fm3_slot_get(a, a.has_shared + it / wide, &s) == 2)
-            fm5_passes<UP, 0, P, MT, SG>(a, s, (it % wide) * MT * FM5_ROWS(UP), 0, s.n, ring,
+            fm5_passes<UP, 0, P, MT, SG, MT == 1>(a, s, (it % wide) * MT * FM5_ROWS(UP), 0, s.n, ring,
                                          scf, tm);
     }
 }
@@ -1527,6 +1561,14 @@ fm3_smem_bytes(const struct fm3_cfg *c)
  * -> 57%.
  */
 static struct cuda_switch fm5_sg_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16", 1);
+/* DSV4_CUDA_FM5_EF=1 (opt-in until this form is measured): the narrow
+ * tiles of one pass (a slot of at most 8 rows, in kernels of narrow tiles)
+ * copy their weights with an L2 evict_first policy.  docs/perf.md run 55:
+ * a build with it on every copy made the 20-layer batch-1 step -0.05 ms
+ * and the batch-16 step +1.5 ms (the wide tiles' 256-byte lines then leave
+ * L2 before their last stage reads them: so narrow single-pass tiles
+ * only, where batch 16 runs none). */
+static struct cuda_switch fm5_ef_sw = CUDA_SWITCH("DSV4_CUDA_FM5_EF", 0);
 
 /* Launch fm5_kernel<UP, P, MT, SG> (teams of P warps, MT m-tiles an active
  * expert's item) on `blocks` blocks of FM5_WARPS warps, its shared memory
@@ -1650,6 +1692,7 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     a.I = I;
     a.ns = c.ns;
     a.lim = lim;
+    a.ef = cuda_switch_on(&fm5_ef_sw);
 
     cu_launch(fm3_prep_kernel,
               1 + (unsigned)(((int64_t)T * nbD + FM3_PREP_THREADS / 32 - 1) /
