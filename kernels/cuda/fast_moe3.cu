@@ -1561,14 +1561,13 @@ fm3_smem_bytes(const struct fm3_cfg *c)
  * -> 57%.
  */
 static struct cuda_switch fm5_sg_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16", 1);
-/* DSV4_CUDA_FM5_EF=1 (opt-in until this form is measured): the narrow
- * tiles of one pass (a slot of at most 8 rows, in kernels of narrow tiles)
- * copy their weights with an L2 evict_first policy.  docs/perf.md run 55:
- * a build with it on every copy made the 20-layer batch-1 step -0.05 ms
- * and the batch-16 step +1.5 ms (the wide tiles' 256-byte lines then leave
- * L2 before their last stage reads them: so narrow single-pass tiles
- * only, where batch 16 runs none). */
-static struct cuda_switch fm5_ef_sw = CUDA_SWITCH("DSV4_CUDA_FM5_EF", 0);
+/* DSV4_CUDA_FM5_EF (default on; 0 = plain copies): the narrow tiles of one
+ * pass (a slot of at most 8 rows, in kernels of narrow tiles) copy their
+ * weights with an L2 evict_first policy.  docs/perf.md run 55: the
+ * 20-layer batch-1 step 3.31-3.34 -> 3.28-3.30 ms, batch 4 and 16
+ * unchanged; a build with it on every copy made batch 16 +1.5 ms (the wide
+ * tiles' 256-byte lines then leave L2 before their last stage reads them). */
+static struct cuda_switch fm5_ef_sw = CUDA_SWITCH("DSV4_CUDA_FM5_EF", 1);
 
 /* Launch fm5_kernel<UP, P, MT, SG> (teams of P warps, MT m-tiles an active
  * expert's item) on `blocks` blocks of FM5_WARPS warps, its shared memory
