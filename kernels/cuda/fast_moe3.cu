@@ -1116,7 +1116,7 @@ fm5_cursor_at(struct fm5_cursor *c, const struct fm5_tile &tl, int st0, int ef)
                 : (UP && (lane >> 4) ? tl.sc[1] : tl.sc[0]) + (srow + mrows * mc) * tl.sb +
                       (MT == 1 ? (lane & 1) * 4 : 0) + st0 * (8 / MT);
     c->r4 = 4 * tl.rb;
-    c->sg16 = SG && MT == 2 && !FP8 && !tl.bad && st0 == 0 && ((uintptr_t)c->gs & 15) == 0;
+    c->sg16 = SG && !FP8 && !tl.bad && st0 == 0 && ((uintptr_t)c->gs & 15) == 0;
     /* a narrow tile's rows are read by one pass: L2 may drop them first
      * (wide tiles read each 256-byte line over four stages, and a tile of
      * several passes reads it again: not for them; docs/perf.md run 55) */
@@ -1133,17 +1133,17 @@ template <int UP, int FP8, int MT, int SG, int EF>
 static __device__ __forceinline__ void
 fm5_issue(struct fm5_cursor *c, uint32_t sb, const uint32_t (&so)[4], int k)
 {
-    if (EF && c->ef) {
-        fm3_cp16_ef(sb + so[0], c->gw[0], c->pol);
-        fm3_cp16_ef(sb + so[1], c->gw[0] + c->r4, c->pol);
-        fm3_cp16_ef(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4, c->pol);
-        fm3_cp16_ef(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4, c->pol);
-    } else {
-        fm3_cp16(sb + so[0], c->gw[0]);
-        fm3_cp16(sb + so[1], c->gw[0] + c->r4);
-        fm3_cp16(sb + so[2], UP ? c->gw[1] : c->gw[0] + 2 * c->r4);
-        fm3_cp16(sb + so[3], UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4);
-    }
+    const uint8_t *src[4] = { c->gw[0], c->gw[0] + c->r4, UP ? c->gw[1] : c->gw[0] + 2 * c->r4,
+                              UP ? c->gw[1] + c->r4 : c->gw[0] + 3 * c->r4 };
+
+    if (EF && c->ef)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            fm3_cp16_ef(sb + so[i], src[i], c->pol);
+    else
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            fm3_cp16(sb + so[i], src[i]);
     if (!FP8) {
         if (!SG || !c->sg16)
             fm3_cp4(sb + FM3_TILE_B + (threadIdx.x & 31) * 4, c->gs);
@@ -1420,14 +1420,14 @@ fm5_kernel(struct fm3_args a)
             int p = (it % ps) * 8;
 
             if (fm3_slot_get(a, 0, &s) == 1)
-                fm5_passes<UP, 1, P, 1, 0, MT == 1>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8, ring, scf,
-                                           tm);
+                fm5_passes<UP, 1, P, 1, 0, MT == 1>(a, s, (it / ps) * FM5_ROWS(UP), p, p + 8,
+                                                    ring, scf, tm);
             continue;
         }
         it -= nsh;
         if (fm3_slot_get(a, a.has_shared + it / wide, &s) == 2)
-            fm5_passes<UP, 0, P, MT, SG, MT == 1>(a, s, (it % wide) * MT * FM5_ROWS(UP), 0, s.n, ring,
-                                         scf, tm);
+            fm5_passes<UP, 0, P, MT, SG, MT == 1>(a, s, (it % wide) * MT * FM5_ROWS(UP), 0, s.n,
+                                                  ring, scf, tm);
     }
 }
 
