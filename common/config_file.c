@@ -8,6 +8,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,7 @@ static const struct cfg_key cfg_keys[] = {
     { "heartbeat_ms",       INT(heartbeat_ms, 10, 600000) },
     { "liveness",           INT(liveness, 1, 100) },
     { "request_timeout_ms", INT(request_timeout_ms, 0, 86400000) },
+    { "burst_streams",      INT(burst_streams, 0, 65535) },
     { "checkpoint",         STR(checkpoint) },
     { "tokenizer",          STR(tokenizer) },
     { "backend",            ENUM(backend, cfg_backends) },
@@ -82,6 +84,7 @@ static const struct cfg_key cfg_keys[] = {
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
     { "cuda_priority",      ENUM(cuda_priority, cfg_priority) },
     { "group_split",       ENUM(group_split, cfg_split) },
+    { "burst",              ENUM(burst, cfg_yesno) },
     { "mps_sm_percent",     INT(mps_sm_percent, 0, 100) },
     { "gateway_listen",     STR(gateway_listen) },
     { "gateway_keys",       STR(gateway_keys) },
@@ -134,6 +137,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;
     snprintf(cfg->mtp, sizeof(cfg->mtp), "%s", "no");
+    snprintf(cfg->burst, sizeof(cfg->burst), "%s", "no");
     snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
     snprintf(cfg->cuda_priority, sizeof(cfg->cuda_priority), "%s", "decode");
     snprintf(cfg->group_split, sizeof(cfg->group_split), "%s", "auto");
@@ -254,11 +258,12 @@ struct cfg_deferred {
 };
 
 /*
- * Parse one line (NUL-terminated, newline removed) into key, role and value.
+ * Parse one line (NUL-terminated, newline removed) into key, role, instance
+ * (*inst: N of a `prefill@N.` / `decode@N.` prefix, else -1) and value.
  * Returns DSV4_OK with *k NULL for blank/comment lines.
  */
 static enum dsv4_err
-cfg_parse_line(char *line, const struct cfg_key **k, int *role, char **value)
+cfg_parse_line(char *line, const struct cfg_key **k, int *role, long *inst, char **value)
 {
     char *p, *eq, *key, *val, *q;
     size_t plen;
@@ -292,11 +297,27 @@ cfg_parse_line(char *line, const struct cfg_key **k, int *role, char **value)
         val++;
     }
     *role = DSV4_CONF_ROLE_NONE;
+    *inst = -1;
     for (r = 1; r < CFG_NROLES; r++) {
         plen = strlen(cfg_prefixes[r]);
         if (strncmp(key, cfg_prefixes[r], plen) == 0) {
             *role = r;
             key += plen;
+            break;
+        }
+        /* `prefill@N.` / `decode@N.`: the role's name, '@', decimal N, '.' */
+        if (r != DSV4_CONF_ROLE_SCHED && strncmp(key, cfg_prefixes[r], plen - 1) == 0 &&
+            key[plen - 1] == '@') {
+            char *end;
+
+            errno = 0;
+            if (!isdigit((unsigned char)key[plen]) ||
+                (*inst = strtol(key + plen, &end, 10), *end != '.') || errno != 0 ||
+                *inst > 65535)
+                return dsv4_err_set(DSV4_ERR_CONFIG, "\"%s\": expected %.*s@N.key with N "
+                    "0-65535", key, (int)plen - 1, cfg_prefixes[r]);
+            *role = r;
+            key = end + 1;
             break;
         }
     }
@@ -307,18 +328,57 @@ cfg_parse_line(char *line, const struct cfg_key **k, int *role, char **value)
     return DSV4_OK;
 }
 
+/* An instance-prefixed key seen in the file (duplicates are errors). */
+struct cfg_inst_seen {
+    int role;
+    long inst;
+    size_t key;
+};
+
+/* Whether (role, inst, key) was seen before; records it if not.  false and
+ * *err set when out of memory. */
+static bool
+cfg_inst_dup(struct cfg_inst_seen **seen, size_t *n, int role, long inst, size_t key,
+    enum dsv4_err *err)
+{
+    struct cfg_inst_seen *p;
+
+    for (size_t i = 0; i < *n; i++)
+        if ((*seen)[i].role == role && (*seen)[i].inst == inst && (*seen)[i].key == key)
+            return true;
+    if ((p = realloc(*seen, (*n + 1) * sizeof(*p))) == NULL) {
+        *err = dsv4_err_set(DSV4_ERR_NOMEM, "out of memory");
+        return false;
+    }
+    p[*n].role = role;
+    p[*n].inst = inst;
+    p[*n].key = key;
+    *seen = p;
+    (*n)++;
+    return false;
+}
+
 enum dsv4_err
 dsv4_conf_load(struct dsv4_conf *cfg, const char *path,
     enum dsv4_conf_role role)
 {
-    struct cfg_deferred def[CFG_NKEYS];
+    return dsv4_conf_load_rank(cfg, path, role, -1);
+}
+
+enum dsv4_err
+dsv4_conf_load_rank(struct dsv4_conf *cfg, const char *path,
+    enum dsv4_conf_role role, int index)
+{
+    struct cfg_deferred def[CFG_NKEYS], idef[CFG_NKEYS];
     unsigned char seen[CFG_NROLES][CFG_NKEYS];
+    struct cfg_inst_seen *iseen = NULL;
     const struct cfg_key *k;
     char *line = NULL, *value;
-    size_t cap = 0, n_def = 0, i;
+    size_t cap = 0, n_def = 0, n_idef = 0, n_iseen = 0, i;
     ssize_t len;
     enum dsv4_err err = DSV4_OK;
     int lineno = 0, lrole;
+    long linst;
     FILE *fp;
 
     fp = fopen(path, "re");
@@ -334,24 +394,36 @@ dsv4_conf_load(struct dsv4_conf *cfg, const char *path,
             dsv4_err_set(err, "%s:%d: NUL byte in line", path, lineno);
             break;
         }
-        err = cfg_parse_line(line, &k, &lrole, &value);
+        err = cfg_parse_line(line, &k, &lrole, &linst, &value);
         if (err == DSV4_OK && k != NULL) {
             i = (size_t)(k - cfg_keys);
-            if (seen[lrole][i])
-                err = dsv4_err_set(DSV4_ERR_CONFIG, "%s%s given twice",
-                    cfg_prefixes[lrole], k->name);
-            seen[lrole][i] = 1;
+            if (linst >= 0) {
+                if (cfg_inst_dup(&iseen, &n_iseen, lrole, linst, i, &err))
+                    err = dsv4_err_set(DSV4_ERR_CONFIG, "%.*s@%ld.%s given twice",
+                        (int)strlen(cfg_prefixes[lrole]) - 1, cfg_prefixes[lrole], linst,
+                        k->name);
+            } else {
+                if (seen[lrole][i])
+                    err = dsv4_err_set(DSV4_ERR_CONFIG, "%s%s given twice",
+                        cfg_prefixes[lrole], k->name);
+                seen[lrole][i] = 1;
+            }
         }
         if (err == DSV4_OK && k != NULL) {
             if (lrole == DSV4_CONF_ROLE_NONE) {
                 err = cfg_apply(cfg, k, value);
             } else {
-                /* Validate now, apply after the plain keys. */
+                /* Validate now, apply after the plain keys (instance lines
+                 * after the role's). */
                 err = cfg_apply(NULL, k, value);
-                if (err == DSV4_OK && lrole == (int)role) {
+                if (err == DSV4_OK && lrole == (int)role && linst < 0) {
                     def[n_def].key = k;
                     memcpy(def[n_def].value, value, strlen(value) + 1);
                     n_def++;
+                } else if (err == DSV4_OK && lrole == (int)role && linst == index) {
+                    idef[n_idef].key = k;
+                    memcpy(idef[n_idef].value, value, strlen(value) + 1);
+                    n_idef++;
                 }
             }
         }
@@ -366,9 +438,12 @@ dsv4_conf_load(struct dsv4_conf *cfg, const char *path,
     if (err == DSV4_OK && ferror(fp))
         err = dsv4_err_set(DSV4_ERR_SYS, "%s: read error", path);
     free(line);
+    free(iseen);
     fclose(fp);
     for (i = 0; err == DSV4_OK && i < n_def; i++)
         err = cfg_apply(cfg, def[i].key, def[i].value);
+    for (i = 0; err == DSV4_OK && i < n_idef; i++)
+        err = cfg_apply(cfg, idef[i].key, idef[i].value);
     return err;
 }
 

@@ -8,9 +8,11 @@
  * of the line with surrounding blanks removed, optionally in double quotes
  * (no escapes).  A key may carry a role prefix, `sched.`, `prefill.` or
  * `decode.`: such a line applies only to that daemon and wins over the plain
- * key whatever the line order (e.g. `decode.threads = 8`).  An unknown key, a
- * malformed value or a key given twice (with the same prefix) is an error
- * naming file and line.  Every key has a default (struct dsv4_conf below
+ * key whatever the line order (e.g. `decode.threads = 8`).  A rank's
+ * instance prefix, `prefill@N.` or `decode@N.` (N as in the unit name
+ * dsv4-prefill@N), applies to that one rank and wins over both (e.g.
+ * `prefill@1.burst = yes`).  An unknown key, a malformed value or a key
+ * given twice (with the same prefix) is an error naming file and line.  Every key has a default (struct dsv4_conf below
  * and units/dsv4.conf document them), so an empty file is valid.
  *
  * Pure functions of their arguments; no global state.
@@ -54,6 +56,9 @@ struct dsv4_conf {
     int heartbeat_ms;       /* [1000] rank heartbeat interval */
     int liveness;           /* [3] missed intervals until a rank is dead */
     int request_timeout_ms; /* [0] deadline for requests that set none; 0 = none */
+    int burst_streams;      /* [0] burst prefill groups (key `burst`) take a
+                               prompt only while at most this many streams
+                               decode, summed over the decode groups */
     /* --- ranks --- */
     char checkpoint[DSV4_CONF_STR]; /* [/var/lib/dsv4/model] dsv4-mkmodel or
                                          converted checkpoint directory */
@@ -107,6 +112,14 @@ struct dsv4_conf {
                                stream and step ("yes"/"no"; kernels/forward.h
                                "Speculative decoding"); the tokens are those
                                of plain decoding */
+    char burst[8];          /* [no] prefill ranks: "yes" marks the rank a
+                               burst prefill rank (usually one instance:
+                               prefill@N.burst = yes, with its own
+                               prefill@N.mps_sm_percent): the scheduler gives
+                               its group prompts only while the decode groups
+                               are idle (burst_streams), or when no other
+                               prefill group can take any (docs/operations.md
+                               "Burst prefill"); decode ranks ignore it */
     int mps_sm_percent;     /* [0] with an MPS server on the GPU (docs/gpu.md
                                "Prefill beside decode"): the share of the
                                SMs this rank's kernels may use, 1-100, set
@@ -170,12 +183,23 @@ void dsv4_conf_defaults(struct dsv4_conf *cfg);
 /*
  * Read `path` into `cfg` (which holds defaults or earlier values; keys not in
  * the file keep them).  Lines prefixed with another role than `role` are
- * validated but skipped.  Returns DSV4_OK; DSV4_ERR_SYS when the file cannot
- * be read; DSV4_ERR_CONFIG with "path:line: reason" in dsv4_errmsg() on the
- * first bad line (cfg may then be partly updated).
+ * validated but skipped, and so is every instance-prefixed line (`prefill@N.`,
+ * `decode@N.`; dsv4_conf_load_rank applies those).  Returns DSV4_OK;
+ * DSV4_ERR_SYS when the file cannot be read; DSV4_ERR_CONFIG with
+ * "path:line: reason" in dsv4_errmsg() on the first bad line (cfg may then be
+ * partly updated).
  */
 enum dsv4_err dsv4_conf_load(struct dsv4_conf *cfg, const char *path,
     enum dsv4_conf_role role);
+
+/*
+ * dsv4_conf_load for rank `index` of `role` (DSV4_CONF_ROLE_PREFILL or
+ * DSV4_CONF_ROLE_DECODE): lines prefixed `<role>@<index>.` apply too, after
+ * the plain and the role-prefixed ones (so they win).  index < 0 applies no
+ * instance line (dsv4_conf_load).  Same returns.
+ */
+enum dsv4_err dsv4_conf_load_rank(struct dsv4_conf *cfg, const char *path,
+    enum dsv4_conf_role role, int index);
 
 /*
  * Set one key from a string, as a file line would (no role prefix; used for

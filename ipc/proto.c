@@ -169,6 +169,7 @@ static const struct field f_ready[] = {
     FLD("host", struct dsv4_rank_ready, host, T_STR, F_REQ, 0, DSV4_PROTO_MAX_HOST, 0),
     FLD("pid", struct dsv4_rank_ready, pid, T_U32, 0, 0, U32MAX, 0),
     FENUMSET("transports", struct dsv4_rank_ready, transports, transport_names),
+    FLD("burst", struct dsv4_rank_ready, burst, T_BOOL, 0, 0, 1, 0),
 };
 
 static const struct field f_welcome[] = {
@@ -312,6 +313,8 @@ static const struct field f_ctl_rank[] = {
     FHAS("rank_active", struct dsv4_ctl_rank, rank_active, has_rank_active, T_U32, 0, U32MAX),
     FHAS("mtp_drafts", struct dsv4_ctl_rank, mtp_drafts, has_mtp, T_U64, 0, U64MAX),
     FHAS("mtp_accepted", struct dsv4_ctl_rank, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
+    FLD("burst", struct dsv4_ctl_rank, burst, T_BOOL, 0, 0, 1, 0),
+    FLD("placed", struct dsv4_ctl_rank, placed, T_U64, 0, 0, U64MAX, 0),
 };
 
 static const struct field f_count[] = {

@@ -288,6 +288,9 @@ struct dsv4_rank_ready {
     const char *host;
     uint32_t pid;        /* 0 = unknown */
     uint32_t transports; /* bit (1 << enum dsv4_transport) per supported kind */
+    bool burst;          /* prefill: a burst prefill rank (config `burst`: its
+                            group takes prompts while the decode groups are
+                            idle); optional, false when absent */
 };
 
 struct dsv4_rank_welcome {
@@ -470,6 +473,12 @@ struct dsv4_ctl_rank {
      * rank decodes with mtp = yes. */
     uint64_t mtp_drafts, mtp_accepted;
     bool has_mtp;
+    bool burst;              /* a burst prefill rank (its READY said so);
+                                optional, false when absent */
+    uint64_t placed;         /* requests the scheduler placed on the rank's
+                                group since the rank registered (prompts on a
+                                prefill rank, streams on a decode rank; re-runs
+                                count again); optional, 0 when absent */
 };
 
 struct dsv4_ctl_request {

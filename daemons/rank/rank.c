@@ -163,6 +163,7 @@ link_join(struct rank *k)
     m.u.ready.host = k->host;
     m.u.ready.pid = (uint32_t)getpid();
     m.u.ready.transports = k->transports;
+    m.u.ready.burst = k->o.role == DSV4_ROLE_PREFILL && strcmp(k->o.conf.burst, "yes") == 0;
     rank_send(k, &m);
     log_debug("link_join: READY sent to %s", k->o.conf.rank_endpoint);
 }
@@ -634,7 +635,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
     dsv4_conf_defaults(&o->conf);
     if (path == NULL && access(DSV4_CONF_DEFAULT_PATH, F_OK) == 0)
         path = DSV4_CONF_DEFAULT_PATH;
-    if (path != NULL && dsv4_conf_load(&o->conf, path, crole) != DSV4_OK) {
+    if (path != NULL && dsv4_conf_load_rank(&o->conf, path, crole, (int)o->index) != DSV4_OK) {
         fprintf(stderr, "dsv4-%s: %s\n", dsv4_role_name(RANK_ROLE), dsv4_errmsg());
         exit(1);
     }

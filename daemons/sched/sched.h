@@ -68,6 +68,9 @@ struct sched_rank {
     uint32_t max_ctx;
     uint32_t transports;             /* bit set of enum dsv4_transport */
     uint32_t pid;
+    bool burst;                      /* prefill: READY said burst (config `burst`) */
+    uint64_t placed;                 /* requests placed on its group since it
+                                        registered (dsv4ctl ranks) */
     char host[DSV4_PROTO_MAX_HOST + 1];
     enum dsv4_rank_state state;      /* JOINING .. DEAD */
     bool drain;                      /* admin asked to drain it */
@@ -95,6 +98,8 @@ struct sched_group {
     uint32_t capacity;               /* min over ranks, capped by max_batch */
     uint32_t max_ctx;                /* min over ranks */
     uint32_t transports;             /* intersection over ranks */
+    bool burst;                      /* prefill: every rank present is a burst rank
+                                        (queue_pick_prefill) */
     uint32_t load;                   /* requests placed here (prefill running /
                                         decode slots taken, incl. closing) */
     uint8_t *slots;                  /* decode: slot -> in use; n_slots bytes */
@@ -261,6 +266,19 @@ bool queue_group_fits(const struct sched_group *g, uint32_t ctx, enum dsv4_trans
 /* The least loaded group of `role` that fits, lowest id on ties; NULL. */
 struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role role,
     uint32_t ctx, enum dsv4_transport t);
+
+/*
+ * The prefill group for a prompt needing `ctx` positions (docs/operations.md
+ * "Burst prefill"): while at most `burst_streams` streams decode (the decode
+ * groups' loads summed: slots taken, the prompts being prefilled for them
+ * included), the least loaded burst group that fits, else the least loaded
+ * other group that fits; past `burst_streams` only the other groups, unless
+ * none of them is usable with that context at all (none registered, all
+ * drained, dead or too short): then a burst group rather than none.  NULL =
+ * wait.  Without burst groups this is queue_pick(DSV4_ROLE_PREFILL).
+ */
+struct sched_group *queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx,
+    uint32_t burst_streams);
 
 /* True when some registered group of `role` (in any state) could ever hold
  * `ctx` positions; false means the request can never run (413). */

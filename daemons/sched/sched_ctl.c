@@ -133,6 +133,8 @@ show_ranks(struct sched *s, const struct dsv4_route *to)
         m.u.rank.mtp_drafts = k->mtp_drafts;
         m.u.rank.mtp_accepted = k->mtp_accepted;
         m.u.rank.has_mtp = k->has_mtp;
+        m.u.rank.burst = k->burst;
+        m.u.rank.placed = k->placed;
         if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
             n++;
     }

@@ -98,6 +98,34 @@ queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
     return best;
 }
 
+struct sched_group *
+queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst_streams)
+{
+    struct sched_group *g, *best[2] = { NULL, NULL };   /* [0] plain, [1] burst */
+    uint32_t streams = 0;
+    bool plain_usable = false;
+
+    TAILQ_FOREACH(g, groups, entry) {
+        if (g->role == DSV4_ROLE_DECODE)
+            streams += g->load;
+        if (g->role != DSV4_ROLE_PREFILL)
+            continue;
+        if (!g->burst && group_usable(g) && g->max_ctx >= ctx)
+            plain_usable = true;
+        if (!queue_group_fits(g, ctx, DSV4_TRANSPORT_NONE))
+            continue;
+        struct sched_group **b = &best[g->burst ? 1 : 0];
+
+        if (*b == NULL || g->load < (*b)->load || (g->load == (*b)->load && g->id < (*b)->id))
+            *b = g;
+    }
+    if (streams <= burst_streams && best[1] != NULL)
+        return best[1];
+    if (best[0] != NULL || plain_usable)
+        return best[0];
+    return best[1];
+}
+
 bool
 queue_ctx_possible(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx)
 {
@@ -210,7 +238,8 @@ queue_dispatch(struct sched *s)
         }
         if ((d = queue_pick(&s->groups, DSV4_ROLE_DECODE, ctx, DSV4_TRANSPORT_NONE)) == NULL)
             return;
-        if ((p = queue_pick(&s->groups, DSV4_ROLE_PREFILL, pctx, DSV4_TRANSPORT_NONE)) == NULL)
+        if ((p = queue_pick_prefill(&s->groups, pctx,
+                 (uint32_t)s->cfg.file.burst_streams)) == NULL)
             return;
         if ((t = queue_transport(p, d)) == DSV4_TRANSPORT_NONE) {
             log_warnx("queue_dispatch: prefill group %u and decode group %u share no KV "
@@ -228,6 +257,10 @@ queue_dispatch(struct sched *s)
         r->pre.g = p;
         r->pre.acks = p->size;
         p->load++;
+        for (uint32_t i = 0; i < p->size; i++)
+            p->ranks[i]->placed++;
+        for (uint32_t i = 0; i < d->size; i++)
+            d->ranks[i]->placed++;
         r->kv_parts = 0;
         r->dec_started = false;
         r->dec_self_end = false;

@@ -82,7 +82,7 @@ rank_load(const struct sched_rank *k, struct sched *s)
 static void
 group_update(struct sched *s, struct sched_group *g)
 {
-    uint32_t cap = UINT32_MAX, ctx = UINT32_MAX, tr = UINT32_MAX;
+    uint32_t cap = UINT32_MAX, ctx = UINT32_MAX, tr = UINT32_MAX, n_burst = 0;
 
     g->n_ranks = 0;
     for (uint32_t i = 0; i < g->size; i++) {
@@ -94,7 +94,14 @@ group_update(struct sched *s, struct sched_group *g)
         cap = k->capacity < cap ? k->capacity : cap;
         ctx = k->max_ctx < ctx ? k->max_ctx : ctx;
         tr &= k->transports;
+        n_burst += k->burst;
     }
+    /* A group is a burst group when every rank present says so. */
+    if (n_burst > 0 && n_burst < g->n_ranks)
+        log_warnx("group %s/%u: %u of its %u ranks are burst ranks: the group is taken as a "
+            "plain prefill group (set burst on all of them or none)",
+            dsv4_role_name(g->role), g->id, n_burst, g->n_ranks);
+    g->burst = g->n_ranks > 0 && n_burst == g->n_ranks;
     if (g->n_ranks == 0) {
         g->capacity = 0;
         g->max_ctx = 0;
@@ -363,6 +370,7 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     k->max_ctx = m->max_ctx;
     k->transports = m->transports;
     k->pid = m->pid;
+    k->burst = m->role == DSV4_ROLE_PREFILL && m->burst;
     snprintf(k->host, sizeof(k->host), "%s", m->host);
     k->joined_ms = dsv4_now_ms();
     dsv4_liveness_init(&k->live, (uint32_t)s->cfg.file.heartbeat_ms,
@@ -379,9 +387,9 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     rank_send(s, k, &w);
     group_update(s, g);   /* after WELCOME: it may send COMM to the group */
     rank_update_states(s);
-    log_notice("rank %s registered: group %u rank %u/%u capacity %u max_ctx %u host %s pid %u",
+    log_notice("rank %s registered: group %u rank %u/%u capacity %u max_ctx %u host %s pid %u%s",
         rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size, k->capacity,
-        k->max_ctx, k->host, k->pid);
+        k->max_ctx, k->host, k->pid, k->burst ? " (burst prefill)" : "");
 }
 
 /* --- Work ---------------------------------------------------------------------------- */

@@ -42,4 +42,8 @@ grep -qE "^\| kill -9 .*; [0-9]+ done, 0 failed \|" "$md" ||
     { echo "dry_run.sh: requests lost under the kill"; exit 1; }
 grep -qE "^\| C=1 ITL p50 .*\| [0-9.]+ ms \|" "$md" ||
     { echo "dry_run.sh: no C=1 ITL"; exit 1; }
+# the burst prefill rank (BURST=1, targets.sh's default) took the prompts
+# of the idle service (the C=1 runs), the plain one the rest
+grep -qE "^Prompts placed per prefill rank .*prefill@0 [1-9][0-9]*, prefill@1 [1-9][0-9]* \(burst\)" "$md" ||
+    { echo "dry_run.sh: the burst prefill rank took no prompt"; exit 1; }
 echo "dry_run.sh: ok"

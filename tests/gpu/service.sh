@@ -19,6 +19,10 @@
 # DECODE_GROUPS=N (1): N decode groups of GPUS ranks on the same GPUs (they
 # share the weights), each with SLOTS (16 / N) streams: one group's
 # latency-bound kernels run beside another's MoE (with MPS).
+# BURST=1: a second prefill group of GPUS ranks (prefill@GPUS ...), burst
+# ranks (prefill@N.burst = yes) at BURST_MPS% of the SMs under MPS (0: all):
+# the prompts of an idle service go there, those of a busy one to the first
+# group (docs/operations.md "Burst prefill").
 # TEMP (0: greedy) the requests' sampling temperature (dsv4-bench -t).
 # PREFILL_SLOTS (1) prompts a prefill rank runs in one forward call,
 # PREFILL_CHUNK (2048) rows of a prefill call.
@@ -100,7 +104,15 @@ if [ "${MPS:-0}" = 1 ]; then
     # puts prefill ranks below normal: cuda_priority = decode)
     [ "${MPS_PRIO:-}" = 0 ] && export CUDA_MPS_CLIENT_PRIORITY=0
 fi
-dsv4-launch -f "$D/dsv4.conf" -P "$GPUS" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
+n_prefill=$GPUS
+if [ "${BURST:-0}" = 1 ]; then
+    for n in $(seq "$GPUS" $((2 * GPUS - 1))); do
+        printf 'prefill@%d.burst = yes\nprefill@%d.mps_sm_percent = %d\n' "$n" "$n" \
+            "${BURST_MPS:-0}" >> "$D/dsv4.conf"
+    done
+    n_prefill=$((2 * GPUS))
+fi
+dsv4-launch -f "$D/dsv4.conf" -P "$n_prefill" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
     --sched-bin "$(command -v dsv4-sched)" --prefill-bin "$D/dsv4-prefill" \
     --decode-bin "$D/dsv4-decode" --notify-log "$D/notify.log" > "$OUT/launch.log" 2>&1 &
 lpid=$!
@@ -108,12 +120,12 @@ ctl() { dsv4ctl --admin "ipc://$D/ctl.sock" "$@"; }
 t0=$SECONDS
 for i in $(seq 1 300); do
     n=$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')
-    [ "${n:-0}" -ge $((GPUS * (1 + ${DECODE_GROUPS:-1}))) ] &&
+    [ "${n:-0}" -ge $((n_prefill + GPUS * ${DECODE_GROUPS:-1})) ] &&
         { [ "$GPUS" = 1 ] || grep -q "communicator of epoch" "$OUT/launch.log"; } && break
     kill -0 $lpid 2> /dev/null || { echo "dsv4-launch exited"; tail -30 "$OUT/launch.log"; exit 1; }
     sleep 1
 done
-echo "set up in $((SECONDS - t0)) s ($GPUS+$GPUS ranks, flash $LAYERS layers)"
+echo "set up in $((SECONDS - t0)) s ($n_prefill+$((GPUS * ${DECODE_GROUPS:-1})) ranks, flash $LAYERS layers)"
 sleep 2
 ctl ranks
 # BENCH may hold several runs separated by ';' (bench.json, bench2.json, ...)
@@ -165,6 +177,8 @@ if [ "${KILL:-0}" = 1 ]; then
     grep -vE "^dsv4-bench: " "$OUT/kill.txt" | tail -3
 fi
 ctl status
+# the prompts each prefill rank took (PLACED; a burst rank's line says so)
+ctl ranks
 # decode@0's once-a-second STATUS= windows: those with at least slots - 1
 # streams a step show the model-level step, the mean over all of them how
 # much the prefills beside it cost

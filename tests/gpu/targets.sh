@@ -10,7 +10,9 @@
 #
 # One service set (tests/gpu/service.sh: dsv4-sched, a prefill and a decode
 # group of GPUS ranks, synthetic weights of flash cut to LAYERS layers,
-# prefill under MPS at MPS_PREFILL% of the SMs unless MPS=0), three
+# prefill under MPS at MPS_PREFILL% of the SMs unless MPS=0, and with
+# BURST=1 (the default) a burst prefill group at BURST_MPS% (0: all SMs)
+# that takes the prompts arriving while no stream decodes), three
 # dsv4-bench runs, then kill -9 of a decode rank under C=16 load (KILL=0:
 # not):
 #   1. C=1, TTFT_PROMPT (2,048)-token prompts, 1 output token: TTFT p50;
@@ -53,12 +55,15 @@ else
     # the tiny checkpoint's vocabulary (1,024 ids)
     export TOKENS=${TOKENS:---token-range 10:1000}
 fi
+# a burst prefill group beside the plain one (docs/operations.md "Burst
+# prefill"): the C=1 prompts find the GPU idle and get all of it
+export BURST=${BURST:-1} BURST_MPS=${BURST_MPS:-0}
 tp=${TTFT_PROMPT:-2048} ip=${ITL_PROMPT:-256} io=${ITL_OUT:-256}
 cp_=${C16_PROMPT:-1024} co=${C16_OUT:-512} n1=${N_C1:-8} n16=${N_C16:-32}
 rm -rf "$OUT" && mkdir -p "$OUT"
 rc=0
 
-echo "== service set: $LAYERS layers, $GPUS GPU(s) a group, backend ${BACKEND:-cuda}, MPS $MPS"
+echo "== service set: $LAYERS layers, $GPUS GPU(s) a group, backend ${BACKEND:-cuda}, MPS $MPS (prefill ${MPS_PREFILL:-all}%), burst prefill group $BURST"
 # MTP=0 here: MTP=1 in this script's environment is for the second set
 OUT=$OUT/service MTP=0 BENCH="-c 1 -p $tp -l 1 -n $n1 -w 1;-c 1 -p $ip -l $io -n $n1 -w 1;-c 16 -p $cp_ -l $co -n $n16 -w 16" \
     KILL=${KILL:-1} KILL_BENCH=${KILL_BENCH:--c 16 -p 256 -l 256 -n 48} \
@@ -151,11 +156,19 @@ if mtp:
                  "reported", "—", "—"))
     rows.append(("MTP: acceptance (decode@0's last STATUS)", acc, "reported", "—", "—"))
 
+# prompts per prefill rank (service.sh's last `dsv4ctl ranks`: PLACED)
+placed = {}
+for l in log.splitlines():
+    pm = re.match(r"(prefill@\d+) +\d+/\d+ +\S+ +\S+ +\d+ +\d+ +(\d+) .*?( burst prefill)?$", l)
+    if pm:
+        placed[pm.group(1)] = pm.group(2) + (" (burst)" if pm.group(3) else "")
 md = [f"# Issue 7 targets: {layers} layers, {gpus} GPU(s) a group",
       "",
       f"Floor (DESIGN.md §7 scaled to {layers}/43 layers on {gpus} GPU(s) at 4.3 TB/s): "
       f"batch 16 {b16:.2f} ms a step = {tok_floor:,.0f} tok/s, batch 1 {b1:.2f} ms.",
       f"Failed measured requests: {failed}.",
+      "Prompts placed per prefill rank (the whole run): " +
+      (", ".join(f"{k} {v}" for k, v in sorted(placed.items())) or "n/a") + ".",
       "",
       "| figure | measured | target | floor | ratio to floor |",
       "|---|---|---|---|---|"]

@@ -922,6 +922,57 @@ def sc_drain():
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 
 
+def sc_burst():
+    """A burst prefill rank (prefill@1.burst = yes, docs/operations.md "Burst
+    prefill"): it takes the prompts of an idle service, the plain prefill@0
+    those that arrive while streams decode, and it stands in when prefill@0
+    is drained; every output equals the single-process forward."""
+    svc = Service(n_prefill=2, n_decode=1, extra_conf="prefill@1.burst = yes\n")
+    try:
+        def ranks():
+            return {"%s@%d" % (r["role"], r["index"]): r for r in svc.admin.ranks()}
+
+        def placed():
+            rk = ranks()
+            return rk["prefill@0"].get("placed", 0), rk["prefill@1"].get("placed", 0)
+        rk = ranks()
+        check(rk["prefill@1"].get("burst") is True and not rk["prefill@0"].get("burst") and
+              not rk["decode@0"].get("burst"), "burst flags in RANK: %s" % rk)
+        # One request at a time: the decode group is idle at each dispatch.
+        one = os.path.join(svc.dir, "one.txt")
+        make_prompts(one, 1, seed=5)
+        ref1 = reference(svc, one, 8)
+        for i in range(4):
+            got, rc, err = finish(svc.client(one, 8), svc)
+            check(rc == 0, "svc_client failed")
+            compare(got, ref1, "sequential request %d" % i, err)
+        check(placed() == (0, 4), "idle service: prompts placed (prefill@0, prefill@1) = %s, "
+              "want (0, 4)" % (placed(),))
+        # 16 at once: the first finds the decode group idle, the rest do not.
+        p16 = os.path.join(svc.dir, "p16.txt")
+        make_prompts(p16, 16, seed=16)
+        ref16 = reference(svc, p16, 24)
+        got, rc, err = finish(svc.client(p16, 24), svc)
+        check(rc == 0, "svc_client failed")
+        compare(got, ref16, "16 concurrent streams", err)
+        p0, p1 = placed()
+        log("16 concurrent: prefill@0 took %d, prefill@1 (burst) %d" % (p0, p1 - 4))
+        check(p0 + p1 - 4 == 16 and p1 - 4 <= 4,
+              "16 concurrent: prefill@0 took %d, the burst rank %d (want at most 4)" %
+              (p0, p1 - 4))
+        # prefill@0 drained: the burst rank takes every prompt, busy or not.
+        check(svc.admin.drain("prefill@0", 60000)["code"] == 200, "drain prefill@0 failed")
+        got, rc, err = finish(svc.client(p16, 24), svc)
+        check(rc == 0, "svc_client failed")
+        compare(got, ref16, "16 concurrent streams, prefill@0 drained", err)
+        check(placed() == (p0, p1 + 16), "prefill@0 drained: placed %s, want %s" %
+              (placed(), (p0, p1 + 16)))
+        check(svc.admin.undrain("prefill@0")["code"] == 200, "undrain failed")
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
 def sc_socket_activate():
     sa = shutil.which("systemd-socket-activate")
     check(sa is not None, "systemd-socket-activate not installed (tools/setup.sh)")
@@ -1179,6 +1230,7 @@ SCENARIOS = {
     "group2": sc_group2,
     "mtp": sc_mtp,
     "group_break": sc_group_break,
+    "burst": sc_burst,
 }
 
 

@@ -1,8 +1,8 @@
 /*
  * test_config_file.c — common/config_file: the shipped example
  * units/dsv4.conf loads to exactly the built-in defaults and names every
- * key; print/load round trip; role prefixes; comments and quotes; errors
- * name file and line.  argv[1] = path of units/dsv4.conf.
+ * key; print/load round trip; role and instance prefixes; comments and
+ * quotes; errors name file and line.  argv[1] = path of units/dsv4.conf.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -164,6 +164,49 @@ test_roles_comments(void **state)
     unlink(path);
 }
 
+/* `prefill@N.` / `decode@N.` lines reach rank N of that role only, and win
+ * over the role's and the plain lines whatever the order. */
+static void
+test_instances(void **state)
+{
+    const char *text =
+        "prefill@1.mps_sm_percent = 100\n"
+        "prefill@1.burst = yes\n"
+        "prefill.mps_sm_percent = 40\n"
+        "mps_sm_percent = 10\n"
+        "decode@1.threads = 3\n"
+        "prefill@12.threads = 5\n";
+    const char *path = write_tmp(text);
+    struct dsv4_conf c;
+
+    (void)state;
+    dsv4_conf_defaults(&c);
+    assert_int_equal(dsv4_conf_load_rank(&c, path, DSV4_CONF_ROLE_PREFILL, 1), DSV4_OK);
+    assert_int_equal(c.mps_sm_percent, 100);
+    assert_string_equal(c.burst, "yes");
+    assert_int_equal(c.threads, 0);
+    dsv4_conf_defaults(&c);
+    assert_int_equal(dsv4_conf_load_rank(&c, path, DSV4_CONF_ROLE_PREFILL, 0), DSV4_OK);
+    assert_int_equal(c.mps_sm_percent, 40);
+    assert_string_equal(c.burst, "no");
+    dsv4_conf_defaults(&c);
+    assert_int_equal(dsv4_conf_load_rank(&c, path, DSV4_CONF_ROLE_PREFILL, 12), DSV4_OK);
+    assert_int_equal(c.threads, 5);
+    assert_int_equal(c.mps_sm_percent, 40);
+    /* decode@1 is not prefill@1 */
+    dsv4_conf_defaults(&c);
+    assert_int_equal(dsv4_conf_load_rank(&c, path, DSV4_CONF_ROLE_DECODE, 1), DSV4_OK);
+    assert_int_equal(c.threads, 3);
+    assert_int_equal(c.mps_sm_percent, 10);
+    assert_string_equal(c.burst, "no");
+    /* dsv4_conf_load applies no instance line */
+    dsv4_conf_defaults(&c);
+    assert_int_equal(dsv4_conf_load(&c, path, DSV4_CONF_ROLE_PREFILL), DSV4_OK);
+    assert_int_equal(c.mps_sm_percent, 40);
+    assert_string_equal(c.burst, "no");
+    unlink(path);
+}
+
 static void
 expect_error(const char *text, const char *needle)
 {
@@ -198,6 +241,15 @@ test_errors(void **state)
     /* Prefixed lines of other roles are still validated. */
     expect_error("prefill.slots = -1\n", "slots: -1 outside");
     expect_error("sched.nosuch = 1\n", "unknown key");
+    /* Instance lines: validated for every instance, duplicates per instance. */
+    expect_error("prefill@3.slots = 0\n", "slots: 0 outside");
+    expect_error("prefill@1.burst = 1\nprefill@1.burst = 2\n", "unknown value");
+    expect_error("prefill@1.burst = yes\nprefill@1.burst = no\n",
+        "prefill@1.burst given twice");
+    expect_error("prefill@x.burst = yes\n", "expected prefill@N.key");
+    expect_error("decode@70000.threads = 1\n", "expected decode@N.key");
+    expect_error("sched@1.threads = 1\n", "unknown key");
+    expect_error("prefill@2.nosuch = 1\n", "unknown key \"nosuch\"");
     dsv4_conf_defaults(&c);
     assert_int_equal(dsv4_conf_load(&c, "/nonexistent/dsv4.conf",
         DSV4_CONF_ROLE_NONE), DSV4_ERR_SYS);
@@ -213,6 +265,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_roles_comments),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_instances),
     };
 
     if (argc != 2) {

@@ -3,7 +3,8 @@
  * status, group choice and decode slots (sched_queue.c), stop-string search
  * and hold-back (sched_req.c), and the round trip of the protocol fields the
  * scheduler added (PREFILL chunk, STATUS metrics and handoff histogram, RANK
- * rank_active), and the handoff histogram's bucketing (sched_ctl.c).
+ * rank_active and burst, READY burst), and the handoff histogram's
+ * bucketing (sched_ctl.c).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -91,6 +92,61 @@ test_pick(void **state)
     assert_int_equal(queue_transport(p0, d1), DSV4_TRANSPORT_NONE);
     p0->transports = (1u << DSV4_TRANSPORT_UCX) | (1u << DSV4_TRANSPORT_SHM);
     assert_int_equal(queue_transport(p0, d1), DSV4_TRANSPORT_UCX);
+    while ((g = TAILQ_FIRST(&l)) != NULL) {
+        TAILQ_REMOVE(&l, g, entry);
+        free(g->slots);
+        free(g);
+    }
+}
+
+/* Burst prefill groups (queue_pick_prefill): preferred while the decode
+ * groups are idle, skipped while they are busy, taken when no other prefill
+ * group is usable at all. */
+static void
+test_pick_burst(void **state)
+{
+    struct sched_group_list l;
+    struct sched_rank k[4];
+    struct sched_group *d0, *p0, *p1, *pb, *g;
+
+    (void)state;
+    TAILQ_INIT(&l);
+    d0 = mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 16, 1000);
+    p0 = mkgroup(&l, &k[1], DSV4_ROLE_PREFILL, 0, 1, 1000);
+    /* without burst groups: queue_pick's answer */
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    pb = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 1, 1, 1000);
+    pb->burst = true;
+    /* idle: the burst group, though p0 has the lower id */
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    /* one stream decoding: past burst_streams 0, within 1 */
+    d0->load = 1;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 1), pb);
+    /* busy burst group while idle: the plain one */
+    d0->load = 0;
+    pb->load = 1;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    /* busy decode, plain group full: wait (NULL), not the burst group */
+    pb->load = 0;
+    d0->load = 5;
+    p0->load = 1;
+    assert_null(queue_pick_prefill(&l, 10, 0));
+    /* ...but with the plain group drained, dead or too short, the burst one */
+    k[1].drain = true;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    k[1].drain = false;
+    k[1].state = DSV4_RANK_STATE_DEAD;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    k[1].state = DSV4_RANK_STATE_READY;
+    assert_ptr_equal(queue_pick_prefill(&l, 2000, 0), NULL);
+    p0->max_ctx = 500;
+    pb->max_ctx = 2000;
+    assert_ptr_equal(queue_pick_prefill(&l, 1500, 0), pb);
+    /* two plain groups, busy decode: the least loaded plain one */
+    p1 = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 2, 1, 2000);
+    p0->max_ctx = 2000;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p1);
     while ((g = TAILQ_FIRST(&l)) != NULL) {
         TAILQ_REMOVE(&l, g, entry);
         free(g->slots);
@@ -247,6 +303,19 @@ test_proto_additions(void **state)
     m.u.rank.rank_active = 3;
     m.u.rank.has_rank_active = true;
     roundtrip(&m);
+    m.u.rank.burst = true;
+    m.u.rank.placed = 12345678901ull;
+    roundtrip(&m);
+
+    dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_READY);
+    m.u.ready.role = DSV4_ROLE_PREFILL;
+    m.u.ready.group_size = 1;
+    m.u.ready.capacity = 1;
+    m.u.ready.max_ctx = 4096;
+    m.u.ready.host = "h";
+    roundtrip(&m);
+    m.u.ready.burst = true;
+    roundtrip(&m);
 }
 
 int
@@ -255,6 +324,7 @@ main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_admit),
         cmocka_unit_test(test_pick),
+        cmocka_unit_test(test_pick_burst),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_proto_additions),
         cmocka_unit_test(test_handoff_hist),

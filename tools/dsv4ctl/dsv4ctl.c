@@ -216,6 +216,9 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
         if (k->has_mtp)
             printf(", \"mtp_drafts\": %" PRIu64 ", \"mtp_accepted\": %" PRIu64,
                 k->mtp_drafts, k->mtp_accepted);
+        printf(", \"placed\": %" PRIu64, k->placed);
+        if (k->burst)
+            printf(", \"burst\": true");
         printf("}");
     } else {
         /* MTP: "accepted/drafts (rate)", "-" for a rank without MTP */
@@ -225,11 +228,12 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
         else
             snprintf(mtp, sizeof(mtp), "-");
         if (c->n_items == 0)
-            printf("%-12s %-7s %-16s %-9s %7s %9s %10s  %s\n", "RANK", "GROUP", "HOST",
-                "STATE", "ACTIVE", "CAPACITY", "LAST_SEEN", "MTP");
-        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %8.1fs  %s\n", name, k->group,
-            k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active, k->capacity,
-            (double)k->last_seen_ms / 1000.0, mtp);
+            printf("%-12s %-7s %-16s %-9s %7s %9s %9s %10s  %s\n", "RANK", "GROUP", "HOST",
+                "STATE", "ACTIVE", "CAPACITY", "PLACED", "LAST_SEEN", "MTP");
+        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %s%s\n", name,
+            k->group, k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active,
+            k->capacity, k->placed, (double)k->last_seen_ms / 1000.0, mtp,
+            k->burst ? "  burst prefill" : "");
     }
     c->n_items++;
 }
