@@ -209,7 +209,9 @@ link_welcome(struct rank *k, const struct dsv4_rank_welcome *w)
                    k->o.conf.rank_endpoint, (unsigned)w->heartbeat_ms, (unsigned)w->liveness);
     k->link = RANK_LINK_UP;
     dsv4_liveness_init(&k->live, w->heartbeat_ms, w->liveness, now);
-    sdnotify_status("serving as %s (%d slots)", k->name, k->o.slots);
+    sdnotify_status("serving as %s (%d slots%s)", k->name, k->o.slots,
+                    k->o.role == DSV4_ROLE_PREFILL && strcmp(k->o.conf.burst, "yes") == 0
+                        ? ", burst prefill" : "");
     if (!k->notified_ready) {
         sdnotify_ready();
         k->notified_ready = true;
@@ -647,6 +649,9 @@ rank_options(struct rank_opts *o, int argc, char **argv)
             exit(2);
         }
     }
+    if (RANK_ROLE == DSV4_ROLE_DECODE && strcmp(o->conf.burst, "yes") == 0)
+        fprintf(stderr, "dsv4-decode: burst = yes has no effect on a decode rank (it marks "
+                "burst prefill ranks)\n");
     if (set[OPT_CHECKPOINT] != NULL)
         conf_set_or_die(&o->conf, "checkpoint", set[OPT_CHECKPOINT]);
     if (set[OPT_BACKEND] != NULL)
