@@ -34,7 +34,9 @@
  * printed (not checked).
  *
  * profile: the `flash` widths cut to LAYERS layers with synthetic weights,
- * 16 prompts of 64 tokens, 3 decode steps at batch BATCH, then one more
+ * 16 prompts of 64 tokens (DSV4_TEST_PROFILE_PLEN tokens: 16-4,096, each
+ * prompt its own prefill call above 64, so the steps attend over the
+ * contexts of a loaded service), 3 decode steps at batch BATCH, then one more
  * ungraphed step between cudaProfilerStart/Stop (for `ncu
  * --profile-from-start off`: the per-kernel breakdown of docs/perf.md), and
  * the graphed step time, the step graph's kernel count
@@ -504,21 +506,27 @@ run_profile(int layers, int batch)
     struct dsv4_config cfg;
     struct dsv4_model *pm, *gm;
     struct dsv4_model_opts opts = { 0 };
-    int V, plen = 64, B = 16, n_kern, n_nodes = 0;
+    const char *pl = getenv("DSV4_TEST_PROFILE_PLEN");
+    int V, plen = pl != NULL ? atoi(pl) : 64, B = 16, n_kern, n_nodes = 0;
     double t0, ms_plain, ms_graph, ms_sample;
 
+    if (plen < 16 || plen > 4096) {
+        fprintf(stderr, "DSV4_TEST_PROFILE_PLEN=%s: 16 to 4096 tokens\n", pl);
+        return 1;
+    }
     flash_cut(&cfg, layers);
     TRY("synthetic (flash)", dsv4_cuda_weights_synthetic(gb, &fw, &cfg, 11, NULL));
     opts.n_slots = B;
     opts.max_seq_len = plen + 64;
-    opts.max_rows = B * plen;
+    /* long prompts: one prefill call a prompt (fewer activation rows) */
+    opts.max_rows = plen > 64 ? plen : B * plen;
     TRY("model", dsv4_model_create(&pm, gb, &fw, &opts));
     opts.graphs = 1;
     TRY("model (graphs)", dsv4_model_create(&gm, gb, &fw, &opts));
     V = dsv4_model_vocab(pm);
     {
         int32_t slot[16], ntok[16], *tok = malloc((size_t)B * plen * sizeof(*tok)), tg[16];
-        float *lg = malloc((size_t)B * plen * V * sizeof(float));
+        float *lg = malloc((size_t)B * V * sizeof(float));   /* a logits row a sequence */
         struct dsv4_batch b = { B, slot, ntok, tok };
 
         for (int i = 0; i < B * plen; i++)
@@ -527,8 +535,17 @@ run_profile(int layers, int batch)
             slot[i] = i;
             ntok[i] = plen;
         }
-        TRY("prefill", dsv4_model_forward(pm, &b, lg, 0));
-        TRY("prefill", dsv4_model_forward(gm, &b, lg, 0));
+        if (plen <= 64) {
+            TRY("prefill", dsv4_model_forward(pm, &b, lg, 0));
+            TRY("prefill", dsv4_model_forward(gm, &b, lg, 0));
+        } else {
+            for (int i = 0; i < B; i++) {
+                struct dsv4_batch b1 = { 1, slot + i, ntok + i, tok + (size_t)i * plen };
+
+                TRY("prefill", dsv4_model_forward(pm, &b1, lg + (size_t)i * V, 0));
+                TRY("prefill", dsv4_model_forward(gm, &b1, lg + (size_t)i * V, 0));
+            }
+        }
         for (int i = 0; i < B; i++)
             tg[i] = argmax(lg + (size_t)i * V, V);
         decode_steps(pm, batch, 3, V, lg, tg);
@@ -565,11 +582,12 @@ run_profile(int layers, int batch)
                 TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL));
             ms_sample = (now_ms() - t0) / 20;
         }
-        printf("| profile | flash widths, %d layers | batch %d | %s kernels, PDL %s "
+        printf("| profile | flash widths, %d layers | batch %d, %d-token prompts | %s kernels, PDL %s "
                "| plain step %.2f ms "
                "| graphed step %.2f ms (logits to the host) | graphed + GPU sampling %.2f ms "
                "| step graph: %d kernels, %d nodes |\n",
-               layers, batch, getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "exact",
+               layers, batch, plen,
+               getenv("DSV4_CUDA_KERNELS") ? getenv("DSV4_CUDA_KERNELS") : "exact",
                dsv4_cuda_pdl_enabled() ? "on" : "off", ms_plain, ms_graph, ms_sample, n_kern,
                n_nodes);
         free(tok), free(lg);
