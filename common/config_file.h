@@ -12,8 +12,9 @@
  * instance prefix, `prefill@N.` or `decode@N.` (N as in the unit name
  * dsv4-prefill@N), applies to that one rank and wins over both (e.g.
  * `prefill@1.burst = yes`).  An unknown key, a malformed value or a key
- * given twice (with the same prefix) is an error naming file and line.  Every key has a default (struct dsv4_conf below
- * and units/dsv4.conf document them), so an empty file is valid.
+ * given twice (with the same prefix) is an error naming file and line.
+ * Every key has a default (struct dsv4_conf below and units/dsv4.conf
+ * document them), so an empty file is valid.
  *
  * Pure functions of their arguments; no global state.
  */
