@@ -415,15 +415,16 @@ dsv4_conf_load_rank(struct dsv4_conf *cfg, const char *path,
             } else {
                 /* Validate now, apply after the plain keys (instance lines
                  * after the role's). */
+                struct cfg_deferred *d;
+
                 err = cfg_apply(NULL, k, value);
-                if (err == DSV4_OK && lrole == (int)role && linst < 0) {
-                    def[n_def].key = k;
-                    memcpy(def[n_def].value, value, strlen(value) + 1);
-                    n_def++;
-                } else if (err == DSV4_OK && lrole == (int)role && linst == index) {
-                    idef[n_idef].key = k;
-                    memcpy(idef[n_idef].value, value, strlen(value) + 1);
-                    n_idef++;
+                d = err != DSV4_OK || lrole != (int)role ? NULL
+                    : linst < 0                          ? &def[n_def++]
+                    : linst == index                     ? &idef[n_idef++]
+                                                         : NULL;
+                if (d != NULL) {
+                    d->key = k;
+                    memcpy(d->value, value, strlen(value) + 1);
                 }
             }
         }

@@ -163,7 +163,7 @@ link_join(struct rank *k)
     m.u.ready.host = k->host;
     m.u.ready.pid = (uint32_t)getpid();
     m.u.ready.transports = k->transports;
-    m.u.ready.burst = k->o.role == DSV4_ROLE_PREFILL && strcmp(k->o.conf.burst, "yes") == 0;
+    m.u.ready.burst = k->o.burst;
     rank_send(k, &m);
     log_debug("link_join: READY sent to %s", k->o.conf.rank_endpoint);
 }
@@ -210,8 +210,7 @@ link_welcome(struct rank *k, const struct dsv4_rank_welcome *w)
     k->link = RANK_LINK_UP;
     dsv4_liveness_init(&k->live, w->heartbeat_ms, w->liveness, now);
     sdnotify_status("serving as %s (%d slots%s)", k->name, k->o.slots,
-                    k->o.role == DSV4_ROLE_PREFILL && strcmp(k->o.conf.burst, "yes") == 0
-                        ? ", burst prefill" : "");
+                    k->o.burst ? ", burst prefill" : "");
     if (!k->notified_ready) {
         sdnotify_ready();
         k->notified_ready = true;
@@ -649,9 +648,12 @@ rank_options(struct rank_opts *o, int argc, char **argv)
             exit(2);
         }
     }
-    if (RANK_ROLE == DSV4_ROLE_DECODE && strcmp(o->conf.burst, "yes") == 0)
+    o->burst = strcmp(o->conf.burst, "yes") == 0;
+    if (RANK_ROLE == DSV4_ROLE_DECODE && o->burst) {
         fprintf(stderr, "dsv4-decode: burst = yes has no effect on a decode rank (it marks "
                 "burst prefill ranks)\n");
+        o->burst = false;
+    }
     if (set[OPT_CHECKPOINT] != NULL)
         conf_set_or_die(&o->conf, "checkpoint", set[OPT_CHECKPOINT]);
     if (set[OPT_BACKEND] != NULL)

@@ -89,6 +89,7 @@ struct rank_opts {
     const char *model_sets[32]; /* --set */
     int n_model_sets;
     bool no_graphs;             /* --no-graphs: decode steps not as CUDA graphs */
+    bool burst;                 /* a prefill rank with conf burst = yes (READY's burst) */
 };
 
 /* --- State ------------------------------------------------------------------ */

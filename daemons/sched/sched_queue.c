@@ -82,6 +82,14 @@ queue_group_fits(const struct sched_group *g, uint32_t ctx, enum dsv4_transport 
     return t == DSV4_TRANSPORT_NONE || (transports_of(g) & (1u << t)) != 0;
 }
 
+/* Whether g goes before best (NULL: nothing yet): less loaded, or as loaded
+ * with a lower id. */
+static bool
+group_before(const struct sched_group *g, const struct sched_group *best)
+{
+    return best == NULL || g->load < best->load || (g->load == best->load && g->id < best->id);
+}
+
 struct sched_group *
 queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
     enum dsv4_transport t)
@@ -91,8 +99,7 @@ queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
     TAILQ_FOREACH(g, groups, entry) {
         if (g->role != role || !queue_group_fits(g, ctx, t))
             continue;
-        if (best == NULL || g->load < best->load ||
-            (g->load == best->load && g->id < best->id))
+        if (group_before(g, best))
             best = g;
     }
     return best;
@@ -114,10 +121,8 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
             plain_usable = true;
         if (!queue_group_fits(g, ctx, DSV4_TRANSPORT_NONE))
             continue;
-        struct sched_group **b = &best[g->burst ? 1 : 0];
-
-        if (*b == NULL || g->load < (*b)->load || (g->load == (*b)->load && g->id < (*b)->id))
-            *b = g;
+        if (group_before(g, best[g->burst]))
+            best[g->burst] = g;
     }
     if (streams <= burst_streams && best[1] != NULL)
         return best[1];
