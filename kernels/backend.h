@@ -102,7 +102,7 @@ struct dsv4_sample_params {
 struct dsv4_backend;
 
 /* The arguments of one attention call (attention_unrope; the fields are
- * attention's parameters of the same names). */
+ * attention's parameters of the same names, but for `fresh`). */
 struct dsv4_attn {
     float *out;
     const float *q, *kv, *ring, *comp;
@@ -111,6 +111,15 @@ struct dsv4_attn {
     const int32_t *slot, *pos, *row0, *pos0;
     int T, H, Dh, win, cap, ratio, K;
     float scale;
+    /* A hint; 0 is always correct.  1: every sequence of the call starts at
+     * position 0 in it (pos0 = 0 on every row) and kv has the call's T rows,
+     * so every key row a query reads is a row of kv or a compressed entry
+     * that one of the call's rows completed (entry e of row t's sequence:
+     * row row0 + (e + 1) ratio - 1, the row whose position ends its
+     * window), none from the ring or from an earlier call.  The CUDA fast
+     * kernels then stage those rows as bf16 once per call instead of once
+     * per (row, head group).  Values are the same either way. */
+    int fresh;
 };
 
 /* The arguments of one norm_rope call (norm_rope2). */

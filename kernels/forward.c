@@ -91,6 +91,8 @@ struct call_plan {
     int32_t *out_rows;
     /* every row has at most K valid ratio-4 entries (idx_all) */
     int idx_small;
+    /* every sequence starts at position 0 in this call (dsv4_attn.fresh) */
+    int fresh;
     /* the logits rows' slot, pos, row0, pos0 and tok, and 0 .. n_out - 1:
      * the rows of a trimmed last layer (forward.h DSV4_FWD_FULL_LAST) */
     int32_t *oslot, *opos, *orow0, *opos0, *otok, *oid;
@@ -789,10 +791,13 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
     p->T = T;
     p->n_emit4 = p->n_emit128 = p->n_ring = p->n_out = 0;
     p->idx_small = 1;
+    p->fresh = 1;
     int t = 0;
     const struct page_pool *pg4 = &m->pg[0], *pg128 = &m->pg[1];
     for (int i = 0; i < b->n_seqs; i++) {
         int s = b->slot[i], n = b->n_tokens[i], p0 = m->len[s];
+        if (p0 > 0)
+            p->fresh = 0;
         for (int j = 0; j < n; j++, t++) {
             int pos = p0 + j, tok = b->tokens[t];
             p->slot[t] = s;
@@ -1235,6 +1240,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
             .slot = m->i_slot, .pos = m->i_pos, .row0 = m->i_row0, .pos0 = m->i_pos0, .T = T,
             .H = H, .Dh = Dh, .win = m->win, .cap = ls->ratio ? ls->pg->cap : 0,
             .ratio = ls->ratio, .K = m->K, .scale = (float)(1.0 / sqrt((double)Dh)),
+            .fresh = p->fresh && !m->trimmed,
         };
 
         TRY(ops->attention_unrope(be, &at, m->nope, rd, ls->freqs));

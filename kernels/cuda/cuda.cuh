@@ -1008,14 +1008,16 @@ int cuda_fast_attention_ok(const float *out, const float *q, const float *kv,
  * Dh, ur_off, ur_rd, ur_freqs, 1), ur_freqs on the host): in the decode
  * kernel's (fd_kernel's) output stage where it applies (ur_off even, ur_off
  * + ur_rd <= Dh, ur_rd / 2 <= CUDA_FA_UR_MAX, DSV4_CUDA_FUSE_UNROPE not 0),
- * else as a rope launch after. */
+ * else as a rope launch after.  fresh: dsv4_attn's hint (kernels/backend.h);
+ * the prefill kernel then reads the key rows from a bf16 copy made once per
+ * call (the same values). */
 enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q,
                                   const float *kv, const float *ring, const float *comp,
                                   const int32_t *pages, const int32_t *sel, const float *sink,
                                   const int32_t *slot, const int32_t *pos, const int32_t *row0,
                                   const int32_t *pos0, int T, int H, int Dh, int win, int cap,
                                   int ratio, int K, float scale, int ur_off, int ur_rd,
-                                  const float *ur_freqs);
+                                  const float *ur_freqs, int fresh);
 /* The most RoPE pairs cuda_fast_attention rotates in its output stage. */
 #define CUDA_FA_UR_MAX 64
 /* dI == 128, 1 <= nh <= 64, cap >= 1, 1 <= K <= 2048, q and keys 16-byte

@@ -348,7 +348,7 @@ cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int of
         return cuda_fast_attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages, a->sel,
                                    a->sink, a->slot, a->pos, a->row0, a->pos0, T, H, Dh,
                                    a->win, a->cap, a->ratio, a->K, a->scale, off, rd,
-                                   freqs);   /* fast_attention.cu */
+                                   freqs, a->fresh);   /* fast_attention.cu */
     max_cand = a->win + (a->comp == NULL ? 0 : a->sel != NULL ? a->K : a->cap);
     cb = cuda_align((size_t)T * max_cand * sizeof(float *));
     nb = cuda_align((size_t)T * sizeof(int));

@@ -30,6 +30,12 @@
  *      tile (ldmatrix.trans), each warp its Dh/8 output dimensions.  P is
  *      fed as bf16 hi + lo (two mma; |p - hi - lo| <= 2^-16 |p|), so P V
  *      is close to fp32 accuracy rather than bf16's.
+ *   A fresh call (dsv4_attn.fresh: every sequence from position 0, so every
+ *   key row is a row of kv or an entry one of the call's rows completed)
+ *   has those rows rounded to bf16 once (fa_stage_kernel, into scratch),
+ *   and fa_kernel<..., B16 = 1> copies them straight into the bf16 tiles
+ *   (fa_issue16; no fp32 staging, no conversion; the same values, so the
+ *   same bits).  DSV4_CUDA_ATTN_STAGE=0 converts in every CTA as before.
  *   At the end out = bf16(O / (l + exp(sink - m))); for attention_unrope
  *   (cuda_attention_unrope) fd_kernel's output stage then rotates the pairs
  *   of the RoPE dimensions back at the row's position (fa_unrope_cs:
@@ -122,6 +128,9 @@ struct fa_args {
     int n_hg, n_ch, split;  /* split: candidates per chunk, 0 = whole rows */
     int ur_off, ur_np;      /* the output's inverse RoPE: ur_np pairs from dimension ur_off */
     float ur_f[CUDA_FA_UR_MAX];   /* (ur_np = 0: none), frequencies */
+    /* a fresh call's key rows as bf16 (fa_stage_kernel), else NULL: kv's T
+     * rows, and per row c the compressed entry it completed (row c of compb) */
+    uint16_t *kvb, *compb;
 };
 
 /* --- small device helpers ------------------------------------------------------ */
@@ -235,6 +244,71 @@ fa_cand(const struct fa_args &a, const struct fa_row &r, int t, int c)
 }
 
 /*
+ * fa_cand for a fresh call (fa_args.kvb set): candidate c of row t in the
+ * bf16 copies.  Window rows are all the call's (pos0 = 0); entry e of the
+ * row's sequence is the copy made at the row that completed it, row0 + (e +
+ * 1) ratio - 1.  A CSA pick of an entry no row up to t has completed (the
+ * indexer picks none: its keys are the completed entries) is masked rather
+ * than read past the sequence.
+ */
+static __device__ __forceinline__ const uint16_t *
+fa_cand16(const struct fa_args &a, const struct fa_row &r, int t, int c)
+{
+    int e;
+
+    if (c < r.nw)
+        return a.kvb + (int64_t)(a.row0[t] + (r.u0 + c - a.pos0[t])) * a.Dh;
+    e = c - r.nw;
+    if (a.sel != NULL) {
+        e = a.sel[(int64_t)t * a.K + e];
+        if (e < 0 || e >= a.cap || (int64_t)(e + 1) * a.ratio - 1 > r.p)
+            return NULL;
+    }
+    return a.compb + (int64_t)(a.row0[t] + ((e + 1) * a.ratio - 1 - a.pos0[t])) * a.Dh;
+}
+
+/*
+ * The bf16 copies of a fresh call (one warp an item, Dh / 128 16-byte
+ * loads a lane): items 0 .. T - 1 kv's rows, items T .. 2 T - 1 for row c =
+ * item - T the compressed entry whose window row c ends ((pos + 1) % ratio
+ * == 0, entry (pos + 1) / ratio - 1 < cap; other rows have none).  Rounded
+ * as fa_convert rounds: the values fa_kernel's tiles get either way (the
+ * pools and kv hold bf16 values, so the copies are exact).
+ */
+static __global__ void
+fa_stage_kernel(struct fa_args a)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    int64_t item = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    const float *src;
+    uint16_t *dst;
+
+    if (item >= 2 * (int64_t)a.T)
+        return;   /* whole warps leave together */
+    if (item < a.T) {
+        src = a.kv + item * a.Dh;
+        dst = a.kvb + item * a.Dh;
+    } else {
+        int c = (int)(item - a.T), p = a.pos[c], e;
+
+        if (a.comp == NULL || a.ratio < 1 || (p + 1) % a.ratio != 0)
+            return;
+        e = (p + 1) / a.ratio - 1;
+        if (e >= a.cap)
+            return;
+        src = a.comp + cu_pool_row(a.pages, a.cap, a.slot[c], e) * a.Dh;
+        dst = a.compb + (int64_t)c * a.Dh;
+    }
+    for (int d = lane * 4; d < a.Dh; d += 128) {
+        float4 v = *(const float4 *)(src + d);
+
+        *(uint2 *)(dst + d) = make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+    }
+}
+
+/*
  * The end of row t's candidates past its last valid one (CSA: slots with sel
  * < 0 or >= cap are masked; the indexer writes its picks first, then -1, so
  * a row below K * ratio tokens ends in masked slots): candidates past it
@@ -263,11 +337,11 @@ fa_trim(const struct fa_args &a, const struct fa_row &r, int t, int c_end)
 
 /* Shared memory layout (bytes) of fa_kernel<MT> for head dimension Dh. */
 static __host__ __device__ __forceinline__ size_t
-fa_smem_bytes(int MT, int Dh)
+fa_smem_bytes(int MT, int Dh, int B16)
 {
     int HG = 16 * MT;
 
-    return (size_t)FA_NC * Dh * 4                   /* fp32 staging */
+    return (size_t)(B16 ? 0 : FA_NC * Dh * 4)       /* fp32 staging */
            + (size_t)2 * FA_NC * (Dh + 8) * 2       /* bf16 tiles */
            + (size_t)FA_WARPS * HG * FA_SP_LD * 4   /* score partials */
            + (size_t)HG * FA_SP_LD * 4              /* P */
@@ -332,6 +406,29 @@ fa_convert(const float *stage, uint16_t *kj)
     }
 }
 
+/* A fresh call's copies of one tile (bf16 rows ptr[0 .. FA_NC), NULL:
+ * zero-filled) straight into the bf16 tile kj (rows of Dh + 8), fd_issue's
+ * rows and order: warp w rows w FA_RPW .., lane l the 16-byte pieces l, l +
+ * 32, ... of each (one warp instruction, 512 contiguous bytes). */
+template <int Dh>
+static __device__ __forceinline__ void
+fa_issue16(const uint16_t *const *ptr, uint16_t *kj, const void *dummy)
+{
+    int row0 = (threadIdx.x / 32) * FA_RPW, c8 = (threadIdx.x % 32) * 8;
+
+#pragma unroll
+    for (int r = 0; r < FA_RPW; r++) {
+        const uint16_t *src = ptr[row0 + r];
+        uint16_t *dst = kj + (size_t)(row0 + r) * (Dh + 8) + c8;
+
+#pragma unroll
+        for (int k = 0; k < Dh / 256; k++)
+            fa_cp16(dst + 256 * k, src != NULL ? (const void *)(src + c8 + 256 * k) : dummy,
+                    src != NULL);
+    }
+    fa_cp_commit();
+}
+
 /*
  * The key rows of candidates c0 .. c0 + FA_PG FA_NC - 1 of row t (NULL:
  * masked, or past c_end) into ptr: thread i looks up candidate c0 + i.
@@ -340,14 +437,16 @@ fa_convert(const float *stage, uint16_t *kj)
  * instead of working out the window / ring / page-table address per 16-byte
  * piece (docs/perf.md run 39: that was a third of fa_kernel's instructions).
  */
+template <int B16>
 static __device__ __forceinline__ void
 fa_rows(const struct fa_args &a, const struct fa_row &r, int t, int c0, int c_end,
-        const float **ptr)
+        const void **ptr)
 {
     for (int i = threadIdx.x; i < FA_PG * FA_NC; i += FA_THREADS) {
         int c = c0 + i;
 
-        ptr[i] = c < c_end ? fa_cand(a, r, t, c) : NULL;
+        ptr[i] = c >= c_end ? NULL : B16 ? (const void *)fa_cand16(a, r, t, c)
+                                         : (const void *)fa_cand(a, r, t, c);
     }
 }
 
@@ -549,7 +648,7 @@ fa_tile_pv(const uint16_t *kb, const float *pm, const float *s_al, float (&o)[MT
  * One CTA per (row t, head group hg, chunk ch); MT m-tiles of 16 heads;
  * DW = Dh / 8 head dimensions per warp.
  */
-template <int MT, int DW>
+template <int MT, int DW, int B16>
 static __global__ void __launch_bounds__(FA_THREADS, 1)
 fa_kernel(struct fa_args a)
 {
@@ -558,12 +657,12 @@ fa_kernel(struct fa_args a)
     constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
     constexpr int TPH = FA_THREADS / HG;   /* softmax threads per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
-    float *stage = (float *)fa_sm;
-    uint16_t *kb = (uint16_t *)(stage + FA_NC * Dh);
+    float *stage = (float *)fa_sm;   /* B16: none */
+    uint16_t *kb = (uint16_t *)(stage + (B16 ? 0 : FA_NC * Dh));
     float *sp = (float *)(kb + 2 * FA_NC * (Dh + 8));
     float *pm = sp + FA_WARPS * HG * FA_SP_LD;
     float *s_m = pm + HG * FA_SP_LD, *s_l = s_m + HG, *s_al = s_l + HG;
-    const float **s_ptr = (const float **)(s_al + HG);
+    const void **s_ptr = (const void **)(s_al + HG);
     int64_t bid = blockIdx.x;
     int ch = (int)(bid % a.n_ch), hg = (int)(bid / a.n_ch % a.n_hg);
     int t = (int)(bid / a.n_ch / a.n_hg);
@@ -593,9 +692,9 @@ fa_kernel(struct fa_args a)
     if (c_beg >= c_end)
         return;   /* an empty chunk: the combine does not read it */
     /* the key rows of tiles 0 .. 2 FA_PG - 1 (tile i in slot i % (2 FA_PG)) */
-    fa_rows(a, r, t, c_beg, c_end, s_ptr);
+    fa_rows<B16>(a, r, t, c_beg, c_end, s_ptr);
     if (n_tiles > FA_PG)
-        fa_rows(a, r, t, c_beg + FA_PG * FA_NC, c_end, s_ptr + FA_PG * FA_NC);
+        fa_rows<B16>(a, r, t, c_beg + FA_PG * FA_NC, c_end, s_ptr + FA_PG * FA_NC);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -608,29 +707,42 @@ fa_kernel(struct fa_args a)
         s_l[threadIdx.x] = 0.0f;
     }
     __syncthreads();   /* s_ptr */
-    fd_issue<Dh>(s_ptr, stage, a.q);
+    if (B16)
+        fa_issue16<Dh>((const uint16_t *const *)s_ptr, kb, a.q);
+    else
+        fd_issue<Dh>((const float *const *)s_ptr, stage, a.q);
 
     /* tile it: this thread's copies -> bf16 tile it & 1, barrier, tile it + 1's
      * copies issued (in flight during tile it), scores, barrier, softmax,
-     * barrier, P V; 3 barriers a tile (fd_kernel's pipeline) */
+     * barrier, P V; 3 barriers a tile (fd_kernel's pipeline).  B16: the copies
+     * land in bf16 tile it & 1 itself, and tile it + 1's go to the other tile,
+     * whose last reads (tile it - 1's P V) were before tile it's first
+     * barrier. */
     for (int it = 0; it < n_tiles; it++) {
         int c0 = c_beg + it * FA_NC;
         uint16_t *kj = kb + (size_t)(it & 1) * FA_NC * (Dh + 8);
-        const float *const *tp = s_ptr + (it % (2 * FA_PG)) * FA_NC;
+        const void *const *tp = s_ptr + (it % (2 * FA_PG)) * FA_NC;
 
         /* the last reads of bf16 tile it & 1 (tile it - 2's) were before tile
          * it - 1's barriers */
         fa_cp_wait<0>();
-        fa_convert<Dh>(stage, kj);
+        if (!B16)
+            fa_convert<Dh>(stage, kj);
         /* from tile FA_PG on, every FA_PG tiles: the rows of tiles it + FA_PG ..
          * into the half whose tiles (it - FA_PG ..) were last read before tile
          * it - 1's softmax barrier */
         if (it >= FA_PG && it % FA_PG == 0 && it + FA_PG < n_tiles)
-            fa_rows(a, r, t, c0 + FA_PG * FA_NC, c_end,
-                    s_ptr + ((it / FA_PG + 1) % 2) * FA_PG * FA_NC);
+            fa_rows<B16>(a, r, t, c0 + FA_PG * FA_NC, c_end,
+                         s_ptr + ((it / FA_PG + 1) % 2) * FA_PG * FA_NC);
         __syncthreads();   /* tile it complete; everyone's staging reads done */
-        if (it + 1 < n_tiles)
-            fd_issue<Dh>(s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC, stage, a.q);
+        if (it + 1 < n_tiles) {
+            if (B16)
+                fa_issue16<Dh>((const uint16_t *const *)s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC,
+                               kb + (size_t)((it + 1) & 1) * FA_NC * (Dh + 8), a.q);
+            else
+                fd_issue<Dh>((const float *const *)s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC,
+                             stage, a.q);
+        }
 
         fa_tile_qk<MT, DW>(kj, qa, sp, warp, lane);
         __syncthreads();
@@ -966,18 +1078,38 @@ cuda_fast_attention_ok(const float *out, const float *q, const float *kv, const 
            fa_aligned(comp);
 }
 
+template <int MT, int DW, int B16>
+static enum dsv4_err
+fa_launch_b(struct dsv4_backend *be, const struct fa_args &a)
+{
+    cudaStream_t st = cuda_stream(be);
+    size_t smem = fa_smem_bytes(MT, 8 * DW, B16);
+
+    CUDA_TRY(cudaFuncSetAttribute(fa_kernel<MT, DW, B16>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    cu_launch(fa_kernel<MT, DW, B16>, (unsigned)((int64_t)a.T * a.n_hg * a.n_ch), FA_THREADS,
+              smem, st, a);
+    CUDA_LAUNCHED("fast attention");
+    return DSV4_OK;
+}
+
 template <int MT, int DW>
 static enum dsv4_err
 fa_launch(struct dsv4_backend *be, const struct fa_args &a)
 {
     cudaStream_t st = cuda_stream(be);
-    size_t smem = fa_smem_bytes(MT, 8 * DW);
+    enum dsv4_err e;
 
-    CUDA_TRY(cudaFuncSetAttribute(fa_kernel<MT, DW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
-    cu_launch(fa_kernel<MT, DW>, (unsigned)((int64_t)a.T * a.n_hg * a.n_ch), FA_THREADS, smem, st,
-              a);
-    CUDA_LAUNCHED("fast attention");
+    if (DW >= 32 && a.kvb != NULL) {
+        cu_launch(fa_stage_kernel, (unsigned)((2 * (int64_t)a.T * 32 + 255) / 256), 256, 0, st,
+                  a);
+        CUDA_LAUNCHED("fast attention stage");
+        e = fa_launch_b<MT, DW, 1>(be, a);
+    } else {
+        e = fa_launch_b<MT, DW, 0>(be, a);
+    }
+    if (e != DSV4_OK)
+        return e;
     if (a.split) {
         cu_launch(fa_combine_kernel<MT>, (unsigned)((int64_t)a.T * a.H), 128, 0, st, a);
         CUDA_LAUNCHED("fast attention combine");
@@ -1095,13 +1227,17 @@ fa_unrope_after(struct dsv4_backend *be, const struct fa_args &a, int ur_off, in
                      ur_freqs, 1);
 }
 
+/* DSV4_CUDA_ATTN_STAGE=0: fresh calls' key rows converted in every CTA as
+ * before (A/B runs; the same bits). */
+static struct cuda_switch fa_stage_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_STAGE", 1);
+
 enum dsv4_err
 cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
                     const float *ring, const float *comp, const int32_t *pages,
                     const int32_t *sel, const float *sink, const int32_t *slot,
                     const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H,
                     int Dh, int win, int cap, int ratio, int K, float scale, int ur_off,
-                    int ur_rd, const float *ur_freqs)
+                    int ur_rd, const float *ur_freqs, int fresh)
 {
     struct fa_args a;
     int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant(), cs = fd_cs();
@@ -1173,6 +1309,17 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
             a.split = FA_CHUNK;
             a.n_ch = n_ch;
         }
+    }
+    /* a fresh call's whole rows: the key rows staged as bf16 once (2 T rows
+     * of Dh: kv's, the completed entries') instead of converted by each CTA */
+    if (fresh && !a.split && Dh >= 256 && cuda_switch_on(&fa_stage_sw)) {
+        size_t nb = cuda_align((size_t)T * Dh * sizeof(uint16_t));
+        unsigned char *sc = (unsigned char *)cuda_scratch(be, 2 * nb);
+
+        if (sc == NULL)
+            return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention: no scratch");
+        a.kvb = (uint16_t *)sc;
+        a.compb = (uint16_t *)(sc + nb);
     }
     enum dsv4_err e = MT == 2 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
 
