@@ -3,7 +3,7 @@
  * (kernels/cuda/fast_attention.cu, fast_indexer.cu) against the exact CUDA
  * kernels on the device: bounds, selection equality, speed.
  *
- *   bench_attn [SEED [quick]]
+ *   bench_attn [SEED [quick | prefill]]
  *
  * Attention (REF numerics, Dh 512, window 128, K 512, scale 1/sqrt(Dh)):
  *   decode: 16 rows of 16 slots at contexts 200, 4096, 8192 (rows at
@@ -41,7 +41,8 @@
  * in a graph; µs printed against the unstaged form.  Timing: the exact op once (twice
  * for decode sizes, the second timed), the fast op as the median of 7
  * timed calls; µs per call and the speed-up are printed, not checked.
- * `quick` runs the decode cases and the 2048-row prefills only.
+ * `quick` runs the decode cases and the 2048-row prefills only; `prefill` the
+ * attention's prefills of up to 2048 rows only.
  *
  * Output: one line per case (OK / FAIL with the first out-of-bound index,
  * both values, max errors), then "PASS bench_attn" or "FAIL bench_attn".
@@ -768,6 +769,7 @@ main(int argc, char **argv)
         { "prefill 8192 fp4", 8192, 0, 0, 1 },
     };
     int quick = argc > 2 && strcmp(argv[2], "quick") == 0, n_fail = 0, n_run = 0;
+    int pre = argc > 2 && strcmp(argv[2], "prefill") == 0;
     enum dsv4_err e;
 
     if (argc > 1)
@@ -785,12 +787,14 @@ main(int argc, char **argv)
            ">= %.0f%% bit-identical; indexer: identical picks on every row\n",
            argc > 1 ? argv[1] : "default", ATT_BOUND, ATT_IDENT * 100);
     for (size_t i = 0; i < sizeof(att) / sizeof(att[0]); i++) {
-        if (quick && att[i].T > 2048)
+        if ((quick || pre) && att[i].T > 2048)
+            continue;
+        if (pre && att[i].decode)
             continue;
         n_run++;
         n_fail += !att_run(&att[i]);
     }
-    for (int hi = 0; hi < 2; hi++)
+    for (int hi = 0; hi < 2 && !pre; hi++)
         for (int ri = 0; ri < 3; ri++)
             for (int ci = 0; ci < 3; ci++) {
                 static const int Hs[2] = { 64, 32 }, rats[3] = { 0, 4, 128 };
@@ -799,7 +803,7 @@ main(int argc, char **argv)
                 n_run++;
                 n_fail += !att_versions(Hs[hi], rats[ri], ctxs[ci]);
             }
-    for (size_t i = 0; i < sizeof(idx) / sizeof(idx[0]); i++) {
+    for (size_t i = 0; i < sizeof(idx) / sizeof(idx[0]) && !pre; i++) {
         if (quick && idx[i].T > 2048)
             continue;
         n_run++;
