@@ -53,6 +53,8 @@ struct cuda_expert_table {
 };
 
 /* Backend state (be->priv). */
+#define CUDA_MAX_ARENAS 8   /* weight arenas a backend tells cuda_blas_weights of */
+
 struct cuda_state {
     int device;
     int sms;                            /* the device's SM count (cuda_sms) */
@@ -114,6 +116,12 @@ struct cuda_state {
     void *blas;                         /* fast_blas.cu: the cuBLASLt handle,
                                            workspace and plans (NULL until
                                            the first call; cuda_blas_fini) */
+    /* The weight arenas in use (cuda_weights_tables registers, and
+     * dsv4_cuda_weights_free removes, them): fixed once made, so
+     * cuda_blas_weights keeps bf16 copies only of weights inside one. */
+    const char *arena[CUDA_MAX_ARENAS];
+    size_t arena_bytes[CUDA_MAX_ARENAS];
+    int n_arena;
 };
 
 /* Whether be is a CUDA backend (the entry points that take any backend
@@ -875,6 +883,25 @@ void cuda_blas_fini(struct dsv4_backend *be);
  * (fast_gemm.cuh), fw_kernel's B order.  Queued on the backend stream. */
 enum dsv4_err cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb,
                                const struct dsv4_linear *W, int perm);
+/* The bf16 values of W1 and, when W3 != NULL, of W3 after them (rows of
+ * W1, then rows of W3: cuda_blas_decode's, perm as there) for a GEMM: a copy
+ * kept from an earlier call with the same weights, or one made now and kept
+ * (within DSV4_CUDA_BLAS_KEEP_MB, default 4,096, and while 8 GiB of device
+ * memory stay free), or else decoded into wb (scratch the caller owns) for
+ * this call only.  NULL (dsv4 error set) when the decode cannot take W1 or
+ * W3.  Same values either way. */
+const uint16_t *cuda_blas_weights(struct dsv4_backend *be, uint16_t *wb,
+                                  const struct dsv4_linear *W1, const struct dsv4_linear *W3,
+                                  int perm);
+/* Frees the kept copies (cuda_blas_weights): called when device weights are
+ * freed (dsv4_cuda_weights_free), as new ones may land at the same
+ * addresses.  Synchronizes the backend stream first. */
+void cuda_blas_weights_drop(struct dsv4_backend *be);
+/* Tell the backend that [base, base + bytes) holds weights that stay as they
+ * are until cuda_arena_forget (only such weights get kept copies; others, as
+ * the tests' buffers, may be overwritten or freed and reused). */
+void cuda_arena_note(struct dsv4_backend *be, const void *base, size_t bytes);
+void cuda_arena_forget(struct dsv4_backend *be, const void *base);
 /* out (T, G R) bf16 = per group g: wb rows g R .. (R, K) times xb (T, G K)
  * columns g K .. , fp32 sums rounded to bf16; cuBLASLt with one algorithm
  * per (R, K, G) (chosen at 2,048 columns, no split-K: rows T-independent).

@@ -319,7 +319,7 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
     const struct dsv4_attn a = {
         .out = out, .q = q, .kv = kv, .ring = ring, .comp = comp, .pages = pages, .sel = sel,
         .sink = sink, .slot = slot, .pos = pos, .row0 = row0, .pos0 = pos0, .T = T, .H = H,
-        .Dh = Dh, .win = win, .cap = cap, .ratio = ratio, .K = K, .scale = scale,
+        .Dh = Dh, .win = win, .cap = cap, .ratio = ratio, .K = K, .scale = scale, .fresh = 0,
     };
 
     return cuda_attention_unrope(be, &a, 0, 0, NULL);

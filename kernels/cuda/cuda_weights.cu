@@ -184,6 +184,10 @@ dsv4_cuda_weights_free(struct dsv4_backend *be, struct dsv4_weights *dev)
 
     if (p == NULL)
         return;
+    /* bf16 copies kept of these weights (fast_blas.cu): new weights may
+     * land at the same addresses */
+    cuda_arena_forget(be, p->arena);
+    cuda_blas_weights_drop(be);
     for (int l = 0; l < p->n_layers && p->experts != NULL; l++)
         cuda_experts_unregister(be, p->experts + (size_t)l * p->E);
     for (int l = 0; l < p->n_layers && p->layers != NULL; l++)
@@ -228,6 +232,9 @@ cuda_weights_tables(struct dsv4_backend *be, struct cuda_wpriv *p)
     }
     if (rc != cudaSuccess)
         return cuda_err(rc, "expert tables", __FILE__, __LINE__);
+    /* the weights are in place: fixed from here (fast_blas.cu keeps bf16
+     * copies of some) */
+    cuda_arena_note(be, p->arena, p->arena_bytes);
     for (int l = 0; l < p->n_layers; l++) {
         if (p->layers[l].experts != NULL) {
             e = cuda_experts_register(be, p->layers[l].experts,

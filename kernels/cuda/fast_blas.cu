@@ -156,6 +156,14 @@ struct bl_plan {
 
 #define BL_PLANS 24   /* shapes a backend meets: wo_a, the shared expert, the FP8 linears */
 
+/* A kept bf16 copy of one weight (w3 NULL) or of two stacked ones. */
+struct bl_keep {
+    const void *w1, *s1, *w3, *s3;     /* the FP8 codes and scales it came from */
+    int n1, k1, n3, perm;
+    uint16_t *wb;
+    size_t bytes;
+};
+
 struct cuda_blas {
     cublasLtHandle_t h;
     void *ws;                          /* the main queue's workspace; also
@@ -167,6 +175,10 @@ struct cuda_blas {
     struct bl_plan plan[BL_PLANS];
     int n_plan;
     int mps;                           /* the context is an MPS client */
+    struct bl_keep *keep;              /* kept bf16 weight copies (cuda_blas_weights) */
+    int n_keep, cap_keep;
+    size_t keep_bytes;
+    int keep_full;                     /* a copy did not fit: no more tries */
 };
 
 static struct cuda_switch bl_switch = CUDA_SWITCH("DSV4_CUDA_BLAS", 1);
@@ -194,6 +206,9 @@ cuda_blas_fini(struct dsv4_backend *be)
         bl.destroy(b->h);
     cudaFree(b->ws);
     cudaFree(b->ws_side);
+    for (int i = 0; i < b->n_keep; i++)
+        cudaFree(b->keep[i].wb);
+    free(b->keep);
     free(b);
     cuda_st(be)->blas = NULL;
 }
@@ -578,6 +593,182 @@ cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linear
     return DSV4_OK;
 }
 
+/* --- kept bf16 weight copies ------------------------------------------------------------ */
+
+#define BL_KEEP_RESERVE ((size_t)8 << 30)   /* device memory a new copy leaves free */
+
+/* DSV4_CUDA_BLAS_KEEP_MB: bytes of kept copies at most (default 4,096 MB; 0
+ * keeps none, every call decodes its weights as before). */
+static size_t
+bl_keep_budget(void)
+{
+    static long long mb = -1;
+
+    if (mb < 0) {
+        const char *e = getenv("DSV4_CUDA_BLAS_KEEP_MB");
+        char *end = NULL;
+        long long v = e != NULL ? strtoll(e, &end, 10) : 4096;
+
+        mb = e != NULL && (end == e || *end != '\0' || v < 0) ? 4096 : v;
+    }
+    return (size_t)mb << 20;
+}
+
+/* The kept copy of (W1, W3, perm) in b, or NULL. */
+static const uint16_t *
+bl_keep_find(const struct cuda_blas *b, const struct dsv4_linear *W1,
+             const struct dsv4_linear *W3, int perm)
+{
+    for (int i = 0; i < b->n_keep; i++) {
+        const struct bl_keep *k = &b->keep[i];
+
+        if (k->w1 == W1->w && k->s1 == W1->scale && k->n1 == W1->n_out && k->k1 == W1->n_in &&
+            k->perm == perm && k->w3 == (W3 != NULL ? W3->w : NULL) &&
+            (W3 == NULL || (k->s3 == W3->scale && k->n3 == W3->n_out)))
+            return k->wb;
+    }
+    return NULL;
+}
+
+/* A new kept buffer of `bytes` for (W1, W3, perm), or NULL: no cuBLASLt
+ * state, past the budget or the free-memory reserve, no memory. */
+static uint16_t *
+bl_keep_new(struct dsv4_backend *be, const struct dsv4_linear *W1,
+            const struct dsv4_linear *W3, int perm, size_t bytes)
+{
+    struct cuda_blas *b = (struct cuda_blas *)cuda_st(be)->blas;
+    size_t fr = 0, tot = 0;
+    struct bl_keep *k;
+    void *p = NULL;
+
+    if (b == NULL || b->keep_full || b->keep_bytes + bytes > bl_keep_budget())
+        return NULL;
+    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess || fr < bytes + BL_KEEP_RESERVE) {
+        (void)cudaGetLastError();
+        b->keep_full = 1;
+        return NULL;
+    }
+    if (b->n_keep == b->cap_keep) {
+        int cap = b->cap_keep ? 2 * b->cap_keep : 64;
+        struct bl_keep *nk = (struct bl_keep *)realloc(b->keep, (size_t)cap * sizeof(*nk));
+
+        if (nk == NULL)
+            return NULL;
+        b->keep = nk;
+        b->cap_keep = cap;
+    }
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        b->keep_full = 1;
+        return NULL;
+    }
+    k = &b->keep[b->n_keep++];
+    memset(k, 0, sizeof(*k));
+    k->w1 = W1->w;
+    k->s1 = W1->scale;
+    k->n1 = W1->n_out;
+    k->k1 = W1->n_in;
+    k->perm = perm;
+    if (W3 != NULL) {
+        k->w3 = W3->w;
+        k->s3 = W3->scale;
+        k->n3 = W3->n_out;
+    }
+    k->wb = (uint16_t *)p;
+    k->bytes = bytes;
+    b->keep_bytes += bytes;
+    return k->wb;
+}
+
+void
+cuda_arena_note(struct dsv4_backend *be, const void *base, size_t bytes)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    if (base == NULL || bytes == 0 || st->n_arena == CUDA_MAX_ARENAS)
+        return;   /* past the table: its weights are decoded every call */
+    st->arena[st->n_arena] = (const char *)base;
+    st->arena_bytes[st->n_arena++] = bytes;
+}
+
+void
+cuda_arena_forget(struct dsv4_backend *be, const void *base)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    for (int i = 0; i < st->n_arena; i++)
+        if (st->arena[i] == (const char *)base) {
+            st->arena[i] = st->arena[st->n_arena - 1];
+            st->arena_bytes[i] = st->arena_bytes[st->n_arena - 1];
+            st->n_arena--;
+            return;
+        }
+}
+
+/* Whether [p, p + n) lies in one of be's noted weight arenas. */
+static int
+bl_in_arena(struct dsv4_backend *be, const void *p, size_t n)
+{
+    const struct cuda_state *st = cuda_st(be);
+    const char *c = (const char *)p;
+
+    for (int i = 0; i < st->n_arena; i++)
+        if (c >= st->arena[i] && n <= st->arena_bytes[i] &&
+            (size_t)(c - st->arena[i]) <= st->arena_bytes[i] - n)
+            return 1;
+    return 0;
+}
+
+/* Whether W's codes and scales lie in a noted arena (fixed weights). */
+static int
+bl_fixed(struct dsv4_backend *be, const struct dsv4_linear *W)
+{
+    size_t nw = (size_t)W->n_out * W->n_in, ns = (size_t)(W->n_out / 128) * (W->n_in / 128);
+
+    return bl_in_arena(be, W->w, nw) && bl_in_arena(be, W->scale, ns);
+}
+
+const uint16_t *
+cuda_blas_weights(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linear *W1,
+                  const struct dsv4_linear *W3, int perm)
+{
+    struct cuda_blas *b = (struct cuda_blas *)cuda_st(be)->blas;
+    size_t n1 = (size_t)W1->n_out * W1->n_in;
+    size_t bytes = (n1 + (W3 != NULL ? (size_t)W3->n_out * W3->n_in : 0)) * sizeof(uint16_t);
+    const uint16_t *kept;
+    uint16_t *dst;
+
+    if (!bl_fp8_ok(W1) || (W3 != NULL && (!bl_fp8_ok(W3) || W3->n_in != W1->n_in))) {
+        dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no decode for these weights");
+        return NULL;
+    }
+    if (b != NULL && (kept = bl_keep_find(b, W1, W3, perm)) != NULL)
+        return kept;
+    dst = bl_fixed(be, W1) && (W3 == NULL || bl_fixed(be, W3)) ?
+          bl_keep_new(be, W1, W3, perm, bytes) : NULL;
+    if (dst == NULL)
+        dst = wb;
+    if (cuda_blas_decode(be, dst, W1, perm) != DSV4_OK ||
+        (W3 != NULL && cuda_blas_decode(be, dst + n1, W3, perm) != DSV4_OK))
+        return NULL;
+    return dst;
+}
+
+void
+cuda_blas_weights_drop(struct dsv4_backend *be)
+{
+    struct cuda_blas *b = (struct cuda_blas *)cuda_st(be)->blas;
+
+    if (b == NULL || (b->n_keep == 0 && !b->keep_full))
+        return;
+    cudaStreamSynchronize(cuda_stream(be));
+    for (int i = 0; i < b->n_keep; i++)
+        cudaFree(b->keep[i].wb);
+    b->n_keep = 0;
+    b->keep_bytes = 0;
+    b->keep_full = 0;
+}
+
 /* out (T, G R) (bf16; BL_BF16F: fp32) = plan p's weights w times x (T, G
  * K) of type tx, plus beta times out, on the queue's workspace: one
  * cublasLtMatmul with this call's layouts. */
@@ -758,7 +949,8 @@ cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
     size_t bw = cuda_align((size_t)nw * 2), bx = cuda_align((size_t)nx * 2);
     struct cuda_blas *b;
     unsigned char *sc;
-    uint16_t *wb, *xb, *ob;
+    const uint16_t *wk;
+    uint16_t *xb, *ob;
     enum dsv4_err e;
 
     if (!cuda_switch_on(&bl_switch))
@@ -779,14 +971,13 @@ cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
     sc = (unsigned char *)cuda_scratch(be, bw + bx + cuda_align((size_t)no * 2));
     if (sc == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch");
-    wb = (uint16_t *)sc;
     xb = (uint16_t *)(sc + bw);
     ob = (uint16_t *)(sc + bw + bx);
-    if ((e = cuda_blas_decode(be, wb, W, 0)) != DSV4_OK)
-        return e;
+    if ((wk = cuda_blas_weights(be, (uint16_t *)sc, W, NULL, 0)) == NULL)
+        return DSV4_ERR_NOTSUP;
     bl_x_kernel<<<(unsigned)((nx / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(xb, x, nx);
     CUDA_LAUNCHED("cuda blas x");
-    if ((e = cuda_blas_gemm(be, ob, wb, xb, R, K, G, T)) != DSV4_OK)
+    if ((e = cuda_blas_gemm(be, ob, wk, xb, R, K, G, T)) != DSV4_OK)
         return e;
     return cuda_blas_widen(be, out, ob, no);
 }

@@ -1947,8 +1947,8 @@ fw_shared(struct dsv4_backend *be, const struct fw_args *r, const struct dsv4_li
 /*
  * The shared expert on cuBLASLt (fast_blas.cu; docs/gpu.md "The shared
  * expert on cuBLASLt"): its FP8 weights decoded to bf16 with their columns
- * in fw_perm order (so fw_moe's permuted x and h serve as they are), one
- * GEMM each way.  Up (W3 != NULL): g | u of every token into bo (T, 2 I),
+ * in fw_perm order (so fw_moe's permuted x and h serve as they are; a copy
+ * kept between calls where cuda_blas_weights can), one GEMM each way.  Up (W3 != NULL): g | u of every token into bo (T, 2 I),
  * then fw_sh_hq_kernel writes h's B values into hq rows Tk + t.  Down (W1 =
  * w2): y rows Tk + t (bf16-rounded, as FG_LINEAR) from hq rows Tk + t.  wb:
  * 2 I D bf16 of scratch, bo: T max(2 I, D).  DSV4_ERR_NOTSUP (nothing
@@ -1959,20 +1959,20 @@ fw_shared_blas(struct dsv4_backend *be, const struct fw_args *r, const struct ds
                const struct dsv4_linear *W3, int T, int Tk, int D, int I, uint16_t *wb,
                uint16_t *bo)
 {
+    const uint16_t *wk = cuda_blas_weights(be, wb, W1, W3, 1);   /* kept or decoded now */
     enum dsv4_err e;
 
+    if (wk == NULL)
+        return DSV4_ERR_NOTSUP;
     if (W3 != NULL) {
-        if ((e = cuda_blas_decode(be, wb, W1, 1)) != DSV4_OK ||
-            (e = cuda_blas_decode(be, wb + (size_t)I * D, W3, 1)) != DSV4_OK ||
-            (e = cuda_blas_gemm(be, bo, wb, r->xb, 2 * I, D, 1, T)) != DSV4_OK)
+        if ((e = cuda_blas_gemm(be, bo, wk, r->xb, 2 * I, D, 1, T)) != DSV4_OK)
             return e;
         fw_sh_hq_kernel<<<dim3((unsigned)T, (unsigned)(I / 128)), 32, 0, cuda_stream(be)>>>(
             r->hq, bo, I, Tk, r->lim);
         CUDA_LAUNCHED("fast gemm moe shared h");
         return DSV4_OK;
     }
-    if ((e = cuda_blas_decode(be, wb, W1, 1)) != DSV4_OK ||
-        (e = cuda_blas_gemm(be, bo, wb, r->xb + (size_t)Tk * I, D, I, 1, T)) != DSV4_OK)
+    if ((e = cuda_blas_gemm(be, bo, wk, r->xb + (size_t)Tk * I, D, I, 1, T)) != DSV4_OK)
         return e;
     return cuda_blas_widen(be, r->out + (size_t)Tk * D, bo, (int64_t)T * D);
 }
