@@ -87,6 +87,7 @@
  * token 8 j + 2 q + (i % 2) of the tile.
  */
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda/fast.cuh"   /* fk_quant2 */
 #include "kernels/cuda/fast_wgmma.cuh"
 #include "kernels/cuda_gemm8.h"
 
@@ -181,10 +182,17 @@ g8_prep_kernel(uint8_t *xq, float *sx, const float *x, int rows, int K, struct g
         for (int o = 16; o > 0; o /= 2)
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         s = cu_pow2_scale(amax, 448.0f);
-        q = (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].x / s, 448.0f)) |
-            (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].y / s, 448.0f)) << 8 |
-            (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].z / s, 448.0f)) << 16 |
-            (uint32_t)cu_f32_to_fp8(cu_clampf(v[j].w / s, 448.0f)) << 24;
+        {
+            /* the hardware's conversion (fk_quant2: cu_f32_to_fp8's codes of
+             * the clamped v / s, NaN 0x7f; v / s as v * (1 / s), s a power
+             * of two or inf) instead of a division and the software rounding
+             * a value (docs/perf.md run 57) */
+            uint16_t c01, c23;
+
+            (void)fk_quant2(v[j].x, v[j].y, 1.0f / s, &c01);
+            (void)fk_quant2(v[j].z, v[j].w, 1.0f / s, &c23);
+            q = (uint32_t)c01 | (uint32_t)c23 << 16;
+        }
         *(uint32_t *)(xq + r * K + (int64_t)(b0 + j) * 128 + 4 * lane) = q;
         if (lane == 0)
             sx[mo.ldt > 0 ? (int64_t)(b0 + j) * mo.ldt + r : r * nb + b0 + j] = s;
