@@ -98,6 +98,17 @@ dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
 }
 
 enum dsv4_err
+dsv4_attention_out_compose(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
+                           const float *freqs, float *u, const struct dsv4_linear *wo_a, int G)
+{
+    enum dsv4_err e = be->ops->attention_unrope(be, a, off, rd, freqs);
+
+    if (e != DSV4_OK)
+        return e;
+    return be->ops->linear_grouped(be, u, a->out, wo_a, a->T, G);
+}
+
+enum dsv4_err
 dsv4_attention_unrope_compose(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
                               int rd, const float *freqs)
 {

@@ -467,6 +467,18 @@ struct dsv4_backend_ops {
      */
     enum dsv4_err (*attention_unrope)(struct dsv4_backend *be, const struct dsv4_attn *a,
                                       int off, int rd, const float *freqs);
+    /*
+     * attention_unrope, then the grouped output projection of its output:
+     *   attention_unrope(a, off, rd, freqs);
+     *   linear_grouped(u, a->out, wo_a, a->T, G).
+     * a->out is the backend's to use: what it holds afterwards is
+     * unspecified (the CUDA fast kernels of a prefill-sized call hand the
+     * attention's output to the GEMM as bf16 and do not write it).  u the
+     * same values either way.
+     */
+    enum dsv4_err (*attention_out)(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
+                                   int rd, const float *freqs, float *u,
+                                   const struct dsv4_linear *wo_a, int G);
 
     /* --- optional: a second queue (NULL where the backend has none, as on
      * the CPU backend: everything runs in the order queued) -------------- */
@@ -510,7 +522,7 @@ enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
 void dsv4_backend_destroy(struct dsv4_backend *be);
 
 /* The fused ops as the compositions that define them (see hc_post_pre,
- * norm_rope, linear_multi, norm_rope2 and attention_unrope above), through be's own ops: the CPU
+ * norm_rope, linear_multi, norm_rope2, attention_unrope and attention_out above), through be's own ops: the CPU
  * backend's implementation,
  * and any backend's fallback where its fused kernels do not apply
  * (kernels/backend.c). */
@@ -532,6 +544,9 @@ enum dsv4_err dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4
                                       const struct dsv4_norm_rope *b);
 enum dsv4_err dsv4_attention_unrope_compose(struct dsv4_backend *be, const struct dsv4_attn *a,
                                             int off, int rd, const float *freqs);
+enum dsv4_err dsv4_attention_out_compose(struct dsv4_backend *be, const struct dsv4_attn *a,
+                                         int off, int rd, const float *freqs, float *u,
+                                         const struct dsv4_linear *wo_a, int G);
 
 /* The CPU backend constructor (kernels/cpu/cpu_backend.c). */
 enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,

@@ -992,12 +992,13 @@ run_compressor(struct dsv4_model *m, const struct layer_state *ls,
 }
 
 /*
- * The attention output projection over a group (kernels/comm.h): this
- * rank's groups of wo_a, gathered into m->u (every rank's columns, exact:
- * the others' are zero); this rank's output columns of wo_b, gathered into
- * m->y.  Each value is the one a single rank computes.  With wo_b's input
- * columns instead (group split tp): wo_b on this rank's wo_a outputs, a
- * partial y, and one all-reduce adds the ranks' partials (no gather of u).
+ * The attention output projection over a group (kernels/comm.h), after
+ * attention_out put this rank's groups of wo_a into m->u_loc: gathered into
+ * m->u (every rank's columns, exact: the others' are zero); this rank's
+ * output columns of wo_b, gathered into m->y.  Each value is the one a
+ * single rank computes.  With wo_b's input columns instead (group split
+ * tp): wo_b on this rank's wo_a outputs, a partial y, and one all-reduce
+ * adds the ranks' partials (no gather of u).
  */
 static enum dsv4_err
 attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
@@ -1006,7 +1007,6 @@ attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
     const struct dsv4_backend_ops *ops = be->ops;
     int T = m->plan.T, R = m->cfg.o_lora_rank, GR = m->cfg.o_groups * R, GRl = m->Gl * R;
 
-    TRY(ops->linear_grouped(be, m->u_loc, m->o, &lw->wo_a, T, m->Gl));
     if (m->wo_b_cols) {
         TRY(ops->linear(be, m->y, m->u_loc, &lw->wo_b, T, 0));
         return m->comm->ops->allreduce_sum(m->comm, be, m->y, (int64_t)T * m->D);
@@ -1243,20 +1243,20 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
             .fresh = p->fresh && !m->trimmed,
         };
 
-        TRY(ops->attention_unrope(be, &at, m->nope, rd, ls->freqs));
+        /* with the grouped output projection (wo_a) of this rank's groups
+         * into m->u_loc (m->u with one rank); m->o is the op's to use */
+        TRY(ops->attention_out(be, &at, m->nope, rd, ls->freqs, m->tp == 1 ? m->u : m->u_loc,
+                               &lw->wo_a, m->tp == 1 ? m->cfg.o_groups : m->Gl));
     }
-    /* the ring update on the side queue, beside the output projection (it
-     * touches only m->kv, m->ring_tmp and the ring) */
+    /* the ring update on the side queue, beside wo_b (it touches only m->kv,
+     * m->ring_tmp and the ring) */
     if (p->n_ring > 0)
         TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_ring_update, ring_dst));
 
-    /* grouped output projection */
-    if (m->tp == 1) {
-        TRY(ops->linear_grouped(be, m->u, m->o, &lw->wo_a, T, m->cfg.o_groups));
+    if (m->tp == 1)
         TRY(ops->linear(be, m->y, m->u, &lw->wo_b, T, 0));
-    } else {
+    else
         TRY(attention_out_tp(m, lw));
-    }
     return side_join(m);
 }
 

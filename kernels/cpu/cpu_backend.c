@@ -385,6 +385,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .linear_multi = dsv4_linear_multi_compose,
     .norm_rope2 = dsv4_norm_rope2_compose,
     .attention_unrope = dsv4_attention_unrope_compose,
+    .attention_out = dsv4_attention_out_compose,
 };
 
 enum dsv4_err

@@ -824,6 +824,11 @@ enum dsv4_err cuda_attention(struct dsv4_backend *be, float *out, const float *q
  * (cuda_fast_attention's ur_*), or the exact kernels and rope_kernel. */
 enum dsv4_err cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
                                     int rd, const float *freqs);
+/* attention_out (backend.h): cuda_fast_attention_out where it takes the
+ * call, else attention_unrope and linear_grouped. */
+enum dsv4_err cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
+                                 int rd, const float *freqs, float *u,
+                                 const struct dsv4_linear *wo_a, int G);
 
 /* cuda_moe.cu */
 enum dsv4_err cuda_router(struct dsv4_backend *be, float *weights, int32_t *ids,
@@ -868,6 +873,19 @@ void cuda_fast_linear_fini(struct dsv4_backend *be);
  */
 enum dsv4_err cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
                                 const struct dsv4_linear *W, int T, int G);
+/* cuda_blas_grouped's checks alone: 1 when it takes W (FP8, R = n_out / G
+ * a multiple of 128) on be (cuBLASLt there, a plan for the shape). */
+int cuda_blas_grouped_ready(struct dsv4_backend *be, const struct dsv4_linear *W, int G);
+/* Scratch bytes of cuda_blas_grouped_b16 at T rows (the weights' decode
+ * where no kept copy serves, the GEMM's bf16 output). */
+size_t cuda_blas_grouped_b16_scratch(const struct dsv4_linear *W, int T);
+/* cuda_blas_grouped from x already in bf16 (xb (T, G K), the op's rounding
+ * of x), scratch sc of cuda_blas_grouped_b16_scratch bytes (the caller's;
+ * nothing else of the backend scratch is touched).  The caller has checked
+ * cuda_blas_grouped_ready. */
+enum dsv4_err cuda_blas_grouped_b16(struct dsv4_backend *be, float *out, const uint16_t *xb,
+                                    const struct dsv4_linear *W, int T, int G,
+                                    unsigned char *sc);
 /* cuda_fast_gemm_grouped (fast_gemm.cu) on cuBLASLt when blas != 0 (and
  * cuda_blas_grouped takes the call), else on fw_kernel's grouped mode:
  * cuda_linear_grouped passes blas only from DSV4_CUDA_BLAS_MIN_T rows. */
@@ -1045,6 +1063,19 @@ enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const flo
                                   const int32_t *pos0, int T, int H, int Dh, int win, int cap,
                                   int ratio, int K, float scale, int ur_off, int ur_rd,
                                   const float *ur_freqs, int fresh);
+/* attention_out's prefill form (fast_attention.cu): a call the unsplit
+ * fast attention takes (cuda_fast_attention_ok held, T * head groups > 64)
+ * whose wo_a cuBLASLt takes (cuda_blas_grouped_ready, T >=
+ * DSV4_CUDA_BLAS_MIN_T): the attention writes its output as bf16 (the
+ * rounding it does anyway), the output's inverse RoPE rotates those
+ * values and rounds them again (what rope then bl_x's rounding give), and
+ * cuda_blas_grouped_b16 multiplies them: u with the bits of
+ * attention_unrope + linear_grouped, a->out not written.  DSV4_ERR_NOTSUP
+ * before anything is queued when it does not take the call
+ * (DSV4_CUDA_ATTN_OUT=0: never). */
+enum dsv4_err cuda_fast_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a,
+                                      int off, int rd, const float *freqs, float *u,
+                                      const struct dsv4_linear *wo_a, int G);
 /* The most RoPE pairs cuda_fast_attention rotates in its output stage. */
 #define CUDA_FA_UR_MAX 64
 /* dI == 128, 1 <= nh <= 64, cap >= 1, 1 <= K <= 2048, q and keys 16-byte

@@ -18,6 +18,7 @@
  * indexer_topk call fast_attention.cu / fast_indexer.cu where those apply.
  */
 #include "kernels/cuda/cuda.cuh"
+#include "kernels/cuda_gemm_grouped.h"   /* DSV4_CUDA_BLAS_MIN_T, cuda_fast_gemm_grouped_ok */
 
 /* --- compress ------------------------------------------------------------------------ */
 
@@ -365,4 +366,26 @@ cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int of
     CUDA_LAUNCHED("attention");
     return rd > 0 ? cuda_rope(be, a->out, a->pos, T, H, (int64_t)H * Dh, Dh, off, rd, freqs, 1)
                   : DSV4_OK;
+}
+
+enum dsv4_err
+cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
+                   const float *freqs, float *u, const struct dsv4_linear *wo_a, int G)
+{
+    if (cuda_st(be)->fast_kernels && a->T >= DSV4_CUDA_BLAS_MIN_T && dsv4_cuda_blas_on() &&
+        cuda_fast_gemm_grouped_ok(be, wo_a, a->T, G) &&
+        cuda_fast_attention_ok(a->out, a->q, a->kv, a->ring, a->comp, a->H, a->Dh, a->win,
+                               a->cap, a->ratio)) {
+        enum dsv4_err e = cuda_fast_attention_out(be, a, off, rd, freqs, u, wo_a, G);
+
+        if (e != DSV4_ERR_NOTSUP)
+            return e;
+    }
+    {
+        enum dsv4_err e = cuda_attention_unrope(be, a, off, rd, freqs);
+
+        if (e != DSV4_OK)
+            return e;
+        return cuda_linear_grouped(be, u, a->out, wo_a, a->T, G);
+    }
 }

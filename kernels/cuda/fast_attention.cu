@@ -131,6 +131,9 @@ struct fa_args {
     /* a fresh call's key rows as bf16 (fa_stage_kernel), else NULL: kv's T
      * rows, and per row c the compressed entry it completed (row c of compb) */
     uint16_t *kvb, *compb;
+    /* attention_out: fa_kernel's output as bf16 here (T, H, Dh) instead of
+     * out (cuda_fast_attention_out), else NULL */
+    uint16_t *outb;
 };
 
 /* --- small device helpers ------------------------------------------------------ */
@@ -782,14 +785,17 @@ fa_kernel(struct fa_args a)
                 /* the hardware's bf16 rounding (cu_bf16_round's bits for
                  * every non-NaN value) */
                 float den = l + expf(sk[mt][hh] - m);
-                float *op = a.out + ((int64_t)t * a.H + h) * Dh + d0 + 2 * q4;
+                int64_t oi = ((int64_t)t * a.H + h) * Dh + d0 + 2 * q4;
 
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
                     uint32_t b = fa_pack(o[mt][n][2 * hh] / den, o[mt][n][2 * hh + 1] / den);
 
-                    *(float2 *)(op + n * 8) =
-                        make_float2(__uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));
+                    if (a.outb != NULL)   /* attention_out: the bf16 pair itself */
+                        *(uint32_t *)(a.outb + oi + n * 8) = b;
+                    else
+                        *(float2 *)(a.out + oi + n * 8) = make_float2(
+                            __uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));
                 }
             }
         }
@@ -1227,20 +1233,16 @@ fa_unrope_after(struct dsv4_backend *be, const struct fa_args &a, int ur_off, in
                      ur_freqs, 1);
 }
 
-/* DSV4_CUDA_ATTN_STAGE=0: fresh calls' key rows converted in every CTA as
- * before (A/B runs; the same bits). */
-static struct cuda_switch fa_stage_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_STAGE", 1);
-
-enum dsv4_err
-cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
-                    const float *ring, const float *comp, const int32_t *pages,
-                    const int32_t *sel, const float *sink, const int32_t *slot,
-                    const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H,
-                    int Dh, int win, int cap, int ratio, int K, float scale, int ur_off,
-                    int ur_rd, const float *ur_freqs, int fresh)
+/* The arguments of a call, whole rows (n_ch 1), head groups of 32 heads
+ * when H > 16, else 16; nothing rotated. */
+static struct fa_args
+fa_args_make(float *out, const float *q, const float *kv, const float *ring, const float *comp,
+             const int32_t *pages, const int32_t *sel, const float *sink, const int32_t *slot,
+             const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H, int Dh,
+             int win, int cap, int ratio, int K, float scale)
 {
     struct fa_args a;
-    int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant(), cs = fd_cs();
+    int HG = H > 16 ? 32 : 16;
 
     memset(&a, 0, sizeof(a));
     a.out = out;
@@ -1265,6 +1267,25 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     a.scale = scale;
     a.n_hg = (H + HG - 1) / HG;
     a.n_ch = 1;
+    return a;
+}
+
+/* DSV4_CUDA_ATTN_STAGE=0: fresh calls' key rows converted in every CTA as
+ * before (A/B runs; the same bits). */
+static struct cuda_switch fa_stage_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_STAGE", 1);
+
+enum dsv4_err
+cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
+                    const float *ring, const float *comp, const int32_t *pages,
+                    const int32_t *sel, const float *sink, const int32_t *slot,
+                    const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H,
+                    int Dh, int win, int cap, int ratio, int K, float scale, int ur_off,
+                    int ur_rd, const float *ur_freqs, int fresh)
+{
+    struct fa_args a = fa_args_make(out, q, kv, ring, comp, pages, sel, sink, slot, pos, row0,
+                                    pos0, T, H, Dh, win, cap, ratio, K, scale);
+    int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant(), cs = fd_cs();
+
     if (ur_rd > 0 && ur_rd % 2 == 0 && ur_rd / 2 <= CUDA_FA_UR_MAX && ur_off >= 0 &&
         ur_off % 2 == 0 && ur_off + ur_rd <= Dh && cuda_switch_on(&fa_unrope_sw)) {
         a.ur_off = ur_off;
@@ -1326,4 +1347,92 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     if (e != DSV4_OK)
         return e;
     return fa_unrope_after(be, a, ur_off, ur_rd, ur_freqs);
+}
+
+/* --- attention_out: the output to wo_a as bf16 ------------------------------------------ */
+
+/* The RoPE frequencies of fa_unrope16_kernel, by value. */
+struct fa_ur16 {
+    int off, np;
+    float f[CUDA_FA_UR_MAX];
+};
+
+/*
+ * The output's inverse RoPE on its bf16 copy (T, H, Dh), one block a row:
+ * the row's cos / sin per pair once (cu_rope_cs, as rope_rows_kernel), each
+ * head's pairs read as bf16, rotated with rope_rows_kernel's expression
+ * (cu_rope_rot) and rounded to bf16 again (cu_bf16_round, as bl_x_kernel
+ * rounds the fp32 row the rope op leaves): the values attention_unrope
+ * then linear_grouped's bf16 conversion give.
+ */
+static __global__ void
+fa_unrope16_kernel(uint16_t *xb, const int32_t *pos, int H, int Dh, struct fa_ur16 ur)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    __shared__ float cs[CUDA_FA_UR_MAX], sn[CUDA_FA_UR_MAX];
+    int64_t t = blockIdx.x;
+    uint16_t *xr = xb + t * H * Dh + ur.off;
+
+    for (int i = threadIdx.x; i < ur.np; i += blockDim.x)
+        cu_rope_cs((float)pos[t], ur.f[i], 1, cs[i], sn[i]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < H * ur.np; e += blockDim.x) {
+        int h = e / ur.np, i = e % ur.np;
+        uint32_t *v = (uint32_t *)(xr + (int64_t)h * Dh + 2 * i), w = *v;
+        float x0 = __uint_as_float(w << 16), x1 = __uint_as_float(w & 0xffff0000u);
+
+        cu_rope_rot(x0, x1, cs[i], sn[i]);
+        *v = __float_as_uint(cu_bf16_round(x0)) >> 16 |
+             (__float_as_uint(cu_bf16_round(x1)) & 0xffff0000u);
+    }
+}
+
+/* DSV4_CUDA_ATTN_OUT=0: attention_out as attention_unrope + linear_grouped
+ * (fp32 output, rope, bl_x's conversion; the same bits). */
+static struct cuda_switch fa_out_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_OUT", 1);
+
+enum dsv4_err
+cuda_fast_attention_out(struct dsv4_backend *be, const struct dsv4_attn *x, int off, int rd,
+                        const float *freqs, float *u, const struct dsv4_linear *wo_a, int G)
+{
+    struct fa_args a = fa_args_make(x->out, x->q, x->kv, x->ring, x->comp, x->pages, x->sel,
+                                    x->sink, x->slot, x->pos, x->row0, x->pos0, x->T, x->H,
+                                    x->Dh, x->win, x->cap, x->ratio, x->K, x->scale);
+    int T = x->T, H = x->H, Dh = x->Dh;
+    size_t ns = 0, no = cuda_align((size_t)T * H * Dh * sizeof(uint16_t)), nb;
+    struct fa_ur16 ur;
+    unsigned char *sc;
+    enum dsv4_err e;
+
+    if (!cuda_switch_on(&fa_out_sw) || (int64_t)T * a.n_hg <= FA_SPLIT_ROWS || G <= 0 ||
+        (int64_t)G * wo_a->n_in != (int64_t)H * Dh || rd < 0 || rd % 2 != 0 ||
+        rd / 2 > CUDA_FA_UR_MAX || off < 0 || off % 2 != 0 || (rd > 0 && off + rd > Dh) ||
+        !cuda_blas_grouped_ready(be, wo_a, G))
+        return DSV4_ERR_NOTSUP;
+    nb = cuda_blas_grouped_b16_scratch(wo_a, T);
+    if (x->fresh && Dh >= 256 && cuda_switch_on(&fa_stage_sw))
+        ns = 2 * cuda_align((size_t)T * Dh * sizeof(uint16_t));
+    sc = (unsigned char *)cuda_scratch(be, ns + no + nb);
+    if (sc == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention out: no scratch");
+    if (ns > 0) {   /* cuda_fast_attention's staging */
+        a.kvb = (uint16_t *)sc;
+        a.compb = (uint16_t *)(sc + ns / 2);
+    }
+    a.outb = (uint16_t *)(sc + ns);
+    e = H > 16 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
+    if (e != DSV4_OK)
+        return e;
+    if (rd > 0) {
+        memset(&ur, 0, sizeof(ur));
+        ur.off = off;
+        ur.np = rd / 2;
+        for (int i = 0; i < ur.np; i++)
+            ur.f[i] = freqs[i];
+        cu_launch(fa_unrope16_kernel, (unsigned)T, 256, 0, cuda_stream(be), a.outb, x->pos, H,
+                  Dh, ur);
+        CUDA_LAUNCHED("fast attention out unrope");
+    }
+    return cuda_blas_grouped_b16(be, u, a.outb, wo_a, T, G, sc + ns + no);
 }

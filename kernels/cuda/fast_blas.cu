@@ -940,44 +940,67 @@ cuda_blas_bf16(struct dsv4_backend *be, float *out, const float *x, const struct
 
 /* --- the grouped linear --------------------------------------------------------------------- */
 
+int
+cuda_blas_grouped_ready(struct dsv4_backend *be, const struct dsv4_linear *W, int G)
+{
+    int N = W->n_out, K = W->n_in, R = G > 0 ? N / G : 0;
+    struct cuda_blas *b;
+
+    if (!cuda_switch_on(&bl_switch) || !bl_fp8_ok(W) || G <= 0 || N % G != 0 || R % 128 != 0)
+        return 0;
+    return (b = bl_state(be)) != NULL && bl_plan_get(b, R, K, G, BL_BF16) != NULL;
+}
+
+size_t
+cuda_blas_grouped_b16_scratch(const struct dsv4_linear *W, int T)
+{
+    return cuda_align((size_t)W->n_out * W->n_in * 2) + cuda_align((size_t)T * W->n_out * 2);
+}
+
+enum dsv4_err
+cuda_blas_grouped_b16(struct dsv4_backend *be, float *out, const uint16_t *xb,
+                      const struct dsv4_linear *W, int T, int G, unsigned char *sc)
+{
+    int N = W->n_out, K = W->n_in, R = N / G;
+    size_t bw = cuda_align((size_t)N * K * 2);
+    const uint16_t *wk;
+    enum dsv4_err e;
+
+    if (T <= 0)
+        return DSV4_OK;
+    if ((wk = cuda_blas_weights(be, (uint16_t *)sc, W, NULL, 0)) == NULL)
+        return DSV4_ERR_NOTSUP;
+    if ((e = cuda_blas_gemm(be, (uint16_t *)(sc + bw), wk, xb, R, K, G, T)) != DSV4_OK)
+        return e;
+    return cuda_blas_widen(be, out, (const uint16_t *)(sc + bw), (int64_t)T * N);
+}
+
 enum dsv4_err
 cuda_blas_grouped(struct dsv4_backend *be, float *out, const float *x,
                   const struct dsv4_linear *W, int T, int G)
 {
-    int N = W->n_out, K = W->n_in, R = G > 0 ? N / G : 0;
-    int64_t nx = (int64_t)T * G * K, no = (int64_t)T * N, nw = (int64_t)N * K;
-    size_t bw = cuda_align((size_t)nw * 2), bx = cuda_align((size_t)nx * 2);
-    struct cuda_blas *b;
+    int N = W->n_out, K = W->n_in;
+    int64_t nx = (int64_t)T * G * K;
+    size_t bx = cuda_align((size_t)nx * 2);
     unsigned char *sc;
-    const uint16_t *wk;
-    uint16_t *xb, *ob;
-    enum dsv4_err e;
 
     if (!cuda_switch_on(&bl_switch))
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: switched off (DSV4_CUDA_BLAS)");
-    if (!bl_fp8_ok(W) || G <= 0 || N % G != 0 || R % 128 != 0 || (uintptr_t)x % 16 != 0 ||
-        (uintptr_t)out % 16 != 0)
+    if (!bl_fp8_ok(W) || G <= 0 || N % G != 0 || (N / G) % 128 != 0 ||
+        (uintptr_t)x % 16 != 0 || (uintptr_t)out % 16 != 0)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: not for fmt %d, %d x %d, G=%d",
                             (int)W->fmt, N, K, G);
     if (T <= 0)
         return DSV4_OK;
-    /* library and algorithm first: NOTSUP before anything is queued (the
-     * switch was asked above) */
-    if ((b = bl_state(be)) == NULL)
-        return DSV4_ERR_NOTSUP;
-    if (bl_plan_get(b, R, K, G, BL_BF16) == NULL)
-        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d", R, K,
-                            G);
-    sc = (unsigned char *)cuda_scratch(be, bw + bx + cuda_align((size_t)no * 2));
+    /* library and algorithm first: NOTSUP before anything is queued */
+    if (!cuda_blas_grouped_ready(be, W, G))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no algorithm for %d x %d, G=%d",
+                            N / G, K, G);
+    sc = (unsigned char *)cuda_scratch(be, bx + cuda_blas_grouped_b16_scratch(W, T));
     if (sc == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch");
-    xb = (uint16_t *)(sc + bw);
-    ob = (uint16_t *)(sc + bw + bx);
-    if ((wk = cuda_blas_weights(be, (uint16_t *)sc, W, NULL, 0)) == NULL)
-        return DSV4_ERR_NOTSUP;
-    bl_x_kernel<<<(unsigned)((nx / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>(xb, x, nx);
+    bl_x_kernel<<<(unsigned)((nx / 4 + 255) / 256), 256, 0, cuda_stream(be)>>>((uint16_t *)sc,
+                                                                                x, nx);
     CUDA_LAUNCHED("cuda blas x");
-    if ((e = cuda_blas_gemm(be, ob, wk, xb, R, K, G, T)) != DSV4_OK)
-        return e;
-    return cuda_blas_widen(be, out, ob, no);
+    return cuda_blas_grouped_b16(be, out, (const uint16_t *)sc, W, T, G, sc + bx);
 }

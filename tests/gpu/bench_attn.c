@@ -38,7 +38,10 @@
  * graph of it replays to the same bits.  The prefills from position 0 run
  * once more as fresh calls (dsv4_attn.fresh: the key rows staged as bf16
  * once, fast_attention.cu): the same bits required, directly and replayed
- * in a graph; µs printed against the unstaged form.  Timing: the exact op once (twice
+ * in a graph; µs printed against the unstaged form.  Every prefill case
+ * (and those from 0 once more as fresh calls) also runs attention_out with
+ * a random FP8 wo_a against its definition, attention_unrope then
+ * linear_grouped (ao_check): u bit-identical, directly and from a graph.  Timing: the exact op once (twice
  * for decode sizes, the second timed), the fast op as the median of 7
  * timed calls; µs per call and the speed-up are printed, not checked.
  * `quick` runs the decode cases and the 2048-row prefills only; `prefill` the
@@ -208,6 +211,16 @@ run_graph(op_fn op, void *ctx)
     be->ops->graph_free(be, g);
 }
 
+/* The first index where a and b (n floats) differ in bits, or -1. */
+static long
+first_diff(const float *a, const float *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0)
+            return (long)i;
+    return -1;
+}
+
 /* --- attention ---------------------------------------------------------------------- */
 
 struct att_case {
@@ -224,10 +237,10 @@ struct att_ctx {
     int fresh;        /* dsv4_attn.fresh (a prefill from position 0 may set it) */
 };
 
-static enum dsv4_err
-att_op(void *p)
+/* The attention_unrope arguments of c. */
+static struct dsv4_attn
+att_args(const struct att_ctx *c)
 {
-    struct att_ctx *c = p;
     struct dsv4_attn a = {
         .out = c->out, .q = c->q, .kv = c->kv, .ring = c->ring,
         .comp = c->ratio ? c->comp : NULL, .pages = c->ratio ? c->pages : NULL,
@@ -237,8 +250,119 @@ att_op(void *p)
         .scale = (float)(1.0 / sqrt((double)DH)), .fresh = c->fresh,
     };
 
+    return a;
+}
+
+static enum dsv4_err
+att_op(void *p)
+{
+    struct att_ctx *c = p;
+    struct dsv4_attn a = att_args(c);
+
     /* rd = 0: attention itself */
     return be->ops->attention_unrope(be, &a, 0, 0, NULL);
+}
+
+/* --- attention_out: the attention with wo_a --------------------------------------------- */
+
+#define AO_R 1024   /* wo_a rows a group (o_lora_rank) */
+#define AO_K 4096   /* wo_a columns (a group's heads x DH) */
+#define AO_RD 64    /* the inverse RoPE's dimensions, the last of each head */
+
+struct ao_ctx {
+    struct att_ctx *c;
+    struct dsv4_linear W;
+    float *u;
+    int G, fused;
+    float fr[AO_RD / 2];
+};
+
+/* fused: attention_out; else its definition, attention_unrope then
+ * linear_grouped. */
+static enum dsv4_err
+ao_op(void *p)
+{
+    struct ao_ctx *o = p;
+    struct dsv4_attn a = att_args(o->c);
+    enum dsv4_err e;
+
+    if (o->fused)
+        return be->ops->attention_out(be, &a, DH - AO_RD, AO_RD, o->fr, o->u, &o->W, o->G);
+    if ((e = be->ops->attention_unrope(be, &a, DH - AO_RD, AO_RD, o->fr)) != DSV4_OK)
+        return e;
+    return be->ops->linear_grouped(be, o->u, a.out, &o->W, a.T, o->G);
+}
+
+/*
+ * attention_out against its definition on the fast kernels for case c (a
+ * prefill): a random FP8 wo_a of G = H DH / 4096 groups of 1,024 rows (E4M3
+ * codes without NaN, E8M0 scales 2^-7 .. 2^-3), the inverse RoPE on the
+ * last 64 dimensions.  At these sizes the CUDA backend hands the
+ * attention's output to cuBLASLt as bf16 (fast_attention.cu
+ * cuda_fast_attention_out): u must have the definition's bits.  µs of both
+ * printed.
+ */
+static int
+ao_check(struct att_ctx *c)
+{
+    struct ao_ctx o;
+    int64_t N, nu;
+    size_t nw, ns;
+    uint8_t *hw, *hs;
+    float *ua, *ub, t_def, t_out;
+    int ok = 1;
+
+    memset(&o, 0, sizeof(o));
+    o.c = c;
+    o.G = c->H * DH / AO_K;
+    N = (int64_t)o.G * AO_R;
+    nu = (int64_t)c->T * N;
+    nw = (size_t)N * AO_K;
+    ns = (size_t)(N / 128) * (AO_K / 128);
+    hw = xmalloc(nw);
+    hs = xmalloc(ns);
+    for (size_t i = 0; i < nw; i++)
+        hw[i] = (uint8_t)rnd() & 0xbf;
+    for (size_t i = 0; i < ns; i++)
+        hs[i] = (uint8_t)(120 + rnd() % 5);
+    for (int i = 0; i < AO_RD / 2; i++)
+        o.fr[i] = (float)pow(10000.0, -2.0 * i / AO_RD);
+    o.W = (struct dsv4_linear){ .n_out = (int)N, .n_in = AO_K, .fmt = DSV4_WFMT_FP8 };
+    o.W.w = dev_put(hw, nw);
+    o.W.scale = dev_put(hs, ns);
+    o.u = dev_put(NULL, (size_t)nu * 4);
+    ua = xmalloc((size_t)nu * 4);
+    ub = xmalloc((size_t)nu * 4);
+    TRY("fill", be->ops->fill(be, o.u, NAN, nu));
+    run_op(ao_op, &o, 1, NULL);
+    TRY("download", be->ops->download(be, ua, o.u, (size_t)nu * 4));
+    o.fused = 1;
+    TRY("fill", be->ops->fill(be, o.u, NAN, nu));
+    run_op(ao_op, &o, 1, NULL);
+    TRY("download", be->ops->download(be, ub, o.u, (size_t)nu * 4));
+    if (memcmp(ua, ub, (size_t)nu * 4) != 0) {
+        printf("   attention_out differs from attention_unrope + linear_grouped at index %ld\n",
+               first_diff(ua, ub, (size_t)nu));
+        ok = 0;
+    }
+    TRY("fill", be->ops->fill(be, o.u, NAN, nu));
+    run_graph(ao_op, &o);
+    TRY("download", be->ops->download(be, ub, o.u, (size_t)nu * 4));
+    if (memcmp(ua, ub, (size_t)nu * 4) != 0) {
+        printf("   attention_out's graph replay differs from its definition\n");
+        ok = 0;
+    }
+    t_out = time_fast(ao_op, &o);
+    o.fused = 0;
+    t_def = time_fast(ao_op, &o);
+    printf("     attention_out (wo_a G=%d%s): %8.1f us against %8.1f for attention_unrope + "
+           "linear_grouped (x%.2f)%s\n", o.G, c->fresh ? ", fresh" : "", t_out * 1e3,
+           t_def * 1e3, t_def / t_out, ok ? "" : "  FAIL");
+    dev_free((void *)(uintptr_t)o.W.w);
+    dev_free((void *)(uintptr_t)o.W.scale);
+    dev_free(o.u);
+    free(hw), free(hs), free(ua), free(ub);
+    return ok;
 }
 
 /* Compare n outputs; returns 1 when within the attention bounds. */
@@ -367,15 +491,6 @@ att_release(struct att_ctx *c, struct att_host *h)
     free(h->sel), free(h->slot), free(h->pos), free(h->row0), free(h->pos0);
 }
 
-/* The first index where a and b (n floats) differ in bits, or -1. */
-static long
-first_diff(const float *a, const float *b, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (memcmp(&a[i], &b[i], sizeof(float)) != 0)
-            return (long)i;
-    return -1;
-}
 
 static int
 att_run(const struct att_case *k)
@@ -436,10 +551,13 @@ att_run(const struct att_case *k)
             ok = 0;
         }
         t_st = time_fast(att_op, &c);
-        c.fresh = 0;
         printf("     fresh call (staged bf16 keys): %8.1f us against %8.1f (x%.2f)\n",
                t_st * 1e3, t_fa * 1e3, t_fa / t_st);
+        ok &= ao_check(&c);   /* fresh */
+        c.fresh = 0;
     }
+    if (!k->decode)
+        ok &= ao_check(&c);
     printf("%s attention %-28s T=%-5d H=%-2d ratio=%-3d exact %10.1f us  fast %8.1f us  "
            "(x%.1f)\n", ok ? "ok  " : "FAIL", k->name, k->T, k->H, k->ratio, t_ex * 1e3,
            t_fa * 1e3, t_ex / t_fa);
