@@ -98,6 +98,20 @@ dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
 }
 
 enum dsv4_err
+dsv4_linear_norm_rope_compose(struct dsv4_backend *be, const float *x,
+                              const struct dsv4_linear *W, int T, unsigned flags,
+                              const struct dsv4_norm_rope *nr)
+{
+    enum dsv4_err e = be->ops->linear(be, nr->x, x, W, T, flags);
+
+    if (e != DSV4_OK)
+        return e;
+    return be->ops->norm_rope(be, nr->x, nr->w, nr->rows, nr->D, nr->eps, nr->pos, nr->heads,
+                              nr->off, nr->rd, nr->freqs, nr->sim_cols, nr->sim_block, nr->dst,
+                              nr->dst_rows);
+}
+
+enum dsv4_err
 dsv4_attention_out_compose(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
                            const float *freqs, float *u, const struct dsv4_linear *wo_a, int G)
 {

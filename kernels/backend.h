@@ -479,6 +479,18 @@ struct dsv4_backend_ops {
     enum dsv4_err (*attention_out)(struct dsv4_backend *be, const struct dsv4_attn *a, int off,
                                    int rd, const float *freqs, float *u,
                                    const struct dsv4_linear *wo_a, int G);
+    /*
+     * A linear, then a norm_rope of its output (nr->x, nr->rows * nr->D =
+     * T * W->n_out):
+     *   linear(nr->x, x, W, T, flags);
+     *   norm_rope(nr->x, nr->w, nr->rows, ...).
+     * The forward gives it the per-head q of prefill-sized calls (wq_b, then
+     * the q norm and RoPE); the CUDA fast kernels hand the GEMM's bf16
+     * output to the norm without widening it to fp32 first.
+     */
+    enum dsv4_err (*linear_norm_rope)(struct dsv4_backend *be, const float *x,
+                                      const struct dsv4_linear *W, int T, unsigned flags,
+                                      const struct dsv4_norm_rope *nr);
 
     /* --- optional: a second queue (NULL where the backend has none, as on
      * the CPU backend: everything runs in the order queued) -------------- */
@@ -522,7 +534,8 @@ enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
 void dsv4_backend_destroy(struct dsv4_backend *be);
 
 /* The fused ops as the compositions that define them (see hc_post_pre,
- * norm_rope, linear_multi, norm_rope2, attention_unrope and attention_out above), through be's own ops: the CPU
+ * norm_rope, linear_multi, norm_rope2, attention_unrope, attention_out and linear_norm_rope
+ * above), through be's own ops: the CPU
  * backend's implementation,
  * and any backend's fallback where its fused kernels do not apply
  * (kernels/backend.c). */
@@ -547,6 +560,9 @@ enum dsv4_err dsv4_attention_unrope_compose(struct dsv4_backend *be, const struc
 enum dsv4_err dsv4_attention_out_compose(struct dsv4_backend *be, const struct dsv4_attn *a,
                                          int off, int rd, const float *freqs, float *u,
                                          const struct dsv4_linear *wo_a, int G);
+enum dsv4_err dsv4_linear_norm_rope_compose(struct dsv4_backend *be, const float *x,
+                                            const struct dsv4_linear *W, int T, unsigned flags,
+                                            const struct dsv4_norm_rope *nr);
 
 /* The CPU backend constructor (kernels/cpu/cpu_backend.c). */
 enum dsv4_err dsv4_cpu_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,

@@ -45,6 +45,12 @@ int cuda_fast_gemm8_on(void);
  */
 enum dsv4_err cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
                                      const struct dsv4_linear *W, int T);
+/* cuda_fast_gemm8_linear's cuBLASLt form without the widening: the bf16
+ * outputs (T, n_out) in the backend scratch at *ob (valid until the next
+ * cuda_scratch).  DSV4_ERR_NOTSUP before anything is queued where
+ * cuBLASLt does not take the shape or the cuBLASLt FP8 path is off. */
+enum dsv4_err cuda_fast_gemm8_b16(struct dsv4_backend *be, uint16_t **ob, const float *x,
+                                  const struct dsv4_linear *W, int T);
 
 #ifdef __cplusplus
 }

@@ -1028,6 +1028,8 @@ attention_out_tp(struct dsv4_model *m, const struct dsv4_layer_w *lw)
  * run 33: a 2,048-token prefill 297 -> 301 ms with them).
  */
 #define SIDE_SMALL_T 64
+/* Calls of more rows run wq_b and the q norm as linear_norm_rope (attention) */
+#define Q_FUSED_MIN_T 64
 
 /*
  * Run fn(m, ls, arg) on the backend's side queue where it has one and
@@ -1101,30 +1103,45 @@ attention_compress(struct dsv4_model *m, struct layer_state *ls, const void *unu
                           ls->ratio == 4 ? m->i_erow4 : m->i_erow128, m->ca, m->cz, m->ent, 0);
 }
 
+/* Per-head RMS -> RoPE on the last rd of the queries (m->q): the norm_rope
+ * call of attention_qkv_norm and of attention's linear_norm_rope. */
+static struct dsv4_norm_rope
+attention_q_norm(const struct dsv4_model *m, const struct layer_state *ls)
+{
+    struct dsv4_norm_rope nq = {
+        .x = m->q, .w = NULL, .rows = m->plan.T * m->Hl, .D = m->Dh,
+        .eps = (float)m->cfg.rms_norm_eps, .pos = m->i_pos, .heads = m->Hl, .off = m->nope,
+        .rd = m->rd, .freqs = ls->freqs,
+    };
+
+    return nq;
+}
+
 /*
- * Per-head RMS -> RoPE on the last rd of the queries (m->q); the window KV
- * (K = V, m->kv): kv_norm -> RoPE -> FP8 sim of the nope dims.  Reads and
- * writes m->q and m->kv only.
+ * Per-head RMS -> RoPE on the last rd of the queries (m->q), unless kv_only
+ * is not NULL (attention's linear_norm_rope did them); the window KV (K =
+ * V, m->kv): kv_norm -> RoPE -> FP8 sim of the nope dims.  Reads and writes
+ * m->q and m->kv only.
  */
 static enum dsv4_err
-attention_qkv_norm(struct dsv4_model *m, struct layer_state *ls, const void *unused)
+attention_qkv_norm(struct dsv4_model *m, struct layer_state *ls, const void *kv_only)
 {
     float eps = (float)m->cfg.rms_norm_eps;
-    int T = m->plan.T, H = m->Hl, Dh = m->Dh, rd = m->rd;
+    int Dh = m->Dh, rd = m->rd;
     /* the window KV of every row of the call, also in a trimmed layer */
-    int Tkv = m->trimmed ? m->full.T : T;
+    int Tkv = m->trimmed ? m->full.T : m->plan.T;
     const int32_t *pkv = m->trimmed ? m->full.pos : m->i_pos;
-    struct dsv4_norm_rope nq = {
-        .x = m->q, .w = NULL, .rows = T * H, .D = Dh, .eps = eps, .pos = m->i_pos,
-        .heads = H, .off = m->nope, .rd = rd, .freqs = ls->freqs,
-    };
+    struct dsv4_norm_rope nq = attention_q_norm(m, ls);
     struct dsv4_norm_rope nkv = {
         .x = m->kv, .w = ls->w->kv_norm, .rows = Tkv, .D = Dh, .eps = eps, .pos = pkv,
         .heads = 1, .off = m->nope, .rd = rd, .freqs = ls->freqs, .sim_cols = m->nope,
         .sim_block = 64,
     };
 
-    (void)unused;
+    if (kv_only != NULL)
+        return m->be->ops->norm_rope(m->be, nkv.x, nkv.w, nkv.rows, nkv.D, nkv.eps, nkv.pos,
+                                     nkv.heads, nkv.off, nkv.rd, nkv.freqs, nkv.sim_cols,
+                                     nkv.sim_block, NULL, NULL);
     return m->be->ops->norm_rope2(m->be, &nq, &nkv);
 }
 
@@ -1161,6 +1178,12 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
     int T = p->T, H = m->Hl, Dh = m->Dh, rd = m->rd;   /* this rank's heads */
     const int32_t *sel = NULL;
     const float *comp = NULL;
+    /* prefill-sized calls: wq_b and the q norm through linear_norm_rope (the
+     * CUDA fast kernels hand the GEMM's bf16 output to the norm); decode
+     * calls keep the q norm beside the window KV's in norm_rope2 (one
+     * launch) */
+    int q_fused = 0;
+    const void *kv_only = NULL;   /* attention_qkv_norm: the q norm done (q_fused) */
 
     /* the compressor branch first, on the backend's side queue where it has
      * one (beside the query branch below, until side_join) */
@@ -1191,14 +1214,23 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
 
         TRY(ops->rms_norm(be, m->qr, m->qr, lw->q_norm, T, lw->wq_a.n_out, eps));
         n = 0;
-        LIN_ADD(m->q, &lw->wq_b, 0);
+        q_fused = T > Q_FUSED_MIN_T;   /* the rows q is computed on (after a trim) */
+        kv_only = q_fused ? (const void *)&q_fused : NULL;
+        if (q_fused) {   /* wq_b with the q norm and RoPE */
+            struct dsv4_norm_rope nq = attention_q_norm(m, ls);
+
+            TRY(ops->linear_norm_rope(be, m->qr, &lw->wq_b, T, 0, &nq));
+        } else {
+            LIN_ADD(m->q, &lw->wq_b, 0);
+        }
         if (ls->ratio == 4 && !m->idx_all)
             LIN_ADD(m->qI, &lw->idx_wq_b, 0);
 #undef LIN_ADD
-        TRY(ops->linear_multi(be, n, outs, m->qr, Ws, fl, T));
+        if (n > 0)
+            TRY(ops->linear_multi(be, n, outs, m->qr, Ws, fl, T));
     }
     if (ls->ratio != 4) {
-        TRY(attention_qkv_norm(m, ls, NULL));
+        TRY(attention_qkv_norm(m, ls, kv_only));
         if (ls->ratio) {   /* what follows reads the compressor branch's outputs */
             TRY(side_join(m));
             comp = ls->comp;
@@ -1222,7 +1254,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
             TRY(ops->gather_rows(be, m->wIc, wI, m->full.out_rows, T, nI));
             wI = m->wIc;
         }
-        TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_qkv_norm, NULL));
+        TRY(side_run(m, ls, T <= SIDE_SMALL_T, attention_qkv_norm, kv_only));
         if (wI != NULL)
             TRY(ops->scale(be, wI, (float)(1.0 / sqrt((double)dI) / sqrt((double)nI)),
                            (int64_t)T * nI));

@@ -386,6 +386,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .norm_rope2 = dsv4_norm_rope2_compose,
     .attention_unrope = dsv4_attention_unrope_compose,
     .attention_out = dsv4_attention_out_compose,
+    .linear_norm_rope = dsv4_linear_norm_rope_compose,
 };
 
 enum dsv4_err

@@ -1094,6 +1094,21 @@ enum dsv4_err cuda_hc_post_pre(struct dsv4_backend *be, float *X_out, float *x_o
                                const float *X, const float *post, const float *comb,
                                const struct dsv4_hc_w *hc, const uint16_t *nw, int T, int n,
                                int D, int iters, float hc_eps, float norm_eps);
+/* linear_norm_rope: where the linear takes the prefill FP8 GEMM on cuBLASLt
+ * (cuda_fast_gemm_linear_b16) and the norm the v4 kernel, the norm reads the
+ * GEMM's bf16 output itself (no widening pass; the same values); else the
+ * composition. */
+enum dsv4_err cuda_linear_norm_rope(struct dsv4_backend *be, const float *x,
+                                    const struct dsv4_linear *W, int T, unsigned flags,
+                                    const struct dsv4_norm_rope *nr);
+/* fast_gemm.cu: cuda_linear's output for an FP8 W at T rows as bf16 bits in
+ * the backend scratch (*ob, T x n_out; valid until the next cuda_scratch)
+ * where cuda_linear would take the FP8 GEMM on cuBLASLt (the fast kernels'
+ * prefill GEMM, DSV4_CUDA_GEMM8 and the cuBLASLt FP8 path on, a plan for
+ * the shape): the values cuda_linear widens to its fp32 output.
+ * DSV4_ERR_NOTSUP before anything is queued otherwise. */
+enum dsv4_err cuda_fast_gemm_linear_b16(struct dsv4_backend *be, uint16_t **ob, const float *x,
+                                        const struct dsv4_linear *W, int T);
 /* norm_rope2: one launch of the v3 kernel for both calls where it applies. */
 enum dsv4_err cuda_norm_rope2(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
                               const struct dsv4_norm_rope *b);

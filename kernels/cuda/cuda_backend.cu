@@ -670,6 +670,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_norm_rope2,    /* fast_fuse.cu */
     cuda_attention_unrope,   /* cuda_attn.cu */
     cuda_attention_out,      /* cuda_attn.cu */
+    cuda_linear_norm_rope,   /* fast_fuse.cu */
     cuda_side_begin,
     cuda_side_end,
     cuda_side_join,

@@ -59,6 +59,8 @@ struct fz_freqs {
 /* Arguments of fz_norm_rope_kernel. */
 struct fz_nr {
     float *x, *dst;
+    const uint16_t *xb;   /* v4 (linear_norm_rope): read the rows from these bf16
+                             bits instead of x (then written to x), or NULL */
     const uint16_t *w;
     const int32_t *pos, *dst_rows;
     int D, heads, off, np, sim_cols, sim_block;
@@ -297,9 +299,17 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
     int64_t drow = a.dst != NULL ? a.dst_rows[r] : 0;
     float v[J], tot = 0.0f, rs;
 
+    if (a.xb != NULL) {   /* the linear's bf16 output: the values x would hold */
+        const uint16_t *br = a.xb + r * D;
+
 #pragma unroll
-    for (int j = 0; j < J; j++)
-        v[j] = xr[lane + 32 * j];
+        for (int j = 0; j < J; j++)
+            v[j] = __uint_as_float((uint32_t)br[lane + 32 * j] << 16);
+    } else {
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            v[j] = xr[lane + 32 * j];
+    }
 #pragma unroll
     for (int w = 0; w < NVW; w++) {   /* tree warp w: threads 32 w + lane */
         float acc = 0.0f;
@@ -539,6 +549,34 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
         cu_launch(fz_norm_rope_kernel<0>, rows, fz_norm_threads(D), 0, cuda_stream(be), a);
     CUDA_LAUNCHED("fast norm_rope");
     return DSV4_OK;
+}
+
+/* DSV4_CUDA_LIN_NORM=0: linear_norm_rope as its composition (the GEMM's
+ * output widened to fp32, then the norm; the same bits). */
+static struct cuda_switch fz_lin_norm_sw = CUDA_SWITCH("DSV4_CUDA_LIN_NORM", 1);
+
+enum dsv4_err
+cuda_linear_norm_rope(struct dsv4_backend *be, const float *x, const struct dsv4_linear *W,
+                      int T, unsigned flags, const struct dsv4_norm_rope *nr)
+{
+    struct fz_nr a;
+    uint16_t *ob = NULL;
+    enum dsv4_err e;
+
+    if (flags == 0 && T > 0 && (int64_t)nr->rows * nr->D == (int64_t)T * W->n_out &&
+        cuda_switch_on(&fz_lin_norm_sw) && fz_nr_make(be, &a, nr) && fz4_takes(a, nr->rows) &&
+        nr->dst == NULL) {
+        e = cuda_fast_gemm_linear_b16(be, &ob, x, W, T);   /* fast_gemm.cu */
+        if (e == DSV4_OK) {
+            a.xb = ob;
+            fz4_launch(be, a, nr->rows);
+            CUDA_LAUNCHED("fast linear + norm_rope");
+            return DSV4_OK;
+        }
+        if (e != DSV4_ERR_NOTSUP)
+            return e;
+    }
+    return dsv4_linear_norm_rope_compose(be, x, W, T, flags, nr);
 }
 
 enum dsv4_err

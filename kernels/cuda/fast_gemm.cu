@@ -2102,6 +2102,18 @@ cuda_fast_gemm_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear
 }
 
 enum dsv4_err
+cuda_fast_gemm_linear_b16(struct dsv4_backend *be, uint16_t **ob, const float *x,
+                          const struct dsv4_linear *W, int T)
+{
+    /* cuda_linear's choice: cuda_fast_gemm_linear, then its FP8 x FP8 form,
+     * then that form's cuBLASLt path */
+    if (!cuda_st(be)->fast_kernels || !cuda_fast_gemm_linear_ok(be, W, T) || !fw_enabled(be) ||
+        !cuda_fast_gemm8_on())
+        return DSV4_ERR_NOTSUP;
+    return cuda_fast_gemm8_b16(be, ob, x, W, T);
+}
+
+enum dsv4_err
 cuda_fast_gemm_linear(struct dsv4_backend *be, float *out, const float *x,
                       const struct dsv4_linear *W, int T)
 {

@@ -462,7 +462,8 @@ cuda_fast_gemm8_on(void)
  * block-scaled GEMM into bf16 scratch, widened into out.  NOTSUP from
  * cuBLASLt leaves only scratch written. */
 static enum dsv4_err
-g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W, int T)
+g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W, int T,
+        uint16_t **obp)
 {
     int N = W->n_out, K = W->n_in, nb = K / 128, nws = N / 128 * nb;
     int Tp = (T + BL_FP8_ROWS - 1) / BL_FP8_ROWS * BL_FP8_ROWS;
@@ -487,7 +488,22 @@ g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_l
     CUDA_LAUNCHED("fast gemm8 prep (cuBLASLt)");
     if ((e = cuda_blas_fp8(be, ob, W, mo.wsf, xq, sx, Tp)) != DSV4_OK)
         return e;
+    if (obp != NULL) {   /* cuda_fast_gemm8_b16: the bf16 outputs themselves */
+        *obp = ob;
+        return DSV4_OK;
+    }
     return cuda_blas_widen(be, out, ob, (int64_t)T * N);
+}
+
+enum dsv4_err
+cuda_fast_gemm8_b16(struct dsv4_backend *be, uint16_t **ob, const float *x,
+                    const struct dsv4_linear *W, int T)
+{
+    if (T <= 0 || W->fmt != DSV4_WFMT_FP8 || W->n_out % G8_BM != 0 || W->n_in % 128 != 0 ||
+        W->n_in <= 0 || !cuda_switch_on(&g8_blas_switch) ||
+        !cuda_blas_fp8_ready(be, W->n_out, W->n_in))
+        return DSV4_ERR_NOTSUP;
+    return g8_blas(be, NULL, x, W, T, ob);
 }
 
 enum dsv4_err
@@ -508,7 +524,7 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
     if (W->fmt != DSV4_WFMT_FP8 || N % G8_BM != 0 || K % 128 != 0 || K <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "fast gemm8: %d x %d not FP8 in 128 blocks", N, K);
     if (cuda_switch_on(&g8_blas_switch) && cuda_blas_fp8_ready(be, N, K) &&
-        (e = g8_blas(be, out, x, W, T)) != DSV4_ERR_NOTSUP)
+        (e = g8_blas(be, out, x, W, T, NULL)) != DSV4_ERR_NOTSUP)
         return e;   /* cuBLASLt took it (or failed otherwise) */
     p = (char *)cuda_scratch(be, bq + cuda_align((size_t)T * nb * sizeof(float)));
     if (p == NULL)

@@ -19,6 +19,8 @@
  * adds its K slices in its own order (fast_linear.cu), so linear_grouped
  * allows 1e-5 there (grouped_bound).  The other linear cases use shapes the
  * fast linear does not take (N not a multiple of 32 or 16): exact under both.
+ * One check compares the CUDA backend with itself: linear_norm_rope at a
+ * prefill size against its composition (the same bits required).
  *
  * Exit status: 0 all pass, 1 a failure, 77 no CUDA device (meson: skipped).
  */
@@ -356,6 +358,57 @@ test_layout(void)
     pair_free(&px), pair_free(&pe), pair_free(&po), pair_free(&pr), pair_free(&pi);
     pair_free(&pt);
     free(x), free(e), free(tab);
+}
+
+/*
+ * linear_norm_rope at a prefill size (256 rows of 8 heads of 512: with the
+ * fast kernels wq_b's FP8 GEMM on cuBLASLt hands its bf16 output to the
+ * norm, fast_fuse.cu) against its composition on the same CUDA backend
+ * (dsv4_linear_norm_rope_compose: the linear's fp32 output, then
+ * norm_rope): the same bits required.
+ */
+static void
+test_linear_norm_rope(void)
+{
+    int T = 256, H = 8, Dh = 512, K = 1024, rd = 64;
+    int64_t n = (int64_t)T * H * Dh;
+    struct wpair W = weight_new(DSV4_WFMT_FP8, H * Dh, K);
+    float *x = rand_bf16((int64_t)T * K, 3.0f), fr[32], *a, *b;
+    int32_t pos[256];
+    struct pair px = pair_new(x, (size_t)T * K * 4), pp, pa = pair_poison(n), pb = pair_poison(n);
+    struct dsv4_norm_rope nr;
+    enum dsv4_err e1, e2;
+    int64_t diff = 0;
+
+    for (int t = 0; t < T; t++)
+        pos[t] = 3 * t + 1;
+    for (int i = 0; i < rd / 2; i++)
+        fr[i] = powf(10000.0f, -2.0f * (float)i / (float)rd);
+    pp = pair_new(pos, sizeof(pos));
+    memset(&nr, 0, sizeof(nr));
+    nr.x = pa.g;
+    nr.rows = T * H;
+    nr.D = Dh;
+    nr.eps = 1e-6f;
+    nr.pos = pp.g;
+    nr.heads = H;
+    nr.off = Dh - rd;
+    nr.rd = rd;
+    nr.freqs = fr;
+    e1 = gpu->ops->linear_norm_rope(gpu, px.g, &W.g, T, 0, &nr);
+    nr.x = pb.g;
+    e2 = dsv4_linear_norm_rope_compose(gpu, px.g, &W.g, T, 0, &nr);
+    check_status("linear_norm_rope", e1, e2);
+    a = pair_gpu(&pa);
+    b = pair_gpu(&pb);
+    for (int64_t i = 0; i < n; i++)
+        diff += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    printf("%s %-28s n=%-8lld differing from its composition %lld\n", diff ? "FAIL" : "ok  ",
+           "linear_norm_rope", (long long)n, (long long)diff);
+    n_fail += diff != 0;
+    free(a), free(b), free(x);
+    weight_free(&W);
+    pair_free(&px), pair_free(&pp), pair_free(&pa), pair_free(&pb);
 }
 
 static void
@@ -865,6 +918,7 @@ main(int argc, char **argv)
         printf("== numerics %s, seed %llu ==\n", num ? "hf" : "ref", (unsigned long long)seed);
         test_layout();
         test_linear();
+        test_linear_norm_rope();
         test_norm();
         test_hc();
         test_compress();
