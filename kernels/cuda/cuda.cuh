@@ -904,8 +904,10 @@ enum dsv4_err cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb,
 /* The bf16 values of W1 and, when W3 != NULL, of W3 after them (rows of
  * W1, then rows of W3: cuda_blas_decode's, perm as there) for a GEMM: a copy
  * kept from an earlier call with the same weights, or one made now and kept
- * (within DSV4_CUDA_BLAS_KEEP_MB, default 4,096, and while 8 GiB of device
- * memory stay free), or else decoded into wb (scratch the caller owns) for
+ * (within DSV4_CUDA_BLAS_KEEP_MB, default 4,096, while 8 GiB of device
+ * memory stay free, only of weights inside a noted arena and not while the
+ * queue is recorded; the call waits for a new copy's decode, so that any
+ * queue may read it), or else decoded into wb (scratch the caller owns) for
  * this call only.  NULL (dsv4 error set) when the decode cannot take W1 or
  * W3.  Same values either way. */
 const uint16_t *cuda_blas_weights(struct dsv4_backend *be, uint16_t *wb,

@@ -631,18 +631,26 @@ bl_keep_find(const struct cuda_blas *b, const struct dsv4_linear *W1,
 }
 
 /* A new kept buffer of `bytes` for (W1, W3, perm), or NULL: no cuBLASLt
- * state, past the budget or the free-memory reserve, no memory. */
+ * state, past the budget or the free-memory reserve, no memory, or the
+ * queue is being recorded into a graph (cuda_blas_weights waits for a new
+ * copy's decode, which a recording cannot). */
 static uint16_t *
 bl_keep_new(struct dsv4_backend *be, const struct dsv4_linear *W1,
             const struct dsv4_linear *W3, int perm, size_t bytes)
 {
     struct cuda_blas *b = (struct cuda_blas *)cuda_st(be)->blas;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     size_t fr = 0, tot = 0;
     struct bl_keep *k;
     void *p = NULL;
 
     if (b == NULL || b->keep_full || b->keep_bytes + bytes > bl_keep_budget())
         return NULL;
+    if (cudaStreamIsCapturing(cuda_stream(be), &cap) != cudaSuccess ||
+        cap != cudaStreamCaptureStatusNone) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
     if (cudaMemGetInfo(&fr, &tot) != cudaSuccess || fr < bytes + BL_KEEP_RESERVE) {
         (void)cudaGetLastError();
         b->keep_full = 1;
@@ -736,7 +744,7 @@ cuda_blas_weights(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linea
     size_t n1 = (size_t)W1->n_out * W1->n_in;
     size_t bytes = (n1 + (W3 != NULL ? (size_t)W3->n_out * W3->n_in : 0)) * sizeof(uint16_t);
     const uint16_t *kept;
-    uint16_t *dst;
+    uint16_t *dst, *keep;
 
     if (!bl_fp8_ok(W1) || (W3 != NULL && (!bl_fp8_ok(W3) || W3->n_in != W1->n_in))) {
         dsv4_err_set(DSV4_ERR_NOTSUP, "cuda blas: no decode for these weights");
@@ -744,13 +752,18 @@ cuda_blas_weights(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linea
     }
     if (b != NULL && (kept = bl_keep_find(b, W1, W3, perm)) != NULL)
         return kept;
-    dst = bl_fixed(be, W1) && (W3 == NULL || bl_fixed(be, W3)) ?
-          bl_keep_new(be, W1, W3, perm, bytes) : NULL;
-    if (dst == NULL)
-        dst = wb;
+    keep = bl_fixed(be, W1) && (W3 == NULL || bl_fixed(be, W3)) ?
+           bl_keep_new(be, W1, W3, perm, bytes) : NULL;
+    dst = keep != NULL ? keep : wb;
     if (cuda_blas_decode(be, dst, W1, perm) != DSV4_OK ||
         (W3 != NULL && cuda_blas_decode(be, dst + n1, W3, perm) != DSV4_OK))
         return NULL;
+    /* a new copy's decode done before any queue (the side queue too) may
+     * read it: once per weight */
+    if (keep != NULL && cudaStreamSynchronize(cuda_stream(be)) != cudaSuccess) {
+        dsv4_err_set(DSV4_ERR_CUDA, "cuda blas: %s", cudaGetErrorString(cudaGetLastError()));
+        return NULL;
+    }
     return dst;
 }
 

@@ -1948,11 +1948,12 @@ fw_shared(struct dsv4_backend *be, const struct fw_args *r, const struct dsv4_li
  * The shared expert on cuBLASLt (fast_blas.cu; docs/gpu.md "The shared
  * expert on cuBLASLt"): its FP8 weights decoded to bf16 with their columns
  * in fw_perm order (so fw_moe's permuted x and h serve as they are; a copy
- * kept between calls where cuda_blas_weights can), one GEMM each way.  Up (W3 != NULL): g | u of every token into bo (T, 2 I),
- * then fw_sh_hq_kernel writes h's B values into hq rows Tk + t.  Down (W1 =
- * w2): y rows Tk + t (bf16-rounded, as FG_LINEAR) from hq rows Tk + t.  wb:
- * 2 I D bf16 of scratch, bo: T max(2 I, D).  DSV4_ERR_NOTSUP (nothing
- * queued but the weights' decode) when cuBLASLt cannot take it.
+ * kept between calls where cuda_blas_weights can), one GEMM each way.  Up
+ * (W3 != NULL): g | u of every token into bo (T, 2 I), then fw_sh_hq_kernel
+ * writes h's B values into hq rows Tk + t.  Down (W1 = w2): y rows Tk + t
+ * (bf16-rounded, as FG_LINEAR) from hq rows Tk + t.  wb: 2 I D bf16 of
+ * scratch, bo: T max(2 I, D).  DSV4_ERR_NOTSUP (nothing queued but the
+ * weights' decode) when cuBLASLt cannot take it.
  */
 static enum dsv4_err
 fw_shared_blas(struct dsv4_backend *be, const struct fw_args *r, const struct dsv4_linear *W1,

@@ -41,9 +41,10 @@
  * in a graph; µs printed against the unstaged form.  Every prefill case
  * (and those from 0 once more as fresh calls) also runs attention_out with
  * a random FP8 wo_a against its definition, attention_unrope then
- * linear_grouped (ao_check): u bit-identical, directly and from a graph.  Timing: the exact op once (twice
- * for decode sizes, the second timed), the fast op as the median of 7
- * timed calls; µs per call and the speed-up are printed, not checked.
+ * linear_grouped (ao_check): u bit-identical, directly and from a graph.
+ * Timing: the exact op once (twice for decode sizes, the second timed), the
+ * fast op as the median of 7 timed calls; µs per call and the speed-up are
+ * printed, not checked.
  * `quick` runs the decode cases and the 2048-row prefills only; `prefill` the
  * attention's prefills of up to 2048 rows only.
  *
