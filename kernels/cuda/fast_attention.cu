@@ -34,8 +34,9 @@
  *   key row is a row of kv or an entry one of the call's rows completed)
  *   has those rows rounded to bf16 once (fa_stage_kernel, into scratch),
  *   and fa_kernel<..., B16 = 1> copies them straight into the bf16 tiles
- *   (fa_issue16; no fp32 staging, no conversion; the same values, so the
- *   same bits).  DSV4_CUDA_ATTN_STAGE=0 converts in every CTA as before.
+ *   (fd_issue on bf16 rows; no fp32 staging, no conversion; the same
+ *   values, so the same bits).  DSV4_CUDA_ATTN_STAGE=0 converts in every
+ *   CTA as before.
  *   At the end out = bf16(O / (l + exp(sink - m))); for attention_unrope
  *   (cuda_attention_unrope) fd_kernel's output stage then rotates the pairs
  *   of the RoPE dimensions back at the row's position (fa_unrope_cs:
@@ -367,22 +368,29 @@ fa_smem_bytes(int MT, int Dh, int B16)
 #define FA_RPW (FA_NC / FA_WARPS)   /* tile rows a warp copies and converts */
 static_assert(FA_NC % FA_WARPS == 0 && FA_THREADS == 32 * FA_WARPS, "fd_issue: rows a warp");
 
-/* Issue this thread's copies of one tile (rows ptr[0 .. FA_NC), NULL:
- * zero-filled) into the staging. */
-template <int Dh>
+/* Issue this thread's copies of one tile (rows ptr[0 .. FA_NC) of Dh
+ * elements E, NULL: zero-filled) into tile (rows LD elements apart): the
+ * fp32 staging (E float, LD = Dh) or, for a fresh call's bf16 rows
+ * (fa_stage_kernel), the bf16 tile itself (E uint16_t, LD = Dh + 8).  Warp
+ * w takes rows w FA_RPW .., lane l the 16-byte pieces l, l + 32, ... of
+ * each (one warp instruction, 512 contiguous bytes). */
+template <int Dh, typename E, int LD>
 static __device__ __forceinline__ void
-fd_issue(const float *const *ptr, float *stage, const float *dummy)
+fd_issue(const E *const *ptr, E *tile, const void *dummy)
 {
-    int row0 = (threadIdx.x / 32) * FA_RPW, c4 = (threadIdx.x % 32) * 4;
+    constexpr int PE = 16 / sizeof(E);   /* elements a piece */
+    int row0 = (threadIdx.x / 32) * FA_RPW, c = (threadIdx.x % 32) * PE;
 
+    static_assert(Dh % (32 * PE) == 0, "fd_issue: whole pieces a lane");
 #pragma unroll
     for (int r = 0; r < FA_RPW; r++) {
-        const float *src = ptr[row0 + r];
-        float *dst = stage + (size_t)(row0 + r) * Dh + c4;
+        const E *src = ptr[row0 + r];
+        E *dst = tile + (size_t)(row0 + r) * LD + c;
 
 #pragma unroll
-        for (int k = 0; k < Dh / 128; k++)
-            fa_cp16(dst + 128 * k, src != NULL ? src + c4 + 128 * k : dummy, src != NULL);
+        for (int k = 0; k < Dh / (32 * PE); k++)
+            fa_cp16(dst + 32 * PE * k, src != NULL ? (const void *)(src + c + 32 * PE * k) : dummy,
+                    src != NULL);
     }
     fa_cp_commit();
 }
@@ -407,29 +415,6 @@ fa_convert(const float *stage, uint16_t *kj)
             *(uint2 *)(kr + 128 * k) = make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
         }
     }
-}
-
-/* A fresh call's copies of one tile (bf16 rows ptr[0 .. FA_NC), NULL:
- * zero-filled) straight into the bf16 tile kj (rows of Dh + 8), fd_issue's
- * rows and order: warp w rows w FA_RPW .., lane l the 16-byte pieces l, l +
- * 32, ... of each (one warp instruction, 512 contiguous bytes). */
-template <int Dh>
-static __device__ __forceinline__ void
-fa_issue16(const uint16_t *const *ptr, uint16_t *kj, const void *dummy)
-{
-    int row0 = (threadIdx.x / 32) * FA_RPW, c8 = (threadIdx.x % 32) * 8;
-
-#pragma unroll
-    for (int r = 0; r < FA_RPW; r++) {
-        const uint16_t *src = ptr[row0 + r];
-        uint16_t *dst = kj + (size_t)(row0 + r) * (Dh + 8) + c8;
-
-#pragma unroll
-        for (int k = 0; k < Dh / 256; k++)
-            fa_cp16(dst + 256 * k, src != NULL ? (const void *)(src + c8 + 256 * k) : dummy,
-                    src != NULL);
-    }
-    fa_cp_commit();
 }
 
 /*
@@ -710,10 +695,10 @@ fa_kernel(struct fa_args a)
         s_l[threadIdx.x] = 0.0f;
     }
     __syncthreads();   /* s_ptr */
-    if (B16)
-        fa_issue16<Dh>((const uint16_t *const *)s_ptr, kb, a.q);
+    if constexpr (B16)
+        fd_issue<Dh, uint16_t, Dh + 8>((const uint16_t *const *)s_ptr, kb, a.q);
     else
-        fd_issue<Dh>((const float *const *)s_ptr, stage, a.q);
+        fd_issue<Dh, float, Dh>((const float *const *)s_ptr, stage, a.q);
 
     /* tile it: this thread's copies -> bf16 tile it & 1, barrier, tile it + 1's
      * copies issued (in flight during tile it), scores, barrier, softmax,
@@ -729,7 +714,7 @@ fa_kernel(struct fa_args a)
         /* the last reads of bf16 tile it & 1 (tile it - 2's) were before tile
          * it - 1's barriers */
         fa_cp_wait<0>();
-        if (!B16)
+        if constexpr (!B16)
             fa_convert<Dh>(stage, kj);
         /* from tile FA_PG on, every FA_PG tiles: the rows of tiles it + FA_PG ..
          * into the half whose tiles (it - FA_PG ..) were last read before tile
@@ -739,12 +724,13 @@ fa_kernel(struct fa_args a)
                          s_ptr + ((it / FA_PG + 1) % 2) * FA_PG * FA_NC);
         __syncthreads();   /* tile it complete; everyone's staging reads done */
         if (it + 1 < n_tiles) {
-            if (B16)
-                fa_issue16<Dh>((const uint16_t *const *)s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC,
-                               kb + (size_t)((it + 1) & 1) * FA_NC * (Dh + 8), a.q);
+            if constexpr (B16)
+                fd_issue<Dh, uint16_t, Dh + 8>(
+                    (const uint16_t *const *)s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC,
+                    kb + (size_t)((it + 1) & 1) * FA_NC * (Dh + 8), a.q);
             else
-                fd_issue<Dh>((const float *const *)s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC,
-                             stage, a.q);
+                fd_issue<Dh, float, Dh>(
+                    (const float *const *)s_ptr + ((it + 1) % (2 * FA_PG)) * FA_NC, stage, a.q);
         }
 
         fa_tile_qk<MT, DW>(kj, qa, sp, warp, lane);
@@ -951,7 +937,7 @@ fd_kernel(struct fa_args a)
     __syncthreads();   /* s_tl, s_nt */
     nj = s_nt;
     if (nj > 0)
-        fd_issue<Dh>(s_ptr + s_tl[0] * FA_NC, stage, a.q);
+        fd_issue<Dh, float, Dh>(s_ptr + s_tl[0] * FA_NC, stage, a.q);
     /* the output stage's RoPE factors while the first tile's copies are in
      * flight (ordered before their reads by the barriers that follow) */
     fa_unrope_table(a, t, s_ucs, s_usn);
@@ -966,7 +952,8 @@ fd_kernel(struct fa_args a)
         fa_convert<Dh>(stage, kj);
         __syncthreads();   /* tile j complete; everyone's staging reads done */
         if (j + 1 < nj)
-            fd_issue<Dh>(s_ptr + s_tl[j + 1] * FA_NC, stage, a.q);   /* in flight during tile j */
+            fd_issue<Dh, float, Dh>(s_ptr + s_tl[j + 1] * FA_NC, stage,
+                                    a.q);   /* in flight during tile j */
 
         fa_tile_qk<MT, DW>(kj, qa, sp, warp, lane);
         __syncthreads();
@@ -1106,7 +1093,9 @@ fa_launch(struct dsv4_backend *be, const struct fa_args &a)
     cudaStream_t st = cuda_stream(be);
     enum dsv4_err e;
 
-    if (DW >= 32 && a.kvb != NULL) {
+    if constexpr (DW < 32) {   /* no staged form below Dh 256 (fa_stage_bytes) */
+        e = fa_launch_b<MT, DW, 0>(be, a);
+    } else if (a.kvb != NULL) {
         cu_launch(fa_stage_kernel, (unsigned)((2 * (int64_t)a.T * 32 + 255) / 256), 256, 0, st,
                   a);
         CUDA_LAUNCHED("fast attention stage");
@@ -1274,6 +1263,25 @@ fa_args_make(float *out, const float *q, const float *kv, const float *ring, con
  * before (A/B runs; the same bits). */
 static struct cuda_switch fa_stage_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_STAGE", 1);
 
+/* Scratch bytes of a call's staged key rows (fa_stage_kernel: 2 T rows of
+ * Dh bf16, kv's and the completed entries'): a fresh call of whole rows
+ * (not split) with Dh >= 256 and the switch on, else 0. */
+static size_t
+fa_stage_bytes(int fresh, int split, int T, int Dh)
+{
+    if (!fresh || split || Dh < 256 || !cuda_switch_on(&fa_stage_sw))
+        return 0;
+    return 2 * cuda_align((size_t)T * Dh * sizeof(uint16_t));
+}
+
+/* a's staged rows at sc (fa_stage_bytes of the call). */
+static void
+fa_stage_at(struct fa_args &a, unsigned char *sc, int T, int Dh)
+{
+    a.kvb = (uint16_t *)sc;
+    a.compb = (uint16_t *)(sc + cuda_align((size_t)T * Dh * sizeof(uint16_t)));
+}
+
 enum dsv4_err
 cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const float *kv,
                     const float *ring, const float *comp, const int32_t *pages,
@@ -1331,16 +1339,14 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
             a.n_ch = n_ch;
         }
     }
-    /* a fresh call's whole rows: the key rows staged as bf16 once (2 T rows
-     * of Dh: kv's, the completed entries') instead of converted by each CTA */
-    if (fresh && !a.split && Dh >= 256 && cuda_switch_on(&fa_stage_sw)) {
-        size_t nb = cuda_align((size_t)T * Dh * sizeof(uint16_t));
-        unsigned char *sc = (unsigned char *)cuda_scratch(be, 2 * nb);
+    /* a fresh call's whole rows: the key rows staged as bf16 once instead of
+     * converted by each CTA */
+    if (fa_stage_bytes(fresh, a.split, T, Dh) > 0) {
+        unsigned char *sc = (unsigned char *)cuda_scratch(be, fa_stage_bytes(fresh, 0, T, Dh));
 
         if (sc == NULL)
             return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention: no scratch");
-        a.kvb = (uint16_t *)sc;
-        a.compb = (uint16_t *)(sc + nb);
+        fa_stage_at(a, sc, T, Dh);
     }
     enum dsv4_err e = MT == 2 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
 
@@ -1411,15 +1417,12 @@ cuda_fast_attention_out(struct dsv4_backend *be, const struct dsv4_attn *x, int 
         !cuda_blas_grouped_ready(be, wo_a, G))
         return DSV4_ERR_NOTSUP;
     nb = cuda_blas_grouped_b16_scratch(wo_a, T);
-    if (x->fresh && Dh >= 256 && cuda_switch_on(&fa_stage_sw))
-        ns = 2 * cuda_align((size_t)T * Dh * sizeof(uint16_t));
+    ns = fa_stage_bytes(x->fresh, 0, T, Dh);   /* cuda_fast_attention's staging */
     sc = (unsigned char *)cuda_scratch(be, ns + no + nb);
     if (sc == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention out: no scratch");
-    if (ns > 0) {   /* cuda_fast_attention's staging */
-        a.kvb = (uint16_t *)sc;
-        a.compb = (uint16_t *)(sc + ns / 2);
-    }
+    if (ns > 0)
+        fa_stage_at(a, sc, T, Dh);
     a.outb = (uint16_t *)(sc + ns);
     e = H > 16 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
     if (e != DSV4_OK)

@@ -222,6 +222,34 @@ first_diff(const float *a, const float *b, size_t n)
     return -1;
 }
 
+/*
+ * The fast op into dev_out (n floats, poisoned with NaN first) run directly
+ * and then replayed from a CUDA graph must give ref's bits each time (buf:
+ * n floats of host space); prints what differs, naming the run `what`.
+ * Returns 1 when both match.
+ */
+static int
+same_bits(op_fn op, void *ctx, float *dev_out, size_t n, const float *ref, float *buf,
+          const char *what)
+{
+    int ok = 1;
+
+    for (int graph = 0; graph < 2; graph++) {
+        TRY("fill", be->ops->fill(be, dev_out, NAN, (int64_t)n));
+        if (graph)
+            run_graph(op, ctx);
+        else
+            run_op(op, ctx, 1, NULL);
+        TRY("download", be->ops->download(be, buf, dev_out, n * 4));
+        if (memcmp(ref, buf, n * 4) != 0) {
+            printf("   %s%s differs from the reference at index %ld\n", what,
+                   graph ? ", replayed from a graph," : "", first_diff(ref, buf, n));
+            ok = 0;
+        }
+    }
+    return ok;
+}
+
 /* --- attention ---------------------------------------------------------------------- */
 
 struct att_case {
@@ -311,7 +339,7 @@ ao_check(struct att_ctx *c)
     size_t nw, ns;
     uint8_t *hw, *hs;
     float *ua, *ub, t_def, t_out;
-    int ok = 1;
+    int ok;
 
     memset(&o, 0, sizeof(o));
     o.c = c;
@@ -338,21 +366,8 @@ ao_check(struct att_ctx *c)
     run_op(ao_op, &o, 1, NULL);
     TRY("download", be->ops->download(be, ua, o.u, (size_t)nu * 4));
     o.fused = 1;
-    TRY("fill", be->ops->fill(be, o.u, NAN, nu));
-    run_op(ao_op, &o, 1, NULL);
-    TRY("download", be->ops->download(be, ub, o.u, (size_t)nu * 4));
-    if (memcmp(ua, ub, (size_t)nu * 4) != 0) {
-        printf("   attention_out differs from attention_unrope + linear_grouped at index %ld\n",
-               first_diff(ua, ub, (size_t)nu));
-        ok = 0;
-    }
-    TRY("fill", be->ops->fill(be, o.u, NAN, nu));
-    run_graph(ao_op, &o);
-    TRY("download", be->ops->download(be, ub, o.u, (size_t)nu * 4));
-    if (memcmp(ua, ub, (size_t)nu * 4) != 0) {
-        printf("   attention_out's graph replay differs from its definition\n");
-        ok = 0;
-    }
+    ok = same_bits(ao_op, &o, o.u, (size_t)nu, ua, ub,
+                   "attention_out (reference: attention_unrope + linear_grouped)");
     t_out = time_fast(ao_op, &o);
     o.fused = 0;
     t_def = time_fast(ao_op, &o);
@@ -514,20 +529,8 @@ att_run(const struct att_case *k)
     run_op(att_op, &c, 1, NULL);
     TRY("download", be->ops->download(be, fa, c.out, nq * 4));
     ok &= att_compare(k, ex, fa, nq, k->H);
-    TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
-    run_op(att_op, &c, 1, NULL);
-    TRY("download", be->ops->download(be, fb, c.out, nq * 4));
-    if (memcmp(fa, fb, nq * 4) != 0) {
-        printf("   not deterministic: a second fast run differs\n");
-        ok = 0;
-    }
-    TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
-    run_graph(att_op, &c);
-    TRY("download", be->ops->download(be, fb, c.out, nq * 4));
-    if (memcmp(fa, fb, nq * 4) != 0) {
-        printf("   graph replay differs from the direct fast run\n");
-        ok = 0;
-    }
+    /* deterministic, and a graph replays it */
+    ok &= same_bits(att_op, &c, c.out, nq, fa, fb, "a second fast run");
     t_fa = time_fast(att_op, &c);
     if (!k->decode && k->ctx == 0) {
         /* a prefill from position 0 is a fresh call: the key rows staged as
@@ -536,21 +539,7 @@ att_run(const struct att_case *k)
         float t_st;
 
         c.fresh = 1;
-        TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
-        run_op(att_op, &c, 1, NULL);
-        TRY("download", be->ops->download(be, fb, c.out, nq * 4));
-        if (memcmp(fa, fb, nq * 4) != 0) {
-            printf("   fresh (staged bf16 keys) differs from the fast run at index %ld\n",
-                   first_diff(fa, fb, nq));
-            ok = 0;
-        }
-        TRY("fill", be->ops->fill(be, c.out, NAN, (int64_t)nq));
-        run_graph(att_op, &c);
-        TRY("download", be->ops->download(be, fb, c.out, nq * 4));
-        if (memcmp(fa, fb, nq * 4) != 0) {
-            printf("   fresh graph replay differs from the fast run\n");
-            ok = 0;
-        }
+        ok &= same_bits(att_op, &c, c.out, nq, fa, fb, "fresh call (staged bf16 keys)");
         t_st = time_fast(att_op, &c);
         printf("     fresh call (staged bf16 keys): %8.1f us against %8.1f (x%.2f)\n",
                t_st * 1e3, t_fa * 1e3, t_fa / t_st);
