@@ -81,16 +81,20 @@ dsv4_norm_rope_compose(struct dsv4_backend *be, float *x, const uint16_t *w, int
 }
 
 enum dsv4_err
+dsv4_norm_rope_one(struct dsv4_backend *be, const struct dsv4_norm_rope *a)
+{
+    return be->ops->norm_rope(be, a->x, a->w, a->rows, a->D, a->eps, a->pos, a->heads, a->off,
+                              a->rd, a->freqs, a->sim_cols, a->sim_block, a->dst, a->dst_rows);
+}
+
+enum dsv4_err
 dsv4_norm_rope2_compose(struct dsv4_backend *be, const struct dsv4_norm_rope *a,
                         const struct dsv4_norm_rope *b)
 {
     const struct dsv4_norm_rope *c[2] = { a, b };
 
     for (int i = 0; i < 2; i++) {
-        enum dsv4_err e = be->ops->norm_rope(be, c[i]->x, c[i]->w, c[i]->rows, c[i]->D,
-                                             c[i]->eps, c[i]->pos, c[i]->heads, c[i]->off,
-                                             c[i]->rd, c[i]->freqs, c[i]->sim_cols,
-                                             c[i]->sim_block, c[i]->dst, c[i]->dst_rows);
+        enum dsv4_err e = dsv4_norm_rope_one(be, c[i]);
         if (e != DSV4_OK)
             return e;
     }
@@ -106,9 +110,7 @@ dsv4_linear_norm_rope_compose(struct dsv4_backend *be, const float *x,
 
     if (e != DSV4_OK)
         return e;
-    return be->ops->norm_rope(be, nr->x, nr->w, nr->rows, nr->D, nr->eps, nr->pos, nr->heads,
-                              nr->off, nr->rd, nr->freqs, nr->sim_cols, nr->sim_block, nr->dst,
-                              nr->dst_rows);
+    return dsv4_norm_rope_one(be, nr);
 }
 
 enum dsv4_err

@@ -533,6 +533,9 @@ enum dsv4_err dsv4_backend_create(struct dsv4_backend **out, const char *name,
 /* Destroy (NULL is a no-op). */
 void dsv4_backend_destroy(struct dsv4_backend *be);
 
+/* ops->norm_rope of the call a describes (its fields as the op's arguments). */
+enum dsv4_err dsv4_norm_rope_one(struct dsv4_backend *be, const struct dsv4_norm_rope *a);
+
 /* The fused ops as the compositions that define them (see hc_post_pre,
  * norm_rope, linear_multi, norm_rope2, attention_unrope, attention_out and linear_norm_rope
  * above), through be's own ops: the CPU

@@ -1139,9 +1139,7 @@ attention_qkv_norm(struct dsv4_model *m, struct layer_state *ls, const void *kv_
     };
 
     if (kv_only != NULL)
-        return m->be->ops->norm_rope(m->be, nkv.x, nkv.w, nkv.rows, nkv.D, nkv.eps, nkv.pos,
-                                     nkv.heads, nkv.off, nkv.rd, nkv.freqs, nkv.sim_cols,
-                                     nkv.sim_block, NULL, NULL);
+        return dsv4_norm_rope_one(m->be, &nkv);
     return m->be->ops->norm_rope2(m->be, &nq, &nkv);
 }
 

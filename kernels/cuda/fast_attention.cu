@@ -1341,8 +1341,10 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     }
     /* a fresh call's whole rows: the key rows staged as bf16 once instead of
      * converted by each CTA */
-    if (fa_stage_bytes(fresh, a.split, T, Dh) > 0) {
-        unsigned char *sc = (unsigned char *)cuda_scratch(be, fa_stage_bytes(fresh, 0, T, Dh));
+    size_t ns = fa_stage_bytes(fresh, a.split, T, Dh);
+
+    if (ns > 0) {
+        unsigned char *sc = (unsigned char *)cuda_scratch(be, ns);
 
         if (sc == NULL)
             return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention: no scratch");
