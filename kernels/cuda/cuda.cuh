@@ -59,6 +59,7 @@ struct cuda_state {
     int device;
     int sms;                            /* the device's SM count (cuda_sms) */
     int mps;                            /* 1: the context is an MPS client (cuda_mps) */
+    int cc_major;                       /* compute capability major (cuda_sm90) */
     cudaStream_t stream;
     void *scratch;                      /* device scratch, grown on demand */
     size_t scratch_bytes;
@@ -150,6 +151,15 @@ static inline int
 cuda_sms(struct dsv4_backend *be)
 {
     return cuda_st(be)->sms;
+}
+
+/* Whether the backend's device is an sm_90 one (Hopper: the wgmma
+ * kernels' target; compute capability queried once at create, 0 where the
+ * query failed). */
+static inline int
+cuda_sm90(struct dsv4_backend *be)
+{
+    return cuda_st(be)->cc_major == 9;
 }
 
 /* Whether the backend's context is an MPS client (cudaDevAttrMpsEnabled,

@@ -714,6 +714,12 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         st->sms = 132;
         (void)cudaGetLastError();
     }
+    if (rc == cudaSuccess && cudaDeviceGetAttribute(&st->cc_major,
+                                                    cudaDevAttrComputeCapabilityMajor,
+                                                    st->device) != cudaSuccess) {
+        st->cc_major = 0;
+        (void)cudaGetLastError();
+    }
     if (rc == cudaSuccess &&
         cudaDeviceGetAttribute(&st->mps, cudaDevAttrMpsEnabled, st->device) != cudaSuccess) {
         st->mps = 0;

@@ -37,6 +37,8 @@
  *   (fd_issue on bf16 rows; no fp32 staging, no conversion; the same
  *   values, so the same bits).  DSV4_CUDA_ATTN_STAGE=0 converts in every
  *   CTA as before.
+ *   At H = 64, Dh = 512 a fresh call's rows run fh_kernel instead
+ *   (fast_attention_wg.cuh: wgmma, one CTA a row and all 64 heads).
  *   At the end out = bf16(O / (l + exp(sink - m))); for attention_unrope
  *   (cuda_attention_unrope) fd_kernel's output stage then rotates the pairs
  *   of the RoPE dimensions back at the row's position (fa_unrope_cs:
@@ -329,15 +331,24 @@ fa_trim(const struct fa_args &a, const struct fa_row &r, int t, int c_end)
     if (threadIdx.x == 0)
         last = -1;
     __syncthreads();
+    /* each thread's last valid slot, then one shared atomic a warp (a
+     * warp's atomics on one address are serialised) */
+    int mine = -1;
+
     for (int e = threadIdx.x; e < c_end - r.nw; e += blockDim.x) {
         int v = a.sel[(int64_t)t * a.K + e];
 
         if (v >= 0 && v < a.cap)
-            atomicMax(&last, e);
+            mine = e;
     }
+    mine = __reduce_max_sync(0xffffffffu, mine);
+    if ((threadIdx.x & 31) == 0 && mine >= 0)
+        atomicMax(&last, mine);
     __syncthreads();
     return r.nw + last + 1;
 }
+
+#include "kernels/cuda/fast_attention_wg.cuh"
 
 /* Shared memory layout (bytes) of fa_kernel<MT> for head dimension Dh. */
 static __host__ __device__ __forceinline__ size_t
@@ -1086,6 +1097,35 @@ fa_launch_b(struct dsv4_backend *be, const struct fa_args &a)
     return DSV4_OK;
 }
 
+/* DSV4_CUDA_FA_WG=0: a fresh call's rows of 64 heads of 512 dims on
+ * fa_kernel instead of fh_kernel (fast_attention_wg.cuh).  1 where fh_kernel
+ * runs (the switch on, an sm_90 device). */
+static struct cuda_switch fh_sw = CUDA_SWITCH("DSV4_CUDA_FA_WG", 1);
+
+static int
+fh_mode(struct dsv4_backend *be)
+{
+    return cuda_switch_on(&fh_sw) && cuda_sm90(be);
+}
+
+/* fh_kernel for a's rows (a fresh call of whole rows, H = 64, Dh = 512):
+ * one CTA an SM, each taking rows gridDim.x apart; in an MPS client (a share
+ * of the SMs: such a grid would run in waves) one CTA a row. */
+static enum dsv4_err
+fh_launch(struct dsv4_backend *be, const struct fa_args &a)
+{
+    static size_t smem_done[CUDA_MAX_DEV];
+    enum dsv4_err e = cuda_smem_allow(be, (const void *)fh_kernel, FH_SMEM, smem_done);
+
+    if (e != DSV4_OK)
+        return e;
+    int grid = cuda_mps(be) || a.T < cuda_sms(be) ? a.T : cuda_sms(be);
+
+    cu_launch(fh_kernel, (unsigned)grid, FH_THREADS, FH_SMEM, cuda_stream(be), a);
+    CUDA_LAUNCHED("fast attention (wgmma)");
+    return DSV4_OK;
+}
+
 template <int MT, int DW>
 static enum dsv4_err
 fa_launch(struct dsv4_backend *be, const struct fa_args &a)
@@ -1099,7 +1139,9 @@ fa_launch(struct dsv4_backend *be, const struct fa_args &a)
         cu_launch(fa_stage_kernel, (unsigned)((2 * (int64_t)a.T * 32 + 255) / 256), 256, 0, st,
                   a);
         CUDA_LAUNCHED("fast attention stage");
-        e = fa_launch_b<MT, DW, 1>(be, a);
+        int mode = MT == 2 && DW == 64 && a.H == FH_H && !a.split ? fh_mode(be) : 0;
+
+        e = mode ? fh_launch(be, a) : fa_launch_b<MT, DW, 1>(be, a);
     } else {
         e = fa_launch_b<MT, DW, 0>(be, a);
     }

@@ -780,14 +780,7 @@ fw_mma128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc)
 {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
                  "{"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, "
-                 "%40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, "
-                 "%56, %57, %58, %59, %60, %61, %62, %63"
+                 WG_R64
                  "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
                  : WG_D64(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
@@ -1586,25 +1579,15 @@ static int
 fw_enabled(const struct dsv4_backend *be)
 {
     static int env = -1;
-    static signed char cc9[CUDA_MAX_DEV];   /* 0 unknown, 1 sm_90, -1 other */
-    int dev = cuda_st((struct dsv4_backend *)be)->device;
 
     if (env < 0) {
         const char *v = getenv("DSV4_CUDA_WGMMA");
 
         env = !(v != NULL && (strcmp(v, "off") == 0 || strcmp(v, "0") == 0));
     }
-    if (!(fw_override < 0 ? env : fw_override) || dev < 0 || dev >= CUDA_MAX_DEV)
+    if (!(fw_override < 0 ? env : fw_override))
         return 0;
-    if (cc9[dev] == 0) {
-        int major = 0;
-
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) !=
-            cudaSuccess)
-            major = 0;
-        cc9[dev] = major == 9 ? 1 : -1;
-    }
-    return cc9[dev] > 0;
+    return cuda_sm90((struct dsv4_backend *)be);
 }
 
 template <int WF, int EPI, int NWG, int BN>

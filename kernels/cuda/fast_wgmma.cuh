@@ -210,6 +210,18 @@ wg_tile_rows(const ARGS &a, int *brow, int *orow, struct dsv4_linear &L1,
         "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),   \
         "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+/* The operand placeholders %0 .. %63 of the 64 accumulators (WG_D64) in a
+ * wgmma inline asm string. */
+#define WG_R64 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, " \
+    "%8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63"
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 /* Order the warpgroup's register and shared-memory accesses before the
