@@ -1115,12 +1115,11 @@ static enum dsv4_err
 fh_launch(struct dsv4_backend *be, const struct fa_args &a)
 {
     static size_t smem_done[CUDA_MAX_DEV];
+    int grid = cuda_mps(be) || a.T < cuda_sms(be) ? a.T : cuda_sms(be);
     enum dsv4_err e = cuda_smem_allow(be, (const void *)fh_kernel, FH_SMEM, smem_done);
 
     if (e != DSV4_OK)
         return e;
-    int grid = cuda_mps(be) || a.T < cuda_sms(be) ? a.T : cuda_sms(be);
-
     cu_launch(fh_kernel, (unsigned)grid, FH_THREADS, FH_SMEM, cuda_stream(be), a);
     CUDA_LAUNCHED("fast attention (wgmma)");
     return DSV4_OK;

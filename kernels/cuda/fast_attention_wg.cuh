@@ -101,22 +101,25 @@ fh_off(int r, int d, int cols)
 
 /* This thread's copies of one tile: the rows ptr[0 .. FH_NC) (NULL: zero-
  * filled) into tile; warp instruction k of warp w fills the 4 cores (row
- * group cb, 16-byte chunks 4 jq .. 4 jq + 3) of item w 16 + k: 512
- * contiguous bytes of shared memory, 64 contiguous bytes of 8 key rows. */
+ * group w, 16-byte chunks 4 k .. 4 k + 3): 512 contiguous bytes of shared
+ * memory, 64 contiguous bytes of 8 key rows.  A thread's 16 copies are of
+ * one key row: its address and size are worked out once. */
 static __device__ __forceinline__ void
 fh_issue(const uint16_t *const *ptr, unsigned char *tile, const void *dummy)
 {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint16_t *src = ptr[warp * 8 + (lane & 7)];
+    const char *base = (const char *)(src != NULL ? (const void *)src : dummy);
+    uint32_t dst = (uint32_t)__cvta_generic_to_shared(tile) + ((warp * 64 + (lane >> 3)) << 7) +
+                   ((lane & 7) << 4);
+    int n = src != NULL ? 16 : 0;
 
+    static_assert(FH_THREADS == 256 && FH_NC == 64, "fh_issue: a warp a row group");
 #pragma unroll
-    for (int k = 0; k < 16; k++) {
-        int idx = warp * 16 + k, cb = idx >> 4, j = (idx & 15) * 4 + (lane >> 3);
-        int c = cb * 8 + (lane & 7);
-        const uint16_t *src = ptr[c];
-
-        fa_cp16(tile + ((cb * 64 + j) << 7) + ((lane & 7) << 4),
-                src != NULL ? (const void *)(src + j * 8) : dummy, src != NULL);
-    }
+    for (int k = 0; k < 16; k++)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(dst + (k << 9)), "l"(base + (k * 4 + (lane >> 3)) * 16), "r"(n)
+                     : "memory");
     fa_cp_commit();
 }
 #endif
@@ -223,9 +226,6 @@ fh_kernel(struct fa_args a)
                 }
             wg_fence_proxy();   /* the tile's cp.async writes, before wgmma reads them */
             __syncthreads();    /* tile it landed for all; tile it - 1 read by all */
-            if (it + 1 < n_tiles)   /* in flight during this tile's S, softmax and P V */
-                fh_issue(s_ptr + ((it + 1) % (2 * FH_PG)) * FH_NC,
-                         st + (size_t)((it + 1) & 1) * FH_T_BYTES, a.q);
 
             /* S: this warpgroup's 32 candidates, all heads, 32 k-steps */
 #pragma unroll
@@ -237,6 +237,9 @@ fh_kernel(struct fa_args a)
                 fh_mma_s(s, fh_desc(aq + k * 256, 128, (FH_DH / 8) * 128),
                          fh_desc(tb + (uint32_t)(wg * 4 * 64 + 2 * k) * 128, 128, 64 * 128));
             wg_commit();
+            if (it + 1 < n_tiles)   /* issued while S runs; in flight during the softmax and P V */
+                fh_issue(s_ptr + ((it + 1) % (2 * FH_PG)) * FH_NC,
+                         st + (size_t)((it + 1) & 1) * FH_T_BYTES, a.q);
             wg_wait<0>();
             wg_hold(s);
 
