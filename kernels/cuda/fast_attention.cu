@@ -134,6 +134,9 @@ struct fa_args {
     /* a fresh call's key rows as bf16 (fa_stage_kernel), else NULL: kv's T
      * rows, and per row c the compressed entry it completed (row c of compb) */
     uint16_t *kvb, *compb;
+    /* fh_kernel's row counter in the staging's scratch (zeroed by
+     * fa_stage_kernel) */
+    int *ctr;
     /* attention_out: fa_kernel's output as bf16 here (T, H, Dh) instead of
      * out (cuda_fast_attention_out), else NULL */
     uint16_t *outb;
@@ -291,6 +294,8 @@ fa_stage_kernel(struct fa_args a)
     const float *src;
     uint16_t *dst;
 
+    if (item == 0 && lane == 0)
+        *a.ctr = 0;   /* fh_kernel's rows: none taken */
     if (item >= 2 * (int64_t)a.T)
         return;   /* whole warps leave together */
     if (item < a.T) {
@@ -1109,13 +1114,13 @@ fh_mode(struct dsv4_backend *be)
 }
 
 /* fh_kernel for a's rows (a fresh call of whole rows, H = 64, Dh = 512):
- * one CTA an SM, each taking rows gridDim.x apart; in an MPS client (a share
- * of the SMs: such a grid would run in waves) one CTA a row. */
+ * one CTA an SM, taking rows from the call's counter (an MPS client's CTAs
+ * that find no SM free until the others are done find no rows left). */
 static enum dsv4_err
 fh_launch(struct dsv4_backend *be, const struct fa_args &a)
 {
     static size_t smem_done[CUDA_MAX_DEV];
-    int grid = cuda_mps(be) || a.T < cuda_sms(be) ? a.T : cuda_sms(be);
+    int grid = a.T < cuda_sms(be) ? a.T : cuda_sms(be);
     enum dsv4_err e = cuda_smem_allow(be, (const void *)fh_kernel, FH_SMEM, smem_done);
 
     if (e != DSV4_OK)
@@ -1305,14 +1310,15 @@ fa_args_make(float *out, const float *q, const float *kv, const float *ring, con
 static struct cuda_switch fa_stage_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_STAGE", 1);
 
 /* Scratch bytes of a call's staged key rows (fa_stage_kernel: 2 T rows of
- * Dh bf16, kv's and the completed entries'): a fresh call of whole rows
- * (not split) with Dh >= 256 and the switch on, else 0. */
+ * Dh bf16, kv's and the completed entries', then fh_kernel's row counter):
+ * a fresh call of whole rows (not split) with Dh >= 256 and the switch on,
+ * else 0. */
 static size_t
 fa_stage_bytes(int fresh, int split, int T, int Dh)
 {
     if (!fresh || split || Dh < 256 || !cuda_switch_on(&fa_stage_sw))
         return 0;
-    return 2 * cuda_align((size_t)T * Dh * sizeof(uint16_t));
+    return 2 * cuda_align((size_t)T * Dh * sizeof(uint16_t)) + cuda_align(sizeof(int));
 }
 
 /* a's staged rows at sc (fa_stage_bytes of the call). */
@@ -1321,6 +1327,7 @@ fa_stage_at(struct fa_args &a, unsigned char *sc, int T, int Dh)
 {
     a.kvb = (uint16_t *)sc;
     a.compb = (uint16_t *)(sc + cuda_align((size_t)T * Dh * sizeof(uint16_t)));
+    a.ctr = (int *)(sc + 2 * cuda_align((size_t)T * Dh * sizeof(uint16_t)));
 }
 
 enum dsv4_err

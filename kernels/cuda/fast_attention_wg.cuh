@@ -127,9 +127,10 @@ fh_issue(const uint16_t *const *ptr, unsigned char *tile, const void *dummy)
 /*
  * One CTA per row t of a fresh call (whole rows, H = 64, Dh = 512, a.kvb
  * set): out[t] (or outb[t]) as fa_kernel<2, 64, 1> writes it.  FH_THREADS
- * threads, FH_SMEM bytes of dynamic shared memory.  Persistent: CTA b runs
- * rows b, b + gridDim.x, ... (a grid of one CTA an SM), each row's q
- * prefetched into L2 while the row before it runs.
+ * threads, FH_SMEM bytes of dynamic shared memory.  Persistent (a grid of
+ * one CTA an SM): a CTA takes its rows from the counter a.ctr (zeroed by
+ * fa_stage_kernel, one atomic add a row), the next row's number taken and
+ * its q prefetched into L2 while a row runs.
  */
 static __global__ void __launch_bounds__(FH_THREADS, 1)
 fh_kernel(struct fa_args a)
@@ -142,6 +143,7 @@ fh_kernel(struct fa_args a)
     unsigned char *spl = sph + FH_P_BYTES;
     float *red = (float *)(spl + FH_P_BYTES);   /* [2][FH_H] row maxima */
     const uint16_t **s_ptr = (const uint16_t **)(red + 2 * FH_H);
+    __shared__ int s_next[2];   /* the CTA's next rows, by parity of the row count */
     int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3;
     int lane = tid & 31, g = lane >> 2, q = lane & 3, warp = tid >> 5;
     int r0 = wi * 16 + g;   /* this thread's heads r0, r0 + 8 */
@@ -152,7 +154,10 @@ fh_kernel(struct fa_args a)
     float o0[64], o1[64], s[16];
     float m_run[2], l_run[2];
 
-    for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+    if (tid == 0)
+        s_next[0] = atomicAdd(a.ctr, 1);
+    __syncthreads();
+    for (int t = s_next[0], rc = 0; t < a.T; t = s_next[++rc & 1]) {
         /* Q's fp32 rows copied into the tile buffers (128 KB: one DRAM latency
          * for all of them, in flight while the row's candidates are looked up):
          * a warp instruction copies 512 contiguous bytes of one head; 16-byte
@@ -168,13 +173,10 @@ fh_kernel(struct fa_args a)
                 fa_cp16(st + h * 2048 + ((c ^ (h & 7)) << 4), qr + 4 * i, 1);
             }
             fa_cp_commit();
-            /* the CTA's next row's q into L2 (1,024 lines of 128 bytes) */
-            if (t + (int)gridDim.x < a.T) {
-                const char *qn = (const char *)(qr + (int64_t)gridDim.x * FH_H * FH_DH);
-
-                for (int i = tid; i < FH_H * FH_DH * 4 / 128; i += FH_THREADS)
-                    asm volatile("prefetch.global.L2 [%0];" :: "l"(qn + i * 128));
-            }
+            /* the CTA's next row (read after the row's barriers), its q
+             * into L2 (1,024 lines of 128 bytes) */
+            if (tid == 0)
+                s_next[(rc + 1) & 1] = atomicAdd(a.ctr, 1);
         }
         struct fa_row r = fa_row_of(a, t);
         int c_end = fa_trim(a, r, t, r.n_cand);
@@ -204,7 +206,17 @@ fh_kernel(struct fa_args a)
             o0[i] = o1[i] = 0.0f;
         m_run[0] = m_run[1] = -__int_as_float(0x7f800000);
         l_run[0] = l_run[1] = 0.0f;
-        __syncthreads();   /* s_ptr, Q; the staging's reads done */
+        __syncthreads();   /* s_ptr, Q, s_next; the staging's reads done */
+        {
+            int tn = s_next[(rc + 1) & 1];
+
+            if (tn < a.T) {
+                const char *qn = (const char *)(a.q + (int64_t)tn * FH_H * FH_DH);
+
+                for (int i = tid; i < FH_H * FH_DH * 4 / 128; i += FH_THREADS)
+                    asm volatile("prefetch.global.L2 [%0];" :: "l"(qn + i * 128));
+            }
+        }
         if (n_tiles > 0)
             fh_issue(s_ptr, st, a.q);
 
