@@ -125,8 +125,8 @@ fh_issue(const uint16_t *const *ptr, unsigned char *tile, const void *dummy)
 #endif
 
 /*
- * One CTA per row t of a fresh call (whole rows, H = 64, Dh = 512, a.kvb
- * set): out[t] (or outb[t]) as fa_kernel<2, 64, 1> writes it.  FH_THREADS
+ * The rows of a fresh call (whole rows, H = 64, Dh = 512, a.kvb set), a
+ * CTA a row at a time: out[t] (or outb[t]) as fa_kernel<2, 64, 1> writes it.  FH_THREADS
  * threads, FH_SMEM bytes of dynamic shared memory.  Persistent (a grid of
  * one CTA an SM): a CTA takes its rows from the counter a.ctr (zeroed by
  * fa_stage_kernel, one atomic add a row), the next row's number taken and
@@ -158,8 +158,9 @@ fh_kernel(struct fa_args a)
         s_next[0] = atomicAdd(a.ctr, 1);
     __syncthreads();
     for (int t = s_next[0], rc = 0; t < a.T; t = s_next[++rc & 1]) {
-        /* Q's fp32 rows copied into the tile buffers (128 KB: one DRAM latency
-         * for all of them, in flight while the row's candidates are looked up):
+        /* Q's fp32 rows copied into the tile buffers (128 KB, prefetched into
+         * L2 during the CTA's row before; in flight while the row's
+         * candidates are looked up):
          * a warp instruction copies 512 contiguous bytes of one head; 16-byte
          * chunk c of head h goes to h 2048 + (c ^ (h & 7)) 16, so that the
          * conversion's reads below (8 heads x 64 bytes a warp) are free of
