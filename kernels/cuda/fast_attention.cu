@@ -353,8 +353,6 @@ fa_trim(const struct fa_args &a, const struct fa_row &r, int t, int c_end)
     return r.nw + last + 1;
 }
 
-#include "kernels/cuda/fast_attention_wg.cuh"
-
 /* Shared memory layout (bytes) of fa_kernel<MT> for head dimension Dh. */
 static __host__ __device__ __forceinline__ size_t
 fa_smem_bytes(int MT, int Dh, int B16)
@@ -434,25 +432,29 @@ fa_convert(const float *stage, uint16_t *kj)
 }
 
 /*
- * The key rows of candidates c0 .. c0 + FA_PG FA_NC - 1 of row t (NULL:
- * masked, or past c_end) into ptr: thread i looks up candidate c0 + i.
+ * The key rows of candidates c0 .. c0 + N - 1 of row t (NULL: masked, or
+ * past c_end) into ptr: thread i (of FA_THREADS) looks up candidate c0 + i,
+ * c0 + i + FA_THREADS, ...  N = FA_PG FA_NC for fa_kernel, FH_PG FH_NC for
+ * fh_kernel (fast_attention_wg.cuh).
  * The unsplit walk (prefill rows) looks its candidates up FA_PG tiles at a
  * time, so each copy of a tile reads its source row from shared memory
  * instead of working out the window / ring / page-table address per 16-byte
  * piece (docs/perf.md run 39: that was a third of fa_kernel's instructions).
  */
-template <int B16>
+template <int B16, int N = FA_PG * FA_NC>
 static __device__ __forceinline__ void
 fa_rows(const struct fa_args &a, const struct fa_row &r, int t, int c0, int c_end,
         const void **ptr)
 {
-    for (int i = threadIdx.x; i < FA_PG * FA_NC; i += FA_THREADS) {
+    for (int i = threadIdx.x; i < N; i += FA_THREADS) {
         int c = c0 + i;
 
         ptr[i] = c >= c_end ? NULL : B16 ? (const void *)fa_cand16(a, r, t, c)
                                          : (const void *)fa_cand(a, r, t, c);
     }
 }
+
+#include "kernels/cuda/fast_attention_wg.cuh"
 
 /* The Q fragments of heads h0 .. h0 + 16 MT - 1 of row t over this warp's
  * head dimensions (bf16; zero rows past H). */
@@ -1325,9 +1327,11 @@ fa_stage_bytes(int fresh, int split, int T, int Dh)
 static void
 fa_stage_at(struct fa_args &a, unsigned char *sc, int T, int Dh)
 {
+    size_t rows = cuda_align((size_t)T * Dh * sizeof(uint16_t));   /* T rows of Dh bf16 */
+
     a.kvb = (uint16_t *)sc;
-    a.compb = (uint16_t *)(sc + cuda_align((size_t)T * Dh * sizeof(uint16_t)));
-    a.ctr = (int *)(sc + 2 * cuda_align((size_t)T * Dh * sizeof(uint16_t)));
+    a.compb = (uint16_t *)(sc + rows);
+    a.ctr = (int *)(sc + 2 * rows);
 }
 
 enum dsv4_err

@@ -2,7 +2,7 @@
  * fast_attention_wg.cuh — fh_kernel, the prefill attention of a fresh call
  * on Hopper's wgmma (sm_90a): whole rows, H = 64 heads, Dh = 512, the key
  * rows staged as bf16 (fa_stage_kernel).  Included by fast_attention.cu
- * after its helpers (fa_args, fa_row_of, fa_cand16, fa_trim, fa_cp16), which
+ * after its helpers (fa_args, fa_row_of, fa_trim, fa_rows, fa_cp16), which
  * launches it in place of fa_kernel<2, 64, 1> (DSV4_CUDA_FA_WG=0: not).
  *
  * fa_kernel gives a row two CTAs of 32 heads, each loading the row's key
@@ -115,6 +115,7 @@ fh_issue(const uint16_t *const *ptr, unsigned char *tile, const void *dummy)
     int n = src != NULL ? 16 : 0;
 
     static_assert(FH_THREADS == 256 && FH_NC == 64, "fh_issue: a warp a row group");
+    static_assert(FH_THREADS == FA_THREADS, "fa_rows: FA_THREADS threads a block");
 #pragma unroll
     for (int k = 0; k < 16; k++)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
@@ -183,14 +184,10 @@ fh_kernel(struct fa_args a)
         int c_end = fa_trim(a, r, t, r.n_cand);
         int n_tiles = (c_end + FH_NC - 1) / FH_NC;
 
-        for (int i = tid; i < FH_PG * FH_NC; i += FH_THREADS) {
-            s_ptr[i] = i < c_end ? fa_cand16(a, r, t, i) : NULL;
-            if (n_tiles > FH_PG) {
-                int c = FH_PG * FH_NC + i;
-
-                s_ptr[FH_PG * FH_NC + i] = c < c_end ? fa_cand16(a, r, t, c) : NULL;
-            }
-        }
+        fa_rows<1, FH_PG * FH_NC>(a, r, t, 0, c_end, (const void **)s_ptr);
+        if (n_tiles > FH_PG)
+            fa_rows<1, FH_PG * FH_NC>(a, r, t, FH_PG * FH_NC, c_end,
+                                      (const void **)s_ptr + FH_PG * FH_NC);
         /* Q as bf16 into its cores: warp w, item k: heads 8 hb + (lane & 7),
          * dims 16 dg + 4 (lane >> 3) .. + 3 (256 contiguous bytes a warp) */
         fa_cp_wait<0>();
@@ -231,12 +228,9 @@ fh_kernel(struct fa_args a)
             /* from tile FH_PG on, every FH_PG tiles: the rows of tiles it + FH_PG ..
              * into the half whose tiles were all read (their copies landed) */
             if (it >= FH_PG && it % FH_PG == 0 && it + FH_PG < n_tiles)
-                for (int i = tid; i < FH_PG * FH_NC; i += FH_THREADS) {
-                    int c = (it + FH_PG) * FH_NC + i;
-
-                    s_ptr[((it / FH_PG + 1) % 2) * FH_PG * FH_NC + i] =
-                        c < c_end ? fa_cand16(a, r, t, c) : NULL;
-                }
+                fa_rows<1, FH_PG * FH_NC>(a, r, t, (it + FH_PG) * FH_NC, c_end,
+                                          (const void **)s_ptr +
+                                              ((it / FH_PG + 1) % 2) * FH_PG * FH_NC);
             wg_fence_proxy();   /* the tile's cp.async writes, before wgmma reads them */
             __syncthreads();    /* tile it landed for all; tile it - 1 read by all */
 
