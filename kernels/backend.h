@@ -120,6 +120,11 @@ struct dsv4_attn {
      * kernels then stage those rows as bf16 once per call instead of once
      * per (row, head group).  Values are the same either way. */
     int fresh;
+    /* 1: q is the x of the linear_norm_rope call with q_attn set that was
+     * queued last before this op, and nothing has touched x since; the
+     * backend may then read q in the form that call left it in (the CUDA
+     * fast kernels: bf16).  0 is always correct where q holds its values. */
+    int q_held;
 };
 
 /* The arguments of one norm_rope call (norm_rope2). */
@@ -134,6 +139,14 @@ struct dsv4_norm_rope {
     int sim_cols, sim_block;
     float *dst;
     const int32_t *dst_rows;
+    /* linear_norm_rope only (other ops ignore it).  1: x is the q of the
+     * attention op (attention_unrope or attention_out, q_held set) that the
+     * caller queues next, and only that op reads it.  The backend may then
+     * leave the rows in a form of its own for that op: x's contents are
+     * unspecified to anyone else.  The CUDA fast kernels keep them as bf16
+     * (round to nearest even) in x's first half, the rounding their
+     * attention does to q anyway: the same results. */
+    int q_attn;
 };
 
 struct dsv4_backend_ops {

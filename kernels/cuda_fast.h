@@ -203,6 +203,15 @@ enum dsv4_err dsv4_cuda_linear_quant_check(struct dsv4_backend *be, uint64_t *n_
 enum dsv4_err dsv4_cuda_linear_e4m3_check(struct dsv4_backend *be, uint64_t *n_bad,
                                           uint32_t *first);
 
+/*
+ * Tests: q's n fp32 values (a device array of be's) rounded to bf16 (round
+ * to nearest even) into q's first half, and marked as held for the next
+ * attention op with q_held set (kernels/backend.h), as linear_norm_rope
+ * with q_attn leaves the per-head q under the fast kernels.  DSV4_ERR_INVAL
+ * when be is not a CUDA backend.
+ */
+enum dsv4_err dsv4_cuda_q16_hold(struct dsv4_backend *be, float *q, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

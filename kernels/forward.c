@@ -1217,6 +1217,10 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
         if (q_fused) {   /* wq_b with the q norm and RoPE */
             struct dsv4_norm_rope nq = attention_q_norm(m, ls);
 
+            /* q is read next, and only, by attention_out below (q_held):
+             * the backend may keep it in its own form (the CUDA fast
+             * kernels: bf16) */
+            nq.q_attn = 1;
             TRY(ops->linear_norm_rope(be, m->qr, &lw->wq_b, T, 0, &nq));
         } else {
             LIN_ADD(m->q, &lw->wq_b, 0);
@@ -1270,7 +1274,7 @@ attention(struct dsv4_model *m, struct layer_state *ls, const int32_t *ring_dst,
             .slot = m->i_slot, .pos = m->i_pos, .row0 = m->i_row0, .pos0 = m->i_pos0, .T = T,
             .H = H, .Dh = Dh, .win = m->win, .cap = ls->ratio ? ls->pg->cap : 0,
             .ratio = ls->ratio, .K = m->K, .scale = (float)(1.0 / sqrt((double)Dh)),
-            .fresh = p->fresh && !m->trimmed,
+            .fresh = p->fresh && !m->trimmed, .q_held = q_fused,
         };
 
         /* with the grouped output projection (wo_a) of this rank's groups

@@ -72,6 +72,12 @@ struct cuda_state {
     int fast_kernels;                   /* dsv4_cuda_set_kernels: the ops with
                                            a fast version (fast_*.cu) use it
                                            where it applies (0 = exact) */
+    const float *q16;                   /* the x of the last linear_norm_rope
+                                           (q_attn) whose rows the fast
+                                           kernels left as bf16 in x's first
+                                           half, for the attention op after
+                                           it (q_held; cuda_q16_take), else
+                                           NULL */
     void *batch_host;                   /* copy_batch (cuda_copy.cu): pinned
                                            staging of the piece table */
     size_t batch_bytes;
@@ -171,6 +177,24 @@ cuda_mps(struct dsv4_backend *be)
 {
     return cuda_st(be)->mps;
 }
+
+/* Whether an attention op's q, with its q_held flag held, is the q the
+ * last linear_norm_rope (q_attn) left as bf16 in its first half (cuda_state
+ * q16).  The mark is cleared either way: one attention op reads it. */
+static inline int
+cuda_q16_take(struct dsv4_backend *be, const float *q, int held)
+{
+    struct cuda_state *st = cuda_st(be);
+    int r = held && q != NULL && st->q16 == q;
+
+    st->q16 = NULL;
+    return r;
+}
+
+/* q's n values, held as bf16 in its first half (cuda_q16_take), widened in
+ * place to fp32 (through the scratch; fast_attention.cu): for the attention
+ * kernels that read fp32 q. */
+enum dsv4_err cuda_q16_widen(struct dsv4_backend *be, const float *q, int64_t n);
 
 /* Map a CUDA error to DSV4_ERR_CUDA with the call site in the message. */
 enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int line);
@@ -1067,14 +1091,16 @@ int cuda_fast_attention_ok(const float *out, const float *q, const float *kv,
  * + ur_rd <= Dh, ur_rd / 2 <= CUDA_FA_UR_MAX, DSV4_CUDA_FUSE_UNROPE not 0),
  * else as a rope launch after.  fresh: dsv4_attn's hint (kernels/backend.h);
  * the prefill kernel then reads the key rows from a bf16 copy made once per
- * call (the same values). */
+ * call (the same values).  q16: q's values are bf16 in its first half
+ * (cuda_q16_take), which every fast attention kernel reads as it is (the
+ * rounding they do to fp32 q): the same results. */
 enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q,
                                   const float *kv, const float *ring, const float *comp,
                                   const int32_t *pages, const int32_t *sel, const float *sink,
                                   const int32_t *slot, const int32_t *pos, const int32_t *row0,
                                   const int32_t *pos0, int T, int H, int Dh, int win, int cap,
                                   int ratio, int K, float scale, int ur_off, int ur_rd,
-                                  const float *ur_freqs, int fresh);
+                                  const float *ur_freqs, int fresh, int q16);
 /* attention_out's prefill form (fast_attention.cu): a call the unsplit
  * fast attention takes (cuda_fast_attention_ok held, T * head groups > 64)
  * whose wo_a cuBLASLt takes (cuda_blas_grouped_ready, T >=
@@ -1084,10 +1110,10 @@ enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const flo
  * cuda_blas_grouped_b16 multiplies them: u with the bits of
  * attention_unrope + linear_grouped, a->out not written.  DSV4_ERR_NOTSUP
  * before anything is queued when it does not take the call
- * (DSV4_CUDA_ATTN_OUT=0: never). */
+ * (DSV4_CUDA_ATTN_OUT=0: never).  q16 as cuda_fast_attention's. */
 enum dsv4_err cuda_fast_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a,
                                       int off, int rd, const float *freqs, float *u,
-                                      const struct dsv4_linear *wo_a, int G);
+                                      const struct dsv4_linear *wo_a, int G, int q16);
 /* The most RoPE pairs cuda_fast_attention rotates in its output stage. */
 #define CUDA_FA_UR_MAX 64
 /* dI == 128, 1 <= nh <= 64, cap >= 1, 1 <= K <= 2048, q and keys 16-byte

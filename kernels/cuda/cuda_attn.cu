@@ -321,6 +321,7 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
         .out = out, .q = q, .kv = kv, .ring = ring, .comp = comp, .pages = pages, .sel = sel,
         .sink = sink, .slot = slot, .pos = pos, .row0 = row0, .pos0 = pos0, .T = T, .H = H,
         .Dh = Dh, .win = win, .cap = cap, .ratio = ratio, .K = K, .scale = scale, .fresh = 0,
+        .q_held = 0,
     };
 
     return cuda_attention_unrope(be, &a, 0, 0, NULL);
@@ -335,6 +336,7 @@ cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int of
 {
     cudaStream_t s = cuda_stream(be);
     int T = a->T, H = a->H, Dh = a->Dh, max_cand;
+    int q16 = cuda_q16_take(be, a->q, a->q_held);   /* q as bf16 (linear_norm_rope) */
     size_t cb, nb;
     char *base;
 
@@ -349,7 +351,13 @@ cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int of
         return cuda_fast_attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages, a->sel,
                                    a->sink, a->slot, a->pos, a->row0, a->pos0, T, H, Dh,
                                    a->win, a->cap, a->ratio, a->K, a->scale, off, rd,
-                                   freqs, a->fresh);   /* fast_attention.cu */
+                                   freqs, a->fresh, q16);   /* fast_attention.cu */
+    if (q16) {   /* the exact kernel reads fp32 */
+        enum dsv4_err e = cuda_q16_widen(be, a->q, (int64_t)T * H * Dh);
+
+        if (e != DSV4_OK)
+            return e;
+    }
     max_cand = a->win + (a->comp == NULL ? 0 : a->sel != NULL ? a->K : a->cap);
     cb = cuda_align((size_t)T * max_cand * sizeof(float *));
     nb = cuda_align((size_t)T * sizeof(int));
@@ -372,17 +380,24 @@ enum dsv4_err
 cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
                    const float *freqs, float *u, const struct dsv4_linear *wo_a, int G)
 {
+    /* q as bf16 (linear_norm_rope): taken here, handed to attention_unrope
+     * below as a q still held */
+    int q16 = cuda_q16_take(be, a->q, a->q_held);
+
     if (cuda_st(be)->fast_kernels && a->T >= DSV4_CUDA_BLAS_MIN_T && dsv4_cuda_blas_on() &&
         cuda_fast_gemm_grouped_ok(be, wo_a, a->T, G) &&
         cuda_fast_attention_ok(a->out, a->q, a->kv, a->ring, a->comp, a->H, a->Dh, a->win,
                                a->cap, a->ratio)) {
-        enum dsv4_err e = cuda_fast_attention_out(be, a, off, rd, freqs, u, wo_a, G);
+        enum dsv4_err e = cuda_fast_attention_out(be, a, off, rd, freqs, u, wo_a, G, q16);
 
         if (e != DSV4_ERR_NOTSUP)
             return e;
     }
     {
-        enum dsv4_err e = cuda_attention_unrope(be, a, off, rd, freqs);
+        enum dsv4_err e;
+
+        cuda_st(be)->q16 = q16 ? a->q : NULL;
+        e = cuda_attention_unrope(be, a, off, rd, freqs);
 
         if (e != DSV4_OK)
             return e;

@@ -96,6 +96,7 @@
  * synchronisation, no allocation beyond the backend scratch (graph-safe).
  */
 #include "kernels/cuda/fast_mma.cuh"
+#include "kernels/cuda_fast.h"   /* dsv4_cuda_q16_hold */
 
 #include <cooperative_groups.h>
 #include <stdlib.h>
@@ -140,6 +141,10 @@ struct fa_args {
     /* attention_out: fa_kernel's output as bf16 here (T, H, Dh) instead of
      * out (cuda_fast_attention_out), else NULL */
     uint16_t *outb;
+    /* 1: q's values are bf16 in its first half ((const uint16_t *)q, T x H x
+     * Dh; cuda_q16_take): fa_load_q (fa_kernel, fd_kernel) and fh_kernel
+     * read them so (the bf16 they round fp32 q to) */
+    int q16;
 };
 
 /* --- small device helpers ------------------------------------------------------ */
@@ -471,8 +476,19 @@ fa_load_q(uint32_t (&qa)[MT][DW / 16][4], const struct fa_args &a, int t, int h0
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
             int h = h0 + mt * 16 + g + 8 * hh;
-            const float *qr = a.q + ((int64_t)t * a.H + (h < a.H ? h : 0)) * Dh + d0 + 2 * q4;
+            int64_t qi = ((int64_t)t * a.H + (h < a.H ? h : 0)) * Dh + d0 + 2 * q4;
+            const float *qr = a.q + qi;
 
+            if (a.q16) {   /* already bf16: the pairs as they are */
+                const uint16_t *qb = (const uint16_t *)a.q + qi;
+
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+                    qa[mt][ks][hh] = h < a.H ? *(const uint32_t *)(qb + 16 * ks) : 0u;
+                    qa[mt][ks][2 + hh] = h < a.H ? *(const uint32_t *)(qb + 16 * ks + 8) : 0u;
+                }
+                continue;
+            }
 #pragma unroll
             for (int ks = 0; ks < KS; ks++) {
                 float2 lo = h < a.H ? *(const float2 *)(qr + 16 * ks) : make_float2(0.f, 0.f);
@@ -1307,6 +1323,68 @@ fa_args_make(float *out, const float *q, const float *kv, const float *ring, con
     return a;
 }
 
+/* --- q held as bf16 (linear_norm_rope's q_attn, dsv4_attn's q_held) ---------------------- */
+
+/* i < n: widen, dst[i] (fp32) = src[i] (bf16); else dst[i] (bf16) =
+ * src[i] (fp32) rounded to nearest even (fa_pack's rounding). */
+static __global__ void
+fa_q16_kernel(void *dst, const void *src, int64_t n, int widen)
+{
+    cu_pdl_wait();   /* PDL: before any global access */
+    cu_pdl_trigger();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        if (widen)
+            ((float *)dst)[i] = __uint_as_float((uint32_t)((const uint16_t *)src)[i] << 16);
+        else
+            ((uint16_t *)dst)[i] = (uint16_t)(fa_pack(((const float *)src)[i], 0.0f) & 0xffffu);
+    }
+}
+
+/* Blocks of 256 threads for an elementwise pass over n values. */
+static unsigned
+fa_q16_blocks(int64_t n)
+{
+    int64_t b = (n + 255) / 256;
+
+    return (unsigned)(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+enum dsv4_err
+cuda_q16_widen(struct dsv4_backend *be, const float *q, int64_t n)
+{
+    uint16_t *sc = (uint16_t *)cuda_scratch(be, (size_t)n * sizeof(uint16_t));
+
+    if (sc == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "q16 widen: no scratch");
+    /* the bf16 half first out of the way: the fp32 values overwrite it */
+    CUDA_TRY(cudaMemcpyAsync(sc, q, (size_t)n * sizeof(uint16_t), cudaMemcpyDeviceToDevice,
+                             cuda_stream(be)));
+    cu_launch(fa_q16_kernel, fa_q16_blocks(n), 256, 0, cuda_stream(be), (void *)q,
+              (const void *)sc, n, 1);
+    CUDA_LAUNCHED("q16 widen");
+    return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_cuda_q16_hold(struct dsv4_backend *be, float *q, int64_t n)
+{
+    uint16_t *sc;
+
+    if (!cuda_is_backend(be))
+        return dsv4_err_set(DSV4_ERR_INVAL, "q16 hold: not a CUDA backend");
+    sc = (uint16_t *)cuda_scratch(be, (size_t)n * sizeof(uint16_t));
+    if (sc == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "q16 hold: no scratch");
+    cu_launch(fa_q16_kernel, fa_q16_blocks(n), 256, 0, cuda_stream(be), (void *)sc,
+              (const void *)q, n, 0);
+    CUDA_LAUNCHED("q16 hold");
+    CUDA_TRY(cudaMemcpyAsync(q, sc, (size_t)n * sizeof(uint16_t), cudaMemcpyDeviceToDevice,
+                             cuda_stream(be)));
+    cuda_st(be)->q16 = q;
+    return DSV4_OK;
+}
+
 /* DSV4_CUDA_ATTN_STAGE=0: fresh calls' key rows converted in every CTA as
  * before (A/B runs; the same bits). */
 static struct cuda_switch fa_stage_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_STAGE", 1);
@@ -1340,12 +1418,13 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
                     const int32_t *sel, const float *sink, const int32_t *slot,
                     const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H,
                     int Dh, int win, int cap, int ratio, int K, float scale, int ur_off,
-                    int ur_rd, const float *ur_freqs, int fresh)
+                    int ur_rd, const float *ur_freqs, int fresh, int q16)
 {
     struct fa_args a = fa_args_make(out, q, kv, ring, comp, pages, sel, sink, slot, pos, row0,
                                     pos0, T, H, Dh, win, cap, ratio, K, scale);
     int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant(), cs = fd_cs();
 
+    a.q16 = q16;   /* every kernel below reads q through fa_load_q or fh_kernel */
     if (ur_rd > 0 && ur_rd % 2 == 0 && ur_rd / 2 <= CUDA_FA_UR_MAX && ur_off >= 0 &&
         ur_off % 2 == 0 && ur_off + ur_rd <= Dh && cuda_switch_on(&fa_unrope_sw)) {
         a.ur_off = ur_off;
@@ -1454,7 +1533,8 @@ static struct cuda_switch fa_out_sw = CUDA_SWITCH("DSV4_CUDA_ATTN_OUT", 1);
 
 enum dsv4_err
 cuda_fast_attention_out(struct dsv4_backend *be, const struct dsv4_attn *x, int off, int rd,
-                        const float *freqs, float *u, const struct dsv4_linear *wo_a, int G)
+                        const float *freqs, float *u, const struct dsv4_linear *wo_a, int G,
+                        int q16)
 {
     struct fa_args a = fa_args_make(x->out, x->q, x->kv, x->ring, x->comp, x->pages, x->sel,
                                     x->sink, x->slot, x->pos, x->row0, x->pos0, x->T, x->H,
@@ -1478,6 +1558,7 @@ cuda_fast_attention_out(struct dsv4_backend *be, const struct dsv4_attn *x, int 
     if (ns > 0)
         fa_stage_at(a, sc, T, Dh);
     a.outb = (uint16_t *)(sc + ns);
+    a.q16 = q16;
     e = H > 16 ? fa_launch_dh<2>(be, a) : fa_launch_dh<1>(be, a);
     if (e != DSV4_OK)
         return e;

@@ -9,7 +9,9 @@
  * rows, and runs mma.sync, whose rate bounds it (docs/perf.md run 59).  A
  * CTA here owns one row t and all 64 heads, two warpgroups:
  *
- *   Q     64 heads x 512 dims, bf16, in shared memory (once a row);
+ *   Q     64 heads x 512 dims, bf16, in shared memory (once a row): copied
+ *         as it is where q is held as bf16 (a.q16, the q norm's output),
+ *         else fp32 rows through the tile buffers, then converted;
  *   tile  FH_NC = 64 candidates x 512 dims, bf16, two buffers: the next
  *         tile's copies (cp.async, zero-filled where masked) are in flight
  *         while this one is used;
@@ -159,14 +161,29 @@ fh_kernel(struct fa_args a)
         s_next[0] = atomicAdd(a.ctr, 1);
     __syncthreads();
     for (int t = s_next[0], rc = 0; t < a.T; t = s_next[++rc & 1]) {
-        /* Q's fp32 rows copied into the tile buffers (128 KB, prefetched into
-         * L2 during the CTA's row before; in flight while the row's
-         * candidates are looked up):
-         * a warp instruction copies 512 contiguous bytes of one head; 16-byte
-         * chunk c of head h goes to h 2048 + (c ^ (h & 7)) 16, so that the
-         * conversion's reads below (8 heads x 64 bytes a warp) are free of
-         * bank conflicts */
-        {
+        if (a.q16) {
+            /* Q's bf16 row (64 KB, prefetched into L2 during the CTA's row
+             * before) straight into its cores; waited for with tile 0's
+             * copies.  Warp w, item k: heads 8 hb + (lane & 7), 16-byte
+             * chunks 4 dq + (lane >> 3) (dims 8 of them each): 512
+             * contiguous bytes of shared memory, 64 of each of 8 heads */
+            const uint16_t *qr = (const uint16_t *)a.q + (int64_t)t * FH_H * FH_DH;
+
+            __syncthreads();   /* the row before's output copy out of Q's cores */
+            for (int k = 0; k < 16; k++) {
+                int G = k * 8 + warp, hb = G >> 4, c = (G & 15) * 4 + (lane >> 3);
+                int h = hb * 8 + (lane & 7);
+
+                fa_cp16(sq + fh_off(h, 8 * c, FH_DH), qr + h * FH_DH + 8 * c, 1);
+            }
+            fa_cp_commit();
+        } else {
+            /* Q's fp32 rows copied into the tile buffers (128 KB, prefetched
+             * into L2 during the CTA's row before; in flight while the row's
+             * candidates are looked up): a warp instruction copies 512
+             * contiguous bytes of one head; 16-byte chunk c of head h goes
+             * to h 2048 + (c ^ (h & 7)) 16, so that the conversion's reads
+             * below (8 heads x 64 bytes a warp) are free of bank conflicts */
             const float *qr = a.q + (int64_t)t * FH_H * FH_DH;
 
             for (int k = 0; k < 32; k++) {
@@ -175,11 +192,10 @@ fh_kernel(struct fa_args a)
                 fa_cp16(st + h * 2048 + ((c ^ (h & 7)) << 4), qr + 4 * i, 1);
             }
             fa_cp_commit();
-            /* the CTA's next row (read after the row's barriers), its q
-             * into L2 (1,024 lines of 128 bytes) */
-            if (tid == 0)
-                s_next[(rc + 1) & 1] = atomicAdd(a.ctr, 1);
         }
+        /* the CTA's next row (read after the row's barriers) */
+        if (tid == 0)
+            s_next[(rc + 1) & 1] = atomicAdd(a.ctr, 1);
         struct fa_row r = fa_row_of(a, t);
         int c_end = fa_trim(a, r, t, r.n_cand);
         int n_tiles = (c_end + FH_NC - 1) / FH_NC;
@@ -188,16 +204,20 @@ fh_kernel(struct fa_args a)
         if (n_tiles > FH_PG)
             fa_rows<1, FH_PG * FH_NC>(a, r, t, FH_PG * FH_NC, c_end,
                                       (const void **)s_ptr + FH_PG * FH_NC);
-        /* Q as bf16 into its cores: warp w, item k: heads 8 hb + (lane & 7),
-         * dims 16 dg + 4 (lane >> 3) .. + 3 (256 contiguous bytes a warp) */
-        fa_cp_wait<0>();
-        __syncthreads();   /* Q's fp32 rows landed for all */
-        for (int k = 0; k < 32; k++) {
-            int G = k * 8 + warp, hb = G >> 5, dg = G & 31;
-            int h = hb * 8 + (lane & 7), c = dg * 4 + (lane >> 3), d = 4 * c;
-            float4 v = *(const float4 *)(st + h * 2048 + ((c ^ (h & 7)) << 4));
+        /* fp32 Q as bf16 into its cores: warp w, item k: heads 8 hb + (lane
+         * & 7), dims 16 dg + 4 (lane >> 3) .. + 3 (256 contiguous bytes a
+         * warp) */
+        if (!a.q16) {
+            fa_cp_wait<0>();
+            __syncthreads();   /* Q's fp32 rows landed for all */
+            for (int k = 0; k < 32; k++) {
+                int G = k * 8 + warp, hb = G >> 5, dg = G & 31;
+                int h = hb * 8 + (lane & 7), c = dg * 4 + (lane >> 3), d = 4 * c;
+                float4 v = *(const float4 *)(st + h * 2048 + ((c ^ (h & 7)) << 4));
 
-            *(uint2 *)(sq + fh_off(h, d, FH_DH)) = make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+                *(uint2 *)(sq + fh_off(h, d, FH_DH)) =
+                    make_uint2(fa_pack(v.x, v.y), fa_pack(v.z, v.w));
+            }
         }
 #pragma unroll
         for (int i = 0; i < 64; i++)
@@ -208,10 +228,11 @@ fh_kernel(struct fa_args a)
         {
             int tn = s_next[(rc + 1) & 1];
 
-            if (tn < a.T) {
-                const char *qn = (const char *)(a.q + (int64_t)tn * FH_H * FH_DH);
+            if (tn < a.T) {   /* its q into L2 (lines of 128 bytes) */
+                int qbytes = FH_H * FH_DH * (a.q16 ? 2 : 4);
+                const char *qn = (const char *)a.q + (int64_t)tn * qbytes;
 
-                for (int i = tid; i < FH_H * FH_DH * 4 / 128; i += FH_THREADS)
+                for (int i = tid; i < qbytes / 128; i += FH_THREADS)
                     asm volatile("prefetch.global.L2 [%0];" :: "l"(qn + i * 128));
             }
         }
@@ -337,6 +358,7 @@ fh_kernel(struct fa_args a)
             wg_commit();
             /* waited for at the next tile's start (or after the loop) */
         }
+        fa_cp_wait<0>();   /* no tile: Q's bf16 copy still in flight */
         wg_wait<0>();
         wg_hold(o0);
         wg_hold(o1);

@@ -61,6 +61,8 @@ struct fz_nr {
     float *x, *dst;
     const uint16_t *xb;   /* v4 (linear_norm_rope): read the rows from these bf16
                              bits instead of x (then written to x), or NULL */
+    uint16_t *ob;         /* v4 (linear_norm_rope, q_attn): write the rows as bf16
+                             (round to nearest even) here instead of to x, or NULL */
     const uint16_t *w;
     const int32_t *pos, *dst_rows;
     int D, heads, off, np, sim_cols, sim_block;
@@ -343,6 +345,18 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
                        : cu_rope_elem(v[j], p, cs[i], sn[i], 0);
         }
     }
+    if (a.ob != NULL) {   /* bf16 (cvt.rn: fa_pack's rounding in the attention) */
+        uint16_t *orow = a.ob + r * D;
+
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            uint16_t b;
+
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v[j]));
+            orow[lane + 32 * j] = b;
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < J; j++) {
         xr[lane + 32 * j] = v[j];
@@ -530,7 +544,7 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
     const struct dsv4_norm_rope c = {
         .x = x, .w = w, .rows = rows, .D = D, .eps = eps, .pos = pos, .heads = heads,
         .off = off, .rd = rd, .freqs = freqs, .sim_cols = sim_cols, .sim_block = sim_block,
-        .dst = dst, .dst_rows = dst_rows,
+        .dst = dst, .dst_rows = dst_rows, .q_attn = 0,
     };
     struct fz_nr a;
 
@@ -555,6 +569,10 @@ cuda_norm_rope(struct dsv4_backend *be, float *x, const uint16_t *w, int rows, i
  * output widened to fp32, then the norm; the same bits). */
 static struct cuda_switch fz_lin_norm_sw = CUDA_SWITCH("DSV4_CUDA_LIN_NORM", 1);
 
+/* DSV4_CUDA_Q16=0: the per-head q of linear_norm_rope with q_attn written
+ * as fp32 all the same (A/B runs; the attention rounds it to the same bf16). */
+static struct cuda_switch fz_q16_sw = CUDA_SWITCH("DSV4_CUDA_Q16", 1);
+
 enum dsv4_err
 cuda_linear_norm_rope(struct dsv4_backend *be, const float *x, const struct dsv4_linear *W,
                       int T, unsigned flags, const struct dsv4_norm_rope *nr)
@@ -563,12 +581,19 @@ cuda_linear_norm_rope(struct dsv4_backend *be, const float *x, const struct dsv4
     uint16_t *ob = NULL;
     enum dsv4_err e;
 
+    cuda_st(be)->q16 = NULL;   /* set below where x is left as bf16 */
     if (flags == 0 && T > 0 && (int64_t)nr->rows * nr->D == (int64_t)T * W->n_out &&
         cuda_switch_on(&fz_lin_norm_sw) && fz_nr_make(be, &a, nr) && fz4_takes(a, nr->rows) &&
         nr->dst == NULL) {
         e = cuda_fast_gemm_linear_b16(be, &ob, x, W, T);   /* fast_gemm.cu */
         if (e == DSV4_OK) {
             a.xb = ob;
+            /* the q of the attention op after it (q_attn): bf16 in x's
+             * first half, for that op only (cuda_q16_take) */
+            if (nr->q_attn && cuda_switch_on(&fz_q16_sw)) {
+                a.ob = (uint16_t *)nr->x;
+                cuda_st(be)->q16 = nr->x;
+            }
             fz4_launch(be, a, nr->rows);
             CUDA_LAUNCHED("fast linear + norm_rope");
             return DSV4_OK;

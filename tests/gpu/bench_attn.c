@@ -45,6 +45,10 @@
  * (and those from 0 once more as fresh calls) also runs attention_out with
  * a random FP8 wo_a against its definition, attention_unrope then
  * linear_grouped (ao_check): u bit-identical, directly and from a graph.
+ * Every fast run above is repeated with q handed over as bf16 (q_held, as
+ * linear_norm_rope leaves a prefill's q; q16_check): the same bits
+ * required; the exact kernels (cases of at most 1,024 rows x heads) with q
+ * held must give their bits on q rounded to bf16.
  * Timing: the exact op once (twice for decode sizes, the second timed), the
  * fast op as the median of 7 timed calls; µs per call and the speed-up are
  * printed, not checked.
@@ -276,6 +280,7 @@ struct att_ctx {
     int32_t *pages, *sel, *slot, *pos, *row0, *pos0;
     int T, H, cap, ratio;
     int fresh;        /* dsv4_attn.fresh (a prefill from position 0 may set it) */
+    int q_held;       /* dsv4_attn.q_held (q16_check) */
 };
 
 /* The attention_unrope arguments of c. */
@@ -288,7 +293,7 @@ att_args(const struct att_ctx *c)
         .sel = c->ratio == 4 ? c->sel : NULL, .sink = c->sink, .slot = c->slot, .pos = c->pos,
         .row0 = c->row0, .pos0 = c->pos0, .T = c->T, .H = c->H, .Dh = DH, .win = WIN,
         .cap = c->ratio ? c->cap : 0, .ratio = c->ratio, .K = TOPK,
-        .scale = (float)(1.0 / sqrt((double)DH)), .fresh = c->fresh,
+        .scale = (float)(1.0 / sqrt((double)DH)), .fresh = c->fresh, .q_held = c->q_held,
     };
 
     return a;
@@ -302,6 +307,63 @@ att_op(void *p)
 
     /* rd = 0: attention itself */
     return be->ops->attention_unrope(be, &a, 0, 0, NULL);
+}
+
+/*
+ * op (on ctx, whose attention reads c) with c's q handed over as bf16, as
+ * linear_norm_rope leaves the per-head q of a prefill (dsv4_cuda_q16_hold on
+ * a copy of q, q_held set), on the fast kernels (fast) or the exact ones:
+ * its n outputs at dev_out must have ref's bits.  The fast kernels round q
+ * to bf16 themselves, so ref is their fp32-q output; the exact ones widen
+ * the bf16 values (cuda_q16_widen), so ref is theirs on q rounded to bf16.
+ */
+static int
+q16_check(op_fn op, void *ctx, struct att_ctx *c, int fast, float *dev_out, size_t n,
+          const float *ref, float *buf, const char *what)
+{
+    size_t nq = (size_t)c->T * c->H * DH;
+    float *q = c->q, *q2 = dev_put(NULL, nq * 4);
+    int ok;
+
+    TRY("copy", be->ops->copy(be, q2, q, nq * 4));
+    TRY("fill", be->ops->fill(be, dev_out, NAN, (int64_t)n));
+    TRY("set_kernels", dsv4_cuda_set_kernels(be, fast));
+    TRY("q16 hold", dsv4_cuda_q16_hold(be, q2, (int64_t)nq));
+    c->q = q2;
+    c->q_held = 1;
+    run_op(op, ctx, fast, NULL);
+    c->q = q;
+    c->q_held = 0;
+    TRY("download", be->ops->download(be, buf, dev_out, n * 4));
+    ok = memcmp(ref, buf, n * 4) == 0;
+    if (!ok)
+        printf("   %s, q held as bf16, differs from the reference at index %ld\n", what,
+               first_diff(ref, buf, n));
+    dev_free(q2);
+    return ok;
+}
+
+/* The exact op on q rounded to bf16 on the host (q16_check's reference for
+ * the exact kernels) into ref; c's q as it was afterwards. */
+static void
+q16_exact_ref(struct att_ctx *c, const float *hq, float *ref)
+{
+    size_t nq = (size_t)c->T * c->H * DH;
+    float *r = xmalloc(nq * 4), *q = c->q;
+
+    for (size_t i = 0; i < nq; i++) {
+        uint32_t b;
+
+        memcpy(&b, &hq[i], 4);
+        b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;   /* nearest even (finite) */
+        memcpy(&r[i], &b, 4);
+    }
+    c->q = dev_put(r, nq * 4);
+    run_op(att_op, c, 0, NULL);
+    TRY("download", be->ops->download(be, ref, c->out, nq * 4));
+    dev_free(c->q);
+    c->q = q;
+    free(r);
 }
 
 /* --- attention_out: the attention with wo_a --------------------------------------------- */
@@ -380,6 +442,7 @@ ao_check(struct att_ctx *c)
     o.fused = 1;
     ok = same_bits(ao_op, &o, o.u, (size_t)nu, ua, ub,
                    "attention_out (reference: attention_unrope + linear_grouped)");
+    ok &= q16_check(ao_op, &o, c, 1, o.u, (size_t)nu, ua, ub, "attention_out");
     t_out = time_fast(ao_op, &o);
     o.fused = 0;
     t_def = time_fast(ao_op, &o);
@@ -543,6 +606,14 @@ att_run(const struct att_case *k)
     ok &= att_compare(k, ex, fa, nq, k->H);
     /* deterministic, and a graph replays it */
     ok &= same_bits(att_op, &c, c.out, nq, fa, fb, "a second fast run");
+    ok &= q16_check(att_op, &c, &c, 1, c.out, nq, fa, fb, "fast attention");
+    if (k->T * k->H <= 1024) {   /* the exact kernels with q held: widened */
+        q16_exact_ref(&c, h.q, fb);
+        ok &= q16_check(att_op, &c, &c, 0, c.out, nq, fb, ex, "exact attention");
+        /* ex again: the exact rows on fp32 q */
+        run_op(att_op, &c, 0, NULL);
+        TRY("download", be->ops->download(be, ex, c.out, nq * 4));
+    }
     t_fa = time_fast(att_op, &c);
     if (!k->decode && k->ctx == 0) {
         /* a prefill from position 0 is a fresh call: the key rows staged as
@@ -563,9 +634,12 @@ att_run(const struct att_case *k)
             printf("   fresh call on wgmma:\n");
             ok &= att_compare(k, ex, fw, nq, k->H);
             ok &= same_bits(att_op, &c, c.out, nq, fw, fb, "fresh call (wgmma)");
+            ok &= q16_check(att_op, &c, &c, 1, c.out, nq, fw, fb, "fresh call (wgmma)");
             free(fw);
         } else {
             ok &= same_bits(att_op, &c, c.out, nq, fa, fb, "fresh call (staged bf16 keys)");
+            ok &= q16_check(att_op, &c, &c, 1, c.out, nq, fa, fb,
+                            "fresh call (staged bf16 keys)");
         }
         t_st = time_fast(att_op, &c);
         printf("     fresh call (staged bf16 keys): %8.1f us against %8.1f (x%.2f)\n",

@@ -365,7 +365,10 @@ test_layout(void)
  * fast kernels wq_b's FP8 GEMM on cuBLASLt hands its bf16 output to the
  * norm, fast_fuse.cu) against its composition on the same CUDA backend
  * (dsv4_linear_norm_rope_compose: the linear's fp32 output, then
- * norm_rope): the same bits required.
+ * norm_rope): the same bits required.  Then with q_attn (the q of a
+ * prefill's attention): x's first half must hold those values as bf16,
+ * or x the fp32 values where the fast form did not take the call (HF
+ * numerics).
  */
 static void
 test_linear_norm_rope(void)
@@ -406,6 +409,37 @@ test_linear_norm_rope(void)
     printf("%s %-28s n=%-8lld differing from its composition %lld\n", diff ? "FAIL" : "ok  ",
            "linear_norm_rope", (long long)n, (long long)diff);
     n_fail += diff != 0;
+    /* q_attn: the fast kernels leave the rows as bf16 (nearest even) in x's
+     * first half for the attention op after it, where their GEMM and norm
+     * take the call (REF numerics); else x holds the fp32 rows as before */
+    {
+        struct pair pc = pair_poison(n);
+        const uint16_t *c;
+        int64_t bad = 0, f32 = 0;
+
+        nr.x = pc.g;
+        nr.q_attn = 1;
+        check_status("linear_norm_rope (q_attn)",
+                     gpu->ops->linear_norm_rope(gpu, px.g, &W.g, T, 0, &nr), e2);
+        free(a);
+        a = pair_gpu(&pc);
+        c = (const uint16_t *)a;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u;
+
+            f32 += memcmp(&a[i], &b[i], sizeof(float)) == 0;
+            memcpy(&u, &b[i], 4);
+            u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;   /* finite values */
+            bad += c[i] != (uint16_t)u;
+        }
+        if (f32 == n)   /* the composition ran: fp32 rows, nothing held */
+            bad = 0;
+        printf("%s %-28s n=%-8lld %s, values not the composition's %lld\n",
+               bad ? "FAIL" : "ok  ", "linear_norm_rope (q_attn)", (long long)n,
+               f32 == n ? "fp32 (not held)" : "held as bf16", (long long)bad);
+        n_fail += bad != 0;
+        pair_free(&pc);
+    }
     free(a), free(b), free(x);
     weight_free(&W);
     pair_free(&px), pair_free(&pp), pair_free(&pa), pair_free(&pb);
