@@ -113,6 +113,8 @@ struct rank_job {
     uint32_t step;              /* RNG step of the token it samples */
     enum dsv4_transport transport; /* how to export its state (PREFILL) */
     uint32_t gen;               /* k->comm_gen when it arrived (its epoch) */
+    int64_t t_us;               /* when it arrived (dsv4_now_us): logged with
+                                   its prefill_done */
 };
 
 /* An exported decode state waiting for KV_RELEASE. */

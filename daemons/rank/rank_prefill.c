@@ -75,6 +75,7 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
     j->s = p->s;
     j->step = p->step;
     j->transport = p->transport;
+    j->t_us = dsv4_now_us();
     log_info("prefill_start: req=%" PRIu64 " n_tokens=%u slot=%d", p->req,
              (unsigned)p->n_tokens, slot);
 }
@@ -118,6 +119,7 @@ prefill_finish(struct rank *k, int slot, int32_t tok, float lp)
     struct dsv4_msg m;
     uint64_t seg[2];
     enum dsv4_err e;
+    int64_t t_x = dsv4_now_us();   /* the forward calls done */
 
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL_DONE);
     e = kv_export(k, j->transport, j->req, slot, j->n_tokens, seg, &m.u.prefill_done.kv[0]);
@@ -139,8 +141,10 @@ prefill_finish(struct rank *k, int slot, int32_t tok, float lp)
     }
     if (!rank_send(k, &m))
         kv_release(k, j->req);
-    log_info("prefill_done: req=%" PRIu64 " token=%d n_tokens=%u", j->req, (int)tok,
-             (unsigned)j->n_tokens);
+    /* the time since PREFILL arrived: through the model, then the export */
+    log_info("prefill_done: req=%" PRIu64 " token=%d n_tokens=%u run_ms=%.2f "
+             "export_ms=%.2f", j->req, (int)tok, (unsigned)j->n_tokens,
+             (double)(t_x - j->t_us) / 1e3, (double)(dsv4_now_us() - t_x) / 1e3);
     prefill_job_clear(k, slot);
 }
 

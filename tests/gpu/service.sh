@@ -54,6 +54,9 @@ if [ "${BACKEND:-cuda}" = cpu ]; then
     extra="--backend cpu"
     ckpt="checkpoint = $D/model"
 fi
+# RANK_ARGS: more options for every rank (e.g. -v: info lines, with each
+# prompt's prefill_done times, in launch.log)
+extra="$extra ${RANK_ARGS:-}"
 # DECODE_KTRACE=1: the decode ranks run under tools/ktrace (libdsv4ktrace.so
 # packed in .carry/bin), one kernel timeline per process in
 # $OUT/decode-ktrace.PID (tools/ktrace/ktrace_sum.py).  The tracer records
@@ -112,7 +115,8 @@ if [ "${BURST:-0}" = 1 ]; then
     done
     n_prefill=$((2 * GPUS))
 fi
-dsv4-launch -f "$D/dsv4.conf" -P "$n_prefill" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
+# LAUNCH_ARGS: more dsv4-launch options (e.g. "-v -v": every daemon's debug lines)
+dsv4-launch ${LAUNCH_ARGS:-} -f "$D/dsv4.conf" -P "$n_prefill" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
     --sched-bin "$(command -v dsv4-sched)" --prefill-bin "$D/dsv4-prefill" \
     --decode-bin "$D/dsv4-decode" --notify-log "$D/notify.log" > "$OUT/launch.log" 2>&1 &
 lpid=$!
