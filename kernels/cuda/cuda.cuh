@@ -879,6 +879,10 @@ enum dsv4_err cuda_moe_parts(struct dsv4_backend *be, float *y, const float *x,
                              float swiglu_limit);
 enum dsv4_err cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y,
                                const int32_t *ids, int T, int k, int D);
+/* cuda_moe_combine with y's rows as bf16 bits (the fast prefill MoE's own
+ * rows, whose values are bf16-rounded anyway): the same sums (cuda_moe.cu). */
+enum dsv4_err cuda_moe_combine16(struct dsv4_backend *be, float *out, const uint16_t *y,
+                                 const int32_t *ids, int T, int k, int D);
 
 /* fast_linear.cu, fast_moe.cu: the fast decode kernels (kernels/cuda_fast.h);
  * cuda_linear / cuda_moe call them when st->fast_kernels is set and the

@@ -203,6 +203,35 @@ moe_down_kernel(float *y, struct moe_src hs, const struct dsv4_expert_w *table, 
     }
 }
 
+/* A value of y (fp32, or bf16 bits widened: cuda_moe_combine16), and four
+ * consecutive ones (16-byte aligned fp32, 8-byte aligned bf16). */
+static __device__ __forceinline__ float
+moe_y1(const float *y, int64_t i)
+{
+    return y[i];
+}
+
+static __device__ __forceinline__ float
+moe_y1(const uint16_t *y, int64_t i)
+{
+    return __uint_as_float((uint32_t)y[i] << 16);
+}
+
+static __device__ __forceinline__ float4
+moe_y4(const float *y, int64_t i)
+{
+    return *(const float4 *)(y + i);
+}
+
+static __device__ __forceinline__ float4
+moe_y4(const uint16_t *y, int64_t i)
+{
+    uint2 w = *(const uint2 *)(y + i);
+
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                       __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+}
+
 /* rk[a]: pick a's place in the order of increasing expert id (stable): the
  * picks before it. */
 template <int KS>
@@ -226,9 +255,9 @@ moe_pick_ranks(const int32_t (&iv)[KS], int (&rk)[KS])
  * registers; the same sums as the insertion sort below (KS = 0, any k),
  * which waits for each id it compares and then for each value in turn.
  */
-template <int KS>
+template <int KS, typename YT>
 static __global__ void
-moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int D,
+moe_sum_kernel(float *out, const YT *y, const int32_t *ids, int T, int k, int D,
                int has_shared)
 {
     cu_pdl_wait();   /* PDL: before any global access */
@@ -250,10 +279,10 @@ moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int
 #pragma unroll
         for (int a = 0; a < KS; a++) {
             iv[a] = id[a];
-            yv[a] = y[(t * KS + a) * D + i];
+            yv[a] = moe_y1(y, (t * KS + a) * D + i);
         }
         if (has_shared)
-            ys = y[((int64_t)T * KS + t) * D + i];
+            ys = moe_y1(y, ((int64_t)T * KS + t) * D + i);
         moe_pick_ranks<(KS > 0 ? KS : 1)>(iv, rk);
 #pragma unroll
         for (int r = 0; r < KS; r++) {
@@ -279,9 +308,9 @@ moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int
             order[at] = a;
         }
         for (int a = 0; a < k; a++)
-            o += y[(t * k + order[a]) * D + i];
+            o += moe_y1(y, (t * k + order[a]) * D + i);
         if (has_shared)
-            o += y[((int64_t)T * k + t) * D + i];
+            o += moe_y1(y, ((int64_t)T * k + t) * D + i);
     }
     out[it] = cu_bf16_round(o);
 }
@@ -291,9 +320,9 @@ moe_sum_kernel(float *out, const float *y, const int32_t *ids, int T, int k, int
  * loads and store; the picks' order worked out once for the 4): the same
  * sums.  D % 4 == 0, y and out 16-byte aligned.
  */
-template <int KS>
+template <int KS, typename YT>
 static __global__ void
-moe_sum4_kernel(float *out, const float *y, const int32_t *ids, int T, int D, int has_shared)
+moe_sum4_kernel(float *out, const YT *y, const int32_t *ids, int T, int D, int has_shared)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
@@ -309,10 +338,10 @@ moe_sum4_kernel(float *out, const float *y, const int32_t *ids, int T, int D, in
 #pragma unroll
     for (int a = 0; a < KS; a++) {
         iv[a] = id[a];
-        yv[a] = *(const float4 *)(y + (t * KS + a) * D + i);
+        yv[a] = moe_y4(y, (t * KS + a) * D + i);
     }
     if (has_shared)
-        ys = *(const float4 *)(y + ((int64_t)T * KS + t) * D + i);
+        ys = moe_y4(y, ((int64_t)T * KS + t) * D + i);
     moe_pick_ranks<KS>(iv, rk);
     o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -338,20 +367,21 @@ moe_sum4_kernel(float *out, const float *y, const int32_t *ids, int T, int D, in
 }
 
 /* moe_sum_kernel for k picks a token (the k = 6 form where it applies; 4
- * columns a thread where the shapes allow). */
+ * columns a thread where the shapes allow); y fp32 or bf16 (YT). */
+template <typename YT>
 static void
-moe_sum_launch(cudaStream_t st, float *out, const float *y, const int32_t *ids, int T, int k,
+moe_sum_launch(cudaStream_t st, float *out, const YT *y, const int32_t *ids, int T, int k,
                int D, int has_shared)
 {
     if (k == 6 && D % 4 == 0 && (((uintptr_t)out | (uintptr_t)y) & 15) == 0)
-        cu_launch(moe_sum4_kernel<6>, cuda_blocks((int64_t)T * D / 4, 256), 256, 0, st, out, y,
-                  ids, T, D, has_shared);
+        cu_launch(moe_sum4_kernel<6, YT>, cuda_blocks((int64_t)T * D / 4, 256), 256, 0, st, out,
+                  y, ids, T, D, has_shared);
     else if (k == 6)
-        cu_launch(moe_sum_kernel<6>, cuda_blocks((int64_t)T * D, 256), 256, 0, st, out, y, ids,
-                  T, k, D, has_shared);
+        cu_launch(moe_sum_kernel<6, YT>, cuda_blocks((int64_t)T * D, 256), 256, 0, st, out, y,
+                  ids, T, k, D, has_shared);
     else
-        cu_launch(moe_sum_kernel<0>, cuda_blocks((int64_t)T * D, 256), 256, 0, st, out, y, ids,
-                  T, k, D, has_shared);
+        cu_launch(moe_sum_kernel<0, YT>, cuda_blocks((int64_t)T * D, 256), 256, 0, st, out, y,
+                  ids, T, k, D, has_shared);
 }
 
 static int
@@ -563,9 +593,11 @@ cuda_moe_parts(struct dsv4_backend *be, float *y, const float *x, const int32_t 
     return moe_run(be, NULL, y, x, ids, weights, experts, shared, T, k, D, swiglu_limit);
 }
 
-enum dsv4_err
-cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y, const int32_t *ids,
-                 int T, int k, int D)
+/* cuda_moe_combine for y of fp32 or bf16 values (YT). */
+template <typename YT>
+static enum dsv4_err
+moe_combine_any(struct dsv4_backend *be, float *out, const YT *y, const int32_t *ids, int T,
+                int k, int D)
 {
     if (T <= 0)
         return DSV4_OK;
@@ -574,4 +606,18 @@ cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y, const int3
     moe_sum_launch(cuda_stream(be), out, y, ids, T, k, D, 1);
     CUDA_LAUNCHED("moe_combine");
     return DSV4_OK;
+}
+
+enum dsv4_err
+cuda_moe_combine(struct dsv4_backend *be, float *out, const float *y, const int32_t *ids,
+                 int T, int k, int D)
+{
+    return moe_combine_any(be, out, y, ids, T, k, D);
+}
+
+enum dsv4_err
+cuda_moe_combine16(struct dsv4_backend *be, float *out, const uint16_t *y, const int32_t *ids,
+                   int T, int k, int D)
+{
+    return moe_combine_any(be, out, y, ids, T, k, D);
 }

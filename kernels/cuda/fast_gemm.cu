@@ -623,6 +623,8 @@ struct fw_args {
     const uint16_t *xb;             /* (rows, K) B values, permuted bf16 */
     const uint16_t *xl;             /* BF16 weights: the lo parts, else NULL */
     float *out;                     /* FG_LINEAR: (rows, ldo) */
+    uint16_t *outb;                 /* FG_LINEAR (bf16-rounded outputs): their bf16
+                                       bits here (rows, ldo) instead of out, or NULL */
     uint16_t *hq;                   /* FG_UP: (rows, ldo) the down GEMM's B values */
     int64_t ldo;
     const float *weights;           /* routed FG_UP: (T*k) route weights; else NULL */
@@ -1108,9 +1110,14 @@ fw_epilogue(const struct fw_args &a, const float (&d)[BN / 2], const int *orow, 
             for (int i = 0; i < 4; i++) {
                 int r = orow[8 * j + 2 * q + (i & 1)];
 
-                if (r >= 0)
-                    a.out[(int64_t)r * a.ldo + n0 + wg * 64 + ra + 8 * (i >> 1)] =
-                        a.f32out ? d[4 * j + i] : cu_bf16_round(d[4 * j + i]);
+                int64_t o = (int64_t)r * a.ldo + n0 + wg * 64 + ra + 8 * (i >> 1);
+
+                if (r < 0)
+                    continue;
+                if (a.outb != NULL)   /* bf16 bits: cu_bf16_round's value */
+                    a.outb[o] = (uint16_t)(__float_as_uint(cu_bf16_round(d[4 * j + i])) >> 16);
+                else
+                    a.out[o] = a.f32out ? d[4 * j + i] : cu_bf16_round(d[4 * j + i]);
             }
     } else {
         /* h of column c = wg*32 + warp*8 + g (rows ra: w1, ra + 8: w3) */
@@ -1956,6 +1963,9 @@ fw_shared_blas(struct dsv4_backend *be, const struct fw_args *r, const struct ds
         CUDA_LAUNCHED("fast gemm moe shared h");
         return DSV4_OK;
     }
+    if (r->outb != NULL)   /* bf16 rows: cuBLASLt's output is them */
+        return cuda_blas_gemm(be, r->outb + (size_t)Tk * D, wk, r->xb + (size_t)Tk * I, D, I, 1,
+                              T);
     if ((e = cuda_blas_gemm(be, bo, wk, r->xb + (size_t)Tk * I, D, I, 1, T)) != DSV4_OK)
         return e;
     return cuda_blas_widen(be, r->out + (size_t)Tk * D, bo, (int64_t)T * D);
@@ -1970,6 +1980,10 @@ fw_shared_blas(struct dsv4_backend *be, const struct fw_args *r, const struct ds
  * shared expert's two GEMMs run on cuBLASLt where it is there
  * (fw_shared_blas; DSV4_CUDA_BLAS), else on fw_kernel's dense tiles.
  */
+/* DSV4_CUDA_MOE_Y16=0: moe's rows (y) as fp32 in fw_moe as well (A/B runs;
+ * the same values: they are bf16-rounded either way). */
+static struct cuda_switch fw_y16_sw = CUDA_SWITCH("DSV4_CUDA_MOE_Y16", 1);
+
 static enum dsv4_err
 fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const int32_t *ids,
        const float *weights, const struct dsv4_expert_w *table, int n_table,
@@ -1985,7 +1999,10 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     size_t b_grp = cuda_align((size_t)(1 + 3 * A + Tk + 2) * sizeof(int32_t));
     size_t b_x = cuda_align((size_t)T * D * sizeof(uint16_t));
     size_t b_h = cuda_align((size_t)R * I * sizeof(uint16_t));
-    size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * sizeof(float));
+    /* moe: y, its own rows, as bf16 (the values are bf16-rounded: half the
+     * bytes written and read by the combine); moe_parts: the caller's fp32 */
+    int y16 = parts == NULL && cuda_switch_on(&fw_y16_sw);
+    size_t b_y = parts != NULL ? 0 : cuda_align((size_t)R * D * (y16 ? 2 : sizeof(float)));
     /* the shared expert on cuBLASLt (fw_shared_blas): bf16 weights, outputs */
     int bl = has_sh && dsv4_cuda_blas_usable(be);
     size_t b_bw = bl ? cuda_align((size_t)2 * I * D * sizeof(uint16_t)) : 0;
@@ -2044,7 +2061,8 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     a.down = 1;
     a.xb = hq;
     a.hq = NULL;
-    a.out = y;
+    a.out = y16 ? NULL : y;
+    a.outb = y16 ? (uint16_t *)y : NULL;
     a.ldo = D;
     a.weights = NULL;
     a.K = I;
@@ -2069,6 +2087,8 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
         return e;
     if (parts != NULL)
         return DSV4_OK;   /* moe_parts: the caller sums the ranks' parts, then combines */
+    if (y16)   /* the exact path's step 5, reading bf16 */
+        return cuda_moe_combine16(be, out, (const uint16_t *)y, ids, T, k, D);
     return cuda_moe_combine(be, out, y, ids, T, k, D);   /* the exact path's step 5 */
 }
 
