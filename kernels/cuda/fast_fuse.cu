@@ -279,8 +279,12 @@ fz_norm_rope3x2_kernel(struct fz_nr2 a)
  */
 #define FZ4_WARPS 8
 
-/* Block `blk` of v4 on call a: rows blk * FZ4_WARPS .. + FZ4_WARPS - 1. */
-template <int J>
+/* Block `blk` of v4 on call a: rows blk * FZ4_WARPS .. + FZ4_WARPS - 1.
+ * XB: the rows come from a.xb (bf16 bits): their values are bf16 already,
+ * so the norm's roundings of x to bf16 are left out (the same values: a
+ * bf16 value, or a quiet NaN such as the GEMM's conversion writes, rounds
+ * to itself), a third of the instructions an element. */
+template <int J, int XB = 0>
 static __device__ __forceinline__ void
 fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
 {
@@ -301,7 +305,7 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
     int64_t drow = a.dst != NULL ? a.dst_rows[r] : 0;
     float v[J], tot = 0.0f, rs;
 
-    if (a.xb != NULL) {   /* the linear's bf16 output: the values x would hold */
+    if (XB) {   /* the linear's bf16 output: the values x would hold */
         const uint16_t *br = a.xb + r * D;
 
 #pragma unroll
@@ -318,7 +322,7 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
 
 #pragma unroll
         for (int j = w; j < J; j += NVW) {
-            float b = cu_bf16_round(v[j]);
+            float b = XB ? v[j] : cu_bf16_round(v[j]);
 
             acc += b * b;
         }
@@ -327,8 +331,9 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
     }
     rs = fz_norm_scale(tot, D, a.eps);
 #pragma unroll
-    for (int j = 0; j < J; j++)
-        v[j] = fz_norm_apply(v[j], rs, has_w, wb[j]);
+    for (int j = 0; j < J; j++)   /* fz_norm_apply; its first rounding not where XB */
+        v[j] = XB ? cu_bf16_round(has_w ? v[j] * rs * cu_bf16_to_f32(wb[j]) : v[j] * rs)
+                  : fz_norm_apply(v[j], rs, has_w, wb[j]);
     __syncthreads();   /* the angles */
 #pragma unroll
     for (int j = 0; j < J; j++) {
@@ -365,13 +370,13 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
     }
 }
 
-template <int J>
+template <int J, int XB>
 static __global__ void __launch_bounds__(FZ4_WARPS * 32)
 fz_norm_rope4_kernel(struct fz_nr a)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
-    fz_norm_rope4_block<J>(a, blockIdx.x);
+    fz_norm_rope4_block<J, XB>(a, blockIdx.x);
 }
 
 /* norm_rope2 with call 0 on v4 (blocks [0, rows0 / FZ4_WARPS)) and call 1
@@ -432,8 +437,12 @@ fz4_launch(struct dsv4_backend *be, const struct fz_nr &a, int rows)
     unsigned blocks = (unsigned)(rows / FZ4_WARPS);
 
     fz4_by_j(a.D, [&](auto j) {
-        cu_launch(fz_norm_rope4_kernel<decltype(j)::value>, blocks, FZ4_WARPS * 32, 0,
-                  cuda_stream(be), a);
+        if (a.xb != NULL)
+            cu_launch(fz_norm_rope4_kernel<decltype(j)::value, 1>, blocks, FZ4_WARPS * 32, 0,
+                      cuda_stream(be), a);
+        else
+            cu_launch(fz_norm_rope4_kernel<decltype(j)::value, 0>, blocks, FZ4_WARPS * 32, 0,
+                      cuda_stream(be), a);
     });
 }
 
