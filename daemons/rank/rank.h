@@ -115,6 +115,9 @@ struct rank_job {
     uint32_t gen;               /* k->comm_gen when it arrived (its epoch) */
     int64_t t_us;               /* when it arrived (dsv4_now_us): logged with
                                    its prefill_done */
+    bool clean;                 /* not active: the model slot was reset when
+                                   the last job left it (prefill_job_clear),
+                                   so the next PREFILL needs no reset */
 };
 
 /* An exported decode state waiting for KV_RELEASE. */

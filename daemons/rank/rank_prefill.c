@@ -62,8 +62,11 @@ prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
         return;
     }
     memcpy(j->tokens, p->tokens, sizeof(int32_t) * p->n_tokens);
-    if (dsv4_model_seq_reset(k->m, slot) != DSV4_OK)
+    /* reset where the last job's clear did not (the rank's first use of the
+     * slot): its state fills are then off the prompt's first-token path */
+    if (!j->clean && dsv4_model_seq_reset(k->m, slot) != DSV4_OK)
         fatalx("prefill_start: seq_reset slot=%d: %s", slot, dsv4_errmsg());
+    j->clean = false;
     j->active = true;
     j->req = p->req;
     j->gen = k->comm_gen;
@@ -107,7 +110,7 @@ prefill_job_clear(struct rank *k, int slot)
 
     free(j->tokens);
     memset(j, 0, sizeof(*j));
-    dsv4_model_seq_reset(k->m, slot);
+    j->clean = dsv4_model_seq_reset(k->m, slot) == DSV4_OK;
 }
 
 /* The prompt in `slot` is through the model and its first token, sampled
