@@ -1109,11 +1109,11 @@ fw_epilogue(const struct fw_args &a, const float (&d)[BN / 2], const int *orow, 
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int r = orow[8 * j + 2 * q + (i & 1)];
-
-                int64_t o = (int64_t)r * a.ldo + n0 + wg * 64 + ra + 8 * (i >> 1);
+                int64_t o;
 
                 if (r < 0)
                     continue;
+                o = (int64_t)r * a.ldo + n0 + wg * 64 + ra + 8 * (i >> 1);
                 if (a.outb != NULL)   /* bf16 bits: cu_bf16_round's value */
                     a.outb[o] = (uint16_t)(__float_as_uint(cu_bf16_round(d[4 * j + i])) >> 16);
                 else
@@ -1941,7 +1941,8 @@ fw_shared(struct dsv4_backend *be, const struct fw_args *r, const struct dsv4_li
  * kept between calls where cuda_blas_weights can), one GEMM each way.  Up
  * (W3 != NULL): g | u of every token into bo (T, 2 I), then fw_sh_hq_kernel
  * writes h's B values into hq rows Tk + t.  Down (W1 = w2): y rows Tk + t
- * (bf16-rounded, as FG_LINEAR) from hq rows Tk + t.  wb: 2 I D bf16 of
+ * (bf16-rounded, as FG_LINEAR; with r->outb cuBLASLt's bf16 output written
+ * there as it is) from hq rows Tk + t.  wb: 2 I D bf16 of
  * scratch, bo: T max(2 I, D).  DSV4_ERR_NOTSUP (nothing queued but the
  * weights' decode) when cuBLASLt cannot take it.
  */
@@ -1971,19 +1972,21 @@ fw_shared_blas(struct dsv4_backend *be, const struct fw_args *r, const struct ds
     return cuda_blas_widen(be, r->out + (size_t)Tk * D, bo, (int64_t)T * D);
 }
 
+/* DSV4_CUDA_MOE_Y16=0: moe's rows (y) as fp32 in fw_moe as well (A/B runs;
+ * the same values: they are bf16-rounded either way). */
+static struct cuda_switch fw_y16_sw = CUDA_SWITCH("DSV4_CUDA_MOE_Y16", 1);
+
 /*
  * The MoE through fw_kernel (cuda_fast_gemm_moe's contract): x's B values;
  * the grouping with tiles of BN rows (16, 32 or 64 from the average rows of
  * an active expert); up (routed FP4, then the shared expert's FP8 dense
  * tiles) writing h's B values with the scales of the down GEMM's
- * quantization; down into y in moe_parts' layout; the exact combine.  The
- * shared expert's two GEMMs run on cuBLASLt where it is there
- * (fw_shared_blas; DSV4_CUDA_BLAS), else on fw_kernel's dense tiles.
+ * quantization; down into y in moe_parts' layout (moe: y is scratch of its
+ * own and holds the rows as bf16, their values being bf16-rounded; moe_parts:
+ * the caller's fp32 array); the exact combine.  The shared expert's two GEMMs
+ * run on cuBLASLt where it is there (fw_shared_blas; DSV4_CUDA_BLAS), else on
+ * fw_kernel's dense tiles.
  */
-/* DSV4_CUDA_MOE_Y16=0: moe's rows (y) as fp32 in fw_moe as well (A/B runs;
- * the same values: they are bf16-rounded either way). */
-static struct cuda_switch fw_y16_sw = CUDA_SWITCH("DSV4_CUDA_MOE_Y16", 1);
-
 static enum dsv4_err
 fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const int32_t *ids,
        const float *weights, const struct dsv4_expert_w *table, int n_table,
