@@ -329,14 +329,14 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
 
 /* attention with rd = 0, or attention_unrope: the fast kernels take the
  * inverse RoPE themselves (cuda_fast_attention), the exact ones are
- * followed by rope_kernel. */
-enum dsv4_err
-cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
-                      const float *freqs)
+ * followed by rope_kernel.  q16: q held as bf16 (cuda_q16_take, done by
+ * the op that calls this). */
+static enum dsv4_err
+attention_unrope_run(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
+                     const float *freqs, int q16)
 {
     cudaStream_t s = cuda_stream(be);
     int T = a->T, H = a->H, Dh = a->Dh, max_cand;
-    int q16 = cuda_q16_take(be, a->q, a->q_held);   /* q as bf16 (linear_norm_rope) */
     size_t cb, nb;
     char *base;
 
@@ -377,11 +377,18 @@ cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int of
 }
 
 enum dsv4_err
+cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
+                      const float *freqs)
+{
+    /* q as bf16 (linear_norm_rope) */
+    return attention_unrope_run(be, a, off, rd, freqs, cuda_q16_take(be, a->q, a->q_held));
+}
+
+enum dsv4_err
 cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
                    const float *freqs, float *u, const struct dsv4_linear *wo_a, int G)
 {
-    /* q as bf16 (linear_norm_rope): taken here, handed to attention_unrope
-     * below as a q still held */
+    /* q as bf16 (linear_norm_rope): taken once, for whichever form runs */
     int q16 = cuda_q16_take(be, a->q, a->q_held);
 
     if (cuda_st(be)->fast_kernels && a->T >= DSV4_CUDA_BLAS_MIN_T && dsv4_cuda_blas_on() &&
@@ -394,10 +401,7 @@ cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, 
             return e;
     }
     {
-        enum dsv4_err e;
-
-        cuda_st(be)->q16 = q16 ? a->q : NULL;
-        e = cuda_attention_unrope(be, a, off, rd, freqs);
+        enum dsv4_err e = attention_unrope_run(be, a, off, rd, freqs, q16);
 
         if (e != DSV4_OK)
             return e;

@@ -1341,15 +1341,6 @@ fa_q16_kernel(void *dst, const void *src, int64_t n, int widen)
     }
 }
 
-/* Blocks of 256 threads for an elementwise pass over n values. */
-static unsigned
-fa_q16_blocks(int64_t n)
-{
-    int64_t b = (n + 255) / 256;
-
-    return (unsigned)(b < 4096 ? (b > 0 ? b : 1) : 4096);
-}
-
 enum dsv4_err
 cuda_q16_widen(struct dsv4_backend *be, const float *q, int64_t n)
 {
@@ -1360,7 +1351,7 @@ cuda_q16_widen(struct dsv4_backend *be, const float *q, int64_t n)
     /* the bf16 half first out of the way: the fp32 values overwrite it */
     CUDA_TRY(cudaMemcpyAsync(sc, q, (size_t)n * sizeof(uint16_t), cudaMemcpyDeviceToDevice,
                              cuda_stream(be)));
-    cu_launch(fa_q16_kernel, fa_q16_blocks(n), 256, 0, cuda_stream(be), (void *)q,
+    cu_launch(fa_q16_kernel, cuda_blocks(n, 256), 256, 0, cuda_stream(be), (void *)q,
               (const void *)sc, n, 1);
     CUDA_LAUNCHED("q16 widen");
     return DSV4_OK;
@@ -1376,7 +1367,7 @@ dsv4_cuda_q16_hold(struct dsv4_backend *be, float *q, int64_t n)
     sc = (uint16_t *)cuda_scratch(be, (size_t)n * sizeof(uint16_t));
     if (sc == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "q16 hold: no scratch");
-    cu_launch(fa_q16_kernel, fa_q16_blocks(n), 256, 0, cuda_stream(be), (void *)sc,
+    cu_launch(fa_q16_kernel, cuda_blocks(n, 256), 256, 0, cuda_stream(be), (void *)sc,
               (const void *)q, n, 0);
     CUDA_LAUNCHED("q16 hold");
     CUDA_TRY(cudaMemcpyAsync(q, sc, (size_t)n * sizeof(uint16_t), cudaMemcpyDeviceToDevice,

@@ -331,9 +331,8 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
     }
     rs = fz_norm_scale(tot, D, a.eps);
 #pragma unroll
-    for (int j = 0; j < J; j++)   /* fz_norm_apply; its first rounding not where XB */
-        v[j] = XB ? cu_bf16_round(has_w ? v[j] * rs * cu_bf16_to_f32(wb[j]) : v[j] * rs)
-                  : fz_norm_apply(v[j], rs, has_w, wb[j]);
+    for (int j = 0; j < J; j++)
+        v[j] = fz_norm_apply(v[j], rs, has_w, wb[j], XB);
     __syncthreads();   /* the angles */
 #pragma unroll
     for (int j = 0; j < J; j++) {

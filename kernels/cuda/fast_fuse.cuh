@@ -56,11 +56,12 @@ fz_norm_scale(float sumsq, int D, float eps)
 }
 
 /* The normed value bf16(bf16(x) * rs * w) with the weight's bf16 bits wb
- * already loaded (has_w == 0: no weight, wb unused). */
+ * already loaded (has_w == 0: no weight, wb unused).  x_bf16: x is a bf16
+ * value already (it rounds to itself, so the first rounding is left out). */
 static __device__ __forceinline__ float
-fz_norm_apply(float x, float rs, int has_w, uint16_t wb)
+fz_norm_apply(float x, float rs, int has_w, uint16_t wb, int x_bf16 = 0)
 {
-    float v = cu_bf16_round(x) * rs;
+    float v = (x_bf16 ? x : cu_bf16_round(x)) * rs;
 
     if (has_w)
         v *= cu_bf16_to_f32(wb);

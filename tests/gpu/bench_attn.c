@@ -351,13 +351,8 @@ q16_exact_ref(struct att_ctx *c, const float *hq, float *ref)
     size_t nq = (size_t)c->T * c->H * DH;
     float *r = xmalloc(nq * 4), *q = c->q;
 
-    for (size_t i = 0; i < nq; i++) {
-        uint32_t b;
-
-        memcpy(&b, &hq[i], 4);
-        b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;   /* nearest even (finite) */
-        memcpy(&r[i], &b, 4);
-    }
+    for (size_t i = 0; i < nq; i++)
+        r[i] = dsv4_bf16_round(hq[i]);
     c->q = dev_put(r, nq * 4);
     run_op(att_op, c, 0, NULL);
     TRY("download", be->ops->download(be, ref, c->out, nq * 4));

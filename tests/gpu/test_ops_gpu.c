@@ -425,12 +425,8 @@ test_linear_norm_rope(void)
         a = pair_gpu(&pc);
         c = (const uint16_t *)a;
         for (int64_t i = 0; i < n; i++) {
-            uint32_t u;
-
             f32 += memcmp(&a[i], &b[i], sizeof(float)) == 0;
-            memcpy(&u, &b[i], 4);
-            u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;   /* finite values */
-            bad += c[i] != (uint16_t)u;
+            bad += c[i] != dsv4_f32_to_bf16(b[i]);
         }
         if (f32 == n)   /* the composition ran: fp32 rows, nothing held */
             bad = 0;
