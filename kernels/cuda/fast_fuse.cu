@@ -283,8 +283,10 @@ fz_norm_rope3x2_kernel(struct fz_nr2 a)
  * XB: the rows come from a.xb (bf16 bits): their values are bf16 already,
  * so the norm's roundings of x to bf16 are left out (the same values: a
  * bf16 value, or a quiet NaN such as the GEMM's conversion writes, rounds
- * to itself), a third of the instructions an element. */
-template <int J, int XB = 0>
+ * to itself), a third of the instructions an element.  OB: a.ob != NULL
+ * (the output bf16), the normed values' rounding left to the store's
+ * cvt.rn where the RoPE does not read them. */
+template <int J, int XB = 0, int OB = 0>
 static __device__ __forceinline__ void
 fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
 {
@@ -299,8 +301,6 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
 #pragma unroll
     for (int j = 0; j < J; j++)
         wb[j] = has_w ? a.w[lane + 32 * j] : (uint16_t)0;
-    if (warp == 0 && a.np > 0)
-        fz_rope_angles(a, r, lane, 32, cs, sn);
     float *xr = a.x + r * D;
     int64_t drow = a.dst != NULL ? a.dst_rows[r] : 0;
     float v[J], tot = 0.0f, rs;
@@ -316,6 +316,10 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
         for (int j = 0; j < J; j++)
             v[j] = xr[lane + 32 * j];
     }
+    /* the angles while the row's loads are in flight (warp 0 computed them
+     * before its loads until run 61: the block waited on both in turn) */
+    if (warp == 0 && a.np > 0)
+        fz_rope_angles(a, r, lane, 32, cs, sn);
 #pragma unroll
     for (int w = 0; w < NVW; w++) {   /* tree warp w: threads 32 w + lane */
         float acc = 0.0f;
@@ -330,9 +334,13 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
         tot = w == 0 ? acc : tot + acc;
     }
     rs = fz_norm_scale(tot, D, a.eps);
+    /* OB: the values the RoPE leaves alone are stored by one cvt.rn of
+     * the unrounded product (fz_norm_pre: the same bf16); only the RoPE's
+     * are rounded first */
 #pragma unroll
     for (int j = 0; j < J; j++)
-        v[j] = fz_norm_apply(v[j], rs, has_w, wb[j], XB);
+        v[j] = OB ? fz_norm_pre(v[j], rs, has_w, wb[j], XB)
+                  : fz_norm_apply(v[j], rs, has_w, wb[j], XB);
     __syncthreads();   /* the angles */
 #pragma unroll
     for (int j = 0; j < J; j++) {
@@ -341,6 +349,8 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
 
         if (32 * j + 31 < a.off || 32 * j >= re)   /* the same for the whole warp */
             continue;
+        if (OB)
+            v[j] = cu_bf16_round(v[j]);
         p = __shfl_xor_sync(0xffffffffu, v[j], 1);   /* the pair's other element */
         if (e >= a.off && e < re) {
             int i = (e - a.off) >> 1, odd = (e - a.off) & 1;
@@ -349,7 +359,7 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
                        : cu_rope_elem(v[j], p, cs[i], sn[i], 0);
         }
     }
-    if (a.ob != NULL) {   /* bf16 (cvt.rn: fa_pack's rounding in the attention) */
+    if (OB || a.ob != NULL) {   /* bf16 (cvt.rn: fa_pack's rounding in the attention) */
         uint16_t *orow = a.ob + r * D;
 
 #pragma unroll
@@ -359,23 +369,23 @@ fz_norm_rope4_block(const struct fz_nr &a, int64_t blk)
             asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v[j]));
             orow[lane + 32 * j] = b;
         }
-        return;
-    }
+    } else {
 #pragma unroll
-    for (int j = 0; j < J; j++) {
-        xr[lane + 32 * j] = v[j];
-        if (a.dst != NULL)
-            a.dst[drow * D + lane + 32 * j] = v[j];
+        for (int j = 0; j < J; j++) {
+            xr[lane + 32 * j] = v[j];
+            if (a.dst != NULL)
+                a.dst[drow * D + lane + 32 * j] = v[j];
+        }
     }
 }
 
-template <int J, int XB>
+template <int J, int XB, int OB>
 static __global__ void __launch_bounds__(FZ4_WARPS * 32)
 fz_norm_rope4_kernel(struct fz_nr a)
 {
     cu_pdl_wait();   /* PDL: before any global access */
     cu_pdl_trigger();
-    fz_norm_rope4_block<J, XB>(a, blockIdx.x);
+    fz_norm_rope4_block<J, XB, OB>(a, blockIdx.x);
 }
 
 /* norm_rope2 with call 0 on v4 (blocks [0, rows0 / FZ4_WARPS)) and call 1
@@ -429,6 +439,11 @@ fz4_by_j(int D, F f)
     }
 }
 
+/* DSV4_CUDA_NORM_OB=0: v4 with a bf16 output rounds every normed value
+ * before the store (the same bits as the default, which leaves that
+ * rounding to the store's cvt.rn where the RoPE does not read it). */
+static struct cuda_switch fz4_ob_switch = CUDA_SWITCH("DSV4_CUDA_NORM_OB", 1);
+
 /* Launch v4 on call a of `rows` rows (fz4_takes). */
 static void
 fz4_launch(struct dsv4_backend *be, const struct fz_nr &a, int rows)
@@ -436,12 +451,17 @@ fz4_launch(struct dsv4_backend *be, const struct fz_nr &a, int rows)
     unsigned blocks = (unsigned)(rows / FZ4_WARPS);
 
     fz4_by_j(a.D, [&](auto j) {
-        if (a.xb != NULL)
-            cu_launch(fz_norm_rope4_kernel<decltype(j)::value, 1>, blocks, FZ4_WARPS * 32, 0,
-                      cuda_stream(be), a);
+        constexpr int J = decltype(j)::value;
+
+        if (a.xb != NULL && a.ob != NULL && cuda_switch_on(&fz4_ob_switch))
+            cu_launch(fz_norm_rope4_kernel<J, 1, 1>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be),
+                      a);
+        else if (a.xb != NULL)
+            cu_launch(fz_norm_rope4_kernel<J, 1, 0>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be),
+                      a);
         else
-            cu_launch(fz_norm_rope4_kernel<decltype(j)::value, 0>, blocks, FZ4_WARPS * 32, 0,
-                      cuda_stream(be), a);
+            cu_launch(fz_norm_rope4_kernel<J, 0, 0>, blocks, FZ4_WARPS * 32, 0, cuda_stream(be),
+                      a);
     });
 }
 

@@ -55,17 +55,26 @@ fz_norm_scale(float sumsq, int D, float eps)
     return 1.0f / sqrtf(sumsq / (float)D + eps);
 }
 
+/* fz_norm_apply before its last rounding: bf16(x) * rs * w.  Its
+ * cvt.rn.bf16.f32 is the normed value's bf16 (the same RNE on finite
+ * values, and a product of a NaN is the canonical NaN either way). */
+static __device__ __forceinline__ float
+fz_norm_pre(float x, float rs, int has_w, uint16_t wb, int x_bf16 = 0)
+{
+    float v = (x_bf16 ? x : cu_bf16_round(x)) * rs;
+
+    if (has_w)
+        v *= cu_bf16_to_f32(wb);
+    return v;
+}
+
 /* The normed value bf16(bf16(x) * rs * w) with the weight's bf16 bits wb
  * already loaded (has_w == 0: no weight, wb unused).  x_bf16: x is a bf16
  * value already (it rounds to itself, so the first rounding is left out). */
 static __device__ __forceinline__ float
 fz_norm_apply(float x, float rs, int has_w, uint16_t wb, int x_bf16 = 0)
 {
-    float v = (x_bf16 ? x : cu_bf16_round(x)) * rs;
-
-    if (has_w)
-        v *= cu_bf16_to_f32(wb);
-    return cu_bf16_round(v);
+    return cu_bf16_round(fz_norm_pre(x, rs, has_w, wb, x_bf16));
 }
 
 /* The normed value: bf16(bf16(x) * rs * w) (w == NULL: no weight). */

@@ -65,7 +65,12 @@
  *      no shared memory or __syncwarp); the collapsed row goes to shared
  *      memory for the norm's tree (the first fz_norm_threads(D) threads,
  *      elements i, i + B, ... in order as fn_kernel) and the normed values
- *      are made from the registers.
+ *      are made from the registers.  Slabs of HF2_SH_T tokens or more (a
+ *      prefill's) instead copy the token's X and all its partials into
+ *      shared memory (cp.async, the same sums from there): 48 registers
+ *      instead of 96, so two blocks an SM overlap one token's loads with
+ *      the other's barriers and norm (run 61: 47 -> 40 us a slab of 1,024;
+ *      DSV4_CUDA_HC_FINSH=0 keeps the registers).
  * v3 (the default since bench_fuse on the H200, 2026-11-30: hc_post_pre
  * at T = 1 8.5 us against v2's 9.1 and v1's 21.7, same bits; DSV4_CUDA_HC=v2
  * for v2) is v2 with the finish launched as a
@@ -86,6 +91,7 @@
  */
 #include "kernels/cuda/fast.cuh"
 #include "kernels/cuda/fast_fuse.cuh"
+#include "kernels/cuda/fast_wgmma.cuh"
 
 #define HF_THREADS 256       /* finish: collapse threads (+ one warp) */
 #define HF_MT 128            /* mix block */
@@ -102,6 +108,10 @@
 #define HF2_NU 2             /* ... float4 columns per thread at most (D <= 4096) */
 #define HF2_XT 128           /* v2 finish without the norm: collapse threads (+ one warp), */
                              /* one float4 column each (512 columns per block) */
+#define HF2_SH_T 1024        /* v2 finish with the norm: slabs of at least this many tokens
+                                stage X and the partials in shared memory (two blocks an SM;
+                                bench_fuse: slower at 64-300 tokens, faster at 1,024) */
+#define HF2_SH_MAX (96 * 1024) /* ... if they fit this many bytes */
 #define HF2_SQ 8             /* v2 finish: partials per lane and mix row (S <= 256) */
 #define HF_DEFER_SLABS 64    /* slabs of a call whose Sinkhorn can be deferred */
 #define HF2B_TG 64           /* v2 mix, long calls (hf2_mixb_kernel): tokens per block */
@@ -710,6 +720,16 @@ hf2_sinkhorn(float c, int n, int iters, float eps, int l)
     return c;
 }
 
+/* Copies n16 16-byte words src -> dst (shared) by cp.async, spread over
+ * the block's threads, as one group of each thread. */
+static __device__ __forceinline__ void
+hf2_fin_copy(float *dst, const float *src, int n16)
+{
+    for (int i = threadIdx.x; i < n16; i += blockDim.x)
+        wg_cp16(dst + 4 * i, src + 4 * i, 1);
+    wg_cp_commit_mem();
+}
+
 /*
  * hf_finish_kernel with every load issued first.  NORM: one block per
  * token, HF2_NT collapse threads (float4 columns tid + HF2_NT*u) + one
@@ -717,18 +737,22 @@ hf2_sinkhorn(float c, int n, int iters, float eps, int l)
  * rows: r < R, R = M + 1 (the block that writes post and comb) or n + 1
  * (r == n standing for the sum of squares M); warp w sums rows w, w + W, ...
  */
-template <int NORM, int PDL>
-static __global__ void __launch_bounds__((NORM ? HF2_NT : HF2_XT) + 32)
+template <int NORM, int PDL, int SH = 0>
+static __global__ void __launch_bounds__((NORM ? HF2_NT : HF2_XT) + 32, SH ? 2 : 1)
 hf2_finish_kernel(struct hf_fin a)
 {
     enum {
         NT = NORM ? HF2_NT : HF2_XT,   /* collapse threads */
         U = NORM ? HF2_NU : 1,         /* float4 columns per collapse thread */
         W = NT / 32 + 1,               /* warps */
-        Q = (HF_MAX_M1 + W - 1) / W    /* mix rows per warp at most */
+        Q = (HF_MAX_M1 + W - 1) / W,   /* mix rows per warp at most */
+        XN = SH ? 1 : HF2_N,           /* X words held in registers (SH: none) */
+        PQ = SH ? 1 : Q,               /* partials held in registers (SH: none) */
+        PS = SH ? 1 : HF2_SQ
     };
     __shared__ float mix[HF_MAX_M1], pre[HF2_N], red[NT / 32];
     __shared__ __align__(16) float xs[NORM ? 4 * NT * U : 4];
+    extern __shared__ __align__(16) float hsh[];   /* SH: X (n*D), then the partials */
     int64_t t = blockIdx.x;
     int n = a.n, D = a.D, M = hf_rows(n, a.head), nD = n * D, S = a.S, D4 = D / 4;
     int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -738,21 +762,26 @@ hf2_finish_kernel(struct hf_fin a)
     int l = tid - NT, e = l >= 0 && l < n * n ? l : 0;
     const float *Xt = a.X + t * nD, *pt = a.part + t * (M + 1) * S;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float4 xv[U][HF2_N], ov[U];
+    float4 xv[U][XN], ov[U];
     uint2 wv[U];
-    float pv[Q][HF2_SQ], sc = 0.0f, bs = 0.0f, sc2 = 0.0f, bs2 = 0.0f, r;
+    float pv[PQ][PS], sc = 0.0f, bs = 0.0f, sc2 = 0.0f, bs2 = 0.0f, r;
+    float *psh = hsh + nD;                       /* SH: the token's (M + 1) * S partials */
     int early = !PDL || !a.x_dep;                /* X loaded before the wait */
 
-    /* every load first: X of this thread's columns (and the norm weights), */
+    /* every load first: X of this thread's columns (SH: the token's X
+     * copied to shared memory by the whole block) and the norm weights, */
+    if (SH && early)
+        hf2_fin_copy(hsh, Xt, nD / 4);
 #pragma unroll
     for (int u = 0; u < U; u++) {
         int q = q0 + tid + NT * u, ok = tid < NT && q < D4;
 
         wv[u] = make_uint2(0, 0);
 #pragma unroll
-        for (int j = 0; j < HF2_N; j++)
-            xv[u][j] = early && ok && j < n ? *(const float4 *)(Xt + (int64_t)j * D + 4 * q)
-                                            : zero;
+        for (int j = 0; j < XN; j++)
+            xv[u][j] = !SH && early && ok && j < n
+                           ? *(const float4 *)(Xt + (int64_t)j * D + 4 * q)
+                           : zero;
         if (NORM && ok && a.nw != NULL)
             wv[u] = *(const uint2 *)(a.nw + 4 * q);
     }
@@ -770,26 +799,34 @@ hf2_finish_kernel(struct hf_fin a)
     if (PDL) {   /* v3: what follows reads the mix kernel's writes */
         asm volatile("griddepcontrol.wait;" : : : "memory");
         cu_pdl_trigger();   /* the next kernel, if PDL, may be scheduled */
+        if (SH && !early)
+            hf2_fin_copy(hsh, Xt, nD / 4);
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int q = q0 + tid + NT * u, ok = !early && tid < NT && q < D4;
+            int q = q0 + tid + NT * u, ok = !SH && !early && tid < NT && q < D4;
 
 #pragma unroll
-            for (int j = 0; j < HF2_N; j++)
+            for (int j = 0; j < XN; j++)
                 if (ok && j < n)
                     xv[u][j] = *(const float4 *)(Xt + (int64_t)j * D + 4 * q);
         }
     }
-    /* and the partials of this warp's mix rows */
+    /* and the partials of this warp's mix rows (SH: all the token's rows,
+     * to shared memory) */
+    if (SH) {
+        hf2_fin_copy(psh, pt, (M + 1) * S / 4);
+        wg_cp_wait_mem<0>();
+        __syncthreads();
+    }
 #pragma unroll
-    for (int k = 0; k < Q; k++) {
+    for (int k = 0; k < PQ; k++) {
         int rr = warp + W * k, m = all || rr < n ? rr : M;
 
 #pragma unroll
-        for (int u = 0; u < HF2_SQ; u++) {
+        for (int u = 0; u < PS; u++) {
             int sidx = lane + 32 * u;
 
-            pv[k][u] = rr < R && sidx < S ? pt[(int64_t)m * S + sidx] : 0.0f;
+            pv[k][u] = !SH && rr < R && sidx < S ? pt[(int64_t)m * S + sidx] : 0.0f;
         }
     }
     /* mix[m]: lane l sums chunks l, l + 32, ... in order, then the butterfly */
@@ -801,7 +838,8 @@ hf2_finish_kernel(struct hf_fin a)
 #pragma unroll
         for (int u = 0; u < HF2_SQ; u++)
             if (lane + 32 * u < S)
-                v += pv[k][u];
+                v += !SH ? pv[SH ? 0 : k][SH ? 0 : u]
+                         : rr < R ? psh[m * S + lane + 32 * u] : 0.0f;
         v = fz_warp_sum(v);
         if (lane == 0 && rr < R)
             mix[m] = v;
@@ -836,14 +874,21 @@ hf2_finish_kernel(struct hf_fin a)
             int q = q0 + tid + NT * u;
             float o[4];
 
+            float4 x4[HF2_N];
+
+#pragma unroll
+            for (int j = 0; j < HF2_N; j++)
+                x4[j] = !SH ? xv[u][SH ? 0 : j]
+                        : j < n && q < D4 ? *(const float4 *)(hsh + (int64_t)j * D + 4 * q)
+                                          : zero;
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                float acc = pr[0] * fz_f4(xv[u][0], c);
+                float acc = pr[0] * fz_f4(x4[0], c);
 
 #pragma unroll
                 for (int j = 1; j < HF2_N; j++)
                     if (j < n)
-                        acc += pr[j] * fz_f4(xv[u][j], c);
+                        acc += pr[j] * fz_f4(x4[j], c);
                 o[c] = cu_bf16_round(acc);
             }
             ov[u] = make_float4(o[0], o[1], o[2], o[3]);
@@ -929,28 +974,41 @@ hf2_ok(const struct hf_fin *a, const struct hf_post *p, const float *fn)
 }
 
 /* The v2 finish; v3 (cuda_fast_hc_version() == 3): as a programmatic
- * dependent launch of the mix kernel before it on the stream. */
-template <int NORM>
+ * dependent launch of the mix kernel before it on the stream.  SH (with
+ * the norm only): the token's X and partials staged in smem bytes of
+ * shared memory, two blocks an SM. */
+template <int NORM, int SH>
 static enum dsv4_err
-hf2_finish_launch(const struct hf_fin *a, dim3 grid, unsigned threads, cudaStream_t st)
+hf2_finish_launch(struct dsv4_backend *be, const struct hf_fin *a, dim3 grid, unsigned threads,
+                  size_t smem, cudaStream_t st)
 {
+    static size_t smem_done[2][CUDA_MAX_DEV];
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute at[1] = {};
+    int v3 = cuda_fast_hc_version() == 3;
 
-    if (cuda_fast_hc_version() != 3) {
-        hf2_finish_kernel<NORM, 0><<<grid, threads, 0, st>>>(*a);
+    if (SH) {
+        enum dsv4_err e = cuda_smem_allow(be, v3 ? (const void *)hf2_finish_kernel<NORM, 1, SH>
+                                                 : (const void *)hf2_finish_kernel<NORM, 0, SH>,
+                                          smem, smem_done[v3]);
+
+        if (e != DSV4_OK)
+            return e;
+    }
+    if (!v3) {
+        hf2_finish_kernel<NORM, 0, SH><<<grid, threads, smem, st>>>(*a);
         CUDA_LAUNCHED("fast hc finish v2");
         return DSV4_OK;
     }
     cfg.gridDim = grid;
     cfg.blockDim = dim3(threads, 1, 1);
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = 1;
-    CUDA_TRY(cudaLaunchKernelEx(&cfg, hf2_finish_kernel<NORM, 1>, *a));
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, hf2_finish_kernel<NORM, 1, SH>, *a));
     return DSV4_OK;
 }
 
@@ -961,6 +1019,10 @@ hf2_finish_launch(const struct hf_fin *a, dim3 grid, unsigned threads, cudaStrea
 /* DSV4_CUDA_HC_MIXB=0: long calls' mix on hf2_mix_kernel's blocked form
  * instead of hf2_mixb_kernel (the same bits). */
 static struct cuda_switch hf2b_switch = CUDA_SWITCH("DSV4_CUDA_HC_MIXB", 1);
+/* DSV4_CUDA_HC_FINSH=0: long calls' finish with the norm holds X and the
+ * partials in registers (one block an SM) instead of staging them in
+ * shared memory (two blocks an SM; the same bits). */
+static struct cuda_switch hf2sh_switch = CUDA_SWITCH("DSV4_CUDA_HC_FINSH", 1);
 
 static enum dsv4_err
 hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, const float *fn,
@@ -998,11 +1060,17 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
         CUDA_LAUNCHED("fast hc mix v2");
     }
     if (v2) {
+        size_t sh = ((size_t)a->n * a->D + (size_t)(M + 1) * a->S) * sizeof(float);
+
+        if (a->xn != NULL && T >= HF2_SH_T && (M + 1) * a->S % 4 == 0 && sh <= HF2_SH_MAX &&
+            cuda_switch_on(&hf2sh_switch))
+            return hf2_finish_launch<1, 1>(be, a, dim3((unsigned)T, 1), HF2_NT + 32, sh, st);
         if (a->xn != NULL)
-            return hf2_finish_launch<1>(a, dim3((unsigned)T, 1), HF2_NT + 32, st);
-        return hf2_finish_launch<0>(a, dim3((unsigned)T, (unsigned)((a->D / 4 + HF2_XT - 1) /
-                                                                    HF2_XT)),
-                                    HF2_XT + 32, st);
+            return hf2_finish_launch<1, 0>(be, a, dim3((unsigned)T, 1), HF2_NT + 32, 0, st);
+        return hf2_finish_launch<0, 0>(be, a,
+                                       dim3((unsigned)T,
+                                            (unsigned)((a->D / 4 + HF2_XT - 1) / HF2_XT)),
+                                       HF2_XT + 32, 0, st);
     }
     if (p->X_out != NULL)
         hf_mix_kernel<1><<<dim3((unsigned)a->S, groups), HF_MT, 0, st>>>(part, NULL, fn, T, M,

@@ -6,6 +6,8 @@
  *
  *   bench_fuse [SEED]
  *
+ * BENCH_FUSE_ONLY=NAME runs only the case of that name (below).
+ *
  * Cases at T = 1, 2, 4, 16, 32, 64 rows (the hc ops and nr_q also 256,
  * 300 and 2,048: the prefill form of the mix, hf2_mixb_kernel's blocks of
  * 64 tokens from 64, a last block of fewer tokens at 300, two slabs at
@@ -874,6 +876,7 @@ main(int argc, char **argv)
     struct dsv4_cuda_timer *tm;
     static struct kase ks[16];
     int fails = 0, n_k = 0;
+    const char *only = getenv("BENCH_FUSE_ONLY");
 
     rng_state = argc > 1 ? strtoull(argv[1], NULL, 10) : 20261202ull;
     if (dsv4_backend_create(&gpu, "cuda", DSV4_NUMERICS_REF, 0) != DSV4_OK) {
@@ -905,7 +908,8 @@ main(int argc, char **argv)
     make_pre_case(&ks[n_k++], "hc_head", 1);
     make_norm_case(&ks[n_k++]);
     for (int i = 0; i < n_k; i++)
-        fails += kase_all(tm, &ks[i]);
+        if (only == NULL || strcmp(only, ks[i].name) == 0)
+            fails += kase_all(tm, &ks[i]);
     dsv4_cuda_set_small_kernels(-1);
     printf("%s bench_fuse: %d case lines failed\n", fails ? "FAIL" : "PASS", fails);
     dsv4_cuda_timer_destroy(tm);
