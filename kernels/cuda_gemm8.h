@@ -51,6 +51,16 @@ enum dsv4_err cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const 
  * cuBLASLt does not take the shape or the cuBLASLt FP8 path is off. */
 enum dsv4_err cuda_fast_gemm8_b16(struct dsv4_backend *be, uint16_t **ob, const float *x,
                                   const struct dsv4_linear *W, int T);
+/* cuda_fast_gemm8_linear's cuBLASLt form alone: DSV4_ERR_NOTSUP (nothing
+ * queued) where that form does not take W.  x_ready: x's codes and scales
+ * are in the backend scratch already, from a call of this function on the
+ * same x, T and n_in queued before, the scratch not used since and big
+ * enough for this call (cuda_fast_gemm8_blas_scratch) then (a prefill
+ * linear_multi quantizes its x once). */
+enum dsv4_err cuda_fast_gemm8_blas(struct dsv4_backend *be, float *out, const float *x,
+                                   const struct dsv4_linear *W, int T, int x_ready);
+/* The backend scratch bytes cuda_fast_gemm8_blas takes for W at T rows. */
+size_t cuda_fast_gemm8_blas_scratch(const struct dsv4_linear *W, int T);
 
 #ifdef __cplusplus
 }

@@ -990,9 +990,12 @@ enum dsv4_err cuda_blas_fp8(struct dsv4_backend *be, uint16_t *out, const struct
  * rows T-independent), rounded to bf16 unless flags has DSV4_LIN_F32_OUT.
  * DSV4_ERR_NOTSUP (nothing queued) when switched off (DSV4_CUDA_BLAS,
  * DSV4_CUDA_BLAS_BF16), for other shapes or alignments, or without an
- * algorithm. */
+ * algorithm.  split == 0: hi + lo are already there, from a call on the
+ * same x, T, n_in and off queued before with no other use of the scratch
+ * since (cuda_linear_multi's prefill form). */
 enum dsv4_err cuda_blas_bf16(struct dsv4_backend *be, float *out, const float *x,
-                             const struct dsv4_linear *W, int T, unsigned flags, size_t off);
+                             const struct dsv4_linear *W, int T, unsigned flags, size_t off,
+                             int split);
 /* out[i] = the bf16 value ob[i] (n values, n % 4 == 0, 16-byte aligned). */
 enum dsv4_err cuda_blas_widen(struct dsv4_backend *be, float *out, const uint16_t *ob,
                               int64_t n);

@@ -176,6 +176,24 @@ cuda_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const floa
         fast = lin_check(Ws[i]) && Ws[i]->n_in == Ws[0]->n_in && lin_fast_decode(be, Ws[i], T);
     if (fast)
         return cuda_fast_linear_multi(be, n, outs, x, Ws, flags, T);
+    if (n >= 1 && n <= DSV4_LINEAR_MULTI_MAX && T > 16) {
+        /* prefill: those on cuBLASLt with x prepared once, then the rest */
+        int done[DSV4_LINEAR_MULTI_MAX], m = 0;
+        float *o2[DSV4_LINEAR_MULTI_MAX];
+        const struct dsv4_linear *W2[DSV4_LINEAR_MULTI_MAX];
+        unsigned f2[DSV4_LINEAR_MULTI_MAX];
+        enum dsv4_err e = cuda_fast_gemm_multi(be, n, outs, x, Ws, flags, T, done);
+
+        if (e != DSV4_OK)
+            return e;
+        for (int i = 0; i < n; i++)
+            if (!done[i]) {
+                o2[m] = outs[i];
+                W2[m] = Ws[i];
+                f2[m++] = flags[i];
+            }
+        return m > 0 ? dsv4_linear_multi_compose(be, m, o2, x, W2, f2, T) : DSV4_OK;
+    }
     return dsv4_linear_multi_compose(be, n, outs, x, Ws, flags, T);
 }
 

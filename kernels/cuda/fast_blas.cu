@@ -909,7 +909,7 @@ static struct cuda_switch bl_bf16_switch = CUDA_SWITCH("DSV4_CUDA_BLAS_BF16", 1)
 
 enum dsv4_err
 cuda_blas_bf16(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W,
-               int T, unsigned flags, size_t off)
+               int T, unsigned flags, size_t off, int split)
 {
     int N = W->n_out, K = W->n_in;
     int64_t nx = (int64_t)T * K, no = (int64_t)T * N;
@@ -939,8 +939,8 @@ cuda_blas_bf16(struct dsv4_backend *be, float *out, const float *x, const struct
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda blas: no scratch");
     hi = (uint16_t *)(sc + off);
     lo = (uint16_t *)(sc + off + bx);
-    /* fw_kernel's split of x (fast_linear.cu) */
-    if ((e = fk_split(be, hi, lo, x, nx)) != DSV4_OK ||
+    /* fw_kernel's split of x (fast_linear.cu), unless a call before made it */
+    if ((split && (e = fk_split(be, hi, lo, x, nx)) != DSV4_OK) ||
         (e = bl_matmul(be, b, p, out, W->w, hi, CUDA_R_16BF, T, 0.0f)) != DSV4_OK ||
         (e = bl_matmul(be, b, p, out, W->w, lo, CUDA_R_16BF, T, 1.0f)) != DSV4_OK)
         return e;

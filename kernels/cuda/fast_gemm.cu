@@ -1814,11 +1814,85 @@ cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const float *x,
                        const struct dsv4_linear *W, int T, unsigned flags, size_t off)
 {
     /* cuBLASLt first (fast_blas.cu; the same scratch: 2 T K bf16 from off) */
-    enum dsv4_err e = cuda_blas_bf16(be, out, x, W, T, flags, off);
+    enum dsv4_err e = cuda_blas_bf16(be, out, x, W, T, flags, off, 1);
 
     if (e != DSV4_ERR_NOTSUP)
         return e;
     return fw_linear(be, out, x, W, T, flags, off);
+}
+
+/* --- linear_multi at prefill: x prepared once ------------------------------------------ */
+
+/* DSV4_CUDA_LIN_SHARE=0: cuda_fast_gemm_multi takes none (each linear
+ * prepares its x, as cuda_linear alone). */
+static struct cuda_switch lm_share_switch = CUDA_SWITCH("DSV4_CUDA_LIN_SHARE", 1);
+
+/* Whether cuda_linear gives W at T rows to the FP8 cuBLASLt form
+ * (cuda_fast_gemm_linear, then its FP8 x FP8 form; the form itself may
+ * still turn it down: cuda_fast_gemm8_blas). */
+static int
+lm_fp8_route(struct dsv4_backend *be, const struct dsv4_linear *W, int T)
+{
+    return cuda_fast_gemm_linear_ok(be, W, T) && fw_enabled(be) && cuda_fast_gemm8_on();
+}
+
+enum dsv4_err
+cuda_fast_gemm_multi(struct dsv4_backend *be, int n, float *const *outs, const float *x,
+                     const struct dsv4_linear *const *Ws, const unsigned *flags, int T,
+                     int *done)
+{
+    size_t need = 0;
+    int split = 1, quant = 1, K = n > 0 ? Ws[0]->n_in : 0;
+
+    for (int i = 0; i < n; i++)
+        done[i] = 0;
+    if (n < 2 || !cuda_st(be)->fast_kernels || !cuda_switch_on(&lm_share_switch))
+        return DSV4_OK;
+    /* the most scratch any of them takes, so that none reallocates it */
+    for (int i = 0; i < n; i++) {
+        size_t b = 0;
+
+        if (Ws[i]->n_in != K)
+            return DSV4_OK;
+        if (Ws[i]->fmt == DSV4_WFMT_BF16 && cuda_fast_gemm_bf16_ok(be, Ws[i], T))
+            b = 2 * cuda_align((size_t)T * K * 2);   /* cuda_blas_bf16's hi + lo */
+        else if (lm_fp8_route(be, Ws[i], T))
+            b = cuda_fast_gemm8_blas_scratch(Ws[i], T);
+        need = b > need ? b : need;
+    }
+    if (need == 0)
+        return DSV4_OK;
+    if (cuda_scratch(be, need) == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fast gemm multi: no scratch for %d x %d", T, K);
+    /* the BF16 ones first: their hi + lo at the scratch's start */
+    for (int i = 0; i < n; i++) {
+        enum dsv4_err e;
+
+        if (Ws[i]->fmt != DSV4_WFMT_BF16 || !cuda_fast_gemm_bf16_ok(be, Ws[i], T))
+            continue;
+        e = cuda_blas_bf16(be, outs[i], x, Ws[i], T, flags[i], 0, split);
+        if (e == DSV4_ERR_NOTSUP)
+            continue;   /* nothing queued: the caller's */
+        if (e != DSV4_OK)
+            return e;
+        done[i] = 1;
+        split = 0;
+    }
+    /* then the FP8 ones: x's codes and scales at the scratch's start */
+    for (int i = 0; i < n; i++) {
+        enum dsv4_err e;
+
+        if (done[i] || !lm_fp8_route(be, Ws[i], T))
+            continue;
+        e = cuda_fast_gemm8_blas(be, outs[i], x, Ws[i], T, !quant);
+        if (e == DSV4_ERR_NOTSUP)
+            continue;
+        if (e != DSV4_OK)
+            return e;
+        done[i] = 1;
+        quant = 0;
+    }
+    return DSV4_OK;
 }
 
 /* --- the grouped linear (linear_grouped, wo_a) on fw_kernel ------------------------------ */

@@ -49,6 +49,21 @@ enum dsv4_err cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const 
                                      size_t off);
 
 /*
+ * The linears of a prefill linear_multi (cuda_linear_multi: n of them, one
+ * x of T > 64 rows) that cuda_linear would give to cuBLASLt, with x
+ * prepared once: the BF16 ones (cuda_blas_bf16) share one split of x into
+ * hi + lo, the FP8 ones (cuda_fast_gemm8_blas) one quantization of x.
+ * The outputs are cuda_linear's, bit for bit.  done[i] = 1 for each linear
+ * queued here; the caller runs the others (cuBLASLt turned them down, or
+ * cuda_linear takes another path for them) after, since this one leaves
+ * its prepared x in the backend scratch.  DSV4_CUDA_LIN_SHARE=0: none
+ * taken.
+ */
+enum dsv4_err cuda_fast_gemm_multi(struct dsv4_backend *be, int n, float *const *outs,
+                                   const float *x, const struct dsv4_linear *const *Ws,
+                                   const unsigned *flags, int T, int *done);
+
+/*
  * fast_gemm4.cu: the prefill MoE on FP8 wgmma (FP4 weights as e4m3 codes
  * times 2^-6, one k32 step per E8M0 group), opt-in.  1 when switched on
  * (dsv4_cuda_set_gemm4, kernels/cuda_gemm4.h; else the environment:

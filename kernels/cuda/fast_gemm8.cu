@@ -449,22 +449,39 @@ cuda_fast_gemm8_on(void)
     return cuda_switch_on(&g8_switch);
 }
 
+/* Scratch bytes of g8_blas for W at T rows: x's codes and scales (from
+ * the start, the same for every W of one n_in), the weights' fp32 scales,
+ * the bf16 outputs. */
+static size_t
+g8_blas_scratch(const struct dsv4_linear *W, int T, size_t *bq, size_t *bs, size_t *bw)
+{
+    int N = W->n_out, K = W->n_in, nb = K / 128;
+    int Tp = (T + BL_FP8_ROWS - 1) / BL_FP8_ROWS * BL_FP8_ROWS;
+
+    *bq = cuda_align((size_t)Tp * K);
+    *bs = cuda_align((size_t)Tp * nb * sizeof(float));
+    *bw = cuda_align((size_t)(N / 128 * nb) * sizeof(float));
+    return *bq + *bs + *bw + cuda_align((size_t)Tp * N * 2);
+}
+
 /* The cuBLASLt form (file comment): x's codes for T rows padded with zero
  * rows to a multiple of BL_FP8_ROWS, their scales column-major, the
  * weights' block scales as fp32 (one prep launch), cuBLASLt's FP8
  * block-scaled GEMM into bf16 scratch, widened into out.  NOTSUP from
- * cuBLASLt leaves only scratch written. */
+ * cuBLASLt leaves only scratch written.  x_ready: x's codes and scales are
+ * in the scratch already (a call on the same x and T queued before, the
+ * scratch not used since), so the prep makes only the weights' scales. */
 static enum dsv4_err
 g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W, int T,
-        uint16_t **obp)
+        uint16_t **obp, int x_ready)
 {
     int N = W->n_out, K = W->n_in, nb = K / 128, nws = N / 128 * nb;
-    int Tp = (T + BL_FP8_ROWS - 1) / BL_FP8_ROWS * BL_FP8_ROWS;
-    size_t bq = cuda_align((size_t)Tp * K), bs = cuda_align((size_t)Tp * nb * sizeof(float));
-    size_t bw = cuda_align((size_t)nws * sizeof(float));
-    int64_t warps = (int64_t)Tp * ((nb + G8_PREP_BLOCKS - 1) / G8_PREP_BLOCKS) + (nws + 31) / 32;
+    int Tp = (T + BL_FP8_ROWS - 1) / BL_FP8_ROWS * BL_FP8_ROWS, rows = x_ready ? 0 : T;
+    size_t bq, bs, bw, need = g8_blas_scratch(W, T, &bq, &bs, &bw);
+    int64_t warps = (int64_t)(x_ready ? 0 : Tp) * ((nb + G8_PREP_BLOCKS - 1) / G8_PREP_BLOCKS) +
+                    (nws + 31) / 32;
     struct g8_prep_more mo;
-    char *p = (char *)cuda_scratch(be, bq + bs + bw + cuda_align((size_t)Tp * N * 2));
+    char *p = (char *)cuda_scratch(be, need);
     uint8_t *xq = (uint8_t *)p;
     float *sx = (float *)(p + bq);
     uint16_t *ob = (uint16_t *)(p + bq + bs + bw);
@@ -472,12 +489,12 @@ g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_l
 
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "fast gemm8: no scratch for %d x %d", T, K);
-    mo.ldt = Tp;
+    mo.ldt = x_ready ? 0 : Tp;   /* x_ready: no rows, no padding, the weights' scales only */
     mo.wsf = (float *)(p + bq + bs);
     mo.ws = W->scale;
     mo.nws = nws;
-    g8_prep_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(xq, sx, x, T, K,
-                                                                              mo);
+    g8_prep_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, cuda_stream(be)>>>(xq, sx, x, rows,
+                                                                              K, mo);
     CUDA_LAUNCHED("fast gemm8 prep (cuBLASLt)");
     if ((e = cuda_blas_fp8(be, ob, W, mo.wsf, xq, sx, Tp)) != DSV4_OK)
         return e;
@@ -496,7 +513,26 @@ cuda_fast_gemm8_b16(struct dsv4_backend *be, uint16_t **ob, const float *x,
         W->n_in <= 0 || !cuda_switch_on(&g8_blas_switch) ||
         !cuda_blas_fp8_ready(be, W->n_out, W->n_in))
         return DSV4_ERR_NOTSUP;
-    return g8_blas(be, NULL, x, W, T, ob);
+    return g8_blas(be, NULL, x, W, T, ob, 0);
+}
+
+size_t
+cuda_fast_gemm8_blas_scratch(const struct dsv4_linear *W, int T)
+{
+    size_t bq, bs, bw;
+
+    return g8_blas_scratch(W, T, &bq, &bs, &bw);
+}
+
+enum dsv4_err
+cuda_fast_gemm8_blas(struct dsv4_backend *be, float *out, const float *x,
+                     const struct dsv4_linear *W, int T, int x_ready)
+{
+    if (T <= 0 || W->fmt != DSV4_WFMT_FP8 || W->n_out % G8_BM != 0 || W->n_in % 128 != 0 ||
+        W->n_in <= 0 || !cuda_switch_on(&g8_blas_switch) ||
+        !cuda_blas_fp8_ready(be, W->n_out, W->n_in))
+        return DSV4_ERR_NOTSUP;
+    return g8_blas(be, out, x, W, T, NULL, x_ready);
 }
 
 enum dsv4_err
@@ -517,7 +553,7 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
     if (W->fmt != DSV4_WFMT_FP8 || N % G8_BM != 0 || K % 128 != 0 || K <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "fast gemm8: %d x %d not FP8 in 128 blocks", N, K);
     if (cuda_switch_on(&g8_blas_switch) && cuda_blas_fp8_ready(be, N, K) &&
-        (e = g8_blas(be, out, x, W, T, NULL)) != DSV4_ERR_NOTSUP)
+        (e = g8_blas(be, out, x, W, T, NULL, 0)) != DSV4_ERR_NOTSUP)
         return e;   /* cuBLASLt took it (or failed otherwise) */
     p = (char *)cuda_scratch(be, bq + cuda_align((size_t)T * nb * sizeof(float)));
     if (p == NULL)

@@ -1415,13 +1415,15 @@ lin_case(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, const struct op *o
  * The projections of one input the forward gives linear_multi (a ratio-4
  * layer's xn: wq_a, wkv FP8; the indexer's compressor wkv / wgate (fp32
  * out), its weights_proj BF16; the compressor's wkv / wgate BF16 fp32 out;
- * then qr's wq_b/2 and idx_wq_b FP8) at T = 1, 5, 16: every output of the
- * one call bit for bit equal to the separate linear calls' (each call's
- * output filled with 0xff bytes first, so an output the call does not
- * write differs).  One line per case.
+ * then qr's wq_b/2 and idx_wq_b FP8) at T = 1, 5, 16 and at the prefill
+ * sizes T = 300, 2,048 (the cuBLASLt linears with x split / quantized once
+ * for all of them: cuda_fast_gemm_multi; its own input rows): every output
+ * of the one call bit for bit equal to the separate linear calls' (each
+ * call's output filled with 0xff bytes first, so an output the call does
+ * not write differs).  One line per case.
  */
 static void
-lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
+lin_multi_bits(struct dsv4_backend *be, const float *xd, struct tally *ty)
 {
     static const struct { int fp8, N, K; unsigned fl; } sh[] = {
         { 1, 1024, 4096, 0 }, { 1, 512, 4096, 0 }, { 0, 256, 4096, DSV4_LIN_F32_OUT },
@@ -1430,16 +1432,17 @@ lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
         { 1, 16384, 1024, 0 }, { 1, 8192, 1024, 0 },
     };
     static const int groups[2][2] = { { 0, 7 }, { 7, 9 } };   /* [first, end) of sh */
-    static const int ts[] = { 1, 5, 16 };
-    enum { NS = sizeof(sh) / sizeof(sh[0]) };
+    static const int ts[] = { 1, 5, 16, 300, 2048 };
+    enum { NS = sizeof(sh) / sizeof(sh[0]), TP = 2048 };
     struct dsv4_linear W[NS];
     float *o1[NS], *o2[NS];
+    float *xp = dev_normals(be, (size_t)TP * 4096, 1.0f, 1);   /* prefill rows */
     size_t maxn = 0;
     uint8_t *fill;
     float *h1, *h2;
 
     for (int i = 0; i < NS; i++) {
-        size_t n = (size_t)16 * sh[i].N * sizeof(float);
+        size_t n = (size_t)TP * sh[i].N * sizeof(float);
 
         W[i] = sh[i].fp8 ? make_fp8(be, sh[i].N, sh[i].K) : make_bf16(be, sh[i].N, sh[i].K);
         o1[i] = dev_alloc(be, n);
@@ -1456,6 +1459,7 @@ lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
     for (int gi = 0; gi < 2; gi++)
         for (size_t ti = 0; ti < sizeof(ts) / sizeof(ts[0]); ti++) {
             int T = ts[ti], a = groups[gi][0], n = groups[gi][1] - a, bad = -1;
+            const float *x = T > 16 ? xp : xd;
             const struct dsv4_linear *Wp[NS];
             unsigned fl[NS];
             size_t at = 0;
@@ -1481,11 +1485,11 @@ lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
             }
             if (bad < 0) {
                 ty->ok++;
-                printf("ok   linear multi bits  %s T=%-2d %d linears == separate calls\n",
+                printf("ok   linear multi bits  %s T=%-4d %d linears == separate calls\n",
                        gi ? "qr" : "xn", T, n);
             } else {
                 ty->fail++;
-                printf("FAIL linear multi bits  %s T=%-2d linear %d (%d x %d) first difference at "
+                printf("FAIL linear multi bits  %s T=%-4d linear %d (%d x %d) first difference at "
                        "%zu: %.9g vs %.9g\n", gi ? "qr" : "xn", T, bad - a, sh[bad].N,
                        sh[bad].K, at, h1[at], h2[at]);
             }
@@ -1494,6 +1498,7 @@ lin_multi_bits(struct dsv4_backend *be, const float *x, struct tally *ty)
         be->ops->free(be, o1[i]);
         be->ops->free(be, o2[i]);   /* the weights stay until the backend goes */
     }
+    be->ops->free(be, xp);
     free(fill);
     free(h1);
     free(h2);
