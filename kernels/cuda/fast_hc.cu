@@ -378,15 +378,11 @@ hf2_dot(const float4 *a, const float4 *b, int n4)
     return acc;
 }
 
-/* hc_post's inputs for the 4 columns col .. col + 3 of X_out (row length
- * nD = n D; one stream k = col / D) of token t: the n streams' X words at
- * those columns, comb's column k, f and post[k].  xv, cc past n untouched. */
+/* hf2_post_load with the column given as stream k and offset d in it. */
 static __device__ __forceinline__ void
-hf2_post_load(const struct hf_post &p, int64_t t, int col, int n, int D, int nD,
-              float4 (&xv)[HF2_N], float (&cc)[HF2_N], float4 &f4, float &pk)
+hf2_post_load_kd(const struct hf_post &p, int64_t t, int k, int d, int n, int D, int nD,
+                 float4 (&xv)[HF2_N], float (&cc)[HF2_N], float4 &f4, float &pk)
 {
-    int k = col / D, d = col % D;
-
 #pragma unroll
     for (int j = 0; j < HF2_N; j++) {
         if (j < n) {
@@ -396,6 +392,16 @@ hf2_post_load(const struct hf_post &p, int64_t t, int col, int n, int D, int nD,
     }
     f4 = *(const float4 *)(p.f + t * D + d);
     pk = p.post[t * n + k];
+}
+
+/* hc_post's inputs for the 4 columns col .. col + 3 of X_out (row length
+ * nD = n D; one stream k = col / D) of token t: the n streams' X words at
+ * those columns, comb's column k, f and post[k].  xv, cc past n untouched. */
+static __device__ __forceinline__ void
+hf2_post_load(const struct hf_post &p, int64_t t, int col, int n, int D, int nD,
+              float4 (&xv)[HF2_N], float (&cc)[HF2_N], float4 &f4, float &pk)
+{
+    hf2_post_load_kd(p, t, col / D, col % D, n, D, nD, xv, cc, f4, pk);
 }
 
 /* X_out's 4 values from hf2_post_load's inputs: hc_post_kernel's expression
@@ -593,10 +599,14 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
             *(float4 *)&fs[m][c] = fv[u];
         }
     }
-    /* X's chunk of the block's tokens (POST: made by hc_post and written) */
+    /* X's chunk of the block's tokens (POST: made by hc_post and written);
+     * a thread keeps its column in every pass, so its stream and offset
+     * are worked out once (the division was in every pass until run 61) */
+    static_assert(HF2_MT % (HF_CW / 4) == 0, "hf2_mixb: a thread's column is fixed");
+    const int c = tid % (HF_CW / 4) * 4, col = c0 + c, ks = col / D, ds = col % D;
 #pragma unroll 2
     for (int u = 0; u < HF2B_TG * (HF_CW / 4) / HF2_MT; u++) {
-        int i = tid + u * HF2_MT, tt = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4, col = c0 + c;
+        int tt = tid / (HF_CW / 4) + u * (HF2_MT / (HF_CW / 4));
         int64_t t = t0 + tt;
         float4 v = zero;
 
@@ -613,7 +623,7 @@ hf2_mixb_kernel(float *part, const float *X, const float *fn, int T, int M, int 
                     xv[j] = zero;
                     cc[j] = 0.0f;
                 }
-                hf2_post_load(p, t, col, n, D, nD, xv, cc, f4, pk);
+                hf2_post_load_kd(p, t, ks, ds, n, D, nD, xv, cc, f4, pk);
                 v = hf2_post_value(xv, cc, f4, pk, n);
                 *(float4 *)(p.X_out + t * nD + col) = v;
             }
