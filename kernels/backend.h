@@ -456,7 +456,9 @@ struct dsv4_backend_ops {
      * the projections of one normalised input (wq_a, wkv and the
      * compressors' and the indexer's of xn; wq_b and the indexer's wq_b of
      * the normed qr); the CUDA fast kernels run them as one activation
-     * preparation, one tile launch per weight format and one reduction.
+     * preparation, one tile launch per weight format and one reduction
+     * (decode sizes), or give their cuBLASLt linears x split / quantized
+     * once (prefill sizes).
      */
     enum dsv4_err (*linear_multi)(struct dsv4_backend *be, int n, float *const *outs,
                                   const float *x, const struct dsv4_linear *const *Ws,
