@@ -1855,7 +1855,7 @@ cuda_fast_gemm_multi(struct dsv4_backend *be, int n, float *const *outs, const f
         if (Ws[i]->n_in != K)
             return DSV4_OK;
         if (Ws[i]->fmt == DSV4_WFMT_BF16 && cuda_fast_gemm_bf16_ok(be, Ws[i], T))
-            b = 2 * cuda_align((size_t)T * K * 2);   /* cuda_blas_bf16's hi + lo */
+            b = fw_linear_scratch(Ws[i], T);   /* hi + lo: cuda_blas_bf16's too */
         else if (lm_fp8_route(be, Ws[i], T))
             b = cuda_fast_gemm8_blas_scratch(Ws[i], T);
         need = b > need ? b : need;

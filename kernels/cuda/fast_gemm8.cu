@@ -505,13 +505,21 @@ g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_l
     return cuda_blas_widen(be, out, ob, (int64_t)T * N);
 }
 
+/* Whether g8_blas takes W at T rows: FP8 in 128-blocks, the cuBLASLt FP8
+ * path on and an algorithm for the shape. */
+static int
+g8_blas_takes(struct dsv4_backend *be, const struct dsv4_linear *W, int T)
+{
+    return T > 0 && W->fmt == DSV4_WFMT_FP8 && W->n_out % G8_BM == 0 && W->n_in % 128 == 0 &&
+           W->n_in > 0 && cuda_switch_on(&g8_blas_switch) &&
+           cuda_blas_fp8_ready(be, W->n_out, W->n_in);
+}
+
 enum dsv4_err
 cuda_fast_gemm8_b16(struct dsv4_backend *be, uint16_t **ob, const float *x,
                     const struct dsv4_linear *W, int T)
 {
-    if (T <= 0 || W->fmt != DSV4_WFMT_FP8 || W->n_out % G8_BM != 0 || W->n_in % 128 != 0 ||
-        W->n_in <= 0 || !cuda_switch_on(&g8_blas_switch) ||
-        !cuda_blas_fp8_ready(be, W->n_out, W->n_in))
+    if (!g8_blas_takes(be, W, T))
         return DSV4_ERR_NOTSUP;
     return g8_blas(be, NULL, x, W, T, ob, 0);
 }
@@ -528,9 +536,7 @@ enum dsv4_err
 cuda_fast_gemm8_blas(struct dsv4_backend *be, float *out, const float *x,
                      const struct dsv4_linear *W, int T, int x_ready)
 {
-    if (T <= 0 || W->fmt != DSV4_WFMT_FP8 || W->n_out % G8_BM != 0 || W->n_in % 128 != 0 ||
-        W->n_in <= 0 || !cuda_switch_on(&g8_blas_switch) ||
-        !cuda_blas_fp8_ready(be, W->n_out, W->n_in))
+    if (!g8_blas_takes(be, W, T))
         return DSV4_ERR_NOTSUP;
     return g8_blas(be, out, x, W, T, NULL, x_ready);
 }
