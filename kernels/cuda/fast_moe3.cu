@@ -207,17 +207,19 @@ fm3_p8(int c)
 
 /*
  * v5's place of the value whose code is at P4 / P8 place `pos` (its f16
- * copy): thread q's 32 values stay its 64 contiguous bytes, reordered so
- * that f16x2 word m*4 + h*2 + i holds bytes 2h, 2h+1 of its code word
- * 2m + i (b0 / b1 of mma m): the B registers of the two m16n8k16 halves
- * of mma m (fm5_mma) are words m*4 + 2h, m*4 + 2h + 1.
+ * copy): thread q's 32 values are four groups of 16 bytes, group m at
+ * byte 64m + 16q of the block (fm5_act: the four threads of a token read
+ * 64 contiguous bytes a load, two sectors of one line), reordered so that
+ * f16x2 word m*4 + h*2 + i holds bytes 2h, 2h+1 of its code word 2m + i
+ * (b0 / b1 of mma m): the B registers of the two m16n8k16 halves of mma
+ * m (fm5_mma) are words m*4 + 2h, m*4 + 2h + 1.
  */
 static __device__ __forceinline__ int
 fm3_h(int pos)
 {
     int q = pos >> 5, j = pos & 31, w = j >> 2, bb = j & 3;
 
-    return q * 32 + (w >> 1) * 8 + (bb >> 1) * 4 + (w & 1) * 2 + (bb & 1);
+    return (w >> 1) * 32 + q * 8 + (bb >> 1) * 4 + (w & 1) * 2 + (bb & 1);
 }
 
 /*
@@ -1028,13 +1030,14 @@ fm5_act_group(uint32_t *xh, int m, const uint4 *p)
 }
 
 /* The activations of one 128-column block (one n-tile): xh = thread q's 64
- * bytes of v5's f16 words at xp. */
+ * bytes of v5's f16 words, group m at xp + 4m (fm3_h; xp: the block's
+ * first 16 bytes of thread q). */
 static __device__ __forceinline__ void
 fm5_act(uint32_t (&xh)[16], const uint4 *xp)
 {
 #pragma unroll
     for (int m = 0; m < 4; m++)
-        fm5_act_group(xh, m, xp + m);
+        fm5_act_group(xh, m, xp + 4 * m);
 }
 
 /*
@@ -1059,7 +1062,7 @@ struct fm5_bh {
     done(int m) const
     {
         if (!keep)
-            fm5_act_group(xh, m, nx + m);
+            fm5_act_group(xh, m, nx + 4 * m);
     }
 };
 
@@ -1243,7 +1246,7 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     }
     /* the warp's blocks of the activations, the first's words and scales
      * now, every next one's a block ahead */
-    const uint4 *xb0 = (const uint4 *)(xhr + q * 32) + st0 * BPS * (128 * 2 / 16);
+    const uint4 *xb0 = (const uint4 *)(xhr + q * 8) + st0 * BPS * (128 * 2 / 16);
     const float *xs0 = sr[0][0] + st0 * BPS, *xs1 = sr[0][1] + st0 * BPS;
     const int nblk = nst * BPS;
     int jb = 0;   /* the current block's place among the warp's */
