@@ -597,8 +597,14 @@ cuda_blas_decode(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linear
 
 #define BL_KEEP_RESERVE ((size_t)8 << 30)   /* device memory a new copy leaves free */
 
+#define BL_KEEP_MB_DEFAULT 4096LL
+#define BL_KEEP_MB_MAX (1LL << 30)   /* 1 PB: beyond it the byte count would overflow */
+
 /* DSV4_CUDA_BLAS_KEEP_MB: bytes of kept copies at most (default 4,096 MB; 0
- * keeps none, every call decodes its weights as before). */
+ * keeps none, every call decodes its weights as before).  Operators set it
+ * in a prefill unit (docs/operations.md), so a value that is not a whole
+ * number of MB in [0, BL_KEEP_MB_MAX] is reported on stderr (the journal)
+ * once, naming the default taken instead. */
 static size_t
 bl_keep_budget(void)
 {
@@ -607,9 +613,16 @@ bl_keep_budget(void)
     if (mb < 0) {
         const char *e = getenv("DSV4_CUDA_BLAS_KEEP_MB");
         char *end = NULL;
-        long long v = e != NULL ? strtoll(e, &end, 10) : 4096;
+        long long v = e != NULL ? strtoll(e, &end, 10) : BL_KEEP_MB_DEFAULT;
 
-        mb = e != NULL && (end == e || *end != '\0' || v < 0) ? 4096 : v;
+        if (e != NULL && (end == e || *end != '\0' || v < 0 || v > BL_KEEP_MB_MAX)) {
+            fprintf(stderr,
+                    "dsv4 cuda: DSV4_CUDA_BLAS_KEEP_MB=\"%s\" is not a number of MB from 0 to "
+                    "%lld; using the default, %lld\n",
+                    e, BL_KEEP_MB_MAX, BL_KEEP_MB_DEFAULT);
+            v = BL_KEEP_MB_DEFAULT;
+        }
+        mb = v;
     }
     return (size_t)mb << 20;
 }
