@@ -57,9 +57,10 @@ struct dsv4_conf {
     int heartbeat_ms;       /* [1000] rank heartbeat interval */
     int liveness;           /* [3] missed intervals until a rank is dead */
     int request_timeout_ms; /* [0] deadline for requests that set none; 0 = none */
-    int burst_streams;      /* [0] burst prefill groups (key `burst`) take a
+    int burst_streams;      /* [0] a burst prefill group (key `burst`) takes a
                                prompt only while at most this many streams
-                               decode, summed over the decode groups */
+                               decode beside it: summed over the decode groups
+                               that may share a GPU with it (queue_pick_prefill) */
     /* --- ranks --- */
     char checkpoint[DSV4_CONF_STR]; /* [/var/lib/dsv4/model] dsv4-mkmodel or
                                          converted checkpoint directory */

@@ -170,6 +170,7 @@ static const struct field f_ready[] = {
     FLD("pid", struct dsv4_rank_ready, pid, T_U32, 0, 0, U32MAX, 0),
     FENUMSET("transports", struct dsv4_rank_ready, transports, transport_names),
     FLD("burst", struct dsv4_rank_ready, burst, T_BOOL, 0, 0, 1, 0),
+    FLD("device", struct dsv4_rank_ready, device, T_STR, 0, 1, DSV4_PROTO_MAX_DEVICE, 0),
 };
 
 static const struct field f_welcome[] = {
@@ -315,6 +316,7 @@ static const struct field f_ctl_rank[] = {
     FHAS("mtp_accepted", struct dsv4_ctl_rank, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
     FLD("burst", struct dsv4_ctl_rank, burst, T_BOOL, 0, 0, 1, 0),
     FLD("placed", struct dsv4_ctl_rank, placed, T_U64, 0, 0, U64MAX, 0),
+    FLD("device", struct dsv4_ctl_rank, device, T_STR, 0, 1, DSV4_PROTO_MAX_DEVICE, 0),
 };
 
 static const struct field f_count[] = {

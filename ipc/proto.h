@@ -51,6 +51,7 @@ extern "C" {
 #define DSV4_PROTO_MAX_TAG 128                 /* bytes */
 #define DSV4_PROTO_MAX_MESSAGE 1024            /* bytes of ERROR/RESULT message, reasons */
 #define DSV4_PROTO_MAX_HOST 255                /* bytes */
+#define DSV4_PROTO_MAX_DEVICE 64               /* bytes of a rank's device id */
 #define DSV4_PROTO_MAX_CHUNK 4096              /* ids per client TOKENS */
 #define DSV4_PROTO_MAX_TEXT (1u << 20)         /* bytes of text per client TOKENS */
 #define DSV4_PROTO_MAX_BATCH 1024              /* entries per rank TOKENS */
@@ -291,6 +292,12 @@ struct dsv4_rank_ready {
     bool burst;          /* prefill: a burst prefill rank (config `burst`: its
                             group takes prompts while the decode groups are
                             idle); optional, false when absent */
+    const char *device;  /* the GPU the rank runs on, as its CUDA UUID in
+                            nvidia-smi's form ("GPU-" and 32 hex digits in
+                            groups 8-4-4-4-12), unique across hosts: which
+                            decode groups a burst prefill group shares its
+                            GPUs with (queue_pick_prefill); optional, NULL
+                            when absent (the cpu backend: unknown) */
 };
 
 struct dsv4_rank_welcome {
@@ -479,6 +486,8 @@ struct dsv4_ctl_rank {
                                 group since the rank registered (prompts on a
                                 prefill rank, streams on a decode rank; re-runs
                                 count again); optional, 0 when absent */
+    const char *device;      /* its READY's device; optional, NULL when absent
+                                (the rank did not say) */
 };
 
 struct dsv4_ctl_request {

@@ -133,6 +133,30 @@ rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, 
 
 /* Open a fresh DEALER (dropping anything queued on the old one) and send
  * READY.  A failure is retried at the next READY retry. */
+/*
+ * The id READY announces for the rank's GPU (proto.h dsv4_rank_ready.device):
+ * its CUDA UUID as nvidia-smi prints it, "GPU-xxxxxxxx-xxxx-xxxx-xxxx-
+ * xxxxxxxxxxxx"; "" on the cpu backend or when the driver cannot say (the
+ * scheduler then takes the rank as sharing a GPU with every group).
+ */
+static void
+rank_device_id(struct rank *k, char *out, size_t n)
+{
+    uint8_t u[16];
+
+    out[0] = '\0';
+    if (strcmp(k->be->name, "cuda") != 0)
+        return;
+    if (dsv4_cuda_device_uuid(k->be, u) != DSV4_OK) {
+        log_warnx("rank_device_id: %s: the scheduler will take this rank as sharing its GPU "
+                  "with every group", dsv4_errmsg());
+        return;
+    }
+    snprintf(out, n, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],
+             u[13], u[14], u[15]);
+}
+
 static void
 link_join(struct rank *k)
 {
@@ -164,6 +188,7 @@ link_join(struct rank *k)
     m.u.ready.pid = (uint32_t)getpid();
     m.u.ready.transports = k->transports;
     m.u.ready.burst = k->o.burst;
+    m.u.ready.device = k->device[0] != '\0' ? k->device : NULL;
     rank_send(k, &m);
     log_debug("link_join: READY sent to %s", k->o.conf.rank_endpoint);
 }
@@ -1058,6 +1083,7 @@ main(int argc, char **argv)
     else if (gethostname(k.host, sizeof(k.host)) != 0)
         strcpy(k.host, "localhost");
     k.host[sizeof(k.host) - 1] = '\0';
+    rank_device_id(&k, k.device, sizeof(k.device));
     k.zctx = zmq_ctx_new();
     if (k.zctx == NULL)
         fatal("main: zmq_ctx_new");

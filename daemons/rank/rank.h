@@ -202,6 +202,9 @@ struct rank {
     struct dsv4_kvx *kvx[DSV4_TRANSPORT__COUNT]; /* open transports; NULL = not offered */
     uint32_t transports;        /* bit (1 << transport) per open one (READY) */
     char host[DSV4_PROTO_MAX_HOST + 1]; /* announced in READY (conf host or hostname) */
+    char device[DSV4_PROTO_MAX_DEVICE + 1]; /* announced in READY: the GPU's UUID
+                                               (rank_device_id); "" on the cpu
+                                               backend (not announced) */
     struct rank_job *jobs;      /* prefill: (slots) */
     uint32_t rr;                /* prefill: round-robin start */
     struct rank_export_list exports;

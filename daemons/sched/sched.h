@@ -72,6 +72,9 @@ struct sched_rank {
     uint64_t placed;                 /* requests placed on its group since it
                                         registered (dsv4ctl ranks) */
     char host[DSV4_PROTO_MAX_HOST + 1];
+    char device[DSV4_PROTO_MAX_DEVICE + 1]; /* its READY's device (GPU UUID); "" = not
+                                               said: may share a GPU with any rank
+                                               (queue_pick_prefill) */
     enum dsv4_rank_state state;      /* JOINING .. DEAD */
     bool drain;                      /* admin asked to drain it */
     bool unreachable;                /* a send failed: handled as lost at the next timer */
@@ -269,16 +272,27 @@ struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role r
 
 /*
  * The prefill group for a prompt needing `ctx` positions (docs/operations.md
- * "Burst prefill"): while at most `burst_streams` streams decode (the decode
- * groups' loads summed: slots taken, the prompts being prefilled for them
- * included), the least loaded burst group that fits, else the least loaded
- * other group that fits; past `burst_streams` only the other groups, unless
- * none of them is usable with that context at all (none registered, all
+ * "Burst prefill"): the least loaded burst group that fits and beside which
+ * at most `burst_streams` streams decode, else the least loaded other group
+ * that fits; a burst group past `burst_streams` is taken only when none of
+ * the other groups is usable with that context at all (none registered, all
  * drained, dead or too short): then a burst group rather than none.  NULL =
- * wait.  Without burst groups this is queue_pick(DSV4_ROLE_PREFILL).
+ * wait.  "Beside": the loads (slots taken, the prompts being prefilled for
+ * them included) of the decode groups that may share a GPU with the burst
+ * group (queue_groups_share_gpu), so a burst group on idle GPUs serves while
+ * other GPUs' decode groups are busy.  Without burst groups this is
+ * queue_pick(DSV4_ROLE_PREFILL).
  */
 struct sched_group *queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx,
     uint32_t burst_streams);
+
+/*
+ * Whether groups a and b may run on a common GPU: false only when every
+ * rank of both is present and said its device (READY `device`) and no
+ * device is in both; a rank missing or silent about its device (the cpu
+ * backend, an older rank) may be anywhere.
+ */
+bool queue_groups_share_gpu(const struct sched_group *a, const struct sched_group *b);
 
 /* True when some registered group of `role` (in any state) could ever hold
  * `ctx` positions; false means the request can never run (413). */

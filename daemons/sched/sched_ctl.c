@@ -135,6 +135,7 @@ show_ranks(struct sched *s, const struct dsv4_route *to)
         m.u.rank.has_mtp = k->has_mtp;
         m.u.rank.burst = k->burst;
         m.u.rank.placed = k->placed;
+        m.u.rank.device = k->device[0] != '\0' ? k->device : NULL;
         if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
             n++;
     }

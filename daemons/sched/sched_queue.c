@@ -105,30 +105,70 @@ queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
     return best;
 }
 
+bool
+queue_groups_share_gpu(const struct sched_group *a, const struct sched_group *b)
+{
+    if (a->n_ranks < a->size || b->n_ranks < b->size)
+        return true;   /* a missing rank's device is not known */
+    for (uint32_t i = 0; i < a->size; i++) {
+        const struct sched_rank *x = a->ranks[i];
+
+        if (x == NULL || x->device[0] == '\0')
+            return true;
+        for (uint32_t j = 0; j < b->size; j++) {
+            const struct sched_rank *y = b->ranks[j];
+
+            if (y == NULL || y->device[0] == '\0' || strcmp(x->device, y->device) == 0)
+                return true;
+        }
+    }
+    return false;
+}
+
+/* Streams decoding beside burst group b: the loads of the decode groups
+ * that may share a GPU with it. */
+static uint32_t
+burst_beside(struct sched_group_list *groups, const struct sched_group *b)
+{
+    const struct sched_group *d;
+    uint32_t streams = 0;
+
+    TAILQ_FOREACH(d, groups, entry) {
+        if (d->role == DSV4_ROLE_DECODE && queue_groups_share_gpu(d, b))
+            streams += d->load;
+    }
+    return streams;
+}
+
 struct sched_group *
 queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst_streams)
 {
-    struct sched_group *g, *best[2] = { NULL, NULL };   /* [0] plain, [1] burst */
-    uint32_t streams = 0;
+    /* [0] plain, [1] burst with at most burst_streams beside it, [2] any burst */
+    struct sched_group *g, *best[3] = { NULL, NULL, NULL };
     bool plain_usable = false;
 
     TAILQ_FOREACH(g, groups, entry) {
-        if (g->role == DSV4_ROLE_DECODE)
-            streams += g->load;
         if (g->role != DSV4_ROLE_PREFILL)
             continue;
         if (!g->burst && group_usable(g) && g->max_ctx >= ctx)
             plain_usable = true;
         if (!queue_group_fits(g, ctx, DSV4_TRANSPORT_NONE))
             continue;
-        if (group_before(g, best[g->burst]))
-            best[g->burst] = g;
+        if (!g->burst) {
+            if (group_before(g, best[0]))
+                best[0] = g;
+            continue;
+        }
+        if (group_before(g, best[2]))
+            best[2] = g;
+        if (group_before(g, best[1]) && burst_beside(groups, g) <= burst_streams)
+            best[1] = g;
     }
-    if (streams <= burst_streams && best[1] != NULL)
+    if (best[1] != NULL)
         return best[1];
     if (best[0] != NULL || plain_usable)
         return best[0];
-    return best[1];
+    return best[2];
 }
 
 bool

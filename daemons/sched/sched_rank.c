@@ -372,6 +372,7 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     k->pid = m->pid;
     k->burst = m->role == DSV4_ROLE_PREFILL && m->burst;
     snprintf(k->host, sizeof(k->host), "%s", m->host);
+    snprintf(k->device, sizeof(k->device), "%s", m->device != NULL ? m->device : "");
     k->joined_ms = dsv4_now_ms();
     dsv4_liveness_init(&k->live, (uint32_t)s->cfg.file.heartbeat_ms,
         (uint32_t)s->cfg.file.liveness, k->joined_ms);
@@ -387,9 +388,10 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     rank_send(s, k, &w);
     group_update(s, g);   /* after WELCOME: it may send COMM to the group */
     rank_update_states(s);
-    log_notice("rank %s registered: group %u rank %u/%u capacity %u max_ctx %u host %s pid %u%s",
-        rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size, k->capacity,
-        k->max_ctx, k->host, k->pid, k->burst ? " (burst prefill)" : "");
+    log_notice("rank %s registered: group %u rank %u/%u capacity %u max_ctx %u host %s%s%s "
+        "pid %u%s", rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size,
+        k->capacity, k->max_ctx, k->host, k->device[0] != '\0' ? " device " : "", k->device,
+        k->pid, k->burst ? " (burst prefill)" : "");
 }
 
 /* --- Work ---------------------------------------------------------------------------- */

@@ -3,7 +3,7 @@
  * status, group choice and decode slots (sched_queue.c), stop-string search
  * and hold-back (sched_req.c), and the round trip of the protocol fields the
  * scheduler added (PREFILL chunk, STATUS metrics and handoff histogram, RANK
- * rank_active and burst, READY burst), and the handoff histogram's
+ * rank_active, burst and device, READY burst and device), and the handoff histogram's
  * bucketing (sched_ctl.c).
  */
 #include <setjmp.h>
@@ -147,6 +147,87 @@ test_pick_burst(void **state)
     p1 = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 2, 1, 2000);
     p0->max_ctx = 2000;
     assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p1);
+    while ((g = TAILQ_FIRST(&l)) != NULL) {
+        TAILQ_REMOVE(&l, g, entry);
+        free(g->slots);
+        free(g);
+    }
+}
+
+/* Burst groups and GPUs: only the decode groups that may share a GPU with a
+ * burst group (queue_groups_share_gpu: the ranks' READY devices) count
+ * against its burst_streams. */
+static void
+test_pick_burst_gpus(void **state)
+{
+    struct sched_group_list l;
+    struct sched_rank k[8];
+    struct sched_group *d0, *d1, *p0, *pa, *pb, *g;
+
+    (void)state;
+    TAILQ_INIT(&l);
+    d0 = mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 16, 1000);
+    d1 = mkgroup(&l, &k[1], DSV4_ROLE_DECODE, 1, 16, 1000);
+    p0 = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 0, 1, 1000);
+    pb = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 1, 1, 1000);
+    pb->burst = true;
+    strcpy(k[0].device, "GPU-a");
+    strcpy(k[1].device, "GPU-b");
+    strcpy(k[2].device, "GPU-a");
+    strcpy(k[3].device, "GPU-b");
+    assert_false(queue_groups_share_gpu(d0, pb));
+    assert_true(queue_groups_share_gpu(d1, pb));
+    assert_true(queue_groups_share_gpu(d0, p0));
+    /* the busy decode group is on the other GPU: the burst group serves */
+    d0->load = 5;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    /* a stream beside it: the plain group */
+    d1->load = 1;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 1), pb);
+    /* a rank that did not say its device may be on any GPU: it counts */
+    d1->load = 0;
+    k[0].device[0] = '\0';
+    assert_true(queue_groups_share_gpu(d0, pb));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    strcpy(k[0].device, "GPU-a");
+    k[3].device[0] = '\0';
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    strcpy(k[3].device, "GPU-b");
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    /* ... and so does a group with a rank missing */
+    d0->size = 2;
+    assert_true(queue_groups_share_gpu(d0, pb));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    /* two-rank groups share a GPU when any device is in both */
+    d0->ranks[1] = &k[4];
+    d0->n_ranks = 2;
+    memset(&k[4], 0, sizeof(k[4]));
+    k[4].state = DSV4_RANK_STATE_READY;
+    strcpy(k[4].device, "GPU-c");
+    assert_false(queue_groups_share_gpu(d0, pb));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    strcpy(k[4].device, "GPU-b");
+    assert_true(queue_groups_share_gpu(d0, pb));
+    assert_true(queue_groups_share_gpu(pb, d0));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    strcpy(k[4].device, "GPU-c");
+    /* two burst groups: the one beside idle GPUs, though the other has the
+     * lower id; with both busy, the plain group */
+    pa = mkgroup(&l, &k[5], DSV4_ROLE_PREFILL, 0, 1, 1000);
+    pa->id = 0;
+    pa->burst = true;
+    strcpy(k[5].device, "GPU-a");
+    p0->id = 2;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    d1->load = 3;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    /* no plain group usable: a busy burst group rather than none */
+    k[2].drain = true;
+    g = queue_pick_prefill(&l, 10, 0);
+    assert_true(g == pa || g == pb);
+    assert_ptr_equal(g, pa);   /* the lower id on equal loads */
+    k[2].drain = false;
     while ((g = TAILQ_FIRST(&l)) != NULL) {
         TAILQ_REMOVE(&l, g, entry);
         free(g->slots);
@@ -306,6 +387,8 @@ test_proto_additions(void **state)
     m.u.rank.burst = true;
     m.u.rank.placed = 12345678901ull;
     roundtrip(&m);
+    m.u.rank.device = "GPU-01234567-89ab-cdef-0123-456789abcdef";
+    roundtrip(&m);
 
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_READY);
     m.u.ready.role = DSV4_ROLE_PREFILL;
@@ -316,6 +399,23 @@ test_proto_additions(void **state)
     roundtrip(&m);
     m.u.ready.burst = true;
     roundtrip(&m);
+    m.u.ready.device = "GPU-01234567-89ab-cdef-0123-456789abcdef";
+    roundtrip(&m);
+    {   /* the device id: 1 to DSV4_PROTO_MAX_DEVICE bytes */
+        char big[DSV4_PROTO_MAX_DEVICE + 2];
+        struct dsv4_wire w;
+        struct dsv4_perr pe;
+
+        memset(big, 'x', sizeof(big) - 1);
+        big[sizeof(big) - 1] = '\0';
+        m.u.ready.device = big;
+        assert_int_not_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_OK);
+        m.u.ready.device = "";
+        assert_int_not_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_OK);
+        big[DSV4_PROTO_MAX_DEVICE] = '\0';
+        m.u.ready.device = big;
+        roundtrip(&m);
+    }
 }
 
 int
@@ -325,6 +425,7 @@ main(void)
         cmocka_unit_test(test_admit),
         cmocka_unit_test(test_pick),
         cmocka_unit_test(test_pick_burst),
+        cmocka_unit_test(test_pick_burst_gpus),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_proto_additions),
         cmocka_unit_test(test_handoff_hist),

@@ -219,6 +219,10 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
         printf(", \"placed\": %" PRIu64, k->placed);
         if (k->burst)
             printf(", \"burst\": true");
+        if (k->device != NULL) {
+            printf(", \"device\": ");
+            json_str(k->device);
+        }
         printf("}");
     } else {
         /* MTP: "accepted/drafts (rate)", "-" for a rank without MTP */
