@@ -306,16 +306,26 @@ fk_mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, u
  * exponent bits and first mantissa bit, and e4m3's subnormals (exponent 0)
  * match e2m1's (E = 0: 0 or 0.5); the sign moves to bit 7.  *even gets
  * elements 0, 2, 4, 6 (bytes in that order), *odd elements 1, 3, 5, 7.
- * Five integer operations for eight values; the caller multiplies the
- * scale by 64 (exact for E8M0 scales) and lays the other operand out in the
- * same k order (any permutation of k shared by A and B leaves the dot
- * product's terms unchanged).
+ * Seven instructions for eight values.  odd is a multiply-high by 2^30 (the
+ * right shift by 2) of its masked magnitude bits with the masked sign bits
+ * as the addend (disjoint bits: the sum is the OR): ptxas makes it one
+ * shift-and-add after two independent masks, where (w >> 2) & m | (w & s)
+ * was three dependent instructions (the same count; the SASS of the wide up
+ * kernel has 16 SHF fewer); the decode MoE, whose warps wait on such chains,
+ * ran its batch-16 down kernel 150 -> 144 us (docs/perf.md run 62).  The
+ * caller multiplies the scale by 64 (exact for E8M0 scales) and lays the
+ * other operand out in the same k order (any permutation of k shared by A
+ * and B leaves the dot product's terms unchanged).
  */
 static __device__ __forceinline__ void
 fk_fp4x8_e4m3(uint32_t w, uint32_t *even, uint32_t *odd)
 {
+    uint32_t o;
+
     *even = ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u);
-    *odd = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);
+    asm("mad.hi.u32 %0, %1, 0x40000000, %2;" : "=r"(o) : "r"(w & 0x70707070u),
+        "r"(w & 0x80808080u));
+    *odd = o;
 }
 
 /* d += a * b, bf16 inputs, fp32 accumulators. */
