@@ -3,8 +3,8 @@
  * opt-in with DSV4_CUDA_GEMM4=1 on the Hopper path of fast_gemm.cu: the
  * same grouping, tiles, SwiGLU expression, per-128 quantization of h and
  * combine as fw_moe, with the products on the FP8 tensor cores instead of
- * bf16 ones (FP4 weights decode to e4m3 in five integer operations per
- * eight values, fk_fp4x8_e4m3, instead of a table lookup and a multiply
+ * bf16 ones (FP4 weights decode to e4m3 in seven instructions per eight
+ * values, fk_fp4x8_e4m3, instead of a table lookup and a multiply
  * per pair).
  *
  * f4_kernel (sm_90a).  As fw_kernel: the weights are the A operand (64

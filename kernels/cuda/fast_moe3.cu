@@ -10,8 +10,8 @@
  * weight to bf16 (a table in shared memory, or bit placement and a scale
  * multiply), about 20 instructions per 32-bit word of weights, and read the
  * weights at 0.41 of 4.3 TB/s.  Every E2M1 value is an E4M3 value, so the
- * conversion is a bit move (fk_fp4x8_e4m3: eight codes in five integer
- * operations, the values times 2^-6), the activations are already FP8
+ * conversion is a bit move (fk_fp4x8_e4m3: eight codes in seven
+ * instructions, the values times 2^-6), the activations are already FP8
  * (REF quantization), and the products are done by the FP8 tensor cores.
  *
  * Launches (five; four for moe_parts):

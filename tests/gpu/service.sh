@@ -29,7 +29,8 @@
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
 # (seconds before the kill) size that part; COMM=nccl|cudaipc|auto sets the
 # groups' communicator (the `comm` key; default: the key's default, auto).
-# Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), dsv4ctl
+# Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), the ranks
+# as dsv4ctl --json ranks lists them once up ($OUT/ranks.json), dsv4ctl
 # status before and after, and a line on decode@0's step times (its STATUS=
 # windows: all of them, and those with a full batch); KILL=1 then kills decode@1 (decode@0 when
 # GPUS=1) (kill -9) under C=16
@@ -132,6 +133,8 @@ done
 echo "set up in $((SECONDS - t0)) s ($n_prefill+$((GPUS * ${DECODE_GROUPS:-1})) ranks, flash $LAYERS layers)"
 sleep 2
 ctl ranks
+# each rank's GPU as its READY said it (the burst choice's `device`)
+ctl --json ranks > "$OUT/ranks.json" 2>&1
 # BENCH may hold several runs separated by ';' (bench.json, bench2.json, ...)
 rc=0 i=0
 IFS=';' read -ra runs <<< "${BENCH:--c 1,16 -p 1024 -l 128 -n 32}"
