@@ -308,10 +308,11 @@ fk_mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, u
  * elements 0, 2, 4, 6 (bytes in that order), *odd elements 1, 3, 5, 7.
  * Seven instructions for eight values.  odd is a multiply-high by 2^30 (the
  * right shift by 2) of its masked magnitude bits with the masked sign bits
- * as the addend (disjoint bits: the sum is the OR): ptxas makes it one
- * shift-and-add after two independent masks, where (w >> 2) & m | (w & s)
- * was three dependent instructions (the same count; the SASS of the wide up
- * kernel has 16 SHF fewer); the decode MoE, whose warps wait on such chains,
+ * as the addend (disjoint bits: the sum is the OR): ptxas makes it two
+ * independent masks (LOP3) and one instruction combining them, where
+ * (w >> 2) & m | (w & s) was three dependent ones (the same count; the SASS
+ * of the wide up kernel has 16 SHF fewer); the decode MoE, whose warps wait
+ * on such chains,
  * ran its batch-16 down kernel 150 -> 144 us (docs/perf.md run 62).  The
  * caller multiplies the scale by 64 (exact for E8M0 scales) and lays the
  * other operand out in the same k order (any permutation of k shared by A
