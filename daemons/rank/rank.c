@@ -131,8 +131,6 @@ rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, 
 
 /* --- Scheduler link ------------------------------------------------------------- */
 
-/* Open a fresh DEALER (dropping anything queued on the old one) and send
- * READY.  A failure is retried at the next READY retry. */
 /*
  * The id READY announces for the rank's GPU (proto.h dsv4_rank_ready.device):
  * its CUDA UUID as nvidia-smi prints it, "GPU-xxxxxxxx-xxxx-xxxx-xxxx-
@@ -157,6 +155,8 @@ rank_device_id(struct rank *k, char *out, size_t n)
              u[13], u[14], u[15]);
 }
 
+/* Open a fresh DEALER (dropping anything queued on the old one) and send
+ * READY.  A failure is retried at the next READY retry. */
 static void
 link_join(struct rank *k)
 {
