@@ -140,9 +140,10 @@ rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, 
 static void
 rank_device_id(struct rank *k, char *out, size_t n)
 {
+    out[0] = '\0';
+#ifdef DSV4_HAVE_CUDA
     uint8_t u[16];
 
-    out[0] = '\0';
     if (strcmp(k->be->name, "cuda") != 0)
         return;
     if (dsv4_cuda_device_uuid(k->be, u) != DSV4_OK) {
@@ -153,6 +154,10 @@ rank_device_id(struct rank *k, char *out, size_t n)
     snprintf(out, n, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
              u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],
              u[13], u[14], u[15]);
+#else
+    (void)k;
+    (void)n;
+#endif
 }
 
 /* Open a fresh DEALER (dropping anything queued on the old one) and send
