@@ -309,11 +309,13 @@ fk_mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, u
  * Seven instructions for eight values.  odd is a multiply-high by 2^30 (the
  * right shift by 2) of its masked magnitude bits with the masked sign bits
  * as the addend (disjoint bits: the sum is the OR): ptxas makes it two
- * independent masks (LOP3) and one instruction combining them, where
- * (w >> 2) & m | (w & s) was three dependent ones (the same count; the SASS
- * of the wide up kernel has 16 SHF fewer); the decode MoE, whose warps wait
- * on such chains,
- * ran its batch-16 down kernel 150 -> 144 us (docs/perf.md run 62).  The
+ * independent masks (LOP3) and one LEA.HI combining them, where
+ * (w >> 2) & m | (w & s) was three dependent instructions (the same count);
+ * the decode MoE, whose warps wait on such chains, ran its batch-16 down
+ * kernel 150 -> 144 us (docs/perf.md run 62).  A multiplier of 2^30 + 1
+ * (the same result: m's low bits are 0) makes it an IMAD.HI on the FMA
+ * pipe instead, plus one more instruction: the ALU pipe 63 -> 55% busy, but
+ * that kernel 143 -> 152 us; keep 2^30.  The
  * caller multiplies the scale by 64 (exact for E8M0 scales) and lays the
  * other operand out in the same k order (any permutation of k shared by A
  * and B leaves the dot product's terms unchanged).
