@@ -1827,11 +1827,11 @@ cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const float *x,
  * prepares its x, as cuda_linear alone). */
 static struct cuda_switch lm_share_switch = CUDA_SWITCH("DSV4_CUDA_LIN_SHARE", 1);
 
-/* Whether cuda_linear gives W at T rows to the FP8 cuBLASLt form
- * (cuda_fast_gemm_linear, then its FP8 x FP8 form; the form itself may
- * still turn it down: cuda_fast_gemm8_blas). */
+/* Whether cuda_linear (with the fast kernels on) gives W at T rows to the
+ * FP8 cuBLASLt form (cuda_fast_gemm_linear, then its FP8 x FP8 form; the
+ * form itself may still turn it down: cuda_fast_gemm8_blas / _b16). */
 static int
-lm_fp8_route(struct dsv4_backend *be, const struct dsv4_linear *W, int T)
+fg8_blas_route(struct dsv4_backend *be, const struct dsv4_linear *W, int T)
 {
     return cuda_fast_gemm_linear_ok(be, W, T) && fw_enabled(be) && cuda_fast_gemm8_on();
 }
@@ -1854,9 +1854,9 @@ cuda_fast_gemm_multi(struct dsv4_backend *be, int n, float *const *outs, const f
 
         if (Ws[i]->n_in != K)
             return DSV4_OK;
-        if (Ws[i]->fmt == DSV4_WFMT_BF16 && cuda_fast_gemm_bf16_ok(be, Ws[i], T))
+        if (cuda_fast_gemm_bf16_ok(be, Ws[i], T))   /* BF16 weights only */
             b = fw_linear_scratch(Ws[i], T);   /* hi + lo: cuda_blas_bf16's too */
-        else if (lm_fp8_route(be, Ws[i], T))
+        else if (fg8_blas_route(be, Ws[i], T))
             b = cuda_fast_gemm8_blas_scratch(Ws[i], T);
         need = b > need ? b : need;
     }
@@ -1868,7 +1868,7 @@ cuda_fast_gemm_multi(struct dsv4_backend *be, int n, float *const *outs, const f
     for (int i = 0; i < n; i++) {
         enum dsv4_err e;
 
-        if (Ws[i]->fmt != DSV4_WFMT_BF16 || !cuda_fast_gemm_bf16_ok(be, Ws[i], T))
+        if (!cuda_fast_gemm_bf16_ok(be, Ws[i], T))
             continue;
         e = cuda_blas_bf16(be, outs[i], x, Ws[i], T, flags[i], 0, split);
         if (e == DSV4_ERR_NOTSUP)
@@ -1882,7 +1882,7 @@ cuda_fast_gemm_multi(struct dsv4_backend *be, int n, float *const *outs, const f
     for (int i = 0; i < n; i++) {
         enum dsv4_err e;
 
-        if (done[i] || !lm_fp8_route(be, Ws[i], T))
+        if (done[i] || !fg8_blas_route(be, Ws[i], T))
             continue;
         e = cuda_fast_gemm8_blas(be, outs[i], x, Ws[i], T, !quant);
         if (e == DSV4_ERR_NOTSUP)
@@ -2188,8 +2188,7 @@ cuda_fast_gemm_linear_b16(struct dsv4_backend *be, uint16_t **ob, const float *x
 {
     /* cuda_linear's choice: cuda_fast_gemm_linear, then its FP8 x FP8 form,
      * then that form's cuBLASLt path */
-    if (!cuda_st(be)->fast_kernels || !cuda_fast_gemm_linear_ok(be, W, T) || !fw_enabled(be) ||
-        !cuda_fast_gemm8_on())
+    if (!cuda_st(be)->fast_kernels || !fg8_blas_route(be, W, T))
         return DSV4_ERR_NOTSUP;
     return cuda_fast_gemm8_b16(be, ob, x, W, T);
 }

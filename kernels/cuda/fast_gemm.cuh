@@ -50,7 +50,7 @@ enum dsv4_err cuda_fast_gemm_bf16_at(struct dsv4_backend *be, float *out, const 
 
 /*
  * The linears of a prefill linear_multi (cuda_linear_multi: n of them, one
- * x of T > 64 rows) that cuda_linear would give to cuBLASLt, with x
+ * x of T > 16 rows) that cuda_linear would give to cuBLASLt, with x
  * prepared once: the BF16 ones (cuda_blas_bf16) share one split of x into
  * hi + lo, the FP8 ones (cuda_fast_gemm8_blas) one quantization of x.
  * The outputs are cuda_linear's, bit for bit.  done[i] = 1 for each linear

@@ -558,8 +558,7 @@ cuda_fast_gemm8_linear(struct dsv4_backend *be, float *out, const float *x,
         return DSV4_OK;
     if (W->fmt != DSV4_WFMT_FP8 || N % G8_BM != 0 || K % 128 != 0 || K <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "fast gemm8: %d x %d not FP8 in 128 blocks", N, K);
-    if (cuda_switch_on(&g8_blas_switch) && cuda_blas_fp8_ready(be, N, K) &&
-        (e = g8_blas(be, out, x, W, T, NULL, 0)) != DSV4_ERR_NOTSUP)
+    if (g8_blas_takes(be, W, T) && (e = g8_blas(be, out, x, W, T, NULL, 0)) != DSV4_ERR_NOTSUP)
         return e;   /* cuBLASLt took it (or failed otherwise) */
     p = (char *)cuda_scratch(be, bq + cuda_align((size_t)T * nb * sizeof(float)));
     if (p == NULL)
