@@ -88,9 +88,12 @@ struct cuda_state {
     unsigned *lin_ctr;                  /* fast_linear.cu: the split-K arrival
                                            counters of the one-launch decode
                                            linear (FL_CTRS, zero between its
-                                           launches); per backend, so calls on
-                                           another backend's stream never share
-                                           them (NULL: three-launch form only) */
+                                           launches; also fd_kernel's global
+                                           form, fast_attention.cu); per
+                                           backend, so calls on another
+                                           backend's stream never share them
+                                           (NULL: three-launch form only, v2
+                                           attention as clusters) */
     int lin_tmax;                       /* the one-launch decode linear for
                                            passes of at most this many tokens
                                            (0: three launches always; from
@@ -287,6 +290,29 @@ cu_launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, 
 }
 
 /*
+ * A launch configuration of grid x block CTAs (smem dynamic bytes each, on
+ * st) in clusters of cs CTAs along x: cfg with one attribute, at[0] (the
+ * caller's array of at least one).
+ */
+static inline void
+cu_cluster_cfg(cudaLaunchConfig_t &cfg, cudaLaunchAttribute *at, dim3 grid, dim3 block,
+               size_t smem, cudaStream_t st, int cs)
+{
+    cfg = cudaLaunchConfig_t{};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    at[0] = cudaLaunchAttribute{};
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = (unsigned)cs;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+}
+
+/*
  * cu_launch for a kernel run in clusters of cs CTAs along x: *launched = 1
  * once launched; 0 (and cudaSuccess) when the device cannot hold one such
  * cluster (cudaOccupancyMaxActiveClusters), asked while *fits is 0 (the
@@ -303,16 +329,7 @@ cu_launch_cluster(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStrea
     cudaError_t e;
 
     *launched = 0;
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = (unsigned)cs;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
+    cu_cluster_cfg(cfg, at, grid, block, smem, st, cs);
     if (*fits == 0) {
         int n = 0;
 

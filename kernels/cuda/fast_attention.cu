@@ -67,7 +67,11 @@
  *     (fewer key reads), else 16 (more CTAs: a T = 1, H = 64 call has 32);
  *     "v2-16" / "v2-32" force one.  A head's arithmetic is the same
  *     with 16 or 32 heads per CTA (8 threads a head in the softmax either
- *     way; the mma computes each element on its own).  Rows with more than
+ *     way; the mma computes each element on its own).  Where a call's
+ *     clusters would not all fit on the device at once (fd_launch), the
+ *     global form runs the same CTAs without clusters and merges through
+ *     scratch and a counter (the same bits; "v2c" / "v2g" force one form,
+ *     DSV4_CUDA_FD_GLOBAL=0 keeps clusters).  Rows with more than
  *     CS * FD_TPR * FA_NC candidates possible (2,048 with CS = 4: win + K,
  *     or win + cap, HCA past ~245k tokens), or a device that cannot hold a
  *     cluster, take v1.
@@ -119,6 +123,8 @@ namespace cg = cooperative_groups;
                                2026-11-30: T = 4 at H = 64 10.2 us vs 15.1 with 16,
                                T = 4 at H = 32 7.9 vs 10.1 the other way) */
 #define FD_MAX_DEV 64       /* devices with a cached cluster check */
+#define FD_MI 4             /* global form's merge: outputs a thread per round (CS x 4 loads
+                               in flight) */
 
 struct fa_args {
     float *out;
@@ -138,6 +144,9 @@ struct fa_args {
     /* fh_kernel's row counter in the staging's scratch (zeroed by
      * fa_stage_kernel) */
     int *ctr;
+    /* fd_kernel's global form: the arrival counters of its (row, head
+     * group)s, zero between launches (the backend's st->lin_ctr) */
+    unsigned *fdc;
     /* attention_out: fa_kernel's output as bf16 here (T, H, Dh) instead of
      * out (cuda_fast_attention_out), else NULL */
     uint16_t *outb;
@@ -890,6 +899,175 @@ fd_smem_bytes(int MT, int Dh, int CS)
            + (size_t)HG * (CS + 1) * 4;             /* combine factors, denominators */
 }
 
+/* A CTA's unnormalised O (fd_kernel's registers o) to dst, (HG, Dh) fp32:
+ * shared memory (the cluster form) or the call's scratch (the global form). */
+template <int MT, int DW>
+static __device__ __forceinline__ void
+fd_put_o(const float (&o)[MT][DW / 8][4], float *dst)
+{
+    constexpr int Dh = 8 * DW, NT = DW / 8;
+    int lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4, d0 = threadIdx.x / 32 * DW;
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int hl = mt * 16 + g + 8 * hh;
+
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+                *(float2 *)(dst + (size_t)hl * Dh + d0 + n * 8 + 2 * q4) =
+                    make_float2(o[mt][n][2 * hh], o[mt][n][2 * hh + 1]);
+        }
+}
+
+/* acc += v f, a rank's share of four merged sums (both forms' expression). */
+static __device__ __forceinline__ void
+fd_acc(float4 &acc, float4 v, float f)
+{
+    acc.x += v.x * f;
+    acc.y += v.y * f;
+    acc.z += v.z * f;
+    acc.w += v.w * f;
+}
+
+/* Output dimensions d .. d + 3 of head h of row t from the merged sums acc
+ * and the head's denominator: bf16(acc / den), the output's inverse RoPE
+ * where it applies (fa_unrope_cs, the row's table s_ucs / s_usn). */
+static __device__ __forceinline__ void
+fd_emit(const struct fa_args &a, float4 acc, float den, int t, int h, int d, const float *s_ucs,
+        const float *s_usn)
+{
+    float4 v = make_float4(cu_bf16_round(acc.x / den), cu_bf16_round(acc.y / den),
+                           cu_bf16_round(acc.z / den), cu_bf16_round(acc.w / den));
+
+    fa_unrope_cs(a, d, s_ucs, s_usn, v.x, v.y);
+    fa_unrope_cs(a, d + 2, s_ucs, s_usn, v.z, v.w);
+    *(float4 *)(a.out + ((int64_t)t * a.H + h) * a.Dh + d) = v;
+}
+
+/*
+ * A head's merge factors over the CS ranks' (m, l) (mz, lz, in rank order):
+ * M = their max (0 when every rank is empty), f[k] = exp(mz[k] - M) (-1: a
+ * rank without candidates, skipped), *den = the sum of lz[k] f[k] in rank
+ * order plus exp(sink - M).  Both forms of fd_kernel merge with it.
+ */
+template <int CS>
+static __device__ __forceinline__ void
+fd_factors(const float (&mz)[CS], const float (&lz)[CS], float sink, float *f, float *den)
+{
+    float M = -__int_as_float(0x7f800000), d = 0.0f;
+
+#pragma unroll
+    for (int k = 0; k < CS; k++)
+        M = fmaxf(M, mz[k]);
+    M = M == -__int_as_float(0x7f800000) ? 0.0f : M;
+#pragma unroll
+    for (int k = 0; k < CS; k++) {
+        float fk = mz[k] == -__int_as_float(0x7f800000) ? -1.0f : expf(mz[k] - M);
+
+        f[k] = fk;
+        if (fk >= 0.0f)
+            d += lz[k] * fk;
+    }
+    *den = d + expf(sink - M);
+}
+
+/*
+ * fd_kernel's global form after its tiles (every thread calls it): rank z's
+ * O (registers o), m and l (s_m, s_l) to a.part, then the arrival count at
+ * a.fdc[rg]; the CTA that arrives last (the others return) resets the
+ * counter for the next launch or graph replay and writes the HG heads'
+ * outputs: per head M, the ranks' factors and the denominator as the
+ * cluster form's merge computes them, then every head dimension as the
+ * ranks' O in rank order (fl_last_reduce's fences and L2 reads).
+ */
+template <int MT, int DW, int CS>
+static __device__ __forceinline__ void
+fd_merge_global(const struct fa_args &a, const float (&o)[MT][DW / 8][4], const float *s_m,
+                const float *s_l, float *s_f, float *s_den, const float *s_ucs,
+                const float *s_usn, int64_t rg, int z, int t, int h0)
+{
+    constexpr int HG = 16 * MT, Dh = 8 * DW, D4 = Dh / 4;
+    __shared__ int s_last;
+    float *ml = a.part + (int64_t)gridDim.x * HG * Dh;   /* (rank, head) -> (m, l) */
+
+    {
+        fd_put_o<MT, DW>(o, a.part + (rg * CS + z) * (int64_t)HG * Dh);
+        if (threadIdx.x < HG)   /* final since the last tile's barriers (or the init's) */
+            __stcg((float2 *)(ml + ((rg * CS + z) * HG + threadIdx.x) * 2),
+                   make_float2(s_m[threadIdx.x], s_l[threadIdx.x]));
+    }
+    __threadfence();   /* this thread's partials, before the count */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_last = atomicAdd(a.fdc + rg, 1u) == CS - 1;
+        if (s_last)
+            atomicExch(a.fdc + rg, 0u);   /* all CS arrived: ready for the next launch */
+        __threadfence();   /* the count, before the partials are read */
+    }
+    __syncthreads();
+    if (!s_last)
+        return;
+
+    /* per head: the cluster form's M, factors (-1: a rank without
+     * candidates) and denominator, in rank order */
+    if (threadIdx.x < HG) {
+        int hl = threadIdx.x, h = h0 + hl;
+        float mz[CS], lz[CS];
+
+#pragma unroll
+        for (int k = 0; k < CS; k++) {
+            float2 v = __ldcg((const float2 *)(ml + ((rg * CS + k) * HG + hl) * 2));
+
+            mz[k] = v.x;
+            lz[k] = v.y;
+        }
+        fd_factors<CS>(mz, lz, a.sink[h < a.H ? h : 0], s_f + hl * CS, s_den + hl);
+    }
+    __syncthreads();
+    /* FD_MI outputs a thread at a time, all their CS partials' loads in
+     * flight together (an L2 round trip per round, not per output) */
+    for (int i0 = threadIdx.x; i0 < HG * D4; i0 += FA_THREADS * FD_MI) {
+        float4 v[FD_MI][CS];
+
+#pragma unroll
+        for (int j = 0; j < FD_MI; j++) {
+            int i = min(i0 + j * FA_THREADS, HG * D4 - 1), hl = i / D4, d = (i % D4) * 4;
+
+#pragma unroll
+            for (int k = 0; k < CS; k++)
+                v[j][k] = __ldcg((const float4 *)(a.part + ((rg * CS + k) * HG + hl) *
+                                                               (int64_t)Dh + d));
+        }
+#pragma unroll
+        for (int j = 0; j < FD_MI; j++) {
+            int i = i0 + j * FA_THREADS, ic = min(i, HG * D4 - 1);
+            int hl = ic / D4, h = h0 + hl, d = (ic % D4) * 4;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            float den = s_den[hl];
+
+#pragma unroll
+            for (int k = 0; k < CS; k++) {
+                float f = s_f[hl * CS + k];
+
+                if (f >= 0.0f)
+                    fd_acc(acc, v[j][k], f);
+            }
+            if (h < a.H && i < HG * D4)
+                fd_emit(a, acc, den, t, h, d, s_ucs, s_usn);
+        }
+    }
+    /* the partials are dead: drop their L2 lines unwritten (discard), so
+     * they do not go out to DRAM while the next kernels stream their
+     * weights (8 MB a batch-16 call at 64 heads) */
+    __syncthreads();   /* every read of them done */
+    for (int i = threadIdx.x; i < CS * HG * Dh / 32; i += FA_THREADS)
+        asm volatile("discard.global.L2 [%0], 128;" ::"l"(a.part + (rg * CS * HG * Dh +
+                                                                   (int64_t)i * 32))
+                     : "memory");
+}
+
 /*
  * One cluster of CS CTAs per (row t, head group hg of HG = 16 MT heads);
  * CTA rank z of the cluster takes the row's tiles z, z + CS, z + 2 CS, ...
@@ -899,8 +1077,16 @@ fd_smem_bytes(int MT, int Dh, int CS)
  * reading the CS partials from the CTAs' shared memory in rank order.
  * No scratch, no second launch, no counters.  No CTA returns early: every
  * one must reach both cluster barriers.
+ *
+ * GL = 1, the global form (no cluster; for calls whose clusters would not
+ * all fit on the device at once, fd_launch): CTA blockIdx.x % CS takes rank
+ * z's tiles as above and writes its (O, m, l) to the call's scratch
+ * (a.part: every rank's O, then every rank's (m, l) per head); the CTA that
+ * arrives last at its (row, head group)'s counter (a.fdc) sets it back to
+ * zero and merges all CS partials, every head dimension, with the cluster
+ * form's expressions in rank order: the same bits, one wave instead of two.
  */
-template <int MT, int DW, int CS>
+template <int MT, int DW, int CS, int GL>
 static __global__ void __launch_bounds__(FA_THREADS, 1)
 fd_kernel(struct fa_args a)
 {
@@ -917,12 +1103,10 @@ fd_kernel(struct fa_args a)
     const float **s_ptr = (const float **)(pm + HG * FA_SP_LD);
     float *s_m = (float *)(s_ptr + FD_TPR * FA_NC), *s_l = s_m + HG, *s_al = s_l + HG;
     float *s_f = s_al + HG, *s_den = s_f + HG * CS;
-    cg::cluster_group cl = cg::this_cluster();
-    int z = (int)cl.block_rank();
+    int z = (int)(blockIdx.x % CS);   /* the cluster rank (1-D clusters of CS) */
     int64_t rg = blockIdx.x / CS;   /* (row, head group) */
     int hg = (int)(rg % a.n_hg), t = (int)(rg / a.n_hg);
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
-    int d0 = warp * DW, h0 = hg * HG;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h0 = hg * HG;
     struct fa_row r = fa_row_of(a, t);
     int n_tiles = (r.n_cand + FA_NC - 1) / FA_NC;
     int nj = n_tiles > z ? (n_tiles - z + CS - 1) / CS : 0;   /* <= FD_TPR (host) */
@@ -1004,43 +1188,29 @@ fd_kernel(struct fa_args a)
          * they are rewritten; kj is not rewritten before tile j + 2 */
     }
 
+    if constexpr (GL != 0) {
+        fd_merge_global<MT, DW, CS>(a, o, s_m, s_l, s_f, s_den, s_ucs, s_usn, rg, z, t, h0);
+        return;
+    }
+    cg::cluster_group cl = cg::this_cluster();
+
     /* the CTA's unnormalised O into the staging (its last reads were
      * before the last tile's barriers; no copy is pending) */
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            int hl = mt * 16 + g + 8 * hh;
-
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-                *(float2 *)(po + (size_t)hl * Dh + d0 + n * 8 + 2 * q4) =
-                    make_float2(o[mt][n][2 * hh], o[mt][n][2 * hh + 1]);
-        }
+    fd_put_o<MT, DW>(o, po);
     cl.sync();   /* every rank's O, m, l written */
 
     /* per head: M = max of the ranks' m, the ranks' factors exp(m - M) (-1:
      * a rank without candidates, skipped) and the denominator, in rank order */
     if (threadIdx.x < HG) {
         int hl = threadIdx.x, h = h0 + hl;
-        float mz[CS], lz[CS], M = -__int_as_float(0x7f800000), den = 0.0f;
+        float mz[CS], lz[CS];
 
 #pragma unroll
         for (int k = 0; k < CS; k++) {
             mz[k] = cl.map_shared_rank(s_m, k)[hl];
             lz[k] = cl.map_shared_rank(s_l, k)[hl];
-            M = fmaxf(M, mz[k]);
         }
-        M = M == -__int_as_float(0x7f800000) ? 0.0f : M;
-#pragma unroll
-        for (int k = 0; k < CS; k++) {
-            float f = mz[k] == -__int_as_float(0x7f800000) ? -1.0f : expf(mz[k] - M);
-
-            s_f[hl * CS + k] = f;
-            if (f >= 0.0f)
-                den += lz[k] * f;
-        }
-        s_den[hl] = den + expf(a.sink[h < a.H ? h : 0] - M);
+        fd_factors<CS>(mz, lz, a.sink[h < a.H ? h : 0], s_f + hl * CS, s_den + hl);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < HG * SL4; i += FA_THREADS) {
@@ -1052,23 +1222,12 @@ fd_kernel(struct fa_args a)
         for (int k = 0; k < CS; k++) {
             float f = s_f[hl * CS + k];
 
-            if (f >= 0.0f) {
-                float4 v = *(const float4 *)(cl.map_shared_rank(po, k) + (size_t)hl * Dh + d);
-
-                acc.x += v.x * f;
-                acc.y += v.y * f;
-                acc.z += v.z * f;
-                acc.w += v.w * f;
-            }
+            if (f >= 0.0f)
+                fd_acc(acc, *(const float4 *)(cl.map_shared_rank(po, k) + (size_t)hl * Dh + d),
+                       f);
         }
-        if (h < a.H) {
-            float4 v = make_float4(cu_bf16_round(acc.x / den), cu_bf16_round(acc.y / den),
-                                   cu_bf16_round(acc.z / den), cu_bf16_round(acc.w / den));
-
-            fa_unrope_cs(a, d, s_ucs, s_usn, v.x, v.y);
-            fa_unrope_cs(a, d + 2, s_ucs, s_usn, v.z, v.w);
-            *(float4 *)(a.out + ((int64_t)t * a.H + h) * Dh + d) = v;
-        }
+        if (h < a.H)
+            fd_emit(a, acc, den, t, h, d, s_ucs, s_usn);
     }
     cl.sync();   /* the other ranks have read this CTA's shared memory */
 }
@@ -1193,9 +1352,14 @@ fa_launch_dh(struct dsv4_backend *be, const struct fa_args &a)
 /*
  * The kernels DSV4_CUDA_ATTN asks for: 1 ("v1": fa_kernel split into
  * FA_CHUNK chunks + fa_combine_kernel, the first version), 16 or 32 ("v2-16",
- * "v2-32": fd_kernel with that many heads per CTA), 0 (unset or anything
- * else: fd_kernel, heads per CTA by the call's size).
+ * "v2-32": fd_kernel with that many heads per CTA), FA_V2C ("v2c":
+ * fd_kernel's cluster form only), FA_V2G ("v2g": its global form always),
+ * 0 (unset or anything else: fd_kernel, heads per CTA by the call's size,
+ * the form by fd_global_on).
  */
+#define FA_V2C 2
+#define FA_V2G 3
+
 static int
 fa_variant(void)
 {
@@ -1209,28 +1373,90 @@ fa_variant(void)
         return 16;
     if (strcmp(v, "v2-32") == 0)
         return 32;
+    if (strcmp(v, "v2c") == 0)
+        return FA_V2C;
+    if (strcmp(v, "v2g") == 0)
+        return FA_V2G;
     return 0;
+}
+
+/* DSV4_CUDA_FD_GLOBAL=0: fd_kernel always as clusters (the global form
+ * only where DSV4_CUDA_ATTN=v2g asks for it). */
+static struct cuda_switch fd_global_sw = CUDA_SWITCH("DSV4_CUDA_FD_GLOBAL", 1);
+
+/*
+ * Clusters of fd_kernel<MT, DW, CS> (smem bytes of dynamic shared memory
+ * each CTA) the device holds at once (cudaOccupancyMaxActiveClusters; 0
+ * when it cannot say), asked once per device.  H200, 180 KB CTAs: 30 of 4.
+ */
+template <int MT, int DW, int CS>
+static int
+fd_clusters_at_once(int dev, size_t smem)
+{
+    static int n_at[FD_MAX_DEV];   /* 0 unknown, else n + 1 */
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute at[1];
+    int n = 0;
+
+    if (dev >= 0 && dev < FD_MAX_DEV && n_at[dev] > 0)
+        return n_at[dev] - 1;
+    cu_cluster_cfg(cfg, at, dim3(CS), dim3(FA_THREADS), smem, 0, CS);
+    if (cudaOccupancyMaxActiveClusters(&n, fd_kernel<MT, DW, CS, 0>, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+    }
+    if (dev >= 0 && dev < FD_MAX_DEV)
+        n_at[dev] = n + 1;
+    return n;
 }
 
 /*
  * Launch fd_kernel<MT, DW> for a (a.n_hg head groups of 16 MT heads);
  * *launched = 0 (and DSV4_OK) when the device cannot hold one cluster of
  * CS such CTAs (checked once per device), so the caller falls back.
+ * The form (fd_kernel): global where variant asks for it (FA_V2G), or
+ * where the switch is on, variant is not FA_V2C and the call's clusters
+ * would not all fit at once (a batch of 16 rows at 64 heads: 32 clusters
+ * of 4, 30 at once on the H200: two waves); else clusters.  The global form
+ * needs the backend's counters (st->lin_ctr, shared with the decode
+ * linear's one- and two-launch forms: each kernel leaves them zero) and
+ * scratch for the partials, else it is not taken.  Both forms give the
+ * same bits.
  */
 template <int MT, int DW, int CS>
 static enum dsv4_err
-fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
+fd_launch(struct dsv4_backend *be, const struct fa_args &a, int variant, int *launched)
 {
     static signed char fits[FD_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
-    int dev = cuda_st(be)->device;
+    struct cuda_state *st = cuda_st(be);
+    int dev = st->device;
     size_t smem = fd_smem_bytes(MT, 8 * DW, CS);
     signed char once = 0;   /* a device past FD_MAX_DEV: asked at every launch */
+    int64_t clusters = (int64_t)a.T * a.n_hg;
+    unsigned grid = (unsigned)(clusters * CS);
 
     *launched = 0;
-    CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW, CS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
-    CUDA_TRY(cu_launch_cluster(fd_kernel<MT, DW, CS>, dim3((unsigned)((int64_t)a.T * a.n_hg * CS)),
-                               dim3(FA_THREADS), smem, cuda_stream(be), CS,
+    CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW, CS, 0>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (st->lin_ctr != NULL && clusters <= FA_SPLIT_ROWS &&
+        (variant == FA_V2G ||
+         (variant != FA_V2C && cuda_switch_on(&fd_global_sw) &&
+          clusters > fd_clusters_at_once<MT, DW, CS>(dev, smem)))) {
+        struct fa_args g = a;
+
+        g.part = (float *)cuda_scratch(be, (size_t)grid * 16 * MT * (8 * DW + 2) * sizeof(float));
+        if (g.part == NULL)
+            return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention: no scratch");
+        g.fdc = st->lin_ctr;
+        CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW, CS, 1>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        cu_launch(fd_kernel<MT, DW, CS, 1>, grid, FA_THREADS, smem, cuda_stream(be), g);
+        CUDA_LAUNCHED("fast attention v2 (global)");
+        *launched = 1;
+        return DSV4_OK;
+    }
+    CUDA_TRY(cu_launch_cluster(fd_kernel<MT, DW, CS, 0>, dim3(grid), dim3(FA_THREADS), smem,
+                               cuda_stream(be), CS,
                                dev >= 0 && dev < FD_MAX_DEV ? &fits[dev] : &once, launched, a));
     if (*launched)
         CUDA_LAUNCHED("fast attention v2");
@@ -1239,15 +1465,15 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int *launched)
 
 template <int MT, int CS>
 static enum dsv4_err
-fd_launch_dh(struct dsv4_backend *be, const struct fa_args &a, int *launched)
+fd_launch_dh(struct dsv4_backend *be, const struct fa_args &a, int variant, int *launched)
 {
     switch (a.Dh) {
     case 128:
-        return fd_launch<MT, 16, CS>(be, a, launched);
+        return fd_launch<MT, 16, CS>(be, a, variant, launched);
     case 256:
-        return fd_launch<MT, 32, CS>(be, a, launched);
+        return fd_launch<MT, 32, CS>(be, a, variant, launched);
     default:
-        return fd_launch<MT, 64, CS>(be, a, launched);
+        return fd_launch<MT, 64, CS>(be, a, variant, launched);
     }
 }
 
@@ -1431,16 +1657,18 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
          * same either way */
         struct fa_args a2 = a;
         int mt2 = H > 16 && (variant == 32 ||
-                             (variant == 0 &&
+                             (variant != 16 &&
                               (int64_t)T * ((H + 31) / 32) * cs >= FD_MIN_CTAS));
         int launched = 0;
         enum dsv4_err e;
 
         a2.n_hg = (H + (mt2 ? 32 : 16) - 1) / (mt2 ? 32 : 16);
         if (cs == 4)
-            e = mt2 ? fd_launch_dh<2, 4>(be, a2, &launched) : fd_launch_dh<1, 4>(be, a2, &launched);
+            e = mt2 ? fd_launch_dh<2, 4>(be, a2, variant, &launched)
+                    : fd_launch_dh<1, 4>(be, a2, variant, &launched);
         else
-            e = mt2 ? fd_launch_dh<2, 8>(be, a2, &launched) : fd_launch_dh<1, 8>(be, a2, &launched);
+            e = mt2 ? fd_launch_dh<2, 8>(be, a2, variant, &launched)
+                    : fd_launch_dh<1, 8>(be, a2, variant, &launched);
         if (e != DSV4_OK)
             return e;
         if (launched)

@@ -30,9 +30,10 @@
  *   equal the exact ones: the same set in the same order on every row.
  * Split kernels side by side (decode rows; H 64 and 32; window, CSA, HCA;
  *   contexts 256, 1024, 8192; T 1, 4, 16; DSV4_CUDA_ATTN = v1, v2, v2-16,
- *   v2-32, fast_attention.cu): each within the attention bounds, rows
- *   bit-identical at T = 1, 4 and 16 (T-independence), v2-16 and v2-32
- *   bit-identical; µs per call inside a CUDA graph of 20 calls (5 replays)
+ *   v2-32, v2c, v2g, fast_attention.cu): each within the attention bounds,
+ *   rows bit-identical at T = 1, 4 and 16 (T-independence), v2-16 and v2-32
+ *   bit-identical, v2c and v2g bit-identical to v2; µs per call inside a
+ *   CUDA graph of 20 calls (5 replays)
  *   for each variant and the v1 / v2 ratio, printed, not checked.
  * Each case also checks: the fast op gives the same bits twice, and a CUDA
  * graph of it replays to the same bits.  The prefills from position 0 run
@@ -655,11 +656,11 @@ att_run(const struct att_case *k)
 
 /* --- attention: the split kernels side by side, inside a CUDA graph ------------------- */
 
-#define N_VAR 4          /* DSV4_CUDA_ATTN values compared */
+#define N_VAR 6          /* DSV4_CUDA_ATTN values compared */
 #define N_GCALLS 20      /* op calls per recorded graph */
 #define N_GREPS 5        /* timed replays */
 
-static const char *const var_env[N_VAR] = { "v1", "v2", "v2-16", "v2-32" };
+static const char *const var_env[N_VAR] = { "v1", "v2", "v2-16", "v2-32", "v2c", "v2g" };
 
 /* µs per call of the fast op (as DSV4_CUDA_ATTN is now) over N_GREPS replays
  * of a graph of N_GCALLS calls, after one untimed replay. */
@@ -692,8 +693,10 @@ graph_us(op_fn op, void *c)
  * 0 .. T-1).  Checks per variant and T: the attention bounds against the
  * exact rows; rows 0 .. T-1 bit-identical to the same variant's T = 16 rows
  * (T-independence); "v2-16" and "v2-32" bit-identical to each other (a
- * head's arithmetic does not depend on the heads per CTA).  Prints µs per
- * call in a graph for every variant and the v1 / v2 ratio.
+ * head's arithmetic does not depend on the heads per CTA); "v2c" (clusters
+ * only) and "v2g" (the global form always) bit-identical to "v2" (the form
+ * chosen by the call's size).  Prints µs per call in a graph for every
+ * variant and the v1 / v2 ratio.
  */
 
 static int
@@ -754,10 +757,23 @@ att_versions(int H, int ratio, int ctx)
             ok = 0;
         }
     }
+    for (int v = 4; v < N_VAR; v++)
+        for (int i = 0; i < 3; i++) {
+            long d = first_diff(out[1][i], out[v][i], (size_t)Ts[i] * H * DH);
+
+            if (d >= 0) {
+                printf("   H=%d %s ctx %d T=%d: v2 and %s differ (the form changes the "
+                       "bits): first index %ld (row %ld head %ld dim %ld) %.9g vs %.9g\n", H,
+                       type, ctx, Ts[i], var_env[v], d, d / (H * DH), d / DH % H, d % DH,
+                       out[1][i][d], out[v][i][d]);
+                ok = 0;
+            }
+        }
     for (int i = 0; i < 3; i++)
         printf("%s graph H=%-2d %-6s ctx %5d T=%-2d  us/call: v1 %7.2f  v2 %7.2f  "
-               "(v1/v2 x%.2f)  v2-16 %7.2f  v2-32 %7.2f\n", ok ? "ok  " : "FAIL", H, type,
-               ctx, Ts[i], us[0][i], us[1][i], us[0][i] / us[1][i], us[2][i], us[3][i]);
+               "(v1/v2 x%.2f)  v2-16 %7.2f  v2-32 %7.2f  v2c %7.2f  v2g %7.2f\n",
+               ok ? "ok  " : "FAIL", H, type, ctx, Ts[i], us[0][i], us[1][i],
+               us[0][i] / us[1][i], us[2][i], us[3][i], us[4][i], us[5][i]);
     fflush(stdout);
     for (int v = 0; v < N_VAR; v++)
         for (int i = 0; i < 3; i++)
