@@ -29,6 +29,7 @@ Exit status 0 on success, 1 on failure, 77 when pyzmq/msgpack are missing.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,8 @@ def f(psum, seed, k):
     return t
 
 
+FAKE_GPU = "GPU-0123abcd-4567-89ef-0123-456789abcdef"   # a decode rank's READY device
+
 ALL_RANKS = []
 ALL_SCHEDS = []
 
@@ -62,8 +65,9 @@ class FakeRank(threading.Thread):
     """One fake rank (prefill or decode) on a DEALER socket."""
 
     def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004, group=None,
-                 group_rank=0, group_size=1):
+                 group_rank=0, group_size=1, device=None):
         super().__init__(daemon=True)
+        self.device = device            # READY's GPU UUID (None: not sent, as a CPU rank)
         self.ctx, self.endpoint, self.role, self.index = ctx, endpoint, role, index
         self.capacity, self.tick = capacity, tick
         self.group = index if group is None else group
@@ -125,10 +129,13 @@ class FakeRank(threading.Thread):
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(self.endpoint)
-        self.send(s, 1, {"role": self.role, "index": self.index, "group": self.group,
-                         "group_rank": self.group_rank, "group_size": self.group_size,
-                         "capacity": self.capacity, "max_ctx": 4096, "host": "test",
-                         "pid": os.getpid(), "transports": ["shm"]})
+        ready = {"role": self.role, "index": self.index, "group": self.group,
+                 "group_rank": self.group_rank, "group_size": self.group_size,
+                 "capacity": self.capacity, "max_ctx": 4096, "host": "test",
+                 "pid": os.getpid(), "transports": ["shm"]}
+        if self.device is not None:
+            ready["device"] = self.device
+        self.send(s, 1, ready)
         while not self.stop:
             if self.dead:
                 break
@@ -260,6 +267,13 @@ class Sched:
                            capture_output=True, text=True, timeout=60)
         return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None)
 
+    def ctl_text(self, *args):
+        """dsv4ctl's table output: (exit status, text)."""
+        r = subprocess.run([os.path.join(self.build, "tools/dsv4ctl/dsv4ctl"),
+                            "--admin", self.ep["ctl"]] + list(args),
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stdout
+
     def stop(self):
         self.p.terminate()
         rc = self.p.wait(timeout=30)
@@ -355,7 +369,7 @@ def setup(ctx, build, tmp, extra=(), max_batch=16):
     sc = Sched(build, tmp, ["-o", "max_batch=%d" % max_batch] + list(extra))
     time.sleep(0.2)
     pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2)
-    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0, capacity=16)
+    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0, capacity=16, device=FAKE_GPU)
     pre.start()
     dec.start()
     wait_ranks(sc, 2)
@@ -385,6 +399,16 @@ def t_basic(ctx, build, tmp):
     wait_idle(sc)
     rc, st = sc.ctl("status")
     check(st["n_done"] == 4 and st["handoffs"] == 4 and st["tokens_out"] == 48, st)
+    # the ranks' GPUs: whole in --json, cut to "GPU-" + 8 digits in the table,
+    # "-" for a rank that sent none
+    check(rank_row(sc, "decode@0").get("device") == FAKE_GPU and
+          "device" not in rank_row(sc, "prefill@0"), "dsv4ctl --json ranks: device")
+    rc, text = sc.ctl_text("ranks")
+    rows = {ln.split()[0]: ln for ln in text.splitlines()[1:] if ln.strip()}
+    check(rc == 0 and "DEVICE" in text.splitlines()[0] and
+          re.search(r" %s +-$" % FAKE_GPU[:12], rows.get("decode@0", "")) is not None and
+          re.search(r"s +- +-$", rows.get("prefill@0", "")) is not None,
+          "dsv4ctl ranks: the DEVICE column:\n" + text)
     return sc, [pre, dec]
 
 

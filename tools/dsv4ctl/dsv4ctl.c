@@ -231,12 +231,16 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
                 k->mtp_drafts, mtp_rate(k->mtp_drafts, k->mtp_accepted));
         else
             snprintf(mtp, sizeof(mtp), "-");
+        /* DEVICE: the GPU's UUID cut to "GPU-" and its first 8 digits
+         * (nvidia-smi -L shows the whole; --json gives it whole), "-" for
+         * a rank that did not say (CPU backend) */
         if (c->n_items == 0)
-            printf("%-12s %-7s %-16s %-9s %7s %9s %9s %10s  %s\n", "RANK", "GROUP", "HOST",
-                "STATE", "ACTIVE", "CAPACITY", "PLACED", "LAST_SEEN", "MTP");
-        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %s%s\n", name,
-            k->group, k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active,
-            k->capacity, k->placed, (double)k->last_seen_ms / 1000.0, mtp,
+            printf("%-12s %-7s %-16s %-9s %7s %9s %9s %10s  %-12s  %s\n", "RANK", "GROUP",
+                "HOST", "STATE", "ACTIVE", "CAPACITY", "PLACED", "LAST_SEEN", "DEVICE", "MTP");
+        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %-12.12s  %s%s\n",
+            name, k->group, k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active,
+            k->capacity, k->placed, (double)k->last_seen_ms / 1000.0,
+            k->device != NULL && k->device[0] != '\0' ? k->device : "-", mtp,
             k->burst ? "  burst prefill" : "");
     }
     c->n_items++;
