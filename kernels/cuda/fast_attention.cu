@@ -147,6 +147,9 @@ struct fa_args {
     /* fd_kernel's global form: the arrival counters of its (row, head
      * group)s, zero between launches (the backend's st->lin_ctr) */
     unsigned *fdc;
+    /* fd_kernel looks its candidate rows up before its PDL wait (no sel;
+     * DSV4_CUDA_FD_EARLY) */
+    int early;
     /* attention_out: fa_kernel's output as bf16 here (T, H, Dh) instead of
      * out (cuda_fast_attention_out), else NULL */
     uint16_t *outb;
@@ -899,6 +902,25 @@ fd_smem_bytes(int MT, int Dh, int CS)
            + (size_t)HG * (CS + 1) * 4;             /* combine factors, denominators */
 }
 
+/* fd_kernel's row facts of row t (*r) and its rank z's candidate rows into
+ * s_ptr (tiles z, z + CS, ...; NULL: masked or past the row); returns the
+ * rank's tile count (<= FD_TPR: the host's rule).  Every thread calls it. */
+template <int CS>
+static __device__ __forceinline__ int
+fd_lookup(const struct fa_args &a, const float **s_ptr, struct fa_row *r, int t, int z)
+{
+    *r = fa_row_of(a, t);
+    int n_tiles = (r->n_cand + FA_NC - 1) / FA_NC;
+    int nj = n_tiles > z ? (n_tiles - z + CS - 1) / CS : 0;
+
+    for (int i = threadIdx.x; i < nj * FA_NC; i += FA_THREADS) {
+        int c = (z + CS * (i / FA_NC)) * FA_NC + i % FA_NC;
+
+        s_ptr[i] = c < r->n_cand ? fa_cand(a, *r, t, c) : NULL;
+    }
+    return nj;
+}
+
 /* A CTA's unnormalised O (fd_kernel's registers o) to dst, (HG, Dh) fp32:
  * shared memory (the cluster form) or the call's scratch (the global form). */
 template <int MT, int DW>
@@ -1090,8 +1112,6 @@ template <int MT, int DW, int CS, int GL>
 static __global__ void __launch_bounds__(FA_THREADS, 1)
 fd_kernel(struct fa_args a)
 {
-    cu_pdl_wait();   /* PDL: before any global access */
-    cu_pdl_trigger();
     constexpr int HG = 16 * MT, Dh = 8 * DW, KS = DW / 16, NT = DW / 8;
     constexpr int SL4 = Dh / CS / 4;   /* float4s of a rank's output slice, per head */
     extern __shared__ __align__(16) unsigned char fa_sm[];
@@ -1107,21 +1127,28 @@ fd_kernel(struct fa_args a)
     int64_t rg = blockIdx.x / CS;   /* (row, head group) */
     int hg = (int)(rg % a.n_hg), t = (int)(rg / a.n_hg);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h0 = hg * HG;
-    struct fa_row r = fa_row_of(a, t);
-    int n_tiles = (r.n_cand + FA_NC - 1) / FA_NC;
-    int nj = n_tiles > z ? (n_tiles - z + CS - 1) / CS : 0;   /* <= FD_TPR (host) */
+    struct fa_row r;
+    int nj = 0;
     uint32_t qa[MT][KS][4];
     float o[MT][NT][4];
     __shared__ float s_ucs[CUDA_FA_UR_MAX], s_usn[CUDA_FA_UR_MAX];   /* fa_unrope_table */
 
+    /* a.early (no sel): the candidate rows looked up before the PDL wait,
+     * while the kernel before still runs.  They come from pos, slot, row0,
+     * pos0 and the page table alone: the step's inputs, never written by
+     * the kernel just before this one, and every kernel before that one is
+     * complete once this grid runs (each kernel waits before it triggers
+     * its dependents; fast_hc.cu's v3 finish relies on the same).  A CSA
+     * row's sel may be the kernel just before's output: after the wait. */
+    if (a.early)
+        nj = fd_lookup<CS>(a, s_ptr, &r, t, z);
+    cu_pdl_wait();   /* PDL: before any other global access */
+    cu_pdl_trigger();
     /* all loads of the prologue in flight together: q, then the candidate
      * rows (window rows, or page table and sel for the compressed ones) */
     fa_load_q<MT, DW>(qa, a, t, h0, warp, lane);
-    for (int i = threadIdx.x; i < nj * FA_NC; i += FA_THREADS) {
-        int c = (z + CS * (i / FA_NC)) * FA_NC + i % FA_NC;
-
-        s_ptr[i] = c < r.n_cand ? fa_cand(a, r, t, c) : NULL;
-    }
+    if (!a.early)
+        nj = fd_lookup<CS>(a, s_ptr, &r, t, z);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1379,6 +1406,10 @@ fa_variant(void)
         return FA_V2G;
     return 0;
 }
+
+/* DSV4_CUDA_FD_EARLY=0: fd_kernel looks its candidate rows up after its
+ * PDL wait in every call (A/B runs; the same bits). */
+static struct cuda_switch fd_early_sw = CUDA_SWITCH("DSV4_CUDA_FD_EARLY", 1);
 
 /* DSV4_CUDA_FD_GLOBAL=0: fd_kernel always as clusters (the global form
  * only where DSV4_CUDA_ATTN=v2g asks for it). */
@@ -1663,6 +1694,7 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
         enum dsv4_err e;
 
         a2.n_hg = (H + (mt2 ? 32 : 16) - 1) / (mt2 ? 32 : 16);
+        a2.early = a2.sel == NULL && cuda_switch_on(&fd_early_sw);
         if (cs == 4)
             e = mt2 ? fd_launch_dh<2, 4>(be, a2, variant, &launched)
                     : fd_launch_dh<1, 4>(be, a2, variant, &launched);
