@@ -49,10 +49,12 @@
  *      to HF_CW + 4 floats: 16-byte aligned, no bank conflicts for the
  *      float4 reads of the dot products); the partials go to
  *      part (T, M+1, S) (contiguous in s for the finish's gather); in
- *      calls of at least HF2_BLOCKED_T tokens each thread runs two (token,
+ *      calls of at least HF2_PAIR_T tokens (16 since run 63, 64 before)
+ *      each whole block of HF_TG tokens has each thread run two (token,
  *      row) chains of one token side by side (the same chains, so the same
- *      bits; the token's X words read once for both); since run 49 such
- *      calls take hf2_mixb_kernel instead (blocks of 64 tokens, 4-token x
+ *      bits; the token's X words read once for both); since run 49 calls
+ *      of at least HF2_BLOCKED_T (64) tokens take hf2_mixb_kernel instead
+ *      (blocks of 64 tokens, 4-token x
  *      2-row register tiles: the same chains; DSV4_CUDA_HC_MIXB=0 keeps
  *      the blocked form);
  *   hf2_finish: with the norm, 512 collapse threads + one warp per token
@@ -101,7 +103,10 @@
 #define HF_MAX_M1 32         /* mix values per token (M + 1) */
 #define HF_SLAB 1024         /* tokens per launch pair (bounds the scratch) */
 #define HF2_MT 256           /* v2 mix block (8 warps: hf2_mix_kernel's blocked form needs them) */
-#define HF2_BLOCKED_T 64     /* v2 mix: calls of at least this many tokens take the blocked form */
+#define HF2_BLOCKED_T 64     /* v2 mix: calls of at least this many tokens take hf2_mixb_kernel */
+#define HF2_PAIR_T 16        /* v2 mix: whole blocks of HF_TG tokens of calls of at least this
+                                many tokens take the blocked form (two chains a thread;
+                                DSV4_CUDA_HC_PAIR=0: HF2_BLOCKED_T, as before run 63) */
 #define HF2_CWP (HF_CW + 4)  /* v2 mix: shared row stride (16-byte rows, no conflicts) */
 #define HF2_N 4              /* v2: streams n at most */
 #define HF2_NT 512           /* v2 finish with the norm: collapse threads (+ one warp) */
@@ -427,7 +432,7 @@ hf2_post_value(const float4 (&xv)[HF2_N], const float (&cc)[HF2_N], float4 f4, f
 template <int POST>
 static __global__ void __launch_bounds__(HF2_MT)
 hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
-               struct hf_post p)
+               struct hf_post p, int pair_t)
 {
     enum {
         FQ = ((HF_MAX_M1 - 1) * (HF_CW / 4) + HF2_MT - 1) / HF2_MT,   /* fn float4 per thread */
@@ -497,7 +502,7 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
         *(float4 *)&xs[tt][c] = v;
     }
     __syncthreads();
-    if (T >= HF2_BLOCKED_T && tg == HF_TG) {
+    if (T >= pair_t && tg == HF_TG) {
         /* whole blocks of a long call: lane l of warp w takes token l % 16
          * and mix rows g, g + 16 (g = 2w + l / 16; row M is the sum of
          * squares), both chains in one loop: a token's X words are read
@@ -1029,6 +1034,10 @@ hf2_finish_launch(struct dsv4_backend *be, const struct hf_fin *a, dim3 grid, un
 /* DSV4_CUDA_HC_MIXB=0: long calls' mix on hf2_mix_kernel's blocked form
  * instead of hf2_mixb_kernel (the same bits). */
 static struct cuda_switch hf2b_switch = CUDA_SWITCH("DSV4_CUDA_HC_MIXB", 1);
+/* DSV4_CUDA_HC_PAIR=0: hf2_mix_kernel's blocked form (two chains a thread)
+ * only from HF2_BLOCKED_T tokens, as before run 63, instead of from
+ * HF2_PAIR_T (a decode batch of 16; the same bits). */
+static struct cuda_switch hf2pair_switch = CUDA_SWITCH("DSV4_CUDA_HC_PAIR", 1);
 /* DSV4_CUDA_HC_FINSH=0: long calls' finish with the norm holds X and the
  * partials in registers (one block an SM) instead of staging them in
  * shared memory (two blocks an SM; the same bits). */
@@ -1061,12 +1070,14 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
                       a->D, *p);
         CUDA_LAUNCHED("fast hc mix v2 (blocks of 64 tokens)");
     } else if (v2) {
+        int pair_t = cuda_switch_on(&hf2pair_switch) ? HF2_PAIR_T : HF2_BLOCKED_T;
+
         if (p->X_out != NULL)
             cu_launch(hf2_mix_kernel<1>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part,
-                      (const float *)NULL, fn, T, M, a->n, a->D, *p);
+                      (const float *)NULL, fn, T, M, a->n, a->D, *p, pair_t);
         else
             cu_launch(hf2_mix_kernel<0>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part, a->X,
-                      fn, T, M, a->n, a->D, *p);
+                      fn, T, M, a->n, a->D, *p, pair_t);
         CUDA_LAUNCHED("fast hc mix v2");
     }
     if (v2) {
