@@ -943,14 +943,30 @@ fd_put_o(const float (&o)[MT][DW / 8][4], float *dst)
         }
 }
 
-/* acc += v f, a rank's share of four merged sums (both forms' expression). */
-static __device__ __forceinline__ void
-fd_acc(float4 &acc, float4 v, float f)
+/* Four merged sums of a head: the ranks' partials v(k) times their factors
+ * f[k] (fd_factors), added in rank order, ranks with f[k] < 0 (no
+ * candidates) skipped and their partials not read (both forms' expression;
+ * v: the form's read of rank k's four floats). */
+template <int CS, class V>
+static __device__ __forceinline__ float4
+fd_sum(const float *f, V v)
 {
-    acc.x += v.x * f;
-    acc.y += v.y * f;
-    acc.z += v.z * f;
-    acc.w += v.w * f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+
+#pragma unroll
+    for (int k = 0; k < CS; k++) {
+        float fk = f[k];
+
+        if (fk >= 0.0f) {
+            float4 x = v(k);
+
+            acc.x += x.x * fk;
+            acc.y += x.y * fk;
+            acc.z += x.z * fk;
+            acc.w += x.w * fk;
+        }
+    }
+    return acc;
 }
 
 /* Output dimensions d .. d + 3 of head h of row t from the merged sums acc
@@ -1066,18 +1082,10 @@ fd_merge_global(const struct fa_args &a, const float (&o)[MT][DW / 8][4], const 
         for (int j = 0; j < FD_MI; j++) {
             int i = i0 + j * FA_THREADS, ic = min(i, HG * D4 - 1);
             int hl = ic / D4, h = h0 + hl, d = (ic % D4) * 4;
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            float den = s_den[hl];
+            float4 acc = fd_sum<CS>(s_f + hl * CS, [&](int k) { return v[j][k]; });
 
-#pragma unroll
-            for (int k = 0; k < CS; k++) {
-                float f = s_f[hl * CS + k];
-
-                if (f >= 0.0f)
-                    fd_acc(acc, v[j][k], f);
-            }
             if (h < a.H && i < HG * D4)
-                fd_emit(a, acc, den, t, h, d, s_ucs, s_usn);
+                fd_emit(a, acc, s_den[hl], t, h, d, s_ucs, s_usn);
         }
     }
     /* the partials are dead: drop their L2 lines unwritten (discard), so
@@ -1242,19 +1250,12 @@ fd_kernel(struct fa_args a)
     __syncthreads();
     for (int i = threadIdx.x; i < HG * SL4; i += FA_THREADS) {
         int hl = i / SL4, h = h0 + hl, d = z * (Dh / CS) + (i % SL4) * 4;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float den = s_den[hl];
+        float4 acc = fd_sum<CS>(s_f + hl * CS, [&](int k) {
+            return *(const float4 *)(cl.map_shared_rank(po, k) + (size_t)hl * Dh + d);
+        });
 
-#pragma unroll
-        for (int k = 0; k < CS; k++) {
-            float f = s_f[hl * CS + k];
-
-            if (f >= 0.0f)
-                fd_acc(acc, *(const float4 *)(cl.map_shared_rank(po, k) + (size_t)hl * Dh + d),
-                       f);
-        }
         if (h < a.H)
-            fd_emit(a, acc, den, t, h, d, s_ucs, s_usn);
+            fd_emit(a, acc, s_den[hl], t, h, d, s_ucs, s_usn);
     }
     cl.sync();   /* the other ranks have read this CTA's shared memory */
 }
@@ -1459,6 +1460,7 @@ static enum dsv4_err
 fd_launch(struct dsv4_backend *be, const struct fa_args &a, int variant, int *launched)
 {
     static signed char fits[FD_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
+    static size_t smem_c[CUDA_MAX_DEV], smem_g[CUDA_MAX_DEV];   /* cuda_smem_allow's */
     struct cuda_state *st = cuda_st(be);
     int dev = st->device;
     size_t smem = fd_smem_bytes(MT, 8 * DW, CS);
@@ -1466,9 +1468,12 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int variant, int *la
     int64_t clusters = (int64_t)a.T * a.n_hg;
     unsigned grid = (unsigned)(clusters * CS);
 
+    enum dsv4_err e;
+
     *launched = 0;
-    CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW, CS, 0>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    e = cuda_smem_allow(be, (const void *)fd_kernel<MT, DW, CS, 0>, smem, smem_c);
+    if (e != DSV4_OK)
+        return e;
     if (st->lin_ctr != NULL && clusters <= FA_SPLIT_ROWS &&
         (variant == FA_V2G ||
          (variant != FA_V2C && cuda_switch_on(&fd_global_sw) &&
@@ -1479,8 +1484,9 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int variant, int *la
         if (g.part == NULL)
             return dsv4_err_set(DSV4_ERR_NOMEM, "fast attention: no scratch");
         g.fdc = st->lin_ctr;
-        CUDA_TRY(cudaFuncSetAttribute(fd_kernel<MT, DW, CS, 1>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        e = cuda_smem_allow(be, (const void *)fd_kernel<MT, DW, CS, 1>, smem, smem_g);
+        if (e != DSV4_OK)
+            return e;
         cu_launch(fd_kernel<MT, DW, CS, 1>, grid, FA_THREADS, smem, cuda_stream(be), g);
         CUDA_LAUNCHED("fast attention v2 (global)");
         *launched = 1;
