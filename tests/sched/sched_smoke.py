@@ -262,10 +262,9 @@ class Sched:
         ALL_SCHEDS.append(self)
 
     def ctl(self, *args):
-        r = subprocess.run([os.path.join(self.build, "tools/dsv4ctl/dsv4ctl"),
-                            "--admin", self.ep["ctl"], "--json"] + list(args),
-                           capture_output=True, text=True, timeout=60)
-        return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None)
+        """dsv4ctl --json: (exit status, the parsed output or None)."""
+        rc, out = self.ctl_text("--json", *args)
+        return rc, (json.loads(out) if out.strip() else None)
 
     def ctl_text(self, *args):
         """dsv4ctl's table output: (exit status, text)."""
