@@ -57,7 +57,8 @@ struct dsv4_cuda_arena {
  */
 int dsv4_cuda_share_supported(struct dsv4_backend *be);
 
-/* The UUID of the backend's device (cudaDeviceProp.uuid). */
+/* The UUID of the backend's device (cudaDeviceProp.uuid), asked of the runtime
+ * at the first call and kept by the backend for later ones. */
 enum dsv4_err dsv4_cuda_device_uuid(struct dsv4_backend *be, uint8_t uuid[16]);
 
 /*

@@ -60,6 +60,9 @@ struct cuda_state {
     int sms;                            /* the device's SM count (cuda_sms) */
     int mps;                            /* 1: the context is an MPS client (cuda_mps) */
     int cc_major;                       /* compute capability major (cuda_sm90) */
+    int uuid_known;                     /* 1: uuid holds the device's UUID */
+    uint8_t uuid[16];                   /* dsv4_cuda_device_uuid's answer, asked
+                                           of the runtime once per backend */
     cudaStream_t stream;
     void *scratch;                      /* device scratch, grown on demand */
     size_t scratch_bytes;

@@ -362,10 +362,16 @@ dsv4_cuda_share_supported(struct dsv4_backend *be)
 extern "C" enum dsv4_err
 dsv4_cuda_device_uuid(struct dsv4_backend *be, uint8_t uuid[16])
 {
-    cudaDeviceProp prop;
+    struct cuda_state *st = cuda_st(be);
 
-    CUDA_TRY(cudaGetDeviceProperties(&prop, cuda_st(be)->device));
-    memcpy(uuid, prop.uuid.bytes, 16);
+    if (!st->uuid_known) {   /* a rank asks for the weight share and for every READY */
+        cudaDeviceProp prop;
+
+        CUDA_TRY(cudaGetDeviceProperties(&prop, st->device));
+        memcpy(st->uuid, prop.uuid.bytes, 16);
+        st->uuid_known = 1;
+    }
+    memcpy(uuid, st->uuid, 16);
     return DSV4_OK;
 }
 
