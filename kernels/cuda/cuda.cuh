@@ -389,6 +389,32 @@ cu_pdl_trigger(void)
 }
 
 /*
+ * Count the calling block in at *ctr, where n blocks of the grid arrive
+ * (split-K or split-candidate partials): every thread's global writes are
+ * made visible before the count; returns 1 in every thread of the block
+ * that arrives last, which has set *ctr back to 0 for the next launch or
+ * graph replay (the next kernel on the stream waits for this grid to
+ * complete) and may then read the other blocks' writes at L2 (__ldcg).
+ * Every thread of the block calls it.
+ */
+static __device__ __forceinline__ int
+cu_block_arrives_last(unsigned *ctr, unsigned n)
+{
+    __shared__ int last;
+
+    __threadfence();   /* this thread's partials, before the count */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ctr, 1u) == n - 1;
+        if (last)
+            atomicExch(ctr, 0u);   /* all n arrived: ready for the next launch */
+        __threadfence();   /* the count, before the partials are read */
+    }
+    __syncthreads();
+    return last;
+}
+
+/*
  * The hc Sinkhorn beside the main stream (fast_hc.cu).  cuda_hc_defer_on:
  * whether an hc op being queued now may leave its Sinkhorn to such a
  * stream (the finish kernels then write its input).  cuda_hc_fork:

@@ -1018,7 +1018,7 @@ fd_factors(const float (&mz)[CS], const float (&lz)[CS], float sink, float *f, f
  * counter for the next launch or graph replay and writes the HG heads'
  * outputs: per head M, the ranks' factors and the denominator as the
  * cluster form's merge computes them, then every head dimension as the
- * ranks' O in rank order (fl_last_reduce's fences and L2 reads).
+ * ranks' O in rank order (cu_block_arrives_last, then L2 reads).
  */
 template <int MT, int DW, int CS>
 static __device__ __forceinline__ void
@@ -1027,7 +1027,6 @@ fd_merge_global(const struct fa_args &a, const float (&o)[MT][DW / 8][4], const 
                 const float *s_usn, int64_t rg, int z, int t, int h0)
 {
     constexpr int HG = 16 * MT, Dh = 8 * DW, D4 = Dh / 4;
-    __shared__ int s_last;
     float *ml = a.part + (int64_t)gridDim.x * HG * Dh;   /* (rank, head) -> (m, l) */
 
     {
@@ -1036,16 +1035,7 @@ fd_merge_global(const struct fa_args &a, const float (&o)[MT][DW / 8][4], const 
             __stcg((float2 *)(ml + ((rg * CS + z) * HG + threadIdx.x) * 2),
                    make_float2(s_m[threadIdx.x], s_l[threadIdx.x]));
     }
-    __threadfence();   /* this thread's partials, before the count */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        s_last = atomicAdd(a.fdc + rg, 1u) == CS - 1;
-        if (s_last)
-            atomicExch(a.fdc + rg, 0u);   /* all CS arrived: ready for the next launch */
-        __threadfence();   /* the count, before the partials are read */
-    }
-    __syncthreads();
-    if (!s_last)
+    if (!cu_block_arrives_last(a.fdc + rg, CS))
         return;
 
     /* per head: the cluster form's M, factors (-1: a rank without
@@ -1467,7 +1457,6 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int variant, int *la
     signed char once = 0;   /* a device past FD_MAX_DEV: asked at every launch */
     int64_t clusters = (int64_t)a.T * a.n_hg;
     unsigned grid = (unsigned)(clusters * CS);
-
     enum dsv4_err e;
 
     *launched = 0;

@@ -258,32 +258,20 @@ fl_finish(float (&acc)[MT][NT][4], float (&red)[FL_NWARP][MT][NT][4][32],
 
 /*
  * Split-K in the tile kernel (a.ctr != NULL, G = gridDim.y > 1; after the
- * block wrote its partials, fl_finish): every thread fences its partials,
- * thread 0 counts the block in at its row group's counter, and the block
- * that arrives last (old count G - 1) sets the counter back to zero (for the
- * next launch or graph replay: the next kernel on the stream waits for this
- * grid to complete) and adds, for its rows and the pass's a.nt tokens, the
- * G partials read at L2 in the order y = 0..G-1 (fl_reduce_kernel's order and
- * expression, whatever order the blocks arrived in).  Every thread of the
- * block calls it.
+ * block wrote its partials, fl_finish): the block counts itself in at its
+ * row group's counter (cu_block_arrives_last, which also sets it back to
+ * zero), and the block that arrives last adds, for its rows and the pass's
+ * a.nt tokens, the G partials read at L2 in the order y = 0..G-1
+ * (fl_reduce_kernel's order and expression, whatever order the blocks
+ * arrived in).  Every thread of the block calls it.
  */
 template <int MT>
 static __device__ __forceinline__ void
 fl_last_reduce(const struct fl_args &a)
 {
-    __shared__ int last;
     int tpb = FL_NWARP / a.bk, rowA = blockIdx.x * tpb * 16 * MT;
 
-    __threadfence();   /* this thread's partials, before the count */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(a.ctr + blockIdx.x, 1u) == gridDim.y - 1;
-        if (last)
-            atomicExch(a.ctr + blockIdx.x, 0u);   /* all G arrived: ready for the next launch */
-        __threadfence();   /* the count, before the partials are read */
-    }
-    __syncthreads();
-    if (last) {
+    if (cu_block_arrives_last(a.ctr + blockIdx.x, gridDim.y)) {
         int rows = min(tpb * 16 * MT, a.N - rowA), n = rows * a.nt;
         int64_t tn = (int64_t)a.T * a.N;
 
