@@ -166,6 +166,8 @@ struct fm3_args {
     int *ctr;               /* v5: items taken so far by the up [1] and down [0] kernel */
     int ef;                 /* v5: narrow tiles of one pass copy with L2 evict_first
                                (fm5_cursor_at; fm5_ef_sw) */
+    int place;              /* v5: where the grid's teams outnumber the items, a team's
+                               item is its place in the grid (fm5_kernel; fm5_place_sw) */
 };
 
 /* The expert of a block: slot blockIdx.y. */
@@ -1375,7 +1377,9 @@ fm5_passes(const struct fm3_args &a, const struct fm3_slot &s, int row, int p0, 
  * (slot, tile) with all their passes; every warp takes the next item from
  * the call's counter (ctr[UP], zeroed by fm3_prep_kernel) until none is
  * left, so the grid only needs to fill the SMs it gets (also under MPS)
- * and the results do not depend on which warp takes an item.  P > 1:
+ * and the results do not depend on which warp takes an item (a.place:
+ * where the grid's teams outnumber the items, a team's place in the grid
+ * is its item and the counter is not asked; fm5_place_sw).  P > 1:
  * teams of P warps take the items (fm5_team).  MT = 2: the active experts'
  * tiles are wide (two m-tiles, fm5_pass; the shared expert's stay).
  * Blocks of FM5_WARPS warps, FM5_BLOCKS(UP, P, MT) an SM.  Dynamic shared
@@ -1402,20 +1406,32 @@ fm5_kernel(struct fm3_args a)
     tm.j = warp % P;
     tm.bar = 1 + warp / P;
     tm.part = (float *)(fm3_sm + FM5_WARPS * FM5_PER_SG(SG)) + (warp / P) * FM5_TEAM_F;
+    /* one item at most a team (a.place, the grid's teams outnumber the
+     * items: a batch-1 call): the team's place in the grid is its item, no
+     * counter (every warp asking it at once, then again to find none left) */
+    const int teams = (int)gridDim.x * (FM5_WARPS / P);
+    const int placed = a.place && teams >= items;
+
     for (int turn = 0;; turn ^= 1) {
         struct fm3_slot s;
         int it = 0;
 
-        if ((threadIdx.x & 31) == 0 && tm.j == 0)
-            it = atomicAdd(&a.ctr[UP], 1);
-        if (P == 1) {
-            it = __shfl_sync(0xffffffffu, it, 0);
-        } else {   /* the first warp's item to the team (parity: a slow warp still
-                      reads its turn's entry, the next turn writing the other) */
+        if (placed) {
+            if (turn != 0)
+                break;
+            it = (int)blockIdx.x * (FM5_WARPS / P) + warp / P;
+        } else {
             if ((threadIdx.x & 31) == 0 && tm.j == 0)
-                taken[warp / P][turn] = it;
-            fm5_team_sync<P>(tm);
-            it = taken[warp / P][turn];
+                it = atomicAdd(&a.ctr[UP], 1);
+            if (P == 1) {
+                it = __shfl_sync(0xffffffffu, it, 0);
+            } else {   /* the first warp's item to the team (parity: a slow warp still
+                          reads its turn's entry, the next turn writing the other) */
+                if ((threadIdx.x & 31) == 0 && tm.j == 0)
+                    taken[warp / P][turn] = it;
+                fm5_team_sync<P>(tm);
+                it = taken[warp / P][turn];
+            }
         }
         if (it >= items)
             break;
@@ -1571,6 +1587,18 @@ static struct cuda_switch fm5_sg_sw = CUDA_SWITCH("DSV4_CUDA_FM5_SG16", 1);
  * unchanged; a build with it on every copy made batch 16 +1.5 ms (the wide
  * tiles' 256-byte lines then leave L2 before their last stage reads them). */
 static struct cuda_switch fm5_ef_sw = CUDA_SWITCH("DSV4_CUDA_FM5_EF", 1);
+/* DSV4_CUDA_FM5_PLACE (default on; 0 = the counter always): where the
+ * grid's teams outnumber the call's items (one round: a batch-1 call's
+ * 1,792 items on 1,792 warps), each team takes the item at its place in
+ * the grid instead of asking the counter, which every warp asked at once
+ * and then again to find nothing left.  Which team takes an item does not
+ * change a result.  A block that the SMs take late (MPS) then delays its
+ * own item, where the counter would have let an early warp take it.
+ * docs/perf.md run 65: the 20-layer batch-1 step 3.20-3.21 -> 3.14 ms (up
+ * 27.8 -> 26.1 us, down 17.7 -> 15.9); placing the first item of every
+ * call made batch 16 slower (9.47-9.50 -> 9.56-9.57 ms), so larger calls
+ * keep the counter. */
+static struct cuda_switch fm5_place_sw = CUDA_SWITCH("DSV4_CUDA_FM5_PLACE", 1);
 
 /* Launch fm5_kernel<UP, P, MT, SG> (teams of P warps, MT m-tiles an active
  * expert's item) on `blocks` blocks of FM5_WARPS warps, its shared memory
@@ -1695,6 +1723,7 @@ cuda_fast_moe3(struct dsv4_backend *be, float *out, float *parts, const float *x
     a.ns = c.ns;
     a.lim = lim;
     a.ef = cuda_switch_on(&fm5_ef_sw);
+    a.place = cuda_switch_on(&fm5_place_sw);
 
     cu_launch(fm3_prep_kernel,
               1 + (unsigned)(((int64_t)T * nbD + FM3_PREP_THREADS / 32 - 1) /
