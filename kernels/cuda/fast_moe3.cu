@@ -1222,6 +1222,8 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     float tot[MT][1][4], acc[MT][1][4], blk[MT][1][4];
     uint32_t so[4], isb = rs;
     int slot = 0, gi = 0;
+    int64_t orow[2];
+    float ow[2];
     struct fm5_cursor cur;
 
 #pragma unroll
@@ -1237,6 +1239,15 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
         so[i] = (uint32_t)(row * FM3_SB + ((seg ^ (row & 7)) << 4));
     }
     fm3_act_rows<UP, FP8, 1>(a, s, p, xr, sr);
+    /* the output rows of this lane's C columns (slot rows p + 2q, p + 2q + 1)
+     * and their route weights, asked now rather than after the last stage */
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        int j = p + 2 * q + c;
+
+        orow[c] = j >= s.n ? -1 : s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
+        ow[c] = UP && s.rows != NULL && j < s.n ? a.weights[orow[c]] : 1.0f;
+    }
     xhr = (UP ? (FP8 ? a.xh8 : a.xh4) : a.hh) + (xr[0] - (UP ? (FP8 ? a.xq8 : a.xq4) : a.hq));
     fm5_cursor_at<UP, FP8, MT, SG, EF>(&cur, tl, st0, a.ef && s.n <= 8);
     cur.sgb = (uint32_t)__cvta_generic_to_shared(sg);
@@ -1333,18 +1344,16 @@ fm5_pass(const struct fm3_args &a, const struct fm3_slot &s, const struct fm5_ti
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < (UP ? 2 : 4); i++) {
-            int j = p + 2 * q + (i & 1);
             int row = tl.row + (UP ? 8 : 16) * mt + g + 8 * (i >> 1);
-            int64_t hr;
+            int64_t hr = orow[i & 1];
 
-            if (j >= s.n)
+            if (hr < 0)
                 continue;
-            hr = s.rows != NULL ? s.rows[j] : (int64_t)a.T * a.k + j;
             if (UP) {   /* g: half 0 (w1), u: half 1 (w3) */
                 float v = cu_swiglu(tot[mt][0][i], tot[mt][0][i + 2], a.lim);
 
                 if (s.rows != NULL)
-                    v *= a.weights[hr];
+                    v *= ow[i & 1];
                 a.h[hr * a.I + row] = tl.bad ? __int_as_float(0x7fc00000) : cu_bf16_round(v);
             } else {
                 a.y[hr * a.D + row] =
