@@ -1110,6 +1110,15 @@ enum dsv4_err cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *par
 int cuda_fast_linear_grouped_ok(const struct dsv4_linear *W, int G);
 enum dsv4_err cuda_fast_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                                        const struct dsv4_linear *W, int T, int G);
+/* Scratch bytes of the fast linear for W at T tokens (G > 0: grouped). */
+size_t cuda_fast_linear_scratch(const struct dsv4_linear *W, int T, int G);
+/* cuda_fast_linear_grouped with x's bf16 values already in place: at byte
+ * off of the backend scratch, where the linear's own layout (placed at off,
+ * as cuda_fast_linear_at) keeps bf16(x) first, (T, G * W->n_in); the caller
+ * reserved off + cuda_fast_linear_scratch(W, T, G) bytes. */
+enum dsv4_err cuda_fast_linear_grouped_b16(struct dsv4_backend *be, float *out,
+                                           const struct dsv4_linear *W, int T, int G,
+                                           size_t off);
 enum dsv4_err cuda_fast_rms_norm(struct dsv4_backend *be, float *out, const float *x,
                                  const uint16_t *w, int rows, int D, float eps);
 /* head: the hc_head form (n mix rows; post, comb unused). */
@@ -1146,14 +1155,23 @@ int cuda_fast_attention_ok(const float *out, const float *q, const float *kv,
  * the prefill kernel then reads the key rows from a bf16 copy made once per
  * call (the same values).  q16: q's values are bf16 in its first half
  * (cuda_q16_take), which every fast attention kernel reads as it is (the
- * rounding they do to fp32 q): the same results. */
+ * rounding they do to fp32 q): the same results.  outb (attention_out's
+ * decode form; NULL: none): where the decode kernel runs with nothing
+ * rotated after it, it writes the output's bf16 values (bf16(v): the grouped
+ * linear's conversion) to outb, (T, H, Dh), instead of out, and sets
+ * *wrote_b = 1; else *wrote_b = 0 and out is written.  Its scratch then stays
+ * within cuda_fast_attention_outb_scratch(T, H, Dh) bytes. */
 enum dsv4_err cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q,
                                   const float *kv, const float *ring, const float *comp,
                                   const int32_t *pages, const int32_t *sel, const float *sink,
                                   const int32_t *slot, const int32_t *pos, const int32_t *row0,
                                   const int32_t *pos0, int T, int H, int Dh, int win, int cap,
                                   int ratio, int K, float scale, int ur_off, int ur_rd,
-                                  const float *ur_freqs, int fresh, int q16);
+                                  const float *ur_freqs, int fresh, int q16, uint16_t *outb,
+                                  int *wrote_b);
+/* Scratch bytes the decode attention may take from the start of the backend
+ * scratch (its partials), so a caller can keep outb after them. */
+size_t cuda_fast_attention_outb_scratch(int T, int H, int Dh);
 /* attention_out's prefill form (fast_attention.cu): a call the unsplit
  * fast attention takes (cuda_fast_attention_ok held, T * head groups > 64)
  * whose wo_a cuBLASLt takes (cuda_blas_grouped_ready, T >=

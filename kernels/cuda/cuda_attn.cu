@@ -330,10 +330,11 @@ cuda_attention(struct dsv4_backend *be, float *out, const float *q, const float 
 /* attention with rd = 0, or attention_unrope: the fast kernels take the
  * inverse RoPE themselves (cuda_fast_attention), the exact ones are
  * followed by rope_kernel.  q16: q held as bf16 (cuda_q16_take, done by
- * the op that calls this). */
+ * the op that calls this).  outb, *wrote_b: cuda_fast_attention's (the
+ * exact kernels write out: *wrote_b = 0). */
 static enum dsv4_err
 attention_unrope_run(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
-                     const float *freqs, int q16)
+                     const float *freqs, int q16, uint16_t *outb, int *wrote_b)
 {
     cudaStream_t s = cuda_stream(be);
     int T = a->T, H = a->H, Dh = a->Dh, max_cand;
@@ -351,7 +352,7 @@ attention_unrope_run(struct dsv4_backend *be, const struct dsv4_attn *a, int off
         return cuda_fast_attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages, a->sel,
                                    a->sink, a->slot, a->pos, a->row0, a->pos0, T, H, Dh,
                                    a->win, a->cap, a->ratio, a->K, a->scale, off, rd,
-                                   freqs, a->fresh, q16);   /* fast_attention.cu */
+                                   freqs, a->fresh, q16, outb, wrote_b);   /* fast_attention.cu */
     if (q16) {   /* the exact kernel reads fp32 */
         enum dsv4_err e = cuda_q16_widen(be, a->q, (int64_t)T * H * Dh);
 
@@ -380,9 +381,16 @@ enum dsv4_err
 cuda_attention_unrope(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
                       const float *freqs)
 {
+    int wrote_b;
+
     /* q as bf16 (linear_norm_rope) */
-    return attention_unrope_run(be, a, off, rd, freqs, cuda_q16_take(be, a->q, a->q_held));
+    return attention_unrope_run(be, a, off, rd, freqs, cuda_q16_take(be, a->q, a->q_held), NULL,
+                                &wrote_b);
 }
+
+/* DSV4_CUDA_FD_B16=0: attention_out's decode form writes the attention's
+ * fp32 output and converts it to bf16 for wo_a in its own launch. */
+static struct cuda_switch fd_b16_sw = CUDA_SWITCH("DSV4_CUDA_FD_B16", 1);
 
 enum dsv4_err
 cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, int rd,
@@ -401,10 +409,31 @@ cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, 
             return e;
     }
     {
-        enum dsv4_err e = attention_unrope_run(be, a, off, rd, freqs, q16);
+        uint16_t *xb = NULL;
+        size_t xoff = 0;
+        int wrote_b = 0;
+        enum dsv4_err e;
 
+        /* decode (the fast decode linear for wo_a, as cuda_linear_grouped
+         * chooses it): the attention kernel writes wo_a's bf16 input into
+         * that linear's scratch, after its own partials, so the linear
+         * takes it without a conversion launch (the same values) */
+        if (cuda_st(be)->fast_kernels && cuda_switch_on(&fd_b16_sw) && a->T > 0 && G > 0 &&
+            wo_a->n_out % G == 0 && (int64_t)G * wo_a->n_in == (int64_t)a->H * a->Dh &&
+            !cuda_fast_gemm_grouped_ok(be, wo_a, a->T, G) && cuda_fast_linear_grouped_ok(wo_a, G)) {
+            char *base;
+
+            xoff = cuda_align(cuda_fast_attention_outb_scratch(a->T, a->H, a->Dh));
+            base = (char *)cuda_scratch(be, xoff + cuda_fast_linear_scratch(wo_a, a->T, G));
+            if (base == NULL)
+                return dsv4_err_set(DSV4_ERR_NOMEM, "cuda attention out: no scratch");
+            xb = (uint16_t *)(base + xoff);
+        }
+        e = attention_unrope_run(be, a, off, rd, freqs, q16, xb, &wrote_b);
         if (e != DSV4_OK)
             return e;
+        if (wrote_b)
+            return cuda_fast_linear_grouped_b16(be, u, wo_a, a->T, G, xoff);
         return cuda_linear_grouped(be, u, a->out, wo_a, a->T, G);
     }
 }

@@ -638,9 +638,7 @@ fk_bf16(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
 
 /* --- fast_linear.cu, for the other fast ops ---------------------------------------- */
 
-/* Scratch bytes cuda_fast_linear_at takes for W at T tokens (G > 0: the
- * grouped form with G groups). */
-size_t cuda_fast_linear_scratch(const struct dsv4_linear *W, int T, int G);
+/* cuda_fast_linear_scratch (cuda.cuh): the bytes cuda_fast_linear_at takes. */
 
 /*
  * cuda_fast_linear (G == 0) or cuda_fast_linear_grouped (G > 0) with its

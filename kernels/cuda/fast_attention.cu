@@ -981,7 +981,14 @@ fd_emit(const struct fa_args &a, float4 acc, float den, int t, int h, int d, con
 
     fa_unrope_cs(a, d, s_ucs, s_usn, v.x, v.y);
     fa_unrope_cs(a, d + 2, s_ucs, s_usn, v.z, v.w);
-    *(float4 *)(a.out + ((int64_t)t * a.H + h) * a.Dh + d) = v;
+    if (a.outb != NULL)   /* attention_out's decode form: bf16(v), fk_split's hi */
+        *(uint2 *)(a.outb + ((int64_t)t * a.H + h) * a.Dh + d) =
+            make_uint2(__float_as_uint(cu_bf16_round(v.x)) >> 16 |
+                           (__float_as_uint(cu_bf16_round(v.y)) & 0xffff0000u),
+                       __float_as_uint(cu_bf16_round(v.z)) >> 16 |
+                           (__float_as_uint(cu_bf16_round(v.w)) & 0xffff0000u));
+    else
+        *(float4 *)(a.out + ((int64_t)t * a.H + h) * a.Dh + d) = v;
 }
 
 /*
@@ -1661,11 +1668,14 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
                     const int32_t *sel, const float *sink, const int32_t *slot,
                     const int32_t *pos, const int32_t *row0, const int32_t *pos0, int T, int H,
                     int Dh, int win, int cap, int ratio, int K, float scale, int ur_off,
-                    int ur_rd, const float *ur_freqs, int fresh, int q16)
+                    int ur_rd, const float *ur_freqs, int fresh, int q16, uint16_t *outb,
+                    int *wrote_b)
 {
     struct fa_args a = fa_args_make(out, q, kv, ring, comp, pages, sel, sink, slot, pos, row0,
                                     pos0, T, H, Dh, win, cap, ratio, K, scale);
     int MT = H > 16 ? 2 : 1, HG = 16 * MT, max_cand, variant = fa_variant(), cs = fd_cs();
+
+    *wrote_b = 0;
 
     a.q16 = q16;   /* every kernel below reads q through fa_load_q or fh_kernel */
     if (ur_rd > 0 && ur_rd % 2 == 0 && ur_rd / 2 <= CUDA_FA_UR_MAX && ur_off >= 0 &&
@@ -1690,6 +1700,8 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
 
         a2.n_hg = (H + (mt2 ? 32 : 16) - 1) / (mt2 ? 32 : 16);
         a2.early = a2.sel == NULL && cuda_switch_on(&fd_early_sw);
+        /* bf16 to outb where nothing is rotated after the kernel */
+        a2.outb = ur_rd <= 0 || a2.ur_np > 0 ? outb : NULL;
         if (cs == 4)
             e = mt2 ? fd_launch_dh<2, 4>(be, a2, variant, &launched)
                     : fd_launch_dh<1, 4>(be, a2, variant, &launched);
@@ -1698,8 +1710,10 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
                     : fd_launch_dh<1, 8>(be, a2, variant, &launched);
         if (e != DSV4_OK)
             return e;
-        if (launched)
+        if (launched) {
+            *wrote_b = a2.outb != NULL;
             return fa_unrope_after(be, a2, ur_off, ur_rd, ur_freqs);
+        }
     }
     /* fa_kernel and its combine rotate nothing (in fa_kernel's output stage
      * it made a 2,048-token prefill slower, docs/perf.md run 44) */
@@ -1732,6 +1746,14 @@ cuda_fast_attention(struct dsv4_backend *be, float *out, const float *q, const f
     if (e != DSV4_OK)
         return e;
     return fa_unrope_after(be, a, ur_off, ur_rd, ur_freqs);
+}
+
+size_t
+cuda_fast_attention_outb_scratch(int T, int H, int Dh)
+{
+    /* fd_launch's global form: T * n_hg * CS CTAs of HG heads' (Dh + 2)
+     * floats, n_hg * HG <= H rounded up to 32, CS <= 8 (fd_cs) */
+    return (size_t)T * 8 * ((H + 31) / 32 * 32) * (Dh + 2) * sizeof(float);
 }
 
 /* --- attention_out: the output to wo_a as bf16 ------------------------------------------ */

@@ -1053,9 +1053,11 @@ cuda_fast_linear_scratch(const struct dsv4_linear *W, int T, int G)
     return b.v + b.l + b.s + b.p;
 }
 
-enum dsv4_err
-cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
-                    const struct dsv4_linear *W, int T, unsigned flags, int G, size_t off)
+/* cuda_fast_linear_at; ready (grouped only): x's bf16 values already at the
+ * scratch's byte off (cuda_fast_linear_grouped_b16), x unused. */
+static enum dsv4_err
+fl_at(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_linear *W, int T,
+      unsigned flags, int G, size_t off, int ready)
 {
     int mode = fl_mode(W, G > 0), N = W->n_out, K = W->n_in;
     int64_t xcols = (int64_t)K * (G > 0 ? G : 1), n = (int64_t)T * xcols;
@@ -1076,6 +1078,8 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
                     mode == FL_BF16 ? (const uint16_t *)(base + b.v) : NULL,
                     mode == FL_FP8 ? (const float *)(base + b.v) : NULL,
                     (float *)(base + b.v + b.l + b.s), out);
+    if (ready)
+        return fl_run<FL_GROUPED, 2>(be, &a, &sp);
     if (flf_applies(be, mode, &sp, x, N, a.R, T))
         return mode == FL_FP8 ? flf_run<FL_FP8, 2>(be, &a, &sp)
              : mode == FL_GROUPED ? flf_run<FL_GROUPED, 2>(be, &a, &sp)
@@ -1093,6 +1097,22 @@ cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
         e = fk_split(be, (uint16_t *)a.xv, (uint16_t *)a.xl, x, n);
         return e != DSV4_OK ? e : fl_run<FL_BF16, 1>(be, &a, &sp);
     }
+}
+
+enum dsv4_err
+cuda_fast_linear_at(struct dsv4_backend *be, float *out, const float *x,
+                    const struct dsv4_linear *W, int T, unsigned flags, int G, size_t off)
+{
+    return fl_at(be, out, x, W, T, flags, G, off, 0);
+}
+
+enum dsv4_err
+cuda_fast_linear_grouped_b16(struct dsv4_backend *be, float *out, const struct dsv4_linear *W,
+                             int T, int G, size_t off)
+{
+    if (G <= 0)
+        return dsv4_err_set(DSV4_ERR_INVAL, "cuda fast linear grouped b16: G = %d", G);
+    return fl_at(be, out, NULL, W, T, 0, G, off, 1);
 }
 
 enum dsv4_err
