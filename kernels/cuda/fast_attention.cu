@@ -1752,8 +1752,8 @@ size_t
 cuda_fast_attention_outb_scratch(int T, int H, int Dh)
 {
     /* fd_launch's global form: T * n_hg * CS CTAs of HG heads' (Dh + 2)
-     * floats, n_hg * HG <= H rounded up to 32, CS <= 8 (fd_cs) */
-    return (size_t)T * 8 * ((H + 31) / 32 * 32) * (Dh + 2) * sizeof(float);
+     * floats, n_hg * HG <= H rounded up to 32 */
+    return (size_t)T * fd_cs() * ((H + 31) / 32 * 32) * (Dh + 2) * sizeof(float);
 }
 
 /* --- attention_out: the output to wo_a as bf16 ------------------------------------------ */

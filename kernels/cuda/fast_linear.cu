@@ -179,6 +179,8 @@ struct fl_args {
                                (o / R) * K .. + K (R = N: not grouped) */
     int bps, bk;            /* 128-blocks per slice, slices per block */
     int round_out;
+    int early;              /* FP8: the first weight block loaded before the PDL wait
+                               (fl_block; lin_early_sw) */
     /* the one-launch form (flf_kernel) */
     const float *x;         /* (T, xstride) fp32 activations */
     unsigned *ctr;          /* (gridDim.x) arrival counters when G > 1 */
@@ -299,15 +301,25 @@ fl_block(const struct fl_args &a, int bx, int by, int G, float (&red)[FL_NWARP][
     int tile = bx * (FL_NWARP / a.bk) + warp / a.bk;
     int slice = by * a.bk + warp % a.bk;
     int kb0 = slice * a.bps, kb1 = min(a.nb, kb0 + a.bps);
-    int n_tiles = a.N / (16 * MT), row0 = tile * 16 * MT;
+    int n_tiles = a.N / (16 * MT), row0 = tile * 16 * MT, work = tile < n_tiles && kb0 < kb1;
     float acc[MT][NT][4];
+    const uint8_t *wr[MT][2];
+    uint4 w0[MT][2][2];
 
     fk_zero(acc);
-    if (tile < n_tiles && kb0 < kb1) {
-        const uint8_t *wr[MT][2];
+    /* FP8 weights (never written by a kernel): the first block's bytes asked
+     * for before the PDL wait, so they arrive while the kernel before ends
+     * (DSV4_CUDA_LIN_EARLY=0: after it) */
+    fl_wrows<MODE, MT>(wr, a, row0, 0, g);
+    if (MODE && work && a.early)
+        fk_fp8_load<MT, 1>(w0, wr, kb0, q);
+    cu_pdl_wait();   /* PDL: before any other global access */
+    cu_pdl_trigger();
+    if (MODE && work && !a.early)
+        fk_fp8_load<MT>(w0, wr, kb0, q);
+    if (work) {
         const uint16_t *xb[NT];
 
-        fl_wrows<MODE, MT>(wr, a, row0, 0, g);
 #pragma unroll
         for (int n = 0; n < NT; n++)
             xb[n] = a.xv + (int64_t)min(a.t0 + n * 8 + g, a.T - 1) * a.xstride +
@@ -325,7 +337,8 @@ fl_block(const struct fl_args &a, int bx, int by, int G, float (&red)[FL_NWARP][
                 for (int j = 0; j < 2; j++)
                     xs[n][j] = MODE == FL_GROUPED ? NULL :
                                a.sx + (int64_t)min(a.t0 + n * 8 + 2 * q + j, a.T - 1) * a.nb;
-            fk_fp8<MT, NT, MODE == FL_GROUPED>(acc, wr, ws, xb, xs, kb0, kb1, q);
+            fk_fp8_kb<MT, NT, MODE == FL_GROUPED, 0>(acc, w0, ws, xb, xs, kb0, q);
+            fk_fp8<MT, NT, MODE == FL_GROUPED>(acc, wr, ws, xb, xs, kb0 + 1, kb1, q);
         } else {
             const uint16_t *xl[NT];
 
@@ -342,8 +355,7 @@ template <int MODE, int MT, int NT>
 static __global__ void __launch_bounds__(FL_THREADS, 2)
 fl_kernel(struct fl_args a)
 {
-    cu_pdl_wait();   /* PDL: before any global access */
-    cu_pdl_trigger();
+    /* the PDL wait: in fl_block, after its first weight loads */
     __shared__ float red[FL_NWARP][MT][NT][4][32];
 
     fl_block<MODE, MT, NT>(a, blockIdx.x, blockIdx.y, gridDim.y, red);
@@ -367,8 +379,7 @@ template <int MODE, int MT, int NT>
 static __global__ void __launch_bounds__(FL_THREADS, 2)
 flm_kernel(struct flm_args m)
 {
-    cu_pdl_wait();   /* PDL: before any global access */
-    cu_pdl_trigger();
+    /* the PDL wait: in fl_block, after its first weight loads */
     __shared__ float red[FL_NWARP][MT][NT][4][32];
     int b = blockIdx.x, e = 0;
 
@@ -968,6 +979,10 @@ fl_mode(const struct dsv4_linear *W, int grouped)
     return grouped ? FL_GROUPED : W->fmt == DSV4_WFMT_FP8 ? FL_FP8 : FL_BF16;
 }
 
+/* DSV4_CUDA_LIN_EARLY=0: the decode linear's FP8 weights all loaded after
+ * its PDL wait. */
+static struct cuda_switch lin_early_sw = CUDA_SWITCH("DSV4_CUDA_LIN_EARLY", 1);
+
 /* The tile kernel's arguments for W (mode, split sp) at T rows of x (row
  * stride xcols; R rows per group, N when not grouped), with x prepared at
  * xv / xl / sx, the split-K partials at part (G > 1) and the output out. */
@@ -994,6 +1009,7 @@ fl_args_for(const struct dsv4_linear *W, int mode, const struct fl_split *sp, in
     a.bps = sp->bps;
     a.bk = sp->bk;
     a.round_out = !(mode == FL_BF16 && (flags & DSV4_LIN_F32_OUT));
+    a.early = cuda_switch_on(&lin_early_sw);
     a.x = x;
     return a;
 }
