@@ -429,10 +429,29 @@ hf2_post_value(const float4 (&xv)[HF2_N], const float (&cc)[HF2_N], float4 f4, f
     return make_float4(o[0], o[1], o[2], o[3]);
 }
 
+/* hf2_mix_kernel's fn chunk: fv[u] = the float4 of mix row m = i / (HF_CW
+ * / 4) at column c0 + c of thread tid's i = tid + u * HF2_MT (zero past M
+ * or cw). */
+template <int FQ>
+static __device__ __forceinline__ void
+hf2_fn_load(float4 (&fv)[FQ], const float *fn, int M, int nD, int c0, int cw, int tid)
+{
+#pragma unroll
+    for (int u = 0; u < FQ; u++) {
+        int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
+        /* fk_ld_wv: a volatile load, kept before the PDL wait */
+        uint4 w = m < M && c < cw ? fk_ld_wv(fn + (int64_t)m * nD + c0 + c)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+
+        fv[u] = make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z),
+                            __uint_as_float(w.w));
+    }
+}
+
 template <int POST>
 static __global__ void __launch_bounds__(HF2_MT)
 hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n, int D,
-               struct hf_post p, int pair_t)
+               struct hf_post p, int pair_t, int early)
 {
     enum {
         FQ = ((HF_MAX_M1 - 1) * (HF_CW / 4) + HF2_MT - 1) / HF2_MT,   /* fn float4 per thread */
@@ -447,20 +466,20 @@ hf2_mix_kernel(float *part, const float *X, const float *fn, int T, int M, int n
     float pk[XQ], cc[XQ][HF2_N];
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
-    /* launched by cu_launch: the previous kernel complete before any load;
-     * the wait stays before the trigger: the v3 finish loads X before its
-     * own wait when X is not ours (x_dep 0), so every kernel before this
-     * one must be complete when the finish starts */
+    /* every load first: the fn chunk (the layer's weights, written only at
+     * load time: asked for before the PDL wait, so they arrive while the
+     * kernel before ends; DSV4_CUDA_HC_EARLY=0 after it), ... */
+    if (early)
+        hf2_fn_load<FQ>(fv, fn, M, nD, c0, cw, tid);
+    /* launched by cu_launch: the previous kernel complete before any other
+     * load; the wait stays before the trigger: the v3 finish loads X before
+     * its own wait when X is not ours (x_dep 0), so every kernel before
+     * this one must be complete when the finish starts */
     cu_pdl_wait();
     /* v3: the finish (launched with PDL) may start once every block is here */
     cu_pdl_trigger();
-    /* every load first: the fn chunk, ... */
-#pragma unroll
-    for (int u = 0; u < FQ; u++) {
-        int i = tid + u * HF2_MT, m = i / (HF_CW / 4), c = i % (HF_CW / 4) * 4;
-
-        fv[u] = m < M && c < cw ? __ldg((const float4 *)(fn + (int64_t)m * nD + c0 + c)) : zero;
-    }
+    if (!early)
+        hf2_fn_load<FQ>(fv, fn, M, nD, c0, cw, tid);
     /* ... and X's chunk of the block's tokens (POST: hc_post's inputs) */
 #pragma unroll
     for (int u = 0; u < XQ; u++) {
@@ -1042,6 +1061,9 @@ static struct cuda_switch hf2pair_switch = CUDA_SWITCH("DSV4_CUDA_HC_PAIR", 1);
  * partials in registers (one block an SM) instead of staging them in
  * shared memory (two blocks an SM; the same bits). */
 static struct cuda_switch hf2sh_switch = CUDA_SWITCH("DSV4_CUDA_HC_FINSH", 1);
+/* DSV4_CUDA_HC_EARLY=0: the v2 mix kernel loads its fn chunk after its PDL
+ * wait (hf2_mix_kernel). */
+static struct cuda_switch hf2early_switch = CUDA_SWITCH("DSV4_CUDA_HC_EARLY", 1);
 
 static enum dsv4_err
 hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, const float *fn,
@@ -1071,13 +1093,14 @@ hf_slab(struct dsv4_backend *be, struct hf_fin *a, const struct hf_post *p, cons
         CUDA_LAUNCHED("fast hc mix v2 (blocks of 64 tokens)");
     } else if (v2) {
         int pair_t = cuda_switch_on(&hf2pair_switch) ? HF2_PAIR_T : HF2_BLOCKED_T;
+        int early = cuda_switch_on(&hf2early_switch);
 
         if (p->X_out != NULL)
             cu_launch(hf2_mix_kernel<1>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part,
-                      (const float *)NULL, fn, T, M, a->n, a->D, *p, pair_t);
+                      (const float *)NULL, fn, T, M, a->n, a->D, *p, pair_t, early);
         else
             cu_launch(hf2_mix_kernel<0>, dim3((unsigned)a->S, groups), HF2_MT, 0, st, part, a->X,
-                      fn, T, M, a->n, a->D, *p, pair_t);
+                      fn, T, M, a->n, a->D, *p, pair_t, early);
         CUDA_LAUNCHED("fast hc mix v2");
     }
     if (v2) {
