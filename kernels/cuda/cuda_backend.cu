@@ -462,12 +462,12 @@ static enum dsv4_err
 cuda_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16_t *table,
            int T, int D, int n_copies)
 {
-    if (T <= 0 || n_copies <= 0)
-        return DSV4_OK;
     int vec = D % 8 == 0 && ((uintptr_t)out | (uintptr_t)table) % 16 == 0;
     int per = vec ? D / 8 : D, ny = (per + EW_THREADS - 1) / EW_THREADS;
     dim3 grid((unsigned)(T * n_copies), (unsigned)(ny < 32 ? ny : 32));
 
+    if (T <= 0 || n_copies <= 0)
+        return DSV4_OK;
     if (vec)
         cu_launch(embed_kernel<8>, grid, EW_THREADS, 0, cuda_stream(be), out, ids, table, D,
                   n_copies);
