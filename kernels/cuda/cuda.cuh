@@ -524,6 +524,15 @@ cu_bf16_round(float f)
     return __uint_as_float(u & 0xffff0000u);
 }
 
+/* bf16(lo) in the low half and bf16(hi) in the high half of one word
+ * (cu_bf16_round's rounding): two values as a bf16 pair. */
+static __device__ __forceinline__ uint32_t
+cu_bf16x2_round(float lo, float hi)
+{
+    return __float_as_uint(cu_bf16_round(lo)) >> 16 |
+           (__float_as_uint(cu_bf16_round(hi)) & 0xffff0000u);
+}
+
 /* E4M3 code -> value (NaN for S.1111.111). */
 static __device__ __forceinline__ float
 cu_fp8_to_f32(uint8_t v)
@@ -847,6 +856,10 @@ enum dsv4_err cuda_linear(struct dsv4_backend *be, float *out, const float *x,
                           const struct dsv4_linear *W, int T, unsigned flags);
 enum dsv4_err cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                                   const struct dsv4_linear *Wa, int T, int G);
+/* 1 when cuda_linear_grouped runs this call on the fast decode linear
+ * (cuda_fast_linear_grouped), its choice for every such call. */
+int cuda_linear_grouped_decode(struct dsv4_backend *be, const struct dsv4_linear *Wa, int T,
+                               int G);
 enum dsv4_err cuda_linear_multi(struct dsv4_backend *be, int n, float *const *outs,
                                 const float *x, const struct dsv4_linear *const *Ws,
                                 const unsigned *flags, int T);

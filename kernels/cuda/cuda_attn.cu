@@ -418,9 +418,8 @@ cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, 
          * chooses it): the attention kernel writes wo_a's bf16 input into
          * that linear's scratch, after its own partials, so the linear
          * takes it without a conversion launch (the same values) */
-        if (cuda_st(be)->fast_kernels && cuda_switch_on(&fd_b16_sw) && a->T > 0 && G > 0 &&
-            wo_a->n_out % G == 0 && (int64_t)G * wo_a->n_in == (int64_t)a->H * a->Dh &&
-            !cuda_fast_gemm_grouped_ok(be, wo_a, a->T, G) && cuda_fast_linear_grouped_ok(wo_a, G)) {
+        if (cuda_switch_on(&fd_b16_sw) && cuda_linear_grouped_decode(be, wo_a, a->T, G) &&
+            (int64_t)G * wo_a->n_in == (int64_t)a->H * a->Dh) {
             char *base;
 
             xoff = cuda_align(cuda_fast_attention_outb_scratch(a->T, a->H, a->Dh));

@@ -339,15 +339,25 @@ rows_copy_kernel(float *dst, const int32_t *drows, const float *src, const int32
     }
 }
 
+/* The grid of rows_copy_kernel and embed_kernel: a row a block row
+ * (blockIdx.x), the row's per items a thread spread over blocks along y,
+ * at most 32. */
+static dim3
+row_grid(int rows, int per)
+{
+    int ny = (per + EW_THREADS - 1) / EW_THREADS;
+
+    return dim3((unsigned)rows, (unsigned)(ny < 32 ? ny : 32));
+}
+
 /* rows_copy_kernel for n rows of cols floats: float4 copies where they
- * apply, at most 32 blocks a row. */
+ * apply. */
 static void
 rows_copy_launch(struct dsv4_backend *be, float *dst, const int32_t *drows, const float *src,
                  const int32_t *srows, int n, int cols)
 {
     int vec = cols % 4 == 0 && ((uintptr_t)dst | (uintptr_t)src) % 16 == 0;
-    int per = vec ? cols / 4 : cols, ny = (per + EW_THREADS - 1) / EW_THREADS;
-    dim3 grid((unsigned)n, (unsigned)(ny < 32 ? ny : 32));
+    dim3 grid = row_grid(n, vec ? cols / 4 : cols);
 
     if (vec)
         cu_launch(rows_copy_kernel<4>, grid, EW_THREADS, 0, cuda_stream(be), dst, drows, src,
@@ -463,8 +473,7 @@ cuda_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16
            int T, int D, int n_copies)
 {
     int vec = D % 8 == 0 && ((uintptr_t)out | (uintptr_t)table) % 16 == 0;
-    int per = vec ? D / 8 : D, ny = (per + EW_THREADS - 1) / EW_THREADS;
-    dim3 grid((unsigned)(T * n_copies), (unsigned)(ny < 32 ? ny : 32));
+    dim3 grid = row_grid(T * n_copies, vec ? D / 8 : D);
 
     if (T <= 0 || n_copies <= 0)
         return DSV4_OK;

@@ -197,6 +197,13 @@ cuda_linear_multi(struct dsv4_backend *be, int n, float *const *outs, const floa
     return dsv4_linear_multi_compose(be, n, outs, x, Ws, flags, T);
 }
 
+int
+cuda_linear_grouped_decode(struct dsv4_backend *be, const struct dsv4_linear *Wa, int T, int G)
+{
+    return lin_check(Wa) && G > 0 && Wa->n_out % G == 0 && T > 0 && cuda_st(be)->fast_kernels &&
+           !cuda_fast_gemm_grouped_ok(be, Wa, T, G) && cuda_fast_linear_grouped_ok(Wa, G);
+}
+
 enum dsv4_err
 cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
                     const struct dsv4_linear *Wa, int T, int G)
@@ -212,7 +219,7 @@ cuda_linear_grouped(struct dsv4_backend *be, float *out, const float *x,
     if (cuda_st(be)->fast_kernels && cuda_fast_gemm_grouped_ok(be, Wa, T, G))
         return cuda_fast_gemm_grouped_run(be, out, x, Wa, T, G,
                                           dsv4_cuda_blas_on() && T >= DSV4_CUDA_BLAS_MIN_T);
-    if (cuda_st(be)->fast_kernels && cuda_fast_linear_grouped_ok(Wa, G))
+    if (cuda_linear_grouped_decode(be, Wa, T, G))
         return cuda_fast_linear_grouped(be, out, x, Wa, T, G);   /* fast_linear.cu */
     /* bf16 inputs (rounded on the fly), no activation quantization */
     return lin_launch(be, out, x, NULL, &W, T, (int64_t)G * Wa->n_in, Wa->n_out / G, 1, 1);

@@ -983,10 +983,7 @@ fd_emit(const struct fa_args &a, float4 acc, float den, int t, int h, int d, con
     fa_unrope_cs(a, d + 2, s_ucs, s_usn, v.z, v.w);
     if (a.outb != NULL)   /* attention_out's decode form: bf16(v), fk_split's hi */
         *(uint2 *)(a.outb + ((int64_t)t * a.H + h) * a.Dh + d) =
-            make_uint2(__float_as_uint(cu_bf16_round(v.x)) >> 16 |
-                           (__float_as_uint(cu_bf16_round(v.y)) & 0xffff0000u),
-                       __float_as_uint(cu_bf16_round(v.z)) >> 16 |
-                           (__float_as_uint(cu_bf16_round(v.w)) & 0xffff0000u));
+            make_uint2(cu_bf16x2_round(v.x, v.y), cu_bf16x2_round(v.z, v.w));
     else
         *(float4 *)(a.out + ((int64_t)t * a.H + h) * a.Dh + d) = v;
 }
@@ -1790,8 +1787,7 @@ fa_unrope16_kernel(uint16_t *xb, const int32_t *pos, int H, int Dh, struct fa_ur
         float x0 = __uint_as_float(w << 16), x1 = __uint_as_float(w & 0xffff0000u);
 
         cu_rope_rot(x0, x1, cs[i], sn[i]);
-        *v = __float_as_uint(cu_bf16_round(x0)) >> 16 |
-             (__float_as_uint(cu_bf16_round(x1)) & 0xffff0000u);
+        *v = cu_bf16x2_round(x0, x1);
     }
 }
 

@@ -513,12 +513,8 @@ bl_x_kernel(uint16_t *xb, const float *x, int64_t n)
         return;
     {
         float4 v = *(const float4 *)(x + i);
-        uint32_t a = __float_as_uint(cu_bf16_round(v.x)) >> 16 |
-                     (__float_as_uint(cu_bf16_round(v.y)) & 0xffff0000u);
-        uint32_t c = __float_as_uint(cu_bf16_round(v.z)) >> 16 |
-                     (__float_as_uint(cu_bf16_round(v.w)) & 0xffff0000u);
 
-        *(uint2 *)(xb + i) = make_uint2(a, c);
+        *(uint2 *)(xb + i) = make_uint2(cu_bf16x2_round(v.x, v.y), cu_bf16x2_round(v.z, v.w));
     }
 }
 
