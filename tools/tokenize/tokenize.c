@@ -11,10 +11,11 @@
  *   dsv4-tokenize --bench FILE [--repeat N] [--special] [--tokenizer PATH]
  *       encode the file N times (default: until 2 s) and print MB/s (one
  *       thread); NUL bytes split it into documents encoded one by one (a
- *       file without NUL is one document)
+ *       file without NUL is one document); FILE may be a pipe (/dev/stdin)
  *
  * The trailing "\n" of each input line is not part of the text.  Exit 0 on
- * success, 1 on a tokenizer or input error (message on stderr).
+ * success, 1 on a tokenizer or input error (message on stderr), 2 on bad
+ * usage.
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -101,13 +102,45 @@ encode_docs(struct dsv4_tok *tok, const char *buf, size_t n, unsigned flags,
     return 0;
 }
 
+/* The whole of f into *buf (malloc'd), its size in *n; reads to the end,
+ * so pipes and other files without a size work too.  0, or -1 on a read
+ * error or out of memory. */
+static int
+read_all(FILE *f, char **buf, size_t *n)
+{
+    size_t cap = 1 << 16, len = 0, got;
+    char *b = malloc(cap), *nb;
+
+    while (b != NULL && (got = fread(b + len, 1, cap - len, f)) > 0) {
+        len += got;
+        if (len == cap) {
+            nb = realloc(b, cap * 2);
+            if (nb == NULL) {
+                free(b);
+                b = NULL;
+                break;
+            }
+            b = nb;
+            cap *= 2;
+        }
+    }
+    if (b == NULL || ferror(f)) {
+        free(b);
+        return -1;
+    }
+    *buf = b;
+    *n = len;
+    return 0;
+}
+
 static int
 bench(struct dsv4_tok *tok, const char *file, long repeat, unsigned flags)
 {
     FILE *f = fopen(file, "rb");
     struct dsv4_tok_ids ids = { 0 };
     char *buf;
-    long sz, i;
+    size_t sz;
+    long i;
     double t0, t;
     size_t ntok = 0;
 
@@ -115,28 +148,23 @@ bench(struct dsv4_tok *tok, const char *file, long repeat, unsigned flags)
         perror(file);
         return 1;
     }
-    fseek(f, 0, SEEK_END);
-    sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    buf = malloc(sz > 0 ? (size_t)sz : 1);
-    if (buf == NULL || fread(buf, 1, (size_t)sz, f) != (size_t)sz) {
+    if (read_all(f, &buf, &sz) != 0) {
         fprintf(stderr, "dsv4-tokenize: cannot read %s\n", file);
         fclose(f);
-        free(buf);
         return 1;
     }
     fclose(f);
     t0 = now_s();
     for (i = 0; repeat > 0 ? i < repeat : (i < 1 || now_s() - t0 < 2.0);
         i++) {
-        if (encode_docs(tok, buf, (size_t)sz, flags, &ids, &ntok) != 0) {
+        if (encode_docs(tok, buf, sz, flags, &ids, &ntok) != 0) {
             free(buf);
             dsv4_tok_ids_free(&ids);
             return 1;
         }
     }
     t = now_s() - t0;
-    printf("%s: %ld bytes, %zu tokens, %ld runs, %.3f s, %.2f MB/s\n", file,
+    printf("%s: %zu bytes, %zu tokens, %ld runs, %.3f s, %.2f MB/s\n", file,
         sz, ntok, i, t, (double)sz * (double)i / t / 1e6);
     free(buf);
     dsv4_tok_ids_free(&ids);
@@ -288,9 +316,17 @@ main(int argc, char **argv)
         case 'b':
             bench_file = optarg;
             break;
-        case 'r':
-            repeat = strtol(optarg, NULL, 10);
+        case 'r': {
+            char *end;
+
+            repeat = strtol(optarg, &end, 10);
+            if (end == optarg || *end != '\0' || repeat < 1) {
+                fprintf(stderr, "dsv4-tokenize: --repeat wants a count of 1 or more, "
+                        "not \"%s\"\n", optarg);
+                return 2;
+            }
             break;
+        }
         default:
             usage();
         }
