@@ -170,8 +170,13 @@ main(int argc, char **argv)
         fatalx("tokenizer: %s", dsv4_errmsg());
     g.eos = dsv4_tok_eos(g.tok);
     if (check) {
-        printf("configuration OK (%s); %d bearer key(s); tokenizer %s\n",
-            conf_path != NULL ? conf_path : "defaults", g.n_keys, g.conf.tokenizer);
+        /* the listen address as gw_http_start would resolve it (not bound:
+         * a running gateway may hold it) */
+        if (gw_listen_check(g.conf.gateway_listen) != 0)
+            fatalx("gateway_listen \"%s\" cannot be listened on", g.conf.gateway_listen);
+        printf("configuration OK (%s); %d bearer key(s); tokenizer %s; listen %s\n",
+            conf_path != NULL ? conf_path : "defaults", g.n_keys, g.conf.tokenizer,
+            g.conf.gateway_listen);
         dsv4_tok_free(g.tok);
         return 0;
     }

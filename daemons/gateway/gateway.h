@@ -114,6 +114,12 @@ struct gw {
  * conf.gateway_listen.  Returns 0, or -1 with the reason logged. */
 int gw_http_start(struct gw *g, int listen_fd);
 
+/* Whether `spec` is a listen address gw_http_start could use: HOST:PORT
+ * ("[::1]:8000" for IPv6) that resolves; nothing is bound (dsv4-gateway
+ * -n checks conf.gateway_listen with it).  0, or -1 with the reason
+ * logged. */
+int gw_listen_check(const char *spec);
+
 /* Stop accepting, close every connection, join MHD's threads. */
 void gw_http_stop(struct gw *g);
 

@@ -372,13 +372,15 @@ gw_mhd_log(void *cls, const char *fmt, va_list ap)
     log_info("libmicrohttpd: %s", buf);
 }
 
-/* Bind and listen on HOST:PORT ("[::1]:8000" for IPv6). */
+/* HOST:PORT ("[::1]:8000" for IPv6) resolved for a listening stream
+ * socket into *res (the caller frees it); -1 with a warning when spec is
+ * not HOST:PORT or does not resolve. */
 static int
-gw_listen(const char *spec)
+gw_listen_resolve(const char *spec, struct addrinfo **res)
 {
-    struct addrinfo hints, *res, *ai;
+    struct addrinfo hints;
     char host[256], *port;
-    int fd = -1, one = 1, rc;
+    int rc;
 
     snprintf(host, sizeof(host), "%s", spec);
     if ((port = strrchr(host, ':')) == NULL) {
@@ -393,10 +395,33 @@ gw_listen(const char *spec)
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     hints.ai_flags = AI_PASSIVE;
-    if ((rc = getaddrinfo(host[0] != '\0' ? host : NULL, port, &hints, &res)) != 0) {
+    if ((rc = getaddrinfo(host[0] != '\0' ? host : NULL, port, &hints, res)) != 0) {
         log_warnx("gw_listen: %s: %s", spec, gai_strerror(rc));
         return -1;
     }
+    return 0;
+}
+
+int
+gw_listen_check(const char *spec)
+{
+    struct addrinfo *res;
+
+    if (gw_listen_resolve(spec, &res) != 0)
+        return -1;
+    freeaddrinfo(res);
+    return 0;
+}
+
+/* Bind and listen on HOST:PORT (gw_listen_resolve). */
+static int
+gw_listen(const char *spec)
+{
+    struct addrinfo *res, *ai;
+    int fd = -1, one = 1;
+
+    if (gw_listen_resolve(spec, &res) != 0)
+        return -1;
     for (ai = res; ai != NULL; ai = ai->ai_next) {
         fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
         if (fd < 0)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# gw_cli.sh DSV4_GATEWAY TOKENIZER_JSON — dsv4-gateway's configuration check
+# (-n, what its unit runs as ExecStartPre=): the configuration file, -o and
+# -l overrides, the bearer keys file and the tokenizer, each with the
+# message and exit status an operator sees for a bad value.  Nothing is
+# bound or served.
+set -uo pipefail
+gw=$1
+tok=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+
+printf 'tokenizer = %s\n' "$tok" >"$tmp/dsv4.conf"
+printf '# two keys\n  key-one  \n\nkey-two\n' >"$tmp/keys"
+chmod 0640 "$tmp/keys"
+printf '# none\n\n' >"$tmp/nokeys"
+chmod 0640 "$tmp/nokeys"
+head -c 300 /dev/zero | tr '\0' k >"$tmp/longkey"
+chmod 0640 "$tmp/longkey"
+printf 'key-one\n' >"$tmp/openkeys"
+chmod 0644 "$tmp/openkeys"
+
+# expect NAME STATUS PATTERN -- ARGS...: dsv4-gateway -n -f CONF ARGS's exit
+# status and PATTERN (grep -E) in its output (stdout and log together)
+expect() {
+    local name=$1 want=$2 pat=$3 st
+    shift 4
+    "$gw" -n -f "$tmp/dsv4.conf" "$@" >"$tmp/out" 2>&1
+    st=$?
+    if [ "$st" != "$want" ]; then
+        echo "FAIL $name: exit $st, expected $want: $(head -c 400 "$tmp/out")"; fail=1
+    elif ! grep -qE -- "$pat" "$tmp/out"; then
+        echo "FAIL $name: no /$pat/ in: $(head -c 400 "$tmp/out")"; fail=1
+    else
+        echo "ok   $name"
+    fi
+}
+
+expect defaults 0 "configuration OK \($tmp/dsv4.conf\); 0 bearer key\(s\); tokenizer $tok; listen 127.0.0.1:8000" --
+expect keys 0 '2 bearer key\(s\)' -- -o "gateway_keys=$tmp/keys"
+expect keys_missing 1 "cannot use the keys file $tmp/nothere" -- -o "gateway_keys=$tmp/nothere"
+expect keys_none 1 'holds no key' -- -o "gateway_keys=$tmp/nokeys"
+expect key_too_long 1 'keys are < 256 bytes' -- -o "gateway_keys=$tmp/longkey"
+expect keys_world_readable 0 'readable by everyone.*configuration OK|configuration OK' -- -o "gateway_keys=$tmp/openkeys"
+grep -q 'readable by everyone' "$tmp/out" && echo "ok   keys_world_readable_warns" ||
+    { echo "FAIL keys_world_readable_warns: $(cat "$tmp/out")"; fail=1; }
+expect listen_ok 0 'listen 127.0.0.1:8123' -- -l 127.0.0.1:8123
+expect listen_ipv6 0 'listen \[::1\]:8123' -- -l '[::1]:8123'
+expect listen_no_port 1 'expected HOST:PORT' -- -l nonsense
+expect listen_bad_port 1 'gateway_listen "127.0.0.1:notaport" cannot be listened on' -- -l 127.0.0.1:notaport
+expect unknown_key 1 'unknown key "bogus"' -- -o bogus=1
+expect tokenizer_missing 1 'tokenizer: ' -- -o "tokenizer=$tmp/nothere.json"
+expect conf_missing 1 "$tmp/nothere.conf" -- -f "$tmp/nothere.conf"
+expect unknown_flag 2 'usage' -- -Z
+expect stray_argument 2 'usage' -- extra
+
+[ $fail -eq 0 ] && echo "gw_cli: PASS"
+exit $fail
