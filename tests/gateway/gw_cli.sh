@@ -42,7 +42,7 @@ expect keys 0 '2 bearer key\(s\)' -- -o "gateway_keys=$tmp/keys"
 expect keys_missing 1 "cannot use the keys file $tmp/nothere" -- -o "gateway_keys=$tmp/nothere"
 expect keys_none 1 'holds no key' -- -o "gateway_keys=$tmp/nokeys"
 expect key_too_long 1 'keys are < 256 bytes' -- -o "gateway_keys=$tmp/longkey"
-expect keys_world_readable 0 'readable by everyone.*configuration OK|configuration OK' -- -o "gateway_keys=$tmp/openkeys"
+expect keys_world_readable 0 'configuration OK' -- -o "gateway_keys=$tmp/openkeys"
 grep -q 'readable by everyone' "$tmp/out" && echo "ok   keys_world_readable_warns" ||
     { echo "FAIL keys_world_readable_warns: $(cat "$tmp/out")"; fail=1; }
 expect listen_ok 0 'listen 127.0.0.1:8123' -- -l 127.0.0.1:8123

@@ -64,7 +64,6 @@ grep -qE '^/dev/stdin: 20 bytes, [0-9]+ tokens, 1 runs, ' "$tmp/out" && ok bench
     bad bench_pipe_line "$(cat "$tmp/out")"
 
 # bad input: a message and the documented exit status
-in=$tmp/text
 printf '12 x4\n' >"$tmp/badids"
 in=$tmp/badids
 expect decode_bad_id 1 'bad id' -- "$tk" --decode --tokenizer "$json"
