@@ -228,6 +228,16 @@ gw_bad(struct gw_bad *b, unsigned status, const char *code, const char *fmt, ...
     return -1;
 }
 
+/* Whether x is the JSON string s (false for null and every other type:
+ * json_object_get_string is NULL for a JSON null, and a string of its JSON
+ * text for numbers, arrays and objects). */
+static bool
+gw_str_is(json_object *x, const char *s)
+{
+    return json_object_get_type(x) == json_type_string &&
+        strcmp(json_object_get_string(x), s) == 0;
+}
+
 /* Number field: absent/null -> *has false; else range-checked. */
 static int
 gw_num(json_object *o, const char *key, double lo, double hi, bool integer, double *v,
@@ -265,6 +275,19 @@ gw_bool(json_object *o, const char *key, bool *v, struct gw_bad *b)
     return 0;
 }
 
+/* Object field: absent/null -> *x NULL; an object -> *x; else 400. */
+static int
+gw_obj(json_object *o, const char *key, json_object **x, struct gw_bad *b)
+{
+    if (!json_object_object_get_ex(o, key, x) || *x == NULL) {
+        *x = NULL;
+        return 0;
+    }
+    if (json_object_get_type(*x) != json_type_object)
+        return gw_bad(b, 400, "invalid_type", "\"%s\" must be an object", key);
+    return 0;
+}
+
 /* Parameters the server does not implement: refused when set to anything
  * but their neutral value, so a client never silently gets other semantics. */
 static int
@@ -277,11 +300,16 @@ gw_refuse_unsupported(json_object *o, bool chat, struct gw_bad *b)
     json_object *x;
     size_t i;
 
-    for (i = 0; i < sizeof(zero_keys) / sizeof(zero_keys[0]); i++)
-        if (json_object_object_get_ex(o, zero_keys[i], &x) && x != NULL &&
-            json_object_get_double(x) != 0.0)
+    double v;
+    bool has, echo = false;
+
+    for (i = 0; i < sizeof(zero_keys) / sizeof(zero_keys[0]); i++) {
+        if (gw_num(o, zero_keys[i], -HUGE_VAL, HUGE_VAL, false, &v, &has, b) != 0)
+            return -1;
+        if (has && v != 0.0)
             return gw_bad(b, 400, "unsupported_parameter", "\"%s\" is not supported "
                 "(only 0)", zero_keys[i]);
+    }
     for (i = 0; i < sizeof(null_keys) / sizeof(null_keys[0]); i++) {
         if (!json_object_object_get_ex(o, null_keys[i], &x) || x == NULL)
             continue;
@@ -293,14 +321,14 @@ gw_refuse_unsupported(json_object *o, bool chat, struct gw_bad *b)
             continue;
         if (strcmp(null_keys[i], "response_format") == 0 &&
             json_object_get_type(x) == json_type_object &&
-            json_object_object_get_ex(x, "type", &x) &&
-            strcmp(json_object_get_string(x), "text") == 0)
+            json_object_object_get_ex(x, "type", &x) && gw_str_is(x, "text"))
             continue;
         return gw_bad(b, 400, "unsupported_parameter", "\"%s\" is not supported by this "
             "server", null_keys[i]);
     }
-    if (!chat && json_object_object_get_ex(o, "echo", &x) && x != NULL &&
-        json_object_get_boolean(x))
+    if (!chat && gw_bool(o, "echo", &echo, b) != 0)
+        return -1;
+    if (echo)
         return gw_bad(b, 400, "unsupported_parameter", "\"echo\" is not supported");
     return 0;
 }
@@ -357,8 +385,7 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
     }
     for (i = 0; i < json_object_array_length(x); i++) {
         part = json_object_array_get_idx(x, i);
-        if (!json_object_object_get_ex(part, "type", &ty) ||
-            strcmp(json_object_get_string(ty), "text") != 0 ||
+        if (!json_object_object_get_ex(part, "type", &ty) || !gw_str_is(ty, "text") ||
             !json_object_object_get_ex(part, "text", &tx) ||
             json_object_get_type(tx) != json_type_string) {
             dsv4_tok_text_free(&t);
@@ -411,17 +438,21 @@ gw_parse_messages(struct gw *g, json_object *o, json_object *hold, struct gw_ask
         json_object_object_get_ex(m, "content", &c);
         if ((a->msgs[i].content = gw_content(c, hold, b)) == NULL)
             return -1;
-        if (json_object_object_get_ex(m, "reasoning_content", &rc) && rc != NULL &&
-            json_object_get_type(rc) == json_type_string)
+        if (json_object_object_get_ex(m, "reasoning_content", &rc) && rc != NULL) {
+            if (json_object_get_type(rc) != json_type_string)
+                return gw_bad(b, 400, "invalid_type", "messages[%zu].reasoning_content must "
+                    "be a string", i);
             a->msgs[i].reasoning = json_object_get_string(rc);
+        }
     }
     a->n_msgs = n;
     /* Thinking mode: "thinking": true, or chat_template_kwargs.thinking (as
      * vLLM and SGLang take it for DeepSeek models). */
     if (gw_bool(o, "thinking", &a->copts.thinking, b) != 0)
         return -1;
-    if (json_object_object_get_ex(o, "chat_template_kwargs", &kw) && kw != NULL &&
-        gw_bool(kw, "thinking", &a->copts.thinking, b) != 0)
+    if (gw_obj(o, "chat_template_kwargs", &kw, b) != 0)
+        return -1;
+    if (kw != NULL && gw_bool(kw, "thinking", &a->copts.thinking, b) != 0)
         return -1;
     if (json_object_object_get_ex(o, "reasoning_effort", &x) && x != NULL) {
         if (json_object_get_type(x) != json_type_string)
@@ -528,8 +559,9 @@ gw_parse_params(struct gw_gen *q, json_object *o, struct gw_ask *a, struct gw_ba
         return -1;
     if (gw_bool(o, "stream", &q->stream, b) != 0)
         return -1;
-    if (json_object_object_get_ex(o, "stream_options", &so) && so != NULL &&
-        gw_bool(so, "include_usage", &q->include_usage, b) != 0)
+    if (gw_obj(o, "stream_options", &so, b) != 0)
+        return -1;
+    if (so != NULL && gw_bool(so, "include_usage", &q->include_usage, b) != 0)
         return -1;
     if (gw_bool(o, "return_token_ids", &q->return_ids, b) != 0)
         return -1;

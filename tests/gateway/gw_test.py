@@ -26,6 +26,14 @@ decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
               drain gives 503 on /health and on requests, undrain restores;
               on a scheduler without ranks (queue_max 1, 1 s deadline): 504
               for the queued request, 429 for the one after, /health 503.
+  types       about 2,000 requests: every field of both routes, and the
+              fields inside messages, content parts, prompts, stop arrays,
+              stream_options, chat_template_kwargs and response_format, set
+              to values of every JSON type (null, bools, numbers out of
+              range, strings, arrays, objects): each gets 200 or an OpenAI
+              error, a value of a type its field never takes is refused, the
+              gateway never stops (it used to crash on a content part or
+              response_format whose "type" was null), nothing is left over.
   prometheus  a real Prometheus server (Debian's `prometheus`) scrapes the
               gateway; the PromQL query of the request counter (HTTP API
               /api/v1/query) returns the number of requests the test made;
@@ -613,6 +621,143 @@ def sc_robust():
     overload()
 
 
+# Values of every JSON type, and of the shapes the gateway looks into.
+ODD_VALUES = [None, True, False, 0, -1, 1, 2.5, 1e300, -1e300, 2 ** 63, "", "x", "text",
+              [], [None], [1], ["x"], [[1]], [{}], {}, {"type": None},
+              {"type": "text"}, {"type": 5}, {"thinking": None}, {"include_usage": None},
+              {"x": [None]}]
+COMMON_KEYS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+               "top_k", "seed", "stop", "stream", "stream_options", "return_token_ids",
+               "logprobs", "n", "presence_penalty", "frequency_penalty", "suffix",
+               "tools", "functions", "tool_choice", "function_call", "logit_bias",
+               "best_of", "response_format", "audio", "prediction", "modalities",
+               "user", "unknown_key"]
+
+# The JSON type each typed field takes besides null (docs/gateway.md); a value
+# of any other type must be refused (400).  "logprobs" is a number on
+# /v1/completions and a bool on chat.
+FIELD_KINDS = {"model": "string", "max_tokens": "number", "max_completion_tokens": "number",
+               "temperature": "number", "top_p": "number", "top_k": "number",
+               "seed": "number", "n": "number", "presence_penalty": "number",
+               "frequency_penalty": "number", "top_logprobs": "number",
+               "best_of": "number", "stream": "bool", "return_token_ids": "bool",
+               "thinking": "bool", "echo": "bool", "stream_options": "object",
+               "chat_template_kwargs": "object", "response_format": "object",
+               "logit_bias": "object", "reasoning_effort": "string",
+               "messages": "array"}
+
+
+def json_kind(v):
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}[type(v)]
+
+
+def wrong_kind(path, key, v):
+    """Whether v is of a type that `key` never takes."""
+    kind = FIELD_KINDS.get(key)
+    if key == "logprobs":
+        kind = "bool" if path == "/v1/chat/completions" else "number"
+    elif key == "stop":
+        return json_kind(v) not in ("null", "string", "array")
+    elif key == "prompt":
+        return json_kind(v) not in ("string", "array")
+    return kind is not None and json_kind(v) not in ("null", kind)
+
+
+def prompt_ok(p):
+    """docs/gateway.md's prompt: a non-empty string, a non-empty array of token
+    ids (the test model's 129,280), or a one-element array holding one of
+    those."""
+    def ids(x):
+        return (isinstance(x, list) and x and
+                all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 129280
+                    for i in x))
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    return (isinstance(p, str) and p != "") or ids(p)
+
+
+def odd_bodies():
+    """(path, body, must_refuse) triples: each key of both routes set to each
+    of ODD_VALUES (must_refuse when the value's type is wrong for the key),
+    then the same values inside messages, content parts and prompts."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    comp = {"prompt": "x", "max_tokens": 1}
+    out = []
+    for v in ODD_VALUES:
+        for path, base, keys in [
+                ("/v1/chat/completions", chat, COMMON_KEYS + [
+                    "messages", "thinking", "chat_template_kwargs", "reasoning_effort",
+                    "top_logprobs"]),
+                ("/v1/completions", comp, COMMON_KEYS + ["prompt", "echo"])]:
+            for k in keys:
+                b = dict(base)
+                b[k] = v
+                out.append((path, b, wrong_kind(path, k, v)))
+        k = json_kind(v)
+        for msgs, refuse in (
+                ([v], k != "object"),
+                ([{"role": v, "content": "x"}], True),
+                ([{"role": "user", "content": v}], k not in ("null", "string", "array")),
+                ([{"role": "user", "content": [v]}], True),
+                ([{"role": "user", "content": [{"type": v, "text": "x"}]}], v != "text"),
+                ([{"role": "user", "content": [{"type": "text", "text": v}]}], k != "string"),
+                ([{"role": "assistant", "content": "x", "reasoning_content": v},
+                  {"role": "user", "content": "y"}], k not in ("null", "string"))):
+            out.append(("/v1/chat/completions", dict(chat, messages=msgs), refuse))
+        for prompt in ([v], [[v]], [1, v]):
+            out.append(("/v1/completions", dict(comp, prompt=prompt), not prompt_ok(prompt)))
+        out.append(("/v1/chat/completions", dict(chat, stream=True,
+                                                 stream_options={"include_usage": v}),
+                    k not in ("null", "bool")))
+        out.append(("/v1/chat/completions", dict(chat, chat_template_kwargs={"thinking": v}),
+                    k not in ("null", "bool")))
+        out.append(("/v1/chat/completions", dict(chat, response_format={"type": v}),
+                    v != "text"))
+        out.append(("/v1/completions", dict(comp, stop=[v]), k != "string" or v == ""))
+    return out
+
+
+def sc_types():
+    svc = GwService()
+    try:
+        bodies = odd_bodies()
+        n_ok = 0
+        for path, body, must_refuse in bodies:
+            text = json.dumps(body)
+            try:
+                st, _, data = svc.http("POST", path, text, timeout=60)
+            except (OSError, http.client.HTTPException) as e:
+                raise Fail("%s %s: no answer (%r); the gateway's log:\n%s" %
+                           (path, text, e, svc.errlog()))
+            check(not (must_refuse and st == 200), "%s %s: accepted a value of the wrong "
+                  "type" % (path, text))
+            if st == 200:
+                n_ok += 1
+                check(data, "%s %s: 200 with an empty body" % (path, text))
+                if body.get("stream") is not True:
+                    json.loads(data)
+            else:
+                check(st in (400, 404), "%s %s: status %d: %s" % (path, text, st, data[:300]))
+                error_of(st, data, st)
+        log("%d requests with values of every JSON type in every field: %d answered 200, "
+            "%d refused with an OpenAI error (%d of them of a wrong type), the gateway "
+            "never stopped" % (len(bodies), n_ok, len(bodies) - n_ok,
+                               sum(1 for b in bodies if b[2])))
+        svc.check_no_leaks()
+        st, _, data = svc.http("POST", "/v1/completions", {"prompt": "still there?",
+                                                           "max_tokens": 4})
+        check(st == 200 and json.loads(data)["usage"]["completion_tokens"] >= 1,
+              "gateway stopped serving: %d %s" % (st, data[:200]))
+    finally:
+        svc.stop()
+
+
 def overload():
     """A scheduler without ranks, queue_max 1, gateway_timeout_ms 1000: a
     first request waits in the queue until its deadline (504); one sent
@@ -761,7 +906,8 @@ scrape_configs:
         shutil.rmtree(pdir, ignore_errors=True)
 
 
-SCENARIOS = {"api": sc_api, "robust": sc_robust, "prometheus": sc_prometheus}
+SCENARIOS = {"api": sc_api, "robust": sc_robust, "types": sc_types,
+             "prometheus": sc_prometheus}
 
 
 def main():
