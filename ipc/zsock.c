@@ -243,6 +243,98 @@ fail:
     return NULL;
 }
 
+#define IPC_PATH_MAX 107   /* sockaddr_un.sun_path less its NUL, as libzmq checks */
+#define INPROC_PREFIX "inproc://"
+
+/* ipc://PATH: the path fits; a bind's directory exists and is writable
+ * ("*" binds a fresh temporary name, "@NAME" the abstract namespace). */
+static enum dsv4_err
+check_ipc(const char *ep, const char *path, bool bind)
+{
+    char dir[PATH_MAX_DSV4];
+    const char *slash = strrchr(path, '/');
+    struct stat st;
+
+    if (*path == '\0')
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: no socket path", ep);
+    if (strlen(path) > IPC_PATH_MAX)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: the socket path is longer than %d bytes",
+            ep, IPC_PATH_MAX);
+    if (!bind || strcmp(path, "*") == 0 || path[0] == '@')
+        return DSV4_OK;
+    if (slash == NULL)
+        snprintf(dir, sizeof(dir), ".");
+    else if (slash == path)
+        snprintf(dir, sizeof(dir), "/");
+    else
+        snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path), path);
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: no directory %s", ep, dir);
+    if (access(dir, W_OK | X_OK) != 0)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: cannot create the socket in %s: %s", ep,
+            dir, strerror(errno));
+    return DSV4_OK;
+}
+
+/* tcp://HOST:PORT (HOST may be [v6], a name, an interface or '*'). */
+static enum dsv4_err
+check_tcp(const char *ep, const char *addr, bool bind)
+{
+    const char *colon = strrchr(addr, ':');
+    char *end;
+    long port;
+
+    if (colon == NULL || colon == addr)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: not tcp://HOST:PORT", ep);
+    if (!bind && colon - addr == 1 && addr[0] == '*')
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: '*' is no host to connect to", ep);
+    if (bind && strcmp(colon + 1, "*") == 0)
+        return DSV4_OK;
+    errno = 0;
+    port = strtol(colon + 1, &end, 10);
+    if (colon[1] == '\0' || *end != '\0' || errno != 0 || port < 1 || port > 65535)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: the port is not a number of 1 ... 65535%s",
+            ep, bind ? " or *" : "");
+    return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_zsock_check(const struct dsv4_zsock_cfg *cfg)
+{
+    const char *ep = cfg->endpoint, *dir;
+    char path[PATH_MAX_DSV4], key[DSV4_ZSOCK_Z85_LEN + 1];
+    bool bind = cfg->bind, curve;
+    enum dsv4_err e;
+
+    if (ep == NULL || *ep == '\0')
+        return dsv4_err_set(DSV4_ERR_CONFIG, "no endpoint configured");
+    if (*ep == '@' || *ep == '>') {
+        bind = *ep == '@';
+        ep++;
+    }
+    if (strncmp(ep, IPC_PREFIX, strlen(IPC_PREFIX)) == 0)
+        e = check_ipc(ep, ep + strlen(IPC_PREFIX), bind);
+    else if (strncmp(ep, TCP_PREFIX, strlen(TCP_PREFIX)) == 0)
+        e = check_tcp(ep, ep + strlen(TCP_PREFIX), bind);
+    else if (strncmp(ep, INPROC_PREFIX, strlen(INPROC_PREFIX)) == 0 &&
+             ep[strlen(INPROC_PREFIX)] != '\0')
+        e = DSV4_OK;
+    else
+        e = dsv4_err_set(DSV4_ERR_CONFIG, "%s: not ipc://PATH, tcp://HOST:PORT or "
+            "inproc://NAME", ep);
+    if (e != DSV4_OK)
+        return e;
+    curve = cfg->curve == DSV4_CURVE_ON ||
+        (cfg->curve == DSV4_CURVE_AUTO && strncmp(ep, TCP_PREFIX, strlen(TCP_PREFIX)) == 0);
+    if (!curve || (!bind && cfg->server_key != NULL))
+        return DSV4_OK;
+    dir = cfg->key_dir != NULL ? cfg->key_dir : DSV4_ZSOCK_KEY_DIR;
+    snprintf(path, sizeof(path), "%s/server.%s", dir, bind ? "key" : "pub");
+    e = dsv4_zsock_key_read(path, key);
+    memset(key, 0, sizeof(key));
+    return e;
+}
+
 void
 dsv4_zsock_close(void *sock)
 {

@@ -68,6 +68,19 @@ void dsv4_zsock_cfg_init(struct dsv4_zsock_cfg *cfg);
  */
 void *dsv4_zsock_open(void *zctx, const struct dsv4_zsock_cfg *cfg, enum dsv4_err *err);
 
+/*
+ * What dsv4_zsock_open would refuse in `cfg`, found without a socket (the
+ * daemons' -n check, their units' ExecStartPre=): the endpoint's form
+ * (ipc://PATH with PATH at most 107 bytes, tcp://HOST:PORT with PORT a
+ * number of 1 ... 65535, or '*' when binding, inproc://NAME); for an ipc://
+ * bind, a writable directory; with CURVE on, the key file the socket would
+ * read (server.key to bind, server.pub to connect unless server_key is set).
+ * Returns DSV4_OK or DSV4_ERR_CONFIG (DSV4_ERR_SYS for an unreadable key)
+ * with the reason in dsv4_errmsg().  Name resolution and address conflicts
+ * are left to the open.
+ */
+enum dsv4_err dsv4_zsock_check(const struct dsv4_zsock_cfg *cfg);
+
 /* Close a socket from dsv4_zsock_open; NULL is a no-op. */
 void dsv4_zsock_close(void *sock);
 

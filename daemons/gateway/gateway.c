@@ -23,17 +23,26 @@
 
 #include <systemd/sd-daemon.h>
 
+#include "common/cli.h"
 #include "common/config_file.h"
 #include "common/log.h"
 #include "common/sdnotify.h"
 #include "daemons/gateway/gateway.h"
 
 static void __attribute__((noreturn))
-usage(void)
+usage(int status)
 {
-    fprintf(stderr, "usage: dsv4-gateway [-nv] [-f config] [-o key=value]... "
-        "[-l host:port]\n");
-    exit(2);
+    dsv4_cli_usage(
+        "usage: dsv4-gateway [-nv] [-f CONFIG] [-o KEY=VALUE]... [-l HOST:PORT]\n",
+        "The OpenAI-compatible HTTP gateway in front of the scheduler (docs/gateway.md).\n"
+        "  -f CONFIG      configuration file (default " DSV4_CONF_DEFAULT_PATH " when it exists)\n"
+        "  -o KEY=VALUE   set one configuration key over the file (up to 64)\n"
+        "  -l HOST:PORT   listen there (over gateway_listen; a socket passed by systemd wins)\n"
+        "  -n             check the configuration, the keys file, the tokenizer and the\n"
+        "                 listen address, print \"configuration OK\" and exit\n"
+        "  -v             more logging (-vv: debug)\n"
+        "  -h, --help     this help\n"
+        "      --version  the version\n", status);
 }
 
 /* Read the bearer tokens: one per line, blanks trimmed, '#' comments. */
@@ -127,6 +136,11 @@ int
 main(int argc, char **argv)
 {
     static struct gw g;
+    static const struct option lopts[] = {
+        { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
+        { NULL, 0, NULL, 0 },
+    };
     const char *conf_path = NULL, *listen = NULL;
     bool check = false;
     int ch, verbose = 0, sigfd, n_fds, listen_fd = -1;
@@ -136,22 +150,24 @@ main(int argc, char **argv)
 
     log_init(0);
     log_procinit("gateway");
-    while ((ch = getopt(argc, argv, "nvf:o:l:")) != -1) {
+    while ((ch = getopt_long(argc, argv, "hnvf:o:l:", lopts, NULL)) != -1) {
         switch (ch) {
         case 'n': check = true; break;
         case 'v': verbose++; break;
         case 'f': conf_path = optarg; break;
         case 'o':
             if (n_over >= 64)
-                usage();
+                usage(2);
             overrides[n_over++] = optarg;
             break;
         case 'l': listen = optarg; break;
-        default: usage();
+        case 'h': usage(0);
+        case DSV4_CLI_OPT_VERSION: dsv4_cli_version("dsv4-gateway");
+        default: usage(2);
         }
     }
     if (optind != argc)
-        usage();
+        usage(2);
     log_init(verbose);
     dsv4_conf_defaults(&g.conf);
     if (conf_path == NULL && access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0)

@@ -25,6 +25,7 @@
 
 #include <zmq.h>
 
+#include "common/cli.h"
 #include "common/log.h"
 #include "common/model_config.h"
 #include "common/sdnotify.h"
@@ -43,17 +44,45 @@
 #define RANK_POLL_KVX 2       /* poll slots: transport event fds (imports done) */
 #define RANK_POLL_N (RANK_POLL_KVX + DSV4_TRANSPORT__COUNT)
 
-static void
-usage(void)
+static void __attribute__((noreturn))
+usage(int status)
 {
-    fprintf(stderr,
-        "usage: dsv4-%s [-nv] [-f file] [-o key=value]... [--rank N] [--group N]\n"
+    char synopsis[512];
+
+    snprintf(synopsis, sizeof(synopsis),
+        "usage: dsv4-%s [-nv] [-f CONFIG] [-o KEY=VALUE]... [--rank N] [--group N]\n"
         "       [--checkpoint DIR] [--backend cpu|cuda] [--threads N] [--sched ENDPOINT]\n"
         "       [--slots N] [--max-seq N] [--rows N] [--kv-timeout-ms MS] [--role ROLE]\n"
         "       [--synthetic-weights SEED (--preset NAME | --config FILE) [--set K=V]...]\n"
-        "       [--no-graphs]\n",
-        dsv4_role_name(RANK_ROLE));
-    exit(2);
+        "       [--no-graphs]\n", dsv4_role_name(RANK_ROLE));
+    dsv4_cli_usage(synopsis,
+        "A dsv4 rank: registers with the scheduler and runs the model's forward for\n"
+        "the requests it is given (docs/architecture.md, docs/operations.md).\n"
+        "  -f CONFIG             configuration file (default " DSV4_CONF_DEFAULT_PATH "\n"
+        "                        when it exists; ROLE. and ROLE@N. keys win)\n"
+        "  -o KEY=VALUE          set one configuration key over the file (up to 64)\n"
+        "  -n                    check the configuration (the scheduler endpoint, the\n"
+        "                        checkpoint's tensors) without a device or a connection,\n"
+        "                        print it and exit\n"
+        "  -v                    more logging (-vv: debug)\n"
+        "  --rank N              this rank's index (the GPU with the CUDA backend; 0)\n"
+        "  --group N             its decode group (default N / group_size)\n"
+        "  --checkpoint DIR      over the checkpoint key\n"
+        "  --backend cpu|cuda    over the backend key\n"
+        "  --threads N           over the threads key (CPU backend)\n"
+        "  --sched ENDPOINT      over rank_endpoint (the scheduler's rank socket)\n"
+        "  --slots N             concurrent requests (default slots / prefill_slots)\n"
+        "  --max-seq N           over max_seq\n"
+        "  --rows N              rows per prefill forward call (default the larger of\n"
+        "                        256 and prefill_chunk)\n"
+        "  --kv-timeout-ms MS    free an exported decode state nobody claimed after MS\n"
+        "  --role ROLE           must name this executable's role\n"
+        "  --synthetic-weights SEED  generate the weights (seeded) instead of reading a\n"
+        "                        checkpoint; the model from --preset NAME or --config\n"
+        "                        FILE (a config.json), --set KEY=VALUE over it\n"
+        "  --no-graphs           no CUDA graphs for the decode step\n"
+        "  -h, --help            this help\n"
+        "      --version         the version\n", status);
 }
 
 /* --- Messages to the scheduler ------------------------------------------------- */
@@ -564,6 +593,61 @@ conf_set_or_die(struct dsv4_conf *c, const char *key, const char *value)
     }
 }
 
+/* -n: what the start would refuse, found without a device or a connection:
+ * the scheduler endpoint's form and CURVE key (dsv4_zsock_check), and the
+ * weights' source: the checkpoint (config.json and every tensor, mapped and
+ * checked as at start, then unmapped) or the synthetic model's
+ * configuration.  One line each on stdout; exits 1 on the first fault. */
+static void
+rank_check(const struct rank_opts *o)
+{
+    const char *role = dsv4_role_name(RANK_ROLE);
+    struct dsv4_zsock_cfg zc;
+    struct dsv4_weights w;
+    struct dsv4_config cfg;
+    enum dsv4_err e;
+
+    dsv4_zsock_cfg_init(&zc);
+    zc.endpoint = o->conf.rank_endpoint;
+    zc.type = ZMQ_DEALER;
+    zc.key_dir = o->conf.key_dir;
+    if (dsv4_zsock_check(&zc) != DSV4_OK) {
+        fprintf(stderr, "dsv4-%s: rank_endpoint: %s\n", role, dsv4_errmsg());
+        exit(1);
+    }
+    printf("scheduler %s\n", o->conf.rank_endpoint);
+#ifndef DSV4_HAVE_CUDA
+    if (strcmp(o->conf.backend, "cuda") == 0) {
+        fprintf(stderr, "dsv4-%s: backend cuda: this build has no CUDA\n", role);
+        exit(1);
+    }
+#endif
+    if (o->synthetic) {
+        if (strcmp(o->conf.backend, "cuda") != 0) {
+            fprintf(stderr, "dsv4-%s: --synthetic-weights needs the cuda backend\n", role);
+            exit(1);
+        }
+        e = o->model_preset != NULL ? dsv4_config_preset(&cfg, o->model_preset) :
+                                      dsv4_config_load(&cfg, o->model_config);
+        if (e == DSV4_OK && o->n_model_sets > 0)
+            e = dsv4_config_override(&cfg, o->n_model_sets, o->model_sets);
+        if (e != DSV4_OK) {
+            fprintf(stderr, "dsv4-%s: model config: %s\n", role, dsv4_errmsg());
+            exit(1);
+        }
+        printf("synthetic weights, seed %" PRIu64 ": %d layers\n", o->synth_seed,
+               (int)cfg.num_hidden_layers);
+        return;
+    }
+    if (dsv4_weights_load(&w, o->conf.checkpoint) != DSV4_OK) {
+        fprintf(stderr, "dsv4-%s: checkpoint %s: %s\n", role, o->conf.checkpoint,
+                dsv4_errmsg());
+        exit(1);
+    }
+    printf("checkpoint %s: %d layers (MTP included)\n", o->conf.checkpoint, w.n_layers);
+    dsv4_weights_free(&w);
+}
+
 /* Options over the configuration file over the defaults.  Returns true for
  * -n (check only). */
 static bool
@@ -587,6 +671,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         { "set", required_argument, NULL, OPT_MSET },
         { "no-graphs", no_argument, NULL, OPT_NO_GRAPHS },
         { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
     const char *over[64], *path = NULL, *set[OPT_KV_TIMEOUT + 1] = { 0 };
@@ -604,7 +689,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         case 'f': path = optarg; break;
         case 'o':
             if (n_over == (int)(sizeof(over) / sizeof(over[0])))
-                usage();
+                usage(2);
             over[n_over++] = optarg;
             break;
         case 'n': check = true; break;
@@ -637,7 +722,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         case OPT_MCONFIG: o->model_config = optarg; break;
         case OPT_MSET:
             if (o->n_model_sets == (int)(sizeof(o->model_sets) / sizeof(o->model_sets[0])))
-                usage();
+                usage(2);
             o->model_sets[o->n_model_sets++] = optarg;
             break;
         case OPT_NO_GRAPHS: o->no_graphs = true; break;
@@ -645,12 +730,16 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         case OPT_MAX_SEQ:
             set[c] = optarg;
             break;
+        case 'h':
+            usage(0);
+        case DSV4_CLI_OPT_VERSION:
+            dsv4_cli_version(RANK_ROLE == DSV4_ROLE_PREFILL ? "dsv4-prefill" : "dsv4-decode");
         default:
-            usage();
+            usage(2);
         }
     }
     if (optind != argc)
-        usage();
+        usage(2);
     if (o->synthetic && (o->model_preset == NULL) == (o->model_config == NULL)) {
         fprintf(stderr, "dsv4-%s: --synthetic-weights needs one of --preset NAME and "
                 "--config FILE\n", dsv4_role_name(RANK_ROLE));
@@ -716,6 +805,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         printf("# rank=%u group=%u group_rank=%u/%u slots=%d rows=%d kv_timeout_ms=%" PRId64
                "\n", (unsigned)o->index, (unsigned)o->group, (unsigned)o->group_rank,
                (unsigned)o->group_size, o->slots, o->rows, o->kv_timeout_ms);
+        rank_check(o);
         printf("configuration OK\n");
     }
     return check;

@@ -26,6 +26,7 @@
 #include <systemd/sd-daemon.h>
 #include <zmq.h>
 
+#include "common/cli.h"
 #include "common/log.h"
 #include "common/sdnotify.h"
 #include "daemons/sched/sched.h"
@@ -42,11 +43,20 @@ enum {
 #define RANK_HWM 1000000   /* rank link queues: never drop work messages */
 #define LINGER_MS 500      /* let final messages leave on exit */
 
-static void
-usage(void)
+static void __attribute__((noreturn))
+usage(int status)
 {
-    fprintf(stderr, "usage: dsv4-sched [-nv] [-f config] [-o key=value]...\n");
-    exit(2);
+    dsv4_cli_usage(
+        "usage: dsv4-sched [-nv] [-f CONFIG] [-o KEY=VALUE]...\n",
+        "The dsv4 scheduler: admits the clients' requests and places their prefill and\n"
+        "decode work on the ranks (docs/architecture.md, docs/operations.md).\n"
+        "  -f CONFIG      configuration file (default " DSV4_CONF_DEFAULT_PATH " when it exists)\n"
+        "  -o KEY=VALUE   set one configuration key over the file (up to 64)\n"
+        "  -n             check the configuration (endpoints, keys, tokenizer) without\n"
+        "                 binding, print \"configuration OK\" and exit\n"
+        "  -v             more logging (-vv: debug)\n"
+        "  -h, --help     this help\n"
+        "      --version  the version\n", status);
 }
 
 /*
@@ -327,7 +337,13 @@ main(int argc, char *argv[])
     int ch, n_over = 0, verbose = 0;
     bool check = false;
 
-    while ((ch = getopt(argc, argv, "f:hno:v")) != -1) {
+    static const struct option lopts[] = {
+        { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
+        { NULL, 0, NULL, 0 },
+    };
+
+    while ((ch = getopt_long(argc, argv, "f:hno:v", lopts, NULL)) != -1) {
         switch (ch) {
         case 'f':
             path = optarg;
@@ -337,24 +353,30 @@ main(int argc, char *argv[])
             break;
         case 'o':
             if (n_over == (int)(sizeof(over) / sizeof(over[0])))
-                usage();
+                usage(2);
             over[n_over++] = optarg;
             break;
         case 'v':
             verbose++;
             break;
+        case 'h':
+            usage(0);
+        case DSV4_CLI_OPT_VERSION:
+            dsv4_cli_version("dsv4-sched");
         default:
-            usage();
+            usage(2);
         }
     }
     if (optind != argc)
-        usage();
+        usage(2);
     log_init(verbose);
     log_procinit("sched");
     if (sched_config_load(&s.cfg, path, n_over, over) != 0)
         exit(1);
     s.cfg.verbose = verbose;
     if (check) {
+        if (sched_config_check(&s.cfg) != 0)
+            exit(1);
         printf("configuration OK\n");
         return 0;
     }

@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <sys/queue.h>
 
+#include "common/cli.h"
 #include "common/config_file.h"
 #include "common/tokenizer.h"
 #include "ipc/proto.h"
@@ -37,7 +38,7 @@
          (var) != NULL && ((tvar) = TAILQ_NEXT(var, field), 1); (var) = (tvar))
 #endif
 
-#define SCHED_VERSION "dsv4-sched 0.1.0"
+#define SCHED_VERSION "dsv4-sched " DSV4_VERSION
 #define SCHED_MAX_GROUP 64          /* ranks per group (TP x EP) */
 #define SCHED_MAX_RERUNS 4          /* re-runs of one request after rank deaths */
 #define SCHED_STOP_TIMEOUT_MS 10000 /* SIGTERM: time to finish in-flight work */
@@ -252,6 +253,12 @@ struct sched {
  * -o overrides (n "key=value" strings).  0, or -1 with the reason logged. */
 int sched_config_load(struct sched_config *c, const char *path, int n_over,
     char *const *over);
+
+/* -n: what the start would refuse, found without binding: each endpoint's
+ * form, directory and CURVE key (dsv4_zsock_check), and the tokenizer (a
+ * configured one must load; the default may be missing).  Prints one line
+ * per item on stdout; 0, or -1 with the reason logged. */
+int sched_config_check(const struct sched_config *c);
 
 /* --- sched_queue.c: admission and batching policy (pure) ------------------- */
 

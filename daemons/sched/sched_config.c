@@ -1,7 +1,8 @@
 /*
  * sched_config.c — dsv4-sched: read the configuration (the shared
  * /etc/dsv4/dsv4.conf through common/config_file.h, keys prefixed `sched.`
- * win) and the -o overrides of the command line.  Startup only.
+ * win) and the -o overrides of the command line, and -n's check of it.
+ * Startup only.
  */
 #include <stdio.h>
 #include <string.h>
@@ -32,5 +33,45 @@ sched_config_load(struct sched_config *c, const char *path, int n_over, char *co
     /* An explicitly configured tokenizer must load; the default is optional
      * (token-id requests need none). */
     c->tokenizer_required = strcmp(c->file.tokenizer, DSV4_TOKENIZER_DEFAULT) != 0;
+    return 0;
+}
+
+int
+sched_config_check(const struct sched_config *c)
+{
+    static const char *const what[] = { "client", "rank", "admin" };
+    const char *eps[] = { c->file.client_endpoint, c->file.rank_endpoint,
+                          c->file.admin_endpoint };
+    struct dsv4_zsock_cfg zc;
+    struct dsv4_tok *tok;
+    const char *tp = c->file.tokenizer;
+
+    for (int i = 0; i < 3; i++) {
+        dsv4_zsock_cfg_init(&zc);
+        zc.bind = true;
+        zc.endpoint = eps[i];
+        zc.key_dir = c->file.key_dir;
+        if (dsv4_zsock_check(&zc) != DSV4_OK) {
+            log_warnx("config: %s_endpoint: %s", what[i], dsv4_errmsg());
+            return -1;
+        }
+        printf("%s socket %s\n", what[i], eps[i]);
+    }
+    if (strcmp(tp, "none") == 0) {
+        printf("tokenizer none: token-id prompts only\n");
+        return 0;
+    }
+    if (!c->tokenizer_required)
+        tp = dsv4_tok_default_path();
+    if (dsv4_tok_load(&tok, tp, DSV4_TOK_HF) != DSV4_OK) {
+        if (c->tokenizer_required) {
+            log_warnx("config: tokenizer: %s", dsv4_errmsg());
+            return -1;
+        }
+        printf("no tokenizer (%s): token-id prompts only\n", dsv4_errmsg());
+        return 0;
+    }
+    printf("tokenizer %s (%d ids)\n", tp, dsv4_tok_vocab_size(tok));
+    dsv4_tok_free(tok);
     return 0;
 }

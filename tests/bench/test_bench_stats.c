@@ -358,6 +358,7 @@ test_opts_errors(void **state)
         { "--token-range", "5", NULL }, { "--token-range", "-1:5", NULL }, { "-w", "-2", NULL },
         { "-p", "normal:3", NULL }, { "-l", "0", NULL }, { "--bogus", NULL, NULL },
         { "-c", NULL, NULL }, { "positional", NULL, NULL }, { "--timeout", "1e3", NULL },
+        { "-j", "", NULL }, { "--plot", "", NULL },
     };
     struct bench_opts o;
     char err[256];

@@ -75,6 +75,7 @@ expect no_tokenizer 1 'dsv4-tokenize: ' -- "$tk" --tokenizer "$tmp/nonexistent.j
 expect bench_no_file 1 'nonexistent' -- "$tk" --bench "$tmp/nonexistent" --tokenizer "$json"
 expect repeat_not_number 2 'repeat wants a count' -- "$tk" --bench "$tmp/docs" --repeat abc
 expect repeat_zero 2 'repeat wants a count' -- "$tk" --bench "$tmp/docs" --repeat 0
+expect repeat_overflow 2 'repeat wants a count' -- "$tk" --bench "$tmp/docs" --repeat 99999999999999999999
 expect unknown_option 2 'usage' -- "$tk" --frobnicate
 expect stray_argument 2 'usage' -- "$tk" --tokenizer "$json" extra
 

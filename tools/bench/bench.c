@@ -42,7 +42,8 @@ main(int argc, char **argv)
     if (rc == 1)
         return 0;
     if (rc != 0) {
-        fprintf(stderr, "dsv4-bench: %s (--help lists the options)\n", err);
+        fprintf(stderr, "dsv4-bench: %s\n", err);
+        bench_usage_error(stderr);
         return 2;
     }
     memset(&sa, 0, sizeof(sa));

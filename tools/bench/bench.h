@@ -160,7 +160,7 @@ struct bench_opts {
 void bench_opts_init(struct bench_opts *o);
 /*
  * Parse argv (getopt_long; resets getopt, so it may be called repeatedly).
- * Returns 0; 1 when help was asked (usage printed on stdout); -1 on a usage
+ * Returns 0; 1 when --help or --version was answered (on stdout); -1 on a usage
  * error with the reason in err.
  */
 int bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t errlen);
@@ -168,6 +168,8 @@ int bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, siz
 int bench_parse_levels(struct bench_opts *o, const char *s, char *err, size_t errlen);
 /* Print the usage text on f. */
 void bench_usage(FILE *f);
+/* The synopsis and a pointer to --help (after a usage error). */
+void bench_usage_error(FILE *f);
 
 /* --- one concurrency level ------------------------------------------ */
 

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "common/cli.h"
 
 #define DEFAULT_ENDPOINT "ipc:///run/dsv4/client.sock"
 
@@ -18,13 +19,21 @@ enum {
     OPT_TIMEOUT, OPT_PLOT_SCRIPT,
 };
 
+#define BENCH_SYNOPSIS \
+    "usage: dsv4-bench [-e endpoint] [-K keyfile] [-c list] [-p spec] [-l spec]\n" \
+    "                  [-n requests | -d seconds] [-w warmup] [-s seed] [-t temp]\n" \
+    "                  [-j file.json] [-P file.png] [-L label] [-q] [more options]\n"
+
+void
+bench_usage_error(FILE *f)
+{
+    fputs(BENCH_SYNOPSIS "Try 'dsv4-bench --help' for more information.\n", f);
+}
+
 void
 bench_usage(FILE *f)
 {
-    fprintf(f,
-        "usage: dsv4-bench [-e endpoint] [-K keyfile] [-c list] [-p spec] [-l spec]\n"
-        "                  [-n requests | -d seconds] [-w warmup] [-s seed] [-t temp]\n"
-        "                  [-j file.json] [-P file.png] [-L label] [-q] [more options]\n"
+    fprintf(f, BENCH_SYNOPSIS
         "  -e, --endpoint EP       scheduler client endpoint ($DSV4_ENDPOINT,\n"
         "                          default " DEFAULT_ENDPOINT ")\n"
         "  -K, --server-key FILE   CURVE public key file of the server\n"
@@ -48,7 +57,9 @@ bench_usage(FILE *f)
         "  -P, --plot FILE.png     draw throughput and latency vs concurrency\n"
         "      --plot-script FILE  plot.py to run ($DSV4_BENCH_PLOT; default: installed)\n"
         "  -L, --label TEXT        series name in the JSON and the plot\n"
-        "  -q, --quiet             no table on stderr\n",
+        "  -q, --quiet             no table on stderr\n"
+        "  -h, --help              this help\n"
+        "      --version           the version\n",
         BENCH_MAX_CONCURRENCY);
 }
 
@@ -182,6 +193,7 @@ bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t 
         { "label", required_argument, NULL, 'L' },
         { "quiet", no_argument, NULL, 'q' },
         { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
     long long v;
@@ -245,6 +257,9 @@ bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t 
         case 'h':
             bench_usage(stdout);
             return 1;
+        case DSV4_CLI_OPT_VERSION:
+            printf("dsv4-bench %s\n", DSV4_VERSION);
+            return 1;
         case ':':
             snprintf(err, errlen, "option '%s' needs an argument", argv[optind - 1]);
             return -1;
@@ -257,6 +272,11 @@ bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t 
         return -1;
     if (optind < argc) {
         snprintf(err, errlen, "unexpected argument '%s'", argv[optind]);
+        return -1;
+    }
+    if ((o->json_path != NULL && o->json_path[0] == '\0') ||
+        (o->plot_path != NULL && o->plot_path[0] == '\0')) {
+        snprintf(err, errlen, "--json and --plot need a file name");
         return -1;
     }
     if (have_n && have_d) {

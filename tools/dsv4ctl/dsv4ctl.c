@@ -27,6 +27,7 @@
 
 #include <zmq.h>
 
+#include "common/cli.h"
 #include "common/config_file.h"
 #include "common/log.h"
 #include "ipc/proto.h"
@@ -40,21 +41,30 @@ struct ctl {
     int n_items;
 };
 
-static void
-usage(void)
+static void __attribute__((noreturn))
+usage(int status)
 {
-    fprintf(stderr,
-        "usage: dsv4ctl [--admin ENDPOINT] [--json] [-f CONFIG] command\n"
-        "commands:\n"
+    dsv4_cli_usage(
+        "usage: dsv4ctl [--admin ENDPOINT] [--json] [-f CONFIG] COMMAND [ARG]\n",
+        "The dsv4 scheduler's admin client (docs/operations.md).  Commands:\n"
         "  status                          scheduler state and metrics\n"
         "  ranks                           registered ranks\n"
         "  requests                        requests in flight\n"
         "  drain [RANK|all] [--timeout S]  stop admissions / placements, wait until done\n"
+        "                                  (at most S seconds: 408 then)\n"
         "  undrain [RANK|all]              lift a drain\n"
         "  keygen [DIR]                    write DIR/server.key and server.pub (CURVE\n"
         "                                  keys of tcp:// endpoints; DIR = key_dir)\n"
-        "RANK is prefill@N or decode@N.\n");
-    exit(2);
+        "RANK is prefill@N or decode@N.  Options:\n"
+        "  -a, --admin ENDPOINT  the scheduler's admin socket (default admin_endpoint)\n"
+        "  -f CONFIG             configuration file (default " DSV4_CONF_DEFAULT_PATH ")\n"
+        "  -j, --json            answers as JSON\n"
+        "  -t, --timeout S       drain's limit in seconds (0 ... 86400; 0: none)\n"
+        "  -h, --help            this help\n"
+        "      --version         the version\n"
+        "Exit status: 0 done, 1 refused by the scheduler (or keygen failed), 2 usage\n"
+        "or configuration (a bad endpoint included), 3 no answer from the scheduler.\n",
+        status);
 }
 
 /* Print `s` as a JSON string. */
@@ -342,12 +352,14 @@ main(int argc, char *argv[])
         { "json", no_argument, NULL, 'j' },
         { "timeout", required_argument, NULL, 't' },
         { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
     struct dsv4_zsock_cfg zc;
     struct dsv4_conf conf;
     struct ctl c = { 0 };
     const char *endpoint = NULL, *path = NULL, *cmd, *target = NULL;
+    char *end;
     double timeout_s = 0;
     int ch, rc;
 
@@ -358,21 +370,32 @@ main(int argc, char *argv[])
         case 'a': endpoint = optarg; break;
         case 'f': path = optarg; break;
         case 'j': c.json = true; break;
-        case 't': timeout_s = atof(optarg); break;
-        default: usage();
+        case 't':
+            errno = 0;
+            timeout_s = strtod(optarg, &end);
+            if (errno != 0 || end == optarg || *end != '\0' || !(timeout_s >= 0) ||
+                timeout_s > DSV4_PROTO_MAX_TIMEOUT_MS / 1000) {
+                fprintf(stderr, "dsv4ctl: --timeout: %s is not a number of seconds in "
+                        "0 ... %u\n", optarg, DSV4_PROTO_MAX_TIMEOUT_MS / 1000);
+                usage(2);
+            }
+            break;
+        case 'h': usage(0);
+        case DSV4_CLI_OPT_VERSION: dsv4_cli_version("dsv4ctl");
+        default: usage(2);
         }
     }
     if (optind >= argc)
-        usage();
+        usage(2);
     cmd = argv[optind++];
     if (optind < argc) {
         if (strcmp(cmd, "drain") != 0 && strcmp(cmd, "undrain") != 0 &&
             strcmp(cmd, "keygen") != 0)
-            usage();
+            usage(2);
         target = argv[optind++];
     }
     if (optind != argc)
-        usage();
+        usage(2);
     log_init(0);
     log_procinit("dsv4ctl");
     if (endpoint == NULL || strcmp(cmd, "keygen") == 0) {
@@ -411,7 +434,7 @@ main(int argc, char *argv[])
     if ((c.sock = dsv4_zsock_open(c.zctx, &zc, NULL)) == NULL) {
         fprintf(stderr, "dsv4ctl: %s: %s\n", endpoint, dsv4_errmsg());
         zmq_ctx_term(c.zctx);
-        return 3;
+        return 2;   /* a bad endpoint: configuration */
     }
     if (strcmp(cmd, "status") == 0)
         rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
@@ -424,7 +447,7 @@ main(int argc, char *argv[])
     else if (strcmp(cmd, "undrain") == 0)
         rc = drain(&c, DSV4_CTL_UNDRAIN, target, 0);
     else
-        usage();
+        usage(2);
     dsv4_zsock_close(c.sock);
     zmq_ctx_term(c.zctx);
     return rc;

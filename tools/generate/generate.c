@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/cli.h"
 #include "dsv4/client.h"
 
 #define DEFAULT_ENDPOINT "ipc:///run/dsv4/client.sock"
@@ -47,15 +48,32 @@ on_sigint(int sig)
     interrupted = 1;
 }
 
-static void
-usage(void)
+static void __attribute__((noreturn))
+usage(int status)
 {
-    fprintf(stderr, "usage: dsv4-generate [-e endpoint] [-K keyfile] [-n max_tokens] "
-        "[-t temperature] [-p top_p]\n"
-        "                     [-k top_k] [-s seed] [-S stop]... [--stop-id id]... [--ids]\n"
-        "                     [--timeout ms] [--connect-timeout ms] [--logprobs] [--tag tag]\n"
-        "                     [--usage] [prompt ...]\n");
-    exit(2);
+    dsv4_cli_usage(
+        "usage: dsv4-generate [-e ENDPOINT] [-K KEYFILE] [-n MAX_TOKENS] [-t TEMPERATURE]\n"
+        "                     [-p TOP_P] [-k TOP_K] [-s SEED] [-S STOP]... [--stop-id ID]...\n"
+        "                     [--ids] [--timeout MS] [--connect-timeout MS] [--logprobs]\n"
+        "                     [--tag TAG] [--usage] [PROMPT...]\n",
+        "Sends one prompt (the arguments, or standard input) to the dsv4 scheduler and\n"
+        "streams the completion to standard output (libdsv4client).\n"
+        "  -e, --endpoint EP      the scheduler's client endpoint ($DSV4_ENDPOINT, default\n"
+        "                         " DEFAULT_ENDPOINT ")\n"
+        "  -K, --server-key FILE  the server's CURVE public key (tcp:// endpoints)\n"
+        "  -n, --max-tokens N     -t, --temperature T   -p, --top-p P   -k, --top-k K\n"
+        "  -s, --seed S           -S, --stop STR (up to 16)   --stop-id ID (up to 64)\n"
+        "  --ids                  the prompt is token ids (\"1 2 3\" or \"1,2,3\")\n"
+        "  --timeout MS           the request's deadline\n"
+        "  --connect-timeout MS   how long to wait for the scheduler\n"
+        "  --logprobs             \"id logprob\" per token on standard error\n"
+        "  --tag TAG              a label that dsv4ctl requests shows\n"
+        "  --usage                \"finish=... prompt_tokens=... completion_tokens=...\" on\n"
+        "                         standard error\n"
+        "  -h, --help             this help\n"
+        "      --version          the version\n"
+        "Exit status: 0 done, 1 the request failed (its code and message on standard\n"
+        "error), 2 usage.\n", status);
 }
 
 static long long
@@ -159,6 +177,8 @@ main(int argc, char **argv)
         { "logprobs", no_argument, NULL, OPT_LOGPROBS },
         { "tag", required_argument, NULL, OPT_TAG },
         { "usage", no_argument, NULL, OPT_USAGE },
+        { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
     const char *endpoint = getenv("DSV4_ENDPOINT");
@@ -176,7 +196,7 @@ main(int argc, char **argv)
 
     dsv4_client_params_init(&p);
     dsv4_client_opts_init(&o);
-    while ((ch = getopt_long(argc, argv, "e:K:n:t:p:k:s:S:", longopts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "e:K:n:t:p:k:s:S:h", longopts, NULL)) != -1) {
         switch (ch) {
         case 'e': endpoint = optarg; break;
         case 'K': o.server_key_file = optarg; break;
@@ -190,12 +210,12 @@ main(int argc, char **argv)
             break;
         case 'S':
             if (p.n_stop == MAX_STOP)
-                usage();
+                usage(2);
             stop[p.n_stop++] = optarg;
             break;
         case OPT_STOP_ID:
             if (p.n_stop_ids == MAX_STOP_IDS)
-                usage();
+                usage(2);
             stop_ids[p.n_stop_ids++] = (int32_t)num(optarg, 0, 2147483647, "stop id");
             break;
         case OPT_IDS: as_ids = true; break;
@@ -206,7 +226,9 @@ main(int argc, char **argv)
         case OPT_LOGPROBS: p.logprobs = 1; break;
         case OPT_TAG: p.tag = optarg; break;
         case OPT_USAGE: show_usage = true; break;
-        default: usage();
+        case 'h': usage(0);
+        case DSV4_CLI_OPT_VERSION: dsv4_cli_version("dsv4-generate");
+        default: usage(2);
         }
     }
     p.stop = stop;

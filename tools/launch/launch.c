@@ -31,6 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/cli.h"
 #include "common/config_file.h"
 #include "common/log.h"
 #include "common/sdnotify.h"
@@ -49,17 +50,37 @@ launch_now_ms(void)
 }
 
 static void __attribute__((noreturn))
-usage(void)
+usage(int status)
 {
-    fprintf(stderr,
-        "usage: dsv4-launch [-f conf] [-o key=value]... [-P n_prefill] [-D n_decode]\n"
-        "                   [-G] [-w watchdog_s] [-r restart_ms] [-T start_timeout_s]\n"
-        "                   [-t stop_timeout_s] [-v] [--sched-bin path]\n"
-        "                   [--prefill-bin path] [--decode-bin path]\n"
-        "                   [--gateway-bin path] [--notify-log file]\n"
-        "                   [--no-sched] [--rank-base N]\n"
-        "                   [-- command [arg]...]\n");
-    exit(2);
+    dsv4_cli_usage(
+        "usage: dsv4-launch [-f CONF] [-o KEY=VALUE]... [-P N] [-D N] [-G] [-w SEC]\n"
+        "                   [-r MS] [-T SEC] [-t SEC] [-v] [--sched-bin PATH]\n"
+        "                   [--prefill-bin PATH] [--decode-bin PATH]\n"
+        "                   [--gateway-bin PATH] [--notify-log FILE]\n"
+        "                   [--no-sched] [--rank-base N] [-- COMMAND [ARG]...]\n",
+        "Runs the dsv4 service set without systemd: the scheduler, then the ranks,\n"
+        "supervised (docs/operations.md, \"Without systemd\").\n"
+        "  -f CONF              configuration file (default " DSV4_CONF_DEFAULT_PATH "\n"
+        "                       when it exists), passed to every daemon\n"
+        "  -o KEY=VALUE         passed to every daemon\n"
+        "  -P N, -D N           prefill and decode ranks (1 and 1)\n"
+        "  -G                   also the HTTP gateway (or gateway_launch = yes)\n"
+        "  -w SEC               watchdog (30; 0 off)\n"
+        "  -r MS                delay before restarting a failed child (1000)\n"
+        "  -T SEC               start timeout of each child (300; 0 none)\n"
+        "  -t SEC               stop timeout: SIGKILL after it (30)\n"
+        "  -v                   more logging, passed on too\n"
+        "  --sched-bin PATH, --prefill-bin PATH, --decode-bin PATH, --gateway-bin PATH\n"
+        "                       the programs (default from $PATH)\n"
+        "  --notify-log FILE    every start, exit and notify message, a line each\n"
+        "  --no-sched           ranks only, connecting to rank_endpoint (a rank host)\n"
+        "  --rank-base N        number this host's ranks from N\n"
+        "  -- COMMAND [ARG]...  run COMMAND once the set is ready, then stop the set\n"
+        "                       and exit with COMMAND's status\n"
+        "  -h, --help           this help\n"
+        "      --version        the version\n"
+        "Exit status: 0 after a clean stop (or COMMAND's), 1 a child hit its start\n"
+        "limit or the set-up failed, 2 usage.\n", status);
 }
 
 static long
@@ -88,6 +109,8 @@ parse_args(struct launch *l, int argc, char **argv)
         { "gateway-bin", required_argument, NULL, OPT_GATEWAY_BIN },
         { "no-sched", no_argument, NULL, OPT_NO_SCHED },
         { "rank-base", required_argument, NULL, OPT_RANK_BASE },
+        { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
     struct launch_opts *o = &l->o;
@@ -100,12 +123,12 @@ parse_args(struct launch *l, int argc, char **argv)
     o->restart_ms = 1000;
     o->start_timeout_ms = 300000;
     o->stop_timeout_ms = 30000;
-    while ((ch = getopt_long(argc, argv, "+f:o:P:D:Gw:r:T:t:v", longopts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "+f:o:P:D:Gw:r:T:t:vh", longopts, NULL)) != -1) {
         switch (ch) {
         case 'f': o->conf_path = optarg; break;
         case 'o':
             if (o->n_overrides >= LAUNCH_MAX_ARGS / 4)
-                usage();
+                usage(2);
             o->overrides[o->n_overrides++] = optarg;
             break;
         case 'P': o->n_prefill = num_arg(optarg, 0, LAUNCH_MAX_RANKS / 2, "-P"); break;
@@ -124,7 +147,9 @@ parse_args(struct launch *l, int argc, char **argv)
         case OPT_NO_SCHED: o->no_sched = true; break;
         case OPT_RANK_BASE: o->rank_base = num_arg(optarg, 0, 65535 - LAUNCH_MAX_RANKS,
                                                    "--rank-base"); break;
-        default: usage();
+        case 'h': usage(0);
+        case DSV4_CLI_OPT_VERSION: dsv4_cli_version("dsv4-launch");
+        default: usage(2);
         }
     }
     if (optind < argc)

@@ -47,6 +47,7 @@
 
 #include <json-c/json.h>
 
+#include "common/cli.h"
 #include "common/err.h"
 #include "common/formats.h"
 #include "common/model_config.h"
@@ -538,18 +539,21 @@ write_checkpoint(const struct dsv4_config *cfg, const struct dsv4_inventory *inv
 
 /* --- main ----------------------------------------------------------------- */
 
-static void
-usage(FILE *fp)
+static void __attribute__((noreturn))
+usage(int status)
 {
-    fprintf(fp,
-            "usage: dsv4-mkmodel (--preset NAME | --config FILE) [--set key=value ...]\n"
-            "                    [--seed N] (--out DIR | --inventory)\n"
-            "  --preset NAME   flash, small or tiny\n"
-            "  --config FILE   start from this config.json instead of a preset\n"
-            "  --set K=V       override a config.json field (K may be section.key)\n"
-            "  --seed N        random seed (default 1)\n"
-            "  --out DIR       write config.json, shards and index into DIR\n"
-            "  --inventory     print \"tensors=N bytes=B\" and write nothing\n");
+    dsv4_cli_usage(
+        "usage: dsv4-mkmodel (--preset NAME | --config FILE) [--set key=value ...]\n"
+        "                    [--seed N] (--out DIR | --inventory)\n",
+        "Writes a synthetic checkpoint in the official on-disk layout (docs/mkmodel.md).\n"
+        "  --preset NAME   flash, small or tiny\n"
+        "  --config FILE   start from this config.json instead of a preset\n"
+        "  --set K=V       override a config.json field (K may be section.key)\n"
+        "  --seed N        random seed (default 1)\n"
+        "  --out DIR       write config.json, shards and index into DIR\n"
+        "  --inventory     print \"tensors=N bytes=B\" and write nothing\n"
+        "  -h, --help      this help\n"
+        "      --version   the version\n", status);
 }
 
 int
@@ -563,6 +567,7 @@ main(int argc, char **argv)
         { "out", required_argument, NULL, 'o' },
         { "inventory", no_argument, NULL, 'i' },
         { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
     const char *preset = NULL, *config = NULL, *out = NULL;
@@ -604,17 +609,15 @@ main(int argc, char **argv)
             inventory = 1;
             break;
         case 'h':
-            usage(stdout);
-            return 0;
+            usage(0);
+        case DSV4_CLI_OPT_VERSION:
+            dsv4_cli_version("dsv4-mkmodel");
         default:
-            usage(stderr);
-            return 2;
+            usage(2);
         }
     }
-    if (optind != argc || (preset == NULL) == (config == NULL) || (out == NULL) == !inventory) {
-        usage(stderr);
-        return 2;
-    }
+    if (optind != argc || (preset == NULL) == (config == NULL) || (out == NULL) == !inventory)
+        usage(2);
 
     e = preset != NULL ? dsv4_config_preset(&cfg, preset) : dsv4_config_load(&cfg, config);
     if (e == DSV4_OK && n_sets > 0)

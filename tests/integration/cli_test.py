@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""cli_test.py — the command line of every dsv4 program (common/cli.h).
+
+  cli_test.py --build BUILD_DIR --src SRC_DIR --version VERSION
+
+1. The contract, for each of the ten programs: `--help` and `-h` print the
+   usage ("usage: NAME ...") on stdout and exit 0 with nothing on stderr;
+   `--version` prints "NAME VERSION" (meson's project version) and exits 0;
+   an unknown option exits 2 with the synopsis and a pointer to --help on
+   stderr and nothing on stdout.
+2. Odd values: every option that takes a value (read from the program's own
+   --help) is given, in turn, values an operator or a script may pass by
+   mistake: empty, negative, zero, a word, a number beyond 64 bits, "nan",
+   5,000 characters, a path whose parent is a file.  Each run must end by
+   itself in 0, 1 or 2, with a message on stderr when it is not 0, and
+   without a signal or a sanitizer report (the ASan+UBSan build runs this
+   too).  The daemons run with -n (check only); dsv4ctl, dsv4-generate and
+   dsv4-bench talk to a real service set on a tiny checkpoint, so a value
+   that is accepted does real work.  dsv4-launch gets the contract only (a
+   value it accepts would start a service set).
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import svc_test  # noqa: E402  (Service, Fail, check)
+from svc_test import Fail, check  # noqa: E402
+
+PROGRAMS = {
+    "dsv4-sched": "daemons/sched/dsv4-sched",
+    "dsv4-prefill": "daemons/rank/dsv4-prefill",
+    "dsv4-decode": "daemons/rank/dsv4-decode",
+    "dsv4-gateway": "daemons/gateway/dsv4-gateway",
+    "dsv4ctl": "tools/dsv4ctl/dsv4ctl",
+    "dsv4-launch": "tools/launch/dsv4-launch",
+    "dsv4-generate": "tools/generate/dsv4-generate",
+    "dsv4-bench": "tools/bench/dsv4-bench",
+    "dsv4-mkmodel": "tools/mkmodel/dsv4-mkmodel",
+    "dsv4-tokenize": "tools/tokenize/dsv4-tokenize",
+}
+
+# The last one is a path no program can create, root included: its parent
+# is a regular file of the scratch directory (main() fills it in).
+ODD_VALUES = ["", "-1", "0", "abc", "99999999999999999999", "nan", "x" * 5000, None]
+SANITIZER = re.compile(r"Sanitizer|runtime error:")
+RUN_TIMEOUT_S = 60
+
+
+def log(*a):
+    print("cli_test:", *a, flush=True)
+
+
+def run(argv, stdin=b"", cwd=None, timeout=RUN_TIMEOUT_S):
+    """(returncode, stdout, stderr); a run past `timeout` is a failure."""
+    env = dict(os.environ)
+    # A sanitizer report must show as a signal, not as exit status 1.
+    for k in ("ASAN_OPTIONS", "UBSAN_OPTIONS"):
+        env[k] = (env.get(k, "") + ":abort_on_error=1").lstrip(":")
+    try:
+        r = subprocess.run(argv, input=stdin, capture_output=True, cwd=cwd, env=env,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise Fail("%s: still running after %d s" % (short(argv), timeout))
+    return r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+
+
+def short(argv):
+    return " ".join(a if len(a) < 40 else a[:20] + "...(%d chars)" % len(a) for a in argv)
+
+
+def contract(name, path, version):
+    for flag in ("--help", "-h"):
+        rc, out, err = run([path, flag])
+        check(rc == 0, "%s %s: exit %d, want 0; stderr: %s" % (name, flag, rc, err[:300]))
+        check(out.startswith("usage: %s " % name) and out.count("\n") >= 3,
+              "%s %s: stdout is not its usage: %r" % (name, flag, out[:300]))
+        check(err == "", "%s %s: stderr not empty: %r" % (name, flag, err[:300]))
+        check("--version" in out, "%s %s: --version is not listed" % (name, flag))
+    rc, out, err = run([path, "--version"])
+    check(rc == 0 and out == "%s %s\n" % (name, version) and err == "",
+          "%s --version: exit %d, stdout %r, stderr %r" % (name, rc, out, err[:300]))
+    rc, out, err = run([path, "--no-such-option"])
+    check(rc == 2, "%s --no-such-option: exit %d, want 2" % (name, rc))
+    check(out == "", "%s --no-such-option: stdout not empty: %r" % (name, out[:300]))
+    check(("usage: %s " % name) in err and "--help" in err,
+          "%s --no-such-option: stderr lacks the synopsis and --help: %r" % (name, err[:300]))
+
+
+def value_options(help_text):
+    """The options of a usage text that take a value: an option followed by
+    a placeholder (starting with a capital, or holding '|', as
+    "--backend cpu|cuda").  "-x, --long V" counts once (as --long)."""
+    opts = []
+    alias = dict(re.findall(r"(?<![\w-])(-[A-Za-z]), (--[\w-]+)", help_text))
+    for line in help_text.splitlines():
+        for m in re.finditer(r"(?<![\w-])(--?[A-Za-z][\w-]*)(?:,\s+(--[\w-]+))?"
+                             r"[ =]([A-Z][\w.:=|-]*|[a-z]+\|[\w|]+)", line):
+            o = m.group(2) or alias.get(m.group(1), m.group(1))
+            if o not in opts:
+                opts.append(o)
+    return opts
+
+
+class Case:
+    """How to run one program: fixed arguments before the swept option, after
+    it, the standard input and the working directory (a scratch one: an
+    accepted value may name a file to write)."""
+
+    def __init__(self, cwd, head=(), tail=(), stdin=b""):
+        self.head, self.tail, self.stdin, self.cwd = list(head), list(tail), stdin, cwd
+
+
+def sweep(name, path, case):
+    rc, help_text, _ = run([path, "--help"])
+    opts = [o for o in value_options(help_text) if o not in ("-h", "--help", "--version")]
+    check(opts, "%s: no option with a value found in its --help" % name)
+    # The fixed arguments themselves must work.
+    rc, out, err = run([path] + case.head + case.tail, case.stdin, case.cwd)
+    check(rc == 0, "%s: the fixed arguments fail (exit %d): %s\n%s" %
+          (short([path] + case.head + case.tail), rc, out[-500:], err[-2000:]))
+    n = 0
+    codes = {}
+    for o in opts:
+        for v in ODD_VALUES:
+            argv = [path] + case.head + [o, v] + case.tail
+            rc, out, err = run(argv, case.stdin, case.cwd)
+            n += 1
+            codes[rc] = codes.get(rc, 0) + 1
+            check(not SANITIZER.search(err), "%s: a sanitizer report:\n%s" %
+                  (short(argv), err[-3000:]))
+            check(rc in (0, 1, 2), "%s: exit %d (a negative status is a signal)\n%s" %
+                  (short(argv), rc, err[-3000:]))
+            check(rc == 0 or err.strip(), "%s: exit %d without a message on stderr" %
+                  (short(argv), rc))
+    log("%-14s %2d options x %d values: %d runs, exit %s" %
+        (name, len(opts), len(ODD_VALUES), n,
+         ", ".join("%d: %d" % kv for kv in sorted(codes.items()))))
+
+
+def checks(paths, conf, tmp):
+    """The daemons' -n finds what their start would refuse (docs/operations.md):
+    exit status and message for each case."""
+    sched, dec = paths["dsv4-sched"], paths["dsv4-decode"]
+    cases = [
+        ([sched, "-n", "-f", conf], 0, r"tokenizer .*\(274 ids\)\nconfiguration OK"),
+        ([sched, "-n", "-f", conf, "-o", "client_endpoint=abc"], 1,
+         r"client_endpoint: abc: not ipc://PATH"),
+        ([sched, "-n", "-f", conf, "-o", "rank_endpoint=ipc://%s/no-dir/r.sock" % tmp], 1,
+         r"rank_endpoint: .*no directory"),
+        ([sched, "-n", "-f", conf, "-o", "admin_endpoint=ipc:///" + "d" * 120], 1,
+         r"longer than 107 bytes"),
+        ([sched, "-n", "-f", conf, "-o", "rank_endpoint=tcp://127.0.0.1:99999"], 1,
+         r"port is not a number of 1 \.\.\. 65535"),
+        ([sched, "-n", "-f", conf, "-o", "rank_endpoint=tcp://127.0.0.1:5555",
+          "-o", "key_dir=%s" % tmp], 1, r"CURVE key .*server\.key"),
+        ([sched, "-n", "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], 1, r"tokenizer"),
+        ([dec, "-n", "-f", conf], 0, r"checkpoint .*: \d+ layers.*\nconfiguration OK"),
+        ([dec, "-n", "-f", conf, "--checkpoint", tmp + "/nothing"], 1, r"checkpoint .*nothing"),
+        ([dec, "-n", "-f", conf, "--sched", "tcp://*:5555"], 1, r"no host to connect to"),
+    ]
+    for argv, want, pat in cases:
+        rc, out, err = run(argv, cwd=tmp)
+        check(rc == want and re.search(pat, out + err),
+              "%s: exit %d (want %d), /%s/ %s in:\n%s%s" %
+              (short(argv), rc, want, pat, "found" if re.search(pat, out + err) else
+               "not found", out[-1500:], err[-1500:]))
+    log("-n of dsv4-sched and dsv4-decode: %d cases of what the start would refuse" %
+        len(cases))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--src", required=True)
+    ap.add_argument("--version", required=True)
+    args = ap.parse_args()
+    svc_test.ARGS = args
+    t0 = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="dsv4-cli-")
+    open(os.path.join(tmp, "a-file"), "w").close()
+    ODD_VALUES[-1] = os.path.join(tmp, "a-file", "x")
+    svc = None
+    try:
+        paths = {n: svc_test.exe(p) for n, p in PROGRAMS.items()}
+        for name, path in paths.items():
+            contract(name, path, args.version)
+        log("--help, -h, --version and an unknown option: as common/cli.h says, "
+            "in all %d programs" % len(paths))
+
+        tok = os.path.abspath(os.path.join(args.src, "tests", "tokenizer",
+                                           "tiny_tokenizer.json"))
+        conf = os.path.join(tmp, "gw.conf")
+        with open(conf, "w") as f:
+            f.write("tokenizer = %s\ngateway_listen = 127.0.0.1:0\n" % tok)
+        svc = svc_test.Service()
+        # The daemons' -n: a file of this test's own (a bare -n reads
+        # /etc/dsv4/dsv4.conf when it exists), its sockets in tmp.
+        dconf = os.path.join(tmp, "d.conf")
+        with open(dconf, "w") as f:
+            f.write("client_endpoint = ipc://%s/c.sock\nrank_endpoint = ipc://%s/r.sock\n"
+                    "admin_endpoint = ipc://%s/a.sock\ncheckpoint = %s\ntokenizer = %s\n" %
+                    (tmp, tmp, tmp, svc.model, tok))
+        checks(paths, dconf, tmp)
+        cases = {
+            "dsv4-sched": Case(tmp, ["-n", "-f", dconf]),
+            "dsv4-prefill": Case(tmp, ["-n", "-f", dconf]),
+            "dsv4-decode": Case(tmp, ["-n", "-f", dconf]),
+            "dsv4-gateway": Case(tmp, ["-n", "-f", conf]),
+            "dsv4ctl": Case(tmp, ["--admin", svc.admin_ep], ["status"]),
+            "dsv4-generate": Case(tmp, ["-e", svc.client_ep, "-n", "2", "--ids",
+                                   "--timeout", "20000", "--connect-timeout", "5000"],
+                                  ["1 2 3"]),
+            "dsv4-bench": Case(tmp, ["-e", svc.client_ep, "-c", "1", "-n", "2", "-w", "0",
+                                "-p", "4", "-l", "2", "-q", "-j", os.devnull,
+                                "--token-range", "3:200", "--timeout", "20000",
+                                "--connect-timeout", "5000"]),
+            "dsv4-mkmodel": Case(tmp, ["--preset", "tiny", "--out", "m"]),
+            "dsv4-tokenize": Case(tmp, ["--tokenizer", tok], stdin=b"hello world\n"),
+        }
+        for name, case in cases.items():
+            sweep(name, paths[name], case)
+        svc.check_no_leaks()
+    except Fail as e:
+        log("FAIL: %s" % e)
+        if svc is not None:
+            log("service log:\n" + svc.errlog())
+        return 1
+    finally:
+        if svc is not None:
+            svc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    svc_test.remove_scratch()
+    log("PASS (%.1f s)" % (time.monotonic() - t0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
