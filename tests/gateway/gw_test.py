@@ -26,7 +26,7 @@ decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
               drain gives 503 on /health and on requests, undrain restores;
               on a scheduler without ranks (queue_max 1, 1 s deadline): 504
               for the queued request, 429 for the one after, /health 503.
-  types       about 2,000 requests: every field of both routes, and the
+  types       about 1,400 requests: every field of both routes, and the
               fields inside messages, content parts, prompts, stop arrays,
               stream_options, chat_template_kwargs and response_format, set
               to values of every JSON type (null, bools, numbers out of
@@ -622,10 +622,8 @@ def sc_robust():
 
 
 # Values of every JSON type, and of the shapes the gateway looks into.
-ODD_VALUES = [None, True, False, 0, -1, 1, 2.5, 1e300, -1e300, 2 ** 63, "", "x", "text",
-              [], [None], [1], ["x"], [[1]], [{}], {}, {"type": None},
-              {"type": "text"}, {"type": 5}, {"thinking": None}, {"include_usage": None},
-              {"x": [None]}]
+ODD_VALUES = [None, True, 0, -1, 2.5, 1e300, 2 ** 63, "", "x", "text", [], [None], [1],
+              ["x"], {}, {"type": None}, {"type": "text"}, {"type": 5}]
 COMMON_KEYS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                "top_k", "seed", "stop", "stream", "stream_options", "return_token_ids",
                "logprobs", "n", "presence_penalty", "frequency_penalty", "suffix",
@@ -697,6 +695,8 @@ def odd_bodies():
                 ("/v1/completions", comp, COMMON_KEYS + ["prompt", "echo"])]:
             for k in keys:
                 b = dict(base)
+                if k == "max_tokens":
+                    b["max_completion_tokens"] = 1   # null: not the default 256
                 b[k] = v
                 out.append((path, b, wrong_kind(path, k, v)))
         k = json_kind(v)
