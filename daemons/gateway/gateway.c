@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "common/sdnotify.h"
 #include "daemons/gateway/gateway.h"
+#include "ipc/zsock.h"
 
 static void __attribute__((noreturn))
 usage(int status)
@@ -38,8 +39,9 @@ usage(int status)
         "  -f CONFIG      configuration file (default " DSV4_CONF_DEFAULT_PATH " when it exists)\n"
         "  -o KEY=VALUE   set one configuration key over the file (up to 64)\n"
         "  -l HOST:PORT   listen there (over gateway_listen; a socket passed by systemd wins)\n"
-        "  -n             check the configuration, the keys file, the tokenizer and the\n"
-        "                 listen address, print \"configuration OK\" and exit\n"
+        "  -n             check the configuration, the keys file, the tokenizer, the\n"
+        "                 scheduler's endpoints and the listen address, print\n"
+        "                 \"configuration OK\" and exit\n"
         "  -v             more logging (-vv: debug)\n"
         "  -h, --help     this help\n"
         "      --version  the version\n", status);
@@ -186,6 +188,19 @@ main(int argc, char **argv)
         fatalx("tokenizer: %s", dsv4_errmsg());
     g.eos = dsv4_tok_eos(g.tok);
     if (check) {
+        /* the scheduler's endpoints as the gateway connects to them (form
+         * and CURVE key: dsv4_zsock_check; nothing is connected) */
+        const char *what[] = { "client_endpoint", "admin_endpoint" };
+        const char *eps[] = { g.conf.client_endpoint, g.conf.admin_endpoint };
+        struct dsv4_zsock_cfg zc;
+
+        for (i = 0; i < 2; i++) {
+            dsv4_zsock_cfg_init(&zc);
+            zc.endpoint = eps[i];
+            zc.key_dir = g.conf.key_dir;
+            if (dsv4_zsock_check(&zc) != DSV4_OK)
+                fatalx("%s: %s", what[i], dsv4_errmsg());
+        }
         /* the listen address as gw_http_start would resolve it (not bound:
          * a running gateway may hold it) */
         if (gw_listen_check(g.conf.gateway_listen) != 0)

@@ -50,6 +50,8 @@ expect listen_ipv6 0 'listen \[::1\]:8123' -- -l '[::1]:8123'
 expect listen_no_port 1 'expected HOST:PORT' -- -l nonsense
 expect listen_bad_port 1 'gateway_listen "127.0.0.1:notaport" cannot be listened on' -- -l 127.0.0.1:notaport
 expect unknown_key 1 'unknown key "bogus"' -- -o bogus=1
+expect client_endpoint_bad 1 'client_endpoint: abc: not ipc://PATH' -- -o client_endpoint=abc
+expect admin_endpoint_tcp_no_key 1 "admin_endpoint: CURVE key $tmp/server.pub" -- -o admin_endpoint=tcp://127.0.0.1:5556 -o "key_dir=$tmp"
 expect tokenizer_missing 1 'tokenizer: ' -- -o "tokenizer=$tmp/nothere.json"
 expect conf_missing 1 "$tmp/nothere.conf" -- -f "$tmp/nothere.conf"
 expect unknown_flag 2 'usage' -- -Z
