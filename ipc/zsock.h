@@ -75,8 +75,7 @@ void *dsv4_zsock_open(void *zctx, const struct dsv4_zsock_cfg *cfg, enum dsv4_er
  * number of 1 ... 65535, or '*' when binding, inproc://NAME); for an ipc://
  * bind, a writable directory; with CURVE on, the key file the socket would
  * read (server.key to bind, server.pub to connect unless server_key is set).
- * Returns DSV4_OK or DSV4_ERR_CONFIG (DSV4_ERR_SYS for an unreadable key)
- * with the reason in dsv4_errmsg().  Name resolution and address conflicts
+ * Returns DSV4_OK or DSV4_ERR_CONFIG with the reason in dsv4_errmsg().  Name resolution and address conflicts
  * are left to the open.
  */
 enum dsv4_err dsv4_zsock_check(const struct dsv4_zsock_cfg *cfg);

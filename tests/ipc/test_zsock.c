@@ -4,7 +4,8 @@
  * refused during the handshake and nothing reaches the server), admin socket
  * file mode (and, as root, that another user cannot connect), adopting a
  * listening fd (ZMQ_USE_FD), error replies to malformed and oversized
- * messages with the server still serving, key files, liveness arithmetic.
+ * messages with the server still serving, key files, liveness arithmetic,
+ * and dsv4_zsock_check agreeing with what dsv4_zsock_open does.
  */
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -372,6 +373,90 @@ test_key_files(void **state)
     assert_int_equal(dsv4_zsock_key_read(path, key), DSV4_ERR_CONFIG);
 }
 
+/* dsv4_zsock_check against dsv4_zsock_open on the same configuration: the
+ * check must refuse what the open refuses and accept what it opens (except
+ * where ZeroMQ is laxer, marked; a connect to a missing ipc:// path succeeds,
+ * as ZeroMQ connects later). */
+static void
+test_check(void **state)
+{
+    struct fixture *f = *state;
+    char ipc_ok[128], ipc_nodir[128], ipc_long[200];
+    struct {
+        const char *ep;
+        bool bind, ok, compare;
+    } cases[] = {
+        { "", true, false, true },
+        { "abc", true, false, true },
+        { "abc", false, false, true },
+        { "udp://127.0.0.1:5555", true, false, true },
+        { "ipc://", true, false, true },
+        { ipc_ok, true, true, true },
+        { ipc_ok, false, true, true },
+        { ipc_nodir, true, false, true },
+        { ipc_nodir, false, true, true },
+        { ipc_long, true, false, true },
+        { "tcp://127.0.0.1", true, false, true },
+        /* libzmq binds port 99999 as 99999 mod 65536: refused here */
+        { "tcp://127.0.0.1:99999", true, false, false },
+        { "tcp://127.0.0.1:", true, false, true },
+        { "tcp://*:5555", false, false, false },
+        { "inproc://checked", true, true, true },
+        { "inproc://", true, false, false },
+    };
+    struct dsv4_zsock_cfg cfg;
+
+    (void)state;
+    snprintf(ipc_ok, sizeof(ipc_ok), "ipc://%s/s.sock", f->dir);
+    snprintf(ipc_nodir, sizeof(ipc_nodir), "ipc://%s/no-dir/s.sock", f->dir);
+    snprintf(ipc_long, sizeof(ipc_long), "ipc://%s/%0120d", f->dir, 0);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        enum dsv4_err e;
+        void *s;
+
+        dsv4_zsock_cfg_init(&cfg);
+        cfg.endpoint = cases[i].ep;
+        cfg.bind = cases[i].bind;
+        cfg.type = cases[i].bind ? ZMQ_ROUTER : ZMQ_DEALER;
+        cfg.curve = DSV4_CURVE_OFF;   /* the form alone; CURVE below */
+        cfg.key_dir = f->dir;
+        e = dsv4_zsock_check(&cfg);
+        if ((e == DSV4_OK) != cases[i].ok)
+            fail_msg("check %s %s: %s", cases[i].bind ? "bind" : "connect", cases[i].ep,
+                     e == DSV4_OK ? "accepted" : dsv4_errmsg());
+        if (!cases[i].compare)
+            continue;
+        /* closed before any failure: an open socket would hang teardown */
+        s = dsv4_zsock_open(f->ctx, &cfg, NULL);
+        dsv4_zsock_close(s);
+        if ((s != NULL) != cases[i].ok)
+            fail_msg("open %s %s: %s, the check said %s", cases[i].bind ? "bind" : "connect",
+                     cases[i].ep, s != NULL ? "opened" : dsv4_errmsg(),
+                     cases[i].ok ? "yes" : "no");
+    }
+    /* CURVE (tcp:// by default): without the key files both refuse; with
+     * them both accept. */
+    for (int k = 0; k < 2; k++) {
+        for (int b = 0; b < 2; b++) {
+            void *s;
+
+            dsv4_zsock_cfg_init(&cfg);
+            cfg.endpoint = b ? "tcp://127.0.0.1:*" : "tcp://127.0.0.1:5999";
+            cfg.bind = b;
+            cfg.type = b ? ZMQ_ROUTER : ZMQ_DEALER;
+            cfg.key_dir = f->dir;
+            assert_int_equal(dsv4_zsock_check(&cfg) == DSV4_OK, k == 1);
+            if (k == 0)
+                assert_non_null(strstr(dsv4_errmsg(), b ? "server.key" : "server.pub"));
+            s = dsv4_zsock_open(f->ctx, &cfg, NULL);
+            dsv4_zsock_close(s);
+            assert_int_equal(s != NULL, k == 1);
+        }
+        if (k == 0)
+            assert_int_equal(dsv4_zsock_keygen(f->dir, "server"), DSV4_OK);
+    }
+}
+
 static void
 test_liveness(void **state)
 {
@@ -400,6 +485,7 @@ main(void)
         cmocka_unit_test_setup_teardown(test_use_fd, setup, teardown),
         cmocka_unit_test_setup_teardown(test_error_replies, setup, teardown),
         cmocka_unit_test_setup_teardown(test_key_files, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_check, setup, teardown),
         cmocka_unit_test(test_liveness),
     };
 
