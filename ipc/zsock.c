@@ -210,39 +210,6 @@ zsock_setup(void *s, const struct dsv4_zsock_cfg *cfg, const char *ep, bool bind
     return DSV4_OK;
 }
 
-void *
-dsv4_zsock_open(void *zctx, const struct dsv4_zsock_cfg *cfg, enum dsv4_err *err)
-{
-    const char *ep = cfg->endpoint;
-    bool bind = cfg->bind;
-    enum dsv4_err e;
-    void *s;
-
-    if (ep == NULL || *ep == '\0') {
-        e = dsv4_err_set(DSV4_ERR_CONFIG, "no endpoint configured");
-        goto fail;
-    }
-    if (*ep == '@' || *ep == '>') {
-        bind = *ep == '@';
-        ep++;
-    }
-    if ((s = zmq_socket(zctx, cfg->type)) == NULL) {
-        e = dsv4_err_set(DSV4_ERR_SYS, "zmq_socket: %s", zmq_strerror(errno));
-        goto fail;
-    }
-    if ((e = zsock_setup(s, cfg, ep, bind)) != DSV4_OK) {
-        zmq_close(s);
-        goto fail;
-    }
-    if (err != NULL)
-        *err = DSV4_OK;
-    return s;
-fail:
-    if (err != NULL)
-        *err = e;
-    return NULL;
-}
-
 #define IPC_PATH_MAX 107   /* sockaddr_un.sun_path less its NUL, as libzmq checks */
 #define INPROC_PREFIX "inproc://"
 
@@ -296,6 +263,43 @@ check_tcp(const char *ep, const char *addr, bool bind)
         return dsv4_err_set(DSV4_ERR_CONFIG, "%s: the port is not a number of 1 ... 65535%s",
             ep, bind ? " or *" : "");
     return DSV4_OK;
+}
+
+void *
+dsv4_zsock_open(void *zctx, const struct dsv4_zsock_cfg *cfg, enum dsv4_err *err)
+{
+    const char *ep = cfg->endpoint;
+    bool bind = cfg->bind;
+    enum dsv4_err e;
+    void *s;
+
+    if (ep == NULL || *ep == '\0') {
+        e = dsv4_err_set(DSV4_ERR_CONFIG, "no endpoint configured");
+        goto fail;
+    }
+    if (*ep == '@' || *ep == '>') {
+        bind = *ep == '@';
+        ep++;
+    }
+    /* libzmq takes tcp ports modulo 65536: 99999 would bind 34463 */
+    if (strncmp(ep, TCP_PREFIX, strlen(TCP_PREFIX)) == 0 &&
+        (e = check_tcp(ep, ep + strlen(TCP_PREFIX), bind)) != DSV4_OK)
+        goto fail;
+    if ((s = zmq_socket(zctx, cfg->type)) == NULL) {
+        e = dsv4_err_set(DSV4_ERR_SYS, "zmq_socket: %s", zmq_strerror(errno));
+        goto fail;
+    }
+    if ((e = zsock_setup(s, cfg, ep, bind)) != DSV4_OK) {
+        zmq_close(s);
+        goto fail;
+    }
+    if (err != NULL)
+        *err = DSV4_OK;
+    return s;
+fail:
+    if (err != NULL)
+        *err = e;
+    return NULL;
 }
 
 enum dsv4_err

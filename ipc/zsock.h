@@ -63,7 +63,9 @@ void dsv4_zsock_cfg_init(struct dsv4_zsock_cfg *cfg);
  * reads its secret key from <key_dir>/server.key; a CURVE client makes an
  * ephemeral key pair.  After binding an ipc:// endpoint with cfg->mode != 0
  * the socket file is chmod'ed (do this in a directory only the service can
- * write, so nobody connects in between).  Returns the socket, or NULL with
+ * write, so nobody connects in between).  A tcp:// port outside 1 ... 65535
+ * ('*' to bind a free one) is refused (libzmq would take it modulo 65536).
+ * Returns the socket, or NULL with
  * the reason in dsv4_errmsg() (*err set when err != NULL).
  */
 void *dsv4_zsock_open(void *zctx, const struct dsv4_zsock_cfg *cfg, enum dsv4_err *err);
