@@ -593,6 +593,19 @@ conf_set_or_die(struct dsv4_conf *c, const char *key, const char *value)
     }
 }
 
+/* The synthetic model's configuration: --preset NAME or --config FILE, with
+ * the --set overrides.  DSV4_OK, or the error with its message. */
+static enum dsv4_err
+rank_synthetic_config(const struct rank_opts *o, struct dsv4_config *cfg)
+{
+    enum dsv4_err e = o->model_preset != NULL ? dsv4_config_preset(cfg, o->model_preset) :
+                                                dsv4_config_load(cfg, o->model_config);
+
+    if (e == DSV4_OK && o->n_model_sets > 0)
+        e = dsv4_config_override(cfg, o->n_model_sets, o->model_sets);
+    return e;
+}
+
 /* -n: what the start would refuse, found without a device or a connection:
  * the scheduler endpoint's form and CURVE key (dsv4_zsock_check), and the
  * weights' source: the checkpoint (config.json and every tensor, mapped and
@@ -605,7 +618,6 @@ rank_check(const struct rank_opts *o)
     struct dsv4_zsock_cfg zc;
     struct dsv4_weights w;
     struct dsv4_config cfg;
-    enum dsv4_err e;
 
     dsv4_zsock_cfg_init(&zc);
     zc.endpoint = o->conf.rank_endpoint;
@@ -627,11 +639,7 @@ rank_check(const struct rank_opts *o)
             fprintf(stderr, "dsv4-%s: --synthetic-weights needs the cuda backend\n", role);
             exit(1);
         }
-        e = o->model_preset != NULL ? dsv4_config_preset(&cfg, o->model_preset) :
-                                      dsv4_config_load(&cfg, o->model_config);
-        if (e == DSV4_OK && o->n_model_sets > 0)
-            e = dsv4_config_override(&cfg, o->n_model_sets, o->model_sets);
-        if (e != DSV4_OK) {
+        if (rank_synthetic_config(o, &cfg) != DSV4_OK) {
             fprintf(stderr, "dsv4-%s: model config: %s\n", role, dsv4_errmsg());
             exit(1);
         }
@@ -883,15 +891,10 @@ rank_init_weights(struct rank *k, bool cuda)
     if (k->o.synthetic) {
 #ifdef DSV4_HAVE_CUDA
         struct dsv4_config cfg;
-        enum dsv4_err e;
 
         if (!cuda)
             fatalx("rank_init: --synthetic-weights needs the cuda backend");
-        e = k->o.model_preset != NULL ? dsv4_config_preset(&cfg, k->o.model_preset) :
-                                        dsv4_config_load(&cfg, k->o.model_config);
-        if (e == DSV4_OK && k->o.n_model_sets > 0)
-            e = dsv4_config_override(&cfg, k->o.n_model_sets, k->o.model_sets);
-        if (e != DSV4_OK)
+        if (rank_synthetic_config(&k->o, &cfg) != DSV4_OK)
             fatalx("rank_init: model config: %s", dsv4_errmsg());
         snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed, keyed);
         rank_share_begin(k, &cfg, source, &arena);

@@ -142,10 +142,7 @@ sched_init(struct sched *s)
     s->next_req = ((uint64_t)time(NULL) << 20) | 1;
     s->eos = -1;
 
-    tp = s->cfg.file.tokenizer;
-    if (strcmp(tp, "none") != 0) {
-        if (!s->cfg.tokenizer_required)
-            tp = dsv4_tok_default_path();
+    if ((tp = sched_tokenizer_path(&s->cfg)) != NULL) {
         sdnotify_status("loading tokenizer %s", tp);
         if (dsv4_tok_load(&s->tok, tp, DSV4_TOK_HF) != DSV4_OK) {
             if (s->cfg.tokenizer_required)

@@ -36,6 +36,14 @@ sched_config_load(struct sched_config *c, const char *path, int n_over, char *co
     return 0;
 }
 
+const char *
+sched_tokenizer_path(const struct sched_config *c)
+{
+    if (strcmp(c->file.tokenizer, "none") == 0)
+        return NULL;
+    return c->tokenizer_required ? c->file.tokenizer : dsv4_tok_default_path();
+}
+
 int
 sched_config_check(const struct sched_config *c)
 {
@@ -44,7 +52,7 @@ sched_config_check(const struct sched_config *c)
                           c->file.admin_endpoint };
     struct dsv4_zsock_cfg zc;
     struct dsv4_tok *tok;
-    const char *tp = c->file.tokenizer;
+    const char *tp = sched_tokenizer_path(c);
 
     for (int i = 0; i < 3; i++) {
         dsv4_zsock_cfg_init(&zc);
@@ -57,12 +65,10 @@ sched_config_check(const struct sched_config *c)
         }
         printf("%s socket %s\n", what[i], eps[i]);
     }
-    if (strcmp(tp, "none") == 0) {
+    if (tp == NULL) {
         printf("tokenizer none: token-id prompts only\n");
         return 0;
     }
-    if (!c->tokenizer_required)
-        tp = dsv4_tok_default_path();
     if (dsv4_tok_load(&tok, tp, DSV4_TOK_HF) != DSV4_OK) {
         if (c->tokenizer_required) {
             log_warnx("config: tokenizer: %s", dsv4_errmsg());

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "common/cli.h"
 
 static void
 on_sigint(int sig)
@@ -43,8 +44,7 @@ main(int argc, char **argv)
         return 0;
     if (rc != 0) {
         fprintf(stderr, "dsv4-bench: %s\n", err);
-        bench_usage_error(stderr);
-        return 2;
+        dsv4_cli_usage(BENCH_SYNOPSIS, "", 2);
     }
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = on_sigint;

@@ -168,8 +168,11 @@ int bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, siz
 int bench_parse_levels(struct bench_opts *o, const char *s, char *err, size_t errlen);
 /* Print the usage text on f. */
 void bench_usage(FILE *f);
-/* The synopsis and a pointer to --help (after a usage error). */
-void bench_usage_error(FILE *f);
+/* The usage's first lines: dsv4_cli_usage's synopsis (common/cli.h). */
+#define BENCH_SYNOPSIS \
+    "usage: dsv4-bench [-e endpoint] [-K keyfile] [-c list] [-p spec] [-l spec]\n" \
+    "                  [-n requests | -d seconds] [-w warmup] [-s seed] [-t temp]\n" \
+    "                  [-j file.json] [-P file.png] [-L label] [-q] [more options]\n"
 
 /* --- one concurrency level ------------------------------------------ */
 
