@@ -19,8 +19,9 @@ build=$(cd "$1" && pwd)
 src=$(cd "$(dirname "$0")/../.." && pwd)
 tmp=$(mktemp -d /tmp/dsv4dry.XXXX)
 trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/tests/gpu" "$tmp/.carry/bin" "$tmp/.carry/lib"
+mkdir -p "$tmp/tests/gpu" "$tmp/tools" "$tmp/.carry/bin" "$tmp/.carry/lib"
 cp "$src/tests/gpu/service.sh" "$src/tests/gpu/targets.sh" "$tmp/tests/gpu/"
+cp "$src/tools/gpu-pack.sh" "$tmp/tools/"   # service.sh's --unpack (no pack here)
 for b in tools/launch/dsv4-launch daemons/sched/dsv4-sched daemons/rank/dsv4-prefill \
          daemons/rank/dsv4-decode tools/bench/dsv4-bench tools/dsv4ctl/dsv4ctl \
          tools/mkmodel/dsv4-mkmodel; do

@@ -121,6 +121,8 @@
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
 set -uo pipefail
+# a pack made with tools/gpu-pack.sh --xz: bin/ and lib/ out of it first
+tools/gpu-pack.sh --unpack || exit 1
 export LD_LIBRARY_PATH=$PWD/.carry/lib PATH=$PWD/.carry/bin:$PATH
 OUT=${OUT:-/tmp/out}
 SEED=${SEED:-$(date +%s)}

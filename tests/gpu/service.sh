@@ -37,6 +37,8 @@
 # load and reports the time until the group serves again and whether any
 # request was lost.
 set -uo pipefail
+# a pack made with tools/gpu-pack.sh --xz: bin/ and lib/ out of it first
+tools/gpu-pack.sh --unpack || exit 1
 export LD_LIBRARY_PATH=$PWD/.carry/lib PATH=$PWD/.carry/bin:$PATH NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
 LAYERS=${LAYERS:-8}
