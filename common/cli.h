@@ -20,6 +20,23 @@
 #define DSV4_VERSION "unknown"
 #endif
 
+/* Exit statuses (docs/operations.md "Exit statuses").  Every program: 0
+ * done; 1 a failure that a new start may not repeat (a device error, a
+ * socket in use, a request that failed); DSV4_EXIT_USAGE a usage error.  The
+ * daemons and dsv4-launch also: DSV4_EXIT_CONFIG when the configuration or
+ * what it names is wrong (the file, a -o line, an endpoint's form, a key
+ * file, the tokenizer, the checkpoint, socket units).  The units'
+ * RestartPreventExitStatus= and dsv4-launch restart a daemon after neither
+ * of the last two: the same start would fail the same way. */
+#define DSV4_EXIT_USAGE 2
+/* systemd's EXIT_NOTCONFIGURED, the LSB's "program is not configured" */
+#define DSV4_EXIT_CONFIG 6
+
+/* The daemons' and dsv4-launch's --help line on the statuses above. */
+#define DSV4_CLI_DAEMON_EXIT \
+    "Exit status: 0 stopped, 1 a failure, 2 usage, 6 the configuration (neither 2\n" \
+    "nor 6 is restarted by the units or dsv4-launch).\n"
+
 /* getopt_long's value for --version, above every single-character option. */
 #define DSV4_CLI_OPT_VERSION 0x7f00
 

@@ -11,6 +11,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/cli.h"
+
 enum log_level {
     LOG_LEVEL_CRIT = 2,
     LOG_LEVEL_WARN = 4,
@@ -95,24 +97,18 @@ LOG_FN(log_notice, LOG_LEVEL_NOTICE, 0)
 LOG_FN(log_warn, LOG_LEVEL_WARN, 1)
 LOG_FN(log_warnx, LOG_LEVEL_WARN, 0)
 
-void
-fatal(const char *fmt, ...)
-{
-    va_list ap;
+/* log at CRIT, then exit with `status` */
+#define FATAL_FN(name, with_errno, status)                \
+    void                                                  \
+    name(const char *fmt, ...)                            \
+    {                                                     \
+        va_list ap;                                       \
+        va_start(ap, fmt);                                \
+        log_vwrite(LOG_LEVEL_CRIT, fmt, ap, with_errno);  \
+        va_end(ap);                                       \
+        exit(status);                                     \
+    }
 
-    va_start(ap, fmt);
-    log_vwrite(LOG_LEVEL_CRIT, fmt, ap, 1);
-    va_end(ap);
-    exit(EXIT_FAILURE);
-}
-
-void
-fatalx(const char *fmt, ...)
-{
-    va_list ap;
-
-    va_start(ap, fmt);
-    log_vwrite(LOG_LEVEL_CRIT, fmt, ap, 0);
-    va_end(ap);
-    exit(EXIT_FAILURE);
-}
+FATAL_FN(fatal, 1, EXIT_FAILURE)
+FATAL_FN(fatalx, 0, EXIT_FAILURE)
+FATAL_FN(fatalx_conf, 0, DSV4_EXIT_CONFIG)

@@ -33,6 +33,9 @@ void log_warnx(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 /* Critical: log (without errno) and exit(EXIT_FAILURE). */
 void fatalx(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+/* Critical, a configuration fault: log (without errno) and exit with
+ * DSV4_EXIT_CONFIG (common/cli.h), which no unit or dsv4-launch restarts. */
+void fatalx_conf(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
 #ifdef __cplusplus
 }

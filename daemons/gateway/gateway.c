@@ -44,7 +44,8 @@ usage(int status)
         "                 \"configuration OK\" and exit\n"
         "  -v             more logging (-vv: debug)\n"
         "  -h, --help     this help\n"
-        "      --version  the version\n", status);
+        "      --version  the version\n"
+        DSV4_CLI_DAEMON_EXIT, status);
 }
 
 /* Read the bearer tokens: one per line, blanks trimmed, '#' comments. */
@@ -175,17 +176,17 @@ main(int argc, char **argv)
     if (conf_path == NULL && access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0)
         conf_path = DSV4_CONF_DEFAULT_PATH;
     if (conf_path != NULL && dsv4_conf_load(&g.conf, conf_path, DSV4_CONF_ROLE_NONE) != DSV4_OK)
-        fatalx("%s", dsv4_errmsg());
+        fatalx_conf("%s", dsv4_errmsg());
     for (i = 0; i < n_over; i++)
         if (dsv4_conf_set_kv(&g.conf, overrides[i]) != DSV4_OK)
-            fatalx("-o %s", dsv4_errmsg());
+            fatalx_conf("-o %s", dsv4_errmsg());
     if (listen != NULL && dsv4_conf_set(&g.conf, "gateway_listen", listen) != DSV4_OK)
-        fatalx("-l %s", dsv4_errmsg());
+        fatalx_conf("-l %s", dsv4_errmsg());
     if (g.conf.gateway_keys[0] != '\0' && gw_keys_load(&g, g.conf.gateway_keys) != 0)
-        fatalx("cannot use the keys file %s", g.conf.gateway_keys);
+        fatalx_conf("cannot use the keys file %s", g.conf.gateway_keys);
     sdnotify_status("loading the tokenizer");
     if ((e = dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF)) != DSV4_OK)
-        fatalx("tokenizer: %s", dsv4_errmsg());
+        fatalx_conf("tokenizer: %s", dsv4_errmsg());
     g.eos = dsv4_tok_eos(g.tok);
     if (check) {
         /* the scheduler's endpoints as the gateway connects to them (form
@@ -199,12 +200,12 @@ main(int argc, char **argv)
             zc.endpoint = eps[i];
             zc.key_dir = g.conf.key_dir;
             if (dsv4_zsock_check(&zc) != DSV4_OK)
-                fatalx("%s: %s", what[i], dsv4_errmsg());
+                fatalx_conf("%s: %s", what[i], dsv4_errmsg());
         }
         /* the listen address as gw_http_start would resolve it (not bound:
          * a running gateway may hold it) */
         if (gw_listen_check(g.conf.gateway_listen) != 0)
-            fatalx("gateway_listen \"%s\" cannot be listened on", g.conf.gateway_listen);
+            fatalx_conf("gateway_listen \"%s\" cannot be listened on", g.conf.gateway_listen);
         printf("configuration OK (%s); %d bearer key(s); tokenizer %s; listen %s\n",
             conf_path != NULL ? conf_path : "defaults", g.n_keys, g.conf.tokenizer,
             g.conf.gateway_listen);
@@ -220,14 +221,19 @@ main(int argc, char **argv)
     if (n_fds < 0)
         fatalx("sd_listen_fds: %s", strerror(-n_fds));
     if (n_fds > 1)
-        fatalx("systemd passed %d sockets; dsv4-gateway takes one", n_fds);
+        fatalx_conf("systemd passed %d sockets; dsv4-gateway takes one", n_fds);
     if (n_fds == 1) {
         if (sd_is_socket(SD_LISTEN_FDS_START, AF_UNSPEC, SOCK_STREAM, 1) <= 0)
-            fatalx("the socket systemd passed is not a listening stream socket");
+            fatalx_conf("the socket systemd passed is not a listening stream socket");
         listen_fd = SD_LISTEN_FDS_START;
     }
-    if (gw_http_start(&g, listen_fd) != 0)
+    if (gw_http_start(&g, listen_fd) != 0) {
+        /* an address that cannot be listened on is the configuration's
+         * fault; one in use may be free at the next start */
+        if (listen_fd < 0 && gw_listen_check(g.conf.gateway_listen) != 0)
+            fatalx_conf("gateway_listen \"%s\" cannot be listened on", g.conf.gateway_listen);
         fatalx("cannot start the HTTP listener");
+    }
     log_notice("main: serving %s on %s; scheduler %s, admin %s; %s", g.conf.gateway_model,
         listen_fd >= 0 ? "the socket passed by systemd" : g.conf.gateway_listen,
         g.conf.client_endpoint, g.conf.admin_endpoint,

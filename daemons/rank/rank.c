@@ -82,7 +82,8 @@ usage(int status)
         "                        FILE (a config.json), --set KEY=VALUE over it\n"
         "  --no-graphs           no CUDA graphs for the decode step\n"
         "  -h, --help            this help\n"
-        "      --version         the version\n", status);
+        "      --version         the version\n"
+        DSV4_CLI_DAEMON_EXIT, status);
 }
 
 /* --- Messages to the scheduler ------------------------------------------------- */
@@ -610,7 +611,8 @@ rank_synthetic_config(const struct rank_opts *o, struct dsv4_config *cfg)
  * the scheduler endpoint's form and CURVE key (dsv4_zsock_check), and the
  * weights' source: the checkpoint (config.json and every tensor, mapped and
  * checked as at start, then unmapped) or the synthetic model's
- * configuration.  One line each on stdout; exits 1 on the first fault. */
+ * configuration.  One line each on stdout; exits DSV4_EXIT_CONFIG on the first
+ * fault. */
 static void
 rank_check(const struct rank_opts *o)
 {
@@ -625,23 +627,23 @@ rank_check(const struct rank_opts *o)
     zc.key_dir = o->conf.key_dir;
     if (dsv4_zsock_check(&zc) != DSV4_OK) {
         fprintf(stderr, "dsv4-%s: rank_endpoint: %s\n", role, dsv4_errmsg());
-        exit(1);
+        exit(DSV4_EXIT_CONFIG);
     }
     printf("scheduler %s\n", o->conf.rank_endpoint);
 #ifndef DSV4_HAVE_CUDA
     if (strcmp(o->conf.backend, "cuda") == 0) {
         fprintf(stderr, "dsv4-%s: backend cuda: this build has no CUDA\n", role);
-        exit(1);
+        exit(DSV4_EXIT_CONFIG);
     }
 #endif
     if (o->synthetic) {
         if (strcmp(o->conf.backend, "cuda") != 0) {
             fprintf(stderr, "dsv4-%s: --synthetic-weights needs the cuda backend\n", role);
-            exit(1);
+            exit(DSV4_EXIT_CONFIG);
         }
         if (rank_synthetic_config(o, &cfg) != DSV4_OK) {
             fprintf(stderr, "dsv4-%s: model config: %s\n", role, dsv4_errmsg());
-            exit(1);
+            exit(DSV4_EXIT_CONFIG);
         }
         printf("synthetic weights, seed %" PRIu64 ": %d layers\n", o->synth_seed,
                (int)cfg.num_hidden_layers);
@@ -650,7 +652,7 @@ rank_check(const struct rank_opts *o)
     if (dsv4_weights_load(&w, o->conf.checkpoint) != DSV4_OK) {
         fprintf(stderr, "dsv4-%s: checkpoint %s: %s\n", role, o->conf.checkpoint,
                 dsv4_errmsg());
-        exit(1);
+        exit(DSV4_EXIT_CONFIG);
     }
     printf("checkpoint %s: %d layers (MTP included)\n", o->conf.checkpoint, w.n_layers);
     dsv4_weights_free(&w);
@@ -765,14 +767,14 @@ rank_options(struct rank_opts *o, int argc, char **argv)
         path = DSV4_CONF_DEFAULT_PATH;
     if (path != NULL && dsv4_conf_load_rank(&o->conf, path, crole, (int)o->index) != DSV4_OK) {
         fprintf(stderr, "dsv4-%s: %s\n", dsv4_role_name(RANK_ROLE), dsv4_errmsg());
-        exit(1);
+        exit(DSV4_EXIT_CONFIG);
     }
     o->conf_path = path;
     for (int i = 0; i < n_over; i++) {
         if (dsv4_conf_set_kv(&o->conf, over[i]) != DSV4_OK) {
             fprintf(stderr, "dsv4-%s: -o %s: %s\n", dsv4_role_name(RANK_ROLE), over[i],
                     dsv4_errmsg());
-            exit(2);
+            exit(DSV4_EXIT_CONFIG);
         }
     }
     o->burst = strcmp(o->conf.burst, "yes") == 0;
@@ -806,7 +808,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
     if (o->slots < 1 || o->slots > RANK_MAX_SLOTS) {
         fprintf(stderr, "dsv4-%s: %d slots; 1..%d supported\n", dsv4_role_name(RANK_ROLE),
                 o->slots, RANK_MAX_SLOTS);
-        exit(1);
+        exit(DSV4_EXIT_CONFIG);
     }
     if (check) {
         dsv4_conf_print(&o->conf, stdout);
@@ -862,7 +864,7 @@ rank_group_split(struct rank *k, bool cuda)
     (void)cuda;
 #endif
     if (dsv4_group_split_resolve(v, fast, &split) != DSV4_OK)
-        fatalx("rank_init: %s", dsv4_errmsg());
+        fatalx_conf("rank_init: %s", dsv4_errmsg());
     return split;
 }
 
@@ -893,9 +895,9 @@ rank_init_weights(struct rank *k, bool cuda)
         struct dsv4_config cfg;
 
         if (!cuda)
-            fatalx("rank_init: --synthetic-weights needs the cuda backend");
+            fatalx_conf("rank_init: --synthetic-weights needs the cuda backend");
         if (rank_synthetic_config(&k->o, &cfg) != DSV4_OK)
-            fatalx("rank_init: model config: %s", dsv4_errmsg());
+            fatalx_conf("rank_init: model config: %s", dsv4_errmsg());
         snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed, keyed);
         rank_share_begin(k, &cfg, source, &arena);
         if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
@@ -917,16 +919,16 @@ rank_init_weights(struct rank *k, bool cuda)
         rank_share_done(k, &arena);
         return &k->wdev;
 #else
-        fatalx("rank_init: --synthetic-weights needs a build with CUDA");
+        fatalx_conf("rank_init: --synthetic-weights needs a build with CUDA");
 #endif
     }
     sdnotify_status("loading weights from %s", k->o.conf.checkpoint);
     log_info("rank_init: loading %s", k->o.conf.checkpoint);
     if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
-        fatalx("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
+        fatalx_conf("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
     k->w_loaded = true;
     if (dsv4_weights_shard(&k->wshard, &k->w, gr, gs, split) != DSV4_OK)
-        fatalx("rank_init: rank %d of a group of %d: %s", gr, gs, dsv4_errmsg());
+        fatalx_conf("rank_init: rank %d of a group of %d: %s", gr, gs, dsv4_errmsg());
     k->wshard_on = true;
     if (!cuda)
         return &k->wshard;
@@ -957,7 +959,7 @@ rank_init_weights(struct rank *k, bool cuda)
     k->w_loaded = false;
     return &k->wdev;
 #else
-    fatalx("rank_init: the cuda backend needs a build with CUDA");
+    fatalx_conf("rank_init: the cuda backend needs a build with CUDA");
 #endif
 }
 
@@ -1009,8 +1011,9 @@ rank_init_model(struct rank *k)
         if (dev < 0)
             dev = (int)(k->o.group_rank % (uint32_t)n_dev);
         else if (dev + (int)k->o.group_rank >= n_dev)
-            fatalx("rank_init: gpu = %d: rank %u of its group needs device %d, this host "
-                   "has %d", dev, (unsigned)k->o.group_rank, dev + (int)k->o.group_rank, n_dev);
+            fatalx_conf("rank_init: gpu = %d: rank %u of its group needs device %d, this "
+                        "host has %d", dev, (unsigned)k->o.group_rank,
+                        dev + (int)k->o.group_rank, n_dev);
         else
             dev += (int)k->o.group_rank;
         if (dsv4_cuda_backend_create(&k->be, num, dev) != DSV4_OK)

@@ -56,7 +56,8 @@ usage(int status)
         "                 binding, print \"configuration OK\" and exit\n"
         "  -v             more logging (-vv: debug)\n"
         "  -h, --help     this help\n"
-        "      --version  the version\n", status);
+        "      --version  the version\n"
+        DSV4_CLI_DAEMON_EXIT, status);
 }
 
 /*
@@ -112,13 +113,18 @@ open_router(struct sched *s, const char *what, const char *ep, int fd, unsigned 
     zc.mode = mode;
     if (fd >= 0) {
         if (fd_endpoint(fd, fdep, sizeof(fdep)) != 0)
-            fatalx("%s: passed fd %d is not a unix or TCP socket", what, fd);
+            fatalx_conf("%s: passed fd %d is not a unix or TCP socket", what, fd);
         zc.endpoint = fdep;
         zc.fd = fd;
         zc.mode = 0; /* the socket unit set the mode */
     }
-    if ((sock = dsv4_zsock_open(s->zctx, &zc, NULL)) == NULL)
+    if ((sock = dsv4_zsock_open(s->zctx, &zc, NULL)) == NULL) {
+        /* the endpoint's form, its directory, its key: the configuration's
+         * fault; anything else (an address in use) a new start may not meet */
+        if (fd < 0 && dsv4_zsock_check(&zc) != DSV4_OK)
+            fatalx_conf("%s socket: %s", what, dsv4_errmsg());
         fatalx("%s socket: %s", what, dsv4_errmsg());
+    }
     log_info("%s socket on %s%s", what, zc.endpoint, fd >= 0 ? " (socket activation)" : "");
     return sock;
 }
@@ -146,7 +152,7 @@ sched_init(struct sched *s)
         sdnotify_status("loading tokenizer %s", tp);
         if (dsv4_tok_load(&s->tok, tp, DSV4_TOK_HF) != DSV4_OK) {
             if (s->cfg.tokenizer_required)
-                fatalx("tokenizer: %s", dsv4_errmsg());
+                fatalx_conf("tokenizer: %s", dsv4_errmsg());
             log_warnx("no tokenizer (%s): only token-id prompts, no output text",
                 dsv4_errmsg());
             s->tok = NULL;
@@ -369,11 +375,11 @@ main(int argc, char *argv[])
     log_init(verbose);
     log_procinit("sched");
     if (sched_config_load(&s.cfg, path, n_over, over) != 0)
-        exit(1);
+        exit(DSV4_EXIT_CONFIG);
     s.cfg.verbose = verbose;
     if (check) {
         if (sched_config_check(&s.cfg) != 0)
-            exit(1);
+            exit(DSV4_EXIT_CONFIG);
         printf("configuration OK\n");
         return 0;
     }

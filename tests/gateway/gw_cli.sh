@@ -39,21 +39,21 @@ expect() {
 
 expect defaults 0 "configuration OK \($tmp/dsv4.conf\); 0 bearer key\(s\); tokenizer $tok; listen 127.0.0.1:8000" --
 expect keys 0 '2 bearer key\(s\)' -- -o "gateway_keys=$tmp/keys"
-expect keys_missing 1 "cannot use the keys file $tmp/nothere" -- -o "gateway_keys=$tmp/nothere"
-expect keys_none 1 'holds no key' -- -o "gateway_keys=$tmp/nokeys"
-expect key_too_long 1 'keys are < 256 bytes' -- -o "gateway_keys=$tmp/longkey"
+expect keys_missing 6 "cannot use the keys file $tmp/nothere" -- -o "gateway_keys=$tmp/nothere"
+expect keys_none 6 'holds no key' -- -o "gateway_keys=$tmp/nokeys"
+expect key_too_long 6 'keys are < 256 bytes' -- -o "gateway_keys=$tmp/longkey"
 expect keys_world_readable 0 'configuration OK' -- -o "gateway_keys=$tmp/openkeys"
 grep -q 'readable by everyone' "$tmp/out" && echo "ok   keys_world_readable_warns" ||
     { echo "FAIL keys_world_readable_warns: $(cat "$tmp/out")"; fail=1; }
 expect listen_ok 0 'listen 127.0.0.1:8123' -- -l 127.0.0.1:8123
 expect listen_ipv6 0 'listen \[::1\]:8123' -- -l '[::1]:8123'
-expect listen_no_port 1 'expected HOST:PORT' -- -l nonsense
-expect listen_bad_port 1 'gateway_listen "127.0.0.1:notaport" cannot be listened on' -- -l 127.0.0.1:notaport
-expect unknown_key 1 'unknown key "bogus"' -- -o bogus=1
-expect client_endpoint_bad 1 'client_endpoint: abc: not ipc://PATH' -- -o client_endpoint=abc
-expect admin_endpoint_tcp_no_key 1 "admin_endpoint: CURVE key $tmp/server.pub" -- -o admin_endpoint=tcp://127.0.0.1:5556 -o "key_dir=$tmp"
-expect tokenizer_missing 1 'tokenizer: ' -- -o "tokenizer=$tmp/nothere.json"
-expect conf_missing 1 "$tmp/nothere.conf" -- -f "$tmp/nothere.conf"
+expect listen_no_port 6 'expected HOST:PORT' -- -l nonsense
+expect listen_bad_port 6 'gateway_listen "127.0.0.1:notaport" cannot be listened on' -- -l 127.0.0.1:notaport
+expect unknown_key 6 'unknown key "bogus"' -- -o bogus=1
+expect client_endpoint_bad 6 'client_endpoint: abc: not ipc://PATH' -- -o client_endpoint=abc
+expect admin_endpoint_tcp_no_key 6 "admin_endpoint: CURVE key $tmp/server.pub" -- -o admin_endpoint=tcp://127.0.0.1:5556 -o "key_dir=$tmp"
+expect tokenizer_missing 6 'tokenizer: ' -- -o "tokenizer=$tmp/nothere.json"
+expect conf_missing 6 "$tmp/nothere.conf" -- -f "$tmp/nothere.conf"
 expect unknown_flag 2 'usage' -- -Z
 expect stray_argument 2 'usage' -- extra
 

@@ -12,7 +12,8 @@
    --help) is given, in turn, values an operator or a script may pass by
    mistake: empty, negative, zero, a word, a number beyond 64 bits, "nan",
    5,000 characters, a path whose parent is a file.  Each run must end by
-   itself in 0, 1 or 2, with a message on stderr when it is not 0, and
+   itself in 0, 1 or 2 (the daemons also 6, a configuration fault), with
+   a message on stderr when it is not 0, and
    without a signal or a sanitizer report (the ASan+UBSan build runs this
    too).  The daemons run with -n (check only); dsv4ctl, dsv4-generate and
    dsv4-bench talk to a real service set on a tiny checkpoint, so a value
@@ -45,6 +46,8 @@ PROGRAMS = {
     "dsv4-mkmodel": "tools/mkmodel/dsv4-mkmodel",
     "dsv4-tokenize": "tools/tokenize/dsv4-tokenize",
 }
+# the programs that exit DSV4_EXIT_CONFIG (6) for a configuration fault
+DAEMONS = ("dsv4-sched", "dsv4-prefill", "dsv4-decode", "dsv4-gateway", "dsv4-launch")
 
 # The last one is a path no program can create, root included: its parent
 # is a regular file of the scratch directory (main() fills it in).
@@ -127,6 +130,7 @@ def sweep(name, path, case):
           (short([path] + case.head + case.tail), rc, out[-500:], err[-2000:]))
     n = 0
     codes = {}
+    ok = (0, 1, 2, 6) if name in DAEMONS else (0, 1, 2)   # common/cli.h
     for o in opts:
         for v in ODD_VALUES:
             argv = [path] + case.head + [o, v] + case.tail
@@ -135,7 +139,7 @@ def sweep(name, path, case):
             codes[rc] = codes.get(rc, 0) + 1
             check(not SANITIZER.search(err), "%s: a sanitizer report:\n%s" %
                   (short(argv), err[-3000:]))
-            check(rc in (0, 1, 2), "%s: exit %d (a negative status is a signal)\n%s" %
+            check(rc in ok, "%s: exit %d (a negative status is a signal)\n%s" %
                   (short(argv), rc, err[-3000:]))
             check(rc == 0 or err.strip(), "%s: exit %d without a message on stderr" %
                   (short(argv), rc))
@@ -150,20 +154,20 @@ def checks(paths, conf, tmp):
     sched, dec = paths["dsv4-sched"], paths["dsv4-decode"]
     cases = [
         ([sched, "-n", "-f", conf], 0, r"tokenizer .*\(274 ids\)\nconfiguration OK"),
-        ([sched, "-n", "-f", conf, "-o", "client_endpoint=abc"], 1,
+        ([sched, "-n", "-f", conf, "-o", "client_endpoint=abc"], 6,
          r"client_endpoint: abc: not ipc://PATH"),
-        ([sched, "-n", "-f", conf, "-o", "rank_endpoint=ipc://%s/no-dir/r.sock" % tmp], 1,
+        ([sched, "-n", "-f", conf, "-o", "rank_endpoint=ipc://%s/no-dir/r.sock" % tmp], 6,
          r"rank_endpoint: .*no directory"),
-        ([sched, "-n", "-f", conf, "-o", "admin_endpoint=ipc:///" + "d" * 120], 1,
+        ([sched, "-n", "-f", conf, "-o", "admin_endpoint=ipc:///" + "d" * 120], 6,
          r"longer than 107 bytes"),
-        ([sched, "-n", "-f", conf, "-o", "rank_endpoint=tcp://127.0.0.1:99999"], 1,
+        ([sched, "-n", "-f", conf, "-o", "rank_endpoint=tcp://127.0.0.1:99999"], 6,
          r"port is not a number of 1 \.\.\. 65535"),
         ([sched, "-n", "-f", conf, "-o", "rank_endpoint=tcp://127.0.0.1:5555",
-          "-o", "key_dir=%s" % tmp], 1, r"CURVE key .*server\.key"),
-        ([sched, "-n", "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], 1, r"tokenizer"),
+          "-o", "key_dir=%s" % tmp], 6, r"CURVE key .*server\.key"),
+        ([sched, "-n", "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], 6, r"tokenizer"),
         ([dec, "-n", "-f", conf], 0, r"checkpoint .*: \d+ layers.*\nconfiguration OK"),
-        ([dec, "-n", "-f", conf, "--checkpoint", tmp + "/nothing"], 1, r"checkpoint .*nothing"),
-        ([dec, "-n", "-f", conf, "--sched", "tcp://*:5555"], 1, r"no host to connect to"),
+        ([dec, "-n", "-f", conf, "--checkpoint", tmp + "/nothing"], 6, r"checkpoint .*nothing"),
+        ([dec, "-n", "-f", conf, "--sched", "tcp://*:5555"], 6, r"no host to connect to"),
     ]
     for argv, want, pat in cases:
         rc, out, err = run(argv, cwd=tmp)
@@ -173,6 +177,24 @@ def checks(paths, conf, tmp):
                "not found", out[-1500:], err[-1500:]))
     log("-n of dsv4-sched and dsv4-decode: %d cases of what the start would refuse" %
         len(cases))
+    # The start itself (no -n) ends with the same status for the same fault,
+    # which the units' RestartPreventExitStatus= does not restart.
+    gw = paths["dsv4-gateway"]
+    starts = [
+        ([sched, "-f", conf, "-o", "client_endpoint=abc"], r"client socket: abc"),
+        ([sched, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
+        ([sched, "-f", conf, "-o", "bogus=1"], r"unknown key"),
+        ([dec, "-f", conf, "--checkpoint", tmp + "/nothing"], r"weights .*nothing"),
+        ([gw, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
+        ([gw, "-f", conf, "-l", "127.0.0.1:notaport"], r"cannot be listened on"),
+    ]
+    for argv, pat in starts:
+        rc, out, err = run(argv, cwd=tmp)
+        check(rc == 6 and re.search(pat, out + err),
+              "%s: exit %d (want 6), /%s/ %s in:\n%s%s" %
+              (short(argv), rc, pat, "found" if re.search(pat, out + err) else "not found",
+               out[-1500:], err[-1500:]))
+    log("starts refused for their configuration: %d cases, each exit 6" % len(starts))
 
 
 def main():

@@ -8,7 +8,8 @@ Scenarios:
   launch          dsv4-launch with stand-in daemons (tests/integration/
                   fake_daemon.py): listeners passed as LISTEN_FDS client:admin,
                   notify ordering, Restart=on-failure after kill -9, no restart
-                  after a clean exit, watchdog kill, start limit, stop on SIGTERM.
+                  after a clean exit, watchdog kill, start limit, none after exit
+                  2 or 6, stop on SIGTERM.
   greedy16        16 concurrent greedy streams through sched + 2 prefill + 2
                   decode ranks == the single-process forward (svc_client
                   --reference) for every prompt; the decode ranks' step
@@ -1131,6 +1132,20 @@ def sc_launch():
         check(p.wait(WAIT_S) == 1, "launcher did not give up on a crash loop")
         check(len(reports_safe(d)) == 5, "%d starts before giving up" % len(reports_safe(d)))
         log("launch: start limit: ok")
+
+        # 5. RestartPreventExitStatus=2 6: a daemon exiting for its usage or
+        # its configuration is started once; the set stops with its status.
+        for st in (6, 2):
+            os.unlink(os.path.join(d, "rep"))
+            nlog = os.path.join(d, "n5-%d" % st)
+            p = run({"FAKE_EXIT_AFTER_S": "0.01", "FAKE_EXIT": str(st)},
+                    args=["-P", "0", "-D", "0", "-w", "0"], nlog=nlog)
+            rc = p.wait(WAIT_S)
+            check(rc == st, "launcher exit %d after a daemon's exit %d" % (rc, st))
+            check(len(reports_safe(d)) == 1, "%d starts after exit %d, want 1" %
+                  (len(reports_safe(d)), st))
+            check("sched EXIT exit=%d" % st in readf(nlog), "no exit %d in the notify log" % st)
+        log("launch: exit 2 and 6 not restarted, the set stops with the status: ok")
     finally:
         if p is not None and p.poll() is None:
             p.kill()

@@ -20,6 +20,17 @@ for f in "$src"/*.in; do
         echo "unsubstituted variable in $out"; exit 1
     fi
 done
+# Every daemon restarted on failure is not restarted after the exit statuses
+# common/cli.h gives a usage or configuration fault (a start would repeat it).
+cli=$src/../common/cli.h
+usage=$(sed -n 's/^#define DSV4_EXIT_USAGE \([0-9]*\).*/\1/p' "$cli")
+conf=$(sed -n 's/^#define DSV4_EXIT_CONFIG \([0-9]*\).*/\1/p' "$cli")
+[ -n "$usage" ] && [ -n "$conf" ] || { echo "no DSV4_EXIT_USAGE / DSV4_EXIT_CONFIG in $cli"; exit 1; }
+for f in "$tmp"/units/*.service; do
+    grep -q '^Restart=on-failure$' "$f" || continue
+    grep -qx "RestartPreventExitStatus=$usage $conf" "$f" ||
+        { echo "$(basename "$f"): Restart=on-failure without RestartPreventExitStatus=$usage $conf"; exit 1; }
+done
 cd "$tmp/units"
 cp dsv4-prefill@.service dsv4-prefill@0.service
 cp dsv4-decode@.service dsv4-decode@1.service

@@ -17,7 +17,9 @@
  * the HTTP gateway, started with the ranks and supervised like them.
  *
  * Exit status: 0 after a clean stop; the command's status with `--`; 1 when
- * a child hit its start limit or the setup failed; 2 usage error.
+ * a child hit its start limit or the setup failed; 2 usage error; 6 a
+ * configuration fault (common/cli.h).  A child that exits 2 or 6 is not
+ * restarted: the set stops with that status.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -80,7 +82,8 @@ usage(int status)
         "  -h, --help           this help\n"
         "      --version        the version\n"
         "Exit status: 0 after a clean stop (or COMMAND's), 1 a child hit its start\n"
-        "limit or the set-up failed, 2 usage.\n", status);
+        "limit or the set-up failed, 2 usage, 6 the configuration; a child that exits\n"
+        "2 or 6 is not restarted: the set stops with its status.\n", status);
 }
 
 static long
@@ -167,10 +170,10 @@ load_conf(struct launch *l)
     dsv4_conf_defaults(&l->conf);
     if (l->o.conf_path != NULL &&
         dsv4_conf_load(&l->conf, l->o.conf_path, DSV4_CONF_ROLE_SCHED) != DSV4_OK)
-        fatalx("%s", dsv4_errmsg());
+        fatalx_conf("%s", dsv4_errmsg());
     for (i = 0; i < l->o.n_overrides; i++)
         if (dsv4_conf_set_kv(&l->conf, l->o.overrides[i]) != DSV4_OK)
-            fatalx("-o %s", dsv4_errmsg());
+            fatalx_conf("-o %s", dsv4_errmsg());
     if (strcmp(l->conf.gateway_launch, "yes") == 0)
         l->o.gateway = true;
 }
@@ -307,7 +310,7 @@ main(int argc, char **argv)
     l.sigfd = signals_open();
     l.listen_fd[0] = l.listen_fd[1] = -1;
     if (l.o.no_sched && l.o.gateway)
-        fatalx("--no-sched: the gateway runs on the scheduler's host");
+        fatalx_conf("--no-sched: the gateway runs on the scheduler's host");
     if (!l.o.no_sched)
         l.listen_fd[0] = sock_listen(l.conf.client_endpoint, 0, l.listen_path[0],
         sizeof(l.listen_path[0]));

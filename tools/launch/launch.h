@@ -55,7 +55,7 @@ struct launch_child {
     bool ready;                      /* READY=1 since the last start */
     bool ever_ready;
     bool stopping;                   /* STOPPING=1 seen */
-    bool gave_up;                    /* start limit hit */
+    bool gave_up;                    /* start limit hit, or exit 2 / 6 */
     bool timed_out;                  /* killed for a start or watchdog timeout:
                                         a failure whatever the exit status */
     int64_t start_deadline_ms;       /* READY expected by then; 0 = n/a */

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/cli.h"
 #include "common/log.h"
 #include "common/sdnotify.h"
 #include "tools/launch/launch.h"
@@ -180,7 +181,8 @@ proc_start(struct launch *l, struct launch_child *k)
 }
 
 /* Restart=on-failure: anything but a clean exit (status 0 or the clean
- * signals SIGHUP, SIGINT, SIGTERM, SIGPIPE) is a failure. */
+ * signals SIGHUP, SIGINT, SIGTERM, SIGPIPE) is a failure; proc_exited does
+ * not restart statuses 2 and 6 (RestartPreventExitStatus=). */
 static bool
 proc_failed(int status)
 {
@@ -229,6 +231,19 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
     }
     if (!proc_failed(status) && !k->timed_out) {
         log_notice("proc_exited: %s %s; not restarted (clean exit)", k->name, how);
+        return;
+    }
+    /* RestartPreventExitStatus=2 6 (the units'): a usage or configuration
+     * fault fails the same way at every start; stop the set with its status */
+    if (WIFEXITED(status) && (WEXITSTATUS(status) == DSV4_EXIT_USAGE ||
+                              WEXITSTATUS(status) == DSV4_EXIT_CONFIG)) {
+        log_warnx("proc_exited: %s %s (%s); not restarted, stopping the set", k->name, how,
+            WEXITSTATUS(status) == DSV4_EXIT_USAGE ? "usage" : "its configuration");
+        k->gave_up = true;
+        l->exit_code = WEXITSTATUS(status);
+        l->stopping = true;
+        l->stop_deadline_ms = now + l->o.stop_timeout_ms;
+        proc_signal_all(l, SIGTERM);
         return;
     }
     /* StartLimitBurst= starts within StartLimitIntervalSec=: give up. */
