@@ -591,6 +591,59 @@ fk_fp4(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
 /* BF16 weights, activations as bf16 pairs hi (xb) + lo (xl); 64-column
  * chunks ch0..ch1, no scales: acc collects the whole dot.  SH: xb and xl
  * are in shared memory (plain loads). */
+/* The BF16 weight bytes of 64-column chunk ch: w[m][h][c] = 16 bytes at
+ * (ch*64 + q*16)*2 + c*16 of row wr[m][h] (VOL: fk_ld_wv, kept in place). */
+template <int MT, int VOL = 0>
+static __device__ __forceinline__ void
+fk_bf16_load(uint4 (&w)[MT][2][2], const uint8_t *const (&wr)[MT][2], int ch, int q)
+{
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const uint8_t *p = wr[m][h] + ((int64_t)ch * 64 + q * 16) * 2 + c * 16;
+
+                w[m][h][c] = VOL ? fk_ld_wv(p) : fk_ld_w(p);
+            }
+}
+
+/* One 64-column chunk ch of fk_bf16 on weights already loaded
+ * (fk_bf16_load). */
+template <int MT, int NT, int SH = 0>
+static __device__ __forceinline__ void
+fk_bf16_ch(float (&acc)[MT][NT][4], const uint4 (&w)[MT][2][2],
+           const uint16_t *const (&xb)[NT], const uint16_t *const (&xl)[NT], int ch, int q)
+{
+    uint4 xh[NT][2], xo[NT][2];
+
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        int64_t o = (int64_t)ch * 64 + q * 16;
+
+        xh[n][0] = fk_ld_act<SH ? 2 : 0>(xb[n] + o);
+        xh[n][1] = fk_ld_act<SH ? 2 : 0>(xb[n] + o + 8);
+        xo[n][0] = fk_ld_act<SH ? 2 : 0>(xl[n] + o);
+        xo[n][1] = fk_ld_act<SH ? 2 : 0>(xl[n] + o + 8);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            uint32_t a0 = fk_word8(w[m][0], 2 * s), a2 = fk_word8(w[m][0], 2 * s + 1);
+            uint32_t a1 = fk_word8(w[m][1], 2 * s), a3 = fk_word8(w[m][1], 2 * s + 1);
+
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                fk_mma_bf16(acc[m][n], a0, a1, a2, a3, fk_word8(xh[n], 2 * s),
+                            fk_word8(xh[n], 2 * s + 1));
+                fk_mma_bf16(acc[m][n], a0, a1, a2, a3, fk_word8(xo[n], 2 * s),
+                            fk_word8(xo[n], 2 * s + 1));
+            }
+        }
+}
+
 template <int MT, int NT, int SH = 0>
 static __device__ __forceinline__ void
 fk_bf16(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
@@ -598,41 +651,10 @@ fk_bf16(float (&acc)[MT][NT][4], const uint8_t *const (&wr)[MT][2],
         int q)
 {
     for (int ch = ch0; ch < ch1; ch++) {
-        uint4 w[MT][2][2], xh[NT][2], xo[NT][2];
+        uint4 w[MT][2][2];
 
-#pragma unroll
-        for (int m = 0; m < MT; m++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *p = wr[m][h] + ((int64_t)ch * 64 + q * 16) * 2;
-
-                w[m][h][0] = fk_ld_w(p);
-                w[m][h][1] = fk_ld_w(p + 16);
-            }
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            int64_t o = (int64_t)ch * 64 + q * 16;
-
-            xh[n][0] = fk_ld_act<SH ? 2 : 0>(xb[n] + o);
-            xh[n][1] = fk_ld_act<SH ? 2 : 0>(xb[n] + o + 8);
-            xo[n][0] = fk_ld_act<SH ? 2 : 0>(xl[n] + o);
-            xo[n][1] = fk_ld_act<SH ? 2 : 0>(xl[n] + o + 8);
-        }
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int m = 0; m < MT; m++) {
-                uint32_t a0 = fk_word8(w[m][0], 2 * s), a2 = fk_word8(w[m][0], 2 * s + 1);
-                uint32_t a1 = fk_word8(w[m][1], 2 * s), a3 = fk_word8(w[m][1], 2 * s + 1);
-
-#pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    fk_mma_bf16(acc[m][n], a0, a1, a2, a3, fk_word8(xh[n], 2 * s),
-                                fk_word8(xh[n], 2 * s + 1));
-                    fk_mma_bf16(acc[m][n], a0, a1, a2, a3, fk_word8(xo[n], 2 * s),
-                                fk_word8(xo[n], 2 * s + 1));
-                }
-            }
+        fk_bf16_load<MT>(w, wr, ch, q);
+        fk_bf16_ch<MT, NT, SH>(acc, w, xb, xl, ch, q);
     }
 }
 

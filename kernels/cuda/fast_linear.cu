@@ -179,7 +179,7 @@ struct fl_args {
                                (o / R) * K .. + K (R = N: not grouped) */
     int bps, bk;            /* 128-blocks per slice, slices per block */
     int round_out;
-    int early;              /* FP8: the first weight block loaded before the PDL wait
+    int early;              /* the first weight block loaded before the PDL wait
                                (fl_block; lin_early_sw) */
     /* the one-launch form (flf_kernel) */
     const float *x;         /* (T, xstride) fp32 activations */
@@ -307,12 +307,17 @@ fl_block(const struct fl_args &a, int bx, int by, int G, float (&red)[FL_NWARP][
     uint4 w0[MT][2][2];
 
     fk_zero(acc);
-    /* FP8 weights (never written by a kernel): the first block's bytes asked
-     * for before the PDL wait, so they arrive while the kernel before ends
-     * (DSV4_CUDA_LIN_EARLY=0: after it) */
+    /* weights (never written by a kernel): the first block's bytes (FP8: 128
+     * columns; BF16: a 64-column chunk) asked for before the PDL wait, so
+     * they arrive while the kernel before ends (DSV4_CUDA_LIN_EARLY=0: after
+     * it) */
     fl_wrows<MODE, MT>(wr, a, row0, 0, g);
-    if (MODE && work && a.early)
-        fk_fp8_load<MT, 1>(w0, wr, kb0, q);
+    if (work && a.early) {
+        if (MODE)
+            fk_fp8_load<MT, 1>(w0, wr, kb0, q);
+        else
+            fk_bf16_load<MT, 1>(w0, wr, 2 * kb0, q);
+    }
     cu_pdl_wait();   /* PDL: before any other global access */
     cu_pdl_trigger();
     if (MODE && work && !a.early)
@@ -345,7 +350,12 @@ fl_block(const struct fl_args &a, int bx, int by, int G, float (&red)[FL_NWARP][
 #pragma unroll
             for (int n = 0; n < NT; n++)
                 xl[n] = a.xl + (xb[n] - a.xv);
-            fk_bf16<MT, NT>(acc, wr, xb, xl, 2 * kb0, 2 * kb1, q);
+            if (a.early) {
+                fk_bf16_ch<MT, NT>(acc, w0, xb, xl, 2 * kb0, q);
+                fk_bf16<MT, NT>(acc, wr, xb, xl, 2 * kb0 + 1, 2 * kb1, q);
+            } else {
+                fk_bf16<MT, NT>(acc, wr, xb, xl, 2 * kb0, 2 * kb1, q);
+            }
         }
     }
     fl_finish<MT, NT>(acc, red, a, tile, row0, by, G);
@@ -979,8 +989,8 @@ fl_mode(const struct dsv4_linear *W, int grouped)
     return grouped ? FL_GROUPED : W->fmt == DSV4_WFMT_FP8 ? FL_FP8 : FL_BF16;
 }
 
-/* DSV4_CUDA_LIN_EARLY=0: the decode linear's FP8 weights all loaded after
- * its PDL wait. */
+/* DSV4_CUDA_LIN_EARLY=0: the decode linear's FP8 and BF16 weights all
+ * loaded after its PDL wait. */
 static struct cuda_switch lin_early_sw = CUDA_SWITCH("DSV4_CUDA_LIN_EARLY", 1);
 
 /* The tile kernel's arguments for W (mode, split sp) at T rows of x (row
