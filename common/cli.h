@@ -21,7 +21,7 @@
 #endif
 
 /* Exit statuses (docs/operations.md "Exit statuses").  Every program: 0
- * done; 1 a failure that a new start may not repeat (a device error, a
+ * done; 1 a failure that a new start may get past (a device error, a
  * socket in use, a request that failed); DSV4_EXIT_USAGE a usage error.  The
  * daemons and dsv4-launch also: DSV4_EXIT_CONFIG when the configuration or
  * what it names is wrong (the file, a -o line, an endpoint's form, a key
