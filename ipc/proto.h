@@ -142,6 +142,9 @@ enum dsv4_ctl {
     DSV4_CTL_DRAIN,         /* C->S  struct dsv4_ctl_drain */
     DSV4_CTL_UNDRAIN,       /* C->S  struct dsv4_ctl_drain (timeout_ms unused) */
     DSV4_CTL_RESULT,        /* S->C  final status of a command (struct dsv4_error) */
+    DSV4_CTL_CANCEL,        /* C->S  end a request as its client's CANCEL would
+                               (struct dsv4_req_ref: the id REQUEST lists);
+                               RESULT 200, or 404 when none is in flight */
     DSV4_CTL__COUNT
 };
 

@@ -1,8 +1,8 @@
 /*
  * sched_ctl.c — dsv4-sched: the admin sub-protocol (docs/protocol.md §7) on
  * the admin ROUTER, used by dsv4ctl: status with metrics, rank and request
- * listings (items, then _END with the count, ntpd style), drain and undrain;
- * the handoff-time histogram that STATUS reports.
+ * listings (items, then _END with the count, ntpd style), drain and undrain,
+ * cancel of one request; the handoff-time histogram that STATUS reports.
  *
  * Runs in the scheduler's only thread.  A DRAIN is answered later: the wait
  * is kept until the drained work has finished (RESULT 200) or its timeout
@@ -279,6 +279,48 @@ ctl_rank_gone(struct sched *s, struct sched_rank *k, struct sched_rank *heir)
     }
 }
 
+/* The request in flight (queued or live) whose scheduler id is `req`: the
+ * id REQUEST lists, which stays the same across re-runs.  NULL when none. */
+static struct sched_req *
+req_in_flight(struct sched *s, uint64_t req)
+{
+    struct sched_req *r;
+
+    TAILQ_FOREACH(r, &s->live, qentry)
+        if (r->req == req)
+            return r;
+    TAILQ_FOREACH(r, &s->queue, qentry)
+        if (r->req == req)
+            return r;
+    return NULL;
+}
+
+/* CANCEL: the request ends as its client's CANCEL would end it (finish
+ * "cancelled", its ranks told to drop it); one already ending is left to
+ * end. */
+static void
+on_cancel(struct sched *s, const struct dsv4_route *to, uint64_t req)
+{
+    struct sched_req *r = req_in_flight(s, req);
+    char text[96];
+
+    if (r == NULL) {
+        snprintf(text, sizeof(text), "no request %llu in flight", (unsigned long long)req);
+        send_result(s, to, DSV4_STATUS_NOT_FOUND, text);
+        return;
+    }
+    if (r->closing) {
+        snprintf(text, sizeof(text), "request %llu is ending already",
+            (unsigned long long)req);
+    } else {
+        log_notice("ctl: request %llu (%s) cancelled from the admin socket",
+            (unsigned long long)req, dsv4_req_state_name(r->state));
+        req_cancel(s, r);
+        snprintf(text, sizeof(text), "request %llu cancelled", (unsigned long long)req);
+    }
+    send_result(s, to, DSV4_STATUS_OK, text);
+}
+
 void
 ctl_dispatch(struct sched *s)
 {
@@ -319,6 +361,9 @@ ctl_dispatch(struct sched *s)
                 break;
             case DSV4_CTL_UNDRAIN:
                 on_undrain(s, &from, &m.u.drain);
+                break;
+            case DSV4_CTL_CANCEL:
+                on_cancel(s, &from, m.u.ref.req);
                 break;
             default:
                 send_result(s, &from, DSV4_STATUS_BAD_MESSAGE,

@@ -863,6 +863,56 @@ def sc_cancel1000():
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 
 
+def sc_ctl_cancel():
+    """dsv4ctl cancel: of two requests held in the queue (their prefill rank
+    drained), the one cancelled from the admin socket ends "cancelled" without
+    a token; the other runs once the rank is undrained and matches the
+    single-process forward.  An id not in flight is 404 (exit 1), a word a
+    usage error (exit 2); nothing leaks."""
+    svc = Service(n_prefill=1, n_decode=1)
+    ctl = [exe("tools/dsv4ctl/dsv4ctl"), "--admin", svc.admin_ep]
+
+    def run_ctl(*args):
+        r = subprocess.run(ctl + list(args), capture_output=True, text=True, timeout=30)
+        return r.returncode, r.stdout, r.stderr
+    try:
+        prompts = os.path.join(svc.dir, "pq.txt")
+        make_prompts(prompts, 2, seed=31)
+        ref = reference(svc, prompts, 8)
+        check(svc.admin.drain("prefill@0", 60000)["code"] == 200, "drain prefill@0 failed")
+        p = svc.client(prompts, 8)
+        wait_for(lambda: [r["state"] for r in svc.admin.requests()] == ["queued", "queued"],
+                 "two requests queued")
+        victim = max(r["req"] for r in svc.admin.requests())
+        rc, out, err = run_ctl("cancel", str(victim))
+        check(rc == 0 and "request %d cancelled" % victim in out,
+              "dsv4ctl cancel %d: exit %d, %s%s" % (victim, rc, out, err))
+        left = [r["req"] for r in svc.admin.requests()]
+        check(len(left) == 1 and left[0] != victim, "listed after the cancel: %s" % left)
+        check(svc.admin.status().get("n_cancelled") == 1, "status does not count the cancel")
+        rc, out, err = run_ctl("cancel", str(victim))
+        check(rc == 1 and "404" in err, "a second cancel: exit %d, %s%s" % (rc, out, err))
+        rc, out, err = run_ctl("--json", "cancel", "18446744073709551615")
+        check(rc == 1 and json.loads(out)["code"] == 404,
+              "cancel of an unknown id: exit %d, %s%s" % (rc, out, err))
+        for word in ("x1", "0", "-3", "18446744073709551616", ""):
+            rc, out, err = run_ctl("cancel", word)   # "-3" is taken as an option
+            check(rc == 2 and ("not a request id" in err or "invalid option" in err),
+                  "dsv4ctl cancel '%s': exit %d, %s" % (word, rc, err))
+        check(svc.admin.undrain("prefill@0")["code"] == 200, "undrain failed")
+        got, rc, err = finish(p, svc)
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        cancelled = [i for i, g in enumerate(got) if g[1] == "cancelled"]
+        check(len(cancelled) == 1 and got[cancelled[0]][0] == "done" and
+              not got[cancelled[0]][2], "outcomes %s" % [g[:2] for g in got])
+        kept = 1 - cancelled[0]
+        compare([got[kept]], [ref[kept]], "the request left in the queue", err)
+        log("dsv4ctl cancel: a queued request cancelled, the other served; 404 and usage")
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
 def sc_drain():
     svc = Service(n_prefill=1, n_decode=2)
     try:
@@ -1240,6 +1290,7 @@ SCENARIOS = {
     "kill_prefill": sc_kill_prefill,
     "kill_sched": sc_kill_sched,
     "cancel1000": sc_cancel1000,
+    "ctl_cancel": sc_ctl_cancel,
     "drain": sc_drain,
     "pyclient": sc_pyclient,
     "group2": sc_group2,

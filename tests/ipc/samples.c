@@ -499,6 +499,13 @@ s_result(struct dsv4_msg *m)
     m->u.error.message = "drained";
 }
 
+static void
+s_ctl_cancel(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_CANCEL);
+    m->u.ref.req = 0x1234567890ull;
+}
+
 static const struct {
     const char *name;
     void (*fill)(struct dsv4_msg *m);
@@ -546,6 +553,7 @@ static const struct {
     { "ctl_drain", s_ctl_drain },
     { "ctl_undrain", s_undrain },
     { "ctl_result", s_result },
+    { "ctl_cancel", s_ctl_cancel },
 };
 
 size_t

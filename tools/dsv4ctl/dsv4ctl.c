@@ -1,18 +1,19 @@
 /*
  * dsv4ctl — the admin tool of dsv4: talks to dsv4-sched's admin socket
  * (docs/protocol.md §7) and prints status, ranks and requests as tables for
- * people or JSON (--json) for scripts; drains and undrains.
+ * people or JSON (--json) for scripts; drains and undrains; cancels a request.
  *
  *   dsv4ctl [--admin ENDPOINT] [--json] [-f CONFIG] status
  *   dsv4ctl ... ranks | requests
  *   dsv4ctl ... drain [RANK|all] [--timeout S]   (returns when drained)
  *   dsv4ctl ... undrain [RANK|all]
+ *   dsv4ctl ... cancel REQ                       (REQ as `requests` lists it)
  *   dsv4ctl [-f CONFIG] keygen [DIR]   (CURVE server key pair, no scheduler)
  *
  * The endpoint comes from --admin, else admin_endpoint of the configuration
  * file (-f, or /etc/dsv4/dsv4.conf when present), else the default.  Exit
- * status: 0 success, 1 the scheduler refused or a drain timed out, 2 usage,
- * 3 no answer from the scheduler.
+ * status: 0 success, 1 the scheduler refused (no such request to cancel
+ * included) or a drain timed out, 2 usage, 3 no answer from the scheduler.
  */
 #include <sys/stat.h>
 
@@ -53,6 +54,8 @@ usage(int status)
         "  drain [RANK|all] [--timeout S]  stop admissions / placements, wait until done\n"
         "                                  (at most S seconds: 408 then)\n"
         "  undrain [RANK|all]              lift a drain\n"
+        "  cancel REQ                      end request REQ (the id `requests` lists) as\n"
+        "                                  its client's cancel would\n"
         "  keygen [DIR]                    write DIR/server.key and server.pub (CURVE\n"
         "                                  keys of tcp:// endpoints; DIR = key_dir)\n"
         "RANK is prefill@N or decode@N.  Options:\n"
@@ -320,19 +323,15 @@ listing(struct ctl *c, int cmd, int item, int end)
     }
 }
 
+/* Wait up to wait_ms (< 0: forever) for the command's RESULT and print it.
+ * Exit status as result(); 3 for no answer or another message. */
 static int
-drain(struct ctl *c, int cmd, const char *target, double timeout_s)
+await_result(struct ctl *c, long wait_ms)
 {
-    uint32_t ms = timeout_s > 0 ? (uint32_t)(timeout_s * 1000.0) : 0;
     struct dsv4_msg m;
     int rc;
 
-    if ((rc = send_cmd(c, cmd, target, ms)) != 0)
-        return rc;
-    /* The scheduler answers at the timeout; wait a little longer for it. */
-    rc = recv_msg(c, &m, cmd == DSV4_CTL_UNDRAIN ? CTL_TIMEOUT_MS :
-        ms > 0 ? (long)ms + CTL_TIMEOUT_MS : -1);
-    if (rc != 0)
+    if ((rc = recv_msg(c, &m, wait_ms)) != 0)
         return rc;
     if (m.cmd != DSV4_CTL_RESULT) {
         fprintf(stderr, "dsv4ctl: unexpected %s\n", dsv4_proto_cmd_name(m.sub, m.cmd));
@@ -342,6 +341,34 @@ drain(struct ctl *c, int cmd, const char *target, double timeout_s)
     }
     dsv4_msg_clear(&m);
     return rc;
+}
+
+/* CANCEL of request `req` (the scheduler's id). */
+static int
+cancel(struct ctl *c, uint64_t req)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_CANCEL);
+    m.u.ref.req = req;
+    if (dsv4_zsock_send(c->sock, NULL, &m, 0, NULL) != DSV4_OK) {
+        fprintf(stderr, "dsv4ctl: send: %s\n", dsv4_errmsg());
+        return 3;
+    }
+    return await_result(c, CTL_TIMEOUT_MS);
+}
+
+static int
+drain(struct ctl *c, int cmd, const char *target, double timeout_s)
+{
+    uint32_t ms = timeout_s > 0 ? (uint32_t)(timeout_s * 1000.0) : 0;
+    int rc;
+
+    if ((rc = send_cmd(c, cmd, target, ms)) != 0)
+        return rc;
+    /* The scheduler answers at the timeout; wait a little longer for it. */
+    return await_result(c, cmd == DSV4_CTL_UNDRAIN ? CTL_TIMEOUT_MS :
+        ms > 0 ? (long)ms + CTL_TIMEOUT_MS : -1);
 }
 
 int
@@ -361,6 +388,7 @@ main(int argc, char *argv[])
     const char *endpoint = NULL, *path = NULL, *cmd, *target = NULL;
     char *end;
     double timeout_s = 0;
+    uint64_t req = 0;
     int ch, rc;
 
     /* GNU getopt permutes: options may follow the command too
@@ -390,12 +418,22 @@ main(int argc, char *argv[])
     cmd = argv[optind++];
     if (optind < argc) {
         if (strcmp(cmd, "drain") != 0 && strcmp(cmd, "undrain") != 0 &&
-            strcmp(cmd, "keygen") != 0)
+            strcmp(cmd, "keygen") != 0 && strcmp(cmd, "cancel") != 0)
             usage(2);
         target = argv[optind++];
     }
     if (optind != argc)
         usage(2);
+    if (strcmp(cmd, "cancel") == 0) {
+        /* the scheduler's request id: a decimal number of 1 ... 2^64 - 1 */
+        errno = 0;
+        if (target == NULL || target[0] < '0' || target[0] > '9' ||
+            (req = strtoull(target, &end, 10)) == 0 || errno != 0 || *end != '\0') {
+            fprintf(stderr, "dsv4ctl: cancel: %s is not a request id (a number from "
+                    "`dsv4ctl requests`)\n", target != NULL ? target : "(none)");
+            usage(2);
+        }
+    }
     log_init(0);
     log_procinit("dsv4ctl");
     if (endpoint == NULL || strcmp(cmd, "keygen") == 0) {
@@ -446,6 +484,8 @@ main(int argc, char *argv[])
         rc = drain(&c, DSV4_CTL_DRAIN, target, timeout_s);
     else if (strcmp(cmd, "undrain") == 0)
         rc = drain(&c, DSV4_CTL_UNDRAIN, target, 0);
+    else if (strcmp(cmd, "cancel") == 0)
+        rc = cancel(&c, req);
     else
         usage(2);
     dsv4_zsock_close(c.sock);
