@@ -331,6 +331,11 @@ static const struct field f_ctl_request[] = {
     FLD("completion_tokens", struct dsv4_ctl_request, completion_tokens, T_U32, F_REQ, 0,
         U32MAX, 0),
     FLD("age_ms", struct dsv4_ctl_request, age_ms, T_U64, F_REQ, 0, U64MAX, 0),
+    FHAS("prefill_group", struct dsv4_ctl_request, prefill_group, has_prefill_group, T_U32, 0,
+         65535),
+    FHAS("decode_group", struct dsv4_ctl_request, decode_group, has_decode_group, T_U32, 0,
+         65535),
+    FLD("reruns", struct dsv4_ctl_request, reruns, T_U32, 0, 0, U32MAX, 0),
 };
 
 static const struct field f_drain[] = {

@@ -500,6 +500,15 @@ struct dsv4_ctl_request {
     uint32_t prompt_tokens;
     uint32_t completion_tokens;
     uint64_t age_ms;
+    /* Where it runs (optional; added after version 1.0): the prefill group
+     * running its prompt, valid iff has_prefill_group; the decode group whose
+     * slot it holds, valid iff has_decode_group (from placement on, so a
+     * prefilling request has both). */
+    uint32_t prefill_group;
+    bool has_prefill_group;
+    uint32_t decode_group;
+    bool has_decode_group;
+    uint32_t reruns; /* re-runs after a rank or group failure; optional, 0 when absent */
 };
 
 /* RANKS_END, REQUESTS_END. */

@@ -159,6 +159,15 @@ send_requests(struct sched *s, const struct dsv4_route *to, struct sched_req_lis
         m.u.request.prompt_tokens = r->n_prompt;
         m.u.request.completion_tokens = r->n_out;
         m.u.request.age_ms = (uint64_t)(now - r->t_recv_ms);
+        if (r->pre.g != NULL) {
+            m.u.request.prefill_group = r->pre.g->id;
+            m.u.request.has_prefill_group = true;
+        }
+        if (r->dec.g != NULL) {
+            m.u.request.decode_group = r->dec.g->id;
+            m.u.request.has_decode_group = true;
+        }
+        m.u.request.reruns = r->reruns;
         if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
             n++;
     }

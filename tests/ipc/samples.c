@@ -467,6 +467,11 @@ s_ctl_request(struct dsv4_msg *m)
     r->prompt_tokens = 5;
     r->completion_tokens = 1;
     r->age_ms = 1234;
+    r->prefill_group = 2;
+    r->has_prefill_group = true;
+    r->decode_group = 1;
+    r->has_decode_group = true;
+    r->reruns = 3;
 }
 
 static void

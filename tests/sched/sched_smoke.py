@@ -12,6 +12,9 @@ output.  Scenarios (one per argument, or all):
   batch      40 requests with max_batch 4: all served, never > 4 streams decoding
   stop       stop ids (incl. EOS), stop strings cut the text, held-back text
   cancel     cancel mid-stream: DONE cancelled, ABORT reached the decode rank, no leak
+  ctl_cancel  dsv4ctl requests shows where a stream decodes (WHERE, --json groups);
+             dsv4ctl cancel ends it mid-stream: DONE cancelled with f's prefix, ABORT
+             at the decode rank, counted; a second cancel is 404
   death      the decode rank dies mid-stream; a new one registers; every request
              completes with exactly f's tokens (no loss, no duplicates)
   overload   queue bound: 300 beyond it; 301 while draining; drain/undrain via dsv4ctl
@@ -502,6 +505,48 @@ def t_cancel(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_ctl_cancel(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    p = prompts(1)[0]
+    i = submit(cl, p, 7, 4000, tag="long-one")   # 4,000 ticks of 4 ms: 16 s
+
+    def decoding():
+        rc, reqs = sc.ctl("requests")
+        return (rc == 0 and len(reqs) == 1 and reqs[0]["state"] == "decoding" and
+                reqs[0]["completion_tokens"] >= 3)
+    end = time.time() + 20
+    while not decoding() and time.time() < end:
+        time.sleep(0.02)
+    rc, reqs = sc.ctl("requests")
+    r = reqs[0]
+    check(r["state"] == "decoding", "not decoding: %s" % r)
+    # where it runs: the decode group (the prefill group let go at the handoff)
+    check(r["decode_group"] == 0 and r["prefill_group"] is None and r["reruns"] == 0, r)
+    rc, text = sc.ctl_text("requests")
+    lines = text.splitlines()
+    check(rc == 0 and lines[0].split()[:3] == ["REQ", "STATE", "WHERE"] and
+          lines[1].split()[:3] == [str(r["req"]), "decoding", "decode/0"] and
+          lines[1].split()[-1] == "long-one", "dsv4ctl requests:\n" + text)
+    # dsv4ctl cancel: DONE cancelled at the client, ABORT at the decode rank
+    rc, res = sc.ctl("cancel", str(r["req"]))
+    check(rc == 0 and res["code"] == 200, "dsv4ctl cancel: %s %s" % (rc, res))
+    out = cl.collect([i])[i]
+    d = out["final"][1]
+    n = len(out["tokens"])
+    check(out["final"][0] == 5 and d["finish"] == "cancelled" and 3 <= n < 4000, d)
+    check(out["tokens"] == expected(p, 7, n), "cancelled output is not f's prefix")
+    wait_idle(sc)
+    time.sleep(0.2)
+    check(not dec.streams and r["req"] in dec.aborts,
+          "decode rank: streams %s, aborts %s" % (dec.streams, dec.aborts))
+    rc, res = sc.ctl("cancel", str(r["req"]))
+    check(rc == 1 and res["code"] == 404, "a second cancel: %s %s" % (rc, res))
+    rc, st = sc.ctl("status")
+    check(st["n_cancelled"] == 1 and st["n_done"] == 0, st)
+    return sc, [pre, dec]
+
+
 def t_death(ctx, build, tmp):
     sc, pre, dec = setup(ctx, build, tmp)
     cl = Client(ctx, sc.ep["client"])
@@ -738,6 +783,7 @@ def t_group_broken(ctx, build, tmp):
 
 
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
+         "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "malformed": t_malformed,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None

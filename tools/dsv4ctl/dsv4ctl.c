@@ -259,26 +259,52 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
     c->n_items++;
 }
 
+/* Print an optional group id as JSON: the number, or null. */
+static void
+json_group(const char *key, bool has, uint32_t id)
+{
+    if (has)
+        printf(", \"%s\": %u", key, id);
+    else
+        printf(", \"%s\": null", key);
+}
+
 static void
 print_request(struct ctl *c, const struct dsv4_ctl_request *r)
 {
+    char where[48];
+
     if (c->json) {
         printf("%s{\"req\": %" PRIu64 ", \"state\": \"%s\", \"prompt_tokens\": %u, "
-            "\"completion_tokens\": %u, \"age_ms\": %" PRIu64 ", \"tag\": ",
+            "\"completion_tokens\": %u, \"age_ms\": %" PRIu64 ", \"reruns\": %u",
             c->n_items ? ",\n " : "", r->req, dsv4_req_state_name(r->state),
-            r->prompt_tokens, r->completion_tokens, r->age_ms);
+            r->prompt_tokens, r->completion_tokens, r->age_ms, r->reruns);
+        json_group("prefill_group", r->has_prefill_group, r->prefill_group);
+        json_group("decode_group", r->has_decode_group, r->decode_group);
+        printf(", \"tag\": ");
         if (r->tag != NULL)
             json_str(r->tag);
         else
             printf("null");
         printf("}");
     } else {
+        /* WHERE: the groups holding it, "prefill/P>decode/D" while its prompt
+         * runs (the decode slot is taken at placement), "-" while queued */
+        if (r->has_prefill_group && r->has_decode_group)
+            snprintf(where, sizeof(where), "prefill/%u>decode/%u", r->prefill_group,
+                r->decode_group);
+        else if (r->has_decode_group)
+            snprintf(where, sizeof(where), "decode/%u", r->decode_group);
+        else if (r->has_prefill_group)
+            snprintf(where, sizeof(where), "prefill/%u", r->prefill_group);
+        else
+            snprintf(where, sizeof(where), "-");
         if (c->n_items == 0)
-            printf("%-20s %-10s %8s %10s %8s  %s\n", "REQ", "STATE", "PROMPT", "COMPLETION",
-                "AGE", "TAG");
-        printf("%-20" PRIu64 " %-10s %8u %10u %7.1fs  %s\n", r->req,
-            dsv4_req_state_name(r->state), r->prompt_tokens, r->completion_tokens,
-            (double)r->age_ms / 1000.0, r->tag != NULL ? r->tag : "-");
+            printf("%-20s %-10s %-22s %8s %10s %6s %8s  %s\n", "REQ", "STATE", "WHERE",
+                "PROMPT", "COMPLETION", "RERUNS", "AGE", "TAG");
+        printf("%-20" PRIu64 " %-10s %-22s %8u %10u %6u %7.1fs  %s\n", r->req,
+            dsv4_req_state_name(r->state), where, r->prompt_tokens, r->completion_tokens,
+            r->reruns, (double)r->age_ms / 1000.0, r->tag != NULL ? r->tag : "-");
     }
     c->n_items++;
 }
