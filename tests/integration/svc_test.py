@@ -1196,6 +1196,19 @@ def sc_launch():
                   (len(reports_safe(d)), st))
             check("sched EXIT exit=%d" % st in readf(nlog), "no exit %d in the notify log" % st)
         log("launch: exit 2 and 6 not restarted, the set stops with the status: ok")
+
+        # 6. The scheduler alone (-P 0 -D 0) is a whole set: the command runs
+        # once it is ready (it waited forever before); with --no-sched too
+        # there is nothing to run (usage).
+        os.unlink(os.path.join(d, "rep"))
+        p = run(args=["-P", "0", "-D", "0", "-w", "0", "--", "sh", "-c", "exit 5"],
+                nlog=os.path.join(d, "n6"))
+        check(p.wait(WAIT_S) == 5, "the scheduler alone: command status not passed through")
+        check(len(reports_safe(d)) == 1, "%d daemons for -P 0 -D 0" % len(reports_safe(d)))
+        p = run(args=["--no-sched", "-P", "0", "-D", "0", "--", "true"],
+                nlog=os.path.join(d, "n7"))
+        check(p.wait(WAIT_S) == 2, "--no-sched -P 0 -D 0 not refused")
+        log("launch: the scheduler alone runs the command; nothing at all is refused: ok")
     finally:
         if p is not None and p.poll() is None:
             p.kill()

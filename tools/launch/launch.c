@@ -157,6 +157,10 @@ parse_args(struct launch *l, int argc, char **argv)
     }
     if (optind < argc)
         o->command = argv + optind;
+    if (o->no_sched && o->n_prefill == 0 && o->n_decode == 0) {
+        fprintf(stderr, "dsv4-launch: --no-sched with -P 0 -D 0: nothing to run\n");
+        usage(2);
+    }
     if (o->conf_path == NULL && stat(DSV4_CONF_DEFAULT_PATH, &st) == 0)
         o->conf_path = DSV4_CONF_DEFAULT_PATH;
 }

@@ -409,7 +409,7 @@ proc_advance(struct launch *l)
     struct launch_child *k;
     bool ranks_started = false, all_ready = true;
     int first = l->o.no_sched ? 0 : 1;  /* kids[0] is the scheduler unless --no-sched */
-    int i;
+    int i, n_ranks = 0;                 /* ranks and gateway: started after the scheduler */
 
     if (l->stopping)
         return;
@@ -417,6 +417,7 @@ proc_advance(struct launch *l)
         k = &l->kids[i];
         if (k->role == LAUNCH_COMMAND)
             continue;
+        n_ranks++;
         if (k->pid != 0 || k->n_starts > 0)
             ranks_started = true;
         if (!k->ever_ready)
@@ -424,7 +425,8 @@ proc_advance(struct launch *l)
     }
     if (!l->o.no_sched && !l->kids[0].ever_ready)
         return;
-    if (!ranks_started && l->n_kids > first) {
+    /* (with no rank, -P 0 -D 0, the scheduler alone is the set) */
+    if (!ranks_started && n_ranks > 0) {
         for (i = first; i < l->n_kids; i++)
             if (l->kids[i].role != LAUNCH_COMMAND)
                 proc_start(l, &l->kids[i]);
