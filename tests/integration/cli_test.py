@@ -13,12 +13,12 @@
    mistake: empty, negative, zero, a word, a number beyond 64 bits, "nan",
    5,000 characters, a path whose parent is a file.  Each run must end by
    itself in 0, 1 or 2 (the daemons also 6, a configuration fault), with
-   a message on stderr when it is not 0, and
-   without a signal or a sanitizer report (the ASan+UBSan build runs this
-   too).  The daemons run with -n (check only); dsv4ctl, dsv4-generate and
-   dsv4-bench talk to a real service set on a tiny checkpoint, so a value
-   that is accepted does real work.  dsv4-launch gets the contract only (a
-   value it accepts would start a service set).
+   a message on stderr when it is not 0, and without a signal or a
+   sanitizer report (the ASan+UBSan build runs this too).  The daemons run
+   with -n (check only); dsv4ctl, dsv4-generate and dsv4-bench talk to a
+   real service set on a tiny checkpoint, so a value that is accepted does
+   real work; dsv4-launch runs the scheduler alone (-P 0 -D 0) and `true`
+   once it is ready.
 """
 import argparse
 import os
@@ -230,6 +230,11 @@ def main():
                     "admin_endpoint = ipc://%s/a.sock\ncheckpoint = %s\ntokenizer = %s\n" %
                     (tmp, tmp, tmp, svc.model, tok))
         checks(paths, dconf, tmp)
+        lconf = os.path.join(tmp, "l.conf")
+        with open(lconf, "w") as f:
+            f.write("client_endpoint = ipc://%s/lc.sock\nrank_endpoint = ipc://%s/lr.sock\n"
+                    "admin_endpoint = ipc://%s/la.sock\ntokenizer = %s\n" %
+                    (tmp, tmp, tmp, tok))
         cases = {
             "dsv4-sched": Case(tmp, ["-n", "-f", dconf]),
             "dsv4-prefill": Case(tmp, ["-n", "-f", dconf]),
@@ -245,6 +250,10 @@ def main():
                                 "--connect-timeout", "5000"]),
             "dsv4-mkmodel": Case(tmp, ["--preset", "tiny", "--out", "m"]),
             "dsv4-tokenize": Case(tmp, ["--tokenizer", tok], stdin=b"hello world\n"),
+            # the scheduler alone (its own sockets in tmp), `true` once it is
+            # ready, then the set stops
+            "dsv4-launch": Case(tmp, ["-f", lconf, "-P", "0", "-D", "0", "-w", "0",
+                                      "--sched-bin", paths["dsv4-sched"]], ["--", "true"]),
         }
         for name, case in cases.items():
             sweep(name, paths[name], case)
