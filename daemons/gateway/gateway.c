@@ -86,6 +86,15 @@ gw_keys_load(struct gw *g, const char *path)
     return 0;
 }
 
+/* gateway_listen must be a HOST:PORT that resolves (gw_listen_check), or
+ * the gateway exits with DSV4_EXIT_CONFIG. */
+static void
+listen_check_or_die(const char *spec)
+{
+    if (gw_listen_check(spec) != 0)
+        fatalx_conf("gateway_listen \"%s\" cannot be listened on", spec);
+}
+
 static int
 signals_open(void)
 {
@@ -204,8 +213,7 @@ main(int argc, char **argv)
         }
         /* the listen address as gw_http_start would resolve it (not bound:
          * a running gateway may hold it) */
-        if (gw_listen_check(g.conf.gateway_listen) != 0)
-            fatalx_conf("gateway_listen \"%s\" cannot be listened on", g.conf.gateway_listen);
+        listen_check_or_die(g.conf.gateway_listen);
         printf("configuration OK (%s); %d bearer key(s); tokenizer %s; listen %s\n",
             conf_path != NULL ? conf_path : "defaults", g.n_keys, g.conf.tokenizer,
             g.conf.gateway_listen);
@@ -230,8 +238,8 @@ main(int argc, char **argv)
     if (gw_http_start(&g, listen_fd) != 0) {
         /* an address that cannot be listened on is the configuration's
          * fault; one in use may be free at the next start */
-        if (listen_fd < 0 && gw_listen_check(g.conf.gateway_listen) != 0)
-            fatalx_conf("gateway_listen \"%s\" cannot be listened on", g.conf.gateway_listen);
+        if (listen_fd < 0)
+            listen_check_or_die(g.conf.gateway_listen);
         fatalx("cannot start the HTTP listener");
     }
     log_notice("main: serving %s on %s; scheduler %s, admin %s; %s", g.conf.gateway_model,

@@ -88,6 +88,17 @@ json_str(const char *s)
     putchar('"');
 }
 
+/* Send m to the scheduler: 0, or 3 (printed) when it cannot be sent. */
+static int
+send_msg(struct ctl *c, const struct dsv4_msg *m)
+{
+    if (dsv4_zsock_send(c->sock, NULL, m, 0, NULL) != DSV4_OK) {
+        fprintf(stderr, "dsv4ctl: send: %s\n", dsv4_errmsg());
+        return 3;
+    }
+    return 0;
+}
+
 static int
 send_cmd(struct ctl *c, int cmd, const char *target, uint32_t timeout_ms)
 {
@@ -98,11 +109,7 @@ send_cmd(struct ctl *c, int cmd, const char *target, uint32_t timeout_ms)
         m.u.drain.target = target;
         m.u.drain.timeout_ms = timeout_ms;
     }
-    if (dsv4_zsock_send(c->sock, NULL, &m, 0, NULL) != DSV4_OK) {
-        fprintf(stderr, "dsv4ctl: send: %s\n", dsv4_errmsg());
-        return 3;
-    }
-    return 0;
+    return send_msg(c, &m);
 }
 
 /* Wait for one message; wait_ms < 0 = forever.  0 ok, 3 no answer. */
@@ -374,13 +381,12 @@ static int
 cancel(struct ctl *c, uint64_t req)
 {
     struct dsv4_msg m;
+    int rc;
 
     dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_CANCEL);
     m.u.ref.req = req;
-    if (dsv4_zsock_send(c->sock, NULL, &m, 0, NULL) != DSV4_OK) {
-        fprintf(stderr, "dsv4ctl: send: %s\n", dsv4_errmsg());
-        return 3;
-    }
+    if ((rc = send_msg(c, &m)) != 0)
+        return rc;
     return await_result(c, CTL_TIMEOUT_MS);
 }
 

@@ -210,9 +210,7 @@ begin_stop(struct launch *l, const char *why)
         return;
     log_notice("begin_stop: %s; stopping", why);
     sdnotify_stopping();
-    l->stopping = true;
-    l->stop_deadline_ms = launch_now_ms() + l->o.stop_timeout_ms;
-    proc_signal_all(l, SIGTERM);
+    proc_stop_set(l, launch_now_ms());
 }
 
 static void

@@ -148,6 +148,10 @@ int64_t proc_timers(struct launch *l, int64_t now);
 /* Send `sig` to every running child (rank first, then the scheduler). */
 void proc_signal_all(struct launch *l, int sig);
 
+/* Stop the set: stopping from now on, SIGTERM to every child, SIGKILL to
+ * those left at now + the stop timeout (-t). */
+void proc_stop_set(struct launch *l, int64_t now);
+
 /* Number of running children. */
 int proc_running(const struct launch *l);
 

@@ -202,6 +202,7 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
 {
     int64_t now = launch_now_ms();
     int64_t oldest;
+    int give_up = 0;
     char how[64];
 
     k->pid = 0;
@@ -218,11 +219,8 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
     if (k->role == LAUNCH_COMMAND) {
         log_info("proc_exited: command %s", how);
         l->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        if (!l->stopping) {
-            l->stopping = true;
-            l->stop_deadline_ms = now + l->o.stop_timeout_ms;
-            proc_signal_all(l, SIGTERM);
-        }
+        if (!l->stopping)
+            proc_stop_set(l, now);
         return;
     }
     if (l->stopping) {
@@ -233,28 +231,24 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
         log_notice("proc_exited: %s %s; not restarted (clean exit)", k->name, how);
         return;
     }
-    /* RestartPreventExitStatus=2 6 (the units'): a usage or configuration
-     * fault fails the same way at every start; stop the set with its status */
+    /* Give up on the child and stop the set with give_up as the exit status:
+     * RestartPreventExitStatus=2 6 (the units'), a usage or configuration
+     * fault failing the same way at every start; StartLimitBurst= starts
+     * within StartLimitIntervalSec=, 1. */
+    oldest = k->starts_ms[k->n_starts % LAUNCH_START_LIMIT_BURST];
     if (WIFEXITED(status) && (WEXITSTATUS(status) == DSV4_EXIT_USAGE ||
                               WEXITSTATUS(status) == DSV4_EXIT_CONFIG)) {
+        give_up = WEXITSTATUS(status);
         log_warnx("proc_exited: %s %s (%s); not restarted, stopping the set", k->name, how,
-            WEXITSTATUS(status) == DSV4_EXIT_USAGE ? "usage" : "its configuration");
-        k->gave_up = true;
-        l->exit_code = WEXITSTATUS(status);
-        l->stopping = true;
-        l->stop_deadline_ms = now + l->o.stop_timeout_ms;
-        proc_signal_all(l, SIGTERM);
-        return;
-    }
-    /* StartLimitBurst= starts within StartLimitIntervalSec=: give up. */
-    oldest = k->starts_ms[k->n_starts % LAUNCH_START_LIMIT_BURST];
-    if (k->n_starts >= LAUNCH_START_LIMIT_BURST && now - oldest < LAUNCH_START_LIMIT_MS) {
+            give_up == DSV4_EXIT_USAGE ? "usage" : "its configuration");
+    } else if (k->n_starts >= LAUNCH_START_LIMIT_BURST && now - oldest < LAUNCH_START_LIMIT_MS) {
+        give_up = 1;
         log_warnx("proc_exited: %s %s; start limit hit, stopping the set", k->name, how);
+    }
+    if (give_up != 0) {
         k->gave_up = true;
-        l->exit_code = 1;
-        l->stopping = true;
-        l->stop_deadline_ms = now + l->o.stop_timeout_ms;
-        proc_signal_all(l, SIGTERM);
+        l->exit_code = give_up;
+        proc_stop_set(l, now);
         return;
     }
     log_warnx("proc_exited: %s %s; restart in %lld ms", k->name, how,
@@ -391,6 +385,14 @@ proc_signal_all(struct launch *l, int sig)
                 log_warnx("proc_signal_all: SIGKILL %s", l->kids[i].name);
             kill(l->kids[i].pid, sig);
         }
+}
+
+void
+proc_stop_set(struct launch *l, int64_t now)
+{
+    l->stopping = true;
+    l->stop_deadline_ms = now + l->o.stop_timeout_ms;
+    proc_signal_all(l, SIGTERM);
 }
 
 int
