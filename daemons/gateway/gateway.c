@@ -95,6 +95,25 @@ listen_check_or_die(const char *spec)
         fatalx_conf("gateway_listen \"%s\" cannot be listened on", spec);
 }
 
+/* The scheduler's client_endpoint and admin_endpoint must be endpoints the
+ * gateway can connect to (dsv4_zsock_check: the form, and for tcp:// the
+ * CURVE key in key_dir), or the gateway exits with DSV4_EXIT_CONFIG. */
+static void
+endpoints_check_or_die(const struct gw *g)
+{
+    const char *what[] = { "client_endpoint", "admin_endpoint" };
+    const char *eps[] = { g->conf.client_endpoint, g->conf.admin_endpoint };
+    struct dsv4_zsock_cfg zc;
+
+    for (int i = 0; i < 2; i++) {
+        dsv4_zsock_cfg_init(&zc);
+        zc.endpoint = eps[i];
+        zc.key_dir = g->conf.key_dir;
+        if (dsv4_zsock_check(&zc) != DSV4_OK)
+            fatalx_conf("%s: %s", what[i], dsv4_errmsg());
+    }
+}
+
 static int
 signals_open(void)
 {
@@ -197,20 +216,13 @@ main(int argc, char **argv)
     if ((e = dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF)) != DSV4_OK)
         fatalx_conf("tokenizer: %s", dsv4_errmsg());
     g.eos = dsv4_tok_eos(g.tok);
+    /* The scheduler's endpoints as the gateway connects to them (form and
+     * CURVE key: dsv4_zsock_check; nothing is connected), at every start as
+     * well as under -n: a start that would fail every request exits 6 and is
+     * not restarted (the unit has no ExecStartPre= check, whose failure
+     * systemd would restart). */
+    endpoints_check_or_die(&g);
     if (check) {
-        /* the scheduler's endpoints as the gateway connects to them (form
-         * and CURVE key: dsv4_zsock_check; nothing is connected) */
-        const char *what[] = { "client_endpoint", "admin_endpoint" };
-        const char *eps[] = { g.conf.client_endpoint, g.conf.admin_endpoint };
-        struct dsv4_zsock_cfg zc;
-
-        for (i = 0; i < 2; i++) {
-            dsv4_zsock_cfg_init(&zc);
-            zc.endpoint = eps[i];
-            zc.key_dir = g.conf.key_dir;
-            if (dsv4_zsock_check(&zc) != DSV4_OK)
-                fatalx_conf("%s: %s", what[i], dsv4_errmsg());
-        }
         /* the listen address as gw_http_start would resolve it (not bound:
          * a running gateway may hold it) */
         listen_check_or_die(g.conf.gateway_listen);

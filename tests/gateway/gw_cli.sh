@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gw_cli.sh DSV4_GATEWAY TOKENIZER_JSON — dsv4-gateway's configuration check
-# (-n, what its unit runs as ExecStartPre=): the configuration file, -o and
+# (-n, and the same checks at a real start): the configuration file, -o and
 # -l overrides, the bearer keys file and the tokenizer, each with the
 # message and exit status an operator sees for a bad value.  Nothing is
 # bound or served.
@@ -56,6 +56,31 @@ expect tokenizer_missing 6 'tokenizer: ' -- -o "tokenizer=$tmp/nothere.json"
 expect conf_missing 6 "$tmp/nothere.conf" -- -f "$tmp/nothere.conf"
 expect unknown_flag 2 'usage' -- -Z
 expect stray_argument 2 'usage' -- extra
+
+# expect_start NAME PATTERN -- ARGS...: a real start (no -n) refused for its
+# configuration: exit 6 and PATTERN before anything is served (a gateway
+# that starts serving instead is stopped by the timeout: exit 124)
+expect_start() {
+    local name=$1 pat=$2 st
+    shift 3
+    timeout 20 "$gw" -f "$tmp/dsv4.conf" -l 127.0.0.1:0 "$@" >"$tmp/out" 2>&1
+    st=$?
+    if [ "$st" != 6 ]; then
+        echo "FAIL start_$name: exit $st, expected 6: $(head -c 400 "$tmp/out")"; fail=1
+    elif ! grep -qE -- "$pat" "$tmp/out"; then
+        echo "FAIL start_$name: no /$pat/ in: $(head -c 400 "$tmp/out")"; fail=1
+    else
+        echo "ok   start_$name"
+    fi
+}
+
+# The unit has no ExecStartPre= check (systemd restarts a unit whose
+# ExecStartPre= fails, whatever RestartPreventExitStatus= says), so the
+# start itself must refuse what -n refuses.
+expect_start client_endpoint_bad 'client_endpoint: abc: not ipc://PATH' -- -o client_endpoint=abc
+expect_start admin_endpoint_tcp_no_key "admin_endpoint: CURVE key $tmp/server.pub" -- -o admin_endpoint=tcp://127.0.0.1:5556 -o "key_dir=$tmp"
+expect_start tokenizer_missing 'tokenizer: ' -- -o "tokenizer=$tmp/nothere.json"
+expect_start keys_missing "cannot use the keys file $tmp/nothere" -- -o "gateway_keys=$tmp/nothere"
 
 [ $fail -eq 0 ] && echo "gw_cli: PASS"
 exit $fail

@@ -31,6 +31,15 @@ for f in "$tmp"/units/*.service; do
     grep -qx "RestartPreventExitStatus=$usage $conf" "$f" ||
         { echo "$(basename "$f"): Restart=on-failure without RestartPreventExitStatus=$usage $conf"; exit 1; }
 done
+# systemd applies RestartPreventExitStatus= to the main process only: a
+# failing ExecStartPre= is restarted until the start limit.  So no unit runs
+# a dsv4 program there (its checks belong to the main process's start).
+for f in "$tmp"/units/*.service; do
+    if grep -E '^ExecStartPre=[-@:+!]*'"$tmp"'/bin/' "$f" >/dev/null; then
+        echo "$(basename "$f"): a dsv4 program as ExecStartPre= (its exit status 6 would be restarted)"
+        exit 1
+    fi
+done
 cd "$tmp/units"
 cp dsv4-prefill@.service dsv4-prefill@0.service
 cp dsv4-decode@.service dsv4-decode@1.service
