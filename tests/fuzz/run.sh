@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# run.sh [SECONDS] — build the protocol fuzz targets with clang's libFuzzer
-# (+ ASan + UBSan) and run each for SECONDS (default $FUZZ_SECONDS or 20) on
+# run.sh [SECONDS] — build the protocol fuzz targets and the tokenizer's
+# (fuzz_tok.c) with clang's libFuzzer (+ ASan + UBSan) and run each for
+# SECONDS (default $FUZZ_SECONDS or 20) on
 # a scratch copy of its committed seed corpus (tests/fuzz/corpus/<target>/).
 # First replays every saved crash (tests/fuzz/crashes/<target>-*) as a
 # regression test.  New crash inputs are written to tests/fuzz/crashes/ and
@@ -26,15 +27,11 @@ fi
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 failed=0
-n=1
-for t in cli rank ctl; do
-    bin="$work/fuzz_$t"
-    if ! "$cc" "${flags[@]}" -DFUZZ_SUB=$n "$here/fuzz_proto.c" "$root/ipc/proto.c" \
-            "$root/common/err.c" -lmsgpackc -lm -o "$bin"; then
-        echo "run.sh: building fuzz_$t failed"
-        exit 1
-    fi
-    n=$((n + 1))
+
+# fuzz T: replay the saved crashes of target T ($work/fuzz_T), then fuzz it
+# for $secs seconds from its seeds
+fuzz() {
+    local t=$1 bin="$work/fuzz_$1" crash
     for crash in "$here"/crashes/"$t"-*; do
         [ -e "$crash" ] || continue
         if ! "$bin" "$crash" >"$work/replay.log" 2>&1; then
@@ -53,5 +50,31 @@ for t in cli rank ctl; do
     else
         echo "run.sh: fuzz_$t: $(grep -Eo 'Done [0-9]+ runs' "$work/$t.log" | tail -1) in ${secs}s, no crash"
     fi
+}
+
+n=1
+for t in cli rank ctl; do
+    if ! "$cc" "${flags[@]}" -DFUZZ_SUB=$n "$here/fuzz_proto.c" "$root/ipc/proto.c" \
+            "$root/common/err.c" -lmsgpackc -lm -o "$work/fuzz_$t"; then
+        echo "run.sh: building fuzz_$t failed"
+        exit 1
+    fi
+    n=$((n + 1))
+    fuzz $t
 done
+
+# The tokenizer on any bytes (fuzz_tok.c's properties), with the DeepSeek-V4
+# tokenizer.json tools/setup.sh installs, else the tests' tiny one.
+if ! "$cc" "${flags[@]}" "$here/fuzz_tok.c" "$root"/common/tokenizer.c \
+        "$root"/common/tokenizer_load.c "$root"/common/tokenizer_encode.c \
+        "$root"/common/tokenizer_chat.c "$root/common/err.c" -lpcre2-8 -ljson-c -lm \
+        -o "$work/fuzz_tok"; then
+    echo "run.sh: building fuzz_tok failed"
+    exit 1
+fi
+tokjson=${FUZZ_TOKENIZER:-${DSV4_TOKENIZER:-/usr/local/share/dsv4/tokenizer.json}}
+[ -r "$tokjson" ] || tokjson=$root/tests/tokenizer/tiny_tokenizer.json
+export FUZZ_TOKENIZER=$tokjson
+echo "run.sh: fuzz_tok on $tokjson"
+fuzz tok
 exit $failed
