@@ -6,7 +6,8 @@
  * header length against the file size, the JSON header, every dtype string,
  * shape × dtype size == byte length, offsets inside the data area, sorted and
  * non-overlapping ranges.  Failures return DSV4_ERR_WEIGHTS with a message
- * naming the file and the tensor; nothing crashes on a hostile file.
+ * naming the file and the tensor; nothing crashes on a hostile file
+ * (tests/fuzz/fuzz_st.c checks this and the views of an accepted one).
  */
 #ifndef DSV4_COMMON_SAFETENSORS_H
 #define DSV4_COMMON_SAFETENSORS_H

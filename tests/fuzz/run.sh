@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# run.sh [SECONDS] — build the protocol fuzz targets and the tokenizer's
-# (fuzz_tok.c) with clang's libFuzzer (+ ASan + UBSan) and run each for
-# SECONDS (default $FUZZ_SECONDS or 20) on
-# a scratch copy of its committed seed corpus (tests/fuzz/corpus/<target>/).
+# run.sh [SECONDS] — build the protocol fuzz targets, the safetensors
+# reader's (fuzz_st.c) and the tokenizer's (fuzz_tok.c) with clang's
+# libFuzzer (+ ASan + UBSan) and run each for SECONDS (default $FUZZ_SECONDS
+# or 20) on a scratch copy of its committed seed corpus (tests/fuzz/corpus/<target>/).
 # First replays every saved crash (tests/fuzz/crashes/<target>-*) as a
 # regression test.  New crash inputs are written to tests/fuzz/crashes/ and
 # fail the run.  Exits 77 (skipped) when clang cannot build a libFuzzer
@@ -62,6 +62,14 @@ for t in cli rank ctl; do
     n=$((n + 1))
     fuzz $t
 done
+
+# The safetensors reader on any file (fuzz_st.c).
+if ! "$cc" "${flags[@]}" "$here/fuzz_st.c" "$root/common/safetensors.c" \
+        "$root/common/err.c" -ljson-c -lm -o "$work/fuzz_st"; then
+    echo "run.sh: building fuzz_st failed"
+    exit 1
+fi
+fuzz st
 
 # The tokenizer on any bytes (fuzz_tok.c's properties), with the DeepSeek-V4
 # tokenizer.json tools/setup.sh installs, else the tests' tiny one.
