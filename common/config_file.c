@@ -179,6 +179,11 @@ cfg_apply(struct dsv4_conf *cfg, const struct cfg_key *k, const char *value)
         if (strlen(value) >= k->size)
             return dsv4_err_set(DSV4_ERR_CONFIG, "%s: value longer than %zu bytes",
                 k->name, k->size - 1);
+        /* No escapes: a quote inside a value would end a quoted one, and
+         * dsv4_conf_print could not write it back. */
+        if (strchr(value, '"') != NULL)
+            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: a value cannot contain '\"' (quotes "
+                "may only enclose the whole value)", k->name);
         if (k->type == CFG_ENUM) {
             for (i = 0; k->choices[i] != NULL; i++)
                 if (strcmp(k->choices[i], value) == 0)

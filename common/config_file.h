@@ -6,7 +6,7 @@
  * Format: one `key = value` per line; `#` starts a comment (at the start of a
  * line or after whitespace); blank lines are ignored; the value is the rest
  * of the line with surrounding blanks removed, optionally in double quotes
- * (no escapes).  A key may carry a role prefix, `sched.`, `prefill.` or
+ * (no escapes, so no value contains a double quote).  A key may carry a role prefix, `sched.`, `prefill.` or
  * `decode.`: such a line applies only to that daemon and wins over the plain
  * key whatever the line order (e.g. `decode.threads = 8`).  A rank's
  * instance prefix, `prefill@N.` or `decode@N.` (N as in the unit name

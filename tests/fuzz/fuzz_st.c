@@ -17,19 +17,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "common/safetensors.h"
+#include "tests/fuzz/fuzz.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static void
 fail(const char *what, const char *name)
 {
-    fprintf(stderr, "fuzz_st: %s%s%s\n", what, name != NULL ? ": " : "",
-        name != NULL ? name : "");
-    abort();
+    fuzz_fail("fuzz_st", what, name);
 }
 
 static int
@@ -134,11 +132,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     enum dsv4_err e;
     int fd;
 
-    if ((fd = memfd_create("fuzz_st", MFD_CLOEXEC)) < 0)
-        fail("memfd_create", NULL);
-    if (size > 0 && write(fd, data, size) != (ssize_t)size)
-        fail("write", NULL);
-    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    fd = fuzz_memfile("fuzz_st", data, size, path);
     e = dsv4_st_open(&f, path);
     if (getenv("FUZZ_VERBOSE") != NULL)   /* to see what a seed does */
         fprintf(stderr, "fuzz_st: %s\n", e == DSV4_OK ? "accepted" : dsv4_errmsg());

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "common/tokenizer.h"
+#include "tests/fuzz/fuzz.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -33,8 +34,7 @@ static struct dsv4_tok *tok_hf, *tok_py;
 static void
 fail(const char *what)
 {
-    fprintf(stderr, "fuzz_tok: %s\n", what);
-    abort();
+    fuzz_fail("fuzz_tok", what, NULL);
 }
 
 static void

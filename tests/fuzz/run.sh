@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # run.sh [SECONDS] — build the protocol fuzz targets, the safetensors
-# reader's (fuzz_st.c) and the tokenizer's (fuzz_tok.c) with clang's
+# reader's (fuzz_st.c), the configuration reader's (fuzz_conf.c) and the
+# tokenizer's (fuzz_tok.c) with clang's
 # libFuzzer (+ ASan + UBSan) and run each for SECONDS (default $FUZZ_SECONDS
 # or 20) on a scratch copy of its committed seed corpus (tests/fuzz/corpus/<target>/).
 # First replays every saved crash (tests/fuzz/crashes/<target>-*) as a
@@ -70,6 +71,14 @@ if ! "$cc" "${flags[@]}" "$here/fuzz_st.c" "$root/common/safetensors.c" \
     exit 1
 fi
 fuzz st
+
+# The configuration file reader on any file (fuzz_conf.c).
+if ! "$cc" "${flags[@]}" "$here/fuzz_conf.c" "$root/common/config_file.c" \
+        "$root/common/err.c" -lm -o "$work/fuzz_conf"; then
+    echo "run.sh: building fuzz_conf failed"
+    exit 1
+fi
+fuzz conf
 
 # The tokenizer on any bytes (fuzz_tok.c's properties), with the DeepSeek-V4
 # tokenizer.json tools/setup.sh installs, else the tests' tiny one.

@@ -238,6 +238,13 @@ test_errors(void **state)
     expect_error("admin_mode = 01777\n", "outside");
     expect_error("backend = tpu\n", "unknown value \"tpu\"");
     expect_error("tokenizer = \"abc\n", "unterminated quote");
+    /* No escapes, so no quote inside a value: this one (found by
+     * tests/fuzz/fuzz_conf.c) loaded as `a"b # c"` and printed as a line
+     * that did not load back. */
+    expect_error("key_dir = a\"b # c\"\n", "key_dir: a value cannot contain '\"'");
+    expect_error("host = \"a\"b\"\n", "host: a value cannot contain '\"'");
+    dsv4_conf_defaults(&c);
+    assert_int_equal(dsv4_conf_set(&c, "share_dir", "/x\"y"), DSV4_ERR_CONFIG);
     /* Prefixed lines of other roles are still validated. */
     expect_error("prefill.slots = -1\n", "slots: -1 outside");
     expect_error("sched.nosuch = 1\n", "unknown key");
