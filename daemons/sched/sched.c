@@ -57,6 +57,8 @@ usage(int status)
         "  -v             more logging (-vv: debug)\n"
         "  -h, --help     this help\n"
         "      --version  the version\n"
+        "SIGHUP reloads the configuration: queue_max, request_timeout_ms, prefill_chunk,\n"
+        "burst_streams and max_batch change at once; the other keys wait for a restart.\n"
         DSV4_CLI_DAEMON_EXIT, status);
 }
 
@@ -205,7 +207,8 @@ on_signal(struct sched *s)
 
     while (read(s->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
         if (si.ssi_signo == SIGHUP) {
-            log_notice("SIGHUP: configuration reload is not supported; ignored");
+            if (!s->stopping)
+                sched_reload(s);
             continue;
         }
         if (s->stopping)

@@ -52,6 +52,8 @@
 struct sched_config {
     struct dsv4_conf file;     /* /etc/dsv4/dsv4.conf with -o overrides */
     const char *path;          /* config file read, or NULL */
+    int n_over;                /* the -o overrides, applied again by a reload */
+    char *const *over;
     bool tokenizer_required;   /* tokenizer key given: a load failure is fatal */
     int verbose;               /* -v count */
 };
@@ -250,7 +252,8 @@ struct sched {
 /* --- sched_config.c --------------------------------------------------------- */
 
 /* Defaults, then the file (path NULL: the default path if it exists), then
- * -o overrides (n "key=value" strings).  0, or -1 with the reason logged. */
+ * -o overrides (n "key=value" strings, kept by reference for a reload).
+ * 0, or -1 with the reason logged. */
 int sched_config_load(struct sched_config *c, const char *path, int n_over,
     char *const *over);
 
@@ -263,6 +266,17 @@ const char *sched_tokenizer_path(const struct sched_config *c);
  * configured one must load; the default may be missing).  Prints one line
  * per item on stdout; 0, or -1 with the reason logged. */
 int sched_config_check(const struct sched_config *c);
+
+/* --- sched_reload.c: SIGHUP ------------------------------------------------- */
+
+/* Read the configuration again (same file, same -o overrides) and apply
+ * what can change while serving: queue_max, request_timeout_ms,
+ * prefill_chunk, burst_streams, max_batch.  A change of a key bound at the
+ * start (endpoints, admin_mode, key_dir, heartbeat_ms, liveness, tokenizer)
+ * is logged and waits for a restart; a file that does not load changes
+ * nothing.  Tells systemd RELOADING=1, then READY=1.  Returns how many
+ * settings changed. */
+unsigned sched_reload(struct sched *s);
 
 /* --- sched_queue.c: admission and batching policy (pure) ------------------- */
 
@@ -392,6 +406,9 @@ const char *rank_name(const struct sched_rank *k, char *buf, size_t len);
 struct sched_rank *rank_by_name(struct sched *s, const char *name);
 /* Update DRAINING/DRAINED/READY states from drain flags and loads. */
 void rank_update_states(struct sched *s);
+/* Recompute what every group offers (capacity, context, transports) from
+ * its members and the configuration, after max_batch changed. */
+void rank_groups_update(struct sched *s);
 /* Requests placed on rank k's group (what it holds, by our books). */
 uint32_t rank_load(const struct sched_rank *k, struct sched *s);
 /* Send DISCONNECT to every rank and forget them (shutdown). */

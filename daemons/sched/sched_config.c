@@ -2,7 +2,7 @@
  * sched_config.c — dsv4-sched: read the configuration (the shared
  * /etc/dsv4/dsv4.conf through common/config_file.h, keys prefixed `sched.`
  * win) and the -o overrides of the command line, and -n's check of it.
- * Startup only.
+ * At the start, and again for a reload (sched_reload.c).
  */
 #include <stdio.h>
 #include <string.h>
@@ -16,6 +16,8 @@ sched_config_load(struct sched_config *c, const char *path, int n_over, char *co
 {
     dsv4_conf_defaults(&c->file);
     c->path = path;
+    c->n_over = n_over;
+    c->over = over;
     /* Without -f the default file is read when it exists (a bare machine or
      * a test runs on defaults and -o). */
     if (c->path == NULL && access(DSV4_CONF_DEFAULT_PATH, F_OK) == 0)

@@ -157,6 +157,15 @@ rank_joined(const struct sched_rank *k, const struct sched_group *g)
 }
 
 void
+rank_groups_update(struct sched *s)
+{
+    struct sched_group *g;
+
+    TAILQ_FOREACH(g, &s->groups, entry)
+        group_update(s, g);
+}
+
+void
 rank_update_states(struct sched *s)
 {
     struct sched_rank *k;

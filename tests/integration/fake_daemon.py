@@ -3,8 +3,9 @@
 the dsv4-launch tests: speaks the notify protocol, reports what it was given
 (argv, LISTEN_* fds with their bound addresses, WATCHDOG_USEC) as one JSON
 line appended to $FAKE_REPORT, pings the watchdog unless $FAKE_NO_WATCHDOG,
-exits with $FAKE_EXIT after $FAKE_EXIT_AFTER_S seconds if set, and on SIGTERM
-sends STOPPING=1 and exits 0."""
+exits with $FAKE_EXIT after $FAKE_EXIT_AFTER_S seconds if set, on SIGHUP
+appends its pid to $FAKE_REPORT.hup and sends RELOADING=1 then READY=1 (a
+reload), and on SIGTERM sends STOPPING=1 and exits 0."""
 import json, os, signal, socket, sys, time
 
 
@@ -20,6 +21,13 @@ def notify(msg):
 def main():
     stop = []
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+
+    def on_hup(*a):
+        with open(os.environ["FAKE_REPORT"] + ".hup", "a") as f:
+            f.write("%d\n" % os.getpid())
+        notify("RELOADING=1")
+        notify("READY=1")
+    signal.signal(signal.SIGHUP, on_hup)
     fds = []
     if os.environ.get("LISTEN_PID") == str(os.getpid()):
         n = int(os.environ["LISTEN_FDS"])

@@ -1209,6 +1209,24 @@ def sc_launch():
                 nlog=os.path.join(d, "n7"))
         check(p.wait(WAIT_S) == 2, "--no-sched -P 0 -D 0 not refused")
         log("launch: the scheduler alone runs the command; nothing at all is refused: ok")
+
+        # 7. SIGHUP (systemctl reload's part) goes to the scheduler alone,
+        # which reloads; nothing restarts.
+        os.unlink(os.path.join(d, "rep"))
+        hup = os.path.join(d, "rep.hup")
+        p = run(args=["-P", "0", "-D", "1", "-w", "0"], nlog=os.path.join(d, "n8"))
+        wait_for(lambda: len(reports_safe(d)) == 2, "set up")
+        sched_pid, dec_pid = reports_safe(d)[0]["pid"], reports_safe(d)[1]["pid"]
+        p.send_signal(signal.SIGHUP)
+        wait_for(lambda: readf(hup) != "", "the scheduler got no SIGHUP")
+        time.sleep(0.3)
+        check(readf(hup).split() == [str(sched_pid)],
+              "SIGHUP reached %s, want the scheduler (%d) alone" % (readf(hup).split(), sched_pid))
+        check(len(reports_safe(d)) == 2 and p.poll() is None, "a restart after SIGHUP")
+        os.kill(dec_pid, 0)
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(WAIT_S) == 0, "launcher exit status after SIGHUP, SIGTERM")
+        log("launch: SIGHUP to the scheduler alone: ok")
     finally:
         if p is not None and p.poll() is None:
             p.kill()

@@ -18,6 +18,9 @@ output.  Scenarios (one per argument, or all):
   death      the decode rank dies mid-stream; a new one registers; every request
              completes with exactly f's tokens (no loss, no duplicates)
   overload   queue bound: 300 beyond it; 301 while draining; drain/undrain via dsv4ctl
+  reload     SIGHUP: queue_max and max_batch change at once (queued requests kept,
+             -o overrides still win), a start-bound key is logged as waiting, a file
+             that does not load changes nothing; max_batch lowered and raised holds
   malformed  garbage on the client, rank and admin sockets; the scheduler keeps serving
   group_error  a decode group of two ranks where rank 1 fails one import that rank 0
              took: rank 0 gets ABORT of it, the re-run runs under a new rank-protocol
@@ -33,6 +36,7 @@ Exit status 0 on success, 1 on failure, 77 when pyzmq/msgpack are missing.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -625,6 +629,96 @@ def t_overload(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_reload(ctx, build, tmp):
+    conf = os.path.join(tmp, "dsv4.conf")
+
+    def write(text):
+        with open(conf + ".new", "w") as fp:
+            fp.write(text)
+        os.replace(conf + ".new", conf)
+
+    def reload(sc, marker):
+        """SIGHUP, then wait for the reload's last log line (marker)."""
+        with open(os.path.join(tmp, "sched.log")) as fp:
+            before = fp.read().count(marker)
+        sc.p.send_signal(signal.SIGHUP)
+        end = time.time() + 10
+        while time.time() < end:
+            with open(os.path.join(tmp, "sched.log")) as fp:
+                text = fp.read()
+            if text.count(marker) > before:
+                return text
+            time.sleep(0.05)
+        raise AssertionError("no %r after SIGHUP:\n%s" % (marker, text[-2000:]))
+
+    def admit(cl, n):
+        """Submit n requests; their first answers (2 accepted, else the code)."""
+        ids = [submit(cl, [5, 6], 1, 4) for _ in range(n)]
+        got = {}
+        end = time.time() + 10
+        while len(got) < n and time.time() < end:
+            if cl.s.poll(100):
+                fr = cl.s.recv_multipart()
+                b = msgpack.unpackb(fr[3])
+                got[b["id"]] = fr[2][0] if fr[2][0] != 3 else b["code"]
+        return ids, [got.get(i) for i in ids]
+
+    write("queue_max = 3\nprefill_chunk = 128\n")
+    # -o overrides still win after a reload
+    sc = Sched(build, tmp, ["-f", conf, "-o", "prefill_chunk=64"])
+    time.sleep(0.2)
+    cl = Client(ctx, sc.ep["client"])
+    ids, st = admit(cl, 5)
+    check(st == [2, 2, 2, 300, 300], "queue_max 3: %s" % st)
+    queued = ids[:3]
+    # Live keys change at once; a key bound at the start waits and says so.
+    write("queue_max = 5\nmax_batch = 2\nprefill_chunk = 256\nkey_dir = %s\n" % tmp)
+    log = reload(sc, "reload: done")
+    check("reload: queue_max 3 -> 5" in log and "reload: max_batch 16 -> 2" in log, log[-2000:])
+    check("prefill_chunk" not in log, "an -o override lost to the file:\n" + log[-2000:])
+    check('key_dir "%s" takes effect at the next start' % tmp in log, log[-2000:])
+    check("2 setting(s) changed, 1 waiting for a restart" in log, log[-2000:])
+    ids, st = admit(cl, 3)
+    check(st == [2, 2, 300], "queue_max 5: %s" % st)
+    queued += ids[:2]
+    # A file that does not load changes nothing; the scheduler keeps serving.
+    write("queue_max = 7\nbogus = 1\n")
+    log = reload(sc, "the running settings stay")
+    check('unknown key "bogus"' in log, log[-2000:])
+    _, st = admit(cl, 1)
+    check(st == [300], "queue_max after a failed reload: %s" % st)
+    check(sc.p.poll() is None, "the scheduler exited")
+    # max_batch 2 holds for the decode group that registers now.
+    write("queue_max = 64\nmax_batch = 2\n")
+    reload(sc, "reload: done")
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0)
+    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0, capacity=16)
+    pre.start()
+    dec.start()
+    res = cl.collect(queued, timeout=30, seen_ok=True)
+    check(all(res[i]["final"][0] == 5 and res[i]["tokens"] == expected([5, 6], 1, 4)
+              for i in queued), res)
+    more = {}
+    for k, p in enumerate(prompts(12)):
+        more[submit(cl, p, k, 6)] = (p, k)
+    res = collect_with_psum(cl, more)
+    for i, (p, seed) in more.items():
+        check(res[i]["tokens"] == expected(p, seed, 6), "request %d: %s" % (i, res[i]))
+    check(dec.max_streams == 2, "max_batch 2 after the reload: %d streams" % dec.max_streams)
+    # Raised again while the group serves: it takes more streams.
+    write("max_batch = 4\n")
+    reload(sc, "reload: done")
+    dec.max_streams = 0
+    more = {}
+    for k, p in enumerate(prompts(20)):
+        more[submit(cl, p, k, 6)] = (p, k)
+    res = collect_with_psum(cl, more)
+    check(all(res[i]["tokens"] == expected(p, s, 6) for i, (p, s) in more.items()), res)
+    check(dec.max_streams == 4, "max_batch 4 after the reload: %d streams" % dec.max_streams)
+    wait_idle(sc)
+    return sc, [pre, dec]
+
+
 def t_malformed(ctx, build, tmp):
     sc, pre, dec = setup(ctx, build, tmp)
     junk = [[b"x"], [b"", b"DSV4C1"], [b"", b"DSV4C1", b"\x01", b"\xc1"],
@@ -784,7 +878,8 @@ def t_group_broken(ctx, build, tmp):
 
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
-         "death": t_death, "overload": t_overload, "malformed": t_malformed,
+         "death": t_death, "overload": t_overload, "reload": t_reload,
+         "malformed": t_malformed,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
 

@@ -16,6 +16,9 @@
  * -G (or gateway_launch = yes in the configuration) also runs dsv4-gateway,
  * the HTTP gateway, started with the ranks and supervised like them.
  *
+ * SIGHUP is passed to the scheduler, which reloads its configuration
+ * (what `systemctl reload dsv4-sched` does under systemd).
+ *
  * Exit status: 0 after a clean stop; the command's status with `--`; 1 when
  * a child hit its start limit or the setup failed; 2 usage error; 6 a
  * configuration fault (common/cli.h).  A child that exits 2 or 6 is not
@@ -229,7 +232,14 @@ handle_signals(struct launch *l)
             begin_stop(l, si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
             break;
         case SIGHUP:
-            log_info("handle_signals: SIGHUP ignored");
+            /* systemctl reload's part: the scheduler reloads its
+             * configuration (sched_reload.c); ranks read theirs at start */
+            if (l->n_kids > 0 && l->kids[0].role == LAUNCH_SCHED && l->kids[0].pid != 0) {
+                log_info("handle_signals: SIGHUP: the scheduler reloads its configuration");
+                kill(l->kids[0].pid, SIGHUP);
+            } else {
+                log_info("handle_signals: SIGHUP ignored (no scheduler running here)");
+            }
             break;
         }
     }
