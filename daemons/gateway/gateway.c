@@ -45,12 +45,16 @@ usage(int status)
         "  -v             more logging (-vv: debug)\n"
         "  -h, --help     this help\n"
         "      --version  the version\n"
+        "SIGHUP reads the keys file (gateway_keys) again; the running keys stay if it\n"
+        "cannot be used.\n"
         DSV4_CLI_DAEMON_EXIT, status);
 }
 
-/* Read the bearer tokens: one per line, blanks trimmed, '#' comments. */
+/* Read the bearer tokens into keys[], *n of them: one per line, blanks
+ * trimmed, '#' comments.  0, or -1 with the reason logged (a missing file,
+ * no key, a key too long or too many). */
 static int
-gw_keys_load(struct gw *g, const char *path)
+gw_keys_read(const char *path, char (*keys)[GW_KEY_LEN], int *n)
 {
     char line[1024], *p, *e;
     struct stat st;
@@ -70,20 +74,54 @@ gw_keys_load(struct gw *g, const char *path)
         for (e = p + strlen(p); e > p && isspace((unsigned char)e[-1]); e--)
             ;
         *e = '\0';
-        if (strlen(p) >= GW_KEY_LEN || g->n_keys >= GW_MAX_KEYS) {
+        if (strlen(p) >= GW_KEY_LEN || *n >= GW_MAX_KEYS) {
             log_warnx("gw_keys_load: %s: keys are < %d bytes, at most %d of them", path,
                 GW_KEY_LEN, GW_MAX_KEYS);
             fclose(f);
             return -1;
         }
-        snprintf(g->keys[g->n_keys++], GW_KEY_LEN, "%s", p);
+        snprintf(keys[(*n)++], GW_KEY_LEN, "%s", p);
     }
     fclose(f);
-    if (g->n_keys == 0) {
+    if (*n == 0) {
         log_warnx("gw_keys_load: %s holds no key", path);
         return -1;
     }
     return 0;
+}
+
+/* SIGHUP: read the keys file again and replace the keys, so a key is added
+ * or revoked without a restart (requests in flight go on).  A file that
+ * does not read keeps the running keys.  Authentication is on or off by
+ * gateway_keys as at the start: turning it on or off takes a restart. */
+static void
+gw_keys_reload(struct gw *g)
+{
+    char (*keys)[GW_KEY_LEN];
+    int n = 0;
+
+    sdnotify_reloading();
+    if (g->conf.gateway_keys[0] == '\0') {
+        log_notice("gw_loop: SIGHUP: no keys file (gateway_keys): nothing to reload");
+    } else if ((keys = calloc(GW_MAX_KEYS, GW_KEY_LEN)) == NULL) {
+        log_warnx("gw_loop: SIGHUP: out of memory; the running keys stay");
+    } else {
+        if (gw_keys_read(g->conf.gateway_keys, keys, &n) != 0) {
+            log_warnx("gw_loop: SIGHUP: %s cannot be used; the %d running key(s) stay",
+                g->conf.gateway_keys, g->n_keys);
+            sdnotify_status("serving; the last keys reload failed (see the log)");
+        } else {
+            pthread_mutex_lock(&g->klock);
+            memcpy(g->keys, keys, (size_t)n * GW_KEY_LEN);
+            g->n_keys = n;
+            pthread_mutex_unlock(&g->klock);
+            log_notice("gw_loop: SIGHUP: %d bearer key(s) from %s", n, g->conf.gateway_keys);
+            sdnotify_status("serving; %d bearer key(s) reloaded", n);
+        }
+        explicit_bzero(keys, GW_MAX_KEYS * GW_KEY_LEN);
+        free(keys);
+    }
+    sdnotify_ready();
 }
 
 /* gateway_listen must be a HOST:PORT that resolves (gw_listen_check), or
@@ -136,10 +174,10 @@ signals_open(void)
 
 /*
  * The main thread's loop: wait for a signal or the watchdog interval; ping
- * the watchdog; SIGTERM/SIGINT end it (SIGHUP is logged and ignored).
+ * the watchdog; SIGTERM/SIGINT end it; SIGHUP reloads the keys file.
  */
 static void
-gw_loop(int sigfd)
+gw_loop(struct gw *g, int sigfd)
 {
     uint64_t wd = sdnotify_watchdog_interval_us();
     struct signalfd_siginfo si;
@@ -158,7 +196,7 @@ gw_loop(int sigfd)
                     "SIGTERM" : "SIGINT");
                 return;
             }
-            log_info("gw_loop: SIGHUP ignored");
+            gw_keys_reload(g);
         }
     }
 }
@@ -210,7 +248,8 @@ main(int argc, char **argv)
             fatalx_conf("-o %s", dsv4_errmsg());
     if (listen != NULL && dsv4_conf_set(&g.conf, "gateway_listen", listen) != DSV4_OK)
         fatalx_conf("-l %s", dsv4_errmsg());
-    if (g.conf.gateway_keys[0] != '\0' && gw_keys_load(&g, g.conf.gateway_keys) != 0)
+    if (g.conf.gateway_keys[0] != '\0' &&
+        gw_keys_read(g.conf.gateway_keys, g.keys, &g.n_keys) != 0)
         fatalx_conf("cannot use the keys file %s", g.conf.gateway_keys);
     sdnotify_status("loading the tokenizer");
     if ((e = dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF)) != DSV4_OK)
@@ -233,6 +272,7 @@ main(int argc, char **argv)
         return 0;
     }
     pthread_mutex_init(&g.toklock, NULL);
+    pthread_mutex_init(&g.klock, NULL);
     pthread_mutex_init(&g.alock, NULL);
     pthread_mutex_init(&g.mlock, NULL);
     sigfd = signals_open();
@@ -261,7 +301,7 @@ main(int argc, char **argv)
     sdnotify_status("serving on %s", listen_fd >= 0 ? "the socket passed by systemd" :
         g.conf.gateway_listen);
     sdnotify_ready();
-    gw_loop(sigfd);
+    gw_loop(&g, sigfd);
     sdnotify_stopping();
     atomic_store(&g.stopping, true);
     gw_http_stop(&g);

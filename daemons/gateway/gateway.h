@@ -95,8 +95,11 @@ struct gw {
     struct dsv4_tok *tok;        /* chat rendering, token pieces; encode under toklock */
     pthread_mutex_t toklock;
     int32_t eos;                 /* <｜end▁of▁sentence｜>, a stop id of every request */
+    /* bearer tokens, guarded by klock (SIGHUP replaces them while
+     * connection threads check them) */
+    pthread_mutex_t klock;
     char keys[GW_MAX_KEYS][GW_KEY_LEN];
-    int n_keys;                  /* 0 = no authentication */
+    int n_keys;                  /* 0 = no authentication (no gateway_keys) */
     struct MHD_Daemon *mhd;
     atomic_bool stopping;        /* SIGTERM seen: refuse new generations (503) */
     /* admin client (gw_metrics.c), guarded by alock */

@@ -153,11 +153,16 @@ gw_auth_ok(struct gw *g, struct MHD_Connection *conn)
     bool ok = false;
     int k;
 
-    if (g->n_keys == 0)
-        return true;
     h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (h == NULL || strncasecmp(h, "Bearer ", 7) != 0)
+    pthread_mutex_lock(&g->klock);
+    if (g->n_keys == 0) {
+        pthread_mutex_unlock(&g->klock);
+        return true;
+    }
+    if (h == NULL || strncasecmp(h, "Bearer ", 7) != 0) {
+        pthread_mutex_unlock(&g->klock);
         return false;
+    }
     tok = h + 7;
     while (*tok == ' ')
         tok++;
@@ -171,6 +176,7 @@ gw_auth_ok(struct gw *g, struct MHD_Connection *conn)
             diff |= (unsigned char)(key[i] ^ (i < tl ? tok[i] : 0));
         ok |= diff == 0;
     }
+    pthread_mutex_unlock(&g->klock);
     return ok;
 }
 

@@ -420,11 +420,43 @@ def sc_api():
         check(chunks[-1]["choices"][0]["finish_reason"] == ch.finish_reason,
               "curl finish %s" % chunks[-1])
         log("curl SSE: %d events == the completion" % len(ev))
+        rotate_keys(svc, keys, key)
         socket_activated(svc, key, ch.text)
         svc.check_no_leaks()
     finally:
         svc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def rotate_keys(svc, keys, key):
+    """SIGHUP (to dsv4-launch, which passes it on; the unit's ExecReload=
+    under systemd) reloads the keys file: a revoked key is refused and a new
+    one taken at once, no restart; a file that cannot be used keeps the keys
+    that run.  Leaves `key` in force again."""
+    def status(k):
+        return svc.http("GET", "/v1/models", headers={"Authorization": "Bearer " + k})[0]
+
+    def reload_to(text, want):
+        with open(keys + ".new", "w") as f:
+            f.write(text)
+        os.chmod(keys + ".new", 0o640)
+        os.replace(keys + ".new", keys)
+        svc.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: all(status(k) == st for k, st in want.items()),
+                 "keys after SIGHUP: want %s" % want)
+
+    gw_pid = svc_test.Service.pid(svc, "gateway")
+    new = "sk-new-" + os.urandom(8).hex()
+    reload_to("%s\n" % new, {new: 200, key: 401, "second-key": 401})
+    # an unusable file (no key) keeps the running keys
+    reload_to("# nothing\n", {})
+    time.sleep(0.5)
+    check(status(new) == 200 and status(key) == 401, "keys changed by an unusable file")
+    wait_for(lambda: "cannot be used; the 1 running key(s) stay" in svc.errlog(),
+             "no log of the kept keys")
+    reload_to("%s\n" % key, {key: 200, new: 401})
+    check(svc_test.Service.pid(svc, "gateway") == gw_pid, "the gateway restarted")
+    log("keys: SIGHUP revoked one and took another, kept them over an unusable file")
 
 
 def socket_activated(svc, key, want_text):

@@ -16,8 +16,9 @@
  * -G (or gateway_launch = yes in the configuration) also runs dsv4-gateway,
  * the HTTP gateway, started with the ranks and supervised like them.
  *
- * SIGHUP is passed to the scheduler, which reloads its configuration
- * (what `systemctl reload dsv4-sched` does under systemd).
+ * SIGHUP is passed to the scheduler, which reloads its configuration, and
+ * to the gateway, which reloads its keys file (what `systemctl reload` of
+ * their units does under systemd).
  *
  * Exit status: 0 after a clean stop; the command's status with `--`; 1 when
  * a child hit its start limit or the setup failed; 2 usage error; 6 a
@@ -216,6 +217,25 @@ begin_stop(struct launch *l, const char *why)
     proc_stop_set(l, launch_now_ms());
 }
 
+/* SIGHUP to the scheduler and the gateway, the children that reload. */
+static void
+hup_reloaders(struct launch *l)
+{
+    int n = 0;
+
+    for (int i = 0; i < l->n_kids; i++) {
+        struct launch_child *k = &l->kids[i];
+
+        if ((k->role == LAUNCH_SCHED || k->role == LAUNCH_GATEWAY) && k->pid != 0) {
+            log_info("handle_signals: SIGHUP to %s", k->name);
+            kill(k->pid, SIGHUP);
+            n++;
+        }
+    }
+    if (n == 0)
+        log_info("handle_signals: SIGHUP ignored (neither a scheduler nor a gateway here)");
+}
+
 static void
 handle_signals(struct launch *l)
 {
@@ -233,13 +253,9 @@ handle_signals(struct launch *l)
             break;
         case SIGHUP:
             /* systemctl reload's part: the scheduler reloads its
-             * configuration (sched_reload.c); ranks read theirs at start */
-            if (l->n_kids > 0 && l->kids[0].role == LAUNCH_SCHED && l->kids[0].pid != 0) {
-                log_info("handle_signals: SIGHUP: the scheduler reloads its configuration");
-                kill(l->kids[0].pid, SIGHUP);
-            } else {
-                log_info("handle_signals: SIGHUP ignored (no scheduler running here)");
-            }
+             * configuration (sched_reload.c), the gateway its keys file;
+             * ranks read theirs at start */
+            hup_reloaders(l);
             break;
         }
     }
