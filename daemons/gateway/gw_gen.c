@@ -231,6 +231,17 @@ gw_bad(struct gw_bad *b, unsigned status, const char *code, const char *fmt, ...
 /* Whether x is the JSON string s (false for null and every other type:
  * json_object_get_string is NULL for a JSON null, and a string of its JSON
  * text for numbers, arrays and objects). */
+/* Whether s[0..n) is JSON white space only (a NUL byte is not: json-c
+ * stops at one, so what follows it would go unread). */
+static bool
+gw_only_blanks(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (s[i] != ' ' && s[i] != '\t' && s[i] != '\r' && s[i] != '\n')
+            return false;
+    return true;
+}
+
 static bool
 gw_str_is(json_object *x, const char *s)
 {
@@ -1160,9 +1171,8 @@ gw_gen_handle(struct gw *g, struct MHD_Connection *conn, bool chat, const char *
                 json_tokener_get_parse_end(tk));
             json_object_put(o);
             o = NULL;
-        } else if (json_tokener_get_parse_end(tk) < len &&
-            body[json_tokener_get_parse_end(tk) + strspn(body +
-            json_tokener_get_parse_end(tk), " \t\r\n")] != '\0') {
+        } else if (!gw_only_blanks(body + json_tokener_get_parse_end(tk),
+            len - json_tokener_get_parse_end(tk))) {
             gw_bad(&b, 400, "invalid_json", "trailing bytes after the JSON object");
             json_object_put(o);
             o = NULL;

@@ -538,6 +538,9 @@ def sc_robust():
         for path, body, code in [
                 ("/v1/completions", "{bad json", "invalid_json"),
                 ("/v1/completions", '{"prompt": "x"} trailing', "invalid_json"),
+                # bytes after a NUL were not looked at (json-c stops there)
+                ("/v1/completions", '{"prompt": "x"}\0{"prompt": "y"}', "invalid_json"),
+                ("/v1/completions", '{"prompt": "x"} \r\n\0', "invalid_json"),
                 ("/v1/completions", "[1, 2]", "invalid_json"),
                 ("/v1/completions", "[" * 100 + "]" * 100, "invalid_json"),
                 ("/v1/completions", "", "invalid_json"),
