@@ -541,6 +541,15 @@ def sc_robust():
                 # bytes after a NUL were not looked at (json-c stops there)
                 ("/v1/completions", '{"prompt": "x"}\0{"prompt": "y"}', "invalid_json"),
                 ("/v1/completions", '{"prompt": "x"} \r\n\0', "invalid_json"),
+                # U+0000 inside a string: it went on cut there
+                ("/v1/completions", '{"prompt": "abc\\u0000def"}', "invalid_value"),
+                ("/v1/completions", '{"prompt": "x", "stop": ["a\\u0000"]}', "invalid_value"),
+                ("/v1/chat/completions",
+                 '{"messages": [{"role": "user", "content": "a\\u0000b"}]}', "invalid_value"),
+                ("/v1/chat/completions", '{"messages": [{"role": "user", "content": '
+                 '[{"type": "text", "text": "a\\u0000b"}]}]}', "invalid_value"),
+                ("/v1/chat/completions",
+                 '{"messages": [{"role": "user\\u0000", "content": "x"}]}', "unsupported_role"),
                 ("/v1/completions", "[1, 2]", "invalid_json"),
                 ("/v1/completions", "[" * 100 + "]" * 100, "invalid_json"),
                 ("/v1/completions", "", "invalid_json"),
@@ -564,6 +573,9 @@ def sc_robust():
             error_of(st, data, 400, code)
         st, _, data = svc.http("POST", "/v1/completions", {"model": "gpt-4", "prompt": "x"})
         error_of(st, data, 404, "model_not_found")
+        st, _, data = svc.http("POST", "/v1/completions", {"model": MODEL + "\0x", "prompt": "x"})
+        error_of(st, data, 404, "model_not_found")
+        check(b"\\\\u0000..." in data, "no U+0000 in the message: %s" % data)
         st, _, data = svc.http("GET", "/v1/completions")
         error_of(st, data, 405)
         st, _, data = svc.http("GET", "/nowhere")
