@@ -263,6 +263,12 @@ dsv4_tok_is_added(const struct dsv4_tok *tok, int32_t id)
 }
 
 bool
+dsv4_utf8_valid(const char *s, size_t n)
+{
+    return tok_utf8_valid_prefix((const unsigned char *)s, n) == n;
+}
+
+bool
 dsv4_tok_is_special(const struct dsv4_tok *tok, int32_t id)
 {
     return id >= 0 && id < tok->nids && tok->kind[id] == TOK_SPECIAL;

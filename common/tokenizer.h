@@ -101,6 +101,10 @@ int32_t dsv4_tok_vocab_size(const struct dsv4_tok *tok);
 int32_t dsv4_tok_bos(const struct dsv4_tok *tok);
 int32_t dsv4_tok_eos(const struct dsv4_tok *tok);
 
+/* Whether s[0..n) is well-formed UTF-8 (RFC 3629: no overlong forms, no
+ * surrogates, nothing past U+10FFFF; NUL bytes allowed). */
+bool dsv4_utf8_valid(const char *s, size_t n);
+
 /* Id of the added token whose content is exactly s[0..len) (len 0: s is
  * NUL-terminated), else -1. */
 int32_t dsv4_tok_added_id(const struct dsv4_tok *tok, const char *s,

@@ -242,18 +242,24 @@ gw_only_blanks(const char *s, size_t n)
     return true;
 }
 
-/* Whether the JSON string x holds a U+0000 ("\u0000"): the request's
- * strings go on as C strings, which would end there without a word. */
+/* Whether the JSON string x is not text the server takes: a U+0000
+ * ("\u0000": the request's strings go on as C strings, which would end
+ * there without a word), or bytes that are not well-formed UTF-8 (json-c
+ * passes most of them; the scheduler refuses them in a prompt, and the
+ * gateway's own chat tokenization would take them as byte tokens). */
 static bool
-gw_has_nul(json_object *x)
+gw_bad_text(json_object *x)
 {
-    return strlen(json_object_get_string(x)) != (size_t)json_object_get_string_len(x);
+    const char *s = json_object_get_string(x);
+    size_t n = (size_t)json_object_get_string_len(x);
+
+    return strlen(s) != n || !dsv4_utf8_valid(s, n);
 }
 
 static bool
 gw_str_is(json_object *x, const char *s)
 {
-    return json_object_get_type(x) == json_type_string && !gw_has_nul(x) &&
+    return json_object_get_type(x) == json_type_string && !gw_bad_text(x) &&
         strcmp(json_object_get_string(x), s) == 0;
 }
 
@@ -361,8 +367,9 @@ gw_parse_stop(json_object *o, struct gw_ask *a, struct gw_bad *b)
     if (!json_object_object_get_ex(o, "stop", &x) || x == NULL)
         return 0;
     if (json_object_get_type(x) == json_type_string) {
-        if (gw_has_nul(x))
-            return gw_bad(b, 400, "invalid_value", "\"stop\" strings cannot hold U+0000");
+        if (gw_bad_text(x))
+            return gw_bad(b, 400, "invalid_value", "\"stop\" strings must be UTF-8 text "
+                "without U+0000");
         a->stops[0] = json_object_get_string(x);
         a->p.n_stop = 1;
     } else if (json_object_get_type(x) == json_type_array) {
@@ -374,8 +381,9 @@ gw_parse_stop(json_object *o, struct gw_ask *a, struct gw_bad *b)
             e = json_object_array_get_idx(x, i);
             if (json_object_get_type(e) != json_type_string)
                 return gw_bad(b, 400, "invalid_type", "\"stop\" must hold strings");
-            if (gw_has_nul(e))
-                return gw_bad(b, 400, "invalid_value", "\"stop\" strings cannot hold U+0000");
+            if (gw_bad_text(e))
+                return gw_bad(b, 400, "invalid_value", "\"stop\" strings must be UTF-8 text "
+                "without U+0000");
             a->stops[i] = json_object_get_string(e);
         }
         a->p.n_stop = n;
@@ -401,8 +409,8 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
     if (x == NULL)
         return "";
     if (json_object_get_type(x) == json_type_string) {
-        if (gw_has_nul(x)) {
-            gw_bad(b, 400, "invalid_value", "message content cannot hold U+0000");
+        if (gw_bad_text(x)) {
+            gw_bad(b, 400, "invalid_value", "message content must be UTF-8 text without U+0000");
             return NULL;
         }
         return json_object_get_string(x);
@@ -420,9 +428,9 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
             gw_bad(b, 400, "unsupported_content", "only text content parts are supported");
             return NULL;
         }
-        if (gw_has_nul(tx)) {
+        if (gw_bad_text(tx)) {
             dsv4_tok_text_free(&t);
-            gw_bad(b, 400, "invalid_value", "message content cannot hold U+0000");
+            gw_bad(b, 400, "invalid_value", "message content must be UTF-8 text without U+0000");
             return NULL;
         }
         gw_text_add(&t, json_object_get_string(tx), (size_t)json_object_get_string_len(tx));
@@ -456,9 +464,9 @@ gw_parse_messages(struct gw *g, json_object *o, json_object *hold, struct gw_ask
             json_object_get_type(r) != json_type_string)
             return gw_bad(b, 400, "invalid_request", "messages[%zu] needs a \"role\"", i);
         role = json_object_get_string(r);
-        if (gw_has_nul(r))
-            return gw_bad(b, 400, "unsupported_role", "messages[%zu]: role \"%s\\u0000...\" "
-                "is not supported (system, user, assistant, developer)", i, role);
+        if (gw_bad_text(r))
+            return gw_bad(b, 400, "unsupported_role", "messages[%zu]: the role is not UTF-8 "
+                "text without U+0000 (system, user, assistant, developer)", i);
         if (strcmp(role, "system") == 0)
             a->msgs[i].role = DSV4_CHAT_SYSTEM;
         else if (strcmp(role, "user") == 0)
@@ -478,9 +486,9 @@ gw_parse_messages(struct gw *g, json_object *o, json_object *hold, struct gw_ask
             if (json_object_get_type(rc) != json_type_string)
                 return gw_bad(b, 400, "invalid_type", "messages[%zu].reasoning_content must "
                     "be a string", i);
-            if (gw_has_nul(rc))
+            if (gw_bad_text(rc))
                 return gw_bad(b, 400, "invalid_value", "messages[%zu].reasoning_content "
-                    "cannot hold U+0000", i);
+                    "must be UTF-8 text without U+0000", i);
             a->msgs[i].reasoning = json_object_get_string(rc);
         }
     }
@@ -522,8 +530,9 @@ gw_parse_prompt(struct gw *g, json_object *o, struct gw_ask *a, struct gw_bad *b
             x = e;
     }
     if (json_object_get_type(x) == json_type_string) {
-        if (gw_has_nul(x))
-            return gw_bad(b, 400, "invalid_value", "\"prompt\" cannot hold U+0000");
+        if (gw_bad_text(x))
+            return gw_bad(b, 400, "invalid_value", "\"prompt\" must be UTF-8 text without "
+                "U+0000");
         a->prompt = json_object_get_string(x);
         if (a->prompt[0] == '\0')
             return gw_bad(b, 400, "invalid_value", "\"prompt\" is empty");
@@ -562,10 +571,13 @@ gw_parse_params(struct gw_gen *q, json_object *o, struct gw_ask *a, struct gw_ba
     dsv4_client_params_init(&a->p);
     a->p.max_tokens = GW_DEFAULT_MAX_TOKENS;
     if (json_object_object_get_ex(o, "model", &x) && x != NULL &&
-        !gw_str_is(x, q->g->conf.gateway_model))
-        return gw_bad(b, 404, "model_not_found", "model \"%s%s\" does not exist; this server "
-            "serves \"%s\"", json_object_get_string(x), json_object_get_type(x) ==
-            json_type_string && gw_has_nul(x) ? "\\u0000..." : "", q->g->conf.gateway_model);
+        !gw_str_is(x, q->g->conf.gateway_model)) {
+        if (json_object_get_type(x) == json_type_string && gw_bad_text(x))
+            return gw_bad(b, 404, "model_not_found", "the model name is not UTF-8 text without "
+                "U+0000; this server serves \"%s\"", q->g->conf.gateway_model);
+        return gw_bad(b, 404, "model_not_found", "model \"%s\" does not exist; this server "
+            "serves \"%s\"", json_object_get_string(x), q->g->conf.gateway_model);
+    }
     if (gw_num(o, "n", 1, 1, true, &v, &has, b) != 0)
         return gw_bad(b, 400, "unsupported_value", "\"n\" must be 1 (one choice per request)");
     if (gw_num(o, "max_tokens", 1, 1048576, true, &v, &has, b) != 0)

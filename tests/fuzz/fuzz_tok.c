@@ -13,7 +13,8 @@
  *   3. the streaming decoder gives the same text whether fed the ids one by
  *      one, all of s's bytes at once or one byte at a time; that text is
  *      well-formed UTF-8, and equals s when s is well-formed UTF-8;
- *   4. chat: with s (up to its first NUL) as a user turn, the ids of
+ *   4. dsv4_utf8_valid agrees with an independent check;
+ *   5. chat: with s (up to its first NUL) as a user turn, the ids of
  *      dsv4_chat_encode decode to dsv4_chat_render's string, and hold as
  *      many special tokens as the same turn with no text (message text never
  *      becomes a marker).
@@ -216,6 +217,8 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (again.len != ids.len || (ids.len > 0 && memcmp(again.v, ids.v,
         ids.len * sizeof(*ids.v)) != 0))
         fail("a second encode (cache warm) gave other ids");
+    if (dsv4_utf8_valid((const char *)s, n) != utf8_valid(s, n))
+        fail("dsv4_utf8_valid disagrees with the independent check");
     check_stream(tok, &ids, s, n);
     check_chat(tok, s, strnlen((const char *)s, n), data[0] & 4);
     dsv4_tok_ids_free(&ids);
