@@ -117,12 +117,17 @@ static const struct field f_generate[] = {
     FLD("tag", struct dsv4_cli_generate, tag, T_STR, 0, 0, DSV4_PROTO_MAX_TAG, 0),
     FLD("timeout_ms", struct dsv4_cli_generate, timeout_ms, T_U32, 0, 0,
         DSV4_PROTO_MAX_TIMEOUT_MS, 0),
+    FARR("resume", struct dsv4_cli_generate, resume, n_resume, T_TOKENS, 0, 1,
+        DSV4_PROTO_MAX_NEW_TOKENS),
+    FHAS("resume_text", struct dsv4_cli_generate, resume_text, has_resume_text, T_U64, 0,
+        U64MAX),
 };
 
 static const struct field f_cli_ok[] = {
     FLD("id", struct dsv4_cli_ok, id, T_U64, F_REQ, 1, U64MAX, 0),
     FLD("req", struct dsv4_cli_ok, req, T_U64, F_REQ, 1, U64MAX, 0),
     FLD("tag", struct dsv4_cli_ok, tag, T_STR, 0, 0, DSV4_PROTO_MAX_TAG, 0),
+    FHAS("seed", struct dsv4_cli_ok, seed, has_seed, T_U64, 0, U64MAX),
 };
 
 static const struct field f_cli_error[] = {

@@ -241,12 +241,22 @@ struct dsv4_cli_generate {
     bool stream;                /* default true */
     const char *tag;            /* NULL = none */
     uint32_t timeout_ms;        /* 0 = none */
+    /* Resume (docs/protocol.md §4.6): the output tokens the client already
+     * has of this request from an earlier scheduler (NULL = a new request),
+     * and the bytes of text it has.  Needs `seed` (the one OK gave). */
+    const int32_t *resume;
+    uint32_t n_resume;          /* [1, max_tokens] when resume is given */
+    uint64_t resume_text;       /* bytes of text received, iff has_resume_text */
+    bool has_resume_text;
 };
 
 struct dsv4_cli_ok {
     uint64_t id;     /* client's id */
     uint64_t req;    /* scheduler's id */
     const char *tag; /* echoed; NULL = none */
+    uint64_t seed;   /* the sampling seed in effect (given or drawn), iff has_seed;
+                        a resume sends it back */
+    bool has_seed;
 };
 
 /* ERROR (client, rank) and RESULT (admin).  Rank ERROR has no id/tag;

@@ -44,6 +44,8 @@
 #define SCHED_STOP_TIMEOUT_MS 10000 /* SIGTERM: time to finish in-flight work */
 #define SCHED_RETRY_MS 5            /* re-try blocked client sends this often */
 #define SCHED_REQ_BUCKETS 4096      /* request hash table size (power of 2) */
+#define SCHED_RESUME_TEXT_AHEAD 1024 /* a resume's text may pass its tokens' text by
+                                        this much (part of the token held back) */
 
 /* --- Configuration (sched_config.c) ---------------------------------------- */
 

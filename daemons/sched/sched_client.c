@@ -77,6 +77,39 @@ copy_stops(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate 
 }
 
 /* Validate, tokenize and queue one GENERATE; refusals answer ERROR at once. */
+/*
+ * GENERATE with `resume` (docs/protocol.md §4.6): the client has the first
+ * n_resume output tokens and resume_text bytes of text of this request from
+ * a scheduler that went away.  They are taken as emitted and sent (the stop
+ * conditions and the stop-string hold-back run over them as they did
+ * there), so the queued request prefills prompt + them, as a re-run does,
+ * and samples on from position n_resume with the same seed: the same tokens
+ * follow, and only those go to the client.  A resume that already meets a
+ * stop condition ends at once (its DONE was what got lost).
+ */
+static void
+resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
+{
+    uint64_t text = g->has_resume_text ? g->resume_text : 0;
+
+    for (uint32_t i = 0; i < g->n_resume && !r->closing; i++)
+        (void)req_emit(s, r, g->resume[i], false, 0.0f);
+    s->m.tokens_out -= r->n_out;    /* counted by the scheduler that made them */
+    r->n_sent = r->n_out;
+    log_info("client: req=%llu id=%llu resumes after %u tokens and %llu bytes of text",
+        (unsigned long long)r->req, (unsigned long long)r->id, r->n_out,
+        (unsigned long long)text);
+    /* The text sent can run ahead of the tokens sent by part of the token
+     * held back with it (client_flush), never by more than a token's text. */
+    if (text > r->text_safe + SCHED_RESUME_TEXT_AHEAD) {
+        r->text_sent = r->text_safe;
+        req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text (%llu bytes) is past the text "
+            "of the resumed tokens (%zu bytes)", (unsigned long long)text, r->text_safe);
+        return;
+    }
+    r->text_sent = (size_t)text;
+}
+
 static void
 on_generate(struct sched *s, const struct dsv4_route *from, const struct dsv4_cli_generate *g)
 {
@@ -133,6 +166,24 @@ on_generate(struct sched *s, const struct dsv4_route *from, const struct dsv4_cl
             return;
         }
     }
+    if (g->resume != NULL && (!g->s.has_seed || g->n_resume > g->max_tokens)) {
+        s->m.n_rejected++;
+        send_error(s, from, g->id, DSV4_STATUS_BAD_ARGUMENT, !g->s.has_seed ?
+            "resume needs the seed of the request (OK's seed)" :
+            "resume holds more tokens than max_tokens", g->tag);
+        dsv4_tok_ids_free(&ids);
+        return;
+    }
+    for (uint32_t i = 0; s->vocab > 0 && g->resume != NULL && i < g->n_resume; i++) {
+        if (g->resume[i] >= s->vocab) {
+            s->m.n_rejected++;
+            snprintf(msg, sizeof(msg), "resume[%u] = %d is outside the vocabulary (%d ids)",
+                i, g->resume[i], s->vocab);
+            send_error(s, from, g->id, DSV4_STATUS_BAD_ARGUMENT, msg, g->tag);
+            dsv4_tok_ids_free(&ids);
+            return;
+        }
+    }
     for (uint32_t i = 0; s->vocab > 0 && i < n; i++) {
         if (tokens[i] >= s->vocab) {
             s->m.n_rejected++;
@@ -183,6 +234,8 @@ on_generate(struct sched *s, const struct dsv4_route *from, const struct dsv4_cl
     queue_push(s, r, false);
     log_debug("client: req=%llu id=%llu queued, %u prompt tokens", (unsigned long long)r->req,
         (unsigned long long)r->id, n);
+    if (g->resume != NULL)
+        resume(s, r, g);
     (void)client_flush(s, r); /* OK */
     return;
 nomem:
@@ -285,8 +338,9 @@ utf8_cut(const char *text, size_t len, size_t max)
 static int
 send_tokens(struct sched *s, struct sched_req *r, uint32_t n, size_t text_end)
 {
-    size_t tl = utf8_cut(r->text.s + r->text_sent, text_end - r->text_sent,
-        DSV4_PROTO_MAX_TEXT);
+    /* (text_end < text_sent only after a resume whose text ran ahead) */
+    size_t tl = text_end <= r->text_sent ? 0 : utf8_cut(r->text.s + r->text_sent,
+        text_end - r->text_sent, DSV4_PROTO_MAX_TEXT);
     struct dsv4_msg m;
     char *piece;
     size_t k = 0;
@@ -369,6 +423,8 @@ client_flush(struct sched *s, struct sched_req *r)
         m.u.ok.id = r->id;
         m.u.ok.req = r->req;
         m.u.ok.tag = r->tag;
+        m.u.ok.seed = r->s.seed;        /* a resume sends it back */
+        m.u.ok.has_seed = true;
         if ((rc = send_to(s, r, &m)) <= 0)
             goto blocked;
         r->ok_sent = true;

@@ -76,6 +76,25 @@ s_generate_full(struct dsv4_msg *m)
     g->timeout_ms = 30000;
 }
 
+/* A resume after a scheduler restart (docs/protocol.md §4.6). */
+static void
+s_generate_resume(struct dsv4_msg *m)
+{
+    struct dsv4_cli_generate *g = &m->u.generate;
+
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_GENERATE);
+    g->id = 7;
+    g->tokens = prompt_ids;
+    g->n_tokens = 5;
+    g->s.seed = 98765;
+    g->s.has_seed = true;
+    g->max_tokens = 64;
+    g->resume = stop_ids;
+    g->n_resume = 2;
+    g->resume_text = 11;
+    g->has_resume_text = true;
+}
+
 static void
 s_cli_ok(struct dsv4_msg *m)
 {
@@ -83,6 +102,16 @@ s_cli_ok(struct dsv4_msg *m)
     m->u.ok.id = 1;
     m->u.ok.req = 1000;
     m->u.ok.tag = "batch-7";
+}
+
+static void
+s_cli_ok_seed(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CLI, DSV4_CLI_OK);
+    m->u.ok.id = 2;
+    m->u.ok.req = 1001;
+    m->u.ok.seed = 18446744073709551615ull;
+    m->u.ok.has_seed = true;
 }
 
 static void
@@ -517,7 +546,9 @@ static const struct {
 } table[] = {
     { "cli_generate_text", s_generate_text },
     { "cli_generate_full", s_generate_full },
+    { "cli_generate_resume", s_generate_resume },
     { "cli_ok", s_cli_ok },
+    { "cli_ok_seed", s_cli_ok_seed },
     { "cli_error", s_cli_error },
     { "cli_tokens", s_cli_tokens },
     { "cli_tokens_nolp", s_cli_tokens_nolp },

@@ -18,6 +18,9 @@ output.  Scenarios (one per argument, or all):
   death      the decode rank dies mid-stream; a new one registers; every request
              completes with exactly f's tokens (no loss, no duplicates)
   overload   queue bound: 300 beyond it; 301 while draining; drain/undrain via dsv4ctl
+  resume     GENERATE with resume (a client's tokens and text from a scheduler that went
+             away): the rest follows, the same tokens and text, nothing twice; a resume
+             already at its end gets DONE at once; refusals (no seed, too long, text)
   reload     SIGHUP: queue_max and max_batch change at once (queued requests kept,
              -o overrides still win), a start-bound key is logged as waiting, a file
              that does not load changes nothing; max_batch lowered and raised holds
@@ -629,6 +632,62 @@ def t_overload(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_resume(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    p, n = [11, 12, 13, 14], 8
+    # The first run, as a client sees it: OK carries the seed in effect.
+    i = cl.generate(tokens=p, max_tokens=n, temperature=0)
+    msgs, seed = [], None
+    while True:
+        fr = cl.s.recv_multipart()
+        cmd, b = fr[2][0], msgpack.unpackb(fr[3])
+        if cmd == 2:
+            seed = b.get("seed")
+        elif cmd == 4:
+            msgs.append((b["tokens"], b["text"]))
+        elif cmd in (3, 5):
+            break
+    check(seed is not None, "OK has no seed")
+    toks = [t for ts, _ in msgs for t in ts]
+    text = "".join(x for _, x in msgs).encode()
+    check(toks == expected(p, seed, n) and cmd == 5, "first run: %s" % toks)
+    # Resume after the first messages, as a client would after losing the
+    # scheduler: the rest comes, the same tokens and text, nothing twice.
+    for cut in (1, 3, len(msgs) - 1):
+        k = sum(len(ts) for ts, _ in msgs[:cut])
+        tl = len("".join(x for _, x in msgs[:cut]).encode())
+        j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed,
+                        resume=toks[:k], resume_text=tl)
+        r = cl.collect([j])[j]
+        check(r["final"][0] == 5 and r["final"][1]["finish"] == "length" and
+              r["final"][1]["completion_tokens"] == n, "resume at %d: %s" % (k, r["final"]))
+        check(r["tokens"] == toks[k:], "resume at %d: tokens %s != %s" %
+              (k, r["tokens"], toks[k:]))
+        check(r["text"].encode() == text[tl:], "resume at %d: text %r != %r" %
+              (k, r["text"], text[tl:]))
+    # All tokens already there (the DONE was lost): DONE at once, nothing else.
+    j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed, resume=toks,
+                    resume_text=len(text))
+    r = cl.collect([j])[j]
+    check(r["tokens"] == [] and r["final"][0] == 5 and r["final"][1]["finish"] == "length",
+          "complete resume: %s" % r)
+    # A stop id among the resumed tokens ends it there, with finish stop.
+    j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed, resume=toks[:3],
+                    stop_ids=[toks[1]])
+    r = cl.collect([j])[j]
+    check(r["tokens"] == [] and r["final"][1]["finish"] == "stop", "stop in resume: %s" % r)
+    # Refused: no seed; more than max_tokens; text past the tokens' text.
+    for kw, code in [({"resume": toks[:2]}, 401),
+                     ({"seed": seed, "resume": toks + toks}, 401),
+                     ({"seed": seed, "resume": toks[:2], "resume_text": 100000}, 401)]:
+        j = cl.generate(tokens=p, max_tokens=n, temperature=0, **kw)
+        r = cl.collect([j])[j]
+        check(r["final"][0] == 3 and r["final"][1]["code"] == code, "%s: %s" % (kw, r))
+    wait_idle(sc)
+    return sc, [pre, dec]
+
+
 def t_reload(ctx, build, tmp):
     conf = os.path.join(tmp, "dsv4.conf")
 
@@ -878,7 +937,7 @@ def t_group_broken(ctx, build, tmp):
 
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
-         "death": t_death, "overload": t_overload, "reload": t_reload,
+         "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "malformed": t_malformed,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
