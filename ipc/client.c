@@ -9,6 +9,15 @@
  * on the socket until an event for a tracked request arrives, sending
  * HEARTBEAT after HB_IDLE_MS of silence.  Messages for ids no longer tracked
  * (e.g. after a local timeout) and malformed messages are dropped.
+ *
+ * Resume (docs/protocol.md §4.6): every request keeps a copy of its
+ * GENERATE, the seed its OK named, and the tokens and text bytes it got.  A
+ * socket monitor reports when the connection to the scheduler drops; when
+ * it is up again (a restarted scheduler: systemd or dsv4-launch kept the
+ * listener), each request in flight is sent again with `resume`, so it goes
+ * on where it was: its caller sees neither a second ACCEPTED nor a token
+ * twice.  (A connection that only blipped reaches the same scheduler under
+ * a new routing id; it cancels the old copies when it cannot send to them.)
  */
 #include "dsv4/client.h"
 
@@ -26,6 +35,7 @@
 #define HB_IDLE_MS 1000            /* silence before we send HEARTBEAT */
 #define TIMEOUT_GRACE_MS 1000      /* wait this long past timeout_ms for the server's 408 */
 #define ERRMSG_LEN 256
+#define RESUME_ID_SHIFT 48         /* a resumed request's wire id (ids stay < 2^48) */
 
 _Static_assert((int)DSV4_CLIENT_FINISH_STOP == (int)DSV4_FINISH_STOP, "finish values");
 _Static_assert((int)DSV4_CLIENT_FINISH_LENGTH == (int)DSV4_FINISH_LENGTH, "finish values");
@@ -38,6 +48,17 @@ struct creq {
     uint64_t id;          /* client id */
     uint64_t req;         /* scheduler id; 0 until OK */
     int64_t deadline_ms;  /* local give-up time; 0 = none */
+    /* For a resume: the GENERATE as sent (pointing at the copies below),
+     * whether an OK came, and what arrived. */
+    struct dsv4_cli_generate g;
+    char *prompt, *tag, **stop;
+    int32_t *tokens, *stop_ids;
+    bool accepted;
+    int32_t *got;         /* output tokens received */
+    uint32_t n_got, cap_got;
+    uint64_t got_text;    /* bytes of output text received */
+    bool lost_output;     /* out of memory noting it: no resume */
+    uint32_t n_resumes;   /* wire id = id + n_resumes << RESUME_ID_SHIFT */
 };
 
 struct dsv4_client {
@@ -52,6 +73,9 @@ struct dsv4_client {
     struct dsv4_msg cur;         /* decoded message behind the last event */
     char ev_msg[ERRMSG_LEN];     /* message of a locally made ERROR event */
     char errmsg[ERRMSG_LEN];     /* detail of the last failure */
+    void *mon;                   /* PAIR: the DEALER's monitor events; NULL = none */
+    bool down;                   /* the connection dropped; resume when it is up */
+    uint64_t resumes;            /* requests sent again with resume */
 };
 
 static int
@@ -66,6 +90,20 @@ static int
 code_of(enum dsv4_err e)
 {
     return e == DSV4_OK ? DSV4_CLIENT_OK : dsv4_proto_code_from_err(e);
+}
+
+/* Free what a request's copy of its GENERATE owns. */
+static void
+req_free_copy(struct creq *r)
+{
+    free(r->prompt);
+    free(r->tokens);
+    for (uint32_t i = 0; r->stop != NULL && i < r->g.n_stop; i++)
+        free(r->stop[i]);
+    free(r->stop);
+    free(r->stop_ids);
+    free(r->tag);
+    free(r->got);
 }
 
 void
@@ -106,6 +144,100 @@ dsv4_client_params_init(struct dsv4_client_params *p)
     p->top_p = DSV4_PROTO_DEFAULT_TOP_P;
     p->max_tokens = DSV4_PROTO_DEFAULT_MAX_TOKENS;
     p->stream = 1;
+}
+
+/* Watch the DEALER's connection (connected, disconnected) through a PAIR
+ * socket; without one (it failed), requests are not resumed. */
+static void
+mon_open(struct dsv4_client *c)
+{
+    char ep[64];
+    int zero = 0;
+
+    snprintf(ep, sizeof(ep), "inproc://dsv4client-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->sock, ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) != 0)
+        return;
+    if ((c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) == NULL)
+        goto off;
+    (void)zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof(zero));
+    if (zmq_connect(c->mon, ep) == 0)
+        return;
+    zmq_close(c->mon);
+    c->mon = NULL;
+off:
+    (void)zmq_socket_monitor(c->sock, NULL, 0);
+}
+
+/* Send every request in flight again, with what it got as `resume`
+ * (docs/protocol.md §4.6): the connection is up again after a drop. */
+static void
+resume_all(struct dsv4_client *c)
+{
+    int64_t now = dsv4_now_ms();
+
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        struct creq *r = &c->reqs[i];
+        struct dsv4_msg m;
+
+        /* Tokens but no seed cannot be (OK comes first); without the
+         * tokens it got, the request cannot go on exactly. */
+        if (r->lost_output || (r->n_got > 0 && !r->g.s.has_seed))
+            continue;
+        /* A new id on the wire: whatever the scheduler that went away still
+         * had in the pipe for the old one is dropped as unknown. */
+        r->g.id = r->id + ((uint64_t)++r->n_resumes << RESUME_ID_SHIFT);
+        dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_GENERATE);
+        m.u.generate = r->g;
+        if (r->n_got > 0) {
+            m.u.generate.resume = r->got;
+            m.u.generate.n_resume = r->n_got;
+            m.u.generate.resume_text = r->got_text;
+            m.u.generate.has_resume_text = true;
+        }
+        if (r->deadline_ms != 0) {
+            int64_t left = r->deadline_ms - TIMEOUT_GRACE_MS - now;
+
+            m.u.generate.timeout_ms = left > 1 ? (uint32_t)left : 1;
+        }
+        if (dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
+            c->resumes++;
+    }
+}
+
+/* Read the monitor's events: a drop marks the connection down; the next
+ * connect resumes the requests in flight. */
+static void
+mon_read(struct dsv4_client *c)
+{
+    for (;;) {
+        zmq_msg_t f;
+        uint16_t ev = 0;
+        bool more;
+
+        zmq_msg_init(&f);
+        if (zmq_msg_recv(&f, c->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&f);
+            return;
+        }
+        if (zmq_msg_size(&f) >= sizeof(ev))
+            memcpy(&ev, zmq_msg_data(&f), sizeof(ev));
+        more = zmq_msg_more(&f) != 0;
+        zmq_msg_close(&f);
+        while (more) {          /* the endpoint frame */
+            zmq_msg_init(&f);
+            if (zmq_msg_recv(&f, c->mon, 0) < 0)
+                more = false;
+            else
+                more = zmq_msg_more(&f) != 0;
+            zmq_msg_close(&f);
+        }
+        if (ev == ZMQ_EVENT_DISCONNECTED) {
+            c->down = true;
+        } else if (ev == ZMQ_EVENT_CONNECTED && c->down) {
+            c->down = false;
+            resume_all(c);
+        }
+    }
 }
 
 static int
@@ -199,6 +331,7 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
             dsv4_errmsg());
         goto err;
     }
+    mon_open(c);
     c->conn_timeout_ms = o.connect_timeout_ms > 0 ? o.connect_timeout_ms : 0;
     c->last_rx_ms = c->last_hb_ms = dsv4_now_ms();
     if (c->conn_timeout_ms > 0 && (rc = await_server(c, c->conn_timeout_ms)) != 0)
@@ -216,6 +349,12 @@ dsv4_client_close(struct dsv4_client *c)
     if (c == NULL)
         return;
     dsv4_msg_clear(&c->cur);
+    for (size_t i = 0; i < c->n_reqs; i++)
+        req_free_copy(&c->reqs[i]);
+    if (c->mon != NULL) {
+        (void)zmq_socket_monitor(c->sock, NULL, 0);
+        zmq_close(c->mon);
+    }
     dsv4_zsock_close(c->sock);
     zmq_ctx_term(c->ctx);
     free(c->reqs);
@@ -232,10 +371,84 @@ req_find(struct dsv4_client *c, uint64_t id)
     return NULL;
 }
 
+/* The request whose GENERATE on the wire had `id` (the caller's id, or
+ * after a resume the one that resume used). */
+static struct creq *
+req_find_wire(struct dsv4_client *c, uint64_t id)
+{
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        if (c->reqs[i].g.id == id)
+            return &c->reqs[i];
+    }
+    return NULL;
+}
+
 static void
 req_remove(struct dsv4_client *c, struct creq *r)
 {
+    req_free_copy(r);
     *r = c->reqs[--c->n_reqs];
+}
+
+/* Copy g's strings and arrays into r (r->g points at the copies); false
+ * when out of memory (what was copied is freed by req_free_copy). */
+static bool
+req_copy(struct creq *r, const struct dsv4_cli_generate *g)
+{
+    memset(r, 0, sizeof(*r));
+    r->g = *g;
+    r->g.n_stop = 0;
+    if (g->prompt != NULL && (r->prompt = strdup(g->prompt)) == NULL)
+        return false;
+    if (g->tokens != NULL) {
+        if ((r->tokens = malloc((size_t)g->n_tokens * sizeof(int32_t))) == NULL)
+            return false;
+        memcpy(r->tokens, g->tokens, (size_t)g->n_tokens * sizeof(int32_t));
+    }
+    if (g->n_stop > 0) {
+        if ((r->stop = calloc(g->n_stop, sizeof(*r->stop))) == NULL)
+            return false;
+        for (uint32_t i = 0; i < g->n_stop; i++) {
+            if ((r->stop[i] = strdup(g->stop[i])) == NULL)
+                return false;
+            r->g.n_stop++;
+        }
+    }
+    if (g->n_stop_ids > 0) {
+        if ((r->stop_ids = malloc((size_t)g->n_stop_ids * sizeof(int32_t))) == NULL)
+            return false;
+        memcpy(r->stop_ids, g->stop_ids, (size_t)g->n_stop_ids * sizeof(int32_t));
+    }
+    if (g->tag != NULL && (r->tag = strdup(g->tag)) == NULL)
+        return false;
+    r->g.prompt = r->prompt;
+    r->g.tokens = r->tokens;
+    r->g.stop = (const char *const *)r->stop;
+    r->g.stop_ids = r->stop_ids;
+    r->g.tag = r->tag;
+    return true;
+}
+
+/* Note n output tokens and `text` of request r. */
+static void
+req_got(struct creq *r, const int32_t *t, uint32_t n, const char *text)
+{
+    if (r->n_got + n > r->cap_got) {
+        uint32_t cap = r->cap_got != 0 ? r->cap_got : 64;
+        int32_t *v;
+
+        while (cap < r->n_got + n)
+            cap *= 2;
+        if ((v = realloc(r->got, (size_t)cap * sizeof(*v))) == NULL) {
+            r->lost_output = true;     /* cannot be resumed any more */
+            return;
+        }
+        r->got = v;
+        r->cap_got = cap;
+    }
+    memcpy(r->got + r->n_got, t, (size_t)n * sizeof(*t));
+    r->n_got += n;
+    r->got_text += strlen(text);
 }
 
 static int
@@ -246,6 +459,7 @@ submit(struct dsv4_client *c, const char *prompt, const int32_t *ids, size_t n_i
     struct dsv4_cli_generate *g;
     struct dsv4_perr pe;
     struct dsv4_msg m;
+    struct creq *q;
     enum dsv4_err e;
 
     if (c == NULL)
@@ -288,16 +502,22 @@ submit(struct dsv4_client *c, const char *prompt, const int32_t *ids, size_t n_i
     if ((g->stop == NULL && p.n_stop > 0) || (g->stop_ids == NULL && p.n_stop_ids > 0))
         return fail(c, DSV4_CLIENT_BAD_ARGUMENT, "stop arrays are NULL");
     memset(&pe, 0, sizeof(pe));
+    q = &c->reqs[c->n_reqs];
+    if (!req_copy(q, g)) {
+        req_free_copy(q);
+        return fail(c, DSV4_CLIENT_NO_MEMORY, "out of memory");
+    }
     e = dsv4_zsock_send(c->sock, NULL, &m, 0, &pe);
+    if (e != DSV4_OK)
+        req_free_copy(q);
     if (e == DSV4_ERR_INVAL && pe.code != 0)
         return fail(c, pe.code, pe.message);
     if (e != DSV4_OK)
         return fail(c, code_of(e), dsv4_errmsg());
     c->next_id++;
-    c->reqs[c->n_reqs].id = g->id;
-    c->reqs[c->n_reqs].req = 0;
-    c->reqs[c->n_reqs].deadline_ms = p.timeout_ms > 0 ?
-        dsv4_now_ms() + p.timeout_ms + TIMEOUT_GRACE_MS : 0;
+    q->id = g->id;
+    q->req = 0;
+    q->deadline_ms = p.timeout_ms > 0 ? dsv4_now_ms() + p.timeout_ms + TIMEOUT_GRACE_MS : 0;
     c->n_reqs++;
     if (id != NULL)
         *id = g->id;
@@ -326,14 +546,15 @@ int
 dsv4_client_cancel(struct dsv4_client *c, uint64_t id)
 {
     struct dsv4_msg m;
+    struct creq *r;
     enum dsv4_err e;
 
     if (c == NULL)
         return DSV4_CLIENT_BAD_ARGUMENT;
-    if (req_find(c, id) == NULL)
+    if ((r = req_find(c, id)) == NULL)
         return fail(c, DSV4_CLIENT_NOT_FOUND, "no such request in flight");
     dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
-    m.u.cancel.id = id;
+    m.u.cancel.id = r->g.id;
     if ((e = dsv4_zsock_send(c->sock, NULL, &m, 0, NULL)) != DSV4_OK)
         return fail(c, code_of(e), dsv4_errmsg());
     return 0;
@@ -376,7 +597,7 @@ local_event(struct dsv4_client *c, int64_t now, struct dsv4_client_event *ev)
         if (!lost) {
             /* Best effort: free the server side too. */
             dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
-            m.u.cancel.id = r->id;
+            m.u.cancel.id = r->g.id;
             (void)dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL);
         }
         req_remove(c, r);
@@ -402,17 +623,26 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
     case DSV4_CLI_DONE: id = m->u.done.id; break;
     default: return false; /* HEARTBEAT, or a command a server does not send */
     }
-    r = req_find(c, id);
+    r = req_find_wire(c, id);
     if (r == NULL && !(m->cmd == DSV4_CLI_ERROR && id == 0))
         return false;
-    ev->id = id;
+    ev->id = r != NULL ? r->id : 0;
     switch (m->cmd) {
     case DSV4_CLI_OK:
+        r->req = m->u.ok.req;
+        if (m->u.ok.has_seed && !r->g.s.has_seed) {
+            r->g.s.seed = m->u.ok.seed;     /* what a resume sends back */
+            r->g.s.has_seed = true;
+        }
+        if (r->accepted)
+            return false;                   /* a resumed request's: seen once */
+        r->accepted = true;
         ev->type = DSV4_CLIENT_EV_ACCEPTED;
-        ev->req = r->req = m->u.ok.req;
+        ev->req = r->req;
         ev->tag = m->u.ok.tag;
         return true;
     case DSV4_CLI_TOKENS:
+        req_got(r, m->u.tokens.tokens, m->u.tokens.n_tokens, m->u.tokens.text);
         ev->type = DSV4_CLIENT_EV_TOKENS;
         ev->req = m->u.tokens.req;
         ev->tokens = m->u.tokens.tokens;
@@ -450,7 +680,8 @@ dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeou
         return DSV4_CLIENT_BAD_ARGUMENT;
     dsv4_msg_clear(&c->cur);
     for (;;) {
-        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+        zmq_pollitem_t its[2] = { { c->sock, 0, ZMQ_POLLIN, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
+        zmq_pollitem_t *it = &its[0];
         int64_t wait = timeout_ms < 0 ? INT64_MAX : start + timeout_ms - now;
         struct dsv4_perr pe;
         enum dsv4_err e;
@@ -478,10 +709,12 @@ dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeou
         }
         if (wait < 0)
             wait = 0;
-        if (zmq_poll(&it, 1, (long)wait) < 0)
+        if (zmq_poll(its, c->mon != NULL ? 2 : 1, (long)wait) < 0)
             return fail(c, DSV4_CLIENT_INTERNAL, zmq_strerror(zmq_errno()));
         now = dsv4_now_ms();
-        if (it.revents & ZMQ_POLLIN) {
+        if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN))
+            mon_read(c);
+        if (it->revents & ZMQ_POLLIN) {
             e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
             if (e == DSV4_ERR_SYS)
                 return fail(c, DSV4_CLIENT_INTERNAL, dsv4_errmsg());

@@ -96,7 +96,7 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
         (void)req_emit(s, r, g->resume[i], false, 0.0f);
     s->m.tokens_out -= r->n_out;    /* counted by the scheduler that made them */
     r->n_sent = r->n_out;
-    log_info("client: req=%llu id=%llu resumes after %u tokens and %llu bytes of text",
+    log_notice("client: req=%llu id=%llu resumes after %u tokens and %llu bytes of text",
         (unsigned long long)r->req, (unsigned long long)r->id, r->n_out,
         (unsigned long long)text);
     /* The text sent can run ahead of the tokens sent by part of the token

@@ -18,6 +18,17 @@
  * Errors: functions return 0 on success or a status code.  Codes equal the
  * protocol's 3-digit status codes (enum dsv4_client_code): 3xx retry later,
  * 4xx caller error, 5xx server error; 504 means the server did not answer.
+ *
+ * Scheduler restarts (since 1.1): when the connection drops and comes back
+ * (dsv4-sched killed and started again, its listener kept by systemd or
+ * dsv4-launch), every request in flight is sent again with what it already
+ * received (docs/protocol.md §4.6) and goes on where it was: the caller sees
+ * one ACCEPTED and each token once, and the output equals an undisturbed
+ * run's.  The library keeps a copy of each request's prompt and output for
+ * this until its final event.  A scheduler that stays away longer than
+ * connect_timeout_ms past the 1 s heartbeat still ends the requests with
+ * 504.  Request ids stay below 2^48 (the bits above mark resumes on the
+ * wire).
  */
 #ifndef DSV4_CLIENT_H
 #define DSV4_CLIENT_H
@@ -30,7 +41,7 @@ extern "C" {
 #endif
 
 #define DSV4_CLIENT_VERSION_MAJOR 1
-#define DSV4_CLIENT_VERSION_MINOR 0
+#define DSV4_CLIENT_VERSION_MINOR 1
 #define DSV4_CLIENT_VERSION_PATCH 0
 
 #if defined(DSV4_CLIENT_BUILD)

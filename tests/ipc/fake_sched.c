@@ -18,6 +18,7 @@
 #define FAKE_MAX_REQS 64
 #define FAKE_TICK_MS 1
 #define FAKE_TEXT_MAX 16
+#define FAKE_SEED 4242           /* what OK says; a resume must send it back */
 
 struct fake_req {
     bool live;
@@ -96,6 +97,28 @@ send_done(struct fake *f, struct fake_req *r, enum dsv4_finish finish)
     req_free(r);
 }
 
+/* A resume (docs/protocol.md §4.6) must be the output so far, tokens and
+ * text bytes, with the seed; then the request goes on after it. */
+static bool
+resume_ok(struct fake_req *r, const struct dsv4_cli_generate *g)
+{
+    uint64_t text = 0;
+    char piece[FAKE_TEXT_MAX];
+
+    if (!g->s.has_seed || g->s.seed != FAKE_SEED || g->n_resume > r->max_tokens)
+        return false;
+    for (uint32_t k = 0; k < g->n_resume; k++) {
+        if (g->resume[k] != r->src[k % r->n_src])
+            return false;
+        text += (uint64_t)snprintf(piece, sizeof(piece), r->text ? "%c" : "[%d]",
+            r->src[k % r->n_src]);
+    }
+    if (!g->has_resume_text || g->resume_text != text)
+        return false;
+    r->emitted = g->n_resume;
+    return true;
+}
+
 static void
 on_generate(struct fake *f, const struct dsv4_route *from, const struct dsv4_cli_generate *g)
 {
@@ -132,6 +155,12 @@ on_generate(struct fake *f, const struct dsv4_route *from, const struct dsv4_cli
     r->stall = r->text && strcmp(g->prompt, "__stall__") == 0;
     r->deadline_ms = g->timeout_ms > 0 ? dsv4_now_ms() + g->timeout_ms : 0;
     r->tag = g->tag != NULL ? strdup(g->tag) : NULL;
+    if (g->resume != NULL && !resume_ok(r, g)) {
+        send_error(f, from, g->id, 0, DSV4_STATUS_BAD_ARGUMENT,
+            "resume is not this request's output so far", g->tag);
+        req_free(r);
+        return;
+    }
     if (!r->stream) {
         r->acc = malloc(r->max_tokens * sizeof(int32_t));
         r->acc_lp = malloc(r->max_tokens * sizeof(float));
@@ -141,6 +170,8 @@ on_generate(struct fake *f, const struct dsv4_route *from, const struct dsv4_cli
     m.u.ok.id = r->id;
     m.u.ok.req = r->req;
     m.u.ok.tag = r->tag;
+    m.u.ok.seed = FAKE_SEED;
+    m.u.ok.has_seed = true;
     (void)dsv4_zsock_send(f->sock, from, &m, ZMQ_DONTWAIT, NULL);
 }
 

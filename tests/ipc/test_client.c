@@ -62,6 +62,14 @@ server_stop(struct server *s)
         pthread_join(s->thread, NULL);
 }
 
+/* A new fake scheduler on the same endpoint (a restarted dsv4-sched). */
+static void
+server_restart(struct server *s)
+{
+    atomic_store(&s->stop, 0);
+    assert_int_equal(pthread_create(&s->thread, NULL, server_main, s), 0);
+}
+
 static int
 server_teardown(void **state)
 {
@@ -368,6 +376,52 @@ test_refusals(void **state)
 }
 
 /* The server disappears with a request in flight: 504. */
+/* The scheduler goes away mid-stream and a new one comes up on the same
+ * endpoint: the request goes on there (resume, docs/protocol.md §4.6), and
+ * its caller sees one ACCEPTED and every token once, in order. */
+static void
+test_resume(void **state)
+{
+    struct server *s = *state;
+    static const int32_t prompt[] = { 7, 8, 9 };
+    struct dsv4_client *c = connect_ok(s);
+    struct dsv4_client_params p;
+    struct dsv4_client_event ev;
+    struct outcome o[1];
+    char want[MAX_OUT];
+    size_t n_accepted = 0;
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.max_tokens = 200;
+    assert_int_equal(dsv4_client_submit_tokens(c, prompt, 3, &p, &o[0].id), 0);
+    while (o[0].n_tokens < 20) {
+        assert_int_equal(dsv4_client_next(c, &ev, 5000), 0);
+        n_accepted += ev.type == DSV4_CLIENT_EV_ACCEPTED;
+        assert_true(ev.type == DSV4_CLIENT_EV_ACCEPTED || ev.type == DSV4_CLIENT_EV_TOKENS);
+        for (size_t k = 0; k < ev.n_tokens; k++)
+            o[0].tokens[o[0].n_tokens++] = ev.tokens[k];
+        if (ev.text != NULL)
+            strcat(o[0].text, ev.text);
+    }
+    server_stop(s);
+    server_restart(s);
+    o[0].accepted = true;             /* collect fails on a second ACCEPTED */
+    collect(c, o, 1);
+    assert_int_equal(n_accepted, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
+    assert_int_equal(o[0].finish, DSV4_CLIENT_FINISH_LENGTH);
+    assert_int_equal(o[0].n_tokens, 200);
+    want[0] = '\0';
+    for (size_t k = 0; k < 200; k++) {
+        assert_int_equal(o[0].tokens[k], prompt[k % 3]);
+        snprintf(want + strlen(want), sizeof(want) - strlen(want), "[%d]", prompt[k % 3]);
+    }
+    assert_string_equal(o[0].text, want);
+    assert_int_equal(dsv4_client_pending(c), 0);
+    dsv4_client_close(c);
+}
+
 static void
 test_server_lost(void **state)
 {
@@ -400,6 +454,7 @@ main(void)
         cmocka_unit_test_setup_teardown(test_cancel, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_timeouts, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_refusals, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_resume, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_server_lost, server_start, server_teardown),
     };
 
