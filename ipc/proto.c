@@ -420,6 +420,7 @@ static const struct mdesc ctl_desc[DSV4_CTL__COUNT] = {
     [DSV4_CTL_UNDRAIN] = MD("UNDRAIN", f_undrain, NULL),
     [DSV4_CTL_RESULT] = MD("RESULT", f_result, NULL),
     [DSV4_CTL_CANCEL] = MD("CANCEL", f_req_ref, NULL),
+    [DSV4_CTL_RELOAD] = MD0("RELOAD"),
 };
 
 static const struct {

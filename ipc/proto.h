@@ -145,6 +145,9 @@ enum dsv4_ctl {
     DSV4_CTL_CANCEL,        /* C->S  end a request as its client's CANCEL would
                                (struct dsv4_req_ref: the id REQUEST lists);
                                RESULT 200, or 404 when none is in flight */
+    DSV4_CTL_RELOAD,        /* C->S  reload the configuration as SIGHUP does;
+                               empty body; RESULT 200 with what changed, or 500
+                               when the file does not load (nothing changes) */
     DSV4_CTL__COUNT
 };
 

@@ -207,8 +207,10 @@ on_signal(struct sched *s)
 
     while (read(s->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
         if (si.ssi_signo == SIGHUP) {
+            char msg[DSV4_PROTO_MAX_MESSAGE / 2];
+
             if (!s->stopping)
-                sched_reload(s);
+                (void)sched_reload(s, msg, sizeof(msg));
             continue;
         }
         if (s->stopping)

@@ -276,9 +276,10 @@ int sched_config_check(const struct sched_config *c);
  * prefill_chunk, burst_streams, max_batch.  A change of a key bound at the
  * start (endpoints, admin_mode, key_dir, heartbeat_ms, liveness, tokenizer)
  * is logged and waits for a restart; a file that does not load changes
- * nothing.  Tells systemd RELOADING=1, then READY=1.  Returns how many
- * settings changed. */
-unsigned sched_reload(struct sched *s);
+ * nothing.  Tells systemd RELOADING=1, then READY=1.  SIGHUP and the admin
+ * command RELOAD call it.  Returns 0 (msg: how many changed and wait), or
+ * -1 when the file does not load (msg: why). */
+int sched_reload(struct sched *s, char *msg, size_t len);
 
 /* --- sched_queue.c: admission and batching policy (pure) ------------------- */
 

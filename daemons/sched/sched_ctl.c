@@ -330,6 +330,21 @@ on_cancel(struct sched *s, const struct dsv4_route *to, uint64_t req)
     send_result(s, to, DSV4_STATUS_OK, text);
 }
 
+/* RELOAD: what SIGHUP does (sched_reload.c), answered with its outcome. */
+static void
+on_reload(struct sched *s, const struct dsv4_route *to)
+{
+    char msg[DSV4_PROTO_MAX_MESSAGE / 2];
+
+    log_notice("ctl: reload asked from the admin socket");
+    if (s->stopping) {
+        send_result(s, to, DSV4_STATUS_DRAINING, "the scheduler is stopping");
+        return;
+    }
+    send_result(s, to, sched_reload(s, msg, sizeof(msg)) == 0 ? DSV4_STATUS_OK :
+        DSV4_STATUS_INTERNAL, msg);
+}
+
 void
 ctl_dispatch(struct sched *s)
 {
@@ -373,6 +388,9 @@ ctl_dispatch(struct sched *s)
                 break;
             case DSV4_CTL_CANCEL:
                 on_cancel(s, &from, m.u.ref.req);
+                break;
+            case DSV4_CTL_RELOAD:
+                on_reload(s, &from);
                 break;
             default:
                 send_result(s, &from, DSV4_STATUS_BAD_MESSAGE,

@@ -14,6 +14,7 @@
  * the scheduler's business and are ignored here.
  */
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/log.h"
@@ -64,8 +65,8 @@ str_at(const struct dsv4_conf *c, size_t off)
     return (const char *)c + off;
 }
 
-unsigned
-sched_reload(struct sched *s)
+int
+sched_reload(struct sched *s, char *msg, size_t len)
 {
     struct sched_config nc;
     unsigned changed = 0, waiting = 0;
@@ -74,10 +75,12 @@ sched_reload(struct sched *s)
     sdnotify_reloading();
     log_notice("reload: reading %s", s->cfg.path != NULL ? s->cfg.path : "no file (defaults)");
     if (sched_config_load(&nc, s->cfg.path, s->cfg.n_over, s->cfg.over) != 0) {
+        snprintf(msg, len, "the configuration does not load (%s); the running settings stay",
+            dsv4_errmsg());
         log_warnx("reload: the configuration does not load; the running settings stay");
         sdnotify_status("serving; the last reload failed (see the log)");
         sdnotify_ready();
-        return 0;
+        return -1;
     }
     for (size_t i = 0; i < sizeof(live_keys) / sizeof(live_keys[0]); i++) {
         int *cur = int_at(&s->cfg.file, live_keys[i].off);
@@ -116,8 +119,10 @@ sched_reload(struct sched *s)
         rank_groups_update(s);
     log_notice("reload: done, %u setting(s) changed, %u waiting for a restart", changed,
         waiting);
+    snprintf(msg, len, "%u setting(s) changed, %u waiting for a restart (the log says which)",
+        changed, waiting);
     sdnotify_status("serving; configuration reloaded (%u changed, %u waiting for a restart)",
         changed, waiting);
     sdnotify_ready();
-    return changed;
+    return 0;
 }

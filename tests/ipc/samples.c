@@ -540,6 +540,12 @@ s_ctl_cancel(struct dsv4_msg *m)
     m->u.ref.req = 0x1234567890ull;
 }
 
+static void
+s_ctl_reload(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RELOAD);
+}
+
 static const struct {
     const char *name;
     void (*fill)(struct dsv4_msg *m);
@@ -590,6 +596,7 @@ static const struct {
     { "ctl_undrain", s_undrain },
     { "ctl_result", s_result },
     { "ctl_cancel", s_ctl_cancel },
+    { "ctl_reload", s_ctl_reload },
 };
 
 size_t

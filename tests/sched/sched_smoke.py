@@ -21,9 +21,10 @@ output.  Scenarios (one per argument, or all):
   resume     GENERATE with resume (a client's tokens and text from a scheduler that went
              away): the rest follows, the same tokens and text, nothing twice; a resume
              already at its end gets DONE at once; refusals (no seed, too long, text)
-  reload     SIGHUP: queue_max and max_batch change at once (queued requests kept,
-             -o overrides still win), a start-bound key is logged as waiting, a file
-             that does not load changes nothing; max_batch lowered and raised holds
+  reload     SIGHUP and dsv4ctl reload: queue_max and max_batch change at once (queued
+             requests kept, -o overrides still win), a start-bound key is logged as
+             waiting, a file that does not load changes nothing (dsv4ctl: 500, exit 1);
+             max_batch lowered and raised holds
   malformed  garbage on the client, rank and admin sockets; the scheduler keeps serving
   group_error  a decode group of two ranks where rank 1 fails one import that rank 0
              took: rank 0 gets ABORT of it, the re-run runs under a new rank-protocol
@@ -747,9 +748,15 @@ def t_reload(ctx, build, tmp):
     _, st = admit(cl, 1)
     check(st == [300], "queue_max after a failed reload: %s" % st)
     check(sc.p.poll() is None, "the scheduler exited")
+    # The same through the admin socket: dsv4ctl reload answers with the outcome.
+    rc, res = sc.ctl("reload")
+    check(rc == 1 and res["code"] == 500 and 'unknown key "bogus"' in res["message"] and
+          "running settings stay" in res["message"], "dsv4ctl reload, bad file: %s" % res)
     # max_batch 2 holds for the decode group that registers now.
     write("queue_max = 64\nmax_batch = 2\n")
-    reload(sc, "reload: done")
+    rc, res = sc.ctl("reload")
+    check(rc == 0 and res == {"code": 200, "message": "1 setting(s) changed, 0 waiting for a "
+                              "restart (the log says which)"}, "dsv4ctl reload: %s" % res)
     pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0)
     dec = FakeRank(ctx, sc.ep["rank"], "decode", 0, capacity=16)
     pre.start()

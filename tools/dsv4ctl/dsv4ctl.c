@@ -56,6 +56,8 @@ usage(int status)
         "  undrain [RANK|all]              lift a drain\n"
         "  cancel REQ                      end request REQ (the id `requests` lists) as\n"
         "                                  its client's cancel would\n"
+        "  reload                          the scheduler reads its configuration again\n"
+        "                                  (as on SIGHUP; 1 when the file does not load)\n"
         "  keygen [DIR]                    write DIR/server.key and server.pub (CURVE\n"
         "                                  keys of tcp:// endpoints; DIR = key_dir)\n"
         "RANK is prefill@N or decode@N.  Options:\n"
@@ -518,6 +520,9 @@ main(int argc, char *argv[])
         rc = drain(&c, DSV4_CTL_UNDRAIN, target, 0);
     else if (strcmp(cmd, "cancel") == 0)
         rc = cancel(&c, req);
+    else if (strcmp(cmd, "reload") == 0)
+        rc = send_cmd(&c, DSV4_CTL_RELOAD, NULL, 0) != 0 ? 3 :
+            await_result(&c, CTL_TIMEOUT_MS);
     else
         usage(2);
     dsv4_zsock_close(c.sock);
