@@ -76,7 +76,6 @@ copy_stops(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate 
     return true;
 }
 
-/* Validate, tokenize and queue one GENERATE; refusals answer ERROR at once. */
 /*
  * GENERATE with `resume` (docs/protocol.md §4.6): the client has the first
  * n_resume output tokens and resume_text bytes of text of this request from
@@ -110,6 +109,7 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
     r->text_sent = (size_t)text;
 }
 
+/* Validate, tokenize and queue one GENERATE; refusals answer ERROR at once. */
 static void
 on_generate(struct sched *s, const struct dsv4_route *from, const struct dsv4_cli_generate *g)
 {

@@ -1,6 +1,7 @@
 /*
  * sched_reload.c — dsv4-sched: reload the configuration on SIGHUP
- * (`systemctl reload dsv4-sched`, ExecReload=), without dropping a request.
+ * (`systemctl reload dsv4-sched`, ExecReload=) or the admin command RELOAD
+ * (`dsv4ctl reload`), without dropping a request.
  *
  * The file is read again with the same -o overrides (which still win).  A
  * file that does not load changes nothing: the scheduler keeps its running
@@ -21,14 +22,14 @@
 #include "common/sdnotify.h"
 #include "daemons/sched/sched.h"
 
-/* An int key of struct dsv4_conf. */
-struct reload_int {
+/* A key of struct dsv4_conf: its name and where it is. */
+struct reload_key {
     const char *name;
     size_t off;
 };
 
-/* Applied at once. */
-static const struct reload_int live_keys[] = {
+/* int keys applied at once. */
+static const struct reload_key live_keys[] = {
     { "queue_max", offsetof(struct dsv4_conf, queue_max) },
     { "request_timeout_ms", offsetof(struct dsv4_conf, request_timeout_ms) },
     { "prefill_chunk", offsetof(struct dsv4_conf, prefill_chunk) },
@@ -36,16 +37,13 @@ static const struct reload_int live_keys[] = {
     { "max_batch", offsetof(struct dsv4_conf, max_batch) },
 };
 
-/* Bound at the start: a change waits for a restart. */
-static const struct reload_int start_ints[] = {
+/* int and string keys bound at the start: a change waits for a restart. */
+static const struct reload_key start_ints[] = {
     { "heartbeat_ms", offsetof(struct dsv4_conf, heartbeat_ms) },
     { "liveness", offsetof(struct dsv4_conf, liveness) },
 };
 
-static const struct {
-    const char *name;
-    size_t off;
-} start_strs[] = {
+static const struct reload_key start_strs[] = {
     { "client_endpoint", offsetof(struct dsv4_conf, client_endpoint) },
     { "rank_endpoint", offsetof(struct dsv4_conf, rank_endpoint) },
     { "admin_endpoint", offsetof(struct dsv4_conf, admin_endpoint) },
