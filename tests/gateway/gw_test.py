@@ -46,6 +46,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -172,6 +173,8 @@ gateway_launch = yes
 
     errlog = svc_test.Service.errlog
     check_exits = svc_test.Service.check_exits
+    pid = svc_test.Service.pid
+    kill9 = svc_test.Service.kill9
 
     def check_no_leaks(self):
         svc_test.Service.check_no_leaks(self)
@@ -445,7 +448,7 @@ def rotate_keys(svc, keys, key):
         wait_for(lambda: all(status(k) == st for k, st in want.items()),
                  "keys after SIGHUP: want %s" % want)
 
-    gw_pid = svc_test.Service.pid(svc, "gateway")
+    gw_pid = svc.pid("gateway")
     new = "sk-new-" + os.urandom(8).hex()
     reload_to("%s\n" % new, {new: 200, key: 401, "second-key": 401})
     # an unusable file (no key) keeps the running keys
@@ -455,7 +458,7 @@ def rotate_keys(svc, keys, key):
     wait_for(lambda: "cannot be used; the 1 running key(s) stay" in svc.errlog(),
              "no log of the kept keys")
     reload_to("%s\n" % key, {key: 200, new: 401})
-    check(svc_test.Service.pid(svc, "gateway") == gw_pid, "the gateway restarted")
+    check(svc.pid("gateway") == gw_pid, "the gateway restarted")
     log("keys: SIGHUP revoked one and took another, kept them over an unusable file")
 
 
@@ -527,6 +530,48 @@ def hang_up_mid_stream(svc, path, body):
         got += b
     check(b" 200 " in got.split(b"\r\n")[0], "stream status: %r" % got[:100])
     s.close()
+
+
+def sched_death_mid_stream(svc):
+    """kill -9 of the scheduler while a streamed completion runs: the
+    gateway's libdsv4client resumes the request on the restarted scheduler
+    (docs/protocol.md §4.6), so the HTTP client's one stream carries the text
+    of an undisturbed request, nothing twice."""
+    body = {"prompt": "The quick brown fox", "max_tokens": 200, "temperature": 0}
+    st, _, data = svc.http("POST", "/v1/completions", body)
+    check(st == 200, "reference completion: %d %s" % (st, data[:200]))
+    want = json.loads(data)["choices"][0]["text"]
+    c = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=120)
+    c.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    check(r.status == 200, "stream status %d" % r.status)
+    events, killed = [], None
+    while True:
+        line = r.readline()
+        check(line, "the stream ended without [DONE] after %d events" % len(events))
+        if not line.startswith(b"data: "):
+            continue
+        if line.strip() == b"data: [DONE]":
+            break
+        events.append(json.loads(line[6:]))
+        if len(events) == 4:
+            killed = svc.kill9("sched")
+    c.close()
+    check(killed is not None, "the stream ended before the kill (%d events)" % len(events))
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    check(text == want, "text across the scheduler's death %r != %r" % (text, want))
+    wait_for(lambda: svc.pid("sched") not in (None, killed),
+             "the scheduler restarted")
+    svc_test.Service.wait_ranks(svc, 2)
+    svc.check_no_leaks()
+    svc.stderr.flush()
+    with open(os.path.join(svc.dir, "launch.err")) as f:
+        resumed = re.findall(r"resumes after (\d+) tokens", f.read())
+    check(len(resumed) == 1 and int(resumed[0]) >= 4,
+          "the scheduler logged no resume of the stream: %s" % resumed)
+    log("scheduler killed mid-stream: the stream went on after %s tokens, %d events, the "
+        "same text" % (resumed[0], len(events)))
 
 
 def sc_robust():
@@ -672,6 +717,7 @@ def sc_robust():
         check(st == 200, "after undrain: %d %s" % (st, data[:200]))
         log("drain: 503 on /health and requests; undrain restores")
         svc.check_no_leaks()
+        sched_death_mid_stream(svc)
     finally:
         svc.stop()
     overload()
