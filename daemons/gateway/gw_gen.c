@@ -228,9 +228,6 @@ gw_bad(struct gw_bad *b, unsigned status, const char *code, const char *fmt, ...
     return -1;
 }
 
-/* Whether x is the JSON string s (false for null and every other type:
- * json_object_get_string is NULL for a JSON null, and a string of its JSON
- * text for numbers, arrays and objects). */
 /* Whether s[0..n) is JSON white space only (a NUL byte is not: json-c
  * stops at one, so what follows it would go unread). */
 static bool
@@ -256,6 +253,21 @@ gw_bad_text(json_object *x)
     return strlen(s) != n || !dsv4_utf8_valid(s, n);
 }
 
+/* The text of the JSON string x, or NULL with 400 invalid_value ("WHAT must
+ * be UTF-8 text without U+0000") when gw_bad_text refuses it. */
+static const char *
+gw_text(json_object *x, const char *what, struct gw_bad *b)
+{
+    if (gw_bad_text(x)) {
+        gw_bad(b, 400, "invalid_value", "%s must be UTF-8 text without U+0000", what);
+        return NULL;
+    }
+    return json_object_get_string(x);
+}
+
+/* Whether x is the JSON string s (false for null and every other type:
+ * json_object_get_string is NULL for a JSON null, and a string of its JSON
+ * text for numbers, arrays and objects). */
 static bool
 gw_str_is(json_object *x, const char *s)
 {
@@ -367,10 +379,8 @@ gw_parse_stop(json_object *o, struct gw_ask *a, struct gw_bad *b)
     if (!json_object_object_get_ex(o, "stop", &x) || x == NULL)
         return 0;
     if (json_object_get_type(x) == json_type_string) {
-        if (gw_bad_text(x))
-            return gw_bad(b, 400, "invalid_value", "\"stop\" strings must be UTF-8 text "
-                "without U+0000");
-        a->stops[0] = json_object_get_string(x);
+        if ((a->stops[0] = gw_text(x, "\"stop\" strings", b)) == NULL)
+            return -1;
         a->p.n_stop = 1;
     } else if (json_object_get_type(x) == json_type_array) {
         n = json_object_array_length(x);
@@ -381,10 +391,8 @@ gw_parse_stop(json_object *o, struct gw_ask *a, struct gw_bad *b)
             e = json_object_array_get_idx(x, i);
             if (json_object_get_type(e) != json_type_string)
                 return gw_bad(b, 400, "invalid_type", "\"stop\" must hold strings");
-            if (gw_bad_text(e))
-                return gw_bad(b, 400, "invalid_value", "\"stop\" strings must be UTF-8 text "
-                "without U+0000");
-            a->stops[i] = json_object_get_string(e);
+            if ((a->stops[i] = gw_text(e, "\"stop\" strings", b)) == NULL)
+                return -1;
         }
         a->p.n_stop = n;
     } else {
@@ -404,17 +412,13 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
 {
     struct dsv4_tok_text t = { 0 };
     json_object *part, *ty, *tx, *s;
+    const char *str;
     size_t i;
 
     if (x == NULL)
         return "";
-    if (json_object_get_type(x) == json_type_string) {
-        if (gw_bad_text(x)) {
-            gw_bad(b, 400, "invalid_value", "message content must be UTF-8 text without U+0000");
-            return NULL;
-        }
-        return json_object_get_string(x);
-    }
+    if (json_object_get_type(x) == json_type_string)
+        return gw_text(x, "message content", b);
     if (json_object_get_type(x) != json_type_array) {
         gw_bad(b, 400, "invalid_type", "message content must be a string or an array");
         return NULL;
@@ -428,12 +432,11 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
             gw_bad(b, 400, "unsupported_content", "only text content parts are supported");
             return NULL;
         }
-        if (gw_bad_text(tx)) {
+        if ((str = gw_text(tx, "message content", b)) == NULL) {
             dsv4_tok_text_free(&t);
-            gw_bad(b, 400, "invalid_value", "message content must be UTF-8 text without U+0000");
             return NULL;
         }
-        gw_text_add(&t, json_object_get_string(tx), (size_t)json_object_get_string_len(tx));
+        gw_text_add(&t, str, (size_t)json_object_get_string_len(tx));
     }
     s = json_object_new_string_len(t.s != NULL ? t.s : "", (int)t.len);
     dsv4_tok_text_free(&t);
@@ -447,6 +450,7 @@ gw_parse_messages(struct gw *g, json_object *o, json_object *hold, struct gw_ask
 {
     json_object *x, *m, *r, *c, *rc, *kw;
     const char *role;
+    char what[64];
     size_t i, n;
 
     if (!json_object_object_get_ex(o, "messages", &x) ||
@@ -486,10 +490,9 @@ gw_parse_messages(struct gw *g, json_object *o, json_object *hold, struct gw_ask
             if (json_object_get_type(rc) != json_type_string)
                 return gw_bad(b, 400, "invalid_type", "messages[%zu].reasoning_content must "
                     "be a string", i);
-            if (gw_bad_text(rc))
-                return gw_bad(b, 400, "invalid_value", "messages[%zu].reasoning_content "
-                    "must be UTF-8 text without U+0000", i);
-            a->msgs[i].reasoning = json_object_get_string(rc);
+            snprintf(what, sizeof(what), "messages[%zu].reasoning_content", i);
+            if ((a->msgs[i].reasoning = gw_text(rc, what, b)) == NULL)
+                return -1;
         }
     }
     a->n_msgs = n;
@@ -530,10 +533,8 @@ gw_parse_prompt(struct gw *g, json_object *o, struct gw_ask *a, struct gw_bad *b
             x = e;
     }
     if (json_object_get_type(x) == json_type_string) {
-        if (gw_bad_text(x))
-            return gw_bad(b, 400, "invalid_value", "\"prompt\" must be UTF-8 text without "
-                "U+0000");
-        a->prompt = json_object_get_string(x);
+        if ((a->prompt = gw_text(x, "\"prompt\"", b)) == NULL)
+            return -1;
         if (a->prompt[0] == '\0')
             return gw_bad(b, 400, "invalid_value", "\"prompt\" is empty");
         return 0;

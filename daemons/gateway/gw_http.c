@@ -150,24 +150,17 @@ gw_auth_ok(struct gw *g, struct MHD_Connection *conn)
 {
     const char *h, *tok;
     size_t tl, i;
-    bool ok = false;
+    bool ok;
     int k;
 
     h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    pthread_mutex_lock(&g->klock);
-    if (g->n_keys == 0) {
-        pthread_mutex_unlock(&g->klock);
-        return true;
-    }
-    if (h == NULL || strncasecmp(h, "Bearer ", 7) != 0) {
-        pthread_mutex_unlock(&g->klock);
-        return false;
-    }
-    tok = h + 7;
-    while (*tok == ' ')
+    tok = h != NULL && strncasecmp(h, "Bearer ", 7) == 0 ? h + 7 : NULL;
+    while (tok != NULL && *tok == ' ')
         tok++;
-    tl = strlen(tok);
-    for (k = 0; k < g->n_keys; k++) {
+    tl = tok != NULL ? strlen(tok) : 0;
+    pthread_mutex_lock(&g->klock);
+    ok = g->n_keys == 0;            /* no gateway_keys: no authentication */
+    for (k = 0; tok != NULL && k < g->n_keys; k++) {
         const char *key = g->keys[k];
         size_t kl = strlen(key);
         unsigned char diff = (unsigned char)(kl != tl);

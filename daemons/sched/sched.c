@@ -207,10 +207,8 @@ on_signal(struct sched *s)
 
     while (read(s->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
         if (si.ssi_signo == SIGHUP) {
-            char msg[DSV4_PROTO_MAX_MESSAGE / 2];
-
             if (!s->stopping)
-                (void)sched_reload(s, msg, sizeof(msg));
+                (void)sched_reload(s, NULL, 0);
             continue;
         }
         if (s->stopping)

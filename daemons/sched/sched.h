@@ -278,7 +278,7 @@ int sched_config_check(const struct sched_config *c);
  * is logged and waits for a restart; a file that does not load changes
  * nothing.  Tells systemd RELOADING=1, then READY=1.  SIGHUP and the admin
  * command RELOAD call it.  Returns 0 (msg: how many changed and wait), or
- * -1 when the file does not load (msg: why). */
+ * -1 when the file does not load (msg: why); msg may be NULL with len 0. */
 int sched_reload(struct sched *s, char *msg, size_t len);
 
 /* --- sched_queue.c: admission and batching policy (pure) ------------------- */

@@ -68,7 +68,7 @@ sched_reload(struct sched *s, char *msg, size_t len)
 {
     struct sched_config nc;
     unsigned changed = 0, waiting = 0;
-    bool batch = false;
+    int max_batch = s->cfg.file.max_batch;
 
     sdnotify_reloading();
     log_notice("reload: reading %s", s->cfg.path != NULL ? s->cfg.path : "no file (defaults)");
@@ -89,14 +89,15 @@ sched_reload(struct sched *s, char *msg, size_t len)
         log_notice("reload: %s %d -> %d", live_keys[i].name, *cur, v);
         *cur = v;
         changed++;
-        batch |= strcmp(live_keys[i].name, "max_batch") == 0;
     }
     for (size_t i = 0; i < sizeof(start_ints) / sizeof(start_ints[0]); i++) {
-        if (*int_at(&s->cfg.file, start_ints[i].off) == *int_at(&nc.file, start_ints[i].off))
+        int cur = *int_at(&s->cfg.file, start_ints[i].off);
+        int v = *int_at(&nc.file, start_ints[i].off);
+
+        if (cur == v)
             continue;
         log_warnx("reload: %s %d -> %d takes effect at the next start of dsv4-sched; "
-            "%d stays", start_ints[i].name, *int_at(&s->cfg.file, start_ints[i].off),
-            *int_at(&nc.file, start_ints[i].off), *int_at(&s->cfg.file, start_ints[i].off));
+            "%d stays", start_ints[i].name, cur, v, cur);
         waiting++;
     }
     for (size_t i = 0; i < sizeof(start_strs) / sizeof(start_strs[0]); i++) {
@@ -113,7 +114,7 @@ sched_reload(struct sched *s, char *msg, size_t len)
             "%04o stays", nc.file.admin_mode, s->cfg.file.admin_mode);
         waiting++;
     }
-    if (batch)
+    if (s->cfg.file.max_batch != max_batch)
         rank_groups_update(s);
     log_notice("reload: done, %u setting(s) changed, %u waiting for a restart", changed,
         waiting);

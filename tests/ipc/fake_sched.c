@@ -97,6 +97,16 @@ send_done(struct fake *f, struct fake_req *r, enum dsv4_finish finish)
     req_free(r);
 }
 
+/* The text of output token `tok` of r into piece[FAKE_TEXT_MAX]: the byte
+ * itself for a text prompt, "[ID]" for ids; returns its length. */
+static size_t
+fake_piece(const struct fake_req *r, int32_t tok, char *piece)
+{
+    if (r->text)
+        return (size_t)snprintf(piece, FAKE_TEXT_MAX, "%c", (char)tok);
+    return (size_t)snprintf(piece, FAKE_TEXT_MAX, "[%d]", tok);
+}
+
 /* A resume (docs/protocol.md §4.6) must be the output so far, tokens and
  * text bytes, with the seed; then the request goes on after it. */
 static bool
@@ -110,8 +120,7 @@ resume_ok(struct fake_req *r, const struct dsv4_cli_generate *g)
     for (uint32_t k = 0; k < g->n_resume; k++) {
         if (g->resume[k] != r->src[k % r->n_src])
             return false;
-        text += (uint64_t)snprintf(piece, sizeof(piece), r->text ? "%c" : "[%d]",
-            r->src[k % r->n_src]);
+        text += fake_piece(r, r->src[k % r->n_src], piece);
     }
     if (!g->has_resume_text || g->resume_text != text)
         return false;
@@ -248,10 +257,7 @@ step(struct fake *f)
         }
         tok = r->src[r->emitted % r->n_src];
         lp = -(float)r->emitted / 8;
-        if (r->text)
-            snprintf(piece, sizeof(piece), "%c", (char)tok);
-        else
-            snprintf(piece, sizeof(piece), "[%d]", tok);
+        fake_piece(r, tok, piece);
         for (uint32_t k = 0; k < r->n_stop_ids; k++)
             stop |= r->stop_ids[k] == tok;
         if (r->stream) {

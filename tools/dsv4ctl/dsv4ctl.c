@@ -378,15 +378,17 @@ await_result(struct ctl *c, long wait_ms)
     return rc;
 }
 
-/* CANCEL of request `req` (the scheduler's id). */
+/* Send command `cmd` (req: CANCEL's request, the scheduler's id) and wait
+ * for its RESULT.  Exit status as await_result(). */
 static int
-cancel(struct ctl *c, uint64_t req)
+command(struct ctl *c, int cmd, uint64_t req)
 {
     struct dsv4_msg m;
     int rc;
 
-    dsv4_msg_init(&m, DSV4_SUB_CTL, DSV4_CTL_CANCEL);
-    m.u.ref.req = req;
+    dsv4_msg_init(&m, DSV4_SUB_CTL, cmd);
+    if (cmd == DSV4_CTL_CANCEL)
+        m.u.ref.req = req;
     if ((rc = send_msg(c, &m)) != 0)
         return rc;
     return await_result(c, CTL_TIMEOUT_MS);
@@ -519,10 +521,9 @@ main(int argc, char *argv[])
     else if (strcmp(cmd, "undrain") == 0)
         rc = drain(&c, DSV4_CTL_UNDRAIN, target, 0);
     else if (strcmp(cmd, "cancel") == 0)
-        rc = cancel(&c, req);
+        rc = command(&c, DSV4_CTL_CANCEL, req);
     else if (strcmp(cmd, "reload") == 0)
-        rc = send_cmd(&c, DSV4_CTL_RELOAD, NULL, 0) != 0 ? 3 :
-            await_result(&c, CTL_TIMEOUT_MS);
+        rc = command(&c, DSV4_CTL_RELOAD, 0);
     else
         usage(2);
     dsv4_zsock_close(c.sock);
