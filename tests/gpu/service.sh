@@ -35,7 +35,9 @@
 # windows: all of them, and those with a full batch); KILL=1 then kills decode@1 (decode@0 when
 # GPUS=1) (kill -9) under C=16
 # load and reports the time until the group serves again and whether any
-# request was lost.
+# request was lost; with KILL_SCHED=1 it kills dsv4-sched instead and
+# reports the time until the restarted scheduler is READY and every rank
+# has registered again.
 set -uo pipefail
 # a pack made with tools/gpu-pack.sh --xz: bin/ and lib/ out of it first
 tools/gpu-pack.sh --unpack || exit 1
@@ -155,6 +157,30 @@ if [ "${KILL:-0}" = 1 ]; then
         -j "$OUT/kill.json" > "$OUT/kill.txt" 2>&1 &
     bpid=$!
     sleep "${KILL_AFTER:-8}"
+  if [ "${KILL_SCHED:-0}" = 1 ]; then
+    # KILL_SCHED=1: kill -9 of dsv4-sched instead; dsv4-launch keeps its
+    # listeners and starts it again, the ranks register again and the
+    # clients resend what was in flight with `resume` (docs/protocol.md §4.6)
+    victim=$(grep "^sched START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
+    ns=$(grep -c "^sched NOTIFY READY=1" "$D/notify.log")
+    tk=$(date +%s.%N) tready="" tranks=""
+    kill -9 "$victim"
+    echo "kill -9 dsv4-sched (pid $victim)"
+    for i in $(seq 1 1200); do
+        if [ -z "$tready" ] && [ "$(grep -c "^sched NOTIFY READY=1" "$D/notify.log")" -gt "$ns" ]; then
+            tready=$(date +%s.%N)
+        fi
+        if [ -n "$tready" ] && [ "$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')" -ge \
+            $((n_prefill + GPUS * ${DECODE_GROUPS:-1})) ]; then
+            tranks=$(date +%s.%N)
+            break
+        fi
+        sleep 0.05
+    done
+    [ -n "$tready" ] && echo "kill -9 to the restarted dsv4-sched READY: $(python3 -c "print(round($tready - $tk, 2))") s"
+    [ -n "$tranks" ] && echo "kill -9 to every rank registered again (serving again): $(python3 -c "print(round($tranks - $tk, 2))") s"
+    grep -c "resumes after" "$OUT/launch.log" | sed "s/^/requests resumed (the scheduler's log): /"
+  else
     kr=$((GPUS - 1))   # the killed decode rank: decode@1 of a group of 2, else decode@0
     victim=$(grep "decode@$kr START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     survivor=$(grep "decode@0 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
@@ -181,6 +207,7 @@ if [ "${KILL:-0}" = 1 ]; then
     [ "$GPUS" -gt 1 ] && echo "survivor decode@0 kept its process: $kept"
     grep -E "group_comm: joined|group_close: aborted|abort did not return" "$OUT/launch.log" |
         tail -6
+  fi
     wait $bpid
     echo "bench under the kill: exit $?"
     grep -vE "^dsv4-bench: " "$OUT/kill.txt" | tail -3
