@@ -13,7 +13,9 @@
 # output tokens), MTP on in the second set, kill -9 of the decode rank under
 # C=16.  Passes when targets.sh exits 0 (every measured request done and the
 # three service figures present) and its table has every row: the figures
-# are the CPU's and mean nothing.
+# are the CPU's and mean nothing.  Then service.sh's KILL_SCHED=1: kill -9
+# of dsv4-sched under load, where no request may fail and some must have
+# been resumed.
 set -euo pipefail
 build=$(cd "$1" && pwd)
 src=$(cd "$(dirname "$0")/../.." && pwd)
@@ -47,4 +49,17 @@ grep -qE "^\| C=1 ITL p50 .*\| [0-9.]+ ms \|" "$md" ||
 # of the idle service (the C=1 runs), the plain one the rest
 grep -qE "^Prompts placed per prefill rank .*prefill@0 [1-9][0-9]*, prefill@1 [1-9][0-9]* \(burst\)" "$md" ||
     { echo "dry_run.sh: the burst prefill rank took no prompt"; exit 1; }
+# kill -9 of the scheduler under load (KILL_SCHED=1): the clients resume
+BACKEND=cpu LAYERS=2 GPUS=1 MPS=0 OUT="$tmp/ksched" BENCH="-c 1 -p 8 -l 4 -n 1 -w 0" \
+    TOKENS="--token-range 10:1000" KILL=1 KILL_SCHED=1 KILL_AFTER=1 \
+    KILL_BENCH="-c 8 -p 16 -l 256 -n 32" \
+    bash "$tmp/tests/gpu/service.sh" > "$tmp/ksched.log" 2>&1 ||
+    { cat "$tmp/ksched.log"; echo "dry_run.sh: service.sh KILL_SCHED=1 failed"; exit 1; }
+sed -n '/^kill -9/,/^bench under/p' "$tmp/ksched.log"
+for want in "kill -9 to every rank registered again" "bench under the kill: exit 0"; do
+    grep -qF "$want" "$tmp/ksched.log" ||
+        { cat "$tmp/ksched.log"; echo "dry_run.sh: KILL_SCHED=1: no '$want'"; exit 1; }
+done
+grep -qE "^requests resumed \(the scheduler's log\): [1-9]" "$tmp/ksched.log" ||
+    { cat "$tmp/ksched.log"; echo "dry_run.sh: KILL_SCHED=1: no request was resumed"; exit 1; }
 echo "dry_run.sh: ok"
