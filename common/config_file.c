@@ -60,6 +60,7 @@ static const struct cfg_key cfg_keys[] = {
     { "liveness",           INT(liveness, 1, 100) },
     { "request_timeout_ms", INT(request_timeout_ms, 0, 86400000) },
     { "burst_streams",      INT(burst_streams, 0, 65535) },
+    { "burst_free_slots",   INT(burst_free_slots, 0, 65535) },
     { "checkpoint",         STR(checkpoint) },
     { "tokenizer",          STR(tokenizer) },
     { "backend",            ENUM(backend, cfg_backends) },

@@ -61,6 +61,10 @@ struct dsv4_conf {
                                prompt only while at most this many streams
                                decode beside it: summed over the decode groups
                                that may share a GPU with it (queue_pick_prefill) */
+    int burst_free_slots;   /* [0] a burst prefill group also takes a prompt
+                               that would wait for a busy plain prefill group
+                               while at least this many decode slots are free
+                               beside it; 0 = never (queue_pick_prefill) */
     /* --- ranks --- */
     char checkpoint[DSV4_CONF_STR]; /* [/var/lib/dsv4/model] dsv4-mkmodel or
                                          converted checkpoint directory */

@@ -58,7 +58,8 @@ usage(int status)
         "  -h, --help     this help\n"
         "      --version  the version\n"
         "SIGHUP reloads the configuration: queue_max, request_timeout_ms, prefill_chunk,\n"
-        "burst_streams and max_batch change at once; the other keys wait for a restart.\n"
+        "burst_streams, burst_free_slots and max_batch change at once; the other keys wait\n"
+        "for a restart.\n"
         DSV4_CLI_DAEMON_EXIT, status);
 }
 

@@ -308,11 +308,15 @@ struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role r
  * wait.  "Beside": the loads (slots taken, the prompts being prefilled for
  * them included) of the decode groups that may share a GPU with the burst
  * group (queue_groups_share_gpu), so a burst group on idle GPUs serves while
- * other GPUs' decode groups are busy.  Without burst groups this is
- * queue_pick(DSV4_ROLE_PREFILL).
+ * other GPUs' decode groups are busy.  With `burst_free` > 0 a burst group
+ * that fits also takes a prompt that would wait for a busy plain group,
+ * while at least burst_free decode slots are free beside it (capacity minus
+ * load of the usable decode groups that may share a GPU with it): the
+ * prompts' prefill, not decode, is then what holds the service back.
+ * Without burst groups this is queue_pick(DSV4_ROLE_PREFILL).
  */
 struct sched_group *queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx,
-    uint32_t burst_streams);
+    uint32_t burst_streams, uint32_t burst_free);
 
 /*
  * Whether groups a and b may run on a common GPU: false only when every

@@ -125,27 +125,34 @@ queue_groups_share_gpu(const struct sched_group *a, const struct sched_group *b)
     return false;
 }
 
-/* Streams decoding beside burst group b: the loads of the decode groups
- * that may share a GPU with it. */
-static uint32_t
-burst_beside(struct sched_group_list *groups, const struct sched_group *b)
+/* Beside burst group b, summed over the decode groups that may share a GPU
+ * with it: *streams their loads (slots taken), *free the slots left in
+ * those of them that are usable. */
+static void
+burst_beside(struct sched_group_list *groups, const struct sched_group *b, uint32_t *streams,
+    uint32_t *free)
 {
     const struct sched_group *d;
-    uint32_t streams = 0;
 
+    *streams = *free = 0;
     TAILQ_FOREACH(d, groups, entry) {
-        if (d->role == DSV4_ROLE_DECODE && queue_groups_share_gpu(d, b))
-            streams += d->load;
+        if (d->role != DSV4_ROLE_DECODE || !queue_groups_share_gpu(d, b))
+            continue;
+        *streams += d->load;
+        if (group_usable(d) && d->load < d->capacity)
+            *free += d->capacity - d->load;
     }
-    return streams;
 }
 
 struct sched_group *
-queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst_streams)
+queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst_streams,
+    uint32_t burst_free)
 {
-    /* [0] plain, [1] burst with at most burst_streams beside it, [2] any burst */
-    struct sched_group *g, *best[3] = { NULL, NULL, NULL };
+    /* [0] plain, [1] burst with at most burst_streams beside it, [2] any
+     * burst, [3] burst with at least burst_free free decode slots beside it */
+    struct sched_group *g, *best[4] = { NULL, NULL, NULL, NULL };
     bool plain_usable = false;
+    uint32_t streams, free;
 
     TAILQ_FOREACH(g, groups, entry) {
         if (g->role != DSV4_ROLE_PREFILL)
@@ -161,13 +168,20 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
         }
         if (group_before(g, best[2]))
             best[2] = g;
-        if (group_before(g, best[1]) && burst_beside(groups, g) <= burst_streams)
+        burst_beside(groups, g, &streams, &free);
+        if (group_before(g, best[1]) && streams <= burst_streams)
             best[1] = g;
+        if (burst_free > 0 && free >= burst_free && group_before(g, best[3]))
+            best[3] = g;
     }
     if (best[1] != NULL)
         return best[1];
-    if (best[0] != NULL || plain_usable)
+    if (best[0] != NULL)
         return best[0];
+    /* the plain groups are busy: wait for one, unless prefill is what keeps
+     * decode slots empty (burst_free) */
+    if (plain_usable)
+        return best[3];
     return best[2];
 }
 
@@ -284,7 +298,8 @@ queue_dispatch(struct sched *s)
         if ((d = queue_pick(&s->groups, DSV4_ROLE_DECODE, ctx, DSV4_TRANSPORT_NONE)) == NULL)
             return;
         if ((p = queue_pick_prefill(&s->groups, pctx,
-                 (uint32_t)s->cfg.file.burst_streams)) == NULL)
+                 (uint32_t)s->cfg.file.burst_streams,
+                 (uint32_t)s->cfg.file.burst_free_slots)) == NULL)
             return;
         if ((t = queue_transport(p, d)) == DSV4_TRANSPORT_NONE) {
             log_warnx("queue_dispatch: prefill group %u and decode group %u share no KV "

@@ -7,7 +7,8 @@
  * file that does not load changes nothing: the scheduler keeps its running
  * settings and says why.  Of the keys the scheduler uses, the admission and
  * batching ones take effect at once (queue_max, request_timeout_ms for
- * requests admitted from now on, prefill_chunk, burst_streams, max_batch:
+ * requests admitted from now on, prefill_chunk, burst_streams,
+ * burst_free_slots, max_batch:
  * streams already decoding beyond a lowered max_batch finish where they
  * are); the rest (endpoints, admin_mode, key_dir, heartbeat_ms, liveness,
  * tokenizer) are bound at the start, so a change of one is logged and keeps
@@ -34,6 +35,7 @@ static const struct reload_key live_keys[] = {
     { "request_timeout_ms", offsetof(struct dsv4_conf, request_timeout_ms) },
     { "prefill_chunk", offsetof(struct dsv4_conf, prefill_chunk) },
     { "burst_streams", offsetof(struct dsv4_conf, burst_streams) },
+    { "burst_free_slots", offsetof(struct dsv4_conf, burst_free_slots) },
     { "max_batch", offsetof(struct dsv4_conf, max_batch) },
 };
 

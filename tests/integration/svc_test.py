@@ -192,6 +192,7 @@ def exe(rel):
 A_SHOW_STATUS, A_STATUS, A_SHOW_RANKS, A_RANK, A_RANKS_END = 1, 2, 3, 4, 5
 A_SHOW_REQUESTS, A_REQUEST, A_REQUESTS_END = 6, 7, 8
 A_DRAIN, A_UNDRAIN, A_RESULT = 9, 10, 11
+A_RELOAD = 13
 
 
 class Admin:
@@ -242,6 +243,9 @@ class Admin:
 
     def undrain(self, target):
         return self.call(A_UNDRAIN, {"target": target}, finals=(A_RESULT,))[1]
+
+    def reload(self):
+        return self.call(A_RELOAD, finals=(A_RESULT,))[1]
 
     def close(self):
         if self.s is not None:
@@ -971,7 +975,9 @@ def sc_burst():
     """A burst prefill rank (prefill@1.burst = yes, docs/operations.md "Burst
     prefill"): it takes the prompts of an idle service, the plain prefill@0
     those that arrive while streams decode, and it stands in when prefill@0
-    is drained; every output equals the single-process forward."""
+    is drained; with burst_free_slots = 1 (reloaded) it also takes prompts
+    that would wait for a busy prefill@0 while decode slots are free; every
+    output equals the single-process forward."""
     svc = Service(n_prefill=2, n_decode=1, extra_conf="prefill@1.burst = yes\n")
     try:
         def ranks():
@@ -1013,6 +1019,22 @@ def sc_burst():
         check(placed() == (p0, p1 + 16), "prefill@0 drained: placed %s, want %s" %
               (placed(), (p0, p1 + 16)))
         check(svc.admin.undrain("prefill@0")["code"] == 200, "undrain failed")
+        # burst_free_slots = 1 (reloaded): a prompt that would wait for the
+        # busy prefill@0 while decode slots are free goes to the burst rank.
+        with open(svc.conf, "a") as f:
+            f.write("burst_free_slots = 1\n")
+        r = svc.admin.reload()
+        check(r["code"] == 200, "reload with burst_free_slots = 1: %s" % r)
+        p0, p1 = placed()
+        got, rc, err = finish(svc.client(p16, 24), svc)
+        check(rc == 0, "svc_client failed")
+        compare(got, ref16, "16 concurrent streams, burst_free_slots = 1", err)
+        q0, q1 = placed()
+        log("16 concurrent, burst_free_slots = 1: prefill@0 took %d, prefill@1 (burst) %d" %
+            (q0 - p0, q1 - p1))
+        check(q0 - p0 + q1 - p1 == 16 and q1 - p1 >= 5,
+              "burst_free_slots = 1: prefill@0 took %d, the burst rank %d (want 5 or more)" %
+              (q0 - p0, q1 - p1))
         svc.check_no_leaks()
     finally:
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")

@@ -114,39 +114,98 @@ test_pick_burst(void **state)
     d0 = mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 16, 1000);
     p0 = mkgroup(&l, &k[1], DSV4_ROLE_PREFILL, 0, 1, 1000);
     /* without burst groups: queue_pick's answer */
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
     pb = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 1, 1, 1000);
     pb->burst = true;
     /* idle: the burst group, though p0 has the lower id */
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     /* one stream decoding: past burst_streams 0, within 1 */
     d0->load = 1;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 1), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 1, 0), pb);
     /* busy burst group while idle: the plain one */
     d0->load = 0;
     pb->load = 1;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
     /* busy decode, plain group full: wait (NULL), not the burst group */
     pb->load = 0;
     d0->load = 5;
     p0->load = 1;
-    assert_null(queue_pick_prefill(&l, 10, 0));
+    assert_null(queue_pick_prefill(&l, 10, 0, 0));
     /* ...but with the plain group drained, dead or too short, the burst one */
     k[1].drain = true;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     k[1].drain = false;
     k[1].state = DSV4_RANK_STATE_DEAD;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     k[1].state = DSV4_RANK_STATE_READY;
-    assert_ptr_equal(queue_pick_prefill(&l, 2000, 0), NULL);
+    assert_ptr_equal(queue_pick_prefill(&l, 2000, 0, 0), NULL);
     p0->max_ctx = 500;
     pb->max_ctx = 2000;
-    assert_ptr_equal(queue_pick_prefill(&l, 1500, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 1500, 0, 0), pb);
     /* two plain groups, busy decode: the least loaded plain one */
     p1 = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 2, 1, 2000);
     p0->max_ctx = 2000;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p1);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p1);
+    while ((g = TAILQ_FIRST(&l)) != NULL) {
+        TAILQ_REMOVE(&l, g, entry);
+        free(g->slots);
+        free(g);
+    }
+}
+
+/* burst_free_slots (queue_pick_prefill's burst_free): a burst group also
+ * takes a prompt that would wait for a busy plain group while at least that
+ * many decode slots beside it are free; never while a plain group has room,
+ * never with 0, and only slots of usable decode groups on its GPUs count. */
+static void
+test_pick_burst_free(void **state)
+{
+    struct sched_group_list l;
+    struct sched_rank k[4];
+    struct sched_group *d0, *d1, *p0, *pb, *g;
+
+    (void)state;
+    TAILQ_INIT(&l);
+    d0 = mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 16, 1000);
+    p0 = mkgroup(&l, &k[1], DSV4_ROLE_PREFILL, 0, 1, 1000);
+    pb = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 1, 1, 1000);
+    pb->burst = true;
+    /* 12 streams decode (4 slots free); the plain group has room: it */
+    d0->load = 12;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 4), p0);
+    /* the plain group busy: off (0) waits, 1..4 take the burst group, 5 waits */
+    p0->load = 1;
+    assert_null(queue_pick_prefill(&l, 10, 0, 0));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 4), pb);
+    assert_null(queue_pick_prefill(&l, 10, 0, 5));
+    /* the burst group busy too, or too short for the prompt: wait */
+    pb->load = 1;
+    assert_null(queue_pick_prefill(&l, 10, 0, 1));
+    pb->load = 0;
+    assert_null(queue_pick_prefill(&l, 2000, 0, 1));
+    /* a drained decode group's slots do not count */
+    k[0].drain = true;
+    assert_null(queue_pick_prefill(&l, 10, 0, 1));
+    k[0].drain = false;
+    /* nor do those of a decode group on another GPU: d0 (4 free) on GPU-a,
+     * the burst group beside a full d1 on GPU-b */
+    strcpy(k[0].device, "GPU-a");
+    strcpy(k[1].device, "GPU-a");
+    strcpy(k[2].device, "GPU-b");
+    d1 = mkgroup(&l, &k[3], DSV4_ROLE_DECODE, 1, 16, 1000);
+    strcpy(k[3].device, "GPU-b");
+    d1->load = 16;
+    assert_null(queue_pick_prefill(&l, 10, 0, 1));
+    d1->load = 15;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1), pb);    /* one slot free on GPU-b */
+    assert_null(queue_pick_prefill(&l, 10, 0, 2));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 15, 0), pb);   /* burst_streams: idle enough */
+    /* with its GPU idle the burst group serves whatever burst_free says */
+    d1->load = 0;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     while ((g = TAILQ_FIRST(&l)) != NULL) {
         TAILQ_REMOVE(&l, g, entry);
         free(g->slots);
@@ -180,25 +239,25 @@ test_pick_burst_gpus(void **state)
     assert_true(queue_groups_share_gpu(d0, p0));
     /* the busy decode group is on the other GPU: the burst group serves */
     d0->load = 5;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     /* a stream beside it: the plain group */
     d1->load = 1;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 1), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 1, 0), pb);
     /* a rank that did not say its device may be on any GPU: it counts */
     d1->load = 0;
     k[0].device[0] = '\0';
     assert_true(queue_groups_share_gpu(d0, pb));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
     strcpy(k[0].device, "GPU-a");
     k[3].device[0] = '\0';
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
     strcpy(k[3].device, "GPU-b");
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     /* ... and so does a group with a rank missing */
     d0->size = 2;
     assert_true(queue_groups_share_gpu(d0, pb));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
     /* two-rank groups share a GPU when any device is in both */
     d0->ranks[1] = &k[4];
     d0->n_ranks = 2;
@@ -206,11 +265,11 @@ test_pick_burst_gpus(void **state)
     k[4].state = DSV4_RANK_STATE_READY;
     strcpy(k[4].device, "GPU-c");
     assert_false(queue_groups_share_gpu(d0, pb));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     strcpy(k[4].device, "GPU-b");
     assert_true(queue_groups_share_gpu(d0, pb));
     assert_true(queue_groups_share_gpu(pb, d0));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
     strcpy(k[4].device, "GPU-c");
     /* two burst groups: the one beside idle GPUs, though the other has the
      * lower id; with both busy, the plain group */
@@ -219,12 +278,12 @@ test_pick_burst_gpus(void **state)
     pa->burst = true;
     strcpy(k[5].device, "GPU-a");
     p0->id = 2;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
     d1->load = 3;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
     /* no plain group usable: a busy burst group rather than none */
     k[2].drain = true;
-    g = queue_pick_prefill(&l, 10, 0);
+    g = queue_pick_prefill(&l, 10, 0, 0);
     assert_true(g == pa || g == pb);
     assert_ptr_equal(g, pa);   /* the lower id on equal loads */
     k[2].drain = false;
@@ -426,6 +485,7 @@ main(void)
         cmocka_unit_test(test_pick),
         cmocka_unit_test(test_pick_burst),
         cmocka_unit_test(test_pick_burst_gpus),
+        cmocka_unit_test(test_pick_burst_free),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_proto_additions),
         cmocka_unit_test(test_handoff_hist),
