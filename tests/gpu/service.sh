@@ -22,7 +22,9 @@
 # BURST=1: a second prefill group of GPUS ranks (prefill@GPUS ...), burst
 # ranks (prefill@N.burst = yes) at BURST_MPS% of the SMs under MPS (0: all):
 # the prompts of an idle service go there, those of a busy one to the first
-# group (docs/operations.md "Burst prefill").
+# group (docs/operations.md "Burst prefill"); BURST_FREE=N sets
+# burst_free_slots (the burst group also takes prompts that wait for the
+# busy first group while N decode slots are free).
 # TEMP (0: greedy) the requests' sampling temperature (dsv4-bench -t).
 # PREFILL_SLOTS (1) prompts a prefill rank runs in one forward call,
 # PREFILL_CHUNK (2048) rows of a prefill call.
@@ -119,6 +121,7 @@ if [ "${BURST:-0}" = 1 ]; then
             "${BURST_MPS:-0}" >> "$D/dsv4.conf"
     done
     n_prefill=$((2 * GPUS))
+    [ -n "${BURST_FREE:-}" ] && echo "burst_free_slots = $BURST_FREE" >> "$D/dsv4.conf"
 fi
 # LAUNCH_ARGS: more dsv4-launch options (e.g. "-v -v": every daemon's debug lines)
 dsv4-launch ${LAUNCH_ARGS:-} -f "$D/dsv4.conf" -P "$n_prefill" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
