@@ -50,10 +50,11 @@ grep -qE "^\| C=1 ITL p50 .*\| [0-9.]+ ms \|" "$md" ||
 grep -qE "^Prompts placed per prefill rank .*prefill@0 [1-9][0-9]*, prefill@1 [1-9][0-9]* \(burst\)" "$md" ||
     { echo "dry_run.sh: the burst prefill rank took no prompt"; exit 1; }
 # kill -9 of the scheduler under load (KILL_SCHED=1): the clients resume
-BACKEND=cpu LAYERS=2 GPUS=1 MPS=0 OUT="$tmp/ksched" BENCH="-c 1 -p 8 -l 4 -n 1 -w 0" \
-    TOKENS="--token-range 10:1000" KILL=1 KILL_SCHED=1 KILL_AFTER=1 \
-    KILL_BENCH="-c 8 -p 16 -l 256 -n 32" \
-    bash "$tmp/tests/gpu/service.sh" > "$tmp/ksched.log" 2>&1 ||
+# (service.sh runs from the repository root: the scratch copy's)
+(cd "$tmp" && BACKEND=cpu LAYERS=2 GPUS=1 MPS=0 OUT="$tmp/ksched" \
+    BENCH="-c 1 -p 8 -l 4 -n 1 -w 0" TOKENS="--token-range 10:1000" KILL=1 KILL_SCHED=1 \
+    KILL_AFTER=1 KILL_BENCH="-c 8 -p 16 -l 256 -n 32" \
+    bash tests/gpu/service.sh) > "$tmp/ksched.log" 2>&1 ||
     { cat "$tmp/ksched.log"; echo "dry_run.sh: service.sh KILL_SCHED=1 failed"; exit 1; }
 sed -n '/^kill -9/,/^bench under/p' "$tmp/ksched.log"
 for want in "kill -9 to every rank registered again" "bench under the kill: exit 0"; do
