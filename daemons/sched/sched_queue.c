@@ -126,21 +126,21 @@ queue_groups_share_gpu(const struct sched_group *a, const struct sched_group *b)
 }
 
 /* Beside burst group b, summed over the decode groups that may share a GPU
- * with it: *streams their loads (slots taken), *free the slots left in
+ * with it: *streams their loads (slots taken), *idle the slots left in
  * those of them that are usable. */
 static void
 burst_beside(struct sched_group_list *groups, const struct sched_group *b, uint32_t *streams,
-    uint32_t *free)
+    uint32_t *idle)
 {
     const struct sched_group *d;
 
-    *streams = *free = 0;
+    *streams = *idle = 0;
     TAILQ_FOREACH(d, groups, entry) {
         if (d->role != DSV4_ROLE_DECODE || !queue_groups_share_gpu(d, b))
             continue;
         *streams += d->load;
         if (group_usable(d) && d->load < d->capacity)
-            *free += d->capacity - d->load;
+            *idle += d->capacity - d->load;
     }
 }
 
@@ -152,7 +152,7 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
      * burst, [3] burst with at least burst_free free decode slots beside it */
     struct sched_group *g, *best[4] = { NULL, NULL, NULL, NULL };
     bool plain_usable = false;
-    uint32_t streams, free;
+    uint32_t streams, idle;
 
     TAILQ_FOREACH(g, groups, entry) {
         if (g->role != DSV4_ROLE_PREFILL)
@@ -168,10 +168,10 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
         }
         if (group_before(g, best[2]))
             best[2] = g;
-        burst_beside(groups, g, &streams, &free);
+        burst_beside(groups, g, &streams, &idle);
         if (group_before(g, best[1]) && streams <= burst_streams)
             best[1] = g;
-        if (burst_free > 0 && free >= burst_free && group_before(g, best[3]))
+        if (burst_free > 0 && idle >= burst_free && group_before(g, best[3]))
             best[3] = g;
     }
     if (best[1] != NULL)
