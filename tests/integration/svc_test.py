@@ -692,9 +692,14 @@ def kill_during_streams(victim):
     try:
         prompts = os.path.join(svc.dir, "pk.txt")
         make_prompts(prompts, 16, seed=7)
-        ref = reference(svc, prompts, 32)
+        # The scheduler's kill wants four streams part-way and still going:
+        # prompts are prefilled one at a time, so the first stream runs
+        # ahead, and at 32 tokens it could end before the kill lands (one
+        # CI run saw three resumes).
+        n_out = 64 if victim == "sched" else 32
+        ref = reference(svc, prompts, n_out)
         progress = os.path.join(svc.dir, "progress")
-        p = svc.client(prompts, 32, progress=progress, timeout_ms=TIMEOUT_MS)
+        p = svc.client(prompts, n_out, progress=progress, timeout_ms=TIMEOUT_MS)
         if victim == "prefill@0":
             # Mid-stream and mid-prefill: some stream has tokens and some
             # request is still being prefilled.
