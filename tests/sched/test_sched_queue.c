@@ -50,12 +50,25 @@ mkgroup(struct sched_group_list *l, struct sched_rank *k, enum dsv4_role role, u
     return g;
 }
 
+/* Free the groups mkgroup made. */
+static void
+freegroups(struct sched_group_list *l)
+{
+    struct sched_group *g;
+
+    while ((g = TAILQ_FIRST(l)) != NULL) {
+        TAILQ_REMOVE(l, g, entry);
+        free(g->slots);
+        free(g);
+    }
+}
+
 static void
 test_pick(void **state)
 {
     struct sched_group_list l;
     struct sched_rank k[3];
-    struct sched_group *d0, *d1, *p0, *g;
+    struct sched_group *d0, *d1, *p0;
 
     (void)state;
     TAILQ_INIT(&l);
@@ -92,11 +105,7 @@ test_pick(void **state)
     assert_int_equal(queue_transport(p0, d1), DSV4_TRANSPORT_NONE);
     p0->transports = (1u << DSV4_TRANSPORT_UCX) | (1u << DSV4_TRANSPORT_SHM);
     assert_int_equal(queue_transport(p0, d1), DSV4_TRANSPORT_UCX);
-    while ((g = TAILQ_FIRST(&l)) != NULL) {
-        TAILQ_REMOVE(&l, g, entry);
-        free(g->slots);
-        free(g);
-    }
+    freegroups(&l);
 }
 
 /* Burst prefill groups (queue_pick_prefill): preferred while the decode
@@ -107,7 +116,7 @@ test_pick_burst(void **state)
 {
     struct sched_group_list l;
     struct sched_rank k[4];
-    struct sched_group *d0, *p0, *p1, *pb, *g;
+    struct sched_group *d0, *p0, *p1, *pb;
 
     (void)state;
     TAILQ_INIT(&l);
@@ -147,11 +156,7 @@ test_pick_burst(void **state)
     p1 = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 2, 1, 2000);
     p0->max_ctx = 2000;
     assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p1);
-    while ((g = TAILQ_FIRST(&l)) != NULL) {
-        TAILQ_REMOVE(&l, g, entry);
-        free(g->slots);
-        free(g);
-    }
+    freegroups(&l);
 }
 
 /* burst_free_slots (queue_pick_prefill's burst_free): a burst group also
@@ -163,7 +168,7 @@ test_pick_burst_free(void **state)
 {
     struct sched_group_list l;
     struct sched_rank k[4];
-    struct sched_group *d0, *d1, *p0, *pb, *g;
+    struct sched_group *d0, *d1, *p0, *pb;
 
     (void)state;
     TAILQ_INIT(&l);
@@ -206,11 +211,7 @@ test_pick_burst_free(void **state)
     /* with its GPU idle the burst group serves whatever burst_free says */
     d1->load = 0;
     assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
-    while ((g = TAILQ_FIRST(&l)) != NULL) {
-        TAILQ_REMOVE(&l, g, entry);
-        free(g->slots);
-        free(g);
-    }
+    freegroups(&l);
 }
 
 /* Burst groups and GPUs: only the decode groups that may share a GPU with a
@@ -287,11 +288,7 @@ test_pick_burst_gpus(void **state)
     assert_true(g == pa || g == pb);
     assert_ptr_equal(g, pa);   /* the lower id on equal loads */
     k[2].drain = false;
-    while ((g = TAILQ_FIRST(&l)) != NULL) {
-        TAILQ_REMOVE(&l, g, entry);
-        free(g->slots);
-        free(g);
-    }
+    freegroups(&l);
 }
 
 static void
