@@ -123,8 +123,10 @@ if [ "${BURST:-0}" = 1 ]; then
     n_prefill=$((2 * GPUS))
     [ -n "${BURST_FREE:-}" ] && echo "burst_free_slots = $BURST_FREE" >> "$D/dsv4.conf"
 fi
+n_decode=$((GPUS * ${DECODE_GROUPS:-1}))
+n_ranks=$((n_prefill + n_decode))
 # LAUNCH_ARGS: more dsv4-launch options (e.g. "-v -v": every daemon's debug lines)
-dsv4-launch ${LAUNCH_ARGS:-} -f "$D/dsv4.conf" -P "$n_prefill" -D $((GPUS * ${DECODE_GROUPS:-1})) -r 500 -w 120 -T 600 -t 30 \
+dsv4-launch ${LAUNCH_ARGS:-} -f "$D/dsv4.conf" -P "$n_prefill" -D "$n_decode" -r 500 -w 120 -T 600 -t 30 \
     --sched-bin "$(command -v dsv4-sched)" --prefill-bin "$D/dsv4-prefill" \
     --decode-bin "$D/dsv4-decode" --notify-log "$D/notify.log" > "$OUT/launch.log" 2>&1 &
 lpid=$!
@@ -132,12 +134,12 @@ ctl() { dsv4ctl --admin "ipc://$D/ctl.sock" "$@"; }
 t0=$SECONDS
 for i in $(seq 1 300); do
     n=$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')
-    [ "${n:-0}" -ge $((n_prefill + GPUS * ${DECODE_GROUPS:-1})) ] &&
+    [ "${n:-0}" -ge "$n_ranks" ] &&
         { [ "$GPUS" = 1 ] || grep -q "communicator of epoch" "$OUT/launch.log"; } && break
     kill -0 $lpid 2> /dev/null || { echo "dsv4-launch exited"; tail -30 "$OUT/launch.log"; exit 1; }
     sleep 1
 done
-echo "set up in $((SECONDS - t0)) s ($n_prefill+$((GPUS * ${DECODE_GROUPS:-1})) ranks, flash $LAYERS layers)"
+echo "set up in $((SECONDS - t0)) s ($n_prefill+$n_decode ranks, flash $LAYERS layers)"
 sleep 2
 ctl ranks
 # each rank's GPU as its READY said it (the burst choice's `device`)
@@ -173,8 +175,8 @@ if [ "${KILL:-0}" = 1 ]; then
         if [ -z "$tready" ] && [ "$(grep -c "^sched NOTIFY READY=1" "$D/notify.log")" -gt "$ns" ]; then
             tready=$(date +%s.%N)
         fi
-        if [ -n "$tready" ] && [ "$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')" -ge \
-            $((n_prefill + GPUS * ${DECODE_GROUPS:-1})) ]; then
+        if [ -n "$tready" ] &&
+            [ "$(ctl --json ranks 2>/dev/null | grep -c '"state": "ready"')" -ge "$n_ranks" ]; then
             tranks=$(date +%s.%N)
             break
         fi
