@@ -36,7 +36,7 @@
 #define LANES CPU_LANES
 
 /* Add the lanes pairwise (l + 4, then + 2, + 1). */
-static inline float
+static inline CPU_HOT float
 lanes_sum(float *acc)
 {
     for (int w = LANES / 2; w > 0; w /= 2)
@@ -45,8 +45,9 @@ lanes_sum(float *acc)
     return acc[0];
 }
 
-float
-cpu_dot(const float *a, const float *b, int n)
+/* The loop of cpu_dot: not instrumented (CPU_HOT; its caller checks). */
+static CPU_HOT float
+dot_loop(const float *a, const float *b, int n)
 {
     float acc[LANES] = { 0 };
     int i = 0;
@@ -59,9 +60,18 @@ cpu_dot(const float *a, const float *b, int n)
     return lanes_sum(acc);
 }
 
-void
-cpu_dot4(float *out, const float *a, const float *b0, const float *b1, const float *b2,
-         const float *b3, int n)
+float
+cpu_dot(const float *a, const float *b, int n)
+{
+    cpu_check_range(a, (size_t)n * sizeof(float));
+    cpu_check_range(b, (size_t)n * sizeof(float));
+    return dot_loop(a, b, n);
+}
+
+/* The loop of cpu_dot4: not instrumented (CPU_HOT; its caller checks). */
+static CPU_HOT void
+dot4_loop(float *out, const float *a, const float *b0, const float *b1, const float *b2,
+          const float *b3, int n)
 {
     float s0[LANES] = { 0 }, s1[LANES] = { 0 }, s2[LANES] = { 0 }, s3[LANES] = { 0 };
     int i = 0;
@@ -86,6 +96,21 @@ cpu_dot4(float *out, const float *a, const float *b0, const float *b1, const flo
     out[1] = lanes_sum(s1);
     out[2] = lanes_sum(s2);
     out[3] = lanes_sum(s3);
+}
+
+void
+cpu_dot4(float *out, const float *a, const float *b0, const float *b1, const float *b2,
+         const float *b3, int n)
+{
+    size_t bytes = (size_t)n * sizeof(float);
+
+    cpu_check_range(out, 4 * sizeof(float));
+    cpu_check_range(a, bytes);
+    cpu_check_range(b0, bytes);
+    cpu_check_range(b1, bytes);
+    cpu_check_range(b2, bytes);
+    cpu_check_range(b3, bytes);
+    dot4_loop(out, a, b0, b1, b2, b3, n);
 }
 
 float
@@ -159,6 +184,78 @@ cpu_lin_prepare(struct dsv4_backend *be, struct cpu_lin_src *src, float **buf, c
 
 /* --- weight decoding --------------------------------------------------------- */
 
+/*
+ * Decode weight row n of W into o (K floats).  Not instrumented (CPU_HOT):
+ * cpu_lin_decode checks the ranges it reads and writes.
+ */
+static CPU_HOT void
+decode_row(float *o, const struct dsv4_linear *W, int n)
+{
+    int K = W->n_in;
+
+    switch (W->fmt) {
+    case DSV4_WFMT_BF16: {
+        const uint16_t *w = (const uint16_t *)W->w + (int64_t)n * K;
+
+        for (int k = 0; k < K; k++)
+            o[k] = dsv4_bf16_to_f32(w[k]);
+        break;
+    }
+    case DSV4_WFMT_FP8: {
+        const uint8_t *w = (const uint8_t *)W->w + (int64_t)n * K;
+        int ns = (K + QBLK - 1) / QBLK;
+        const uint8_t *sc = W->scale + (int64_t)(n / QBLK) * ns;
+
+        for (int b = 0; b < ns; b++) {
+            float s = dsv4_e8m0_to_f32(sc[b]);
+            int k1 = (b + 1) * QBLK < K ? (b + 1) * QBLK : K;
+
+            for (int k = b * QBLK; k < k1; k++)
+                o[k] = dsv4_fp8_e4m3_table[w[k]] * s;
+        }
+        break;
+    }
+    case DSV4_WFMT_FP4: {
+        const uint8_t *w = (const uint8_t *)W->w + (int64_t)n * (K / 2);
+        const uint8_t *sc = W->scale + (int64_t)n * (K / 32);
+
+        for (int g = 0; g < K / 32; g++) {
+            float s = dsv4_e8m0_to_f32(sc[g]);
+
+            for (int k = g * 32; k < g * 32 + 32; k += 2) {
+                uint8_t byte = w[k / 2];
+
+                o[k] = dsv4_fp4_table[byte & 0x0f] * s;
+                o[k + 1] = dsv4_fp4_table[byte >> 4] * s;
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* The weight and scale bytes of row n of W (what decode_row reads), checked. */
+static void
+check_row(const struct dsv4_linear *W, int n)
+{
+    int K = W->n_in;
+
+    switch (W->fmt) {
+    case DSV4_WFMT_BF16:
+        cpu_check_range((const uint16_t *)W->w + (int64_t)n * K, (size_t)K * 2);
+        break;
+    case DSV4_WFMT_FP8:
+        cpu_check_range((const uint8_t *)W->w + (int64_t)n * K, (size_t)K);
+        cpu_check_range(W->scale + (int64_t)(n / QBLK) * ((K + QBLK - 1) / QBLK),
+                        (size_t)(K + QBLK - 1) / QBLK);
+        break;
+    case DSV4_WFMT_FP4:
+        cpu_check_range((const uint8_t *)W->w + (int64_t)n * (K / 2), (size_t)K / 2);
+        cpu_check_range(W->scale + (int64_t)n * (K / 32), (size_t)K / 32);
+        break;
+    }
+}
+
 void
 cpu_lin_decode(float *wbuf, const struct dsv4_linear *W, int n0, int n1)
 {
@@ -168,45 +265,9 @@ cpu_lin_decode(float *wbuf, const struct dsv4_linear *W, int n0, int n1)
     for (int n = n0; n < n1; n++) {
         float *o = wbuf + (int64_t)(n - n0) * K;
 
-        switch (W->fmt) {
-        case DSV4_WFMT_BF16: {
-            const uint16_t *w = (const uint16_t *)W->w + (int64_t)n * K;
-
-            for (int k = 0; k < K; k++)
-                o[k] = dsv4_bf16_to_f32(w[k]);
-            break;
-        }
-        case DSV4_WFMT_FP8: {
-            const uint8_t *w = (const uint8_t *)W->w + (int64_t)n * K;
-            int ns = (K + QBLK - 1) / QBLK;
-            const uint8_t *sc = W->scale + (int64_t)(n / QBLK) * ns;
-
-            for (int b = 0; b < ns; b++) {
-                float s = dsv4_e8m0_to_f32(sc[b]);
-                int k1 = (b + 1) * QBLK < K ? (b + 1) * QBLK : K;
-
-                for (int k = b * QBLK; k < k1; k++)
-                    o[k] = dsv4_fp8_e4m3_table[w[k]] * s;
-            }
-            break;
-        }
-        case DSV4_WFMT_FP4: {
-            const uint8_t *w = (const uint8_t *)W->w + (int64_t)n * (K / 2);
-            const uint8_t *sc = W->scale + (int64_t)n * (K / 32);
-
-            for (int g = 0; g < K / 32; g++) {
-                float s = dsv4_e8m0_to_f32(sc[g]);
-
-                for (int k = g * 32; k < g * 32 + 32; k += 2) {
-                    uint8_t byte = w[k / 2];
-
-                    o[k] = dsv4_fp4_table[byte & 0x0f] * s;
-                    o[k + 1] = dsv4_fp4_table[byte >> 4] * s;
-                }
-            }
-            break;
-        }
-        }
+        cpu_check_range(o, (size_t)K * sizeof(float));
+        check_row(W, n);
+        decode_row(o, W, n);
     }
 }
 

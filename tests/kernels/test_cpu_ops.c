@@ -22,11 +22,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
 #include "common/formats.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu.h"
 
 #define BF16_RTOL (1.0 / 128.0)
 
@@ -1803,6 +1807,81 @@ test_sample_distribution_spans(void **state)
     dsv4_backend_destroy(be);
 }
 
+/*
+ * The innermost loops are not instrumented under ASan (kernels/cpu/cpu.h,
+ * CPU_HOT); their range checks on entry must still catch a read one element
+ * past a heap buffer.  Each case runs in a child: in bounds it must exit 0,
+ * one past the end it must die in ASan's report.  Skipped without ASan.
+ */
+enum hot_case { HOT_DOT, HOT_DOT4, HOT_DECODE_FP4, HOT_DECODE_FP8 };
+
+static void
+hot_child(enum hot_case c, int over)
+{
+    int n = 256;
+    float *a = malloc((size_t)n * sizeof(float));
+    float *out = malloc(CPU_LIN_NB * (size_t)n * sizeof(float));
+    /* exactly 4 rows of weights and their scales: row 3 + over = 4 is past them */
+    size_t wbytes = c == HOT_DECODE_FP4 ? 4 * (size_t)n / 2 : 4 * (size_t)n;
+    size_t sbytes = c == HOT_DECODE_FP4 ? 4 * (size_t)n / 32 : (size_t)n / 128;
+    struct dsv4_linear W = { .w = calloc(wbytes, 1), .scale = calloc(sbytes, 1), .n_out = 4,
+                             .n_in = n,
+                             .fmt = c == HOT_DECODE_FP4 ? DSV4_WFMT_FP4 : DSV4_WFMT_FP8 };
+    volatile float sink;
+
+    for (int i = 0; i < n; i++)
+        a[i] = (float)i;
+    switch (c) {
+    case HOT_DOT:
+        out[0] = cpu_dot(a + over, a, n);
+        break;
+    case HOT_DOT4:
+        cpu_dot4(out, a, a, a, a, a + over, n);
+        break;
+    case HOT_DECODE_FP4:
+    case HOT_DECODE_FP8:
+        cpu_lin_decode(out, &W, 3 + over, 4 + over);
+        break;
+    }
+    sink = out[0];
+    (void)sink;
+    _exit(0);
+}
+
+static void
+test_hot_loops_checked(void **state)
+{
+    (void)state;
+#if !defined(__SANITIZE_ADDRESS__)
+    skip();
+#endif
+    for (int c = HOT_DOT; c <= HOT_DECODE_FP8; c++) {
+        for (int over = 0; over <= 1; over++) {
+            int st = 0;
+            pid_t pid = fork();
+
+            assert_true(pid >= 0);
+            if (pid == 0) {
+                if (over) {   /* ASan's report is expected: keep it out of the log */
+                    int fd = open("/dev/null", O_WRONLY);
+
+                    if (fd >= 0)
+                        dup2(fd, 2);
+                }
+                hot_child((enum hot_case)c, over);
+            }
+            assert_int_equal(waitpid(pid, &st, 0), pid);
+            print_message("hot loop case %d, %s: %s %d\n", c, over ? "one past" : "in bounds",
+                          WIFEXITED(st) ? "exit" : "signal",
+                          WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+            if (over)
+                assert_false(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+            else
+                assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        }
+    }
+}
+
 int
 main(void)
 {
@@ -1833,6 +1912,7 @@ main(void)
         cmocka_unit_test(test_sample),
         cmocka_unit_test(test_sample_distribution),
         cmocka_unit_test(test_sample_distribution_spans),
+        cmocka_unit_test(test_hot_loops_checked),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);
