@@ -54,6 +54,9 @@
  *      order, (expert, first row, rows) each, and the (token, pick) rows
  *      r = t*k + j of each expert; the grid is the upper bound
  *      ceil(T*k / BM) + min(E, T*k) of tiles, blocks past the count leave;
+ *      on the Hopper path at BM = 64 and at most 32 rows an expert on
+ *      average, an expert's tail of at most 32 rows goes in a second list,
+ *      run on tiles of 32 (DSV4_CUDA_MOE_TAIL32);
  *   3. up (FP4, routed tiles; FP8, the shared expert's dense tiles): a
  *      block takes 64 columns of I from w1 and the same 64 from w3 (its 128
  *      B rows), and writes h = bf16(silu(min(g, L)) * clamp(u, ±L) [* w])
@@ -434,10 +437,20 @@ fg_group_ids(int (&e)[FG_GROUP_ILP], const int32_t *ids, int r0, int stride, int
  * tile offsets come from a block scan (a thread an expert), not one
  * thread's walk over the experts.  ctr (or NULL): nctr item counters of the
  * GEMMs that follow (fwp_kernel), zeroed.
+ *
+ * grp2 (or NULL): a second list of A2 slots (same layout: [0] its count,
+ * tile j at 1 + 3j) for the tiles of at most BM/2 rows.  An expert's rows
+ * then go in tiles of BM (the last one holding more than BM/2 rows) and, if
+ * that leaves a tail of at most BM/2 rows, one tile of grp2 for it, so a
+ * launch of BM/2-row tiles takes it instead of a BM-row tile half empty.
+ * A grp2 tile's "first entry" is counted from grp2 + 1 + 3 * A2, where the
+ * kernels look for it (wg_tile_rows_at), so it is negative: the rows stay
+ * the one array at grp + 1 + 3A.  A2 >= the active experts.
  */
 static __global__ void
 fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
-                const struct dsv4_expert_w *table, int skip_unheld, int32_t *ctr, int nctr)
+                const struct dsv4_expert_w *table, int skip_unheld, int32_t *ctr, int nctr,
+                int32_t *grp2, int A2)
 {
     extern __shared__ int32_t fg_gs[];
     __shared__ unsigned long long ws[33];
@@ -462,17 +475,29 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
     }
     __syncthreads();
     /* rows and tiles of the active experts, by increasing id: a scan of
-     * (rows << 32 | tiles), nthr experts a round */
+     * (rows << 32 | tiles), nthr experts a round; with grp2 the tiles are
+     * (BM tiles << 16 | grp2 tiles): fewer than 65,536 of either in all */
+    int nt20 = 0;
+    int32_t *tiles2 = grp2 != NULL ? grp2 + 1 : NULL;
+    int rdelta = grp2 != NULL ? (int)(rows - (grp2 + 1 + 3 * A2)) : 0;
+
     for (int e0 = 0; e0 < E; e0 += nthr) {
-        int e = e0 + (int)threadIdx.x, c = 0, nt = 0;
+        int e = e0 + (int)threadIdx.x, c = 0, nt = 0, tail = 0;
         unsigned long long ex, tot;
+        unsigned tl;
 
         if (e < E && off[e])
             c = cnt[e];
         nt = (c + BM - 1) / BM;
-        ex = fk_block_scan((unsigned long long)c << 32 | (unsigned)nt, ws, &tot);
+        if (grp2 != NULL && c % BM != 0 && c % BM <= BM / 2) {
+            tail = c % BM;   /* its own tile in grp2 */
+            nt--;
+        }
+        tl = grp2 != NULL ? (unsigned)nt << 16 | (tail > 0) : (unsigned)nt;
+        ex = fk_block_scan((unsigned long long)c << 32 | tl, ws, &tot);
         if (e < E) {
-            int p = pos0 + (int)(ex >> 32), t0 = nt0 + (int)(ex & 0xffffffffu);
+            int p = pos0 + (int)(ex >> 32);
+            int t0 = nt0 + (int)(grp2 != NULL ? (ex & 0xffffffffu) >> 16 : ex & 0xffffffffu);
 
             off[e] = c > 0 ? p : -1;
             for (int j = 0; j < nt; j++) {
@@ -480,12 +505,27 @@ fg_group_kernel(int32_t *grp, const int32_t *ids, int Tk, int E, int A, int BM,
                 tiles[3 * (t0 + j) + 1] = p + j * BM;
                 tiles[3 * (t0 + j) + 2] = c - j * BM < BM ? c - j * BM : BM;
             }
+            if (tail > 0) {
+                int t2 = nt20 + (int)(ex & 0xffffu);
+
+                tiles2[3 * t2] = e;
+                tiles2[3 * t2 + 1] = p + nt * BM + rdelta;
+                tiles2[3 * t2 + 2] = tail;
+            }
         }
         pos0 += (int)(tot >> 32);
-        nt0 += (int)(tot & 0xffffffffu);
+        if (grp2 != NULL) {
+            nt0 += (int)((tot & 0xffffffffu) >> 16);
+            nt20 += (int)(tot & 0xffffu);
+        } else {
+            nt0 += (int)(tot & 0xffffffffu);
+        }
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         grp[0] = nt0;
+        if (grp2 != NULL)
+            grp2[0] = nt20;
+    }
     if (ctr != NULL && (int)threadIdx.x < nctr)
         ctr[threadIdx.x] = 0;
     __syncthreads();
@@ -2050,6 +2090,27 @@ fw_shared_blas(struct dsv4_backend *be, const struct fw_args *r, const struct ds
  * the same values: they are bf16-rounded either way). */
 static struct cuda_switch fw_y16_sw = CUDA_SWITCH("DSV4_CUDA_MOE_Y16", 1);
 
+/* DSV4_CUDA_MOE_TAIL32=0: at token tiles of 64, an expert's tail of at most
+ * 32 rows in a tile of 64 as until session 48, not in a launch of tiles of
+ * 32 (A/B runs; the same bits). */
+static struct cuda_switch fw_tail32_sw = CUDA_SWITCH("DSV4_CUDA_MOE_TAIL32", 1);
+
+/* The routed tiles of grp2 (fg_group_kernel: the tails of at most 32 rows)
+ * through fw_kernel's tiles of 32 tokens, with a's other arguments; gx: the
+ * column blocks, as for fw_run's launch of the same GEMM. */
+template <int EPI, int NWG>
+static enum dsv4_err
+fw_tail32(struct dsv4_backend *be, const struct fw_args *a, const int32_t *grp2, int A2,
+          unsigned gx)
+{
+    struct fw_args b = *a;
+
+    b.grp = grp2;
+    b.A = A2;
+    b.ctr = NULL;
+    return fw_launch<FG_FP4, EPI, NWG, 32>(be, &b, gx, (unsigned)A2);
+}
+
 /*
  * The MoE through fw_kernel (cuda_fast_gemm_moe's contract): x's B values;
  * the grouping with tiles of BN rows (16, 32 or 64 from the average rows of
@@ -2072,8 +2133,16 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
      * wider tile costs only wgmma time, small while the weights stream */
     int bn = avg <= 8 ? 16 : avg <= 20 ? 32 : 64;
     int A = (Tk + bn - 1) / bn + act, has_sh = shared != NULL;
-    /* the grouping, then the up and down GEMMs' item counters */
-    size_t b_grp = cuda_align((size_t)(1 + 3 * A + Tk + 2) * sizeof(int32_t));
+    /* tiles of 64 at up to 32 rows an expert on average: an expert's tail
+     * of at most 32 rows in a tile of 32 (fg_group_kernel's grp2: act slots
+     * after the counters).  Measured (docs/perf.md run 69, H100, 16 layers):
+     * a 1,024-token prefill (24 rows) 52.2-52.6 ms against 52.9-58.0; a
+     * 2,048-token one (48 rows: few tails that short, and two launches of
+     * mostly idle CTAs) 79.9 against 79.0, hence the bound */
+    int A2 = bn == 64 && avg <= 32 && A < 65536 && cuda_switch_on(&fw_tail32_sw) ? act : 0;
+    /* the grouping, then the up and down GEMMs' item counters, then grp2 */
+    size_t b_grp =
+        cuda_align((size_t)(1 + 3 * A + Tk + 2 + (A2 > 0 ? 1 + 3 * A2 : 0)) * sizeof(int32_t));
     size_t b_x = cuda_align((size_t)T * D * sizeof(uint16_t));
     size_t b_h = cuda_align((size_t)R * I * sizeof(uint16_t));
     /* moe: y, its own rows, as bf16 (the values are bf16-rounded: half the
@@ -2087,7 +2156,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     char *p = (char *)cuda_scratch(be, b_grp + b_x + b_h + b_y + b_bw + b_bo);
     struct fw_args a;
     enum dsv4_err e;
-    int32_t *grp;
+    int32_t *grp, *grp2;
     uint16_t *xb, *hq, *bw, *bo;
     float *y;
 
@@ -2096,6 +2165,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm moe: no scratch (T=%d k=%d)", T, k);
     grp = (int32_t *)p;
+    grp2 = A2 > 0 ? grp + 1 + 3 * A + Tk + 2 : NULL;
     xb = (uint16_t *)(p + b_grp);
     hq = (uint16_t *)(p + b_grp + b_x);
     y = parts != NULL ? parts : (float *)(p + b_grp + b_x + b_h);
@@ -2106,7 +2176,7 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     if (e != DSV4_OK)
         return e;
     fg_group_kernel<<<1, 1024, (size_t)3 * n_table * sizeof(int32_t), st>>>(
-        grp, ids, Tk, n_table, A, bn, table, parts != NULL, grp + 1 + 3 * A + Tk, 2);
+        grp, ids, Tk, n_table, A, bn, table, parts != NULL, grp + 1 + 3 * A + Tk, 2, grp2, A2);
     CUDA_LAUNCHED("fast gemm moe group");
 
     /* up: h of every pick row (routed), then of every token (shared, rows Tk + t) */
@@ -2123,6 +2193,8 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
     a.lim = lim;
     a.ctr = grp + 1 + 3 * A + Tk;   /* fwp_kernel's items (tiles of 64 tokens) */
     e = fw_run<FG_FP4, FG_UP, 4>(be, &a, bn, (unsigned)(I / 128), (unsigned)A);
+    if (e == DSV4_OK && A2 > 0)   /* the tails of at most 32 rows */
+        e = fw_tail32<FG_UP, 4>(be, &a, grp2, A2, (unsigned)(I / 128));
     if (e != DSV4_OK)
         return e;
     if (bl && (e = fw_shared_blas(be, &a, &shared->w1, &shared->w3, T, Tk, D, I, bw, bo)) !=
@@ -2153,6 +2225,8 @@ fw_moe(struct dsv4_backend *be, float *out, float *parts, const float *x, const 
         e = fwp_launch<FG_LINEAR, 64>(be, &a, (unsigned)(D / 256), (unsigned)A);
     else
         e = fw_run<FG_FP4, FG_LINEAR, 2>(be, &a, bn, (unsigned)(D / 128), (unsigned)A);
+    if (e == DSV4_OK && A2 > 0)
+        e = fw_tail32<FG_LINEAR, 2>(be, &a, grp2, A2, (unsigned)(D / 128));
     if (e != DSV4_OK)
         return e;
     if (bl && (e = fw_shared_blas(be, &a, &shared->w2, NULL, T, Tk, D, I, bw, bo)) != DSV4_OK) {
@@ -2295,7 +2369,7 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
                         const struct dsv4_expert_w *tb, int skip, cudaStream_t s) {
             fg_group_kernel<<<1, 1024, (size_t)3 * ne * sizeof(int32_t), s>>>(g, id, tk, ne, na,
                                                                               bm, tb, skip,
-                                                                              NULL, 0);
+                                                                              NULL, 0, NULL, 0);
         };
 
         return cuda_fast_gemm4_moe(be, out, parts, x, ids, weights, table, n_table, shared, T,
@@ -2325,7 +2399,7 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
         return e;
     /* 2. grouping */
     fg_group_kernel<<<1, 1024, (size_t)3 * n_table * sizeof(int32_t), st>>>(
-        grp, ids, Tk, n_table, A, BM, table, parts != NULL, NULL, 0);
+        grp, ids, Tk, n_table, A, BM, table, parts != NULL, NULL, 0, NULL, 0);
     CUDA_LAUNCHED("fast gemm moe group");
 
     /* 3. up: routed tiles, then the shared expert's */
