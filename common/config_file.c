@@ -120,6 +120,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->heartbeat_ms = 1000;
     cfg->liveness = 3;
     cfg->request_timeout_ms = 0;
+    cfg->burst_free_slots = 1;   /* docs/operations.md "Burst prefill" */
     snprintf(cfg->checkpoint, sizeof(cfg->checkpoint), "%s",
         "/var/lib/dsv4/model");
     snprintf(cfg->tokenizer, sizeof(cfg->tokenizer), "%s",

@@ -61,7 +61,7 @@ struct dsv4_conf {
                                prompt only while at most this many streams
                                decode beside it: summed over the decode groups
                                that may share a GPU with it (queue_pick_prefill) */
-    int burst_free_slots;   /* [0] a burst prefill group also takes a prompt
+    int burst_free_slots;   /* [1] a burst prefill group also takes a prompt
                                that would wait for a busy plain prefill group
                                while at least this many decode slots are free
                                beside it; 0 = never (queue_pick_prefill) */

@@ -980,10 +980,12 @@ def sc_burst():
     """A burst prefill rank (prefill@1.burst = yes, docs/operations.md "Burst
     prefill"): it takes the prompts of an idle service, the plain prefill@0
     those that arrive while streams decode, and it stands in when prefill@0
-    is drained; with burst_free_slots = 1 (reloaded) it also takes prompts
-    that would wait for a busy prefill@0 while decode slots are free; every
-    output equals the single-process forward."""
-    svc = Service(n_prefill=2, n_decode=1, extra_conf="prefill@1.burst = yes\n")
+    is drained; with burst_free_slots = 1 (the default; off at first, then
+    reloaded) it also takes prompts that would wait for a busy prefill@0
+    while decode slots are free; every output equals the single-process
+    forward."""
+    svc = Service(n_prefill=2, n_decode=1,
+                  extra_conf="prefill@1.burst = yes\nburst_free_slots = 0\n")
     try:
         def ranks():
             return {"%s@%d" % (r["role"], r["index"]): r for r in svc.admin.ranks()}
@@ -1024,10 +1026,13 @@ def sc_burst():
         check(placed() == (p0, p1 + 16), "prefill@0 drained: placed %s, want %s" %
               (placed(), (p0, p1 + 16)))
         check(svc.admin.undrain("prefill@0")["code"] == 200, "undrain failed")
-        # burst_free_slots = 1 (reloaded): a prompt that would wait for the
-        # busy prefill@0 while decode slots are free goes to the burst rank.
-        with open(svc.conf, "a") as f:
-            f.write("burst_free_slots = 1\n")
+        # burst_free_slots = 1 (reloaded: the default, the key removed): a
+        # prompt that would wait for the busy prefill@0 while decode slots
+        # are free goes to the burst rank.
+        with open(svc.conf) as f:
+            conf = f.read()
+        with open(svc.conf, "w") as f:
+            f.write(conf.replace("burst_free_slots = 0\n", ""))
         r = svc.admin.reload()
         check(r["code"] == 200, "reload with burst_free_slots = 1: %s" % r)
         p0, p1 = placed()
