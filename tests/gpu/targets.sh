@@ -12,7 +12,9 @@
 # group of GPUS ranks, synthetic weights of flash cut to LAYERS layers,
 # prefill under MPS at MPS_PREFILL% of the SMs unless MPS=0, and with
 # BURST=1 (the default) a burst prefill group at BURST_MPS% (0: all SMs)
-# that takes the prompts arriving while no stream decodes), three
+# that takes the prompts arriving while no stream decodes, and those that
+# would wait for the busy plain group while a decode slot is free:
+# burst_free_slots, 1 by default, BURST_FREE=N passed to service.sh), three
 # dsv4-bench runs, then kill -9 of a decode rank under C=16 load (KILL=0:
 # not):
 #   1. C=1, TTFT_PROMPT (2,048)-token prompts, 1 output token: TTFT p50;
@@ -63,7 +65,7 @@ cp_=${C16_PROMPT:-1024} co=${C16_OUT:-512} n1=${N_C1:-8} n16=${N_C16:-32}
 rm -rf "$OUT" && mkdir -p "$OUT"
 rc=0
 
-echo "== service set: $LAYERS layers, $GPUS GPU(s) a group, backend ${BACKEND:-cuda}, MPS $MPS (prefill ${MPS_PREFILL:-all}%), burst prefill group $BURST"
+echo "== service set: $LAYERS layers, $GPUS GPU(s) a group, backend ${BACKEND:-cuda}, MPS $MPS (prefill ${MPS_PREFILL:-all}%), burst prefill group $BURST (burst_free_slots ${BURST_FREE:-default})"
 # MTP=0 here: MTP=1 in this script's environment is for the second set
 OUT=$OUT/service MTP=0 BENCH="-c 1 -p $tp -l 1 -n $n1 -w 1;-c 1 -p $ip -l $io -n $n1 -w 1;-c 16 -p $cp_ -l $co -n $n16 -w 16" \
     KILL=${KILL:-1} KILL_BENCH=${KILL_BENCH:--c 16 -p 256 -l 256 -n 48} \
