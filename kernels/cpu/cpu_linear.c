@@ -184,74 +184,75 @@ cpu_lin_prepare(struct dsv4_backend *be, struct cpu_lin_src *src, float **buf, c
 
 /* --- weight decoding --------------------------------------------------------- */
 
-/*
- * Decode weight row n of W into o (K floats).  Not instrumented (CPU_HOT):
- * cpu_lin_decode checks the ranges it reads and writes.
- */
-static CPU_HOT void
-decode_row(float *o, const struct dsv4_linear *W, int n)
+/* Row n of a linear's weights: its weight bytes and its scale bytes. */
+struct wrow {
+    const uint8_t *w, *sc;    /* sc: NULL for bf16 */
+    size_t wbytes, sbytes;
+};
+
+/* Where row n of W lies: what decode_row reads, and cpu_lin_decode checks. */
+static struct wrow
+weight_row(const struct dsv4_linear *W, int n)
 {
-    int K = W->n_in;
+    int64_t K = W->n_in, ns = (K + QBLK - 1) / QBLK;
+    const uint8_t *w = W->w;
+    struct wrow r = { 0 };
 
     switch (W->fmt) {
+    case DSV4_WFMT_BF16:
+        r.w = w + n * K * 2, r.wbytes = (size_t)K * 2;
+        break;
+    case DSV4_WFMT_FP8:   /* one scale a 128 x 128 block */
+        r.w = w + n * K, r.wbytes = (size_t)K;
+        r.sc = W->scale + (n / QBLK) * ns, r.sbytes = (size_t)ns;
+        break;
+    case DSV4_WFMT_FP4:   /* two values a byte; one scale a 32 of a row */
+        r.w = w + n * (K / 2), r.wbytes = (size_t)K / 2;
+        r.sc = W->scale + n * (K / 32), r.sbytes = (size_t)K / 32;
+        break;
+    }
+    return r;
+}
+
+/*
+ * Decode row r (weight_row) of a linear of format fmt and K columns into o
+ * (K floats).  Not instrumented (CPU_HOT): cpu_lin_decode checks the ranges
+ * it reads and writes.
+ */
+static CPU_HOT void
+decode_row(float *o, enum dsv4_wfmt fmt, int K, struct wrow r)
+{
+    switch (fmt) {
     case DSV4_WFMT_BF16: {
-        const uint16_t *w = (const uint16_t *)W->w + (int64_t)n * K;
+        const uint16_t *w = (const uint16_t *)r.w;
 
         for (int k = 0; k < K; k++)
             o[k] = dsv4_bf16_to_f32(w[k]);
         break;
     }
     case DSV4_WFMT_FP8: {
-        const uint8_t *w = (const uint8_t *)W->w + (int64_t)n * K;
         int ns = (K + QBLK - 1) / QBLK;
-        const uint8_t *sc = W->scale + (int64_t)(n / QBLK) * ns;
 
         for (int b = 0; b < ns; b++) {
-            float s = dsv4_e8m0_to_f32(sc[b]);
+            float s = dsv4_e8m0_to_f32(r.sc[b]);
             int k1 = (b + 1) * QBLK < K ? (b + 1) * QBLK : K;
 
             for (int k = b * QBLK; k < k1; k++)
-                o[k] = dsv4_fp8_e4m3_table[w[k]] * s;
+                o[k] = dsv4_fp8_e4m3_table[r.w[k]] * s;
         }
         break;
     }
-    case DSV4_WFMT_FP4: {
-        const uint8_t *w = (const uint8_t *)W->w + (int64_t)n * (K / 2);
-        const uint8_t *sc = W->scale + (int64_t)n * (K / 32);
-
+    case DSV4_WFMT_FP4:
         for (int g = 0; g < K / 32; g++) {
-            float s = dsv4_e8m0_to_f32(sc[g]);
+            float s = dsv4_e8m0_to_f32(r.sc[g]);
 
             for (int k = g * 32; k < g * 32 + 32; k += 2) {
-                uint8_t byte = w[k / 2];
+                uint8_t byte = r.w[k / 2];
 
                 o[k] = dsv4_fp4_table[byte & 0x0f] * s;
                 o[k + 1] = dsv4_fp4_table[byte >> 4] * s;
             }
         }
-        break;
-    }
-    }
-}
-
-/* The weight and scale bytes of row n of W (what decode_row reads), checked. */
-static void
-check_row(const struct dsv4_linear *W, int n)
-{
-    int K = W->n_in;
-
-    switch (W->fmt) {
-    case DSV4_WFMT_BF16:
-        cpu_check_range((const uint16_t *)W->w + (int64_t)n * K, (size_t)K * 2);
-        break;
-    case DSV4_WFMT_FP8:
-        cpu_check_range((const uint8_t *)W->w + (int64_t)n * K, (size_t)K);
-        cpu_check_range(W->scale + (int64_t)(n / QBLK) * ((K + QBLK - 1) / QBLK),
-                        (size_t)(K + QBLK - 1) / QBLK);
-        break;
-    case DSV4_WFMT_FP4:
-        cpu_check_range((const uint8_t *)W->w + (int64_t)n * (K / 2), (size_t)K / 2);
-        cpu_check_range(W->scale + (int64_t)n * (K / 32), (size_t)K / 32);
         break;
     }
 }
@@ -264,10 +265,12 @@ cpu_lin_decode(float *wbuf, const struct dsv4_linear *W, int n0, int n1)
     assert(n1 - n0 <= CPU_LIN_NB);
     for (int n = n0; n < n1; n++) {
         float *o = wbuf + (int64_t)(n - n0) * K;
+        struct wrow r = weight_row(W, n);
 
         cpu_check_range(o, (size_t)K * sizeof(float));
-        check_row(W, n);
-        decode_row(o, W, n);
+        cpu_check_range(r.w, r.wbytes);
+        cpu_check_range(r.sc, r.sbytes);
+        decode_row(o, W->fmt, K, r);
     }
 }
 

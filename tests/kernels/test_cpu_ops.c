@@ -14,6 +14,7 @@
  * E8M0 scales) from random real values with block-dependent magnitudes, so a
  * wrong scale index or nibble order is far outside any tolerance.
  */
+#include <fcntl.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -22,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
