@@ -191,22 +191,35 @@ if [ "${KILL:-0}" = 1 ]; then
     survivor=$(grep "decode@0 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     nc=$(grep -c 'decode/0: communicator of epoch .* sent' "$OUT/launch.log")
     nr=$(grep -c "decode@$kr NOTIFY READY=1" "$D/notify.log")
-    tk=$(date +%s.%N) tready=""
-    kill -9 "$victim"
-    echo "kill -9 decode@$kr (pid $victim)"
-    # serving again: the restarted rank is READY, then the group's next
-    # communicator (scheduler: "group decode/0: communicator of epoch N sent")
-    for i in $(seq 1 1200); do
-        if [ -z "$tready" ] && [ "$(grep -c "decode@$kr NOTIFY READY=1" "$D/notify.log")" -gt "$nr" ]; then
-            tready=$(date +%s.%N)
-        fi
-        [ "$GPUS" = 1 ] && [ -n "$tready" ] && break
-        [ "$(grep -c 'decode/0: communicator of epoch .* sent' "$OUT/launch.log")" -gt "$nc" ] && break
-        sleep 0.05
-    done
-    tr=$(date +%s.%N)
+    tk=$(date +%s.%N) tready="" tr="" killed=0
+    # a rank that is already gone (a set that did not come up) gives no
+    # figure: the wait below would time out and report its own length
+    if [ -n "$victim" ] && kill -9 "$victim"; then
+        killed=1
+        echo "kill -9 decode@$kr (pid $victim)"
+        # serving again: the restarted rank is READY, then the group's next
+        # communicator (scheduler: "group decode/0: communicator of epoch N sent")
+        for i in $(seq 1 1200); do
+            if [ -z "$tready" ] && [ "$(grep -c "decode@$kr NOTIFY READY=1" "$D/notify.log")" -gt "$nr" ]; then
+                tready=$(date +%s.%N)
+            fi
+            if { [ "$GPUS" = 1 ] && [ -n "$tready" ]; } ||
+                [ "$(grep -c 'decode/0: communicator of epoch .* sent' "$OUT/launch.log")" -gt "$nc" ]; then
+                tr=$(date +%s.%N)
+                break
+            fi
+            sleep 0.05
+        done
+    else
+        echo "kill -9 decode@$kr: no running process (pid '${victim}'), nothing killed"
+    fi
     [ -n "$tready" ] && echo "kill -9 to the restarted decode@$kr READY: $(python3 -c "print(round($tready - $tk, 2))") s"
-    echo "kill -9 to group re-formed (serving again): $(python3 -c "print(round($tr - $tk, 2))") s"
+    if [ -n "$tr" ]; then
+        echo "kill -9 to group re-formed (serving again): $(python3 -c "print(round($tr - $tk, 2))") s"
+    else
+        [ $killed = 1 ] && echo "kill -9: the group did not serve again within 60 s"
+        rc=1
+    fi
     now0=$(grep "decode@0 START" "$D/notify.log" | tail -1 | sed 's/.*pid=\([0-9]*\).*/\1/')
     [ "$now0" = "$survivor" ] && kept=yes || kept="NO (pid $survivor -> $now0)"
     [ "$GPUS" -gt 1 ] && echo "survivor decode@0 kept its process: $kept"

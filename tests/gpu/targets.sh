@@ -145,6 +145,13 @@ if kill:
     rows.append(("kill -9 of a decode rank under C=16: serving again",
                  f"{kill.group(1)} s; survivor kept: {kept.group(1) if kept else 'n/a'}; {lost}",
                  "no request lost", "—", "—"))
+elif "kill -9 decode@" in log or "kill -9:" in log:
+    # asked for, but no figure (the rank was not running, or the group did
+    # not serve again within service.sh's wait): say so instead of a time
+    why = re.search(r"kill -9(?: decode@\d+)?: (.*)", log)
+    rows.append(("kill -9 of a decode rank under C=16: serving again",
+                 "no figure: " + (why.group(1) if why else "see service.txt"),
+                 "no request lost", "—", "—"))
 if mtp:
     mt = os.path.join(out, "mtp")
     m1, m16 = run(os.path.join(mt, "bench.json")), run(os.path.join(mt, "bench2.json"))
