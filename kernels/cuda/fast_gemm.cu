@@ -2364,17 +2364,6 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
 
     if (T <= 0)
         return DSV4_OK;
-    if (fw_enabled(be) && cuda_fast_gemm4_on()) {   /* FP8 wgmma, opt-in: fast_gemm4.cu */
-        auto group = [](int32_t *g, const int32_t *id, int tk, int ne, int na, int bm,
-                        const struct dsv4_expert_w *tb, int skip, cudaStream_t s) {
-            fg_group_kernel<<<1, 1024, (size_t)3 * ne * sizeof(int32_t), s>>>(g, id, tk, ne, na,
-                                                                              bm, tb, skip,
-                                                                              NULL, 0, NULL, 0);
-        };
-
-        return cuda_fast_gemm4_moe(be, out, parts, x, ids, weights, table, n_table, shared, T,
-                                   k, D, I, lim, group);
-    }
     if (fw_enabled(be))   /* the Hopper path */
         return fw_moe(be, out, parts, x, ids, weights, table, n_table, shared, T, k, D, I, lim);
     st = cuda_stream(be);

@@ -63,31 +63,4 @@ enum dsv4_err cuda_fast_gemm_multi(struct dsv4_backend *be, int n, float *const 
                                    const float *x, const struct dsv4_linear *const *Ws,
                                    const unsigned *flags, int T, int *done);
 
-/*
- * fast_gemm4.cu: the prefill MoE on FP8 wgmma (FP4 weights as e4m3 codes
- * times 2^-6, one k32 step per E8M0 group), opt-in.  1 when switched on
- * (dsv4_cuda_set_gemm4, kernels/cuda_gemm4.h; else the environment:
- * DSV4_CUDA_GEMM4=1, read once); says nothing about the device.
- */
-int cuda_fast_gemm4_on(void);
-
-/*
- * cuda_fast_gemm_moe's contract (kernels/cuda/cuda.cuh) through FP8 wgmma,
- * for callers that hold cuda_fast_gemm_moe_ok on an sm_90 device; the
- * results differ from the bf16 wgmma path's by fp32 rounding order only
- * (each output row depends on its own token row only).  group launches
- * the grouping of fast_gemm.cu (fg_group_kernel's layout: [0] tiles, 3 ints
- * per tile slot of A, then the Tk pick rows; tiles of at most BM rows) on
- * st.
- */
-enum dsv4_err cuda_fast_gemm4_moe(struct dsv4_backend *be, float *out, float *parts,
-                                  const float *x, const int32_t *ids, const float *weights,
-                                  const struct dsv4_expert_w *table, int n_table,
-                                  const struct dsv4_expert_w *shared, int T, int k, int D,
-                                  int I, float lim,
-                                  void (*group)(int32_t *grp, const int32_t *ids, int Tk,
-                                                int E, int A, int BM,
-                                                const struct dsv4_expert_w *table,
-                                                int skip_unheld, cudaStream_t st));
-
 #endif

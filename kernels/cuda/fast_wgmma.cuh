@@ -6,12 +6,11 @@
  * weight-row map of the SwiGLU up tiles and the accumulator operand lists
  * of the wgmma inline assembly.
  *
- * Used by fast_gemm.cu (fg_kernel, fw_kernel), fast_gemm4.cu (f4_kernel)
- * and fast_gemm8.cu (g8_kernel).  Every helper is the exact instruction
- * sequence its users had before; where
+ * Used by fast_gemm.cu (fg_kernel, fw_kernel) and fast_gemm8.cu (g8_kernel).
+ * Every helper is the exact instruction sequence its users had before; where
  * users differ (memory clobber or not, descriptor strides, swizzle mode)
  * the difference is a template parameter or a separately named function.
- * Also the token-tile row maps of fw_kernel and f4_kernel (wg_tile_rows).
+ * Also the token-tile row maps of fw_kernel (wg_tile_rows).
  */
 #ifndef DSV4_KERNELS_CUDA_FAST_WGMMA_CUH
 #define DSV4_KERNELS_CUDA_FAST_WGMMA_CUH
@@ -121,8 +120,9 @@ wg_wrow(int r, int n0, int *is3)
 }
 
 /*
- * The token rows of tile y of an fw_kernel / fwp_kernel / f4_kernel launch
- * (ARGS: fw_args or f4_args, which name these fields alike), written by
+ * The token rows of tile y of an fw_kernel / fwp_kernel launch (ARGS:
+ * fw_args, a template parameter so that other argument structs naming these
+ * fields alike can share it), written by
  * threads t0, t0 + nt, ... (the caller's share of the block).  Routed
  * (a.table != NULL): tile slot y of the grouping (fg_group_kernel's
  * layout); 0 for an idle slot (nothing written); else *L1 = w2 (a.down) or

@@ -98,9 +98,11 @@
  * for BF16), each checked on 48 sampled rows against the exact op on those
  * rows (same bounds as above; a failure prints the first value out of
  * bounds with its token row and column, and the largest difference), run
- * twice for determinism, and timed: TFLOP/s of the products, GB/s of
- * weights + fp32 activations, and the ratio of the op's floor (the larger
- * of FLOPs at 990 TFLOP/s and bytes at 4.3 TB/s) to the time.
+ * twice for determinism (pf_moe / pf_parts on "wgmma" also the timed
+ * graph's last replay against the plain call: the same bits), and timed:
+ * TFLOP/s of the products, GB/s of weights + fp32 activations, and the
+ * ratio of the op's floor (the larger of FLOPs at 990 TFLOP/s and bytes at
+ * 4.3 TB/s) to the time.
  *
  * FP8 x FP8 prefill linear (kernels/cuda/fast_gemm8.cu; BENCH_FAST_ONLY=gemm8
  * runs only these, nothing else): wq_a, wq_b, wq_b/2, wkv, wo_b, wo_b/2
@@ -127,7 +129,6 @@
 #include "kernels/cuda_fast.h"
 #include "kernels/cuda_gemm8.h"
 #include "kernels/cuda_gemm_grouped.h"   /* dsv4_cuda_set_blas */
-#include "kernels/cuda_gemm4.h"
 #include "tests/gpu/gpu_test_util.h"   /* TRY */
 
 #define PEAK_GBS 4300.0      /* DESIGN.md §7: device copy bandwidth per H200 */
@@ -1603,9 +1604,8 @@ linear_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, float *x, const 
 
 static const int pt_lin[] = { 32, 128, 512, 2048, 8192 };
 static const int pt_moe[] = { 64, 256, 512, 1024, 2048 };
-/* paths: dsv4_cuda_set_wgmma(i) for i < 2; 2: the wgmma path with
- * dsv4_cuda_set_gemm4(1) (the FP8 wgmma MoE, fast_gemm4.cu) */
-static const char *const pf_path[3] = { "mma", "wgmma", "gemm4" };
+/* paths: dsv4_cuda_set_wgmma(i) */
+static const char *const pf_path[2] = { "mma", "wgmma" };
 static const int pf_paths_default[2] = { 1, 0 };
 
 /* n = min(T, P_SAMPLE) distinct rows spread over 0 .. T-1 (first and last). */
@@ -1818,10 +1818,11 @@ pf_moe_vs(const struct pf_check *c, const char *an, const float *a, const float 
  * pf_path): x (P_TMOE, D) with host copy xh, routing ids/wts (P_TMOE, k).
  * With np > 1 each path after the first is also compared with the first
  * ("vs <path>": maxrel, identical share; reported), the first P_TIND rows
- * with those of the previous T on the same path (T-indep; a difference
- * fails when the first path is gemm4, whose rows never depend on T) and,
- * for gemm4, the timed graph's last replay with the plain call (fails when
- * not the same bits).
+ * with those of the previous T on the same path (T-indep; reported: below
+ * DSV4_CUDA_MOE_SPLIT tokens the decode MoE takes the call) and, on the
+ * wgmma path, the timed graph's last replay with the plain call (fails when
+ * not the same bits: the Hopper path's rows depend on their own token only,
+ * whatever the order its persistent tiles run in).
  */
 static void
 pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
@@ -1836,7 +1837,7 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
     float *xsh = malloc((size_t)P_SAMPLE * D_MODEL * 4);
     int32_t *sid = malloc((size_t)P_SAMPLE * K_PICKS * 4);
     float *swt = malloc((size_t)P_SAMPLE * K_PICKS * 4);
-    float *first = malloc(nw * 4), *pfirst = malloc(3 * nw * 4), *f0 = malloc(nw * 4);
+    float *first = malloc(nw * 4), *pfirst = malloc(2 * nw * 4), *f0 = malloc(nw * 4);
     float *y = dev_alloc(be, ny * 4), *ys = dev_alloc(be, nw * 4);
     float *xs = dev_alloc(be, (size_t)P_SAMPLE * D_MODEL * 4);
     int32_t *sid_d = dev_alloc(be, (size_t)P_SAMPLE * K_PICKS * 4);
@@ -1902,7 +1903,6 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
             const char *tind = "-";
 
             dsv4_cuda_set_wgmma(path != 0);
-            dsv4_cuda_set_gemm4(path == 2);
             c.path = path;
             /* fast, twice (the sampled tokens' rows), and the first P_TIND tokens' rows */
             TRY("fast moe", op_run(be, &o, T));
@@ -1914,23 +1914,17 @@ pf_moe(struct dsv4_backend *be, struct dsv4_cuda_timer *tm, int parts,
                 int same = memcmp(first, pfirst + pi * nw, (size_t)P_TIND * w * 4) == 0;
 
                 tind = same ? "yes" : "no";
-                if (!same && pp[0] == 2 && pi == 0) {
-                    printf("     %s gemm4 T=%d: the first %d tokens' rows differ from those "
-                           "at T=%d\n", o.name, T, P_TIND, tl[i - 1]);
-                    ty->fail++;
-                }
             }
             memcpy(pfirst + pi * nw, first, (size_t)P_TIND * w * 4);
             if (pi == 0)
                 memcpy(f0, fast, (size_t)n * w * 4);
             pf_report(be, tm, &o, &c, fast, again, ref, (size_t)n * w, tind, ty);
-            if (path == 2)   /* y now holds the timed graph's last replay */
+            if (path == 1)   /* y now holds the timed graph's last replay */
                 pf_moe_replay(be, &c, y, parts, w, fast, again, ty);
             if (pi > 0)
                 pf_moe_vs(&c, pf_path[pp[0]], f0, fast, (size_t)n * w);
         }
         dsv4_cuda_set_wgmma(-1);
-        dsv4_cuda_set_gemm4(-1);
     }
     be->ops->free(be, y);
     be->ops->free(be, ys);
@@ -2191,31 +2185,6 @@ shift_fp4_scales(struct dsv4_backend *be, const struct dsv4_expert_w *experts, i
     }
 }
 
-/* The FP8 wgmma prefill MoE (fast_gemm4.cu; BENCH_FAST_ONLY=gemm4): moe and
- * moe_parts at T = 512, 1024, 2048, gemm4 then fw_kernel ("wgmma").  All
- * three above the decode MoE's share (cuda_fast_moe_takes: T <= 256 by
- * default), so the T-independence check compares gemm4 with itself (with
- * T = 256 it compared gemm4's rows with the decode MoE's and failed). */
-static void
-g4_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
-       const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared,
-       size_t per_expert, size_t shared_bytes, struct tally *ty)
-{
-    static const int g4_t[] = { 512, 1024, 2048 }, g4_paths[] = { 2, 1 };
-    size_t nx = (size_t)P_TMOE * D_MODEL;
-    float *xh = host_normals(nx, 1.0f, 1), *x = dev_upload(be, xh, nx * 4);
-
-    printf("gemm4 (fast_gemm4.cu, FP8 wgmma MoE) against the exact op on %d sampled rows "
-           "and against fw_kernel (\"wgmma\"); T-indep: first %d tokens' rows equal to the "
-           "previous T's (gemm4: failed when not); replay: the timed graph's last call equal "
-           "to the plain call; ratio: floor (max of FLOPs at %.0f TFLOP/s, bytes at %.1f "
-           "TB/s) / time\n", P_SAMPLE, P_TIND, PEAK_TFS, PEAK_GBS / 1e3);
-    pf_moe_both(be, tm, experts, shared, x, xh, per_expert, shared_bytes, g4_t,
-                (int)(sizeof(g4_t) / sizeof(g4_t[0])), g4_paths, 2, ty);
-    be->ops->free(be, x);
-    free(xh);
-}
-
 static void
 prefill_all(struct dsv4_backend *be, struct dsv4_cuda_timer *tm,
             const struct dsv4_expert_w *experts, const struct dsv4_expert_w *shared,
@@ -2311,7 +2280,6 @@ main(int argc, char **argv)
     struct tally ty = { 0 };
     const char *only = getenv("BENCH_FAST_ONLY");
     int only_moe = only != NULL && strcmp(only, "moe") == 0;   /* the decode MoE only */
-    int only_g4 = only != NULL && strcmp(only, "gemm4") == 0;  /* the FP8 wgmma prefill MoE */
     int only_pf = only != NULL && strcmp(only, "prefill") == 0; /* the prefill GEMMs */
     float *xh, *x, *xg, *Xs, *out, *o1, *o2, *wts;
     int32_t *ids;
@@ -2355,7 +2323,7 @@ main(int argc, char **argv)
     /* grouped activations (wo_a): (T, 8 * 4096), not bf16-valued (the op
      * rounds them) */
     xg = dev_normals(be, (size_t)T_MAX * O_GROUPS * D_MODEL, 1.0f, 0);
-    if (!only_moe && !only_g4 && !only_pf) {
+    if (!only_moe && !only_pf) {
         linear_all(be, tm, x, xh, xg, out, &ty);
         lin_multi_bits(be, x, &ty);
     }
@@ -2394,11 +2362,8 @@ main(int argc, char **argv)
     shared.w2 = make_fp8(be, D_MODEL, I_EXPERT);
     shared_bytes = lin_bytes(&shared.w1) + lin_bytes(&shared.w3) + lin_bytes(&shared.w2);
     TRY("register experts", dsv4_cuda_experts_register(be, experts, E_EXPERTS));
-    if (only_g4 || only_pf) {
-        if (only_g4)
-            g4_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
-        else
-            prefill_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
+    if (only_pf) {
+        prefill_all(be, tm, experts, &shared, per_expert, shared_bytes, &ty);
         printf("summary: %d ok, %d failed (BENCH_FAST_ONLY=%s)\n", ty.ok, ty.fail, only);
         dsv4_cuda_experts_release(be, experts);
         dsv4_cuda_timer_destroy(tm);

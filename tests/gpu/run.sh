@@ -44,11 +44,6 @@
 #      (kernels/cuda/fast_gemm8.cu) against the exact op and fw_kernel at
 #      T = 128, 512, 2048 (one line per shape and T: bounds, T-independence,
 #      graph replay, us and TFLOP/s of both, speedup).
-#      BENCH_FAST_ONLY=gemm4 runs only the FP8 wgmma prefill MoE
-#      (kernels/cuda/fast_gemm4.cu, opt-in DSV4_CUDA_GEMM4=1) against the
-#      exact op and fw_kernel ("wgmma") at T = 256, 1024, 2048, moe and
-#      moe_parts: bounds, T-independence, graph replay, us and TFLOP/s of
-#      both, "vs gemm4" (maxrel, identical share of fw_kernel's rows).
 #   8. when tests/model/test_hf is packed: the CUDA backend, exact and fast
 #      kernels, against the
 #      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
@@ -459,7 +454,7 @@ if [ "$ar_rc" != skipped ]; then
 fi
 if [ "$fast_rc" != skipped ]; then
     echo "bench_fast (fast decode kernels): exit $fast_rc"
-    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear |ok   linear quant|ok   mma|ok   quant|info random)|^ok +pf_|^ok .* gemm8 T=|^gemm8|^gemm4|^ok .* graph replay|^ +pf_(moe|parts) .* vs |first value out|differs first at|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
+    grep -E "^(FAIL|summary|bench_fast|prefill|moe cfg|linear |ok   linear quant|ok   mma|ok   quant|info random)|^ok +pf_|^ok .* gemm8 T=|^gemm8|^ok .* graph replay|^ +pf_(moe|parts) .* vs |first value out|differs first at|largest difference|row 0 at|moe selfcheck" "$OUT/fast.log"
 fi
 if [ "$sg16_rc" != skipped ]; then
     echo "bench_fast moe with DSV4_CUDA_FM5_SG16=0: exit $sg16_rc"
