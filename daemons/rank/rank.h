@@ -61,9 +61,13 @@
  *                            reports a collective failure, once: the group
  *                            breaks with every member alive;
  *   DSV4_TEST_JOIN_DELAY_MS  the rank's first communicator join waits N ms
- *                            before it starts (a peer slow to join). */
+ *                            before it starts (a peer slow to join);
+ *   DSV4_TEST_FORWARD_NOMEM  a prefill rank outside a group: its N-th
+ *                            forward call (N >= 1) reports that the device
+ *                            ran out of memory, once. */
 #define RANK_TEST_GROUP_BREAK "DSV4_TEST_GROUP_BREAK"
 #define RANK_TEST_JOIN_DELAY "DSV4_TEST_JOIN_DELAY_MS"
+#define RANK_TEST_FORWARD_NOMEM "DSV4_TEST_FORWARD_NOMEM"
 
 /* --- Options (rank.c) ----------------------------------------------------- */
 
@@ -233,6 +237,8 @@ struct rank {
     struct rank_join *join;     /* communicator join running in its thread, or NULL */
     long test_break;            /* DSV4_TEST_GROUP_BREAK: forward calls left; 0 = off */
     long test_join_delay_ms;    /* DSV4_TEST_JOIN_DELAY_MS, first join only; 0 = off */
+    long test_nomem;            /* DSV4_TEST_FORWARD_NOMEM: prefill forward calls
+                                   left; 0 = off */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;
 };
@@ -343,6 +349,9 @@ void group_broken(struct rank *k, const char *why);
  * here; dsv4_comm_check), else the error: the call's results are garbage
  * and the group is broken. */
 enum dsv4_err group_check(struct rank *k);
+/* The N this rank is given in test-only variable `var` ("ROLE@INDEX:N,...";
+ * logged as a warning when it applies); 0 when unset or not naming it. */
+long rank_test_env(const struct rank *k, const char *var);
 /* Bracket collectives (the watchdog acts only inside). */
 void group_enter(struct rank *k);
 void group_leave(struct rank *k);
@@ -350,7 +359,9 @@ void group_leave(struct rank *k);
  * call; `e` its result): in a group, group_check after a call that
  * succeeded, group_leave, and on failure group_broken.  True when the
  * call's results may be used; false when the group broke (the work is
- * dropped).  Outside a group a failure is fatal ("<fmt ...>: <error>"). */
+ * dropped).  Outside a group a failure is fatal ("<fmt ...>: <error>"); a
+ * prefill call out of device memory is taken care of before
+ * (rank_prefill.c: the rank stays up). */
 bool group_forward_end(struct rank *k, enum dsv4_err e, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Drop the communicator (new epoch, link lost, shutdown); abort_peers:

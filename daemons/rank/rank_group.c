@@ -215,10 +215,8 @@ watch_main(void *arg)
     return NULL;
 }
 
-/* The N of this rank in test-only variable `var` ("ROLE@INDEX:N,..."); 0
- * when unset or not naming this rank. */
-static long
-group_test_env(const struct rank *k, const char *var)
+long
+rank_test_env(const struct rank *k, const char *var)
 {
     const char *v = getenv(var), *p;
     char me[48];
@@ -231,7 +229,7 @@ group_test_env(const struct rank *k, const char *var)
         if (strncmp(p, me, (size_t)n) == 0) {
             long x = strtol(p + n, NULL, 10);
 
-            log_warnx("group_init: test-only %s=%s applies to %s: %ld", var, v, k->name, x);
+            log_warnx("rank_init: test-only %s=%s applies to %s: %ld", var, v, k->name, x);
             return x > 0 ? x : 0;
         }
     }
@@ -246,8 +244,8 @@ group_init(struct rank *k, const struct dsv4_config *cfg)
     (void)cfg;
     if (k->o.group_size <= 1)
         return;
-    k->test_break = group_test_env(k, RANK_TEST_GROUP_BREAK);
-    k->test_join_delay_ms = group_test_env(k, RANK_TEST_JOIN_DELAY);
+    k->test_break = rank_test_env(k, RANK_TEST_GROUP_BREAK);
+    k->test_join_delay_ms = rank_test_env(k, RANK_TEST_JOIN_DELAY);
     if (dsv4_comm_pick(k->o.conf.comm, k->be->name, 1, (int)k->o.group_size) ==
         DSV4_COMM_NONE)
         fatalx("group_init: %s", dsv4_errmsg());

@@ -11,9 +11,11 @@
 #include "rank.h"
 
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "common/log.h"
 
 void
@@ -113,6 +115,34 @@ prefill_job_clear(struct rank *k, int slot)
     j->clean = dsv4_model_seq_reset(k->m, slot) == DSV4_OK;
 }
 
+/*
+ * A forward call of `rows` rows ran out of device memory (the backend's
+ * scratch for a call that size; dsv4_errmsg says which op) on a rank outside
+ * a group.  Nothing else is wrong with the rank, so it stays up: the prompts
+ * of the call go back to the scheduler as NO_MEMORY (it re-runs them, on
+ * another prefill group where there is one, and fails them after its
+ * re-runs) and their slots are reset; smaller calls may still fit.  Fatal
+ * instead, it would fail the same way at every restart and, with the
+ * re-runs, take the rank's start limit and the set down (docs/operations.md
+ * "Troubleshooting").
+ */
+static void
+prefill_nomem(struct rank *k, int n_seqs, int rows)
+{
+    char why[256];
+
+    snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+    log_warnx("prefill_work: forward of %d rows: %s; its %d prompt(s) go back to the "
+              "scheduler", rows, why, n_seqs);
+    for (int s = 0; s < n_seqs; s++) {
+        int slot = k->b_slot[s];
+
+        rank_send_error(k, k->jobs[slot].req, DSV4_STATUS_NO_MEMORY, "%s: no device memory "
+                        "for a forward of %d rows: %s", k->name, rows, why);
+        prefill_job_clear(k, slot);
+    }
+}
+
 /* The prompt in `slot` is through the model and its first token, sampled
  * from its last row, is `tok` (log-probability lp): export, report. */
 static void
@@ -204,6 +234,14 @@ prefill_work(struct rank *k)
      * their prompt use theirs */
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
+    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
+        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
+                         RANK_TEST_FORWARD_NOMEM);
+    if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
+        group_leave(k);
+        prefill_nomem(k, n_seqs, rows);
+        return;
+    }
     if (!group_forward_end(k, e, "prefill_work: forward of %d rows", rows))
         return;
     for (int s = 0; s < n_seqs; s++) {

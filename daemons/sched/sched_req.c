@@ -393,10 +393,11 @@ req_cancel(struct sched *s, struct sched_req *r)
  * rid: a rank of a group left holding a stream would keep it among its
  * runnable requests, and the group's ranks, which agree on the leading run
  * of their sorted runnable lists (daemons/rank/rank_group.c), would never
- * agree on any request again.
+ * agree on any request again.  After SCHED_MAX_RERUNS the request fails
+ * instead, with status `code` ("gave up after N re-runs (<why>)").
  */
 static void
-req_rerun(struct sched *s, struct sched_req *r, const char *why)
+req_rerun(struct sched *s, struct sched_req *r, uint16_t code, const char *why)
 {
     uint64_t old = r->rid;
 
@@ -414,8 +415,7 @@ req_rerun(struct sched *s, struct sched_req *r, const char *why)
         req_hold_clear(s, r, &r->dec);
     }
     if (++r->reruns > SCHED_MAX_RERUNS) {
-        req_fail(s, r, DSV4_STATUS_INTERNAL, "gave up after %u re-runs (%s)",
-            SCHED_MAX_RERUNS, why);
+        req_fail(s, r, code, "gave up after %u re-runs (%s)", SCHED_MAX_RERUNS, why);
         return;
     }
     s->m.reruns++;
@@ -447,7 +447,7 @@ req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g)
     if (r->pre.g == g) {
         if (r->state == DSV4_REQ_PREFILLING) {
             /* the group's other ranks (if any) get ABORT */
-            req_rerun(s, r, "prefill rank lost");
+            req_rerun(s, r, DSV4_STATUS_INTERNAL, "prefill rank lost");
             return;
         }
         /* HANDOFF: the decode group may still import the exported state; if
@@ -455,7 +455,7 @@ req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g)
         req_hold_clear(s, r, &r->pre);
     }
     if (r->dec.g == g)
-        req_rerun(s, r, "decode rank lost");   /* ABORT to the group's others */
+        req_rerun(s, r, DSV4_STATUS_INTERNAL, "decode rank lost");   /* ABORT to the others */
 }
 
 /* Rank-side error about `r` from group `g`: the rank dropped it. */
@@ -472,8 +472,13 @@ req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint
         return;
     }
     if (r->pre.g == g && r->state == DSV4_REQ_PREFILLING) {
-        if (code == DSV4_STATUS_BUSY || code == DSV4_STATUS_NO_MEMORY) {
-            req_rerun(s, r, "prefill rank busy");   /* ABORT to the group's others */
+        if (code == DSV4_STATUS_NO_MEMORY) {
+            /* a slot's host memory, or device memory for its forward call
+             * (daemons/rank/rank_prefill.c): another try, on the group the
+             * queue picks then */
+            req_rerun(s, r, code, "prefill rank out of memory");
+        } else if (code == DSV4_STATUS_BUSY) {
+            req_rerun(s, r, DSV4_STATUS_INTERNAL, "prefill rank busy");   /* ABORT to the others */
         } else {
             req_hold_clear(s, r, &r->pre);
             req_fail(s, r, code, "prefill: %s", msg);
@@ -483,7 +488,7 @@ req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint
     /* the rank that answered dropped the stream, the group's others may
      * hold it: req_rerun aborts it on every rank of the group */
     if (r->dec.g == g)
-        req_rerun(s, r, "decode rank error");
+        req_rerun(s, r, DSV4_STATUS_INTERNAL, "decode rank error");
 }
 
 int64_t

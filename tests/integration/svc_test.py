@@ -44,6 +44,11 @@ Scenarios:
                   rank alive (GROUP_BROKEN), the scheduler re-forms it and
                   re-runs what it held there, every stream == the
                   single-process forward, no process restarts, no rank death.
+  prefill_nomem   a prefill rank's second forward call reports that the
+                  device ran out of memory (test-only injection): the rank
+                  stays up (same pid, no restart), the prompts of that call
+                  run again (re-run "prefill rank out of memory"), every
+                  stream == the single-process forward, no leaked state.
   mtp             mtp = yes (speculative decoding with the MTP layer, one draft
                   per stream and step): 16 greedy streams through 2 prefill +
                   2 decode ranks == the single-process forward, and the decode
@@ -828,6 +833,41 @@ def sc_group_break():
         check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
 
 
+def sc_prefill_nomem():
+    """A prefill rank's forward call that runs out of device memory (test-only
+    injection, daemons/rank/rank.h): the rank stays up and its prompts run
+    again."""
+    env = {"DSV4_TEST_FORWARD_NOMEM": "prefill@0:2"}
+    svc = Service(n_prefill=1, n_decode=1, env=env)
+    try:
+        # prompts of 3-39 tokens in chunks of 16: the second forward call
+        # holds prompts part-way through, whose slots must start clean again
+        prompts = os.path.join(svc.dir, "pn.txt")
+        make_prompts(prompts, 6, seed=44)
+        ref = reference(svc, prompts, 16)
+        pid = svc.pid("prefill@0")
+        got, rc, err = finish(svc.client(prompts, 16), svc)
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        compare(got, ref, "6 streams across an out-of-memory forward call", err)
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        check(re.search(r"prefill_work: forward of \d+ rows: out of device memory injected "
+                        r"for a test .*go back to the scheduler", text),
+              "the failed forward call was not logged")
+        check(re.search(r"req_rerun: .*\(prefill rank out of memory\)", text),
+              "no re-run after the failed forward call")
+        st = svc.admin.status()
+        check(st["rank_deaths"] == 0 and st["reruns"] >= 1 and st["n_failed"] == 0,
+              "after the failed forward call: %s" % st)
+        check(svc.pid("prefill@0") == pid and svc.count("prefill@0", "READY=1") == 1,
+              "prefill@0 was restarted")
+        svc.check_exits()
+        log("a forward call out of device memory: prefill@0 kept, %d re-run(s), outputs "
+            "equal to the oracle's" % st["reruns"])
+        svc.check_no_leaks()
+    finally:
+        check(svc.stop() == 0, "dsv4-launch did not stop cleanly")
+
+
 def sc_kill_decode():
     kill_during_streams("decode@0")
 
@@ -1353,6 +1393,7 @@ SCENARIOS = {
     "group2": sc_group2,
     "mtp": sc_mtp,
     "group_break": sc_group_break,
+    "prefill_nomem": sc_prefill_nomem,
     "burst": sc_burst,
 }
 

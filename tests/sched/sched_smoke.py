@@ -30,6 +30,11 @@ output.  Scenarios (one per argument, or all):
              took: rank 0 gets ABORT of it, the re-run runs under a new rank-protocol
              id, every request completes with f's tokens and no rank keeps a stream
              (a rank of a group left holding a stream stalls the whole group)
+  prefill_nomem  the prefill rank answers PREFILL with ERROR 503 (no device memory
+             for the forward call): once, and the request runs again and completes
+             with f's tokens; five times (the first run and 4 re-runs), and the
+             request fails with 503 "gave up after 4 re-runs (prefill rank out of
+             memory)"; the client sees nothing of the failed runs
   group_broken  a decode group of two whose communicator breaks mid-stream with both
              ranks alive (GROUP_BROKEN): one re-form under a new epoch, the ranks show
              `joining` until it is out, reports of an old epoch or of the epoch being
@@ -84,6 +89,7 @@ class FakeRank(threading.Thread):
         self.group = index if group is None else group
         self.group_rank, self.group_size = group_rank, group_size
         self.fail_decode = 0            # answer this many DECODEs with an import ERROR
+        self.fail_prefill = 0           # answer this many PREFILLs with ERROR 503
         self.log = []                   # (cmd, req) of DECODE, ABORT, ERROR sent
         self.stop = False
         self.dead = False               # simulate a crash: stop answering
@@ -178,6 +184,13 @@ class FakeRank(threading.Thread):
                 self.joined = b["comm_epoch"]
                 self.heartbeat(s)       # like daemons/rank after a join
         elif cmd == 5:                  # PREFILL
+            if self.fail_prefill > 0:   # like daemons/rank out of device memory
+                self.fail_prefill -= 1
+                self.log.append((15, b["req"]))
+                self.send(s, 15, {"req": b["req"], "code": 503, "message":
+                                  "prefill@%d: no device memory for a forward of %d rows "
+                                  "(test)" % (self.index, len(b["tokens"]))})
+                return
             toks, step = b["tokens"], b.get("step", 0)
             prompt = toks[:len(toks) - step]
             tok = f(sum(prompt), b["seed"], step)
@@ -840,6 +853,35 @@ def setup_group(ctx, build, tmp, fail_decode=0):
     return sc, pre, d0, d1
 
 
+def t_prefill_nomem(ctx, build, tmp):
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    # 1. one ERROR 503: the re-run completes, the client sees only its tokens
+    p = prompts(1)[0]
+    pre.fail_prefill = 1
+    i = submit(cl, p, 7, 10)
+    res = cl.collect([i])
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 7, 10),
+          "after one 503: %s %s" % (res[i]["final"], res[i]["tokens"]))
+    wait_idle(sc)
+    rc, st = sc.ctl("status")
+    check(st["reruns"] == 1 and st["n_failed"] == 0 and st["n_done"] == 1, st)
+    # 2. 503 on the first run and on all 4 re-runs: ERROR 503, the reason named
+    pre.fail_prefill = 5
+    i = submit(cl, p, 8, 10)
+    res = cl.collect([i])
+    fin = res[i]["final"]
+    check(fin[0] == 3 and fin[1]["code"] == 503 and
+          "gave up after 4 re-runs (prefill rank out of memory)" in fin[1]["message"] and
+          res[i]["tokens"] == [], "after five 503s: %s %s" % (fin, res[i]["tokens"]))
+    check(pre.fail_prefill == 0 and len([q for c, q in pre.log if c == 15]) == 6,
+          "ERRORs sent: %s" % pre.log)
+    wait_idle(sc)
+    rc, st = sc.ctl("status")
+    check(st["reruns"] == 5 and st["n_failed"] == 1 and st["rank_deaths"] == 0, st)
+    return sc, [pre, dec]
+
+
 def t_group_error(ctx, build, tmp):
     sc, pre, d0, d1 = setup_group(ctx, build, tmp, fail_decode=1)
     cl = Client(ctx, sc.ep["client"])
@@ -945,7 +987,7 @@ def t_group_broken(ctx, build, tmp):
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
-         "malformed": t_malformed,
+         "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
 
