@@ -120,7 +120,7 @@ prefill_job_clear(struct rank *k, int slot)
  * scratch for a call that size; dsv4_errmsg says which op) on a rank outside
  * a group.  Nothing else is wrong with the rank, so it stays up: the prompts
  * of the call go back to the scheduler as NO_MEMORY (it re-runs them, on
- * another prefill group where there is one, and fails them after its
+ * another prefill group while one is usable, and fails them after its
  * re-runs) and their slots are reset; smaller calls may still fit.  Fatal
  * instead, it would fail the same way at every restart and, with the
  * re-runs, take the rank's start limit and the set down (docs/operations.md

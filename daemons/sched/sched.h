@@ -149,6 +149,9 @@ struct sched_req {
     char *tag;                       /* NULL = none */
     int64_t t_recv_ms, deadline_ms;  /* deadline 0 = none */
     uint32_t reruns;
+    uint32_t avoid_pre;              /* 1 + id of the prefill group that last answered
+                                        it with NO_MEMORY: its re-runs go to another
+                                        prefill group while one is usable; 0 = none */
 
     /* What to compute. */
     int32_t *prompt;
@@ -313,10 +316,16 @@ struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role r
  * while at least burst_free decode slots are free beside it (capacity minus
  * load of the usable decode groups that may share a GPU with it): the
  * prompts' prefill, not decode, is then what holds the service back.
- * Without burst groups this is queue_pick(DSV4_ROLE_PREFILL).
+ * Without burst groups this is queue_pick(DSV4_ROLE_PREFILL).  `skip`
+ * (NULL: none) is left out as if it were not registered.
  */
 struct sched_group *queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx,
-    uint32_t burst_streams, uint32_t burst_free);
+    uint32_t burst_streams, uint32_t burst_free, const struct sched_group *skip);
+
+/* Whether a prefill group other than `skip` is usable (complete, ready, not
+ * drained) for a prompt needing `ctx` positions, busy or not. */
+bool queue_prefill_usable_besides(struct sched_group_list *groups,
+    const struct sched_group *skip, uint32_t ctx);
 
 /*
  * Whether groups a and b may run on a common GPU: false only when every

@@ -146,7 +146,7 @@ burst_beside(struct sched_group_list *groups, const struct sched_group *b, uint3
 
 struct sched_group *
 queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst_streams,
-    uint32_t burst_free)
+    uint32_t burst_free, const struct sched_group *skip)
 {
     /* [0] plain, [1] burst with at most burst_streams beside it, [2] any
      * burst, [3] burst with at least burst_free free decode slots beside it */
@@ -155,7 +155,7 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
     uint32_t streams, idle;
 
     TAILQ_FOREACH(g, groups, entry) {
-        if (g->role != DSV4_ROLE_PREFILL)
+        if (g->role != DSV4_ROLE_PREFILL || g == skip)
             continue;
         if (!g->burst && group_usable(g) && g->max_ctx >= ctx)
             plain_usable = true;
@@ -183,6 +183,19 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
     if (plain_usable)
         return best[3];
     return best[2];
+}
+
+bool
+queue_prefill_usable_besides(struct sched_group_list *groups, const struct sched_group *skip,
+    uint32_t ctx)
+{
+    const struct sched_group *g;
+
+    TAILQ_FOREACH(g, groups, entry) {
+        if (g->role == DSV4_ROLE_PREFILL && g != skip && group_usable(g) && g->max_ctx >= ctx)
+            return true;
+    }
+    return false;
 }
 
 bool
@@ -284,7 +297,7 @@ queue_dispatch(struct sched *s)
     while ((r = TAILQ_FIRST(&s->queue)) != NULL) {
         uint32_t ctx = r->n_prompt + r->max_tokens;
         uint32_t pctx = r->n_prompt + r->n_out + 1;
-        struct sched_group *d, *p;
+        struct sched_group *d, *p, *skip;
         enum dsv4_transport t;
         int slot;
 
@@ -297,9 +310,20 @@ queue_dispatch(struct sched *s)
         }
         if ((d = queue_pick(&s->groups, DSV4_ROLE_DECODE, ctx, DSV4_TRANSPORT_NONE)) == NULL)
             return;
+        /* a re-run after NO_MEMORY from a prefill group: another group, or
+         * wait for one, unless that group is the only one usable */
+        skip = NULL;
+        if (r->avoid_pre != 0) {
+            TAILQ_FOREACH(p, &s->groups, entry) {
+                if (p->role == DSV4_ROLE_PREFILL && p->id == r->avoid_pre - 1)
+                    skip = p;
+            }
+            if (skip != NULL && !queue_prefill_usable_besides(&s->groups, skip, pctx))
+                skip = NULL;
+        }
         if ((p = queue_pick_prefill(&s->groups, pctx,
                  (uint32_t)s->cfg.file.burst_streams,
-                 (uint32_t)s->cfg.file.burst_free_slots)) == NULL)
+                 (uint32_t)s->cfg.file.burst_free_slots, skip)) == NULL)
             return;
         if ((t = queue_transport(p, d)) == DSV4_TRANSPORT_NONE) {
             log_warnx("queue_dispatch: prefill group %u and decode group %u share no KV "

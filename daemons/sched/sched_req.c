@@ -474,8 +474,9 @@ req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint
     if (r->pre.g == g && r->state == DSV4_REQ_PREFILLING) {
         if (code == DSV4_STATUS_NO_MEMORY) {
             /* a slot's host memory, or device memory for its forward call
-             * (daemons/rank/rank_prefill.c): another try, on the group the
-             * queue picks then */
+             * (daemons/rank/rank_prefill.c): another try, on another prefill
+             * group where one is usable (queue_dispatch) */
+            r->avoid_pre = g->id + 1;
             req_rerun(s, r, code, "prefill rank out of memory");
         } else if (code == DSV4_STATUS_BUSY) {
             req_rerun(s, r, DSV4_STATUS_INTERNAL, "prefill rank busy");   /* ABORT to the others */

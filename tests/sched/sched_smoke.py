@@ -34,7 +34,8 @@ output.  Scenarios (one per argument, or all):
              for the forward call): once, and the request runs again and completes
              with f's tokens; five times (the first run and 4 re-runs), and the
              request fails with 503 "gave up after 4 re-runs (prefill rank out of
-             memory)"; the client sees nothing of the failed runs
+             memory)"; the client sees nothing of the failed runs; with a second
+             prefill group the re-run goes there
   group_broken  a decode group of two whose communicator breaks mid-stream with both
              ranks alive (GROUP_BROKEN): one re-form under a new epoch, the ranks show
              `joining` until it is out, reports of an old epoch or of the epoch being
@@ -90,7 +91,7 @@ class FakeRank(threading.Thread):
         self.group_rank, self.group_size = group_rank, group_size
         self.fail_decode = 0            # answer this many DECODEs with an import ERROR
         self.fail_prefill = 0           # answer this many PREFILLs with ERROR 503
-        self.log = []                   # (cmd, req) of DECODE, ABORT, ERROR sent
+        self.log = []                   # (cmd, req) of PREFILL, DECODE, ABORT, ERROR sent
         self.stop = False
         self.dead = False               # simulate a crash: stop answering
         self.streams = {}               # decode: req -> state
@@ -184,6 +185,7 @@ class FakeRank(threading.Thread):
                 self.joined = b["comm_epoch"]
                 self.heartbeat(s)       # like daemons/rank after a join
         elif cmd == 5:                  # PREFILL
+            self.log.append((5, b["req"]))
             if self.fail_prefill > 0:   # like daemons/rank out of device memory
                 self.fail_prefill -= 1
                 self.log.append((15, b["req"]))
@@ -879,7 +881,23 @@ def t_prefill_nomem(ctx, build, tmp):
     wait_idle(sc)
     rc, st = sc.ctl("status")
     check(st["reruns"] == 5 and st["n_failed"] == 1 and st["rank_deaths"] == 0, st)
-    return sc, [pre, dec]
+    # 3. a second prefill group: the re-run goes there, not back to prefill@0
+    # (which, the least loaded with the lower id, takes the first run)
+    pre1 = FakeRank(ctx, sc.ep["rank"], "prefill", 1, capacity=2)
+    pre1.start()
+    wait_ranks(sc, 3)
+    n0 = len(pre.log)
+    pre.fail_prefill = 1
+    i = submit(cl, p, 9, 10)
+    res = cl.collect([i])
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 9, 10),
+          "with a second prefill group: %s %s" % (res[i]["final"], res[i]["tokens"]))
+    got0 = [q for c, q in pre.log[n0:] if c == 5]
+    got1 = [q for c, q in pre1.log if c == 5]
+    check(len(got0) == 1 and len(got1) == 1 and got1[0] != got0[0],
+          "PREFILLs: prefill@0 %s, prefill@1 %s" % (got0, got1))
+    wait_idle(sc)
+    return sc, [pre, pre1, dec]
 
 
 def t_group_error(ctx, build, tmp):

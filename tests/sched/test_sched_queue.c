@@ -123,39 +123,81 @@ test_pick_burst(void **state)
     d0 = mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 16, 1000);
     p0 = mkgroup(&l, &k[1], DSV4_ROLE_PREFILL, 0, 1, 1000);
     /* without burst groups: queue_pick's answer */
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     pb = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 1, 1, 1000);
     pb->burst = true;
     /* idle: the burst group, though p0 has the lower id */
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     /* one stream decoding: past burst_streams 0, within 1 */
     d0->load = 1;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 1, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 1, 0, NULL), pb);
     /* busy burst group while idle: the plain one */
     d0->load = 0;
     pb->load = 1;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     /* busy decode, plain group full: wait (NULL), not the burst group */
     pb->load = 0;
     d0->load = 5;
     p0->load = 1;
-    assert_null(queue_pick_prefill(&l, 10, 0, 0));
+    assert_null(queue_pick_prefill(&l, 10, 0, 0, NULL));
     /* ...but with the plain group drained, dead or too short, the burst one */
     k[1].drain = true;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     k[1].drain = false;
     k[1].state = DSV4_RANK_STATE_DEAD;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     k[1].state = DSV4_RANK_STATE_READY;
-    assert_ptr_equal(queue_pick_prefill(&l, 2000, 0, 0), NULL);
+    assert_ptr_equal(queue_pick_prefill(&l, 2000, 0, 0, NULL), NULL);
     p0->max_ctx = 500;
     pb->max_ctx = 2000;
-    assert_ptr_equal(queue_pick_prefill(&l, 1500, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 1500, 0, 0, NULL), pb);
     /* two plain groups, busy decode: the least loaded plain one */
     p1 = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 2, 1, 2000);
     p0->max_ctx = 2000;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p1);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p1);
+    freegroups(&l);
+}
+
+/* A re-run after NO_MEMORY (queue_pick_prefill's skip): the prefill group
+ * that failed is left out while another one is usable (the caller waits for
+ * it when it is busy), and queue_prefill_usable_besides says when none is. */
+static void
+test_pick_skip(void **state)
+{
+    struct sched_group_list l;
+    struct sched_rank k[4];
+    struct sched_group *p0, *p1, *pb;
+
+    (void)state;
+    TAILQ_INIT(&l);
+    mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 16, 1000);
+    p0 = mkgroup(&l, &k[1], DSV4_ROLE_PREFILL, 0, 1, 1000);
+    /* the only prefill group: nothing else usable, so the caller takes it */
+    assert_null(queue_pick_prefill(&l, 10, 0, 0, p0));
+    assert_false(queue_prefill_usable_besides(&l, p0, 10));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
+    /* a second plain group: taken instead of p0, though p0 has the lower id */
+    p1 = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 1, 1, 1000);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, p0), p1);
+    assert_true(queue_prefill_usable_besides(&l, p0, 10));
+    /* p1 busy: wait for it (NULL) while it is usable */
+    p1->load = 1;
+    assert_null(queue_pick_prefill(&l, 10, 0, 0, p0));
+    assert_true(queue_prefill_usable_besides(&l, p0, 10));
+    /* p1 drained or too short: not usable, so p0 again */
+    k[2].drain = true;
+    assert_false(queue_prefill_usable_besides(&l, p0, 10));
+    k[2].drain = false;
+    assert_false(queue_prefill_usable_besides(&l, p0, 2000));
+    /* an idle burst group beside a skipped plain one: the burst group; the
+     * skipped burst group leaves the plain one */
+    p1->load = 0;
+    pb = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 2, 1, 1000);
+    pb->burst = true;
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, p0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, pb), p0);
     freegroups(&l);
 }
 
@@ -178,22 +220,22 @@ test_pick_burst_free(void **state)
     pb->burst = true;
     /* 12 streams decode (4 slots free); the plain group has room: it */
     d0->load = 12;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1), p0);
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 4), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1, NULL), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 4, NULL), p0);
     /* the plain group busy: off (0) waits, 1..4 take the burst group, 5 waits */
     p0->load = 1;
-    assert_null(queue_pick_prefill(&l, 10, 0, 0));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1), pb);
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 4), pb);
-    assert_null(queue_pick_prefill(&l, 10, 0, 5));
+    assert_null(queue_pick_prefill(&l, 10, 0, 0, NULL));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1, NULL), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 4, NULL), pb);
+    assert_null(queue_pick_prefill(&l, 10, 0, 5, NULL));
     /* the burst group busy too, or too short for the prompt: wait */
     pb->load = 1;
-    assert_null(queue_pick_prefill(&l, 10, 0, 1));
+    assert_null(queue_pick_prefill(&l, 10, 0, 1, NULL));
     pb->load = 0;
-    assert_null(queue_pick_prefill(&l, 2000, 0, 1));
+    assert_null(queue_pick_prefill(&l, 2000, 0, 1, NULL));
     /* a drained decode group's slots do not count */
     k[0].drain = true;
-    assert_null(queue_pick_prefill(&l, 10, 0, 1));
+    assert_null(queue_pick_prefill(&l, 10, 0, 1, NULL));
     k[0].drain = false;
     /* nor do those of a decode group on another GPU: d0 (4 free) on GPU-a,
      * the burst group beside a full d1 on GPU-b */
@@ -203,14 +245,14 @@ test_pick_burst_free(void **state)
     d1 = mkgroup(&l, &k[3], DSV4_ROLE_DECODE, 1, 16, 1000);
     strcpy(k[3].device, "GPU-b");
     d1->load = 16;
-    assert_null(queue_pick_prefill(&l, 10, 0, 1));
+    assert_null(queue_pick_prefill(&l, 10, 0, 1, NULL));
     d1->load = 15;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1), pb);    /* one slot free on GPU-b */
-    assert_null(queue_pick_prefill(&l, 10, 0, 2));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 15, 0), pb);   /* burst_streams: idle enough */
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 1, NULL), pb);    /* one slot free on GPU-b */
+    assert_null(queue_pick_prefill(&l, 10, 0, 2, NULL));
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 15, 0, NULL), pb);   /* burst_streams: idle enough */
     /* with its GPU idle the burst group serves whatever burst_free says */
     d1->load = 0;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     freegroups(&l);
 }
 
@@ -240,25 +282,25 @@ test_pick_burst_gpus(void **state)
     assert_true(queue_groups_share_gpu(d0, p0));
     /* the busy decode group is on the other GPU: the burst group serves */
     d0->load = 5;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     /* a stream beside it: the plain group */
     d1->load = 1;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 1, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 1, 0, NULL), pb);
     /* a rank that did not say its device may be on any GPU: it counts */
     d1->load = 0;
     k[0].device[0] = '\0';
     assert_true(queue_groups_share_gpu(d0, pb));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     strcpy(k[0].device, "GPU-a");
     k[3].device[0] = '\0';
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     strcpy(k[3].device, "GPU-b");
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     /* ... and so does a group with a rank missing */
     d0->size = 2;
     assert_true(queue_groups_share_gpu(d0, pb));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     /* two-rank groups share a GPU when any device is in both */
     d0->ranks[1] = &k[4];
     d0->n_ranks = 2;
@@ -266,11 +308,11 @@ test_pick_burst_gpus(void **state)
     k[4].state = DSV4_RANK_STATE_READY;
     strcpy(k[4].device, "GPU-c");
     assert_false(queue_groups_share_gpu(d0, pb));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     strcpy(k[4].device, "GPU-b");
     assert_true(queue_groups_share_gpu(d0, pb));
     assert_true(queue_groups_share_gpu(pb, d0));
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     strcpy(k[4].device, "GPU-c");
     /* two burst groups: the one beside idle GPUs, though the other has the
      * lower id; with both busy, the plain group */
@@ -279,12 +321,12 @@ test_pick_burst_gpus(void **state)
     pa->burst = true;
     strcpy(k[5].device, "GPU-a");
     p0->id = 2;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), pb);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), pb);
     d1->load = 3;
-    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0), p0);
+    assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     /* no plain group usable: a busy burst group rather than none */
     k[2].drain = true;
-    g = queue_pick_prefill(&l, 10, 0, 0);
+    g = queue_pick_prefill(&l, 10, 0, 0, NULL);
     assert_true(g == pa || g == pb);
     assert_ptr_equal(g, pa);   /* the lower id on equal loads */
     k[2].drain = false;
@@ -483,6 +525,7 @@ main(void)
         cmocka_unit_test(test_pick_burst),
         cmocka_unit_test(test_pick_burst_gpus),
         cmocka_unit_test(test_pick_burst_free),
+        cmocka_unit_test(test_pick_skip),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_proto_additions),
         cmocka_unit_test(test_handoff_hist),
