@@ -254,6 +254,9 @@ void rank_send_error(struct rank *k, uint64_t req, uint16_t code, const char *fm
 void rank_send_ref(struct rank *k, int cmd, uint64_t req);
 /* Requests this rank holds now (HEARTBEAT `active`, drain). */
 uint32_t rank_active(const struct rank *k);
+/* The N this rank is given in test-only variable `var` ("ROLE@INDEX:N,...";
+ * logged as a warning when it applies); 0 when unset or not naming it. */
+long rank_test_env(const struct rank *k, const char *var);
 /* Sampling parameters of one row from protocol sampling + step. */
 void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
     uint64_t step);
@@ -349,9 +352,6 @@ void group_broken(struct rank *k, const char *why);
  * here; dsv4_comm_check), else the error: the call's results are garbage
  * and the group is broken. */
 enum dsv4_err group_check(struct rank *k);
-/* The N this rank is given in test-only variable `var` ("ROLE@INDEX:N,...";
- * logged as a warning when it applies); 0 when unset or not naming it. */
-long rank_test_env(const struct rank *k, const char *var);
 /* Bracket collectives (the watchdog acts only inside). */
 void group_enter(struct rank *k);
 void group_leave(struct rank *k);

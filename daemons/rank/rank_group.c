@@ -215,27 +215,6 @@ watch_main(void *arg)
     return NULL;
 }
 
-long
-rank_test_env(const struct rank *k, const char *var)
-{
-    const char *v = getenv(var), *p;
-    char me[48];
-    int n;
-
-    if (v == NULL)
-        return 0;
-    n = snprintf(me, sizeof(me), "%s:", k->name);
-    for (p = v; p != NULL; p = strchr(p, ',') != NULL ? strchr(p, ',') + 1 : NULL) {
-        if (strncmp(p, me, (size_t)n) == 0) {
-            long x = strtol(p + n, NULL, 10);
-
-            log_warnx("rank_init: test-only %s=%s applies to %s: %ld", var, v, k->name, x);
-            return x > 0 ? x : 0;
-        }
-    }
-    return 0;
-}
-
 void
 group_init(struct rank *k, const struct dsv4_config *cfg)
 {
