@@ -297,6 +297,10 @@ void queue_remove(struct sched *s, struct sched_req *r);
  * `transport`?  (Ready, not draining, load below capacity, ctx fits.) */
 bool queue_group_fits(const struct sched_group *g, uint32_t ctx, enum dsv4_transport t);
 
+/* The group of `role` numbered `id`, or NULL. */
+struct sched_group *queue_group_find(struct sched_group_list *groups, enum dsv4_role role,
+    uint32_t id);
+
 /* The least loaded group of `role` that fits, lowest id on ties; NULL. */
 struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role role,
     uint32_t ctx, enum dsv4_transport t);

@@ -91,6 +91,18 @@ group_before(const struct sched_group *g, const struct sched_group *best)
 }
 
 struct sched_group *
+queue_group_find(struct sched_group_list *groups, enum dsv4_role role, uint32_t id)
+{
+    struct sched_group *g;
+
+    TAILQ_FOREACH(g, groups, entry) {
+        if (g->role == role && g->id == id)
+            return g;
+    }
+    return NULL;
+}
+
+struct sched_group *
 queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
     enum dsv4_transport t)
 {
@@ -312,15 +324,10 @@ queue_dispatch(struct sched *s)
             return;
         /* a re-run after NO_MEMORY from a prefill group: another group, or
          * wait for one, unless that group is the only one usable */
-        skip = NULL;
-        if (r->avoid_pre != 0) {
-            TAILQ_FOREACH(p, &s->groups, entry) {
-                if (p->role == DSV4_ROLE_PREFILL && p->id == r->avoid_pre - 1)
-                    skip = p;
-            }
-            if (skip != NULL && !queue_prefill_usable_besides(&s->groups, skip, pctx))
-                skip = NULL;
-        }
+        skip = r->avoid_pre != 0 ?
+            queue_group_find(&s->groups, DSV4_ROLE_PREFILL, r->avoid_pre - 1) : NULL;
+        if (skip != NULL && !queue_prefill_usable_besides(&s->groups, skip, pctx))
+            skip = NULL;
         if ((p = queue_pick_prefill(&s->groups, pctx,
                  (uint32_t)s->cfg.file.burst_streams,
                  (uint32_t)s->cfg.file.burst_free_slots, skip)) == NULL)

@@ -61,13 +61,7 @@ rank_by_route(struct sched *s, const struct dsv4_route *route)
 static struct sched_group *
 group_of(struct sched *s, const struct sched_rank *k)
 {
-    struct sched_group *g;
-
-    TAILQ_FOREACH(g, &s->groups, entry) {
-        if (g->role == k->role && g->id == k->group)
-            return g;
-    }
-    return NULL;
+    return queue_group_find(&s->groups, k->role, k->group);
 }
 
 uint32_t
@@ -310,12 +304,10 @@ rank_timers(struct sched *s, int64_t now)
 static struct sched_group *
 group_get(struct sched *s, enum dsv4_role role, uint32_t id)
 {
-    struct sched_group *g;
+    struct sched_group *g = queue_group_find(&s->groups, role, id);
 
-    TAILQ_FOREACH(g, &s->groups, entry) {
-        if (g->role == role && g->id == id)
-            return g;
-    }
+    if (g != NULL)
+        return g;
     if ((g = calloc(1, sizeof(*g))) == NULL)
         return NULL;
     g->role = role;
