@@ -269,8 +269,11 @@ link_welcome(struct rank *k, const struct dsv4_rank_welcome *w)
                    k->o.conf.rank_endpoint, (unsigned)w->heartbeat_ms, (unsigned)w->liveness);
     k->link = RANK_LINK_UP;
     dsv4_liveness_init(&k->live, w->heartbeat_ms, w->liveness, now);
-    sdnotify_status("serving as %s (%d slots%s)", k->name, k->o.slots,
-                    k->o.burst ? ", burst prefill" : "");
+    if (k->o.role == DSV4_ROLE_PREFILL)
+        sdnotify_status("serving as %s (%d slots, %d rows a call%s)", k->name, k->o.slots,
+                        k->o.rows, k->o.burst ? ", burst prefill" : "");
+    else
+        sdnotify_status("serving as %s (%d slots)", k->name, k->o.slots);
     if (!k->notified_ready) {
         sdnotify_ready();
         k->notified_ready = true;
@@ -1199,6 +1202,8 @@ main(int argc, char **argv)
         fatal("main: signalfd");
 
     rank_init_model(&k);
+    if (k.o.role == DSV4_ROLE_PREFILL)
+        prefill_warmup(&k);
     k.wd_interval_ms = (int64_t)(sdnotify_watchdog_interval_us() / 1000);
     k.wd_last_ms = dsv4_now_ms();
     /* The host the scheduler compares to pick shm (same host) or ucx. */

@@ -370,6 +370,11 @@ void group_close(struct rank *k, bool abort_peers);
 
 /* --- rank_prefill.c ------------------------------------------------------------ */
 
+/* Before registering (a rank outside a group): one forward call of o.rows
+ * rows (at most max_seq) to take the backend's working memory now; out of
+ * device memory, o.rows is halved until a call fits (a warning).  Fatal when
+ * not even one row fits or on other errors.  No-op in a group. */
+void prefill_warmup(struct rank *k);
 /* PREFILL: validate, take a job slot, start.  Replies ERROR on refusal. */
 void prefill_start(struct rank *k, const struct dsv4_rank_prefill *p);
 /* True when some job has tokens left to run. */

@@ -17,6 +17,7 @@
 
 #include "common/err.h"
 #include "common/log.h"
+#include "common/sdnotify.h"
 
 void
 prefill_start(struct rank *k, const struct dsv4_rank_prefill *p)
@@ -143,6 +144,75 @@ prefill_nomem(struct rank *k, int n_seqs, int rows)
     }
 }
 
+/* One forward call of batch `b`, sampling each run's last row into
+ * k->out_tok / out_lp with k->sp; DSV4_TEST_FORWARD_NOMEM turns its N-th
+ * call (the start-up warm-up counted) into DSV4_ERR_NOMEM. */
+static enum dsv4_err
+prefill_forward(struct rank *k, const struct dsv4_batch *b)
+{
+    enum dsv4_err e = dsv4_model_forward_sample(k->m, b, k->sp, k->out_tok, k->out_lp);
+
+    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
+        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
+                         RANK_TEST_FORWARD_NOMEM);
+    return e;
+}
+
+/*
+ * Before the rank registers: one forward call of the largest size it will
+ * run (o.rows rows, at most max_seq, one sequence in slot 0), so that the
+ * backend's working memory (the CUDA kernels' scratch, cuBLASLt's copies,
+ * lazily loaded kernels) is taken now and not by the first prompt, and so
+ * that a call that size which does not fit the device is found at start.
+ * Out of device memory, the rows per call are halved and the call tried
+ * again: the rank then serves in smaller calls (a warning says so) instead
+ * of failing every long prompt with 503.  Fatal when not even one row fits
+ * or on any other error.  Ranks in a group skip it (their calls are
+ * collectives; the group forms after registration).
+ */
+void
+prefill_warmup(struct rank *k)
+{
+    int rows = k->o.rows < k->max_seq ? k->o.rows : k->max_seq;
+    int slot = 0;
+    struct dsv4_batch b;
+
+    if (k->o.group_size > 1)
+        return;
+    b.n_seqs = 1;
+    b.slot = &slot;
+    b.tokens = k->b_tok;
+    for (;;) {
+        int64_t t0 = dsv4_now_us();
+        enum dsv4_err e;
+        int32_t n = rows;
+
+        sdnotify_status("warming up: a forward call of %d rows", rows);
+        /* varied tokens, so the router spreads them as a prompt would */
+        for (int i = 0; i < rows; i++)
+            k->b_tok[i] = (int32_t)(((int64_t)i * 7919 + 13) % k->V);
+        b.n_tokens = &n;
+        memset(&k->sp[0], 0, sizeof(k->sp[0]));
+        k->sp[0].temperature = 1.0f;
+        k->sp[0].top_p = 1.0f;
+        e = prefill_forward(k, &b);
+        if (dsv4_model_seq_reset(k->m, slot) != DSV4_OK)
+            fatalx("prefill_warmup: seq_reset: %s", dsv4_errmsg());
+        if (e == DSV4_OK) {
+            log_notice("prefill_warmup: a forward call of %d rows took %.1f ms", rows,
+                       (double)(dsv4_now_us() - t0) / 1e3);
+            break;
+        }
+        if (e != DSV4_ERR_NOMEM || rows == 1)
+            fatalx("prefill_warmup: a forward call of %d rows: %s", rows, dsv4_errmsg());
+        log_warnx("prefill_warmup: a forward call of %d rows: %s; rows per call lowered to %d "
+                  "(prompts longer than that run in several calls)", rows, dsv4_errmsg(),
+                  rows / 2);
+        rows /= 2;
+    }
+    k->o.rows = rows;
+}
+
 /* The prompt in `slot` is through the model and its first token, sampled
  * from its last row, is `tok` (log-probability lp): export, report. */
 static void
@@ -233,10 +303,7 @@ prefill_work(struct rank *k)
     /* every run's last row is sampled on the backend; the runs that finish
      * their prompt use theirs */
     group_enter(k);
-    e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
-    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
-        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
-                         RANK_TEST_FORWARD_NOMEM);
+    e = prefill_forward(k, &b);
     if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
         group_leave(k);
         prefill_nomem(k, n_seqs, rows);

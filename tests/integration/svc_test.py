@@ -44,11 +44,17 @@ Scenarios:
                   rank alive (GROUP_BROKEN), the scheduler re-forms it and
                   re-runs what it held there, every stream == the
                   single-process forward, no process restarts, no rank death.
-  prefill_nomem   a prefill rank's second forward call reports that the
-                  device ran out of memory (test-only injection): the rank
+  prefill_nomem   a prefill rank's second forward call after its start-up
+                  warm-up reports that the device ran out of memory
+                  (test-only injection): the rank
                   stays up (same pid, no restart), the prompts of that call
                   run again (re-run "prefill rank out of memory"), every
                   stream == the single-process forward, no leaked state.
+  prefill_warmup  a prefill rank's start-up warm-up call (256 rows) reports
+                  that the device ran out of memory (test-only injection):
+                  the rank lowers its rows per call to 128 (log, STATUS=),
+                  starts once, and prompts of 150-199 tokens == the
+                  single-process forward.
   mtp             mtp = yes (speculative decoding with the MTP layer, one draft
                   per stream and step): 16 greedy streams through 2 prefill +
                   2 decode ranks == the single-process forward, and the decode
@@ -331,7 +337,10 @@ prefill_chunk = 16
             self.wait_ranks(n_prefill + n_decode)
 
     def wait_notify(self, what):
-        self.nsock.settimeout(WAIT_S * 2)
+        # short waits, so that a set that stopped (a bad configuration) is
+        # reported at once and not after the whole bound
+        self.nsock.settimeout(0.5)
+        end = time.monotonic() + WAIT_S * 2
         while True:
             if self.proc.poll() is not None:
                 raise Fail("dsv4-launch exited with %d before %s; log:\n%s" %
@@ -339,7 +348,9 @@ prefill_chunk = 16
             try:
                 msg = self.nsock.recv(4096).decode()
             except socket.timeout:
-                raise Fail("dsv4-launch never sent " + what + "\n" + self.errlog())
+                if time.monotonic() > end:
+                    raise Fail("dsv4-launch never sent " + what + "\n" + self.errlog())
+                continue
             if what in msg.split("\n"):
                 return
 
@@ -846,7 +857,7 @@ def sc_prefill_nomem():
     """A prefill rank's forward call that runs out of device memory (test-only
     injection, daemons/rank/rank.h): the rank stays up and its prompts run
     again."""
-    env = {"DSV4_TEST_FORWARD_NOMEM": "prefill@0:2"}
+    env = {"DSV4_TEST_FORWARD_NOMEM": "prefill@0:3"}   # the warm-up is call 1
     svc = Service(n_prefill=1, n_decode=1, env=env)
     try:
         # prompts of 3-39 tokens in chunks of 16: the second forward call
@@ -872,6 +883,39 @@ def sc_prefill_nomem():
         svc.check_exits()
         log("a forward call out of device memory: prefill@0 kept, %d re-run(s), outputs "
             "equal to the oracle's" % st["reruns"])
+        svc.check_no_leaks()
+    finally:
+        stop_checked(svc)
+
+
+def sc_prefill_warmup():
+    """A prefill rank's start-up warm-up call that runs out of device memory
+    (test-only injection): the rank halves its rows per call, starts once,
+    and serves prompts longer than the new call size in several calls."""
+    env = {"DSV4_TEST_FORWARD_NOMEM": "prefill@0:1"}
+    svc = Service(n_prefill=1, n_decode=1, extra_conf="prefill.prefill_chunk = 256", env=env)
+    try:
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        check(re.search(r"prefill_warmup: a forward call of 256 rows: out of device memory "
+                        r"injected for a test .*rows per call lowered to 128", text),
+              "the failed warm-up call was not logged")
+        check(re.search(r"prefill_warmup: a forward call of 128 rows took [0-9.]+ ms", text),
+              "no warm-up call of 128 rows")
+        check(svc.count("prefill@0", "STATUS=serving as prefill@0 (1 slots, 128 rows a call)")
+              >= 1, "prefill@0's STATUS= does not say 128 rows a call")
+        check(svc.count("prefill@0", "READY=1") == 1, "prefill@0 started more than once")
+        # prompts of 150-199 tokens: two forward calls each at 128 rows
+        prompts = os.path.join(svc.dir, "pw.txt")
+        make_prompts(prompts, 4, seed=45, lo=150, hi=200)
+        ref = reference(svc, prompts, 16)
+        got, rc, err = finish(svc.client(prompts, 16), svc)
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        compare(got, ref, "4 long prompts after a lowered warm-up", err)
+        st = svc.admin.status()
+        check(st["rank_deaths"] == 0 and st["n_failed"] == 0, "after the warm-up: %s" % st)
+        svc.check_exits()
+        log("warm-up out of device memory: rows per call 256 -> 128, prefill@0 started once, "
+            "4 long prompts equal to the oracle's")
         svc.check_no_leaks()
     finally:
         stop_checked(svc)
@@ -1403,6 +1447,7 @@ SCENARIOS = {
     "mtp": sc_mtp,
     "group_break": sc_group_break,
     "prefill_nomem": sc_prefill_nomem,
+    "prefill_warmup": sc_prefill_warmup,
     "burst": sc_burst,
 }
 
