@@ -1204,6 +1204,8 @@ main(int argc, char **argv)
     rank_init_model(&k);
     if (k.o.role == DSV4_ROLE_PREFILL)
         prefill_warmup(&k);
+    else
+        decode_warmup(&k);
     k.wd_interval_ms = (int64_t)(sdnotify_watchdog_interval_us() / 1000);
     k.wd_last_ms = dsv4_now_ms();
     /* The host the scheduler compares to pick shm (same host) or ucx. */

@@ -477,3 +477,85 @@ decode_reset_before(struct rank *k, uint32_t gen)
         if (k->streams[i].active && k->streams[i].gen < gen)
             decode_end(k, i, DSV4_FINISH_CANCELLED, false);
 }
+
+/* Reset slots 0 .. n-1 after a warm-up call (fatal on failure). */
+static void
+warmup_reset(struct rank *k, int n)
+{
+    for (int s = 0; s < n; s++)
+        if (dsv4_model_seq_reset(k->m, s) != DSV4_OK)
+            fatalx("decode_warmup: seq_reset slot=%d: %s", s, dsv4_errmsg());
+}
+
+/* One warm-up call at batch size n on slots 0 .. n-1 (token ids varied):
+ * a plain step (flags: DSV4_FWD_FULL_INDEXER or 0; logits to `logits`)
+ * or, with speculative decoding, a verify step where every stream has a
+ * draft and the draft step after it.  Fatal on errors. */
+static void
+warmup_call(struct rank *k, int n, unsigned flags, float *logits)
+{
+    enum dsv4_err e;
+
+    for (int s = 0; s < n; s++) {
+        k->b_slot[s] = s;
+        k->b_ntok[s] = 1;
+        k->b_tok[s] = (int32_t)(((int64_t)s * 7919 + 13) % k->V);
+        k->spec_nd[s] = DSV4_SPEC_MAX_DRAFT;   /* 1, as in decode_work_spec */
+        k->spec_draft[s] = (int32_t)(((int64_t)s * 31 + 7) % k->V);
+        memset(&k->sp[s], 0, sizeof(k->sp[s]));
+        k->sp[s].temperature = 1.0f;
+        k->sp[s].top_p = 1.0f;
+    }
+    if (k->mtp) {
+        struct dsv4_spec_batch sb = { .n_seqs = n, .slot = k->b_slot, .last = k->b_tok,
+                                      .n_draft = k->spec_nd, .draft = k->spec_draft };
+
+        e = dsv4_model_spec_verify(k->m, &sb, k->sp, k->out_tok, k->out_lp, k->spec_n, NULL);
+        if (e == DSV4_OK)
+            e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
+    } else {
+        struct dsv4_batch b = { .n_seqs = n, .slot = k->b_slot, .n_tokens = k->b_ntok,
+                                .tokens = k->b_tok };
+
+        e = logits != NULL ? dsv4_model_forward(k->m, &b, logits, flags)
+                           : dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
+    }
+    if (e != DSV4_OK)
+        fatalx("decode_warmup: a step of %d streams%s: %s", n,
+               flags & DSV4_FWD_FULL_INDEXER ? " (indexer scores)" : "", dsv4_errmsg());
+    warmup_reset(k, n);
+}
+
+void
+decode_warmup(struct rank *k)
+{
+    int64_t t0 = dsv4_now_us();
+    int top = k->o.slots;
+    float *logits;
+
+    if (k->o.group_size > 1)
+        return;
+    sdnotify_status("warming up: steps of 1 to %d streams", top);
+    logits = calloc((size_t)top * (size_t)k->V, sizeof(float));
+    if (logits == NULL)
+        fatal("decode_warmup: calloc");
+    for (int n = 1; n <= top; n++) {
+        /* the batch sizes a graph is recorded for, and the largest */
+        if (n > DSV4_GRAPH_MAX_BATCH && n < top)
+            continue;
+        if (k->mtp) {
+            warmup_call(k, n, 0, NULL);
+            continue;
+        }
+        /* contexts up to index_topk compressed entries skip the indexer's
+         * scores and longer ones do not: a graph each */
+        warmup_call(k, n, 0, logits);
+        warmup_call(k, n, DSV4_FWD_FULL_INDEXER, logits);
+    }
+    free(logits);
+    /* the sampler at the largest batch (plain steps sample on the backend) */
+    if (!k->mtp)
+        warmup_call(k, top, 0, NULL);
+    log_notice("decode_warmup: steps of 1 to %d streams%s in %.1f ms", top,
+               k->mtp ? " (verify and draft)" : "", (double)(dsv4_now_us() - t0) / 1e3);
+}

@@ -559,6 +559,7 @@ def sc_greedy16():
         got, rc, err = finish(svc.client(prompts), svc)
         check(rc == 0, "svc_client failed")
         compare(got, ref, "16 concurrent greedy streams", err)
+        check_warmups(svc, 2, 2)
         svc.check_no_leaks()
         # every decode step is reported by the time the ranks are idle: the
         # stream-steps are the tokens the decode ranks emitted, all but the
@@ -578,6 +579,21 @@ def sc_greedy16():
                   for s, n, f, o in r), "step reports: %s" % rep)
     finally:
         stop_checked(svc)
+
+
+def check_warmups(svc, n_prefill, n_decode, mtp=False):
+    """Every rank ran its start-up warm-up (daemons/rank: prefill_warmup,
+    decode_warmup) before it served: a call of 256 rows (the larger of 256
+    and prefill_chunk, at most max_seq) on each prefill rank, steps of 1 to
+    16 streams (slots) on each decode rank."""
+    text = readf(os.path.join(svc.dir, "launch.err"))
+    for i in range(n_prefill):
+        check(re.search(r"prefill/%d: prefill_warmup: a forward call of 256 rows took [0-9.]+ ms"
+                        % i, text), "prefill@%d: no warm-up call" % i)
+    for i in range(n_decode):
+        check(re.search(r"decode/%d: decode_warmup: steps of 1 to 16 streams%s in [0-9.]+ ms" %
+                        (i, re.escape(" (verify and draft)") if mtp else ""), text),
+              "decode@%d: no warm-up steps" % i)
 
 
 def mtp_counters(svc, name):
@@ -650,6 +666,7 @@ def sc_mtp():
         got, rc, err = finish(svc.client(prompts), svc)
         check(rc == 0, "svc_client failed")
         compare(got, ref, "16 greedy streams with MTP drafts", err)
+        check_warmups(svc, 2, 2, mtp=True)
         svc.check_no_leaks()
         # every decode step of a stream after its first had a draft, and a
         # step emits 1 + accepted tokens: a stream of n output tokens (the
