@@ -80,6 +80,7 @@ static const struct cfg_key cfg_keys[] = {
     { "ucx_devices",        STR(ucx_devices) },
     { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
     { "mtp",                ENUM(mtp, cfg_yesno) },
+    { "warmup",             ENUM(warmup, cfg_yesno) },
     { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
     { "kv_cudaipc_cache_mib", INT(kv_cudaipc_cache_mib, 0, 1 << 20) },
     { "cuda_kernels",       ENUM(cuda_kernels, cfg_kernels) },
@@ -139,6 +140,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;
     snprintf(cfg->mtp, sizeof(cfg->mtp), "%s", "no");
+    snprintf(cfg->warmup, sizeof(cfg->warmup), "%s", "yes");
     snprintf(cfg->burst, sizeof(cfg->burst), "%s", "no");
     snprintf(cfg->cuda_kernels, sizeof(cfg->cuda_kernels), "%s", "fast");
     snprintf(cfg->cuda_priority, sizeof(cfg->cuda_priority), "%s", "decode");

@@ -118,6 +118,13 @@ struct dsv4_conf {
                                stream and step ("yes"/"no"; kernels/forward.h
                                "Speculative decoding"); the tokens are those
                                of plain decoding */
+    char warmup[8];         /* [yes] ranks outside a group: before they
+                               register, run the calls they will serve (a
+                               prefill rank one call of its largest size,
+                               halving its rows per call until one fits; a
+                               decode rank a step of each batch size, the
+                               CUDA graphs recorded); "no" starts faster and
+                               leaves it to the first requests */
     char burst[8];          /* [no] prefill ranks: "yes" marks the rank a
                                burst prefill rank (usually one instance:
                                prefill@N.burst = yes, with its own

@@ -1202,7 +1202,9 @@ main(int argc, char **argv)
         fatal("main: signalfd");
 
     rank_init_model(&k);
-    if (k.o.role == DSV4_ROLE_PREFILL)
+    if (strcmp(k.o.conf.warmup, "yes") != 0)
+        log_notice("main: warmup = %s: no warm-up calls", k.o.conf.warmup);
+    else if (k.o.role == DSV4_ROLE_PREFILL)
         prefill_warmup(&k);
     else
         decode_warmup(&k);

@@ -401,7 +401,7 @@ void prefill_reset_before(struct rank *k, uint32_t gen);
  * largest only), each slot reset after, so that the decode graphs are
  * recorded (plain steps with and without the indexer's scores; with mtp the
  * verify and draft steps) and the backend's working memory is taken before
- * the first stream.  Fatal on errors (out of device memory included: the
+ * the first stream; on a backend without graphs one step of `slots`.  Fatal on errors (out of device memory included: the
  * rank could not serve a full batch).  No-op in a group. */
 void decode_warmup(struct rank *k);
 /* DECODE: import the state into a slot, KV_RELEASE, add the stream. */

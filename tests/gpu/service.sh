@@ -30,7 +30,8 @@
 # PREFILL_CHUNK (2048) rows of a prefill call.
 # KILL_BENCH (dsv4-bench options of the load under the kill) and KILL_AFTER
 # (seconds before the kill) size that part; COMM=nccl|cudaipc|auto sets the
-# groups' communicator (the `comm` key; default: the key's default, auto).
+# groups' communicator (the `comm` key; default: the key's default, auto);
+# WARMUP=yes|no sets the `warmup` key (default: the key's default, yes).
 # Writes $OUT/bench.json, the daemons' logs ($OUT/launch.log), the ranks
 # as dsv4ctl --json ranks lists them once up ($OUT/ranks.json), dsv4ctl
 # status before and after, and a line on decode@0's step times (its STATUS=
@@ -94,6 +95,8 @@ max_seq = ${MAX_SEQ:-4096}
 $ckpt
 EOC
 [ -n "${COMM:-}" ] && echo "comm = $COMM" >> "$D/dsv4.conf"
+# WARMUP=no: the ranks skip their start-up warm-up calls (the `warmup` key)
+[ -n "${WARMUP:-}" ] && echo "warmup = $WARMUP" >> "$D/dsv4.conf"
 # MTP=1: speculative decoding with the MTP layer on the decode ranks
 [ "${MTP:-0}" = 1 ] && echo "decode.mtp = yes" >> "$D/dsv4.conf"
 # DISAGG=1: the prefill group on GPUs 0 .. GPUS-1, the decode group on
