@@ -122,9 +122,9 @@ struct dsv4_conf {
                                register, run the calls they will serve (a
                                prefill rank one call of its largest size,
                                halving its rows per call until one fits; a
-                               decode rank a step of each batch size, the
-                               CUDA graphs recorded); "no" starts faster and
-                               leaves it to the first requests */
+                               decode rank a step of `slots` streams); "no"
+                               starts faster and leaves it to the first
+                               requests */
     char burst[8];          /* [no] prefill ranks: "yes" marks the rank a
                                burst prefill rank (usually one instance:
                                prefill@N.burst = yes, with its own

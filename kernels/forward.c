@@ -604,12 +604,6 @@ dsv4_model_abandon_graphs(struct dsv4_model *m)
     graphs_drop(m, 0);
 }
 
-int
-dsv4_model_records_graphs(const struct dsv4_model *m)
-{
-    return m->graphs;
-}
-
 enum dsv4_err
 dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm)
 {

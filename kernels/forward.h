@@ -323,10 +323,6 @@ enum dsv4_err dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm);
  * to destroy; they are leaked (a few MB per batch size) instead. */
 void dsv4_model_abandon_graphs(struct dsv4_model *m);
 
-/* Nonzero when decode steps run as recorded graphs (opts.graphs and a
- * backend that records them, "Decode graphs" above). */
-int dsv4_model_records_graphs(const struct dsv4_model *m);
-
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);
 

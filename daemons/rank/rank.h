@@ -396,13 +396,13 @@ void prefill_reset_before(struct rank *k, uint32_t gen);
 
 /* --- rank_decode.c ---------------------------------------------------------------- */
 
-/* Before registering (a rank outside a group): steps of every batch size
- * from 1 to `slots` on idle slots (those beyond DSV4_GRAPH_MAX_BATCH: the
- * largest only), each slot reset after, so that the decode graphs are
- * recorded (plain steps with and without the indexer's scores; with mtp the
- * verify and draft steps) and the backend's working memory is taken before
- * the first stream; on a backend without graphs one step of `slots`.  Fatal on errors (out of device memory included: the
- * rank could not serve a full batch).  No-op in a group. */
+/* Before registering (a rank outside a group): a step of `slots` streams
+ * on idle slots, reset after (plain: one with the indexer's scores, one
+ * sampled without; with mtp a verify and a draft step), so that the
+ * backend's working memory for a full batch is taken, and its graphs
+ * recorded, before the first stream.  Smaller batches record their graphs
+ * at their first step.  Fatal on errors (out of device memory included:
+ * the rank could not serve a full batch).  No-op in a group. */
 void decode_warmup(struct rank *k);
 /* DECODE: import the state into a slot, KV_RELEASE, add the stream. */
 void decode_start(struct rank *k, const struct dsv4_rank_decode *d);

@@ -531,44 +531,23 @@ decode_warmup(struct rank *k)
 {
     int64_t t0 = dsv4_now_us();
     int top = k->o.slots;
-    bool graphs = dsv4_model_records_graphs(k->m) != 0;
     float *logits;
 
     if (k->o.group_size > 1)
         return;
-    if (!graphs) {
-        /* nothing to record (the cpu backend): the largest step only */
-        sdnotify_status("warming up: a step of %d streams", top);
+    sdnotify_status("warming up: a step of %d streams", top);
+    if (k->mtp) {
         warmup_call(k, top, 0, NULL);
-        log_notice("decode_warmup: a step of %d streams%s in %.1f ms (no graphs to record)",
-                   top, k->mtp ? " (verify and draft)" : "",
-                   (double)(dsv4_now_us() - t0) / 1e3);
-        return;
-    }
-    sdnotify_status("warming up: steps of 1 to %d streams", top);
-    logits = calloc((size_t)top * (size_t)k->V, sizeof(float));
-    if (logits == NULL)
-        fatal("decode_warmup: calloc");
-    for (int n = 1; n <= top; n++) {
-        int64_t t1 = dsv4_now_us();
-
-        /* the batch sizes a graph is recorded for, and the largest */
-        if (n > DSV4_GRAPH_MAX_BATCH && n < top)
-            continue;
-        if (k->mtp) {
-            warmup_call(k, n, 0, NULL);
-        } else {
-            /* contexts up to index_topk compressed entries skip the
-             * indexer's scores and longer ones do not: a graph each */
-            warmup_call(k, n, 0, logits);
-            warmup_call(k, n, DSV4_FWD_FULL_INDEXER, logits);
-        }
-        log_info("decode_warmup: %d streams: %.1f ms", n, (double)(dsv4_now_us() - t1) / 1e3);
-    }
-    free(logits);
-    /* the sampler at the largest batch (plain steps sample on the backend) */
-    if (!k->mtp)
+    } else {
+        /* contexts of more than index_topk compressed entries score them
+         * (their own graph and working memory), then a sampled step */
+        logits = calloc((size_t)top * (size_t)k->V, sizeof(float));
+        if (logits == NULL)
+            fatal("decode_warmup: calloc");
+        warmup_call(k, top, DSV4_FWD_FULL_INDEXER, logits);
+        free(logits);
         warmup_call(k, top, 0, NULL);
-    log_notice("decode_warmup: steps of 1 to %d streams%s in %.1f ms", top,
+    }
+    log_notice("decode_warmup: a step of %d streams%s in %.1f ms", top,
                k->mtp ? " (verify and draft)" : "", (double)(dsv4_now_us() - t0) / 1e3);
 }
