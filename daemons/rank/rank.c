@@ -150,6 +150,18 @@ rank_active(const struct rank *k)
 }
 
 void
+rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs)
+{
+    for (int i = 0; i < n_tok; i++)
+        k->b_tok[i] = (int32_t)(((int64_t)i * 7919 + 13) % k->V);
+    for (int s = 0; s < n_seqs; s++) {
+        memset(&k->sp[s], 0, sizeof(k->sp[s]));
+        k->sp[s].temperature = 1.0f;
+        k->sp[s].top_p = 1.0f;
+    }
+}
+
+void
 rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, uint64_t step)
 {
     p->temperature = s->temperature;

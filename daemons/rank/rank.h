@@ -257,6 +257,10 @@ uint32_t rank_active(const struct rank *k);
 /* The N this rank is given in test-only variable `var` ("ROLE@INDEX:N,...";
  * logged as a warning when it applies); 0 when unset or not naming it. */
 long rank_test_env(const struct rank *k, const char *var);
+/* Inputs of a start-up warm-up call (prefill_warmup, decode_warmup): n_tok
+ * token ids in b_tok, varied so that the router spreads them as a prompt
+ * would, and n_seqs rows of sampling at temperature 1 in sp. */
+void rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs);
 /* Sampling parameters of one row from protocol sampling + step. */
 void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
     uint64_t step);

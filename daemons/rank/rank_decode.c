@@ -478,33 +478,22 @@ decode_reset_before(struct rank *k, uint32_t gen)
             decode_end(k, i, DSV4_FINISH_CANCELLED, false);
 }
 
-/* Reset slots 0 .. n-1 after a warm-up call (fatal on failure). */
-static void
-warmup_reset(struct rank *k, int n)
-{
-    for (int s = 0; s < n; s++)
-        if (dsv4_model_seq_reset(k->m, s) != DSV4_OK)
-            fatalx("decode_warmup: seq_reset slot=%d: %s", s, dsv4_errmsg());
-}
-
-/* One warm-up call at batch size n on slots 0 .. n-1 (token ids varied):
- * a plain step (flags: DSV4_FWD_FULL_INDEXER or 0; logits to `logits`)
- * or, with speculative decoding, a verify step where every stream has a
- * draft and the draft step after it.  Fatal on errors. */
+/* One warm-up call at batch size n on slots 0 .. n-1 (rank_warmup_inputs),
+ * the slots reset after: a plain step (flags: DSV4_FWD_FULL_INDEXER or 0;
+ * logits to `logits`, or sampled when NULL) or, with speculative decoding,
+ * a verify step where every stream has a draft and the draft step after
+ * it.  Fatal on errors. */
 static void
 warmup_call(struct rank *k, int n, unsigned flags, float *logits)
 {
     enum dsv4_err e;
 
+    rank_warmup_inputs(k, n, n);
     for (int s = 0; s < n; s++) {
         k->b_slot[s] = s;
         k->b_ntok[s] = 1;
-        k->b_tok[s] = (int32_t)(((int64_t)s * 7919 + 13) % k->V);
         k->spec_nd[s] = DSV4_SPEC_MAX_DRAFT;   /* 1, as in decode_work_spec */
         k->spec_draft[s] = (int32_t)(((int64_t)s * 31 + 7) % k->V);
-        memset(&k->sp[s], 0, sizeof(k->sp[s]));
-        k->sp[s].temperature = 1.0f;
-        k->sp[s].top_p = 1.0f;
     }
     if (k->mtp) {
         struct dsv4_spec_batch sb = { .n_seqs = n, .slot = k->b_slot, .last = k->b_tok,
@@ -523,7 +512,9 @@ warmup_call(struct rank *k, int n, unsigned flags, float *logits)
     if (e != DSV4_OK)
         fatalx("decode_warmup: a step of %d streams%s: %s", n,
                flags & DSV4_FWD_FULL_INDEXER ? " (indexer scores)" : "", dsv4_errmsg());
-    warmup_reset(k, n);
+    for (int s = 0; s < n; s++)
+        if (dsv4_model_seq_reset(k->m, s) != DSV4_OK)
+            fatalx("decode_warmup: seq_reset slot=%d: %s", s, dsv4_errmsg());
 }
 
 void

@@ -175,26 +175,23 @@ prefill_warmup(struct rank *k)
 {
     int rows = k->o.rows < k->max_seq ? k->o.rows : k->max_seq;
     int slot = 0;
+    int32_t n;
     struct dsv4_batch b;
 
     if (k->o.group_size > 1)
         return;
+    /* a smaller call after a failed one takes a prefix of the same tokens */
+    rank_warmup_inputs(k, rows, 1);
     b.n_seqs = 1;
     b.slot = &slot;
+    b.n_tokens = &n;
     b.tokens = k->b_tok;
     for (;;) {
         int64_t t0 = dsv4_now_us();
         enum dsv4_err e;
-        int32_t n = rows;
 
         sdnotify_status("warming up: a forward call of %d rows", rows);
-        /* varied tokens, so the router spreads them as a prompt would */
-        for (int i = 0; i < rows; i++)
-            k->b_tok[i] = (int32_t)(((int64_t)i * 7919 + 13) % k->V);
-        b.n_tokens = &n;
-        memset(&k->sp[0], 0, sizeof(k->sp[0]));
-        k->sp[0].temperature = 1.0f;
-        k->sp[0].top_p = 1.0f;
+        n = rows;
         e = prefill_forward(k, &b);
         if (dsv4_model_seq_reset(k->m, slot) != DSV4_OK)
             fatalx("prefill_warmup: seq_reset: %s", dsv4_errmsg());

@@ -520,6 +520,19 @@ def compare(got, ref, what, errors=""):
     log("%s: %d streams identical to the single-process forward" % (what, len(got)))
 
 
+def serve_compared(svc, name, n, seed, what, max_tokens=MAX_TOKENS, lo=3, hi=40):
+    """n prompts (make_prompts with seed, lo, hi) in svc.dir/name through
+    the service at once: svc_client must succeed and every stream equal the
+    single-process forward's.  Returns (got, ref)."""
+    prompts = os.path.join(svc.dir, name)
+    make_prompts(prompts, n, seed=seed, lo=lo, hi=hi)
+    ref = reference(svc, prompts, max_tokens)
+    got, rc, err = finish(svc.client(prompts, max_tokens), svc)
+    check(rc == 0, "svc_client failed: " + err[-500:])
+    compare(got, ref, what, err)
+    return got, ref
+
+
 def wait_progress(path, pred, what):
     """Wait until the svc_client progress file satisfies pred(counts)."""
     def ok():
@@ -556,12 +569,7 @@ def step_reports(svc):
 def sc_greedy16():
     svc = Service(n_prefill=2, n_decode=2)
     try:
-        prompts = os.path.join(svc.dir, "p16.txt")
-        make_prompts(prompts, 16, seed=16)
-        ref = reference(svc, prompts)
-        got, rc, err = finish(svc.client(prompts), svc)
-        check(rc == 0, "svc_client failed")
-        compare(got, ref, "16 concurrent greedy streams", err)
+        got, _ = serve_compared(svc, "p16.txt", 16, 16, "16 concurrent greedy streams")
         check_warmups(svc, 2, 2)
         svc.check_no_leaks()
         # every decode step is reported by the time the ranks are idle: the
@@ -665,12 +673,7 @@ def ctl_mtp(svc, counts):
 def sc_mtp():
     svc = Service(n_prefill=2, n_decode=2, extra_conf="decode.mtp = yes")
     try:
-        prompts = os.path.join(svc.dir, "p16.txt")
-        make_prompts(prompts, 16, seed=16)
-        ref = reference(svc, prompts)
-        got, rc, err = finish(svc.client(prompts), svc)
-        check(rc == 0, "svc_client failed")
-        compare(got, ref, "16 greedy streams with MTP drafts", err)
+        _, ref = serve_compared(svc, "p16.txt", 16, 16, "16 greedy streams with MTP drafts")
         check_warmups(svc, 2, 2, mtp=True)
         svc.check_no_leaks()
         # every decode step of a stream after its first had a draft, and a
@@ -857,13 +860,8 @@ def sc_group_break():
         # group breaks mid-work with every rank alive and re-forms.
         # The requests re-run after a break run on the re-formed group, so
         # their output shows that it serves again.
-        prompts = os.path.join(svc.dir, "pb.txt")
-        make_prompts(prompts, 8, seed=33)
-        ref = reference(svc, prompts, 24)
         pids = {n: svc.pid(n) for n in ("prefill@0", "prefill@1", "decode@0", "decode@1")}
-        got, rc, err = finish(svc.client(prompts, 24), svc)
-        check(rc == 0, "svc_client failed: " + err[-500:])
-        compare(got, ref, "8 streams across a break of each group", err)
+        serve_compared(svc, "pb.txt", 8, 33, "8 streams across a break of each group", 24)
         text = readf(os.path.join(svc.dir, "launch.err"))
         for g in ("prefill/0", "decode/0"):
             check(re.search(r"group %s: communicator of epoch \d+ broke" % g, text),
@@ -890,13 +888,8 @@ def sc_prefill_nomem():
     try:
         # prompts of 3-39 tokens in chunks of 16: the second forward call
         # holds prompts part-way through, whose slots must start clean again
-        prompts = os.path.join(svc.dir, "pn.txt")
-        make_prompts(prompts, 6, seed=44)
-        ref = reference(svc, prompts, 16)
         pid = svc.pid("prefill@0")
-        got, rc, err = finish(svc.client(prompts, 16), svc)
-        check(rc == 0, "svc_client failed: " + err[-500:])
-        compare(got, ref, "6 streams across an out-of-memory forward call", err)
+        serve_compared(svc, "pn.txt", 6, 44, "6 streams across an out-of-memory forward call", 16)
         text = readf(os.path.join(svc.dir, "launch.err"))
         check(re.search(r"prefill_work: forward of \d+ rows: out of device memory injected "
                         r"for a test .*go back to the scheduler", text),
@@ -933,12 +926,8 @@ def sc_prefill_warmup():
               >= 1, "prefill@0's STATUS= does not say 128 rows a call")
         check(svc.count("prefill@0", "READY=1") == 1, "prefill@0 started more than once")
         # prompts of 150-199 tokens: two forward calls each at 128 rows
-        prompts = os.path.join(svc.dir, "pw.txt")
-        make_prompts(prompts, 4, seed=45, lo=150, hi=200)
-        ref = reference(svc, prompts, 16)
-        got, rc, err = finish(svc.client(prompts, 16), svc)
-        check(rc == 0, "svc_client failed: " + err[-500:])
-        compare(got, ref, "4 long prompts after a lowered warm-up", err)
+        serve_compared(svc, "pw.txt", 4, 45, "4 long prompts after a lowered warm-up", 16,
+                       lo=150, hi=200)
         st = svc.admin.status()
         check(st["rank_deaths"] == 0 and st["n_failed"] == 0, "after the warm-up: %s" % st)
         svc.check_exits()
