@@ -263,7 +263,17 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
     for (;;) {
         off_t end = lseek(fd, 0, SEEK_END);
 
-        if (end >= (off_t)sr->map_bytes || now_ms() > deadline)
+        if (end > 0 && end != (off_t)sr->map_bytes) {
+            /* sized by a rank with other calls: one size for all */
+            size_t theirs = ((size_t)end - hb) / (size_t)size;
+
+            close(fd);
+            shm_destroy(c);
+            return dsv4_err_set(DSV4_ERR_CONFIG, "comm shm: %s: the ranks' largest calls "
+                                "differ (%zu bytes at rank 0, %zu here)", (const char *)id,
+                                theirs, max_bytes);
+        }
+        if (end > 0 || now_ms() > deadline)
             break;
         usleep(1000);
     }

@@ -149,6 +149,16 @@ rank_active(const struct rank *k)
     return n + k->n_exports;
 }
 
+enum dsv4_err
+rank_warmup(struct rank *k)
+{
+    enum dsv4_err e = k->o.role == DSV4_ROLE_PREFILL ? prefill_warmup(k) : decode_warmup(k);
+
+    if (e == DSV4_OK)
+        k->warmed = true;
+    return e;
+}
+
 void
 rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs)
 {
@@ -1214,12 +1224,13 @@ main(int argc, char **argv)
         fatal("main: signalfd");
 
     rank_init_model(&k);
-    if (strcmp(k.o.conf.warmup, "yes") != 0)
+    /* a rank in a group warms up with its peers when the group forms
+     * (rank_group.c: its calls are collectives) */
+    k.warmed = strcmp(k.o.conf.warmup, "yes") != 0;
+    if (k.warmed)
         log_notice("main: warmup = %s: no warm-up calls", k.o.conf.warmup);
-    else if (k.o.role == DSV4_ROLE_PREFILL)
-        prefill_warmup(&k);
-    else
-        decode_warmup(&k);
+    else if (k.o.group_size <= 1 && rank_warmup(&k) != DSV4_OK)
+        fatalx("main: %s", dsv4_errmsg());
     k.wd_interval_ms = (int64_t)(sdnotify_watchdog_interval_us() / 1000);
     k.wd_last_ms = dsv4_now_ms();
     /* The host the scheduler compares to pick shm (same host) or ucx. */

@@ -239,6 +239,8 @@ struct rank {
     long test_join_delay_ms;    /* DSV4_TEST_JOIN_DELAY_MS, first join only; 0 = off */
     long test_nomem;            /* DSV4_TEST_FORWARD_NOMEM: prefill forward calls
                                    left; 0 = off */
+    bool warmed;                /* the warm-up calls ran (rank_warmup), or
+                                   warmup = no: none are owed */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;
 };
@@ -257,6 +259,11 @@ uint32_t rank_active(const struct rank *k);
 /* The N this rank is given in test-only variable `var` ("ROLE@INDEX:N,...";
  * logged as a warning when it applies); 0 when unset or not naming it. */
 long rank_test_env(const struct rank *k, const char *var);
+/* The role's warm-up calls (prefill_warmup, decode_warmup), which set
+ * k->warmed: before registering for a rank outside a group; in a group in
+ * the communicator's join (rank_group.c), every rank together.  DSV4_OK,
+ * or the error with its message. */
+enum dsv4_err rank_warmup(struct rank *k);
 /* Inputs of a start-up warm-up call (prefill_warmup, decode_warmup): n_tok
  * token ids in b_tok, varied so that the router spreads them as a prompt
  * would, and n_seqs rows of sampling at temperature 1 in sp. */
@@ -374,11 +381,13 @@ void group_close(struct rank *k, bool abort_peers);
 
 /* --- rank_prefill.c ------------------------------------------------------------ */
 
-/* Before registering (a rank outside a group): one forward call of o.rows
- * rows (at most max_seq) to take the backend's working memory now; out of
- * device memory, o.rows is halved until a call fits (a warning).  Fatal when
- * not even one row fits or on other errors.  No-op in a group. */
-void prefill_warmup(struct rank *k);
+/* The warm-up (rank_warmup): one forward call of o.rows rows (at most
+ * max_seq) to take the backend's working memory now.  Alone, out of device
+ * memory, o.rows is halved until a call fits (a warning); in a group that
+ * cannot be agreed (a rank out of memory may leave its peers inside a
+ * collective), so there it is an error like any other.  DSV4_OK, or the
+ * error (not even one row fits, a failed collective...) with its message. */
+enum dsv4_err prefill_warmup(struct rank *k);
 /* PREFILL: validate, take a job slot, start.  Replies ERROR on refusal. */
 void prefill_start(struct rank *k, const struct dsv4_rank_prefill *p);
 /* True when some job has tokens left to run. */
@@ -400,14 +409,14 @@ void prefill_reset_before(struct rank *k, uint32_t gen);
 
 /* --- rank_decode.c ---------------------------------------------------------------- */
 
-/* Before registering (a rank outside a group): a step of `slots` streams
- * on idle slots, reset after (plain: one with the indexer's scores, one
- * sampled without; with mtp a verify and a draft step), so that the
- * backend's working memory for a full batch is taken, and its graphs
- * recorded, before the first stream.  Smaller batches record their graphs
- * at their first step.  Fatal on errors (out of device memory included:
- * the rank could not serve a full batch).  No-op in a group. */
-void decode_warmup(struct rank *k);
+/* The warm-up (rank_warmup): a step of `slots` streams on slots 0 .. slots
+ * - 1, which must be idle, reset after (plain: one with the indexer's
+ * scores, one sampled without; with mtp a verify and a draft step), so
+ * that the backend's working memory for a full batch is taken, and its
+ * graphs recorded, before the first stream.  Smaller batches record their
+ * graphs at their first step.  DSV4_OK, or the error with its message (out
+ * of device memory included: the rank could not serve a full batch). */
+enum dsv4_err decode_warmup(struct rank *k);
 /* DECODE: import the state into a slot, KV_RELEASE, add the stream. */
 void decode_start(struct rank *k, const struct dsv4_rank_decode *d);
 /* True when some stream is running. */

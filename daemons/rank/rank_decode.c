@@ -482,10 +482,11 @@ decode_reset_before(struct rank *k, uint32_t gen)
  * the slots reset after: a plain step (flags: DSV4_FWD_FULL_INDEXER or 0;
  * logits to `logits`, or sampled when NULL) or, with speculative decoding,
  * a verify step where every stream has a draft and the draft step after
- * it.  Fatal on errors. */
-static void
+ * it.  DSV4_OK, or the error with its message. */
+static enum dsv4_err
 warmup_call(struct rank *k, int n, unsigned flags, float *logits)
 {
+    char why[256];
     enum dsv4_err e;
 
     rank_warmup_inputs(k, n, n);
@@ -509,36 +510,43 @@ warmup_call(struct rank *k, int n, unsigned flags, float *logits)
         e = logits != NULL ? dsv4_model_forward(k->m, &b, logits, flags)
                            : dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
     }
-    if (e != DSV4_OK)
-        fatalx("decode_warmup: a step of %d streams%s: %s", n,
-               flags & DSV4_FWD_FULL_INDEXER ? " (indexer scores)" : "", dsv4_errmsg());
+    if (e != DSV4_OK) {
+        snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+        return dsv4_err_set(e, "decode_warmup: a step of %d streams%s: %s", n,
+                            flags & DSV4_FWD_FULL_INDEXER ? " (indexer scores)" : "", why);
+    }
     for (int s = 0; s < n; s++)
-        if (dsv4_model_seq_reset(k->m, s) != DSV4_OK)
-            fatalx("decode_warmup: seq_reset slot=%d: %s", s, dsv4_errmsg());
+        if ((e = dsv4_model_seq_reset(k->m, s)) != DSV4_OK) {
+            snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+            return dsv4_err_set(e, "decode_warmup: seq_reset slot=%d: %s", s, why);
+        }
+    return DSV4_OK;
 }
 
-void
+enum dsv4_err
 decode_warmup(struct rank *k)
 {
     int64_t t0 = dsv4_now_us();
     int top = k->o.slots;
+    enum dsv4_err e;
     float *logits;
 
-    if (k->o.group_size > 1)
-        return;
     sdnotify_status("warming up: a step of %d streams", top);
     if (k->mtp) {
-        warmup_call(k, top, 0, NULL);
+        e = warmup_call(k, top, 0, NULL);
     } else {
         /* contexts of more than index_topk compressed entries score them
          * (their own graph and working memory), then a sampled step */
         logits = calloc((size_t)top * (size_t)k->V, sizeof(float));
         if (logits == NULL)
-            fatal("decode_warmup: calloc");
-        warmup_call(k, top, DSV4_FWD_FULL_INDEXER, logits);
+            return dsv4_err_set(DSV4_ERR_NOMEM, "decode_warmup: no memory for the logits");
+        e = warmup_call(k, top, DSV4_FWD_FULL_INDEXER, logits);
         free(logits);
-        warmup_call(k, top, 0, NULL);
+        if (e == DSV4_OK)
+            e = warmup_call(k, top, 0, NULL);
     }
-    log_notice("decode_warmup: a step of %d streams%s in %.1f ms", top,
-               k->mtp ? " (verify and draft)" : "", (double)(dsv4_now_us() - t0) / 1e3);
+    if (e == DSV4_OK)
+        log_notice("decode_warmup: a step of %d streams%s in %.1f ms", top,
+                   k->mtp ? " (verify and draft)" : "", (double)(dsv4_now_us() - t0) / 1e3);
+    return e;
 }

@@ -20,8 +20,12 @@
  * old communicator can receive before it switches).
  * Right after joining, the ranks exchange their process ids and host
  * hashes (a minimum all-reduce), so the watchdog can tell when a peer on
- * this host has died.  The join (making the communicator, binding the model
- * to it, that exchange) runs in a thread of its own, because it waits for
+ * this host has died, and agree on the warm-up: when a rank has not run
+ * its warm-up calls yet (its process is new), every rank of the group runs
+ * them together (rank_warmup; the calls are collectives), which also
+ * records the full batch's graphs again with the new communicator.  The
+ * join (making the communicator, binding the model to it, that exchange,
+ * the warm-up) runs in a thread of its own, because it waits for
  * the peers: the main loop keeps heartbeating meanwhile and holds the
  * scheduler's messages until it ends.  A broken communicator (a peer died
  * or left: a collective failed or the watchdog aborted it) is dropped
@@ -398,17 +402,40 @@ group_make_id(struct rank *k, uint8_t *id, bool one_host)
     }
 }
 
-/* Exchange process ids and host hashes over the new communicator nc of
- * `kind`; arm the watchdog for it.  Runs in the join's thread. */
-static enum dsv4_err
-group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind)
+/* Every slot of the rank is idle (no prefill job, no decode stream). */
+static bool
+slots_idle(const struct rank *k)
 {
-    uint32_t n = k->o.group_size;
-    uint64_t *v = calloc(2 * (size_t)n, sizeof(uint64_t));
-    uint64_t *d = k->be->ops->alloc(k->be, 2 * (size_t)n * sizeof(uint64_t));
+    for (int i = 0; i < k->o.slots; i++)
+        if ((k->jobs != NULL && k->jobs[i].active) ||
+            (k->streams != NULL && k->streams[i].active))
+            return false;
+    return true;
+}
+
+/*
+ * Exchange process ids and host hashes over the new communicator nc of
+ * `kind` and arm the watchdog for it; agree on the warm-up.  Runs in the
+ * join's thread.  One minimum all-reduce of 2n + 4 values: n pids, n host
+ * hashes (each rank fills its own position, UINT64_MAX elsewhere), then 0
+ * when the rank owes its warm-up calls (k->warmed), 0 when one of its slots
+ * is in use, its call size (prefill: rows a call; decode: slots) and that
+ * size's complement.  *warm: some rank owes its warm-up and every slot of
+ * every rank is idle, so every rank runs it now (the same calls: its
+ * collectives match).  Ranks of different call sizes cannot run the same
+ * calls at all: an error.
+ */
+static enum dsv4_err
+group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind, bool *warm)
+{
+    uint32_t n = k->o.group_size, nv = 2 * n + 4;
+    uint64_t *v = calloc(nv, sizeof(uint64_t));
+    uint64_t *d = k->be->ops->alloc(k->be, nv * sizeof(uint64_t));
     uint64_t me = host_hash(k->host);
+    uint64_t size = (uint64_t)(k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots);
     enum dsv4_err e = DSV4_OK;
 
+    *warm = false;
     if (v == NULL || d == NULL) {
         e = dsv4_err_set(DSV4_ERR_NOMEM, "group: no memory");
         goto out;
@@ -417,17 +444,32 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind)
         v[i] = UINT64_MAX;
     v[k->o.group_rank] = (uint64_t)getpid();
     v[n + k->o.group_rank] = me;
+    v[2 * n] = k->warmed;
+    v[2 * n + 1] = slots_idle(k);
+    v[2 * n + 2] = size;
+    v[2 * n + 3] = ~size;
     group_enter(k);
-    e = k->be->ops->upload(k->be, d, v, 2 * (size_t)n * sizeof(uint64_t));
+    e = k->be->ops->upload(k->be, d, v, nv * sizeof(uint64_t));
     if (e == DSV4_OK)
-        e = nc->ops->allreduce_min_u64(nc, k->be, d, 2 * (int64_t)n);
+        e = nc->ops->allreduce_min_u64(nc, k->be, d, (int64_t)nv);
     if (e == DSV4_OK)
-        e = k->be->ops->download(k->be, v, d, 2 * (size_t)n * sizeof(uint64_t));
+        e = k->be->ops->download(k->be, v, d, nv * sizeof(uint64_t));
     if (e == DSV4_OK)
         e = k->be->ops->sync(k->be);
     group_leave(k);
     if (e != DSV4_OK)
         goto out;
+    if (v[2 * n + 2] != ~v[2 * n + 3]) {
+        e = dsv4_err_set(DSV4_ERR_CONFIG, "group: its ranks differ in %s (%" PRIu64 " to %"
+                         PRIu64 "): give every rank of the group the same %s", k->o.role ==
+                         DSV4_ROLE_PREFILL ? "rows a call" : "slots", v[2 * n + 2],
+                         ~v[2 * n + 3], k->o.role == DSV4_ROLE_PREFILL ? "prefill_chunk" :
+                         "slots");
+        goto out;
+    }
+    if (v[2 * n] == 0 && v[2 * n + 1] == 0)
+        log_warnx("group: a rank owes its warm-up calls, but a slot is in use: not now");
+    *warm = v[2 * n] == 0 && v[2 * n + 1] != 0;
     pthread_mutex_lock(&k->watch->mu);
     k->watch->comm = nc;
     k->watch->kind = kind;
@@ -509,13 +551,15 @@ group_drop_work(struct rank *k, uint32_t gen)
 }
 
 /* The join's thread: wait (test only), make the communicator of the
- * epoch, bind the model to it, exchange pids and hosts. */
+ * epoch, bind the model to it, exchange pids and hosts, and run the warm-up
+ * calls when a rank owes them (group_peers). */
 static void *
 join_main(void *arg)
 {
     struct rank_join *j = arg;
     struct rank *k = j->k;
     struct dsv4_comm *nc = NULL;
+    bool warm = false;
     enum dsv4_err e;
 
     if (j->delay_ms > 0) {
@@ -562,7 +606,20 @@ join_main(void *arg)
         e = dsv4_model_set_comm(k->m, nc);
     }
     if (e == DSV4_OK)
-        e = group_peers(k, nc, j->kind);
+        e = group_peers(k, nc, j->kind, &warm);
+    if (e == DSV4_OK && warm) {
+        /* under the watchdog, as the forward calls are: a peer that dies
+         * meanwhile fails the join, not the process */
+        log_notice("group_join: epoch %u: the group's warm-up calls (%s)", (unsigned)j->epoch,
+                   k->warmed ? "a peer owes them" : "this rank owes them");
+        group_enter(k);
+        e = rank_warmup(k);
+        group_leave(k);
+        /* out of memory, every later join would fail the same way: stop,
+         * with the error for the operator (rank_warmup's message) */
+        if (e == DSV4_ERR_NOMEM)
+            fatalx("group_join: %s", dsv4_errmsg());
+    }
     j->e = e;
     if (e != DSV4_OK)
         snprintf(j->why, sizeof(j->why), "%s", dsv4_errmsg());

@@ -159,18 +159,19 @@ prefill_forward(struct rank *k, const struct dsv4_batch *b)
 }
 
 /*
- * Before the rank registers: one forward call of the largest size it will
- * run (o.rows rows, at most max_seq, one sequence in slot 0), so that the
- * backend's working memory (the CUDA kernels' scratch, cuBLASLt's copies,
- * lazily loaded kernels) is taken now and not by the first prompt, and so
- * that a call that size which does not fit the device is found at start.
- * Out of device memory, the rows per call are halved and the call tried
+ * The warm-up (rank_warmup: before the rank registers, or in a group's
+ * join): one forward call of the largest size the rank will run (o.rows
+ * rows, at most max_seq, one sequence in slot 0), so that the backend's
+ * working memory (the CUDA kernels' scratch, cuBLASLt's copies, lazily
+ * loaded kernels) is taken now and not by the first prompt, and so that a
+ * call that size which does not fit the device is found at start.  Alone,
+ * out of device memory, the rows per call are halved and the call tried
  * again: the rank then serves in smaller calls (a warning says so) instead
- * of failing every long prompt with 503.  Fatal when not even one row fits
- * or on any other error.  Ranks in a group skip it (their calls are
- * collectives; the group forms after registration).
+ * of failing every long prompt with 503.  In a group a rank cannot lower
+ * its calls alone (its peers' calls must match, and one out of memory may
+ * have left them inside a collective): the error is returned.
  */
-void
+enum dsv4_err
 prefill_warmup(struct rank *k)
 {
     int rows = k->o.rows < k->max_seq ? k->o.rows : k->max_seq;
@@ -178,8 +179,6 @@ prefill_warmup(struct rank *k)
     int32_t n;
     struct dsv4_batch b;
 
-    if (k->o.group_size > 1)
-        return;
     /* a smaller call after a failed one takes a prefix of the same tokens */
     rank_warmup_inputs(k, rows, 1);
     b.n_seqs = 1;
@@ -188,26 +187,34 @@ prefill_warmup(struct rank *k)
     b.tokens = k->b_tok;
     for (;;) {
         int64_t t0 = dsv4_now_us();
-        enum dsv4_err e;
+        char why[256];
+        enum dsv4_err e, r;
 
         sdnotify_status("warming up: a forward call of %d rows", rows);
         n = rows;
         e = prefill_forward(k, &b);
-        if (dsv4_model_seq_reset(k->m, slot) != DSV4_OK)
-            fatalx("prefill_warmup: seq_reset: %s", dsv4_errmsg());
+        snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+        if ((r = dsv4_model_seq_reset(k->m, slot)) != DSV4_OK) {
+            snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+            return dsv4_err_set(r, "prefill_warmup: seq_reset: %s", why);
+        }
         if (e == DSV4_OK) {
             log_notice("prefill_warmup: a forward call of %d rows took %.1f ms", rows,
                        (double)(dsv4_now_us() - t0) / 1e3);
             break;
         }
+        if (e == DSV4_ERR_NOMEM && k->o.group_size > 1)
+            return dsv4_err_set(e, "prefill_warmup: a forward call of %d rows: %s (in a "
+                                "group the rows per call are not lowered: lower "
+                                "prefill_chunk)", rows, why);
         if (e != DSV4_ERR_NOMEM || rows == 1)
-            fatalx("prefill_warmup: a forward call of %d rows: %s", rows, dsv4_errmsg());
+            return dsv4_err_set(e, "prefill_warmup: a forward call of %d rows: %s", rows, why);
         log_warnx("prefill_warmup: a forward call of %d rows: %s; rows per call lowered to %d "
-                  "(prompts longer than that run in several calls)", rows, dsv4_errmsg(),
-                  rows / 2);
+                  "(prompts longer than that run in several calls)", rows, why, rows / 2);
         rows /= 2;
     }
     k->o.rows = rows;
+    return DSV4_OK;
 }
 
 /* The prompt in `slot` is through the model and its first token, sampled

@@ -4,13 +4,15 @@
  * recognised, told apart from shm names and NCCL ids), the choice of
  * communicator from the `comm` key (dsv4_comm_pick), the key itself in the
  * config file (common/config_file.c), dsv4_comm_check on communicators
- * without a check, and the constructor's refusal of a CPU backend.
+ * without a check, and the constructor's refusal of a CPU backend; and the
+ * shm communicator's refusal of ranks whose largest calls differ.
  */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -150,6 +152,47 @@ test_check_and_create(void **state)
     dsv4_backend_destroy(be);
 }
 
+/* Rank 0 of a shm group of two, which rank 1 never completes. */
+struct shm_rank0 {
+    const uint8_t *id;
+    enum dsv4_err e;
+};
+
+static void *
+shm_rank0_main(void *arg)
+{
+    struct shm_rank0 *r = arg;
+    struct dsv4_comm *c = NULL;
+
+    r->e = dsv4_comm_shm_create(&c, 0, 2, r->id, 4096, 500);
+    if (c != NULL)
+        dsv4_comm_destroy(c);
+    return NULL;
+}
+
+/* A rank whose largest calls differ from rank 0's is refused with an error
+ * that says so (a group of ranks with different slots or prefill_chunk). */
+static void
+test_shm_sizes(void **state)
+{
+    uint8_t id[DSV4_COMM_ID_BYTES];
+    struct shm_rank0 r0 = { id, DSV4_OK };
+    struct dsv4_comm *c = NULL;
+    enum dsv4_err e;
+    pthread_t th;
+
+    (void)state;
+    assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
+    assert_int_equal(pthread_create(&th, NULL, shm_rank0_main, &r0), 0);
+    e = dsv4_comm_shm_create(&c, 1, 2, id, 8192, 500);
+    assert_int_equal(e, DSV4_ERR_CONFIG);
+    assert_null(c);
+    assert_non_null(strstr(dsv4_errmsg(), "the ranks' largest calls differ (4096 bytes at "
+                                          "rank 0, 8192 here)"));
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_not_equal(r0.e, DSV4_OK);   /* rank 1 never joined */
+}
+
 int
 main(void)
 {
@@ -158,6 +201,7 @@ main(void)
         cmocka_unit_test(test_pick),
         cmocka_unit_test(test_config_key),
         cmocka_unit_test(test_check_and_create),
+        cmocka_unit_test(test_shm_sizes),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);

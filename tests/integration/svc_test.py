@@ -37,6 +37,9 @@ Scenarios:
                   decode@1 mid-stream: dsv4-launch restarts it, the group
                   re-forms with a new communicator while decode@0 keeps
                   running (same pid), every stream == the undisturbed output.
+                  Every rank warms up in its group's first join; the new
+                  decode@1 owes its warm-up, so the re-formed group runs it
+                  together (decode@0 twice); the prefill group once.
   group_break     groups of two on the CPU backend with test-only fault
                   injection (daemons/rank/rank.h): decode@1 starts its first
                   communicator join later than the liveness window: both
@@ -45,7 +48,8 @@ Scenarios:
                   report a collective failure: each group breaks with every
                   rank alive (GROUP_BROKEN), the scheduler re-forms it and
                   re-runs what it held there, every stream == the
-                  single-process forward, no process restarts, no rank death.
+                  single-process forward, no process restarts, no rank death,
+                  and no second warm-up (the same processes owe none).
   prefill_nomem   a prefill rank's second forward call after its start-up
                   warm-up reports that the device ran out of memory
                   (test-only injection): the rank
@@ -609,6 +613,17 @@ def check_warmups(svc, n_prefill, n_decode, mtp=False):
               "decode@%d: no warm-up steps" % i)
 
 
+def warmup_counts(svc):
+    """Warm-ups run per rank ("prefill/0": n, ...), as launch.err logs them."""
+    text = readf(os.path.join(svc.dir, "launch.err"))
+    n = {}
+    for m in re.finditer(r"(prefill|decode)/(\d+): (prefill_warmup: a forward call of \d+ rows "
+                         r"took|decode_warmup: a step of \d+ streams.* in [0-9.]+ ms)", text):
+        name = "%s/%s" % (m.group(1), m.group(2))
+        n[name] = n.get(name, 0) + 1
+    return n
+
+
 def mtp_counters(svc, name):
     """The last (drafts, accepted) a rank reported in STATUS=, or None."""
     last = None
@@ -808,6 +823,7 @@ def sc_group2():
         got, rc, err = finish(svc.client(prompts, 32), svc)
         check(rc == 0, "svc_client failed: " + err[-500:])
         compare(got, ref, "16 streams through a prefill group and a decode group", err)
+        check_warmups(svc, 2, 2)   # together, in the groups' first joins
         # kill one decode rank of the group mid-stream
         progress = os.path.join(svc.dir, "progress")
         p = svc.client(prompts, 32, progress=progress)
@@ -827,6 +843,15 @@ def sc_group2():
         got2, rc2, err2 = finish(svc.client(prompts, 32), svc)
         check(rc2 == 0, "svc_client after the re-forming failed")
         compare(got2, ref, "16 streams after the group re-formed", err2)
+        # the new decode@1 owed its warm-up: the re-formed group ran it
+        # together (decode@0 a second time); the prefill group did not
+        n = warmup_counts(svc)
+        check(n == {"prefill/0": 1, "prefill/1": 1, "decode/0": 2, "decode/1": 2},
+              "warm-ups per rank: %s" % n)
+        check(re.search(r"decode/0: group_join: epoch \d+: the group's warm-up calls \(a peer "
+                        r"owes them\)", readf(os.path.join(svc.dir, "launch.err"))),
+              "decode@0 did not warm up for its peer")
+        log("the re-formed decode group warmed up together for the new decode@1: %s" % n)
         svc.check_no_leaks()
     finally:
         stop_checked(svc)
@@ -873,6 +898,10 @@ def sc_group_break():
             check(svc.pid(n) == pid and svc.count(n, "READY=1") == 1,
                   "%s was restarted" % n)
         svc.check_exits()
+        # every rank warmed up once: a re-forming of the same processes owes none
+        n = warmup_counts(svc)
+        check(n == {"prefill/0": 1, "prefill/1": 1, "decode/0": 1, "decode/1": 1},
+              "warm-ups per rank: %s" % n)
         log("both groups broke and re-formed without a restart or a rank death")
         svc.check_no_leaks()
     finally:
