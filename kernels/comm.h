@@ -94,6 +94,18 @@ enum dsv4_err dsv4_comm_check(struct dsv4_comm *c);
  * rank 0 and given to every rank. */
 #define DSV4_COMM_ID_BYTES 128
 
+/*
+ * A way to stop a communicator's creation early (the create functions'
+ * `stop`; NULL: none): the waits for the other ranks call fn(arg) now and
+ * then, and give up with DSV4_ERR_CANCELED once it returns nonzero (a rank
+ * that leaves a join for a newer group, or stops).  fn is called from the
+ * creating thread.
+ */
+struct dsv4_comm_stop {
+    int (*fn)(void *arg);
+    void *arg;
+};
+
 /* A fresh id for a shm group (random name). */
 enum dsv4_err dsv4_comm_shm_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
 
@@ -103,11 +115,14 @@ enum dsv4_err dsv4_comm_shm_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
  * it (waiting for it up to timeout_ms); every collective waits at most
  * timeout_ms for the others (then DSV4_ERR_TIMEOUT, and the group is
  * broken: make a new one).  The segment is unlinked when rank 0's handle is
- * destroyed.
+ * destroyed.  `stop` (or NULL) ends the waits of the creation early
+ * (DSV4_ERR_CANCELED, the segment marked broken for the ranks that joined).
+ * A rank whose max_bytes differs from rank 0's is refused at once
+ * (DSV4_ERR_CONFIG).
  */
 enum dsv4_err dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
                                    const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes,
-                                   int timeout_ms);
+                                   int timeout_ms, const struct dsv4_comm_stop *stop);
 
 /* NCCL group (CUDA builds, DSV4_HAVE_CUDA). */
 enum dsv4_err dsv4_comm_nccl_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
@@ -115,11 +130,12 @@ enum dsv4_err dsv4_comm_nccl_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
 /*
  * Join NCCL group `id` as rank `rank` of `size`, on the device of CUDA
  * backend `be`.  Waits until every rank has joined, at most timeout_ms
- * (then DSV4_ERR_TIMEOUT).  DSV4_ERR_NOTSUP without libnccl.so.2.
+ * (then DSV4_ERR_TIMEOUT), or until `stop` (or NULL) says so
+ * (DSV4_ERR_CANCELED).  DSV4_ERR_NOTSUP without libnccl.so.2.
  */
 enum dsv4_err dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
                                     int size, const uint8_t id[DSV4_COMM_ID_BYTES],
-                                    int timeout_ms);
+                                    int timeout_ms, const struct dsv4_comm_stop *stop);
 
 /*
  * cudaipc group (CUDA builds; kernels/cuda/cuda_ar.cu, docs/gpu.md "One-shot
@@ -176,13 +192,14 @@ enum dsv4_comm_kind dsv4_comm_pick(const char *comm, const char *backend, int on
  * abort): the kernel returns normally, the stream stays usable, and
  * check / the next call report the broken group.  allreduce_min_u64 is a
  * host exchange through the bootstrap segment (synchronises be's stream; not
- * for graphs).  destroy does not hang on a dead peer.
+ * for graphs).  destroy does not hang on a dead peer.  `stop` (or NULL)
+ * ends the wait for the bootstrap segment's ranks early (DSV4_ERR_CANCELED).
  * DSV4_ERR_NOTSUP in builds without CUDA.
  */
 enum dsv4_err dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be,
                                        int rank, int size,
                                        const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes,
-                                       int timeout_ms);
+                                       int timeout_ms, const struct dsv4_comm_stop *stop);
 
 /*
  * Kernels of the cudaipc all-reduce (docs/gpu.md "One-shot all-reduce over

@@ -83,9 +83,10 @@ dsv4_comm_pick(const char *comm, const char *backend, int one_host, int size)
 enum dsv4_err
 dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank, int size,
                          const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes,
-                         int timeout_ms)
+                         int timeout_ms, const struct dsv4_comm_stop *stop)
 {
     (void)be;
+    (void)stop;
     (void)rank;
     (void)size;
     (void)id;

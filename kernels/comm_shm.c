@@ -45,8 +45,16 @@ struct shm_rank {
     char *slots;                /* size * max_bytes after the header */
     void *scratch;
     int timeout_ms;
+    const struct dsv4_comm_stop *stop;  /* during the creation only, else NULL */
     char name[64];
 };
+
+/* The creation's `stop` says to give up. */
+static int
+shm_stopped(const struct shm_rank *sr)
+{
+    return sr->stop != NULL && sr->stop->fn(sr->stop->arg);
+}
 
 static int64_t
 now_ms(void)
@@ -73,7 +81,7 @@ shm_wait(struct shm_rank *sr, uint32_t gen)
             sched_yield();
             continue;
         }
-        if ((spin & 63) == 0 && now_ms() > deadline) {
+        if ((spin & 63) == 0 && (now_ms() > deadline || shm_stopped(sr))) {
             atomic_store(&sr->h->broken, 1);
             return 0;
         }
@@ -212,7 +220,8 @@ dsv4_comm_shm_unique_id(uint8_t id[DSV4_COMM_ID_BYTES])
 
 enum dsv4_err
 dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
-                     const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes, int timeout_ms)
+                     const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes, int timeout_ms,
+                     const struct dsv4_comm_stop *stop)
 {
     struct dsv4_comm *c;
     struct shm_rank *sr;
@@ -239,6 +248,7 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
     c->size = size;
     c->priv = sr;
     sr->timeout_ms = timeout_ms;
+    sr->stop = stop;
     snprintf(sr->name, sizeof(sr->name), "%s", (const char *)id);
     sr->map_bytes = hb + (size_t)size * max_bytes;
     if (rank == 0) {
@@ -250,9 +260,11 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
     } else {
         sr->name[0] = '\0';   /* only rank 0 unlinks */
         while ((fd = shm_open((const char *)id, O_RDWR, 0)) < 0 && errno == ENOENT &&
-               now_ms() < deadline)
+               now_ms() < deadline && !shm_stopped(sr))
             usleep(2000);
     }
+    if (fd < 0 && errno == ENOENT && shm_stopped(sr))
+        goto stopped;
     if (fd < 0) {
         dsv4_err_set(DSV4_ERR_SYS, "comm shm: rank %d: %s: %s", rank, (const char *)id,
                      strerror(errno));
@@ -275,6 +287,10 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
         }
         if (end > 0 || now_ms() > deadline)
             break;
+        if (shm_stopped(sr)) {
+            close(fd);
+            goto stopped;
+        }
         usleep(1000);
     }
     sr->h = mmap(NULL, sr->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -291,8 +307,11 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
         sr->h->max_bytes = max_bytes;
         atomic_store(&sr->h->magic, SHM_MAGIC);
     } else {
-        while (atomic_load(&sr->h->magic) != SHM_MAGIC && now_ms() < deadline)
+        while (atomic_load(&sr->h->magic) != SHM_MAGIC && now_ms() < deadline) {
+            if (shm_stopped(sr))
+                goto stopped;
             usleep(1000);
+        }
         if (atomic_load(&sr->h->magic) != SHM_MAGIC || sr->h->size != size ||
             sr->h->max_bytes != max_bytes) {
             shm_destroy(c);
@@ -302,14 +321,23 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
     }
     atomic_fetch_add(&sr->h->joined, 1);
     if (!shm_barrier(sr)) {
+        if (shm_stopped(sr))
+            goto stopped;
         shm_destroy(c);
         return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm shm: rank %d: the group did not assemble "
                             "within %d ms", rank, timeout_ms);
     }
+    sr->stop = NULL;   /* the caller's, valid during the creation only */
     if (rank == 0) {
         shm_unlink(sr->name);   /* every rank has it mapped */
         sr->name[0] = '\0';
     }
     *out = c;
     return DSV4_OK;
+stopped:
+    if (sr->h != NULL)
+        atomic_store(&sr->h->broken, 1);   /* the ranks that joined give up too */
+    shm_destroy(c);
+    return dsv4_err_set(DSV4_ERR_CANCELED, "comm shm: rank %d: %s: the join was stopped", rank,
+                        (const char *)id);
 }

@@ -345,12 +345,14 @@ void group_hold(struct rank *k, struct dsv4_msg *m);
 /* The epoch being joined; 0 when no join runs. */
 uint32_t group_joining_epoch(const struct rank *k);
 /* A COMM of a newer epoch arrived during the join (held like the others):
- * give the join up now instead of waiting for peers that moved on (shm,
- * cudaipc: its waits end at once; NCCL: at its end).  The join then ends
- * without a re-registration and the held messages start the newer one. */
+ * give the join up now instead of waiting for peers that moved on (the
+ * communicator's creation stops waiting at once; a made shm or cudaipc
+ * communicator is aborted, a made NCCL one runs its exchange and warm-up to
+ * their end).  The join then ends without a re-registration and the held
+ * messages start the newer one. */
 void group_join_cancel(struct rank *k);
-/* Wait for a join in flight to end and drop its result and the held
- * messages (link lost, shutdown). */
+/* Give a join in flight up as group_join_cancel does, wait for it to end
+ * and drop its result and the held messages (link lost, shutdown). */
 void group_join_abandon(struct rank *k);
 /* The tick: fills k->agreed / n_agreed from the local runnable requests
  * (`mine`, n, any order; sorted in place); true when done, false when there is no work this iteration

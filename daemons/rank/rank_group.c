@@ -115,7 +115,8 @@ struct rank_join {
     long delay_ms;              /* test only (DSV4_TEST_JOIN_DELAY_MS) */
     atomic_int done;
     pthread_mutex_t mu;         /* guards nc and cancel between the threads */
-    bool cancel;                /* a newer epoch came: give up (group_join_cancel) */
+    bool cancel;                /* a newer epoch came or the link is left: give up
+                                   (join_cancel) */
     struct dsv4_comm *nc;       /* the communicator, when made (even if a later
                                    step failed) */
     enum dsv4_err e;
@@ -550,6 +551,19 @@ group_drop_work(struct rank *k, uint32_t gen)
         decode_reset_before(k, gen);
 }
 
+/* The join's stop (struct dsv4_comm_stop): it was cancelled. */
+static int
+join_stopped(void *arg)
+{
+    struct rank_join *j = arg;
+    bool cancel;
+
+    pthread_mutex_lock(&j->mu);
+    cancel = j->cancel;
+    pthread_mutex_unlock(&j->mu);
+    return cancel;
+}
+
 /* The join's thread: wait (test only), make the communicator of the
  * epoch, bind the model to it, exchange pids and hosts, and run the warm-up
  * calls when a rank owes them (group_peers). */
@@ -559,6 +573,8 @@ join_main(void *arg)
     struct rank_join *j = arg;
     struct rank *k = j->k;
     struct dsv4_comm *nc = NULL;
+    /* a newer epoch or the rank's stop ends the wait for the peers */
+    struct dsv4_comm_stop stop = { join_stopped, j };
     bool warm = false;
     enum dsv4_err e;
 
@@ -573,17 +589,17 @@ join_main(void *arg)
 
         e = dsv4_comm_cudaipc_create(&nc, k->be, (int)k->o.group_rank, (int)k->o.group_size,
                                      j->id, mb < GROUP_IPC_MAX_BYTES ? mb :
-                                     GROUP_IPC_MAX_BYTES, GROUP_COLL_MS);
+                                     GROUP_IPC_MAX_BYTES, GROUP_COLL_MS, &stop);
         break;
     }
     case DSV4_COMM_SHM:
         e = dsv4_comm_shm_create(&nc, (int)k->o.group_rank, (int)k->o.group_size, j->id,
-                                 group_max_bytes(k), GROUP_JOIN_MS);
+                                 group_max_bytes(k), GROUP_JOIN_MS, &stop);
         break;
     default:
 #ifdef DSV4_HAVE_CUDA
         e = dsv4_comm_nccl_create(&nc, k->be, (int)k->o.group_rank, (int)k->o.group_size,
-                                  j->id, GROUP_JOIN_MS);
+                                  j->id, GROUP_JOIN_MS, &stop);
 #else
         e = dsv4_err_set(DSV4_ERR_NOTSUP, "no communicator for backend %s", k->be->name);
 #endif
@@ -677,8 +693,12 @@ group_joining_epoch(const struct rank *k)
     return k->join != NULL ? k->join->epoch : 0;
 }
 
-void
-group_join_cancel(struct rank *k)
+/* Give the join up (`why` for the log): the communicator's creation stops
+ * waiting for its peers (join_stopped), and a communicator already made is
+ * aborted (shm, cudaipc: the abort only sets flags; an NCCL abort may hang,
+ * so a made NCCL communicator's exchange and warm-up run to their end). */
+static void
+join_cancel(struct rank *k, const char *why)
 {
     struct rank_join *j = k->join;
 
@@ -687,15 +707,17 @@ group_join_cancel(struct rank *k)
     pthread_mutex_lock(&j->mu);
     if (!j->cancel) {
         j->cancel = true;
-        log_notice("group_join: giving up the join of epoch %u for a newer epoch",
-                   (unsigned)j->epoch);
-        /* a wait for a peer of the old epoch ends now (shm, cudaipc: the
-         * abort only sets flags; an NCCL abort may hang, so an NCCL join
-         * runs to its end) */
+        log_notice("group_join: giving up the join of epoch %u %s", (unsigned)j->epoch, why);
         if (j->nc != NULL && j->kind != DSV4_COMM_NCCL)
             j->nc->ops->abort(j->nc);
     }
     pthread_mutex_unlock(&j->mu);
+}
+
+void
+group_join_cancel(struct rank *k)
+{
+    join_cancel(k, "for a newer epoch");
 }
 
 void
@@ -750,6 +772,7 @@ group_join_abandon(struct rank *k)
 
     if (k->join == NULL)
         return;
+    join_cancel(k, "(the link is left or the rank stops)");
     j = join_end(k);
     held_free(j->held);
     free(j);

@@ -807,7 +807,7 @@ ar_open_peer(struct ar_rank *ar, int s, const uint64_t *row)
 extern "C" enum dsv4_err
 dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank, int size,
                          const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes,
-                         int timeout_ms)
+                         int timeout_ms, const struct dsv4_comm_stop *stop)
 {
     struct dsv4_comm *c;
     struct ar_rank *ar;
@@ -881,7 +881,7 @@ dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be, int ra
     AR_CUDA(cudaMemsetAsync(ar->own, 0, total, ar->stream));
     AR_CUDA(cudaStreamSynchronize(ar->stream));   /* zero before any peer maps it */
     AR_CUDA(cudaIpcGetMemHandle(&h, ar->own));
-    AR_FAIL(dsv4_comm_shm_create(&ar->inner, rank, size, id, AR_SHM_BYTES, timeout_ms));
+    AR_FAIL(dsv4_comm_shm_create(&ar->inner, rank, size, id, AR_SHM_BYTES, timeout_ms, stop));
 
     /* exchange: one row per rank, the others' rows UINT64_MAX (minimum) */
     for (size_t i = 0; i < (size_t)size * AR_ROW; i++)

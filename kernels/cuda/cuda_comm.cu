@@ -181,7 +181,8 @@ dsv4_comm_nccl_unique_id(uint8_t id[DSV4_COMM_ID_BYTES])
 
 extern "C" enum dsv4_err
 dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank, int size,
-                      const uint8_t id[DSV4_COMM_ID_BYTES], int timeout_ms)
+                      const uint8_t id[DSV4_COMM_ID_BYTES], int timeout_ms,
+                      const struct dsv4_comm_stop *stop)
 {
     struct dsv4_comm *c;
     ncclUniqueId u;
@@ -213,6 +214,11 @@ dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
             nccl.abort(comm);
             return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm nccl: rank %d of %d: the group did "
                                 "not assemble within %d ms", rank, size, timeout_ms);
+        }
+        if (stop != NULL && stop->fn(stop->arg)) {
+            nccl.abort(comm);
+            return dsv4_err_set(DSV4_ERR_CANCELED, "comm nccl: rank %d of %d: the join was "
+                                "stopped", rank, size);
         }
         usleep(1000);
     }

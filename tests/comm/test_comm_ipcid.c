@@ -5,7 +5,8 @@
  * communicator from the `comm` key (dsv4_comm_pick), the key itself in the
  * config file (common/config_file.c), dsv4_comm_check on communicators
  * without a check, and the constructor's refusal of a CPU backend; and the
- * shm communicator's refusal of ranks whose largest calls differ.
+ * shm communicator's refusal of ranks whose largest calls differ, and its
+ * creation stopped early (struct dsv4_comm_stop).
  */
 #include <stdarg.h>
 #include <stddef.h>
@@ -58,7 +59,7 @@ test_ids(void **state)
         struct dsv4_comm *c = NULL;
         uint64_t v = 42;
 
-        assert_int_equal(dsv4_comm_shm_create(&c, 0, 1, a, 64, 1000), DSV4_OK);
+        assert_int_equal(dsv4_comm_shm_create(&c, 0, 1, a, 64, 1000, NULL), DSV4_OK);
         assert_int_equal(c->ops->allreduce_min_u64(c, NULL, &v, 1), DSV4_OK);
         assert_int_equal(v, 42);
         dsv4_comm_destroy(c);
@@ -147,7 +148,7 @@ test_check_and_create(void **state)
     /* a CPU backend is refused (any build), leaving *out NULL */
     assert_int_equal(dsv4_cpu_backend_create(&be, DSV4_NUMERICS_REF, 1), DSV4_OK);
     assert_int_equal(dsv4_comm_cudaipc_unique_id(id), DSV4_OK);
-    assert_int_not_equal(dsv4_comm_cudaipc_create(&c, be, 0, 2, id, 4096, 100), DSV4_OK);
+    assert_int_not_equal(dsv4_comm_cudaipc_create(&c, be, 0, 2, id, 4096, 100, NULL), DSV4_OK);
     assert_null(c);
     dsv4_backend_destroy(be);
 }
@@ -164,7 +165,7 @@ shm_rank0_main(void *arg)
     struct shm_rank0 *r = arg;
     struct dsv4_comm *c = NULL;
 
-    r->e = dsv4_comm_shm_create(&c, 0, 2, r->id, 4096, 500);
+    r->e = dsv4_comm_shm_create(&c, 0, 2, r->id, 4096, 500, NULL);
     if (c != NULL)
         dsv4_comm_destroy(c);
     return NULL;
@@ -184,13 +185,48 @@ test_shm_sizes(void **state)
     (void)state;
     assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
     assert_int_equal(pthread_create(&th, NULL, shm_rank0_main, &r0), 0);
-    e = dsv4_comm_shm_create(&c, 1, 2, id, 8192, 500);
+    e = dsv4_comm_shm_create(&c, 1, 2, id, 8192, 500, NULL);
     assert_int_equal(e, DSV4_ERR_CONFIG);
     assert_null(c);
     assert_non_null(strstr(dsv4_errmsg(), "the ranks' largest calls differ (4096 bytes at "
                                           "rank 0, 8192 here)"));
     assert_int_equal(pthread_join(th, NULL), 0);
     assert_int_not_equal(r0.e, DSV4_OK);   /* rank 1 never joined */
+}
+
+/* A stop that says so from its `n`-th poll on (*arg counts the polls down). */
+static int
+stop_after(void *arg)
+{
+    int *n = arg;
+
+    return --*n <= 0;
+}
+
+/* A creation waiting for ranks that never come gives up when its stop says
+ * so (DSV4_ERR_CANCELED, long before its timeout), as rank 0 (in the
+ * barrier) and as another rank (waiting for the segment). */
+static void
+test_shm_stop(void **state)
+{
+    uint8_t id[DSV4_COMM_ID_BYTES];
+    struct dsv4_comm *c = NULL;
+    int polls = 50;
+    struct dsv4_comm_stop stop = { stop_after, &polls };
+
+    (void)state;
+    assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
+    assert_int_equal(dsv4_comm_shm_create(&c, 0, 2, id, 64, 600000, &stop), DSV4_ERR_CANCELED);
+    assert_null(c);
+    assert_non_null(strstr(dsv4_errmsg(), "the join was stopped"));
+    assert_true(polls <= 0);
+    polls = 50;
+    assert_int_equal(dsv4_comm_shm_create(&c, 1, 2, id, 64, 600000, &stop), DSV4_ERR_CANCELED);
+    assert_null(c);
+    assert_true(polls <= 0);
+    /* the id is free again: a group of one under it works */
+    assert_int_equal(dsv4_comm_shm_create(&c, 0, 1, id, 64, 1000, &stop), DSV4_OK);
+    dsv4_comm_destroy(c);
 }
 
 int
@@ -202,6 +238,7 @@ main(void)
         cmocka_unit_test(test_config_key),
         cmocka_unit_test(test_check_and_create),
         cmocka_unit_test(test_shm_sizes),
+        cmocka_unit_test(test_shm_stop),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);

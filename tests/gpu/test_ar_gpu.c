@@ -471,12 +471,12 @@ child_main(const char *mode, const char *hid, const char *hn)
     CHECK_R(1, "cuda backend", dsv4_cuda_backend_create(&be, DSV4_NUMERICS_REF, 1));
     CHECK_R(1, "cudaipc create",
             dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES,
-                                     strcmp(mode, "idle") == 0 ? 500 : 10000));
+                                     strcmp(mode, "idle") == 0 ? 500 : 10000, NULL));
     if (strcmp(mode, "correct") == 0 || strcmp(mode, "again") == 0) {
         ok = run_correct(be, c, rank, strcmp(mode, "again") == 0 ? 100 : REPLAYS);
     } else if (strcmp(mode, "time") == 0) {
         if (strcmp(hn, "-") != 0 && hex_get(nid, hn) &&
-            dsv4_comm_nccl_create(&nccl, be, rank, SIZE, nid, 60000) != DSV4_OK)
+            dsv4_comm_nccl_create(&nccl, be, rank, SIZE, nid, 60000, NULL) != DSV4_OK)
             nccl = NULL;
         ok = run_time(be, c, nccl, rank) && run_time100(be, c, nccl, rank);
     } else if (strcmp(mode, "idle") == 0) {
@@ -547,7 +547,7 @@ run_abort(struct dsv4_backend *be)
 
     CHECK("cudaipc id", dsv4_comm_cudaipc_unique_id(id));
     pid = spawn("victim", id, NULL);
-    CHECK("cudaipc create", dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 10000));
+    CHECK("cudaipc create", dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 10000, NULL));
     memset(&w, 0, sizeof(w));
     w.pid = pid;
     w.c = c;
@@ -593,7 +593,7 @@ run_abort(struct dsv4_backend *be)
     CHECK("cudaipc id", dsv4_comm_cudaipc_unique_id(id));
     pid = spawn("again", id, NULL);
     CHECK("cudaipc create (new group)", dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id,
-                                                                 MAX_BYTES, 10000));
+                                                                 MAX_BYTES, 10000, NULL));
     ok = run_correct(be, c, rank, 100);
     dsv4_comm_destroy(c);
     rc = reap(pid);
@@ -617,7 +617,7 @@ run_timeout(struct dsv4_backend *be)
 
     CHECK("cudaipc id", dsv4_comm_cudaipc_unique_id(id));
     pid = spawn("idle", id, NULL);
-    CHECK("cudaipc create", dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 500));
+    CHECK("cudaipc create", dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 500, NULL));
     t0 = now_ms();
     CHECK("allreduce", c->ops->allreduce_sum(c, be, x, 4096));
     CHECK("sync (must return at the timeout)", be->ops->sync(be));
@@ -661,7 +661,7 @@ main(int argc, char **argv)
     CHECK_R(1, "cudaipc id", dsv4_comm_cudaipc_unique_id(id));
     pid = spawn("correct", id, NULL);
     CHECK_R(1, "cudaipc create",
-            dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 10000));
+            dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 10000, NULL));
     ok[0] = run_correct(be, c, rank, REPLAYS);
     dsv4_comm_destroy(c);
     rc = reap(pid);
@@ -676,8 +676,8 @@ main(int argc, char **argv)
         printf("  nccl: %s\n", dsv4_errmsg());
     pid = spawn("time", id, have_nccl ? nid : NULL);
     CHECK_R(1, "cudaipc create",
-            dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 10000));
-    if (have_nccl && dsv4_comm_nccl_create(&nccl, be, rank, SIZE, nid, 60000) != DSV4_OK) {
+            dsv4_comm_cudaipc_create(&c, be, rank, SIZE, id, MAX_BYTES, 10000, NULL));
+    if (have_nccl && dsv4_comm_nccl_create(&nccl, be, rank, SIZE, nid, 60000, NULL) != DSV4_OK) {
         printf("  nccl: %s\n", dsv4_errmsg());
         nccl = NULL;
     }

@@ -162,9 +162,9 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
     }
     if (size > 1 && use_cudaipc())
         RTRY("cudaipc", dsv4_comm_cudaipc_create(comm, be, rank, size, nccl_id,
-                                                 (size_t)64 << 20, 60000));
+                                                 (size_t)64 << 20, 60000, NULL));
     else if (size > 1)
-        RTRY("nccl", dsv4_comm_nccl_create(comm, be, rank, size, nccl_id, 60000));
+        RTRY("nccl", dsv4_comm_nccl_create(comm, be, rank, size, nccl_id, 60000, NULL));
     o.n_slots = B;
     o.max_seq_len = 160 + steps + B1_STEPS + 64;
     o.max_rows = rows;

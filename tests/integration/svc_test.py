@@ -50,6 +50,12 @@ Scenarios:
                   re-runs what it held there, every stream == the
                   single-process forward, no process restarts, no rank death,
                   and no second warm-up (the same processes owe none).
+  group_rejoin    a decode group of two whose decode@1 is killed -9 while
+                  the group forms (its join delayed by test-only injection):
+                  decode@0 gives up the join of the dead peer's epoch as
+                  soon as the next epoch comes (not after the join's 60 s),
+                  the group forms with the restarted decode@1 and serves
+                  streams == the single-process forward; decode@0 is kept.
   prefill_nomem   a prefill rank's second forward call after its start-up
                   warm-up reports that the device ran out of memory
                   (test-only injection): the rank
@@ -908,6 +914,38 @@ def sc_group_break():
         stop_checked(svc)
 
 
+def sc_group_rejoin():
+    """A decode group's rank killed while the group forms: the survivor,
+    waiting in the join for its dead peer, gives that join up when the
+    restarted peer's epoch comes, and the group forms and serves."""
+    delay_ms = 8000   # decode@1's joins (each process's first) wait this long
+    env = {"DSV4_TEST_JOIN_DELAY_MS": "decode@1:%d" % delay_ms}
+    svc = Service(n_prefill=1, n_decode=2, extra_conf="decode.group_size = 2", env=env,
+                  wait=False)
+    try:
+        launch_err = os.path.join(svc.dir, "launch.err")
+        wait_for(lambda: "decode/1: group_join: test-only delay" in readf(launch_err),
+                 "decode@1 in its delayed join")
+        survivor = svc.pid("decode@0")
+        old = svc.kill9("decode@1")
+        # decode@0 waited in the old epoch's communicator for decode@1
+        wait_for(lambda: re.search(r"decode/0: group_join: epoch \d+ given up \(.*the join was "
+                                   r"stopped\)", readf(launch_err)),
+                 "decode@0 giving its join up")
+        text = readf(launch_err)
+        check("did not assemble" not in text, "a join waited out its deadline")
+        wait_for(lambda: svc.pid("decode@1") not in (None, old), "decode@1 restarted")
+        svc.wait_ranks(3)
+        serve_compared(svc, "pj.txt", 4, 46, "4 streams after the group formed again", 16)
+        check(svc.pid("decode@0") == survivor and svc.count("decode@0", "READY=1") == 1,
+              "decode@0 was restarted")
+        log("decode@1 killed in its join: decode@0 gave the join up at once and the group "
+            "formed with the new decode@1")
+        svc.check_no_leaks()
+    finally:
+        stop_checked(svc)
+
+
 def sc_prefill_nomem():
     """A prefill rank's forward call that runs out of device memory (test-only
     injection, daemons/rank/rank.h): the rank stays up and its prompts run
@@ -1492,6 +1530,7 @@ SCENARIOS = {
     "group2": sc_group2,
     "mtp": sc_mtp,
     "group_break": sc_group_break,
+    "group_rejoin": sc_group_rejoin,
     "prefill_nomem": sc_prefill_nomem,
     "prefill_warmup": sc_prefill_warmup,
     "burst": sc_burst,

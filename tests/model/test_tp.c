@@ -584,7 +584,7 @@ shm_rank_run(const struct dsv4_weights *full, const uint8_t *id, int rank,
     if (dsv4_weights_shard(&sh, full, rank, 2, DSV4_GROUP_SPLIT_EP) != DSV4_OK ||
         dsv4_backend_create(&be, "cpu", DSV4_NUMERICS_REF, 1) != DSV4_OK ||
         dsv4_model_create(&m, be, &sh, &o) != DSV4_OK ||
-        dsv4_comm_shm_create(&c, rank, 2, id, 4 << 20, 20000) != DSV4_OK ||
+        dsv4_comm_shm_create(&c, rank, 2, id, 4 << 20, 20000, NULL) != DSV4_OK ||
         dsv4_model_set_comm(m, c) != DSV4_OK) {
         printf("# shm rank %d set-up: %s\n", rank, dsv4_errmsg());
         return 1;
@@ -672,7 +672,7 @@ test_group_failures(void **state)
     (void)state;
     /* rank 1 never joins */
     assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
-    assert_int_equal(dsv4_comm_shm_create(&c, 0, 2, id, 64, 300), DSV4_ERR_TIMEOUT);
+    assert_int_equal(dsv4_comm_shm_create(&c, 0, 2, id, 64, 300, NULL), DSV4_ERR_TIMEOUT);
     printf("# %s\n", dsv4_errmsg());
     assert_null(c);
     /* rank 1 joins, then exits without a collective */
@@ -683,9 +683,9 @@ test_group_failures(void **state)
     if (pid == 0) {
         struct dsv4_comm *cc = NULL;
 
-        _exit(dsv4_comm_shm_create(&cc, 1, 2, id, 64, 5000) == DSV4_OK ? 0 : 1);
+        _exit(dsv4_comm_shm_create(&cc, 1, 2, id, 64, 5000, NULL) == DSV4_OK ? 0 : 1);
     }
-    assert_int_equal(dsv4_comm_shm_create(&c, 0, 2, id, 64, 400), DSV4_OK);
+    assert_int_equal(dsv4_comm_shm_create(&c, 0, 2, id, 64, 400, NULL), DSV4_OK);
     assert_int_equal(waitpid(pid, &st, 0), pid);
     assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
     assert_int_equal(c->ops->allreduce_sum(c, NULL, x, 4), DSV4_ERR_TIMEOUT);
