@@ -62,9 +62,11 @@
  *                            breaks with every member alive;
  *   DSV4_TEST_JOIN_DELAY_MS  the rank's first communicator join waits N ms
  *                            before it starts (a peer slow to join);
- *   DSV4_TEST_FORWARD_NOMEM  a prefill rank outside a group: its N-th
- *                            forward call (N >= 1) reports that the device
- *                            ran out of memory, once. */
+ *   DSV4_TEST_FORWARD_NOMEM  a rank outside a group: its N-th forward call
+ *                            (N >= 1; a prefill rank's start-up warm-up is
+ *                            its first, a decode rank's warm-up is not
+ *                            counted) reports that the device ran out of
+ *                            memory, once. */
 #define RANK_TEST_GROUP_BREAK "DSV4_TEST_GROUP_BREAK"
 #define RANK_TEST_JOIN_DELAY "DSV4_TEST_JOIN_DELAY_MS"
 #define RANK_TEST_FORWARD_NOMEM "DSV4_TEST_FORWARD_NOMEM"
@@ -237,8 +239,8 @@ struct rank {
     struct rank_join *join;     /* communicator join running in its thread, or NULL */
     long test_break;            /* DSV4_TEST_GROUP_BREAK: forward calls left; 0 = off */
     long test_join_delay_ms;    /* DSV4_TEST_JOIN_DELAY_MS, first join only; 0 = off */
-    long test_nomem;            /* DSV4_TEST_FORWARD_NOMEM: prefill forward calls
-                                   left; 0 = off */
+    long test_nomem;            /* DSV4_TEST_FORWARD_NOMEM: forward calls left;
+                                   0 = off */
     bool warmed;                /* the warm-up calls ran (rank_warmup), or
                                    warmup = no: none are owed */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
@@ -424,7 +426,10 @@ void decode_start(struct rank *k, const struct dsv4_rank_decode *d);
 /* True when some stream is running. */
 bool decode_pending(const struct rank *k);
 /* One step: one token per running stream, TOKENS, DECODE_DONE for ended ones
- * (in a group: the streams of k->agreed, in that order). */
+ * (in a group: the streams of k->agreed, in that order).  A step out of
+ * device memory alone gives its streams back to the scheduler (ERROR
+ * NO_MEMORY, which re-runs them) and the rank stays up; other model errors
+ * are fatal alone; in a group a failed step breaks the group. */
 void decode_work(struct rank *k);
 /* decode_work with speculative decoding (conf mtp): one verify + draft
  * step, 1 or 2 tokens per stream in the TOKENS message (a stream's in

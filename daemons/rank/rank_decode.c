@@ -292,6 +292,45 @@ decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
     k->st_steps = k->st_rows = k->st_gaps = 0;
 }
 
+/* A step's forward: `e` from the model, or DSV4_TEST_FORWARD_NOMEM's
+ * out-of-memory at the rank's N-th step (the warm-up not counted). */
+static enum dsv4_err
+decode_injected(struct rank *k, enum dsv4_err e)
+{
+    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
+        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
+                         RANK_TEST_FORWARD_NOMEM);
+    return e;
+}
+
+/*
+ * A step (`what`) of the n streams in b_slot ran out of device memory on a
+ * rank outside a group: rare after the warm-up took a full batch's working
+ * memory (a batch size's first graph, a context's first indexer scores, the
+ * GPU's other processes taking more), and nothing else is wrong with the
+ * rank, so it stays up.  The step may have written part of its streams'
+ * state, so they end here and go back to the scheduler as NO_MEMORY: it
+ * re-runs each from its last emitted token (a prefill of the prompt and the
+ * output so far, then a decode group), and fails it after its re-runs.
+ * Exiting instead would re-run every stream of the rank and pay a restart.
+ */
+static void
+decode_nomem(struct rank *k, int n, const char *what)
+{
+    char why[256];
+
+    snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+    log_warnx("%s of %d streams: %s; they go back to the scheduler", what, n, why);
+    for (int r = 0; r < n; r++) {
+        int slot = k->b_slot[r];
+
+        rank_send_error(k, k->streams[slot].req, DSV4_STATUS_NO_MEMORY, "%s: no device "
+                        "memory for a step of %d streams: %s", k->name, n, why);
+        decode_end(k, slot, DSV4_FINISH_CANCELLED, false);
+    }
+    k->st_fwd_end_us = 0;
+}
+
 void
 decode_work(struct rank *k)
 {
@@ -318,7 +357,13 @@ decode_work(struct rank *k)
     t0 = dsv4_now_us();
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
+    e = decode_injected(k, e);
     t1 = dsv4_now_us();
+    if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
+        group_leave(k);
+        decode_nomem(k, n, "decode_work: forward");
+        return;
+    }
     if (!group_forward_end(k, e, "decode_work: forward of %d streams", n)) {
         k->st_fwd_end_us = 0;
         return;
@@ -401,6 +446,12 @@ decode_work_spec(struct rank *k)
                                k->spec_n, NULL);
     if (e == DSV4_OK)
         e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
+    e = decode_injected(k, e);
+    if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
+        group_leave(k);
+        decode_nomem(k, n, "decode_work_spec: verify and draft");
+        return;
+    }
     if (!group_forward_end(k, e, "decode_work_spec: verify of %d streams", n))
         return;
 

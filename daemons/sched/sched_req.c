@@ -487,9 +487,14 @@ req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint
         return;
     }
     /* the rank that answered dropped the stream, the group's others may
-     * hold it: req_rerun aborts it on every rank of the group */
-    if (r->dec.g == g)
-        req_rerun(s, r, DSV4_STATUS_INTERNAL, "decode rank error");
+     * hold it: req_rerun aborts it on every rank of the group; NO_MEMORY:
+     * a step out of device memory (daemons/rank/rank_decode.c) */
+    if (r->dec.g == g) {
+        if (code == DSV4_STATUS_NO_MEMORY)
+            req_rerun(s, r, code, "decode rank out of memory");
+        else
+            req_rerun(s, r, DSV4_STATUS_INTERNAL, "decode rank error");
+    }
 }
 
 int64_t

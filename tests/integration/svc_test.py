@@ -62,6 +62,11 @@ Scenarios:
                   stays up (same pid, no restart), the prompts of that call
                   run again (re-run "prefill rank out of memory"), every
                   stream == the single-process forward, no leaked state.
+  decode_nomem    the 5th step of decode@0 (plain) and of decode@1 (mtp)
+                  reports that the device ran out of memory (test-only
+                  injection): each rank stays up, the step's streams re-run
+                  ("decode rank out of memory"), every stream == the
+                  single-process forward, no rank death, no failure.
   prefill_warmup  a prefill rank's start-up warm-up call (256 rows) reports
                   that the device ran out of memory (test-only injection):
                   the rank lowers its rows per call to 128 (log, STATUS=),
@@ -976,6 +981,36 @@ def sc_prefill_nomem():
         stop_checked(svc)
 
 
+def sc_decode_nomem():
+    """A decode step that runs out of device memory (test-only injection,
+    daemons/rank/rank.h), on a plain decode rank and on one with MTP: each
+    rank stays up and gives the step's streams back, which re-run."""
+    env = {"DSV4_TEST_FORWARD_NOMEM": "decode@0:5,decode@1:5"}   # the 5th step each
+    svc = Service(n_prefill=1, n_decode=2, extra_conf="decode@1.mtp = yes", env=env)
+    try:
+        pids = {n: svc.pid(n) for n in ("decode@0", "decode@1")}
+        serve_compared(svc, "dn.txt", 8, 47, "8 streams across a step out of memory on each "
+                       "decode rank", 24)
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        for what in (r"decode/0: decode_work: forward of \d+ streams",
+                     r"decode/1: decode_work_spec: verify and draft of \d+ streams"):
+            check(re.search(what + r": out of device memory injected for a test .*they go "
+                            r"back to the scheduler", text), "not logged: %s" % what)
+        check(re.search(r"req_rerun: .*\(decode rank out of memory\)", text),
+              "no re-run after the failed steps")
+        st = svc.admin.status()
+        check(st["rank_deaths"] == 0 and st["reruns"] >= 2 and st["n_failed"] == 0,
+              "after the failed steps: %s" % st)
+        for n, pid in pids.items():
+            check(svc.pid(n) == pid and svc.count(n, "READY=1") == 1, "%s was restarted" % n)
+        svc.check_exits()
+        log("a step out of device memory on each decode rank: both kept, %d re-run(s), "
+            "outputs equal to the oracle's" % st["reruns"])
+        svc.check_no_leaks()
+    finally:
+        stop_checked(svc)
+
+
 def sc_prefill_warmup():
     """A prefill rank's start-up warm-up call that runs out of device memory
     (test-only injection): the rank halves its rows per call, starts once,
@@ -1532,6 +1567,7 @@ SCENARIOS = {
     "group_break": sc_group_break,
     "group_rejoin": sc_group_rejoin,
     "prefill_nomem": sc_prefill_nomem,
+    "decode_nomem": sc_decode_nomem,
     "prefill_warmup": sc_prefill_warmup,
     "burst": sc_burst,
 }
