@@ -830,7 +830,9 @@ def sc_group2():
         prompts = os.path.join(svc.dir, "pg.txt")
         make_prompts(prompts, 16, seed=21)
         ref = reference(svc, prompts, 32)
-        wait_for(lambda: "communicator of epoch" in svc.errlog() or True, "groups formed")
+        wait_for(lambda: len(re.findall(r"group_comm: joined group 0 as rank",
+                                        readf(os.path.join(svc.dir, "launch.err")))) == 4,
+                 "both groups formed (every rank joined)")
         got, rc, err = finish(svc.client(prompts, 32), svc)
         check(rc == 0, "svc_client failed: " + err[-500:])
         compare(got, ref, "16 streams through a prefill group and a decode group", err)
