@@ -266,6 +266,15 @@ link_lost(struct rank *k, const char *why)
     else
         decode_reset(k);
     k->drain = false;
+    if (k->relink_delay_ms > 0) {
+        /* READY later (link_timers): no socket meanwhile */
+        dsv4_zsock_close(k->sock);
+        k->sock = NULL;
+        k->link = RANK_LINK_JOINING;
+        k->ready_ms = dsv4_now_ms() + k->relink_delay_ms - RANK_READY_RETRY_MS;
+        k->relink_delay_ms = 0;
+        return;
+    }
     link_join(k);
 }
 

@@ -53,6 +53,9 @@
 #define RANK_STOP_REASON "rank stopping"
 #define RANK_GROUP_IDLE_MS 10        /* longest poll of a group member (it ticks) */
 #define RANK_JOIN_POLL_MS 5          /* longest poll while a communicator join runs */
+#define RANK_JOIN_BACKOFF_MS 250     /* registering again after the 2nd failed join in a
+                                        row waits this long, doubling per failure ... */
+#define RANK_JOIN_BACKOFF_MAX_MS 5000 /* ... up to this */
 
 /* Test-only fault injection (read once at start; docs/operations.md "Test-only
  * environment"), each a list "ROLE@INDEX:N[,ROLE@INDEX:N]..." naming the ranks
@@ -243,6 +246,8 @@ struct rank {
                                    0 = off */
     bool warmed;                /* the warm-up calls ran (rank_warmup), or
                                    warmup = no: none are owed */
+    int join_fails;             /* joins failed in a row (0 after one succeeds) */
+    int64_t relink_delay_ms;    /* link_lost: wait this long before READY (once) */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;
 };

@@ -795,6 +795,18 @@ group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv
         held_free(j->held);   /* of this link, which is being left */
         free(j);
         group_close(k, true);
+        /* once (a peer died meanwhile): register again at once; again and
+         * again (a lasting cause, such as ranks of different sizes): back
+         * off, or the group would re-form hundreds of times a second */
+        if (++k->join_fails >= 2) {
+            int sh = k->join_fails - 2 < 5 ? k->join_fails - 2 : 5;
+
+            k->relink_delay_ms = (int64_t)RANK_JOIN_BACKOFF_MS << sh;
+            if (k->relink_delay_ms > RANK_JOIN_BACKOFF_MAX_MS)
+                k->relink_delay_ms = RANK_JOIN_BACKOFF_MAX_MS;
+            log_warnx("group_join: %d joins failed in a row; registering again in %lld ms",
+                      k->join_fails, (long long)k->relink_delay_ms);
+        }
         rank_relink(k, "joining the group's communicator failed");
         return;
     }
@@ -827,6 +839,7 @@ group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv
 static void
 group_joined(struct rank *k, enum dsv4_comm_kind kind)
 {
+    k->join_fails = 0;
     sdnotify_status("serving as %s, rank %u of group %u (epoch %u)", k->name,
                     (unsigned)k->o.group_rank, (unsigned)k->o.group, (unsigned)k->comm_epoch);
     log_notice("group_comm: joined group %u as rank %u of %u, epoch %u (%s)",

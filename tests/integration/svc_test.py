@@ -50,6 +50,11 @@ Scenarios:
                   re-runs what it held there, every stream == the
                   single-process forward, no process restarts, no rank death,
                   and no second warm-up (the same processes owe none).
+  group_mismatch  a decode group of two ranks of 16 and 8 slots: the failed
+                  joins say why (the shm communicator's sizes differ), the
+                  failing rank registers again after a growing pause (5
+                  failures, at most 8 epochs), no rank restarts, the set
+                  stops cleanly.
   group_rejoin    a decode group of two whose decode@1 is killed -9 while
                   the group forms (its join delayed by test-only injection):
                   decode@0 gives up the join of the dead peer's epoch as
@@ -953,6 +958,34 @@ def sc_group_rejoin():
         stop_checked(svc)
 
 
+def sc_group_mismatch():
+    """A decode group whose ranks differ in slots cannot run the same calls:
+    the rank whose join fails says why, registers again with a growing
+    pause (not hundreds of epochs a second), the other group serves on, and
+    the set stops cleanly."""
+    svc = Service(n_prefill=1, n_decode=2,
+                  extra_conf="decode.group_size = 2\ndecode@1.slots = 8", wait=False)
+    try:
+        launch_err = os.path.join(svc.dir, "launch.err")
+        wait_for(lambda: "decode/1: group_join: 5 joins failed in a row; registering again in "
+                 "2000 ms" in readf(launch_err), "decode@1 backing off")
+        text = readf(launch_err)
+        check(re.search(r"decode/1: group_join: epoch \d+: comm shm: \S+: the ranks' largest "
+                        r"calls differ \(\d+ bytes at rank 0, \d+ here\)", text),
+              "the failed join does not say why")
+        n = len(re.findall(r"group decode/0 complete \(epoch", text))
+        check(n <= 8, "%d epochs of the decode group by its 5th failed join" % n)
+        check(not re.search(r"decode/\d: group_comm: joined", text),
+              "the decode group formed with different slots")
+        check(svc.count("decode@0", "READY=1") == 1 and svc.count("decode@1", "READY=1") == 1,
+              "a decode rank restarted")
+        svc.wait_ranks(1)   # prefill@0, alone
+        log("a decode group of 16 and 8 slots: its joins fail with the reason, %d epochs by "
+            "the 5th failure (backing off)" % n)
+    finally:
+        stop_checked(svc)
+
+
 def sc_prefill_nomem():
     """A prefill rank's forward call that runs out of device memory (test-only
     injection, daemons/rank/rank.h): the rank stays up and its prompts run
@@ -1568,6 +1601,7 @@ SCENARIOS = {
     "mtp": sc_mtp,
     "group_break": sc_group_break,
     "group_rejoin": sc_group_rejoin,
+    "group_mismatch": sc_group_mismatch,
     "prefill_nomem": sc_prefill_nomem,
     "decode_nomem": sc_decode_nomem,
     "prefill_warmup": sc_prefill_warmup,
