@@ -161,6 +161,32 @@ kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot, uint32_
     return DSV4_OK;
 }
 
+enum dsv4_err
+kv_warmup_export(struct rank *k, int slot, int n_tokens, size_t *bytes, const char **via)
+{
+    enum dsv4_transport t = k->kvx[DSV4_TRANSPORT_CUDAIPC] != NULL ? DSV4_TRANSPORT_CUDAIPC :
+                                                                      DSV4_TRANSPORT_SHM;
+    struct dsv4_kvx *x = k->kvx[t];
+    struct dsv4_kvx_region r;
+    size_t need = dsv4_model_state_size(k->m, n_tokens), len = 0;
+    enum dsv4_err e;
+
+    *bytes = need;
+    *via = dsv4_transport_name(t);
+    if (x == NULL)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_warmup_export: transport %s not open", *via);
+    e = dsv4_kvx_export(x, 0, need, &r);
+    if (e != DSV4_OK)
+        return e;
+    e = x->device_memory ? dsv4_model_state_export_dev(k->m, slot, r.data, need, &len)
+                         : dsv4_model_state_export(k->m, slot, r.data, need, &len);
+    if (e == DSV4_OK)
+        dsv4_kvx_release(x, &r);   /* nobody reads it: recycled (cudaipc: cached) */
+    else
+        dsv4_kvx_free(x, &r);
+    return e;
+}
+
 /* Forget export x; `acked`: its importer is done with it, so the transport
  * may recycle the region (cudaipc keeps it for the next export). */
 static void

@@ -171,6 +171,31 @@ prefill_forward(struct rank *k, const struct dsv4_batch *b)
  * its calls alone (its peers' calls must match, and one out of memory may
  * have left them inside a collective): the error is returned.
  */
+/* The warm-up's export of slot `slot`'s state of n tokens (kv_warmup_export),
+ * so that the handoff's memory is taken before the rank serves too: a GPU
+ * whose scratch left no room for it failed every prompt's export with 503
+ * (docs/perf.md run 71).  DSV4_OK, or the error with its message. */
+static enum dsv4_err
+warmup_export(struct rank *k, int slot, int n)
+{
+    int64_t t0 = dsv4_now_us();
+    const char *via;
+    char why[256];
+    size_t bytes;
+    enum dsv4_err e = kv_warmup_export(k, slot, n, &bytes, &via);
+
+    if (e != DSV4_OK) {
+        snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+        return dsv4_err_set(e, "prefill_warmup: the decode-state export of %d tokens (%zu "
+                            "bytes, %s): %s%s", n, bytes, via, why, e == DSV4_ERR_NOMEM ?
+                            " (no room left for the handoff: lower prefill_chunk or max_seq, "
+                            "or run fewer daemons on the GPU)" : "");
+    }
+    log_notice("prefill_warmup: a decode-state export of %d tokens (%zu bytes, %s) took %.1f ms",
+               n, bytes, via, (double)(dsv4_now_us() - t0) / 1e3);
+    return DSV4_OK;
+}
+
 enum dsv4_err
 prefill_warmup(struct rank *k)
 {
@@ -188,21 +213,27 @@ prefill_warmup(struct rank *k)
     for (;;) {
         int64_t t0 = dsv4_now_us();
         char why[256];
+        bool fitted = false;   /* the forward call did */
         enum dsv4_err e, r;
 
         sdnotify_status("warming up: a forward call of %d rows", rows);
         n = rows;
         e = prefill_forward(k, &b);
+        if (e == DSV4_OK) {
+            fitted = true;
+            log_notice("prefill_warmup: a forward call of %d rows took %.1f ms", rows,
+                       (double)(dsv4_now_us() - t0) / 1e3);
+            e = warmup_export(k, slot, rows);
+        }
         snprintf(why, sizeof(why), "%s", dsv4_errmsg());
         if ((r = dsv4_model_seq_reset(k->m, slot)) != DSV4_OK) {
             snprintf(why, sizeof(why), "%s", dsv4_errmsg());
             return dsv4_err_set(r, "prefill_warmup: seq_reset: %s", why);
         }
-        if (e == DSV4_OK) {
-            log_notice("prefill_warmup: a forward call of %d rows took %.1f ms", rows,
-                       (double)(dsv4_now_us() - t0) / 1e3);
+        if (e == DSV4_OK)
             break;
-        }
+        if (fitted)
+            return dsv4_err_set(e, "%s", why);   /* its export failed (warmup_export's words) */
         if (e == DSV4_ERR_NOMEM && k->o.group_size > 1)
             return dsv4_err_set(e, "prefill_warmup: a forward call of %d rows: %s (in a "
                                 "group the rows per call are not lowered: lower "

@@ -615,14 +615,18 @@ def sc_greedy16():
 def check_warmups(svc, n_prefill, n_decode, mtp=False):
     """Every rank ran its start-up warm-up (daemons/rank: prefill_warmup,
     decode_warmup) before it served: a call of 256 rows (the larger of 256
-    and prefill_chunk, at most max_seq) on each prefill rank, a step of 16
-    streams (slots) on each decode rank."""
+    and prefill_chunk, at most max_seq) and the export of its state on each
+    prefill rank, a step of 16 streams (slots) on each decode rank."""
     # the daemons' logs: launch.err, or launch-HOST.err of each host
     # (tests/multihost/mh_test.py)
     text = "".join(readf(f) for f in glob.glob(os.path.join(svc.dir, "launch*.err")))
     for i in range(n_prefill):
         check(re.search(r"prefill/%d: prefill_warmup: a forward call of 256 rows took [0-9.]+ ms"
                         % i, text), "prefill@%d: no warm-up call" % i)
+        # and its state's export (through shm on the cpu backend), released
+        check(re.search(r"prefill/%d: prefill_warmup: a decode-state export of 256 tokens "
+                        r"\([1-9][0-9]* bytes, shm\) took [0-9.]+ ms" % i, text),
+              "prefill@%d: no warm-up export" % i)
     for i in range(n_decode):
         check(re.search(r"decode/%d: decode_warmup: a step of 16 streams%s in [0-9.]+ ms" %
                         (i, re.escape(" (verify and draft)") if mtp else ""), text),
