@@ -315,8 +315,6 @@ g8_store(const struct g8_args &a, const float (&acc)[64], int n0, int t0, int wg
         }
 }
 
-#endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
-
 /*
  * Tile u of a call: token tile u % nT (nT = ceil(T / 128)), weight row tile
  * u / nT.  Token tiles vary fastest, so the CTAs running at one time share
@@ -332,6 +330,8 @@ g8_tile(const struct g8_args &a, int u, int *n0, int *t0)
     *n0 = (u / nT) * G8_BM;
     *t0 = (u % nT) * G8_BN;
 }
+
+#endif   /* __CUDA_ARCH_FEAT_SM90_ALL */
 
 /*
  * Persistent grid of min(tiles, SMs) CTAs; CTA b takes tiles b, b + grid,
