@@ -150,6 +150,15 @@ rank_active(const struct rank *k)
 }
 
 enum dsv4_err
+rank_test_nomem(struct rank *k, enum dsv4_err e)
+{
+    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
+        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
+                         RANK_TEST_FORWARD_NOMEM);
+    return e;
+}
+
+enum dsv4_err
 rank_warmup(struct rank *k)
 {
     enum dsv4_err e = k->o.role == DSV4_ROLE_PREFILL ? prefill_warmup(k) : decode_warmup(k);

@@ -292,17 +292,6 @@ decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
     k->st_steps = k->st_rows = k->st_gaps = 0;
 }
 
-/* A step's forward: `e` from the model, or DSV4_TEST_FORWARD_NOMEM's
- * out-of-memory at the rank's N-th step (the warm-up not counted). */
-static enum dsv4_err
-decode_injected(struct rank *k, enum dsv4_err e)
-{
-    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
-        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
-                         RANK_TEST_FORWARD_NOMEM);
-    return e;
-}
-
 /*
  * A step (`what`) of the n streams in b_slot ran out of device memory on a
  * rank outside a group: rare after the warm-up took a full batch's working
@@ -357,7 +346,7 @@ decode_work(struct rank *k)
     t0 = dsv4_now_us();
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
-    e = decode_injected(k, e);
+    e = rank_test_nomem(k, e);   /* the N-th step (the warm-up not counted) */
     t1 = dsv4_now_us();
     if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
         group_leave(k);
@@ -446,7 +435,7 @@ decode_work_spec(struct rank *k)
                                k->spec_n, NULL);
     if (e == DSV4_OK)
         e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
-    e = decode_injected(k, e);
+    e = rank_test_nomem(k, e);   /* the N-th step (the warm-up not counted) */
     if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
         group_leave(k);
         decode_nomem(k, n, "decode_work_spec: verify and draft");

@@ -121,6 +121,24 @@ kv_close(struct rank *k)
     k->transports = 0;
 }
 
+/* A region of transport x for `req` holding slot `slot`'s state of `need`
+ * bytes (*len written), in device memory where x's regions are (cudaipc:
+ * device-to-device copies); on failure the region is freed. */
+static enum dsv4_err
+kv_fill(struct rank *k, struct dsv4_kvx *x, uint64_t req, int slot, size_t need,
+    struct dsv4_kvx_region *r, size_t *len)
+{
+    enum dsv4_err e = dsv4_kvx_export(x, req, need, r);
+
+    if (e != DSV4_OK)
+        return e;
+    e = x->device_memory ? dsv4_model_state_export_dev(k->m, slot, r->data, need, len)
+                         : dsv4_model_state_export(k->m, slot, r->data, need, len);
+    if (e != DSV4_OK)
+        dsv4_kvx_free(x, r);
+    return e;
+}
+
 enum dsv4_err
 kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot, uint32_t n_tokens,
     uint64_t seg[2], struct dsv4_kv_loc *loc)
@@ -137,16 +155,7 @@ kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot, uint32_
     if (x == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "kv_export: out of memory");
     x->x = k->kvx[t];
-    e = dsv4_kvx_export(x->x, req, need, &x->r);
-    if (e == DSV4_OK) {
-        /* cudaipc regions are device memory: device-to-device copies */
-        if (x->x->device_memory)
-            e = dsv4_model_state_export_dev(k->m, slot, x->r.data, need, &len);
-        else
-            e = dsv4_model_state_export(k->m, slot, x->r.data, need, &len);
-        if (e != DSV4_OK)
-            dsv4_kvx_free(x->x, &x->r);
-    }
+    e = kv_fill(k, x->x, req, slot, need, &x->r, &len);
     if (e != DSV4_OK) {
         log_warnx("kv_export: req=%" PRIu64 " bytes=%zu: %s", req, need, dsv4_errmsg());
         free(x);
@@ -175,15 +184,9 @@ kv_warmup_export(struct rank *k, int slot, int n_tokens, size_t *bytes, const ch
     *via = dsv4_transport_name(t);
     if (x == NULL)
         return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_warmup_export: transport %s not open", *via);
-    e = dsv4_kvx_export(x, 0, need, &r);
-    if (e != DSV4_OK)
-        return e;
-    e = x->device_memory ? dsv4_model_state_export_dev(k->m, slot, r.data, need, &len)
-                         : dsv4_model_state_export(k->m, slot, r.data, need, &len);
+    e = kv_fill(k, x, 0, slot, need, &r, &len);
     if (e == DSV4_OK)
         dsv4_kvx_release(x, &r);   /* nobody reads it: recycled (cudaipc: cached) */
-    else
-        dsv4_kvx_free(x, &r);
     return e;
 }
 

@@ -150,12 +150,8 @@ prefill_nomem(struct rank *k, int n_seqs, int rows)
 static enum dsv4_err
 prefill_forward(struct rank *k, const struct dsv4_batch *b)
 {
-    enum dsv4_err e = dsv4_model_forward_sample(k->m, b, k->sp, k->out_tok, k->out_lp);
-
-    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
-        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
-                         RANK_TEST_FORWARD_NOMEM);
-    return e;
+    return rank_test_nomem(k, dsv4_model_forward_sample(k->m, b, k->sp, k->out_tok,
+                                                         k->out_lp));
 }
 
 /*

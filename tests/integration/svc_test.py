@@ -417,6 +417,24 @@ prefill_chunk = 16
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    def pids(self, *names):
+        """{name: pid} of the named ranks now (check_kept's argument)."""
+        return {n: self.pid(n) for n in names}
+
+    def check_kept(self, pids):
+        """Each rank of `pids` (Service.pids) still runs as that process,
+        started once."""
+        for n, pid in pids.items():
+            check(self.pid(n) == pid and self.count(n, "READY=1") == 1, "%s was restarted" % n)
+
+    def check_reruns(self, least, what):
+        """The status after a fault the ranks survive: no rank death, at
+        least `least` re-runs, no failed request; the status."""
+        st = self.admin.status()
+        check(st["rank_deaths"] == 0 and st["reruns"] >= least and st["n_failed"] == 0,
+              "after %s: %s" % (what, st))
+        return st
+
     def check_exits(self, killed=()):
         """Every child exit so far was one the test caused (kill -9)."""
         bad = []
@@ -907,18 +925,14 @@ def sc_group_break():
         # group breaks mid-work with every rank alive and re-forms.
         # The requests re-run after a break run on the re-formed group, so
         # their output shows that it serves again.
-        pids = {n: svc.pid(n) for n in ("prefill@0", "prefill@1", "decode@0", "decode@1")}
+        pids = svc.pids("prefill@0", "prefill@1", "decode@0", "decode@1")
         serve_compared(svc, "pb.txt", 8, 33, "8 streams across a break of each group", 24)
         text = readf(os.path.join(svc.dir, "launch.err"))
         for g in ("prefill/0", "decode/0"):
             check(re.search(r"group %s: communicator of epoch \d+ broke" % g, text),
                   "group %s did not break and re-form" % g)
-        st = svc.admin.status()
-        check(st["rank_deaths"] == 0 and st["reruns"] >= 1 and st["n_failed"] == 0,
-              "after the breaks: %s" % st)
-        for n, pid in pids.items():
-            check(svc.pid(n) == pid and svc.count(n, "READY=1") == 1,
-                  "%s was restarted" % n)
+        svc.check_reruns(1, "the breaks")
+        svc.check_kept(pids)
         svc.check_exits()
         # every rank warmed up once: a re-forming of the same processes owes none
         n = warmup_counts(svc)
@@ -942,7 +956,7 @@ def sc_group_rejoin():
         launch_err = os.path.join(svc.dir, "launch.err")
         wait_for(lambda: "decode/1: group_join: test-only delay" in readf(launch_err),
                  "decode@1 in its delayed join")
-        survivor = svc.pid("decode@0")
+        survivor = svc.pids("decode@0")
         old = svc.kill9("decode@1")
         # decode@0 waited in the old epoch's communicator for decode@1
         wait_for(lambda: re.search(r"decode/0: group_join: epoch \d+ given up \(.*the join was "
@@ -953,8 +967,7 @@ def sc_group_rejoin():
         wait_for(lambda: svc.pid("decode@1") not in (None, old), "decode@1 restarted")
         svc.wait_ranks(3)
         serve_compared(svc, "pj.txt", 4, 46, "4 streams after the group formed again", 16)
-        check(svc.pid("decode@0") == survivor and svc.count("decode@0", "READY=1") == 1,
-              "decode@0 was restarted")
+        svc.check_kept(survivor)
         log("decode@1 killed in its join: decode@0 gave the join up at once and the group "
             "formed with the new decode@1")
         svc.check_no_leaks()
@@ -999,7 +1012,7 @@ def sc_prefill_nomem():
     try:
         # prompts of 3-39 tokens in chunks of 16: the second forward call
         # holds prompts part-way through, whose slots must start clean again
-        pid = svc.pid("prefill@0")
+        pids = svc.pids("prefill@0")
         serve_compared(svc, "pn.txt", 6, 44, "6 streams across an out-of-memory forward call", 16)
         text = readf(os.path.join(svc.dir, "launch.err"))
         check(re.search(r"prefill_work: forward of \d+ rows: out of device memory injected "
@@ -1007,11 +1020,8 @@ def sc_prefill_nomem():
               "the failed forward call was not logged")
         check(re.search(r"req_rerun: .*\(prefill rank out of memory\)", text),
               "no re-run after the failed forward call")
-        st = svc.admin.status()
-        check(st["rank_deaths"] == 0 and st["reruns"] >= 1 and st["n_failed"] == 0,
-              "after the failed forward call: %s" % st)
-        check(svc.pid("prefill@0") == pid and svc.count("prefill@0", "READY=1") == 1,
-              "prefill@0 was restarted")
+        st = svc.check_reruns(1, "the failed forward call")
+        svc.check_kept(pids)
         svc.check_exits()
         log("a forward call out of device memory: prefill@0 kept, %d re-run(s), outputs "
             "equal to the oracle's" % st["reruns"])
@@ -1027,7 +1037,7 @@ def sc_decode_nomem():
     env = {"DSV4_TEST_FORWARD_NOMEM": "decode@0:5,decode@1:5"}   # the 5th step each
     svc = Service(n_prefill=1, n_decode=2, extra_conf="decode@1.mtp = yes", env=env)
     try:
-        pids = {n: svc.pid(n) for n in ("decode@0", "decode@1")}
+        pids = svc.pids("decode@0", "decode@1")
         serve_compared(svc, "dn.txt", 8, 47, "8 streams across a step out of memory on each "
                        "decode rank", 24)
         text = readf(os.path.join(svc.dir, "launch.err"))
@@ -1037,11 +1047,8 @@ def sc_decode_nomem():
                             r"back to the scheduler", text), "not logged: %s" % what)
         check(re.search(r"req_rerun: .*\(decode rank out of memory\)", text),
               "no re-run after the failed steps")
-        st = svc.admin.status()
-        check(st["rank_deaths"] == 0 and st["reruns"] >= 2 and st["n_failed"] == 0,
-              "after the failed steps: %s" % st)
-        for n, pid in pids.items():
-            check(svc.pid(n) == pid and svc.count(n, "READY=1") == 1, "%s was restarted" % n)
+        st = svc.check_reruns(2, "the failed steps")
+        svc.check_kept(pids)
         svc.check_exits()
         log("a step out of device memory on each decode rank: both kept, %d re-run(s), "
             "outputs equal to the oracle's" % st["reruns"])
