@@ -64,7 +64,8 @@
  *                            reports a collective failure, once: the group
  *                            breaks with every member alive;
  *   DSV4_TEST_JOIN_DELAY_MS  the rank's first communicator join waits N ms
- *                            before it starts (a peer slow to join);
+ *                            before it starts (a peer slow to join; a
+ *                            newer epoch or the stop ends the wait);
  *   DSV4_TEST_FORWARD_NOMEM  a rank outside a group: its N-th forward call
  *                            (N >= 1; a prefill rank's start-up warm-up is
  *                            its first, a decode rank's warm-up is not

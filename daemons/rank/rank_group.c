@@ -578,8 +578,10 @@ join_main(void *arg)
     bool warm = false;
     enum dsv4_err e;
 
-    if (j->delay_ms > 0) {
-        struct timespec nap = { j->delay_ms / 1000, (j->delay_ms % 1000) * 1000000L };
+    /* test only: in steps of 10 ms, so that a stop ends it as it ends the
+     * wait for the peers */
+    for (long left = j->delay_ms; left > 0 && !join_stopped(j); left -= 10) {
+        struct timespec nap = { 0, (left < 10 ? left : 10) * 1000000L };
 
         nanosleep(&nap, NULL);
     }

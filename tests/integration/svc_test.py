@@ -55,6 +55,10 @@ Scenarios:
                   failing rank registers again after a growing pause (5
                   failures, at most 8 epochs), no rank restarts, the set
                   stops cleanly.
+  join_stop       the set is stopped while decode@1 waits in its first join
+                  (delayed 60 s by test-only injection, longer than the
+                  launcher's 20 s stop timeout): decode@1 gives the join up
+                  and exits 0, as does every child, and dsv4-launch exits 0.
   group_rejoin    a decode group of two whose decode@1 is killed -9 while
                   the group forms (its join delayed by test-only injection):
                   decode@0 gives up the join of the dead peer's epoch as
@@ -382,7 +386,8 @@ prefill_chunk = 16
                  "%d ranks ready" % n)
 
     def errlog(self):
-        self.stderr.flush()
+        if not self.stderr.closed:   # closed by stop
+            self.stderr.flush()
         with open(os.path.join(self.dir, "launch.err")) as f:
             return f.read()[-6000:]
 
@@ -973,6 +978,32 @@ def sc_group_rejoin():
         svc.check_no_leaks()
     finally:
         stop_checked(svc)
+
+
+def sc_join_stop():
+    """The set stopped while a rank waits in its join: the wait ends at
+    the stop, and every child exits cleanly."""
+    env = {"DSV4_TEST_JOIN_DELAY_MS": "decode@1:60000"}   # > the stop timeout (-t 20)
+    svc = Service(n_prefill=1, n_decode=2, extra_conf="decode.group_size = 2", env=env,
+                  wait=False)
+    launch_err = os.path.join(svc.dir, "launch.err")
+    try:
+        wait_for(lambda: "decode/1: group_join: test-only delay" in readf(launch_err),
+                 "decode@1 in its delayed join")
+    except Fail:
+        svc.stop()
+        raise
+    rc = svc.stop()
+    text = readf(launch_err)
+    check(re.search(r"decode/1: group_join: giving up the join of epoch \d+ \(the link is "
+                    r"left or the rank stops\)", text),
+          "decode@1 did not give its join up")
+    check("SIGKILL" not in text, "a child had to be killed:\n%s" % text[-6000:])
+    exits = re.findall(r"^(\S+) EXIT (\S+)$", readf(svc.notify_log), re.M)
+    check(len(exits) == 4 and all(st == "exit=0" for _, st in exits),
+          "child exits at the stop: %s" % exits)
+    check(rc == 0, "dsv4-launch did not stop cleanly")
+    log("stopped during decode@1's 60 s join: the join was given up, every child exited 0")
 
 
 def sc_group_mismatch():
@@ -1612,6 +1643,7 @@ SCENARIOS = {
     "mtp": sc_mtp,
     "group_break": sc_group_break,
     "group_rejoin": sc_group_rejoin,
+    "join_stop": sc_join_stop,
     "group_mismatch": sc_group_mismatch,
     "prefill_nomem": sc_prefill_nomem,
     "decode_nomem": sc_decode_nomem,
