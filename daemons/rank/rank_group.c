@@ -417,19 +417,22 @@ slots_idle(const struct rank *k)
 /*
  * Exchange process ids and host hashes over the new communicator nc of
  * `kind` and arm the watchdog for it; agree on the warm-up.  Runs in the
- * join's thread.  One minimum all-reduce of 2n + 4 values: n pids, n host
+ * join's thread.  One minimum all-reduce of 2n + 5 values: n pids, n host
  * hashes (each rank fills its own position, UINT64_MAX elsewhere), then 0
  * when the rank owes its warm-up calls (k->warmed), 0 when one of its slots
  * is in use, its call size (prefill: rows a call; decode: slots) and that
- * size's complement.  *warm: some rank owes its warm-up and every slot of
- * every rank is idle, so every rank runs it now (the same calls: its
- * collectives match).  Ranks of different call sizes cannot run the same
- * calls at all: an error.
+ * size's complement, and 0 when its join was given up (`stop`).  *warm:
+ * some rank owes its warm-up and every slot of every rank is idle, so every
+ * rank runs it now (the same calls: its collectives match).  Ranks of
+ * different call sizes cannot run the same calls at all: an error.  A join
+ * some rank gave up (an NCCL communicator is not aborted: join_cancel) ends
+ * here on every rank, before the warm-up: DSV4_ERR_CANCELED.
  */
 static enum dsv4_err
-group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind, bool *warm)
+group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
+            const struct dsv4_comm_stop *stop, bool *warm)
 {
-    uint32_t n = k->o.group_size, nv = 2 * n + 4;
+    uint32_t n = k->o.group_size, nv = 2 * n + 5;
     uint64_t *v = calloc(nv, sizeof(uint64_t));
     uint64_t *d = k->be->ops->alloc(k->be, nv * sizeof(uint64_t));
     uint64_t me = host_hash(k->host);
@@ -449,6 +452,7 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind, bool
     v[2 * n + 1] = slots_idle(k);
     v[2 * n + 2] = size;
     v[2 * n + 3] = ~size;
+    v[2 * n + 4] = !stop->fn(stop->arg);
     group_enter(k);
     e = k->be->ops->upload(k->be, d, v, nv * sizeof(uint64_t));
     if (e == DSV4_OK)
@@ -460,6 +464,10 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind, bool
     group_leave(k);
     if (e != DSV4_OK)
         goto out;
+    if (v[2 * n + 4] == 0) {
+        e = dsv4_err_set(DSV4_ERR_CANCELED, "a rank of the group gave the join up");
+        goto out;
+    }
     if (v[2 * n + 2] != ~v[2 * n + 3]) {
         e = dsv4_err_set(DSV4_ERR_CONFIG, "group: its ranks differ in %s (%" PRIu64 " to %"
                          PRIu64 "): give every rank of the group the same %s", k->o.role ==
@@ -624,7 +632,7 @@ join_main(void *arg)
         e = dsv4_model_set_comm(k->m, nc);
     }
     if (e == DSV4_OK)
-        e = group_peers(k, nc, j->kind, &warm);
+        e = group_peers(k, nc, j->kind, &stop, &warm);
     if (e == DSV4_OK && warm) {
         /* under the watchdog, as the forward calls are: a peer that dies
          * meanwhile fails the join, not the process */
@@ -698,7 +706,8 @@ group_joining_epoch(const struct rank *k)
 /* Give the join up (`why` for the log): the communicator's creation stops
  * waiting for its peers (join_stopped), and a communicator already made is
  * aborted (shm, cudaipc: the abort only sets flags; an NCCL abort may hang,
- * so a made NCCL communicator's exchange and warm-up run to their end). */
+ * so a made NCCL communicator's exchange runs to its end, and tells every
+ * rank to skip the warm-up: group_peers; a warm-up begun runs to its end). */
 static void
 join_cancel(struct rank *k, const char *why)
 {
