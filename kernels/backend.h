@@ -526,6 +526,17 @@ struct dsv4_backend_ops {
     enum dsv4_err (*side_begin)(struct dsv4_backend *be, int *on);
     enum dsv4_err (*side_end)(struct dsv4_backend *be);
     enum dsv4_err (*side_join)(struct dsv4_backend *be);
+
+    /*
+     * Optional (NULL: the backend keeps no working memory between calls).
+     * Waits for every queued op, then frees the working memory the backend
+     * grew for the calls so far (CUDA: the scratch buffers of both queues and
+     * those they outgrew); later calls take it again, only as large as they
+     * need.  Graphs recorded before may use that memory: the caller frees
+     * them first and must not launch them after (dsv4_model_trim).  Not
+     * while a graph is being recorded.
+     */
+    enum dsv4_err (*trim)(struct dsv4_backend *be);
 };
 
 /* The most linears of one linear_multi call. */

@@ -605,6 +605,13 @@ dsv4_model_abandon_graphs(struct dsv4_model *m)
 }
 
 enum dsv4_err
+dsv4_model_trim(struct dsv4_model *m)
+{
+    graphs_drop(m, 1);
+    return m->be->ops->trim != NULL ? m->be->ops->trim(m->be) : DSV4_OK;
+}
+
+enum dsv4_err
 dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm)
 {
     if (comm != NULL && (comm->size != m->tp || comm->rank != m->tp_rank))

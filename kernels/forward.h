@@ -323,6 +323,17 @@ enum dsv4_err dsv4_model_set_comm(struct dsv4_model *m, struct dsv4_comm *comm);
  * to destroy; they are leaked (a few MB per batch size) instead. */
 void dsv4_model_abandon_graphs(struct dsv4_model *m);
 
+/*
+ * Give back the working memory the backend grew for the calls so far (its
+ * trim op, kernels/backend.h; nothing where it has none), after freeing the
+ * recorded decode graphs, which may use it (they are recorded again on
+ * first use).  The state pools and the model's own buffers stay.  For a
+ * rank that lowers its rows per call after a call of the old size left too
+ * little device memory for something else.  DSV4_OK, or the backend's
+ * error.
+ */
+enum dsv4_err dsv4_model_trim(struct dsv4_model *m);
+
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);
 

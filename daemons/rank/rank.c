@@ -1170,8 +1170,11 @@ rank_init_model(struct rank *k)
     if (kv_open(k) != 0)
         fatalx("rank_init: KV transfer layer");
     group_init(k, &k->cfg);
-    if (k->o.group_size <= 1)
+    if (k->o.group_size <= 1) {
         k->test_nomem = rank_test_env(k, RANK_TEST_FORWARD_NOMEM);
+        if (k->o.role == DSV4_ROLE_PREFILL)
+            k->test_export_nomem = rank_test_env(k, RANK_TEST_EXPORT_NOMEM);
+    }
 }
 
 static void

@@ -70,10 +70,15 @@
  *                            (N >= 1; a prefill rank's start-up warm-up is
  *                            its first, a decode rank's warm-up is not
  *                            counted) reports that the device ran out of
- *                            memory, once. */
+ *                            memory, once;
+ *   DSV4_TEST_EXPORT_NOMEM   a prefill rank outside a group: its N-th
+ *                            decode-state export (N >= 1; the start-up
+ *                            warm-up's is its first) reports that the device
+ *                            ran out of memory, once. */
 #define RANK_TEST_GROUP_BREAK "DSV4_TEST_GROUP_BREAK"
 #define RANK_TEST_JOIN_DELAY "DSV4_TEST_JOIN_DELAY_MS"
 #define RANK_TEST_FORWARD_NOMEM "DSV4_TEST_FORWARD_NOMEM"
+#define RANK_TEST_EXPORT_NOMEM "DSV4_TEST_EXPORT_NOMEM"
 
 /* --- Options (rank.c) ----------------------------------------------------- */
 
@@ -245,6 +250,7 @@ struct rank {
     long test_join_delay_ms;    /* DSV4_TEST_JOIN_DELAY_MS, first join only; 0 = off */
     long test_nomem;            /* DSV4_TEST_FORWARD_NOMEM: forward calls left;
                                    0 = off */
+    long test_export_nomem;     /* DSV4_TEST_EXPORT_NOMEM: exports left; 0 = off */
     bool warmed;                /* the warm-up calls ran (rank_warmup), or
                                    warmup = no: none are owed */
     int join_fails;             /* joins failed in a row (0 after one succeeds) */

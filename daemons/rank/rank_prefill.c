@@ -157,15 +157,17 @@ prefill_forward(struct rank *k, const struct dsv4_batch *b)
 /*
  * The warm-up (rank_warmup: before the rank registers, or in a group's
  * join): one forward call of the largest size the rank will run (o.rows
- * rows, at most max_seq, one sequence in slot 0), so that the backend's
- * working memory (the CUDA kernels' scratch, cuBLASLt's copies, lazily
- * loaded kernels) is taken now and not by the first prompt, and so that a
- * call that size which does not fit the device is found at start.  Alone,
- * out of device memory, the rows per call are halved and the call tried
- * again: the rank then serves in smaller calls (a warning says so) instead
- * of failing every long prompt with 503.  In a group a rank cannot lower
- * its calls alone (its peers' calls must match, and one out of memory may
- * have left them inside a collective): the error is returned.
+ * rows, at most max_seq, one sequence in slot 0), then the export of its
+ * decode state, so that the backend's working memory (the CUDA kernels'
+ * scratch, cuBLASLt's copies, lazily loaded kernels) and the handoff's
+ * region are taken now and not by the first prompt, and so that a call that
+ * size which does not fit the device is found at start.  Alone, when the
+ * call or its export runs out of device memory, the backend's working
+ * memory is given back (dsv4_model_trim), the rows per call are halved and
+ * both tried again: the rank then serves in smaller calls (a warning says
+ * so) instead of failing every long prompt with 503.  In a group a rank
+ * cannot lower its calls alone (its peers' calls must match, and one out of
+ * memory may have left them inside a collective): the error is returned.
  */
 /* The warm-up's export of slot `slot`'s state of n tokens (kv_warmup_export),
  * so that the handoff's memory is taken before the rank serves too: a GPU
@@ -183,9 +185,7 @@ warmup_export(struct rank *k, int slot, int n)
     if (e != DSV4_OK) {
         snprintf(why, sizeof(why), "%s", dsv4_errmsg());
         return dsv4_err_set(e, "prefill_warmup: the decode-state export of %d tokens (%zu "
-                            "bytes, %s): %s%s", n, bytes, via, why, e == DSV4_ERR_NOMEM ?
-                            " (no room left for the handoff: lower prefill_chunk or max_seq, "
-                            "or run fewer daemons on the GPU)" : "");
+                            "bytes, %s): %s", n, bytes, via, why);
     }
     log_notice("prefill_warmup: a decode-state export of %d tokens (%zu bytes, %s) took %.1f ms",
                n, bytes, via, (double)(dsv4_now_us() - t0) / 1e3);
@@ -220,6 +220,9 @@ prefill_warmup(struct rank *k)
             log_notice("prefill_warmup: a forward call of %d rows took %.1f ms", rows,
                        (double)(dsv4_now_us() - t0) / 1e3);
             e = warmup_export(k, slot, rows);
+        } else {
+            snprintf(why, sizeof(why), "%s", dsv4_errmsg());
+            dsv4_err_set(e, "prefill_warmup: a forward call of %d rows: %s", rows, why);
         }
         snprintf(why, sizeof(why), "%s", dsv4_errmsg());
         if ((r = dsv4_model_seq_reset(k->m, slot)) != DSV4_OK) {
@@ -228,16 +231,24 @@ prefill_warmup(struct rank *k)
         }
         if (e == DSV4_OK)
             break;
-        if (fitted)
-            return dsv4_err_set(e, "%s", why);   /* its export failed (warmup_export's words) */
         if (e == DSV4_ERR_NOMEM && k->o.group_size > 1)
-            return dsv4_err_set(e, "prefill_warmup: a forward call of %d rows: %s (in a "
-                                "group the rows per call are not lowered: lower "
-                                "prefill_chunk)", rows, why);
+            return dsv4_err_set(e, "%s (in a group the rows per call are not lowered: lower "
+                                "prefill_chunk%s)", why, fitted ? " or max_seq, or run fewer "
+                                "daemons on the GPU" : "");
         if (e != DSV4_ERR_NOMEM || rows == 1)
-            return dsv4_err_set(e, "prefill_warmup: a forward call of %d rows: %s", rows, why);
-        log_warnx("prefill_warmup: a forward call of %d rows: %s; rows per call lowered to %d "
-                  "(prompts longer than that run in several calls)", rows, why, rows / 2);
+            return dsv4_err_set(e, "%s%s", why, e == DSV4_ERR_NOMEM && fitted ? " (no room left "
+                                "for the handoff: lower max_seq, or run fewer daemons on the "
+                                "GPU)" : "");
+        /* what the larger call grew is given back: the smaller one and its
+         * export find the room it leaves */
+        if ((r = dsv4_model_trim(k->m)) != DSV4_OK) {
+            char tw[256];
+
+            snprintf(tw, sizeof(tw), "%s", dsv4_errmsg());
+            return dsv4_err_set(r, "%s; then the backend's trim: %s", why, tw);
+        }
+        log_warnx("%s; rows per call lowered to %d (prompts longer than that run in several "
+                  "calls)", why, rows / 2);
         rows /= 2;
     }
     k->o.rows = rows;

@@ -70,7 +70,7 @@ struct cuda_state {
     int n_tables, cap_tables;
     void **retired;                     /* outgrown scratch buffers: recorded
                                            graphs may still use them; freed
-                                           by destroy */
+                                           by destroy or trim */
     int n_retired, cap_retired;
     int fast_kernels;                   /* dsv4_cuda_set_kernels: the ops with
                                            a fast version (fast_*.cu) use it

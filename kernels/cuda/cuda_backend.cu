@@ -691,6 +691,30 @@ cuda_copy2d(struct dsv4_backend *be, float *dst, int64_t dst_ld, const float *sr
     return DSV4_OK;
 }
 
+/* The backend's trim (kernels/backend.h): once the queued work is done, no
+ * op uses the scratch buffers any more (the caller freed the graphs that
+ * may): free them; cuda_scratch takes a new one at the next call. */
+static enum dsv4_err
+cuda_trim(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+    enum dsv4_err e;
+
+    if (st->side != 0 && (e = cuda_side_join(be)) != DSV4_OK)
+        return e;
+    if ((e = cuda_hc_join(be)) != DSV4_OK)
+        return e;
+    CUDA_TRY(cudaStreamSynchronize(st->stream));
+    cudaFree(st->scratch);
+    cudaFree(st->side_scratch);
+    for (int i = 0; i < st->n_retired; i++)
+        cudaFree(st->retired[i]);
+    st->scratch = st->side_scratch = NULL;
+    st->scratch_bytes = st->side_scratch_bytes = 0;
+    st->n_retired = 0;
+    return DSV4_OK;
+}
+
 /* --- constructor -------------------------------------------------------------------- */
 
 static const struct dsv4_backend_ops cuda_ops = {
@@ -740,6 +764,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_side_begin,
     cuda_side_end,
     cuda_side_join,
+    cuda_trim,
 };
 
 extern "C" enum dsv4_err

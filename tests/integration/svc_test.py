@@ -71,6 +71,13 @@ Scenarios:
                   stays up (same pid, no restart), the prompts of that call
                   run again (re-run "prefill rank out of memory"), every
                   stream == the single-process forward, no leaked state.
+  export_nomem    decode-state exports that run out of device memory (test-only
+                  injection): prefill@0's start-up warm-up export (the rank
+                  gives back its working memory, halves its rows per call
+                  256 -> 128 and warms up again, started once) and
+                  prefill@1's first prompt's export (the prompt re-runs:
+                  "prefill rank out of memory"); every stream == the
+                  single-process forward, no rank death, no failure.
   decode_nomem    the 5th step of decode@0 (plain) and of decode@1 (mtp)
                   reports that the device ran out of memory (test-only
                   injection): each rank stays up, the step's streams re-run
@@ -1117,6 +1124,39 @@ def sc_prefill_warmup():
         stop_checked(svc)
 
 
+def sc_export_nomem():
+    """Decode-state exports out of device memory: at the warm-up the rank
+    lowers its calls; while serving the prompt runs again."""
+    env = {"DSV4_TEST_EXPORT_NOMEM": "prefill@0:1,prefill@1:2"}
+    svc = Service(n_prefill=2, n_decode=1, extra_conf="prefill.prefill_chunk = 256", env=env)
+    try:
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        check(re.search(r"prefill/0: prefill_warmup: the decode-state export of 256 tokens "
+                        r"\(\d+ bytes, shm\): out of device memory injected for a test "
+                        r"\(DSV4_TEST_EXPORT_NOMEM\); rows per call lowered to 128", text),
+              "the failed warm-up export was not logged")
+        check(re.search(r"prefill/0: prefill_warmup: a decode-state export of 128 tokens", text),
+              "no warm-up export of 128 tokens")
+        check(svc.count("prefill@0", "STATUS=serving as prefill@0 (1 slots, 128 rows a call)")
+              >= 1, "prefill@0's STATUS= does not say 128 rows a call")
+        check(svc.count("prefill@1", "STATUS=serving as prefill@1 (1 slots, 256 rows a call)")
+              >= 1, "prefill@1's STATUS= does not say 256 rows a call")
+        check(svc.count("prefill@0", "READY=1") == 1, "prefill@0 started more than once")
+        # prompts of 150-199 tokens: two calls each on prefill@0
+        serve_compared(svc, "pe.txt", 8, 47, "8 long prompts across failed exports", 16,
+                       lo=150, hi=200)
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        check(re.search(r"prefill/1: kv_export: req=\d+ bytes=\d+: out of device memory "
+                        r"injected for a test", text), "prefill@1's export did not fail")
+        svc.check_reruns(1, "an export out of memory")
+        svc.check_exits()
+        log("exports out of device memory: at the warm-up rows per call 256 -> 128 (started "
+            "once); while serving the prompt re-ran; 8 streams equal to the oracle's")
+        svc.check_no_leaks()
+    finally:
+        stop_checked(svc)
+
+
 def sc_kill_decode():
     kill_during_streams("decode@0")
 
@@ -1647,6 +1687,7 @@ SCENARIOS = {
     "group_mismatch": sc_group_mismatch,
     "prefill_nomem": sc_prefill_nomem,
     "decode_nomem": sc_decode_nomem,
+    "export_nomem": sc_export_nomem,
     "prefill_warmup": sc_prefill_warmup,
     "burst": sc_burst,
 }
