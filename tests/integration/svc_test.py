@@ -1095,6 +1095,14 @@ def sc_decode_nomem():
         stop_checked(svc)
 
 
+def check_lowered(svc):
+    """prefill@0 lowered its rows per call at its warm-up (256 -> 128) and
+    started once."""
+    check(svc.count("prefill@0", "STATUS=serving as prefill@0 (1 slots, 128 rows a call)")
+          >= 1, "prefill@0's STATUS= does not say 128 rows a call")
+    check(svc.count("prefill@0", "READY=1") == 1, "prefill@0 started more than once")
+
+
 def sc_prefill_warmup():
     """A prefill rank's start-up warm-up call that runs out of device memory
     (test-only injection): the rank halves its rows per call, starts once,
@@ -1108,9 +1116,7 @@ def sc_prefill_warmup():
               "the failed warm-up call was not logged")
         check(re.search(r"prefill_warmup: a forward call of 128 rows took [0-9.]+ ms", text),
               "no warm-up call of 128 rows")
-        check(svc.count("prefill@0", "STATUS=serving as prefill@0 (1 slots, 128 rows a call)")
-              >= 1, "prefill@0's STATUS= does not say 128 rows a call")
-        check(svc.count("prefill@0", "READY=1") == 1, "prefill@0 started more than once")
+        check_lowered(svc)
         # prompts of 150-199 tokens: two forward calls each at 128 rows
         serve_compared(svc, "pw.txt", 4, 45, "4 long prompts after a lowered warm-up", 16,
                        lo=150, hi=200)
@@ -1137,11 +1143,9 @@ def sc_export_nomem():
               "the failed warm-up export was not logged")
         check(re.search(r"prefill/0: prefill_warmup: a decode-state export of 128 tokens", text),
               "no warm-up export of 128 tokens")
-        check(svc.count("prefill@0", "STATUS=serving as prefill@0 (1 slots, 128 rows a call)")
-              >= 1, "prefill@0's STATUS= does not say 128 rows a call")
+        check_lowered(svc)
         check(svc.count("prefill@1", "STATUS=serving as prefill@1 (1 slots, 256 rows a call)")
               >= 1, "prefill@1's STATUS= does not say 256 rows a call")
-        check(svc.count("prefill@0", "READY=1") == 1, "prefill@0 started more than once")
         # prompts of 150-199 tokens: two calls each on prefill@0
         serve_compared(svc, "pe.txt", 8, 47, "8 long prompts across failed exports", 16,
                        lo=150, hi=200)
