@@ -171,6 +171,9 @@ struct dsv4_model {
     /* graphs by kind and batch size (opts.graphs; NULL until first use) */
     int graphs;
     void *graph[G_KINDS][DSV4_GRAPH_MAX_BATCH + 1];
+    /* 1: that graph could not be made for want of device memory: the kind
+     * and size run without one (graph_run) until the graphs are dropped */
+    unsigned char graph_none[G_KINDS][DSV4_GRAPH_MAX_BATCH + 1];
     /* speculative decoding (forward.h): the verify call in flight or kept
      * for the draft step; host arrays of n_slots (rows: max_rows) */
     int spec_n;                    /* streams of the kept verify call; 0 = none */
@@ -309,6 +312,7 @@ graphs_drop(struct dsv4_model *m, int release)
             if (release && m->graph[k][i] != NULL)
                 m->be->ops->graph_free(m->be, m->graph[k][i]);
             m->graph[k][i] = NULL;
+            m->graph_none[k][i] = 0;
         }
     }
 }
@@ -602,6 +606,17 @@ void
 dsv4_model_abandon_graphs(struct dsv4_model *m)
 {
     graphs_drop(m, 0);
+}
+
+int
+dsv4_model_graphs_refused(const struct dsv4_model *m)
+{
+    int n = 0;
+
+    for (int k = 0; k < G_KINDS; k++)
+        for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++)
+            n += m->graph_none[k][i];
+    return n;
 }
 
 enum dsv4_err
@@ -1453,7 +1468,11 @@ forward_body(struct dsv4_model *m)
 
 /* `body` as a replay of the graph of kind `kind` for batch size n, recorded
  * on first use (forward.h, docs/gpu.md).  The body's device work must
- * depend on the call only through the uploaded index arrays. */
+ * depend on the call only through the uploaded index arrays.  A graph
+ * recorded whole that the backend cannot make for want of device memory
+ * (CUDA: cudaGraphInstantiate) is not needed: nothing recorded has run, so
+ * the body runs as an ordinary call, now and for that kind and size from
+ * then on (graph_none; dsv4_model_graphs_refused). */
 static enum dsv4_err
 graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
           enum dsv4_err (*body)(struct dsv4_model *))
@@ -1461,6 +1480,8 @@ graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
 
+    if (m->graph_none[kind][n])
+        return body(m);
     if (m->graph[kind][n] == NULL) {
         float *X = m->X, *X2 = m->X2;
         void *g = NULL;
@@ -1473,6 +1494,10 @@ graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
         if (e != DSV4_OK || e2 != DSV4_OK) {
             if (g != NULL)
                 ops->graph_free(be, g);
+            if (e == DSV4_OK && e2 == DSV4_ERR_NOMEM) {
+                m->graph_none[kind][n] = 1;
+                return body(m);
+            }
             return e != DSV4_OK ? e : e2;
         }
         m->graph[kind][n] = g;

@@ -103,7 +103,10 @@ struct dsv4_model_opts {
  * entry; rows that do not write theirs to a spare pool row), so only the
  * small index arrays uploaded before the replay change between steps
  * (docs/gpu.md, "Decode graphs").  Results are bit-identical to the
- * ungraphed call.
+ * ungraphed call.  Where the backend has no device memory to make a
+ * recorded graph, that kind of call and batch size runs ungraphed instead
+ * (until the graphs are dropped: dsv4_model_set_comm, dsv4_model_trim),
+ * and dsv4_model_graphs_refused counts it.
  */
 #define DSV4_GRAPH_MAX_BATCH 16
 
@@ -333,6 +336,11 @@ void dsv4_model_abandon_graphs(struct dsv4_model *m);
  * error.
  */
 enum dsv4_err dsv4_model_trim(struct dsv4_model *m);
+
+/* The graphs (kind of call and batch size) that could not be made for want
+ * of device memory since the graphs were last dropped: those calls run
+ * ungraphed, slower by their launches. */
+int dsv4_model_graphs_refused(const struct dsv4_model *m);
 
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);

@@ -320,6 +320,21 @@ decode_nomem(struct rank *k, int n, const char *what)
     k->st_fwd_end_us = 0;
 }
 
+/* After a step: say so once when more kinds of step than before run
+ * without a CUDA graph because none could be made (forward.h). */
+static void
+decode_graphs_check(struct rank *k)
+{
+    int n = dsv4_model_graphs_refused(k->m);
+
+    if (n > k->graphs_refused)
+        log_warnx("decode: %d kind(s) of step (batch sizes) now run without a CUDA graph: no "
+                  "device memory was left to make one (each such step pays its launches; the "
+                  "GPU's other daemons hold the memory: lower their prefill_chunk, or run "
+                  "fewer on the GPU)", n);
+    k->graphs_refused = n;
+}
+
 void
 decode_work(struct rank *k)
 {
@@ -357,6 +372,7 @@ decode_work(struct rank *k)
         k->st_fwd_end_us = 0;
         return;
     }
+    decode_graphs_check(k);
 
     for (int r = 0; r < n; r++) {
         struct rank_stream *st = &k->streams[k->b_slot[r]];
@@ -443,6 +459,7 @@ decode_work_spec(struct rank *k)
     }
     if (!group_forward_end(k, e, "decode_work_spec: verify of %d streams", n))
         return;
+    decode_graphs_check(k);
 
     /* 1 .. K1 tokens per stream, in order; a stop id or max_tokens at any of
      * them ends the stream there (out_tok is compacted in place: n_out never
@@ -585,8 +602,10 @@ decode_warmup(struct rank *k)
         if (e == DSV4_OK)
             e = warmup_call(k, top, 0, NULL);
     }
-    if (e == DSV4_OK)
+    if (e == DSV4_OK) {
         log_notice("decode_warmup: a step of %d streams%s in %.1f ms", top,
                    k->mtp ? " (verify and draft)" : "", (double)(dsv4_now_us() - t0) / 1e3);
+        decode_graphs_check(k);
+    }
     return e;
 }

@@ -570,7 +570,8 @@ cuda_graph_end(struct dsv4_backend *be, void **out)
         return cuda_err(rc, "cudaStreamEndCapture", __FILE__, __LINE__);
     }
     cuda_graph_count(be, g);
-    rc = cudaGraphInstantiate(&x, g, 0);
+    rc = cuda_st(be)->test_graph_nomem ? cudaErrorMemoryAllocation :
+                                         cudaGraphInstantiate(&x, g, 0);
     cudaGraphDestroy(g);
     if (rc != cudaSuccess) {
         (void)cudaGetLastError();
@@ -854,6 +855,13 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         const char *k = getenv("DSV4_CUDA_KERNELS");
 
         st->fast_kernels = k != NULL && strcmp(k, "fast") == 0;
+    }
+    /* test only: every recorded graph "out of memory" (kernels/forward.h
+     * "Decode graphs": such steps run ungraphed) */
+    {
+        const char *t = getenv("DSV4_CUDA_TEST_GRAPH_NOMEM");
+
+        st->test_graph_nomem = t != NULL && strcmp(t, "1") == 0;
     }
     cuda_fast_linear_init(be);   /* fast_linear.cu: counters, DSV4_CUDA_LINEAR */
     log_info("cuda backend: device %d, %s numerics, %s kernels", st->device,

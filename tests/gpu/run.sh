@@ -14,7 +14,9 @@
 #      tests.
 #   4. test_decode_gpu long on the tiny checkpoint: five sequences of mixed
 #      lengths, STEPS_LONG (1000) decode steps, CPU vs CUDA with decode graphs
-#      vs CUDA without (graph replay bit-identical to plain steps);
+#      vs CUDA without (graph replay bit-identical to plain steps); then 300
+#      steps with DSV4_CUDA_TEST_GRAPH_NOMEM=1 (no graph can be made: the
+#      graphed model runs its steps ungraphed, the same logits);
 #   5. test_decode_gpu synth: synthetic weights vs the loaded tiny checkpoint
 #      (layout, value statistics), then the `flash` widths with 4 layers built
 #      on the GPU (prefill, decode timing at batch 16 and 1, graph == plain);
@@ -145,6 +147,9 @@ rest_rc=0
 if command -v test_decode_gpu > /dev/null; then
     timeout 200 test_decode_gpu long /tmp/ck_tiny "${STEPS_LONG:-1000}" > "$OUT/long.log" 2>&1 ||
         rest_rc=1
+    # the same with no device memory for any graph: the steps run ungraphed
+    DSV4_CUDA_TEST_GRAPH_NOMEM=1 timeout 200 test_decode_gpu long /tmp/ck_tiny 300 \
+        > "$OUT/long-nograph.log" 2>&1 || rest_rc=1
     timeout 200 test_decode_gpu synth /tmp/ck_tiny 4 32 > "$OUT/synth.log" 2>&1 || rest_rc=1
     # rank daemons with --backend cuda (appended: getopt_long permutes)
     mkdir -p /tmp/cudabin
