@@ -473,13 +473,14 @@ void decode_reset_before(struct rank *k, uint32_t gen);
 int kv_open(struct rank *k);
 void kv_close(struct rank *k);
 /* The warm-up's export (prefill_warmup): slot `slot`'s state of n_tokens
- * through the transport whose regions are device memory (cudaipc) when it
- * is open, else shm (its name in *via), released at once: a cudaipc region
- * stays in the transport's cache for the first export, so the memory it
- * needs is taken before the rank serves.  DSV4_OK, or the error with its
- * message; *bytes: the state's size. */
-enum dsv4_err kv_warmup_export(struct rank *k, int slot, int n_tokens, size_t *bytes,
-    const char **via);
+ * into a region sized for region_tokens (>= n_tokens: the longest prompt's
+ * state, max_seq) of the transport whose regions are device memory
+ * (cudaipc) when it is open, else shm (its name in *via), released at once:
+ * a cudaipc region stays in the transport's cache, so the memory the
+ * longest prompt's export needs is taken before the rank serves.  DSV4_OK,
+ * or the error with its message; *bytes: the region's size. */
+enum dsv4_err kv_warmup_export(struct rank *k, int slot, int n_tokens, int region_tokens,
+                               size_t *bytes, const char **via);
 /* Export slot `slot` (sequence of n_tokens) for `req` over transport t;
  * fills the protocol location (borrowing the export's handle and `seg`).
  * On failure returns the error (logged) and keeps nothing. */

@@ -174,13 +174,15 @@ kv_export(struct rank *k, enum dsv4_transport t, uint64_t req, int slot, uint32_
 }
 
 enum dsv4_err
-kv_warmup_export(struct rank *k, int slot, int n_tokens, size_t *bytes, const char **via)
+kv_warmup_export(struct rank *k, int slot, int n_tokens, int region_tokens, size_t *bytes,
+                 const char **via)
 {
     enum dsv4_transport t = k->kvx[DSV4_TRANSPORT_CUDAIPC] != NULL ? DSV4_TRANSPORT_CUDAIPC :
                                                                       DSV4_TRANSPORT_SHM;
     struct dsv4_kvx *x = k->kvx[t];
     struct dsv4_kvx_region r;
-    size_t need = dsv4_model_state_size(k->m, n_tokens), len = 0;
+    size_t need = dsv4_model_state_size(k->m, region_tokens > n_tokens ? region_tokens :
+                                                                         n_tokens), len = 0;
     enum dsv4_err e;
 
     *bytes = need;

@@ -158,7 +158,7 @@ prefill_forward(struct rank *k, const struct dsv4_batch *b)
  * The warm-up (rank_warmup: before the rank registers, or in a group's
  * join): one forward call of the largest size the rank will run (o.rows
  * rows, at most max_seq, one sequence in slot 0), then the export of its
- * decode state, so that the backend's working memory (the CUDA kernels'
+ * decode state into a region for the longest prompt, so that the backend's working memory (the CUDA kernels'
  * scratch, cuBLASLt's copies, lazily loaded kernels) and the handoff's
  * region are taken now and not by the first prompt, and so that a call that
  * size which does not fit the device is found at start.  Alone, when the
@@ -169,10 +169,11 @@ prefill_forward(struct rank *k, const struct dsv4_batch *b)
  * cannot lower its calls alone (its peers' calls must match, and one out of
  * memory may have left them inside a collective): the error is returned.
  */
-/* The warm-up's export of slot `slot`'s state of n tokens (kv_warmup_export),
- * so that the handoff's memory is taken before the rank serves too: a GPU
- * whose scratch left no room for it failed every prompt's export with 503
- * (docs/perf.md run 71).  DSV4_OK, or the error with its message. */
+/* The warm-up's export of slot `slot`'s state of n tokens into a region
+ * sized for the longest prompt (max_seq tokens; kv_warmup_export), so that
+ * the handoff's memory is taken before the rank serves too: a GPU whose
+ * scratch left no room for it failed every prompt's export with 503
+ * (docs/perf.md runs 71, 72).  DSV4_OK, or the error with its message. */
 static enum dsv4_err
 warmup_export(struct rank *k, int slot, int n)
 {
@@ -180,15 +181,17 @@ warmup_export(struct rank *k, int slot, int n)
     const char *via;
     char why[256];
     size_t bytes;
-    enum dsv4_err e = kv_warmup_export(k, slot, n, &bytes, &via);
+    enum dsv4_err e = kv_warmup_export(k, slot, n, k->max_seq, &bytes, &via);
 
     if (e != DSV4_OK) {
         snprintf(why, sizeof(why), "%s", dsv4_errmsg());
-        return dsv4_err_set(e, "prefill_warmup: the decode-state export of %d tokens (%zu "
-                            "bytes, %s): %s", n, bytes, via, why);
+        return dsv4_err_set(e, "prefill_warmup: the decode-state export of %d tokens into a "
+                            "region for %d (%zu bytes, %s): %s", n, k->max_seq, bytes, via,
+                            why);
     }
-    log_notice("prefill_warmup: a decode-state export of %d tokens (%zu bytes, %s) took %.1f ms",
-               n, bytes, via, (double)(dsv4_now_us() - t0) / 1e3);
+    log_notice("prefill_warmup: a decode-state export of %d tokens into a region for %d (%zu "
+               "bytes, %s) took %.1f ms", n, k->max_seq, bytes, via,
+               (double)(dsv4_now_us() - t0) / 1e3);
     return DSV4_OK;
 }
 

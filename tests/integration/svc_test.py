@@ -655,7 +655,8 @@ def check_warmups(svc, n_prefill, n_decode, mtp=False):
                         % i, text), "prefill@%d: no warm-up call" % i)
         # and its state's export (through shm on the cpu backend), released
         check(re.search(r"prefill/%d: prefill_warmup: a decode-state export of 256 tokens "
-                        r"\([1-9][0-9]* bytes, shm\) took [0-9.]+ ms" % i, text),
+                        r"into a region for 256 \([1-9][0-9]* bytes, shm\) took [0-9.]+ ms" % i,
+                        text),
               "prefill@%d: no warm-up export" % i)
     for i in range(n_decode):
         check(re.search(r"decode/%d: decode_warmup: a step of 16 streams%s in [0-9.]+ ms" %
@@ -1138,11 +1139,12 @@ def sc_export_nomem():
     try:
         text = readf(os.path.join(svc.dir, "launch.err"))
         check(re.search(r"prefill/0: prefill_warmup: the decode-state export of 256 tokens "
-                        r"\(\d+ bytes, shm\): out of device memory injected for a test "
+                        r"into a region for 256 \(\d+ bytes, shm\): out of device memory injected for a test "
                         r"\(DSV4_TEST_EXPORT_NOMEM\); rows per call lowered to 128", text),
               "the failed warm-up export was not logged")
-        check(re.search(r"prefill/0: prefill_warmup: a decode-state export of 128 tokens", text),
-              "no warm-up export of 128 tokens")
+        # the region is the longest prompt's still (max_seq = 256)
+        check(re.search(r"prefill/0: prefill_warmup: a decode-state export of 128 tokens into a "
+                        r"region for 256 \(", text), "no warm-up export of 128 tokens")
         check_lowered(svc)
         check(svc.count("prefill@1", "STATUS=serving as prefill@1 (1 slots, 256 rows a call)")
               >= 1, "prefill@1's STATUS= does not say 256 rows a call")
