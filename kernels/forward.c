@@ -48,6 +48,9 @@ struct layer_state {
  * (forward.h, "Speculative decoding").
  */
 enum graph_kind { G_DECODE, G_DECODE_ALL, G_VERIFY, G_DRAFT, G_RESTORE, G_KINDS };
+/* Calls of a kind and batch size that run ungraphed after its graph could
+ * not be made for want of device memory, before one records again. */
+#define GRAPH_RETRY_CALLS 1024
 
 /*
  * Pages of the pools that grow with the sequence (backend.h,
@@ -171,9 +174,10 @@ struct dsv4_model {
     /* graphs by kind and batch size (opts.graphs; NULL until first use) */
     int graphs;
     void *graph[G_KINDS][DSV4_GRAPH_MAX_BATCH + 1];
-    /* 1: that graph could not be made for want of device memory: the kind
-     * and size run without one (graph_run) until the graphs are dropped */
-    unsigned char graph_none[G_KINDS][DSV4_GRAPH_MAX_BATCH + 1];
+    /* > 0: that graph could not be made for want of device memory: the
+     * kind and size run without one (graph_run) for this many more calls,
+     * then try again (0 also when the graphs are dropped) */
+    uint16_t graph_none[G_KINDS][DSV4_GRAPH_MAX_BATCH + 1];
     /* speculative decoding (forward.h): the verify call in flight or kept
      * for the draft step; host arrays of n_slots (rows: max_rows) */
     int spec_n;                    /* streams of the kept verify call; 0 = none */
@@ -615,7 +619,7 @@ dsv4_model_graphs_refused(const struct dsv4_model *m)
 
     for (int k = 0; k < G_KINDS; k++)
         for (int i = 0; i <= DSV4_GRAPH_MAX_BATCH; i++)
-            n += m->graph_none[k][i];
+            n += m->graph_none[k][i] > 0;
     return n;
 }
 
@@ -1471,8 +1475,9 @@ forward_body(struct dsv4_model *m)
  * depend on the call only through the uploaded index arrays.  A graph
  * recorded whole that the backend cannot make for want of device memory
  * (CUDA: cudaGraphInstantiate) is not needed: nothing recorded has run, so
- * the body runs as an ordinary call, now and for that kind and size from
- * then on (graph_none; dsv4_model_graphs_refused). */
+ * the body runs as an ordinary call, now and for that kind and size's next
+ * GRAPH_RETRY_CALLS - 1 calls (graph_none; dsv4_model_graphs_refused); the
+ * call after them records again (the memory may have come back). */
 static enum dsv4_err
 graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
           enum dsv4_err (*body)(struct dsv4_model *))
@@ -1480,7 +1485,7 @@ graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
 
-    if (m->graph_none[kind][n])
+    if (m->graph_none[kind][n] > 0 && --m->graph_none[kind][n] > 0)
         return body(m);
     if (m->graph[kind][n] == NULL) {
         float *X = m->X, *X2 = m->X2;
@@ -1495,7 +1500,7 @@ graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
             if (g != NULL)
                 ops->graph_free(be, g);
             if (e == DSV4_OK && e2 == DSV4_ERR_NOMEM) {
-                m->graph_none[kind][n] = 1;
+                m->graph_none[kind][n] = GRAPH_RETRY_CALLS;
                 return body(m);
             }
             return e != DSV4_OK ? e : e2;

@@ -105,8 +105,8 @@ struct dsv4_model_opts {
  * (docs/gpu.md, "Decode graphs").  Results are bit-identical to the
  * ungraphed call.  Where the backend has no device memory to make a
  * recorded graph, that kind of call and batch size runs ungraphed instead
- * (until the graphs are dropped: dsv4_model_set_comm, dsv4_model_trim),
- * and dsv4_model_graphs_refused counts it.
+ * for its next 1,024 calls, then tries to record again (the memory may have
+ * come back), and dsv4_model_graphs_refused counts it meanwhile.
  */
 #define DSV4_GRAPH_MAX_BATCH 16
 
@@ -338,8 +338,8 @@ void dsv4_model_abandon_graphs(struct dsv4_model *m);
 enum dsv4_err dsv4_model_trim(struct dsv4_model *m);
 
 /* The graphs (kind of call and batch size) that could not be made for want
- * of device memory since the graphs were last dropped: those calls run
- * ungraphed, slower by their launches. */
+ * of device memory at their last try: those calls run ungraphed, slower by
+ * their launches, until a later try succeeds. */
 int dsv4_model_graphs_refused(const struct dsv4_model *m);
 
 /* Number of vocabulary entries (logits row length). */
