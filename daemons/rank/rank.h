@@ -254,8 +254,8 @@ struct rank {
     bool warmed;                /* the warm-up calls ran (rank_warmup), or
                                    warmup = no: none are owed */
     int join_fails;             /* joins failed in a row (0 after one succeeds) */
-    int graphs_refused;         /* decode: dsv4_model_graphs_refused when last
-                                   looked at (decode_graphs_check) */
+    int graphs_refused;         /* decode: dsv4_model_graphs_refused at the
+                                   last warning (decode_graphs_check) */
     int64_t relink_delay_ms;    /* link_lost: wait this long before READY (once) */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;

@@ -320,19 +320,25 @@ decode_nomem(struct rank *k, int n, const char *what)
     k->st_fwd_end_us = 0;
 }
 
-/* After a step: say so once when more kinds of step than before run
- * without a CUDA graph because none could be made (forward.h). */
+/* After a step: warn when kinds of step run without a CUDA graph because
+ * none could be made (forward.h): at the first, then each time their
+ * number doubles (a few lines at most); a notice when they all
+ * run as graphs again. */
 static void
 decode_graphs_check(struct rank *k)
 {
     int n = dsv4_model_graphs_refused(k->m);
 
-    if (n > k->graphs_refused)
+    if (n > 0 && n >= 2 * k->graphs_refused) {
         log_warnx("decode: %d kind(s) of step (batch sizes) now run without a CUDA graph: no "
                   "device memory was left to make one (each such step pays its launches; the "
                   "GPU's other daemons hold the memory: lower their prefill_chunk, or run "
                   "fewer on the GPU)", n);
-    k->graphs_refused = n;
+        k->graphs_refused = n;
+    } else if (n == 0 && k->graphs_refused > 0) {
+        log_notice("decode: every kind of step runs as a CUDA graph again");
+        k->graphs_refused = 0;
+    }
 }
 
 void
