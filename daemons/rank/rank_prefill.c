@@ -158,10 +158,11 @@ prefill_forward(struct rank *k, const struct dsv4_batch *b)
  * The warm-up (rank_warmup: before the rank registers, or in a group's
  * join): one forward call of the largest size the rank will run (o.rows
  * rows, at most max_seq, one sequence in slot 0), then the export of its
- * decode state into a region for the longest prompt, so that the backend's working memory (the CUDA kernels'
- * scratch, cuBLASLt's copies, lazily loaded kernels) and the handoff's
- * region are taken now and not by the first prompt, and so that a call that
- * size which does not fit the device is found at start.  Alone, when the
+ * decode state into a region for the longest prompt, so that the backend's
+ * working memory (the CUDA kernels' scratch, cuBLASLt's copies, lazily
+ * loaded kernels) and the handoff's region are taken now and not by the
+ * first prompt, and so that a call that size which does not fit the device
+ * is found at start.  Alone, when the
  * call or its export runs out of device memory, the backend's working
  * memory is given back (dsv4_model_trim), the rows per call are halved and
  * both tried again: the rank then serves in smaller calls (a warning says
