@@ -150,11 +150,10 @@ rank_active(const struct rank *k)
 }
 
 enum dsv4_err
-rank_test_nomem(struct rank *k, enum dsv4_err e)
+rank_test_nomem(long *left, const char *var, enum dsv4_err e)
 {
-    if (e == DSV4_OK && k->test_nomem > 0 && --k->test_nomem == 0)
-        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
-                         RANK_TEST_FORWARD_NOMEM);
+    if (e == DSV4_OK && *left > 0 && --*left == 0)
+        e = dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)", var);
     return e;
 }
 

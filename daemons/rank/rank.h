@@ -275,9 +275,10 @@ uint32_t rank_active(const struct rank *k);
 /* The N this rank is given in test-only variable `var` ("ROLE@INDEX:N,...";
  * logged as a warning when it applies); 0 when unset or not naming it. */
 long rank_test_env(const struct rank *k, const char *var);
-/* A forward call's result `e`, turned into DSV4_ERR_NOMEM at the rank's
- * N-th call by DSV4_TEST_FORWARD_NOMEM (k->test_nomem; test only). */
-enum dsv4_err rank_test_nomem(struct rank *k, enum dsv4_err e);
+/* An operation's result `e`, turned into DSV4_ERR_NOMEM when the rank's
+ * count of such operations left before test-only variable `var` applies
+ * (*left: k->test_nomem, k->test_export_nomem) reaches 0; test only. */
+enum dsv4_err rank_test_nomem(long *left, const char *var, enum dsv4_err e);
 /* The role's warm-up calls (prefill_warmup, decode_warmup), which set
  * k->warmed: before registering for a rank outside a group; in a group in
  * the communicator's join (rank_group.c), every rank together.  DSV4_OK,

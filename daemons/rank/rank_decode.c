@@ -367,7 +367,8 @@ decode_work(struct rank *k)
     t0 = dsv4_now_us();
     group_enter(k);
     e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
-    e = rank_test_nomem(k, e);   /* the N-th step (the warm-up not counted) */
+    /* the N-th step (the warm-up not counted) */
+    e = rank_test_nomem(&k->test_nomem, RANK_TEST_FORWARD_NOMEM, e);
     t1 = dsv4_now_us();
     if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
         group_leave(k);
@@ -457,7 +458,8 @@ decode_work_spec(struct rank *k)
                                k->spec_n, NULL);
     if (e == DSV4_OK)
         e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
-    e = rank_test_nomem(k, e);   /* the N-th step (the warm-up not counted) */
+    /* the N-th step (the warm-up not counted) */
+    e = rank_test_nomem(&k->test_nomem, RANK_TEST_FORWARD_NOMEM, e);
     if (e == DSV4_ERR_NOMEM && k->comm == NULL) {
         group_leave(k);
         decode_nomem(k, n, "decode_work_spec: verify and draft");

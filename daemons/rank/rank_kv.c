@@ -128,12 +128,9 @@ static enum dsv4_err
 kv_fill(struct rank *k, struct dsv4_kvx *x, uint64_t req, int slot, size_t need,
     struct dsv4_kvx_region *r, size_t *len)
 {
-    enum dsv4_err e;
+    enum dsv4_err e = rank_test_nomem(&k->test_export_nomem, RANK_TEST_EXPORT_NOMEM, DSV4_OK);
 
-    if (k->test_export_nomem > 0 && --k->test_export_nomem == 0)
-        return dsv4_err_set(DSV4_ERR_NOMEM, "out of device memory injected for a test (%s)",
-                            RANK_TEST_EXPORT_NOMEM);
-    if ((e = dsv4_kvx_export(x, req, need, r)) != DSV4_OK)
+    if (e != DSV4_OK || (e = dsv4_kvx_export(x, req, need, r)) != DSV4_OK)
         return e;
     e = x->device_memory ? dsv4_model_state_export_dev(k->m, slot, r->data, need, len)
                          : dsv4_model_state_export(k->m, slot, r->data, need, len);

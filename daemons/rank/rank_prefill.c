@@ -150,8 +150,8 @@ prefill_nomem(struct rank *k, int n_seqs, int rows)
 static enum dsv4_err
 prefill_forward(struct rank *k, const struct dsv4_batch *b)
 {
-    return rank_test_nomem(k, dsv4_model_forward_sample(k->m, b, k->sp, k->out_tok,
-                                                         k->out_lp));
+    return rank_test_nomem(&k->test_nomem, RANK_TEST_FORWARD_NOMEM,
+                           dsv4_model_forward_sample(k->m, b, k->sp, k->out_tok, k->out_lp));
 }
 
 /*
@@ -162,13 +162,13 @@ prefill_forward(struct rank *k, const struct dsv4_batch *b)
  * working memory (the CUDA kernels' scratch, cuBLASLt's copies, lazily
  * loaded kernels) and the handoff's region are taken now and not by the
  * first prompt, and so that a call that size which does not fit the device
- * is found at start.  Alone, when the
- * call or its export runs out of device memory, the backend's working
- * memory is given back (dsv4_model_trim), the rows per call are halved and
- * both tried again: the rank then serves in smaller calls (a warning says
- * so) instead of failing every long prompt with 503.  In a group a rank
- * cannot lower its calls alone (its peers' calls must match, and one out of
- * memory may have left them inside a collective): the error is returned.
+ * is found at start.  Alone, when the call or its export runs out of device
+ * memory, the backend's working memory is given back (dsv4_model_trim), the
+ * rows per call are halved and both tried again: the rank then serves in
+ * smaller calls (a warning says so) instead of failing every long prompt
+ * with 503.  In a group a rank cannot lower its calls alone (its peers'
+ * calls must match, and one out of memory may have left them inside a
+ * collective): the error is returned.
  */
 /* The warm-up's export of slot `slot`'s state of n tokens into a region
  * sized for the longest prompt (max_seq tokens; kv_warmup_export), so that

@@ -193,6 +193,20 @@ stream_pair_free(cudaStream_t s, cudaEvent_t ev[2])
     cudaEventDestroy(ev[1]);
 }
 
+/* Free the scratch buffers of both queues and the outgrown ones (nothing
+ * queued may still use them): cuda_destroy, cuda_trim. */
+static void
+scratch_free_all(struct cuda_state *st)
+{
+    cudaFree(st->scratch);
+    cudaFree(st->side_scratch);
+    for (int i = 0; i < st->n_retired; i++)
+        cudaFree(st->retired[i]);
+    st->scratch = st->side_scratch = NULL;
+    st->scratch_bytes = st->side_scratch_bytes = 0;
+    st->n_retired = 0;
+}
+
 static void
 cuda_destroy(struct dsv4_backend *be)
 {
@@ -206,10 +220,7 @@ cuda_destroy(struct dsv4_backend *be)
     cuda_copy_fini(be);
     cuda_fast_linear_fini(be);
     cuda_blas_fini(be);
-    cudaFree(st->scratch);
-    cudaFree(st->side_scratch);
-    for (int i = 0; i < st->n_retired; i++)
-        cudaFree(st->retired[i]);
+    scratch_free_all(st);
     free(st->retired);
     cudaStreamDestroy(st->stream);
     free(st->tables);
@@ -706,13 +717,7 @@ cuda_trim(struct dsv4_backend *be)
     if ((e = cuda_hc_join(be)) != DSV4_OK)
         return e;
     CUDA_TRY(cudaStreamSynchronize(st->stream));
-    cudaFree(st->scratch);
-    cudaFree(st->side_scratch);
-    for (int i = 0; i < st->n_retired; i++)
-        cudaFree(st->retired[i]);
-    st->scratch = st->side_scratch = NULL;
-    st->scratch_bytes = st->side_scratch_bytes = 0;
-    st->n_retired = 0;
+    scratch_free_all(st);
     return DSV4_OK;
 }
 

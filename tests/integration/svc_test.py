@@ -447,13 +447,15 @@ prefill_chunk = 16
               "after %s: %s" % (what, st))
         return st
 
+    def exits(self):
+        """[(child, status)] of every child exit so far ("exit=0",
+        "signal=9", ...), from the notify log."""
+        return re.findall(r"^(\S+) EXIT (\S+)", readf(self.notify_log), re.M)
+
     def check_exits(self, killed=()):
         """Every child exit so far was one the test caused (kill -9)."""
-        bad = []
-        for line in readf(self.notify_log).splitlines():
-            m = re.match(r"(\S+) EXIT (\S+)", line)
-            if m and not (m.group(1) in killed and m.group(2) == "signal=9"):
-                bad.append(line)
+        bad = ["%s EXIT %s" % (name, st) for name, st in self.exits()
+               if not (name in killed and st == "signal=9")]
         check(not bad, "unexpected child exits: %s\n%s" % (bad, self.errlog()))
 
     def check_no_leaks(self):
@@ -1007,7 +1009,7 @@ def sc_join_stop():
                     r"left or the rank stops\)", text),
           "decode@1 did not give its join up")
     check("SIGKILL" not in text, "a child had to be killed:\n%s" % text[-6000:])
-    exits = re.findall(r"^(\S+) EXIT (\S+)$", readf(svc.notify_log), re.M)
+    exits = svc.exits()
     check(len(exits) == 4 and all(st == "exit=0" for _, st in exits),
           "child exits at the stop: %s" % exits)
     check(rc == 0, "dsv4-launch did not stop cleanly")
@@ -1139,8 +1141,9 @@ def sc_export_nomem():
     try:
         text = readf(os.path.join(svc.dir, "launch.err"))
         check(re.search(r"prefill/0: prefill_warmup: the decode-state export of 256 tokens "
-                        r"into a region for 256 \(\d+ bytes, shm\): out of device memory injected for a test "
-                        r"\(DSV4_TEST_EXPORT_NOMEM\); rows per call lowered to 128", text),
+                        r"into a region for 256 \(\d+ bytes, shm\): out of device memory "
+                        r"injected for a test \(DSV4_TEST_EXPORT_NOMEM\); rows per call lowered "
+                        r"to 128", text),
               "the failed warm-up export was not logged")
         # the region is the longest prompt's still (max_seq = 256)
         check(re.search(r"prefill/0: prefill_warmup: a decode-state export of 128 tokens into a "
