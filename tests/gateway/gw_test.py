@@ -172,6 +172,7 @@ gateway_launch = yes
             wait_for(lambda: self.http("GET", "/health")[0] == 200, "/health 200")
 
     errlog = svc_test.Service.errlog
+    exits = svc_test.Service.exits
     check_exits = svc_test.Service.check_exits
     pid = svc_test.Service.pid
     kill9 = svc_test.Service.kill9
