@@ -176,6 +176,10 @@ static const struct field f_ready[] = {
     FENUMSET("transports", struct dsv4_rank_ready, transports, transport_names),
     FLD("burst", struct dsv4_rank_ready, burst, T_BOOL, 0, 0, 1, 0),
     FLD("device", struct dsv4_rank_ready, device, T_STR, 0, 1, DSV4_PROTO_MAX_DEVICE, 0),
+    FHAS("call_rows", struct dsv4_rank_ready, call_rows, has_call_rows, T_U32, 1,
+        DSV4_PROTO_MAX_CTX),
+    FHAS("call_rows_full", struct dsv4_rank_ready, call_rows_full, has_call_rows, T_U32, 1,
+        DSV4_PROTO_MAX_CTX),
 };
 
 static const struct field f_welcome[] = {
@@ -322,6 +326,10 @@ static const struct field f_ctl_rank[] = {
     FLD("burst", struct dsv4_ctl_rank, burst, T_BOOL, 0, 0, 1, 0),
     FLD("placed", struct dsv4_ctl_rank, placed, T_U64, 0, 0, U64MAX, 0),
     FLD("device", struct dsv4_ctl_rank, device, T_STR, 0, 1, DSV4_PROTO_MAX_DEVICE, 0),
+    FHAS("call_rows", struct dsv4_ctl_rank, call_rows, has_call_rows, T_U32, 1,
+        DSV4_PROTO_MAX_CTX),
+    FHAS("call_rows_full", struct dsv4_ctl_rank, call_rows_full, has_call_rows, T_U32, 1,
+        DSV4_PROTO_MAX_CTX),
 };
 
 static const struct field f_count[] = {
@@ -371,6 +379,7 @@ struct mdesc {
 
 static enum dsv4_err check_generate(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_ready(const struct dsv4_msg *m, struct dsv4_perr *pe);
+static enum dsv4_err check_ctl_rank(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_kv(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_status(const struct dsv4_msg *m, struct dsv4_perr *pe);
 
@@ -411,7 +420,7 @@ static const struct mdesc ctl_desc[DSV4_CTL__COUNT] = {
     [DSV4_CTL_SHOW_STATUS] = MD0("SHOW_STATUS"),
     [DSV4_CTL_STATUS] = MD("STATUS", f_status, check_status),
     [DSV4_CTL_SHOW_RANKS] = MD0("SHOW_RANKS"),
-    [DSV4_CTL_RANK] = MD("RANK", f_ctl_rank, NULL),
+    [DSV4_CTL_RANK] = MD("RANK", f_ctl_rank, check_ctl_rank),
     [DSV4_CTL_RANKS_END] = MD("RANKS_END", f_count, NULL),
     [DSV4_CTL_SHOW_REQUESTS] = MD0("SHOW_REQUESTS"),
     [DSV4_CTL_REQUEST] = MD("REQUEST", f_ctl_request, NULL),
@@ -573,13 +582,33 @@ check_generate(const struct dsv4_msg *m, struct dsv4_perr *pe)
     return DSV4_OK;
 }
 
+/* call_rows and call_rows_full (READY, RANK) come together, each at least 1,
+ * the first no more than the second. */
+static enum dsv4_err
+check_call_rows(const char *what, bool has, uint32_t rows, uint32_t full,
+    struct dsv4_perr *pe)
+{
+    if (has && (rows == 0 || full < rows))
+        return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "%s: call_rows %u without call_rows_full or "
+            "above it (%u)", what, rows, full);
+    return DSV4_OK;
+}
+
 static enum dsv4_err
 check_ready(const struct dsv4_msg *m, struct dsv4_perr *pe)
 {
     if (m->u.ready.group_rank >= m->u.ready.group_size)
         return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "READY: group_rank %u >= group_size %u",
             m->u.ready.group_rank, m->u.ready.group_size);
-    return DSV4_OK;
+    return check_call_rows("READY", m->u.ready.has_call_rows, m->u.ready.call_rows,
+        m->u.ready.call_rows_full, pe);
+}
+
+static enum dsv4_err
+check_ctl_rank(const struct dsv4_msg *m, struct dsv4_perr *pe)
+{
+    return check_call_rows("RANK", m->u.rank.has_call_rows, m->u.rank.call_rows,
+        m->u.rank.call_rows_full, pe);
 }
 
 /* The handoff histogram: buckets only with sum and count (which share one

@@ -314,6 +314,17 @@ struct dsv4_rank_ready {
                             decode groups a burst prefill group shares its
                             GPUs with (queue_pick_prefill); optional, NULL
                             when absent (the cpu backend: unknown) */
+    uint32_t call_rows;  /* prefill: the most prompt tokens the rank runs in
+                            one forward call, after its warm-up (a call that
+                            did not fit the device halves it: docs/
+                            operations.md "prefill_chunk"); a longer prompt
+                            runs in several calls */
+    uint32_t call_rows_full; /* prefill: what call_rows would be had no
+                            warm-up call run out of device memory (its rows
+                            per call, at most max_ctx); >= call_rows */
+    bool has_call_rows;  /* call_rows and call_rows_full are sent (together,
+                            optional): a prefill rank sends them; absent (a
+                            decode rank, an older rank) they read 0 */
 };
 
 struct dsv4_rank_welcome {
@@ -504,6 +515,11 @@ struct dsv4_ctl_rank {
                                 count again); optional, 0 when absent */
     const char *device;      /* its READY's device; optional, NULL when absent
                                 (the rank did not say) */
+    uint32_t call_rows, call_rows_full; /* a prefill rank's READY's call_rows
+                                and call_rows_full (struct dsv4_rank_ready);
+                                valid iff has_call_rows (optional, sent
+                                together) */
+    bool has_call_rows;
 };
 
 struct dsv4_ctl_request {

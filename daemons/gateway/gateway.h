@@ -171,6 +171,8 @@ struct gw_rank {
     char role[16];
     uint32_t index, group, group_rank, active, capacity, rank_active;
     bool has_rank_active;
+    uint32_t call_rows, call_rows_full;   /* a prefill rank's; valid iff has_call_rows */
+    bool has_call_rows;
     char state[16];
 };
 struct gw_sched {

@@ -173,6 +173,9 @@ gw_take_rank(struct gw_sched *s, const struct dsv4_msg *m)
     r->capacity = k->capacity;
     r->rank_active = k->rank_active;
     r->has_rank_active = k->has_rank_active;
+    r->call_rows = k->call_rows;
+    r->call_rows_full = k->call_rows_full;
+    r->has_call_rows = k->has_call_rows;
 }
 
 int
@@ -314,6 +317,24 @@ gw_render_handoff(FILE *f, const struct gw_sched *s)
         (double)s->handoff_sum_us / 1e6, s->handoff_count);
 }
 
+/* One family of the prefill ranks' rows per call (READY call_rows): now, or
+ * (full) before the warm-up lowered them. */
+static void
+gw_render_call_rows(FILE *f, const struct gw_sched *s, bool full)
+{
+    const char *name = full ? "dsv4_prefill_call_rows_full" : "dsv4_prefill_call_rows";
+
+    gw_help(f, name, "gauge", full ?
+        "Prompt tokens a prefill rank would run in one forward call had no warm-up call "
+        "run out of device memory" :
+        "Prompt tokens a prefill rank runs in one forward call (lowered below "
+        "dsv4_prefill_call_rows_full when its warm-up ran out of device memory)");
+    for (int i = 0; i < s->n; i++)
+        if (s->ranks[i].has_call_rows)
+            fprintf(f, "%s{rank=\"%s@%u\"} %u\n", name, s->ranks[i].role,
+                s->ranks[i].index, full ? s->ranks[i].call_rows_full : s->ranks[i].call_rows);
+}
+
 static void
 gw_render_sched(FILE *f, const struct gw_sched *s)
 {
@@ -387,6 +408,8 @@ gw_render_sched(FILE *f, const struct gw_sched *s)
     for (i = 0; i < s->n; i++)
         fprintf(f, "dsv4_kv_slots{rank=\"%s@%u\"} %u\n", s->ranks[i].role,
             s->ranks[i].index, s->ranks[i].capacity);
+    gw_render_call_rows(f, s, false);
+    gw_render_call_rows(f, s, true);
 }
 
 char *

@@ -254,6 +254,14 @@ link_join(struct rank *k)
     m.u.ready.transports = k->transports;
     m.u.ready.burst = k->o.burst;
     m.u.ready.device = k->device[0] != '\0' ? k->device : NULL;
+    if (k->o.role == DSV4_ROLE_PREFILL) {
+        /* the rows of one forward call now, and before the warm-up lowered them */
+        int rows = k->o.rows < k->max_seq ? k->o.rows : k->max_seq;
+
+        m.u.ready.call_rows = (uint32_t)rows;
+        m.u.ready.call_rows_full = (uint32_t)(k->rows_full > rows ? k->rows_full : rows);
+        m.u.ready.has_call_rows = true;
+    }
     rank_send(k, &m);
     log_debug("link_join: READY sent to %s", k->o.conf.rank_endpoint);
 }

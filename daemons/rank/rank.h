@@ -183,6 +183,10 @@ struct rank {
     struct dsv4_model *m;
     int V;                      /* vocabulary */
     int max_seq;                /* positions per slot (model's, rounded) */
+    int rows_full;              /* prefill: the rows per call the warm-up tried
+                                   first (o.rows, at most max_seq), before any
+                                   lowering; 0 = no warm-up ran (READY's
+                                   call_rows_full) */
     int32_t *b_slot, *b_ntok, *b_tok;  /* batch arrays (rows / slots entries) */
     struct dsv4_sample_params *sp;     /* (slots) */
     int32_t *out_tok;           /* (slots * spec_k1) */

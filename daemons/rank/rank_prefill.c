@@ -204,6 +204,7 @@ prefill_warmup(struct rank *k)
     int32_t n;
     struct dsv4_batch b;
 
+    k->rows_full = rows;
     /* a smaller call after a failed one takes a prefix of the same tokens */
     rank_warmup_inputs(k, rows, 1);
     b.n_seqs = 1;

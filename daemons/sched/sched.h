@@ -74,6 +74,9 @@ struct sched_rank {
     uint32_t transports;             /* bit set of enum dsv4_transport */
     uint32_t pid;
     bool burst;                      /* prefill: READY said burst (config `burst`) */
+    uint32_t call_rows, call_rows_full; /* prefill: READY's (rows of one forward call,
+                                        and before the warm-up lowered them); 0 =
+                                        not said */
     uint64_t placed;                 /* requests placed on its group since it
                                         registered (dsv4ctl ranks) */
     char host[DSV4_PROTO_MAX_HOST + 1];
@@ -108,6 +111,8 @@ struct sched_group {
     uint32_t transports;             /* intersection over ranks */
     bool burst;                      /* prefill: every rank present is a burst rank
                                         (queue_pick_prefill) */
+    uint32_t call_rows;              /* prefill: min over the ranks that said theirs
+                                        (READY call_rows); 0 = none said */
     uint32_t load;                   /* requests placed here (prefill running /
                                         decode slots taken, incl. closing) */
     uint8_t *slots;                  /* decode: slot -> in use; n_slots bytes */
@@ -320,8 +325,11 @@ struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role r
  * while at least burst_free decode slots are free beside it (capacity minus
  * load of the usable decode groups that may share a GPU with it): the
  * prompts' prefill, not decode, is then what holds the service back.
- * Without burst groups this is queue_pick(DSV4_ROLE_PREFILL).  `skip`
- * (NULL: none) is left out as if it were not registered.
+ * Among groups of one kind the least loaded wins; on equal loads the one
+ * that runs the prompt in fewer forward calls (its call_rows: a rank whose
+ * warm-up lowered them), then the lowest id.  Without burst groups and
+ * lowered rows this is queue_pick(DSV4_ROLE_PREFILL).  `skip` (NULL: none)
+ * is left out as if it were not registered.
  */
 struct sched_group *queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx,
     uint32_t burst_streams, uint32_t burst_free, const struct sched_group *skip);

@@ -136,6 +136,9 @@ show_ranks(struct sched *s, const struct dsv4_route *to)
         m.u.rank.burst = k->burst;
         m.u.rank.placed = k->placed;
         m.u.rank.device = k->device[0] != '\0' ? k->device : NULL;
+        m.u.rank.call_rows = k->call_rows;
+        m.u.rank.call_rows_full = k->call_rows_full;
+        m.u.rank.has_call_rows = k->call_rows != 0;
         if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
             n++;
     }

@@ -9,7 +9,8 @@
  * `max_batch` streams ever decode on one group and a finished prefill never
  * waits for a slot.  Among the groups that fit, the least loaded one wins
  * (lowest group id on ties), which spreads streams over data-parallel decode
- * groups.  The first half of this file is pure (no sockets) and unit-tested.
+ * groups; among equally loaded prefill groups the one that runs the prompt
+ * in fewer forward calls goes first (queue_pick_prefill).  The first half of this file is pure (no sockets) and unit-tested.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -156,6 +157,28 @@ burst_beside(struct sched_group_list *groups, const struct sched_group *b, uint3
     }
 }
 
+/* Forward calls a prefill group takes for a prompt of ctx positions (one
+ * when its ranks did not say their rows per call). */
+static uint32_t
+prefill_calls(const struct sched_group *g, uint32_t ctx)
+{
+    return g->call_rows == 0 ? 1 : (ctx + g->call_rows - 1) / g->call_rows;
+}
+
+/* group_before for prefill groups and a prompt of ctx positions: less loaded,
+ * or as loaded in fewer forward calls, or those equal too with a lower id. */
+static bool
+prefill_before(const struct sched_group *g, const struct sched_group *best, uint32_t ctx)
+{
+    uint32_t cg, cb;
+
+    if (best == NULL || g->load != best->load)
+        return group_before(g, best);
+    cg = prefill_calls(g, ctx);
+    cb = prefill_calls(best, ctx);
+    return cg < cb || (cg == cb && g->id < best->id);
+}
+
 struct sched_group *
 queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst_streams,
     uint32_t burst_free, const struct sched_group *skip)
@@ -174,16 +197,16 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
         if (!queue_group_fits(g, ctx, DSV4_TRANSPORT_NONE))
             continue;
         if (!g->burst) {
-            if (group_before(g, best[0]))
+            if (prefill_before(g, best[0], ctx))
                 best[0] = g;
             continue;
         }
-        if (group_before(g, best[2]))
+        if (prefill_before(g, best[2], ctx))
             best[2] = g;
         burst_beside(groups, g, &streams, &idle);
-        if (group_before(g, best[1]) && streams <= burst_streams)
+        if (prefill_before(g, best[1], ctx) && streams <= burst_streams)
             best[1] = g;
-        if (burst_free > 0 && idle >= burst_free && group_before(g, best[3]))
+        if (burst_free > 0 && idle >= burst_free && prefill_before(g, best[3], ctx))
             best[3] = g;
     }
     if (best[1] != NULL)

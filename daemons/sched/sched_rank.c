@@ -76,7 +76,7 @@ rank_load(const struct sched_rank *k, struct sched *s)
 static void
 group_update(struct sched *s, struct sched_group *g)
 {
-    uint32_t cap = UINT32_MAX, ctx = UINT32_MAX, tr = UINT32_MAX, n_burst = 0;
+    uint32_t cap = UINT32_MAX, ctx = UINT32_MAX, tr = UINT32_MAX, n_burst = 0, rows = 0;
 
     g->n_ranks = 0;
     for (uint32_t i = 0; i < g->size; i++) {
@@ -89,7 +89,10 @@ group_update(struct sched *s, struct sched_group *g)
         ctx = k->max_ctx < ctx ? k->max_ctx : ctx;
         tr &= k->transports;
         n_burst += k->burst;
+        if (k->call_rows != 0 && (rows == 0 || k->call_rows < rows))
+            rows = k->call_rows;
     }
+    g->call_rows = rows;
     /* A group is a burst group when every rank present says so. */
     if (n_burst > 0 && n_burst < g->n_ranks)
         log_warnx("group %s/%u: %u of its %u ranks are burst ranks: the group is taken as a "
@@ -372,6 +375,8 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     k->transports = m->transports;
     k->pid = m->pid;
     k->burst = m->role == DSV4_ROLE_PREFILL && m->burst;
+    k->call_rows = m->role == DSV4_ROLE_PREFILL && m->has_call_rows ? m->call_rows : 0;
+    k->call_rows_full = k->call_rows != 0 ? m->call_rows_full : 0;
     snprintf(k->host, sizeof(k->host), "%s", m->host);
     snprintf(k->device, sizeof(k->device), "%s", m->device != NULL ? m->device : "");
     k->joined_ms = dsv4_now_ms();
@@ -393,6 +398,10 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
         "pid %u%s", rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size,
         k->capacity, k->max_ctx, k->host, k->device[0] != '\0' ? " device " : "", k->device,
         k->pid, k->burst ? " (burst prefill)" : "");
+    if (k->call_rows != 0 && k->call_rows < k->call_rows_full)
+        log_warnx("rank %s runs prompts in forward calls of %u rows, lowered from %u (its "
+            "warm-up ran out of device memory): longer prompts take several calls",
+            rank_name(k, nb, sizeof(nb)), k->call_rows, k->call_rows_full);
 }
 
 /* --- Work ---------------------------------------------------------------------------- */

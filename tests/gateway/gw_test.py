@@ -997,6 +997,18 @@ scrape_configs:
         check(metric(m, "dsv4_rank_up", {"rank": "decode@0"}) == 1 and
               metric(m, "dsv4_decode_group_streams", {"group": "0"}) == 0,
               "rank/group metrics missing")
+        # every prefill rank's rows per call (READY call_rows), none for decode
+        r = subprocess.run([exe("tools/dsv4ctl/dsv4ctl"), "--admin", svc.admin_ep, "--json",
+                            "ranks"], capture_output=True, text=True, timeout=30)
+        check(r.returncode == 0, "dsv4ctl: %s" % r.stderr)
+        for k in json.loads(r.stdout):
+            lab = {"rank": k["name"]}
+            got = (metric(m, "dsv4_prefill_call_rows", lab),
+                   metric(m, "dsv4_prefill_call_rows_full", lab))
+            want = ((k["call_rows"], k["call_rows_full"]) if k["role"] == "prefill"
+                    else (None, None))
+            check(got == want and (k["role"] != "prefill" or want[0] > 0),
+                  "%s: dsv4ctl call rows %s, /metrics %s" % (k["name"], want, got))
         log("dsv4ctl status and /metrics agree on %d values" % len(pairs))
     finally:
         if pproc is not None:

@@ -688,17 +688,21 @@ def mtp_counters(svc, name):
     return last
 
 
+def ctl_run(svc, *what):
+    """stdout of `dsv4ctl --admin <the set's admin endpoint> WHAT...`, which
+    must exit 0."""
+    r = subprocess.run([exe("tools/dsv4ctl/dsv4ctl"), "--admin", svc.admin_ep] + list(what),
+                       capture_output=True, text=True, timeout=30)
+    check(r.returncode == 0, "dsv4ctl %s: %s" % (" ".join(what), r.stderr))
+    return r.stdout
+
+
 def ctl_mtp(svc, counts):
     """dsv4ctl shows the decode ranks' MTP counters (carried by their idle
     HEARTBEATs): per rank equal to the rank's own final STATUS= counts, "-"
     and no keys for prefill ranks, totals the sum (one rank per group)."""
-    ctl = exe("tools/dsv4ctl/dsv4ctl")
-
     def run(*what):
-        r = subprocess.run([ctl, "--admin", svc.admin_ep] + list(what),
-                           capture_output=True, text=True, timeout=30)
-        check(r.returncode == 0, "dsv4ctl %s: %s" % (" ".join(what), r.stderr))
-        return r.stdout
+        return ctl_run(svc, *what)
     want = {"decode@%d" % i: c for i, c in enumerate(counts)}
     seen = {}
 
@@ -1100,10 +1104,28 @@ def sc_decode_nomem():
 
 def check_lowered(svc):
     """prefill@0 lowered its rows per call at its warm-up (256 -> 128) and
-    started once."""
+    started once; the scheduler knows (READY call_rows), logs it, and shows it
+    in dsv4ctl (text and --json) and the other ranks as not lowered."""
     check(svc.count("prefill@0", "STATUS=serving as prefill@0 (1 slots, 128 rows a call)")
           >= 1, "prefill@0's STATUS= does not say 128 rows a call")
     check(svc.count("prefill@0", "READY=1") == 1, "prefill@0 started more than once")
+    check(re.search(r"rank prefill@0 runs prompts in forward calls of 128 rows, lowered from "
+                    r"256 \(its warm-up ran out of device memory\)",
+                    readf(os.path.join(svc.dir, "launch.err"))),
+          "the scheduler did not log prefill@0's lowered rows")
+    def run(*what):
+        return ctl_run(svc, *what)
+    for r in json.loads(run("--json", "ranks")):
+        rows = (r.get("call_rows"), r.get("call_rows_full"))
+        if r["name"] == "prefill@0":
+            check(rows == (128, 256), "dsv4ctl --json ranks: prefill@0 %s" % r)
+        elif r["role"] == "prefill":
+            check(rows == (256, 256), "dsv4ctl --json ranks: %s" % r)
+        else:
+            check(rows == (None, None), "dsv4ctl --json ranks: a decode rank %s" % r)
+    for line in run("ranks").splitlines()[1:]:
+        lowered = line.endswith("  rows 128 of 256 a call")
+        check(lowered == line.startswith("prefill@0 "), "dsv4ctl ranks: %s" % line)
 
 
 def sc_prefill_warmup():

@@ -190,6 +190,31 @@ s_ready(struct dsv4_msg *m)
     r->transports = (1u << DSV4_TRANSPORT_SHM) | (1u << DSV4_TRANSPORT_CUDAIPC);
 }
 
+/* READY from a burst prefill rank on a GPU whose warm-up lowered its rows
+ * per call (the optional keys added after version 1.0). */
+static void
+s_ready_prefill(struct dsv4_msg *m)
+{
+    struct dsv4_rank_ready *r = &m->u.ready;
+
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_READY);
+    r->role = DSV4_ROLE_PREFILL;
+    r->index = 1;
+    r->group = 1;
+    r->group_rank = 0;
+    r->group_size = 1;
+    r->capacity = 4;
+    r->max_ctx = 65536;
+    r->host = "gpu-node-1";
+    r->pid = 4243;
+    r->transports = 1u << DSV4_TRANSPORT_CUDAIPC;
+    r->burst = true;
+    r->device = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0";
+    r->call_rows = 512;
+    r->call_rows_full = 2048;
+    r->has_call_rows = true;
+}
+
 static void
 s_welcome(struct dsv4_msg *m)
 {
@@ -454,6 +479,30 @@ s_ctl_rank_mtp(struct dsv4_msg *m)
     r->has_mtp = true;
 }
 
+/* RANK of a burst prefill rank with its device and lowered rows per call. */
+static void
+s_ctl_rank_prefill(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_rank *r = &m->u.rank;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RANK);
+    r->role = DSV4_ROLE_PREFILL;
+    r->index = 1;
+    r->group = 1;
+    r->group_rank = 0;
+    r->host = "gpu7";
+    r->state = DSV4_RANK_STATE_READY;
+    r->active = 1;
+    r->capacity = 4;
+    r->last_seen_ms = 40;
+    r->burst = true;
+    r->placed = 77;
+    r->device = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0";
+    r->call_rows = 512;
+    r->call_rows_full = 2048;
+    r->has_call_rows = true;
+}
+
 /* STATUS with the MTP totals only (no metrics, no histogram). */
 static void
 s_status_mtp(struct dsv4_msg *m)
@@ -562,6 +611,7 @@ static const struct {
     { "cli_cancel", s_cli_cancel },
     { "cli_heartbeat", s_cli_heartbeat },
     { "rank_ready", s_ready },
+    { "rank_ready_prefill", s_ready_prefill },
     { "rank_welcome", s_welcome },
     { "rank_heartbeat", s_rank_heartbeat },
     { "rank_heartbeat_mtp", s_rank_heartbeat_mtp },
@@ -588,6 +638,7 @@ static const struct {
     { "ctl_show_ranks", s_show_ranks },
     { "ctl_rank", s_ctl_rank },
     { "ctl_rank_mtp", s_ctl_rank_mtp },
+    { "ctl_rank_prefill", s_ctl_rank_prefill },
     { "ctl_ranks_end", s_ranks_end },
     { "ctl_show_requests", s_show_requests },
     { "ctl_request", s_ctl_request },

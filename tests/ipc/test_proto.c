@@ -855,6 +855,25 @@ test_malformed_rank(void **state)
     }
     m.u.ready.group_rank = m.u.ready.group_size;
     assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+    /* call_rows above call_rows_full, or without it, is refused */
+    m.u.ready.group_rank = 0;
+    m.u.ready.has_call_rows = true;
+    m.u.ready.call_rows = 1024;
+    m.u.ready.call_rows_full = 512;
+    assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+    m.u.ready.call_rows_full = 0;
+    assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+    m.u.ready.call_rows_full = 1024;
+    assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_OK);
+    dsv4_wire_clear(&w);
+    /* and so in RANK, which repeats them */
+    for (size_t i = 0; i < samples_count(); i++) {
+        if (strcmp(samples_get(i, &m), "ctl_rank_prefill") == 0)
+            break;
+    }
+    assert_true(m.sub == DSV4_SUB_CTL && m.cmd == DSV4_CTL_RANK && m.u.rank.has_call_rows);
+    m.u.rank.call_rows = m.u.rank.call_rows_full + 1;
+    assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
 }
 
 /* Every truncation and every single-byte change of every sample body either

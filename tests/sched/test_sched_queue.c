@@ -159,6 +159,45 @@ test_pick_burst(void **state)
     freegroups(&l);
 }
 
+/* Lowered rows per call (READY call_rows): on equal loads the prefill group
+ * that runs the prompt in fewer forward calls goes first; the load still
+ * comes before the calls, and a prompt that fits one call of either keeps
+ * the lower id. */
+static void
+test_pick_call_rows(void **state)
+{
+    struct sched_group_list l;
+    struct sched_rank k[4];
+    struct sched_group *p0, *p1, *pb, *pc;
+
+    (void)state;
+    TAILQ_INIT(&l);
+    mkgroup(&l, &k[0], DSV4_ROLE_DECODE, 0, 16, 4096);
+    p0 = mkgroup(&l, &k[1], DSV4_ROLE_PREFILL, 0, 2, 4096);
+    p1 = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 1, 2, 4096);
+    p0->call_rows = 512;    /* lowered */
+    p1->call_rows = 2048;
+    assert_ptr_equal(queue_pick_prefill(&l, 2048, 0, 0, NULL), p1);
+    assert_ptr_equal(queue_pick_prefill(&l, 512, 0, 0, NULL), p0);    /* one call either way */
+    assert_ptr_equal(queue_pick_prefill(&l, 513, 0, 0, NULL), p1);
+    p1->load = 1;           /* less loaded first */
+    assert_ptr_equal(queue_pick_prefill(&l, 2048, 0, 0, NULL), p0);
+    p1->load = 0;
+    p1->call_rows = 0;      /* not said: taken as one call */
+    assert_ptr_equal(queue_pick_prefill(&l, 4000, 0, 0, NULL), p1);
+    /* two burst groups beside idle decode: the same rule among them */
+    p1->call_rows = 2048;
+    pb = mkgroup(&l, &k[3], DSV4_ROLE_PREFILL, 2, 2, 4096);
+    pb->burst = true;
+    pb->call_rows = 256;
+    pc = p0;
+    pc->burst = true;
+    assert_ptr_equal(queue_pick_prefill(&l, 2048, 0, 0, NULL), pc);
+    pc->call_rows = 128;
+    assert_ptr_equal(queue_pick_prefill(&l, 2048, 0, 0, NULL), pb);
+    freegroups(&l);
+}
+
 /* A re-run after NO_MEMORY (queue_pick_prefill's skip): the prefill group
  * that failed is left out while another one is usable (the caller waits for
  * it when it is busy), and queue_prefill_usable_besides says when none is. */
@@ -526,6 +565,7 @@ main(void)
         cmocka_unit_test(test_pick_burst_gpus),
         cmocka_unit_test(test_pick_burst_free),
         cmocka_unit_test(test_pick_skip),
+        cmocka_unit_test(test_pick_call_rows),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_proto_additions),
         cmocka_unit_test(test_handoff_hist),

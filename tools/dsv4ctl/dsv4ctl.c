@@ -222,7 +222,7 @@ print_status(struct ctl *c, const struct dsv4_ctl_status *st)
 static void
 print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
 {
-    char name[48], mtp[64];
+    char name[48], mtp[64], rows[64] = "";
 
     snprintf(name, sizeof(name), "%s@%u", dsv4_role_name(k->role), k->index);
     if (c->json) {
@@ -245,6 +245,9 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
             printf(", \"device\": ");
             json_str(k->device);
         }
+        if (k->has_call_rows)
+            printf(", \"call_rows\": %u, \"call_rows_full\": %u", k->call_rows,
+                k->call_rows_full);
         printf("}");
     } else {
         /* MTP: "accepted/drafts (rate)", "-" for a rank without MTP */
@@ -256,14 +259,18 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
         /* DEVICE: the GPU's UUID cut to "GPU-" and its first 8 digits
          * (nvidia-smi -L shows the whole; --json gives it whole), "-" for
          * a rank that did not say (CPU backend) */
+        /* a prefill rank whose warm-up lowered its rows per call says so */
+        if (k->has_call_rows && k->call_rows < k->call_rows_full)
+            snprintf(rows, sizeof(rows), "  rows %u of %u a call", k->call_rows,
+                k->call_rows_full);
         if (c->n_items == 0)
             printf("%-12s %-7s %-16s %-9s %7s %9s %9s %10s  %-12s  %s\n", "RANK", "GROUP",
                 "HOST", "STATE", "ACTIVE", "CAPACITY", "PLACED", "LAST_SEEN", "DEVICE", "MTP");
-        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %-12.12s  %s%s\n",
+        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %-12.12s  %s%s%s\n",
             name, k->group, k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active,
             k->capacity, k->placed, (double)k->last_seen_ms / 1000.0,
             k->device != NULL && k->device[0] != '\0' ? k->device : "-", mtp,
-            k->burst ? "  burst prefill" : "");
+            k->burst ? "  burst prefill" : "", rows);
     }
     c->n_items++;
 }
