@@ -178,6 +178,9 @@ struct dsv4_model {
      * kind and size run without one (graph_run) for this many more calls,
      * then try again (0 also when the graphs are dropped) */
     uint16_t graph_none[G_KINDS][DSV4_GRAPH_MAX_BATCH + 1];
+    uint16_t graph_retry;          /* calls a refused graph waits: GRAPH_RETRY_CALLS,
+                                      or DSV4_TEST_GRAPH_RETRY_CALLS (test only) */
+    long graphs_again;             /* graphs recorded at a retry after a refusal */
     /* speculative decoding (forward.h): the verify call in flight or kept
      * for the draft step; host arrays of n_slots (rows: max_rows) */
     int spec_n;                    /* streams of the kept verify call; 0 = none */
@@ -453,6 +456,15 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     }
     m->graphs = opts->graphs && be->ops->graph_begin != NULL && be->ops->graph_end != NULL &&
                 be->ops->graph_launch != NULL && be->ops->graph_free != NULL;
+    m->graph_retry = GRAPH_RETRY_CALLS;
+    {
+        /* test only: a shorter wait, so that a test sees the retry */
+        const char *t = getenv("DSV4_TEST_GRAPH_RETRY_CALLS");
+        long v = t != NULL ? strtol(t, NULL, 10) : 0;
+
+        if (v >= 1 && v <= GRAPH_RETRY_CALLS)
+            m->graph_retry = (uint16_t)v;
+    }
     rope_freqs(m->freqs_swa, m->rd, c->rope_theta, 0, 1, 0, 0);
     rope_freqs(m->freqs_comp, m->rd, c->compress_rope_theta, c->rope_original_max_pos,
                c->rope_factor, c->rope_beta_fast, c->rope_beta_slow);
@@ -610,6 +622,12 @@ void
 dsv4_model_abandon_graphs(struct dsv4_model *m)
 {
     graphs_drop(m, 0);
+}
+
+long
+dsv4_model_graphs_again(const struct dsv4_model *m)
+{
+    return m->graphs_again;
 }
 
 int
@@ -1485,8 +1503,11 @@ graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
 
-    if (m->graph_none[kind][n] > 0 && --m->graph_none[kind][n] > 0)
+    /* graph_none: 1 at the call that tries again */
+    if (m->graph_none[kind][n] > 1) {
+        m->graph_none[kind][n]--;
         return body(m);
+    }
     if (m->graph[kind][n] == NULL) {
         float *X = m->X, *X2 = m->X2;
         void *g = NULL;
@@ -1500,12 +1521,15 @@ graph_run(struct dsv4_model *m, enum graph_kind kind, int n,
             if (g != NULL)
                 ops->graph_free(be, g);
             if (e == DSV4_OK && e2 == DSV4_ERR_NOMEM) {
-                m->graph_none[kind][n] = GRAPH_RETRY_CALLS;
+                m->graph_none[kind][n] = m->graph_retry;
                 return body(m);
             }
             return e != DSV4_OK ? e : e2;
         }
         m->graph[kind][n] = g;
+        if (m->graph_none[kind][n] != 0)
+            m->graphs_again++;
+        m->graph_none[kind][n] = 0;
     }
     return ops->graph_launch(be, m->graph[kind][n]);
 }

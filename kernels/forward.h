@@ -342,6 +342,11 @@ enum dsv4_err dsv4_model_trim(struct dsv4_model *m);
  * their launches, until a later try succeeds. */
 int dsv4_model_graphs_refused(const struct dsv4_model *m);
 
+/* Graphs recorded at a later try after such a refusal, since the model was
+ * made (the test-only DSV4_TEST_GRAPH_RETRY_CALLS shortens the 1,024 calls
+ * to wait, from 1 to 1,024, so that a test sees it). */
+long dsv4_model_graphs_again(const struct dsv4_model *m);
+
 /* Number of vocabulary entries (logits row length). */
 int dsv4_model_vocab(const struct dsv4_model *m);
 

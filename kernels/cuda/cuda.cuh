@@ -86,9 +86,11 @@ struct cuda_state {
     size_t batch_bytes;
     cudaEvent_t batch_ev;               /* recorded after the table's upload
                                            (NULL until the first call) */
-    int test_graph_nomem;               /* DSV4_CUDA_TEST_GRAPH_NOMEM=1 (test
+    long test_graph_nomem;              /* DSV4_CUDA_TEST_GRAPH_NOMEM (test
                                            only): graph_end reports that the
-                                           device has no memory for the graph */
+                                           device has no memory for the graph:
+                                           always (-1, "1"), or for the first
+                                           N graphs ("first:N", counted down) */
     int graph_nodes, graph_kernels;     /* of the last graph_end: all nodes,
                                            kernel nodes (dsv4_cuda_graph_kernels) */
     unsigned *lin_ctr;                  /* fast_linear.cu: the split-K arrival

@@ -581,8 +581,13 @@ cuda_graph_end(struct dsv4_backend *be, void **out)
         return cuda_err(rc, "cudaStreamEndCapture", __FILE__, __LINE__);
     }
     cuda_graph_count(be, g);
-    rc = cuda_st(be)->test_graph_nomem ? cudaErrorMemoryAllocation :
-                                         cudaGraphInstantiate(&x, g, 0);
+    if (cuda_st(be)->test_graph_nomem != 0) {
+        rc = cudaErrorMemoryAllocation;
+        if (cuda_st(be)->test_graph_nomem > 0)
+            cuda_st(be)->test_graph_nomem--;
+    } else {
+        rc = cudaGraphInstantiate(&x, g, 0);
+    }
     cudaGraphDestroy(g);
     if (rc != cudaSuccess) {
         (void)cudaGetLastError();
@@ -861,12 +866,17 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
 
         st->fast_kernels = k != NULL && strcmp(k, "fast") == 0;
     }
-    /* test only: every recorded graph "out of memory" (kernels/forward.h
-     * "Decode graphs": such steps run ungraphed) */
+    /* test only: every recorded graph ("1"), or the first N ("first:N"),
+     * "out of memory" (kernels/forward.h "Decode graphs": such steps run
+     * ungraphed, then record again) */
     {
         const char *t = getenv("DSV4_CUDA_TEST_GRAPH_NOMEM");
 
-        st->test_graph_nomem = t != NULL && strcmp(t, "1") == 0;
+        st->test_graph_nomem = 0;
+        if (t != NULL && strcmp(t, "1") == 0)
+            st->test_graph_nomem = -1;
+        else if (t != NULL && strncmp(t, "first:", 6) == 0)
+            st->test_graph_nomem = strtol(t + 6, NULL, 10) > 0 ? strtol(t + 6, NULL, 10) : 0;
     }
     cuda_fast_linear_init(be);   /* fast_linear.cu: counters, DSV4_CUDA_LINEAR */
     log_info("cuda backend: device %d, %s numerics, %s kernels", st->device,

@@ -16,7 +16,9 @@
 #      lengths, STEPS_LONG (1000) decode steps, CPU vs CUDA with decode graphs
 #      vs CUDA without (graph replay bit-identical to plain steps); then 300
 #      steps with DSV4_CUDA_TEST_GRAPH_NOMEM=1 (no graph can be made: the
-#      graphed model runs its steps ungraphed, the same logits);
+#      graphed model runs its steps ungraphed, the same logits), and 300
+#      with =first:2 and DSV4_TEST_GRAPH_RETRY_CALLS=8 (the first two graphs
+#      refused, recorded again 8 calls later, the same logits);
 #   5. test_decode_gpu synth: synthetic weights vs the loaded tiny checkpoint
 #      (layout, value statistics), then the `flash` widths with 4 layers built
 #      on the GPU (prefill, decode timing at batch 16 and 1, graph == plain);
@@ -150,6 +152,9 @@ if command -v test_decode_gpu > /dev/null; then
     # the same with no device memory for any graph: the steps run ungraphed
     DSV4_CUDA_TEST_GRAPH_NOMEM=1 timeout 200 test_decode_gpu long /tmp/ck_tiny 300 \
         > "$OUT/long-nograph.log" 2>&1 || rest_rc=1
+    # ... for the first two graphs only: they are recorded again at a later try
+    DSV4_CUDA_TEST_GRAPH_NOMEM=first:2 DSV4_TEST_GRAPH_RETRY_CALLS=8 timeout 200 \
+        test_decode_gpu long /tmp/ck_tiny 300 > "$OUT/long-graphagain.log" 2>&1 || rest_rc=1
     timeout 200 test_decode_gpu synth /tmp/ck_tiny 4 32 > "$OUT/synth.log" 2>&1 || rest_rc=1
     # rank daemons with --backend cuda (appended: getopt_long permutes)
     mkdir -p /tmp/cudabin
