@@ -9,7 +9,8 @@
  * larger than asked) with the IPC handle it already has, or else makes one:
  * cudaMalloc of the size rounded up to 2 MiB on the instance's device (its
  * own allocation, so the handle covers exactly the region; on out-of-memory
- * the cached regions are freed and the allocation retried) and
+ * a cached region of any larger size is taken instead, or when there is
+ * none the cached regions are freed and the allocation retried) and
  * cudaIpcGetMemHandle.  The rank writes the state into it with device
  * copies (dsv4_model_state_export_dev), which have finished when it
  * publishes the descriptor.  recycle_region (dsv4_kvx_release, after
@@ -254,16 +255,27 @@ cipc_fini(struct dsv4_kvx *x)
 }
 
 /* A new region of at least `size` bytes: *p, its allocation size *asize and
- * IPC handle *h.  On out-of-memory the cached regions go and it retries. */
+ * IPC handle *h.  On out-of-memory a cached region of any larger size is
+ * taken (the warm-up's, sized for the longest prompt: rank_prefill.c), or
+ * else the cached regions go and it retries. */
 static enum dsv4_err
 cipc_alloc(struct cipc *c, uint64_t size, void **p, uint64_t *asize, cudaIpcMemHandle_t *h)
 {
+    struct dsv4_kvx_centry ent;
     cudaError_t rc;
 
     *asize = (size + CIPC_GRAIN - 1) / CIPC_GRAIN * CIPC_GRAIN;
     rc = cudaMalloc(p, (size_t)*asize);
     if (rc == cudaErrorMemoryAllocation && c->regions.n > 0) {
         (void)cudaGetLastError();
+        if (dsv4_kvx_cache_take(&c->regions, size, UINT64_MAX, &ent)) {
+            log_info("kv_cudaipc: out of device memory: a cached region of %" PRIu64 " MiB "
+                     "taken for %" PRIu64 " MiB", ent.size >> 20, size >> 20);
+            *p = ent.data;
+            *asize = ent.size;
+            memcpy(h, ent.key, CIPC_MEMH);
+            return DSV4_OK;
+        }
         log_info("kv_cudaipc: out of device memory: freeing %d cached regions (%" PRIu64
                  " MiB)", c->regions.n, c->regions.bytes >> 20);
         dsv4_kvx_cache_clear(&c->regions);

@@ -100,11 +100,11 @@ bool
 dsv4_kvx_cache_take(struct dsv4_kvx_cache *c, uint64_t need, uint64_t slack,
                     struct dsv4_kvx_centry *out)
 {
-    uint64_t most = need + need / 4 + slack;
+    uint64_t most = need + need / 4;
     int best = -1;
 
-    if (most < need)
-        most = UINT64_MAX;
+    /* need + need / 4 + slack, saturated (slack UINT64_MAX: any size) */
+    most = most < need || UINT64_MAX - most < slack ? UINT64_MAX : most + slack;
     for (int i = 0; i < c->n; i++) {
         const struct dsv4_kvx_centry *e = &c->e[i];
 

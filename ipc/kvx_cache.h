@@ -77,7 +77,8 @@ void dsv4_kvx_cache_clear(struct dsv4_kvx_cache *c);
  * Exporter: take the best-fitting free entry for a region of `need` bytes
  * out of the cache into *out: the smallest with size >= need and size <=
  * need + need / 4 + `slack` bytes (so a small request does not pin a large
- * region).  False (a miss) when there is none.
+ * region; the sum saturates, so slack UINT64_MAX takes any size).  False (a
+ * miss) when there is none.
  */
 bool dsv4_kvx_cache_take(struct dsv4_kvx_cache *c, uint64_t need, uint64_t slack,
                          struct dsv4_kvx_centry *out);

@@ -114,6 +114,15 @@ test_take_best_fit(void **state)
     assert_int_equal(c.n, 1);
     assert_int_equal(c.bytes, 44 * MIB);
     assert_int_equal(n_gone, 0);
+    /* slack UINT64_MAX (kv_cudaipc out of device memory): any larger size,
+     * the sum saturating instead of wrapping below it */
+    assert_false(dsv4_kvx_cache_take(&c, 45 * MIB, UINT64_MAX, &got));
+    assert_true(dsv4_kvx_cache_take(&c, 10 * MIB, UINT64_MAX, &got));
+    assert_ptr_equal(got.data, (void *)3);
+    dsv4_kvx_cache_put(&c, &got);
+    assert_true(dsv4_kvx_cache_take(&c, 1, UINT64_MAX - 1, &got));
+    assert_ptr_equal(got.data, (void *)3);
+    dsv4_kvx_cache_put(&c, &got);
     dsv4_kvx_cache_clear(&c);
     assert_int_equal(n_gone, 1);
     assert_int_equal(gone[0], 3);
