@@ -10,7 +10,8 @@
  * waits for a slot.  Among the groups that fit, the least loaded one wins
  * (lowest group id on ties), which spreads streams over data-parallel decode
  * groups; among equally loaded prefill groups the one that runs the prompt
- * in fewer forward calls goes first (queue_pick_prefill).  The first half of this file is pure (no sockets) and unit-tested.
+ * in fewer forward calls goes first (queue_pick_prefill).  The first half
+ * of this file is pure (no sockets) and unit-tested.
  */
 #include <stdlib.h>
 #include <string.h>
