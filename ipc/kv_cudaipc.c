@@ -254,6 +254,23 @@ cipc_fini(struct dsv4_kvx *x)
     x->priv = NULL;
 }
 
+/* A released region of at least `size` bytes and at most a quarter +
+ * `slack` larger (dsv4_kvx_cache_take) out of the cache, with the handle it
+ * was exported with: *p, *asize, *h.  False: none. */
+static bool
+cipc_take(struct cipc *c, uint64_t size, uint64_t slack, void **p, uint64_t *asize,
+          cudaIpcMemHandle_t *h)
+{
+    struct dsv4_kvx_centry ent;
+
+    if (!dsv4_kvx_cache_take(&c->regions, size, slack, &ent))
+        return false;
+    *p = ent.data;
+    *asize = ent.size;
+    memcpy(h, ent.key, CIPC_MEMH);
+    return true;
+}
+
 /* A new region of at least `size` bytes: *p, its allocation size *asize and
  * IPC handle *h.  On out-of-memory a cached region of any larger size is
  * taken (the warm-up's, sized for the longest prompt: rank_prefill.c), or
@@ -261,19 +278,15 @@ cipc_fini(struct dsv4_kvx *x)
 static enum dsv4_err
 cipc_alloc(struct cipc *c, uint64_t size, void **p, uint64_t *asize, cudaIpcMemHandle_t *h)
 {
-    struct dsv4_kvx_centry ent;
     cudaError_t rc;
 
     *asize = (size + CIPC_GRAIN - 1) / CIPC_GRAIN * CIPC_GRAIN;
     rc = cudaMalloc(p, (size_t)*asize);
     if (rc == cudaErrorMemoryAllocation && c->regions.n > 0) {
         (void)cudaGetLastError();
-        if (dsv4_kvx_cache_take(&c->regions, size, UINT64_MAX, &ent)) {
+        if (cipc_take(c, size, UINT64_MAX, p, asize, h)) {
             log_info("kv_cudaipc: out of device memory: a cached region of %" PRIu64 " MiB "
-                     "taken for %" PRIu64 " MiB", ent.size >> 20, size >> 20);
-            *p = ent.data;
-            *asize = ent.size;
-            memcpy(h, ent.key, CIPC_MEMH);
+                     "taken for %" PRIu64 " MiB", *asize >> 20, size >> 20);
             return DSV4_OK;
         }
         log_info("kv_cudaipc: out of device memory: freeing %d cached regions (%" PRIu64
@@ -296,7 +309,6 @@ static enum dsv4_err
 cipc_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kvx_region *r)
 {
     struct cipc *c = x->priv;
-    struct dsv4_kvx_centry ent;
     cudaIpcMemHandle_t h;
     size_t olen = strlen(x->owner);
     uint64_t asize;
@@ -307,14 +319,9 @@ cipc_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_
         return dsv4_err_set(DSV4_ERR_INVAL, "kv_cudaipc: region of %" PRIu64 " bytes", size);
     if ((e = cipc_device(x)) != DSV4_OK)
         return e;
-    if (dsv4_kvx_cache_take(&c->regions, size, CIPC_GRAIN, &ent)) {
-        /* a released region, with the handle it was exported with */
-        p = ent.data;
-        asize = ent.size;
-        memcpy(&h, ent.key, CIPC_MEMH);
-    } else if ((e = cipc_alloc(c, size, &p, &asize, &h)) != DSV4_OK) {
+    if (!cipc_take(c, size, CIPC_GRAIN, &p, &asize, &h) &&
+        (e = cipc_alloc(c, size, &p, &asize, &h)) != DSV4_OK)
         return e;
-    }
     r->data = p;
     r->size = size;
     r->req = req;

@@ -875,8 +875,11 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         st->test_graph_nomem = 0;
         if (t != NULL && strcmp(t, "1") == 0)
             st->test_graph_nomem = -1;
-        else if (t != NULL && strncmp(t, "first:", 6) == 0)
-            st->test_graph_nomem = strtol(t + 6, NULL, 10) > 0 ? strtol(t + 6, NULL, 10) : 0;
+        else if (t != NULL && strncmp(t, "first:", 6) == 0) {
+            long n = strtol(t + 6, NULL, 10);
+
+            st->test_graph_nomem = n > 0 ? n : 0;
+        }
     }
     cuda_fast_linear_init(be);   /* fast_linear.cu: counters, DSV4_CUDA_LINEAR */
     log_info("cuda backend: device %d, %s numerics, %s kernels", st->device,
