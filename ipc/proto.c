@@ -211,6 +211,8 @@ static const struct field f_rank_heartbeat[] = {
     FHAS("mtp_accepted", struct dsv4_rank_heartbeat, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
     FHAS("comm_epoch", struct dsv4_rank_heartbeat, comm_epoch, has_comm_epoch, T_U32, 0,
         U32MAX),
+    FHAS("graphs_refused", struct dsv4_rank_heartbeat, graphs_refused, has_graphs_refused,
+        T_U32, 0, 65535),
 };
 
 static const struct field f_disconnect[] = {
@@ -330,6 +332,8 @@ static const struct field f_ctl_rank[] = {
         DSV4_PROTO_MAX_CTX),
     FHAS("call_rows_full", struct dsv4_ctl_rank, call_rows_full, has_call_rows, T_U32, 1,
         DSV4_PROTO_MAX_CTX),
+    FHAS("graphs_refused", struct dsv4_ctl_rank, graphs_refused, has_graphs_refused, T_U32, 0,
+        65535),
 };
 
 static const struct field f_count[] = {

@@ -349,6 +349,13 @@ struct dsv4_rank_heartbeat {
      * COMM after its group broke).  Valid iff has_comm_epoch. */
     uint32_t comm_epoch;
     bool has_comm_epoch;
+    /* Optional (docs/protocol.md §6.1), sent by decode ranks (never by the
+     * scheduler): the kinds of decode step (batch sizes) that now run
+     * without a CUDA graph because none could be made for want of device
+     * memory (kernels/forward.h "Decode graphs"); 0 when all run as graphs,
+     * always 0 on the cpu backend.  Valid iff has_graphs_refused. */
+    uint32_t graphs_refused;
+    bool has_graphs_refused;
 };
 
 /*
@@ -520,6 +527,10 @@ struct dsv4_ctl_rank {
                                 valid iff has_call_rows (optional, sent
                                 together) */
     bool has_call_rows;
+    uint32_t graphs_refused; /* a decode rank's last HEARTBEAT's graphs_refused
+                                (struct dsv4_rank_heartbeat); valid iff
+                                has_graphs_refused (optional) */
+    bool has_graphs_refused;
 };
 
 struct dsv4_ctl_request {

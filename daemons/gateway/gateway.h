@@ -173,6 +173,9 @@ struct gw_rank {
     bool has_rank_active;
     uint32_t call_rows, call_rows_full;   /* a prefill rank's; valid iff has_call_rows */
     bool has_call_rows;
+    uint32_t graphs_refused;              /* a decode rank's kinds of step without a CUDA
+                                             graph; valid iff has_graphs_refused */
+    bool has_graphs_refused;
     char state[16];
 };
 struct gw_sched {

@@ -176,6 +176,8 @@ gw_take_rank(struct gw_sched *s, const struct dsv4_msg *m)
     r->call_rows = k->call_rows;
     r->call_rows_full = k->call_rows_full;
     r->has_call_rows = k->has_call_rows;
+    r->graphs_refused = k->graphs_refused;
+    r->has_graphs_refused = k->has_graphs_refused;
 }
 
 int
@@ -410,6 +412,13 @@ gw_render_sched(FILE *f, const struct gw_sched *s)
             s->ranks[i].index, s->ranks[i].capacity);
     gw_render_call_rows(f, s, false);
     gw_render_call_rows(f, s, true);
+    gw_help(f, "dsv4_decode_graphs_refused", "gauge",
+        "Kinds of decode step (batch sizes) a decode rank runs without a CUDA graph because "
+        "no device memory was left to make one (its last HEARTBEAT)");
+    for (i = 0; i < s->n; i++)
+        if (s->ranks[i].has_graphs_refused)
+            fprintf(f, "dsv4_decode_graphs_refused{rank=\"%s@%u\"} %u\n", s->ranks[i].role,
+                s->ranks[i].index, s->ranks[i].graphs_refused);
 }
 
 char *

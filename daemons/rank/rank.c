@@ -349,7 +349,12 @@ rank_heartbeat(struct rank *k)
         m.u.heartbeat.comm_epoch = k->comm != NULL ? k->comm_epoch : 0;
         m.u.heartbeat.has_comm_epoch = true;
     }
+    if (k->o.role == DSV4_ROLE_DECODE) {
+        m.u.heartbeat.graphs_refused = (uint32_t)k->graphs_refused;
+        m.u.heartbeat.has_graphs_refused = true;
+    }
     rank_send(k, &m);
+    k->hb_ms = dsv4_now_ms();
 }
 
 /* Heartbeats, liveness, READY retries; returns ms until the next event. */
@@ -365,9 +370,16 @@ link_timers(struct rank *k, int64_t now)
         link_lost(k, "no message within liveness");
         return RANK_READY_RETRY_MS;
     }
-    if (dsv4_liveness_due(&k->live, now))
+    /* after heartbeat_ms of silence, and busy at least once an interval:
+     * the figures it carries (active, MTP counters) stay current */
+    if (dsv4_liveness_due(&k->live, now) || now - k->hb_ms >= (int64_t)k->live.interval_ms)
         rank_heartbeat(k);
-    return dsv4_liveness_next_ms(&k->live, now);
+    {
+        int64_t next = dsv4_liveness_next_ms(&k->live, now);
+        int64_t hb = k->hb_ms + (int64_t)k->live.interval_ms - now;
+
+        return hb < next ? (hb < 0 ? 0 : hb) : next;
+    }
 }
 
 /* --- Dispatch ------------------------------------------------------------------- */
@@ -1182,6 +1194,8 @@ rank_init_model(struct rank *k)
         if (k->o.role == DSV4_ROLE_PREFILL)
             k->test_export_nomem = rank_test_env(k, RANK_TEST_EXPORT_NOMEM);
     }
+    if (k->o.role == DSV4_ROLE_DECODE)
+        k->test_graphs_refused = rank_test_env(k, RANK_TEST_GRAPHS_REFUSED);
 }
 
 static void

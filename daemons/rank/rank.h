@@ -74,11 +74,18 @@
  *   DSV4_TEST_EXPORT_NOMEM   a prefill rank outside a group: its N-th
  *                            decode-state export (N >= 1; the start-up
  *                            warm-up's is its first) reports that the device
- *                            ran out of memory, once. */
+ *                            ran out of memory, once;
+ *   DSV4_TEST_GRAPHS_REFUSED a decode rank: from its first step (the
+ *                            warm-up's) on, N more kinds of step are counted
+ *                            as run without a CUDA graph than the model's
+ *                            own count (decode_graphs_check: its warning and
+ *                            HEARTBEAT graphs_refused; the cpu backend has
+ *                            no graphs). */
 #define RANK_TEST_GROUP_BREAK "DSV4_TEST_GROUP_BREAK"
 #define RANK_TEST_JOIN_DELAY "DSV4_TEST_JOIN_DELAY_MS"
 #define RANK_TEST_FORWARD_NOMEM "DSV4_TEST_FORWARD_NOMEM"
 #define RANK_TEST_EXPORT_NOMEM "DSV4_TEST_EXPORT_NOMEM"
+#define RANK_TEST_GRAPHS_REFUSED "DSV4_TEST_GRAPHS_REFUSED"
 
 /* --- Options (rank.c) ----------------------------------------------------- */
 
@@ -258,8 +265,14 @@ struct rank {
     bool warmed;                /* the warm-up calls ran (rank_warmup), or
                                    warmup = no: none are owed */
     int join_fails;             /* joins failed in a row (0 after one succeeds) */
-    int graphs_refused;         /* decode: dsv4_model_graphs_refused at the
-                                   last warning (decode_graphs_check) */
+    long test_graphs_refused;   /* DSV4_TEST_GRAPHS_REFUSED: added to the count;
+                                   0 = off */
+    int graphs_refused;         /* decode: kinds of step without a CUDA graph
+                                   (dsv4_model_graphs_refused) after the last
+                                   step; HEARTBEAT graphs_refused */
+    int graphs_warned;          /* decode: graphs_refused at the last warning
+                                   (decode_graphs_check) */
+    int64_t hb_ms;              /* when the last HEARTBEAT went out */
     int64_t relink_delay_ms;    /* link_lost: wait this long before READY (once) */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;
@@ -299,8 +312,11 @@ void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling
 /* Leave the scheduler link (DISCONNECT `why`), drop everything and register
  * again; used when the model group broke (a member died). */
 void rank_relink(struct rank *k, const char *why);
-/* Send a HEARTBEAT now (active, MTP counters, and in a group the epoch of
- * the communicator the rank works on, 0 = none); no-op unless the link is up. */
+/* Send a HEARTBEAT now (active, MTP counters, in a group the epoch of the
+ * communicator the rank works on, 0 = none, and a decode rank's kinds of step
+ * without a CUDA graph); no-op unless the link is up.  The loop sends one at
+ * least once a heartbeat interval, busy or not (docs/protocol.md §6), and
+ * callers when a figure the scheduler shows changed. */
 void rank_heartbeat(struct rank *k);
 
 /* --- rank_share.c: one copy of the weights per GPU (CUDA builds) ----------------- */

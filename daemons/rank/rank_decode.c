@@ -323,21 +323,27 @@ decode_nomem(struct rank *k, int n, const char *what)
 /* After a step: warn when kinds of step run without a CUDA graph because
  * none could be made (forward.h): at the first, then each time their
  * number doubles (a few lines at most); a notice when they all
- * run as graphs again. */
+ * run as graphs again.  A change goes to the scheduler at once (HEARTBEAT
+ * graphs_refused: dsv4ctl ranks, the gateway's /metrics). */
 static void
 decode_graphs_check(struct rank *k)
 {
-    int n = dsv4_model_graphs_refused(k->m);
+    int n = dsv4_model_graphs_refused(k->m) + (int)k->test_graphs_refused;
 
-    if (n > 0 && n >= 2 * k->graphs_refused) {
-        log_warnx("decode: %d kind(s) of step (batch sizes) now run without a CUDA graph: no "
+    if (n > 0 && n >= 2 * k->graphs_warned) {
+        log_warnx("decode: %d kind(s) of step (batch sizes) now run without a CUDA graph%s: no "
                   "device memory was left to make one (each such step pays its launches; the "
                   "GPU's other daemons hold the memory: lower their prefill_chunk, or run "
-                  "fewer on the GPU)", n);
-        k->graphs_refused = n;
-    } else if (n == 0 && k->graphs_refused > 0) {
+                  "fewer on the GPU)", n, k->test_graphs_refused > 0 ? " (counted for a "
+                  "test: " RANK_TEST_GRAPHS_REFUSED ")" : "");
+        k->graphs_warned = n;
+    } else if (n == 0 && k->graphs_warned > 0) {
         log_notice("decode: every kind of step runs as a CUDA graph again");
-        k->graphs_refused = 0;
+        k->graphs_warned = 0;
+    }
+    if (n != k->graphs_refused) {
+        k->graphs_refused = n;
+        rank_heartbeat(k);
     }
 }
 

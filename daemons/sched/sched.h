@@ -92,6 +92,9 @@ struct sched_rank {
     uint32_t comm_epoch;             /* group: epoch its last HEARTBEAT said it joined */
     bool has_comm_epoch;             /* it reports comm_epoch (else taken as joined once
                                         the group's COMM is out) */
+    uint32_t graphs_refused;         /* decode: kinds of step without a CUDA graph, its
+                                        last HEARTBEAT's (dsv4ctl ranks) */
+    bool has_graphs_refused;         /* it reported graphs_refused */
     struct dsv4_liveness live;
     int64_t joined_ms;
 };

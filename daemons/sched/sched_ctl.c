@@ -139,6 +139,8 @@ show_ranks(struct sched *s, const struct dsv4_route *to)
         m.u.rank.call_rows = k->call_rows;
         m.u.rank.call_rows_full = k->call_rows_full;
         m.u.rank.has_call_rows = k->call_rows != 0;
+        m.u.rank.graphs_refused = k->graphs_refused;
+        m.u.rank.has_graphs_refused = k->has_graphs_refused;
         if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
             n++;
     }

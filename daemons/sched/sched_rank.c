@@ -640,6 +640,10 @@ rank_message(struct sched *s, struct sched_rank *k, const struct dsv4_route *fro
             k->mtp_accepted = m->u.heartbeat.mtp_accepted;
             k->has_mtp = true;
         }
+        if (m->u.heartbeat.has_graphs_refused && k->role == DSV4_ROLE_DECODE) {
+            k->graphs_refused = m->u.heartbeat.graphs_refused;
+            k->has_graphs_refused = true;
+        }
         break;
     case DSV4_RANK_DISCONNECT:
         rank_lost(s, k, m->u.disconnect.reason != NULL ? m->u.disconnect.reason :

@@ -120,7 +120,7 @@ class GwService:
     gateway; attributes as svc_test.Service has them, so its leak check
     (Service.check_no_leaks) runs on this set too."""
 
-    def __init__(self, extra_conf="", ranks=True):
+    def __init__(self, extra_conf="", ranks=True, env=None):
         self.dir = tempfile.mkdtemp(prefix="dsv4-gw-")
         self.model = os.path.join(self.dir, "model")
         if ranks:
@@ -163,7 +163,8 @@ gateway_launch = yes
              "--decode-bin", exe("daemons/rank/dsv4-decode"),
              "--gateway-bin", exe("daemons/gateway/dsv4-gateway"),
              "--notify-log", self.notify_log],
-            env=dict(os.environ, NOTIFY_SOCKET=self.nsock_path), stderr=self.stderr)
+            env=dict(os.environ, NOTIFY_SOCKET=self.nsock_path, **(env or {})),
+            stderr=self.stderr)
         self.admin = svc_test.Admin(self.admin_ep)
         self.killed = set()
         svc_test.Service.wait_notify(self, "READY=1")
@@ -899,7 +900,9 @@ def overload():
 
 def sc_prometheus():
     prom = need_prometheus()
-    svc = GwService()
+    # decode@0 counts 2 kinds of step without a CUDA graph (test only: the
+    # cpu backend has none)
+    svc = GwService(env={"DSV4_TEST_GRAPHS_REFUSED": "decode@0:2"})
     pdir = tempfile.mkdtemp(prefix="dsv4-prom-")
     pproc = None
     try:
@@ -1009,6 +1012,12 @@ scrape_configs:
                     else (None, None))
             check(got == want and (k["role"] != "prefill" or want[0] > 0),
                   "%s: dsv4ctl call rows %s, /metrics %s" % (k["name"], want, got))
+            # and every decode rank's kinds of step without a graph
+            got = metric(m, "dsv4_decode_graphs_refused", lab)
+            want = 2 if k["name"] == "decode@0" else None
+            check(got == want and k.get("graphs_refused") == want,
+                  "%s: graphs refused: dsv4ctl %s, /metrics %s, not %s" %
+                  (k["name"], k.get("graphs_refused"), got, want))
         log("dsv4ctl status and /metrics agree on %d values" % len(pairs))
     finally:
         if pproc is not None:

@@ -698,7 +698,7 @@ def ctl_run(svc, *what):
 
 
 def ctl_mtp(svc, counts):
-    """dsv4ctl shows the decode ranks' MTP counters (carried by their idle
+    """dsv4ctl shows the decode ranks' MTP counters (carried by their
     HEARTBEATs): per rank equal to the rank's own final STATUS= counts, "-"
     and no keys for prefill ranks, totals the sum (one rank per group)."""
     def run(*what):
@@ -735,18 +735,54 @@ def ctl_mtp(svc, counts):
         name = line.split()[0]
         if name in want:
             d, a = want[name]
-            check(line.endswith("%d/%d (%.1f%%)" % (a, d, 100.0 * a / d if d else 0.0)),
+            # the MTP column (a rank's suffixes may follow it)
+            check(re.search(r" %s(  |$)" % re.escape("%d/%d (%.1f%%)" % (
+                a, d, 100.0 * a / d if d else 0.0)), line) is not None,
                   "dsv4ctl ranks: %s" % line)
         else:
             check(line.endswith(" -"), "dsv4ctl ranks: %s" % line)
     log("dsv4ctl: mtp drafts %d accepted %d" % (st["mtp_drafts"], st["mtp_accepted"]))
 
 
+def check_graphs(svc, want):
+    """The decode ranks' kinds of step without a CUDA graph (HEARTBEAT
+    graphs_refused; `want` {name: n}, the test-only count of
+    DSV4_TEST_GRAPHS_REFUSED, as the cpu backend has no graphs): the rank
+    warns, dsv4ctl shows them (text and --json), prefill ranks have none."""
+    text = readf(os.path.join(svc.dir, "launch.err"))
+    for name, n in want.items():
+        pat = (r"%s: decode: %d kind\(s\) of step \(batch sizes\) now run without a CUDA "
+               r"graph \(counted for a test" % (re.escape(name.replace("@", "/")), n))
+        check((re.search(pat, text) is not None) == (n > 0),
+              "%s: the warning of %d kinds of step without a graph" % (name, n))
+
+    def reported():
+        got = {r["name"]: r.get("graphs_refused") for r in
+               json.loads(ctl_run(svc, "--json", "ranks"))}
+        return got if all(got.get(k) == v for k, v in want.items()) else None
+    try:
+        got = wait_for(reported, "dsv4ctl showing the kinds of step without a graph", step=0.2)
+    except Fail:
+        raise Fail("dsv4ctl --json ranks: graphs_refused not %s" % want)
+    for name, n in got.items():
+        check(name in want or (name.startswith("prefill") and n is None),
+              "dsv4ctl --json ranks: %s graphs_refused %s" % (name, n))
+    for line in ctl_run(svc, "ranks").splitlines()[1:]:
+        n = want.get(line.split()[0], 0)
+        suffix = "  %d batch size%s without a graph" % (n, "" if n == 1 else "s")
+        check(line.endswith(suffix) if n > 0 else "without a graph" not in line,
+              "dsv4ctl ranks: %s" % line)
+    log("dsv4ctl: kinds of step without a graph %s" % want)
+
+
 def sc_mtp():
-    svc = Service(n_prefill=2, n_decode=2, extra_conf="decode.mtp = yes")
+    # decode@1 counts 3 kinds of step without a CUDA graph (test only)
+    svc = Service(n_prefill=2, n_decode=2, extra_conf="decode.mtp = yes",
+                  env={"DSV4_TEST_GRAPHS_REFUSED": "decode@1:3"})
     try:
         _, ref = serve_compared(svc, "p16.txt", 16, 16, "16 greedy streams with MTP drafts")
         check_warmups(svc, 2, 2, mtp=True)
+        check_graphs(svc, {"decode@0": 0, "decode@1": 3})
         svc.check_no_leaks()
         # every decode step of a stream after its first had a draft, and a
         # step emits 1 + accepted tokens: a stream of n output tokens (the
@@ -779,7 +815,7 @@ def sc_batch64():
         prompts = os.path.join(svc.dir, "p64.txt")
         make_prompts(prompts, 64, seed=64, lo=3, hi=20)
         ref = reference(svc, prompts)
-        seen = {"max_decoding": 0, "max_active": 0, "polls": 0}
+        seen = {"max_decoding": 0, "max_active": 0, "max_reported": 0, "polls": 0}
         stop = threading.Event()
         err = []
 
@@ -789,9 +825,14 @@ def sc_batch64():
                 while not stop.is_set():
                     reqs = adm.requests()
                     n = sum(1 for r in reqs if r["state"] in ("decoding", "handoff"))
-                    act = max([r["active"] for r in adm.ranks() if r["role"] == "decode"] or [0])
+                    dec = [r for r in adm.ranks() if r["role"] == "decode"]
+                    act = max([r["active"] for r in dec] or [0])
+                    # what the rank itself said in its last HEARTBEAT, sent
+                    # at least once a heartbeat interval while it is busy
+                    rep = max([r.get("rank_active", 0) for r in dec] or [0])
                     seen["max_decoding"] = max(seen["max_decoding"], n)
                     seen["max_active"] = max(seen["max_active"], act)
+                    seen["max_reported"] = max(seen["max_reported"], rep)
                     seen["polls"] += 1
             except Exception as e:  # reported below
                 err.append(e)
@@ -805,10 +846,14 @@ def sc_batch64():
         check(not err, "admin polling failed: %s" % err)
         check(rc == 0, "svc_client failed")
         compare(got, ref, "64 submitted at once", err)
-        log("max decoding at once: %d (scheduler), %d (rank active), %d polls" %
-            (seen["max_decoding"], seen["max_active"], seen["polls"]))
+        log("max decoding at once: %d (scheduler), %d (rank active), %d (the rank's "
+            "HEARTBEAT), %d polls" % (seen["max_decoding"], seen["max_active"],
+                                      seen["max_reported"], seen["polls"]))
         check(seen["max_decoding"] <= 16, "%d requests decoding at once" % seen["max_decoding"])
         check(seen["max_active"] <= 16, "decode rank held %d streams" % seen["max_active"])
+        check(1 <= seen["max_reported"] <= 16,
+              "the decode rank's HEARTBEATs said %d streams at most while it served" %
+              seen["max_reported"])
         check(seen["max_decoding"] >= 1, "never saw a request decoding")
         svc.check_no_leaks()
     finally:

@@ -271,6 +271,16 @@ s_rank_heartbeat_comm(struct dsv4_msg *m)
     m->u.heartbeat.has_comm_epoch = true;
 }
 
+/* A decode rank some of whose batch sizes run without a CUDA graph. */
+static void
+s_rank_heartbeat_graphs(struct dsv4_msg *m)
+{
+    dsv4_msg_init(m, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    m->u.heartbeat.active = 16;
+    m->u.heartbeat.graphs_refused = 3;
+    m->u.heartbeat.has_graphs_refused = true;
+}
+
 static void
 s_group_broken(struct dsv4_msg *m)
 {
@@ -479,6 +489,29 @@ s_ctl_rank_mtp(struct dsv4_msg *m)
     r->has_mtp = true;
 }
 
+/* RANK of a decode rank that reported batch sizes without a CUDA graph. */
+static void
+s_ctl_rank_graphs(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_rank *r = &m->u.rank;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RANK);
+    r->role = DSV4_ROLE_DECODE;
+    r->index = 0;
+    r->group = 0;
+    r->group_rank = 0;
+    r->host = "gpu0";
+    r->state = DSV4_RANK_STATE_READY;
+    r->active = 16;
+    r->capacity = 16;
+    r->last_seen_ms = 3;
+    r->rank_active = 16;
+    r->has_rank_active = true;
+    r->placed = 300;
+    r->graphs_refused = 8;
+    r->has_graphs_refused = true;
+}
+
 /* RANK of a burst prefill rank with its device and lowered rows per call. */
 static void
 s_ctl_rank_prefill(struct dsv4_msg *m)
@@ -630,6 +663,7 @@ static const struct {
     { "rank_comm", s_rank_comm },
     { "rank_comm_ask", s_rank_comm_ask },
     { "rank_heartbeat_comm", s_rank_heartbeat_comm },
+    { "rank_heartbeat_graphs", s_rank_heartbeat_graphs },
     { "rank_group_broken", s_group_broken },
     { "rank_group_broken_bare", s_group_broken_bare },
     { "ctl_show_status", s_show_status },
@@ -639,6 +673,7 @@ static const struct {
     { "ctl_rank", s_ctl_rank },
     { "ctl_rank_mtp", s_ctl_rank_mtp },
     { "ctl_rank_prefill", s_ctl_rank_prefill },
+    { "ctl_rank_graphs", s_ctl_rank_graphs },
     { "ctl_ranks_end", s_ranks_end },
     { "ctl_show_requests", s_show_requests },
     { "ctl_request", s_ctl_request },

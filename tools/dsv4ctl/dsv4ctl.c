@@ -222,7 +222,7 @@ print_status(struct ctl *c, const struct dsv4_ctl_status *st)
 static void
 print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
 {
-    char name[48], mtp[64], rows[64] = "";
+    char name[48], mtp[64], rows[64] = "", graphs[64] = "";
 
     snprintf(name, sizeof(name), "%s@%u", dsv4_role_name(k->role), k->index);
     if (c->json) {
@@ -248,6 +248,8 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
         if (k->has_call_rows)
             printf(", \"call_rows\": %u, \"call_rows_full\": %u", k->call_rows,
                 k->call_rows_full);
+        if (k->has_graphs_refused)
+            printf(", \"graphs_refused\": %u", k->graphs_refused);
         printf("}");
     } else {
         /* MTP: "accepted/drafts (rate)", "-" for a rank without MTP */
@@ -263,14 +265,19 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
         if (k->has_call_rows && k->call_rows < k->call_rows_full)
             snprintf(rows, sizeof(rows), "  rows %u of %u a call", k->call_rows,
                 k->call_rows_full);
+        /* a decode rank whose steps of some batch sizes run without a CUDA
+         * graph (no device memory was left to make one) says so */
+        if (k->has_graphs_refused && k->graphs_refused > 0)
+            snprintf(graphs, sizeof(graphs), "  %u batch size%s without a graph",
+                k->graphs_refused, k->graphs_refused == 1 ? "" : "s");
         if (c->n_items == 0)
             printf("%-12s %-7s %-16s %-9s %7s %9s %9s %10s  %-12s  %s\n", "RANK", "GROUP",
                 "HOST", "STATE", "ACTIVE", "CAPACITY", "PLACED", "LAST_SEEN", "DEVICE", "MTP");
-        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %-12.12s  %s%s%s\n",
+        printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %-12.12s  %s%s%s%s\n",
             name, k->group, k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active,
             k->capacity, k->placed, (double)k->last_seen_ms / 1000.0,
             k->device != NULL && k->device[0] != '\0' ? k->device : "-", mtp,
-            k->burst ? "  burst prefill" : "", rows);
+            k->burst ? "  burst prefill" : "", rows, graphs);
     }
     c->n_items++;
 }
