@@ -21,6 +21,10 @@ output.  Scenarios (one per argument, or all):
   resume     GENERATE with resume (a client's tokens and text from a scheduler that went
              away): the rest follows, the same tokens and text, nothing twice; a resume
              already at its end gets DONE at once; refusals (no seed, too long, text)
+  refuse     GENERATEs refused at once with their codes (ids outside the vocabulary, in
+             the prompt or the resume; more context than the decode ranks hold, while
+             exactly their context is admitted; an empty prompt text; an id in use by a
+             request in flight, which goes on; prompt text without a tokenizer)
   reload     SIGHUP and dsv4ctl reload: queue_max and max_batch change at once (queued
              requests kept, -o overrides still win), a start-bound key is logged as
              waiting, a file that does not load changes nothing (dsv4ctl: 500, exit 1);
@@ -704,6 +708,85 @@ def t_resume(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_refuse(ctx, build, tmp):
+    """GENERATEs the scheduler refuses: each gets ERROR with its code and
+    message at once and counts as rejected; nothing of them is placed, and a
+    request in flight under a reused id goes on."""
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    _, st0 = sc.ctl("status")
+    big = 1000000    # above the tiny tokenizer's vocabulary
+    cases = [
+        ({"tokens": [5, big]}, 401, r"tokens\[1\] = 1000000 is outside the vocabulary "
+         r"\(\d+ ids\)"),
+        ({"tokens": [5, 6], "seed": 3, "resume": [7, big]}, 401,
+         r"resume\[1\] = 1000000 is outside the vocabulary"),
+        # the fake decode rank holds 4,096 positions: 10 + 4,087 do not fit
+        ({"tokens": [5] * 10, "max_tokens": 4087}, 413,
+         r"prompt \(10 tokens\) plus max_tokens \(4087\) exceed the context"),
+        # (refused by the protocol's bounds, before the tokenizer)
+        ({"prompt": ""}, 401, r"prompt: 0 elements/bytes, minimum 1"),
+    ]
+    for kw, code, msg in cases:
+        kw = dict({"max_tokens": 4, "temperature": 0}, **kw)
+        j = cl.generate(**kw)
+        r = cl.collect([j], timeout=10)[j]
+        check(not r["ok"] and r["final"][0] == 3 and r["final"][1]["code"] == code and
+              re.search(msg, r["final"][1]["message"]), "%s: %s" % (kw, r))
+    # exactly the context: admitted (cancelled once it runs)
+    j = cl.generate(tokens=[5] * 10, max_tokens=4086, temperature=0)
+    cancelled = []
+
+    def cancel_once(i, _):
+        if not cancelled:
+            cancelled.append(i)
+            cl.cancel(i)
+    r = cl.collect([j], timeout=10, on_tokens=cancel_once)[j]
+    check(r["ok"] and r["final"][0] == 5 and r["final"][1]["finish"] == "cancelled",
+          "10 + 4,086 tokens: %s" % (r,))
+    # an id in use by a request in flight: the second GENERATE is refused,
+    # the first streams on to its end
+    p, n = [21, 22, 23], 60
+    first = {"id": 500, "tokens": p, "max_tokens": n, "temperature": 0, "seed": 9}
+    cl.s.send_multipart([b"", CLI, bytes([1]), msgpack.packb(first)])
+    got, refused, final = [], None, None
+    end = time.time() + 30
+    while final is None and time.time() < end:
+        if not cl.s.poll(100):
+            continue
+        cmd, b = (lambda fr: (fr[2][0], msgpack.unpackb(fr[3])))(cl.s.recv_multipart())
+        check(b["id"] == 500, "a message for id %s" % b["id"])
+        if cmd == 2 and not got:
+            cl.s.send_multipart([b"", CLI, bytes([1]), msgpack.packb(dict(first, seed=10))])
+        elif cmd == 4:
+            got += b["tokens"]
+        elif cmd == 3 and refused is None:
+            refused = b
+        elif cmd in (3, 5):
+            final = (cmd, b)
+    check(refused is not None and refused["code"] == 401 and
+          "already in use" in refused["message"], "the reused id: %s" % refused)
+    check(final is not None and final[0] == 5 and got == expected(p, 9, n),
+          "the request in flight: %s, tokens %s" % (final, got))
+    wait_idle(sc)
+    _, st = sc.ctl("status")
+    check(st["n_rejected"] - st0["n_rejected"] == len(cases) + 1,
+          "rejected %d -> %d" % (st0["n_rejected"], st["n_rejected"]))
+    # a scheduler without a tokenizer takes token ids only
+    nt = os.path.join(tmp, "nt")
+    os.mkdir(nt)
+    s2 = Sched(build, nt, ["-o", "tokenizer=none"])
+    time.sleep(0.2)
+    c2 = Client(ctx, s2.ep["client"])
+    j = c2.generate(prompt="hello", max_tokens=4)
+    r = c2.collect([j], timeout=10)[j]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 501 and
+          "no tokenizer configured" in r["final"][1]["message"], "no tokenizer: %s" % (r,))
+    check(s2.stop() == 0, "the scheduler without a tokenizer did not exit 0")
+    ALL_SCHEDS.remove(s2)
+    return sc, [pre, dec]
+
+
 def t_reload(ctx, build, tmp):
     conf = os.path.join(tmp, "dsv4.conf")
 
@@ -1005,6 +1088,7 @@ def t_group_broken(ctx, build, tmp):
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
+         "refuse": t_refuse,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
