@@ -25,6 +25,9 @@ output.  Scenarios (one per argument, or all):
              the prompt or the resume; more context than the decode ranks hold, while
              exactly their context is admitted; an empty prompt text; an id in use by a
              request in flight, which goes on; prompt text without a tokenizer)
+  drain_restart  a rank drain waiting while the rank restarts: the new process stays
+             drained and the wait follows it; undrained, the stream runs again and
+             completes; a rank of another name in its place ends the wait "rank gone"
   reload     SIGHUP and dsv4ctl reload: queue_max and max_batch change at once (queued
              requests kept, -o overrides still win), a start-bound key is logged as
              waiting, a file that does not load changes nothing (dsv4ctl: 500, exit 1);
@@ -787,6 +790,65 @@ def t_refuse(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_drain_restart(ctx, build, tmp):
+    """A rank drain that waits while the rank restarts: the new process of
+    the same name stays drained and the wait follows it (answered once it
+    holds nothing); undrained, the stream the old one held runs again and
+    completes.  A rank of another name that takes the drained rank's place
+    in its group ends the wait with "rank gone"."""
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    p, n = [31, 32, 33], 400
+    i = submit(cl, p, 5, n)
+    out = {}
+
+    def drain(key):
+        out[key] = sc.ctl_text("drain", "decode@0", "--timeout", "20")
+    t = threading.Thread(target=drain, args=("first",))
+    t.start()
+
+    def state(name):
+        _, ranks = sc.ctl("ranks")
+        return next((r["state"] for r in ranks if r["name"] == name), None)
+    end = time.time() + 10
+    while state("decode@0") != "draining" and time.time() < end:
+        time.sleep(0.02)
+    check(state("decode@0") == "draining", "decode@0 not draining")
+    dec.dead = True                 # stops answering, like kill -9
+    nd = FakeRank(ctx, sc.ep["rank"], "decode", 0, device=FAKE_GPU)
+    nd.start()
+    t.join(15)
+    check(not t.is_alive() and out["first"][0] == 0 and "drained" in out["first"][1],
+          "the drain across the restart: %s" % (out.get("first"),))
+    check(state("decode@0") == "drained", "the new decode@0 is %s" % state("decode@0"))
+    check(not nd.streams, "the drained new rank got a stream")
+    rc, _ = sc.ctl("undrain", "decode@0")
+    check(rc == 0, "undrain")
+    res = collect_with_psum(cl, {i: (p, 5)}, timeout=30)
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 5, n),
+          "the stream across the restart: %s, %d tokens" % (res[i]["final"],
+                                                             len(res[i]["tokens"])))
+    # another rank takes the drained rank's place (group 0, rank 0)
+    i = submit(cl, p, 6, n)
+    t = threading.Thread(target=drain, args=("gone",))
+    t.start()
+    end = time.time() + 10
+    while state("decode@0") != "draining" and time.time() < end:
+        time.sleep(0.02)
+    nd.dead = True
+    other = FakeRank(ctx, sc.ep["rank"], "decode", 7, group=0, device=FAKE_GPU)
+    other.start()
+    t.join(15)
+    check(not t.is_alive() and out["gone"][0] == 0 and "rank gone" in out["gone"][1] and
+          "drained" not in out["gone"][1],
+          "the drain of a replaced rank: %s" % (out.get("gone"),))
+    res = collect_with_psum(cl, {i: (p, 6)}, timeout=30)
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 6, n),
+          "the stream across the replacement: %s" % (res[i]["final"],))
+    wait_idle(sc)
+    return sc, [pre, dec, nd, other]
+
+
 def t_reload(ctx, build, tmp):
     conf = os.path.join(tmp, "dsv4.conf")
 
@@ -1088,7 +1150,7 @@ def t_group_broken(ctx, build, tmp):
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
-         "refuse": t_refuse,
+         "refuse": t_refuse, "drain_restart": t_drain_restart,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
