@@ -28,6 +28,9 @@ output.  Scenarios (one per argument, or all):
   drain_restart  a rank drain waiting while the rank restarts: the new process stays
              drained and the wait follows it; undrained, the stream runs again and
              completes; a rank of another name in its place ends the wait "rank gone"
+  sigterm    SIGTERM with work in flight: new requests 301, a short stream completes,
+             a long one fails with 500 "scheduler stopping" at the 10 s stop timeout with
+             f's tokens so far, exit 0
   reload     SIGHUP and dsv4ctl reload: queue_max and max_batch change at once (queued
              requests kept, -o overrides still win), a start-bound key is logged as
              waiting, a file that does not load changes nothing (dsv4ctl: 500, exit 1);
@@ -849,6 +852,45 @@ def t_drain_restart(ctx, build, tmp):
     return sc, [pre, dec, nd, other]
 
 
+def t_sigterm(ctx, build, tmp):
+    """SIGTERM with work in flight: new requests are refused (301), a
+    stream that ends within the stop timeout (10 s) completes, and one that
+    would not gets ERROR 500 "scheduler stopping" at the timeout with f's
+    tokens so far; the scheduler then exits 0."""
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    pl, ps = [41, 42], [43, 44]
+    il = submit(cl, pl, 7, 4000)        # 16 s at the fake rank's 4 ms a step
+    i_s = submit(cl, ps, 8, 200)        # 0.8 s: ends before the stop timeout
+    i_r = cl.next_id                    # the one sent after SIGTERM
+    sent = {}
+
+    def on_tokens(i, r):
+        if i == il and not sent:
+            sent["t"] = time.time()
+            sc.p.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            sent["id"] = submit(cl, [45], 9, 10)
+    res = cl.collect([il, i_s, i_r], timeout=30, on_tokens=on_tokens)
+    waited = time.time() - sent["t"]
+    check(sent["id"] == i_r, "ids")
+    r = res[i_r]
+    check(not r["ok"] and r["final"][0] == 3 and r["final"][1]["code"] == 301,
+          "a request after SIGTERM: %s" % (r["final"],))
+    r = res[i_s]
+    check(r["final"][0] == 5 and r["tokens"] == expected(ps, 8, 200),
+          "the short stream: %s" % (r["final"],))
+    r = res[il]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 500 and
+          "scheduler stopping" in r["final"][1]["message"],
+          "the long stream at the stop timeout: %s" % (r["final"],))
+    check(9.0 <= waited <= 15.0, "failed %.1f s after SIGTERM, not at the 10 s timeout" % waited)
+    check(0 < len(r["tokens"]) < 4000 and r["tokens"] == expected(pl, 7, len(r["tokens"])),
+          "the long stream's %d tokens are not f's" % len(r["tokens"]))
+    check(sc.p.wait(timeout=5) == 0, "the scheduler did not exit 0 after the stop timeout")
+    return sc, [pre, dec]
+
+
 def t_reload(ctx, build, tmp):
     conf = os.path.join(tmp, "dsv4.conf")
 
@@ -1150,7 +1192,7 @@ def t_group_broken(ctx, build, tmp):
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
-         "refuse": t_refuse, "drain_restart": t_drain_restart,
+         "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
