@@ -353,8 +353,8 @@ rank_heartbeat(struct rank *k)
         m.u.heartbeat.graphs_refused = (uint32_t)k->graphs_refused;
         m.u.heartbeat.has_graphs_refused = true;
     }
-    rank_send(k, &m);
-    k->hb_ms = dsv4_now_ms();
+    if (rank_send(k, &m))
+        k->hb_ms = dsv4_now_ms();
 }
 
 /* Heartbeats, liveness, READY retries; returns ms until the next event. */
@@ -370,9 +370,10 @@ link_timers(struct rank *k, int64_t now)
         link_lost(k, "no message within liveness");
         return RANK_READY_RETRY_MS;
     }
-    /* after heartbeat_ms of silence, and busy at least once an interval:
-     * the figures it carries (active, MTP counters) stay current */
-    if (dsv4_liveness_due(&k->live, now) || now - k->hb_ms >= (int64_t)k->live.interval_ms)
+    /* at least once an interval, busy or not, so that the figures it
+     * carries (active, MTP counters) stay current; a HEARTBEAT sent is also
+     * the last message sent, so this covers heartbeat_ms of silence too */
+    if (now - k->hb_ms >= (int64_t)k->live.interval_ms)
         rank_heartbeat(k);
     {
         int64_t next = dsv4_liveness_next_ms(&k->live, now);

@@ -272,7 +272,8 @@ struct rank {
                                    step; HEARTBEAT graphs_refused */
     int graphs_warned;          /* decode: graphs_refused at the last warning
                                    (decode_graphs_check) */
-    int64_t hb_ms;              /* when the last HEARTBEAT went out */
+    int64_t hb_ms;              /* when the last HEARTBEAT was sent (a send
+                                   that failed does not count) */
     int64_t relink_delay_ms;    /* link_lost: wait this long before READY (once) */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;

@@ -272,13 +272,14 @@ client_dispatch(struct sched *s)
             return;
         if (e == DSV4_ERR_PROTO || e == DSV4_ERR_INVAL) {
             log_info("client: refused message: %u %s", pe.code, pe.message);
-            if (pe.sub == DSV4_SUB_CLI && pe.cmd == DSV4_CLI_GENERATE)
-                s->m.n_rejected++;   /* invalid: outside the protocol's bounds */
-            if (pe.sub == DSV4_SUB_CLI)
+            if (pe.sub == DSV4_SUB_CLI) {
+                if (pe.cmd == DSV4_CLI_GENERATE)
+                    s->m.n_rejected++;   /* invalid: outside the protocol's bounds */
                 (void)dsv4_zsock_send_perr(s->client, &from, &pe);
-            else if (pe.sub != DSV4_SUB_NONE)
+            } else if (pe.sub != DSV4_SUB_NONE) {
                 send_error(s, &from, 0, DSV4_STATUS_BAD_MESSAGE,
                     "not a client message", NULL);
+            }
             continue;
         }
         if (e != DSV4_OK) {

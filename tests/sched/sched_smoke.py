@@ -324,11 +324,13 @@ class Client:
         self.next_id = 1
 
     def generate(self, **kw):
-        i = self.next_id
-        self.next_id += 1
-        kw["id"] = i
+        """Send GENERATE `kw` under the client's next id, or `id` if given;
+        returns the id."""
+        if "id" not in kw:
+            kw["id"] = self.next_id
+            self.next_id += 1
         self.s.send_multipart([b"", CLI, bytes([1]), msgpack.packb(kw)])
-        return i
+        return kw["id"]
 
     def cancel(self, i):
         self.s.send_multipart([b"", CLI, bytes([6]), msgpack.packb({"id": i})])
@@ -754,16 +756,17 @@ def t_refuse(ctx, build, tmp):
     # the first streams on to its end
     p, n = [21, 22, 23], 60
     first = {"id": 500, "tokens": p, "max_tokens": n, "temperature": 0, "seed": 9}
-    cl.s.send_multipart([b"", CLI, bytes([1]), msgpack.packb(first)])
+    cl.generate(**first)
     got, refused, final = [], None, None
     end = time.time() + 30
     while final is None and time.time() < end:
         if not cl.s.poll(100):
             continue
-        cmd, b = (lambda fr: (fr[2][0], msgpack.unpackb(fr[3])))(cl.s.recv_multipart())
+        fr = cl.s.recv_multipart()
+        cmd, b = fr[2][0], msgpack.unpackb(fr[3])
         check(b["id"] == 500, "a message for id %s" % b["id"])
         if cmd == 2 and not got:
-            cl.s.send_multipart([b"", CLI, bytes([1]), msgpack.packb(dict(first, seed=10))])
+            cl.generate(**dict(first, seed=10))
         elif cmd == 4:
             got += b["tokens"]
         elif cmd == 3 and refused is None:
@@ -810,20 +813,22 @@ def t_drain_restart(ctx, build, tmp):
     t = threading.Thread(target=drain, args=("first",))
     t.start()
 
-    def state(name):
-        _, ranks = sc.ctl("ranks")
-        return next((r["state"] for r in ranks if r["name"] == name), None)
-    end = time.time() + 10
-    while state("decode@0") != "draining" and time.time() < end:
-        time.sleep(0.02)
-    check(state("decode@0") == "draining", "decode@0 not draining")
+    def state():
+        return rank_row(sc, "decode@0")["state"]
+
+    def wait_draining():
+        end = time.time() + 10
+        while state() != "draining" and time.time() < end:
+            time.sleep(0.02)
+        check(state() == "draining", "decode@0 not draining")
+    wait_draining()
     dec.dead = True                 # stops answering, like kill -9
     nd = FakeRank(ctx, sc.ep["rank"], "decode", 0, device=FAKE_GPU)
     nd.start()
     t.join(15)
     check(not t.is_alive() and out["first"][0] == 0 and "drained" in out["first"][1],
           "the drain across the restart: %s" % (out.get("first"),))
-    check(state("decode@0") == "drained", "the new decode@0 is %s" % state("decode@0"))
+    check(state() == "drained", "the new decode@0 is %s" % state())
     check(not nd.streams, "the drained new rank got a stream")
     rc, _ = sc.ctl("undrain", "decode@0")
     check(rc == 0, "undrain")
@@ -835,9 +840,7 @@ def t_drain_restart(ctx, build, tmp):
     i = submit(cl, p, 6, n)
     t = threading.Thread(target=drain, args=("gone",))
     t.start()
-    end = time.time() + 10
-    while state("decode@0") != "draining" and time.time() < end:
-        time.sleep(0.02)
+    wait_draining()
     nd.dead = True
     other = FakeRank(ctx, sc.ep["rank"], "decode", 7, group=0, device=FAKE_GPU)
     other.start()
