@@ -11,7 +11,10 @@
  * shm object exists while exported and is gone after the release (and after
  * an ABORT of an export nobody claimed); ABORT of a running stream is
  * acknowledged and frees it; the ranks survive the scheduler going away and
- * register again with a new one; SIGTERM ends both with status 0.
+ * register again with a new one; a prefill rank killed while it holds an
+ * export leaves the region, and its next process removes it at its start;
+ * an export nobody claims is freed after --kv-timeout-ms; SIGTERM ends both
+ * with status 0.
  *
  * usage: test_rank_smoke CKPT_DIR DSV4_PREFILL DSV4_DECODE
  */
@@ -82,9 +85,11 @@ static void *zctx, *router;
 static struct peer pre, dec;
 static char endpoint[128];
 
+/* Start a rank; kv_timeout (may be NULL: the default) is its
+ * --kv-timeout-ms. */
 static pid_t
 spawn(const char *exe, const char *ckpt, const char *conf, const char *rank, const char *slots,
-      const char *rows)
+      const char *rows, const char *kv_timeout)
 {
     pid_t pid = fork();
 
@@ -95,8 +100,9 @@ spawn(const char *exe, const char *ckpt, const char *conf, const char *rank, con
         /* RANK_SMOKE_VERBOSE=1: the ranks log at debug level. */
         const char *av[] = { exe, "-f", conf, "--rank", rank, "--checkpoint", ckpt, "--sched",
                              endpoint, "--threads", "1", "--max-seq", "256", "--slots", slots,
-                             "--rows", rows, getenv("RANK_SMOKE_VERBOSE") != NULL ? "-vv" : NULL,
-                             NULL };
+                             "--rows", rows, "--kv-timeout-ms",
+                             kv_timeout != NULL ? kv_timeout : "120000",
+                             getenv("RANK_SMOKE_VERBOSE") != NULL ? "-vv" : NULL, NULL };
         execv(exe, (char *const *)(uintptr_t)av);
         perror(exe);
         _exit(127);
@@ -129,29 +135,39 @@ known(const struct dsv4_route *r)
     return (pre.ready && route_eq(r, &pre.route)) || (dec.ready && route_eq(r, &dec.route));
 }
 
+/* Receive one message (waits for it); a HEARTBEAT is answered, cleared and
+ * reported by returning false. */
+static bool
+recv_one(struct dsv4_route *from, struct dsv4_msg *m)
+{
+    struct dsv4_perr pe;
+
+    CHECK(dsv4_zsock_recv(router, from, m, &pe, 0) == DSV4_OK);
+    if (m->cmd != DSV4_RANK_HEARTBEAT)
+        return true;
+    /* Answer as a scheduler does: a registered rank keeps its link, an
+     * unknown one (registered with an earlier scheduler) is told to go. */
+    dsv4_msg_clear(m);
+    dsv4_msg_init(m, DSV4_SUB_RANK, known(from) ? DSV4_RANK_HEARTBEAT :
+                                                  DSV4_RANK_DISCONNECT);
+    /* The rank may have dropped this link meanwhile (it re-registers on
+     * a new one): a reply to a peer that is gone is not an error, as in
+     * the scheduler. */
+    enum dsv4_err e = dsv4_zsock_send(router, from, m, 0, NULL);
+    CHECK(e == DSV4_OK || (e == DSV4_ERR_SYS && errno == EHOSTUNREACH));
+    dsv4_msg_clear(m);
+    return false;
+}
+
 /* Receive one message other than HEARTBEAT (hang guard only). */
 static void
 recv_msg(struct dsv4_route *from, struct dsv4_msg *m)
 {
     zmq_pollitem_t it = { router, -1, ZMQ_POLLIN, 0 };
-    struct dsv4_perr pe;
 
-    for (;;) {
+    do
         CHECK(zmq_poll(&it, 1, HANG_GUARD_MS) == 1);
-        CHECK(dsv4_zsock_recv(router, from, m, &pe, 0) == DSV4_OK);
-        if (m->cmd != DSV4_RANK_HEARTBEAT)
-            return;
-        /* Answer as a scheduler does: a registered rank keeps its link, an
-         * unknown one (registered with an earlier scheduler) is told to go. */
-        dsv4_msg_clear(m);
-        dsv4_msg_init(m, DSV4_SUB_RANK, known(from) ? DSV4_RANK_HEARTBEAT :
-                                                      DSV4_RANK_DISCONNECT);
-        /* The rank may have dropped this link meanwhile (it re-registers on
-         * a new one): a reply to a peer that is gone is not an error, as in
-         * the scheduler. */
-        enum dsv4_err e = dsv4_zsock_send(router, from, m, 0, NULL);
-        CHECK(e == DSV4_OK || (e == DSV4_ERR_SYS && errno == EHOSTUNREACH));
-    }
+    while (!recv_one(from, m));
 }
 
 static void
@@ -170,14 +186,14 @@ send_ref(const struct peer *p, int cmd, uint64_t req)
     send_to(p, &m);
 }
 
-/* Wait until both ranks sent READY, answering each with WELCOME. */
+/* Wait until every rank not yet ready sent READY, answering each with
+ * WELCOME. */
 static void
-register_ranks(void)
+register_wait(void)
 {
     struct dsv4_route from;
     struct dsv4_msg m, w;
 
-    pre.ready = dec.ready = false;
     dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
     while (!pre.ready || !dec.ready) {
         recv_msg(&from, &m);
@@ -195,6 +211,14 @@ register_ranks(void)
         }
         dsv4_msg_clear(&m);
     }
+}
+
+/* Wait until both ranks sent READY (again). */
+static void
+register_ranks(void)
+{
+    pre.ready = dec.ready = false;
+    register_wait();
 }
 
 static bool
@@ -270,6 +294,65 @@ send_decode(struct treq *r, uint32_t slot)
     send_to(&dec, &m);
 }
 
+/* Copy PREFILL_DONE's location and first token into r; the region exists. */
+static void
+take_location(struct treq *r, const struct dsv4_msg *m)
+{
+    CHECK(m->u.prefill_done.n_kv == 1);
+    r->loc = m->u.prefill_done.kv[0];
+    CHECK(r->loc.transport == DSV4_TRANSPORT_SHM && r->loc.n_seg == 1);
+    CHECK(r->loc.n_tokens == (uint32_t)r->n_prompt);
+    CHECK(r->loc.handle_len <= sizeof(r->handle));
+    memcpy(r->handle, r->loc.handle, r->loc.handle_len);
+    r->sizes[0] = r->loc.sizes[0];
+    r->offsets[0] = r->loc.offsets[0];
+    r->loc.handle = r->handle;
+    r->loc.sizes = r->sizes;
+    r->loc.offsets = r->offsets;
+    r->out[r->n_out++] = m->u.prefill_done.token;
+    CHECK(shm_exists(r));
+}
+
+/* PREFILL r on the prefill rank and wait for its PREFILL_DONE; nobody
+ * claims the region. */
+static void
+prefill_unclaimed(struct treq *r)
+{
+    struct dsv4_route from;
+    struct dsv4_msg m;
+
+    r->n_out = 0;
+    send_prefill(r);
+    dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
+    recv_msg(&from, &m);
+    CHECK(m.cmd == DSV4_RANK_PREFILL_DONE && route_eq(&from, &pre.route));
+    CHECK(m.u.prefill_done.req == r->req);
+    take_location(r, &m);
+    dsv4_msg_clear(&m);
+}
+
+/* Answer HEARTBEATs until r's region is gone (no other message may come);
+ * false if it is still there after bound_ms. */
+static bool
+wait_region_gone(const struct treq *r, int bound_ms)
+{
+    zmq_pollitem_t it = { router, -1, ZMQ_POLLIN, 0 };
+    struct dsv4_route from;
+    struct dsv4_msg m;
+    int64_t end = dsv4_now_ms() + bound_ms;
+
+    dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
+    while (dsv4_now_ms() < end) {
+        if (!shm_exists(r))
+            return true;
+        if (zmq_poll(&it, 1, 50) == 1 && recv_one(&from, &m)) {
+            fprintf(stderr, "unexpected %s\n", dsv4_proto_cmd_name(m.sub, m.cmd));
+            CHECK(0);
+        }
+    }
+    return !shm_exists(r);
+}
+
 static struct treq *
 find(struct treq *rs, uint64_t req)
 {
@@ -308,8 +391,8 @@ main(int argc, char **argv)
 
     zctx = zmq_ctx_new();
     router_open();
-    children[0] = spawn(argv[2], argv[1], conf, rank_no, "2", "8");
-    children[1] = spawn(argv[3], argv[1], conf, rank_no, "4", "8");
+    children[0] = spawn(argv[2], argv[1], conf, rank_no, "2", "8", NULL);
+    children[1] = spawn(argv[3], argv[1], conf, rank_no, "4", "8", NULL);
 
     tmodel_open(&t, argv[1], DSV4_NUMERICS_REF, 1, 256, 64);
     memset(rs, 0, sizeof(rs));
@@ -332,19 +415,7 @@ main(int argc, char **argv)
         case DSV4_RANK_PREFILL_DONE:
             CHECK(route_eq(&from, &pre.route));
             r = find(rs, m.u.prefill_done.req);
-            CHECK(m.u.prefill_done.n_kv == 1);
-            r->loc = m.u.prefill_done.kv[0];
-            CHECK(r->loc.transport == DSV4_TRANSPORT_SHM && r->loc.n_seg == 1);
-            CHECK(r->loc.n_tokens == (uint32_t)r->n_prompt);
-            CHECK(r->loc.handle_len <= sizeof(r->handle));
-            memcpy(r->handle, r->loc.handle, r->loc.handle_len);
-            r->sizes[0] = r->loc.sizes[0];
-            r->offsets[0] = r->loc.offsets[0];
-            r->loc.handle = r->handle;
-            r->loc.sizes = r->sizes;
-            r->loc.offsets = r->offsets;
-            r->out[r->n_out++] = m.u.prefill_done.token;
-            CHECK(shm_exists(r));
+            take_location(r, &m);
             n_pdone++;
             if (r == &rs[0] || r == &rs[1]) {
                 send_decode(r, (uint32_t)(r - rs));
@@ -421,6 +492,29 @@ main(int argc, char **argv)
     dsv4_zsock_close(router);
     router_open();
     register_ranks();
+
+    /* A prefill rank killed while it holds an export leaves the region
+     * behind; the next process of the same rank removes it before its READY. */
+    rs[2].req = 300;
+    prefill_unclaimed(&rs[2]);
+    CHECK(kill(children[0], SIGKILL) == 0);
+    CHECK(waitpid(children[0], &status, 0) == children[0]);
+    CHECK(shm_exists(&rs[2]));
+    children[0] = spawn(argv[2], argv[1], conf, rank_no, "2", "8", "1000");
+    pre.ready = false;
+    register_wait();
+    CHECK(!shm_exists(&rs[2]));
+
+    /* An export nobody claims or aborts is freed by the rank itself after
+     * --kv-timeout-ms (1 s here); a late KV_RELEASE of it is harmless. */
+    rs[2].req = 301;
+    prefill_unclaimed(&rs[2]);
+    CHECK(wait_region_gone(&rs[2], 60000));
+    send_ref(&pre, DSV4_RANK_KV_RELEASE, rs[2].req);
+    send_ref(&pre, DSV4_RANK_ABORT, 998);
+    recv_msg(&from, &m);
+    CHECK(m.cmd == DSV4_RANK_ABORT_DONE && m.u.ref.req == 998);
+    dsv4_msg_clear(&m);
 
     for (int i = 0; i < 2; i++) {
         CHECK(kill(children[i], SIGTERM) == 0);
