@@ -273,7 +273,11 @@ link_lost(struct rank *k, const char *why)
 {
     uint32_t n = rank_active(k);
 
-    log_warnx("link_lost: %s; dropping %u requests, registering again", why, (unsigned)n);
+    if (k->relink_delay_ms > 0)
+        log_warnx("link_lost: %s; dropping %u requests, registering again in %lld ms", why,
+                  (unsigned)n, (long long)k->relink_delay_ms);
+    else
+        log_warnx("link_lost: %s; dropping %u requests, registering again", why, (unsigned)n);
     sdnotify_status("scheduler lost (%s); registering again", why);
     group_join_abandon(k);  /* a join in flight: wait for it, drop what it made */
     group_close(k, true);   /* the group re-forms when we are back */
@@ -292,6 +296,32 @@ link_lost(struct rank *k, const char *why)
         return;
     }
     link_join(k);
+}
+
+int64_t
+rank_backoff_ms(int n)
+{
+    int64_t ms;
+
+    if (n < 2)
+        return 0;
+    ms = (int64_t)RANK_JOIN_BACKOFF_MS << (n - 2 < 5 ? n - 2 : 5);
+    return ms < RANK_JOIN_BACKOFF_MAX_MS ? ms : RANK_JOIN_BACKOFF_MAX_MS;
+}
+
+/* The scheduler answered READY with DISCONNECT (a group_size that differs
+ * from its group's, ...): say why, and register again, after a growing
+ * pause when the refusals go on, or a misconfigured rank would send
+ * thousands of READYs a second (and log each). */
+static void
+link_refused(struct rank *k, const char *reason)
+{
+    char why[256];
+
+    k->relink_delay_ms = rank_backoff_ms(++k->refusals);
+    snprintf(why, sizeof(why), "READY refused (%d in a row): %s", k->refusals,
+             reason != NULL ? reason : "no reason given");
+    link_lost(k, why);
 }
 
 void
@@ -315,6 +345,7 @@ link_welcome(struct rank *k, const struct dsv4_rank_welcome *w)
         log_notice("link_welcome: registered with %s heartbeat_ms=%u liveness=%u",
                    k->o.conf.rank_endpoint, (unsigned)w->heartbeat_ms, (unsigned)w->liveness);
     k->link = RANK_LINK_UP;
+    k->refusals = 0;
     dsv4_liveness_init(&k->live, w->heartbeat_ms, w->liveness, now);
     if (k->o.role == DSV4_ROLE_PREFILL)
         sdnotify_status("serving as %s (%d slots, %d rows a call%s)", k->name, k->o.slots,
@@ -406,7 +437,13 @@ rank_dispatch_msg(struct rank *k, const struct dsv4_msg *m)
         if (m->cmd == DSV4_RANK_WELCOME)
             link_welcome(k, &m->u.welcome);
         else if (m->cmd == DSV4_RANK_DISCONNECT)
-            link_lost(k, "DISCONNECT while joining");
+            link_refused(k, m->u.disconnect.reason);
+        else if (m->cmd == DSV4_RANK_ERROR)
+            /* READY malformed (the scheduler's protocol bounds): READY again
+             * every RANK_READY_RETRY_MS, each answer logged */
+            log_warnx("link_join: READY answered with ERROR %u: %s",
+                      (unsigned)m->u.error.code,
+                      m->u.error.message != NULL ? m->u.error.message : "");
         else
             log_debug("rank_dispatch: %s before WELCOME ignored",
                       dsv4_proto_cmd_name(m->sub, m->cmd));

@@ -53,8 +53,9 @@
 #define RANK_STOP_REASON "rank stopping"
 #define RANK_GROUP_IDLE_MS 10        /* longest poll of a group member (it ticks) */
 #define RANK_JOIN_POLL_MS 5          /* longest poll while a communicator join runs */
-#define RANK_JOIN_BACKOFF_MS 250     /* registering again after the 2nd failed join in a
-                                        row waits this long, doubling per failure ... */
+#define RANK_JOIN_BACKOFF_MS 250     /* registering again after the 2nd failed join (or
+                                        refused READY) in a row waits this long, doubling
+                                        per failure ... */
 #define RANK_JOIN_BACKOFF_MAX_MS 5000 /* ... up to this */
 
 /* Test-only fault injection (read once at start; docs/operations.md "Test-only
@@ -265,6 +266,8 @@ struct rank {
     bool warmed;                /* the warm-up calls ran (rank_warmup), or
                                    warmup = no: none are owed */
     int join_fails;             /* joins failed in a row (0 after one succeeds) */
+    int refusals;               /* READYs answered with DISCONNECT in a row (0 at
+                                   WELCOME) */
     long test_graphs_refused;   /* DSV4_TEST_GRAPHS_REFUSED: added to the count;
                                    0 = off */
     int graphs_refused;         /* decode: kinds of step without a CUDA graph
@@ -309,6 +312,15 @@ void rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs);
 /* Sampling parameters of one row from protocol sampling + step. */
 void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
     uint64_t step);
+
+/*
+ * The pause before registering again after the n-th failure in a row of a
+ * kind that can last (a failed group join, a refused READY): none for the
+ * first (a passing cause: a peer that died meanwhile, a DISCONNECT meant for
+ * the link before), then RANK_JOIN_BACKOFF_MS doubling per failure up to
+ * RANK_JOIN_BACKOFF_MAX_MS.
+ */
+int64_t rank_backoff_ms(int n);
 
 /* Leave the scheduler link (DISCONNECT `why`), drop everything and register
  * again; used when the model group broke (a member died). */

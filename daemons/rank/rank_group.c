@@ -809,15 +809,10 @@ group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv
         /* once (a peer died meanwhile): register again at once; again and
          * again (a lasting cause, such as ranks of different sizes): back
          * off, or the group would re-form hundreds of times a second */
-        if (++k->join_fails >= 2) {
-            int sh = k->join_fails - 2 < 5 ? k->join_fails - 2 : 5;
-
-            k->relink_delay_ms = (int64_t)RANK_JOIN_BACKOFF_MS << sh;
-            if (k->relink_delay_ms > RANK_JOIN_BACKOFF_MAX_MS)
-                k->relink_delay_ms = RANK_JOIN_BACKOFF_MAX_MS;
+        k->relink_delay_ms = rank_backoff_ms(++k->join_fails);
+        if (k->relink_delay_ms > 0)
             log_warnx("group_join: %d joins failed in a row; registering again in %lld ms",
                       k->join_fails, (long long)k->relink_delay_ms);
-        }
         rank_relink(k, "joining the group's communicator failed");
         return;
     }

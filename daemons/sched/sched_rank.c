@@ -329,16 +329,32 @@ rank_remove(struct sched *s, struct sched_rank *k, struct sched_rank *heir)
     free(k);
 }
 
+/* Answer READY with DISCONNECT {why}, and say so in the journal: the rank
+ * is misconfigured (it registers again after a growing pause). */
+static void
+refuse_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_ready *m,
+    const char *why)
+{
+    log_warnx("READY of %s@%u (group %u, rank %u/%u, pid %u) refused: %s",
+        dsv4_role_name(m->role), (unsigned)m->index, (unsigned)m->group,
+        (unsigned)m->group_rank, (unsigned)m->group_size, (unsigned)m->pid, why);
+    send_disconnect(s, from, why);
+}
+
 static void
 on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_ready *m)
 {
     struct sched_rank *k, *old, *tmp;
     struct sched_group *g;
     struct dsv4_msg w;
-    char nb[48];
+    char nb[48], why[160];
 
     if (m->group_rank >= m->group_size || m->group_size > SCHED_MAX_GROUP) {
-        send_disconnect(s, from, "group_rank must be below group_size (at most 64)");
+        /* (the protocol's bounds refuse group_rank >= group_size already) */
+        snprintf(why, sizeof(why), "group_size %u with group_rank %u: a group has at most %d "
+            "ranks, numbered from 0", (unsigned)m->group_size, (unsigned)m->group_rank,
+            SCHED_MAX_GROUP);
+        refuse_ready(s, from, m, why);
         return;
     }
     if ((k = calloc(1, sizeof(*k))) == NULL)
@@ -359,7 +375,13 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     }
     g = group_get(s, m->role, m->group);
     if (g == NULL || (g->n_ranks > 0 && g->size != m->group_size)) {
-        send_disconnect(s, from, "group_size differs from the group's other ranks");
+        if (g == NULL)
+            snprintf(why, sizeof(why), "the scheduler is out of memory");
+        else
+            snprintf(why, sizeof(why), "group_size %u differs from the %u of group %s/%u's "
+                "other ranks", (unsigned)m->group_size, (unsigned)g->size,
+                dsv4_role_name(m->role), (unsigned)m->group);
+        refuse_ready(s, from, m, why);
         ctl_rank_gone(s, k, NULL);
         free(k);
         return;

@@ -3,6 +3,9 @@
 communicator) driven by this script playing the scheduler (docs/protocol.md
 §6.4, §6.5) over a ROUTER socket, message by message:
 
+  0. Rank 1's READY answered with ERROR once, then refused (DISCONNECT
+     {reason}) for 2 s: the rank logs each answer, and registers again after
+     a growing pause.
   1. READY -> WELCOME (each says HEARTBEAT comm_epoch 0); the id of epoch 1
      goes to rank 0 only, so its join waits for its peer: it keeps
      heartbeating meanwhile and answers the request for epoch 2's id; then
@@ -144,10 +147,37 @@ def run(build, tmp, ctx):
                  "--rank", str(r), "--checkpoint", model, "--sched", ep, "--threads", "1",
                  "--max-seq", "256", "--slots", "4"],
                 env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+        # 0. READYs of rank 1 refused for 2 s (as the scheduler refuses a
+        # group_size that differs from its group's): the rank says why and
+        # registers again after a growing pause, not thousands of times a second
+        # (its first READY is answered with ERROR, as a malformed one is)
+        seen, refused, errored = set(), [], []
+
+        def refuse(g, c, b):
+            if c != READY:
+                return False
+            if g == 1 and not errored:
+                errored.append(g)
+                sc.send(1, ERROR, {"req": 0, "code": 401, "message": "test: READY malformed"})
+                return False
+            if g == 1 and (not refused or time.monotonic() < refused[0] + 2):
+                refused.append(time.monotonic())
+                sc.send(1, DISCONNECT, {"reason": "test: group_size differs"})
+                return False
+            seen.add(g)
+            return len(seen) == 2
+        sc.wait(refuse, "READY", registered=False)
+        if not 2 <= len(refused) <= 12:
+            raise Fail("%d READYs of rank 1 refused within 2 s" % len(refused))
+        with open(os.path.join(tmp, "prefill1.log")) as fp:
+            text = fp.read()
+        if "link_lost: READY refused (3 in a row): test: group_size differs" not in text:
+            raise Fail("rank 1's log does not give the refusal's reason")
+        if "link_join: READY answered with ERROR 401: test: READY malformed" not in text:
+            raise Fail("rank 1's log does not give the ERROR that answered its READY")
+        print("ok a refused rank registered %d times in 2 s, saying why" % len(refused))
+
         # 1. registration and the first communicator
-        seen = set()
-        sc.wait(lambda g, c, b: c == READY and (seen.add(g) or len(seen) == 2), "READY",
-                registered=False)
         for gr in (0, 1):
             sc.send(gr, WELCOME, {"heartbeat_ms": 200, "liveness": 100, "comm_epoch": 1})
         for gr in (0, 1):

@@ -101,6 +101,8 @@ class FakeRank(threading.Thread):
         self.group_rank, self.group_size = group_rank, group_size
         self.fail_decode = 0            # answer this many DECODEs with an import ERROR
         self.fail_prefill = 0           # answer this many PREFILLs with ERROR 503
+        self.rejoin = True              # DISCONNECT: READY again (False: record it, stop)
+        self.disconnects = []           # reasons of the DISCONNECTs received
         self.log = []                   # (cmd, req) of PREFILL, DECODE, ABORT, ERROR sent
         self.stop = False
         self.dead = False               # simulate a crash: stop answering
@@ -182,6 +184,10 @@ class FakeRank(threading.Thread):
         if cmd == 2:
             self.welcomed.set()
         elif cmd == 4:                  # DISCONNECT: register again
+            self.disconnects.append(b.get("reason"))
+            if not self.rejoin:
+                self.stop = True
+                return
             self.joined = 0
             self.send(s, 1, {"role": self.role, "index": self.index, "group": self.group,
                              "group_rank": self.group_rank, "group_size": self.group_size,
@@ -1118,6 +1124,53 @@ def t_group_error(ctx, build, tmp):
     return sc, [pre, d0, d1]
 
 
+def t_ready_refused(ctx, build, tmp):
+    """READYs the scheduler refuses (misconfigured ranks): a group_size that
+    differs from its group's, a group larger than 64 ranks.  DISCONNECT
+    and the journal give the reason with the figures, nothing registers, the
+    group's rank stays, and the group serves once a right READY comes."""
+    sc = Sched(build, tmp, ["-o", "max_batch=16"])
+    time.sleep(0.2)
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2)
+    d0 = FakeRank(ctx, sc.ep["rank"], "decode", 0, group=0, group_rank=0, group_size=2)
+    for r in (pre, d0):
+        r.start()
+    wait_ranks(sc, 1)
+    check(d0.welcomed.wait(20), "decode@0 not welcomed")
+    bad = [FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=3),
+           FakeRank(ctx, sc.ep["rank"], "decode", 2, group=1, group_rank=0, group_size=65)]
+    for r in bad:
+        r.rejoin = False
+        r.start()
+    for r in bad:
+        r.join(20)
+        check(not r.is_alive(), "decode@%d got no DISCONNECT" % r.index)
+    why = ["group_size 3 differs from the 2 of group decode/0's other ranks",
+           "group_size 65 with group_rank 0: a group has at most 64 ranks, numbered from 0"]
+    for r, w in zip(bad, why):
+        check(r.disconnects == [w] and not r.welcomed.is_set(),
+              "decode@%d: DISCONNECT %s" % (r.index, r.disconnects))
+    with open(os.path.join(tmp, "sched.log")) as fp:
+        text = fp.read()
+    for line in ("READY of decode@1 (group 0, rank 1/3, pid %d) refused: " + why[0],
+                 "READY of decode@2 (group 1, rank 0/65, pid %d) refused: " + why[1]):
+        check(line % os.getpid() in text, "not in the journal: " + line % os.getpid())
+    rc, ranks = sc.ctl("ranks")
+    check(rc == 0 and sorted(r["name"] for r in ranks) == ["decode@0", "prefill@0"],
+          "ranks: %s" % ranks)
+    d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=2)
+    d1.start()
+    wait_ranks(sc, 3)
+    cl = Client(ctx, sc.ep["client"])
+    p = prompts(1)[0]
+    i = submit(cl, p, 3, 12)
+    res = cl.collect([i])
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 3, 12),
+          "with the right decode@1: %s %s" % (res[i]["final"], res[i]["tokens"]))
+    wait_idle(sc)
+    return sc, [pre, d0, d1]
+
+
 def rank_row(sc, name):
     rc, ranks = sc.ctl("ranks")
     check(rc == 0, "dsv4ctl ranks")
@@ -1196,6 +1249,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
+         "ready_refused": t_ready_refused,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
