@@ -25,7 +25,10 @@ decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
               dsv4ctl --json show nothing left), the gateway keeps serving;
               drain gives 503 on /health and on requests, undrain restores;
               on a scheduler without ranks (queue_max 1, 1 s deadline): 504
-              for the queued request, 429 for the one after, /health 503.
+              for the queued request, 429 for the one after, /health 503;
+              a gateway started alone with no scheduler at its endpoints:
+              503 scheduler_unreachable (streamed or not), /health 503,
+              dsv4_scheduler_up 0, /v1/models 200, SIGTERM exits 0.
   types       about 1,400 requests: every field of both routes, and the
               fields inside messages, content parts, prompts, stop arrays,
               stream_options, chat_template_kwargs and response_format, set
@@ -723,6 +726,67 @@ def sc_robust():
     finally:
         svc.stop()
     overload()
+    no_scheduler()
+
+
+class BareGateway:
+    """A dsv4-gateway this test started alone: GwService's HTTP helpers."""
+
+    def __init__(self, port):
+        self.port = port
+
+    http = GwService.http
+    metrics = GwService.metrics
+
+
+def no_scheduler():
+    """A gateway whose scheduler is not there (nothing listens on its
+    endpoints): completions, streamed or not, get 503 scheduler_unreachable
+    counted as rejected, /health 503, /metrics 200 with dsv4_scheduler_up 0,
+    /v1/models 200; SIGTERM stops it with status 0."""
+    d = tempfile.mkdtemp(prefix="dsv4-gw-nosched-")
+    gw = BareGateway(free_port())
+    conf = os.path.join(d, "dsv4.conf")
+    with open(conf, "w") as f:
+        f.write("client_endpoint = ipc://%s/client.sock\nadmin_endpoint = ipc://%s/ctl.sock\n"
+                "gateway_listen = 127.0.0.1:%d\ntokenizer = %s\n" %
+                (d, d, gw.port, os.path.join(ARGS.src, "tests/tokenizer/tiny_tokenizer.json")))
+    err = open(os.path.join(d, "gateway.err"), "w")
+    env = dict(os.environ)
+    env.pop("NOTIFY_SOCKET", None)
+    p = subprocess.Popen([exe("daemons/gateway/dsv4-gateway"), "-f", conf], stderr=err,
+                         env=env)
+    try:
+        wait_for(lambda: p.poll() is not None or
+                 "serving" in open(os.path.join(d, "gateway.err")).read(), "the gateway up")
+        check(p.poll() is None, "the gateway exited (%s)" % p.poll())
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                   "content": "hi"}],
+                                                     "stream": True})):
+            st, _, data = gw.http("POST", path, body)
+            e = error_of(st, data, 503, "scheduler_unreachable")
+            check("does not answer" in e["message"], "%s: %s" % (path, e["message"]))
+        st, _, data = gw.http("GET", "/health")
+        e = error_of(st, data, 503)
+        check("does not answer" in e["message"], "health reason: %s" % e["message"])
+        m = gw.metrics()
+        check(metric(m, "dsv4_scheduler_up") == 0 and metric(m, "dsv4_serving") == 0,
+              "dsv4_scheduler_up / dsv4_serving not 0")
+        check(metric(m, "dsv4_gateway_requests_total", {"outcome": "rejected"}) == 2,
+              "two refused requests not counted as rejected")
+        st, _, data = gw.http("GET", "/v1/models")
+        check(st == 200 and json.loads(data)["data"], "/v1/models: %d %s" % (st, data[:200]))
+        p.terminate()
+        check(p.wait(60) == 0, "the gateway's exit status %s" % p.returncode)
+        log("no scheduler: 503 scheduler_unreachable (streamed or not), /health 503, "
+            "dsv4_scheduler_up 0, /v1/models 200")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        err.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # Values of every JSON type, and of the shapes the gateway looks into.
