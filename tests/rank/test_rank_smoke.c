@@ -13,8 +13,11 @@
  * acknowledged and frees it; the ranks survive the scheduler going away and
  * register again with a new one; a prefill rank killed while it holds an
  * export leaves the region, and its next process removes it at its start;
- * an export nobody claims is freed after --kv-timeout-ms; SIGTERM ends both
- * with status 0.
+ * an export nobody claims is freed after --kv-timeout-ms; PREFILLs and
+ * DECODEs the scheduler would never send (a transport the rank lacks, too
+ * many tokens, ids outside the vocabulary, a position past max_seq, a region
+ * that does not exist) get ERROR with their codes and the ranks serve on;
+ * SIGTERM ends both with status 0.
  *
  * usage: test_rank_smoke CKPT_DIR DSV4_PREFILL DSV4_DECODE
  */
@@ -353,6 +356,84 @@ wait_region_gone(const struct treq *r, int bound_ms)
     return !shm_exists(r);
 }
 
+/* Wait for `p`'s ERROR about `req` (a decode rank's KV_RELEASE of it before
+ * is counted in *released) and check its code. */
+static void
+expect_error(const struct peer *p, uint64_t req, int code, int *released)
+{
+    struct dsv4_route from;
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
+    for (;;) {
+        recv_msg(&from, &m);
+        CHECK(route_eq(&from, &p->route));
+        if (m.cmd != DSV4_RANK_KV_RELEASE)
+            break;
+        CHECK(m.u.ref.req == req);
+        (*released)++;
+        dsv4_msg_clear(&m);
+    }
+    CHECK(m.cmd == DSV4_RANK_ERROR && m.u.error.req == req);
+    if (m.u.error.code != code)
+        fprintf(stderr, "req %llu: ERROR %u %s, want %d\n", (unsigned long long)req,
+                (unsigned)m.u.error.code, m.u.error.message, code);
+    CHECK(m.u.error.code == code);
+    dsv4_msg_clear(&m);
+}
+
+/* Work the scheduler would never send (it checks first): each gets ERROR
+ * with its code, a DECODE's KV_RELEASE comes before, and the ranks serve on. */
+static void
+bad_work(const struct tmodel *t, struct treq *r)
+{
+    static int32_t big[300];
+    struct dsv4_msg m;
+    int released = 0;
+    uint64_t req = 400;
+
+    /* PREFILL: a transport the rank does not have, more tokens than max_seq
+     * (256), an id outside the vocabulary */
+    for (int i = 0; i < 3; i++) {
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL);
+        m.u.prefill.req = req + (uint64_t)i;
+        m.u.prefill.tokens = i == 1 ? big : r->prompt;
+        m.u.prefill.n_tokens = i == 1 ? 300u : (uint32_t)r->n_prompt;
+        m.u.prefill.transport = i == 0 ? DSV4_TRANSPORT_CUDAIPC : DSV4_TRANSPORT_SHM;
+        r->prompt[0] = i == 2 ? t->V : 1;
+        send_to(&pre, &m);
+        expect_error(&pre, req + (uint64_t)i, i == 0 ? DSV4_STATUS_NOT_SUPPORTED :
+                     i == 1 ? DSV4_STATUS_TOO_LARGE : DSV4_STATUS_BAD_ARGUMENT, &released);
+    }
+    r->prompt[0] = 1;
+    CHECK(released == 0);
+    /* DECODE: a position past max_seq, a token outside the vocabulary, a
+     * location whose region does not exist */
+    for (int i = 0; i < 3; i++) {
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DECODE);
+        m.u.decode.req = req + 10 + (uint64_t)i;
+        m.u.decode.token = i == 1 ? t->V : 1;
+        m.u.decode.pos = i == 0 ? 256u : (uint32_t)r->n_prompt;
+        m.u.decode.max_tokens = 4;
+        m.u.decode.kv[0] = r->loc;
+        m.u.decode.n_kv = 1;
+        send_to(&dec, &m);
+        expect_error(&dec, req + 10 + (uint64_t)i, i == 0 ? DSV4_STATUS_TOO_LARGE :
+                     i == 1 ? DSV4_STATUS_BAD_ARGUMENT : DSV4_STATUS_INTERNAL, &released);
+    }
+    CHECK(released == 3);
+    /* both still answer */
+    for (int i = 0; i < 2; i++) {
+        struct dsv4_route from;
+
+        send_ref(i == 0 ? &pre : &dec, DSV4_RANK_ABORT, 997);
+        recv_msg(&from, &m);
+        CHECK(route_eq(&from, i == 0 ? &pre.route : &dec.route));
+        CHECK(m.cmd == DSV4_RANK_ABORT_DONE && m.u.ref.req == 997);
+        dsv4_msg_clear(&m);
+    }
+}
+
 static struct treq *
 find(struct treq *rs, uint64_t req)
 {
@@ -515,6 +596,9 @@ main(int argc, char **argv)
     recv_msg(&from, &m);
     CHECK(m.cmd == DSV4_RANK_ABORT_DONE && m.u.ref.req == 998);
     dsv4_msg_clear(&m);
+
+    /* rs[2]'s region is gone: its location serves as one that does not exist */
+    bad_work(&t, &rs[2]);
 
     for (int i = 0; i < 2; i++) {
         CHECK(kill(children[i], SIGTERM) == 0);
