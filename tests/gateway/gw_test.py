@@ -133,13 +133,14 @@ class GwService:
         n = "1" if ranks else "0"
         self.client_ep = "ipc://%s/client.sock" % self.dir
         self.admin_ep = "ipc://%s/ctl.sock" % self.dir
+        self.rank_ep = "ipc://%s/rank.sock" % self.dir   # svc_test.shm_exports
         self.port = free_port()
         self.base = "http://127.0.0.1:%d" % self.port
         self.conf = os.path.join(self.dir, "dsv4.conf")
         with open(self.conf, "w") as f:
             f.write(f"""# gateway test configuration
 client_endpoint = {self.client_ep}
-rank_endpoint = ipc://{self.dir}/rank.sock
+rank_endpoint = {self.rank_ep}
 admin_endpoint = {self.admin_ep}
 heartbeat_ms = 500
 liveness = 10

@@ -333,11 +333,12 @@ class Service:
                         "--out", self.model], check=True, stdout=subprocess.DEVNULL)
         self.client_ep = "ipc://%s/client.sock" % self.dir
         self.admin_ep = "ipc://%s/ctl.sock" % self.dir
+        self.rank_ep = "ipc://%s/rank.sock" % self.dir   # shm_exports
         self.conf = os.path.join(self.dir, "dsv4.conf")
         with open(self.conf, "w") as f:
             f.write(f"""# integration test configuration
 client_endpoint = {self.client_ep}
-rank_endpoint = ipc://{self.dir}/rank.sock
+rank_endpoint = {self.rank_ep}
 admin_endpoint = {self.admin_ep}
 heartbeat_ms = {heartbeat[0]}
 liveness = {heartbeat[1]}
@@ -466,7 +467,7 @@ prefill_chunk = 16
             reqs = self.admin.requests()
             ranks = self.admin.ranks()
             busy = [r for r in ranks if r["active"] != 0 or r.get("rank_active", 0) != 0]
-            shm = shm_exports()
+            shm = shm_exports(getattr(self, "rank_ep", None))
             self.last = (st, reqs, ranks, shm)
             return (not reqs and not busy and st["n_queued"] == 0 and
                     st["n_running"] == 0 and not shm)
@@ -526,9 +527,19 @@ def check_ctl_json(what, text):
               "dsv4ctl status: %s" % doc)
 
 
-def shm_exports():
+def shm_exports(rank_ep=None):
+    """The decode-state regions in /dev/shm; with rank_ep, only those of the
+    ranks registering there (their names carry the FNV-1a hash of it,
+    daemons/rank/rank_kv.c kv_open), so that another deployment or test on
+    the machine does not count."""
+    prefix = "dsv4kv-"
+    if rank_ep is not None:
+        h = 2166136261
+        for c in rank_ep.encode():
+            h = ((h ^ c) * 16777619) & 0xffffffff
+        prefix += "%08x-" % h
     try:
-        return [n for n in os.listdir("/dev/shm") if n.startswith("dsv4kv-")]
+        return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     except FileNotFoundError:
         return []
 
