@@ -341,19 +341,83 @@ refuse_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_r
     send_disconnect(s, from, why);
 }
 
+/*
+ * Whether `old`, a registration that READY `m` (from another link) would
+ * replace, belongs to a process that still runs.  Replacing a live one
+ * makes two processes of one name (or seat) take turns: the replaced one
+ * is told nothing, its next HEARTBEAT gets DISCONNECT "not registered", it
+ * registers again and replaces the other, at every heartbeat, each time
+ * dropping its group's requests.  Gone: its liveness expired, or it is the
+ * same process (host and pid) on a new socket, or its link no longer
+ * reaches a process: a HEARTBEAT to it (harmless to a live rank) fails
+ * once its socket closed, as a killed process's does at once (a rank
+ * restarted after kill -9 replaces it).  A host that died without closing
+ * its connections keeps the link until the liveness expires.  `where` gets
+ * the old one's host and pid.
+ */
+static bool
+holder_alive(struct sched *s, const struct sched_rank *old, const struct dsv4_rank_ready *m,
+    char *where, size_t len)
+{
+    struct dsv4_msg hb;
+
+    if (old->state == DSV4_RANK_STATE_DEAD)
+        return false;
+    if (old->pid != 0 && old->pid == m->pid && strcmp(old->host, m->host) == 0)
+        return false;
+    snprintf(where, len, "host %s, pid %u", old->host, (unsigned)old->pid);
+    dsv4_msg_init(&hb, DSV4_SUB_RANK, DSV4_RANK_HEARTBEAT);
+    return dsv4_zsock_send(s->rank, &old->route, &hb, ZMQ_DONTWAIT, NULL) == DSV4_OK;
+}
+
+/* Whether READY `m` would replace a live registration other than one on
+ * its own link; if so, why says which (and m is refused). */
+static bool
+ready_conflict(struct sched *s, const struct dsv4_route *from,
+    const struct dsv4_rank_ready *m, char *why, size_t len)
+{
+    const struct sched_rank *old;
+    char where[320], nb[48];
+
+    TAILQ_FOREACH(old, &s->ranks, entry) {
+        bool same_route = old->route.len == from->len &&
+            memcmp(old->route.id, from->id, from->len) == 0;
+        bool same_name = old->role == m->role && old->index == m->index;
+        bool same_seat = old->role == m->role && old->group == m->group &&
+            old->group_rank == m->group_rank;
+
+        if (same_route || !(same_name || same_seat) || !holder_alive(s, old, m, where,
+            sizeof(where)))
+            continue;
+        if (same_name)
+            snprintf(why, len, "rank %s is registered already (%s) and alive: a rank's "
+                "name must be unique", rank_name(old, nb, sizeof(nb)), where);
+        else
+            snprintf(why, len, "group %s/%u's rank %u is held by %s (%s), alive",
+                dsv4_role_name(m->role), (unsigned)m->group, (unsigned)m->group_rank,
+                rank_name(old, nb, sizeof(nb)), where);
+        return true;
+    }
+    return false;
+}
+
 static void
 on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_ready *m)
 {
     struct sched_rank *k, *old, *tmp;
     struct sched_group *g;
     struct dsv4_msg w;
-    char nb[48], why[160];
+    char nb[48], why[512];
 
     if (m->group_rank >= m->group_size || m->group_size > SCHED_MAX_GROUP) {
         /* (the protocol's bounds refuse group_rank >= group_size already) */
         snprintf(why, sizeof(why), "group_size %u with group_rank %u: a group has at most %d "
             "ranks, numbered from 0", (unsigned)m->group_size, (unsigned)m->group_rank,
             SCHED_MAX_GROUP);
+        refuse_ready(s, from, m, why);
+        return;
+    }
+    if (ready_conflict(s, from, m, why, sizeof(why))) {
         refuse_ready(s, from, m, why);
         return;
     }

@@ -92,8 +92,10 @@ class FakeRank(threading.Thread):
     """One fake rank (prefill or decode) on a DEALER socket."""
 
     def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004, group=None,
-                 group_rank=0, group_size=1, device=None):
+                 group_rank=0, group_size=1, device=None, host="test", pid=None):
         super().__init__(daemon=True)
+        self.host = host                # READY's host and pid (the test's by default)
+        self.pid = os.getpid() if pid is None else pid
         self.device = device            # READY's GPU UUID (None: not sent, as a CPU rank)
         self.ctx, self.endpoint, self.role, self.index = ctx, endpoint, role, index
         self.capacity, self.tick = capacity, tick
@@ -161,8 +163,8 @@ class FakeRank(threading.Thread):
         s.connect(self.endpoint)
         ready = {"role": self.role, "index": self.index, "group": self.group,
                  "group_rank": self.group_rank, "group_size": self.group_size,
-                 "capacity": self.capacity, "max_ctx": 4096, "host": "test",
-                 "pid": os.getpid(), "transports": ["shm"]}
+                 "capacity": self.capacity, "max_ctx": 4096, "host": self.host,
+                 "pid": self.pid, "transports": ["shm"]}
         if self.device is not None:
             ready["device"] = self.device
         self.send(s, 1, ready)
@@ -191,7 +193,8 @@ class FakeRank(threading.Thread):
             self.joined = 0
             self.send(s, 1, {"role": self.role, "index": self.index, "group": self.group,
                              "group_rank": self.group_rank, "group_size": self.group_size,
-                             "capacity": self.capacity, "max_ctx": 4096, "host": "test"})
+                             "capacity": self.capacity, "max_ctx": 4096, "host": self.host,
+                             "pid": self.pid})
         elif cmd == 16:                 # COMM: rank 0 makes the id; the others take it
             if "comm_id" not in b:
                 self.comm_asks.append(b["comm_epoch"])
@@ -1171,6 +1174,53 @@ def t_ready_refused(ctx, build, tmp):
     return sc, [pre, d0, d1]
 
 
+def t_dup_name(ctx, build, tmp):
+    """Two processes of one rank name, or of one group seat: the second is
+    refused while the first lives (before, each replaced the other at every
+    heartbeat, dropping the group's requests); once the first is gone (its
+    socket closed, as after kill -9) a new one replaces it at once."""
+    # heartbeats every 5 s, liveness 500 s: only the probe of its link finds
+    # the first one gone within 2 s
+    sc, pre, a = setup(ctx, build, tmp, ["-o", "heartbeat_ms=5000", "-o", "liveness=100"])
+    cl = Client(ctx, sc.ep["client"])
+    p = prompts(1)[0]
+    i = submit(cl, p, 4, 300)
+    end = time.time() + 10
+    while not a.streams and time.time() < end:
+        time.sleep(0.01)
+    check(a.streams, "decode@0 got no stream")
+    held = "rank decode@0 is registered already (host test, pid %d) and alive: a rank's " \
+           "name must be unique" % a.pid
+    bad = [(FakeRank(ctx, sc.ep["rank"], "decode", 0, pid=1002), held),
+           (FakeRank(ctx, sc.ep["rank"], "decode", 0, host="other", pid=1003), held),
+           (FakeRank(ctx, sc.ep["rank"], "decode", 5, group=0, pid=1005),
+            "group decode/0's rank 0 is held by decode@0 (host test, pid %d), alive" % a.pid)]
+    for r, _ in bad:
+        r.rejoin = False
+        r.start()
+    for r, why in bad:
+        r.join(20)
+        check(not r.is_alive() and r.disconnects == [why] and not r.welcomed.is_set(),
+              "decode@%d (pid %d): DISCONNECT %s" % (r.index, r.pid, r.disconnects))
+    res = collect_with_psum(cl, {i: (p, 4)}, timeout=30)
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 4, 300),
+          "the stream beside the refused READYs: %s" % (res[i]["final"],))
+    rc, st = sc.ctl("status")
+    check(st["rank_deaths"] == 0 and st["reruns"] == 0, st)
+    # the first one gone: a new process of the name takes its place
+    a.dead = True
+    d = FakeRank(ctx, sc.ep["rank"], "decode", 0, pid=1004)
+    d.start()
+    check(d.welcomed.wait(2), "the new decode@0 was not welcomed within 2 s")
+    check(rank_row(sc, "decode@0")["state"] == "ready", "decode@0 not ready")
+    i = submit(cl, p, 5, 20)
+    res = collect_with_psum(cl, {i: (p, 5)}, timeout=30)
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 5, 20),
+          "with the new decode@0: %s" % (res[i]["final"],))
+    wait_idle(sc)
+    return sc, [pre, a, d]
+
+
 def rank_row(sc, name):
     rc, ranks = sc.ctl("ranks")
     check(rc == 0, "dsv4ctl ranks")
@@ -1249,7 +1299,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
-         "ready_refused": t_ready_refused,
+         "ready_refused": t_ready_refused, "dup_name": t_dup_name,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken}
 TOKENIZER = None
