@@ -759,7 +759,7 @@ def no_scheduler():
                          env=env)
     try:
         wait_for(lambda: p.poll() is not None or
-                 "serving" in open(os.path.join(d, "gateway.err")).read(), "the gateway up")
+                 "serving" in svc_test.readf(os.path.join(d, "gateway.err")), "the gateway up")
         check(p.poll() is None, "the gateway exited (%s)" % p.poll())
         for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
                            ("/v1/chat/completions", {"messages": [{"role": "user",

@@ -391,6 +391,7 @@ bad_work(const struct tmodel *t, struct treq *r)
     struct dsv4_msg m;
     int released = 0;
     uint64_t req = 400;
+    int32_t first = r->prompt[0];
 
     /* PREFILL: a transport the rank does not have, more tokens than max_seq
      * (256), an id outside the vocabulary */
@@ -400,12 +401,12 @@ bad_work(const struct tmodel *t, struct treq *r)
         m.u.prefill.tokens = i == 1 ? big : r->prompt;
         m.u.prefill.n_tokens = i == 1 ? 300u : (uint32_t)r->n_prompt;
         m.u.prefill.transport = i == 0 ? DSV4_TRANSPORT_CUDAIPC : DSV4_TRANSPORT_SHM;
-        r->prompt[0] = i == 2 ? t->V : 1;
+        r->prompt[0] = i == 2 ? t->V : first;
         send_to(&pre, &m);
         expect_error(&pre, req + (uint64_t)i, i == 0 ? DSV4_STATUS_NOT_SUPPORTED :
                      i == 1 ? DSV4_STATUS_TOO_LARGE : DSV4_STATUS_BAD_ARGUMENT, &released);
     }
-    r->prompt[0] = 1;
+    r->prompt[0] = first;
     CHECK(released == 0);
     /* DECODE: a position past max_seq, a token outside the vocabulary, a
      * location whose region does not exist */
