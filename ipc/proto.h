@@ -52,6 +52,7 @@ extern "C" {
 #define DSV4_PROTO_MAX_MESSAGE 1024            /* bytes of ERROR/RESULT message, reasons */
 #define DSV4_PROTO_MAX_HOST 255                /* bytes */
 #define DSV4_PROTO_MAX_DEVICE 64               /* bytes of a rank's device id */
+#define DSV4_PROTO_MAX_MODEL 64                /* bytes of a rank's model fingerprint */
 #define DSV4_PROTO_MAX_CHUNK 4096              /* ids per client TOKENS */
 #define DSV4_PROTO_MAX_TEXT (1u << 20)         /* bytes of text per client TOKENS */
 #define DSV4_PROTO_MAX_BATCH 1024              /* entries per rank TOKENS */
@@ -322,6 +323,11 @@ struct dsv4_rank_ready {
     uint32_t call_rows_full; /* prefill: what call_rows would be had no
                             warm-up call run out of device memory (its rows
                             per call, at most max_ctx); >= call_rows */
+    const char *model;   /* the fingerprint of the model the rank runs
+                            (common/weights_fp.h: 16 hex digits); the
+                            scheduler refuses a rank whose model differs
+                            from the registered ranks'; optional, NULL when
+                            absent (not compared) */
     bool has_call_rows;  /* call_rows and call_rows_full are sent (together,
                             optional): a prefill rank sends them; absent (a
                             decode rank, an older rank) they read 0 */

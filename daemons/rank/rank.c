@@ -254,6 +254,7 @@ link_join(struct rank *k)
     m.u.ready.transports = k->transports;
     m.u.ready.burst = k->o.burst;
     m.u.ready.device = k->device[0] != '\0' ? k->device : NULL;
+    m.u.ready.model = k->model_fp[0] != '\0' ? k->model_fp : NULL;
     if (k->o.role == DSV4_ROLE_PREFILL) {
         /* the rows of one forward call now, and before the warm-up lowered them */
         int rows = k->o.rows < k->max_seq ? k->o.rows : k->max_seq;
@@ -998,6 +999,7 @@ rank_init_weights(struct rank *k, bool cuda)
             fatalx_conf("rank_init: --synthetic-weights needs the cuda backend");
         if (rank_synthetic_config(&k->o, &cfg) != DSV4_OK)
             fatalx_conf("rank_init: model config: %s", dsv4_errmsg());
+        dsv4_synthetic_fingerprint(&cfg, k->o.synth_seed, k->model_fp);
         snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed, keyed);
         rank_share_begin(k, &cfg, source, &arena);
         if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
@@ -1027,6 +1029,10 @@ rank_init_weights(struct rank *k, bool cuda)
     if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
         fatalx_conf("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
     k->w_loaded = true;
+    if (dsv4_ckpt_fingerprint(k->o.conf.checkpoint, k->model_fp) == DSV4_OK)
+        log_info("rank_init: model fingerprint %s", k->model_fp);
+    else
+        log_warnx("rank_init: no model fingerprint (not sent in READY): %s", dsv4_errmsg());
     if (dsv4_weights_shard(&k->wshard, &k->w, gr, gs, split) != DSV4_OK)
         fatalx_conf("rank_init: rank %d of a group of %d: %s", gr, gs, dsv4_errmsg());
     k->wshard_on = true;

@@ -34,6 +34,7 @@
 
 #include "common/config_file.h"
 #include "common/weights.h"
+#include "common/weights_fp.h"
 #include "common/weights_shard.h"
 #include "ipc/kvxfer.h"
 #include "ipc/proto.h"
@@ -232,6 +233,10 @@ struct rank {
     char device[DSV4_PROTO_MAX_DEVICE + 1]; /* announced in READY: the GPU's UUID
                                                (rank_device_id); "" on the cpu
                                                backend (not announced) */
+    char model_fp[DSV4_FP_CHARS + 1]; /* announced in READY: the fingerprint of
+                                         the model (common/weights_fp.h), set
+                                         when the weights are loaded; "" =
+                                         none (not sent) */
     struct rank_job *jobs;      /* prefill: (slots) */
     uint32_t rr;                /* prefill: round-robin start */
     struct rank_export_list exports;

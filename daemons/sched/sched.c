@@ -29,6 +29,7 @@
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/sdnotify.h"
+#include "common/weights_fp.h"
 #include "daemons/sched/sched.h"
 
 /* Poll slots (ntpd style). */
@@ -164,6 +165,18 @@ sched_init(struct sched *s)
     if (s->tok != NULL) {
         s->vocab = dsv4_tok_vocab_size(s->tok);
         s->eos = dsv4_tok_eos(s->tok);
+    }
+    /* The model every rank must run (sched_rank.c model_conflict): that of
+     * the configured checkpoint where this host reads it (its headers and a
+     * few KiB), else the model of the ranks registered first. */
+    sdnotify_status("reading the fingerprint of %s", s->cfg.file.checkpoint);
+    if (dsv4_ckpt_fingerprint(s->cfg.file.checkpoint, s->model_ref) == DSV4_OK) {
+        log_info("model %s (checkpoint %s): ranks of another model are refused",
+            s->model_ref, s->cfg.file.checkpoint);
+    } else {
+        s->model_ref[0] = '\0';
+        log_info("no model fingerprint of its own (%s): ranks must run the model of the "
+            "ranks registered first", dsv4_errmsg());
     }
 
     /* Socket activation: listeners named "client" and "admin" (or "ctl"). */

@@ -73,6 +73,7 @@ struct sched_rank {
     uint32_t max_ctx;
     uint32_t transports;             /* bit set of enum dsv4_transport */
     uint32_t pid;
+    char model[DSV4_PROTO_MAX_MODEL + 1]; /* READY's model fingerprint; "" = not said */
     bool burst;                      /* prefill: READY said burst (config `burst`) */
     uint32_t call_rows, call_rows_full; /* prefill: READY's (rows of one forward call,
                                         and before the warm-up lowered them); 0 =
@@ -242,6 +243,10 @@ struct sched {
     struct dsv4_tok *tok;            /* NULL = token-id prompts only */
     int32_t vocab;                   /* ids >= vocab refused; 0 = no check */
     int32_t eos;                     /* -1 = none */
+    char model_ref[DSV4_PROTO_MAX_MODEL + 1]; /* the model every rank must run: the
+                                        fingerprint of the configured checkpoint
+                                        (common/weights_fp.h) when this host reads
+                                        it; "" = the registered ranks' */
 
     struct sched_rank_list ranks;
     struct sched_group_list groups;

@@ -370,6 +370,23 @@ holder_alive(struct sched *s, const struct sched_rank *old, const struct dsv4_ra
     return dsv4_zsock_send(s->rank, &old->route, &hb, ZMQ_DONTWAIT, NULL) == DSV4_OK;
 }
 
+/* How READY `m`, received from link `from`, relates to registration `k`:
+ * the same link, else the same rank name, else the same group seat. */
+enum ready_rel { REL_NONE, REL_ROUTE, REL_NAME, REL_SEAT };
+
+static enum ready_rel
+ready_rel(const struct sched_rank *k, const struct dsv4_route *from,
+    const struct dsv4_rank_ready *m)
+{
+    if (k->route.len == from->len && memcmp(k->route.id, from->id, from->len) == 0)
+        return REL_ROUTE;
+    if (k->role == m->role && k->index == m->index)
+        return REL_NAME;
+    if (k->role == m->role && k->group == m->group && k->group_rank == m->group_rank)
+        return REL_SEAT;
+    return REL_NONE;
+}
+
 /* Whether READY `m` would replace a live registration other than one on
  * its own link; if so, why says which (and m is refused). */
 static bool
@@ -380,16 +397,12 @@ ready_conflict(struct sched *s, const struct dsv4_route *from,
     char where[320], nb[48];
 
     TAILQ_FOREACH(old, &s->ranks, entry) {
-        bool same_route = old->route.len == from->len &&
-            memcmp(old->route.id, from->id, from->len) == 0;
-        bool same_name = old->role == m->role && old->index == m->index;
-        bool same_seat = old->role == m->role && old->group == m->group &&
-            old->group_rank == m->group_rank;
+        enum ready_rel rel = ready_rel(old, from, m);
 
-        if (same_route || !(same_name || same_seat) || !holder_alive(s, old, m, where,
+        if (rel == REL_NONE || rel == REL_ROUTE || !holder_alive(s, old, m, where,
             sizeof(where)))
             continue;
-        if (same_name)
+        if (rel == REL_NAME)
             snprintf(why, len, "rank %s is registered already (%s) and alive: a rank's "
                 "name must be unique", rank_name(old, nb, sizeof(nb)), where);
         else
@@ -401,13 +414,48 @@ ready_conflict(struct sched *s, const struct dsv4_route *from,
     return false;
 }
 
+/* Whether READY `m` runs another model than the scheduler's reference
+ * (sched.model_ref) or, without one, than a live registered rank (both
+ * saying theirs) other than the registrations it replaces (its link, its
+ * name, its seat); if so, why says which.  A prefill rank of one model
+ * handing its decode state to a decode rank of another would stream text
+ * of neither, without any error. */
+static bool
+model_conflict(struct sched *s, const struct dsv4_route *from,
+    const struct dsv4_rank_ready *m, char *why, size_t len)
+{
+    const struct sched_rank *k;
+    char nb[48];
+
+    if (m->model == NULL)
+        return false;
+    if (s->model_ref[0] != '\0') {
+        if (strcmp(m->model, s->model_ref) == 0)
+            return false;
+        snprintf(why, len, "model %s differs from the model %s of checkpoint %.400s, which this "
+            "scheduler is configured with: every rank must run it", m->model, s->model_ref,
+            s->cfg.file.checkpoint);
+        return true;
+    }
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (k->state == DSV4_RANK_STATE_DEAD || k->model[0] == '\0' ||
+            strcmp(k->model, m->model) == 0 || ready_rel(k, from, m) != REL_NONE)
+            continue;
+        snprintf(why, len, "model %s differs from the model %s of %s, registered: every rank "
+            "must run the same model (to change it, restart the whole set)", m->model,
+            k->model, rank_name(k, nb, sizeof(nb)));
+        return true;
+    }
+    return false;
+}
+
 static void
 on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_ready *m)
 {
     struct sched_rank *k, *old, *tmp;
     struct sched_group *g;
     struct dsv4_msg w;
-    char nb[48], why[512];
+    char nb[48], why[1024];
 
     if (m->group_rank >= m->group_size || m->group_size > SCHED_MAX_GROUP) {
         /* (the protocol's bounds refuse group_rank >= group_size already) */
@@ -417,7 +465,8 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
         refuse_ready(s, from, m, why);
         return;
     }
-    if (ready_conflict(s, from, m, why, sizeof(why))) {
+    if (ready_conflict(s, from, m, why, sizeof(why)) ||
+        model_conflict(s, from, m, why, sizeof(why))) {
         refuse_ready(s, from, m, why);
         return;
     }
@@ -465,6 +514,7 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     k->call_rows_full = k->call_rows != 0 ? m->call_rows_full : 0;
     snprintf(k->host, sizeof(k->host), "%s", m->host);
     snprintf(k->device, sizeof(k->device), "%s", m->device != NULL ? m->device : "");
+    snprintf(k->model, sizeof(k->model), "%s", m->model != NULL ? m->model : "");
     k->joined_ms = dsv4_now_ms();
     dsv4_liveness_init(&k->live, (uint32_t)s->cfg.file.heartbeat_ms,
         (uint32_t)s->cfg.file.liveness, k->joined_ms);
@@ -481,9 +531,10 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     group_update(s, g);   /* after WELCOME: it may send COMM to the group */
     rank_update_states(s);
     log_notice("rank %s registered: group %u rank %u/%u capacity %u max_ctx %u host %s%s%s "
-        "pid %u%s", rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size,
+        "pid %u%s%s%s", rank_name(k, nb, sizeof(nb)), k->group, k->group_rank, k->group_size,
         k->capacity, k->max_ctx, k->host, k->device[0] != '\0' ? " device " : "", k->device,
-        k->pid, k->burst ? " (burst prefill)" : "");
+        k->pid, k->model[0] != '\0' ? " model " : "", k->model,
+        k->burst ? " (burst prefill)" : "");
     if (k->call_rows != 0 && k->call_rows < k->call_rows_full)
         log_warnx("rank %s runs prompts in forward calls of %u rows, lowered from %u (its "
             "warm-up ran out of device memory): longer prompts take several calls",

@@ -5,6 +5,8 @@
  * E8M0 scale, truncated shard, bad config.json.  Each must fail with a
  * message naming the file and the tensor.  The good checkpoint's views are
  * checked against the reader and against dimensions derived from the config.
+ * The model fingerprint (dsv4_ckpt_fingerprint): equal for the same
+ * checkpoint, different for another seed's and for synthetic weights.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -25,6 +27,7 @@
 
 #include "common/safetensors.h"
 #include "common/weights.h"
+#include "common/weights_fp.h"
 
 static const char *mkmodel;
 static char tmpdir[512];
@@ -39,21 +42,15 @@ rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
     return remove(p);
 }
 
+/* dsv4-mkmodel --preset tiny --seed SEED --out DIR; 0 when it succeeded. */
 static int
-setup(void **state)
+run_mkmodel(const char *seed, const char *dir)
 {
-    const char *base = getenv("TMPDIR");
     int status;
-    pid_t pid;
+    pid_t pid = fork();
 
-    (void)state;
-    snprintf(tmpdir, sizeof(tmpdir), "%s/dsv4-w-XXXXXX", base ? base : "/tmp");
-    if (mkdtemp(tmpdir) == NULL)
-        return -1;
-    snprintf(good, sizeof(good), "%s/good", tmpdir);
-    pid = fork();
     if (pid == 0) {
-        execl(mkmodel, mkmodel, "--preset", "tiny", "--seed", "7", "--out", good, (char *)NULL);
+        execl(mkmodel, mkmodel, "--preset", "tiny", "--seed", seed, "--out", dir, (char *)NULL);
         _exit(127);
     }
     if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status) ||
@@ -62,6 +59,19 @@ setup(void **state)
         return -1;
     }
     return 0;
+}
+
+static int
+setup(void **state)
+{
+    const char *base = getenv("TMPDIR");
+
+    (void)state;
+    snprintf(tmpdir, sizeof(tmpdir), "%s/dsv4-w-XXXXXX", base ? base : "/tmp");
+    if (mkdtemp(tmpdir) == NULL)
+        return -1;
+    snprintf(good, sizeof(good), "%s/good", tmpdir);
+    return run_mkmodel("7", good);
 }
 
 static int
@@ -454,6 +464,38 @@ test_good(void **state)
     dsv4_weights_free(&w);  /* twice is harmless */
 }
 
+/* The model fingerprint (common/weights_fp.h): the same checkpoint read
+ * twice gives the same one; another seed's checkpoint of the same config
+ * and synthetic weights give others; a directory without one fails. */
+static void
+test_fingerprint(void **state)
+{
+    struct dsv4_weights w;
+    char fa[DSV4_FP_CHARS + 1], fb[DSV4_FP_CHARS + 1], fc[DSV4_FP_CHARS + 1];
+    char s7[DSV4_FP_CHARS + 1], s7b[DSV4_FP_CHARS + 1], s8[DSV4_FP_CHARS + 1];
+    char other[600];
+
+    (void)state;
+    snprintf(other, sizeof(other), "%s/other", tmpdir);
+    assert_int_equal(run_mkmodel("8", other), 0);
+    assert_int_equal(dsv4_ckpt_fingerprint(good, fa), DSV4_OK);
+    assert_int_equal(dsv4_ckpt_fingerprint(good, fb), DSV4_OK);
+    assert_int_equal(dsv4_ckpt_fingerprint(other, fc), DSV4_OK);
+    assert_int_equal(strlen(fa), DSV4_FP_CHARS);
+    assert_string_equal(fa, fb);
+    assert_string_not_equal(fa, fc);
+    assert_int_not_equal(dsv4_ckpt_fingerprint(tmpdir, fc), DSV4_OK);  /* no checkpoint */
+    if (dsv4_weights_load(&w, good) != DSV4_OK)
+        fail_msg("%s", dsv4_errmsg());
+    dsv4_synthetic_fingerprint(&w.cfg, 7, s7);
+    dsv4_synthetic_fingerprint(&w.cfg, 7, s7b);
+    dsv4_synthetic_fingerprint(&w.cfg, 8, s8);
+    assert_string_equal(s7, s7b);
+    assert_string_not_equal(s7, s8);
+    assert_string_not_equal(s7, fa);
+    dsv4_weights_free(&w);
+}
+
 /* --- broken checkpoints ------------------------------------------------------ */
 
 static void
@@ -601,6 +643,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_nan_scale),
         cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_bad_config),
+        cmocka_unit_test(test_fingerprint),
     };
 
     if (argc != 2) {

@@ -55,6 +55,10 @@ Scenarios:
                   failing rank registers again after a growing pause (5
                   failures, at most 8 epochs), no rank restarts, the set
                   stops cleanly.
+  model_mismatch  a decode rank started on another checkpoint (same config,
+                  another seed) beside a running set: its READY is refused
+                  with both models' fingerprints, the set serves on, every
+                  stream == the single-process forward.
   join_stop       the set is stopped while decode@1 waits in its first join
                   (delayed 60 s by test-only injection, longer than the
                   launcher's 20 s stop timeout): decode@1 gives the join up
@@ -1104,6 +1108,53 @@ def sc_group_mismatch():
         stop_checked(svc)
 
 
+def sc_model_mismatch():
+    """A decode rank started on another checkpoint (same config, another
+    seed) beside a running set: its READY is refused with both models'
+    fingerprints and the checkpoint the scheduler reads, and it backs off;
+    the set serves on, every stream equal to the single-process forward (no
+    stream mixes models)."""
+    other = os.path.join(scratch_dir("dsv4-other-"), "model")
+    subprocess.run([exe("tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny", "--seed", "99",
+                    "--out", other], check=True, stdout=subprocess.DEVNULL)
+    svc = Service(n_prefill=1, n_decode=1)
+    err = open(os.path.join(svc.dir, "decode1.err"), "w")
+    env = dict(os.environ)
+    env.pop("NOTIFY_SOCKET", None)
+    odd = subprocess.Popen([exe("daemons/rank/dsv4-decode"), "-v", "-f", svc.conf, "--rank",
+                            "1", "--checkpoint", other], stderr=err, env=env)
+    try:
+        pat = (r"link_lost: READY refused \(2 in a row\): model ([0-9a-f]{16}) differs from "
+               r"the model ([0-9a-f]{16}) of checkpoint %s, which this scheduler is "
+               r"configured with" % re.escape(svc.model))
+        odd_log = os.path.join(svc.dir, "decode1.err")
+        wait_for(lambda: re.search(pat, readf(odd_log)), "the odd decode@1 refused twice")
+        m = re.search(pat, readf(odd_log))
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        check(m.group(1) != m.group(2), "the same fingerprint twice: %s" % m.group(0))
+        check("rank_init: model fingerprint %s" % m.group(1) in readf(odd_log),
+              "decode@1's own fingerprint is not %s" % m.group(1))
+        for who in ("decode/0", "prefill/0"):
+            check("%s: rank_init: model fingerprint %s" % (who, m.group(2)) in text,
+                  "%s's fingerprint is not %s" % (who, m.group(2)))
+        check("sched: model %s (checkpoint %s)" % (m.group(2), svc.model) in text,
+              "the scheduler did not log its reference model")
+        check(not any((r["role"], r["index"]) == ("decode", 1) for r in svc.admin.ranks()),
+              "decode@1 registered")
+        serve_compared(svc, "pm.txt", 6, 23, "6 streams beside a refused decode rank")
+        odd.terminate()
+        check(odd.wait(30) == 0, "the refused decode@1's exit status %s" % odd.returncode)
+        log("a decode rank of another checkpoint refused (%s against %s); 6 streams served "
+            "by the set" % (m.group(1), m.group(2)))
+        svc.check_no_leaks()
+    finally:
+        if odd.poll() is None:
+            odd.kill()
+            odd.wait()
+        err.close()
+        stop_checked(svc)
+
+
 def sc_prefill_nomem():
     """A prefill rank's forward call that runs out of device memory (test-only
     injection, daemons/rank/rank.h): the rank stays up and its prompts run
@@ -1772,6 +1823,7 @@ SCENARIOS = {
     "group_rejoin": sc_group_rejoin,
     "join_stop": sc_join_stop,
     "group_mismatch": sc_group_mismatch,
+    "model_mismatch": sc_model_mismatch,
     "prefill_nomem": sc_prefill_nomem,
     "decode_nomem": sc_decode_nomem,
     "export_nomem": sc_export_nomem,

@@ -92,8 +92,10 @@ class FakeRank(threading.Thread):
     """One fake rank (prefill or decode) on a DEALER socket."""
 
     def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004, group=None,
-                 group_rank=0, group_size=1, device=None, host="test", pid=None):
+                 group_rank=0, group_size=1, device=None, host="test", pid=None,
+                 model=None):
         super().__init__(daemon=True)
+        self.model = model              # READY's model fingerprint (None: not sent)
         self.host = host                # READY's host and pid (the test's by default)
         self.pid = os.getpid() if pid is None else pid
         self.device = device            # READY's GPU UUID (None: not sent, as a CPU rank)
@@ -167,6 +169,8 @@ class FakeRank(threading.Thread):
                  "pid": self.pid, "transports": ["shm"]}
         if self.device is not None:
             ready["device"] = self.device
+        if self.model is not None:
+            ready["model"] = self.model
         self.send(s, 1, ready)
         while not self.stop:
             if self.dead:
@@ -1129,19 +1133,23 @@ def t_group_error(ctx, build, tmp):
 
 def t_ready_refused(ctx, build, tmp):
     """READYs the scheduler refuses (misconfigured ranks): a group_size that
-    differs from its group's, a group larger than 64 ranks.  DISCONNECT
+    differs from its group's, a group larger than 64 ranks, another model
+    than the registered ranks' (READY `model`).  DISCONNECT
     and the journal give the reason with the figures, nothing registers, the
     group's rank stays, and the group serves once a right READY comes."""
     sc = Sched(build, tmp, ["-o", "max_batch=16"])
     time.sleep(0.2)
-    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2)
-    d0 = FakeRank(ctx, sc.ep["rank"], "decode", 0, group=0, group_rank=0, group_size=2)
+    model = "0123456789abcdef"
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2, model=model)
+    d0 = FakeRank(ctx, sc.ep["rank"], "decode", 0, group=0, group_rank=0, group_size=2,
+                  model=model)
     for r in (pre, d0):
         r.start()
     wait_ranks(sc, 1)
     check(d0.welcomed.wait(20), "decode@0 not welcomed")
     bad = [FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=3),
-           FakeRank(ctx, sc.ep["rank"], "decode", 2, group=1, group_rank=0, group_size=65)]
+           FakeRank(ctx, sc.ep["rank"], "decode", 2, group=1, group_rank=0, group_size=65),
+           FakeRank(ctx, sc.ep["rank"], "decode", 3, group=2, model="fedcba9876543210")]
     for r in bad:
         r.rejoin = False
         r.start()
@@ -1149,19 +1157,24 @@ def t_ready_refused(ctx, build, tmp):
         r.join(20)
         check(not r.is_alive(), "decode@%d got no DISCONNECT" % r.index)
     why = ["group_size 3 differs from the 2 of group decode/0's other ranks",
-           "group_size 65 with group_rank 0: a group has at most 64 ranks, numbered from 0"]
+           "group_size 65 with group_rank 0: a group has at most 64 ranks, numbered from 0",
+           "model fedcba9876543210 differs from the model 0123456789abcdef of prefill@0, "
+           "registered: every rank must run the same model (to change it, restart the whole "
+           "set)"]
     for r, w in zip(bad, why):
         check(r.disconnects == [w] and not r.welcomed.is_set(),
               "decode@%d: DISCONNECT %s" % (r.index, r.disconnects))
     with open(os.path.join(tmp, "sched.log")) as fp:
         text = fp.read()
     for line in ("READY of decode@1 (group 0, rank 1/3, pid %d) refused: " + why[0],
-                 "READY of decode@2 (group 1, rank 0/65, pid %d) refused: " + why[1]):
+                 "READY of decode@2 (group 1, rank 0/65, pid %d) refused: " + why[1],
+                 "READY of decode@3 (group 2, rank 0/1, pid %d) refused: " + why[2]):
         check(line % os.getpid() in text, "not in the journal: " + line % os.getpid())
     rc, ranks = sc.ctl("ranks")
     check(rc == 0 and sorted(r["name"] for r in ranks) == ["decode@0", "prefill@0"],
           "ranks: %s" % ranks)
-    d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=2)
+    d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=2,
+                  model=model)
     d1.start()
     wait_ranks(sc, 3)
     cl = Client(ctx, sc.ep["client"])

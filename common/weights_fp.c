@@ -1,0 +1,109 @@
+/*
+ * weights_fp.c — the model fingerprint of weights_fp.h.
+ */
+#include "common/weights_fp.h"
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/safetensors.h"
+
+#define FNV_OFFSET 14695981039346656037ull
+#define FNV_PRIME 1099511628211ull
+#define SAMPLE_BYTES 64
+
+static uint64_t
+mix(uint64_t h, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * FNV_PRIME;
+    return h;
+}
+
+static uint64_t
+mix_i64(uint64_t h, int64_t v)
+{
+    return mix(h, &v, sizeof(v));
+}
+
+static void
+put(uint64_t h, char *out)
+{
+    snprintf(out, DSV4_FP_CHARS + 1, "%016llx", (unsigned long long)h);
+}
+
+static int
+by_name(const void *a, const void *b)
+{
+    const struct dsv4_st_tensor *x = *(const struct dsv4_st_tensor *const *)a;
+    const struct dsv4_st_tensor *y = *(const struct dsv4_st_tensor *const *)b;
+
+    return strcmp(x->name, y->name);
+}
+
+/* A routed expert's tensor other than expert 0's: its data is not sampled
+ * (they are most of the checkpoint's tensors). */
+static bool
+routed_expert_not_0(const char *name)
+{
+    const char *e = strstr(name, ".experts.");
+
+    return e != NULL && strncmp(e + 9, "0.", 2) != 0;
+}
+
+enum dsv4_err
+dsv4_ckpt_fingerprint(const char *dir, char *out)
+{
+    const struct dsv4_st_tensor **t;
+    struct dsv4_ckpt *c;
+    enum dsv4_err e;
+    uint64_t h = FNV_OFFSET;
+    int n;
+
+    if ((e = dsv4_ckpt_open(&c, dir)) != DSV4_OK)
+        return e;
+    n = dsv4_ckpt_count(c);
+    if ((t = malloc(sizeof(*t) * (size_t)(n > 0 ? n : 1))) == NULL) {
+        dsv4_ckpt_close(c);
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fingerprint: no memory");
+    }
+    for (int i = 0; i < n; i++)
+        t[i] = dsv4_ckpt_at(c, i);
+    qsort(t, (size_t)n, sizeof(*t), by_name);
+    for (int i = 0; i < n; i++) {
+        h = mix(h, t[i]->name, strlen(t[i]->name) + 1);
+        h = mix_i64(h, t[i]->dtype);
+        for (int d = 0; d < t[i]->n_dims; d++)
+            h = mix_i64(h, t[i]->shape[d]);
+        if (!routed_expert_not_0(t[i]->name))
+            h = mix(h, t[i]->data, t[i]->n_bytes < SAMPLE_BYTES ? t[i]->n_bytes : SAMPLE_BYTES);
+    }
+    free(t);
+    dsv4_ckpt_close(c);
+    put(h, out);
+    return DSV4_OK;
+}
+
+void
+dsv4_synthetic_fingerprint(const struct dsv4_config *c, uint64_t seed, char *out)
+{
+    static const char mark[] = "synthetic";
+    const int64_t v[] = {
+        c->vocab_size, c->hidden_size, c->num_hidden_layers, c->num_attention_heads,
+        c->head_dim, c->qk_rope_head_dim, c->q_lora_rank, c->o_groups, c->o_lora_rank,
+        c->sliding_window, c->index_n_heads, c->index_head_dim, c->index_topk,
+        c->n_routed_experts, c->num_experts_per_tok, c->moe_intermediate_size,
+        c->num_hash_layers, c->hc_mult, c->num_nextn_predict_layers,
+    };
+    uint64_t h = mix(FNV_OFFSET, mark, sizeof(mark));
+
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
+        h = mix_i64(h, v[i]);
+    for (int i = 0; i < c->n_compress_ratios && i < DSV4_MAX_LAYERS; i++)
+        h = mix_i64(h, c->compress_ratios[i]);
+    put(mix(h, &seed, sizeof(seed)), out);
+}
