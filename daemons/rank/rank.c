@@ -1000,6 +1000,7 @@ rank_init_weights(struct rank *k, bool cuda)
         if (rank_synthetic_config(&k->o, &cfg) != DSV4_OK)
             fatalx_conf("rank_init: model config: %s", dsv4_errmsg());
         dsv4_synthetic_fingerprint(&cfg, k->o.synth_seed, k->model_fp);
+        log_info("rank_init: model fingerprint %s (synthetic weights)", k->model_fp);
         snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed, keyed);
         rank_share_begin(k, &cfg, source, &arena);
         if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
