@@ -317,7 +317,7 @@ rank_backoff_ms(int n)
 static void
 link_refused(struct rank *k, const char *reason)
 {
-    char why[256];
+    char why[DSV4_PROTO_MAX_MESSAGE + 64];  /* the whole reason, with the count */
 
     k->relink_delay_ms = rank_backoff_ms(++k->refusals);
     snprintf(why, sizeof(why), "READY refused (%d in a row): %s", k->refusals,
