@@ -82,6 +82,7 @@ struct treq {
 struct peer {
     struct dsv4_route route;
     bool ready;
+    uint32_t transports;    /* its READY's (bit t: enum dsv4_transport t) */
 };
 
 static void *zctx, *router;
@@ -207,6 +208,7 @@ register_wait(void)
             CHECK(m.u.ready.capacity == (m.u.ready.role == DSV4_ROLE_PREFILL ? 2u : 4u));
             p->route = from;
             p->ready = true;
+            p->transports = m.u.ready.transports;
             dsv4_msg_init(&w, DSV4_SUB_RANK, DSV4_RANK_WELCOME);
             w.u.welcome.heartbeat_ms = 100;
             w.u.welcome.liveness = 100;  /* 10 s: this harness sends no heartbeats, and sanitizer builds are slow */
@@ -389,18 +391,25 @@ bad_work(const struct tmodel *t, struct treq *r)
 {
     static int32_t big[300];
     struct dsv4_msg m;
-    int released = 0;
+    int released = 0, lacks = DSV4_TRANSPORT_NONE;
     uint64_t req = 400;
     int32_t first = r->prompt[0];
 
-    /* PREFILL: a transport the rank does not have, more tokens than max_seq
-     * (256), an id outside the vocabulary */
-    for (int i = 0; i < 3; i++) {
+    /* PREFILL: a transport the rank does not have (its READY's list: a CPU
+     * rank lacks cudaipc; a CUDA rank built with UCX has all three, so the
+     * case is left out there), more tokens than max_seq (256), an id
+     * outside the vocabulary */
+    for (int x = DSV4_TRANSPORT__COUNT - 1; x > DSV4_TRANSPORT_NONE; x--)
+        if (!(pre.transports & (1u << x)))
+            lacks = x;
+    if (lacks == DSV4_TRANSPORT_NONE)
+        printf("bad_work: the prefill rank has every transport: no PREFILL of a missing one\n");
+    for (int i = lacks == DSV4_TRANSPORT_NONE ? 1 : 0; i < 3; i++) {
         dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_PREFILL);
         m.u.prefill.req = req + (uint64_t)i;
         m.u.prefill.tokens = i == 1 ? big : r->prompt;
         m.u.prefill.n_tokens = i == 1 ? 300u : (uint32_t)r->n_prompt;
-        m.u.prefill.transport = i == 0 ? DSV4_TRANSPORT_CUDAIPC : DSV4_TRANSPORT_SHM;
+        m.u.prefill.transport = i == 0 ? (enum dsv4_transport)lacks : DSV4_TRANSPORT_SHM;
         r->prompt[0] = i == 2 ? t->V : first;
         send_to(&pre, &m);
         expect_error(&pre, req + (uint64_t)i, i == 0 ? DSV4_STATUS_NOT_SUPPORTED :
