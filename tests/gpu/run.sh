@@ -116,6 +116,18 @@
 #      decode"), and so must 80% with DSV4_CUDA_BLAS=0 against the same
 #      switch without MPS; log in $OUT/mps.log; a mismatch fails the
 #      script.
+#  19. optional, with GROUP1=1 (the binaries of tests/gpu/service.sh packed,
+#      an MPS control daemon on the machine, one GPU): a prefill and a
+#      decode group of two ranks each with both ranks of each group on
+#      device 0 (GPUS=2 where one device is present: rank r runs on r
+#      modulo the devices), under MPS so that the two ranks' cudaipc
+#      all-reduces run side by side, flash widths cut to GROUP1_LAYERS (4)
+#      layers: C=1 and C=16 load through the scheduler, then kill -9 of
+#      decode@1 under C=16 (tests/gpu/service.sh KILL=1): the group must
+#      serve again and no request may fail.  The two-rank path (tensor-
+#      parallel heads, the all-reduce, the group's re-forming) checked where
+#      only one GPU is lent; its times are not two GPUs' (docs/perf.md run
+#      77).  Log in $OUT/group1.log.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -419,6 +431,16 @@ if [ "${MPS_CHECK:-0}" = 1 ] && command -v test_decode_gpu > /dev/null &&
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 
+# 19. a group of two ranks on one GPU under MPS (optional: GROUP1=1)
+group1_rc=skipped
+if [ "${GROUP1:-0}" = 1 ]; then
+    OUT="$OUT/group1" LAYERS=${GROUP1_LAYERS:-4} GPUS=2 MPS=1 MPS_PREFILL=40 BURST=0 TEMP=1 \
+        KILL=1 KILL_AFTER=6 BENCH="-c 1 -p 256 -l 64 -n 4 -w 1;-c 16 -p 512 -l 128 -n 32 -w 0" \
+        KILL_BENCH="-c 16 -p 256 -l 256 -n 48" timeout 450 bash tests/gpu/service.sh \
+        > "$OUT/group1.log" 2>&1
+    group1_rc=$?
+fi
+
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
@@ -494,6 +516,12 @@ if [ "$mps_rc" != skipped ]; then
     echo "prefill as an MPS client (exit $mps_rc):"
     cat "$OUT/mps.log"
 fi
+if [ "$group1_rc" != skipped ]; then
+    echo "a group of two ranks on one GPU (exit $group1_rc):"
+    grep -E "^ +(1|16) +[0-9]+ +[0-9]+ |^kill -9|^survivor|^bench under|^set up|dsv4-launch exit" \
+        "$OUT/group1.log"
+fi
+[ "$group1_rc" = skipped ] || [ "$group1_rc" = 0 ] || exit 1
 [ "$attn_rc" = skipped ] || [ "$attn_rc" = 0 ] || exit 1
 [ "$mps_rc" = skipped ] || [ "$mps_rc" = 0 ] || exit 1
 [ "$prefill_rc" = skipped ] || [ "$prefill_rc" = 0 ] || exit 1

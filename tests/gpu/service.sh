@@ -38,7 +38,8 @@
 # windows: all of them, and those with a full batch); KILL=1 then kills decode@1 (decode@0 when
 # GPUS=1) (kill -9) under C=16
 # load and reports the time until the group serves again and whether any
-# request was lost; with KILL_SCHED=1 it kills dsv4-sched instead and
+# request was lost (the script's exit status is then 1, as when a bench
+# run fails or the group does not serve again); with KILL_SCHED=1 it kills dsv4-sched instead and
 # reports the time until the restarted scheduler is READY and every rank
 # has registered again.
 set -uo pipefail
@@ -230,7 +231,9 @@ if [ "${KILL:-0}" = 1 ]; then
         tail -6
   fi
     wait $bpid
-    echo "bench under the kill: exit $?"
+    kb=$?
+    echo "bench under the kill: exit $kb"
+    [ "$kb" = 0 ] || rc=1   # a request lost (or the bench could not run)
     grep -vE "^dsv4-bench: " "$OUT/kill.txt" | tail -3
 fi
 ctl status
