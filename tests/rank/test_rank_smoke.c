@@ -4,7 +4,8 @@
  *
  *   READY -> WELCOME; PREFILL (two prompts, chunked: --rows is smaller than
  *   the prompts) -> PREFILL_DONE with a shm location; DECODE -> KV_RELEASE
- *   (forwarded to the prefill rank) -> TOKENS ... -> DECODE_DONE.
+ *   (forwarded to the prefill rank) -> TOKENS ... -> DECODE_DONE; then one
+ *   prompt again over each other transport both ranks offer (ucx, cudaipc).
  *
  * Checks: the greedy tokens (prefill's first token + the decode rank's) equal
  * those of a single-process dsv4_model_forward run of the same prompt; the
@@ -74,7 +75,7 @@ struct treq {
     bool done;
     /* PREFILL_DONE's location, copied. */
     struct dsv4_kv_loc loc;
-    uint8_t handle[256];
+    uint8_t handle[4096];    /* a UCX location's worker address and rkey */
     uint64_t sizes[1], offsets[1];
     bool released;
 };
@@ -262,7 +263,7 @@ reference(struct tmodel *t, const struct treq *r, int32_t *out)
 }
 
 static void
-send_prefill(struct treq *r)
+send_prefill_via(struct treq *r, enum dsv4_transport via)
 {
     struct dsv4_msg m;
 
@@ -274,8 +275,14 @@ send_prefill(struct treq *r)
     m.u.prefill.s.seed = 7;
     m.u.prefill.s.has_seed = true;
     m.u.prefill.dst_group = 0;
-    m.u.prefill.transport = DSV4_TRANSPORT_SHM;
+    m.u.prefill.transport = via;
     send_to(&pre, &m);
+}
+
+static void
+send_prefill(struct treq *r)
+{
+    send_prefill_via(r, DSV4_TRANSPORT_SHM);
 }
 
 static void
@@ -299,13 +306,14 @@ send_decode(struct treq *r, uint32_t slot)
     send_to(&dec, &m);
 }
 
-/* Copy PREFILL_DONE's location and first token into r; the region exists. */
+/* Copy PREFILL_DONE's location (of transport via) and first token into r;
+ * a shm region exists. */
 static void
-take_location(struct treq *r, const struct dsv4_msg *m)
+take_location_via(struct treq *r, const struct dsv4_msg *m, enum dsv4_transport via)
 {
     CHECK(m->u.prefill_done.n_kv == 1);
     r->loc = m->u.prefill_done.kv[0];
-    CHECK(r->loc.transport == DSV4_TRANSPORT_SHM && r->loc.n_seg == 1);
+    CHECK(r->loc.transport == via && r->loc.n_seg == 1);
     CHECK(r->loc.n_tokens == (uint32_t)r->n_prompt);
     CHECK(r->loc.handle_len <= sizeof(r->handle));
     memcpy(r->handle, r->loc.handle, r->loc.handle_len);
@@ -315,7 +323,13 @@ take_location(struct treq *r, const struct dsv4_msg *m)
     r->loc.sizes = r->sizes;
     r->loc.offsets = r->offsets;
     r->out[r->n_out++] = m->u.prefill_done.token;
-    CHECK(shm_exists(r));
+    CHECK(via != DSV4_TRANSPORT_SHM || shm_exists(r));
+}
+
+static void
+take_location(struct treq *r, const struct dsv4_msg *m)
+{
+    take_location_via(r, m, DSV4_TRANSPORT_SHM);
 }
 
 /* PREFILL r on the prefill rank and wait for its PREFILL_DONE; nobody
@@ -442,6 +456,63 @@ bad_work(const struct tmodel *t, struct treq *r)
         CHECK(m.cmd == DSV4_RANK_ABORT_DONE && m.u.ref.req == 997);
         dsv4_msg_clear(&m);
     }
+}
+
+/* r prefilled with its state handed over `via` (a transport both ranks
+ * offer), decoded from that location (the decode rank's KV_RELEASE
+ * forwarded to the prefill rank, which then frees its region); the
+ * tokens must be the reference's. */
+static void
+handoff_via(struct tmodel *t, struct treq *r, enum dsv4_transport via)
+{
+    struct dsv4_route from;
+    struct dsv4_msg m;
+    int32_t ref[MAX_OUT];
+
+    r->n_out = 0;
+    r->done = r->released = false;
+    send_prefill_via(r, via);
+    recv_msg(&from, &m);
+    CHECK(m.cmd == DSV4_RANK_PREFILL_DONE && route_eq(&from, &pre.route));
+    CHECK(m.u.prefill_done.req == r->req);
+    take_location_via(r, &m, via);
+    dsv4_msg_clear(&m);
+    send_decode(r, 0);
+    while (!r->done) {
+        recv_msg(&from, &m);
+        CHECK(route_eq(&from, &dec.route));
+        if (m.cmd == DSV4_RANK_KV_RELEASE) {
+            CHECK(m.u.ref.req == r->req && !r->released);
+            r->released = true;
+            send_ref(&pre, DSV4_RANK_KV_RELEASE, r->req);
+        } else if (m.cmd == DSV4_RANK_TOKENS) {
+            for (uint32_t i = 0; i < m.u.step.n; i++) {
+                CHECK(m.u.step.reqs[i] == r->req && r->released && r->n_out < MAX_OUT);
+                r->out[r->n_out++] = m.u.step.tokens[i];
+            }
+        } else {
+            CHECK(m.cmd == DSV4_RANK_DECODE_DONE && m.u.decode_done.req == r->req);
+            CHECK(m.u.decode_done.finish == DSV4_FINISH_LENGTH);
+            r->done = true;
+        }
+        dsv4_msg_clear(&m);
+    }
+    /* the prefill rank handled the release before this ABORT's answer */
+    send_ref(&pre, DSV4_RANK_ABORT, 995);
+    recv_msg(&from, &m);
+    CHECK(m.cmd == DSV4_RANK_ABORT_DONE && m.u.ref.req == 995);
+    dsv4_msg_clear(&m);
+    reference(t, r, ref);
+    CHECK(r->n_out == r->max_tokens);
+    for (int j = 0; j < r->max_tokens; j++) {
+        if (ref[j] != r->out[j])
+            fprintf(stderr, "req %llu via %s, token %d: service %d, reference %d\n",
+                    (unsigned long long)r->req, dsv4_transport_name(via), j, (int)r->out[j],
+                    (int)ref[j]);
+        CHECK(ref[j] == r->out[j]);
+    }
+    printf("handoff via %s: %d tokens equal the reference\n", dsv4_transport_name(via),
+           r->n_out);
 }
 
 static struct treq *
@@ -577,6 +648,17 @@ main(int argc, char **argv)
                         (int)rs[i].out[j], (int)ref[j]);
             CHECK(ref[j] == rs[i].out[j]);
         }
+    }
+
+    /* The same prompt's state over every other transport both ranks offer
+     * (the CPU backend: ucx where built; a CUDA rank: cudaipc, and ucx
+     * staged through host memory), as the scheduler picks ucx between
+     * hosts (docs/protocol.md §6.3): the same tokens. */
+    for (int x = DSV4_TRANSPORT_SHM + 1; x < DSV4_TRANSPORT__COUNT; x++) {
+        if (!(pre.transports & dec.transports & (1u << x)))
+            continue;
+        rs[0].req = 500 + (uint64_t)x;
+        handoff_via(&t, &rs[0], (enum dsv4_transport)x);
     }
 
     /* The scheduler goes away and a new one binds: both ranks register again. */
