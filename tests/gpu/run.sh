@@ -124,10 +124,13 @@
 #      all-reduces run side by side, flash widths cut to GROUP1_LAYERS (4)
 #      layers: C=1 and C=16 load through the scheduler, then kill -9 of
 #      decode@1 under C=16 (tests/gpu/service.sh KILL=1): the group must
-#      serve again and no request may fail.  The two-rank path (tensor-
-#      parallel heads, the all-reduce, the group's re-forming) checked where
+#      serve again, no request may fail, and the restarted decode@1 must
+#      map prefill@1's copy of the weights again (its `rank_init: weights:
+#      mapped from` line).  Then a second set with mtp = yes (C=1 and C=16,
+#      every request done).  The two-rank path (tensor-parallel heads, the
+#      all-reduce, the group's re-forming, MTP in a group) checked where
 #      only one GPU is lent; its times are not two GPUs' (docs/perf.md run
-#      77).  Log in $OUT/group1.log.
+#      77).  Logs in $OUT/group1.log and $OUT/group1_mtp.log.
 # Binaries for 4-6: tests/test_decode_gpu tests/test_rank_smoke
 #   daemons/rank/dsv4-prefill daemons/rank/dsv4-decode.  SKIP_OPS=1 skips 1.
 # Logs go to $OUT (default /tmp/out); the summary table is printed last.
@@ -439,6 +442,13 @@ if [ "${GROUP1:-0}" = 1 ]; then
         KILL_BENCH="-c 16 -p 256 -l 256 -n 48" timeout 450 bash tests/gpu/service.sh \
         > "$OUT/group1.log" 2>&1
     group1_rc=$?
+    # the restarted decode@1 mapped the surviving copy (prefill@1's), not
+    # a copy of its own
+    grep -h "decode/1: rank_init: weights:" "$OUT/group1/launch.log" 2> /dev/null | tail -1 |
+        grep -q "mapped from" || group1_rc=1
+    OUT="$OUT/group1_mtp" LAYERS=${GROUP1_LAYERS:-4} GPUS=2 MPS=1 MPS_PREFILL=40 BURST=0 \
+        TEMP=1 MTP=1 BENCH="-c 1 -p 256 -l 64 -n 4 -w 1;-c 16 -p 256 -l 64 -n 16 -w 0" \
+        timeout 300 bash tests/gpu/service.sh > "$OUT/group1_mtp.log" 2>&1 || group1_rc=1
 fi
 
 echo
@@ -520,6 +530,9 @@ if [ "$group1_rc" != skipped ]; then
     echo "a group of two ranks on one GPU (exit $group1_rc):"
     grep -E "^ +(1|16) +[0-9]+ +[0-9]+ |^kill -9|^survivor|^bench under|^set up|dsv4-launch exit" \
         "$OUT/group1.log"
+    grep -h "decode/1: rank_init: weights:" "$OUT/group1/launch.log" 2> /dev/null | tail -2
+    echo "the same with mtp = yes:"
+    grep -E "^ +(1|16) +[0-9]+ +[0-9]+ |mtp drafts|dsv4-launch exit" "$OUT/group1_mtp.log" | tail -6
 fi
 [ "$group1_rc" = skipped ] || [ "$group1_rc" = 0 ] || exit 1
 [ "$attn_rc" = skipped ] || [ "$attn_rc" = 0 ] || exit 1
