@@ -1136,9 +1136,20 @@ rank_init_model(struct rank *k)
          * on gpu + r: a prefill group on GPUs 0-1 and a decode group on
          * 2-3 with prefill.gpu = 0, decode.gpu = 2); -1 shares the devices
          * among the groups (rank r on device r % n_dev) */
-        if (dev < 0)
+        if (dev < 0) {
             dev = (int)(k->o.group_rank % (uint32_t)n_dev);
-        else if (dev + (int)k->o.group_rank >= n_dev)
+            /* ranks of one group on one device: each all-reduce spins
+             * until every peer's kernel arrives, so the peers' kernels
+             * must all be resident at once (docs/operations.md, `gpu`) */
+            if (k->o.group_size > (uint32_t)n_dev)
+                log_warnx("rank_init: group_size %u on %d CUDA device(s): %u ranks of this "
+                          "group share device %d; their all-reduces wait for each other and "
+                          "can stall until the group gives up (four prefill ranks on one GPU "
+                          "did): one rank of a group per GPU, or two under MPS for tests",
+                          (unsigned)k->o.group_size, n_dev,
+                          (unsigned)((k->o.group_size - (uint32_t)dev + (uint32_t)n_dev - 1) /
+                                     (uint32_t)n_dev), dev);
+        } else if (dev + (int)k->o.group_rank >= n_dev)
             fatalx_conf("rank_init: gpu = %d: rank %u of its group needs device %d, this "
                         "host has %d", dev, (unsigned)k->o.group_rank,
                         dev + (int)k->o.group_rank, n_dev);
