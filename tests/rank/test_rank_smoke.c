@@ -5,7 +5,8 @@
  *   READY -> WELCOME; PREFILL (two prompts, chunked: --rows is smaller than
  *   the prompts) -> PREFILL_DONE with a shm location; DECODE -> KV_RELEASE
  *   (forwarded to the prefill rank) -> TOKENS ... -> DECODE_DONE; then one
- *   prompt again over each other transport both ranks offer (ucx, cudaipc).
+ *   prompt again over each other transport both ranks offer (ucx, cudaipc),
+ *   first aborted as its DECODE is sent, then decoded.
  *
  * Checks: the greedy tokens (prefill's first token + the decode rank's) equal
  * those of a single-process dsv4_model_forward run of the same prompt; the
@@ -17,7 +18,9 @@
  * an export nobody claims is freed after --kv-timeout-ms; PREFILLs and
  * DECODEs the scheduler would never send (a transport the rank lacks, too
  * many tokens, ids outside the vocabulary, a position past max_seq, a region
- * that does not exist) get ERROR with their codes and the ranks serve on;
+ * that does not exist, a location that does not fit the DECODE or comes over
+ * a transport the decode rank lacks) get ERROR with their codes and the
+ * ranks serve on;
  * SIGTERM ends both with status 0.
  *
  * usage: test_rank_smoke CKPT_DIR DSV4_PREFILL DSV4_DECODE
@@ -405,7 +408,7 @@ bad_work(const struct tmodel *t, struct treq *r)
 {
     static int32_t big[300];
     struct dsv4_msg m;
-    int released = 0, lacks = DSV4_TRANSPORT_NONE;
+    int released = 0, sent = 0, lacks = DSV4_TRANSPORT_NONE;
     uint64_t req = 400;
     int32_t first = r->prompt[0];
 
@@ -432,20 +435,38 @@ bad_work(const struct tmodel *t, struct treq *r)
     r->prompt[0] = first;
     CHECK(released == 0);
     /* DECODE: a position past max_seq, a token outside the vocabulary, a
-     * location whose region does not exist */
-    for (int i = 0; i < 3; i++) {
+     * location whose region does not exist, a location that covers another
+     * position count than pos, one that says it is one of two parts, one of
+     * a transport the decode rank lacks (left out where it has all) */
+    lacks = DSV4_TRANSPORT_NONE;
+    for (int x = DSV4_TRANSPORT__COUNT - 1; x > DSV4_TRANSPORT_NONE; x--)
+        if (!(dec.transports & (1u << x)))
+            lacks = x;
+    for (int i = 0; i < 6; i++) {
+        static const int code[6] = { DSV4_STATUS_TOO_LARGE, DSV4_STATUS_BAD_ARGUMENT,
+                                     DSV4_STATUS_INTERNAL, DSV4_STATUS_BAD_MESSAGE,
+                                     DSV4_STATUS_NOT_SUPPORTED, DSV4_STATUS_NOT_SUPPORTED };
+
+        if (i == 5 && lacks == DSV4_TRANSPORT_NONE) {
+            printf("bad_work: the decode rank has every transport: no DECODE from a missing "
+                   "one\n");
+            continue;
+        }
         dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DECODE);
         m.u.decode.req = req + 10 + (uint64_t)i;
         m.u.decode.token = i == 1 ? t->V : 1;
-        m.u.decode.pos = i == 0 ? 256u : (uint32_t)r->n_prompt;
+        m.u.decode.pos = i == 0 ? 256u : i == 3 ? (uint32_t)r->n_prompt - 1 :
+                         (uint32_t)r->n_prompt;
         m.u.decode.max_tokens = 4;
         m.u.decode.kv[0] = r->loc;
+        m.u.decode.kv[0].n_parts = i == 4 ? 2 : r->loc.n_parts;
+        m.u.decode.kv[0].transport = i == 5 ? (enum dsv4_transport)lacks : r->loc.transport;
         m.u.decode.n_kv = 1;
         send_to(&dec, &m);
-        expect_error(&dec, req + 10 + (uint64_t)i, i == 0 ? DSV4_STATUS_TOO_LARGE :
-                     i == 1 ? DSV4_STATUS_BAD_ARGUMENT : DSV4_STATUS_INTERNAL, &released);
+        expect_error(&dec, req + 10 + (uint64_t)i, code[i], &released);
+        sent++;
     }
-    CHECK(released == 3);
+    CHECK(released == sent);   /* a KV_RELEASE before each ERROR */
     /* both still answer */
     for (int i = 0; i < 2; i++) {
         struct dsv4_route from;
@@ -456,6 +477,42 @@ bad_work(const struct tmodel *t, struct treq *r)
         CHECK(m.cmd == DSV4_RANK_ABORT_DONE && m.u.ref.req == 997);
         dsv4_msg_clear(&m);
     }
+}
+
+/* r prefilled over `via`, its DECODE followed at once by an ABORT (over
+ * ucx the import is then most likely still in flight, and the decode rank
+ * drops it): ABORT_DONE comes, after whatever came first (KV_RELEASE, the
+ * first TOKENS), and the prefill rank's ABORT frees the export. */
+static void
+abort_in_import(struct treq *r, enum dsv4_transport via)
+{
+    struct dsv4_route from;
+    struct dsv4_msg m;
+
+    r->n_out = 0;
+    send_prefill_via(r, via);
+    recv_msg(&from, &m);
+    CHECK(m.cmd == DSV4_RANK_PREFILL_DONE && m.u.prefill_done.req == r->req);
+    take_location_via(r, &m, via);
+    dsv4_msg_clear(&m);
+    send_decode(r, 0);
+    send_ref(&dec, DSV4_RANK_ABORT, r->req);
+    for (;;) {
+        recv_msg(&from, &m);
+        CHECK(route_eq(&from, &dec.route));
+        if (m.cmd == DSV4_RANK_ABORT_DONE) {
+            CHECK(m.u.ref.req == r->req);
+            dsv4_msg_clear(&m);
+            break;
+        }
+        CHECK(m.cmd == DSV4_RANK_KV_RELEASE || m.cmd == DSV4_RANK_TOKENS);
+        dsv4_msg_clear(&m);
+    }
+    send_ref(&pre, DSV4_RANK_ABORT, r->req);
+    recv_msg(&from, &m);
+    CHECK(m.cmd == DSV4_RANK_ABORT_DONE && m.u.ref.req == r->req &&
+          route_eq(&from, &pre.route));
+    dsv4_msg_clear(&m);
 }
 
 /* r prefilled with its state handed over `via` (a transport both ranks
@@ -657,8 +714,10 @@ main(int argc, char **argv)
     for (int x = DSV4_TRANSPORT_SHM + 1; x < DSV4_TRANSPORT__COUNT; x++) {
         if (!(pre.transports & dec.transports & (1u << x)))
             continue;
+        rs[0].req = 510 + (uint64_t)x;
+        abort_in_import(&rs[0], (enum dsv4_transport)x);
         rs[0].req = 500 + (uint64_t)x;
-        handoff_via(&t, &rs[0], (enum dsv4_transport)x);
+        handoff_via(&t, &rs[0], (enum dsv4_transport)x);   /* and the slot serves again */
     }
 
     /* The scheduler goes away and a new one binds: both ranks register again. */
