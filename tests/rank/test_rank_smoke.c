@@ -335,22 +335,40 @@ take_location(struct treq *r, const struct dsv4_msg *m)
     take_location_via(r, m, DSV4_TRANSPORT_SHM);
 }
 
-/* PREFILL r on the prefill rank and wait for its PREFILL_DONE; nobody
- * claims the region. */
+/* PREFILL r on the prefill rank over `via` and wait for its PREFILL_DONE
+ * (r's location and first token taken). */
 static void
-prefill_unclaimed(struct treq *r)
+prefill_via(struct treq *r, enum dsv4_transport via)
 {
     struct dsv4_route from;
     struct dsv4_msg m;
 
     r->n_out = 0;
-    send_prefill(r);
+    send_prefill_via(r, via);
     dsv4_msg_init(&m, DSV4_SUB_NONE, 0);
     recv_msg(&from, &m);
     CHECK(m.cmd == DSV4_RANK_PREFILL_DONE && route_eq(&from, &pre.route));
     CHECK(m.u.prefill_done.req == r->req);
-    take_location(r, &m);
+    take_location_via(r, &m, via);
     dsv4_msg_clear(&m);
+}
+
+/* PREFILL r over shm; nobody claims the region. */
+static void
+prefill_unclaimed(struct treq *r)
+{
+    prefill_via(r, DSV4_TRANSPORT_SHM);
+}
+
+/* The first transport other than none missing from `offered` (a READY's
+ * transports), or DSV4_TRANSPORT_NONE when it offers them all. */
+static int
+missing_transport(uint32_t offered)
+{
+    for (int x = DSV4_TRANSPORT_NONE + 1; x < DSV4_TRANSPORT__COUNT; x++)
+        if (!(offered & (1u << x)))
+            return x;
+    return DSV4_TRANSPORT_NONE;
 }
 
 /* Answer HEARTBEATs until r's region is gone (no other message may come);
@@ -408,7 +426,7 @@ bad_work(const struct tmodel *t, struct treq *r)
 {
     static int32_t big[300];
     struct dsv4_msg m;
-    int released = 0, sent = 0, lacks = DSV4_TRANSPORT_NONE;
+    int released = 0, sent = 0, lacks;
     uint64_t req = 400;
     int32_t first = r->prompt[0];
 
@@ -416,9 +434,7 @@ bad_work(const struct tmodel *t, struct treq *r)
      * rank lacks cudaipc; a CUDA rank built with UCX has all three, so the
      * case is left out there), more tokens than max_seq (256), an id
      * outside the vocabulary */
-    for (int x = DSV4_TRANSPORT__COUNT - 1; x > DSV4_TRANSPORT_NONE; x--)
-        if (!(pre.transports & (1u << x)))
-            lacks = x;
+    lacks = missing_transport(pre.transports);
     if (lacks == DSV4_TRANSPORT_NONE)
         printf("bad_work: the prefill rank has every transport: no PREFILL of a missing one\n");
     for (int i = lacks == DSV4_TRANSPORT_NONE ? 1 : 0; i < 3; i++) {
@@ -438,10 +454,7 @@ bad_work(const struct tmodel *t, struct treq *r)
      * location whose region does not exist, a location that covers another
      * position count than pos, one that says it is one of two parts, one of
      * a transport the decode rank lacks (left out where it has all) */
-    lacks = DSV4_TRANSPORT_NONE;
-    for (int x = DSV4_TRANSPORT__COUNT - 1; x > DSV4_TRANSPORT_NONE; x--)
-        if (!(dec.transports & (1u << x)))
-            lacks = x;
+    lacks = missing_transport(dec.transports);
     for (int i = 0; i < 6; i++) {
         static const int code[6] = { DSV4_STATUS_TOO_LARGE, DSV4_STATUS_BAD_ARGUMENT,
                                      DSV4_STATUS_INTERNAL, DSV4_STATUS_BAD_MESSAGE,
@@ -489,12 +502,7 @@ abort_in_import(struct treq *r, enum dsv4_transport via)
     struct dsv4_route from;
     struct dsv4_msg m;
 
-    r->n_out = 0;
-    send_prefill_via(r, via);
-    recv_msg(&from, &m);
-    CHECK(m.cmd == DSV4_RANK_PREFILL_DONE && m.u.prefill_done.req == r->req);
-    take_location_via(r, &m, via);
-    dsv4_msg_clear(&m);
+    prefill_via(r, via);
     send_decode(r, 0);
     send_ref(&dec, DSV4_RANK_ABORT, r->req);
     for (;;) {
@@ -526,14 +534,8 @@ handoff_via(struct tmodel *t, struct treq *r, enum dsv4_transport via)
     struct dsv4_msg m;
     int32_t ref[MAX_OUT];
 
-    r->n_out = 0;
     r->done = r->released = false;
-    send_prefill_via(r, via);
-    recv_msg(&from, &m);
-    CHECK(m.cmd == DSV4_RANK_PREFILL_DONE && route_eq(&from, &pre.route));
-    CHECK(m.u.prefill_done.req == r->req);
-    take_location_via(r, &m, via);
-    dsv4_msg_clear(&m);
+    prefill_via(r, via);
     send_decode(r, 0);
     while (!r->done) {
         recv_msg(&from, &m);
