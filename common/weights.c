@@ -398,6 +398,7 @@ dsv4_weights_load(struct dsv4_weights *w, const char *dir)
     err = fill_all(&f);
     if (err != DSV4_OK)
         goto fail;
+    w->ckpt = p->ck;
     dsv4_inventory_free(&inv);
     return DSV4_OK;
 fail:

@@ -111,6 +111,12 @@ struct dsv4_weights {
     struct dsv4_hc_w hc_head;
     int n_layers;            /* main + MTP */
     struct dsv4_layer_w *layers;
+    /* The open checkpoint the weights were read from (dsv4_weights_load;
+     * its shards stay mapped until dsv4_weights_free), for a fingerprint
+     * of exactly the loaded weights (dsv4_ckpt_fingerprint_of,
+     * common/weights_fp.h).  A shard view (dsv4_weights_shard) keeps its
+     * source's; NULL for weights from anywhere else (synthetic). */
+    const struct dsv4_ckpt *ckpt;
     void *priv;              /* loader state (open checkpoint, arrays) */
 };
 

@@ -56,21 +56,17 @@ routed_expert_not_0(const char *name)
 }
 
 enum dsv4_err
-dsv4_ckpt_fingerprint(const char *dir, char *out)
+dsv4_ckpt_fingerprint_of(const struct dsv4_ckpt *c, char *out)
 {
     const struct dsv4_st_tensor **t;
-    struct dsv4_ckpt *c;
-    enum dsv4_err e;
     uint64_t h = FNV_OFFSET;
     int n;
 
-    if ((e = dsv4_ckpt_open(&c, dir)) != DSV4_OK)
-        return e;
+    if (c == NULL)
+        return dsv4_err_set(DSV4_ERR_INVAL, "fingerprint: no checkpoint");
     n = dsv4_ckpt_count(c);
-    if ((t = malloc(sizeof(*t) * (size_t)(n > 0 ? n : 1))) == NULL) {
-        dsv4_ckpt_close(c);
+    if ((t = malloc(sizeof(*t) * (size_t)(n > 0 ? n : 1))) == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "fingerprint: no memory");
-    }
     for (int i = 0; i < n; i++)
         t[i] = dsv4_ckpt_at(c, i);
     qsort(t, (size_t)n, sizeof(*t), by_name);
@@ -83,9 +79,21 @@ dsv4_ckpt_fingerprint(const char *dir, char *out)
             h = mix(h, t[i]->data, t[i]->n_bytes < SAMPLE_BYTES ? t[i]->n_bytes : SAMPLE_BYTES);
     }
     free(t);
-    dsv4_ckpt_close(c);
     put(h, out);
     return DSV4_OK;
+}
+
+enum dsv4_err
+dsv4_ckpt_fingerprint(const char *dir, char *out)
+{
+    struct dsv4_ckpt *c;
+    enum dsv4_err e;
+
+    if ((e = dsv4_ckpt_open(&c, dir)) != DSV4_OK)
+        return e;
+    e = dsv4_ckpt_fingerprint_of(c, out);
+    dsv4_ckpt_close(c);
+    return e;
 }
 
 void

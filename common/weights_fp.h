@@ -36,6 +36,18 @@ extern "C" {
  */
 enum dsv4_err dsv4_ckpt_fingerprint(const char *dir, char *out);
 
+struct dsv4_ckpt;
+
+/*
+ * The same fingerprint of a checkpoint already open (dsv4_ckpt_open, or the
+ * `ckpt` of weights from dsv4_weights_load).  A rank takes it from the
+ * shards it loaded, so that it describes the weights it runs even when the
+ * directory was replaced after the load, and the headers are not read a
+ * second time.  Errors: DSV4_ERR_INVAL for a NULL checkpoint;
+ * DSV4_ERR_NOMEM.
+ */
+enum dsv4_err dsv4_ckpt_fingerprint_of(const struct dsv4_ckpt *c, char *out);
+
 /*
  * The fingerprint of synthetic weights (rank --synthetic-weights SEED):
  * the configuration's sizes and the seed, marked so that it never equals a

@@ -1030,7 +1030,7 @@ rank_init_weights(struct rank *k, bool cuda)
     if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
         fatalx_conf("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
     k->w_loaded = true;
-    if (dsv4_ckpt_fingerprint(k->o.conf.checkpoint, k->model_fp) == DSV4_OK)
+    if (dsv4_ckpt_fingerprint_of(k->w.ckpt, k->model_fp) == DSV4_OK)
         log_info("rank_init: model fingerprint %s", k->model_fp);
     else
         log_warnx("rank_init: no model fingerprint (not sent in READY): %s", dsv4_errmsg());

@@ -6,7 +6,9 @@
  * message naming the file and the tensor.  The good checkpoint's views are
  * checked against the reader and against dimensions derived from the config.
  * The model fingerprint (dsv4_ckpt_fingerprint): equal for the same
- * checkpoint, different for another seed's and for synthetic weights.
+ * checkpoint, different for another seed's and for synthetic weights; of
+ * loaded weights, the loaded checkpoint's even after its directory was
+ * replaced.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -28,6 +30,7 @@
 #include "common/safetensors.h"
 #include "common/weights.h"
 #include "common/weights_fp.h"
+#include "common/weights_shard.h"
 
 static const char *mkmodel;
 static char tmpdir[512];
@@ -493,6 +496,50 @@ test_fingerprint(void **state)
     assert_string_equal(s7, s7b);
     assert_string_not_equal(s7, s8);
     assert_string_not_equal(s7, fa);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(w.ckpt, fb), DSV4_OK);
+    assert_string_equal(fa, fb);
+    dsv4_weights_free(&w);
+    assert_null(w.ckpt);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(NULL, fb), DSV4_ERR_INVAL);
+}
+
+/* Weights loaded from a directory that is then replaced by another
+ * checkpoint (an operator's upgrade while the rank runs): the loaded
+ * weights' fingerprint stays the one they were read from; the directory's
+ * is the new one.  A rank sends the first, so a scheduler whose reference
+ * is the new checkpoint refuses it. */
+static void
+test_fingerprint_replaced(void **state)
+{
+    struct dsv4_weights w, v;
+    char f7[DSV4_FP_CHARS + 1], f8[DSV4_FP_CHARS + 1], fw[DSV4_FP_CHARS + 1];
+    char fd[DSV4_FP_CHARS + 1], fv[DSV4_FP_CHARS + 1];
+    char live[600], old[620], next[620];
+
+    (void)state;
+    snprintf(live, sizeof(live), "%s/live", tmpdir);
+    snprintf(old, sizeof(old), "%s/live.old", tmpdir);
+    snprintf(next, sizeof(next), "%s/live.next", tmpdir);
+    assert_int_equal(run_mkmodel("7", live), 0);
+    assert_int_equal(run_mkmodel("8", next), 0);
+    assert_int_equal(dsv4_ckpt_fingerprint(live, f7), DSV4_OK);
+    assert_int_equal(dsv4_ckpt_fingerprint(next, f8), DSV4_OK);
+    assert_string_not_equal(f7, f8);
+    if (dsv4_weights_load(&w, live) != DSV4_OK)
+        fail_msg("%s", dsv4_errmsg());
+    assert_non_null(w.ckpt);
+    assert_int_equal(rename(live, old), 0);
+    assert_int_equal(rename(next, live), 0);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(w.ckpt, fw), DSV4_OK);
+    assert_int_equal(dsv4_ckpt_fingerprint(live, fd), DSV4_OK);
+    assert_string_equal(fw, f7);
+    assert_string_equal(fd, f8);
+    /* a group's shard view keeps its source's checkpoint */
+    assert_int_equal(dsv4_weights_shard(&v, &w, 1, 2, DSV4_GROUP_SPLIT_EP), DSV4_OK);
+    assert_ptr_equal(v.ckpt, w.ckpt);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(v.ckpt, fv), DSV4_OK);
+    assert_string_equal(fv, f7);
+    dsv4_weights_shard_free(&v);
     dsv4_weights_free(&w);
 }
 
@@ -644,6 +691,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_bad_config),
         cmocka_unit_test(test_fingerprint),
+        cmocka_unit_test(test_fingerprint_replaced),
     };
 
     if (argc != 2) {
