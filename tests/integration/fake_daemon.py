@@ -5,7 +5,10 @@ the dsv4-launch tests: speaks the notify protocol, reports what it was given
 line appended to $FAKE_REPORT, pings the watchdog unless $FAKE_NO_WATCHDOG,
 exits with $FAKE_EXIT after $FAKE_EXIT_AFTER_S seconds if set, on SIGHUP
 appends its pid to $FAKE_REPORT.hup and sends RELOADING=1 then READY=1 (a
-reload), and on SIGTERM sends STOPPING=1 and exits 0."""
+reload), and on SIGTERM sends STOPPING=1 and exits 0.  For the launcher's
+timeouts: $FAKE_EXTEND_USEC sends EXTEND_TIMEOUT_USEC= with it at start,
+$FAKE_READY_AFTER_S holds READY=1 back that long (pinging nothing before),
+and $FAKE_IGNORE_TERM ignores SIGTERM (only SIGKILL ends it)."""
 import json, os, signal, socket, sys, time
 
 
@@ -20,7 +23,10 @@ def notify(msg):
 
 def main():
     stop = []
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    if os.environ.get("FAKE_IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 
     def on_hup(*a):
         with open(os.environ["FAKE_REPORT"] + ".hup", "a") as f:
@@ -45,6 +51,11 @@ def main():
     with open(os.environ["FAKE_REPORT"], "a") as f:
         f.write(json.dumps(rep) + "\n")
     notify("STATUS=loading")
+    if os.environ.get("FAKE_EXTEND_USEC"):
+        notify("EXTEND_TIMEOUT_USEC=" + os.environ["FAKE_EXTEND_USEC"])
+    ready_at = time.monotonic() + float(os.environ.get("FAKE_READY_AFTER_S", "0"))
+    while time.monotonic() < ready_at:
+        time.sleep(0.02)
     notify("READY=1")
     wd = int(os.environ.get("WATCHDOG_USEC") or 0) / 2e6
     t0 = time.monotonic()

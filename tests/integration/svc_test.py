@@ -1720,6 +1720,45 @@ def sc_launch():
         p.send_signal(signal.SIGTERM)
         check(p.wait(WAIT_S) == 0, "launcher exit status after SIGHUP, SIGTERM")
         log("launch: SIGHUP to the scheduler alone: ok")
+
+        # 8. Start and stop timeouts.  (a) EXTEND_TIMEOUT_USEC never brings
+        # the start deadline nearer (sd_notify(3)): 0.5 s asked at start
+        # against -T 3, READY after 1.5 s, is no timeout.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n9")
+        p = run({"FAKE_EXTEND_USEC": "500000", "FAKE_READY_AFTER_S": "1.5"},
+                args=["-P", "0", "-D", "0", "-w", "0", "-T", "3", "--", "true"], nlog=nlog)
+        check(p.wait(WAIT_S) == 0, "a short EXTEND_TIMEOUT_USEC: launcher exit %s" % p.returncode)
+        check("sched NOTIFY READY=1" in readf(nlog) and "sched EXIT signal" not in readf(nlog)
+              and len(reports_safe(d)) == 1,
+              "a short EXTEND_TIMEOUT_USEC cut the start timeout: %s" % readf(nlog))
+        # (b) an extension past -T 1: READY after 2 s, 3 s asked, no timeout.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n10")
+        p = run({"FAKE_EXTEND_USEC": "3000000", "FAKE_READY_AFTER_S": "2"},
+                args=["-P", "0", "-D", "0", "-w", "0", "-T", "1", "--", "true"], nlog=nlog)
+        check(p.wait(WAIT_S) == 0, "EXTEND_TIMEOUT_USEC past -T: launcher exit %s" % p.returncode)
+        check(len(reports_safe(d)) == 1 and "sched EXIT signal" not in readf(nlog),
+              "EXTEND_TIMEOUT_USEC past -T not honoured: %s" % readf(nlog))
+        # (c) not ready within -T 1 and deaf to SIGTERM: SIGTERM, then
+        # SIGKILL after -t 1, then a restart (a start timeout is a failure).
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n11")
+        p = run({"FAKE_READY_AFTER_S": "60", "FAKE_IGNORE_TERM": "1"},
+                args=["-P", "0", "-D", "0", "-w", "0", "-T", "1", "-t", "1"], nlog=nlog)
+        wait_for(lambda: "sched EXIT signal=9" in readf(nlog), "SIGKILL after a start timeout")
+        wait_for(lambda: len(reports_safe(d)) >= 2, "restart after a start timeout")
+        p.send_signal(signal.SIGTERM)
+        # (d) the set's stop: the child still ignores SIGTERM, SIGKILL after -t 1
+        check(p.wait(WAIT_S) == 0, "launcher exit status after a stop timeout")
+        err = p.stderr.read()
+        check("sched not ready in time; SIGTERM" in err and
+              "sched did not stop in time; SIGKILL" in err and
+              "stop timeout; killing what is left" in err,
+              "timeout lines missing from the launcher's log:\n%s" % err[-2000:])
+        check(readf(nlog).count("sched EXIT signal=9") == 2, "want two SIGKILLs: %s" % readf(nlog))
+        log("launch: start timeout extended, never shortened; SIGKILL after a timeout's "
+            "SIGTERM and at the stop timeout: ok")
     finally:
         if p is not None and p.poll() is None:
             p.kill()

@@ -271,6 +271,36 @@ proc_reap(struct launch *l)
     }
 }
 
+/*
+ * EXTEND_TIMEOUT_USEC=v (sd_notify(3)): the child must send its next
+ * message within v µs, and the timeout of its current state does not fire
+ * before then.  As systemd, an extension never brings a deadline nearer:
+ * the start timeout (-T) stands until now + v passes it, and so does the
+ * watchdog's (or, after a timeout's SIGTERM, the stop timeout's) deadline.
+ * A value that is not a number is ignored.
+ */
+static void
+proc_extend(struct launch_child *k, const char *value, int64_t now)
+{
+    char *end;
+    long long us;
+    int64_t until;
+
+    errno = 0;
+    us = strtoll(value, &end, 10);
+    if (end == value || *end != '\0' || errno != 0 || us < 0) {
+        log_debug("proc_notify: %s: EXTEND_TIMEOUT_USEC=%s ignored", k->name, value);
+        return;
+    }
+    until = now + us / 1000;
+    if (k->start_deadline_ms != 0) {
+        if (until > k->start_deadline_ms)
+            k->start_deadline_ms = until;
+    } else if (k->watchdog_deadline_ms != 0 && until > k->watchdog_deadline_ms) {
+        k->watchdog_deadline_ms = until;
+    }
+}
+
 /* Apply one "KEY=VALUE" line of a notify message. */
 static void
 proc_notify_line(struct launch *l, struct launch_child *k, const char *line)
@@ -294,8 +324,7 @@ proc_notify_line(struct launch *l, struct launch_child *k, const char *line)
     } else if (strncmp(line, "STATUS=", 7) == 0) {
         log_info("proc_notify: %s: %s", k->name, line + 7);
     } else if (strncmp(line, "EXTEND_TIMEOUT_USEC=", 20) == 0) {
-        if (k->start_deadline_ms != 0)
-            k->start_deadline_ms = now + strtoll(line + 20, NULL, 10) / 1000;
+        proc_extend(k, line + 20, now);
     } else if (strcmp(line, "RELOADING=1") == 0) {
         k->ready = false;
     }
@@ -361,7 +390,10 @@ proc_timers(struct launch *l, int64_t now)
         } else if (k->start_deadline_ms != 0)
             NEXT(k->start_deadline_ms);
         if (k->watchdog_deadline_ms != 0 && now >= k->watchdog_deadline_ms) {
-            log_warnx("proc_timers: %s watchdog timeout; SIGABRT", k->name);
+            if (k->timed_out)
+                log_warnx("proc_timers: %s did not stop in time; SIGKILL", k->name);
+            else
+                log_warnx("proc_timers: %s watchdog timeout; SIGABRT", k->name);
             kill(k->pid, k->timed_out ? SIGKILL : SIGABRT);
             k->timed_out = true;
             k->watchdog_deadline_ms = now + l->o.stop_timeout_ms;
