@@ -7,7 +7,8 @@ exits with $FAKE_EXIT after $FAKE_EXIT_AFTER_S seconds if set, on SIGHUP
 appends its pid to $FAKE_REPORT.hup and sends RELOADING=1 then READY=1 (a
 reload), and on SIGTERM sends STOPPING=1 and exits 0.  For the launcher's
 timeouts: $FAKE_EXTEND_USEC sends EXTEND_TIMEOUT_USEC= with it at start,
-$FAKE_READY_AFTER_S holds READY=1 back that long (pinging nothing before),
+$FAKE_READY_AFTER_S holds READY=1 back that long (pinging nothing before;
+$FAKE_EXIT_AFTER_S still applies),
 and $FAKE_IGNORE_TERM ignores SIGTERM (only SIGKILL ends it)."""
 import json, os, signal, socket, sys, time
 
@@ -53,13 +54,16 @@ def main():
     notify("STATUS=loading")
     if os.environ.get("FAKE_EXTEND_USEC"):
         notify("EXTEND_TIMEOUT_USEC=" + os.environ["FAKE_EXTEND_USEC"])
-    ready_at = time.monotonic() + float(os.environ.get("FAKE_READY_AFTER_S", "0"))
-    while time.monotonic() < ready_at:
-        time.sleep(0.02)
-    notify("READY=1")
-    wd = int(os.environ.get("WATCHDOG_USEC") or 0) / 2e6
     t0 = time.monotonic()
     exit_after = float(os.environ.get("FAKE_EXIT_AFTER_S", "0"))
+    ready_at = t0 + float(os.environ.get("FAKE_READY_AFTER_S", "0"))
+    while time.monotonic() < ready_at and not stop:
+        time.sleep(0.02)
+        if exit_after and time.monotonic() - t0 > exit_after:
+            sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+    if not stop:
+        notify("READY=1")
+    wd = int(os.environ.get("WATCHDOG_USEC") or 0) / 2e6
     while not stop:
         time.sleep(min(wd, 0.05) if wd else 0.05)
         if wd and not os.environ.get("FAKE_NO_WATCHDOG"):

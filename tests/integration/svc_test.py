@@ -1651,6 +1651,8 @@ def sc_launch():
         os.kill(dec, signal.SIGKILL)
         wait_for(lambda: len(reports_safe(d)) == 3, "decode@0 restarted after kill -9")
         check("--rank" in reports_safe(d)[2]["argv"], "restarted the wrong process")
+        wait_for(lambda: readf(nlog).count("decode@0 NOTIFY READY=1") == 2,
+                 "the restarted decode@0 ready")
         os.kill(reports_safe(d)[2]["pid"], signal.SIGTERM)   # clean exit: stays down
         wait_for(lambda: "decode@0 EXIT exit=0" in readf(nlog), "clean exit")
         p.send_signal(signal.SIGTERM)
@@ -1759,6 +1761,22 @@ def sc_launch():
         check(readf(nlog).count("sched EXIT signal=9") == 2, "want two SIGKILLs: %s" % readf(nlog))
         log("launch: start timeout extended, never shortened; SIGKILL after a timeout's "
             "SIGTERM and at the stop timeout: ok")
+
+        # 9. An exit before READY=1 fails the start whatever its status
+        # (systemd's result "protocol"): exit 0 before READY is restarted
+        # and hits the start limit; the set does not wait for ever.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n12")
+        p = run({"FAKE_READY_AFTER_S": "60", "FAKE_EXIT_AFTER_S": "0.05", "FAKE_EXIT": "0"},
+                args=["-P", "0", "-D", "0", "-w", "0", "--", "true"], nlog=nlog)
+        check(p.wait(WAIT_S) == 1, "exit 0 before READY: launcher exit %s, want 1 (start limit)"
+              % p.returncode)
+        check(len(reports_safe(d)) == 5, "%d starts, want 5" % len(reports_safe(d)))
+        check("READY=1" not in readf(nlog) and readf(nlog).count("sched EXIT exit=0") == 5,
+              "notify log: %s" % readf(nlog))
+        check("sched exit=0 before READY=1: a failed start" in p.stderr.read(),
+              "no 'failed start' line")
+        log("launch: an exit 0 before READY=1 is a failed start: ok")
     finally:
         if p is not None and p.poll() is None:
             p.kill()

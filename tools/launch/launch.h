@@ -52,7 +52,9 @@ struct launch_child {
     pid_t pid;                       /* 0 = not running */
     int notify_fd;                   /* its NOTIFY_SOCKET (bound, datagram) */
     char notify_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-    bool ready;                      /* READY=1 since the last start */
+    bool ready;                      /* READY=1 since the last start (or reload) */
+    bool started;                    /* READY=1 since the last start: an exit
+                                        before it failed the start */
     bool ever_ready;
     bool stopping;                   /* STOPPING=1 seen */
     bool gave_up;                    /* start limit hit, or exit 2 / 6 */

@@ -166,6 +166,7 @@ proc_start(struct launch *l, struct launch_child *k)
         proc_exec(l, k);
     k->pid = pid;
     k->ready = false;
+    k->started = false;
     k->stopping = false;
     k->timed_out = false;
     k->restart_at_ms = 0;
@@ -181,8 +182,9 @@ proc_start(struct launch *l, struct launch_child *k)
 }
 
 /* Restart=on-failure: anything but a clean exit (status 0 or the clean
- * signals SIGHUP, SIGINT, SIGTERM, SIGPIPE) is a failure; proc_exited does
- * not restart statuses 2 and 6 (RestartPreventExitStatus=). */
+ * signals SIGHUP, SIGINT, SIGTERM, SIGPIPE) is a failure; so is any exit
+ * before READY=1 and any after a timeout (proc_exited), which does not
+ * restart statuses 2 and 6 (RestartPreventExitStatus=). */
 static bool
 proc_failed(int status)
 {
@@ -228,8 +230,13 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
         return;
     }
     if (!proc_failed(status) && !k->timed_out) {
-        log_notice("proc_exited: %s %s; not restarted (clean exit)", k->name, how);
-        return;
+        if (k->started) {
+            log_notice("proc_exited: %s %s; not restarted (clean exit)", k->name, how);
+            return;
+        }
+        /* A Type=notify service whose process ends before READY=1 failed
+         * its start, whatever the status (systemd's result "protocol"). */
+        log_warnx("proc_exited: %s %s before READY=1: a failed start", k->name, how);
     }
     /* Give up on the child and stop the set with give_up as the exit status:
      * RestartPreventExitStatus=2 6 (the units'), a usage or configuration
@@ -311,6 +318,7 @@ proc_notify_line(struct launch *l, struct launch_child *k, const char *line)
         if (!k->ready)
             log_info("proc_notify: %s ready", k->name);
         k->ready = true;
+        k->started = true;
         k->ever_ready = true;
         k->start_deadline_ms = 0;
         if (l->o.watchdog_ms > 0)
