@@ -1777,6 +1777,36 @@ def sc_launch():
         check("sched exit=0 before READY=1: a failed start" in p.stderr.read(),
               "no 'failed start' line")
         log("launch: an exit 0 before READY=1 is a failed start: ok")
+
+        # 10. Listeners the configuration gets wrong: exit 6 (configuration,
+        # not restarted by systemd); an address in use: exit 1.
+        blocker = os.path.join(d, "file")
+        with open(blocker, "w"):
+            pass
+        for ep in ("foo://x", "tcp://127.0.0.1", "tcp://127.0.0.1:", "ipc://",
+                   "ipc://%s/sub/c.sock" % blocker, "ipc://%s/%s.sock" % (d, "x" * 120)):
+            q = subprocess.Popen([exe("tools/launch/dsv4-launch"), "-o", "client_endpoint=" + ep,
+                                  "-o", "admin_endpoint=ipc://%s/a.sock" % d, "-P", "0", "-D", "0",
+                                  "--sched-bin", fake, "--", "true"],
+                                 stderr=subprocess.PIPE, text=True)
+            err = q.communicate(timeout=WAIT_S)[1]
+            check(q.returncode == 6, "client_endpoint=%s: exit %d, want 6: %s" %
+                  (ep, q.returncode, err))
+            check("client_endpoint or admin_endpoint as configured" in err,
+                  "client_endpoint=%s: %s" % (ep, err))
+        busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        q = subprocess.Popen([exe("tools/launch/dsv4-launch"), "-o",
+                              "client_endpoint=tcp://127.0.0.1:%d" % busy.getsockname()[1],
+                              "-o", "admin_endpoint=ipc://%s/a.sock" % d, "-P", "0", "-D", "0",
+                              "--sched-bin", fake, "--", "true"],
+                             stderr=subprocess.PIPE, text=True)
+        err = q.communicate(timeout=WAIT_S)[1]
+        busy.close()
+        check(q.returncode == 1 and "Address already in use" in err,
+              "an address in use: exit %d: %s" % (q.returncode, err))
+        log("launch: listeners misconfigured exit 6, an address in use exits 1: ok")
     finally:
         if p is not None and p.poll() is None:
             p.kill()

@@ -346,7 +346,12 @@ main(int argc, char **argv)
         l.listen_fd[1] = sock_listen(l.conf.admin_endpoint, l.conf.admin_mode,
         l.listen_path[1], sizeof(l.listen_path[1]));
     if (!l.o.no_sched && (l.listen_fd[0] < 0 || l.listen_fd[1] < 0)) {
+        bool conf = l.listen_fd[0] == LAUNCH_SOCK_CONFIG || l.listen_fd[1] == LAUNCH_SOCK_CONFIG;
+
         cleanup(&l);
+        if (conf)
+            fatalx_conf("cannot bind the scheduler's listeners: client_endpoint or "
+                "admin_endpoint as configured");
         fatalx("cannot bind the scheduler's listeners");
     }
     if (l.o.notify_log != NULL &&

@@ -113,10 +113,17 @@ int64_t launch_now_ms(void);
 
 /* --- launch_sock.c: listeners and notify sockets ------------------------ */
 
+/* What sock_listen returns when the configuration is at fault: the
+ * endpoint's form (not ipc://PATH or tcp://HOST:PORT, no port, a path too
+ * long for a unix socket), a host name that does not resolve, a parent
+ * directory that cannot be made (exit status 6, DSV4_EXIT_CONFIG). */
+#define LAUNCH_SOCK_CONFIG (-2)
+
 /* Bind and listen on `endpoint` (ipc://PATH or tcp://HOST:PORT); for ipc://
  * unlink a stale file first, create the parent directory, chmod to `mode`
  * when not 0 and record the path in `path_out` (else ""); CLOEXEC.  Returns
- * the fd, or -1 with the reason logged. */
+ * the fd; LAUNCH_SOCK_CONFIG, or -1 for any other failure (an address in
+ * use, a system error), with the reason logged. */
 int sock_listen(const char *endpoint, unsigned mode, char *path_out, size_t path_len);
 
 /* Bind a datagram unix socket for child `k`'s NOTIFY_SOCKET in `dir`. */

@@ -20,8 +20,8 @@
 
 #define LISTEN_BACKLOG 128
 
-/* mkdir -p the directory part of `path`. */
-static void
+/* mkdir -p the directory part of `path`; -1 when a part cannot be made. */
+static int
 sock_mkparent(const char *path)
 {
     char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -30,10 +30,13 @@ sock_mkparent(const char *path)
     snprintf(dir, sizeof(dir), "%s", path);
     for (p = dir + 1; (p = strchr(p, '/')) != NULL; p++) {
         *p = '\0';
-        if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-            log_warn("sock_mkparent: mkdir %s", dir);
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+            log_warn("sock_listen: cannot make the directory %s", dir);
+            return -1;
+        }
         *p = '/';
     }
+    return 0;
 }
 
 static int
@@ -45,12 +48,14 @@ sock_listen_ipc(const char *path, unsigned mode, char *path_out, size_t path_len
 
     memset(&sa, 0, sizeof(sa));
     sa.sun_family = AF_UNIX;
-    if (strlen(path) >= sizeof(sa.sun_path)) {
-        log_warnx("sock_listen: path too long: %s", path);
-        return -1;
+    if (*path == '\0' || strlen(path) >= sizeof(sa.sun_path)) {
+        log_warnx("sock_listen: ipc://%s: %s", path, *path == '\0' ? "no path" :
+            "path too long for a unix socket");
+        return LAUNCH_SOCK_CONFIG;
     }
     strcpy(sa.sun_path, path);
-    sock_mkparent(path);
+    if (sock_mkparent(path) != 0)
+        return LAUNCH_SOCK_CONFIG;
     /* A socket file left by a dead process is stale; anything else is not
      * ours to remove. */
     if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
@@ -80,9 +85,9 @@ sock_listen_tcp(const char *hostport)
 
     snprintf(host, sizeof(host), "%s", hostport);
     colon = strrchr(host, ':');
-    if (colon == NULL) {
+    if (colon == NULL || colon[1] == '\0') {
         log_warnx("sock_listen: tcp endpoint without port: %s", hostport);
-        return -1;
+        return LAUNCH_SOCK_CONFIG;
     }
     *colon = '\0';
     h = host;
@@ -98,7 +103,9 @@ sock_listen_tcp(const char *hostport)
     hints.ai_flags = AI_PASSIVE;
     if ((rc = getaddrinfo(h, colon + 1, &hints, &res)) != 0) {
         log_warnx("sock_listen: %s: %s", hostport, gai_strerror(rc));
-        return -1;
+        /* EAI_AGAIN (the resolver did not answer) may pass; the rest is
+         * the name or the port as configured */
+        return rc == EAI_AGAIN || rc == EAI_SYSTEM || rc == EAI_MEMORY ? -1 : LAUNCH_SOCK_CONFIG;
     }
     for (ai = res; ai != NULL; ai = ai->ai_next) {
         fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -128,7 +135,7 @@ sock_listen(const char *endpoint, unsigned mode, char *path_out, size_t path_len
     if (strncmp(endpoint, "tcp://", 6) == 0)
         return sock_listen_tcp(endpoint + 6);
     log_warnx("sock_listen: unsupported endpoint %s (ipc:// or tcp://)", endpoint);
-    return -1;
+    return LAUNCH_SOCK_CONFIG;
 }
 
 int
