@@ -714,7 +714,7 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
     char *text, path[4096], dup[256];
     const char *why;
     size_t len = 0;
-    int n_map;
+    int n_map, nf = 0;
 
     err = read_small_file(ipath, &text, &len);
     if (err != DSV4_OK)
@@ -741,7 +741,9 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
         goto out;
     }
 
-    /* Distinct shard names, sorted: that is the shard order. */
+    /* Distinct shard names, sorted: that is the shard order.  Counted in
+     * nf: c->n_files counts opened files only (dsv4_ckpt_close reads
+     * c->files[0 .. n_files), so it stays 0 until c->files exists). */
     json_object_object_foreach(wm, name, sv) {
         const char *s;
 
@@ -752,15 +754,16 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
                                ipath, name);
             goto out;
         }
-        if (file_index(shards, c->n_files, s) < 0)
-            shards[c->n_files++] = s;
+        if (file_index(shards, nf, s) < 0)
+            shards[nf++] = s;
     }
-    qsort(shards, (size_t)c->n_files, sizeof(*shards), cmp_str);
-    c->files = calloc((size_t)c->n_files + 1, sizeof(*c->files));
+    qsort(shards, (size_t)nf, sizeof(*shards), cmp_str);
+    c->files = calloc((size_t)nf + 1, sizeof(*c->files));
     if (c->files == NULL) {
         err = dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", ipath);
         goto out;
     }
+    c->n_files = nf;
     for (int i = 0; i < c->n_files; i++) {
         snprintf(path, sizeof(path), "%s/%s", dir, shards[i]);
         err = dsv4_st_open(&c->files[i], path);

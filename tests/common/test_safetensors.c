@@ -605,6 +605,14 @@ test_ckpt_bad_index(void **state)
     expect_ckpt_fail(dir, "'x'", "shard file name", NULL);
     make_ckpt(dir, "\"x\":7,", 0);
     expect_ckpt_fail(dir, "'x'", NULL);
+    /* the same after a good entry (json-c keeps the file's order): a shard
+     * was counted before the bad value and must not be closed unopened */
+    snprintf(ip, sizeof(ip), "%s/model.safetensors.index.json", dir);
+    write_text(ip, "{\"weight_map\":{\"a.w\":\"model-00001-of-00002.safetensors\",\"x\":7}}");
+    expect_ckpt_fail(dir, "'x'", NULL);
+    write_text(ip, "{\"weight_map\":{\"a.w\":\"model-00001-of-00002.safetensors\","
+               "\"x\":\"../model-00002-of-00002.safetensors\"}}");
+    expect_ckpt_fail(dir, "'x'", "shard file name", NULL);
     snprintf(ip, sizeof(ip), "%s/model.safetensors.index.json", dir);
     write_text(ip, "{\"weight_map\":{\"a\":");
     expect_ckpt_fail(dir, "model.safetensors.index.json", NULL);
