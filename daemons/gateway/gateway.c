@@ -215,7 +215,6 @@ main(int argc, char **argv)
     int ch, verbose = 0, sigfd, n_fds, listen_fd = -1;
     char *overrides[64];
     int n_over = 0, i;
-    enum dsv4_err e;
 
     log_init(0);
     log_procinit("gateway");
@@ -252,7 +251,7 @@ main(int argc, char **argv)
         gw_keys_read(g.conf.gateway_keys, g.keys, &g.n_keys) != 0)
         fatalx_conf("cannot use the keys file %s", g.conf.gateway_keys);
     sdnotify_status("loading the tokenizer");
-    if ((e = dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF)) != DSV4_OK)
+    if (dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF) != DSV4_OK)
         fatalx_conf("tokenizer: %s", dsv4_errmsg());
     g.eos = dsv4_tok_eos(g.tok);
     /* The scheduler's endpoints as the gateway connects to them (form and

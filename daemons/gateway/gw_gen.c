@@ -135,6 +135,8 @@ gw_out_append(struct gw_gen *q, const char *s, size_t n)
     char *nb;
     size_t ncap;
 
+    if (n == 0)
+        return 0;   /* (q->out may still be NULL: memcpy's arguments must not be) */
     if (q->out_len + n > q->out_cap) {
         ncap = q->out_cap != 0 ? q->out_cap : 4096;
         while (ncap < q->out_len + n)
@@ -202,6 +204,7 @@ struct gw_ask {
     struct dsv4_chat_msg *msgs;       /* chat (malloc'd) */
     size_t n_msgs;
     struct dsv4_chat_opts copts;
+    char tag[64];                     /* p.tag: "gateway <id>" */
 };
 
 /* Parse failure: HTTP status, OpenAI code, message. */
@@ -1123,7 +1126,7 @@ static int
 gw_submit(struct gw_gen *q, struct gw_ask *a, struct gw_bad *b)
 {
     struct dsv4_client_opts co;
-    char keyfile[DSV4_CONF_STR + 16], tag[64];
+    char keyfile[DSV4_CONF_STR + 16];
     enum dsv4_err e;
     int rc;
 
@@ -1134,8 +1137,8 @@ gw_submit(struct gw_gen *q, struct gw_ask *a, struct gw_bad *b)
     }
     a->p.stream = 1;
     a->p.timeout_ms = (uint32_t)q->g->conf.gateway_timeout_ms;
-    snprintf(tag, sizeof(tag), "gateway %s", q->id);
-    a->p.tag = tag;
+    snprintf(a->tag, sizeof(a->tag), "gateway %s", q->id);
+    a->p.tag = a->tag;
     if (q->chat) {
         pthread_mutex_lock(&q->g->toklock);
         e = dsv4_chat_encode(q->g->tok, a->msgs, a->n_msgs, &a->copts, &q->prompt_ids);

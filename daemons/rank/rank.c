@@ -1099,6 +1099,7 @@ rank_init_model(struct rank *k)
     enum dsv4_numerics num;
     const struct dsv4_weights *w;
     bool cuda = strcmp(k->o.conf.backend, "cuda") == 0;
+    const char *env;
     size_t rows;
 
     sdnotify_status("creating the %s backend", k->o.conf.backend);
@@ -1208,8 +1209,8 @@ rank_init_model(struct rank *k)
 #ifdef DSV4_HAVE_CUDA
     mo.moe_local = mo.moe_local || (cuda && dsv4_cuda_get_kernels(k->be));
 #endif
-    if (getenv("DSV4_MOE_LOCAL") != NULL)
-        mo.moe_local = atoi(getenv("DSV4_MOE_LOCAL")) != 0;
+    if ((env = getenv("DSV4_MOE_LOCAL")) != NULL)
+        mo.moe_local = atoi(env) != 0;
     mo.n_slots = k->o.slots;
     mo.max_seq_len = k->o.conf.max_seq;
     /* speculative decoding: verify steps feed 1 + DSV4_SPEC_MAX_DRAFT rows

@@ -70,7 +70,7 @@ kv_open(struct rank *k)
      * deployments on one host (two schedulers) never touch each other's
      * regions: "<hash>-prefill-0". */
     uint32_t h = 2166136261u;
-    for (const char *c = k->o.conf.rank_endpoint; c != NULL && *c != '\0'; c++)
+    for (const char *c = k->o.conf.rank_endpoint; *c != '\0'; c++)
         h = (h ^ (uint8_t)*c) * 16777619u;
     snprintf(owner, sizeof(owner), "%08x-%s-%u", (unsigned)h, dsv4_role_name(k->o.role),
              (unsigned)k->o.index);

@@ -76,6 +76,9 @@ fd_endpoint(int fd, char *buf, size_t len)
     socklen_t sl = sizeof(ss);
     char addr[INET6_ADDRSTRLEN];
 
+    /* zeroed: an unnamed unix socket's getsockname writes the family alone,
+     * and its path must read as empty, not as what the stack held */
+    memset(&ss, 0, sizeof(ss));
     if (getsockname(fd, (struct sockaddr *)&ss, &sl) != 0)
         return -1;
     if (ss.ss_family == AF_UNIX) {

@@ -109,7 +109,7 @@ static char *
 prompt_read(int argc, char **argv)
 {
     size_t len = 0, cap = 4096;
-    char *s = malloc(cap);
+    char *s = malloc(cap), *ns;
     size_t n;
 
     if (s == NULL)
@@ -121,8 +121,11 @@ prompt_read(int argc, char **argv)
 
             if (len + add + 1 > cap) {
                 cap = 2 * (len + add + 1);
-                if ((s = realloc(s, cap)) == NULL)
+                if ((ns = realloc(s, cap)) == NULL) {
+                    free(s);
                     return NULL;
+                }
+                s = ns;
             }
             if (i > 0)
                 s[len++] = ' ';
@@ -133,8 +136,13 @@ prompt_read(int argc, char **argv)
     }
     while ((n = fread(s + len, 1, cap - len - 1, stdin)) > 0) {
         len += n;
-        if (len + 1 == cap && (s = realloc(s, cap *= 2)) == NULL)
-            return NULL;
+        if (len + 1 == cap) {
+            if ((ns = realloc(s, cap *= 2)) == NULL) {
+                free(s);
+                return NULL;
+            }
+            s = ns;
+        }
     }
     s[len] = '\0';
     return s;
