@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # run.sh [SECONDS] — build the protocol fuzz targets, the safetensors
-# reader's (fuzz_st.c), the configuration reader's (fuzz_conf.c) and the
+# reader's (fuzz_st.c), a checkpoint index's (fuzz_ckpt.c), the
+# configuration reader's (fuzz_conf.c) and the
 # tokenizer's (fuzz_tok.c) with clang's
 # libFuzzer (+ ASan + UBSan) and run each for SECONDS (default $FUZZ_SECONDS
 # or 20) on a scratch copy of its committed seed corpus (tests/fuzz/corpus/<target>/).
@@ -71,6 +72,15 @@ if ! "$cc" "${flags[@]}" "$here/fuzz_st.c" "$root/common/safetensors.c" \
     exit 1
 fi
 fuzz st
+
+# A sharded checkpoint's index on any bytes, beside three valid shards
+# (fuzz_ckpt.c).
+if ! "$cc" "${flags[@]}" "$here/fuzz_ckpt.c" "$root/common/safetensors.c" \
+        "$root/common/err.c" -ljson-c -lm -o "$work/fuzz_ckpt"; then
+    echo "run.sh: building fuzz_ckpt failed"
+    exit 1
+fi
+fuzz ckpt
 
 # The configuration file reader on any file (fuzz_conf.c).
 if ! "$cc" "${flags[@]}" "$here/fuzz_conf.c" "$root/common/config_file.c" \
