@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # run.sh [SECONDS] — build the protocol fuzz targets, the safetensors
-# reader's (fuzz_st.c), a checkpoint index's (fuzz_ckpt.c), the
-# configuration reader's (fuzz_conf.c) and the
-# tokenizer's (fuzz_tok.c) with clang's
-# libFuzzer (+ ASan + UBSan) and run each for SECONDS (default $FUZZ_SECONDS
-# or 20) on a scratch copy of its committed seed corpus (tests/fuzz/corpus/<target>/).
+# reader's (fuzz_st.c), a checkpoint index's (fuzz_ckpt.c), a checkpoint's
+# config.json's (fuzz_mconf.c), the configuration reader's (fuzz_conf.c) and
+# the tokenizer's (fuzz_tok.c) with clang's libFuzzer (+ ASan + UBSan) and
+# run each for SECONDS (default $FUZZ_SECONDS or 20) on a scratch copy of its
+# committed seed corpus (tests/fuzz/corpus/<target>/).
 # First replays every saved crash (tests/fuzz/crashes/<target>-*) as a
 # regression test.  New crash inputs are written to tests/fuzz/crashes/ and
 # fail the run.  Exits 77 (skipped) when clang cannot build a libFuzzer
@@ -81,6 +81,15 @@ if ! "$cc" "${flags[@]}" "$here/fuzz_ckpt.c" "$root/common/safetensors.c" \
     exit 1
 fi
 fuzz ckpt
+
+# A checkpoint's config.json and the inventory it implies (fuzz_mconf.c).
+if ! "$cc" "${flags[@]}" "$here/fuzz_mconf.c" "$root/common/model_config.c" \
+        "$root/common/model_tensors.c" "$root/common/safetensors.c" "$root/common/err.c" \
+        -ljson-c -lm -o "$work/fuzz_mconf"; then
+    echo "run.sh: building fuzz_mconf failed"
+    exit 1
+fi
+fuzz mconf
 
 # The configuration file reader on any file (fuzz_conf.c).
 if ! "$cc" "${flags[@]}" "$here/fuzz_conf.c" "$root/common/config_file.c" \
