@@ -8,7 +8,8 @@ appends its pid to $FAKE_REPORT.hup and sends RELOADING=1 then READY=1 (a
 reload), and on SIGTERM sends STOPPING=1 and exits 0.  For the launcher's
 timeouts: $FAKE_EXTEND_USEC sends EXTEND_TIMEOUT_USEC= with it at start,
 $FAKE_READY_AFTER_S holds READY=1 back that long (pinging nothing before;
-$FAKE_EXIT_AFTER_S still applies),
+$FAKE_EXIT_AFTER_S still applies), $FAKE_EXIT_AT_READY exits 0 at once
+after READY=1,
 and $FAKE_IGNORE_TERM ignores SIGTERM (only SIGKILL ends it)."""
 import json, os, signal, socket, sys, time
 
@@ -63,6 +64,8 @@ def main():
             sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
     if not stop:
         notify("READY=1")
+        if os.environ.get("FAKE_EXIT_AT_READY"):
+            os._exit(0)   # no interpreter teardown: the exit follows the datagram
     wd = int(os.environ.get("WATCHDOG_USEC") or 0) / 2e6
     while not stop:
         time.sleep(min(wd, 0.05) if wd else 0.05)

@@ -1777,6 +1777,17 @@ def sc_launch():
         check("sched exit=0 before READY=1: a failed start" in p.stderr.read(),
               "no 'failed start' line")
         log("launch: an exit 0 before READY=1 is a failed start: ok")
+        # ... but an exit 0 right after READY=1 is a clean one, even when the
+        # launcher sees the SIGCHLD and the READY datagram in one wake-up
+        for i in range(5):
+            os.unlink(os.path.join(d, "rep"))
+            nlog = os.path.join(d, "n12-%d" % i)
+            p = run({"FAKE_EXIT_AT_READY": "1"},
+                    args=["-P", "0", "-D", "0", "-w", "0", "--", "true"], nlog=nlog)
+            check(p.wait(WAIT_S) == 0 and len(reports_safe(d)) == 1,
+                  "exit 0 at READY: launcher exit %s, %d starts: %s" %
+                  (p.returncode, len(reports_safe(d)), readf(nlog)))
+        log("launch: an exit 0 right after READY=1 is a clean exit (5 runs): ok")
 
         # 10. Listeners the configuration gets wrong: exit 6 (configuration,
         # not restarted by systemd); an address in use: exit 1.

@@ -272,6 +272,10 @@ proc_reap(struct launch *l)
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
         for (i = 0; i < l->n_kids; i++)
             if (l->kids[i].pid == pid) {
+                /* what it sent before it ended counts first: a READY=1
+                 * queued beside the SIGCHLD makes its exit 0 a clean one */
+                if (l->kids[i].role != LAUNCH_COMMAND)
+                    proc_notify(l, &l->kids[i]);
                 proc_exited(l, &l->kids[i], status);
                 break;
             }
