@@ -18,6 +18,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -666,12 +668,17 @@ shard_name_ok(const char *s)
            strcmp(s, "..") != 0;
 }
 
+/* Index of s in names[0..n), or -1; *hint (the last answer) is tried
+ * first: an index lists its tensors shard by shard, so consecutive
+ * entries mostly name the same shard. */
 static int
-file_index(const char *const *names, int n, const char *s)
+file_index(const char *const *names, int n, const char *s, int *hint)
 {
+    if (*hint >= 0 && *hint < n && strcmp(names[*hint], s) == 0)
+        return *hint;
     for (int i = 0; i < n; i++) {
         if (strcmp(names[i], s) == 0)
-            return i;
+            return *hint = i;
     }
     return -1;
 }
@@ -705,16 +712,102 @@ ckpt_index(struct dsv4_ckpt *c, const char *dir)
 }
 
 /* Open every shard named by the index at `ipath` and cross-check. */
+/*
+ * Open the c->n_files shards named in `shards` (in that order) into
+ * c->files.  Each open parses a JSON header of up to a few MB (the flash
+ * checkpoint's 46 headers hold 69,187 tensors: about a second on one
+ * core), so up to CKPT_OPEN_THREADS threads open them side by side.  The
+ * error, if any, is that of the first failing shard in order, as a
+ * sequential open would give.  Files opened stay in c->files (closed by
+ * dsv4_ckpt_close); a failed one is NULL.
+ */
+#define CKPT_OPEN_THREADS 16
+
+struct open_job {
+    struct dsv4_ckpt *c;
+    const char *dir;
+    const char *const *shards;
+    atomic_int next;
+    enum dsv4_err *err;     /* [n_files] */
+    char (*msg)[1024];      /* [n_files]: each failure's message */
+};
+
+static void
+open_one(struct open_job *j, int i)
+{
+    char path[4096];
+
+    snprintf(path, sizeof(path), "%s/%s", j->dir, j->shards[i]);
+    j->err[i] = dsv4_st_open(&j->c->files[i], path);
+    if (j->err[i] != DSV4_OK)
+        snprintf(j->msg[i], sizeof(j->msg[i]), "%s", dsv4_errmsg());
+}
+
+static void *
+open_worker(void *arg)
+{
+    struct open_job *j = arg;
+    int i;
+
+    while ((i = atomic_fetch_add(&j->next, 1)) < j->c->n_files)
+        open_one(j, i);
+    return NULL;
+}
+
+static enum dsv4_err
+ckpt_open_shards(struct dsv4_ckpt *c, const char *dir, const char *const *shards,
+                 const char *ipath)
+{
+    pthread_t tid[CKPT_OPEN_THREADS];
+    struct open_job j = { .c = c, .dir = dir, .shards = shards };
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int n = c->n_files, nt, started = 0;
+    enum dsv4_err err = DSV4_OK;
+
+    j.err = calloc((size_t)n + 1, sizeof(*j.err));
+    j.msg = calloc((size_t)n + 1, sizeof(*j.msg));
+    if (j.err == NULL || j.msg == NULL) {
+        free(j.err);
+        free(j.msg);
+        return dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", ipath);
+    }
+    atomic_init(&j.next, 0);
+    nt = (int)(cpus < 1 ? 1 : cpus > CKPT_OPEN_THREADS ? CKPT_OPEN_THREADS : cpus);
+    if (nt > n)
+        nt = n;
+    /* this thread is one of the nt; a thread that cannot start leaves its
+     * share to the others */
+    for (int t = 1; t < nt; t++)
+        if (pthread_create(&tid[started], NULL, open_worker, &j) == 0)
+            started++;
+    open_worker(&j);
+    for (int t = 0; t < started; t++)
+        pthread_join(tid[t], NULL);
+    for (int i = 0; i < n; i++) {
+        if (j.err[i] == DSV4_OK)
+            continue;
+        err = j.err[i];
+        if (err == DSV4_ERR_SYS)
+            err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s (shard named by %s)", j.msg[i], ipath);
+        else
+            dsv4_err_set(err, "%s", j.msg[i]);
+        break;
+    }
+    free(j.err);
+    free(j.msg);
+    return err;
+}
+
 static enum dsv4_err
 ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
 {
     struct json_object *root = NULL, *wm;
     const char **shards = NULL;
     enum dsv4_err err = DSV4_OK;
-    char *text, path[4096], dup[256];
+    char *text, dup[256];
     const char *why;
     size_t len = 0;
-    int n_map, nf = 0;
+    int n_map, nf = 0, hint = -1;
 
     err = read_small_file(ipath, &text, &len);
     if (err != DSV4_OK)
@@ -754,7 +847,7 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
                                ipath, name);
             goto out;
         }
-        if (file_index(shards, nf, s) < 0)
+        if (file_index(shards, nf, s, &hint) < 0)
             shards[nf++] = s;
     }
     qsort(shards, (size_t)nf, sizeof(*shards), cmp_str);
@@ -764,23 +857,12 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
         goto out;
     }
     c->n_files = nf;
-    for (int i = 0; i < c->n_files; i++) {
-        snprintf(path, sizeof(path), "%s/%s", dir, shards[i]);
-        err = dsv4_st_open(&c->files[i], path);
-        if (err != DSV4_OK) {
-            if (err == DSV4_ERR_SYS) {
-                char msg[1024];
-
-                snprintf(msg, sizeof(msg), "%s", dsv4_errmsg());
-                err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s (shard named by %s)", msg, ipath);
-            }
-            goto out;
-        }
-    }
+    if ((err = ckpt_open_shards(c, dir, shards, ipath)) != DSV4_OK)
+        goto out;
 
     /* weight_map -> shard: the tensor must be there. */
     json_object_object_foreach(wm, name2, sv2) {
-        int fi = file_index(shards, c->n_files, json_object_get_string(sv2));
+        int fi = file_index(shards, c->n_files, json_object_get_string(sv2), &hint);
 
         if (dsv4_st_find(c->files[fi], name2) == NULL) {
             err = dsv4_err_set(DSV4_ERR_WEIGHTS,
