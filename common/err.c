@@ -33,7 +33,7 @@ dsv4_strerror(enum dsv4_err e)
 }
 
 enum dsv4_err
-dsv4_err_set(enum dsv4_err e, const char *fmt, ...)
+(dsv4_err_set)(enum dsv4_err e, const char *fmt, ...)   /* (the analyzer's macro, err.h) */
 {
     va_list ap;
 
