@@ -11,9 +11,10 @@
 #   BUILDDIR/compile_commands.json> FILE
 # Not part of CI (about six minutes on two cores) and no threshold: known
 # false positives remain (the sys/queue.h TAILQ loops, whose head's
-# tqe_prev the analyzer does not follow, and paths that take
-# dsv4_err_set, defined in common/err.c, to return DSV4_OK).  Its first run
-# (session 57) found a crash on a malformed checkpoint index (7dc37aa).
+# tqe_prev the analyzer does not follow; tests whose cmocka assertions it
+# does not take as the end of a path).  common/err.h shows it what
+# dsv4_err_set returns.  Its first run (session 57) found a crash on a
+# malformed checkpoint index (7dc37aa).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-build-analyze}
