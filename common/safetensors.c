@@ -718,8 +718,9 @@ ckpt_index(struct dsv4_ckpt *c, const char *dir)
  * checkpoint's 46 headers hold 69,187 tensors: about a second on one
  * core), so up to CKPT_OPEN_THREADS threads open them side by side.  The
  * error, if any, is that of the first failing shard in order, as a
- * sequential open would give.  Files opened stay in c->files (closed by
- * dsv4_ckpt_close); a failed one is NULL.
+ * sequential open would give; no shard past a known failure is opened.
+ * Files opened stay in c->files (closed by dsv4_ckpt_close); a failed one
+ * is NULL.
  */
 #define CKPT_OPEN_THREADS 16
 
@@ -728,29 +729,37 @@ struct open_job {
     const char *dir;
     const char *const *shards;
     atomic_int next;
-    enum dsv4_err *err;     /* [n_files] */
-    char (*msg)[1024];      /* [n_files]: each failure's message */
+    pthread_mutex_t mu;     /* guards the three below */
+    int fail;               /* lowest failing shard so far; n_files: none */
+    enum dsv4_err err;      /* its error */
+    char msg[1024];         /* and its message */
 };
-
-static void
-open_one(struct open_job *j, int i)
-{
-    char path[4096];
-
-    snprintf(path, sizeof(path), "%s/%s", j->dir, j->shards[i]);
-    j->err[i] = dsv4_st_open(&j->c->files[i], path);
-    if (j->err[i] != DSV4_OK)
-        snprintf(j->msg[i], sizeof(j->msg[i]), "%s", dsv4_errmsg());
-}
 
 static void *
 open_worker(void *arg)
 {
     struct open_job *j = arg;
-    int i;
+    char path[4096];
+    enum dsv4_err e;
+    int i, stop;
 
-    while ((i = atomic_fetch_add(&j->next, 1)) < j->c->n_files)
-        open_one(j, i);
+    while ((i = atomic_fetch_add(&j->next, 1)) < j->c->n_files) {
+        pthread_mutex_lock(&j->mu);
+        stop = i > j->fail;
+        pthread_mutex_unlock(&j->mu);
+        if (stop)
+            break;
+        snprintf(path, sizeof(path), "%s/%s", j->dir, j->shards[i]);
+        if ((e = dsv4_st_open(&j->c->files[i], path)) == DSV4_OK)
+            continue;
+        pthread_mutex_lock(&j->mu);
+        if (i < j->fail) {
+            j->fail = i;
+            j->err = e;
+            snprintf(j->msg, sizeof(j->msg), "%s", dsv4_errmsg());
+        }
+        pthread_mutex_unlock(&j->mu);
+    }
     return NULL;
 }
 
@@ -759,22 +768,15 @@ ckpt_open_shards(struct dsv4_ckpt *c, const char *dir, const char *const *shards
                  const char *ipath)
 {
     pthread_t tid[CKPT_OPEN_THREADS];
-    struct open_job j = { .c = c, .dir = dir, .shards = shards };
+    struct open_job j = { .c = c, .dir = dir, .shards = shards, .fail = c->n_files };
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    int n = c->n_files, nt, started = 0;
-    enum dsv4_err err = DSV4_OK;
+    int nt, started = 0;
 
-    j.err = calloc((size_t)n + 1, sizeof(*j.err));
-    j.msg = calloc((size_t)n + 1, sizeof(*j.msg));
-    if (j.err == NULL || j.msg == NULL) {
-        free(j.err);
-        free(j.msg);
-        return dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", ipath);
-    }
     atomic_init(&j.next, 0);
+    pthread_mutex_init(&j.mu, NULL);
     nt = (int)(cpus < 1 ? 1 : cpus > CKPT_OPEN_THREADS ? CKPT_OPEN_THREADS : cpus);
-    if (nt > n)
-        nt = n;
+    if (nt > c->n_files)
+        nt = c->n_files;
     /* this thread is one of the nt; a thread that cannot start leaves its
      * share to the others */
     for (int t = 1; t < nt; t++)
@@ -783,19 +785,12 @@ ckpt_open_shards(struct dsv4_ckpt *c, const char *dir, const char *const *shards
     open_worker(&j);
     for (int t = 0; t < started; t++)
         pthread_join(tid[t], NULL);
-    for (int i = 0; i < n; i++) {
-        if (j.err[i] == DSV4_OK)
-            continue;
-        err = j.err[i];
-        if (err == DSV4_ERR_SYS)
-            err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s (shard named by %s)", j.msg[i], ipath);
-        else
-            dsv4_err_set(err, "%s", j.msg[i]);
-        break;
-    }
-    free(j.err);
-    free(j.msg);
-    return err;
+    pthread_mutex_destroy(&j.mu);
+    if (j.fail == c->n_files)
+        return DSV4_OK;
+    if (j.err == DSV4_ERR_SYS)
+        return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s (shard named by %s)", j.msg, ipath);
+    return dsv4_err_set(j.err, "%s", j.msg);
 }
 
 static enum dsv4_err
