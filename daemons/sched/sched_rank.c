@@ -449,6 +449,31 @@ model_conflict(struct sched *s, const struct dsv4_route *from,
     return false;
 }
 
+/* Whether READY `m` names another group size than its group's ranks that
+ * it does not replace (those of its link, name or seat); if so, why says
+ * which.  Checked before anything is replaced, so that a refused READY
+ * leaves the registrations it would have replaced, and a drain of its
+ * name, as they were; a rank restarting alone into a group of another
+ * size (nothing else of the group registered) is taken. */
+static bool
+size_conflict(struct sched *s, const struct dsv4_route *from,
+    const struct dsv4_rank_ready *m, char *why, size_t len)
+{
+    const struct sched_group *g = queue_group_find(&s->groups, m->role, m->group);
+
+    if (g == NULL || g->size == m->group_size)
+        return false;
+    for (uint32_t i = 0; i < g->size; i++) {
+        if (g->ranks[i] == NULL || ready_rel(g->ranks[i], from, m) != REL_NONE)
+            continue;
+        snprintf(why, len, "group_size %u differs from the %u of group %s/%u's other ranks",
+            (unsigned)m->group_size, (unsigned)g->size, dsv4_role_name(m->role),
+            (unsigned)m->group);
+        return true;
+    }
+    return false;
+}
+
 static void
 on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_ready *m)
 {
@@ -466,6 +491,7 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
         return;
     }
     if (ready_conflict(s, from, m, why, sizeof(why)) ||
+        size_conflict(s, from, m, why, sizeof(why)) ||
         model_conflict(s, from, m, why, sizeof(why))) {
         refuse_ready(s, from, m, why);
         return;
@@ -487,6 +513,7 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
             rank_remove(s, old, same_name ? k : NULL);
     }
     g = group_get(s, m->role, m->group);
+    /* (size_conflict made sure that the group's ranks left agree) */
     if (g == NULL || (g->n_ranks > 0 && g->size != m->group_size)) {
         if (g == NULL)
             snprintf(why, sizeof(why), "the scheduler is out of memory");

@@ -1184,7 +1184,37 @@ def t_ready_refused(ctx, build, tmp):
     check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, 3, 12),
           "with the right decode@1: %s %s" % (res[i]["final"], res[i]["tokens"]))
     wait_idle(sc)
-    return sc, [pre, d0, d1]
+    # A drained rank restarted with a wrong group_size: refused, and the
+    # drain of its name holds for the right process after it (before, the
+    # refused READY had already replaced the old registration, drain flag
+    # and all).
+    rc, _ = sc.ctl("drain", "decode@1", "--timeout", "10")
+    check(rc == 0 and rank_row(sc, "decode@1")["state"] == "drained", "decode@1 not drained")
+    d1.dead = True
+    d1.join(5)                      # its socket closed, as after kill -9
+    w3 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=3,
+                  model=model, pid=2001)
+    w3.rejoin = False
+    w3.start()
+    w3.join(20)
+    check(not w3.is_alive() and w3.disconnects == [why[0]] and not w3.welcomed.is_set(),
+          "the restarted decode@1 of group_size 3: DISCONNECT %s" % (w3.disconnects,))
+    r1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=2,
+                  model=model, pid=2002)
+    r1.start()
+    check(r1.welcomed.wait(20), "the right decode@1 not welcomed")
+    check(rank_row(sc, "decode@1")["state"] == "drained",
+          "decode@1 after the refused READY: %s" % rank_row(sc, "decode@1")["state"])
+    # The group's only rank restarting into a group of another size is
+    # taken (nothing of the group is left to disagree): prefill@0 of a
+    # group of 1 comes back as rank 0 of 2.
+    pre.dead = True
+    pre.join(5)
+    p2 = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2, group=0, group_rank=0,
+                  group_size=2, model=model, pid=2003)
+    p2.start()
+    check(p2.welcomed.wait(20), "prefill@0 restarted into a group of 2 not welcomed")
+    return sc, [pre, d0, d1, w3, r1, p2]
 
 
 def t_dup_name(ctx, build, tmp):
