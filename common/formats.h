@@ -23,6 +23,7 @@ extern "C" {
 
 /* --- bf16 ------------------------------------------------------------- */
 
+/* The value of bf16 bits h (exact: the top half of an fp32). */
 static inline float dsv4_bf16_to_f32(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;
@@ -53,6 +54,7 @@ static inline float dsv4_bf16_round(float f)
 /* Decode table for all 256 codes (NaN for 0x7F and 0xFF). */
 extern const float dsv4_fp8_e4m3_table[256];
 
+/* The value of E4M3 code v (dsv4_fp8_e4m3_table). */
 static inline float dsv4_fp8_to_f32(uint8_t v)
 {
     return dsv4_fp8_e4m3_table[v];

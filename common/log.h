@@ -22,6 +22,9 @@ void log_procinit(const char *name);
 /* Current verbosity as given to log_init. */
 int log_verbose(void);
 
+/* One printf-formatted line at the level of the name, tagged as
+ * log_procinit said: log_debug shown at verbosity 2, log_info at 1 or
+ * more, log_notice always. */
 void log_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void log_info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void log_notice(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -29,6 +29,7 @@ enum dsv4_attn_type {
     DSV4_ATTN_HCA = 128, /* ratio 128: non-overlapping compressor, all entries */
 };
 
+/* A checkpoint's config.json, parsed and checked (dsv4_config_load). */
 struct dsv4_config {
     /* identity */
     char model_type[32];          /* must be "deepseek_v4" */

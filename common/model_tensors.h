@@ -40,6 +40,8 @@ enum dsv4_tkind {
     DSV4_TK_HEAD,        /* bf16 [V, D] output head (head.weight) */
 };
 
+/* One tensor the configuration implies: its name, dtype, shape, shard,
+ * kind and layer. */
 struct dsv4_tensor_spec {
     char name[96];
     enum dsv4_st_dtype dtype;
@@ -50,6 +52,7 @@ struct dsv4_tensor_spec {
     int layer;               /* layer id (main 0..L-1, MTP L..), -1 top level */
 };
 
+/* Every tensor of a configuration (dsv4_inventory_build). */
 struct dsv4_inventory {
     struct dsv4_tensor_spec *t;  /* n entries, in file order: by shard, and
                                   * inside a shard largest element size first

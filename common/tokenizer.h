@@ -180,6 +180,7 @@ enum dsv4_err dsv4_tok_stream_flush(struct dsv4_tok_stream *st,
 
 /* --- DeepSeek-V4 chat prompt (docs/tokenizer.md, "Chat format") ------- */
 
+/* The role of a chat message. */
 enum dsv4_chat_role {
     DSV4_CHAT_SYSTEM = 0,
     DSV4_CHAT_USER,
@@ -194,6 +195,7 @@ struct dsv4_chat_msg {
     const char *reasoning;      /* assistant only: reasoning_content */
 };
 
+/* How a conversation is rendered (the chat template's switches). */
 struct dsv4_chat_opts {
     bool thinking;              /* thinking mode (else "chat" mode) */
     bool keep_reasoning;        /* drop_thinking = False: keep old turns' reasoning */

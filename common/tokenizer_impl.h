@@ -59,6 +59,8 @@ struct tok_cache {
     size_t arena_cap;
 };
 
+/* A loaded tokenizer (common/tokenizer.h's opaque type): its flavour, the
+ * vocabulary, merges, added tokens and pre-tokenizer. */
 struct dsv4_tok {
     enum dsv4_tok_flavor flavor;
     int32_t nids;               /* highest id + 1 */

@@ -64,6 +64,7 @@ struct dsv4_hc_w {
     const float *scale;  /* F32 [3] (or [1]) */
 };
 
+/* The weights of one layer (main or MTP), pointing into the shards. */
 struct dsv4_layer_w {
     int32_t id;                    /* layer id (MTP layers follow the main ones) */
     int32_t ratio;                 /* compress ratio: 0, 4, 128 */
@@ -98,6 +99,7 @@ struct dsv4_layer_w {
     struct dsv4_hc_w hc_head;                 /* [n, n*D], [n], [1] */
 };
 
+/* A model's weights, as loaded (dsv4_weights_load) or made on a device. */
 struct dsv4_weights {
     struct dsv4_config cfg;
     const uint16_t *embed;   /* bf16 [V, D] */

@@ -71,8 +71,9 @@ enum dsv4_err dsv4_wshare_dir(char *buf, size_t n, const char *share_dir,
 enum dsv4_err dsv4_wshare_path(char *buf, size_t n, const char *dir, const uint8_t gpu_uuid[16],
                                unsigned group_rank, unsigned group_size);
 
-/* FNV-1a 64 of n bytes, continuing from h (start with DSV4_WSHARE_FNV0). */
+/* FNV-1a 64's offset basis: the h to start dsv4_wshare_hash with. */
 #define DSV4_WSHARE_FNV0 0xcbf29ce484222325ull
+/* FNV-1a 64 of n bytes, continuing from h. */
 uint64_t dsv4_wshare_hash(uint64_t h, const void *p, size_t n);
 
 /*

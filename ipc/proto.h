@@ -84,6 +84,7 @@ extern "C" {
 
 /* --- Sub-protocols and commands (append-only numbering) ----------------- */
 
+/* The three sub-protocols, by signature frame. */
 enum dsv4_sub {
     DSV4_SUB_NONE = 0,
     DSV4_SUB_CLI,  /* DSV4C1: clients <-> scheduler */
@@ -172,6 +173,7 @@ enum dsv4_status {
 
 /* --- Field enumerations (wire: strings; index 0 is never sent) ---------- */
 
+/* Why a request ended (DONE `finish`). */
 enum dsv4_finish {
     DSV4_FINISH_NONE = 0,
     DSV4_FINISH_STOP,      /* "stop": stop string or stop id */
@@ -180,6 +182,7 @@ enum dsv4_finish {
     DSV4_FINISH__COUNT
 };
 
+/* A rank's role (READY `role`). */
 enum dsv4_role {
     DSV4_ROLE_NONE = 0,
     DSV4_ROLE_PREFILL, /* "prefill" */
@@ -187,6 +190,7 @@ enum dsv4_role {
     DSV4_ROLE__COUNT
 };
 
+/* How decode state moves from a prefill rank to a decode rank (§6.3). */
 enum dsv4_transport {
     DSV4_TRANSPORT_NONE = 0,
     DSV4_TRANSPORT_SHM,     /* "shm": POSIX shared memory (CPU backend) */
@@ -231,6 +235,7 @@ struct dsv4_sampling {
     bool logprobs;     /* report the sampled token's log-probability */
 };
 
+/* Body of GENERATE (client -> scheduler, §4.1). */
 struct dsv4_cli_generate {
     uint64_t id;                /* client's id, >= 1 */
     const char *prompt;         /* UTF-8 text, or NULL when tokens given */
@@ -254,6 +259,7 @@ struct dsv4_cli_generate {
     bool has_resume_text;
 };
 
+/* Body of OK (scheduler -> client): the request was accepted (§4). */
 struct dsv4_cli_ok {
     uint64_t id;     /* client's id */
     uint64_t req;    /* scheduler's id */
@@ -273,6 +279,7 @@ struct dsv4_error {
     const char *tag;     /* echoed; NULL = none */
 };
 
+/* Body of client TOKENS (scheduler -> client): streamed output (§4.2). */
 struct dsv4_cli_tokens {
     uint64_t id;
     uint64_t req;
@@ -282,6 +289,7 @@ struct dsv4_cli_tokens {
     const char *text;       /* UTF-8 piece; may be "" */
 };
 
+/* Body of DONE (scheduler -> client): the request's end (§4.2). */
 struct dsv4_cli_done {
     uint64_t id;
     uint64_t req;
@@ -291,10 +299,12 @@ struct dsv4_cli_done {
     const char *tag; /* NULL = none */
 };
 
+/* Body of CANCEL (client -> scheduler, §4.3). */
 struct dsv4_cli_cancel {
     uint64_t id;
 };
 
+/* Body of READY (rank -> scheduler): registration (§6, §6.1). */
 struct dsv4_rank_ready {
     enum dsv4_role role;
     uint32_t index;      /* unit instance number, unique per role */
@@ -333,6 +343,7 @@ struct dsv4_rank_ready {
                             decode rank, an older rank) they read 0 */
 };
 
+/* Body of WELCOME (scheduler -> rank): registration accepted (§6). */
 struct dsv4_rank_welcome {
     uint32_t heartbeat_ms;  /* [10, 600000] */
     uint32_t liveness;      /* [1, 100] */
@@ -341,6 +352,7 @@ struct dsv4_rank_welcome {
     uint32_t comm_id_len;   /* <= DSV4_PROTO_MAX_COMM_ID */
 };
 
+/* Body of rank HEARTBEAT (both ways): liveness when idle (§6). */
 struct dsv4_rank_heartbeat {
     uint32_t active; /* requests held now */
     /* Optional speculative-decoding counters (docs/protocol.md §6.1), sent
@@ -395,10 +407,12 @@ struct dsv4_rank_group_broken {
     const char *reason; /* NULL = none */
 };
 
+/* Body of DISCONNECT (both ways): the link closes, with why (§6). */
 struct dsv4_rank_disconnect {
     const char *reason; /* NULL = none */
 };
 
+/* Body of PREFILL (scheduler -> prefill rank): run a prompt (§6). */
 struct dsv4_rank_prefill {
     uint64_t req;
     const int32_t *tokens; /* prompt (+ emitted tokens on a re-run) */
@@ -425,6 +439,8 @@ struct dsv4_kv_loc {
     uint32_t handle_len;           /* [1, DSV4_PROTO_MAX_HANDLE] */
 };
 
+/* Body of PREFILL_DONE (prefill rank -> scheduler): the first token and
+ * where its decode state is (§6.2). */
 struct dsv4_rank_prefill_done {
     uint64_t req;
     int32_t token;       /* first sampled token */
@@ -434,6 +450,8 @@ struct dsv4_rank_prefill_done {
     uint32_t n_kv;       /* always 1 */
 };
 
+/* Body of DECODE (scheduler -> decode group): import the decode state and
+ * start a stream (§6). */
 struct dsv4_rank_decode {
     uint64_t req;
     uint32_t slot;         /* stream slot in the decode group */
@@ -454,6 +472,8 @@ struct dsv4_req_ref {
     uint64_t req;
 };
 
+/* Body of rank TOKENS (decode rank -> scheduler): one step's tokens of
+ * several streams (§6). */
 struct dsv4_rank_tokens {
     uint64_t step;         /* decode step counter of the group */
     const uint64_t *reqs;  /* n entries */
@@ -462,12 +482,14 @@ struct dsv4_rank_tokens {
     uint32_t n;            /* [1, DSV4_PROTO_MAX_BATCH]; all arrays */
 };
 
+/* Body of DECODE_DONE (decode rank -> scheduler): a stream ended (§6). */
 struct dsv4_rank_decode_done {
     uint64_t req;
     enum dsv4_finish finish;
     uint32_t n_tokens; /* tokens emitted for the request */
 };
 
+/* Body of STATUS (scheduler -> dsv4ctl, §7). */
 struct dsv4_ctl_status {
     const char *version;
     uint64_t uptime_ms;
@@ -502,6 +524,7 @@ struct dsv4_ctl_status {
     bool has_mtp;
 };
 
+/* Body of RANK (scheduler -> dsv4ctl): one rank of SHOW_RANKS (§7). */
 struct dsv4_ctl_rank {
     enum dsv4_role role;
     uint32_t index;
@@ -539,6 +562,8 @@ struct dsv4_ctl_rank {
     bool has_graphs_refused;
 };
 
+/* Body of REQUEST (scheduler -> dsv4ctl): one request of SHOW_REQUESTS
+ * (§7). */
 struct dsv4_ctl_request {
     uint64_t req;
     enum dsv4_req_state state;
@@ -562,6 +587,7 @@ struct dsv4_count {
     uint32_t count;
 };
 
+/* Body of DRAIN and UNDRAIN (dsv4ctl -> scheduler, §7). */
 struct dsv4_ctl_drain {
     const char *target;  /* "all", "prefill@N" or "decode@N" */
     uint32_t timeout_ms; /* DRAIN only; 0 = wait forever */

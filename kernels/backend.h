@@ -71,6 +71,7 @@ dsv4_n_valid(int pos, int ratio, int cap)
     return n < cap ? n : cap;
 }
 
+/* Which numerics a backend follows (docs/model.md, "Numerics"). */
 enum dsv4_numerics {
     DSV4_NUMERICS_REF = 0,  /* DeepSeek reference (FP8 act quant, KV/indexer sims) */
     DSV4_NUMERICS_HF = 1,   /* transformers dequantized mode (see above) */
@@ -149,6 +150,8 @@ struct dsv4_norm_rope {
     int q_attn;
 };
 
+/* A backend's operations: memory, the model's ops and graphs; each is
+ * documented at its member. */
 struct dsv4_backend_ops {
     /* --- lifecycle and memory ------------------------------------------ */
     void (*destroy)(struct dsv4_backend *be);
@@ -542,6 +545,8 @@ struct dsv4_backend_ops {
 /* The most linears of one linear_multi call. */
 #define DSV4_LINEAR_MULTI_MAX 8
 
+/* A backend instance (CPU or CUDA): its operations and settings, created
+ * by dsv4_backend_create (dsv4_cpu_backend_create, dsv4_cuda_backend_create). */
 struct dsv4_backend {
     const struct dsv4_backend_ops *ops;
     const char *name;              /* "cpu", "cuda" */

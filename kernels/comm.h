@@ -43,6 +43,8 @@ extern "C" {
 
 struct dsv4_comm;
 
+/* A communicator's operations (local, shm, NCCL, cudaipc), each documented
+ * at its member. */
 struct dsv4_comm_ops {
     /* x (n floats, memory of backend be) <- Σ over the ranks' x, in place.
      * Local: blocks until every rank has summed.  NCCL: queued on be's
@@ -150,6 +152,9 @@ enum dsv4_err dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend 
 #define DSV4_COMM_CUDAIPC_PREFIX "/dsv4ar-"
 #define DSV4_COMM_CUDAIPC_MAX_RANKS 8
 
+/* A fresh id for a cudaipc group: the prefix and 32 random lower-case hex
+ * digits (those of a shm group's random name), NUL-padded.  Errors: those
+ * of dsv4_comm_shm_unique_id. */
 enum dsv4_err dsv4_comm_cudaipc_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
 /* 1 when id is a cudaipc group id (prefix, 32 lower-case hex digits, NUL,
  * zeros to the end), else 0. */

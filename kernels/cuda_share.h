@@ -41,6 +41,8 @@ enum dsv4_cuda_arena_kind {
                                      place the tensors, write nothing */
 };
 
+/* The device allocation that holds a rank's weights, of one of the kinds
+ * above. */
 struct dsv4_cuda_arena {
     enum dsv4_cuda_arena_kind kind;
     /* IMPORT only (from struct dsv4_wshare_hdr): */

@@ -42,6 +42,7 @@
 extern "C" {
 #endif
 
+/* What dsv4_model_create sizes and switches on. */
 struct dsv4_model_opts {
     int n_slots;        /* sequence slots (decode streams + prefills in flight) */
     int max_seq_len;    /* positions per sequence; rounded up to a multiple of 128 */

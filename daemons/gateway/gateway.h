@@ -90,6 +90,8 @@ struct gw_metrics {
     struct gw_hist duration;     /* submit -> final event */
 };
 
+/* The gateway process: configuration, tokenizer, bearer keys, the HTTP
+ * daemon, the admin connection to the scheduler and the metrics. */
 struct gw {
     struct dsv4_conf conf;
     struct dsv4_tok *tok;        /* chat rendering, token pieces; encode under toklock */
@@ -161,6 +163,8 @@ void gw_gen_finish(struct gw *g, struct gw_gen *gen, bool client_gone);
 
 /* --- gw_metrics.c ------------------------------------------------------- */
 
+/* Count one observation of `seconds` into its bucket (the first upper
+ * bound not below it) and the histogram's sum and count. */
 void gw_hist_observe(struct gw_hist *h, double seconds);
 
 /* Count an HTTP answer (route, status). */
@@ -178,6 +182,9 @@ struct gw_rank {
     bool has_graphs_refused;
     char state[16];
 };
+
+/* The scheduler's state as its admin socket last reported it (/metrics,
+ * /health). */
 struct gw_sched {
     bool up;                    /* the admin socket answered */
     bool draining;

@@ -91,6 +91,7 @@
 
 /* --- Options (rank.c) ----------------------------------------------------- */
 
+/* A rank's command line and configuration file, parsed. */
 struct rank_opts {
     struct dsv4_conf conf;      /* file + -o overrides (checkpoint, endpoint, ...) */
     const char *conf_path;      /* file read, or NULL */
@@ -176,6 +177,8 @@ struct rank_stream {
     uint32_t n_drafts, n_accepted; /* this stream's drafts, accepted ones */
 };
 
+/* A rank process: options, model and backend, the link to the scheduler,
+ * its group, the decode state exports and the streams it holds. */
 struct rank {
     struct rank_opts o;
     char name[32];              /* "prefill@3" for logs */

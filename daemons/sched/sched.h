@@ -138,6 +138,8 @@ struct sched_hold {
                                ABORT_DONE, KV_RELEASE) */
 };
 
+/* One request, from GENERATE to its final message: its prompt, sampling,
+ * output so far, where it runs and its client. */
 struct sched_req {
     TAILQ_ENTRY(sched_req) qentry;   /* admission queue or sched.live */
     struct sched_req *hnext;         /* hash chain by rid */
@@ -212,6 +214,7 @@ TAILQ_HEAD(sched_req_list, sched_req);
 
 /* --- Admin drain waits (sched_ctl.c) --------------------------------------- */
 
+/* A dsv4ctl drain waiting for its answer (a rank, or all, to be idle). */
 struct sched_drain_wait {
     TAILQ_ENTRY(sched_drain_wait) entry;
     struct dsv4_route route;       /* dsv4ctl that asked */
@@ -222,6 +225,7 @@ TAILQ_HEAD(sched_drain_list, sched_drain_wait);
 
 /* --- Metrics --------------------------------------------------------------- */
 
+/* Counters since start (dsv4ctl status, the gateway's /metrics). */
 struct sched_metrics {
     uint64_t n_done, n_cancelled, n_failed, n_rejected;
     uint64_t tokens_in, tokens_out;
@@ -235,6 +239,8 @@ struct sched_metrics {
 
 /* --- The scheduler ---------------------------------------------------------- */
 
+/* The scheduler process: configuration, sockets, request table, queue,
+ * ranks and groups, drain state and metrics. */
 struct sched {
     struct sched_config cfg;
     void *zctx;
@@ -372,6 +378,8 @@ void queue_dispatch(struct sched *s);
 
 /* --- sched_req.c: request table and life cycle ----------------------------- */
 
+/* A new request in state QUEUED with the next request id, in the id hash
+ * (not yet in any list); NULL when out of memory. */
 struct sched_req *req_new(struct sched *s);
 /* Move a queued request to the live list (dispatch, failure). */
 void req_unqueue(struct sched *s, struct sched_req *r);
@@ -420,6 +428,9 @@ void req_free_all(struct sched *s);
 
 /* --- sched_client.c: client sub-protocol ------------------------------------ */
 
+/* Handle the client messages waiting on the client socket (a batch at a
+ * time, so the other sockets are served in between); a message outside
+ * the protocol is answered with its error. */
 void client_dispatch(struct sched *s);
 /* Send what can be sent of r's output and final message; mark dirty when
  * blocked.  Returns false when the client socket would block. */
@@ -429,6 +440,8 @@ void client_flush_all(struct sched *s);
 
 /* --- sched_rank.c: rank sub-protocol and registry --------------------------- */
 
+/* Handle the rank messages waiting on the rank socket (a batch at a time);
+ * each counts as a sign of life of the rank that sent it. */
 void rank_dispatch(struct sched *s);
 /* Send `m` to every rank of group `g`. */
 void rank_send_group(struct sched *s, struct sched_group *g, const struct dsv4_msg *m);
@@ -452,6 +465,7 @@ void rank_free_all(struct sched *s, const char *reason);
 
 /* --- sched_ctl.c: admin sub-protocol ------------------------------------------ */
 
+/* Handle the admin (dsv4ctl) messages waiting on the control socket. */
 void ctl_dispatch(struct sched *s);
 /* Answer drain waits that are satisfied or timed out; ms to the next. */
 int64_t ctl_timers(struct sched *s, int64_t now);

@@ -76,6 +76,7 @@ enum dsv4_client_finish {
     DSV4_CLIENT_FINISH_CANCELLED = 3, /* dsv4_client_cancel */
 };
 
+/* What an event of dsv4_client_next is. */
 enum dsv4_client_event_type {
     DSV4_CLIENT_EV_ACCEPTED = 1, /* the scheduler queued the request (req is set) */
     DSV4_CLIENT_EV_TOKENS = 2,   /* tokens, text, logprobs */
@@ -145,7 +146,12 @@ DSV4_API void dsv4_client_version(int *major, int *minor, int *patch);
 /* Static description of a code ("invalid argument"); never NULL. */
 DSV4_API const char *dsv4_client_strerror(int code);
 
+/* Fill opts with the defaults (no CURVE key, connect_timeout_ms 5000) and
+ * its size; call before setting any field. */
 DSV4_API void dsv4_client_opts_init(struct dsv4_client_opts *opts);
+/* Fill params with the defaults given beside each field (temperature 1,
+ * top_p 1, max_tokens 256, streaming, no stops, no seed, no deadline) and
+ * its size; call before setting any field. */
 DSV4_API void dsv4_client_params_init(struct dsv4_client_params *params);
 
 /*

@@ -47,6 +47,7 @@ double bench_rng_normal(struct bench_rng *r);
 
 /* --- length distributions ------------------------------------------- */
 
+/* The kind of a length distribution (bench_dist_parse's forms). */
 enum bench_dist_kind {
     BENCH_DIST_FIXED = 1,     /* "N": always N */
     BENCH_DIST_UNIFORM,       /* "uniform:LO:HI": integers LO..HI inclusive */
@@ -132,6 +133,7 @@ int bench_stream_tokens(struct bench_stream *st, double t, size_t k, struct benc
 
 /* --- options -------------------------------------------------------- */
 
+/* dsv4-bench's command line, parsed (bench_opts_parse). */
 struct bench_opts {
     const char *endpoint;          /* scheduler client endpoint */
     const char *server_key_file;   /* CURVE public key file, or NULL */

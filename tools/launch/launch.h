@@ -34,6 +34,7 @@
 #define LAUNCH_START_LIMIT_BURST 5   /* StartLimitBurst= */
 #define LAUNCH_START_LIMIT_MS 10000  /* StartLimitIntervalSec= */
 
+/* What a child of the launcher is. */
 enum launch_role {
     LAUNCH_SCHED = 0,
     LAUNCH_PREFILL,
@@ -89,6 +90,8 @@ struct launch_opts {
     char **command;                  /* after `--`; NULL = none */
 };
 
+/* The launcher: options, the listeners it hands to the scheduler, the
+ * notify sockets' directory, its children and its stop state. */
 struct launch {
     struct launch_opts o;
     struct dsv4_conf conf;           /* endpoints of the listeners */
@@ -109,6 +112,7 @@ struct launch {
 
 /* --- launch.c ----------------------------------------------------------- */
 
+/* CLOCK_MONOTONIC in milliseconds (every deadline of the launcher). */
 int64_t launch_now_ms(void);
 
 /* --- launch_sock.c: listeners and notify sockets ------------------------ */
