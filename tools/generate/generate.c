@@ -148,22 +148,34 @@ prompt_read(int argc, char **argv)
     return s;
 }
 
-/* Parse "1 2 3" / "1,2,3" into *ids; returns the count. */
+/* Parse "1 2 3" / "1,2,3" into *ids; returns the count.  Out of memory:
+ * a message and exit 1. */
 static size_t
 ids_parse(const char *s, int32_t **ids)
 {
     size_t n = 0, cap = 64;
     char *copy = strdup(s), *save = NULL;
+    int32_t *v = malloc(cap * sizeof(*v));
 
-    *ids = malloc(cap * sizeof(**ids));
+    if (copy == NULL || v == NULL)
+        goto nomem;
     for (char *t = strtok_r(copy, " ,\t\n", &save); t != NULL;
          t = strtok_r(NULL, " ,\t\n", &save)) {
-        if (n == cap)
-            *ids = realloc(*ids, (cap *= 2) * sizeof(**ids));
-        (*ids)[n++] = (int32_t)num(t, 0, 2147483647, "token id");
+        if (n == cap) {
+            int32_t *nv = realloc(v, (cap *= 2) * sizeof(*v));
+
+            if (nv == NULL)
+                goto nomem;
+            v = nv;
+        }
+        v[n++] = (int32_t)num(t, 0, 2147483647, "token id");
     }
     free(copy);
+    *ids = v;
     return n;
+nomem:
+    fprintf(stderr, "dsv4-generate: out of memory for the token ids\n");
+    exit(1);
 }
 
 int
