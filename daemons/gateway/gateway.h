@@ -13,8 +13,10 @@
  *                  socket systemd passed), sd_notify, signal loop, shutdown
  *   gw_http.c      routing, body limits, auth, errors, /v1/models, /health,
  *                  /metrics, the MHD callbacks
- *   gw_gen.c       /v1/completions and /v1/chat/completions: JSON request
- *                  parsing, the scheduler request, JSON and SSE answers
+ *   gw_req.c       the JSON body of a generation into a request, or the
+ *                  refusal to answer (no I/O; fuzzed by tests/fuzz)
+ *   gw_gen.c       /v1/completions and /v1/chat/completions: the scheduler
+ *                  request, JSON and SSE answers
  *   gw_metrics.c   the gateway's own counters and histograms, the admin
  *                  client, Prometheus text rendering
  *
@@ -37,6 +39,7 @@
 
 #include "common/config_file.h"
 #include "common/tokenizer.h"
+#include "dsv4/client.h"
 #include "ipc/proto.h"
 
 #define GW_MAX_KEYS 64            /* bearer tokens in the keys file */
@@ -144,6 +147,56 @@ enum MHD_Result gw_http_json(struct gw *g, struct MHD_Connection *conn,
 
 /* True when the peer of `conn` has closed or reset its socket. */
 bool gw_http_peer_gone(struct MHD_Connection *conn);
+
+/* --- gw_req.c ---------------------------------------------------------- */
+
+#define GW_MAX_STOP 16            /* stop strings of a request (protocol limit) */
+
+/* A refused request: HTTP status, OpenAI error code, message. */
+struct gw_bad {
+    unsigned status;
+    const char *code;
+    char msg[512];
+};
+
+/* Record a refusal in b (the message printf-formatted, cut at its size);
+ * returns -1. */
+int gw_bad(struct gw_bad *b, unsigned status, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* What a request body asks for (gw_req_parse).  Its strings point into the
+ * body's json-c tree `o` or into `hold` (joined content parts); free with
+ * gw_req_free.  stop_ids and tag are filled when it is submitted. */
+struct gw_req {
+    struct json_object *o;            /* the body, parsed */
+    struct json_object *hold;         /* strings made while parsing */
+    struct dsv4_client_params p;      /* sampling, limits, stops (p.stop = stops) */
+    const char *stops[GW_MAX_STOP];
+    int32_t stop_ids[1];
+    const char *prompt;               /* completions: text prompt */
+    int32_t *tokens;                  /* completions: id prompt (malloc'd) */
+    size_t n_tokens;
+    struct dsv4_chat_msg *msgs;       /* chat (malloc'd) */
+    size_t n_msgs;
+    struct dsv4_chat_opts copts;      /* chat: thinking, reasoning effort */
+    bool stream;                      /* "stream" */
+    bool include_usage;               /* "stream_options": {"include_usage"} */
+    bool logprobs;                    /* chat "logprobs", completions "logprobs": 0 */
+    bool return_ids;                  /* "return_token_ids" */
+    char tag[64];                     /* p.tag: "gateway <id>" */
+};
+
+/* Parse the body of POST /v1/chat/completions (chat) or /v1/completions:
+ * one JSON object of at most GW_JSON_DEPTH levels, nothing after it, every
+ * field checked (docs/gateway.md).  0 with *r filled; -1 with *b (400 for
+ * a bad body, 404 for another model, 500 out of memory), *r then holding
+ * what was parsed so far.  Either way free *r with gw_req_free. */
+int gw_req_parse(const struct gw *g, bool chat, const char *body, size_t len, struct gw_req *r,
+    struct gw_bad *b);
+void gw_req_free(struct gw_req *r);
+
+/* Append n bytes to t (kept NUL-terminated); -1 when out of memory. */
+int gw_text_add(struct dsv4_tok_text *t, const char *s, size_t n);
 
 /* --- gw_gen.c ---------------------------------------------------------- */
 
