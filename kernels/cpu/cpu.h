@@ -84,6 +84,7 @@ cpu_check_range(const void *p, size_t n)
 }
 #else
 #define CPU_HOT
+/* Without ASan: nothing to check. */
 static inline void
 cpu_check_range(const void *p, size_t n)
 {
@@ -230,6 +231,7 @@ cpu_expf(float x)
     return (float)exp((double)x);
 }
 
+/* (log1p: see cpu_expf) */
 static inline float
 cpu_log1pf(float x)
 {

@@ -4,9 +4,12 @@ is documented where it is declared (STYLE.md), checked on the headers.
 
 usage: doc_decls.py SRCDIR
 
-Scans every .h of SRCDIR outside tests/ and subprojects/.  A function
-declaration (a line at column 0 naming `name(`), a struct, union or enum
-definition (`struct name {`) and a typedef need a comment before them: the
+Scans every .h of SRCDIR outside tests/ and subprojects/ (the CUDA
+kernels' own .cuh headers are the kernels' internals, not scanned).  A
+function declaration (a line at column 0 naming `name(`, or `name(` below
+a line holding only its return type, as static inline definitions are
+written) and a struct, union or enum definition (`struct name {`) need a
+comment before them: the
 comment's end (`*/`) or a `//` line right above, or above a run of
 declarations and continuation lines that the same comment introduces
 (`create` beside `free`; a struct's size macro).  A blank line, a
@@ -19,6 +22,8 @@ import re
 import sys
 
 FUNC = re.compile(r'^(?:static inline |extern |DSV4_API )?[A-Za-z_][\w \*]*\b[a-z_]\w*\s*\(')
+NAME = re.compile(r'^[a-z_]\w*\s*\(')
+RTYPE = re.compile(r'^(?:static |inline |extern |const |unsigned |struct |enum )*[A-Za-z_]\w*[ \*]*$')
 TYPE = re.compile(r'^(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{')
 
 
@@ -52,6 +57,10 @@ def check(path):
         if in_body == 0 and (TYPE.match(line) or
                              (FUNC.match(line) and not line.startswith('typedef'))):
             if not documented(lines, i):
+                bad.append((i + 1, line.strip()))
+        elif in_body == 0 and NAME.match(line) and i > 0 and RTYPE.match(lines[i - 1]):
+            # the return type on the line above (static inline definitions)
+            if not documented(lines, i - 1):
                 bad.append((i + 1, line.strip()))
         # skip what is inside a definition's braces (inline function bodies,
         # struct members): only declarations outside them are checked
