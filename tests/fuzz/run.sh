@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # run.sh [SECONDS] — build the protocol fuzz targets, the safetensors
 # reader's (fuzz_st.c), a checkpoint index's (fuzz_ckpt.c), a checkpoint's
-# config.json's (fuzz_mconf.c), the configuration reader's (fuzz_conf.c) and
-# the tokenizer's (fuzz_tok.c) with clang's libFuzzer (+ ASan + UBSan) and
+# config.json's (fuzz_mconf.c), the configuration reader's (fuzz_conf.c),
+# the tokenizer's (fuzz_tok.c) and the gateway's request bodies'
+# (fuzz_gwreq.c) with clang's libFuzzer (+ ASan + UBSan) and
 # run each for SECONDS (default $FUZZ_SECONDS or 20) on a scratch copy of its
 # committed seed corpus (tests/fuzz/corpus/<target>/).
 # First replays every saved crash (tests/fuzz/crashes/<target>-*) as a
@@ -113,4 +114,16 @@ tokjson=${FUZZ_TOKENIZER:-${DSV4_TOKENIZER:-/usr/local/share/dsv4/tokenizer.json
 export FUZZ_TOKENIZER=$tokjson
 echo "run.sh: fuzz_tok on $tokjson"
 fuzz tok
+
+# The gateway's request bodies on both routes (fuzz_gwreq.c), with the same
+# tokenizer; libdsv4client's sources for its parameter defaults.
+if ! "$cc" "${flags[@]}" -I"$root/ipc" "$here/fuzz_gwreq.c" "$root/daemons/gateway/gw_req.c" \
+        "$root"/common/tokenizer.c "$root"/common/tokenizer_load.c \
+        "$root"/common/tokenizer_encode.c "$root"/common/tokenizer_chat.c \
+        "$root/common/err.c" "$root/ipc/client.c" "$root/ipc/zsock.c" "$root/ipc/proto.c" \
+        -lpcre2-8 -ljson-c -lzmq -lmsgpackc -lm -o "$work/fuzz_gwreq"; then
+    echo "run.sh: building fuzz_gwreq failed"
+    exit 1
+fi
+fuzz gwreq
 exit $failed
