@@ -9,8 +9,9 @@ reload), and on SIGTERM sends STOPPING=1 and exits 0.  For the launcher's
 timeouts: $FAKE_EXTEND_USEC sends EXTEND_TIMEOUT_USEC= with it at start,
 $FAKE_READY_AFTER_S holds READY=1 back that long (pinging nothing before;
 $FAKE_EXIT_AFTER_S still applies), $FAKE_EXIT_AT_READY exits 0 at once
-after READY=1,
-and $FAKE_IGNORE_TERM ignores SIGTERM (only SIGKILL ends it)."""
+after READY=1, $FAKE_IGNORE_TERM ignores SIGTERM (only SIGKILL ends it),
+and on SIGTERM $FAKE_STOP_EXTEND_USEC sends EXTEND_TIMEOUT_USEC= with it
+after STOPPING=1 and $FAKE_STOP_AFTER_S waits that long before exiting."""
 import json, os, signal, socket, sys, time
 
 
@@ -74,6 +75,9 @@ def main():
         if exit_after and time.monotonic() - t0 > exit_after:
             sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
     notify("STOPPING=1")
+    if os.environ.get("FAKE_STOP_EXTEND_USEC"):
+        notify("EXTEND_TIMEOUT_USEC=" + os.environ["FAKE_STOP_EXTEND_USEC"])
+    time.sleep(float(os.environ.get("FAKE_STOP_AFTER_S", "0")))
     sys.exit(0)
 
 

@@ -1761,6 +1761,17 @@ def sc_launch():
         check(readf(nlog).count("sched EXIT signal=9") == 2, "want two SIGKILLs: %s" % readf(nlog))
         log("launch: start timeout extended, never shortened; SIGKILL after a timeout's "
             "SIGTERM and at the stop timeout: ok")
+        # (e) EXTEND_TIMEOUT_USEC while the set stops lengthens its stop
+        # timeout: 3 s asked on SIGTERM against -t 1, exit 0 after 2 s.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n11e")
+        p = run({"FAKE_STOP_EXTEND_USEC": "3000000", "FAKE_STOP_AFTER_S": "2"},
+                args=["-P", "0", "-D", "0", "-w", "0", "-t", "1", "--", "true"], nlog=nlog)
+        check(p.wait(WAIT_S) == 0, "stop extended: launcher exit %s" % p.returncode)
+        check("sched EXIT exit=0" in readf(nlog) and "signal=9" not in readf(nlog),
+              "EXTEND_TIMEOUT_USEC while stopping not honoured: %s" % readf(nlog))
+        check("stop timeout; killing" not in p.stderr.read(), "the stop timeout fired")
+        log("launch: EXTEND_TIMEOUT_USEC while stopping lengthens the stop timeout: ok")
 
         # 9. An exit before READY=1 fails the start whatever its status
         # (systemd's result "protocol"): exit 0 before READY is restarted

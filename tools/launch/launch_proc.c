@@ -288,10 +288,13 @@ proc_reap(struct launch *l)
  * before then.  As systemd, an extension never brings a deadline nearer:
  * the start timeout (-T) stands until now + v passes it, and so does the
  * watchdog's (or, after a timeout's SIGTERM, the stop timeout's) deadline.
- * A value that is not a number is ignored.
+ * While the set stops, the set's stop deadline (-t) is extended the same
+ * way: one deadline for every child, so a child still finishing its work
+ * keeps the others' SIGKILL away too (they have their SIGTERM).  A value
+ * that is not a number is ignored.
  */
 static void
-proc_extend(struct launch_child *k, const char *value, int64_t now)
+proc_extend(struct launch *l, struct launch_child *k, const char *value, int64_t now)
 {
     char *end;
     long long us;
@@ -304,6 +307,14 @@ proc_extend(struct launch_child *k, const char *value, int64_t now)
         return;
     }
     until = now + us / 1000;
+    if (l->stopping) {
+        if (until > l->stop_deadline_ms) {
+            log_info("proc_notify: %s extends the stop timeout by %lld ms", k->name,
+                (long long)(until - l->stop_deadline_ms));
+            l->stop_deadline_ms = until;
+        }
+        return;
+    }
     if (k->start_deadline_ms != 0) {
         if (until > k->start_deadline_ms)
             k->start_deadline_ms = until;
@@ -336,7 +347,7 @@ proc_notify_line(struct launch *l, struct launch_child *k, const char *line)
     } else if (strncmp(line, "STATUS=", 7) == 0) {
         log_info("proc_notify: %s: %s", k->name, line + 7);
     } else if (strncmp(line, "EXTEND_TIMEOUT_USEC=", 20) == 0) {
-        proc_extend(k, line + 20, now);
+        proc_extend(l, k, line + 20, now);
     } else if (strcmp(line, "RELOADING=1") == 0) {
         k->ready = false;
     }
