@@ -15,7 +15,6 @@
  */
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +27,6 @@
 #include "daemons/gateway/gateway.h"
 #include "dsv4/client.h"
 #include "ipc/zsock.h"
-
 
 struct gw_gen {
     struct gw *g;
