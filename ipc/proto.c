@@ -311,6 +311,7 @@ static const struct field f_status[] = {
         U64MAX),
     FHAS("mtp_drafts", struct dsv4_ctl_status, mtp_drafts, has_mtp, T_U64, 0, U64MAX),
     FHAS("mtp_accepted", struct dsv4_ctl_status, mtp_accepted, has_mtp, T_U64, 0, U64MAX),
+    FLD("model", struct dsv4_ctl_status, model, T_STR, 0, 1, DSV4_PROTO_MAX_MODEL, 0),
 };
 
 static const struct field f_ctl_rank[] = {
@@ -335,6 +336,7 @@ static const struct field f_ctl_rank[] = {
         DSV4_PROTO_MAX_CTX),
     FHAS("graphs_refused", struct dsv4_ctl_rank, graphs_refused, has_graphs_refused, T_U32, 0,
         65535),
+    FLD("model", struct dsv4_ctl_rank, model, T_STR, 0, 1, DSV4_PROTO_MAX_MODEL, 0),
 };
 
 static const struct field f_count[] = {

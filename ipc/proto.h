@@ -522,6 +522,10 @@ struct dsv4_ctl_status {
      * (every rank of a group runs the same steps, so each group counts once). */
     uint64_t mtp_drafts, mtp_accepted;
     bool has_mtp;
+    const char *model;       /* the scheduler's reference model fingerprint
+                                (§6.1 READY `model`: its checkpoint's, or
+                                else the registered ranks'); optional, NULL
+                                when it has none */
 };
 
 /* Body of RANK (scheduler -> dsv4ctl): one rank of SHOW_RANKS (§7). */
@@ -560,6 +564,8 @@ struct dsv4_ctl_rank {
                                 (struct dsv4_rank_heartbeat); valid iff
                                 has_graphs_refused (optional) */
     bool has_graphs_refused;
+    const char *model;       /* its READY's model fingerprint; optional, NULL
+                                when absent (the rank did not say) */
 };
 
 /* Body of REQUEST (scheduler -> dsv4ctl): one request of SHOW_REQUESTS

@@ -64,9 +64,14 @@ show_status(struct sched *s, const struct dsv4_route *to)
     st->version = SCHED_VERSION;
     st->uptime_ms = (uint64_t)(dsv4_now_ms() - s->start_ms);
     st->draining = s->draining || s->stopping;
+    /* the model every rank must run: the checkpoint's, else the live
+     * registered ranks' (all the same: the scheduler refuses any other) */
+    st->model = s->model_ref[0] != '\0' ? s->model_ref : NULL;
     TAILQ_FOREACH(k, &s->ranks, entry) {
         if (k->state == DSV4_RANK_STATE_DEAD)
             continue;
+        if (st->model == NULL && k->model[0] != '\0')
+            st->model = k->model;
         st->n_ranks++;
         if (k->state == DSV4_RANK_STATE_READY)
             st->n_ranks_ready++;
@@ -141,6 +146,7 @@ show_ranks(struct sched *s, const struct dsv4_route *to)
         m.u.rank.has_call_rows = k->call_rows != 0;
         m.u.rank.graphs_refused = k->graphs_refused;
         m.u.rank.has_graphs_refused = k->has_graphs_refused;
+        m.u.rank.model = k->model[0] != '\0' ? k->model : NULL;
         if (dsv4_zsock_send(s->admin, to, &m, ZMQ_DONTWAIT, NULL) == DSV4_OK)
             n++;
     }

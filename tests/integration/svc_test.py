@@ -1141,6 +1141,12 @@ def sc_model_mismatch():
               "the scheduler did not log its reference model")
         check(not any((r["role"], r["index"]) == ("decode", 1) for r in svc.admin.ranks()),
               "decode@1 registered")
+        # the admin protocol says the reference and each rank's model
+        st, ranks = svc.admin.status(), svc.admin.ranks()
+        check(st.get("model") == m.group(2), "STATUS model %s, want the checkpoint's %s" %
+              (st.get("model"), m.group(2)))
+        check(len(ranks) == 2 and all(r.get("model") == m.group(2) for r in ranks),
+              "RANK models: %s" % [r.get("model") for r in ranks])
         serve_compared(svc, "pm.txt", 6, 23, "6 streams beside a refused decode rank")
         odd.terminate()
         check(odd.wait(30) == 0, "the refused decode@1's exit status %s" % odd.returncode)

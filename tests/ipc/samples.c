@@ -537,6 +537,39 @@ s_ctl_rank_prefill(struct dsv4_msg *m)
     r->has_call_rows = true;
 }
 
+/* RANK of a decode rank that said its model fingerprint. */
+static void
+s_ctl_rank_model(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_rank *r = &m->u.rank;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_RANK);
+    r->role = DSV4_ROLE_DECODE;
+    r->index = 2;
+    r->group = 2;
+    r->group_rank = 0;
+    r->host = "gpu1";
+    r->state = DSV4_RANK_STATE_READY;
+    r->active = 0;
+    r->capacity = 16;
+    r->last_seen_ms = 100;
+    r->model = "dca417a6eb4d374e";
+}
+
+/* STATUS of a scheduler with its reference model. */
+static void
+s_status_model(struct dsv4_msg *m)
+{
+    struct dsv4_ctl_status *s = &m->u.status;
+
+    dsv4_msg_init(m, DSV4_SUB_CTL, DSV4_CTL_STATUS);
+    s->version = "0.1.0";
+    s->uptime_ms = 500;
+    s->n_ranks = 2;
+    s->n_ranks_ready = 1;
+    s->model = "0123456789abcdef";
+}
+
 /* STATUS with the MTP totals only (no metrics, no histogram). */
 static void
 s_status_mtp(struct dsv4_msg *m)
@@ -670,10 +703,12 @@ static const struct {
     { "ctl_show_status", s_show_status },
     { "ctl_status", s_status },
     { "ctl_status_mtp", s_status_mtp },
+    { "ctl_status_model", s_status_model },
     { "ctl_show_ranks", s_show_ranks },
     { "ctl_rank", s_ctl_rank },
     { "ctl_rank_mtp", s_ctl_rank_mtp },
     { "ctl_rank_prefill", s_ctl_rank_prefill },
+    { "ctl_rank_model", s_ctl_rank_model },
     { "ctl_rank_graphs", s_ctl_rank_graphs },
     { "ctl_ranks_end", s_ranks_end },
     { "ctl_show_requests", s_show_requests },

@@ -453,6 +453,12 @@ def t_basic(ctx, build, tmp):
     # "-" for a rank that sent none
     check(rank_row(sc, "decode@0").get("device") == FAKE_GPU and
           "device" not in rank_row(sc, "prefill@0"), "dsv4ctl --json ranks: device")
+    # ranks that say no model: none in --json ranks or status, "-" in the text
+    check("model" not in rank_row(sc, "decode@0") and "model" not in st,
+          "a model without any rank saying one: %s" % st)
+    rc, text = sc.ctl_text("status")
+    check(rc == 0 and re.search(r"^model +- \(none yet\)$", text, re.M) is not None,
+          "dsv4ctl status without a model:\n" + text)
     rc, text = sc.ctl_text("ranks")
     rows = {ln.split()[0]: ln for ln in text.splitlines()[1:] if ln.strip()}
     check(rc == 0 and "DEVICE" in text.splitlines()[0] and
@@ -1173,6 +1179,14 @@ def t_ready_refused(ctx, build, tmp):
     rc, ranks = sc.ctl("ranks")
     check(rc == 0 and sorted(r["name"] for r in ranks) == ["decode@0", "prefill@0"],
           "ranks: %s" % ranks)
+    # each rank's model in --json ranks; the one every rank must run (here the
+    # registered ranks', the scheduler having no checkpoint) in status
+    check(all(r.get("model") == model for r in ranks), "ranks' models: %s" % ranks)
+    rc, st = sc.ctl("status")
+    check(rc == 0 and st.get("model") == model, "status model: %s" % st)
+    rc, text = sc.ctl_text("status")
+    check(rc == 0 and re.search(r"^model +%s$" % model, text, re.M) is not None,
+          "dsv4ctl status: the model line:\n" + text)
     d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=2,
                   model=model)
     d1.start()

@@ -188,10 +188,16 @@ print_status(struct ctl *c, const struct dsv4_ctl_status *st)
         if (st->has_mtp)
             printf(", \"mtp_drafts\": %" PRIu64 ", \"mtp_accepted\": %" PRIu64,
                 st->mtp_drafts, st->mtp_accepted);
+        if (st->model != NULL) {
+            printf(", \"model\": ");
+            json_str(st->model);
+        }
         printf("}\n");
         return;
     }
     printf("%-12s %s\n", "version", st->version);
+    /* the model fingerprint every rank must run (READY `model`) */
+    printf("%-12s %s\n", "model", st->model != NULL ? st->model : "- (none yet)");
     printf("%-12s %.1f s\n", "uptime", (double)st->uptime_ms / 1000.0);
     printf("%-12s %s\n", "draining", st->draining ? "yes" : "no");
     printf("%-12s %u (%u ready)\n", "ranks", st->n_ranks, st->n_ranks_ready);
@@ -250,6 +256,10 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
                 k->call_rows_full);
         if (k->has_graphs_refused)
             printf(", \"graphs_refused\": %u", k->graphs_refused);
+        if (k->model != NULL) {
+            printf(", \"model\": ");
+            json_str(k->model);
+        }
         printf("}");
     } else {
         /* MTP: "accepted/drafts (rate)", "-" for a rank without MTP */
