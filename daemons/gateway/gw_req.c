@@ -272,13 +272,18 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
     }
     s = json_object_new_string_len(t.s != NULL ? t.s : "", (int)t.len);
     dsv4_tok_text_free(&t);
-    json_object_array_add(hold, s);
+    if (s == NULL || json_object_array_add(hold, s) != 0) {
+        json_object_put(s);
+        gw_bad(b, 500, "internal_error", "out of memory");
+        return NULL;
+    }
     return json_object_get_string(s);
 }
 
+/* The chat route's "messages" and thinking options into `a`; joined
+ * content strings are kept in a->hold. */
 static int
-gw_parse_messages(const struct gw *g, json_object *o, json_object *hold, struct gw_req *a,
-    struct gw_bad *b)
+gw_parse_messages(json_object *o, struct gw_req *a, struct gw_bad *b)
 {
     json_object *x, *m, *r, *c, *rc, *kw;
     const char *role;
@@ -316,7 +321,7 @@ gw_parse_messages(const struct gw *g, json_object *o, json_object *hold, struct 
                 "supported (system, user, assistant, developer)", i, role);
         c = NULL;
         json_object_object_get_ex(m, "content", &c);
-        if ((a->msgs[i].content = gw_content(c, hold, b)) == NULL)
+        if ((a->msgs[i].content = gw_content(c, a->hold, b)) == NULL)
             return -1;
         if (json_object_object_get_ex(m, "reasoning_content", &rc) && rc != NULL) {
             if (json_object_get_type(rc) != json_type_string)
@@ -344,7 +349,6 @@ gw_parse_messages(const struct gw *g, json_object *o, json_object *hold, struct 
         else if (!gw_str_is(x, "high"))
             return gw_bad(b, 400, "invalid_value", "\"reasoning_effort\": \"high\" or \"max\"");
     }
-    (void)g;
     return 0;
 }
 
@@ -507,7 +511,7 @@ gw_req_parse(const struct gw *g, bool chat, const char *body, size_t len, struct
         return gw_bad(b, 400, "invalid_json", "the body must be a JSON object");
     if (gw_parse_params(g, chat, o, r, b) != 0)
         return -1;
-    return chat ? gw_parse_messages(g, o, r->hold, r, b) : gw_parse_prompt(g, o, r, b);
+    return chat ? gw_parse_messages(o, r, b) : gw_parse_prompt(g, o, r, b);
 }
 
 void

@@ -52,9 +52,9 @@ struct cuda_expert_table {
     int n;
 };
 
-/* Backend state (be->priv). */
 #define CUDA_MAX_ARENAS 8   /* weight arenas a backend tells cuda_blas_weights of */
 
+/* Backend state (be->priv). */
 struct cuda_state {
     int device;
     int sms;                            /* the device's SM count (cuda_sms) */
@@ -150,12 +150,16 @@ cuda_is_backend(const struct dsv4_backend *be)
     return be != NULL && be->name != NULL && strcmp(be->name, "cuda") == 0;
 }
 
+/* The CUDA state of a CUDA backend (check cuda_is_backend first where be
+ * may be another backend's). */
 static inline struct cuda_state *
 cuda_st(struct dsv4_backend *be)
 {
     return (struct cuda_state *)be->priv;
 }
 
+/* The stream the backend's ops are queued on now: its own, or the side
+ * queue's while side ops are being queued (side_begin .. side_end). */
 static inline cudaStream_t
 cuda_stream(struct dsv4_backend *be)
 {

@@ -5,6 +5,7 @@
 #ifndef DSV4_TESTS_FUZZ_H
 #define DSV4_TESTS_FUZZ_H
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -34,5 +35,29 @@ fuzz_memfile(const char *target, const void *p, size_t n, char *path)
     snprintf(path, 64, "/proc/self/fd/%d", fd);
     return fd;
 }
+
+#ifdef DSV4_COMMON_TOKENIZER_H
+/* Load the tokenizer the targets run on, flavour `fl`: $FUZZ_TOKENIZER,
+ * else dsv4_tok_default_path().  With `must`, a failed load prints
+ * "TARGET: PATH: why" and exits 1 (not a crash: the set-up is wrong);
+ * otherwise it gives NULL.  Only for targets that include
+ * common/tokenizer.h first and link the tokenizer. */
+static inline struct dsv4_tok *
+fuzz_tokenizer(const char *target, enum dsv4_tok_flavor fl, bool must)
+{
+    const char *path = getenv("FUZZ_TOKENIZER");
+    struct dsv4_tok *t = NULL;
+
+    if (path == NULL || path[0] == '\0')
+        path = dsv4_tok_default_path();
+    if (dsv4_tok_load(&t, path, fl) != DSV4_OK) {
+        if (!must)
+            return NULL;
+        fprintf(stderr, "%s: %s: %s\n", target, path, dsv4_errmsg());
+        exit(1);
+    }
+    return t;
+}
+#endif
 
 #endif

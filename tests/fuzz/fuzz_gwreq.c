@@ -43,14 +43,7 @@ fail(const char *what, const char *detail)
 static void
 setup(void)
 {
-    const char *path = getenv("FUZZ_TOKENIZER");
-
-    if (path == NULL || path[0] == '\0')
-        path = dsv4_tok_default_path();
-    if (dsv4_tok_load(&gw.tok, path, DSV4_TOK_HF) != DSV4_OK) {
-        fprintf(stderr, "fuzz_gwreq: %s: %s\n", path, dsv4_errmsg());
-        exit(1);
-    }
+    gw.tok = fuzz_tokenizer("fuzz_gwreq", DSV4_TOK_HF, true);
     snprintf(gw.conf.gateway_model, sizeof(gw.conf.gateway_model), "deepseek-v4-flash");
     gw.eos = dsv4_tok_eos(gw.tok);
 }

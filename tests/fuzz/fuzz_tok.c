@@ -41,16 +41,9 @@ fail(const char *what)
 static void
 load(void)
 {
-    const char *path = getenv("FUZZ_TOKENIZER");
-
-    if (path == NULL || path[0] == '\0')
-        path = dsv4_tok_default_path();
-    if (dsv4_tok_load(&tok_hf, path, DSV4_TOK_HF) != DSV4_OK) {
-        fprintf(stderr, "fuzz_tok: %s: %s\n", path, dsv4_errmsg());
-        exit(1);
-    }
-    if (dsv4_tok_load(&tok_py, path, DSV4_TOK_PYPKG) != DSV4_OK)
-        tok_py = NULL; /* only the DeepSeek-V4 patterns have that flavour */
+    tok_hf = fuzz_tokenizer("fuzz_tok", DSV4_TOK_HF, true);
+    /* only the DeepSeek-V4 patterns have that flavour */
+    tok_py = fuzz_tokenizer("fuzz_tok", DSV4_TOK_PYPKG, false);
 }
 
 /* Length of the well-formed UTF-8 sequence at s (RFC 3629: no overlong

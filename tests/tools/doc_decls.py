@@ -4,8 +4,9 @@ is documented where it is declared (STYLE.md), checked on the headers.
 
 usage: doc_decls.py SRCDIR
 
-Scans every .h of SRCDIR outside tests/ and subprojects/ (the CUDA
-kernels' own .cuh headers are the kernels' internals, not scanned).  A
+Scans every .h and .cuh of SRCDIR outside tests/ and subprojects/ (in
+the CUDA kernels' .cuh headers the device functions, whose return types
+carry __device__, are not matched: the host-side declarations are).  A
 function declaration (a line at column 0 naming `name(`, or `name(` below
 a line holding only its return type, as static inline definitions are
 written) and a struct, union or enum definition (`struct name {`) need a
@@ -81,7 +82,7 @@ def main():
             dirs[:] = []
             continue
         for f in sorted(files):
-            if not f.endswith('.h'):
+            if not f.endswith(('.h', '.cuh')):
                 continue
             path = os.path.join(root, f)
             for ln, text in check(path):
