@@ -18,9 +18,17 @@
  * on where it was: its caller sees neither a second ACCEPTED nor a token
  * twice.  (A connection that only blipped reaches the same scheduler under
  * a new routing id; it cancels the old copies when it cannot send to them.)
+ * A request that cannot go on exactly (its OK named no seed, its output
+ * could not be noted, its resend did not fit the pipe) ends with a 504
+ * ERROR instead of waiting for an answer that will not come; one cancelled
+ * while the connection was down is cancelled again under its new wire id.
+ * A message of an older wire id of a request in flight (its GENERATE was
+ * also queued on the socket before the drop was seen, so it reached the new
+ * scheduler twice) is answered with a CANCEL of that copy.
  */
 #include "dsv4/client.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +67,9 @@ struct creq {
     uint64_t got_text;    /* bytes of output text received */
     bool lost_output;     /* out of memory noting it: no resume */
     uint32_t n_resumes;   /* wire id = id + n_resumes << RESUME_ID_SHIFT */
+    bool cancelled;       /* dsv4_client_cancel asked: a resume cancels it again */
+    bool orphan;          /* the connection dropped and it could not be resumed:
+                             next() ends it with 504 */
 };
 
 struct dsv4_client {
@@ -72,6 +83,7 @@ struct dsv4_client {
     int64_t last_hb_ms;          /* last HEARTBEAT we sent */
     struct dsv4_msg cur;         /* decoded message behind the last event */
     char ev_msg[ERRMSG_LEN];     /* message of a locally made ERROR event */
+    char ev_tag[DSV4_PROTO_MAX_TAG + 1];  /* its request's tag */
     char errmsg[ERRMSG_LEN];     /* detail of the last failure */
     void *mon;                   /* PAIR: the DEALER's monitor events; NULL = none */
     bool down;                   /* the connection dropped; resume when it is up */
@@ -146,8 +158,10 @@ dsv4_client_params_init(struct dsv4_client_params *p)
 }
 
 /* Watch the DEALER's connection (connected, disconnected) through a PAIR
- * socket; without one (it failed), requests are not resumed. */
-static void
+ * socket.  False when that cannot be set up: without it a restarted
+ * scheduler would go unnoticed and the requests in flight would wait
+ * forever, so the connection is refused. */
+static bool
 mon_open(struct dsv4_client *c)
 {
     char ep[64];
@@ -155,16 +169,28 @@ mon_open(struct dsv4_client *c)
 
     snprintf(ep, sizeof(ep), "inproc://dsv4client-monitor-%p", (void *)c);
     if (zmq_socket_monitor(c->sock, ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) != 0)
-        return;
+        return false;
     if ((c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) == NULL)
         goto off;
     (void)zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof(zero));
     if (zmq_connect(c->mon, ep) == 0)
-        return;
+        return true;
     zmq_close(c->mon);
     c->mon = NULL;
 off:
     (void)zmq_socket_monitor(c->sock, NULL, 0);
+    return false;
+}
+
+/* Send CANCEL of wire id `wire`, not waiting: a full pipe drops it. */
+static enum dsv4_err
+send_cancel(struct dsv4_client *c, uint64_t wire)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
+    m.u.cancel.id = wire;
+    return dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL);
 }
 
 /* Send every request in flight again, with what it got as `resume`
@@ -178,10 +204,13 @@ resume_all(struct dsv4_client *c)
         struct creq *r = &c->reqs[i];
         struct dsv4_msg m;
 
-        /* Tokens but no seed cannot be (OK comes first); without the
-         * tokens it got, the request cannot go on exactly. */
-        if (r->lost_output || (r->n_got > 0 && !r->g.s.has_seed))
+        /* Without the tokens it got, or with tokens but no seed (an OK
+         * that named none: the field is optional), the request cannot go
+         * on exactly: next() ends it. */
+        if (r->lost_output || (r->n_got > 0 && !r->g.s.has_seed)) {
+            r->orphan = true;
             continue;
+        }
         /* A new id on the wire: whatever the scheduler that went away still
          * had in the pipe for the old one is dropped as unknown. */
         r->g.id = r->id + ((uint64_t)++r->n_resumes << RESUME_ID_SHIFT);
@@ -198,8 +227,12 @@ resume_all(struct dsv4_client *c)
 
             m.u.generate.timeout_ms = left > 1 ? (uint32_t)left : 1;
         }
-        /* A full pipe loses it: its deadline or the loss check ends it. */
-        (void)dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL);
+        if (dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL) != DSV4_OK) {
+            r->orphan = true;           /* a full pipe (or no memory): next() ends it */
+            continue;
+        }
+        if (r->cancelled)
+            send_cancel(c, r->g.id);
     }
 }
 
@@ -270,8 +303,11 @@ await_server(struct dsv4_client *c, int timeout_ms)
         if (left <= 0)
             return fail(c, DSV4_CLIENT_UNREACHABLE, "server did not answer within the "
                 "connection timeout");
-        if (zmq_poll(&it, 1, (long)left) < 0)
+        if (zmq_poll(&it, 1, (long)left) < 0) {
+            if (zmq_errno() == EINTR)
+                continue;               /* a signal: wait on */
             return fail(c, DSV4_CLIENT_INTERNAL, zmq_strerror(zmq_errno()));
+        }
         if (!(it.revents & ZMQ_POLLIN))
             continue;
         e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
@@ -330,7 +366,10 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
             dsv4_errmsg());
         goto err;
     }
-    mon_open(c);
+    if (!mon_open(c)) {
+        rc = fail(c, DSV4_CLIENT_INTERNAL, "cannot watch the connection (socket monitor)");
+        goto err;
+    }
     c->conn_timeout_ms = o.connect_timeout_ms > 0 ? o.connect_timeout_ms : 0;
     c->last_rx_ms = c->last_hb_ms = dsv4_now_ms();
     if (c->conn_timeout_ms > 0 && (rc = await_server(c, c->conn_timeout_ms)) != 0)
@@ -500,19 +539,35 @@ submit(struct dsv4_client *c, const char *prompt, const int32_t *ids, size_t n_i
     g->timeout_ms = p.timeout_ms;
     if ((g->stop == NULL && p.n_stop > 0) || (g->stop_ids == NULL && p.n_stop_ids > 0))
         return fail(c, DSV4_CLIENT_BAD_ARGUMENT, "stop arrays are NULL");
+    for (size_t i = 0; i < p.n_stop; i++) {
+        if (p.stop[i] == NULL)
+            return fail(c, DSV4_CLIENT_BAD_ARGUMENT, "a stop string is NULL");
+    }
+    /* A drop or reconnect not yet seen is handled first, so the requests
+     * it resumes go out before this one and this one is not resumed. */
+    mon_read(c);
     memset(&pe, 0, sizeof(pe));
     q = &c->reqs[c->n_reqs];
     if (!req_copy(q, g)) {
         req_free_copy(q);
         return fail(c, DSV4_CLIENT_NO_MEMORY, "out of memory");
     }
-    e = dsv4_zsock_send(c->sock, NULL, &m, 0, &pe);
+    /* Not waiting: a DEALER queues while no server is connected, and a
+     * full queue would block the caller with no bound. */
+    e = dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, &pe);
     if (e != DSV4_OK)
         req_free_copy(q);
     if (e == DSV4_ERR_INVAL && pe.code != 0)
         return fail(c, pe.code, pe.message);
+    if (e == DSV4_ERR_BUSY)
+        return fail(c, DSV4_CLIENT_BUSY, "the connection's send queue is full (the server "
+            "is not connected or not reading); retry later");
     if (e != DSV4_OK)
         return fail(c, code_of(e), dsv4_errmsg());
+    /* The server's silence counts from the first request in flight: an
+     * idle connection hears nothing, and that is no loss. */
+    if (c->n_reqs == 0)
+        c->last_rx_ms = c->last_hb_ms = dsv4_now_ms();
     c->next_id++;
     q->id = g->id;
     q->req = 0;
@@ -544,17 +599,19 @@ dsv4_client_submit_tokens(struct dsv4_client *c, const int32_t *ids, size_t n_id
 int
 dsv4_client_cancel(struct dsv4_client *c, uint64_t id)
 {
-    struct dsv4_msg m;
     struct creq *r;
     enum dsv4_err e;
 
     if (c == NULL)
         return DSV4_CLIENT_BAD_ARGUMENT;
+    mon_read(c);    /* a reconnect first: the cancel goes to the resumed copy */
     if ((r = req_find(c, id)) == NULL)
         return fail(c, DSV4_CLIENT_NOT_FOUND, "no such request in flight");
-    dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
-    m.u.cancel.id = r->g.id;
-    if ((e = dsv4_zsock_send(c->sock, NULL, &m, 0, NULL)) != DSV4_OK)
+    r->cancelled = true;    /* a later resume cancels it again */
+    if ((e = send_cancel(c, r->g.id)) == DSV4_ERR_BUSY)
+        return fail(c, DSV4_CLIENT_BUSY, "the connection's send queue is full (the server "
+            "is not connected or not reading); retry later");
+    if (e != DSV4_OK)
         return fail(c, code_of(e), dsv4_errmsg());
     return 0;
 }
@@ -577,28 +634,30 @@ static bool
 local_event(struct dsv4_client *c, int64_t now, struct dsv4_client_event *ev)
 {
     bool lost = c->conn_timeout_ms > 0 &&
-        now - c->last_rx_ms >= HB_IDLE_MS + c->conn_timeout_ms;
+        now - c->last_rx_ms >= (int64_t)HB_IDLE_MS + c->conn_timeout_ms;
 
     for (size_t i = 0; i < c->n_reqs; i++) {
         struct creq *r = &c->reqs[i];
-        struct dsv4_msg m;
+        bool timed_out = r->deadline_ms != 0 && now >= r->deadline_ms;
 
-        if (!lost && (r->deadline_ms == 0 || now < r->deadline_ms))
+        if (!lost && !r->orphan && !timed_out)
             continue;
         memset(ev, 0, sizeof(*ev));
         ev->type = DSV4_CLIENT_EV_ERROR;
         ev->id = r->id;
         ev->req = r->req;
-        ev->code = lost ? DSV4_CLIENT_UNREACHABLE : DSV4_CLIENT_TIMEOUT;
+        ev->code = lost || r->orphan ? DSV4_CLIENT_UNREACHABLE : DSV4_CLIENT_TIMEOUT;
         snprintf(c->ev_msg, sizeof(c->ev_msg), "%s", lost ?
-            "server did not answer (connection lost)" : "request timed out (no answer)");
+            "server did not answer (connection lost)" : r->orphan ?
+            "the connection to the server dropped and the request could not be resumed" :
+            "request timed out (no answer)");
         ev->message = c->ev_msg;
-        if (!lost) {
-            /* Best effort: free the server side too. */
-            dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_CANCEL);
-            m.u.cancel.id = r->g.id;
-            (void)dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL);
+        if (r->tag != NULL) {
+            snprintf(c->ev_tag, sizeof(c->ev_tag), "%s", r->tag);
+            ev->tag = c->ev_tag;
         }
+        if (!lost && !r->orphan)
+            (void)send_cancel(c, r->g.id);  /* best effort: free the server side too */
         req_remove(c, r);
         return true;
     }
@@ -623,6 +682,11 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
     default: return false; /* HEARTBEAT, or a command a server does not send */
     }
     r = req_find_wire(c, id);
+    /* The OK of an older wire id of a request in flight: a second copy
+     * running on the server (see the top of the file); cancel it. */
+    if (r == NULL && m->cmd == DSV4_CLI_OK &&
+        req_find(c, id & ((UINT64_C(1) << RESUME_ID_SHIFT) - 1)) != NULL)
+        (void)send_cancel(c, id);
     if (r == NULL && !(m->cmd == DSV4_CLI_ERROR && id == 0))
         return false;
     ev->id = r != NULL ? r->id : 0;
@@ -708,8 +772,11 @@ dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeou
         }
         if (wait < 0)
             wait = 0;
-        if (zmq_poll(its, c->mon != NULL ? 2 : 1, (long)wait) < 0)
+        if (zmq_poll(its, c->mon != NULL ? 2 : 1, (long)wait) < 0) {
+            if (zmq_errno() == EINTR)
+                return DSV4_CLIENT_NONE;    /* a signal ended the wait */
             return fail(c, DSV4_CLIENT_INTERNAL, zmq_strerror(zmq_errno()));
+        }
         now = dsv4_now_ms();
         if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN))
             mon_read(c);

@@ -27,8 +27,11 @@
  * run's.  The library keeps a copy of each request's prompt and output for
  * this until its final event.  A scheduler that stays away longer than
  * connect_timeout_ms past the 1 s heartbeat still ends the requests with
- * 504.  Request ids stay below 2^48 (the bits above mark resumes on the
- * wire).
+ * 504, and so does a request that cannot go on exactly (the scheduler's OK
+ * named no seed and tokens had come, or the resend did not fit the
+ * connection's queue).  A request cancelled while the connection was down
+ * is cancelled again on the new one.  Request ids stay below 2^48 (the
+ * bits above mark resumes on the wire).
  */
 #ifndef DSV4_CLIENT_H
 #define DSV4_CLIENT_H
@@ -42,7 +45,7 @@ extern "C" {
 
 #define DSV4_CLIENT_VERSION_MAJOR 1
 #define DSV4_CLIENT_VERSION_MINOR 1
-#define DSV4_CLIENT_VERSION_PATCH 0
+#define DSV4_CLIENT_VERSION_PATCH 1
 
 #if defined(DSV4_CLIENT_BUILD)
 #define DSV4_API __attribute__((visibility("default")))
@@ -157,7 +160,9 @@ DSV4_API void dsv4_client_params_init(struct dsv4_client_params *params);
 /*
  * Connect to `endpoint` ("ipc:///run/dsv4/client.sock", "tcp://host:port").
  * `opts` may be NULL (defaults).  With connect_timeout_ms > 0 this waits for
- * the server to answer a heartbeat.  On success *out is the connection.
+ * the server to answer a heartbeat.  On success *out is the connection.  A
+ * connection may stay idle for any time: the server's silence counts only
+ * while requests are in flight.
  */
 DSV4_API int dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
     struct dsv4_client **out);
@@ -168,9 +173,12 @@ DSV4_API void dsv4_client_close(struct dsv4_client *c);
 
 /*
  * Submit a request with a text prompt (UTF-8) or with token ids.  `params`
- * may be NULL (defaults).  Validates locally, sends GENERATE and returns at
- * once; *id (may be NULL) receives the request's id, unique on this
- * connection.  The request's events then come from dsv4_client_next.
+ * may be NULL (defaults).  Validates locally (a NULL stop string is 401),
+ * sends GENERATE and returns at once; *id (may be NULL) receives the
+ * request's id, unique on this connection.  The request's events then come
+ * from dsv4_client_next.  300 (BUSY) when the connection's send queue is
+ * full (its high-water mark: the server is not connected, or not reading);
+ * nothing was sent then.
  */
 DSV4_API int dsv4_client_submit_text(struct dsv4_client *c, const char *prompt,
     const struct dsv4_client_params *params, uint64_t *id);
@@ -180,8 +188,8 @@ DSV4_API int dsv4_client_submit_tokens(struct dsv4_client *c, const int32_t *ids
 /*
  * Wait up to timeout_ms (-1 = no limit, 0 = poll) for the next event of any
  * request on this connection.  Returns 0 with *ev filled, DSV4_CLIENT_NONE
- * when nothing happened in time or no request is in flight, or an error code
- * when the connection failed.  Every request ends with exactly one DONE or
+ * when nothing happened in time, no request is in flight or a signal ended
+ * the wait, or an error code when the connection failed.  Every request ends with exactly one DONE or
  * ERROR event; per-request timeouts and a lost server produce ERROR events
  * (408, 504) even when the server says nothing.
  */
@@ -190,7 +198,7 @@ DSV4_API int dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *e
 
 /* Ask the server to cancel request `id`; it ends with a DONE event whose
  * finish is CANCELLED (or its normal end, if that came first).  404 when `id`
- * is not in flight. */
+ * is not in flight; 300 (BUSY) when the send queue is full (call again). */
 DSV4_API int dsv4_client_cancel(struct dsv4_client *c, uint64_t id);
 
 /* Number of requests in flight (submitted, final event not yet returned). */

@@ -138,6 +138,16 @@ on_generate(struct fake *f, const struct dsv4_route *from, const struct dsv4_cli
         send_error(f, from, g->id, 0, DSV4_STATUS_BUSY, "queue full", g->tag);
         return;
     }
+    if (g->prompt != NULL && strcmp(g->prompt, "__count__") == 0) {
+        char text[32];
+        int n = 0;
+
+        for (int i = 0; i < FAKE_MAX_REQS; i++)
+            n += f->reqs[i].live;
+        snprintf(text, sizeof(text), "live %d", n);
+        send_error(f, from, g->id, 0, DSV4_STATUS_NOT_SUPPORTED, text, g->tag);
+        return;
+    }
     for (int i = 0; i < FAKE_MAX_REQS && r == NULL; i++) {
         if (!f->reqs[i].live)
             r = &f->reqs[i];
@@ -180,7 +190,7 @@ on_generate(struct fake *f, const struct dsv4_route *from, const struct dsv4_cli
     m.u.ok.req = r->req;
     m.u.ok.tag = r->tag;
     m.u.ok.seed = FAKE_SEED;
-    m.u.ok.has_seed = true;
+    m.u.ok.has_seed = !(r->text && strcmp(g->prompt, "__noseed__") == 0);
     (void)dsv4_zsock_send(f->sock, from, &m, ZMQ_DONTWAIT, NULL);
 }
 

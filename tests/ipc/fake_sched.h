@@ -9,8 +9,10 @@
  * token in stop_ids (stop strings are not implemented), DONE "cancelled" on
  * CANCEL, ERROR 408 when timeout_ms passes.  Logprob of token k: -k/8.
  * Prompts "__busy__" get ERROR 300; "__stall__" is accepted and then
- * ignored (no output, no timeout), to test client-side timeouts.  OK says
- * seed 4242; a GENERATE with `resume` (docs/protocol.md §4.6) goes on after
+ * ignored (no output, no timeout), to test client-side timeouts;
+ * "__count__" gets ERROR 501 with the message "live N", N the requests
+ * running; "__noseed__" gets an OK without a seed (an older scheduler's),
+ * every other OK says seed 4242; a GENERATE with `resume` (docs/protocol.md §4.6) goes on after
  * the resumed tokens when they, their text's length and the seed are this
  * request's (ERROR 401 otherwise).
  */

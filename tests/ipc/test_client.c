@@ -3,8 +3,11 @@
  * (fake_sched.c) running in a thread on ipc:// in a temporary directory:
  * connect, several requests in flight, text and token-id prompts, logprobs,
  * stop ids, non-streamed output, cancel, server-side and client-side
- * timeouts, refusals, local validation, and a server that goes away.
+ * timeouts, refusals, local validation, an idle connection, a full send
+ * queue, and a server that goes away or restarts (resume, a cancel while
+ * it is away, a request that cannot be resumed, a request sent twice).
  */
+#include <limits.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -158,6 +161,8 @@ collect(struct dsv4_client *c, struct outcome *o, size_t n)
             x->final_type = ev.type;
             x->code = ev.code;
             assert_non_null(ev.message);
+            if (ev.tag != NULL)
+                snprintf(x->tag, sizeof(x->tag), "%s", ev.tag);
             open--;
             break;
         default:
@@ -323,8 +328,10 @@ test_timeouts(void **state)
     p.max_tokens = 1048576;
     p.timeout_ms = 50;
     assert_int_equal(dsv4_client_submit_text(c, "slow", &p, &o[0].id), 0);
+    p.tag = "stalled";
     assert_int_equal(dsv4_client_submit_text(c, "__stall__", &p, &o[1].id), 0);
     collect(c, o, 2);
+    assert_string_equal(o[1].tag, "stalled");   /* the local 408 carries the tag */
     assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
     assert_int_equal(o[0].code, DSV4_CLIENT_TIMEOUT);
     assert_int_equal(o[1].final_type, DSV4_CLIENT_EV_ERROR);
@@ -357,6 +364,13 @@ test_refusals(void **state)
     p.stop = too_many;
     p.n_stop = 17;
     assert_int_equal(dsv4_client_submit_text(c, "x", &p, &id), DSV4_CLIENT_TOO_LARGE);
+    {
+        static const char *const with_null[2] = { "a", NULL };
+
+        p.stop = with_null;
+        p.n_stop = 2;
+        assert_int_equal(dsv4_client_submit_text(c, "x", &p, &id), DSV4_CLIENT_BAD_ARGUMENT);
+    }
     assert_int_equal(dsv4_client_submit_text(c, "bad \xff utf8", NULL, &id),
         DSV4_CLIENT_BAD_MESSAGE);
     assert_int_equal(dsv4_client_submit_text(c, NULL, NULL, &id), DSV4_CLIENT_BAD_ARGUMENT);
@@ -444,6 +458,158 @@ test_server_lost(void **state)
     dsv4_client_close(c);
 }
 
+/* A connection idle for longer than the heartbeat and connect_timeout_ms
+ * serves its next request (the silence counts only while one is in
+ * flight), and a connect_timeout_ms of INT_MAX does not overflow into an
+ * instant 504. */
+static void
+test_idle(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client_opts opts;
+    struct dsv4_client *c = NULL;
+    struct dsv4_client_params p;
+    struct outcome o[1];
+    int timeouts[2] = { 200, INT_MAX };
+
+    for (int t = 0; t < 2; t++) {
+        dsv4_client_opts_init(&opts);
+        opts.connect_timeout_ms = timeouts[t];
+        assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
+        if (t == 0)
+            usleep(1500 * 1000);      /* > 1 s heartbeat + 200 ms */
+        memset(o, 0, sizeof(o));
+        dsv4_client_params_init(&p);
+        p.max_tokens = 5;
+        assert_int_equal(dsv4_client_submit_text(c, "idle", &p, &o[0].id), 0);
+        collect(c, o, 1);
+        assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
+        assert_int_equal(o[0].n_tokens, 5);
+        dsv4_client_close(c);
+    }
+}
+
+/* No server: requests queue on the connection up to its high-water mark,
+ * then submit says 300 at once instead of blocking. */
+static void
+test_send_queue_full(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client_opts opts;
+    struct dsv4_client *c = NULL;
+    char ep[160];
+    size_t sent = 0;
+    int rc = 0;
+
+    snprintf(ep, sizeof(ep), "ipc://%s/nobody.sock", s->dir);
+    dsv4_client_opts_init(&opts);
+    opts.connect_timeout_ms = 0;      /* no server to answer */
+    assert_int_equal(dsv4_client_connect(ep, &opts, &c), 0);
+    while (sent < 100000 && (rc = dsv4_client_submit_text(c, "q", NULL, NULL)) == 0)
+        sent++;
+    assert_int_equal(rc, DSV4_CLIENT_BUSY);
+    assert_true(sent > 0);
+    assert_int_equal(dsv4_client_pending(c), sent);
+    dsv4_client_close(c);
+}
+
+/* Read events (ACCEPTED, TOKENS) of the n_o requests in o until o[w] has
+ * n tokens. */
+static void
+read_tokens(struct dsv4_client *c, struct outcome *o, size_t n_o, size_t w, size_t n)
+{
+    struct dsv4_client_event ev;
+
+    while (o[w].n_tokens < n) {
+        struct outcome *x = NULL;
+
+        assert_int_equal(dsv4_client_next(c, &ev, WAIT_MS), 0);
+        for (size_t i = 0; i < n_o; i++)
+            x = o[i].id == ev.id ? &o[i] : x;
+        assert_non_null(x);
+        assert_true(ev.type == DSV4_CLIENT_EV_ACCEPTED || ev.type == DSV4_CLIENT_EV_TOKENS);
+        x->accepted |= ev.type == DSV4_CLIENT_EV_ACCEPTED;
+        x->n_tokens += ev.n_tokens;
+    }
+}
+
+/* Restarts: a request cancelled while the scheduler is away is cancelled
+ * on the new one; a request whose OK named no seed and which had tokens
+ * cannot be resumed and ends with 504 instead of waiting forever. */
+static void
+test_resume_cancel_noseed(void **state)
+{
+    struct server *s = *state;
+    static const int32_t prompt[] = { 5, 6 };
+    struct dsv4_client *c = connect_ok(s);
+    struct dsv4_client_params p;
+    struct outcome o[1];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.max_tokens = 3000;              /* well past the restart; < MAX_OUT */
+    assert_int_equal(dsv4_client_submit_tokens(c, prompt, 2, &p, &o[0].id), 0);
+    read_tokens(c, o, 1, 0, 5);
+    server_stop(s);
+    assert_int_equal(dsv4_client_cancel(c, o[0].id), 0);
+    server_restart(s);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
+    assert_int_equal(o[0].finish, DSV4_CLIENT_FINISH_CANCELLED);
+
+    memset(o, 0, sizeof(o));
+    assert_int_equal(dsv4_client_submit_text(c, "__noseed__", &p, &o[0].id), 0);
+    read_tokens(c, o, 1, 0, 5);
+    server_stop(s);
+    server_restart(s);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[0].code, DSV4_CLIENT_UNREACHABLE);
+    assert_int_equal(dsv4_client_pending(c), 0);
+    dsv4_client_close(c);
+}
+
+/* A request submitted while the scheduler is away reaches the new one
+ * twice (queued on the socket, and resumed at the reconnect): the client
+ * cancels the older copy, so one runs. */
+static void
+test_resume_twice_sent(void **state)
+{
+    struct server *s = *state;
+    static const int32_t prompt[] = { 3, 4 };
+    struct dsv4_client *c = connect_ok(s);
+    struct dsv4_client_params p;
+    struct outcome o[2];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.max_tokens = 3000;
+    assert_int_equal(dsv4_client_submit_tokens(c, prompt, 2, &p, &o[0].id), 0);
+    read_tokens(c, o, 1, 0, 5);
+    server_stop(s);
+    usleep(100 * 1000);               /* the drop seen by the socket */
+    assert_int_equal(dsv4_client_submit_tokens(c, prompt, 2, &p, &o[1].id), 0);
+    server_restart(s);
+    read_tokens(c, o, 2, 1, 20);        /* both copies' OKs have come by now */
+    {
+        struct outcome q[1];
+
+        memset(q, 0, sizeof(q));
+        assert_int_equal(dsv4_client_submit_text(c, "__count__", NULL, &q[0].id), 0);
+        for (;;) {
+            struct dsv4_client_event ev;
+
+            assert_int_equal(dsv4_client_next(c, &ev, WAIT_MS), 0);
+            if (ev.id != q[0].id)
+                continue;
+            assert_int_equal(ev.type, DSV4_CLIENT_EV_ERROR);
+            assert_string_equal(ev.message, "live 2");   /* o[0] and o[1], once each */
+            break;
+        }
+    }
+    dsv4_client_close(c);
+}
+
 int
 main(void)
 {
@@ -456,7 +622,14 @@ main(void)
         cmocka_unit_test_setup_teardown(test_refusals, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_resume, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_server_lost, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_idle, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_send_queue_full, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_resume_cancel_noseed, server_start,
+            server_teardown),
+        cmocka_unit_test_setup_teardown(test_resume_twice_sent, server_start, server_teardown),
     };
 
+    if (getenv("TEST_FILTER") != NULL)
+        cmocka_set_test_filter(getenv("TEST_FILTER"));   /* one test by name */
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
