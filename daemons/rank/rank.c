@@ -911,6 +911,14 @@ rank_options(struct rank_opts *o, int argc, char **argv)
                 o->slots, RANK_MAX_SLOTS);
         exit(DSV4_EXIT_CONFIG);
     }
+    /* with speculative decoding a stream emits up to 1 + DSV4_SPEC_MAX_DRAFT
+     * tokens a step, and one TOKENS message carries a step */
+    if (RANK_ROLE == DSV4_ROLE_DECODE && strcmp(o->conf.mtp, "yes") == 0 &&
+        o->slots > RANK_MAX_SLOTS / (DSV4_SPEC_MAX_DRAFT + 1)) {
+        fprintf(stderr, "dsv4-decode: %d slots; 1..%d supported with mtp = yes\n", o->slots,
+                RANK_MAX_SLOTS / (DSV4_SPEC_MAX_DRAFT + 1));
+        exit(DSV4_EXIT_CONFIG);
+    }
     if (check) {
         dsv4_conf_print(&o->conf, stdout);
         printf("# rank=%u group=%u group_rank=%u/%u slots=%d rows=%d kv_timeout_ms=%" PRId64
@@ -1221,6 +1229,11 @@ rank_init_model(struct rank *k)
         k->mtp = false;
     }
     k->spec_k1 = k->mtp ? DSV4_SPEC_MAX_DRAFT + 1 : 1;
+    /* no call has more rows than the longest prompt: capped here, before a
+     * group's join compares its ranks' calls (a fresh rank's and one whose
+     * warm-up had capped them must agree) */
+    if (k->o.role == DSV4_ROLE_PREFILL && k->o.rows > k->o.conf.max_seq)
+        k->o.rows = k->o.conf.max_seq;
     mo.max_rows = k->o.role == DSV4_ROLE_PREFILL ? k->o.rows : k->o.slots * k->spec_k1;
     if (dsv4_model_create(&k->m, k->be, w, &mo) != DSV4_OK)
         fatalx("rank_init: model: %s", dsv4_errmsg());

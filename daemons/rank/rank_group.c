@@ -759,6 +759,9 @@ join_end(struct rank *k)
     if (j->nc != NULL) {
         k->comm = j->nc;
         k->comm_epoch = j->epoch;
+        /* prefill_work's rotation starts alike on every rank of the new
+         * communicator: a restarted rank's is 0, its peers' had counted on */
+        k->rr = 0;
     }
     return j;
 }

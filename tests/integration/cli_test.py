@@ -168,6 +168,10 @@ def checks(paths, conf, tmp):
         ([dec, "-n", "-f", conf], 0, r"checkpoint .*: \d+ layers.*\nconfiguration OK"),
         ([dec, "-n", "-f", conf, "--checkpoint", tmp + "/nothing"], 6, r"checkpoint .*nothing"),
         ([dec, "-n", "-f", conf, "--sched", "tcp://*:5555"], 6, r"no host to connect to"),
+        # one TOKENS message holds a step: 2 tokens a stream with MTP
+        ([dec, "-n", "-f", conf, "-o", "mtp=yes", "--slots", "513"], 6,
+         r"513 slots; 1\.\.512 supported with mtp = yes"),
+        ([dec, "-n", "-f", conf, "-o", "mtp=yes", "--slots", "512"], 0, r"configuration OK"),
     ]
     for argv, want, pat in cases:
         rc, out, err = run(argv, cwd=tmp)
@@ -185,6 +189,7 @@ def checks(paths, conf, tmp):
         ([sched, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
         ([sched, "-f", conf, "-o", "bogus=1"], r"unknown key"),
         ([dec, "-f", conf, "--checkpoint", tmp + "/nothing"], r"weights .*nothing"),
+        ([dec, "-f", conf, "-o", "mtp=yes", "--slots", "1024"], r"1\.\.512 supported"),
         ([gw, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
         ([gw, "-f", conf, "-l", "127.0.0.1:notaport"], r"cannot be listened on"),
     ]

@@ -20,6 +20,13 @@ communicator) driven by this script playing the scheduler (docs/protocol.md
      rank 1's 2nd forward call fail): PREFILL B -> GROUP_BROKEN {group 0,
      group_rank, comm_epoch 3} from both ranks, HEARTBEAT comm_epoch 0 after;
      then epoch 4: both join again (same processes) and run PREFILL C.
+  4. Two prompts alone, then twice: kill -9 of rank 1, a new process (no
+     --rows: its prefill_chunk, 512, is above max_seq, 256), a new epoch,
+     and both prompts at once, so they share one forward call: the new rank
+     joins (its rows per call capped to max_seq before the join, as its
+     peer's warm-up capped them), and both ranks give each prompt the token
+     it got alone (the call's rows in the same order on both: the
+     rotation over the prompts restarts at every join).
 
 usage: rank_epoch.py BUILD_DIR (KEEP=1 keeps the scratch directory with the
 ranks' logs).  Exit 0 pass, 1 fail, 77 without pyzmq/msgpack.
@@ -115,9 +122,21 @@ def form(sc, epoch):
     return cid
 
 
-def prefill(req):
-    return {"req": req, "tokens": [5, 9, 17, 33, 2 + req], "temperature": 0.0,
+def prefill(req, tokens=None):
+    return {"req": req, "tokens": tokens or [5, 9, 17, 33, 2 + req], "temperature": 0.0,
             "dst_group": 0, "transport": "shm"}
+
+
+def tokens_of_both(sc, reqs):
+    """PREFILL_DONE of every req in reqs from both ranks: {(req, rank): token}."""
+    got = {}
+    sc.wait(lambda g, c, b: c == PREFILL_DONE and b["req"] in reqs and
+            (got.__setitem__((b["req"], g), b["token"]) or len(got) == 2 * len(reqs)),
+            "PREFILL_DONE of reqs %s from both ranks" % (reqs,))
+    for req in reqs:
+        for gr in (0, 1):
+            sc.send(gr, KV_RELEASE, {"req": req})
+    return got
 
 
 def done_by_both(sc, req):
@@ -138,15 +157,18 @@ def run(build, tmp, ctx):
     env.pop("NOTIFY_SOCKET", None)
     procs = []
     logs = []
+
+    def start(r, env, name):
+        logs.append(open(os.path.join(tmp, name), "w"))
+        return subprocess.Popen(
+            [os.path.join(build, "daemons/rank/dsv4-prefill"), "-v",
+             "-o", "group_size=2",
+             "--rank", str(r), "--checkpoint", model, "--sched", ep, "--threads", "1",
+             "--max-seq", "256", "--slots", "4"],
+            env=env, stdout=logs[-1], stderr=subprocess.STDOUT)
     try:
         for r in (0, 1):
-            logs.append(open(os.path.join(tmp, "prefill%d.log" % r), "w"))
-            procs.append(subprocess.Popen(
-                [os.path.join(build, "daemons/rank/dsv4-prefill"), "-v",
-                 "-o", "group_size=2",
-                 "--rank", str(r), "--checkpoint", model, "--sched", ep, "--threads", "1",
-                 "--max-seq", "256", "--slots", "4"],
-                env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+            procs.append(start(r, env, "prefill%d.log" % r))
         # 0. READYs of rank 1 refused for 2 s (as the scheduler refuses a
         # group_size that differs from its group's): the rank says why and
         # registers again after a growing pause, not thousands of times a second
@@ -231,6 +253,40 @@ def run(build, tmp, ctx):
             if p.poll() is not None:
                 raise Fail("a rank exited (%d)" % p.returncode)
         print("ok broken group reported (epoch 3) and re-formed (epoch 4), same processes")
+
+        # 4. two prompts that share a forward call after rank 1's restart
+        pa, pb = [5, 9, 17, 33, 7, 8, 100, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15]
+        alone = {}
+        for req, toks in ((20, pa), (21, pb)):
+            for gr in (0, 1):
+                sc.send(gr, PREFILL, prefill(req, toks))
+            got = tokens_of_both(sc, [req])
+            if got[(req, 0)] != got[(req, 1)]:
+                raise Fail("req %d alone: the ranks differ: %s" % (req, got))
+            alone[req] = got[(req, 0)]
+        env1 = dict(env)
+        env1.pop("DSV4_TEST_GROUP_BREAK")
+        # two restarts: the one forward call in between moves rank 0's
+        # rotation by one, so the old code's mismatch showed in one of them
+        for rnd in range(2):
+            procs[1].kill()
+            procs[1].wait()
+            procs[1] = start(1, env1, "prefill1.restart%d.log" % rnd)
+            sc.wait(lambda g, c, b: c == READY and g == 1, "READY of the restarted rank 1",
+                    registered=False)
+            sc.send(1, WELCOME, {"heartbeat_ms": 200, "liveness": 100, "comm_epoch": 5 + rnd})
+            form(sc, 5 + rnd)
+            a, b = 22 + 2 * rnd, 23 + 2 * rnd
+            for gr in (0, 1):
+                sc.send(gr, PREFILL, prefill(a, pa))
+                sc.send(gr, PREFILL, prefill(b, pb))
+            got = tokens_of_both(sc, [a, b])
+            want = {(a, 0): alone[20], (a, 1): alone[20], (b, 0): alone[21], (b, 1): alone[21]}
+            if got != want:
+                raise Fail("restart %d: two prompts in one call gave %s, alone %s" %
+                           (rnd, sorted(got.items()), sorted(want.items())))
+        print("ok after two restarts of rank 1, two prompts in one call == each alone, "
+              "on both ranks")
         for gr in (0, 1):
             sc.send(gr, DISCONNECT, {"reason": "test over"})
     finally:
