@@ -431,6 +431,19 @@ validate_fields(const struct dsv4_config *c, const char *f)
         if (!isfinite(v) || v <= 0)
             return BAD(f, dbl_pos[i].key, "%g out of range (must be > 0)", v);
     }
+    /* a RoPE base of 1 or less gives log(base) <= 0: NaN or inverted
+     * frequencies */
+    if (c->rope_theta <= 1)
+        return BAD(f, "rope_theta", "%g out of range (must be > 1)", c->rope_theta);
+    if (c->compress_rope_theta <= 1)
+        return BAD(f, "compress_rope_theta", "%g out of range (must be > 1)",
+                   c->compress_rope_theta);
+    if (c->n_routed_experts > DSV4_MAX_EXPERTS)
+        return BAD(f, "n_routed_experts", "%d out of range (at most %d)", c->n_routed_experts,
+                   DSV4_MAX_EXPERTS);
+    if (c->num_experts_per_tok > DSV4_MAX_TOPK)
+        return BAD(f, "num_experts_per_tok", "%d out of range (at most %d)",
+                   c->num_experts_per_tok, DSV4_MAX_TOPK);
     if (!isfinite(c->hc_eps) || c->hc_eps < 0)
         return BAD(f, "hc_eps", "%g out of range (must be >= 0)", c->hc_eps);
     if (!isfinite(c->attention_dropout) || c->attention_dropout < 0 ||
@@ -474,9 +487,10 @@ validate_fields(const struct dsv4_config *c, const char *f)
 static enum dsv4_err
 validate_relations(const struct dsv4_config *c, const char *f)
 {
-    int n_layers = c->num_hidden_layers + c->num_nextn_predict_layers;
+    int64_t sum = (int64_t)c->num_hidden_layers + c->num_nextn_predict_layers;
+    int n_layers = (int)sum;
 
-    if (n_layers > DSV4_MAX_LAYERS)
+    if (sum > DSV4_MAX_LAYERS)
         return BAD(f, "num_hidden_layers", "%d + %d MTP layers exceeds the limit of %d",
                    c->num_hidden_layers, c->num_nextn_predict_layers, DSV4_MAX_LAYERS);
     if (c->n_compress_ratios != n_layers)

@@ -20,6 +20,8 @@ extern "C" {
 #endif
 
 #define DSV4_MAX_LAYERS 128       /* main layers + MTP layers */
+#define DSV4_MAX_EXPERTS 4096     /* n_routed_experts (the CUDA router's bound) */
+#define DSV4_MAX_TOPK 64          /* num_experts_per_tok (the routers' bound) */
 #define DSV4_HC_MAX 8             /* hc_mult bound (4 in the real model) */
 
 /* Attention type of a layer, from its compress ratio (model doc §1.4). */

@@ -54,10 +54,11 @@ fmt_shape(char *buf, size_t len, int n_dims, const int64_t *shape)
         snprintf(buf + o, len - o, "]");
 }
 
-/* One inventory entry against what the checkpoint holds. */
+/* One inventory entry against what the checkpoint holds; the I64 tensors
+ * (the hash layers' tid2eid) must hold expert ids below n_experts. */
 static enum dsv4_err
 check_tensor(const struct dsv4_ckpt *ck, const struct dsv4_tensor_spec *s, const char *dir,
-             int n_shards)
+             int n_shards, int n_experts)
 {
     const struct dsv4_st_tensor *t = dsv4_ckpt_find(ck, s->name);
     char want[96], got[96];
@@ -84,6 +85,17 @@ check_tensor(const struct dsv4_ckpt *ck, const struct dsv4_tensor_spec *s, const
         return dsv4_err_set(DSV4_ERR_WEIGHTS,
                             "%s: tensor '%s': NaN scale (E8M0 0xFF) at element %zu", t->file,
                             s->name, (size_t)((const uint8_t *)ff - (const uint8_t *)t->data));
+    if (t->dtype == DSV4_ST_I64) {
+        for (size_t i = 0; i < t->n_bytes / sizeof(int64_t); i++) {
+            int64_t v;
+
+            memcpy(&v, (const uint8_t *)t->data + i * sizeof(v), sizeof(v));
+            if (v < 0 || v >= n_experts)
+                return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': expert id %lld at "
+                                    "element %zu (n_routed_experts %d)", t->file, s->name,
+                                    (long long)v, i, n_experts);
+        }
+    }
     return DSV4_OK;
 }
 
@@ -95,13 +107,14 @@ cmp_spec_name(const void *a, const void *b)
 
 /* Every inventory tensor present and right; nothing else in the checkpoint. */
 static enum dsv4_err
-check_all(const struct dsv4_ckpt *ck, const struct dsv4_inventory *inv, const char *dir)
+check_all(const struct dsv4_ckpt *ck, const struct dsv4_inventory *inv, const char *dir,
+          int n_experts)
 {
     const char **names;
     enum dsv4_err err;
 
     for (int i = 0; i < inv->n; i++) {
-        err = check_tensor(ck, &inv->t[i], dir, inv->n_shards);
+        err = check_tensor(ck, &inv->t[i], dir, inv->n_shards, n_experts);
         if (err != DSV4_OK)
             return err;
     }
@@ -392,7 +405,7 @@ dsv4_weights_load(struct dsv4_weights *w, const char *dir)
     err = dsv4_ckpt_open(&p->ck, dir);
     if (err != DSV4_OK)
         goto fail;
-    err = check_all(p->ck, &inv, dir);
+    err = check_all(p->ck, &inv, dir, w->cfg.n_routed_experts);
     if (err != DSV4_OK)
         goto fail;
     err = fill_all(&f);

@@ -392,9 +392,12 @@ ws_claim(struct dsv4_wshare_server *s)
     lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (lfd < 0)
         return;
+    /* the inode is taken from the name bound, before the rename: a stat of
+     * s->path after it could see another standby's socket renamed over
+     * ours in between (rename keeps the inode) */
     if (bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 || chmod(sa.sun_path, 0600) != 0 ||
-        listen(lfd, 16) != 0 || rename(sa.sun_path, s->path) != 0 ||
-        stat(s->path, &st) != 0) {
+        listen(lfd, 16) != 0 || stat(sa.sun_path, &st) != 0 ||
+        rename(sa.sun_path, s->path) != 0) {
         log_warn("weights share: cannot serve %s", s->path);
         (void)unlink(sa.sun_path);
         close(lfd);

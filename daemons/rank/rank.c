@@ -994,7 +994,7 @@ rank_init_weights(struct rank *k, bool cuda)
 #ifdef DSV4_HAVE_CUDA
     struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
     struct dsv4_cuda_arena arena;
-    char source[PATH_MAX + 32];
+    char source[PATH_MAX + 64];
     /* the weights share is keyed by the split: a tp rank's copy holds other bytes */
     const char *keyed = split == DSV4_GROUP_SPLIT_TP && gs > 1 ? ":split-tp" : "";
 #endif
@@ -1051,9 +1051,12 @@ rank_init_weights(struct rank *k, bool cuda)
     {
         char real[PATH_MAX];
 
-        snprintf(source, sizeof(source), "checkpoint:%s%s",
+        /* and by the bytes loaded (their fingerprint): a directory
+         * overwritten with another checkpoint of the same shapes must not
+         * map the copy an older process made of the first */
+        snprintf(source, sizeof(source), "checkpoint:%s%s%s%s",
                  realpath(k->o.conf.checkpoint, real) != NULL ? real : k->o.conf.checkpoint,
-                 keyed);
+                 keyed, k->model_fp[0] != '\0' ? ":fp-" : "", k->model_fp);
     }
     rank_share_begin(k, &k->w.cfg, source, &arena);
     if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&

@@ -613,6 +613,27 @@ test_unexpected(void **state)
                 NULL);
 }
 
+/* A hash layer's tid2eid entry outside [0, n_routed_experts): refused at
+ * load (the routers would index past their experts). */
+static void
+test_bad_expert_id(void **state)
+{
+    static const size_t at[] = { 7, 1 };   /* element 0 negative; element 0 + 0xff00 */
+
+    (void)state;
+    for (int i = 0; i < 2; i++) {
+        struct edit ed = { .op = ED_POKE, .tensor = "layers.0.ffn.gate.tid2eid",
+                           .poke_at = at[i] };
+        char shard[1100], sub[16];
+        const char *dir;
+
+        snprintf(sub, sizeof(sub), "eid%d", i);
+        dir = broken_copy(sub, &ed, shard, sizeof(shard));
+        expect_fail(dir, DSV4_ERR_WEIGHTS, shard, "'layers.0.ffn.gate.tid2eid'",
+                    "expert id", "at element 0", NULL);
+    }
+}
+
 static void
 test_nan_scale(void **state)
 {
@@ -688,6 +709,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_missing),
         cmocka_unit_test(test_unexpected),
         cmocka_unit_test(test_nan_scale),
+        cmocka_unit_test(test_bad_expert_id),
         cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_bad_config),
         cmocka_unit_test(test_fingerprint),
