@@ -1835,6 +1835,55 @@ def sc_launch():
         check(q.returncode == 1 and "Address already in use" in err,
               "an address in use: exit %d: %s" % (q.returncode, err))
         log("launch: listeners misconfigured exit 6, an address in use exits 1: ok")
+
+        # 11. (a) A live set's ipc:// listeners are in use: a second launcher
+        # with the same endpoints exits 1 and leaves them to the first.
+        p = run(args=["-P", "0", "-D", "0", "--", "sleep", "60"], nlog=os.path.join(d, "n11"))
+        wait_for(lambda: "sched NOTIFY READY=1" in readf(os.path.join(d, "n11")),
+                 "the first set ready")
+        q = run(args=["-P", "0", "-D", "0", "--", "true"], nlog=os.path.join(d, "n11b"))
+        err = q.communicate(timeout=WAIT_S)[1]
+        check(q.returncode == 1 and "in use" in err,
+              "a second launcher on a live set's sockets: exit %d: %s" % (q.returncode, err))
+        check(os.path.exists(d + "/c.sock") and os.path.exists(d + "/a.sock"),
+              "the second launcher removed the first one's sockets")
+        check(p.poll() is None, "the first launcher stopped")
+        p.send_signal(signal.SIGTERM)
+        p.wait(WAIT_S)
+        # (b) A child that gives up (exit 6) stops the set, and so the
+        # command: the set's status is the child's, not the command's.
+        p = run({"FAKE_EXIT_AFTER_S": "0.3", "FAKE_EXIT": "6"},
+                args=["-P", "0", "-D", "0", "-w", "0", "--", "sleep", "30"])
+        rc = p.wait(WAIT_S)
+        check(rc == 6, "a child's exit 6 under a command: launcher exit %d, want 6" % rc)
+        # (c) The command starts with SIGPIPE at its default (the launcher
+        # ignores it).
+        out = os.path.join(d, "status11")
+        p = run(args=["-P", "0", "-D", "0", "--", "sh", "-c", "cat /proc/self/status > " + out])
+        check(p.wait(WAIT_S) == 0, "the command failed")
+        ign = [ln.split()[1] for ln in readf(out).splitlines() if ln.startswith("SigIgn:")]
+        check(ign and int(ign[0], 16) & (1 << (signal.SIGPIPE - 1)) == 0,
+              "the command starts with SIGPIPE ignored: SigIgn %s" % ign)
+        # (d) A launcher that is PID 1 (a container's entry point) runs its
+        # children (they compared their parent with 1 and exited at once).
+        if subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                          stderr=subprocess.DEVNULL).returncode == 0:
+            env = dict(os.environ, FAKE_REPORT=os.path.join(d, "rep"))
+            env.pop("NOTIFY_SOCKET", None)
+            q = subprocess.run(["unshare", "-p", "-f", "--mount-proc",
+                                exe("tools/launch/dsv4-launch"),
+                                "-o", "client_endpoint=ipc://%s/c.sock" % d,
+                                "-o", "admin_endpoint=ipc://%s/a.sock" % d,
+                                "--sched-bin", fake, "-P", "0", "-D", "0", "--", "sh", "-c",
+                                "exit 5"], env=env, stderr=subprocess.PIPE, text=True,
+                               timeout=WAIT_S)
+            check(q.returncode == 5, "dsv4-launch as PID 1: exit %d, want the command's 5: %s"
+                  % (q.returncode, q.stderr[-2000:]))
+            pid1 = "ok"
+        else:
+            pid1 = "not tried (unshare -p not permitted here)"
+        log("launch: a live set's sockets in use, a child's give-up status under a command, "
+            "the command's SIGPIPE: ok; as PID 1: %s" % pid1)
     finally:
         if p is not None and p.poll() is None:
             p.kill()

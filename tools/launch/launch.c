@@ -336,6 +336,7 @@ main(int argc, char **argv)
         log_init(l.o.verbose);
     load_conf(&l);
     l.sigfd = signals_open();
+    l.self = getpid();
     l.listen_fd[0] = l.listen_fd[1] = -1;
     if (l.o.no_sched && l.o.gateway)
         fatalx_conf("--no-sched: the gateway runs on the scheduler's host");

@@ -107,6 +107,10 @@ struct launch {
     bool stopping;
     int64_t stop_deadline_ms;        /* SIGKILL everyone then */
     int exit_code;
+    bool gave_up;                    /* a child's give-up set exit_code: the
+                                        command's status does not replace it */
+    pid_t self;                      /* the launcher's pid (its children's
+                                        parent; 1 in a container) */
     FILE *notify_log;
 };
 

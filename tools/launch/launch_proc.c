@@ -107,8 +107,15 @@ proc_exec(struct launch *l, struct launch_child *k)
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     prctl(PR_SET_PDEATHSIG, k->role == LAUNCH_COMMAND ? SIGHUP : SIGTERM);
-    if (getppid() == 1)
+    /* the launcher died before the prctl: no one would stop us (compared
+     * with its pid, not 1: a launcher that is PID 1, a container's entry
+     * point, is every child's parent) */
+    if (getppid() != l->self)
         _exit(1);
+    /* the launcher ignores SIGPIPE (as systemd's IgnoreSIGPIPE= does for
+     * the daemons); the command gets the default, as from a shell */
+    if (k->role == LAUNCH_COMMAND)
+        signal(SIGPIPE, SIG_DFL);
     unsetenv("LISTEN_FDS");
     unsetenv("LISTEN_FDNAMES");
     unsetenv("LISTEN_PID");
@@ -220,7 +227,10 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
     }
     if (k->role == LAUNCH_COMMAND) {
         log_info("proc_exited: command %s", how);
-        l->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        /* a child that gave up stopped the set (and so the command): the
+         * set's status is the give-up's */
+        if (!l->gave_up)
+            l->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         if (!l->stopping)
             proc_stop_set(l, now);
         return;
@@ -254,6 +264,7 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
     }
     if (give_up != 0) {
         k->gave_up = true;
+        l->gave_up = true;
         l->exit_code = give_up;
         proc_stop_set(l, now);
         return;

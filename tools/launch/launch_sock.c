@@ -39,6 +39,21 @@ sock_mkparent(const char *path)
     return 0;
 }
 
+/* Whether a process listens on the unix socket at sa (a connect is taken;
+ * only a refused one, or no file, says the file is stale). */
+static bool
+sock_ipc_live(const struct sockaddr_un *sa)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    bool live;
+
+    if (fd < 0)
+        return false;
+    live = connect(fd, (const struct sockaddr *)sa, sizeof(*sa)) == 0 || errno == EAGAIN;
+    close(fd);
+    return live;
+}
+
 static int
 sock_listen_ipc(const char *path, unsigned mode, char *path_out, size_t path_len)
 {
@@ -56,10 +71,17 @@ sock_listen_ipc(const char *path, unsigned mode, char *path_out, size_t path_len
     strcpy(sa.sun_path, path);
     if (sock_mkparent(path) != 0)
         return LAUNCH_SOCK_CONFIG;
-    /* A socket file left by a dead process is stale; anything else is not
-     * ours to remove. */
-    if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
+    /* A socket file left by a dead process is stale; one a live process
+     * listens on (another launcher's set, a dsv4-sched of its own) is in
+     * use; anything else is not ours to remove. */
+    if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode)) {
+        if (sock_ipc_live(&sa)) {
+            log_warnx("sock_listen: %s: in use (a process listens on it: another dsv4-launch "
+                "or dsv4-sched?)", path);
+            return -1;
+        }
         unlink(path);
+    }
     fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         log_warn("sock_listen: socket");
