@@ -119,6 +119,27 @@ def scenario(tmp):
     check("could not connect" in r.stderr or "504" in r.stderr,
           "unreachable server: %r" % r.stderr[-500:])
 
+    # Requests that fail after tokens came (the stand-in scheduler's 408 at
+    # their timeout, mid-stream) add no latency sample: ITL, like TTFT and
+    # E2E, comes from the requests that finished.
+    fake_ep = "ipc://%s/fake.sock" % tmp
+    fake = subprocess.Popen([svc_test.exe("tests/ipc/fake_sched"), fake_ep])
+    try:
+        fails_json = os.path.join(tmp, "fails.json")
+        bench(["-e", fake_ep, "-c", "2", "-n", "4", "-w", "0", "-p", "8", "-l", "100000",
+               "--timeout", "60", "--token-range", "2:1024", "-q", "-j", fails_json], expect=1)
+        with open(fails_json) as f:
+            run = json.load(f)["runs"][0]
+        check(run["failed"] == 4 and run["errors"] == {"408": 4} and run["output_tokens"] > 0,
+              "stand-in timeouts: failed %d errors %s output %d" %
+              (run["failed"], run["errors"], run["output_tokens"]))
+        check(run["itl_ms"]["n"] == 0 and run["ttft_ms"]["n"] == 0,
+              "failed requests' latencies counted: itl n=%d ttft n=%d" %
+              (run["itl_ms"]["n"], run["ttft_ms"]["n"]))
+    finally:
+        fake.terminate()
+        fake.wait(timeout=30)
+
     svc = svc_test.Service(n_prefill=1, n_decode=1, extra_conf="tokenizer = none\n")
     try:
         common = ["-e", svc.client_ep, "-p", "uniform:%d:%d" % (P_LO, P_HI),

@@ -76,6 +76,7 @@ struct worker {
     size_t ids_cap;
     struct bench_samples ttft, itl, tpot, e2e; /* s, measured requests only */
     /* current request */
+    struct bench_samples req_itl; /* its ITL gaps: into itl only if it finishes */
     int kind;                    /* enum req_kind; REQ_NONE = idle */
     uint64_t id;                 /* library id */
     uint32_t n_prompt, max_tokens;
@@ -177,7 +178,11 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
         if (w->st.n_tokens > 1)
             oom |= bench_samples_add(&w->tpot,
                 (w->st.t_last - w->st.t_first) / (double)(w->st.n_tokens - 1));
+        /* its inter-token gaps too: every latency sample comes from the
+         * same set of requests, those that finished */
+        oom |= bench_samples_merge(&w->itl, &w->req_itl);
     }
+    w->req_itl.n = 0;
     w->oom |= oom;
     pthread_mutex_lock(&lv->mu);
     if (w->kind == REQ_MEASURED) {
@@ -250,7 +255,7 @@ worker_tokens(struct worker *w, double t, size_t n)
 {
     struct level *lv = w->lv;
 
-    if (bench_stream_tokens(&w->st, t, n, w->kind == REQ_MEASURED ? &w->itl : NULL) != 0)
+    if (bench_stream_tokens(&w->st, t, n, w->kind == REQ_MEASURED ? &w->req_itl : NULL) != 0)
         w->oom = 1;
     pthread_mutex_lock(&lv->mu);
     if (lv->measuring && t >= lv->t_start && (!lv->stop || t <= lv->t_end))
@@ -403,6 +408,7 @@ bench_run(const struct bench_opts *o, int concurrency, struct bench_result *res)
             bench_samples_merge(&tpot, &w[i].tpot) | bench_samples_merge(&e2e, &w[i].e2e);
         bench_samples_free(&w[i].ttft);
         bench_samples_free(&w[i].itl);
+        bench_samples_free(&w[i].req_itl);
         bench_samples_free(&w[i].tpot);
         bench_samples_free(&w[i].e2e);
         free(w[i].ids);
