@@ -202,6 +202,47 @@ def checks(paths, conf, tmp):
     log("starts refused for their configuration: %d cases, each exit 6" % len(starts))
 
 
+def ctl_waits(paths, tmp):
+    """dsv4ctl drain against a stand-in admin endpoint that takes the DRAIN
+    and never answers: a limit under 1 ms goes out as 1 ms (not 0, which is
+    none), and with no limit a scheduler that goes away (the stand-in
+    closes its socket) ends the wait with exit 3 instead of never."""
+    import msgpack
+    import zmq
+    ep = "ipc://%s/stand-in-admin.sock" % tmp
+    for limit in ("0.0004", None):
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(ep)
+        argv = [paths["dsv4ctl"], "--admin", ep, "drain", "decode@0"]
+        if limit is not None:
+            argv += ["--timeout", limit]
+        q = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            check(s.poll(RUN_TIMEOUT_S * 1000), "dsv4ctl sent no DRAIN")
+            body = msgpack.unpackb(s.recv_multipart()[-1], raw=False)
+            if limit is not None:
+                check(body.get("timeout_ms") == 1, "--timeout %s sent %s" % (limit, body))
+            else:
+                time.sleep(0.2)
+                s.close()
+            out, err = q.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise Fail("dsv4ctl drain (--timeout %s) still waiting after %d s" %
+                       (limit, RUN_TIMEOUT_S))
+        finally:
+            if q.poll() is None:
+                q.kill()
+                q.communicate()
+            s.close()
+            ctx.term()
+        want = "no answer" if limit is not None else "connection to the scheduler dropped"
+        check(q.returncode == 3 and want in err,
+              "dsv4ctl drain (--timeout %s): exit %d: %s" % (limit, q.returncode, err))
+    log("dsv4ctl drain: a limit under 1 ms is 1 ms; a scheduler gone mid-wait ends it (3)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", required=True)
@@ -235,6 +276,7 @@ def main():
                     "admin_endpoint = ipc://%s/a.sock\ncheckpoint = %s\ntokenizer = %s\n" %
                     (tmp, tmp, tmp, svc.model, tok))
         checks(paths, dconf, tmp)
+        ctl_waits(paths, tmp)
         lconf = os.path.join(tmp, "l.conf")
         with open(lconf, "w") as f:
             f.write("client_endpoint = ipc://%s/lc.sock\nrank_endpoint = ipc://%s/lr.sock\n"

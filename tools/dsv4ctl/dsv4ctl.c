@@ -38,6 +38,7 @@
 
 struct ctl {
     void *zctx, *sock;
+    void *mon;                  /* PAIR: the DEALER's DISCONNECTED events; NULL = none */
     bool json;
     int n_items;
 };
@@ -114,6 +115,52 @@ send_cmd(struct ctl *c, int cmd, const char *target, uint32_t timeout_ms)
     return send_msg(c, &m);
 }
 
+/* Watch the DEALER's connection for a drop (best effort: without the
+ * monitor a wait without a limit cannot notice a scheduler restart). */
+static void
+mon_open(struct ctl *c)
+{
+    static const char ep[] = "inproc://dsv4ctl-monitor";
+
+    if (zmq_socket_monitor(c->sock, ep, ZMQ_EVENT_DISCONNECTED) != 0)
+        return;
+    if ((c->mon = zmq_socket(c->zctx, ZMQ_PAIR)) != NULL && zmq_connect(c->mon, ep) != 0) {
+        zmq_close(c->mon);
+        c->mon = NULL;
+    }
+    if (c->mon == NULL)
+        (void)zmq_socket_monitor(c->sock, NULL, 0);
+}
+
+/* Read the monitor's pending events; true when one was DISCONNECTED. */
+static bool
+mon_dropped(struct ctl *c)
+{
+    bool dropped = false;
+
+    for (;;) {
+        zmq_msg_t f;
+        uint16_t ev = 0;
+        bool more;
+
+        zmq_msg_init(&f);
+        if (zmq_msg_recv(&f, c->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&f);
+            return dropped;
+        }
+        if (zmq_msg_size(&f) >= sizeof(ev))
+            memcpy(&ev, zmq_msg_data(&f), sizeof(ev));
+        more = zmq_msg_more(&f) != 0;
+        zmq_msg_close(&f);
+        while (more) {          /* the endpoint frame */
+            zmq_msg_init(&f);
+            more = zmq_msg_recv(&f, c->mon, 0) >= 0 && zmq_msg_more(&f) != 0;
+            zmq_msg_close(&f);
+        }
+        dropped = dropped || ev == ZMQ_EVENT_DISCONNECTED;
+    }
+}
+
 /* Wait for one message; wait_ms < 0 = forever.  0 ok, 3 no answer. */
 static int
 recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
@@ -122,12 +169,23 @@ recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
     struct dsv4_perr pe;
 
     for (;;) {
-        int rc = zmq_poll(&it, 1, wait_ms);
+        zmq_pollitem_t its[2] = { it, { c->mon, 0, ZMQ_POLLIN, 0 } };
+        int rc = zmq_poll(its, c->mon != NULL ? 2 : 1, wait_ms);
 
         if (rc <= 0) {
             fprintf(stderr, "dsv4ctl: no answer from the scheduler\n");
             return 3;
         }
+        if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN) && mon_dropped(c)) {
+            /* the scheduler that had the command went away (a restart):
+             * no answer will come, whatever a new one does */
+            fprintf(stderr, "dsv4ctl: the connection to the scheduler dropped while waiting "
+                "for its answer (a scheduler restart?); the outcome is unknown: see "
+                "dsv4ctl status\n");
+            return 3;
+        }
+        if (!(its[0].revents & ZMQ_POLLIN))
+            continue;
         if (dsv4_zsock_recv(c->sock, NULL, m, &pe, 0) == DSV4_OK && m->sub == DSV4_SUB_CTL)
             return 0;
         dsv4_msg_clear(m);
@@ -421,7 +479,11 @@ command(struct ctl *c, int cmd, uint64_t req)
 static int
 drain(struct ctl *c, int cmd, const char *target, double timeout_s)
 {
+    /* a limit under 1 ms is 1 ms, not 0 (none) */
     uint32_t ms = timeout_s > 0 ? (uint32_t)(timeout_s * 1000.0) : 0;
+
+    if (timeout_s > 0 && ms == 0)
+        ms = 1;
     int rc;
 
     if ((rc = send_cmd(c, cmd, target, ms)) != 0)
@@ -534,6 +596,7 @@ main(int argc, char *argv[])
         zmq_ctx_term(c.zctx);
         return 2;   /* a bad endpoint: configuration */
     }
+    mon_open(&c);
     if (strcmp(cmd, "status") == 0)
         rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
     else if (strcmp(cmd, "ranks") == 0)
@@ -550,6 +613,10 @@ main(int argc, char *argv[])
         rc = command(&c, DSV4_CTL_RELOAD, 0);
     else
         usage(2);
+    if (c.mon != NULL) {
+        (void)zmq_socket_monitor(c.sock, NULL, 0);
+        zmq_close(c.mon);
+    }
     dsv4_zsock_close(c.sock);
     zmq_ctx_term(c.zctx);
     return rc;
