@@ -241,28 +241,9 @@ resume_all(struct dsv4_client *c)
 static void
 mon_read(struct dsv4_client *c)
 {
-    for (;;) {
-        zmq_msg_t f;
-        uint16_t ev = 0;
-        bool more;
+    int ev;
 
-        zmq_msg_init(&f);
-        if (zmq_msg_recv(&f, c->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&f);
-            return;
-        }
-        if (zmq_msg_size(&f) >= sizeof(ev))
-            memcpy(&ev, zmq_msg_data(&f), sizeof(ev));
-        more = zmq_msg_more(&f) != 0;
-        zmq_msg_close(&f);
-        while (more) {          /* the endpoint frame */
-            zmq_msg_init(&f);
-            if (zmq_msg_recv(&f, c->mon, 0) < 0)
-                more = false;
-            else
-                more = zmq_msg_more(&f) != 0;
-            zmq_msg_close(&f);
-        }
+    while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0) {
         if (ev == ZMQ_EVENT_DISCONNECTED) {
             c->down = true;
         } else if (ev == ZMQ_EVENT_CONNECTED && c->down) {

@@ -545,3 +545,27 @@ dsv4_liveness_next_ms(const struct dsv4_liveness *l, int64_t now_ms)
 
     return t < 0 ? 0 : t;
 }
+
+int
+dsv4_zsock_mon_next(void *mon)
+{
+    zmq_msg_t f;
+    uint16_t ev = 0;
+    bool more;
+
+    zmq_msg_init(&f);
+    if (zmq_msg_recv(&f, mon, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&f);
+        return -1;
+    }
+    if (zmq_msg_size(&f) >= sizeof(ev))
+        memcpy(&ev, zmq_msg_data(&f), sizeof(ev));
+    more = zmq_msg_more(&f) != 0;
+    zmq_msg_close(&f);
+    while (more) {          /* the endpoint frame */
+        zmq_msg_init(&f);
+        more = zmq_msg_recv(&f, mon, 0) >= 0 && zmq_msg_more(&f) != 0;
+        zmq_msg_close(&f);
+    }
+    return ev;
+}

@@ -148,6 +148,11 @@ int64_t dsv4_now_ms(void);
 /* The same clock in microseconds. */
 int64_t dsv4_now_us(void);
 
+/* The next event of a socket monitor (the PAIR connected to the endpoint
+ * zmq_socket_monitor publishes on): its ZMQ_EVENT_* number, its endpoint
+ * frame read and dropped; -1 when none is waiting.  Does not block. */
+int dsv4_zsock_mon_next(void *mon);
+
 /* Heartbeat state of one peer. */
 struct dsv4_liveness {
     int64_t last_rx_ms;   /* when anything last arrived from the peer */

@@ -137,28 +137,11 @@ static bool
 mon_dropped(struct ctl *c)
 {
     bool dropped = false;
+    int ev;
 
-    for (;;) {
-        zmq_msg_t f;
-        uint16_t ev = 0;
-        bool more;
-
-        zmq_msg_init(&f);
-        if (zmq_msg_recv(&f, c->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&f);
-            return dropped;
-        }
-        if (zmq_msg_size(&f) >= sizeof(ev))
-            memcpy(&ev, zmq_msg_data(&f), sizeof(ev));
-        more = zmq_msg_more(&f) != 0;
-        zmq_msg_close(&f);
-        while (more) {          /* the endpoint frame */
-            zmq_msg_init(&f);
-            more = zmq_msg_recv(&f, c->mon, 0) >= 0 && zmq_msg_more(&f) != 0;
-            zmq_msg_close(&f);
-        }
+    while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0)
         dropped = dropped || ev == ZMQ_EVENT_DISCONNECTED;
-    }
+    return dropped;
 }
 
 /* Wait for one message; wait_ms < 0 = forever.  0 ok, 3 no answer. */
