@@ -259,7 +259,7 @@ static const struct field f_decode[] = {
         DSV4_PROTO_MAX_NEW_TOKENS, 0),
     SAMPLING(struct dsv4_rank_decode),
     FARR("stop_ids", struct dsv4_rank_decode, stop_ids, n_stop_ids, T_TOKENS, 0, 0,
-        DSV4_PROTO_MAX_STOP_IDS),
+        DSV4_PROTO_MAX_RANK_STOP_IDS),
     FARR("kv", struct dsv4_rank_decode, kv, n_kv, T_KVLOCS, F_REQ, 1, DSV4_PROTO_MAX_KV_PARTS),
     FHAS("step", struct dsv4_rank_decode, step, has_step, T_U32, 0, DSV4_PROTO_MAX_NEW_TOKENS),
 };

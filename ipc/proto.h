@@ -48,6 +48,8 @@ extern "C" {
 #define DSV4_PROTO_MAX_STOP 16                 /* stop strings */
 #define DSV4_PROTO_MAX_STOP_BYTES 256          /* bytes per stop string */
 #define DSV4_PROTO_MAX_STOP_IDS 64
+#define DSV4_PROTO_MAX_RANK_STOP_IDS (DSV4_PROTO_MAX_STOP_IDS + 1) /* DECODE: the client's
+                                                   and the EOS the scheduler adds */
 #define DSV4_PROTO_MAX_TAG 128                 /* bytes */
 #define DSV4_PROTO_MAX_MESSAGE 1024            /* bytes of ERROR/RESULT message, reasons */
 #define DSV4_PROTO_MAX_HOST 255                /* bytes */
@@ -460,7 +462,7 @@ struct dsv4_rank_decode {
     uint32_t max_tokens;   /* tokens the rank may still emit */
     struct dsv4_sampling s;
     const int32_t *stop_ids;
-    uint32_t n_stop_ids;
+    uint32_t n_stop_ids;   /* <= DSV4_PROTO_MAX_RANK_STOP_IDS (the EOS added) */
     struct dsv4_kv_loc kv[DSV4_PROTO_MAX_KV_PARTS];
     uint32_t n_kv;         /* [1, DSV4_PROTO_MAX_KV_PARTS] */
     uint32_t step;         /* RNG step of the first token the rank samples; valid iff has_step */

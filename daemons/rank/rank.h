@@ -168,7 +168,7 @@ struct rank_stream {
     uint32_t n_emitted;
     uint64_t step;              /* RNG step of its next sample */
     struct dsv4_sampling s;
-    int32_t stop_ids[DSV4_PROTO_MAX_STOP_IDS];
+    int32_t stop_ids[DSV4_PROTO_MAX_RANK_STOP_IDS];
     uint32_t n_stop_ids;
     /* speculative decoding (conf mtp; rank_decode.c decode_work_spec) */
     uint32_t gen;               /* k->comm_gen when it arrived (its epoch) */

@@ -519,6 +519,14 @@ def t_stop(ctx, build, tmp):
     check(r["final"][1]["finish"] == "stop", r)
     check(r["text"] == text[:first], "stop string cut: %r vs %r" % (r["text"], text[:first]))
     check(r["tokens"] == full[:len(r["tokens"])] and len(r["tokens"]) < 20, r)
+    # 64 stop ids (the protocol's most), none of them EOS: with the EOS the
+    # scheduler adds, DECODE carries 65 (it could not be sent, and the
+    # request hung after its first token)
+    many = [t for t in range(3, 270) if t not in full and t != EOS][:63] + [full[5]]
+    i5 = submit(cl, p, seed, 20, stop_ids=many)
+    res = collect_with_psum(cl, {i5: (p, seed)})
+    check(res[i5]["tokens"] == full[:6] and res[i5]["final"][1]["finish"] == "stop",
+          "64 stop ids: %s" % res[i5])
     wait_idle(sc)
     return sc, [pre, dec]
 
