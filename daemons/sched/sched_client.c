@@ -106,6 +106,14 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
             "of the resumed tokens (%zu bytes)", (unsigned long long)text, r->text_safe);
         return;
     }
+    /* A client only ever got whole characters: a count inside one would
+     * make every later piece start mid-character (not UTF-8). */
+    if (text < r->text.len && ((unsigned char)r->text.s[text] & 0xC0) == 0x80) {
+        r->text_sent = r->text_safe;
+        req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text (%llu bytes) ends inside a "
+            "character of the resumed tokens' text", (unsigned long long)text);
+        return;
+    }
     r->text_sent = (size_t)text;
 }
 
@@ -307,7 +315,8 @@ client_dispatch(struct sched *s)
 
 /* --- Output ---------------------------------------------------------------------- */
 
-/* Send one message to r's client.  1 sent, 0 would block, -1 client gone. */
+/* Send one message to r's client.  1 sent, 0 would block, -1 client gone,
+ * -2 the message could not be encoded (a bug: the client is still there). */
 static int
 send_to(struct sched *s, struct sched_req *r, const struct dsv4_msg *m)
 {
@@ -317,11 +326,32 @@ send_to(struct sched *s, struct sched_req *r, const struct dsv4_msg *m)
         return 1;
     if (e == DSV4_ERR_BUSY)
         return 0;
-    if (e == DSV4_ERR_SYS && errno == EHOSTUNREACH)
+    if (e == DSV4_ERR_SYS && errno == EHOSTUNREACH) {
         log_info("client: req=%llu client gone", (unsigned long long)r->req);
-    else
-        log_warnx("client: req=%llu send: %s", (unsigned long long)r->req, dsv4_errmsg());
-    return -1;
+        return -1;
+    }
+    log_warnx("client: req=%llu send: %s", (unsigned long long)r->req, dsv4_errmsg());
+    return e == DSV4_ERR_SYS ? -1 : -2;
+}
+
+/* A reply of r could not be encoded: end r with a plain ERROR 500 (ASCII,
+ * no tag: it encodes) so that its client hears of the end, and stop it. */
+static void
+client_unencodable(struct sched *s, struct sched_req *r)
+{
+    struct dsv4_msg m;
+
+    dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_ERROR);
+    m.u.error.id = r->id;
+    m.u.error.req = r->req;
+    m.u.error.code = DSV4_STATUS_INTERNAL;
+    m.u.error.message = "internal error: a reply to this request could not be encoded "
+        "(see the scheduler's log)";
+    (void)dsv4_zsock_send(s->client, &r->client, &m, ZMQ_DONTWAIT, NULL);
+    if (!r->closing)
+        req_cancel(s, r);
+    r->final_sent = true;
+    r->n_sent = r->n_out;
 }
 
 /* Largest n <= max such that text[0..n) ends on a UTF-8 character boundary. */
@@ -455,6 +485,10 @@ out:
     req_maybe_free(s, r);
     return true;
 blocked:
+    if (rc == -2) {
+        client_unencodable(s, r);
+        goto out;
+    }
     if (rc < 0) {
         client_lost(s, r);
         goto out;

@@ -362,6 +362,23 @@ req_finish(struct sched *s, struct sched_req *r, enum dsv4_finish f)
     close_common(s, r, f == DSV4_FINISH_CANCELLED ? DSV4_REQ_CANCELLED : DSV4_REQ_DONE);
 }
 
+/* Drop an incomplete UTF-8 sequence at the end of s (left by a cut). */
+static void
+utf8_trim(char *s)
+{
+    size_t n = strlen(s), i = n, need;
+    unsigned char c;
+
+    while (i > 0 && ((unsigned char)s[i - 1] & 0xC0) == 0x80 && n - i < 3)
+        i--;
+    if (i == 0)
+        return;
+    c = (unsigned char)s[i - 1];
+    need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    if (i - 1 + need > n)
+        s[i - 1] = '\0';
+}
+
 void
 req_fail(struct sched *s, struct sched_req *r, uint16_t code, const char *fmt, ...)
 {
@@ -373,6 +390,7 @@ req_fail(struct sched *s, struct sched_req *r, uint16_t code, const char *fmt, .
     va_start(ap, fmt);
     vsnprintf(buf, sizeof(buf), fmt, ap);
     va_end(ap);
+    utf8_trim(buf);     /* a cut message stays UTF-8: the ERROR encodes */
     r->err_code = code;
     r->err_msg = strdup(buf);
     s->m.n_failed++;

@@ -105,6 +105,7 @@ class FakeRank(threading.Thread):
         self.group_rank, self.group_size = group_rank, group_size
         self.fail_decode = 0            # answer this many DECODEs with an import ERROR
         self.fail_prefill = 0           # answer this many PREFILLs with ERROR 503
+        self.prefill_error = None       # (code, message): answer the next PREFILL so
         self.rejoin = True              # DISCONNECT: READY again (False: record it, stop)
         self.disconnects = []           # reasons of the DISCONNECTs received
         self.log = []                   # (cmd, req) of PREFILL, DECODE, ABORT, ERROR sent
@@ -209,6 +210,12 @@ class FakeRank(threading.Thread):
                 self.heartbeat(s)       # like daemons/rank after a join
         elif cmd == 5:                  # PREFILL
             self.log.append((5, b["req"]))
+            if self.prefill_error is not None:
+                code, msg = self.prefill_error
+                self.prefill_error = None
+                self.log.append((15, b["req"]))
+                self.send(s, 15, {"req": b["req"], "code": code, "message": msg})
+                return
             if self.fail_prefill > 0:   # like daemons/rank out of device memory
                 self.fail_prefill -= 1
                 self.log.append((15, b["req"]))
@@ -1360,13 +1367,38 @@ def t_group_broken(ctx, build, tmp):
     return sc, [pre, d0, d1]
 
 
+def t_utf8(ctx, build, tmp):
+    """Replies that must stay UTF-8: a rank's long error message of
+    two-byte characters, cut to the client's bound, still reaches the
+    client (the cut split a character: the ERROR could not be encoded,
+    and the client heard nothing); a resume_text inside a character of
+    the resumed tokens' text is refused (every later piece would have
+    started mid-character)."""
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    pre.prefill_error = (500, "x" + "\u00e9" * 300)
+    i = cl.generate(tokens=[10, 20, 30], max_tokens=4, temperature=0)
+    r = cl.collect([i])[i]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 500 and
+          "\u00e9" in r["final"][1]["message"], "a long UTF-8 error: %s" % (r["final"],))
+    # "\u00e9" is ids 195 169 in the tests' tokenizer: 2 bytes, 1 is inside
+    j = cl.generate(tokens=[10, 20, 30], max_tokens=8, temperature=0, seed=3,
+                    resume=[195, 169], resume_text=1)
+    r = cl.collect([j])[j]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 401 and
+          "inside a character" in r["final"][1]["message"], "resume_text mid-character: %s" %
+          (r["final"],))
+    wait_idle(sc)
+    return sc, [pre, dec]
+
+
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
-         "group_error": t_group_error, "group_broken": t_group_broken}
+         "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8}
 TOKENIZER = None
 
 
