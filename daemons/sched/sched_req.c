@@ -499,7 +499,9 @@ req_rank_error(struct sched *s, struct sched_req *r, struct sched_group *g, uint
         } else if (code == DSV4_STATUS_BUSY) {
             req_rerun(s, r, DSV4_STATUS_INTERNAL, "prefill rank busy");   /* ABORT to the others */
         } else {
-            req_hold_clear(s, r, &r->pre);
+            /* the hold stays: req_fail's ABORT goes to every rank of the
+             * group, since the others may have exported their part already
+             * (or be prefilling still) and must free it */
             req_fail(s, r, code, "prefill: %s", msg);
         }
         return;

@@ -105,7 +105,7 @@ class FakeRank(threading.Thread):
         self.group_rank, self.group_size = group_rank, group_size
         self.fail_decode = 0            # answer this many DECODEs with an import ERROR
         self.fail_prefill = 0           # answer this many PREFILLs with ERROR 503
-        self.prefill_error = None       # (code, message): answer the next PREFILL so
+        self.prefill_error = None       # (code, message[, delay s]): answer the next PREFILL so
         self.rejoin = True              # DISCONNECT: READY again (False: record it, stop)
         self.disconnects = []           # reasons of the DISCONNECTs received
         self.log = []                   # (cmd, req) of PREFILL, DECODE, ABORT, ERROR sent
@@ -211,7 +211,9 @@ class FakeRank(threading.Thread):
         elif cmd == 5:                  # PREFILL
             self.log.append((5, b["req"]))
             if self.prefill_error is not None:
-                code, msg = self.prefill_error
+                code, msg = self.prefill_error[:2]
+                if len(self.prefill_error) > 2:
+                    time.sleep(self.prefill_error[2])
                 self.prefill_error = None
                 self.log.append((15, b["req"]))
                 self.send(s, 15, {"req": b["req"], "code": code, "message": msg})
@@ -228,7 +230,8 @@ class FakeRank(threading.Thread):
             tok = f(sum(prompt), b["seed"], step)
             with self.lock:
                 self.exported.add(b["req"])
-            kv = [{"part": 0, "n_parts": 1, "transport": "shm", "n_tokens": len(toks),
+            kv = [{"part": self.group_rank, "n_parts": self.group_size, "transport": "shm",
+                   "n_tokens": len(toks),
                    "sizes": [64], "offsets": [0]}]
             self.send(s, 6, {"req": b["req"], "token": tok, "kv": kv},
                       [("shm-%d-%d" % (b["req"], sum(prompt))).encode()])
@@ -1152,6 +1155,39 @@ def t_group_error(ctx, build, tmp):
     return sc, [pre, d0, d1]
 
 
+def t_prefill_group_error(ctx, build, tmp):
+    """A prefill group of two: rank 1 answers PREFILL with ERROR 500 after
+    rank 0 exported its part.  The client gets the ERROR, and rank 0 is told
+    to free its export (ABORT): the old scheduler dropped the group's hold
+    with the error, so rank 0 kept its part until its own timeout."""
+    sc = Sched(build, tmp, ["-o", "max_batch=16"])
+    time.sleep(0.2)
+    p0 = FakeRank(ctx, sc.ep["rank"], "prefill", 0, group=0, group_rank=0, group_size=2)
+    p1 = FakeRank(ctx, sc.ep["rank"], "prefill", 1, group=0, group_rank=1, group_size=2)
+    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0)
+    for r in (p0, p1, dec):
+        r.start()
+    wait_ranks(sc, 3)
+    cl = Client(ctx, sc.ep["client"])
+    p1.prefill_error = (500, "export failed (test)", 0.05)
+    i = submit(cl, [10, 20, 30], 1, 8)
+    r = cl.collect([i])[i]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 500, "client: %s" % (r["final"],))
+    wait_for_cond(lambda: not p0.exported, "prefill@0 freeing its export")
+    check(any(c == 11 for c, _ in p0.log), "prefill@0 got no ABORT: %s" % p0.log)
+    wait_idle(sc)
+    return sc, [p0, p1, dec]
+
+
+def wait_for_cond(pred, what, timeout=10):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError("gave up waiting for " + what)
+
+
 def t_ready_refused(ctx, build, tmp):
     """READYs the scheduler refuses (misconfigured ranks): a group_size that
     differs from its group's, a group larger than 64 ranks, another model
@@ -1398,7 +1434,8 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
-         "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8}
+         "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
+         "prefill_group_error": t_prefill_group_error}
 TOKENIZER = None
 
 
