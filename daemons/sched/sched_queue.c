@@ -288,6 +288,26 @@ queue_transport(const struct sched_group *p, const struct sched_group *d)
 
 /* --- Dispatch ---------------------------------------------------------------- */
 
+/* The least loaded group of `role` that fits ctx, shares a KV transport
+ * with `other` (a group of the other role) and is not `skip`; NULL. */
+static struct sched_group *
+pick_paired(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
+    const struct sched_group *other, const struct sched_group *skip)
+{
+    struct sched_group *g, *best = NULL;
+
+    TAILQ_FOREACH(g, groups, entry) {
+        if (g->role != role || g == skip || !queue_group_fits(g, ctx, DSV4_TRANSPORT_NONE))
+            continue;
+        if ((role == DSV4_ROLE_DECODE ? queue_transport(other, g) :
+                                        queue_transport(g, other)) == DSV4_TRANSPORT_NONE)
+            continue;
+        if (group_before(g, best))
+            best = g;
+    }
+    return best;
+}
+
 /* Send PREFILL for `r` to every rank of its prefill group. */
 static void
 send_prefill(struct sched *s, struct sched_req *r, enum dsv4_transport t)
@@ -357,9 +377,24 @@ queue_dispatch(struct sched *s)
                  (uint32_t)s->cfg.file.burst_free_slots, skip)) == NULL)
             return;
         if ((t = queue_transport(p, d)) == DSV4_TRANSPORT_NONE) {
-            log_warnx("queue_dispatch: prefill group %u and decode group %u share no KV "
-                "transport", p->id, d->id);
-            return;
+            /* the two picked alone cannot hand over (another host, no ucx):
+             * another decode group for this prefill group, else another
+             * prefill group for this decode group, instead of waiting for
+             * a pair that the loads will never change */
+            struct sched_group *d2 = pick_paired(&s->groups, DSV4_ROLE_DECODE, ctx, p, NULL);
+            struct sched_group *p2 = d2 != NULL ? NULL :
+                pick_paired(&s->groups, DSV4_ROLE_PREFILL, pctx, d, skip);
+
+            if (d2 == NULL && p2 == NULL) {
+                log_warnx("queue_dispatch: no free prefill and decode groups share a KV "
+                    "transport (prefill group %u, decode group %u picked)", p->id, d->id);
+                return;
+            }
+            if (d2 != NULL)
+                d = d2;
+            else
+                p = p2;
+            t = queue_transport(p, d);
         }
         if ((slot = queue_slot_take(d)) < 0)
             return;

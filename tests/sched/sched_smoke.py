@@ -1179,6 +1179,31 @@ def t_prefill_group_error(ctx, build, tmp):
     return sc, [p0, p1, dec]
 
 
+def t_pairing(ctx, build, tmp):
+    """Two hosts, shm only (no ucx): decode@0 and prefill@1 on host B,
+    decode@1 and prefill@0 on host A.  The least loaded groups of each
+    role, decode@0 and prefill@0, cannot hand over; the scheduler pairs
+    prefill@0 with decode@1 instead (the old one waited for that pair for
+    good)."""
+    sc = Sched(build, tmp, ["-o", "max_batch=16"])
+    time.sleep(0.2)
+    ranks = [FakeRank(ctx, sc.ep["rank"], "decode", 0, host="B"),
+             FakeRank(ctx, sc.ep["rank"], "decode", 1, host="A"),
+             FakeRank(ctx, sc.ep["rank"], "prefill", 0, host="A"),
+             FakeRank(ctx, sc.ep["rank"], "prefill", 1, host="B")]
+    for r in ranks:
+        r.start()
+    wait_ranks(sc, 4)
+    cl = Client(ctx, sc.ep["client"])
+    p, seed = [10, 20, 30], 4
+    i = submit(cl, p, seed, 8)
+    res = collect_with_psum(cl, {i: (p, seed)}, timeout=15)
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, seed, 8),
+          "two hosts: %s" % (res[i]["final"],))
+    wait_idle(sc)
+    return sc, ranks
+
+
 def wait_for_cond(pred, what, timeout=10):
     end = time.time() + timeout
     while time.time() < end:
@@ -1435,7 +1460,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
-         "prefill_group_error": t_prefill_group_error}
+         "prefill_group_error": t_prefill_group_error, "pairing": t_pairing}
 TOKENIZER = None
 
 
