@@ -911,6 +911,13 @@ rank_options(struct rank_opts *o, int argc, char **argv)
                 o->slots, RANK_MAX_SLOTS);
         exit(DSV4_EXIT_CONFIG);
     }
+    /* each prefill rank exports its part of a request's decode state, and a
+     * handoff carries at most DSV4_PROTO_MAX_KV_PARTS parts */
+    if (RANK_ROLE == DSV4_ROLE_PREFILL && o->group_size > DSV4_PROTO_MAX_KV_PARTS) {
+        fprintf(stderr, "dsv4-prefill: group_size %u; 1..%d supported for prefill groups\n",
+                (unsigned)o->group_size, DSV4_PROTO_MAX_KV_PARTS);
+        exit(DSV4_EXIT_CONFIG);
+    }
     /* with speculative decoding a stream emits up to 1 + DSV4_SPEC_MAX_DRAFT
      * tokens a step, and one TOKENS message carries a step */
     if (RANK_ROLE == DSV4_ROLE_DECODE && strcmp(o->conf.mtp, "yes") == 0 &&

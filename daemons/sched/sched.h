@@ -112,6 +112,10 @@ struct sched_group {
     uint32_t n_ranks;                /* non-NULL entries */
     uint32_t capacity;               /* min over ranks, capped by max_batch */
     uint32_t max_ctx;                /* min over ranks */
+    uint32_t max_ctx_last;           /* max_ctx when it last had ranks: a group
+                                        whose ranks all died still counts for
+                                        what can be placed (they come back;
+                                        queue_ctx_possible) */
     uint32_t transports;             /* intersection over ranks */
     bool burst;                      /* prefill: every rank present is a burst rank
                                         (queue_pick_prefill) */
@@ -361,8 +365,10 @@ bool queue_prefill_usable_besides(struct sched_group_list *groups,
  */
 bool queue_groups_share_gpu(const struct sched_group *a, const struct sched_group *b);
 
-/* True when some registered group of `role` (in any state) could ever hold
- * `ctx` positions; false means the request can never run (413). */
+/* True when some group of `role` (in any state, its ranks all dead included:
+ * with the context they had) could ever hold `ctx` positions, or when no
+ * group of `role` was ever registered; false means the request can never
+ * run (413). */
 bool queue_ctx_possible(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx);
 
 /* Free decode slot of `g` (lowest index), or -1. */

@@ -241,10 +241,14 @@ queue_ctx_possible(struct sched_group_list *groups, enum dsv4_role role, uint32_
     bool any = false;
 
     TAILQ_FOREACH(g, groups, entry) {
-        if (g->role != role || g->n_ranks == 0)
+        /* a group whose ranks all died counts with the context it had: a
+         * rank death must not turn a request that fits into a 413 */
+        uint32_t mc = g->n_ranks > 0 ? g->max_ctx : g->max_ctx_last;
+
+        if (g->role != role || mc == 0)
             continue;
         any = true;
-        if (g->max_ctx >= ctx)
+        if (mc >= ctx)
             return true;
     }
     /* With no group of that role registered yet nothing is known: wait. */

@@ -126,6 +126,7 @@ group_update(struct sched *s, struct sched_group *g)
     }
     g->capacity = cap;
     g->max_ctx = ctx;
+    g->max_ctx_last = ctx;
     g->transports = tr;
     if (g->role == DSV4_ROLE_DECODE && g->n_slots < cap) {
         uint8_t *sl = realloc(g->slots, cap);
@@ -487,6 +488,14 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
         snprintf(why, sizeof(why), "group_size %u with group_rank %u: a group has at most %d "
             "ranks, numbered from 0", (unsigned)m->group_size, (unsigned)m->group_rank,
             SCHED_MAX_GROUP);
+        refuse_ready(s, from, m, why);
+        return;
+    }
+    if (m->role == DSV4_ROLE_PREFILL && m->group_size > DSV4_PROTO_MAX_KV_PARTS) {
+        /* each rank exports its part of the decode state, and a handoff
+         * carries at most that many parts */
+        snprintf(why, sizeof(why), "group_size %u: a prefill group has at most %d ranks",
+            (unsigned)m->group_size, DSV4_PROTO_MAX_KV_PARTS);
         refuse_ready(s, from, m, why);
         return;
     }

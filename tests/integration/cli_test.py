@@ -172,6 +172,9 @@ def checks(paths, conf, tmp):
         ([dec, "-n", "-f", conf, "-o", "mtp=yes", "--slots", "513"], 6,
          r"513 slots; 1\.\.512 supported with mtp = yes"),
         ([dec, "-n", "-f", conf, "-o", "mtp=yes", "--slots", "512"], 0, r"configuration OK"),
+        # a handoff carries at most 16 parts of the decode state
+        ([paths["dsv4-prefill"], "-n", "-f", conf, "-o", "group_size=17"], 6,
+         r"group_size 17; 1\.\.16 supported for prefill groups"),
     ]
     for argv, want, pat in cases:
         rc, out, err = run(argv, cwd=tmp)

@@ -93,8 +93,9 @@ class FakeRank(threading.Thread):
 
     def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004, group=None,
                  group_rank=0, group_size=1, device=None, host="test", pid=None,
-                 model=None):
+                 model=None, max_ctx=4096):
         super().__init__(daemon=True)
+        self.max_ctx = max_ctx          # READY's max_ctx
         self.model = model              # READY's model fingerprint (None: not sent)
         self.host = host                # READY's host and pid (the test's by default)
         self.pid = os.getpid() if pid is None else pid
@@ -166,7 +167,7 @@ class FakeRank(threading.Thread):
         s.connect(self.endpoint)
         ready = {"role": self.role, "index": self.index, "group": self.group,
                  "group_rank": self.group_rank, "group_size": self.group_size,
-                 "capacity": self.capacity, "max_ctx": 4096, "host": self.host,
+                 "capacity": self.capacity, "max_ctx": self.max_ctx, "host": self.host,
                  "pid": self.pid, "transports": ["shm"]}
         if self.device is not None:
             ready["device"] = self.device
@@ -198,7 +199,7 @@ class FakeRank(threading.Thread):
             self.joined = 0
             self.send(s, 1, {"role": self.role, "index": self.index, "group": self.group,
                              "group_rank": self.group_rank, "group_size": self.group_size,
-                             "capacity": self.capacity, "max_ctx": 4096, "host": self.host,
+                             "capacity": self.capacity, "max_ctx": self.max_ctx, "host": self.host,
                              "pid": self.pid})
         elif cmd == 16:                 # COMM: rank 0 makes the id; the others take it
             if "comm_id" not in b:
@@ -646,6 +647,51 @@ def t_death(ctx, build, tmp):
     check(any(r["name"] == "decode@0" and r["state"] == "dead" for r in ranks), ranks)
     wait_idle(sc)
     return sc, [pre, dec, state["new"]]
+
+
+def t_death_ctx(ctx, build, tmp):
+    """A stream that only decode@0 can hold (decode@1's max_ctx is 128)
+    when decode@0 dies: its re-run waits for decode@0 to come back and
+    completes (the old scheduler counted only groups with live ranks and
+    failed it with 413)."""
+    sc = Sched(build, tmp, ["-o", "max_batch=16"])
+    time.sleep(0.2)
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0)
+    d0 = FakeRank(ctx, sc.ep["rank"], "decode", 0)
+    d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, max_ctx=128)
+    for r in (pre, d0, d1):
+        r.start()
+    wait_ranks(sc, 3)
+    cl = Client(ctx, sc.ep["client"])
+    p, seed = [10, 20, 30], 6
+    i = submit(cl, p, seed, 200)
+    state = {"new": None}
+
+    def on_tokens(_, r):
+        if state["new"] is None and len(r["tokens"]) >= 10:
+            d0.dead = True              # stops answering, like kill -9
+            state["new"] = True
+    # a new decode@0 registers once the scheduler has seen the old one dead
+    done = {}
+
+    def restart_when_dead():
+        end = time.time() + 30
+        while time.time() < end:
+            rc, ranks = sc.ctl("ranks")
+            if any(x["name"] == "decode@0" and x["state"] == "dead" for x in ranks):
+                nd = FakeRank(ctx, sc.ep["rank"], "decode", 0)
+                nd.start()
+                done["rank"] = nd
+                return
+            time.sleep(0.05)
+    t = threading.Thread(target=restart_when_dead)
+    t.start()
+    res = collect_with_psum(cl, {i: (p, seed)}, timeout=60, on_tokens=on_tokens)
+    t.join()
+    check(res[i]["final"][0] == 5 and res[i]["tokens"] == expected(p, seed, 200),
+          "re-run after decode@0's death: %s" % (res[i]["final"],))
+    wait_idle(sc)
+    return sc, [pre, d0, d1, done.get("rank")]
 
 
 def t_overload(ctx, build, tmp):
@@ -1231,21 +1277,24 @@ def t_ready_refused(ctx, build, tmp):
     check(d0.welcomed.wait(20), "decode@0 not welcomed")
     bad = [FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=3),
            FakeRank(ctx, sc.ep["rank"], "decode", 2, group=1, group_rank=0, group_size=65),
-           FakeRank(ctx, sc.ep["rank"], "decode", 3, group=2, model="fedcba9876543210")]
+           FakeRank(ctx, sc.ep["rank"], "decode", 3, group=2, model="fedcba9876543210"),
+           FakeRank(ctx, sc.ep["rank"], "prefill", 4, group=4, group_rank=0, group_size=17)]
     for r in bad:
         r.rejoin = False
         r.start()
     for r in bad:
         r.join(20)
-        check(not r.is_alive(), "decode@%d got no DISCONNECT" % r.index)
+        check(not r.is_alive(), "%s@%d got no DISCONNECT" % (r.role, r.index))
     why = ["group_size 3 differs from the 2 of group decode/0's other ranks",
            "group_size 65 with group_rank 0: a group has at most 64 ranks, numbered from 0",
            "model fedcba9876543210 differs from the model 0123456789abcdef of prefill@0, "
            "registered: every rank must run the same model (to change it, restart the whole "
-           "set)"]
+           "set)",
+           # a handoff carries at most 16 parts of the decode state
+           "group_size 17: a prefill group has at most 16 ranks"]
     for r, w in zip(bad, why):
         check(r.disconnects == [w] and not r.welcomed.is_set(),
-              "decode@%d: DISCONNECT %s" % (r.index, r.disconnects))
+              "%s@%d: DISCONNECT %s" % (r.role, r.index, r.disconnects))
     with open(os.path.join(tmp, "sched.log")) as fp:
         text = fp.read()
     for line in ("READY of decode@1 (group 0, rank 1/3, pid %d) refused: " + why[0],
@@ -1460,7 +1509,8 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
          "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
-         "prefill_group_error": t_prefill_group_error, "pairing": t_pairing}
+         "prefill_group_error": t_prefill_group_error, "pairing": t_pairing,
+         "death_ctx": t_death_ctx}
 TOKENIZER = None
 
 
