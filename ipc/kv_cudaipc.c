@@ -132,13 +132,26 @@ cipc_put(uint8_t *p, uint64_t v, int n)
 }
 
 /* A failed CUDA call as a dsv4 error (DSV4_ERR_SYS, or NOMEM for an
- * allocation). */
+ * allocation).  The error is also taken off the thread's last-error slot:
+ * a failure this transport reports and survives (a handle of a dead or
+ * freed exporter, cudaErrorInvalidValue / InvalidResourceHandle) must not
+ * surface at the rank's next kernel launch check as that kernel's failure. */
 static enum dsv4_err
 cipc_fail(cudaError_t rc, const char *what)
 {
     enum dsv4_err e = rc == cudaErrorMemoryAllocation ? DSV4_ERR_NOMEM : DSV4_ERR_SYS;
 
+    (void)cudaGetLastError();
     return dsv4_err_set(e, "kv_cudaipc: %s: %s", what, cudaGetErrorString(rc));
+}
+
+/* Log a failed CUDA call that is only worth a warning, and take the error
+ * off the last-error slot (as cipc_fail does). */
+static void
+cipc_warn(cudaError_t rc, const char *what)
+{
+    (void)cudaGetLastError();
+    log_warnx("kv_cudaipc: %s: %s", what, cudaGetErrorString(rc));
 }
 
 /* Make the instance's device current (the rank's device; a library call may
@@ -160,7 +173,7 @@ cipc_region_destroy(void *ctx, const struct dsv4_kvx_centry *e)
 
     (void)ctx;
     if ((rc = cudaFree(e->data)) != cudaSuccess)
-        log_warnx("kv_cudaipc: cudaFree of a cached region: %s", cudaGetErrorString(rc));
+        cipc_warn(rc, "cudaFree of a cached region");
 }
 
 /* Cache callback: close a mapping (the device is current). */
@@ -170,9 +183,12 @@ cipc_map_destroy(void *ctx, const struct dsv4_kvx_centry *e)
     cudaError_t rc;
 
     (void)ctx;
-    if ((rc = cudaIpcCloseMemHandle(e->data)) != cudaSuccess)
-        log_warnx("kv_cudaipc: cudaIpcCloseMemHandle (region of %s): %s", e->owner,
-                  cudaGetErrorString(rc));
+    if ((rc = cudaIpcCloseMemHandle(e->data)) != cudaSuccess) {
+        char what[DSV4_KVX_MAX_OWNER + 48];
+
+        snprintf(what, sizeof(what), "cudaIpcCloseMemHandle (region of %s)", e->owner);
+        cipc_warn(rc, what);
+    }
 }
 
 /* The caches' byte cap: DSV4_KV_CUDAIPC_CACHE_MIB when set, else the
@@ -346,9 +362,12 @@ cipc_free_region(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
 
     if (cipc_device(x) != DSV4_OK)
         log_warnx("kv_cudaipc_free: %s", dsv4_errmsg());
-    if ((rc = cudaFree(r->data)) != cudaSuccess)
-        log_warnx("kv_cudaipc_free: cudaFree of req=%" PRIu64 ": %s", r->req,
-                  cudaGetErrorString(rc));
+    if ((rc = cudaFree(r->data)) != cudaSuccess) {
+        char what[64];
+
+        snprintf(what, sizeof(what), "free: cudaFree of req=%" PRIu64, r->req);
+        cipc_warn(rc, what);
+    }
 }
 
 /* Acknowledged (KV_RELEASE): back into the cache, handle and all. */
@@ -472,7 +491,7 @@ cipc_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m)
     if (dsv4_kvx_cache_release(&c->maps, m->data))
         return;     /* kept open, or closed by the cache */
     if ((rc = cudaIpcCloseMemHandle((void *)(uintptr_t)m->data)) != cudaSuccess)
-        log_warnx("kv_cudaipc_unmap: cudaIpcCloseMemHandle: %s", cudaGetErrorString(rc));
+        cipc_warn(rc, "unmap: cudaIpcCloseMemHandle");
 }
 
 /* Nothing outlives the exporting process (see the file comment). */

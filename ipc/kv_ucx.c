@@ -619,10 +619,13 @@ ux_import_abort(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t)
         free(g);
         return;
     }
-    /* The callback frees g once UCX lets go of the buffer; closing the
-     * endpoint (force) makes that happen now. */
+    /* The callback frees g once UCX lets go of the buffer.  After a timeout
+     * the link may be stalled: closing the endpoint (force) makes that
+     * happen now.  A cancel leaves the endpoint alone: the other gets from
+     * the same exporter share it, and a forced close failed them all. */
     g->abandoned = true;
-    ux_peer_close(u, g->peer);
+    if (t->timed_out)
+        ux_peer_close(u, g->peer);
     ucp_worker_signal(u->worker);
     pthread_mutex_unlock(&u->mu);
 }

@@ -270,6 +270,7 @@ dsv4_kvx_import_test(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t, struct dsv4_kv
     }
     e = x->ops->import_test(x, t, m);
     if (e == DSV4_ERR_BUSY && dsv4_now_ms() >= t->deadline_ms) {
+        t->timed_out = true;
         x->ops->import_abort(x, t);
         x->n_timeouts++;
         free(t);

@@ -146,7 +146,9 @@ struct dsv4_kvx_ops {
     enum dsv4_err (*import_test)(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t,
                                  struct dsv4_kvx_map *m);
     /* (optional, with import_start) Give up an import that is still running;
-     * the transport state of t is released (now or once the network lets go). */
+     * the transport state of t is released (now or once the network lets go).
+     * t->timed_out says whether its deadline passed (the link may be stalled)
+     * or the caller cancelled it (other imports from the same peer go on). */
     void (*import_abort)(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t);
     /* (optional) fd readable when an import may have finished, or -1. */
     int (*event_fd)(struct dsv4_kvx *x);
@@ -162,6 +164,8 @@ struct dsv4_kvx_xfer {
     uint64_t size;               /* descriptor's region size */
     int64_t deadline_ms;         /* monotonic: fails with DSV4_ERR_TIMEOUT after */
     bool done;                   /* synchronous transports: finished at start */
+    bool timed_out;              /* set before import_abort when the deadline
+                                    passed (a stalled link), not for a cancel */
     struct dsv4_kvx_map map;     /* synchronous transports: the mapping */
     void *priv;                  /* transport state */
 };

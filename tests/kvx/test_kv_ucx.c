@@ -5,13 +5,16 @@
  * UCX workers), asynchronous imports reported on the event fd, an exporter
  * that stops answering (SIGSTOP: the import fails with DSV4_ERR_TIMEOUT and
  * the next import from a live exporter works), an exporter that died
- * (an error, never a hang), and malformed handles (DSV4_ERR_PROTO).
+ * (an error, never a hang), a cancelled import beside another one from the
+ * same exporter (the other completes), and malformed handles
+ * (DSV4_ERR_PROTO).
  *
  * Exporters in child processes are forked before the parent starts UCX.
  * When UCX cannot start here (no usable TCP device) every test is skipped.
  */
 #include <sys/wait.h>
 
+#include <dirent.h>
 #include <poll.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -144,6 +147,55 @@ test_async(void **state)
     dsv4_kvx_close(x);
 }
 
+/* Two imports from one exporter at once, the first cancelled (a client's
+ * cancel, not a timeout): the second completes with its bytes.  (The
+ * abort used to force-close the endpoint both share, failing the second
+ * with "Request canceled".) */
+static void
+test_cancel_beside(void **state)
+{
+    const uint64_t size = 16u << 20;   /* long enough to be in flight at the abort */
+    struct dsv4_kvx *x, *y;
+    struct dsv4_kvx_region a, b;
+    struct dsv4_kvx_xfer *ta, *tb;
+    struct dsv4_kvx_map m;
+    enum dsv4_err e;
+
+    (void)state;
+    if (open_or_skip(&x, "ucx-cexp") != 0)
+        skip();
+    assert_int_equal(open_or_skip(&y, "ucx-cimp"), 0);
+    assert_int_equal(dsv4_kvx_export(x, 1, size, &a), DSV4_OK);
+    assert_int_equal(dsv4_kvx_export(x, 2, size, &b), DSV4_OK);
+    for (uint64_t j = 0; j < size; j++) {
+        ((uint8_t *)a.data)[j] = pat(j, 1);
+        ((uint8_t *)b.data)[j] = pat(j, 2);
+    }
+    /* the endpoint made by a first import, as in a rank that has served */
+    assert_int_equal(dsv4_kvx_import(y, &a.desc, &m), DSV4_OK);
+    dsv4_kvx_unmap(y, &m);
+    assert_int_equal(dsv4_kvx_import_start(y, &a.desc, &ta), DSV4_OK);
+    assert_int_equal(dsv4_kvx_import_start(y, &b.desc, &tb), DSV4_OK);
+    dsv4_kvx_import_abort(y, ta);
+    while ((e = dsv4_kvx_import_test(y, tb, &m)) == DSV4_ERR_BUSY) {
+        struct pollfd p = { .fd = dsv4_kvx_event_fd(y), .events = POLLIN };
+
+        assert_true(poll(&p, 1, 100) >= 0);
+        dsv4_kvx_event_clear(y);
+    }
+    if (e != DSV4_OK)
+        fail_msg("the import beside a cancelled one: %s", dsv4_errmsg());
+    assert_int_equal(m.size, size);
+    for (uint64_t j = 0; j < size; j++)
+        if (((const uint8_t *)m.data)[j] != pat(j, 2))
+            fail_msg("byte %llu differs", (unsigned long long)j);
+    dsv4_kvx_unmap(y, &m);
+    dsv4_kvx_free(x, &a);
+    dsv4_kvx_free(x, &b);
+    dsv4_kvx_close(y);
+    dsv4_kvx_close(x);
+}
+
 /*
  * A child exports a region and sends its descriptor through a pipe, then
  * waits for the parent to close the pipe.  Returns the child's pid; the
@@ -195,6 +247,43 @@ spawn_exporter(struct dsv4_kvx_desc *d, int *keep_fd)
     return pid;
 }
 
+/* Wait until every thread of `pid` is stopped (kill returns before a
+ * thread running on another CPU has taken the SIGSTOP; one that serves the
+ * import meanwhile made the import succeed). */
+static void
+wait_stopped(pid_t pid)
+{
+    char path[64], tpath[64 + 256 + 8], buf[512];
+
+    snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+    for (int i = 0; i < 1000; i++) {
+        DIR *dir = opendir(path);
+        struct dirent *de;
+        int running = dir == NULL;
+
+        while (dir != NULL && (de = readdir(dir)) != NULL) {
+            FILE *f;
+            const char *st = NULL;
+
+            if (de->d_name[0] == '.')
+                continue;
+            snprintf(tpath, sizeof(tpath), "%s/%s/stat", path, de->d_name);
+            if ((f = fopen(tpath, "r")) == NULL)
+                continue;
+            if (fgets(buf, sizeof(buf), f) != NULL && (st = strrchr(buf, ')')) != NULL)
+                st += 2;             /* "tid (comm) S ..." */
+            fclose(f);
+            running += st == NULL || *st != 'T';
+        }
+        if (dir != NULL)
+            closedir(dir);
+        if (running == 0)
+            return;
+        usleep(1000);
+    }
+    fail_msg("exporter %d did not stop", (int)pid);
+}
+
 /* An exporter that stops progressing: the import times out; a live
  * exporter afterwards is imported from normally. */
 static void
@@ -209,6 +298,7 @@ test_stalled_exporter(void **state)
     (void)state;
     pid = spawn_exporter(&d, &hold);
     assert_int_equal(kill(pid, SIGSTOP), 0);
+    wait_stopped(pid);
     assert_int_equal(open_or_skip(&y, "ucx-simp"), 0);
     assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_TIMEOUT);
     assert_null(m.data);
@@ -302,6 +392,7 @@ main(void)
         cmocka_unit_test(test_dead_exporter),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_async),
+        cmocka_unit_test(test_cancel_beside),
         cmocka_unit_test(test_bad_handle),
     };
 
