@@ -51,6 +51,7 @@
 #define GW_DEFAULT_MAX_TOKENS 256 /* when the request gives none */
 #define GW_MAX_RANKS 256          /* ranks shown in /metrics and /health */
 #define GW_DISCARD_MAX (64u << 20) /* body bytes read past the limit before hanging up */
+#define GW_KEEPALIVE ": keep-alive\n\n" /* SSE comment a quiet stream sends (clients skip it) */
 
 /* Histogram with fixed buckets (seconds), Prometheus cumulative on output. */
 #define GW_HIST_BUCKETS 14
@@ -145,8 +146,24 @@ enum MHD_Result gw_http_reply(struct gw *g, struct MHD_Connection *conn,
 enum MHD_Result gw_http_json(struct gw *g, struct MHD_Connection *conn,
     enum gw_route route, unsigned status, struct json_object *o);
 
-/* True when the peer of `conn` has closed or reset its socket. */
-bool gw_http_peer_gone(struct MHD_Connection *conn);
+/* True when the peer of `conn` is gone: its socket was reset or failed
+ * (POLLHUP, POLLERR).  A peer that only shut down its sending side
+ * (POLLRDHUP; HTTP/1.1 lets a client half-close once its request is sent)
+ * is still there and waits for its answer, so that is not "gone"; but a
+ * peer that closed its socket looks the same until something is written
+ * to it, so *half_closed (when not NULL) tells the caller, who may then
+ * write to find out (gw_gen.c's stream keep-alive). */
+bool gw_http_peer_gone(struct MHD_Connection *conn, bool *half_closed);
+
+/* OpenAI's error "type" for an HTTP status ("timeout_error" for 504, ...):
+ * one table for JSON answers and stream error events alike. */
+const char *gw_http_error_type(unsigned status);
+
+/* A JSON string of raw bytes that may be invalid UTF-8 (a token piece, a
+ * URL echoed in an error, a message cut mid-character): each maximal
+ * ill-formed part becomes U+FFFD (the tokenizer's stream rule), so the
+ * answer is valid UTF-8 JSON. */
+struct json_object *gw_json_bytes(const char *s, size_t n);
 
 /* --- gw_req.c ---------------------------------------------------------- */
 

@@ -12,6 +12,11 @@
  * blocks on its own dsv4_client connection; every wait is sliced into
  * GW_POLL_MS steps that check the HTTP peer is still there, so a client that
  * goes away cancels its request within one slice.
+ *
+ * A stream whose scheduler is quiet (a queue wait, a long prefill, a re-run)
+ * sends an SSE comment every gateway_idle_s / 3: libmicrohttpd closes a
+ * connection that moves no byte for gateway_idle_s, and it cannot tell a
+ * gateway waiting for tokens from a client that stalls.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -52,6 +57,8 @@ struct gw_gen {
     char *out;                       /* SSE bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
     bool sse_end;                    /* [DONE] queued */
+    int64_t keepalive_ms;            /* stream: the longest quiet between writes */
+    bool probed;                     /* a keep-alive went out after the peer's FIN */
     enum gw_outcome outcome;
 };
 
@@ -68,27 +75,6 @@ static const char *
 gw_text_at(const struct dsv4_tok_text *t, size_t off)
 {
     return t->s != NULL ? t->s + off : "";
-}
-
-/* A JSON string of raw bytes that may be invalid UTF-8: each maximal
- * ill-formed part becomes U+FFFD (the tokenizer's stream rule). */
-static json_object *
-gw_json_bytes(const char *s, size_t n)
-{
-    struct dsv4_tok_stream st;
-    struct dsv4_tok_text t = { 0 };
-    json_object *o;
-
-    st.tok = NULL;
-    st.npend = 0;
-    if (dsv4_tok_stream_bytes(&st, s, n, &t) != DSV4_OK ||
-        dsv4_tok_stream_flush(&st, &t) != DSV4_OK) {
-        dsv4_tok_text_free(&t);
-        return json_object_new_string("");
-    }
-    o = json_object_new_string_len(t.s != NULL ? t.s : "", (int)t.len);
-    dsv4_tok_text_free(&t);
-    return o;
 }
 
 static char *
@@ -152,6 +138,7 @@ gw_http_status(int code, const char **ocode)
     case DSV4_CLIENT_BAD_ARGUMENT: *ocode = "invalid_request"; return 400;
     case DSV4_CLIENT_TOO_LARGE: *ocode = "context_length_exceeded"; return 400;
     case DSV4_CLIENT_TIMEOUT: *ocode = "timeout"; return 504;
+    case DSV4_CLIENT_SLOW_CONSUMER: *ocode = "slow_consumer"; return 429;
     case DSV4_CLIENT_NOT_SUPPORTED: *ocode = "not_supported"; return 501;
     case DSV4_CLIENT_NO_MEMORY: *ocode = "out_of_memory"; return 503;
     case DSV4_CLIENT_UNREACHABLE: *ocode = "scheduler_unreachable"; return 503;
@@ -359,9 +346,10 @@ gw_sse_error(struct gw_gen *q)
     const char *code;
     unsigned st = gw_http_status(q->err_code, &code);
 
-    json_object_object_add(e, "message", json_object_new_string(q->err_msg));
-    json_object_object_add(e, "type", json_object_new_string(st < 500 ?
-        "invalid_request_error" : "server_error"));
+    /* The same message, type and code as the JSON answer of this error
+     * (gw_http_error). */
+    json_object_object_add(e, "message", gw_json_bytes(q->err_msg, strlen(q->err_msg)));
+    json_object_object_add(e, "type", json_object_new_string(gw_http_error_type(st)));
     json_object_object_add(e, "param", NULL);
     json_object_object_add(e, "code", json_object_new_string(code));
     json_object_object_add(o, "error", e);
@@ -424,30 +412,31 @@ gw_on_event(struct gw_gen *q, const struct dsv4_client_event *ev)
     }
 }
 
+/* How a gw_wait ended. */
+enum gw_wait_end {
+    GW_W_DONE = 0,      /* `until` said stop, or the request ended */
+    GW_W_GONE,          /* the HTTP peer is gone */
+    GW_W_DEADLINE,      /* the gateway's own deadline passed (the request is final) */
+    GW_W_QUIET,         /* a stream should write now: quiet_at came, or the peer's FIN */
+};
+
 /* Wait for events until `until` says stop, the request ends, the peer goes
- * or the deadline passes.  Returns 0, 1 peer gone, 2 deadline. */
-static int
-gw_wait(struct gw_gen *q, bool (*until)(const struct gw_gen *))
+ * or the deadline passes.  With quiet_at > 0 (a stream, which can always
+ * write a keep-alive) also until the clock reaches quiet_at, or until the
+ * peer half-closes for the first time: only a write tells a peer that
+ * half-closed (and waits for its answer) from one that closed its socket,
+ * whose kernel answers the write with a reset (GW_W_GONE next time). */
+static enum gw_wait_end
+gw_wait(struct gw_gen *q, bool (*until)(const struct gw_gen *), int64_t quiet_at)
 {
     struct dsv4_client_event ev;
-    int64_t next_check = gw_now_ms() + GW_POLL_MS;
+    int64_t now, next_check = gw_now_ms() + GW_POLL_MS;
+    bool half;
     int rc;
 
     while (!q->final && !until(q)) {
         rc = dsv4_client_next(q->c, &ev, GW_POLL_MS);
-        if (rc == 0) {
-            gw_on_event(q, &ev);
-            /* Events can arrive faster than GW_POLL_MS for the whole
-             * request (tokens of a non-streamed answer): look at the peer
-             * on a clock, not only when the scheduler is quiet. */
-            if (gw_now_ms() >= next_check) {
-                next_check = gw_now_ms() + GW_POLL_MS;
-                if (gw_http_peer_gone(q->conn))
-                    return 1;
-            }
-            continue;
-        }
-        if (rc != DSV4_CLIENT_NONE) {
+        if (rc != 0 && rc != DSV4_CLIENT_NONE) {
             q->final = true;
             q->err_code = rc;
             snprintf(q->err_msg, sizeof(q->err_msg), "scheduler connection failed: %s",
@@ -455,18 +444,38 @@ gw_wait(struct gw_gen *q, bool (*until)(const struct gw_gen *))
             gw_on_final(q);
             break;
         }
-        if (gw_http_peer_gone(q->conn))
-            return 1;
-        if (gw_now_ms() > q->deadline) {
+        if (rc == 0)
+            gw_on_event(q, &ev);
+        /* Events can arrive faster than GW_POLL_MS for the whole request
+         * (tokens of a non-streamed answer): look at the peer on a clock,
+         * not only when the scheduler is quiet. */
+        now = gw_now_ms();
+        if (rc == DSV4_CLIENT_NONE || now >= next_check) {
+            next_check = now + GW_POLL_MS;
+            /* A non-streamed answer can write nothing before it, so it
+             * cannot tell a half-close from a close: its client's FIN ends
+             * it, as proxies (nginx) and most servers take a client's
+             * close, so an abandoned request does not run on.  A stream
+             * probes with a keep-alive once it writes (gw_sse_read). */
+            if (gw_http_peer_gone(q->conn, &half) || (half && !q->stream))
+                return GW_W_GONE;
+            if (half && quiet_at > 0 && !q->probed) {
+                q->probed = true;
+                return GW_W_QUIET;
+            }
+        }
+        if (rc == DSV4_CLIENT_NONE && now > q->deadline) {
             q->final = true;
             q->err_code = DSV4_CLIENT_TIMEOUT;
             snprintf(q->err_msg, sizeof(q->err_msg), "no answer within %d ms",
                 q->g->conf.gateway_timeout_ms);
             gw_on_final(q);
-            return 2;
+            return GW_W_DEADLINE;
         }
+        if (quiet_at > 0 && now >= quiet_at)
+            return GW_W_QUIET;
     }
-    return 0;
+    return GW_W_DONE;
 }
 
 static bool
@@ -507,6 +516,11 @@ gw_count(struct gw_gen *q, enum gw_outcome out)
     pthread_mutex_unlock(&q->g->mlock);
 }
 
+/* The outcome of a request that ended (docs/gateway.md, "Metrics").
+ * "rejected" is a refusal before the request ran: the scheduler refuses
+ * (busy, draining, too large) instead of accepting (DSV4C1 sends ERROR or
+ * OK first), so an error after OK, whatever its code, failed a request
+ * that ran. */
 static enum gw_outcome
 gw_outcome_of(const struct gw_gen *q)
 {
@@ -514,7 +528,7 @@ gw_outcome_of(const struct gw_gen *q)
         return q->finish == DSV4_CLIENT_FINISH_LENGTH ? GW_OUT_LENGTH : GW_OUT_STOP;
     if (q->err_code == DSV4_CLIENT_TIMEOUT)
         return GW_OUT_TIMEOUT;
-    if (!q->accepted || q->err_code / 100 == 3 || q->err_code / 100 == 4)
+    if (!q->accepted)
         return GW_OUT_REJECTED;
     return GW_OUT_ERROR;
 }
@@ -576,18 +590,21 @@ gw_sse_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     struct gw_gen *q = cls;
     size_t n;
-    int rc;
 
     (void)pos;
     if (q->out_off == q->out_len) {
         q->out_off = q->out_len = 0;
         if (q->sse_end)
             return MHD_CONTENT_READER_END_OF_STREAM;
-        rc = gw_wait(q, gw_until_output);
-        if (rc == 1) {
+        if (gw_wait(q, gw_until_output, gw_now_ms() + q->keepalive_ms) == GW_W_GONE) {
             gw_count(q, GW_OUT_DISCONNECT);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
+        /* Still nothing to send (GW_W_QUIET): a comment, so that the
+         * connection does not look idle to MHD (or a proxy), and so that a
+         * peer that closed after its FIN answers with a reset. */
+        if (q->out_len == 0 && !q->sse_end)
+            gw_out_append(q, GW_KEEPALIVE, strlen(GW_KEEPALIVE));
         if (q->out_off == q->out_len)
             return q->sse_end ? MHD_CONTENT_READER_END_OF_STREAM : 0;
     }
@@ -712,7 +729,8 @@ gw_gen_handle(struct gw *g, struct MHD_Connection *conn, bool chat, const char *
     struct gw_bad b = { 0 };
     struct gw_gen *q;
     enum MHD_Result ret;
-    int rc = -1, w;
+    enum gw_wait_end w;
+    int rc = -1;
 
     if ((q = calloc(1, sizeof(*q))) == NULL)
         return MHD_NO;
@@ -721,6 +739,8 @@ gw_gen_handle(struct gw *g, struct MHD_Connection *conn, bool chat, const char *
     q->conn = conn;
     q->chat = chat;
     q->route = chat ? GW_R_CHAT : GW_R_COMPLETIONS;
+    /* Three keep-alives per idle timeout: one late write still leaves room. */
+    q->keepalive_ms = (int64_t)g->conf.gateway_idle_s * 1000 / 3;
     q->created = (int64_t)time(NULL);
     snprintf(q->id, sizeof(q->id), "%s-%d-%" PRIu64, chat ? "chatcmpl" : "cmpl",
         (int)getpid(), (uint64_t)atomic_fetch_add(&serial, 1) + 1);
@@ -748,8 +768,8 @@ out:
     }
     /* Wait for the scheduler to take the request, so refusals (busy,
      * draining, too long) get their own HTTP status, streaming or not. */
-    w = gw_wait(q, q->stream ? gw_until_accepted : gw_until_never);
-    if (w == 1) {
+    w = gw_wait(q, q->stream ? gw_until_accepted : gw_until_never, 0);
+    if (w == GW_W_GONE) {
         gw_count(q, GW_OUT_DISCONNECT);
         return MHD_NO;
     }

@@ -47,10 +47,11 @@ gw_route_of(const char *url)
     return GW_R_OTHER;
 }
 
-/* Queue `body` (malloc'd, ownership passes); not counted. */
+/* Queue `body` (malloc'd, ownership passes) as the answer on `route`; not
+ * counted. */
 static enum MHD_Result
-gw_http_queue(struct MHD_Connection *conn, unsigned status, const char *type, char *body,
-    size_t len)
+gw_http_queue(struct MHD_Connection *conn, enum gw_route route, unsigned status,
+    const char *type, char *body, size_t len)
 {
     struct MHD_Response *r;
     enum MHD_Result rc;
@@ -63,6 +64,10 @@ gw_http_queue(struct MHD_Connection *conn, unsigned status, const char *type, ch
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
     if (status == MHD_HTTP_UNAUTHORIZED)
         MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    /* A 405 must name the methods the route takes (RFC 9110, 15.5.6). */
+    if (status == MHD_HTTP_METHOD_NOT_ALLOWED)
+        MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW,
+            route == GW_R_COMPLETIONS || route == GW_R_CHAT ? "POST" : "GET, HEAD");
     rc = MHD_queue_response(conn, status, r);
     MHD_destroy_response(r);
     return rc;
@@ -73,12 +78,11 @@ gw_http_reply(struct gw *g, struct MHD_Connection *conn, enum gw_route route,
     unsigned status, const char *type, char *body, size_t len)
 {
     gw_metrics_http(g, route, status);
-    return gw_http_queue(conn, status, type, body, len);
+    return gw_http_queue(conn, route, status, type, body, len);
 }
 
-/* OpenAI's error "type" for an HTTP status. */
-static const char *
-gw_error_type(unsigned status)
+const char *
+gw_http_error_type(unsigned status)
 {
     switch (status) {
     case 401: return "authentication_error";
@@ -117,8 +121,10 @@ gw_http_error(struct gw *g, struct MHD_Connection *conn, enum gw_route route,
     va_end(ap);
     o = json_object_new_object();
     e = json_object_new_object();
-    json_object_object_add(e, "message", json_object_new_string(msg));
-    json_object_object_add(e, "type", json_object_new_string(gw_error_type(status)));
+    /* The message may echo what the client sent (a URL, a model name) or be
+     * cut inside a character: make it valid UTF-8 before it goes out. */
+    json_object_object_add(e, "message", gw_json_bytes(msg, strlen(msg)));
+    json_object_object_add(e, "type", json_object_new_string(gw_http_error_type(status)));
     json_object_object_add(e, "param", NULL);
     json_object_object_add(e, "code", code != NULL ? json_object_new_string(code) : NULL);
     json_object_object_add(o, "error", e);
@@ -126,12 +132,33 @@ gw_http_error(struct gw *g, struct MHD_Connection *conn, enum gw_route route,
     return gw_http_json(g, conn, route, status, o);
 }
 
+json_object *
+gw_json_bytes(const char *s, size_t n)
+{
+    struct dsv4_tok_stream st;
+    struct dsv4_tok_text t = { 0 };
+    json_object *o;
+
+    st.tok = NULL;
+    st.npend = 0;
+    if (dsv4_tok_stream_bytes(&st, s, n, &t) != DSV4_OK ||
+        dsv4_tok_stream_flush(&st, &t) != DSV4_OK) {
+        dsv4_tok_text_free(&t);
+        return json_object_new_string("");
+    }
+    o = json_object_new_string_len(t.s != NULL ? t.s : "", (int)t.len);
+    dsv4_tok_text_free(&t);
+    return o;
+}
+
 bool
-gw_http_peer_gone(struct MHD_Connection *conn)
+gw_http_peer_gone(struct MHD_Connection *conn, bool *half_closed)
 {
     const union MHD_ConnectionInfo *ci;
     struct pollfd p;
 
+    if (half_closed != NULL)
+        *half_closed = false;
     ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci == NULL)
         return true;
@@ -140,7 +167,12 @@ gw_http_peer_gone(struct MHD_Connection *conn)
     p.revents = 0;
     if (poll(&p, 1, 0) < 0)
         return false;
-    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+    /* POLLRDHUP alone is the client's FIN: a half-close after its request
+     * (legal HTTP/1.1, e.g. `nc -N`) or a close; only a reset or an error
+     * says the peer is gone. */
+    if (half_closed != NULL)
+        *half_closed = (p.revents & POLLRDHUP) != 0;
+    return (p.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
 /* Bearer-token check; true when allowed.  Compares every key in full, so
@@ -232,7 +264,8 @@ gw_metrics(struct gw *g, struct MHD_Connection *conn)
     gw_metrics_http(g, GW_R_METRICS, 200);
     if ((body = gw_metrics_render(g, &len)) == NULL)
         return MHD_NO;
-    return gw_http_queue(conn, 200, "text/plain; version=0.0.4; charset=utf-8", body, len);
+    return gw_http_queue(conn, GW_R_METRICS, 200, "text/plain; version=0.0.4; charset=utf-8",
+        body, len);
 }
 
 /* The whole request has arrived: answer it. */

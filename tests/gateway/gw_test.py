@@ -20,7 +20,7 @@ decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
   robust      malformed JSON, wrong types, refused parameters, oversized
               bodies (declared and chunked), unknown routes and models, a
               client that stalls in its headers or body, clients that hang
-              up mid-stream and mid-answer: clear errors (OpenAI shape), the
+              up mid-stream and reset mid-answer: clear errors (OpenAI shape), the
               requests are cancelled at the scheduler (admin protocol and
               dsv4ctl --json show nothing left), the gateway keeps serving;
               drain gives 503 on /health and on requests, undrain restores;
@@ -41,6 +41,16 @@ decode rank on a tiny checkpoint whose vocabulary is the real tokenizer's,
               gateway; the PromQL query of the request counter (HTTP API
               /api/v1/query) returns the number of requests the test made;
               `dsv4ctl --json status` and /metrics agree on every counter.
+  scripted    no set: the gateway (gateway_idle_s 1) against ScriptedSched,
+              a stand-in scheduler in this test (pyzmq + msgpack) whose
+              answers the prompt scripts: a stream quiet for longer than the
+              idle timeout ends with its tokens and [DONE] (keep-alive
+              comments between), a client that half-closes after its
+              request gets its stream (a non-streamed request is
+              cancelled at the FIN), closed and reset clients are
+              cancelled, errors after acceptance look the same streamed or
+              not and count as "error", error bodies are UTF-8, 405 has
+              Allow, every error code answered is documented.
 
 Exit 77 (skipped) only when a tool the scenario needs is missing and cannot
 be installed (pip or apt unreachable).
@@ -53,6 +63,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -93,6 +104,20 @@ def need_openai():
             skip("the openai package is not installed and pip could not install it")
     import openai
     return openai
+
+
+def need_pyzmq():
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                        "--break-system-packages", "pyzmq", "msgpack"], check=False)
+        try:
+            import msgpack  # noqa: F401
+            import zmq  # noqa: F401
+        except ImportError:
+            skip("pyzmq or msgpack is not installed and pip could not install it")
 
 
 def need_prometheus():
@@ -685,11 +710,15 @@ def sc_robust():
         hang_up_mid_stream(svc, "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "go"}],
                             "max_tokens": 1500, "stream": True})
+        # A client that gives up on a non-streamed answer: here it resets
+        # (its FIN cancels too, sc_scripted; docs/gateway.md, "Client
+        # disconnects").
         s = raw_conn(svc)
         data = json.dumps({"prompt": "long answer", "max_tokens": 1500}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
                   % len(data) + data)
         wait_for(lambda: len(adm.requests()) > 0, "the request to run")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.close()
         try:
             wait_for(lambda: metric(svc.metrics(), "dsv4_gateway_requests_total",
@@ -702,7 +731,7 @@ def sc_robust():
         svc.check_no_leaks()
         check(adm.status().get("n_cancelled", 0) - base_cancelled >= 2,
               "the scheduler saw no cancels: %s" % adm.status())
-        log("hang-ups mid-stream and mid-answer: cancelled, nothing leaked")
+        log("hang-ups mid-stream, a reset mid-answer: cancelled, nothing leaked")
 
         # Still serving.
         st, _, data = svc.http("POST", "/v1/completions", {"prompt": "still there?",
@@ -740,6 +769,27 @@ class BareGateway:
     metrics = GwService.metrics
 
 
+def start_bare(d, gw, extra=""):
+    """Start dsv4-gateway alone on gw.port with its scheduler endpoints in
+    directory d (and `extra` configuration lines), once it serves; returns
+    the process and its stderr file (d/gateway.err; the caller closes it)."""
+    conf = os.path.join(d, "dsv4.conf")
+    with open(conf, "w") as f:
+        f.write("client_endpoint = ipc://%s/client.sock\nadmin_endpoint = ipc://%s/ctl.sock\n"
+                "gateway_listen = 127.0.0.1:%d\ntokenizer = %s\n%s" %
+                (d, d, gw.port, os.path.join(ARGS.src, "tests/tokenizer/tiny_tokenizer.json"),
+                 extra))
+    err = open(os.path.join(d, "gateway.err"), "w")
+    env = dict(os.environ)
+    env.pop("NOTIFY_SOCKET", None)
+    p = subprocess.Popen([exe("daemons/gateway/dsv4-gateway"), "-f", conf], stderr=err,
+                         env=env)
+    wait_for(lambda: p.poll() is not None or
+             "serving" in svc_test.readf(os.path.join(d, "gateway.err")), "the gateway up")
+    check(p.poll() is None, "the gateway exited (%s)" % p.poll())
+    return p, err
+
+
 def no_scheduler():
     """A gateway whose scheduler is not there (nothing listens on its
     endpoints): completions, streamed or not, get 503 scheduler_unreachable
@@ -747,20 +797,8 @@ def no_scheduler():
     /v1/models 200; SIGTERM stops it with status 0."""
     d = tempfile.mkdtemp(prefix="dsv4-gw-nosched-")
     gw = BareGateway(free_port())
-    conf = os.path.join(d, "dsv4.conf")
-    with open(conf, "w") as f:
-        f.write("client_endpoint = ipc://%s/client.sock\nadmin_endpoint = ipc://%s/ctl.sock\n"
-                "gateway_listen = 127.0.0.1:%d\ntokenizer = %s\n" %
-                (d, d, gw.port, os.path.join(ARGS.src, "tests/tokenizer/tiny_tokenizer.json")))
-    err = open(os.path.join(d, "gateway.err"), "w")
-    env = dict(os.environ)
-    env.pop("NOTIFY_SOCKET", None)
-    p = subprocess.Popen([exe("daemons/gateway/dsv4-gateway"), "-f", conf], stderr=err,
-                         env=env)
+    p, err = start_bare(d, gw)
     try:
-        wait_for(lambda: p.poll() is not None or
-                 "serving" in svc_test.readf(os.path.join(d, "gateway.err")), "the gateway up")
-        check(p.poll() is None, "the gateway exited (%s)" % p.poll())
         for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
                            ("/v1/chat/completions", {"messages": [{"role": "user",
                                                                    "content": "hi"}],
@@ -787,6 +825,281 @@ def no_scheduler():
             p.kill()
             p.wait()
         err.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class ScriptedSched(threading.Thread):
+    """A stand-in scheduler (DSV4C1 on a ROUTER, docs/protocol.md §4; pyzmq
+    and msgpack) whose answers the prompt text scripts, for what the real set
+    cannot be made to do on cue:
+
+      "quiet:MS:TEXT"  OK, then nothing for MS ms (a queue wait, a long
+                       prefill), then TEXT as one TOKENS and DONE "length"
+      "late:CODE"      OK, TOKENS "x", ERROR CODE: a failure after acceptance
+      "busy"           ERROR 300 and no OK: a refusal
+
+    CANCEL ends a live request with DONE "cancelled" (counted in .cancels);
+    HEARTBEAT is answered (libdsv4client pings a quiet server)."""
+
+    SIG = b"DSV4C1"
+    GENERATE, OK, ERROR, TOKENS, DONE, CANCEL, HEARTBEAT = range(1, 8)
+
+    def __init__(self, endpoint):
+        super().__init__(daemon=True)
+        import msgpack
+        import zmq
+        self.msgpack = msgpack
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.due = []          # [when, route, id, req, text] of quiet requests
+        self.cancels = 0
+        self.next_req = 0
+        self.stopping = False
+
+    def send(self, route, cmd, body):
+        self.sock.send_multipart([route, b"", self.SIG, bytes([cmd]),
+                                  self.msgpack.packb(body, use_bin_type=True)])
+
+    def finish(self, route, rid, req, text, finish):
+        if text:
+            self.send(route, self.TOKENS, {"id": rid, "req": req,
+                                           "tokens": list(text.encode()), "text": text})
+        self.send(route, self.DONE, {"id": rid, "req": req, "finish": finish,
+                                     "prompt_tokens": 1,
+                                     "completion_tokens": len(text.encode())})
+
+    def on_generate(self, route, b):
+        rid, prompt = b["id"], b.get("prompt", "")
+        if prompt == "busy":
+            self.send(route, self.ERROR, {"id": rid, "code": 300, "message": "queue full"})
+            return
+        self.next_req += 1
+        req = self.next_req
+        self.send(route, self.OK, {"id": rid, "req": req, "seed": 1})
+        if prompt.startswith("late:"):
+            self.send(route, self.TOKENS, {"id": rid, "req": req, "tokens": [120], "text": "x"})
+            self.send(route, self.ERROR, {"id": rid, "req": req, "code": int(prompt[5:]),
+                                          "message": "scripted failure"})
+        elif prompt.startswith("quiet:"):
+            _, ms, text = prompt.split(":", 2)
+            self.due.append([time.monotonic() + int(ms) / 1000, route, rid, req, text])
+        else:
+            self.finish(route, rid, req, prompt, "length")
+
+    def run(self):
+        while not self.stopping:
+            if self.sock.poll(10):
+                f = self.sock.recv_multipart()
+                cmd, body = f[3][0], self.msgpack.unpackb(f[4], raw=False)
+                if cmd == self.GENERATE:
+                    self.on_generate(f[0], body)
+                elif cmd == self.HEARTBEAT:
+                    self.send(f[0], self.HEARTBEAT, {})
+                elif cmd == self.CANCEL:
+                    for d in [d for d in self.due if d[1] == f[0] and d[2] == body["id"]]:
+                        self.due.remove(d)
+                        self.cancels += 1
+                        self.finish(d[1], d[2], d[3], "", "cancelled")
+            now = time.monotonic()
+            for d in [d for d in self.due if d[0] <= now]:
+                self.due.remove(d)
+                self.finish(d[1], d[2], d[3], d[4], "length")
+        self.sock.close()
+        self.ctx.term()
+
+    def stop(self):
+        self.stopping = True
+        self.join(10)
+
+
+def raw_request(port, raw, half_close=False, linger0=False):
+    """Send the bytes of one HTTP request on a new socket (then shut down
+    its sending side when half_close); returns (status, headers, body bytes)
+    of the answer read until the gateway closes (chunks joined), or None
+    when the connection ended without one."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(raw)
+    if half_close:
+        s.shutdown(socket.SHUT_WR)
+    got = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        got += b
+    s.close()
+    head, sep, body = got.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    lines = head.decode("latin-1").split("\r\n")
+    hdr = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+    if hdr.get("transfer-encoding") == "chunked":
+        out = b""
+        while True:
+            size, _, rest = body.partition(b"\r\n")
+            n = int(size, 16) if size else 0
+            if n == 0:
+                break
+            out, body = out + rest[:n], rest[n + 2:]
+        body = out
+    return int(lines[0].split()[1]), hdr, body
+
+
+def post_bytes(path, body, close=True):
+    data = json.dumps(body).encode()
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n%s\r\n" % (path.encode(), len(data),
+                                              b"Connection: close\r\n" if close else b"") + data)
+
+
+def doc_error_codes():
+    """The `code`s of docs/gateway.md's error table."""
+    with open(os.path.join(ARGS.src, "docs/gateway.md")) as f:
+        text = f.read()
+    section = text.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    table = [b for b in section.split("\n\n") if b.startswith("| HTTP |")][0]
+    return {c for row in table.splitlines() if row.startswith("| ")
+            for c in re.findall(r"`([a-z_]+)`", row.rsplit("|", 2)[1])}
+
+
+def sc_scripted():
+    """A gateway alone against ScriptedSched, gateway_idle_s 1: a stream
+    whose first token comes after 3.5 idle timeouts ends with its tokens
+    and [DONE] (": keep-alive" comments between), not with EOF; a client
+    that half-closes after its request gets its stream (not streamed: the
+    FIN cancels it); a
+    quiet stream whose client closes, and a non-streamed request whose
+    client resets, are cancelled at the scheduler; an error after acceptance
+    has the same status type and code streamed or not (504 timeout_error,
+    429 slow_consumer) and counts as "error", a refusal before it as
+    "rejected"; error bodies are UTF-8 JSON when the URL is not; 405 names
+    the methods (Allow); every error code answered is in docs/gateway.md."""
+    need_pyzmq()
+    d = tempfile.mkdtemp(prefix="dsv4-gw-scripted-")
+    sched = ScriptedSched("ipc://%s/client.sock" % d)
+    sched.start()
+    gw = BareGateway(free_port())
+    p, err = start_bare(d, gw, "gateway_idle_s = 1\n")
+    codes = set()
+
+    def err_of(st, data, want_status, want_code=None):
+        e = error_of(st, data, want_status, want_code)
+        codes.add(e["code"])
+        return e
+
+    try:
+        # A stream quiet for longer than gateway_idle_s: kept open by SSE
+        # comments (the stream used to be cut: 200, then EOF, no [DONE]).
+        r = raw_request(gw.port, post_bytes("/v1/completions", {
+            "prompt": "quiet:3500:hello", "stream": True}))
+        check(r is not None and r[0] == 200, "quiet stream: %s" % (r,))
+        ev = sse_events(r[2])
+        check(ev and ev[-1] == "[DONE]", "quiet stream cut before [DONE]: %r" % r[2][-300:])
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in ev[:-1])
+        check(text == "hello", "quiet stream text %r" % text)
+        check(b"\n: keep-alive\n\n" in b"\n" + r[2], "no keep-alive comment: %r" % r[2][:300])
+        log("a stream quiet for 3.5 x gateway_idle_s: %d keep-alives, then its tokens and "
+            "[DONE]" % r[2].count(b": keep-alive"))
+
+        # Half-close after the request (legal HTTP/1.1): a stream comes (its
+        # keep-alive written at the FIN found the client there); a
+        # non-streamed request cannot tell a half-close from a close, and
+        # its client's FIN cancels it (docs/gateway.md "Client disconnects").
+        r = raw_request(gw.port, post_bytes("/v1/completions", {
+            "prompt": "quiet:1000:half", "stream": True}), half_close=True)
+        check(r is not None and r[0] == 200 and sse_events(r[2])[-1:] == ["[DONE]"],
+              "half-closed client, stream: %s" % (r,))
+        r = raw_request(gw.port, post_bytes("/v1/completions", {"prompt": "quiet:1000:half"}),
+                        half_close=True)
+        check(r is None, "half-closed client, not streamed: answered %s" % (r,))
+        log("a client that half-closes after its request gets its stream; a non-streamed "
+            "request is cancelled at its FIN")
+
+        # A client that closes its socket during a quiet stream: the next
+        # keep-alive finds it gone; one that resets while it waits for a
+        # non-streamed answer is gone at once.  Both are cancelled.
+        c0 = sched.cancels
+        s = raw_conn(gw)
+        s.sendall(post_bytes("/v1/completions", {"prompt": "quiet:60000:never",
+                                                 "stream": True}))
+        check(b" 200 " in s.recv(4096), "quiet stream did not start")
+        s.close()
+        wait_for(lambda: sched.cancels == c0 + 1, "the closed stream cancelled")
+        s = raw_conn(gw)
+        s.sendall(post_bytes("/v1/completions", {"prompt": "quiet:60000:never"}))
+        wait_for(lambda: len(sched.due) == 1, "the request to wait")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+        wait_for(lambda: sched.cancels == c0 + 2, "the reset request cancelled")
+        log("a closed stream and a reset client: cancelled at the scheduler")
+
+        # Errors after acceptance: the same status, type and code streamed
+        # (an error event after the first chunk) or not; counted "error".
+        m0 = gw.metrics()
+        for code, want_st, want_code in ((408, 504, "timeout"), (429, 429, "slow_consumer"),
+                                         (503, 503, "out_of_memory")):
+            st, _, data = gw.http("POST", "/v1/completions", {"prompt": "late:%d" % code})
+            e = err_of(st, data, want_st, want_code)
+            check(e["type"] == {504: "timeout_error", 429: "rate_limit_error",
+                                503: "service_unavailable"}[want_st],
+                  "%d: type %s" % (code, e["type"]))
+            st, _, data = gw.http("POST", "/v1/completions", {"prompt": "late:%d" % code,
+                                                              "stream": True})
+            ev = sse_events(data)
+            check(st == 200 and ev[-1] == "[DONE]", "late %d stream: %d %r" % (code, st, data))
+            se = json.loads(ev[-2]).get("error")
+            check(se is not None and (se["type"], se["code"]) == (e["type"], e["code"]),
+                  "late %d: stream error %s, answer %s" % (code, se, e))
+        st, _, data = gw.http("POST", "/v1/completions", {"prompt": "busy"})
+        err_of(st, data, 429, "overloaded")
+        m1 = gw.metrics()
+
+        def delta(outcome):
+            lab = {"outcome": outcome}
+            return (metric(m1, "dsv4_gateway_requests_total", lab) -
+                    metric(m0, "dsv4_gateway_requests_total", lab))
+        check((delta("timeout"), delta("error"), delta("rejected")) == (2, 4, 1),
+              "outcomes: timeout %s, error %s, rejected %s (want 2, 4, 1)" %
+              (delta("timeout"), delta("error"), delta("rejected")))
+        log("errors after acceptance: same type and code streamed or not, counted as error; "
+            "a refusal as rejected")
+
+        # Error bodies stay UTF-8 JSON whatever bytes the URL had.
+        for path in ("/v1/models/%FF%C3", "/nowhere%ED%A0%80x"):
+            st, _, data = gw.http("GET", path)
+            try:
+                msg = json.loads(data.decode("utf-8"))["error"]["message"]
+            except (UnicodeDecodeError, ValueError) as e:
+                raise Fail("GET %s: the error body is not UTF-8 JSON (%s): %r" % (path, e, data))
+            check("\ufffd" in msg, "GET %s: %s" % (path, msg))
+            err_of(st, data, 404)
+        # 405 names the methods the route takes.
+        for method, path, allow in (("GET", "/v1/completions", "POST"),
+                                    ("PUT", "/v1/chat/completions", "POST"),
+                                    ("POST", "/health", "GET, HEAD"),
+                                    ("DELETE", "/v1/models", "GET, HEAD")):
+            st, hdr, data = gw.http(method, path, b"{}")
+            err_of(st, data, 405, "method_not_allowed")
+            check(hdr.get("Allow") == allow, "%s %s: Allow %r, want %r" %
+                  (method, path, hdr.get("Allow"), allow))
+        st, _, data = gw.http("GET", "/health")
+        err_of(st, data, 503)
+        missing = codes - doc_error_codes()
+        check(not missing, "error codes not in docs/gateway.md's table: %s" % sorted(missing))
+        log("UTF-8 error bodies, Allow on 405, %d error codes all documented" % len(codes))
+        check(not sched.due, "requests left at the scheduler: %s" % sched.due)
+        wait_for(lambda: metric(gw.metrics(), "dsv4_gateway_streams_active") == 0,
+                 "dsv4_gateway_streams_active 0")
+        p.terminate()
+        check(p.wait(60) == 0, "the gateway's exit status %s" % p.returncode)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        err.close()
+        sched.stop()
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -1096,7 +1409,7 @@ scrape_configs:
 
 
 SCENARIOS = {"api": sc_api, "robust": sc_robust, "types": sc_types,
-             "prometheus": sc_prometheus}
+             "prometheus": sc_prometheus, "scripted": sc_scripted}
 
 
 def main():
