@@ -184,12 +184,14 @@ kvx_import_check(const struct dsv4_kvx *x, const struct dsv4_kvx_desc *d)
 static enum dsv4_err
 kvx_import_size(struct dsv4_kvx *x, uint64_t want, struct dsv4_kvx_map *m)
 {
-    if (m->size >= want)
+    uint64_t got = m->size;
+
+    if (got >= want)
         return DSV4_OK;
     x->ops->unmap(x, m);
     memset(m, 0, sizeof(*m));
     return dsv4_err_set(DSV4_ERR_PROTO, "kvx_import: region has %llu bytes, descriptor "
-                        "says %llu", (unsigned long long)m->size, (unsigned long long)want);
+                        "says %llu", (unsigned long long)got, (unsigned long long)want);
 }
 
 enum dsv4_err

@@ -146,14 +146,9 @@ enum MHD_Result gw_http_reply(struct gw *g, struct MHD_Connection *conn,
 enum MHD_Result gw_http_json(struct gw *g, struct MHD_Connection *conn,
     enum gw_route route, unsigned status, struct json_object *o);
 
-/* True when the peer of `conn` is gone: its socket was reset or failed
- * (POLLHUP, POLLERR).  A peer that only shut down its sending side
- * (POLLRDHUP; HTTP/1.1 lets a client half-close once its request is sent)
- * is still there and waits for its answer, so that is not "gone"; but a
- * peer that closed its socket looks the same until something is written
- * to it, so *half_closed (when not NULL) tells the caller, who may then
- * write to find out (gw_gen.c's stream keep-alive). */
-bool gw_http_peer_gone(struct MHD_Connection *conn, bool *half_closed);
+/* True when the peer of `conn` has closed, half-closed or reset its socket
+ * (docs/gateway.md "Client disconnects"). */
+bool gw_http_peer_gone(struct MHD_Connection *conn);
 
 /* OpenAI's error "type" for an HTTP status ("timeout_error" for 504, ...):
  * one table for JSON answers and stream error events alike. */

@@ -58,7 +58,6 @@ struct gw_gen {
     size_t out_len, out_off, out_cap;
     bool sse_end;                    /* [DONE] queued */
     int64_t keepalive_ms;            /* stream: the longest quiet between writes */
-    bool probed;                     /* a keep-alive went out after the peer's FIN */
     enum gw_outcome outcome;
 };
 
@@ -417,21 +416,17 @@ enum gw_wait_end {
     GW_W_DONE = 0,      /* `until` said stop, or the request ended */
     GW_W_GONE,          /* the HTTP peer is gone */
     GW_W_DEADLINE,      /* the gateway's own deadline passed (the request is final) */
-    GW_W_QUIET,         /* a stream should write now: quiet_at came, or the peer's FIN */
+    GW_W_QUIET,         /* a stream should write a keep-alive now: quiet_at came */
 };
 
 /* Wait for events until `until` says stop, the request ends, the peer goes
- * or the deadline passes.  With quiet_at > 0 (a stream, which can always
- * write a keep-alive) also until the clock reaches quiet_at, or until the
- * peer half-closes for the first time: only a write tells a peer that
- * half-closed (and waits for its answer) from one that closed its socket,
- * whose kernel answers the write with a reset (GW_W_GONE next time). */
+ * or the deadline passes; with quiet_at > 0 (a stream, which can always
+ * write a keep-alive) also until the clock reaches quiet_at. */
 static enum gw_wait_end
 gw_wait(struct gw_gen *q, bool (*until)(const struct gw_gen *), int64_t quiet_at)
 {
     struct dsv4_client_event ev;
     int64_t now, next_check = gw_now_ms() + GW_POLL_MS;
-    bool half;
     int rc;
 
     while (!q->final && !until(q)) {
@@ -452,17 +447,8 @@ gw_wait(struct gw_gen *q, bool (*until)(const struct gw_gen *), int64_t quiet_at
         now = gw_now_ms();
         if (rc == DSV4_CLIENT_NONE || now >= next_check) {
             next_check = now + GW_POLL_MS;
-            /* A non-streamed answer can write nothing before it, so it
-             * cannot tell a half-close from a close: its client's FIN ends
-             * it, as proxies (nginx) and most servers take a client's
-             * close, so an abandoned request does not run on.  A stream
-             * probes with a keep-alive once it writes (gw_sse_read). */
-            if (gw_http_peer_gone(q->conn, &half) || (half && !q->stream))
+            if (gw_http_peer_gone(q->conn))
                 return GW_W_GONE;
-            if (half && quiet_at > 0 && !q->probed) {
-                q->probed = true;
-                return GW_W_QUIET;
-            }
         }
         if (rc == DSV4_CLIENT_NONE && now > q->deadline) {
             q->final = true;
@@ -601,8 +587,7 @@ gw_sse_read(void *cls, uint64_t pos, char *buf, size_t max)
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
         /* Still nothing to send (GW_W_QUIET): a comment, so that the
-         * connection does not look idle to MHD (or a proxy), and so that a
-         * peer that closed after its FIN answers with a reset. */
+         * connection does not look idle to MHD (or a proxy). */
         if (q->out_len == 0 && !q->sse_end)
             gw_out_append(q, GW_KEEPALIVE, strlen(GW_KEEPALIVE));
         if (q->out_off == q->out_len)

@@ -152,13 +152,11 @@ gw_json_bytes(const char *s, size_t n)
 }
 
 bool
-gw_http_peer_gone(struct MHD_Connection *conn, bool *half_closed)
+gw_http_peer_gone(struct MHD_Connection *conn)
 {
     const union MHD_ConnectionInfo *ci;
     struct pollfd p;
 
-    if (half_closed != NULL)
-        *half_closed = false;
     ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci == NULL)
         return true;
@@ -167,12 +165,10 @@ gw_http_peer_gone(struct MHD_Connection *conn, bool *half_closed)
     p.revents = 0;
     if (poll(&p, 1, 0) < 0)
         return false;
-    /* POLLRDHUP alone is the client's FIN: a half-close after its request
-     * (legal HTTP/1.1, e.g. `nc -N`) or a close; only a reset or an error
-     * says the peer is gone. */
-    if (half_closed != NULL)
-        *half_closed = (p.revents & POLLRDHUP) != 0;
-    return (p.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0;
+    /* A FIN (POLLRDHUP) counts: a client that closed and one that only
+     * half-closed look the same, and a request whose client closed must not
+     * run on (proxies such as nginx take a client's FIN the same way). */
+    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
 /* Bearer-token check; true when allowed.  Compares every key in full, so
