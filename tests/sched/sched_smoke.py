@@ -891,13 +891,22 @@ def t_drain_restart(ctx, build, tmp):
     i = submit(cl, p, 5, n)
     out = {}
 
-    def drain(key):
-        out[key] = sc.ctl_text("drain", "decode@0", "--timeout", "20")
-    t = threading.Thread(target=drain, args=("first",))
-    t.start()
-
     def state():
         return rank_row(sc, "decode@0")["state"]
+
+    def streaming():
+        # the stream on decode@0 before the drain: a drain of an idle rank
+        # ends at once ("drained", never "draining")
+        end = time.time() + 10
+        while rank_row(sc, "decode@0").get("active", 0) == 0 and time.time() < end:
+            time.sleep(0.02)
+        check(rank_row(sc, "decode@0").get("active", 0) > 0, "no stream on decode@0")
+
+    def drain(key):
+        out[key] = sc.ctl_text("drain", "decode@0", "--timeout", "20")
+    streaming()
+    t = threading.Thread(target=drain, args=("first",))
+    t.start()
 
     def wait_draining():
         end = time.time() + 10
@@ -921,6 +930,7 @@ def t_drain_restart(ctx, build, tmp):
                                                              len(res[i]["tokens"])))
     # another rank takes the drained rank's place (group 0, rank 0)
     i = submit(cl, p, 6, n)
+    streaming()
     t = threading.Thread(target=drain, args=("gone",))
     t.start()
     wait_draining()
