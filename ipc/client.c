@@ -157,31 +157,6 @@ dsv4_client_params_init(struct dsv4_client_params *p)
     p->stream = 1;
 }
 
-/* Watch the DEALER's connection (connected, disconnected) through a PAIR
- * socket.  False when that cannot be set up: without it a restarted
- * scheduler would go unnoticed and the requests in flight would wait
- * forever, so the connection is refused. */
-static bool
-mon_open(struct dsv4_client *c)
-{
-    char ep[64];
-    int zero = 0;
-
-    snprintf(ep, sizeof(ep), "inproc://dsv4client-monitor-%p", (void *)c);
-    if (zmq_socket_monitor(c->sock, ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) != 0)
-        return false;
-    if ((c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) == NULL)
-        goto off;
-    (void)zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof(zero));
-    if (zmq_connect(c->mon, ep) == 0)
-        return true;
-    zmq_close(c->mon);
-    c->mon = NULL;
-off:
-    (void)zmq_socket_monitor(c->sock, NULL, 0);
-    return false;
-}
-
 /* Send CANCEL of wire id `wire`, not waiting: a full pipe drops it. */
 static enum dsv4_err
 send_cancel(struct dsv4_client *c, uint64_t wire)
@@ -347,7 +322,10 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
             dsv4_errmsg());
         goto err;
     }
-    if (!mon_open(c)) {
+    /* Without the monitor a restarted scheduler would go unnoticed and the
+     * requests in flight would wait forever: the connection is refused. */
+    c->mon = dsv4_zsock_mon_open(c->ctx, c->sock, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED);
+    if (c->mon == NULL) {
         rc = fail(c, DSV4_CLIENT_INTERNAL, "cannot watch the connection (socket monitor)");
         goto err;
     }
@@ -370,10 +348,7 @@ dsv4_client_close(struct dsv4_client *c)
     dsv4_msg_clear(&c->cur);
     for (size_t i = 0; i < c->n_reqs; i++)
         req_free_copy(&c->reqs[i]);
-    if (c->mon != NULL) {
-        (void)zmq_socket_monitor(c->sock, NULL, 0);
-        zmq_close(c->mon);
-    }
+    dsv4_zsock_mon_close(c->sock, c->mon);
     dsv4_zsock_close(c->sock);
     zmq_ctx_term(c->ctx);
     free(c->reqs);

@@ -546,6 +546,35 @@ dsv4_liveness_next_ms(const struct dsv4_liveness *l, int64_t now_ms)
     return t < 0 ? 0 : t;
 }
 
+void *
+dsv4_zsock_mon_open(void *zctx, void *sock, int events)
+{
+    char ep[64];
+    int zero = 0;
+    void *mon;
+
+    snprintf(ep, sizeof(ep), "inproc://dsv4-monitor-%p", sock);
+    if (zmq_socket_monitor(sock, ep, events) != 0)
+        return NULL;
+    if ((mon = zmq_socket(zctx, ZMQ_PAIR)) != NULL) {
+        (void)zmq_setsockopt(mon, ZMQ_LINGER, &zero, sizeof(zero));
+        if (zmq_connect(mon, ep) == 0)
+            return mon;
+        zmq_close(mon);
+    }
+    (void)zmq_socket_monitor(sock, NULL, 0);
+    return NULL;
+}
+
+void
+dsv4_zsock_mon_close(void *sock, void *mon)
+{
+    if (mon == NULL)
+        return;
+    (void)zmq_socket_monitor(sock, NULL, 0);
+    zmq_close(mon);
+}
+
 int
 dsv4_zsock_mon_next(void *mon)
 {

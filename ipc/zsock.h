@@ -148,6 +148,17 @@ int64_t dsv4_now_ms(void);
 /* The same clock in microseconds. */
 int64_t dsv4_now_us(void);
 
+/* Watch the events `events` (ZMQ_EVENT_* bits) of socket `sock` of
+ * context `zctx`: zmq_socket_monitor publishes them on an inproc endpoint
+ * named after `sock`, and a PAIR with no linger is connected to it.
+ * Returns the PAIR (read it with dsv4_zsock_mon_next, close it with
+ * dsv4_zsock_mon_close), or NULL when the monitor cannot be set up (then
+ * nothing is left behind). */
+void *dsv4_zsock_mon_open(void *zctx, void *sock, int events);
+
+/* Stop the monitor of `sock` and close its PAIR `mon` (NULL: nothing). */
+void dsv4_zsock_mon_close(void *sock, void *mon);
+
 /* The next event of a socket monitor (the PAIR connected to the endpoint
  * zmq_socket_monitor publishes on): its ZMQ_EVENT_* number, its endpoint
  * frame read and dropped; -1 when none is waiting.  Does not block. */

@@ -115,23 +115,6 @@ send_cmd(struct ctl *c, int cmd, const char *target, uint32_t timeout_ms)
     return send_msg(c, &m);
 }
 
-/* Watch the DEALER's connection for a drop (best effort: without the
- * monitor a wait without a limit cannot notice a scheduler restart). */
-static void
-mon_open(struct ctl *c)
-{
-    static const char ep[] = "inproc://dsv4ctl-monitor";
-
-    if (zmq_socket_monitor(c->sock, ep, ZMQ_EVENT_DISCONNECTED) != 0)
-        return;
-    if ((c->mon = zmq_socket(c->zctx, ZMQ_PAIR)) != NULL && zmq_connect(c->mon, ep) != 0) {
-        zmq_close(c->mon);
-        c->mon = NULL;
-    }
-    if (c->mon == NULL)
-        (void)zmq_socket_monitor(c->sock, NULL, 0);
-}
-
 /* Read the monitor's pending events; true when one was DISCONNECTED. */
 static bool
 mon_dropped(struct ctl *c)
@@ -579,7 +562,9 @@ main(int argc, char *argv[])
         zmq_ctx_term(c.zctx);
         return 2;   /* a bad endpoint: configuration */
     }
-    mon_open(&c);
+    /* Best effort: without the monitor a wait without a limit cannot
+     * notice a scheduler restart. */
+    c.mon = dsv4_zsock_mon_open(c.zctx, c.sock, ZMQ_EVENT_DISCONNECTED);
     if (strcmp(cmd, "status") == 0)
         rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
     else if (strcmp(cmd, "ranks") == 0)
@@ -596,10 +581,7 @@ main(int argc, char *argv[])
         rc = command(&c, DSV4_CTL_RELOAD, 0);
     else
         usage(2);
-    if (c.mon != NULL) {
-        (void)zmq_socket_monitor(c.sock, NULL, 0);
-        zmq_close(c.mon);
-    }
+    dsv4_zsock_mon_close(c.sock, c.mon);
     dsv4_zsock_close(c.sock);
     zmq_ctx_term(c.zctx);
     return rc;
