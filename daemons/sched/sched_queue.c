@@ -104,19 +104,33 @@ queue_group_find(struct sched_group_list *groups, enum dsv4_role role, uint32_t 
     return NULL;
 }
 
-struct sched_group *
-queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
-    enum dsv4_transport t)
+/* The least loaded group of `role` that fits ctx and transport t, is not
+ * `skip` and, when `other` (a group of the other role) is given, shares a
+ * KV transport with it; NULL when none. */
+static struct sched_group *
+pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx, enum dsv4_transport t,
+    const struct sched_group *other, const struct sched_group *skip)
 {
     struct sched_group *g, *best = NULL;
 
     TAILQ_FOREACH(g, groups, entry) {
-        if (g->role != role || !queue_group_fits(g, ctx, t))
+        if (g->role != role || g == skip || !queue_group_fits(g, ctx, t))
+            continue;
+        if (other != NULL &&
+            queue_transport(role == DSV4_ROLE_DECODE ? other : g,
+                role == DSV4_ROLE_DECODE ? g : other) == DSV4_TRANSPORT_NONE)
             continue;
         if (group_before(g, best))
             best = g;
     }
     return best;
+}
+
+struct sched_group *
+queue_pick(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
+    enum dsv4_transport t)
+{
+    return pick(groups, role, ctx, t, NULL, NULL);
 }
 
 bool
@@ -292,26 +306,6 @@ queue_transport(const struct sched_group *p, const struct sched_group *d)
 
 /* --- Dispatch ---------------------------------------------------------------- */
 
-/* The least loaded group of `role` that fits ctx, shares a KV transport
- * with `other` (a group of the other role) and is not `skip`; NULL. */
-static struct sched_group *
-pick_paired(struct sched_group_list *groups, enum dsv4_role role, uint32_t ctx,
-    const struct sched_group *other, const struct sched_group *skip)
-{
-    struct sched_group *g, *best = NULL;
-
-    TAILQ_FOREACH(g, groups, entry) {
-        if (g->role != role || g == skip || !queue_group_fits(g, ctx, DSV4_TRANSPORT_NONE))
-            continue;
-        if ((role == DSV4_ROLE_DECODE ? queue_transport(other, g) :
-                                        queue_transport(g, other)) == DSV4_TRANSPORT_NONE)
-            continue;
-        if (group_before(g, best))
-            best = g;
-    }
-    return best;
-}
-
 /* Send PREFILL for `r` to every rank of its prefill group. */
 static void
 send_prefill(struct sched *s, struct sched_req *r, enum dsv4_transport t)
@@ -385,9 +379,9 @@ queue_dispatch(struct sched *s)
              * another decode group for this prefill group, else another
              * prefill group for this decode group, instead of waiting for
              * a pair that the loads will never change */
-            struct sched_group *d2 = pick_paired(&s->groups, DSV4_ROLE_DECODE, ctx, p, NULL);
+            struct sched_group *d2 = pick(&s->groups, DSV4_ROLE_DECODE, ctx, DSV4_TRANSPORT_NONE, p, NULL);
             struct sched_group *p2 = d2 != NULL ? NULL :
-                pick_paired(&s->groups, DSV4_ROLE_PREFILL, pctx, d, skip);
+                pick(&s->groups, DSV4_ROLE_PREFILL, pctx, DSV4_TRANSPORT_NONE, d, skip);
 
             if (d2 == NULL && p2 == NULL) {
                 log_warnx("queue_dispatch: no free prefill and decode groups share a KV "
