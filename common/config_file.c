@@ -177,6 +177,12 @@ cfg_apply(struct dsv4_conf *cfg, const struct cfg_key *k, const char *value)
     long v;
     size_t i;
 
+    /* Every value fits DSV4_CONF_STR bytes, numbers too (strtol takes any
+     * number of leading zeros): a prefixed line's value is kept in a
+     * buffer of that size until the plain keys are applied. */
+    if (strlen(value) >= DSV4_CONF_STR)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: value longer than %d bytes", k->name,
+            DSV4_CONF_STR - 1);
     switch (k->type) {
     case CFG_STR:
     case CFG_ENUM:
@@ -205,6 +211,8 @@ cfg_apply(struct dsv4_conf *cfg, const struct cfg_key *k, const char *value)
     case CFG_MODE:
         errno = 0;
         v = strtol(value, &end, k->type == CFG_MODE ? 8 : 10);
+        if (errno == ERANGE && value[0] != '\0' && *end == '\0')
+            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: %s out of range", k->name, value);
         if (value[0] == '\0' || *end != '\0' || errno != 0 ||
             (k->type == CFG_INT && (value[0] == '+' || value[0] == ' ')))
             return dsv4_err_set(DSV4_ERR_CONFIG, "%s: \"%s\" is not %s",

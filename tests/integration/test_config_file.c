@@ -257,6 +257,21 @@ test_errors(void **state)
     expect_error("decode@70000.threads = 1\n", "expected decode@N.key");
     expect_error("sched@1.threads = 1\n", "unknown key");
     expect_error("prefill@2.nosuch = 1\n", "unknown key \"nosuch\"");
+    /* A number of thousands of leading zeros on a prefixed line: checked
+     * against the buffer it is kept in until applied (it overran it). */
+    {
+        char text[6100];
+        int n = snprintf(text, sizeof(text), "decode.threads = ");
+
+        memset(text + n, '0', 6000);
+        snprintf(text + n + 6000, sizeof(text) - (size_t)n - 6000, "8\n");
+        expect_error(text, "threads: value longer than 511 bytes");
+        n = snprintf(text, sizeof(text), "prefill@0.admin_mode = ");
+        memset(text + n, '0', 600);
+        snprintf(text + n + 600, sizeof(text) - (size_t)n - 600, "600\n");
+        expect_error(text, "admin_mode: value longer than 511 bytes");
+    }
+    expect_error("max_batch = 99999999999999999999999\n", "max_batch: 99999999999999999999999 out of range");
     dsv4_conf_defaults(&c);
     assert_int_equal(dsv4_conf_load(&c, "/nonexistent/dsv4.conf",
         DSV4_CONF_ROLE_NONE), DSV4_ERR_SYS);
