@@ -22,6 +22,17 @@ check usage "finish=length prompt_tokens=2 completion_tokens=3" \
 "$gen" -e "$ep" __busy__ >/dev/null 2>&1; check busy 1 $?
 "$gen" -e "$ep" -n 0 x >/dev/null 2>&1; check usage-error 2 $?
 "$gen" -e "ipc://$dir/nobody.sock" --connect-timeout 100 x >/dev/null 2>&1; check unreachable 1 $?
+# a completion that cannot be written is a failure
+"$gen" -e "$ep" -n 5 abc >/dev/full 2>/dev/null; check full-stdout 1 $?
+# Ctrl-C: the cancel's DONE ends it with 130
+"$gen" -e "$ep" __stall__ >/dev/null 2>&1 &
+g=$!; sleep 0.5; kill -INT "$g"; wait "$g"; check sigint 130 $?
+# a second Ctrl-C leaves when the scheduler does not answer the cancel
+"$gen" -e "$ep" __stall__ >/dev/null 2>&1 &
+g=$!; sleep 0.5; kill -STOP "$pid"; kill -INT "$g"; sleep 0.3; kill -INT "$g"
+( sleep 10; kill -KILL "$g" 2>/dev/null ) & guard=$!
+wait "$g"; check second-sigint 130 $?
+kill "$guard" 2>/dev/null; kill -CONT "$pid"
 kill "$pid"
 wait "$pid"
 rm -rf "$dir"

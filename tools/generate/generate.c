@@ -15,8 +15,12 @@
  *   --tag TAG            label shown by dsv4ctl requests
  *   --usage              print "finish=… prompt_tokens=… completion_tokens=…" on stderr
  *
- * Exit status: 0 done, 1 the request failed (status code and message on
- * stderr), 2 usage error.
+ * Ctrl-C cancels the request (the completion so far stays printed); a
+ * second Ctrl-C leaves at once, without waiting for the cancel's answer.
+ *
+ * Exit status: 0 done, 1 the request failed or was cancelled by the server
+ * (dsv4ctl cancel), or standard output could not be written (status code
+ * and message on stderr), 2 usage error, 130 cancelled by Ctrl-C.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -41,10 +45,16 @@ enum {
 
 static volatile sig_atomic_t interrupted;
 
+/* The first SIGINT asks the main loop to cancel; a second one ends the
+ * process (the default action, raised when the handler returns), so that
+ * a scheduler that no longer answers cannot hold the terminal. */
 static void
 on_sigint(int sig)
 {
-    (void)sig;
+    if (interrupted) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+    }
     interrupted = 1;
 }
 
@@ -72,8 +82,10 @@ usage(int status)
         "                         standard error\n"
         "  -h, --help             this help\n"
         "      --version          the version\n"
-        "Exit status: 0 done, 1 the request failed (its code and message on standard\n"
-        "error), 2 usage.\n", status);
+        "Ctrl-C cancels the request; a second Ctrl-C leaves without waiting.\n"
+        "Exit status: 0 done, 1 the request failed or the server cancelled it, or\n"
+        "standard output could not be written (the reason on standard error), 2 usage,\n"
+        "130 cancelled by Ctrl-C.\n", status);
 }
 
 static long long
@@ -305,13 +317,23 @@ main(int argc, char **argv)
                 fprintf(stderr, "finish=%s prompt_tokens=%u completion_tokens=%u\n",
                     finish[ev.finish >= 1 && ev.finish <= 3 ? ev.finish : 0], ev.prompt_tokens,
                     ev.completion_tokens);
-            status = 0;
+            if (ev.finish != DSV4_CLIENT_FINISH_CANCELLED)
+                status = 0;
+            else if (cancelled)
+                status = 130;
+            else
+                fprintf(stderr, "dsv4-generate: the request was cancelled by the server\n");
             break;
         } else if (ev.type == DSV4_CLIENT_EV_ERROR) {
             fprintf(stderr, "\ndsv4-generate: error %d %s: %s\n", ev.code,
                 dsv4_client_strerror(ev.code), ev.message);
             break;
         }
+    }
+    /* A completion that did not reach its reader is not a success. */
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "dsv4-generate: standard output: %s\n", strerror(errno));
+        status = 1;
     }
 out:
     dsv4_client_close(c);
