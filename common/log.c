@@ -4,12 +4,16 @@
  */
 #include "common/log.h"
 
+#include <sys/stat.h>
+
 #include <errno.h>
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/cli.h"
 
@@ -25,11 +29,30 @@ static int log_verbosity;
 static int log_journal = -1;     /* -1 = not yet probed */
 static char log_name[64] = "dsv4";
 
+/* True when standard error is the stream systemd connected to the journal:
+ * $JOURNAL_STREAM ("DEVICE:INODE") names it, and a child that inherited
+ * the variable but writes elsewhere (a terminal, a file) must not take
+ * the journal's form (systemd.exec(5), $JOURNAL_STREAM). */
+static int
+journal_stream(void)
+{
+    const char *v = getenv("JOURNAL_STREAM");
+    uintmax_t dev, ino;
+    struct stat st;
+    char end;
+
+    if (v == NULL || sscanf(v, "%ju:%ju%c", &dev, &ino, &end) != 2)
+        return 0;
+    if (fstat(STDERR_FILENO, &st) != 0)
+        return 0;
+    return (uintmax_t)st.st_dev == dev && (uintmax_t)st.st_ino == ino;
+}
+
 void
 log_init(int verbose)
 {
     log_verbosity = verbose;
-    log_journal = getenv("JOURNAL_STREAM") != NULL;
+    log_journal = journal_stream();
 }
 
 void
@@ -56,8 +79,13 @@ log_vwrite(enum log_level level, const char *fmt, va_list ap, int with_errno)
     if (level == LOG_LEVEL_DEBUG && log_verbosity < 2)
         return;
     if (log_journal < 0)
-        log_journal = getenv("JOURNAL_STREAM") != NULL;
+        log_journal = journal_stream();
     vsnprintf(msg, sizeof(msg), fmt, ap);
+    /* One event, one line: control characters from outside (a URL, a
+     * peer's message) could otherwise start a forged line. */
+    for (char *c = msg; *c != '\0'; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7f)
+            *c = '?';
     if (log_journal) {
         if (with_errno)
             fprintf(stderr, "<%d>%s: %s: %s\n", level, log_name, msg, strerror(saved));

@@ -1,9 +1,10 @@
 /*
  * log.h — process logging with OpenBSD names (log_warn appends strerror(errno),
- * the x-suffixed forms do not).  One line per event on stderr.  Under systemd
- * ($JOURNAL_STREAM set) each line starts with the sd-daemon "<N>" priority and
- * has no timestamp (journald stamps it); otherwise an ISO-8601 UTC time and a
- * level letter are printed for people.
+ * the x-suffixed forms do not).  One line per event on stderr: control
+ * characters in a message (newlines included) are written as '?'.  Under
+ * systemd (stderr is the stream $JOURNAL_STREAM names) each line starts with
+ * the sd-daemon "<N>" priority and has no timestamp (journald stamps it);
+ * otherwise an ISO-8601 UTC time and a level letter are printed for people.
  *
  * Line shape: "procname: message" — callers put the function name and stable
  * key=value pairs into the message ("kv_alloc: pool exhausted req=12").
