@@ -45,6 +45,11 @@ extern "C" {
 #define DSV4_PROTO_MAX_CTX (1u << 20)          /* model positions */
 #define DSV4_PROTO_MAX_TOP_K (1u << 20)
 #define DSV4_PROTO_MAX_TEMPERATURE 10.0
+/* The scheduler takes a temperature below this as 0 (greedy): logits /
+ * temperature leave float's range near the smallest floats (1e-38 drew
+ * the least likely token), and below it sampling is greedy in all but
+ * name (a logit gap of 1e-4 is e^10 in odds). */
+#define DSV4_PROTO_MIN_TEMPERATURE 1e-5f
 #define DSV4_PROTO_MAX_STOP 16                 /* stop strings */
 #define DSV4_PROTO_MAX_STOP_BYTES 256          /* bytes per stop string */
 #define DSV4_PROTO_MAX_STOP_IDS 64

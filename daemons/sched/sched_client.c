@@ -229,6 +229,8 @@ on_generate(struct sched *s, const struct dsv4_route *from, const struct dsv4_cl
     r->id = g->id;
     r->client = *from;
     r->s = g->s;
+    if (r->s.temperature < DSV4_PROTO_MIN_TEMPERATURE)
+        r->s.temperature = 0.0f;
     if (!r->s.has_seed) {
         r->s.seed = splitmix64((uint64_t)dsv4_now_ms() ^ (r->req << 20));
         r->s.has_seed = true;

@@ -1943,6 +1943,12 @@ def sc_pyclient():
         out = pyclient.collect(c, rid)
         check(out["chunks"] == 1 and out["tokens"] == ref[0][2],
               "pyclient: stream=false gave %d chunks" % out["chunks"])
+        # a temperature near float's smallest is greedy (logits / 1e-38
+        # overflowed and the sampler drew the least likely token)
+        rid = c.generate(tokens=ids[0], max_tokens=MAX_TOKENS, temperature=1e-38)
+        out = pyclient.collect(c, rid)
+        check(out["final"] == "done" and out["tokens"] == ref[0][2],
+              "pyclient: temperature 1e-38 gave %s, want %s" % (out["tokens"], ref[0][2]))
         # cancel after the first tokens
         rid = c.generate(tokens=ids[1], max_tokens=200, temperature=0)
         seen, final = 0, None
