@@ -116,11 +116,13 @@ enum dsv4_err dsv4_comm_shm_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
  * `max_bytes` can be reduced.  Rank 0 creates the segment, the others open
  * it (waiting for it up to timeout_ms); every collective waits at most
  * timeout_ms for the others (then DSV4_ERR_TIMEOUT, and the group is
- * broken: make a new one).  The segment is unlinked when rank 0's handle is
- * destroyed.  `stop` (or NULL) ends the waits of the creation early
- * (DSV4_ERR_CANCELED, the segment marked broken for the ranks that joined).
- * A rank whose max_bytes differs from rank 0's is refused at once
- * (DSV4_ERR_CONFIG).
+ * broken: make a new one).  The segment's name is unlinked once every rank
+ * has mapped it, or by any rank whose creation fails; rank 0 reserves its
+ * pages (a full /dev/shm: DSV4_ERR_SYS).  `stop` (or NULL) ends the waits
+ * of the creation early (DSV4_ERR_CANCELED, the segment marked broken for
+ * the ranks that joined).  A rank whose max_bytes differs from rank 0's is
+ * refused at once (DSV4_ERR_CONFIG) and breaks the group, so that the
+ * others stop waiting too (DSV4_ERR_TIMEOUT, "the group broke").
  */
 enum dsv4_err dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
                                    const uint8_t id[DSV4_COMM_ID_BYTES], size_t max_bytes,

@@ -9,8 +9,12 @@
  * scratch; barrier (nobody reads a slot any more); each copies the result
  * back.  Waits spin briefly, then sleep 20 µs at a time, up to the group's
  * timeout; a timeout or an abort marks the group broken for every rank.
- * The name is unlinked as soon as every rank has mapped the segment (at
- * the end of create), so a killed process leaves nothing in /dev/shm.
+ * The name is unlinked by every rank as soon as every rank has mapped the
+ * segment (at the end of create), and by any rank whose creation fails, so
+ * a group that does not assemble (rank 0 killed while it waits) leaves
+ * nothing in /dev/shm once its other ranks give up.  Rank 0 reserves the
+ * segment's pages (posix_fallocate): a full /dev/shm is an error at
+ * create, not a SIGBUS at the first collective.
  */
 #include "kernels/comm.h"
 
@@ -46,6 +50,7 @@ struct shm_rank {
     void *scratch;
     int timeout_ms;
     const struct dsv4_comm_stop *stop;  /* during the creation only, else NULL */
+    int timed_out;              /* a wait of this rank reached its deadline */
     char name[64];
 };
 
@@ -82,6 +87,7 @@ shm_wait(struct shm_rank *sr, uint32_t gen)
             continue;
         }
         if ((spin & 63) == 0 && (now_ms() > deadline || shm_stopped(sr))) {
+            sr->timed_out = now_ms() > deadline;
             atomic_store(&sr->h->broken, 1);
             return 0;
         }
@@ -145,6 +151,13 @@ shm_reduce(struct dsv4_comm *c, void *x, int64_t n, int min)
             o[i] = s;
         }
     }
+    if (!ok && atomic_load(&h->broken) == 0) {
+        /* every rank arrived, with different counts: a bug, but the group
+         * must not go on */
+        atomic_store(&h->broken, 1);
+        return dsv4_err_set(DSV4_ERR_PROTO, "comm shm: rank %d: the ranks' calls differ (%lld "
+                            "values here); the group is broken", c->rank, (long long)n);
+    }
     if (ok)
         ok = shm_barrier(sr);
     if (!ok)
@@ -185,8 +198,8 @@ shm_destroy(struct dsv4_comm *c)
     if (sr != NULL) {
         if (sr->h != NULL)
             munmap(sr->h, sr->map_bytes);
-        if (c->rank == 0 && sr->name[0] != '\0')
-            shm_unlink(sr->name);   /* if create failed before the unlink */
+        if (sr->name[0] != '\0')
+            shm_unlink(sr->name);   /* create failed: the group will not form */
         free(sr->scratch);
         free(sr);
     }
@@ -252,19 +265,28 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
     snprintf(sr->name, sizeof(sr->name), "%s", (const char *)id);
     sr->map_bytes = hb + (size_t)size * max_bytes;
     if (rank == 0) {
+        int rc = 0;
+
         fd = shm_open(sr->name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd >= 0 && ftruncate(fd, (off_t)sr->map_bytes) != 0) {
+        if (fd >= 0 && (ftruncate(fd, (off_t)sr->map_bytes) != 0 ||
+                        (rc = posix_fallocate(fd, 0, (off_t)sr->map_bytes)) != 0)) {
+            if (rc != 0)
+                errno = rc;   /* posix_fallocate returns its error */
+            dsv4_err_set(DSV4_ERR_SYS, "comm shm: %s: %zu bytes: %s (is /dev/shm full?)",
+                         (const char *)id, sr->map_bytes, strerror(errno));
             close(fd);
-            fd = -1;
+            shm_destroy(c);
+            return DSV4_ERR_SYS;
         }
     } else {
-        sr->name[0] = '\0';   /* only rank 0 unlinks */
         while ((fd = shm_open((const char *)id, O_RDWR, 0)) < 0 && errno == ENOENT &&
                now_ms() < deadline && !shm_stopped(sr))
             usleep(2000);
     }
     if (fd < 0 && errno == ENOENT && shm_stopped(sr))
         goto stopped;
+    if (fd < 0 && errno == EEXIST)
+        sr->name[0] = '\0';  /* someone else's: not ours to unlink */
     if (fd < 0) {
         dsv4_err_set(DSV4_ERR_SYS, "comm shm: rank %d: %s: %s", rank, (const char *)id,
                      strerror(errno));
@@ -276,17 +298,32 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
         off_t end = lseek(fd, 0, SEEK_END);
 
         if (end > 0 && end != (off_t)sr->map_bytes) {
-            /* sized by a rank with other calls: one size for all */
+            /* sized by a rank with other calls: one size for all; the
+             * group is marked broken, so that the others stop waiting */
             size_t theirs = ((size_t)end - hb) / (size_t)size;
+            struct shm_hdr *h = (size_t)end >= hb ?
+                mmap(NULL, hb, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
 
+            if (h != MAP_FAILED) {
+                atomic_store(&h->broken, 1);
+                munmap(h, hb);
+            }
             close(fd);
             shm_destroy(c);
             return dsv4_err_set(DSV4_ERR_CONFIG, "comm shm: %s: the ranks' largest calls "
                                 "differ (%zu bytes at rank 0, %zu here)", (const char *)id,
                                 theirs, max_bytes);
         }
-        if (end > 0 || now_ms() > deadline)
+        if (end > 0)
             break;
+        if (now_ms() > deadline) {
+            /* rank 0 made it and never sized it (killed in between):
+             * mapping it would fault (SIGBUS) at the first read */
+            close(fd);
+            shm_destroy(c);
+            return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm shm: rank %d: %s was never sized by "
+                                "rank 0 within %d ms", rank, (const char *)id, timeout_ms);
+        }
         if (shm_stopped(sr)) {
             close(fd);
             goto stopped;
@@ -314,6 +351,7 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
         }
         if (atomic_load(&sr->h->magic) != SHM_MAGIC || sr->h->size != size ||
             sr->h->max_bytes != max_bytes) {
+            atomic_store(&sr->h->broken, 1);
             shm_destroy(c);
             return dsv4_err_set(DSV4_ERR_PROTO, "comm shm: %s is not a group of %d ranks of "
                                 "%zu bytes", (const char *)id, size, max_bytes);
@@ -321,17 +359,21 @@ dsv4_comm_shm_create(struct dsv4_comm **out, int rank, int size,
     }
     atomic_fetch_add(&sr->h->joined, 1);
     if (!shm_barrier(sr)) {
+        int late = sr->timed_out;
+
         if (shm_stopped(sr))
             goto stopped;
         shm_destroy(c);
+        if (!late)
+            return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm shm: rank %d: the group broke while "
+                                "it assembled (a rank refused it or gave up: its log says "
+                                "why)", rank);
         return dsv4_err_set(DSV4_ERR_TIMEOUT, "comm shm: rank %d: the group did not assemble "
                             "within %d ms", rank, timeout_ms);
     }
     sr->stop = NULL;   /* the caller's, valid during the creation only */
-    if (rank == 0) {
-        shm_unlink(sr->name);   /* every rank has it mapped */
-        sr->name[0] = '\0';
-    }
+    shm_unlink(sr->name);   /* every rank has it mapped (ENOENT: another rank's unlink) */
+    sr->name[0] = '\0';
     *out = c;
     return DSV4_OK;
 stopped:

@@ -5,15 +5,23 @@
  * communicator from the `comm` key (dsv4_comm_pick), the key itself in the
  * config file (common/config_file.c), dsv4_comm_check on communicators
  * without a check, and the constructor's refusal of a CPU backend; and the
- * shm communicator's refusal of ranks whose largest calls differ, and its
- * creation stopped early (struct dsv4_comm_stop).
+ * shm communicator's refusal of ranks whose largest calls differ (which
+ * breaks the group for the others), its creation stopped early (struct
+ * dsv4_comm_stop), a segment rank 0 never sized, and its name removed when
+ * rank 0 is killed while the group assembles.
  */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <sys/mman.h>
+#include <sys/wait.h>
+
+#include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -153,10 +161,23 @@ test_check_and_create(void **state)
     dsv4_backend_destroy(be);
 }
 
+/* Whether shm object `id` exists. */
+static bool
+shm_exists(const uint8_t *id)
+{
+    int fd = shm_open((const char *)id, O_RDONLY, 0);
+
+    if (fd < 0)
+        return false;
+    close(fd);
+    return true;
+}
+
 /* Rank 0 of a shm group of two, which rank 1 never completes. */
 struct shm_rank0 {
     const uint8_t *id;
     enum dsv4_err e;
+    char msg[256];
 };
 
 static void *
@@ -165,7 +186,9 @@ shm_rank0_main(void *arg)
     struct shm_rank0 *r = arg;
     struct dsv4_comm *c = NULL;
 
-    r->e = dsv4_comm_shm_create(&c, 0, 2, r->id, 4096, 500, NULL);
+    r->e = dsv4_comm_shm_create(&c, 0, 2, r->id, 4096, 60000, NULL);
+    if (r->e != DSV4_OK)
+        snprintf(r->msg, sizeof(r->msg), "%s", dsv4_errmsg());
     if (c != NULL)
         dsv4_comm_destroy(c);
     return NULL;
@@ -177,7 +200,7 @@ static void
 test_shm_sizes(void **state)
 {
     uint8_t id[DSV4_COMM_ID_BYTES];
-    struct shm_rank0 r0 = { id, DSV4_OK };
+    struct shm_rank0 r0 = { id, DSV4_OK, "" };
     struct dsv4_comm *c = NULL;
     enum dsv4_err e;
     pthread_t th;
@@ -191,7 +214,63 @@ test_shm_sizes(void **state)
     assert_non_null(strstr(dsv4_errmsg(), "the ranks' largest calls differ (4096 bytes at "
                                           "rank 0, 8192 here)"));
     assert_int_equal(pthread_join(th, NULL), 0);
-    assert_int_not_equal(r0.e, DSV4_OK);   /* rank 1 never joined */
+    /* rank 1 broke the group: rank 0 stopped waiting (it waited out its
+     * whole timeout, 60 s, and said the group did not assemble) */
+    assert_int_equal(r0.e, DSV4_ERR_TIMEOUT);
+    if (strstr(r0.msg, "the group broke while it assembled") == NULL)
+        fail_msg("rank 0: %s", r0.msg);
+    assert_false(shm_exists(id));
+}
+
+/* A segment rank 0 made and never sized (killed in between): the other
+ * rank gives up with an error (it mapped it and died of SIGBUS) and
+ * removes the name. */
+static void
+test_shm_unsized(void **state)
+{
+    uint8_t id[DSV4_COMM_ID_BYTES];
+    struct dsv4_comm *c = NULL;
+    int fd;
+
+    (void)state;
+    assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
+    fd = shm_open((const char *)id, O_CREAT | O_EXCL | O_RDWR, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(dsv4_comm_shm_create(&c, 1, 2, id, 4096, 200, NULL), DSV4_ERR_TIMEOUT);
+    assert_null(c);
+    assert_non_null(strstr(dsv4_errmsg(), "never sized by rank 0"));
+    assert_false(shm_exists(id));
+}
+
+/* Rank 0 killed while it waits for rank 1: once rank 1 has come and gone
+ * nothing is left in /dev/shm (only rank 0 unlinked the name). */
+static void
+test_shm_rank0_killed(void **state)
+{
+    uint8_t id[DSV4_COMM_ID_BYTES];
+    struct dsv4_comm *c = NULL;
+    pid_t pid;
+    int st;
+
+    (void)state;
+    assert_int_equal(dsv4_comm_shm_unique_id(id), DSV4_OK);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        (void)dsv4_comm_shm_create(&c, 0, 2, id, 4096, 60000, NULL);
+        _exit(0);
+    }
+    while (!shm_exists(id))
+        usleep(1000);
+    assert_int_equal(kill(pid, SIGKILL), 0);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(shm_exists(id));
+    /* rank 0's arrival was counted: the creation may succeed, the group
+     * fails at its first collective; either way the name goes */
+    if (dsv4_comm_shm_create(&c, 1, 2, id, 4096, 300, NULL) == DSV4_OK)
+        dsv4_comm_destroy(c);
+    assert_false(shm_exists(id));
 }
 
 /* A stop that says so from its `n`-th poll on (*arg counts the polls down). */
@@ -238,6 +317,8 @@ main(void)
         cmocka_unit_test(test_config_key),
         cmocka_unit_test(test_check_and_create),
         cmocka_unit_test(test_shm_sizes),
+        cmocka_unit_test(test_shm_unsized),
+        cmocka_unit_test(test_shm_rank0_killed),
         cmocka_unit_test(test_shm_stop),
     };
 
