@@ -453,6 +453,16 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
     v[2 * n + 2] = size;
     v[2 * n + 3] = ~size;
     v[2 * n + 4] = !stop->fn(stop->arg);
+    /* the watchdog's limit covers the exchange too: an NCCL collective
+     * waits without bound for a peer that died or skipped it (the peers'
+     * pids, for its other check, come with the exchange) */
+    pthread_mutex_lock(&k->watch->mu);
+    k->watch->comm = nc;
+    k->watch->kind = kind;
+    k->watch->n = 0;
+    atomic_store(&k->watch->fired, 0);
+    atomic_store(&k->watch->peer_gone, 0);
+    pthread_mutex_unlock(&k->watch->mu);
     group_enter(k);
     e = k->be->ops->upload(k->be, d, v, nv * sizeof(uint64_t));
     if (e == DSV4_OK)
@@ -480,15 +490,11 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
         log_warnx("group: a rank owes its warm-up calls, but a slot is in use: not now");
     *warm = v[2 * n] == 0 && v[2 * n + 1] != 0;
     pthread_mutex_lock(&k->watch->mu);
-    k->watch->comm = nc;
-    k->watch->kind = kind;
-    k->watch->n = (int)n;
     for (uint32_t i = 0; i < n && i < 64; i++) {
         k->watch->pids[i] = i == k->o.group_rank ? 0 : (pid_t)v[i];
         k->watch->local[i] = v[n + i] == me;
     }
-    atomic_store(&k->watch->fired, 0);
-    atomic_store(&k->watch->peer_gone, 0);
+    k->watch->n = (int)n;
     pthread_mutex_unlock(&k->watch->mu);
 out:
     free(v);
@@ -622,15 +628,22 @@ join_main(void *arg)
         j->nc = nc;
         cancel = j->cancel;
         pthread_mutex_unlock(&j->mu);
-        if (cancel)
-            e = dsv4_err_set(DSV4_ERR_CANCELED, "a newer epoch came");
-    }
-    if (e == DSV4_OK) {
+        /* group_close takes the kind of what it closes from here, made
+         * and then given up included */
         pthread_mutex_lock(&k->watch->mu);
         k->watch->kind = j->kind;
         pthread_mutex_unlock(&k->watch->mu);
-        e = dsv4_model_set_comm(k->m, nc);
+        /* A cancel that came before j->nc was set: shm and cudaipc abort
+         * now (their peers stop waiting); an NCCL communicator cannot be
+         * aborted safely, so its exchange runs on every rank and carries
+         * the cancel to them (group_peers), under the watchdog. */
+        if (cancel && j->kind != DSV4_COMM_NCCL) {
+            nc->ops->abort(nc);
+            e = dsv4_err_set(DSV4_ERR_CANCELED, "a newer epoch came");
+        }
     }
+    if (e == DSV4_OK)
+        e = dsv4_model_set_comm(k->m, nc);
     if (e == DSV4_OK)
         e = group_peers(k, nc, j->kind, &stop, &warm);
     if (e == DSV4_OK && warm) {

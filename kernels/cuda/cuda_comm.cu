@@ -96,11 +96,22 @@ nccl_now_ms(void)
 }
 
 /* A non-blocking call returned rc: wait until the communicator is no
- * longer in progress (the operation is queued on the stream). */
+ * longer in progress (the operation is queued on the stream).  The first
+ * collective of a communicator connects its peers and stays in progress
+ * while a peer does not answer: the rank's watchdog then aborts it
+ * (nccl_abort, from another thread), which frees the handle, so each turn
+ * reads the handle again and stops once it is gone (*aborted). */
 static ncclResult_t
-nccl_settle(ncclComm_t comm, ncclResult_t rc)
+nccl_settle(struct dsv4_comm *c, ncclResult_t rc, bool *aborted)
 {
+    *aborted = false;
     while (rc == ncclInProgress) {
+        ncclComm_t comm = (ncclComm_t)__atomic_load_n(&c->priv, __ATOMIC_ACQUIRE);
+
+        if (comm == NULL) {
+            *aborted = true;
+            return ncclInternalError;
+        }
         if (nccl.async_error(comm, &rc) != ncclSuccess)
             return ncclInternalError;
     }
@@ -113,12 +124,16 @@ nccl_reduce(struct dsv4_comm *c, struct dsv4_backend *be, void *x, int64_t n,
 {
     ncclComm_t comm = (ncclComm_t)__atomic_load_n(&c->priv, __ATOMIC_ACQUIRE);
     ncclResult_t rc;
+    bool aborted;
 
     if (n <= 0)
         return DSV4_OK;
     if (comm == NULL)
         return dsv4_err_set(DSV4_ERR_CUDA, "comm nccl: the communicator was aborted");
-    rc = nccl_settle(comm, nccl.all_reduce(x, x, (size_t)n, type, op, comm, cuda_stream(be)));
+    rc = nccl_settle(c, nccl.all_reduce(x, x, (size_t)n, type, op, comm, cuda_stream(be)),
+                     &aborted);
+    if (aborted)
+        return dsv4_err_set(DSV4_ERR_CUDA, "comm nccl: the communicator was aborted");
     return rc == ncclSuccess ? DSV4_OK : nccl_err(rc, "all-reduce");
 }
 
