@@ -51,12 +51,15 @@
  *
  * allreduce_min_u64 (the rank's tick, the join-time exchanges) goes through
  * an inner shm group on the same id (kernels/comm_shm.c), which is also the
- * bootstrap: the ranks exchange pids, devices, buffer addresses and IPC
+ * bootstrap: the ranks exchange process tokens (random), devices, buffer addresses and IPC
  * handles with a minimum all-reduce over UINT64_MAX-padded rows.
  */
 #include "kernels/comm.h"
 #include "kernels/cuda/cuda.cuh"
 
+#include <sys/random.h>
+
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -771,12 +774,35 @@ dsv4_comm_cudaipc_set_tune(struct dsv4_comm *c, const char *spec)
     return DSV4_OK;
 }
 
-/* Map rank s's buffer from its exchange row (pid, device, address, slot
- * bytes, IPC handle). */
+static uint64_t ar_token_value;
+static pthread_once_t ar_token_once = PTHREAD_ONCE_INIT;
+
+static void
+ar_token_init(void)
+{
+    uint64_t t = 0;
+
+    if (getrandom(&t, sizeof(t), 0) != (ssize_t)sizeof(t))
+        t = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&t;   /* no getrandom: unlikely */
+    ar_token_value = t == UINT64_MAX ? 1 : t;
+}
+
+/* This process's token in the exchange: random, so that ranks in other
+ * PID namespaces (a container each, both PID 1) are never taken for this
+ * process, whose raw device addresses would then be used as its own. */
+static uint64_t
+ar_token(void)
+{
+    pthread_once(&ar_token_once, ar_token_init);
+    return ar_token_value;
+}
+
+/* Map rank s's buffer from its exchange row (process token, device,
+ * address, slot bytes, IPC handle). */
 static enum dsv4_err
 ar_open_peer(struct ar_rank *ar, int s, const uint64_t *row)
 {
-    if ((pid_t)row[0] == getpid()) {
+    if (row[0] == ar_token()) {
         int dev = (int)row[1], can = 0;
 
         if (dev != ar->device) {
@@ -890,7 +916,7 @@ dsv4_comm_cudaipc_create(struct dsv4_comm **out, struct dsv4_backend *be, int ra
         uint64_t *row = tab + (size_t)rank * AR_ROW;
 
         memset(row, 0, AR_ROW * sizeof(uint64_t));
-        row[0] = (uint64_t)getpid();
+        row[0] = ar_token();
         row[1] = (uint64_t)ar->device;
         row[2] = (uint64_t)(uintptr_t)ar->own;
         row[3] = (uint64_t)ar->slot_bytes;
