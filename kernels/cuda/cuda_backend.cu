@@ -22,6 +22,11 @@ static enum dsv4_err cuda_side_join(struct dsv4_backend *be);
 enum dsv4_err
 cuda_err(cudaError_t rc, const char *what, const char *file, int line)
 {
+    /* The failed call's error stays in the thread's last-error slot until
+     * read: the next op's launch check (cudaGetLastError) would report it
+     * under its own name (an out-of-memory of one import failing the next
+     * decode step).  Read it here; a sticky error stays anyway. */
+    (void)cudaGetLastError();
     return dsv4_err_set(rc == cudaErrorMemoryAllocation ? DSV4_ERR_NOMEM : DSV4_ERR_CUDA,
                         "cuda: %s: %s (%s:%d)", what, cudaGetErrorString(rc), file, line);
 }
@@ -509,7 +514,14 @@ cuda_embed(struct dsv4_backend *be, float *out, const int32_t *ids, const uint16
 static enum dsv4_err
 cuda_graph_begin(struct dsv4_backend *be)
 {
+    enum dsv4_err e;
+
     TRY_HC_JOIN(be);   /* a recording starts with nothing pending beside */
+    /* nor on the side queue: a call that failed between side_run and
+     * side_join left its branch open, and the capture's first side_begin
+     * would wait on an event recorded outside it */
+    if ((e = cuda_side_join(be)) != DSV4_OK)
+        return e;
     CUDA_TRY(cudaStreamBeginCapture(cuda_stream(be), cudaStreamCaptureModeRelaxed));
     return DSV4_OK;
 }
@@ -572,7 +584,8 @@ cuda_graph_end(struct dsv4_backend *be, void **out)
     cudaError_t rc;
 
     *out = NULL;
-    (void)cuda_hc_join(be);   /* a capture ends with every fork joined */
+    (void)cuda_hc_join(be);   /* a capture ends with every fork joined: */
+    (void)cuda_side_join(be); /* the side queue's too (a failed body's) */
     rc = cudaStreamEndCapture(cuda_stream(be), &g);
     if (rc != cudaSuccess) {
         (void)cudaGetLastError();

@@ -697,6 +697,20 @@ bl_keep_new(struct dsv4_backend *be, const struct dsv4_linear *W1,
     return k->wb;
 }
 
+/* Take back the kept copy bl_keep_new just made (`keep`; NULL: none) whose
+ * decode failed: a later call would find it undecoded (wrong outputs). */
+static void
+bl_keep_undo(struct dsv4_backend *be, struct cuda_blas *b, uint16_t *keep)
+{
+    if (keep == NULL || b == NULL || b->n_keep == 0 || b->keep[b->n_keep - 1].wb != keep)
+        return;
+    (void)cudaStreamSynchronize(cuda_stream(be));   /* a decode queued before the failure */
+    (void)cudaGetLastError();
+    b->n_keep--;
+    b->keep_bytes -= b->keep[b->n_keep].bytes;
+    cudaFree(keep);
+}
+
 void
 cuda_arena_note(struct dsv4_backend *be, const void *base, size_t bytes)
 {
@@ -765,12 +779,15 @@ cuda_blas_weights(struct dsv4_backend *be, uint16_t *wb, const struct dsv4_linea
            bl_keep_new(be, W1, W3, perm, bytes) : NULL;
     dst = keep != NULL ? keep : wb;
     if (cuda_blas_decode(be, dst, W1, perm) != DSV4_OK ||
-        (W3 != NULL && cuda_blas_decode(be, dst + n1, W3, perm) != DSV4_OK))
+        (W3 != NULL && cuda_blas_decode(be, dst + n1, W3, perm) != DSV4_OK)) {
+        bl_keep_undo(be, b, keep);
         return NULL;
+    }
     /* a new copy's decode done before any queue (the side queue too) may
      * read it: once per weight */
     if (keep != NULL && cudaStreamSynchronize(cuda_stream(be)) != cudaSuccess) {
         dsv4_err_set(DSV4_ERR_CUDA, "cuda blas: %s", cudaGetErrorString(cudaGetLastError()));
+        bl_keep_undo(be, b, keep);
         return NULL;
     }
     return dst;
