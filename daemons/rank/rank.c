@@ -550,6 +550,17 @@ rank_signal(struct rank *k)
     }
 }
 
+void
+rank_exit_if_stopped(struct rank *k, const char *phase)
+{
+    rank_signal(k);
+    if (!k->stopping)
+        return;
+    sdnotify_stopping();
+    log_notice("main: %s stopped while %s", k->name, phase);
+    exit(0);
+}
+
 /*
  * The loop.  Each iteration:
  *  - timers: READY retry / heartbeat / scheduler liveness, abandoned exports,
@@ -948,13 +959,21 @@ xcalloc(size_t n, size_t size)
 }
 
 #ifdef DSV4_HAVE_CUDA
+/* The rank whose weights are being uploaded (the progress callback's). */
+static struct rank *rank_loading;
+
 /* Weight upload / generation progress: log and STATUS=, and more start-up
- * time for systemd (TimeoutStartSec) while bytes keep arriving. */
+ * time for systemd (TimeoutStartSec) while bytes keep arriving; a SIGTERM
+ * meanwhile ends the process (the extension would also stretch systemd's
+ * stop timeout: a stop would wait for the whole upload). */
 static void
 rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
 {
     const char *what = ctx;
     double gib = 1024.0 * 1024.0 * 1024.0;
+
+    if (rank_loading != NULL)
+        rank_exit_if_stopped(rank_loading, what);
 
     sdnotify_status("%s: %.1f of %.1f GiB on the GPU", what, done / gib, total / gib);
     sdnotify_extend_timeout(120ull * 1000 * 1000);
@@ -1000,6 +1019,8 @@ rank_init_weights(struct rank *k, bool cuda)
              gs);
 #ifdef DSV4_HAVE_CUDA
     struct dsv4_cuda_progress pr = { rank_weights_progress, NULL };
+
+    rank_loading = k;
     struct dsv4_cuda_arena arena;
     char source[PATH_MAX + 64];
     /* the weights share is keyed by the split: a tp rank's copy holds other bytes */

@@ -330,6 +330,11 @@ void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling
  */
 int64_t rank_backoff_ms(int n);
 
+/* Read the pending signals; after SIGTERM or SIGINT exit at once (status 0,
+ * STOPPING=1 sent, `phase` in the log: "loading weights").  For the start-up
+ * phases outside the loop, which would otherwise hold a stop until they end. */
+void rank_exit_if_stopped(struct rank *k, const char *phase);
+
 /* Leave the scheduler link (DISCONNECT `why`), drop everything and register
  * again; used when the model group broke (a member died). */
 void rank_relink(struct rank *k, const char *why);

@@ -99,6 +99,7 @@ rank_share_begin(struct rank *k, const struct dsv4_config *cfg, const char *sour
 
     /* 1. the start-up lock: a peer building its copy holds it */
     while ((e = dsv4_wshare_lock(s->path, SHARE_LOCK_SLICE_MS, &s->lockfd)) == DSV4_ERR_TIMEOUT) {
+        rank_exit_if_stopped(k, "waiting for the weights lock");
         waited += SHARE_LOCK_SLICE_MS / 1000;
         sdnotify_status("waiting for the other rank of this GPU to build the weights (%d s)",
                         waited);
