@@ -14,12 +14,15 @@
 #   clang, libclang-rt-14-dev  libFuzzer + sanitizer runtimes for fuzz targets
 #   python3-matplotlib         dsv4-bench --plot (tools/bench/plot.py)
 #   python3-numpy              the CUDA kernels' layout desk checks (tests/gpu/*_layout_sim.py)
-#   python3 packages           test oracles (tokenizer reference, protocol client)
+#   python3-zmq, python3-msgpack the tests' protocol client and stand-in schedulers
+#   python3 packages           the same through pip for another python3 first on
+#                              PATH; test oracles (tokenizer reference)
 set -euo pipefail
 
 pkgs=(meson ninja-build pkg-config gcc libjson-c-dev libpcre2-dev libzmq3-dev libmsgpack-dev
       libsystemd-dev libucx-dev libcmocka-dev clang libclang-rt-14-dev python3 python3-pip
-      systemd iproute2 libmicrohttpd-dev prometheus curl python3-matplotlib python3-numpy)
+      systemd iproute2 libmicrohttpd-dev prometheus curl python3-matplotlib python3-numpy
+      python3-zmq python3-msgpack)
 
 missing=()
 for p in "${pkgs[@]}"; do
@@ -35,8 +38,9 @@ fi
 echo "setup: system packages OK"
 
 # Python packages used by tests (protocol client written from docs/protocol.md).
-# Installed for the python3 that is first on PATH (pip, as Debian's python3-zmq
-# only serves Debian's own interpreter).
+# Debian's python3-zmq / python3-msgpack above serve Debian's interpreter
+# (whose pip PEP 668 refuses); another python3 first on PATH gets them
+# through its own pip.
 if ! python3 -c 'import zmq, msgpack' 2>/dev/null; then
     python3 -m pip install -q pyzmq msgpack || echo "setup: WARNING: pip install pyzmq msgpack failed" >&2
 fi

@@ -40,6 +40,18 @@ for f in "$tmp"/units/*.service; do
         exit 1
     fi
 done
+# A unit that restricts address families and may use the network keeps
+# AF_NETLINK: getifaddrs() needs it, and libzmq (binding tcp://IP:PORT: an
+# assertion abort), UCX (no tcp device) and NCCL (no bootstrap interface)
+# call it.
+for f in "$tmp"/units/*.service; do
+    line=$(grep '^RestrictAddressFamilies=' "$f" || true)
+    case "$line" in
+    "" | *AF_NETLINK*) ;;
+    *AF_INET*) echo "$(basename "$f"): RestrictAddressFamilies= allows AF_INET but not AF_NETLINK"
+        exit 1 ;;
+    esac
+done
 cd "$tmp/units"
 cp dsv4-prefill@.service dsv4-prefill@0.service
 cp dsv4-decode@.service dsv4-decode@1.service
