@@ -24,12 +24,21 @@ check usage "finish=length prompt_tokens=2 completion_tokens=3" \
 "$gen" -e "ipc://$dir/nobody.sock" --connect-timeout 100 x >/dev/null 2>&1; check unreachable 1 $?
 # a completion that cannot be written is a failure
 "$gen" -e "$ep" -n 5 abc >/dev/full 2>/dev/null; check full-stdout 1 $?
+# wait_live N: until the stand-in holds N requests ("__count__" answers
+# "live N"); dsv4-generate takes SIGINT before it submits
+wait_live() {
+    for _ in $(seq 1 3000); do
+        "$gen" -e "$ep" __count__ 2>&1 | grep -q "live $1\b" && return 0
+        sleep 0.01
+    done
+    echo "FAIL: the stand-in never held $1 requests"; fail=1
+}
 # Ctrl-C: the cancel's DONE ends it with 130
 "$gen" -e "$ep" __stall__ >/dev/null 2>&1 &
-g=$!; sleep 0.5; kill -INT "$g"; wait "$g"; check sigint 130 $?
+g=$!; wait_live 1; kill -INT "$g"; wait "$g"; check sigint 130 $?
 # a second Ctrl-C leaves when the scheduler does not answer the cancel
 "$gen" -e "$ep" __stall__ >/dev/null 2>&1 &
-g=$!; sleep 0.5; kill -STOP "$pid"; kill -INT "$g"; sleep 0.3; kill -INT "$g"
+g=$!; wait_live 1; kill -STOP "$pid"; kill -INT "$g"; sleep 0.3; kill -INT "$g"
 ( sleep 10; kill -KILL "$g" 2>/dev/null ) & guard=$!
 wait "$g"; check second-sigint 130 $?
 kill "$guard" 2>/dev/null; kill -CONT "$pid"

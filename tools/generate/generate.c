@@ -277,6 +277,9 @@ main(int argc, char **argv)
         goto out;
     }
 
+    /* before the submit: a Ctrl-C from then on cancels the request (the
+     * loop sends the CANCEL once it runs) */
+    signal(SIGINT, on_sigint);
     if ((rc = dsv4_client_connect(endpoint, &o, &c)) != 0) {
         fprintf(stderr, "dsv4-generate: %s: %d %s\n", endpoint, rc, dsv4_client_strerror(rc));
         goto out;
@@ -288,7 +291,6 @@ main(int argc, char **argv)
             dsv4_client_errmsg(c));
         goto out;
     }
-    signal(SIGINT, on_sigint);
     for (;;) {
         struct dsv4_client_event ev;
 
