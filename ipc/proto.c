@@ -984,16 +984,22 @@ dsv4_msg_clear(struct dsv4_msg *m)
  * prompt; maps: our bodies plus room for future optional keys). */
 #define SCAN_MAX_ARRAY DSV4_PROTO_MAX_PROMPT_TOKENS
 #define SCAN_MAX_MAP 256
+/* Objects of one body, nested ones included: the most a legal body holds (a
+ * GENERATE's prompt, resumed tokens and their logprobs) and room for the
+ * rest.  Without it a 16 MiB body of small nested arrays (16M objects)
+ * cost the decoder ~400 MB and most of a second on the scheduler's thread. */
+#define SCAN_MAX_OBJECTS (3 * (size_t)SCAN_MAX_ARRAY + 65536)
 
 /*
  * Walk one msgpack object at p[0..len) and return its encoded size, or 0 when
  * it is truncated, uses ext types or the reserved byte, nests deeper than
  * `depth` or declares more elements than bytes remain; *big is set when an
- * array or map is over SCAN_MAX_ARRAY/SCAN_MAX_MAP.  Bounded work and
+ * array or map is over SCAN_MAX_ARRAY/SCAN_MAX_MAP, or when *objs (objects
+ * seen so far, this one counted) passes SCAN_MAX_OBJECTS.  Bounded work and
  * recursion; no allocation.
  */
 static size_t
-mp_scan(const uint8_t *p, size_t len, int depth, bool *big)
+mp_scan(const uint8_t *p, size_t len, int depth, bool *big, size_t *objs)
 {
     size_t hdr, n = 0, used;
     uint8_t b;
@@ -1001,6 +1007,10 @@ mp_scan(const uint8_t *p, size_t len, int depth, bool *big)
 
     if (len == 0)
         return 0;
+    if (++*objs > SCAN_MAX_OBJECTS) {
+        *big = true;
+        return 0;
+    }
     b = p[0];
     if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3)
         return 1;
@@ -1053,7 +1063,7 @@ mp_scan(const uint8_t *p, size_t len, int depth, bool *big)
     }
     used = hdr;
     for (size_t i = 0; i < n; i++) {
-        size_t k = mp_scan(p + used, len - used, depth - 1, big);
+        size_t k = mp_scan(p + used, len - used, depth - 1, big, objs);
 
         if (k == 0)
             return 0;
@@ -1277,7 +1287,10 @@ dec_value(struct dctx *c, const struct field *f, const msgpack_object *o, void *
     case T_F32:
         if (!obj_num(o, &v))
             return type_err(c, f->key, "number");
-        if ((e = chk_num(f, v, c->pe)) != DSV4_OK)
+        /* checked as the float it becomes, as the encoder checks it: a
+         * top_p of 1e-50 passed "> 0" as a double and became 0.0f, which
+         * the scheduler then could not send on (the request hung) */
+        if ((e = chk_num(f, (double)(float)v, c->pe)) != DSV4_OK)
             return e;
         *AT(base, f->off, float) = (float)v;
         break;
@@ -1403,6 +1416,7 @@ dsv4_msg_decode(struct dsv4_msg *m, const struct dsv4_frame *fr, size_t n_frames
     enum dsv4_err e;
     size_t off = 0;
     bool big = false;
+    size_t objs = 0;
     int cmd;
 
     memset(m, 0, sizeof(*m));
@@ -1433,7 +1447,7 @@ dsv4_msg_decode(struct dsv4_msg *m, const struct dsv4_frame *fr, size_t n_frames
         (((const uint8_t *)fr[3].data)[0] > 0x8f && ((const uint8_t *)fr[3].data)[0] != 0xde &&
             ((const uint8_t *)fr[3].data)[0] != 0xdf))
         return perr(pe, DSV4_STATUS_BAD_MESSAGE, "%s: body is not a msgpack map", d->name);
-    if (mp_scan(fr[3].data, fr[3].len, DSV4_PROTO_MAX_DEPTH, &big) != fr[3].len)
+    if (mp_scan(fr[3].data, fr[3].len, DSV4_PROTO_MAX_DEPTH, &big, &objs) != fr[3].len)
         return perr(pe, big ? DSV4_STATUS_TOO_LARGE : DSV4_STATUS_BAD_MESSAGE,
             "%s: body is not one well-formed msgpack map (truncated, trailing bytes, "
             "too deep, or oversized array)", d->name);

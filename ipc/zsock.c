@@ -160,6 +160,9 @@ ipc_chmod(void *s, unsigned mode)
         return dsv4_err_set(DSV4_ERR_SYS, "ZMQ_LAST_ENDPOINT: %s", zmq_strerror(errno));
     if (strncmp(ep, IPC_PREFIX, strlen(IPC_PREFIX)) != 0)
         return DSV4_OK;
+    if (ep[strlen(IPC_PREFIX)] == '@')
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: an abstract socket has no file mode, so its "
+            "access cannot be limited (mode %o): use a path", ep, mode);
     if (chmod(ep + strlen(IPC_PREFIX), (mode_t)mode) != 0)
         return dsv4_err_set(DSV4_ERR_SYS, "chmod %s: %s", ep + strlen(IPC_PREFIX),
             strerror(errno));
@@ -216,7 +219,7 @@ zsock_setup(void *s, const struct dsv4_zsock_cfg *cfg, const char *ep, bool bind
 /* ipc://PATH: the path fits; a bind's directory exists and is writable
  * ("*" binds a fresh temporary name, "@NAME" the abstract namespace). */
 static enum dsv4_err
-check_ipc(const char *ep, const char *path, bool bind)
+check_ipc(const char *ep, const char *path, bool bind, unsigned mode)
 {
     char dir[PATH_MAX_DSV4];
     const char *slash = strrchr(path, '/');
@@ -227,6 +230,9 @@ check_ipc(const char *ep, const char *path, bool bind)
     if (strlen(path) > IPC_PATH_MAX)
         return dsv4_err_set(DSV4_ERR_CONFIG, "%s: the socket path is longer than %d bytes",
             ep, IPC_PATH_MAX);
+    if (bind && path[0] == '@' && mode != 0)
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: an abstract socket has no file mode, so its "
+            "access cannot be limited (mode %o): use a path", ep, mode);
     if (!bind || strcmp(path, "*") == 0 || path[0] == '@')
         return DSV4_OK;
     if (slash == NULL)
@@ -317,7 +323,7 @@ dsv4_zsock_check(const struct dsv4_zsock_cfg *cfg)
         ep++;
     }
     if (strncmp(ep, IPC_PREFIX, strlen(IPC_PREFIX)) == 0)
-        e = check_ipc(ep, ep + strlen(IPC_PREFIX), bind);
+        e = check_ipc(ep, ep + strlen(IPC_PREFIX), bind, cfg->mode);
     else if (strncmp(ep, TCP_PREFIX, strlen(TCP_PREFIX)) == 0)
         e = check_tcp(ep, ep + strlen(TCP_PREFIX), bind);
     else if (strncmp(ep, INPROC_PREFIX, strlen(INPROC_PREFIX)) == 0 &&

@@ -167,8 +167,11 @@ DSV4_API void dsv4_client_params_init(struct dsv4_client_params *params);
 DSV4_API int dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
     struct dsv4_client **out);
 
-/* Close the connection and forget every request in flight (the server
- * cancels them when the connection's liveness expires).  NULL is a no-op. */
+/* Close the connection and forget every request in flight.  No CANCEL is
+ * sent and the scheduler keeps no client liveness (docs/protocol.md §4.4):
+ * a streamed request ends at its next TOKENS that cannot be delivered, a
+ * non-streamed one runs to its end.  Cancel first (dsv4_client_cancel) to
+ * free the server at once.  NULL is a no-op. */
 DSV4_API void dsv4_client_close(struct dsv4_client *c);
 
 /*

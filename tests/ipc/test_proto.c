@@ -634,6 +634,21 @@ v_huge_prompt(msgpack_packer *pk)
     free(s);
 }
 
+/* A double that is > 0 but 0 as a float. */
+static void v_tiny(msgpack_packer *pk) { msgpack_pack_double(pk, 1e-50); }
+
+/* 1M arrays of 15 small ints under an unknown key: 16M objects in ~16 MB. */
+static void
+v_many_objects(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 1u << 20);
+    for (int i = 0; i < 1 << 20; i++) {
+        msgpack_pack_array(pk, 15);
+        for (int j = 0; j < 15; j++)
+            msgpack_pack_int(pk, 0);
+    }
+}
+
 static void
 v_deep(msgpack_packer *pk)
 {
@@ -670,6 +685,10 @@ test_malformed_values(void **state)
     assert_int_equal(generate_with("prompt", v_bad_utf8, NULL), 400);   /* bad text */
     assert_int_equal(generate_with("tag", v_nul, NULL), 400);
     assert_int_equal(generate_with("x_future", v_deep, NULL), 400);     /* too deep */
+    /* checked as the float it becomes (0 would be sent on and refused) */
+    assert_int_equal(generate_with("top_p", v_tiny, NULL), 401);
+    /* too many objects in all, however small each array */
+    assert_int_equal(generate_with("x_future", v_many_objects, NULL), 413);
     assert_int_equal(generate_with("tokens", v_ids_neg, NULL), 401);    /* both given */
     /* Accepted: unknown keys, ints for reals, float64, the largest id. */
     assert_int_equal(generate_with("x_future", v_str_x, NULL), 200);

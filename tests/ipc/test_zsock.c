@@ -434,6 +434,26 @@ test_check(void **state)
                      cases[i].ep, s != NULL ? "opened" : dsv4_errmsg(),
                      cases[i].ok ? "yes" : "no");
     }
+    /* An abstract socket bound with a mode (admin_mode): no file to
+     * chmod, so no way to limit its access: refused by the check and the
+     * open alike (the check passed and the open failed, or chmod'ed a
+     * file of that name in the working directory); without a mode fine. */
+    for (int m = 0; m < 2; m++) {
+        void *s;
+
+        dsv4_zsock_cfg_init(&cfg);
+        cfg.endpoint = "ipc://@dsv4-test-zsock-abstract";
+        cfg.bind = true;
+        cfg.type = ZMQ_ROUTER;
+        cfg.curve = DSV4_CURVE_OFF;
+        cfg.mode = m ? 0660 : 0;
+        assert_int_equal(dsv4_zsock_check(&cfg) == DSV4_OK, m == 0);
+        if (m)
+            assert_non_null(strstr(dsv4_errmsg(), "abstract socket has no file mode"));
+        s = dsv4_zsock_open(f->ctx, &cfg, NULL);
+        dsv4_zsock_close(s);
+        assert_int_equal(s != NULL, m == 0);
+    }
     /* CURVE (tcp:// by default): without the key files both refuse; with
      * them both accept. */
     for (int k = 0; k < 2; k++) {
