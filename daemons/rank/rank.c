@@ -65,7 +65,8 @@ usage(int status)
         "                        checkpoint's tensors) without a device or a connection,\n"
         "                        print it and exit\n"
         "  -v                    more logging (-vv: debug)\n"
-        "  --rank N              this rank's index (the GPU with the CUDA backend; 0)\n"
+        "  --rank N              this rank's index (0); its GPU is the `gpu` key's\n"
+        "                        (decode@N.gpu = N puts rank N on device N)\n"
         "  --group N             its decode group (default N / group_size)\n"
         "  --checkpoint DIR      over the checkpoint key\n"
         "  --backend cpu|cuda    over the backend key\n"
@@ -939,7 +940,7 @@ rank_options(struct rank_opts *o, int argc, char **argv)
     }
     if (check) {
         dsv4_conf_print(&o->conf, stdout);
-        printf("# rank=%u group=%u group_rank=%u/%u slots=%d rows=%d kv_timeout_ms=%" PRId64
+        printf("# rank=%u group=%u group_rank=%u/%u slots=%d rows=%d export_expiry_ms=%" PRId64
                "\n", (unsigned)o->index, (unsigned)o->group, (unsigned)o->group_rank,
                (unsigned)o->group_size, o->slots, o->rows, o->kv_timeout_ms);
         rank_check(o);

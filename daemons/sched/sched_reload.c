@@ -51,6 +51,9 @@ static const struct reload_key start_strs[] = {
     { "admin_endpoint", offsetof(struct dsv4_conf, admin_endpoint) },
     { "key_dir", offsetof(struct dsv4_conf, key_dir) },
     { "tokenizer", offsetof(struct dsv4_conf, tokenizer) },
+    /* read at the start for the model's fingerprint (ranks are matched to
+     * it): a change waits for a restart like the others */
+    { "checkpoint", offsetof(struct dsv4_conf, checkpoint) },
 };
 
 static int *

@@ -246,6 +246,45 @@ def ctl_waits(paths, tmp):
     log("dsv4ctl drain: a limit under 1 ms is 1 ms; a scheduler gone mid-wait ends it (3)")
 
 
+def ctl_endpoint(paths, tmp):
+    """dsv4ctl's endpoint and key: $DSV4_ADMIN_ENDPOINT (dsv4-launch sets it
+    for its command) when --admin is absent, ahead of the file's
+    admin_endpoint; a tcp:// endpoint's server key from the file's key_dir
+    (it looked in /etc/dsv4 whatever the file said)."""
+    import zmq
+    ep = "ipc://%s/env-admin.sock" % tmp
+    conf = os.path.join(tmp, "ctl-ep.conf")
+    keys = os.path.join(tmp, "ctl-keys")
+    os.makedirs(keys, exist_ok=True)
+    r = subprocess.run([paths["dsv4ctl"], "keygen", keys], capture_output=True, text=True)
+    check(r.returncode == 0, "dsv4ctl keygen: %s" % r.stderr)
+    with open(conf, "w") as f:
+        f.write("admin_endpoint = ipc://%s/nobody.sock\nkey_dir = %s\n" % (tmp, keys))
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(ep)
+    env = dict(os.environ, DSV4_ADMIN_ENDPOINT=ep)
+    q = subprocess.Popen([paths["dsv4ctl"], "-f", conf, "status"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        check(s.poll(RUN_TIMEOUT_S * 1000), "dsv4ctl did not use $DSV4_ADMIN_ENDPOINT")
+    finally:
+        q.kill()
+        q.communicate()
+        s.close()
+        ctx.term()
+    # tcp:// with the file's key_dir: it gets as far as waiting for an answer
+    # (exit 3), not a missing /etc/dsv4/server.pub (exit 2)
+    with open(conf, "w") as f:
+        f.write("admin_endpoint = tcp://127.0.0.1:9\nkey_dir = %s\n" % keys)
+    r = subprocess.run([paths["dsv4ctl"], "-f", conf, "status"], capture_output=True,
+                       text=True, timeout=RUN_TIMEOUT_S)
+    check(r.returncode == 3 and "server.pub" not in r.stderr,
+          "dsv4ctl with key_dir %s: exit %d: %s" % (keys, r.returncode, r.stderr))
+    log("dsv4ctl: $DSV4_ADMIN_ENDPOINT used, a tcp:// endpoint's key from key_dir")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", required=True)
@@ -280,6 +319,7 @@ def main():
                     (tmp, tmp, tmp, svc.model, tok))
         checks(paths, dconf, tmp)
         ctl_waits(paths, tmp)
+        ctl_endpoint(paths, tmp)
         lconf = os.path.join(tmp, "l.conf")
         with open(lconf, "w") as f:
             f.write("client_endpoint = ipc://%s/lc.sock\nrank_endpoint = ipc://%s/lr.sock\n"

@@ -1030,12 +1030,17 @@ def t_reload(ctx, build, tmp):
     check(st == [2, 2, 2, 300, 300], "queue_max 3: %s" % st)
     queued = ids[:3]
     # Live keys change at once; a key bound at the start waits and says so.
-    write("queue_max = 5\nmax_batch = 2\nprefill_chunk = 256\nkey_dir = %s\n" % tmp)
+    write("queue_max = 5\nmax_batch = 2\nprefill_chunk = 256\nkey_dir = %s\n"
+          "checkpoint = %s/other-model\n" % (tmp, tmp))
     log = reload(sc, "reload: done")
     check("reload: queue_max 3 -> 5" in log and "reload: max_batch 16 -> 2" in log, log[-2000:])
     check("prefill_chunk" not in log, "an -o override lost to the file:\n" + log[-2000:])
     check('key_dir "%s" takes effect at the next start' % tmp in log, log[-2000:])
-    check("2 setting(s) changed, 1 waiting for a restart" in log, log[-2000:])
+    # the model's fingerprint is taken at the start: a new checkpoint waits
+    # too (a reload passed over it without a word)
+    check('checkpoint "%s/other-model" takes effect at the next start' % tmp in log,
+          log[-2000:])
+    check("2 setting(s) changed, 2 waiting for a restart" in log, log[-2000:])
     ids, st = admit(cl, 3)
     check(st == [2, 2, 300], "queue_max 5: %s" % st)
     queued += ids[:2]

@@ -10,8 +10,10 @@
  *   dsv4ctl ... cancel REQ                       (REQ as `requests` lists it)
  *   dsv4ctl [-f CONFIG] keygen [DIR]   (CURVE server key pair, no scheduler)
  *
- * The endpoint comes from --admin, else admin_endpoint of the configuration
- * file (-f, or /etc/dsv4/dsv4.conf when present), else the default.  Exit
+ * The endpoint comes from --admin, else $DSV4_ADMIN_ENDPOINT (dsv4-launch sets
+ * it for its command), else admin_endpoint of the configuration file (-f, or
+ * /etc/dsv4/dsv4.conf when present), else the default; a tcp:// endpoint's
+ * server key is read from that file's key_dir.  Exit
  * status: 0 success, 1 the scheduler refused (no such request to cancel
  * included) or a drain timed out, 2 usage, 3 no answer from the scheduler.
  */
@@ -62,7 +64,7 @@ usage(int status)
         "  keygen [DIR]                    write DIR/server.key and server.pub (CURVE\n"
         "                                  keys of tcp:// endpoints; DIR = key_dir)\n"
         "RANK is prefill@N or decode@N.  Options:\n"
-        "  -a, --admin ENDPOINT  the scheduler's admin socket (default admin_endpoint)\n"
+        "  -a, --admin ENDPOINT  the scheduler's admin socket ($DSV4_ADMIN_ENDPOINT, else admin_endpoint)\n"
         "  -f CONFIG             configuration file (default " DSV4_CONF_DEFAULT_PATH ")\n"
         "  -j, --json            answers as JSON\n"
         "  -t, --timeout S       drain's limit in seconds (0 ... 86400; 0: none)\n"
@@ -524,17 +526,25 @@ main(int argc, char *argv[])
     }
     log_init(0);
     log_procinit("dsv4ctl");
-    if (endpoint == NULL || strcmp(cmd, "keygen") == 0) {
-        dsv4_conf_defaults(&conf);
-        if (path == NULL && access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0)
-            path = DSV4_CONF_DEFAULT_PATH;
-        if (path != NULL && dsv4_conf_load(&conf, path, DSV4_CONF_ROLE_NONE) != DSV4_OK) {
-            fprintf(stderr, "dsv4ctl: %s\n", dsv4_errmsg());
-            return 2;
+    if (endpoint == NULL && getenv("DSV4_ADMIN_ENDPOINT") != NULL &&
+        getenv("DSV4_ADMIN_ENDPOINT")[0] != '\0')
+        endpoint = getenv("DSV4_ADMIN_ENDPOINT");
+    /* the file also gives key_dir (a tcp:// endpoint's server key); when
+     * the endpoint came from elsewhere, a broken default file is passed
+     * over rather than fatal */
+    dsv4_conf_defaults(&conf);
+    if (path != NULL || access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0) {
+        if (dsv4_conf_load(&conf, path != NULL ? path : DSV4_CONF_DEFAULT_PATH,
+                           DSV4_CONF_ROLE_NONE) != DSV4_OK) {
+            if (path != NULL || endpoint == NULL || strcmp(cmd, "keygen") == 0) {
+                fprintf(stderr, "dsv4ctl: %s\n", dsv4_errmsg());
+                return 2;
+            }
+            dsv4_conf_defaults(&conf);
         }
-        if (endpoint == NULL)
-            endpoint = conf.admin_endpoint;
     }
+    if (endpoint == NULL)
+        endpoint = conf.admin_endpoint;
     if (strcmp(cmd, "keygen") == 0) {
         /* Every host of a deployment gets a copy of server.pub; server.key
          * stays on the scheduler's host (docs/operations.md). */
@@ -556,6 +566,7 @@ main(int argc, char *argv[])
         return 3;
     dsv4_zsock_cfg_init(&zc);
     zc.endpoint = endpoint;
+    zc.key_dir = conf.key_dir;
     zc.type = ZMQ_DEALER;
     if ((c.sock = dsv4_zsock_open(c.zctx, &zc, NULL)) == NULL) {
         fprintf(stderr, "dsv4ctl: %s: %s\n", endpoint, dsv4_errmsg());
