@@ -1261,9 +1261,7 @@ fd_kernel(struct fa_args a)
 int
 cuda_fast_attn_enabled(void)
 {
-    const char *v = getenv("DSV4_CUDA_FAST_ATTN");
-
-    return v == NULL || strcmp(v, "0") != 0;
+    return cuda_env_switch("DSV4_CUDA_FAST_ATTN", 1);   /* 0 / off: the exact kernels */
 }
 
 static int

@@ -308,7 +308,11 @@ static int
 bl_cluster_shape(const struct cuda_blas *b)
 {
     const char *e = getenv("DSV4_CUDA_BLAS_CLUSTER");
-    long n = e != NULL && *e != '\0' ? strtol(e, NULL, 10) : -1;
+    char *end = NULL;
+    long n = e != NULL && *e != '\0' ? strtol(e, &end, 10) : -1;
+
+    if (end != NULL && *end != '\0')
+        n = -1;   /* not a whole number ("auto"): unset, not 0 (the heuristic's) */
 
     if (n < 0 || n >= 1000)
         return b->mps ? CUBLASLT_CLUSTER_SHAPE_1x1x1 : 0;

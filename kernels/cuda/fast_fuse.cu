@@ -512,9 +512,7 @@ cuda_fast_fuse_enabled(void)
     static int on = -1;
 
     if (on < 0) {
-        const char *e = getenv("DSV4_CUDA_FUSE");
-
-        on = !(e != NULL && strcmp(e, "0") == 0);
+        on = cuda_env_switch("DSV4_CUDA_FUSE", 1);   /* 1 / on, 0 / off */
     }
     return on;
 }

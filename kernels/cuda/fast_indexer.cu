@@ -893,11 +893,11 @@ static enum dsv4_err
 fi_score_cl_launch(struct dsv4_backend *be, const struct fi_args &a, int *launched)
 {
     static signed char fits[FI_MAX_DEV];   /* 0 unknown, 1 yes, -1 no */
-    const char *env = getenv("DSV4_CUDA_FI_CLUSTER");
+    int env_on = cuda_env_switch("DSV4_CUDA_FI_CLUSTER", 1);
     int dev = cuda_st(be)->device, tiles = (a.cap + FI_NK - 1) / FI_NK;
 
     *launched = 0;
-    if ((env != NULL && strcmp(env, "0") == 0) || a.nh > FI_CS * FI_CH || dev < 0 ||
+    if (!env_on || a.nh > FI_CS * FI_CH || dev < 0 ||
         dev >= FI_MAX_DEV)
         return DSV4_OK;
     if ((int64_t)a.T * tiles * FI_CS > cuda_sms(be))
