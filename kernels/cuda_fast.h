@@ -45,7 +45,9 @@ extern "C" {
  *           FP8 shared expert, D and I multiples of 128, and an
  *           expert array registered with the backend (as
  *           dsv4_cuda_weights_upload does, or dsv4_cuda_experts_register):
- *           the decode kernel at T <= 96, the prefill GEMM above (FP4
+ *           the decode kernel at T <= 96, and up to DSV4_CUDA_MOE_SPLIT
+ *           rows (256) when v3/v5 fit (T*k <= 4096, D and I multiples
+ *           of 1024, at most 8192), the prefill GEMM above (FP4
  *           scales 4-byte aligned, at most 4096 experts); moe_parts too;
  *   rms_norm, router  always;
  *   hc_pre  n <= 4 streams; hc_head  n <= 5;

@@ -133,14 +133,21 @@ test_rng_normal(uint64_t *s)
 }
 
 /* A CUDA backend (REF numerics, device 0) in *be and an event timer on its
- * stream in *tm; without a CUDA device prints a skip line and exits 77,
- * exits 1 when the timer cannot be made. */
+ * stream in *tm; without a CUDA device (NOTSUP) prints a skip line and
+ * exits 77; exits 1 when the backend fails otherwise or the timer cannot
+ * be made. */
 static inline void
 test_cuda_open(struct dsv4_backend **be, struct dsv4_cuda_timer **tm)
 {
-    if (dsv4_backend_create(be, "cuda", DSV4_NUMERICS_REF, 0) != DSV4_OK) {
+    enum dsv4_err e = dsv4_backend_create(be, "cuda", DSV4_NUMERICS_REF, 0);
+
+    if (e == DSV4_ERR_NOTSUP) {
         printf("skip: no CUDA backend (%s)\n", dsv4_errmsg());
         exit(77);
+    }
+    if (e != DSV4_OK) {
+        fprintf(stderr, "cuda backend: %s\n", dsv4_errmsg());
+        exit(1);
     }
     *tm = dsv4_cuda_timer_create(*be);
     if (*tm == NULL) {
