@@ -449,9 +449,13 @@ void client_flush_all(struct sched *s);
 /* Handle the rank messages waiting on the rank socket (a batch at a time);
  * each counts as a sign of life of the rank that sent it. */
 void rank_dispatch(struct sched *s);
-/* Send `m` to every rank of group `g`. */
-void rank_send_group(struct sched *s, struct sched_group *g, const struct dsv4_msg *m);
-void rank_send(struct sched *s, struct sched_rank *k, const struct dsv4_msg *m);
+/* Send `m` to every rank of group `g`.  DSV4_ERR_PROTO when the message
+ * could not be encoded (the same for every rank: none got it; the caller
+ * fails its request), else DSV4_OK (a rank that could not be reached is
+ * marked for the timers). */
+enum dsv4_err rank_send_group(struct sched *s, struct sched_group *g, const struct dsv4_msg *m);
+/* Send `m` to rank k; as rank_send_group for one rank. */
+enum dsv4_err rank_send(struct sched *s, struct sched_rank *k, const struct dsv4_msg *m);
 /* Send a message with just `req` (ABORT, KV_RELEASE) to every rank of g. */
 void rank_send_ref(struct sched *s, struct sched_group *g, int cmd, uint64_t req);
 /* Heartbeats out, deaths in; returns ms to the next rank timer. */

@@ -334,7 +334,11 @@ send_prefill(struct sched *s, struct sched_req *r, enum dsv4_transport t)
         m.u.prefill.chunk = (uint32_t)s->cfg.file.prefill_chunk;
         m.u.prefill.has_chunk = true;
     }
-    rank_send_group(s, r->pre.g, &m);
+    /* a PREFILL that cannot be encoded (a value the decoder let through
+     * and the encoder refuses) would hold the request in `prefilling`,
+     * its slots taken, for good */
+    if (rank_send_group(s, r->pre.g, &m) == DSV4_ERR_PROTO)
+        req_fail(s, r, DSV4_STATUS_INTERNAL, "PREFILL could not be encoded: %s", dsv4_errmsg());
     free(ids);
 }
 

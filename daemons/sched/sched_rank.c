@@ -185,7 +185,7 @@ rank_update_states(struct sched *s)
 
 /* --- Sending --------------------------------------------------------------------- */
 
-void
+enum dsv4_err
 rank_send(struct sched *s, struct sched_rank *k, const struct dsv4_msg *m)
 {
     struct dsv4_perr pe;
@@ -193,26 +193,30 @@ rank_send(struct sched *s, struct sched_rank *k, const struct dsv4_msg *m)
     char nb[48];
 
     if (k->state == DSV4_RANK_STATE_DEAD)
-        return;
+        return DSV4_OK;
     e = dsv4_zsock_send(s->rank, &k->route, m, ZMQ_DONTWAIT, &pe);
     if (e == DSV4_OK) {
         dsv4_liveness_tx(&k->live, dsv4_now_ms());
-        return;
+        return DSV4_OK;
     }
     log_warnx("rank %s: %s not sent: %s", rank_name(k, nb, sizeof(nb)),
         dsv4_proto_cmd_name(m->sub, m->cmd), dsv4_errmsg());
     /* Handled from the timers, not here: the caller may be iterating. */
     if (e == DSV4_ERR_SYS || e == DSV4_ERR_BUSY)
         k->unreachable = true;
+    return e == DSV4_ERR_PROTO ? e : DSV4_OK;
 }
 
-void
+enum dsv4_err
 rank_send_group(struct sched *s, struct sched_group *g, const struct dsv4_msg *m)
 {
+    enum dsv4_err e = DSV4_OK;
+
     for (uint32_t i = 0; i < g->size; i++) {
-        if (g->ranks[i] != NULL)
-            rank_send(s, g->ranks[i], m);
+        if (g->ranks[i] != NULL && rank_send(s, g->ranks[i], m) == DSV4_ERR_PROTO)
+            e = DSV4_ERR_PROTO;
     }
+    return e;
 }
 
 void
@@ -633,7 +637,10 @@ send_decode(struct sched *s, struct sched_req *r, uint32_t n_parts)
     r->dec.acks = r->dec.g->n_ranks;
     r->state = DSV4_REQ_HANDOFF;
     s->m.handoffs++;
-    rank_send_group(s, r->dec.g, &r->kv);
+    /* a DECODE that cannot be encoded would leave the request waiting for
+     * an answer that never comes */
+    if (rank_send_group(s, r->dec.g, &r->kv) == DSV4_ERR_PROTO)
+        req_fail(s, r, DSV4_STATUS_INTERNAL, "DECODE could not be encoded: %s", dsv4_errmsg());
 }
 
 static void
