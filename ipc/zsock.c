@@ -149,6 +149,16 @@ curve_setup(void *s, const struct dsv4_zsock_cfg *cfg, bool bind)
     return DSV4_OK;
 }
 
+/* The refusal of an abstract (ipc://@NAME) bind with a file mode, by the
+ * check and by the open alike: it has no file, so its access cannot be
+ * limited. */
+static enum dsv4_err
+abstract_mode_refused(const char *ep, unsigned mode)
+{
+    return dsv4_err_set(DSV4_ERR_CONFIG, "%s: an abstract socket has no file mode, so its "
+        "access cannot be limited (mode %o): use a path", ep, mode);
+}
+
 /* chmod the file of the ipc:// endpoint `s` is bound to. */
 static enum dsv4_err
 ipc_chmod(void *s, unsigned mode)
@@ -161,8 +171,7 @@ ipc_chmod(void *s, unsigned mode)
     if (strncmp(ep, IPC_PREFIX, strlen(IPC_PREFIX)) != 0)
         return DSV4_OK;
     if (ep[strlen(IPC_PREFIX)] == '@')
-        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: an abstract socket has no file mode, so its "
-            "access cannot be limited (mode %o): use a path", ep, mode);
+        return abstract_mode_refused(ep, mode);
     if (chmod(ep + strlen(IPC_PREFIX), (mode_t)mode) != 0)
         return dsv4_err_set(DSV4_ERR_SYS, "chmod %s: %s", ep + strlen(IPC_PREFIX),
             strerror(errno));
@@ -231,8 +240,7 @@ check_ipc(const char *ep, const char *path, bool bind, unsigned mode)
         return dsv4_err_set(DSV4_ERR_CONFIG, "%s: the socket path is longer than %d bytes",
             ep, IPC_PATH_MAX);
     if (bind && path[0] == '@' && mode != 0)
-        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: an abstract socket has no file mode, so its "
-            "access cannot be limited (mode %o): use a path", ep, mode);
+        return abstract_mode_refused(ep, mode);
     if (!bind || strcmp(path, "*") == 0 || path[0] == '@')
         return DSV4_OK;
     if (slash == NULL)

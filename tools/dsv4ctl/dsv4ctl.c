@@ -475,7 +475,7 @@ main(int argc, char *argv[])
     struct dsv4_zsock_cfg zc;
     struct dsv4_conf conf;
     struct ctl c = { 0 };
-    const char *endpoint = NULL, *path = NULL, *cmd, *target = NULL;
+    const char *endpoint = NULL, *path = NULL, *cmd, *target = NULL, *env_ep;
     char *end;
     double timeout_s = 0;
     uint64_t req = 0;
@@ -526,9 +526,9 @@ main(int argc, char *argv[])
     }
     log_init(0);
     log_procinit("dsv4ctl");
-    if (endpoint == NULL && getenv("DSV4_ADMIN_ENDPOINT") != NULL &&
-        getenv("DSV4_ADMIN_ENDPOINT")[0] != '\0')
-        endpoint = getenv("DSV4_ADMIN_ENDPOINT");
+    if (endpoint == NULL && (env_ep = getenv("DSV4_ADMIN_ENDPOINT")) != NULL &&
+        env_ep[0] != '\0')
+        endpoint = env_ep;
     /* the file also gives key_dir (a tcp:// endpoint's server key); when
      * the endpoint came from elsewhere, a broken default file is passed
      * over rather than fatal */
