@@ -60,6 +60,8 @@ struct cuda_state {
     int sms;                            /* the device's SM count (cuda_sms) */
     int mps;                            /* 1: the context is an MPS client (cuda_mps) */
     int cc_major;                       /* compute capability major (cuda_sm90) */
+    size_t smem_max;                    /* dynamic shared memory a block may have
+                                           (cuda_smem_max) */
     int uuid_known;                     /* 1: uuid holds the device's UUID */
     uint8_t uuid[16];                   /* dsv4_cuda_device_uuid's answer, asked
                                            of the runtime once per backend */
@@ -183,6 +185,25 @@ cuda_sm90(struct dsv4_backend *be)
     return cuda_st(be)->cc_major == 9;
 }
 
+/* The dynamic shared memory one block of be's device may be given: the
+ * device's opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin, asked
+ * once at create: 227 KB on Hopper, 99 KB on sm_120), lowered by
+ * DSV4_CUDA_SMEM_LIMIT (bytes; set to 101376 on a Hopper GPU it makes the
+ * fast paths choose as on sm_120, docs/gpu.md "Building for sm_120"). */
+static inline size_t
+cuda_smem_max(const struct dsv4_backend *be)
+{
+    return ((const struct cuda_state *)be->priv)->smem_max;
+}
+
+/* Whether a kernel of `smem` bytes of dynamic shared memory a block can
+ * run on be's device (cuda_smem_max). */
+static inline int
+cuda_smem_fits(const struct dsv4_backend *be, size_t smem)
+{
+    return smem <= cuda_smem_max(be);
+}
+
 /* Whether the backend's context is an MPS client (cudaDevAttrMpsEnabled,
  * queried once at create): its kernels may get only a share of the SMs and
  * share the block scheduler with another process's, so a grid of one
@@ -270,6 +291,9 @@ int cuda_switch_on(struct cuda_switch *sw);
  * Allow kernel f `smem` bytes of dynamic shared memory on be's device, once
  * per device and size: done (CUDA_MAX_DEV entries, zero at start, one array
  * per kernel) keeps the largest size allowed so far on each device.
+ * DSV4_ERR_NOTSUP, and no CUDA call, where smem is more than the device
+ * allows a block (cuda_smem_max); the fast paths' checks choose forms that
+ * fit, so this is the last guard, not the way a path is turned down.
  */
 enum dsv4_err cuda_smem_allow(struct dsv4_backend *be, const void *f, size_t smem,
                               size_t *done);
@@ -1165,10 +1189,12 @@ enum dsv4_err cuda_fast_router(struct dsv4_backend *be, float *weights, int32_t 
  * (host-side checks only).  Both predicates are false when the environment
  * has DSV4_CUDA_FAST_ATTN=0 (cuda_fast_attn_enabled). */
 int cuda_fast_attn_enabled(void);
-/* Dh 128, 256 or 512; the float arrays 16-byte aligned (NULL allowed). */
-int cuda_fast_attention_ok(const float *out, const float *q, const float *kv,
-                           const float *ring, const float *comp, int H, int Dh, int win,
-                           int cap, int ratio);
+/* Dh 128, 256 or 512; the float arrays 16-byte aligned (NULL allowed);
+ * fa_kernel's shared memory at H, Dh within what be's device allows a
+ * block (cuda_smem_max: not at Dh 512 on sm_120). */
+int cuda_fast_attention_ok(const struct dsv4_backend *be, const float *out, const float *q,
+                           const float *kv, const float *ring, const float *comp, int H,
+                           int Dh, int win, int cap, int ratio);
 /* ur_rd > 0: then the output's inverse RoPE (rope(out, pos, T, H, H * Dh,
  * Dh, ur_off, ur_rd, ur_freqs, 1), ur_freqs on the host): in the decode
  * kernel's (fd_kernel's) output stage where it applies (ur_off even, ur_off

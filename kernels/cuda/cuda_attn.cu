@@ -347,8 +347,8 @@ attention_unrope_run(struct dsv4_backend *be, const struct dsv4_attn *a, int off
     if (T <= 0 || H <= 0)
         return DSV4_OK;
     if (cuda_st(be)->fast_kernels &&
-        cuda_fast_attention_ok(a->out, a->q, a->kv, a->ring, a->comp, H, Dh, a->win, a->cap,
-                               a->ratio))
+        cuda_fast_attention_ok(be, a->out, a->q, a->kv, a->ring, a->comp, H, Dh, a->win,
+                               a->cap, a->ratio))
         return cuda_fast_attention(be, a->out, a->q, a->kv, a->ring, a->comp, a->pages, a->sel,
                                    a->sink, a->slot, a->pos, a->row0, a->pos0, T, H, Dh,
                                    a->win, a->cap, a->ratio, a->K, a->scale, off, rd,
@@ -401,7 +401,7 @@ cuda_attention_out(struct dsv4_backend *be, const struct dsv4_attn *a, int off, 
 
     if (cuda_st(be)->fast_kernels && a->T >= DSV4_CUDA_BLAS_MIN_T && dsv4_cuda_blas_on() &&
         cuda_fast_gemm_grouped_ok(be, wo_a, a->T, G) &&
-        cuda_fast_attention_ok(a->out, a->q, a->kv, a->ring, a->comp, a->H, a->Dh, a->win,
+        cuda_fast_attention_ok(be, a->out, a->q, a->kv, a->ring, a->comp, a->H, a->Dh, a->win,
                                a->cap, a->ratio)) {
         enum dsv4_err e = cuda_fast_attention_out(be, a, off, rd, freqs, u, wo_a, G, q16);
 

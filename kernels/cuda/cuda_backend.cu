@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda.cuh"
 #include "kernels/cuda_fast.h"   /* dsv4_cuda_graph_kernels */
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -791,6 +792,36 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_trim,
 };
 
+/* cuda_smem_max's value for device dev: the device's opt-in limit per block
+ * (48 KB where the query fails: what any device allows without opting in),
+ * lowered to DSV4_CUDA_SMEM_LIMIT where that is a positive number of bytes
+ * (anything else: unset). */
+static size_t
+cuda_smem_limit(int dev)
+{
+    const char *v = getenv("DSV4_CUDA_SMEM_LIMIT");
+    int optin = 0;
+    size_t lim;
+
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess ||
+        optin <= 0) {
+        (void)cudaGetLastError();
+        optin = 48 * 1024;
+    }
+    lim = (size_t)optin;
+    if (v != NULL) {
+        char *end = NULL;
+        unsigned long long n;
+
+        errno = 0;
+        n = strtoull(v, &end, 10);
+        if (errno == 0 && end != v && *end == '\0' && v[0] != '-' && n > 0 && n < lim)
+            lim = (size_t)n;
+    }
+    return lim;
+}
+
 extern "C" enum dsv4_err
 dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics, int device)
 {
@@ -835,6 +866,8 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         st->cc_major = 0;
         (void)cudaGetLastError();
     }
+    if (rc == cudaSuccess)
+        st->smem_max = cuda_smem_limit(st->device);
     if (rc == cudaSuccess &&
         cudaDeviceGetAttribute(&st->mps, cudaDevAttrMpsEnabled, st->device) != cudaSuccess) {
         st->mps = 0;

@@ -65,6 +65,9 @@ cuda_smem_allow(struct dsv4_backend *be, const void *f, size_t smem, size_t *don
 {
     int dev = cuda_st(be)->device;
 
+    if (!cuda_smem_fits(be, smem))
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "a kernel of %zu bytes of shared memory a block: "
+                            "device %d allows %zu", smem, dev, cuda_smem_max(be));
     if (dev < 0 || dev >= CUDA_MAX_DEV || smem > done[dev]) {
         CUDA_TRY(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         if (dev >= 0 && dev < CUDA_MAX_DEV)

@@ -1271,14 +1271,20 @@ fa_aligned(const void *p)
 }
 
 int
-cuda_fast_attention_ok(const float *out, const float *q, const float *kv, const float *ring,
-                       const float *comp, int H, int Dh, int win, int cap, int ratio)
+cuda_fast_attention_ok(const struct dsv4_backend *be, const float *out, const float *q,
+                       const float *kv, const float *ring, const float *comp, int H, int Dh,
+                       int win, int cap, int ratio)
 {
     if (!cuda_fast_attn_enabled())
         return 0;
     if (Dh != 128 && Dh != 256 && Dh != 512)
         return 0;
     if (H < 1 || win < 1 || (comp != NULL && cap < 1) || ratio < 0)
+        return 0;
+    /* fa_kernel, every call's last resort (fd_kernel and the bf16-staged
+     * form ask no more): a device of less shared memory a block (sm_120's
+     * 99 KB at Dh 512) takes the exact kernels */
+    if (!cuda_smem_fits(be, fa_smem_bytes(H > 16 ? 2 : 1, Dh, 0)))
         return 0;
     return fa_aligned(out) && fa_aligned(q) && fa_aligned(kv) && fa_aligned(ring) &&
            fa_aligned(comp);
@@ -1288,11 +1294,13 @@ template <int MT, int DW, int B16>
 static enum dsv4_err
 fa_launch_b(struct dsv4_backend *be, const struct fa_args &a)
 {
+    static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
     cudaStream_t st = cuda_stream(be);
     size_t smem = fa_smem_bytes(MT, 8 * DW, B16);
+    enum dsv4_err e = cuda_smem_allow(be, (const void *)fa_kernel<MT, DW, B16>, smem, smem_done);
 
-    CUDA_TRY(cudaFuncSetAttribute(fa_kernel<MT, DW, B16>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (e != DSV4_OK)
+        return e;
     cu_launch(fa_kernel<MT, DW, B16>, (unsigned)((int64_t)a.T * a.n_hg * a.n_ch), FA_THREADS,
               smem, st, a);
     CUDA_LAUNCHED("fast attention");
@@ -1462,6 +1470,8 @@ fd_launch(struct dsv4_backend *be, const struct fa_args &a, int variant, int *la
     enum dsv4_err e;
 
     *launched = 0;
+    if (!cuda_smem_fits(be, smem))
+        return DSV4_OK;   /* sm_120 at Dh 512: fa_kernel (cuda_fast_attention_ok) */
     e = cuda_smem_allow(be, (const void *)fd_kernel<MT, DW, CS, 0>, smem, smem_c);
     if (e != DSV4_OK)
         return e;

@@ -80,7 +80,8 @@
 
 #define FG_THREADS 256
 #define FG_BN 128            /* B (weight) rows per block */
-#define FG_STAGES 3          /* cp.async pipeline depth (stages of 128 columns) */
+#define FG_STAGES 3          /* cp.async pipeline depth (stages of 128 columns); 2 where
+                                three do not fit the device's shared memory (fg_stages) */
 #define FG_MAX_E 4096        /* experts (grouping counts in shared memory) */
 #define FG_MAX_K 64          /* picks per token (the exact path's bound) */
 #define FG_MOE_MIN_T 97      /* the decode MoE (fast_moe.cu) takes T <= 96 */
@@ -125,16 +126,40 @@ struct fg_args {
 /* Bytes of one B row per stage. */
 #define FG_BROW(WF) ((WF) == FG_FP8 ? 128 : 64)
 
-/* Dynamic shared memory of a launch: per stage A (BM x 256 bytes), B (128 x
- * BROW), FP4 group scales (128 x 4), activation scales (BM floats); then the
- * row maps (2 x BM ints) and, for FP4, the decoding table. */
+/* Dynamic shared memory of a launch of ns stages: per stage A (BM x 256
+ * bytes), B (128 x BROW), FP4 group scales (128 x 4), activation scales (BM
+ * floats); then the row maps (2 x BM ints) and, for FP4, the decoding
+ * table.  At three stages: FP8 101,120 bytes (mt 2) and 151,552 (mt 4), FP4
+ * 109,312 and 159,744; at two, mt 2: 67,584 and 83,968. */
 static size_t
-fg_smem_bytes(int wf, int mt)
+fg_smem_bytes(int wf, int mt, int ns)
 {
     size_t bm = 32 * (size_t)mt;
 
-    return FG_STAGES * (bm * 256 + FG_BN * (size_t)FG_BROW(wf) + FG_BN * 4 + bm * 4) +
+    return (size_t)ns * (bm * 256 + FG_BN * (size_t)FG_BROW(wf) + FG_BN * 4 + bm * 4) +
            2 * bm * 4 + (wf == FG_FP4 ? FK_LUT_WORDS * 4 : 0);
+}
+
+/* The stages of fg_kernel<wf, ., mt> on be's device: FG_STAGES where they
+ * fit its shared memory a block (cuda_smem_max), else 2 at mt 2 where two
+ * do (sm_120's 99 KB: the FP4 tiles), else 0 (no form fits). */
+static int
+fg_stages(const struct dsv4_backend *be, int wf, int mt)
+{
+    if (cuda_smem_fits(be, fg_smem_bytes(wf, mt, FG_STAGES)))
+        return FG_STAGES;
+    return mt == 2 && cuda_smem_fits(be, fg_smem_bytes(wf, mt, 2)) ? 2 : 0;
+}
+
+/* The row tile (2 or 4) fg_kernel<wf> takes on be's device for a wish of
+ * mt: mt where a form of it fits (fg_stages), else 2 where that does, else
+ * 0. */
+static int
+fg_tile_fit(const struct dsv4_backend *be, int wf, int mt)
+{
+    if (fg_stages(be, wf, mt) != 0)
+        return mt;
+    return fg_stages(be, wf, 2) != 0 ? 2 : 0;
 }
 
 /* --- the tile kernel ------------------------------------------------------------- */
@@ -298,9 +323,10 @@ fg_stage(float (&acc)[MT][4][4], const struct fg_smem &sm, int st, const float (
 
 /*
  * Grid (N tiles, row tiles).  Dense (a.table == NULL): row tile y is rows
- * y*BM .. of a.M.  Routed: tile slot y of the grouping, or nothing.
+ * y*BM .. of a.M.  Routed: tile slot y of the grouping, or nothing.  NS:
+ * the cp.async pipeline's stages (FG_STAGES, or 2: fg_stages).
  */
-template <int WF, int EPI, int MT>
+template <int WF, int EPI, int MT, int NS>
 static __global__ void __launch_bounds__(FG_THREADS, 1)
 fg_kernel(struct fg_args a)
 {
@@ -315,10 +341,10 @@ fg_kernel(struct fg_args a)
     float acc[MT][4][4];
 
     sm.a = fg_sm;
-    sm.b = sm.a + FG_STAGES * BM * 256;
-    sm.s = sm.b + FG_STAGES * FG_BN * FG_BROW(WF);
-    sm.x = (float *)(sm.s + FG_STAGES * FG_BN * 4);
-    sm.arow = (int *)(sm.x + FG_STAGES * BM);
+    sm.b = sm.a + NS * BM * 256;
+    sm.s = sm.b + NS * FG_BN * FG_BROW(WF);
+    sm.x = (float *)(sm.s + NS * FG_BN * 4);
+    sm.arow = (int *)(sm.x + NS * BM);
     sm.orow = sm.arow + BM;
     sm.lut = (uint32_t *)(sm.orow + BM);
 
@@ -361,24 +387,24 @@ fg_kernel(struct fg_args a)
                                 (int64_t)(n0 / 128) * nb : NULL;
     fk_zero(acc);
 
-    for (int s = 0; s < FG_STAGES - 1; s++) {
+    for (int s = 0; s < NS - 1; s++) {
         if (s < nkt)
             fg_load<WF, EPI, MT>(sm, s, s, a, L1, L3, n0);
         wg_cp_commit();
     }
     for (int kt = 0; kt < nkt; kt++) {
-        int nx = kt + FG_STAGES - 1;
+        int nx = kt + NS - 1;
         float sw[4];
 
-        wg_cp_wait<FG_STAGES - 2>();
+        wg_cp_wait<NS - 2>();
         __syncthreads();   /* stage kt landed for all; stage nx's old data is used up */
         if (nx < nkt)
-            fg_load<WF, EPI, MT>(sm, nx % FG_STAGES, nx, a, L1, L3, n0);
+            fg_load<WF, EPI, MT>(sm, nx % NS, nx, a, L1, L3, n0);
         wg_cp_commit();
 #pragma unroll
         for (int j = 0; j < 4; j++)
             sw[j] = WF == FG_FP8 ? cu_e8m0_to_f32(__ldg(swp[j] + kt)) : 1.0f;
-        fg_stage<WF, EPI, MT>(acc, sm, kt % FG_STAGES, sw, wm, wn);
+        fg_stage<WF, EPI, MT>(acc, sm, kt % NS, sw, wm, wn);
     }
 
     /* C fragment: acc[m][j][i] is row wm*16*MT + m*16 + g + 8*(i >> 1), B row
@@ -1552,27 +1578,39 @@ fg_enabled(void)
     return on;
 }
 
-template <int WF, int EPI, int MT>
+template <int WF, int EPI, int MT, int NS>
 static enum dsv4_err
 fg_launch(struct dsv4_backend *be, const struct fg_args *a, unsigned gx, unsigned gy)
 {
     static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
-    size_t smem = fg_smem_bytes(WF, MT);
-    enum dsv4_err e = cuda_smem_allow(be, (const void *)fg_kernel<WF, EPI, MT>, smem, smem_done);
+    size_t smem = fg_smem_bytes(WF, MT, NS);
+    enum dsv4_err e = cuda_smem_allow(be, (const void *)fg_kernel<WF, EPI, MT, NS>, smem,
+                                      smem_done);
 
     if (e != DSV4_OK)
         return e;
-    fg_kernel<WF, EPI, MT><<<dim3(gx, gy), FG_THREADS, smem, cuda_stream(be)>>>(*a);
+    fg_kernel<WF, EPI, MT, NS><<<dim3(gx, gy), FG_THREADS, smem, cuda_stream(be)>>>(*a);
     CUDA_LAUNCHED("fast gemm");
     return DSV4_OK;
 }
 
-/* The tile kernel with the row tile chosen at run time (MT = 2 or 4). */
+/* The tile kernel with the row tile chosen at run time (MT = 2 or 4; the
+ * callers took it from fg_tile_fit or fg_moe_tile) and the stages that fit
+ * be's device (fg_stages). */
 template <int WF, int EPI>
 static enum dsv4_err
 fg_run(struct dsv4_backend *be, const struct fg_args *a, int mt, unsigned gx, unsigned gy)
 {
-    return mt == 4 ? fg_launch<WF, EPI, 4>(be, a, gx, gy) : fg_launch<WF, EPI, 2>(be, a, gx, gy);
+    int ns = fg_stages(be, WF, mt);
+
+    if (mt == 4 && ns == FG_STAGES)
+        return fg_launch<WF, EPI, 4, FG_STAGES>(be, a, gx, gy);
+    if (mt == 2 && ns == FG_STAGES)
+        return fg_launch<WF, EPI, 2, FG_STAGES>(be, a, gx, gy);
+    if (mt == 2 && ns == 2)
+        return fg_launch<WF, EPI, 2, 2>(be, a, gx, gy);
+    return dsv4_err_set(DSV4_ERR_NOTSUP, "fast gemm: no tile of %d rows fits the device's "
+                        "%zu bytes of shared memory a block", 32 * mt, cuda_smem_max(be));
 }
 
 /* Blocks of the dense GEMM at T rows and N columns with row tiles of 32*mt. */
@@ -2253,7 +2291,7 @@ cuda_fast_gemm_linear_ok(const struct dsv4_backend *be, const struct dsv4_linear
         return 0;
     if (fw_enabled(be))
         return fw_linear_bn(T, W->n_out, W->n_in, 1) != 0;
-    return fg_linear_tile(T, W->n_out, W->n_in) != 0;
+    return fg_linear_tile(T, W->n_out, W->n_in) != 0 && fg_tile_fit(be, FG_FP8, 2) != 0;
 }
 
 enum dsv4_err
@@ -2286,7 +2324,9 @@ cuda_fast_gemm_linear(struct dsv4_backend *be, float *out, const float *x,
     p = (char *)cuda_scratch(be, bx + cuda_align((size_t)T * (K / 128) * sizeof(float)));
     if (p == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "cuda fast gemm: no scratch for %d x %d", T, K);
-    mt = mt == 0 ? 4 : mt;
+    mt = fg_tile_fit(be, FG_FP8, mt == 0 ? 4 : mt);
+    if (mt == 0)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "cuda fast gemm: no tile fits the device");
     memset(&a, 0, sizeof(a));
     a.W = *W;
     a.W3 = *W;
@@ -2317,6 +2357,18 @@ fg_expert_ok(const struct dsv4_expert_w *w, enum dsv4_wfmt fmt, int D, int I)
            fg_lin_ok(&w->w2, fmt, D, I);
 }
 
+/* The MoE's row tile (its grouping's and both weight formats' tiles): 64
+ * rows unless the experts average more than 96 rows and tiles of 128 fit
+ * be's device (fg_stages; not on sm_120). */
+static int
+fg_moe_tile(const struct dsv4_backend *be, int Tk, int n_table)
+{
+    return Tk / (Tk < n_table ? Tk : n_table) > 96 && fg_stages(be, FG_FP4, 4) != 0 &&
+                   fg_stages(be, FG_FP8, 4) != 0
+               ? 4
+               : 2;
+}
+
 int
 cuda_fast_gemm_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w *experts, int n,
                       const struct dsv4_expert_w *shared, int T, int k, int D, int I,
@@ -2327,6 +2379,9 @@ cuda_fast_gemm_moe_ok(const struct dsv4_backend *be, const struct dsv4_expert_w 
         D % 128 != 0 || I % 128 != 0)
         return 0;
     if (shared == NULL ? !parts : !fg_expert_ok(shared, DSV4_WFMT_FP8, D, I))
+        return 0;
+    /* the mma.sync path: tiles of 64 rows must fit (fg_moe_tile) */
+    if (!fw_enabled(be) && (fg_stages(be, FG_FP4, 2) == 0 || fg_stages(be, FG_FP8, 2) == 0))
         return 0;
     for (int e = 0; e < n; e++)
         if (!(parts && experts[e].w1.w == NULL) &&
@@ -2343,8 +2398,7 @@ cuda_fast_gemm_moe(struct dsv4_backend *be, float *out, float *parts, const floa
 {
     cudaStream_t st;
     int Tk = T * k, R = Tk + T, nbD = D / 128, nbI = I / 128;
-    /* row tile: 64 rows unless the experts average more than 96 rows */
-    int mt = Tk / (Tk < n_table ? Tk : n_table) > 96 ? 4 : 2, BM = 32 * mt;
+    int mt = fg_moe_tile(be, Tk, n_table), BM = 32 * mt;
     int A = (Tk + BM - 1) / BM + (Tk < n_table ? Tk : n_table);
     int has_sh = shared != NULL;
     size_t b_grp = cuda_align((size_t)(1 + 3 * A + Tk) * sizeof(int32_t));

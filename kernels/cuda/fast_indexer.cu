@@ -868,12 +868,14 @@ template <int R, bool B>
 static enum dsv4_err
 fi_score_launch(struct dsv4_backend *be, const struct fi_args &a)
 {
+    static size_t smem_done[CUDA_MAX_DEV];   /* per instantiation and device */
     size_t smem = fi_smem_bytes(R);
     dim3 grid((unsigned)((a.T + R - 1) / R), (unsigned)((a.cap + a.kt * FI_NK - 1) /
                                                         (a.kt * FI_NK)));
+    enum dsv4_err e = cuda_smem_allow(be, (const void *)fi_score_kernel<R, B>, smem, smem_done);
 
-    CUDA_TRY(cudaFuncSetAttribute(fi_score_kernel<R, B>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (e != DSV4_OK)
+        return e;
     cu_launch(fi_score_kernel<R, B>, grid, FI_THREADS, smem, cuda_stream(be), a);
     CUDA_LAUNCHED("fast indexer scores");
     return DSV4_OK;

@@ -451,6 +451,35 @@ if [ "${GROUP1:-0}" = 1 ]; then
         timeout 300 bash tests/gpu/service.sh > "$OUT/group1_mtp.log" 2>&1 || group1_rc=1
 fi
 
+# 20. sm_120 emulated (SM120=0 skips): the device's shared memory a block
+#     held to sm_120's 99 KB (DSV4_CUDA_SMEM_LIMIT=101376) and the sm_90-only
+#     kernels off (DSV4_CUDA_WGMMA=0, DSV4_CUDA_FA_WG=0), so every fast path
+#     must take a form that fits (fg_kernel at two stages, the exact
+#     attention at Dh 512) or stop with "device ... allows 101376"; the fast
+#     kernels against transformers (the fixtures of step 7, flash4 with
+#     FLASH_HF=1) and test_decode_gpu synth (flash widths, 4 layers)
+sm120_rc=skipped
+if [ "${SM120:-1}" = 1 ] && command -v test_hf > /dev/null; then
+    sm120_rc=0
+    : > "$OUT/sm120.log"
+    export DSV4_CUDA_SMEM_LIMIT=101376 DSV4_CUDA_WGMMA=0 DSV4_CUDA_FA_WG=0
+    for name in tiny b bk flash4; do
+        [ -d /tmp/hf_$name ] || continue
+        fix=tests/model/fixtures/hf_$name.fix
+        [ "$name" = flash4 ] && fix=/tmp/hf_flash4.fix
+        for b in "hf 0.03 0.65" "ref 0.2 0"; do
+            # shellcheck disable=SC2086
+            DSV4_CUDA_KERNELS=fast DSV4_TEST_BACKEND=cuda timeout 200 test_hf /tmp/hf_$name \
+                "$fix" $b >> "$OUT/sm120.log" 2>&1 || sm120_rc=1
+        done
+    done
+    if command -v test_decode_gpu > /dev/null; then
+        DSV4_CUDA_KERNELS=fast timeout 300 test_decode_gpu synth /tmp/ck_tiny 4 32 \
+            >> "$OUT/sm120.log" 2>&1 || sm120_rc=1
+    fi
+    unset DSV4_CUDA_SMEM_LIMIT DSV4_CUDA_WGMMA DSV4_CUDA_FA_WG
+fi
+
 echo
 echo "command: SEED=$SEED STEPS=$STEPS MEMCHECK=${MEMCHECK:-0} tests/gpu/run.sh"
 echo "op checks (seed $SEED): $(grep -c '^ok' "$OUT/ops.log") ok, $(grep -c '^FAIL' "$OUT/ops.log") failed (exit $ops_rc); memcheck: $mc_rc"
@@ -468,6 +497,10 @@ fi
 if [ "$hf_rc" != skipped ]; then
     echo "transformers vs CUDA backend (exit $hf_rc):"
     grep -E "^test_hf|Error|error" "$OUT/hf.log"
+fi
+if [ "$sm120_rc" != skipped ]; then
+    echo "sm_120 emulated (99 KB a block, no wgmma; exit $sm120_rc):"
+    grep -E "^test_hf|Error|error|PASS|FAIL|allows" "$OUT/sm120.log"
 fi
 if [ "$small_rc" != skipped ]; then
     echo "small preset, CPU vs CUDA (exit $small_rc):"
@@ -546,6 +579,7 @@ fi
 [ "$fuse_rc" = skipped ] || [ "$fuse_rc" = 0 ] || exit 1
 [ "$fcp_rc" = skipped ] || [ "$fcp_rc" = 0 ] || exit 1
 [ "$woa_rc" = skipped ] || [ "$woa_rc" = 0 ] || exit 1
+[ "$sm120_rc" = skipped ] || [ "$sm120_rc" = 0 ] || exit 1
 for rc in "$hf_rc" "$small_rc" "$tp_rc" "$share_rc" "$cipc_rc"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1
 done
