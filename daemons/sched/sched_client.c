@@ -289,6 +289,14 @@ client_dispatch(struct sched *s)
             } else if (pe.sub != DSV4_SUB_NONE) {
                 send_error(s, &from, 0, DSV4_STATUS_BAD_MESSAGE,
                     "not a client message", NULL);
+            } else {
+                /* no signature this scheduler knows (another version's
+                 * client, or not a dsv4 peer): say which one it speaks */
+                char text[sizeof(pe.message) + 64];
+
+                snprintf(text, sizeof(text), "%s (this scheduler speaks %s)", pe.message,
+                    DSV4_PROTO_SIG_CLI);
+                send_error(s, &from, 0, DSV4_STATUS_BAD_MESSAGE, text, NULL);
             }
             continue;
         }

@@ -1100,8 +1100,9 @@ def t_malformed(ctx, build, tmp):
             [b"", b"DSV4C1", b"\x01", msgpack.packb({"id": 2, "tokens": [1],
                                                       "prompt": "x"})],
             [b"", b"DSV4C1", b"\x01", msgpack.packb({"id": 3, "tokens": [VOCAB + 5]})],
-            [b"", b"DSV4C1", b"\x05", msgpack.packb({"id": 3})]]
-    codes = {}
+            [b"", b"DSV4C1", b"\x05", msgpack.packb({"id": 3})],
+            [b"", b"DSV4C2", b"\x01", msgpack.packb({"id": 4, "tokens": [1]})]]
+    codes, texts = {}, []
     for name in ("client", "rank", "ctl"):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
@@ -1114,9 +1115,14 @@ def t_malformed(ctx, build, tmp):
             if len(fr) >= 4 and fr[1] == CLI and fr[2][0] == 3:
                 b = msgpack.unpackb(fr[3])
                 codes.setdefault(name, []).append(b["code"])
+                if name == "client":
+                    texts.append(b.get("message", ""))
         s.close(0)
     cc = codes.get("client", [])
     check(cc.count(401) == 2 and cc.count(400) >= 5 and set(cc) == {400, 401}, codes)
+    # another version's client (DSV4C2) is told which version this one speaks
+    check(any(t.startswith("unknown protocol signature") and "speaks DSV4C1" in t
+              for t in texts), texts)
     # A registered rank that sends garbage is disconnected and re-registers.
     check(sc.p.poll() is None, "scheduler died")
     time.sleep(0.5)
