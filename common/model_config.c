@@ -25,6 +25,8 @@
 
 #include <json-c/json.h>
 
+#include "common/json_keys.h"
+
 /* JSON object a key lives in. */
 enum cfg_sect {
     SECT_ROOT = 0,
@@ -800,6 +802,16 @@ dsv4_config_parse(struct dsv4_config *cfg, const char *json, size_t len, const c
         }
     }
     json_tokener_free(tok);
+    /* json-c keeps the last of a repeated key: a hand-edited copy of a key
+     * written twice would be ignored without a word */
+    for (int at = 1; at <= 2; at++) {
+        char dup[128];
+
+        if (dsv4_json_find_dup(root, json, len, at, dup, sizeof(dup)) && dup[0] != '\0') {
+            json_object_put(root);
+            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: key \"%s\" appears twice", name, dup);
+        }
+    }
     e = parse_root(&tmp, root, name);
     json_object_put(root);
     if (e == DSV4_OK)

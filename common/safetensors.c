@@ -29,6 +29,8 @@
 
 #include <json-c/json.h>
 
+#include "common/json_keys.h"
+
 /* Largest header or index file we accept (the official library uses
  * 100 MB for headers; the 69k-entry index of the real model is ~6 MB). */
 #define ST_MAX_JSON (100u << 20)
@@ -96,164 +98,11 @@ st_nbytes(enum dsv4_st_dtype dt, int n_dims, const int64_t *shape, int *ok)
     return n;
 }
 
-/* --- JSON helpers ------------------------------------------------------- */
-
-/*
- * Parse exactly `len` bytes as one JSON value (strict mode; trailing
- * whitespace allowed, anything else after the value — including NUL — is an
- * error).  Returns NULL on failure with *why set.
- */
-static struct json_object *
-json_parse_exact(const char *s, size_t len, const char **why)
-{
-    struct json_tokener *tok;
-    struct json_object *o;
-
-    *why = "malformed JSON";
-    if (len > INT_MAX)
-        return NULL;
-    tok = json_tokener_new();
-    if (tok == NULL) {
-        *why = "out of memory";
-        return NULL;
-    }
-    json_tokener_set_flags(tok, JSON_TOKENER_STRICT);
-    o = json_tokener_parse_ex(tok, s, (int)len);
-    if (o == NULL) {
-        enum json_tokener_error je = json_tokener_get_error(tok);
-
-        *why = je == json_tokener_continue ? "truncated JSON" : json_tokener_error_desc(je);
-    } else if (json_tokener_get_parse_end(tok) != len) {
-        *why = "trailing bytes after JSON";
-        json_object_put(o);
-        o = NULL;
-    }
-    json_tokener_free(tok);
-    return o;
-}
-
-/*
- * json-c keeps the last of duplicated object keys silently, so duplicates
- * are found by counting object keys in the raw text and comparing with the
- * parsed tree.  The text already parsed successfully in strict mode; strings
- * may still use either quote (json-c accepts '...').
- *
- * Counts the keys of every object at any depth; calls `fn` on each key at
- * depth `at` (1 = keys of the top-level object), quotes included.  Returns
- * -1 if nesting is deeper than the scanner tracks.
- */
-#define JSON_SCAN_DEPTH 64
-
-struct key_list {
-    char **k;
-    int n, cap;
-};
-
-static long
-json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
-{
-    char is_obj[JSON_SCAN_DEPTH];
-    int depth = 0, expect_key = 0;
-    long n = 0;
-
-    for (size_t i = 0; i < len; i++) {
-        char c = s[i];
-
-        if (c == '"' || c == '\'') {
-            size_t start = i;
-
-            for (i++; i < len && s[i] != c; i++) {
-                if (s[i] == '\\')
-                    i++;
-            }
-            if (i >= len)
-                break;
-            if (expect_key) {
-                n++;
-                expect_key = 0;
-                if (keys != NULL && depth == at && keys->n < keys->cap) {
-                    const char *why;
-                    struct json_object *o = json_parse_exact(s + start, i - start + 1, &why);
-
-                    if (o != NULL && json_object_is_type(o, json_type_string))
-                        keys->k[keys->n++] = strdup(json_object_get_string(o));
-                    json_object_put(o);
-                }
-            }
-        } else if (c == '{' || c == '[') {
-            if (++depth >= JSON_SCAN_DEPTH)
-                return -1;
-            is_obj[depth] = c == '{';
-            expect_key = c == '{';
-        } else if (c == '}' || c == ']') {
-            depth--;
-            expect_key = 0;
-        } else if (c == ',') {
-            expect_key = depth > 0 && is_obj[depth];
-        }
-    }
-    return n;
-}
-
-/* Keys of all objects in a parsed tree. */
-static long
-json_count_keys(struct json_object *o)
-{
-    long n = 0;
-
-    if (json_object_is_type(o, json_type_object)) {
-        json_object_object_foreach(o, k, v) {
-            (void)k;
-            n += 1 + json_count_keys(v);
-        }
-    } else if (json_object_is_type(o, json_type_array)) {
-        for (size_t i = 0; i < json_object_array_length(o); i++)
-            n += json_count_keys(json_object_array_get_idx(o, i));
-    }
-    return n;
-}
-
+/* qsort order of an array of shard names (never NULL). */
 static int
-cmp_str(const void *a, const void *b)
+cmp_name(const void *a, const void *b)
 {
-    const char *x = *(char *const *)a, *y = *(char *const *)b;
-
-    if (x == NULL || y == NULL)
-        return (x == NULL) - (y == NULL);
-    return strcmp(x, y);
-}
-
-/*
- * 0 if `root` (parsed from s) lost no duplicated key.  Otherwise 1, with
- * `buf` naming a key duplicated at depth `at` (the tensor name for a header,
- * the weight_map entry for an index), or "" if the duplicate is elsewhere.
- */
-static int
-json_find_dup(struct json_object *root, const char *s, size_t len, int at, char *buf,
-              size_t blen)
-{
-    struct key_list kl = { 0 };
-    long total = json_scan_keys(s, len, at, NULL);
-
-    buf[0] = '\0';
-    if (total == json_count_keys(root))
-        return 0;
-    kl.cap = total > 0 ? (int)(total < INT_MAX ? total : INT_MAX) : 0;
-    kl.k = calloc((size_t)kl.cap + 1, sizeof(char *));
-    if (kl.k == NULL)
-        return 1;
-    json_scan_keys(s, len, at, &kl);
-    qsort(kl.k, (size_t)kl.n, sizeof(char *), cmp_str);
-    for (int i = 1; i < kl.n; i++) {
-        if (kl.k[i] != NULL && kl.k[i - 1] != NULL && strcmp(kl.k[i], kl.k[i - 1]) == 0) {
-            snprintf(buf, blen, "%s", kl.k[i]);
-            break;
-        }
-    }
-    for (int i = 0; i < kl.n; i++)
-        free(kl.k[i]);
-    free(kl.k);
-    return 1;
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
 /* --- a single file ------------------------------------------------------ */
@@ -410,14 +259,14 @@ st_parse_header(struct dsv4_st_file *f, const char *hdr, size_t hlen)
     char dup[256];
     int n, i;
 
-    root = json_parse_exact(hdr, hlen, &why);
+    root = dsv4_json_parse_exact(hdr, hlen, &why);
     if (root == NULL)
         return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: header: %s", f->path, why);
     if (!json_object_is_type(root, json_type_object)) {
         json_object_put(root);
         return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: header is not a JSON object", f->path);
     }
-    if (json_find_dup(root, hdr, hlen, 1, dup, sizeof(dup))) {
+    if (dsv4_json_find_dup(root, hdr, hlen, 1, dup, sizeof(dup))) {
         json_object_put(root);
         if (dup[0] != '\0')
             return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': duplicate name in header",
@@ -807,13 +656,16 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
     err = read_small_file(ipath, &text, &len);
     if (err != DSV4_OK)
         return err;
-    root = json_parse_exact(text, len, &why);
+    root = dsv4_json_parse_exact(text, len, &why);
     if (root == NULL) {
         free(text);
         return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: %s", ipath, why);
     }
-    if (json_find_dup(root, text, len, 2, dup, sizeof(dup))) {
-        err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': duplicate key", ipath, dup);
+    if (dsv4_json_find_dup(root, text, len, 2, dup, sizeof(dup))) {
+        if (dup[0] != '\0')
+            err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': duplicate key", ipath, dup);
+        else   /* a top-level key ("weight_map", "metadata") or one inside metadata */
+            err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: duplicate key outside weight_map", ipath);
         goto out;
     }
     if (!json_object_is_type(root, json_type_object) ||
@@ -845,7 +697,7 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
         if (file_index(shards, nf, s, &hint) < 0)
             shards[nf++] = s;
     }
-    qsort(shards, (size_t)nf, sizeof(*shards), cmp_str);
+    qsort(shards, (size_t)nf, sizeof(*shards), cmp_name);
     c->files = calloc((size_t)nf + 1, sizeof(*c->files));
     if (c->files == NULL) {
         err = dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", ipath);
@@ -906,7 +758,9 @@ dsv4_ckpt_open(struct dsv4_ckpt **out, const char *dir)
         free(c);
         return dsv4_err_set(DSV4_ERR_INVAL, "%s: path too long", dir);
     }
-    if (stat(path, &st) == 0) {
+    /* lstat: a dangling index link (a download cut short) is an index that
+     * cannot be read, not the single-file layout */
+    if (lstat(path, &st) == 0) {
         err = ckpt_open_index(c, dir, path);
     } else if (errno == ENOENT) {
         snprintf(path, sizeof(path), "%s/model.safetensors", dir);
@@ -960,6 +814,7 @@ dsv4_ckpt_at(const struct dsv4_ckpt *c, int i)
 struct dsv4_st_writer {
     FILE *fp;
     char *path;
+    char *tmp;            /* path + ".tmp": written, renamed to path at close */
     int n;
     size_t *sizes;        /* byte size per tensor */
     char **names;
@@ -971,8 +826,10 @@ struct dsv4_st_writer {
 static void
 writer_free(struct dsv4_st_writer *w)
 {
-    if (w->fp != NULL)
+    if (w->fp != NULL) {
         fclose(w->fp);
+        unlink(w->tmp);   /* a writer given up before its close */
+    }
     if (w->names != NULL) {
         for (int i = 0; i < w->n; i++)
             free(w->names[i]);
@@ -980,6 +837,7 @@ writer_free(struct dsv4_st_writer *w)
     free(w->names);
     free(w->sizes);
     free(w->path);
+    free(w->tmp);
     free(w);
 }
 
@@ -1074,9 +932,10 @@ dsv4_st_writer_open(struct dsv4_st_writer **out, const char *path, int n,
         return dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", path);
     w->n = n;
     w->path = strdup(path);
+    w->tmp = malloc(strlen(path) + 5);
     w->sizes = calloc((size_t)n + 1, sizeof(*w->sizes));
     w->names = calloc((size_t)n + 1, sizeof(*w->names));
-    if (w->path == NULL || w->sizes == NULL || w->names == NULL) {
+    if (w->path == NULL || w->tmp == NULL || w->sizes == NULL || w->names == NULL) {
         writer_free(w);
         return dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", path);
     }
@@ -1094,9 +953,12 @@ dsv4_st_writer_open(struct dsv4_st_writer **out, const char *path, int n,
     for (int i = 0; i < 8; i++)
         len8[i] = (uint8_t)((uint64_t)padded >> (8 * i));
 
-    w->fp = fopen(path, "wb");
+    /* a new file renamed over path at close: a process that has the old
+     * file mapped keeps its bytes, and a failed write leaves the old file */
+    sprintf(w->tmp, "%s.tmp", path);
+    w->fp = fopen(w->tmp, "wb");
     if (w->fp == NULL) {
-        err = dsv4_err_set(DSV4_ERR_SYS, "%s: open: %s", path, strerror(errno));
+        err = dsv4_err_set(DSV4_ERR_SYS, "%s: open: %s", w->tmp, strerror(errno));
         json_object_put(root);
         writer_free(w);
         return err;
@@ -1147,11 +1009,14 @@ dsv4_st_writer_close(struct dsv4_st_writer *w)
     fp = w->fp;
     w->fp = NULL;
     if (fclose(fp) != 0 && err == DSV4_OK)
-        err = dsv4_err_set(DSV4_ERR_SYS, "%s: close: %s", w->path, strerror(errno));
+        err = dsv4_err_set(DSV4_ERR_SYS, "%s: close: %s", w->tmp, strerror(errno));
     if (w->failed && err == DSV4_OK)
         err = dsv4_err_set(DSV4_ERR_SYS, "%s: an earlier write failed", w->path);
+    if (err == DSV4_OK && rename(w->tmp, w->path) != 0)
+        err = dsv4_err_set(DSV4_ERR_SYS, "%s: rename from %s: %s", w->path, w->tmp,
+                           strerror(errno));
     if (err != DSV4_OK)
-        unlink(w->path);  /* never leave a file that looks complete but is not */
+        unlink(w->tmp);   /* never leave a file that looks complete but is not */
     writer_free(w);
     return err;
 }

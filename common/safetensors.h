@@ -111,8 +111,11 @@ enum dsv4_err dsv4_st_writer_open(struct dsv4_st_writer **out, const char *path,
 /* Append `n_bytes` of data (may span less than, or exactly, the rest of the
  * current tensor; never more). */
 enum dsv4_err dsv4_st_writer_put(struct dsv4_st_writer *w, const void *data, size_t n_bytes);
-/* Check every tensor was fully written, close; frees w.  On any failure the
- * partial file is removed (DSV4_ERR_INVAL if data is missing). */
+/* Check every tensor was fully written, close; frees w.  The data goes to
+ * `path`.tmp, renamed to `path` here, so a file already at `path` (and any
+ * process that has it mapped: a running rank) keeps its bytes until then
+ * and is kept as it was when the write fails.  On any failure the partial
+ * file is removed (DSV4_ERR_INVAL if data is missing). */
 enum dsv4_err dsv4_st_writer_close(struct dsv4_st_writer *w);
 
 #ifdef __cplusplus

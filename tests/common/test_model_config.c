@@ -359,6 +359,37 @@ test_bad_json(void **state)
     assert_non_null(strstr(dsv4_errmsg(), "/nonexistent/dir/config.json"));
 }
 
+/* A key written twice (json-c keeps the last) is refused, naming it: at the
+ * top level and inside quantization_config. */
+static void
+test_duplicate_keys(void **state)
+{
+    static const struct {
+        const char *from, *to, *key;
+    } dups[] = {
+        { "  \"vocab_size\": 129280\n", "  \"vocab_size\": 5,\n  \"vocab_size\": 129280\n",
+          "vocab_size" },
+        { "\"quant_method\": \"fp8\"", "\"quant_method\": \"fp8\", \"quant_method\": \"fp8\"",
+          "quant_method" },
+    };
+    struct dsv4_config c;
+
+    (void)state;
+    assert_int_equal(parse_str(&c, official_json), DSV4_OK);
+    for (size_t i = 0; i < sizeof(dups) / sizeof(dups[0]); i++) {
+        const char *at = strstr(official_json, dups[i].from);
+        char doc[8192];
+
+        assert_non_null(at);
+        assert_true(strlen(official_json) + strlen(dups[i].to) < sizeof(doc));
+        snprintf(doc, sizeof(doc), "%.*s%s%s", (int)(at - official_json), official_json,
+                 dups[i].to, at + strlen(dups[i].from));
+        assert_int_equal(parse_str(&c, doc), DSV4_ERR_CONFIG);
+        assert_non_null(strstr(dsv4_errmsg(), dups[i].key));
+        assert_non_null(strstr(dsv4_errmsg(), "twice"));
+    }
+}
+
 /* A struct-level check names the field too. */
 static void
 test_validate_struct(void **state)
@@ -500,6 +531,7 @@ main(void)
         cmocka_unit_test(test_defaults_and_aliases),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_bad_json),
+        cmocka_unit_test(test_duplicate_keys),
         cmocka_unit_test(test_validate_struct),
         cmocka_unit_test(test_presets),
         cmocka_unit_test(test_override),

@@ -292,9 +292,50 @@ test_writer_misuse(void **state)
     assert_int_equal(dsv4_st_writer_close(w), DSV4_ERR_INVAL);
     assert_non_null(strstr(dsv4_errmsg(), "'b'"));
     assert_int_equal(access(p, F_OK), -1);
+    assert_int_equal(access(tpath("short.safetensors.tmp"), F_OK), -1);
 
     assert_int_equal(dsv4_st_writer_open(&w, "/nonexistent-dir/x.safetensors", 2, dup, dt, nd,
                                          sh), DSV4_ERR_SYS);
+}
+
+/* A file written over an existing one replaces it whole at the close: a
+ * reader that has the old one mapped (a running rank) keeps its bytes, and a
+ * write that fails leaves the old file as it was. */
+static void
+test_writer_replaces(void **state)
+{
+    const char *p = tpath("replace.safetensors");
+    const char *nm[1] = { "c" };
+    const enum dsv4_st_dtype dt[1] = { DSV4_ST_F32 };
+    const int nd[1] = { 1 };
+    const int64_t sh[1][DSV4_ST_MAX_DIMS] = { { 2 } };
+    struct dsv4_st_file *old, *cur;
+    struct dsv4_st_writer *w;
+    float v = 1;
+
+    (void)state;
+    write_sample(p, "a.", 7);
+    assert_int_equal(dsv4_st_open(&old, p), DSV4_OK);
+    write_sample(p, "b.", 7);
+    for (int i = 0; i < NT; i++) {
+        char name[64];
+
+        snprintf(name, sizeof(name), "a.%s", s_names[i]);
+        check_sample_tensor(dsv4_st_find(old, name), i, p);
+    }
+    assert_int_equal(dsv4_st_open(&cur, p), DSV4_OK);
+    assert_null(dsv4_st_find(cur, "a.bias"));
+    check_sample_tensor(dsv4_st_find(cur, "b.bias"), 2, p);
+    dsv4_st_close(cur);
+    /* a write given up half-way: the file at p is still the "b." one */
+    assert_int_equal(dsv4_st_writer_open(&w, p, 1, nm, dt, nd, sh), DSV4_OK);
+    assert_int_equal(dsv4_st_writer_put(w, &v, sizeof(v)), DSV4_OK);
+    assert_int_equal(dsv4_st_writer_close(w), DSV4_ERR_INVAL);
+    assert_int_equal(access(tpath("replace.safetensors.tmp"), F_OK), -1);
+    assert_int_equal(dsv4_st_open(&cur, p), DSV4_OK);
+    check_sample_tensor(dsv4_st_find(cur, "b.bias"), 2, p);
+    dsv4_st_close(cur);
+    dsv4_st_close(old);
 }
 
 static void
@@ -618,6 +659,22 @@ test_ckpt_bad_index(void **state)
     expect_ckpt_fail(dir, "model.safetensors.index.json", NULL);
     write_text(ip, "{\"metadata\":{}}");
     expect_ckpt_fail(dir, "weight_map", NULL);
+    /* a top-level key twice: said so, not as a tensor named '' */
+    write_text(ip, "{\"metadata\":{},\"metadata\":{},\"weight_map\":{}}");
+    expect_ckpt_fail(dir, "model.safetensors.index.json", "duplicate key outside weight_map",
+                     NULL);
+    /* a dangling index link (a download cut short): the index's error, not
+     * the single-file layout's "model.safetensors: open" */
+    {
+        struct dsv4_ckpt *c = NULL;
+
+        assert_int_equal(unlink(ip), 0);
+        assert_int_equal(symlink("blob-not-there", ip), 0);
+        assert_int_not_equal(dsv4_ckpt_open(&c, dir), DSV4_OK);
+        assert_null(c);
+        assert_non_null(strstr(dsv4_errmsg(), "model.safetensors.index.json"));
+        assert_int_equal(unlink(ip), 0);
+    }
 
     /* a corrupt shard: the error names the shard and the tensor */
     snprintf(dir, sizeof(dir), "%s", tpath("ck-trunc"));
@@ -640,6 +697,7 @@ main(void)
         cmocka_unit_test(test_dtypes),
         cmocka_unit_test(test_roundtrip),
         cmocka_unit_test(test_writer_misuse),
+        cmocka_unit_test(test_writer_replaces),
         cmocka_unit_test(test_metadata_ignored),
         cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_header_len_past_end),

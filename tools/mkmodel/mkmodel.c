@@ -44,6 +44,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <json-c/json.h>
 
@@ -458,7 +459,7 @@ static enum dsv4_err
 write_index(const struct dsv4_inventory *inv, const char *dir)
 {
     json_object *root = json_object_new_object(), *meta, *map;
-    char path[4096], file[64];
+    char path[4096], tmp[4100], file[64];
     int ok;
 
     if (root == NULL)
@@ -476,12 +477,19 @@ write_index(const struct dsv4_inventory *inv, const char *dir)
         json_object_put(root);
         return dsv4_err_set(DSV4_ERR_NOMEM, "index: out of memory");
     }
+    /* written beside and renamed over the old index, as the shards are
+     * (dsv4_st_writer_close): a rank reading it sees one whole index */
     snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
-    if (json_object_to_file_ext(path, root, JSON_C_TO_STRING_PRETTY |
-                                                JSON_C_TO_STRING_SPACED |
-                                                JSON_C_TO_STRING_NOSLASHESCAPE) != 0) {
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    if (json_object_to_file_ext(tmp, root, JSON_C_TO_STRING_PRETTY |
+                                               JSON_C_TO_STRING_SPACED |
+                                               JSON_C_TO_STRING_NOSLASHESCAPE) != 0 ||
+        rename(tmp, path) != 0) {
+        int err = errno;
+
         json_object_put(root);
-        return dsv4_err_set(DSV4_ERR_SYS, "%s: write failed: %s", path, strerror(errno));
+        unlink(tmp);
+        return dsv4_err_set(DSV4_ERR_SYS, "%s: write failed: %s", path, strerror(err));
     }
     json_object_put(root);
     return DSV4_OK;

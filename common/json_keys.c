@@ -1,0 +1,159 @@
+/*
+ * json_keys.c — strict JSON parsing of a byte range and the duplicated keys
+ * json-c keeps quietly (the last one wins), for the files whose keys must be
+ * unique: safetensors headers, the checkpoint index, config.json.
+ */
+#include "common/json_keys.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct json_object *
+dsv4_json_parse_exact(const char *s, size_t len, const char **why)
+{
+    struct json_tokener *tok;
+    struct json_object *o;
+
+    *why = "malformed JSON";
+    if (len > INT_MAX)
+        return NULL;
+    tok = json_tokener_new();
+    if (tok == NULL) {
+        *why = "out of memory";
+        return NULL;
+    }
+    json_tokener_set_flags(tok, JSON_TOKENER_STRICT);
+    o = json_tokener_parse_ex(tok, s, (int)len);
+    if (o == NULL) {
+        enum json_tokener_error je = json_tokener_get_error(tok);
+
+        *why = je == json_tokener_continue ? "truncated JSON" : json_tokener_error_desc(je);
+    } else if (json_tokener_get_parse_end(tok) != len) {
+        *why = "trailing bytes after JSON";
+        json_object_put(o);
+        o = NULL;
+    }
+    json_tokener_free(tok);
+    return o;
+}
+
+/*
+ * json-c keeps the last of duplicated object keys silently, so duplicates
+ * are found by counting object keys in the raw text and comparing with the
+ * parsed tree.  The text already parsed successfully in strict mode; strings
+ * may still use either quote (json-c accepts '...').
+ *
+ * Counts the keys of every object at any depth; calls `fn` on each key at
+ * depth `at` (1 = keys of the top-level object), quotes included.  Returns
+ * -1 if nesting is deeper than the scanner tracks.
+ */
+#define JSON_SCAN_DEPTH 64
+
+struct key_list {
+    char **k;
+    int n, cap;
+};
+
+static long
+json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
+{
+    char is_obj[JSON_SCAN_DEPTH];
+    int depth = 0, expect_key = 0;
+    long n = 0;
+
+    for (size_t i = 0; i < len; i++) {
+        char c = s[i];
+
+        if (c == '"' || c == '\'') {
+            size_t start = i;
+
+            for (i++; i < len && s[i] != c; i++) {
+                if (s[i] == '\\')
+                    i++;
+            }
+            if (i >= len)
+                break;
+            if (expect_key) {
+                n++;
+                expect_key = 0;
+                if (keys != NULL && depth == at && keys->n < keys->cap) {
+                    const char *why;
+                    struct json_object *o = dsv4_json_parse_exact(s + start, i - start + 1, &why);
+
+                    if (o != NULL && json_object_is_type(o, json_type_string))
+                        keys->k[keys->n++] = strdup(json_object_get_string(o));
+                    json_object_put(o);
+                }
+            }
+        } else if (c == '{' || c == '[') {
+            if (++depth >= JSON_SCAN_DEPTH)
+                return -1;
+            is_obj[depth] = c == '{';
+            expect_key = c == '{';
+        } else if (c == '}' || c == ']') {
+            depth--;
+            expect_key = 0;
+        } else if (c == ',') {
+            expect_key = depth > 0 && is_obj[depth];
+        }
+    }
+    return n;
+}
+
+/* Keys of all objects in a parsed tree. */
+static long
+json_count_keys(struct json_object *o)
+{
+    long n = 0;
+
+    if (json_object_is_type(o, json_type_object)) {
+        json_object_object_foreach(o, k, v) {
+            (void)k;
+            n += 1 + json_count_keys(v);
+        }
+    } else if (json_object_is_type(o, json_type_array)) {
+        for (size_t i = 0; i < json_object_array_length(o); i++)
+            n += json_count_keys(json_object_array_get_idx(o, i));
+    }
+    return n;
+}
+
+static int
+cmp_str(const void *a, const void *b)
+{
+    const char *x = *(char *const *)a, *y = *(char *const *)b;
+
+    if (x == NULL || y == NULL)
+        return (x == NULL) - (y == NULL);
+    return strcmp(x, y);
+}
+
+int
+dsv4_json_find_dup(struct json_object *root, const char *s, size_t len, int at, char *buf,
+              size_t blen)
+{
+    struct key_list kl = { 0 };
+    long total = json_scan_keys(s, len, at, NULL);
+
+    buf[0] = '\0';
+    if (total == json_count_keys(root))
+        return 0;
+    kl.cap = total > 0 ? (int)(total < INT_MAX ? total : INT_MAX) : 0;
+    kl.k = calloc((size_t)kl.cap + 1, sizeof(char *));
+    if (kl.k == NULL)
+        return 1;
+    json_scan_keys(s, len, at, &kl);
+    qsort(kl.k, (size_t)kl.n, sizeof(char *), cmp_str);
+    for (int i = 1; i < kl.n; i++) {
+        if (kl.k[i] != NULL && kl.k[i - 1] != NULL && strcmp(kl.k[i], kl.k[i - 1]) == 0) {
+            snprintf(buf, blen, "%s", kl.k[i]);
+            break;
+        }
+    }
+    for (int i = 0; i < kl.n; i++)
+        free(kl.k[i]);
+    free(kl.k);
+    return 1;
+}
