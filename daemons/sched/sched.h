@@ -435,8 +435,10 @@ void req_free_all(struct sched *s);
 /* --- sched_client.c: client sub-protocol ------------------------------------ */
 
 /* Handle the client messages waiting on the client socket (a batch at a
- * time, so the other sockets are served in between); a message outside
- * the protocol is answered with its error. */
+ * time, and for CLIENT_TURN_MS at most, so the other sockets and the
+ * timers are served in between: a burst of large prompt texts to tokenize
+ * must not hold the loop past the ranks' liveness interval); a message
+ * outside the protocol is answered with its error. */
 void client_dispatch(struct sched *s);
 /* Send what can be sent of r's output and final message; mark dirty when
  * blocked.  Returns false when the client socket would block. */
@@ -447,8 +449,9 @@ void client_flush_all(struct sched *s);
 /* --- sched_rank.c: rank sub-protocol and registry --------------------------- */
 
 /* Handle the rank messages waiting on the rank socket (a batch at a time);
- * each counts as a sign of life of the rank that sent it. */
-void rank_dispatch(struct sched *s);
+ * each counts as a sign of life of the rank that sent it.  Returns true
+ * when it stopped at the batch's end (more may wait). */
+bool rank_dispatch(struct sched *s);
 /* Send `m` to every rank of group `g`.  DSV4_ERR_PROTO when the message
  * could not be encoded (the same for every rank: none got it; the caller
  * fails its request), else DSV4_OK (a rank that could not be reached is

@@ -20,7 +20,9 @@
 #include "common/log.h"
 #include "daemons/sched/sched.h"
 
-#define CLIENT_BATCH 256 /* messages handled per poll wake-up */
+#define CLIENT_BATCH 256  /* messages handled per poll wake-up */
+#define CLIENT_TURN_MS 50  /* ... and ms spent on them at most (the 4 MiB
+                              prompt texts are tokenized here) */
 
 /* Refuse a message or request: ERROR with the client's id. */
 static void
@@ -271,7 +273,9 @@ on_cancel(struct sched *s, const struct dsv4_route *from, uint64_t id)
 void
 client_dispatch(struct sched *s)
 {
-    for (int i = 0; i < CLIENT_BATCH; i++) {
+    int64_t t0 = dsv4_now_ms();
+
+    for (int i = 0; i < CLIENT_BATCH && dsv4_now_ms() - t0 < CLIENT_TURN_MS; i++) {
         struct dsv4_route from;
         struct dsv4_perr pe;
         struct dsv4_msg m;

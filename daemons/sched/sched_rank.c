@@ -899,7 +899,7 @@ unexpected:
     rank_lost(s, k, "unexpected command");
 }
 
-void
+bool
 rank_dispatch(struct sched *s)
 {
     for (int i = 0; i < RANK_BATCH; i++) {
@@ -911,10 +911,10 @@ rank_dispatch(struct sched *s)
 
         e = dsv4_zsock_recv(s->rank, &from, &m, &pe, ZMQ_DONTWAIT);
         if (e == DSV4_ERR_BUSY)
-            return;
+            return false;
         if (e != DSV4_OK && e != DSV4_ERR_PROTO && e != DSV4_ERR_INVAL) {
             log_warnx("rank: receive: %s", dsv4_errmsg());
-            return;
+            return false;
         }
         k = rank_by_route(s, &from);
         if (k != NULL)
@@ -942,6 +942,7 @@ rank_dispatch(struct sched *s)
             rank_message(s, k, &from, &m);
         dsv4_msg_clear(&m);
     }
+    return true;
 }
 
 void

@@ -1136,6 +1136,27 @@ def t_malformed(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_busy(ctx, build, tmp):
+    """A burst of large prompt texts (tokenized on the scheduler's thread)
+    takes far longer than the ranks' liveness interval (300 ms here): no
+    live rank may be declared dead for it, and every prompt gets its answer."""
+    sc, pre, dec = setup(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    big = ("hello world " * 100000)[:1 << 20]
+    t0 = time.time()
+    ids = [cl.generate(prompt=big, max_tokens=2) for _ in range(24)]
+    res = cl.collect(ids, timeout=120)
+    spent = time.time() - t0
+    check(all(res[i].get("final") for i in ids), "unanswered: %s" %
+          [i for i in ids if not res[i].get("final")])
+    check(not pre.disconnects and not dec.disconnects,
+          "ranks disconnected by a busy scheduler: %s %s" % (pre.disconnects, dec.disconnects))
+    log = open(os.path.join(tmp, "sched.log")).read()
+    check(" lost" not in log, [l for l in log.splitlines() if " lost" in l][:3])
+    print("busy: 24 prompts of 1 MiB answered in %.1f s" % spent)
+    return sc, [pre, dec]
+
+
 def setup_group(ctx, build, tmp, fail_decode=0):
     """The scheduler, a prefill rank and a decode group of two (decode@0,
     decode@1; decode@1 fails its first fail_decode imports), all ready."""
@@ -1530,7 +1551,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
-         "malformed": t_malformed, "prefill_nomem": t_prefill_nomem,
+         "malformed": t_malformed, "busy": t_busy, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
          "prefill_group_error": t_prefill_group_error, "pairing": t_pairing,
          "death_ctx": t_death_ctx}
