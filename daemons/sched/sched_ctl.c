@@ -234,6 +234,23 @@ on_drain(struct sched *s, const struct dsv4_route *to, const struct dsv4_ctl_dra
     TAILQ_INSERT_TAIL(&s->drains, w, entry);
 }
 
+/* An UNDRAIN of rank k (NULL: of all) ends the drains it lifts: their waits
+ * are answered now (RESULT 409), not later as if the drain had held. */
+static void
+undrain_waits(struct sched *s, const struct sched_rank *k)
+{
+    struct sched_drain_wait *w, *tmp;
+
+    TAILQ_FOREACH_SAFE(w, &s->drains, entry, tmp) {
+        if (k != NULL && w->rank != k)
+            continue;
+        send_result(s, &w->route, DSV4_STATUS_CANCELLED,
+            "undrained before the drained work finished");
+        TAILQ_REMOVE(&s->drains, w, entry);
+        free(w);
+    }
+}
+
 static void
 on_undrain(struct sched *s, const struct dsv4_route *to, const struct dsv4_ctl_drain *d)
 {
@@ -253,6 +270,7 @@ on_undrain(struct sched *s, const struct dsv4_route *to, const struct dsv4_ctl_d
     }
     log_notice("ctl: undrain %s", d->target);
     rank_update_states(s);
+    undrain_waits(s, strcmp(d->target, "all") == 0 ? NULL : k);
     send_result(s, to, DSV4_STATUS_OK, "undrained");
 }
 

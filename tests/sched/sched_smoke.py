@@ -717,8 +717,17 @@ def t_overload(ctx, build, tmp):
     check(fr[2][0] == 3 and b["code"] == 301 and b["id"] == i, b)
     rc, st = sc.ctl("status")
     check(st["draining"] and st["n_queued"] == 3, st)
+    # a drain still waiting when the drain is lifted is answered then (409)
+    waiting = subprocess.Popen([os.path.join(sc.build, "tools/dsv4ctl/dsv4ctl"), "--admin",
+                                sc.ep["ctl"], "drain", "all"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.3)
+    check(waiting.poll() is None, "drain all with queued work returned at once")
     rc, _ = sc.ctl("undrain")
     check(rc == 0, "undrain")
+    out = waiting.communicate(timeout=10)[0]
+    check(waiting.returncode != 0 and "undrained" in out,
+          "the waiting drain after undrain: rc %s %r" % (waiting.returncode, out))
     # Ranks arrive: the queued work runs and drain completes.
     pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0)
     dec = FakeRank(ctx, sc.ep["rank"], "decode", 0)
