@@ -41,7 +41,8 @@ enum {
     POLL_MAX
 };
 
-#define RANK_HWM 1000000   /* rank link queues: never drop work messages */
+#define RANK_HWM 1000000   /* rank link queues: never drop work messages; the
+                              admin socket's too (listings) */
 #define LINGER_MS 500      /* let final messages leave on exit */
 #define RANK_DRAIN_BATCHES 16 /* rank batches read before the timers judge liveness */
 
@@ -203,8 +204,10 @@ sched_init(struct sched *s)
         fatal("zmq_ctx_new");
     s->client = open_router(s, "client", s->cfg.file.client_endpoint, client_fd, 0, 0);
     s->rank = open_router(s, "rank", s->cfg.file.rank_endpoint, -1, 0, RANK_HWM);
+    /* a listing is sent in one turn, a message an item (queue_max + the
+     * live requests): the default high-water mark of 1,000 cut it short */
     s->admin = open_router(s, "admin", s->cfg.file.admin_endpoint, admin_fd,
-        s->cfg.file.admin_mode, 0);
+        s->cfg.file.admin_mode, RANK_HWM);
 
     sigemptyset(&ss);
     sigaddset(&ss, SIGTERM);

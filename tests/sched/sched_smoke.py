@@ -1166,6 +1166,30 @@ def t_busy(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_listing(ctx, build, tmp):
+    """dsv4ctl requests lists every request, past the admin socket's default
+    high-water mark of 1,000 messages (3,000 queued: no rank registered)."""
+    sc = Sched(build, tmp, ["-o", "queue_max=4000"])
+    time.sleep(0.2)
+    cl = Client(ctx, sc.ep["client"])
+    n = 3000
+    for k in range(n):
+        submit(cl, [5, 6], k, 2)
+    end = time.time() + 30
+    while time.time() < end:
+        rc, st = sc.ctl("status")
+        if rc == 0 and st["n_queued"] == n:
+            break
+        time.sleep(0.2)
+    rc, reqs = sc.ctl("requests")
+    check(rc == 0 and reqs is not None and len(reqs) == n,
+          "dsv4ctl --json requests: rc %d, %s items of %d" % (rc, len(reqs or []), n))
+    rc, text = sc.ctl_text("requests")
+    check(rc == 0 and len([l for l in text.splitlines() if "queued" in l]) == n,
+          "dsv4ctl requests (table): rc %d" % rc)
+    return sc, []
+
+
 def setup_group(ctx, build, tmp, fail_decode=0):
     """The scheduler, a prefill rank and a decode group of two (decode@0,
     decode@1; decode@1 fails its first fail_decode imports), all ready."""
@@ -1560,7 +1584,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
-         "malformed": t_malformed, "busy": t_busy, "prefill_nomem": t_prefill_nomem,
+         "malformed": t_malformed, "busy": t_busy, "listing": t_listing, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
          "prefill_group_error": t_prefill_group_error, "pairing": t_pairing,
          "death_ctx": t_death_ctx}

@@ -397,11 +397,18 @@ listing(struct ctl *c, int cmd, int item, int end)
         else if (m.cmd == item && item == DSV4_CTL_REQUEST)
             print_request(c, &m.u.request);
         else if (m.cmd == end) {
+            uint32_t n = m.u.count.count;
+
             if (c->json)
                 printf("]\n");
             else if (c->n_items == 0)
                 printf("(none)\n");
             dsv4_msg_clear(&m);
+            if (n > (uint32_t)c->n_items) {   /* the scheduler could not queue them all */
+                fprintf(stderr, "dsv4ctl: listing cut short: %d of %" PRIu32 " items arrived\n",
+                        c->n_items, n);
+                return 1;
+            }
             return 0;
         }
         dsv4_msg_clear(&m);
