@@ -690,6 +690,29 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
     }
 }
 
+/* Read one message already waiting on the socket into an event: 1 when *ev
+ * is one for the caller, 0 when a message was read but is none (or was
+ * malformed), -1 when nothing waits, DSV4_CLIENT_INTERNAL on a socket
+ * failure. */
+static int
+recv_ready(struct dsv4_client *c, struct dsv4_client_event *ev, int64_t now)
+{
+    struct dsv4_perr pe;
+    enum dsv4_err e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
+
+    if (e == DSV4_ERR_BUSY)
+        return -1;
+    if (e == DSV4_ERR_SYS)
+        return fail(c, DSV4_CLIENT_INTERNAL, dsv4_errmsg());
+    if (e != DSV4_OK)
+        return 0;   /* malformed: dropped */
+    c->last_rx_ms = now;
+    if (to_event(c, ev))
+        return 1;
+    dsv4_msg_clear(&c->cur);
+    return 0;
+}
+
 int
 dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeout_ms)
 {
@@ -702,10 +725,17 @@ dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeou
         zmq_pollitem_t its[2] = { { c->sock, 0, ZMQ_POLLIN, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
         zmq_pollitem_t *it = &its[0];
         int64_t wait = timeout_ms < 0 ? INT64_MAX : start + timeout_ms - now;
-        struct dsv4_perr pe;
-        enum dsv4_err e;
         int rc;
 
+        /* what the server already sent first: a caller back after a long
+         * pause gets those answers, not a loss or a timeout made here */
+        rc = recv_ready(c, ev, now);
+        if (rc == 1)
+            return 0;
+        if (rc == 0)
+            continue;
+        if (rc != -1)
+            return rc;
         if (local_event(c, now, ev))
             return 0;
         if (c->n_reqs == 0)
@@ -736,18 +766,8 @@ dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeou
         now = dsv4_now_ms();
         if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN))
             mon_read(c);
-        if (it->revents & ZMQ_POLLIN) {
-            e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
-            if (e == DSV4_ERR_SYS)
-                return fail(c, DSV4_CLIENT_INTERNAL, dsv4_errmsg());
-            if (e == DSV4_OK) {
-                c->last_rx_ms = now;
-                if (to_event(c, ev))
-                    return 0;
-                dsv4_msg_clear(&c->cur);
-            }
-            continue; /* malformed or ignored: look again */
-        }
+        if (it->revents & ZMQ_POLLIN)
+            continue; /* read at the top of the loop */
         if (timeout_ms >= 0 && now - start >= timeout_ms)
             return DSV4_CLIENT_NONE;
         if (c->n_reqs == 0)

@@ -489,6 +489,38 @@ test_idle(void **state)
     }
 }
 
+/* A caller that reads late (a paused pager, a slow consumer) gets what the
+ * server sent meanwhile, not a local 504 for the silence it made itself nor
+ * a 408 for a deadline the answer beat: the socket is read before either is
+ * declared. */
+static void
+test_late_reader(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client_opts opts;
+    struct dsv4_client *c = NULL;
+    struct dsv4_client_params p;
+    struct outcome o[2];
+
+    dsv4_client_opts_init(&opts);
+    opts.connect_timeout_ms = 200;
+    assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.max_tokens = 5;
+    assert_int_equal(dsv4_client_submit_text(c, "late", &p, &o[0].id), 0);
+    p.timeout_ms = 1000;   /* answered in a few ms: long before it */
+    assert_int_equal(dsv4_client_submit_text(c, "late", &p, &o[1].id), 0);
+    usleep(1600 * 1000);   /* > 1 s heartbeat + 200 ms, and > 1,000 ms */
+    collect(c, o, 2);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(o[i].final_type, DSV4_CLIENT_EV_DONE);
+        assert_int_equal(o[i].n_tokens, 5);
+    }
+    assert_int_equal(dsv4_client_pending(c), 0);
+    dsv4_client_close(c);
+}
+
 /* No server: requests queue on the connection up to its high-water mark,
  * then submit says 300 at once instead of blocking. */
 static void
@@ -623,6 +655,7 @@ main(void)
         cmocka_unit_test_setup_teardown(test_resume, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_server_lost, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_idle, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_late_reader, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_send_queue_full, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_resume_cancel_noseed, server_start,
             server_teardown),
