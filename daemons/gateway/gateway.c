@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/signalfd.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -201,6 +202,40 @@ gw_loop(struct gw *g, int sigfd)
     }
 }
 
+/* Descriptors a connection costs at most: its HTTP socket and the
+ * scheduler connection of its generation (a ZeroMQ context: mailboxes,
+ * I/O thread, socket, monitor: about 10 measured). */
+#define GW_FDS_PER_CONN 12
+#define GW_FDS_SPARE 64   /* the listener, the log, the tokenizer, signals */
+
+/* Raise the soft limit on open files to the hard one (a start by hand or
+ * under dsv4-launch has 1,024: about 80 generations), and hold
+ * gateway_max_conns to what the limit can serve: past it libmicrohttpd's
+ * accept() fails with EMFILE in a loop that spins a core. */
+static void
+fd_budget(struct gw *g)
+{
+    struct rlimit rl;
+    rlim_t need = (rlim_t)g->conf.gateway_max_conns * GW_FDS_PER_CONN + GW_FDS_SPARE;
+    int fit;
+
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return;
+    if (rl.rlim_cur < rl.rlim_max && rl.rlim_cur < need) {
+        rl.rlim_cur = rl.rlim_max != RLIM_INFINITY && rl.rlim_max < need ? rl.rlim_max : need;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+            (void)getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    if (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= need)
+        return;
+    fit = rl.rlim_cur > GW_FDS_SPARE + GW_FDS_PER_CONN ?
+        (int)((rl.rlim_cur - GW_FDS_SPARE) / GW_FDS_PER_CONN) : 1;
+    log_warnx("main: gateway_max_conns = %d needs about %llu open files, the limit is %llu: "
+        "serving %d connections (raise LimitNOFILE= / ulimit -n)", g->conf.gateway_max_conns,
+        (unsigned long long)need, (unsigned long long)rl.rlim_cur, fit);
+    g->conf.gateway_max_conns = fit;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -270,6 +305,7 @@ main(int argc, char **argv)
         dsv4_tok_free(g.tok);
         return 0;
     }
+    fd_budget(&g);
     pthread_mutex_init(&g.toklock, NULL);
     pthread_mutex_init(&g.klock, NULL);
     pthread_mutex_init(&g.alock, NULL);

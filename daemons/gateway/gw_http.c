@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -296,6 +297,41 @@ gw_dispatch(struct gw *g, struct MHD_Connection *conn, struct gw_conn *c, const 
     }
 }
 
+/* gw_framing_ambiguous's count of the Content-Length headers. */
+struct gw_cl_seen {
+    const char *first;
+    bool differ;
+};
+
+static enum MHD_Result
+gw_cl_each(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
+{
+    struct gw_cl_seen *cl = cls;
+
+    (void)kind;
+    if (strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) != 0)
+        return MHD_YES;
+    if (cl->first == NULL)
+        cl->first = value != NULL ? value : "";
+    else if (strcmp(cl->first, value != NULL ? value : "") != 0)
+        cl->differ = true;
+    return MHD_YES;
+}
+
+/* RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding,
+ * or with Content-Length headers that differ, has a length a proxy in front
+ * may read otherwise than libmicrohttpd (which takes the chunks, or the
+ * first length): a request hidden in a body.  Refused with 400. */
+static bool
+gw_framing_ambiguous(struct MHD_Connection *conn)
+{
+    struct gw_cl_seen cl = { NULL, false };
+
+    (void)MHD_get_connection_values(conn, MHD_HEADER_KIND, gw_cl_each, &cl);
+    return cl.differ || (cl.first != NULL && MHD_lookup_connection_value(conn,
+        MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING) != NULL);
+}
+
 static enum MHD_Result
 gw_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
     const char *version, const char *upload_data, size_t *upload_data_size, void **con_cls)
@@ -312,9 +348,16 @@ gw_access(void *cls, struct MHD_Connection *conn, const char *url, const char *m
             return MHD_NO;
         *con_cls = c;
         c->route = gw_route_of(url);
-        /* Refuse before reading the body: auth, then a declared size. */
-        if ((c->route == GW_R_COMPLETIONS || c->route == GW_R_CHAT ||
-            c->route == GW_R_MODELS) && !gw_auth_ok(g, conn)) {
+        /* Refuse before reading the body (libmicrohttpd then closes the
+         * connection): framing a proxy could read otherwise, auth (every
+         * /v1/ URL, a route or not), then a declared size. */
+        if (gw_framing_ambiguous(conn)) {
+            c->refused = true;
+            return gw_http_error(g, conn, c->route, 400, "invalid_request",
+                "ambiguous body length: Content-Length with Transfer-Encoding, or "
+                "Content-Length headers that differ");
+        }
+        if (strncmp(url, "/v1/", 4) == 0 && !gw_auth_ok(g, conn)) {
             c->refused = true;
             return gw_http_error(g, conn, c->route, 401, "invalid_api_key",
                 "missing or invalid bearer token (Authorization: Bearer KEY)");
@@ -472,12 +515,12 @@ gw_http_start(struct gw *g, int listen_fd)
         return -1;
     g->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
         MHD_USE_POLL | MHD_USE_ERROR_LOG, 0, NULL, NULL, gw_access, g,
+        MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL,   /* first: it logs the others */
         MHD_OPTION_LISTEN_SOCKET, listen_fd,
         MHD_OPTION_CONNECTION_LIMIT, (unsigned int)g->conf.gateway_max_conns,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)g->conf.gateway_idle_s,
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536,
         MHD_OPTION_NOTIFY_COMPLETED, gw_completed, g,
-        MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL,
         MHD_OPTION_END);
     if (g->mhd == NULL) {
         log_warnx("gw_http_start: libmicrohttpd did not start");

@@ -58,6 +58,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -765,10 +766,11 @@ class BareGateway:
     metrics = GwService.metrics
 
 
-def start_bare(d, gw, extra=""):
+def start_bare(d, gw, extra="", nofile=None):
     """Start dsv4-gateway alone on gw.port with its scheduler endpoints in
-    directory d (and `extra` configuration lines), once it serves; returns
-    the process and its stderr file (d/gateway.err; the caller closes it)."""
+    directory d (and `extra` configuration lines; nofile: its RLIMIT_NOFILE,
+    soft and hard), once it serves; returns the process and its stderr file
+    (d/gateway.err; the caller closes it)."""
     conf = os.path.join(d, "dsv4.conf")
     with open(conf, "w") as f:
         f.write("client_endpoint = ipc://%s/client.sock\nadmin_endpoint = ipc://%s/ctl.sock\n"
@@ -778,8 +780,10 @@ def start_bare(d, gw, extra=""):
     err = open(os.path.join(d, "gateway.err"), "w")
     env = dict(os.environ)
     env.pop("NOTIFY_SOCKET", None)
+    limit = None if nofile is None else (
+        lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
     p = subprocess.Popen([exe("daemons/gateway/dsv4-gateway"), "-f", conf], stderr=err,
-                         env=env)
+                         env=env, preexec_fn=limit)
     wait_for(lambda: p.poll() is not None or
              "serving" in svc_test.readf(os.path.join(d, "gateway.err")), "the gateway up")
     check(p.poll() is None, "the gateway exited (%s)" % p.poll())
@@ -818,6 +822,60 @@ def no_scheduler():
             "dsv4_scheduler_up 0, /v1/models 200")
     finally:
         if p.poll() is None:
+            p.kill()
+            p.wait()
+        err.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def framing_keys_fds():
+    """A gateway alone with bearer keys and 200 open files: it says it serves
+    (200 - 64) / 12 = 11 connections, not the 256 configured (past its
+    descriptors libmicrohttpd's accept() spun a core); every /v1/ URL wants
+    the key (an unknown one: 401 without it, 404 with it); a body length a
+    proxy could read otherwise (Content-Length with Transfer-Encoding, two
+    Content-Lengths that differ) is refused 400 and the connection closed,
+    so a request hidden after it is never served."""
+    d = tempfile.mkdtemp(prefix="dsv4-gw-framing-")
+    keys = os.path.join(d, "gateway.keys")
+    with open(keys, "w") as f:
+        f.write("k-framing\n")
+    os.chmod(keys, 0o640)
+    gw = BareGateway(free_port())
+    p, err = start_bare(d, gw, "gateway_keys = %s\n" % keys, nofile=200)
+    try:
+        text = svc_test.readf(os.path.join(d, "gateway.err"))
+        check("gateway_max_conns = 256 needs" in text and "serving 11 connections" in text,
+              "no fd budget line: %s" % text[-600:])
+        st, _, data = gw.http("GET", "/v1/embeddings")
+        error_of(st, data, 401, "invalid_api_key")
+        st, _, data = gw.http("GET", "/v1/embeddings", headers={"Authorization": "Bearer k-framing"})
+        error_of(st, data, 404, "not_found")
+        hidden = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        for name, head in (("CL+TE", b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"),
+                           ("CL twice", b"Content-Length: 5\r\nContent-Length: 4\r\n")):
+            s = socket.create_connection(("127.0.0.1", gw.port), timeout=20)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Authorization: Bearer k-framing\r\n" + head + b"\r\n0\r\n\r\n" + hidden)
+            got = b""
+            try:
+                while True:
+                    b = s.recv(65536)
+                    if not b:
+                        break
+                    got += b
+            except socket.timeout:
+                pass
+            s.close()
+            check(got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1,
+                  "%s: %r" % (name, got[:300]))
+        log("framing: 11 connections for 200 open files; /v1/embeddings 401 without the key; "
+            "CL+TE and two Content-Lengths 400, connection closed")
+    finally:
+        p.terminate()
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
         err.close()
@@ -1096,6 +1154,7 @@ def sc_scripted():
         err.close()
         sched.stop()
         shutil.rmtree(d, ignore_errors=True)
+    framing_keys_fds()
 
 
 # Values of every JSON type, and of the shapes the gateway looks into.
