@@ -40,12 +40,15 @@
 #include "ipc/kvxfer.h"
 
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/queue.h>
 
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,7 +63,11 @@
 #define UX_HDR 36              /* magic 8, address 8, size 8, three u32 lengths */
 #define UX_TLS_DEFAULT "tcp"   /* UCX_TLS unless configured */
 #define UX_IDLE_MS 20          /* progress thread sleeps at most this long */
+#define UX_PROGRESS_BATCH 16   /* ucp_worker_progress calls per hold of mu: a transfer
+                                  streaming in must not keep the main thread out */
 #define UX_GRACE_MS 1000       /* a freed region stays mapped timeout + this */
+#define UX_TOMB_MS 600000      /* ... then its pages are dropped (reads see zeros) and its
+                                  addresses kept this much longer, unmapped after */
 #define UX_CLOSE_MS 2000       /* bound on closing endpoints at shutdown */
 #define UX_ALIGN 4096          /* buffer alignment */
 #define UX_LANES_MAX 1024      /* bytes of the logged lane description */
@@ -86,16 +93,22 @@ struct ux_get {
     void *buf;                   /* destination, `size` bytes; owned */
     uint64_t size;
     ucp_rkey_h rkey;
-    bool done;                   /* callback ran (or finished inline) */
+    atomic_bool done;            /* callback ran (or finished inline); set
+                                    after status, read without mu */
     ucs_status_t status;
     bool abandoned;              /* caller gave up: the callback frees */
+    int64_t deadline_ms;         /* the import's bound (monotonic) */
+    TAILQ_ENTRY(ux_get) aentry;  /* on ux.abandoned while abandoned, not done */
 };
+TAILQ_HEAD(ux_get_list, ux_get);
 
 /* A freed export kept mapped a while. */
 struct ux_grave {
     TAILQ_ENTRY(ux_grave) entry;
-    void *buf;
-    int64_t free_ms;             /* monotonic */
+    void *buf;                   /* an mmap of len bytes */
+    size_t len;
+    int64_t free_ms;             /* monotonic: its pages dropped from then */
+    bool tomb;                   /* dropped: unmapped at free_ms + UX_TOMB_MS */
 };
 TAILQ_HEAD(ux_grave_list, ux_grave);
 
@@ -119,6 +132,7 @@ struct ux {
     struct ux_peer_list peers;
     struct ux_peer_list closing;
     struct ux_grave_list graves;
+    struct ux_get_list abandoned;   /* cancelled gets still running */
     int64_t grave_ms;            /* how long a freed region stays mapped */
     char lanes[UX_LANES_MAX];    /* last lane description logged */
 };
@@ -213,8 +227,8 @@ ux_get_done(void *request, ucs_status_t status, void *user_data)
     struct ux_peer *p = g->peer;
 
     ucp_request_free(request);
-    g->done = true;
     g->status = status;
+    atomic_store_explicit(&g->done, true, memory_order_release);
     ucp_rkey_destroy(g->rkey);
     g->rkey = NULL;
     g->peer = NULL;
@@ -222,12 +236,31 @@ ux_get_done(void *request, ucs_status_t status, void *user_data)
     if (status != UCS_OK)
         ux_peer_close(p->u, p);  /* the link is suspect: reconnect next time */
     if (g->abandoned) {
+        TAILQ_REMOVE(&p->u->abandoned, g, aentry);
         free(g->buf);
         free(g);
         return;
     }
     ux_signal(p->u);
 }
+
+/* Cancelled gets still running past their import's bound: their peer is
+ * closed (force), which ends them (the callback frees each).  The exporter
+ * keeps a freed region for its own bound + UX_GRACE_MS only: a get left to
+ * run longer read freed memory there (mu held). */
+static void
+ux_abandoned_check(struct ux *u, int64_t now)
+{
+    struct ux_get *g, *gn;
+
+    for (g = TAILQ_FIRST(&u->abandoned); g != NULL; g = gn) {
+        gn = TAILQ_NEXT(g, aentry);
+        if (g->peer != NULL && now >= g->deadline_ms)
+            ux_peer_close(u, g->peer);
+    }
+}
+
+static void ux_reap(struct ux *u, int64_t now);
 
 static void *
 ux_thread(void *arg)
@@ -238,13 +271,26 @@ ux_thread(void *arg)
         struct pollfd pfd = { .fd = u->wfd, .events = POLLIN };
         ucs_status_t st;
 
+        int64_t now;
+        int i;
+
         pthread_mutex_lock(&u->mu);
         if (u->stop) {
             pthread_mutex_unlock(&u->mu);
             break;
         }
-        while (ucp_worker_progress(u->worker) != 0)
-            ;
+        for (i = 0; i < UX_PROGRESS_BATCH; i++)
+            if (ucp_worker_progress(u->worker) == 0)
+                break;
+        if (i == UX_PROGRESS_BATCH) {
+            /* more to do: let the main thread have mu in between */
+            pthread_mutex_unlock(&u->mu);
+            sched_yield();
+            continue;
+        }
+        now = dsv4_now_ms();
+        ux_abandoned_check(u, now);
+        ux_reap(u, now);   /* freed regions go when their time is up, idle or not */
         st = ucp_worker_arm(u->worker);
         pthread_mutex_unlock(&u->mu);
         if (st == UCS_ERR_BUSY)
@@ -254,14 +300,14 @@ ux_thread(void *arg)
     return NULL;
 }
 
-/* --- Housekeeping (main thread, mu held) ------------------------------------------ */
+/* --- Housekeeping (mu held) ------------------------------------------------------- */
 
 /* Free closed peers nobody uses and regions past their grace time. */
 static void
 ux_reap(struct ux *u, int64_t now)
 {
     struct ux_peer *p, *pn;
-    struct ux_grave *g;
+    struct ux_grave *g, *gn;
 
     for (p = TAILQ_FIRST(&u->closing); p != NULL; p = pn) {
         pn = TAILQ_NEXT(p, entry);
@@ -275,9 +321,24 @@ ux_reap(struct ux *u, int64_t now)
             free(p);
         }
     }
-    while ((g = TAILQ_FIRST(&u->graves)) != NULL && (now < 0 || g->free_ms <= now)) {
+    /* A get that outlives the region's grace (a cancelled import on a
+     * stalled link, an importer of a longer kv_timeout_ms) still reads it:
+     * over TCP this process's own code does, so its pages are dropped
+     * (memory back, reads see zeros) and its addresses stay mapped
+     * UX_TOMB_MS more before they go. */
+    for (g = TAILQ_FIRST(&u->graves); g != NULL; g = gn) {
+        gn = TAILQ_NEXT(g, entry);
+        if (now >= 0 && now < g->free_ms)
+            break;   /* in free order: the rest are younger */
+        if (now >= 0 && !g->tomb) {
+            (void)madvise(g->buf, g->len, MADV_DONTNEED);
+            g->tomb = true;
+            continue;
+        }
+        if (now >= 0 && now < g->free_ms + UX_TOMB_MS)
+            continue;
         TAILQ_REMOVE(&u->graves, g, entry);
-        free(g->buf);
+        munmap(g->buf, g->len);
         free(g);
     }
 }
@@ -373,6 +434,13 @@ ux_peer_get(struct ux *u, const uint8_t *addr, size_t len, const char *owner,
 
 /* --- Exporter ------------------------------------------------------------------------ */
 
+/* Bytes of the mapping of a region of `size` bytes. */
+static size_t
+ux_region_len(uint64_t size)
+{
+    return (size_t)((size + UX_ALIGN - 1) / UX_ALIGN * UX_ALIGN);
+}
+
 static enum dsv4_err
 ux_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kvx_region *r)
 {
@@ -387,8 +455,11 @@ ux_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kv
 
     if (size > (uint64_t)SIZE_MAX - UX_ALIGN)
         return dsv4_err_set(DSV4_ERR_INVAL, "kv_ucx: region of %" PRIu64 " bytes", size);
-    alloc = (size + UX_ALIGN - 1) / UX_ALIGN * UX_ALIGN;
-    if ((xr = calloc(1, sizeof(*xr))) == NULL || posix_memalign(&buf, UX_ALIGN, alloc) != 0) {
+    alloc = ux_region_len(size);
+    /* a mapping of its own: its pages can be dropped apart (ux_reap) */
+    if ((xr = calloc(1, sizeof(*xr))) == NULL ||
+        (buf = mmap(NULL, alloc, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)) ==
+            MAP_FAILED) {
         free(xr);
         return dsv4_err_set(DSV4_ERR_NOMEM, "kv_ucx: no memory for %" PRIu64 " bytes", size);
     }
@@ -406,7 +477,7 @@ ux_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kv
         ucp_rkey_buffer_release(rk);
         ucp_mem_unmap(u->ctx, xr->memh);
         pthread_mutex_unlock(&u->mu);
-        free(buf);
+        munmap(buf, alloc);
         free(xr);
         return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_ucx: handle of %zu bytes (worker address "
                             "%zu, rkey %zu) exceeds %d", need, u->self_len, rk_len,
@@ -414,7 +485,7 @@ ux_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kv
     }
     if (st != UCS_OK) {
         pthread_mutex_unlock(&u->mu);
-        free(buf);
+        munmap(buf, alloc);
         free(xr);
         return dsv4_err_set(DSV4_ERR_SYS, "kv_ucx: register %" PRIu64 " bytes: %s", size,
                             ucs_status_string(st));
@@ -453,10 +524,11 @@ ux_free_region(struct dsv4_kvx *x, struct dsv4_kvx_region *r)
     ucp_mem_unmap(u->ctx, xr->memh);
     if (g != NULL) {
         g->buf = r->data;
+        g->len = ux_region_len(r->size);
         g->free_ms = now + u->grave_ms;
         TAILQ_INSERT_TAIL(&u->graves, g, entry);
     } else {
-        free(r->data);  /* no memory for the bookkeeping: free at once */
+        munmap(r->data, ux_region_len(r->size));  /* no memory for the bookkeeping */
     }
     ux_reap(u, now);
     pthread_mutex_unlock(&u->mu);
@@ -529,6 +601,7 @@ ux_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
                             d->size);
     }
     g->size = d->size;
+    g->deadline_ms = dsv4_now_ms() + x->timeout_ms;
     pthread_mutex_lock(&u->mu);
     ux_reap(u, dsv4_now_ms());
     if ((e = ux_peer_get(u, addr, alen, owner, &p)) != DSV4_OK)
@@ -549,8 +622,8 @@ ux_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
     if (sp == NULL || UCS_PTR_IS_ERR(sp)) {
         /* finished inline: no callback */
         st = sp == NULL ? UCS_OK : UCS_PTR_STATUS(sp);
-        g->done = true;
         g->status = st;
+        atomic_store_explicit(&g->done, true, memory_order_release);
         ucp_rkey_destroy(g->rkey);
         g->rkey = NULL;
         g->peer = NULL;
@@ -577,18 +650,14 @@ fail:
 static enum dsv4_err
 ux_import_test(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t, struct dsv4_kvx_map *m)
 {
-    struct ux *u = x->priv;
     struct ux_get *g = t->priv;
     ucs_status_t st;
 
-    pthread_mutex_lock(&u->mu);
-    if (!g->done) {
-        pthread_mutex_unlock(&u->mu);
+    (void)x;
+    /* without mu: the progress thread holds it while data streams in */
+    if (!atomic_load_explicit(&g->done, memory_order_acquire))
         return DSV4_ERR_BUSY;
-    }
     st = g->status;
-    ux_reap(u, dsv4_now_ms());
-    pthread_mutex_unlock(&u->mu);
     t->priv = NULL;
     if (st != UCS_OK) {
         free(g->buf);
@@ -613,7 +682,7 @@ ux_import_abort(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t)
     if (g == NULL)
         return;
     pthread_mutex_lock(&u->mu);
-    if (g->done) {
+    if (atomic_load_explicit(&g->done, memory_order_acquire)) {
         pthread_mutex_unlock(&u->mu);
         free(g->buf);
         free(g);
@@ -621,9 +690,11 @@ ux_import_abort(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t)
     }
     /* The callback frees g once UCX lets go of the buffer.  After a timeout
      * the link may be stalled: closing the endpoint (force) makes that
-     * happen now.  A cancel leaves the endpoint alone: the other gets from
-     * the same exporter share it, and a forced close failed them all. */
+     * happen now.  A cancel leaves the endpoint alone (the other gets from
+     * the same exporter share it, and a forced close failed them all) until
+     * the import's bound: then ux_abandoned_check closes it. */
     g->abandoned = true;
+    TAILQ_INSERT_TAIL(&u->abandoned, g, aentry);
     if (t->timed_out)
         ux_peer_close(u, g->peer);
     ucp_worker_signal(u->worker);
@@ -665,6 +736,7 @@ ux_init(struct dsv4_kvx *x, const struct dsv4_kvx_opts *o)
     TAILQ_INIT(&u->peers);
     TAILQ_INIT(&u->closing);
     TAILQ_INIT(&u->graves);
+    TAILQ_INIT(&u->abandoned);
     u->wfd = u->evfd = -1;
     u->grave_ms = x->timeout_ms + UX_GRACE_MS;
     x->priv = u;

@@ -6,8 +6,9 @@
  * that stops answering (SIGSTOP: the import fails with DSV4_ERR_TIMEOUT and
  * the next import from a live exporter works), an exporter that died
  * (an error, never a hang), a cancelled import beside another one from the
- * same exporter (the other completes), and malformed handles
- * (DSV4_ERR_PROTO).
+ * same exporter (the other completes), a cancelled import whose get
+ * outlives the region's grace on the exporter (the exporter lives on), and
+ * malformed handles (DSV4_ERR_PROTO).
  *
  * Exporters in child processes are forked before the parent starts UCX.
  * When UCX cannot start here (no usable TCP device; probed in a child
@@ -335,6 +336,73 @@ test_stalled_exporter(void **state)
     dsv4_kvx_close(y);
 }
 
+/* A cancelled import whose get outlives the region's grace on the
+ * exporter (the importer stalls: SIGSTOP, past TEST_TIMEOUT_MS + 1 s): the
+ * exporter frees the region, its grace ends at its next export, then the
+ * get goes on.  Over TCP the exporter's own code serves it from the freed
+ * addresses: it used to die of SIGSEGV there; the region's pages are
+ * dropped and its addresses kept instead, and the exporter lives on. */
+static void
+test_get_outlives_grace(void **state)
+{
+    const uint64_t size = 256u << 20;   /* still in flight when the importer stops */
+    struct dsv4_kvx_region r, r2;
+    struct dsv4_kvx *x;
+    int to_imp[2], to_exp[2], st;
+    char c = 0;
+    pid_t pid;
+
+    (void)state;
+    assert_int_equal(pipe(to_imp), 0);
+    assert_int_equal(pipe(to_exp), 0);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {   /* the importer: a decode rank whose client cancelled */
+        struct dsv4_kvx_desc d, small;
+        struct dsv4_kvx_xfer *t;
+        struct dsv4_kvx_map m;
+        struct dsv4_kvx *y;
+
+        if (read(to_imp[0], &d, sizeof(d)) != (ssize_t)sizeof(d) ||
+            dsv4_kvx_open_opts(&y, DSV4_TRANSPORT_UCX, "ucx-gimp", &test_opts) != DSV4_OK)
+            _exit(1);
+        small = d;
+        small.size = 4096;   /* the endpoint up first */
+        if (dsv4_kvx_import(y, &small, &m) != DSV4_OK)
+            _exit(2);
+        dsv4_kvx_unmap(y, &m);
+        if (dsv4_kvx_import_start(y, &d, &t) != DSV4_OK)
+            _exit(3);
+        dsv4_kvx_import_abort(y, t);
+        if (write(to_exp[1], &c, 1) != 1)
+            _exit(4);
+        raise(SIGSTOP);
+        sleep(3);
+        _exit(0);
+    }
+    assert_int_equal(open_ucx(&x, "ucx-gexp"), 0);
+    assert_int_equal(dsv4_kvx_export(x, 1, size, &r), DSV4_OK);
+    memset(r.data, 0x5a, size);
+    assert_int_equal(write(to_imp[1], &r.desc, sizeof(r.desc)), (ssize_t)sizeof(r.desc));
+    assert_int_equal(read(to_exp[0], &c, 1), 1);
+    wait_stopped(pid);
+    dsv4_kvx_free(x, &r);                       /* the ABORT reaches the prefill rank */
+    usleep((TEST_TIMEOUT_MS + 1500) * 1000);    /* past the grace */
+    assert_int_equal(dsv4_kvx_export(x, 2, 4096, &r2), DSV4_OK);   /* reaps */
+    assert_int_equal(kill(pid, SIGCONT), 0);
+    sleep(2);                                   /* the get runs on the exporter */
+    assert_int_equal(dsv4_kvx_export(x, 3, 4096, &r), DSV4_OK);    /* alive and serving */
+    dsv4_kvx_free(x, &r);
+    dsv4_kvx_free(x, &r2);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    dsv4_kvx_close(x);
+    for (int i = 0; i < 2; i++) {
+        close(to_imp[i]);
+        close(to_exp[i]);
+    }
+}
+
 /* An exporter that is gone: an error (connection refused / reset, or the
  * timeout), never a hang and never success. */
 static void
@@ -409,6 +477,7 @@ main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_stalled_exporter),
         cmocka_unit_test(test_dead_exporter),
+        cmocka_unit_test(test_get_outlives_grace),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_async),
         cmocka_unit_test(test_cancel_beside),
