@@ -583,7 +583,7 @@ rank_loop(struct rank *k)
 
     while (!k->stopping) {
         int64_t now = dsv4_now_ms(), t, timeout;
-        bool work;
+        bool work, imports;
         int n = RANK_POLL_KVX;
 
         group_join_poll(k, rank_dispatch_msg);
@@ -593,7 +593,11 @@ rank_loop(struct rank *k)
         t = group_joining(k) ? -1 : kv_timers(k, now);
         if (t >= 0 && t < timeout)
             timeout = t;
-        if (k->o.role == DSV4_ROLE_DECODE && k->link == RANK_LINK_UP && !group_joining(k)) {
+        /* decode_imports runs, and clears the transports' event fds, only
+         * here: they are polled only then (a signal while the link is down,
+         * a UCX peer's error with no import, woke every poll at once) */
+        imports = k->o.role == DSV4_ROLE_DECODE && k->link == RANK_LINK_UP && !group_joining(k);
+        if (imports) {
             t = decode_imports(k, now);
             if (t >= 0 && t < timeout)
                 timeout = t;
@@ -629,7 +633,7 @@ rank_loop(struct rank *k)
         items[RANK_POLL_SOCK].events = k->sock != NULL ? ZMQ_POLLIN : 0;
         items[RANK_POLL_SIGNAL].fd = k->sigfd;
         items[RANK_POLL_SIGNAL].events = ZMQ_POLLIN;
-        for (int i = 0; i < DSV4_TRANSPORT__COUNT && k->o.role == DSV4_ROLE_DECODE; i++) {
+        for (int i = 0; i < DSV4_TRANSPORT__COUNT && imports; i++) {
             int fd = k->kvx[i] != NULL ? dsv4_kvx_event_fd(k->kvx[i]) : -1;
             if (fd < 0)
                 continue;
