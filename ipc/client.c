@@ -317,6 +317,18 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
             cfg.server_key = o.server_key;
         }
     }
+    /* the caller's mistakes are 401 with the reason, not a 500 from the
+     * socket calls that trip on them */
+    if (strncmp(endpoint, "ipc://", 6) != 0 && strncmp(endpoint, "tcp://", 6) != 0 &&
+        strncmp(endpoint, "inproc://", 9) != 0) {
+        rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT,
+            "endpoint is not ipc://PATH, tcp://HOST:PORT or inproc://NAME");
+        goto err;
+    }
+    if (cfg.server_key != NULL && strlen(cfg.server_key) != DSV4_ZSOCK_Z85_LEN) {
+        rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT, "server key is not 40 Z85 characters");
+        goto err;
+    }
     if ((c->sock = dsv4_zsock_open(c->ctx, &cfg, &e)) == NULL) {
         rc = fail(c, e == DSV4_ERR_CONFIG ? DSV4_CLIENT_BAD_ARGUMENT : code_of(e),
             dsv4_errmsg());

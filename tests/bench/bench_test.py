@@ -184,6 +184,20 @@ def scenario(tmp):
         check(doc["runs"][0]["duration_s"] >= 1, "duration window %s < 1 s" %
               doc["runs"][0]["duration_s"])
 
+        # --no-stream: a request's tokens come in one event, so no TPOT (nor
+        # ITL) sample, not a TPOT of 0; the settings as given, all digits
+        ns_json = os.path.join(tmp, "nostream.json")
+        bench(common + ["-c", "1", "-n", "2", "-w", "0", "--no-stream", "-t", "0.0004",
+                        "--top-p", "0.0004", "-q", "-j", ns_json])
+        with open(ns_json) as f:
+            doc = json.load(f)
+        run = doc["runs"][0]
+        check(run["done"] == 2 and run["tpot_ms"]["n"] == 0 and run["itl_ms"]["n"] == 0,
+              "--no-stream: done %d, tpot %s, itl n=%d" %
+              (run["done"], run["tpot_ms"], run["itl_ms"]["n"]))
+        check(doc["config"]["temperature"] == 0.0004 and doc["config"]["top_p"] == 0.0004,
+              "settings rounded: %s" % doc["config"])
+
         two_png = os.path.join(tmp, "two.png")
         subprocess.run([sys.executable, os.path.join(svc_test.ARGS.src, "tools/bench/plot.py"),
                         "-o", two_png, sweep_json, dur_json], check=True, timeout=300)

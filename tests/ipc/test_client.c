@@ -196,6 +196,13 @@ test_connect(void **state)
     /* A key file that does not exist. */
     o.server_key_file = "/nonexistent/server.pub";
     assert_int_equal(dsv4_client_connect(s->endpoint, &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+    /* The caller's mistakes are 401, not 500: an endpoint of no known
+     * form, a server key that is not 40 Z85 characters. */
+    dsv4_client_opts_init(&o);
+    assert_int_equal(dsv4_client_connect("bogus://x", &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+    o.server_key = "too-short";
+    assert_int_equal(dsv4_client_connect(s->endpoint, &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+    assert_null(c);
 }
 
 /* Three text requests interleaved on one connection. */

@@ -30,6 +30,17 @@ num(double v, int prec)
     return json_object_new_double_s(v, buf);
 }
 
+/* A setting's value as given: the shortest of 7 significant digits (a
+ * float's: 0.0004f reads 0.0004, not 0.00039999999). */
+static struct json_object *
+num_g(double v)
+{
+    char buf[64];
+
+    snprintf(buf, sizeof(buf), "%.7g", v);
+    return json_object_new_double_s(v, buf);
+}
+
 static struct json_object *
 u64(uint64_t v)
 {
@@ -74,14 +85,15 @@ config(const struct bench_opts *o)
     json_object_array_add(a, json_object_new_int(o->id_hi));
     json_object_object_add(c, "token_range", a);
     json_object_object_add(c, "seed", u64(o->seed));
-    json_object_object_add(c, "temperature", num(o->temperature, 3));
-    json_object_object_add(c, "top_p", num(o->top_p, 3));
+    /* the settings as given: 3 decimals made -t 0.0004 read "0.0", greedy */
+    json_object_object_add(c, "temperature", num_g(o->temperature));
+    json_object_object_add(c, "top_p", num_g(o->top_p));
     json_object_object_add(c, "top_k", json_object_new_int64(o->top_k));
     json_object_object_add(c, "stream", json_object_new_boolean(o->stream));
     json_object_object_add(c, "timeout_ms", json_object_new_int64(o->timeout_ms));
     json_object_object_add(c, "warmup", o->warmup < 0 ? NULL : json_object_new_int(o->warmup));
     json_object_object_add(c, "requests", o->duration_s > 0 ? NULL : u64(o->requests));
-    json_object_object_add(c, "duration_s", o->duration_s > 0 ? num(o->duration_s, 3) : NULL);
+    json_object_object_add(c, "duration_s", o->duration_s > 0 ? num_g(o->duration_s) : NULL);
     return c;
 }
 

@@ -175,7 +175,9 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
         oom |= bench_samples_add(&w->e2e, now - w->st.t_submit);
         if (w->st.n_tokens > 0)
             oom |= bench_samples_add(&w->ttft, w->st.t_first - w->st.t_submit);
-        if (w->st.n_tokens > 1)
+        /* tokens that came in one event (--no-stream) say nothing of the
+         * time between them: no sample rather than 0 ms */
+        if (w->st.n_tokens > 1 && w->st.t_last > w->st.t_first)
             oom |= bench_samples_add(&w->tpot,
                 (w->st.t_last - w->st.t_first) / (double)(w->st.n_tokens - 1));
         /* its inter-token gaps too: every latency sample comes from the

@@ -265,7 +265,7 @@ main(int argc, char **argv)
     }
     p.stop = stop;
     p.stop_ids = stop_ids;
-    if (endpoint == NULL)
+    if (endpoint == NULL || endpoint[0] == '\0')   /* empty: unset, as dsv4-bench takes it */
         endpoint = DEFAULT_ENDPOINT;
     if ((prompt = prompt_read(argc - optind, argv + optind)) == NULL) {
         fprintf(stderr, "dsv4-generate: out of memory\n");
