@@ -151,6 +151,7 @@ sched_init(struct sched *s)
     TAILQ_INIT(&s->queue);
     TAILQ_INIT(&s->live);
     TAILQ_INIT(&s->drains);
+    TAILQ_INIT(&s->refusals);
     s->start_ms = dsv4_now_ms();
     /* Request ids differ across restarts, so a rank's stale state from the
      * previous scheduler never matches a new request. */
@@ -350,6 +351,7 @@ sched_shutdown(struct sched *s)
     ctl_free_all(s);
     rank_free_all(s, "scheduler stopping");
     req_free_all(s);
+    client_free_refusals(s);
     zmq_setsockopt(s->client, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_setsockopt(s->rank, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_setsockopt(s->admin, ZMQ_LINGER, &linger, sizeof(linger));

@@ -227,6 +227,23 @@ struct sched_drain_wait {
 };
 TAILQ_HEAD(sched_drain_list, sched_drain_wait);
 
+/* --- Refusals waiting for the client socket (sched_client.c) ---------------- */
+
+/* An ERROR for a message that made no request (a GENERATE refused, a
+ * malformed message) that the client's pipe could not take (its
+ * high-water mark): sent by client_flush_all, in order per client, so
+ * every GENERATE gets its answer. */
+struct sched_refusal {
+    TAILQ_ENTRY(sched_refusal) entry;
+    struct dsv4_route to;
+    uint64_t id;
+    uint16_t code;
+    char *text, *tag;              /* owned; tag may be NULL */
+};
+TAILQ_HEAD(sched_refusal_list, sched_refusal);
+#define SCHED_MAX_REFUSALS 1024   /* kept at most (past it one is dropped, logged): the
+                                     flush is quadratic in them */
+
 /* --- Metrics --------------------------------------------------------------- */
 
 /* Counters since start (dsv4ctl status, the gateway's /metrics). */
@@ -272,6 +289,8 @@ struct sched {
     bool stopping;                   /* SIGTERM received */
     int64_t stop_deadline_ms;
     struct sched_drain_list drains;
+    struct sched_refusal_list refusals;   /* ERRORs not yet taken by the client socket */
+    uint32_t n_refusals;
     struct sched_metrics m;
     int64_t start_ms;
     int64_t watchdog_ms, watchdog_last_ms;
@@ -443,8 +462,11 @@ void client_dispatch(struct sched *s);
 /* Send what can be sent of r's output and final message; mark dirty when
  * blocked.  Returns false when the client socket would block. */
 bool client_flush(struct sched *s, struct sched_req *r);
-/* Flush every request with pending output (before sleeping). */
+/* Flush every request with pending output and the refusals waiting
+ * (before sleeping). */
 void client_flush_all(struct sched *s);
+/* Free the refusals still waiting (shutdown). */
+void client_free_refusals(struct sched *s);
 
 /* --- sched_rank.c: rank sub-protocol and registry --------------------------- */
 

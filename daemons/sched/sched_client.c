@@ -24,9 +24,15 @@
 #define CLIENT_TURN_MS 50  /* ... and ms spent on them at most (the 4 MiB
                               prompt texts are tokenized here) */
 
-/* Refuse a message or request: ERROR with the client's id. */
-static void
-send_error(struct sched *s, const struct dsv4_route *to, uint64_t id, uint16_t code,
+static bool
+route_eq(const struct dsv4_route *a, const struct dsv4_route *b)
+{
+    return a->len == b->len && memcmp(a->id, b->id, a->len) == 0;
+}
+
+/* Send one ERROR; DSV4_ERR_BUSY when the client's pipe is full. */
+static enum dsv4_err
+error_send(struct sched *s, const struct dsv4_route *to, uint64_t id, uint16_t code,
     const char *text, const char *tag)
 {
     struct dsv4_msg m;
@@ -36,8 +42,93 @@ send_error(struct sched *s, const struct dsv4_route *to, uint64_t id, uint16_t c
     m.u.error.code = code;
     m.u.error.message = text;
     m.u.error.tag = tag;
-    if (dsv4_zsock_send(s->client, to, &m, ZMQ_DONTWAIT, NULL) != DSV4_OK)
-        log_debug("client: error reply not sent: %s", dsv4_errmsg());
+    return dsv4_zsock_send(s->client, to, &m, ZMQ_DONTWAIT, NULL);
+}
+
+static bool
+refusal_waits(struct sched *s, const struct dsv4_route *to)
+{
+    struct sched_refusal *f;
+
+    TAILQ_FOREACH(f, &s->refusals, entry)
+        if (route_eq(&f->to, to))
+            return true;
+    return false;
+}
+
+static void
+refusal_free(struct sched *s, struct sched_refusal *f)
+{
+    TAILQ_REMOVE(&s->refusals, f, entry);
+    s->n_refusals--;
+    free(f->text);
+    free(f->tag);
+    free(f);
+}
+
+/* Refuse a message or request: ERROR with the client's id; kept for
+ * client_flush_all when the client's pipe is full (after any refusal of
+ * the same client still waiting: in order). */
+static void
+send_error(struct sched *s, const struct dsv4_route *to, uint64_t id, uint16_t code,
+    const char *text, const char *tag)
+{
+    struct sched_refusal *f;
+    enum dsv4_err e = DSV4_ERR_BUSY;
+
+    if (!refusal_waits(s, to))
+        e = error_send(s, to, id, code, text, tag);
+    if (e != DSV4_ERR_BUSY) {
+        if (e != DSV4_OK)   /* the client is gone: nobody to tell */
+            log_debug("client: error reply not sent: %s", dsv4_errmsg());
+        return;
+    }
+    if (s->n_refusals >= SCHED_MAX_REFUSALS || (f = calloc(1, sizeof(*f))) == NULL ||
+        (f->text = strdup(text != NULL ? text : "")) == NULL ||
+        (tag != NULL && (f->tag = strdup(tag)) == NULL)) {
+        if (s->n_refusals < SCHED_MAX_REFUSALS) {
+            free(f != NULL ? f->text : NULL);
+            free(f);
+        }
+        log_warnx("client: refusal of id %llu (%u) dropped: %u waiting",
+            (unsigned long long)id, code, s->n_refusals);
+        return;
+    }
+    f->to = *to;
+    f->id = id;
+    f->code = code;
+    TAILQ_INSERT_TAIL(&s->refusals, f, entry);
+    s->n_refusals++;
+    s->n_dirty = 1;
+}
+
+/* Send the refusals waiting, in order per client; true when none is left. */
+static bool
+refusals_flush(struct sched *s)
+{
+    struct sched_refusal *f, *tmp;
+
+    TAILQ_FOREACH_SAFE(f, &s->refusals, entry, tmp) {
+        struct sched_refusal *g;
+        bool earlier = false;
+
+        /* a client's earlier refusal still blocked: this one waits too */
+        for (g = TAILQ_FIRST(&s->refusals); g != f && !earlier; g = TAILQ_NEXT(g, entry))
+            earlier = route_eq(&g->to, &f->to);
+        if (earlier)
+            continue;
+        if (error_send(s, &f->to, f->id, f->code, f->text, f->tag) == DSV4_ERR_BUSY)
+            continue;
+        refusal_free(s, f);   /* sent, or the client is gone */
+    }
+    return TAILQ_EMPTY(&s->refusals);
+}
+
+void
+client_free_refusals(struct sched *s)
+{
+    while (!TAILQ_EMPTY(&s->refusals))
+        refusal_free(s, TAILQ_FIRST(&s->refusals));
 }
 
 static uint64_t
@@ -531,5 +622,7 @@ client_flush_all(struct sched *s)
         if (!r->ok_sent && !client_flush(s, r))
             blocked = true;
     }
+    if (!refusals_flush(s))
+        blocked = true;
     s->n_dirty = blocked ? 1 : 0;
 }

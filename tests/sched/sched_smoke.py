@@ -1166,6 +1166,57 @@ def t_busy(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_refusal_full(ctx, build, tmp):
+    """A GENERATE refused (300, the queue full) while its client's pipe is
+    full (16 streams it does not read) is answered once the client reads:
+    the refusal waits for the socket as output does (it used to be dropped,
+    leaving that id without any answer)."""
+    sc = Sched(build, tmp, ["-o", "max_batch=16", "-o", "queue_max=2"])
+    time.sleep(0.2)
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2, max_ctx=200000)
+    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0, capacity=16, max_ctx=200000)
+    pre.start()
+    dec.start()
+    wait_ranks(sc, 2)
+    cl = Client(ctx, sc.ep["client"])
+    cl.s.close(0)
+    cl.s = ctx.socket(zmq.DEALER)
+    cl.s.setsockopt(zmq.RCVHWM, 1)
+    cl.s.setsockopt(zmq.RCVBUF, 4096)
+    cl.s.setsockopt(zmq.LINGER, 0)
+    cl.s.connect(sc.ep["client"])
+    time.sleep(0.2)
+    ids = []
+    for k in range(16):
+        ids.append(submit(cl, [5, 6, 7], k, 100000))
+        time.sleep(0.05)
+    time.sleep(3.0)   # the streams run, nothing is read: the pipe to the client fills
+    q = []
+    for k in range(2):
+        q.append(submit(cl, [5, 6, 7], 100 + k, 5))
+        time.sleep(0.1)
+    time.sleep(0.3)
+    extra = submit(cl, [5, 6, 7], 200, 5)   # the queue is full: 300
+    time.sleep(0.5)
+    rc, st = sc.ctl("status")
+    check(rc == 0 and st["n_rejected"] == 1, "the third one not refused: %s" % st)
+    for i in ids:
+        cl.cancel(i)
+    finals = {}
+    end = time.time() + 60
+    while time.time() < end and len(finals) < len(ids) + len(q) + 1:
+        if not cl.s.poll(200):
+            continue
+        fr = cl.s.recv_multipart()
+        b = msgpack.unpackb(fr[3])
+        if fr[2][0] in (3, 5):
+            finals[b["id"]] = (fr[2][0], b.get("code"))
+    check(finals.get(extra) == (3, 300), "the refused id's answer: %s" % (finals.get(extra),))
+    check(len(finals) == len(ids) + len(q) + 1, "%d of %d answered" %
+          (len(finals), len(ids) + len(q) + 1))
+    return sc, [pre, dec]
+
+
 def t_listing(ctx, build, tmp):
     """dsv4ctl requests lists every request, past the admin socket's default
     high-water mark of 1,000 messages (3,000 queued: no rank registered)."""
@@ -1584,7 +1635,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
-         "malformed": t_malformed, "busy": t_busy, "listing": t_listing, "prefill_nomem": t_prefill_nomem,
+         "malformed": t_malformed, "busy": t_busy, "listing": t_listing, "refusal_full": t_refusal_full, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
          "prefill_group_error": t_prefill_group_error, "pairing": t_pairing,
          "death_ctx": t_death_ctx}
