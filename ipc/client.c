@@ -44,6 +44,11 @@
 #define TIMEOUT_GRACE_MS 1000      /* wait this long past timeout_ms for the server's 408 */
 #define ERRMSG_LEN 256
 #define RESUME_ID_SHIFT 48         /* a resumed request's wire id (ids stay < 2^48) */
+/* the monitor's events of a refused handshake (a CURVE key that is not the
+ * server's): the connect check's 504 says so */
+#define CLIENT_HANDSHAKE_EVENTS                                                     \
+    (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |    \
+     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
 _Static_assert((int)DSV4_CLIENT_FINISH_STOP == (int)DSV4_FINISH_STOP, "finish values");
 _Static_assert((int)DSV4_CLIENT_FINISH_LENGTH == (int)DSV4_FINISH_LENGTH, "finish values");
@@ -87,7 +92,12 @@ struct dsv4_client {
     char errmsg[ERRMSG_LEN];     /* detail of the last failure */
     void *mon;                   /* PAIR: the DEALER's monitor events; NULL = none */
     bool down;                   /* the connection dropped; resume when it is up */
+    bool handshake_failed;       /* the connect check saw a handshake refused */
 };
+
+/* The detail of this thread's last failed connect (dsv4_client_errmsg(NULL)):
+ * the connection it was written into is gone. */
+static _Thread_local char connect_errmsg[ERRMSG_LEN];
 
 static int
 fail(struct dsv4_client *c, int code, const char *msg)
@@ -251,20 +261,27 @@ await_server(struct dsv4_client *c, int timeout_ms)
     if ((rc = send_heartbeat(c)) != 0)
         return rc;
     for (;;) {
-        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+        zmq_pollitem_t it[2] = { { c->sock, 0, ZMQ_POLLIN, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
         int64_t left = end - dsv4_now_ms();
         struct dsv4_perr pe;
         enum dsv4_err e;
+        int ev;
 
         if (left <= 0)
-            return fail(c, DSV4_CLIENT_UNREACHABLE, "server did not answer within the "
-                "connection timeout");
-        if (zmq_poll(&it, 1, (long)left) < 0) {
+            return fail(c, DSV4_CLIENT_UNREACHABLE, c->handshake_failed ?
+                "the CURVE handshake with the server failed: its key is not the one given "
+                "(server_key / server_key_file), or it does not use CURVE" :
+                "server did not answer within the connection timeout");
+        if (zmq_poll(it, 2, (long)left) < 0) {
             if (zmq_errno() == EINTR)
                 continue;               /* a signal: wait on */
             return fail(c, DSV4_CLIENT_INTERNAL, zmq_strerror(zmq_errno()));
         }
-        if (!(it.revents & ZMQ_POLLIN))
+        /* a handshake refused: the reason, once no answer came */
+        while ((it[1].revents & ZMQ_POLLIN) && (ev = dsv4_zsock_mon_next(c->mon)) >= 0)
+            if (ev & CLIENT_HANDSHAKE_EVENTS)
+                c->handshake_failed = true;
+        if (!(it[0].revents & ZMQ_POLLIN))
             continue;
         e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
         dsv4_msg_clear(&c->cur);
@@ -288,15 +305,23 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
     enum dsv4_err e;
     int rc;
 
-    if (out == NULL || endpoint == NULL)
+    connect_errmsg[0] = '\0';
+    if (out == NULL || endpoint == NULL) {
+        snprintf(connect_errmsg, sizeof(connect_errmsg), "no endpoint or no place for the "
+            "connection");
         return DSV4_CLIENT_BAD_ARGUMENT;
+    }
     *out = NULL;
     dsv4_client_opts_init(&o);
     if (opts != NULL)
         memcpy(&o, opts, opts->size < sizeof(o) ? opts->size : sizeof(o));
-    if ((c = calloc(1, sizeof(*c))) == NULL)
+    if ((c = calloc(1, sizeof(*c))) == NULL) {
+        snprintf(connect_errmsg, sizeof(connect_errmsg), "out of memory");
         return DSV4_CLIENT_NO_MEMORY;
+    }
     if ((c->ctx = zmq_ctx_new()) == NULL) {
+        snprintf(connect_errmsg, sizeof(connect_errmsg), "zmq_ctx_new: %s",
+            zmq_strerror(zmq_errno()));
         free(c);
         return DSV4_CLIENT_INTERNAL;
     }
@@ -336,7 +361,8 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
     }
     /* Without the monitor a restarted scheduler would go unnoticed and the
      * requests in flight would wait forever: the connection is refused. */
-    c->mon = dsv4_zsock_mon_open(c->ctx, c->sock, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED);
+    c->mon = dsv4_zsock_mon_open(c->ctx, c->sock, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED |
+        CLIENT_HANDSHAKE_EVENTS);
     if (c->mon == NULL) {
         rc = fail(c, DSV4_CLIENT_INTERNAL, "cannot watch the connection (socket monitor)");
         goto err;
@@ -348,6 +374,7 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
     *out = c;
     return 0;
 err:
+    snprintf(connect_errmsg, sizeof(connect_errmsg), "%s", c->errmsg);
     dsv4_client_close(c);
     return rc;
 }
@@ -593,7 +620,7 @@ dsv4_client_pending(const struct dsv4_client *c)
 const char *
 dsv4_client_errmsg(const struct dsv4_client *c)
 {
-    return c == NULL ? "" : c->errmsg;
+    return c == NULL ? connect_errmsg : c->errmsg;
 }
 
 /* A final ERROR made here: the request's deadline passed, or the server is

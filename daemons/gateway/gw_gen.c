@@ -679,15 +679,15 @@ gw_submit(struct gw_gen *q, struct gw_req *a, struct gw_bad *b)
         snprintf(keyfile, sizeof(keyfile), "%s/server.pub", q->g->conf.key_dir);
         co.server_key_file = keyfile;
     }
-    errno = 0;
     rc = dsv4_client_connect(q->g->conf.client_endpoint, &co, &q->c);
     if (rc == DSV4_CLIENT_UNREACHABLE)
         return gw_bad(b, 503, "scheduler_unreachable", "the scheduler at %s does not "
-            "answer (%d %s)", q->g->conf.client_endpoint, rc, dsv4_client_strerror(rc));
+            "answer (%d %s: %s)", q->g->conf.client_endpoint, rc, dsv4_client_strerror(rc),
+            dsv4_client_errmsg(NULL));
     if (rc != 0)   /* the gateway's own failure (no descriptors, no memory) */
         return gw_bad(b, 500, "internal_error", "the gateway could not open a connection to "
-            "the scheduler (%d %s%s%s)", rc, dsv4_client_strerror(rc), errno != 0 ? ": " : "",
-            errno != 0 ? strerror(errno) : "");
+            "the scheduler (%d %s: %s)", rc, dsv4_client_strerror(rc),
+            dsv4_client_errmsg(NULL));
     q->t_submit = gw_now_ms();
     q->deadline = q->t_submit + q->g->conf.gateway_timeout_ms + 5000;
     if (q->chat)

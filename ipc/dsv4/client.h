@@ -44,8 +44,8 @@ extern "C" {
 #endif
 
 #define DSV4_CLIENT_VERSION_MAJOR 1
-#define DSV4_CLIENT_VERSION_MINOR 1
-#define DSV4_CLIENT_VERSION_PATCH 1
+#define DSV4_CLIENT_VERSION_MINOR 2
+#define DSV4_CLIENT_VERSION_PATCH 0
 
 #if defined(DSV4_CLIENT_BUILD)
 #define DSV4_API __attribute__((visibility("default")))
@@ -207,7 +207,10 @@ DSV4_API int dsv4_client_cancel(struct dsv4_client *c, uint64_t id);
 /* Number of requests in flight (submitted, final event not yet returned). */
 DSV4_API size_t dsv4_client_pending(const struct dsv4_client *c);
 
-/* Detail of the last failure on this connection ("" if none). */
+/* Detail of the last failure on this connection ("" if none).  With c NULL
+ * (since 1.2.0): the calling thread's detail of its last failed
+ * dsv4_client_connect (the file of a key that could not be read, a CURVE
+ * handshake the server refused, ...), "" after a connect that worked. */
 DSV4_API const char *dsv4_client_errmsg(const struct dsv4_client *c);
 
 #ifdef __cplusplus

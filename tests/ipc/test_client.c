@@ -200,9 +200,14 @@ test_connect(void **state)
      * form, a server key that is not 40 Z85 characters. */
     dsv4_client_opts_init(&o);
     assert_int_equal(dsv4_client_connect("bogus://x", &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+    assert_non_null(strstr(dsv4_client_errmsg(NULL), "endpoint"));   /* the reason kept */
     o.server_key = "too-short";
     assert_int_equal(dsv4_client_connect(s->endpoint, &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+    assert_non_null(strstr(dsv4_client_errmsg(NULL), "40"));
     assert_null(c);
+    c = connect_ok(s);
+    assert_string_equal(dsv4_client_errmsg(NULL), "");   /* a connect that worked */
+    dsv4_client_close(c);
 }
 
 /* Three text requests interleaved on one connection. */

@@ -285,8 +285,8 @@ worker_main(void *arg)
     copts.connect_timeout_ms = o->connect_timeout_ms;
     rc = dsv4_client_connect(o->endpoint, &copts, &w->c);
     if (rc != 0)
-        fprintf(stderr, "dsv4-bench: worker %d: %s: %d %s\n", w->index, o->endpoint, rc,
-            dsv4_client_strerror(rc));
+        fprintf(stderr, "dsv4-bench: worker %d: %s: %d %s: %s\n", w->index, o->endpoint, rc,
+            dsv4_client_strerror(rc), dsv4_client_errmsg(NULL));
     pthread_barrier_wait(&lv->ready);
     if (rc != 0)
         goto lost;

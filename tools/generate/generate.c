@@ -281,7 +281,10 @@ main(int argc, char **argv)
      * loop sends the CANCEL once it runs) */
     signal(SIGINT, on_sigint);
     if ((rc = dsv4_client_connect(endpoint, &o, &c)) != 0) {
-        fprintf(stderr, "dsv4-generate: %s: %d %s\n", endpoint, rc, dsv4_client_strerror(rc));
+        const char *why = dsv4_client_errmsg(NULL);
+
+        fprintf(stderr, "dsv4-generate: %s: %d %s%s%s\n", endpoint, rc, dsv4_client_strerror(rc),
+            why[0] != '\0' ? ": " : "", why);
         goto out;
     }
     rc = as_ids ? dsv4_client_submit_tokens(c, ids, n_ids, &p, &id) :
