@@ -34,6 +34,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <sys/queue.h>
+
 #include <json-c/json.h>
 #include <microhttpd.h>
 
@@ -96,6 +98,21 @@ struct gw_metrics {
 
 /* The gateway process: configuration, tokenizer, bearer keys, the HTTP
  * daemon, the admin connection to the scheduler and the metrics. */
+/* Where a connection's current request is (gw_deadline.c): its headers or
+ * body are still coming (bounded by gateway_idle_s as a whole), or it is
+ * being served (no bound here: gateway_timeout_ms). */
+enum gw_phase { GW_PH_HEAD, GW_PH_BODY, GW_PH_SERVING };
+
+/* A connection the deadline reaper watches (MHD's socket context). */
+struct gw_sock {
+    TAILQ_ENTRY(gw_sock) entry;
+    int fd;
+    enum gw_phase phase;
+    int64_t since_ms;            /* when the phase began (monotonic) */
+    bool cut;                    /* shut down by the reaper */
+};
+TAILQ_HEAD(gw_sock_list, gw_sock);
+
 struct gw {
     struct dsv4_conf conf;
     struct dsv4_tok *tok;        /* chat rendering, token pieces; encode under toklock */
@@ -115,7 +132,30 @@ struct gw {
     /* metrics, guarded by mlock */
     pthread_mutex_t mlock;
     struct gw_metrics m;
+    /* connections whose request is still arriving, guarded by dlock */
+    pthread_mutex_t dlock;
+    struct gw_sock_list socks;
+    pthread_t reaper;
+    bool reaper_up;
+    atomic_bool reaper_stop;
 };
+
+/* --- gw_deadline.c ----------------------------------------------------- */
+
+/* Start the reaper: a thread that shuts down every connection whose
+ * request (headers, then body) has been arriving for longer than
+ * gateway_idle_s — a client trickling a byte at a time never trips
+ * libmicrohttpd's idle timeout.  0, or -1 with the reason logged. */
+int gw_deadline_start(struct gw *g);
+/* Stop and join the reaper (after MHD_stop_daemon). */
+void gw_deadline_stop(struct gw *g);
+/* MHD_OPTION_NOTIFY_CONNECTION: a connection opens (watched, its first
+ * request's headers due) or closes. */
+void gw_deadline_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
+    enum MHD_ConnectionNotificationCode toe);
+/* The request on `conn` moved to `phase` (gw_access: headers in, body in;
+ * gw_completed: the next request's headers due). */
+void gw_deadline_phase(struct gw *g, struct MHD_Connection *conn, enum gw_phase phase);
 
 /* --- gw_http.c -------------------------------------------------------- */
 

@@ -347,6 +347,7 @@ gw_access(void *cls, struct MHD_Connection *conn, const char *url, const char *m
         if ((c = calloc(1, sizeof(*c))) == NULL)
             return MHD_NO;
         *con_cls = c;
+        gw_deadline_phase(g, conn, GW_PH_BODY);   /* the headers are in */
         c->route = gw_route_of(url);
         /* Refuse before reading the body (libmicrohttpd then closes the
          * connection): framing a proxy could read otherwise, auth (every
@@ -406,6 +407,7 @@ gw_access(void *cls, struct MHD_Connection *conn, const char *url, const char *m
         *upload_data_size = 0;
         return MHD_YES;
     }
+    gw_deadline_phase(g, conn, GW_PH_SERVING);   /* the whole request is in */
     if (c->refused)
         return MHD_YES;
     c->refused = true; /* answered now; later calls (none expected) do nothing */
@@ -422,7 +424,7 @@ gw_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     struct gw *g = cls;
     struct gw_conn *c = *con_cls;
 
-    (void)conn;
+    gw_deadline_phase(g, conn, GW_PH_HEAD);   /* the next request's headers are due */
     if (c == NULL)
         return;
     if (c->gen != NULL)
@@ -513,6 +515,10 @@ gw_http_start(struct gw *g, int listen_fd)
 {
     if (listen_fd < 0 && (listen_fd = gw_listen(g->conf.gateway_listen)) < 0)
         return -1;
+    if (gw_deadline_start(g) != 0) {
+        close(listen_fd);
+        return -1;
+    }
     g->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
         MHD_USE_POLL | MHD_USE_ERROR_LOG, 0, NULL, NULL, gw_access, g,
         MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL,   /* first: it logs the others */
@@ -521,9 +527,11 @@ gw_http_start(struct gw *g, int listen_fd)
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)g->conf.gateway_idle_s,
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536,
         MHD_OPTION_NOTIFY_COMPLETED, gw_completed, g,
+        MHD_OPTION_NOTIFY_CONNECTION, gw_deadline_notify, g,
         MHD_OPTION_END);
     if (g->mhd == NULL) {
         log_warnx("gw_http_start: libmicrohttpd did not start");
+        gw_deadline_stop(g);
         close(listen_fd);
         return -1;
     }
@@ -536,4 +544,5 @@ gw_http_stop(struct gw *g)
     if (g->mhd != NULL)
         MHD_stop_daemon(g->mhd);
     g->mhd = NULL;
+    gw_deadline_stop(g);
 }

@@ -1056,6 +1056,28 @@ def sc_scripted():
         log("a stream quiet for 3.5 x gateway_idle_s: %d keep-alives, then its tokens and "
             "[DONE]" % r[2].count(b": keep-alive"))
 
+        # A client trickling its headers (a line every 0.4 s, never idle for
+        # gateway_idle_s) is cut once its request has been arriving for
+        # gateway_idle_s; it used to keep its connection slot for good.
+        t = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+        t.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        t0, closed = time.time(), False
+        while time.time() - t0 < 8 and not closed:
+            time.sleep(0.4)
+            try:
+                t.sendall(b"X-Trickle: 1\r\n")
+                t.settimeout(0.01)
+                try:
+                    closed = t.recv(1) == b""
+                except socket.timeout:
+                    pass
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        t.close()
+        check(closed, "a trickling client kept its connection for 8 s (gateway_idle_s 1)")
+        log("a client trickling its headers: cut after %.1f s (gateway_idle_s 1)" %
+            (time.time() - t0))
+
         # Half-close after the request: the gateway cannot tell it from a
         # close, so the FIN cancels the request, streamed or not
         # (docs/gateway.md "Client disconnects").
