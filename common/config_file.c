@@ -54,7 +54,7 @@ static const struct cfg_key cfg_keys[] = {
                             0, 0, 0777, NULL },
     { "key_dir",            STR(key_dir) },
     { "max_batch",          INT(max_batch, 1, 1024) },
-    { "queue_max",          INT(queue_max, 0, 1 << 24) },
+    { "queue_max",          INT(queue_max, 1, 1 << 24) },   /* 0 refused every request */
     { "prefill_chunk",      INT(prefill_chunk, 1, 1 << 20) },
     { "heartbeat_ms",       INT(heartbeat_ms, 10, 600000) },
     { "liveness",           INT(liveness, 1, 100) },

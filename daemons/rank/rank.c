@@ -617,8 +617,10 @@ rank_loop(struct rank *k)
             if (rank_send(k, &m))
                 k->drain = false;
         }
-        work = k->link == RANK_LINK_UP && (k->o.role == DSV4_ROLE_PREFILL ?
-                                           prefill_pending(k) : decode_pending(k));
+        /* work it can run: a group member without its communicator waits
+         * (below) and must not spin on the work it holds meanwhile */
+        work = k->link == RANK_LINK_UP && (k->o.group_size <= 1 || k->comm != NULL) &&
+               (k->o.role == DSV4_ROLE_PREFILL ? prefill_pending(k) : decode_pending(k));
         if (work || timeout < 0)
             timeout = 0;
         /* a group ticks every iteration: the peers' ticks wait for ours */

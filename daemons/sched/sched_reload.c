@@ -92,6 +92,9 @@ sched_reload(struct sched *s, char *msg, size_t len)
         if (*cur == v)
             continue;
         log_notice("reload: %s %d -> %d", live_keys[i].name, *cur, v);
+        if (live_keys[i].off == offsetof(struct dsv4_conf, prefill_chunk) && v > *cur)
+            log_warnx("reload: prefill ranks cut chunks to the rows per call they sized at "
+                "their start: restart them for chunks of %d", v);
         *cur = v;
         changed++;
     }

@@ -272,6 +272,8 @@ test_errors(void **state)
         expect_error(text, "admin_mode: value longer than 511 bytes");
     }
     expect_error("max_batch = 99999999999999999999999\n", "max_batch: 99999999999999999999999 out of range");
+    /* 0 refused every request with 300 (0 means "none" for other keys) */
+    expect_error("queue_max = 0\n", "queue_max");
     dsv4_conf_defaults(&c);
     assert_int_equal(dsv4_conf_load(&c, "/nonexistent/dsv4.conf",
         DSV4_CONF_ROLE_NONE), DSV4_ERR_SYS);
