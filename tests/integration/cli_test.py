@@ -246,6 +246,44 @@ def ctl_waits(paths, tmp):
     log("dsv4ctl drain: a limit under 1 ms is 1 ms; a scheduler gone mid-wait ends it (3)")
 
 
+def nobody_there(paths, tmp):
+    """Against an admin endpoint nobody listens on: dsv4ctl drain without a
+    limit ends with exit 3 (it waited for ever), and --json listings print
+    nothing on stdout (they printed half an array, "[").  dsv4-launch
+    refuses an abstract ipc://@NAME endpoint (it made a file "@NAME" no
+    client found) with 6, and a command of more than 64 arguments (it ran
+    with 64) with 2."""
+    ep = "ipc://%s/nobody-admin.sock" % tmp
+    try:
+        r = subprocess.run([paths["dsv4ctl"], "--admin", ep, "drain", "all"],
+                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise Fail("dsv4ctl drain against nobody still waiting after %d s" % RUN_TIMEOUT_S)
+    check(r.returncode == 3 and "no answer" in r.stderr,
+          "dsv4ctl drain against nobody: exit %d: %s" % (r.returncode, r.stderr))
+    for what in ("ranks", "requests"):
+        r = subprocess.run([paths["dsv4ctl"], "--json", "--admin", ep, what],
+                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        check(r.returncode == 3 and r.stdout == "",
+              "dsv4ctl --json %s against nobody: exit %d, stdout %r" %
+              (what, r.returncode, r.stdout))
+    launch = svc_test.exe("tools/launch/dsv4-launch")
+    r = subprocess.run([launch, "-P", "0", "-D", "0", "-o",
+                        "client_endpoint=ipc://@dsv4-cli-test-abstract", "--", "true"],
+                       capture_output=True, text=True, cwd=tmp, timeout=RUN_TIMEOUT_S)
+    check(r.returncode == 6 and "abstract" in r.stderr and
+          not os.path.exists(os.path.join(tmp, "@dsv4-cli-test-abstract")),
+          "dsv4-launch with an abstract endpoint: exit %d: %s" % (r.returncode, r.stderr[-300:]))
+    r = subprocess.run([launch, "-P", "0", "-D", "0", "--", "sh", "-c", "exit 0", "sh"] +
+                       [str(i) for i in range(100)], capture_output=True, text=True,
+                       cwd=tmp, timeout=RUN_TIMEOUT_S)
+    check(r.returncode == 2 and "at most 64" in r.stderr,
+          "dsv4-launch with 104 command arguments: exit %d: %s" %
+          (r.returncode, r.stderr[-300:]))
+    log("nobody there: dsv4ctl drain exits 3, --json listings print nothing; dsv4-launch "
+        "refuses an abstract endpoint (6) and a command of 104 arguments (2)")
+
+
 def ctl_endpoint(paths, tmp):
     """dsv4ctl's endpoint and key: $DSV4_ADMIN_ENDPOINT (dsv4-launch sets it
     for its command) when --admin is absent, ahead of the file's
@@ -319,6 +357,7 @@ def main():
                     (tmp, tmp, tmp, svc.model, tok))
         checks(paths, dconf, tmp)
         ctl_waits(paths, tmp)
+        nobody_there(paths, tmp)
         ctl_endpoint(paths, tmp)
         lconf = os.path.join(tmp, "l.conf")
         with open(lconf, "w") as f:

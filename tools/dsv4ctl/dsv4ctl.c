@@ -40,7 +40,8 @@
 
 struct ctl {
     void *zctx, *sock;
-    void *mon;                  /* PAIR: the DEALER's DISCONNECTED events; NULL = none */
+    void *mon;                  /* PAIR: the DEALER's (DIS)CONNECTED events; NULL = none */
+    bool connected;             /* the monitor saw the connection made */
     bool json;
     int n_items;
 };
@@ -124,22 +125,40 @@ mon_dropped(struct ctl *c)
     bool dropped = false;
     int ev;
 
-    while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0)
+    while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0) {
         dropped = dropped || ev == ZMQ_EVENT_DISCONNECTED;
+        c->connected = c->connected || ev == ZMQ_EVENT_CONNECTED;
+    }
     return dropped;
 }
 
-/* Wait for one message; wait_ms < 0 = forever.  0 ok, 3 no answer. */
+/* Wait for one message; wait_ms < 0 = forever once connected (a drain's
+ * answer), but CTL_TIMEOUT_MS at most for the connection itself: an
+ * endpoint nobody listens on (a typo, no permission, the scheduler down)
+ * is "no answer", not a wait without end.  0 ok, 3 no answer. */
 static int
 recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
 {
     zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+    int64_t start = dsv4_now_ms();
     struct dsv4_perr pe;
 
     for (;;) {
         zmq_pollitem_t its[2] = { it, { c->mon, 0, ZMQ_POLLIN, 0 } };
-        int rc = zmq_poll(its, c->mon != NULL ? 2 : 1, wait_ms);
+        long w = wait_ms, left = CTL_TIMEOUT_MS - (long)(dsv4_now_ms() - start);
+        int rc;
 
+        if (wait_ms < 0 && c->mon != NULL && !c->connected) {
+            if (left <= 0) {
+                fprintf(stderr, "dsv4ctl: no answer from the scheduler (no connection "
+                    "within %d ms)\n", CTL_TIMEOUT_MS);
+                return 3;
+            }
+            w = left;
+        }
+        rc = zmq_poll(its, c->mon != NULL ? 2 : 1, w);
+        if (rc == 0 && w != wait_ms)
+            continue;   /* the connection's bound, checked above */
         if (rc <= 0) {
             fprintf(stderr, "dsv4ctl: no answer from the scheduler\n");
             return 3;
@@ -377,8 +396,8 @@ listing(struct ctl *c, int cmd, int item, int end)
 
     if ((rc = send_cmd(c, cmd, NULL, 0)) != 0)
         return rc;
-    if (c->json && cmd != DSV4_CTL_SHOW_STATUS)
-        printf("[");
+    /* the JSON array's "[" with its first item or its end: a listing that
+     * fails prints nothing on stdout, not half an array */
     for (;;) {
         if ((rc = recv_msg(c, &m, CTL_TIMEOUT_MS)) != 0)
             return rc;
@@ -392,6 +411,8 @@ listing(struct ctl *c, int cmd, int item, int end)
             dsv4_msg_clear(&m);
             return 0;
         }
+        if (m.cmd == item && c->json && c->n_items == 0)
+            printf("[");
         if (m.cmd == item && item == DSV4_CTL_RANK)
             print_rank(c, &m.u.rank);
         else if (m.cmd == item && item == DSV4_CTL_REQUEST)
@@ -400,7 +421,7 @@ listing(struct ctl *c, int cmd, int item, int end)
             uint32_t n = m.u.count.count;
 
             if (c->json)
-                printf("]\n");
+                printf("%s]\n", c->n_items == 0 ? "[" : "");
             else if (c->n_items == 0)
                 printf("(none)\n");
             dsv4_msg_clear(&m);
@@ -582,7 +603,7 @@ main(int argc, char *argv[])
     }
     /* Best effort: without the monitor a wait without a limit cannot
      * notice a scheduler restart. */
-    c.mon = dsv4_zsock_mon_open(c.zctx, c.sock, ZMQ_EVENT_DISCONNECTED);
+    c.mon = dsv4_zsock_mon_open(c.zctx, c.sock, ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECTED);
     if (strcmp(cmd, "status") == 0)
         rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
     else if (strcmp(cmd, "ranks") == 0)

@@ -161,6 +161,11 @@ parse_args(struct launch *l, int argc, char **argv)
     }
     if (optind < argc)
         o->command = argv + optind;
+    if (argc - optind > LAUNCH_MAX_ARGS) {   /* it would run with fewer than given */
+        fprintf(stderr, "dsv4-launch: the command after -- has %d arguments, at most %d\n",
+                argc - optind, LAUNCH_MAX_ARGS);
+        usage(2);
+    }
     if (o->no_sched && o->n_prefill == 0 && o->n_decode == 0) {
         fprintf(stderr, "dsv4-launch: --no-sched with -P 0 -D 0: nothing to run\n");
         usage(2);

@@ -112,6 +112,13 @@ proc_exec(struct launch *l, struct launch_child *k)
      * point, is every child's parent) */
     if (getppid() != l->self)
         _exit(1);
+    /* a daemon in a process group of its own: a terminal's SIGHUP or SIGINT
+     * (its session closed, Ctrl-C) reaches the launcher, which stops or
+     * reloads as documented, not the ranks (a rank killed by SIGHUP counted
+     * as a clean exit and was never restarted).  The command stays in the
+     * launcher's group, the terminal's foreground. */
+    if (k->role != LAUNCH_COMMAND)
+        (void)setpgid(0, 0);
     /* the launcher ignores SIGPIPE (as systemd's IgnoreSIGPIPE= does for
      * the daemons); the command gets the default, as from a shell */
     if (k->role == LAUNCH_COMMAND)

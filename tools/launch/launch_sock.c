@@ -63,6 +63,13 @@ sock_listen_ipc(const char *path, unsigned mode, char *path_out, size_t path_len
 
     memset(&sa, 0, sizeof(sa));
     sa.sun_family = AF_UNIX;
+    if (*path == '@') {
+        /* zsock and libzmq take ipc://@NAME as the abstract namespace; a
+         * listener made here would be a file "@NAME" no client finds */
+        log_warnx("sock_listen: ipc://%s: an abstract socket; dsv4-launch passes socket "
+            "files to the scheduler: give a path (or start dsv4-sched without it)", path);
+        return LAUNCH_SOCK_CONFIG;
+    }
     if (*path == '\0' || strlen(path) >= sizeof(sa.sun_path)) {
         log_warnx("sock_listen: ipc://%s: %s", path, *path == '\0' ? "no path" :
             "path too long for a unix socket");
