@@ -22,6 +22,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,7 @@ struct dsv4_wshare_server {
     dev_t dev;                   /* the path's inode when claimed */
     ino_t ino;
     atomic_int serving;
+    bool claim_failed;           /* the last claim failed (said once, then quiet) */
     unsigned serial;             /* temporary name of this server */
     struct dsv4_wshare_hdr hdr;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -224,7 +226,9 @@ dsv4_wshare_unlock(int lockfd)
 
 /* --- client ---------------------------------------------------------------------------- */
 
-/* A connected socket to `path`, or -1 with errno. */
+/* A connected (blocking) socket to `path`, or -1 with errno: EAGAIN when
+ * the listener's backlog is full (a server that stopped accepting: frozen,
+ * stopped, dumping core), at once, not once it accepts again. */
 static int
 ws_connect(const char *path)
 {
@@ -238,10 +242,11 @@ ws_connect(const char *path)
         return -1;
     }
     strcpy(sa.sun_path, path);
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return -1;
-    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {
         e = errno;
         close(fd);
         errno = e;
@@ -398,11 +403,14 @@ ws_claim(struct dsv4_wshare_server *s)
     if (bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 || chmod(sa.sun_path, 0600) != 0 ||
         listen(lfd, 16) != 0 || stat(sa.sun_path, &st) != 0 ||
         rename(sa.sun_path, s->path) != 0) {
-        log_warn("weights share: cannot serve %s", s->path);
+        if (!s->claim_failed)   /* retried every poll: said once */
+            log_warn("weights share: cannot serve %s (trying again, quietly)", s->path);
+        s->claim_failed = true;
         (void)unlink(sa.sun_path);
         close(lfd);
         return;
     }
+    s->claim_failed = false;
     s->dev = st.st_dev;
     s->ino = st.st_ino;
     s->lfd = lfd;

@@ -60,8 +60,8 @@ share_wanted(struct rank *k, const char *dir)
         why = "the share directory is not writable";
     if (why == NULL)
         return true;
-    if (yes)
-        fatalx("rank_init: share_weights = yes: %s (%s)", why, dir);
+    if (yes)   /* exit 6: a restart would meet the same */
+        fatalx_conf("rank_init: share_weights = yes: %s (%s)", why, dir);
     log_info("rank_init: weights not shared: %s", why);
     return false;
 }
@@ -91,8 +91,16 @@ rank_share_begin(struct rank *k, const struct dsv4_config *cfg, const char *sour
     if (dsv4_cuda_device_uuid(k->be, s->uuid) != DSV4_OK)
         fatalx("rank_init: weights share: %s", dsv4_errmsg());
     if (dsv4_wshare_path(s->path, sizeof(s->path), dir, s->uuid, k->o.group_rank,
-                         k->o.group_size) != DSV4_OK)
-        fatalx("rank_init: %s", dsv4_errmsg());
+                         k->o.group_size) != DSV4_OK) {
+        /* a share directory too long for a socket path: the configuration's
+         * fault under yes (exit 6, not restarted), one copy under auto */
+        if (strcmp(k->o.conf.share_weights, "yes") == 0)
+            fatalx_conf("rank_init: share_weights = yes: %s", dsv4_errmsg());
+        log_warnx("rank_init: weights not shared: %s (set share_dir to a shorter directory)",
+                  dsv4_errmsg());
+        free(s);
+        return;
+    }
     s->fingerprint = dsv4_wshare_fingerprint(cfg, source, (int)k->o.group_rank,
                                              (int)k->o.group_size);
     k->share = s;

@@ -340,6 +340,53 @@ test_takeover_after_kill(void **state)
     close(fb);
 }
 
+/* An owner that stops accepting (SIGSTOP: a debugger, a frozen cgroup, a
+ * core being written) with its socket open: the standby's probes fill its
+ * backlog, then used to block in connect(), so stopping the standby (a
+ * rank's shutdown) and a new rank's fetch hung until the owner ran again.
+ * Both end now: the stop at once, the fetch at its wait. */
+static void
+test_frozen_owner(void **state)
+{
+    struct dsv4_wshare_server *b;
+    struct dsv4_wshare_hdr h, got;
+    int ready[2], fb = make_memfd(2), gfd = -1, status;
+    pid_t pid;
+    char c;
+
+    (void)state;
+    assert_int_equal(pipe(ready), 0);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        struct dsv4_wshare_server *a;
+        int fa = make_memfd(1);
+
+        close(ready[0]);
+        make_hdr(&h, "child", 5);
+        if (dsv4_wshare_serve(&a, path, fa, &h) != DSV4_OK || !dsv4_wshare_serving(a))
+            _exit(1);
+        if (write(ready[1], "r", 1) != 1)
+            _exit(1);
+        for (;;)
+            pause();   /* stopped, then killed, by the parent */
+    }
+    close(ready[1]);
+    assert_int_equal(read(ready[0], &c, 1), 1);
+    close(ready[0]);
+    assert_int_equal(kill(pid, SIGSTOP), 0);
+    make_hdr(&h, "parent", 5);
+    assert_int_equal(dsv4_wshare_serve(&b, path, fb, &h), DSV4_OK);
+    assert_int_equal(dsv4_wshare_serving(b), 0);
+    sleep(6);   /* the standby probes every 250 ms: the owner's backlog (16) fills */
+    assert_int_equal(dsv4_wshare_fetch(path, 1000, &gfd, &got), DSV4_ERR_TIMEOUT);
+    assert_int_equal(gfd, -1);
+    dsv4_wshare_stop(b);   /* returns: the test would hang here before */
+    assert_int_equal(kill(pid, SIGKILL), 0);
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    close(fb);
+}
+
 /* --- malformed answers: a fake server thread ------------------------------------ */
 
 enum fake_kind { FAKE_SHORT, FAKE_MAGIC, FAKE_NOFD, FAKE_VERSION };
@@ -451,6 +498,7 @@ main(void)
         cmocka_unit_test_setup_teardown(test_stale, setup, teardown),
         cmocka_unit_test_setup_teardown(test_standby, setup, teardown),
         cmocka_unit_test_setup_teardown(test_takeover_after_kill, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_frozen_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lock, setup, teardown),
     };
