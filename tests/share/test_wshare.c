@@ -292,16 +292,16 @@ test_standby(void **state)
     close(fb);
 }
 
-static void
-test_takeover_after_kill(void **state)
+/* A child process serving `path` (owner "child", a memfd of seed 1), once
+ * it serves; the caller stops or kills it. */
+static pid_t
+spawn_owner(void)
 {
-    struct dsv4_wshare_server *b;
-    struct dsv4_wshare_hdr h, got;
-    int ready[2], fb = make_memfd(2), gfd = -1, status;
+    struct dsv4_wshare_hdr h;
+    int ready[2];
     pid_t pid;
     char c;
 
-    (void)state;
     assert_int_equal(pipe(ready), 0);
     pid = fork();
     assert_true(pid >= 0);
@@ -316,11 +316,24 @@ test_takeover_after_kill(void **state)
         if (write(ready[1], "r", 1) != 1)
             _exit(1);
         for (;;)
-            pause();   /* killed by the parent */
+            pause();   /* stopped or killed by the parent */
     }
     close(ready[1]);
     assert_int_equal(read(ready[0], &c, 1), 1);
     close(ready[0]);
+    return pid;
+}
+
+static void
+test_takeover_after_kill(void **state)
+{
+    struct dsv4_wshare_server *b;
+    struct dsv4_wshare_hdr h, got;
+    int fb = make_memfd(2), gfd = -1, status;
+    pid_t pid;
+
+    (void)state;
+    pid = spawn_owner();
     make_hdr(&h, "parent", 5);
     assert_int_equal(dsv4_wshare_serve(&b, path, fb, &h), DSV4_OK);
     assert_int_equal(dsv4_wshare_serving(b), 0);
@@ -350,30 +363,11 @@ test_frozen_owner(void **state)
 {
     struct dsv4_wshare_server *b;
     struct dsv4_wshare_hdr h, got;
-    int ready[2], fb = make_memfd(2), gfd = -1, status;
+    int fb = make_memfd(2), gfd = -1, status;
     pid_t pid;
-    char c;
 
     (void)state;
-    assert_int_equal(pipe(ready), 0);
-    pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        struct dsv4_wshare_server *a;
-        int fa = make_memfd(1);
-
-        close(ready[0]);
-        make_hdr(&h, "child", 5);
-        if (dsv4_wshare_serve(&a, path, fa, &h) != DSV4_OK || !dsv4_wshare_serving(a))
-            _exit(1);
-        if (write(ready[1], "r", 1) != 1)
-            _exit(1);
-        for (;;)
-            pause();   /* stopped, then killed, by the parent */
-    }
-    close(ready[1]);
-    assert_int_equal(read(ready[0], &c, 1), 1);
-    close(ready[0]);
+    pid = spawn_owner();
     assert_int_equal(kill(pid, SIGSTOP), 0);
     make_hdr(&h, "parent", 5);
     assert_int_equal(dsv4_wshare_serve(&b, path, fb, &h), DSV4_OK);
