@@ -164,6 +164,8 @@ decode_pending(const struct rank *k)
     return false;
 }
 
+static void stats_post(struct rank *k, int64_t t1);
+
 static void
 decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
 {
@@ -186,8 +188,14 @@ decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
     }
     memset(st, 0, sizeof(*st));
     dsv4_model_seq_reset(k->m, slot);
-    if (!decode_pending(k))
-        k->st_fwd_end_us = 0;   /* idle from here: no step gap to count (decode_stats) */
+    if (!decode_pending(k)) {
+        /* idle from here: no step gap to count, and the open window ends
+         * at the last step (an abort or a failed step ended the last
+         * stream), not at the next stream's first step */
+        if (k->st_fwd_end_us != 0)
+            stats_post(k, k->st_fwd_end_us);
+        k->st_fwd_end_us = 0;
+    }
 }
 
 /* Why stream `st` ends after emitting `tok` (a stop id, max_tokens), or
@@ -265,7 +273,6 @@ static void
 decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
 {
     bool idle = !decode_pending(k);
-    double fwd_ms, out_us;
 
     if (k->st_win_us == 0)
         k->st_win_us = t0;
@@ -279,6 +286,20 @@ decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
     k->st_fwd_end_us = idle ? 0 : t1;   /* idle: the next gap is not a step's */
     if (!idle && t1 - k->st_win_us < 1000000)
         return;
+    stats_post(k, t1);
+}
+
+/* Post the open window of decode_stats, ending at t1, and start a new one
+ * (nothing when no step ran in it). */
+static void
+stats_post(struct rank *k, int64_t t1)
+{
+    double fwd_ms, out_us;
+
+    if (k->st_steps == 0) {
+        k->st_win_us = 0;
+        return;
+    }
     fwd_ms = (double)k->st_fwd_us / 1e3 / (double)k->st_steps;
     out_us = k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0;
     sdnotify_status("serving as %s (%d slots); %" PRIu64 " steps (%" PRIu64 " stream-steps) "
