@@ -527,8 +527,12 @@ rank_dispatch_sched(struct rank *k)
              * and the id of a newer epoch makes it give up */
             if (k->link == RANK_LINK_UP)
                 dsv4_liveness_rx(&k->live, dsv4_now_ms());
-            if (m.sub == DSV4_SUB_RANK && m.cmd == DSV4_RANK_COMM &&
-                m.u.comm.comm_epoch != group_joining_epoch(k))
+            /* a newer epoch's id, or the scheduler dropping this rank (a
+             * restarted scheduler answers an unknown rank's heartbeats so):
+             * the join gives up now, not after its bound (up to 60 s) */
+            if (m.sub == DSV4_SUB_RANK &&
+                ((m.cmd == DSV4_RANK_COMM && m.u.comm.comm_epoch != group_joining_epoch(k)) ||
+                 m.cmd == DSV4_RANK_DISCONNECT))
                 group_join_cancel(k);
             group_hold(k, &m);
             continue;
