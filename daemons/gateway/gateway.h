@@ -96,8 +96,6 @@ struct gw_metrics {
     struct gw_hist duration;     /* submit -> final event */
 };
 
-/* The gateway process: configuration, tokenizer, bearer keys, the HTTP
- * daemon, the admin connection to the scheduler and the metrics. */
 /* Where a connection's current request is (gw_deadline.c): its headers or
  * body are still coming (bounded by gateway_idle_s as a whole), or it is
  * being served (no bound here: gateway_timeout_ms). */
@@ -113,6 +111,9 @@ struct gw_sock {
 };
 TAILQ_HEAD(gw_sock_list, gw_sock);
 
+/* The gateway process: configuration, tokenizer, bearer keys, the HTTP
+ * daemon, the admin connection to the scheduler, the metrics and the
+ * connections whose requests are still arriving. */
 struct gw {
     struct dsv4_conf conf;
     struct dsv4_tok *tok;        /* chat rendering, token pieces; encode under toklock */
