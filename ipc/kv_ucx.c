@@ -68,6 +68,9 @@
 #define UX_GRACE_MS 1000       /* a freed region stays mapped timeout + this */
 #define UX_TOMB_MS 600000      /* ... then its pages are dropped (reads see zeros) and its
                                   addresses kept this much longer, unmapped after */
+#define UX_TOMBS_MAX 4096      /* ... or sooner, oldest first, past this many: each is a
+                                  mapping of its own (vm.max_map_count is 65,530 by
+                                  default); 4,096 in 10 minutes is 6.8 exports a second */
 #define UX_CLOSE_MS 2000       /* bound on closing endpoints at shutdown */
 #define UX_ALIGN 4096          /* buffer alignment */
 #define UX_LANES_MAX 1024      /* bytes of the logged lane description */
@@ -108,7 +111,6 @@ struct ux_grave {
     void *buf;                   /* an mmap of len bytes */
     size_t len;
     int64_t free_ms;             /* monotonic: its pages dropped from then */
-    bool tomb;                   /* dropped: unmapped at free_ms + UX_TOMB_MS */
 };
 TAILQ_HEAD(ux_grave_list, ux_grave);
 
@@ -131,7 +133,9 @@ struct ux {
     size_t self_len;
     struct ux_peer_list peers;
     struct ux_peer_list closing;
-    struct ux_grave_list graves;
+    struct ux_grave_list graves;   /* freed, still mapped, in free order */
+    struct ux_grave_list tombs;    /* past their grace, pages dropped, in the same order */
+    int ntombs;
     struct ux_get_list abandoned;   /* cancelled gets still running */
     int64_t grave_ms;            /* how long a freed region stays mapped */
     char lanes[UX_LANES_MAX];    /* last lane description logged */
@@ -325,19 +329,27 @@ ux_reap(struct ux *u, int64_t now)
      * stalled link, an importer of a longer kv_timeout_ms) still reads it:
      * over TCP this process's own code does, so its pages are dropped
      * (memory back, reads see zeros) and its addresses stay mapped
-     * UX_TOMB_MS more before they go. */
+     * UX_TOMB_MS more, or until UX_TOMBS_MAX younger ones wait, before they
+     * go.  Both lists are in free order, so each walk stops at the first
+     * that stays. */
     for (g = TAILQ_FIRST(&u->graves); g != NULL; g = gn) {
         gn = TAILQ_NEXT(g, entry);
         if (now >= 0 && now < g->free_ms)
             break;   /* in free order: the rest are younger */
-        if (now >= 0 && !g->tomb) {
-            (void)madvise(g->buf, g->len, MADV_DONTNEED);
-            g->tomb = true;
-            continue;
-        }
-        if (now >= 0 && now < g->free_ms + UX_TOMB_MS)
-            continue;
         TAILQ_REMOVE(&u->graves, g, entry);
+        if (now >= 0) {
+            (void)madvise(g->buf, g->len, MADV_DONTNEED);
+            TAILQ_INSERT_TAIL(&u->tombs, g, entry);
+            u->ntombs++;
+        } else {
+            munmap(g->buf, g->len);
+            free(g);
+        }
+    }
+    while ((g = TAILQ_FIRST(&u->tombs)) != NULL &&
+           (now < 0 || now >= g->free_ms + UX_TOMB_MS || u->ntombs > UX_TOMBS_MAX)) {
+        TAILQ_REMOVE(&u->tombs, g, entry);
+        u->ntombs--;
         munmap(g->buf, g->len);
         free(g);
     }
@@ -736,6 +748,7 @@ ux_init(struct dsv4_kvx *x, const struct dsv4_kvx_opts *o)
     TAILQ_INIT(&u->peers);
     TAILQ_INIT(&u->closing);
     TAILQ_INIT(&u->graves);
+    TAILQ_INIT(&u->tombs);
     TAILQ_INIT(&u->abandoned);
     u->wfd = u->evfd = -1;
     u->grave_ms = x->timeout_ms + UX_GRACE_MS;
