@@ -344,10 +344,12 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
     }
     /* the caller's mistakes are 401 with the reason, not a 500 from the
      * socket calls that trip on them */
-    if (strncmp(endpoint, "ipc://", 6) != 0 && strncmp(endpoint, "tcp://", 6) != 0 &&
-        strncmp(endpoint, "inproc://", 9) != 0) {
-        rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT,
-            "endpoint is not ipc://PATH, tcp://HOST:PORT or inproc://NAME");
+    if (endpoint[0] == '@') {   /* dsv4_zsock's "bind here" mark */
+        rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT, "a client connects: no '@' before the endpoint");
+        goto err;
+    }
+    if (dsv4_zsock_check(&cfg) != DSV4_OK) {   /* the endpoint's form */
+        rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT, dsv4_errmsg());
         goto err;
     }
     if (cfg.server_key != NULL && strlen(cfg.server_key) != DSV4_ZSOCK_Z85_LEN) {

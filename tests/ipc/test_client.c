@@ -200,7 +200,12 @@ test_connect(void **state)
      * form, a server key that is not 40 Z85 characters. */
     dsv4_client_opts_init(&o);
     assert_int_equal(dsv4_client_connect("bogus://x", &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
-    assert_non_null(strstr(dsv4_client_errmsg(NULL), "endpoint"));   /* the reason kept */
+    assert_non_null(strstr(dsv4_client_errmsg(NULL), "ipc://PATH"));   /* the reason kept */
+    assert_int_equal(dsv4_client_connect("tcp://localhost:99999", &o, &c),
+        DSV4_CLIENT_BAD_ARGUMENT);
+    snprintf(ep, sizeof(ep), "@%s", s->endpoint);   /* a bind */
+    assert_int_equal(dsv4_client_connect(ep, &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
+    assert_non_null(strstr(dsv4_client_errmsg(NULL), "'@'"));
     o.server_key = "too-short";
     assert_int_equal(dsv4_client_connect(s->endpoint, &o, &c), DSV4_CLIENT_BAD_ARGUMENT);
     assert_non_null(strstr(dsv4_client_errmsg(NULL), "40"));
