@@ -244,6 +244,8 @@ struct rank {
     uint32_t rr;                /* prefill: round-robin start */
     struct rank_export_list exports;
     uint32_t n_exports;
+    bool kv_shm_full;            /* the last kv_fill found no room for its region in
+                                    /dev/shm (shm transport): not the device's memory */
     struct rank_stream *streams; /* decode: (slots) */
     uint64_t n_steps;           /* decode steps run (TOKENS step) */
 

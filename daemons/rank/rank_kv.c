@@ -130,8 +130,13 @@ kv_fill(struct rank *k, struct dsv4_kvx *x, uint64_t req, int slot, size_t need,
 {
     enum dsv4_err e = rank_test_nomem(&k->test_export_nomem, RANK_TEST_EXPORT_NOMEM, DSV4_OK);
 
-    if (e != DSV4_OK || (e = dsv4_kvx_export(x, req, need, r)) != DSV4_OK)
+    k->kv_shm_full = false;
+    if (e != DSV4_OK)
         return e;
+    if ((e = dsv4_kvx_export(x, req, need, r)) != DSV4_OK) {
+        k->kv_shm_full = e == DSV4_ERR_NOMEM && x->transport == DSV4_TRANSPORT_SHM;
+        return e;
+    }
     e = x->device_memory ? dsv4_model_state_export_dev(k->m, slot, r->data, need, len)
                          : dsv4_model_state_export(k->m, slot, r->data, need, len);
     if (e != DSV4_OK)

@@ -240,6 +240,12 @@ prefill_warmup(struct rank *k)
             return dsv4_err_set(e, "%s (in a group the rows per call are not lowered: lower "
                                 "prefill_chunk%s)", why, fitted ? " or max_seq, or run fewer "
                                 "daemons on the GPU" : "");
+        /* the region is sized for max_seq whatever the rows: where
+         * /dev/shm is short, smaller calls free none of its room */
+        if (e == DSV4_ERR_NOMEM && fitted && k->kv_shm_full)
+            return dsv4_err_set(e, "%s (no room in /dev/shm for the handoff of a max_seq "
+                                "prompt: lower max_seq, or give /dev/shm more room, e.g. a "
+                                "container's --shm-size)", why);
         if (e != DSV4_ERR_NOMEM || rows == 1)
             return dsv4_err_set(e, "%s%s", why, e == DSV4_ERR_NOMEM && fitted ? " (no room left "
                                 "for the handoff: lower max_seq, or run fewer daemons on the "
