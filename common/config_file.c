@@ -93,6 +93,7 @@ static const struct cfg_key cfg_keys[] = {
     { "gateway_model",      STR(gateway_model) },
     { "gateway_max_body",   INT(gateway_max_body, 1024, 16 << 20) },
     { "gateway_max_conns",  INT(gateway_max_conns, 1, 65535) },
+    { "gateway_max_conns_per_ip", INT(gateway_max_conns_per_ip, 0, 65535) },
     { "gateway_idle_s",     INT(gateway_idle_s, 1, 86400) },
     { "gateway_timeout_ms", INT(gateway_timeout_ms, 1000, 86400000) },
     { "gateway_launch",     ENUM(gateway_launch, cfg_yesno) },

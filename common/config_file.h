@@ -184,6 +184,8 @@ struct dsv4_conf {
     char gateway_model[128];  /* [deepseek-v4-flash] model id of /v1/models */
     int gateway_max_body;     /* [1048576] request body bytes before 413 */
     int gateway_max_conns;    /* [256] concurrent HTTP connections */
+    int gateway_max_conns_per_ip; /* [0] of them from one client address; 0 = no
+                                     bound (behind a proxy all share its address) */
     int gateway_idle_s;       /* [60] close a connection idle (no bytes either
                                  way) this long: slow or stalled clients */
     int gateway_timeout_ms;   /* [600000] deadline of one generation (504) */

@@ -524,6 +524,8 @@ gw_http_start(struct gw *g, int listen_fd)
         MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL,   /* first: it logs the others */
         MHD_OPTION_LISTEN_SOCKET, listen_fd,
         MHD_OPTION_CONNECTION_LIMIT, (unsigned int)g->conf.gateway_max_conns,
+        /* 0: no bound (libmicrohttpd's meaning too) */
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)g->conf.gateway_max_conns_per_ip,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)g->conf.gateway_idle_s,
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536,
         MHD_OPTION_NOTIFY_COMPLETED, gw_completed, g,

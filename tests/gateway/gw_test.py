@@ -842,7 +842,8 @@ def framing_keys_fds():
         f.write("k-framing\n")
     os.chmod(keys, 0o640)
     gw = BareGateway(free_port())
-    p, err = start_bare(d, gw, "gateway_keys = %s\n" % keys, nofile=200)
+    p, err = start_bare(d, gw, "gateway_keys = %s\ngateway_max_conns_per_ip = 2\n" % keys,
+                        nofile=200)
     try:
         text = svc_test.readf(os.path.join(d, "gateway.err"))
         check("gateway_max_conns = 256 needs" in text and "serving 11 connections" in text,
@@ -869,8 +870,53 @@ def framing_keys_fds():
             s.close()
             check(got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1,
                   "%s: %r" % (name, got[:300]))
+        # gateway_max_conns_per_ip = 2: a third connection from this
+        # address is closed unanswered while two are held; one closed, the
+        # next is served
+        def open_pair():
+            """Two connections the gateway keeps (the earlier ones' slots
+            are given back a little after they close: until then a new one
+            may be the address's third, closed at once)."""
+            for _ in range(50):
+                pair = [socket.create_connection(("127.0.0.1", gw.port), timeout=20)
+                        for _ in range(2)]
+                time.sleep(0.3)
+                alive = True
+                for h in pair:
+                    h.setblocking(False)   # no wait: a timeout socket polls first
+                    try:
+                        alive = alive and h.recv(1, socket.MSG_PEEK) != b""
+                    except BlockingIOError:
+                        pass   # open, nothing sent: kept
+                    except OSError:
+                        alive = False
+                    h.settimeout(20)
+                if alive:
+                    return pair
+                for h in pair:
+                    h.close()
+            check(False, "the gateway closed every pair of connections")
+            return []
+
+        held = open_pair()
+        s = socket.create_connection(("127.0.0.1", gw.port), timeout=20)
+        got = b""
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = s.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        s.close()
+        check(got == b"", "a third connection from one address was answered: %r" % got[:200])
+        held.pop().close()
+        time.sleep(0.3)
+        st, _, _ = gw.http("GET", "/health")
+        check(st in (200, 503), "no answer with one connection held: %s" % st)
+        for h in held:
+            h.close()
         log("framing: 11 connections for 200 open files; /v1/embeddings 401 without the key; "
-            "CL+TE and two Content-Lengths 400, connection closed")
+            "CL+TE and two Content-Lengths 400, connection closed; a third connection from "
+            "one address closed at gateway_max_conns_per_ip = 2")
     finally:
         p.terminate()
         try:
