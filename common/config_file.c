@@ -79,6 +79,7 @@ static const struct cfg_key cfg_keys[] = {
     { "ucx_tls",            STR(ucx_tls) },
     { "ucx_devices",        STR(ucx_devices) },
     { "kv_timeout_ms",      INT(kv_timeout_ms, 100, 600000) },
+    { "stop_drain_s",       INT(stop_drain_s, 0, 3600) },
     { "mtp",                ENUM(mtp, cfg_yesno) },
     { "warmup",             ENUM(warmup, cfg_yesno) },
     { "kv_cudaipc",         ENUM(kv_cudaipc, cfg_autoyesno) },
@@ -140,6 +141,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     snprintf(cfg->ucx, sizeof(cfg->ucx), "%s", "auto");
     snprintf(cfg->ucx_tls, sizeof(cfg->ucx_tls), "%s", "tcp");
     cfg->kv_timeout_ms = 5000;
+    cfg->stop_drain_s = 20;
     snprintf(cfg->mtp, sizeof(cfg->mtp), "%s", "no");
     snprintf(cfg->warmup, sizeof(cfg->warmup), "%s", "yes");
     snprintf(cfg->burst, sizeof(cfg->burst), "%s", "no");

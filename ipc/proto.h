@@ -128,7 +128,9 @@ enum dsv4_rank {
     DSV4_RANK_DECODE_DONE,  /* R->S  stream ended on the rank (struct dsv4_rank_decode_done) */
     DSV4_RANK_ABORT,        /* S->R  drop a request (struct dsv4_req_ref) */
     DSV4_RANK_ABORT_DONE,   /* R->S  request's state freed (struct dsv4_req_ref) */
-    DSV4_RANK_DRAIN,        /* S->R  report when idle; empty body */
+    DSV4_RANK_DRAIN,        /* S->R  report when idle; R->S  the rank is stopping
+                               (SIGTERM): place nothing new on its group, it
+                               finishes what it holds; empty body */
     DSV4_RANK_DRAIN_DONE,   /* R->S  idle now; empty body */
     DSV4_RANK_ERROR,        /* both  failure, maybe of one request (struct dsv4_error) */
     DSV4_RANK_COMM,         /* both  group communicator of an epoch (struct dsv4_rank_comm) */

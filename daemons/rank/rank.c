@@ -542,16 +542,36 @@ rank_dispatch_sched(struct rank *k)
     }
 }
 
+/* A first SIGTERM (or SIGINT) with work in hand, the link up and
+ * stop_drain_s > 0: the scheduler is sent DRAIN (place nothing new here)
+ * and the rank stops once idle or stop_drain_s later (rank_loop).  Else,
+ * and at a second signal, it stops now. */
 static void
 rank_signal(struct rank *k)
 {
     struct signalfd_siginfo si;
 
     while (read(k->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
-        if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) {
-            log_notice("rank_signal: %s, stopping", strsignal((int)si.ssi_signo));
-            k->stopping = true;
+        uint32_t n = rank_active(k);
+        struct dsv4_msg m;
+
+        if (si.ssi_signo != SIGTERM && si.ssi_signo != SIGINT)
+            continue;
+        if (k->leave_ms == 0 && n > 0 && k->link == RANK_LINK_UP &&
+            k->o.conf.stop_drain_s > 0) {
+            dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DRAIN);
+            if (rank_send(k, &m)) {
+                k->leave_ms = dsv4_now_ms() + (int64_t)k->o.conf.stop_drain_s * 1000;
+                log_notice("rank_signal: %s: finishing %u requests (at most %d s) before "
+                           "stopping; a second signal stops at once",
+                           strsignal((int)si.ssi_signo), n, k->o.conf.stop_drain_s);
+                sdnotify_stopping();
+                sdnotify_status("stopping: finishing %u requests", n);
+                continue;
+            }
         }
+        log_notice("rank_signal: %s, stopping", strsignal((int)si.ssi_signo));
+        k->stopping = true;
     }
 }
 
@@ -614,6 +634,18 @@ rank_loop(struct rank *k)
             t = k->wd_last_ms + k->wd_interval_ms - now;
             if (t < timeout)
                 timeout = t;
+        }
+        if (k->leave_ms != 0) {
+            /* leaving: done when idle, at its bound, or with the link gone
+             * (nobody to finish for) */
+            if (rank_active(k) == 0 || now >= k->leave_ms || k->link != RANK_LINK_UP) {
+                log_notice("rank_loop: %s, stopping", rank_active(k) == 0 ?
+                           "done" : now >= k->leave_ms ? "stop_drain_s passed" :
+                           "the scheduler's link is gone");
+                break;
+            }
+            if (k->leave_ms - now < timeout)
+                timeout = k->leave_ms - now;
         }
         if (k->drain && k->link == RANK_LINK_UP && rank_active(k) == 0) {
             struct dsv4_msg m;
@@ -1407,6 +1439,8 @@ main(int argc, char **argv)
     sdnotify_stopping();
     if (k.link == RANK_LINK_UP) {
         struct dsv4_msg m;
+
+        rank_heartbeat(&k);   /* what it leaves (0 after a drain): dsv4ctl ranks */
         dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DISCONNECT);
         m.u.disconnect.reason = RANK_STOP_REASON;
         rank_send(&k, &m);

@@ -228,6 +228,9 @@ struct rank {
     bool notified_ready;        /* READY=1 sent to the service manager */
     bool drain;                 /* DRAIN received, DRAIN_DONE not yet sent */
     bool stopping;
+    int64_t leave_ms;           /* SIGTERM with work in hand: the scheduler was
+                                   sent DRAIN; stop once idle or at this time
+                                   (conf stop_drain_s); 0 = not leaving */
 
     /* Work. */
     struct dsv4_kvx *kvx[DSV4_TRANSPORT__COUNT]; /* open transports; NULL = not offered */

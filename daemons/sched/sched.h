@@ -86,6 +86,8 @@ struct sched_rank {
                                                (queue_pick_prefill) */
     enum dsv4_rank_state state;      /* JOINING .. DEAD */
     bool drain;                      /* admin asked to drain it */
+    bool leaving;                    /* it sent DRAIN (stopping: finishing its work);
+                                        not inherited by the next process */
     bool unreachable;                /* a send failed: handled as lost at the next timer */
     uint32_t reported_active;        /* `active` of its last HEARTBEAT */
     uint64_t mtp_drafts, mtp_accepted; /* MTP counters of its last HEARTBEAT with them */

@@ -53,8 +53,9 @@ queue_remove(struct sched *s, struct sched_req *r)
     s->n_queued--;
 }
 
-/* A group takes work when it is complete, none of its ranks is drained,
- * and (several ranks) every rank has the communicator of its epoch. */
+/* A group takes work when it is complete, none of its ranks is drained or
+ * leaving, and (several ranks) every rank has the communicator of its
+ * epoch. */
 static bool
 group_usable(const struct sched_group *g)
 {
@@ -63,7 +64,7 @@ group_usable(const struct sched_group *g)
     for (uint32_t i = 0; i < g->size; i++) {
         const struct sched_rank *k = g->ranks[i];
 
-        if (k == NULL || k->drain || k->state == DSV4_RANK_STATE_DEAD)
+        if (k == NULL || k->drain || k->leaving || k->state == DSV4_RANK_STATE_DEAD)
             return false;
     }
     return true;

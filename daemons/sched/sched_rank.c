@@ -176,7 +176,7 @@ rank_update_states(struct sched *s)
         g = group_of(s, k);
         if (g == NULL || g->n_ranks != g->size || !rank_joined(k, g))
             k->state = DSV4_RANK_STATE_JOINING;
-        else if (k->drain)
+        else if (k->drain || k->leaving)
             k->state = g->load == 0 ? DSV4_RANK_STATE_DRAINED : DSV4_RANK_STATE_DRAINING;
         else
             k->state = DSV4_RANK_STATE_READY;
@@ -857,6 +857,14 @@ rank_message(struct sched *s, struct sched_rank *k, const struct dsv4_route *fro
         on_freed(s, g, k, m->u.ref.req, false, DSV4_FINISH_NONE);
         break;
     case DSV4_RANK_DRAIN_DONE:
+        break;
+    case DSV4_RANK_DRAIN:
+        /* the rank is stopping (SIGTERM): it finishes what it holds */
+        if (!k->leaving)
+            log_notice("rank %s: stopping; it finishes its %u requests, no new work is "
+                "placed on its group", rank_name(k, nb, sizeof(nb)), rank_load(k, s));
+        k->leaving = true;
+        rank_update_states(s);
         break;
     case DSV4_RANK_COMM:
         /* rank 0's id for the current epoch: every rank joins with it */

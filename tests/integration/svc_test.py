@@ -31,6 +31,11 @@ Scenarios:
   drain           drain of a decode rank under load finishes its streams,
                   admits nothing new there, new work runs elsewhere; global
                   drain answers 301; undrain restores service.
+  stop_drain      SIGTERM to decode@0 while it streams (stop_drain_s): it
+                  says how many it finishes, the scheduler shows it draining,
+                  its streams end there (no re-run), it exits 0; new work
+                  sent meanwhile runs on decode@1.  Every stream == the
+                  single-process forward, nothing fails.
   group2          model groups (group_size = 2: one prefill group and one
                   decode group of two ranks each, shm communicator): 16 greedy
                   streams == the single-process forward; then kill -9 of
@@ -371,6 +376,7 @@ prefill_chunk = 16
             env=env, stderr=self.stderr)
         self.admin = Admin(self.admin_ep)
         self.killed = set()
+        self.stopped = set()   # children the test sent SIGTERM: exit 0 expected
         self.wait_notify("READY=1")
         if wait:
             self.wait_ranks(n_prefill + n_decode)
@@ -458,9 +464,11 @@ prefill_chunk = 16
         return re.findall(r"^(\S+) EXIT (\S+)", readf(self.notify_log), re.M)
 
     def check_exits(self, killed=()):
-        """Every child exit so far was one the test caused (kill -9)."""
+        """Every child exit so far was one the test caused (kill -9, or a
+        SIGTERM that ends with exit 0: self.stopped)."""
         bad = ["%s EXIT %s" % (name, st) for name, st in self.exits()
-               if not (name in killed and st == "signal=9")]
+               if not (name in killed and st == "signal=9") and
+               not (name in self.stopped and st == "exit=0")]
         check(not bad, "unexpected child exits: %s\n%s" % (bad, self.errlog()))
 
     def check_no_leaks(self):
@@ -470,7 +478,9 @@ prefill_chunk = 16
             st = self.admin.status()
             reqs = self.admin.requests()
             ranks = self.admin.ranks()
-            busy = [r for r in ranks if r["active"] != 0 or r.get("rank_active", 0) != 0]
+            # a dead rank's rank_active is its last HEARTBEAT's (stale)
+            busy = [r for r in ranks if r["active"] != 0 or
+                    (r.get("rank_active", 0) != 0 and r["state"] != "dead")]
             shm = shm_exports(getattr(self, "rank_ep", None))
             self.last = (st, reqs, ranks, shm)
             return (not reqs and not busy and st["n_queued"] == 0 and
@@ -1456,6 +1466,57 @@ def sc_drain():
         stop_checked(svc)
 
 
+def sc_stop_drain():
+    svc = Service(n_prefill=1, n_decode=2)
+    try:
+        prompts = os.path.join(svc.dir, "ps.txt")
+        make_prompts(prompts, 16, seed=77)
+        n_out = 96
+        ref = reference(svc, prompts, n_out)
+        ref8 = reference(svc, prompts, 8)
+        p1 = svc.client(prompts, n_out)
+
+        def d0():
+            return [r for r in svc.admin.ranks() if r["role"] == "decode" and r["index"] == 0]
+        wait_for(lambda: d0() and d0()[0]["active"] >= 2, "decode@0 streaming", step=0.01)
+        pid = svc.pid("decode@0")
+        os.kill(pid, signal.SIGTERM)
+        svc.stopped.add("decode@0")
+        states = []
+
+        def gone():
+            r = d0()
+            states.append(r[0]["state"] if r else "gone")
+            return "decode@0 EXIT" in readf(svc.notify_log)
+        # new work meanwhile: to decode@1 only
+        p2 = svc.client(prompts, 8)
+        wait_for(gone, "decode@0 exits", step=0.01)
+        got1, rc1, err1 = finish(p1, svc)
+        got2, rc2, err2 = finish(p2, svc)
+        check(rc1 == 0 and rc2 == 0, "svc_client failed: %s %s" % (err1[-300:], err2[-300:]))
+        compare(got1, ref, "streams running when decode@0 got SIGTERM", err1)
+        compare(got2, ref8, "streams sent while decode@0 stopped", err2)
+        svc.stderr.flush()
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        m = re.search(r"decode/0: rank_signal: Terminated: finishing (\d+) requests \(at most "
+                      r"20 s\) before stopping", text)
+        check(m is not None and int(m.group(1)) >= 1, "no 'finishing' line: %s" % text[-1500:])
+        check("decode/0: rank_loop: done, stopping" in text, "decode@0 did not end idle")
+        check(re.search(r"rank decode@0: stopping; it finishes its \d+ requests", text),
+              "the scheduler did not log the rank's drain")
+        check("draining" in states or "drained" in states,
+              "decode@0 never shown draining: %s" % sorted(set(states)))
+        check(("decode@0", "exit=0") in svc.exits(), "decode@0's exit: %s" % svc.exits())
+        st = svc.admin.status()
+        check(st["reruns"] == 0 and st["n_failed"] == 0,
+              "streams re-ran or failed across the stop: %s" % st)
+        log("decode@0 stopped with %s streams: finished there, no re-run, exit 0 (states %s)" %
+            (m.group(1), sorted(set(states))))
+        svc.check_no_leaks()
+    finally:
+        stop_checked(svc)
+
+
 def sc_burst():
     """A burst prefill rank (prefill@1.burst = yes, docs/operations.md "Burst
     prefill"): it takes the prompts of an idle service, the plain prefill@0
@@ -1993,6 +2054,7 @@ SCENARIOS = {
     "cancel1000": sc_cancel1000,
     "ctl_cancel": sc_ctl_cancel,
     "drain": sc_drain,
+    "stop_drain": sc_stop_drain,
     "pyclient": sc_pyclient,
     "group2": sc_group2,
     "mtp": sc_mtp,
