@@ -241,10 +241,11 @@ struct sched_refusal {
     uint64_t id;
     uint16_t code;
     char *text, *tag;              /* owned; tag may be NULL */
+    bool held;                     /* refusals_flush: an earlier one of its client
+                                      is still blocked */
 };
 TAILQ_HEAD(sched_refusal_list, sched_refusal);
-#define SCHED_MAX_REFUSALS 1024   /* kept at most (past it one is dropped, logged): the
-                                     flush is quadratic in them */
+#define SCHED_MAX_REFUSALS 1024   /* kept at most (past it one is dropped, logged) */
 
 /* --- Metrics --------------------------------------------------------------- */
 

@@ -102,23 +102,26 @@ send_error(struct sched *s, const struct dsv4_route *to, uint64_t id, uint16_t c
     s->n_dirty = 1;
 }
 
-/* Send the refusals waiting, in order per client; true when none is left. */
+/* Send the refusals waiting, in order per client; true when none is left.
+ * A client whose send blocks holds its later refusals back: marked in one
+ * pass over the rest at its first block, so the flush costs the list's
+ * length times the clients blocked, not its square. */
 static bool
 refusals_flush(struct sched *s)
 {
-    struct sched_refusal *f, *tmp;
+    struct sched_refusal *f, *tmp, *g;
 
+    TAILQ_FOREACH(f, &s->refusals, entry)
+        f->held = false;
     TAILQ_FOREACH_SAFE(f, &s->refusals, entry, tmp) {
-        struct sched_refusal *g;
-        bool earlier = false;
-
-        /* a client's earlier refusal still blocked: this one waits too */
-        for (g = TAILQ_FIRST(&s->refusals); g != f && !earlier; g = TAILQ_NEXT(g, entry))
-            earlier = route_eq(&g->to, &f->to);
-        if (earlier)
+        if (f->held)
             continue;
-        if (error_send(s, &f->to, f->id, f->code, f->text, f->tag) == DSV4_ERR_BUSY)
+        if (error_send(s, &f->to, f->id, f->code, f->text, f->tag) == DSV4_ERR_BUSY) {
+            for (g = TAILQ_NEXT(f, entry); g != NULL; g = TAILQ_NEXT(g, entry))
+                if (route_eq(&g->to, &f->to))
+                    g->held = true;
             continue;
+        }
         refusal_free(s, f);   /* sent, or the client is gone */
     }
     return TAILQ_EMPTY(&s->refusals);
