@@ -50,13 +50,16 @@
  * when DSV4_CUDA_BLAS is on, `other`: gemm on the other path (the
  * crossover that DSV4_CUDA_BLAS_MIN_T is chosen from).
  * Last line: PASS or FAIL.  Exit status: 0 pass, 1 fail, 77 no CUDA
- * device (or no sm_90 device: the GEMM is Hopper-only).
+ * device (or no sm_90 device: the GEMM is Hopper-only; on an sm_90 device
+ * a refusal fails unless DSV4_CUDA_WGMMA or DSV4_CUDA_GEMM_GROUPED is off).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <cuda_runtime_api.h>   /* the device's compute capability */
 
 #include "common/err.h"
 #include "common/formats.h"
@@ -94,6 +97,15 @@ struct woa {
     int64_t GK;              /* x row length */
     uint8_t *hw, *hs;        /* host codes (N, K), scales (N/128, K/128) */
 };
+
+/* Whether the environment turns kernel switch `name` off ("0" or "off"). */
+static int
+switched_off(const char *name)
+{
+    const char *v = getenv(name);
+
+    return v != NULL && (strcmp(v, "0") == 0 || strcmp(v, "off") == 0);
+}
 
 /* The case's device buffers and host copies. */
 struct bufs {
@@ -485,6 +497,17 @@ main(int argc, char **argv)
         TRY("set_kernels", dsv4_cuda_set_kernels(be, 1));
         e = cuda_fast_gemm_grouped(be, b.out, b.x, &w.W, 1, w.G);
         if (e == DSV4_ERR_NOTSUP) {
+            int major = 0;
+
+            /* the GEMM is Hopper's: a refusal there is a failure, not a
+             * skip, unless the environment turned it off */
+            if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) ==
+                    cudaSuccess && major == 9 && !switched_off("DSV4_CUDA_WGMMA") &&
+                !switched_off("DSV4_CUDA_GEMM_GROUPED")) {
+                printf("bench_woa: the grouped GEMM refused on an sm_90 device: %s\nFAIL\n",
+                       dsv4_errmsg());
+                return 1;
+            }
             printf("skip: %s (the grouped GEMM needs an sm_90 device)\n", dsv4_errmsg());
             return 77;
         }
