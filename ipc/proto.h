@@ -131,7 +131,9 @@ enum dsv4_rank {
     DSV4_RANK_DRAIN,        /* S->R  report when idle; R->S  the rank is stopping
                                (SIGTERM): place nothing new on its group, it
                                finishes what it holds; empty body */
-    DSV4_RANK_DRAIN_DONE,   /* R->S  idle now; empty body */
+    DSV4_RANK_DRAIN_DONE,   /* R->S  idle now; S->R  to a rank that sent DRAIN:
+                               nothing is booked on its group any more, it
+                               may stop; empty body */
     DSV4_RANK_ERROR,        /* both  failure, maybe of one request (struct dsv4_error) */
     DSV4_RANK_COMM,         /* both  group communicator of an epoch (struct dsv4_rank_comm) */
     DSV4_RANK_GROUP_BROKEN, /* R->S  the rank left its group's broken communicator

@@ -275,6 +275,22 @@ link_lost(struct rank *k, const char *why)
 {
     uint32_t n = rank_active(k);
 
+    if (k->leave_ms != 0) {
+        /* stopping: no new registration (a READY now would register a
+         * process about to exit); rank_loop stops at once */
+        log_warnx("link_lost: %s; dropping %u requests, stopping", why, (unsigned)n);
+        group_join_abandon(k);
+        group_close(k, true);
+        if (k->o.role == DSV4_ROLE_PREFILL)
+            prefill_reset(k);
+        else
+            decode_reset(k);
+        dsv4_zsock_close(k->sock);
+        k->sock = NULL;
+        k->link = RANK_LINK_NONE;
+        k->stopping = true;
+        return;
+    }
     if (k->relink_delay_ms > 0)
         log_warnx("link_lost: %s; dropping %u requests, registering again in %lld ms", why,
                   (unsigned)n, (long long)k->relink_delay_ms);
@@ -482,6 +498,10 @@ rank_dispatch_msg(struct rank *k, const struct dsv4_msg *m)
     case DSV4_RANK_DRAIN:
         k->drain = true;
         break;
+    case DSV4_RANK_DRAIN_DONE:
+        /* leaving: nothing is booked on the group any more (rank_loop) */
+        k->leave_done = true;
+        break;
     case DSV4_RANK_COMM:
         group_comm(k, &m->u.comm);
         break;
@@ -520,11 +540,14 @@ rank_dispatch_sched(struct rank *k)
             break;
         }
         if (group_joining(k) && !(m.sub == DSV4_SUB_RANK && m.cmd == DSV4_RANK_COMM &&
-                                  m.u.comm.comm_id == NULL)) {
+                                  m.u.comm.comm_id == NULL) &&
+            !(m.sub == DSV4_SUB_RANK && m.cmd == DSV4_RANK_DRAIN_DONE)) {
             /* handled once the join ended, in order; the link stays alive
              * meanwhile.  A request for an id (rank 0) is answered now: the
              * scheduler re-forming the group must not wait for this join,
-             * and the id of a newer epoch makes it give up */
+             * and the id of a newer epoch makes it give up; so is a
+             * stopping rank's DRAIN_DONE (rank_loop then stops, and the
+             * join is given up) */
             if (k->link == RANK_LINK_UP)
                 dsv4_liveness_rx(&k->live, dsv4_now_ms());
             /* a newer epoch's id, or the scheduler dropping this rank (a
@@ -542,10 +565,12 @@ rank_dispatch_sched(struct rank *k)
     }
 }
 
-/* A first SIGTERM (or SIGINT) with work in hand, the link up and
- * stop_drain_s > 0: the scheduler is sent DRAIN (place nothing new here)
- * and the rank stops once idle or stop_drain_s later (rank_loop).  Else,
- * and at a second signal, it stops now. */
+/* A first SIGTERM (or SIGINT) with the link up and stop_drain_s > 0: the
+ * scheduler is sent DRAIN (place nothing new here) and the rank stops once
+ * idle with nothing more booked on its group (the scheduler's DRAIN_DONE:
+ * a prompt placed here may still be in prefill, so even a rank holding
+ * nothing asks) or stop_drain_s later (rank_loop).  Else, and at a second
+ * signal, it stops now. */
 static void
 rank_signal(struct rank *k)
 {
@@ -557,16 +582,16 @@ rank_signal(struct rank *k)
 
         if (si.ssi_signo != SIGTERM && si.ssi_signo != SIGINT)
             continue;
-        if (k->leave_ms == 0 && n > 0 && k->link == RANK_LINK_UP &&
-            k->o.conf.stop_drain_s > 0) {
+        if (k->leave_ms == 0 && k->link == RANK_LINK_UP && k->o.conf.stop_drain_s > 0) {
             dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DRAIN);
             if (rank_send(k, &m)) {
                 k->leave_ms = dsv4_now_ms() + (int64_t)k->o.conf.stop_drain_s * 1000;
-                log_notice("rank_signal: %s: finishing %u requests (at most %d s) before "
-                           "stopping; a second signal stops at once",
+                log_notice("rank_signal: %s: finishing its requests (%u here) and those "
+                           "booked on its group (at most %d s) before stopping; a second "
+                           "signal stops at once",
                            strsignal((int)si.ssi_signo), n, k->o.conf.stop_drain_s);
                 sdnotify_stopping();
-                sdnotify_status("stopping: finishing %u requests", n);
+                sdnotify_status("stopping: finishing its requests (%u here)", n);
                 continue;
             }
         }
@@ -636,15 +661,26 @@ rank_loop(struct rank *k)
                 timeout = t;
         }
         if (k->leave_ms != 0) {
-            /* leaving: done when idle, at its bound, or with the link gone
-             * (nobody to finish for) */
-            if (rank_active(k) == 0 || now >= k->leave_ms || k->link != RANK_LINK_UP) {
-                log_notice("rank_loop: %s, stopping", rank_active(k) == 0 ?
-                           "done" : now >= k->leave_ms ? "stop_drain_s passed" :
+            /* leaving: done once idle with nothing more booked on the
+             * group (the scheduler's DRAIN_DONE: a request placed here may
+             * still be in prefill), at its bound, or with the link gone */
+            bool done = k->leave_done && rank_active(k) == 0;
+
+            if (!k->leave_now && (done || now >= k->leave_ms || k->link != RANK_LINK_UP)) {
+                log_notice("rank_loop: %s, stopping", done ? "done" :
+                           now >= k->leave_ms ? "stop_drain_s passed" :
                            "the scheduler's link is gone");
-                break;
+                /* in a group: one more tick tells the peers, who would
+                 * otherwise wait for this rank in their next collective */
+                if (k->comm == NULL || k->link != RANK_LINK_UP)
+                    break;
+                k->leave_now = true;
             }
-            if (k->leave_ms - now < timeout)
+            if (k->leave_now && k->comm == NULL)
+                break;   /* the group broke meanwhile: no tick to tell */
+            if (k->leave_now)
+                timeout = 0;
+            else if (k->leave_ms - now < timeout)
                 timeout = k->leave_ms - now;
         }
         if (k->drain && k->link == RANK_LINK_UP && rank_active(k) == 0) {
@@ -705,6 +741,8 @@ rank_loop(struct rank *k)
                 else
                     decode_work(k);
             }
+            if (k->leave_now)
+                break;   /* the tick told the peers */
             continue;
         }
         if (k->link != RANK_LINK_UP || k->o.group_size > 1)

@@ -231,6 +231,10 @@ struct rank {
     int64_t leave_ms;           /* SIGTERM with work in hand: the scheduler was
                                    sent DRAIN; stop once idle or at this time
                                    (conf stop_drain_s); 0 = not leaving */
+    bool leave_done;            /* leaving: the scheduler's DRAIN_DONE came (nothing
+                                   more is booked on the group) */
+    bool leave_now;             /* leaving, in a group: exit after the next tick, which
+                                   tells the peers (group_tick) */
 
     /* Work. */
     struct dsv4_kvx *kvx[DSV4_TRANSPORT__COUNT]; /* open transports; NULL = not offered */
@@ -267,7 +271,8 @@ struct rank {
                                    after the last one belongs to its epoch and
                                    survives the switch (rank_group.c) */
     uint8_t *pend_id;           /* its id (DSV4_COMM_ID_BYTES) */
-    uint64_t *tick_h;           /* (2 * slots) host: the tick's descriptor */
+    uint64_t *tick_h;           /* (2 * slots + 3) host: the tick's descriptor (the
+                                   requests, the pending epoch, "a rank exits") */
     uint64_t *tick_d;           /* the same in backend memory */
     struct rank_watch *watch;   /* peer watchdog thread */
     struct rank_join *join;     /* communicator join running in its thread, or NULL */

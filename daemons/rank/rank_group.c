@@ -233,8 +233,8 @@ group_init(struct rank *k, const struct dsv4_config *cfg)
     if (dsv4_comm_pick(k->o.conf.comm, k->be->name, 1, (int)k->o.group_size) ==
         DSV4_COMM_NONE)
         fatalx("group_init: %s", dsv4_errmsg());
-    k->tick_h = calloc(2 * (size_t)k->o.slots + 2, sizeof(uint64_t));
-    k->tick_d = k->be->ops->alloc(k->be, (2 * (size_t)k->o.slots + 2) * sizeof(uint64_t));
+    k->tick_h = calloc(2 * (size_t)k->o.slots + 3, sizeof(uint64_t));
+    k->tick_d = k->be->ops->alloc(k->be, (2 * (size_t)k->o.slots + 3) * sizeof(uint64_t));
     w = calloc(1, sizeof(*w));
     if (k->tick_h == NULL || k->tick_d == NULL || w == NULL)
         fatalx("group_init: no memory");
@@ -958,7 +958,7 @@ req_cmp(const void *a, const void *b)
 bool
 group_tick(struct rank *k, uint64_t *mine, int n)
 {
-    size_t S = (size_t)k->o.slots, N = 2 * S + 2;
+    size_t S = (size_t)k->o.slots, N = 2 * S + 3;
     enum dsv4_err e;
 
     k->n_agreed = 0;
@@ -971,6 +971,7 @@ group_tick(struct rank *k, uint64_t *mine, int n)
     }
     k->tick_h[2 * S] = k->pend_epoch;
     k->tick_h[2 * S + 1] = ~(uint64_t)k->pend_epoch;
+    k->tick_h[2 * S + 2] = k->leave_now ? 0 : 1;   /* 0 (the min): a rank exits now */
     group_enter(k);
     e = k->be->ops->upload(k->be, k->tick_d, k->tick_h, N * sizeof(uint64_t));
     if (e == DSV4_OK)
@@ -982,6 +983,14 @@ group_tick(struct rank *k, uint64_t *mine, int n)
     group_leave(k);
     if (e != DSV4_OK) {
         group_broken(k, dsv4_errmsg());
+        return false;
+    }
+    /* a rank stops after this tick (rank_loop: leaving, done or at its
+     * bound): it goes, the others enter no collective it would not join
+     * and wait for the group to form again */
+    if (k->tick_h[2 * S + 2] == 0) {
+        if (!k->leave_now)
+            group_broken(k, "a rank of the group is stopping");
         return false;
     }
     /* every rank holds the same pending epoch: switch together */

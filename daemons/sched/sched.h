@@ -88,6 +88,7 @@ struct sched_rank {
     bool drain;                      /* admin asked to drain it */
     bool leaving;                    /* it sent DRAIN (stopping: finishing its work);
                                         not inherited by the next process */
+    bool leave_told;                 /* leaving: DRAIN_DONE sent (its group's load 0) */
     bool unreachable;                /* a send failed: handled as lost at the next timer */
     uint32_t reported_active;        /* `active` of its last HEARTBEAT */
     uint64_t mtp_drafts, mtp_accepted; /* MTP counters of its last HEARTBEAT with them */

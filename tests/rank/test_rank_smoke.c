@@ -21,7 +21,8 @@
  * that does not exist, a location that does not fit the DECODE or comes over
  * a transport the decode rank lacks) get ERROR with their codes and the
  * ranks serve on;
- * SIGTERM ends both with status 0.
+ * SIGTERM makes each send DRAIN, and after the DRAIN_DONE answer
+ * DISCONNECT, and end with status 0.
  *
  * usage: test_rank_smoke CKPT_DIR DSV4_PREFILL DSV4_DECODE
  */
@@ -753,8 +754,26 @@ main(int argc, char **argv)
     /* rs[2]'s region is gone: its location serves as one that does not exist */
     bad_work(&t, &rs[2]);
 
+    /* SIGTERM: a registered rank asks for no new work (DRAIN) and stops
+     * once told that nothing is booked on it (DRAIN_DONE), then says so
+     * (DISCONNECT); protocol §6 */
     for (int i = 0; i < 2; i++) {
+        const struct peer *p = i == 0 ? &pre : &dec;
+
+        int cmd;
+
         CHECK(kill(children[i], SIGTERM) == 0);
+        do {
+            recv_msg(&from, &m);
+            cmd = m.cmd;
+            dsv4_msg_clear(&m);
+        } while (!(route_eq(&from, &p->route) && cmd == DSV4_RANK_DRAIN));
+        send_ref(p, DSV4_RANK_DRAIN_DONE, 0);
+        do {
+            recv_msg(&from, &m);
+            cmd = m.cmd;
+            dsv4_msg_clear(&m);
+        } while (!(route_eq(&from, &p->route) && cmd == DSV4_RANK_DISCONNECT));
         CHECK(waitpid(children[i], &status, 0) == children[i]);
         CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
         children[i] = 0;
