@@ -113,12 +113,13 @@ struct dsv4_conf {
     int kv_timeout_ms;      /* [5000] bound of one decode-state import; a
                                stalled one fails the handoff and the
                                scheduler re-runs the request */
-    int stop_drain_s;       /* [20] ranks: on SIGTERM with work in hand, ask
-                               the scheduler for no new work and finish what
-                               they hold (streams, prompts, exports not yet
-                               taken) for at most this long, then stop (what
-                               is left re-runs elsewhere); 0 = stop at once.
-                               Below the units' TimeoutStopSec (30) */
+    int stop_drain_s;       /* [20] ranks: on SIGTERM, ask the scheduler for
+                               no new work and finish what they hold and what
+                               is booked on them (streams, prompts, exports
+                               not yet taken) for at most this long, then
+                               stop (what is left re-runs elsewhere); the
+                               gateway: its streams in flight; 0 = stop at
+                               once.  Below the units' TimeoutStopSec (30) */
     char mtp[8];            /* [no] decode ranks: speculative decoding with
                                the checkpoint's MTP layer, one draft token per
                                stream and step ("yes"/"no"; kernels/forward.h

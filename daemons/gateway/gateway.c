@@ -10,6 +10,7 @@
  * Exit status: 0 after SIGTERM/SIGINT, 1 on a setup error, 2 usage.
  */
 #include <ctype.h>
+#include <inttypes.h>
 #include <errno.h>
 #include <getopt.h>
 #include <poll.h>
@@ -202,6 +203,49 @@ gw_loop(struct gw *g, int sigfd)
     }
 }
 
+/*
+ * A graceful stop's wait: no new connections (quiesce) and no new
+ * generations (g->stopping: 503), while the generations in flight end,
+ * for at most stop_drain_s (the ranks' bound: under systemd the ranks
+ * finish them meanwhile) or until a second SIGTERM / SIGINT.
+ */
+static void
+gw_finish(struct gw *g, int sigfd)
+{
+    uint64_t wd = sdnotify_watchdog_interval_us(), n;
+    int64_t end = dsv4_now_ms() + (int64_t)g->conf.stop_drain_s * 1000;
+    struct signalfd_siginfo si;
+    struct pollfd p;
+
+    gw_http_quiesce(g);
+    pthread_mutex_lock(&g->mlock);
+    n = g->m.streams_active;
+    pthread_mutex_unlock(&g->mlock);
+    if (n == 0 || g->conf.stop_drain_s == 0)
+        return;
+    log_notice("gw_finish: waiting for %" PRIu64 " generations (at most %d s); a second signal "
+        "stops at once", n, g->conf.stop_drain_s);
+    sdnotify_status("stopping: finishing %" PRIu64 " generations", n);
+    while (dsv4_now_ms() < end) {
+        p.fd = sigfd;
+        p.events = POLLIN;
+        (void)poll(&p, 1, 50);
+        if (wd != 0)
+            sdnotify_watchdog();
+        while (read(sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
+            if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) {
+                log_notice("gw_finish: a second signal; stopping now");
+                return;
+            }
+        pthread_mutex_lock(&g->mlock);
+        n = g->m.streams_active;
+        pthread_mutex_unlock(&g->mlock);
+        if (n == 0)
+            return;
+    }
+    log_warnx("gw_finish: stop_drain_s passed with %" PRIu64 " generations in flight", n);
+}
+
 /* Descriptors a connection costs at most: its HTTP socket and the
  * scheduler connection of its generation (a ZeroMQ context: mailboxes,
  * I/O thread, socket, monitor: about 10 measured). */
@@ -339,6 +383,7 @@ main(int argc, char **argv)
     gw_loop(&g, sigfd);
     sdnotify_stopping();
     atomic_store(&g.stopping, true);
+    gw_finish(&g, sigfd);
     gw_http_stop(&g);
     gw_admin_close(&g);
     dsv4_tok_free(g.tok);

@@ -173,6 +173,11 @@ int gw_listen_check(const char *spec);
 /* Stop accepting, close every connection, join MHD's threads. */
 void gw_http_stop(struct gw *g);
 
+/* Stop accepting connections (libmicrohttpd's quiesce; the listening
+ * socket is closed), the ones open are served on: the first step of a
+ * graceful stop. */
+void gw_http_quiesce(struct gw *g);
+
 /* Queue a JSON error answer in the OpenAI shape:
  * {"error": {"message", "type", "param", "code"}}.  `code` may be NULL. */
 enum MHD_Result gw_http_error(struct gw *g, struct MHD_Connection *conn,

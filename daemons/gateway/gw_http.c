@@ -519,8 +519,9 @@ gw_http_start(struct gw *g, int listen_fd)
         close(listen_fd);
         return -1;
     }
+    /* MHD_USE_ITC: gw_http_quiesce can stop the accepts of this mode */
     g->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-        MHD_USE_POLL | MHD_USE_ERROR_LOG, 0, NULL, NULL, gw_access, g,
+        MHD_USE_POLL | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0, NULL, NULL, gw_access, g,
         MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL,   /* first: it logs the others */
         MHD_OPTION_LISTEN_SOCKET, listen_fd,
         MHD_OPTION_CONNECTION_LIMIT, (unsigned int)g->conf.gateway_max_conns,
@@ -538,6 +539,18 @@ gw_http_start(struct gw *g, int listen_fd)
         return -1;
     }
     return 0;
+}
+
+void
+gw_http_quiesce(struct gw *g)
+{
+    MHD_socket fd;
+
+    if (g->mhd == NULL)
+        return;
+    fd = MHD_quiesce_daemon(g->mhd);
+    if (fd != MHD_INVALID_SOCKET)
+        close(fd);
 }
 
 void

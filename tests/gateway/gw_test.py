@@ -1213,8 +1213,33 @@ def sc_scripted():
         check(not sched.due, "requests left at the scheduler: %s" % sched.due)
         wait_for(lambda: metric(gw.metrics(), "dsv4_gateway_streams_active") == 0,
                  "dsv4_gateway_streams_active 0")
+        # SIGTERM with a generation in flight: no new connection is taken,
+        # the stream ends with its tokens and [DONE] (it used to be cut at
+        # once), then the gateway exits 0
+        res = {}
+        th = threading.Thread(target=lambda: res.update(r=raw_request(gw.port, post_bytes(
+            "/v1/completions", {"prompt": "quiet:5000:bye", "stream": True}))))
+        th.start()
+        wait_for(lambda: metric(gw.metrics(), "dsv4_gateway_streams_active") == 1,
+                 "a stream in flight")
         p.terminate()
+        wait_for(lambda: "gw_finish: waiting for 1 generations" in
+                 svc_test.readf(os.path.join(d, "gateway.err")), "the gateway waiting")
+        try:
+            s = socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+            s.close()
+            raise Fail("a connection was taken after SIGTERM")
+        except OSError:
+            pass
+        th.join(60)
+        r = res.get("r")
+        check(r is not None and r[0] == 200, "the stream across SIGTERM: %s" % (r,))
+        ev = sse_events(r[2])
+        check(ev and ev[-1] == "[DONE]" and
+              "".join(json.loads(e)["choices"][0]["text"] for e in ev[:-1]) == "bye",
+              "the stream across SIGTERM was cut: %r" % r[2][-300:])
         check(p.wait(60) == 0, "the gateway's exit status %s" % p.returncode)
+        log("SIGTERM: no new connection, the stream in flight ended with [DONE], exit 0")
     finally:
         if p.poll() is None:
             p.kill()

@@ -105,6 +105,9 @@ struct launch {
     int n_kids;
     bool all_ready_once;             /* READY sent to our own manager */
     bool stopping;
+    bool sched_term_due;             /* stopping: the scheduler gets SIGTERM once every
+                                        other child has exited (systemd's order: the
+                                        ranks finish their work while it serves) */
     int64_t stop_deadline_ms;        /* SIGKILL everyone then */
     int exit_code;
     bool gave_up;                    /* a child's give-up set exit_code: the
@@ -165,8 +168,10 @@ int64_t proc_timers(struct launch *l, int64_t now);
 /* Send `sig` to every running child (rank first, then the scheduler). */
 void proc_signal_all(struct launch *l, int sig);
 
-/* Stop the set: stopping from now on, SIGTERM to every child, SIGKILL to
- * those left at now + the stop timeout (-t). */
+/* Stop the set: stopping from now on, SIGTERM to every child but the
+ * scheduler, to the scheduler once the others have exited (as systemd
+ * orders the units' stops), SIGKILL to those left at now + the stop
+ * timeout (-t). */
 void proc_stop_set(struct launch *l, int64_t now);
 
 /* Number of running children. */

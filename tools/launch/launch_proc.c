@@ -213,6 +213,8 @@ proc_failed(int status)
     return true;
 }
 
+static void proc_stop_sched(struct launch *l);
+
 static void
 proc_exited(struct launch *l, struct launch_child *k, int status)
 {
@@ -240,10 +242,13 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
             l->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         if (!l->stopping)
             proc_stop_set(l, now);
+        else
+            proc_stop_sched(l);
         return;
     }
     if (l->stopping) {
         log_info("proc_exited: %s %s (stopping)", k->name, how);
+        proc_stop_sched(l);
         return;
     }
     if (!proc_failed(status) && !k->timed_out) {
@@ -460,12 +465,31 @@ proc_signal_all(struct launch *l, int sig)
         }
 }
 
+/* Stopping: SIGTERM to the scheduler once it is the last child running. */
+static void
+proc_stop_sched(struct launch *l)
+{
+    if (!l->sched_term_due || proc_running(l) > (l->kids[0].pid != 0))
+        return;
+    l->sched_term_due = false;
+    if (l->kids[0].pid != 0)
+        kill(l->kids[0].pid, SIGTERM);
+}
+
 void
 proc_stop_set(struct launch *l, int64_t now)
 {
     l->stopping = true;
     l->stop_deadline_ms = now + l->o.stop_timeout_ms;
-    proc_signal_all(l, SIGTERM);
+    if (l->o.no_sched) {
+        proc_signal_all(l, SIGTERM);
+        return;
+    }
+    for (int i = l->n_kids - 1; i >= 1; i--)
+        if (l->kids[i].pid != 0)
+            kill(l->kids[i].pid, SIGTERM);
+    l->sched_term_due = true;
+    proc_stop_sched(l);
 }
 
 int
