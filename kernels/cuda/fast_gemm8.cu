@@ -505,13 +505,18 @@ g8_blas(struct dsv4_backend *be, float *out, const float *x, const struct dsv4_l
     return cuda_blas_widen(be, out, ob, (int64_t)T * N);
 }
 
-/* Whether g8_blas takes W at T rows: FP8 in 128-blocks, the cuBLASLt FP8
- * path on and an algorithm for the shape. */
+/* Whether g8_blas takes W at T rows: FP8 in 128-blocks, both the weights'
+ * rows and columns a multiple of 512 (4 scale blocks), the cuBLASLt FP8
+ * path on and an algorithm for the shape.  Below 4 scale blocks a side
+ * (K or N of 128, 256, 384: the test presets' widths) cuBLASLt's
+ * block-scaled GEMM gave wrong outputs on Hopper (median row error 1.41
+ * against transformers, docs/perf.md run 84) where g8_kernel is right;
+ * every FP8 linear of the flash model has both sides a multiple of 512. */
 static int
 g8_blas_takes(struct dsv4_backend *be, const struct dsv4_linear *W, int T)
 {
-    return T > 0 && W->fmt == DSV4_WFMT_FP8 && W->n_out % G8_BM == 0 && W->n_in % 128 == 0 &&
-           W->n_in > 0 && cuda_switch_on(&g8_blas_switch) &&
+    return T > 0 && W->fmt == DSV4_WFMT_FP8 && W->n_out % (4 * G8_BM) == 0 &&
+           W->n_in % 512 == 0 && W->n_in > 0 && cuda_switch_on(&g8_blas_switch) &&
            cuda_blas_fp8_ready(be, W->n_out, W->n_in);
 }
 
