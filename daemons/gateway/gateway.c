@@ -203,6 +203,18 @@ gw_loop(struct gw *g, int sigfd)
     }
 }
 
+/* Generations in flight now (read under the metrics lock). */
+static uint64_t
+streams_active(struct gw *g)
+{
+    uint64_t n;
+
+    pthread_mutex_lock(&g->mlock);
+    n = g->m.streams_active;
+    pthread_mutex_unlock(&g->mlock);
+    return n;
+}
+
 /*
  * A graceful stop's wait: no new connections (quiesce) and no new
  * generations (g->stopping: 503), while the generations in flight end,
@@ -218,9 +230,7 @@ gw_finish(struct gw *g, int sigfd)
     struct pollfd p;
 
     gw_http_quiesce(g);
-    pthread_mutex_lock(&g->mlock);
-    n = g->m.streams_active;
-    pthread_mutex_unlock(&g->mlock);
+    n = streams_active(g);
     if (n == 0 || g->conf.stop_drain_s == 0)
         return;
     log_notice("gw_finish: waiting for %" PRIu64 " generations (at most %d s); a second signal "
@@ -237,10 +247,7 @@ gw_finish(struct gw *g, int sigfd)
                 log_notice("gw_finish: a second signal; stopping now");
                 return;
             }
-        pthread_mutex_lock(&g->mlock);
-        n = g->m.streams_active;
-        pthread_mutex_unlock(&g->mlock);
-        if (n == 0)
+        if ((n = streams_active(g)) == 0)
             return;
     }
     log_warnx("gw_finish: stop_drain_s passed with %" PRIu64 " generations in flight", n);

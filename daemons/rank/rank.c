@@ -269,40 +269,36 @@ link_join(struct rank *k)
 }
 
 /* The scheduler is gone (or told us to go): everything we hold belonged to
- * it, so drop it all and register again. */
+ * it, so drop it all and register again, or stop if the rank is leaving. */
 static void
 link_lost(struct rank *k, const char *why)
 {
     uint32_t n = rank_active(k);
+    bool stop = k->leave_ms != 0;
 
-    if (k->leave_ms != 0) {
-        /* stopping: no new registration (a READY now would register a
-         * process about to exit); rank_loop stops at once */
+    if (stop)
         log_warnx("link_lost: %s; dropping %u requests, stopping", why, (unsigned)n);
-        group_join_abandon(k);
-        group_close(k, true);
-        if (k->o.role == DSV4_ROLE_PREFILL)
-            prefill_reset(k);
-        else
-            decode_reset(k);
-        dsv4_zsock_close(k->sock);
-        k->sock = NULL;
-        k->link = RANK_LINK_NONE;
-        k->stopping = true;
-        return;
-    }
-    if (k->relink_delay_ms > 0)
+    else if (k->relink_delay_ms > 0)
         log_warnx("link_lost: %s; dropping %u requests, registering again in %lld ms", why,
                   (unsigned)n, (long long)k->relink_delay_ms);
     else
         log_warnx("link_lost: %s; dropping %u requests, registering again", why, (unsigned)n);
-    sdnotify_status("scheduler lost (%s); registering again", why);
     group_join_abandon(k);  /* a join in flight: wait for it, drop what it made */
     group_close(k, true);   /* the group re-forms when we are back */
     if (k->o.role == DSV4_ROLE_PREFILL)
         prefill_reset(k);
     else
         decode_reset(k);
+    if (stop) {
+        /* stopping: no new registration (a READY now would register a
+         * process about to exit); rank_loop stops at once */
+        dsv4_zsock_close(k->sock);
+        k->sock = NULL;
+        k->link = RANK_LINK_NONE;
+        k->stopping = true;
+        return;
+    }
+    sdnotify_status("scheduler lost (%s); registering again", why);
     k->drain = false;
     if (k->relink_delay_ms > 0) {
         /* READY later (link_timers): no socket meanwhile */
@@ -577,12 +573,13 @@ rank_signal(struct rank *k)
     struct signalfd_siginfo si;
 
     while (read(k->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
-        uint32_t n = rank_active(k);
         struct dsv4_msg m;
 
         if (si.ssi_signo != SIGTERM && si.ssi_signo != SIGINT)
             continue;
         if (k->leave_ms == 0 && k->link == RANK_LINK_UP && k->o.conf.stop_drain_s > 0) {
+            uint32_t n = rank_active(k);
+
             dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DRAIN);
             if (rank_send(k, &m)) {
                 k->leave_ms = dsv4_now_ms() + (int64_t)k->o.conf.stop_drain_s * 1000;

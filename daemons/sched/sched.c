@@ -308,6 +308,7 @@ sched_loop(struct sched *s)
         queue_dispatch(s);
         client_flush_all(s);
         rank_update_states(s);
+        rank_tell_leavers(s);
         t = tmin(t, ctl_timers(s, now));
         if (s->n_dirty)
             t = tmin(t, SCHED_RETRY_MS);

@@ -494,6 +494,9 @@ const char *rank_name(const struct sched_rank *k, char *buf, size_t len);
 struct sched_rank *rank_by_name(struct sched *s, const char *name);
 /* Update DRAINING/DRAINED/READY states from drain flags and loads. */
 void rank_update_states(struct sched *s);
+/* Send DRAIN_DONE to each rank that asked to leave (DRAIN, protocol §6) once
+ * nothing is booked on its group; once per rank. Called every loop turn. */
+void rank_tell_leavers(struct sched *s);
 /* Recompute what every group offers (capacity, context, transports) from
  * its members and the configuration, after max_batch changed. */
 void rank_groups_update(struct sched *s);

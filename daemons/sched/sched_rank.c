@@ -180,15 +180,28 @@ rank_update_states(struct sched *s)
             k->state = g->load == 0 ? DSV4_RANK_STATE_DRAINED : DSV4_RANK_STATE_DRAINING;
         else
             k->state = DSV4_RANK_STATE_READY;
-        if (k->leaving && !k->leave_told && g != NULL && g->load == 0) {
-            /* nothing booked on its group any more (requests still in
-             * prefill count): the stopping rank may go (protocol §6) */
-            struct dsv4_msg m;
+    }
+}
 
-            dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DRAIN_DONE);
-            if (rank_send(s, k, &m) == DSV4_OK)
-                k->leave_told = true;
-        }
+void
+rank_tell_leavers(struct sched *s)
+{
+    struct sched_rank *k;
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        struct sched_group *g;
+        struct dsv4_msg m;
+
+        if (!k->leaving || k->leave_told || k->state == DSV4_RANK_STATE_DEAD)
+            continue;
+        g = group_of(s, k);
+        if (g == NULL || g->load != 0)
+            continue;
+        /* nothing booked on its group any more (requests still in prefill
+         * count): the stopping rank may go (protocol §6) */
+        dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DRAIN_DONE);
+        if (rank_send(s, k, &m) == DSV4_OK)
+            k->leave_told = true;
     }
 }
 
