@@ -50,8 +50,9 @@
 #      graph replay, us and TFLOP/s of both, speedup).
 #   8. tests/model/test_hf (required: a pack without it fails the run): the
 #      CUDA backend, exact and fast kernels, against the
-#      transformers fixtures (tiny, b, tinyk, bk; FLASH_HF=1 adds the flash
-#      widths, made here); the `small` preset, STEPS_SMALL (300) decode
+#      transformers fixtures (tiny, b, tinyk, bk; one-shot prefill and
+#      decode steps; FLASH_HF=1 adds the flash widths, made here, prefill
+#      and decode); the `small` preset, STEPS_SMALL (300) decode
 #      steps CPU vs CUDA (test_decode_gpu long); on two GPUs, tests/test_tp_gpu
 #      (model group bit-identical to one GPU; TP_FULL=1: all 43 layers).
 #   9. optional, when tests/test_share_gpu is packed: one copy of the weights
@@ -251,8 +252,11 @@ else
         # both kernel sets: `exact` (the CPU's bits) and `fast` (the
         # service's default; not the CPU's bits, so test_forward_gpu's
         # bounds are not its yardstick: transformers is)
+        # then decode mode (DECODE_FROM 64: one decode step per id after
+        # 64, batch 1 through the graphs and decode kernels; the bounds of
+        # meson's -decode tests)
         for k in exact fast; do
-            for b in "hf 0.03 0.65" "ref 0.2 0"; do
+            for b in "hf 0.03 0.65" "ref 0.2 0" "hf 0.045 0.55 64" "ref 0.2 0 64"; do
                 # shellcheck disable=SC2086
                 DSV4_CUDA_KERNELS=$k DSV4_TEST_BACKEND=cuda timeout 120 test_hf /tmp/hf_$name \
                     tests/model/fixtures/hf_$name.fix $b >> "$OUT/hf.log" 2>&1 || hf_rc=1
@@ -267,7 +271,7 @@ else
             --every 32 --out /tmp/hf_flash4.fix --meta '{"preset":"flash","seed":13,"sets":"F"}' \
             >> "$OUT/hf.log" 2>&1 || hf_rc=1
         for k in exact fast; do
-            for b in "hf 0.03 0.65" "ref 0.2 0"; do
+            for b in "hf 0.03 0.65" "ref 0.2 0" "hf 0.045 0.55 64" "ref 0.2 0 64"; do
                 # shellcheck disable=SC2086
                 DSV4_CUDA_KERNELS=$k DSV4_TEST_BACKEND=cuda timeout 200 test_hf /tmp/hf_flash4 \
                     /tmp/hf_flash4.fix $b >> "$OUT/hf.log" 2>&1 || hf_rc=1
@@ -473,7 +477,7 @@ if [ "${SM120:-1}" = 1 ] && command -v test_hf > /dev/null; then
         [ -d /tmp/hf_$name ] || continue
         fix=tests/model/fixtures/hf_$name.fix
         [ "$name" = flash4 ] && fix=/tmp/hf_flash4.fix
-        for b in "hf 0.03 0.65" "ref 0.2 0"; do
+        for b in "hf 0.03 0.65" "ref 0.2 0" "hf 0.045 0.55 64" "ref 0.2 0 64"; do
             # shellcheck disable=SC2086
             DSV4_CUDA_KERNELS=fast DSV4_TEST_BACKEND=cuda timeout 200 test_hf /tmp/hf_$name \
                 "$fix" $b >> "$OUT/sm120.log" 2>&1 || sm120_rc=1

@@ -18,7 +18,12 @@
  * while the others agree closely.  The median bounds the everyday error, the
  * fraction bounds how often a flip may happen.
  *
- * Usage: test_hf CHECKPOINT_DIR FIXTURE ref|hf MAX_MEDIAN MIN_WITHIN
+ * With DECODE_FROM = P the ids are run as a serving rank runs them instead:
+ * a prefill of the first P, then one decode step per id after (batch 1, the
+ * decode path: on CUDA its graphs and decode kernels), and only the rows at
+ * positions >= P, each a decode step's logits, are compared.
+ *
+ * Usage: test_hf CHECKPOINT_DIR FIXTURE ref|hf MAX_MEDIAN MIN_WITHIN [DECODE_FROM]
  * Exits 1 when median > MAX_MEDIAN or within < MIN_WITHIN.  The bounds are
  * chosen in tests/model/meson.build next to the test, with their derivation.
  */
@@ -73,10 +78,12 @@ main(int argc, char **argv)
     uint32_t hlen;
     struct tmodel tm;
 
-    if (argc != 6) {
-        fprintf(stderr, "usage: test_hf CHECKPOINT_DIR FIXTURE ref|hf MAX_MEDIAN MIN_WITHIN\n");
+    if (argc != 6 && argc != 7) {
+        fprintf(stderr, "usage: test_hf CHECKPOINT_DIR FIXTURE ref|hf MAX_MEDIAN MIN_WITHIN "
+                "[DECODE_FROM]\n");
         return 2;
     }
+    int dfrom = argc == 7 ? atoi(argv[6]) : 0;   /* 0: one prefill of every id */
     double max_med = atof(argv[4]), min_within = atof(argv[5]);
     enum dsv4_numerics num = strcmp(argv[3], "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
     char *buf = read_file(argv[2], &len);
@@ -120,21 +127,37 @@ main(int argc, char **argv)
     float *ours = malloc((size_t)n * V * sizeof(float));
     for (int i = 0; i < n; i++)
         ids[i] = json_object_get_int(json_object_array_get_idx(jids, i));
-    int32_t slot = 0, nn = n;
+    if (argc == 7 && (dfrom < 1 || dfrom >= n)) {
+        fprintf(stderr, "test_hf: DECODE_FROM %s: not in 1..%d\n", argv[6], n - 1);
+        return 2;
+    }
+    int32_t slot = 0, nn = dfrom > 0 ? dfrom : n, one = 1;
     struct dsv4_batch b = { 1, &slot, &nn, ids };
     if (dsv4_model_forward(tm.m, &b, ours, DSV4_FWD_ALL_LOGITS) != DSV4_OK) {
         fprintf(stderr, "test_hf: forward: %s\n", dsv4_errmsg());
         return 1;
     }
+    for (int p = nn; p < n; p++) {
+        /* a decode step: one id, the logits of its row */
+        struct dsv4_batch d = { 1, &slot, &one, &ids[p] };
+
+        if (dsv4_model_forward(tm.m, &d, ours + (size_t)p * V, 0) != DSV4_OK) {
+            fprintf(stderr, "test_hf: decode step at %d: %s\n", p, dsv4_errmsg());
+            return 1;
+        }
+    }
 
     /* Per-row relative error ||ours - hf|| / ||hf|| and top-1 agreement. */
     double *rel = malloc((size_t)np * sizeof(double)), se_all = 0, sr_all = 0, mx = 0;
-    int agree = 0, within = 0, nonfinite = 0;
+    int agree = 0, within = 0, nonfinite = 0, nr = 0;
     for (int i = 0; i < np; i++) {
         int p = json_object_get_int(json_object_array_get_idx(jpos, i));
         const float *o = ours + (size_t)p * V, *r = hf + (size_t)i * V;
         double se = 0, sr = 0;
         int ao = 0, ar = 0;
+
+        if (p < dfrom)
+            continue;   /* a prefill row: decode mode compares the steps only */
         for (int v = 0; v < V; v++) {
             double d = (double)o[v] - r[v];
             se += d * d;
@@ -146,32 +169,42 @@ main(int argc, char **argv)
             if (r[v] > r[ar])
                 ar = v;
         }
-        rel[i] = sqrt(se / sr);
+        rel[nr] = sqrt(se / sr);
         /* a NaN or infinite row fails whatever the others do (qsort with
          * NaN keys would place it anywhere, and the median could pass) */
-        if (!isfinite(rel[i])) {
+        if (!isfinite(rel[nr])) {
             nonfinite++;
-            rel[i] = INFINITY;
+            rel[nr] = INFINITY;
         }
         se_all += se;
         sr_all += sr;
         agree += ao == ar;
-        within += rel[i] <= ROW_TOL;
+        within += rel[nr] <= ROW_TOL;
         if (getenv("TEST_HF_ROWS") != NULL)
-            printf("row %d rel %.4f\n", p, rel[i]);
+            printf("row %d rel %.4f\n", p, rel[nr]);
+        nr++;
     }
-    qsort(rel, (size_t)np, sizeof(double), cmp_double);
-    double median = rel[np / 2], frac = (double)within / np, top1 = (double)agree / np;
+    if (nr < 8) {
+        fprintf(stderr, "test_hf: %d fixture rows at positions >= %d: too few to judge\n", nr,
+                dfrom);
+        return 2;
+    }
+    qsort(rel, (size_t)nr, sizeof(double), cmp_double);
+    double median = rel[nr / 2], frac = (double)within / nr, top1 = (double)agree / nr;
     const char *kern = "";   /* the CUDA backend's kernel set, as it says */
 
 #ifdef DSV4_HAVE_CUDA
     if (strcmp(tm.be->name, "cuda") == 0)
         kern = dsv4_cuda_get_kernels(tm.be) ? " kernels=fast" : " kernels=exact";
 #endif
-    printf("test_hf: %s backend=%s%s numerics=%s n=%d rows=%d median_rel=%.4f p90_rel=%.4f "
+    char mode[32] = "prefill";
+
+    if (dfrom > 0)
+        snprintf(mode, sizeof(mode), "decode_from=%d", dfrom);
+    printf("test_hf: %s backend=%s%s numerics=%s %s n=%d rows=%d median_rel=%.4f p90_rel=%.4f "
            "rows_within_%.2f=%.3f top1=%.3f overall_rel=%.4f max_abs=%.3g "
-           "(bounds: median<=%g within>=%g)\n", argv[2], tm.be->name, kern, argv[3], n, np, median,
-           rel[(int)(np * 0.9)], ROW_TOL, frac, top1, sqrt(se_all / sr_all), mx, max_med,
+           "(bounds: median<=%g within>=%g)\n", argv[2], tm.be->name, kern, argv[3], mode, n, nr,
+           median, rel[(int)(nr * 0.9)], ROW_TOL, frac, top1, sqrt(se_all / sr_all), mx, max_med,
            min_within);
     int ok = median <= max_med && frac >= min_within && nonfinite == 0;
 
