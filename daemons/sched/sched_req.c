@@ -469,8 +469,10 @@ req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g)
             return;
         }
         /* HANDOFF: the decode group may still import the exported state; if
-         * it cannot, its ERROR re-runs the request. */
-        req_hold_clear(s, r, &r->pre);
+         * it cannot, its ERROR re-runs the request.  The hold stays: once
+         * the decode group lets go (KV_RELEASE, or the re-run), the
+         * group's surviving ranks are told to free their parts (the dead
+         * rank is skipped), instead of keeping them until kv_timeout_ms. */
     }
     if (r->dec.g == g)
         req_rerun(s, r, DSV4_STATUS_INTERNAL, "decode rank lost");   /* ABORT to the others */

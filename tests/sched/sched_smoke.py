@@ -108,6 +108,9 @@ class FakeRank(threading.Thread):
         self.fail_prefill = 0           # answer this many PREFILLs with ERROR 503
         self.prefill_error = None       # (code, message[, delay s]): answer the next PREFILL so
         self.rejoin = True              # DISCONNECT: READY again (False: record it, stop)
+        self.hold_release = False       # decode: keep KV_RELEASE and steps back (an import
+                                        # under way)
+        self.held_release = []          # reqs whose KV_RELEASE is kept back
         self.disconnects = []           # reasons of the DISCONNECTs received
         self.log = []                   # (cmd, req) of PREFILL, DECODE, ABORT, ERROR sent
         self.stop = False
@@ -153,6 +156,8 @@ class FakeRank(threading.Thread):
                                   "comm_epoch": a[1], "reason": "test: collective failed"})
             elif a[0] == "hb":
                 self.heartbeat(s)
+        while self.held_release and not self.hold_release:
+            self.send(s, 8, {"req": self.held_release.pop(0)})
         while self.held and not self.hold_comm:
             self.send(s, 16, {"comm_epoch": self.held.pop(0),
                               "comm_id": b"/fakecomm".ljust(128, b"\0")})
@@ -182,8 +187,8 @@ class FakeRank(threading.Thread):
                 cmd, body = fr[2][0], msgpack.unpackb(fr[3])
                 self.handle(s, cmd, body, fr[4:])
             self.run_script(s)
-            if self.role == "decode" and self.streams:
-                self.step(s)
+            if self.role == "decode" and self.streams and not self.hold_release:
+                self.step(s)            # (an import under way: no step yet)
             if time.time() - self.last_tx > 0.05:
                 self.heartbeat(s)
         s.close(0)
@@ -239,7 +244,10 @@ class FakeRank(threading.Thread):
         elif cmd == 7:                  # DECODE
             h = b["kv"][0]
             self.log.append((7, b["req"]))
-            self.send(s, 8, {"req": b["req"]})
+            if self.hold_release:
+                self.held_release.append(b["req"])
+            else:
+                self.send(s, 8, {"req": b["req"]})
             # like daemons/rank: a stream held already, or a failed import
             err = None
             if b["req"] in self.streams:
@@ -1329,11 +1337,9 @@ def t_group_error(ctx, build, tmp):
     return sc, [pre, d0, d1]
 
 
-def t_prefill_group_error(ctx, build, tmp):
-    """A prefill group of two: rank 1 answers PREFILL with ERROR 500 after
-    rank 0 exported its part.  The client gets the ERROR, and rank 0 is told
-    to free its export (ABORT): the old scheduler dropped the group's hold
-    with the error, so rank 0 kept its part until its own timeout."""
+def setup_prefill_group(ctx, build, tmp):
+    """The scheduler, a prefill group of two (prefill@0, prefill@1) and a
+    decode rank, all ready."""
     sc = Sched(build, tmp, ["-o", "max_batch=16"])
     time.sleep(0.2)
     p0 = FakeRank(ctx, sc.ep["rank"], "prefill", 0, group=0, group_rank=0, group_size=2)
@@ -1342,6 +1348,15 @@ def t_prefill_group_error(ctx, build, tmp):
     for r in (p0, p1, dec):
         r.start()
     wait_ranks(sc, 3)
+    return sc, p0, p1, dec
+
+
+def t_prefill_group_error(ctx, build, tmp):
+    """A prefill group of two: rank 1 answers PREFILL with ERROR 500 after
+    rank 0 exported its part.  The client gets the ERROR, and rank 0 is told
+    to free its export (ABORT): the old scheduler dropped the group's hold
+    with the error, so rank 0 kept its part until its own timeout."""
+    sc, p0, p1, dec = setup_prefill_group(ctx, build, tmp)
     cl = Client(ctx, sc.ep["client"])
     p1.prefill_error = (500, "export failed (test)", 0.05)
     i = submit(cl, [10, 20, 30], 1, 8)
@@ -1350,6 +1365,36 @@ def t_prefill_group_error(ctx, build, tmp):
     wait_for_cond(lambda: not p0.exported, "prefill@0 freeing its export")
     check(any(c == 11 for c, _ in p0.log), "prefill@0 got no ABORT: %s" % p0.log)
     wait_idle(sc)
+    return sc, [p0, p1, dec]
+
+
+def t_prefill_lost_handoff(ctx, build, tmp):
+    """A prefill group of two loses rank 1 while the decode rank imports
+    the request's state (DECODE sent, KV_RELEASE not yet).  The request
+    finishes from rank 0's part, and rank 0 is told to free it once the
+    import is done: the old scheduler forgot the group's hold when the
+    rank died, so rank 0 kept its export until its own kv_timeout_ms."""
+    sc, p0, p1, dec = setup_prefill_group(ctx, build, tmp)
+    cl = Client(ctx, sc.ep["client"])
+    dec.hold_release = True
+    p = [10, 20, 30]
+    i = submit(cl, p, 1, 8)
+    wait_for_cond(lambda: any(c == 7 for c, _ in dec.log), "the DECODE")
+    req = next(q for c, q in dec.log if c == 7)
+    check(req in p0.exported, "prefill@0 holds no export of req %d" % req)
+    p1.dead = True                      # like kill -9: stops answering
+    wait_for_cond(lambda: any(r["name"] == "prefill@1" and r["state"] == "dead"
+                              for r in sc.ctl("ranks")[1] or []), "prefill@1 seen dead")
+    check(req in p0.exported, "prefill@0 freed its export before the import ended")
+    dec.hold_release = False            # the import ends: KV_RELEASE
+    wait_for_cond(lambda: req not in p0.exported, "prefill@0 told to free its export")
+    check(req in p0.released, "prefill@0 freed it otherwise: %s" % p0.log)
+    r = cl.collect([i])[i]
+    check(r["final"][0] == 5 and r["tokens"] == expected(p, 1, 8),
+          "client: %s %s" % (r["final"], r["tokens"]))
+    wait_idle(sc)
+    rc, st = sc.ctl("status")
+    check(st["reruns"] == 0 and st["n_failed"] == 0 and st["rank_deaths"] == 1, st)
     return sc, [p0, p1, dec]
 
 
@@ -1638,6 +1683,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "malformed": t_malformed, "busy": t_busy, "listing": t_listing, "refusal_full": t_refusal_full, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
          "prefill_group_error": t_prefill_group_error, "pairing": t_pairing,
+         "prefill_lost_handoff": t_prefill_lost_handoff,
          "death_ctx": t_death_ctx}
 TOKENIZER = None
 
