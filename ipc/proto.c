@@ -177,6 +177,7 @@ static const struct field f_ready[] = {
     FLD("burst", struct dsv4_rank_ready, burst, T_BOOL, 0, 0, 1, 0),
     FLD("device", struct dsv4_rank_ready, device, T_STR, 0, 1, DSV4_PROTO_MAX_DEVICE, 0),
     FLD("model", struct dsv4_rank_ready, model, T_STR, 0, 1, DSV4_PROTO_MAX_MODEL, 0),
+    FHAS("abi", struct dsv4_rank_ready, abi, has_abi, T_U32, 1, U32MAX),
     FHAS("call_rows", struct dsv4_rank_ready, call_rows, has_call_rows, T_U32, 1,
         DSV4_PROTO_MAX_CTX),
     FHAS("call_rows_full", struct dsv4_rank_ready, call_rows_full, has_call_rows, T_U32, 1,

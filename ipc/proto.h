@@ -315,6 +315,18 @@ struct dsv4_cli_cancel {
     uint64_t id;
 };
 
+/*
+ * The version of what ranks exchange among themselves outside this protocol:
+ * a group's collectives (daemons/rank/rank_group.c: the join's exchange and
+ * the tick descriptor) and the decode state a prefill rank exports for a
+ * decode rank (kernels/forward.h, dsv4_model_state_export).  A build that
+ * changes any of them increments it.  Ranks send it in READY `abi`
+ * (docs/protocol.md §6.1); the scheduler refuses a rank whose abi differs
+ * from a live registered rank's, since ranks of two layouts would hang in a
+ * collective or hand over state the other cannot read.
+ */
+#define DSV4_RANK_ABI 1u
+
 /* Body of READY (rank -> scheduler): registration (§6, §6.1). */
 struct dsv4_rank_ready {
     enum dsv4_role role;
@@ -349,6 +361,11 @@ struct dsv4_rank_ready {
                             scheduler refuses a rank whose model differs
                             from the registered ranks'; optional, NULL when
                             absent (not compared) */
+    uint32_t abi;        /* DSV4_RANK_ABI of the rank's build, >= 1 (sent
+                            iff has_abi; absent, a rank older than the key,
+                            it reads 0): the scheduler refuses a rank whose
+                            abi differs from the live registered ranks' */
+    bool has_abi;
     bool has_call_rows;  /* call_rows and call_rows_full are sent (together,
                             optional): a prefill rank sends them; absent (a
                             decode rank, an older rank) they read 0 */

@@ -274,7 +274,8 @@ enum dsv4_err dsv4_model_spec_draft(struct dsv4_model *m, int32_t *drafts, float
  * window ring, its compressed entries and indexer keys up to the sequence's
  * length, and its compressor states; then the MTP layers' rings.  The layout
  * depends only on the config and the sequence length, so both sides agree on
- * sizes.  On the CPU backend this is a copy; a GPU backend moves the same
+ * sizes.  The layout is part of DSV4_RANK_ABI (ipc/proto.h): a change to it
+ * increments that, so that the scheduler keeps ranks of two layouts apart.  On the CPU backend this is a copy; a GPU backend moves the same
  * bytes (CUDA IPC / UCX) and may keep them in device memory.
  */
 

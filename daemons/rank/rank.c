@@ -256,6 +256,8 @@ link_join(struct rank *k)
     m.u.ready.burst = k->o.burst;
     m.u.ready.device = k->device[0] != '\0' ? k->device : NULL;
     m.u.ready.model = k->model_fp[0] != '\0' ? k->model_fp : NULL;
+    m.u.ready.abi = DSV4_RANK_ABI;
+    m.u.ready.has_abi = true;
     if (k->o.role == DSV4_ROLE_PREFILL) {
         /* the rows of one forward call now, and before the warm-up lowered them */
         int rows = k->o.rows < k->max_seq ? k->o.rows : k->max_seq;

@@ -39,9 +39,11 @@
  * communicator, frees the graphs recorded with it and keeps its process,
  * CUDA context, weights and decode state.
  *
- * Tick descriptor (2 * slots + 2 uint64): the runnable requests ascending,
+ * Tick descriptor (2 * slots + 3 uint64): the runnable requests ascending,
  * padded with UINT64_MAX, then their complements, then the pending epoch
- * (0 = none) and its complement.  After the minimum
+ * (0 = none) and its complement, then 0 when the rank stops after this tick
+ * (else 1).  Its layout, and group_peers' exchange, are part of
+ * DSV4_RANK_ABI (ipc/proto.h): a change increments it.  After the minimum
  * all-reduce the first half holds the smallest id of each position and the
  * second half the complement of the largest: a position where both are
  * equal holds the same request on every rank.  Requests are numbered in

@@ -74,6 +74,7 @@ struct sched_rank {
     uint32_t transports;             /* bit set of enum dsv4_transport */
     uint32_t pid;
     char model[DSV4_PROTO_MAX_MODEL + 1]; /* READY's model fingerprint; "" = not said */
+    uint32_t abi;                /* READY's abi (DSV4_RANK_ABI of its build; 0: not said) */
     bool burst;                      /* prefill: READY said burst (config `burst`) */
     uint32_t call_rows, call_rows_full; /* prefill: READY's (rows of one forward call,
                                         and before the warm-up lowered them); 0 =

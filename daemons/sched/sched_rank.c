@@ -476,6 +476,32 @@ model_conflict(struct sched *s, const struct dsv4_route *from,
     return false;
 }
 
+/* Whether READY `m` comes from a build whose rank-to-rank exchanges
+ * (DSV4_RANK_ABI: a group's collectives, the decode state's layout) differ
+ * from a live registered rank's, other than the registrations it replaces;
+ * if so, why says which.  Every rank is compared, not only the group's: a
+ * prefill rank hands its state to every decode group. */
+static bool
+abi_conflict(struct sched *s, const struct dsv4_route *from,
+    const struct dsv4_rank_ready *m, char *why, size_t len)
+{
+    const struct sched_rank *k;
+    char nb[48];
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (k->state == DSV4_RANK_STATE_DEAD || k->abi == m->abi ||
+            ready_rel(k, from, m) != REL_NONE)
+            continue;
+        snprintf(why, len, "abi %u differs from the abi %u of %s, registered (%s): ranks of "
+            "two builds would hang in a group's collectives or hand over decode state the "
+            "other cannot read; every rank must run a build of the same abi (to change it, "
+            "restart the whole set)", (unsigned)m->abi, (unsigned)k->abi,
+            rank_name(k, nb, sizeof(nb)), k->abi == 0 ? "an older build" : "another build");
+        return true;
+    }
+    return false;
+}
+
 /* Whether READY `m` names another group size than its group's ranks that
  * it does not replace (those of its link, name or seat); if so, why says
  * which.  Checked before anything is replaced, so that a refused READY
@@ -527,7 +553,8 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     }
     if (ready_conflict(s, from, m, why, sizeof(why)) ||
         size_conflict(s, from, m, why, sizeof(why)) ||
-        model_conflict(s, from, m, why, sizeof(why))) {
+        model_conflict(s, from, m, why, sizeof(why)) ||
+        abi_conflict(s, from, m, why, sizeof(why))) {
         refuse_ready(s, from, m, why);
         return;
     }
@@ -577,6 +604,7 @@ on_ready(struct sched *s, const struct dsv4_route *from, const struct dsv4_rank_
     snprintf(k->host, sizeof(k->host), "%s", m->host);
     snprintf(k->device, sizeof(k->device), "%s", m->device != NULL ? m->device : "");
     snprintf(k->model, sizeof(k->model), "%s", m->model != NULL ? m->model : "");
+    k->abi = m->abi;
     k->joined_ms = dsv4_now_ms();
     dsv4_liveness_init(&k->live, (uint32_t)s->cfg.file.heartbeat_ms,
         (uint32_t)s->cfg.file.liveness, k->joined_ms);

@@ -211,6 +211,8 @@ s_ready_prefill(struct dsv4_msg *m)
     r->burst = true;
     r->device = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0";
     r->model = "9f3c2a1b5d7e8f60";
+    r->abi = DSV4_RANK_ABI;
+    r->has_abi = true;
     r->call_rows = 512;
     r->call_rows_full = 2048;
     r->has_call_rows = true;

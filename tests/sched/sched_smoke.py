@@ -93,8 +93,9 @@ class FakeRank(threading.Thread):
 
     def __init__(self, ctx, endpoint, role, index, capacity=16, tick=0.004, group=None,
                  group_rank=0, group_size=1, device=None, host="test", pid=None,
-                 model=None, max_ctx=4096):
+                 model=None, max_ctx=4096, abi=None):
         super().__init__(daemon=True)
+        self.abi = abi                  # READY's abi (None: not sent, as an older rank)
         self.max_ctx = max_ctx          # READY's max_ctx
         self.model = model              # READY's model fingerprint (None: not sent)
         self.host = host                # READY's host and pid (the test's by default)
@@ -178,6 +179,8 @@ class FakeRank(threading.Thread):
             ready["device"] = self.device
         if self.model is not None:
             ready["model"] = self.model
+        if self.abi is not None:
+            ready["abi"] = self.abi
         self.send(s, 1, ready)
         while not self.stop:
             if self.dead:
@@ -1435,7 +1438,8 @@ def wait_for_cond(pred, what, timeout=10):
 def t_ready_refused(ctx, build, tmp):
     """READYs the scheduler refuses (misconfigured ranks): a group_size that
     differs from its group's, a group larger than 64 ranks, another model
-    than the registered ranks' (READY `model`).  DISCONNECT
+    than the registered ranks' (READY `model`), a build of another rank ABI
+    (READY `abi`; the registered ranks send none: an older build).  DISCONNECT
     and the journal give the reason with the figures, nothing registers, the
     group's rank stays, and the group serves once a right READY comes."""
     sc = Sched(build, tmp, ["-o", "max_batch=16"])
@@ -1451,7 +1455,8 @@ def t_ready_refused(ctx, build, tmp):
     bad = [FakeRank(ctx, sc.ep["rank"], "decode", 1, group=0, group_rank=1, group_size=3),
            FakeRank(ctx, sc.ep["rank"], "decode", 2, group=1, group_rank=0, group_size=65),
            FakeRank(ctx, sc.ep["rank"], "decode", 3, group=2, model="fedcba9876543210"),
-           FakeRank(ctx, sc.ep["rank"], "prefill", 4, group=4, group_rank=0, group_size=17)]
+           FakeRank(ctx, sc.ep["rank"], "prefill", 4, group=4, group_rank=0, group_size=17),
+           FakeRank(ctx, sc.ep["rank"], "decode", 5, group=5, model=model, abi=1)]
     for r in bad:
         r.rejoin = False
         r.start()
@@ -1464,7 +1469,11 @@ def t_ready_refused(ctx, build, tmp):
            "registered: every rank must run the same model (to change it, restart the whole "
            "set)",
            # a handoff carries at most 16 parts of the decode state
-           "group_size 17: a prefill group has at most 16 ranks"]
+           "group_size 17: a prefill group has at most 16 ranks",
+           "abi 1 differs from the abi 0 of prefill@0, registered (an older build): ranks of "
+           "two builds would hang in a group's collectives or hand over decode state the other "
+           "cannot read; every rank must run a build of the same abi (to change it, restart "
+           "the whole set)"]
     for r, w in zip(bad, why):
         check(r.disconnects == [w] and not r.welcomed.is_set(),
               "%s@%d: DISCONNECT %s" % (r.role, r.index, r.disconnects))
@@ -1472,7 +1481,8 @@ def t_ready_refused(ctx, build, tmp):
         text = fp.read()
     for line in ("READY of decode@1 (group 0, rank 1/3, pid %d) refused: " + why[0],
                  "READY of decode@2 (group 1, rank 0/65, pid %d) refused: " + why[1],
-                 "READY of decode@3 (group 2, rank 0/1, pid %d) refused: " + why[2]):
+                 "READY of decode@3 (group 2, rank 0/1, pid %d) refused: " + why[2],
+                 "READY of decode@5 (group 5, rank 0/1, pid %d) refused: " + why[4]):
         check(line % os.getpid() in text, "not in the journal: " + line % os.getpid())
     rc, ranks = sc.ctl("ranks")
     check(rc == 0 and sorted(r["name"] for r in ranks) == ["decode@0", "prefill@0"],
