@@ -15,7 +15,14 @@ request runs to max_tokens), then runs dsv4-bench:
   * a --duration level (C=2): every request sent in the window is counted
     and done;
   * plot.py on two result files (two series);
-  * argument errors (exit 2) and an unreachable server (exit 1, no hang);
+  * argument errors (exit 2; an unknown short option named as itself), an
+    output that cannot be written (exit 2, before any load) and an
+    unreachable server (exit 1, no hang);
+  * a server that dies under load (a stand-in scheduler killed): each
+    worker is lost at its first 504, one failed request a worker, and the
+    JSON written after the level holds the level;
+  * a sweep with the default warm-up (the level's concurrency): both levels
+    measure the same requests;
 then the service's books must be empty (the extra requests cancelled at the
 end of each level are freed).  Timing is never asserted.
 """
@@ -25,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
@@ -114,6 +122,14 @@ def scenario(tmp):
                 ["-n", "3", "-d", "1"], ["--token-range", "9:9"], ["--bogus"], ["extra"]):
         r = bench(bad, expect=2)
         check("dsv4-bench:" in r.stderr, "no message for %s: %r" % (bad, r.stderr))
+    r = bench(["-e", "ipc://%s/nobody.sock" % tmp, "-xq"], expect=2)
+    check("unknown option '-x'" in r.stderr, "-xq: %r" % r.stderr[-500:])
+    # the outputs are checked before any load (the sweep is not lost at its end)
+    for bad, what in ((["-j", os.path.join(tmp, "nodir", "x.json")], "nodir/x.json"),
+                      (["-P", os.path.join(tmp, "nodir", "x.png")], "cannot write in")):
+        r = bench(["-e", "ipc://%s/nobody.sock" % tmp, "--connect-timeout", "300"] + bad,
+                  expect=2)
+        check(what in r.stderr and "504" not in r.stderr, "%s: %r" % (bad, r.stderr[-500:]))
     r = bench(["-e", "ipc://%s/nobody.sock" % tmp, "--connect-timeout", "300", "-n", "1",
                "-j", os.path.join(tmp, "none.json")], expect=1)
     check("could not connect" in r.stderr or "504" in r.stderr,
@@ -139,6 +155,36 @@ def scenario(tmp):
     finally:
         fake.terminate()
         fake.wait(timeout=30)
+
+    # A server that dies under load: each worker's request ends with 504
+    # once the server is silent past --connect-timeout, and the worker is
+    # lost; before, every remaining measured request waited for its own 504.
+    fake = subprocess.Popen([svc_test.exe("tests/ipc/fake_sched"), fake_ep])
+    try:
+        gone_json = os.path.join(tmp, "gone.json")
+        b = subprocess.Popen([svc_test.exe("tools/bench/dsv4-bench"), "-e", fake_ep, "-c", "2",
+                              "-n", "40", "-w", "0", "-p", "8", "-l", "100000",
+                              "--token-range", "2:1024", "--connect-timeout", "300",
+                              "-j", gone_json], stderr=subprocess.PIPE, text=True)
+        head = b.stderr.readline()      # the table's header: past the endpoint check
+        check("out_tok/s" in head, "dsv4-bench did not start its level: %r" % head)
+        time.sleep(1)                   # requests under way (or queued: the same outcome)
+        fake.kill()
+        fake.wait(timeout=30)
+        err = b.communicate(timeout=300)[1]
+        check(b.returncode == 1, "dsv4-bench exit %d after its server died" % b.returncode)
+        with open(gone_json) as f:
+            run = json.load(f)["runs"][0]
+        check(run["workers_lost"] == 2 and run["failed"] == 2 and
+              run["measured_requests"] == 2 and run["errors"] == {"504": 2},
+              "server gone: lost %d, measured %d, failed %d, errors %s\n%s" %
+              (run["workers_lost"], run["measured_requests"], run["failed"], run["errors"],
+               err[-1500:]))
+        log("server gone under load: each worker lost at its first 504")
+    finally:
+        if fake.poll() is None:
+            fake.kill()
+            fake.wait(timeout=30)
 
     svc = svc_test.Service(n_prefill=1, n_decode=1, extra_conf="tokenizer = none\n")
     try:
@@ -170,6 +216,17 @@ def scenario(tmp):
               (runs[0]["prompt_tokens"], runs[1]["prompt_tokens"]))
         check_png(sweep_png)
         log("sweep C=1,4: %s tok/s" % [x["output_tok_s"] for x in runs])
+
+        # The default warm-up (the level's concurrency) differs by level; the
+        # measured requests do not (each draws from its own stream).
+        dw_json = os.path.join(tmp, "default_warmup.json")
+        bench(common + ["-c", "1,3", "-n", "4", "-q", "-j", dw_json])
+        with open(dw_json) as f:
+            runs = json.load(f)["runs"]
+        check([r["warmup_requests"] for r in runs] == [1, 3] and
+              runs[0]["prompt_tokens"] == runs[1]["prompt_tokens"],
+              "default warm-up: warm-ups %s, prompt tokens %s" %
+              ([r["warmup_requests"] for r in runs], [r["prompt_tokens"] for r in runs]))
 
         dur_json = os.path.join(tmp, "duration.json")
         r = bench(common + ["-c", "2", "-d", "1", "-w", "0", "-q", "-j", "-"])

@@ -16,6 +16,7 @@
 #ifndef DSV4_TOOLS_BENCH_H
 #define DSV4_TOOLS_BENCH_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -197,7 +198,7 @@ struct bench_result {
     double duration_s;             /* measurement window */
     uint64_t window_tokens;        /* tokens of any request inside the window */
     double output_tok_s;           /* window_tokens / duration_s */
-    double requests_s;             /* done / duration_s */
+    double requests_s;             /* (done - finish_cancelled) / duration_s */
     struct bench_summary ttft, itl, tpot, e2e; /* ms */
     int interrupted;               /* SIGINT stopped the level */
     int workers_lost;              /* connections that failed */
@@ -208,8 +209,9 @@ struct bench_result {
  * 0, or -1 when no worker could connect (reason on stderr).
  */
 int bench_run(const struct bench_opts *o, int concurrency, struct bench_result *res);
-/* Set by SIGINT: stop the current level and report what was measured. */
-extern volatile int bench_interrupted;
+/* Set by SIGINT (a lock-free atomic: a signal handler may store it): stop
+ * the current level and report what was measured. */
+extern atomic_int bench_interrupted;
 
 /* --- reports --------------------------------------------------------- */
 
@@ -223,5 +225,9 @@ void bench_report_header(void);
 void bench_report_row(const struct bench_result *r);
 /* Run the plot script on the JSON document, writing o->plot_path; 0 or -1. */
 int bench_report_plot(const struct bench_opts *o, const char *json);
+/* Before any load: whether the plot can be made (o->plot_path's directory
+ * writable, python3 with matplotlib to run the script); 0, or -1 with the
+ * reason on stderr. */
+int bench_report_plot_check(const struct bench_opts *o);
 
 #endif

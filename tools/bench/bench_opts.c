@@ -26,7 +26,9 @@ bench_usage(FILE *f)
         "  -e, --endpoint EP       scheduler client endpoint ($DSV4_ENDPOINT,\n"
         "                          default " DEFAULT_ENDPOINT ")\n"
         "  -K, --server-key FILE   CURVE public key file of the server\n"
-        "      --connect-timeout MS\n"
+        "      --connect-timeout MS  end a request with 504 when the server is silent\n"
+        "                          this long past its 1 s heartbeat (default 5000;\n"
+        "                          0 = never: a server gone for good then hangs the run)\n"
         "  -c, --concurrency LIST  closed-loop workers, 1..%d; a comma list runs a\n"
         "                          sweep (1,2,4,8,16,32,64); default 1\n"
         "  -p, --prompt-len SPEC   prompt tokens: N | uniform:LO:HI | normal:MEAN:SD |\n"
@@ -254,7 +256,17 @@ bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t 
             snprintf(err, errlen, "option '%s' needs an argument", argv[optind - 1]);
             return -1;
         default:
-            snprintf(err, errlen, "unknown option '%s'", argv[optind - 1]);
+            /* getopt_long sets optopt: an unknown short option's letter, a
+             * long option's value when it was given an argument it takes
+             * none of, 0 for an unknown or ambiguous long option (and then
+             * argv[optind - 1] is it; for a short one in a cluster optind
+             * has not moved past it) */
+            if (optopt > 0 && optopt < 256)
+                snprintf(err, errlen, "unknown option '-%c'", optopt);
+            else if (optopt >= 256)
+                snprintf(err, errlen, "option '%s' takes no argument", argv[optind - 1]);
+            else
+                snprintf(err, errlen, "unknown or ambiguous option '%s'", argv[optind - 1]);
             return -1;
         }
     }

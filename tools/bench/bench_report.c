@@ -221,7 +221,8 @@ bench_report_row(const struct bench_result *r)
             (unsigned long long)r->short_outputs, (unsigned long long)r->done,
             (unsigned long long)r->output_tokens, (unsigned long long)r->output_requested);
     if (r->workers_lost > 0)
-        fprintf(stderr, "     %d of %d connections failed\n", r->workers_lost, r->concurrency);
+        fprintf(stderr, "     %d of %d workers lost (connection failed or server silent)\n",
+            r->workers_lost, r->concurrency);
     if (r->interrupted)
         fprintf(stderr, "     interrupted\n");
 }
@@ -243,29 +244,32 @@ plot_script(const struct bench_opts *o)
     return BENCH_PLOT_SOURCE;
 }
 
-int
-bench_report_plot(const struct bench_opts *o, const char *json)
+/* Run `python3 script args...` with `input` on its stdin (NULL: none);
+ * 0 when it exits 0. */
+static int
+run_python(const char *script, const char *a1, const char *a2, const char *a3,
+    const char *input)
 {
-    const char *script = plot_script(o);
-    char py[] = "python3", opt[] = "-o", dash[] = "-";
-    size_t len = strlen(json), off = 0;
+    char *argv[] = { strdup("python3"), strdup(script), a1 != NULL ? strdup(a1) : NULL,
+                     a2 != NULL ? strdup(a2) : NULL, a3 != NULL ? strdup(a3) : NULL, NULL };
+    size_t len = input != NULL ? strlen(input) : 0, off = 0;
     void (*old)(int);
     int fd[2], status, rc = 0;
     pid_t pid;
 
     if (pipe(fd) != 0) {
         fprintf(stderr, "dsv4-bench: pipe: %s\n", strerror(errno));
-        return -1;
+        rc = -1;
+        goto out;
     }
     if ((pid = fork()) < 0) {
         fprintf(stderr, "dsv4-bench: fork: %s\n", strerror(errno));
         close(fd[0]);
         close(fd[1]);
-        return -1;
+        rc = -1;
+        goto out;
     }
     if (pid == 0) {
-        char *argv[] = { py, strdup(script), opt, strdup(o->plot_path), dash, NULL };
-
         dup2(fd[0], STDIN_FILENO);
         close(fd[0]);
         close(fd[1]);
@@ -276,7 +280,7 @@ bench_report_plot(const struct bench_opts *o, const char *json)
     close(fd[0]);
     old = signal(SIGPIPE, SIG_IGN); /* a script that dies early must not kill us */
     while (off < len) {
-        ssize_t w = write(fd[1], json + off, len - off);
+        ssize_t w = write(fd[1], input + off, len - off);
 
         if (w < 0 && errno == EINTR)
             continue;
@@ -290,9 +294,51 @@ bench_report_plot(const struct bench_opts *o, const char *json)
     signal(SIGPIPE, old);
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
         ;
-    if (rc != 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        rc = -1;
+out:
+    for (int i = 0; i < 5; i++)
+        free(argv[i]);
+    return rc;
+}
+
+int
+bench_report_plot(const struct bench_opts *o, const char *json)
+{
+    const char *script = plot_script(o);
+
+    if (run_python(script, "-o", o->plot_path, "-", json) != 0) {
         fprintf(stderr, "dsv4-bench: %s failed; no plot written to %s\n", script,
             o->plot_path);
+        return -1;
+    }
+    return 0;
+}
+
+int
+bench_report_plot_check(const struct bench_opts *o)
+{
+    const char *script = plot_script(o), *slash = strrchr(o->plot_path, '/');
+    char dir[4096];
+
+    if (slash == NULL)
+        snprintf(dir, sizeof(dir), ".");
+    else if (slash == o->plot_path)
+        snprintf(dir, sizeof(dir), "/");
+    else
+        snprintf(dir, sizeof(dir), "%.*s", (int)(slash - o->plot_path), o->plot_path);
+    if (access(dir, W_OK) != 0) {
+        fprintf(stderr, "dsv4-bench: --plot %s: cannot write in %s: %s\n", o->plot_path, dir,
+            strerror(errno));
+        return -1;
+    }
+    if (access(script, R_OK) != 0) {
+        fprintf(stderr, "dsv4-bench: plot script %s: %s\n", script, strerror(errno));
+        return -1;
+    }
+    /* (the script names what is missing: matplotlib, python3) */
+    if (run_python(script, "--check", NULL, NULL, NULL) != 0) {
+        fprintf(stderr, "dsv4-bench: %s --check failed: no plot could be made\n", script);
         return -1;
     }
     return 0;

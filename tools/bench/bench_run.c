@@ -12,9 +12,12 @@
  * timestamps of the others; (c) a connection is not thread-safe, and one per
  * thread needs no locking around the library.  64 threads are cheap.
  *
- * Phases, by a shared request counter (request i draws its lengths, prompt
- * ids and sampling seed from RNG stream i, so a run is reproducible whatever
- * the timing):
+ * Phases, by a shared request counter.  Each request draws its lengths,
+ * prompt ids and sampling seed from an RNG stream of its own: the j-th
+ * measured request from stream j, warm-up and extra requests from streams
+ * of their own ranges (STREAM_WARMUP, STREAM_EXTRA), so a run is
+ * reproducible whatever the timing, and every level of a sweep measures the
+ * same requests whatever its warm-up count:
  *   warm-up   requests 0 .. W-1: sent, not counted;
  *   measured  the next N requests (or, with --duration, those sent within D
  *             seconds of the first measured one); t_start = the first one's
@@ -25,9 +28,16 @@
  * Latency figures come from measured requests; output tok/s counts every
  * token that arrived in [t_start, t_end] (from any request, so the tail of
  * the run does not drain the load), divided by t_end - t_start.
+ *
+ * A worker whose connection fails, or whose request the library ends with
+ * 504 (the server did not answer within --connect-timeout, or the request
+ * could not be resumed after a scheduler restart), is lost: it sends no
+ * more, so a level whose server is gone ends within a connect timeout
+ * instead of failing each of its requests one timeout after another.
  */
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,8 +50,10 @@
 #define POLL_MS 100          /* wake this often to notice stop and SIGINT */
 #define CANCEL_WAIT_S 30.0   /* give up on a cancelled request's final event */
 #define MAX_REPORTED 5       /* failures printed per level */
+#define STREAM_WARMUP (1ull << 62) /* RNG streams of warm-up requests: + their number */
+#define STREAM_EXTRA (1ull << 63)  /* of extra requests: + their number */
 
-volatile int bench_interrupted;
+atomic_int bench_interrupted;
 
 enum req_kind {
     REQ_NONE = 0,  /* no request: the level is over */
@@ -63,6 +75,8 @@ struct level {
     int stop;                    /* t_end is set: cancel and leave */
     double t_start, t_end;       /* s */
     uint64_t sent, ended;        /* measured requests */
+    uint64_t extra;              /* extra requests sent */
+    double t_tok;                /* the latest token time counted in the window */
     struct bench_result *res;    /* counters; summaries filled at the end */
 };
 
@@ -126,34 +140,42 @@ level_closed(struct level *lv, double now)
     return lv->closed;
 }
 
-/* End the level at `now` (under mu). */
+/* End the level at `now` (under mu).  The window ends no earlier than the
+ * tokens counted in it (a worker stamps its tokens before it takes mu, so
+ * those of a moment before `now` may be counted after a later stamp). */
 static void
 level_stop(struct level *lv, double now)
 {
     if (!lv->stop) {
         lv->stop = 1;
-        lv->t_end = now;
+        lv->t_end = now > lv->t_tok ? now : lv->t_tok;
         if (!lv->measuring)
             lv->t_start = now;
     }
 }
 
-/* Classify the next request; *index receives its number (under mu). */
+/* Classify the next request; *stream receives its RNG stream (under mu). */
 static int
-level_take(struct level *lv, double now, uint64_t *index)
+level_take(struct level *lv, double now, uint64_t *stream)
 {
+    uint64_t i;
+
     if (lv->stop)
         return REQ_NONE;
-    *index = lv->next++;
-    if (*index < (uint64_t)lv->warmup)
+    i = lv->next++;
+    if (i < (uint64_t)lv->warmup) {
+        *stream = STREAM_WARMUP + i;
         return REQ_WARMUP;
+    }
     if (!lv->measuring) {
         lv->measuring = 1;
         lv->t_start = now;
     }
-    if (level_closed(lv, now))
+    if (level_closed(lv, now)) {
+        *stream = STREAM_EXTRA + lv->extra++;
         return REQ_EXTRA;
-    lv->sent++;
+    }
+    *stream = lv->sent++;
     lv->res->measured++;
     return REQ_MEASURED;
 }
@@ -202,8 +224,12 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
             r->finish_length += finish == DSV4_CLIENT_FINISH_LENGTH;
             r->finish_stop += finish == DSV4_CLIENT_FINISH_STOP;
             r->finish_cancelled += finish == DSV4_CLIENT_FINISH_CANCELLED;
-            r->short_outputs += w->st.n_tokens < w->max_tokens;
-            r->usage_mismatch += usage != w->st.n_tokens;
+            /* one cancelled by SIGINT was cut short by us, not by the model,
+             * and may have tokens on their way still */
+            if (finish != DSV4_CLIENT_FINISH_CANCELLED) {
+                r->short_outputs += w->st.n_tokens < w->max_tokens;
+                r->usage_mismatch += usage != w->st.n_tokens;
+            }
         }
     } else if (w->cancelled && lv->stop) {
         r->extra_cancelled++;
@@ -214,16 +240,17 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
     w->kind = REQ_NONE;
 }
 
-/* Build and send request `index`; 0, or the library's code on failure. */
+/* Build and send the request of RNG stream `stream`; 0, or the library's
+ * code on failure. */
 static int
-worker_submit(struct worker *w, uint64_t index)
+worker_submit(struct worker *w, uint64_t stream)
 {
     const struct bench_opts *o = w->lv->o;
     struct dsv4_client_params p;
     struct bench_rng rng;
     uint32_t span = (uint32_t)(o->id_hi - o->id_lo);
 
-    bench_rng_seed(&rng, o->seed, index);
+    bench_rng_seed(&rng, o->seed, stream);
     w->n_prompt = bench_dist_draw(&o->prompt, &rng);
     w->max_tokens = bench_dist_draw(&o->output, &rng);
     if (w->n_prompt > w->ids_cap) {
@@ -260,8 +287,11 @@ worker_tokens(struct worker *w, double t, size_t n)
     if (bench_stream_tokens(&w->st, t, n, w->kind == REQ_MEASURED ? &w->req_itl : NULL) != 0)
         w->oom = 1;
     pthread_mutex_lock(&lv->mu);
-    if (lv->measuring && t >= lv->t_start && (!lv->stop || t <= lv->t_end))
+    if (lv->measuring && t >= lv->t_start && (!lv->stop || t <= lv->t_end)) {
         lv->res->window_tokens += n;
+        if (t > lv->t_tok)
+            lv->t_tok = t;
+    }
     pthread_mutex_unlock(&lv->mu);
 }
 
@@ -293,29 +323,30 @@ worker_main(void *arg)
 
     for (;;) {
         struct dsv4_client_event ev;
-        uint64_t index = 0;
+        uint64_t stream = 0;
         int stop, fresh = 0;
         double t;
 
         pthread_mutex_lock(&lv->mu);
-        if (bench_interrupted && !lv->stop) {
+        if (atomic_load(&bench_interrupted) && !lv->stop) {
             lv->res->interrupted = 1;
             level_stop(lv, now_s());
         }
         stop = lv->stop;
         if (w->kind == REQ_NONE) {
-            w->kind = level_take(lv, now_s(), &index);
+            w->kind = level_take(lv, now_s(), &stream);
             fresh = w->kind != REQ_NONE;
         }
         pthread_mutex_unlock(&lv->mu);
         if (w->kind == REQ_NONE)
             break;
-        if (fresh && (rc = worker_submit(w, index)) != 0) {
+        if (fresh && (rc = worker_submit(w, stream)) != 0) {
             worker_end(w, now_s(), rc, 0, 0, dsv4_client_errmsg(w->c));
             continue;
         }
-        if (stop && !w->cancelled) {
-            dsv4_client_cancel(w->c, w->id); /* 404 when it just ended: fine */
+        /* 404 when it just ended: fine; 300 (the send queue is full):
+         * again at the next turn */
+        if (stop && !w->cancelled && dsv4_client_cancel(w->c, w->id) != DSV4_CLIENT_BUSY) {
             w->cancelled = 1;
             w->t_cancel = now_s();
         }
@@ -344,6 +375,11 @@ worker_main(void *arg)
             break;
         case DSV4_CLIENT_EV_ERROR:
             worker_end(w, t, ev.code, 0, 0, ev.message);
+            if (ev.code == DSV4_CLIENT_UNREACHABLE) {
+                fprintf(stderr, "dsv4-bench: worker %d: %s; it sends no more\n", w->index,
+                    ev.message != NULL ? ev.message : "server unreachable");
+                goto lost;
+            }
             break;
         default:
             break;
@@ -402,7 +438,7 @@ bench_run(const struct bench_opts *o, int concurrency, struct bench_result *res)
     res->duration_s = lv.t_end - lv.t_start;
     if (res->duration_s > 0) {
         res->output_tok_s = (double)res->window_tokens / res->duration_s;
-        res->requests_s = (double)res->done / res->duration_s;
+        res->requests_s = (double)(res->done - res->finish_cancelled) / res->duration_s;
     }
     for (int i = 0; i < concurrency; i++) {
         oom |= w[i].oom;

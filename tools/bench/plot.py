@@ -2,6 +2,7 @@
 """plot.py — draw dsv4-bench results (tools/bench/; schema: docs/perf.md).
 
   plot.py -o OUT.png RESULT.json [RESULT.json ...]    ("-" reads stdin)
+  plot.py --check      exit 0 when a plot can be made (matplotlib is there)
 
 One PNG with four panels against concurrency: aggregate output tok/s, and
 the p50/p90/p99 of TTFT, inter-token latency and end-to-end latency.  Each
@@ -28,6 +29,9 @@ except ImportError:
     sys.exit("plot.py: matplotlib is not installed (apt-get install python3-matplotlib)")
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+if sys.argv[1:] == ["--check"]:
+    sys.exit(0)
 
 PCTS = (("p50", "-"), ("p90", "--"), ("p99", ":"))
 PANELS = (("ttft_ms", "time to first token (ms)"),
