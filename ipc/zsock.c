@@ -17,6 +17,8 @@
 
 #include <zmq.h>
 
+#include "common/unix_sock.h"
+
 #define IPC_PREFIX "ipc://"
 #define TCP_PREFIX "tcp://"
 #define MAXMSG_SLACK (1 << 20) /* bytes above the body limit for the other frames */
@@ -178,6 +180,23 @@ ipc_chmod(void *s, unsigned mode)
     return DSV4_OK;
 }
 
+/* Before an ipc:// bind: libzmq unlinks the file at the path and binds
+ * afresh, so a socket a live process listens on (another scheduler of the
+ * same configuration) would be taken from it without a word.  A stale
+ * file, or none, is libzmq's to replace; '*' and '@NAME' have no file. */
+static enum dsv4_err
+ipc_bind_free(const char *ep)
+{
+    const char *path = ep + strlen(IPC_PREFIX);
+
+    if (strncmp(ep, IPC_PREFIX, strlen(IPC_PREFIX)) != 0 || strcmp(path, "*") == 0 ||
+        path[0] == '@' || path[0] == '\0')
+        return DSV4_OK;
+    if (unix_sock_live(path))
+        return dsv4_err_set(DSV4_ERR_BUSY, "%s: in use by a running process", ep);
+    return DSV4_OK;
+}
+
 static enum dsv4_err
 zsock_setup(void *s, const struct dsv4_zsock_cfg *cfg, const char *ep, bool bind)
 {
@@ -214,6 +233,8 @@ zsock_setup(void *s, const struct dsv4_zsock_cfg *cfg, const char *ep, bool bind
         if ((e = sockopt_int(s, ZMQ_USE_FD, cfg->fd, "USE_FD")) != DSV4_OK)
             return e;
     }
+    if (bind && cfg->fd < 0 && (e = ipc_bind_free(ep)) != DSV4_OK)
+        return e;
     if (bind ? zmq_bind(s, ep) != 0 : zmq_connect(s, ep) != 0)
         return dsv4_err_set(DSV4_ERR_SYS, "%s %s: %s", bind ? "bind" : "connect", ep,
             zmq_strerror(errno));

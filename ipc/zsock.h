@@ -65,7 +65,10 @@ void dsv4_zsock_cfg_init(struct dsv4_zsock_cfg *cfg);
  * the socket file is chmod'ed (do this in a directory only the service can
  * write, so nobody connects in between).  A tcp:// port outside 1 ... 65535
  * ('*' to bind a free one) is refused (libzmq would take it modulo 65536).
- * Returns the socket, or NULL with
+ * An ipc:// bind (not an adopted fd) to a socket file a live process
+ * listens on is refused with DSV4_ERR_BUSY ("ENDPOINT: in use by a running
+ * process"): libzmq would unlink the file and take the endpoint from it;
+ * a stale file is replaced as before.  Returns the socket, or NULL with
  * the reason in dsv4_errmsg() (*err set when err != NULL).
  */
 void *dsv4_zsock_open(void *zctx, const struct dsv4_zsock_cfg *cfg, enum dsv4_err *err);

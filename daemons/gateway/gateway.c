@@ -301,9 +301,17 @@ main(int argc, char **argv)
     int ch, verbose = 0, sigfd, n_fds, listen_fd = -1;
     char *overrides[64];
     int n_over = 0, i;
+    sigset_t hup;
 
     log_init(0);
     log_procinit("gateway");
+    /* A reload (SIGHUP) during the start-up (the tokenizer's load) must not
+     * end the process, SIGHUP's default action: blocked from here, it
+     * waits for the signalfd of signals_open and is read by gw_loop. */
+    sigemptyset(&hup);
+    sigaddset(&hup, SIGHUP);
+    if (pthread_sigmask(SIG_BLOCK, &hup, NULL) != 0)
+        fatalx("pthread_sigmask");
     while ((ch = getopt_long(argc, argv, "hnvf:o:l:", lopts, NULL)) != -1) {
         switch (ch) {
         case 'n': check = true; break;

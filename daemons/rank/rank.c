@@ -76,7 +76,9 @@ usage(int status)
         "  --max-seq N           over max_seq\n"
         "  --rows N              rows per prefill forward call (default the larger of\n"
         "                        256 and prefill_chunk)\n"
-        "  --kv-timeout-ms MS    free an exported decode state nobody claimed after MS\n"
+        "  --kv-timeout-ms MS    export expiry: free an exported decode state nobody\n"
+        "                        claimed after MS (default 120000); not the key\n"
+        "                        kv_timeout_ms, a decode rank's import bound (5000)\n"
         "  --role ROLE           must name this executable's role\n"
         "  --synthetic-weights SEED  generate the weights (seeded) instead of reading a\n"
         "                        checkpoint; the model from --preset NAME or --config\n"
@@ -1221,6 +1223,12 @@ rank_init_model(struct rank *k)
     const char *env;
     size_t rows;
 
+#ifndef DSV4_HAVE_CUDA
+    /* the configuration's fault, as -n says: exit 6, which the units'
+     * RestartPreventExitStatus= does not restart (1 was, for ever) */
+    if (cuda)
+        fatalx_conf("rank_init: backend cuda: this build has no CUDA");
+#endif
     sdnotify_status("creating the %s backend", k->o.conf.backend);
     num = strcmp(k->o.conf.numerics, "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
 #ifdef DSV4_HAVE_CUDA

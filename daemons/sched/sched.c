@@ -372,6 +372,7 @@ main(int argc, char *argv[])
     const char *path = NULL;
     int ch, n_over = 0, verbose = 0;
     bool check = false;
+    sigset_t hup;
 
     static const struct option lopts[] = {
         { "help", no_argument, NULL, 'h' },
@@ -379,6 +380,13 @@ main(int argc, char *argv[])
         { NULL, 0, NULL, 0 },
     };
 
+    /* A reload (SIGHUP: systemctl reload, dsv4-launch) during the start-up
+     * must not end the process, SIGHUP's default action: blocked from
+     * here, it waits for the signalfd of sched_init and is read there. */
+    sigemptyset(&hup);
+    sigaddset(&hup, SIGHUP);
+    if (sigprocmask(SIG_BLOCK, &hup, NULL) != 0)
+        fatal("sigprocmask");
     while ((ch = getopt_long(argc, argv, "f:hno:v", lopts, NULL)) != -1) {
         switch (ch) {
         case 'f':

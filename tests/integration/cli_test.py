@@ -196,6 +196,12 @@ def checks(paths, conf, tmp):
         ([gw, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
         ([gw, "-f", conf, "-l", "127.0.0.1:notaport"], r"cannot be listened on"),
     ]
+    # backend = cuda on a build without CUDA (-n says so): exit 6 as -n,
+    # not 1, which systemd restarted for ever
+    rc, out, err = run([dec, "-n", "-f", conf, "-o", "backend=cuda"], cwd=tmp)
+    if "this build has no CUDA" in err:
+        check(rc == 6, "-n with backend = cuda without CUDA: exit %d" % rc)
+        starts.append(([dec, "-f", conf, "-o", "backend=cuda"], r"this build has no CUDA"))
     for argv, pat in starts:
         rc, out, err = run(argv, cwd=tmp)
         check(rc == 6 and re.search(pat, out + err),
@@ -320,7 +326,114 @@ def ctl_endpoint(paths, tmp):
                        text=True, timeout=RUN_TIMEOUT_S)
     check(r.returncode == 3 and "server.pub" not in r.stderr,
           "dsv4ctl with key_dir %s: exit %d: %s" % (keys, r.returncode, r.stderr))
-    log("dsv4ctl: $DSV4_ADMIN_ENDPOINT used, a tcp:// endpoint's key from key_dir")
+    # a CURVE scheduler whose key is not key_dir's server.pub: the
+    # handshake fails, which dsv4ctl says (it said "the connection
+    # dropped ... (a scheduler restart?)"); exit 3 still
+    if zmq.has("curve"):
+        theirs = os.path.join(tmp, "ctl-keys-theirs")
+        os.makedirs(theirs, exist_ok=True)
+        r = subprocess.run([paths["dsv4ctl"], "keygen", theirs], capture_output=True, text=True)
+        check(r.returncode == 0, "dsv4ctl keygen: %s" % r.stderr)
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.curve_server = True
+        with open(os.path.join(theirs, "server.key")) as f:
+            s.curve_secretkey = f.read().strip().encode()
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+        with open(conf, "w") as f:
+            f.write("admin_endpoint = tcp://127.0.0.1:%d\nkey_dir = %s\n" % (port, keys))
+        try:
+            r = subprocess.run([paths["dsv4ctl"], "-f", conf, "drain", "all"],
+                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        finally:
+            s.close()
+            ctx.term()
+        check(r.returncode == 3 and "CURVE handshake failed: check server.pub in key_dir" in
+              r.stderr, "dsv4ctl with another server.pub: exit %d: %s" % (r.returncode, r.stderr))
+        log("dsv4ctl: $DSV4_ADMIN_ENDPOINT used, a tcp:// endpoint's key from key_dir, "
+            "a CURVE handshake refused said so")
+        return
+    log("dsv4ctl: $DSV4_ADMIN_ENDPOINT used, a tcp:// endpoint's key from key_dir "
+        "(no CURVE in pyzmq: the wrong key not tried)")
+
+
+def ctl_live(paths, svc, tmp):
+    """Against the live set: a second dsv4-sched of the same configuration
+    exits 1 ("in use by a running process") and leaves the set's sockets
+    alone (libzmq's ipc:// bind unlinked them and took the endpoints); the
+    table of `dsv4ctl requests` prints a tag's control characters as '?';
+    a drain target over the protocol's 32 bytes is a usage error (2, it was
+    3, "no answer"); `dsv4ctl reload` with a file that does not load
+    reaches the scheduler, which refuses (1; dsv4ctl exited 2 at once)."""
+    sched, ctl = paths["dsv4-sched"], paths["dsv4ctl"]
+    other = ["-o", "client_endpoint=ipc://%s/second-c.sock" % tmp,
+             "-o", "admin_endpoint=ipc://%s/second-a.sock" % tmp]
+    for extra, what in (([], "client"), (other, "rank")):
+        rc, out, err = run([sched, "-f", svc.conf] + extra, cwd=tmp, timeout=20)
+        check(rc == 1 and re.search(r"%s socket: ipc://\S+: in use by a running process" %
+                                    what, err),
+              "a second dsv4-sched (%s endpoint): exit %d: %s" % (what, rc, err[-1500:]))
+    for ep in (svc.client_ep, svc.rank_ep, svc.admin_ep):
+        check(os.path.exists(ep[len("ipc://"):]), "%s removed" % ep)
+    rc, out, err = run([ctl, "--admin", svc.admin_ep, "status"])
+    check(rc == 0, "dsv4ctl status after a second dsv4-sched: exit %d: %s" % (rc, err))
+    svc.wait_ranks(2)
+    log("a second dsv4-sched on a live set's endpoints exits 1; the set still serves")
+
+    long_target = "decode@" + "1" * 40
+    for cmd in ("drain", "undrain"):
+        rc, out, err = run([ctl, "--admin", svc.admin_ep, cmd, long_target])
+        check(rc == 2 and "at most 32" in err,
+              "dsv4ctl %s of a %d-byte target: exit %d: %s" %
+              (cmd, len(long_target), rc, err[-500:]))
+
+    # a request held in the queue (its decode rank drained) with a tag of
+    # control characters
+    rc, out, err = run([ctl, "--admin", svc.admin_ep, "drain", "decode@0"])
+    check(rc == 0, "dsv4ctl drain decode@0: %s" % err)
+    tag = "a\x1b[2Jb\rc\nd\x7fe"
+    gen = subprocess.Popen([paths["dsv4-generate"], "-e", svc.client_ep, "--ids", "-n", "2",
+                            "--tag", tag, "1 2 3"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    try:
+        wait = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            rc, out, err = run([ctl, "--admin", svc.admin_ep, "requests"])
+            check(rc == 0, "dsv4ctl requests: %s" % err)
+            if "a?[2Jb?c?d?e" in out or time.monotonic() > wait:
+                break
+            time.sleep(0.1)
+        check("a?[2Jb?c?d?e" in out and not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", out) and
+              out.count("\n") == 2,
+              "dsv4ctl requests with a tag of control characters: %r" % out)
+        rc, js, err = run([ctl, "--admin", svc.admin_ep, "--json", "requests"])
+        check(rc == 0 and "a\\u001b[2Jb\\u000dc\\u000ad" in js, "--json requests: %r" % js)
+    finally:
+        run([ctl, "--admin", svc.admin_ep, "undrain", "decode@0"])
+        try:
+            gen.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            gen.kill()
+            gen.communicate()
+    check(gen.returncode == 0, "dsv4-generate --tag: exit %s" % gen.returncode)
+    log("dsv4ctl: a 40-byte drain target exits 2; a tag's control characters print as ?")
+
+    with open(svc.conf) as f:
+        good = f.read()
+    try:
+        with open(svc.conf, "a") as f:
+            f.write("queue_max = many\n")
+        rc, out, err = run([ctl, "-f", svc.conf, "--admin", svc.admin_ep, "reload"])
+        check(rc == 1 and "warning" in err and "queue_max" in err and
+              "does not load" in err,
+              "dsv4ctl -f BROKEN reload: exit %d: %s" % (rc, err[-1500:]))
+        rc, out, err = run([ctl, "-f", svc.conf, "keygen", os.path.join(tmp, "k-broken")])
+        check(rc == 2, "dsv4ctl -f BROKEN keygen: exit %d, want 2: %s" % (rc, err))
+    finally:
+        with open(svc.conf, "w") as f:
+            f.write(good)
+    log("dsv4ctl reload with a file that does not load: the scheduler's refusal, exit 1")
 
 
 def main():
@@ -359,6 +472,7 @@ def main():
         ctl_waits(paths, tmp)
         nobody_there(paths, tmp)
         ctl_endpoint(paths, tmp)
+        ctl_live(paths, svc, tmp)
         lconf = os.path.join(tmp, "l.conf")
         with open(lconf, "w") as f:
             f.write("client_endpoint = ipc://%s/lc.sock\nrank_endpoint = ipc://%s/lr.sock\n"

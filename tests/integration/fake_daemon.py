@@ -11,8 +11,19 @@ $FAKE_READY_AFTER_S holds READY=1 back that long (pinging nothing before;
 $FAKE_EXIT_AFTER_S still applies), $FAKE_EXIT_AT_READY exits 0 at once
 after READY=1, $FAKE_IGNORE_TERM ignores SIGTERM (only SIGKILL ends it),
 and on SIGTERM $FAKE_STOP_EXTEND_USEC sends EXTEND_TIMEOUT_USEC= with it
-after STOPPING=1 and $FAKE_STOP_AFTER_S waits that long before exiting."""
+after STOPPING=1 and $FAKE_STOP_AFTER_S waits that long before exiting.
+A rank (argv has --rank) takes $FAKE_RANK_X, where set, for $FAKE_X: the
+scheduler and the ranks of one set can behave apart."""
 import json, os, signal, socket, sys, time
+
+
+def env(name, default=None):
+    """$name, or for a rank $FAKE_RANK_... in its place where set."""
+    if "--rank" in sys.argv:
+        v = os.environ.get("FAKE_RANK_" + name[len("FAKE_"):])
+        if v is not None:
+            return v
+    return os.environ.get(name, default)
 
 
 def notify(msg):
@@ -26,7 +37,7 @@ def notify(msg):
 
 def main():
     stop = []
-    if os.environ.get("FAKE_IGNORE_TERM"):
+    if env("FAKE_IGNORE_TERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
@@ -54,30 +65,30 @@ def main():
     with open(os.environ["FAKE_REPORT"], "a") as f:
         f.write(json.dumps(rep) + "\n")
     notify("STATUS=loading")
-    if os.environ.get("FAKE_EXTEND_USEC"):
-        notify("EXTEND_TIMEOUT_USEC=" + os.environ["FAKE_EXTEND_USEC"])
+    if env("FAKE_EXTEND_USEC"):
+        notify("EXTEND_TIMEOUT_USEC=" + env("FAKE_EXTEND_USEC"))
     t0 = time.monotonic()
-    exit_after = float(os.environ.get("FAKE_EXIT_AFTER_S", "0"))
-    ready_at = t0 + float(os.environ.get("FAKE_READY_AFTER_S", "0"))
+    exit_after = float(env("FAKE_EXIT_AFTER_S", "0"))
+    ready_at = t0 + float(env("FAKE_READY_AFTER_S", "0"))
     while time.monotonic() < ready_at and not stop:
         time.sleep(0.02)
         if exit_after and time.monotonic() - t0 > exit_after:
-            sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+            sys.exit(int(env("FAKE_EXIT", "0")))
     if not stop:
         notify("READY=1")
-        if os.environ.get("FAKE_EXIT_AT_READY"):
+        if env("FAKE_EXIT_AT_READY"):
             os._exit(0)   # no interpreter teardown: the exit follows the datagram
     wd = int(os.environ.get("WATCHDOG_USEC") or 0) / 2e6
     while not stop:
         time.sleep(min(wd, 0.05) if wd else 0.05)
-        if wd and not os.environ.get("FAKE_NO_WATCHDOG"):
+        if wd and not env("FAKE_NO_WATCHDOG"):
             notify("WATCHDOG=1")
         if exit_after and time.monotonic() - t0 > exit_after:
-            sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+            sys.exit(int(env("FAKE_EXIT", "0")))
     notify("STOPPING=1")
-    if os.environ.get("FAKE_STOP_EXTEND_USEC"):
-        notify("EXTEND_TIMEOUT_USEC=" + os.environ["FAKE_STOP_EXTEND_USEC"])
-    time.sleep(float(os.environ.get("FAKE_STOP_AFTER_S", "0")))
+    if env("FAKE_STOP_EXTEND_USEC"):
+        notify("EXTEND_TIMEOUT_USEC=" + env("FAKE_STOP_EXTEND_USEC"))
+    time.sleep(float(env("FAKE_STOP_AFTER_S", "0")))
     sys.exit(0)
 
 

@@ -131,6 +131,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -1852,6 +1853,27 @@ def sc_launch():
         p.send_signal(signal.SIGTERM)
         check(p.wait(WAIT_S) == 0, "launcher exit status after SIGHUP, SIGTERM")
         log("launch: SIGHUP to the scheduler alone: ok")
+        # (b) SIGHUP while the scheduler starts: it may not handle SIGHUP
+        # yet (the default action ended it, "EXIT signal=1"); the launcher
+        # holds the SIGHUP back until READY=1 (its reload before READY=1).
+        os.unlink(os.path.join(d, "rep"))
+        os.unlink(hup)
+        nlog = os.path.join(d, "n8b")
+        p = run({"FAKE_READY_AFTER_S": "1.5"}, args=["-P", "0", "-D", "0", "-w", "0"],
+                nlog=nlog)
+        wait_for(lambda: "sched START" in readf(nlog), "the scheduler started")
+        p.send_signal(signal.SIGHUP)        # perhaps before its handler
+        wait_for(lambda: len(reports_safe(d)) == 1, "the scheduler's report")
+        p.send_signal(signal.SIGHUP)        # with its handler, not ready
+        wait_for(lambda: readf(hup) != "", "the held SIGHUP never reached the scheduler")
+        wait_for(lambda: "sched NOTIFY RELOADING=1" in readf(nlog), "the reload")
+        nl = readf(nlog)
+        check("EXIT" not in nl, "SIGHUP during the start: %s" % nl)
+        check(nl.index("sched NOTIFY READY=1") < nl.index("sched NOTIFY RELOADING=1"),
+              "a SIGHUP reached the scheduler before its READY=1: %s" % nl)
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(WAIT_S) == 0, "launcher exit status after SIGHUP at start, SIGTERM")
+        log("launch: SIGHUP while the scheduler starts held back until READY=1: ok")
 
         # 8. Start and stop timeouts.  (a) EXTEND_TIMEOUT_USEC never brings
         # the start deadline nearer (sd_notify(3)): 0.5 s asked at start
@@ -1902,6 +1924,26 @@ def sc_launch():
               "EXTEND_TIMEOUT_USEC while stopping not honoured: %s" % readf(nlog))
         check("stop timeout; killing" not in p.stderr.read(), "the stop timeout fired")
         log("launch: EXTEND_TIMEOUT_USEC while stopping lengthens the stop timeout: ok")
+        # (f) The stop timeout is each unit's (TimeoutStopSec=): a rank deaf
+        # to SIGTERM is killed at -t 2, the scheduler, whose SIGTERM was
+        # still due, is not: it gets its SIGTERM then and stops in 1 s.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n11f")
+        p = run({"FAKE_RANK_IGNORE_TERM": "1", "FAKE_STOP_AFTER_S": "1"},
+                args=["-P", "0", "-D", "1", "-w", "0", "-t", "2", "--", "true"], nlog=nlog)
+        check(p.wait(WAIT_S) == 0, "a rank deaf to SIGTERM: launcher exit %s" % p.returncode)
+        check("decode@0 EXIT signal=9" in readf(nlog) and "sched EXIT exit=0" in readf(nlog),
+              "the scheduler killed before its SIGTERM: %s" % readf(nlog))
+        # (g) ... and its SIGTERM, after the ranks took 2 s of -t 3, brings
+        # it a whole -t: it stops 2 s later, unkilled.
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n11g")
+        p = run({"FAKE_STOP_AFTER_S": "2"},
+                args=["-P", "0", "-D", "1", "-w", "0", "-t", "3", "--", "true"], nlog=nlog)
+        check(p.wait(WAIT_S) == 0, "slow stops: launcher exit %s" % p.returncode)
+        check("decode@0 EXIT exit=0" in readf(nlog) and "sched EXIT exit=0" in readf(nlog),
+              "the scheduler's stop timeout did not start at its SIGTERM: %s" % readf(nlog))
+        log("launch: the scheduler's stop timeout starts at its SIGTERM: ok")
 
         # 9. An exit before READY=1 fails the start whatever its status
         # (systemd's result "protocol"): exit 0 before READY is restarted
@@ -1965,6 +2007,11 @@ def sc_launch():
         p = run(args=["-P", "0", "-D", "0", "--", "sleep", "60"], nlog=os.path.join(d, "n11"))
         wait_for(lambda: "sched NOTIFY READY=1" in readf(os.path.join(d, "n11")),
                  "the first set ready")
+        # the listeners' modes are dsv4-sched.socket's and -admin.socket's
+        # (the client's was the umask's: other users could not connect)
+        modes = [stat.S_IMODE(os.stat(d + x).st_mode) for x in ("/c.sock", "/a.sock")]
+        check(modes == [0o666, 0o660], "listener modes %s, want 0666 and 0660 (admin_mode)" %
+              [oct(m) for m in modes])
         q = run(args=["-P", "0", "-D", "0", "--", "true"], nlog=os.path.join(d, "n11b"))
         err = q.communicate(timeout=WAIT_S)[1]
         check(q.returncode == 1 and "in use" in err,

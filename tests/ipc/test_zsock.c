@@ -5,7 +5,8 @@
  * file mode (and, as root, that another user cannot connect), adopting a
  * listening fd (ZMQ_USE_FD), error replies to malformed and oversized
  * messages with the server still serving, key files, liveness arithmetic,
- * and dsv4_zsock_check agreeing with what dsv4_zsock_open does.
+ * dsv4_zsock_check agreeing with what dsv4_zsock_open does, and an ipc://
+ * bind refused on a socket file a live process listens on.
  */
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -477,6 +478,50 @@ test_check(void **state)
     }
 }
 
+/* An ipc:// bind to a socket file a live process listens on is refused
+ * and leaves it alone (libzmq unlinked it and took the endpoint: a second
+ * scheduler took a running set's sockets); a stale file is replaced. */
+static void
+test_bind_in_use(void **state)
+{
+    struct fixture *f = *state;
+    struct sockaddr_un sa;
+    struct dsv4_zsock_cfg cfg;
+    char ep[128];
+    void *first, *second, *peer;
+    int fd;
+
+    snprintf(ep, sizeof(ep), "ipc://%s/live.sock", f->dir);
+    first = open_ok(f, ep, ZMQ_ROUTER, true, DSV4_CURVE_OFF, NULL);
+    dsv4_zsock_cfg_init(&cfg);
+    cfg.endpoint = ep;
+    cfg.type = ZMQ_ROUTER;
+    cfg.bind = true;
+    second = dsv4_zsock_open(f->ctx, &cfg, NULL);
+    if (second != NULL) {
+        /* closed first: an open socket would hang teardown */
+        dsv4_zsock_close(second);
+        dsv4_zsock_close(first);
+        fail_msg("a second bind took the live %s", ep);
+    }
+    assert_non_null(strstr(dsv4_errmsg(), "in use by a running process"));
+    /* the first still gets what is sent to the path */
+    peer = open_ok(f, ep, ZMQ_DEALER, false, DSV4_CURVE_OFF, NULL);
+    send_heartbeat(peer, NULL);
+    recv_ok(first, &(struct dsv4_route){ 0 }, DSV4_CLI_HEARTBEAT);
+    dsv4_zsock_close(peer);
+    dsv4_zsock_close(first);
+    /* a socket file nobody listens on (a crashed scheduler's) is stale */
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/stale.sock", f->dir);
+    fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    close(fd);
+    snprintf(ep, sizeof(ep), "ipc://%s", sa.sun_path);
+    dsv4_zsock_close(open_ok(f, ep, ZMQ_ROUTER, true, DSV4_CURVE_OFF, NULL));
+}
+
 static void
 test_liveness(void **state)
 {
@@ -506,6 +551,7 @@ main(void)
         cmocka_unit_test_setup_teardown(test_error_replies, setup, teardown),
         cmocka_unit_test_setup_teardown(test_key_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_check, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bind_in_use, setup, teardown),
         cmocka_unit_test(test_liveness),
     };
 

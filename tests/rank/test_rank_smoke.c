@@ -723,8 +723,15 @@ main(int argc, char **argv)
         handoff_via(&t, &rs[0], (enum dsv4_transport)x);   /* and the slot serves again */
     }
 
-    /* The scheduler goes away and a new one binds: both ranks register again. */
+    /* The scheduler goes away and a new one binds: both ranks register again.
+     * A process's listener is gone when it exits; a socket closed here is
+     * closed by libzmq's I/O thread a moment later, which then unlinks its
+     * file: bound before, the new socket would meet a live listener (and
+     * be refused: a live scheduler's socket is not taken) or lose its
+     * file to that unlink. */
     dsv4_zsock_close(router);
+    for (int i = 0; i < 5000 && access(endpoint + strlen("ipc://"), F_OK) == 0; i++)
+        usleep(1000);
     router_open();
     register_ranks();
 

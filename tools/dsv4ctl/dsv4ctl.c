@@ -13,7 +13,9 @@
  * The endpoint comes from --admin, else $DSV4_ADMIN_ENDPOINT (dsv4-launch sets
  * it for its command), else admin_endpoint of the configuration file (-f, or
  * /etc/dsv4/dsv4.conf when present), else the default; a tcp:// endpoint's
- * server key is read from that file's key_dir.  Exit
+ * server key is read from that file's key_dir.  A file that does not load
+ * stops keygen (2); the other commands warn and go on with the defaults,
+ * so that `reload` reaches the scheduler and reports its refusal.  Exit
  * status: 0 success, 1 the scheduler refused (no such request to cancel
  * included) or a drain timed out, 2 usage, 3 no answer from the scheduler.
  */
@@ -40,8 +42,12 @@
 
 struct ctl {
     void *zctx, *sock;
-    void *mon;                  /* PAIR: the DEALER's (DIS)CONNECTED events; NULL = none */
-    bool connected;             /* the monitor saw the connection made */
+    void *mon;                  /* PAIR: the DEALER's connection and handshake events;
+                                   NULL = none */
+    bool curve;                 /* the endpoint is CURVE's (tcp://) */
+    const char *key_dir;        /* where server.pub was read (CURVE) */
+    bool connected;             /* the monitor saw the connection made (with
+                                   CURVE: the handshake done) */
     bool json;
     int n_items;
 };
@@ -94,6 +100,21 @@ json_str(const char *s)
     putchar('"');
 }
 
+/* `s` for a table: control characters (below 0x20, and 0x7f) as '?', so
+ * that a client's tag or a rank's host name cannot move the cursor, clear
+ * the screen or forge table lines (--json escapes them instead).  Written
+ * to buf (cut at size - 1 bytes); returns buf. */
+static const char *
+table_text(const char *s, char *buf, size_t size)
+{
+    size_t i;
+
+    for (i = 0; s[i] != '\0' && i + 1 < size; i++)
+        buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
+    buf[i] = '\0';
+    return buf;
+}
+
 /* Send m to the scheduler: 0, or 3 (printed) when it cannot be sent. */
 static int
 send_msg(struct ctl *c, const struct dsv4_msg *m)
@@ -118,18 +139,40 @@ send_cmd(struct ctl *c, int cmd, const char *target, uint32_t timeout_ms)
     return send_msg(c, &m);
 }
 
-/* Read the monitor's pending events; true when one was DISCONNECTED. */
-static bool
-mon_dropped(struct ctl *c)
+/* What the monitor's pending events say. */
+enum mon_news {
+    MON_NOTHING = 0,
+    MON_DROPPED,                /* the connection ended */
+    MON_HANDSHAKE_FAILED,       /* the peer refused the handshake (a CURVE key) */
+};
+
+/* The monitor's events of the connection and its handshake */
+#define MON_EVENTS (ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | \
+    ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | \
+    ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+
+/* Read the monitor's pending events.  With CURVE a connection counts once
+ * its handshake succeeded: a scheduler that closes the connection during
+ * the handshake refused our key (its server.pub is not ours), which is
+ * not a dropped connection. */
+static enum mon_news
+mon_read(struct ctl *c)
 {
-    bool dropped = false;
+    enum mon_news news = MON_NOTHING;
     int ev;
 
     while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0) {
-        dropped = dropped || ev == ZMQ_EVENT_DISCONNECTED;
-        c->connected = c->connected || ev == ZMQ_EVENT_CONNECTED;
+        if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED || (ev == ZMQ_EVENT_CONNECTED && !c->curve))
+            c->connected = true;
+        else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ||
+                 ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+                 ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ||
+                 (ev == ZMQ_EVENT_DISCONNECTED && c->curve && !c->connected))
+            news = MON_HANDSHAKE_FAILED;
+        else if (ev == ZMQ_EVENT_DISCONNECTED && news == MON_NOTHING)
+            news = MON_DROPPED;
     }
-    return dropped;
+    return news;
 }
 
 /* Wait for one message; wait_ms < 0 = forever once connected (a drain's
@@ -142,6 +185,7 @@ recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
     zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
     int64_t start = dsv4_now_ms();
     struct dsv4_perr pe;
+    enum mon_news news;
 
     for (;;) {
         zmq_pollitem_t its[2] = { it, { c->mon, 0, ZMQ_POLLIN, 0 } };
@@ -163,7 +207,18 @@ recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
             fprintf(stderr, "dsv4ctl: no answer from the scheduler\n");
             return 3;
         }
-        if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN) && mon_dropped(c)) {
+        if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN) &&
+            (news = mon_read(c)) != MON_NOTHING) {
+            if (news == MON_HANDSHAKE_FAILED && c->curve) {
+                fprintf(stderr, "dsv4ctl: CURVE handshake failed: check server.pub in "
+                    "key_dir (%s): it must be the scheduler's\n", c->key_dir);
+                return 3;
+            }
+            if (news == MON_HANDSHAKE_FAILED) {
+                fprintf(stderr, "dsv4ctl: the handshake with the scheduler failed (a "
+                    "CURVE endpoint? dsv4ctl uses CURVE on tcp:// only)\n");
+                return 3;
+            }
             /* the scheduler that had the command went away (a restart):
              * no answer will come, whatever a new one does */
             fprintf(stderr, "dsv4ctl: the connection to the scheduler dropped while waiting "
@@ -274,6 +329,7 @@ static void
 print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
 {
     char name[48], mtp[64], rows[64] = "", graphs[64] = "";
+    char host[DSV4_PROTO_MAX_HOST + 1];
 
     snprintf(name, sizeof(name), "%s@%u", dsv4_role_name(k->role), k->index);
     if (c->json) {
@@ -329,7 +385,8 @@ print_rank(struct ctl *c, const struct dsv4_ctl_rank *k)
             printf("%-12s %-7s %-16s %-9s %7s %9s %9s %10s  %-12s  %s\n", "RANK", "GROUP",
                 "HOST", "STATE", "ACTIVE", "CAPACITY", "PLACED", "LAST_SEEN", "DEVICE", "MTP");
         printf("%-12s %3u/%-3u %-16.16s %-9s %7u %9u %9" PRIu64 " %8.1fs  %-12.12s  %s%s%s%s\n",
-            name, k->group, k->group_rank, k->host, dsv4_rank_state_name(k->state), k->active,
+            name, k->group, k->group_rank, table_text(k->host, host, sizeof(host)),
+            dsv4_rank_state_name(k->state), k->active,
             k->capacity, k->placed, (double)k->last_seen_ms / 1000.0,
             k->device != NULL && k->device[0] != '\0' ? k->device : "-", mtp,
             k->burst ? "  burst prefill" : "", rows, graphs);
@@ -350,7 +407,7 @@ json_group(const char *key, bool has, uint32_t id)
 static void
 print_request(struct ctl *c, const struct dsv4_ctl_request *r)
 {
-    char where[48];
+    char where[48], tag[DSV4_PROTO_MAX_TAG + 1];
 
     if (c->json) {
         printf("%s{\"req\": %" PRIu64 ", \"state\": \"%s\", \"prompt_tokens\": %u, "
@@ -382,7 +439,8 @@ print_request(struct ctl *c, const struct dsv4_ctl_request *r)
                 "PROMPT", "COMPLETION", "RERUNS", "AGE", "TAG");
         printf("%-20" PRIu64 " %-10s %-22s %8u %10u %6u %7.1fs  %s\n", r->req,
             dsv4_req_state_name(r->state), where, r->prompt_tokens, r->completion_tokens,
-            r->reruns, (double)r->age_ms / 1000.0, r->tag != NULL ? r->tag : "-");
+            r->reruns, (double)r->age_ms / 1000.0,
+            r->tag != NULL ? table_text(r->tag, tag, sizeof(tag)) : "-");
     }
     c->n_items++;
 }
@@ -542,6 +600,14 @@ main(int argc, char *argv[])
     }
     if (optind != argc)
         usage(2);
+    if ((strcmp(cmd, "drain") == 0 || strcmp(cmd, "undrain") == 0) && target != NULL &&
+        strlen(target) > DSV4_PROTO_MAX_TARGET) {
+        /* the protocol's bound (docs/protocol.md §7): the encoder refused it
+         * and the command ended as "no answer" (3) */
+        fprintf(stderr, "dsv4ctl: %s: the target is %zu bytes, at most %d (RANK is "
+                "prefill@N or decode@N, or all)\n", cmd, strlen(target), DSV4_PROTO_MAX_TARGET);
+        usage(2);
+    }
     if (strcmp(cmd, "cancel") == 0) {
         /* the scheduler's request id: a decimal number of 1 ... 2^64 - 1 */
         errno = 0;
@@ -557,18 +623,26 @@ main(int argc, char *argv[])
     if (endpoint == NULL && (env_ep = getenv("DSV4_ADMIN_ENDPOINT")) != NULL &&
         env_ep[0] != '\0')
         endpoint = env_ep;
-    /* the file also gives key_dir (a tcp:// endpoint's server key); when
-     * the endpoint came from elsewhere, a broken default file is passed
-     * over rather than fatal */
+    /* The file also gives key_dir (a tcp:// endpoint's server key).  One
+     * that does not load stops keygen (it would write the keys elsewhere);
+     * every other command goes on with the defaults, saying so: the
+     * scheduler keeps serving on a file it cannot reload, and `reload`
+     * must reach it to report that (exit 1).  Nothing of the broken file
+     * is used: a key read before its bad line may be one a later line
+     * would have changed. */
     dsv4_conf_defaults(&conf);
     if (path != NULL || access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0) {
         if (dsv4_conf_load(&conf, path != NULL ? path : DSV4_CONF_DEFAULT_PATH,
                            DSV4_CONF_ROLE_NONE) != DSV4_OK) {
-            if (path != NULL || endpoint == NULL || strcmp(cmd, "keygen") == 0) {
+            if (strcmp(cmd, "keygen") == 0) {
                 fprintf(stderr, "dsv4ctl: %s\n", dsv4_errmsg());
                 return 2;
             }
             dsv4_conf_defaults(&conf);
+            fprintf(stderr, "dsv4ctl: warning: %s; going on with the defaults: key_dir %s, "
+                "admin endpoint %s%s\n", dsv4_errmsg(), conf.key_dir,
+                endpoint != NULL ? endpoint : conf.admin_endpoint,
+                endpoint != NULL ? "" : " (--admin names another)");
         }
     }
     if (endpoint == NULL)
@@ -603,7 +677,9 @@ main(int argc, char *argv[])
     }
     /* Best effort: without the monitor a wait without a limit cannot
      * notice a scheduler restart. */
-    c.mon = dsv4_zsock_mon_open(c.zctx, c.sock, ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECTED);
+    c.curve = strncmp(endpoint + (endpoint[0] == '>'), "tcp://", 6) == 0;
+    c.key_dir = conf.key_dir;
+    c.mon = dsv4_zsock_mon_open(c.zctx, c.sock, MON_EVENTS);
     if (strcmp(cmd, "status") == 0)
         rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
     else if (strcmp(cmd, "ranks") == 0)

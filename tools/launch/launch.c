@@ -74,7 +74,8 @@ usage(int status)
         "  -w SEC               watchdog (30; 0 off)\n"
         "  -r MS                delay before restarting a failed child (1000)\n"
         "  -T SEC               start timeout of each child (300; 0 none)\n"
-        "  -t SEC               stop timeout: SIGKILL after it (30)\n"
+        "  -t SEC               stop timeout: SIGKILL after it (30; the scheduler's\n"
+        "                       counts from its SIGTERM, after the others exit)\n"
         "  -v                   more logging, passed on too\n"
         "  --sched-bin PATH, --prefill-bin PATH, --decode-bin PATH, --gateway-bin PATH\n"
         "                       the programs (default from $PATH)\n"
@@ -222,7 +223,9 @@ begin_stop(struct launch *l, const char *why)
     proc_stop_set(l, launch_now_ms());
 }
 
-/* SIGHUP to the scheduler and the gateway, the children that reload. */
+/* SIGHUP to the scheduler and the gateway, the children that reload.  A
+ * child not ready (still starting, or reloading) may not handle SIGHUP yet
+ * (its default action ends it): it gets the signal at its READY=1. */
 static void
 hup_reloaders(struct launch *l)
 {
@@ -231,11 +234,16 @@ hup_reloaders(struct launch *l)
     for (int i = 0; i < l->n_kids; i++) {
         struct launch_child *k = &l->kids[i];
 
-        if ((k->role == LAUNCH_SCHED || k->role == LAUNCH_GATEWAY) && k->pid != 0) {
-            log_info("handle_signals: SIGHUP to %s", k->name);
-            kill(k->pid, SIGHUP);
-            n++;
+        if ((k->role != LAUNCH_SCHED && k->role != LAUNCH_GATEWAY) || k->pid == 0)
+            continue;
+        n++;
+        if (!k->ready) {
+            log_info("handle_signals: SIGHUP to %s once it is ready", k->name);
+            k->hup_due = true;
+            continue;
         }
+        log_info("handle_signals: SIGHUP to %s", k->name);
+        kill(k->pid, SIGHUP);
     }
     if (n == 0)
         log_info("handle_signals: SIGHUP ignored (neither a scheduler nor a gateway here)");
@@ -346,8 +354,8 @@ main(int argc, char **argv)
     if (l.o.no_sched && l.o.gateway)
         fatalx_conf("--no-sched: the gateway runs on the scheduler's host");
     if (!l.o.no_sched)
-        l.listen_fd[0] = sock_listen(l.conf.client_endpoint, 0, l.listen_path[0],
-        sizeof(l.listen_path[0]));
+        l.listen_fd[0] = sock_listen(l.conf.client_endpoint, LAUNCH_CLIENT_MODE,
+        l.listen_path[0], sizeof(l.listen_path[0]));
     if (!l.o.no_sched)
         l.listen_fd[1] = sock_listen(l.conf.admin_endpoint, l.conf.admin_mode,
         l.listen_path[1], sizeof(l.listen_path[1]));

@@ -33,6 +33,9 @@
 #define LAUNCH_MAX_ARGS 64           /* argv entries of one child */
 #define LAUNCH_START_LIMIT_BURST 5   /* StartLimitBurst= */
 #define LAUNCH_START_LIMIT_MS 10000  /* StartLimitIntervalSec= */
+#define LAUNCH_CLIENT_MODE 0666      /* the client listener's file mode:
+                                        dsv4-sched.socket's SocketMode= (the
+                                        admin one's is admin_mode) */
 
 /* What a child of the launcher is. */
 enum launch_role {
@@ -58,6 +61,8 @@ struct launch_child {
                                         before it failed the start */
     bool ever_ready;
     bool stopping;                   /* STOPPING=1 seen */
+    bool hup_due;                    /* a SIGHUP came while it was not ready
+                                        (starting, reloading): sent at READY=1 */
     bool gave_up;                    /* start limit hit, or exit 2 / 6 */
     bool timed_out;                  /* killed for a start or watchdog timeout:
                                         a failure whatever the exit status */
@@ -108,7 +113,9 @@ struct launch {
     bool sched_term_due;             /* stopping: the scheduler gets SIGTERM once every
                                         other child has exited (systemd's order: the
                                         ranks finish their work while it serves) */
-    int64_t stop_deadline_ms;        /* SIGKILL everyone then */
+    int64_t stop_deadline_ms;        /* SIGKILL those left then, but a
+                                        scheduler whose SIGTERM is still due;
+                                        its SIGTERM sets it afresh (-t) */
     int exit_code;
     bool gave_up;                    /* a child's give-up set exit_code: the
                                         command's status does not replace it */
@@ -171,7 +178,9 @@ void proc_signal_all(struct launch *l, int sig);
 /* Stop the set: stopping from now on, SIGTERM to every child but the
  * scheduler, to the scheduler once the others have exited (as systemd
  * orders the units' stops), SIGKILL to those left at now + the stop
- * timeout (-t). */
+ * timeout (-t).  As systemd's TimeoutStopSec= is per unit, the scheduler
+ * is never killed before its SIGTERM, and gets the whole stop timeout
+ * from its SIGTERM on. */
 void proc_stop_set(struct launch *l, int64_t now);
 
 /* Number of running children. */

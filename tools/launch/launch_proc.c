@@ -182,6 +182,7 @@ proc_start(struct launch *l, struct launch_child *k)
     k->ready = false;
     k->started = false;
     k->stopping = false;
+    k->hup_due = false;      /* a new process reads the configuration anyway */
     k->timed_out = false;
     k->restart_at_ms = 0;
     k->watchdog_deadline_ms = 0;
@@ -361,6 +362,13 @@ proc_notify_line(struct launch *l, struct launch_child *k, const char *line)
         k->start_deadline_ms = 0;
         if (l->o.watchdog_ms > 0)
             k->watchdog_deadline_ms = now + l->o.watchdog_ms;
+        if (k->hup_due && !l->stopping) {
+            /* a reload asked while it started (systemd queues the reload
+             * job after the start job) */
+            log_info("proc_notify: %s ready: the SIGHUP held back goes out", k->name);
+            kill(k->pid, SIGHUP);
+        }
+        k->hup_due = false;
     } else if (strcmp(line, "WATCHDOG=1") == 0) {
         if (l->o.watchdog_ms > 0 && k->ready)
             k->watchdog_deadline_ms = now + l->o.watchdog_ms;
@@ -408,8 +416,16 @@ proc_timers(struct launch *l, int64_t now)
     if (next < 0 || t < next) next = t; } while (0)
     if (l->stopping) {
         if (now >= l->stop_deadline_ms) {
-            log_warnx("proc_timers: stop timeout; killing what is left");
-            proc_signal_all(l, SIGKILL);
+            /* systemd's TimeoutStopSec= is per unit: a scheduler still
+             * waiting for its SIGTERM (the others have not exited) is not
+             * killed; its SIGTERM brings it a stop timeout of its own */
+            log_warnx("proc_timers: stop timeout; killing what is left%s",
+                l->sched_term_due ? " but the scheduler (its SIGTERM is still due)" : "");
+            for (i = l->n_kids - 1; i >= 0; i--)
+                if (l->kids[i].pid != 0 && !(i == 0 && l->sched_term_due)) {
+                    log_warnx("proc_timers: SIGKILL %s", l->kids[i].name);
+                    kill(l->kids[i].pid, SIGKILL);
+                }
             l->stop_deadline_ms = now + 1000;
         }
         NEXT(l->stop_deadline_ms);
@@ -472,8 +488,12 @@ proc_stop_sched(struct launch *l)
     if (!l->sched_term_due || proc_running(l) > (l->kids[0].pid != 0))
         return;
     l->sched_term_due = false;
-    if (l->kids[0].pid != 0)
+    if (l->kids[0].pid != 0) {
         kill(l->kids[0].pid, SIGTERM);
+        /* its own stop timeout from its SIGTERM on (TimeoutStopSec= of
+         * dsv4-sched.service), however long the ranks took */
+        l->stop_deadline_ms = launch_now_ms() + l->o.stop_timeout_ms;
+    }
 }
 
 void

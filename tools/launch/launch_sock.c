@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/unix_sock.h"
 #include "tools/launch/launch.h"
 
 #define LISTEN_BACKLOG 128
@@ -37,21 +38,6 @@ sock_mkparent(const char *path)
         *p = '/';
     }
     return 0;
-}
-
-/* Whether a process listens on the unix socket at sa (a connect is taken;
- * only a refused one, or no file, says the file is stale). */
-static bool
-sock_ipc_live(const struct sockaddr_un *sa)
-{
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    bool live;
-
-    if (fd < 0)
-        return false;
-    live = connect(fd, (const struct sockaddr *)sa, sizeof(*sa)) == 0 || errno == EAGAIN;
-    close(fd);
-    return live;
 }
 
 static int
@@ -82,7 +68,7 @@ sock_listen_ipc(const char *path, unsigned mode, char *path_out, size_t path_len
      * listens on (another launcher's set, a dsv4-sched of its own) is in
      * use; anything else is not ours to remove. */
     if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode)) {
-        if (sock_ipc_live(&sa)) {
+        if (unix_sock_live(path)) {
             log_warnx("sock_listen: %s: in use (a process listens on it: another dsv4-launch "
                 "or dsv4-sched?)", path);
             return -1;
