@@ -5,6 +5,8 @@
  */
 #include "common/config_file.h"
 
+#include <sys/stat.h>
+
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
@@ -221,7 +223,8 @@ cfg_apply(struct dsv4_conf *cfg, const struct cfg_key *k, const char *value)
             return dsv4_err_set(DSV4_ERR_CONFIG, "%s: \"%s\" is not %s",
                 k->name, value, k->type == CFG_MODE ? "an octal mode" : "an integer");
         if (v < k->min || v > k->max)
-            return dsv4_err_set(DSV4_ERR_CONFIG, "%s: %ld outside %ld ... %ld",
+            return dsv4_err_set(DSV4_ERR_CONFIG, k->type == CFG_MODE ?
+                "%s: %#lo outside %#lo ... %#lo" : "%s: %ld outside %ld ... %ld",
                 k->name, v, k->min, k->max);
         if (cfg != NULL) {
             if (k->type == CFG_MODE)
@@ -250,8 +253,11 @@ dsv4_conf_set_kv(struct dsv4_conf *cfg, const char *kv)
     const char *eq = strchr(kv, '=');
     char key[64];
 
-    if (eq == NULL || eq == kv || (size_t)(eq - kv) >= sizeof(key))
+    if (eq == NULL || eq == kv)
         return dsv4_err_set(DSV4_ERR_CONFIG, "\"%s\": expected key=value", kv);
+    if ((size_t)(eq - kv) >= sizeof(key))
+        return dsv4_err_set(DSV4_ERR_CONFIG, "unknown key \"%.*s...\": %zu bytes, longer "
+            "than any key", (int)sizeof(key) / 2, kv, (size_t)(eq - kv));
     memcpy(key, kv, eq - kv);
     key[eq - kv] = '\0';
     return dsv4_conf_set(cfg, key, eq + 1);
@@ -285,7 +291,7 @@ struct cfg_deferred {
 static enum dsv4_err
 cfg_parse_line(char *line, const struct cfg_key **k, int *role, long *inst, char **value)
 {
-    char *p, *eq, *key, *val, *q;
+    char *p, *eq, *key, *val, *q, *full;
     size_t plen;
     int r;
 
@@ -318,6 +324,7 @@ cfg_parse_line(char *line, const struct cfg_key **k, int *role, long *inst, char
     }
     *role = DSV4_CONF_ROLE_NONE;
     *inst = -1;
+    full = key;
     for (r = 1; r < CFG_NROLES; r++) {
         plen = strlen(cfg_prefixes[r]);
         if (strncmp(key, cfg_prefixes[r], plen) == 0) {
@@ -343,7 +350,7 @@ cfg_parse_line(char *line, const struct cfg_key **k, int *role, long *inst, char
     }
     *k = cfg_find(key, strlen(key));
     if (*k == NULL)
-        return dsv4_err_set(DSV4_ERR_CONFIG, "unknown key \"%s\"", key);
+        return dsv4_err_set(DSV4_ERR_CONFIG, "unknown key \"%s\"", full);
     *value = val;
     return DSV4_OK;
 }
@@ -399,11 +406,18 @@ dsv4_conf_load_rank(struct dsv4_conf *cfg, const char *path,
     enum dsv4_err err = DSV4_OK;
     int lineno = 0, lrole;
     long linst;
+    struct stat st;
     FILE *fp;
 
     fp = fopen(path, "re");
     if (fp == NULL)
         return dsv4_err_set(DSV4_ERR_SYS, "%s: %s", path, strerror(errno));
+    /* a directory opens, and reading it fails ("read error" said no more) */
+    if (fstat(fileno(fp), &st) == 0 && S_ISDIR(st.st_mode)) {
+        fclose(fp);
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: is a directory, not a configuration file",
+            path);
+    }
     memset(seen, 0, sizeof(seen));
     while ((len = getline(&line, &cap, fp)) >= 0) {
         lineno++;
@@ -449,15 +463,25 @@ dsv4_conf_load_rank(struct dsv4_conf *cfg, const char *path,
             }
         }
         if (err != DSV4_OK) {
-            char msg[1024];
+            char msg[1024], pfx[32] = "";
 
             snprintf(msg, sizeof(msg), "%s", dsv4_errmsg());
-            dsv4_err_set(err, "%s:%d: %s", path, lineno, msg);
+            /* a value's error names the key as the line has it
+             * ("decode@1.burst: ...", not "burst: ...") */
+            if (k != NULL && lrole != DSV4_CONF_ROLE_NONE &&
+                strncmp(msg, k->name, strlen(k->name)) == 0 && msg[strlen(k->name)] == ':') {
+                if (linst >= 0)
+                    snprintf(pfx, sizeof(pfx), "%.*s@%ld.",
+                        (int)strlen(cfg_prefixes[lrole]) - 1, cfg_prefixes[lrole], linst);
+                else
+                    snprintf(pfx, sizeof(pfx), "%s", cfg_prefixes[lrole]);
+            }
+            dsv4_err_set(err, "%s:%d: %s%s", path, lineno, pfx, msg);
             break;
         }
     }
     if (err == DSV4_OK && ferror(fp))
-        err = dsv4_err_set(DSV4_ERR_SYS, "%s: read error", path);
+        err = dsv4_err_set(DSV4_ERR_SYS, "%s: read error: %s", path, strerror(errno));
     free(line);
     free(iseen);
     fclose(fp);

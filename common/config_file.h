@@ -208,8 +208,9 @@ void dsv4_conf_defaults(struct dsv4_conf *cfg);
  * validated but skipped, and so is every instance-prefixed line (`prefill@N.`,
  * `decode@N.`; dsv4_conf_load_rank applies those).  Returns DSV4_OK;
  * DSV4_ERR_SYS when the file cannot be read; DSV4_ERR_CONFIG with
- * "path:line: reason" in dsv4_errmsg() on the first bad line (cfg may then be
- * partly updated).
+ * "path:line: reason" in dsv4_errmsg() on the first bad line (the key named
+ * as the line has it, prefix included; cfg may then be partly updated), or
+ * "path: is a directory ..." for a directory.
  */
 enum dsv4_err dsv4_conf_load(struct dsv4_conf *cfg, const char *path,
     enum dsv4_conf_role role);

@@ -263,9 +263,12 @@ read_file(const char *path, char **buf, size_t *len)
     char *b;
 
     if (f == NULL)
+        /* read by the daemons (the configuration key) and dsv4-tokenize
+         * (its option) alike: name both ways */
         return dsv4_err_set(DSV4_ERR_TOKENIZER, "tokenizer: cannot open %s: "
-            "%s (install it with tools/setup.sh, or give --tokenizer PATH "
-            "or $%s)", path, strerror(errno), DSV4_TOKENIZER_ENV);
+            "%s (install it with tools/setup.sh, or name it: the configuration "
+            "key `tokenizer`, dsv4-tokenize --tokenizer PATH, or $%s)", path,
+            strerror(errno), DSV4_TOKENIZER_ENV);
     if (fseek(f, 0, SEEK_END) != 0 || (sz = ftell(f)) < 0 ||
         fseek(f, 0, SEEK_SET) != 0) {
         fclose(f);

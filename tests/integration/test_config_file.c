@@ -236,6 +236,8 @@ test_errors(void **state)
     expect_error("max_batch =\n", "not an integer");
     expect_error("admin_mode = 0999\n", "not an octal mode");
     expect_error("admin_mode = 01777\n", "outside");
+    /* a mode's range in octal, as it is written (it said 1000 outside 0 ... 511) */
+    expect_error("admin_mode = 01750\n", "admin_mode: 01750 outside 0 ... 0777");
     expect_error("backend = tpu\n", "unknown value \"tpu\"");
     expect_error("tokenizer = \"abc\n", "unterminated quote");
     /* No escapes, so no quote inside a value: this one (found by
@@ -246,17 +248,19 @@ test_errors(void **state)
     dsv4_conf_defaults(&c);
     assert_int_equal(dsv4_conf_set(&c, "share_dir", "/x\"y"), DSV4_ERR_CONFIG);
     /* Prefixed lines of other roles are still validated. */
-    expect_error("prefill.slots = -1\n", "slots: -1 outside");
+    expect_error("prefill.slots = -1\n", "prefill.slots: -1 outside");
     expect_error("sched.nosuch = 1\n", "unknown key");
     /* Instance lines: validated for every instance, duplicates per instance. */
-    expect_error("prefill@3.slots = 0\n", "slots: 0 outside");
+    expect_error("prefill@3.slots = 0\n", "prefill@3.slots: 0 outside");
+    /* the key as the line has it (it said "burst: ...") */
+    expect_error("decode@1.burst = maybe\n", ":1: decode@1.burst: unknown value \"maybe\"");
     expect_error("prefill@1.burst = 1\nprefill@1.burst = 2\n", "unknown value");
     expect_error("prefill@1.burst = yes\nprefill@1.burst = no\n",
         "prefill@1.burst given twice");
     expect_error("prefill@x.burst = yes\n", "expected prefill@N.key");
     expect_error("decode@70000.threads = 1\n", "expected decode@N.key");
     expect_error("sched@1.threads = 1\n", "unknown key");
-    expect_error("prefill@2.nosuch = 1\n", "unknown key \"nosuch\"");
+    expect_error("prefill@2.nosuch = 1\n", "unknown key \"prefill@2.nosuch\"");
     /* A number of thousands of leading zeros on a prefixed line: checked
      * against the buffer it is kept in until applied (it overran it). */
     {
@@ -277,7 +281,22 @@ test_errors(void **state)
     dsv4_conf_defaults(&c);
     assert_int_equal(dsv4_conf_load(&c, "/nonexistent/dsv4.conf",
         DSV4_CONF_ROLE_NONE), DSV4_ERR_SYS);
+    /* a directory: it said "read error" */
+    assert_int_equal(dsv4_conf_load(&c, "/tmp", DSV4_CONF_ROLE_NONE), DSV4_ERR_CONFIG);
+    if (strstr(dsv4_errmsg(), "/tmp: is a directory") == NULL)
+        fail_msg("a directory: \"%s\"", dsv4_errmsg());
     assert_int_equal(dsv4_conf_set_kv(&c, "noequals"), DSV4_ERR_CONFIG);
+    /* -o with a key of 64 bytes or more: it said "expected key=value" */
+    {
+        char kv[100];
+
+        memset(kv, 'k', 80);
+        snprintf(kv + 80, sizeof(kv) - 80, "=1");
+        assert_int_equal(dsv4_conf_set_kv(&c, kv), DSV4_ERR_CONFIG);
+        if (strstr(dsv4_errmsg(), "80 bytes, longer than any key") == NULL ||
+            strstr(dsv4_errmsg(), "expected key=value") != NULL)
+            fail_msg("a key of 80 bytes: \"%s\"", dsv4_errmsg());
+    }
     assert_int_equal(dsv4_conf_set(&c, "nosuch", "1"), DSV4_ERR_CONFIG);
 }
 
