@@ -43,11 +43,13 @@ dsv4_json_parse_exact(const char *s, size_t len, const char **why)
  * json-c keeps the last of duplicated object keys silently, so duplicates
  * are found by counting object keys in the raw text and comparing with the
  * parsed tree.  The text already parsed successfully in strict mode; strings
- * may still use either quote (json-c accepts '...').
+ * may still use either quote (json-c accepts '...'), and comments (json-c
+ * skips C and C++ comments even then: their brackets and quotes are text).
  *
  * Counts the keys of every object at any depth; calls `fn` on each key at
  * depth `at` (1 = keys of the top-level object), quotes included.  Returns
- * -1 if nesting is deeper than the scanner tracks.
+ * -1 if nesting is deeper than the scanner tracks, or the brackets do not
+ * match as the scanner reads them.
  */
 #define JSON_SCAN_DEPTH 64
 
@@ -66,7 +68,17 @@ json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
     for (size_t i = 0; i < len; i++) {
         char c = s[i];
 
-        if (c == '"' || c == '\'') {
+        if (c == '/' && i + 1 < len && (s[i + 1] == '/' || s[i + 1] == '*')) {
+            /* a comment: to the end of the line, or past its closing */
+            if (s[i + 1] == '/') {
+                while (i < len && s[i] != '\n')
+                    i++;
+            } else {
+                for (i += 2; i + 1 < len && !(s[i] == '*' && s[i + 1] == '/'); i++)
+                    ;
+                i++;
+            }
+        } else if (c == '"' || c == '\'') {
             size_t start = i;
 
             for (i++; i < len && s[i] != c; i++) {
@@ -93,6 +105,8 @@ json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
             is_obj[depth] = c == '{';
             expect_key = c == '{';
         } else if (c == '}' || c == ']') {
+            if (depth == 0)
+                return -1;
             depth--;
             expect_key = 0;
         } else if (c == ',') {

@@ -390,6 +390,41 @@ test_duplicate_keys(void **state)
     }
 }
 
+/* json-c skips C and C++ comments, even in strict mode: their brackets,
+ * quotes and key-like text are not keys (the duplicate scan once read the
+ * brackets of a `//` comment as real ones and indexed before its depth
+ * table: tests/fuzz/crashes/mconf-crash-1ce7305...), and a key written
+ * twice around a comment is still found. */
+static void
+test_comments(void **state)
+{
+    static const char *from = "  \"vocab_size\": 129280\n";
+    static const struct {
+        const char *to;
+        enum dsv4_err want;
+    } docs[] = {
+        { "  \"vocab_size\": 129280 // }}}] \"vocab_size\": 7, 'x' {\n", DSV4_OK },
+        { "  /* ]] \"vocab_size\": 7, } */ \"vocab_size\": 129280\n", DSV4_OK },
+        { "  \"vocab_size\": 5, // the first\n  \"vocab_size\": 129280\n", DSV4_ERR_CONFIG },
+    };
+    struct dsv4_config c;
+
+    (void)state;
+    for (size_t i = 0; i < sizeof(docs) / sizeof(docs[0]); i++) {
+        const char *at = strstr(official_json, from);
+        char doc[8192];
+
+        assert_non_null(at);
+        snprintf(doc, sizeof(doc), "%.*s%s%s", (int)(at - official_json), official_json,
+                 docs[i].to, at + strlen(from));
+        assert_int_equal(parse_str(&c, doc), docs[i].want);
+        if (docs[i].want == DSV4_OK)
+            assert_int_equal(c.vocab_size, 129280);
+        else
+            assert_non_null(strstr(dsv4_errmsg(), "vocab_size"));
+    }
+}
+
 /* A struct-level check names the field too. */
 static void
 test_validate_struct(void **state)
@@ -532,6 +567,7 @@ main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_bad_json),
         cmocka_unit_test(test_duplicate_keys),
+        cmocka_unit_test(test_comments),
         cmocka_unit_test(test_validate_struct),
         cmocka_unit_test(test_presets),
         cmocka_unit_test(test_override),

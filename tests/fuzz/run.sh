@@ -120,7 +120,8 @@ fuzz tok
 if ! "$cc" "${flags[@]}" -I"$root/ipc" "$here/fuzz_gwreq.c" "$root/daemons/gateway/gw_req.c" \
         "$root"/common/tokenizer.c "$root"/common/tokenizer_load.c \
         "$root"/common/tokenizer_encode.c "$root"/common/tokenizer_chat.c \
-        "$root/common/err.c" "$root/ipc/client.c" "$root/ipc/zsock.c" "$root/ipc/proto.c" \
+        "$root/common/err.c" "$root/common/unix_sock.c" "$root/ipc/client.c" "$root/ipc/zsock.c" \
+        "$root/ipc/proto.c" \
         -lpcre2-8 -ljson-c -lzmq -lmsgpackc -lm -o "$work/fuzz_gwreq"; then
     echo "run.sh: building fuzz_gwreq failed"
     exit 1
