@@ -218,7 +218,8 @@ bench_report_row(const struct bench_result *r)
     if (r->short_outputs > 0)
         fprintf(stderr, "     %llu of %llu requests ended before max_tokens (EOS or a stop "
             "id; the protocol has no ignore-EOS): output_tokens %llu of %llu asked\n",
-            (unsigned long long)r->short_outputs, (unsigned long long)r->done,
+            (unsigned long long)r->short_outputs,
+            (unsigned long long)(r->done - r->finish_cancelled),
             (unsigned long long)r->output_tokens, (unsigned long long)r->output_requested);
     if (r->workers_lost > 0)
         fprintf(stderr, "     %d of %d workers lost (connection failed or server silent)\n",
