@@ -71,6 +71,19 @@
 #include "kernels/cuda_fast.h"
 #endif
 
+/*
+ * The words of the tick descriptor after its 2 * slots, and of group_peers'
+ * exchange after its 2 * group_size: what peers of one build agree on, part
+ * of DSV4_RANK_ABI (ipc/proto.h).  The assert is a tripwire: a change to
+ * either count fails the build until DSV4_RANK_ABI is incremented and the
+ * assert updated with it (so that the scheduler keeps ranks of the old and
+ * the new layout apart).  A change of what a word means needs the same.
+ */
+#define GROUP_TICK_TAIL 3
+#define GROUP_PEERS_TAIL 5
+_Static_assert(DSV4_RANK_ABI == 1 && GROUP_TICK_TAIL == 3 && GROUP_PEERS_TAIL == 5,
+               "the group's exchanges changed: increment DSV4_RANK_ABI, then update this");
+
 #define GROUP_JOIN_MS 60000     /* a communicator must assemble within this */
 #define GROUP_COLL_MS 20000     /* a collective section may wait this long (every
                                    forward is collective, so a live peer that does
@@ -235,8 +248,9 @@ group_init(struct rank *k, const struct dsv4_config *cfg)
     if (dsv4_comm_pick(k->o.conf.comm, k->be->name, 1, (int)k->o.group_size) ==
         DSV4_COMM_NONE)
         fatalx("group_init: %s", dsv4_errmsg());
-    k->tick_h = calloc(2 * (size_t)k->o.slots + 3, sizeof(uint64_t));
-    k->tick_d = k->be->ops->alloc(k->be, (2 * (size_t)k->o.slots + 3) * sizeof(uint64_t));
+    k->tick_h = calloc(2 * (size_t)k->o.slots + GROUP_TICK_TAIL, sizeof(uint64_t));
+    k->tick_d = k->be->ops->alloc(k->be,
+                                  (2 * (size_t)k->o.slots + GROUP_TICK_TAIL) * sizeof(uint64_t));
     w = calloc(1, sizeof(*w));
     if (k->tick_h == NULL || k->tick_d == NULL || w == NULL)
         fatalx("group_init: no memory");
@@ -434,7 +448,7 @@ static enum dsv4_err
 group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
             const struct dsv4_comm_stop *stop, bool *warm)
 {
-    uint32_t n = k->o.group_size, nv = 2 * n + 5;
+    uint32_t n = k->o.group_size, nv = 2 * n + GROUP_PEERS_TAIL;
     uint64_t *v = calloc(nv, sizeof(uint64_t));
     uint64_t *d = k->be->ops->alloc(k->be, nv * sizeof(uint64_t));
     uint64_t me = host_hash(k->host);
@@ -960,7 +974,7 @@ req_cmp(const void *a, const void *b)
 bool
 group_tick(struct rank *k, uint64_t *mine, int n)
 {
-    size_t S = (size_t)k->o.slots, N = 2 * S + 3;
+    size_t S = (size_t)k->o.slots, N = 2 * S + GROUP_TICK_TAIL;
     enum dsv4_err e;
 
     k->n_agreed = 0;
