@@ -359,6 +359,18 @@ test_bad_json(void **state)
     assert_non_null(strstr(dsv4_errmsg(), "/nonexistent/dir/config.json"));
 }
 
+/* official_json with its first `from` replaced by `to`, into doc. */
+static void
+splice(char *doc, size_t size, const char *from, const char *to)
+{
+    const char *at = strstr(official_json, from);
+
+    assert_non_null(at);
+    assert_true(strlen(official_json) + strlen(to) < size);
+    snprintf(doc, size, "%.*s%s%s", (int)(at - official_json), official_json, to,
+             at + strlen(from));
+}
+
 /* A key written twice (json-c keeps the last) is refused, naming it: at the
  * top level and inside quantization_config. */
 static void
@@ -377,13 +389,9 @@ test_duplicate_keys(void **state)
     (void)state;
     assert_int_equal(parse_str(&c, official_json), DSV4_OK);
     for (size_t i = 0; i < sizeof(dups) / sizeof(dups[0]); i++) {
-        const char *at = strstr(official_json, dups[i].from);
         char doc[8192];
 
-        assert_non_null(at);
-        assert_true(strlen(official_json) + strlen(dups[i].to) < sizeof(doc));
-        snprintf(doc, sizeof(doc), "%.*s%s%s", (int)(at - official_json), official_json,
-                 dups[i].to, at + strlen(dups[i].from));
+        splice(doc, sizeof(doc), dups[i].from, dups[i].to);
         assert_int_equal(parse_str(&c, doc), DSV4_ERR_CONFIG);
         assert_non_null(strstr(dsv4_errmsg(), dups[i].key));
         assert_non_null(strstr(dsv4_errmsg(), "twice"));
@@ -411,12 +419,9 @@ test_comments(void **state)
 
     (void)state;
     for (size_t i = 0; i < sizeof(docs) / sizeof(docs[0]); i++) {
-        const char *at = strstr(official_json, from);
         char doc[8192];
 
-        assert_non_null(at);
-        snprintf(doc, sizeof(doc), "%.*s%s%s", (int)(at - official_json), official_json,
-                 docs[i].to, at + strlen(from));
+        splice(doc, sizeof(doc), from, docs[i].to);
         assert_int_equal(parse_str(&c, doc), docs[i].want);
         if (docs[i].want == DSV4_OK)
             assert_int_equal(c.vocab_size, 129280);
