@@ -801,6 +801,25 @@ rank_synthetic_config(const struct rank_opts *o, struct dsv4_config *cfg)
     return e;
 }
 
+/* The backend faults found without a device, for -n and the start alike:
+ * backend cuda on a build without CUDA, synthetic weights off the cuda
+ * backend.  Both are the configuration's (exit DSV4_EXIT_CONFIG, which the
+ * units' RestartPreventExitStatus= does not restart).  Returns NULL or the
+ * fault's text. */
+static const char *
+rank_backend_fault(const struct rank_opts *o)
+{
+    bool cuda = strcmp(o->conf.backend, "cuda") == 0;
+
+#ifndef DSV4_HAVE_CUDA
+    if (cuda)
+        return "backend cuda: this build has no CUDA";
+#endif
+    if (o->synthetic && !cuda)
+        return "--synthetic-weights needs the cuda backend";
+    return NULL;
+}
+
 /* -n: what the start would refuse, found without a device or a connection:
  * the scheduler endpoint's form and CURVE key (dsv4_zsock_check), and the
  * weights' source: the checkpoint (config.json and every tensor, mapped and
@@ -814,6 +833,7 @@ rank_check(const struct rank_opts *o)
     struct dsv4_zsock_cfg zc;
     struct dsv4_weights w;
     struct dsv4_config cfg;
+    const char *fault;
 
     dsv4_zsock_cfg_init(&zc);
     zc.endpoint = o->conf.rank_endpoint;
@@ -824,17 +844,12 @@ rank_check(const struct rank_opts *o)
         exit(DSV4_EXIT_CONFIG);
     }
     printf("scheduler %s\n", o->conf.rank_endpoint);
-#ifndef DSV4_HAVE_CUDA
-    if (strcmp(o->conf.backend, "cuda") == 0) {
-        fprintf(stderr, "dsv4-%s: backend cuda: this build has no CUDA\n", role);
+    fault = rank_backend_fault(o);
+    if (fault != NULL) {
+        fprintf(stderr, "dsv4-%s: %s\n", role, fault);
         exit(DSV4_EXIT_CONFIG);
     }
-#endif
     if (o->synthetic) {
-        if (strcmp(o->conf.backend, "cuda") != 0) {
-            fprintf(stderr, "dsv4-%s: --synthetic-weights needs the cuda backend\n", role);
-            exit(DSV4_EXIT_CONFIG);
-        }
         if (rank_synthetic_config(o, &cfg) != DSV4_OK) {
             fprintf(stderr, "dsv4-%s: model config: %s\n", role, dsv4_errmsg());
             exit(DSV4_EXIT_CONFIG);
@@ -1113,8 +1128,7 @@ rank_init_weights(struct rank *k, bool cuda)
 #ifdef DSV4_HAVE_CUDA
         struct dsv4_config cfg;
 
-        if (!cuda)
-            fatalx_conf("rank_init: --synthetic-weights needs the cuda backend");
+        /* off the cuda backend: refused by rank_backend_fault */
         if (rank_synthetic_config(&k->o, &cfg) != DSV4_OK)
             fatalx_conf("rank_init: model config: %s", dsv4_errmsg());
         dsv4_synthetic_fingerprint(&cfg, k->o.synth_seed, k->model_fp);
@@ -1140,7 +1154,7 @@ rank_init_weights(struct rank *k, bool cuda)
         rank_share_done(k, &arena);
         return &k->wdev;
 #else
-        fatalx_conf("rank_init: --synthetic-weights needs a build with CUDA");
+        fatalx("rank_init: synthetic weights on a build without CUDA");   /* refused before */
 #endif
     }
     sdnotify_status("loading weights from %s", k->o.conf.checkpoint);
@@ -1220,15 +1234,11 @@ rank_init_model(struct rank *k)
     enum dsv4_numerics num;
     const struct dsv4_weights *w;
     bool cuda = strcmp(k->o.conf.backend, "cuda") == 0;
-    const char *env;
+    const char *env, *fault = rank_backend_fault(&k->o);
     size_t rows;
 
-#ifndef DSV4_HAVE_CUDA
-    /* the configuration's fault, as -n says: exit 6, which the units'
-     * RestartPreventExitStatus= does not restart (1 was, for ever) */
-    if (cuda)
-        fatalx_conf("rank_init: backend cuda: this build has no CUDA");
-#endif
+    if (fault != NULL)
+        fatalx_conf("rank_init: %s", fault);
     sdnotify_status("creating the %s backend", k->o.conf.backend);
     num = strcmp(k->o.conf.numerics, "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
 #ifdef DSV4_HAVE_CUDA

@@ -172,6 +172,8 @@ def checks(paths, conf, tmp):
         ([dec, "-n", "-f", conf, "-o", "mtp=yes", "--slots", "513"], 6,
          r"513 slots; 1\.\.512 supported with mtp = yes"),
         ([dec, "-n", "-f", conf, "-o", "mtp=yes", "--slots", "512"], 0, r"configuration OK"),
+        ([dec, "-n", "-f", conf, "-o", "backend=cpu", "--synthetic-weights", "1", "--preset",
+          "tiny"], 6, r"--synthetic-weights needs the cuda backend"),
         # a handoff carries at most 16 parts of the decode state
         ([paths["dsv4-prefill"], "-n", "-f", conf, "-o", "group_size=17"], 6,
          r"group_size 17; 1\.\.16 supported for prefill groups"),
@@ -193,6 +195,8 @@ def checks(paths, conf, tmp):
         ([sched, "-f", conf, "-o", "bogus=1"], r"unknown key"),
         ([dec, "-f", conf, "--checkpoint", tmp + "/nothing"], r"weights .*nothing"),
         ([dec, "-f", conf, "-o", "mtp=yes", "--slots", "1024"], r"1\.\.512 supported"),
+        ([dec, "-f", conf, "-o", "backend=cpu", "--synthetic-weights", "1", "--preset",
+          "tiny"], r"--synthetic-weights needs the cuda backend"),
         ([gw, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
         ([gw, "-f", conf, "-l", "127.0.0.1:notaport"], r"cannot be listened on"),
     ]
