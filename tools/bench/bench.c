@@ -43,14 +43,9 @@ on_sigint(int sig)
 static int
 check_endpoint(const struct bench_opts *o)
 {
-    struct dsv4_client_opts copts;
     struct dsv4_client *c;
-    int rc;
+    int rc = bench_connect(o, &c);
 
-    dsv4_client_opts_init(&copts);
-    copts.server_key_file = o->server_key_file;
-    copts.connect_timeout_ms = o->connect_timeout_ms;
-    rc = dsv4_client_connect(o->endpoint, &copts, &c);
     if (rc == 0) {
         dsv4_client_close(c);
         return 0;

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+struct dsv4_client;   /* ipc/dsv4/client.h */
+
 #define BENCH_MAX_CONCURRENCY 64   /* issue 7: concurrency 1..64 */
 #define BENCH_MAX_LEVELS 16        /* concurrency levels of one sweep */
 #define BENCH_MAX_LEN 1048576      /* protocol limit on prompt and max_tokens */
@@ -204,6 +206,13 @@ struct bench_result {
     int workers_lost;              /* connections that failed */
 };
 
+/*
+ * One connection to o->endpoint with o's server key and connect timeout, as
+ * every worker and the pre-flight check make it.  Returns 0 with *c set, or
+ * the client library's error code (dsv4_client_strerror; the reason in
+ * dsv4_client_errmsg(NULL)).
+ */
+int bench_connect(const struct bench_opts *o, struct dsv4_client **c);
 /*
  * Run one level of closed-loop load at `concurrency` and fill *res.  Returns
  * 0, or -1 when no worker could connect (reason on stderr).

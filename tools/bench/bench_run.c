@@ -295,13 +295,23 @@ worker_tokens(struct worker *w, double t, size_t n)
     pthread_mutex_unlock(&lv->mu);
 }
 
+int
+bench_connect(const struct bench_opts *o, struct dsv4_client **c)
+{
+    struct dsv4_client_opts copts;
+
+    dsv4_client_opts_init(&copts);
+    copts.server_key_file = o->server_key_file;
+    copts.connect_timeout_ms = o->connect_timeout_ms;
+    return dsv4_client_connect(o->endpoint, &copts, c);
+}
+
 static void *
 worker_main(void *arg)
 {
     struct worker *w = arg;
     struct level *lv = w->lv;
     const struct bench_opts *o = lv->o;
-    struct dsv4_client_opts copts;
     sigset_t ss;
     int rc;
 
@@ -310,10 +320,7 @@ worker_main(void *arg)
     sigemptyset(&ss);
     sigaddset(&ss, SIGINT);
     pthread_sigmask(SIG_BLOCK, &ss, NULL);
-    dsv4_client_opts_init(&copts);
-    copts.server_key_file = o->server_key_file;
-    copts.connect_timeout_ms = o->connect_timeout_ms;
-    rc = dsv4_client_connect(o->endpoint, &copts, &w->c);
+    rc = bench_connect(o, &w->c);
     if (rc != 0)
         fprintf(stderr, "dsv4-bench: worker %d: %s: %d %s: %s\n", w->index, o->endpoint, rc,
             dsv4_client_strerror(rc), dsv4_client_errmsg(NULL));
