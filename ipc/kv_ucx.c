@@ -32,7 +32,11 @@
  *
  * A region freed by the exporter stays mapped (not registered) for the
  * import timeout plus UX_GRACE_MS, because an emulated get that was already
- * under way reads the address without checking the registration.
+ * under way reads the address without checking the registration.  The
+ * handle carries that timeout (its "hold"), and an importer bounds the
+ * import by the smaller of its own timeout and the hold: an importer of a
+ * longer kv_timeout_ms would otherwise read on past the grace, into pages
+ * dropped to zeros, and take them for the state.
  *
  * Main-thread functions: everything in the ops table.  Progress thread:
  * ux_thread and the UCX callbacks it runs.
@@ -57,10 +61,15 @@
 #include <ucp/api/ucp.h>
 
 #include "common/log.h"
+#include "ipc/proto.h"   /* DSV4_RANK_ABI */
 #include "ipc/zsock.h"
 
-#define UX_MAGIC "DSV4UX1"     /* 8 bytes with the NUL */
-#define UX_HDR 36              /* magic 8, address 8, size 8, three u32 lengths */
+/* The handle (docs/protocol.md §6.2), part of DSV4_RANK_ABI: a change to its
+ * layout fails the build below until the ABI is incremented. */
+#define UX_MAGIC "DSV4UX2"     /* 8 bytes with the NUL */
+#define UX_HDR 40              /* magic 8, address 8, size 8, three u32 lengths, u32 hold */
+_Static_assert(DSV4_RANK_ABI == 2 && UX_HDR == 40,
+               "the ucx handle changed: increment DSV4_RANK_ABI, then update this");
 #define UX_TLS_DEFAULT "tcp"   /* UCX_TLS unless configured */
 #define UX_IDLE_MS 20          /* progress thread sleeps at most this long */
 #define UX_PROGRESS_BATCH 16   /* ucp_worker_progress calls per hold of mu: a transfer
@@ -453,6 +462,14 @@ ux_region_len(uint64_t size)
     return (size_t)((size + UX_ALIGN - 1) / UX_ALIGN * UX_ALIGN);
 }
 
+/* The handle's hold: how long after its free a region stays readable (it
+ * stays mapped UX_GRACE_MS longer still, for a get already under way). */
+static uint32_t
+ux_hold_ms(const struct dsv4_kvx *x)
+{
+    return x->timeout_ms < UINT32_MAX ? (uint32_t)x->timeout_ms : UINT32_MAX;
+}
+
 static enum dsv4_err
 ux_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kvx_region *r)
 {
@@ -509,6 +526,7 @@ ux_export_region(struct dsv4_kvx *x, uint64_t req, uint64_t size, struct dsv4_kv
     put_u32(h + 24, (uint32_t)u->self_len);
     put_u32(h + 28, (uint32_t)rk_len);
     put_u32(h + 32, (uint32_t)olen);
+    put_u32(h + 36, ux_hold_ms(x));
     memcpy(h + UX_HDR, u->self, u->self_len);
     memcpy(h + UX_HDR + u->self_len, rk, rk_len);
     memcpy(h + UX_HDR + u->self_len + rk_len, x->owner, olen);
@@ -557,10 +575,12 @@ ux_cleanup_stale(struct dsv4_kvx *x)
 
 /* --- Importer ------------------------------------------------------------------------- */
 
-/* Split a handle; -1 when malformed. */
+/* Split a handle (*hold_ms: how long the exporter keeps a freed region
+ * readable); -1 when malformed. */
 static int
 ux_parse(const struct dsv4_kvx_desc *d, uint64_t *raddr, const uint8_t **addr,
-         uint32_t *alen, const uint8_t **rk, char owner[DSV4_KVX_MAX_OWNER])
+         uint32_t *alen, const uint8_t **rk, uint32_t *hold_ms,
+         char owner[DSV4_KVX_MAX_OWNER])
 {
     const uint8_t *h = d->handle;
     uint32_t rlen, olen;
@@ -571,7 +591,8 @@ ux_parse(const struct dsv4_kvx_desc *d, uint64_t *raddr, const uint8_t **addr,
     *alen = get_u32(h + 24);
     rlen = get_u32(h + 28);
     olen = get_u32(h + 32);
-    if (*alen == 0 || rlen == 0 || olen >= DSV4_KVX_MAX_OWNER ||
+    *hold_ms = get_u32(h + 36);
+    if (*alen == 0 || rlen == 0 || olen >= DSV4_KVX_MAX_OWNER || *hold_ms == 0 ||
         (uint64_t)UX_HDR + *alen + rlen + olen != d->handle_len)
         return -1;
     if (get_u64(h + 16) < d->size || *raddr == 0)
@@ -596,12 +617,12 @@ ux_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
     struct ux_peer *p = NULL;
     struct ux_get *g;
     uint64_t raddr;
-    uint32_t alen;
+    uint32_t alen, hold_ms;
     enum dsv4_err e;
     ucs_status_t st;
     void *sp;
 
-    if (ux_parse(d, &raddr, &addr, &alen, &rkb, owner) != 0)
+    if (ux_parse(d, &raddr, &addr, &alen, &rkb, &hold_ms, owner) != 0)
         return dsv4_err_set(DSV4_ERR_PROTO, "kv_ucx: malformed handle (%u bytes)",
                             (unsigned)d->handle_len);
     if (d->size > SIZE_MAX - UX_ALIGN || (g = calloc(1, sizeof(*g))) == NULL)
@@ -613,7 +634,10 @@ ux_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
                             d->size);
     }
     g->size = d->size;
-    g->deadline_ms = dsv4_now_ms() + x->timeout_ms;
+    /* not past the exporter's hold: a get after it may read dropped pages */
+    if (hold_ms < t->bound_ms)
+        t->bound_ms = hold_ms;
+    g->deadline_ms = dsv4_now_ms() + t->bound_ms;
     pthread_mutex_lock(&u->mu);
     ux_reap(u, dsv4_now_ms());
     if ((e = ux_peer_get(u, addr, alen, owner, &p)) != DSV4_OK)

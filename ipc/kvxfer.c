@@ -238,7 +238,8 @@ dsv4_kvx_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d,
     if ((t = calloc(1, sizeof(*t))) == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "kvx_import: out of memory");
     t->size = d->size;
-    t->deadline_ms = dsv4_now_ms() + x->timeout_ms;
+    t->bound_ms = x->timeout_ms;
+    t->deadline_ms = dsv4_now_ms() + t->bound_ms;
     x->n_imports++;
     if (x->ops->import_start == NULL) {
         /* A local transport maps at once; _test hands the result over. */
@@ -254,6 +255,7 @@ dsv4_kvx_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d,
         free(t);
         return e;
     }
+    t->deadline_ms += t->bound_ms - x->timeout_ms;   /* the transport's bound */
     *out = t;
     return DSV4_OK;
 }
@@ -272,13 +274,15 @@ dsv4_kvx_import_test(struct dsv4_kvx *x, struct dsv4_kvx_xfer *t, struct dsv4_kv
     }
     e = x->ops->import_test(x, t, m);
     if (e == DSV4_ERR_BUSY && dsv4_now_ms() >= t->deadline_ms) {
+        int64_t bound = t->bound_ms;
+
         t->timed_out = true;
         x->ops->import_abort(x, t);
         x->n_timeouts++;
         free(t);
         return dsv4_err_set(DSV4_ERR_TIMEOUT, "kvx_import: %s transfer of %llu bytes did not "
                             "finish within %lld ms", dsv4_transport_name(x->transport),
-                            (unsigned long long)want, (long long)x->timeout_ms);
+                            (unsigned long long)want, (long long)bound);
     }
     if (e == DSV4_ERR_BUSY)
         return e;

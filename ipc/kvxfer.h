@@ -137,7 +137,9 @@ struct dsv4_kvx_ops {
     enum dsv4_err (*init)(struct dsv4_kvx *x, const struct dsv4_kvx_opts *o);
     /* (optional) Tear down x->priv (bounded time; in-flight imports fail). */
     void (*fini)(struct dsv4_kvx *x);
-    /* (optional) Start importing d; the transport keeps its state in t->priv. */
+    /* (optional) Start importing d; the transport keeps its state in t->priv
+     * and may lower t->bound_ms (the import's deadline is its start plus
+     * that). */
     enum dsv4_err (*import_start)(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d,
                                   struct dsv4_kvx_xfer *t);
     /* (optional, with import_start) DSV4_OK: finished, m filled (released
@@ -162,7 +164,11 @@ struct dsv4_kvx_ops {
 /* An import in flight (dsv4_kvx_import_start). */
 struct dsv4_kvx_xfer {
     uint64_t size;               /* descriptor's region size */
-    int64_t deadline_ms;         /* monotonic: fails with DSV4_ERR_TIMEOUT after */
+    int64_t bound_ms;            /* the import's bound: the instance's timeout_ms,
+                                    or less where the exporter's handle says it
+                                    keeps a freed region readable for less (ucx) */
+    int64_t deadline_ms;         /* monotonic, its start + bound_ms: fails with
+                                    DSV4_ERR_TIMEOUT after */
     bool done;                   /* synchronous transports: finished at start */
     bool timed_out;              /* set before import_abort when the deadline
                                     passed (a stalled link), not for a cancel */
@@ -179,7 +185,7 @@ struct dsv4_kvx {
     uint64_t n_live;                /* regions exported and not freed */
     int64_t timeout_ms;             /* bound of one import (opts) */
     uint64_t n_imports;             /* imports started (statistics) */
-    uint64_t n_timeouts;            /* imports that hit timeout_ms */
+    uint64_t n_timeouts;            /* imports that hit their bound */
     bool device_memory;             /* region/map `data` are device pointers
                                        (set by the transport's init: cudaipc) */
     void *priv;                     /* transport instance state (ops->init) */

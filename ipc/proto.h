@@ -319,13 +319,15 @@ struct dsv4_cli_cancel {
  * The version of what ranks exchange among themselves outside this protocol:
  * a group's collectives (daemons/rank/rank_group.c: the join's exchange and
  * the tick descriptor) and the decode state a prefill rank exports for a
- * decode rank (kernels/forward.h, dsv4_model_state_export).  A build that
- * changes any of them increments it.  Ranks send it in READY `abi`
+ * decode rank (kernels/forward.h, dsv4_model_state_export) with the
+ * transports' handles for it (ipc/kv_*.c, docs/protocol.md §6.2).  A build
+ * that changes any of them increments it: 2 since the ucx handle carries
+ * the exporter's hold.  Ranks send it in READY `abi`
  * (docs/protocol.md §6.1); the scheduler refuses a rank whose abi differs
  * from a live registered rank's, since ranks of two layouts would hang in a
  * collective or hand over state the other cannot read.
  */
-#define DSV4_RANK_ABI 1u
+#define DSV4_RANK_ABI 2u
 
 /* Body of READY (rank -> scheduler): registration (§6, §6.1). */
 struct dsv4_rank_ready {

@@ -81,7 +81,7 @@
  */
 #define GROUP_TICK_TAIL 3
 #define GROUP_PEERS_TAIL 5
-_Static_assert(DSV4_RANK_ABI == 1 && GROUP_TICK_TAIL == 3 && GROUP_PEERS_TAIL == 5,
+_Static_assert(DSV4_RANK_ABI == 2 && GROUP_TICK_TAIL == 3 && GROUP_PEERS_TAIL == 5,
                "the group's exchanges changed: increment DSV4_RANK_ABI, then update this");
 
 #define GROUP_JOIN_MS 60000     /* a communicator must assemble within this */

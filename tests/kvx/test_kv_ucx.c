@@ -4,7 +4,8 @@
  * protocol's location descriptor (exporter and importer in one process, two
  * UCX workers), asynchronous imports reported on the event fd, an exporter
  * that stops answering (SIGSTOP: the import fails with DSV4_ERR_TIMEOUT and
- * the next import from a live exporter works), an exporter that died
+ * the next import from a live exporter works; an importer of a longer
+ * bound gives up at the exporter's hold), an exporter that died
  * (an error, never a hang), a cancelled import beside another one from the
  * same exporter (the other completes), a cancelled import whose get
  * outlives the region's grace on the exporter (the exporter lives on), and
@@ -33,6 +34,7 @@
 #include <cmocka.h>
 
 #include "ipc/kvxfer.h"
+#include "ipc/zsock.h"   /* dsv4_now_ms */
 
 #define TEST_TIMEOUT_MS 1500   /* import bound used by these tests */
 
@@ -336,6 +338,47 @@ test_stalled_exporter(void **state)
     dsv4_kvx_close(y);
 }
 
+/* An importer whose own bound is longer than the exporter's hold (the
+ * handle's kv_timeout_ms of the exporter): the import is bounded by the
+ * hold, so a get never reads on into the dropped pages of a freed region.
+ * The exporter stops (SIGSTOP), so the import times out at the hold. */
+static void
+test_bound_by_hold(void **state)
+{
+    struct dsv4_kvx_opts lo = test_opts;
+    struct dsv4_kvx_xfer *t;
+    struct dsv4_kvx_desc d;
+    struct dsv4_kvx_map m;
+    struct dsv4_kvx *y;
+    enum dsv4_err e;
+    int64_t t0;
+    int hold, st;
+    pid_t pid;
+
+    (void)state;
+    lo.timeout_ms = 60 * TEST_TIMEOUT_MS;
+    pid = spawn_exporter(&d, &hold);
+    assert_int_equal(kill(pid, SIGSTOP), 0);
+    wait_stopped(pid);
+    if (dsv4_kvx_open_opts(&y, DSV4_TRANSPORT_UCX, "ucx-himp", &lo) != DSV4_OK)
+        fail_msg("ucx open: %s", dsv4_errmsg());
+    t0 = dsv4_now_ms();
+    assert_int_equal(dsv4_kvx_import_start(y, &d, &t), DSV4_OK);
+    assert_int_equal(t->bound_ms, TEST_TIMEOUT_MS);
+    assert_true(t->deadline_ms <= dsv4_now_ms() + TEST_TIMEOUT_MS);
+    assert_true(t->deadline_ms >= t0 + TEST_TIMEOUT_MS);
+    while ((e = dsv4_kvx_import_test(y, t, &m)) == DSV4_ERR_BUSY)
+        usleep(10000);
+    assert_int_equal(e, DSV4_ERR_TIMEOUT);
+    assert_non_null(strstr(dsv4_errmsg(), "within 1500 ms"));
+    assert_null(m.data);
+    assert_int_equal(kill(pid, SIGCONT), 0);
+    close(hold);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    dsv4_kvx_close(y);
+}
+
 /* A cancelled import whose get outlives the region's grace on the
  * exporter (the importer stalls: SIGSTOP, past TEST_TIMEOUT_MS + 1 s): the
  * exporter frees the region, its grace ends at its next export, then the
@@ -476,6 +519,7 @@ main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_stalled_exporter),
+        cmocka_unit_test(test_bound_by_hold),
         cmocka_unit_test(test_dead_exporter),
         cmocka_unit_test(test_get_outlives_grace),
         cmocka_unit_test(test_round_trip),
