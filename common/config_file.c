@@ -61,6 +61,7 @@ static const struct cfg_key cfg_keys[] = {
     { "heartbeat_ms",       INT(heartbeat_ms, 10, 600000) },
     { "liveness",           INT(liveness, 1, 100) },
     { "request_timeout_ms", INT(request_timeout_ms, 0, 86400000) },
+    { "stop_timeout_ms",    INT(stop_timeout_ms, 0, 3600000) },
     { "burst_streams",      INT(burst_streams, 0, 65535) },
     { "burst_free_slots",   INT(burst_free_slots, 0, 65535) },
     { "checkpoint",         STR(checkpoint) },
@@ -125,6 +126,7 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
     cfg->heartbeat_ms = 1000;
     cfg->liveness = 3;
     cfg->request_timeout_ms = 0;
+    cfg->stop_timeout_ms = 10000;
     cfg->burst_free_slots = 1;   /* docs/operations.md "Burst prefill" */
     snprintf(cfg->checkpoint, sizeof(cfg->checkpoint), "%s",
         "/var/lib/dsv4/model");

@@ -57,6 +57,8 @@ struct dsv4_conf {
     int heartbeat_ms;       /* [1000] rank heartbeat interval */
     int liveness;           /* [3] missed intervals until a rank is dead */
     int request_timeout_ms; /* [0] deadline for requests that set none; 0 = none */
+    int stop_timeout_ms;    /* [10000] SIGTERM: how long the scheduler finishes
+                               in-flight work before it hands the rest over */
     int burst_streams;      /* [0] a burst prefill group (key `burst`) takes a
                                prompt only while at most this many streams
                                decode beside it: summed over the decode groups

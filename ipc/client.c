@@ -24,7 +24,10 @@
  * while the connection was down is cancelled again under its new wire id.
  * A message of an older wire id of a request in flight (its GENERATE was
  * also queued on the socket before the drop was seen, so it reached the new
- * scheduler twice) is answered with a CANCEL of that copy.
+ * scheduler twice) is answered with a CANCEL of that copy.  A scheduler
+ * that stops while its ranks serve on answers what it still holds with 302
+ * (since 1.3): such a request stays in flight and is resumed the same way
+ * on the next scheduler.
  */
 #include "dsv4/client.h"
 
@@ -178,6 +181,15 @@ send_cancel(struct dsv4_client *c, uint64_t wire)
     return dsv4_zsock_send(c->sock, NULL, &m, ZMQ_DONTWAIT, NULL);
 }
 
+/* Whether `r` can go on exactly on another scheduler: not without the
+ * tokens it got, nor with tokens but no seed (an OK that named none: the
+ * field is optional). */
+static bool
+resumable(const struct creq *r)
+{
+    return !r->lost_output && (r->n_got == 0 || r->g.s.has_seed);
+}
+
 /* Send every request in flight again, with what it got as `resume`
  * (docs/protocol.md §4.6): the connection is up again after a drop. */
 static void
@@ -189,10 +201,8 @@ resume_all(struct dsv4_client *c)
         struct creq *r = &c->reqs[i];
         struct dsv4_msg m;
 
-        /* Without the tokens it got, or with tokens but no seed (an OK
-         * that named none: the field is optional), the request cannot go
-         * on exactly: next() ends it. */
-        if (r->lost_output || (r->n_got > 0 && !r->g.s.has_seed)) {
+        /* one that cannot go on exactly: next() ends it */
+        if (!resumable(r)) {
             r->orphan = true;
             continue;
         }
@@ -720,6 +730,13 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
         req_remove(c, r);
         return true;
     default:
+        /* 302: the scheduler stops while its ranks serve on.  The request
+         * waits for the next scheduler, where resume_all sends it again
+         * when the connection is back (or ends at its deadline, or with 504
+         * when no scheduler comes); one that cannot go on exactly ends
+         * here, with the 302. */
+        if (r != NULL && m->u.error.code == DSV4_STATUS_RESTARTING && resumable(r))
+            return false;
         ev->type = DSV4_CLIENT_EV_ERROR;
         ev->req = m->u.error.req;
         ev->code = m->u.error.code;

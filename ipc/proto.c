@@ -1665,6 +1665,7 @@ static const struct {
     { DSV4_STATUS_OK, DSV4_OK, "success" },
     { DSV4_STATUS_BUSY, DSV4_ERR_BUSY, "server busy, retry later" },
     { DSV4_STATUS_DRAINING, DSV4_ERR_BUSY, "server draining, not admitting requests" },
+    { DSV4_STATUS_RESTARTING, DSV4_ERR_BUSY, "server restarting, resume the request" },
     { DSV4_STATUS_BAD_MESSAGE, DSV4_ERR_PROTO, "malformed message" },
     { DSV4_STATUS_BAD_ARGUMENT, DSV4_ERR_INVAL, "invalid argument" },
     { DSV4_STATUS_NOT_FOUND, DSV4_ERR_INVAL, "no such request or rank" },

@@ -169,6 +169,8 @@ enum dsv4_status {
     DSV4_STATUS_OK = 200,
     DSV4_STATUS_BUSY = 300,
     DSV4_STATUS_DRAINING = 301,
+    DSV4_STATUS_RESTARTING = 302,  /* the scheduler stops while its ranks serve on:
+                                      send the request again with resume (§4.6) */
     DSV4_STATUS_BAD_MESSAGE = 400,
     DSV4_STATUS_BAD_ARGUMENT = 401,
     DSV4_STATUS_NOT_FOUND = 404,

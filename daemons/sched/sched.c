@@ -60,9 +60,9 @@ usage(int status)
         "  -v             more logging (-vv: debug)\n"
         "  -h, --help     this help\n"
         "      --version  the version\n"
-        "SIGHUP reloads the configuration: queue_max, request_timeout_ms, prefill_chunk,\n"
-        "burst_streams, burst_free_slots and max_batch change at once; the other keys wait\n"
-        "for a restart.\n"
+        "SIGHUP reloads the configuration: queue_max, request_timeout_ms, stop_timeout_ms,\n"
+        "prefill_chunk, burst_streams, burst_free_slots and max_batch change at once; the\n"
+        "other keys wait for a restart.\n"
         DSV4_CLI_DAEMON_EXIT, status);
 }
 
@@ -239,7 +239,7 @@ on_signal(struct sched *s)
             si.ssi_signo, s->n_live, s->n_queued);
         sdnotify_stopping();
         s->stopping = true;
-        s->stop_deadline_ms = dsv4_now_ms() + SCHED_STOP_TIMEOUT_MS;
+        s->stop_deadline_ms = dsv4_now_ms() + s->cfg.file.stop_timeout_ms;
     }
 }
 
@@ -253,17 +253,43 @@ tmin(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* SIGTERM deadline passed: fail what is left, so every client hears. */
+/* Ranks alive (`serving`: and taking work, not leaving).  A scheduler that
+ * stops while ranks serve on is restarting (systemctl restart dsv4-sched, or
+ * a stop that its socket activates again); one whose ranks have all gone
+ * stops with the set (the ranks stop first). */
+static bool
+ranks_left(const struct sched *s, bool serving)
+{
+    const struct sched_rank *k;
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (k->state != DSV4_RANK_STATE_DEAD && (!serving || !k->leaving))
+            return true;
+    }
+    return false;
+}
+
+/* SIGTERM: the stop timeout passed, or no rank is left to run what is
+ * left.  Every client hears: while ranks serve on, 302 (send it again with
+ * resume, docs/protocol.md §4.6: libdsv4client does so on the next
+ * scheduler, and the request loses nothing); else 500. */
 static void
 fail_remaining(struct sched *s)
 {
+    bool restarting = ranks_left(s, true);
+    uint16_t code = restarting ? DSV4_STATUS_RESTARTING : DSV4_STATUS_INTERNAL;
+    const char *why = restarting ? "scheduler restarting: send it again with resume" :
+        "scheduler stopping, no rank left to run it";
     struct sched_req *r, *tmp;
+    uint32_t n = s->n_queued + s->n_live;
 
+    if (n > 0)
+        log_notice("stopping: %u requests left: %u %s", n, code, why);
     TAILQ_FOREACH_SAFE(r, &s->queue, qentry, tmp)
-        req_fail(s, r, DSV4_STATUS_INTERNAL, "scheduler stopping");
+        req_fail(s, r, code, "%s", why);
     TAILQ_FOREACH_SAFE(r, &s->live, qentry, tmp) {
         if (!r->closing)
-            req_fail(s, r, DSV4_STATUS_INTERNAL, "scheduler stopping");
+            req_fail(s, r, code, "%s", why);
     }
     client_flush_all(s);
 }
@@ -322,7 +348,7 @@ sched_loop(struct sched *s)
         if (s->stopping) {
             if (s->n_queued == 0 && s->n_live == 0)
                 break;
-            if (now >= s->stop_deadline_ms) {
+            if (now >= s->stop_deadline_ms || !ranks_left(s, false)) {
                 fail_remaining(s);
                 break;
             }

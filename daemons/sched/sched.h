@@ -41,7 +41,6 @@
 #define SCHED_VERSION "dsv4-sched " DSV4_VERSION
 #define SCHED_MAX_GROUP 64          /* ranks per group (TP x EP) */
 #define SCHED_MAX_RERUNS 4          /* re-runs of one request after rank deaths */
-#define SCHED_STOP_TIMEOUT_MS 10000 /* SIGTERM: time to finish in-flight work */
 #define SCHED_RETRY_MS 5            /* re-try blocked client sends this often */
 #define SCHED_REQ_BUCKETS 4096      /* request hash table size (power of 2) */
 #define SCHED_RESUME_TEXT_AHEAD 1024 /* a resume's text may pass its tokens' text by
@@ -323,7 +322,8 @@ int sched_config_check(const struct sched_config *c);
 
 /* Read the configuration again (same file, same -o overrides) and apply
  * what can change while serving: queue_max, request_timeout_ms,
- * prefill_chunk, burst_streams, max_batch.  A change of a key bound at the
+ * stop_timeout_ms, prefill_chunk, burst_streams, burst_free_slots,
+ * max_batch.  A change of a key bound at the
  * start (endpoints, admin_mode, key_dir, heartbeat_ms, liveness, tokenizer)
  * is logged and waits for a restart; a file that does not load changes
  * nothing.  Tells systemd RELOADING=1, then READY=1.  SIGHUP and the admin

@@ -7,7 +7,8 @@
  * file that does not load changes nothing: the scheduler keeps its running
  * settings and says why.  Of the keys the scheduler uses, the admission and
  * batching ones take effect at once (queue_max, request_timeout_ms for
- * requests admitted from now on, prefill_chunk, burst_streams,
+ * requests admitted from now on, stop_timeout_ms for the next SIGTERM,
+ * prefill_chunk, burst_streams,
  * burst_free_slots, max_batch:
  * streams already decoding beyond a lowered max_batch finish where they
  * are); the rest (endpoints, admin_mode, key_dir, heartbeat_ms, liveness,
@@ -33,6 +34,7 @@ struct reload_key {
 static const struct reload_key live_keys[] = {
     { "queue_max", offsetof(struct dsv4_conf, queue_max) },
     { "request_timeout_ms", offsetof(struct dsv4_conf, request_timeout_ms) },
+    { "stop_timeout_ms", offsetof(struct dsv4_conf, stop_timeout_ms) },
     { "prefill_chunk", offsetof(struct dsv4_conf, prefill_chunk) },
     { "burst_streams", offsetof(struct dsv4_conf, burst_streams) },
     { "burst_free_slots", offsetof(struct dsv4_conf, burst_free_slots) },

@@ -31,7 +31,12 @@
  * named no seed and tokens had come, or the resend did not fit the
  * connection's queue).  A request cancelled while the connection was down
  * is cancelled again on the new one.  Request ids stay below 2^48 (the
- * bits above mark resumes on the wire).
+ * bits above mark resumes on the wire).  Since 1.3 the same holds for a
+ * scheduler stopped on purpose while its ranks serve on (systemctl restart
+ * dsv4-sched): what it has not finished within its stop_timeout_ms it
+ * answers with 302, and the library resumes those requests on the next
+ * scheduler instead of ending them (the caller sees no 302 unless the
+ * request cannot go on exactly).
  */
 #ifndef DSV4_CLIENT_H
 #define DSV4_CLIENT_H
@@ -44,7 +49,7 @@ extern "C" {
 #endif
 
 #define DSV4_CLIENT_VERSION_MAJOR 1
-#define DSV4_CLIENT_VERSION_MINOR 2
+#define DSV4_CLIENT_VERSION_MINOR 3
 #define DSV4_CLIENT_VERSION_PATCH 0
 
 #if defined(DSV4_CLIENT_BUILD)
@@ -59,6 +64,8 @@ enum dsv4_client_code {
     DSV4_CLIENT_NONE = 1,             /* dsv4_client_next: no event within the wait */
     DSV4_CLIENT_BUSY = 300,           /* no capacity now; retry later */
     DSV4_CLIENT_DRAINING = 301,       /* server draining; retry later or elsewhere */
+    DSV4_CLIENT_RESTARTING = 302,     /* scheduler restarting: the library resumes the
+                                         request (seen only where it cannot) */
     DSV4_CLIENT_BAD_MESSAGE = 400,    /* malformed message */
     DSV4_CLIENT_BAD_ARGUMENT = 401,   /* invalid argument (range, NULL, inconsistent) */
     DSV4_CLIENT_NOT_FOUND = 404,      /* unknown request id */

@@ -26,6 +26,11 @@ Scenarios:
                   process; every stream == the undisturbed output (after a
                   scheduler death, libdsv4client resumes each request on the
                   new scheduler); then no leaked state.
+  restart_sched   SIGTERM to the scheduler under 16 streams (stop_timeout_ms =
+                  200): what it has not finished it answers with 302 and
+                  exits 0; the clients' reconnect starts it again (dsv4-launch
+                  keeps the listeners), each 302'd request is resumed there,
+                  every stream == the undisturbed output; no leaked state.
   cancel1000      1,000 requests cancelled at random moments: every request
                   ends, output is a prefix of the reference, no leaked state.
   drain           drain of a decode rank under load finishes its streams,
@@ -1331,6 +1336,49 @@ def sc_kill_sched():
     kill_during_streams("sched")
 
 
+def sc_restart_sched():
+    """A scheduler stopped on purpose (SIGTERM) under 16 streams while its
+    ranks serve on, as `systemctl restart dsv4-sched`: it finishes for
+    stop_timeout_ms, then answers what is left with 302 and exits 0; the
+    clients' reconnect starts it again (dsv4-launch keeps its listeners, as
+    dsv4-sched.socket does), libdsv4client resumes each 302'd request there,
+    and every stream == the undisturbed output, none failed."""
+    svc = Service(n_prefill=1, n_decode=1, extra_conf="stop_timeout_ms = 200\n")
+    try:
+        prompts = os.path.join(svc.dir, "pr.txt")
+        make_prompts(prompts, 16, seed=11)
+        ref = reference(svc, prompts, 64)
+        progress = os.path.join(svc.dir, "progress")
+        p = svc.client(prompts, 64, progress=progress, timeout_ms=TIMEOUT_MS)
+        wait_progress(progress, lambda c: sum(n >= 2 for n in c.values()) >= 4,
+                      "four streams under way")
+        old = svc.pid("sched")
+        log("SIGTERM sched pid=%d" % old)
+        svc.stopped.add("sched")
+        os.kill(old, signal.SIGTERM)
+        got, rc, err = finish(p, svc)
+        check(rc == 0, "svc_client failed: " + err[-500:])
+        compare(got, ref, "16 streams across a restart of the scheduler", err)
+        check(svc.pid("sched") != old and svc.count("sched", "READY=1") >= 2,
+              "the scheduler was not started again")
+        check(("sched", "exit=0") in svc.exits(), "the stopped scheduler's exit: %s" %
+              svc.exits())
+        svc.stderr.flush()
+        text = readf(os.path.join(svc.dir, "launch.err"))
+        left = re.findall(r"stopping: (\d+) requests left: 302 ", text)
+        check(left and int(left[0]) > 0, "the stopping scheduler answered no request "
+              "with 302:\n" + svc.errlog())
+        check("starting the scheduler again (socket activation)" in text,
+              "dsv4-launch did not start the scheduler on the clients' reconnect")
+        resumed = re.findall(r"resumes after (\d+) tokens", text)
+        check(len(resumed) >= 1, "no request resumed with tokens")
+        log("scheduler restart: %s requests left at the stop timeout (302), %d resumed "
+            "with tokens, all 16 == the undisturbed output" % (left[0], len(resumed)))
+        svc.check_no_leaks()
+    finally:
+        stop_checked(svc)
+
+
 def sc_cancel1000():
     svc = Service(n_prefill=1, n_decode=1)
     try:
@@ -2154,6 +2202,7 @@ SCENARIOS = {
     "kill_decode": sc_kill_decode,
     "kill_prefill": sc_kill_prefill,
     "kill_sched": sc_kill_sched,
+    "restart_sched": sc_restart_sched,
     "cancel1000": sc_cancel1000,
     "ctl_cancel": sc_ctl_cancel,
     "drain": sc_drain,

@@ -28,9 +28,11 @@ output.  Scenarios (one per argument, or all):
   drain_restart  a rank drain waiting while the rank restarts: the new process stays
              drained and the wait follows it; undrained, the stream runs again and
              completes; a rank of another name in its place ends the wait "rank gone"
-  sigterm    SIGTERM with work in flight: new requests 301, a short stream completes,
-             a long one fails with 500 "scheduler stopping" at the 10 s stop timeout with
-             f's tokens so far, exit 0
+  sigterm    SIGTERM with work in flight, the ranks serving on: new requests 301, a
+             short stream completes, a long one ends with 302 "scheduler restarting"
+             at the stop timeout (stop_timeout_ms = 5000) with f's tokens so far, exit 0
+  sigterm_alone  SIGTERM with a request queued and no rank: 500 "no rank left" at once
+             (stop_timeout_ms = 600000), exit 0
   reload     SIGHUP and dsv4ctl reload: queue_max and max_batch change at once (queued
              requests kept, -o overrides still win), a start-bound key is logged as
              waiting, a file that does not load changes nothing (dsv4ctl: 500, exit 1);
@@ -969,11 +971,13 @@ def t_drain_restart(ctx, build, tmp):
 
 
 def t_sigterm(ctx, build, tmp):
-    """SIGTERM with work in flight: new requests are refused (301), a
-    stream that ends within the stop timeout (10 s) completes, and one that
-    would not gets ERROR 500 "scheduler stopping" at the timeout with f's
-    tokens so far; the scheduler then exits 0."""
-    sc, pre, dec = setup(ctx, build, tmp)
+    """SIGTERM with work in flight while the ranks serve on (a restart of
+    the scheduler alone): new requests are refused (301), a stream that
+    ends within the stop timeout (stop_timeout_ms = 5000) completes, and one
+    that would not gets ERROR 302 "scheduler restarting" at the timeout with
+    f's tokens so far (libdsv4client resumes it on the next scheduler); the
+    scheduler then exits 0."""
+    sc, pre, dec = setup(ctx, build, tmp, extra=["-o", "stop_timeout_ms=5000"])
     cl = Client(ctx, sc.ep["client"])
     pl, ps = [41, 42], [43, 44]
     il = submit(cl, pl, 7, 4000)        # 16 s at the fake rank's 4 ms a step
@@ -997,16 +1001,35 @@ def t_sigterm(ctx, build, tmp):
     check(r["final"][0] == 5 and r["tokens"] == expected(ps, 8, 200),
           "the short stream: %s" % (r["final"],))
     r = res[il]
-    check(r["final"][0] == 3 and r["final"][1]["code"] == 500 and
-          "scheduler stopping" in r["final"][1]["message"],
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 302 and
+          "scheduler restarting" in r["final"][1]["message"],
           "the long stream at the stop timeout: %s" % (r["final"],))
     # waited for the stop timeout (no upper bound: a loaded machine only
-    # makes it later, and the 500's message says why it ended)
-    check(waited >= 9.0, "failed %.1f s after SIGTERM, before the 10 s timeout" % waited)
+    # makes it later, and the 302's message says why it ended)
+    check(waited >= 4.5, "failed %.1f s after SIGTERM, before the 5 s timeout" % waited)
     check(0 < len(r["tokens"]) < 4000 and r["tokens"] == expected(pl, 7, len(r["tokens"])),
           "the long stream's %d tokens are not f's" % len(r["tokens"]))
     check(sc.p.wait(timeout=5) == 0, "the scheduler did not exit 0 after the stop timeout")
     return sc, [pre, dec]
+
+
+def t_sigterm_alone(ctx, build, tmp):
+    """SIGTERM with a request queued and no rank left to run it (the set
+    stops: its ranks went first): ERROR 500 "no rank left" at once, not at
+    the stop timeout (10 minutes here), and exit 0."""
+    sc = Sched(build, tmp, ["-o", "stop_timeout_ms=600000"])
+    cl = Client(ctx, sc.ep["client"])
+    i = submit(cl, [41, 42], 7, 10)
+    end = time.time() + 20
+    while time.time() < end and (sc.ctl("status")[1] or {}).get("n_queued") != 1:
+        time.sleep(0.05)
+    sc.p.send_signal(signal.SIGTERM)
+    r = cl.collect([i], timeout=60, seen_ok=True)[i]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 500 and
+          "no rank left" in r["final"][1]["message"],
+          "a queued request at SIGTERM without ranks: %s" % (r.get("final"),))
+    check(sc.p.wait(timeout=30) == 0, "the scheduler did not exit 0")
+    return sc, []
 
 
 def t_reload(ctx, build, tmp):
@@ -1689,6 +1712,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
          "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
+         "sigterm_alone": t_sigterm_alone,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
          "malformed": t_malformed, "busy": t_busy, "listing": t_listing, "refusal_full": t_refusal_full, "prefill_nomem": t_prefill_nomem,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,

@@ -277,6 +277,23 @@ handle_signals(struct launch *l)
 }
 
 /*
+ * Whether a connection on the scheduler's listeners should start it again:
+ * it exited cleanly after it had been ready (systemctl stop dsv4-sched, or
+ * the stop half of a restart) and the set goes on.  With systemd,
+ * dsv4-sched.socket stays listening and its next connection activates the
+ * service; so here.  (A failed scheduler is restarted by its timer instead,
+ * and one that gave up stopped the set.)
+ */
+static bool
+sched_activatable(const struct launch *l)
+{
+    const struct launch_child *k = &l->kids[0];
+
+    return !l->o.no_sched && !l->stopping && k->pid == 0 && k->ever_ready &&
+        k->restart_at_ms == 0 && !k->gave_up;
+}
+
+/*
  * The loop.  Each iteration: wait for a signal, a notify datagram or the
  * nearest deadline; reap children and schedule restarts; apply notify
  * messages (READY, WATCHDOG, STOPPING, STATUS); fire timers (restarts, start
@@ -287,9 +304,9 @@ handle_signals(struct launch *l)
 static void
 launch_loop(struct launch *l)
 {
-    struct pollfd pfd[4 + LAUNCH_MAX_RANKS];
+    struct pollfd pfd[6 + LAUNCH_MAX_RANKS];
     int64_t wait;
-    int i, n;
+    int i, n, nl;
 
     for (;;) {
         proc_advance(l);
@@ -302,7 +319,13 @@ launch_loop(struct launch *l)
             pfd[n].fd = l->kids[i].notify_fd;
             pfd[n++].events = POLLIN;
         }
-        if (poll(pfd, n, wait < 0 ? -1 : (int)(wait > 60000 ? 60000 : wait)) < 0 &&
+        /* the listeners while the scheduler is down after a clean exit */
+        nl = sched_activatable(l) ? 2 : 0;
+        for (i = 0; i < nl; i++) {
+            pfd[n + i].fd = l->listen_fd[i];
+            pfd[n + i].events = POLLIN;
+        }
+        if (poll(pfd, n + nl, wait < 0 ? -1 : (int)(wait > 60000 ? 60000 : wait)) < 0 &&
             errno != EINTR)
             fatal("poll");
         if (pfd[0].revents & POLLIN)
@@ -310,6 +333,12 @@ launch_loop(struct launch *l)
         for (i = 0; i < l->n_kids; i++)
             if (pfd[1 + i].fd >= 0 && (pfd[1 + i].revents & POLLIN))
                 proc_notify(l, &l->kids[i]);
+        for (i = 0; i < nl; i++)
+            if (pfd[n + i].fd >= 0 && (pfd[n + i].revents & POLLIN) && sched_activatable(l)) {
+                log_notice("launch_loop: a connection on the %s listener: starting the "
+                    "scheduler again (socket activation)", i == 0 ? "client" : "admin");
+                proc_start(l, &l->kids[0]);
+            }
     }
 }
 
