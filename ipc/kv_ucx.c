@@ -106,7 +106,7 @@ struct ux_get {
     uint64_t size;
     ucp_rkey_h rkey;
     atomic_bool done;            /* callback ran (or finished inline); set
-                                    after status, read without mu */
+                                    last, after status, read without mu */
     ucs_status_t status;
     bool abandoned;              /* caller gave up: the callback frees */
     int64_t deadline_ms;         /* the import's bound (monotonic) */
@@ -238,23 +238,27 @@ ux_get_done(void *request, ucs_status_t status, void *user_data)
 {
     struct ux_get *g = user_data;
     struct ux_peer *p = g->peer;
+    struct ux *u = p->u;
 
     ucp_request_free(request);
     g->status = status;
-    atomic_store_explicit(&g->done, true, memory_order_release);
     ucp_rkey_destroy(g->rkey);
     g->rkey = NULL;
     g->peer = NULL;
     p->refs--;
     if (status != UCS_OK)
-        ux_peer_close(p->u, p);  /* the link is suspect: reconnect next time */
+        ux_peer_close(u, p);  /* the link is suspect: reconnect next time */
     if (g->abandoned) {
-        TAILQ_REMOVE(&p->u->abandoned, g, aentry);
+        TAILQ_REMOVE(&u->abandoned, g, aentry);
         free(g->buf);
         free(g);
         return;
     }
-    ux_signal(p->u);
+    /* Last, and nothing of g after it: ux_import_test reads `done` without
+     * mu and frees g as soon as it sees it (ux_import_abort, under mu, sees
+     * the callback either not run, and marks g abandoned, or done). */
+    atomic_store_explicit(&g->done, true, memory_order_release);
+    ux_signal(u);
 }
 
 /* Cancelled gets still running past their import's bound: their peer is

@@ -7,7 +7,9 @@
  * the next import from a live exporter works; an importer of a longer
  * bound gives up at the exporter's hold), an exporter that died
  * (an error, never a hang), a cancelled import beside another one from the
- * same exporter (the other completes), a cancelled import whose get
+ * same exporter (the other completes), 10,000 small imports polled in a
+ * tight loop (the completion done with a get before it says so), a
+ * cancelled import whose get
  * outlives the region's grace on the exporter (the exporter lives on), and
  * malformed handles (DSV4_ERR_PROTO).
  *
@@ -338,6 +340,46 @@ test_stalled_exporter(void **state)
     dsv4_kvx_close(y);
 }
 
+/* Many small imports, each polled with import_test in a tight loop (as a
+ * decode rank polls between steps): the progress thread's completion must
+ * be finished with the get before the main thread may see it done and free
+ * it (it was not: ASan saw the callback write to the freed get within a
+ * few thousand imports). */
+static void
+test_spin_imports(void **state)
+{
+    struct dsv4_kvx *x, *y;
+    struct dsv4_kvx_region r;
+    struct dsv4_kvx_xfer *t;
+    struct dsv4_kvx_map m;
+    enum dsv4_err e;
+
+    (void)state;
+    assert_int_equal(open_ucx(&x, "ucx-sexp"), 0);
+    assert_int_equal(open_ucx(&y, "ucx-simp2"), 0);
+    assert_int_equal(dsv4_kvx_export(x, 1, 64, &r), DSV4_OK);
+    memset(r.data, 1, 64);
+    for (int i = 0; i < 10000; i++) {
+        void *junk;
+
+        assert_int_equal(dsv4_kvx_import_start(y, &r.desc, &t), DSV4_OK);
+        while ((e = dsv4_kvx_import_test(y, t, &m)) == DSV4_ERR_BUSY)
+            ;
+        assert_int_equal(e, DSV4_OK);
+        assert_int_equal(((const uint8_t *)m.data)[63], 1);
+        dsv4_kvx_unmap(y, &m);
+        /* the freed get's memory taken again at once, as a rank's next
+         * allocation would */
+        junk = malloc(sizeof(void *) * 8);
+        assert_non_null(junk);
+        memset(junk, 0xff, sizeof(void *) * 8);
+        free(junk);
+    }
+    dsv4_kvx_free(x, &r);
+    dsv4_kvx_close(y);
+    dsv4_kvx_close(x);
+}
+
 /* An importer whose own bound is longer than the exporter's hold (the
  * handle's kv_timeout_ms of the exporter): the import is bounded by the
  * hold, so a get never reads on into the dropped pages of a freed region.
@@ -524,6 +566,7 @@ main(void)
         cmocka_unit_test(test_get_outlives_grace),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_async),
+        cmocka_unit_test(test_spin_imports),
         cmocka_unit_test(test_cancel_beside),
         cmocka_unit_test(test_bad_handle),
     };
