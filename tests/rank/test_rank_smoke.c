@@ -454,12 +454,16 @@ bad_work(const struct tmodel *t, struct treq *r)
     /* DECODE: a position past max_seq, a token outside the vocabulary, a
      * location whose region does not exist, a location that covers another
      * position count than pos, one that says it is one of two parts, one of
-     * a transport the decode rank lacks (left out where it has all) */
+     * a transport the decode rank lacks (left out where it has all), one
+     * whose segment is not the size of a state of pos positions (refused
+     * before a transport sizes a buffer by it) */
     lacks = missing_transport(dec.transports);
-    for (int i = 0; i < 6; i++) {
-        static const int code[6] = { DSV4_STATUS_TOO_LARGE, DSV4_STATUS_BAD_ARGUMENT,
+    for (int i = 0; i < 7; i++) {
+        static const int code[7] = { DSV4_STATUS_TOO_LARGE, DSV4_STATUS_BAD_ARGUMENT,
                                      DSV4_STATUS_INTERNAL, DSV4_STATUS_BAD_MESSAGE,
-                                     DSV4_STATUS_NOT_SUPPORTED, DSV4_STATUS_NOT_SUPPORTED };
+                                     DSV4_STATUS_NOT_SUPPORTED, DSV4_STATUS_NOT_SUPPORTED,
+                                     DSV4_STATUS_BAD_MESSAGE };
+        uint64_t huge[1] = { UINT64_C(1) << 40 };
 
         if (i == 5 && lacks == DSV4_TRANSPORT_NONE) {
             printf("bad_work: the decode rank has every transport: no DECODE from a missing "
@@ -475,6 +479,8 @@ bad_work(const struct tmodel *t, struct treq *r)
         m.u.decode.kv[0] = r->loc;
         m.u.decode.kv[0].n_parts = i == 4 ? 2 : r->loc.n_parts;
         m.u.decode.kv[0].transport = i == 5 ? (enum dsv4_transport)lacks : r->loc.transport;
+        if (i == 6)
+            m.u.decode.kv[0].sizes = huge;
         m.u.decode.n_kv = 1;
         send_to(&dec, &m);
         expect_error(&dec, req + 10 + (uint64_t)i, code[i], &released);
