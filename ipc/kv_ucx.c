@@ -428,7 +428,11 @@ ux_peer_get(struct ux *u, const uint8_t *addr, size_t len, const char *owner,
             return DSV4_OK;
         }
     }
-    if ((p = calloc(1, sizeof(*p))) == NULL || (p->addr = malloc(len)) == NULL) {
+    /* UCX parses an address without its length: one cut short on the wire
+     * reads on into zeros here, not past the allocation (every address fits
+     * a handle) */
+    if ((p = calloc(1, sizeof(*p))) == NULL ||
+        (p->addr = calloc(1, DSV4_KVX_MAX_HANDLE)) == NULL) {
         free(p);
         return dsv4_err_set(DSV4_ERR_NOMEM, "kv_ucx: out of memory");
     }
