@@ -43,7 +43,9 @@
  * it go (least recently used beyond cache_bytes or 64 mappings), until a
  * handle with the same owner tag from another exporter process or instance
  * arrives (the old exporter went away: closing its mappings is what frees
- * its memory), or until the transport closes.  Reading a recycled region
+ * its memory), until it has not been used for CIPC_MAP_IDLE_MS (tick: the
+ * exporter may have freed the region, and the open mapping keeps that
+ * memory from it), or until the transport closes.  Reading a recycled region
  * through a kept mapping is safe because the exporter recycles a region only
  * after KV_RELEASE, i.e. once the importer of its previous contents is done.
  * With no cache (cache_bytes < 0, or DSV4_KV_CUDAIPC_CACHE_MIB=0) a release
@@ -75,6 +77,7 @@
 
 #include "common/log.h"
 #include "ipc/kvx_cache.h"
+#include "ipc/zsock.h"   /* dsv4_now_ms */
 
 #define CIPC_MEMH 64                        /* bytes of cudaIpcMemHandle_t */
 #define CIPC_UUID 16                        /* bytes of a device UUID */
@@ -86,6 +89,10 @@
 #define CIPC_MAX_DEV 64                     /* devices of one host we look at */
 #define CIPC_GRAIN (2ull << 20)             /* allocation granularity */
 #define CIPC_MAX_CACHED 64                  /* regions / mappings kept */
+#define CIPC_MAP_IDLE_MS 10000              /* a mapping not used this long is
+                                               closed (the exporter may have
+                                               freed its region) */
+#define CIPC_TICK_MS 1000                   /* expiry looked at this often */
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == CIPC_MEMH, "cudaIpcMemHandle_t is 64 bytes");
 _Static_assert(CIPC_OFF_OWNER + DSV4_KVX_MAX_OWNER - 1 <= DSV4_KVX_MAX_HANDLE,
@@ -102,6 +109,7 @@ struct cipc {
     uint64_t instance;
     struct dsv4_kvx_cache regions;          /* exporter: released regions */
     struct dsv4_kvx_cache maps;             /* importer: open mappings */
+    int64_t next_tick_ms;                   /* cipc_tick: the next look */
 };
 
 /* A parsed handle (cipc_parse). */
@@ -451,6 +459,7 @@ cipc_import_map(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
         log_info("kv_cudaipc: %s restarted (pid %u): closed %d mappings of its predecessor",
                  ph.owner, (unsigned)ph.pid, n);
     if ((hit = dsv4_kvx_cache_find(&c->maps, d->handle, d->handle_len)) != NULL) {
+        hit->used_ms = dsv4_now_ms();
         m->data = hit->data;
         m->size = hit->size;
         m->priv = NULL;
@@ -471,6 +480,7 @@ cipc_import_map(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
     memcpy(ent.owner, ph.owner, sizeof(ent.owner));
     ent.pid = ph.pid;
     ent.instance = ph.instance;
+    ent.used_ms = dsv4_now_ms();
     /* not kept (no memory for the table): unmap closes it */
     if (!dsv4_kvx_cache_add(&c->maps, &ent))
         log_debug("kv_cudaipc: mapping not cached (out of memory)");
@@ -494,6 +504,27 @@ cipc_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m)
         cipc_warn(rc, "unmap: cudaIpcCloseMemHandle");
 }
 
+/* Close the mappings not used for CIPC_MAP_IDLE_MS: an exporter that freed a
+ * region (its cache's eviction, a cancel, its out-of-memory retry) never
+ * sends that handle again, and while the mapping stays open the memory
+ * stays the exporter's loss (see the file comment). */
+static void
+cipc_tick(struct dsv4_kvx *x, int64_t now_ms)
+{
+    struct cipc *c = x->priv;
+    int n;
+
+    if (now_ms < c->next_tick_ms || c->maps.n == 0)
+        return;
+    c->next_tick_ms = now_ms + CIPC_TICK_MS;
+    if (cipc_device(x) != DSV4_OK) {
+        log_warnx("kv_cudaipc_tick: %s", dsv4_errmsg());
+        return;
+    }
+    if ((n = dsv4_kvx_cache_expire(&c->maps, now_ms, CIPC_MAP_IDLE_MS)) > 0)
+        log_debug("kv_cudaipc: closed %d mappings idle for %d ms", n, CIPC_MAP_IDLE_MS);
+}
+
 /* Nothing outlives the exporting process (see the file comment). */
 static int
 cipc_cleanup_stale(struct dsv4_kvx *x)
@@ -511,4 +542,5 @@ const struct dsv4_kvx_ops dsv4_kvx_cudaipc_ops = {
     .init = cipc_init,
     .fini = cipc_fini,
     .recycle_region = cipc_recycle_region,
+    .tick = cipc_tick,
 };

@@ -177,6 +177,22 @@ dsv4_kvx_cache_release(struct dsv4_kvx_cache *c, const void *data)
 }
 
 int
+dsv4_kvx_cache_expire(struct dsv4_kvx_cache *c, int64_t now_ms, int64_t idle_ms)
+{
+    int n = 0;
+
+    for (int i = 0; i < c->n;) {
+        if (c->e[i].refs == 0 && now_ms - c->e[i].used_ms >= idle_ms) {
+            cache_evict(c, i);  /* the last entry moved to i: look at it next */
+            n++;
+        } else {
+            i++;
+        }
+    }
+    return n;
+}
+
+int
 dsv4_kvx_cache_drop_owner(struct dsv4_kvx_cache *c, const char *owner, uint32_t pid,
                           uint64_t instance)
 {

@@ -12,7 +12,9 @@
  *     recycled region costs no cudaIpcOpenMemHandle.  Entries are keyed by
  *     the handle's bytes; those of an exporter instance that went away are
  *     closed when a handle of the same owner tag from another instance
- *     arrives (dsv4_kvx_cache_drop_owner).
+ *     arrives (dsv4_kvx_cache_drop_owner), and those not used for a while
+ *     are closed (dsv4_kvx_cache_expire): the exporter may have freed the
+ *     region, which the open mapping keeps from it.
  *
  * Both are bounded by bytes and entries; the least recently used entry that
  * nobody holds goes first.  The cache calls `destroy` (cudaFree,
@@ -48,6 +50,9 @@ struct dsv4_kvx_centry {
     bool stale;                      /* its exporter went away: destroy when
                                         the last reference goes */
     uint64_t tick;                   /* last use (LRU order) */
+    int64_t used_ms;                 /* importer: when it was last handed out
+                                        (the caller's clock; set it on _add
+                                        and on a _find hit) */
 };
 
 /* A cache: entries, caps, the destroy callback, statistics. */
@@ -111,6 +116,11 @@ int dsv4_kvx_cache_drop_owner(struct dsv4_kvx_cache *c, const char *owner, uint3
 
 /* Destroy least recently used unreferenced entries until the caps hold. */
 void dsv4_kvx_cache_trim(struct dsv4_kvx_cache *c);
+/* Importer: destroy the unreferenced entries not handed out for idle_ms
+ * (now_ms - used_ms >= idle_ms).  An exporter that freed a region never
+ * sends its handle again, and the open mapping would keep the memory from
+ * it until the caps pushed the entry out.  Returns how many went. */
+int dsv4_kvx_cache_expire(struct dsv4_kvx_cache *c, int64_t now_ms, int64_t idle_ms);
 
 #ifdef __cplusplus
 }

@@ -334,6 +334,13 @@ dsv4_kvx_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m)
     memset(m, 0, sizeof(*m));
 }
 
+void
+dsv4_kvx_tick(struct dsv4_kvx *x, int64_t now_ms)
+{
+    if (x->ops->tick != NULL)
+        x->ops->tick(x, now_ms);
+}
+
 int
 dsv4_kvx_cleanup_stale(struct dsv4_kvx *x)
 {

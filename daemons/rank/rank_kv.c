@@ -253,6 +253,9 @@ kv_timers(struct rank *k, int64_t now)
 {
     struct rank_export *x;
 
+    for (int t = 0; t < DSV4_TRANSPORT__COUNT; t++)
+        if (k->kvx[t] != NULL)
+            dsv4_kvx_tick(k->kvx[t], now);
     /* Exports are in creation order: expire from the head. */
     while ((x = TAILQ_FIRST(&k->exports)) != NULL && now - x->t_ms >= k->o.kv_timeout_ms) {
         log_warnx("kv_timers: export unclaimed for %" PRId64 " ms, freed req=%" PRIu64,

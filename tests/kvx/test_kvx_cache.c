@@ -9,8 +9,8 @@
  *     keeps nothing;
  *   - importer: hits by key only, referenced entries are never evicted,
  *     release applies the caps, an owner's other instances are dropped
- *     (stale while referenced, destroyed on their last release), clear
- *     destroys everything;
+ *     (stale while referenced, destroyed on their last release), those
+ *     idle too long are closed, clear destroys everything;
  *   - dsv4_kvx_release on a transport without recycle_region (shm) frees
  *     the region like dsv4_kvx_free.
  */
@@ -271,6 +271,51 @@ test_drop_owner(void **state)
     assert_int_equal(gone[3], 4);
 }
 
+/* Importer: mappings not handed out for the idle time are closed (their
+ * exporter may have freed the region), held ones and recent ones stay, and
+ * a hit makes one recent again. */
+static void
+test_expire(void **state)
+{
+    struct dsv4_kvx_cache c;
+    struct dsv4_kvx_centry e, *hit;
+
+    (void)state;
+    dsv4_kvx_cache_init(&c, 1024 * MIB, 64, record, NULL);
+    for (uintptr_t id = 1; id <= 4; id++) {
+        e = mapping(id, "prefill-0", 100, 7);
+        e.used_ms = 1000 * (int64_t)id;          /* handed out at 1, 2, 3, 4 s */
+        assert_true(dsv4_kvx_cache_add(&c, &e));
+        if (id != 2)
+            assert_true(dsv4_kvx_cache_release(&c, (void *)id));
+    }
+    /* at 11.5 s with 10 s idle: 1 goes; 2 is held; 3 and 4 are recent */
+    assert_int_equal(dsv4_kvx_cache_expire(&c, 11500, 10000), 1);
+    assert_int_equal(n_gone, 1);
+    assert_int_equal(gone[0], 1);
+    /* 3 is handed out again at 12 s (as cipc_import_map stamps a hit) */
+    e = mapping(3, "prefill-0", 100, 7);
+    hit = dsv4_kvx_cache_find(&c, e.key, e.key_len);
+    assert_non_null(hit);
+    hit->used_ms = 12000;
+    assert_true(dsv4_kvx_cache_release(&c, (void *)3));
+    /* at 20 s: 4 goes (4 + 10), 3 stays (12 + 10 > 20), 2 is still held */
+    assert_int_equal(dsv4_kvx_cache_expire(&c, 20000, 10000), 1);
+    assert_int_equal(gone[1], 4);
+    assert_int_equal(c.n, 2);
+    /* released at last, 2 goes at the next look; then 3 at 22 s */
+    assert_true(dsv4_kvx_cache_release(&c, (void *)2));
+    assert_int_equal(dsv4_kvx_cache_expire(&c, 20000, 10000), 1);
+    assert_int_equal(gone[2], 2);
+    assert_int_equal(dsv4_kvx_cache_expire(&c, 21999, 10000), 0);
+    assert_int_equal(dsv4_kvx_cache_expire(&c, 22000, 10000), 1);
+    assert_int_equal(gone[3], 3);
+    assert_int_equal(c.n, 0);
+    assert_int_equal(c.bytes, 0);
+    dsv4_kvx_cache_clear(&c);
+    assert_int_equal(n_gone, 4);
+}
+
 /* shm has no recycle_region: dsv4_kvx_release removes the object. */
 static void
 test_release_shm(void **state)
@@ -305,6 +350,7 @@ main(void)
         cmocka_unit_test_setup(test_put_caps, reset),
         cmocka_unit_test_setup(test_maps_refs_and_lru, reset),
         cmocka_unit_test_setup(test_drop_owner, reset),
+        cmocka_unit_test_setup(test_expire, reset),
         cmocka_unit_test(test_release_shm),
     };
 
