@@ -253,45 +253,69 @@ tmin(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* Ranks alive (`serving`: and taking work, not leaving).  A scheduler that
- * stops while ranks serve on is restarting (systemctl restart dsv4-sched, or
- * a stop that its socket activates again); one whose ranks have all gone
- * stops with the set (the ranks stop first). */
+/* Whether a registered rank takes work (alive, not leaving).  A scheduler
+ * that stops while one does is restarting (systemctl restart dsv4-sched, or
+ * a stop its socket activates again): the set goes on. */
 static bool
-ranks_left(const struct sched *s, bool serving)
+ranks_serving(const struct sched *s)
 {
     const struct sched_rank *k;
 
     TAILQ_FOREACH(k, &s->ranks, entry) {
-        if (k->state != DSV4_RANK_STATE_DEAD && (!serving || !k->leaving))
+        if (k->state != DSV4_RANK_STATE_DEAD && !k->leaving)
             return true;
     }
     return false;
 }
 
-/* SIGTERM: the stop timeout passed, or no rank is left to run what is
- * left.  Every client hears: while ranks serve on, 302 (send it again with
- * resume, docs/protocol.md §4.6: libdsv4client does so on the next
- * scheduler, and the request loses nothing); else 500. */
-static void
-fail_remaining(struct sched *s)
+/* Whether the set stops: no rank takes work and one left on purpose (its
+ * SIGTERM's DRAIN; systemd and dsv4-launch stop the ranks before the
+ * scheduler).  Not so while none has registered yet (a scheduler restarted
+ * twice) or after a crash (the rank comes back). */
+static bool
+set_stopped(const struct sched *s)
 {
-    bool restarting = ranks_left(s, true);
-    uint16_t code = restarting ? DSV4_STATUS_RESTARTING : DSV4_STATUS_INTERNAL;
-    const char *why = restarting ? "scheduler restarting: send it again with resume" :
-        "scheduler stopping, no rank left to run it";
+    const struct sched_rank *k;
+
+    if (ranks_serving(s))
+        return false;
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (k->leaving)
+            return true;
+    }
+    return false;
+}
+
+/* SIGTERM: end the queued requests (`live` too: the stop timeout passed)
+ * with `code`, so every client hears. */
+static void
+fail_left(struct sched *s, bool live, uint16_t code, const char *why)
+{
     struct sched_req *r, *tmp;
-    uint32_t n = s->n_queued + s->n_live;
+    uint32_t n = s->n_queued + (live ? s->n_live : 0);
 
     if (n > 0)
         log_notice("stopping: %u requests left: %u %s", n, code, why);
     TAILQ_FOREACH_SAFE(r, &s->queue, qentry, tmp)
         req_fail(s, r, code, "%s", why);
     TAILQ_FOREACH_SAFE(r, &s->live, qentry, tmp) {
-        if (!r->closing)
+        if (live && !r->closing)
             req_fail(s, r, code, "%s", why);
     }
     client_flush_all(s);
+}
+
+/* SIGTERM's stop timeout passed: while ranks serve on, 302 for what is left
+ * (send it again with resume, docs/protocol.md §4.6: libdsv4client does so
+ * on the next scheduler, and the request loses nothing); else 500. */
+static void
+fail_remaining(struct sched *s)
+{
+    if (ranks_serving(s))
+        fail_left(s, true, DSV4_STATUS_RESTARTING,
+            "scheduler restarting: send it again with resume");
+    else
+        fail_left(s, true, DSV4_STATUS_INTERNAL, "scheduler stopping");
 }
 
 /*
@@ -346,9 +370,14 @@ sched_loop(struct sched *s)
             t = tmin(t, s->watchdog_ms - (now - s->watchdog_last_ms));
         }
         if (s->stopping) {
+            /* the set stops: nothing will run what is queued (running
+             * requests go on on the leaving ranks) */
+            if (s->n_queued > 0 && set_stopped(s))
+                fail_left(s, false, DSV4_STATUS_INTERNAL,
+                    "scheduler stopping, no rank left to run it");
             if (s->n_queued == 0 && s->n_live == 0)
                 break;
-            if (now >= s->stop_deadline_ms || !ranks_left(s, false)) {
+            if (now >= s->stop_deadline_ms) {
                 fail_remaining(s);
                 break;
             }

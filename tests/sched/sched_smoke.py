@@ -31,8 +31,9 @@ output.  Scenarios (one per argument, or all):
   sigterm    SIGTERM with work in flight, the ranks serving on: new requests 301, a
              short stream completes, a long one ends with 302 "scheduler restarting"
              at the stop timeout (stop_timeout_ms = 5000) with f's tokens so far, exit 0
-  sigterm_alone  SIGTERM with a request queued and no rank: 500 "no rank left" at once
-             (stop_timeout_ms = 600000), exit 0
+  sigterm_alone  SIGTERM with a request queued after every rank left (DRAIN): 500 "no
+             rank left" at once (stop_timeout_ms = 600000), exit 0; with no rank ever
+             registered the stop timeout runs (500 "scheduler stopping" after it)
   reload     SIGHUP and dsv4ctl reload: queue_max and max_batch change at once (queued
              requests kept, -o overrides still win), a start-bound key is logged as
              waiting, a file that does not load changes nothing (dsv4ctl: 500, exit 1);
@@ -135,7 +136,8 @@ class FakeRank(threading.Thread):
     def do(self, *acts):
         """Queue actions for the rank's thread: ("broken", epoch) drops the
         streams and reports GROUP_BROKEN, ("late", epoch) only sends the report
-        (one delivered late), ("hb",) sends a HEARTBEAT now."""
+        (one delivered late), ("hb",) sends a HEARTBEAT now, ("leave",) sends
+        DRAIN, as a rank does at its SIGTERM, and ends the rank."""
         with self.lock:
             self.script += list(acts)
 
@@ -159,6 +161,9 @@ class FakeRank(threading.Thread):
                                   "comm_epoch": a[1], "reason": "test: collective failed"})
             elif a[0] == "hb":
                 self.heartbeat(s)
+            elif a[0] == "leave":
+                self.send(s, 13, {})
+                self.stop = True
         while self.held_release and not self.hold_release:
             self.send(s, 8, {"req": self.held_release.pop(0)})
         while self.held and not self.hold_comm:
@@ -1015,9 +1020,13 @@ def t_sigterm(ctx, build, tmp):
 
 def t_sigterm_alone(ctx, build, tmp):
     """SIGTERM with a request queued and no rank left to run it (the set
-    stops: its ranks went first): ERROR 500 "no rank left" at once, not at
-    the stop timeout (10 minutes here), and exit 0."""
-    sc = Sched(build, tmp, ["-o", "stop_timeout_ms=600000"])
+    stops: its ranks left first, each with its DRAIN): ERROR 500 "no rank
+    left" at once, not at the stop timeout (10 minutes here), and exit 0."""
+    sc, pre, dec = setup(ctx, build, tmp, extra=["-o", "stop_timeout_ms=600000"])
+    pre.do(("leave",))
+    dec.do(("leave",))
+    pre.join(10)
+    dec.join(10)
     cl = Client(ctx, sc.ep["client"])
     i = submit(cl, [41, 42], 7, 10)
     end = time.time() + 20
@@ -1029,7 +1038,23 @@ def t_sigterm_alone(ctx, build, tmp):
           "no rank left" in r["final"][1]["message"],
           "a queued request at SIGTERM without ranks: %s" % (r.get("final"),))
     check(sc.p.wait(timeout=30) == 0, "the scheduler did not exit 0")
-    return sc, []
+    # No rank ever registered (a scheduler restarted twice: the ranks have
+    # not come back yet): not the set's stop, so the stop timeout runs
+    sub = os.path.join(tmp, "norank")
+    os.makedirs(sub)
+    sc2 = Sched(build, sub, ["-o", "stop_timeout_ms=1000"])
+    cl2 = Client(ctx, sc2.ep["client"])
+    j = submit(cl2, [41, 42], 7, 10)
+    end = time.time() + 20
+    while time.time() < end and (sc2.ctl("status")[1] or {}).get("n_queued") != 1:
+        time.sleep(0.05)
+    sc2.p.send_signal(signal.SIGTERM)
+    r = cl2.collect([j], timeout=60, seen_ok=True)[j]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 500 and
+          r["final"][1]["message"] == "scheduler stopping",
+          "a queued request at SIGTERM before any rank came: %s" % (r.get("final"),))
+    check(sc2.p.wait(timeout=30) == 0, "the second scheduler did not exit 0")
+    return sc, [pre, dec]
 
 
 def t_reload(ctx, build, tmp):
