@@ -134,6 +134,8 @@ gw_http_status(int code, const char **ocode)
     switch (code) {
     case DSV4_CLIENT_BUSY: *ocode = "overloaded"; return 429;
     case DSV4_CLIENT_DRAINING: *ocode = "draining"; return 503;
+    /* (seen only for a request the client library could not resume) */
+    case DSV4_CLIENT_RESTARTING: *ocode = "scheduler_restarting"; return 503;
     case DSV4_CLIENT_BAD_MESSAGE:
     case DSV4_CLIENT_BAD_ARGUMENT: *ocode = "invalid_request"; return 400;
     case DSV4_CLIENT_TOO_LARGE: *ocode = "context_length_exceeded"; return 400;
