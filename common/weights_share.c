@@ -381,8 +381,18 @@ ws_claim(struct dsv4_wshare_server *s)
         close(c);   /* a live server: stand by */
         return;
     }
-    if (errno != ENOENT && errno != ECONNREFUSED)
+    if (errno == EAGAIN || errno == EINTR)
+        return;     /* a live server with a full backlog, or try again */
+    if (errno != ENOENT && errno != ECONNREFUSED) {
+        /* the path cannot be reached (EACCES, ENOTDIR, ...): neither a live
+         * server nor a stale file, so not claimed; said once, as below,
+         * or the process would say it shares and never serve */
+        if (!s->claim_failed)
+            log_warn("weights share: cannot serve %s: connect (trying again, quietly)",
+                     s->path);
+        s->claim_failed = true;
         return;
+    }
     memset(&sa, 0, sizeof(sa));
     sa.sun_family = AF_UNIX;
     {

@@ -116,8 +116,21 @@ rank_share_begin(struct rank *k, const struct dsv4_config *cfg, const char *sour
             log_info("rank_init: still waiting for the weights lock %s.lock (%d s)", s->path,
                      waited);
     }
-    if (e != DSV4_OK)
-        fatalx("rank_init: %s", dsv4_errmsg());
+    if (e != DSV4_OK) {
+        /* the lock file cannot be opened or locked (a directory in its
+         * place, another user's file): fatal only under yes (exit 6 when
+         * it is the configuration's, a name too long); under auto this
+         * rank keeps its own copy, as for the other share faults above */
+        if (strcmp(k->o.conf.share_weights, "yes") == 0) {
+            if (e == DSV4_ERR_CONFIG)
+                fatalx_conf("rank_init: share_weights = yes: %s", dsv4_errmsg());
+            fatalx("rank_init: share_weights = yes: %s", dsv4_errmsg());
+        }
+        log_warnx("rank_init: weights not shared: %s; this rank keeps its own copy",
+                  dsv4_errmsg());
+        rank_share_free(k);
+        return;
+    }
 
     /* 2. a peer's copy? */
     e = dsv4_wshare_fetch(s->path, SHARE_FETCH_MS, &fd, &hdr);

@@ -9,7 +9,9 @@
  * over from one killed with SIGKILL (a child process) and from one stopped
  * cleanly; a second server standing by; malformed answers (short, bad
  * magic, no descriptor) refused; the start-up lock held by another open
- * file.  Every socket lives in a fresh temporary directory.
+ * file; faults: a lock file that cannot be opened (an error at once), a
+ * socket path connect cannot reach (a warning, once, naming the errno).
+ * Every socket lives in a fresh temporary directory.
  */
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -18,6 +20,7 @@
 #include <sys/wait.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -481,6 +484,85 @@ test_lock(void **state)
     dsv4_wshare_unlock(b);
 }
 
+/* The start-up lock's file cannot be opened (a directory in its place,
+ * which root cannot open for writing either): an error at once, not the
+ * timeout of a held lock, so a rank under share_weights = auto keeps its
+ * own copy (daemons/rank/rank_share.c) instead of waiting or dying. */
+static void
+test_lock_unopenable(void **state)
+{
+    char lock[128];
+    int a = -1;
+
+    (void)state;
+    snprintf(lock, sizeof(lock), "%s.lock", path);
+    assert_int_equal(mkdir(lock, 0700), 0);
+    alarm(WAIT_MS / 1000 / 2);   /* the lock's wait would be a failure */
+    assert_int_equal(dsv4_wshare_lock(path, WAIT_MS, &a), DSV4_ERR_SYS);
+    alarm(0);
+    assert_int_equal(a, -1);
+    if (strstr(dsv4_errmsg(), lock) == NULL)
+        fail_msg("\"%s\" does not name %s", dsv4_errmsg(), lock);
+}
+
+/* The socket path cannot be reached (connect fails with neither ENOENT nor
+ * ECONNREFUSED: here ENOTDIR, its directory being a regular file; EACCES for
+ * a non-root user): the server does not serve and says so once, with the
+ * errno, instead of nothing while the rank logs that it shares. */
+static void
+test_unreachable(void **state)
+{
+    struct dsv4_wshare_server *s;
+    struct dsv4_wshare_hdr h;
+    char file[96], bad[128], log[96], text[4096];
+    int fd, saved, lfd, n;
+    const char *at;
+    ssize_t got;
+
+    (void)state;
+    fd = memfd_create("wshare-faults", MFD_CLOEXEC);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, 4096), 0);
+    snprintf(file, sizeof(file), "%s/a-file", dir);
+    snprintf(bad, sizeof(bad), "%s/sock", file);
+    snprintf(log, sizeof(log), "%s/stderr", dir);
+    lfd = open(file, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    assert_true(lfd >= 0);
+    close(lfd);
+    lfd = open(log, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    assert_true(lfd >= 0);
+
+    /* stderr (the log) into the file for the server's life */
+    fflush(stderr);
+    saved = dup(2);
+    assert_true(saved >= 0);
+    assert_int_equal(dup2(lfd, 2), 2);
+    memset(&h, 0, sizeof(h));
+    h.alloc_bytes = 4096;
+    h.used_bytes = 4096;
+    snprintf(h.owner, sizeof(h.owner), "decode@0");
+    assert_int_equal(dsv4_wshare_serve(&s, bad, fd, &h), DSV4_OK);
+    assert_int_equal(dsv4_wshare_serving(s), 0);
+    usleep(3 * DSV4_WSHARE_POLL_MS * 1000);   /* a few more tries: no more lines */
+    dsv4_wshare_stop(s);
+    fflush(stderr);
+    assert_int_equal(dup2(saved, 2), 2);
+    close(saved);
+
+    got = pread(lfd, text, sizeof(text) - 1, 0);
+    close(lfd);
+    close(fd);
+    assert_true(got >= 0);
+    text[got] = '\0';
+    if (strstr(text, bad) == NULL || strstr(text, "connect") == NULL ||
+        strstr(text, strerror(ENOTDIR)) == NULL)
+        fail_msg("no warning naming %s, connect and \"%s\" in: \"%s\"", bad, strerror(ENOTDIR),
+                 text);
+    for (n = 0, at = text; (at = strstr(at, "cannot serve")) != NULL; at++)
+        n++;
+    assert_int_equal(n, 1);
+}
+
 int
 main(void)
 {
@@ -495,6 +577,8 @@ main(void)
         cmocka_unit_test_setup_teardown(test_frozen_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lock, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_lock_unopenable, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unreachable, setup, teardown),
     };
 
     signal(SIGPIPE, SIG_IGN);
