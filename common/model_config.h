@@ -100,7 +100,8 @@ struct dsv4_config {
     int32_t weight_block[2];      /* [128, 128] */
 };
 
-/* Parse `path` (a config.json).  On failure returns DSV4_ERR_CONFIG (or
+/* Parse `path` (a config.json, a regular file: a FIFO or a directory is
+ * refused at once, DSV4_ERR_CONFIG).  On failure returns DSV4_ERR_CONFIG (or
  * DSV4_ERR_SYS if unreadable) with a message naming file and field. */
 enum dsv4_err dsv4_config_load(struct dsv4_config *cfg, const char *path);
 

@@ -105,6 +105,41 @@ cmp_name(const void *a, const void *b)
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
+/* --- opening ------------------------------------------------------------ */
+
+/*
+ * Open `path` for reading into *fd, only if it is a regular file (*st its
+ * fstat): opened with O_NONBLOCK, so a FIFO (or a device) in place of a
+ * checkpoint file is refused at once instead of blocking the load until a
+ * writer comes; O_NONBLOCK is then cleared.  DSV4_OK, or the error set
+ * naming the file (DSV4_ERR_SYS for open/fstat, DSV4_ERR_WEIGHTS for not a
+ * regular file) with *fd = -1.
+ */
+static enum dsv4_err
+open_regular(const char *path, int *fd, struct stat *st)
+{
+    enum dsv4_err err;
+    int fl;
+
+    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (*fd < 0)
+        return dsv4_err_set(DSV4_ERR_SYS, "%s: open: %s", path, strerror(errno));
+    if (fstat(*fd, st) != 0)
+        err = dsv4_err_set(DSV4_ERR_SYS, "%s: fstat: %s", path, strerror(errno));
+    else if (!S_ISREG(st->st_mode))
+        err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: not a regular file (%s)", path,
+                           S_ISFIFO(st->st_mode) ? "a FIFO" :
+                           S_ISDIR(st->st_mode) ? "a directory" :
+                           S_ISSOCK(st->st_mode) ? "a socket" : "a device");
+    else if ((fl = fcntl(*fd, F_GETFL)) < 0 || fcntl(*fd, F_SETFL, fl & ~O_NONBLOCK) != 0)
+        err = dsv4_err_set(DSV4_ERR_SYS, "%s: fcntl: %s", path, strerror(errno));
+    else
+        return DSV4_OK;
+    close(*fd);
+    *fd = -1;
+    return err;
+}
+
 /* --- a single file ------------------------------------------------------ */
 
 struct dsv4_st_file {
@@ -227,7 +262,11 @@ st_parse_entry(struct dsv4_st_file *f, int i, const char *name, struct json_obje
         return dsv4_err_set(DSV4_ERR_WEIGHTS,
                             "%s: tensor '%s': data_offsets must be [begin, end] integers",
                             f->path, name);
-    if (b > en || en > f->data_len)
+    if (b > en)
+        return dsv4_err_set(DSV4_ERR_WEIGHTS,
+                            "%s: tensor '%s': data_offsets [%llu, %llu]: begin > end", f->path,
+                            name, (unsigned long long)b, (unsigned long long)en);
+    if (en > f->data_len)
         return dsv4_err_set(DSV4_ERR_WEIGHTS,
                             "%s: tensor '%s': data_offsets [%llu, %llu] outside the data area "
                             "(%zu bytes)", f->path, name, (unsigned long long)b,
@@ -353,20 +392,11 @@ dsv4_st_open(struct dsv4_st_file **out, const char *path)
         free(f);
         return dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", path);
     }
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        err = dsv4_err_set(DSV4_ERR_SYS, "%s: open: %s", path, strerror(errno));
+    if ((err = open_regular(path, &fd, &st)) != DSV4_OK)
         goto fail;
-    }
-    if (fstat(fd, &st) != 0) {
-        err = dsv4_err_set(DSV4_ERR_SYS, "%s: fstat: %s", path, strerror(errno));
-        close(fd);
-        goto fail;
-    }
-    if (!S_ISREG(st.st_mode) || st.st_size < 8) {
-        err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: %s", path,
-                           S_ISREG(st.st_mode) ? "file shorter than the 8-byte header length"
-                                               : "not a regular file");
+    if (st.st_size < 8) {
+        err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: file shorter than the 8-byte header length",
+                           path);
         close(fd);
         goto fail;
     }
@@ -471,17 +501,17 @@ static enum dsv4_err
 read_small_file(const char *path, char **buf, size_t *len)
 {
     struct stat st;
+    enum dsv4_err err;
     size_t got = 0;
     int fd;
 
     *buf = NULL;
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return dsv4_err_set(DSV4_ERR_SYS, "%s: open: %s", path, strerror(errno));
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size > ST_MAX_JSON) {
+    if ((err = open_regular(path, &fd, &st)) != DSV4_OK)
+        return err;
+    if ((uint64_t)st.st_size > ST_MAX_JSON) {
         close(fd);
-        return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: not a regular file of at most %u bytes",
-                            path, ST_MAX_JSON);
+        return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: %lld bytes, more than the %u accepted",
+                            path, (long long)st.st_size, ST_MAX_JSON);
     }
     *buf = malloc((size_t)st.st_size + 1);
     if (*buf == NULL) {
@@ -517,19 +547,20 @@ shard_name_ok(const char *s)
            strcmp(s, "..") != 0;
 }
 
-/* Index of s in names[0..n), or -1; *hint (the last answer) is tried
- * first: an index lists its tensors shard by shard, so consecutive
- * entries mostly name the same shard. */
+/* Index of s in the sorted names[0..n), or -1; *hint (the last answer)
+ * is tried first: an index lists its tensors shard by shard, so
+ * consecutive entries mostly name the same shard. */
 static int
 file_index(const char *const *names, int n, const char *s, int *hint)
 {
+    const char *const *hit;
+
     if (*hint >= 0 && *hint < n && strcmp(names[*hint], s) == 0)
         return *hint;
-    for (int i = 0; i < n; i++) {
-        if (strcmp(names[i], s) == 0)
-            return *hint = i;
-    }
-    return -1;
+    hit = bsearch(&s, names, (size_t)n, sizeof(*names), cmp_name);
+    if (hit == NULL)
+        return -1;
+    return *hint = (int)(hit - names);
 }
 
 /* Build c->all and c->sorted from the open files. */
@@ -681,9 +712,12 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
         goto out;
     }
 
-    /* Distinct shard names, sorted: that is the shard order.  Counted in
-     * nf: c->n_files counts opened files only (dsv4_ckpt_close reads
-     * c->files[0 .. n_files), so it stays 0 until c->files exists). */
+    /* Distinct shard names, sorted: that is the shard order.  Every entry's
+     * name is collected (consecutive repeats skipped), then sorted and
+     * deduplicated: n log n in the entries, whatever the number of
+     * distinct shards.  Counted in nf: c->n_files counts opened files only
+     * (dsv4_ckpt_close reads c->files[0 .. n_files), so it stays 0 until
+     * c->files exists). */
     json_object_object_foreach(wm, name, sv) {
         const char *s;
 
@@ -694,10 +728,19 @@ ckpt_open_index(struct dsv4_ckpt *c, const char *dir, const char *ipath)
                                ipath, name);
             goto out;
         }
-        if (file_index(shards, nf, s, &hint) < 0)
+        if (nf == 0 || strcmp(shards[nf - 1], s) != 0)
             shards[nf++] = s;
     }
     qsort(shards, (size_t)nf, sizeof(*shards), cmp_name);
+    {
+        int m = 0;
+
+        for (int i = 0; i < nf; i++) {
+            if (m == 0 || strcmp(shards[m - 1], shards[i]) != 0)
+                shards[m++] = shards[i];
+        }
+        nf = m;
+    }
     c->files = calloc((size_t)nf + 1, sizeof(*c->files));
     if (c->files == NULL) {
         err = dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", ipath);

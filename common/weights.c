@@ -54,6 +54,26 @@ fmt_shape(char *buf, size_t len, int n_dims, const int64_t *shape)
         snprintf(buf + o, len - o, "]");
 }
 
+/* Whether a file of the checkpoint (one that holds a tensor) is named
+ * `base` (a base name). */
+static int
+ckpt_has_file(const struct dsv4_ckpt *ck, const char *base)
+{
+    const char *prev = NULL;
+
+    for (int i = 0; i < dsv4_ckpt_count(ck); i++) {
+        const char *f = dsv4_ckpt_at(ck, i)->file, *b;
+
+        if (f == prev)   /* the tensors come file by file */
+            continue;
+        prev = f;
+        b = strrchr(f, '/');
+        if (strcmp(b != NULL ? b + 1 : f, base) == 0)
+            return 1;
+    }
+    return 0;
+}
+
 /* One inventory entry against what the checkpoint holds; the I64 tensors
  * (the hash layers' tid2eid) must hold expert ids below n_experts. */
 static enum dsv4_err
@@ -67,10 +87,17 @@ check_tensor(const struct dsv4_ckpt *ck, const struct dsv4_tensor_spec *s, const
     if (t == NULL) {
         char shard[64];
 
+        /* the official layout's shard is named as a file only when the
+         * checkpoint has that file (a single model.safetensors, or shards
+         * of other names, do not) */
         dsv4_shard_name(shard, sizeof(shard), s->shard, n_shards);
         fmt_shape(want, sizeof(want), s->n_dims, s->shape);
-        return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s/%s: tensor '%s': missing (expected %s %s)",
-                            dir, shard, s->name, dsv4_st_dtype_name(s->dtype), want);
+        if (ckpt_has_file(ck, shard))
+            return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s/%s: tensor '%s': missing (expected %s %s)",
+                                dir, shard, s->name, dsv4_st_dtype_name(s->dtype), want);
+        return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': missing (expected %s %s; "
+                            "shard %d of %d in the official layout)", dir, s->name,
+                            dsv4_st_dtype_name(s->dtype), want, s->shard, n_shards);
     }
     if (t->dtype != s->dtype)
         return dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: tensor '%s': dtype %s, expected %s", t->file,

@@ -820,11 +820,58 @@ rank_backend_fault(const struct rank_opts *o)
     return NULL;
 }
 
+/* The group's split: the group_split key (dsv4_group_split_resolve: auto
+ * is tp with the CUDA fast kernels, `fast`, else ep); DSV4_GROUP_SPLIT=ep /
+ * tp / auto wins.  The start (rank_group_split) and -n both ask it. */
+static enum dsv4_err
+rank_split_resolve(const struct rank_opts *o, int fast, enum dsv4_group_split *split)
+{
+    const char *v = getenv("DSV4_GROUP_SPLIT");
+
+    *split = DSV4_GROUP_SPLIT_EP;
+    if (v == NULL || *v == '\0')
+        v = o->conf.group_split;
+    return dsv4_group_split_resolve(v, fast, split);
+}
+
+/* -n: the group's split as the start resolves it (rank_group_split) without
+ * a backend: with the cuda backend the fast kernels are on when
+ * DSV4_CUDA_KERNELS is fast or, unset, cuda_kernels is (rank_init_model);
+ * then whether cfg divides over the group as the start's shard of the
+ * weights needs (dsv4_shard_check).  Prints the split of a group of more
+ * than one rank; exits DSV4_EXIT_CONFIG with the start's message on a
+ * fault. */
+static void
+rank_check_group(const struct rank_opts *o, const struct dsv4_config *cfg)
+{
+    const char *role = dsv4_role_name(RANK_ROLE);
+    const char *kern = getenv("DSV4_CUDA_KERNELS");
+    enum dsv4_group_split split;
+    int fast;
+
+    fast = strcmp(o->conf.backend, "cuda") == 0 &&
+           strcmp(kern != NULL ? kern : o->conf.cuda_kernels, "fast") == 0;
+    if (rank_split_resolve(o, fast, &split) != DSV4_OK) {
+        fprintf(stderr, "dsv4-%s: %s\n", role, dsv4_errmsg());
+        exit(DSV4_EXIT_CONFIG);
+    }
+    if (dsv4_shard_check(cfg, (int)o->group_size, split) != DSV4_OK) {
+        fprintf(stderr, "dsv4-%s: rank %d of a group of %d: %s\n", role, (int)o->group_rank,
+                (int)o->group_size, dsv4_errmsg());
+        exit(DSV4_EXIT_CONFIG);
+    }
+    if (o->group_size > 1)
+        printf("group of %u, split %s\n", (unsigned)o->group_size,
+               dsv4_group_split_name(split));
+}
+
 /* -n: what the start would refuse, found without a device or a connection:
  * the scheduler endpoint's form and CURVE key (dsv4_zsock_check), and the
  * weights' source: the checkpoint (config.json and every tensor, mapped and
  * checked as at start, then unmapped) or the synthetic model's
- * configuration.  One line each on stdout; exits DSV4_EXIT_CONFIG on the first
+ * configuration, and the group's split of that model (rank_check_group).
+ * No device is opened: `gpu` past the host's devices is found at start
+ * only.  One line each on stdout; exits DSV4_EXIT_CONFIG on the first
  * fault. */
 static void
 rank_check(const struct rank_opts *o)
@@ -856,6 +903,7 @@ rank_check(const struct rank_opts *o)
         }
         printf("synthetic weights, seed %" PRIu64 ": %d layers\n", o->synth_seed,
                (int)cfg.num_hidden_layers);
+        rank_check_group(o, &cfg);
         return;
     }
     if (dsv4_weights_load(&w, o->conf.checkpoint) != DSV4_OK) {
@@ -864,7 +912,9 @@ rank_check(const struct rank_opts *o)
         exit(DSV4_EXIT_CONFIG);
     }
     printf("checkpoint %s: %d layers (MTP included)\n", o->conf.checkpoint, w.n_layers);
+    cfg = w.cfg;
     dsv4_weights_free(&w);
+    rank_check_group(o, &cfg);
 }
 
 /* Options over the configuration file over the defaults.  Returns true for
@@ -1078,24 +1128,20 @@ rank_weights_progress(void *ctx, uint64_t done, uint64_t total)
 }
 #endif
 
-/* The group's split: the group_split key (dsv4_group_split_resolve: auto
- * is tp with the CUDA fast kernels, else ep); DSV4_GROUP_SPLIT=ep / tp /
- * auto wins. */
+/* The group's split (rank_split_resolve), with the fast kernels as the
+ * backend has them. */
 static enum dsv4_group_split
 rank_group_split(struct rank *k, bool cuda)
 {
-    const char *v = getenv("DSV4_GROUP_SPLIT");
-    enum dsv4_group_split split = DSV4_GROUP_SPLIT_EP;
+    enum dsv4_group_split split;
     int fast = 0;
 
-    if (v == NULL || *v == '\0')
-        v = k->o.conf.group_split;
 #ifdef DSV4_HAVE_CUDA
     fast = cuda && dsv4_cuda_get_kernels(k->be);
 #else
     (void)cuda;
 #endif
-    if (dsv4_group_split_resolve(v, fast, &split) != DSV4_OK)
+    if (rank_split_resolve(&k->o, fast, &split) != DSV4_OK)
         fatalx_conf("rank_init: %s", dsv4_errmsg());
     return split;
 }

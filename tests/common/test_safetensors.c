@@ -3,7 +3,9 @@
  * checkpoints through model.safetensors.index.json, and hostile files: every
  * malformed file must give DSV4_ERR_WEIGHTS (or SYS for an unopenable file)
  * with a message naming the file and, where there is one, the tensor; random
- * header corruption must never crash (run under ASan/UBSan).
+ * header corruption must never crash (run under ASan/UBSan).  A FIFO in
+ * place of a file is refused at once; an index naming thousands of shards
+ * reports the first missing one.
  */
 #include <errno.h>
 #include <ftw.h>
@@ -400,7 +402,10 @@ test_bad_headers(void **state)
         { "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}", 16,
           "'a'", "outside" },
         /* begin > end */
-        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,4]}}", 16, "'a'", "outside" },
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,4]}}", 16, "'a'",
+          "[8, 4]: begin > end" },
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[114688,16384]}}", 16,
+          "'a'", "begin > end" },
         /* dtype / shape size mismatch */
         { "{\"a\":{\"dtype\":\"BF16\",\"shape\":[3,2],\"data_offsets\":[0,8]}}", 8, "'a'", "span" },
         /* overflowing shape product */
@@ -690,6 +695,113 @@ test_ckpt_bad_index(void **state)
     }
 }
 
+/* A checkpoint made in `dir` (make_ckpt) whose file `name` is replaced by a
+ * FIFO (or, `as_dir`, a directory): opening it fails at once naming the
+ * file, "not a regular file" and `kind`. */
+static void
+not_regular_in(const char *where, const char *name, int as_dir, const char *kind)
+{
+    char dir[512], p[1100];
+
+    snprintf(dir, sizeof(dir), "%s", where);
+    make_ckpt(dir, "", 0);
+    snprintf(p, sizeof(p), "%s/%s", dir, name);
+    assert_int_equal(unlink(p), 0);
+    assert_int_equal(as_dir ? mkdir(p, 0755) : mkfifo(p, 0600), 0);
+    expect_ckpt_fail(dir, p, "not a regular file", kind, NULL);
+}
+
+/* A FIFO in place of a file (a shard, the index, model.safetensors): refused
+ * at once as not a regular file, never waited on (an open of a FIFO blocks
+ * until a writer comes; the alarm turns such a hang into a failure). */
+static void
+test_not_regular(void **state)
+{
+    char dir[512], p[1100];
+
+    (void)state;
+    alarm(30);
+    snprintf(p, sizeof(p), "%s", tpath("fifo.safetensors"));
+    assert_int_equal(mkfifo(p, 0600), 0);
+    expect_open_fail(p, DSV4_ERR_WEIGHTS, p, "not a regular file", "FIFO", NULL);
+
+    not_regular_in(tpath("ck-fifo-shard"), "model-00002-of-00002.safetensors", 0, "FIFO");
+    not_regular_in(tpath("ck-fifo-index"), "model.safetensors.index.json", 0, "FIFO");
+    /* the single-file layout */
+    snprintf(dir, sizeof(dir), "%s", tpath("ck-fifo-single"));
+    assert_int_equal(mkdir(dir, 0755), 0);
+    snprintf(p, sizeof(p), "%s/model.safetensors", dir);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    expect_ckpt_fail(dir, p, "not a regular file", "FIFO", NULL);
+    /* and a directory in place of the index */
+    not_regular_in(tpath("ck-dir-index"), "model.safetensors.index.json", 1, "directory");
+    alarm(0);
+}
+
+/* Many distinct shard names, each listed several times and not one after
+ * the other (the shards are the sorted, deduplicated names): the first
+ * missing shard in that order is the one reported.  And a good checkpoint
+ * whose index lists its two shards' tensors alternately. */
+static void
+test_ckpt_many_shards(void **state)
+{
+    enum { NS = 3000, REP = 3 };
+    char dir[512], p[1100], *idx;
+    size_t cap = (size_t)NS * REP * 64 + 64, o = 0;
+    struct dsv4_ckpt *c;
+
+    (void)state;
+    snprintf(dir, sizeof(dir), "%s", tpath("ck-many"));
+    assert_int_equal(mkdir(dir, 0755), 0);
+    idx = malloc(cap);
+    assert_non_null(idx);
+    o += (size_t)snprintf(idx, cap, "{\"weight_map\":{");
+    for (int r = 0; r < REP; r++) {
+        for (int k = NS - 1; k >= 0; k--)   /* k = 0 first in sorted order, listed last */
+            o += (size_t)snprintf(idx + o, cap - o, "%s\"t%d.%d\":\"s%05d.safetensors\"",
+                                  o > 15 ? "," : "", r, k, k);
+    }
+    snprintf(idx + o, cap - o, "}}");
+    snprintf(p, sizeof(p), "%s/model.safetensors.index.json", dir);
+    write_text(p, idx);
+    free(idx);
+    /* shards 0 and 1 exist (their contents are not checked before every
+     * shard opened); 2 is the first missing */
+    for (int k = 0; k < 2; k++) {
+        snprintf(p, sizeof(p), "%s/s%05d.safetensors", dir, k);
+        write_sample(p, "", 7);
+    }
+    snprintf(p, sizeof(p), "%s/s00002.safetensors", dir);
+    expect_ckpt_fail(dir, p, "open", "model.safetensors.index.json", NULL);
+    assert_null(strstr(dsv4_errmsg(), "s00003"));
+
+    /* alternating a., b., a., ...: opens, in shard order */
+    snprintf(dir, sizeof(dir), "%s", tpath("ck-alt"));
+    make_ckpt(dir, "", 0);
+    {
+        char text[4096];
+        size_t n = 0;
+
+        n += (size_t)snprintf(text, sizeof(text), "{\"weight_map\":{");
+        for (int i = 0; i < NT; i++) {
+            for (int sh = 0; sh < 2; sh++)
+                n += (size_t)snprintf(text + n, sizeof(text) - n,
+                                      "%s\"%s.%s\":\"model-0000%d-of-00002.safetensors\"",
+                                      n > 15 ? "," : "", sh == 0 ? "a" : "b", s_names[i],
+                                      sh + 1);
+        }
+        snprintf(text + n, sizeof(text) - n, "}}");
+        snprintf(p, sizeof(p), "%s/model.safetensors.index.json", dir);
+        write_text(p, text);
+    }
+    if (dsv4_ckpt_open(&c, dir) != DSV4_OK)
+        fail_msg("%s", dsv4_errmsg());
+    assert_int_equal(dsv4_ckpt_count(c), 2 * NT);
+    assert_string_equal(dsv4_ckpt_at(c, 0)->name, "a.w.weight");
+    assert_string_equal(dsv4_ckpt_at(c, NT)->name, "b.w.weight");
+    dsv4_ckpt_close(c);
+}
+
 int
 main(void)
 {
@@ -707,6 +819,8 @@ main(void)
         cmocka_unit_test(test_ckpt_good),
         cmocka_unit_test(test_ckpt_single_file),
         cmocka_unit_test(test_ckpt_bad_index),
+        cmocka_unit_test(test_not_regular),
+        cmocka_unit_test(test_ckpt_many_shards),
     };
 
     return cmocka_run_group_tests_name("safetensors", tests, setup, teardown);

@@ -2,8 +2,10 @@
  * test_weights.c — dsv4_weights_load on a checkpoint written by dsv4-mkmodel
  * (path given as argv[1]; `--preset tiny`), and on copies of it broken in one
  * way each: wrong dtype, wrong shape, missing tensor, unexpected tensor, NaN
- * E8M0 scale, truncated shard, bad config.json.  Each must fail with a
- * message naming the file and the tensor.  The good checkpoint's views are
+ * E8M0 scale, truncated shard, bad config.json, a FIFO for config.json, a
+ * single-file checkpoint missing a tensor.  Each must fail with a message
+ * naming the file (or, for a missing tensor, the file the checkpoint has or
+ * its directory) and the tensor.  The good checkpoint's views are
  * checked against the reader and against dimensions derived from the config.
  * The model fingerprint (dsv4_ckpt_fingerprint): equal for the same
  * checkpoint, different for another seed's and for synthetic weights; of
@@ -598,6 +600,90 @@ test_missing(void **state)
                 NULL);
 }
 
+/* The single-file layout (model.safetensors, no index) missing a tensor: the
+ * message names the directory and the tensor, and the official layout's
+ * shard only as such, never as a file of this checkpoint (it has none of
+ * that name). */
+static void
+test_missing_single_file(void **state)
+{
+    static const char *const gone = "layers.1.attn.q_norm.weight";
+    char p[1024], want[64];
+    struct dsv4_ckpt *c;
+    struct dirent **ents;
+    const char *dir;
+    int n, m = 0;
+
+    (void)state;
+    dir = clone("single");
+    assert_int_equal(dsv4_ckpt_open(&c, good), DSV4_OK);
+    n = dsv4_ckpt_count(c);
+    {
+        const char *names[n + 1];
+        enum dsv4_st_dtype dt[n + 1];
+        int nd[n + 1];
+        int64_t sh[n + 1][DSV4_ST_MAX_DIMS];
+        const struct dsv4_st_tensor *src[n + 1];
+        struct dsv4_st_writer *w;
+
+        for (int i = 0; i < n; i++) {
+            const struct dsv4_st_tensor *t = dsv4_ckpt_at(c, i);
+
+            if (strcmp(t->name, gone) == 0)
+                continue;
+            names[m] = t->name;
+            dt[m] = t->dtype;
+            nd[m] = t->n_dims;
+            memcpy(sh[m], t->shape, sizeof(sh[m]));
+            src[m] = t;
+            m++;
+        }
+        assert_int_equal(m, n - 1);
+        snprintf(p, sizeof(p), "%s/model.safetensors", dir);
+        assert_int_equal(dsv4_st_writer_open(&w, p, m, names, dt, nd,
+                                             (const int64_t (*)[DSV4_ST_MAX_DIMS])sh), DSV4_OK);
+        for (int i = 0; i < m; i++)
+            assert_int_equal(dsv4_st_writer_put(w, src[i]->data, src[i]->n_bytes), DSV4_OK);
+        assert_int_equal(dsv4_st_writer_close(w), DSV4_OK);
+    }
+    dsv4_ckpt_close(c);
+    /* only config.json and model.safetensors are left */
+    n = scandir(dir, &ents, NULL, alphasort);
+    assert_true(n > 0);
+    for (int i = 0; i < n; i++) {
+        if (strncmp(ents[i]->d_name, "model-", 6) == 0 ||
+            strcmp(ents[i]->d_name, "model.safetensors.index.json") == 0) {
+            snprintf(p, sizeof(p), "%s/%s", dir, ents[i]->d_name);
+            assert_int_equal(unlink(p), 0);
+        }
+        free(ents[i]);
+    }
+    free(ents);
+    snprintf(want, sizeof(want), "'%s'", gone);
+    expect_fail(dir, DSV4_ERR_WEIGHTS, dir, want, "missing", "official layout", NULL);
+    if (strstr(dsv4_errmsg(), "model-0") != NULL)
+        fail_msg("message \"%s\" names a shard file the checkpoint does not have",
+                 dsv4_errmsg());
+}
+
+/* A FIFO in place of config.json: refused as not a regular file at once, not
+ * waited on for a writer (the alarm turns a hang into a failure). */
+static void
+test_config_fifo(void **state)
+{
+    char p[1024];
+    const char *dir;
+
+    (void)state;
+    dir = clone("cfgfifo");
+    snprintf(p, sizeof(p), "%s/config.json", dir);
+    assert_int_equal(unlink(p), 0);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    alarm(30);
+    expect_fail(dir, DSV4_ERR_CONFIG, "config.json", "not a regular file", "FIFO", NULL);
+    alarm(0);
+}
+
 static void
 test_unexpected(void **state)
 {
@@ -707,6 +793,8 @@ main(int argc, char **argv)
         cmocka_unit_test(test_wrong_dtype),
         cmocka_unit_test(test_wrong_shape),
         cmocka_unit_test(test_missing),
+        cmocka_unit_test(test_missing_single_file),
+        cmocka_unit_test(test_config_fifo),
         cmocka_unit_test(test_unexpected),
         cmocka_unit_test(test_nan_scale),
         cmocka_unit_test(test_bad_expert_id),

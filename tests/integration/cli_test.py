@@ -54,6 +54,7 @@ DAEMONS = ("dsv4-sched", "dsv4-prefill", "dsv4-decode", "dsv4-gateway", "dsv4-la
 ODD_VALUES = ["", "-1", "0", "abc", "99999999999999999999", "nan", "x" * 5000, None]
 SANITIZER = re.compile(r"Sanitizer|runtime error:")
 RUN_TIMEOUT_S = 60
+FIFO_TIMEOUT_S = 20     # a checkpoint with a FIFO: an answer at once, not a hang
 
 
 def log(*a):
@@ -148,6 +149,31 @@ def sweep(name, path, case):
          ", ".join("%d: %d" % kv for kv in sorted(codes.items()))))
 
 
+def fifo_checkpoints(conf, tmp):
+    """Copies of the configuration's checkpoint (links to its files) with a
+    FIFO in place of a shard, of the index, of config.json: [(dir, fifo)]."""
+    src = None
+    with open(conf) as f:
+        for line in f:
+            k, _, v = line.partition("=")
+            if k.strip() == "checkpoint":
+                src = v.strip()
+    names = sorted(os.listdir(src))
+    shard = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")][0]
+    out = []
+    for sub, victim in (("fifo-shard", shard), ("fifo-index", "model.safetensors.index.json"),
+                        ("fifo-config", "config.json")):
+        d = os.path.join(tmp, sub)
+        os.mkdir(d)
+        for n in names:
+            if n == victim:
+                os.mkfifo(os.path.join(d, n))
+            else:
+                os.symlink(os.path.join(src, n), os.path.join(d, n))
+        out.append((d, os.path.join(d, victim)))
+    return out
+
+
 def checks(paths, conf, tmp):
     """The daemons' -n finds what their start would refuse (docs/operations.md):
     exit status and message for each case."""
@@ -177,9 +203,21 @@ def checks(paths, conf, tmp):
         # a handoff carries at most 16 parts of the decode state
         ([paths["dsv4-prefill"], "-n", "-f", conf, "-o", "group_size=17"], 6,
          r"group_size 17; 1\.\.16 supported for prefill groups"),
+        # a group the model does not divide (the tiny model: 4 heads, 2
+        # output groups, 8 experts), as the start's shard of the weights
+        ([dec, "-n", "-f", conf, "-o", "group_size=3"], 6,
+         r"rank 0 of a group of 3: shard: 3 ranks do not divide the heads"),
+        ([dec, "-n", "-f", conf, "-o", "group_size=2"], 0,
+         r"group of 2, split ep\nconfiguration OK"),
     ]
+    # a FIFO in place of a shard, the index or config.json: refused at once
+    # as not a regular file (it blocked the load for ever)
+    for d, fifo in fifo_checkpoints(conf, tmp):
+        cases.append(([dec, "-n", "-f", conf, "--checkpoint", d], 6,
+                      re.escape(fifo) + r": not a regular file \(a FIFO\)"))
     for argv, want, pat in cases:
-        rc, out, err = run(argv, cwd=tmp)
+        rc, out, err = run(argv, cwd=tmp, timeout=FIFO_TIMEOUT_S if "fifo-" in " ".join(argv)
+                           else RUN_TIMEOUT_S)
         check(rc == want and re.search(pat, out + err),
               "%s: exit %d (want %d), /%s/ %s in:\n%s%s" %
               (short(argv), rc, want, pat, "found" if re.search(pat, out + err) else
@@ -195,6 +233,7 @@ def checks(paths, conf, tmp):
         ([sched, "-f", conf, "-o", "bogus=1"], r"unknown key"),
         ([dec, "-f", conf, "--checkpoint", tmp + "/nothing"], r"weights .*nothing"),
         ([dec, "-f", conf, "-o", "mtp=yes", "--slots", "1024"], r"1\.\.512 supported"),
+        ([dec, "-f", conf, "-o", "group_size=3"], r"3 ranks do not divide the heads"),
         ([dec, "-f", conf, "-o", "backend=cpu", "--synthetic-weights", "1", "--preset",
           "tiny"], r"--synthetic-weights needs the cuda backend"),
         ([gw, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
