@@ -182,24 +182,42 @@ copy_stops(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate 
  * follow, and only those go to the client.  A resume that already meets a
  * stop condition ends at once (its DONE was what got lost).
  */
+/* The offset in r's text after the first `got` bytes a client received:
+ * TOKENS drop the text's NUL bytes (send_tokens), so a client's count has
+ * none of them.  Past the text (a client ahead by part of a token, or
+ * wrong) it goes on one for one. */
+static size_t
+text_offset(const struct sched_req *r, uint64_t got)
+{
+    size_t i = 0;
+
+    for (; i < r->text.len && got > 0; i++) {
+        if (r->text.s[i] != '\0')
+            got--;
+    }
+    return got > SIZE_MAX - i ? SIZE_MAX : i + (size_t)got;
+}
+
 static void
 resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
 {
-    uint64_t text = g->has_resume_text ? g->resume_text : 0;
+    uint64_t got = g->has_resume_text ? g->resume_text : 0;
+    size_t text;
 
     for (uint32_t i = 0; i < g->n_resume && !r->closing; i++)
         (void)req_emit(s, r, g->resume[i], false, 0.0f);
     s->m.tokens_out -= r->n_out;    /* counted by the scheduler that made them */
     r->n_sent = r->n_out;
+    text = text_offset(r, got);
     log_notice("client: req=%llu id=%llu resumes after %u tokens and %llu bytes of text",
         (unsigned long long)r->req, (unsigned long long)r->id, r->n_out,
-        (unsigned long long)text);
+        (unsigned long long)got);
     /* The text sent can run ahead of the tokens sent by part of the token
      * held back with it (client_flush), never by more than a token's text. */
     if (text > r->text_safe + SCHED_RESUME_TEXT_AHEAD) {
         r->text_sent = r->text_safe;
         req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text (%llu bytes) is past the text "
-            "of the resumed tokens (%zu bytes)", (unsigned long long)text, r->text_safe);
+            "of the resumed tokens (%zu bytes)", (unsigned long long)got, r->text_safe);
         return;
     }
     /* A client only ever got whole characters: a count inside one would
@@ -207,10 +225,10 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
     if (text < r->text.len && ((unsigned char)r->text.s[text] & 0xC0) == 0x80) {
         r->text_sent = r->text_safe;
         req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text (%llu bytes) ends inside a "
-            "character of the resumed tokens' text", (unsigned long long)text);
+            "character of the resumed tokens' text", (unsigned long long)got);
         return;
     }
-    r->text_sent = (size_t)text;
+    r->text_sent = text;
 }
 
 /* Validate, tokenize and queue one GENERATE; refusals answer ERROR at once. */

@@ -804,6 +804,35 @@ def t_resume(ctx, build, tmp):
               (k, r["tokens"], toks[k:]))
         check(r["text"].encode() == text[tl:], "resume at %d: text %r != %r" %
               (k, r["text"], text[tl:]))
+    # A token whose text is a NUL byte (id 0 of the tiny tokenizer, forced as
+    # the fake's third token): the wire's text drops it, so a client's
+    # resume_text does not count it; every resume after it goes on with
+    # the same text, no byte twice and none refused.
+    seed0 = 4242
+    PSUM.override[(seed0, 2)] = 0
+    i = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed0)
+    msgs0 = []
+    while True:
+        fr = cl.s.recv_multipart()
+        cmd, b = fr[2][0], msgpack.unpackb(fr[3])
+        if cmd == 4:
+            msgs0.append((b["tokens"], b["text"]))
+        elif cmd in (3, 5):
+            break
+    toks0 = [t for ts, _ in msgs0 for t in ts]
+    text0 = "".join(x for _, x in msgs0).encode()
+    check(cmd == 5 and toks0[2] == 0 and b"\0" not in text0, "NUL token run: %s" % toks0)
+    for cut in range(1, len(msgs0)):
+        k = sum(len(ts) for ts, _ in msgs0[:cut])
+        if k <= 2:
+            continue
+        tl = len("".join(x for _, x in msgs0[:cut]).encode())
+        j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed0,
+                        resume=toks0[:k], resume_text=tl)
+        r = cl.collect([j])[j]
+        check(r["final"][0] == 5 and r["tokens"] == toks0[k:] and
+              r["text"].encode() == text0[tl:], "resume after a NUL token at %d: %s %r != %r" %
+              (k, r["final"], r["text"], text0[tl:]))
     # All tokens already there (the DONE was lost): DONE at once, nothing else.
     j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed, resume=toks,
                     resume_text=len(text))
