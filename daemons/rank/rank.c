@@ -1542,6 +1542,13 @@ main(int argc, char **argv)
         struct dsv4_msg m;
 
         rank_heartbeat(&k);   /* what it leaves (0 after a drain): dsv4ctl ranks */
+        /* stopped without its DRAIN (stop_drain_s = 0): said now, so that
+         * the scheduler knows the rank left on purpose (the set's stop, not
+         * a crash: docs/protocol.md §4.3) */
+        if (k.leave_ms == 0) {
+            dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DRAIN);
+            rank_send(&k, &m);
+        }
         dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_DISCONNECT);
         m.u.disconnect.reason = RANK_STOP_REASON;
         rank_send(&k, &m);

@@ -253,39 +253,6 @@ tmin(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* Whether a registered rank takes work (alive, not leaving).  A scheduler
- * that stops while one does is restarting (systemctl restart dsv4-sched, or
- * a stop its socket activates again): the set goes on. */
-static bool
-ranks_serving(const struct sched *s)
-{
-    const struct sched_rank *k;
-
-    TAILQ_FOREACH(k, &s->ranks, entry) {
-        if (k->state != DSV4_RANK_STATE_DEAD && !k->leaving)
-            return true;
-    }
-    return false;
-}
-
-/* Whether the set stops: no rank takes work and one left on purpose (its
- * SIGTERM's DRAIN; systemd and dsv4-launch stop the ranks before the
- * scheduler).  Not so while none has registered yet (a scheduler restarted
- * twice) or after a crash (the rank comes back). */
-static bool
-set_stopped(const struct sched *s)
-{
-    const struct sched_rank *k;
-
-    if (ranks_serving(s))
-        return false;
-    TAILQ_FOREACH(k, &s->ranks, entry) {
-        if (k->leaving)
-            return true;
-    }
-    return false;
-}
-
 /* SIGTERM: end the queued requests (`live` too: the stop timeout passed)
  * with `code`, so every client hears. */
 static void
@@ -305,15 +272,14 @@ fail_left(struct sched *s, bool live, uint16_t code, const char *why)
     client_flush_all(s);
 }
 
-/* SIGTERM's stop timeout passed: while ranks serve on, 302 for what is left
+/* SIGTERM's stop timeout passed: unless the set stops, 302 for what is left
  * (send it again with resume, docs/protocol.md §4.6: libdsv4client does so
  * on the next scheduler, and the request loses nothing); else 500. */
 static void
 fail_remaining(struct sched *s)
 {
-    if (ranks_serving(s))
-        fail_left(s, true, DSV4_STATUS_RESTARTING,
-            "scheduler restarting: send it again with resume");
+    if (!rank_set_stopped(s))
+        fail_left(s, true, DSV4_STATUS_RESTARTING, SCHED_RESTARTING_MSG);
     else
         fail_left(s, true, DSV4_STATUS_INTERNAL, "scheduler stopping");
 }
@@ -372,7 +338,7 @@ sched_loop(struct sched *s)
         if (s->stopping) {
             /* the set stops: nothing will run what is queued (running
              * requests go on on the leaving ranks) */
-            if (s->n_queued > 0 && set_stopped(s))
+            if (s->n_queued > 0 && rank_set_stopped(s))
                 fail_left(s, false, DSV4_STATUS_INTERNAL,
                     "scheduler stopping, no rank left to run it");
             if (s->n_queued == 0 && s->n_live == 0)

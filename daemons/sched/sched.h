@@ -45,6 +45,8 @@
 #define SCHED_REQ_BUCKETS 4096      /* request hash table size (power of 2) */
 #define SCHED_RESUME_TEXT_AHEAD 1024 /* a resume's text may pass its tokens' text by
                                         this much (part of the token held back) */
+#define SCHED_RESTARTING_MSG "scheduler restarting: send it again with resume"
+                                    /* ERROR 302's message (protocol §4.3) */
 
 /* --- Configuration (sched_config.c) ---------------------------------------- */
 
@@ -505,6 +507,10 @@ void rank_groups_update(struct sched *s);
 uint32_t rank_load(const struct sched_rank *k, struct sched *s);
 /* Send DISCONNECT to every rank and forget them (shutdown). */
 void rank_free_all(struct sched *s, const char *reason);
+/* Whether the set stops: no rank takes work and one left on purpose (its
+ * stopping DRAIN).  While the scheduler stops and the set does not, it is
+ * restarting: what it cannot finish, and what comes meanwhile, gets 302. */
+bool rank_set_stopped(const struct sched *s);
 
 /* --- sched_ctl.c: admin sub-protocol ------------------------------------------ */
 

@@ -242,6 +242,13 @@ on_generate(struct sched *s, const struct dsv4_route *from, const struct dsv4_cl
     uint16_t st;
     char msg[160];
 
+    /* a restart (the ranks serve on): the next scheduler takes it, as it
+     * takes what this one has not finished (libdsv4client sends it again) */
+    if (s->stopping && !rank_set_stopped(s)) {
+        s->m.n_rejected++;
+        send_error(s, from, g->id, DSV4_STATUS_RESTARTING, SCHED_RESTARTING_MSG, g->tag);
+        return;
+    }
     st = queue_admit_status(s->n_queued, (uint32_t)s->cfg.file.queue_max,
         s->draining || s->stopping);
     if (st != DSV4_STATUS_OK) {

@@ -1003,6 +1003,39 @@ rank_dispatch(struct sched *s)
     return true;
 }
 
+/* Whether a registered rank takes work (alive, not leaving).  A scheduler
+ * that stops while one does is restarting (systemctl restart dsv4-sched, or
+ * a stop its socket activates again): the set goes on. */
+static bool
+rank_serving(const struct sched *s)
+{
+    const struct sched_rank *k;
+
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (k->state != DSV4_RANK_STATE_DEAD && !k->leaving)
+            return true;
+    }
+    return false;
+}
+
+/* Whether the set stops: no rank takes work and one left on purpose (its
+ * SIGTERM's DRAIN; systemd and dsv4-launch stop the ranks before the
+ * scheduler).  Not so while none has registered yet (a scheduler restarted
+ * twice) or after a crash (the rank comes back). */
+bool
+rank_set_stopped(const struct sched *s)
+{
+    const struct sched_rank *k;
+
+    if (rank_serving(s))
+        return false;
+    TAILQ_FOREACH(k, &s->ranks, entry) {
+        if (k->leaving)
+            return true;
+    }
+    return false;
+}
+
 void
 rank_free_all(struct sched *s, const char *reason)
 {

@@ -1343,11 +1343,14 @@ def sc_restart_sched():
     clients' reconnect starts it again (dsv4-launch keeps its listeners, as
     dsv4-sched.socket does), libdsv4client resumes each 302'd request there,
     and every stream == the undisturbed output, none failed."""
-    svc = Service(n_prefill=1, n_decode=1, extra_conf="stop_timeout_ms = 200\n")
+    svc = Service(n_prefill=1, n_decode=1, extra_conf="stop_timeout_ms = 600\n")
     try:
         prompts = os.path.join(svc.dir, "pr.txt")
         make_prompts(prompts, 16, seed=11)
         ref = reference(svc, prompts, 64)
+        prompts2 = os.path.join(svc.dir, "pr2.txt")
+        make_prompts(prompts2, 4, seed=12)
+        ref2 = reference(svc, prompts2, 16)
         progress = os.path.join(svc.dir, "progress")
         p = svc.client(prompts, 64, progress=progress, timeout_ms=TIMEOUT_MS)
         wait_progress(progress, lambda c: sum(n >= 2 for n in c.values()) >= 4,
@@ -1356,9 +1359,15 @@ def sc_restart_sched():
         log("SIGTERM sched pid=%d" % old)
         svc.stopped.add("sched")
         os.kill(old, signal.SIGTERM)
+        # new requests sent while it stops (302 at once) or while it is
+        # down: the next scheduler serves them
+        p2 = svc.client(prompts2, 16, timeout_ms=TIMEOUT_MS)
         got, rc, err = finish(p, svc)
         check(rc == 0, "svc_client failed: " + err[-500:])
         compare(got, ref, "16 streams across a restart of the scheduler", err)
+        got2, rc2, err2 = finish(p2, svc)
+        check(rc2 == 0, "svc_client (sent during the restart) failed: " + err2[-500:])
+        compare(got2, ref2, "4 streams sent during the restart", err2)
         check(svc.pid("sched") != old and svc.count("sched", "READY=1") >= 2,
               "the scheduler was not started again")
         check(("sched", "exit=0") in svc.exits(), "the stopped scheduler's exit: %s" %

@@ -28,12 +28,12 @@ output.  Scenarios (one per argument, or all):
   drain_restart  a rank drain waiting while the rank restarts: the new process stays
              drained and the wait follows it; undrained, the stream runs again and
              completes; a rank of another name in its place ends the wait "rank gone"
-  sigterm    SIGTERM with work in flight, the ranks serving on: new requests 301, a
+  sigterm    SIGTERM with work in flight, the ranks serving on: new requests 302, a
              short stream completes, a long one ends with 302 "scheduler restarting"
              at the stop timeout (stop_timeout_ms = 5000) with f's tokens so far, exit 0
   sigterm_alone  SIGTERM with a request queued after every rank left (DRAIN): 500 "no
-             rank left" at once (stop_timeout_ms = 600000), exit 0; with no rank ever
-             registered the stop timeout runs (500 "scheduler stopping" after it)
+             rank left" at once (stop_timeout_ms = 600000), exit 0; with
+             no rank ever registered the stop timeout runs (302 after it)
   reload     SIGHUP and dsv4ctl reload: queue_max and max_batch change at once (queued
              requests kept, -o overrides still win), a start-bound key is logged as
              waiting, a file that does not load changes nothing (dsv4ctl: 500, exit 1);
@@ -1006,7 +1006,8 @@ def t_drain_restart(ctx, build, tmp):
 
 def t_sigterm(ctx, build, tmp):
     """SIGTERM with work in flight while the ranks serve on (a restart of
-    the scheduler alone): new requests are refused (301), a stream that
+    the scheduler alone): new requests get 302 (for the next scheduler), a
+    stream that
     ends within the stop timeout (stop_timeout_ms = 5000) completes, and one
     that would not gets ERROR 302 "scheduler restarting" at the timeout with
     f's tokens so far (libdsv4client resumes it on the next scheduler); the
@@ -1029,8 +1030,8 @@ def t_sigterm(ctx, build, tmp):
     waited = time.time() - sent["t"]
     check(sent["id"] == i_r, "ids")
     r = res[i_r]
-    check(not r["ok"] and r["final"][0] == 3 and r["final"][1]["code"] == 301,
-          "a request after SIGTERM: %s" % (r["final"],))
+    check(not r["ok"] and r["final"][0] == 3 and r["final"][1]["code"] == 302,
+          "a request after SIGTERM, the ranks serving: %s" % (r["final"],))
     r = res[i_s]
     check(r["final"][0] == 5 and r["tokens"] == expected(ps, 8, 200),
           "the short stream: %s" % (r["final"],))
@@ -1068,7 +1069,8 @@ def t_sigterm_alone(ctx, build, tmp):
           "a queued request at SIGTERM without ranks: %s" % (r.get("final"),))
     check(sc.p.wait(timeout=30) == 0, "the scheduler did not exit 0")
     # No rank ever registered (a scheduler restarted twice: the ranks have
-    # not come back yet): not the set's stop, so the stop timeout runs
+    # not come back yet): not the set's stop, so the stop timeout runs and
+    # the request gets 302 (the next scheduler takes it)
     sub = os.path.join(tmp, "norank")
     os.makedirs(sub)
     sc2 = Sched(build, sub, ["-o", "stop_timeout_ms=1000"])
@@ -1079,8 +1081,7 @@ def t_sigterm_alone(ctx, build, tmp):
         time.sleep(0.05)
     sc2.p.send_signal(signal.SIGTERM)
     r = cl2.collect([j], timeout=60, seen_ok=True)[j]
-    check(r["final"][0] == 3 and r["final"][1]["code"] == 500 and
-          r["final"][1]["message"] == "scheduler stopping",
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 302,
           "a queued request at SIGTERM before any rank came: %s" % (r.get("final"),))
     check(sc2.p.wait(timeout=30) == 0, "the second scheduler did not exit 0")
     return sc, [pre, dec]
