@@ -508,21 +508,24 @@ cipc_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m)
  * region (its cache's eviction, a cancel, its out-of-memory retry) never
  * sends that handle again, and while the mapping stays open the memory
  * stays the exporter's loss (see the file comment). */
-static void
+static int64_t
 cipc_tick(struct dsv4_kvx *x, int64_t now_ms)
 {
     struct cipc *c = x->priv;
     int n;
 
-    if (now_ms < c->next_tick_ms || c->maps.n == 0)
-        return;
+    if (c->maps.n == 0)
+        return -1;   /* an import adds one first */
+    if (now_ms < c->next_tick_ms)
+        return c->next_tick_ms - now_ms;
     c->next_tick_ms = now_ms + CIPC_TICK_MS;
     if (cipc_device(x) != DSV4_OK) {
         log_warnx("kv_cudaipc_tick: %s", dsv4_errmsg());
-        return;
+        return CIPC_TICK_MS;
     }
     if ((n = dsv4_kvx_cache_expire(&c->maps, now_ms, CIPC_MAP_IDLE_MS)) > 0)
         log_debug("kv_cudaipc: closed %d mappings idle for %d ms", n, CIPC_MAP_IDLE_MS);
+    return c->maps.n > 0 ? CIPC_TICK_MS : -1;
 }
 
 /* Nothing outlives the exporting process (see the file comment). */

@@ -334,11 +334,10 @@ dsv4_kvx_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m)
     memset(m, 0, sizeof(*m));
 }
 
-void
+int64_t
 dsv4_kvx_tick(struct dsv4_kvx *x, int64_t now_ms)
 {
-    if (x->ops->tick != NULL)
-        x->ops->tick(x, now_ms);
+    return x->ops->tick != NULL ? x->ops->tick(x, now_ms) : -1;
 }
 
 int

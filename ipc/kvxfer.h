@@ -159,10 +159,10 @@ struct dsv4_kvx_ops {
      * memory and handle for a later export_region instead of destroying it.
      * NULL = free_region. */
     void (*recycle_region)(struct dsv4_kvx *x, struct dsv4_kvx_region *r);
-    /* (optional) Housekeeping at `now_ms` (dsv4_now_ms), called at least
-     * every second or so while the process runs (cudaipc: close mappings
-     * idle too long). */
-    void (*tick)(struct dsv4_kvx *x, int64_t now_ms);
+    /* (optional) Housekeeping at `now_ms` (dsv4_now_ms) (cudaipc: close
+     * mappings idle too long); returns ms until it wants the next call, or
+     * -1 for none until something changes. */
+    int64_t (*tick)(struct dsv4_kvx *x, int64_t now_ms);
 };
 
 /* An import in flight (dsv4_kvx_import_start). */
@@ -289,8 +289,9 @@ void dsv4_kvx_unmap(struct dsv4_kvx *x, struct dsv4_kvx_map *m);
 int dsv4_kvx_cleanup_stale(struct dsv4_kvx *x);
 
 /* The transport's housekeeping (ops->tick; nothing for most): call it from
- * the process's loop at least every second or so, with dsv4_now_ms(). */
-void dsv4_kvx_tick(struct dsv4_kvx *x, int64_t now_ms);
+ * the process's loop with dsv4_now_ms(), again within the ms it returns
+ * (-1: no need until the next import or export). */
+int64_t dsv4_kvx_tick(struct dsv4_kvx *x, int64_t now_ms);
 
 /*
  * Fill a protocol location (docs/protocol.md §6.2) for a region holding one

@@ -552,7 +552,7 @@ bool kv_released(struct rank *k, uint64_t req);
 /* Free every export. */
 void kv_release_all(struct rank *k);
 /* Free exports older than the timeout, and run the transports' housekeeping
- * (dsv4_kvx_tick); returns ms until the next export expiry or -1. */
+ * (dsv4_kvx_tick); returns ms until the next of either is due, or -1. */
 int64_t kv_timers(struct rank *k, int64_t now);
 /* Start importing location `loc` for stream st (which must hold `pos`
  * positions afterwards): sets st->xfer, xk, kv_off, kv_len, pos.

@@ -252,17 +252,22 @@ int64_t
 kv_timers(struct rank *k, int64_t now)
 {
     struct rank_export *x;
+    int64_t next = -1, t;
 
-    for (int t = 0; t < DSV4_TRANSPORT__COUNT; t++)
-        if (k->kvx[t] != NULL)
-            dsv4_kvx_tick(k->kvx[t], now);
+    for (int i = 0; i < DSV4_TRANSPORT__COUNT; i++) {
+        if (k->kvx[i] != NULL && (t = dsv4_kvx_tick(k->kvx[i], now)) >= 0 &&
+            (next < 0 || t < next))
+            next = t;
+    }
     /* Exports are in creation order: expire from the head. */
     while ((x = TAILQ_FIRST(&k->exports)) != NULL && now - x->t_ms >= k->o.kv_timeout_ms) {
         log_warnx("kv_timers: export unclaimed for %" PRId64 " ms, freed req=%" PRIu64,
                   now - x->t_ms, x->r.req);
         kv_drop(k, x, false);
     }
-    return x == NULL ? -1 : x->t_ms + k->o.kv_timeout_ms - now;
+    if (x != NULL && (next < 0 || x->t_ms + k->o.kv_timeout_ms - now < next))
+        next = x->t_ms + k->o.kv_timeout_ms - now;
+    return next;
 }
 
 enum dsv4_err
