@@ -1604,6 +1604,15 @@ dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *b, float *logi
     return DSV4_OK;
 }
 
+/* Log-probabilities as the protocol carries them (<= 0): a NaN (from a NaN
+ * logit) becomes -inf and a rounding above 0 becomes 0, or the rank could
+ * not encode the step's TOKENS and every stream of the batch lost it. */
+static float
+lp_clean(float v)
+{
+    return isnan(v) ? -INFINITY : v > 0.0f ? 0.0f : v;
+}
+
 enum dsv4_err
 dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
                           const struct dsv4_sample_params *params, int32_t *out_ids,
@@ -1619,6 +1628,8 @@ dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
     if (out_logprob != NULL)
         TRY(ops->download(be, out_logprob, m->s_lp, (size_t)n * sizeof(float)));
     TRY(ops->sync(be));
+    for (int i = 0; out_logprob != NULL && i < n; i++)
+        out_logprob[i] = lp_clean(out_logprob[i]);
     forward_commit(m, b);
     return DSV4_OK;
 }
@@ -1864,7 +1875,7 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
         for (int j = 0; j <= acc; j++) {
             out_ids[i * K1 + j] = m->spec_next[row + j];
             if (out_lp != NULL)
-                out_lp[i * K1 + j] = m->spec_lp[row + j];
+                out_lp[i * K1 + j] = lp_clean(m->spec_lp[row + j]);
         }
         m->spec_idx[i] = (int32_t)(3 * S + i);           /* spare: nothing to undo */
         if (acc < nd && (m->spec_pos[i] + 2) % 4 == 0) {

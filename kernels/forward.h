@@ -178,8 +178,9 @@ enum dsv4_err dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *
 /*
  * dsv4_model_forward followed by sampling on the backend: one token per run
  * (from its last row's logits) with params[i] (host, n_seqs entries), ids
- * into out_ids and log-probabilities into out_logprob (may be NULL), both
- * host arrays of n_seqs.  The logits stay in backend memory: a GPU backend
+ * into out_ids and log-probabilities into out_logprob (may be NULL; each
+ * <= 0, a NaN as -inf), both host arrays of n_seqs.  The logits stay in
+ * backend memory: a GPU backend
  * moves a few bytes per run instead of a vocabulary row.  Same errors and
  * slot growth as dsv4_model_forward.
  */
