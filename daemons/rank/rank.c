@@ -1518,6 +1518,10 @@ main(int argc, char **argv)
         log_notice("main: warmup = %s: no warm-up calls", k.o.conf.warmup);
     else if (k.o.group_size <= 1 && rank_warmup(&k) != DSV4_OK)
         fatalx("main: %s", dsv4_errmsg());
+    /* a SIGTERM during the load or the warm-up (read only from here on):
+     * stop before registering, not after a READY the scheduler would take
+     * for a rank that serves */
+    rank_exit_if_stopped(&k, "starting");
     k.wd_interval_ms = (int64_t)(sdnotify_watchdog_interval_us() / 1000);
     k.wd_last_ms = dsv4_now_ms();
     /* The host the scheduler compares to pick shm (same host) or ucx. */
