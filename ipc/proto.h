@@ -324,12 +324,12 @@ struct dsv4_cli_cancel {
  * decode rank (kernels/forward.h, dsv4_model_state_export) with the
  * transports' handles for it (ipc/kv_*.c, docs/protocol.md §6.2).  A build
  * that changes any of them increments it: 2 since the ucx handle carries
- * the exporter's hold.  Ranks send it in READY `abi`
+ * the exporter's hold, 3 since a group's join compares its ranks' layouts.  Ranks send it in READY `abi`
  * (docs/protocol.md §6.1); the scheduler refuses a rank whose abi differs
  * from a live registered rank's, since ranks of two layouts would hang in a
  * collective or hand over state the other cannot read.
  */
-#define DSV4_RANK_ABI 2u
+#define DSV4_RANK_ABI 3u
 
 /* Body of READY (rank -> scheduler): registration (§6, §6.1). */
 struct dsv4_rank_ready {

@@ -1394,6 +1394,7 @@ rank_init_model(struct rank *k)
 #endif
     if ((env = getenv("DSV4_MOE_LOCAL")) != NULL)
         mo.moe_local = atoi(env) != 0;
+    k->moe_local = mo.moe_local != 0;
     mo.n_slots = k->o.slots;
     mo.max_seq_len = k->o.conf.max_seq;
     /* speculative decoding: verify steps feed 1 + DSV4_SPEC_MAX_DRAFT rows

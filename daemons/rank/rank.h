@@ -191,6 +191,8 @@ struct rank {
     struct rank_share *share;   /* weights shared with the other rank of the
                                    GPU (rank_share.c); NULL = not shared */
     enum dsv4_group_split group_split;   /* the group's (rank_group_split) */
+    bool moe_local;                      /* the model's opts.moe_local (a group's
+                                            ranks must agree: group_peers) */
     struct dsv4_backend *be;
     struct dsv4_model *m;
     int V;                      /* vocabulary */

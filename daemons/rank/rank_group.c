@@ -80,8 +80,8 @@
  * the new layout apart).  A change of what a word means needs the same.
  */
 #define GROUP_TICK_TAIL 3
-#define GROUP_PEERS_TAIL 5
-_Static_assert(DSV4_RANK_ABI == 2 && GROUP_TICK_TAIL == 3 && GROUP_PEERS_TAIL == 5,
+#define GROUP_PEERS_TAIL 7
+_Static_assert(DSV4_RANK_ABI >= 3 && GROUP_TICK_TAIL == 3 && GROUP_PEERS_TAIL == 7,
                "the group's exchanges changed: increment DSV4_RANK_ABI, then update this");
 
 #define GROUP_JOIN_MS 60000     /* a communicator must assemble within this */
@@ -433,17 +433,28 @@ slots_idle(const struct rank *k)
 /*
  * Exchange process ids and host hashes over the new communicator nc of
  * `kind` and arm the watchdog for it; agree on the warm-up.  Runs in the
- * join's thread.  One minimum all-reduce of 2n + 5 values: n pids, n host
+ * join's thread.  One minimum all-reduce of 2n + 7 values: n pids, n host
  * hashes (each rank fills its own position, UINT64_MAX elsewhere), then 0
  * when the rank owes its warm-up calls (k->warmed), 0 when one of its slots
  * is in use, its call size (prefill: rows a call; decode: slots) and that
- * size's complement, and 0 when its join was given up (`stop`).  *warm:
- * some rank owes its warm-up and every slot of every rank is idle, so every
- * rank runs it now (the same calls: its collectives match).  Ranks of
- * different call sizes cannot run the same calls at all: an error.  A join
+ * size's complement, 0 when its join was given up (`stop`), and its layout
+ * (group_layout) and that's complement.  *warm: some rank owes its warm-up
+ * and every slot of every rank is idle, so every rank runs it now (the same
+ * calls: its collectives match).  Ranks of different call sizes or layouts
+ * cannot run the same calls at all: an error.  A join
  * some rank gave up (an NCCL communicator is not aborted: join_cancel) ends
  * here on every rank, before the warm-up: DSV4_ERR_CANCELED.
  */
+/* What decides the collectives a rank's calls make, beyond their size: MTP
+ * (a verify and a draft against a plain step), the split and the experts'
+ * combining, and the numerics (the ranks' shares must be of one model). */
+static uint64_t
+group_layout(const struct rank *k)
+{
+    return (uint64_t)k->mtp | (uint64_t)k->group_split << 1 | (uint64_t)k->moe_local << 4 |
+           (uint64_t)(strcmp(k->o.conf.numerics, "hf") == 0) << 5;
+}
+
 static enum dsv4_err
 group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
             const struct dsv4_comm_stop *stop, bool *warm)
@@ -469,6 +480,8 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
     v[2 * n + 2] = size;
     v[2 * n + 3] = ~size;
     v[2 * n + 4] = !stop->fn(stop->arg);
+    v[2 * n + 5] = group_layout(k);
+    v[2 * n + 6] = ~group_layout(k);
     /* the watchdog's limit covers the exchange too: an NCCL collective
      * waits without bound for a peer that died or skipped it (the peers'
      * pids, for its other check, come with the exchange) */
@@ -500,6 +513,14 @@ group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
                          DSV4_ROLE_PREFILL ? "rows a call" : "slots", v[2 * n + 2],
                          ~v[2 * n + 3], k->o.role == DSV4_ROLE_PREFILL ? "prefill_chunk" :
                          "slots");
+        goto out;
+    }
+    if (v[2 * n + 5] != ~v[2 * n + 6]) {
+        e = dsv4_err_set(DSV4_ERR_CONFIG, "group: its ranks differ in mtp, group_split, "
+                         "DSV4_MOE_LOCAL or numerics (here mtp %s, split %s, moe_local %d, "
+                         "numerics %s): give every rank of the group the same",
+                         k->mtp ? "yes" : "no", dsv4_group_split_name(k->group_split),
+                         (int)k->moe_local, k->o.conf.numerics);
         goto out;
     }
     if (v[2 * n] == 0 && v[2 * n + 1] == 0)
@@ -848,9 +869,12 @@ group_join_poll(struct rank *k, void (*dispatch)(struct rank *, const struct dsv
         rank_relink(k, "joining the group's communicator failed");
         return;
     }
-    if (j->e != DSV4_OK) {
-        /* given up: the held COMM of the newer epoch starts its join */
-        log_info("group_join: epoch %u given up (%s)", (unsigned)j->epoch, j->why);
+    if (j->e != DSV4_OK || j->cancel) {
+        /* given up: the held COMM of the newer epoch starts its join (also
+         * where the join had succeeded before the cancel came: its
+         * communicator was aborted, join_cancel) */
+        log_info("group_join: epoch %u given up (%s)", (unsigned)j->epoch,
+                 j->e != DSV4_OK ? j->why : "cancelled once made");
         group_close(k, true);
     } else {
         group_joined(k, j->kind);

@@ -1107,7 +1107,8 @@ def sc_group_mismatch():
     """A decode group whose ranks differ in slots cannot run the same calls:
     the rank whose join fails says why, registers again with a growing
     pause (not hundreds of epochs a second), the other group serves on, and
-    the set stops cleanly."""
+    the set stops cleanly.  One whose ranks differ in numerics is refused by
+    the join's exchange, with the reason."""
     svc = Service(n_prefill=1, n_decode=2,
                   extra_conf="decode.group_size = 2\ndecode@1.slots = 8", wait=False)
     try:
@@ -1127,6 +1128,20 @@ def sc_group_mismatch():
         svc.wait_ranks(1)   # prefill@0, alone
         log("a decode group of 16 and 8 slots: its joins fail with the reason, %d epochs by "
             "the 5th failure (backing off)" % n)
+    finally:
+        stop_checked(svc)
+    # The same calls' sizes but another layout (numerics: the ranks' shares
+    # would not be of one model; mtp or the split would make other
+    # collectives): the join's exchange refuses it, naming what to align.
+    svc = Service(n_prefill=1, n_decode=2,
+                  extra_conf="decode.group_size = 2\ndecode@1.numerics = hf", wait=False)
+    try:
+        launch_err = os.path.join(svc.dir, "launch.err")
+        wait_for(lambda: "group: its ranks differ in mtp, group_split, DSV4_MOE_LOCAL or "
+                 "numerics" in readf(launch_err), "the layouts' refusal")
+        check(not re.search(r"decode/\d: group_comm: joined", readf(launch_err)),
+              "the decode group formed with different numerics")
+        log("a decode group of ref and hf numerics: its joins fail with the reason")
     finally:
         stop_checked(svc)
 
