@@ -15,7 +15,6 @@
 #include "common/model_config.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -23,11 +22,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <json-c/json.h>
 
+#include "common/file_open.h"
 #include "common/json_keys.h"
 
 /* JSON object a key lives in. */
@@ -829,28 +828,12 @@ dsv4_config_load(struct dsv4_config *cfg, const char *path)
     char *buf = NULL;
     size_t len = 0, cap = 0, got;
     struct stat st;
-    FILE *fp = NULL;
-    int fd, fl;
+    FILE *fp;
+    int fd;
 
-    /* O_NONBLOCK until the fstat: a FIFO in place of config.json is
-     * refused at once instead of blocking the load until a writer comes */
-    fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-        return dsv4_err_set(DSV4_ERR_SYS, "%s: %s", path, strerror(errno));
-    if (fstat(fd, &st) != 0) {
-        int err = errno;
-
-        close(fd);
-        return dsv4_err_set(DSV4_ERR_SYS, "%s: fstat: %s", path, strerror(err));
-    }
-    if (!S_ISREG(st.st_mode)) {
-        close(fd);
-        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: not a regular file (%s)", path,
-                            S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" :
-                            S_ISSOCK(st.st_mode) ? "a socket" : "a device");
-    }
-    if ((fl = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0 ||
-        (fp = fdopen(fd, "rb")) == NULL) {
+    if ((e = dsv4_open_regular(path, DSV4_ERR_CONFIG, &fd, &st)) != DSV4_OK)
+        return e;
+    if ((fp = fdopen(fd, "rb")) == NULL) {
         int err = errno;
 
         close(fd);

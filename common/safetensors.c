@@ -29,6 +29,7 @@
 
 #include <json-c/json.h>
 
+#include "common/file_open.h"
 #include "common/json_keys.h"
 
 /* Largest header or index file we accept (the official library uses
@@ -103,41 +104,6 @@ static int
 cmp_name(const void *a, const void *b)
 {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
-}
-
-/* --- opening ------------------------------------------------------------ */
-
-/*
- * Open `path` for reading into *fd, only if it is a regular file (*st its
- * fstat): opened with O_NONBLOCK, so a FIFO (or a device) in place of a
- * checkpoint file is refused at once instead of blocking the load until a
- * writer comes; O_NONBLOCK is then cleared.  DSV4_OK, or the error set
- * naming the file (DSV4_ERR_SYS for open/fstat, DSV4_ERR_WEIGHTS for not a
- * regular file) with *fd = -1.
- */
-static enum dsv4_err
-open_regular(const char *path, int *fd, struct stat *st)
-{
-    enum dsv4_err err;
-    int fl;
-
-    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (*fd < 0)
-        return dsv4_err_set(DSV4_ERR_SYS, "%s: open: %s", path, strerror(errno));
-    if (fstat(*fd, st) != 0)
-        err = dsv4_err_set(DSV4_ERR_SYS, "%s: fstat: %s", path, strerror(errno));
-    else if (!S_ISREG(st->st_mode))
-        err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: not a regular file (%s)", path,
-                           S_ISFIFO(st->st_mode) ? "a FIFO" :
-                           S_ISDIR(st->st_mode) ? "a directory" :
-                           S_ISSOCK(st->st_mode) ? "a socket" : "a device");
-    else if ((fl = fcntl(*fd, F_GETFL)) < 0 || fcntl(*fd, F_SETFL, fl & ~O_NONBLOCK) != 0)
-        err = dsv4_err_set(DSV4_ERR_SYS, "%s: fcntl: %s", path, strerror(errno));
-    else
-        return DSV4_OK;
-    close(*fd);
-    *fd = -1;
-    return err;
 }
 
 /* --- a single file ------------------------------------------------------ */
@@ -392,7 +358,7 @@ dsv4_st_open(struct dsv4_st_file **out, const char *path)
         free(f);
         return dsv4_err_set(DSV4_ERR_NOMEM, "%s: out of memory", path);
     }
-    if ((err = open_regular(path, &fd, &st)) != DSV4_OK)
+    if ((err = dsv4_open_regular(path, DSV4_ERR_WEIGHTS, &fd, &st)) != DSV4_OK)
         goto fail;
     if (st.st_size < 8) {
         err = dsv4_err_set(DSV4_ERR_WEIGHTS, "%s: file shorter than the 8-byte header length",
@@ -506,7 +472,7 @@ read_small_file(const char *path, char **buf, size_t *len)
     int fd;
 
     *buf = NULL;
-    if ((err = open_regular(path, &fd, &st)) != DSV4_OK)
+    if ((err = dsv4_open_regular(path, DSV4_ERR_WEIGHTS, &fd, &st)) != DSV4_OK)
         return err;
     if ((uint64_t)st.st_size > ST_MAX_JSON) {
         close(fd);

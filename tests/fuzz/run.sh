@@ -68,6 +68,7 @@ done
 
 # The safetensors reader on any file (fuzz_st.c).
 if ! "$cc" "${flags[@]}" "$here/fuzz_st.c" "$root/common/safetensors.c" \
+        "$root/common/file_open.c" \
         "$root/common/json_keys.c" "$root/common/err.c" -ljson-c -lm -o "$work/fuzz_st"; then
     echo "run.sh: building fuzz_st failed"
     exit 1
@@ -77,6 +78,7 @@ fuzz st
 # A sharded checkpoint's index on any bytes, beside three valid shards
 # (fuzz_ckpt.c).
 if ! "$cc" "${flags[@]}" "$here/fuzz_ckpt.c" "$root/common/safetensors.c" \
+        "$root/common/file_open.c" \
         "$root/common/json_keys.c" "$root/common/err.c" -ljson-c -lm -o "$work/fuzz_ckpt"; then
     echo "run.sh: building fuzz_ckpt failed"
     exit 1
@@ -86,6 +88,7 @@ fuzz ckpt
 # A checkpoint's config.json and the inventory it implies (fuzz_mconf.c).
 if ! "$cc" "${flags[@]}" "$here/fuzz_mconf.c" "$root/common/model_config.c" \
         "$root/common/model_tensors.c" "$root/common/safetensors.c" \
+        "$root/common/file_open.c" \
         "$root/common/json_keys.c" "$root/common/err.c" -ljson-c -lm -o "$work/fuzz_mconf"; then
     echo "run.sh: building fuzz_mconf failed"
     exit 1
