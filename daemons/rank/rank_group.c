@@ -430,6 +430,16 @@ slots_idle(const struct rank *k)
     return true;
 }
 
+/* What decides the collectives a rank's calls make, beyond their size: MTP
+ * (a verify and a draft against a plain step), the split and the experts'
+ * combining, and the numerics (the ranks' shares must be of one model). */
+static uint64_t
+group_layout(const struct rank *k)
+{
+    return (uint64_t)k->mtp | (uint64_t)k->group_split << 1 | (uint64_t)k->moe_local << 4 |
+           (uint64_t)(strcmp(k->o.conf.numerics, "hf") == 0) << 5;
+}
+
 /*
  * Exchange process ids and host hashes over the new communicator nc of
  * `kind` and arm the watchdog for it; agree on the warm-up.  Runs in the
@@ -445,16 +455,6 @@ slots_idle(const struct rank *k)
  * some rank gave up (an NCCL communicator is not aborted: join_cancel) ends
  * here on every rank, before the warm-up: DSV4_ERR_CANCELED.
  */
-/* What decides the collectives a rank's calls make, beyond their size: MTP
- * (a verify and a draft against a plain step), the split and the experts'
- * combining, and the numerics (the ranks' shares must be of one model). */
-static uint64_t
-group_layout(const struct rank *k)
-{
-    return (uint64_t)k->mtp | (uint64_t)k->group_split << 1 | (uint64_t)k->moe_local << 4 |
-           (uint64_t)(strcmp(k->o.conf.numerics, "hf") == 0) << 5;
-}
-
 static enum dsv4_err
 group_peers(struct rank *k, struct dsv4_comm *nc, enum dsv4_comm_kind kind,
             const struct dsv4_comm_stop *stop, bool *warm)

@@ -16,7 +16,6 @@
 #include "rank.h"
 
 #include <inttypes.h>
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -276,6 +275,7 @@ kv_import_start(struct rank *k, struct rank_stream *st, const struct dsv4_kv_loc
 {
     struct dsv4_kvx_desc d;
     enum dsv4_err e;
+    size_t want;
 
     /* every part holds the whole state (the prefill group's ranks each
      * export their replica): take the one of the same group rank, so that a
@@ -291,11 +291,11 @@ kv_import_start(struct rank *k, struct rank_stream *st, const struct dsv4_kv_loc
         return dsv4_err_set(DSV4_ERR_PROTO, "kv_import: location covers %u positions, pos %u",
                             (unsigned)loc->n_tokens, (unsigned)pos);
     /* the import checks the same after the transfer; here before a transport
-     * (ucx) sizes its buffer by the segment */
-    if (pos > INT_MAX || loc->sizes[0] != dsv4_model_state_size(k->m, (int)pos))
+     * (ucx) sizes its buffer by the segment (pos < max_seq: decode_start) */
+    want = dsv4_model_state_size(k->m, (int)pos);
+    if (loc->sizes[0] != want)
         return dsv4_err_set(DSV4_ERR_PROTO, "kv_import: a segment of %" PRIu64 " bytes; the "
-                            "state of %u positions has %zu", loc->sizes[0], (unsigned)pos,
-                            pos > INT_MAX ? (size_t)0 : dsv4_model_state_size(k->m, (int)pos));
+                            "state of %u positions has %zu", loc->sizes[0], (unsigned)pos, want);
     e = dsv4_kvx_desc_from_loc(loc, &d);
     if (e != DSV4_OK)
         return e;

@@ -172,16 +172,6 @@ copy_stops(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate 
     return true;
 }
 
-/*
- * GENERATE with `resume` (docs/protocol.md §4.6): the client has the first
- * n_resume output tokens and resume_text bytes of text of this request from
- * a scheduler that went away.  They are taken as emitted and sent (the stop
- * conditions and the stop-string hold-back run over them as they did
- * there), so the queued request prefills prompt + them, as a re-run does,
- * and samples on from position n_resume with the same seed: the same tokens
- * follow, and only those go to the client.  A resume that already meets a
- * stop condition ends at once (its DONE was what got lost).
- */
 /* The offset in r's text after the first `got` bytes a client received:
  * TOKENS drop the text's NUL bytes (send_tokens), so a client's count has
  * none of them.  Past the text (a client ahead by part of a token, or
@@ -198,6 +188,16 @@ text_offset(const struct sched_req *r, uint64_t got)
     return got > SIZE_MAX - i ? SIZE_MAX : i + (size_t)got;
 }
 
+/*
+ * GENERATE with `resume` (docs/protocol.md §4.6): the client has the first
+ * n_resume output tokens and resume_text bytes of text of this request from
+ * a scheduler that went away.  They are taken as emitted and sent (the stop
+ * conditions and the stop-string hold-back run over them as they did
+ * there), so the queued request prefills prompt + them, as a re-run does,
+ * and samples on from position n_resume with the same seed: the same tokens
+ * follow, and only those go to the client.  A resume that already meets a
+ * stop condition ends at once (its DONE was what got lost).
+ */
 static void
 resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
 {
