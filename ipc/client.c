@@ -90,6 +90,10 @@ struct dsv4_client {
     int64_t last_rx_ms;          /* last message from the server */
     int64_t last_hb_ms;          /* last HEARTBEAT we sent */
     struct dsv4_msg cur;         /* decoded message behind the last event */
+    bool ev_tokens;              /* the last event was c->cur's TOKENS */
+    uint32_t *top_off;           /* (n_tokens + 1) where its token i's most likely
+                                    tokens start in cur's top arrays */
+    size_t cap_top_off;
     char ev_msg[ERRMSG_LEN];     /* message of a locally made ERROR event */
     char ev_tag[DSV4_PROTO_MAX_TAG + 1];  /* its request's tag */
     char errmsg[ERRMSG_LEN];     /* detail of the last failure */
@@ -403,6 +407,7 @@ dsv4_client_close(struct dsv4_client *c)
     dsv4_zsock_close(c->sock);
     zmq_ctx_term(c->ctx);
     free(c->reqs);
+    free(c->top_off);
     free(c);
 }
 
@@ -536,6 +541,7 @@ submit(struct dsv4_client *c, const char *prompt, const int32_t *ids, size_t n_i
     g->s.seed = p.seed;
     g->s.has_seed = p.has_seed != 0;
     g->s.logprobs = p.logprobs != 0;
+    g->s.top_logprobs = p.top_logprobs;
     g->max_tokens = p.max_tokens;
     g->stop = p.n_stop > 0 ? p.stop : NULL;
     g->n_stop = (uint32_t)p.n_stop;
@@ -671,6 +677,53 @@ local_event(struct dsv4_client *c, int64_t now, struct dsv4_client_event *ev)
     return false;
 }
 
+/* Index c->cur's (a TOKENS) most likely tokens by token for
+ * dsv4_client_event_top; false when it has none or there is no memory for
+ * the index (the event then reports none). */
+static bool
+top_index(struct dsv4_client *c)
+{
+    const struct dsv4_cli_tokens *t = &c->cur.u.tokens;
+    uint32_t n = t->n_tokens;
+
+    if (t->top.top_n == NULL || t->top.top_ids == NULL)
+        return false;
+    if (c->cap_top_off < (size_t)n + 1) {
+        uint32_t *o = realloc(c->top_off, ((size_t)n + 1) * sizeof(*o));
+
+        if (o == NULL)
+            return false;
+        c->top_off = o;
+        c->cap_top_off = (size_t)n + 1;
+    }
+    c->top_off[0] = 0;
+    for (uint32_t i = 0; i < n; i++)   /* the decoder checked that they sum to n_top */
+        c->top_off[i + 1] = c->top_off[i] + (uint32_t)t->top.top_n[i];
+    return true;
+}
+
+size_t
+dsv4_client_event_top(const struct dsv4_client *c, size_t i, const int32_t **ids,
+    const float **logprobs)
+{
+    const struct dsv4_cli_tokens *t;
+
+    if (ids != NULL)
+        *ids = NULL;
+    if (logprobs != NULL)
+        *logprobs = NULL;
+    if (c == NULL || !c->ev_tokens)
+        return 0;
+    t = &c->cur.u.tokens;
+    if (i >= t->n_tokens || t->top.top_n[i] == 0)
+        return 0;
+    if (ids != NULL)
+        *ids = t->top.top_ids + c->top_off[i];
+    if (logprobs != NULL)
+        *logprobs = t->top.top_logprobs + c->top_off[i];
+    return (size_t)t->top.top_n[i];
+}
+
 /* Turn the decoded message in c->cur into an event; false when it is not
  * one the caller should see. */
 static bool
@@ -681,6 +734,7 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
     uint64_t id;
 
     memset(ev, 0, sizeof(*ev));
+    c->ev_tokens = false;
     switch (m->cmd) {
     case DSV4_CLI_OK: id = m->u.ok.id; break;
     case DSV4_CLI_ERROR: id = m->u.error.id; break;
@@ -719,6 +773,7 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
         ev->logprobs = m->u.tokens.logprobs;
         ev->n_tokens = m->u.tokens.n_tokens;
         ev->text = m->u.tokens.text;
+        c->ev_tokens = top_index(c);
         return true;
     case DSV4_CLI_DONE:
         ev->type = DSV4_CLIENT_EV_DONE;
@@ -779,6 +834,7 @@ dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeou
     if (c == NULL || ev == NULL)
         return DSV4_CLIENT_BAD_ARGUMENT;
     dsv4_msg_clear(&c->cur);
+    c->ev_tokens = false;
     for (;;) {
         zmq_pollitem_t its[2] = { { c->sock, 0, ZMQ_POLLIN, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
         zmq_pollitem_t *it = &its[0];

@@ -48,6 +48,8 @@ enum ftype {
 
 #define F_REQ 0x01  /* required key */
 #define F_XMIN 0x02 /* lower bound is exclusive */
+#define F_OMIT 0x04 /* a scalar left out of the encoding while it has its default (a
+                       key added later: older encodings stay as they were) */
 
 struct field {
     const char *key;           /* body map key */
@@ -83,7 +85,16 @@ struct field {
     FLD("top_p", st, s.top_p, T_F32, F_XMIN, 0, 1, DSV4_PROTO_DEFAULT_TOP_P),        \
     FLD("top_k", st, s.top_k, T_U32, 0, 0, DSV4_PROTO_MAX_TOP_K, 0),                 \
     FHAS("seed", st, s.seed, s.has_seed, T_U64, 0, U64MAX),                          \
-    FLD("logprobs", st, s.logprobs, T_BOOL, 0, 0, 1, 0)
+    FLD("logprobs", st, s.logprobs, T_BOOL, 0, 0, 1, 0),                             \
+    FLD("top_logprobs", st, s.top_logprobs, T_U32, F_OMIT, 0, DSV4_PROTO_MAX_TOP_LOGPROBS, 0)
+
+/* A struct dsv4_top at member m of st, for messages of up to `max` tokens. */
+#define TOP(st, m, count, max)                                                       \
+    FARR("top_n", st, m.top_n, count, T_U64S, 0, 1, max),                            \
+    FARR("top_ids", st, m.top_ids, m.n_top, T_TOKENS, 0, 1,                          \
+        (max) * DSV4_PROTO_MAX_TOP_LOGPROBS),                                        \
+    FARR("top_logprobs", st, m.top_logprobs, m.n_top, T_LOGPROBS, 0, 1,              \
+        (max) * DSV4_PROTO_MAX_TOP_LOGPROBS)
 
 static const char *const finish_names[] = { NULL, "stop", "length", "cancelled" };
 static const char *const role_names[] = { NULL, "prefill", "decode" };
@@ -146,6 +157,7 @@ static const struct field f_cli_tokens[] = {
     FLD("text", struct dsv4_cli_tokens, text, T_STR, F_REQ, 0, DSV4_PROTO_MAX_TEXT, 0),
     FARR("logprobs", struct dsv4_cli_tokens, logprobs, n_tokens, T_LOGPROBS, 0, 1,
         DSV4_PROTO_MAX_CHUNK),
+    TOP(struct dsv4_cli_tokens, top, n_tokens, DSV4_PROTO_MAX_CHUNK),
 };
 
 static const struct field f_cli_done[] = {
@@ -248,6 +260,10 @@ static const struct field f_prefill_done[] = {
     FLD("token", struct dsv4_rank_prefill_done, token, T_TOKEN, F_REQ, 0, DSV4_PROTO_MAX_TOKEN,
         0),
     FHAS("logprob", struct dsv4_rank_prefill_done, logprob, has_logprob, T_F32, -INFINITY, 0),
+    FARR("top_ids", struct dsv4_rank_prefill_done, top_ids, n_top, T_TOKENS, 0, 1,
+        DSV4_PROTO_MAX_TOP_LOGPROBS),
+    FARR("top_logprobs", struct dsv4_rank_prefill_done, top_logprobs, n_top, T_LOGPROBS, 0, 1,
+        DSV4_PROTO_MAX_TOP_LOGPROBS),
     FARR("kv", struct dsv4_rank_prefill_done, kv, n_kv, T_KVLOCS, F_REQ, 1, 1),
 };
 
@@ -275,6 +291,7 @@ static const struct field f_rank_tokens[] = {
     FARR("tokens", struct dsv4_rank_tokens, tokens, n, T_TOKENS, F_REQ, 1, DSV4_PROTO_MAX_BATCH),
     FARR("logprobs", struct dsv4_rank_tokens, logprobs, n, T_LOGPROBS, 0, 1,
         DSV4_PROTO_MAX_BATCH),
+    TOP(struct dsv4_rank_tokens, top, n, DSV4_PROTO_MAX_BATCH),
 };
 
 static const struct field f_decode_done[] = {
@@ -390,6 +407,8 @@ static enum dsv4_err check_ready(const struct dsv4_msg *m, struct dsv4_perr *pe)
 static enum dsv4_err check_ctl_rank(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_kv(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_status(const struct dsv4_msg *m, struct dsv4_perr *pe);
+static enum dsv4_err check_tokens(const struct dsv4_msg *m, struct dsv4_perr *pe);
+static enum dsv4_err check_prefill_done(const struct dsv4_msg *m, struct dsv4_perr *pe);
 
 #define MD(nm, tbl, chk) { nm, tbl, sizeof(tbl) / sizeof(tbl[0]), chk }
 #define MD0(nm) { nm, NULL, 0, NULL }
@@ -398,7 +417,7 @@ static const struct mdesc cli_desc[DSV4_CLI__COUNT] = {
     [DSV4_CLI_GENERATE] = MD("GENERATE", f_generate, check_generate),
     [DSV4_CLI_OK] = MD("OK", f_cli_ok, NULL),
     [DSV4_CLI_ERROR] = MD("ERROR", f_cli_error, NULL),
-    [DSV4_CLI_TOKENS] = MD("TOKENS", f_cli_tokens, NULL),
+    [DSV4_CLI_TOKENS] = MD("TOKENS", f_cli_tokens, check_tokens),
     [DSV4_CLI_DONE] = MD("DONE", f_cli_done, NULL),
     [DSV4_CLI_CANCEL] = MD("CANCEL", f_cli_cancel, NULL),
     [DSV4_CLI_HEARTBEAT] = MD0("HEARTBEAT"),
@@ -410,10 +429,10 @@ static const struct mdesc rank_desc[DSV4_RANK__COUNT] = {
     [DSV4_RANK_HEARTBEAT] = MD("HEARTBEAT", f_rank_heartbeat, NULL),
     [DSV4_RANK_DISCONNECT] = MD("DISCONNECT", f_disconnect, NULL),
     [DSV4_RANK_PREFILL] = MD("PREFILL", f_prefill, NULL),
-    [DSV4_RANK_PREFILL_DONE] = MD("PREFILL_DONE", f_prefill_done, check_kv),
+    [DSV4_RANK_PREFILL_DONE] = MD("PREFILL_DONE", f_prefill_done, check_prefill_done),
     [DSV4_RANK_DECODE] = MD("DECODE", f_decode, check_kv),
     [DSV4_RANK_KV_RELEASE] = MD("KV_RELEASE", f_req_ref, NULL),
-    [DSV4_RANK_TOKENS] = MD("TOKENS", f_rank_tokens, NULL),
+    [DSV4_RANK_TOKENS] = MD("TOKENS", f_rank_tokens, check_tokens),
     [DSV4_RANK_DECODE_DONE] = MD("DECODE_DONE", f_decode_done, NULL),
     [DSV4_RANK_ABORT] = MD("ABORT", f_req_ref, NULL),
     [DSV4_RANK_ABORT_DONE] = MD("ABORT_DONE", f_req_ref, NULL),
@@ -662,6 +681,51 @@ check_kv(const struct dsv4_msg *m, struct dsv4_perr *pe)
     return DSV4_OK;
 }
 
+/* A TOKENS' most likely tokens (struct dsv4_top over n tokens): top_n, when
+ * present, has each count <= DSV4_PROTO_MAX_TOP_LOGPROBS and sums to the
+ * length of top_ids and top_logprobs, which come together. */
+static enum dsv4_err
+check_top(const struct dsv4_top *t, uint32_t n, struct dsv4_perr *pe)
+{
+    uint64_t sum = 0;
+
+    if ((t->top_ids == NULL) != (t->top_logprobs == NULL))
+        return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "top_ids and top_logprobs come together");
+    if (t->top_n == NULL) {
+        if (t->top_ids != NULL)
+            return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "top_ids without top_n");
+        return DSV4_OK;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (t->top_n[i] > DSV4_PROTO_MAX_TOP_LOGPROBS)
+            return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "top_n[%u]: %llu > %u", i,
+                (unsigned long long)t->top_n[i], DSV4_PROTO_MAX_TOP_LOGPROBS);
+        sum += t->top_n[i];
+    }
+    if (sum != (t->top_ids != NULL ? t->n_top : 0))
+        return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "top_n sums to %llu, top_ids has %u",
+            (unsigned long long)sum, t->top_ids != NULL ? t->n_top : 0);
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+check_tokens(const struct dsv4_msg *m, struct dsv4_perr *pe)
+{
+    if (m->sub == DSV4_SUB_CLI)
+        return check_top(&m->u.tokens.top, m->u.tokens.n_tokens, pe);
+    return check_top(&m->u.step.top, m->u.step.n, pe);
+}
+
+static enum dsv4_err
+check_prefill_done(const struct dsv4_msg *m, struct dsv4_perr *pe)
+{
+    const struct dsv4_rank_prefill_done *d = &m->u.prefill_done;
+
+    if ((d->top_ids == NULL) != (d->top_logprobs == NULL))
+        return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "top_ids and top_logprobs come together");
+    return check_kv(m, pe);
+}
+
 /* --- Struct access helpers ------------------------------------------------ */
 
 #define AT(base, off, T) ((T *)((char *)(base) + (off)))
@@ -725,6 +789,8 @@ enc_present(const struct field *f, const void *base)
     case T_KVLOCS:
         return true;
     default:
+        if ((f->flags & F_OMIT) && scalar_get(f, base) == f->dflt)
+            return false;
         return f->aux < 0 || *CAT(base, f->aux, bool);
     }
 }

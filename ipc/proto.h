@@ -44,6 +44,7 @@ extern "C" {
 #define DSV4_PROTO_MAX_NEW_TOKENS (1u << 20)   /* max_tokens */
 #define DSV4_PROTO_MAX_CTX (1u << 20)          /* model positions */
 #define DSV4_PROTO_MAX_TOP_K (1u << 20)
+#define DSV4_PROTO_MAX_TOP_LOGPROBS 20         /* most likely tokens reported per token */
 #define DSV4_PROTO_MAX_TEMPERATURE 10.0
 /* The scheduler takes a temperature below this as 0 (greedy): logits /
  * temperature leave float's range near the smallest floats (1e-38 drew
@@ -246,6 +247,9 @@ struct dsv4_sampling {
     uint64_t seed;     /* valid iff has_seed */
     bool has_seed;     /* false: the scheduler picks a seed */
     bool logprobs;     /* report the sampled token's log-probability */
+    uint32_t top_logprobs; /* report this many most likely tokens of each position
+                              with their log-probabilities; <=
+                              DSV4_PROTO_MAX_TOP_LOGPROBS; default 0 */
 };
 
 /* Body of GENERATE (client -> scheduler, §4.1). */
@@ -292,6 +296,19 @@ struct dsv4_error {
     const char *tag;     /* echoed; NULL = none */
 };
 
+/*
+ * The most likely tokens of each of n output tokens (§4.2, §6): top_n[i]
+ * (<= DSV4_PROTO_MAX_TOP_LOGPROBS) entries for token i, the tokens' entries
+ * one after the other in top_ids / top_logprobs (n_top = Σ top_n), best
+ * first.  All NULL (n_top 0) when none is carried.
+ */
+struct dsv4_top {
+    const uint64_t *top_n;       /* n counts, or NULL */
+    const int32_t *top_ids;      /* n_top ids, or NULL */
+    const float *top_logprobs;   /* n_top log-probabilities (<= 0), or NULL */
+    uint32_t n_top;              /* length of top_ids and top_logprobs */
+};
+
 /* Body of client TOKENS (scheduler -> client): streamed output (§4.2). */
 struct dsv4_cli_tokens {
     uint64_t id;
@@ -300,6 +317,7 @@ struct dsv4_cli_tokens {
     const float *logprobs;  /* n_tokens values, or NULL when not requested */
     uint32_t n_tokens;      /* [1, DSV4_PROTO_MAX_CHUNK] */
     const char *text;       /* UTF-8 piece; may be "" */
+    struct dsv4_top top;    /* with GENERATE top_logprobs > 0: n_tokens counts */
 };
 
 /* Body of DONE (scheduler -> client): the request's end (§4.2). */
@@ -478,6 +496,10 @@ struct dsv4_rank_prefill_done {
     int32_t token;       /* first sampled token */
     float logprob;       /* valid iff has_logprob */
     bool has_logprob;
+    const int32_t *top_ids;     /* with PREFILL top_logprobs > 0: the first token's
+                                   most likely tokens, best first; NULL = none */
+    const float *top_logprobs;  /* their log-probabilities (<= 0) */
+    uint32_t n_top;             /* <= DSV4_PROTO_MAX_TOP_LOGPROBS; both arrays */
     struct dsv4_kv_loc kv[1];
     uint32_t n_kv;       /* always 1 */
 };
@@ -512,6 +534,7 @@ struct dsv4_rank_tokens {
     const int32_t *tokens; /* n entries */
     const float *logprobs; /* n entries, or NULL */
     uint32_t n;            /* [1, DSV4_PROTO_MAX_BATCH]; all arrays */
+    struct dsv4_top top;   /* for streams with top_logprobs > 0: n counts */
 };
 
 /* Body of DECODE_DONE (decode rank -> scheduler): a stream ended (§6). */

@@ -85,6 +85,8 @@ struct dsv4_sample_params {
     float temperature;   /* 0 = greedy (argmax, lowest id on ties) */
     float top_p;         /* (0, 1]; 1 = off */
     int32_t top_k;       /* 0 = off */
+    int32_t n_top;       /* [0, DSV4_TOP_MAX]: the most likely ids sample_top
+                            reports for the row; 0 = none (sample ignores it) */
     uint64_t seed;       /* stream seed */
     uint64_t step;       /* index of the token being sampled; with seed it
                             fully determines the random draw */
@@ -98,6 +100,9 @@ struct dsv4_sample_params {
  * token.
  */
 #define DSV4_SAMPLE_RUN 16
+/* Most likely ids a row's sample_top reports at most (the stride of its
+ * outputs); the OpenAI API's top_logprobs bound. */
+#define DSV4_TOP_MAX 20
 #define DSV4_SAMPLE_SPAN 256
 
 struct dsv4_backend;
@@ -392,6 +397,20 @@ struct dsv4_backend_ops {
     enum dsv4_err (*sample)(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
                             const float *logits, const struct dsv4_sample_params *params,
                             int n, int V);
+    /*
+     * The most likely ids of n rows of logits (V each) with their
+     * log-probabilities at temperature 1, whatever the row's sampling
+     * parameters: for each row r with params[r].n_top = k > 0, out_ids[r *
+     * DSV4_TOP_MAX + j] and out_logprob[r * DSV4_TOP_MAX + j] for j < min(k,
+     * V) are the j-th id by (logit desc, id asc), a NaN logit as -inf, and
+     * logit - (m + log Σ_i exp(logit_i - m)) as sample's out_logprob (m the
+     * largest logit, the sum in double); the other entries are left as they
+     * are.  Backend arrays of n * DSV4_TOP_MAX; params: host array of n.
+     * DSV4_ERR_INVAL for n_top outside [0, DSV4_TOP_MAX] or V < 1.
+     */
+    enum dsv4_err (*sample_top)(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
+                                const float *logits, const struct dsv4_sample_params *params,
+                                int n, int V);
 
     /* --- optional: recorded graphs (NULL where the backend has none, as on
      * the CPU backend) ---------------------------------------------------- */

@@ -15,6 +15,7 @@
 #include "kernels/forward.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -170,6 +171,8 @@ struct dsv4_model {
     float *u_loc, *y_loc;          /* tp > 1: (T, Gl*R), (T, Dl) this rank's part */
     int32_t *s_ids;                /* forward_sample: (max_rows) sampled ids */
     float *s_lp;                   /* forward_sample: (max_rows) their logprobs */
+    int32_t *s_top_ids;            /* (max_rows, DSV4_TOP_MAX) sample_top's ids */
+    float *s_top_lp;               /*   and their logprobs */
     float *parts;                  /* tp > 1: moe parts (T*k + T, D) */
     /* graphs by kind and batch size (opts.graphs; NULL until first use) */
     int graphs;
@@ -188,6 +191,8 @@ struct dsv4_model {
     int32_t *spec_slot, *spec_rows, *spec_keep, *spec_pos, *spec_idx;
     int32_t *spec_tok, *spec_next; /* (max_rows) rows fed; ids sampled per row */
     float *spec_lp;                /* (max_rows) their log-probabilities */
+    int32_t *spec_top_ids;         /* (max_rows, DSV4_TOP_MAX) their most likely ids */
+    float *spec_top_lp;            /*   and those ids' log-probabilities */
     struct dsv4_sample_params *spec_params;   /* (max_rows) per row */
     int32_t *i_spec_src, *i_spec_dst;         /* device (n_slots): half rows */
 };
@@ -359,7 +364,8 @@ dsv4_model_free(struct dsv4_model *m)
         m->qr, m->q, m->kv, m->o, m->u, m->ca, m->cz, m->ent, m->qI, m->wI, m->ia, m->iz,
         m->ient, m->sel, m->rw, m->rid, m->ring_tmp, m->hidden, m->e, m->he, m->logits_dev,
         m->logits_loc,
-        m->u_loc, m->y_loc, m->parts, m->s_ids, m->s_lp, m->i_spec_src, m->i_spec_dst,
+        m->u_loc, m->y_loc, m->parts, m->s_ids, m->s_lp, m->s_top_ids, m->s_top_lp,
+        m->i_spec_src, m->i_spec_dst,
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         dev_free(m, bufs[i]);
@@ -374,6 +380,8 @@ dsv4_model_free(struct dsv4_model *m)
     free(m->spec_tok);
     free(m->spec_next);
     free(m->spec_lp);
+    free(m->spec_top_ids);
+    free(m->spec_top_lp);
     free(m->spec_params);
     free(m);
 }
@@ -480,11 +488,14 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
     m->spec_tok = calloc((size_t)m->max_rows, sizeof(int32_t));
     m->spec_next = calloc((size_t)m->max_rows, sizeof(int32_t));
     m->spec_lp = calloc((size_t)m->max_rows, sizeof(float));
+    m->spec_top_ids = calloc((size_t)m->max_rows * DSV4_TOP_MAX, sizeof(int32_t));
+    m->spec_top_lp = calloc((size_t)m->max_rows * DSV4_TOP_MAX, sizeof(float));
     m->spec_params = calloc((size_t)m->max_rows, sizeof(*m->spec_params));
     if (m->len == NULL || m->mtp_len == NULL || m->L == NULL || m->spec_slot == NULL ||
         m->spec_rows == NULL || m->spec_keep == NULL || m->spec_pos == NULL ||
         m->spec_idx == NULL || m->spec_tok == NULL || m->spec_next == NULL ||
-        m->spec_lp == NULL || m->spec_params == NULL || !plan_alloc(&m->plan, m->max_rows)) {
+        m->spec_lp == NULL || m->spec_top_ids == NULL || m->spec_top_lp == NULL ||
+        m->spec_params == NULL || !plan_alloc(&m->plan, m->max_rows)) {
         dsv4_model_free(m);
         return dsv4_err_set(DSV4_ERR_NOMEM, "model: out of memory");
     }
@@ -593,6 +604,8 @@ dsv4_model_create(struct dsv4_model **out, struct dsv4_backend *be,
         m->logits_loc = dev_alloc(m, T * (size_t)m->Vl * F, &fail);
     m->s_ids = dev_alloc(m, T * I4, &fail);
     m->s_lp = dev_alloc(m, T * F, &fail);
+    m->s_top_ids = dev_alloc(m, T * DSV4_TOP_MAX * I4, &fail);
+    m->s_top_lp = dev_alloc(m, T * DSV4_TOP_MAX * F, &fail);
     m->i_spec_src = dev_alloc(m, S * I4, &fail);
     m->i_spec_dst = dev_alloc(m, S * I4, &fail);
     if (m->tp > 1) {
@@ -1613,23 +1626,70 @@ lp_clean(float v)
     return isnan(v) ? -INFINITY : v > 0.0f ? 0.0f : v;
 }
 
+/* Whether any of params[0 .. n) asks for its most likely ids. */
+static bool
+top_wanted(const struct dsv4_sample_params *params, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (params[i].n_top > 0)
+            return true;
+    return false;
+}
+
+/* sample_top over the first n rows of the logits (params: the rows'), their
+ * entries downloaded into ids / lp (host, n * DSV4_TOP_MAX; the rows' other
+ * entries as they were on the backend): queued, the caller syncs. */
+static enum dsv4_err
+top_queue(struct dsv4_model *m, const struct dsv4_sample_params *params, int n, int32_t *ids,
+          float *lp)
+{
+    struct dsv4_backend *be = m->be;
+    const struct dsv4_backend_ops *ops = be->ops;
+    size_t k = (size_t)n * DSV4_TOP_MAX;
+
+    TRY(ops->sample_top(be, m->s_top_ids, m->s_top_lp, m->logits_dev, params, n, m->V));
+    TRY(ops->download(be, ids, m->s_top_ids, k * sizeof(int32_t)));
+    return ops->download(be, lp, m->s_top_lp, k * sizeof(float));
+}
+
+/* Copy row `row`'s top entries (after top_queue into src_*) to entry `at` of
+ * *top, as many as params asks (no more than V), log-probabilities cleaned. */
+static void
+top_copy(const struct dsv4_model *m, const struct dsv4_top_out *top, int at,
+         const int32_t *src_ids, const float *src_lp, int row,
+         const struct dsv4_sample_params *params)
+{
+    int k = params->n_top < m->V ? params->n_top : m->V;
+
+    for (int j = 0; j < k; j++) {
+        top->ids[(size_t)at * DSV4_TOP_MAX + j] = src_ids[(size_t)row * DSV4_TOP_MAX + j];
+        top->logprob[(size_t)at * DSV4_TOP_MAX + j] =
+            lp_clean(src_lp[(size_t)row * DSV4_TOP_MAX + j]);
+    }
+}
+
 enum dsv4_err
 dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
                           const struct dsv4_sample_params *params, int32_t *out_ids,
-                          float *out_logprob)
+                          float *out_logprob, const struct dsv4_top_out *top)
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
     int n = b->n_seqs;
+    bool want_top = top != NULL && top_wanted(params, n);
 
     TRY(forward_run(m, b, 0));
     TRY(ops->sample(be, m->s_ids, m->s_lp, m->logits_dev, params, n, m->V));
     TRY(ops->download(be, out_ids, m->s_ids, (size_t)n * sizeof(int32_t)));
     if (out_logprob != NULL)
         TRY(ops->download(be, out_logprob, m->s_lp, (size_t)n * sizeof(float)));
+    if (want_top)
+        TRY(top_queue(m, params, n, m->spec_top_ids, m->spec_top_lp));
     TRY(ops->sync(be));
     for (int i = 0; out_logprob != NULL && i < n; i++)
         out_logprob[i] = lp_clean(out_logprob[i]);
+    for (int i = 0; want_top && i < n; i++)
+        top_copy(m, top, i, m->spec_top_ids, m->spec_top_lp, i, &params[i]);
     forward_commit(m, b);
     return DSV4_OK;
 }
@@ -1802,12 +1862,14 @@ spec_download(struct dsv4_model *m, int n, int32_t *ids, float *lp, float *logit
 enum dsv4_err
 dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
                        const struct dsv4_sample_params *params, int32_t *out_ids,
-                       float *out_lp, int32_t *out_n, float *logits)
+                       float *out_lp, const struct dsv4_top_out *top, int32_t *out_n,
+                       float *logits)
 {
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
     const int K = DSV4_SPEC_MAX_DRAFT, K1 = DSV4_SPEC_MAX_DRAFT + 1;
     int n = b->n_seqs, T = 0, all = 1, graphed, any_restore = 0;
+    bool want_top;
     int64_t S = m->n_slots;
     struct dsv4_batch fb;
 
@@ -1859,6 +1921,9 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
     m->spec_n = 0;
     TRY(ops->copy(be, m->hidden, m->X, (size_t)T * m->n_hc * m->D * sizeof(float)));
     TRY(ops->sample(be, m->s_ids, m->s_lp, m->logits_dev, m->spec_params, T, m->V));
+    want_top = top != NULL && top_wanted(m->spec_params, T);
+    if (want_top)
+        TRY(top_queue(m, m->spec_params, T, m->spec_top_ids, m->spec_top_lp));
     TRY(spec_download(m, T, m->spec_next, m->spec_lp, logits));
 
     /* Keep the drafts up to the first one that differs from the token sampled
@@ -1876,6 +1941,9 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
             out_ids[i * K1 + j] = m->spec_next[row + j];
             if (out_lp != NULL)
                 out_lp[i * K1 + j] = lp_clean(m->spec_lp[row + j]);
+            if (want_top)
+                top_copy(m, top, i * K1 + j, m->spec_top_ids, m->spec_top_lp, row + j,
+                         &m->spec_params[row + j]);
         }
         m->spec_idx[i] = (int32_t)(3 * S + i);           /* spare: nothing to undo */
         if (acc < nd && (m->spec_pos[i] + 2) % 4 == 0) {

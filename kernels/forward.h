@@ -176,17 +176,32 @@ enum dsv4_err dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *
                                  float *logits, unsigned flags);
 
 /*
+ * Where a sampling call puts the most likely ids of the rows it sampled, with
+ * their log-probabilities (the backend's sample_top, kernels/backend.h): host
+ * arrays with DSV4_TOP_MAX entries per sampled token, in the order of the
+ * call's ids (token t's at t * DSV4_TOP_MAX), filled for the tokens whose
+ * params ask (n_top > 0; the first n_top entries, or V when smaller; each
+ * log-probability <= 0, a NaN as -inf); the other entries are left alone.
+ */
+struct dsv4_top_out {
+    int32_t *ids;
+    float *logprob;
+};
+
+/*
  * dsv4_model_forward followed by sampling on the backend: one token per run
  * (from its last row's logits) with params[i] (host, n_seqs entries), ids
  * into out_ids and log-probabilities into out_logprob (may be NULL; each
- * <= 0, a NaN as -inf), both host arrays of n_seqs.  The logits stay in
- * backend memory: a GPU backend
+ * <= 0, a NaN as -inf), both host arrays of n_seqs; the most likely ids of
+ * the runs whose params ask into *top (may be NULL: none).  The logits stay
+ * in backend memory: a GPU backend
  * moves a few bytes per run instead of a vocabulary row.  Same errors and
  * slot growth as dsv4_model_forward.
  */
 enum dsv4_err dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
                                         const struct dsv4_sample_params *params,
-                                        int32_t *out_ids, float *out_logprob);
+                                        int32_t *out_ids, float *out_logprob,
+                                        const struct dsv4_top_out *top);
 
 /*
  * MTP head (model doc §3.6) on the rows kept by the last forward call made
@@ -248,8 +263,9 @@ struct dsv4_spec_batch {
  * Verify step.  params[i]: stream i's sampling; its row j samples with step
  * params[i].step + j.  Output per stream i: out_n[i] tokens (1 ..
  * n_draft[i] + 1) in out_ids[i * (DSV4_SPEC_MAX_DRAFT + 1) + j] and their
- * log-probabilities in out_lp (same layout; may be NULL); the drafts
- * accepted are out_n[i] - 1.  logits (host, may be NULL): every row's
+ * log-probabilities in out_lp (same layout; may be NULL), and their most
+ * likely ids in *top (same layout, DSV4_TOP_MAX entries a token; may be
+ * NULL); the drafts accepted are out_n[i] - 1.  logits (host, may be NULL): every row's
  * logits, (Σ (1 + n_draft), V), stream after stream.  The slot's length
  * grows by out_n[i].  Errors as dsv4_model_forward (a stream needs room for
  * all its rows); nothing changes on error.  Must be followed by
@@ -258,7 +274,8 @@ struct dsv4_spec_batch {
  */
 enum dsv4_err dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
                                      const struct dsv4_sample_params *params, int32_t *out_ids,
-                                     float *out_lp, int32_t *out_n, float *logits);
+                                     float *out_lp, const struct dsv4_top_out *top,
+                                     int32_t *out_n, float *logits);
 
 /*
  * Draft step after dsv4_model_spec_verify: runs the MTP layer over the

@@ -73,6 +73,20 @@ so_check(const struct dsv4_sample_params *params, int n, int V)
     return DSV4_OK;
 }
 
+/* sample_top's parameters: n_top in [0, DSV4_TOP_MAX] on every row, V >= 1. */
+static inline enum dsv4_err
+so_check_top(const struct dsv4_sample_params *params, int n, int V)
+{
+    if (V < 1)
+        return dsv4_err_set(DSV4_ERR_INVAL, "sample_top: V=%d", V);
+    for (int r = 0; r < n; r++) {
+        if (params[r].n_top < 0 || params[r].n_top > DSV4_TOP_MAX)
+            return dsv4_err_set(DSV4_ERR_INVAL, "sample_top: row %d: n_top %d (0 .. %d)", r,
+                                params[r].n_top, DSV4_TOP_MAX);
+    }
+    return DSV4_OK;
+}
+
 /* The candidates of a sampled row (cpu_sample.c step 3). */
 struct so_cands {
     const float *z;                  /* z = logits / temperature, by id */

@@ -179,6 +179,7 @@ rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs)
         memset(&k->sp[s], 0, sizeof(k->sp[s]));
         k->sp[s].temperature = 1.0f;
         k->sp[s].top_p = 1.0f;
+        k->sp[s].n_top = DSV4_TOP_MAX;   /* the top path's kernels and scratch too */
     }
 }
 
@@ -190,6 +191,32 @@ rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, 
     p->top_k = (int32_t)s->top_k;
     p->seed = s->has_seed ? s->seed : 0;
     p->step = step;
+    p->n_top = (int32_t)(s->top_logprobs < DSV4_TOP_MAX ? s->top_logprobs : DSV4_TOP_MAX);
+}
+
+void
+rank_top_pack(struct rank *k, struct dsv4_top *t, const int32_t *n_top, int n)
+{
+    uint32_t at = 0;
+    bool any = false;
+
+    for (int i = 0; i < n; i++) {
+        int c = n_top[i] < k->V ? n_top[i] : k->V;
+
+        k->out_top_n[i] = (uint64_t)c;
+        any = any || c > 0;
+        for (int j = 0; j < c; j++, at++) {
+            k->msg_top_ids[at] = k->out_top.ids[(size_t)i * DSV4_TOP_MAX + j];
+            k->msg_top_lp[at] = k->out_top.logprob[(size_t)i * DSV4_TOP_MAX + j];
+        }
+    }
+    memset(t, 0, sizeof(*t));
+    if (!any)
+        return;
+    t->top_n = k->out_top_n;
+    t->top_ids = at > 0 ? k->msg_top_ids : NULL;
+    t->top_logprobs = at > 0 ? k->msg_top_lp : NULL;
+    t->n_top = at;
 }
 
 /* --- Scheduler link ------------------------------------------------------------- */
@@ -1422,6 +1449,12 @@ rank_init_model(struct rank *k)
     k->sp = xcalloc((size_t)k->o.slots, sizeof(*k->sp));
     k->out_tok = xcalloc((size_t)k->o.slots * k->spec_k1, sizeof(int32_t));
     k->out_lp = xcalloc((size_t)k->o.slots * k->spec_k1, sizeof(float));
+    k->out_top.ids = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX, sizeof(int32_t));
+    k->out_top.logprob = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX,
+                                 sizeof(float));
+    k->out_top_n = xcalloc((size_t)k->o.slots * k->spec_k1, sizeof(uint64_t));
+    k->msg_top_ids = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX, sizeof(int32_t));
+    k->msg_top_lp = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX, sizeof(float));
     k->spec_nd = xcalloc((size_t)k->o.slots, sizeof(int32_t));
     k->spec_draft = xcalloc((size_t)k->o.slots, sizeof(int32_t));
     k->spec_n = xcalloc((size_t)k->o.slots, sizeof(int32_t));
@@ -1465,6 +1498,11 @@ rank_free(struct rank *k)
     free(k->sp);
     free(k->out_tok);
     free(k->out_lp);
+    free(k->out_top.ids);
+    free(k->out_top.logprob);
+    free(k->out_top_n);
+    free(k->msg_top_ids);
+    free(k->msg_top_lp);
     free(k->spec_nd);
     free(k->spec_draft);
     free(k->spec_n);

@@ -205,6 +205,11 @@ struct rank {
     struct dsv4_sample_params *sp;     /* (slots) */
     int32_t *out_tok;           /* (slots * spec_k1) */
     float *out_lp;              /* (slots * spec_k1) */
+    struct dsv4_top_out out_top; /* (slots * spec_k1, DSV4_TOP_MAX): the most
+                                   likely ids of streams that ask (top_logprobs) */
+    uint64_t *out_top_n;        /* (slots * spec_k1) TOKENS' top_n */
+    int32_t *msg_top_ids;       /* (slots * spec_k1 * DSV4_TOP_MAX) TOKENS' top, */
+    float *msg_top_lp;          /*   packed (rank_top_pack) */
     /* speculative decoding (conf mtp = yes, decode ranks with an MTP layer) */
     bool mtp;
     int spec_k1;                /* tokens a stream may emit per step: 1, or
@@ -327,8 +332,16 @@ enum dsv4_err rank_test_nomem(long *left, const char *var, enum dsv4_err e);
 enum dsv4_err rank_warmup(struct rank *k);
 /* Inputs of a start-up warm-up call (prefill_warmup, decode_warmup): n_tok
  * token ids in b_tok, varied so that the router spreads them as a prompt
- * would, and n_seqs rows of sampling at temperature 1 in sp. */
+ * would, and n_seqs rows of sampling at temperature 1 in sp, each asking for
+ * DSV4_TOP_MAX most likely ids (so that the top path is loaded too). */
 void rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs);
+/*
+ * TOKENS' most likely tokens (*t) for n tokens whose entries are in
+ * k->out_top (token i's at i * DSV4_TOP_MAX) and of which token i asked for
+ * n_top[i] (capped at the vocabulary): packed into k's message arrays; *t is
+ * all NULL when no token asked.  Valid until the next call.
+ */
+void rank_top_pack(struct rank *k, struct dsv4_top *t, const int32_t *n_top, int n);
 /* Sampling parameters of one row from protocol sampling + step. */
 void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
     uint64_t step);

@@ -372,6 +372,7 @@ void
 decode_work(struct rank *k)
 {
     uint64_t reqs[RANK_MAX_SLOTS];
+    int32_t top_n[RANK_MAX_SLOTS];
     bool want_lp = false;
     struct dsv4_batch b;
     struct dsv4_msg m;
@@ -393,7 +394,8 @@ decode_work(struct rank *k)
     /* forward and sampling on the backend: only the ids come back */
     t0 = dsv4_now_us();
     group_enter(k);
-    e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL);
+    e = dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL,
+                                  &k->out_top);
     /* the N-th step (the warm-up not counted) */
     e = rank_test_nomem(&k->test_nomem, RANK_TEST_FORWARD_NOMEM, e);
     t1 = dsv4_now_us();
@@ -421,6 +423,9 @@ decode_work(struct rank *k)
     m.u.step.tokens = k->out_tok;
     m.u.step.logprobs = want_lp ? k->out_lp : NULL;
     m.u.step.n = (uint32_t)n;
+    for (int r = 0; r < n; r++)
+        top_n[r] = k->sp[r].n_top;
+    rank_top_pack(k, &m.u.step.top, top_n, n);
     rank_send(k, &m);
     log_debug("decode_work: step=%" PRIu64 " streams=%d", m.u.step.step, n);
 
@@ -454,6 +459,7 @@ decode_work_spec(struct rank *k)
 {
     const int K = DSV4_SPEC_MAX_DRAFT, K1 = DSV4_SPEC_MAX_DRAFT + 1;
     uint64_t reqs[RANK_MAX_SLOTS * (DSV4_SPEC_MAX_DRAFT + 1)];
+    int32_t top_n[RANK_MAX_SLOTS * (DSV4_SPEC_MAX_DRAFT + 1)];
     int end_slot[RANK_MAX_SLOTS];
     enum dsv4_finish end_why[RANK_MAX_SLOTS];
     struct dsv4_spec_batch b;
@@ -482,7 +488,7 @@ decode_work_spec(struct rank *k)
      * the MTP layer's next drafts; every rank of a group decides alike */
     group_enter(k);
     e = dsv4_model_spec_verify(k->m, &b, k->sp, k->out_tok, want_lp ? k->out_lp : NULL,
-                               k->spec_n, NULL);
+                               &k->out_top, k->spec_n, NULL);
     if (e == DSV4_OK)
         e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
     /* the N-th step (the warm-up not counted) */
@@ -516,6 +522,13 @@ decode_work_spec(struct rank *k)
             reqs[n_out] = st->req;
             k->out_tok[n_out] = tok;
             k->out_lp[n_out] = k->out_lp[r * K1 + j];
+            top_n[n_out] = k->sp[r].n_top;
+            memmove(k->out_top.ids + (size_t)n_out * DSV4_TOP_MAX,
+                    k->out_top.ids + (size_t)(r * K1 + j) * DSV4_TOP_MAX,
+                    DSV4_TOP_MAX * sizeof(int32_t));
+            memmove(k->out_top.logprob + (size_t)n_out * DSV4_TOP_MAX,
+                    k->out_top.logprob + (size_t)(r * K1 + j) * DSV4_TOP_MAX,
+                    DSV4_TOP_MAX * sizeof(float));
             n_out++;
             st->next = tok;
             st->step++;
@@ -536,6 +549,7 @@ decode_work_spec(struct rank *k)
     m.u.step.tokens = k->out_tok;
     m.u.step.logprobs = want_lp ? k->out_lp : NULL;
     m.u.step.n = (uint32_t)n_out;
+    rank_top_pack(k, &m.u.step.top, top_n, n_out);
     rank_send(k, &m);
     log_debug("decode_work_spec: step=%" PRIu64 " streams=%d tokens=%d", m.u.step.step, n,
               n_out);
@@ -592,7 +606,8 @@ warmup_call(struct rank *k, int n, unsigned flags, float *logits)
         struct dsv4_spec_batch sb = { .n_seqs = n, .slot = k->b_slot, .last = k->b_tok,
                                       .n_draft = k->spec_nd, .draft = k->spec_draft };
 
-        e = dsv4_model_spec_verify(k->m, &sb, k->sp, k->out_tok, k->out_lp, k->spec_n, NULL);
+        e = dsv4_model_spec_verify(k->m, &sb, k->sp, k->out_tok, k->out_lp, &k->out_top,
+                                   k->spec_n, NULL);
         if (e == DSV4_OK)
             e = dsv4_model_spec_draft(k->m, k->spec_draft, NULL);
     } else {
@@ -600,7 +615,8 @@ warmup_call(struct rank *k, int n, unsigned flags, float *logits)
                                 .tokens = k->b_tok };
 
         e = logits != NULL ? dsv4_model_forward(k->m, &b, logits, flags)
-                           : dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp);
+                           : dsv4_model_forward_sample(k->m, &b, k->sp, k->out_tok, k->out_lp,
+                                                       &k->out_top);
     }
     if (e != DSV4_OK) {
         snprintf(why, sizeof(why), "%s", dsv4_errmsg());

@@ -145,13 +145,14 @@ prefill_nomem(struct rank *k, int n_seqs, int rows)
 }
 
 /* One forward call of batch `b`, sampling each run's last row into
- * k->out_tok / out_lp with k->sp; DSV4_TEST_FORWARD_NOMEM turns its N-th
+ * k->out_tok / out_lp / out_top with k->sp; DSV4_TEST_FORWARD_NOMEM turns its N-th
  * call (the start-up warm-up counted) into DSV4_ERR_NOMEM. */
 static enum dsv4_err
 prefill_forward(struct rank *k, const struct dsv4_batch *b)
 {
     return rank_test_nomem(&k->test_nomem, RANK_TEST_FORWARD_NOMEM,
-                           dsv4_model_forward_sample(k->m, b, k->sp, k->out_tok, k->out_lp));
+                           dsv4_model_forward_sample(k->m, b, k->sp, k->out_tok, k->out_lp,
+                                                     &k->out_top));
 }
 
 /*
@@ -267,9 +268,11 @@ prefill_warmup(struct rank *k)
 }
 
 /* The prompt in `slot` is through the model and its first token, sampled
- * from its last row, is `tok` (log-probability lp): export, report. */
+ * from its last row, is `tok` (log-probability lp; its n_top most likely
+ * tokens top_ids / top_lp): export, report. */
 static void
-prefill_finish(struct rank *k, int slot, int32_t tok, float lp)
+prefill_finish(struct rank *k, int slot, int32_t tok, float lp, int32_t n_top,
+               const int32_t *top_ids, const float *top_lp)
 {
     struct rank_job *j = &k->jobs[slot];
     struct dsv4_msg m;
@@ -294,6 +297,11 @@ prefill_finish(struct rank *k, int slot, int32_t tok, float lp)
     if (j->s.logprobs) {
         m.u.prefill_done.logprob = lp;
         m.u.prefill_done.has_logprob = true;
+    }
+    if (n_top > 0) {
+        m.u.prefill_done.top_ids = top_ids;
+        m.u.prefill_done.top_logprobs = top_lp;
+        m.u.prefill_done.n_top = (uint32_t)n_top;
     }
     if (!rank_send(k, &m))
         kv_release(k, j->req);
@@ -342,6 +350,8 @@ prefill_work(struct rank *k)
         k->b_slot[n_seqs] = i;
         k->b_ntok[n_seqs] = (int32_t)n;
         rank_sample_params(&k->sp[n_seqs], &j->s, j->step);
+        if (j->done + n < j->n_tokens)
+            k->sp[n_seqs].n_top = 0;   /* a chunk's sample is not output */
         memcpy(&k->b_tok[rows], &j->tokens[j->done], sizeof(int32_t) * n);
         rows += (int)n;
         n_seqs++;
@@ -368,7 +378,10 @@ prefill_work(struct rank *k)
         struct rank_job *j = &k->jobs[k->b_slot[s]];
         j->done += (uint32_t)k->b_ntok[s];
         if (j->done == j->n_tokens)
-            prefill_finish(k, k->b_slot[s], k->out_tok[s], k->out_lp[s]);
+            prefill_finish(k, k->b_slot[s], k->out_tok[s], k->out_lp[s],
+                           k->sp[s].n_top < k->V ? k->sp[s].n_top : k->V,
+                           k->out_top.ids + (size_t)s * DSV4_TOP_MAX,
+                           k->out_top.logprob + (size_t)s * DSV4_TOP_MAX);
     }
 }
 

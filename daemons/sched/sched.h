@@ -200,12 +200,20 @@ struct sched_req {
     int32_t first_token;
     float first_lp;
     bool first_has_lp;
+    int32_t first_top_ids[DSV4_PROTO_MAX_TOP_LOGPROBS];  /* its most likely tokens */
+    float first_top_lp[DSV4_PROTO_MAX_TOP_LOGPROBS];
+    uint32_t first_n_top;
     int64_t t_prefilled_us;          /* monotonic us when the last PREFILL_DONE
                                         part arrived; 0 = no handoff timed */
 
     /* Output. */
     int32_t *out;                    /* tokens emitted (accepted by the scheduler) */
     float *out_lp;
+    /* with s.top_logprobs = N > 0: out[i]'s most likely tokens, out_top_n[i]
+     * (<= N) of them at i * N (NULL while N = 0) */
+    int32_t *out_top_ids;
+    float *out_top_lp;
+    uint8_t *out_top_n;
     uint32_t n_out, cap_out;
     uint32_t n_sent;                 /* of out[], sent to the client */
     struct dsv4_tok_stream ts;       /* detokenizer */
@@ -421,9 +429,21 @@ struct sched_req *req_find(struct sched *s, uint64_t req);
 /* The live request of client `route` with client id `id`; NULL. */
 struct sched_req *req_find_client(struct sched *s, const struct dsv4_route *route, uint64_t id);
 
-/* Record emitted token(s); applies stop ids, max_tokens and stop strings.
- * Returns true when the request finished with this token (rest ignored). */
-bool req_emit(struct sched *s, struct sched_req *r, int32_t token, bool has_lp, float lp);
+/* One output token as a rank reported it (req_emit). */
+struct sched_tok {
+    int32_t id;
+    bool has_lp;               /* lp is its log-probability */
+    float lp;
+    const int32_t *top_ids;    /* its n_top most likely tokens, best first; NULL = none */
+    const float *top_lp;       /* their log-probabilities */
+    uint32_t n_top;
+};
+
+/* Record an emitted token; applies stop ids, max_tokens and stop strings.
+ * Of its most likely tokens, those the request asked for (top_logprobs) are
+ * kept.  Returns true when the request finished with this token (rest
+ * ignored). */
+bool req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t);
 
 /* Text helpers (exposed for tests): after text grew, find a stop string
  * starting at or after `from`; returns its offset or -1. */

@@ -204,8 +204,11 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
     uint64_t got = g->has_resume_text ? g->resume_text : 0;
     size_t text;
 
-    for (uint32_t i = 0; i < g->n_resume && !r->closing; i++)
-        (void)req_emit(s, r, g->resume[i], false, 0.0f);
+    for (uint32_t i = 0; i < g->n_resume && !r->closing; i++) {
+        struct sched_tok t = { .id = g->resume[i] };
+
+        (void)req_emit(s, r, &t);
+    }
     s->m.tokens_out -= r->n_out;    /* counted by the scheduler that made them */
     r->n_sent = r->n_out;
     text = text_offset(r, got);
@@ -500,6 +503,51 @@ utf8_cut(const char *text, size_t len, size_t max)
     return n;
 }
 
+/* A client TOKENS' most likely tokens, packed (top_pack). */
+struct top_buf {
+    uint64_t *cnt;
+    int32_t *ids;
+    float *lp;
+};
+
+/* The most likely tokens of out[from .. from + n) packed into b and
+ * described by t (free b with top_free); false when out of memory. */
+static bool
+top_pack(const struct sched_req *r, uint32_t from, uint32_t n, struct top_buf *b,
+    struct dsv4_top *t)
+{
+    size_t N = r->s.top_logprobs;
+    uint32_t at = 0;
+
+    memset(t, 0, sizeof(*t));
+    b->cnt = malloc((size_t)n * sizeof(*b->cnt));
+    b->ids = malloc((size_t)n * N * sizeof(*b->ids));
+    b->lp = malloc((size_t)n * N * sizeof(*b->lp));
+    if (b->cnt == NULL || b->ids == NULL || b->lp == NULL)
+        return false;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t k = r->out_top_n[from + i];
+
+        b->cnt[i] = k;
+        memcpy(b->ids + at, r->out_top_ids + (from + i) * N, k * sizeof(*b->ids));
+        memcpy(b->lp + at, r->out_top_lp + (from + i) * N, k * sizeof(*b->lp));
+        at += k;
+    }
+    t->top_n = b->cnt;
+    t->top_ids = at > 0 ? b->ids : NULL;
+    t->top_logprobs = at > 0 ? b->lp : NULL;
+    t->n_top = at;
+    return true;
+}
+
+static void
+top_free(struct top_buf *b)
+{
+    free(b->cnt);
+    free(b->ids);
+    free(b->lp);
+}
+
 /* One TOKENS message with out[n_sent .. n_sent + n) and text up to `text_end`. */
 static int
 send_tokens(struct sched *s, struct sched_req *r, uint32_t n, size_t text_end)
@@ -507,6 +555,7 @@ send_tokens(struct sched *s, struct sched_req *r, uint32_t n, size_t text_end)
     /* (text_end < text_sent only after a resume whose text ran ahead) */
     size_t tl = text_end <= r->text_sent ? 0 : utf8_cut(r->text.s + r->text_sent,
         text_end - r->text_sent, DSV4_PROTO_MAX_TEXT);
+    struct top_buf tb = { NULL, NULL, NULL };
     struct dsv4_msg m;
     char *piece;
     size_t k = 0;
@@ -527,10 +576,16 @@ send_tokens(struct sched *s, struct sched_req *r, uint32_t n, size_t text_end)
     m.u.tokens.logprobs = r->s.logprobs ? r->out_lp + r->n_sent : NULL;
     m.u.tokens.n_tokens = n;
     m.u.tokens.text = piece;
+    if (r->s.top_logprobs > 0 && !top_pack(r, r->n_sent, n, &tb, &m.u.tokens.top)) {
+        top_free(&tb);
+        free(piece);
+        return 0;
+    }
     if ((rc = send_to(s, r, &m)) == 1) {
         r->n_sent += n;
         r->text_sent += tl;
     }
+    top_free(&tb);
     free(piece);
     return rc;
 }

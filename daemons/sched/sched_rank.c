@@ -719,6 +719,11 @@ on_prefill_done(struct sched *s, struct sched_rank *k, struct sched_group *g,
         r->first_token = m->token;
         r->first_lp = m->logprob;
         r->first_has_lp = m->has_logprob;
+        r->first_n_top = m->top_ids != NULL ? m->n_top : 0;
+        if (r->first_n_top > 0) {
+            memcpy(r->first_top_ids, m->top_ids, r->first_n_top * sizeof(int32_t));
+            memcpy(r->first_top_lp, m->top_logprobs, r->first_n_top * sizeof(float));
+        }
     }
     r->kv_parts++;
     if (r->pre.acks > 0)
@@ -729,8 +734,13 @@ on_prefill_done(struct sched *s, struct sched_rank *k, struct sched_group *g,
      * handoff is timed from here to the decode group's KV_RELEASE. */
     r->state = DSV4_REQ_HANDOFF;
     r->t_prefilled_us = ctl_now_us();
-    if (req_emit(s, r, r->first_token, r->first_has_lp, r->first_lp))
-        return;
+    {
+        struct sched_tok t = { r->first_token, r->first_has_lp, r->first_lp,
+                               r->first_top_ids, r->first_top_lp, r->first_n_top };
+
+        if (req_emit(s, r, &t))
+            return;
+    }
     send_decode(s, r, g->size);
 }
 
@@ -762,15 +772,22 @@ on_tokens(struct sched *s, struct sched_rank *k, struct sched_group *g,
     const struct dsv4_rank_tokens *m)
 {
     /* Every rank of a group computes the same tokens; the first one speaks. */
+    uint32_t at = 0;   /* entry i's most likely tokens in m->top */
+
     if (k->group_rank != 0)
         return;
     for (uint32_t i = 0; i < m->n; i++) {
         struct sched_req *r = req_find(s, m->reqs[i]);
+        uint32_t nt = m->top.top_n != NULL ? (uint32_t)m->top.top_n[i] : 0;
+        struct sched_tok t = { m->tokens[i], m->logprobs != NULL,
+                               m->logprobs != NULL ? m->logprobs[i] : 0.0f,
+                               nt > 0 ? m->top.top_ids + at : NULL,
+                               nt > 0 ? m->top.top_logprobs + at : NULL, nt };
 
+        at += nt;
         if (r == NULL || r->closing || r->dec.g != g || !r->dec_started)
             continue;
-        (void)req_emit(s, r, m->tokens[i], m->logprobs != NULL,
-            m->logprobs != NULL ? m->logprobs[i] : 0.0f);
+        (void)req_emit(s, r, &t);
     }
 }
 

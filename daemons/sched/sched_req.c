@@ -157,6 +157,9 @@ req_destroy(struct sched *s, struct sched_req *r)
     free(r->stop);
     free(r->out);
     free(r->out_lp);
+    free(r->out_top_ids);
+    free(r->out_top_lp);
+    free(r->out_top_n);
     free(r->err_msg);
     dsv4_tok_text_free(&r->text);
     free(r);
@@ -236,28 +239,40 @@ req_stop_holdback(char *const *stop, uint32_t n_stop, const char *text, size_t l
     return best;
 }
 
+/* realloc *p to n elements of `size` bytes; false (p as it was) when out of memory. */
+static bool
+grow(void *p, size_t n, size_t size)
+{
+    void *q = realloc(*(void **)p, n * size);
+
+    if (q == NULL)
+        return false;
+    *(void **)p = q;
+    return true;
+}
+
 static bool
 grow_out(struct sched_req *r)
 {
     uint32_t cap = r->cap_out ? r->cap_out * 2 : 64;
-    int32_t *o;
-    float *lp;
+    size_t N = r->s.top_logprobs;
 
-    if ((o = realloc(r->out, (size_t)cap * sizeof(*o))) == NULL)
+    if (!grow(&r->out, cap, sizeof(*r->out)) || !grow(&r->out_lp, cap, sizeof(*r->out_lp)))
         return false;
-    r->out = o;
-    if ((lp = realloc(r->out_lp, (size_t)cap * sizeof(*lp))) == NULL)
+    if (N > 0 && (!grow(&r->out_top_ids, cap * N, sizeof(*r->out_top_ids)) ||
+                  !grow(&r->out_top_lp, cap * N, sizeof(*r->out_top_lp)) ||
+                  !grow(&r->out_top_n, cap, sizeof(*r->out_top_n))))
         return false;
-    r->out_lp = lp;
     r->cap_out = cap;
     return true;
 }
 
 bool
-req_emit(struct sched *s, struct sched_req *r, int32_t token, bool has_lp, float lp)
+req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
 {
     size_t old = r->text.len;
     bool stop_id = false;
+    int32_t token = t->id;
 
     if (r->closing)
         return true;
@@ -266,7 +281,16 @@ req_emit(struct sched *s, struct sched_req *r, int32_t token, bool has_lp, float
         return true;
     }
     r->out[r->n_out] = token;
-    r->out_lp[r->n_out] = has_lp ? lp : 0.0f;
+    r->out_lp[r->n_out] = t->has_lp ? t->lp : 0.0f;
+    if (r->s.top_logprobs > 0) {
+        size_t N = r->s.top_logprobs, k = t->top_ids == NULL ? 0 : t->n_top < N ? t->n_top : N;
+
+        if (k > 0) {
+            memcpy(r->out_top_ids + r->n_out * N, t->top_ids, k * sizeof(int32_t));
+            memcpy(r->out_top_lp + r->n_out * N, t->top_lp, k * sizeof(float));
+        }
+        r->out_top_n[r->n_out] = (uint8_t)k;
+    }
     r->n_out++;
     s->m.tokens_out++;
     if (s->tok != NULL && dsv4_tok_stream_push(&r->ts, token, &r->text) != DSV4_OK)

@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 #define DSV4_CLIENT_VERSION_MAJOR 1
-#define DSV4_CLIENT_VERSION_MINOR 3
+#define DSV4_CLIENT_VERSION_MINOR 4
 #define DSV4_CLIENT_VERSION_PATCH 0
 
 #if defined(DSV4_CLIENT_BUILD)
@@ -125,6 +125,10 @@ struct dsv4_client_params {
     int stream;                   /* default 1; 0 = one TOKENS event before DONE */
     const char *tag;              /* label shown by dsv4ctl (<= 128 bytes); NULL = none */
     uint32_t timeout_ms;          /* per-request deadline; 0 = none (default) */
+    uint32_t top_logprobs;        /* since 1.4.0: report this many (<= 20) most likely
+                                     tokens of each output position with their
+                                     log-probabilities (dsv4_client_event_top);
+                                     default 0 */
 };
 
 /*
@@ -213,6 +217,20 @@ DSV4_API int dsv4_client_cancel(struct dsv4_client *c, uint64_t id);
 
 /* Number of requests in flight (submitted, final event not yet returned). */
 DSV4_API size_t dsv4_client_pending(const struct dsv4_client *c);
+
+/*
+ * Since 1.4.0.  For the TOKENS event the last dsv4_client_next on c
+ * returned: the most likely tokens at the position of its token i (< its
+ * n_tokens), best first (by probability at temperature 1, whatever the
+ * request's sampling; the token sampled need not be among them), in *ids
+ * with their log-probabilities in *logprobs (either may be NULL).  Returns
+ * their count: at most the request's top_logprobs; 0 when it asked for
+ * none, the server sent none (a server older than 1.4.0), i is out of
+ * range or that event was not TOKENS.  The arrays stay valid as the event's
+ * pointers do.
+ */
+DSV4_API size_t dsv4_client_event_top(const struct dsv4_client *c, size_t i,
+    const int32_t **ids, const float **logprobs);
 
 /* Detail of the last failure on this connection ("" if none).  With c NULL
  * (since 1.2.0): the calling thread's detail of its last failed

@@ -276,5 +276,8 @@ enum dsv4_err cpu_moe_combine(struct dsv4_backend *be, float *out, const float *
 enum dsv4_err cpu_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
                          const float *logits, const struct dsv4_sample_params *params, int n,
                          int V);
+enum dsv4_err cpu_sample_top(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
+                             const float *logits, const struct dsv4_sample_params *params,
+                             int n, int V);
 
 #endif

@@ -380,6 +380,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .moe_combine = cpu_moe_combine,
     .copy2d = cpu_copy2d,
     .sample = cpu_sample,
+    .sample_top = cpu_sample_top,
     .hc_post_pre = dsv4_hc_post_pre_compose,   /* the fused ops: their definitions */
     .norm_rope = dsv4_norm_rope_compose,
     .linear_multi = dsv4_linear_multi_compose,

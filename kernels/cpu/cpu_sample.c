@@ -26,6 +26,9 @@
  * the sum in double (temperature 1, all V tokens).
  * Invalid parameters (temperature < 0 or not finite, top_k < 0, top_p not in
  * (0, 1]) give DSV4_ERR_INVAL.  Rows run in parallel.
+ *
+ * cpu_sample_top: the row's n_top best ids by (logit desc, id asc) (cpu_topk,
+ * NaN as -inf) with the same log-probability as out_logprob.
  */
 #include "kernels/cpu/cpu.h"
 #include "kernels/sample_order.h"
@@ -85,6 +88,19 @@ sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_
     }
 }
 
+/* m + log Σ_i exp(l_i - m), m the largest logit, the sum in double: what a
+ * logit's log-probability subtracts. */
+static double
+row_lse(const float *l, int V)
+{
+    float m = l[argmax(l, V)];
+    double s = 0.0;
+
+    for (int i = 0; i < V; i++)
+        s += exp((double)(l[i] - m));
+    return (double)m + log(s);
+}
+
 static void
 sample_task(void *ctx, int64_t begin, int64_t end, int tid)
 {
@@ -95,14 +111,8 @@ sample_task(void *ctx, int64_t begin, int64_t end, int tid)
         int id = sample_row(j, l, &j->params[r], tid);
 
         j->out_ids[r] = id;
-        if (j->out_logprob != NULL) {
-            float m = l[argmax(l, j->V)];
-            double s = 0.0;
-
-            for (int i = 0; i < j->V; i++)
-                s += exp((double)(l[i] - m));
-            j->out_logprob[r] = (float)((double)l[id] - ((double)m + log(s)));
-        }
+        if (j->out_logprob != NULL)
+            j->out_logprob[r] = (float)((double)l[id] - row_lse(l, j->V));
     }
 }
 
@@ -131,5 +141,48 @@ cpu_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const 
     free(j.cand);
     free(j.q);
     free(j.d);
+    return e;
+}
+
+struct top_job {
+    int32_t *out_ids;
+    float *out_logprob;
+    const float *logits;
+    const struct dsv4_sample_params *params;
+    int V;
+};
+
+static void
+top_task(void *ctx, int64_t begin, int64_t end, int tid)
+{
+    const struct top_job *j = ctx;
+    struct cpu_pick heap[DSV4_TOP_MAX];
+
+    (void)tid;
+    for (int64_t r = begin; r < end; r++) {
+        const float *l = j->logits + r * j->V;
+        int32_t *ids = j->out_ids + r * DSV4_TOP_MAX;
+        float *lp = j->out_logprob + r * DSV4_TOP_MAX;
+        int k = j->params[r].n_top;
+        double lse;
+
+        if (k == 0)
+            continue;
+        k = cpu_topk(ids, l, j->V, k, heap);
+        lse = row_lse(l, j->V);
+        for (int i = 0; i < k; i++)
+            lp[i] = (float)((double)l[ids[i]] - lse);
+    }
+}
+
+enum dsv4_err
+cpu_sample_top(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
+               const float *logits, const struct dsv4_sample_params *params, int n, int V)
+{
+    struct top_job j = { out_ids, out_logprob, logits, params, V };
+    enum dsv4_err e = so_check_top(params, n, V);
+
+    if (e == DSV4_OK && n > 0)
+        cpu_parallel_for(be, n, 1, top_task, &j);
     return e;
 }

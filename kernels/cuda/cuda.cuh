@@ -1284,6 +1284,9 @@ void cuda_copy_fini(struct dsv4_backend *be);
 enum dsv4_err cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
                           const float *logits, const struct dsv4_sample_params *params, int n,
                           int V);
+enum dsv4_err cuda_sample_top(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
+                              const float *logits, const struct dsv4_sample_params *params,
+                              int n, int V);
 
 /* --- sorting (cuda_sample.cu) ------------------------------------------------- */
 

@@ -775,6 +775,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     cuda_moe_combine,
     cuda_copy2d,
     cuda_sample,
+    cuda_sample_top,
     cuda_graph_begin,
     cuda_graph_end,
     cuda_graph_launch,

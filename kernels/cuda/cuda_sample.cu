@@ -25,6 +25,16 @@
  * for the log-probability is a tree of partial sums (a different double
  * summation order than the CPU's, invisible after the rounding to float but
  * for rare last-bit cases).
+ *
+ * sample_top (the top log-probabilities a client asks for): one block of
+ * TOP_THREADS per row with n_top > 0 (the params staged to the scratch as
+ * above; other rows' blocks leave at once).  Each thread keeps the k =
+ * min(n_top, V) best cu_rank_keys of its strided slice in a sorted list
+ * (the keys are unique, ids in the low bits: (logit desc, id asc), NaN as
+ * -inf, cpu_topk's order); k rounds of a block-wide minimum over the lists'
+ * heads merge them.  m is the CPU argmax's logit (the first id's, or l[0]
+ * when that is NaN), and Σ exp((double)(l - m)) a block tree of partial
+ * sums (as above, not the CPU's order).
  */
 #include "kernels/cuda/cuda.cuh"
 #include "kernels/sample_order.h"
@@ -451,5 +461,130 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
         (const float *)(base + pb + sb), kout, q, d, logits,
         (const struct dsv4_sample_params *)base, n, V);
     CUDA_LAUNCHED("sample_final");
+    return DSV4_OK;
+}
+
+/* --- top log-probabilities (sample_top) ---------------------------------------------- */
+
+#define TOP_THREADS 512
+#define TOP_WARPS (TOP_THREADS / 32)
+#define TOP_NONE 0xffffffffffffffffull   /* above every cu_rank_key */
+
+/* The block's smallest v (every thread gets it).  sh: TOP_WARPS + 1 shared
+ * entries; two __syncthreads, so every thread of the block calls it. */
+static __device__ __forceinline__ unsigned long long
+top_block_min(unsigned long long v, unsigned long long *sh)
+{
+    for (int o = 16; o > 0; o /= 2) {
+        unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+
+        v = w < v ? w : v;
+    }
+    if (threadIdx.x % 32 == 0)
+        sh[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < TOP_WARPS; w++)
+            v = sh[w] < v ? sh[w] : v;
+        sh[TOP_WARPS] = v;
+    }
+    __syncthreads();
+    return sh[TOP_WARPS];
+}
+
+/*
+ * grid n rows, TOP_THREADS threads; rows with n_top = 0 leave at once.
+ * Each thread keeps the k = min(n_top, V) smallest cu_rank_keys of its
+ * strided slice of the row (a sorted list; the keys are unique, ids in
+ * their low bits, so the order is (logit desc, id asc) with NaN as -inf);
+ * k rounds of a block-wide minimum over the lists' heads merge them, the
+ * thread whose head won advancing.  m is the CPU argmax's logit: the first
+ * id's, or l[0] when it is NaN (then every log-probability is NaN, as the
+ * CPU's); Σ exp((double)(l - m)) by a block tree of partial sums.
+ */
+static __global__ void __launch_bounds__(TOP_THREADS)
+sample_top_kernel(int32_t *out_ids, float *out_logprob, const float *logits,
+                  const struct dsv4_sample_params *params, int V)
+{
+    __shared__ unsigned long long sh[TOP_WARPS + 1];
+    __shared__ double sd[TOP_WARPS];
+    __shared__ int32_t s_ids[DSV4_TOP_MAX];
+    __shared__ float s_m;
+    __shared__ double s_lse;
+    int64_t r = blockIdx.x;
+    const float *l = logits + r * V;
+    int k = min(params[r].n_top, V), pos = 0;
+    unsigned long long lst[DSV4_TOP_MAX];
+    double sum = 0.0;
+
+    if (k <= 0)
+        return;   /* the whole block */
+    for (int j = 0; j < k; j++)
+        lst[j] = TOP_NONE;
+    for (int i = threadIdx.x; i < V; i += TOP_THREADS) {
+        unsigned long long key = cu_rank_key(l[i], i);
+        int j = k - 1;
+
+        if (key >= lst[j])
+            continue;
+        for (; j > 0 && lst[j - 1] > key; j--)
+            lst[j] = lst[j - 1];
+        lst[j] = key;
+    }
+    for (int j = 0; j < k; j++) {
+        unsigned long long h = pos < k ? lst[pos] : TOP_NONE;
+        unsigned long long best = top_block_min(h, sh);
+
+        if (h == best)   /* one thread: the keys are unique, and k <= V are real */
+            pos++;
+        if (threadIdx.x == 0)
+            s_ids[j] = (int32_t)(best & 0xffffffffu);
+    }
+    if (threadIdx.x == 0)
+        s_m = isnan(l[0]) ? l[0] : l[s_ids[0]];
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += TOP_THREADS)
+        sum += exp((double)(l[i] - s_m));
+    for (int o = 16; o > 0; o /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (threadIdx.x % 32 == 0)
+        sd[threadIdx.x / 32] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < TOP_WARPS; w++)
+            sum += sd[w];
+        s_lse = (double)s_m + log(sum);
+    }
+    __syncthreads();
+    if (threadIdx.x < k) {
+        int32_t id = s_ids[threadIdx.x];
+
+        out_ids[r * DSV4_TOP_MAX + threadIdx.x] = id;
+        out_logprob[r * DSV4_TOP_MAX + threadIdx.x] = (float)((double)l[id] - s_lse);
+    }
+}
+
+enum dsv4_err
+cuda_sample_top(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
+                const float *logits, const struct dsv4_sample_params *params, int n, int V)
+{
+    cudaStream_t s = cuda_stream(be);
+    struct dsv4_sample_params *dp;
+    int any = 0;
+    enum dsv4_err e = so_check_top(params, n, V);
+
+    if (e != DSV4_OK || n <= 0)
+        return e;
+    for (int r = 0; r < n; r++)
+        any = any || params[r].n_top > 0;
+    if (!any)
+        return DSV4_OK;
+    dp = (struct dsv4_sample_params *)cuda_scratch(be, cuda_align((size_t)n * sizeof(*params)));
+    if (dp == NULL)
+        return dsv4_err_set(DSV4_ERR_NOMEM, "sample_top: no scratch (n=%d)", n);
+    CUDA_TRY(cudaMemcpyAsync(dp, params, (size_t)n * sizeof(*params), cudaMemcpyHostToDevice,
+                             s));
+    sample_top_kernel<<<(unsigned)n, TOP_THREADS, 0, s>>>(out_ids, out_logprob, logits, dp, V);
+    CUDA_LAUNCHED("sample_top");
     return DSV4_OK;
 }

@@ -596,10 +596,10 @@ run_profile(int layers, int batch)
                 sp[i].temperature = te != NULL ? (float)atof(te) : 0.0f;
                 sp[i].seed = 1234 + (uint64_t)i;
             }
-            TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL));
+            TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL, NULL));
             t0 = now_ms();
             for (int s = 0; s < 20; s++)
-                TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL));
+                TRY("sampled step", dsv4_model_forward_sample(gm, &d, sp, tg, NULL, NULL));
             ms_sample = (now_ms() - t0) / 20;
         }
         printf("| profile | flash widths, %d layers | batch %d, %d-token prompts | %s kernels, PDL %s "
@@ -777,10 +777,10 @@ spec_time_plain(struct dsv4_model *m, int n, int steps, int32_t *tok)
     spec_greedy(sp, n);
     for (int i = 0; i < n; i++)
         slot[i] = i, ones[i] = 1;
-    TRY("plain step", dsv4_model_forward_sample(m, &d, sp, tok, NULL));
+    TRY("plain step", dsv4_model_forward_sample(m, &d, sp, tok, NULL, NULL));
     t0 = now_ms();
     for (int s = 0; s < steps; s++)
-        TRY("plain step", dsv4_model_forward_sample(m, &d, sp, tok, NULL));
+        TRY("plain step", dsv4_model_forward_sample(m, &d, sp, tok, NULL, NULL));
     return steps > 0 ? (now_ms() - t0) / steps : 0;
 }
 
@@ -800,7 +800,7 @@ spec_time_spec(struct dsv4_model *m, int n, int steps, int32_t *tok, double *ms_
         slot[i] = i, nd[i] = 1, dr[i] = tok[i];
     for (int s = -1; s < steps; s++) {       /* step -1: warm-up (records the graphs) */
         t0 = now_ms();
-        TRY("verify", dsv4_model_spec_verify(m, &b, sp, ids, NULL, nout, NULL));
+        TRY("verify", dsv4_model_spec_verify(m, &b, sp, ids, NULL, NULL, nout, NULL));
         if (s >= 0)
             tv += now_ms() - t0;
         t0 = now_ms();
@@ -882,7 +882,7 @@ run_spec(int layers)
             if (n == 0)
                 break;
             b.n_seqs = n;
-            TRY("verify", dsv4_model_spec_verify(sm, &b, sp, ids, NULL, nout, NULL));
+            TRY("verify", dsv4_model_spec_verify(sm, &b, sp, ids, NULL, NULL, nout, NULL));
             TRY("draft", dsv4_model_spec_draft(sm, next_dr, NULL));
             calls++;
             for (int i = 0; i < n && !bad; i++) {

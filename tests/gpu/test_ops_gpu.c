@@ -926,6 +926,98 @@ test_sample_vocab(void)
     sample_check("sample (vocab)", sp, N, V, 3.0f, -1, -1, 4);
 }
 
+/* sample_top on N = 5 rows of V logits by both backends (n_top 20, 20, 0,
+ * 1, 5): ids identical; log-probabilities within F32_TOL absolute where
+ * finite, else the same (-inf as -inf, NaN as NaN); the entries of row 2
+ * (n_top 0) and those past min(n_top, V) keep their sentinel.  Row 0: ties
+ * at the top (50 at three ids, 40 at two); row 1: a tie, a NaN at id 1
+ * (ranked as -inf: before the -inf at id V / 2 at V = 7; it makes the row's
+ * log-probabilities NaN on both, as the CPU's formula does); row 3: a tie
+ * for its one id; row 4: -inf but at three ids (then -inf ids by id,
+ * log-probability -inf). */
+static void
+top_check(const char *what, int V)
+{
+    enum { N = 5, K = DSV4_TOP_MAX };
+    static const int n_top[N] = { 20, 20, 0, 1, 5 };
+    struct dsv4_sample_params sp[N];
+    float *l = rand_f32((int64_t)N * V, 3.0f), *lp0 = malloc(N * K * sizeof(float));
+    int32_t *id0 = malloc(N * K * sizeof(int32_t));
+    const float sent = 12345.0f;
+    struct pair pl, pid, plp;
+    const int32_t *ic;
+    const float *fc;
+    int32_t *ig;
+    float *fg;
+    int64_t bad = 0, first = -1;
+    double maxd = 0;
+
+    sample_params(sp, N);
+    for (int r = 0; r < N; r++)
+        sp[r].n_top = n_top[r];
+    l[0 * (int64_t)V + 7 % V] = l[0 * (int64_t)V + V - 1] = l[0 * (int64_t)V + V / 2] = 50.0f;
+    l[0 * (int64_t)V + V / 3] = l[0 * (int64_t)V + V / 4] = 40.0f;
+    l[1 * (int64_t)V + 1] = NAN;
+    l[1 * (int64_t)V + V / 2] = -INFINITY;
+    l[1 * (int64_t)V + V - 1] = l[1 * (int64_t)V + V / 3] = 30.0f;
+    l[3 * (int64_t)V + V - 1] = l[3 * (int64_t)V + 2 % V] = 30.0f;
+    for (int i = 0; i < V; i++)
+        if (i != 1 % V && i != V / 2 && i != V - 1)
+            l[4 * (int64_t)V + i] = -INFINITY;
+    for (int i = 0; i < N * K; i++)
+        id0[i] = -7, lp0[i] = sent;
+    pl = pair_new(l, (size_t)N * V * 4);
+    pid = pair_new(id0, (size_t)N * K * 4);
+    plp = pair_new(lp0, (size_t)N * K * 4);
+    BOTH(what, cpu->ops->sample_top(cpu, pid.c, plp.c, pl.c, sp, N, V),
+         gpu->ops->sample_top(gpu, pid.g, plp.g, pl.g, sp, N, V));
+    ic = pid.c, fc = plp.c;
+    ig = pair_gpu(&pid), fg = pair_gpu(&plp);
+    for (int r = 0; r < N; r++) {
+        int k = n_top[r] < V ? n_top[r] : V;
+
+        for (int j = 0; j < K; j++) {
+            int64_t i = (int64_t)r * K + j;
+            int ok;
+
+            if (j >= k) {
+                ok = ic[i] == -7 && ig[i] == -7 && fc[i] == sent && fg[i] == sent;
+            } else if (isfinite(fc[i]) && isfinite(fg[i])) {
+                maxd = fmax(maxd, fabs((double)fc[i] - fg[i]));
+                ok = ic[i] == ig[i] && fabs((double)fc[i] - fg[i]) <= F32_TOL;
+            } else {
+                ok = ic[i] == ig[i] &&
+                     (isnan(fc[i]) ? isnan(fg[i]) : !isnan(fg[i]) && fc[i] == fg[i]);
+            }
+            if (!ok) {
+                bad++;
+                if (first < 0)
+                    first = i;
+            }
+        }
+    }
+    printf("%s %-28s n=%-8d differing %lld max |dlp| %.3g (bound %.3g)", bad ? "FAIL" : "ok  ",
+           what, N * K, (long long)bad, maxd, F32_TOL);
+    if (first >= 0)
+        printf(" (first at row %lld entry %lld: cpu %d %.9g gpu %d %.9g)",
+               (long long)(first / K), (long long)(first % K), ic[first], (double)fc[first],
+               ig[first], (double)fg[first]);
+    printf("\n");
+    n_fail += bad != 0;
+    free(ig), free(fg);
+    pair_free(&pl), pair_free(&pid), pair_free(&plp);
+    free(l), free(id0), free(lp0);
+}
+
+/* sample_top at the vocabulary and at V = 7 (fewer ids than DSV4_TOP_MAX:
+ * min(n_top, V) entries). */
+static void
+test_sample_top(void)
+{
+    top_check("sample_top (vocab)", 129280);
+    top_check("sample_top (V=7)", 7);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -958,6 +1050,7 @@ main(int argc, char **argv)
         test_moe();
         test_sample();
         test_sample_vocab();
+        test_sample_top();
         dsv4_backend_destroy(cpu);
         dsv4_backend_destroy(gpu);
     }

@@ -230,16 +230,16 @@ run(struct result *r, int dev, int rank, int size, struct dsv4_comm **comm,
         memset(sp, 0, sizeof(sp));
         for (int i = 0; i < B; i++)
             sp[i].top_p = 1.0f;
-        RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL));
+        RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL, NULL));
         t0 = now_ms();
         for (int s = 0; s < 16; s++)
-            RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL));
+            RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL, NULL));
         r->ms_b16s = (now_ms() - t0) / 16;
         b.n_seqs = 1;
-        RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL));
+        RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL, NULL));
         t0 = now_ms();
         for (int s = 0; s < 16; s++)
-            RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL));
+            RTRY("sampled decode", dsv4_model_forward_sample(m, &b, sp, cur, NULL, NULL));
         r->ms_b1s = (now_ms() - t0) / 16;
     }
     if (long_prompt() > 0) {

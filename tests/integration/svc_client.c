@@ -18,7 +18,10 @@
  *   svc_client --reference CHECKPOINT -p PROMPTS -n MAX_TOKENS
  * prints "<i> done <finish> <n> <tok>..." computed on one CPU backend (REF
  * numerics, 1 thread): greedy argmax through the backend's sample op, the
- * checkpoint's EOS ends a sequence (included), as the scheduler does.
+ * checkpoint's EOS ends a sequence (included), as the scheduler does.  With
+ * --top K (1 .. 20) it also prints, after those lines, one line per output
+ * token with its K most likely tokens (the backend's sample_top):
+ *   <i> top <j> <id>:<logprob> ...     (logprob as %.9g; j the token's index)
  *
  * PROMPTS: one prompt per line, token ids separated by blanks.
  * DSV4_SERVER_KEY_FILE in the environment names the server's CURVE public key
@@ -70,7 +73,7 @@ usage(void)
 {
     fprintf(stderr, "usage: svc_client -e endpoint -p prompts -n max_tokens [-w window]\n"
         "                  [-r repeat] [--timeout ms] [--cancel seed] [--progress file]\n"
-        "       svc_client --reference checkpoint -p prompts -n max_tokens\n");
+        "       svc_client --reference checkpoint -p prompts -n max_tokens [--top K]\n");
     exit(2);
 }
 
@@ -108,7 +111,7 @@ read_prompts(const char *path)
 /* --- Reference: the single-process forward --------------------------------- */
 
 static int
-run_reference(const char *dir, int max_tokens)
+run_reference(const char *dir, int max_tokens, int top)
 {
     struct dsv4_weights w;
     struct dsv4_backend *be;
@@ -116,8 +119,9 @@ run_reference(const char *dir, int max_tokens)
     struct dsv4_model_opts mo;
     struct dsv4_sample_params sp;
     struct dsv4_batch b;
-    int32_t slot = 0, n, tok;
-    float *logits, lp;
+    int *n_top_out;
+    int32_t slot = 0, n, tok, *tid;
+    float *logits, lp, *tlp;
     int i, j, V, max_len = 1;
 
     if (dsv4_weights_load(&w, dir) != DSV4_OK ||
@@ -128,6 +132,9 @@ run_reference(const char *dir, int max_tokens)
     for (i = 0; i < n_prompts; i++)
         if (prompts[i].n > max_len)
             max_len = prompts[i].n;
+    n_top_out = calloc((size_t)n_prompts, sizeof(int));
+    if (n_top_out == NULL)
+        return 1;
     memset(&mo, 0, sizeof(mo));
     mo.n_slots = 1;
     mo.max_seq_len = max_len + max_tokens + 1;
@@ -138,9 +145,19 @@ run_reference(const char *dir, int max_tokens)
     }
     V = dsv4_model_vocab(m);
     logits = malloc((size_t)V * sizeof(float));
+    /* every output token's K best, printed after the outputs */
+    tid = top > 0 ? malloc((size_t)n_prompts * MAX_PROMPT_LEN * DSV4_TOP_MAX * sizeof(int32_t))
+                  : NULL;
+    tlp = top > 0 ? malloc((size_t)n_prompts * MAX_PROMPT_LEN * DSV4_TOP_MAX * sizeof(float))
+                  : NULL;
+    if (logits == NULL || (top > 0 && (tid == NULL || tlp == NULL))) {
+        fprintf(stderr, "svc_client: reference: out of memory\n");
+        return 1;
+    }
     memset(&sp, 0, sizeof(sp));
     sp.temperature = 0.0f;
     sp.top_p = 1.0f;
+    sp.n_top = top;
     for (i = 0; i < n_prompts; i++) {
         int32_t out[MAX_PROMPT_LEN];
         int n_out = 0;
@@ -159,6 +176,13 @@ run_reference(const char *dir, int max_tokens)
             }
             sp.step = (uint64_t)j;
             be->ops->sample(be, &tok, &lp, logits, &sp, 1, V);
+            if (top > 0 && be->ops->sample_top(be, tid + ((size_t)i * MAX_PROMPT_LEN + n_out) *
+                                               DSV4_TOP_MAX, tlp + ((size_t)i * MAX_PROMPT_LEN +
+                                               n_out) * DSV4_TOP_MAX, logits, &sp, 1, V) !=
+                DSV4_OK) {
+                fprintf(stderr, "svc_client: reference: %s\n", dsv4_errmsg());
+                return 1;
+            }
             out[n_out++] = tok;
             if (tok == w.cfg.eos_token_id) {
                 finish = "stop";
@@ -171,7 +195,21 @@ run_reference(const char *dir, int max_tokens)
         for (j = 0; j < n_out; j++)
             printf(" %d", out[j]);
         printf("\n");
+        n_top_out[i] = n_out;
     }
+    for (i = 0; i < n_prompts && top > 0; i++) {
+        for (j = 0; j < n_top_out[i]; j++) {
+            size_t at = ((size_t)i * MAX_PROMPT_LEN + j) * DSV4_TOP_MAX;
+
+            printf("%d top %d", i, j);
+            for (int k = 0; k < top && k < V; k++)
+                printf(" %d:%.9g", tid[at + k], (double)tlp[at + k]);
+            printf("\n");
+        }
+    }
+    free(n_top_out);
+    free(tid);
+    free(tlp);
     free(logits);
     dsv4_model_free(m);
     dsv4_backend_destroy(be);
@@ -330,17 +368,18 @@ run_service(const char *endpoint, int max_tokens, int window, int repeat,
 int
 main(int argc, char **argv)
 {
-    enum { OPT_REFERENCE = 256, OPT_TIMEOUT, OPT_CANCEL, OPT_PROGRESS };
+    enum { OPT_REFERENCE = 256, OPT_TIMEOUT, OPT_CANCEL, OPT_PROGRESS, OPT_TOP };
     static const struct option longopts[] = {
         { "reference", required_argument, NULL, OPT_REFERENCE },
         { "timeout", required_argument, NULL, OPT_TIMEOUT },
         { "cancel", required_argument, NULL, OPT_CANCEL },
         { "progress", required_argument, NULL, OPT_PROGRESS },
+        { "top", required_argument, NULL, OPT_TOP },
         { NULL, 0, NULL, 0 },
     };
     const char *endpoint = NULL, *prompts_path = NULL, *reference = NULL;
     const char *progress = NULL;
-    int max_tokens = 16, window = 0, repeat = 1, ch;
+    int max_tokens = 16, window = 0, repeat = 1, top = 0, ch;
     uint32_t timeout_ms = 0;
     uint64_t seed = 0;
     bool cancel = false;
@@ -359,18 +398,20 @@ main(int argc, char **argv)
             seed = strtoull(optarg, NULL, 10) | 1;
             break;
         case OPT_PROGRESS: progress = optarg; break;
+        case OPT_TOP: top = atoi(optarg); break;
         default: usage();
         }
     }
     if (prompts_path == NULL || max_tokens < 1 || max_tokens >= MAX_PROMPT_LEN ||
-        repeat < 1 || (reference == NULL && endpoint == NULL))
+        repeat < 1 || (reference == NULL && endpoint == NULL) || top < 0 ||
+        top > DSV4_TOP_MAX || (top > 0 && reference == NULL))
         usage();
     read_prompts(prompts_path);
     if (n_prompts == 0 || (long)n_prompts * repeat > 1000000)
         usage();
     setvbuf(stdout, NULL, _IOFBF, 1 << 16);
     if (reference != NULL)
-        return run_reference(reference, max_tokens);
+        return run_reference(reference, max_tokens, top);
     return run_service(endpoint, max_tokens, window, repeat, timeout_ms, cancel, seed,
         progress);
 }

@@ -2218,6 +2218,107 @@ def sc_pyclient():
         stop_checked(svc)
 
 
+
+def reference_top(svc, prompts, k, max_tokens=MAX_TOKENS):
+    """The single-process forward's outputs and, per prompt, each output
+    token's k most likely tokens [(id, logprob)] (svc_client --top)."""
+    r = subprocess.run([exe("tests/integration/svc_client"), "--reference", svc.model,
+                        "-p", prompts, "-n", str(max_tokens), "--top", str(k)],
+                       capture_output=True, text=True, check=True)
+    lines = r.stdout.splitlines()
+    tops = {}
+    for line in lines:
+        f = line.split()
+        if f[1] == "top":
+            check(int(f[2]) == len(tops.setdefault(int(f[0]), [])), "bad top line " + line)
+            tops[int(f[0])].append([(int(a), float(b)) for a, b in
+                                    (x.split(":") for x in f[3:])])
+    return parse_outputs("\n".join(l for l in lines if l.split()[1] != "top")), tops
+
+
+def top_checked(what, out, k, greedy, want=None):
+    """A request's top_logprobs output: k entries a token, ids distinct,
+    log-probabilities <= 0 and descending; greedy: the first is the token with
+    its logprob; sampled: the token is among them or no more likely than the
+    last; want (the reference's lists): the same ids, logprobs within 1e-5."""
+    check(out["final"] == "done", "%s: ended with %r" % (what, out.get("body")))
+    check(len(out["top"]) == len(out["tokens"]) == len(out["logprobs"]),
+          "%s: %d top lists for %d tokens" % (what, len(out["top"]), len(out["tokens"])))
+    for j, (tok, lp, top) in enumerate(zip(out["tokens"], out["logprobs"], out["top"])):
+        ids = [i for i, _ in top]
+        lps = [x for _, x in top]
+        check(len(top) == k and len(set(ids)) == k and all(x <= 0 for x in lps) and
+              lps == sorted(lps, reverse=True), "%s: token %d: top %r" % (what, j, top))
+        if greedy:
+            check(ids[0] == tok and lps[0] == lp,
+                  "%s: token %d (%d, %g) is not the first of %r" % (what, j, tok, lp, top))
+        else:
+            check(tok in ids or lp <= lps[-1],
+                  "%s: token %d (%d, %g) more likely than the last of %r" % (what, j, tok, lp, top))
+        if want is not None:
+            w = want[j]
+            check([i for i, _ in w] == ids and all(abs(a - b) <= 1e-5 for (_, a), b in
+                                                     zip(w, lps)),
+                  "%s: token %d: top %r, the single-process forward's %r" % (what, j, top, w))
+
+
+def sc_top_logprobs():
+    """GENERATE top_logprobs: every output token's most likely tokens, from
+    the prefill rank (the first token) and the decode rank (the rest, plain
+    steps and MTP verify steps), through the scheduler to the client; the
+    same as the single-process forward's (svc_client --reference --top)."""
+    sys.path.insert(0, os.path.join(ARGS.src, "tests", "ipc"))
+    import pyclient
+    for conf in ("", "decode.mtp = yes"):
+        svc = Service(n_prefill=1, n_decode=1, extra_conf=conf)
+        c = None
+        try:
+            prompts = os.path.join(svc.dir, "top.txt")
+            make_prompts(prompts, 3, seed=505)
+            ref, tops5 = reference_top(svc, prompts, 5)
+            _, tops20 = reference_top(svc, prompts, 20)
+            with open(prompts) as f:
+                ids = [[int(t) for t in line.split()] for line in f]
+            c = pyclient.Client(svc.client_ep)
+            what = "top_logprobs%s" % (" (mtp)" if conf else "")
+            rids = [c.generate(tokens=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+                               top_logprobs=5) for p in ids]
+            for i, rid in enumerate(rids):
+                out = pyclient.collect(c, rid)
+                check(out["tokens"] == ref[i][2], "%s: request %d tokens %s, want %s" %
+                      (what, i, out["tokens"], ref[i][2]))
+                top_checked("%s: request %d" % (what, i), out, 5, True, tops5[i])
+            # 20 (the most), in one TOKENS (stream = false)
+            out = pyclient.collect(c, c.generate(tokens=ids[0], max_tokens=MAX_TOKENS,
+                                                 temperature=0, logprobs=True,
+                                                 top_logprobs=20, stream=False))
+            check(out["chunks"] == 1, "%s: stream=false gave %d chunks" % (what, out["chunks"]))
+            top_checked(what + ": 20, stream=false", out, 20, True, tops20[0])
+            # sampled: the lists are the model's whatever the sampling
+            out = pyclient.collect(c, c.generate(tokens=ids[1], max_tokens=MAX_TOKENS,
+                                                 temperature=1.5, seed=11, logprobs=True,
+                                                 top_logprobs=3))
+            top_checked(what + ": sampled", out, 3, False)
+            # none asked: none sent
+            out = pyclient.collect(c, c.generate(tokens=ids[2], max_tokens=4, temperature=0))
+            check(out["final"] == "done" and out["top"] == [],
+                  "%s: top lists %r without top_logprobs" % (what, out["top"]))
+            # out of range: 401 naming the key
+            out = pyclient.collect(c, c.generate(tokens=ids[2], top_logprobs=21))
+            check(out["final"] == "error" and out["body"]["code"] == 401 and
+                  "top_logprobs" in out["body"]["message"],
+                  "%s: top_logprobs 21 gave %r" % (what, out.get("body")))
+            log("%s: 3 greedy requests of 5, one of 20, a sampled one of 3 == the "
+                "single-process forward's" % what)
+            # (the tiny model's MTP drafts are never accepted: the lists of
+            # a verify step's accepted rows are checked by test_spec)
+            svc.check_no_leaks()
+        finally:
+            if c is not None:
+                c.close()
+            stop_checked(svc)
+
+
 SCENARIOS = {
     "launch": sc_launch,
     "greedy16": sc_greedy16,
@@ -2232,6 +2333,7 @@ SCENARIOS = {
     "drain": sc_drain,
     "stop_drain": sc_stop_drain,
     "pyclient": sc_pyclient,
+    "top_logprobs": sc_top_logprobs,
     "group2": sc_group2,
     "mtp": sc_mtp,
     "group_break": sc_group_break,

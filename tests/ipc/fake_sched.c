@@ -31,6 +31,9 @@ struct fake_req {
     int32_t stop_ids[DSV4_PROTO_MAX_STOP_IDS];
     uint32_t n_stop_ids;
     bool logprobs, stream, stall;
+    uint32_t top;            /* GENERATE top_logprobs: streamed tokens of even
+                                index get that many (id tok + 1000 j, logprob
+                                lp - j), odd ones none */
     int64_t deadline_ms;     /* 0 = none */
     char *tag;
     int32_t *acc;            /* stream=false: everything so far */
@@ -170,6 +173,7 @@ on_generate(struct fake *f, const struct dsv4_route *from, const struct dsv4_cli
         memcpy(r->stop_ids, g->stop_ids, g->n_stop_ids * sizeof(int32_t));
     r->n_stop_ids = g->n_stop_ids;
     r->logprobs = g->s.logprobs;
+    r->top = g->s.top_logprobs;
     r->stream = g->stream;
     r->stall = r->text && strcmp(g->prompt, "__stall__") == 0;
     r->deadline_ms = g->timeout_ms > 0 ? dsv4_now_ms() + g->timeout_ms : 0;
@@ -280,6 +284,21 @@ step(struct fake *f)
             m.u.tokens.logprobs = r->logprobs ? &lp : NULL;
             m.u.tokens.n_tokens = 1;
             m.u.tokens.text = piece;
+            if (r->top > 0) {
+                static int32_t top_ids[DSV4_PROTO_MAX_TOP_LOGPROBS];
+                static float top_lp[DSV4_PROTO_MAX_TOP_LOGPROBS];
+                static uint64_t top_n;
+
+                top_n = r->emitted % 2 == 0 ? r->top : 0;
+                for (uint32_t j = 0; j < top_n; j++) {
+                    top_ids[j] = tok + 1000 * (int32_t)j;
+                    top_lp[j] = lp - (float)j;
+                }
+                m.u.tokens.top.top_n = &top_n;
+                m.u.tokens.top.top_ids = top_n > 0 ? top_ids : NULL;
+                m.u.tokens.top.top_logprobs = top_n > 0 ? top_lp : NULL;
+                m.u.tokens.top.n_top = (uint32_t)top_n;
+            }
             (void)dsv4_zsock_send(f->sock, &r->route, &m, ZMQ_DONTWAIT, NULL);
         } else {
             r->acc[r->emitted] = tok;

@@ -122,7 +122,7 @@ class Client:
 
 
 def collect(client, rid):
-    out = {"accepted": False, "tokens": [], "text": "", "logprobs": [], "chunks": 0}
+    out = {"accepted": False, "tokens": [], "text": "", "logprobs": [], "top": [], "chunks": 0}
     for kind, body in client.events(rid):
         if kind == "accepted":
             assert not out["accepted"] and body["req"] >= 1
@@ -133,6 +133,13 @@ def collect(client, rid):
             out["tokens"] += body["tokens"]
             out["text"] += body["text"]
             out["logprobs"] += body.get("logprobs", [])
+            # most likely tokens: top_n[i] entries for token i, one after the other
+            # (absent when the request asked for none)
+            at, ids, lps = 0, body.get("top_ids", []), body.get("top_logprobs", [])
+            for k in body.get("top_n", []):
+                out["top"].append(list(zip(ids[at:at + k], lps[at:at + k])))
+                at += k
+            assert at == len(ids) == len(lps)
             out["chunks"] += 1
         else:
             out["final"] = kind

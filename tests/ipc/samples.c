@@ -14,6 +14,10 @@ static const char *const stops[] = { "\n\nUser:", "</s>", "\xc3\xa9t\xc3\xa9" };
 static const int32_t out_ids[] = { 42, 43, 44 };
 static const float out_lp[] = { -0.25f, 0.0f, -INFINITY };
 static const uint64_t reqs[] = { 7, 8, 18446744073709551615ull };
+/* most likely tokens: 2, 0 and 3 for three tokens */
+static const uint64_t top_n[] = { 2, 0, 3 };
+static const int32_t top_ids[] = { 42, 7, 44, 45, 2147483647 };
+static const float top_lp[] = { -0.25f, -1.5f, -INFINITY, -INFINITY, -INFINITY };
 static const uint64_t sizes[] = { 4096, 65536 };
 static const uint64_t offsets[] = { 0, 4096 };
 static const uint64_t sizes1[] = { 1 };
@@ -134,6 +138,33 @@ s_cli_tokens(struct dsv4_msg *m)
     m->u.tokens.logprobs = out_lp;
     m->u.tokens.n_tokens = 3;
     m->u.tokens.text = " wor";
+}
+
+/* The most likely tokens of three tokens (top_n). */
+static void
+top_fill(struct dsv4_top *t)
+{
+    t->top_n = top_n;
+    t->top_ids = top_ids;
+    t->top_logprobs = top_lp;
+    t->n_top = 5;
+}
+
+/* With the most likely tokens (GENERATE top_logprobs 3). */
+static void
+s_cli_tokens_top(struct dsv4_msg *m)
+{
+    s_cli_tokens(m);
+    top_fill(&m->u.tokens.top);
+}
+
+/* GENERATE asking for the most likely tokens. */
+static void
+s_generate_top(struct dsv4_msg *m)
+{
+    s_generate_text(m);
+    m->u.generate.s.logprobs = true;
+    m->u.generate.s.top_logprobs = DSV4_PROTO_MAX_TOP_LOGPROBS;
 }
 
 static void
@@ -341,6 +372,15 @@ s_prefill_done(struct dsv4_msg *m)
 }
 
 static void
+s_prefill_done_top(struct dsv4_msg *m)
+{
+    s_prefill_done(m);
+    m->u.prefill_done.top_ids = top_ids;
+    m->u.prefill_done.top_logprobs = top_lp;
+    m->u.prefill_done.n_top = 2;
+}
+
+static void
 s_decode(struct dsv4_msg *m)
 {
     struct dsv4_rank_decode *d = &m->u.decode;
@@ -377,6 +417,13 @@ s_rank_tokens(struct dsv4_msg *m)
     m->u.step.tokens = out_ids;
     m->u.step.logprobs = out_lp;
     m->u.step.n = 3;
+}
+
+static void
+s_rank_tokens_top(struct dsv4_msg *m)
+{
+    s_rank_tokens(m);
+    top_fill(&m->u.step.top);
 }
 
 static void
@@ -676,6 +723,8 @@ static const struct {
     { "cli_error", s_cli_error },
     { "cli_tokens", s_cli_tokens },
     { "cli_tokens_nolp", s_cli_tokens_nolp },
+    { "cli_tokens_top", s_cli_tokens_top },
+    { "cli_generate_top", s_generate_top },
     { "cli_done", s_cli_done },
     { "cli_cancel", s_cli_cancel },
     { "cli_heartbeat", s_cli_heartbeat },
@@ -687,9 +736,11 @@ static const struct {
     { "rank_disconnect", s_disconnect },
     { "rank_prefill", s_prefill },
     { "rank_prefill_done", s_prefill_done },
+    { "rank_prefill_done_top", s_prefill_done_top },
     { "rank_decode", s_decode },
     { "rank_kv_release", s_kv_release },
     { "rank_tokens", s_rank_tokens },
+    { "rank_tokens_top", s_rank_tokens_top },
     { "rank_decode_done", s_decode_done },
     { "rank_abort", s_abort },
     { "rank_abort_done", s_abort_done },

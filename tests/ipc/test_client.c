@@ -26,6 +26,8 @@
 
 #define WAIT_MS 10000 /* generous bound per event; only guards against hangs */
 #define MAX_OUT 4096
+#define TOP_TOKENS 16   /* tokens whose most likely tokens an outcome keeps */
+#define TOP_MAX 20      /* top_logprobs' bound (docs/protocol.md §4.1) */
 
 struct server {
     char dir[64];
@@ -103,6 +105,9 @@ struct outcome {
     bool accepted;
     int32_t tokens[MAX_OUT];
     float logprobs[MAX_OUT];
+    size_t n_top[TOP_TOKENS]; /* dsv4_client_event_top of the first tokens */
+    int32_t top_ids[TOP_TOKENS][TOP_MAX];
+    float top_lp[TOP_TOKENS][TOP_MAX];
     size_t n_tokens, n_chunks;
     bool have_logprobs;
     char text[MAX_OUT];
@@ -144,6 +149,22 @@ collect(struct dsv4_client *c, struct outcome *o, size_t n)
                 memcpy(x->logprobs + x->n_tokens, ev.logprobs, ev.n_tokens * sizeof(float));
                 x->have_logprobs = true;
             }
+            for (size_t i = 0; i < ev.n_tokens; i++) {
+                const int32_t *ti;
+                const float *tl;
+                size_t k = dsv4_client_event_top(c, i, &ti, &tl);
+
+                assert_true(k <= TOP_MAX);
+                if (x->n_tokens + i >= TOP_TOKENS)
+                    continue;
+                x->n_top[x->n_tokens + i] = k;
+                if (k > 0) {
+                    memcpy(x->top_ids[x->n_tokens + i], ti, k * sizeof(*ti));
+                    memcpy(x->top_lp[x->n_tokens + i], tl, k * sizeof(*tl));
+                }
+            }
+            /* out of range: none */
+            assert_int_equal(dsv4_client_event_top(c, ev.n_tokens, NULL, NULL), 0);
             x->n_tokens += ev.n_tokens;
             x->n_chunks++;
             strncat(x->text, ev.text, sizeof(x->text) - strlen(x->text) - 1);
@@ -291,6 +312,45 @@ test_ids_logprobs_stop(void **state)
     assert_int_equal(o[1].n_chunks, 1); /* stream = 0: one TOKENS event */
     assert_int_equal(o[1].n_tokens, 6);
     assert_string_equal(o[1].text, "[5][6][7][8][5][6]");
+    dsv4_client_close(c);
+}
+
+/* top_logprobs: each token's most likely tokens through
+ * dsv4_client_event_top (the fake server sends them for even tokens, none
+ * for odd ones); a request that asks none gets none; after a DONE event the
+ * accessor reports none. */
+static void
+test_top_logprobs(void **state)
+{
+    static const int32_t ids[] = { 5, 6, 7 };
+    struct dsv4_client *c = connect_ok(*state);
+    struct dsv4_client_params p;
+    struct outcome o[2];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    assert_int_equal(p.top_logprobs, 0);
+    p.logprobs = 1;
+    p.top_logprobs = 4;
+    p.max_tokens = 5;
+    assert_int_equal(dsv4_client_submit_tokens(c, ids, 3, &p, &o[0].id), 0);
+    p.top_logprobs = 0;
+    assert_int_equal(dsv4_client_submit_tokens(c, ids, 3, &p, &o[1].id), 0);
+    collect(c, o, 2);
+    assert_int_equal(o[0].n_tokens, 5);
+    for (size_t k = 0; k < 5; k++) {
+        assert_int_equal(o[0].n_top[k], k % 2 == 0 ? 4 : 0);
+        for (size_t j = 0; j < o[0].n_top[k]; j++) {
+            assert_int_equal(o[0].top_ids[k][j], o[0].tokens[k] + 1000 * (int32_t)j);
+            assert_true(o[0].top_lp[k][j] == o[0].logprobs[k] - (float)j);
+        }
+        assert_int_equal(o[1].n_top[k], 0);
+    }
+    assert_int_equal(dsv4_client_event_top(c, 0, NULL, NULL), 0);   /* last event: DONE */
+    assert_int_equal(dsv4_client_event_top(NULL, 0, NULL, NULL), 0);
+    /* more than the protocol carries: refused before sending */
+    p.top_logprobs = TOP_MAX + 1;
+    assert_int_equal(dsv4_client_submit_tokens(c, ids, 3, &p, NULL), DSV4_CLIENT_BAD_ARGUMENT);
     dsv4_client_close(c);
 }
 
@@ -666,6 +726,7 @@ main(void)
         cmocka_unit_test_setup_teardown(test_connect, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_many_in_flight, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_ids_logprobs_stop, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_top_logprobs, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_cancel, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_timeouts, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_refusals, server_start, server_teardown),

@@ -893,6 +893,39 @@ test_malformed_rank(void **state)
     assert_true(m.sub == DSV4_SUB_CTL && m.cmd == DSV4_CTL_RANK && m.u.rank.has_call_rows);
     m.u.rank.call_rows = m.u.rank.call_rows_full + 1;
     assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+
+    /* TOKENS' most likely tokens: counts that do not sum to the arrays'
+     * length, a count above 20, arrays without counts or without each
+     * other, are refused (rank and client TOKENS share the check). */
+    for (int sub = 0; sub < 2; sub++) {
+        static const uint64_t n_bad[] = { 2, 1, 3 }, n_big[] = { 21, 0, 0 };
+        struct dsv4_top *t;
+
+        for (size_t i = 0; i < samples_count(); i++) {
+            if (strcmp(samples_get(i, &m), sub ? "cli_tokens_top" : "rank_tokens_top") == 0)
+                break;
+        }
+        t = sub ? &m.u.tokens.top : &m.u.step.top;
+        assert_non_null(t->top_n);
+        assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_OK);
+        dsv4_wire_clear(&w);
+        t->top_n = n_bad;
+        assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+        assert_int_equal(pe.code, 401);
+        t->top_n = n_big;
+        assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+        t->top_n = NULL;
+        assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+    }
+    for (size_t i = 0; i < samples_count(); i++) {
+        if (strcmp(samples_get(i, &m), "rank_prefill_done_top") == 0)
+            break;
+    }
+    m.u.prefill_done.top_logprobs = NULL;
+    assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_ERR_INVAL);
+    m.u.prefill_done.top_ids = NULL;
+    assert_int_equal(dsv4_msg_encode(&m, &w, &pe), DSV4_OK);
+    dsv4_wire_clear(&w);
 }
 
 /* Every truncation and every single-byte change of every sample body either

@@ -1712,13 +1712,120 @@ test_sample(void **state)
 }
 
 /* Empirical frequencies follow softmax(logits / T) restricted by top_k. */
+/*
+ * sample_top against a sort of the row: the n_top best ids by (logit desc,
+ * id asc; NaN as -inf), each with log-softmax at temperature 1 (the same
+ * value sample gives its token), whatever the row's sampling; rows that do
+ * not ask and entries past n_top (or past V) keep what was there.
+ */
+static void
+test_sample_top(void **state)
+{
+    enum { N = 4 };
+    int V = 300;
+    struct dsv4_backend *be = mkbe(DSV4_NUMERICS_REF, 2);
+    float *lg = rand_f32((int64_t)N * V, 2.0), lp[N], tlp[N * DSV4_TOP_MAX];
+    int32_t id[N], tid[N * DSV4_TOP_MAX];
+    struct dsv4_sample_params sp[N];
+    int want[N] = { 1, 7, 0, DSV4_TOP_MAX };
+
+    (void)state;
+    lg[3] = lg[250] = lg[99] = 9.0f;          /* row 0: a three-way tie, ids 3 99 250 */
+    lg[V + 10] = NAN;                         /* row 1: NaN and -inf rank last */
+    lg[V + 11] = -INFINITY;
+    lg[V + 12] = lg[V + 13] = 7.5f;
+    for (int i = 0; i < V; i++)               /* row 3: all equal but two */
+        lg[3 * V + i] = 0.25f;
+    lg[3 * V + 200] = 1.0f;
+    lg[3 * V + 5] = -1.0f;
+    memset(sp, 0, sizeof(sp));
+    for (int r = 0; r < N; r++) {
+        sp[r].top_p = 1.0f;
+        sp[r].temperature = r == 3 ? 0.5f : 0.0f;
+        sp[r].top_k = r == 1 ? 3 : 0;
+        sp[r].n_top = want[r];
+    }
+    for (int i = 0; i < N * DSV4_TOP_MAX; i++) {
+        tid[i] = -5;
+        tlp[i] = 2.0f;
+    }
+    assert_int_equal(be->ops->sample(be, id, lp, lg, sp, N, V), DSV4_OK);
+    assert_int_equal(be->ops->sample_top(be, tid, tlp, lg, sp, N, V), DSV4_OK);
+    for (int r = 0; r < N; r++) {
+        const float *l = lg + (int64_t)r * V;
+        int32_t *ord = malloc((size_t)V * sizeof(int32_t));
+        double m = -INFINITY, s = 0.0;
+
+        assert_non_null(ord);
+        for (int i = 0; i < V; i++) {
+            ord[i] = i;
+            if (l[i] > m)
+                m = l[i];
+        }
+        for (int i = 0; i < V; i++)
+            s += exp((double)l[i] - m);
+        /* insertion sort by (logit desc, id asc), NaN as -inf */
+        for (int i = 1; i < V; i++) {
+            int32_t x = ord[i];
+            float vx = isnan(l[x]) ? -INFINITY : l[x];
+            int j = i - 1;
+
+            while (j >= 0 && (isnan(l[ord[j]]) ? -INFINITY : l[ord[j]]) < vx) {
+                ord[j + 1] = ord[j];
+                j--;
+            }
+            ord[j + 1] = x;
+        }
+        for (int j = 0; j < DSV4_TOP_MAX; j++) {
+            int at = r * DSV4_TOP_MAX + j;
+
+            if (j >= want[r]) {
+                assert_int_equal(tid[at], -5);
+                assert_true(tlp[at] == 2.0f);
+                continue;
+            }
+            assert_int_equal(tid[at], ord[j]);
+            /* a NaN logit makes the row's sum NaN: every log-probability
+             * is NaN, as sample's (the model maps it to -inf) */
+            if (isnan(s))
+                assert_true(isnan(tlp[at]));
+            else
+                assert_true(fabs(tlp[at] - ((double)l[ord[j]] - m - log(s))) < 1e-5);
+        }
+        if (want[r] > 0 && sp[r].temperature == 0.0f) {
+            assert_int_equal(tid[r * DSV4_TOP_MAX], id[r]);
+            assert_true(tlp[r * DSV4_TOP_MAX] == lp[r] ||
+                        (isnan(tlp[r * DSV4_TOP_MAX]) && isnan(lp[r])));
+        }
+        free(ord);
+    }
+    assert_int_equal(tid[0], 3);
+    assert_int_equal(tid[DSV4_TOP_MAX], 12);
+    assert_int_equal(tid[3 * DSV4_TOP_MAX], 200);
+    assert_int_equal(tid[3 * DSV4_TOP_MAX + 1], 0);
+    /* fewer ids than asked: V of them */
+    sp[0].n_top = 5;
+    assert_int_equal(be->ops->sample_top(be, tid, tlp, lg, sp, 1, 3), DSV4_OK);
+    assert_int_equal(tid[0] + tid[1] + tid[2], 0 + 1 + 2);   /* all three ids, then as was */
+    assert_true(tid[0] != tid[1] && tid[1] != tid[2] && tid[0] != tid[2]);
+    assert_int_equal(tid[3], -5);
+    /* n_top out of range */
+    sp[0].n_top = DSV4_TOP_MAX + 1;
+    assert_int_equal(be->ops->sample_top(be, tid, tlp, lg, sp, 1, V), DSV4_ERR_INVAL);
+    sp[0].n_top = -1;
+    assert_int_equal(be->ops->sample_top(be, tid, tlp, lg, sp, 1, V), DSV4_ERR_INVAL);
+    free(lg);
+    dsv4_backend_destroy(be);
+}
+
 static void
 test_sample_distribution(void **state)
 {
     int V = 4, N = 4000;
     struct dsv4_backend *be = mkbe(DSV4_NUMERICS_HF, 1);
     float lg[4] = { 1.0f, 0.0f, 2.0f, -1.0f };
-    struct dsv4_sample_params sp = { 2.0f, 1.0f, 3, 7, 0 };
+    struct dsv4_sample_params sp = { .temperature = 2.0f, .top_p = 1.0f, .top_k = 3,
+                                      .seed = 7 };
     int count[4] = { 0 };
     double p[4], s = 0.0;
 
@@ -1783,7 +1890,8 @@ test_sample_distribution_spans(void **state)
     for (int k = 0; k < 4; k++)
         lg[tok[k]] = (float)log(want[k]);
     for (int sorted = 0; sorted < 2; sorted++) {
-        struct dsv4_sample_params sp = { 1.0f, sorted ? 0.999f : 1.0f, 0, 99, 0 };
+        struct dsv4_sample_params sp = { .temperature = 1.0f,
+                                          .top_p = sorted ? 0.999f : 1.0f, .seed = 99 };
         int count[4] = { 0 };
 
         for (int step = 0; step < N; step++) {
@@ -1910,6 +2018,7 @@ main(void)
         cmocka_unit_test(test_moe),
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_sample),
+        cmocka_unit_test(test_sample_top),
         cmocka_unit_test(test_sample_distribution),
         cmocka_unit_test(test_sample_distribution_spans),
         cmocka_unit_test(test_hot_loops_checked),

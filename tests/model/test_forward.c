@@ -229,20 +229,28 @@ test_state_handoff(void **state)
     free(b);
 }
 
-/* forward_sample == forward, then the sample op on the host logits. */
+/* forward_sample == forward, then the sample op on the host logits; its top
+ * ids == the sample_top op on them, for the row that asks only (row 1's
+ * entries keep their sentinel), the greedy row's best being its token. */
 static void
 test_forward_sample(void **state)
 {
     int32_t slots[2] = { 2, 3 }, n[2] = { 37, 64 }, toks[101];
     struct dsv4_sample_params sp[2] = {
-        { .temperature = 0.0f, .top_p = 1.0f, .seed = 1, .step = 0 },
+        { .temperature = 0.0f, .top_p = 1.0f, .n_top = 5, .seed = 1, .step = 0 },
         { .temperature = 0.8f, .top_p = 0.9f, .top_k = 50, .seed = 7, .step = 3 },
     };
     float *lg = malloc(2 * (size_t)tm.V * sizeof(float)), lp[2], lp2[2];
-    int32_t got1[2], got2[2];
+    float tlp1[2 * DSV4_TOP_MAX], tlp2[2 * DSV4_TOP_MAX];
+    int32_t got1[2], got2[2], tid1[2 * DSV4_TOP_MAX], tid2[2 * DSV4_TOP_MAX];
+    struct dsv4_top_out top = { tid2, tlp2 };
 
     (void)state;
     assert_non_null(lg);
+    for (int i = 0; i < 2 * DSV4_TOP_MAX; i++) {
+        tid1[i] = tid2[i] = -7;
+        tlp1[i] = tlp2[i] = 1.0f;
+    }
     for (int i = 0; i < 101; i++)
         toks[i] = (int32_t)((i * 7919 + 3) % tm.V);
     for (int round = 0; round < 2; round++) {
@@ -253,14 +261,25 @@ test_forward_sample(void **state)
         if (round == 0) {
             assert_int_equal(dsv4_model_forward(tm.m, &b, lg, 0), DSV4_OK);
             assert_int_equal(tm.be->ops->sample(tm.be, got1, lp, lg, sp, 2, tm.V), DSV4_OK);
+            assert_int_equal(tm.be->ops->sample_top(tm.be, tid1, tlp1, lg, sp, 2, tm.V),
+                             DSV4_OK);
         } else {
-            assert_int_equal(dsv4_model_forward_sample(tm.m, &b, sp, got2, lp2), DSV4_OK);
+            assert_int_equal(dsv4_model_forward_sample(tm.m, &b, sp, got2, lp2, &top),
+                             DSV4_OK);
         }
     }
-    printf("# forward_sample: ids %d %d (forward + sample: %d %d)\n", got2[0], got2[1], got1[0],
-           got1[1]);
+    printf("# forward_sample: ids %d %d (forward + sample: %d %d); top %d %d %d\n", got2[0],
+           got2[1], got1[0], got1[1], tid2[0], tid2[1], tid2[2]);
     assert_memory_equal(got1, got2, sizeof(got1));
     assert_memory_equal(lp, lp2, sizeof(lp));
+    assert_memory_equal(tid1, tid2, sizeof(tid1));
+    assert_memory_equal(tlp1, tlp2, sizeof(tlp1));
+    assert_int_equal(tid2[0], got2[0]);
+    assert_true(tlp2[0] == lp2[0]);
+    for (int j = 1; j < 5; j++)
+        assert_true(tlp2[j] <= tlp2[j - 1] && tid2[j] != tid2[0]);
+    assert_int_equal(tid2[5], -7);
+    assert_int_equal(tid2[DSV4_TOP_MAX], -7);
     assert_int_equal(dsv4_model_seq_len(tm.m, 3), 64);
     free(lg);
 }

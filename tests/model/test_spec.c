@@ -23,8 +23,10 @@
  *
  * Usage: test_spec CHECKPOINT_DIR (run_with_ckpt.sh makes it).
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -64,6 +66,8 @@ struct run {
     float *mtp;                 /* (N_SEQ, N_GEN, V) */
     uint8_t has_mtp[N_SEQ][N_GEN];
     int accepted, rejected, restored, mtp_accepted, calls;
+    int top_checked, top_accepted; /* tokens whose top ids were checked; of them,
+                                      accepted drafts (a verify's second row) */
     enum dsv4_err err;
     char msg[256];
 };
@@ -193,8 +197,42 @@ out:
 }
 
 /*
+ * Whether the n_top most likely ids a verify step reported for a token
+ * (ids, lp) are those of its logits row l: by (logit desc, id asc), each
+ * with logit - log Σ exp (within 1e-5).
+ */
+static bool
+top_matches(const float *l, int n_top, const int32_t *ids, const float *lp)
+{
+    double m = -INFINITY, s = 0.0;
+    int32_t prev = -1;
+
+    for (int i = 0; i < V; i++)
+        m = l[i] > m ? l[i] : m;
+    for (int i = 0; i < V; i++)
+        s += exp((double)l[i] - m);
+    for (int j = 0; j < n_top; j++) {
+        int32_t best = -1;
+
+        /* the best id after prev in (logit desc, id asc) order */
+        for (int i = 0; i < V; i++) {
+            bool after = prev < 0 || l[i] < l[prev] || (l[i] == l[prev] && i > prev);
+
+            if (after && (best < 0 || l[i] > l[best]))
+                best = i;
+        }
+        if (ids[j] != best || fabs(lp[j] - ((double)l[best] - m - log(s))) > 1e-5)
+            return false;
+        prev = best;
+    }
+    return true;
+}
+
+/*
  * The speculative run: verify + draft steps until every stream has n_gen
- * tokens.  ref holds the plain tokens (for the forced drafts; the run does
+ * tokens.  Odd streams also ask for their 3 most likely ids, checked
+ * against the verify's logits rows (top_matches), accepted drafts' rows
+ * included.  ref holds the plain tokens (for the forced drafts; the run does
  * not otherwise look at them).  Drafts come from the sources drawn from a
  * fixed generator, so every rank of a group makes the same calls.
  */
@@ -202,6 +240,9 @@ static void
 spec_script(struct dsv4_model *m, const struct run *ref, int prompt_mtp, struct run *o)
 {
     int32_t slot[N_SEQ], last[N_SEQ], nd[N_SEQ], draft[N_SEQ], ids[N_SEQ * K1], nout[N_SEQ];
+    int32_t top_ids[N_SEQ * K1 * DSV4_TOP_MAX];
+    float top_lp[N_SEQ * K1 * DSV4_TOP_MAX];
+    struct dsv4_top_out top = { top_ids, top_lp };
     int32_t mtp_draft[N_SEQ] = { 0 }, next_draft[N_SEQ], e[N_SEQ] = { 0 }, map[N_SEQ];
     enum src src[N_SEQ];
     struct dsv4_sample_params sp[N_SEQ];
@@ -234,17 +275,29 @@ spec_script(struct dsv4_model *m, const struct run *ref, int prompt_mtp, struct 
             memset(&sp[n], 0, sizeof(sp[n]));
             sp[n].top_p = 1.0f;
             sp[n].step = (uint64_t)e[s] + 1;
+            sp[n].n_top = s % 2 ? 3 : 0;
             n++;
         }
         if (n == 0)
             break;
         b.n_seqs = n;
-        RUN_TRY(dsv4_model_spec_verify(m, &b, sp, ids, NULL, nout, lg));
+        RUN_TRY(dsv4_model_spec_verify(m, &b, sp, ids, NULL, &top, nout, lg));
         o->calls++;
         for (int i = 0, row = 0; i < n; i++) {
             int s = map[i], p = prompt_len[s] + e[s];
 
             for (int j = 0; j < nout[i]; j++) {
+                if (sp[i].n_top > 0 &&
+                    !top_matches(lg + (size_t)(row + j) * V, sp[i].n_top,
+                                 top_ids + (size_t)(i * K1 + j) * DSV4_TOP_MAX,
+                                 top_lp + (size_t)(i * K1 + j) * DSV4_TOP_MAX)) {
+                    o->err = DSV4_ERR_INVAL;
+                    snprintf(o->msg, sizeof(o->msg), "stream %d at %d, token %d: most likely "
+                             "ids differ from its logits row's", s, e[s], j);
+                    goto out;
+                }
+                o->top_checked += sp[i].n_top > 0;
+                o->top_accepted += sp[i].n_top > 0 && j == 1;
                 o->tok[s][e[s] + 1 + j] = ids[i * K1 + j];
                 memcpy(row_of(o->lg, s, e[s] + j), lg + (size_t)(row + j) * V,
                        (size_t)V * sizeof(float));
@@ -346,6 +399,9 @@ test_spec_equals_plain(void **state)
            n_mtp);
     /* both paths ran many times (a property of the fixed draft sources) */
     assert_true(sp.accepted >= 60);
+    printf("# most likely ids of %d tokens == their logits rows', %d of them accepted drafts\n",
+           sp.top_checked, sp.top_accepted);
+    assert_true(sp.top_accepted >= 20);
     assert_true(sp.rejected >= 100);
     assert_true(sp.restored >= 20);
     assert_true(n_mtp >= N_GEN);
@@ -445,13 +501,15 @@ test_spec_errors(void **state)
     V = tm.V;
     assert_int_equal(dsv4_model_spec_draft(tm.m, ids, NULL), DSV4_ERR_INVAL);   /* no verify */
     b.n_seqs = 2;                                                                 /* repeated slot */
-    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, nout, NULL), DSV4_ERR_INVAL);
+    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, NULL, nout, NULL),
+                     DSV4_ERR_INVAL);
     b.n_seqs = 1;
     nd[0] = DSV4_SPEC_MAX_DRAFT + 1;
-    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, nout, NULL), DSV4_ERR_INVAL);
+    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, NULL, nout, NULL),
+                     DSV4_ERR_INVAL);
     nd[0] = 1;
     assert_int_equal(dsv4_model_seq_len(tm.m, 0), 0);
-    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, nout, NULL), DSV4_OK);
+    assert_int_equal(dsv4_model_spec_verify(tm.m, &b, sp, ids, NULL, NULL, nout, NULL), DSV4_OK);
     assert_int_equal(dsv4_model_seq_len(tm.m, 0), nout[0]);
     /* a plain forward in between forgets the verify's rows */
     struct dsv4_batch fb = { 1, slot, &two, last };

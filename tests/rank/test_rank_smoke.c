@@ -247,7 +247,7 @@ shm_exists(const struct treq *r)
 static void
 reference(struct tmodel *t, const struct treq *r, int32_t *out)
 {
-    struct dsv4_sample_params sp = { 0.0f, 1.0f, 0, 0, 0 };
+    struct dsv4_sample_params sp = { .temperature = 0.0f, .top_p = 1.0f };
     float *logits = malloc(sizeof(float) * (size_t)t->V);
     int32_t slot = 0, n = r->n_prompt, one = 1, tok;
 
