@@ -209,6 +209,7 @@ struct json_object *gw_json_bytes(const char *s, size_t n);
 /* --- gw_req.c ---------------------------------------------------------- */
 
 #define GW_MAX_STOP 16            /* stop strings of a request (protocol limit) */
+#define GW_MAX_TOP_LOGPROBS 20    /* top_logprobs (OpenAI's and the protocol's bound) */
 
 /* A refused request: HTTP status, OpenAI error code, message. */
 struct gw_bad {
@@ -239,7 +240,8 @@ struct gw_req {
     struct dsv4_chat_opts copts;      /* chat: thinking, reasoning effort */
     bool stream;                      /* "stream" */
     bool include_usage;               /* "stream_options": {"include_usage"} */
-    bool logprobs;                    /* chat "logprobs", completions "logprobs": 0 */
+    bool logprobs;                    /* chat "logprobs", completions "logprobs" set; the
+                                         count of most likely tokens in p.top_logprobs */
     bool return_ids;                  /* "return_token_ids" */
     char tag[64];                     /* p.tag: "gateway <id>" */
 };

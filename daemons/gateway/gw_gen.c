@@ -54,7 +54,10 @@ struct gw_gen {
     struct dsv4_tok_text content, reasoning;
     struct dsv4_tok_ids ids, prompt_ids;
     float *lps;
-    size_t lps_cap;
+    uint32_t top_req;                /* most likely tokens asked per position (0 ... 20) */
+    int32_t *top_ids;                /* ids.cap * top_req: token i's at i * top_req */
+    float *top_lps;
+    uint8_t *top_n;                  /* ids.cap: how many token i has */
     char *out;                       /* SSE bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
     bool sse_end;                    /* [DONE] queued */
@@ -169,13 +172,62 @@ gw_usage(const struct gw_gen *q)
     return u;
 }
 
+/* A log-probability as JSON: -inf (and NaN) as -9999.0, as OpenAI has it. */
+static json_object *
+gw_lp_json(float lp)
+{
+    return json_object_new_double(isfinite(lp) ? lp : -9999.0);
+}
+
+/* A chat logprobs entry {"token", "logprob", "bytes"} of token `id`. */
+static json_object *
+gw_chat_entry(const struct gw_gen *q, int32_t id, float lp)
+{
+    json_object *t = json_object_new_object(), *bytes = json_object_new_array();
+    const char *piece;
+    size_t j, n;
+
+    piece = dsv4_tok_piece(q->g->tok, id, &n);
+    json_object_object_add(t, "token", gw_json_bytes(piece, n));
+    json_object_object_add(t, "logprob", gw_lp_json(lp));
+    for (j = 0; j < n; j++)
+        json_object_array_add(bytes, json_object_new_int((unsigned char)piece[j]));
+    json_object_object_add(t, "bytes", bytes);
+    return t;
+}
+
+/* The most likely tokens of output position i: chat a list of entries,
+ * best first; completions an object text -> logprob (OpenAI's legacy
+ * format: of two that render the same, the first, more likely, stays). */
+static json_object *
+gw_top_json(const struct gw_gen *q, size_t i)
+{
+    const int32_t *ids = q->top_ids + i * q->top_req;
+    const float *lps = q->top_lps + i * q->top_req;
+    json_object *o = q->chat ? json_object_new_array() : json_object_new_object(), *k;
+    const char *piece;
+    size_t j, n;
+
+    for (j = 0; j < q->top_n[i]; j++) {
+        if (q->chat) {
+            json_object_array_add(o, gw_chat_entry(q, ids[j], lps[j]));
+            continue;
+        }
+        piece = dsv4_tok_piece(q->g->tok, ids[j], &n);
+        k = gw_json_bytes(piece, n);
+        if (!json_object_object_get_ex(o, json_object_get_string(k), NULL))
+            json_object_object_add(o, json_object_get_string(k), gw_lp_json(lps[j]));
+        json_object_put(k);
+    }
+    return o;
+}
+
 /* Log-probability entries of ids[from..to). */
 static json_object *
 gw_logprobs(const struct gw_gen *q, size_t from, size_t to, size_t text_offset)
 {
-    json_object *o, *a, *b, *c = NULL, *e, *bytes;
-    const char *piece;
-    size_t i, j, n;
+    json_object *o, *a, *b, *c = NULL, *e, *top = NULL;
+    size_t i, n;
 
     o = json_object_new_object();
     if (q->chat)
@@ -183,25 +235,23 @@ gw_logprobs(const struct gw_gen *q, size_t from, size_t to, size_t text_offset)
     a = json_object_new_array();
     b = json_object_new_array();
     e = json_object_new_array();
+    if (!q->chat && q->top_req > 0)
+        top = json_object_new_array();
     for (i = from; i < to; i++) {
-        double lp = isfinite(q->lps[i]) ? q->lps[i] : -9999.0;
-
-        piece = dsv4_tok_piece(q->g->tok, q->ids.v[i], &n);
         if (q->chat) {
-            json_object *t = json_object_new_object();
+            json_object *t = gw_chat_entry(q, q->ids.v[i], q->lps[i]);
 
-            json_object_object_add(t, "token", gw_json_bytes(piece, n));
-            json_object_object_add(t, "logprob", json_object_new_double(lp));
-            bytes = json_object_new_array();
-            for (j = 0; j < n; j++)
-                json_object_array_add(bytes, json_object_new_int((unsigned char)piece[j]));
-            json_object_object_add(t, "bytes", bytes);
-            json_object_object_add(t, "top_logprobs", json_object_new_array());
+            json_object_object_add(t, "top_logprobs", q->top_req > 0 ? gw_top_json(q, i) :
+                json_object_new_array());
             json_object_array_add(c, t);
         } else {
+            const char *piece = dsv4_tok_piece(q->g->tok, q->ids.v[i], &n);
+
             json_object_array_add(a, gw_json_bytes(piece, n));
-            json_object_array_add(b, json_object_new_double(lp));
+            json_object_array_add(b, gw_lp_json(q->lps[i]));
             json_object_array_add(e, json_object_new_int64((int64_t)text_offset));
+            if (top != NULL)
+                json_object_array_add(top, gw_top_json(q, i));
             text_offset += n;
         }
     }
@@ -213,7 +263,7 @@ gw_logprobs(const struct gw_gen *q, size_t from, size_t to, size_t text_offset)
     } else {
         json_object_object_add(o, "tokens", a);
         json_object_object_add(o, "token_logprobs", b);
-        json_object_object_add(o, "top_logprobs", NULL);
+        json_object_object_add(o, "top_logprobs", top);   /* null when none were asked */
         json_object_object_add(o, "text_offset", e);
     }
     return o;
@@ -277,6 +327,40 @@ gw_sse_chunk(struct gw_gen *q, const char *c, size_t cn, const char *r, size_t r
     gw_sse_json(q, o);
 }
 
+/* Room for twice as many output tokens (ids, logprobs, most likely
+ * tokens); -1 when out of memory (what fitted stays). */
+static int
+gw_grow(struct gw_gen *q)
+{
+    size_t ncap = q->ids.cap != 0 ? q->ids.cap * 2 : 64, k = q->top_req;
+    int32_t *nv = realloc(q->ids.v, ncap * sizeof(*nv));
+    float *nl;
+
+    if (nv == NULL)
+        return -1;
+    q->ids.v = nv;
+    if ((nl = realloc(q->lps, ncap * sizeof(*nl))) == NULL)
+        return -1;
+    q->lps = nl;
+    if (k > 0) {
+        int32_t *ti = realloc(q->top_ids, ncap * k * sizeof(*ti));
+        float *tl;
+        uint8_t *tn;
+
+        if (ti == NULL)
+            return -1;
+        q->top_ids = ti;
+        if ((tl = realloc(q->top_lps, ncap * k * sizeof(*tl))) == NULL)
+            return -1;
+        q->top_lps = tl;
+        if ((tn = realloc(q->top_n, ncap * sizeof(*tn))) == NULL)
+            return -1;
+        q->top_n = tn;
+    }
+    q->ids.cap = ncap;
+    return 0;
+}
+
 /* A TOKENS event: record ids, timing, text (EOS text dropped, reasoning
  * split off at </think> in thinking mode); stream a chunk. */
 static void
@@ -298,20 +382,23 @@ gw_on_tokens(struct gw_gen *q, const struct dsv4_client_event *ev)
     q->t_last = now;
     q->n_out += ev->n_tokens;
     for (i = 0; i < ev->n_tokens; i++) {
-        if (q->ids.len == q->ids.cap) {
-            size_t ncap = q->ids.cap != 0 ? q->ids.cap * 2 : 64;
-            int32_t *nv = realloc(q->ids.v, ncap * sizeof(*nv));
-            float *nl = realloc(q->lps, ncap * sizeof(*nl));
-
-            if (nv != NULL)
-                q->ids.v = nv;
-            if (nl != NULL)
-                q->lps = nl;
-            if (nv == NULL || nl == NULL)
-                return;
-            q->ids.cap = ncap;
-        }
+        if (q->ids.len == q->ids.cap && gw_grow(q) != 0)
+            return;
         q->lps[q->ids.len] = ev->logprobs != NULL ? ev->logprobs[i] : 0.0f;
+        if (q->top_req > 0) {
+            /* (the event's arrays last until the next dsv4_client_next) */
+            const int32_t *tids;
+            const float *tlps;
+            size_t k = dsv4_client_event_top(q->c, i, &tids, &tlps);
+
+            if (k > q->top_req)
+                k = q->top_req;
+            if (k > 0) {
+                memcpy(q->top_ids + q->ids.len * q->top_req, tids, k * sizeof(*tids));
+                memcpy(q->top_lps + q->ids.len * q->top_req, tlps, k * sizeof(*tlps));
+            }
+            q->top_n[q->ids.len] = (uint8_t)k;
+        }
         q->ids.v[q->ids.len++] = ev->tokens[i];
     }
     /* EOS ends the request and is part of the token output; its text is not
@@ -747,6 +834,7 @@ gw_gen_handle(struct gw *g, struct MHD_Connection *conn, bool chat, const char *
     q->stream = a.stream;
     q->include_usage = a.include_usage;
     q->logprobs = a.logprobs;
+    q->top_req = a.logprobs ? a.p.top_logprobs : 0;
     q->return_ids = a.return_ids;
     q->thinking = chat && a.copts.thinking;
     q->in_reasoning = q->thinking;
@@ -810,6 +898,9 @@ gw_gen_finish(struct gw *g, struct gw_gen *q, bool client_gone)
     dsv4_tok_ids_free(&q->ids);
     dsv4_tok_ids_free(&q->prompt_ids);
     free(q->lps);
+    free(q->top_ids);
+    free(q->top_lps);
+    free(q->top_n);
     free(q->out);
     free(q);
 }

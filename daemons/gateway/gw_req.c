@@ -127,6 +127,35 @@ gw_num(json_object *o, const char *key, double lo, double hi, bool integer, doub
     return 0;
 }
 
+/* A count of most likely tokens (chat "top_logprobs", completions
+ * "logprobs"): absent/null -> *has false, *n 0; a number that is not an
+ * integer 0 ... GW_MAX_TOP_LOGPROBS -> 400 invalid_value naming the field;
+ * another type -> 400 invalid_type. */
+static int
+gw_top_n(json_object *o, const char *key, uint32_t *n, bool *has, struct gw_bad *b)
+{
+    json_object *x;
+    enum json_type t;
+    int64_t v;
+
+    *has = false;
+    *n = 0;
+    if (!json_object_object_get_ex(o, key, &x) || x == NULL)
+        return 0;
+    t = json_object_get_type(x);
+    if (t != json_type_int && t != json_type_double)
+        return gw_bad(b, 400, "invalid_type", "\"%s\" must be an integer 0 ... %d", key,
+            GW_MAX_TOP_LOGPROBS);
+    v = json_object_get_int64(x);   /* (clamped for ints beyond int64) */
+    if (t != json_type_int || v < 0 || v > GW_MAX_TOP_LOGPROBS)
+        return gw_bad(b, 400, "invalid_value", "\"%s\" = %s: must be an integer 0 ... %d",
+            key, json_object_to_json_string_ext(x, JSON_C_TO_STRING_PLAIN),
+            GW_MAX_TOP_LOGPROBS);
+    *n = (uint32_t)v;
+    *has = true;
+    return 0;
+}
+
 static int
 gw_bool(json_object *o, const char *key, bool *v, struct gw_bad *b)
 {
@@ -456,18 +485,21 @@ gw_parse_params(const struct gw *g, bool chat, json_object *o, struct gw_req *a,
         return -1;
     if (gw_bool(o, "return_token_ids", &a->return_ids, b) != 0)
         return -1;
-    /* logprobs: chat takes a bool (+ top_logprobs), completions an integer;
-     * only the sampled token's log-probability exists (no alternatives). */
+    /* logprobs: chat takes a bool and top_logprobs (the number of most
+     * likely tokens per position, which needs logprobs: true, as OpenAI
+     * has it); completions an integer, the number of most likely tokens
+     * (0 = only the sampled token's log-probability; null = none). */
     if (chat) {
         if (gw_bool(o, "logprobs", &a->logprobs, b) != 0)
             return -1;
-        if (gw_num(o, "top_logprobs", 0, 0, true, &v, &has, b) != 0)
-            return gw_bad(b, 400, "unsupported_value", "\"top_logprobs\" must be 0: only "
-                "the sampled token's log-probability is available");
+        if (gw_top_n(o, "top_logprobs", &a->p.top_logprobs, &has, b) != 0)
+            return -1;
+        if (a->p.top_logprobs > 0 && !a->logprobs)
+            return gw_bad(b, 400, "invalid_value", "\"top_logprobs\" needs \"logprobs\": "
+                "true");
     } else {
-        if (gw_num(o, "logprobs", 0, 0, true, &v, &has, b) != 0)
-            return gw_bad(b, 400, "unsupported_value", "\"logprobs\" must be 0 or null: "
-                "only the sampled token's log-probability is available (0)");
+        if (gw_top_n(o, "logprobs", &a->p.top_logprobs, &has, b) != 0)
+            return -1;
         a->logprobs = has;
     }
     a->p.logprobs = a->logprobs || a->return_ids;

@@ -261,20 +261,108 @@ def metric(text, name, labels=None):
     return None
 
 
-def generate(svc, prompt=None, ids=None, n=16):
+def generate_rows(svc, prompt=None, ids=None, n=16, top=None):
     """dsv4-generate (libdsv4client), greedy, EOS as stop id like the
-    gateway: (text, [ids])."""
+    gateway, --logprobs (--top-logprobs TOP with top): (text, rows), a row
+    (id, logprob, [(id, logprob) of the most likely tokens]) per output
+    token."""
     cmd = [exe("tools/generate/dsv4-generate"), "-e", svc.client_ep, "-t", "0",
            "-n", str(n), "--logprobs", "--stop-id", str(tok_id(EOS))]
+    if top is not None:
+        cmd += ["--top-logprobs", str(top)]
     if ids is not None:
         cmd += ["--ids", " ".join(map(str, ids))]
     else:
         cmd += [prompt]
     r = subprocess.run(cmd, capture_output=True, timeout=300)
     check(r.returncode == 0, "dsv4-generate failed: %s" % r.stderr.decode())
-    toks = [int(line.split()[0]) for line in r.stderr.decode().splitlines()
-            if line.strip() and line.split()[0].lstrip("-").isdigit()]
-    return r.stdout.decode().rstrip("\n"), toks
+    rows = []
+    for line in r.stderr.decode().splitlines():
+        f = line.split()
+        if not f or not f[0].lstrip("-").isdigit():
+            continue
+        tops = [(int(t), float(lp)) for t, lp in (x.split(":") for x in f[2:])]
+        rows.append((int(f[0]), float(f[1]), tops))
+    return r.stdout.decode().rstrip("\n"), rows
+
+
+def generate(svc, prompt=None, ids=None, n=16):
+    """generate_rows without logprobs: (text, [ids])."""
+    text, rows = generate_rows(svc, prompt, ids, n)
+    return text, [row[0] for row in rows]
+
+
+_pieces = {}
+
+
+def pieces(ids):
+    """The bytes of each token id (dsv4-tokenize --decode --hex, one id a
+    line), as the gateway renders a token (dsv4_tok_piece)."""
+    need = sorted(set(i for i in ids if i not in _pieces))
+    if need:
+        r = subprocess.run([exe("tools/tokenize/dsv4-tokenize"), "--decode", "--hex"],
+                           input="".join("%d\n" % i for i in need), capture_output=True,
+                           text=True, check=True)
+        for i, h in zip(need, r.stdout.split("\n")):
+            _pieces[i] = bytes.fromhex(h.strip())
+    return [_pieces[i] for i in ids]
+
+
+def api_lp(x):
+    """A log-probability as the gateway writes it (-inf as -9999.0)."""
+    return x if x != float("-inf") else -9999.0
+
+
+def check_desc(lps, what):
+    check(all(x <= 0 for x in lps) and all(a >= b for a, b in zip(lps, lps[1:])),
+          "%s: log-probabilities not <= 0 and descending: %s" % (what, lps))
+
+
+def check_chat_top(content, rows, k, what):
+    """Chat logprobs.content entries with top_logprobs (k a position) ==
+    dsv4-generate --top-logprobs rows (greedy: the first is the token)."""
+    check(len(content) == len(rows), "%s: %d logprobs entries, dsv4-generate %d" %
+          (what, len(content), len(rows)))
+    for pos, (e, (rid, rlp, rtop)) in enumerate(zip(content, rows)):
+        w = "%s, token %d" % (what, pos)
+        top = e.top_logprobs
+        check(len(top) == k and len(rtop) == k, "%s: %d top entries, dsv4-generate %d, "
+              "want %d" % (w, len(top), len(rtop), k))
+        check(bytes(e.bytes) == pieces([rid])[0] and abs(e.logprob - api_lp(rlp)) <= 1e-6,
+              "%s: %r %s != dsv4-generate %d %s" % (w, e.token, e.logprob, rid, rlp))
+        check_desc([t.logprob for t in top], w)
+        check(top[0].token == e.token and bytes(top[0].bytes) == bytes(e.bytes) and
+              top[0].logprob == e.logprob, "%s: greedy, the first top entry %r %s is not "
+              "the token %r %s" % (w, top[0].token, top[0].logprob, e.token, e.logprob))
+        for t, (tid, tlp), pb in zip(top, rtop, pieces([i for i, _ in rtop])):
+            check(bytes(t.bytes) == pb and t.token == pb.decode("utf-8", "replace") and
+                  abs(t.logprob - api_lp(tlp)) <= 1e-6, "%s: top %r %s %s != dsv4-generate "
+                  "%d %r %s" % (w, t.token, t.bytes, t.logprob, tid, pb, tlp))
+
+
+def check_completion_top(lp, rows, k, what):
+    """Completion logprobs with top_logprobs (k a position: text ->
+    logprob) == dsv4-generate --top-logprobs rows."""
+    check(lp.top_logprobs is not None and len(lp.top_logprobs) == len(rows) ==
+          len(lp.tokens), "%s: top_logprobs %s for %d tokens" % (what, lp.top_logprobs,
+                                                                 len(rows)))
+    for pos, (m, tok, tlp, (rid, rlp, rtop)) in enumerate(zip(
+            lp.top_logprobs, lp.tokens, lp.token_logprobs, rows)):
+        w = "%s, token %d" % (what, pos)
+        check(len(rtop) == k, "%s: dsv4-generate gave %d top entries, want %d" %
+              (w, len(rtop), k))
+        want = {}
+        for (tid, tl), pb in zip(rtop, pieces([i for i, _ in rtop])):
+            # (json-c keys are C strings: a key ends at a NUL byte)
+            want.setdefault(pb.decode("utf-8", "replace").split("\0")[0], api_lp(tl))
+        check(isinstance(m, dict) and list(m) == list(want) and
+              all(abs(m[t] - want[t]) <= 1e-6 for t in want),
+              "%s: top %s != dsv4-generate's %s" % (w, m, want))
+        check_desc(list(m.values()), w)
+        check(abs(tlp - api_lp(rlp)) <= 1e-6, "%s: logprob %s != %s" % (w, tlp, rlp))
+        best = list(m)[0]
+        check(best == tok and m[best] == tlp, "%s: greedy, the first top entry %r %s is not "
+              "the token %r %s" % (w, best, m[best], tok, tlp))
 
 
 def tokenize_special(text):
@@ -367,6 +455,17 @@ def sc_api():
         check(len(ch.logprobs.token_logprobs) == len(ref_ids) and
               all(lp <= 0 for lp in ch.logprobs.token_logprobs), "logprobs %s" % ch.logprobs)
         log("completion == libdsv4client: %d tokens" % len(ref_ids))
+        check(ch.logprobs.top_logprobs is None, "logprobs 0: top_logprobs %s" %
+              ch.logprobs.top_logprobs)
+
+        # logprobs 3 (legacy: the 3 most likely tokens of each position,
+        # text -> logprob) == dsv4-generate --top-logprobs 3.
+        r3 = cli.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                    logprobs=3)
+        _, rows = generate_rows(svc, prompt=prompt, n=16, top=3)
+        check(r3.choices[0].text == ref_text, "logprobs 3: text %r" % r3.choices[0].text)
+        check_completion_top(r3.choices[0].logprobs, rows, 3, "completion logprobs 3")
+        log("completion logprobs 3 == dsv4-generate --top-logprobs 3: %d tokens" % len(rows))
 
         # Token-id prompt.
         r2 = cli.completions.create(model=MODEL, prompt=[5, 17, 99, 1234], max_tokens=8,
@@ -394,7 +493,36 @@ def sc_api():
         check(cc.message.role == "assistant" and len(cc.logprobs.content) == len(ref_ids),
               "chat message/logprobs: %s" % cc)
         check(c.usage.prompt_tokens == len(want_prompt), "chat usage %s" % c.usage)
+        check(all(e.top_logprobs == [] for e in cc.logprobs.content),
+              "no top_logprobs asked: %s" % cc.logprobs.content)
         log("chat completion == libdsv4client: %d tokens" % len(ref_ids))
+
+        # top_logprobs 5: the 5 most likely tokens of each position, best
+        # first == dsv4-generate --top-logprobs 5 on the same ids.
+        c5 = cli.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
+                                         temperature=0, logprobs=True, top_logprobs=5)
+        _, rows = generate_rows(svc, ids=want_prompt, n=12, top=5)
+        check(c5.choices[0].message.content == ref_text, "top_logprobs 5: text %r" %
+              c5.choices[0].message.content)
+        check_chat_top(c5.choices[0].logprobs.content, rows, 5, "chat top_logprobs 5")
+        log("chat top_logprobs 5 == dsv4-generate --top-logprobs 5: %d tokens" % len(rows))
+        # Streamed with top_logprobs 2: the same lists, cut at 2.
+        s2 = cli.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
+                                         temperature=0, logprobs=True, top_logprobs=2,
+                                         stream=True)
+        got = []
+        for chunk in s2:
+            for chc in chunk.choices:
+                if chc.logprobs is not None and chc.logprobs.content:
+                    got += chc.logprobs.content
+        top_of = (lambda e, k: [(t.token, t.logprob, t.bytes) for t in e.top_logprobs[:k]])
+        check(len(got) == len(c5.choices[0].logprobs.content) and
+              all(top_of(a, 2) == top_of(b, 2) and len(a.top_logprobs) == 2 and
+                  (a.token, a.logprob) == (b.token, b.logprob)
+                  for a, b in zip(got, c5.choices[0].logprobs.content)),
+              "streamed top_logprobs 2 %s != the answer's %s" %
+              (got, c5.choices[0].logprobs.content))
+        log("streamed chat top_logprobs 2 == the answer's (%d tokens)" % len(got))
 
         # 3. streamed chat completion == the same answer.
         stream = cli.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
@@ -640,7 +768,10 @@ def sc_robust():
                 ("/v1/completions", '{"prompt": "x", "max_tokens": "ten"}', "invalid_type"),
                 ("/v1/completions", '{"prompt": "x", "temperature": -1}', "invalid_value"),
                 ("/v1/completions", '{"prompt": "x", "n": 2}', "unsupported_value"),
-                ("/v1/completions", '{"prompt": "x", "logprobs": 5}', "unsupported_value"),
+                # logprobs: 0 ... 20 most likely tokens (non-integers refused)
+                ("/v1/completions", '{"prompt": "x", "logprobs": 21}', "invalid_value"),
+                ("/v1/completions", '{"prompt": "x", "logprobs": -1}', "invalid_value"),
+                ("/v1/completions", '{"prompt": "x", "logprobs": 2.5}', "invalid_value"),
                 ("/v1/completions", '{"prompt": ["a", "b"]}', "unsupported_value"),
                 ("/v1/completions", '{"prompt": [1, 999999]}', "invalid_value"),
                 ("/v1/completions", '{"max_tokens": 4}', "invalid_request"),
@@ -650,11 +781,53 @@ def sc_robust():
                 ("/v1/chat/completions",
                  '{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}',
                  "unsupported_parameter"),
+                # top_logprobs: 0 ... 20, and only with "logprobs": true
+                ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+                 '"logprobs": true, "top_logprobs": 21}', "invalid_value"),
+                ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+                 '"logprobs": true, "top_logprobs": -1}', "invalid_value"),
+                ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+                 '"logprobs": true, "top_logprobs": 2.5}', "invalid_value"),
                 ("/v1/chat/completions",
                  '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}',
-                 "unsupported_value")]:
+                 "invalid_value"),
+                ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+                 '"logprobs": false, "top_logprobs": 3}', "invalid_value")]:
             st, _, data = svc.http("POST", path, body)
             error_of(st, data, 400, code)
+        for path, body, field in [
+                ("/v1/completions", {"prompt": "x", "logprobs": 21}, '"logprobs"'),
+                ("/v1/completions", {"prompt": "x", "logprobs": 2.5}, '"logprobs"'),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "logprobs": True, "top_logprobs": 21},
+                 '"top_logprobs"'),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "logprobs": True, "top_logprobs": -1},
+                 '"top_logprobs"'),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "top_logprobs": 2}, '"logprobs": true')]:
+            st, _, data = svc.http("POST", path, body)
+            e = error_of(st, data, 400, "invalid_value")
+            check(field in e["message"], "%s %s: the message %r does not name %s" %
+                  (path, body, e["message"], field))
+        # In range: accepted (they were refused), and logprobs 0 still has
+        # a null top_logprobs.
+        for path, body, want_top in [
+                ("/v1/completions", {"prompt": "x", "max_tokens": 2, "logprobs": 20}, 20),
+                ("/v1/completions", {"prompt": "x", "max_tokens": 2, "logprobs": 0}, None),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "max_tokens": 2, "logprobs": True,
+                                          "top_logprobs": 20}, 20)]:
+            st, _, data = svc.http("POST", path, body)
+            check(st == 200, "%s %s: %d %s" % (path, body, st, data[:300]))
+            lp = json.loads(data)["choices"][0]["logprobs"]
+            tops = ([e["top_logprobs"] for e in lp["content"]] if "content" in lp else
+                    lp["top_logprobs"])
+            # (completions: two ids of the same text are one key)
+            check(tops is None if want_top is None else
+                  (tops and all(len(t) == want_top or "content" not in lp and
+                                0 < len(t) <= want_top for t in tops)),
+                  "%s %s: top_logprobs %s" % (path, body, tops))
         st, _, data = svc.http("POST", "/v1/completions", {"model": "gpt-4", "prompt": "x"})
         error_of(st, data, 404, "model_not_found")
         st, _, data = svc.http("POST", "/v1/completions", {"model": MODEL + "\0x", "prompt": "x"})

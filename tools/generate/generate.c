@@ -12,6 +12,10 @@
  *   --ids                the prompt is token ids ("1 2 3" or "1,2,3")
  *   --timeout MS         per-request timeout     --connect-timeout MS
  *   --logprobs           print "id logprob" per token on stderr
+ *   --top-logprobs N     as --logprobs, each line followed by the N (0 ... 20)
+ *                        most likely tokens of that position, best first, as
+ *                        " id:logprob" each (temperature 1, whatever the
+ *                        sampling; fewer or none where the server sent fewer)
  *   --tag TAG            label shown by dsv4ctl requests
  *   --usage              print "finish=… prompt_tokens=… completion_tokens=…" on stderr
  *
@@ -40,7 +44,7 @@
 
 enum {
     OPT_STOP_ID = 256, OPT_IDS, OPT_TIMEOUT, OPT_CONNECT_TIMEOUT, OPT_LOGPROBS, OPT_TAG,
-    OPT_USAGE,
+    OPT_USAGE, OPT_TOP_LOGPROBS,
 };
 
 static volatile sig_atomic_t interrupted;
@@ -65,7 +69,7 @@ usage(int status)
         "usage: dsv4-generate [-e ENDPOINT] [-K KEYFILE] [-n MAX_TOKENS] [-t TEMPERATURE]\n"
         "                     [-p TOP_P] [-k TOP_K] [-s SEED] [-S STOP]... [--stop-id ID]...\n"
         "                     [--ids] [--timeout MS] [--connect-timeout MS] [--logprobs]\n"
-        "                     [--tag TAG] [--usage] [PROMPT...]\n",
+        "                     [--top-logprobs N] [--tag TAG] [--usage] [PROMPT...]\n",
         "Sends one prompt (the arguments, or standard input) to the dsv4 scheduler and\n"
         "streams the completion to standard output (libdsv4client).\n"
         "  -e, --endpoint EP      the scheduler's client endpoint ($DSV4_ENDPOINT, default\n"
@@ -77,6 +81,9 @@ usage(int status)
         "  --timeout MS           the request's deadline\n"
         "  --connect-timeout MS   how long to wait for the scheduler\n"
         "  --logprobs             \"id logprob\" per token on standard error\n"
+        "  --top-logprobs N       as --logprobs, each line followed by the N (0 ... 20) most\n"
+        "                         likely tokens of the position, best first, as\n"
+        "                         \" id:logprob\" each (temperature 1)\n"
         "  --tag TAG              a label that dsv4ctl requests shows\n"
         "  --usage                \"finish=... prompt_tokens=... completion_tokens=...\" on\n"
         "                         standard error\n"
@@ -207,6 +214,7 @@ main(int argc, char **argv)
         { "timeout", required_argument, NULL, OPT_TIMEOUT },
         { "connect-timeout", required_argument, NULL, OPT_CONNECT_TIMEOUT },
         { "logprobs", no_argument, NULL, OPT_LOGPROBS },
+        { "top-logprobs", required_argument, NULL, OPT_TOP_LOGPROBS },
         { "tag", required_argument, NULL, OPT_TAG },
         { "usage", no_argument, NULL, OPT_USAGE },
         { "help", no_argument, NULL, 'h' },
@@ -256,6 +264,10 @@ main(int argc, char **argv)
             o.connect_timeout_ms = (int)num(optarg, 0, 86400000, "connect timeout");
             break;
         case OPT_LOGPROBS: p.logprobs = 1; break;
+        case OPT_TOP_LOGPROBS:
+            p.top_logprobs = (uint32_t)num(optarg, 0, 20, "top-logprobs");
+            p.logprobs = 1;
+            break;
         case OPT_TAG: p.tag = optarg; break;
         case OPT_USAGE: show_usage = true; break;
         case 'h': usage(0);
@@ -312,8 +324,16 @@ main(int argc, char **argv)
         if (ev.type == DSV4_CLIENT_EV_TOKENS) {
             fputs(ev.text, stdout);
             fflush(stdout);
-            for (size_t i = 0; ev.logprobs != NULL && i < ev.n_tokens; i++)
-                fprintf(stderr, "%d %.6f\n", ev.tokens[i], ev.logprobs[i]);
+            for (size_t i = 0; ev.logprobs != NULL && i < ev.n_tokens; i++) {
+                const int32_t *tids;
+                const float *tlps;
+                size_t nt = dsv4_client_event_top(c, i, &tids, &tlps);
+
+                fprintf(stderr, "%d %.6f", ev.tokens[i], ev.logprobs[i]);
+                for (size_t j = 0; j < nt; j++)
+                    fprintf(stderr, " %d:%.6f", tids[j], tlps[j]);
+                fputc('\n', stderr);
+            }
         } else if (ev.type == DSV4_CLIENT_EV_DONE) {
             static const char *const finish[] = { "?", "stop", "length", "cancelled" };
 
