@@ -255,6 +255,18 @@ def scenario(tmp):
         check(doc["config"]["temperature"] == 0.0004 and doc["config"]["top_p"] == 0.0004,
               "settings rounded: %s" % doc["config"])
 
+        # --top-logprobs: every token of every measured request came with its
+        # lists (top_short 0), streamed and not; the setting in the config
+        for extra in ([], ["--no-stream"]):
+            r = bench(common + ["-c", "2", "-n", "2", "-w", "0", "--top-logprobs", "20", "-q",
+                                "-j", "-"] + extra)
+            doc = json.loads(r.stdout)
+            run = doc["runs"][0]
+            check(doc["config"]["top_logprobs"] == 20 and run["done"] == 2 and
+                  run["output_tokens"] > 0 and run["top_short"] == 0,
+                  "--top-logprobs 20 %s: config %s, run %s" % (extra, doc["config"], run))
+        r = bench(common + ["-c", "1", "--top-logprobs", "21"], expect=2)
+
         two_png = os.path.join(tmp, "two.png")
         subprocess.run([sys.executable, os.path.join(svc_test.ARGS.src, "tools/bench/plot.py"),
                         "-o", two_png, sweep_json, dur_json], check=True, timeout=300)

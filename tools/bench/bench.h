@@ -149,6 +149,7 @@ struct bench_opts {
     uint64_t seed;
     float temperature, top_p;
     uint32_t top_k;
+    uint32_t top_logprobs;         /* most likely tokens asked per position (0 ... 20) */
     int stream;                    /* 1: streamed output (default) */
     uint32_t timeout_ms;           /* per-request deadline given to the server */
     int warmup;                    /* warm-up requests per level; -1 = concurrency */
@@ -196,6 +197,8 @@ struct bench_result {
     uint64_t output_requested;     /* sum of their max_tokens */
     uint64_t short_outputs;        /* measured DONE with fewer tokens than asked */
     uint64_t usage_mismatch;       /* DONE whose completion_tokens != tokens received */
+    uint64_t top_short;            /* tokens of measured requests given fewer most likely
+                                      tokens than top_logprobs */
     uint64_t extra_cancelled;      /* unmeasured requests cancelled at the end */
     double duration_s;             /* measurement window */
     uint64_t window_tokens;        /* tokens of any request inside the window */

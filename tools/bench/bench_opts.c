@@ -15,7 +15,7 @@
 #define DEFAULT_ENDPOINT "ipc:///run/dsv4/client.sock"
 
 enum {
-    OPT_CONNECT_TIMEOUT = 256, OPT_TOKEN_RANGE, OPT_TOP_P, OPT_TOP_K, OPT_NO_STREAM,
+    OPT_CONNECT_TIMEOUT = 256, OPT_TOKEN_RANGE, OPT_TOP_P, OPT_TOP_K, OPT_TOP_LOGPROBS, OPT_NO_STREAM,
     OPT_TIMEOUT, OPT_PLOT_SCRIPT,
 };
 
@@ -38,6 +38,8 @@ bench_usage(FILE *f)
         "                          (default 1000:100000)\n"
         "  -s, --seed N            seed of lengths, prompts and sampling (default 1)\n"
         "  -t, --temperature T     (default 1)   --top-p P   --top-k K\n"
+        "      --top-logprobs N    ask for each position's N (0..20) most likely tokens\n"
+        "                          (the lists' cost; top_short counts short ones)\n"
         "      --no-stream         ask for one TOKENS event per request\n"
         "      --timeout MS        per-request deadline given to the server (0 = none)\n"
         "  -w, --warmup N          unmeasured requests first, per level\n"
@@ -173,6 +175,7 @@ bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t 
         { "temperature", required_argument, NULL, 't' },
         { "top-p", required_argument, NULL, OPT_TOP_P },
         { "top-k", required_argument, NULL, OPT_TOP_K },
+        { "top-logprobs", required_argument, NULL, OPT_TOP_LOGPROBS },
         { "no-stream", no_argument, NULL, OPT_NO_STREAM },
         { "timeout", required_argument, NULL, OPT_TIMEOUT },
         { "warmup", required_argument, NULL, 'w' },
@@ -221,6 +224,10 @@ bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t 
         case OPT_TOP_K:
             rc = opt_int(optarg, 0, 1048576, "top-k", &v, err, errlen);
             o->top_k = (uint32_t)v;
+            break;
+        case OPT_TOP_LOGPROBS:
+            rc = opt_int(optarg, 0, 20, "top-logprobs", &v, err, errlen);
+            o->top_logprobs = (uint32_t)v;
             break;
         case OPT_NO_STREAM: o->stream = 0; break;
         case OPT_TIMEOUT:

@@ -89,6 +89,7 @@ config(const struct bench_opts *o)
     json_object_object_add(c, "temperature", num_g(o->temperature));
     json_object_object_add(c, "top_p", num_g(o->top_p));
     json_object_object_add(c, "top_k", json_object_new_int64(o->top_k));
+    json_object_object_add(c, "top_logprobs", json_object_new_int64(o->top_logprobs));
     json_object_object_add(c, "stream", json_object_new_boolean(o->stream));
     json_object_object_add(c, "timeout_ms", json_object_new_int64(o->timeout_ms));
     json_object_object_add(c, "warmup", o->warmup < 0 ? NULL : json_object_new_int(o->warmup));
@@ -124,6 +125,7 @@ run(const struct bench_result *r)
     json_object_object_add(o, "output_tokens_requested", u64(r->output_requested));
     json_object_object_add(o, "short_outputs", u64(r->short_outputs));
     json_object_object_add(o, "usage_mismatch", u64(r->usage_mismatch));
+    json_object_object_add(o, "top_short", u64(r->top_short));
     json_object_object_add(o, "unmeasured_cancelled", u64(r->extra_cancelled));
     json_object_object_add(o, "workers_lost", json_object_new_int(r->workers_lost));
     json_object_object_add(o, "interrupted", json_object_new_boolean(r->interrupted));
@@ -221,6 +223,9 @@ bench_report_row(const struct bench_result *r)
             (unsigned long long)r->short_outputs,
             (unsigned long long)(r->done - r->finish_cancelled),
             (unsigned long long)r->output_tokens, (unsigned long long)r->output_requested);
+    if (r->top_short > 0)
+        fprintf(stderr, "     %llu tokens came with fewer most likely tokens than asked "
+            "(--top-logprobs)\n", (unsigned long long)r->top_short);
     if (r->workers_lost > 0)
         fprintf(stderr, "     %d of %d workers lost (connection failed or server silent)\n",
             r->workers_lost, r->concurrency);

@@ -98,6 +98,7 @@ struct worker {
     int cancelled;
     double t_cancel;
     int oom;
+    uint64_t top_short;          /* its tokens with fewer most likely tokens than asked */
 };
 
 static double
@@ -230,6 +231,7 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
                 r->short_outputs += w->st.n_tokens < w->max_tokens;
                 r->usage_mismatch += usage != w->st.n_tokens;
             }
+            r->top_short += w->top_short;
         }
     } else if (w->cancelled && lv->stop) {
         r->extra_cancelled++;
@@ -267,6 +269,7 @@ worker_submit(struct worker *w, uint64_t stream)
     p.temperature = o->temperature;
     p.top_p = o->top_p;
     p.top_k = o->top_k;
+    p.top_logprobs = o->top_logprobs;
     p.seed = bench_rng_next(&rng) >> 1;
     p.has_seed = 1;
     p.max_tokens = w->max_tokens;
@@ -274,6 +277,7 @@ worker_submit(struct worker *w, uint64_t stream)
     p.timeout_ms = o->timeout_ms;
     p.tag = "dsv4-bench";
     w->cancelled = 0;
+    w->top_short = 0;
     bench_stream_begin(&w->st, now_s());
     return dsv4_client_submit_tokens(w->c, w->ids, w->n_prompt, &p, &w->id);
 }
@@ -376,6 +380,8 @@ worker_main(void *arg)
         switch (ev.type) {
         case DSV4_CLIENT_EV_TOKENS:
             worker_tokens(w, t, ev.n_tokens);
+            for (size_t i = 0; o->top_logprobs > 0 && i < ev.n_tokens; i++)
+                w->top_short += dsv4_client_event_top(w->c, i, NULL, NULL) < o->top_logprobs;
             break;
         case DSV4_CLIENT_EV_DONE:
             worker_end(w, t, 0, ev.finish, ev.completion_tokens, NULL);
