@@ -996,6 +996,35 @@ top_check(const char *what, int V)
             }
         }
     }
+    /* a greedy sample of the same rows on the GPU: its token is the first
+     * entry, with the same log-probability bit for bit (the same row sums) */
+    {
+        struct dsv4_sample_params gs[N];
+        struct pair sid = pair_new(NULL, N * 4), slp = pair_new(NULL, N * 4);
+        int32_t *gid;
+        float *glp;
+
+        memcpy(gs, sp, sizeof(gs));
+        for (int r = 0; r < N; r++)
+            gs[r].temperature = 0.0f;
+        if (gpu->ops->sample(gpu, sid.g, slp.g, pl.g, gs, N, V) != DSV4_OK) {
+            fprintf(stderr, "sample: %s\n", dsv4_errmsg());
+            exit(1);
+        }
+        gid = pair_gpu(&sid), glp = pair_gpu(&slp);
+        for (int r = 0; r < N; r++) {
+            int64_t i = (int64_t)r * K;
+
+            if (n_top[r] > 0 && (gid[r] != ig[i] || (memcmp(&glp[r], &fg[i], 4) != 0 &&
+                                                     !(isnan(glp[r]) && isnan(fg[i]))))) {
+                printf("FAIL %s: row %d greedy %d %.9g, first entry %d %.9g\n", what, r,
+                       gid[r], (double)glp[r], ig[i], (double)fg[i]);
+                bad++;
+            }
+        }
+        free(gid), free(glp);
+        pair_free(&sid), pair_free(&slp);
+    }
     printf("%s %-28s n=%-8d differing %lld max |dlp| %.3g (bound %.3g)", bad ? "FAIL" : "ok  ",
            what, N * K, (long long)bad, maxd, F32_TOL);
     if (first >= 0)
@@ -1009,13 +1038,49 @@ top_check(const char *what, int V)
     free(l), free(id0), free(lp0);
 }
 
+/* What a sample_top call costs at the vocabulary, n rows of k (a figure,
+ * not a check). */
+static void
+top_time(int n, int k)
+{
+    const int V = 129280, reps = 50;
+    struct dsv4_sample_params sp[16];
+    float *l = rand_f32((int64_t)n * V, 3.0f);
+    void *gl = gpu->ops->alloc(gpu, (size_t)n * V * 4);
+    void *gi = gpu->ops->alloc(gpu, (size_t)n * DSV4_TOP_MAX * 4);
+    void *gp = gpu->ops->alloc(gpu, (size_t)n * DSV4_TOP_MAX * 4);
+    struct timespec t0, t1;
+
+    sample_params(sp, n);
+    for (int r = 0; r < n; r++)
+        sp[r].n_top = k;
+    gpu->ops->upload(gpu, gl, l, (size_t)n * V * 4);
+    for (int i = 0; i <= reps; i++) {
+        if (i == 1) {
+            gpu->ops->sync(gpu);
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+        }
+        gpu->ops->sample_top(gpu, gi, gp, gl, sp, n, V);
+    }
+    gpu->ops->sync(gpu);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    printf("time sample_top n=%d k=%d V=%d: %.1f us a call\n", n, k, V,
+           ((double)(t1.tv_sec - t0.tv_sec) * 1e6 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e3) /
+           reps);
+    gpu->ops->free(gpu, gl), gpu->ops->free(gpu, gi), gpu->ops->free(gpu, gp);
+    free(l);
+}
+
 /* sample_top at the vocabulary and at V = 7 (fewer ids than DSV4_TOP_MAX:
- * min(n_top, V) entries). */
+ * min(n_top, V) entries), and what it costs. */
 static void
 test_sample_top(void)
 {
     top_check("sample_top (vocab)", 129280);
     top_check("sample_top (V=7)", 7);
+    top_time(1, 20);
+    top_time(1, 5);
+    top_time(16, 20);
 }
 
 int
