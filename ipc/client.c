@@ -32,6 +32,7 @@
 #include "dsv4/client.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +55,13 @@
      ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
 _Static_assert((int)DSV4_CLIENT_FINISH_STOP == (int)DSV4_FINISH_STOP, "finish values");
+/* A 1.3 caller's params end at timeout_ms plus the struct's tail padding:
+ * fields added later lie past that, or its padding bytes would be read. */
+_Static_assert(offsetof(struct dsv4_client_params, top_logprobs) >=
+               (offsetof(struct dsv4_client_params, timeout_ms) + sizeof(uint32_t) +
+                _Alignof(struct dsv4_client_params) - 1) /
+               _Alignof(struct dsv4_client_params) * _Alignof(struct dsv4_client_params),
+               "a field added to dsv4_client_params overlaps the 1.3 struct's padding");
 _Static_assert((int)DSV4_CLIENT_FINISH_LENGTH == (int)DSV4_FINISH_LENGTH, "finish values");
 _Static_assert((int)DSV4_CLIENT_FINISH_CANCELLED == (int)DSV4_FINISH_CANCELLED, "finish values");
 _Static_assert((int)DSV4_CLIENT_UNREACHABLE == (int)DSV4_STATUS_UNREACHABLE, "codes");

@@ -198,7 +198,8 @@ gw_chat_entry(const struct gw_gen *q, int32_t id, float lp)
 
 /* The most likely tokens of output position i: chat a list of entries,
  * best first; completions an object text -> logprob (OpenAI's legacy
- * format: of two that render the same, the first, more likely, stays). */
+ * format: of two that render the same, the first, more likely, stays; the
+ * sampled token added last when it is not among them). */
 static json_object *
 gw_top_json(const struct gw_gen *q, size_t i)
 {
@@ -217,6 +218,14 @@ gw_top_json(const struct gw_gen *q, size_t i)
         k = gw_json_bytes(piece, n);
         if (!json_object_object_get_ex(o, json_object_get_string(k), NULL))
             json_object_object_add(o, json_object_get_string(k), gw_lp_json(lps[j]));
+        json_object_put(k);
+    }
+    /* the sampled token is always there (OpenAI: up to logprobs + 1 entries) */
+    if (!q->chat && q->top_n[i] > 0) {
+        piece = dsv4_tok_piece(q->g->tok, q->ids.v[i], &n);
+        k = gw_json_bytes(piece, n);
+        if (!json_object_object_get_ex(o, json_object_get_string(k), NULL))
+            json_object_object_add(o, json_object_get_string(k), gw_lp_json(q->lps[i]));
         json_object_put(k);
     }
     return o;

@@ -209,11 +209,14 @@ struct sched_req {
     /* Output. */
     int32_t *out;                    /* tokens emitted (accepted by the scheduler) */
     float *out_lp;
-    /* with s.top_logprobs = N > 0: out[i]'s most likely tokens, out_top_n[i]
-     * (<= N) of them at i * N (NULL while N = 0) */
+    /* with s.top_logprobs = N > 0, the most likely tokens of the output not
+     * yet sent (out[top_base .. n_out); the sent ones' are dropped): out[i]'s
+     * out_top_n[i - top_base] (<= N) of them at (i - top_base) * N, room for
+     * top_cap tokens (NULL while N = 0) */
     int32_t *out_top_ids;
     float *out_top_lp;
     uint8_t *out_top_n;
+    uint32_t top_base, top_cap;
     uint32_t n_out, cap_out;
     uint32_t n_sent;                 /* of out[], sent to the client */
     struct dsv4_tok_stream ts;       /* detokenizer */

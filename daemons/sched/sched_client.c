@@ -526,11 +526,15 @@ top_pack(const struct sched_req *r, uint32_t from, uint32_t n, struct top_buf *b
     if (b->cnt == NULL || b->ids == NULL || b->lp == NULL)
         return false;
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t k = r->out_top_n[from + i];
+        /* (tokens before top_base were sent: none is asked for) */
+        size_t j = from + i - r->top_base;
+        uint32_t k = from + i >= r->top_base ? r->out_top_n[j] : 0;
 
         b->cnt[i] = k;
-        memcpy(b->ids + at, r->out_top_ids + (from + i) * N, k * sizeof(*b->ids));
-        memcpy(b->lp + at, r->out_top_lp + (from + i) * N, k * sizeof(*b->lp));
+        if (k > 0) {
+            memcpy(b->ids + at, r->out_top_ids + j * N, k * sizeof(*b->ids));
+            memcpy(b->lp + at, r->out_top_lp + j * N, k * sizeof(*b->lp));
+        }
         at += k;
     }
     t->top_n = b->cnt;

@@ -255,15 +255,36 @@ static bool
 grow_out(struct sched_req *r)
 {
     uint32_t cap = r->cap_out ? r->cap_out * 2 : 64;
-    size_t N = r->s.top_logprobs;
 
     if (!grow(&r->out, cap, sizeof(*r->out)) || !grow(&r->out_lp, cap, sizeof(*r->out_lp)))
         return false;
-    if (N > 0 && (!grow(&r->out_top_ids, cap * N, sizeof(*r->out_top_ids)) ||
-                  !grow(&r->out_top_lp, cap * N, sizeof(*r->out_top_lp)) ||
-                  !grow(&r->out_top_n, cap, sizeof(*r->out_top_n))))
-        return false;
     r->cap_out = cap;
+    return true;
+}
+
+/* Room for one more token's most likely tokens: the sent tokens' dropped
+ * first, then the arrays doubled when still full; false when out of memory. */
+static bool
+grow_top(struct sched_req *r)
+{
+    size_t N = r->s.top_logprobs;
+    uint32_t drop = r->n_sent > r->top_base ? r->n_sent - r->top_base : 0, keep, cap;
+
+    if (drop > 0) {
+        keep = r->n_out - r->n_sent;
+        memmove(r->out_top_ids, r->out_top_ids + drop * N, keep * N * sizeof(*r->out_top_ids));
+        memmove(r->out_top_lp, r->out_top_lp + drop * N, keep * N * sizeof(*r->out_top_lp));
+        memmove(r->out_top_n, r->out_top_n + drop, keep * sizeof(*r->out_top_n));
+        r->top_base = r->n_sent;
+    }
+    if (r->n_out - r->top_base < r->top_cap)
+        return true;
+    cap = r->top_cap ? r->top_cap * 2 : 64;
+    if (!grow(&r->out_top_ids, cap * N, sizeof(*r->out_top_ids)) ||
+        !grow(&r->out_top_lp, cap * N, sizeof(*r->out_top_lp)) ||
+        !grow(&r->out_top_n, cap, sizeof(*r->out_top_n)))
+        return false;
+    r->top_cap = cap;
     return true;
 }
 
@@ -276,7 +297,8 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
 
     if (r->closing)
         return true;
-    if (r->n_out == r->cap_out && !grow_out(r)) {
+    if ((r->n_out == r->cap_out && !grow_out(r)) ||
+        (r->s.top_logprobs > 0 && !grow_top(r))) {
         req_fail(s, r, DSV4_STATUS_NO_MEMORY, "out of memory for output");
         return true;
     }
@@ -284,12 +306,13 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
     r->out_lp[r->n_out] = t->has_lp ? t->lp : 0.0f;
     if (r->s.top_logprobs > 0) {
         size_t N = r->s.top_logprobs, k = t->top_ids == NULL ? 0 : t->n_top < N ? t->n_top : N;
+        size_t at = r->n_out - r->top_base;
 
         if (k > 0) {
-            memcpy(r->out_top_ids + r->n_out * N, t->top_ids, k * sizeof(int32_t));
-            memcpy(r->out_top_lp + r->n_out * N, t->top_lp, k * sizeof(float));
+            memcpy(r->out_top_ids + at * N, t->top_ids, k * sizeof(int32_t));
+            memcpy(r->out_top_lp + at * N, t->top_lp, k * sizeof(float));
         }
-        r->out_top_n[r->n_out] = (uint8_t)k;
+        r->out_top_n[at] = (uint8_t)k;
     }
     r->n_out++;
     s->m.tokens_out++;

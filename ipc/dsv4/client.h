@@ -125,6 +125,9 @@ struct dsv4_client_params {
     int stream;                   /* default 1; 0 = one TOKENS event before DONE */
     const char *tag;              /* label shown by dsv4ctl (<= 128 bytes); NULL = none */
     uint32_t timeout_ms;          /* per-request deadline; 0 = none (default) */
+    uint32_t reserved0;           /* 0; (the 1.3 struct's tail padding: a caller built
+                                     against 1.3 passes a size that ends here, so what it
+                                     left in those bytes is never read) */
     uint32_t top_logprobs;        /* since 1.4.0: report this many (<= 20) most likely
                                      tokens of each output position with their
                                      log-probabilities (dsv4_client_event_top);

@@ -466,6 +466,19 @@ def sc_api():
         check(r3.choices[0].text == ref_text, "logprobs 3: text %r" % r3.choices[0].text)
         check_completion_top(r3.choices[0].logprobs, rows, 3, "completion logprobs 3")
         log("completion logprobs 3 == dsv4-generate --top-logprobs 3: %d tokens" % len(rows))
+        # sampled, logprobs 1: each object has the sampled token too (OpenAI's
+        # legacy "up to logprobs + 1"), with its token_logprob
+        rs = cli.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.5,
+                                    seed=5, logprobs=1)
+        lp = rs.choices[0].logprobs
+        extra_n = 0
+        for pos, (m, tok, tlp) in enumerate(zip(lp.top_logprobs, lp.tokens, lp.token_logprobs)):
+            check(1 <= len(m) <= 2 and tok in m and abs(m[tok] - tlp) <= 1e-6,
+                  "sampled logprobs 1, token %d %r %s: top %s" % (pos, tok, tlp, m))
+            check_desc(list(m.values()), "sampled logprobs 1, token %d" % pos)
+            extra_n += len(m) == 2
+        log("sampled completion logprobs 1: %d of %d tokens not the most likely, listed too" %
+            (extra_n, len(lp.tokens)))
 
         # Token-id prompt.
         r2 = cli.completions.create(model=MODEL, prompt=[5, 17, 99, 1234], max_tokens=8,

@@ -2294,6 +2294,18 @@ def sc_top_logprobs():
                                                  top_logprobs=20, stream=False))
             check(out["chunks"] == 1, "%s: stream=false gave %d chunks" % (what, out["chunks"]))
             top_checked(what + ": 20, stream=false", out, 20, True, tops20[0])
+            # longer outputs (the scheduler's arrays grow past 64 tokens; a
+            # streamed request's sent lists are dropped as it goes)
+            ref150, tops150 = reference_top(svc, prompts, 2, max_tokens=150)
+            for stream in (False, True):
+                out = pyclient.collect(c, c.generate(tokens=ids[1], max_tokens=150,
+                                                     temperature=0, logprobs=True,
+                                                     top_logprobs=2, stream=stream))
+                check(out["tokens"] == ref150[1][2] and len(out["tokens"]) > 64,
+                      "%s: 150 tokens (stream %s): %d, the reference's %d" %
+                      (what, stream, len(out["tokens"]), len(ref150[1][2])))
+                top_checked("%s: 150 tokens, stream %s" % (what, stream), out, 2, True,
+                            tops150[1])
             # sampled: the lists are the model's whatever the sampling
             out = pyclient.collect(c, c.generate(tokens=ids[1], max_tokens=MAX_TOKENS,
                                                  temperature=1.5, seed=11, logprobs=True,

@@ -351,6 +351,16 @@ test_top_logprobs(void **state)
     /* more than the protocol carries: refused before sending */
     p.top_logprobs = TOP_MAX + 1;
     assert_int_equal(dsv4_client_submit_tokens(c, ids, 3, &p, NULL), DSV4_CLIENT_BAD_ARGUMENT);
+    /* a caller built against 1.3 passes the size its struct had, which ends
+     * before top_logprobs: what lies there is not read (its padding) */
+    p.size = offsetof(struct dsv4_client_params, top_logprobs);
+    memset(&p.reserved0, 0xff, sizeof(p.reserved0) + sizeof(p.top_logprobs));
+    p.max_tokens = 2;
+    memset(o, 0, sizeof(o));
+    assert_int_equal(dsv4_client_submit_tokens(c, ids, 3, &p, &o[0].id), 0);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
+    assert_int_equal(o[0].n_top[0], 0);
     dsv4_client_close(c);
 }
 
