@@ -55,9 +55,13 @@ struct gw_gen {
     struct dsv4_tok_ids ids, prompt_ids;
     float *lps;
     uint32_t top_req;                /* most likely tokens asked per position (0 ... 20) */
-    int32_t *top_ids;                /* ids.cap * top_req: token i's at i * top_req */
+    /* the most likely tokens of output tokens top_base ... ids.len (streamed:
+     * the current event's, the earlier ones sent; else all): token i's
+     * top_n[i - top_base] at (i - top_base) * top_req, room for top_cap */
+    int32_t *top_ids;
     float *top_lps;
-    uint8_t *top_n;                  /* ids.cap: how many token i has */
+    uint8_t *top_n;
+    size_t top_base, top_cap;
     char *out;                       /* SSE bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
     bool sse_end;                    /* [DONE] queued */
@@ -203,13 +207,13 @@ gw_chat_entry(const struct gw_gen *q, int32_t id, float lp)
 static json_object *
 gw_top_json(const struct gw_gen *q, size_t i)
 {
-    const int32_t *ids = q->top_ids + i * q->top_req;
-    const float *lps = q->top_lps + i * q->top_req;
+    size_t t = i - q->top_base, j, n;
+    const int32_t *ids = q->top_ids + t * q->top_req;
+    const float *lps = q->top_lps + t * q->top_req;
     json_object *o = q->chat ? json_object_new_array() : json_object_new_object(), *k;
     const char *piece;
-    size_t j, n;
 
-    for (j = 0; j < q->top_n[i]; j++) {
+    for (j = 0; j < q->top_n[t]; j++) {
         if (q->chat) {
             json_object_array_add(o, gw_chat_entry(q, ids[j], lps[j]));
             continue;
@@ -221,7 +225,7 @@ gw_top_json(const struct gw_gen *q, size_t i)
         json_object_put(k);
     }
     /* the sampled token is always there (OpenAI: up to logprobs + 1 entries) */
-    if (!q->chat && q->top_n[i] > 0) {
+    if (!q->chat && q->top_n[t] > 0) {
         piece = dsv4_tok_piece(q->g->tok, q->ids.v[i], &n);
         k = gw_json_bytes(piece, n);
         if (!json_object_object_get_ex(o, json_object_get_string(k), NULL))
@@ -336,12 +340,12 @@ gw_sse_chunk(struct gw_gen *q, const char *c, size_t cn, const char *r, size_t r
     gw_sse_json(q, o);
 }
 
-/* Room for twice as many output tokens (ids, logprobs, most likely
- * tokens); -1 when out of memory (what fitted stays). */
+/* Room for twice as many output tokens (ids, logprobs); -1 when out of
+ * memory (what fitted stays). */
 static int
 gw_grow(struct gw_gen *q)
 {
-    size_t ncap = q->ids.cap != 0 ? q->ids.cap * 2 : 64, k = q->top_req;
+    size_t ncap = q->ids.cap != 0 ? q->ids.cap * 2 : 64;
     int32_t *nv = realloc(q->ids.v, ncap * sizeof(*nv));
     float *nl;
 
@@ -351,22 +355,34 @@ gw_grow(struct gw_gen *q)
     if ((nl = realloc(q->lps, ncap * sizeof(*nl))) == NULL)
         return -1;
     q->lps = nl;
-    if (k > 0) {
-        int32_t *ti = realloc(q->top_ids, ncap * k * sizeof(*ti));
-        float *tl;
-        uint8_t *tn;
-
-        if (ti == NULL)
-            return -1;
-        q->top_ids = ti;
-        if ((tl = realloc(q->top_lps, ncap * k * sizeof(*tl))) == NULL)
-            return -1;
-        q->top_lps = tl;
-        if ((tn = realloc(q->top_n, ncap * sizeof(*tn))) == NULL)
-            return -1;
-        q->top_n = tn;
-    }
     q->ids.cap = ncap;
+    return 0;
+}
+
+/* Room for the most likely tokens of `n` tokens from top_base; -1 when out
+ * of memory. */
+static int
+gw_top_room(struct gw_gen *q, size_t n)
+{
+    size_t ncap = q->top_cap != 0 ? q->top_cap : 64, k = q->top_req;
+    int32_t *ti;
+    float *tl;
+    uint8_t *tn;
+
+    if (n <= q->top_cap)
+        return 0;
+    while (ncap < n)
+        ncap *= 2;
+    if ((ti = realloc(q->top_ids, ncap * k * sizeof(*ti))) == NULL)
+        return -1;
+    q->top_ids = ti;
+    if ((tl = realloc(q->top_lps, ncap * k * sizeof(*tl))) == NULL)
+        return -1;
+    q->top_lps = tl;
+    if ((tn = realloc(q->top_n, ncap * sizeof(*tn))) == NULL)
+        return -1;
+    q->top_n = tn;
+    q->top_cap = ncap;
     return 0;
 }
 
@@ -390,6 +406,8 @@ gw_on_tokens(struct gw_gen *q, const struct dsv4_client_event *ev)
     pthread_mutex_unlock(&q->g->mlock);
     q->t_last = now;
     q->n_out += ev->n_tokens;
+    if (q->stream)
+        q->top_base = from;   /* the earlier events' lists went out with them */
     for (i = 0; i < ev->n_tokens; i++) {
         if (q->ids.len == q->ids.cap && gw_grow(q) != 0)
             return;
@@ -398,15 +416,18 @@ gw_on_tokens(struct gw_gen *q, const struct dsv4_client_event *ev)
             /* (the event's arrays last until the next dsv4_client_next) */
             const int32_t *tids;
             const float *tlps;
-            size_t k = dsv4_client_event_top(q->c, i, &tids, &tlps);
+            size_t k = dsv4_client_event_top(q->c, i, &tids, &tlps), t;
 
+            if (gw_top_room(q, q->ids.len - q->top_base + 1) != 0)
+                return;
+            t = q->ids.len - q->top_base;
             if (k > q->top_req)
                 k = q->top_req;
             if (k > 0) {
-                memcpy(q->top_ids + q->ids.len * q->top_req, tids, k * sizeof(*tids));
-                memcpy(q->top_lps + q->ids.len * q->top_req, tlps, k * sizeof(*tlps));
+                memcpy(q->top_ids + t * q->top_req, tids, k * sizeof(*tids));
+                memcpy(q->top_lps + t * q->top_req, tlps, k * sizeof(*tlps));
             }
-            q->top_n[q->ids.len] = (uint8_t)k;
+            q->top_n[t] = (uint8_t)k;
         }
         q->ids.v[q->ids.len++] = ev->tokens[i];
     }
