@@ -895,13 +895,18 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
  * graph recorded once per batch size serves every step: every row counts as
  * emitting for both compressors (emit[t] = t), and a row that does not
  * really finish a window sends its entry to the pools' spare page.  The ops then see the same counts at every step; the
- * entries that land in the spare row are never read.
+ * entries that land in the spare row are never read.  The fresh hint is
+ * dropped: it picks kernels on the host (dsv4_attn.fresh), and a graph
+ * recorded at position 0 (the warm-up's) would replay them at every later
+ * position, where they would read key rows that are not in the call.
  */
 static void
 plan_fix_emits(struct dsv4_model *m)
 {
     struct call_plan *p = &m->plan;
     const struct page_pool *pg4 = &m->pg[0], *pg128 = &m->pg[1];
+
+    p->fresh = 0;
 
     for (int t = 0; t < p->T; t++) {
         int s = p->slot[t], pos = p->pos[t];
@@ -1870,6 +1875,7 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
     const int K = DSV4_SPEC_MAX_DRAFT, K1 = DSV4_SPEC_MAX_DRAFT + 1;
     int n = b->n_seqs, T = 0, all = 1, graphed, any_restore = 0;
     bool want_top;
+    enum dsv4_err e;
     int64_t S = m->n_slots;
     struct dsv4_batch fb;
 
@@ -1913,12 +1919,13 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
         plan_fix_emits(m);
     TRY(plan_upload(m));
     TRY(ops->upload(be, m->i_spec_src, m->spec_idx, (size_t)n * sizeof(int32_t)));
+    /* (spec_n is n only while a body runs, and after success: a failed
+     * call must not let a draft step follow it) */
     m->spec_n = n;
-    if (graphed)
-        TRY(graph_run(m, G_VERIFY, n, verify_body));
-    else
-        TRY(verify_body(m));
+    e = graphed ? graph_run(m, G_VERIFY, n, verify_body) : verify_body(m);
     m->spec_n = 0;
+    if (e != DSV4_OK)
+        return e;
     TRY(ops->copy(be, m->hidden, m->X, (size_t)T * m->n_hc * m->D * sizeof(float)));
     TRY(ops->sample(be, m->s_ids, m->s_lp, m->logits_dev, m->spec_params, T, m->V));
     want_top = top != NULL && top_wanted(m->spec_params, T);
@@ -1956,10 +1963,10 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
     if (any_restore) {
         TRY(ops->upload(be, m->i_spec_dst, m->spec_idx, (size_t)n * sizeof(int32_t)));
         m->spec_n = n;
-        if (graphed)
-            TRY(graph_run(m, G_RESTORE, n, restore_body));
-        else
-            TRY(restore_body(m));
+        e = graphed ? graph_run(m, G_RESTORE, n, restore_body) : restore_body(m);
+        m->spec_n = 0;
+        if (e != DSV4_OK)
+            return e;
     }
     for (int i = 0; i < n; i++)
         m->len[b->slot[i]] += out_n[i];

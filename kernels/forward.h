@@ -268,7 +268,12 @@ struct dsv4_spec_batch {
  * NULL); the drafts accepted are out_n[i] - 1.  logits (host, may be NULL): every row's
  * logits, (Σ (1 + n_draft), V), stream after stream.  The slot's length
  * grows by out_n[i].  Errors as dsv4_model_forward (a stream needs room for
- * all its rows); nothing changes on error.  Must be followed by
+ * all its rows): nothing changes on a refused batch (DSV4_ERR_INVAL) or on
+ * DSV4_ERR_NOMEM from the paged pools; a backend failure once the forward
+ * has run (out of device memory inside it, a failed download) leaves the
+ * slots' state written but their lengths as they were: reset them
+ * (dsv4_model_seq_reset), as the decode rank does with its streams; a draft
+ * step after any failed verify is refused.  Must be followed by
  * dsv4_model_spec_draft before the next forward call on these slots when
  * drafts are wanted (any other call forgets the verify's rows).
  */

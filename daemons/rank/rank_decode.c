@@ -165,6 +165,7 @@ decode_pending(const struct rank *k)
 }
 
 static void stats_post(struct rank *k, int64_t t1);
+static void spec_status(struct rank *k, bool force);
 
 static void
 decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
@@ -195,6 +196,10 @@ decode_end(struct rank *k, int slot, enum dsv4_finish f, bool report)
         if (k->st_fwd_end_us != 0)
             stats_post(k, k->st_fwd_end_us);
         k->st_fwd_end_us = 0;
+        /* the drafts' counters too (the last step's post may have been
+         * held back by its once-a-second limit) */
+        if (k->mtp)
+            spec_status(k, true);
     }
 }
 
