@@ -1473,8 +1473,10 @@ rank_init_model(struct rank *k)
         if (k->o.role == DSV4_ROLE_PREFILL)
             k->test_export_nomem = rank_test_env(k, RANK_TEST_EXPORT_NOMEM);
     }
-    if (k->o.role == DSV4_ROLE_DECODE)
+    if (k->o.role == DSV4_ROLE_DECODE) {
         k->test_graphs_refused = rank_test_env(k, RANK_TEST_GRAPHS_REFUSED);
+        rank_test_drafts_load(k);
+    }
 }
 
 static void
@@ -1506,6 +1508,7 @@ rank_free(struct rank *k)
     free(k->spec_nd);
     free(k->spec_draft);
     free(k->spec_n);
+    rank_test_drafts_free(k);
     dsv4_model_free(k->m);
 #ifdef DSV4_HAVE_CUDA
     rank_share_free(k);

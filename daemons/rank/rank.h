@@ -82,12 +82,17 @@
  *                            as run without a CUDA graph than the model's
  *                            own count (decode_graphs_check: its warning and
  *                            HEARTBEAT graphs_refused; the cpu backend has
- *                            no graphs). */
+ *                            no graphs);
+ *   DSV4_TEST_MTP_DRAFTS     FILE (not RANK:N): a decode rank with mtp = yes
+ *                            replaces the MTP layer's drafts of streams whose
+ *                            output begins one of FILE's lines
+ *                            (rank_test_drafts.c). */
 #define RANK_TEST_GROUP_BREAK "DSV4_TEST_GROUP_BREAK"
 #define RANK_TEST_JOIN_DELAY "DSV4_TEST_JOIN_DELAY_MS"
 #define RANK_TEST_FORWARD_NOMEM "DSV4_TEST_FORWARD_NOMEM"
 #define RANK_TEST_EXPORT_NOMEM "DSV4_TEST_EXPORT_NOMEM"
 #define RANK_TEST_GRAPHS_REFUSED "DSV4_TEST_GRAPHS_REFUSED"
+#define RANK_TEST_MTP_DRAFTS "DSV4_TEST_MTP_DRAFTS"
 
 /* --- Options (rank.c) ----------------------------------------------------- */
 
@@ -293,6 +298,7 @@ struct rank {
     int join_fails;             /* joins failed in a row (0 after one succeeds) */
     int refusals;               /* READYs answered with DISCONNECT in a row (0 at
                                    WELCOME) */
+    struct rank_test_drafts *test_drafts; /* DSV4_TEST_MTP_DRAFTS, or NULL */
     long test_graphs_refused;   /* DSV4_TEST_GRAPHS_REFUSED: added to the count;
                                    0 = off */
     int graphs_refused;         /* decode: kinds of step without a CUDA graph
@@ -535,6 +541,21 @@ int64_t decode_imports(struct rank *k, int64_t now);
 void decode_reset(struct rank *k);
 /* Drop the streams that arrived before COMM number `gen` (rank_group.c). */
 void decode_reset_before(struct rank *k, uint32_t gen);
+
+/* --- rank_test_drafts.c: test only, forced MTP drafts ------------------------------ */
+
+/* Read DSV4_TEST_MTP_DRAFTS's file into k->test_drafts (a decode rank with
+ * mtp; nothing when the variable is unset; a file that cannot be read is
+ * logged and ignored). */
+void rank_test_drafts_load(struct rank *k);
+void rank_test_drafts_free(struct rank *k);
+/* Stream `slot` starts with DECODE's `token` (its output's first known). */
+void rank_test_drafts_start(struct rank *k, int slot, int32_t token);
+/* Stream `slot` emitted `token`. */
+void rank_test_drafts_emit(struct rank *k, int slot, int32_t token);
+/* Replace *draft, stream `slot`'s next draft, as the file says (no-op
+ * without the variable). */
+void rank_test_drafts_pick(struct rank *k, int slot, int32_t *draft);
 
 /* --- rank_kv.c: transfer regions ---------------------------------------------------- */
 

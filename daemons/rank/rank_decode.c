@@ -83,6 +83,7 @@ decode_start(struct rank *k, const struct dsv4_rank_decode *d)
     st->req = d->req;
     st->gen = k->comm_gen;
     st->next = d->token;
+    rank_test_drafts_start(k, slot, d->token);
     st->max_tokens = d->max_tokens;
     st->step = d->has_step ? d->step : 1;
     st->s = d->s;
@@ -535,6 +536,7 @@ decode_work_spec(struct rank *k)
                     k->out_top.logprob + (size_t)(r * K1 + j) * DSV4_TOP_MAX,
                     DSV4_TOP_MAX * sizeof(float));
             n_out++;
+            rank_test_drafts_emit(k, slot, tok);
             st->next = tok;
             st->step++;
             st->n_emitted++;
@@ -547,6 +549,7 @@ decode_work_spec(struct rank *k)
                 break;
             }
         }
+        rank_test_drafts_pick(k, slot, &st->draft);   /* test only */
     }
     dsv4_msg_init(&m, DSV4_SUB_RANK, DSV4_RANK_TOKENS);
     m.u.step.step = k->n_steps++;

@@ -568,6 +568,12 @@ def shm_exports(rank_ep=None):
         return []
 
 
+def read_prompts(path):
+    """make_prompts' file as lists of token ids."""
+    with open(path) as f:
+        return [[int(t) for t in line.split()] for line in f]
+
+
 def reference(svc, prompts, max_tokens=MAX_TOKENS):
     r = subprocess.run([exe("tests/integration/svc_client"), "--reference", svc.model,
                         "-p", prompts, "-n", str(max_tokens)],
@@ -2161,8 +2167,7 @@ def sc_pyclient():
         prompts = os.path.join(svc.dir, "py.txt")
         make_prompts(prompts, 4, seed=404)
         ref = reference(svc, prompts)
-        with open(prompts) as f:
-            ids = [[int(t) for t in line.split()] for line in f]
+        ids = read_prompts(prompts)
         c = pyclient.Client(svc.client_ep)
         check(c.ping(), "pyclient: no HEARTBEAT answer")
         # generate + stream, several requests in flight on one connection
@@ -2277,8 +2282,7 @@ def sc_top_logprobs():
             make_prompts(prompts, 3, seed=505)
             ref, tops5 = reference_top(svc, prompts, 5)
             _, tops20 = reference_top(svc, prompts, 20)
-            with open(prompts) as f:
-                ids = [[int(t) for t in line.split()] for line in f]
+            ids = read_prompts(prompts)
             c = pyclient.Client(svc.client_ep)
             what = "top_logprobs%s" % (" (mtp)" if conf else "")
             rids = [c.generate(tokens=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
@@ -2331,6 +2335,72 @@ def sc_top_logprobs():
             stop_checked(svc)
 
 
+
+def sc_mtp_forced():
+    """mtp = yes with drafts forced to be right most steps (test-only
+    DSV4_TEST_MTP_DRAFTS: the tiny model's MTP layer never is), so streams
+    emit two tokens a step: greedy, seeded sampling, stop ids landing on
+    either token of a pair, max_tokens of both parities, logprobs and top
+    lists: every output (tokens, logprobs, lists, finish, usage) == the plain
+    set's for the same requests."""
+    sys.path.insert(0, os.path.join(ARGS.src, "tests", "ipc"))
+    import pyclient
+
+    def serve(svc, reqs):
+        c = pyclient.Client(svc.client_ep)
+        try:
+            rids = [c.generate(**r) for r in reqs]
+            return [pyclient.collect(c, rid) for rid in rids]
+        finally:
+            c.close()
+
+    plain = Service(n_prefill=1, n_decode=1)
+    try:
+        prompts = os.path.join(plain.dir, "forced.txt")
+        make_prompts(prompts, 4, seed=606)
+        ref = reference(plain, prompts)
+        ids = read_prompts(prompts)
+        reqs = []
+        for i, p in enumerate(ids):
+            base = dict(tokens=p, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3,
+                        seed=1000 + i)
+            reqs.append(dict(base, temperature=0))
+            reqs.append(dict(base, temperature=1.0, top_k=50))
+            reqs.append(dict(base, temperature=0, max_tokens=7 + i % 2))
+            # a stop id at output index 2 + i and 8 + i: the first token of
+            # a pair or its second, as the steps fall
+            for k in (2 + i, 8 + i):
+                if k < len(ref[i][2]):
+                    reqs.append(dict(base, temperature=0, stop_ids=[ref[i][2][k]]))
+        want = serve(plain, reqs)
+    finally:
+        stop_checked(plain)
+    drafts = os.path.join(plain.dir, "drafts.txt")
+    with open(drafts, "w") as f:
+        for o in want:
+            f.write(" ".join(str(t) for t in o["tokens"]) + "\n")
+    svc = Service(n_prefill=1, n_decode=1, extra_conf="decode.mtp = yes",
+                  env={"DSV4_TEST_MTP_DRAFTS": drafts})
+    try:
+        got = serve(svc, reqs)
+        for i, (g, w) in enumerate(zip(got, want)):
+            for key in ("final", "tokens", "logprobs", "top"):
+                check(g[key] == w[key], "request %d (%s): %s %r, plain %r" %
+                      (i, {k: v for k, v in reqs[i].items() if k != "tokens"}, key,
+                       g[key], w[key]))
+            check(g["body"].get("finish") == w["body"].get("finish") and
+                  g["body"].get("completion_tokens") == w["body"].get("completion_tokens"),
+                  "request %d: DONE %r, plain %r" % (i, g["body"], w["body"]))
+        d, a = wait_for(lambda: (lambda c: c if c and c[1] > 0 else None)(
+            mtp_counters(svc, "decode@0")), "decode@0 reporting accepted drafts")
+        log("mtp_forced: %d requests == the plain set's; decode@0 %d drafts, %d accepted" %
+            (len(reqs), d, a))
+        check(a >= len(reqs), "only %d drafts accepted" % a)
+        svc.check_no_leaks()
+    finally:
+        stop_checked(svc)
+
+
 SCENARIOS = {
     "launch": sc_launch,
     "greedy16": sc_greedy16,
@@ -2348,6 +2418,7 @@ SCENARIOS = {
     "top_logprobs": sc_top_logprobs,
     "group2": sc_group2,
     "mtp": sc_mtp,
+    "mtp_forced": sc_mtp_forced,
     "group_break": sc_group_break,
     "group_rejoin": sc_group_rejoin,
     "join_stop": sc_join_stop,
