@@ -209,6 +209,8 @@ struct sched_req {
     /* Output. */
     int32_t *out;                    /* tokens emitted (accepted by the scheduler) */
     float *out_lp;
+    size_t *out_text_end;            /* text.len once out[i] was pushed: where a
+                                        TOKENS ending with out[i] ends its text */
     /* with s.top_logprobs = N > 0, the most likely tokens of the output not
      * yet sent (out[top_base .. n_out); the sent ones' are dropped): out[i]'s
      * out_top_n[i - top_base] (<= N) of them at (i - top_base) * N, room for
@@ -222,6 +224,8 @@ struct sched_req {
     struct dsv4_tok_stream ts;       /* detokenizer */
     struct dsv4_tok_text text;       /* whole output text so far */
     size_t text_safe;                /* text[0..safe) cannot become a stop match */
+    size_t text_barrier;             /* end of the last added token's text: stop
+                                        strings are matched after it only */
     size_t text_sent;                /* text[0..sent) sent to the client */
     size_t text_cut;                 /* stop-string cut: text ends here */
     enum dsv4_finish finish;         /* NONE while running */

@@ -661,10 +661,15 @@ client_flush(struct sched *s, struct sched_req *r)
 
         while (r->n_sent < tok_end) {
             uint32_t n = tok_end - r->n_sent;
+            size_t te = r->text_safe;
 
-            if (n > DSV4_PROTO_MAX_CHUNK)
+            /* a chunk that is not the last carries its own tokens' text */
+            if (n > DSV4_PROTO_MAX_CHUNK) {
                 n = DSV4_PROTO_MAX_CHUNK;
-            if ((rc = send_tokens(s, r, n, r->text_safe)) <= 0)
+                if (r->out_text_end[r->n_sent + n - 1] < te)
+                    te = r->out_text_end[r->n_sent + n - 1];
+            }
+            if ((rc = send_tokens(s, r, n, te)) <= 0)
                 goto blocked;
         }
     }

@@ -157,6 +157,7 @@ req_destroy(struct sched *s, struct sched_req *r)
     free(r->stop);
     free(r->out);
     free(r->out_lp);
+    free(r->out_text_end);
     free(r->out_top_ids);
     free(r->out_top_lp);
     free(r->out_top_n);
@@ -256,7 +257,8 @@ grow_out(struct sched_req *r)
 {
     uint32_t cap = r->cap_out ? r->cap_out * 2 : 64;
 
-    if (!grow(&r->out, cap, sizeof(*r->out)) || !grow(&r->out_lp, cap, sizeof(*r->out_lp)))
+    if (!grow(&r->out, cap, sizeof(*r->out)) || !grow(&r->out_lp, cap, sizeof(*r->out_lp)) ||
+        !grow(&r->out_text_end, cap, sizeof(*r->out_text_end)))
         return false;
     r->cap_out = cap;
     return true;
@@ -318,12 +320,18 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
     s->m.tokens_out++;
     if (s->tok != NULL && dsv4_tok_stream_push(&r->ts, token, &r->text) != DSV4_OK)
         log_debug("req_emit: req=%llu token %d has no text", (unsigned long long)r->req, token);
+    r->out_text_end[r->n_out - 1] = r->text.len;
     for (uint32_t i = 0; i < r->n_stop_ids; i++)
         stop_id |= r->stop_ids[i] == token;
-    if (r->n_stop > 0 && r->text.len > old) {
-        size_t back = r->stop_maxlen - 1;
+    /* An added token's text (<｜end▁of▁sentence｜>, </think>, ...) is a marker,
+     * not words: no stop string is matched in it or across it, so none cuts
+     * one into pieces (the text after it is searched from its end). */
+    if (s->tok != NULL && dsv4_tok_is_added(s->tok, token))
+        r->text_barrier = r->text.len;
+    else if (r->n_stop > 0 && r->text.len > old) {
+        size_t back = r->stop_maxlen - 1, from = old > back ? old - back : 0;
         long at = req_stop_find(r->stop, r->n_stop, r->text.s, r->text.len,
-            old > back ? old - back : 0);
+            from > r->text_barrier ? from : r->text_barrier);
 
         if (at >= 0) {
             r->text_cut = (size_t)at;
@@ -332,7 +340,8 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
             return true;
         }
     }
-    r->text_safe = r->text.len - req_stop_holdback(r->stop, r->n_stop, r->text.s, r->text.len);
+    r->text_safe = r->text.len - req_stop_holdback(r->stop, r->n_stop,
+        r->text.s + r->text_barrier, r->text.len - r->text_barrier);
     if (stop_id || r->n_out >= r->max_tokens) {
         /* The decode rank sees the same condition and ends the stream itself. */
         r->dec_self_end = true;

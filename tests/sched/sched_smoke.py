@@ -548,6 +548,24 @@ def t_stop(ctx, build, tmp):
     check(r["final"][1]["finish"] == "stop", r)
     check(r["text"] == text[:first], "stop string cut: %r vs %r" % (r["text"], text[:first]))
     check(r["tokens"] == full[:len(r["tokens"])] and len(r["tokens"]) < 20, r)
+    # A stop string inside an added token's text (here the EOS's) is no
+    # match: the marker goes out whole, the request ends at the EOS.  The
+    # old scheduler cut the text inside it ("...<｜end▁of") and the pieces
+    # reached the client.
+    eos_text = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    i6 = submit(cl, p, 77, 20)
+    res = collect_with_psum(cl, {i6: (p, 77)})
+    res_eos_text = res[i6]["text"]
+    check(res_eos_text.endswith(eos_text), "EOS text: %r" % res_eos_text)
+    plain = res_eos_text[:-len(eos_text)]
+    for stop in ("of", "end\u2581", "\u2581sentence\uff5c>"):
+        if stop in plain:
+            continue
+        i7 = submit(cl, p, 77, 20, stop=[stop])
+        res = collect_with_psum(cl, {i7: (p, 77)})
+        check(res[i7]["text"] == res_eos_text and res[i7]["tokens"] == expected(p, 77, 7) + [EOS]
+              and res[i7]["final"][1]["finish"] == "stop",
+              "stop %r inside the EOS text: %r" % (stop, res[i7]))
     # 64 stop ids (the protocol's most), none of them EOS: with the EOS the
     # scheduler adds, DECODE carries 65 (it could not be sent, and the
     # request hung after its first token)
@@ -1763,6 +1781,42 @@ def t_utf8(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_chunks(ctx, build, tmp):
+    """A non-streamed output of more than one TOKENS' 4,096 ids: each message
+    carries its own tokens' text (the first carried it all and the second
+    none, so a client resuming from the first was refused, and the EOS text
+    and id arrived in different messages)."""
+    sc = Sched(build, tmp, ["-o", "max_batch=16"])
+    time.sleep(0.2)
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, capacity=2, max_ctx=200000)
+    dec = FakeRank(ctx, sc.ep["rank"], "decode", 0, capacity=16, max_ctx=200000, tick=0.0002)
+    pre.start()
+    dec.start()
+    wait_ranks(sc, 2)
+    cl = Client(ctx, sc.ep["client"])
+    p, n = [10, 20, 30], 5000
+    msgs = {}
+
+    def on_tokens(i, r):
+        msgs.setdefault(i, []).append((len(r["tokens"]), len(r["text"])))
+    i1 = cl.generate(tokens=p, seed=3, max_tokens=n, temperature=0, stream=False)
+    i2 = cl.generate(tokens=p, seed=3, max_tokens=4096, temperature=0, stream=False)
+    res = cl.collect([i1, i2], timeout=120, on_tokens=on_tokens)
+    check(res[i1]["tokens"] == expected(p, 3, n) and
+          res[i2]["tokens"] == expected(p, 3, 4096), "the outputs differ")
+    m = msgs[i1]
+    check(len(m) == 2 and m[0][0] == 4096 and m[1][0] == n, "messages: %s" % m)
+    first, whole = m[0][1], m[1][1]
+    # the text of the first 4,096 tokens: a request of just those has it
+    # (and, at its end, a U+FFFD for a character they leave unfinished)
+    want = len(res[i2]["text"])
+    check(want - 1 <= first <= want and whole > first,
+          "the first TOKENS' text is %d characters, that of 4096 tokens %d, the whole %d" %
+          (first, want, whole))
+    wait_idle(sc)
+    return sc, [pre, dec]
+
+
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
@@ -1773,7 +1827,7 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
          "prefill_group_error": t_prefill_group_error, "pairing": t_pairing,
          "prefill_lost_handoff": t_prefill_lost_handoff,
-         "death_ctx": t_death_ctx}
+         "death_ctx": t_death_ctx, "chunks": t_chunks}
 TOKENIZER = None
 
 
