@@ -227,6 +227,8 @@ struct sched_req {
     size_t text_barrier;             /* end of the last added token's text: stop
                                         strings are matched after it only */
     size_t text_sent;                /* text[0..sent) sent to the client */
+    bool resume_ahead;               /* text_sent is past the text: a resume's
+                                        count not yet checked (req_emit) */
     size_t text_cut;                 /* stop-string cut: text ends here */
     enum dsv4_finish finish;         /* NONE while running */
     uint16_t err_code;               /* failed: status code; 0 = none */

@@ -172,21 +172,6 @@ copy_stops(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate 
     return true;
 }
 
-/* The offset in r's text after the first `got` bytes a client received:
- * TOKENS drop the text's NUL bytes (send_tokens), so a client's count has
- * none of them.  Past the text (a client ahead by part of a token, or
- * wrong) it goes on one for one. */
-static size_t
-text_offset(const struct sched_req *r, uint64_t got)
-{
-    size_t i = 0;
-
-    for (; i < r->text.len && got > 0; i++) {
-        if (r->text.s[i] != '\0')
-            got--;
-    }
-    return got > SIZE_MAX - i ? SIZE_MAX : i + (size_t)got;
-}
 
 /*
  * GENERATE with `resume` (docs/protocol.md §4.6): the client has the first
@@ -211,7 +196,7 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
     }
     s->m.tokens_out -= r->n_out;    /* counted by the scheduler that made them */
     r->n_sent = r->n_out;
-    text = text_offset(r, got);
+    text = (size_t)got;   /* (the text has no NUL byte: req_emit) */
     log_notice("client: req=%llu id=%llu resumes after %u tokens and %llu bytes of text",
         (unsigned long long)r->req, (unsigned long long)r->id, r->n_out,
         (unsigned long long)got);
@@ -224,7 +209,8 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
         return;
     }
     /* A client only ever got whole characters: a count inside one would
-     * make every later piece start mid-character (not UTF-8). */
+     * make every later piece start mid-character (not UTF-8).  A count past
+     * the text is checked when the text gets there (req_emit). */
     if (text < r->text.len && ((unsigned char)r->text.s[text] & 0xC0) == 0x80) {
         r->text_sent = r->text_safe;
         req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text (%llu bytes) ends inside a "
@@ -232,6 +218,7 @@ resume(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate *g)
         return;
     }
     r->text_sent = text;
+    r->resume_ahead = text > r->text.len;
 }
 
 /* Validate, tokenize and queue one GENERATE; refusals answer ERROR at once. */
@@ -562,17 +549,12 @@ send_tokens(struct sched *s, struct sched_req *r, uint32_t n, size_t text_end)
     struct top_buf tb = { NULL, NULL, NULL };
     struct dsv4_msg m;
     char *piece;
-    size_t k = 0;
     int rc;
 
     if ((piece = malloc(tl + 1)) == NULL)
         return 0;
-    /* The wire's str has no NUL bytes; a NUL token text is dropped. */
-    for (size_t i = 0; i < tl; i++) {
-        if (r->text.s[r->text_sent + i] != '\0')
-            piece[k++] = r->text.s[r->text_sent + i];
-    }
-    piece[k] = '\0';
+    memcpy(piece, r->text.s + r->text_sent, tl);   /* (no NUL in it: req_emit) */
+    piece[tl] = '\0';
     dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_TOKENS);
     m.u.tokens.id = r->id;
     m.u.tokens.req = r->req;

@@ -320,7 +320,28 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
     s->m.tokens_out++;
     if (s->tok != NULL && dsv4_tok_stream_push(&r->ts, token, &r->text) != DSV4_OK)
         log_debug("req_emit: req=%llu token %d has no text", (unsigned long long)r->req, token);
+    /* The wire's str holds no NUL byte: the output's text is without them,
+     * so that stop strings and offsets see what the client gets. */
+    if (r->text.len > old && memchr(r->text.s + old, '\0', r->text.len - old) != NULL) {
+        size_t k = old;
+
+        for (size_t i = old; i < r->text.len; i++)
+            if (r->text.s[i] != '\0')
+                r->text.s[k++] = r->text.s[i];
+        r->text.len = k;
+    }
     r->out_text_end[r->n_out - 1] = r->text.len;
+    /* a resume whose text ran ahead of its tokens: where the text reaches
+     * the client's count, that must be a character's start (resume) */
+    if (r->resume_ahead && r->text.len > r->text_sent) {
+        r->resume_ahead = false;
+        if (((unsigned char)r->text.s[r->text_sent] & 0xC0) == 0x80) {
+            r->text_sent = r->text_safe;
+            req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text ends inside a character "
+                "of the output's text");
+            return true;
+        }
+    }
     for (uint32_t i = 0; i < r->n_stop_ids; i++)
         stop_id |= r->stop_ids[i] == token;
     /* An added token's text (<｜end▁of▁sentence｜>, </think>, ...) is a marker,

@@ -851,6 +851,17 @@ def t_resume(ctx, build, tmp):
         check(r["final"][0] == 5 and r["tokens"] == toks0[k:] and
               r["text"].encode() == text0[tl:], "resume after a NUL token at %d: %s %r != %r" %
               (k, r["final"], r["text"], text0[tl:]))
+    # A stop string across the NUL token ("xy" where the text is x NUL y):
+    # the client's text has "xy", so it stops there (the scheduler matched
+    # on its own text, with the NUL, and ran to max_tokens).
+    t0 = text0.decode()
+    across = t0[1:3]
+    check(toks0[0] < 128 and toks0[1] < 128 and toks0[3] < 128 and t0.find(across) == 1,
+          "the NUL run's text %r does not suit the case" % t0)
+    j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed0, stop=[across])
+    r = cl.collect([j])[j]
+    check(r["final"][0] == 5 and r["final"][1]["finish"] == "stop" and
+          r["text"] == t0[:1], "stop %r across a NUL token: %s" % (across, r))
     # All tokens already there (the DONE was lost): DONE at once, nothing else.
     j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed, resume=toks,
                     resume_text=len(text))
@@ -869,6 +880,15 @@ def t_resume(ctx, build, tmp):
         j = cl.generate(tokens=p, max_tokens=n, temperature=0, **kw)
         r = cl.collect([j])[j]
         check(r["final"][0] == 3 and r["final"][1]["code"] == code, "%s: %s" % (kw, r))
+    # A count past the resumed tokens' text that ends inside the character
+    # the next token completes (the lead byte 0xC3 resumed, 1 byte counted):
+    # 401 once the text gets there (it was taken, and every later piece
+    # failed to encode: 500).
+    j = cl.generate(tokens=p, max_tokens=n, temperature=0, seed=seed, resume=[0xC3],
+                    resume_text=1)
+    r = cl.collect([j])[j]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 401 and
+          "inside a character" in r["final"][1]["message"], "resume_text inside: %s" % r)
     wait_idle(sc)
     return sc, [pre, dec]
 
