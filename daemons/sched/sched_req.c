@@ -361,8 +361,16 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
             return true;
         }
     }
-    r->text_safe = r->text.len - req_stop_holdback(r->stop, r->n_stop,
-        r->text.s + r->text_barrier, r->text.len - r->text_barrier);
+    {
+        /* The hold-back never reaches before the last text_safe (a longer
+         * suffix that is a stop string's prefix would have made a longer
+         * one before), so only the text from there is tried: the cost per
+         * token is the new bytes', not n_stop x the longest stop's. */
+        size_t from = r->text_safe > r->text_barrier ? r->text_safe : r->text_barrier;
+
+        r->text_safe = r->text.len - req_stop_holdback(r->stop, r->n_stop, r->text.s + from,
+            r->text.len - from);
+    }
     if (stop_id || r->n_out >= r->max_tokens) {
         /* The decode rank sees the same condition and ends the stream itself. */
         r->dec_self_end = true;
