@@ -54,6 +54,13 @@ struct gw_gen {
     struct dsv4_tok_text content, reasoning;
     struct dsv4_tok_ids ids, prompt_ids;
     float *lps;
+    /* completions with logprobs: toff[i], the characters (code points) of
+     * the output text before token i, from the gateway's own decoding of
+     * the ids (ots into otext: the scheduler's text, NUL bytes dropped) */
+    size_t *toff;
+    struct dsv4_tok_stream ots;
+    struct dsv4_tok_text otext;
+    size_t ochars;
     uint32_t top_req;                /* most likely tokens asked per position (0 ... 20) */
     /* the most likely tokens of output tokens top_base ... ids.len (streamed:
      * the current event's, the earlier ones sent; else all): token i's
@@ -237,7 +244,7 @@ gw_top_json(const struct gw_gen *q, size_t i)
 
 /* Log-probability entries of ids[from..to). */
 static json_object *
-gw_logprobs(const struct gw_gen *q, size_t from, size_t to, size_t text_offset)
+gw_logprobs(const struct gw_gen *q, size_t from, size_t to)
 {
     json_object *o, *a, *b, *c = NULL, *e, *top = NULL;
     size_t i, n;
@@ -262,10 +269,9 @@ gw_logprobs(const struct gw_gen *q, size_t from, size_t to, size_t text_offset)
 
             json_object_array_add(a, gw_json_bytes(piece, n));
             json_object_array_add(b, gw_lp_json(q->lps[i]));
-            json_object_array_add(e, json_object_new_int64((int64_t)text_offset));
+            json_object_array_add(e, json_object_new_int64((int64_t)q->toff[i]));
             if (top != NULL)
                 json_object_array_add(top, gw_top_json(q, i));
-            text_offset += n;
         }
     }
     if (q->chat) {
@@ -329,7 +335,7 @@ gw_sse_chunk(struct gw_gen *q, const char *c, size_t cn, const char *r, size_t r
         json_object_object_add(ch, "text", json_object_new_string_len(c, (int)cn));
     }
     json_object_object_add(ch, "logprobs", q->logprobs && to > from ?
-        gw_logprobs(q, from, to, q->content.len - cn) : NULL);
+        gw_logprobs(q, from, to) : NULL);
     if (q->return_ids && to > from)
         json_object_object_add(ch, "token_ids", gw_ids_json(q->ids.v, from, to));
     json_object_object_add(ch, "finish_reason", finish != NULL ?
@@ -355,8 +361,33 @@ gw_grow(struct gw_gen *q)
     if ((nl = realloc(q->lps, ncap * sizeof(*nl))) == NULL)
         return -1;
     q->lps = nl;
+    if (!q->chat && q->logprobs) {
+        size_t *no = realloc(q->toff, ncap * sizeof(*no));
+
+        if (no == NULL)
+            return -1;
+        q->toff = no;
+    }
     q->ids.cap = ncap;
     return 0;
+}
+
+/* Token `id` is output token q->ids.len: its text offset (completions
+ * logprobs' text_offset, in characters of the answer's text). */
+static void
+gw_text_offset(struct gw_gen *q, int32_t id)
+{
+    size_t old = q->otext.len;
+
+    q->toff[q->ids.len] = q->ochars;
+    if (dsv4_tok_stream_push(&q->ots, id, &q->otext) != DSV4_OK)
+        return;
+    for (size_t i = old; i < q->otext.len; i++) {
+        unsigned char b = (unsigned char)q->otext.s[i];
+
+        q->ochars += b != 0 && (b & 0xC0) != 0x80;
+    }
+    q->otext.len = 0;   /* only counted */
 }
 
 /* Room for the most likely tokens of `n` tokens from top_base; -1 when out
@@ -412,6 +443,8 @@ gw_on_tokens(struct gw_gen *q, const struct dsv4_client_event *ev)
         if (q->ids.len == q->ids.cap && gw_grow(q) != 0)
             return;
         q->lps[q->ids.len] = ev->logprobs != NULL ? ev->logprobs[i] : 0.0f;
+        if (!q->chat && q->logprobs)
+            gw_text_offset(q, ev->tokens[i]);
         if (q->top_req > 0) {
             /* (the event's arrays last until the next dsv4_client_next) */
             const int32_t *tids;
@@ -674,7 +707,7 @@ gw_reply_json(struct gw_gen *q)
             gw_text_at(&q->content, 0), (int)q->content.len));
     }
     json_object_object_add(ch, "logprobs", q->logprobs ?
-        gw_logprobs(q, 0, q->ids.len, 0) : NULL);
+        gw_logprobs(q, 0, q->ids.len) : NULL);
     if (q->return_ids) {
         json_object_object_add(ch, "token_ids", gw_ids_json(q->ids.v, 0, q->ids.len));
         if (q->prompt_ids.len > 0)
@@ -865,6 +898,7 @@ gw_gen_handle(struct gw *g, struct MHD_Connection *conn, bool chat, const char *
     q->include_usage = a.include_usage;
     q->logprobs = a.logprobs;
     q->top_req = a.logprobs ? a.p.top_logprobs : 0;
+    dsv4_tok_stream_init(&q->ots, g->tok);
     q->return_ids = a.return_ids;
     q->thinking = chat && a.copts.thinking;
     q->in_reasoning = q->thinking;
@@ -928,6 +962,8 @@ gw_gen_finish(struct gw *g, struct gw_gen *q, bool client_gone)
     dsv4_tok_ids_free(&q->ids);
     dsv4_tok_ids_free(&q->prompt_ids);
     free(q->lps);
+    free(q->toff);
+    dsv4_tok_text_free(&q->otext);
     free(q->top_ids);
     free(q->top_lps);
     free(q->top_n);

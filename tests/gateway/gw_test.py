@@ -465,6 +465,20 @@ def sc_api():
         _, rows = generate_rows(svc, prompt=prompt, n=16, top=3)
         check(r3.choices[0].text == ref_text, "logprobs 3: text %r" % r3.choices[0].text)
         check_completion_top(r3.choices[0].logprobs, rows, 3, "completion logprobs 3")
+        # text_offset: each token's offset in characters of the answer's
+        # text, where its text starts (a token whose bytes are whole
+        # characters; the old offsets counted bytes)
+        lp3, t3 = r3.choices[0].logprobs, r3.choices[0].text
+        check(lp3.text_offset[0] == 0 and lp3.text_offset == sorted(lp3.text_offset),
+              "text_offset %s" % lp3.text_offset)
+        seen = 0
+        for tok, off in zip(lp3.tokens, lp3.text_offset):
+            if "\ufffd" not in tok and off + len(tok) <= len(t3):
+                check(t3[off:off + len(tok)] == tok, "text_offset %d: %r, the text there %r" %
+                      (off, tok, t3[off:off + len(tok)]))
+                seen += 1
+        check(seen > 0 and any(ord(ch) > 127 for ch in t3),
+              "text_offset: %d tokens checked, text %r" % (seen, t3))
         log("completion logprobs 3 == dsv4-generate --top-logprobs 3: %d tokens" % len(rows))
         # sampled, logprobs 1: each object has the sampled token too (OpenAI's
         # legacy "up to logprobs + 1"), with its token_logprob
