@@ -290,11 +290,50 @@ grow_top(struct sched_req *r)
     return true;
 }
 
+/* The first stop string in r's text that ends in [old, end) (end: where
+ * the words end, before an added token's text), searched after the last
+ * added token's text; -1 when none. */
+static long
+stop_search(const struct sched_req *r, size_t old, size_t end)
+{
+    size_t back = r->stop_maxlen - 1, from = old > back ? old - back : 0;
+
+    if (r->n_stop == 0 || end <= old)
+        return -1;
+    return req_stop_find(r->stop, r->n_stop, r->text.s, end,
+        from > r->text_barrier ? from : r->text_barrier);
+}
+
+/* A resume whose text ran ahead of its tokens (resume): once the text
+ * reaches the client's count, that must be a character's start; else the
+ * request fails with 401 (every later piece would start mid-character).
+ * True when it failed. */
+static bool
+resume_check_fails(struct sched *s, struct sched_req *r)
+{
+    if (!r->resume_ahead || r->text.len <= r->text_sent)
+        return false;
+    r->resume_ahead = false;
+    if (((unsigned char)r->text.s[r->text_sent] & 0xC0) != 0x80)
+        return false;
+    r->text_sent = r->text_safe;
+    if (r->closing) {   /* (the close's flush got there: its DONE becomes this) */
+        r->err_code = DSV4_STATUS_BAD_ARGUMENT;
+        free(r->err_msg);
+        r->err_msg = strdup("resume_text ends inside a character of the output's text");
+        return true;
+    }
+    req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text ends inside a character of the "
+        "output's text");
+    return true;
+}
+
 bool
 req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
 {
-    size_t old = r->text.len;
-    bool stop_id = false;
+    size_t old = r->text.len, words_end;
+    bool stop_id = false, added;
+    long at;
     int32_t token = t->id;
 
     if (r->closing)
@@ -308,18 +347,29 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
     r->out_lp[r->n_out] = t->has_lp ? t->lp : 0.0f;
     if (r->s.top_logprobs > 0) {
         size_t N = r->s.top_logprobs, k = t->top_ids == NULL ? 0 : t->n_top < N ? t->n_top : N;
-        size_t at = r->n_out - r->top_base;
+        size_t row = r->n_out - r->top_base;
 
         if (k > 0) {
-            memcpy(r->out_top_ids + at * N, t->top_ids, k * sizeof(int32_t));
-            memcpy(r->out_top_lp + at * N, t->top_lp, k * sizeof(float));
+            memcpy(r->out_top_ids + row * N, t->top_ids, k * sizeof(int32_t));
+            memcpy(r->out_top_lp + row * N, t->top_lp, k * sizeof(float));
         }
-        r->out_top_n[at] = (uint8_t)k;
+        r->out_top_n[row] = (uint8_t)k;
     }
     r->n_out++;
     s->m.tokens_out++;
+    /* An added token's text (<｜end▁of▁sentence｜>, </think>, ...) is a marker,
+     * not words: no stop string is matched in it or across it, so none cuts
+     * one into pieces (the text after it is searched from its end).  What
+     * its push would first flush of an unfinished character (a U+FFFD) is
+     * the text before it, flushed first so that it is searched. */
+    added = s->tok != NULL && dsv4_tok_is_added(s->tok, token);
+    if (added)
+        (void)dsv4_tok_stream_flush(&r->ts, &r->text);
+    words_end = r->text.len;
     if (s->tok != NULL && dsv4_tok_stream_push(&r->ts, token, &r->text) != DSV4_OK)
         log_debug("req_emit: req=%llu token %d has no text", (unsigned long long)r->req, token);
+    if (!added)
+        words_end = r->text.len;
     /* The wire's str holds no NUL byte: the output's text is without them,
      * so that stop strings and offsets see what the client gets. */
     if (r->text.len > old && memchr(r->text.s + old, '\0', r->text.len - old) != NULL) {
@@ -329,37 +379,22 @@ req_emit(struct sched *s, struct sched_req *r, const struct sched_tok *t)
             if (r->text.s[i] != '\0')
                 r->text.s[k++] = r->text.s[i];
         r->text.len = k;
+        if (!added)
+            words_end = k;   /* (a marker's and a U+FFFD's text hold no NUL) */
     }
     r->out_text_end[r->n_out - 1] = r->text.len;
-    /* a resume whose text ran ahead of its tokens: where the text reaches
-     * the client's count, that must be a character's start (resume) */
-    if (r->resume_ahead && r->text.len > r->text_sent) {
-        r->resume_ahead = false;
-        if (((unsigned char)r->text.s[r->text_sent] & 0xC0) == 0x80) {
-            r->text_sent = r->text_safe;
-            req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text ends inside a character "
-                "of the output's text");
-            return true;
-        }
-    }
+    if (resume_check_fails(s, r))
+        return true;
     for (uint32_t i = 0; i < r->n_stop_ids; i++)
         stop_id |= r->stop_ids[i] == token;
-    /* An added token's text (<｜end▁of▁sentence｜>, </think>, ...) is a marker,
-     * not words: no stop string is matched in it or across it, so none cuts
-     * one into pieces (the text after it is searched from its end). */
-    if (s->tok != NULL && dsv4_tok_is_added(s->tok, token))
+    at = stop_search(r, old, words_end);
+    if (added)
         r->text_barrier = r->text.len;
-    else if (r->n_stop > 0 && r->text.len > old) {
-        size_t back = r->stop_maxlen - 1, from = old > back ? old - back : 0;
-        long at = req_stop_find(r->stop, r->n_stop, r->text.s, r->text.len,
-            from > r->text_barrier ? from : r->text_barrier);
-
-        if (at >= 0) {
-            r->text_cut = (size_t)at;
-            r->text_safe = (size_t)at;
-            req_finish(s, r, DSV4_FINISH_STOP);
-            return true;
-        }
+    if (at >= 0) {
+        r->text_cut = (size_t)at;
+        r->text_safe = (size_t)at;
+        req_finish(s, r, DSV4_FINISH_STOP);
+        return true;
     }
     {
         /* The hold-back never reaches before the last text_safe (a longer
@@ -424,8 +459,22 @@ close_common(struct sched *s, struct sched_req *r, enum dsv4_req_state st)
     r->closing = true;
     r->state = st;
     req_unqueue(s, r);
-    if (s->tok != NULL && r->text_cut == NO_CUT)
+    if (s->tok != NULL && r->text_cut == NO_CUT) {
+        size_t old = r->text.len;
+        long at;
+
+        /* the flush's U+FFFD is text like any: searched for a stop string
+         * (the request then ends there, finish stop) and reaching a
+         * resume's count */
         (void)dsv4_tok_stream_flush(&r->ts, &r->text);
+        if (r->err_code == 0 && (at = stop_search(r, old, r->text.len)) >= 0) {
+            r->text_cut = (size_t)at;
+            if (r->finish == DSV4_FINISH_LENGTH)
+                r->finish = DSV4_FINISH_STOP;
+        }
+        if (r->err_code == 0)
+            (void)resume_check_fails(s, r);
+    }
     r->text_safe = r->text_cut != NO_CUT ? r->text_cut : r->text.len;
     release_holds(s, r, prev);
     if (r->client_gone)

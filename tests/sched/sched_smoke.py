@@ -566,6 +566,21 @@ def t_stop(ctx, build, tmp):
         check(res[i7]["text"] == res_eos_text and res[i7]["tokens"] == expected(p, 77, 7) + [EOS]
               and res[i7]["final"][1]["finish"] == "stop",
               "stop %r inside the EOS text: %r" % (stop, res[i7]))
+    # The U+FFFD of a character left unfinished is text like any other:
+    # found by a stop string when an added token (here EOS) follows it, and
+    # when the request's end (max_tokens) flushes it.  Both were missed:
+    # "\ufffd<eos>" and "\ufffd" with finish length came back.
+    # (the decode rank's tokens: steps 1 and 2; the prefill's, step 0, is
+    # f's, ASCII for this seed)
+    PSUM.override[(7070, 1)] = 228          # a lead byte, never finished
+    PSUM.override[(7070, 2)] = EOS
+    t0 = expected(p, 7070, 1)[0]
+    check(t0 < 128, "seed 7070's first token %d is not ASCII" % t0)
+    for n_max, why in ((5, "before the EOS"), (2, "at max_tokens")):
+        j = submit(cl, p, 7070, n_max, stop=["\ufffd"])
+        r = collect_with_psum(cl, {j: (p, 7070)})[j]
+        check(r["text"] == chr(t0) and r["final"][1]["finish"] == "stop" and
+              r["tokens"][1] == 228, "stop U+FFFD %s: %s" % (why, r))
     # 64 stop ids (the protocol's most), none of them EOS: with the EOS the
     # scheduler adds, DECODE carries 65 (it could not be sent, and the
     # request hung after its first token)
@@ -880,6 +895,15 @@ def t_resume(ctx, build, tmp):
         j = cl.generate(tokens=p, max_tokens=n, temperature=0, **kw)
         r = cl.collect([j])[j]
         check(r["final"][0] == 3 and r["final"][1]["code"] == code, "%s: %s" % (kw, r))
+    # The same when the close's flush is what reaches the count: the lead
+    # byte 0xE4 resumed, then a continuation byte (the prefill's token, f's
+    # for a seed picked so) and max_tokens (the request's end makes a U+FFFD
+    # of the two): 401, not 500.
+    sd = next(x for x in range(1, 10000) if 0x80 <= expected(p, x, 2)[1] <= 0xBF)
+    j = cl.generate(tokens=p, max_tokens=2, temperature=0, seed=sd, resume=[0xE4],
+                    resume_text=1)
+    r = cl.collect([j])[j]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 401, "resume_text at the flush: %s" % r)
     # A count past the resumed tokens' text that ends inside the character
     # the next token completes (the lead byte 0xC3 resumed, 1 byte counted):
     # 401 once the text gets there (it was taken, and every later piece
