@@ -553,7 +553,8 @@ send_tokens(struct sched *s, struct sched_req *r, uint32_t n, size_t text_end)
 
     if ((piece = malloc(tl + 1)) == NULL)
         return 0;
-    memcpy(piece, r->text.s + r->text_sent, tl);   /* (no NUL in it: req_emit) */
+    if (tl > 0)   /* (no text at all without a tokenizer: s is NULL) */
+        memcpy(piece, r->text.s + r->text_sent, tl);   /* (no NUL in it: req_emit) */
     piece[tl] = '\0';
     dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_TOKENS);
     m.u.tokens.id = r->id;
