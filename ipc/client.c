@@ -55,6 +55,10 @@
      ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
 _Static_assert((int)DSV4_CLIENT_FINISH_STOP == (int)DSV4_FINISH_STOP, "finish values");
+_Static_assert((int)DSV4_CLIENT_FINISH_LENGTH == (int)DSV4_FINISH_LENGTH, "finish values");
+_Static_assert((int)DSV4_CLIENT_FINISH_CANCELLED == (int)DSV4_FINISH_CANCELLED, "finish values");
+_Static_assert((int)DSV4_CLIENT_UNREACHABLE == (int)DSV4_STATUS_UNREACHABLE, "codes");
+_Static_assert((int)DSV4_CLIENT_BAD_ARGUMENT == (int)DSV4_STATUS_BAD_ARGUMENT, "codes");
 /* A 1.3 caller's params end at timeout_ms plus the struct's tail padding:
  * fields added later lie past that, or its padding bytes would be read. */
 _Static_assert(offsetof(struct dsv4_client_params, top_logprobs) >=
@@ -62,10 +66,6 @@ _Static_assert(offsetof(struct dsv4_client_params, top_logprobs) >=
                 _Alignof(struct dsv4_client_params) - 1) /
                _Alignof(struct dsv4_client_params) * _Alignof(struct dsv4_client_params),
                "a field added to dsv4_client_params overlaps the 1.3 struct's padding");
-_Static_assert((int)DSV4_CLIENT_FINISH_LENGTH == (int)DSV4_FINISH_LENGTH, "finish values");
-_Static_assert((int)DSV4_CLIENT_FINISH_CANCELLED == (int)DSV4_FINISH_CANCELLED, "finish values");
-_Static_assert((int)DSV4_CLIENT_UNREACHABLE == (int)DSV4_STATUS_UNREACHABLE, "codes");
-_Static_assert((int)DSV4_CLIENT_BAD_ARGUMENT == (int)DSV4_STATUS_BAD_ARGUMENT, "codes");
 
 /* A request in flight. */
 struct creq {

@@ -191,7 +191,8 @@ struct dsv4_model {
     int32_t *spec_slot, *spec_rows, *spec_keep, *spec_pos, *spec_idx;
     int32_t *spec_tok, *spec_next; /* (max_rows) rows fed; ids sampled per row */
     float *spec_lp;                /* (max_rows) their log-probabilities */
-    int32_t *spec_top_ids;         /* (max_rows, DSV4_TOP_MAX) their most likely ids */
+    int32_t *spec_top_ids;         /* (max_rows, DSV4_TOP_MAX) the rows' most likely ids
+                                      (spec_verify's and forward_sample's, host) */
     float *spec_top_lp;            /*   and those ids' log-probabilities */
     struct dsv4_sample_params *spec_params;   /* (max_rows) per row */
     int32_t *i_spec_src, *i_spec_dst;         /* device (n_slots): half rows */
@@ -1658,7 +1659,8 @@ top_queue(struct dsv4_model *m, const struct dsv4_sample_params *params, int n, 
 }
 
 /* Copy row `row`'s top entries (after top_queue into src_*) to entry `at` of
- * *top, as many as params asks (no more than V), log-probabilities cleaned. */
+ * *top, as many as params asks (no more than V; none when it asks none, and
+ * then src_* are not read), log-probabilities cleaned; their count in n. */
 static void
 top_copy(const struct dsv4_model *m, const struct dsv4_top_out *top, int at,
          const int32_t *src_ids, const float *src_lp, int row,
@@ -1666,6 +1668,7 @@ top_copy(const struct dsv4_model *m, const struct dsv4_top_out *top, int at,
 {
     int k = params->n_top < m->V ? params->n_top : m->V;
 
+    top->n[at] = k;
     for (int j = 0; j < k; j++) {
         top->ids[(size_t)at * DSV4_TOP_MAX + j] = src_ids[(size_t)row * DSV4_TOP_MAX + j];
         top->logprob[(size_t)at * DSV4_TOP_MAX + j] =
@@ -1681,19 +1684,18 @@ dsv4_model_forward_sample(struct dsv4_model *m, const struct dsv4_batch *b,
     struct dsv4_backend *be = m->be;
     const struct dsv4_backend_ops *ops = be->ops;
     int n = b->n_seqs;
-    bool want_top = top != NULL && top_wanted(params, n);
 
     TRY(forward_run(m, b, 0));
     TRY(ops->sample(be, m->s_ids, m->s_lp, m->logits_dev, params, n, m->V));
     TRY(ops->download(be, out_ids, m->s_ids, (size_t)n * sizeof(int32_t)));
     if (out_logprob != NULL)
         TRY(ops->download(be, out_logprob, m->s_lp, (size_t)n * sizeof(float)));
-    if (want_top)
+    if (top != NULL && top_wanted(params, n))
         TRY(top_queue(m, params, n, m->spec_top_ids, m->spec_top_lp));
     TRY(ops->sync(be));
     for (int i = 0; out_logprob != NULL && i < n; i++)
         out_logprob[i] = lp_clean(out_logprob[i]);
-    for (int i = 0; want_top && i < n; i++)
+    for (int i = 0; top != NULL && i < n; i++)
         top_copy(m, top, i, m->spec_top_ids, m->spec_top_lp, i, &params[i]);
     forward_commit(m, b);
     return DSV4_OK;
@@ -1874,7 +1876,6 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
     const struct dsv4_backend_ops *ops = be->ops;
     const int K = DSV4_SPEC_MAX_DRAFT, K1 = DSV4_SPEC_MAX_DRAFT + 1;
     int n = b->n_seqs, T = 0, all = 1, graphed, any_restore = 0;
-    bool want_top;
     enum dsv4_err e;
     int64_t S = m->n_slots;
     struct dsv4_batch fb;
@@ -1928,8 +1929,7 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
         return e;
     TRY(ops->copy(be, m->hidden, m->X, (size_t)T * m->n_hc * m->D * sizeof(float)));
     TRY(ops->sample(be, m->s_ids, m->s_lp, m->logits_dev, m->spec_params, T, m->V));
-    want_top = top != NULL && top_wanted(m->spec_params, T);
-    if (want_top)
+    if (top != NULL && top_wanted(m->spec_params, T))
         TRY(top_queue(m, m->spec_params, T, m->spec_top_ids, m->spec_top_lp));
     TRY(spec_download(m, T, m->spec_next, m->spec_lp, logits));
 
@@ -1948,7 +1948,7 @@ dsv4_model_spec_verify(struct dsv4_model *m, const struct dsv4_spec_batch *b,
             out_ids[i * K1 + j] = m->spec_next[row + j];
             if (out_lp != NULL)
                 out_lp[i * K1 + j] = lp_clean(m->spec_lp[row + j]);
-            if (want_top)
+            if (top != NULL)
                 top_copy(m, top, i * K1 + j, m->spec_top_ids, m->spec_top_lp, row + j,
                          &m->spec_params[row + j]);
         }

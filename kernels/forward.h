@@ -182,10 +182,12 @@ enum dsv4_err dsv4_model_forward(struct dsv4_model *m, const struct dsv4_batch *
  * call's ids (token t's at t * DSV4_TOP_MAX), filled for the tokens whose
  * params ask (n_top > 0; the first n_top entries, or V when smaller; each
  * log-probability <= 0, a NaN as -inf); the other entries are left alone.
+ * n[t]: how many token t has (0 where its params ask none).
  */
 struct dsv4_top_out {
     int32_t *ids;
     float *logprob;
+    int32_t *n;
 };
 
 /*

@@ -195,13 +195,13 @@ rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, 
 }
 
 void
-rank_top_pack(struct rank *k, struct dsv4_top *t, const int32_t *n_top, int n)
+rank_top_pack(struct rank *k, struct dsv4_top *t, int n)
 {
     uint32_t at = 0;
     bool any = false;
 
     for (int i = 0; i < n; i++) {
-        int c = n_top[i] < k->V ? n_top[i] : k->V;
+        int c = k->out_top.n[i];
 
         k->out_top_n[i] = (uint64_t)c;
         any = any || c > 0;
@@ -1452,6 +1452,7 @@ rank_init_model(struct rank *k)
     k->out_top.ids = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX, sizeof(int32_t));
     k->out_top.logprob = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX,
                                  sizeof(float));
+    k->out_top.n = xcalloc((size_t)k->o.slots * k->spec_k1, sizeof(int32_t));
     k->out_top_n = xcalloc((size_t)k->o.slots * k->spec_k1, sizeof(uint64_t));
     k->msg_top_ids = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX, sizeof(int32_t));
     k->msg_top_lp = xcalloc((size_t)k->o.slots * k->spec_k1 * DSV4_TOP_MAX, sizeof(float));
@@ -1502,6 +1503,7 @@ rank_free(struct rank *k)
     free(k->out_lp);
     free(k->out_top.ids);
     free(k->out_top.logprob);
+    free(k->out_top.n);
     free(k->out_top_n);
     free(k->msg_top_ids);
     free(k->msg_top_lp);

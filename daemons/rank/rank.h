@@ -211,7 +211,8 @@ struct rank {
     int32_t *out_tok;           /* (slots * spec_k1) */
     float *out_lp;              /* (slots * spec_k1) */
     struct dsv4_top_out out_top; /* (slots * spec_k1, DSV4_TOP_MAX): the most
-                                   likely ids of streams that ask (top_logprobs) */
+                                   likely ids of streams that ask (top_logprobs),
+                                   their counts in out_top.n */
     uint64_t *out_top_n;        /* (slots * spec_k1) TOKENS' top_n */
     int32_t *msg_top_ids;       /* (slots * spec_k1 * DSV4_TOP_MAX) TOKENS' top, */
     float *msg_top_lp;          /*   packed (rank_top_pack) */
@@ -342,12 +343,12 @@ enum dsv4_err rank_warmup(struct rank *k);
  * DSV4_TOP_MAX most likely ids (so that the top path is loaded too). */
 void rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs);
 /*
- * TOKENS' most likely tokens (*t) for n tokens whose entries are in
- * k->out_top (token i's at i * DSV4_TOP_MAX) and of which token i asked for
- * n_top[i] (capped at the vocabulary): packed into k's message arrays; *t is
- * all NULL when no token asked.  Valid until the next call.
+ * TOKENS' most likely tokens (*t) for the n tokens whose entries are in
+ * k->out_top (token i's out_top.n[i] at i * DSV4_TOP_MAX): packed into k's
+ * message arrays; *t is all NULL when no token has any.  Valid until the
+ * next call.
  */
-void rank_top_pack(struct rank *k, struct dsv4_top *t, const int32_t *n_top, int n);
+void rank_top_pack(struct rank *k, struct dsv4_top *t, int n);
 /* Sampling parameters of one row from protocol sampling + step. */
 void rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s,
     uint64_t step);

@@ -378,7 +378,6 @@ void
 decode_work(struct rank *k)
 {
     uint64_t reqs[RANK_MAX_SLOTS];
-    int32_t top_n[RANK_MAX_SLOTS];
     bool want_lp = false;
     struct dsv4_batch b;
     struct dsv4_msg m;
@@ -429,9 +428,7 @@ decode_work(struct rank *k)
     m.u.step.tokens = k->out_tok;
     m.u.step.logprobs = want_lp ? k->out_lp : NULL;
     m.u.step.n = (uint32_t)n;
-    for (int r = 0; r < n; r++)
-        top_n[r] = k->sp[r].n_top;
-    rank_top_pack(k, &m.u.step.top, top_n, n);
+    rank_top_pack(k, &m.u.step.top, n);
     rank_send(k, &m);
     log_debug("decode_work: step=%" PRIu64 " streams=%d", m.u.step.step, n);
 
@@ -465,7 +462,6 @@ decode_work_spec(struct rank *k)
 {
     const int K = DSV4_SPEC_MAX_DRAFT, K1 = DSV4_SPEC_MAX_DRAFT + 1;
     uint64_t reqs[RANK_MAX_SLOTS * (DSV4_SPEC_MAX_DRAFT + 1)];
-    int32_t top_n[RANK_MAX_SLOTS * (DSV4_SPEC_MAX_DRAFT + 1)];
     int end_slot[RANK_MAX_SLOTS];
     enum dsv4_finish end_why[RANK_MAX_SLOTS];
     struct dsv4_spec_batch b;
@@ -528,7 +524,7 @@ decode_work_spec(struct rank *k)
             reqs[n_out] = st->req;
             k->out_tok[n_out] = tok;
             k->out_lp[n_out] = k->out_lp[r * K1 + j];
-            top_n[n_out] = k->sp[r].n_top;
+            k->out_top.n[n_out] = k->out_top.n[r * K1 + j];
             memmove(k->out_top.ids + (size_t)n_out * DSV4_TOP_MAX,
                     k->out_top.ids + (size_t)(r * K1 + j) * DSV4_TOP_MAX,
                     DSV4_TOP_MAX * sizeof(int32_t));
@@ -557,7 +553,7 @@ decode_work_spec(struct rank *k)
     m.u.step.tokens = k->out_tok;
     m.u.step.logprobs = want_lp ? k->out_lp : NULL;
     m.u.step.n = (uint32_t)n_out;
-    rank_top_pack(k, &m.u.step.top, top_n, n_out);
+    rank_top_pack(k, &m.u.step.top, n_out);
     rank_send(k, &m);
     log_debug("decode_work_spec: step=%" PRIu64 " streams=%d tokens=%d", m.u.step.step, n,
               n_out);

@@ -378,8 +378,7 @@ prefill_work(struct rank *k)
         struct rank_job *j = &k->jobs[k->b_slot[s]];
         j->done += (uint32_t)k->b_ntok[s];
         if (j->done == j->n_tokens)
-            prefill_finish(k, k->b_slot[s], k->out_tok[s], k->out_lp[s],
-                           k->sp[s].n_top < k->V ? k->sp[s].n_top : k->V,
+            prefill_finish(k, k->b_slot[s], k->out_tok[s], k->out_lp[s], k->out_top.n[s],
                            k->out_top.ids + (size_t)s * DSV4_TOP_MAX,
                            k->out_top.logprob + (size_t)s * DSV4_TOP_MAX);
     }

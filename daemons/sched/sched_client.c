@@ -172,7 +172,6 @@ copy_stops(struct sched *s, struct sched_req *r, const struct dsv4_cli_generate 
     return true;
 }
 
-
 /*
  * GENERATE with `resume` (docs/protocol.md §4.6): the client has the first
  * n_resume output tokens and resume_text bytes of text of this request from

@@ -144,18 +144,11 @@ cpu_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const 
     return e;
 }
 
-struct top_job {
-    int32_t *out_ids;
-    float *out_logprob;
-    const float *logits;
-    const struct dsv4_sample_params *params;
-    int V;
-};
-
+/* (a sample_job without the sampler's scratch: out_* are the top arrays) */
 static void
 top_task(void *ctx, int64_t begin, int64_t end, int tid)
 {
-    const struct top_job *j = ctx;
+    const struct sample_job *j = ctx;
     struct cpu_pick heap[DSV4_TOP_MAX];
 
     (void)tid;
@@ -179,7 +172,8 @@ enum dsv4_err
 cpu_sample_top(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
                const float *logits, const struct dsv4_sample_params *params, int n, int V)
 {
-    struct top_job j = { out_ids, out_logprob, logits, params, V };
+    struct sample_job j = { out_ids, out_logprob, logits, params, V, NULL, NULL, NULL, NULL,
+                            NULL };
     enum dsv4_err e = so_check_top(params, n, V);
 
     if (e == DSV4_OK && n > 0)

@@ -242,8 +242,8 @@ test_forward_sample(void **state)
     };
     float *lg = malloc(2 * (size_t)tm.V * sizeof(float)), lp[2], lp2[2];
     float tlp1[2 * DSV4_TOP_MAX], tlp2[2 * DSV4_TOP_MAX];
-    int32_t got1[2], got2[2], tid1[2 * DSV4_TOP_MAX], tid2[2 * DSV4_TOP_MAX];
-    struct dsv4_top_out top = { tid2, tlp2 };
+    int32_t got1[2], got2[2], tid1[2 * DSV4_TOP_MAX], tid2[2 * DSV4_TOP_MAX], tn[2] = { -1, -1 };
+    struct dsv4_top_out top = { tid2, tlp2, tn };
 
     (void)state;
     assert_non_null(lg);
@@ -274,6 +274,8 @@ test_forward_sample(void **state)
     assert_memory_equal(lp, lp2, sizeof(lp));
     assert_memory_equal(tid1, tid2, sizeof(tid1));
     assert_memory_equal(tlp1, tlp2, sizeof(tlp1));
+    assert_int_equal(tn[0], 5);
+    assert_int_equal(tn[1], 0);
     assert_int_equal(tid2[0], got2[0]);
     assert_true(tlp2[0] == lp2[0]);
     for (int j = 1; j < 5; j++)

@@ -242,7 +242,8 @@ spec_script(struct dsv4_model *m, const struct run *ref, int prompt_mtp, struct 
     int32_t slot[N_SEQ], last[N_SEQ], nd[N_SEQ], draft[N_SEQ], ids[N_SEQ * K1], nout[N_SEQ];
     int32_t top_ids[N_SEQ * K1 * DSV4_TOP_MAX];
     float top_lp[N_SEQ * K1 * DSV4_TOP_MAX];
-    struct dsv4_top_out top = { top_ids, top_lp };
+    int32_t top_n[N_SEQ * K1];
+    struct dsv4_top_out top = { top_ids, top_lp, top_n };
     int32_t mtp_draft[N_SEQ] = { 0 }, next_draft[N_SEQ], e[N_SEQ] = { 0 }, map[N_SEQ];
     enum src src[N_SEQ];
     struct dsv4_sample_params sp[N_SEQ];
@@ -287,7 +288,7 @@ spec_script(struct dsv4_model *m, const struct run *ref, int prompt_mtp, struct 
             int s = map[i], p = prompt_len[s] + e[s];
 
             for (int j = 0; j < nout[i]; j++) {
-                if (sp[i].n_top > 0 &&
+                if (top_n[i * K1 + j] != sp[i].n_top ||
                     !top_matches(lg + (size_t)(row + j) * V, sp[i].n_top,
                                  top_ids + (size_t)(i * K1 + j) * DSV4_TOP_MAX,
                                  top_lp + (size_t)(i * K1 + j) * DSV4_TOP_MAX)) {
