@@ -207,6 +207,20 @@ gw_chat_entry(const struct gw_gen *q, int32_t id, float lp)
     return t;
 }
 
+/* Add token `id`'s text -> lp to the legacy completions object o, unless a
+ * token of the same text is there already (it was the more likely). */
+static void
+gw_dict_add(const struct gw_gen *q, json_object *o, int32_t id, float lp)
+{
+    size_t n;
+    const char *piece = dsv4_tok_piece(q->g->tok, id, &n);
+    json_object *k = gw_json_bytes(piece, n);
+
+    if (!json_object_object_get_ex(o, json_object_get_string(k), NULL))
+        json_object_object_add(o, json_object_get_string(k), gw_lp_json(lp));
+    json_object_put(k);
+}
+
 /* The most likely tokens of output position i: chat a list of entries,
  * best first; completions an object text -> logprob (OpenAI's legacy
  * format: of two that render the same, the first, more likely, stays; the
@@ -214,31 +228,20 @@ gw_chat_entry(const struct gw_gen *q, int32_t id, float lp)
 static json_object *
 gw_top_json(const struct gw_gen *q, size_t i)
 {
-    size_t t = i - q->top_base, j, n;
+    size_t t = i - q->top_base, j;
     const int32_t *ids = q->top_ids + t * q->top_req;
     const float *lps = q->top_lps + t * q->top_req;
-    json_object *o = q->chat ? json_object_new_array() : json_object_new_object(), *k;
-    const char *piece;
+    json_object *o = q->chat ? json_object_new_array() : json_object_new_object();
 
     for (j = 0; j < q->top_n[t]; j++) {
-        if (q->chat) {
+        if (q->chat)
             json_object_array_add(o, gw_chat_entry(q, ids[j], lps[j]));
-            continue;
-        }
-        piece = dsv4_tok_piece(q->g->tok, ids[j], &n);
-        k = gw_json_bytes(piece, n);
-        if (!json_object_object_get_ex(o, json_object_get_string(k), NULL))
-            json_object_object_add(o, json_object_get_string(k), gw_lp_json(lps[j]));
-        json_object_put(k);
+        else
+            gw_dict_add(q, o, ids[j], lps[j]);
     }
     /* the sampled token is always there (OpenAI: up to logprobs + 1 entries) */
-    if (!q->chat && q->top_n[t] > 0) {
-        piece = dsv4_tok_piece(q->g->tok, q->ids.v[i], &n);
-        k = gw_json_bytes(piece, n);
-        if (!json_object_object_get_ex(o, json_object_get_string(k), NULL))
-            json_object_object_add(o, json_object_get_string(k), gw_lp_json(q->lps[i]));
-        json_object_put(k);
-    }
+    if (!q->chat && q->top_n[t] > 0)
+        gw_dict_add(q, o, q->ids.v[i], q->lps[i]);
     return o;
 }
 
@@ -377,17 +380,15 @@ gw_grow(struct gw_gen *q)
 static void
 gw_text_offset(struct gw_gen *q, int32_t id)
 {
-    size_t old = q->otext.len;
-
     q->toff[q->ids.len] = q->ochars;
-    if (dsv4_tok_stream_push(&q->ots, id, &q->otext) != DSV4_OK)
-        return;
-    for (size_t i = old; i < q->otext.len; i++) {
-        unsigned char b = (unsigned char)q->otext.s[i];
+    if (dsv4_tok_stream_push(&q->ots, id, &q->otext) == DSV4_OK) {
+        for (size_t i = 0; i < q->otext.len; i++) {
+            unsigned char b = (unsigned char)q->otext.s[i];
 
-        q->ochars += b != 0 && (b & 0xC0) != 0x80;
+            q->ochars += b != 0 && (b & 0xC0) != 0x80;
+        }
     }
-    q->otext.len = 0;   /* only counted */
+    q->otext.len = 0;   /* only counted: empty for the next token */
 }
 
 /* Room for the most likely tokens of `n` tokens from top_base; -1 when out
