@@ -321,6 +321,13 @@ resume_check_fails(struct sched *s, struct sched_req *r)
         r->err_code = DSV4_STATUS_BAD_ARGUMENT;
         free(r->err_msg);
         r->err_msg = strdup("resume_text ends inside a character of the output's text");
+        /* counted where it ends: failed, not done or cancelled */
+        if (r->state == DSV4_REQ_CANCELLED)
+            s->m.n_cancelled--;
+        else
+            s->m.n_done--;
+        s->m.n_failed++;
+        r->state = DSV4_REQ_FAILED;
         return true;
     }
     req_fail(s, r, DSV4_STATUS_BAD_ARGUMENT, "resume_text ends inside a character of the "

@@ -899,11 +899,18 @@ def t_resume(ctx, build, tmp):
     # byte 0xE4 resumed, then a continuation byte (the prefill's token, f's
     # for a seed picked so) and max_tokens (the request's end makes a U+FFFD
     # of the two): 401, not 500.
+    # It counts as failed, not done.
     sd = next(x for x in range(1, 10000) if 0x80 <= expected(p, x, 2)[1] <= 0xBF)
+    wait_idle(sc)
+    _, st0 = sc.ctl("status")
     j = cl.generate(tokens=p, max_tokens=2, temperature=0, seed=sd, resume=[0xE4],
                     resume_text=1)
     r = cl.collect([j])[j]
     check(r["final"][0] == 3 and r["final"][1]["code"] == 401, "resume_text at the flush: %s" % r)
+    wait_idle(sc)
+    _, st = sc.ctl("status")
+    check(st["n_failed"] == st0["n_failed"] + 1 and st["n_done"] == st0["n_done"],
+          "resume_text at the flush counted: %s -> %s" % (st0, st))
     # A count past the resumed tokens' text that ends inside the character
     # the next token completes (the lead byte 0xC3 resumed, 1 byte counted):
     # 401 once the text gets there (it was taken, and every later piece
