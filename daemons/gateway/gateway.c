@@ -7,7 +7,8 @@
  *   dsv4-gateway [-nv] [-f CONFIG] [-o KEY=VALUE]... [-l HOST:PORT]
  *
  * -n checks the configuration, the keys file and the tokenizer, then exits.
- * Exit status: 0 after SIGTERM/SIGINT, 1 on a setup error, 2 usage.
+ * Exit status: 0 after SIGTERM/SIGINT, 1 on a setup error, 2 usage, 6 a
+ * configuration fault (docs/gateway.md).
  */
 #include <ctype.h>
 #include <inttypes.h>
@@ -368,6 +369,10 @@ main(int argc, char **argv)
     pthread_mutex_init(&g.toklock, NULL);
     pthread_mutex_init(&g.klock, NULL);
     pthread_mutex_init(&g.alock, NULL);
+    pthread_mutex_init(&g.qlock, NULL);
+    pthread_cond_init(&g.qdone, NULL);
+    if ((g.q_last = calloc(1, sizeof(*g.q_last))) == NULL)
+        fatalx("out of memory");
     pthread_mutex_init(&g.mlock, NULL);
     sigfd = signals_open();
     /* Socket activation (dsv4-gateway.socket): one listening stream socket. */
@@ -401,6 +406,7 @@ main(int argc, char **argv)
     gw_finish(&g, sigfd);
     gw_http_stop(&g);
     gw_admin_close(&g);
+    free(g.q_last);
     dsv4_tok_free(g.tok);
     close(sigfd);
     log_info("main: stopped");

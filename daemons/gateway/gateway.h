@@ -130,6 +130,14 @@ struct gw {
     pthread_mutex_t alock;
     void *zctx;
     void *admin;                 /* DEALER to admin_endpoint; NULL until first use */
+    /* the status query in flight, shared by the callers that arrive while
+     * it runs (gw_sched_query), guarded by qlock */
+    pthread_mutex_t qlock;
+    pthread_cond_t qdone;
+    bool q_busy;                 /* a query is in flight */
+    uint64_t q_count;            /* queries completed */
+    struct gw_sched *q_last;     /* the last completed query's answer */
+    int q_rc;                    /* ... and its result */
     /* metrics, guarded by mlock */
     pthread_mutex_t mlock;
     struct gw_metrics m;
@@ -313,7 +321,10 @@ struct gw_sched {
 };
 
 /* Ask the scheduler (admin socket) for its status and ranks.  0, or -1 when
- * it did not answer in GW_ADMIN_TIMEOUT_MS (s->up false). */
+ * it did not answer in GW_ADMIN_TIMEOUT_MS (s->up false).  A caller that
+ * arrives while another's query is in flight takes that query's answer
+ * instead of waiting behind it for one of its own (so probes and scrapes
+ * of a silent scheduler each wait one timeout at most, not one apiece). */
 int gw_sched_query(struct gw *g, struct gw_sched *s);
 
 /* True when some decode group has every known member ready and a prefill

@@ -51,6 +51,8 @@ struct gw_gen {
     int64_t t_submit, t_last, deadline;
     uint64_t n_out;                  /* output tokens seen */
     bool in_reasoning;               /* thinking mode: before </think> */
+    size_t r_sent;                   /* reasoning bytes streamed (the rest may
+                                      * begin a </think> the next event ends) */
     struct dsv4_tok_text content, reasoning;
     struct dsv4_tok_ids ids, prompt_ids;
     float *lps;
@@ -425,7 +427,7 @@ gw_on_tokens(struct gw_gen *q, const struct dsv4_client_event *ev)
 {
     const char *text = ev->text != NULL ? ev->text : "", *cut, *eos;
     size_t tn = strlen(text), from = q->ids.len, i, eosn;
-    size_t c0 = q->content.len, r0 = q->reasoning.len;
+    size_t c0 = q->content.len, r0 = q->r_sent, hold = 0;
     int64_t now = gw_now_ms();
 
     pthread_mutex_lock(&q->g->mlock);
@@ -473,22 +475,36 @@ gw_on_tokens(struct gw_gen *q, const struct dsv4_client_event *ev)
             tn -= eosn;
     }
     if (q->in_reasoning) {
-        cut = memmem(text, tn, "</think>", 8);
-        if (cut == NULL) {
-            gw_text_add(&q->reasoning, text, tn);
-            tn = 0;
-        } else {
-            gw_text_add(&q->reasoning, text, (size_t)(cut - text));
-            tn -= (size_t)(cut - text) + 8;
+        /* </think> may be split over events (spelled in plain tokens): the
+         * search starts where an unfinished one may, and such a start is
+         * not streamed until the next event settles it */
+        const char *r;
+        size_t at = q->r_sent;
+
+        gw_text_add(&q->reasoning, text, tn);
+        tn = 0;
+        r = gw_text_at(&q->reasoning, 0);
+        cut = memmem(r + at, q->reasoning.len - at, "</think>", 8);
+        if (cut != NULL) {
             text = cut + 8;
+            tn = q->reasoning.len - (size_t)(text - r);
+            gw_text_add(&q->content, text, tn);   /* (before the cut ends reasoning) */
+            tn = 0;
+            q->reasoning.len = (size_t)(cut - r);
             q->in_reasoning = false;
+        } else {
+            for (size_t k = 7; k > 0 && hold == 0; k--)
+                if (q->reasoning.len - at >= k &&
+                    memcmp(r + q->reasoning.len - k, "</think>", k) == 0)
+                    hold = k;
         }
     }
     gw_text_add(&q->content, text, tn);
-    if (q->stream && (q->content.len > c0 || q->reasoning.len > r0 || q->logprobs ||
+    q->r_sent = q->reasoning.len - hold;
+    if (q->stream && (q->content.len > c0 || q->r_sent > r0 || q->logprobs ||
         q->return_ids))
         gw_sse_chunk(q, gw_text_at(&q->content, c0), q->content.len - c0,
-            gw_text_at(&q->reasoning, r0), q->reasoning.len - r0, from, q->ids.len, NULL);
+            gw_text_at(&q->reasoning, r0), q->r_sent - r0, from, q->ids.len, NULL);
 }
 
 /* An error in the stream: an OpenAI error object as an SSE event. */
@@ -519,7 +535,9 @@ gw_on_final(struct gw_gen *q)
     if (q->err_code != 0) {
         gw_sse_error(q);
     } else {
-        gw_sse_chunk(q, "", 0, "", 0, 0, 0, gw_finish_name(q->finish));
+        /* (reasoning held back as a possible </think>'s start is reasoning) */
+        gw_sse_chunk(q, "", 0, gw_text_at(&q->reasoning, q->r_sent),
+            q->reasoning.len - q->r_sent, 0, 0, gw_finish_name(q->finish));
         if (q->include_usage) {
             o = gw_head(q, q->chat ? "chat.completion.chunk" : "text_completion");
             json_object_object_add(o, "choices", json_object_new_array());

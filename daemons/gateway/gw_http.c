@@ -184,9 +184,12 @@ gw_auth_ok(struct gw *g, struct MHD_Connection *conn)
 
     h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
     tok = h != NULL && strncasecmp(h, "Bearer ", 7) == 0 ? h + 7 : NULL;
-    while (tok != NULL && *tok == ' ')
+    while (tok != NULL && (*tok == ' ' || *tok == '\t'))
         tok++;
     tl = tok != NULL ? strlen(tok) : 0;
+    /* (blanks after the value are not part of it: RFC 9110 5.5) */
+    while (tl > 0 && (tok[tl - 1] == ' ' || tok[tl - 1] == '\t'))
+        tl--;
     pthread_mutex_lock(&g->klock);
     ok = g->n_keys == 0;            /* no gateway_keys: no authentication */
     for (k = 0; tok != NULL && k < g->n_keys; k++) {

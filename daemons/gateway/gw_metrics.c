@@ -185,6 +185,20 @@ gw_sched_query(struct gw *g, struct gw_sched *s)
 {
     int rc;
 
+    pthread_mutex_lock(&g->qlock);
+    if (g->q_busy) {
+        uint64_t want = g->q_count + 1;   /* the one in flight */
+
+        while (g->q_count < want)
+            pthread_cond_wait(&g->qdone, &g->qlock);
+        *s = *g->q_last;
+        rc = g->q_rc;
+        pthread_mutex_unlock(&g->qlock);
+        return rc;
+    }
+    g->q_busy = true;
+    pthread_mutex_unlock(&g->qlock);
+
     memset(s, 0, sizeof(*s));
     pthread_mutex_lock(&g->alock);
     rc = gw_admin_call(g, DSV4_CTL_SHOW_STATUS, DSV4_CTL_STATUS, gw_take_status, s);
@@ -192,6 +206,14 @@ gw_sched_query(struct gw *g, struct gw_sched *s)
         rc = gw_admin_call(g, DSV4_CTL_SHOW_RANKS, DSV4_CTL_RANKS_END, gw_take_rank, s);
     pthread_mutex_unlock(&g->alock);
     s->up = rc == 0;
+
+    pthread_mutex_lock(&g->qlock);
+    *g->q_last = *s;
+    g->q_rc = rc;
+    g->q_count++;
+    g->q_busy = false;
+    pthread_cond_broadcast(&g->qdone);
+    pthread_mutex_unlock(&g->qlock);
     return rc;
 }
 

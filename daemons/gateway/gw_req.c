@@ -314,13 +314,15 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
 static int
 gw_parse_messages(json_object *o, struct gw_req *a, struct gw_bad *b)
 {
-    json_object *x, *m, *r, *c, *rc, *kw;
+    json_object *x = NULL, *m, *r, *c, *rc, *kw;
     const char *role;
     char what[64];
     size_t i, n;
 
-    if (!json_object_object_get_ex(o, "messages", &x) ||
-        json_object_get_type(x) != json_type_array || json_object_array_length(x) == 0)
+    if (json_object_object_get_ex(o, "messages", &x) && x != NULL &&
+        json_object_get_type(x) != json_type_array)
+        return gw_bad(b, 400, "invalid_type", "\"messages\" must be a non-empty array");
+    if (x == NULL || json_object_array_length(x) == 0)
         return gw_bad(b, 400, "invalid_request", "\"messages\" must be a non-empty array");
     n = json_object_array_length(x);
     if (n > GW_MAX_MESSAGES)
@@ -445,8 +447,11 @@ gw_parse_params(const struct gw *g, bool chat, json_object *o, struct gw_req *a,
         return gw_bad(b, 404, "model_not_found", "model \"%s\" does not exist; this server "
             "serves \"%s\"", json_object_get_string(x), g->conf.gateway_model);
     }
-    if (gw_num(o, "n", 1, 1, true, &v, &has, b) != 0)
+    /* (a value of another type keeps its invalid_type) */
+    if (gw_num(o, "n", 1, 1, true, &v, &has, b) != 0 && strcmp(b->code, "invalid_type") != 0)
         return gw_bad(b, 400, "unsupported_value", "\"n\" must be 1 (one choice per request)");
+    if (b->status != 0)
+        return -1;
     if (gw_num(o, "max_tokens", 1, 1048576, true, &v, &has, b) != 0)
         return -1;
     if (has)
@@ -521,7 +526,23 @@ gw_req_parse(const struct gw *g, bool chat, const char *body, size_t len, struct
     tk = json_tokener_new_ex(GW_JSON_DEPTH);
     if (tk != NULL) {
         o = json_tokener_parse_ex(tk, body, (int)len);
-        if (json_tokener_get_error(tk) != json_tokener_success) {
+        if (json_tokener_get_error(tk) == json_tokener_continue) {
+            /* (the tokener waits for more: nothing, an object cut short, or
+             * a top-level number that might go on) */
+            size_t i = 0;
+
+            while (i < len && gw_only_blanks(body + i, 1))
+                i++;
+            if (i == len)
+                gw_bad(b, 400, "invalid_json", "the body is empty; it must be a JSON object");
+            else if (body[i] == '{')
+                gw_bad(b, 400, "invalid_json", "the body ends inside its JSON object (%zu "
+                    "bytes)", len);
+            else
+                gw_bad(b, 400, "invalid_json", "the body must be a JSON object");
+            json_object_put(o);
+            o = NULL;
+        } else if (json_tokener_get_error(tk) != json_tokener_success) {
             gw_bad(b, 400, "invalid_json", "the body is not valid JSON: %s (at byte %zu)",
                 json_tokener_error_desc(json_tokener_get_error(tk)),
                 json_tokener_get_parse_end(tk));

@@ -795,6 +795,8 @@ def sc_robust():
                 ("/v1/completions", '{"prompt": "x", "max_tokens": "ten"}', "invalid_type"),
                 ("/v1/completions", '{"prompt": "x", "temperature": -1}', "invalid_value"),
                 ("/v1/completions", '{"prompt": "x", "n": 2}', "unsupported_value"),
+                # a value of a type n never takes: invalid_type (it was unsupported_value)
+                ("/v1/completions", '{"prompt": "x", "n": "1"}', "invalid_type"),
                 # logprobs: 0 ... 20 most likely tokens (non-integers refused)
                 ("/v1/completions", '{"prompt": "x", "logprobs": 21}', "invalid_value"),
                 ("/v1/completions", '{"prompt": "x", "logprobs": -1}', "invalid_value"),
@@ -837,6 +839,15 @@ def sc_robust():
             e = error_of(st, data, 400, "invalid_value")
             check(field in e["message"], "%s %s: the message %r does not name %s" %
                   (path, body, e["message"], field))
+        # Bodies the JSON parser waits on (it said "continue (at byte N)"):
+        # the message says what is wrong.
+        for body, want in [("", "the body is empty"), (" \r\n", "the body is empty"),
+                           ('{"prompt": "ab', "ends inside its JSON object (14 bytes)"),
+                           ("12", "must be a JSON object")]:
+            st, _, data = svc.http("POST", "/v1/completions", body)
+            e = error_of(st, data, 400, "invalid_json")
+            check(want in e["message"] and "continue" not in e["message"],
+                  "body %r: %r" % (body, e["message"]))
         # In range: accepted (they were refused), and logprobs 0 still has
         # a null top_logprobs.
         for path, body, want_top in [
@@ -1010,6 +1021,21 @@ def no_scheduler():
         st, _, data = gw.http("GET", "/health")
         e = error_of(st, data, 503)
         check("does not answer" in e["message"], "health reason: %s" % e["message"])
+        # Probes at once share the admin query in flight: each waits one
+        # admin timeout (3 s) at most; they queued, the fifth for 15 s.
+        took = []
+
+        def probe():
+            t0 = time.time()
+            st, _, _ = gw.http("GET", "/health" if len(took) % 2 else "/metrics")
+            took.append((time.time() - t0, st))
+        th = [threading.Thread(target=probe) for _ in range(5)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(60)
+        check(len(took) == 5 and max(t for t, _ in took) < 5.5,
+              "concurrent /health and /metrics: %s" % took)
         m = gw.metrics()
         check(metric(m, "dsv4_scheduler_up") == 0 and metric(m, "dsv4_serving") == 0,
               "dsv4_scheduler_up / dsv4_serving not 0")
@@ -1053,6 +1079,16 @@ def framing_keys_fds():
         error_of(st, data, 401, "invalid_api_key")
         st, _, data = gw.http("GET", "/v1/embeddings", headers={"Authorization": "Bearer k-framing"})
         error_of(st, data, 404, "not_found")
+        # blanks around the key are not part of it (RFC 9110 5.5); a key
+        # with a trailing blank was refused 401.  Sent raw: the client
+        # library would strip them.
+        for auth in (b"Bearer k-framing \t", b"Bearer \t k-framing"):
+            r = raw_request(gw.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " +
+                            auth + b"\r\nConnection: close\r\n\r\n")
+            check(r is not None and r[0] == 200, "Authorization %r: %s" % (auth, r))
+        r = raw_request(gw.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                        b"Bearer k-framin \r\nConnection: close\r\n\r\n")
+        check(r is not None and r[0] == 401, "a key cut short was taken: %s" % (r,))
         hidden = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
         for name, head in (("CL+TE", b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"),
                            ("CL twice", b"Content-Length: 5\r\nContent-Length: 4\r\n")):
@@ -1139,6 +1175,9 @@ class ScriptedSched(threading.Thread):
       "late:CODE"      OK, TOKENS "x", ERROR CODE: a failure after acceptance
       "busy"           ERROR 300 and no OK: a refusal
 
+    A request of token ids (chat) is answered with .parts: each text one
+    TOKENS event (its bytes as the ids), then DONE "length".
+
     CANCEL ends a live request with DONE "cancelled" (counted in .cancels);
     HEARTBEAT is answered (libdsv4client pings a quiet server)."""
 
@@ -1157,6 +1196,7 @@ class ScriptedSched(threading.Thread):
         self.due = []          # [when, route, id, req, text] of quiet requests
         self.cancels = 0
         self.next_req = 0
+        self.parts = ["x"]
         self.stopping = False
 
     def send(self, route, cmd, body):
@@ -1186,6 +1226,13 @@ class ScriptedSched(threading.Thread):
         elif prompt.startswith("quiet:"):
             _, ms, text = prompt.split(":", 2)
             self.due.append([time.monotonic() + int(ms) / 1000, route, rid, req, text])
+        elif not prompt:
+            for t in self.parts:
+                self.send(route, self.TOKENS, {"id": rid, "req": req,
+                                               "tokens": list(t.encode()), "text": t})
+            self.send(route, self.DONE, {"id": rid, "req": req, "finish": "length",
+                                         "prompt_tokens": 1,
+                                         "completion_tokens": len("".join(self.parts).encode())})
         else:
             self.finish(route, rid, req, prompt, "length")
 
@@ -1357,6 +1404,29 @@ def sc_scripted():
         wait_for(lambda: sched.cancels == c0 + 2, "the reset request cancelled")
         log("a closed stream and a reset client: cancelled at the scheduler")
 
+        # Thinking mode: </think> spelled over two events splits the answer
+        # all the same (it went to reasoning_content whole); streamed, no
+        # delta holds a piece of it, and a held start that no marker
+        # follows is reasoning in the last chunk.
+        for parts, want_r, want_c in ((["abc</th", "ink>ans", "wer"], "abc", "answer"),
+                                      (["ab<", "/x", "y</thi"], "ab</xy</thi", ""),
+                                      (["a</think>b", "c</think>"], "a", "bc</think>")):
+            sched.parts = parts
+            body = {"messages": [{"role": "user", "content": "hi"}], "thinking": True}
+            st, _, data = gw.http("POST", "/v1/chat/completions", body)
+            check(st == 200, "thinking %s: %d %s" % (parts, st, data[:300]))
+            msg = json.loads(data)["choices"][0]["message"]
+            check((msg.get("reasoning_content"), msg["content"]) == (want_r, want_c),
+                  "thinking %s: %s" % (parts, msg))
+            st, _, data = gw.http("POST", "/v1/chat/completions", dict(body, stream=True))
+            ds = [json.loads(e)["choices"][0]["delta"] for e in sse_events(data)[:-1]]
+            rs = [d["reasoning_content"] for d in ds if d.get("reasoning_content")]
+            cs = [d["content"] for d in ds if d.get("content")]
+            check(("".join(rs), "".join(cs)) == (want_r, want_c) and
+                  not any(r.endswith(("</", "</th")) for r in rs[:-1]),
+                  "thinking %s streamed: reasoning %s, content %s" % (parts, rs, cs))
+        log("thinking mode: </think> over two events splits the answer, streamed or not")
+
         # Errors after acceptance: the same status, type and code streamed
         # (an error event after the first chunk) or not; counted "error".
         m0 = gw.metrics()
@@ -1512,7 +1582,7 @@ def prompt_ok(p):
 
 def odd_bodies():
     """(path, body, must_refuse) triples: each key of both routes set to each
-    of ODD_VALUES (must_refuse when the value's type is wrong for the key),
+    of ODD_VALUES (must_refuse "type" when the value's type is wrong for the key),
     then the same values inside messages, content parts and prompts."""
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     comp = {"prompt": "x", "max_tokens": 1}
@@ -1528,7 +1598,8 @@ def odd_bodies():
                 if k == "max_tokens":
                     b["max_completion_tokens"] = 1   # null: not the default 256
                 b[k] = v
-                out.append((path, b, wrong_kind(path, k, v)))
+                # ("type": refused as a value of a type the field never takes)
+                out.append((path, b, "type" if wrong_kind(path, k, v) else False))
         k = json_kind(v)
         for msgs, refuse in (
                 ([v], k != "object"),
@@ -1574,7 +1645,13 @@ def sc_types():
                     json.loads(data)
             else:
                 check(st in (400, 404), "%s %s: status %d: %s" % (path, text, st, data[:300]))
-                error_of(st, data, st)
+                e = error_of(st, data, st)
+                # (docs/gateway.md: a value of a type the field never takes)
+                want = {"invalid_type", "unsupported_parameter", "model_not_found"}
+                if body.get("prompt", "") is None or body.get("messages", []) is None:
+                    want.add("invalid_request")   # (null: missing)
+                check(must_refuse != "type" or e["code"] in want,
+                      "%s %s: code %s for a value of the wrong type" % (path, text, e["code"]))
         log("%d requests with values of every JSON type in every field: %d answered 200, "
             "%d refused with an OpenAI error (%d of them of a wrong type), the gateway "
             "never stopped" % (len(bodies), n_ok, len(bodies) - n_ok,
