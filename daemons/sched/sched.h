@@ -395,9 +395,9 @@ struct sched_group *queue_pick(struct sched_group_list *groups, enum dsv4_role r
 struct sched_group *queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx,
     uint32_t burst_streams, uint32_t burst_free, const struct sched_group *skip);
 
-/* Whether a prefill group other than `skip` is usable (complete, ready, not
- * drained) for a prompt needing `ctx` positions, busy or not. */
-bool queue_prefill_usable_besides(struct sched_group_list *groups,
+/* Whether a group of `role` other than `skip` (NULL: none) is usable
+ * (complete, ready, not drained) for `ctx` positions, busy or not. */
+bool queue_usable_besides(struct sched_group_list *groups, enum dsv4_role role,
     const struct sched_group *skip, uint32_t ctx);
 
 /*

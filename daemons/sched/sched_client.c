@@ -312,8 +312,12 @@ on_generate(struct sched *s, const struct dsv4_route *from, const struct dsv4_cl
             return;
         }
     }
+    /* (prefill too: a re-run after a decode rank's loss prefills the prompt
+     * and the output so far, up to n + max_tokens - 1 tokens and the slot
+     * of the next) */
     if ((uint64_t)n + g->max_tokens > DSV4_PROTO_MAX_CTX ||
-        !queue_ctx_possible(&s->groups, DSV4_ROLE_DECODE, n + g->max_tokens)) {
+        !queue_ctx_possible(&s->groups, DSV4_ROLE_DECODE, n + g->max_tokens) ||
+        !queue_ctx_possible(&s->groups, DSV4_ROLE_PREFILL, n + g->max_tokens)) {
         s->m.n_rejected++;
         snprintf(msg, sizeof(msg), "prompt (%u tokens) plus max_tokens (%u) exceed the "
             "context this deployment serves", n, g->max_tokens);

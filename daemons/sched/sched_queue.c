@@ -237,13 +237,13 @@ queue_pick_prefill(struct sched_group_list *groups, uint32_t ctx, uint32_t burst
 }
 
 bool
-queue_prefill_usable_besides(struct sched_group_list *groups, const struct sched_group *skip,
-    uint32_t ctx)
+queue_usable_besides(struct sched_group_list *groups, enum dsv4_role role,
+    const struct sched_group *skip, uint32_t ctx)
 {
     const struct sched_group *g;
 
     TAILQ_FOREACH(g, groups, entry) {
-        if (g->role == DSV4_ROLE_PREFILL && g != skip && group_usable(g) && g->max_ctx >= ctx)
+        if (g->role == role && g != skip && group_usable(g) && g->max_ctx >= ctx)
             return true;
     }
     return false;
@@ -345,21 +345,24 @@ send_prefill(struct sched *s, struct sched_req *r, enum dsv4_transport t)
 
 /*
  * Start queued requests in order while a prefill group and a decode slot are
- * free.  The head of the queue blocks the rest (FIFO fairness); a request
- * that no registered group could ever hold fails with 413.
+ * free.  A request that a group in service could hold blocks the ones behind
+ * it while the groups are busy (FIFO fairness); one that only a group out of
+ * service (drained, dead, incomplete) could hold waits for it without holding
+ * up the rest; one that no registered group could ever hold fails with 413.
  */
 void
 queue_dispatch(struct sched *s)
 {
-    struct sched_req *r;
+    struct sched_req *r, *next;
 
-    while ((r = TAILQ_FIRST(&s->queue)) != NULL) {
+    for (r = TAILQ_FIRST(&s->queue); r != NULL; r = next) {
         uint32_t ctx = r->n_prompt + r->max_tokens;
         uint32_t pctx = r->n_prompt + r->n_out + 1;
         struct sched_group *d, *p, *skip;
         enum dsv4_transport t;
         int slot;
 
+        next = TAILQ_NEXT(r, qentry);
         if (!queue_ctx_possible(&s->groups, DSV4_ROLE_DECODE, ctx) ||
             !queue_ctx_possible(&s->groups, DSV4_ROLE_PREFILL, pctx)) {
             req_fail(s, r, DSV4_STATUS_TOO_LARGE,
@@ -367,13 +370,16 @@ queue_dispatch(struct sched *s)
                 r->n_prompt, r->max_tokens);
             continue;
         }
+        if (!queue_usable_besides(&s->groups, DSV4_ROLE_DECODE, NULL, ctx) ||
+            !queue_usable_besides(&s->groups, DSV4_ROLE_PREFILL, NULL, pctx))
+            continue;
         if ((d = queue_pick(&s->groups, DSV4_ROLE_DECODE, ctx, DSV4_TRANSPORT_NONE)) == NULL)
             return;
         /* a re-run after NO_MEMORY from a prefill group: another group, or
          * wait for one, unless that group is the only one usable */
         skip = r->avoid_pre != 0 ?
             queue_group_find(&s->groups, DSV4_ROLE_PREFILL, r->avoid_pre - 1) : NULL;
-        if (skip != NULL && !queue_prefill_usable_besides(&s->groups, skip, pctx))
+        if (skip != NULL && !queue_usable_besides(&s->groups, DSV4_ROLE_PREFILL, skip, pctx))
             skip = NULL;
         if ((p = queue_pick_prefill(&s->groups, pctx,
                  (uint32_t)s->cfg.file.burst_streams,

@@ -28,6 +28,9 @@ output.  Scenarios (one per argument, or all):
   drain_restart  a rank drain waiting while the rank restarts: the new process stays
              drained and the wait follows it; undrained, the stream runs again and
              completes; a rank of another name in its place ends the wait "rank gone"
+  drain_hol  a queued request that only a drained group can hold does not hold up the
+             ones behind it, and is served once undrained; prompt plus max_tokens
+             beyond every prefill rank's context: 413 at once
   sigterm    SIGTERM with work in flight, the ranks serving on: new requests 302, a
              short stream completes, a long one ends with 302 "scheduler restarting"
              at the stop timeout (stop_timeout_ms = 5000) with f's tokens so far, exit 0
@@ -1004,6 +1007,46 @@ def t_refuse(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_drain_hol(ctx, build, tmp):
+    """A queued request that only a drained decode group can hold waits for
+    it without holding up the requests behind it (they waited for it, an idle
+    group beside); undrained, it is served.  A prompt plus max_tokens beyond
+    every prefill rank's context is refused at once (a re-run after a decode
+    rank's loss prefills the prompt and the output so far)."""
+    sc = Sched(build, tmp, ["-o", "max_batch=16"])
+    time.sleep(0.2)
+    pre = FakeRank(ctx, sc.ep["rank"], "prefill", 0, max_ctx=200)
+    d0 = FakeRank(ctx, sc.ep["rank"], "decode", 0, max_ctx=64)
+    d1 = FakeRank(ctx, sc.ep["rank"], "decode", 1, max_ctx=4096)
+    for r in (pre, d0, d1):
+        r.start()
+    wait_ranks(sc, 3)
+    rc, _ = sc.ctl("drain", "decode@1")
+    check(rc == 0, "drain decode@1")
+    cl = Client(ctx, sc.ep["client"])
+    p_long, p_short = [10, 20, 30], [11, 21, 31]
+    long_id = submit(cl, p_long, 1, 100)      # 103 positions: decode@1 only
+    short_id = submit(cl, p_short, 2, 8)      # fits decode@0, idle
+    r = cl.collect([short_id], timeout=20)[short_id]
+    check(r["final"][0] == 5 and r["tokens"] == expected(p_short, 2, 8),
+          "the request behind one waiting for a drained group: %s" % (r,))
+    rc, reqs = sc.ctl("requests")
+    check(rc == 0 and [x["state"] for x in reqs] == ["queued"], "requests: %s" % (reqs,))
+    rc, _ = sc.ctl("undrain", "decode@1")
+    check(rc == 0, "undrain decode@1")
+    r = cl.collect([long_id], timeout=30, seen_ok=True)[long_id]
+    check(r["final"][0] == 5 and r["tokens"] == expected(p_long, 1, 100),
+          "the request that waited for decode@1: %s, %d tokens" % (r["final"],
+                                                                    len(r["tokens"])))
+    # 3 + 300 fits decode@1 but no prefill rank (200): 413 at once
+    j = cl.generate(tokens=p_long, max_tokens=300, temperature=0, seed=1)
+    r = cl.collect([j], timeout=10)[j]
+    check(r["final"][0] == 3 and r["final"][1]["code"] == 413 and
+          "exceed the context" in r["final"][1]["message"], "3 + 300: %s" % (r,))
+    wait_idle(sc)
+    return sc, [pre, d0, d1]
+
+
 def t_drain_restart(ctx, build, tmp):
     """A rank drain that waits while the rank restarts: the new process of
     the same name stays drained and the wait follows it (answered once it
@@ -1871,7 +1914,8 @@ def t_chunks(ctx, build, tmp):
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
-         "refuse": t_refuse, "drain_restart": t_drain_restart, "sigterm": t_sigterm,
+         "refuse": t_refuse, "drain_restart": t_drain_restart, "drain_hol": t_drain_hol,
+         "sigterm": t_sigterm,
          "sigterm_alone": t_sigterm_alone,
          "ready_refused": t_ready_refused, "dup_name": t_dup_name,
          "malformed": t_malformed, "busy": t_busy, "listing": t_listing, "refusal_full": t_refusal_full, "prefill_nomem": t_prefill_nomem,

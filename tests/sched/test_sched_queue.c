@@ -200,7 +200,7 @@ test_pick_call_rows(void **state)
 
 /* A re-run after NO_MEMORY (queue_pick_prefill's skip): the prefill group
  * that failed is left out while another one is usable (the caller waits for
- * it when it is busy), and queue_prefill_usable_besides says when none is. */
+ * it when it is busy), and queue_usable_besides says when none is. */
 static void
 test_pick_skip(void **state)
 {
@@ -214,22 +214,26 @@ test_pick_skip(void **state)
     p0 = mkgroup(&l, &k[1], DSV4_ROLE_PREFILL, 0, 1, 1000);
     /* the only prefill group: nothing else usable, so the caller takes it */
     assert_null(queue_pick_prefill(&l, 10, 0, 0, p0));
-    assert_false(queue_prefill_usable_besides(&l, p0, 10));
+    assert_false(queue_usable_besides(&l, DSV4_ROLE_PREFILL, p0, 10));
+    assert_true(queue_usable_besides(&l, DSV4_ROLE_PREFILL, NULL, 10));
+    /* the role is looked at: the decode group (1,000 positions) */
+    assert_true(queue_usable_besides(&l, DSV4_ROLE_DECODE, NULL, 1000));
+    assert_false(queue_usable_besides(&l, DSV4_ROLE_DECODE, NULL, 1001));
     assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     /* a second plain group: taken instead of p0, though p0 has the lower id */
     p1 = mkgroup(&l, &k[2], DSV4_ROLE_PREFILL, 1, 1, 1000);
     assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, NULL), p0);
     assert_ptr_equal(queue_pick_prefill(&l, 10, 0, 0, p0), p1);
-    assert_true(queue_prefill_usable_besides(&l, p0, 10));
+    assert_true(queue_usable_besides(&l, DSV4_ROLE_PREFILL, p0, 10));
     /* p1 busy: wait for it (NULL) while it is usable */
     p1->load = 1;
     assert_null(queue_pick_prefill(&l, 10, 0, 0, p0));
-    assert_true(queue_prefill_usable_besides(&l, p0, 10));
+    assert_true(queue_usable_besides(&l, DSV4_ROLE_PREFILL, p0, 10));
     /* p1 drained or too short: not usable, so p0 again */
     k[2].drain = true;
-    assert_false(queue_prefill_usable_besides(&l, p0, 10));
+    assert_false(queue_usable_besides(&l, DSV4_ROLE_PREFILL, p0, 10));
     k[2].drain = false;
-    assert_false(queue_prefill_usable_besides(&l, p0, 2000));
+    assert_false(queue_usable_besides(&l, DSV4_ROLE_PREFILL, p0, 2000));
     /* an idle burst group beside a skipped plain one: the burst group; the
      * skipped burst group leaves the plain one */
     p1->load = 0;
