@@ -205,6 +205,9 @@ struct sched_req {
     uint32_t first_n_top;
     int64_t t_prefilled_us;          /* monotonic us when the last PREFILL_DONE
                                         part arrived; 0 = no handoff timed */
+    int64_t handoff_us;              /* PREFILL_DONE to KV_RELEASE, counted at the
+                                        decode group's first tokens (an import
+                                        refused after KV_RELEASE is not); -1 none */
 
     /* Output. */
     int32_t *out;                    /* tokens emitted (accepted by the scheduler) */

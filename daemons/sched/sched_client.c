@@ -474,8 +474,8 @@ client_unencodable(struct sched *s, struct sched_req *r)
     m.u.error.message = "internal error: a reply to this request could not be encoded "
         "(see the scheduler's log)";
     (void)dsv4_zsock_send(s->client, &r->client, &m, ZMQ_DONTWAIT, NULL);
-    if (!r->closing)
-        req_cancel(s, r);
+    if (!r->closing)    /* (counted failed: its client got ERROR) */
+        req_fail(s, r, DSV4_STATUS_INTERNAL, "a reply could not be encoded");
     r->final_sent = true;
     r->n_sent = r->n_out;
 }
@@ -696,8 +696,9 @@ client_flush_all(struct sched *s)
         if (!client_flush(s, r))
             blocked = true;
     }
+    /* (a queued re-run may hold output its client has not taken yet) */
     TAILQ_FOREACH_SAFE(r, &s->queue, qentry, tmp) {
-        if (!r->ok_sent && !client_flush(s, r))
+        if ((!r->ok_sent || r->n_sent < r->n_out) && !client_flush(s, r))
             blocked = true;
     }
     if (!refusals_flush(s))

@@ -762,7 +762,7 @@ on_kv_release(struct sched *s, struct sched_group *g, uint64_t req)
     if (r->t_prefilled_us != 0) {
         int64_t d = ctl_now_us() - r->t_prefilled_us;
 
-        ctl_handoff_observe(&s->m, d > 0 ? (uint64_t)d : 0);
+        r->handoff_us = d > 0 ? d : 0;
         r->t_prefilled_us = 0;
     }
 }
@@ -787,6 +787,10 @@ on_tokens(struct sched *s, struct sched_rank *k, struct sched_group *g,
         at += nt;
         if (r == NULL || r->closing || r->dec.g != g || !r->dec_started)
             continue;
+        if (r->handoff_us >= 0) {   /* the import worked: the handoff counts */
+            ctl_handoff_observe(&s->m, (uint64_t)r->handoff_us);
+            r->handoff_us = -1;
+        }
         (void)req_emit(s, r, &t);
     }
 }

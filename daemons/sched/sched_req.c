@@ -80,6 +80,7 @@ req_new(struct sched *s)
     r->req = req_next_id(s);
     r->rid = r->req;
     r->text_cut = NO_CUT;
+    r->handoff_us = -1;
     r->state = DSV4_REQ_QUEUED;
     dsv4_msg_init(&r->kv, DSV4_SUB_RANK, DSV4_RANK_DECODE);
     req_hash(s, r);
@@ -596,7 +597,10 @@ void
 req_rank_lost(struct sched *s, struct sched_req *r, struct sched_group *g)
 {
     if (r->closing) {
-        if (r->pre.g == g)
+        /* an export that the decode group may still be importing stays
+         * held: when that group lets go, req_hold_clear tells the prefill
+         * group's surviving ranks to free their parts (as below) */
+        if (r->pre.g == g && !(r->pre.acks == 0 && r->dec.g != NULL))
             req_hold_clear(s, r, &r->pre);
         if (r->dec.g == g)
             req_hold_clear(s, r, &r->dec);
