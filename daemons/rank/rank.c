@@ -91,6 +91,14 @@ usage(int status)
 
 /* --- Messages to the scheduler ------------------------------------------------- */
 
+/* The link's send queue, in messages: as the scheduler's side (sched.c), so
+ * that a scheduler slow to read costs memory, not messages.  A send that
+ * still finds it full loses the link (send_lost): tokens or an end dropped
+ * alone would leave a request with a gap, or never ended. */
+#define RANK_HWM 1000000
+/* On exit: the last messages (DRAIN, DISCONNECT) get this long to leave. */
+#define RANK_LINGER_MS 500
+
 bool
 rank_send(struct rank *k, const struct dsv4_msg *m)
 {
@@ -103,6 +111,8 @@ rank_send(struct rank *k, const struct dsv4_msg *m)
     if (e != DSV4_OK) {
         log_warnx("rank_send: %s: %s", dsv4_proto_cmd_name(DSV4_SUB_RANK, m->cmd),
                   e == DSV4_ERR_INVAL ? pe.message : dsv4_strerror(e));
+        if (e == DSV4_ERR_BUSY && k->link == RANK_LINK_UP)
+            k->send_lost = true;
         return false;
     }
     if (k->link == RANK_LINK_UP)
@@ -264,7 +274,9 @@ link_join(struct rank *k)
     cfg.endpoint = k->o.conf.rank_endpoint;
     cfg.type = ZMQ_DEALER;
     cfg.key_dir = k->o.conf.key_dir;
+    cfg.hwm = RANK_HWM;
     k->sock = dsv4_zsock_open(k->zctx, &cfg, &e);
+    k->send_lost = false;
     k->link = RANK_LINK_JOINING;
     k->ready_ms = dsv4_now_ms();
     if (k->sock == NULL) {
@@ -429,8 +441,9 @@ rank_heartbeat(struct rank *k)
         m.u.heartbeat.graphs_refused = (uint32_t)k->graphs_refused;
         m.u.heartbeat.has_graphs_refused = true;
     }
-    if (rank_send(k, &m))
-        k->hb_ms = dsv4_now_ms();
+    /* (tried: a failed send is not retried at every turn of the loop) */
+    k->hb_ms = dsv4_now_ms();
+    rank_send(k, &m);
 }
 
 /* Heartbeats, liveness, READY retries; returns ms until the next event. */
@@ -444,6 +457,10 @@ link_timers(struct rank *k, int64_t now)
     }
     if (dsv4_liveness_dead(&k->live, now)) {
         link_lost(k, "no message within liveness");
+        return RANK_READY_RETRY_MS;
+    }
+    if (k->send_lost) {
+        link_lost(k, "the scheduler does not take messages (send queue full)");
         return RANK_READY_RETRY_MS;
     }
     /* at least once an interval, busy or not, so that the figures it
@@ -559,6 +576,13 @@ rank_dispatch_sched(struct rank *k)
         if (e == DSV4_ERR_PROTO || e == DSV4_ERR_INVAL) {
             log_warnx("rank_dispatch: malformed %s from the scheduler (code %u): %s",
                       dsv4_proto_cmd_name(pe.sub, pe.cmd), (unsigned)pe.code, pe.message);
+            /* work whose request can be named is answered, or the
+             * scheduler would hold that request (a scheduler of another
+             * version whose values this rank refuses) */
+            if (pe.sub == DSV4_SUB_RANK && pe.req != 0 &&
+                (pe.cmd == DSV4_RANK_PREFILL || pe.cmd == DSV4_RANK_DECODE))
+                rank_send_error(k, pe.req, pe.code, "malformed %s: %s",
+                                dsv4_proto_cmd_name(pe.sub, pe.cmd), pe.message);
             continue;
         }
         if (e != DSV4_OK) {
@@ -1490,6 +1514,11 @@ rank_free(struct rank *k)
         decode_reset(k);
     group_free(k);
     kv_close(k);
+    if (k->sock != NULL) {
+        int linger = RANK_LINGER_MS;   /* (the last DRAIN or DISCONNECT) */
+
+        zmq_setsockopt(k->sock, ZMQ_LINGER, &linger, sizeof(linger));
+    }
     dsv4_zsock_close(k->sock);
     if (k->zctx != NULL)
         zmq_ctx_term(k->zctx);

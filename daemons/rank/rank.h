@@ -234,6 +234,9 @@ struct rank {
     /* Scheduler link. */
     void *zctx;
     void *sock;                 /* DEALER */
+    bool send_lost;             /* a message to the scheduler found its queue
+                                   full (RANK_HWM): the link is lost
+                                   (link_timers), not the message alone */
     int sigfd;
     enum rank_link link;
     int64_t ready_ms;           /* last READY sent */
@@ -307,8 +310,9 @@ struct rank {
                                    step; HEARTBEAT graphs_refused */
     int graphs_warned;          /* decode: graphs_refused at the last warning
                                    (decode_graphs_check) */
-    int64_t hb_ms;              /* when the last HEARTBEAT was sent (a send
-                                   that failed does not count) */
+    int64_t hb_ms;              /* when the last HEARTBEAT was tried (a send
+                                   that failed is not retried before the next
+                                   interval) */
     int64_t relink_delay_ms;    /* link_lost: wait this long before READY (once) */
     uint64_t agreed[RANK_MAX_SLOTS]; /* this iteration's work: requests, ascending */
     int n_agreed;

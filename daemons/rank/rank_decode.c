@@ -295,6 +295,15 @@ decode_stats(struct rank *k, int n, int64_t t0, int64_t t1)
     stats_post(k, t1);
 }
 
+/* How a STATUS= line starts: a rank that SIGTERM made leave says so for as
+ * long as it finishes its streams (rank_signal's "stopping: ..." line is
+ * not replaced by a plain "serving"). */
+static const char *
+status_doing(const struct rank *k)
+{
+    return k->leave_ms != 0 ? "stopping: finishing its streams as" : "serving as";
+}
+
 /* Post the open window of decode_stats, ending at t1, and start a new one
  * (nothing when no step ran in it). */
 static void
@@ -308,9 +317,9 @@ stats_post(struct rank *k, int64_t t1)
     }
     fwd_ms = (double)k->st_fwd_us / 1e3 / (double)k->st_steps;
     out_us = k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0;
-    sdnotify_status("serving as %s (%d slots); %" PRIu64 " steps (%" PRIu64 " stream-steps) "
-                    "in %.2f s, forward %.2f ms a step, %.0f us a step outside it", k->name,
-                    k->o.slots, k->st_steps, k->st_rows, (double)(t1 - k->st_win_us) / 1e6,
+    sdnotify_status("%s %s (%d slots); %" PRIu64 " steps (%" PRIu64 " stream-steps) "
+                    "in %.2f s, forward %.2f ms a step, %.0f us a step outside it",
+                    status_doing(k), k->name, k->o.slots, k->st_steps, k->st_rows, (double)(t1 - k->st_win_us) / 1e6,
                     fwd_ms, out_us);
     log_debug("decode_stats: %" PRIu64 " steps, %" PRIu64 " stream-steps, forward %.3f ms, "
               "outside %.1f us a step", k->st_steps, k->st_rows, fwd_ms, out_us);
@@ -432,13 +441,15 @@ decode_work(struct rank *k)
     rank_send(k, &m);
     log_debug("decode_work: step=%" PRIu64 " streams=%d", m.u.step.step, n);
 
+    /* (counted before the streams end: the last one's end posts the window
+     * with this step in it, not a window of this step alone after it) */
+    decode_stats(k, n, t0, t1);
     for (int r = 0; r < n; r++) {
         int slot = k->b_slot[r];
         enum dsv4_finish f = decode_stop(k, &k->streams[slot], slot, k->out_tok[r]);
         if (f != DSV4_FINISH_NONE)
             decode_end(k, slot, f, true);
     }
-    decode_stats(k, n, t0, t1);
 }
 
 /* STATUS= with the speculative-decoding counters: at most once a second,
@@ -451,8 +462,8 @@ spec_status(struct rank *k, bool force)
     if (!force && k->spec_status_ms != 0 && now - k->spec_status_ms < 1000)
         return;
     k->spec_status_ms = now;
-    sdnotify_status("serving as %s (%d slots); mtp drafts %" PRIu64 " accepted %" PRIu64
-                    " (%.1f%%)", k->name, k->o.slots, k->spec_drafts, k->spec_accepted,
+    sdnotify_status("%s %s (%d slots); mtp drafts %" PRIu64 " accepted %" PRIu64
+                    " (%.1f%%)", status_doing(k), k->name, k->o.slots, k->spec_drafts, k->spec_accepted,
                     k->spec_drafts > 0 ? 100.0 * (double)k->spec_accepted /
                     (double)k->spec_drafts : 0.0);
 }

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""rank_backlog.py — a real dsv4-prefill and dsv4-decode (CPU backend, the
+tiny model) driven by this script playing the scheduler (docs/protocol.md
+§6) over a ROUTER socket that takes one message at a time (RCVHWM 1, a
+4 KiB receive buffer), as a scheduler that stalls does.
+
+A PREFILL whose values the rank refuses (temperature NaN) is answered with
+ERROR for its req (it was only logged, and the request hung).
+
+Four streams of 2,500 tokens are handed to the decode rank, then the script
+reads nothing for 6 s (liveness 20 x 1 s, so the link stays up) while the
+rank steps on.  Once it reads again, every stream's TOKENS must add up to
+its DECODE_DONE's n_tokens and to max_tokens, and every DECODE_DONE must
+come.  The rank's send queue used to be ZeroMQ's default 1,000 messages:
+past it a TOKENS or DECODE_DONE was dropped with a warning while the link
+stayed up (streams with gaps, requests never ended at the scheduler).
+
+usage: rank_backlog.py BUILD_DIR (KEEP=1 keeps the scratch directory with
+the ranks' logs).  Exit 0 pass, 1 fail, 77 without pyzmq/msgpack.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+try:
+    import msgpack
+    import zmq
+except ImportError:
+    print("pyzmq/msgpack not installed: skipped")
+    sys.exit(77)
+
+RANK = b"DSV4R1"
+READY, WELCOME, HEARTBEAT, PREFILL, PREFILL_DONE, DECODE = 1, 2, 3, 5, 6, 7
+TOKENS, DECODE_DONE, ERROR = 9, 10, 15
+N_STREAMS, MAX_TOKENS, STALL_S = 4, 2500, 6
+
+
+class Fail(Exception):
+    pass
+
+
+def check(cond, what):
+    if not cond:
+        raise Fail(what)
+
+
+def run(build, tmp, ctx):
+    model = os.path.join(tmp, "model")
+    subprocess.run([os.path.join(build, "tools/mkmodel/dsv4-mkmodel"), "--preset", "tiny",
+                    "--out", model], check=True, stdout=subprocess.DEVNULL)
+    ep = "ipc://%s/rank.sock" % tmp
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.bind(ep)
+    env = dict(os.environ)
+    env.pop("NOTIFY_SOCKET", None)
+    procs = []
+    tokens, done, pending = {}, {}, []
+
+    def send(ident, cmd, body, raw=()):
+        s.send_multipart([ident, b"", RANK, bytes([cmd]), msgpack.packb(body)] + list(raw))
+
+    def recv(timeout):
+        if not s.poll(int(timeout * 1000)):
+            return None
+        ident, _, sig, cmd, body, *raw = s.recv_multipart()
+        check(sig == RANK, "signature %r" % sig)
+        m = (ident, cmd[0], msgpack.unpackb(body, raw=False), raw)
+        if m[1] == TOKENS:
+            for r in m[2]["reqs"]:
+                tokens[r] = tokens.get(r, 0) + 1
+        elif m[1] == DECODE_DONE:
+            done[m[2]["req"]] = m[2]["n_tokens"]
+        return m
+
+    def wait(cmd, what, timeout=60):
+        end = time.time() + timeout
+        while time.time() < end:
+            m = recv(end - time.time())
+            if m is not None and m[1] == cmd:
+                return m
+        raise Fail("no %s" % what)
+
+    for role in ("prefill", "decode"):
+        log = open(os.path.join(tmp, role + ".log"), "w")
+        procs.append(subprocess.Popen(
+            [os.path.join(build, "daemons/rank/dsv4-" + role), "-v", "--rank", "0",
+             "--checkpoint", model, "--sched", ep, "--threads", "1", "--max-seq", "4096",
+             "--slots", str(N_STREAMS)], env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        ids = {}
+        while len(ids) < 2:
+            m = wait(READY, "READY")
+            ids[m[2]["role"]] = m[0]
+            send(m[0], WELCOME, {"heartbeat_ms": 1000, "liveness": 20})
+        # A PREFILL the rank refuses to decode (temperature NaN, as a
+        # scheduler of another version might send) is answered with ERROR
+        # for its req (it was dropped with a warning: the request hung).
+        send(ids["prefill"], PREFILL, {"req": 99, "tokens": [1, 2, 3], "dst_group": 0,
+                                        "transport": "shm", "temperature": float("nan")})
+        e = wait(ERROR, "ERROR for a malformed PREFILL", timeout=10)
+        check(e[2]["req"] == 99 and e[2]["code"] == 401 and "malformed PREFILL" in
+              e[2]["message"], "the malformed PREFILL's ERROR: %s" % e[2])
+        for req in range(1, N_STREAMS + 1):
+            send(ids["prefill"], PREFILL, {"req": req, "tokens": [1, 2, req], "dst_group": 0,
+                                            "transport": "shm"})
+            pd = wait(PREFILL_DONE, "PREFILL_DONE of %d" % req)
+            pending.append((req, pd))
+        for req, pd in pending:
+            send(ids["decode"], DECODE, {"req": req, "slot": req - 1, "token": pd[2]["token"],
+                                         "pos": 3, "max_tokens": MAX_TOKENS,
+                                         "kv": pd[2]["kv"]}, pd[3])
+        time.sleep(STALL_S)                 # the scheduler stalls
+        end = time.time() + 120
+        while len(done) < N_STREAMS and time.time() < end:
+            recv(1)
+        with open(os.path.join(tmp, "decode.log")) as f:
+            busy = f.read().count("TOKENS: busy")
+        check(len(done) == N_STREAMS, "DECODE_DONE of %s only (tokens %s; %d TOKENS sends "
+              "refused)" % (sorted(done), tokens, busy))
+        for req in range(1, N_STREAMS + 1):
+            check(done[req] == MAX_TOKENS and tokens.get(req, 0) == MAX_TOKENS,
+                  "req %d: DECODE_DONE n_tokens %s, %s TOKENS entries (%d TOKENS sends "
+                  "refused)" % (req, done[req], tokens.get(req), busy))
+        check(procs[1].poll() is None, "the decode rank exited")
+        print("%d streams of %d tokens across a %d s stall: every TOKENS and DECODE_DONE "
+              "arrived" % (N_STREAMS, MAX_TOKENS, STALL_S))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+        s.close(0)
+
+
+def main():
+    build = sys.argv[1]
+    tmp = tempfile.mkdtemp(prefix="rank-backlog-")
+    ctx = zmq.Context()
+    try:
+        run(build, tmp, ctx)
+    except Fail as e:
+        print("FAIL: %s" % e)
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".log"):
+                with open(os.path.join(tmp, name)) as f:
+                    print("----- %s -----\n%s" % (name, f.read()[-4000:]))
+        return 1
+    finally:
+        ctx.destroy(0)
+    if not os.environ.get("KEEP"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("PASS", tmp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
