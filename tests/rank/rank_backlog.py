@@ -19,11 +19,9 @@ usage: rank_backlog.py BUILD_DIR (KEEP=1 keeps the scratch directory with
 the ranks' logs).  Exit 0 pass, 1 fail, 77 without pyzmq/msgpack.
 """
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 try:
@@ -32,15 +30,12 @@ try:
 except ImportError:
     print("pyzmq/msgpack not installed: skipped")
     sys.exit(77)
+from rank_epoch import Fail, script_main   # noqa: E402 (after the skip)
 
 RANK = b"DSV4R1"
 READY, WELCOME, HEARTBEAT, PREFILL, PREFILL_DONE, DECODE = 1, 2, 3, 5, 6, 7
 TOKENS, DECODE_DONE, ERROR = 9, 10, 15
 N_STREAMS, MAX_TOKENS, STALL_S = 4, 2500, 6
-
-
-class Fail(Exception):
-    pass
 
 
 def check(cond, what):
@@ -139,26 +134,5 @@ def run(build, tmp, ctx):
         s.close(0)
 
 
-def main():
-    build = sys.argv[1]
-    tmp = tempfile.mkdtemp(prefix="rank-backlog-")
-    ctx = zmq.Context()
-    try:
-        run(build, tmp, ctx)
-    except Fail as e:
-        print("FAIL: %s" % e)
-        for name in sorted(os.listdir(tmp)):
-            if name.endswith(".log"):
-                with open(os.path.join(tmp, name)) as f:
-                    print("----- %s -----\n%s" % (name, f.read()[-4000:]))
-        return 1
-    finally:
-        ctx.destroy(0)
-    if not os.environ.get("KEEP"):
-        shutil.rmtree(tmp, ignore_errors=True)
-    print("PASS", tmp)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(run, "rank-backlog-"))

@@ -300,9 +300,12 @@ def run(build, tmp, ctx):
         raise Fail("rank exit status %s" % rcs)
 
 
-def main():
+def script_main(run, prefix):
+    """A script's main (also rank_backlog.py's): run(build, tmp, ctx) in a
+    scratch directory; on Fail, the reason and the tail of every log there;
+    the exit status."""
     build = sys.argv[1]
-    tmp = tempfile.mkdtemp(prefix="rank-epoch-")
+    tmp = tempfile.mkdtemp(prefix=prefix)
     ctx = zmq.Context()
     try:
         run(build, tmp, ctx)
@@ -322,4 +325,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(run, "rank-epoch-"))
