@@ -86,6 +86,8 @@ struct creq {
     bool cancelled;       /* dsv4_client_cancel asked: a resume cancels it again */
     bool orphan;          /* the connection dropped and it could not be resumed:
                              next() ends it with 504 */
+    bool parked;          /* answered 302: waits for the next scheduler (its
+                             CANCEL is not sent: next() ends it locally) */
 };
 
 struct dsv4_client {
@@ -199,7 +201,9 @@ send_cancel(struct dsv4_client *c, uint64_t wire)
 static bool
 resumable(const struct creq *r)
 {
-    return !r->lost_output && (r->n_got == 0 || r->g.s.has_seed);
+    /* (the wire id's resume count must not wrap to an older id's) */
+    return !r->lost_output && (r->n_got == 0 || r->g.s.has_seed) &&
+        r->n_resumes < (UINT64_C(1) << (64 - RESUME_ID_SHIFT)) - 1;
 }
 
 /* Send every request in flight again, with what it got as `resume`
@@ -238,6 +242,7 @@ resume_all(struct dsv4_client *c)
             r->orphan = true;           /* a full pipe (or no memory): next() ends it */
             continue;
         }
+        r->parked = false;
         if (r->cancelled)
             send_cancel(c, r->g.id);
     }
@@ -370,6 +375,11 @@ dsv4_client_connect(const char *endpoint, const struct dsv4_client_opts *opts,
         rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT, "a client connects: no '@' before the endpoint");
         goto err;
     }
+    if (strncmp(endpoint, "inproc://", 9) == 0) {   /* (the context is the library's own) */
+        rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT, "inproc:// cannot reach a server: the "
+            "connection has a ZeroMQ context of its own; use ipc:// or tcp://");
+        goto err;
+    }
     if (dsv4_zsock_check(&cfg) != DSV4_OK) {   /* the endpoint's form */
         rc = fail(c, DSV4_CLIENT_BAD_ARGUMENT, dsv4_errmsg());
         goto err;
@@ -491,6 +501,13 @@ req_copy(struct creq *r, const struct dsv4_cli_generate *g)
 static void
 req_got(struct creq *r, const int32_t *t, uint32_t n, const char *text)
 {
+    if (r->lost_output)
+        return;
+    /* more than it asked for: a server's fault; not noted (no resume) */
+    if ((uint64_t)r->n_got + n > r->g.max_tokens) {
+        r->lost_output = true;
+        return;
+    }
     if (r->n_got + n > r->cap_got) {
         uint32_t cap = r->cap_got != 0 ? r->cap_got : 64;
         int32_t *v;
@@ -629,6 +646,8 @@ dsv4_client_cancel(struct dsv4_client *c, uint64_t id)
     if ((r = req_find(c, id)) == NULL)
         return fail(c, DSV4_CLIENT_NOT_FOUND, "no such request in flight");
     r->cancelled = true;    /* a later resume cancels it again */
+    if (r->parked)
+        return 0;           /* no scheduler holds it: next() ends it (DONE cancelled) */
     if ((e = send_cancel(c, r->g.id)) == DSV4_ERR_BUSY)
         return fail(c, DSV4_CLIENT_BUSY, "the connection's send queue is full (the server "
             "is not connected or not reading); retry later");
@@ -654,13 +673,31 @@ dsv4_client_errmsg(const struct dsv4_client *c)
 static bool
 local_event(struct dsv4_client *c, int64_t now, struct dsv4_client_event *ev)
 {
-    bool lost = c->conn_timeout_ms > 0 &&
-        now - c->last_rx_ms >= (int64_t)HB_IDLE_MS + c->conn_timeout_ms;
+    /* the server's silence, not the caller's: lost when a heartbeat it was
+     * sent went unanswered for connect_timeout_ms (a caller away from
+     * next() for longer sent none meanwhile) */
+    bool lost = c->conn_timeout_ms > 0 && c->last_hb_ms > c->last_rx_ms &&
+        now - c->last_hb_ms >= c->conn_timeout_ms;
 
     for (size_t i = 0; i < c->n_reqs; i++) {
         struct creq *r = &c->reqs[i];
         bool timed_out = r->deadline_ms != 0 && now >= r->deadline_ms;
 
+        if (r->parked && r->cancelled && !lost) {
+            /* cancelled while no scheduler holds it: ended here */
+            memset(ev, 0, sizeof(*ev));
+            ev->type = DSV4_CLIENT_EV_DONE;
+            ev->id = r->id;
+            ev->req = r->req;
+            ev->finish = DSV4_CLIENT_FINISH_CANCELLED;
+            ev->completion_tokens = r->n_got;
+            if (r->tag != NULL) {
+                snprintf(c->ev_tag, sizeof(c->ev_tag), "%s", r->tag);
+                ev->tag = c->ev_tag;
+            }
+            req_remove(c, r);
+            return true;
+        }
         if (!lost && !r->orphan && !timed_out)
             continue;
         memset(ev, 0, sizeof(*ev));
@@ -798,13 +835,36 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
          * when the connection is back (or ends at its deadline, or with 504
          * when no scheduler comes); one that cannot go on exactly ends
          * here, with the 302. */
-        if (r != NULL && m->u.error.code == DSV4_STATUS_RESTARTING && resumable(r))
+        if (r != NULL && m->u.error.code == DSV4_STATUS_RESTARTING && resumable(r)) {
+            r->parked = true;
             return false;
+        }
+        if (r != NULL && r->cancelled && m->u.error.code == DSV4_STATUS_NOT_FOUND) {
+            /* the CANCEL crossed a 302: the scheduler had let it go */
+            ev->type = DSV4_CLIENT_EV_DONE;
+            ev->req = r->req;
+            ev->finish = DSV4_CLIENT_FINISH_CANCELLED;
+            ev->completion_tokens = r->n_got;
+            ev->tag = m->u.error.tag;
+            req_remove(c, r);
+            return true;
+        }
         ev->type = DSV4_CLIENT_EV_ERROR;
         ev->req = m->u.error.req;
         ev->code = m->u.error.code;
         ev->message = m->u.error.message;
         ev->tag = m->u.error.tag;
+        if (r != NULL && r->n_resumes > 0 && r->accepted &&
+            m->u.error.code < DSV4_STATUS_INTERNAL) {
+            /* the next scheduler refused the resend (busy, draining, a
+             * bound of its own): the caller had output already and cannot
+             * submit it again as it was, so it cannot go on: 504 */
+            snprintf(c->ev_msg, sizeof(c->ev_msg), "the request could not be resumed on the "
+                "restarted scheduler (%u: %s)", (unsigned)m->u.error.code,
+                m->u.error.message != NULL ? m->u.error.message : "");
+            ev->code = DSV4_CLIENT_UNREACHABLE;
+            ev->message = c->ev_msg;
+        }
         if (r != NULL)
             req_remove(c, r);
         return true;
@@ -838,6 +898,7 @@ int
 dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeout_ms)
 {
     int64_t start = dsv4_now_ms(), now = start;
+    unsigned dropped = 0;
 
     if (c == NULL || ev == NULL)
         return DSV4_CLIENT_BAD_ARGUMENT;
@@ -854,18 +915,29 @@ dsv4_client_next(struct dsv4_client *c, struct dsv4_client_event *ev, int timeou
         rc = recv_ready(c, ev, now);
         if (rc == 1)
             return 0;
-        if (rc == 0)
+        if (rc == 0) {
+            /* a message that is no event (a heartbeat's answer, a stale or
+             * malformed one): read on, but a stream of them does not hold
+             * the caller past its bound */
+            if (++dropped % 64 == 0) {
+                now = dsv4_now_ms();
+                if (timeout_ms >= 0 && now - start >= timeout_ms)
+                    return DSV4_CLIENT_NONE;
+            }
             continue;
+        }
         if (rc != -1)
+            return rc;
+        /* a heartbeat after HB_IDLE_MS of silence, one at a time: the loss
+         * check counts from the one unanswered */
+        if (c->n_reqs > 0 && now - c->last_rx_ms >= HB_IDLE_MS &&
+            c->last_hb_ms <= c->last_rx_ms && (rc = send_heartbeat(c)) != 0)
             return rc;
         if (local_event(c, now, ev))
             return 0;
         if (c->n_reqs == 0)
             wait = 0; /* nothing to wait for; only drain stray messages */
         if (c->n_reqs > 0) {
-            if (now - c->last_rx_ms >= HB_IDLE_MS && now - c->last_hb_ms >= HB_IDLE_MS &&
-                (rc = send_heartbeat(c)) != 0)
-                return rc;
             /* Wake up for the next heartbeat, deadline or loss check. */
             int64_t tick = HB_IDLE_MS;
 

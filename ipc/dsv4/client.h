@@ -36,7 +36,11 @@
  * dsv4-sched): what it has not finished within its stop_timeout_ms it
  * answers with 302, and the library resumes those requests on the next
  * scheduler instead of ending them (the caller sees no 302 unless the
- * request cannot go on exactly).
+ * request cannot go on exactly).  Since 1.4.1 a request cancelled while it
+ * waits for the next scheduler ends with DONE cancelled at once, a resend
+ * the next scheduler refuses ends with 504, and the server's silence is
+ * counted from a heartbeat it did not answer (a caller away from
+ * dsv4_client_next for a while loses nothing by it).
  */
 #ifndef DSV4_CLIENT_H
 #define DSV4_CLIENT_H
@@ -50,7 +54,7 @@ extern "C" {
 
 #define DSV4_CLIENT_VERSION_MAJOR 1
 #define DSV4_CLIENT_VERSION_MINOR 4
-#define DSV4_CLIENT_VERSION_PATCH 0
+#define DSV4_CLIENT_VERSION_PATCH 1
 
 #if defined(DSV4_CLIENT_BUILD)
 #define DSV4_API __attribute__((visibility("default")))
@@ -108,7 +112,9 @@ struct dsv4_client_opts {
 };
 
 /* Per-request parameters.  Fill with dsv4_client_params_init, then override.
- * Ranges are those of docs/protocol.md §4.1; violations return 401/413. */
+ * Ranges are those of docs/protocol.md §4.1; violations return 401/413 (a
+ * prompt or stop string that is not UTF-8 text: 400, as the scheduler
+ * answers such a message). */
 struct dsv4_client_params {
     size_t size;                  /* sizeof(struct dsv4_client_params); set by init */
     float temperature;            /* [0, 10], 0 = greedy; default 1 */

@@ -141,6 +141,32 @@ on_generate(struct fake *f, const struct dsv4_route *from, const struct dsv4_cli
         send_error(f, from, g->id, 0, DSV4_STATUS_BUSY, "queue full", g->tag);
         return;
     }
+    if (g->prompt != NULL && strcmp(g->prompt, "__restart__") == 0) {
+        /* OK, the token '_', then 302 (a scheduler that stops); its resend
+         * (with that token as `resume`) is refused with 300 */
+        int32_t tok = '_';
+
+        if (g->resume != NULL) {
+            send_error(f, from, g->id, 0, DSV4_STATUS_BUSY, "queue full", g->tag);
+            return;
+        }
+        dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_OK);
+        m.u.ok.id = g->id;
+        m.u.ok.req = ++f->next_req;
+        m.u.ok.seed = FAKE_SEED;
+        m.u.ok.has_seed = true;
+        (void)dsv4_zsock_send(f->sock, from, &m, ZMQ_DONTWAIT, NULL);
+        dsv4_msg_init(&m, DSV4_SUB_CLI, DSV4_CLI_TOKENS);
+        m.u.tokens.id = g->id;
+        m.u.tokens.req = f->next_req;
+        m.u.tokens.tokens = &tok;
+        m.u.tokens.n_tokens = 1;
+        m.u.tokens.text = "_";
+        (void)dsv4_zsock_send(f->sock, from, &m, ZMQ_DONTWAIT, NULL);
+        send_error(f, from, g->id, f->next_req, DSV4_STATUS_RESTARTING, "scheduler restarting",
+            g->tag);
+        return;
+    }
     if (g->prompt != NULL && strcmp(g->prompt, "__count__") == 0) {
         char text[32];
         int n = 0;

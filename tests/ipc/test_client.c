@@ -461,6 +461,15 @@ test_refusals(void **state)
     assert_int_equal(dsv4_client_submit_text(c, "bad \xff utf8", NULL, &id),
         DSV4_CLIENT_BAD_MESSAGE);
     assert_int_equal(dsv4_client_submit_text(c, NULL, NULL, &id), DSV4_CLIENT_BAD_ARGUMENT);
+    {
+        /* inproc:// never reaches a server (the connection's context is
+         * its own): refused, not a 504 after the connect timeout */
+        struct dsv4_client *d = NULL;
+
+        assert_int_equal(dsv4_client_connect("inproc://x", NULL, &d), DSV4_CLIENT_BAD_ARGUMENT);
+        assert_null(d);
+        assert_non_null(strstr(dsv4_client_errmsg(NULL), "inproc://"));
+    }
     assert_int_equal(dsv4_client_submit_tokens(c, NULL, 0, NULL, &id),
         DSV4_CLIENT_BAD_ARGUMENT);
     assert_int_equal(dsv4_client_pending(c), 0);
@@ -729,6 +738,86 @@ test_resume_twice_sent(void **state)
     dsv4_client_close(c);
 }
 
+/* A caller away from dsv4_client_next for longer than the heartbeat and
+ * connect_timeout_ms, while the server works quietly (answering heartbeats):
+ * the next call does not end the request with 504 (the silence was the
+ * caller's: no heartbeat was sent meanwhile, so none went unanswered). */
+static void
+test_caller_pause(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client_opts opts;
+    struct dsv4_client *c = NULL;
+    struct dsv4_client_params p;
+    struct dsv4_client_event ev;
+    struct outcome o[1];
+
+    dsv4_client_opts_init(&opts);
+    opts.connect_timeout_ms = 300;
+    assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    assert_int_equal(dsv4_client_submit_text(c, "__stall__", &p, &o[0].id), 0);
+    assert_int_equal(dsv4_client_next(c, &ev, WAIT_MS), 0);
+    assert_int_equal(ev.type, DSV4_CLIENT_EV_ACCEPTED);
+    usleep(2000 * 1000);                /* > 1 s heartbeat + 300 ms */
+    /* two heartbeats' worth of next(): answered, so nothing happens */
+    assert_int_equal(dsv4_client_next(c, &ev, 2500), DSV4_CLIENT_NONE);
+    assert_int_equal(dsv4_client_pending(c), 1);
+    o[0].accepted = true;
+    assert_int_equal(dsv4_client_cancel(c, o[0].id), 0);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
+    assert_int_equal(o[0].finish, DSV4_CLIENT_FINISH_CANCELLED);
+    dsv4_client_close(c);
+}
+
+/* 302 from a scheduler that stops: the request waits for the next one.
+ * Cancelled meanwhile, it ends here with DONE cancelled (the stopping
+ * scheduler, which forgot it, answered the CANCEL with 404, and that was
+ * the request's end).  Resent to the next scheduler, which refuses it
+ * (300): 504, the request cannot go on (the caller had its OK and a token;
+ * the 300 went to the caller as if it could submit again). */
+static void
+test_parked(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client *c = connect_ok(s);
+    struct dsv4_client_params p;
+    struct outcome o[1];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    for (int read_302 = 1; read_302 >= 0; read_302--) {
+        struct dsv4_client_event ev;
+
+        memset(o, 0, sizeof(o));
+        assert_int_equal(dsv4_client_submit_text(c, "__restart__", &p, &o[0].id), 0);
+        read_tokens(c, o, 1, 0, 1);
+        /* the 302 taken by the library first (parked: no CANCEL sent), or
+         * not (the CANCEL crosses it and the stopping scheduler answers
+         * 404: the request was cancelled all the same) */
+        if (read_302)
+            assert_int_equal(dsv4_client_next(c, &ev, 300), DSV4_CLIENT_NONE);
+        assert_int_equal(dsv4_client_cancel(c, o[0].id), 0);
+        collect(c, o, 1);
+        assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
+        assert_int_equal(o[0].finish, DSV4_CLIENT_FINISH_CANCELLED);
+        assert_int_equal(o[0].completion_tokens, 1);
+    }
+
+    memset(o, 0, sizeof(o));
+    assert_int_equal(dsv4_client_submit_text(c, "__restart__", &p, &o[0].id), 0);
+    read_tokens(c, o, 1, 0, 1);
+    server_stop(s);
+    server_restart(s);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[0].code, DSV4_CLIENT_UNREACHABLE);
+    assert_int_equal(dsv4_client_pending(c), 0);
+    dsv4_client_close(c);
+}
+
 int
 main(void)
 {
@@ -748,6 +837,8 @@ main(void)
         cmocka_unit_test_setup_teardown(test_resume_cancel_noseed, server_start,
             server_teardown),
         cmocka_unit_test_setup_teardown(test_resume_twice_sent, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_caller_pause, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_parked, server_start, server_teardown),
     };
 
     if (getenv("TEST_FILTER") != NULL)

@@ -110,6 +110,22 @@ num(const char *s, long long lo, long long hi, const char *what)
     return v;
 }
 
+/* A seed: 0 .. 2^64 - 1 (the protocol's range; the scheduler draws any). */
+static uint64_t
+seed_arg(const char *s)
+{
+    unsigned long long v;
+    char *end;
+
+    errno = 0;
+    v = strtoull(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0' || s[0] == '-') {
+        fprintf(stderr, "dsv4-generate: bad seed: %s\n", s);
+        exit(2);
+    }
+    return (uint64_t)v;
+}
+
 static float
 real(const char *s, const char *what)
 {
@@ -245,7 +261,7 @@ main(int argc, char **argv)
         case 'p': p.top_p = real(optarg, "top-p"); break;
         case 'k': p.top_k = (uint32_t)num(optarg, 0, 1048576, "top-k"); break;
         case 's':
-            p.seed = (uint64_t)num(optarg, 0, INT64_MAX, "seed");
+            p.seed = seed_arg(optarg);
             p.has_seed = 1;
             break;
         case 'S':
@@ -309,10 +325,9 @@ main(int argc, char **argv)
     for (;;) {
         struct dsv4_client_event ev;
 
-        if (interrupted && !cancelled) {
-            dsv4_client_cancel(c, id); /* ends with DONE cancelled */
+        /* (ends with DONE cancelled; a full send queue: again next turn) */
+        if (interrupted && !cancelled && dsv4_client_cancel(c, id) != DSV4_CLIENT_BUSY)
             cancelled = true;
-        }
         rc = dsv4_client_next(c, &ev, POLL_MS);
         if (rc == DSV4_CLIENT_NONE)
             continue;
