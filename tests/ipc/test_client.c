@@ -532,21 +532,32 @@ test_resume(void **state)
     dsv4_client_close(c);
 }
 
+/* A connection with connect_timeout_ms `ms` and one request in flight that
+ * the server accepts and then leaves alone (o[0]). */
+static struct dsv4_client *
+connect_stalled(struct server *s, int ms, struct outcome *o)
+{
+    struct dsv4_client_opts opts;
+    struct dsv4_client *c = NULL;
+    struct dsv4_client_params p;
+
+    dsv4_client_opts_init(&opts);
+    opts.connect_timeout_ms = ms;
+    assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
+    memset(o, 0, sizeof(*o));
+    dsv4_client_params_init(&p);
+    assert_int_equal(dsv4_client_submit_text(c, "__stall__", &p, &o[0].id), 0);
+    return c;
+}
+
 static void
 test_server_lost(void **state)
 {
     struct server *s = *state;
-    struct dsv4_client_opts opts;
-    struct dsv4_client *c = NULL;
-    struct dsv4_client_params p;
     struct outcome o[1];
+    /* generous: sanitizer builds under load */
+    struct dsv4_client *c = connect_stalled(s, 3000, o);
 
-    dsv4_client_opts_init(&opts);
-    opts.connect_timeout_ms = 3000;   /* generous: sanitizer builds under load */
-    assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
-    memset(o, 0, sizeof(o));
-    dsv4_client_params_init(&p);
-    assert_int_equal(dsv4_client_submit_text(c, "__stall__", &p, &o[0].id), 0);
     server_stop(s);
     collect(c, o, 1);
     assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
@@ -746,18 +757,10 @@ static void
 test_caller_pause(void **state)
 {
     struct server *s = *state;
-    struct dsv4_client_opts opts;
-    struct dsv4_client *c = NULL;
-    struct dsv4_client_params p;
     struct dsv4_client_event ev;
     struct outcome o[1];
+    struct dsv4_client *c = connect_stalled(s, 300, o);
 
-    dsv4_client_opts_init(&opts);
-    opts.connect_timeout_ms = 300;
-    assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
-    memset(o, 0, sizeof(o));
-    dsv4_client_params_init(&p);
-    assert_int_equal(dsv4_client_submit_text(c, "__stall__", &p, &o[0].id), 0);
     assert_int_equal(dsv4_client_next(c, &ev, WAIT_MS), 0);
     assert_int_equal(ev.type, DSV4_CLIENT_EV_ACCEPTED);
     usleep(2000 * 1000);                /* > 1 s heartbeat + 300 ms */
