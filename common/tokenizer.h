@@ -223,6 +223,17 @@ enum dsv4_err dsv4_chat_encode(struct dsv4_tok *tok,
     const struct dsv4_chat_msg *msgs, size_t n,
     const struct dsv4_chat_opts *opts, struct dsv4_tok_ids *out);
 
+/*
+ * Whether every marker of the chat format is an added token of `tok`
+ * (else dsv4_chat_encode fails on every conversation): DSV4_OK, or
+ * DSV4_ERR_TOKENIZER naming the first missing one.  For a server's start.
+ */
+enum dsv4_err dsv4_chat_markers_check(const struct dsv4_tok *tok);
+
+/* Id of the chat format's <think> marker in `tok`, -1 if absent: a prompt
+ * that ends with it asks for reasoning first (thinking mode). */
+int32_t dsv4_chat_think_id(const struct dsv4_tok *tok);
+
 #ifdef __cplusplus
 }
 #endif

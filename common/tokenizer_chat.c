@@ -4,7 +4,7 @@
  * does (thinking and chat modes, dropping of old reasoning, the "max"
  * reasoning-effort preamble), either to a string or straight to ids with
  * the markers as ids and the message text encoded as plain text.
- * docs/tokenizer.md ("Chat format") lists the rules R1..R9 cited below.
+ * docs/tokenizer.md ("Chat format") lists the rules R0..R7 cited below.
  * Not supported (rejected by the API's shape): tools, tool calls and tool
  * results, response_format, tasks, latest_reminder, context prefixes.
  */
@@ -234,4 +234,23 @@ dsv4_chat_encode(struct dsv4_tok *tok, const struct dsv4_chat_msg *msgs,
     e = chat_emit(msgs, n, opts, &k);
     dsv4_tok_text_free(&k.pend);
     return e;
+}
+
+enum dsv4_err
+dsv4_chat_markers_check(const struct dsv4_tok *tok)
+{
+    static const char *const markers[] = { M_BOS, M_EOS, M_USER, M_ASSISTANT, M_THINK,
+                                           M_END_THINK };
+
+    for (size_t i = 0; i < sizeof(markers) / sizeof(markers[0]); i++)
+        if (dsv4_tok_added_id(tok, markers[i], 0) < 0)
+            return dsv4_err_set(DSV4_ERR_TOKENIZER, "chat: marker %s is not an added token "
+                "of this tokenizer (not DeepSeek-V4's tokenizer.json?)", markers[i]);
+    return DSV4_OK;
+}
+
+int32_t
+dsv4_chat_think_id(const struct dsv4_tok *tok)
+{
+    return dsv4_tok_added_id(tok, M_THINK, 0);
 }

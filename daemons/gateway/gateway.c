@@ -348,6 +348,9 @@ main(int argc, char **argv)
     sdnotify_status("loading the tokenizer");
     if (dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF) != DSV4_OK)
         fatalx_conf("tokenizer: %s", dsv4_errmsg());
+    /* (else every chat request would fail, each blamed on its client) */
+    if (dsv4_chat_markers_check(g.tok) != DSV4_OK)
+        fatalx_conf("tokenizer %s: %s", g.conf.tokenizer, dsv4_errmsg());
     g.eos = dsv4_tok_eos(g.tok);
     /* The scheduler's endpoints as the gateway connects to them (form and
      * CURVE key: dsv4_zsock_check; nothing is connected), at every start as

@@ -842,8 +842,16 @@ gw_submit(struct gw_gen *q, struct gw_req *a, struct gw_bad *b)
         pthread_mutex_lock(&q->g->toklock);
         e = dsv4_chat_encode(q->g->tok, a->msgs, a->n_msgs, &a->copts, &q->prompt_ids);
         pthread_mutex_unlock(&q->g->toklock);
-        if (e != DSV4_OK)
+        /* (an empty developer message is the request's fault; no memory,
+         * or a tokenizer failure, the server's) */
+        if (e == DSV4_ERR_INVAL)
             return gw_bad(b, 400, "invalid_request", "messages: %s", dsv4_errmsg());
+        if (e != DSV4_OK)
+            return gw_bad(b, 500, "internal_error", "messages: %s", dsv4_errmsg());
+        /* reasoning comes first only where the prompt opens it (a
+         * conversation that ends with an assistant or system turn does not) */
+        q->in_reasoning = q->thinking && q->prompt_ids.len > 0 &&
+            q->prompt_ids.v[q->prompt_ids.len - 1] == dsv4_chat_think_id(q->g->tok);
     }
     dsv4_client_opts_init(&co);
     if (strncmp(q->g->conf.client_endpoint, "tcp://", 6) == 0) {
@@ -920,7 +928,6 @@ gw_gen_handle(struct gw *g, struct MHD_Connection *conn, bool chat, const char *
     dsv4_tok_stream_init(&q->ots, g->tok);
     q->return_ids = a.return_ids;
     q->thinking = chat && a.copts.thinking;
-    q->in_reasoning = q->thinking;
     if (gw_submit(q, &a, &b) != 0)
         goto out;
     rc = 0;

@@ -263,7 +263,8 @@ gw_parse_stop(json_object *o, struct gw_req *a, struct gw_bad *b)
 }
 
 /* Message content: a string, or an array of {"type": "text", "text": ...}
- * parts (joined).  Returns a string owned by `hold` or by the tree. */
+ * parts (joined with "\n", as vLLM joins them).  Returns a string owned by
+ * `hold` or by the tree. */
 static const char *
 gw_content(json_object *x, json_object *hold, struct gw_bad *b)
 {
@@ -293,7 +294,8 @@ gw_content(json_object *x, json_object *hold, struct gw_bad *b)
             dsv4_tok_text_free(&t);
             return NULL;
         }
-        if (gw_text_add(&t, str, (size_t)json_object_get_string_len(tx)) != 0) {
+        if ((i > 0 && gw_text_add(&t, "\n", 1) != 0) ||
+            gw_text_add(&t, str, (size_t)json_object_get_string_len(tx)) != 0) {
             dsv4_tok_text_free(&t);
             gw_bad(b, 500, "internal_error", "out of memory");
             return NULL;
@@ -371,6 +373,9 @@ gw_parse_messages(json_object *o, struct gw_req *a, struct gw_bad *b)
     if (gw_obj(o, "chat_template_kwargs", &kw, b) != 0)
         return -1;
     if (kw != NULL && gw_bool(kw, "thinking", &a->copts.thinking, b) != 0)
+        return -1;
+    /* (the name vLLM's DeepSeek tokenizers take too) */
+    if (kw != NULL && gw_bool(kw, "enable_thinking", &a->copts.thinking, b) != 0)
         return -1;
     if (json_object_object_get_ex(o, "reasoning_effort", &x) && x != NULL) {
         if (json_object_get_type(x) != json_type_string)

@@ -53,6 +53,11 @@ expect unknown_key 6 'unknown key "bogus"' -- -o bogus=1
 expect client_endpoint_bad 6 'client_endpoint: abc: not ipc://PATH' -- -o client_endpoint=abc
 expect admin_endpoint_tcp_no_key 6 "admin_endpoint: CURVE key $tmp/server.pub" -- -o admin_endpoint=tcp://127.0.0.1:5556 -o "key_dir=$tmp"
 expect tokenizer_missing 6 'tokenizer: ' -- -o "tokenizer=$tmp/nothere.json"
+# a tokenizer without the chat format's <think> marker: every chat request
+# would fail (each blamed on its client), so the gateway does not start
+sed 's/"content": "<think>"/"content": "<thinq>"/' "$tok" >"$tmp/nothink.json"
+expect tokenizer_no_marker 6 'marker <think> is not an added token' -- \
+    -o "tokenizer=$tmp/nothink.json"
 expect conf_missing 6 "$tmp/nothere.conf" -- -f "$tmp/nothere.conf"
 expect unknown_flag 2 'usage' -- -Z
 expect stray_argument 2 'usage' -- extra

@@ -588,6 +588,35 @@ def sc_api():
               (t.choices[0].message.content or "") == ref_text,
               "thinking answer %r + %r != %r" % (reasoning, t.choices[0].message.content,
                                                  ref_text))
+        # enable_thinking (vLLM's name) is thinking too; a conversation that
+        # ends with an assistant turn opens no <think>, so its output is all
+        # content (it went to reasoning_content whole); text parts are
+        # joined with "\n" (they were joined with nothing).
+        msgs2 = [{"role": "user", "content": [{"type": "text", "text": "Say"},
+                                              {"type": "text", "text": "hi"}]},
+                 {"role": "assistant", "content": "Hi"}]
+        t = cli.chat.completions.create(model=MODEL, messages=msgs2, max_tokens=6,
+                                        temperature=0, extra_body={
+                                            "chat_template_kwargs": {"enable_thinking": True},
+                                            "return_token_ids": True})
+        want2 = extra(t, "prompt_token_ids")
+        tail = tokenize_special("<｜Assistant｜><think></think>Hi" + EOS)
+        check(want2[-len(tail):] == tail, "prompt ending with an assistant turn %s: not "
+              "ending %s" % (want2, tail))
+        t2 = cli.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say\nhi"}, msgs2[1]],
+            max_tokens=1, temperature=0, extra_body={"thinking": True,
+                                                     "return_token_ids": True})
+        check(extra(t2, "prompt_token_ids") == want2, "parts %s != \"Say\\nhi\" %s" %
+              (want2, extra(t2, "prompt_token_ids")))
+        ref_text, ref_ids = generate(svc, ids=want2, n=6)
+        check(not extra(t.choices[0].message, "reasoning_content") and
+              t.choices[0].message.content == ref_text.replace(EOS, ""),
+              "after an assistant turn: %r / %r != %r" % (
+                  extra(t.choices[0].message, "reasoning_content"),
+                  t.choices[0].message.content, ref_text))
+        log("thinking mode: after an assistant turn all content; enable_thinking; parts "
+            "joined with \\n")
 
         # 4. curl with SSE: a streamed completion == the non-streamed one.
         body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 16,
