@@ -221,7 +221,8 @@ cfg_apply(struct dsv4_conf *cfg, const struct cfg_key *k, const char *value)
         if (errno == ERANGE && value[0] != '\0' && *end == '\0')
             return dsv4_err_set(DSV4_ERR_CONFIG, "%s: %s out of range", k->name, value);
         if (value[0] == '\0' || *end != '\0' || errno != 0 ||
-            (k->type == CFG_INT && (value[0] == '+' || value[0] == ' ')))
+            (k->type == CFG_INT && (value[0] == '+' || value[0] == ' ')) ||
+            (k->type == CFG_MODE && (value[0] < '0' || value[0] > '7')))
             return dsv4_err_set(DSV4_ERR_CONFIG, "%s: \"%s\" is not %s",
                 k->name, value, k->type == CFG_MODE ? "an octal mode" : "an integer");
         if (v < k->min || v > k->max)

@@ -48,7 +48,10 @@ struct dsv4_conf {
     char rank_endpoint[DSV4_CONF_STR];   /* [ipc:///run/dsv4/rank.sock] */
     char admin_endpoint[DSV4_CONF_STR];  /* [ipc:///run/dsv4/ctl.sock] */
     unsigned admin_mode;                   /* [0660] file mode of the admin
-                                              socket; octal in the file */
+                                              socket; octal in the file; 0 =
+                                              left as the umask made it; under
+                                              socket activation the unit's
+                                              SocketMode= instead */
     char key_dir[DSV4_CONF_STR];         /* [/etc/dsv4] CURVE server.key/pub */
     /* --- scheduler --- */
     int max_batch;          /* [16] decode streams per decode group at once */
@@ -71,7 +74,11 @@ struct dsv4_conf {
     char checkpoint[DSV4_CONF_STR]; /* [/var/lib/dsv4/model] dsv4-mkmodel or
                                          converted checkpoint directory */
     char tokenizer[DSV4_CONF_STR];  /* [DSV4_TOKENIZER_DEFAULT] tokenizer.json
-                                         (the scheduler tokenizes prompts) */
+                                         (the scheduler and the gateway tokenize
+                                         prompts); at the default,
+                                         $DSV4_TOKENIZER when set; "none": the
+                                         scheduler takes token ids only (the
+                                         gateway refuses to start) */
     char backend[32];       /* [cpu] "cpu" or "cuda" */
     char numerics[32];      /* [ref] "ref" or "hf" (backend numerics mode) */
     int threads;            /* [0] backend worker threads; 0 = all cores */

@@ -333,7 +333,7 @@ main(int argc, char **argv)
         usage(2);
     log_init(verbose);
     dsv4_conf_defaults(&g.conf);
-    if (conf_path == NULL && access(DSV4_CONF_DEFAULT_PATH, R_OK) == 0)
+    if (conf_path == NULL && access(DSV4_CONF_DEFAULT_PATH, F_OK) == 0)
         conf_path = DSV4_CONF_DEFAULT_PATH;
     if (conf_path != NULL && dsv4_conf_load(&g.conf, conf_path, DSV4_CONF_ROLE_NONE) != DSV4_OK)
         fatalx_conf("%s", dsv4_errmsg());
@@ -346,6 +346,13 @@ main(int argc, char **argv)
         gw_keys_read(g.conf.gateway_keys, g.keys, &g.n_keys) != 0)
         fatalx_conf("cannot use the keys file %s", g.conf.gateway_keys);
     sdnotify_status("loading the tokenizer");
+    /* the file as the scheduler picks it (sched_tokenizer_path): the key
+     * at its default defers to $DSV4_TOKENIZER, so the two read one file */
+    if (strcmp(g.conf.tokenizer, "none") == 0)
+        fatalx_conf("tokenizer = none: the gateway needs a tokenizer (the text of every "
+            "route is tokenized here)");
+    if (strcmp(g.conf.tokenizer, DSV4_TOKENIZER_DEFAULT) == 0)
+        snprintf(g.conf.tokenizer, sizeof(g.conf.tokenizer), "%s", dsv4_tok_default_path());
     if (dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF) != DSV4_OK)
         fatalx_conf("tokenizer: %s", dsv4_errmsg());
     /* (else every chat request would fail, each blamed on its client) */

@@ -464,6 +464,20 @@ gw_listen_resolve(const char *spec, struct addrinfo **res)
         return -1;
     }
     *port++ = '\0';
+    {
+        /* a decimal 1 .. 65535 (getaddrinfo would take 65536 modulo 2^16,
+         * and 0 as "any free port", while the log named the one given) */
+        char *end;
+        long v;
+
+        errno = 0;
+        v = strtol(port, &end, 10);
+        if (port[0] < '0' || port[0] > '9' || *end != '\0' || errno != 0 || v < 1 ||
+            v > 65535) {
+            log_warnx("gw_listen: \"%s\": the port is not a number 1 ... 65535", spec);
+            return -1;
+        }
+    }
     memmove(host, host[0] == '[' ? host + 1 : host, strlen(host) + 1);
     if (host[0] != '\0' && host[strlen(host) - 1] == ']')
         host[strlen(host) - 1] = '\0';

@@ -630,6 +630,9 @@ rank_signal(struct rank *k)
     while (read(k->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
         struct dsv4_msg m;
 
+        if (si.ssi_signo == SIGHUP)
+            log_notice("rank_signal: SIGHUP ignored: a rank reads its configuration at start "
+                       "(restart it to apply a change)");
         if (si.ssi_signo != SIGTERM && si.ssi_signo != SIGINT)
             continue;
         if (k->leave_ms == 0 && k->link == RANK_LINK_UP && k->o.conf.stop_drain_s > 0) {
@@ -1576,6 +1579,9 @@ main(int argc, char **argv)
     sigemptyset(&mask);
     sigaddset(&mask, SIGTERM);
     sigaddset(&mask, SIGINT);
+    /* (read and ignored: its default action ended the rank, and systemd
+     * counts such an end as clean, so it was not restarted) */
+    sigaddset(&mask, SIGHUP);
     if (sigprocmask(SIG_BLOCK, &mask, NULL) != 0)
         fatal("main: sigprocmask");
     signal(SIGPIPE, SIG_IGN);

@@ -194,8 +194,10 @@ sched_init(struct sched *s)
             client_fd = SD_LISTEN_FDS_START + i;
         else if (strcmp(nm, "admin") == 0 || strcmp(nm, "ctl") == 0)
             admin_fd = SD_LISTEN_FDS_START + i;
-        else
-            log_warnx("ignoring passed fd %d named '%s'", SD_LISTEN_FDS_START + i, nm);
+        else   /* (a unit's FileDescriptorName= wrong: its clients would hang) */
+            fatalx_conf("the service manager passed socket %d named '%s': dsv4-sched takes "
+                "'client' and 'admin' (FileDescriptorName= of its socket units)",
+                SD_LISTEN_FDS_START + i, nm);
     }
     for (int i = 0; names != NULL && i < n; i++)
         free(names[i]);

@@ -61,6 +61,8 @@ sched_config_check(const struct sched_config *c)
         zc.bind = true;
         zc.endpoint = eps[i];
         zc.key_dir = c->file.key_dir;
+        if (i == 2)
+            zc.mode = c->file.admin_mode;   /* as the start binds it (sched.c) */
         if (dsv4_zsock_check(&zc) != DSV4_OK) {
             log_warnx("config: %s_endpoint: %s", what[i], dsv4_errmsg());
             return -1;

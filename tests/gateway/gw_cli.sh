@@ -49,6 +49,10 @@ expect listen_ok 0 'listen 127.0.0.1:8123' -- -l 127.0.0.1:8123
 expect listen_ipv6 0 'listen \[::1\]:8123' -- -l '[::1]:8123'
 expect listen_no_port 6 'expected HOST:PORT' -- -l nonsense
 expect listen_bad_port 6 'gateway_listen "127.0.0.1:notaport" cannot be listened on' -- -l 127.0.0.1:notaport
+# (getaddrinfo took 65536 as port 0: a random port, the log naming 65536)
+expect listen_port_65536 6 'the port is not a number 1 ... 65535' -- -l 127.0.0.1:65536
+expect listen_port_0 6 'the port is not a number 1 ... 65535' -- -l 127.0.0.1:0
+expect tokenizer_none 6 'the gateway needs a tokenizer' -- -o tokenizer=none
 expect unknown_key 6 'unknown key "bogus"' -- -o bogus=1
 expect client_endpoint_bad 6 'client_endpoint: abc: not ipc://PATH' -- -o client_endpoint=abc
 expect admin_endpoint_tcp_no_key 6 "admin_endpoint: CURVE key $tmp/server.pub" -- -o admin_endpoint=tcp://127.0.0.1:5556 -o "key_dir=$tmp"

@@ -1791,6 +1791,21 @@ def sc_socket_activate():
         check("WATCHDOG" not in seq[:i_ready], "WATCHDOG=1 before READY=1")
         ns.close()
         err.close()
+        # A socket passed under another name (a unit's FileDescriptorName=
+        # wrong): exit 6 naming it (it was ignored, and its clients hung).
+        err = open(os.path.join(d, "err2"), "w")
+        p = subprocess.Popen([sa, "-l", client, "-l", ctl, "--fdname=client:ctlx",
+                              exe("daemons/sched/dsv4-sched"), "-f", conf], stderr=err)
+        c = ctx.socket(zmq.DEALER)
+        c.setsockopt(zmq.LINGER, 0)
+        wait_for(lambda: os.path.exists(client), "listeners")
+        c.connect("ipc://" + client)
+        c.send_multipart([b"", b"DSV4C1", bytes([7]), msgpack.packb({})])
+        rc = p.wait(WAIT_S)
+        c.close()
+        err.close()
+        check(rc == 6 and "named 'ctlx'" in readf(os.path.join(d, "err2")),
+              "a socket named ctlx: exit %d: %s" % (rc, readf(os.path.join(d, "err2"))[-300:]))
     finally:
         if p is not None and p.poll() is None:
             p.kill()

@@ -238,6 +238,9 @@ test_errors(void **state)
     expect_error("admin_mode = 01777\n", "outside");
     /* a mode's range in octal, as it is written (it said 1000 outside 0 ... 511) */
     expect_error("admin_mode = 01750\n", "admin_mode: 01750 outside 0 ... 0777");
+    /* a sign is no octal mode (-1 was "01777777777777777777777 outside") */
+    expect_error("admin_mode = -1\n", "admin_mode: \"-1\" is not an octal mode");
+    expect_error("admin_mode = +0660\n", "is not an octal mode");
     expect_error("backend = tpu\n", "unknown value \"tpu\"");
     expect_error("tokenizer = \"abc\n", "unterminated quote");
     /* No escapes, so no quote inside a value: this one (found by

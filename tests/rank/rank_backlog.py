@@ -11,7 +11,7 @@ Four streams of 2,500 tokens are handed to the decode rank, then the script
 reads nothing for 6 s (liveness 20 x 1 s, so the link stays up) while the
 rank steps on.  Once it reads again, every stream's TOKENS must add up to
 its DECODE_DONE's n_tokens and to max_tokens, and every DECODE_DONE must
-come.  The rank's send queue used to be ZeroMQ's default 1,000 messages:
+come (and a SIGHUP then is logged and ignored).  The rank's send queue used to be ZeroMQ's default 1,000 messages:
 past it a TOKENS or DECODE_DONE was dropped with a warning while the link
 stayed up (streams with gaps, requests never ended at the scheduler).
 
@@ -123,7 +123,16 @@ def run(build, tmp, ctx):
             check(done[req] == MAX_TOKENS and tokens.get(req, 0) == MAX_TOKENS,
                   "req %d: DECODE_DONE n_tokens %s, %s TOKENS entries (%d TOKENS sends "
                   "refused)" % (req, done[req], tokens.get(req), busy))
-        check(procs[1].poll() is None, "the decode rank exited")
+        # SIGHUP is logged and ignored (it ended the rank, and systemd took
+        # that end as clean: never restarted)
+        procs[1].send_signal(signal.SIGHUP)
+        end = time.time() + 10
+        while time.time() < end and "SIGHUP ignored" not in open(
+                os.path.join(tmp, "decode.log")).read():
+            recv(0.1)
+        check(procs[1].poll() is None, "the decode rank exited (status %s)" % procs[1].poll())
+        check("SIGHUP ignored" in open(os.path.join(tmp, "decode.log")).read(),
+              "no log of the ignored SIGHUP")
         print("%d streams of %d tokens across a %d s stall: every TOKENS and DECODE_DONE "
               "arrived" % (N_STREAMS, MAX_TOKENS, STALL_S))
     finally:

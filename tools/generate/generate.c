@@ -257,8 +257,21 @@ main(int argc, char **argv)
         case 'e': endpoint = optarg; break;
         case 'K': o.server_key_file = optarg; break;
         case 'n': p.max_tokens = (uint32_t)num(optarg, 1, 1048576, "max tokens"); break;
-        case 't': p.temperature = real(optarg, "temperature"); break;
-        case 'p': p.top_p = real(optarg, "top-p"); break;
+        /* (the protocol's ranges, checked here: a bad option value exits 2) */
+        case 't':
+            p.temperature = real(optarg, "temperature");
+            if (!(p.temperature >= 0.0f && p.temperature <= 10.0f)) {
+                fprintf(stderr, "dsv4-generate: bad temperature: %s (0 ... 10)\n", optarg);
+                exit(2);
+            }
+            break;
+        case 'p':
+            p.top_p = real(optarg, "top-p");
+            if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+                fprintf(stderr, "dsv4-generate: bad top-p: %s (above 0, at most 1)\n", optarg);
+                exit(2);
+            }
+            break;
         case 'k': p.top_k = (uint32_t)num(optarg, 0, 1048576, "top-k"); break;
         case 's':
             p.seed = seed_arg(optarg);

@@ -68,7 +68,7 @@ usage(int status)
         "supervised (docs/operations.md, \"Without systemd\").\n"
         "  -f CONF              configuration file (default " DSV4_CONF_DEFAULT_PATH "\n"
         "                       when it exists), passed to every daemon\n"
-        "  -o KEY=VALUE         passed to every daemon\n"
+        "  -o KEY=VALUE         passed to every daemon (at most 16)\n"
         "  -P N, -D N           prefill and decode ranks (1 and 1)\n"
         "  -G                   also the HTTP gateway (or gateway_launch = yes)\n"
         "  -w SEC               watchdog (30; 0 off)\n"
@@ -135,8 +135,10 @@ parse_args(struct launch *l, int argc, char **argv)
         switch (ch) {
         case 'f': o->conf_path = optarg; break;
         case 'o':
-            if (o->n_overrides >= LAUNCH_MAX_ARGS / 4)
-                usage(2);
+            if (o->n_overrides >= LAUNCH_MAX_ARGS / 4) {
+                fprintf(stderr, "dsv4-launch: at most %d -o\n", LAUNCH_MAX_ARGS / 4);
+                exit(2);
+            }
             o->overrides[o->n_overrides++] = optarg;
             break;
         case 'P': o->n_prefill = num_arg(optarg, 0, LAUNCH_MAX_RANKS / 2, "-P"); break;
