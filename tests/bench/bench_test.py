@@ -23,6 +23,8 @@ request runs to max_tokens), then runs dsv4-bench:
     JSON written after the level holds the level;
   * a sweep with the default warm-up (the level's concurrency): both levels
     measure the same requests;
+  * prompts past the context: the level stops at the first 413 (it resent
+    them as fast as the scheduler answered), exit 1;
 then the service's books must be empty (the extra requests cancelled at the
 end of each level are freed).  Timing is never asserted.
 """
@@ -124,6 +126,9 @@ def scenario(tmp):
         check("dsv4-bench:" in r.stderr, "no message for %s: %r" % (bad, r.stderr))
     r = bench(["-e", "ipc://%s/nobody.sock" % tmp, "-xq"], expect=2)
     check("unknown option '-x'" in r.stderr, "-xq: %r" % r.stderr[-500:])
+    # (it said "unknown option '-q'")
+    r = bench(["--quiet=x"], expect=2)
+    check("option '--quiet' takes no argument" in r.stderr, "--quiet=x: %r" % r.stderr[-500:])
     # the outputs are checked before any load (the sweep is not lost at its end)
     for bad, what in ((["-j", os.path.join(tmp, "nodir", "x.json")], "nodir/x.json"),
                       (["-P", os.path.join(tmp, "nodir", "x.png")], "cannot write in")):
@@ -266,6 +271,19 @@ def scenario(tmp):
                   run["output_tokens"] > 0 and run["top_short"] == 0,
                   "--top-logprobs 20 %s: config %s, run %s" % (extra, doc["config"], run))
         r = bench(common + ["-c", "1", "--top-logprobs", "21"], expect=2)
+
+        # Prompts past the context (max_seq 256): the server refuses each
+        # (413); the level stops at the first refusal, warm-up's included,
+        # instead of resending for its whole duration as fast as the
+        # scheduler answers (40,000 requests in 2 s); exit 1, refused.
+        rej0 = svc.admin.status()["n_rejected"]
+        r = bench(["-e", svc.client_ep, "-p", "300", "-l", "4", "-c", "2", "-w", "2", "-d", "2",
+                   "--token-range", "2:1024", "-q", "-j", "-"], expect=1)
+        doc = json.loads(r.stdout)
+        run = doc["runs"][0]
+        rej = svc.admin.status()["n_rejected"] - rej0
+        check(run["refused"] and rej <= 8 and "refuses the requests" in r.stderr,
+              "a level of refused requests: %d refused at the scheduler, run %s" % (rej, run))
 
         two_png = os.path.join(tmp, "two.png")
         subprocess.run([sys.executable, os.path.join(svc_test.ARGS.src, "tools/bench/plot.py"),

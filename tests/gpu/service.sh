@@ -141,6 +141,8 @@ for i in $(seq 1 300); do
     [ "${n:-0}" -ge "$n_ranks" ] &&
         { [ "$GPUS" = 1 ] || grep -q "communicator of epoch" "$OUT/launch.log"; } && break
     kill -0 $lpid 2> /dev/null || { echo "dsv4-launch exited"; tail -30 "$OUT/launch.log"; exit 1; }
+    [ "$i" = 300 ] && { echo "the ranks are not ready after 300 s"; ctl ranks; kill $lpid
+                        wait $lpid; exit 1; }
     sleep 1
 done
 echo "set up in $((SECONDS - t0)) s ($n_prefill+$n_decode ranks, flash $LAYERS layers)"

@@ -28,7 +28,9 @@
 # 13 runs it too).  Requests are greedy unless TEMP says otherwise.
 #
 # The floor (DESIGN.md §7, scaled to LAYERS of 43 layers and split over GPUS
-# GPUs at 4.3 TB/s each): a batch-16 step reads 46.5 GB of experts and 6.7
+# GPUs at BW TB/s each: DESIGN.md §7's measured device copy of an H200, 4.3,
+# unless BW gives the machine's own, e.g. tests/gpu/copy_bw.py's figure on
+# an H100): a batch-16 step reads 46.5 GB of experts and 6.7
 # GB of dense weights times LAYERS / 43 plus the 1.06 GB head, a batch-1
 # step 3.5 GB of experts instead (43 layers on 2 GPUs: 6.3 ms ≈ 2,550
 # tok/s and 1.3 ms).  Throughput ratio = measured / floor; latency ratio =
@@ -84,14 +86,17 @@ if [ "${MTP:-0}" = 1 ]; then
     fi
 fi
 
-python3 - "$OUT" "$LAYERS" "$GPUS" "${MTP:-0}" "$tp" "$ip/$io" "$cp_/$co" << 'EOF' || rc=1
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+python3 - "$OUT" "$LAYERS" "$GPUS" "${MTP:-0}" "$tp" "$ip/$io" "$cp_/$co" "${BW:-4.3}" \
+    "${gpu_name:-no GPU}" << 'EOF' || rc=1
 import json, os, re, sys
 
 out, layers, gpus, mtp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 ttft_len, itl_len, c16_len = sys.argv[5], sys.argv[6], sys.argv[7]
+bw, gpu_name = float(sys.argv[8]), sys.argv[9]
 f = layers / 43.0
-b16 = (46.5 * f + 6.7 * f + 1.06) / gpus / 4.3   # ms a batch-16 step (GB / TB/s)
-b1 = (3.5 * f + 6.7 * f + 1.06) / gpus / 4.3     # ms a batch-1 step
+b16 = (46.5 * f + 6.7 * f + 1.06) / gpus / bw   # ms a batch-16 step (GB / TB/s)
+b1 = (3.5 * f + 6.7 * f + 1.06) / gpus / bw     # ms a batch-1 step
 tok_floor = 16 / b16 * 1000
 failed = 0
 
@@ -173,7 +178,8 @@ for l in log.splitlines():
         placed[pm.group(1)] = pm.group(2) + (" (burst)" if pm.group(3) else "")
 md = [f"# Issue 7 targets: {layers} layers, {gpus} GPU(s) a group",
       "",
-      f"Floor (DESIGN.md §7 scaled to {layers}/43 layers on {gpus} GPU(s) at 4.3 TB/s): "
+      f"Floor (DESIGN.md §7 scaled to {layers}/43 layers on {gpus} GPU(s) at {bw} TB/s; "
+      f"GPU: {gpu_name}): "
       f"batch 16 {b16:.2f} ms a step = {tok_floor:,.0f} tok/s, batch 1 {b1:.2f} ms.",
       f"Failed measured requests: {failed}.",
       "Prompts placed per prefill rank (the whole run): " +

@@ -93,7 +93,8 @@ main(int argc, char **argv)
         }
         if (!o.quiet)
             bench_report_row(&res[n]);
-        if (res[n].failed > 0 || res[n].workers_lost > 0 || res[n].interrupted)
+        if (res[n].failed > 0 || res[n].workers_lost > 0 || res[n].interrupted ||
+            res[n].unmeasured_failed > 0 || res[n].server_cancelled > 0 || res[n].refused)
             status = 1;
         n++;
         if (json_file && bench_report_json(&o, res, n) != 0)

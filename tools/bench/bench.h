@@ -200,6 +200,12 @@ struct bench_result {
     uint64_t top_short;            /* tokens of measured requests given fewer most likely
                                       tokens than top_logprobs */
     uint64_t extra_cancelled;      /* unmeasured requests cancelled at the end */
+    uint64_t unmeasured_failed;    /* warm-up / extra requests that ended with ERROR
+                                      (the load was below C meanwhile) */
+    uint64_t server_cancelled;     /* measured requests cancelled by someone else
+                                      (dsv4ctl cancel): not done, not measured */
+    int refused;                   /* the level stopped: the server refuses its
+                                      requests (401 / 413 every time) */
     double duration_s;             /* measurement window */
     uint64_t window_tokens;        /* tokens of any request inside the window */
     double output_tok_s;           /* window_tokens / duration_s */

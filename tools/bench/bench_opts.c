@@ -268,7 +268,13 @@ bench_opts_parse(struct bench_opts *o, int argc, char **argv, char *err, size_t 
              * none of, 0 for an unknown or ambiguous long option (and then
              * argv[optind - 1] is it; for a short one in a cluster optind
              * has not moved past it) */
-            if (optopt > 0 && optopt < 256)
+            /* (a long option given "=VALUE" it takes none of reports its
+             * short letter as optopt: the word says which it was) */
+            if (optopt > 0 && optopt < 256 && strncmp(argv[optind - 1], "--", 2) == 0 &&
+                strchr(argv[optind - 1], '=') != NULL)
+                snprintf(err, errlen, "option '%.*s' takes no argument",
+                    (int)(strchr(argv[optind - 1], '=') - argv[optind - 1]), argv[optind - 1]);
+            else if (optopt > 0 && optopt < 256)
                 snprintf(err, errlen, "unknown option '-%c'", optopt);
             else if (optopt >= 256)
                 snprintf(err, errlen, "option '%s' takes no argument", argv[optind - 1]);

@@ -127,6 +127,9 @@ run(const struct bench_result *r)
     json_object_object_add(o, "usage_mismatch", u64(r->usage_mismatch));
     json_object_object_add(o, "top_short", u64(r->top_short));
     json_object_object_add(o, "unmeasured_cancelled", u64(r->extra_cancelled));
+    json_object_object_add(o, "unmeasured_failed", u64(r->unmeasured_failed));
+    json_object_object_add(o, "server_cancelled", u64(r->server_cancelled));
+    json_object_object_add(o, "refused", json_object_new_boolean(r->refused));
     json_object_object_add(o, "workers_lost", json_object_new_int(r->workers_lost));
     json_object_object_add(o, "interrupted", json_object_new_boolean(r->interrupted));
     json_object_object_add(o, "duration_s", num(r->duration_s, 6));
@@ -210,13 +213,35 @@ bench_report_header(void)
         "out_tok/s", "req/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 ms");
 }
 
+/* "P50/P99" of a latency column at its width: "n/a" without samples (every
+ * request failed: a 0.0 would read as a measured 0 ms). */
+static const char *
+pair(char *buf, size_t len, const struct bench_summary *x, int decimals)
+{
+    if (x->n == 0)
+        snprintf(buf, len, "%8s/%-8s", "n/a", "n/a");
+    else
+        snprintf(buf, len, "%8.*f/%-8.*f", decimals, x->p50, decimals, x->p99);
+    return buf;
+}
+
 void
 bench_report_row(const struct bench_result *r)
 {
-    fprintf(stderr, "%4d %6llu %5llu %10.1f %7.2f %8.1f/%-8.1f %8.2f/%-8.2f %8.1f/%-8.1f\n",
+    char a[48], b[48], c[48];
+
+    fprintf(stderr, "%4d %6llu %5llu %10.1f %7.2f %s %s %s\n",
         r->concurrency, (unsigned long long)r->done, (unsigned long long)r->failed,
-        r->output_tok_s, r->requests_s, r->ttft.p50, r->ttft.p99, r->itl.p50, r->itl.p99,
-        r->e2e.p50, r->e2e.p99);
+        r->output_tok_s, r->requests_s, pair(a, sizeof(a), &r->ttft, 1),
+        pair(b, sizeof(b), &r->itl, 2), pair(c, sizeof(c), &r->e2e, 1));
+    if (r->unmeasured_failed > 0)
+        fprintf(stderr, "     %llu warm-up or extra requests failed (the load was below "
+            "C meanwhile)\n", (unsigned long long)r->unmeasured_failed);
+    if (r->server_cancelled > 0)
+        fprintf(stderr, "     %llu measured requests cancelled by the server side "
+            "(dsv4ctl cancel)\n", (unsigned long long)r->server_cancelled);
+    if (r->refused)
+        fprintf(stderr, "     stopped: the server refuses the requests (401 / 413)\n");
     if (r->short_outputs > 0)
         fprintf(stderr, "     %llu of %llu requests ended before max_tokens (EOS or a stop "
             "id; the protocol has no ignore-EOS): output_tokens %llu of %llu asked\n",

@@ -193,7 +193,11 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
     struct bench_result *r = lv->res;
     int oom = 0;
 
-    /* A measured request is cancelled only by SIGINT: its times are cut short. */
+    /* A measured request is cancelled by SIGINT (its times are cut short)
+     * or by someone else (dsv4ctl cancel: no figure of it counts). */
+    if (w->kind == REQ_MEASURED && code == 0 && finish == DSV4_CLIENT_FINISH_CANCELLED &&
+        !w->cancelled)
+        code = -1;
     if (w->kind == REQ_MEASURED && code == 0 && finish != DSV4_CLIENT_FINISH_CANCELLED) {
         oom |= bench_samples_add(&w->e2e, now - w->st.t_submit);
         if (w->st.n_tokens > 0)
@@ -215,7 +219,11 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
         r->prompt_tokens += w->n_prompt;
         r->output_requested += w->max_tokens;
         r->output_tokens += w->st.n_tokens;
-        if (code != 0) {
+        if (code == -1) {
+            if (r->server_cancelled++ < MAX_REPORTED)
+                fprintf(stderr, "dsv4-bench: a measured request was cancelled by the server "
+                    "side (dsv4ctl cancel?): not counted as done\n");
+        } else if (code != 0) {
             if (r->failed++ < MAX_REPORTED)
                 fprintf(stderr, "dsv4-bench: request failed: %d %s: %s\n", code,
                     dsv4_client_strerror(code), message != NULL ? message : "");
@@ -233,8 +241,21 @@ worker_end(struct worker *w, double now, int code, int finish, uint32_t usage,
             }
             r->top_short += w->top_short;
         }
+    } else if (code != 0) {
+        if (r->unmeasured_failed++ < MAX_REPORTED)
+            fprintf(stderr, "dsv4-bench: a %s request failed: %d %s: %s\n",
+                w->kind == REQ_WARMUP ? "warm-up" : "extra", code, dsv4_client_strerror(code),
+                message != NULL ? message : "");
     } else if (w->cancelled && lv->stop) {
         r->extra_cancelled++;
+    }
+    /* a refusal of the request itself comes again at once for the next:
+     * the level stops rather than resend as fast as the server answers */
+    if ((code == DSV4_CLIENT_BAD_ARGUMENT || code == DSV4_CLIENT_TOO_LARGE) && !lv->stop) {
+        fprintf(stderr, "dsv4-bench: the server refuses the requests (%d %s): the level "
+            "stops\n", code, dsv4_client_strerror(code));
+        r->refused = 1;
+        level_stop(lv, now);
     }
     if (level_closed(lv, now) && lv->ended == lv->sent)
         level_stop(lv, now);
