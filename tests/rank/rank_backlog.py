@@ -33,7 +33,7 @@ except ImportError:
 from rank_epoch import Fail, script_main   # noqa: E402 (after the skip)
 
 RANK = b"DSV4R1"
-READY, WELCOME, HEARTBEAT, PREFILL, PREFILL_DONE, DECODE = 1, 2, 3, 5, 6, 7
+READY, WELCOME, HEARTBEAT, PREFILL, PREFILL_DONE, DECODE, KV_RELEASE = 1, 2, 3, 5, 6, 7, 8
 TOKENS, DECODE_DONE, ERROR = 9, 10, 15
 N_STREAMS, MAX_TOKENS, STALL_S = 4, 2500, 6
 
@@ -41,6 +41,19 @@ N_STREAMS, MAX_TOKENS, STALL_S = 4, 2500, 6
 def check(cond, what):
     if not cond:
         raise Fail(what)
+
+
+def shm_regions(ep):
+    """The decode-state regions in /dev/shm of ranks registering at `ep`
+    (their names carry its FNV-1a hash: daemons/rank/rank_kv.c kv_open)."""
+    h = 2166136261
+    for c in ep.encode():
+        h = ((h ^ c) * 16777619) & 0xffffffff
+    prefix = "dsv4kv-%08x-" % h
+    try:
+        return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
 
 
 def run(build, tmp, ctx):
@@ -133,6 +146,14 @@ def run(build, tmp, ctx):
         check(procs[1].poll() is None, "the decode rank exited (status %s)" % procs[1].poll())
         check("SIGHUP ignored" in open(os.path.join(tmp, "decode.log")).read(),
               "no log of the ignored SIGHUP")
+        # the exports freed as the scheduler frees them (KV_RELEASE), so no
+        # /dev/shm region is left behind (other tests count them)
+        for req in range(1, N_STREAMS + 1):
+            send(ids["prefill"], KV_RELEASE, {"req": req})
+        end = time.time() + 10
+        while time.time() < end and shm_regions(ep):
+            recv(0.1)
+        check(not shm_regions(ep), "regions left: %s" % shm_regions(ep))
         print("%d streams of %d tokens across a %d s stall: every TOKENS and DECODE_DONE "
               "arrived" % (N_STREAMS, MAX_TOKENS, STALL_S))
     finally:
@@ -141,6 +162,8 @@ def run(build, tmp, ctx):
                 p.send_signal(signal.SIGKILL)
             p.wait()
         s.close(0)
+        for n in shm_regions(ep):     # (a failed run's, killed)
+            os.unlink(os.path.join("/dev/shm", n))
 
 
 if __name__ == "__main__":
