@@ -88,6 +88,8 @@ struct creq {
                              next() ends it with 504 */
     bool parked;          /* answered 302: waits for the next scheduler (its
                              CANCEL is not sent: next() ends it locally) */
+    bool resent;          /* resumed, and the next scheduler's OK not yet come:
+                             a refusal now is of the resend (504) */
 };
 
 struct dsv4_client {
@@ -243,6 +245,7 @@ resume_all(struct dsv4_client *c)
             continue;
         }
         r->parked = false;
+        r->resent = true;
         if (r->cancelled)
             send_cancel(c, r->g.id);
     }
@@ -799,6 +802,7 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
     switch (m->cmd) {
     case DSV4_CLI_OK:
         r->req = m->u.ok.req;
+        r->resent = false;      /* the resend taken: later errors are its own */
         if (m->u.ok.has_seed && !r->g.s.has_seed) {
             r->g.s.seed = m->u.ok.seed;     /* what a resume sends back */
             r->g.s.has_seed = true;
@@ -854,8 +858,7 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
         ev->code = m->u.error.code;
         ev->message = m->u.error.message;
         ev->tag = m->u.error.tag;
-        if (r != NULL && r->n_resumes > 0 && r->accepted &&
-            m->u.error.code < DSV4_STATUS_INTERNAL) {
+        if (r != NULL && r->resent && r->accepted && m->u.error.code < DSV4_STATUS_INTERNAL) {
             /* the next scheduler refused the resend (busy, draining, a
              * bound of its own): the caller had output already and cannot
              * submit it again as it was, so it cannot go on: 504 */

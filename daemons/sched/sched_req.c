@@ -588,6 +588,7 @@ req_rerun(struct sched *s, struct sched_req *r, uint16_t code, const char *why)
     req_kv_clear(r);
     r->dec_started = false;
     r->dec_self_end = false;
+    r->handoff_us = -1;     /* (a refused import's handoff is none) */
     TAILQ_REMOVE(&s->live, r, qentry);
     s->n_live--;
     queue_push(s, r, true);

@@ -821,6 +821,36 @@ test_parked(void **state)
     dsv4_client_close(c);
 }
 
+/* A request resumed on a restarted scheduler that then ends with an error
+ * of its own (its timeout: 408) gets that error, not the 504 of a refused
+ * resend (every later 4xx of a resumed request was one). */
+static void
+test_resumed_then_timeout(void **state)
+{
+    struct server *s = *state;
+    static const int32_t prompt[] = { 7, 8 };
+    struct dsv4_client *c = connect_ok(s);
+    struct dsv4_client_params p;
+    struct dsv4_client_event ev;
+    struct outcome o[1];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.stream = 0;                     /* nothing comes before its end */
+    p.max_tokens = 1000000;           /* an end the timeout comes first to */
+    p.timeout_ms = 2000;
+    assert_int_equal(dsv4_client_submit_tokens(c, prompt, 2, &p, &o[0].id), 0);
+    assert_int_equal(dsv4_client_next(c, &ev, WAIT_MS), 0);
+    assert_int_equal(ev.type, DSV4_CLIENT_EV_ACCEPTED);
+    o[0].accepted = true;
+    server_stop(s);
+    server_restart(s);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[0].code, DSV4_CLIENT_TIMEOUT);
+    dsv4_client_close(c);
+}
+
 int
 main(void)
 {
@@ -842,6 +872,8 @@ main(void)
         cmocka_unit_test_setup_teardown(test_resume_twice_sent, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_caller_pause, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_parked, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_resumed_then_timeout, server_start,
+            server_teardown),
     };
 
     if (getenv("TEST_FILTER") != NULL)

@@ -119,7 +119,7 @@ seed_arg(const char *s)
 
     errno = 0;
     v = strtoull(s, &end, 10);
-    if (errno != 0 || end == s || *end != '\0' || s[0] == '-') {
+    if (errno != 0 || end == s || *end != '\0' || s[0] < '0' || s[0] > '9') {
         fprintf(stderr, "dsv4-generate: bad seed: %s\n", s);
         exit(2);
     }

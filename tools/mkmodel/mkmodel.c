@@ -627,20 +627,22 @@ main(int argc, char **argv)
     if (optind != argc || (preset == NULL) == (config == NULL) || (out == NULL) == !inventory)
         usage(2);
 
-    /* (an unknown preset or a bad --set is a bad option value: 2) */
+    /* an unknown preset or a bad --set is a bad option value (2); a
+     * config.json that does not load, or a model that cannot be built, 1 */
     e = preset != NULL ? dsv4_config_preset(&cfg, preset) : DSV4_OK;
-    if (e == DSV4_OK && n_sets > 0 && preset != NULL)
-        e = dsv4_config_override(&cfg, n_sets, sets);
     if (e != DSV4_OK) {
         fprintf(stderr, "dsv4-mkmodel: %s\n", dsv4_errmsg());
         return 2;
     }
-    if (preset == NULL)
-        e = dsv4_config_load(&cfg, config);
-    if (e == DSV4_OK && n_sets > 0 && preset == NULL)
-        e = dsv4_config_override(&cfg, n_sets, sets);
-    if (e == DSV4_OK)
-        e = dsv4_inventory_build(&inv, &cfg);
+    if (preset == NULL && dsv4_config_load(&cfg, config) != DSV4_OK) {
+        fprintf(stderr, "dsv4-mkmodel: %s\n", dsv4_errmsg());
+        return 1;
+    }
+    if (n_sets > 0 && dsv4_config_override(&cfg, n_sets, sets) != DSV4_OK) {
+        fprintf(stderr, "dsv4-mkmodel: %s\n", dsv4_errmsg());
+        return 2;
+    }
+    e = dsv4_inventory_build(&inv, &cfg);
     if (e != DSV4_OK) {
         fprintf(stderr, "dsv4-mkmodel: %s\n", dsv4_errmsg());
         return 1;
