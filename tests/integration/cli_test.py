@@ -502,7 +502,7 @@ def main():
                                            "tiny_tokenizer.json"))
         conf = os.path.join(tmp, "gw.conf")
         with open(conf, "w") as f:
-            f.write("tokenizer = %s\ngateway_listen = 127.0.0.1:0\n" % tok)
+            f.write("tokenizer = %s\ngateway_listen = 127.0.0.1:8123\n" % tok)
         svc = svc_test.Service()
         # The daemons' -n: a file of this test's own (a bare -n reads
         # /etc/dsv4/dsv4.conf when it exists), its sockets in tmp.
