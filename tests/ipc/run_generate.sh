@@ -18,7 +18,8 @@ check ids "[5][6][7]" "$("$gen" -e "$ep" --ids --stop-id 7 '5,6 7 8')"
 check stdin "hi hi" "$(printf 'hi ' | "$gen" -e "$ep" -n 5)"
 check usage "finish=length prompt_tokens=2 completion_tokens=3" \
     "$("$gen" -e "$ep" -n 3 --usage xy 2>&1 >/dev/null)"
-"$gen" -e "$ep" -t 11 x >/dev/null 2>&1; check bad-temperature 1 $?
+# (checked here: a bad option value, 2, not the server's 401 and 1)
+"$gen" -e "$ep" -t 11 x >/dev/null 2>&1; check bad-temperature 2 $?
 "$gen" -e "$ep" __busy__ >/dev/null 2>&1; check busy 1 $?
 "$gen" -e "$ep" -n 0 x >/dev/null 2>&1; check usage-error 2 $?
 "$gen" -e "ipc://$dir/nobody.sock" --connect-timeout 100 x >/dev/null 2>&1; check unreachable 1 $?

@@ -83,11 +83,12 @@ test_inventory_overrides(void **state)
                                            "--inventory"), 0);
     assert_string_equal(out, want);
 
-    /* errors: bad field names it, bad usage is status 2 */
+    /* errors: a bad --set names its field; it, an unknown preset and bad
+     * usage are bad option values, status 2 (docs/operations.md) */
     assert_int_equal(run(out, sizeof(out), "--preset tiny --set num_key_value_heads=2 "
-                                           "--inventory"), 1);
+                                           "--inventory"), 2);
     assert_non_null(strstr(out, "num_key_value_heads"));
-    assert_int_equal(run(out, sizeof(out), "--preset nosuch --inventory"), 1);
+    assert_int_equal(run(out, sizeof(out), "--preset nosuch --inventory"), 2);
     assert_non_null(strstr(out, "nosuch"));
     assert_int_equal(run(out, sizeof(out), "--preset tiny"), 2);
     assert_int_equal(run(out, sizeof(out), "--preset tiny --config x.json --inventory"), 2);
