@@ -7,7 +7,7 @@ tiny model) driven by this script playing the scheduler (docs/protocol.md
 A PREFILL whose values the rank refuses (temperature NaN) is answered with
 ERROR for its req (it was only logged, and the request hung).
 
-Four streams of 2,500 tokens are handed to the decode rank, then the script
+Four streams of 1,500 tokens are handed to the decode rank, then the script
 reads nothing for 6 s (liveness 20 x 1 s, so the link stays up) while the
 rank steps on.  Once it reads again, every stream's TOKENS must add up to
 its DECODE_DONE's n_tokens and to max_tokens, and every DECODE_DONE must
@@ -35,7 +35,11 @@ from rank_epoch import Fail, script_main   # noqa: E402 (after the skip)
 RANK = b"DSV4R1"
 READY, WELCOME, HEARTBEAT, PREFILL, PREFILL_DONE, DECODE, KV_RELEASE = 1, 2, 3, 5, 6, 7, 8
 TOKENS, DECODE_DONE, ERROR = 9, 10, 15
-N_STREAMS, MAX_TOKENS, STALL_S = 4, 2500, 6
+# (1,500 steps: more than ZeroMQ's default queue of 1,000 messages, done
+# within the stall by a plain build; a sanitizer build steps slower, and
+# then checks the counts only)
+N_STREAMS, MAX_TOKENS, STALL_S = 4, 1500, 6
+QUIET_S = 30         # after the stall: no message for this long is a failure
 
 
 def check(cond, what):
@@ -125,9 +129,10 @@ def run(build, tmp, ctx):
                                          "pos": 3, "max_tokens": MAX_TOKENS,
                                          "kv": pd[2]["kv"]}, pd[3])
         time.sleep(STALL_S)                 # the scheduler stalls
-        end = time.time() + 120
-        while len(done) < N_STREAMS and time.time() < end:
-            recv(1)
+        last = time.time()
+        while len(done) < N_STREAMS and time.time() - last < QUIET_S:
+            if recv(1) is not None:
+                last = time.time()
         with open(os.path.join(tmp, "decode.log")) as f:
             busy = f.read().count("TOKENS: busy")
         check(len(done) == N_STREAMS, "DECODE_DONE of %s only (tokens %s; %d TOKENS sends "
