@@ -170,6 +170,14 @@ dsv4_tok_default_path(void)
     return (p != NULL && *p != '\0') ? p : DSV4_TOKENIZER_DEFAULT;
 }
 
+const char *
+dsv4_tok_conf_path(const char *key)
+{
+    if (strcmp(key, "none") == 0)
+        return NULL;
+    return strcmp(key, DSV4_TOKENIZER_DEFAULT) != 0 ? key : dsv4_tok_default_path();
+}
+
 /* --- table lookups ------------------------------------------------- */
 
 int32_t

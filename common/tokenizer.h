@@ -80,6 +80,13 @@ void dsv4_tok_text_free(struct dsv4_tok_text *t);
  * else DSV4_TOKENIZER_DEFAULT.  Static or environment storage. */
 const char *dsv4_tok_default_path(void);
 
+/* The file a daemon loads for its `tokenizer` key: NULL for "none" (no
+ * tokenizer), the key when it names another file than
+ * DSV4_TOKENIZER_DEFAULT, else dsv4_tok_default_path() (so that
+ * $DSV4_TOKENIZER serves every daemon left at the default alike).  The
+ * scheduler's and the gateway's choice. */
+const char *dsv4_tok_conf_path(const char *key);
+
 /*
  * Load tokenizer.json from `path` (NULL = dsv4_tok_default_path()).  On
  * success *out is a new handle (free with dsv4_tok_free).  A missing or

@@ -671,6 +671,20 @@ dsv4_client_errmsg(const struct dsv4_client *c)
     return c == NULL ? connect_errmsg : c->errmsg;
 }
 
+/* *ev (its tag set by the caller): DONE cancelled for `r`, a cancelled
+ * request that no scheduler holds any more, with the tokens it got; `r` is
+ * forgotten. */
+static void
+done_cancelled(struct dsv4_client *c, struct creq *r, struct dsv4_client_event *ev)
+{
+    ev->type = DSV4_CLIENT_EV_DONE;
+    ev->id = r->id;
+    ev->req = r->req;
+    ev->finish = DSV4_CLIENT_FINISH_CANCELLED;
+    ev->completion_tokens = r->n_got;
+    req_remove(c, r);
+}
+
 /* A final ERROR made here: the request's deadline passed, or the server is
  * lost.  Returns true with *ev filled when one is due. */
 static bool
@@ -689,16 +703,11 @@ local_event(struct dsv4_client *c, int64_t now, struct dsv4_client_event *ev)
         if (r->parked && r->cancelled && !lost) {
             /* cancelled while no scheduler holds it: ended here */
             memset(ev, 0, sizeof(*ev));
-            ev->type = DSV4_CLIENT_EV_DONE;
-            ev->id = r->id;
-            ev->req = r->req;
-            ev->finish = DSV4_CLIENT_FINISH_CANCELLED;
-            ev->completion_tokens = r->n_got;
             if (r->tag != NULL) {
                 snprintf(c->ev_tag, sizeof(c->ev_tag), "%s", r->tag);
                 ev->tag = c->ev_tag;
             }
-            req_remove(c, r);
+            done_cancelled(c, r, ev);
             return true;
         }
         if (!lost && !r->orphan && !timed_out)
@@ -845,12 +854,8 @@ to_event(struct dsv4_client *c, struct dsv4_client_event *ev)
         }
         if (r != NULL && r->cancelled && m->u.error.code == DSV4_STATUS_NOT_FOUND) {
             /* the CANCEL crossed a 302: the scheduler had let it go */
-            ev->type = DSV4_CLIENT_EV_DONE;
-            ev->req = r->req;
-            ev->finish = DSV4_CLIENT_FINISH_CANCELLED;
-            ev->completion_tokens = r->n_got;
             ev->tag = m->u.error.tag;
-            req_remove(c, r);
+            done_cancelled(c, r, ev);
             return true;
         }
         ev->type = DSV4_CLIENT_EV_ERROR;

@@ -297,7 +297,7 @@ main(int argc, char **argv)
         { "version", no_argument, NULL, DSV4_CLI_OPT_VERSION },
         { NULL, 0, NULL, 0 },
     };
-    const char *conf_path = NULL, *listen = NULL;
+    const char *conf_path = NULL, *listen = NULL, *tok_path;
     bool check = false;
     int ch, verbose = 0, sigfd, n_fds, listen_fd = -1;
     char *overrides[64];
@@ -346,19 +346,18 @@ main(int argc, char **argv)
         gw_keys_read(g.conf.gateway_keys, g.keys, &g.n_keys) != 0)
         fatalx_conf("cannot use the keys file %s", g.conf.gateway_keys);
     sdnotify_status("loading the tokenizer");
-    /* the file as the scheduler picks it (sched_tokenizer_path): the key
-     * at its default defers to $DSV4_TOKENIZER, so the two read one file */
-    if (strcmp(g.conf.tokenizer, "none") == 0)
+    /* the file as the scheduler picks it: the key at its default defers to
+     * $DSV4_TOKENIZER, so the two read one file */
+    if ((tok_path = dsv4_tok_conf_path(g.conf.tokenizer)) == NULL)
         fatalx_conf("tokenizer = none: the gateway needs a tokenizer (the text of every "
             "route is tokenized here)");
-    if (strcmp(g.conf.tokenizer, DSV4_TOKENIZER_DEFAULT) == 0)
-        snprintf(g.conf.tokenizer, sizeof(g.conf.tokenizer), "%s", dsv4_tok_default_path());
-    if (dsv4_tok_load(&g.tok, g.conf.tokenizer, DSV4_TOK_HF) != DSV4_OK)
+    if (dsv4_tok_load(&g.tok, tok_path, DSV4_TOK_HF) != DSV4_OK)
         fatalx_conf("tokenizer: %s", dsv4_errmsg());
     /* (else every chat request would fail, each blamed on its client) */
     if (dsv4_chat_markers_check(g.tok) != DSV4_OK)
-        fatalx_conf("tokenizer %s: %s", g.conf.tokenizer, dsv4_errmsg());
+        fatalx_conf("tokenizer %s: %s", tok_path, dsv4_errmsg());
     g.eos = dsv4_tok_eos(g.tok);
+    g.think_id = dsv4_chat_think_id(g.tok);
     /* The scheduler's endpoints as the gateway connects to them (form and
      * CURVE key: dsv4_zsock_check; nothing is connected), at every start as
      * well as under -n: a start that would fail every request exits 6 and is
@@ -370,7 +369,7 @@ main(int argc, char **argv)
          * a running gateway may hold it) */
         listen_check_or_die(g.conf.gateway_listen);
         printf("configuration OK (%s); %d bearer key(s); tokenizer %s; listen %s\n",
-            conf_path != NULL ? conf_path : "defaults", g.n_keys, g.conf.tokenizer,
+            conf_path != NULL ? conf_path : "defaults", g.n_keys, tok_path,
             g.conf.gateway_listen);
         dsv4_tok_free(g.tok);
         return 0;

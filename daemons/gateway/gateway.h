@@ -119,6 +119,8 @@ struct gw {
     struct dsv4_tok *tok;        /* chat rendering, token pieces; encode under toklock */
     pthread_mutex_t toklock;
     int32_t eos;                 /* <｜end▁of▁sentence｜>, a stop id of every request */
+    int32_t think_id;            /* <think>: a chat prompt ending with it asks for
+                                    reasoning first (thinking mode) */
     /* bearer tokens, guarded by klock (SIGHUP replaces them while
      * connection threads check them) */
     pthread_mutex_t klock;

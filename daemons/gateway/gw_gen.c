@@ -851,7 +851,7 @@ gw_submit(struct gw_gen *q, struct gw_req *a, struct gw_bad *b)
         /* reasoning comes first only where the prompt opens it (a
          * conversation that ends with an assistant or system turn does not) */
         q->in_reasoning = q->thinking && q->prompt_ids.len > 0 &&
-            q->prompt_ids.v[q->prompt_ids.len - 1] == dsv4_chat_think_id(q->g->tok);
+            q->prompt_ids.v[q->prompt_ids.len - 1] == q->g->think_id;
     }
     dsv4_client_opts_init(&co);
     if (strncmp(q->g->conf.client_endpoint, "tcp://", 6) == 0) {

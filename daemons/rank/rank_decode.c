@@ -319,8 +319,8 @@ stats_post(struct rank *k, int64_t t1)
     out_us = k->st_gaps > 0 ? (double)k->st_host_us / (double)k->st_gaps : 0.0;
     sdnotify_status("%s %s (%d slots); %" PRIu64 " steps (%" PRIu64 " stream-steps) "
                     "in %.2f s, forward %.2f ms a step, %.0f us a step outside it",
-                    status_doing(k), k->name, k->o.slots, k->st_steps, k->st_rows, (double)(t1 - k->st_win_us) / 1e6,
-                    fwd_ms, out_us);
+                    status_doing(k), k->name, k->o.slots, k->st_steps, k->st_rows,
+                    (double)(t1 - k->st_win_us) / 1e6, fwd_ms, out_us);
     log_debug("decode_stats: %" PRIu64 " steps, %" PRIu64 " stream-steps, forward %.3f ms, "
               "outside %.1f us a step", k->st_steps, k->st_rows, fwd_ms, out_us);
     k->st_win_us = 0;
@@ -463,7 +463,8 @@ spec_status(struct rank *k, bool force)
         return;
     k->spec_status_ms = now;
     sdnotify_status("%s %s (%d slots); mtp drafts %" PRIu64 " accepted %" PRIu64
-                    " (%.1f%%)", status_doing(k), k->name, k->o.slots, k->spec_drafts, k->spec_accepted,
+                    " (%.1f%%)", status_doing(k), k->name, k->o.slots, k->spec_drafts,
+                    k->spec_accepted,
                     k->spec_drafts > 0 ? 100.0 * (double)k->spec_accepted /
                     (double)k->spec_drafts : 0.0);
 }

@@ -158,7 +158,7 @@ sched_init(struct sched *s)
     s->next_req = ((uint64_t)time(NULL) << 20) | 1;
     s->eos = -1;
 
-    if ((tp = sched_tokenizer_path(&s->cfg)) != NULL) {
+    if ((tp = dsv4_tok_conf_path(s->cfg.file.tokenizer)) != NULL) {
         sdnotify_status("loading tokenizer %s", tp);
         if (dsv4_tok_load(&s->tok, tp, DSV4_TOK_HF) != DSV4_OK) {
             if (s->cfg.tokenizer_required)

@@ -330,9 +330,6 @@ struct sched {
 int sched_config_load(struct sched_config *c, const char *path, int n_over,
     char *const *over);
 
-/* The tokenizer file to load: NULL for tokenizer = none; the configured path
- * when one is given (tokenizer_required); else dsv4_tok_default_path(). */
-const char *sched_tokenizer_path(const struct sched_config *c);
 
 /* -n: what the start would refuse, found without binding: each endpoint's
  * form, directory and CURVE key (dsv4_zsock_check), and the tokenizer (a

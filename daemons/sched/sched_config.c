@@ -38,14 +38,6 @@ sched_config_load(struct sched_config *c, const char *path, int n_over, char *co
     return 0;
 }
 
-const char *
-sched_tokenizer_path(const struct sched_config *c)
-{
-    if (strcmp(c->file.tokenizer, "none") == 0)
-        return NULL;
-    return c->tokenizer_required ? c->file.tokenizer : dsv4_tok_default_path();
-}
-
 int
 sched_config_check(const struct sched_config *c)
 {
@@ -54,7 +46,7 @@ sched_config_check(const struct sched_config *c)
                           c->file.admin_endpoint };
     struct dsv4_zsock_cfg zc;
     struct dsv4_tok *tok;
-    const char *tp = sched_tokenizer_path(c);
+    const char *tp = dsv4_tok_conf_path(c->file.tokenizer);
 
     for (int i = 0; i < 3; i++) {
         dsv4_zsock_cfg_init(&zc);

@@ -13,8 +13,9 @@
  * "__count__" gets ERROR 501 with the message "live N", N the requests
  * running; "__noseed__" gets an OK without a seed (an older scheduler's),
  * every other OK says seed 4242; "__restart__" gets OK, the token '_' and
- * ERROR 302 (a scheduler that stops), and its resend ERROR 300; a GENERATE with `resume` (docs/protocol.md §4.6) goes on after
- * the resumed tokens when they, their text's length and the seed are this
+ * ERROR 302 (a scheduler that stops), and its resend ERROR 300; a
+ * GENERATE with `resume` (docs/protocol.md §4.6) goes on after the
+ * resumed tokens when they, their text's length and the seed are this
  * request's (ERROR 401 otherwise).
  */
 #ifndef DSV4_TESTS_IPC_FAKE_SCHED_H

@@ -672,6 +672,25 @@ read_tokens(struct dsv4_client *c, struct outcome *o, size_t n_o, size_t w, size
     }
 }
 
+/* Text request `prompt` gets `n` tokens, the scheduler restarts, and the
+ * request, which cannot go on, ends with 504; none is left in flight. */
+static void
+restart_ends_unreachable(struct server *s, struct dsv4_client *c, const char *prompt,
+    const struct dsv4_client_params *p, size_t n)
+{
+    struct outcome o[1];
+
+    memset(o, 0, sizeof(o));
+    assert_int_equal(dsv4_client_submit_text(c, prompt, p, &o[0].id), 0);
+    read_tokens(c, o, 1, 0, n);
+    server_stop(s);
+    server_restart(s);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
+    assert_int_equal(o[0].code, DSV4_CLIENT_UNREACHABLE);
+    assert_int_equal(dsv4_client_pending(c), 0);
+}
+
 /* Restarts: a request cancelled while the scheduler is away is cancelled
  * on the new one; a request whose OK named no seed and which had tokens
  * cannot be resumed and ends with 504 instead of waiting forever. */
@@ -695,16 +714,7 @@ test_resume_cancel_noseed(void **state)
     collect(c, o, 1);
     assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
     assert_int_equal(o[0].finish, DSV4_CLIENT_FINISH_CANCELLED);
-
-    memset(o, 0, sizeof(o));
-    assert_int_equal(dsv4_client_submit_text(c, "__noseed__", &p, &o[0].id), 0);
-    read_tokens(c, o, 1, 0, 5);
-    server_stop(s);
-    server_restart(s);
-    collect(c, o, 1);
-    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
-    assert_int_equal(o[0].code, DSV4_CLIENT_UNREACHABLE);
-    assert_int_equal(dsv4_client_pending(c), 0);
+    restart_ends_unreachable(s, c, "__noseed__", &p, 5);
     dsv4_client_close(c);
 }
 
@@ -808,16 +818,7 @@ test_parked(void **state)
         assert_int_equal(o[0].finish, DSV4_CLIENT_FINISH_CANCELLED);
         assert_int_equal(o[0].completion_tokens, 1);
     }
-
-    memset(o, 0, sizeof(o));
-    assert_int_equal(dsv4_client_submit_text(c, "__restart__", &p, &o[0].id), 0);
-    read_tokens(c, o, 1, 0, 1);
-    server_stop(s);
-    server_restart(s);
-    collect(c, o, 1);
-    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_ERROR);
-    assert_int_equal(o[0].code, DSV4_CLIENT_UNREACHABLE);
-    assert_int_equal(dsv4_client_pending(c), 0);
+    restart_ends_unreachable(s, c, "__restart__", &p, 1);
     dsv4_client_close(c);
 }
 
