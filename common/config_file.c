@@ -113,11 +113,11 @@ dsv4_conf_defaults(struct dsv4_conf *cfg)
 {
     memset(cfg, 0, sizeof(*cfg));
     snprintf(cfg->client_endpoint, sizeof(cfg->client_endpoint), "%s",
-        "ipc:///run/dsv4/client.sock");
+        "ipc://" DSV4_RUN_DIR "/client.sock");
     snprintf(cfg->rank_endpoint, sizeof(cfg->rank_endpoint), "%s",
-        "ipc:///run/dsv4/rank.sock");
+        "ipc://" DSV4_RUN_DIR "/rank.sock");
     snprintf(cfg->admin_endpoint, sizeof(cfg->admin_endpoint), "%s",
-        "ipc:///run/dsv4/ctl.sock");
+        "ipc://" DSV4_RUN_DIR "/ctl.sock");
     cfg->admin_mode = 0660;
     snprintf(cfg->key_dir, sizeof(cfg->key_dir), "%s", "/etc/dsv4");
     cfg->max_batch = 16;

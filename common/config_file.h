@@ -41,6 +41,10 @@ enum dsv4_conf_role {
     DSV4_CONF_ROLE_DECODE,
 };
 
+/* The directory of the default endpoints: the units' RuntimeDirectory=,
+ * made by systemd (and by dsv4-launch) when the service starts. */
+#define DSV4_RUN_DIR "/run/dsv4"
+
 /* All settings.  Defaults in brackets (dsv4_conf_defaults). */
 struct dsv4_conf {
     /* --- endpoints (scheduler binds, ranks/clients connect) --- */

@@ -105,6 +105,29 @@ fd_endpoint(int fd, char *buf, size_t len)
     return 0;
 }
 
+/*
+ * Whether an adopted socket's endpoint `fdep` is the configured `ep`: the
+ * same path for ipc://, the same port for tcp:// (the host may be spelt
+ * otherwise: '*', a name, an interface).  Clients and ranks find the
+ * scheduler by the configured endpoint, so a socket unit that listens
+ * elsewhere leaves them knocking at a door nobody opens.
+ */
+static bool
+endpoint_matches(const char *ep, const char *fdep)
+{
+    const char *a, *b;
+
+    if (*ep == '@' || *ep == '>')
+        ep++;
+    if (strncmp(ep, "ipc://", 6) == 0 || strncmp(fdep, "ipc://", 6) == 0)
+        return strcmp(ep, fdep) == 0;
+    if (strncmp(ep, "tcp://", 6) != 0 || strncmp(fdep, "tcp://", 6) != 0)
+        return false;
+    a = strrchr(ep, ':');
+    b = strrchr(fdep, ':');
+    return a != NULL && b != NULL && (strcmp(a, ":*") == 0 || strcmp(a, b) == 0);
+}
+
 /* Open one ROUTER: on the adopted fd when there is one, else bind `ep`. */
 static void *
 open_router(struct sched *s, const char *what, const char *ep, int fd, unsigned mode, int hwm)
@@ -123,6 +146,11 @@ open_router(struct sched *s, const char *what, const char *ep, int fd, unsigned 
     if (fd >= 0) {
         if (fd_endpoint(fd, fdep, sizeof(fdep)) != 0)
             fatalx_conf("%s: passed fd %d is not a unix or TCP socket", what, fd);
+        if (!endpoint_matches(ep, fdep))
+            log_warnx("%s socket: the service manager passed %s, the configuration names "
+                "%s: whoever connects by the configuration will not reach this scheduler "
+                "(make the socket unit's ListenStream= and %s_endpoint agree)",
+                what, fdep, ep, what);
         zc.endpoint = fdep;
         zc.fd = fd;
         zc.mode = 0; /* the socket unit set the mode */

@@ -4,8 +4,10 @@
  * win) and the -o overrides of the command line, and -n's check of it.
  * At the start, and again for a reload (sched_reload.c).
  */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/log.h"
@@ -38,6 +40,24 @@ sched_config_load(struct sched_config *c, const char *path, int n_over, char *co
     return 0;
 }
 
+/*
+ * Whether a bound ipc:// endpoint lies in DSV4_RUN_DIR while that directory
+ * does not exist: the units' RuntimeDirectory= and dsv4-launch make it at
+ * the start (a host where the service has not run since the boot), so -n
+ * notes it instead of failing.  Any other missing directory is an error.
+ */
+static bool
+in_run_dir_to_make(const char *ep)
+{
+    size_t n = strlen("ipc://" DSV4_RUN_DIR "/");
+    struct stat st;
+
+    if (*ep == '@')
+        ep++;
+    return strncmp(ep, "ipc://" DSV4_RUN_DIR "/", n) == 0 && strchr(ep + n, '/') == NULL &&
+        stat(DSV4_RUN_DIR, &st) != 0 && errno == ENOENT;
+}
+
 int
 sched_config_check(const struct sched_config *c)
 {
@@ -49,6 +69,11 @@ sched_config_check(const struct sched_config *c)
     const char *tp = dsv4_tok_conf_path(c->file.tokenizer);
 
     for (int i = 0; i < 3; i++) {
+        if (in_run_dir_to_make(eps[i])) {
+            printf("%s socket %s (no directory " DSV4_RUN_DIR " now: the units' "
+                "RuntimeDirectory= or dsv4-launch make it at the start)\n", what[i], eps[i]);
+            continue;
+        }
         dsv4_zsock_cfg_init(&zc);
         zc.bind = true;
         zc.endpoint = eps[i];

@@ -1806,6 +1806,28 @@ def sc_socket_activate():
         err.close()
         check(rc == 6 and "named 'ctlx'" in readf(os.path.join(d, "err2")),
               "a socket named ctlx: exit %d: %s" % (rc, readf(os.path.join(d, "err2"))[-300:]))
+        # A listener at another path than the configured endpoint (a socket
+        # unit's ListenStream= out of step with client_endpoint): served,
+        # with a warning naming both, since clients of the configuration
+        # would knock elsewhere.
+        other = os.path.join(d, "other.sock")
+        err = open(os.path.join(d, "err3"), "w")
+        p = subprocess.Popen([sa, "-l", other, "-l", ctl, "--fdname=client:admin",
+                              exe("daemons/sched/dsv4-sched"), "-f", conf], stderr=err)
+        c = ctx.socket(zmq.DEALER)
+        c.setsockopt(zmq.LINGER, 0)
+        wait_for(lambda: os.path.exists(other), "listeners")
+        c.connect("ipc://" + other)
+        c.send_multipart([b"", b"DSV4C1", bytes([7]), msgpack.packb({})])
+        check(c.poll(WAIT_S * 1000), "no HEARTBEAT answer on a listener at another path")
+        c.close()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(WAIT_S)
+        err.close()
+        e3 = readf(os.path.join(d, "err3"))
+        check(rc == 0 and "passed ipc://%s, the configuration names ipc://%s" % (other, client)
+              in e3 and "admin socket: the service" not in e3,
+              "a listener at another path: exit %d: %s" % (rc, e3[-400:]))
     finally:
         if p is not None and p.poll() is None:
             p.kill()
