@@ -1020,6 +1020,23 @@ dsv4_config_write(const struct dsv4_config *cfg, const char *path)
     return DSV4_OK;
 }
 
+char *
+dsv4_config_text(const struct dsv4_config *cfg)
+{
+    json_object *root = config_to_json(cfg);
+    const char *s;
+    char *t = NULL;
+
+    if (root == NULL)
+        return NULL;
+    s = json_object_to_json_string_ext(root, JSON_C_TO_STRING_PLAIN |
+                                                 JSON_C_TO_STRING_NOSLASHESCAPE);
+    if (s != NULL)
+        t = strdup(s);
+    json_object_put(root);
+    return t;
+}
+
 /* --- overrides ------------------------------------------------------------ */
 
 /* The table's spelling of `key` (in section `sect`, given by name or NULL

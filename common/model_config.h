@@ -133,6 +133,12 @@ enum dsv4_err dsv4_config_override(struct dsv4_config *cfg, int n, const char *c
  * DSV4_ERR_SYS on I/O failure. */
 enum dsv4_err dsv4_config_write(const struct dsv4_config *cfg, const char *path);
 
+/* `cfg` as compact JSON of the HF form, every field in the table's order:
+ * one text for one configuration, whatever the spelling of the file it came
+ * from (the model fingerprint hashes it, weights_fp.h).  Allocated: the
+ * caller frees it; NULL when out of memory. */
+char *dsv4_config_text(const struct dsv4_config *cfg);
+
 /* Number of MTP layers (num_nextn_predict_layers). */
 static inline int dsv4_config_n_mtp(const struct dsv4_config *c)
 {

@@ -3,6 +3,7 @@
  */
 #include "common/weights_fp.h"
 
+#include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,15 +56,31 @@ routed_expert_not_0(const char *name)
     return e != NULL && strncmp(e + 9, "0.", 2) != 0;
 }
 
+/* h mixed with the configuration's text (with its NUL); false when out of
+ * memory. */
+static bool
+mix_config(uint64_t *h, const struct dsv4_config *cfg)
+{
+    char *text = dsv4_config_text(cfg);
+
+    if (text == NULL)
+        return false;
+    *h = mix(*h, text, strlen(text) + 1);
+    free(text);
+    return true;
+}
+
 enum dsv4_err
-dsv4_ckpt_fingerprint_of(const struct dsv4_ckpt *c, char *out)
+dsv4_ckpt_fingerprint_of(const struct dsv4_ckpt *c, const struct dsv4_config *cfg, char *out)
 {
     const struct dsv4_st_tensor **t;
     uint64_t h = FNV_OFFSET;
     int n;
 
-    if (c == NULL)
+    if (c == NULL || cfg == NULL)
         return dsv4_err_set(DSV4_ERR_INVAL, "fingerprint: no checkpoint");
+    if (!mix_config(&h, cfg))
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fingerprint: no memory");
     n = dsv4_ckpt_count(c);
     if ((t = malloc(sizeof(*t) * (size_t)(n > 0 ? n : 1))) == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "fingerprint: no memory");
@@ -86,32 +103,30 @@ dsv4_ckpt_fingerprint_of(const struct dsv4_ckpt *c, char *out)
 enum dsv4_err
 dsv4_ckpt_fingerprint(const char *dir, char *out)
 {
+    struct dsv4_config cfg;
     struct dsv4_ckpt *c;
+    char path[PATH_MAX];
     enum dsv4_err e;
 
+    if (snprintf(path, sizeof(path), "%s/config.json", dir) >= (int)sizeof(path))
+        return dsv4_err_set(DSV4_ERR_CONFIG, "%s: path too long", dir);
+    if ((e = dsv4_config_load(&cfg, path)) != DSV4_OK)
+        return e;
     if ((e = dsv4_ckpt_open(&c, dir)) != DSV4_OK)
         return e;
-    e = dsv4_ckpt_fingerprint_of(c, out);
+    e = dsv4_ckpt_fingerprint_of(c, &cfg, out);
     dsv4_ckpt_close(c);
     return e;
 }
 
-void
-dsv4_synthetic_fingerprint(const struct dsv4_config *c, uint64_t seed, char *out)
+enum dsv4_err
+dsv4_synthetic_fingerprint(const struct dsv4_config *cfg, uint64_t seed, char *out)
 {
     static const char mark[] = "synthetic";
-    const int64_t v[] = {
-        c->vocab_size, c->hidden_size, c->num_hidden_layers, c->num_attention_heads,
-        c->head_dim, c->qk_rope_head_dim, c->q_lora_rank, c->o_groups, c->o_lora_rank,
-        c->sliding_window, c->index_n_heads, c->index_head_dim, c->index_topk,
-        c->n_routed_experts, c->num_experts_per_tok, c->moe_intermediate_size,
-        c->num_hash_layers, c->hc_mult, c->num_nextn_predict_layers,
-    };
     uint64_t h = mix(FNV_OFFSET, mark, sizeof(mark));
 
-    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
-        h = mix_i64(h, v[i]);
-    for (int i = 0; i < c->n_compress_ratios && i < DSV4_MAX_LAYERS; i++)
-        h = mix_i64(h, c->compress_ratios[i]);
+    if (!mix_config(&h, cfg))
+        return dsv4_err_set(DSV4_ERR_NOMEM, "fingerprint: no memory");
     put(mix(h, &seed, sizeof(seed)), out);
+    return DSV4_OK;
 }

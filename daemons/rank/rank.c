@@ -1231,8 +1231,11 @@ rank_init_weights(struct rank *k, bool cuda)
         /* off the cuda backend: refused by rank_backend_fault */
         if (rank_synthetic_config(&k->o, &cfg) != DSV4_OK)
             fatalx_conf("rank_init: model config: %s", dsv4_errmsg());
-        dsv4_synthetic_fingerprint(&cfg, k->o.synth_seed, k->model_fp);
-        log_info("rank_init: model fingerprint %s (synthetic weights)", k->model_fp);
+        if (dsv4_synthetic_fingerprint(&cfg, k->o.synth_seed, k->model_fp) == DSV4_OK)
+            log_info("rank_init: model fingerprint %s (synthetic weights)", k->model_fp);
+        else
+            log_warnx("rank_init: no model fingerprint (not sent in READY): %s",
+                      dsv4_errmsg());
         snprintf(source, sizeof(source), "synthetic:%" PRIu64 "%s", k->o.synth_seed, keyed);
         rank_share_begin(k, &cfg, source, &arena);
         if (arena.kind == DSV4_CUDA_ARENA_IMPORT &&
@@ -1262,7 +1265,7 @@ rank_init_weights(struct rank *k, bool cuda)
     if (dsv4_weights_load(&k->w, k->o.conf.checkpoint) != DSV4_OK)
         fatalx_conf("rank_init: weights %s: %s", k->o.conf.checkpoint, dsv4_errmsg());
     k->w_loaded = true;
-    if (dsv4_ckpt_fingerprint_of(k->w.ckpt, k->model_fp) == DSV4_OK)
+    if (dsv4_ckpt_fingerprint_of(k->w.ckpt, &k->w.cfg, k->model_fp) == DSV4_OK)
         log_info("rank_init: model fingerprint %s", k->model_fp);
     else
         log_warnx("rank_init: no model fingerprint (not sent in READY): %s", dsv4_errmsg());

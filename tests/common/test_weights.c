@@ -492,17 +492,81 @@ test_fingerprint(void **state)
     assert_int_not_equal(dsv4_ckpt_fingerprint(tmpdir, fc), DSV4_OK);  /* no checkpoint */
     if (dsv4_weights_load(&w, good) != DSV4_OK)
         fail_msg("%s", dsv4_errmsg());
-    dsv4_synthetic_fingerprint(&w.cfg, 7, s7);
-    dsv4_synthetic_fingerprint(&w.cfg, 7, s7b);
-    dsv4_synthetic_fingerprint(&w.cfg, 8, s8);
+    assert_int_equal(dsv4_synthetic_fingerprint(&w.cfg, 7, s7), DSV4_OK);
+    assert_int_equal(dsv4_synthetic_fingerprint(&w.cfg, 7, s7b), DSV4_OK);
+    assert_int_equal(dsv4_synthetic_fingerprint(&w.cfg, 8, s8), DSV4_OK);
     assert_string_equal(s7, s7b);
     assert_string_not_equal(s7, s8);
     assert_string_not_equal(s7, fa);
-    assert_int_equal(dsv4_ckpt_fingerprint_of(w.ckpt, fb), DSV4_OK);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(w.ckpt, &w.cfg, fb), DSV4_OK);
     assert_string_equal(fa, fb);
     dsv4_weights_free(&w);
     assert_null(w.ckpt);
-    assert_int_equal(dsv4_ckpt_fingerprint_of(NULL, fb), DSV4_ERR_INVAL);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(NULL, &w.cfg, fb), DSV4_ERR_INVAL);
+}
+
+/* dir: the shards of `good` (links) with `good`'s config.json changed by
+ * `set` (dsv4_config_override's form). */
+static void
+same_shards_other_config(const char *dir, const char *set)
+{
+    struct dsv4_config cfg;
+    char src[900], dst[900];
+    struct dirent *de;
+    DIR *d;
+
+    assert_int_equal(mkdir(dir, 0755), 0);
+    assert_non_null(d = opendir(good));
+    while ((de = readdir(d)) != NULL) {
+        if (de->d_name[0] == '.' || strcmp(de->d_name, "config.json") == 0)
+            continue;
+        snprintf(src, sizeof(src), "%s/%s", good, de->d_name);
+        snprintf(dst, sizeof(dst), "%s/%s", dir, de->d_name);
+        assert_int_equal(symlink(src, dst), 0);
+    }
+    closedir(d);
+    snprintf(src, sizeof(src), "%s/config.json", good);
+    snprintf(dst, sizeof(dst), "%s/config.json", dir);
+    assert_int_equal(dsv4_config_load(&cfg, src), DSV4_OK);
+    if (set != NULL)
+        assert_int_equal(dsv4_config_override(&cfg, 1, &set), DSV4_OK);
+    assert_int_equal(dsv4_config_write(&cfg, dst), DSV4_OK);
+}
+
+/* The fingerprint is the model's, config.json included: the same shards
+ * under another rope_theta or sliding_window are another model (a prefill
+ * rank of one and a decode rank of the other streamed text of neither);
+ * the same configuration spelt otherwise (written again: other layout) is
+ * the same model; synthetic weights of another configuration differ. */
+static void
+test_fingerprint_config(void **state)
+{
+    struct dsv4_config a, b;
+    char fg[DSV4_FP_CHARS + 1], f[DSV4_FP_CHARS + 1], sa[DSV4_FP_CHARS + 1];
+    char sb[DSV4_FP_CHARS + 1], dir[700];
+    static const char *const sets[] = { "rope_theta=20000", "sliding_window=64",
+                                        "rope_scaling.factor=8" };
+    const char *set = sets[0];
+
+    (void)state;
+    assert_int_equal(dsv4_ckpt_fingerprint(good, fg), DSV4_OK);
+    snprintf(dir, sizeof(dir), "%s/respelt", tmpdir);
+    same_shards_other_config(dir, NULL);
+    assert_int_equal(dsv4_ckpt_fingerprint(dir, f), DSV4_OK);
+    assert_string_equal(f, fg);
+    for (size_t i = 0; i < sizeof(sets) / sizeof(sets[0]); i++) {
+        snprintf(dir, sizeof(dir), "%s/cfg%zu", tmpdir, i);
+        same_shards_other_config(dir, sets[i]);
+        assert_int_equal(dsv4_ckpt_fingerprint(dir, f), DSV4_OK);
+        if (strcmp(f, fg) == 0)
+            fail_msg("%s: the fingerprint of the unchanged config.json", sets[i]);
+    }
+    assert_int_equal(dsv4_config_preset(&a, "tiny"), DSV4_OK);
+    b = a;
+    assert_int_equal(dsv4_config_override(&b, 1, &set), DSV4_OK);
+    assert_int_equal(dsv4_synthetic_fingerprint(&a, 7, sa), DSV4_OK);
+    assert_int_equal(dsv4_synthetic_fingerprint(&b, 7, sb), DSV4_OK);
+    assert_string_not_equal(sa, sb);
 }
 
 /* Weights loaded from a directory that is then replaced by another
@@ -532,14 +596,14 @@ test_fingerprint_replaced(void **state)
     assert_non_null(w.ckpt);
     assert_int_equal(rename(live, old), 0);
     assert_int_equal(rename(next, live), 0);
-    assert_int_equal(dsv4_ckpt_fingerprint_of(w.ckpt, fw), DSV4_OK);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(w.ckpt, &w.cfg, fw), DSV4_OK);
     assert_int_equal(dsv4_ckpt_fingerprint(live, fd), DSV4_OK);
     assert_string_equal(fw, f7);
     assert_string_equal(fd, f8);
     /* a group's shard view keeps its source's checkpoint */
     assert_int_equal(dsv4_weights_shard(&v, &w, 1, 2, DSV4_GROUP_SPLIT_EP), DSV4_OK);
     assert_ptr_equal(v.ckpt, w.ckpt);
-    assert_int_equal(dsv4_ckpt_fingerprint_of(v.ckpt, fv), DSV4_OK);
+    assert_int_equal(dsv4_ckpt_fingerprint_of(v.ckpt, &w.cfg, fv), DSV4_OK);
     assert_string_equal(fv, f7);
     dsv4_weights_shard_free(&v);
     dsv4_weights_free(&w);
@@ -801,6 +865,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_bad_config),
         cmocka_unit_test(test_fingerprint),
+        cmocka_unit_test(test_fingerprint_config),
         cmocka_unit_test(test_fingerprint_replaced),
     };
 
