@@ -341,6 +341,19 @@ static const struct int_min int_mins[] = {
     { "eos_token_id", OFF(eos_token_id), 0 },
 };
 
+/* Integer fields with an upper bound (at most `min`, here the maximum): far
+ * above the model's (window 128, top-k 512, 64 indexer heads, 20 Sinkhorn
+ * iterations, 129,280 ids), they keep what a rank allocates from them (a
+ * window ring and a top-k list a slot, a vocabulary's logits a row) from
+ * passing -n and failing the start as an allocation of no named field. */
+static const struct int_min int_maxs[] = {
+    { "vocab_size", OFF(vocab_size), 1 << 24 },
+    { "sliding_window", OFF(sliding_window), 8192 },
+    { "index_n_heads", OFF(index_n_heads), 1024 },
+    { "index_topk", OFF(index_topk), 8192 },
+    { "hc_sinkhorn_iters", OFF(hc_sinkhorn_iters), 1000 },
+};
+
 /* Positive finite double fields. */
 struct dbl_pos {
     const char *key;
@@ -429,6 +442,12 @@ validate_fields(const struct dsv4_config *c, const char *f)
         if (v < int_mins[i].min)
             return BAD(f, int_mins[i].key, "%d out of range (must be >= %d)", v,
                        int_mins[i].min);
+    }
+    for (size_t i = 0; i < sizeof(int_maxs) / sizeof(int_maxs[0]); i++) {
+        int32_t v = cfg_i32(c, int_maxs[i].off);
+        if (v > int_maxs[i].min)
+            return BAD(f, int_maxs[i].key, "%d out of range (at most %d)", v,
+                       int_maxs[i].min);
     }
     for (size_t i = 0; i < sizeof(dbl_pos) / sizeof(dbl_pos[0]); i++) {
         double v = cfg_f64(c, dbl_pos[i].off);

@@ -888,6 +888,21 @@ rank_split_resolve(const struct rank_opts *o, int fast, enum dsv4_group_split *s
     return dsv4_group_split_resolve(v, fast, split);
 }
 
+/* Whether `max_seq` is past the model's context (config.json's
+ * max_position_embeddings: the positions its RoPE and compressors were made
+ * for), with the message set: a rank serves no longer context than its
+ * model, at -n and at the start alike. */
+static bool
+rank_ctx_fault(const struct rank_opts *o, const struct dsv4_config *cfg)
+{
+    if ((int64_t)o->conf.max_seq <= cfg->max_position_embeddings)
+        return false;
+    dsv4_err_set(DSV4_ERR_CONFIG, "max_seq %d is past the model's context "
+                 "(max_position_embeddings %lld in its config.json)", (int)o->conf.max_seq,
+                 (long long)cfg->max_position_embeddings);
+    return true;
+}
+
 /* -n: the group's split as the start resolves it (rank_group_split) without
  * a backend: with the cuda backend the fast kernels are on when
  * DSV4_CUDA_KERNELS is fast or, unset, cuda_kernels is (rank_init_model);
@@ -902,6 +917,11 @@ rank_check_group(const struct rank_opts *o, const struct dsv4_config *cfg)
     const char *kern = getenv("DSV4_CUDA_KERNELS");
     enum dsv4_group_split split;
     int fast;
+
+    if (rank_ctx_fault(o, cfg)) {
+        fprintf(stderr, "dsv4-%s: %s\n", role, dsv4_errmsg());
+        exit(DSV4_EXIT_CONFIG);
+    }
 
     fast = strcmp(o->conf.backend, "cuda") == 0 &&
            strcmp(kern != NULL ? kern : o->conf.cuda_kernels, "fast") == 0;
@@ -1453,6 +1473,8 @@ rank_init_model(struct rank *k)
         mo.moe_local = atoi(env) != 0;
     k->moe_local = mo.moe_local != 0;
     mo.n_slots = k->o.slots;
+    if (rank_ctx_fault(&k->o, &w->cfg))
+        fatalx_conf("rank_init: %s", dsv4_errmsg());
     mo.max_seq_len = k->o.conf.max_seq;
     /* speculative decoding: verify steps feed 1 + DSV4_SPEC_MAX_DRAFT rows
      * per stream (kernels/forward.h) */

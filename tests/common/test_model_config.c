@@ -308,6 +308,13 @@ static const struct bad_case bad_cases[] = {
     { "n_routed_experts", "4", "num_experts_per_tok", "exceeds n_routed_experts 4" },
     /* the routers' and the kernels' bounds; RoPE bases of 1 or less */
     { "num_experts_per_tok", "65", "num_experts_per_tok", "at most 64" },
+    /* sizes a rank allocates from: past a cap, named here, not at the
+     * start's allocation */
+    { "sliding_window", "2147483647", "sliding_window", "at most 8192" },
+    { "index_topk", "2147483647", "index_topk", "at most 8192" },
+    { "index_n_heads", "100000", "index_n_heads", "at most 1024" },
+    { "hc_sinkhorn_iters", "1000000", "hc_sinkhorn_iters", "at most 1000" },
+    { "vocab_size", "100000000", "vocab_size", "at most 16777216" },
     { "n_routed_experts", "4097", "n_routed_experts", "at most 4096" },
     { "rope_theta", "1", "rope_theta", "must be > 1" },
     { "compress_rope_theta", "0.5", "compress_rope_theta", "must be > 1" },

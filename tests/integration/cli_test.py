@@ -21,6 +21,7 @@
    once it is ready.
 """
 import argparse
+import json
 import os
 import re
 import shutil
@@ -149,15 +150,37 @@ def sweep(name, path, case):
          ", ".join("%d: %d" % kv for kv in sorted(codes.items()))))
 
 
-def fifo_checkpoints(conf, tmp):
-    """Copies of the configuration's checkpoint (links to its files) with a
-    FIFO in place of a shard, of the index, of config.json: [(dir, fifo)]."""
-    src = None
+def conf_checkpoint(conf):
+    """The `checkpoint` of configuration file `conf`."""
     with open(conf) as f:
         for line in f:
             k, _, v = line.partition("=")
             if k.strip() == "checkpoint":
-                src = v.strip()
+                return v.strip()
+    return None
+
+
+def short_context_checkpoint(conf, tmp):
+    """A copy of the configuration's checkpoint (links to its shards) whose
+    config.json says max_position_embeddings = 64."""
+    src = conf_checkpoint(conf)
+    d = os.path.join(tmp, "ctx64")
+    os.mkdir(d)
+    for n in os.listdir(src):
+        if n != "config.json":
+            os.symlink(os.path.join(src, n), os.path.join(d, n))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 64
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def fifo_checkpoints(conf, tmp):
+    """Copies of the configuration's checkpoint (links to its files) with a
+    FIFO in place of a shard, of the index, of config.json: [(dir, fifo)]."""
+    src = conf_checkpoint(conf)
     names = sorted(os.listdir(src))
     shard = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")][0]
     out = []
@@ -210,6 +233,15 @@ def checks(paths, conf, tmp):
         ([dec, "-n", "-f", conf, "-o", "group_size=2"], 0,
          r"group of 2, split ep\nconfiguration OK"),
     ]
+    # a context past the model's (max_position_embeddings): refused, not
+    # served with positions its RoPE was not made for
+    ctx64 = short_context_checkpoint(conf, tmp)
+    cases += [
+        ([dec, "-n", "-f", conf, "--checkpoint", ctx64, "--max-seq", "65"], 6,
+         r"max_seq 65 is past the model's context \(max_position_embeddings 64"),
+        ([dec, "-n", "-f", conf, "--checkpoint", ctx64, "--max-seq", "64"], 0,
+         r"configuration OK"),
+    ]
     # a FIFO in place of a shard, the index or config.json: refused at once
     # as not a regular file (it blocked the load for ever)
     for d, fifo in fifo_checkpoints(conf, tmp):
@@ -250,6 +282,7 @@ def checks(paths, conf, tmp):
         ([dec, "-f", conf, "--checkpoint", tmp + "/nothing"], r"weights .*nothing"),
         ([dec, "-f", conf, "-o", "mtp=yes", "--slots", "1024"], r"1\.\.512 supported"),
         ([dec, "-f", conf, "-o", "group_size=3"], r"3 ranks do not divide the heads"),
+        ([dec, "-f", conf, "--checkpoint", ctx64, "--max-seq", "65"], r"past the model's context"),
         ([dec, "-f", conf, "-o", "backend=cpu", "--synthetic-weights", "1", "--preset",
           "tiny"], r"--synthetic-weights needs the cuda backend"),
         ([gw, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),
