@@ -42,19 +42,27 @@ dsv4_json_parse_exact(const char *s, size_t len, const char **why)
 /*
  * json-c keeps the last of duplicated object keys silently, so duplicates
  * are found by counting object keys in the raw text and comparing with the
- * parsed tree.  The text already parsed successfully in strict mode; strings
- * may still use either quote (json-c accepts '...'), and comments (json-c
- * skips C and C++ comments even then: their brackets and quotes are text).
+ * parsed tree.  The text already parsed successfully; strings may still use
+ * either quote (json-c accepts '...' outside strict mode), and comments
+ * (skipped outside strict mode; strict parsing refuses them: their brackets
+ * and quotes are text).
  *
- * Counts the keys of every object at any depth; calls `fn` on each key at
- * depth `at` (1 = keys of the top-level object), quotes included.  Returns
- * -1 if nesting is deeper than the scanner tracks, or the brackets do not
- * match as the scanner reads them.
+ * Counts the keys of every object at any depth; records each key at depth
+ * `at` (1 = keys of the top-level object) in `keys`, unquoted, with the
+ * serial number of its object (objects at depth `at` are numbered in order),
+ * so that keys of two sibling objects are not taken for one duplicate.
+ * Returns -1 if nesting is deeper than the scanner tracks, or the brackets
+ * do not match as the scanner reads them.
  */
 #define JSON_SCAN_DEPTH 64
 
+struct key_item {
+    char *key;
+    long obj;       /* serial of its object among those at depth `at` */
+};
+
 struct key_list {
-    char **k;
+    struct key_item *k;
     int n, cap;
 };
 
@@ -63,7 +71,7 @@ json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
 {
     char is_obj[JSON_SCAN_DEPTH];
     int depth = 0, expect_key = 0;
-    long n = 0;
+    long n = 0, obj = 0;
 
     for (size_t i = 0; i < len; i++) {
         char c = s[i];
@@ -94,8 +102,10 @@ json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
                     const char *why;
                     struct json_object *o = dsv4_json_parse_exact(s + start, i - start + 1, &why);
 
-                    if (o != NULL && json_object_is_type(o, json_type_string))
-                        keys->k[keys->n++] = strdup(json_object_get_string(o));
+                    if (o != NULL && json_object_is_type(o, json_type_string)) {
+                        keys->k[keys->n].key = strdup(json_object_get_string(o));
+                        keys->k[keys->n++].obj = obj;
+                    }
                     json_object_put(o);
                 }
             }
@@ -104,6 +114,7 @@ json_scan_keys(const char *s, size_t len, int at, struct key_list *keys)
                 return -1;
             is_obj[depth] = c == '{';
             expect_key = c == '{';
+            obj += c == '{' && depth == at;
         } else if (c == '}' || c == ']') {
             if (depth == 0)
                 return -1;
@@ -134,14 +145,17 @@ json_count_keys(struct json_object *o)
     return n;
 }
 
+/* By object, then by key (NULL, a key strdup could not copy, first). */
 static int
-cmp_str(const void *a, const void *b)
+cmp_item(const void *a, const void *b)
 {
-    const char *x = *(char *const *)a, *y = *(char *const *)b;
+    const struct key_item *x = a, *y = b;
 
-    if (x == NULL || y == NULL)
-        return (x == NULL) - (y == NULL);
-    return strcmp(x, y);
+    if (x->obj != y->obj)
+        return x->obj < y->obj ? -1 : 1;
+    if (x->key == NULL || y->key == NULL)
+        return (x->key != NULL) - (y->key != NULL);
+    return strcmp(x->key, y->key);
 }
 
 int
@@ -155,19 +169,22 @@ dsv4_json_find_dup(struct json_object *root, const char *s, size_t len, int at, 
     if (total == json_count_keys(root))
         return 0;
     kl.cap = total > 0 ? (int)(total < INT_MAX ? total : INT_MAX) : 0;
-    kl.k = calloc((size_t)kl.cap + 1, sizeof(char *));
+    kl.k = calloc((size_t)kl.cap + 1, sizeof(*kl.k));
     if (kl.k == NULL)
         return 1;
     json_scan_keys(s, len, at, &kl);
-    qsort(kl.k, (size_t)kl.n, sizeof(char *), cmp_str);
+    qsort(kl.k, (size_t)kl.n, sizeof(*kl.k), cmp_item);
     for (int i = 1; i < kl.n; i++) {
-        if (kl.k[i] != NULL && kl.k[i - 1] != NULL && strcmp(kl.k[i], kl.k[i - 1]) == 0) {
-            snprintf(buf, blen, "%s", kl.k[i]);
+        const struct key_item *x = &kl.k[i - 1], *y = &kl.k[i];
+
+        if (x->obj == y->obj && x->key != NULL && y->key != NULL &&
+            strcmp(x->key, y->key) == 0) {
+            snprintf(buf, blen, "%s", y->key);
             break;
         }
     }
     for (int i = 0; i < kl.n; i++)
-        free(kl.k[i]);
+        free(kl.k[i].key);
     free(kl.k);
     return 1;
 }

@@ -18,10 +18,11 @@ struct json_object *dsv4_json_parse_exact(const char *s, size_t len, const char 
 
 /*
  * 0 if `root` (parsed from the `len` bytes at s) lost no duplicated key.
- * Otherwise 1, with `buf` (blen bytes) naming a key duplicated at depth `at`
- * (1: the keys of the top-level object; 2: those of the objects inside it:
- * the tensor name of a safetensors header at 1, the weight_map entry of an
- * index at 2), or "" if the duplicate is at another depth.  The keys are
+ * Otherwise 1, with `buf` (blen bytes) naming a key written twice in one
+ * object at depth `at` (1: the keys of the top-level object; 2: those of
+ * the objects inside it: the tensor name of a safetensors header at 1, the
+ * weight_map entry of an index at 2), or "" if the duplicate is at another
+ * depth (one key in two sibling objects is no duplicate).  The keys are
  * counted in the raw text, which must be what json-c parsed (strict or
  * plain: quotes of either kind).
  */

@@ -102,7 +102,7 @@ dsv4_wshare_dir(char *buf, size_t n, const char *share_dir, const char *rank_end
 
 enum dsv4_err
 dsv4_wshare_path(char *buf, size_t n, const char *dir, const uint8_t gpu_uuid[16],
-                 unsigned group_rank, unsigned group_size)
+                 uint64_t fingerprint, unsigned group_rank, unsigned group_size)
 {
     size_t max = sizeof(((struct sockaddr_un *)0)->sun_path) - WS_TMP_EXTRA;
     char gpu[17];
@@ -110,9 +110,9 @@ dsv4_wshare_path(char *buf, size_t n, const char *dir, const uint8_t gpu_uuid[16
 
     for (int i = 0; i < 8; i++)
         snprintf(gpu + 2 * i, 3, "%02x", gpu_uuid[i]);
-    len = snprintf(buf, n, "%s%sweights-%s-p%uof%u.sock", dir,
-                   dir[0] != '\0' && dir[strlen(dir) - 1] == '/' ? "" : "/", gpu, group_rank,
-                   group_size);
+    len = snprintf(buf, n, "%s%sweights-%s-%08x-p%uof%u.sock", dir,
+                   dir[0] != '\0' && dir[strlen(dir) - 1] == '/' ? "" : "/", gpu,
+                   (unsigned)(fingerprint & 0xffffffffu), group_rank, group_size);
     if (len < 0 || (size_t)len >= n || (size_t)len >= max)
         return dsv4_err_set(DSV4_ERR_CONFIG, "weights share: socket path in %s too long "
                             "(at most %zu bytes)", dir, max - 1);
@@ -277,7 +277,7 @@ ws_receive(int c, const char *path, int *fd, struct dsv4_wshare_hdr *hdr)
     struct cmsghdr *ch;
     size_t got = 0;
     ssize_t n;
-    int rfd = -1;
+    int rfd = -1, n_fd = 0;
 
     memset(&mh, 0, sizeof(mh));
     mh.msg_iov = &iov;
@@ -288,13 +288,25 @@ ws_receive(int c, const char *path, int *fd, struct dsv4_wshare_hdr *hdr)
     if (n < 0)
         return dsv4_err_set(errno == EAGAIN ? DSV4_ERR_TIMEOUT : DSV4_ERR_SYS,
                             "weights share: %s: receive: %s", path, strerror(errno));
+    /* every descriptor received is ours to close: an answer of more than
+     * one (two fit the buffer) is refused, and none of them stays open */
     for (ch = CMSG_FIRSTHDR(&mh); ch != NULL; ch = CMSG_NXTHDR(&mh, ch)) {
-        if (ch->cmsg_level == SOL_SOCKET && ch->cmsg_type == SCM_RIGHTS &&
-            ch->cmsg_len == CMSG_LEN(sizeof(int))) {
+        if (ch->cmsg_level != SOL_SOCKET || ch->cmsg_type != SCM_RIGHTS)
+            continue;
+        for (size_t i = 0; i < (ch->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++) {
+            int one;
+
+            memcpy(&one, CMSG_DATA(ch) + i * sizeof(int), sizeof(int));
             if (rfd >= 0)
                 close(rfd);
-            memcpy(&rfd, CMSG_DATA(ch), sizeof(int));
+            rfd = one;
+            n_fd++;
         }
+    }
+    if (n_fd > 1) {
+        close(rfd);
+        return dsv4_err_set(DSV4_ERR_PROTO, "weights share: %s: malformed answer (%d "
+                            "descriptors)", path, n_fd);
     }
     got = (size_t)n;
     while (n > 0 && got < sizeof(*hdr)) {
@@ -346,6 +358,20 @@ dsv4_wshare_fetch(const char *path, int wait_ms, int *fd, struct dsv4_wshare_hdr
         ws_sleep_ms(left < 50 ? (int)left : 50);
     }
     ws_timeouts(c, WS_IO_MS);
+    /* as the server asks of its clients: a process of our user, so that no
+     * other user's socket at the path lends us its memory to run */
+    {
+        struct ucred cred;
+        socklen_t clen = sizeof(cred);
+
+        if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 ||
+            cred.uid != geteuid()) {
+            e = dsv4_err_set(DSV4_ERR_PROTO, "weights share: %s: served by uid %d, not ours "
+                             "(%d): not fetched", path, (int)cred.uid, (int)geteuid());
+            close(c);
+            return e;
+        }
+    }
     if (send(c, &req, 1, MSG_NOSIGNAL) != 1) {
         e = dsv4_err_set(DSV4_ERR_SYS, "weights share: %s: send: %s", path, strerror(errno));
         close(c);

@@ -64,12 +64,15 @@ struct dsv4_wshare_hdr {
 enum dsv4_err dsv4_wshare_dir(char *buf, size_t n, const char *share_dir,
                               const char *rank_endpoint);
 
-/* <dir>/weights-<GPU>-p<group_rank>of<group_size>.sock into buf, <GPU> the
- * first 8 bytes of the device's UUID in hex (so the ranks of one GPU that
- * hold the same part of the weights meet on one path whatever their group);
+/* <dir>/weights-<GPU>-<FP>-p<group_rank>of<group_size>.sock into buf, <GPU>
+ * the first 8 bytes of the device's UUID in hex, <FP> the low 32 bits of the
+ * weights' `fingerprint` (dsv4_wshare_fingerprint) in hex: the ranks of one
+ * GPU that hold the same part of the same weights meet on one path
+ * whatever their group, and ranks of another model on that GPU on another
+ * path (on one they waited for each other's lock and shared with nobody).
  * DSV4_ERR_CONFIG when longer than n or than a unix socket address holds. */
 enum dsv4_err dsv4_wshare_path(char *buf, size_t n, const char *dir, const uint8_t gpu_uuid[16],
-                               unsigned group_rank, unsigned group_size);
+                               uint64_t fingerprint, unsigned group_rank, unsigned group_size);
 
 /* FNV-1a 64's offset basis: the h to start dsv4_wshare_hash with. */
 #define DSV4_WSHARE_FNV0 0xcbf29ce484222325ull
@@ -105,8 +108,10 @@ void dsv4_wshare_unlock(int lockfd);
  * Ask the server of `path` for its descriptor.  A refused connection (stale
  * socket file, a standby taking over) is retried for wait_ms; no socket file
  * is an immediate answer.  DSV4_OK with *fd (close-on-exec, the caller's) and
- * *hdr; DSV4_ERR_TIMEOUT when nobody serves; DSV4_ERR_PROTO for a malformed
- * answer (short, wrong magic or version, no descriptor); DSV4_ERR_SYS.
+ * *hdr; DSV4_ERR_TIMEOUT when nobody serves; DSV4_ERR_PROTO for a server of
+ * another user (SO_PEERCRED) or a malformed answer (short, wrong magic or
+ * version, no descriptor or more than one: every one received is closed);
+ * DSV4_ERR_SYS.
  * The header is not matched: see dsv4_wshare_match.
  */
 enum dsv4_err dsv4_wshare_fetch(const char *path, int wait_ms, int *fd,

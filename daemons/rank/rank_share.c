@@ -90,8 +90,10 @@ rank_share_begin(struct rank *k, const struct dsv4_config *cfg, const char *sour
     s->lockfd = s->fd = -1;
     if (dsv4_cuda_device_uuid(k->be, s->uuid) != DSV4_OK)
         fatalx("rank_init: weights share: %s", dsv4_errmsg());
-    if (dsv4_wshare_path(s->path, sizeof(s->path), dir, s->uuid, k->o.group_rank,
-                         k->o.group_size) != DSV4_OK) {
+    s->fingerprint = dsv4_wshare_fingerprint(cfg, source, (int)k->o.group_rank,
+                                             (int)k->o.group_size);
+    if (dsv4_wshare_path(s->path, sizeof(s->path), dir, s->uuid, s->fingerprint,
+                         k->o.group_rank, k->o.group_size) != DSV4_OK) {
         /* a share directory too long for a socket path: the configuration's
          * fault under yes (exit 6, not restarted), one copy under auto */
         if (strcmp(k->o.conf.share_weights, "yes") == 0)
@@ -101,8 +103,6 @@ rank_share_begin(struct rank *k, const struct dsv4_config *cfg, const char *sour
         free(s);
         return;
     }
-    s->fingerprint = dsv4_wshare_fingerprint(cfg, source, (int)k->o.group_rank,
-                                             (int)k->o.group_size);
     k->share = s;
 
     /* 1. the start-up lock: a peer building its copy holds it */

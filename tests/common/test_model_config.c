@@ -405,6 +405,29 @@ test_duplicate_keys(void **state)
     }
 }
 
+/* One key in two sibling objects is no duplicate: rope_scaling's "factor"
+ * again in another object, beside a real duplicate deeper than the scan
+ * looks (json-c keeps the last; the object is not the model's) is
+ * accepted, and a duplicate in the second object is named as itself, not
+ * as the key the siblings share (it was named "factor"). */
+static void
+test_duplicate_siblings(void **state)
+{
+    static const char *from = "  \"vocab_size\": 129280\n";
+    struct dsv4_config c;
+    char doc[8192];
+
+    (void)state;
+    splice(doc, sizeof(doc), from, "  \"text_config\": {\"factor\": 2},\n"
+           "  \"extra\": {\"x\": {\"a\": 1, \"a\": 2}},\n  \"vocab_size\": 129280\n");
+    if (parse_str(&c, doc) != DSV4_OK)
+        fail_msg("%s", dsv4_errmsg());
+    splice(doc, sizeof(doc), from, "  \"text_config\": {\"factor\": 2, \"beta\": 1, "
+           "\"beta\": 2},\n  \"vocab_size\": 129280\n");
+    assert_int_equal(parse_str(&c, doc), DSV4_ERR_CONFIG);
+    assert_non_null(strstr(dsv4_errmsg(), "key \"beta\" appears twice"));
+}
+
 /* json-c skips C and C++ comments, even in strict mode: their brackets,
  * quotes and key-like text are not keys (the duplicate scan once read the
  * brackets of a `//` comment as real ones and indexed before its depth
@@ -579,6 +602,7 @@ main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_bad_json),
         cmocka_unit_test(test_duplicate_keys),
+        cmocka_unit_test(test_duplicate_siblings),
         cmocka_unit_test(test_comments),
         cmocka_unit_test(test_validate_struct),
         cmocka_unit_test(test_presets),

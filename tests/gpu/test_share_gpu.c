@@ -470,7 +470,7 @@ main(int argc, char **argv)
         return 2;
     }
     if (mkdtemp(dir) == NULL ||
-        dsv4_wshare_path(sock, sizeof(sock), dir, zero_uuid, 0, 1) != DSV4_OK) {
+        dsv4_wshare_path(sock, sizeof(sock), dir, zero_uuid, 0, 0, 1) != DSV4_OK) {
         perror("mkdtemp");
         return 1;
     }

@@ -19,6 +19,7 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -51,7 +52,7 @@ setup(void **state)
     (void)state;
     snprintf(dir, sizeof(dir), "/tmp/dsv4ws.XXXXXX");
     assert_non_null(mkdtemp(dir));
-    assert_int_equal(dsv4_wshare_path(path, sizeof(path), dir, uuid_a, 1, 2), DSV4_OK);
+    assert_int_equal(dsv4_wshare_path(path, sizeof(path), dir, uuid_a, 0, 1, 2), DSV4_OK);
     return 0;
 }
 
@@ -64,6 +65,21 @@ teardown(void **state)
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     assert_int_equal(system(cmd), 0);
     return 0;
+}
+
+/* Descriptors this process has open (/proc/self/fd, less the listing's). */
+static int
+open_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *de;
+    int n = 0;
+
+    assert_non_null(d);
+    while ((de = readdir(d)) != NULL)
+        n += de->d_name[0] != '.';
+    closedir(d);
+    return n - 1;
 }
 
 /* A memfd of 4096 bytes filled with `seed` + i. */
@@ -127,10 +143,11 @@ test_names(void **state)
     assert_string_equal(b, DSV4_WSHARE_DEFAULT_DIR);
     assert_int_equal(dsv4_wshare_dir(b, 4, "/long/dir", NULL), DSV4_ERR_CONFIG);
 
-    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/run/dsv4", uuid_a, 1, 2), DSV4_OK);
-    assert_string_equal(b, "/run/dsv4/weights-00112233445566ff-p1of2.sock");
-    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/", uuid_b, 0, 1), DSV4_OK);
-    assert_string_equal(b, "/weights-a0b1c2d3e4f50617-p0of1.sock");
+    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/run/dsv4", uuid_a, 0x123456789abcdefull,
+                                      1, 2), DSV4_OK);
+    assert_string_equal(b, "/run/dsv4/weights-00112233445566ff-89abcdef-p1of2.sock");
+    assert_int_equal(dsv4_wshare_path(b, sizeof(b), "/", uuid_b, 7, 0, 1), DSV4_OK);
+    assert_string_equal(b, "/weights-a0b1c2d3e4f50617-00000007-p0of1.sock");
     /* longer than a socket address (with room for the temporary name) */
     {
         char longdir[100], big[256];
@@ -138,7 +155,7 @@ test_names(void **state)
         memset(longdir, 'd', sizeof(longdir) - 1);
         longdir[0] = '/';
         longdir[sizeof(longdir) - 1] = '\0';
-        assert_int_equal(dsv4_wshare_path(big, sizeof(big), longdir, uuid_a, 0, 1),
+        assert_int_equal(dsv4_wshare_path(big, sizeof(big), longdir, uuid_a, 0, 0, 1),
                          DSV4_ERR_CONFIG);
     }
 }
@@ -386,7 +403,7 @@ test_frozen_owner(void **state)
 
 /* --- malformed answers: a fake server thread ------------------------------------ */
 
-enum fake_kind { FAKE_SHORT, FAKE_MAGIC, FAKE_NOFD, FAKE_VERSION };
+enum fake_kind { FAKE_SHORT, FAKE_MAGIC, FAKE_NOFD, FAKE_VERSION, FAKE_TWOFD };
 
 struct fake {
     int lfd;
@@ -400,9 +417,10 @@ fake_thread(void *arg)
     struct dsv4_wshare_hdr h;
     union {
         struct cmsghdr h;
-        char buf[CMSG_SPACE(sizeof(int))];
+        char buf[CMSG_SPACE(2 * sizeof(int))];
     } cm;
     struct iovec iov = { &h, sizeof(h) };
+    int two[2];
     struct msghdr mh;
     struct cmsghdr *ch;
     char req;
@@ -420,13 +438,16 @@ fake_thread(void *arg)
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
     if (f->kind != FAKE_NOFD) {
+        int n = f->kind == FAKE_TWOFD ? 2 : 1;
+
+        two[0] = two[1] = mfd;
         mh.msg_control = cm.buf;
-        mh.msg_controllen = sizeof(cm.buf);
+        mh.msg_controllen = CMSG_SPACE(n * sizeof(int));
         ch = CMSG_FIRSTHDR(&mh);
         ch->cmsg_level = SOL_SOCKET;
         ch->cmsg_type = SCM_RIGHTS;
-        ch->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(ch), &mfd, sizeof(int));
+        ch->cmsg_len = CMSG_LEN(n * sizeof(int));
+        memcpy(CMSG_DATA(ch), two, n * sizeof(int));
     }
     if (sendmsg(c, &mh, 0) < 0)
         abort();
@@ -438,9 +459,11 @@ fake_thread(void *arg)
 static void
 test_malformed(void **state)
 {
-    static const enum fake_kind kinds[] = { FAKE_SHORT, FAKE_MAGIC, FAKE_NOFD, FAKE_VERSION };
+    static const enum fake_kind kinds[] = { FAKE_SHORT, FAKE_MAGIC, FAKE_NOFD, FAKE_VERSION,
+                                            FAKE_TWOFD };
     static const char *const why[] = { "short header", "bad magic", "no descriptor",
-                                       "other version" };
+                                       "other version", "2 descriptors" };
+    int fds0 = open_fds();
 
     (void)state;
     for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
@@ -465,7 +488,56 @@ test_malformed(void **state)
         pthread_join(th, NULL);
         close(f.lfd);
         unlink(path);
+        /* nothing received stays open (two descriptors: both closed) */
+        assert_int_equal(open_fds(), fds0);
     }
+}
+
+/* A server of another user at the path (any local user who can write the
+ * directory): its descriptor is not fetched, and is not mapped.  Shown
+ * where the test runs as root (a child serves as nobody); skipped else. */
+static void
+test_other_user(void **state)
+{
+    struct sockaddr_un sa;
+    struct dsv4_wshare_hdr got;
+    int gfd = 7, st, sync[2];
+    pid_t pid;
+
+    (void)state;
+    if (geteuid() != 0)
+        skip();
+    assert_int_equal(pipe(sync), 0);
+    unlink(path);
+    assert_int_equal(chmod(dir, 0777), 0);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        struct fake f = { -1, FAKE_MAGIC };
+
+        if (setgid(65534) != 0 || setuid(65534) != 0)
+            _exit(3);
+        memset(&sa, 0, sizeof(sa));
+        sa.sun_family = AF_UNIX;
+        snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+        f.lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+        if (bind(f.lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 || listen(f.lfd, 1) != 0)
+            _exit(4);
+        if (write(sync[1], "r", 1) != 1)
+            _exit(5);
+        fake_thread(&f);   /* a well-formed answer but for its magic: never read */
+        _exit(0);
+    }
+    close(sync[1]);
+    assert_int_equal(read(sync[0], &st, 1), 1);
+    close(sync[0]);
+    assert_int_equal(dsv4_wshare_fetch(path, WAIT_MS, &gfd, &got), DSV4_ERR_PROTO);
+    assert_int_equal(gfd, -1);
+    assert_non_null(strstr(dsv4_errmsg(), "served by uid 65534"));
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    unlink(path);
+    assert_int_equal(chmod(dir, 0700), 0);
 }
 
 static void
@@ -576,6 +648,7 @@ main(void)
         cmocka_unit_test_setup_teardown(test_takeover_after_kill, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frozen_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_other_user, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lock, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lock_unopenable, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unreachable, setup, teardown),
