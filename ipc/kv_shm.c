@@ -133,13 +133,22 @@ shm_import_map(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_kv
     (void)x;
     if (shm_handle_name(d, name) != 0)
         return dsv4_err_set(DSV4_ERR_PROTO, "kv_shm: handle is not a dsv4 shm name");
-    fd = shm_open(name, O_RDONLY, 0);
+    /* O_NONBLOCK: the name is a descriptor's word, and /dev/shm is every
+     * local user's; a FIFO under it blocked the rank's loop for ever (the
+     * import is synchronous, out of its timeout's reach) */
+    fd = shm_open(name, O_RDONLY | O_NONBLOCK, 0);
     if (fd < 0)
         return dsv4_err_set(DSV4_ERR_SYS, "kv_shm: shm_open %s: %s", name, strerror(errno));
     if (fstat(fd, &st) != 0) {
         err = errno;
         close(fd);
         return dsv4_err_set(DSV4_ERR_SYS, "kv_shm: fstat %s: %s", name, strerror(err));
+    }
+    if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+        close(fd);
+        return dsv4_err_set(DSV4_ERR_PROTO, "kv_shm: %s is %s, not a region of this user's "
+                            "ranks", name, !S_ISREG(st.st_mode) ? "not a regular file" :
+                            "another user's");
     }
     if (st.st_size <= 0 || (uint64_t)st.st_size < d->size) {
         close(fd);

@@ -268,12 +268,17 @@ ux_get_done(void *request, ucs_status_t status, void *user_data)
 static void
 ux_abandoned_check(struct ux *u, int64_t now)
 {
-    struct ux_get *g, *gn;
+    struct ux_get *g;
 
-    for (g = TAILQ_FIRST(&u->abandoned); g != NULL; g = gn) {
-        gn = TAILQ_NEXT(g, aentry);
-        if (g->peer != NULL && now >= g->deadline_ms)
+    /* from the head again after each close: were the force close to end
+     * the peer's gets at once, their callbacks would free them, the next
+     * one of the list among them (a closed peer's ep is NULL: not again) */
+again:
+    TAILQ_FOREACH(g, &u->abandoned, aentry) {
+        if (g->peer != NULL && g->peer->ep != NULL && now >= g->deadline_ms) {
             ux_peer_close(u, g->peer);
+            goto again;
+        }
     }
 }
 
@@ -587,7 +592,7 @@ ux_cleanup_stale(struct dsv4_kvx *x)
  * readable); -1 when malformed. */
 static int
 ux_parse(const struct dsv4_kvx_desc *d, uint64_t *raddr, const uint8_t **addr,
-         uint32_t *alen, const uint8_t **rk, uint32_t *hold_ms,
+         uint32_t *alen, const uint8_t **rk, uint32_t *rlen_out, uint32_t *hold_ms,
          char owner[DSV4_KVX_MAX_OWNER])
 {
     const uint8_t *h = d->handle;
@@ -607,6 +612,7 @@ ux_parse(const struct dsv4_kvx_desc *d, uint64_t *raddr, const uint8_t **addr,
         return -1;
     *addr = h + UX_HDR;
     *rk = h + UX_HDR + *alen;
+    *rlen_out = rlen;
     memcpy(owner, h + UX_HDR + *alen + rlen, olen);
     owner[olen] = '\0';
     for (uint32_t i = 0; i < olen; i++)
@@ -625,15 +631,23 @@ ux_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
     struct ux_peer *p = NULL;
     struct ux_get *g;
     uint64_t raddr;
-    uint32_t alen, hold_ms;
+    uint32_t alen, rlen, hold_ms;
+    /* the rkey in a zeroed buffer of a handle's bound: UCX reads it by its
+     * own fields, not by rlen, so what follows it is zeros, not whatever
+     * the descriptor's array held */
+    uint8_t rkey[DSV4_KVX_MAX_HANDLE] = { 0 };
     enum dsv4_err e;
     ucs_status_t st;
     void *sp;
 
-    if (ux_parse(d, &raddr, &addr, &alen, &rkb, &hold_ms, owner) != 0)
+    if (ux_parse(d, &raddr, &addr, &alen, &rkb, &rlen, &hold_ms, owner) != 0)
         return dsv4_err_set(DSV4_ERR_PROTO, "kv_ucx: malformed handle (%u bytes)",
                             (unsigned)d->handle_len);
-    if (d->size > SIZE_MAX - UX_ALIGN || (g = calloc(1, sizeof(*g))) == NULL)
+    if (d->size > SIZE_MAX - UX_ALIGN)   /* a descriptor's fault, not a lack of memory */
+        return dsv4_err_set(DSV4_ERR_PROTO, "kv_ucx: a region of %" PRIu64 " bytes",
+                            d->size);
+    memcpy(rkey, rkb, rlen);
+    if ((g = calloc(1, sizeof(*g))) == NULL)
         return dsv4_err_set(DSV4_ERR_NOMEM, "kv_ucx: out of memory");
     if (posix_memalign(&g->buf, UX_ALIGN, (d->size + UX_ALIGN - 1) / UX_ALIGN * UX_ALIGN) !=
         0) {
@@ -650,7 +664,7 @@ ux_import_start(struct dsv4_kvx *x, const struct dsv4_kvx_desc *d, struct dsv4_k
     ux_reap(u, dsv4_now_ms());
     if ((e = ux_peer_get(u, addr, alen, owner, &p)) != DSV4_OK)
         goto fail;
-    st = ucp_ep_rkey_unpack(p->ep, rkb, &g->rkey);
+    st = ucp_ep_rkey_unpack(p->ep, rkey, &g->rkey);
     if (st != UCS_OK) {
         e = dsv4_err_set(DSV4_ERR_PROTO, "kv_ucx: rkey from %s: %s", owner,
                          ucs_status_string(st));

@@ -287,6 +287,12 @@ kv_import_start(struct rank *k, struct rank_stream *st, const struct dsv4_kv_loc
         return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_import: %u locations / %u parts / %u "
                             "segments; expected one segment per part", (unsigned)n_kv,
                             (unsigned)loc->n_parts, (unsigned)loc->n_seg);
+    /* exporters write the state at offset 0 (dsv4_kvx_desc_to_loc); the
+     * transports fetch the region from 0 to the segment's end, so another
+     * offset would only make them read more */
+    if (loc->offsets[0] != 0)
+        return dsv4_err_set(DSV4_ERR_NOTSUP, "kv_import: a segment at offset %" PRIu64
+                            "; expected the state at 0", loc->offsets[0]);
     if (loc->n_tokens != pos)
         return dsv4_err_set(DSV4_ERR_PROTO, "kv_import: location covers %u positions, pos %u",
                             (unsigned)loc->n_tokens, (unsigned)pos);

@@ -229,6 +229,19 @@ test_bad_descriptor(void **state)
     assert_int_equal(dsv4_kvx_import(x, &d, &m), DSV4_ERR_PROTO);
     desc_set(&d, "/dsv4kv-nosuchobject-1-1", 1);
     assert_int_equal(dsv4_kvx_import(x, &d, &m), DSV4_ERR_SYS);
+    /* a FIFO of that name (/dev/shm is every local user's): refused at once
+     * as no region (the open blocked the rank's loop for ever); a directory
+     * the same */
+    {
+        char fifo[128];
+
+        snprintf(fifo, sizeof(fifo), "/dev/shm/dsv4kv-fifo%d-1-1", (int)getpid());
+        assert_int_equal(mkfifo(fifo, 0600), 0);
+        desc_set(&d, fifo + strlen("/dev/shm"), 1);
+        assert_int_equal(dsv4_kvx_import(x, &d, &m), DSV4_ERR_PROTO);
+        assert_non_null(strstr(dsv4_errmsg(), "not a regular file"));
+        unlink(fifo);
+    }
     desc_set(&d, "/dsv4kv-x", 1);
     d.handle[3] = '\0';
     assert_int_equal(dsv4_kvx_import(x, &d, &m), DSV4_ERR_PROTO);

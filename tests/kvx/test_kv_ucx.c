@@ -543,6 +543,10 @@ test_bad_handle(void **state)
     d.handle_len = 20;                       /* shorter than the header */
     assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
     d = r.desc;
+    memset(d.handle + 16, 0xff, 8);          /* a region of 2^64 - 1 bytes, */
+    d.size = UINT64_MAX - 1;                 /* and as many claimed: no lack of memory */
+    assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
+    d = r.desc;
     d.transport = DSV4_TRANSPORT_SHM;        /* not this instance's */
     assert_int_equal(dsv4_kvx_import(y, &d, &m), DSV4_ERR_PROTO);
     assert_null(m.data);

@@ -456,14 +456,16 @@ bad_work(const struct tmodel *t, struct treq *r)
      * position count than pos, one that says it is one of two parts, one of
      * a transport the decode rank lacks (left out where it has all), one
      * whose segment is not the size of a state of pos positions (refused
-     * before a transport sizes a buffer by it) */
+     * before a transport sizes a buffer by it), one whose segment starts
+     * past 0 (a transport fetched the region from 0 to its end: as much
+     * more as the offset said) */
     lacks = missing_transport(dec.transports);
-    for (int i = 0; i < 7; i++) {
-        static const int code[7] = { DSV4_STATUS_TOO_LARGE, DSV4_STATUS_BAD_ARGUMENT,
+    for (int i = 0; i < 8; i++) {
+        static const int code[8] = { DSV4_STATUS_TOO_LARGE, DSV4_STATUS_BAD_ARGUMENT,
                                      DSV4_STATUS_INTERNAL, DSV4_STATUS_BAD_MESSAGE,
                                      DSV4_STATUS_NOT_SUPPORTED, DSV4_STATUS_NOT_SUPPORTED,
-                                     DSV4_STATUS_BAD_MESSAGE };
-        uint64_t huge[1] = { UINT64_C(1) << 40 };
+                                     DSV4_STATUS_BAD_MESSAGE, DSV4_STATUS_NOT_SUPPORTED };
+        uint64_t huge[1] = { UINT64_C(1) << 40 }, far[1] = { UINT64_C(1) << 30 };
 
         if (i == 5 && lacks == DSV4_TRANSPORT_NONE) {
             printf("bad_work: the decode rank has every transport: no DECODE from a missing "
@@ -481,6 +483,8 @@ bad_work(const struct tmodel *t, struct treq *r)
         m.u.decode.kv[0].transport = i == 5 ? (enum dsv4_transport)lacks : r->loc.transport;
         if (i == 6)
             m.u.decode.kv[0].sizes = huge;
+        if (i == 7)
+            m.u.decode.kv[0].offsets = far;
         m.u.decode.n_kv = 1;
         send_to(&dec, &m);
         expect_error(&dec, req + 10 + (uint64_t)i, code[i], &released);
