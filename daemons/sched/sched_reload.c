@@ -78,7 +78,8 @@ sched_reload(struct sched *s, char *msg, size_t len)
     int max_batch = s->cfg.file.max_batch;
 
     sdnotify_reloading();
-    log_notice("reload: reading %s", s->cfg.path != NULL ? s->cfg.path : "no file (defaults)");
+    /* the file read is the load's choice: without -f the default file,
+     * which may have appeared since the start */
     if (sched_config_load(&nc, s->cfg.path, s->cfg.n_over, s->cfg.over) != 0) {
         snprintf(msg, len, "the configuration does not load (%s); the running settings stay",
             dsv4_errmsg());
@@ -87,6 +88,7 @@ sched_reload(struct sched *s, char *msg, size_t len)
         sdnotify_ready();
         return -1;
     }
+    log_notice("reload: read %s", nc.path != NULL ? nc.path : "no file (defaults)");
     for (size_t i = 0; i < sizeof(live_keys) / sizeof(live_keys[0]); i++) {
         int *cur = int_at(&s->cfg.file, live_keys[i].off);
         int v = *int_at(&nc.file, live_keys[i].off);

@@ -1264,6 +1264,7 @@ def t_reload(ctx, build, tmp):
           "checkpoint = %s/other-model\n" % (tmp, tmp))
     log = reload(sc, "reload: done")
     check("reload: queue_max 3 -> 5" in log and "reload: max_batch 16 -> 2" in log, log[-2000:])
+    check("reload: read %s" % conf in log, "the file read not named:\n" + log[-2000:])
     check("prefill_chunk" not in log, "an -o override lost to the file:\n" + log[-2000:])
     check('key_dir "%s" takes effect at the next start' % tmp in log, log[-2000:])
     # the model's fingerprint is taken at the start: a new checkpoint waits
