@@ -831,10 +831,11 @@ plan_build(struct dsv4_model *m, const struct dsv4_batch *b, unsigned flags)
                 return dsv4_err_set(DSV4_ERR_INVAL, "forward: slot %d appears twice", s);
         if (b->n_tokens[i] <= 0)
             return dsv4_err_set(DSV4_ERR_INVAL, "forward: run %d has no tokens", i);
-        if (T + b->n_tokens[i] > m->max_rows)
+        /* no sums: a run of INT_MAX tokens wrapped them past the checks */
+        if (b->n_tokens[i] > m->max_rows - T)
             return dsv4_err_set(DSV4_ERR_INVAL, "forward: more than max_rows=%d rows",
                                 m->max_rows);
-        if (m->len[s] + b->n_tokens[i] > m->max_seq)
+        if (b->n_tokens[i] > m->max_seq - m->len[s])
             return dsv4_err_set(DSV4_ERR_INVAL, "forward: slot %d would exceed max_seq_len=%d",
                                 s, m->max_seq);
         T += b->n_tokens[i];
@@ -2283,6 +2284,7 @@ state_import(struct dsv4_model *m, int slot, const void *buf, size_t len, int de
 {
     struct state_header h;
     size_t want, bytes;
+    enum dsv4_err e;
 
     if (slot < 0 || slot >= m->n_slots)
         return dsv4_err_set(DSV4_ERR_INVAL, "state import: slot %d out of range", slot);
@@ -2311,11 +2313,20 @@ state_import(struct dsv4_model *m, int slot, const void *buf, size_t len, int de
     m->spec_n = 0;
     pages_release(m, slot);
     m->len[slot] = m->mtp_len[slot] = 0;
-    TRY(pages_reserve(m, &slot, &h.len, 1));
     /* the walker's buffer pointer is not const, but an import only reads it */
-    TRY(state_walk(m, slot, h.len, dev ? STATE_IMPORT_DEV : STATE_IMPORT,
-                   (char *)(uintptr_t)buf + sizeof(h), &bytes));
-    TRY(m->be->ops->sync(m->be));
+    e = pages_reserve(m, &slot, &h.len, 1);
+    if (e == DSV4_OK)
+        e = state_walk(m, slot, h.len, dev ? STATE_IMPORT_DEV : STATE_IMPORT,
+                       (char *)(uintptr_t)buf + sizeof(h), &bytes);
+    if (e == DSV4_OK)
+        e = m->be->ops->sync(m->be);
+    if (e != DSV4_OK) {
+        /* empty as forward.h says: the compressor states of a walk cut
+         * short hold parts of two sequences, which a reuse would read (the
+         * reset sets no message unless it fails too) */
+        (void)dsv4_model_seq_reset(m, slot);
+        return e;
+    }
     m->len[slot] = h.len;
     m->mtp_len[slot] = h.mtp_len;
     return DSV4_OK;

@@ -241,8 +241,9 @@ enum dsv4_err dsv4_model_mtp(struct dsv4_model *m, const struct dsv4_batch *b,
  * The MTP layer processes the slot's positions in order; a slot whose MTP
  * layer has not seen its earlier positions (a decode state imported from a
  * prefill that did not run it, or a stream decoded without drafts) starts
- * with an empty MTP window (zeroed ring): its first drafts are poorer, the
- * output is the same.
+ * with a window of zero keys (the zeroed ring: each adds exp(-max) to the
+ * softmax's sum with a zero value, so they damp the attention rather than
+ * being left out): its first drafts are poorer, the output is the same.
  *
  * With opts.graphs, verify calls where every stream has a draft and the
  * draft steps after them run as graphs recorded per batch size (separate

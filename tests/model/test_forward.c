@@ -29,6 +29,7 @@
  * CPU backend computes every row independently of the others, so the results
  * are expected to be identical; the bound only allows for nothing.
  */
+#include <limits.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -451,6 +452,20 @@ test_bad_batch(void **state)
     n = N_POS + 1;
     b.tokens = ids;
     assert_int_equal(dsv4_model_forward(tm.m, &b, l, 0), DSV4_ERR_INVAL);
+    /* a second run of INT_MAX tokens on a slot holding one: the row and
+     * length sums wrapped negative past both checks (then an out-of-bounds
+     * read of the tokens) */
+    {
+        int32_t slots[2] = { 4, 5 }, ns[2] = { 1, INT_MAX }, one = 1;
+        struct dsv4_batch p1 = { 1, &slots[1], &one, ids }, two = { 2, slots, ns, ids };
+        float *lv = malloc((size_t)tm.V * sizeof(float));
+
+        assert_int_equal(dsv4_model_seq_reset(tm.m, 4), DSV4_OK);
+        assert_int_equal(dsv4_model_seq_reset(tm.m, 5), DSV4_OK);
+        assert_int_equal(dsv4_model_forward(tm.m, &p1, lv, 0), DSV4_OK);
+        assert_int_equal(dsv4_model_forward(tm.m, &two, lv, 0), DSV4_ERR_INVAL);
+        free(lv);
+    }
 }
 
 int
