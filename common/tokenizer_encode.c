@@ -167,8 +167,10 @@ compile_one(struct dsv4_tok *tok, const char *src, const char *shown,
     PCRE2_SIZE erroff;
     PCRE2_UCHAR msg[256];
 
+    /* MULTILINE: tokenizers compiles with Oniguruma's Ruby syntax, where ^
+     * and $ are line anchors (PCRE2's default: the subject's ends only) */
     re = pcre2_compile((PCRE2_SPTR)src, PCRE2_ZERO_TERMINATED,
-        PCRE2_UTF | PCRE2_UCP, &err, &erroff, NULL);
+        PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE, &err, &erroff, NULL);
     if (re == NULL) {
         pcre2_get_error_message(err, msg, sizeof(msg));
         return dsv4_err_set(DSV4_ERR_TOKENIZER, "tokenizer: %s: split "

@@ -11,6 +11,8 @@
  */
 #include "common/tokenizer_impl.h"
 
+#include <sys/stat.h>
+
 #include <errno.h>
 #include <json-c/json.h>
 #include <limits.h>
@@ -259,6 +261,7 @@ static enum dsv4_err
 read_file(const char *path, char **buf, size_t *len)
 {
     FILE *f = fopen(path, "rb");
+    struct stat st;
     long sz;
     char *b;
 
@@ -269,6 +272,12 @@ read_file(const char *path, char **buf, size_t *len)
             "%s (install it with tools/setup.sh, or name it: the configuration "
             "key `tokenizer`, dsv4-tokenize --tokenizer PATH, or $%s)", path,
             strerror(errno), DSV4_TOKENIZER_ENV);
+    /* a directory opens, and seeks to a size of LLONG_MAX ("too large") */
+    if (fstat(fileno(f), &st) == 0 && !S_ISREG(st.st_mode)) {
+        fclose(f);
+        return dsv4_err_set(DSV4_ERR_TOKENIZER, "tokenizer: %s is %s, not a file",
+            path, S_ISDIR(st.st_mode) ? "a directory" : "not a regular file");
+    }
     if (fseek(f, 0, SEEK_END) != 0 || (sz = ftell(f)) < 0 ||
         fseek(f, 0, SEEK_SET) != 0) {
         fclose(f);
@@ -746,6 +755,9 @@ dsv4_tok_load(struct dsv4_tok **out, const char *path,
             json_tokener_get_parse_end(jt),
             json_tokener_get_error(jt) == json_tokener_success ?
             "trailing data or truncated file" :
+            /* json-c's word for a document that ends early */
+            json_tokener_get_error(jt) == json_tokener_continue ?
+            "the file ends inside the JSON (empty or truncated)" :
             json_tokener_error_desc(json_tokener_get_error(jt)));
         json_object_put(root);
         json_tokener_free(jt);

@@ -133,6 +133,39 @@ expect_reject(const char *from, const char *to, const char *needle)
     free(j);
 }
 
+/* ^ and $ of a split pattern are line anchors, as in tokenizers'
+ * Oniguruma (Ruby syntax): "^h" isolates an h after a newline too, so "he"
+ * there is not merged (PCRE2's default anchored it at the text's start
+ * only, and the pieces differed from the reference). */
+static void
+test_line_anchors(void **state)
+{
+    char path[] = "/tmp/dsv4-tok-XXXXXX";
+    char *json = mutate("\"\\\\p{N}{1,3}\"", "\"^h\"");
+    struct dsv4_tok *tok = NULL;
+    struct dsv4_tok_ids a = { 0 }, b = { 0 };
+    int fd = mkstemp(path);
+    FILE *f;
+
+    (void)state;
+    assert_true(fd >= 0);
+    assert_non_null(f = fdopen(fd, "w"));
+    fputs(json, f);
+    fclose(f);
+    free(json);
+    assert_int_equal(dsv4_tok_load(&tok, path, DSV4_TOK_HF), DSV4_OK);
+    unlink(path);
+    assert_int_equal(dsv4_tok_encode(tok, "he", 2, 0, &a), DSV4_OK);      /* h | e */
+    assert_int_equal(dsv4_tok_encode(tok, "x\nhe", 4, 0, &b), DSV4_OK);   /* x | \n | h | e */
+    assert_int_equal(a.len, 2);
+    assert_true(b.len >= 2);
+    assert_int_equal(b.v[b.len - 2], a.v[0]);
+    assert_int_equal(b.v[b.len - 1], a.v[1]);
+    dsv4_tok_ids_free(&a);
+    dsv4_tok_ids_free(&b);
+    dsv4_tok_free(tok);
+}
+
 static void
 test_load_errors(void **state)
 {
@@ -145,12 +178,19 @@ test_load_errors(void **state)
     assert_null(tok);
     assert_non_null(strstr(dsv4_errmsg(), "/nonexistent/tokenizer.json"));
 
+    /* a directory opened and sought to LLONG_MAX: "too large" */
+    assert_int_equal(dsv4_tok_load(&tok, "/tmp", DSV4_TOK_HF), DSV4_ERR_TOKENIZER);
+    assert_non_null(strstr(dsv4_errmsg(), "/tmp is a directory"));
+
+    /* a half-downloaded file: said so (json-c's word was "continue") */
     trunc = strdup(tiny_json);
     trunc[strlen(trunc) / 2] = '\0';
     assert_int_equal(load_text(trunc, DSV4_TOK_HF), DSV4_ERR_TOKENIZER);
     assert_non_null(strstr(dsv4_errmsg(), "invalid JSON"));
+    assert_non_null(strstr(dsv4_errmsg(), "ends inside the JSON"));
     free(trunc);
     assert_int_equal(load_text("", DSV4_TOK_HF), DSV4_ERR_TOKENIZER);
+    assert_non_null(strstr(dsv4_errmsg(), "ends inside the JSON"));
     assert_int_equal(load_text("[1, 2]", DSV4_TOK_HF), DSV4_ERR_TOKENIZER);
 
     expect_reject("\"type\": \"BPE\"", "\"type\": \"WordPiece\"",
@@ -503,6 +543,7 @@ main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_line_anchors),
         cmocka_unit_test(test_basics),
         cmocka_unit_test(test_encode),
         cmocka_unit_test(test_long_pieces),
