@@ -6,34 +6,60 @@
 # present, else on the CPU backend — serve one request with dsv4-generate,
 # print it, and stop everything.
 #
-#   tools/run.sh [PROMPT]
+#   tools/run.sh [PROMPT...]      (several words are joined by spaces)
 #
 # Environment: DSV4_BUILD (build directory, default build), DSV4_MODEL
-# (checkpoint directory, default $DSV4_BUILD/model-small), DSV4_MAX_TOKENS
+# (checkpoint directory, default $DSV4_BUILD/model-small, made there when
+# missing; one named here must hold a checkpoint), DSV4_MAX_TOKENS
 # (default 32), DSV4_BACKEND (cpu or cuda; default: cuda when nvidia-smi lists
 # a GPU and the build has CUDA, else cpu).  The weights are random, so the text is not meaningful; the
 # point is the whole path: tokenizer, scheduler, prefill, decode-state
 # handoff, batched decode, streaming.  docs/operations.md runs the same set
 # under systemd.
 set -euo pipefail
+
+# paths given relative to the caller's directory, before the cd below
+abs() { case $1 in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
+[ -n "${DSV4_BUILD:-}" ] && DSV4_BUILD=$(abs "$DSV4_BUILD")
+[ -n "${DSV4_MODEL:-}" ] && DSV4_MODEL=$(abs "$DSV4_MODEL")
 cd "$(dirname "$0")/.."
 
-build=${DSV4_BUILD:-build}
-prompt=${1:-The capital of France is}
+build=${DSV4_BUILD:-$PWD/build}
+prompt="$*"
+[ -n "$prompt" ] || prompt="The capital of France is"
 max_tokens=${DSV4_MAX_TOKENS:-32}
+
+# run_logged LOG CMD...: CMD's output into LOG; on failure its tail and exit 1
+run_logged() {
+    local log=$1; shift
+    if ! "$@" >"$log" 2>&1; then
+        tail -40 "$log"
+        echo "run.sh: '$*' failed (the whole output: $log)" >&2
+        exit 1
+    fi
+}
 
 tools/setup.sh
 if [ ! -f "$build/build.ninja" ]; then
     # nvcc with header dependencies (tools/nvcc-deps.sh)
     mapfile -t native < <(tools/nvcc-deps.sh --native-args "$build.nvcc.ini")
-    meson setup "${native[@]}" "$build" >/dev/null
+    run_logged "$build.setup.log" meson setup "${native[@]}" "$build"
 fi
-ninja -C "$build" >/dev/null
+echo "run.sh: building in $build"
+run_logged "$build/run.sh-build.log" ninja -C "$build"
 
+# config.json is what dsv4-mkmodel writes last: a run stopped while it made
+# the model leaves none, and the model is made again.
 model=${DSV4_MODEL:-$build/model-small}
 if [ ! -f "$model/config.json" ]; then
+    if [ -n "${DSV4_MODEL:-}" ]; then
+        echo "run.sh: DSV4_MODEL=$model holds no checkpoint (no config.json)" >&2
+        exit 2
+    fi
     echo "run.sh: making a small checkpoint in $model"
-    "$build/tools/mkmodel/dsv4-mkmodel" --preset small --out "$model" >/dev/null
+    rm -rf "$model"
+    run_logged "$build/run.sh-mkmodel.log" "$build/tools/mkmodel/dsv4-mkmodel" --preset small \
+        --out "$model"
 fi
 
 backend=cpu
@@ -61,7 +87,7 @@ status=0
     --prefill-bin "$build/daemons/rank/dsv4-prefill" \
     --decode-bin "$build/daemons/rank/dsv4-decode" \
     -- "$build/tools/generate/dsv4-generate" -n "$max_tokens" -t 0 --usage \
-    "$prompt" || status=$?
+    -- "$prompt" || status=$?
 echo
 echo "run.sh: done (status $status)"
 exit $status

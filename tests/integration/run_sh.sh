@@ -11,7 +11,10 @@ src=$1
 build=$2
 n=8
 
-out=$(DSV4_BUILD="$build" DSV4_MAX_TOKENS=$n "$src/tools/run.sh" "Hello, world" 2>&1)
+# a prompt of several words, the first like an option: joined, and passed
+# after -- (it was taken as an option of dsv4-generate, after the whole
+# set had started)
+out=$(DSV4_BUILD="$build" DSV4_MAX_TOKENS=$n "$src/tools/run.sh" -5 degrees, world 2>&1)
 status=$?
 echo "$out"
 if [ $status -ne 0 ]; then
@@ -23,4 +26,5 @@ if ! grep -q "finish=length prompt_tokens=[0-9]* completion_tokens=$n\$" <<<"$ou
     exit 1
 fi
 grep -q '^run.sh: done (status 0)$' <<<"$out" || { echo "run_sh.sh: no 'done (status 0)'"; exit 1; }
+grep -q '^run.sh: prompt: -5 degrees, world$' <<<"$out" || { echo "run_sh.sh: the prompt not joined"; exit 1; }
 echo "run_sh.sh: PASS"

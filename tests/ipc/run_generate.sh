@@ -25,6 +25,22 @@ check usage "finish=length prompt_tokens=2 completion_tokens=3" \
 "$gen" -e "ipc://$dir/nobody.sock" --connect-timeout 100 x >/dev/null 2>&1; check unreachable 1 $?
 # a completion that cannot be written is a failure
 "$gen" -e "$ep" -n 5 abc >/dev/full 2>/dev/null; check full-stdout 1 $?
+# a reader gone (a pipe whose read end is closed): 1 with the reason, not
+# death by SIGPIPE (141)
+check closed-pipe "1 True" "$(python3 -c '
+import os, subprocess, sys
+r, w = os.pipe()
+os.close(r)
+p = subprocess.run(sys.argv[1:], stdout=w, stderr=subprocess.PIPE)
+print(p.returncode, b"standard output: Broken pipe" in p.stderr)' "$gen" -e "$ep" -n 5 abc)"
+# the completion's newline before --usage's line on one shared file
+check usage-order "abc
+finish=length prompt_tokens=3 completion_tokens=3" "$("$gen" -e "$ep" -n 3 --usage abc 2>&1)"
+# a 17th --stop: 2 with the reason (it was the bare usage); an endpoint of
+# no form: 2, a usage error, not 1
+"$gen" -e "$ep" $(printf -- '-S x %.0s' $(seq 17)) x >/dev/null 2>"$dir/err"
+check stop-limit "2 at most 16 --stop" "$? $(grep -o 'at most 16 --stop' "$dir/err")"
+"$gen" -e bogus x >/dev/null 2>&1; check bad-endpoint 2 $?
 # wait_live N: until the stand-in holds N requests ("__count__" answers
 # "live N"); dsv4-generate takes SIGINT before it submits
 wait_live() {

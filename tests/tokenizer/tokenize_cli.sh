@@ -78,6 +78,15 @@ expect repeat_zero 2 'repeat wants a count' -- "$tk" --bench "$tmp/docs" --repea
 expect repeat_overflow 2 'repeat wants a count' -- "$tk" --bench "$tmp/docs" --repeat 99999999999999999999
 expect unknown_option 2 'usage' -- "$tk" --frobnicate
 expect stray_argument 2 'usage' -- "$tk" --tokenizer "$json" extra
+# output that cannot be written: 1 with the reason (it was 1 in silence)
+printf 'hi\n' >"$tmp/hi"
+if "$tk" --tokenizer "$json" <"$tmp/hi" >/dev/full 2>"$tmp/err"; then
+    bad full_stdout "exit 0 with a full standard output"
+elif ! grep -q 'standard output: No space left' "$tmp/err"; then
+    bad full_stdout "stderr: $(head -c 300 "$tmp/err")"
+else
+    ok full_stdout
+fi
 
 [ $fail -eq 0 ] && echo "tokenize_cli: PASS"
 exit $fail

@@ -92,6 +92,11 @@ test_inventory_overrides(void **state)
     assert_non_null(strstr(out, "nosuch"));
     assert_int_equal(run(out, sizeof(out), "--preset tiny"), 2);
     assert_int_equal(run(out, sizeof(out), "--preset tiny --config x.json --inventory"), 2);
+    /* a seed is decimal from its first character: " -1" wrapped to 2^64 - 1,
+     * and 0x10 read as 16 (010 as 8, the same checkpoint as --seed 8) */
+    assert_int_equal(run(out, sizeof(out), "--preset tiny --seed ' -1' --inventory"), 2);
+    assert_non_null(strstr(out, "bad --seed"));
+    assert_int_equal(run(out, sizeof(out), "--preset tiny --seed 0x10 --inventory"), 2);
 }
 
 /* Whole file into memory. */

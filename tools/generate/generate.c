@@ -23,8 +23,9 @@
  * second Ctrl-C leaves at once, without waiting for the cancel's answer.
  *
  * Exit status: 0 done, 1 the request failed or was cancelled by the server
- * (dsv4ctl cancel), or standard output could not be written (status code
- * and message on stderr), 2 usage error, 130 cancelled by Ctrl-C.
+ * (dsv4ctl cancel), or standard output could not be written, a closed pipe
+ * included (status code and message on stderr; the request is cancelled),
+ * 2 usage error (an endpoint of no form too), 130 cancelled by Ctrl-C.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -78,8 +79,9 @@ usage(int status)
         "  -n, --max-tokens N     -t, --temperature T   -p, --top-p P   -k, --top-k K\n"
         "  -s, --seed S           -S, --stop STR (up to 16)   --stop-id ID (up to 64)\n"
         "  --ids                  the prompt is token ids (\"1 2 3\" or \"1,2,3\")\n"
-        "  --timeout MS           the request's deadline\n"
-        "  --connect-timeout MS   how long to wait for the scheduler\n"
+        "  --timeout MS           the request's deadline (0, the default: none)\n"
+        "  --connect-timeout MS   how long to wait for the scheduler (default 5000; 0:\n"
+        "                         no limit, waits for one that is not there yet)\n"
         "  --logprobs             \"id logprob\" per token on standard error\n"
         "  --top-logprobs N       as --logprobs, each line followed by the N (0 ... 20) most\n"
         "                         likely tokens of the position, best first, as\n"
@@ -248,7 +250,7 @@ main(int argc, char **argv)
     size_t n_ids = 0;
     uint64_t id;
     char *prompt;
-    int ch, rc, status = 1;
+    int ch, rc, status = 1, out_errno = 0;
 
     dsv4_client_params_init(&p);
     dsv4_client_opts_init(&o);
@@ -278,13 +280,17 @@ main(int argc, char **argv)
             p.has_seed = 1;
             break;
         case 'S':
-            if (p.n_stop == MAX_STOP)
-                usage(2);
+            if (p.n_stop == MAX_STOP) {
+                fprintf(stderr, "dsv4-generate: at most %d --stop\n", MAX_STOP);
+                exit(2);
+            }
             stop[p.n_stop++] = optarg;
             break;
         case OPT_STOP_ID:
-            if (p.n_stop_ids == MAX_STOP_IDS)
-                usage(2);
+            if (p.n_stop_ids == MAX_STOP_IDS) {
+                fprintf(stderr, "dsv4-generate: at most %d --stop-id\n", MAX_STOP_IDS);
+                exit(2);
+            }
             stop_ids[p.n_stop_ids++] = (int32_t)num(optarg, 0, 2147483647, "stop id");
             break;
         case OPT_IDS: as_ids = true; break;
@@ -321,11 +327,14 @@ main(int argc, char **argv)
     /* before the submit: a Ctrl-C from then on cancels the request (the
      * loop sends the CANCEL once it runs) */
     signal(SIGINT, on_sigint);
+    signal(SIGPIPE, SIG_IGN);   /* a closed reader: EPIPE, said and exit 1 */
     if ((rc = dsv4_client_connect(endpoint, &o, &c)) != 0) {
         const char *why = dsv4_client_errmsg(NULL);
 
         fprintf(stderr, "dsv4-generate: %s: %d %s%s%s\n", endpoint, rc, dsv4_client_strerror(rc),
             why[0] != '\0' ? ": " : "", why);
+        if (rc == DSV4_CLIENT_BAD_ARGUMENT)   /* an endpoint of no form: a usage error */
+            status = 2;
         goto out;
     }
     rc = as_ids ? dsv4_client_submit_tokens(c, ids, n_ids, &p, &id) :
@@ -350,8 +359,13 @@ main(int argc, char **argv)
             break;
         }
         if (ev.type == DSV4_CLIENT_EV_TOKENS) {
-            fputs(ev.text, stdout);
-            fflush(stdout);
+            /* a reader gone (a closed pipe: EPIPE, SIGPIPE being ignored)
+             * or a full disk: the rest would go nowhere; cancelled */
+            if ((fputs(ev.text, stdout) == EOF || fflush(stdout) != 0) && out_errno == 0) {
+                out_errno = errno != 0 ? errno : EIO;
+                (void)dsv4_client_cancel(c, id);
+                break;
+            }
             for (size_t i = 0; ev.logprobs != NULL && i < ev.n_tokens; i++) {
                 const int32_t *tids;
                 const float *tlps;
@@ -366,6 +380,7 @@ main(int argc, char **argv)
             static const char *const finish[] = { "?", "stop", "length", "cancelled" };
 
             putchar('\n');
+            fflush(stdout);   /* before the stderr line: a shared file keeps the order */
             if (show_usage)
                 fprintf(stderr, "finish=%s prompt_tokens=%u completion_tokens=%u\n",
                     finish[ev.finish >= 1 && ev.finish <= 3 ? ev.finish : 0], ev.prompt_tokens,
@@ -383,9 +398,12 @@ main(int argc, char **argv)
             break;
         }
     }
-    /* A completion that did not reach its reader is not a success. */
-    if (fflush(stdout) != 0 || ferror(stdout)) {
-        fprintf(stderr, "dsv4-generate: standard output: %s\n", strerror(errno));
+    /* A completion that did not reach its reader is not a success (the
+     * errno of the first failed write: later calls overwrite it). */
+    if ((fflush(stdout) != 0 || ferror(stdout)) && out_errno == 0)
+        out_errno = errno != 0 ? errno : EIO;
+    if (out_errno != 0) {
+        fprintf(stderr, "dsv4-generate: standard output: %s\n", strerror(out_errno));
         status = 1;
     }
 out:

@@ -527,8 +527,6 @@ write_checkpoint(const struct dsv4_config *cfg, const struct dsv4_inventory *inv
     e = make_dirs(dir);
     if (e != DSV4_OK)
         return e;
-    snprintf(path, sizeof(path), "%s/config.json", dir);
-    e = dsv4_config_write(cfg, path);
     /* shards are contiguous runs of the inventory */
     for (int first = 0; e == DSV4_OK && first < inv->n; ) {
         int last = first + 1;
@@ -539,6 +537,18 @@ write_checkpoint(const struct dsv4_config *cfg, const struct dsv4_inventory *inv
     }
     if (e == DSV4_OK)
         e = write_index(inv, dir);
+    /* config.json last, beside and renamed over the old one as the other
+     * files: a directory with it is a whole checkpoint (tools/run.sh makes
+     * one again where a stopped run left none) */
+    if (e == DSV4_OK) {
+        char tmp[4200];
+
+        snprintf(path, sizeof(path), "%s/config.json", dir);
+        snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+        e = dsv4_config_write(cfg, tmp);
+        if (e == DSV4_OK && rename(tmp, path) != 0)
+            e = dsv4_err_set(DSV4_ERR_SYS, "%s: rename: %s", path, strerror(errno));
+    }
     free(g.f);
     free(g.bytes);
     free(g.stash);
@@ -604,8 +614,10 @@ main(int argc, char **argv)
             break;
         case 'S':
             errno = 0;
-            seed = strtoull(optarg, &end, 0);
-            if (errno != 0 || end == optarg || *end != '\0' || optarg[0] == '-') {
+            /* decimal (base 0 read 010 as 8), a digit first (" -1" wrapped) */
+            seed = strtoull(optarg, &end, 10);
+            if (errno != 0 || end == optarg || *end != '\0' || optarg[0] < '0' ||
+                optarg[0] > '9') {
                 fprintf(stderr, "dsv4-mkmodel: bad --seed '%s'\n", optarg);
                 return 2;
             }

@@ -364,7 +364,10 @@ main(int argc, char **argv)
     else
         rc = encode_lines(tok, flags, hex);
     dsv4_tok_free(tok);
-    if (fflush(stdout) != 0)
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "dsv4-tokenize: standard output: %s\n",
+            strerror(errno != 0 ? errno : EIO));
         rc = 1;
+    }
     return rc;
 }
