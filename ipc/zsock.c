@@ -324,7 +324,15 @@ dsv4_zsock_open(void *zctx, const struct dsv4_zsock_cfg *cfg, enum dsv4_err *err
         e = dsv4_err_set(DSV4_ERR_SYS, "zmq_socket: %s", zmq_strerror(errno));
         goto fail;
     }
+    /* before the connect: libzmq's I/O thread may report the connection
+     * before a monitor attached after it listens */
+    if (cfg->mon != NULL)
+        *cfg->mon = dsv4_zsock_mon_open(zctx, s, cfg->mon_events);
     if ((e = zsock_setup(s, cfg, ep, bind)) != DSV4_OK) {
+        if (cfg->mon != NULL) {
+            dsv4_zsock_mon_close(s, *cfg->mon);
+            *cfg->mon = NULL;
+        }
         zmq_close(s);
         goto fail;
     }

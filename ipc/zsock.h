@@ -50,10 +50,17 @@ struct dsv4_zsock_cfg {
     int heartbeat_ms;       /* ZMTP heartbeats (IVL; TIMEOUT/TTL = 3x); 0 = off */
     int hwm;                /* send and receive high-water marks; 0 = default */
     int64_t maxmsgsize;     /* ZMQ_MAXMSGSIZE; default body limit + 1 MiB; -1 = none */
+    void **mon;             /* not NULL: a monitor of the events mon_events
+                               (dsv4_zsock_mon_open) attached BEFORE the bind or
+                               connect, so that none of its events is missed,
+                               into *mon (NULL when it could not be made; closed
+                               with the socket when the open fails) */
+    int mon_events;
 };
 
 /* Defaults: no endpoint, DEALER, connect, fd -1, CURVE AUTO, key_dir NULL,
- * mode 0, no heartbeat, default HWM, maxmsgsize as documented above. */
+ * mode 0, no heartbeat, default HWM, maxmsgsize as documented above, no
+ * monitor. */
 void dsv4_zsock_cfg_init(struct dsv4_zsock_cfg *cfg);
 
 /*

@@ -359,6 +359,32 @@ def nobody_there(paths, tmp):
         raise Fail("dsv4ctl drain against nobody still waiting after %d s" % RUN_TIMEOUT_S)
     check(r.returncode == 3 and "no answer" in r.stderr,
           "dsv4ctl drain against nobody: exit %d: %s" % (r.returncode, r.stderr))
+    # with a --timeout too: no connection is no answer in 5 s, not at the
+    # end of the drain's limit (it waited 25 s for --timeout 20)
+    t0 = time.time()
+    r = subprocess.run([paths["dsv4ctl"], "--admin", ep, "drain", "all", "--timeout", "20"],
+                       capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    check(r.returncode == 3 and "no connection" in r.stderr and time.time() - t0 < 15,
+          "dsv4ctl drain --timeout 20 against nobody: exit %d after %.1f s: %s" %
+          (r.returncode, time.time() - t0, r.stderr))
+    # a socket that accepts and never greets (a listener a service manager
+    # holds with no scheduler behind it): no connection either (it waited
+    # for ever: the socket's connect was taken for the scheduler's)
+    import socket
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    spath = os.path.join(tmp, "silent-admin.sock")
+    silent.bind(spath)
+    silent.listen(8)
+    try:
+        r = subprocess.run([paths["dsv4ctl"], "--admin", "ipc://" + spath, "drain", "all"],
+                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise Fail("dsv4ctl drain against a silent listener still waiting after %d s" %
+                   RUN_TIMEOUT_S)
+    finally:
+        silent.close()
+    check(r.returncode == 3 and "no connection" in r.stderr,
+          "dsv4ctl drain against a silent listener: exit %d: %s" % (r.returncode, r.stderr))
     for what in ("ranks", "requests"):
         r = subprocess.run([paths["dsv4ctl"], "--json", "--admin", ep, what],
                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

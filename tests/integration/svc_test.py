@@ -2018,8 +2018,11 @@ def sc_launch():
         wait_for(lambda: "sched EXIT signal=9" in readf(nlog), "SIGKILL after a start timeout")
         wait_for(lambda: len(reports_safe(d)) >= 2, "restart after a start timeout")
         p.send_signal(signal.SIGTERM)
-        # (d) the set's stop: the child still ignores SIGTERM, SIGKILL after -t 1
-        check(p.wait(WAIT_S) == 0, "launcher exit status after a stop timeout")
+        # (d) the set's stop: the child still ignores SIGTERM, SIGKILL after
+        # -t 1, and the stop is not a clean one: exit 1 (systemd marks a
+        # unit killed at TimeoutStopSec= failed; it was 0)
+        check(p.wait(WAIT_S) == 1, "launcher exit status after a stop timeout: %s" %
+              p.returncode)
         err = p.stderr.read()
         check("sched not ready in time; SIGTERM" in err and
               "sched did not stop in time; SIGKILL" in err and
@@ -2046,7 +2049,8 @@ def sc_launch():
         nlog = os.path.join(d, "n11f")
         p = run({"FAKE_RANK_IGNORE_TERM": "1", "FAKE_STOP_AFTER_S": "1"},
                 args=["-P", "0", "-D", "1", "-w", "0", "-t", "2", "--", "true"], nlog=nlog)
-        check(p.wait(WAIT_S) == 0, "a rank deaf to SIGTERM: launcher exit %s" % p.returncode)
+        check(p.wait(WAIT_S) == 1, "a rank deaf to SIGTERM: launcher exit %s, want 1 (killed)"
+              % p.returncode)
         check("decode@0 EXIT signal=9" in readf(nlog) and "sched EXIT exit=0" in readf(nlog),
               "the scheduler killed before its SIGTERM: %s" % readf(nlog))
         # (g) ... and its SIGTERM, after the ranks took 2 s of -t 3, brings
@@ -2059,6 +2063,24 @@ def sc_launch():
         check("decode@0 EXIT exit=0" in readf(nlog) and "sched EXIT exit=0" in readf(nlog),
               "the scheduler's stop timeout did not start at its SIGTERM: %s" % readf(nlog))
         log("launch: the scheduler's stop timeout starts at its SIGTERM: ok")
+        # (h) A rank that stops on its own (a SIGTERM from elsewhere: its
+        # STOPPING=1) and hangs: SIGKILL after -t 2, a failure, restarted
+        # (it kept running with no deadline).
+        os.unlink(os.path.join(d, "rep"))
+        nlog = os.path.join(d, "n11h")
+        p = run({"FAKE_RANK_STOP_AFTER_S": "1000"},
+                args=["-P", "0", "-D", "1", "-w", "0", "-t", "2", "-r", "50"], nlog=nlog)
+        wait_for(lambda: re.search(r"decode@0 NOTIFY .*READY=1", readf(nlog)), "the rank ready")
+        rank = [r for r in reports_safe(d) if "--rank" in r["argv"]][0]
+        os.kill(rank["pid"], signal.SIGTERM)
+        wait_for(lambda: "decode@0 EXIT signal=9" in readf(nlog), "SIGKILL of a stopping rank")
+        wait_for(lambda: len([r for r in reports_safe(d) if "--rank" in r["argv"]]) == 2,
+                 "the killed rank restarted")
+        p.send_signal(signal.SIGTERM)
+        p.wait(WAIT_S)
+        check("decode@0 did not stop in time; SIGKILL" in p.stderr.read(),
+              "no 'did not stop in time' line")
+        log("launch: a rank stopping on its own is killed after -t and restarted: ok")
 
         # 9. An exit before READY=1 fails the start whatever its status
         # (systemd's result "protocol"): exit 0 before READY is restarted

@@ -39,6 +39,7 @@
 #include "ipc/zsock.h"
 
 #define CTL_TIMEOUT_MS 5000 /* answer wait for everything but drain */
+#define CTL_HEARTBEAT_MS 1000 /* ZMTP pings: a silent peer is gone after 3 s */
 
 struct ctl {
     void *zctx, *sock;
@@ -151,10 +152,12 @@ enum mon_news {
     ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | \
     ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
-/* Read the monitor's pending events.  With CURVE a connection counts once
- * its handshake succeeded: a scheduler that closes the connection during
- * the handshake refused our key (its server.pub is not ours), which is
- * not a dropped connection. */
+/* Read the monitor's pending events.  A connection counts once its ZMTP
+ * handshake succeeded (libzmq reports it for the NULL mechanism too): a
+ * socket that accepts and never greets (a listener held by a service
+ * manager with no scheduler behind it) is no scheduler.  With CURVE a
+ * scheduler that closes the connection during the handshake refused our
+ * key (its server.pub is not ours), which is not a dropped connection. */
 static enum mon_news
 mon_read(struct ctl *c)
 {
@@ -162,7 +165,7 @@ mon_read(struct ctl *c)
     int ev;
 
     while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0) {
-        if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED || (ev == ZMQ_EVENT_CONNECTED && !c->curve))
+        if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
             c->connected = true;
         else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ||
                  ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
@@ -176,9 +179,11 @@ mon_read(struct ctl *c)
 }
 
 /* Wait for one message; wait_ms < 0 = forever once connected (a drain's
- * answer), but CTL_TIMEOUT_MS at most for the connection itself: an
- * endpoint nobody listens on (a typo, no permission, the scheduler down)
- * is "no answer", not a wait without end.  0 ok, 3 no answer. */
+ * answer), but CTL_TIMEOUT_MS at most for the connection itself, whatever
+ * wait_ms: an endpoint nobody serves (a typo, no permission, the scheduler
+ * down) is "no answer" in 5 s, not at the end of a drain's --timeout.
+ * Heartbeats (CTL_HEARTBEAT_MS) end the wait on a scheduler that stops
+ * answering once connected (stopped, its host gone).  0 ok, 3 no answer. */
 static int
 recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
 {
@@ -189,23 +194,41 @@ recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
 
     for (;;) {
         zmq_pollitem_t its[2] = { it, { c->mon, 0, ZMQ_POLLIN, 0 } };
-        long w = wait_ms, left = CTL_TIMEOUT_MS - (long)(dsv4_now_ms() - start);
+        long now = (long)(dsv4_now_ms() - start), w = wait_ms < 0 ? -1 : wait_ms - now;
+        long left = CTL_TIMEOUT_MS - now;
+        bool bounded_by_connect = false;
         int rc;
 
-        if (wait_ms < 0 && c->mon != NULL && !c->connected) {
+        if (wait_ms >= 0 && w <= 0) {
+            fprintf(stderr, "dsv4ctl: no answer from the scheduler\n");
+            return 3;
+        }
+        if (c->mon != NULL && !c->connected) {
             if (left <= 0) {
                 fprintf(stderr, "dsv4ctl: no answer from the scheduler (no connection "
                     "within %d ms)\n", CTL_TIMEOUT_MS);
                 return 3;
             }
-            w = left;
+            if (w < 0 || left < w) {
+                w = left;
+                bounded_by_connect = true;
+            }
         }
         rc = zmq_poll(its, c->mon != NULL ? 2 : 1, w);
-        if (rc == 0 && w != wait_ms)
-            continue;   /* the connection's bound, checked above */
+        if (rc == 0 && (bounded_by_connect || wait_ms >= 0))
+            continue;   /* the bounds, checked above */
         if (rc <= 0) {
             fprintf(stderr, "dsv4ctl: no answer from the scheduler\n");
             return 3;
+        }
+        /* an answer first: a scheduler that answered, then went away (a
+         * drain's "drained", then its stop) did answer */
+        while (its[0].revents & ZMQ_POLLIN) {
+            if (dsv4_zsock_recv(c->sock, NULL, m, &pe, ZMQ_DONTWAIT) != DSV4_OK)
+                break;
+            if (m->sub == DSV4_SUB_CTL)
+                return 0;
+            dsv4_msg_clear(m);
         }
         if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN) &&
             (news = mon_read(c)) != MON_NOTHING) {
@@ -222,15 +245,10 @@ recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
             /* the scheduler that had the command went away (a restart):
              * no answer will come, whatever a new one does */
             fprintf(stderr, "dsv4ctl: the connection to the scheduler dropped while waiting "
-                "for its answer (a scheduler restart?); the outcome is unknown: see "
-                "dsv4ctl status\n");
+                "for its answer (a scheduler restart, or one that stopped answering); the "
+                "outcome is unknown: see dsv4ctl status\n");
             return 3;
         }
-        if (!(its[0].revents & ZMQ_POLLIN))
-            continue;
-        if (dsv4_zsock_recv(c->sock, NULL, m, &pe, 0) == DSV4_OK && m->sub == DSV4_SUB_CTL)
-            return 0;
-        dsv4_msg_clear(m);
     }
 }
 
@@ -592,14 +610,37 @@ main(int argc, char *argv[])
     if (optind >= argc)
         usage(2);
     cmd = argv[optind++];
+    /* named at once, before the configuration and the socket (whose
+     * faults would otherwise be reported first) */
+    {
+        static const char *const cmds[] = { "status", "ranks", "requests", "drain",
+            "undrain", "cancel", "reload", "keygen" };
+        bool known = false;
+
+        for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++)
+            known = known || strcmp(cmd, cmds[i]) == 0;
+        if (!known) {
+            fprintf(stderr, "dsv4ctl: unknown command '%s'\n", cmd);
+            usage(2);
+        }
+    }
     if (optind < argc) {
         if (strcmp(cmd, "drain") != 0 && strcmp(cmd, "undrain") != 0 &&
-            strcmp(cmd, "keygen") != 0 && strcmp(cmd, "cancel") != 0)
+            strcmp(cmd, "keygen") != 0 && strcmp(cmd, "cancel") != 0) {
+            fprintf(stderr, "dsv4ctl: %s takes no argument ('%s')\n", cmd, argv[optind]);
             usage(2);
+        }
         target = argv[optind++];
     }
-    if (optind != argc)
+    if (optind != argc) {
+        fprintf(stderr, "dsv4ctl: %s: one argument at most ('%s' is one too many)\n", cmd,
+                argv[optind]);
         usage(2);
+    }
+    if (timeout_s > 0 && strcmp(cmd, "drain") != 0) {
+        fprintf(stderr, "dsv4ctl: --timeout is drain's; %s has none\n", cmd);
+        usage(2);
+    }
     if ((strcmp(cmd, "drain") == 0 || strcmp(cmd, "undrain") == 0) && target != NULL &&
         strlen(target) > DSV4_PROTO_MAX_TARGET) {
         /* the protocol's bound (docs/protocol.md §7): the encoder refused it
@@ -670,6 +711,10 @@ main(int argc, char *argv[])
     zc.endpoint = endpoint;
     zc.key_dir = conf.key_dir;
     zc.type = ZMQ_DEALER;
+    zc.heartbeat_ms = CTL_HEARTBEAT_MS;
+    /* attached before the connect: an event before it would be lost */
+    zc.mon = &c.mon;
+    zc.mon_events = MON_EVENTS;
     if ((c.sock = dsv4_zsock_open(c.zctx, &zc, NULL)) == NULL) {
         fprintf(stderr, "dsv4ctl: %s: %s\n", endpoint, dsv4_errmsg());
         zmq_ctx_term(c.zctx);
@@ -679,7 +724,6 @@ main(int argc, char *argv[])
      * notice a scheduler restart. */
     c.curve = strncmp(endpoint + (endpoint[0] == '>'), "tcp://", 6) == 0;
     c.key_dir = conf.key_dir;
-    c.mon = dsv4_zsock_mon_open(c.zctx, c.sock, MON_EVENTS);
     if (strcmp(cmd, "status") == 0)
         rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
     else if (strcmp(cmd, "ranks") == 0)

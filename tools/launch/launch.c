@@ -21,7 +21,8 @@
  * their units does under systemd).
  *
  * Exit status: 0 after a clean stop; the command's status with `--`; 1 when
- * a child hit its start limit or the setup failed; 2 usage error; 6 a
+ * a child hit its start limit, the setup failed, or the stop was not clean
+ * (a daemon killed after -t, or failing while it stopped); 2 usage error; 6 a
  * configuration fault (common/cli.h).  A child that exits 2 or 6 is not
  * restarted: the set stops with that status.
  */
@@ -87,7 +88,8 @@ usage(int status)
         "  -h, --help           this help\n"
         "      --version        the version\n"
         "Exit status: 0 after a clean stop (or COMMAND's), 1 a child hit its start\n"
-        "limit or the set-up failed, 2 usage, 6 the configuration; a child that exits\n"
+        "limit, the set-up failed or the stop was not clean (a daemon killed after -t,\n"
+        "or failing as it stopped), 2 usage, 6 the configuration; a child that exits\n"
         "2 or 6 is not restarted: the set stops with its status.\n", status);
 }
 
@@ -148,7 +150,7 @@ parse_args(struct launch *l, int argc, char **argv)
         case 'r': o->restart_ms = num_arg(optarg, 0, 3600000, "-r"); break;
         case 'T': o->start_timeout_ms = num_arg(optarg, 0, 86400, "-T") * 1000; break;
         case 't': o->stop_timeout_ms = num_arg(optarg, 1, 86400, "-t") * 1000; break;
-        case 'v': o->verbose++; break;
+        case 'v': o->verbose += o->verbose < 2; break;   /* -vv: debug, the most */
         case OPT_SCHED_BIN: o->bin[LAUNCH_SCHED] = optarg; break;
         case OPT_PREFILL_BIN: o->bin[LAUNCH_PREFILL] = optarg; break;
         case OPT_DECODE_BIN: o->bin[LAUNCH_DECODE] = optarg; break;
@@ -422,6 +424,12 @@ main(int argc, char **argv)
     }
     launch_loop(&l);
     cleanup(&l);
+    /* 0 means a clean stop: not one that needed SIGKILL, or in which a
+     * daemon failed (systemd would mark those units failed) */
+    if (l.exit_code == 0 && l.stop_unclean) {
+        log_warnx("main: the stop was not clean (a daemon killed or failed): exit 1");
+        l.exit_code = 1;
+    }
     log_info("main: stopped, exit %d", l.exit_code);
     return l.exit_code;
 }

@@ -66,6 +66,9 @@ struct launch_child {
     bool gave_up;                    /* start limit hit, or exit 2 / 6 */
     bool timed_out;                  /* killed for a start or watchdog timeout:
                                         a failure whatever the exit status */
+    bool stop_due;                   /* STOPPING=1 outside a set stop: its
+                                        watchdog_deadline_ms is the stop's
+                                        (TimeoutStopSec=), then SIGKILL */
     int64_t start_deadline_ms;       /* READY expected by then; 0 = n/a */
     int64_t watchdog_deadline_ms;    /* next WATCHDOG=1 due; 0 = off */
     int64_t restart_at_ms;           /* 0 = no restart pending */
@@ -119,6 +122,9 @@ struct launch {
     int exit_code;
     bool gave_up;                    /* a child's give-up set exit_code: the
                                         command's status does not replace it */
+    bool stop_unclean;               /* the set's stop needed SIGKILL, or a
+                                        daemon failed while it stopped: exit 1
+                                        where it would be 0 */
     pid_t self;                      /* the launcher's pid (its children's
                                         parent; 1 in a container) */
     FILE *notify_log;

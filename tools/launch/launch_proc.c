@@ -104,6 +104,15 @@ proc_exec(struct launch *l, struct launch_child *k)
     sigset_t none;
     int fd0, fd1;
 
+    /* a daemon in a process group of its own: a terminal's SIGHUP or SIGINT
+     * (its session closed, Ctrl-C) reaches the launcher, which stops or
+     * reloads as documented, not the ranks (a rank killed by SIGHUP counted
+     * as a clean exit and was never restarted).  The command stays in the
+     * launcher's group, the terminal's foreground.  Set before any signal
+     * is let in (a Ctrl-C between fork and exec reached it), and by the
+     * parent as well, whichever runs first. */
+    if (k->role != LAUNCH_COMMAND)
+        (void)setpgid(0, 0);
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     prctl(PR_SET_PDEATHSIG, k->role == LAUNCH_COMMAND ? SIGHUP : SIGTERM);
@@ -112,13 +121,6 @@ proc_exec(struct launch *l, struct launch_child *k)
      * point, is every child's parent) */
     if (getppid() != l->self)
         _exit(1);
-    /* a daemon in a process group of its own: a terminal's SIGHUP or SIGINT
-     * (its session closed, Ctrl-C) reaches the launcher, which stops or
-     * reloads as documented, not the ranks (a rank killed by SIGHUP counted
-     * as a clean exit and was never restarted).  The command stays in the
-     * launcher's group, the terminal's foreground. */
-    if (k->role != LAUNCH_COMMAND)
-        (void)setpgid(0, 0);
     /* the launcher ignores SIGPIPE (as systemd's IgnoreSIGPIPE= does for
      * the daemons); the command gets the default, as from a shell */
     if (k->role == LAUNCH_COMMAND)
@@ -178,12 +180,15 @@ proc_start(struct launch *l, struct launch_child *k)
     }
     if (pid == 0)
         proc_exec(l, k);
+    if (k->role != LAUNCH_COMMAND)
+        (void)setpgid(pid, pid);   /* (EACCES once it has exec'd: set by then) */
     k->pid = pid;
     k->ready = false;
     k->started = false;
     k->stopping = false;
     k->hup_due = false;      /* a new process reads the configuration anyway */
     k->timed_out = false;
+    k->stop_due = false;
     k->restart_at_ms = 0;
     k->watchdog_deadline_ms = 0;
     k->start_deadline_ms = k->role == LAUNCH_COMMAND || l->o.start_timeout_ms == 0 ?
@@ -249,6 +254,11 @@ proc_exited(struct launch *l, struct launch_child *k, int status)
     }
     if (l->stopping) {
         log_info("proc_exited: %s %s (stopping)", k->name, how);
+        /* systemd marks a unit failed that fails while it stops */
+        if (proc_failed(status) || k->timed_out) {
+            log_warnx("proc_exited: %s failed while the set stopped", k->name);
+            l->stop_unclean = true;
+        }
         proc_stop_sched(l);
         return;
     }
@@ -370,11 +380,20 @@ proc_notify_line(struct launch *l, struct launch_child *k, const char *line)
         }
         k->hup_due = false;
     } else if (strcmp(line, "WATCHDOG=1") == 0) {
-        if (l->o.watchdog_ms > 0 && k->ready)
+        /* while it runs, a reload (RELOADING=1 .. READY=1) included, as
+         * systemd counts them; not once it stops */
+        if (l->o.watchdog_ms > 0 && k->watchdog_deadline_ms != 0 && !k->stopping)
             k->watchdog_deadline_ms = now + l->o.watchdog_ms;
     } else if (strcmp(line, "STOPPING=1") == 0) {
         k->stopping = true;
         k->watchdog_deadline_ms = 0;
+        /* stopping on its own (a SIGTERM from elsewhere): systemd's
+         * TimeoutStopSec= from here on, then SIGKILL, a failure; in a set
+         * stop, the set's deadline rules */
+        if (!l->stopping && !k->stop_due) {
+            k->stop_due = true;
+            k->watchdog_deadline_ms = now + l->o.stop_timeout_ms;
+        }
     } else if (strncmp(line, "STATUS=", 7) == 0) {
         log_info("proc_notify: %s: %s", k->name, line + 7);
     } else if (strncmp(line, "EXTEND_TIMEOUT_USEC=", 20) == 0) {
@@ -425,6 +444,7 @@ proc_timers(struct launch *l, int64_t now)
                 if (l->kids[i].pid != 0 && !(i == 0 && l->sched_term_due)) {
                     log_warnx("proc_timers: SIGKILL %s", l->kids[i].name);
                     kill(l->kids[i].pid, SIGKILL);
+                    l->stop_unclean = true;
                 }
             l->stop_deadline_ms = now + 1000;
         }
@@ -452,11 +472,13 @@ proc_timers(struct launch *l, int64_t now)
         } else if (k->start_deadline_ms != 0)
             NEXT(k->start_deadline_ms);
         if (k->watchdog_deadline_ms != 0 && now >= k->watchdog_deadline_ms) {
-            if (k->timed_out)
+            bool kill9 = k->timed_out || k->stop_due;
+
+            if (kill9)
                 log_warnx("proc_timers: %s did not stop in time; SIGKILL", k->name);
             else
                 log_warnx("proc_timers: %s watchdog timeout; SIGABRT", k->name);
-            kill(k->pid, k->timed_out ? SIGKILL : SIGABRT);
+            kill(k->pid, kill9 ? SIGKILL : SIGABRT);
             k->timed_out = true;
             k->watchdog_deadline_ms = now + l->o.stop_timeout_ms;
             k->ready = false;
