@@ -76,7 +76,7 @@ def run(wf, epi, NWG, BN, K, ntok, ng=1, R=0):
                 if wf == FP4: src = W[m][wr, kb * 64 + c * 16: kb * 64 + c * 16 + 16]
                 elif wf == FP8: src = W[m][wr, kb * 128 + c * 16: kb * 128 + c * 16 + 16]
                 else: src = W[m][wr, kb * 256 + c * 16: kb * 256 + c * 16 + 16]
-                o = fw_a_off(wf, r, c); assert (sa[o:o + 16] == 0).all() or True
+                o = fw_a_off(wf, r, c); assert (sa[o:o + 16] == 0).all()
                 sa[o:o + 16] = src
             if wf == FP4:
                 for t in range(RA):

@@ -571,7 +571,10 @@ run_abort(struct dsv4_backend *be)
         printf("  child died (%s); sync returned %.1f ms after the abort; check: %s\n",
                WIFSIGNALED(w.status) && WTERMSIG(w.status) == SIGKILL ? "SIGKILL" : "other",
                t_ret - w.t_abort, ce == DSV4_OK ? "OK (wrong)" : dsv4_errmsg());
-        if (t_ret - w.t_abort > 1000.0 || ce != DSV4_ERR_CANCELED)
+        /* the time is reported, not bounded (no timing thresholds in
+         * tests): a sync that never returns is caught by the run's
+         * timeout */
+        if (ce != DSV4_ERR_CANCELED)
             ok = 0;
     }
     if (c->ops->allreduce_sum(c, be, x, 16) == DSV4_OK) {

@@ -15,6 +15,9 @@ As a program:
 import sys
 import time
 
+if not __debug__:   # its checks are asserts: under -O / PYTHONOPTIMIZE none would run
+    sys.exit("pyclient.py: run without -O (PYTHONOPTIMIZE): its checks are asserts")
+
 import msgpack
 import zmq
 

@@ -81,10 +81,14 @@ tmodel_max_diff(const float *a, const float *b, int64_t n, double *max_abs_a)
 
     for (int64_t i = 0; i < n; i++) {
         double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= md))      /* also catches NaN */
+        /* a NaN on either side is infinitely far: kept as such (a NaN in
+         * md was replaced by the next finite difference) */
+        if (isnan(d))
+            d = INFINITY;
+        if (d > md)
             md = d;
-        if (fabs(a[i]) > ma)
-            ma = fabs(a[i]);
+        if (fabs(a[i]) > ma || isnan(a[i]))
+            ma = isnan(a[i]) ? INFINITY : fabs(a[i]);
     }
     if (max_abs_a != NULL)
         *max_abs_a = ma;

@@ -31,7 +31,8 @@ void tmodel_close(struct tmodel *t);
 /* Deterministic token ids in [0, V). */
 void tmodel_tokens(int32_t *ids, int n, int V, uint64_t seed);
 
-/* Largest |a - b| over n values, and largest |a|. */
+/* Largest |a - b| over n values, and largest |a|; a NaN on either side
+ * counts as infinite (a check against a bound then fails). */
 double tmodel_max_diff(const float *a, const float *b, int64_t n, double *max_abs_a);
 
 #endif

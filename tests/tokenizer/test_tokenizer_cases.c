@@ -291,5 +291,7 @@ main(int argc, char **argv)
     free(text);
     free(want);
     dsv4_tok_free(tok);
-    return nfail == 0 ? 0 : 1;
+    if (ncases == 0)   /* an empty fixture checks nothing: not a pass */
+        fprintf(stderr, "%s: no cases\n", argv[2]);
+    return nfail == 0 && ncases > 0 ? 0 : 1;
 }
