@@ -858,14 +858,33 @@ rank_synthetic_config(const struct rank_opts *o, struct dsv4_config *cfg)
     return e;
 }
 
+/* Whether the scheduler's endpoint cannot be used as configured (its form;
+ * for tcp://, the CURVE key file), with the message set: for -n and the
+ * start alike (a start retried the connect every second for ever). */
+static bool
+rank_endpoint_fault(const struct rank_opts *o)
+{
+    struct dsv4_zsock_cfg zc;
+
+    dsv4_zsock_cfg_init(&zc);
+    zc.endpoint = o->conf.rank_endpoint;
+    zc.type = ZMQ_DEALER;
+    zc.key_dir = o->conf.key_dir;
+    return dsv4_zsock_check(&zc) != DSV4_OK;
+}
+
 /* The backend faults found without a device, for -n and the start alike:
  * backend cuda on a build without CUDA, synthetic weights off the cuda
- * backend.  Both are the configuration's (exit DSV4_EXIT_CONFIG, which the
- * units' RestartPreventExitStatus= does not restart).  Returns NULL or the
+ * backend, a group `comm` the backend cannot use, kv_cudaipc = yes off the
+ * cuda backend, ucx = yes on a build without UCX.  All are the
+ * configuration's (exit DSV4_EXIT_CONFIG, which the units'
+ * RestartPreventExitStatus= does not restart; they exited 1 at the start,
+ * restarted to the start limit, and passed -n).  Returns NULL or the
  * fault's text. */
 static const char *
 rank_backend_fault(const struct rank_opts *o)
 {
+    static char why[320];
     bool cuda = strcmp(o->conf.backend, "cuda") == 0;
 
 #ifndef DSV4_HAVE_CUDA
@@ -874,6 +893,17 @@ rank_backend_fault(const struct rank_opts *o)
 #endif
     if (o->synthetic && !cuda)
         return "--synthetic-weights needs the cuda backend";
+    if (o->group_size > 1 &&
+        dsv4_comm_pick(o->conf.comm, o->conf.backend, 1, (int)o->group_size) == DSV4_COMM_NONE) {
+        snprintf(why, sizeof(why), "comm: %s", dsv4_errmsg());
+        return why;
+    }
+    if (strcmp(o->conf.kv_cudaipc, "yes") == 0 && !cuda)
+        return "kv_cudaipc = yes needs the cuda backend";
+#ifndef DSV4_HAVE_UCX
+    if (strcmp(o->conf.ucx, "yes") == 0)
+        return "ucx = yes: this build has no UCX";
+#endif
     return NULL;
 }
 
@@ -954,16 +984,11 @@ static void
 rank_check(const struct rank_opts *o)
 {
     const char *role = dsv4_role_name(RANK_ROLE);
-    struct dsv4_zsock_cfg zc;
     struct dsv4_weights w;
     struct dsv4_config cfg;
     const char *fault;
 
-    dsv4_zsock_cfg_init(&zc);
-    zc.endpoint = o->conf.rank_endpoint;
-    zc.type = ZMQ_DEALER;
-    zc.key_dir = o->conf.key_dir;
-    if (dsv4_zsock_check(&zc) != DSV4_OK) {
+    if (rank_endpoint_fault(o)) {
         fprintf(stderr, "dsv4-%s: rank_endpoint: %s\n", role, dsv4_errmsg());
         exit(DSV4_EXIT_CONFIG);
     }
@@ -1365,6 +1390,8 @@ rank_init_model(struct rank *k)
 
     if (fault != NULL)
         fatalx_conf("rank_init: %s", fault);
+    if (rank_endpoint_fault(&k->o))
+        fatalx_conf("rank_init: rank_endpoint: %s", dsv4_errmsg());
     sdnotify_status("creating the %s backend", k->o.conf.backend);
     num = strcmp(k->o.conf.numerics, "hf") == 0 ? DSV4_NUMERICS_HF : DSV4_NUMERICS_REF;
 #ifdef DSV4_HAVE_CUDA

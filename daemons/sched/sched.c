@@ -157,8 +157,12 @@ open_router(struct sched *s, const char *what, const char *ep, int fd, unsigned 
     }
     if ((sock = dsv4_zsock_open(s->zctx, &zc, NULL)) == NULL) {
         /* the endpoint's form, its directory, its key: the configuration's
-         * fault; anything else (an address in use) a new start may not meet */
-        if (fd < 0 && dsv4_zsock_check(&zc) != DSV4_OK)
+         * fault; anything else (an address in use) a new start may not meet.
+         * An adopted TCP socket still reads its CURVE key (exit 6 too: it
+         * was 1, restarted in a loop); an adopted unix socket's directory is
+         * the socket unit's business, not checked */
+        if ((fd < 0 || strncmp(zc.endpoint, "tcp://", 6) == 0) &&
+            dsv4_zsock_check(&zc) != DSV4_OK)
             fatalx_conf("%s socket: %s", what, dsv4_errmsg());
         fatalx("%s socket: %s", what, dsv4_errmsg());
     }

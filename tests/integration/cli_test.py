@@ -242,6 +242,15 @@ def checks(paths, conf, tmp):
         ([dec, "-n", "-f", conf, "--checkpoint", ctx64, "--max-seq", "64"], 0,
          r"configuration OK"),
     ]
+    # backend faults the start exited 1 on (restarted to the start limit)
+    # and -n passed: a comm the backend cannot use, kv_cudaipc = yes off
+    # cuda
+    cases += [
+        ([dec, "-n", "-f", conf, "-o", "backend=cpu", "-o", "comm=nccl", "-o", "group_size=2"],
+         6, r"comm: .*nccl"),
+        ([dec, "-n", "-f", conf, "-o", "backend=cpu", "-o", "kv_cudaipc=yes"], 6,
+         r"kv_cudaipc = yes needs the cuda backend"),
+    ]
     # a FIFO in place of a shard, the index or config.json: refused at once
     # as not a regular file (it blocked the load for ever)
     for d, fifo in fifo_checkpoints(conf, tmp):
@@ -284,6 +293,14 @@ def checks(paths, conf, tmp):
         ([dec, "-f", conf, "-o", "mtp=yes", "--slots", "1024"], r"1\.\.512 supported"),
         ([dec, "-f", conf, "-o", "group_size=3"], r"3 ranks do not divide the heads"),
         ([dec, "-f", conf, "--checkpoint", ctx64, "--max-seq", "65"], r"past the model's context"),
+        # the scheduler's endpoint of no form (the start retried it every
+        # second for ever), a comm the backend cannot use, kv_cudaipc = yes
+        # off cuda (both exited 1)
+        ([dec, "-f", conf, "-o", "rank_endpoint=bogus://x"], r"rank_endpoint: .*bogus"),
+        ([dec, "-f", conf, "-o", "backend=cpu", "-o", "comm=nccl", "-o", "group_size=2"],
+         r"comm: .*nccl"),
+        ([dec, "-f", conf, "-o", "backend=cpu", "-o", "kv_cudaipc=yes"],
+         r"kv_cudaipc = yes needs the cuda backend"),
         ([dec, "-f", conf, "-o", "backend=cpu", "--synthetic-weights", "1", "--preset",
           "tiny"], r"--synthetic-weights needs the cuda backend"),
         ([gw, "-f", conf, "-o", "tokenizer=%s/none.json" % tmp], r"tokenizer"),

@@ -1828,6 +1828,30 @@ def sc_socket_activate():
         check(rc == 0 and "passed ipc://%s, the configuration names ipc://%s" % (other, client)
               in e3 and "admin socket: the service" not in e3,
               "a listener at another path: exit %d: %s" % (rc, e3[-400:]))
+        # A TCP client listener (CURVE) with no server.key: the
+        # configuration's fault, exit 6 as when the scheduler binds itself
+        # (it exited 1, and its unit restarted it in a loop).
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        nokeys = os.path.join(d, "nokeys")
+        os.mkdir(nokeys)
+        conf4 = os.path.join(d, "tcp.conf")
+        with open(conf4, "w") as f:
+            f.write("client_endpoint = tcp://127.0.0.1:%d\nadmin_endpoint = ipc://%s\n"
+                    "rank_endpoint = ipc://%s/rank.sock\nkey_dir = %s\n" % (port, ctl, d, nokeys))
+        err = open(os.path.join(d, "err4"), "w")
+        p = subprocess.Popen([sa, "-l", "127.0.0.1:%d" % port, "--fdname=client",
+                              exe("daemons/sched/dsv4-sched"), "-f", conf4], stderr=err)
+        # (the first connection starts it)
+        wait_for(lambda: subprocess.run(["sh", "-c", "exec 3<>/dev/tcp/127.0.0.1/%d" % port],
+                                        executable="/bin/bash").returncode == 0 or
+                 p.poll() is not None, "the TCP listener")
+        rc = p.wait(WAIT_S)
+        err.close()
+        e4 = readf(os.path.join(d, "err4"))
+        check(rc == 6 and "server.key" in e4,
+              "an adopted TCP listener without server.key: exit %d: %s" % (rc, e4[-300:]))
     finally:
         if p is not None and p.poll() is None:
             p.kill()

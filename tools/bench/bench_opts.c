@@ -52,7 +52,10 @@ bench_usage(FILE *f)
         "  -L, --label TEXT        series name in the JSON and the plot\n"
         "  -q, --quiet             no table on stderr\n"
         "  -h, --help              this help\n"
-        "      --version           the version\n",
+        "      --version           the version\n"
+        "Exit status: 0 every measured request done, 1 some failed, a connection was\n"
+        "lost, a level was interrupted or could not run, or an output could not be\n"
+        "written, 2 usage (a malformed endpoint, an output that cannot be written).\n",
         BENCH_MAX_CONCURRENCY);
 }
 

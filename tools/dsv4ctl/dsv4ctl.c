@@ -16,8 +16,11 @@
  * server key is read from that file's key_dir.  A file that does not load
  * stops keygen (2); the other commands warn and go on with the defaults,
  * so that `reload` reaches the scheduler and reports its refusal.  Exit
- * status: 0 success, 1 the scheduler refused (no such request to cancel
- * included) or a drain timed out, 2 usage, 3 no answer from the scheduler.
+ * status: 0 success; 1 the scheduler refused (no such request to cancel
+ * included), a drain timed out, a listing was cut short, or keygen failed;
+ * 2 usage or configuration (a bad endpoint included); 3 no answer from the
+ * scheduler (beyond common/cli.h's 0/1/2: an operator's script tells "not
+ * reached" from "refused").
  */
 #include <sys/stat.h>
 

@@ -175,6 +175,13 @@ parse_args(struct launch *l, int argc, char **argv)
         fprintf(stderr, "dsv4-launch: --no-sched with -P 0 -D 0: nothing to run\n");
         usage(2);
     }
+    /* two options that contradict: usage (gateway_launch = yes with
+     * --no-sched stays the configuration's, 6, below) */
+    if (o->no_sched && o->gateway) {
+        fprintf(stderr, "dsv4-launch: -G with --no-sched: the gateway runs on the "
+                "scheduler's host\n");
+        usage(2);
+    }
     if (o->conf_path == NULL && stat(DSV4_CONF_DEFAULT_PATH, &st) == 0)
         o->conf_path = DSV4_CONF_DEFAULT_PATH;
 }

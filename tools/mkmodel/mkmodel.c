@@ -571,7 +571,9 @@ usage(int status)
         "  --out DIR       write config.json, shards and index into DIR\n"
         "  --inventory     print \"tensors=N bytes=B\" and write nothing\n"
         "  -h, --help      this help\n"
-        "      --version   the version\n", status);
+        "      --version   the version\n"
+        "Exit status: 0 written, 1 the config does not load or the model cannot be\n"
+        "written, 2 usage (an unknown preset or --set key, a bad value).\n", status);
 }
 
 int
