@@ -1509,6 +1509,9 @@ def sc_drain():
         t = threading.Thread(target=do_drain)
         t.start()
         wait_for(lambda: d0()["state"] in ("draining", "drained"), "decode@0 draining")
+        # (placements are counted at dispatch, in the loop that set the
+        # state: none may follow once it reads draining)
+        placed_draining = d0()["placed"]
         # New work while draining: must not land on decode@0.
         p2 = svc.client(prompts, 32)
         actives = []
@@ -1521,6 +1524,12 @@ def sc_drain():
               "after drain returned decode@0 is %s" % result["after"])
         check(all(a >= b for a, b in zip(actives, actives[1:])),
               "decode@0 took new streams while draining: %s" % actives)
+        # ... and by count, which the samples above miss when the drain ends
+        # between two of them or a new stream replaces a finished one
+        check(result["after"]["placed"] == placed_draining,
+              "decode@0 placed %d while draining (%d when it read draining, %d at the end)" %
+              (result["after"]["placed"] - placed_draining, placed_draining,
+               result["after"]["placed"]))
         log("decode@0 active while draining: %s" % sorted(set(actives), reverse=True))
         got1, rc1, err1 = finish(p1, svc)
         got2, rc2, err2 = finish(p2, svc)
