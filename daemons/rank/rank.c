@@ -879,32 +879,39 @@ rank_endpoint_fault(const struct rank_opts *o)
  * cuda backend, ucx = yes on a build without UCX.  All are the
  * configuration's (exit DSV4_EXIT_CONFIG, which the units'
  * RestartPreventExitStatus= does not restart; they exited 1 at the start,
- * restarted to the start limit, and passed -n).  Returns NULL or the
- * fault's text. */
-static const char *
+ * restarted to the start limit, and passed -n).  Returns whether there is
+ * one, with the message set, as rank_endpoint_fault and rank_ctx_fault. */
+static bool
 rank_backend_fault(const struct rank_opts *o)
 {
-    static char why[320];
+#ifdef DSV4_HAVE_CUDA
+    const bool built_cuda = true;
+#else
+    const bool built_cuda = false;
+#endif
+#ifdef DSV4_HAVE_UCX
+    const bool built_ucx = true;
+#else
+    const bool built_ucx = false;
+#endif
     bool cuda = strcmp(o->conf.backend, "cuda") == 0;
+    char comm[256];
 
-#ifndef DSV4_HAVE_CUDA
-    if (cuda)
-        return "backend cuda: this build has no CUDA";
-#endif
-    if (o->synthetic && !cuda)
-        return "--synthetic-weights needs the cuda backend";
-    if (o->group_size > 1 &&
-        dsv4_comm_pick(o->conf.comm, o->conf.backend, 1, (int)o->group_size) == DSV4_COMM_NONE) {
-        snprintf(why, sizeof(why), "comm: %s", dsv4_errmsg());
-        return why;
-    }
-    if (strcmp(o->conf.kv_cudaipc, "yes") == 0 && !cuda)
-        return "kv_cudaipc = yes needs the cuda backend";
-#ifndef DSV4_HAVE_UCX
-    if (strcmp(o->conf.ucx, "yes") == 0)
-        return "ucx = yes: this build has no UCX";
-#endif
-    return NULL;
+    if (cuda && !built_cuda)
+        dsv4_err_set(DSV4_ERR_CONFIG, "backend cuda: this build has no CUDA");
+    else if (o->synthetic && !cuda)
+        dsv4_err_set(DSV4_ERR_CONFIG, "--synthetic-weights needs the cuda backend");
+    else if (o->group_size > 1 && dsv4_comm_pick(o->conf.comm, o->conf.backend, 1,
+                                                 (int)o->group_size) == DSV4_COMM_NONE) {
+        snprintf(comm, sizeof(comm), "%s", dsv4_errmsg());
+        dsv4_err_set(DSV4_ERR_CONFIG, "comm: %s", comm);
+    } else if (strcmp(o->conf.kv_cudaipc, "yes") == 0 && !cuda)
+        dsv4_err_set(DSV4_ERR_CONFIG, "kv_cudaipc = yes needs the cuda backend");
+    else if (strcmp(o->conf.ucx, "yes") == 0 && !built_ucx)
+        dsv4_err_set(DSV4_ERR_CONFIG, "ucx = yes: this build has no UCX");
+    else
+        return false;
+    return true;
 }
 
 /* The group's split: the group_split key (dsv4_group_split_resolve: auto
@@ -986,16 +993,14 @@ rank_check(const struct rank_opts *o)
     const char *role = dsv4_role_name(RANK_ROLE);
     struct dsv4_weights w;
     struct dsv4_config cfg;
-    const char *fault;
 
     if (rank_endpoint_fault(o)) {
         fprintf(stderr, "dsv4-%s: rank_endpoint: %s\n", role, dsv4_errmsg());
         exit(DSV4_EXIT_CONFIG);
     }
     printf("scheduler %s\n", o->conf.rank_endpoint);
-    fault = rank_backend_fault(o);
-    if (fault != NULL) {
-        fprintf(stderr, "dsv4-%s: %s\n", role, fault);
+    if (rank_backend_fault(o)) {
+        fprintf(stderr, "dsv4-%s: %s\n", role, dsv4_errmsg());
         exit(DSV4_EXIT_CONFIG);
     }
     if (o->synthetic) {
@@ -1385,11 +1390,11 @@ rank_init_model(struct rank *k)
     enum dsv4_numerics num;
     const struct dsv4_weights *w;
     bool cuda = strcmp(k->o.conf.backend, "cuda") == 0;
-    const char *env, *fault = rank_backend_fault(&k->o);
+    const char *env;
     size_t rows;
 
-    if (fault != NULL)
-        fatalx_conf("rank_init: %s", fault);
+    if (rank_backend_fault(&k->o))
+        fatalx_conf("rank_init: %s", dsv4_errmsg());
     if (rank_endpoint_fault(&k->o))
         fatalx_conf("rank_init: rank_endpoint: %s", dsv4_errmsg());
     sdnotify_status("creating the %s backend", k->o.conf.backend);

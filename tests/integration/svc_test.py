@@ -1735,6 +1735,35 @@ def sc_burst():
         stop_checked(svc)
 
 
+def sa_start(sa, d, listen, fdnames, conf, errname, env=()):
+    """Start dsv4-sched -f conf under systemd-socket-activate `sa` on the
+    listeners `listen` (paths or host:port) named `fdnames`, with extra
+    environment `env` ("K=V"); its stderr goes to d/errname. Returns the
+    Popen and that path once the unix listeners exist."""
+    errp = os.path.join(d, errname)
+    cmd = [sa]
+    for addr in listen:
+        cmd += ["-l", addr]
+    cmd.append("--fdname=" + ":".join(fdnames))
+    for e in env:
+        cmd += ["-E", e]
+    with open(errp, "w") as err:
+        p = subprocess.Popen(cmd + [exe("daemons/sched/dsv4-sched"), "-f", conf], stderr=err)
+    wait_for(lambda: all(os.path.exists(a) for a in listen if a.startswith("/")), "listeners")
+    return p, errp
+
+
+def sa_wake(path):
+    """The first connection to a socket-activated scheduler's unix client
+    listener `path`: a DEALER that has sent a HEARTBEAT (which starts the
+    scheduler). The caller closes it."""
+    c = zmq.Context.instance().socket(zmq.DEALER)
+    c.setsockopt(zmq.LINGER, 0)
+    c.connect("ipc://" + path)
+    c.send_multipart([b"", b"DSV4C1", bytes([7]), msgpack.packb({})])
+    return c
+
+
 def sc_socket_activate():
     sa = shutil.which("systemd-socket-activate")
     check(sa is not None, "systemd-socket-activate not installed (tools/setup.sh)")
@@ -1749,18 +1778,10 @@ def sc_socket_activate():
         npath = os.path.join(d, "notify.sock")
         ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         ns.bind(npath)
-        err = open(os.path.join(d, "err"), "w")
-        p = subprocess.Popen([sa, "-l", client, "-l", ctl, "--fdname=client:admin",
-                              "-E", "NOTIFY_SOCKET=" + npath, "-E", "WATCHDOG_USEC=1000000",
-                              exe("daemons/sched/dsv4-sched"), "-f", conf],
-                             stderr=err)
-        wait_for(lambda: os.path.exists(client) and os.path.exists(ctl), "listeners")
+        p, _ = sa_start(sa, d, [client, ctl], ["client", "admin"], conf, "err",
+                        env=["NOTIFY_SOCKET=" + npath, "WATCHDOG_USEC=1000000"])
         # The first connection activates the scheduler.
-        ctx = zmq.Context.instance()
-        c = ctx.socket(zmq.DEALER)
-        c.setsockopt(zmq.LINGER, 0)
-        c.connect("ipc://" + client)
-        c.send_multipart([b"", b"DSV4C1", bytes([7]), msgpack.packb({})])
+        c = sa_wake(client)
         check(c.poll(WAIT_S * 1000), "no HEARTBEAT answer on the passed client socket")
         fr = c.recv_multipart()
         check(fr[1] == b"DSV4C1" and fr[2][0] == 7, "bad heartbeat reply %s" % fr[:3])
@@ -1799,41 +1820,26 @@ def sc_socket_activate():
               "STOPPING=1 not at the end: %s" % seq[-4:])
         check("WATCHDOG" not in seq[:i_ready], "WATCHDOG=1 before READY=1")
         ns.close()
-        err.close()
         # A socket passed under another name (a unit's FileDescriptorName=
         # wrong): exit 6 naming it (it was ignored, and its clients hung).
-        err = open(os.path.join(d, "err2"), "w")
-        p = subprocess.Popen([sa, "-l", client, "-l", ctl, "--fdname=client:ctlx",
-                              exe("daemons/sched/dsv4-sched"), "-f", conf], stderr=err)
-        c = ctx.socket(zmq.DEALER)
-        c.setsockopt(zmq.LINGER, 0)
-        wait_for(lambda: os.path.exists(client), "listeners")
-        c.connect("ipc://" + client)
-        c.send_multipart([b"", b"DSV4C1", bytes([7]), msgpack.packb({})])
+        p, e2 = sa_start(sa, d, [client, ctl], ["client", "ctlx"], conf, "err2")
+        c = sa_wake(client)
         rc = p.wait(WAIT_S)
         c.close()
-        err.close()
-        check(rc == 6 and "named 'ctlx'" in readf(os.path.join(d, "err2")),
-              "a socket named ctlx: exit %d: %s" % (rc, readf(os.path.join(d, "err2"))[-300:]))
+        check(rc == 6 and "named 'ctlx'" in readf(e2),
+              "a socket named ctlx: exit %d: %s" % (rc, readf(e2)[-300:]))
         # A listener at another path than the configured endpoint (a socket
         # unit's ListenStream= out of step with client_endpoint): served,
         # with a warning naming both, since clients of the configuration
         # would knock elsewhere.
         other = os.path.join(d, "other.sock")
-        err = open(os.path.join(d, "err3"), "w")
-        p = subprocess.Popen([sa, "-l", other, "-l", ctl, "--fdname=client:admin",
-                              exe("daemons/sched/dsv4-sched"), "-f", conf], stderr=err)
-        c = ctx.socket(zmq.DEALER)
-        c.setsockopt(zmq.LINGER, 0)
-        wait_for(lambda: os.path.exists(other), "listeners")
-        c.connect("ipc://" + other)
-        c.send_multipart([b"", b"DSV4C1", bytes([7]), msgpack.packb({})])
+        p, e3 = sa_start(sa, d, [other, ctl], ["client", "admin"], conf, "err3")
+        c = sa_wake(other)
         check(c.poll(WAIT_S * 1000), "no HEARTBEAT answer on a listener at another path")
         c.close()
         p.send_signal(signal.SIGTERM)
         rc = p.wait(WAIT_S)
-        err.close()
-        e3 = readf(os.path.join(d, "err3"))
+        e3 = readf(e3)
         check(rc == 0 and "passed ipc://%s, the configuration names ipc://%s" % (other, client)
               in e3 and "admin socket: the service" not in e3,
               "a listener at another path: exit %d: %s" % (rc, e3[-400:]))
@@ -1849,16 +1855,13 @@ def sc_socket_activate():
         with open(conf4, "w") as f:
             f.write("client_endpoint = tcp://127.0.0.1:%d\nadmin_endpoint = ipc://%s\n"
                     "rank_endpoint = ipc://%s/rank.sock\nkey_dir = %s\n" % (port, ctl, d, nokeys))
-        err = open(os.path.join(d, "err4"), "w")
-        p = subprocess.Popen([sa, "-l", "127.0.0.1:%d" % port, "--fdname=client",
-                              exe("daemons/sched/dsv4-sched"), "-f", conf4], stderr=err)
+        p, e4 = sa_start(sa, d, ["127.0.0.1:%d" % port], ["client"], conf4, "err4")
         # (the first connection starts it)
         wait_for(lambda: subprocess.run(["sh", "-c", "exec 3<>/dev/tcp/127.0.0.1/%d" % port],
                                         executable="/bin/bash").returncode == 0 or
                  p.poll() is not None, "the TCP listener")
         rc = p.wait(WAIT_S)
-        err.close()
-        e4 = readf(os.path.join(d, "err4"))
+        e4 = readf(e4)
         check(rc == 6 and "server.key" in e4,
               "an adopted TCP listener without server.key: exit %d: %s" % (rc, e4[-300:]))
     finally:
