@@ -78,6 +78,12 @@ expect repeat_zero 2 'repeat wants a count' -- "$tk" --bench "$tmp/docs" --repea
 expect repeat_overflow 2 'repeat wants a count' -- "$tk" --bench "$tmp/docs" --repeat 99999999999999999999
 expect unknown_option 2 'usage' -- "$tk" --frobnicate
 expect stray_argument 2 'usage' -- "$tk" --tokenizer "$json" extra
+# an option outside its mode is a usage fault (it was silently ignored)
+expect repeat_without_bench 2 'repeat does nothing without --bench' -- "$tk" --repeat 2 --tokenizer "$json"
+expect decode_with_bench 2 'decode does nothing with --bench' -- "$tk" --bench "$tmp/docs" --decode --tokenizer "$json"
+expect hex_with_bench 2 'hex does nothing with --bench' -- "$tk" --bench "$tmp/docs" --hex --tokenizer "$json"
+expect special_with_decode 2 'special does nothing with --decode' -- "$tk" --decode --special --tokenizer "$json"
+expect pypkg_with_decode 2 'pypkg does nothing with --decode' -- "$tk" --decode --pypkg --tokenizer "$json"
 # output that cannot be written: 1 with the reason (it was 1 in silence)
 printf 'hi\n' >"$tmp/hi"
 if "$tk" --tokenizer "$json" <"$tmp/hi" >/dev/full 2>"$tmp/err"; then

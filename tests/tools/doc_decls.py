@@ -11,7 +11,8 @@ function declaration (a line at column 0 naming `name(`, or `name(` below
 a line holding only its return type, as static inline definitions are
 written) and a struct, union or enum definition (`struct name {`) need a
 comment before them: the
-comment's end (`*/`) or a `//` line right above, or above a run of
+comment's end (`*/`, on a line that the comment starts or continues: a
+trailing comment documents its own line only) or a `//` line right above, or above a run of
 declarations and continuation lines that the same comment introduces
 (`create` beside `free`; a struct's size macro).  A blank line, a
 preprocessor line other than #define or a closing brace between the comment
@@ -32,8 +33,11 @@ def documented(lines, i):
     j = i - 1
     while j >= 0:
         p = lines[j].rstrip()
-        if p.endswith('*/') or p.lstrip().startswith('//'):
+        q = p.lstrip()
+        if q.startswith('//') or (p.endswith('*/') and q.startswith(('/*', '*'))):
             return True
+        if p.endswith('*/'):
+            return False    # a trailing comment documents its own line
         if p == '' or (p.startswith('#') and not p.startswith('#define')) or \
                 p.startswith('}') or p.endswith('{'):
             return False
@@ -43,7 +47,35 @@ def documented(lines, i):
 
 def check(path):
     with open(path, encoding='utf-8') as fp:
-        lines = fp.read().split('\n')
+        return check_lines(fp.read().split('\n'))
+
+
+# The checker's own cases, run before each scan: (header text, the lines
+# it must report).  A checker that passed everything would pass the tree.
+SELF = [
+    ("/* Make one. */\nint dsv4_make(void);\n", []),
+    ("/* Make and free one. */\nint dsv4_make(void);\nvoid dsv4_free(int);\n", []),
+    ("int dsv4_make(void);\n", [1]),
+    ("/* Make one. */\n\nint dsv4_make(void);\n", [3]),
+    ("int dsv4_x; /* a trailing comment */\nint dsv4_make(void);\n", [2]),
+    ("/* A. */\nstruct dsv4_a {\n    int dsv4_member(void);\n};\nstruct dsv4_b {\n};\n", [5]),
+    ("/* Inline. */\nstatic inline int\ndsv4_f(void)\n{\n    return 0;\n}\n"
+     "static inline int\ndsv4_g(void)\n{\n    return 0;\n}\n", [8]),
+    ("// Make one.\nint dsv4_make(void);\n", []),
+]
+
+
+def self_check():
+    """Returns the cases the checker misjudges, as text."""
+    wrong = []
+    for text, want in SELF:
+        got = [ln for ln, _ in check_lines(text.split('\n'))]
+        if got != want:
+            wrong.append('%r: reported %s, want %s' % (text, got, want))
+    return wrong
+
+
+def check_lines(lines):
     bad = []
     in_body = 0
     in_cpp = False
@@ -74,6 +106,11 @@ def main():
         print(__doc__.split('\n\n')[1], file=sys.stderr)
         return 2
     src = sys.argv[1]
+    wrong = self_check()
+    for w in wrong:
+        print('doc_decls self-check: %s' % w)
+    if wrong:
+        return 1
     n = 0
     for root, dirs, files in os.walk(src):
         rel = os.path.relpath(root, src)

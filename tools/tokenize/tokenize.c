@@ -15,7 +15,7 @@
  *
  * The trailing "\n" of each input line is not part of the text.  Exit 0 on
  * success, 1 on a tokenizer or input error (message on stderr), 2 on bad
- * usage.
+ * usage (an option that the chosen mode does not use included).
  */
 #include <errno.h>
 #include <getopt.h>
@@ -288,6 +288,14 @@ encode_lines(struct dsv4_tok *tok, unsigned flags, bool hex)
     return rc;
 }
 
+/* The usage fault of an option given outside its mode: exit status 2. */
+static int
+mode_misfit(const char *opt, const char *mode)
+{
+    fprintf(stderr, "dsv4-tokenize: %s does nothing %s\n", opt, mode);
+    return 2;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -353,6 +361,13 @@ main(int argc, char **argv)
     }
     if (optind != argc)
         usage(2);
+    /* an option the chosen mode does not use is a mistake, not a no-op */
+    if (repeat != 0 && bench_file == NULL)
+        return mode_misfit("--repeat", "without --bench");
+    if (bench_file != NULL && (decode || hex))
+        return mode_misfit(decode ? "--decode" : "--hex", "with --bench");
+    if (decode && (flags != 0 || flavor != DSV4_TOK_HF))
+        return mode_misfit(flags != 0 ? "--special" : "--pypkg", "with --decode (it is an encoding option)");
     if (dsv4_tok_load(&tok, path, flavor) != DSV4_OK) {
         fprintf(stderr, "dsv4-tokenize: %s\n", dsv4_errmsg());
         return 1;
