@@ -232,6 +232,11 @@ cuda_q16_take(struct dsv4_backend *be, const float *q, int held)
  * kernels that read fp32 q. */
 enum dsv4_err cuda_q16_widen(struct dsv4_backend *be, const float *q, int64_t n);
 
+/* Wait for every stream of the backend (the main one, the side queue's, the
+ * hc Sinkhorn's) before memory they may use is freed; errors are dropped
+ * (the caller frees anyway) and the thread's last error cleared. */
+void cuda_quiesce(struct dsv4_backend *be);
+
 /* Map a CUDA error to DSV4_ERR_CUDA with the call site in the message. */
 enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int line);
 
@@ -243,8 +248,13 @@ enum dsv4_err cuda_err(cudaError_t rc, const char *what, const char *file, int l
             return cuda_err(rc_, #call, __FILE__, __LINE__);                \
     } while (0)
 
-/* After a launch: the launch error, if any. */
-#define CUDA_LAUNCHED(name) CUDA_TRY(cudaGetLastError())
+/* After a launch: the launch error, if any, reported under `name` (the op). */
+#define CUDA_LAUNCHED(name)                                                 \
+    do {                                                                    \
+        cudaError_t rc_ = cudaGetLastError();                               \
+        if (rc_ != cudaSuccess)                                             \
+            return cuda_err(rc_, name, __FILE__, __LINE__);                 \
+    } while (0)
 
 /*
  * Programmatic dependent launch (PDL; docs/gpu.md, "PDL").  With

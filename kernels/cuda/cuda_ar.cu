@@ -706,6 +706,17 @@ ar_abort(struct dsv4_comm *c)
         ar->inner->ops->abort(ar->inner);
 }
 
+/* Close the peers' buffers this rank mapped (cudaIpcOpenMemHandle). */
+static void
+ar_close_peers(struct ar_rank *ar)
+{
+    for (int s = 0; s < AR_MAX; s++)
+        if (ar->opened[s]) {
+            cudaIpcCloseMemHandle(ar->buf[s]);
+            ar->opened[s] = false;
+        }
+}
+
 /* Release what create made (any subset of it). */
 static void
 ar_free(struct dsv4_comm *c)
@@ -713,9 +724,7 @@ ar_free(struct dsv4_comm *c)
     struct ar_rank *ar = (struct ar_rank *)c->priv;
 
     if (ar != NULL) {
-        for (int s = 0; s < AR_MAX; s++)
-            if (ar->opened[s])
-                cudaIpcCloseMemHandle(ar->buf[s]);
+        ar_close_peers(ar);
         if (ar->own != NULL)
             cudaFree(ar->own);
         if (ar->ctl_h != NULL)
@@ -729,9 +738,12 @@ ar_free(struct dsv4_comm *c)
 }
 
 /*
- * Healthy group: finish this rank's queued work, then a barrier (no peer
- * writes into our buffer after it), then free.  Broken or aborted: make any
- * kernel still queued give up, finish them, free without a barrier.
+ * Healthy group: finish this rank's queued work, close the peers' buffers,
+ * then a barrier (after it no peer writes into our buffer, and none has it
+ * mapped: CUDA leaves freeing an exported buffer before its importers close
+ * it undefined), then free.  Broken or aborted: make any kernel still
+ * queued give up, finish them, free without a barrier (a peer that never
+ * closes would hold this one for ever).
  */
 static void
 ar_destroy(struct dsv4_comm *c)
@@ -747,6 +759,7 @@ ar_destroy(struct dsv4_comm *c)
     if (healthy && ar_check(c) == DSV4_OK) {
         uint64_t one = 1;
 
+        ar_close_peers(ar);
         (void)ar->inner->ops->allreduce_min_u64(ar->inner, NULL, &one, 1);
     }
     ar_free(c);

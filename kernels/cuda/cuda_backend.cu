@@ -159,9 +159,12 @@ cuda_hc_join(struct dsv4_backend *be)
 
     if (!st->hc_pending)
         return DSV4_OK;
-    CUDA_TRY(cudaStreamWaitEvent(cuda_stream(be), st->hc_ev[1], 0));
+    /* cleared before the wait, as cuda_side_join does: a failed wait (an
+     * invalidated capture's) left it set, and every later op then waited
+     * outside the capture on an event recorded inside it, and failed */
     if (st->side != 1)   /* a side branch's wait does not order the main stream */
         st->hc_pending = 0;
+    CUDA_TRY(cudaStreamWaitEvent(cuda_stream(be), st->hc_ev[1], 0));
     return DSV4_OK;
 }
 
@@ -247,10 +250,24 @@ cuda_alloc(struct dsv4_backend *be, size_t bytes)
     }
     /* zero-filled, and visible to every later op on the stream */
     if (cudaMemsetAsync(p, 0, bytes, cuda_stream(be)) != cudaSuccess) {
+        (void)cudaGetLastError();   /* not the next launch's error */
         cudaFree(p);
         return NULL;
     }
     return p;
+}
+
+void
+cuda_quiesce(struct dsv4_backend *be)
+{
+    struct cuda_state *st = cuda_st(be);
+
+    (void)cudaStreamSynchronize(cuda_stream(be));
+    if (st->side_stream != NULL)
+        (void)cudaStreamSynchronize(st->side_stream);
+    if (st->hc_stream != NULL)
+        (void)cudaStreamSynchronize(st->hc_stream);
+    (void)cudaGetLastError();
 }
 
 static void
@@ -258,9 +275,11 @@ cuda_free(struct dsv4_backend *be, void *p)
 {
     if (p == NULL)
         return;
-    /* the stream may still use it */
-    cudaStreamSynchronize(cuda_stream(be));
+    /* the streams may still use it: the main one, a side queue ended but
+     * not joined, a Sinkhorn not joined */
+    cuda_quiesce(be);
     cudaFree(p);
+    (void)cudaGetLastError();
 }
 
 static enum dsv4_err
@@ -588,6 +607,7 @@ cuda_graph_end(struct dsv4_backend *be, void **out)
     (void)cuda_hc_join(be);   /* a capture ends with every fork joined: */
     (void)cuda_side_join(be); /* the side queue's too (a failed body's) */
     rc = cudaStreamEndCapture(cuda_stream(be), &g);
+    cuda_st(be)->hc_pending = 0;   /* its event was recorded in the capture */
     if (rc != cudaSuccess) {
         (void)cudaGetLastError();
         if (g != NULL)
@@ -624,8 +644,9 @@ cuda_graph_free(struct dsv4_backend *be, void *g)
 {
     if (g == NULL)
         return;
-    cudaStreamSynchronize(cuda_stream(be));
+    cuda_quiesce(be);
     cudaGraphExecDestroy((cudaGraphExec_t)g);
+    (void)cudaGetLastError();
 }
 
 /* --- the side queue ------------------------------------------------------------------ */
@@ -829,6 +850,7 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
     struct dsv4_backend *be;
     struct cuda_state *st;
     cudaError_t rc;
+    const char *step = "cudaSetDevice";   /* the failing call's name */
     int n_dev = 0;
 
     *out = NULL;
@@ -852,8 +874,8 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
         return dsv4_err_set(DSV4_ERR_INVAL, "cuda backend: device %d of %d", device, n_dev);
     }
     rc = device >= 0 ? cudaSetDevice(device) : cudaSuccess;
-    if (rc == cudaSuccess)
-        rc = cudaGetDevice(&st->device);
+    if (rc == cudaSuccess && (rc = cudaGetDevice(&st->device)) != cudaSuccess)
+        step = "cudaGetDevice";
     if (rc == cudaSuccess &&
         (cudaDeviceGetAttribute(&st->sms, cudaDevAttrMultiProcessorCount, st->device) !=
              cudaSuccess ||
@@ -883,12 +905,13 @@ dsv4_cuda_backend_create(struct dsv4_backend **out, enum dsv4_numerics numerics,
 
         if (pv != NULL && cudaDeviceGetStreamPriorityRange(&lo, &hi) == cudaSuccess)
             prio = strcmp(pv, "high") == 0 ? hi : strcmp(pv, "low") == 0 ? lo : 0;
+        step = "stream creation";
         rc = cudaStreamCreateWithPriority(&st->stream, cudaStreamNonBlocking, prio);
     }
     if (rc != cudaSuccess) {
         free(be);
         free(st);
-        return cuda_err(rc, "stream creation", __FILE__, __LINE__);
+        return cuda_err(rc, step, __FILE__, __LINE__);
     }
     /* the side queue and the hc Sinkhorn's stream: each a second stream of
      * the same priority and two events (none if any of them cannot be

@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 #include <nccl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,25 +96,64 @@ nccl_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* An NCCL group's handle: c->priv is the ncclComm_t (NULL once aborted);
+ * in_call counts the NCCL calls under way on the rank's thread, which
+ * nccl_abort (the watchdog's thread) waits out before it frees the
+ * communicator (it freed it under a call reading it). */
+struct nccl_comm {
+    struct dsv4_comm c;   /* first: the handle given out, freed as one */
+    int in_call;
+};
+
+/* Begin an NCCL call on c's communicator: its handle, or NULL once aborted
+ * (then no call is under way); nccl_call_end after a call on a handle.
+ * Sequentially consistent with nccl_abort's exchange and wait: either the
+ * handle read here is NULL or the abort sees the call. */
+static ncclComm_t
+nccl_call_begin(struct dsv4_comm *c)
+{
+    int *in_call = &((struct nccl_comm *)c)->in_call;
+    ncclComm_t comm;
+
+    __atomic_add_fetch(in_call, 1, __ATOMIC_SEQ_CST);
+    comm = (ncclComm_t)__atomic_load_n(&c->priv, __ATOMIC_SEQ_CST);
+    if (comm == NULL)
+        __atomic_sub_fetch(in_call, 1, __ATOMIC_SEQ_CST);
+    return comm;
+}
+
+/* The NCCL call begun by nccl_call_begin is over. */
+static void
+nccl_call_end(struct dsv4_comm *c)
+{
+    __atomic_sub_fetch(&((struct nccl_comm *)c)->in_call, 1, __ATOMIC_SEQ_CST);
+}
+
 /* A non-blocking call returned rc: wait until the communicator is no
  * longer in progress (the operation is queued on the stream).  The first
  * collective of a communicator connects its peers and stays in progress
  * while a peer does not answer: the rank's watchdog then aborts it
- * (nccl_abort, from another thread), which frees the handle, so each turn
- * reads the handle again and stops once it is gone (*aborted). */
+ * (nccl_abort, from another thread), so each turn takes the handle again
+ * (nccl_call_begin) and stops once it is gone (*aborted); the turns yield
+ * the core. */
 static ncclResult_t
 nccl_settle(struct dsv4_comm *c, ncclResult_t rc, bool *aborted)
 {
     *aborted = false;
     while (rc == ncclInProgress) {
-        ncclComm_t comm = (ncclComm_t)__atomic_load_n(&c->priv, __ATOMIC_ACQUIRE);
+        ncclComm_t comm = nccl_call_begin(c);
+        ncclResult_t got;
 
         if (comm == NULL) {
             *aborted = true;
             return ncclInternalError;
         }
-        if (nccl.async_error(comm, &rc) != ncclSuccess)
+        got = nccl.async_error(comm, &rc);
+        nccl_call_end(c);
+        if (got != ncclSuccess)
             return ncclInternalError;
+        if (rc == ncclInProgress)
+            sched_yield();
     }
     return rc;
 }
@@ -122,16 +162,17 @@ static enum dsv4_err
 nccl_reduce(struct dsv4_comm *c, struct dsv4_backend *be, void *x, int64_t n,
             ncclDataType_t type, ncclRedOp_t op)
 {
-    ncclComm_t comm = (ncclComm_t)__atomic_load_n(&c->priv, __ATOMIC_ACQUIRE);
+    ncclComm_t comm;
     ncclResult_t rc;
     bool aborted;
 
     if (n <= 0)
         return DSV4_OK;
-    if (comm == NULL)
+    if ((comm = nccl_call_begin(c)) == NULL)
         return dsv4_err_set(DSV4_ERR_CUDA, "comm nccl: the communicator was aborted");
-    rc = nccl_settle(c, nccl.all_reduce(x, x, (size_t)n, type, op, comm, cuda_stream(be)),
-                     &aborted);
+    rc = nccl.all_reduce(x, x, (size_t)n, type, op, comm, cuda_stream(be));
+    nccl_call_end(c);
+    rc = nccl_settle(c, rc, &aborted);
     if (aborted)
         return dsv4_err_set(DSV4_ERR_CUDA, "comm nccl: the communicator was aborted");
     return rc == ncclSuccess ? DSV4_OK : nccl_err(rc, "all-reduce");
@@ -150,14 +191,20 @@ nccl_min_u64(struct dsv4_comm *c, struct dsv4_backend *be, uint64_t *x, int64_t 
 }
 
 /* ncclCommAbort: kernels waiting for a rank that is gone return; the
- * communicator is unusable afterwards (destroy frees the handle only). */
+ * communicator is unusable afterwards (destroy frees the handle only).
+ * Called from the watchdog's thread: the handle is taken away first, then
+ * the NCCL calls under way on it (non-blocking, each short) are waited
+ * out before it is freed. */
 static void
 nccl_abort(struct dsv4_comm *c)
 {
-    void *comm = __atomic_exchange_n(&c->priv, (void *)NULL, __ATOMIC_ACQ_REL);
+    void *comm = __atomic_exchange_n(&c->priv, (void *)NULL, __ATOMIC_SEQ_CST);
 
-    if (comm != NULL)
-        nccl.abort((ncclComm_t)comm);
+    if (comm == NULL)
+        return;
+    while (__atomic_load_n(&((struct nccl_comm *)c)->in_call, __ATOMIC_SEQ_CST) != 0)
+        sched_yield();
+    nccl.abort((ncclComm_t)comm);
 }
 
 static void
@@ -218,8 +265,11 @@ dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
     memcpy(&u, id, sizeof(u));
     config.blocking = 0;
     rc = nccl.init_rank_config(&comm, size, u, rank, &config);
-    if (rc != ncclSuccess && rc != ncclInProgress)
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+        if (comm != NULL)   /* a non-blocking init may have made it */
+            nccl.abort(comm);
         return nccl_err(rc, "init rank");
+    }
     for (;;) {
         if (nccl.async_error(comm, &st) != ncclSuccess)
             st = ncclInternalError;
@@ -241,7 +291,7 @@ dsv4_comm_nccl_create(struct dsv4_comm **out, struct dsv4_backend *be, int rank,
         nccl.abort(comm);
         return nccl_err(st, "init rank");
     }
-    c = (struct dsv4_comm *)calloc(1, sizeof(*c));
+    c = (struct dsv4_comm *)calloc(1, sizeof(struct nccl_comm));
     if (c == NULL) {
         nccl.destroy(comm);
         return dsv4_err_set(DSV4_ERR_NOMEM, "comm nccl: no memory");

@@ -192,10 +192,11 @@ dsv4_cuda_weights_free(struct dsv4_backend *be, struct dsv4_weights *dev)
         cuda_experts_unregister(be, p->experts + (size_t)l * p->E);
     for (int l = 0; l < p->n_layers && p->layers != NULL; l++)
         cuda_experts_unregister(be, &p->layers[l].shared);
-    cudaStreamSynchronize(cuda_stream(be));
+    cuda_quiesce(be);
     cuda_arena_free(p);
     cudaFree(p->dev_experts);
     cudaFree(p->dev_shared);
+    (void)cudaGetLastError();   /* not the next launch's error */
     free(p->layers);
     free(p->experts);
     free(p);

@@ -102,6 +102,7 @@ dsv4_cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *
     struct dsv4_expert_w *dev = NULL;
     size_t bytes = (size_t)n * sizeof(*host);
     enum dsv4_err e;
+    cudaError_t rc;
 
     if (!cuda_is_backend(be) || n <= 0)
         return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_experts_register: not a CUDA backend "
@@ -109,9 +110,9 @@ dsv4_cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *
     if (cuda_experts_find(be, host) != NULL)
         return dsv4_err_set(DSV4_ERR_INVAL, "dsv4_cuda_experts_register: already registered");
     CUDA_TRY(cudaMalloc((void **)&dev, bytes));
-    if (cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+    if ((rc = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice)) != cudaSuccess) {
         cudaFree(dev);
-        return dsv4_err_set(DSV4_ERR_CUDA, "dsv4_cuda_experts_register: copy failed");
+        return cuda_err(rc, "dsv4_cuda_experts_register: copy", __FILE__, __LINE__);
     }
     e = cuda_experts_register(be, host, dev, n);
     if (e != DSV4_OK)
@@ -126,8 +127,9 @@ dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert_w *h
 
     if (!cuda_is_backend(be) || (t = cuda_experts_find(be, host)) == NULL)
         return;
-    (void)cudaStreamSynchronize(cuda_stream(be));   /* queued work may read it */
+    cuda_quiesce(be);   /* queued work may read it */
     cudaFree(t->dev);
+    (void)cudaGetLastError();
     cuda_experts_unregister(be, host);
 }
 
