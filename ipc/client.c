@@ -295,6 +295,7 @@ await_server(struct dsv4_client *c, int timeout_ms)
         int64_t left = end - dsv4_now_ms();
         struct dsv4_perr pe;
         enum dsv4_err e;
+        enum dsv4_sub sub;
         int ev;
 
         if (left <= 0)
@@ -314,7 +315,19 @@ await_server(struct dsv4_client *c, int timeout_ms)
         if (!(it[0].revents & ZMQ_POLLIN))
             continue;
         e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);
+        sub = c->cur.sub;
         dsv4_msg_clear(&c->cur);
+        if (e == DSV4_OK && sub != DSV4_SUB_CLI) {
+            /* an admin or rank endpoint answered (the scheduler's RESULT
+             * 400, a DISCONNECT): the connect had succeeded, and every
+             * request then waited for ever */
+            char msg[200];
+
+            snprintf(msg, sizeof(msg), "the server answers in %s, not DSV4C1: not a client "
+                     "endpoint (the scheduler's admin_endpoint or rank_endpoint?)",
+                     dsv4_proto_sig(sub));
+            return fail(c, DSV4_CLIENT_NOT_SUPPORTED, msg);
+        }
         if (e == DSV4_OK) {
             c->last_rx_ms = dsv4_now_ms();
             return 0;
@@ -893,8 +906,10 @@ recv_ready(struct dsv4_client *c, struct dsv4_client_event *ev, int64_t now)
         return -1;
     if (e == DSV4_ERR_SYS)
         return fail(c, DSV4_CLIENT_INTERNAL, dsv4_errmsg());
-    if (e != DSV4_OK)
-        return 0;   /* malformed: dropped */
+    if (e != DSV4_OK || c->cur.sub != DSV4_SUB_CLI) {
+        dsv4_msg_clear(&c->cur);
+        return 0;   /* malformed or another sub-protocol's: dropped, no sign of life */
+    }
     c->last_rx_ms = now;
     if (to_event(c, ev))
         return 1;

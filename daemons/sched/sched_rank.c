@@ -999,8 +999,13 @@ rank_dispatch(struct sched *s)
         if (k != NULL)
             dsv4_liveness_rx(&k->live, dsv4_now_ms());
         if (e != DSV4_OK || m.sub != DSV4_SUB_RANK) {
-            /* Malformed: drop it; a registered rank is disconnected. */
-            log_warnx("rank: malformed message (%u %s)%s", pe.code,
+            /* Malformed: drop it; a registered rank is disconnected.  A
+             * peer of another sub-protocol (a client or dsv4ctl given the
+             * rank endpoint) is told so with a DISCONNECT, which it does
+             * not take for an answer of its own (it waited out its
+             * connect timeout as "no answer"). */
+            log_warnx("rank: malformed message (%u %s)%s",
+                e != DSV4_OK ? pe.code : (unsigned)DSV4_STATUS_BAD_MESSAGE,
                 e != DSV4_OK ? pe.message : "wrong sub-protocol",
                 k != NULL ? "; disconnecting the rank" : "");
             if (k != NULL) {
@@ -1008,6 +1013,8 @@ rank_dispatch(struct sched *s)
                 rank_lost(s, k, "malformed message");
             } else if (e != DSV4_OK && pe.sub == DSV4_SUB_RANK) {
                 (void)dsv4_zsock_send_perr(s->rank, &from, &pe);
+            } else if (e == DSV4_OK) {
+                send_disconnect(s, &from, "not a rank message: this endpoint speaks DSV4R1");
             }
             if (e == DSV4_OK)
                 dsv4_msg_clear(&m);

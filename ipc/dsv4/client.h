@@ -40,7 +40,10 @@
  * waits for the next scheduler ends with DONE cancelled at once, a resend
  * the next scheduler refuses ends with 504, and the server's silence is
  * counted from a heartbeat it did not answer (a caller away from
- * dsv4_client_next for a while loses nothing by it).
+ * dsv4_client_next for a while loses nothing by it).  Since 1.4.2 a
+ * connect that reaches another endpoint of the scheduler (its admin or
+ * rank endpoint, which answer in DSV4A1 / DSV4R1) fails with 501 saying so;
+ * before, it succeeded and every request waited for ever.
  */
 #ifndef DSV4_CLIENT_H
 #define DSV4_CLIENT_H
@@ -54,7 +57,7 @@ extern "C" {
 
 #define DSV4_CLIENT_VERSION_MAJOR 1
 #define DSV4_CLIENT_VERSION_MINOR 4
-#define DSV4_CLIENT_VERSION_PATCH 1
+#define DSV4_CLIENT_VERSION_PATCH 2
 
 #if defined(DSV4_CLIENT_BUILD)
 #define DSV4_API __attribute__((visibility("default")))

@@ -1956,6 +1956,31 @@ def t_chunks(ctx, build, tmp):
     return sc, [pre, dec]
 
 
+def t_wrong_endpoint(ctx, build, tmp):
+    """A client given the admin or rank endpoint, dsv4ctl given the client or
+    rank endpoint: each says which endpoint it reached and stops (the client
+    connected on the admin endpoint's RESULT 400 and waited for ever; the
+    rank endpoint answered nobody; dsv4ctl waited out 5 s as "no answer")."""
+    sc = Sched(build, tmp)
+    time.sleep(0.2)
+    gen = os.path.join(build, "tools/generate/dsv4-generate")
+    for name, sig in (("ctl", "DSV4A1"), ("rank", "DSV4R1")):
+        # no timeout option: the run's own timeout is the test's bound
+        r = subprocess.run([gen, "-e", sc.ep[name], "--ids", "1 2 3"],
+                           capture_output=True, text=True, timeout=30)
+        check(r.returncode == 1 and "answers in %s" % sig in r.stderr and
+              "not a client endpoint" in r.stderr,
+              "dsv4-generate on the %s endpoint: exit %d: %s" % (name, r.returncode, r.stderr))
+    for name, sig in (("client", "DSV4C1"), ("rank", "DSV4R1")):
+        r = subprocess.run([os.path.join(build, "tools/dsv4ctl/dsv4ctl"), "--admin",
+                            sc.ep[name], "status"], capture_output=True, text=True, timeout=30)
+        check(r.returncode == 2 and "answers in %s" % sig in r.stderr and
+              "not the scheduler's admin endpoint" in r.stderr,
+              "dsv4ctl on the %s endpoint: exit %d: %s" % (name, r.returncode, r.stderr))
+    check(sc.p.poll() is None, "scheduler died")
+    return sc, []
+
+
 TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "ctl_cancel": t_ctl_cancel,
          "death": t_death, "overload": t_overload, "reload": t_reload, "resume": t_resume,
@@ -1968,7 +1993,8 @@ TESTS = {"basic": t_basic, "batch": t_batch, "stop": t_stop, "cancel": t_cancel,
          "group_error": t_group_error, "group_broken": t_group_broken, "utf8": t_utf8,
          "prefill_group_error": t_prefill_group_error, "pairing": t_pairing,
          "prefill_lost_handoff": t_prefill_lost_handoff,
-         "death_ctx": t_death_ctx, "chunks": t_chunks}
+         "death_ctx": t_death_ctx, "chunks": t_chunks,
+         "wrong_endpoint": t_wrong_endpoint}
 TOKENIZER = None
 
 

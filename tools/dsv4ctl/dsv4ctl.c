@@ -18,7 +18,8 @@
  * so that `reload` reaches the scheduler and reports its refusal.  Exit
  * status: 0 success; 1 the scheduler refused (no such request to cancel
  * included), a drain timed out, a listing was cut short, or keygen failed;
- * 2 usage or configuration (a bad endpoint included); 3 no answer from the
+ * 2 usage or configuration (a bad endpoint included, or a client or rank
+ * endpoint answering); 3 no answer from the
  * scheduler (beyond common/cli.h's 0/1/2: an operator's script tells "not
  * reached" from "refused").
  */
@@ -50,6 +51,7 @@ struct ctl {
                                    NULL = none */
     bool curve;                 /* the endpoint is CURVE's (tcp://) */
     const char *key_dir;        /* where server.pub was read (CURVE) */
+    const char *endpoint;       /* the admin endpoint connected to */
     bool connected;             /* the monitor saw the connection made (with
                                    CURVE: the handshake done) */
     bool json;
@@ -82,7 +84,8 @@ usage(int status)
         "  -h, --help            this help\n"
         "      --version         the version\n"
         "Exit status: 0 done, 1 refused by the scheduler (or keygen failed), 2 usage\n"
-        "or configuration (a bad endpoint included), 3 no answer from the scheduler.\n",
+        "or configuration (a bad endpoint included, or one that is not an admin\n"
+        "endpoint), 3 no answer from the scheduler.\n",
         status);
 }
 
@@ -231,6 +234,15 @@ recv_msg(struct ctl *c, struct dsv4_msg *m, long wait_ms)
                 break;
             if (m->sub == DSV4_SUB_CTL)
                 return 0;
+            if (m->sub != DSV4_SUB_NONE) {
+                /* a client or rank endpoint's answer (an ERROR 400 "not a
+                 * client message"): it was waited out as no answer */
+                fprintf(stderr, "dsv4ctl: %s answers in %s, not DSV4A1: not the scheduler's "
+                    "admin endpoint (admin_endpoint, --admin)\n", c->endpoint,
+                    dsv4_proto_sig(m->sub));
+                dsv4_msg_clear(m);
+                return 2;
+            }
             dsv4_msg_clear(m);
         }
         if (c->mon != NULL && (its[1].revents & ZMQ_POLLIN) &&
@@ -727,6 +739,7 @@ main(int argc, char *argv[])
      * notice a scheduler restart. */
     c.curve = strncmp(endpoint + (endpoint[0] == '>'), "tcp://", 6) == 0;
     c.key_dir = conf.key_dir;
+    c.endpoint = endpoint;
     if (strcmp(cmd, "status") == 0)
         rc = listing(&c, DSV4_CTL_SHOW_STATUS, 0, 0);
     else if (strcmp(cmd, "ranks") == 0)
