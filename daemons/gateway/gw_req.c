@@ -103,6 +103,24 @@ gw_str_is(json_object *x, const char *s)
         strcmp(json_object_get_string(x), s) == 0;
 }
 
+/* v as the shortest text that reads back as v, a whole number below 2^53
+ * without exponent ("%g" printed 10.0000001 as 10, so "= 10 is outside 0
+ * ... 10"). */
+static const char *
+gw_num_text(double v, char buf[32])
+{
+    if (v == floor(v) && fabs(v) < 9007199254740992.0) {
+        snprintf(buf, 32, "%.0f", v);
+        return buf;
+    }
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(buf, 32, "%.*g", prec, v);
+        if (strtod(buf, NULL) == v)
+            break;
+    }
+    return buf;
+}
+
 /* Number field: absent/null -> *has false; else range-checked. */
 static int
 gw_num(json_object *o, const char *key, double lo, double hi, bool integer, double *v,
@@ -120,9 +138,14 @@ gw_num(json_object *o, const char *key, double lo, double hi, bool integer, doub
     if (integer && t != json_type_int)
         return gw_bad(b, 400, "invalid_type", "\"%s\" must be an integer", key);
     *v = json_object_get_double(x);
-    if (isnan(*v) || *v < lo || *v > hi)
-        return gw_bad(b, 400, "invalid_value", "\"%s\" = %g is outside %g ... %g", key, *v,
-            lo, hi);
+    if (isnan(*v) || *v < lo || *v > hi) {
+        char tv[32], tl[32], th[32];
+
+        /* an integer past int64 reads as its clamp: the text as sent */
+        return gw_bad(b, 400, "invalid_value", "\"%s\" = %s is outside %s ... %s", key,
+            t == json_type_int ? json_object_to_json_string(x) : gw_num_text(*v, tv),
+            gw_num_text(lo, tl), gw_num_text(hi, th));
+    }
     *has = true;
     return 0;
 }
@@ -463,6 +486,10 @@ gw_parse_params(const struct gw *g, bool chat, json_object *o, struct gw_req *a,
         a->p.max_tokens = (uint32_t)v;
     if (gw_num(o, "max_completion_tokens", 1, 1048576, true, &v, &has, b) != 0)
         return -1;
+    if (has && json_object_object_get_ex(o, "max_tokens", &x) && x != NULL &&
+        (uint32_t)v != a->p.max_tokens)
+        return gw_bad(b, 400, "invalid_value", "\"max_tokens\" (%u) and "
+            "\"max_completion_tokens\" (%u) differ: give one", a->p.max_tokens, (unsigned)v);
     if (has)
         a->p.max_tokens = (uint32_t)v;
     if (gw_num(o, "temperature", 0, 10, false, &v, &has, b) != 0)
@@ -471,8 +498,14 @@ gw_parse_params(const struct gw *g, bool chat, json_object *o, struct gw_req *a,
         a->p.temperature = (float)v;
     if (gw_num(o, "top_p", 0, 1, false, &v, &has, b) != 0)
         return -1;
-    if (has && v <= 0)
+    if (has && (float)v <= 0) {
+        char tv[32];
+
+        if (v > 0)   /* passed on as a float, refused as 0 naming a value not sent */
+            return gw_bad(b, 400, "invalid_value", "\"top_p\" = %s is 0 as a float: it must "
+                "be > 0", gw_num_text(v, tv));
         return gw_bad(b, 400, "invalid_value", "\"top_p\" must be > 0");
+    }
     if (has)
         a->p.top_p = (float)v;
     if (gw_num(o, "top_k", -1, 1048576, true, &v, &has, b) != 0)

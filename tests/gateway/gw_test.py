@@ -863,7 +863,20 @@ def sc_robust():
                                           "logprobs": True, "top_logprobs": -1},
                  '"top_logprobs"'),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                          "top_logprobs": 2}, '"logprobs": true')]:
+                                          "top_logprobs": 2}, '"logprobs": true'),
+                # the value as sent, the bounds as they are ("%g" said "= 10
+                # is outside 0 ... 10", "9.0072e+15 ... 9.0072e+15")
+                ("/v1/completions", {"prompt": "x", "temperature": 10.0000001},
+                 '"temperature" = 10.0000001 is outside 0 ... 10'),
+                ("/v1/completions", {"prompt": "x", "seed": 9007199254740993},
+                 '"seed" = 9007199254740993 is outside 0 ... 9007199254740991'),
+                # a top_p that is 0 as a float (it was refused further on,
+                # naming 0 and the wrong code)
+                ("/v1/completions", {"prompt": "x", "top_p": 1e-50},
+                 '"top_p" = 1e-50 is 0 as a float'),
+                ("/v1/completions", {"prompt": "x", "max_tokens": 3,
+                                     "max_completion_tokens": 4},
+                 '"max_tokens" (3) and "max_completion_tokens" (4) differ')]:
             st, _, data = svc.http("POST", path, body)
             e = error_of(st, data, 400, "invalid_value")
             check(field in e["message"], "%s %s: the message %r does not name %s" %

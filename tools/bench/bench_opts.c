@@ -107,8 +107,9 @@ opt_real(const char *s, double lo, double hi, int open_lo, const char *what, dou
 
     errno = 0;
     *v = strtod(s, &end);
+    /* open at lo: above it as a float too (1e-50 passed, then ran as 0) */
     if (errno != 0 || end == s || *end != '\0' || !isfinite(*v) || *v < lo || *v > hi ||
-        (open_lo && *v == lo)) {
+        (open_lo && (float)*v <= (float)lo)) {
         snprintf(err, errlen, "bad %s '%s' (%s%g..%g)", what, s, open_lo ? ">" : "", lo, hi);
         return -1;
     }
