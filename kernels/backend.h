@@ -392,7 +392,10 @@ struct dsv4_backend_ops {
      * else softmax(logits / temperature) restricted by top_k then top_p, drawn
      * with a generator seeded from (seed, step).  out_ids (n) int32,
      * out_logprob (n) fp32 (log-softmax of the chosen id at temperature 1;
-     * may be NULL).  params: host array of n.
+     * may be NULL).  params: host array of n.  A NaN logit counts as -inf
+     * (never drawn while the row has another value; log-probability -inf);
+     * where the largest value is +inf the +inf values share the draw and
+     * the probability (kernels/sample_order.h so_lw, so_logprob).
      */
     enum dsv4_err (*sample)(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob,
                             const float *logits, const struct dsv4_sample_params *params,

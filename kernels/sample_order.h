@@ -131,11 +131,40 @@ so_cand(const struct so_cands *c, int i)
     return c->cand != NULL ? c->cand[i] : c->keys != NULL ? (int)(c->keys[i] & 0xffffffffu) : i;
 }
 
+/* The weight of a value x (a z, or a logit) against its row's largest m,
+ * in double: exp(x - m), the difference in fp32.  A NaN weighs 0 (it is
+ * -inf: one NaN logit made the mass NaN, and the draw fell to the last
+ * candidate); where m is +inf (a +inf logit, or z overflowing) the +inf
+ * values share the mass, 1 each, and every other weighs 0 (exp(inf - inf)
+ * was NaN).  The log-probabilities' sum (so_logprob) uses the same. */
+SO_FN double
+so_lw(float x, float m)
+{
+    if (isnan(x))
+        return 0.0;
+    if (isinf(m) && m > 0.0f)
+        return x == m ? 1.0 : 0.0;
+    return exp((double)(x - m));
+}
+
+/* The log-probability of a logit x in a row of largest logit m whose
+ * so_lw(l_i, m) sum to s: x - (m + log s); a NaN is -inf, and where m is
+ * +inf each +inf logit has -log s (s of them), any other -inf. */
+SO_FN double
+so_logprob(float x, float m, double s)
+{
+    if (isnan(x))
+        return -INFINITY;
+    if (isinf(m) && m > 0.0f)
+        return x == m ? -log(s) : -INFINITY;
+    return (double)x - ((double)m + log(s));
+}
+
 /* Step 4's weight of position i. */
 SO_FN double
 so_w(const struct so_cands *c, int i)
 {
-    return exp((double)(c->z[so_cand(c, i)] - c->zmax));
+    return so_lw(c->z[so_cand(c, i)], c->zmax);
 }
 
 /* The sum of run b of the first n positions, in position order. */

@@ -3,13 +3,15 @@
  * counter-based generator, so a draw depends only on (seed, step).
  *
  * The algorithm, which any other backend must follow to draw the same tokens:
- *   1. greedy (temperature == 0): the argmax, lowest id on ties.
+ *   1. greedy (temperature == 0): the argmax, lowest id on ties, NaN as
+ *      -inf (all NaN: 0).
  *   2. z_i = logits_i / temperature (fp32 division).
  *   3. candidates: with top_k in [1, V) the top_k best z by (z desc, id asc);
  *      otherwise, when top_p < 1, all V in that order; otherwise all V in id
  *      order (no sorting needed).
  *   4. weights w_p = exp((double)(z - zmax)) of the candidate at position p
- *      (candidate order), zmax the largest z.  The mass of the first n
+ *      (candidate order), zmax the largest z (a NaN weighs 0; where zmax is
+ *      +inf, each +inf z weighs 1 and the rest 0: so_lw).  The mass of the first n
  *      positions is their weights' sum in double in a fixed blocked order:
  *      runs of 16 positions, spans of 256 runs, each summed in order;
  *      find(n, t) is the position where the running mass first passes t,
@@ -23,7 +25,8 @@
  * candidates: the same draw up to rounding, but only one thread could form
  * it, 41 ms a step on the GPU.)
  * out_logprob = logits[id] - (m + log Σ_i exp(logits_i - m)), m = max logit,
- * the sum in double (temperature 1, all V tokens).
+ * the sum in double (temperature 1, all V tokens; NaN and +inf logits as in
+ * step 4: so_logprob).
  * Invalid parameters (temperature < 0 or not finite, top_k < 0, top_p not in
  * (0, 1]) give DSV4_ERR_INVAL.  Rows run in parallel.
  *
@@ -48,13 +51,15 @@ struct sample_job {
     double *q, *d;            /* (n_threads, so_runs(V) / so_spans(V)): the run and span sums */
 };
 
+/* The index of the largest l, lowest on ties; a NaN is none (it was the
+ * pick when it stood at index 0); all NaN: 0. */
 static int
 argmax(const float *l, int V)
 {
     int best = 0;
 
     for (int i = 1; i < V; i++)
-        if (l[i] > l[best])
+        if (l[i] > l[best] || (isnan(l[best]) && !isnan(l[i])))
             best = i;
     return best;
 }
@@ -88,17 +93,17 @@ sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_
     }
 }
 
-/* m + log Σ_i exp(l_i - m), m the largest logit, the sum in double: what a
- * logit's log-probability subtracts. */
+/* The row's largest logit *m and Σ_i so_lw(l_i, m) in double, in id
+ * order: what a logit's log-probability takes (so_logprob). */
 static double
-row_lse(const float *l, int V)
+row_sum(const float *l, int V, float *m)
 {
-    float m = l[argmax(l, V)];
     double s = 0.0;
 
+    *m = l[argmax(l, V)];
     for (int i = 0; i < V; i++)
-        s += exp((double)(l[i] - m));
-    return (double)m + log(s);
+        s += so_lw(l[i], *m);
+    return s;
 }
 
 static void
@@ -111,8 +116,12 @@ sample_task(void *ctx, int64_t begin, int64_t end, int tid)
         int id = sample_row(j, l, &j->params[r], tid);
 
         j->out_ids[r] = id;
-        if (j->out_logprob != NULL)
-            j->out_logprob[r] = (float)((double)l[id] - row_lse(l, j->V));
+        if (j->out_logprob != NULL) {
+            float m;
+            double s = row_sum(l, j->V, &m);
+
+            j->out_logprob[r] = (float)so_logprob(l[id], m, s);
+        }
     }
 }
 
@@ -157,14 +166,15 @@ top_task(void *ctx, int64_t begin, int64_t end, int tid)
         int32_t *ids = j->out_ids + r * DSV4_TOP_MAX;
         float *lp = j->out_logprob + r * DSV4_TOP_MAX;
         int k = j->params[r].n_top;
-        double lse;
+        double s;
+        float m;
 
         if (k == 0)
             continue;
         k = cpu_topk(ids, l, j->V, k, heap);
-        lse = row_lse(l, j->V);
+        s = row_sum(l, j->V, &m);
         for (int i = 0; i < k; i++)
-            lp[i] = (float)((double)l[ids[i]] - lse);
+            lp[i] = (float)so_logprob(l[ids[i]], m, s);
     }
 }
 

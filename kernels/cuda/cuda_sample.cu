@@ -153,10 +153,10 @@ sample_max_kernel(struct chunk_stats *cs, float *z, unsigned long long *keys,
     }
 }
 
-/* The row's argmax (lowest id on ties; 0 when l[0] is NaN or nothing
- * compares, as the CPU's argmax) from its chunks' (order-free). */
+/* The row's argmax (lowest id on ties, NaN never: cu_ranks_before; 0 when
+ * every value is NaN, as the CPU's argmax) from its chunks' (order-free). */
 static __device__ __forceinline__ int
-sample_row_argmax(const struct chunk_stats *cs, const float *l)
+sample_row_argmax(const struct chunk_stats *cs)
 {
     float bv = -__int_as_float(0x7f800000);
     int bi = 0x7fffffff;
@@ -164,7 +164,7 @@ sample_row_argmax(const struct chunk_stats *cs, const float *l)
     for (int c = 0; c < SAMPLE_CHUNKS; c++)
         if (cu_ranks_before(cs[c].max, cs[c].arg, bv, bi))
             bv = cs[c].max, bi = cs[c].arg;
-    if (isnan(l[0]) || bi == 0x7fffffff)
+    if (bi == 0x7fffffff)
         bi = 0;
     return bi;
 }
@@ -181,11 +181,11 @@ sample_sum_kernel(struct chunk_stats *cs, const float *logits, int V)
     double sum = 0.0;
 
     if (threadIdx.x == 0)
-        s_max = l[sample_row_argmax(cs + r * SAMPLE_CHUNKS, l)];
+        s_max = l[sample_row_argmax(cs + r * SAMPLE_CHUNKS)];
     __syncthreads();
     sample_chunk(V, c, &lo, &hi);
     for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS)
-        sum += exp((double)(l[i] - s_max));
+        sum += so_lw(l[i], s_max);
     for (int o = 16; o > 0; o /= 2)
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (threadIdx.x % 32 == 0)
@@ -204,7 +204,7 @@ sample_row_stats(const struct chunk_stats *cs, const float *l)
 {
     struct row_stats st;
 
-    st.argmax = sample_row_argmax(cs, l);
+    st.argmax = sample_row_argmax(cs);
     st.max = l[st.argmax];
     st.sum = 0.0;
     for (int c = 0; c < SAMPLE_CHUNKS; c++)
@@ -251,7 +251,7 @@ sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const flo
     if (sp->temperature == 0.0f)
         return;   /* the whole block */
     if (threadIdx.x == 0)   /* zmax: z at the row's argmax (z = l / temperature keeps the order) */
-        s_zmax = z[r * V + sample_row_argmax(cs + r * SAMPLE_CHUNKS, logits + r * V)];
+        s_zmax = z[r * V + sample_row_argmax(cs + r * SAMPLE_CHUNKS)];
     __syncthreads();
     c = sample_cands(sp, z, sorted, s_zmax, r, V);
     v = so_run(&c, b, c.n_cand);   /* 0 past the candidates */
@@ -395,8 +395,7 @@ sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_sta
         return;
     out_ids[r] = id;
     if (out_logprob != NULL)
-        out_logprob[r] = (float)((double)logits[(int64_t)r * V + id] -
-                                 ((double)st.max + log(st.sum)));
+        out_logprob[r] = (float)so_logprob(logits[(int64_t)r * V + id], st.max, st.sum);
 }
 
 enum dsv4_err
@@ -592,7 +591,7 @@ top_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_stats 
 
         out_ids[r * DSV4_TOP_MAX + j] = id;
         out_logprob[r * DSV4_TOP_MAX + j] =
-            (float)((double)l[id] - ((double)st.max + log(st.sum)));
+            (float)so_logprob(l[id], st.max, st.sum);
     }
 }
 

@@ -854,16 +854,28 @@ test_moe(void)
 /* Rows of V random logits (scale a) sampled by both backends under sp
  * (steps advanced between reps): ids identical, log-probabilities within
  * F32_TOL.  tie: logits that get a tie for a row's argmax (-1: none). */
+static void sample_check_rows(const char *what, struct dsv4_sample_params *sp, int N, int V,
+                              float *l, int reps);
+
 static void
 sample_check(const char *what, struct dsv4_sample_params *sp, int N, int V, float a,
              int64_t tie0, int64_t tie1, int reps)
 {
     float *l = rand_f32((int64_t)N * V, a);
-    struct pair pl, pid = pair_new(NULL, (size_t)N * 4), plp = pair_poison(N);
-    char name[64];
 
     if (tie0 >= 0)
         l[tie0] = l[tie1] = 50.0f;
+    sample_check_rows(what, sp, N, V, l, reps);
+}
+
+/* sample_check's comparison on the given rows l (freed). */
+static void
+sample_check_rows(const char *what, struct dsv4_sample_params *sp, int N, int V, float *l,
+                  int reps)
+{
+    struct pair pl, pid = pair_new(NULL, (size_t)N * 4), plp = pair_poison(N);
+    char name[64];
+
     pl = pair_new(l, (size_t)N * V * 4);
     for (int rep = 0; rep < reps; rep++) {
         BOTH(what, cpu->ops->sample(cpu, pid.c, plp.c, pl.c, sp, N, V),
@@ -906,6 +918,35 @@ test_sample(void)
     sp[7].temperature = 0.01f, sp[7].top_k = 1;
     /* row 3: a tie for the argmax */
     sample_check("sample", sp, N, V, 4.0f, 3 * V + 17, 3 * V + 4000, 3);
+}
+
+/* NaN and +inf logits (kernels/sample_order.h so_lw): rows with NaNs and
+ * rows with two +inf, greedy, in id order and sorted, over many steps:
+ * the same tokens (never a NaN's; only the +inf ones) and log-probabilities
+ * as the CPU's. */
+static void
+test_sample_nonfinite(void)
+{
+    enum { N = 8, V = 5000 };
+    struct dsv4_sample_params sp[N];
+    float *l = rand_f32((int64_t)N * V, 3.0f);
+
+    sample_params(sp, N);
+    for (int r = 0; r < N; r++) {
+        float *row = l + (int64_t)r * V;
+
+        if (r % 2 == 0) {   /* NaNs, one at id 0 and one where the best was */
+            row[0] = row[17] = row[V - 1] = NAN;
+            row[40] = 20.0f;
+            row[41] = 19.5f;
+        } else {            /* two +inf */
+            row[3] = row[V / 2] = INFINITY;
+        }
+        sp[r].temperature = r < 2 ? 0.0f : 1.0f;
+        sp[r].top_k = r == 4 || r == 5 ? 50 : 0;
+        sp[r].top_p = r == 6 || r == 7 ? 0.9f : 1.0f;
+    }
+    sample_check_rows("sample (NaN, +inf)", sp, N, V, l, 6);
 }
 
 /* The same at flash's vocabulary (32 spans of 256 runs of 16): draws over
@@ -1114,6 +1155,7 @@ main(int argc, char **argv)
         test_attention(80);
         test_moe();
         test_sample();
+        test_sample_nonfinite();
         test_sample_vocab();
         test_sample_top();
         dsv4_backend_destroy(cpu);

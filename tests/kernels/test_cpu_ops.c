@@ -1711,6 +1711,65 @@ test_sample(void **state)
     dsv4_backend_destroy(be);
 }
 
+/*
+ * NaN and +inf logits (a forward gone wrong): a NaN is -inf everywhere
+ * (greedy skipped it except at id 0; one NaN made the mass NaN and every
+ * draw the last id); +inf logits share the draw and the log-probability
+ * (exp(inf - inf) was NaN: every draw the last id, never the +inf one).
+ * Over 200 seeds, in id order and sorted (top_k, top_p < 1) alike.
+ */
+static void
+test_sample_nonfinite(void **state)
+{
+    enum { V = 8, SEEDS = 200 };
+    struct dsv4_backend *be = mkbe(DSV4_NUMERICS_REF, 1);
+    float nan_row[V] = { NAN, 1, 2, NAN, 0, 0, 0, 0 };
+    float inf_row[V] = { 1, 2, INFINITY, 0, 0, INFINITY, 0, 0 };
+    struct dsv4_sample_params sp;
+    int32_t id, tid[2];
+    float lp, tlp[2];
+    int seen[V];
+
+    (void)state;
+    memset(&sp, 0, sizeof(sp));
+    sp.top_p = 1.0f;
+    assert_int_equal(be->ops->sample(be, &id, &lp, nan_row, &sp, 1, V), DSV4_OK);
+    assert_int_equal(id, 2);
+    assert_true(isfinite(lp) && lp < 0.0f);
+    assert_int_equal(be->ops->sample(be, &id, &lp, inf_row, &sp, 1, V), DSV4_OK);
+    assert_int_equal(id, 2);
+    assert_true(fabsf(lp - (float)-log(2.0)) < 1e-6f);   /* two +inf: half each */
+    for (int mode = 0; mode < 3; mode++) {
+        sp.temperature = 1.0f;
+        sp.top_k = mode == 1 ? 4 : 0;
+        sp.top_p = mode == 2 ? 0.999f : 1.0f;
+        memset(seen, 0, sizeof(seen));
+        for (int k = 0; k < SEEDS; k++) {
+            sp.seed = (uint64_t)k;
+            assert_int_equal(be->ops->sample(be, &id, NULL, nan_row, &sp, 1, V), DSV4_OK);
+            assert_true(id != 0 && id != 3);   /* never a NaN */
+            seen[id]++;
+        }
+        assert_true(seen[2] > seen[1] && seen[1] > 0);   /* e^2 : e^1 : e^0 ... */
+        memset(seen, 0, sizeof(seen));
+        for (int k = 0; k < SEEDS; k++) {
+            sp.seed = (uint64_t)k;
+            assert_int_equal(be->ops->sample(be, &id, &lp, inf_row, &sp, 1, V), DSV4_OK);
+            assert_true(id == 2 || id == 5);   /* only the +inf ones */
+            seen[id]++;
+        }
+        assert_true(seen[2] > SEEDS / 4 && seen[5] > SEEDS / 4);
+    }
+    /* sample_top: the same log-probabilities; a NaN last, as -inf */
+    sp.n_top = 2;
+    assert_int_equal(be->ops->sample_top(be, tid, tlp, inf_row, &sp, 1, V), DSV4_OK);
+    assert_true(tid[0] == 2 && tid[1] == 5);
+    assert_true(fabsf(tlp[0] - (float)-log(2.0)) < 1e-6f && tlp[1] == tlp[0]);
+    assert_int_equal(be->ops->sample_top(be, tid, tlp, nan_row, &sp, 1, V), DSV4_OK);
+    assert_true(tid[0] == 2 && tid[1] == 1 && isfinite(tlp[0]) && tlp[1] < tlp[0]);
+    dsv4_backend_destroy(be);
+}
+
 /* Empirical frequencies follow softmax(logits / T) restricted by top_k. */
 /*
  * sample_top against a sort of the row: the n_top best ids by (logit desc,
@@ -1762,8 +1821,8 @@ test_sample_top(void **state)
             if (l[i] > m)
                 m = l[i];
         }
-        for (int i = 0; i < V; i++)
-            s += exp((double)l[i] - m);
+        for (int i = 0; i < V; i++)   /* a NaN as -inf: weighs 0 */
+            s += isnan(l[i]) ? 0.0 : exp((double)l[i] - m);
         /* insertion sort by (logit desc, id asc), NaN as -inf */
         for (int i = 1; i < V; i++) {
             int32_t x = ord[i];
@@ -1785,17 +1844,16 @@ test_sample_top(void **state)
                 continue;
             }
             assert_int_equal(tid[at], ord[j]);
-            /* a NaN logit makes the row's sum NaN: every log-probability
-             * is NaN, as sample's (the model maps it to -inf) */
-            if (isnan(s))
-                assert_true(isnan(tlp[at]));
+            /* a NaN logit is -inf: the others' log-probabilities stay
+             * finite (it made the row's sum NaN, and every one NaN) */
+            if (isnan(l[ord[j]]))
+                assert_true(tlp[at] == -INFINITY);
             else
                 assert_true(fabs(tlp[at] - ((double)l[ord[j]] - m - log(s))) < 1e-5);
         }
         if (want[r] > 0 && sp[r].temperature == 0.0f) {
             assert_int_equal(tid[r * DSV4_TOP_MAX], id[r]);
-            assert_true(tlp[r * DSV4_TOP_MAX] == lp[r] ||
-                        (isnan(tlp[r * DSV4_TOP_MAX]) && isnan(lp[r])));
+            assert_true(tlp[r * DSV4_TOP_MAX] == lp[r] && !isnan(lp[r]));
         }
         free(ord);
     }
@@ -2019,6 +2077,7 @@ main(void)
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_sample),
         cmocka_unit_test(test_sample_top),
+        cmocka_unit_test(test_sample_nonfinite),
         cmocka_unit_test(test_sample_distribution),
         cmocka_unit_test(test_sample_distribution_spans),
         cmocka_unit_test(test_hot_loops_checked),
