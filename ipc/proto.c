@@ -200,13 +200,13 @@ static const struct field f_welcome[] = {
     FLD("heartbeat_ms", struct dsv4_rank_welcome, heartbeat_ms, T_U32, F_REQ, 10, 600000, 0),
     FLD("liveness", struct dsv4_rank_welcome, liveness, T_U32, F_REQ, 1, 100, 0),
     FLD("comm_epoch", struct dsv4_rank_welcome, comm_epoch, T_U32, 0, 0, U32MAX, 0),
-    FARR("comm_id", struct dsv4_rank_welcome, comm_id, comm_id_len, T_BIN, 0, 0,
+    FARR("comm_id", struct dsv4_rank_welcome, comm_id, comm_id_len, T_BIN, 0, 1,
         DSV4_PROTO_MAX_COMM_ID),
 };
 
 static const struct field f_rank_comm[] = {
     FLD("comm_epoch", struct dsv4_rank_comm, comm_epoch, T_U32, F_REQ, 0, U32MAX, 0),
-    FARR("comm_id", struct dsv4_rank_comm, comm_id, comm_id_len, T_BIN, 0, 0,
+    FARR("comm_id", struct dsv4_rank_comm, comm_id, comm_id_len, T_BIN, 0, 1,
         DSV4_PROTO_MAX_COMM_ID),
     FLD("one_host", struct dsv4_rank_comm, one_host, T_BOOL, 0, 0, 1, 0),
 };
@@ -409,6 +409,7 @@ static enum dsv4_err check_kv(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_status(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_tokens(const struct dsv4_msg *m, struct dsv4_perr *pe);
 static enum dsv4_err check_prefill_done(const struct dsv4_msg *m, struct dsv4_perr *pe);
+static enum dsv4_err check_heartbeat(const struct dsv4_msg *m, struct dsv4_perr *pe);
 
 #define MD(nm, tbl, chk) { nm, tbl, sizeof(tbl) / sizeof(tbl[0]), chk }
 #define MD0(nm) { nm, NULL, 0, NULL }
@@ -426,7 +427,7 @@ static const struct mdesc cli_desc[DSV4_CLI__COUNT] = {
 static const struct mdesc rank_desc[DSV4_RANK__COUNT] = {
     [DSV4_RANK_READY] = MD("READY", f_ready, check_ready),
     [DSV4_RANK_WELCOME] = MD("WELCOME", f_welcome, NULL),
-    [DSV4_RANK_HEARTBEAT] = MD("HEARTBEAT", f_rank_heartbeat, NULL),
+    [DSV4_RANK_HEARTBEAT] = MD("HEARTBEAT", f_rank_heartbeat, check_heartbeat),
     [DSV4_RANK_DISCONNECT] = MD("DISCONNECT", f_disconnect, NULL),
     [DSV4_RANK_PREFILL] = MD("PREFILL", f_prefill, NULL),
     [DSV4_RANK_PREFILL_DONE] = MD("PREFILL_DONE", f_prefill_done, check_prefill_done),
@@ -606,7 +607,29 @@ check_generate(const struct dsv4_msg *m, struct dsv4_perr *pe)
     if ((g->prompt == NULL) == (g->tokens == NULL))
         return perr(pe, DSV4_STATUS_BAD_ARGUMENT,
             "GENERATE: exactly one of prompt and tokens is required");
+    if (g->has_resume_text && g->resume == NULL)
+        return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "GENERATE: resume_text without resume");
     return DSV4_OK;
+}
+
+/* The MTP counters (HEARTBEAT, RANK, STATUS): no more accepted than
+ * proposed (§6.1). */
+static enum dsv4_err
+check_mtp(const char *what, bool has, uint64_t drafts, uint64_t accepted,
+    struct dsv4_perr *pe)
+{
+    if (has && accepted > drafts)
+        return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "%s: mtp_accepted %llu > mtp_drafts %llu",
+            what, (unsigned long long)accepted, (unsigned long long)drafts);
+    return DSV4_OK;
+}
+
+static enum dsv4_err
+check_heartbeat(const struct dsv4_msg *m, struct dsv4_perr *pe)
+{
+    const struct dsv4_rank_heartbeat *h = &m->u.heartbeat;
+
+    return check_mtp("HEARTBEAT", h->has_mtp, h->mtp_drafts, h->mtp_accepted, pe);
 }
 
 /* call_rows and call_rows_full (READY, RANK) come together, each at least 1,
@@ -634,8 +657,11 @@ check_ready(const struct dsv4_msg *m, struct dsv4_perr *pe)
 static enum dsv4_err
 check_ctl_rank(const struct dsv4_msg *m, struct dsv4_perr *pe)
 {
-    return check_call_rows("RANK", m->u.rank.has_call_rows, m->u.rank.call_rows,
-        m->u.rank.call_rows_full, pe);
+    const struct dsv4_ctl_rank *r = &m->u.rank;
+
+    if (check_mtp("RANK", r->has_mtp, r->mtp_drafts, r->mtp_accepted, pe) != DSV4_OK)
+        return DSV4_ERR_INVAL;
+    return check_call_rows("RANK", r->has_call_rows, r->call_rows, r->call_rows_full, pe);
 }
 
 /* The handoff histogram: buckets only with sum and count (which share one
@@ -646,6 +672,8 @@ check_status(const struct dsv4_msg *m, struct dsv4_perr *pe)
     const struct dsv4_ctl_status *st = &m->u.status;
     uint64_t prev = 0;
 
+    if (check_mtp("STATUS", st->has_mtp, st->mtp_drafts, st->mtp_accepted, pe) != DSV4_OK)
+        return DSV4_ERR_INVAL;
     if (st->handoff_buckets == NULL)
         return DSV4_OK;
     if (!st->has_handoff)
@@ -713,6 +741,9 @@ check_tokens(const struct dsv4_msg *m, struct dsv4_perr *pe)
 {
     if (m->sub == DSV4_SUB_CLI)
         return check_top(&m->u.tokens.top, m->u.tokens.n_tokens, pe);
+    for (uint32_t i = 0; i < m->u.step.n; i++)   /* req 1 ... 2^64-1 (§6.1) */
+        if (m->u.step.reqs[i] == 0)
+            return perr(pe, DSV4_STATUS_BAD_ARGUMENT, "TOKENS: reqs[%u] is 0", i);
     return check_top(&m->u.step.top, m->u.step.n, pe);
 }
 
@@ -1410,6 +1441,13 @@ is_array_type(uint8_t t)
     return t == T_TOKENS || t == T_U64S || t == T_LOGPROBS || t == T_STRS || t == T_KVLOCS;
 }
 
+/* Whether f is an optional scalar with a has-flag (FHAS: aux is the flag). */
+static bool
+is_has_field(const struct field *f)
+{
+    return f->aux >= 0 && !is_array_type(f->type) && f->type != T_BIN;
+}
+
 static enum dsv4_err
 dec_map(struct dctx *c, const msgpack_object *o, const struct field *f, size_t nf, void *base)
 {
@@ -1450,6 +1488,17 @@ dec_map(struct dctx *c, const msgpack_object *o, const struct field *f, size_t n
     for (size_t i = 0; i < nf; i++) {
         if ((f[i].flags & F_REQ) && !(seen & (1ull << i)))
             return perr(c->pe, DSV4_STATUS_BAD_MESSAGE, "%s: required key missing", f[i].key);
+    }
+    /* Optional scalars of one has-flag come together (the handoff figures,
+     * the MTP counters, the metrics, call_rows): one alone read the others
+     * as 0. */
+    for (size_t i = 0; i < nf; i++) {
+        if (!is_has_field(&f[i]) || !(seen & (1ull << i)))
+            continue;
+        for (size_t j = 0; j < nf; j++)
+            if (j != i && is_has_field(&f[j]) && f[j].aux == f[i].aux && !(seen & (1ull << j)))
+                return perr(c->pe, DSV4_STATUS_BAD_ARGUMENT, "%s without %s: they come "
+                    "together", f[i].key, f[j].key);
     }
     return DSV4_OK;
 }

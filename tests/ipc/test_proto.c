@@ -82,19 +82,29 @@ test_roundtrip(void **state)
     }
 }
 
-/* Decode one body of `cmd` (sub-protocol `sig`) into *m; fails the test on error. */
-static void
-decode_body(const char *sig, int cmd, const void *body, size_t body_len, struct dsv4_msg *m)
+/* Decode one body of `cmd` (sub-protocol `sig`) into *m: the decode's
+ * result, its refusal in *pe. */
+static enum dsv4_err
+try_decode_body(const char *sig, int cmd, const void *body, size_t body_len, struct dsv4_msg *m,
+                struct dsv4_perr *pe)
 {
     struct dsv4_frame fr[4];
     uint8_t c = (uint8_t)cmd;
-    struct dsv4_perr pe;
 
     fr[0] = (struct dsv4_frame){ "", 0 };
     fr[1] = (struct dsv4_frame){ sig, strlen(sig) };
     fr[2] = (struct dsv4_frame){ &c, 1 };
     fr[3] = (struct dsv4_frame){ body, body_len };
-    if (dsv4_msg_decode(m, fr, 4, &pe) != DSV4_OK)
+    return dsv4_msg_decode(m, fr, 4, pe);
+}
+
+/* Decode one body of `cmd` (sub-protocol `sig`) into *m; fails the test on error. */
+static void
+decode_body(const char *sig, int cmd, const void *body, size_t body_len, struct dsv4_msg *m)
+{
+    struct dsv4_perr pe;
+
+    if (try_decode_body(sig, cmd, body, body_len, m, &pe) != DSV4_OK)
         fail_msg("decode %s command %d: %s", sig, cmd, pe.message);
 }
 
@@ -106,22 +116,29 @@ pk_u64(msgpack_packer *pk, const char *key, uint64_t v)
     msgpack_pack_uint64(pk, v);
 }
 
-/* Decode the HEARTBEAT body {"active": active[, "mtp_drafts": drafts]}
- * (drafts 0: no key) into *d. */
-static void
-heartbeat_body(uint64_t active, uint64_t drafts, struct dsv4_msg *d)
+/* Decode the HEARTBEAT body {"active": active[, "mtp_drafts": drafts]
+ * [, "mtp_accepted": accepted]} (-1: no key) into *d: the decode's result,
+ * its refusal in *pe. */
+static enum dsv4_err
+heartbeat_body(uint64_t active, int64_t drafts, int64_t accepted, struct dsv4_msg *d,
+               struct dsv4_perr *pe)
 {
     msgpack_sbuffer sb;
     msgpack_packer pk;
+    enum dsv4_err e;
 
     msgpack_sbuffer_init(&sb);
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, drafts > 0 ? 2 : 1);
+    msgpack_pack_map(&pk, 1 + (drafts >= 0) + (accepted >= 0));
     pk_u64(&pk, "active", active);
-    if (drafts > 0)
-        pk_u64(&pk, "mtp_drafts", drafts);
-    decode_body(dsv4_proto_sig(DSV4_SUB_RANK), DSV4_RANK_HEARTBEAT, sb.data, sb.size, d);
+    if (drafts >= 0)
+        pk_u64(&pk, "mtp_drafts", (uint64_t)drafts);
+    if (accepted >= 0)
+        pk_u64(&pk, "mtp_accepted", (uint64_t)accepted);
+    e = try_decode_body(dsv4_proto_sig(DSV4_SUB_RANK), DSV4_RANK_HEARTBEAT, sb.data, sb.size, d,
+                        pe);
     msgpack_sbuffer_destroy(&sb);
+    return e;
 }
 
 /* Encode *m and decode it into *d; true iff the body carries an "mtp_" key. */
@@ -142,27 +159,34 @@ mtp_trip(const struct dsv4_msg *m, struct dsv4_msg *d)
  * The optional MTP counters of HEARTBEAT, RANK and STATUS: a body of an older
  * peer without them decodes to zeros with has_mtp false; with them they come
  * back exactly (values above 2^32 included); has_mtp false puts no key on the
- * wire; a lone mtp_drafts sets has_mtp with mtp_accepted 0.
+ * wire; a lone counter, or more accepted than proposed, is refused (401; a
+ * lone mtp_drafts was taken with mtp_accepted 0).
  */
 static void
 test_mtp_counters(void **state)
 {
     struct dsv4_msg m, d;
+    struct dsv4_perr pe;
 
     (void)state;
     /* an old HEARTBEAT: {"active": 3} */
-    heartbeat_body(3, 0, &d);
+    assert_int_equal(heartbeat_body(3, -1, -1, &d, &pe), DSV4_OK);
     assert_int_equal(d.u.heartbeat.active, 3);
     assert_false(d.u.heartbeat.has_mtp);
     assert_int_equal(d.u.heartbeat.mtp_drafts, 0);
     assert_int_equal(d.u.heartbeat.mtp_accepted, 0);
     dsv4_msg_clear(&d);
 
-    /* only mtp_drafts: has_mtp, accepted 0 */
-    heartbeat_body(0, 77, &d);
-    assert_true(d.u.heartbeat.has_mtp);
-    assert_int_equal(d.u.heartbeat.mtp_drafts, 77);
-    assert_int_equal(d.u.heartbeat.mtp_accepted, 0);
+    /* one counter alone, more accepted than proposed: refused, 401 */
+    assert_int_equal(heartbeat_body(0, 77, -1, &d, &pe), DSV4_ERR_INVAL);
+    assert_int_equal(pe.code, 401);
+    assert_non_null(strstr(pe.message, "mtp_drafts without mtp_accepted"));
+    assert_int_equal(heartbeat_body(0, -1, 5, &d, &pe), DSV4_ERR_INVAL);
+    assert_non_null(strstr(pe.message, "mtp_accepted without mtp_drafts"));
+    assert_int_equal(heartbeat_body(0, 3, 7, &d, &pe), DSV4_ERR_INVAL);
+    assert_non_null(strstr(pe.message, "mtp_accepted 7 > mtp_drafts 3"));
+    assert_int_equal(heartbeat_body(0, 7, 7, &d, &pe), DSV4_OK);
+    assert_true(d.u.heartbeat.has_mtp && d.u.heartbeat.mtp_accepted == 7);
     dsv4_msg_clear(&d);
 
     /* with the counters: exact values back; without: no key, zeros */
@@ -238,6 +262,98 @@ rank_body_code(int cmd, const char *const *keys, const uint64_t *vals, int n,
     return code;
 }
 
+static void
+pk_key(msgpack_packer *pk, const char *key)
+{
+    msgpack_pack_str(pk, strlen(key));
+    msgpack_pack_str_body(pk, key, strlen(key));
+}
+
+/* Decode the packed body sb of (sub, cmd) and free sb: 200 or the decode's
+ * refusal code, the message in *pe. */
+static uint16_t
+packed_code(enum dsv4_sub sub, int cmd, msgpack_sbuffer *sb, struct dsv4_perr *pe)
+{
+    struct dsv4_msg d;
+    uint16_t code = 200;
+
+    if (try_decode_body(dsv4_proto_sig(sub), cmd, sb->data, sb->size, &d, pe) != DSV4_OK)
+        code = pe->code;
+    else
+        dsv4_msg_clear(&d);
+    msgpack_sbuffer_destroy(sb);
+    return code;
+}
+
+/*
+ * Values the docs rule out that were taken (review; the encoder refuses
+ * them, so the bodies are packed here): a rank TOKENS req of 0 (§6.1:
+ * 1 ... 2^64-1), a COMM comm_id of no bytes (forwarded to a whole group,
+ * which then never joined), resume_text without resume.
+ */
+static void
+test_cross_checks(void **state)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    struct dsv4_perr pe;
+
+    (void)state;
+    for (uint64_t second = 0; second <= 9; second += 9) {   /* {step, reqs [7, r], tokens} */
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 3);
+        pk_u64(&pk, "step", 0);
+        pk_key(&pk, "reqs");
+        msgpack_pack_array(&pk, 2);
+        msgpack_pack_uint64(&pk, 7);
+        msgpack_pack_uint64(&pk, second);
+        pk_key(&pk, "tokens");
+        msgpack_pack_array(&pk, 2);
+        msgpack_pack_int32(&pk, 5);
+        msgpack_pack_int32(&pk, 6);
+        if (second == 0) {
+            assert_int_equal(packed_code(DSV4_SUB_RANK, DSV4_RANK_TOKENS, &sb, &pe), 401);
+            assert_non_null(strstr(pe.message, "reqs[1] is 0"));
+        } else {
+            assert_int_equal(packed_code(DSV4_SUB_RANK, DSV4_RANK_TOKENS, &sb, &pe), 200);
+        }
+    }
+    for (uint32_t len = 0; len <= 1; len++) {   /* {comm_epoch, comm_id bin(len)} */
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 2);
+        pk_u64(&pk, "comm_epoch", 3);
+        pk_key(&pk, "comm_id");
+        msgpack_pack_bin(&pk, len);
+        msgpack_pack_bin_body(&pk, "x", len);
+        assert_int_equal(packed_code(DSV4_SUB_RANK, DSV4_RANK_COMM, &sb, &pe),
+                         len == 0 ? 401 : 200);
+    }
+    for (int with_resume = 0; with_resume <= 1; with_resume++) {
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 3 + 2 * with_resume);
+        pk_u64(&pk, "id", 1);
+        pk_key(&pk, "tokens");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_int32(&pk, 3);
+        pk_u64(&pk, "resume_text", 4);
+        if (with_resume) {
+            pk_u64(&pk, "seed", 5);
+            pk_key(&pk, "resume");
+            msgpack_pack_array(&pk, 1);
+            msgpack_pack_int32(&pk, 3);
+        }
+        if (!with_resume) {
+            assert_int_equal(packed_code(DSV4_SUB_CLI, DSV4_CLI_GENERATE, &sb, &pe), 401);
+            assert_non_null(strstr(pe.message, "resume_text without resume"));
+        } else {
+            assert_int_equal(packed_code(DSV4_SUB_CLI, DSV4_CLI_GENERATE, &sb, &pe), 200);
+        }
+    }
+}
+
 /*
  * GROUP_BROKEN and HEARTBEAT's comm_epoch: the three keys of GROUP_BROKEN
  * are required and range-checked, its reason is optional, unknown keys are
@@ -250,6 +366,7 @@ test_group_broken(void **state)
     static const char *const k3[] = { "group", "group_rank", "comm_epoch", "later" };
     uint64_t v[] = { 2, 1, 9, 5 };
     struct dsv4_msg m, d;
+    struct dsv4_perr pe;
     struct dsv4_wire w;
 
     (void)state;
@@ -280,7 +397,7 @@ test_group_broken(void **state)
     assert_int_equal(rank_body_code(DSV4_RANK_GROUP_BROKEN, k3, v, 3, &d), 401);
 
     /* HEARTBEAT: an older rank's body has no comm_epoch */
-    heartbeat_body(4, 0, &d);
+    assert_int_equal(heartbeat_body(4, -1, -1, &d, &pe), DSV4_OK);
     assert_false(d.u.heartbeat.has_comm_epoch);
     assert_int_equal(d.u.heartbeat.comm_epoch, 0);
     dsv4_msg_clear(&d);
@@ -1007,6 +1124,7 @@ main(int argc, char **argv)
         cmocka_unit_test(test_roundtrip),
         cmocka_unit_test(test_coverage),
         cmocka_unit_test(test_mtp_counters),
+        cmocka_unit_test(test_cross_checks),
         cmocka_unit_test(test_group_broken),
         cmocka_unit_test(test_golden),
         cmocka_unit_test(test_malformed_values),
