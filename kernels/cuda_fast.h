@@ -88,8 +88,9 @@ int dsv4_cuda_pdl_enabled(void);
  */
 enum dsv4_err dsv4_cuda_experts_register(struct dsv4_backend *be,
                                          const struct dsv4_expert_w *host, int n);
-/* Forget the registration of `host` and free its device copy (an array
- * registered by dsv4_cuda_experts_register only). */
+/* Forget the registration of `host` and free its device copy: an array
+ * registered by dsv4_cuda_experts_register only (a weight upload's arrays
+ * are left alone: dsv4_cuda_weights_free releases them). */
 void dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert_w *host);
 
 /*

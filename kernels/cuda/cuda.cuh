@@ -50,6 +50,9 @@ struct cuda_expert_table {
     const struct dsv4_expert_w *host;   /* key: the host array */
     struct dsv4_expert_w *dev;          /* (n) device copy of the structs */
     int n;
+    bool owned;                         /* dev is its own allocation, made by
+                                           dsv4_cuda_experts_register (a weight
+                                           upload's points into its tables) */
 };
 
 #define CUDA_MAX_ARENAS 8   /* weight arenas a backend tells cuda_blas_weights of */
@@ -496,9 +499,10 @@ cuda_align(size_t bytes)
 /* The registered device copy of the expert array `host`, or NULL. */
 const struct cuda_expert_table *cuda_experts_find(struct dsv4_backend *be,
                                                   const struct dsv4_expert_w *host);
-/* Register (or replace) the device copy of `host` (n experts). */
+/* Register (or replace) the device copy of `host` (n experts); owned: dev
+ * is an allocation of its own, which dsv4_cuda_experts_release frees. */
 enum dsv4_err cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *host,
-                                    struct dsv4_expert_w *dev, int n);
+                                    struct dsv4_expert_w *dev, int n, bool owned);
 /* Forget the registration of `host` (does not free dev). */
 void cuda_experts_unregister(struct dsv4_backend *be, const struct dsv4_expert_w *host);
 

@@ -79,7 +79,7 @@ cuda_experts_find(struct dsv4_backend *be, const struct dsv4_expert_w *host)
 
 enum dsv4_err
 cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *host,
-                      struct dsv4_expert_w *dev, int n)
+                      struct dsv4_expert_w *dev, int n, bool owned)
 {
     struct cuda_state *st = cuda_st(be);
 
@@ -97,6 +97,7 @@ cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *host,
     st->tables[st->n_tables].host = host;
     st->tables[st->n_tables].dev = dev;
     st->tables[st->n_tables].n = n;
+    st->tables[st->n_tables].owned = owned;
     st->n_tables++;
     return DSV4_OK;
 }

@@ -239,12 +239,12 @@ cuda_weights_tables(struct dsv4_backend *be, struct cuda_wpriv *p)
     for (int l = 0; l < p->n_layers; l++) {
         if (p->layers[l].experts != NULL) {
             e = cuda_experts_register(be, p->layers[l].experts,
-                                      p->dev_experts + (size_t)l * p->E, p->E);
+                                      p->dev_experts + (size_t)l * p->E, p->E, false);
             if (e != DSV4_OK)
                 return e;
         }
         if (p->layers[l].shared.w1.w != NULL) {
-            e = cuda_experts_register(be, &p->layers[l].shared, p->dev_shared + l, 1);
+            e = cuda_experts_register(be, &p->layers[l].shared, p->dev_shared + l, 1, false);
             if (e != DSV4_OK)
                 return e;
         }

@@ -114,7 +114,7 @@ dsv4_cuda_experts_register(struct dsv4_backend *be, const struct dsv4_expert_w *
         cudaFree(dev);
         return cuda_err(rc, "dsv4_cuda_experts_register: copy", __FILE__, __LINE__);
     }
-    e = cuda_experts_register(be, host, dev, n);
+    e = cuda_experts_register(be, host, dev, n, true);
     if (e != DSV4_OK)
         cudaFree(dev);
     return e;
@@ -125,7 +125,8 @@ dsv4_cuda_experts_release(struct dsv4_backend *be, const struct dsv4_expert_w *h
 {
     const struct cuda_expert_table *t;
 
-    if (!cuda_is_backend(be) || (t = cuda_experts_find(be, host)) == NULL)
+    /* a weight upload's table lives in its arena: dsv4_cuda_weights_free's */
+    if (!cuda_is_backend(be) || (t = cuda_experts_find(be, host)) == NULL || !t->owned)
         return;
     cuda_quiesce(be);   /* queued work may read it */
     cudaFree(t->dev);
