@@ -100,6 +100,11 @@ struct dsv4_sample_params {
  * token.
  */
 #define DSV4_SAMPLE_RUN 16
+/* Temperatures below this sample greedily: z = logits / T leaves float's
+ * range near the smallest floats (1e-38 drew among the overflowed logits),
+ * and the draw is the argmax in all but ties long before (the scheduler's
+ * and the ranks' DSV4_PROTO_MIN_TEMPERATURE, the same value). */
+#define DSV4_SAMPLE_GREEDY_BELOW 1e-5f
 /* Most likely ids a row's sample_top reports at most (the stride of its
  * outputs); the OpenAI API's top_logprobs bound. */
 #define DSV4_TOP_MAX 20
@@ -388,7 +393,8 @@ struct dsv4_backend_ops {
                             const float *src, int64_t src_ld, int rows, int cols);
 
     /*
-     * Sampling of n rows of logits (V each): greedy when temperature == 0,
+     * Sampling of n rows of logits (V each): greedy when temperature <
+     * DSV4_SAMPLE_GREEDY_BELOW (0 included),
      * else softmax(logits / temperature) restricted by top_k then top_p, drawn
      * with a generator seeded from (seed, step).  out_ids (n) int32,
      * out_logprob (n) fp32 (log-softmax of the chosen id at temperature 1;

@@ -38,6 +38,14 @@ so_spans(int n)
     return (n + SO_SPAN_POS - 1) / SO_SPAN_POS;
 }
 
+/* Step 1: whether the row is greedy (temperature below
+ * DSV4_SAMPLE_GREEDY_BELOW, 0 included). */
+SO_FN int
+so_greedy(const struct dsv4_sample_params *sp)
+{
+    return sp->temperature < DSV4_SAMPLE_GREEDY_BELOW;
+}
+
 /* Step 3 for a sampled row of V: whether its candidates are in sorted
  * order (top_k in [1, V) or top_p < 1; else id order), and how many there
  * are (top_k, or V). */

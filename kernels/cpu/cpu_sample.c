@@ -3,8 +3,8 @@
  * counter-based generator, so a draw depends only on (seed, step).
  *
  * The algorithm, which any other backend must follow to draw the same tokens:
- *   1. greedy (temperature == 0): the argmax, lowest id on ties, NaN as
- *      -inf (all NaN: 0).
+ *   1. greedy (temperature below DSV4_SAMPLE_GREEDY_BELOW, 0 included: so_greedy):
+ *      the argmax, lowest id on ties, NaN as -inf (all NaN: 0).
  *   2. z_i = logits_i / temperature (fp32 division).
  *   3. candidates: with top_k in [1, V) the top_k best z by (z desc, id asc);
  *      otherwise, when top_p < 1, all V in that order; otherwise all V in id
@@ -73,7 +73,7 @@ sample_row(const struct sample_job *j, const float *l, const struct dsv4_sample_
     int32_t *cand = j->cand + (int64_t)tid * V;
     float zmax;
 
-    if (sp->temperature == 0.0f)
+    if (so_greedy(sp))
         return argmax(l, V);
     for (int i = 0; i < V; i++)
         z[i] = l[i] / sp->temperature;

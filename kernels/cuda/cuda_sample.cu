@@ -129,6 +129,7 @@ sample_max_kernel(struct chunk_stats *cs, float *z, unsigned long long *keys,
     int c = blockIdx.y, lo, hi;
     const float *l = logits + r * V;
     const float temp = params[r].temperature;
+    const int greedy = so_greedy(&params[r]);
     float bv = -__int_as_float(0x7f800000);
     int bi = 0x7fffffff;
 
@@ -138,7 +139,7 @@ sample_max_kernel(struct chunk_stats *cs, float *z, unsigned long long *keys,
 
         if (cu_ranks_before(v, i, bv, bi))
             bv = v, bi = i;
-        if (temp != 0.0f) {
+        if (!greedy) {
             float zi = v / temp;
 
             z[r * V + i] = zi;
@@ -248,7 +249,7 @@ sample_runs_kernel(double *q, double *d, const struct chunk_stats *cs, const flo
     struct so_cands c;
     double v;
 
-    if (sp->temperature == 0.0f)
+    if (so_greedy(sp))
         return;   /* the whole block */
     if (threadIdx.x == 0)   /* zmax: z at the row's argmax (z = l / temperature keeps the order) */
         s_zmax = z[r * V + sample_row_argmax(cs + r * SAMPLE_CHUNKS)];
@@ -381,7 +382,7 @@ sample_final_kernel(int32_t *out_ids, float *out_logprob, const struct chunk_sta
     if (r >= n)
         return;
     st = sample_row_stats(cs + (int64_t)r * SAMPLE_CHUNKS, logits + (int64_t)r * V);
-    if (params[r].temperature == 0.0f) {
+    if (so_greedy(&params[r])) {
         id = st.argmax;
     } else {
         const struct dsv4_sample_params *sp = &params[r];
@@ -413,7 +414,7 @@ cuda_sample(struct dsv4_backend *be, int32_t *out_ids, float *out_logprob, const
     if (e != DSV4_OK || n <= 0)
         return e;
     for (int r = 0; r < n; r++)
-        if (params[r].temperature != 0.0f) {
+        if (!so_greedy(&params[r])) {
             any_temp = 1;
             any_sort = any_sort || so_sorted(&params[r], V);
         }

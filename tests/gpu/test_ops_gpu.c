@@ -916,6 +916,7 @@ test_sample(void)
     sp[5].temperature = 1.2f, sp[5].top_k = 200, sp[5].top_p = 0.5f;
     sp[6].temperature = 2.0f, sp[6].top_p = 0.99f;
     sp[7].temperature = 0.01f, sp[7].top_k = 1;
+    sp[0].temperature = 1e-30f;   /* below DSV4_SAMPLE_GREEDY_BELOW: greedy */
     /* row 3: a tie for the argmax */
     sample_check("sample", sp, N, V, 4.0f, 3 * V + 17, 3 * V + 4000, 3);
 }

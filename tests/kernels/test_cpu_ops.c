@@ -1672,6 +1672,18 @@ test_sample(void **state)
         assert_true(fabs(lp[r] - ((double)lg[r * V + b] - m - log(s))) < 1e-5);
     }
     assert_int_equal(id[1], 17);
+    /* a temperature below DSV4_SAMPLE_GREEDY_BELOW is greedy (1e-38 put
+     * most z out of float's range and drew among them) */
+    for (int r = 0; r < n; r++)
+        sp[r].temperature = r == 0 ? 1e-38f : r == 1 ? 9.9e-6f : 1e-30f;
+    for (int step = 0; step < 8; step++) {
+        for (int r = 0; r < n; r++)
+            sp[r].step = (uint64_t)step;
+        assert_int_equal(be->ops->sample(be, id2, NULL, lg, sp, n, V), DSV4_OK);
+        assert_memory_equal(id, id2, sizeof(id));
+    }
+    for (int r = 0; r < n; r++)
+        sp[r].step = 0;
     /* top_k = 1 equals greedy, at any temperature */
     for (int r = 0; r < n; r++) {
         sp[r].temperature = 0.7f;
