@@ -251,23 +251,6 @@ resume_all(struct dsv4_client *c)
     }
 }
 
-/* Read the monitor's events: a drop marks the connection down; the next
- * connect resumes the requests in flight. */
-static void
-mon_read(struct dsv4_client *c)
-{
-    int ev;
-
-    while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0) {
-        if (ev == ZMQ_EVENT_DISCONNECTED) {
-            c->down = true;
-        } else if (ev == ZMQ_EVENT_CONNECTED && c->down) {
-            c->down = false;
-            resume_all(c);
-        }
-    }
-}
-
 static int
 send_heartbeat(struct dsv4_client *c)
 {
@@ -281,7 +264,31 @@ send_heartbeat(struct dsv4_client *c)
     return e == DSV4_OK || e == DSV4_ERR_BUSY ? 0 : fail(c, code_of(e), dsv4_errmsg());
 }
 
-/* Connect check: send HEARTBEAT and wait for any answer. */
+/* Read the monitor's events: a drop marks the connection down; the next
+ * connect resumes the requests in flight. */
+static void
+mon_read(struct dsv4_client *c)
+{
+    int ev;
+
+    while ((ev = dsv4_zsock_mon_next(c->mon)) >= 0) {
+        if (ev == ZMQ_EVENT_DISCONNECTED) {
+            c->down = true;
+        } else if (ev == ZMQ_EVENT_CONNECTED && c->down) {
+            c->down = false;
+            resume_all(c);
+            /* a heartbeat lost with the old connection is not the new
+             * server's silence: a fresh one, answered by the new server */
+            (void)send_heartbeat(c);
+        }
+    }
+}
+
+/* Connect check: send HEARTBEAT and wait for any answer.  The HEARTBEAT
+ * goes again on each new connection and after each HB_IDLE_MS without an
+ * answer: one written to a scheduler that died under it (kill -9 while
+ * the client connected) was lost with it, and the check waited out its
+ * whole timeout while the next scheduler served. */
 static int
 await_server(struct dsv4_client *c, int timeout_ms)
 {
@@ -292,7 +299,8 @@ await_server(struct dsv4_client *c, int timeout_ms)
         return rc;
     for (;;) {
         zmq_pollitem_t it[2] = { { c->sock, 0, ZMQ_POLLIN, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
-        int64_t left = end - dsv4_now_ms();
+        int64_t now = dsv4_now_ms(), left = end - now, resend = c->last_hb_ms + HB_IDLE_MS;
+        bool connected = false;
         struct dsv4_perr pe;
         enum dsv4_err e;
         enum dsv4_sub sub;
@@ -303,15 +311,24 @@ await_server(struct dsv4_client *c, int timeout_ms)
                 "the CURVE handshake with the server failed: its key is not the one given "
                 "(server_key / server_key_file), or it does not use CURVE" :
                 "server did not answer within the connection timeout");
-        if (zmq_poll(it, 2, (long)left) < 0) {
+        if (now >= resend) {
+            if ((rc = send_heartbeat(c)) != 0)
+                return rc;
+            continue;
+        }
+        if (zmq_poll(it, 2, (long)(resend - now < left ? resend - now : left)) < 0) {
             if (zmq_errno() == EINTR)
                 continue;               /* a signal: wait on */
             return fail(c, DSV4_CLIENT_INTERNAL, zmq_strerror(zmq_errno()));
         }
         /* a handshake refused: the reason, once no answer came */
-        while ((it[1].revents & ZMQ_POLLIN) && (ev = dsv4_zsock_mon_next(c->mon)) >= 0)
+        while ((it[1].revents & ZMQ_POLLIN) && (ev = dsv4_zsock_mon_next(c->mon)) >= 0) {
             if (ev & CLIENT_HANDSHAKE_EVENTS)
                 c->handshake_failed = true;
+            connected = connected || ev == ZMQ_EVENT_CONNECTED;
+        }
+        if (connected && (rc = send_heartbeat(c)) != 0)
+            return rc;
         if (!(it[0].revents & ZMQ_POLLIN))
             continue;
         e = dsv4_zsock_recv(c->sock, NULL, &c->cur, &pe, ZMQ_DONTWAIT);

@@ -42,8 +42,12 @@
  * counted from a heartbeat it did not answer (a caller away from
  * dsv4_client_next for a while loses nothing by it).  Since 1.4.2 a
  * connect that reaches another endpoint of the scheduler (its admin or
- * rank endpoint, which answer in DSV4A1 / DSV4R1) fails with 501 saying so;
- * before, it succeeded and every request waited for ever.
+ * rank endpoint, which answer in DSV4A1 / DSV4R1) fails with 501 saying so
+ * (before, it succeeded and every request waited for ever), and the
+ * connect's HEARTBEAT goes again on each new connection and each second
+ * without an answer (one lost with a scheduler killed under the connect
+ * made it wait out its whole timeout, then fail with 504, while the next
+ * scheduler served).
  */
 #ifndef DSV4_CLIENT_H
 #define DSV4_CLIENT_H

@@ -272,8 +272,11 @@ class Admin:
             self.s.connect(self.endpoint)
         return self.s
 
-    def call(self, cmd, body=None, finals=(), timeout=10.0):
-        """Send one admin request; return (items, final body, final cmd)."""
+    def call(self, cmd, body=None, finals=(), timeout=10.0, retry=False):
+        """Send one admin request; return (items, final body, final cmd).
+        retry (a listing, which asks nothing of the scheduler): once more on
+        a new connection when no reply came (a request written within ms of
+        a scheduler's kill -9 went into the dead connection)."""
         s = self._sock()
         s.send_multipart([b"", b"DSV4A1", bytes([cmd]), msgpack.packb(body or {})])
         items = []
@@ -283,6 +286,8 @@ class Admin:
             if left <= 0 or not s.poll(int(left * 1000)):
                 self.s.close()
                 self.s = None
+                if retry:
+                    return self.call(cmd, body, finals, timeout)
                 raise Fail("admin: no reply to command %d" % cmd)
             fr = s.recv_multipart()
             c, m = fr[2][0], msgpack.unpackb(fr[3], raw=False)
@@ -291,14 +296,15 @@ class Admin:
             items.append(m)
 
     def status(self):
-        return self.call(A_SHOW_STATUS, finals=(A_STATUS, A_RESULT))[1]
+        return self.call(A_SHOW_STATUS, finals=(A_STATUS, A_RESULT), retry=True)[1]
 
     def ranks(self):
-        items, end, _ = self.call(A_SHOW_RANKS, finals=(A_RANKS_END, A_RESULT))
+        items, end, _ = self.call(A_SHOW_RANKS, finals=(A_RANKS_END, A_RESULT), retry=True)
         return items
 
     def requests(self):
-        items, end, _ = self.call(A_SHOW_REQUESTS, finals=(A_REQUESTS_END, A_RESULT))
+        items, end, _ = self.call(A_SHOW_REQUESTS, finals=(A_REQUESTS_END, A_RESULT),
+                                  retry=True)
         return items
 
     def drain(self, target, timeout_ms=0, timeout=WAIT_S * 2):

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <zmq.h>
 
 #include "dsv4/client.h"
 #include "tests/ipc/fake_sched.h"
@@ -233,6 +234,64 @@ test_connect(void **state)
     assert_null(c);
     c = connect_ok(s);
     assert_string_equal(dsv4_client_errmsg(NULL), "");   /* a connect that worked */
+    dsv4_client_close(c);
+}
+
+/* One text request of `prompt` served on c to its max_tokens `n`. */
+static void
+serve_one(struct dsv4_client *c, const char *prompt, uint32_t n)
+{
+    struct dsv4_client_params p;
+    struct outcome o[1];
+
+    memset(o, 0, sizeof(o));
+    dsv4_client_params_init(&p);
+    p.max_tokens = n;
+    assert_int_equal(dsv4_client_submit_text(c, prompt, &p, &o[0].id), 0);
+    collect(c, o, 1);
+    assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
+    assert_int_equal(o[0].n_tokens, n);
+}
+
+/* A scheduler killed under the connect check: a ROUTER on s's endpoint
+ * reads the check's HEARTBEAT (its first frame) and closes without
+ * answering; 0.3 s later the fake scheduler serves the endpoint. */
+static void *
+dying_then_fake(void *arg)
+{
+    struct server *s = arg;
+    void *ctx = zmq_ctx_new(), *r = zmq_socket(ctx, ZMQ_ROUTER);
+    int linger = 0, wait = WAIT_MS;
+    char buf[256];
+
+    zmq_setsockopt(r, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(r, ZMQ_RCVTIMEO, &wait, sizeof(wait));
+    if (zmq_bind(r, s->endpoint) == 0)
+        (void)zmq_recv(r, buf, sizeof(buf), 0);
+    zmq_close(r);
+    zmq_ctx_term(ctx);
+    usleep(300 * 1000);
+    return server_main(s);
+}
+
+/* The connect check goes on past a scheduler that died under it: the
+ * next one answers within the timeout (the check sent one HEARTBEAT, lost
+ * with the first, and waited out its whole timeout: 504 with a scheduler
+ * serving). */
+static void
+test_connect_server_died(void **state)
+{
+    struct server *s = *state;
+    struct dsv4_client_opts o;
+    struct dsv4_client *c = NULL;
+
+    server_stop(s);   /* the setup's, for this test's own */
+    atomic_store(&s->stop, 0);
+    assert_int_equal(pthread_create(&s->thread, NULL, dying_then_fake, s), 0);
+    dsv4_client_opts_init(&o);
+    o.connect_timeout_ms = WAIT_MS;
+    assert_int_equal(dsv4_client_connect(s->endpoint, &o, &c), 0);
+    serve_one(c, "abc", 3);
     dsv4_client_close(c);
 }
 
@@ -575,8 +634,6 @@ test_idle(void **state)
     struct server *s = *state;
     struct dsv4_client_opts opts;
     struct dsv4_client *c = NULL;
-    struct dsv4_client_params p;
-    struct outcome o[1];
     int timeouts[2] = { 200, INT_MAX };
 
     for (int t = 0; t < 2; t++) {
@@ -585,13 +642,7 @@ test_idle(void **state)
         assert_int_equal(dsv4_client_connect(s->endpoint, &opts, &c), 0);
         if (t == 0)
             usleep(1500 * 1000);      /* > 1 s heartbeat + 200 ms */
-        memset(o, 0, sizeof(o));
-        dsv4_client_params_init(&p);
-        p.max_tokens = 5;
-        assert_int_equal(dsv4_client_submit_text(c, "idle", &p, &o[0].id), 0);
-        collect(c, o, 1);
-        assert_int_equal(o[0].final_type, DSV4_CLIENT_EV_DONE);
-        assert_int_equal(o[0].n_tokens, 5);
+        serve_one(c, "idle", 5);
         dsv4_client_close(c);
     }
 }
@@ -857,6 +908,8 @@ main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_connect, server_start, server_teardown),
+        cmocka_unit_test_setup_teardown(test_connect_server_died, server_start,
+                                        server_teardown),
         cmocka_unit_test_setup_teardown(test_many_in_flight, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_ids_logprobs_stop, server_start, server_teardown),
         cmocka_unit_test_setup_teardown(test_top_logprobs, server_start, server_teardown),
