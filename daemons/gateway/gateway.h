@@ -71,6 +71,8 @@ enum gw_outcome {
     GW_OUT_TIMEOUT,      /* gateway_timeout_ms or the scheduler's 408 (504) */
     GW_OUT_REJECTED,     /* refused before it ran: bad input, busy, draining */
     GW_OUT_ERROR,        /* failed while running, or the scheduler is gone */
+    GW_OUT_CANCELLED,    /* cancelled by an operator (dsv4ctl cancel): finish_reason
+                            "cancelled", the output so far kept */
     GW_OUT_N,
 };
 

@@ -167,7 +167,8 @@ gw_http_status(int code, const char **ocode)
 static const char *
 gw_finish_name(int finish)
 {
-    return finish == DSV4_CLIENT_FINISH_LENGTH ? "length" : "stop";
+    return finish == DSV4_CLIENT_FINISH_LENGTH ? "length" :
+        finish == DSV4_CLIENT_FINISH_CANCELLED ? "cancelled" : "stop";
 }
 
 /* --- events -------------------------------------------------------------- */
@@ -567,10 +568,9 @@ gw_on_event(struct gw_gen *q, const struct dsv4_client_event *ev)
         q->finish = ev->finish;
         q->prompt_tokens = ev->prompt_tokens;
         q->completion_tokens = ev->completion_tokens;
-        if (ev->finish == DSV4_CLIENT_FINISH_CANCELLED) {
-            q->err_code = DSV4_CLIENT_INTERNAL;
-            snprintf(q->err_msg, sizeof(q->err_msg), "the request was cancelled");
-        }
+        /* (an operator's dsv4ctl cancel: finish "cancelled" with the output
+         * so far, as for any client; it was a 500 internal_error, the
+         * output dropped) */
         gw_on_final(q);
         break;
     case DSV4_CLIENT_EV_ERROR:
@@ -683,7 +683,8 @@ static enum gw_outcome
 gw_outcome_of(const struct gw_gen *q)
 {
     if (q->err_code == 0)
-        return q->finish == DSV4_CLIENT_FINISH_LENGTH ? GW_OUT_LENGTH : GW_OUT_STOP;
+        return q->finish == DSV4_CLIENT_FINISH_LENGTH ? GW_OUT_LENGTH :
+            q->finish == DSV4_CLIENT_FINISH_CANCELLED ? GW_OUT_CANCELLED : GW_OUT_STOP;
     if (q->err_code == DSV4_CLIENT_TIMEOUT)
         return GW_OUT_TIMEOUT;
     if (!q->accepted)

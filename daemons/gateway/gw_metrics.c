@@ -285,7 +285,7 @@ static const char *const gw_route_names[GW_R_N] = {
     "completions", "chat_completions", "models", "health", "metrics", "other",
 };
 static const char *const gw_outcome_names[GW_OUT_N] = {
-    "stop", "length", "disconnected", "timeout", "rejected", "error",
+    "stop", "length", "disconnected", "timeout", "rejected", "error", "cancelled",
 };
 
 static void

@@ -402,6 +402,9 @@ def error_of(status, data, want_status, want_code=None):
     return e
 
 
+A_CANCEL = 12   # docs/protocol.md §7: the admin CANCEL (dsv4ctl cancel)
+
+
 def sse_events(raw):
     """data: payloads of an SSE body, in order."""
     out = []
@@ -983,6 +986,41 @@ def sc_robust():
                  "3 cancels at the scheduler")
         svc.check_no_leaks()
         log("hang-ups mid-stream, a reset mid-answer: cancelled, nothing leaked")
+
+        # An operator's `dsv4ctl cancel`: finish_reason "cancelled" with the
+        # output so far, outcome "cancelled" (it was a 500 internal_error,
+        # the output dropped, counted as an error).
+        base_err = metric(svc.metrics(), "dsv4_gateway_requests_total", {"outcome": "error"})
+        # (the prefill rank drained, so that the request waits in the queue
+        # for the cancel: 1,500 tokens of the tiny model take under a second)
+        check(adm.drain("prefill@0")["code"] == 200, "drain prefill@0")
+        for stream in (False, True):
+            got = {}
+            t = threading.Thread(target=lambda: got.update(r=svc.http(
+                "POST", "/v1/completions", {"prompt": "cancel me", "max_tokens": 1500,
+                                            "stream": stream})))
+            t.start()
+            reqs = wait_for(lambda: adm.requests(), "the request to queue")
+            res = adm.call(A_CANCEL, {"req": reqs[0]["req"]}, finals=(svc_test.A_RESULT,))[1]
+            t.join(120)
+            check(res["code"] == 200 and "r" in got, "CANCEL: %s, answered: %s" %
+                  (res, "r" in got))
+            st, _, data = got["r"]
+            check(st == 200, "cancelled (stream %s): %d %s" % (stream, st, data[:300]))
+            if stream:
+                ev = sse_events(data)
+                check(ev[-1] == "[DONE]" and
+                      json.loads(ev[-2])["choices"][0]["finish_reason"] == "cancelled",
+                      "cancelled stream's end: %s" % ev[-3:])
+            else:
+                check(json.loads(data)["choices"][0]["finish_reason"] == "cancelled",
+                      "cancelled answer: %s" % data[:300])
+        check(metric(svc.metrics(), "dsv4_gateway_requests_total",
+                     {"outcome": "cancelled"}) == 2, "2 cancelled requests counted")
+        check(metric(svc.metrics(), "dsv4_gateway_requests_total",
+                     {"outcome": "error"}) == base_err, "cancels counted as errors")
+        check(adm.undrain("prefill@0")["code"] == 200, "undrain prefill@0")
+        log("dsv4ctl cancel: finish_reason cancelled, streamed or not, counted as cancelled")
 
         # Still serving.
         st, _, data = svc.http("POST", "/v1/completions", {"prompt": "still there?",
