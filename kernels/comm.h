@@ -108,8 +108,15 @@ struct dsv4_comm_stop {
     void *arg;
 };
 
-/* A fresh id for a shm group (random name). */
+/* A fresh id for a shm group (random name); first sweeps /dev/shm
+ * (dsv4_comm_shm_sweep, names older than 10 minutes). */
 enum dsv4_err dsv4_comm_shm_unique_id(uint8_t id[DSV4_COMM_ID_BYTES]);
+
+/* Unlink this user's dsv4comm-* segments in `dir` (the directory behind
+ * shm_open's names: /dev/shm) last written `stale_s` or more seconds ago,
+ * one stderr line each: a group whose rank 0 was killed before any peer
+ * opened its name leaves it (kernels/comm_shm.c). */
+void dsv4_comm_shm_sweep(const char *dir, int stale_s);
 
 /*
  * Join shm group `id` as rank `rank` of `size`; buffers of up to

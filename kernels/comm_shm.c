@@ -12,12 +12,17 @@
  * The name is unlinked by every rank as soon as every rank has mapped the
  * segment (at the end of create), and by any rank whose creation fails, so
  * a group that does not assemble (rank 0 killed while it waits) leaves
- * nothing in /dev/shm once its other ranks give up.  Rank 0 reserves the
+ * nothing in /dev/shm once its other ranks give up.  One whose rank 0 was
+ * killed before any peer opened the name (both killed while it formed)
+ * is left: a name older than SHM_STALE_S is swept by the next id made on
+ * the host (dsv4_comm_shm_unique_id; a name lives only while its group
+ * forms, at most the join's timeout).  Rank 0 reserves the
  * segment's pages (posix_fallocate): a full /dev/shm is an error at
  * create, not a SIGBUS at the first collective.
  */
 #include "kernels/comm.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -26,11 +31,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #define SHM_MAGIC 0x3130434d4d4f4344ull   /* "DCOMMC01" */
 #define SHM_MAX_RANKS 64
+#define SHM_PREFIX "dsv4comm-"
+#define SHM_STALE_S 600    /* a name this old outlived any join (60 s at most) */
 
 struct shm_hdr {
     _Atomic uint64_t magic;     /* set last by rank 0 */
@@ -213,12 +221,37 @@ static const struct dsv4_comm_ops shm_ops = {
     .destroy = shm_destroy,
 };
 
+void
+dsv4_comm_shm_sweep(const char *dir, int stale_s)
+{
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    time_t now = time(NULL);
+
+    if (d == NULL)
+        return;
+    while ((de = readdir(d)) != NULL) {
+        struct stat st;
+
+        if (strncmp(de->d_name, SHM_PREFIX, strlen(SHM_PREFIX)) != 0 ||
+            fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+            !S_ISREG(st.st_mode) || st.st_uid != geteuid() || now - st.st_mtime < stale_s)
+            continue;
+        if (unlinkat(dirfd(d), de->d_name, 0) == 0)
+            fprintf(stderr, "comm shm: removed %s/%s, left by a group that never formed "
+                    "(%lld s old)\n", dir, de->d_name, (long long)(now - st.st_mtime));
+    }
+    closedir(d);
+}
+
 enum dsv4_err
 dsv4_comm_shm_unique_id(uint8_t id[DSV4_COMM_ID_BYTES])
 {
     uint64_t r[2];
-    FILE *f = fopen("/dev/urandom", "rb");
+    FILE *f;
 
+    dsv4_comm_shm_sweep("/dev/shm", SHM_STALE_S);
+    f = fopen("/dev/urandom", "rb");
     if (f == NULL || fread(r, sizeof(r), 1, f) != 1) {
         if (f != NULL)
             fclose(f);
@@ -226,7 +259,7 @@ dsv4_comm_shm_unique_id(uint8_t id[DSV4_COMM_ID_BYTES])
     }
     fclose(f);
     memset(id, 0, DSV4_COMM_ID_BYTES);
-    snprintf((char *)id, DSV4_COMM_ID_BYTES, "/dsv4comm-%016llx%016llx",
+    snprintf((char *)id, DSV4_COMM_ID_BYTES, "/" SHM_PREFIX "%016llx%016llx",
              (unsigned long long)r[0], (unsigned long long)r[1]);
     return DSV4_OK;
 }

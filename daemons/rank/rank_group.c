@@ -553,6 +553,7 @@ group_comm(struct rank *k, const struct dsv4_rank_comm *c)
     }
     if (c->comm_id == NULL) {
         struct dsv4_msg m;
+        bool shm;
 
         if (k->o.group_rank != 0) {
             log_warnx("group_comm: asked for an id, but this is not rank 0");
@@ -568,9 +569,11 @@ group_comm(struct rank *k, const struct dsv4_rank_comm *c)
         m.u.comm.comm_id = id;
         m.u.comm.comm_id_len = DSV4_COMM_ID_BYTES;
         rank_send(k, &m);
-        log_info("group_comm: id of epoch %u made (%s)", (unsigned)c->comm_epoch,
-                 dsv4_comm_id_is_cudaipc(id) ? "cudaipc" :
-                 strcmp(k->be->name, "cpu") == 0 ? "shm" : "nccl");
+        shm = !dsv4_comm_id_is_cudaipc(id) && strcmp(k->be->name, "cpu") == 0;
+        /* (a shm id is its segment's name: a leak traces to its epoch) */
+        log_info("group_comm: id of epoch %u made (%s%s)", (unsigned)c->comm_epoch,
+                 dsv4_comm_id_is_cudaipc(id) ? "cudaipc" : shm ? "shm " : "nccl",
+                 shm ? (const char *)id : "");
         return;
     }
     if (c->comm_id_len != DSV4_COMM_ID_BYTES) {

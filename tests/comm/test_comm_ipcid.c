@@ -25,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/config_file.h"
@@ -222,6 +224,50 @@ test_shm_sizes(void **state)
     assert_false(shm_exists(id));
 }
 
+/* Write an empty file dir/name last modified `age` seconds ago. */
+static void
+aged_file(const char *dir, const char *name, int age)
+{
+    char path[256];
+    struct timespec t[2];
+    int fd;
+
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    fd = open(path, O_CREAT | O_WRONLY, 0600);
+    assert_true(fd >= 0);
+    clock_gettime(CLOCK_REALTIME, &t[0]);
+    t[0].tv_sec -= age;
+    t[1] = t[0];
+    assert_int_equal(futimens(fd, t), 0);
+    close(fd);
+}
+
+/* The sweep of segments left by groups that never formed (rank 0 killed
+ * before any peer opened the name: nobody unlinked it): this user's
+ * dsv4comm-* names last written stale_s or more ago go, fresh ones and
+ * other names stay. */
+static void
+test_shm_sweep(void **state)
+{
+    char dir[] = "/tmp/dsv4-sweep-XXXXXX", path[300];
+
+    (void)state;
+    assert_non_null(mkdtemp(dir));
+    aged_file(dir, "dsv4comm-old", 700);
+    aged_file(dir, "dsv4comm-forming", 5);
+    aged_file(dir, "dsv4kv-old", 700);
+    dsv4_comm_shm_sweep(dir, 600);
+    snprintf(path, sizeof(path), "%s/dsv4comm-old", dir);
+    assert_int_equal(access(path, F_OK), -1);
+    snprintf(path, sizeof(path), "%s/dsv4comm-forming", dir);
+    assert_int_equal(access(path, F_OK), 0);
+    unlink(path);
+    snprintf(path, sizeof(path), "%s/dsv4kv-old", dir);
+    assert_int_equal(access(path, F_OK), 0);
+    unlink(path);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 /* A segment rank 0 made and never sized (killed in between): the other
  * rank gives up with an error (it mapped it and died of SIGBUS) and
  * removes the name. */
@@ -318,6 +364,7 @@ main(void)
         cmocka_unit_test(test_check_and_create),
         cmocka_unit_test(test_shm_sizes),
         cmocka_unit_test(test_shm_unsized),
+        cmocka_unit_test(test_shm_sweep),
         cmocka_unit_test(test_shm_rank0_killed),
         cmocka_unit_test(test_shm_stop),
     };
