@@ -196,10 +196,11 @@ rank_warmup_inputs(struct rank *k, int n_tok, int n_seqs)
 void
 rank_sample_params(struct dsv4_sample_params *p, const struct dsv4_sampling *s, uint64_t step)
 {
-    /* as the scheduler does (sched_client.c): a temperature this small
-     * overflows logits / temperature, and the draw of infinities is no
-     * sample; greedy is what it tends to */
-    p->temperature = s->temperature < DSV4_PROTO_MIN_TEMPERATURE ? 0.0f : s->temperature;
+    /* a temperature below the protocol's bound is greedy: the backends'
+     * sample op takes it so itself (so_greedy), at the same bound */
+    _Static_assert(DSV4_PROTO_MIN_TEMPERATURE == DSV4_SAMPLE_GREEDY_BELOW,
+                   "the protocol's and the sampler's greedy bounds differ");
+    p->temperature = s->temperature;
     p->top_p = s->top_p;
     p->top_k = (int32_t)s->top_k;
     p->seed = s->has_seed ? s->seed : 0;
